@@ -1,0 +1,1 @@
+"""Controller: holds the deployment, places engines on nodes, keeps them running."""

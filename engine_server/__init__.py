@@ -1,0 +1,1 @@
+"""Engine server: wraps one inference engine, serves its OpenAI API and Motor's management plane."""

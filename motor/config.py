@@ -1,0 +1,73 @@
+"""Typed configuration loading: JSON or YAML files into pydantic models.
+
+Every error names the field to change, e.g.
+`health_check_config.npu_usage_threshold: must be > 0 and <= 100 (got 0)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from motor.errors import ConfigError
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def field_path(loc: tuple[Any, ...], prefix: str = "") -> str:
+    parts = [prefix] if prefix else []
+    for item in loc:
+        parts.append(f"[{item}]" if isinstance(item, int) else str(item))
+    return ".".join(parts).replace(".[", "[")
+
+
+def describe_validation_error(exc: ValidationError, prefix: str = "") -> str:
+    """One line per problem: `<field path>: <message> (got <value>)`."""
+    lines = []
+    for error in exc.errors():
+        path = field_path(error["loc"], prefix) or "(top level)"
+        message = error["msg"]
+        if message.startswith("Value error, "):
+            message = message[len("Value error, ") :]
+        got = error.get("input")
+        shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+        lines.append(f"{path}: {message}{shown}")
+    return "; ".join(lines)
+
+
+def validate(model: type[ModelT], data: Any, source: str = "", prefix: str = "") -> ModelT:
+    """Validate `data` into `model`, raising ConfigError that names each bad field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        where = f"{source}: " if source else ""
+        raise ConfigError(f"{where}{describe_validation_error(exc, prefix)}") from None
+
+
+def read_document(path: str) -> Any:
+    """Read a JSON or YAML file (YAML is a superset of JSON; .json files get JSON errors)."""
+    if not os.path.exists(path):
+        raise ConfigError(f"{path}: file not found")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        if path.endswith(".json"):
+            return json.loads(text)
+        return yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: {exc}") from None
+
+
+def load(model: type[ModelT], path: str, prefix: str = "") -> ModelT:
+    """Read `path` and validate it into `model`."""
+    data = read_document(path)
+    if data is None:
+        data = {}
+    return validate(model, data, source=path, prefix=prefix)

@@ -1,0 +1,93 @@
+"""Domain errors and the one place that maps them to gRPC status codes.
+
+Behaviour classes raise these; servicers never build status codes themselves. The
+`ErrorMappingInterceptor` turns them into an aborted RPC with the same message.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Awaitable, Callable
+
+import grpc
+
+logger = logging.getLogger(__name__)
+
+
+class MotorError(Exception):
+    """Base class: an error a caller can act on. The message must say what to fix."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(MotorError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(MotorError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(MotorError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(MotorError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Unavailable(MotorError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class ConfigError(MotorError):
+    """A configuration value is wrong; the message names the field. Entry points exit with 2."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await behavior(request, context)
+        except MotorError as exc:
+            await context.abort(exc.code, str(exc))
+
+    return wrapper
+
+
+def _wrap_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            async for item in behavior(request, context):
+                yield item
+        except MotorError as exc:
+            await context.abort(exc.code, str(exc))
+
+    return wrapper
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Maps `MotorError` raised by any servicer method to its status code and message."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler

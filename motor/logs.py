@@ -1,0 +1,43 @@
+"""Logging set-up, called only by entry points (modules use logging.getLogger(__name__))."""
+
+from __future__ import annotations
+
+import logging
+import logging.handlers
+import os
+import sys
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def setup_logging(
+    level: str = "INFO",
+    log_dir: str | None = None,
+    file_name: str | None = None,
+    max_bytes: int = 50 * 1024 * 1024,
+    backup_count: int = 5,
+) -> str | None:
+    """Log to stderr, and also to a rotated file `log_dir/file_name` when both are given.
+
+    Returns the log file path, if any.
+    """
+    root = logging.getLogger()
+    root.setLevel(level.upper())
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    formatter = logging.Formatter(LOG_FORMAT)
+    stream = logging.StreamHandler(sys.stderr)
+    stream.setFormatter(formatter)
+    root.addHandler(stream)
+    path = None
+    if log_dir and file_name:
+        os.makedirs(log_dir, exist_ok=True)
+        path = os.path.join(log_dir, file_name)
+        rotating = logging.handlers.RotatingFileHandler(
+            path, maxBytes=max_bytes, backupCount=backup_count
+        )
+        rotating.setFormatter(formatter)
+        root.addHandler(rotating)
+    # grpc's own chatter is rarely useful to an operator.
+    logging.getLogger("grpc").setLevel(logging.WARNING)
+    return path

@@ -1,0 +1,50 @@
+"""Port checks and allocation (node managers, engine servers, the local cluster)."""
+
+from __future__ import annotations
+
+import socket
+
+
+def port_is_free(port: int, host: str = "0.0.0.0") -> bool:
+    """True when a TCP listener could bind `host:port` now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the kernel says is free now (racy by nature: bind it soon)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class PortAllocator:
+    """Hands out free ports from [start, end], skipping ones in use or already handed out."""
+
+    def __init__(self, start: int, end: int, host: str = "0.0.0.0"):
+        if not 0 < start <= end <= 65535:
+            raise ValueError(f"port range {start}-{end} is not within 1-65535")
+        self.start, self.end, self.host = start, end, host
+        self.reserved: set[int] = set()
+        self._next = start
+
+    def reserve(self, port: int) -> None:
+        self.reserved.add(port)
+
+    def release(self, port: int) -> None:
+        self.reserved.discard(port)
+
+    def allocate(self) -> int:
+        span = self.end - self.start + 1
+        for offset in range(span):
+            port = self.start + (self._next - self.start + offset) % span
+            if port not in self.reserved and port_is_free(port, self.host):
+                self.reserved.add(port)
+                self._next = port + 1 if port < self.end else self.start
+                return port
+        raise RuntimeError(f"no free port left in {self.start}-{self.end}")

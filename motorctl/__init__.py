@@ -1,0 +1,1 @@
+"""motorctl: the command-line client of the controller, and `motorctl up` (a local cluster)."""

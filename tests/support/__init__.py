@@ -1,0 +1,59 @@
+"""Helpers shared by the test suite."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any, Awaitable, Callable
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def under_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require(available: bool, what: str) -> None:
+    """Skip when a component is missing on a user's machine; fail under CI, where nothing may skip."""
+    if available:
+        return
+    if under_ci():
+        pytest.fail(f"{what} is missing, and under CI=true nothing may be skipped for that reason")
+    pytest.skip(f"{what} is missing")
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.05, what: str = "") -> Any:
+    """Poll `predicate` until it returns a truthy value; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # the condition may not be checkable yet
+            last_error = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}" + (f" (last error: {last_error!r})" if last_error else ""))
+
+
+async def async_wait_for(
+    predicate: Callable[[], Awaitable[Any] | Any], timeout: float = 10.0, interval: float = 0.05, what: str = ""
+) -> Any:
+    """Async twin of wait_for; `predicate` may be a coroutine function."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if asyncio.iscoroutine(value):
+                value = await value
+            if value:
+                return value
+        except Exception as exc:
+            last_error = exc
+        await asyncio.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}" + (f" (last error: {last_error!r})" if last_error else ""))
