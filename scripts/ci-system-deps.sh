@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# System packages the test suite needs (installed as root; each step is skipped when present).
+# Everything outside Python that the whole suite needs, installed as root on a fresh machine:
+# make, the docker engine (compose simulation), Go/protoc/Node (client examples).
+# Each step is idempotent and skips what is already there.
 set -euo pipefail
-need=()
-command -v make >/dev/null || need+=(make)
-if [ ${#need[@]} -gt 0 ]; then
+cd "$(dirname "$0")/.."
+if ! command -v make >/dev/null; then
   apt-get update -qq
-  apt-get install -y -qq "${need[@]}"
+  apt-get install -y -qq make
 fi
+for step in scripts/ci-clients.sh scripts/docker-engine.sh; do
+  if [ -f "$step" ]; then
+    echo "ci-system-deps: $step"
+    bash "$step"
+  fi
+done

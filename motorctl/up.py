@@ -1,0 +1,258 @@
+"""`motorctl up`: a local cluster on this machine (the `make run` job).
+
+Starts a controller and N node managers as real processes, applies a deployment, shows the
+cluster live until Ctrl-C, then stops every engine, node manager and the controller and checks
+that no process is left behind. `LocalCluster` is also what the end-to-end tests start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import psutil
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from motor.ports import free_port, port_is_free
+from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONTROLLER_PORT = 50051
+
+
+def _bin(name: str) -> str:
+    """A console script of this installation (next to the running interpreter), else from PATH."""
+    local = os.path.join(os.path.dirname(sys.executable), name)
+    return local if os.path.exists(local) else (shutil.which(name) or name)
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    process: subprocess.Popen
+    log_path: str
+
+
+@dataclass
+class LocalCluster:
+    """A controller and `nodes` node managers on 127.0.0.1, each in its own process group."""
+
+    run_dir: str
+    nodes: int = 2
+    deployment_path: str | None = None
+    controller_port: int = 0
+    accelerators_per_node: int = 4
+    heartbeat_interval: float = 1.0
+    node_grace: float = 5.0
+    abnormal_threshold: int = 5
+    extra_controller_args: list[str] = field(default_factory=list)
+    extra_node_args: list[str] = field(default_factory=list)
+    processes: list[ManagedProcess] = field(default_factory=list)
+    node_ports: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def controller_address(self) -> str:
+        return f"127.0.0.1:{self.controller_port}"
+
+    def _launch(self, name: str, argv: list[str]) -> ManagedProcess:
+        log_path = os.path.join(self.run_dir, "logs", f"{name}.log")
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+        managed = ManagedProcess(name, process, log_path)
+        self.processes.append(managed)
+        logger.info("started %s (pid %d), log %s", name, process.pid, log_path)
+        return managed
+
+    def start(self, timeout: float = 60.0) -> None:
+        os.makedirs(self.run_dir, exist_ok=True)
+        if not self.controller_port:
+            self.controller_port = DEFAULT_CONTROLLER_PORT if port_is_free(DEFAULT_CONTROLLER_PORT) else free_port()
+        argv = [
+            _bin("motor-controller"),
+            "--listen", self.controller_address,
+            "--db", os.path.join(self.run_dir, "controller.db"),
+            "--heartbeat-interval", str(self.heartbeat_interval),
+            "--node-grace", str(self.node_grace),
+            *self.extra_controller_args,
+        ]
+        if self.deployment_path:
+            argv += ["--deployment", self.deployment_path]
+        self._launch("controller", argv)
+        self.wait_serving(self.controller_address, timeout)
+        for index in range(self.nodes):
+            self.start_node(f"node-{chr(ord('a') + index)}", index)
+        self.wait_nodes_registered(self.nodes, timeout)
+
+    def start_node(self, node_id: str, index: int) -> ManagedProcess:
+        port = self.node_ports.get(node_id) or free_port()
+        self.node_ports[node_id] = port
+        first_engine_port = 21000 + index * 500
+        argv = [
+            _bin("motor-node-manager"),
+            "--node-id", node_id,
+            "--listen", f"127.0.0.1:{port}",
+            "--controller", self.controller_address,
+            "--host", "127.0.0.1",
+            "--accelerators", ",".join(str(i) for i in range(self.accelerators_per_node)),
+            "--accelerator-type", "sim",
+            "--port-range", f"{first_engine_port}-{first_engine_port + 499}",
+            "--state-dir", os.path.join(self.run_dir, node_id),
+            "--heartbeat-interval", str(self.heartbeat_interval),
+            "--abnormal-threshold", str(self.abnormal_threshold),
+            "--engine-command", _bin("engine_server"),
+            *self.extra_node_args,
+        ]
+        managed = self._launch(node_id, argv)
+        self.wait_serving(f"127.0.0.1:{port}", 30)
+        return managed
+
+    def process(self, name: str) -> ManagedProcess:
+        return next(p for p in reversed(self.processes) if p.name == name)
+
+    @staticmethod
+    def wait_serving(address: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{address} did not start serving within {timeout:.0f}s")
+                time.sleep(0.1)
+
+    def controller(self, channel: grpc.Channel) -> controller_pb2_grpc.ControllerServiceStub:
+        return controller_pb2_grpc.ControllerServiceStub(channel)
+
+    def wait_nodes_registered(self, count: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.controller_address) as channel:
+            stub = self.controller(channel)
+            while True:
+                nodes = stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=5).nodes
+                if sum(n.state == controller_pb2.NODE_STATE_READY for n in nodes) >= count:
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{count} nodes did not register within {timeout:.0f}s")
+                time.sleep(0.2)
+
+    def stop(self, timeout: float = 30.0) -> list[str]:
+        """Stop engines (via their node managers), then node managers, then the controller.
+
+        Returns the names of processes that had to be killed or were found left over."""
+        problems: list[str] = []
+        for node_id, port in self.node_ports.items():
+            try:
+                with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    stub = node_manager_pb2_grpc.NodeManagerServiceStub(channel)
+                    for engine in stub.ListEngines(node_manager_pb2.ListEnginesRequest(), timeout=5).engines:
+                        stub.StopEngine(node_manager_pb2.StopEngineRequest(engine_id=engine.engine_id), timeout=timeout)
+            except grpc.RpcError as exc:
+                problems.append(f"{node_id}: could not stop its engines ({exc.code().name})")
+        # Everything any of our processes started, to confirm nothing outlives the cluster.
+        descendants: list[psutil.Process] = []
+        for managed in self.processes:
+            try:
+                descendants += psutil.Process(managed.process.pid).children(recursive=True)
+            except psutil.Error:
+                pass
+        for managed in reversed(self.processes):
+            if managed.process.poll() is None:
+                os.killpg(managed.process.pid, signal.SIGTERM)
+        for managed in reversed(self.processes):
+            try:
+                managed.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                problems.append(f"{managed.name} ignored SIGTERM; killed")
+                os.killpg(managed.process.pid, signal.SIGKILL)
+                managed.process.wait()
+        for leftover in descendants:
+            if leftover.is_running() and leftover.status() != psutil.STATUS_ZOMBIE:
+                problems.append(f"left-over process {leftover.pid} ({' '.join(leftover.cmdline()[:3])}); killed")
+                leftover.kill()
+        return problems
+
+
+def show_status(address: str) -> str:
+    from motorctl.render import render_status
+
+    with grpc.insecure_channel(address) as channel:
+        stub = controller_pb2_grpc.ControllerServiceStub(channel)
+        nodes = stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=5)
+        instances = stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=5)
+    return render_status(nodes, instances)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="motorctl up", description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=2, help="node managers to start (default 2)")
+    parser.add_argument("--deployment", default="examples/local-deployment.yaml", help="deployment file to apply")
+    parser.add_argument("--run-dir", default=".run", help="state and logs of this cluster (wiped at start)")
+    parser.add_argument("--controller-port", type=int, default=0, help="default 50051, or a free port if taken")
+    parser.add_argument("--refresh", type=float, default=1.0, help="seconds between status refreshes")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.nodes < 1:
+        parser.error("--nodes must be at least 1")
+    if not os.path.exists(args.deployment):
+        parser.error(f"--deployment {args.deployment!r}: file not found")
+
+    shutil.rmtree(args.run_dir, ignore_errors=True)
+    cluster = LocalCluster(args.run_dir, nodes=args.nodes, deployment_path=args.deployment, controller_port=args.controller_port)
+    stopping = False
+
+    def request_stop(signum, frame):  # Ctrl-C or SIGTERM: leave the loop, then clean up
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    try:
+        print(f"Starting a local Motor cluster: 1 controller, {args.nodes} node managers (logs in {args.run_dir}/logs)")
+        cluster.start()
+        address = cluster.controller_address
+        hint = (
+            f"Try:  grpcurl -plaintext {address} list\n"
+            f"      grpcurl -plaintext {address} motor.v1.ControllerService/ListInstances\n"
+            f"      motorctl --controller {address} events --follow\n"
+            "Ctrl-C stops the cluster."
+        )
+        while not stopping:
+            try:
+                screen = show_status(address)
+            except grpc.RpcError as exc:
+                screen = f"controller not answering: {exc.code().name}"
+            if sys.stdout.isatty():
+                sys.stdout.write("\033[2J\033[H")
+            print(f"Motor local cluster — controller {address} — {time.strftime('%H:%M:%S')}\n")
+            print(screen)
+            print("\n" + hint, flush=True)
+            end = time.monotonic() + args.refresh
+            while not stopping and time.monotonic() < end:
+                time.sleep(0.05)
+    except (TimeoutError, OSError) as exc:
+        print(f"motorctl up: {exc}; see the logs in {args.run_dir}/logs", file=sys.stderr)
+        cluster.stop()
+        return 1
+    print("\nStopping engines, node managers and the controller ...", flush=True)
+    problems = cluster.stop()
+    for problem in problems:
+        print(f"  {problem}")
+    print("Stopped; no process left behind." if not problems else "Stopped (see above).")
+    return 0

@@ -1,0 +1,130 @@
+"""End to end on real processes: controller, two node managers, sim engine servers.
+
+The cluster is the one `make run` starts (motorctl.up.LocalCluster), with the example
+deployment: one prefill instance with two data-parallel ranks and one decode instance.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import psutil
+import pytest
+
+from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc, types_pb2
+from motorctl.up import LocalCluster
+from tests.support import REPO_ROOT, wait_for
+
+DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
+EXPECTED_ENGINES = {"prefill-0/rank0", "prefill-0/rank1", "decode-0/rank0"}
+
+
+def _instances(stub) -> list:
+    return list(stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=5).instances)
+
+
+def _all_normal(stub) -> bool:
+    engines = {e.engine_id: e for i in _instances(stub) for e in i.engines}
+    return set(engines) == EXPECTED_ENGINES and all(
+        e.health == types_pb2.HEALTH_STATUS_NORMAL and e.state == types_pb2.ENGINE_STATE_RUNNING for e in engines.values()
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    local = LocalCluster(
+        str(tmp_path_factory.mktemp("cluster")), nodes=2, deployment_path=DEPLOYMENT, heartbeat_interval=0.5
+    )
+    try:
+        local.start(timeout=60)
+        yield local
+    finally:
+        problems = local.stop()
+        assert not problems, problems
+
+
+def test_every_engine_reaches_normal(cluster):
+    with grpc.insecure_channel(cluster.controller_address) as channel:
+        stub = controller_pb2_grpc.ControllerServiceStub(channel)
+        wait_for(lambda: _all_normal(stub), timeout=90, interval=0.3, what="all three engines NORMAL")
+        instances = {i.instance_id: i for i in _instances(stub)}
+        assert instances["prefill-0"].state == controller_pb2.INSTANCE_STATE_READY
+        prefill = instances["prefill-0"]
+        rank0 = next(e for e in prefill.engines if e.dp_rank == 0)
+        # Every rank of an instance is told the host of rank 0.
+        assert prefill.master_dp_ip == rank0.host
+        endpoints = stub.ListEndpoints(controller_pb2.ListEndpointsRequest(role=types_pb2.ROLE_PREFILL), timeout=5)
+        assert {e.engine_id for e in endpoints.endpoints} == {"prefill-0/rank0", "prefill-0/rank1"}
+
+
+def test_sigkill_of_an_engine_is_noticed_by_the_controller(cluster):
+    with grpc.insecure_channel(cluster.controller_address) as channel:
+        stub = controller_pb2_grpc.ControllerServiceStub(channel)
+        wait_for(lambda: _all_normal(stub), timeout=90, interval=0.3, what="all engines NORMAL")
+        victim = next(e for i in _instances(stub) for e in i.engines if e.engine_id == "decode-0/rank0")
+        node_port = cluster.node_ports[victim.node_id]
+        with grpc.insecure_channel(f"127.0.0.1:{node_port}") as node_channel:
+            node = node_manager_pb2_grpc.NodeManagerServiceStub(node_channel)
+            old = node.GetEngine(node_manager_pb2.GetEngineRequest(engine_id=victim.engine_id), timeout=5).engine
+        assert old.pid > 0
+
+        events = stub.WatchEvents(controller_pb2.WatchEventsRequest(), timeout=60)
+        first = next(events)
+        assert first.HasField("snapshot")
+        os.kill(old.pid, signal.SIGKILL)
+        failure = None
+        for message in events:
+            event = message.event
+            if event.type == controller_pb2.EVENT_TYPE_ENGINE_FAILED and event.engine_id == victim.engine_id:
+                failure = event
+                break
+        events.cancel()
+        assert failure is not None
+        assert "signal 9" in failure.message or "SIGKILL" in failure.message, failure.message
+
+        # The controller restarts it (first restart immediately) and it becomes NORMAL again.
+        def replaced():
+            engine = next(e for i in _instances(stub) for e in i.engines if e.engine_id == victim.engine_id)
+            return engine.restarts >= 1 and engine.health == types_pb2.HEALTH_STATUS_NORMAL
+
+        wait_for(replaced, timeout=60, interval=0.3, what="decode-0/rank0 restarted and NORMAL")
+        assert not psutil.pid_exists(old.pid) or psutil.Process(old.pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_motorctl_up_runs_until_ctrl_c_and_leaves_nothing(tmp_path):
+    """What `make run` does: start, show status, stop on SIGINT, no process left behind."""
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "motorctl.cli", "up", "--nodes", "2", "--deployment", DEPLOYMENT,
+         "--run-dir", str(run_dir), "--controller-port", "0", "--refresh", "0.5"],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    output: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line:
+                break
+            output.append(line)
+            if "NORMAL" in line and sum("NORMAL" in l for l in output[-20:]) >= 3:
+                break
+        assert any("grpcurl -plaintext" in l for l in output), "".join(output[-40:])
+        descendants = psutil.Process(process.pid).children(recursive=True)
+        assert len(descendants) >= 6, "controller + 2 node managers + 3 engines expected"
+        process.send_signal(signal.SIGINT)
+        rest, _ = process.communicate(timeout=60)
+        output.append(rest)
+        assert process.returncode == 0, "".join(output[-40:])
+        time.sleep(0.5)
+        alive = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"left behind: {[p.cmdline() for p in alive]}"
+        assert "no process left behind" in rest
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
