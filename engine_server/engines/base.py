@@ -48,7 +48,16 @@ class EngineDied(Exception):
 
 
 class EngineBackend(abc.ABC):
-    """One inference engine. Subclasses: SimEngine, VllmEngine, SglangEngine."""
+    """One inference engine. Subclasses: SimEngine (engines/sim.py), VllmEngine
+    (engines/vllm_engine.py), SglangEngine (engines/sglang.py); `engines.engine_class(type)` maps the
+    user_config `engine_type` to the class, importing it lazily.
+
+    Life of a backend inside the engine server:
+      check_args (classmethod, at start-up, before anything runs) -> __init__ -> start ->
+      [sleep / wake_up ...] -> shutdown (once, after draining);  wait_dead runs alongside all along.
+    The engine server polls `GET /health` on options.host:options.port for INIT -> NORMAL and sends
+    the virtual-inference probes there, so a backend needs no health logic of its own.
+    """
 
     engine_type: str = "unknown"
     # Whether Sleep/WakeUp are supported (vLLM sleep mode, the simulated engine).
@@ -56,6 +65,16 @@ class EngineBackend(abc.ABC):
 
     def __init__(self, options: EngineOptions):
         self.options = options
+
+    @classmethod
+    def check_args(cls, engine_args: dict[str, Any], field: str) -> dict[str, Any]:
+        """Validate the user_config `engine_args` at start-up, before anything starts.
+
+        `field` is the path of engine_args in the user_config (e.g.
+        "motor_engine_prefill_config.engine_args"); raise motor.errors.ConfigError with a message
+        that starts with the full path of the bad value (the engine server exits with code 2).
+        Return the (possibly normalised) arguments. The default accepts anything."""
+        return engine_args
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -76,9 +95,12 @@ class EngineBackend(abc.ABC):
         return 0
 
     async def sleep(self, level: int) -> None:
+        """Release accelerator memory (level 1: offload weights, 2: discard them); only called
+        when can_sleep is true, with level 1 or 2, and never while already sleeping."""
         raise NotImplementedError
 
     async def wake_up(self) -> None:
+        """Undo sleep(); only called when can_sleep is true and the engine sleeps."""
         raise NotImplementedError
 
     def utilization_sampler(self) -> UtilizationSampler | None:

@@ -1,0 +1,181 @@
+"""`engine_server`: one engine's inference plane (--port) and gRPC management plane (--mgmt-port).
+
+Exit codes: 0 after SIGTERM/SIGINT (drained and shut down), 2 for a bad command line or
+user_config (the message names the field), 1 when the engine fails to start or dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+# Set before anything imports prometheus_client (it picks its storage at import time).
+from engine_server.prometheus_dir import ensure_private_multiproc_dir, remove_private_multiproc_dir
+
+logger = logging.getLogger("engine_server")
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+DEATH_ENGINE_SHUTDOWN_TIMEOUT = 0.5  # the whole failure exit must stay under a second
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not within 1-65535")
+    return port
+
+
+def _rank(value: str) -> int:
+    try:
+        rank = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a rank number") from None
+    if rank < 0:
+        raise argparse.ArgumentTypeError(f"{rank} is negative")
+    return rank
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="engine_server",
+        description="Wrap one inference engine: its OpenAI HTTP API on --port, motor.v1.EngineService on --mgmt-port.",
+    )
+    parser.add_argument("--dp-rank", type=_rank, required=True, help="data-parallel rank within the instance")
+    parser.add_argument("--instance-id", required=True, help="instance this engine belongs to, e.g. prefill-0")
+    parser.add_argument("--role", choices=["prefill", "decode", "union"], required=True)
+    parser.add_argument("--host", required=True, help="address both planes bind to")
+    parser.add_argument("--port", type=_port, required=True, help="inference plane (OpenAI-compatible HTTP)")
+    parser.add_argument("--mgmt-port", type=_port, required=True, help="management plane (gRPC)")
+    parser.add_argument("--master-dp-ip", required=True, help="host of data-parallel rank 0")
+    parser.add_argument("--config-path", required=True, help="user_config JSON")
+    parser.add_argument("--kv-port", type=_port, default=None, help="KV-transfer port (single-container mode)")
+    parser.add_argument("--dp-rpc-port", type=_port, default=None, help="data-parallel RPC port (single-container mode)")
+    parser.add_argument("--log-dir", default="./engine_server_log/", help="rotated log files go here")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser
+
+
+def _check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from motor.errors import InvalidArgument
+    from motor.names import check_instance_id
+
+    try:
+        check_instance_id(args.instance_id, "--instance-id")
+    except InvalidArgument as exc:
+        parser.error(str(exc))
+    ports = {"--port": args.port, "--mgmt-port": args.mgmt_port, "--kv-port": args.kv_port, "--dp-rpc-port": args.dp_rpc_port}
+    seen: dict[int, str] = {}
+    for flag, port in ports.items():
+        if port is None:
+            continue
+        if port in seen:
+            parser.error(f"{flag} {port} is the same port as {seen[port]}")
+        seen[port] = flag
+
+
+async def serve(args: argparse.Namespace, section) -> int:
+    from motor.grpc_server import MotorServer, TlsFiles
+
+    from engine_server import service
+    from engine_server.engines import engine_class
+    from engine_server.engines.base import EngineOptions
+    from engine_server.metrics import process_metrics
+    from engine_server.server import EngineServer
+
+    options = EngineOptions(
+        role=args.role,
+        instance_id=args.instance_id,
+        dp_rank=args.dp_rank,
+        host=args.host,
+        port=args.port,
+        master_dp_ip=args.master_dp_ip,
+        kv_port=args.kv_port,
+        dp_rpc_port=args.dp_rpc_port,
+        engine_args=section.engine_args,
+    )
+    engine = engine_class(section.engine_type)(options)
+    core = EngineServer(options, section, engine, metrics=process_metrics())
+    tls_config = section.mgmt_tls_config
+    tls = (
+        TlsFiles(cert=tls_config.cert_file, key=tls_config.key_file, ca=tls_config.ca_file,
+                 require_client_cert=bool(tls_config.ca_file))
+        if tls_config.enable_tls
+        else None
+    )
+    grpc_server = MotorServer(f"{args.host}:{args.mgmt_port}", tls=tls)
+    service.register(grpc_server, core)
+    await grpc_server.start()  # first, so that the node manager sees INIT while the engine loads
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await core.start()
+    except Exception as exc:
+        logger.error("the %s engine failed to start: %s", section.engine_type, exc, exc_info=not isinstance(exc, RuntimeError))
+        await core.close(engine_timeout=DEATH_ENGINE_SHUTDOWN_TIMEOUT)
+        await grpc_server.stop(0)
+        return EXIT_FAILED
+    stopping = asyncio.ensure_future(stop.wait())
+    dying = asyncio.ensure_future(core.died.wait())
+    await asyncio.wait([stopping, dying], return_when=asyncio.FIRST_COMPLETED)
+    if core.died.is_set():
+        logger.error("exiting: the engine died (%s)", core.death_reason)
+        stopping.cancel()
+        # Watchers have the ABNORMAL message queued; closing ends their streams after it.
+        await core.close(engine_timeout=DEATH_ENGINE_SHUTDOWN_TIMEOUT)
+        await grpc_server.stop(0.2)
+        return EXIT_FAILED
+    dying.cancel()
+    logger.info("SIGTERM: draining (up to %gs), then shutting down", section.drain_timeout)
+    await core.shutdown()
+    await grpc_server.stop(1.0)
+    logger.info("shut down cleanly")
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(args, parser)
+    ensure_private_multiproc_dir()
+
+    from motor.errors import ConfigError
+    from motor.logs import setup_logging
+
+    from engine_server.config import load_section
+
+    log_path = setup_logging(args.log_level, args.log_dir, f"engine_server_{args.instance_id}_rank{args.dp_rank}.log")
+    logger.info("engine_server %s rank %d (%s), log file %s", args.instance_id, args.dp_rank, args.role, log_path)
+    try:
+        section_name, section = load_section(args.config_path, args.role)
+    except ConfigError as exc:
+        logger.error("invalid configuration: %s", exc)
+        sys.exit(EXIT_CONFIG)
+    logger.info("using %s (engine_type %s)", section_name, section.engine_type)
+    try:
+        code = asyncio.run(serve(args, section))
+    except ConfigError as exc:  # e.g. the management port is taken, a TLS file unreadable
+        logger.error("%s", exc)
+        code = EXIT_CONFIG
+    except KeyboardInterrupt:
+        code = EXIT_OK
+    if code != EXIT_OK:
+        # Engine threads or children must not hold a failing process open (or turn it into exit 0).
+        remove_private_multiproc_dir()
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

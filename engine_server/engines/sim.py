@@ -1,0 +1,381 @@
+"""The simulated engine (engine_type "sim"): an OpenAI-compatible server without a GPU, with faults.
+
+Routes on the inference plane (--port):
+  POST /v1/completions, POST /v1/chat/completions   deterministic answers derived from the prompt
+                                                     (`"stream": true` gives server-sent events)
+  GET  /v1/models, GET /health, GET /metrics         (/metrics also carries the engine server's own)
+  GET  /sim/faults                                   the current faults
+  POST /sim/faults   {"fail_inference": true, ...}   change some faults now (unknown keys: 400)
+  DELETE /sim/faults                                 back to the faults from the config
+
+Faults (engine_args.faults in the user_config, or at run time):
+  crash           the engine dies: the engine server reports ABNORMAL and exits non-zero
+  crash_after_s   (config only) die that many seconds after start
+  hang            inference and /health stop answering (until hang is set false)
+  fail_inference  completions answer 500 while /health stays 200
+  latency_ms      every completion takes this long
+  utilization     the simulated accelerator utilization (percent) the engine server samples
+
+Probes (request id ending in `_virtual`) are served but kept out of the sim:* counters, as the
+engine server's patch does for vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import re
+import time
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from motor.config import describe_validation_error
+from motor.errors import ConfigError
+
+from engine_server import metrics as server_metrics
+from engine_server.engines.base import (
+    VIRTUAL_REQUEST_ID_PATTERN,
+    EngineBackend,
+    EngineOptions,
+    UtilizationSampler,
+)
+
+logger = logging.getLogger(__name__)
+
+_VIRTUAL = re.compile(VIRTUAL_REQUEST_ID_PATTERN)
+WORDS = (
+    "motor sim engine token answer fast cache prefill decode quiet river stone light model "
+    "graph cloud field north amber signal"
+).split()
+
+# Like vLLM's counters: real requests only (probes excluded).
+SIM_REQUESTS = Counter("sim:request_success", "Completed simulated requests (probes excluded).", ["model"])
+SIM_FAILED = Counter("sim:request_failure", "Simulated requests that failed (probes excluded).", ["model"])
+SIM_PROMPT_TOKENS = Counter("sim:prompt_tokens", "Prompt tokens of simulated requests (probes excluded).", ["model"])
+SIM_GENERATION_TOKENS = Counter(
+    "sim:generation_tokens", "Generated tokens of simulated requests (probes excluded).", ["model"]
+)
+SIM_RUNNING = Gauge(
+    "sim:num_requests_running", "Simulated requests in flight (probes excluded).", ["model"], multiprocess_mode="livesum"
+)
+
+
+class SimFaults(BaseModel):
+    """Fault knobs; POST /sim/faults takes any subset of these keys."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    crash: bool = False
+    crash_after_s: float | None = Field(None, gt=0)
+    hang: bool = False
+    fail_inference: bool = False
+    latency_ms: float = Field(0.0, ge=0)
+    utilization: float = Field(0.0, ge=0, le=100)
+
+
+class SimArgs(BaseModel):
+    """engine_args of the simulated engine."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str = "sim-tiny"
+    # Base latency and utilization (the same knobs as in faults; faults win when both are set).
+    latency_ms: float = Field(0.0, ge=0)
+    utilization: float = Field(0.0, ge=0, le=100)
+    # Seconds during which /health answers 503 "loading" (a model load, for INIT).
+    startup_delay_s: float = Field(0.0, ge=0)
+    max_tokens_default: int = Field(16, ge=1)
+    faults: SimFaults = Field(default_factory=SimFaults)
+
+
+def deterministic_text(prompt: str, tokens: int) -> str:
+    """The same prompt always gives the same answer."""
+    digest = hashlib.sha256(prompt.encode()).digest()
+    return " ".join(WORDS[digest[i % len(digest)] % len(WORDS)] for i in range(tokens))
+
+
+def count_tokens(text: str) -> int:
+    return max(1, len(text.split()))
+
+
+class _SimSampler(UtilizationSampler):
+    name = "sim"
+
+    def __init__(self, engine: "SimEngine"):
+        self.engine = engine
+
+    async def sample(self) -> float:
+        return 0.0 if self.engine.sleeping else self.engine.faults.utilization
+
+
+class SimEngine(EngineBackend):
+    engine_type = "sim"
+    can_sleep = True
+
+    @classmethod
+    def check_args(cls, engine_args: dict[str, Any], field: str) -> dict[str, Any]:
+        try:
+            return SimArgs.model_validate(engine_args).model_dump(exclude_unset=True)
+        except ValidationError as exc:
+            raise ConfigError(describe_validation_error(exc, field)) from None
+
+    def __init__(self, options: EngineOptions):
+        super().__init__(options)
+        self.args = SimArgs.model_validate(options.engine_args)
+        self.faults = self._initial_faults()
+        self.sleeping = False
+        self.sleep_level = 0
+        self._in_flight = 0
+        self._started_at = 0.0
+        self._died: asyncio.Future[str] | None = None
+        self._unhang = asyncio.Event()
+        self._runner: web.AppRunner | None = None
+        self._crash_timer: asyncio.TimerHandle | None = None
+
+    def _initial_faults(self) -> SimFaults:
+        base = {"latency_ms": self.args.latency_ms, "utilization": self.args.utilization}
+        base.update(self.args.faults.model_dump(exclude_unset=True))
+        return SimFaults.model_validate(base)
+
+    # --- EngineBackend ---------------------------------------------------------------------
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._died = loop.create_future()
+        self._started_at = time.monotonic()
+        app = web.Application()
+        app.add_routes(
+            [
+                web.post("/v1/completions", self._completions),
+                web.post("/v1/chat/completions", self._chat_completions),
+                web.get("/v1/models", self._models),
+                web.get("/health", self._health),
+                web.get("/metrics", self._metrics),
+                web.get("/sim/faults", self._get_faults),
+                web.post("/sim/faults", self._post_faults),
+                web.delete("/sim/faults", self._reset_faults),
+            ]
+        )
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.options.host, self.options.port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            await self._runner.cleanup()
+            raise RuntimeError(f"sim engine cannot listen on {self.options.host}:{self.options.port}: {exc.strerror}") from None
+        logger.info("sim engine serving model %r on http://%s:%d", self.args.model, self.options.host, self.options.port)
+        self._apply_faults()
+        if self.faults.crash_after_s:
+            self._crash_timer = loop.call_later(
+                self.faults.crash_after_s, self._die, f"sim fault: crash_after_s={self.faults.crash_after_s:g}"
+            )
+
+    async def wait_dead(self) -> str:
+        assert self._died is not None, "start() first"
+        return await asyncio.shield(self._died)
+
+    async def shutdown(self) -> None:
+        if self._crash_timer is not None:
+            self._crash_timer.cancel()
+        self._unhang.set()  # release hung handlers so the runner can close
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def in_flight_requests(self) -> int:
+        return self._in_flight
+
+    async def sleep(self, level: int) -> None:
+        self.sleeping, self.sleep_level = True, level
+
+    async def wake_up(self) -> None:
+        self.sleeping, self.sleep_level = False, 0
+
+    def utilization_sampler(self) -> UtilizationSampler:
+        return _SimSampler(self)
+
+    # --- faults ----------------------------------------------------------------------------
+    def _die(self, reason: str) -> None:
+        if self._died is not None and not self._died.done():
+            logger.error("sim engine died: %s", reason)
+            self._died.set_result(reason)
+
+    def _apply_faults(self) -> None:
+        if self.faults.hang:
+            self._unhang.clear()
+        else:
+            self._unhang.set()
+        if self.faults.crash:
+            self._die("sim fault: crash")
+
+    async def _get_faults(self, request: web.Request) -> web.Response:
+        return web.json_response(self.faults.model_dump())
+
+    async def _post_faults(self, request: web.Request) -> web.Response:
+        try:
+            change = await request.json()
+        except ValueError:
+            return _error(400, "body must be a JSON object of faults, e.g. {\"fail_inference\": true}")
+        if not isinstance(change, dict):
+            return _error(400, "body must be a JSON object of faults, e.g. {\"fail_inference\": true}")
+        try:
+            SimFaults.model_validate(change)  # names the bad key before anything changes
+            self.faults = SimFaults.model_validate({**self.faults.model_dump(), **change})
+        except ValidationError as exc:
+            return _error(400, describe_validation_error(exc, "faults"))
+        logger.warning("sim faults changed: %s -> %s", change, self.faults.model_dump())
+        self._apply_faults()
+        return web.json_response(self.faults.model_dump())
+
+    async def _reset_faults(self, request: web.Request) -> web.Response:
+        self.faults = self._initial_faults()
+        self._apply_faults()
+        logger.warning("sim faults reset to the config's: %s", self.faults.model_dump())
+        return web.json_response(self.faults.model_dump())
+
+    # --- inference plane -------------------------------------------------------------------
+    def _loading(self) -> bool:
+        return time.monotonic() - self._started_at < self.args.startup_delay_s
+
+    async def _health(self, request: web.Request) -> web.Response:
+        await self._unhang.wait()
+        if self._loading():
+            return _error(503, "loading the model")
+        return web.json_response({"status": "ok"})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.args.model, "object": "model", "owned_by": "motor-sim"}]}
+        )
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(server_metrics.registry())
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body, problem = await _json_body(request)
+        if problem:
+            return problem
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            prompt = "\n".join(prompt)
+        if not isinstance(prompt, str):
+            return _error(400, "prompt: must be a string or a list of strings")
+        return await self._serve(request, body, prompt, chat=False)
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body, problem = await _json_body(request)
+        if problem:
+            return problem
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            return _error(400, "messages: must be a non-empty list of {\"role\", \"content\"} objects")
+        prompt = "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in messages)
+        return await self._serve(request, body, prompt, chat=True)
+
+    async def _serve(self, request: web.Request, body: dict[str, Any], prompt: str, chat: bool) -> web.StreamResponse:
+        max_tokens = body.get("max_tokens", body.get("max_completion_tokens", self.args.max_tokens_default))
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            return _error(400, "max_tokens: must be a positive integer")
+        request_id = request.headers.get("X-Request-Id") or f"sim-{time.time_ns()}"
+        probe = bool(_VIRTUAL.search(request_id))
+        model = body.get("model") or self.args.model
+        if not probe:
+            self._in_flight += 1
+            SIM_RUNNING.labels(self.args.model).inc()
+        try:
+            await self._unhang.wait()
+            if self.sleeping:
+                return self._failed(probe, 503, "the engine is sleeping; call WakeUp first")
+            if self.faults.fail_inference:
+                return self._failed(probe, 500, "sim fault: fail_inference")
+            if self.faults.latency_ms:
+                await asyncio.sleep(self.faults.latency_ms / 1000)
+            await self._unhang.wait()  # a hang set while this request waited
+            text = deterministic_text(prompt, max_tokens)
+            prompt_tokens, completion_tokens = count_tokens(prompt), max_tokens
+            if not probe:
+                SIM_REQUESTS.labels(self.args.model).inc()
+                SIM_PROMPT_TOKENS.labels(self.args.model).inc(prompt_tokens)
+                SIM_GENERATION_TOKENS.labels(self.args.model).inc(completion_tokens)
+            prefix = "chatcmpl" if chat else "cmpl"
+            answer_id = f"{prefix}-{request_id}"
+            usage = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            }
+            if body.get("stream") is True:
+                return await _stream(request, answer_id, model, text, chat, usage)
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            return web.json_response(
+                {
+                    "id": answer_id,
+                    "object": "chat.completion" if chat else "text_completion",
+                    "created": int(time.time()),
+                    "model": model,
+                    "choices": [choice],
+                    "usage": usage,
+                },
+                headers={"X-Request-Id": request_id},
+            )
+        finally:
+            if not probe:
+                self._in_flight -= 1
+                SIM_RUNNING.labels(self.args.model).dec()
+
+    def _failed(self, probe: bool, status: int, message: str) -> web.Response:
+        if not probe:
+            SIM_FAILED.labels(self.args.model).inc()
+        return _error(status, message)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+
+async def _json_body(request: web.Request) -> tuple[dict[str, Any], web.Response | None]:
+    try:
+        body = await request.json()
+    except ValueError:
+        return {}, _error(400, "the body must be a JSON object")
+    if not isinstance(body, dict):
+        return {}, _error(400, "the body must be a JSON object")
+    return body, None
+
+
+async def _stream(
+    request: web.Request, answer_id: str, model: str, text: str, chat: bool, usage: dict[str, int]
+) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    words = text.split(" ")
+    for index, word in enumerate(words):
+        piece = word if index == 0 else " " + word
+        last = index == len(words) - 1
+        if chat:
+            choice = {"index": 0, "delta": {"content": piece}, "finish_reason": "length" if last else None}
+        else:
+            choice = {"index": 0, "text": piece, "finish_reason": "length" if last else None}
+        chunk = {
+            "id": answer_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [choice],
+        }
+        if last:
+            chunk["usage"] = usage
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response

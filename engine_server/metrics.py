@@ -1,0 +1,85 @@
+"""The engine server's own Prometheus metrics, multiprocess-safe, served on the inference plane.
+
+With PROMETHEUS_MULTIPROC_DIR set (engine_server.prometheus_dir), values are written to the shared
+directory and `registry()` collects every process's files, as vLLM's `/metrics` does.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, multiprocess
+
+PROBE_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+def registry() -> CollectorRegistry:
+    """The registry a `/metrics` route should render: every process's metrics in multiprocess mode."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        collected = CollectorRegistry()
+        multiprocess.MultiProcessCollector(collected)
+        return collected
+    return REGISTRY
+
+
+class EngineServerMetrics:
+    """Probe count by outcome, probe latency, health status and current interval.
+
+    Create one per process (tests pass their own CollectorRegistry)."""
+
+    def __init__(self, registry: CollectorRegistry | None = REGISTRY):
+        self.probes = Counter(
+            "motor_engine_server_probes",
+            "Virtual-inference probes sent, by outcome (success, failure).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.counted_failures = Counter(
+            "motor_engine_server_probe_counted_failures",
+            "Failed probes that counted towards max_failure_count (utilization below the threshold).",
+            registry=registry,
+        )
+        self.probe_latency = Histogram(
+            "motor_engine_server_probe_latency_seconds",
+            "Latency of virtual-inference probes (to the answer or the timeout).",
+            buckets=PROBE_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        # livemostrecent: the value of the live process that set it last (one engine server per dir).
+        self.status = Gauge(
+            "motor_engine_server_health_status",
+            "Health status: 1 INIT, 2 NORMAL, 3 ABNORMAL.",
+            multiprocess_mode="livemostrecent",
+            registry=registry,
+        )
+        self.probe_interval = Gauge(
+            "motor_engine_server_probe_interval_seconds",
+            "Current interval between virtual-inference probes.",
+            multiprocess_mode="livemostrecent",
+            registry=registry,
+        )
+        self.consecutive_failures = Gauge(
+            "motor_engine_server_consecutive_failures",
+            "Consecutive counted probe failures.",
+            multiprocess_mode="livemostrecent",
+            registry=registry,
+        )
+        self.probe_utilization = Gauge(
+            "motor_engine_server_utilization_peak_percent",
+            "Peak accelerator utilization over the last probe round's sampling window.",
+            multiprocess_mode="livemostrecent",
+            registry=registry,
+        )
+        for outcome in ("success", "failure"):
+            self.probes.labels(outcome)
+
+
+_process_metrics: EngineServerMetrics | None = None
+
+
+def process_metrics() -> EngineServerMetrics:
+    """The metrics of this process (created on first use, in the default registry)."""
+    global _process_metrics
+    if _process_metrics is None:
+        _process_metrics = EngineServerMetrics()
+    return _process_metrics

@@ -1,0 +1,241 @@
+"""Virtual inference: 1-token probes, the utilization peak that chooses the next interval, and
+the failure count that turns the status ABNORMAL.
+
+Plain classes with injectable clock, sleep, sampler and probe client, so tests drive them fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import aiohttp
+
+from engine_server.config import HealthCheckConfig
+from engine_server.engines.base import UtilizationSampler
+from engine_server.status import Event, Health, HealthStateMachine
+
+logger = logging.getLogger(__name__)
+
+PROBE_BODY = {"prompt": "1", "max_tokens": 1}
+# Sent by decode engines so that the probe does not wait for a KV cache from a prefill engine:
+# do_virtual marks the probe, and the remote-prefill fields say "no remote KV" (NixlConnector names).
+DECODE_KV_TRANSFER_PARAMS = {
+    "do_virtual": True,
+    "do_remote_prefill": False,
+    "do_remote_decode": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+class ProbeFailed(Exception):
+    """The probe did not produce a completion; the message says why."""
+
+
+class ProbeClient(Protocol):
+    async def probe(self) -> None:
+        """Send one probe; raise ProbeFailed on any failure (HTTP error, timeout, bad answer)."""
+
+
+@dataclass(frozen=True)
+class ProbeRecord:
+    time: float  # epoch seconds when sent
+    success: bool
+    latency: float
+    error: str
+    utilization_peak: float
+    next_interval: float
+    consecutive_failures: int
+    counted: bool
+    status: Health
+
+
+def probe_request(role: str, now: float | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """(JSON body, headers) of one probe for `role`."""
+    body: dict[str, Any] = dict(PROBE_BODY)
+    if role == "decode":
+        body["kv_transfer_params"] = dict(DECODE_KV_TRANSFER_PARAMS)
+    stamp = int((now if now is not None else time.time()) * 1000)
+    return body, {"X-Request-Id": f"{stamp}_virtual"}
+
+
+class HttpProbeClient:
+    """POST /v1/completions on the inference plane."""
+
+    def __init__(self, base_url: str, role: str, timeout: float):
+        self.url = base_url.rstrip("/") + "/v1/completions"
+        self.role, self.timeout = role, timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    async def probe(self) -> None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        body, headers = probe_request(self.role)
+        try:
+            async with self._session.post(
+                self.url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout)
+            ) as response:
+                text = await response.text()
+                if response.status != 200:
+                    raise ProbeFailed(f"HTTP {response.status}: {text[:200]}")
+                try:
+                    answer = await response.json(content_type=None)
+                except ValueError:
+                    raise ProbeFailed(f"answer is not JSON: {text[:200]}") from None
+                if not isinstance(answer, dict) or not answer.get("choices"):
+                    raise ProbeFailed(f"answer has no choices: {text[:200]}")
+        except asyncio.TimeoutError:
+            raise ProbeFailed(f"timed out after {self.timeout:g}s") from None
+        except aiohttp.ClientError as exc:
+            raise ProbeFailed(f"{type(exc).__name__}: {exc}") from None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class PeakSampler:
+    """Samples utilization every `period` over `window` seconds and returns the peak."""
+
+    def __init__(
+        self,
+        sampler: UtilizationSampler,
+        window: float,
+        period: float,
+        sleep: Callable[[float], Any] = asyncio.sleep,
+    ):
+        self.sampler, self.window, self.period, self._sleep = sampler, window, period, sleep
+        self._warned = False
+
+    async def peak(self) -> float:
+        count = max(1, round(self.window / self.period))
+        samples: list[float] = []
+        for index in range(count):
+            try:
+                samples.append(float(await self.sampler.sample()))
+            except Exception as exc:
+                if not self._warned:  # once: a broken sampler would flood the log
+                    logger.warning("utilization sampler %s failed: %s (counting as 0%%)", self.sampler.name, exc)
+                    self._warned = True
+            if index < count - 1:
+                await self._sleep(self.period)
+        return max(samples, default=0.0)
+
+
+class Prober:
+    """Runs probe rounds; each round probes and samples utilization at the same time.
+
+    Interval rule: peak >= busy_utilization -> busy_probe_interval; peak < npu_usage_threshold ->
+    probe_interval; in between -> unchanged. A failure counts only when the peak is below
+    npu_usage_threshold; max_failure_count consecutive counted failures -> ABNORMAL; a success
+    resets the count (and an ABNORMAL status goes back to NORMAL)."""
+
+    def __init__(
+        self,
+        settings: HealthCheckConfig,
+        client: ProbeClient,
+        peak_sampler: PeakSampler,
+        machine: HealthStateMachine,
+        on_record: Callable[[ProbeRecord], None] = lambda record: None,
+        metrics: Any = None,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Any] = asyncio.sleep,
+    ):
+        self.settings, self.client, self.peak_sampler, self.machine = settings, client, peak_sampler, machine
+        self.on_record, self.metrics = on_record, metrics
+        self._clock, self._monotonic, self._sleep = clock, monotonic, sleep
+        self.interval = settings.probe_interval
+        self.consecutive_failures = 0
+        self.last: ProbeRecord | None = None
+        if metrics is not None:
+            metrics.probe_interval.set(self.interval)
+
+    def next_interval(self, peak: float) -> float:
+        if peak >= self.settings.busy_utilization:
+            return self.settings.busy_probe_interval
+        if peak < self.settings.npu_usage_threshold:
+            return self.settings.probe_interval
+        return self.interval
+
+    async def _timed_probe(self) -> tuple[bool, float, str]:
+        started = self._monotonic()
+        try:
+            await asyncio.wait_for(self.client.probe(), self.settings.probe_timeout)
+            return True, self._monotonic() - started, ""
+        except asyncio.TimeoutError:
+            return False, self._monotonic() - started, f"timed out after {self.settings.probe_timeout:g}s"
+        except ProbeFailed as exc:
+            return False, self._monotonic() - started, str(exc)
+        except Exception as exc:  # a probe client bug must not stop probing
+            logger.exception("probe client raised")
+            return False, self._monotonic() - started, f"{type(exc).__name__}: {exc}"
+
+    async def probe_once(self) -> ProbeRecord:
+        sent = self._clock()
+        probe = asyncio.ensure_future(self._timed_probe())
+        try:
+            peak = await self.peak_sampler.peak()
+            success, latency, error = await probe
+        finally:
+            probe.cancel()
+        counted = not success and peak < self.settings.npu_usage_threshold
+        if success:
+            self.consecutive_failures = 0
+        elif counted:
+            self.consecutive_failures += 1
+        self.interval = self.next_interval(peak)
+        if success:
+            self.machine.fire(Event.PROBE_SUCCEEDED, "virtual-inference probes succeed again")
+        elif self.consecutive_failures >= self.settings.max_failure_count:
+            self.machine.fire(
+                Event.FAILURE_LIMIT,
+                f"{self.consecutive_failures} consecutive virtual-inference probes failed while the "
+                f"accelerator was idle (peak {peak:.0f}% < npu_usage_threshold "
+                f"{self.settings.npu_usage_threshold:g}%); last error: {error}",
+            )
+        record = ProbeRecord(
+            time=sent,
+            success=success,
+            latency=latency,
+            error=error,
+            utilization_peak=peak,
+            next_interval=self.interval,
+            consecutive_failures=self.consecutive_failures,
+            counted=counted,
+            status=self.machine.state,
+        )
+        self.last = record
+        self._observe(record)
+        if not success:
+            logger.info(
+                "probe failed (%s; peak %.0f%%, %s, %d consecutive)",
+                error, peak, "counted" if counted else "not counted: accelerator busy", self.consecutive_failures,
+            )
+        self.on_record(record)
+        return record
+
+    def _observe(self, record: ProbeRecord) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.probes.labels("success" if record.success else "failure").inc()
+        if record.counted:
+            self.metrics.counted_failures.inc()
+        self.metrics.probe_latency.observe(record.latency)
+        self.metrics.probe_interval.set(record.next_interval)
+        self.metrics.consecutive_failures.set(record.consecutive_failures)
+        self.metrics.probe_utilization.set(record.utilization_peak)
+
+    async def run(self) -> None:
+        """Probe forever, start to start every `interval` (a round lasts at least the sampling window)."""
+        while True:
+            started = self._monotonic()
+            await self.probe_once()
+            await self._sleep(max(0.0, self.interval - (self._monotonic() - started)))

@@ -1,0 +1,293 @@
+"""The engine server's behaviour, without gRPC: status, probing, watchers, drain, sleep, death.
+
+`EngineServer` wraps one EngineBackend. The gRPC servicer (service.py) and the CLI (cli.py) only
+translate to and from it, so tests drive it directly as well as through real processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from motor.errors import FailedPrecondition, InvalidArgument
+
+from engine_server.config import EngineSection
+from engine_server.engines.base import EngineBackend, EngineOptions, UtilizationSampler
+from engine_server.probing import HttpProbeClient, PeakSampler, ProbeClient, Prober, ProbeRecord
+from engine_server.samplers import choose_sampler
+from engine_server.status import Event, Health, HealthStateMachine, Transition
+
+logger = logging.getLogger(__name__)
+
+
+def connect_host(host: str) -> str:
+    """Where to reach a server bound to `host` from this machine (wildcards -> loopback)."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host in ("::", "[::]"):
+        return "[::1]"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+@dataclass(frozen=True)
+class StatusSnapshot:
+    health: Health
+    reason: str
+    engine_type: str
+    role: str
+    instance_id: str
+    dp_rank: int
+    sleeping: bool
+    draining: bool
+    probing: bool
+    consecutive_failures: int
+    probe_interval: float
+    last_probe: ProbeRecord | None
+    in_flight_requests: int
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One WatchProbes message: the status, and the probe that caused it (if any)."""
+
+    status: StatusSnapshot
+    probe: ProbeRecord | None = None
+
+
+class EngineServer:
+    def __init__(
+        self,
+        options: EngineOptions,
+        section: EngineSection,
+        engine: EngineBackend,
+        metrics: Any = None,
+        sampler: UtilizationSampler | None = None,
+        probe_client: ProbeClient | None = None,
+    ):
+        self.options, self.section, self.engine, self.metrics = options, section, engine, metrics
+        self.settings = section.health_check_config
+        self.base_url = f"http://{connect_host(options.host)}:{options.port}"
+        self.machine = HealthStateMachine()
+        self.machine.on_transition(self._on_transition)
+        self._sampler = sampler
+        self._probe_client = probe_client or HttpProbeClient(self.base_url, options.role, self.settings.probe_timeout)
+        self.prober: Prober | None = None
+        self.sleeping = False
+        self.draining = False
+        self.healthy = False
+        self.died = asyncio.Event()
+        self.death_reason = ""
+        self._probing_requested = False
+        self._probe_task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._watchers: set[asyncio.Queue] = set()
+        self._stopped = False
+        if metrics is not None:
+            metrics.status.set(int(self.machine.state))
+
+    # --- life cycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the engine, then watch /health (INIT -> NORMAL) and the engine's death."""
+        await self.engine.start()
+        sampler = self._sampler or choose_sampler(self.engine)
+        logger.info("utilization sampler: %s", sampler.name)
+        self.prober = Prober(
+            self.settings,
+            self._probe_client,
+            PeakSampler(sampler, self.settings.utilization_window, self.settings.utilization_sample_period),
+            self.machine,
+            on_record=self._on_probe,
+            metrics=self.metrics,
+        )
+        self._tasks.append(asyncio.create_task(self._watch_death(), name="watch-death"))
+        self._tasks.append(asyncio.create_task(self._watch_health(), name="watch-health"))
+
+    async def _watch_health(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.settings.health_collector_timeout)
+        last_problem = None
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                try:
+                    async with session.get(self.base_url + "/health") as response:
+                        if response.status == 200:
+                            break
+                        problem = f"GET /health answered {response.status}"
+                except asyncio.TimeoutError:
+                    problem = f"GET /health did not answer within {self.settings.health_collector_timeout:g}s"
+                except aiohttp.ClientError as exc:
+                    problem = f"GET /health failed: {type(exc).__name__}"
+                if problem != last_problem:
+                    logger.info("engine not up yet: %s", problem)
+                    last_problem = problem
+                await asyncio.sleep(self.settings.health_poll_interval)
+        self.healthy = True
+        self.machine.fire(Event.HEALTH_UP, "inference plane is up: GET /health answered 200")
+        self._maybe_start_probing()
+
+    async def _watch_death(self) -> None:
+        reason = await self.engine.wait_dead()
+        self.death_reason = reason
+        self._stop_probing()
+        self.machine.fire(Event.ENGINE_DIED, f"the engine died: {reason}")
+        self.died.set()
+
+    async def shutdown(self) -> None:
+        """SIGTERM: stop probing, drain up to drain_timeout, shut the engine down."""
+        drained, left = await self.drain(None)
+        if not drained:
+            logger.warning("drain deadline (%gs) passed with %d requests in flight", self.section.drain_timeout, left)
+        await self.close(engine_timeout=None)
+
+    async def close(self, engine_timeout: float | None) -> None:
+        """Stop background work, the engine (bounded by engine_timeout when given) and the watchers."""
+        self._stop_probing()
+        for task in self._tasks:
+            task.cancel()
+        try:
+            await asyncio.wait_for(self.engine.shutdown(), engine_timeout)
+        except asyncio.TimeoutError:
+            logger.warning("engine shutdown did not finish within %gs", engine_timeout)
+        except Exception:
+            logger.exception("engine shutdown failed")
+        close = getattr(self._probe_client, "close", None)
+        if close is not None:
+            await close()
+        self._stopped = True
+        for queue in list(self._watchers):
+            queue.put_nowait(None)
+
+    # --- probing ---------------------------------------------------------------------------
+    @property
+    def probing(self) -> bool:
+        return self._probe_task is not None
+
+    def _maybe_start_probing(self) -> None:
+        if not (self._probing_requested and self.settings.enable_virtual_inference and self.healthy):
+            return
+        if self.sleeping or self.draining or self.machine.dead or self.probing or self.prober is None:
+            return
+        logger.info(
+            "virtual inference started (interval %gs, busy %gs, threshold %g%%)",
+            self.prober.interval, self.settings.busy_probe_interval, self.settings.npu_usage_threshold,
+        )
+        self._probe_task = asyncio.create_task(self.prober.run(), name="prober")
+        self._probe_task.add_done_callback(self._probe_task_done)
+        self._publish()
+
+    def _probe_task_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("probing stopped on an error", exc_info=task.exception())
+
+    def _stop_probing(self) -> None:
+        if self._probe_task is None:
+            return
+        self._probe_task.cancel()
+        self._probe_task = None
+        logger.info("virtual inference paused")
+
+    def _on_probe(self, record: ProbeRecord) -> None:
+        self._publish(record)
+
+    def _on_transition(self, transition: Transition) -> None:
+        if self.metrics is not None:
+            self.metrics.status.set(int(transition.after))
+        self._publish()
+
+    # --- status and watchers ---------------------------------------------------------------
+    def status(self) -> StatusSnapshot:
+        prober = self.prober
+        return StatusSnapshot(
+            health=self.machine.state,
+            reason=self.machine.reason,
+            engine_type=self.engine.engine_type,
+            role=self.options.role,
+            instance_id=self.options.instance_id,
+            dp_rank=self.options.dp_rank,
+            sleeping=self.sleeping,
+            draining=self.draining,
+            probing=self.probing,
+            consecutive_failures=prober.consecutive_failures if prober else 0,
+            probe_interval=prober.interval if prober else self.settings.probe_interval,
+            last_probe=prober.last if prober else None,
+            in_flight_requests=self.engine.in_flight_requests(),
+        )
+
+    def get_status(self) -> StatusSnapshot:
+        """GetStatus: the first call arms virtual inference (the node manager's first heartbeat)."""
+        if not self._probing_requested:
+            self._probing_requested = True
+            self._maybe_start_probing()
+        return self.status()
+
+    def subscribe(self) -> asyncio.Queue:
+        """A queue of WatchEvents starting with the current status; None marks the end."""
+        queue: asyncio.Queue = asyncio.Queue(maxsize=1000)
+        queue.put_nowait(None if self._stopped else WatchEvent(self.status()))
+        self._watchers.add(queue)
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue) -> None:
+        self._watchers.discard(queue)
+
+    def _publish(self, probe: ProbeRecord | None = None) -> None:
+        event = WatchEvent(self.status(), probe)
+        for queue in list(self._watchers):
+            try:
+                queue.put_nowait(event)
+            except asyncio.QueueFull:  # a stuck watcher loses its stream, not our memory
+                logger.warning("a WatchProbes client is not reading; ending its stream")
+                self._watchers.discard(queue)
+                queue.get_nowait()
+                queue.put_nowait(None)
+
+    # --- Drain / Sleep / WakeUp ------------------------------------------------------------
+    async def drain(self, deadline: float | None) -> tuple[bool, int]:
+        """Stop probing and wait for in-flight requests up to `deadline` seconds (None: drain_timeout)."""
+        if deadline is None:
+            deadline = self.section.drain_timeout
+        if deadline < 0:
+            raise InvalidArgument(f"deadline must not be negative (got {deadline:g}s)")
+        if not self.draining:
+            self.draining = True
+            self._stop_probing()
+            logger.info("draining: probes stopped, %d requests in flight", self.engine.in_flight_requests())
+            self._publish()
+        end = time.monotonic() + deadline
+        while self.engine.in_flight_requests() > 0 and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        left = self.engine.in_flight_requests()
+        return left == 0, left
+
+    async def sleep(self, level: int) -> StatusSnapshot:
+        level = level or 1
+        if level not in (1, 2):
+            raise InvalidArgument(f"level must be 1 (offload weights) or 2 (discard weights), got {level}")
+        self._check_can_sleep()
+        if not self.sleeping:
+            self._stop_probing()
+            await self.engine.sleep(level)
+            self.sleeping = True
+            logger.info("engine sleeps (level %d)", level)
+            self._publish()
+        return self.status()
+
+    async def wake_up(self) -> StatusSnapshot:
+        self._check_can_sleep()
+        if self.sleeping:
+            await self.engine.wake_up()
+            self.sleeping = False
+            logger.info("engine woke up")
+            self._maybe_start_probing()
+            self._publish()
+        return self.status()
+
+    def _check_can_sleep(self) -> None:
+        if not self.engine.can_sleep:
+            raise FailedPrecondition(f"engine type {self.engine.engine_type!r} cannot sleep")
+        if self.machine.dead:
+            raise FailedPrecondition(f"the engine died ({self.death_reason}); it can neither sleep nor wake up")

@@ -1,0 +1,84 @@
+"""The engine's health status: one state machine, one transition function, a reason on every change.
+
+    INIT --health_up--> NORMAL --failure_limit--> ABNORMAL --probe_succeeded--> NORMAL
+    any  --engine_died--> ABNORMAL (final: a dead engine never comes back in this process)
+
+Flags that are not states (sleeping, draining, probing) live beside it in the EngineStatus message.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+
+class Health(enum.IntEnum):
+    # Values match motor.v1.HealthStatus.
+    INIT = 1
+    NORMAL = 2
+    ABNORMAL = 3
+
+
+class Event(enum.Enum):
+    HEALTH_UP = "health_up"  # GET /health answered 200
+    FAILURE_LIMIT = "failure_limit"  # max_failure_count consecutive counted probe failures
+    PROBE_SUCCEEDED = "probe_succeeded"
+    ENGINE_DIED = "engine_died"
+
+
+# (from, event) -> to. Anything else is ignored (e.g. a success while NORMAL changes nothing).
+TRANSITIONS: dict[tuple[Health, Event], Health] = {
+    (Health.INIT, Event.HEALTH_UP): Health.NORMAL,
+    (Health.NORMAL, Event.FAILURE_LIMIT): Health.ABNORMAL,
+    (Health.ABNORMAL, Event.PROBE_SUCCEEDED): Health.NORMAL,
+    (Health.INIT, Event.ENGINE_DIED): Health.ABNORMAL,
+    (Health.NORMAL, Event.ENGINE_DIED): Health.ABNORMAL,
+    (Health.ABNORMAL, Event.ENGINE_DIED): Health.ABNORMAL,
+}
+
+
+@dataclass(frozen=True)
+class Transition:
+    before: Health
+    after: Health
+    event: Event
+    reason: str
+    at: float
+
+
+class HealthStateMachine:
+    """Holds the status and its reason; `fire` is the only way to change them."""
+
+    def __init__(self, clock: Callable[[], float] = time.time):
+        self.state = Health.INIT
+        self.reason = "starting: waiting for the inference plane's GET /health to answer"
+        self.dead = False
+        self.changed_at = clock()
+        self._clock = clock
+        self._listeners: list[Callable[[Transition], None]] = []
+
+    def on_transition(self, listener: Callable[[Transition], None]) -> None:
+        self._listeners.append(listener)
+
+    def fire(self, event: Event, reason: str) -> bool:
+        """Apply `event`; return True when the status or its reason changed."""
+        if self.dead:
+            return False  # a dead engine stays ABNORMAL with the death's reason
+        after = TRANSITIONS.get((self.state, event))
+        if after is None:
+            return False
+        if after == self.state and reason == self.reason:
+            return False
+        transition = Transition(self.state, after, event, reason, self._clock())
+        self.state, self.reason, self.changed_at = after, reason, transition.at
+        self.dead = event is Event.ENGINE_DIED
+        log = logger.warning if after is Health.ABNORMAL else logger.info
+        log("status %s -> %s (%s): %s", transition.before.name, after.name, event.value, reason)
+        for listener in self._listeners:
+            listener(transition)
+        return True
