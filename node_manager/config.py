@@ -1,0 +1,150 @@
+"""Node manager configuration: command-line flags and/or a YAML file, validated by pydantic.
+
+Flags override the file; every error names the field to change (the CLI exits with 2).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import sys
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+_NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+def _host_port(value: str, field: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"must be HOST:PORT with a port in 0-65535 (e.g. 0.0.0.0:50052)")
+    return host.strip("[]"), int(port)
+
+
+class NodeManagerConfig(BaseModel):
+    """Everything `motor-node-manager` can be told (same names as the flags, with '_')."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    node_id: str
+    listen: str = "0.0.0.0:50052"
+    advertise_address: str | None = None
+    controller: str | None = None
+    host: str = "127.0.0.1"
+    accelerators: list[int] = Field(default_factory=list)
+    accelerator_type: str = "sim"
+    port_range: str = "20000-29999"
+    state_dir: str = "./.state/node"
+    log_dir: str | None = None
+    heartbeat_interval: float = Field(1.0, gt=0, le=3600)
+    abnormal_threshold: int = Field(5, ge=1, le=1000)
+    startup_grace: float = Field(600.0, ge=0)
+    stop_deadline: float = Field(10.0, ge=0)
+    status_timeout: float = Field(1.0, gt=0)
+    metrics_port: int = Field(0, ge=0, le=65535)
+    engine_command: str = "engine_server"
+    log_level: str = "INFO"
+
+    @field_validator("node_id")
+    @classmethod
+    def _check_node_id(cls, value: str) -> str:
+        if not _NODE_ID.match(value):
+            raise ValueError("must be 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")
+        return value
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, value: str) -> str:
+        _host_port(value, "listen")
+        return value
+
+    @field_validator("advertise_address", "controller")
+    @classmethod
+    def _check_address(cls, value: str | None) -> str | None:
+        if value is not None:
+            _host_port(value, "address")
+        return value
+
+    @field_validator("accelerators", mode="before")
+    @classmethod
+    def _split_accelerators(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            items = [v.strip() for v in value.split(",") if v.strip()]
+            if not all(v.isdigit() for v in items):
+                raise ValueError(f"must be a comma-separated list of accelerator numbers (e.g. 0,1,2,3)")
+            return [int(v) for v in items]
+        if isinstance(value, int):
+            return [value]
+        return value
+
+    @field_validator("accelerators")
+    @classmethod
+    def _check_accelerators(cls, value: list[int]) -> list[int]:
+        if any(v < 0 for v in value):
+            raise ValueError("accelerator numbers must be >= 0")
+        if len(set(value)) != len(value):
+            raise ValueError("accelerator numbers must be unique")
+        return value
+
+    @field_validator("port_range")
+    @classmethod
+    def _check_port_range(cls, value: str) -> str:
+        match = re.match(r"^\s*(\d+)\s*-\s*(\d+)\s*$", value)
+        if not match or not 0 < int(match[1]) <= int(match[2]) <= 65535:
+            raise ValueError(f"must be START-END within 1-65535 with START <= END (e.g. 20000-29999)")
+        return value
+
+    @field_validator("engine_command")
+    @classmethod
+    def _check_engine_command(cls, value: str) -> str:
+        if not shlex.split(value):
+            raise ValueError("must name the engine server command (e.g. engine_server)")
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _check_log_level(cls, value: str) -> str:
+        if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError("must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
+        return value.upper()
+
+    @field_validator("status_timeout")
+    @classmethod
+    def _check_status_timeout(cls, value: float, info: ValidationInfo) -> float:
+        # A status call longer than the interval would stretch the hang-detection bound.
+        interval = info.data.get("heartbeat_interval")
+        if interval is not None and value > interval:
+            raise ValueError(f"must not exceed heartbeat_interval ({interval:g}s)")
+        return value
+
+    # Derived values -------------------------------------------------------------------------
+
+    @property
+    def listen_host_port(self) -> tuple[str, int]:
+        return _host_port(self.listen, "listen")
+
+    @property
+    def port_range_bounds(self) -> tuple[int, int]:
+        start, end = (int(v) for v in self.port_range.split("-"))
+        return start, end
+
+    @property
+    def engines_dir(self) -> str:
+        return os.path.join(self.state_dir, "engines")
+
+    @property
+    def logs_dir(self) -> str:
+        return self.log_dir or os.path.join(self.state_dir, "logs")
+
+    def engine_argv(self) -> list[str]:
+        """The engine command as argv; a bare name is looked up on PATH, then next to this Python
+        (a virtual environment's bin/ need not be on PATH)."""
+        argv = shlex.split(self.engine_command)
+        if os.sep not in argv[0] and shutil.which(argv[0]) is None:
+            beside = os.path.join(os.path.dirname(sys.executable), argv[0])
+            if os.access(beside, os.X_OK):
+                argv[0] = beside
+        return argv

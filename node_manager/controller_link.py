@@ -1,0 +1,145 @@
+"""The node manager's side of the controller: RegisterNode, Heartbeat, ReportEngineEvent.
+
+Every call retries with exponential backoff and jitter (tenacity). While the controller is
+unreachable nothing else changes: engines keep running and supervision goes on. A heartbeat
+refused with FAILED_PRECONDITION (stale generation) or NOT_FOUND (controller forgot the node)
+leads to a new registration; the registration's assignments fence engines the controller no
+longer wants here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+from tenacity import AsyncRetrying, retry_if_exception, retry_if_exception_type, stop_after_attempt, wait_random_exponential
+
+from motor.grpc_server import aio_channel
+from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
+from node_manager.manager import NodeManager
+
+logger = logging.getLogger(__name__)
+
+# Codes after which the node must register again instead of retrying the same call.
+REREGISTER = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+
+
+class ReRegister(Exception):
+    """The controller refused the node's generation: register again."""
+
+
+def _transient(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in REREGISTER
+
+
+class ControllerLink:
+    def __init__(self, manager: NodeManager, controller: str, node: controller_pb2.NodeInfo,
+                 interval: float, call_timeout: float = 5.0, max_backoff: float = 10.0):
+        self.manager = manager
+        self.node = node
+        self.interval = interval
+        self.call_timeout = call_timeout
+        self.max_backoff = max_backoff
+        self.channel = aio_channel(controller)
+        self.stub = controller_pb2_grpc.ControllerServiceStub(self.channel)
+        self.generation = 0
+        self.registered = asyncio.Event()
+        manager.reporter = self.report
+
+    def _retrying(self, retry=retry_if_exception(_transient), **kwargs) -> AsyncRetrying:
+        return AsyncRetrying(
+            wait=wait_random_exponential(multiplier=min(self.interval, 1.0) / 2, max=self.max_backoff),
+            retry=retry,
+            reraise=True,
+            **kwargs,
+        )
+
+    async def run(self) -> None:
+        """Register, then heartbeat every interval; register again when refused. Runs until cancelled."""
+        try:
+            while True:
+                await self.register()
+                try:
+                    await self._heartbeats()
+                except ReRegister as exc:
+                    logger.warning("controller refused heartbeat (%s): registering again", exc)
+                    self.registered.clear()
+        finally:
+            await self.channel.close()
+
+    async def register(self) -> None:
+        attempt_no = 0
+        # Every error is retried: a node manager waits for its controller, however long.
+        async for attempt in self._retrying(retry=retry_if_exception_type(grpc.aio.AioRpcError)):
+            with attempt:
+                attempt_no += 1
+                request = controller_pb2.RegisterNodeRequest(
+                    node=self.node, engines=[e for e in self.manager.engines() if e.state != types_pb2.ENGINE_STATE_STOPPED]
+                )
+                try:
+                    reply = await self.stub.RegisterNode(request, timeout=self.call_timeout)
+                except grpc.aio.AioRpcError as exc:
+                    if attempt_no == 1 or attempt_no % 10 == 0:
+                        logger.warning("cannot register with the controller (attempt %d): %s: %s",
+                                       attempt_no, exc.code().name, exc.details())
+                    raise
+        self.generation = reply.generation
+        if reply.HasField("heartbeat_interval") and reply.heartbeat_interval.ToTimedelta().total_seconds() > 0:
+            self.interval = reply.heartbeat_interval.ToTimedelta().total_seconds()
+        fenced = self.manager.reconcile((a.engine_id, a.generation) for a in reply.assignments)
+        logger.info("registered with the controller as %s (generation %d, heartbeat every %gs); %d engine(s) assigned%s",
+                    self.node.node_id, self.generation, self.interval, len(reply.assignments),
+                    f", stopping unassigned {fenced}" if fenced else "")
+        self.registered.set()
+
+    async def _heartbeats(self) -> None:
+        failures = 0
+        next_tick = time.monotonic()
+        while True:
+            next_tick += self.interval
+            await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
+            request = controller_pb2.HeartbeatRequest(
+                node_id=self.node.node_id, generation=self.generation, engines=self.manager.engines()
+            )
+            began = time.monotonic()
+            try:
+                await self.stub.Heartbeat(request, timeout=self.call_timeout)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in REREGISTER:
+                    raise ReRegister(f"{exc.code().name}: {exc.details()}") from None
+                failures += 1
+                if failures == 1 or failures % 10 == 0:
+                    logger.warning("heartbeat to the controller failed %d time(s): %s: %s (engines keep running)",
+                                   failures, exc.code().name, exc.details())
+                # Back off (with jitter) while the controller is unreachable.
+                backoff = wait_random_exponential(multiplier=self.interval / 2, max=self.max_backoff)
+                next_tick = time.monotonic() + backoff(_State(failures)) - self.interval
+                continue
+            self.manager.metrics.heartbeat_latency.labels(self.node.node_id).observe(time.monotonic() - began)
+            if failures:
+                logger.info("heartbeats to the controller resumed after %d failure(s)", failures)
+            failures = 0
+
+    async def report(self, engine: types_pb2.Engine, reason: str) -> None:
+        """ReportEngineEvent at once (a few quick retries; the next heartbeat carries it anyway)."""
+        if not self.registered.is_set():
+            return
+        request = controller_pb2.ReportEngineEventRequest(
+            node_id=self.node.node_id, generation=self.generation, engine=engine, reason=reason
+        )
+        try:
+            async for attempt in self._retrying(stop=stop_after_attempt(3)):
+                with attempt:
+                    await self.stub.ReportEngineEvent(request, timeout=self.call_timeout)
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("could not report engine %s to the controller (%s); the next heartbeat carries it",
+                           engine.engine_id, exc.code().name)
+
+
+class _State:
+    """The one attribute of tenacity's RetryCallState that its wait strategies read."""
+
+    def __init__(self, attempt_number: int):
+        self.attempt_number = attempt_number

@@ -1,0 +1,240 @@
+"""One engine under a node manager: its record, its lifecycle state machine and its JSON form.
+
+Lifecycle (one transition function, a reason on every transition):
+
+    STARTING --first NORMAL--> RUNNING
+    STARTING/RUNNING --StopEngine--> STOPPING --tree gone--> STOPPED
+    STARTING/RUNNING --exit not asked for, or killed when abnormal--> FAILED
+    STOPPING --processes survived SIGKILL--> FAILED
+
+STOPPED and FAILED are final for a record: a later StartEngine creates a new record.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from google.protobuf import json_format
+
+from motor.names import engine_id as make_engine_id
+from motor.processes import ExitStatus, TreeId
+from motor.v1 import types_pb2
+
+logger = logging.getLogger(__name__)
+
+State = int  # a types_pb2.EngineState value
+STARTING = types_pb2.ENGINE_STATE_STARTING
+RUNNING = types_pb2.ENGINE_STATE_RUNNING
+STOPPING = types_pb2.ENGINE_STATE_STOPPING
+STOPPED = types_pb2.ENGINE_STATE_STOPPED
+FAILED = types_pb2.ENGINE_STATE_FAILED
+
+ACTIVE_STATES = frozenset({STARTING, RUNNING, STOPPING})
+FINAL_STATES = frozenset({STOPPED, FAILED})
+TRANSITIONS: dict[State, frozenset[State]] = {
+    STARTING: frozenset({RUNNING, STOPPING, FAILED}),
+    RUNNING: frozenset({STOPPING, FAILED}),
+    STOPPING: frozenset({STOPPED, FAILED}),
+    STOPPED: frozenset(),
+    FAILED: frozenset(),
+}
+# Probe results kept as evidence for a failure report.
+RECENT_PROBES = 5
+
+
+def state_name(state: State) -> str:
+    return types_pb2.EngineState.Name(state).removeprefix("ENGINE_STATE_")
+
+
+class TransitionError(RuntimeError):
+    """A transition the state machine does not allow (a bug in the node manager)."""
+
+
+@dataclass
+class EngineRecord:
+    """Everything the node manager knows about one engine (persisted, except the runtime part)."""
+
+    spec: types_pb2.EngineSpec  # as launched: ports, host and config path filled in
+    requested: types_pb2.EngineSpec  # as asked for (idempotency: compared with a repeated StartEngine)
+    log_path: str
+    token: str  # tags the engine's processes (motor.processes.TOKEN_ENV)
+    state: State = STARTING
+    state_reason: str = ""
+    state_changed_at: float = field(default_factory=time.time)
+    started_at: float = field(default_factory=time.time)
+    pid: int = 0
+    pgid: int = 0
+    process_started: float | None = None  # the process's create time: guards against pid reuse
+    exit_code: int | None = None
+    exit_signal: int | None = None
+    allocated_ports: list[int] = field(default_factory=list)
+    health: int = types_pb2.HEALTH_STATUS_UNSPECIFIED
+    health_reason: str = "engine server has not answered yet"
+    consecutive_abnormal: int = 0
+    ever_answered: bool = False
+    last_probe: types_pb2.ProbeResult | None = None
+    recent_probes: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_PROBES))
+    remembered: list[tuple[int, float]] = field(default_factory=list)  # descendants seen alive
+    # Runtime only -------------------------------------------------------------------------
+    watch: Any = None  # motor.processes.ExitWatch
+    tasks: list[Any] = field(default_factory=list)  # monitor tasks, cancelled when the engine ends
+    busy: str = ""  # "stop" or "kill" while the node manager itself is ending the engine
+    settled: Any = None  # asyncio.Event set once the record reached a final state
+
+    @property
+    def engine_id(self) -> str:
+        return make_engine_id(self.spec.instance_id, self.spec.dp_rank)
+
+    @property
+    def generation(self) -> int:
+        return self.spec.generation
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE_STATES
+
+    @property
+    def tree(self) -> TreeId:
+        return TreeId(pid=self.pid, pgid=self.pgid or self.pid, token=self.token)
+
+    def transition(self, new_state: State, reason: str, on_change: Callable[["EngineRecord", State], None]) -> None:
+        """The one way to change state; `on_change(record, old_state)` persists and publishes."""
+        if new_state not in TRANSITIONS[self.state]:
+            raise TransitionError(
+                f"{self.engine_id}: {state_name(self.state)} -> {state_name(new_state)} is not allowed ({reason})"
+            )
+        old = self.state
+        self.state, self.state_reason, self.state_changed_at = new_state, reason, time.time()
+        logger.info("engine %s: %s -> %s: %s", self.engine_id, state_name(old), state_name(new_state), reason)
+        on_change(self, old)
+
+    def record_exit(self, status: ExitStatus) -> None:
+        self.exit_code, self.exit_signal, self.pid = status.exit_code, status.signal, 0
+
+    def add_probe(self, probe: types_pb2.ProbeResult) -> None:
+        self.last_probe = probe
+        self.recent_probes.append(probe)
+
+    # Views ------------------------------------------------------------------------------------
+
+    def to_proto(self, node_id: str) -> types_pb2.Engine:
+        engine = types_pb2.Engine(
+            engine_id=self.engine_id,
+            spec=self.spec,
+            state=self.state,
+            state_reason=self.state_reason,
+            health=self.health,
+            health_reason=self.health_reason,
+            consecutive_abnormal=self.consecutive_abnormal,
+            pid=self.pid,
+            node_id=node_id,
+            log_path=self.log_path,
+            recent_probes=list(self.recent_probes),
+        )
+        if self.exit_code is not None:
+            engine.exit_code = self.exit_code
+        if self.exit_signal is not None:
+            engine.exit_signal = self.exit_signal
+        if self.last_probe is not None:
+            engine.last_probe.CopyFrom(self.last_probe)
+        engine.started_at.FromNanoseconds(int(self.started_at * 1e9))
+        engine.state_changed_at.FromNanoseconds(int(self.state_changed_at * 1e9))
+        return engine
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "spec": json_format.MessageToDict(self.spec),
+            "requested": json_format.MessageToDict(self.requested),
+            "log_path": self.log_path,
+            "token": self.token,
+            "state": state_name(self.state),
+            "state_reason": self.state_reason,
+            "state_changed_at": self.state_changed_at,
+            "started_at": self.started_at,
+            "pid": self.pid,
+            "pgid": self.pgid,
+            "process_started": self.process_started,
+            "exit_code": self.exit_code,
+            "exit_signal": self.exit_signal,
+            "allocated_ports": self.allocated_ports,
+            "remembered": self.remembered,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "EngineRecord":
+        return cls(
+            spec=json_format.ParseDict(data["spec"], types_pb2.EngineSpec()),
+            requested=json_format.ParseDict(data.get("requested", data["spec"]), types_pb2.EngineSpec()),
+            log_path=data["log_path"],
+            token=data["token"],
+            state=types_pb2.EngineState.Value("ENGINE_STATE_" + data["state"]),
+            state_reason=data.get("state_reason", ""),
+            state_changed_at=data.get("state_changed_at", time.time()),
+            started_at=data.get("started_at", time.time()),
+            pid=data.get("pid", 0),
+            pgid=data.get("pgid", 0),
+            process_started=data.get("process_started"),
+            exit_code=data.get("exit_code"),
+            exit_signal=data.get("exit_signal"),
+            allocated_ports=list(data.get("allocated_ports", [])),
+            remembered=[tuple(item) for item in data.get("remembered", [])],
+        )
+
+
+def engine_dir_name(instance_id: str, dp_rank: int) -> str:
+    return f"{instance_id}_rank{dp_rank}"
+
+
+class RecordStore:
+    """Engine records as JSON files, one directory per engine: <root>/<instance>_rank<r>/record.json.
+
+    Writes are atomic (temporary file, fsync, rename): a crash leaves the old or the new record."""
+
+    FILE = "record.json"
+
+    def __init__(self, root: str):
+        self.root = root
+        os.makedirs(root, exist_ok=True)
+
+    def engine_dir(self, spec: types_pb2.EngineSpec) -> str:
+        path = os.path.join(self.root, engine_dir_name(spec.instance_id, spec.dp_rank))
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def save(self, record: EngineRecord) -> None:
+        atomic_write(os.path.join(self.engine_dir(record.spec), self.FILE), json.dumps(record.to_json(), indent=1))
+
+    def load_all(self) -> list[EngineRecord]:
+        records = []
+        for name in sorted(os.listdir(self.root)):
+            path = os.path.join(self.root, name, self.FILE)
+            if not os.path.exists(path):
+                continue
+            try:
+                with open(path, encoding="utf-8") as handle:
+                    records.append(EngineRecord.from_json(json.load(handle)))
+            except (OSError, ValueError, KeyError, json_format.ParseError) as exc:
+                logger.error("ignoring unreadable engine record %s: %s", path, exc)
+        return records
+
+
+def atomic_write(path: str, text: str) -> None:
+    directory = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,77 @@
+"""Wiring of one node manager: the behaviour, its gRPC server, the controller link, metrics.
+
+Tests run it in-process on 127.0.0.1:0; the CLI runs it until SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from motor.grpc_server import MotorServer, service_name
+from motor.v1 import controller_pb2, node_manager_pb2, node_manager_pb2_grpc
+from node_manager.config import NodeManagerConfig
+from node_manager.controller_link import ControllerLink
+from node_manager.engine import atomic_write
+from node_manager.manager import NodeManager
+from node_manager.service import NodeManagerServicer
+
+logger = logging.getLogger(__name__)
+
+
+class NodeManagerServer:
+    def __init__(self, config: NodeManagerConfig):
+        self.config = config
+        self.manager = NodeManager(config)
+        self.server = MotorServer(config.listen)
+        self.server.add(
+            node_manager_pb2_grpc.add_NodeManagerServiceServicer_to_server,
+            NodeManagerServicer(self.manager),
+            service_name(node_manager_pb2, "NodeManagerService"),
+        )
+        self.link: ControllerLink | None = None
+        self._link_task: asyncio.Task | None = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return self.config.advertise_address or f"{self.config.host}:{self.port}"
+
+    def node_info(self) -> controller_pb2.NodeInfo:
+        start, end = self.config.port_range_bounds
+        return controller_pb2.NodeInfo(
+            node_id=self.config.node_id,
+            address=self.address,
+            host=self.config.host,
+            accelerator_ids=self.config.accelerators,
+            accelerator_type=self.config.accelerator_type,
+            port_range_start=start,
+            port_range_end=end,
+        )
+
+    async def start(self) -> int:
+        os.makedirs(self.config.state_dir, exist_ok=True)
+        await self.manager.start()
+        self.port = await self.server.start()
+        atomic_write(os.path.join(self.config.state_dir, "node_manager.port"), f"{self.port}\n")
+        logger.info("node manager %s serving motor.v1.NodeManagerService on port %d (advertised as %s)",
+                    self.config.node_id, self.port, self.address)
+        if self.config.metrics_port:
+            self.manager.metrics.serve(self.config.metrics_port)
+            logger.info("Prometheus metrics on port %d", self.config.metrics_port)
+        if self.config.controller:
+            self.link = ControllerLink(self.manager, self.config.controller, self.node_info(),
+                                       self.config.heartbeat_interval)
+            self._link_task = asyncio.get_running_loop().create_task(self.link.run())
+        else:
+            logger.info("no --controller: running standalone (StartEngine through gRPC)")
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop serving; engines keep running (a restarted node manager re-adopts them)."""
+        if self._link_task is not None:
+            self._link_task.cancel()
+            await asyncio.gather(self._link_task, return_exceptions=True)
+        await self.server.stop(grace=1.0)
+        await self.manager.close()

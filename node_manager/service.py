@@ -1,0 +1,40 @@
+"""motor.v1.NodeManagerService: a thin translation between protobuf and NodeManager."""
+
+from __future__ import annotations
+
+import grpc
+
+from motor.errors import InvalidArgument
+from motor.v1 import node_manager_pb2, node_manager_pb2_grpc
+from node_manager.manager import NodeManager
+
+
+class NodeManagerServicer(node_manager_pb2_grpc.NodeManagerServiceServicer):
+    def __init__(self, manager: NodeManager):
+        self.manager = manager
+
+    async def StartEngine(self, request, context):
+        if not request.HasField("spec"):
+            raise InvalidArgument("spec: required (instance_id, dp_rank, role, config_path or config_json, ...)")
+        record = await self.manager.start_engine(request.spec)
+        return node_manager_pb2.StartEngineResponse(engine=record.to_proto(self.manager.node_id))
+
+    async def StopEngine(self, request, context):
+        deadline = None
+        if request.HasField("deadline"):
+            deadline = request.deadline.ToTimedelta().total_seconds()
+            if deadline < 0:
+                raise InvalidArgument(f"deadline must not be negative (got {deadline:g}s)")
+        record = await self.manager.stop_engine(request.engine_id, deadline, request.generation)
+        return node_manager_pb2.StopEngineResponse(engine=record.to_proto(self.manager.node_id))
+
+    async def GetEngine(self, request, context):
+        record = self.manager.get(request.engine_id)
+        return node_manager_pb2.GetEngineResponse(engine=record.to_proto(self.manager.node_id))
+
+    async def ListEngines(self, request, context):
+        return node_manager_pb2.ListEnginesResponse(engines=self.manager.engines())
+
+    async def WatchEngines(self, request, context):
+        async for engine, snapshot in self.manager.watch():
+            yield node_manager_pb2.WatchEnginesResponse(engine=engine, snapshot=snapshot)
