@@ -1,0 +1,255 @@
+"""Supervising real engine servers (the simulated engine) with real signals."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+
+import aiohttp
+import grpc
+import psutil
+import pytest
+
+from motor import processes
+from motor.v1 import node_manager_pb2, types_pb2
+from tests.node_manager.conftest import alive, sim_config, spec
+from tests.support import async_wait_for
+
+RUNNING, FAILED, STOPPED = types_pb2.ENGINE_STATE_RUNNING, types_pb2.ENGINE_STATE_FAILED, types_pb2.ENGINE_STATE_STOPPED
+
+
+def tree_of(engine: types_pb2.Engine) -> list[int]:
+    return [engine.pid] + [c.pid for c in psutil.Process(engine.pid).children(recursive=True)]
+
+
+async def test_start_reaches_running_and_stop_leaves_no_process(make_node):
+    node = await make_node()
+    engine = await node.start(accelerator_ids=[1, 2])
+    assert engine.state == types_pb2.ENGINE_STATE_STARTING and engine.pid > 0
+    assert engine.spec.port and engine.spec.mgmt_port and engine.spec.config_path.endswith("user_config.json")
+    with open(f"/proc/{engine.pid}/environ", "rb") as handle:
+        env = dict(item.split(b"=", 1) for item in handle.read().split(b"\0") if b"=" in item)
+    assert env[b"CUDA_VISIBLE_DEVICES"] == b"1,2" and env[b"ASCEND_RT_VISIBLE_DEVICES"] == b"1,2"
+    assert os.getpgid(engine.pid) == engine.pid  # its own process group
+    running = await node.wait_state("prefill-0/rank0", RUNNING)
+    assert running.health == types_pb2.HEALTH_STATUS_NORMAL
+    probed = await async_wait_for(
+        lambda: _with_probe(node), timeout=20, what="a probe result from WatchProbes")
+    assert probed.last_probe.outcome == types_pb2.PROBE_OUTCOME_SUCCESS
+
+    pids = tree_of(running)
+    stopped = await node.stop("prefill-0/rank0")
+    assert stopped.state == STOPPED and "after SIGTERM" in stopped.state_reason
+    assert stopped.exit_code == 0 and stopped.pid == 0
+    assert not any(alive(pid) for pid in pids)
+    # Idempotent: stopping again succeeds and changes nothing.
+    again = await node.stop("prefill-0/rank0")
+    assert again.state == STOPPED and again.state_changed_at == stopped.state_changed_at
+
+
+async def _with_probe(node):
+    engine = await node.get("prefill-0/rank0")
+    return engine if engine.HasField("last_probe") else None
+
+
+async def test_start_is_idempotent_and_a_different_spec_is_refused(make_node):
+    node = await make_node()
+    first = await node.start(accelerator_ids=[0])
+    again = await node.start(accelerator_ids=[0])
+    assert again.pid == first.pid and again.spec == first.spec
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await node.start(accelerator_ids=[3])
+    assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "stop it first" in refused.value.details()
+    assert alive(first.pid)
+    await node.stop("prefill-0/rank0")
+    # After a stop, a new generation starts a new process.
+    replaced = await node.start(accelerator_ids=[0], generation=2)
+    assert replaced.pid != first.pid and replaced.spec.generation == 2
+    with pytest.raises(grpc.aio.AioRpcError) as stale:
+        await node.stop("prefill-0/rank0")  # (stop it so that a stale start can be tried)
+        await node.start(accelerator_ids=[0], generation=1)
+    assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "stale" in stale.value.details()
+
+
+async def test_sigkill_is_noticed_recorded_and_reported(make_node, fake_controller):
+    node = await make_node(controller=fake_controller.address)
+    await async_wait_for(lambda: fake_controller.registrations, timeout=10)
+    engine = await node.start()
+    await node.wait_state("prefill-0/rank0", RUNNING)
+    os.kill(engine.pid, signal.SIGKILL)
+    failed = await node.wait_state("prefill-0/rank0", FAILED, timeout=10)
+    assert failed.exit_signal == signal.SIGKILL and not failed.HasField("exit_code")
+    assert "killed by signal 9 (SIGKILL) without being asked to stop" in failed.state_reason
+    report = await async_wait_for(lambda: fake_controller.reports, timeout=10)
+    assert report[0].engine.engine_id == "prefill-0/rank0" and report[0].engine.state == FAILED
+    assert "SIGKILL" in report[0].reason
+    beat = await async_wait_for(
+        lambda: [h for h in fake_controller.heartbeats if h.engines and h.engines[0].state == FAILED], timeout=10)
+    assert beat[0].node_id == "node-a"
+
+
+async def test_exit_zero_not_asked_for_is_a_failure(make_node):
+    node = await make_node()
+    engine = await node.start()
+    await node.wait_state("prefill-0/rank0", RUNNING)
+    # SIGTERM sent by someone else: the engine server drains and exits 0, which nobody asked for.
+    os.kill(engine.pid, signal.SIGTERM)
+    failed = await node.wait_state("prefill-0/rank0", FAILED, timeout=20)
+    assert failed.exit_code == 0
+    assert "exited with code 0 without being asked to stop" in failed.state_reason
+
+
+async def test_crash_during_startup_reports_the_exit_code_and_log(make_node):
+    node = await make_node()
+    bad = json.dumps({"motor_engine_prefill_config": {"engine_type": "sim", "engine_args": {"no_such_arg": 1}}})
+    await node.start(config_json=bad)
+    failed = await node.wait_state("prefill-0/rank0", FAILED, timeout=20)
+    assert failed.exit_code == 2
+    assert "while STARTING" in failed.state_reason and "no_such_arg" in failed.state_reason
+
+
+async def test_child_outliving_its_parent_is_killed(make_node, tmp_path):
+    script = tmp_path / "engine_with_children.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "stay = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "escape = subprocess.Popen([sys.executable, '-c', 'import os, time; os.setsid(); time.sleep(600)'])\n"
+        "print('children', stay.pid, escape.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    node = await make_node(engine_command=f"{sys.executable} {script}")
+    engine = await node.start()
+
+    def children():
+        for line in open(engine.log_path, encoding="utf-8"):
+            if line.startswith("children "):
+                return [int(v) for v in line.split()[1:]]
+
+    pids = await async_wait_for(children, timeout=20, what="the test engine's children")
+    os.kill(engine.pid, signal.SIGKILL)
+    failed = await node.wait_state("prefill-0/rank0", FAILED, timeout=10)
+    assert failed.exit_signal == signal.SIGKILL
+    await async_wait_for(lambda: not any(alive(pid) for pid in pids), timeout=10, what="children killed")
+
+
+async def test_short_pause_is_tolerated_and_a_hang_is_killed_within_the_bound(make_node, fake_controller):
+    interval, threshold = 0.5, 6  # a 2 s pause is 4 intervals: below the threshold
+    node = await make_node(controller=fake_controller.address, heartbeat_interval=interval,
+                           status_timeout=interval, abnormal_threshold=threshold)
+    engine = await node.start()
+    await node.wait_state("prefill-0/rank0", RUNNING)
+    os.kill(engine.pid, signal.SIGSTOP)
+    await asyncio.sleep(2)
+    os.kill(engine.pid, signal.SIGCONT)
+    await asyncio.sleep(2 * interval)
+    await async_wait_for(lambda: _consecutive_is_zero(node), timeout=10, what="health recovered after SIGCONT")
+    engine = await node.get("prefill-0/rank0")
+    assert engine.state == RUNNING and alive(engine.pid)
+
+    stopped_at = time.monotonic()
+    os.kill(engine.pid, signal.SIGSTOP)
+    failed = await node.wait_state("prefill-0/rank0", FAILED, timeout=60)
+    took = time.monotonic() - stopped_at
+    assert failed.state_reason.startswith(f"killed after {threshold} abnormal heartbeats: no answer: GetStatus timed out")
+    assert failed.exit_signal == signal.SIGKILL and not alive(engine.pid)
+    # threshold x interval + one interval, plus slack for a loaded 2-core machine (catches a hang).
+    assert took < (threshold + 1) * interval + 5
+    report = await async_wait_for(lambda: fake_controller.reports, timeout=10)
+    assert report[0].reason == failed.state_reason
+
+
+async def _consecutive_is_zero(node):
+    engine = await node.get("prefill-0/rank0")
+    return engine.consecutive_abnormal == 0 and engine.health == types_pb2.HEALTH_STATUS_NORMAL
+
+
+async def test_failing_inference_with_green_health_is_killed_and_reported(make_node, fake_controller):
+    node = await make_node(controller=fake_controller.address)
+    engine = await node.start(config_json=sim_config(probe_interval=0.2, max_failure_count=2))
+    await node.wait_state("prefill-0/rank0", RUNNING)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"http://127.0.0.1:{engine.spec.port}/sim/faults", json={"fail_inference": True}) as r:
+            assert r.status == 200
+        async with http.get(f"http://127.0.0.1:{engine.spec.port}/health") as r:
+            assert r.status == 200  # /health stays green
+    failed = await node.wait_state("prefill-0/rank0", FAILED, timeout=60)
+    assert failed.state_reason.startswith("killed after 3 abnormal heartbeats: ABNORMAL")
+    assert failed.exit_signal == signal.SIGKILL and not alive(engine.pid)
+    report = await async_wait_for(lambda: fake_controller.reports, timeout=10)
+    assert report[0].engine.recent_probes
+    assert any(p.outcome == types_pb2.PROBE_OUTCOME_FAILURE for p in report[0].engine.recent_probes)
+
+
+async def test_watch_engines_sends_a_snapshot_then_every_change(make_node):
+    node = await make_node()
+    await node.start(instance_id="decode-0", role=types_pb2.ROLE_DECODE, config_json=sim_config("decode"))
+    seen: list[node_manager_pb2.WatchEnginesResponse] = []
+
+    async def follow():
+        async for message in node.stub.WatchEngines(node_manager_pb2.WatchEnginesRequest()):
+            seen.append(message)
+
+    task = asyncio.create_task(follow())
+    try:
+        await async_wait_for(lambda: any(m.engine.state == RUNNING for m in seen), timeout=30)
+        await node.stop("decode-0/rank0")
+        await async_wait_for(lambda: any(m.engine.state == STOPPED for m in seen), timeout=10)
+    finally:
+        task.cancel()
+    assert seen[0].snapshot and seen[0].engine.engine_id == "decode-0/rank0"
+    states = [m.engine.state for m in seen if not m.snapshot]
+    assert types_pb2.ENGINE_STATE_STOPPING in states and states[-1] == STOPPED
+
+
+@pytest.mark.parametrize(
+    "fields, code, words",
+    [
+        (dict(role=types_pb2.ROLE_UNSPECIFIED), grpc.StatusCode.INVALID_ARGUMENT, "spec.role"),
+        (dict(instance_id="Bad Id!"), grpc.StatusCode.INVALID_ARGUMENT, "spec.instance_id"),
+        (dict(dp_rank=100000), grpc.StatusCode.INVALID_ARGUMENT, "spec.dp_rank"),
+        (dict(accelerator_ids=[7]), grpc.StatusCode.FAILED_PRECONDITION, "not on node node-a"),
+        (dict(accelerator_ids=[0]), grpc.StatusCode.FAILED_PRECONDITION, "in use by ['prefill-0/rank0']"),
+        (dict(config_json="", config_path="/nonexistent/user_config.json"), grpc.StatusCode.FAILED_PRECONDITION,
+         "no such file"),
+        (dict(config_json="{not json"), grpc.StatusCode.INVALID_ARGUMENT, "spec.config_json"),
+        (dict(port=70000), grpc.StatusCode.INVALID_ARGUMENT, "spec.port"),
+        (dict(port="busy"), grpc.StatusCode.FAILED_PRECONDITION, "already in use"),
+        (dict(port="running"), grpc.StatusCode.FAILED_PRECONDITION, "in use by engine prefill-0/rank0"),
+    ],
+)
+async def test_bad_start_requests_get_clear_errors_and_disturb_nothing(make_node, fields, code, words):
+    node = await make_node()
+    running = await node.start(accelerator_ids=[0])
+    fields = dict(fields)
+    if fields.get("port") == "busy":
+        import socket
+
+        busy = socket.socket()
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        fields["port"] = busy.getsockname()[1]
+    elif fields.get("port") == "running":
+        fields["port"] = running.spec.port
+    request = spec(instance_id=fields.pop("instance_id", "other-0"), **fields)
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await node.stub.StartEngine(node_manager_pb2.StartEngineRequest(spec=request))
+    assert error.value.code() == code and words in error.value.details()
+    engine = await node.get("prefill-0/rank0")
+    assert engine.pid == running.pid and alive(running.pid)
+    assert [e.engine_id for e in (await node.stub.ListEngines(node_manager_pb2.ListEnginesRequest())).engines] == [
+        "prefill-0/rank0"]
+
+
+async def test_bad_stop_and_get_requests(make_node):
+    node = await make_node()
+    with pytest.raises(grpc.aio.AioRpcError) as unknown:
+        await node.stop("nothing-0/rank0")
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and "not known on node node-a" in unknown.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as malformed:
+        await node.get("no-rank")
+    assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "<instance_id>/rank<dp_rank>" in malformed.value.details()
