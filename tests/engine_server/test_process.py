@@ -1,0 +1,281 @@
+"""End to end: real `engine_server` processes with the sim engine, driven over gRPC and HTTP."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import socket
+import threading
+import time
+
+import grpc
+import pytest
+from google.protobuf import duration_pb2
+
+from motor.v1 import engine_pb2, types_pb2
+from tests.engine_server.conftest import sim_config, watch
+from tests.support import wait_for
+
+INIT, NORMAL, ABNORMAL = types_pb2.HEALTH_STATUS_INIT, types_pb2.HEALTH_STATUS_NORMAL, types_pb2.HEALTH_STATUS_ABNORMAL
+SUCCESS, FAILURE = types_pb2.PROBE_OUTCOME_SUCCESS, types_pb2.PROBE_OUTCOME_FAILURE
+
+
+def seconds(duration) -> float:
+    return duration.ToNanoseconds() / 1e9
+
+
+def probes(stream, count: int):
+    """The next `count` probe messages of a WatchProbes stream."""
+    return list(itertools.islice((m for m in stream if m.HasField("probe")), count))
+
+
+def until(stream, predicate, limit: int = 200):
+    """Messages of the stream up to and including the first one matching `predicate`."""
+    seen = []
+    for message in itertools.islice(stream, limit):
+        seen.append(message)
+        if predicate(message):
+            return seen
+    raise AssertionError(f"no matching message among {len(seen)}: {seen[-3:]}")
+
+
+def probe_count(process, outcome: str = "success") -> float:
+    return process.metrics().get(f'motor_engine_server_probes_total{{outcome="{outcome}"}}', 0.0)
+
+
+def all_probes(process) -> float:
+    return probe_count(process, "success") + probe_count(process, "failure")
+
+
+def test_init_then_normal_then_probes_at_the_configured_interval(engine_server):
+    es = engine_server(sim_config(engine_args={"startup_delay_s": 2.0, "utilization": 1}))
+    loading = es.wait_status(INIT, timeout=20)
+    assert "GET /health" in loading.reason
+    assert not loading.probing
+    normal = es.wait_status(NORMAL)
+    assert "/health answered 200" in normal.reason
+    stream = watch(es)
+    first = next(stream)
+    assert first.status.status == NORMAL and not first.HasField("probe")
+    seen = probes(stream, 4)
+    stream.cancel()
+    assert all(m.probe.outcome == SUCCESS for m in seen)
+    assert all(seconds(m.probe.next_interval) == pytest.approx(0.3) for m in seen)
+    assert all(m.probe.utilization_peak == 1 for m in seen)
+    sent = [m.probe.time.ToNanoseconds() / 1e9 for m in seen]
+    gaps = [b - a for a, b in zip(sent, sent[1:])]
+    # 0.3 s apart, start to start; the upper bound only catches a stalled prober.
+    assert all(0.25 <= gap < 3.0 for gap in gaps), gaps
+
+
+def test_fail_inference_turns_abnormal_after_max_failure_count_and_a_success_resets(engine_server):
+    es = engine_server(sim_config(engine_args={"utilization": 1}, health={"max_failure_count": 3}))
+    es.wait_status(NORMAL)
+    stream = watch(es)
+    next(stream)
+    es.set_faults(fail_inference=True)
+    seen = until(stream, lambda m: m.status.status == ABNORMAL)
+    failures = [m.probe for m in seen if m.HasField("probe") and m.probe.outcome == FAILURE]
+    assert [p.consecutive_failures for p in failures][-3:] == [1, 2, 3]
+    assert all(p.counted and "500" in p.error for p in failures)
+    abnormal = es.status()
+    assert abnormal.status == ABNORMAL
+    assert "3 consecutive" in abnormal.reason and "fail_inference" in abnormal.reason
+    # /health stayed green all along: only the probes saw the failure.
+    assert es.http("GET", "/health")[0] == 200
+
+    es.set_faults(fail_inference=False)
+    seen = until(stream, lambda m: m.status.status == NORMAL)
+    stream.cancel()
+    recovered = es.status()
+    assert recovered.status == NORMAL and recovered.consecutive_failures == 0
+    assert "succeed again" in recovered.reason
+
+
+def test_busy_engine_with_failing_probes_stays_normal_and_uses_the_busy_interval(engine_server):
+    es = engine_server(
+        sim_config(engine_args={"utilization": 95, "faults": {"fail_inference": True}}, health={"max_failure_count": 2})
+    )
+    es.wait_status(NORMAL)
+    stream = watch(es)
+    next(stream)
+    busy = probes(stream, 4)
+    assert all(m.probe.outcome == FAILURE and not m.probe.counted for m in busy)
+    assert all(m.probe.consecutive_failures == 0 and m.status.status == NORMAL for m in busy)
+    assert all(seconds(m.probe.next_interval) == pytest.approx(1.5) for m in busy)
+    assert seconds(es.status().probe_interval) == pytest.approx(1.5)
+
+    # Between the threshold and busy: failures still do not count, the interval is unchanged.
+    es.set_faults(utilization=50)
+    middle = probes(stream, 3)[1:]  # the first may have sampled before the change
+    assert all(not m.probe.counted and seconds(m.probe.next_interval) == pytest.approx(1.5) for m in middle)
+    assert es.status().status == NORMAL
+
+    # Idle again: back to the short interval, and the failures count.
+    es.set_faults(utilization=0)
+    seen = until(stream, lambda m: m.status.status == ABNORMAL)
+    stream.cancel()
+    counted = [m.probe for m in seen if m.HasField("probe") and m.probe.counted]
+    assert len(counted) >= 2 and seconds(counted[-1].next_interval) == pytest.approx(0.3)
+
+
+def test_hung_engine_turns_abnormal_and_recovers(engine_server):
+    es = engine_server(sim_config(engine_args={"utilization": 1}, health={"max_failure_count": 2, "probe_timeout": 0.5}))
+    es.wait_status(NORMAL)
+    es.set_faults(hang=True)
+    abnormal = es.wait_status(ABNORMAL, timeout=30)
+    assert "timed out" in abnormal.reason
+    es.set_faults(hang=False)
+    es.wait_status(NORMAL, timeout=30)
+
+
+@pytest.mark.parametrize("how", ["at run time", "by config"])
+def test_engine_crash_reports_abnormal_and_exits_non_zero(engine_server, how):
+    faults = {"crash_after_s": 3.0} if how == "by config" else {}
+    es = engine_server(sim_config(engine_args={"utilization": 1, "faults": faults}))
+    es.wait_status(NORMAL)
+    stream = watch(es)
+    assert next(stream).status.status == NORMAL
+    if how == "at run time":
+        try:
+            es.set_faults(crash=True)
+        except OSError:
+            pass  # the process may be gone before the answer
+    seen = until(stream, lambda m: m.status.status == ABNORMAL)
+    assert "the engine died" in seen[-1].status.reason
+    # Exits on its own, promptly (the bound only catches a process that stays up).
+    assert es.wait_exit(timeout=5) == 1
+    assert "exiting: the engine died" in es.output
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_zero(engine_server):
+    es = engine_server(sim_config(engine_args={"latency_ms": 1500, "utilization": 1}, drain_timeout=20))
+    es.wait_status(NORMAL)
+    answers = []
+    request = threading.Thread(target=lambda: answers.append(es.http("POST", "/v1/completions", {"prompt": "slow"})))
+    request.start()
+    wait_for(lambda: es.status().in_flight_requests == 1, timeout=10, what="the slow request in flight")
+    os.kill(es.process.pid, signal.SIGTERM)
+    request.join(timeout=20)
+    assert answers and answers[0][0] == 200, answers
+    assert es.wait_exit(timeout=20) == 0
+    assert "shut down cleanly" in es.output
+
+
+def test_sigterm_gives_up_waiting_at_the_drain_timeout(engine_server):
+    es = engine_server(sim_config(engine_args={"utilization": 1}, drain_timeout=0.5))
+    es.wait_status(NORMAL)
+    es.set_faults(hang=True)
+    threading.Thread(target=lambda: es.http("POST", "/v1/completions", {"prompt": "stuck"}, timeout=30), daemon=True).start()
+    wait_for(lambda: es.status().in_flight_requests == 1, timeout=10, what="the stuck request in flight")
+    os.kill(es.process.pid, signal.SIGTERM)
+    assert es.wait_exit(timeout=20) == 0
+    assert "drain deadline (0.5s) passed with 1 requests in flight" in es.output
+
+
+def test_drain_rpc_stops_probing_and_waits_without_exiting(engine_server):
+    es = engine_server(sim_config(engine_args={"latency_ms": 1500, "utilization": 1}, drain_timeout=20))
+    es.wait_status(NORMAL)
+    # (these probes time out: the engine answers in 1.5 s; they are counted all the same)
+    wait_for(lambda: all_probes(es) >= 2, timeout=10, what="some probes")
+    threading.Thread(target=lambda: es.http("POST", "/v1/completions", {"prompt": "slow"}), daemon=True).start()
+    wait_for(lambda: es.status().in_flight_requests == 1, timeout=10, what="the slow request in flight")
+
+    short = es.stub().Drain(engine_pb2.DrainRequest(deadline=duration_pb2.Duration(nanos=100_000_000)), timeout=10)
+    assert not short.drained and short.in_flight_requests == 1
+    full = es.stub().Drain(engine_pb2.DrainRequest(), timeout=30)
+    assert full.drained and full.in_flight_requests == 0
+    status = es.status()
+    assert status.draining and not status.probing and status.status == NORMAL
+    before = all_probes(es)
+    time.sleep(1.5)  # several probe intervals: none may be sent while draining
+    assert all_probes(es) == before
+    assert es.process.poll() is None
+
+    with pytest.raises(grpc.RpcError) as error:
+        es.stub().Drain(engine_pb2.DrainRequest(deadline=duration_pb2.Duration(seconds=-1)), timeout=10)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_sleep_and_wake_up(engine_server):
+    es = engine_server(sim_config(engine_args={"utilization": 1}))
+    es.wait_status(NORMAL)
+    wait_for(lambda: probe_count(es) >= 1, timeout=10, what="a probe")
+    asleep = es.stub().Sleep(engine_pb2.SleepRequest(level=1), timeout=10).status
+    assert asleep.sleeping and not asleep.probing and asleep.status == NORMAL
+    assert es.stub().Sleep(engine_pb2.SleepRequest(), timeout=10).status.sleeping  # again: a no-op
+    assert es.http("POST", "/v1/completions", {"prompt": "hi"})[0] == 503
+    before = all_probes(es)
+    time.sleep(1.0)
+    assert all_probes(es) == before
+    assert es.status().status == NORMAL
+
+    with pytest.raises(grpc.RpcError) as error:
+        es.stub().Sleep(engine_pb2.SleepRequest(level=3), timeout=10)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "level" in error.value.details()
+
+    awake = es.stub().WakeUp(engine_pb2.WakeUpRequest(), timeout=10).status
+    assert not awake.sleeping and awake.probing
+    assert es.http("POST", "/v1/completions", {"prompt": "hi"})[0] == 200
+    wait_for(lambda: all_probes(es) > before, timeout=10, what="probes after waking up")
+    assert not es.stub().WakeUp(engine_pb2.WakeUpRequest(), timeout=10).status.sleeping
+
+
+def test_watch_probes_starts_with_the_current_status_and_disabled_probing_sends_none(engine_server):
+    es = engine_server(sim_config(health={"enable_virtual_inference": False}))
+    es.wait_status(NORMAL)
+    stream = watch(es, timeout=3)
+    first = next(stream)
+    assert first.status.status == NORMAL and not first.status.probing and not first.HasField("probe")
+    assert first.status.instance_id == "prefill-0" and first.status.role == types_pb2.ROLE_PREFILL
+    time.sleep(1.0)
+    assert all_probes(es) == 0
+    stream.cancel()
+
+
+def test_probes_stay_out_of_the_sim_engines_counters(engine_server):
+    es = engine_server(sim_config(engine_args={"utilization": 1}))
+    es.wait_status(NORMAL)
+    wait_for(lambda: probe_count(es) >= 3, timeout=10, what="three probes")
+    status, completion = es.http("POST", "/v1/completions", {"prompt": "one two three", "max_tokens": 5})
+    assert status == 200
+    status, chat = es.http(
+        "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2},
+        headers={"X-Request-Id": "real-42"},
+    )  # fmt: skip
+    assert status == 200 and chat["id"] == "chatcmpl-real-42"
+    metrics = es.metrics()
+    assert metrics['sim:request_success_total{model="sim-tiny"}'] == 2
+    prompt = completion["usage"]["prompt_tokens"] + chat["usage"]["prompt_tokens"]
+    assert metrics['sim:prompt_tokens_total{model="sim-tiny"}'] == prompt
+    assert metrics['sim:generation_tokens_total{model="sim-tiny"}'] == 7
+    # The engine server's own series are on the same /metrics.
+    assert metrics['motor_engine_server_probes_total{outcome="success"}'] >= 3
+    assert metrics["motor_engine_server_health_status"] == NORMAL
+    assert metrics["motor_engine_server_probe_interval_seconds"] == pytest.approx(0.3)
+    assert metrics["motor_engine_server_probe_latency_seconds_count"] >= 3
+
+
+def test_decode_role_is_served_and_probed(engine_server):
+    # The probe body of the decode role is checked in test_probing.py.
+    es = engine_server(sim_config(role="decode", engine_args={"utilization": 1}), role="decode", instance_id="decode-0")
+    assert es.wait_status(NORMAL).role == types_pb2.ROLE_DECODE
+    wait_for(lambda: probe_count(es) >= 2, timeout=10, what="decode probes")
+
+
+def test_union_role_falls_back_to_the_prefill_section(engine_server):
+    es = engine_server(sim_config(role="prefill"), role="union", instance_id="union-0")
+    status = es.wait_status(NORMAL)
+    assert status.role == types_pb2.ROLE_UNION and status.engine_type == "sim"
+
+
+@pytest.mark.parametrize("plane, code", [("port", 1), ("mgmt_port", 2)])
+def test_a_taken_port_stops_the_start_with_a_clear_error(engine_server, plane, code):
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        taken = blocker.getsockname()[1]
+        es = engine_server(sim_config(), **{plane: taken})
+        assert es.wait_exit(timeout=30) == code
+    assert f"cannot listen on 127.0.0.1:{taken}" in es.output
