@@ -196,7 +196,9 @@ class EngineServer:
     def _on_transition(self, transition: Transition) -> None:
         if self.metrics is not None:
             self.metrics.status.set(int(transition.after))
-        self._publish()
+        if transition.event not in (Event.FAILURE_LIMIT, Event.PROBE_SUCCEEDED):
+            # Probe-caused changes are published once, with the probe (see _on_probe).
+            self._publish()
 
     # --- status and watchers ---------------------------------------------------------------
     def status(self) -> StatusSnapshot:

@@ -1,0 +1,230 @@
+"""Probing logic in-process: interval rule, failure counting, busy engines, the probe request."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from engine_server.config import HealthCheckConfig
+from engine_server.engines.base import VIRTUAL_REQUEST_ID_PATTERN, UtilizationSampler
+from engine_server.metrics import EngineServerMetrics
+from engine_server.probing import HttpProbeClient, PeakSampler, ProbeFailed, Prober, probe_request
+from engine_server.status import Event, Health, HealthStateMachine
+from motor.ports import free_port
+
+SETTINGS = HealthCheckConfig(
+    enable_virtual_inference=True,
+    npu_usage_threshold=3,
+    max_failure_count=3,
+    probe_interval=5,
+    busy_probe_interval=20,
+    busy_utilization=80,
+    probe_timeout=0.2,
+    utilization_window=3,
+    utilization_sample_period=0.5,
+)
+
+
+class FixedSampler(UtilizationSampler):
+    name = "fixed"
+
+    def __init__(self, *values: float):
+        self.values = list(values)
+        self.calls = 0
+
+    async def sample(self) -> float:
+        self.calls += 1
+        return self.values[min(self.calls - 1, len(self.values) - 1)]
+
+
+class ScriptedClient:
+    def __init__(self):
+        self.fail: str | None = None
+        self.hang = False
+        self.calls = 0
+
+    async def probe(self) -> None:
+        self.calls += 1
+        if self.hang:
+            await asyncio.sleep(3600)
+        if self.fail:
+            raise ProbeFailed(self.fail)
+
+
+async def no_sleep(seconds: float) -> None:
+    return None
+
+
+def make_prober(sampler: UtilizationSampler, client=None, settings=SETTINGS, metrics=None):
+    machine = HealthStateMachine()
+    machine.fire(Event.HEALTH_UP, "up")
+    records = []
+    prober = Prober(
+        settings, client or ScriptedClient(), PeakSampler(sampler, settings.utilization_window,
+        settings.utilization_sample_period, sleep=no_sleep), machine, on_record=records.append, metrics=metrics,
+    )  # fmt: skip
+    return prober, machine, records
+
+
+@pytest.mark.parametrize(
+    "peak, before, after",
+    [(0, 20, 5), (2.9, 20, 5), (3, 20, 20), (50, 5, 5), (50, 20, 20), (79.9, 5, 5), (80, 5, 20), (100, 5, 20)],
+)
+def test_interval_rule(peak, before, after):
+    prober, _, _ = make_prober(FixedSampler(0))
+    prober.interval = before
+    assert prober.next_interval(peak) == after
+
+
+async def test_idle_failures_count_to_abnormal_and_a_success_resets():
+    client = ScriptedClient()
+    prober, machine, records = make_prober(FixedSampler(1), client)
+    client.fail = "HTTP 500"
+    for expected in (1, 2):
+        record = await prober.probe_once()
+        assert record.counted and record.consecutive_failures == expected and record.status is Health.NORMAL
+    record = await prober.probe_once()
+    assert record.consecutive_failures == 3 and record.status is Health.ABNORMAL
+    assert "3 consecutive" in machine.reason and "HTTP 500" in machine.reason
+    client.fail = None
+    record = await prober.probe_once()
+    assert record.success and record.consecutive_failures == 0 and machine.state is Health.NORMAL
+    assert len(records) == 4
+
+
+async def test_a_success_in_between_restarts_the_count():
+    client = ScriptedClient()
+    prober, machine, _ = make_prober(FixedSampler(0), client)
+    for fail in ("x", "x", None, "x", "x"):
+        client.fail = fail
+        await prober.probe_once()
+    assert prober.consecutive_failures == 2 and machine.state is Health.NORMAL
+
+
+async def test_busy_accelerator_with_failing_probes_never_turns_abnormal():
+    client = ScriptedClient()
+    client.fail = "timed out"
+    prober, machine, _ = make_prober(FixedSampler(95), client)
+    for _ in range(50):
+        record = await prober.probe_once()
+        assert not record.counted and record.next_interval == 20
+    assert machine.state is Health.NORMAL and prober.consecutive_failures == 0
+
+
+async def test_peak_over_the_window_decides_not_the_last_sample():
+    # Idle at the end of the window, but busy during it: the failure must not count.
+    client = ScriptedClient()
+    client.fail = "slow"
+    sampler = FixedSampler(90, 40, 1, 1, 1, 1)
+    prober, _, _ = make_prober(sampler, client)
+    record = await prober.probe_once()
+    assert record.utilization_peak == 90 and not record.counted
+    assert sampler.calls == 6  # 3 s window / 0.5 s period
+
+
+async def test_probe_timeout_is_a_failure_with_the_reason():
+    client = ScriptedClient()
+    client.hang = True
+    prober, _, _ = make_prober(FixedSampler(0), client)
+    record = await prober.probe_once()
+    assert not record.success and "timed out after 0.2s" in record.error and record.counted
+
+
+async def test_a_broken_sampler_counts_as_idle():
+    class Broken(UtilizationSampler):
+        name = "broken"
+
+        async def sample(self) -> float:
+            raise RuntimeError("no driver")
+
+    assert await PeakSampler(Broken(), 1, 0.5, sleep=no_sleep).peak() == 0.0
+
+
+async def test_run_probes_start_to_start_every_interval():
+    sleeps = []
+    now = [0.0]
+
+    async def fake_sleep(seconds):
+        sleeps.append(seconds)
+        if len(sleeps) >= 3:
+            raise asyncio.CancelledError
+
+    def monotonic():
+        now[0] += 0.25  # every reading of the clock moves it on
+        return now[0]
+
+    prober, _, _ = make_prober(FixedSampler(0))
+    prober._sleep, prober._monotonic = fake_sleep, monotonic
+    with pytest.raises(asyncio.CancelledError):
+        await prober.run()
+    assert all(0 < s < 5 for s in sleeps)  # the round's own time is taken off the interval
+
+
+async def test_metrics_follow_the_probes():
+    registry = CollectorRegistry()
+    metrics = EngineServerMetrics(registry)
+    client = ScriptedClient()
+    prober, _, _ = make_prober(FixedSampler(0), client, metrics=metrics)
+    await prober.probe_once()
+    client.fail = "x"
+    await prober.probe_once()
+    value = registry.get_sample_value
+    assert value("motor_engine_server_probes_total", {"outcome": "success"}) == 1
+    assert value("motor_engine_server_probes_total", {"outcome": "failure"}) == 1
+    assert value("motor_engine_server_probe_counted_failures_total") == 1
+    assert value("motor_engine_server_probe_latency_seconds_count") == 2
+    assert value("motor_engine_server_probe_interval_seconds") == 5
+    assert value("motor_engine_server_consecutive_failures") == 1
+
+
+def test_probe_request_shape():
+    body, headers = probe_request("prefill", now=1700000000.5)
+    assert body == {"prompt": "1", "max_tokens": 1}
+    assert headers == {"X-Request-Id": "1700000000500_virtual"}
+    assert re.search(VIRTUAL_REQUEST_ID_PATTERN, f"cmpl-{headers['X-Request-Id']}-0")
+    decode, _ = probe_request("decode")
+    assert decode["kv_transfer_params"]["do_virtual"] is True
+    assert decode["kv_transfer_params"]["do_remote_prefill"] is False
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def test_http_probe_client_sends_the_probe_and_checks_the_answer(role):
+    seen = []
+    answer = {"status": 200, "body": {"choices": [{"text": "x"}]}}
+
+    async def completions(request):
+        seen.append((request.headers.get("X-Request-Id"), await request.json()))
+        return web.json_response(answer["body"], status=answer["status"])
+
+    app = web.Application()
+    app.add_routes([web.post("/v1/completions", completions)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    client = HttpProbeClient(f"http://127.0.0.1:{port}", role, timeout=2)
+    try:
+        await client.probe()
+        request_id, body = seen[0]
+        assert re.fullmatch(r"\d+_virtual", request_id)
+        assert body["prompt"] == "1" and body["max_tokens"] == 1
+        assert ("kv_transfer_params" in body) == (role == "decode")
+        answer.update(status=500, body={"error": "boom"})
+        with pytest.raises(ProbeFailed, match="HTTP 500"):
+            await client.probe()
+        answer.update(status=200, body={"choices": []})
+        with pytest.raises(ProbeFailed, match="no choices"):
+            await client.probe()
+    finally:
+        await client.close()
+        await runner.cleanup()
+    with pytest.raises(ProbeFailed, match="Connect"):
+        refused = HttpProbeClient(f"http://127.0.0.1:{port}", role, timeout=2)
+        try:
+            await refused.probe()
+        finally:
+            await refused.close()

@@ -1,0 +1,113 @@
+"""The simulated engine's HTTP API, in-process on a free port."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import pytest
+
+from engine_server.engines.base import EngineOptions
+from engine_server.engines.sim import SimEngine
+from motor.ports import free_port
+
+
+@pytest.fixture
+async def sim():
+    port = free_port()
+    engine = SimEngine(
+        EngineOptions(role="union", instance_id="u", dp_rank=0, host="127.0.0.1", port=port, master_dp_ip="127.0.0.1",
+                      engine_args={"model": "tiny", "utilization": 7})
+    )  # fmt: skip
+    await engine.start()
+    async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}") as session:
+        yield engine, session
+    await engine.shutdown()
+
+
+async def post(session, path, body, **kwargs):
+    async with session.post(path, json=body, **kwargs) as response:
+        return response.status, await response.json(content_type=None)
+
+
+async def test_answers_are_deterministic_and_openai_shaped(sim):
+    engine, session = sim
+    status, first = await post(session, "/v1/completions", {"prompt": "the same prompt", "max_tokens": 6})
+    assert status == 200
+    _, again = await post(session, "/v1/completions", {"prompt": "the same prompt", "max_tokens": 6})
+    _, other = await post(session, "/v1/completions", {"prompt": "another prompt", "max_tokens": 6})
+    text = first["choices"][0]["text"]
+    assert len(text.split()) == 6 and text == again["choices"][0]["text"] != other["choices"][0]["text"]
+    assert first["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+    assert first["model"] == "tiny" and first["object"] == "text_completion"
+    status, chat = await post(session, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and chat["choices"][0]["message"]["role"] == "assistant"
+    async with session.get("/v1/models") as response:
+        assert (await response.json())["data"][0]["id"] == "tiny"
+
+
+async def test_streaming_gives_the_same_text(sim):
+    _, session = sim
+    _, whole = await post(session, "/v1/completions", {"prompt": "stream me", "max_tokens": 4})
+    async with session.post("/v1/completions", json={"prompt": "stream me", "max_tokens": 4, "stream": True}) as response:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in (await response.text()).splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    pieces = [json.loads(e)["choices"][0]["text"] for e in events[:-1]]
+    assert "".join(pieces) == whole["choices"][0]["text"]
+
+
+@pytest.mark.parametrize(
+    "path, body, expected",
+    [
+        ("/v1/completions", {"max_tokens": 2}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/completions", [1, 2], "JSON object"),
+    ],
+)
+async def test_bad_requests_get_400_naming_the_problem(sim, path, body, expected):
+    _, session = sim
+    status, answer = await post(session, path, body)
+    assert status == 400 and expected in answer["error"]["message"]
+
+
+async def test_faults_at_run_time(sim):
+    engine, session = sim
+    status, answer = await post(session, "/sim/faults", {"fail_inference": True, "utilization": 90})
+    assert status == 200 and answer["fail_inference"] and answer["utilization"] == 90
+    assert await engine.utilization_sampler().sample() == 90
+    status, _ = await post(session, "/v1/completions", {"prompt": "x"})
+    assert status == 500
+    async with session.get("/health") as response:
+        assert response.status == 200  # /health stays green while inference fails
+    async with session.delete("/sim/faults") as response:
+        assert (await response.json())["fail_inference"] is False
+    assert await engine.utilization_sampler().sample() == 7  # back to the config's figure
+    status, answer = await post(session, "/sim/faults", {"fail_inferense": True})
+    assert status == 400 and "faults.fail_inferense" in answer["error"]["message"]
+    status, answer = await post(session, "/sim/faults", {"utilization": 101})
+    assert status == 400 and "faults.utilization" in answer["error"]["message"]
+    async with session.get("/sim/faults") as response:
+        assert (await response.json())["utilization"] == 7  # a rejected change changes nothing
+
+
+async def test_crash_fault_makes_wait_dead_return(sim):
+    engine, session = sim
+    await post(session, "/sim/faults", {"crash": True})
+    assert await engine.wait_dead() == "sim fault: crash"
+
+
+async def test_in_flight_requests_exclude_probes(sim):
+    import asyncio
+
+    engine, session = sim
+    await post(session, "/sim/faults", {"latency_ms": 300})
+    real = asyncio.ensure_future(post(session, "/v1/completions", {"prompt": "x"}))
+    probe = asyncio.ensure_future(
+        post(session, "/v1/completions", {"prompt": "1", "max_tokens": 1}, headers={"X-Request-Id": "1_virtual"})
+    )
+    await asyncio.sleep(0.15)
+    assert engine.in_flight_requests() == 1
+    await asyncio.gather(real, probe)
+    assert engine.in_flight_requests() == 0
