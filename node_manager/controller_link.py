@@ -78,6 +78,9 @@ class ControllerLink:
                 request = controller_pb2.RegisterNodeRequest(
                     node=self.node, engines=[e for e in self.manager.engines() if e.state != types_pb2.ENGINE_STATE_STOPPED]
                 )
+                # Only engines the controller was told about are judged by its answer (one
+                # started while the call was in flight is not fenced by a reply that predates it).
+                reported = {(e.engine_id, e.spec.generation) for e in request.engines}
                 try:
                     reply = await self.stub.RegisterNode(request, timeout=self.call_timeout)
                 except grpc.aio.AioRpcError as exc:
@@ -88,7 +91,7 @@ class ControllerLink:
         self.generation = reply.generation
         if reply.HasField("heartbeat_interval") and reply.heartbeat_interval.ToTimedelta().total_seconds() > 0:
             self.interval = reply.heartbeat_interval.ToTimedelta().total_seconds()
-        fenced = self.manager.reconcile((a.engine_id, a.generation) for a in reply.assignments)
+        fenced = self.manager.reconcile(((a.engine_id, a.generation) for a in reply.assignments), reported)
         logger.info("registered with the controller as %s (generation %d, heartbeat every %gs); %d engine(s) assigned%s",
                     self.node.node_id, self.generation, self.interval, len(reply.assignments),
                     f", stopping unassigned {fenced}" if fenced else "")

@@ -512,11 +512,15 @@ class NodeManager:
 
     # Fencing by the controller ----------------------------------------------------------------
 
-    def reconcile(self, assignments: Iterable[tuple[str, int]]) -> list[str]:
-        """Stop every active engine the controller does not assign (or assigns another generation)."""
+    def reconcile(self, assignments: Iterable[tuple[str, int]], reported: set[tuple[str, int]] | None = None) -> list[str]:
+        """Stop every active engine the controller does not assign (or assigns another generation).
+
+        `reported`: the (engine id, generation) pairs the controller was shown; others are left alone."""
         wanted = dict(assignments)
         stopped = []
         for record in self.active_engines():
+            if reported is not None and (record.engine_id, record.generation) not in reported:
+                continue
             generation = wanted.get(record.engine_id)
             if generation is None or (generation and generation != record.generation):
                 why = ("not assigned to this node by the controller" if generation is None

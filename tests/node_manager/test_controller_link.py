@@ -1,0 +1,126 @@
+"""Towards the controller: registration, heartbeats, re-registration, outages; TLS and metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import urllib.request
+
+import grpc
+import pytest
+
+from motor.grpc_server import MotorServer, aio_channel, service_name
+from motor.ports import free_port
+from motor.v1 import controller_pb2, controller_pb2_grpc, engine_pb2, engine_pb2_grpc, types_pb2
+from tests.node_manager.conftest import alive, sim_config
+from tests.support import async_wait_for, require
+
+RUNNING, FAILED = types_pb2.ENGINE_STATE_RUNNING, types_pb2.ENGINE_STATE_FAILED
+
+
+async def test_registers_heartbeats_and_registers_again_when_refused(make_node, fake_controller):
+    node = await make_node(node_id="node-b", controller=fake_controller.address, accelerators=[0, 1])
+    first = await async_wait_for(lambda: fake_controller.registrations, timeout=10)
+    info = first[0].node
+    assert info.node_id == "node-b" and info.address == f"127.0.0.1:{node.server.port}"
+    assert list(info.accelerator_ids) == [0, 1] and info.accelerator_type == "sim"
+    assert info.port_range_start > 0 and info.port_range_end >= info.port_range_start
+    await node.start(accelerator_ids=[1])
+    beats = await async_wait_for(
+        lambda: [h for h in fake_controller.heartbeats if h.engines and h.engines[0].state == RUNNING], timeout=30)
+    assert beats[0].generation == 1 and beats[0].engines[0].health == types_pb2.HEALTH_STATUS_NORMAL
+
+    fake_controller.refuse_heartbeats = 1  # stale generation: the node must register again
+    await async_wait_for(lambda: len(fake_controller.registrations) >= 2, timeout=10)
+    assert [e.engine_id for e in fake_controller.registrations[1].engines] == ["prefill-0/rank0"]
+    await async_wait_for(lambda: fake_controller.heartbeats[-1].generation == 2, timeout=10)
+    assert (await node.get("prefill-0/rank0")).state == RUNNING
+
+
+async def test_engines_keep_running_and_supervision_goes_on_while_the_controller_is_down(make_node, fake_controller):
+    node = await make_node(controller=fake_controller.address)
+    first = await node.start(dp_rank=0, accelerator_ids=[0])
+    second = await node.start(dp_rank=1, accelerator_ids=[1])
+    await node.wait_state("prefill-0/rank0", RUNNING)
+    await node.wait_state("prefill-0/rank1", RUNNING)
+    port = int(fake_controller.address.rsplit(":", 1)[1])
+    await fake_controller.server.stop(grace=0)
+
+    await asyncio_sleep(1.5)  # several failed heartbeats
+    os.kill(second.pid, signal.SIGKILL)  # a failure while the controller is away is still handled
+    await node.wait_state("prefill-0/rank1", FAILED, timeout=10)
+    engine = await node.get("prefill-0/rank0")
+    assert engine.state == RUNNING and engine.pid == first.pid and alive(first.pid)
+
+    # The controller comes back on the same address: heartbeats resume and carry the failure.
+    server = MotorServer(f"127.0.0.1:{port}")
+    server.add(controller_pb2_grpc.add_ControllerServiceServicer_to_server, fake_controller,
+               service_name(controller_pb2, "ControllerService"))
+    await server.start()
+    try:
+        fake_controller.heartbeats.clear()
+        beat = await async_wait_for(lambda: fake_controller.heartbeats, timeout=30, what="heartbeats resumed")
+        states = {e.engine_id: e.state for e in beat[0].engines}
+        assert states == {"prefill-0/rank0": RUNNING, "prefill-0/rank1": FAILED}
+    finally:
+        await server.stop(grace=0)
+
+
+async def asyncio_sleep(seconds: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(seconds)
+
+
+def make_certs(directory) -> dict[str, str]:
+    require(shutil.which("openssl") is not None, "openssl (to make test certificates)")
+    paths = {name: str(directory / name) for name in ("ca.key", "ca.pem", "srv.key", "srv.pem", "ext.cnf")}
+
+    def run(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=motor-test-ca",
+        "-keyout", paths["ca.key"], "-out", paths["ca.pem"])
+    with open(paths["ext.cnf"], "w") as handle:
+        handle.write("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", paths["srv.key"],
+        "-out", str(directory / "srv.csr"))
+    run("x509", "-req", "-in", str(directory / "srv.csr"), "-CA", paths["ca.pem"], "-CAkey", paths["ca.key"],
+        "-CAcreateserial", "-days", "2", "-extfile", paths["ext.cnf"], "-out", paths["srv.pem"])
+    return paths
+
+
+async def test_status_calls_use_tls_with_client_certificate(make_node, tmp_path):
+    certs = make_certs(tmp_path)
+    config = json.loads(sim_config())
+    config["motor_engine_prefill_config"]["mgmt_tls_config"] = {
+        "enable_tls": True, "cert_file": certs["srv.pem"], "key_file": certs["srv.key"], "ca_file": certs["ca.pem"]}
+    node = await make_node()
+    engine = await node.start(config_json=json.dumps(config))
+    running = await node.wait_state("prefill-0/rank0", RUNNING, timeout=30)
+    assert running.health == types_pb2.HEALTH_STATUS_NORMAL
+    # The engine really speaks TLS only: a plaintext status call fails.
+    async with aio_channel(f"127.0.0.1:{engine.spec.mgmt_port}") as channel:
+        with pytest.raises(grpc.aio.AioRpcError):
+            await engine_pb2_grpc.EngineServiceStub(channel).GetStatus(engine_pb2.GetStatusRequest(), timeout=2)
+
+
+async def test_prometheus_metrics(make_node, fake_controller):
+    port = free_port()
+    node = await make_node(controller=fake_controller.address, metrics_port=port)
+    engine = await node.start(config_json=sim_config(probe_interval=0.2, max_failure_count=1))
+    await node.wait_state("prefill-0/rank0", RUNNING)
+    os.kill(engine.pid, signal.SIGSTOP)
+    await node.wait_state("prefill-0/rank0", FAILED, timeout=30)
+    await async_wait_for(lambda: fake_controller.heartbeats, timeout=10)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'motor_node_manager_engines{node="node-a",state="failed"} 1.0' in text
+    assert 'motor_node_manager_engines{node="node-a",state="running"} 0.0' in text
+    assert 'motor_node_manager_engine_kills_total{node="node-a",reason="abnormal"} 1.0' in text
+    assert 'motor_node_manager_heartbeat_latency_seconds_count{node="node-a"}' in text
+    await node.start(config_json=sim_config(), generation=1)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'motor_node_manager_engine_restarts_total{node="node-a"} 1.0' in text

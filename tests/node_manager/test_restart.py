@@ -1,0 +1,131 @@
+"""The real `motor-node-manager` process: CLI, SIGKILL and restart under running engines."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from motor import processes
+from motor.grpc_server import aio_channel
+from motor.v1 import node_manager_pb2, node_manager_pb2_grpc, types_pb2
+from tests.node_manager.conftest import ENGINE_SERVER, alive, kill_engines_of, spec
+from tests.support import async_wait_for
+
+NODE_MANAGER = os.path.join(os.path.dirname(sys.executable), "motor-node-manager")
+RUNNING, FAILED, STOPPED = types_pb2.ENGINE_STATE_RUNNING, types_pb2.ENGINE_STATE_FAILED, types_pb2.ENGINE_STATE_STOPPED
+
+
+class NodeProcess:
+    def __init__(self, state_dir: str, controller: str):
+        self.state_dir, self.controller = state_dir, controller
+        self.proc: subprocess.Popen | None = None
+        self.port_file = os.path.join(state_dir, "node_manager.port")
+
+    def launch(self) -> None:
+        if os.path.exists(self.port_file):
+            os.unlink(self.port_file)
+        argv = [NODE_MANAGER, "--node-id", "node-r", "--listen", "127.0.0.1:0", "--controller", self.controller,
+                "--host", "127.0.0.1", "--accelerators", "0,1", "--port-range", "38500-38599",
+                "--state-dir", self.state_dir, "--heartbeat-interval", "0.3", "--status-timeout", "0.3",
+                "--abnormal-threshold", "3", "--engine-command", ENGINE_SERVER]
+        log = open(os.path.join(self.state_dir, "node_manager.out"), "ab")
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    async def stub(self):
+        def port():
+            with open(self.port_file) as handle:
+                return int(handle.read())
+        value = await async_wait_for(lambda: os.path.exists(self.port_file) and port(), timeout=30,
+                                     what="the node manager's port file")
+        self.channel = aio_channel(f"127.0.0.1:{value}")
+        return node_manager_pb2_grpc.NodeManagerServiceStub(self.channel)
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def node_process(tmp_path, fake_controller):
+    state_dir = str(tmp_path / "node-r")
+    os.makedirs(state_dir)
+    node = NodeProcess(state_dir, fake_controller.address)
+    yield node
+    node.kill()
+    kill_engines_of(state_dir)
+
+
+async def engines_by_id(stub) -> dict[str, types_pb2.Engine]:
+    reply = await stub.ListEngines(node_manager_pb2.ListEnginesRequest())
+    return {e.engine_id: e for e in reply.engines}
+
+
+async def test_sigkilled_node_manager_restarts_and_readopts_its_engines(node_process, fake_controller):
+    node_process.launch()
+    stub = await node_process.stub()
+    for rank in (0, 1):
+        await stub.StartEngine(node_manager_pb2.StartEngineRequest(spec=spec(dp_rank=rank, accelerator_ids=[rank])))
+    await async_wait_for(lambda: _all_in(stub, RUNNING, 2), timeout=60, what="both engines RUNNING")
+    before = await engines_by_id(stub)
+    started = {eid: processes.create_time(e.pid) for eid, e in before.items()}
+
+    node_process.kill()
+    await node_process.channel.close()
+    assert all(alive(e.pid) for e in before.values()), "engines must outlive their node manager"
+
+    # The controller now assigns only rank 0 here: rank 1 must be stopped after the restart.
+    fake_controller.assignments = [("prefill-0/rank0", 0)]
+    registrations = len(fake_controller.registrations)
+    node_process.launch()
+    stub = await node_process.stub()
+    await async_wait_for(lambda: len(fake_controller.registrations) > registrations, timeout=30)
+    again = fake_controller.registrations[-1]
+    assert {e.engine_id for e in again.engines} == {"prefill-0/rank0", "prefill-0/rank1"}
+
+    rank1 = await async_wait_for(lambda: _state_of(stub, "prefill-0/rank1", STOPPED), timeout=30)
+    assert "fenced: not assigned to this node by the controller" in rank1.state_reason
+    assert not alive(before["prefill-0/rank1"].pid)
+
+    rank0 = (await engines_by_id(stub))["prefill-0/rank0"]
+    assert rank0.state == RUNNING and rank0.pid == before["prefill-0/rank0"].pid
+    assert processes.create_time(rank0.pid) == started["prefill-0/rank0"]  # the same process, not restarted
+    # Supervision resumed: health polling keeps it NORMAL, and its exit (not our child now) is noticed.
+    await async_wait_for(lambda: _fresh_health(stub), timeout=10)
+    os.kill(rank0.pid, signal.SIGKILL)
+    failed = await async_wait_for(lambda: _state_of(stub, "prefill-0/rank0", FAILED), timeout=10)
+    assert "exit code unknown" in failed.state_reason
+    report = await async_wait_for(lambda: fake_controller.reports, timeout=10)
+    assert report[-1].engine.engine_id == "prefill-0/rank0"
+    await node_process.channel.close()
+
+
+async def _all_in(stub, state, count):
+    engines = await engines_by_id(stub)
+    return len(engines) == count and all(e.state == state for e in engines.values())
+
+
+async def _state_of(stub, engine_id, state):
+    engine = (await engines_by_id(stub)).get(engine_id)
+    return engine if engine is not None and engine.state == state else None
+
+
+async def _fresh_health(stub):
+    engine = (await engines_by_id(stub))["prefill-0/rank0"]
+    return engine.health == types_pb2.HEALTH_STATUS_NORMAL and "not answering" not in engine.health_reason
+
+
+def test_cli_config_errors_name_the_field_and_exit_2(tmp_path):
+    bad_yaml = tmp_path / "node.yaml"
+    bad_yaml.write_text("node_id: node-a\nheartbeat_interval: -1\nno_such_setting: 1\n")
+    result = subprocess.run([NODE_MANAGER, "--config", str(bad_yaml)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "heartbeat_interval" in result.stderr and "no_such_setting" in result.stderr
+    result = subprocess.run([NODE_MANAGER, "--node-id", "n", "--port-range", "3000-2000"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "port_range" in result.stderr
