@@ -1,0 +1,143 @@
+"""SGLang (engine_type "sglang"): `python -m sglang.launch_server` as a child process.
+
+The child serves SGLang's own OpenAI-compatible API on --port; the engine server probes it over
+HTTP like any engine. The child runs in its own process group (so the whole SGLang tree is stopped
+with one signal) and gets SIGKILL from the kernel if the engine server dies (PR_SET_PDEATHSIG), so a
+killed engine server never leaves SGLang holding the accelerators.
+
+Argument mapping (engine_args -> SGLang flags):
+  model_path -> --model-path, served_model_name -> --served-model-name, tp_size -> --tp-size,
+  mem_fraction_static -> --mem-fraction-static, context_length -> --context-length,
+  trust_remote_code -> --trust-remote-code, transfer_backend -> --disaggregation-transfer-backend,
+  extra_args -> appended verbatim;
+  --host/--port from the command line; role prefill/decode -> --disaggregation-mode prefill/decode;
+  --kv-port (prefill) -> --disaggregation-bootstrap-port; --dp-rpc-port -> --dist-init-addr
+  <master_dp_ip>:<dp_rpc_port>; --enable-metrics always.
+`launcher` replaces `python -m sglang.launch_server` (a wrapper script, a container entry point).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from motor.config import describe_validation_error
+from motor.errors import ConfigError
+
+from engine_server.engines.base import EngineBackend, EngineOptions
+
+logger = logging.getLogger(__name__)
+
+# Runs in the child before exec: die with the parent (SIGKILL on its death), and exit at once when
+# the parent already died before prctl took effect.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "parent = int(sys.argv[1])\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != parent: sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+class SglangArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model_path: str = Field(min_length=1)
+    served_model_name: str | None = None
+    tp_size: int = Field(1, ge=1)
+    mem_fraction_static: float | None = Field(None, gt=0, le=1)
+    context_length: int | None = Field(None, ge=1)
+    trust_remote_code: bool = False
+    transfer_backend: str | None = None
+    extra_args: list[str] = Field(default_factory=list)
+    launcher: list[str] = Field(default_factory=lambda: [sys.executable, "-m", "sglang.launch_server"], min_length=1)
+    # Seconds between SIGTERM and SIGKILL of the SGLang process group at shutdown.
+    stop_timeout: float = Field(10.0, ge=0)
+
+
+def sglang_command(args: SglangArgs, options: EngineOptions) -> list[str]:
+    """The SGLang command line for this engine (see the module docstring for the mapping)."""
+    command = [*args.launcher, "--model-path", args.model_path, "--host", options.host, "--port", str(options.port)]
+    if args.served_model_name:
+        command += ["--served-model-name", args.served_model_name]
+    if args.tp_size != 1:
+        command += ["--tp-size", str(args.tp_size)]
+    if args.mem_fraction_static is not None:
+        command += ["--mem-fraction-static", str(args.mem_fraction_static)]
+    if args.context_length is not None:
+        command += ["--context-length", str(args.context_length)]
+    if args.trust_remote_code:
+        command.append("--trust-remote-code")
+    if options.role in ("prefill", "decode"):
+        command += ["--disaggregation-mode", options.role]
+        if args.transfer_backend:
+            command += ["--disaggregation-transfer-backend", args.transfer_backend]
+        if options.role == "prefill" and options.kv_port:
+            command += ["--disaggregation-bootstrap-port", str(options.kv_port)]
+    if options.dp_rpc_port:
+        command += ["--dist-init-addr", f"{options.master_dp_ip}:{options.dp_rpc_port}"]
+    command.append("--enable-metrics")
+    return command + list(args.extra_args)
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        return f"SGLang exited on signal {signal.Signals(-returncode).name}"
+    return f"SGLang exited with code {returncode}"
+
+
+class SglangEngine(EngineBackend):
+    engine_type = "sglang"
+    can_sleep = False
+
+    @classmethod
+    def check_args(cls, engine_args: dict[str, Any], field: str) -> dict[str, Any]:
+        try:
+            return SglangArgs.model_validate(engine_args).model_dump(exclude_unset=True)
+        except ValidationError as exc:
+            raise ConfigError(describe_validation_error(exc, field)) from None
+
+    def __init__(self, options: EngineOptions):
+        super().__init__(options)
+        self.args = SglangArgs.model_validate(options.engine_args)
+        self.command = sglang_command(self.args, options)
+        self.process: asyncio.subprocess.Process | None = None
+        self._exited: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        launch = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *self.command]
+        logger.info("starting SGLang: %s", " ".join(self.command))
+        try:
+            self.process = await asyncio.create_subprocess_exec(*launch, start_new_session=True)
+        except OSError as exc:
+            raise RuntimeError(f"cannot start SGLang ({self.command[0]}): {exc.strerror}") from None
+        self._exited = asyncio.ensure_future(self.process.wait())
+        logger.info("SGLang pid %d (own process group)", self.process.pid)
+
+    async def wait_dead(self) -> str:
+        assert self._exited is not None, "start() first"
+        return describe_exit(await asyncio.shield(self._exited))
+
+    async def shutdown(self) -> None:
+        if self.process is None or self.process.returncode is not None:
+            return
+        self._signal_group(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._exited), self.args.stop_timeout)
+        except asyncio.TimeoutError:
+            logger.warning("SGLang did not stop within %gs of SIGTERM: SIGKILL", self.args.stop_timeout)
+        # The main process may be gone while its workers linger: end the whole group.
+        self._signal_group(signal.SIGKILL)
+        await asyncio.shield(self._exited)
+
+    def _signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.process.pid, signum)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,133 @@
+"""SGLang backend: argument mapping, and the child-process life cycle with a stand-in launcher.
+
+SGLang itself is not installed here; `fake_sglang.py` takes its place as the launched command."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import psutil
+import pytest
+
+from engine_server.engines.base import EngineOptions
+from engine_server.engines.sglang import SglangArgs, SglangEngine, sglang_command
+from motor.errors import ConfigError
+from motor.v1 import types_pb2
+from tests.support import wait_for
+
+FAKE = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_sglang.py")]
+NORMAL = types_pb2.HEALTH_STATUS_NORMAL
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def options(role="prefill", **kwargs):
+    base = dict(role=role, instance_id="p", dp_rank=0, host="10.0.0.5", port=8000, master_dp_ip="10.0.0.1")
+    return EngineOptions(**{**base, **kwargs})
+
+
+def test_argument_mapping_prefill_single_container():
+    args = SglangArgs(model_path="/models/qwen", served_model_name="qwen", tp_size=2, mem_fraction_static=0.8,
+                      context_length=4096, trust_remote_code=True, transfer_backend="mooncake",
+                      extra_args=["--log-level", "warning"], launcher=["sglang-launch"])
+    command = sglang_command(args, options(kv_port=9100, dp_rpc_port=9200))
+    assert command == [
+        "sglang-launch", "--model-path", "/models/qwen", "--host", "10.0.0.5", "--port", "8000",
+        "--served-model-name", "qwen", "--tp-size", "2", "--mem-fraction-static", "0.8", "--context-length", "4096",
+        "--trust-remote-code", "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mooncake",
+        "--disaggregation-bootstrap-port", "9100", "--dist-init-addr", "10.0.0.1:9200", "--enable-metrics",
+        "--log-level", "warning",
+    ]  # fmt: skip
+
+
+def test_argument_mapping_decode_and_union():
+    args = SglangArgs(model_path="m")
+    decode = sglang_command(args, options("decode", kv_port=9100))
+    assert decode[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert decode[3:] == ["--model-path", "m", "--host", "10.0.0.5", "--port", "8000",
+                          "--disaggregation-mode", "decode", "--enable-metrics"]  # fmt: skip
+    union = sglang_command(args, options("union"))
+    assert "--disaggregation-mode" not in union
+
+
+@pytest.mark.parametrize(
+    "engine_args, field",
+    [({}, "model_path"), ({"model_path": "m", "tp_size": 0}, "tp_size"), ({"model_path": "m", "tp": 2}, "tp"),
+     ({"model_path": "m", "extra_args": "--x"}, "extra_args")],
+)  # fmt: skip
+def test_bad_engine_args_are_named(engine_args, field):
+    with pytest.raises(ConfigError, match=rf"motor_engine_decode_config\.engine_args\.{field}"):
+        SglangEngine.check_args(engine_args, "motor_engine_decode_config.engine_args")
+
+
+@pytest.fixture
+def sglang_server(engine_server, tmp_path, monkeypatch):
+    def start(ignore_term=False, stop_timeout=10.0, role="prefill"):
+        monkeypatch.setenv("FAKE_SGLANG_STATE", str(tmp_path))
+        monkeypatch.setenv("FAKE_SGLANG_IGNORE_TERM", "1" if ignore_term else "0")
+        config = {
+            f"motor_engine_{role}_config": {
+                "engine_type": "sglang",
+                "engine_args": {"model_path": "/models/fake", "launcher": FAKE, "stop_timeout": stop_timeout},
+                "health_check_config": {"enable_virtual_inference": True, "probe_interval": 0.3,
+                                        "utilization_window": 0.1, "utilization_sample_period": 0.05},
+            }
+        }  # fmt: skip
+        es = engine_server(config, role=role, extra_args=["--kv-port", "9999"])
+        launch_file = tmp_path / "launch.json"
+        launch = wait_for(lambda: launch_file.exists() and json.loads(launch_file.read_text()), timeout=30,
+                          what="the launcher to start")  # fmt: skip
+        return es, launch
+
+    return start
+
+
+def test_sglang_child_is_launched_probed_and_stopped_with_its_group(sglang_server):
+    es, launch = sglang_server()
+    assert launch["argv"][:6] == ["--model-path", "/models/fake", "--host", "127.0.0.1", "--port", str(es.port)]
+    assert "--disaggregation-bootstrap-port" in launch["argv"] and "9999" in launch["argv"]
+    assert launch["pgid"] == launch["pid"] != os.getpgid(es.process.pid)  # its own process group
+    assert launch["ppid"] == es.process.pid
+    es.wait_status(NORMAL)
+    wait_for(lambda: es.status().last_probe.outcome == types_pb2.PROBE_OUTCOME_SUCCESS, timeout=15, what="a probe")
+    os.kill(es.process.pid, signal.SIGTERM)
+    assert es.wait_exit(timeout=30) == 0
+    for pid in (launch["pid"], launch["worker_pid"]):
+        wait_for(lambda: gone(pid), timeout=10, what=f"process {pid} gone")
+
+
+def test_sglang_that_ignores_sigterm_is_killed_after_stop_timeout(sglang_server):
+    es, launch = sglang_server(ignore_term=True, stop_timeout=0.5)
+    es.wait_status(NORMAL)
+    os.kill(es.process.pid, signal.SIGTERM)
+    assert es.wait_exit(timeout=30) == 0
+    assert "did not stop within 0.5s of SIGTERM" in es.output
+    wait_for(lambda: gone(launch["pid"]), timeout=10, what="SGLang killed")
+
+
+def test_sglang_death_makes_the_engine_server_exit_non_zero(sglang_server):
+    es, launch = sglang_server()
+    es.wait_status(NORMAL)
+    os.kill(launch["pid"], signal.SIGKILL)
+    assert es.wait_exit(timeout=10) == 1
+    assert "SGLang exited on signal SIGKILL" in es.output
+
+
+def test_killed_engine_server_takes_sglang_with_it(sglang_server):
+    es, launch = sglang_server()
+    es.wait_status(NORMAL)
+    es.process.kill()  # SIGKILL of the engine server alone (not its group): no clean-up code runs
+    es.process.wait(timeout=10)
+    wait_for(lambda: gone(launch["pid"]), timeout=10, what="SGLang gone with its parent")
+    try:
+        os.killpg(launch["pgid"], signal.SIGKILL)  # its worker is SGLang's own business; tidy up here
+    except ProcessLookupError:
+        pass
