@@ -112,3 +112,22 @@ def test_choose_sampler_prefers_the_engines_own_then_npu_smi_then_idle(monkeypat
     assert isinstance(choose_sampler(plain), NpuSmiSampler)  # (pynvml is not installed here)
     monkeypatch.setenv("PATH", "/nonexistent")
     assert isinstance(choose_sampler(plain), IdleSampler)
+
+
+async def test_nvml_sampler_logic_with_a_stand_in_module():
+    """NVML's calls and the peak over the visible GPUs; real NVML is not on this machine (no GPU)."""
+    from types import SimpleNamespace
+
+    from engine_server.samplers import NvmlSampler
+
+    readings = {0: 10, 1: 85, 2: 40}
+    fake = SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetCount=lambda: 3,
+        nvmlDeviceGetHandleByIndex=lambda index: index,
+        nvmlDeviceGetUtilizationRates=lambda handle: SimpleNamespace(gpu=readings[handle], memory=0),
+    )
+    assert await NvmlSampler(fake).sample() == 85
+    assert await NvmlSampler(fake, device_ids=[0, 2]).sample() == 40
+    with pytest.raises(RuntimeError, match="none of them"):
+        NvmlSampler(fake, device_ids=[5])
