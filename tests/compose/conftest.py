@@ -1,0 +1,82 @@
+"""Fixtures of the compose tests: the image (built once per session) and one running stack."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from motor.ports import free_port
+from tests.compose.stack import ComposeStack, compose_command, docker_engine_running, run
+from tests.support import require
+
+# The image the tests build from compose.yaml's build section. The base image: a local Debian
+# image made by scripts/build-base-image.sh (this machine has no registry); set
+# MOTOR_TEST_BASE_IMAGE=python:3.11-slim where a registry is reachable.
+TEST_IMAGE = "motor-sim:test"
+BASE_IMAGE = os.environ.get("MOTOR_TEST_BASE_IMAGE", "motor-base:bookworm")
+PROJECT_PREFIX = "motor-test-"
+
+# Seconds each step took, printed at the end of the session (pytest -s) for docs/compose.md.
+TIMINGS: dict[str, float] = {}
+
+
+def _timed(name: str, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+    started = time.monotonic()
+    result = run(argv, **kwargs)
+    TIMINGS[name] = time.monotonic() - started
+    return result
+
+
+def _remove_leftover_projects() -> None:
+    """Containers and networks of earlier test runs that died before their clean-up (same subnets)."""
+    for kind, remove in (("ps -a", ["docker", "rm", "-f"]), ("network ls", ["docker", "network", "rm"])):
+        listed = run(["docker", *kind.split(), "--format", '{{.ID}} {{.Label "com.docker.compose.project"}}']).stdout
+        ids = [line.split()[0] for line in listed.splitlines() if len(line.split()) == 2 and line.split()[1].startswith(PROJECT_PREFIX)]
+        if ids:
+            run([*remove, *ids], check=False)
+
+
+@pytest.fixture(scope="session")
+def compose() -> list[str]:
+    require(docker_engine_running(), "a running docker engine (start one as root with scripts/docker-engine.sh)")
+    command = compose_command()
+    require(command is not None, "docker compose or docker-compose (scripts/docker-engine.sh installs docker-compose)")
+    return command
+
+
+@pytest.fixture(scope="session")
+def motor_image(compose: list[str]) -> str:
+    """Builds the base image (once per machine), the wheelhouse and the image, as a user does."""
+    if BASE_IMAGE == "motor-base:bookworm":
+        _timed("base image (debootstrap + import; 0 when present)", ["bash", "scripts/build-base-image.sh", BASE_IMAGE], timeout=900)
+    venv = os.path.dirname(os.path.dirname(sys.executable))
+    _timed("wheelhouse", ["bash", "scripts/build-wheelhouse.sh"], timeout=600, env=dict(os.environ, VENV=venv))
+    stack = ComposeStack(compose, f"{PROJECT_PREFIX}build", TEST_IMAGE, BASE_IMAGE, controller_port=0)
+    # compose.yaml's build section (every service shares the image: building one builds it).
+    _timed("image build (compose build)", [*compose, "build", "controller"], timeout=900, env=stack.env)
+    return TEST_IMAGE
+
+
+@pytest.fixture(scope="module")
+def stack(compose: list[str], motor_image: str):
+    _remove_leftover_projects()
+    stack = ComposeStack(compose, f"{PROJECT_PREFIX}{os.getpid()}", motor_image, BASE_IMAGE, controller_port=free_port())
+    started = time.monotonic()
+    try:
+        stack.compose_run("up", "-d", "--no-build", timeout=300)
+        TIMINGS["compose up -d (containers started)"] = time.monotonic() - started
+        yield stack
+    finally:
+        # Idempotent: the last test takes the stack down itself and checks what is left.
+        stack.compose_run("down", "--volumes", "--remove-orphans", "--timeout", "20", timeout=300, check=False)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if TIMINGS:
+        terminalreporter.section("compose timings (seconds)")
+        for name, seconds in TIMINGS.items():
+            terminalreporter.write_line(f"{seconds:8.1f}  {name}")

@@ -1,0 +1,210 @@
+"""Drives compose.yaml with the real docker engine and compose CLI, for the compose tests.
+
+Everything goes through the real tools a user has: `docker compose` (v2) when installed, else
+`docker-compose` (v1.29); `docker kill`, `docker network disconnect/connect`, `docker exec`.
+The controller is queried through its published port from the host, as users do.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
+from tests.support import REPO_ROOT
+
+logger = logging.getLogger(__name__)
+
+NODE_SERVICES = ("node-a", "node-b", "node-c")
+SERVICES = ("controller", *NODE_SERVICES)
+
+# Lists every engine server process of a container as "<instance_id>/rank<dp_rank> <pid>" lines:
+# the engine id comes from the --instance-id/--dp-rank arguments node managers launch it with.
+_LIST_ENGINES = r"""
+import os
+for pid in filter(str.isdigit, os.listdir('/proc')):
+    try:
+        argv = open(f'/proc/{pid}/cmdline', 'rb').read().decode().split('\0')
+        state = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0]
+    except OSError:
+        continue
+    if state == 'Z' or '--instance-id' not in argv or not any('engine_server' in a for a in argv[:2]):
+        continue
+    rank = argv[argv.index('--dp-rank') + 1] if '--dp-rank' in argv else '0'
+    print(f"{argv[argv.index('--instance-id') + 1]}/rank{rank} {pid}")
+"""
+
+
+def compose_command() -> list[str] | None:
+    """`docker compose` (v2) if the plugin is there, else `docker-compose` (v1), else None."""
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return None
+
+
+def docker_engine_running() -> bool:
+    if not shutil.which("docker"):
+        return False
+    return subprocess.run(["docker", "info"], capture_output=True, timeout=60).returncode == 0
+
+
+def run(argv: list[str], timeout: float = 300, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    result = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+@dataclass
+class ComposeStack:
+    """One compose project of compose.yaml, isolated by project name, host port and subnets."""
+
+    compose: list[str]
+    project: str
+    image: str
+    base_image: str
+    controller_port: int
+    control_net: str = "10.213.100"  # first three octets; the default stack uses 10.213.0/10.213.1
+    data_net: str = "10.213.101"
+    node_addresses: dict[str, int] = field(default_factory=lambda: {"node-a": 11, "node-b": 12, "node-c": 13})
+
+    @property
+    def env(self) -> dict[str, str]:
+        return dict(
+            os.environ,
+            COMPOSE_PROJECT_NAME=self.project,
+            MOTOR_IMAGE=self.image,
+            MOTOR_BASE_IMAGE=self.base_image,
+            MOTOR_CONTROLLER_PORT=str(self.controller_port),
+            MOTOR_CONTROL_NET=self.control_net,
+            MOTOR_DATA_NET=self.data_net,
+        )
+
+    @property
+    def controller_address(self) -> str:
+        return f"localhost:{self.controller_port}"
+
+    def compose_run(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+        return run([*self.compose, *args], timeout=timeout, check=check, env=self.env)
+
+    # Containers and networks ---------------------------------------------------------------
+
+    def container(self, service: str) -> str:
+        """Id of the service's container (running or not)."""
+        cid = self.compose_run("ps", "-q", service).stdout.strip()
+        if not cid:  # v2 lists only running containers without --all
+            cid = self.compose_run("ps", "-a", "-q", service, check=False).stdout.strip()
+        assert cid, f"no container for service {service}"
+        return cid
+
+    def running(self, service: str) -> bool:
+        out = run(["docker", "inspect", "-f", "{{.State.Running}}", self.container(service)], check=False).stdout
+        return out.strip() == "true"
+
+    def health(self, service: str) -> str:
+        return run(["docker", "inspect", "-f", "{{.State.Health.Status}}", self.container(service)]).stdout.strip()
+
+    def network(self, name: str) -> str:
+        return f"{self.project}_{name}"
+
+    def labelled(self, kind: str) -> list[str]:
+        """Ids of this project's containers (kind 'ps -a') or networks (kind 'network ls')."""
+        argv = ["docker", *kind.split(), "-q", "--filter", f"label=com.docker.compose.project={self.project}"]
+        return run(argv).stdout.split()
+
+    def logs(self, tail: int = 40) -> str:
+        return self.compose_run("logs", "--no-color", "--tail", str(tail), timeout=60, check=False).stdout
+
+    def host_processes(self) -> list[tuple[int, str]]:
+        """(host pid, command) of every process in the project's running containers."""
+        processes = []
+        for cid in run(["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={self.project}"]).stdout.split():
+            # docker top runs ps on the host: the pids are the host's.
+            for line in run(["docker", "top", cid, "-eo", "pid,args"]).stdout.splitlines()[1:]:
+                pid, _, args = line.strip().partition(" ")
+                processes.append((int(pid), args.strip()))
+        return processes
+
+    def engine_processes(self) -> dict[str, list[str]]:
+        """Engine id -> services whose container runs an engine server process for it."""
+        found: dict[str, list[str]] = {}
+        for service in NODE_SERVICES:
+            if not self.running(service):
+                continue
+            out = run(["docker", "exec", self.container(service), "python", "-c", _LIST_ENGINES], timeout=60).stdout
+            for line in out.splitlines():
+                engine_id, _pid = line.split()
+                found.setdefault(engine_id, []).append(service)
+        return found
+
+    # The controller, through the published port ------------------------------------------
+
+    def stub(self, channel: grpc.Channel) -> controller_pb2_grpc.ControllerServiceStub:
+        return controller_pb2_grpc.ControllerServiceStub(channel)
+
+    def snapshot(self) -> tuple[list[controller_pb2.Node], list[controller_pb2.Instance]]:
+        with grpc.insecure_channel(self.controller_address) as channel:
+            stub = self.stub(channel)
+            nodes = list(stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=10).nodes)
+            instances = list(stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=10).instances)
+        return nodes, instances
+
+
+def ready_nodes(nodes: list[controller_pb2.Node]) -> set[str]:
+    return {n.info.node_id for n in nodes if n.state == controller_pb2.NODE_STATE_READY}
+
+
+def deployment_ready(instances: list[controller_pb2.Instance]) -> bool:
+    """Every instance READY and every engine placed and NORMAL."""
+    return bool(instances) and all(
+        i.state == controller_pb2.INSTANCE_STATE_READY
+        and i.engines
+        and all(e.node_id and e.health == types_pb2.HEALTH_STATUS_NORMAL for e in i.engines)
+        for i in instances
+    )
+
+
+def placement(instances: list[controller_pb2.Instance]) -> dict[str, str]:
+    """Engine id -> node id."""
+    return {e.engine_id: e.node_id for i in instances for e in i.engines}
+
+
+def describe(nodes: list[controller_pb2.Node], instances: list[controller_pb2.Instance]) -> str:
+    lines = [f"node {n.info.node_id}: {controller_pb2.NodeState.Name(n.state)} {n.state_reason}" for n in nodes]
+    for i in instances:
+        lines.append(f"instance {i.instance_id}: {controller_pb2.InstanceState.Name(i.state)} {i.state_reason}")
+        for e in i.engines:
+            lines.append(f"  {e.engine_id} on {e.node_id or '-'}: {types_pb2.HealthStatus.Name(e.health)}")
+    return "\n".join(lines)
+
+
+def wait(predicate, timeout: float, what: str, stack: ComposeStack | None = None, interval: float = 0.5):
+    """Poll until predicate() is truthy; on timeout fail with the cluster's state and logs."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except (grpc.RpcError, AssertionError, subprocess.SubprocessError) as exc:
+            last_error = exc
+        time.sleep(interval)
+    detail = f"\nlast error: {last_error!r}" if last_error else ""
+    if stack is not None:
+        try:
+            detail += "\n" + describe(*stack.snapshot())
+        except grpc.RpcError as exc:
+            detail += f"\ncontroller not answering: {exc.code().name}"
+        detail += "\n--- compose logs ---\n" + stack.logs()
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}{detail}")
