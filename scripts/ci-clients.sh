@@ -14,6 +14,8 @@ command -v protoc-gen-go >/dev/null || need+=(protoc-gen-go)
 command -v protoc-gen-go-grpc >/dev/null || need+=(protoc-gen-go-grpc)
 [ -d /usr/share/gocode/src/google.golang.org/grpc ] || need+=(golang-google-grpc-dev)
 [ -d /usr/share/gocode/src/google.golang.org/protobuf ] || need+=(golang-google-protobuf-dev)
+# grpc-go takes github.com/golang/protobuf 1.3 or 1.5; stubs from protoc-gen-go 1.28 need 1.5.
+dpkg -s golang-github-golang-protobuf-1-5-dev >/dev/null 2>&1 || need+=(golang-github-golang-protobuf-1-5-dev)
 command -v node >/dev/null || need+=(nodejs)
 command -v npm >/dev/null || need+=(npm)
 if [ ${#need[@]} -gt 0 ]; then

@@ -3,7 +3,7 @@
 # protoc-gen-go and protoc-gen-go-grpc into bin/gopath (ignored by git, so they can never go
 # stale), then compiles against Debian's grpc-go and google.golang.org/protobuf in GOPATH mode.
 # Needs: golang-go protobuf-compiler protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev
-# golang-google-protobuf-dev (scripts/ci-clients.sh installs them).
+# golang-google-protobuf-dev golang-github-golang-protobuf-1-5-dev (scripts/ci-clients.sh installs them).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
