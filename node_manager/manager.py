@@ -19,7 +19,7 @@ import grpc
 
 from motor import processes
 from motor.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from motor.grpc_server import TlsFiles, aio_channel
+from motor.grpc_server import CHANNEL_OPTIONS, TlsFiles, channel_credentials
 from motor.names import ROLE_NAMES, check_instance_id, parse_engine_id, role_name
 from motor.names import engine_id as make_engine_id
 from motor.ports import PortAllocator, port_is_free
@@ -87,6 +87,7 @@ class NodeManager:
                 else:
                     self._monitor(record)
             else:
+                record.busy = "exit"
                 self._spawn(self._handle_exit(record, processes.ExitStatus(), while_away=True))
         self._publish_counts()
 
@@ -363,11 +364,11 @@ class NodeManager:
         logger.info("engine %s: pid %d %s", record.engine_id, record.pid, status.describe())
         if record.busy or self._closed:
             return  # the stop or kill under way records it
+        record.busy = "exit"  # at once: a StopEngine arriving now waits for this instead
         self._spawn(self._handle_exit(record, status))
 
     async def _handle_exit(self, record: EngineRecord, status: processes.ExitStatus, while_away: bool = False) -> None:
         """An exit nobody asked for (exit code 0 included) is a failure."""
-        record.busy = "exit"
         self._cancel_tasks(record)
         # Children may outlive the engine server (an orphaned engine core holds accelerator memory).
         # After a restart the process group id may have been reused: use the token only then.
@@ -438,7 +439,15 @@ class NodeManager:
         host = record.spec.host
         if host in ("0.0.0.0", "::", ""):
             host = "127.0.0.1"
-        return aio_channel(f"{host}:{record.spec.mgmt_port}", tls=engine_tls(record.spec))
+        target = f"{host}:{record.spec.mgmt_port}"
+        # Reconnect quickly: a starting engine binds its port within a second or so, and the
+        # default 1 s (growing) reconnect backoff would delay noticing that it is up.
+        options = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 50),
+                   ("grpc.min_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 1000)]
+        tls = engine_tls(record.spec)
+        if tls is None:
+            return grpc.aio.insecure_channel(target, options=options)
+        return grpc.aio.secure_channel(target, channel_credentials(tls), options=options)
 
     async def _poll_status(self, record: EngineRecord) -> None:
         """Every heartbeat interval: GetStatus with a deadline, judged by HealthJudge."""
@@ -460,6 +469,8 @@ class NodeManager:
                              else f"GetStatus failed: {exc.code().name}: {exc.details()}")
                 if record.busy or not record.active:
                     return
+                # An answer on the probe stream counts as the engine having answered too.
+                judge.ever_answered |= record.ever_answered or record.state == RUNNING
                 verdict = judge.judge(status, error, time.time() - record.started_at)
                 self._remember_descendants(record)
                 changed = (record.health, record.health_reason, record.consecutive_abnormal) != (
@@ -494,15 +505,27 @@ class NodeManager:
             record.remembered = [item for item in record.remembered if processes.same_process(*item)]
 
     async def _follow_probes(self, record: EngineRecord) -> None:
-        """Keep last_probe / recent_probes from the engine's WatchProbes stream (reconnecting)."""
+        """Keep last_probe / recent_probes from the engine's WatchProbes stream (reconnecting).
+
+        The stream also sends every status change at once: a starting engine is RUNNING as soon
+        as it reports NORMAL, without waiting for the next heartbeat. Counting abnormal
+        heartbeats stays with the periodic GetStatus (a stream can stall silently)."""
         channel = self._engine_channel(record)
         stub = engine_pb2_grpc.EngineServiceStub(channel)
         try:
             while record.active and not record.busy:
                 try:
-                    async for message in stub.WatchProbes(engine_pb2.WatchProbesRequest()):
+                    call = stub.WatchProbes(engine_pb2.WatchProbesRequest(), wait_for_ready=True)
+                    async for message in call:
+                        if record.busy or not record.active:
+                            return
+                        record.ever_answered = True
                         if message.HasField("probe"):
                             record.add_probe(message.probe)
+                        if record.state == STARTING and message.status.status == types_pb2.HEALTH_STATUS_NORMAL:
+                            record.health, record.health_reason = message.status.status, message.status.reason
+                            record.transition(RUNNING, "engine server reported NORMAL", self._changed)
+                        elif message.HasField("probe"):
                             self._publish(record)
                 except grpc.aio.AioRpcError as exc:
                     logger.debug("engine %s: probe stream ended: %s", record.engine_id, exc.code().name)
