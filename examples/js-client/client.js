@@ -57,34 +57,6 @@ function loadApi(protoDir) {
   return { api: grpc.loadPackageDefinition(definition).motor.v1, definition };
 }
 
-// protobufjs drops unknown fields and enum names silently; refuse them like protojson does, naming
-// the field to fix (e.g. "deployment.instance_groups[0].role: unknown value "ROLE_PREFIL"").
-function checkMessage(definition, typeName, object, where) {
-  if (typeName.startsWith("google.protobuf.")) return; // Struct, Duration...: checked on encoding
-  if (object === null || typeof object !== "object" || Array.isArray(object)) {
-    throw new TypeError(`${where}: expected a JSON object (a ${typeName})`);
-  }
-  const fields = definition[typeName].type.field;
-  for (const [key, value] of Object.entries(object)) {
-    const field = fields.find((candidate) => candidate.name === key);
-    if (!field) {
-      const camel = fields.find((candidate) => candidate.name.replace(/_(.)/g, (_, c) => c.toUpperCase()) === key);
-      throw new TypeError(`${where}.${key}: unknown field of ${typeName}` + (camel ? ` (write it as "${camel.name}")` : ""));
-    }
-    const values = field.label === "LABEL_REPEATED" ? value : [value];
-    if (!Array.isArray(values)) throw new TypeError(`${where}.${key}: expected a JSON array`);
-    const fieldType = field.typeName.includes(".") ? field.typeName : `motor.v1.${field.typeName}`;
-    values.forEach((item, i) => {
-      const at = field.label === "LABEL_REPEATED" ? `${where}.${key}[${i}]` : `${where}.${key}`;
-      if (field.type === "TYPE_MESSAGE") checkMessage(definition, fieldType, item, at);
-      if (field.type === "TYPE_ENUM" && typeof item !== "number") {
-        const names = definition[fieldType].type.value.map((v) => v.name);
-        if (!names.includes(item)) throw new TypeError(`${at}: unknown value ${JSON.stringify(item)} (one of ${names.join(", ")})`);
-      }
-    });
-  }
-}
-
 function table(header, rows) {
   const widths = header.map((title, i) => Math.max(title.length, ...rows.map((row) => String(row[i]).length)));
   const line = (cells) => cells.map((cell, i) => String(cell).padEnd(widths[i])).join("  ").trimEnd();
@@ -138,7 +110,7 @@ async function apply(client, definition, options, file) {
     fail(`cannot read the deployment ${file}: ${error.message}`);
   }
   try {
-    checkMessage(definition, "motor.v1.Deployment", deployment, "deployment");
+    deployment = wkt.fromJson(definition, "motor.v1.Deployment", deployment, "deployment");
   } catch (error) {
     fail(`${file} is not a motor.v1.Deployment in protobuf JSON: ${error.message}`);
   }

@@ -129,9 +129,45 @@ const wrappers = {
   },
 };
 
+// Protobuf JSON -> the object form proto-loader serializes, checked against the schema
+// (`definition` from protoLoader.loadSync with keepCase). protobufjs silently drops unknown
+// fields and enum names, and refuses a string where Duration/Timestamp expect an object before
+// any wrapper runs; this names the field to fix instead ("deployment.instance_groups[0].role:
+// unknown value ...") and turns "1s" / RFC 3339 strings into {seconds, nanos}.
+function fromJson(definition, typeName, object, where) {
+  if (typeName === "google.protobuf.Duration" && typeof object === "string") return parseDuration(object);
+  if (typeName === "google.protobuf.Timestamp" && typeof object === "string") return parseTimestamp(object);
+  if (typeName.startsWith("google.protobuf.")) return object; // Struct/Value: any JSON, see the wrappers
+  if (object === null || typeof object !== "object" || Array.isArray(object)) {
+    throw new TypeError(`${where}: expected a JSON object (a ${typeName})`);
+  }
+  const fields = definition[typeName].type.field;
+  const result = {};
+  for (const [key, value] of Object.entries(object)) {
+    const field = fields.find((candidate) => candidate.name === key);
+    if (!field) {
+      const camel = fields.find((candidate) => candidate.name.replace(/_(.)/g, (_, c) => c.toUpperCase()) === key);
+      throw new TypeError(`${where}.${key}: unknown field of ${typeName}` + (camel ? ` (write it as "${camel.name}")` : ""));
+    }
+    const repeated = field.label === "LABEL_REPEATED";
+    if (repeated && !Array.isArray(value)) throw new TypeError(`${where}.${key}: expected a JSON array`);
+    const fieldType = field.typeName.includes(".") ? field.typeName : `motor.v1.${field.typeName}`;
+    const convert = (item, at) => {
+      if (field.type === "TYPE_MESSAGE") return fromJson(definition, fieldType, item, at);
+      if (field.type === "TYPE_ENUM" && typeof item !== "number") {
+        const names = definition[fieldType].type.value.map((v) => v.name);
+        if (!names.includes(item)) throw new TypeError(`${at}: unknown value ${JSON.stringify(item)} (one of ${names.join(", ")})`);
+      }
+      return item;
+    };
+    result[key] = repeated ? value.map((item, i) => convert(item, `${where}.${key}[${i}]`)) : convert(value, `${where}.${key}`);
+  }
+  return result;
+}
+
 // Must run before the first message of these types is encoded or decoded (types set up lazily).
 function install() {
   Object.assign(protobuf.wrappers, wrappers);
 }
 
-module.exports = { install, parseDuration, formatDuration, parseTimestamp, formatTimestamp };
+module.exports = { install, fromJson, parseDuration, formatDuration, parseTimestamp, formatTimestamp };
