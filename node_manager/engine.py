@@ -102,7 +102,13 @@ class EngineRecord:
 
     @property
     def tree(self) -> TreeId:
-        return TreeId(pid=self.pid, pgid=self.pgid or self.pid, token=self.token)
+        return TreeId(pid=self.pid, pgid=self.pgid or self.pid, token=self.token, started=self.process_started)
+
+    @property
+    def token_tree(self) -> TreeId:
+        """The tree found by token only: once the engine has ended, its pid and process group
+        id may belong to someone else."""
+        return TreeId(pid=0, pgid=0, token=self.token, started=self.process_started)
 
     def transition(self, new_state: State, reason: str, on_change: Callable[["EngineRecord", State], None]) -> None:
         """The one way to change state; `on_change(record, old_state)` persists and publishes."""

@@ -314,7 +314,7 @@ class NodeManager:
         await record.settled.wait()
         # Idempotent clean-up: nothing of an ended engine may be left running (found by its token:
         # its pid and process group may belong to someone else by now).
-        token_tree = processes.TreeId(0, 0, record.token)
+        token_tree = record.token_tree
         if await asyncio.to_thread(processes.find_tree, token_tree):
             self.metrics.kill("orphans")
             await processes.kill_tree_confirmed(token_tree)
@@ -372,7 +372,7 @@ class NodeManager:
         self._cancel_tasks(record)
         # Children may outlive the engine server (an orphaned engine core holds accelerator memory).
         # After a restart the process group id may have been reused: use the token only then.
-        tree = processes.TreeId(0, 0, record.token) if while_away else record.tree
+        tree = record.token_tree if while_away else record.tree
         left = await asyncio.to_thread(processes.find_tree, tree, record.remembered)
         if left:
             logger.warning("engine %s: killing %d leftover process(es) of its tree: %s",

