@@ -207,6 +207,8 @@ class NodeManager:
                 setattr(wanted, name, getattr(record.spec, name))
         if wanted.config_json and not wanted.config_path:
             wanted.config_path = record.spec.config_path
+        elif wanted.config_path:
+            wanted.config_path = os.path.abspath(wanted.config_path)
         return wanted == record.spec
 
     def _launch(self, spec: types_pb2.EngineSpec, requested: types_pb2.EngineSpec) -> tuple[EngineRecord, subprocess.Popen]:
@@ -240,11 +242,13 @@ class NodeManager:
                         raise FailedPrecondition(f"spec.{name}: {exc} on node {self.node_id}") from None
                     setattr(spec, name, port)
                 reserved.append(port)
-            engine_dir = self.store.engine_dir(spec)
+            engine_dir = os.path.abspath(self.store.engine_dir(spec))
             if spec.config_json:
-                spec.config_path = os.path.abspath(os.path.join(engine_dir, "user_config.json"))
+                spec.config_path = os.path.join(engine_dir, "user_config.json")
                 with open(spec.config_path, "w", encoding="utf-8") as handle:
                     handle.write(spec.config_json)
+            else:
+                spec.config_path = os.path.abspath(spec.config_path)
             log_path = os.path.abspath(
                 os.path.join(self.config.logs_dir, "engines", f"{spec.instance_id}_rank{spec.dp_rank}.log")
             )
@@ -255,7 +259,9 @@ class NodeManager:
             env["ASCEND_RT_VISIBLE_DEVICES"] = visible
             token = uuid.uuid4().hex
             try:
-                popen = processes.launch(argv, log_path, env=env, token=token)
+                # Run in the engine's own directory: files it writes relative to its working
+                # directory (engine_server_log/, core dumps) stay with the engine's state.
+                popen = processes.launch(argv, log_path, env=env, token=token, cwd=engine_dir)
             except OSError as exc:
                 raise FailedPrecondition(
                     f"cannot launch the engine command {argv[0]!r} (--engine-command): {exc.strerror or exc}"
@@ -427,7 +433,8 @@ class NodeManager:
         except OSError:
             return ""
         lines = [l for l in lines if not l.startswith("--- ")]
-        return " | ".join(lines[-LOG_TAIL_LINES:])[-600:]
+        tail = " | ".join(lines[-LOG_TAIL_LINES:])
+        return tail if len(tail) <= 600 else "..." + tail[-600:]
 
     # Health monitoring ------------------------------------------------------------------------
 

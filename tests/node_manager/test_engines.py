@@ -253,3 +253,16 @@ async def test_bad_stop_and_get_requests(make_node):
     with pytest.raises(grpc.aio.AioRpcError) as malformed:
         await node.get("no-rank")
     assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "<instance_id>/rank<dp_rank>" in malformed.value.details()
+
+
+async def test_config_path_given_is_passed_and_the_engine_runs_in_its_own_directory(make_node, tmp_path, monkeypatch):
+    node = await make_node()
+    (tmp_path / "user_config.json").write_text(sim_config("decode"))
+    monkeypatch.chdir(tmp_path)  # a relative path, as a user types it
+    engine = await node.start(instance_id="decode-0", role=types_pb2.ROLE_DECODE, config_path="user_config.json")
+    assert engine.spec.config_path == str(tmp_path / "user_config.json")
+    assert "--config-path " + str(tmp_path / "user_config.json") in " ".join(psutil.Process(engine.pid).cmdline())
+    assert psutil.Process(engine.pid).cwd() == str(tmp_path / "node-a" / "engines" / "decode-0_rank0")
+    again = await node.start(instance_id="decode-0", role=types_pb2.ROLE_DECODE, config_path="user_config.json")
+    assert again.pid == engine.pid
+    await node.wait_state("decode-0/rank0", RUNNING)
