@@ -64,6 +64,23 @@ def prepare_environment() -> None:
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
 
+def import_keeping_logging(module: str) -> None:
+    """Import `module`, undoing what its import does to the root logger's level and handlers.
+
+    vLLM's app imports SageMaker's model_hosting_container_standards, whose import sets the root
+    logger (and its handlers) to ERROR: every INFO record of the engine server would vanish."""
+    root = logging.getLogger()
+    level, handler_levels = root.level, [(h, h.level) for h in root.handlers]
+    try:
+        __import__(module)
+    except ImportError:
+        return
+    finally:
+        root.setLevel(level)
+        for handler, handler_level in handler_levels:
+            handler.setLevel(handler_level)
+
+
 def _cli_value(value: Any) -> str:
     if isinstance(value, (dict, list, tuple)):
         return json.dumps(value)
@@ -249,6 +266,7 @@ class VllmEngine(EngineBackend):
         self._sleep_supported = bool(
             current_platform.is_sleep_mode_available() and self.vllm_config.model_config.enable_sleep_mode
         )
+        import_keeping_logging("model_hosting_container_standards.logging_config")
         # Binds the port before the (slow) engine load, as `vllm serve` does.
         _address, self._sock = setup_server(self.args, reuse_port=False)
 
@@ -418,7 +436,12 @@ class VllmEngine(EngineBackend):
                 pass
         if self.async_llm is not None:
             started = time.monotonic()
+            # Stop reading outputs first: the engine core's exit is expected now, not an error.
+            handler = getattr(self.async_llm, "output_handler", None)
+            if handler is not None:
+                handler.cancel()
             await asyncio.to_thread(self.async_llm.shutdown)
+            self.async_llm = None
             logger.info("vLLM engine stopped in %.1f s", time.monotonic() - started)
         if self._sock is not None:
             self._sock.close()

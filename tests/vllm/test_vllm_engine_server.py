@@ -1,0 +1,284 @@
+"""The engine server with the real vLLM CPU engine inside, end to end.
+
+One shared server (module fixture) runs the non-destructive tests in file order, then the
+destructive ones: a hung engine core, then SIGTERM. A second server, reporting a busy
+accelerator, checks that failing probes do not count and that the engine core's death ends
+the process within a second; a third checks that SIGKILL of the engine server leaves no engine
+core behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import grpc
+import psutil
+import pytest
+
+from motor.v1 import engine_pb2
+from tests.support import wait_for
+from tests.vllm.conftest import (
+    ABNORMAL,
+    FAILURE,
+    INIT,
+    NORMAL,
+    SUCCESS,
+    VllmServer,
+    parse_metrics,
+    start_server,
+    vllm_config,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+MAX_FAILURES = 2
+PROBE_TIMEOUT = 2.0
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_model, vllm_env, tmp_path_factory, request) -> dict:
+    """The shared server, with the statuses a watcher saw from before /health came up."""
+    tmp = tmp_path_factory.mktemp("vllm-shared")
+    config = vllm_config(
+        tiny_model,
+        # Default interval (5 s) and the CPU build's own utilization sampler.
+        health={"max_failure_count": MAX_FAILURES, "probe_timeout": PROBE_TIMEOUT, "utilization_window": 1.0},
+    )
+    server = start_server(tmp, config, vllm_env, request)
+    server.wait_mgmt_up()
+    watcher = server.watch()
+    first = server.status()  # the node manager's first heartbeat: arms virtual inference
+    normal = server.wait_status(NORMAL)
+    return {"server": server, "watcher": watcher, "first": first, "normal": normal}
+
+
+def test_init_until_health_then_normal(shared):
+    server: VllmServer = shared["server"]
+    # vLLM loads for 10+ s after the management plane is up: the first answer is INIT.
+    assert shared["first"].status == INIT, shared["first"]
+    assert shared["first"].engine_type == "vllm"
+    assert "health" in shared["first"].reason.lower()
+    assert shared["normal"].reason, "every status carries a reason"
+    seen = [s.status for s in shared["watcher"].statuses()]
+    assert seen[0] == INIT and NORMAL in seen, seen
+    # The inference plane is vLLM's own OpenAI server.
+    answer = server.http("/v1/completions", {"model": server_model(server), "prompt": "Hello", "max_tokens": 3})
+    assert answer["object"] == "text_completion" and answer["usage"]["completion_tokens"] == 3
+    chat = server.http(
+        "/v1/chat/completions",
+        {"model": server_model(server), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
+    assert chat["choices"][0]["message"]["role"] == "assistant"
+
+
+def server_model(server: VllmServer) -> str:
+    return json.loads(server.http("/v1/models"))["data"][0]["id"]
+
+
+def test_probes_every_5s_under_low_utilization(shared):
+    watcher = shared["watcher"]
+    probes = wait_for(lambda: (p := watcher.probes()) and len(p) >= 3 and p, timeout=60, what="three probes")
+    for _, probe in probes:
+        assert probe.outcome == SUCCESS, probe
+        assert probe.next_interval.ToTimedelta().total_seconds() == 5.0, probe
+        # The CPU build's sampler: CPU use of the engine core; a probe round never reads as busy.
+        assert 0.0 <= probe.utilization_peak < 80.0, probe
+    gaps = [b[0] - a[0] for a, b in zip(probes, probes[1:])]
+    assert all(3.5 < gap < 8.0 for gap in gaps), gaps
+    status = shared["server"].status()
+    assert status.probing and status.probe_interval.ToTimedelta().total_seconds() == 5.0
+
+
+def _counting_series(values: dict[str, float], types: dict[str, str]) -> dict[str, float]:
+    """vLLM's counter and histogram samples (the series that count requests, tokens, latencies)."""
+    counting = {}
+    for key, value in values.items():
+        name = key.split("{", 1)[0]
+        if not name.startswith("vllm:"):
+            continue
+        family = name
+        for suffix in ("_total", "_count", "_sum", "_bucket"):
+            if name.endswith(suffix):
+                family = name[: -len(suffix)]
+                break
+        # Multiprocess mode names counter families with their _total suffix.
+        if types.get(family) in ("counter", "histogram", "summary") or types.get(name) == "counter":
+            counting[key] = value
+    return counting
+
+
+def _scrape(server: VllmServer):
+    values, types = parse_metrics(server.http("/metrics"))
+    return values, _counting_series(values, types)
+
+
+def _one(values: dict[str, float], prefix: str) -> float:
+    """Sum of the samples of one series over its labels."""
+    return sum(v for k, v in values.items() if k == prefix or k.startswith(prefix + "{"))
+
+
+def test_vllm_metrics_count_only_real_requests(shared):
+    server: VllmServer = shared["server"]
+    watcher = shared["watcher"]
+    # One /metrics with vLLM's series and the engine server's own.
+    values, counting = _scrape(server)
+    assert "motor_engine_server_health_status" in values and _one(values, "vllm:request_success_total") >= 0
+    assert len(counting) > 50, "vLLM's counters and histograms are on /metrics"
+
+    # N probes and no other traffic: no vllm:* counter or histogram moves.
+    mark = time.monotonic()
+    probes_before = _one(values, "motor_engine_server_probes_total")
+    wait_for(lambda: len(watcher.probes(since=mark)) >= 2, timeout=30, what="two more probes")
+    values_after_probes, counting_after_probes = _scrape(server)
+    assert _one(values_after_probes, "motor_engine_server_probes_total") >= probes_before + 2
+    moved = {k: (counting.get(k), v) for k, v in counting_after_probes.items() if counting.get(k, 0.0) != v}
+    assert not moved, f"probes leaked into vLLM's metrics: {moved}"
+
+    # M real requests: the counters move by exactly what they did.
+    model = server_model(server)
+    usages = []
+    for prompt, max_tokens in (("The quick brown fox", 5), ("Hello, world", 3), ("1", 1)):
+        answer = server.http("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True})
+        usages.append(answer["usage"])
+    # A real request whose id looks almost like a probe's is counted like any other.
+    answer = server.http(
+        "/v1/completions",
+        {"model": model, "prompt": "virtual", "max_tokens": 2, "ignore_eos": True},
+        headers={"X-Request-Id": "order_virtual_goods"},
+    )
+    usages.append(answer["usage"])
+    real = len(usages)
+    prompt_tokens = sum(u["prompt_tokens"] for u in usages)
+    generation_tokens = sum(u["completion_tokens"] for u in usages)
+    after = _scrape(server)[1]
+
+    def delta(series: str) -> float:
+        return _one(after, series) - _one(counting_after_probes, series)
+
+    assert delta("vllm:request_success_total") == real
+    assert delta("vllm:e2e_request_latency_seconds_count") == real
+    assert delta("vllm:request_queue_time_seconds_count") == real
+    assert delta("vllm:request_prompt_tokens_count") == real
+    assert delta("vllm:request_prompt_tokens_sum") == prompt_tokens
+    assert delta("vllm:request_generation_tokens_sum") == generation_tokens
+    assert delta("vllm:prompt_tokens_total") == prompt_tokens
+    assert delta("vllm:generation_tokens_total") == generation_tokens
+    assert delta("vllm:time_to_first_token_seconds_count") == real
+    assert delta("vllm:inter_token_latency_seconds_count") == generation_tokens - real
+    assert delta("vllm:prefix_cache_queries_total") == prompt_tokens
+    assert delta("vllm:iteration_tokens_total_sum") == prompt_tokens + generation_tokens
+
+
+def test_sleep_is_refused_on_the_cpu_build(shared):
+    server: VllmServer = shared["server"]
+    with pytest.raises(grpc.RpcError) as raised:
+        server.stub.Sleep(engine_pb2.SleepRequest(level=1), timeout=10)
+    assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "sleep" in raised.value.details()
+    assert server.status().status == NORMAL and not server.status().sleeping
+
+
+def test_hung_engine_core_turns_abnormal_then_recovers(shared):
+    """SIGSTOP of the engine core (and its workers): /health stays 200, only probes notice."""
+    server: VllmServer = shared["server"]
+    watcher = shared["watcher"]
+    core = server.engine_core()
+    os.killpg(core.pid, signal.SIGSTOP)
+    try:
+        mark = time.monotonic()
+        abnormal = server.wait_status(ABNORMAL, timeout=60)
+        assert "consecutive virtual-inference probes failed" in abnormal.reason, abnormal.reason
+        failed = [p for _, p in watcher.probes(since=mark) if p.outcome == FAILURE]
+        assert len(failed) >= MAX_FAILURES and all(p.counted for p in failed[:MAX_FAILURES]), failed
+        assert failed[-1].utilization_peak < 3.0, "a stopped engine core uses no CPU"
+        # vLLM's own health check does not see a hung engine core (vLLM #39863).
+        assert server.http("/health") == ""
+    finally:
+        os.killpg(core.pid, signal.SIGCONT)
+    recovered = server.wait_status(NORMAL, timeout=60)
+    assert recovered.consecutive_failures == 0
+    assert server.process.poll() is None
+
+
+def test_sigterm_drains_and_exits_0(shared):
+    server: VllmServer = shared["server"]
+    tree = server.tree()
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(timeout=60) == 0, server.output[-3000:]
+    gone, alive = psutil.wait_procs(tree, timeout=15)
+    assert not alive, f"left behind: {alive}"
+    assert "shut down cleanly" in server.output
+    shared["watcher"].ended.wait(10)
+
+
+# -- a busy engine, then the engine core's death ----------------------------------------------
+
+
+def test_busy_engine_with_failing_probes_stays_normal_and_engine_core_death_exits_fast(
+    tiny_model, vllm_env, tmp_path, request
+):
+    config = vllm_config(
+        tiny_model,
+        health={
+            "max_failure_count": MAX_FAILURES,
+            "probe_timeout": PROBE_TIMEOUT,
+            "utilization_window": 0.5,
+            "busy_probe_interval": 1.0,
+        },
+        # The accelerator reports 95 % (a busy engine): probe failures must not count.
+        motor_utilization=95,
+    )
+    server = start_server(tmp_path, config, vllm_env, request)
+    server.wait_mgmt_up()
+    server.status()
+    server.wait_status(NORMAL)
+    watcher = server.watch()
+    wait_for(lambda: watcher.probes(), timeout=30, what="a probe")
+    core = server.engine_core()
+    tree = server.tree()
+
+    os.killpg(core.pid, signal.SIGSTOP)
+    try:
+        mark = time.monotonic()
+        failed = wait_for(
+            lambda: (f := [p for _, p in watcher.probes(since=mark) if p.outcome == FAILURE]) and len(f) > MAX_FAILURES and f,
+            timeout=60,
+            what="more failed probes than max_failure_count",
+        )
+        for probe in failed:
+            assert not probe.counted and probe.consecutive_failures == 0 and probe.status == NORMAL, probe
+            assert probe.utilization_peak == 95.0
+            assert probe.next_interval.ToTimedelta().total_seconds() == 1.0  # the busy interval
+        assert server.status().status == NORMAL
+    finally:
+        os.killpg(core.pid, signal.SIGCONT)
+
+    # The engine core dies: ABNORMAL, and the process exits non-zero within about a second.
+    killed = time.monotonic()
+    os.kill(core.pid, signal.SIGKILL)
+    code = server.process.wait(timeout=30)
+    exit_after = time.monotonic() - killed
+    assert code not in (0, None), server.output[-3000:]
+    assert exit_after < 5.0, f"exited {exit_after:.2f}s after the engine core died"  # hang bound; ~0.6 s measured
+    watcher.ended.wait(10)
+    last = watcher.statuses()[-1]
+    assert last.status == ABNORMAL and "engine-core process" in last.reason and "SIGKILL" in last.reason, last
+    gone, alive = psutil.wait_procs(tree, timeout=15)
+    assert not alive, f"left behind: {alive}"
+
+
+def test_sigkill_of_the_engine_server_takes_the_engine_core_along(tiny_model, vllm_env, tmp_path, request):
+    """vLLM does not watch its parent (vLLM #55846): the engine server's engine core does."""
+    server = start_server(tmp_path, vllm_config(tiny_model, health={"enable_virtual_inference": False}), vllm_env, request)
+    server.wait_mgmt_up()
+    server.wait_status(NORMAL)
+    core = server.engine_core()
+    tree = server.tree()
+    assert os.getpgid(core.pid) != os.getpgid(server.process.pid), "the engine core has its own process group"
+    server.process.kill()  # only the engine server's pid, as an OOM killer would
+    server.process.wait(timeout=10)
+    gone, alive = psutil.wait_procs(tree, timeout=15)
+    assert not alive, f"orphans left behind: {alive}"
