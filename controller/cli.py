@@ -1,0 +1,115 @@
+"""motor-controller: the command-line entry point."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from prometheus_client import start_http_server
+
+from motor import config as motor_config
+from motor.deployment_file import load_deployment
+from motor.errors import ConfigError, MotorError
+from motor.grpc_server import MotorServer, service_name
+from motor.logs import setup_logging
+from motor.v1 import controller_pb2, controller_pb2_grpc
+
+from controller.config import ControllerConfig
+from controller.core import Controller
+from controller.node_client import GrpcNodeClient
+from controller.servicer import ControllerServicer
+from controller.store import SqliteStore
+from controller.validation import validate_deployment
+
+logger = logging.getLogger(__name__)
+
+_FLAGS = {  # flag -> (config field, type, help)
+    "--listen": ("listen", str, "host:port to serve gRPC on (port 0: a free port, written to <db dir>/controller.port)"),
+    "--db": ("db", str, "SQLite file of the controller's state"),
+    "--deployment": ("deployment", str, "deployment file applied at start-up when it differs from the stored one"),
+    "--heartbeat-interval": ("heartbeat_interval", float, "seconds between node heartbeats (told to node managers)"),
+    "--node-grace": ("node_grace", float, "seconds of silence before a node is suspect and re-checked"),
+    "--recheck-timeout": ("recheck_timeout", float, "deadline of the direct re-check of a suspect node (s)"),
+    "--silent-share-alarm": ("silent_share_alarm", float, "share of nodes silent at once that raises the alarm (0-1)"),
+    "--reschedule-rate": ("reschedule_rate", float, "engine moves per second allowed"),
+    "--metrics-port": ("metrics_port", int, "Prometheus /metrics port (0: off)"),
+    "--startup-grace": ("startup_grace", float, "after a restart, seconds to wait for nodes to report (default: node grace)"),
+    "--stop-deadline": ("stop_deadline", float, "seconds between SIGTERM and SIGKILL when stopping an engine"),
+    "--log-level": ("log_level", str, "DEBUG, INFO, WARNING or ERROR"),
+}
+
+
+def parse_config(argv: list[str] | None) -> ControllerConfig:
+    parser = argparse.ArgumentParser(prog="motor-controller", description="Motor controller")
+    parser.add_argument("--config", help="YAML or JSON file with these settings (flags win)")
+    for flag, (field, _type, help_text) in _FLAGS.items():
+        parser.add_argument(flag, dest=field, default=None, help=help_text)
+    args = parser.parse_args(argv)
+    data = motor_config.read_document(args.config) if args.config else {}
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{args.config}: expected a mapping of settings")
+    for field, _type, _ in _FLAGS.values():
+        value = getattr(args, field)
+        if value is not None:
+            data[field] = value  # pydantic converts and names the field on error
+    return motor_config.validate(ControllerConfig, data, source=args.config or "command line")
+
+
+async def serve(config: ControllerConfig) -> None:
+    store = SqliteStore(config.db)
+    controller = Controller(config, store, GrpcNodeClient())
+    await controller.start()
+    if config.deployment:
+        wanted = validate_deployment(load_deployment(config.deployment))
+        stored = controller.deployment
+        if stored is None or wanted.SerializeToString(deterministic=True) != stored.SerializeToString(deterministic=True):
+            _, revision = controller.apply_deployment(wanted)
+            logger.info("applied %s at start-up (revision %d)", config.deployment, revision)
+        else:
+            logger.info("%s is the stored deployment already (revision %d)", config.deployment, controller.revision)
+    if config.metrics_port:
+        start_http_server(config.metrics_port, registry=controller.metrics.registry)
+        logger.info("metrics on http://0.0.0.0:%d/metrics", config.metrics_port)
+    server = MotorServer(config.listen)
+    server.add(controller_pb2_grpc.add_ControllerServiceServicer_to_server, ControllerServicer(controller),
+               service_name(controller_pb2, "ControllerService"))
+    port = await server.start()
+    logger.info("controller serving on port %d (db %s)", port, config.db)
+    if config.listen.rsplit(":", 1)[1] == "0":
+        port_file = os.path.join(os.path.dirname(os.path.abspath(config.db)), "controller.port")
+        with open(port_file, "w", encoding="utf-8") as handle:
+            handle.write(f"{port}\n")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("stopping")
+    await server.stop(grace=1.0)
+    await controller.stop()
+    store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = parse_config(argv)
+    except ConfigError as exc:
+        print(f"motor-controller: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(config.log_level)
+    try:
+        asyncio.run(serve(config))
+    except MotorError as exc:  # e.g. a bad --deployment file or a port in use
+        print(f"motor-controller: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""The controller's settings: command-line flags, optionally a YAML/JSON file (--config).
+
+Flags given on the command line win over the file. Every error names the setting to change.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class ControllerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # "host:port" the gRPC server binds; port 0 picks a free one (written to <db dir>/controller.port).
+    listen: str = "0.0.0.0:50051"
+    # SQLite file holding the desired deployment, assignments, node generations, restart counters.
+    db: str = "./.state/controller.db"
+    # Deployment file applied at start-up when it differs from the stored one.
+    deployment: str | None = None
+    # Interval node managers are told to heartbeat at (seconds).
+    heartbeat_interval: float = Field(1.0, gt=0, le=60)
+    # Silence after which a node is suspect and re-checked directly (seconds).
+    node_grace: float = Field(5.0, gt=0, le=3600)
+    # Deadline of the direct re-check of a suspect node (seconds).
+    recheck_timeout: float = Field(1.0, gt=0, le=60)
+    # Share of nodes silent at once above which the controller suspects its own network.
+    silent_share_alarm: float = Field(0.5, gt=0, le=1)
+    # Engine reschedules (moves off lost nodes) allowed per second; the burst is the same size.
+    reschedule_rate: float = Field(10.0, gt=0)
+    # Prometheus /metrics port; 0 turns the endpoint off.
+    metrics_port: int = Field(0, ge=0, le=65535)
+    # After a restart, how long to wait for node managers to report before reconciling
+    # (seconds); default: node_grace.
+    startup_grace: float | None = Field(None, ge=0)
+    # Time a node manager gets to stop an engine gracefully before SIGKILL (seconds).
+    stop_deadline: float = Field(5.0, ge=0)
+    log_level: str = "INFO"
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError("must be host:port with a port in 0-65535, e.g. 0.0.0.0:50051")
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _check_level(cls, value: str) -> str:
+        if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError("must be DEBUG, INFO, WARNING or ERROR")
+        return value.upper()
+
+    @property
+    def effective_startup_grace(self) -> float:
+        return self.node_grace if self.startup_grace is None else self.startup_grace

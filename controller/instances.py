@@ -1,0 +1,143 @@
+"""The instance lifecycle: one state machine with one transition function, and the restart
+policy (immediate first restart, doubling backoff, reset after healthy time, crash-loop budget).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from motor.names import enum_short_name
+from motor.v1 import controller_pb2
+
+logger = logging.getLogger(__name__)
+
+S = controller_pb2
+PENDING, STARTING, READY = S.INSTANCE_STATE_PENDING, S.INSTANCE_STATE_STARTING, S.INSTANCE_STATE_READY
+DEGRADED, RESTARTING, FAILED = S.INSTANCE_STATE_DEGRADED, S.INSTANCE_STATE_RESTARTING, S.INSTANCE_STATE_FAILED
+
+# Which state may follow which. PENDING: waiting for room; STARTING: launched, not all NORMAL;
+# READY: every rank NORMAL; DEGRADED: some rank not NORMAL, nothing failed yet; RESTARTING:
+# a failure is being handled (maybe backing off); FAILED: crash-loop budget spent.
+TRANSITIONS: dict[int, set[int]] = {
+    PENDING: {PENDING, STARTING, RESTARTING, FAILED},
+    STARTING: {STARTING, READY, DEGRADED, RESTARTING, PENDING, FAILED},
+    READY: {DEGRADED, RESTARTING, PENDING, STARTING},
+    DEGRADED: {DEGRADED, READY, RESTARTING, PENDING, STARTING, FAILED},
+    RESTARTING: {RESTARTING, STARTING, PENDING, FAILED},
+    FAILED: {RESTARTING, PENDING},
+}
+
+
+def state_name(state: int) -> str:
+    return enum_short_name(S.InstanceState, state)
+
+
+class IllegalTransition(Exception):
+    pass
+
+
+@dataclass
+class InstanceRecord:
+    """What the controller keeps about one instance (persisted as a dict)."""
+
+    instance_id: str
+    group: str
+    role: int
+    data_parallel_size: int
+    accelerators_per_engine: int
+    single_container: bool
+    paired_instance_id: str
+    spec_hash: str
+    state: int = PENDING
+    reason: str = "waiting for placement"
+    restarts: int = 0
+    # Failures counted by the backoff since the last reset (0: next restart is immediate).
+    consecutive_failures: int = 0
+    # Wall-clock times of failures inside the crash-loop window.
+    failure_times: list[float] = field(default_factory=list)
+    # Wall-clock time the pending restart is due (RESTARTING only).
+    next_restart_at: float | None = None
+    # Ranks the pending restart covers.
+    restart_ranks: list[int] = field(default_factory=list)
+    # Wall-clock time the instance last became READY (None while not READY).
+    healthy_since: float | None = None
+    state_changed_at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "InstanceRecord":
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+def transition(record: InstanceRecord, new_state: int, reason: str, now: float) -> bool:
+    """The one place an instance changes state. Returns True when the state or reason changed."""
+    if not reason:
+        raise ValueError("every transition needs a reason")
+    if new_state != record.state and new_state not in TRANSITIONS[record.state]:
+        raise IllegalTransition(
+            f"{record.instance_id}: {state_name(record.state)} -> {state_name(new_state)} is not allowed ({reason})"
+        )
+    if new_state == record.state and reason == record.reason:
+        return False
+    changed_state = new_state != record.state
+    if changed_state:
+        record.state_changed_at = now
+        if new_state == READY and record.healthy_since is None:
+            record.healthy_since = now
+        elif new_state not in (READY, DEGRADED):
+            # A DEGRADED spell keeps the healthy clock: the failure that may follow is judged
+            # against the time the instance was serving.
+            record.healthy_since = None
+    record.state, record.reason = new_state, reason
+    return changed_state
+
+
+@dataclass(frozen=True)
+class Policy:
+    """RestartPolicy with defaults applied, in seconds."""
+
+    group_scope: bool = True
+    initial_backoff: float = 1.0
+    max_backoff: float = 60.0
+    reset_after: float = 600.0
+    max_failures: int = 5
+    failure_window: float = 600.0
+
+    @classmethod
+    def from_proto(cls, p: controller_pb2.RestartPolicy) -> "Policy":
+        def sec(d) -> float:
+            return d.seconds + d.nanos / 1e9
+
+        return cls(
+            group_scope=p.scope != S.RESTART_SCOPE_RANK,
+            initial_backoff=sec(p.initial_backoff) or 1.0,
+            max_backoff=sec(p.max_backoff) or 60.0,
+            reset_after=sec(p.reset_after) or 600.0,
+            max_failures=p.max_failures or 5,
+            failure_window=sec(p.failure_window) or 600.0,
+        )
+
+
+@dataclass(frozen=True)
+class FailureDecision:
+    give_up: bool
+    delay: float
+    failures_in_window: int
+
+
+def on_failure(record: InstanceRecord, policy: Policy, now: float) -> FailureDecision:
+    """Count a failure; say whether to restart (after `delay` seconds) or give up (FAILED)."""
+    if record.healthy_since is not None and now - record.healthy_since >= policy.reset_after:
+        record.consecutive_failures = 0  # healthy long enough: the backoff starts over
+    record.failure_times = [t for t in record.failure_times if now - t < policy.failure_window] + [now]
+    if len(record.failure_times) >= policy.max_failures:
+        return FailureDecision(True, 0.0, len(record.failure_times))
+    n = record.consecutive_failures
+    delay = 0.0 if n == 0 else min(policy.initial_backoff * 2 ** (n - 1), policy.max_backoff)
+    record.consecutive_failures = n + 1
+    return FailureDecision(False, delay, len(record.failure_times))

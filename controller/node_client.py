@@ -1,0 +1,107 @@
+"""How the controller talks to node managers: an interface (faked in unit tests) and the gRPC
+implementation with retries (tenacity) for StartEngine and StopEngine."""
+
+from __future__ import annotations
+
+import abc
+import logging
+
+import grpc
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
+
+from motor.grpc_server import aio_channel
+from motor.v1 import controller_pb2, node_manager_pb2, node_manager_pb2_grpc, types_pb2
+
+logger = logging.getLogger(__name__)
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+class NodeCallError(Exception):
+    """A node-manager call failed; `code` is the gRPC status code name (e.g. 'UNAVAILABLE')."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+    @property
+    def unreachable(self) -> bool:
+        return self.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+
+class NodeClient(abc.ABC):
+    """The node-manager calls the controller makes."""
+
+    @abc.abstractmethod
+    async def start_engine(self, node: controller_pb2.NodeInfo, spec: types_pb2.EngineSpec) -> types_pb2.Engine: ...
+
+    @abc.abstractmethod
+    async def stop_engine(self, node: controller_pb2.NodeInfo, engine_id: str, generation: int, deadline: float) -> None: ...
+
+    @abc.abstractmethod
+    async def list_engines(self, node: controller_pb2.NodeInfo, timeout: float) -> list[types_pb2.Engine]: ...
+
+    async def close(self) -> None:
+        pass
+
+
+def _is_retryable(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in RETRYABLE
+
+
+class GrpcNodeClient(NodeClient):
+    def __init__(self, attempts: int = 4, start_timeout: float = 15.0):
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.attempts = attempts
+        self.start_timeout = start_timeout
+
+    def _stub(self, node: controller_pb2.NodeInfo) -> node_manager_pb2_grpc.NodeManagerServiceStub:
+        channel = self.channels.get(node.address)
+        if channel is None:
+            channel = self.channels[node.address] = aio_channel(node.address)
+        return node_manager_pb2_grpc.NodeManagerServiceStub(channel)
+
+    def _retrying(self) -> AsyncRetrying:
+        return AsyncRetrying(
+            stop=stop_after_attempt(self.attempts),
+            wait=wait_exponential(multiplier=0.1, max=2.0),
+            retry=retry_if_exception(_is_retryable),
+            reraise=True,
+        )
+
+    async def start_engine(self, node, spec):
+        try:
+            async for attempt in self._retrying():
+                with attempt:
+                    reply = await self._stub(node).StartEngine(
+                        node_manager_pb2.StartEngineRequest(spec=spec), timeout=self.start_timeout
+                    )
+                    return reply.engine
+        except grpc.aio.AioRpcError as exc:
+            raise NodeCallError(exc.code().name, exc.details() or "") from None
+        raise AssertionError("unreachable")
+
+    async def stop_engine(self, node, engine_id, generation, deadline):
+        request = node_manager_pb2.StopEngineRequest(engine_id=engine_id, generation=generation)
+        request.deadline.FromNanoseconds(int(deadline * 1e9))
+        try:
+            async for attempt in self._retrying():
+                with attempt:
+                    await self._stub(node).StopEngine(request, timeout=deadline + 15.0)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return  # never known there: nothing to stop
+            raise NodeCallError(exc.code().name, exc.details() or "") from None
+
+    async def list_engines(self, node, timeout):
+        try:
+            reply = await self._stub(node).ListEngines(node_manager_pb2.ListEnginesRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise NodeCallError(exc.code().name, exc.details() or "") from None
+        return list(reply.engines)
+
+    async def close(self) -> None:
+        for channel in self.channels.values():
+            await channel.close()
+        self.channels.clear()

@@ -1,0 +1,74 @@
+"""motor.v1.ControllerService: translates protobuf to Controller calls (behaviour lives in core)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from motor.errors import InvalidArgument, Unavailable
+from motor.v1 import controller_pb2, controller_pb2_grpc
+
+from controller.core import Controller
+
+logger = logging.getLogger(__name__)
+
+
+class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
+    def __init__(self, controller: Controller):
+        self.controller = controller
+
+    async def RegisterNode(self, request, context):
+        generation, assignments = self.controller.register_node(request.node, request.engines)
+        reply = controller_pb2.RegisterNodeResponse(generation=generation, assignments=assignments)
+        reply.heartbeat_interval.FromNanoseconds(int(self.controller.config.heartbeat_interval * 1e9))
+        return reply
+
+    async def Heartbeat(self, request, context):
+        started = time.perf_counter()
+        self.controller.heartbeat(request.node_id, request.generation, request.engines)
+        self.controller.metrics.heartbeat_seconds.observe(time.perf_counter() - started)
+        return controller_pb2.HeartbeatResponse()
+
+    async def ReportEngineEvent(self, request, context):
+        self.controller.report_engine_event(request.node_id, request.generation, request.engine, request.reason)
+        return controller_pb2.ReportEngineEventResponse()
+
+    async def ApplyDeployment(self, request, context):
+        if not request.HasField("deployment"):
+            raise InvalidArgument("deployment: required")
+        deployment, revision = self.controller.apply_deployment(request.deployment)
+        return controller_pb2.ApplyDeploymentResponse(deployment=deployment, revision=revision)
+
+    async def GetDeployment(self, request, context):
+        deployment, revision = self.controller.get_deployment()
+        return controller_pb2.GetDeploymentResponse(deployment=deployment, revision=revision)
+
+    async def DeleteDeployment(self, request, context):
+        self.controller.delete_deployment()
+        return controller_pb2.DeleteDeploymentResponse()
+
+    async def ListNodes(self, request, context):
+        nodes, alarms = self.controller.list_nodes()
+        return controller_pb2.ListNodesResponse(nodes=nodes, alarms=alarms)
+
+    async def ListInstances(self, request, context):
+        return controller_pb2.ListInstancesResponse(instances=self.controller.list_instances())
+
+    async def ListEndpoints(self, request, context):
+        return controller_pb2.ListEndpointsResponse(endpoints=self.controller.list_endpoints(request.role))
+
+    async def WatchEvents(self, request, context):
+        bus = self.controller.events
+        queue = bus.subscribe()  # before the snapshot, so no event falls between the two
+        try:
+            yield controller_pb2.WatchEventsResponse(snapshot=self.controller.snapshot())
+            while True:
+                event = await queue.get()
+                if getattr(queue, "dropped", False) and queue.empty():
+                    raise Unavailable("this watcher fell too far behind and was cut off; watch again")
+                yield controller_pb2.WatchEventsResponse(event=event)
+        except asyncio.CancelledError:
+            raise
+        finally:
+            bus.unsubscribe(queue)

@@ -1,0 +1,171 @@
+"""Durable controller state behind a small interface, so that another backend (etcd, with
+leader election for a standby controller) can replace SQLite without touching the logic.
+
+What is stored: the desired deployment and its revision, the generation counter, nodes
+(identity, generation, state), engine assignments and instance records (restart counters,
+crash-loop window). Every write is committed before the caller acknowledges the change;
+`transaction()` groups several writes into one commit.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import json
+import os
+import sqlite3
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+
+@dataclass
+class StoredNode:
+    node_id: str
+    info: bytes  # serialized motor.v1.NodeInfo
+    generation: int
+    state: int  # motor.v1.NodeState
+    reason: str
+
+
+@dataclass
+class StoredState:
+    deployment: bytes | None = None  # serialized motor.v1.Deployment
+    revision: int = 0
+    generation: int = 0
+    nodes: list[StoredNode] = field(default_factory=list)
+    assignments: dict[str, dict[str, Any]] = field(default_factory=dict)
+    instances: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+class Store(abc.ABC):
+    """What the controller needs from durable storage. Writes are durable when they return
+    (or when the enclosing transaction() block exits)."""
+
+    @abc.abstractmethod
+    def load(self) -> StoredState: ...
+
+    @abc.abstractmethod
+    def save_deployment(self, deployment: bytes | None, revision: int) -> None: ...
+
+    @abc.abstractmethod
+    def next_generation(self) -> int:
+        """A number larger than any returned before, by this or an earlier controller process."""
+
+    @abc.abstractmethod
+    def save_node(self, node: StoredNode) -> None: ...
+
+    @abc.abstractmethod
+    def save_assignment(self, engine_id: str, data: dict[str, Any]) -> None: ...
+
+    @abc.abstractmethod
+    def delete_assignment(self, engine_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def save_instance(self, instance_id: str, data: dict[str, Any]) -> None: ...
+
+    @abc.abstractmethod
+    def delete_instance(self, instance_id: str) -> None: ...
+
+    @abc.abstractmethod
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]: ...
+
+    def close(self) -> None:
+        pass
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB);
+CREATE TABLE IF NOT EXISTS nodes (node_id TEXT PRIMARY KEY, info BLOB NOT NULL, generation INTEGER NOT NULL,
+                                  state INTEGER NOT NULL, reason TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS assignments (engine_id TEXT PRIMARY KEY, data TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS instances (instance_id TEXT PRIMARY KEY, data TEXT NOT NULL);
+"""
+
+
+class SqliteStore(Store):
+    """The embedded default. WAL journal: a commit survives kill -9 of the controller."""
+
+    def __init__(self, path: str):
+        self.path = path
+        if path != ":memory:":
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(_SCHEMA)
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        if self._depth == 0:
+            self.db.execute("BEGIN IMMEDIATE")
+        self._depth += 1
+        try:
+            yield
+        except BaseException:
+            self._depth -= 1
+            if self._depth == 0:
+                self.db.execute("ROLLBACK")
+            raise
+        self._depth -= 1
+        if self._depth == 0:
+            self.db.execute("COMMIT")
+
+    def _meta(self, key: str) -> Any:
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def _set_meta(self, key: str, value: Any) -> None:
+        self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
+    def load(self) -> StoredState:
+        state = StoredState()
+        state.deployment = self._meta("deployment")
+        state.revision = int(self._meta("revision") or 0)
+        state.generation = int(self._meta("generation") or 0)
+        for node_id, info, generation, node_state, reason in self.db.execute(
+            "SELECT node_id, info, generation, state, reason FROM nodes ORDER BY node_id"
+        ):
+            state.nodes.append(StoredNode(node_id, bytes(info), generation, node_state, reason))
+        for engine_id, data in self.db.execute("SELECT engine_id, data FROM assignments"):
+            state.assignments[engine_id] = json.loads(data)
+        for instance_id, data in self.db.execute("SELECT instance_id, data FROM instances"):
+            state.instances[instance_id] = json.loads(data)
+        return state
+
+    def save_deployment(self, deployment: bytes | None, revision: int) -> None:
+        with self.transaction():
+            self._set_meta("deployment", deployment)
+            self._set_meta("revision", revision)
+
+    def next_generation(self) -> int:
+        with self.transaction():
+            value = int(self._meta("generation") or 0) + 1
+            self._set_meta("generation", value)
+        return value
+
+    def save_node(self, node: StoredNode) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO nodes (node_id, info, generation, state, reason) VALUES (?, ?, ?, ?, ?)",
+            (node.node_id, node.info, node.generation, node.state, node.reason),
+        )
+
+    def save_assignment(self, engine_id: str, data: dict[str, Any]) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO assignments (engine_id, data) VALUES (?, ?)", (engine_id, json.dumps(data))
+        )
+
+    def delete_assignment(self, engine_id: str) -> None:
+        self.db.execute("DELETE FROM assignments WHERE engine_id = ?", (engine_id,))
+
+    def save_instance(self, instance_id: str, data: dict[str, Any]) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO instances (instance_id, data) VALUES (?, ?)", (instance_id, json.dumps(data))
+        )
+
+    def delete_instance(self, instance_id: str) -> None:
+        self.db.execute("DELETE FROM instances WHERE instance_id = ?", (instance_id,))
+
+    def close(self) -> None:
+        self.db.close()

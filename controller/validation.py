@@ -1,0 +1,173 @@
+"""Validation of a deployment, field by field, and its expansion into instances.
+
+The controller is the one owner of deployment meaning; every error names the field to fix,
+e.g. `instance_groups[1].pair_with: 'decoder' is not a group of this deployment`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+
+from google.protobuf import json_format
+
+from motor import names
+from motor.errors import InvalidArgument
+from motor.v1 import controller_pb2, types_pb2
+
+# Group names become instance-id prefixes ("<group>-<index>"); leave room for the index.
+GROUP_NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,55}$")
+MAX_COUNT = 10_000
+MAX_DATA_PARALLEL = 1024
+MAX_ACCELERATORS = 64
+
+DEFAULT_POLICY = {
+    "initial_backoff": 1.0,
+    "max_backoff": 60.0,
+    "reset_after": 600.0,
+    "max_failures": 5,
+    "failure_window": 600.0,
+}
+
+
+def config_section(role: int) -> str:
+    """The user_config section an engine of `role` reads, e.g. motor_engine_prefill_config."""
+    return f"motor_engine_{names.role_name(role)}_config"
+
+
+def _seconds(duration) -> float:
+    return duration.seconds + duration.nanos / 1e9
+
+
+def validate_deployment(deployment: controller_pb2.Deployment) -> controller_pb2.Deployment:
+    """Return a copy with defaults filled in, or raise InvalidArgument naming every bad field."""
+    d = controller_pb2.Deployment()
+    d.CopyFrom(deployment)
+    problems: list[str] = []
+    if not d.name.strip():
+        problems.append("name: required (a name for this deployment, e.g. 'local-sim')")
+    if not d.model.strip():
+        problems.append("model: required (the model name or path the engines serve)")
+    if not d.instance_groups:
+        problems.append("instance_groups: at least one group is required")
+    engine_config = json_format.MessageToDict(d.engine_config) if d.HasField("engine_config") else {}
+    seen: dict[str, int] = {}
+    for i, group in enumerate(d.instance_groups):
+        where = f"instance_groups[{i}]"
+        if not GROUP_NAME_PATTERN.match(group.name):
+            problems.append(
+                f"{where}.name: {group.name!r} must be 1-56 lowercase letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit (instances are named '<name>-<index>')"
+            )
+        elif group.name in seen:
+            problems.append(f"{where}.name: {group.name!r} is already the name of instance_groups[{seen[group.name]}]")
+        else:
+            seen[group.name] = i
+        if group.role not in names.ROLE_NAMES:
+            problems.append(f"{where}.role: required: prefill, decode or union")
+        if group.count == 0:
+            group.count = 1
+        if group.count > MAX_COUNT:
+            problems.append(f"{where}.count: must be at most {MAX_COUNT} (got {group.count})")
+        if group.data_parallel_size == 0:
+            group.data_parallel_size = 1
+        if group.data_parallel_size > MAX_DATA_PARALLEL:
+            problems.append(f"{where}.data_parallel_size: must be at most {MAX_DATA_PARALLEL} (got {group.data_parallel_size})")
+        if not group.HasField("accelerators_per_engine"):
+            group.accelerators_per_engine = 1
+        if group.accelerators_per_engine > MAX_ACCELERATORS:
+            problems.append(f"{where}.accelerators_per_engine: must be at most {MAX_ACCELERATORS} (got {group.accelerators_per_engine})")
+        if group.role in names.ROLE_NAMES:
+            section = config_section(group.role)
+            if not isinstance(engine_config.get(section), dict):
+                problems.append(
+                    f"engine_config.{section}: required by {where} (role {names.role_name(group.role)}): "
+                    "the user_config section its engines read"
+                )
+    by_name = {g.name: g for g in d.instance_groups}
+    for i, group in enumerate(d.instance_groups):
+        if not group.pair_with:
+            continue
+        where = f"instance_groups[{i}].pair_with"
+        target = by_name.get(group.pair_with)
+        if group.role != types_pb2.ROLE_PREFILL:
+            problems.append(f"{where}: only a prefill group pairs with a decode group (this group's role is {names.role_name(group.role)})")
+        elif target is None:
+            problems.append(f"{where}: {group.pair_with!r} is not a group of this deployment (groups: {', '.join(sorted(by_name))})")
+        elif target.role != types_pb2.ROLE_DECODE:
+            problems.append(f"{where}: {group.pair_with!r} is a {names.role_name(target.role)} group, not a decode group")
+        elif target.count != group.count:
+            problems.append(
+                f"{where}: {group.pair_with!r} has {target.count} instance(s) and this group {group.count}: "
+                "paired groups pair instance i with instance i, so their counts must match"
+            )
+    p = d.restart_policy
+    if p.scope == controller_pb2.RESTART_SCOPE_UNSPECIFIED:
+        p.scope = controller_pb2.RESTART_SCOPE_GROUP
+    for name in ("initial_backoff", "max_backoff", "reset_after", "failure_window"):
+        field = getattr(p, name)
+        if not p.HasField(name):
+            field.FromNanoseconds(int(DEFAULT_POLICY[name] * 1e9))
+        elif _seconds(field) <= 0:
+            problems.append(f"restart_policy.{name}: must be a positive duration such as '1s' (got {_seconds(field)}s)")
+    if p.HasField("max_backoff") and p.HasField("initial_backoff") and _seconds(p.max_backoff) < _seconds(p.initial_backoff):
+        problems.append(
+            f"restart_policy.max_backoff: must be at least initial_backoff ({_seconds(p.initial_backoff)}s), got {_seconds(p.max_backoff)}s"
+        )
+    if p.max_failures == 0:
+        p.max_failures = DEFAULT_POLICY["max_failures"]
+    if problems:
+        raise InvalidArgument("invalid deployment: " + "; ".join(problems))
+    return d
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """One instance the deployment asks for."""
+
+    instance_id: str
+    group: str
+    role: int
+    index: int
+    data_parallel_size: int
+    accelerators_per_engine: int
+    single_container: bool
+    paired_instance_id: str
+    # Changes when anything its engines are launched with changes (restart needed).
+    spec_hash: str
+
+
+def expand(deployment: controller_pb2.Deployment) -> dict[str, InstanceSpec]:
+    """Instances "<group>-<i>" of a validated deployment."""
+    engine_config = json_format.MessageToDict(deployment.engine_config) if deployment.HasField("engine_config") else {}
+    out: dict[str, InstanceSpec] = {}
+    for group in deployment.instance_groups:
+        section = engine_config.get(config_section(group.role))
+        digest = hashlib.sha256(
+            json.dumps(
+                [deployment.model, group.role, group.data_parallel_size, group.accelerators_per_engine,
+                 group.single_container, section],
+                sort_keys=True,
+            ).encode()
+        ).hexdigest()[:16]
+        for index in range(group.count):
+            instance_id = f"{group.name}-{index}"
+            out[instance_id] = InstanceSpec(
+                instance_id=instance_id,
+                group=group.name,
+                role=group.role,
+                index=index,
+                data_parallel_size=group.data_parallel_size,
+                accelerators_per_engine=group.accelerators_per_engine,
+                single_container=group.single_container,
+                paired_instance_id=f"{group.pair_with}-{index}" if group.pair_with else "",
+                spec_hash=digest,
+            )
+    for spec in list(out.values()):  # decode instances know their prefill partner too
+        if spec.paired_instance_id and spec.paired_instance_id in out:
+            partner = out[spec.paired_instance_id]
+            if not partner.paired_instance_id:
+                out[partner.instance_id] = InstanceSpec(**{**partner.__dict__, "paired_instance_id": spec.instance_id})
+    return out

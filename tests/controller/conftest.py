@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from motor.deployment_file import deployment_from_dict, load_deployment
+from motor.v1 import controller_pb2
+
+from controller.config import ControllerConfig
+from controller.core import Controller
+from controller.store import SqliteStore
+from tests.controller.fakes import FakeNodeClient
+from tests.support import REPO_ROOT
+
+EXAMPLE = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
+
+
+def node_info(node_id: str, accelerators: int = 4, port_range: tuple[int, int] = (0, 0)) -> controller_pb2.NodeInfo:
+    return controller_pb2.NodeInfo(
+        node_id=node_id, address=f"127.0.0.1:{1000 + ord(node_id[-1])}", host=f"10.0.0.{ord(node_id[-1]) - 96}",
+        accelerator_ids=list(range(accelerators)), accelerator_type="sim",
+        port_range_start=port_range[0], port_range_end=port_range[1],
+    )
+
+
+def example_deployment(**policy) -> controller_pb2.Deployment:
+    deployment = load_deployment(EXAMPLE)
+    for key, value in policy.items():
+        if key in ("max_failures",):
+            setattr(deployment.restart_policy, key, value)
+        elif key == "scope":
+            deployment.restart_policy.scope = value
+        else:
+            getattr(deployment.restart_policy, key).FromNanoseconds(int(value * 1e9))
+    return deployment
+
+
+def small_deployment(groups: list[dict], **extra) -> controller_pb2.Deployment:
+    sections = {f"motor_engine_{r}_config": {"engine_type": "sim"} for r in ("prefill", "decode", "union")}
+    return deployment_from_dict({"name": "t", "model": "sim-tiny", "engine_config": sections, "instance_groups": groups, **extra})
+
+
+class Harness:
+    """A controller on a temporary SQLite file with a fake node-manager client; short intervals."""
+
+    def __init__(self, tmp_path, **overrides):
+        self.db = str(tmp_path / "controller.db")
+        settings = dict(db=self.db, heartbeat_interval=0.1, node_grace=0.6, recheck_timeout=0.2, startup_grace=1.0)
+        settings.update(overrides)
+        self.config = ControllerConfig(**settings)
+        self.client = FakeNodeClient()
+        self.controller: Controller | None = None
+        self.generations: dict[str, int] = {}
+
+    async def start(self, client: FakeNodeClient | None = None) -> Controller:
+        if client is not None:
+            self.client = client
+        self.store = SqliteStore(self.db)
+        self.controller = Controller(self.config, self.store, self.client)
+        await self.controller.start()
+        return self.controller
+
+    async def stop(self) -> None:
+        if self.controller is not None:
+            await self.controller.stop()
+            self.store.close()
+            self.controller = None
+
+    def register(self, node_id: str, **kw):
+        generation, assignments = self.controller.register_node(node_info(node_id, **kw), self.client.report(node_id))
+        self.generations[node_id] = generation
+        return generation, assignments
+
+    def beat(self, *node_ids: str) -> None:
+        for node_id in node_ids:
+            self.controller.heartbeat(node_id, self.generations[node_id], self.client.report(node_id))
+
+    def instance(self, instance_id: str):
+        return self.controller.instances[instance_id]
+
+
+@pytest.fixture
+async def harness(tmp_path):
+    h = Harness(tmp_path)
+    yield h
+    await h.stop()

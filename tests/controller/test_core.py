@@ -1,0 +1,244 @@
+"""The controller's behaviour against a fake node-manager client (no gRPC, no processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from motor.errors import FailedPrecondition, InvalidArgument, NotFound
+from motor.v1 import controller_pb2 as C
+from motor.v1 import types_pb2 as T
+
+from controller.node_client import NodeCallError
+from tests.controller.conftest import Harness, example_deployment, small_deployment
+from tests.support import async_wait_for
+
+
+async def running_example(h: Harness, nodes=("node-a", "node-b"), **policy):
+    await h.start()
+    for node in nodes:
+        h.register(node)
+    h.controller.apply_deployment(example_deployment(**policy))
+    await async_wait_for(lambda: len(h.client.starts()) == 3, timeout=5, what="3 StartEngine calls")
+    for node in nodes:
+        h.client.set_health(node)
+    h.beat(*nodes)
+    await async_wait_for(lambda: all(i.state == C.INSTANCE_STATE_READY for i in h.controller.instances.values()), timeout=5)
+
+
+async def test_apply_places_every_rank_with_master_ip_config_and_generation(harness):
+    await running_example(harness)
+    starts = {f"{s.instance_id}/rank{s.dp_rank}": s for s in harness.client.starts()}
+    assert set(starts) == {"prefill-0/rank0", "prefill-0/rank1", "decode-0/rank0"}
+    rank0_node = next(c[1] for c in harness.client.calls if c[0] == "start" and c[2].instance_id == "prefill-0" and c[2].dp_rank == 0)
+    expected_host = {"node-a": "10.0.0.1", "node-b": "10.0.0.2"}[rank0_node]
+    assert starts["prefill-0/rank0"].master_dp_ip == starts["prefill-0/rank1"].master_dp_ip == expected_host
+    config = json.loads(starts["decode-0/rank0"].config_json)
+    assert config["motor_engine_decode_config"]["engine_type"] == "sim"
+    generations = [s.generation for s in starts.values()]
+    assert all(generations) and len(set(generations)) == 3
+    # Distinct accelerators per node.
+    used = [(c[1], a) for c in harness.client.calls if c[0] == "start" for a in c[2].accelerator_ids]
+    assert len(used) == len(set(used)) == 3
+    listed = {i.instance_id: i for i in harness.controller.list_instances()}
+    assert listed["prefill-0"].paired_instance_id == "decode-0"
+    assert listed["decode-0"].paired_instance_id == "prefill-0"
+    endpoints = harness.controller.list_endpoints(T.ROLE_PREFILL)
+    assert [e.engine_id for e in endpoints] == ["prefill-0/rank0", "prefill-0/rank1"]
+    assert all(e.url.startswith("http://10.0.0.") for e in endpoints)
+
+
+async def test_apply_is_idempotent_and_stored_before_return(harness):
+    await harness.start()
+    _, first = harness.controller.apply_deployment(example_deployment())
+    _, again = harness.controller.apply_deployment(example_deployment())
+    assert first == again == 1
+    stored = harness.store.load()
+    assert stored.revision == 1 and C.Deployment.FromString(stored.deployment).name == "local-sim"
+    changed = example_deployment()
+    changed.model = "other"
+    _, third = harness.controller.apply_deployment(changed)
+    assert third == 2
+
+
+async def test_invalid_deployment_names_the_field_and_changes_nothing(harness):
+    await harness.start()
+    harness.controller.apply_deployment(example_deployment())
+    bad = small_deployment([{"name": "Bad Name", "role": "prefill"}, {"name": "d", "role": "decode", "count": 2},
+                            {"name": "p", "role": "prefill", "pair_with": "nope"}])
+    with pytest.raises(InvalidArgument) as err:
+        harness.controller.apply_deployment(bad)
+    text = str(err.value)
+    assert "instance_groups[0].name" in text and "instance_groups[2].pair_with" in text and "'nope'" in text
+    assert harness.controller.revision == 1 and set(harness.controller.instances) == {"prefill-0", "decode-0"}
+
+
+async def test_unplaceable_instance_is_pending_with_the_reason(harness):
+    await harness.start()
+    harness.register("node-a", accelerators=1)
+    harness.controller.apply_deployment(small_deployment([{"name": "big", "role": "union", "accelerators_per_engine": 2}]))
+    await async_wait_for(lambda: "none has room" in harness.instance("big-0").reason, timeout=5)
+    assert harness.instance("big-0").state == C.INSTANCE_STATE_PENDING
+    assert "node-a: 1/1 accelerators free" in harness.instance("big-0").reason
+    harness.register("node-b", accelerators=2)  # room appears: placed without being asked again
+    await async_wait_for(lambda: harness.client.starts("big-0/rank0"), timeout=5)
+    assert harness.client.calls[-1][1] == "node-b"
+
+
+async def test_failed_engine_restarts_at_once_then_backs_off_then_fails(harness):
+    await running_example(harness, initial_backoff=0.3, max_backoff=10, max_failures=3)
+    ctl, client = harness.controller, harness.client
+    engine = client.engines[next(n for n, e in client.engines.items() if "decode-0/rank0" in e)]["decode-0/rank0"]
+    node_id = engine.node_id
+
+    def fail_decode(reason):
+        current = client.engines[node_id]["decode-0/rank0"]
+        current.state = T.ENGINE_STATE_FAILED
+        ctl.report_engine_event(node_id, harness.generations[node_id], current, reason)
+
+    fail_decode("killed after 5 abnormal heartbeats: probe timed out x5")
+    inst = harness.instance("decode-0")
+    assert inst.state == C.INSTANCE_STATE_RESTARTING and "restarting its data-parallel group now" in inst.reason
+    await async_wait_for(lambda: len(client.starts("decode-0/rank0")) == 2, timeout=2, what="immediate restart")
+    second = client.starts("decode-0/rank0")[-1]
+    assert second.generation > engine.spec.generation
+    messages = [e.message for e in ctl.events.recent]
+    assert f"engine decode-0/rank0 on {node_id} killed after 5 abnormal heartbeats: probe timed out x5" in messages
+    # A repeated report of the same failure is ignored.
+    ctl.report_engine_event(node_id, harness.generations[node_id], engine, "repeated-report")
+    assert len([m for m in (e.message for e in ctl.events.recent) if "repeated-report" in m]) == 0
+
+    fail_decode("exited with code 1")
+    assert "in 0.3s" in inst.reason
+    assert len(client.starts("decode-0/rank0")) == 2  # backing off, not restarted yet
+    await async_wait_for(lambda: len(client.starts("decode-0/rank0")) == 3, timeout=5, what="restart after backoff")
+    fail_decode("exited with code 1")
+    assert inst.state == C.INSTANCE_STATE_FAILED and "crash-loop budget spent: 3 failures" in inst.reason
+    await asyncio.sleep(0.8)
+    assert len(client.starts("decode-0/rank0")) == 3  # left alone
+    # Applying again gives it another chance.
+    ctl.apply_deployment(example_deployment(initial_backoff=0.3, max_backoff=10, max_failures=3))
+    await async_wait_for(lambda: len(client.starts("decode-0/rank0")) == 4, timeout=5)
+
+
+async def test_group_scope_restarts_every_rank_and_rank_scope_one(harness):
+    await running_example(harness)
+    client, ctl = harness.client, harness.controller
+    node_id, engines = next((n, e) for n, e in client.engines.items() if "prefill-0/rank1" in e)
+    failed = engines["prefill-0/rank1"]
+    failed.state = T.ENGINE_STATE_FAILED
+    ctl.report_engine_event(node_id, harness.generations[node_id], failed, "exited (signal 9)")
+    await async_wait_for(lambda: len(client.starts("prefill-0/rank0")) == 2 and len(client.starts("prefill-0/rank1")) == 2, timeout=5)
+    # The surviving rank 0 was stopped (fenced by its old generation) before its new copy started.
+    assert any(s[1] == "prefill-0/rank0" for s in client.stops())
+
+
+async def test_rank_scope_restarts_the_failed_rank_alone(harness):
+    await running_example(harness, scope=C.RESTART_SCOPE_RANK)
+    client, ctl = harness.client, harness.controller
+    node_id, engines = next((n, e) for n, e in client.engines.items() if "prefill-0/rank1" in e)
+    engines["prefill-0/rank1"].state = T.ENGINE_STATE_FAILED
+    ctl.report_engine_event(node_id, harness.generations[node_id], engines["prefill-0/rank1"], "exited (signal 9)")
+    await async_wait_for(lambda: len(client.starts("prefill-0/rank1")) == 2, timeout=5)
+    await asyncio.sleep(0.3)
+    assert len(client.starts("prefill-0/rank0")) == 1 and not client.stops()
+
+
+async def test_stale_and_unknown_heartbeats_are_refused(harness):
+    await harness.start()
+    generation, _ = harness.register("node-a")
+    with pytest.raises(NotFound):
+        harness.controller.heartbeat("node-x", 1, [])
+    harness.register("node-a")  # re-registration: a new generation
+    with pytest.raises(FailedPrecondition, match="stale"):
+        harness.controller.heartbeat("node-a", generation, [])
+
+
+async def test_lost_node_engines_move_and_come_back_fenced(harness):
+    await running_example(harness, nodes=("node-a", "node-b", "node-c"))
+    client, ctl = harness.client, harness.controller
+    victim = next(n for n, e in client.engines.items() if "decode-0/rank0" in e)
+    others = [n for n in ("node-a", "node-b", "node-c") if n != victim]
+    old = client.engines[victim]["decode-0/rank0"]
+    client.unreachable.add(victim)
+
+    async def beat_others():
+        while True:
+            harness.beat(*others)
+            await asyncio.sleep(0.1)
+
+    beater = asyncio.create_task(beat_others())
+    try:
+        await async_wait_for(lambda: ctl.nodes[victim].state == C.NODE_STATE_LOST, timeout=5, what="node lost")
+        assert ("list", victim) in client.calls  # re-checked directly before being declared lost
+        kinds = [e.type for e in ctl.events.recent if e.node_id == victim]
+        assert kinds.index(C.EVENT_TYPE_NODE_SUSPECT) < kinds.index(C.EVENT_TYPE_NODE_LOST)
+        await async_wait_for(lambda: ctl.slots["decode-0/rank0"].node_id in others, timeout=5, what="engine moved")
+        with pytest.raises(FailedPrecondition):
+            harness.beat(victim)
+        # The node comes back with its old copy still running: it is fenced.
+        client.unreachable.discard(victim)
+        _, assignments = harness.register(victim)
+        assert "decode-0/rank0" not in {a.engine_id for a in assignments}
+        await async_wait_for(lambda: (victim, "decode-0/rank0", old.spec.generation) in client.stops(), timeout=5)
+        assert any(e.type == C.EVENT_TYPE_ENGINE_FENCED for e in ctl.events.recent)
+    finally:
+        beater.cancel()
+
+
+async def test_many_silent_nodes_raise_an_alarm_and_nothing_moves(harness):
+    await running_example(harness, nodes=("node-a", "node-b", "node-c"))
+    client, ctl = harness.client, harness.controller
+    client.unreachable.update({"node-a", "node-b"})
+
+    async def beat_c():
+        while True:
+            harness.beat("node-c")
+            await asyncio.sleep(0.1)
+
+    beater = asyncio.create_task(beat_c())
+    try:
+        await async_wait_for(lambda: ctl.alarm, timeout=5, what="alarm")
+        await asyncio.sleep(1.5)
+        assert "2 of 3 nodes silent at once" in ctl.list_nodes()[1][0]
+        assert all(ctl.nodes[n].state == C.NODE_STATE_SUSPECT for n in ("node-a", "node-b"))
+        assert len(client.starts()) == 3 and not client.stops()
+        client.unreachable.clear()
+        await async_wait_for(lambda: not ctl.alarm, timeout=5, what="alarm cleared by re-checks")
+        assert all(n.state == C.NODE_STATE_READY for n in ctl.nodes.values())
+    finally:
+        beater.cancel()
+
+
+async def test_restart_adopts_running_engines_without_restarting_them(harness):
+    await running_example(harness)
+    before = len(harness.client.starts())
+    client = harness.client
+    await harness.stop()
+    ctl = await harness.start(client)
+    assert ctl.revision == 1 and set(ctl.instances) == {"prefill-0", "decode-0"}
+    harness.beat("node-a", "node-b")  # same generations as before the restart
+    await async_wait_for(lambda: all(i.state == C.INSTANCE_STATE_READY for i in ctl.instances.values()), timeout=5)
+    await asyncio.sleep(1.2)  # past the start-up grace
+    assert len(client.starts()) == before and not client.stops()
+
+
+async def test_start_failure_counts_as_a_failure_with_the_reason(harness):
+    await harness.start()
+    harness.register("node-a")
+    harness.client.start_errors["solo-0/rank0"] = NodeCallError("FAILED_PRECONDITION", "port 21000 is in use")
+    harness.controller.apply_deployment(small_deployment([{"name": "solo", "role": "union"}]))
+    await async_wait_for(lambda: len(harness.client.starts("solo-0/rank0")) == 2, timeout=5)
+    slot = harness.controller.slots["solo-0/rank0"]
+    assert "port 21000 is in use" in slot.last_failure_reason and slot.restarts == 1
+
+
+async def test_delete_stops_engines(harness):
+    await running_example(harness)
+    harness.controller.delete_deployment()
+    await async_wait_for(lambda: len(harness.client.stops()) == 3, timeout=5)
+    with pytest.raises(NotFound):
+        harness.controller.get_deployment()
+    assert harness.controller.list_instances() == []
