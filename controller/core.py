@@ -49,6 +49,18 @@ def _stamp(wall: float) -> Timestamp:
     return stamp
 
 
+def _integral(value: Any) -> Any:
+    """google.protobuf.Struct stores every number as a double: give engines back their ints
+    (engine servers validate `max_failure_count: 3`, not 3.0)."""
+    if isinstance(value, dict):
+        return {k: _integral(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 @dataclass
 class NodeRuntime:
     info: C.NodeInfo
@@ -259,7 +271,7 @@ class Controller:
         self.deployment, self.revision = deployment, revision
         if deployment is not None:
             self.policy = Policy.from_proto(deployment.restart_policy)
-            self.config_json = json.dumps(json_format.MessageToDict(deployment.engine_config), sort_keys=True)
+            self.config_json = json.dumps(_integral(json_format.MessageToDict(deployment.engine_config)), sort_keys=True)
 
     def apply_deployment(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
         validated = validate_deployment(deployment)

@@ -1,0 +1,125 @@
+"""motorctl: the controller's command-line client.
+
+    motorctl [--controller HOST:PORT] [--output table|json] COMMAND
+    nodes | instances | endpoints [--role R] | events [--follow] | deployment | apply -f FILE | delete
+    up ...  (a local cluster; see `motorctl up --help`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import grpc
+from google.protobuf import json_format
+
+from motor.deployment_file import load_deployment
+from motor.errors import MotorError
+from motor.names import parse_role
+from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
+from motorctl import render
+
+DEFAULT_CONTROLLER = os.environ.get("MOTOR_CONTROLLER", "localhost:50051")
+
+
+def _json(message) -> str:
+    return json.dumps(json_format.MessageToDict(message, preserving_proto_field_name=True), indent=2, sort_keys=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="motorctl", description="Command-line client of the Motor controller.")
+    p.add_argument("--controller", default=DEFAULT_CONTROLLER, help=f"controller address [{DEFAULT_CONTROLLER}; env MOTOR_CONTROLLER]")
+    p.add_argument("--output", "-o", choices=["table", "json"], default="table", help="output format [table]")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the controller [10]")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("nodes", help="nodes with state, generation, free accelerators, engines")
+    sub.add_parser("instances", help="instances and their engines (node, ports, state, health, restarts)")
+    endpoints = sub.add_parser("endpoints", help="inference endpoints of NORMAL engines")
+    endpoints.add_argument("--role", help="prefill, decode or union")
+    events = sub.add_parser("events", help="recent events; --follow keeps streaming")
+    events.add_argument("--follow", "-f", action="store_true", help="stream new events until Ctrl-C")
+    sub.add_parser("deployment", help="the stored deployment and its revision")
+    apply = sub.add_parser("apply", help="apply a deployment file (YAML or JSON)")
+    apply.add_argument("-f", "--file", required=True, help="deployment file")
+    sub.add_parser("delete", help="delete the deployment and stop its engines")
+    sub.add_parser("up", help="start a local cluster (controller, node managers, example deployment)", add_help=False)
+    return p
+
+
+def run(args: argparse.Namespace, out=sys.stdout) -> int:
+    with grpc.insecure_channel(args.controller) as channel:
+        stub = controller_pb2_grpc.ControllerServiceStub(channel)
+        t = args.timeout
+        as_json = args.output == "json"
+        if args.command == "nodes":
+            reply = stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=t)
+            print(_json(reply) if as_json else render.render_nodes(reply), file=out)
+        elif args.command == "instances":
+            reply = stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=t)
+            print(_json(reply) if as_json else render.render_instances(reply) + "\n\n" + render.render_engines(reply), file=out)
+        elif args.command == "endpoints":
+            role = parse_role(args.role, "--role") if args.role else types_pb2.ROLE_UNSPECIFIED
+            reply = stub.ListEndpoints(controller_pb2.ListEndpointsRequest(role=role), timeout=t)
+            print(_json(reply) if as_json else render.render_endpoints(reply), file=out)
+        elif args.command == "deployment":
+            reply = stub.GetDeployment(controller_pb2.GetDeploymentRequest(), timeout=t)
+            if as_json:
+                print(_json(reply), file=out)
+            else:
+                import yaml
+
+                body = json_format.MessageToDict(reply.deployment, preserving_proto_field_name=True)
+                print(f"# revision {reply.revision}\n" + yaml.safe_dump(body, sort_keys=False), file=out, end="")
+        elif args.command == "apply":
+            deployment = load_deployment(args.file)
+            reply = stub.ApplyDeployment(controller_pb2.ApplyDeploymentRequest(deployment=deployment), timeout=t)
+            if as_json:
+                print(_json(reply), file=out)
+            else:
+                print(f"deployment {reply.deployment.name!r} applied (revision {reply.revision})", file=out)
+        elif args.command == "delete":
+            stub.DeleteDeployment(controller_pb2.DeleteDeploymentRequest(), timeout=t)
+            print("{}" if as_json else "deployment deleted; its engines are being stopped", file=out)
+        elif args.command == "events":
+            stream = stub.WatchEvents(controller_pb2.WatchEventsRequest(), timeout=None if args.follow else t)
+            try:
+                for message in stream:
+                    if message.HasField("snapshot"):
+                        for event in message.snapshot.recent_events:
+                            print(_json(event).replace("\n", " ") if as_json else render.render_event(event), file=out, flush=True)
+                        if not args.follow:
+                            break
+                    else:
+                        print(_json(message.event).replace("\n", " ") if as_json else render.render_event(message.event), file=out, flush=True)
+            finally:
+                stream.cancel()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "up" in argv:  # `motorctl [--controller X] up ...`: the local cluster has its own flags
+        from motorctl import up
+
+        return up.main(argv[argv.index("up") + 1 :])
+    args = _parser().parse_args(argv)
+    try:
+        return run(args)
+    except MotorError as exc:  # a malformed file, an unknown role
+        print(f"motorctl: {exc}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as exc:
+        code = exc.code()
+        if code == grpc.StatusCode.UNAVAILABLE:
+            print(f"motorctl: controller {args.controller} is not reachable ({exc.details()})", file=sys.stderr)
+        else:
+            print(f"motorctl: {code.name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

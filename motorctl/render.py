@@ -1,0 +1,84 @@
+"""Tables for people: nodes, instances and engine health (also the live view of `motorctl up`)."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Iterable, Sequence
+
+from motor.names import enum_short_name, role_name
+from motor.v1 import controller_pb2, types_pb2
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    rows = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def _short(text: str, limit: int = 70) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _ago(stamp) -> str:
+    if not stamp.seconds and not stamp.nanos:
+        return "-"
+    seconds = (datetime.datetime.now(datetime.timezone.utc) - stamp.ToDatetime(datetime.timezone.utc)).total_seconds()
+    return f"{max(seconds, 0):.1f}s ago"
+
+
+def render_nodes(reply: controller_pb2.ListNodesResponse) -> str:
+    rows = [
+        (
+            n.info.node_id,
+            enum_short_name(controller_pb2.NodeState, n.state),
+            n.generation,
+            n.info.address,
+            f"{len(n.free_accelerator_ids)}/{len(n.info.accelerator_ids)}",
+            sum(1 for e in n.engines if e.state in (types_pb2.ENGINE_STATE_STARTING, types_pb2.ENGINE_STATE_RUNNING)),
+            _ago(n.last_heartbeat),
+            _short(n.state_reason, 60),
+        )
+        for n in reply.nodes
+    ]
+    out = table(["NODE", "STATE", "GEN", "ADDRESS", "FREE ACC", "ENGINES", "HEARTBEAT", "REASON"], rows)
+    for alarm in reply.alarms:
+        out += f"\nALARM: {alarm}"
+    return out
+
+
+def render_instances(reply: controller_pb2.ListInstancesResponse) -> str:
+    rows = [
+        (i.instance_id, role_name(i.role), enum_short_name(controller_pb2.InstanceState, i.state), i.restarts,
+         i.paired_instance_id or "-", _short(i.state_reason))
+        for i in reply.instances
+    ]
+    return table(["INSTANCE", "ROLE", "STATE", "RESTARTS", "PAIRED", "REASON"], rows)
+
+
+def render_engines(reply: controller_pb2.ListInstancesResponse) -> str:
+    rows = []
+    for inst in reply.instances:
+        for e in inst.engines:
+            rows.append((
+                e.engine_id, e.node_id or "-", f"{e.host}:{e.port}" if e.port else "-", e.mgmt_port or "-",
+                enum_short_name(types_pb2.EngineState, e.state), enum_short_name(types_pb2.HealthStatus, e.health),
+                e.restarts, e.generation, _short(e.last_failure_reason, 50) or "-",
+            ))
+    return table(["ENGINE", "NODE", "ENDPOINT", "MGMT", "STATE", "HEALTH", "RESTARTS", "GEN", "LAST FAILURE"], rows)
+
+
+def render_endpoints(reply: controller_pb2.ListEndpointsResponse) -> str:
+    return table(["ENGINE", "ROLE", "URL"], [(e.engine_id, role_name(e.role), e.url) for e in reply.endpoints])
+
+
+def render_event(event: controller_pb2.Event) -> str:
+    when = event.time.ToDatetime(datetime.timezone.utc).astimezone().strftime("%H:%M:%S.%f")[:-3]
+    return f"{when}  #{event.sequence:<5} {enum_short_name(controller_pb2.EventType, event.type):<22} {event.message}"
+
+
+def render_status(nodes: controller_pb2.ListNodesResponse, instances: controller_pb2.ListInstancesResponse) -> str:
+    """Nodes, instances and engine health: the whole cluster on one screen."""
+    return "\n\n".join(["NODES\n" + render_nodes(nodes), "INSTANCES\n" + render_instances(instances),
+                        "ENGINES\n" + render_engines(instances)])
