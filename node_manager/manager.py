@@ -18,7 +18,7 @@ from typing import AsyncIterator, Awaitable, Callable, Iterable
 import grpc
 
 from motor import processes
-from motor.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from motor.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from motor.grpc_server import CHANNEL_OPTIONS, TlsFiles, channel_credentials
 from motor.names import ROLE_NAMES, check_instance_id, parse_engine_id, role_name
 from motor.names import engine_id as make_engine_id
@@ -125,7 +125,10 @@ class NodeManager:
             for engine in self.engines():
                 yield engine, True
             while True:
-                yield await queue.get(), False
+                engine = await queue.get()
+                if engine is None:
+                    raise Unavailable("WatchEngines: this watcher fell more than 10000 changes behind; watch again")
+                yield engine, False
         finally:
             self._subscribers.discard(queue)
 
@@ -573,8 +576,13 @@ class NodeManager:
             try:
                 queue.put_nowait(engine)
             except asyncio.QueueFull:
-                logger.warning("dropping a WatchEngines subscriber that does not keep up")
+                # End that stream (the watcher re-watches and gets a fresh snapshot) rather than
+                # let it silently miss changes.
+                logger.warning("ending a WatchEngines stream that does not keep up")
                 self._subscribers.discard(queue)
+                while not queue.empty():
+                    queue.get_nowait()
+                queue.put_nowait(None)
 
     def _publish_counts(self) -> None:
         counts: dict[str, int] = {}
