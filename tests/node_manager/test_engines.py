@@ -266,3 +266,38 @@ async def test_config_path_given_is_passed_and_the_engine_runs_in_its_own_direct
     again = await node.start(instance_id="decode-0", role=types_pb2.ROLE_DECODE, config_path="user_config.json")
     assert again.pid == engine.pid
     await node.wait_state("decode-0/rank0", RUNNING)
+
+
+async def test_stop_kills_children_that_ignore_sigterm_after_the_deadline(make_node, tmp_path):
+    script = tmp_path / "engine_with_stubborn_child.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "code = ('import os, signal, time; os.setsid(); signal.signal(signal.SIGTERM, signal.SIG_IGN); '\n"
+        "        'print(\"child-ready\", flush=True); time.sleep(600)')\n"
+        "child = subprocess.Popen([sys.executable, '-c', code])\n"
+        "print('children', child.pid, flush=True)\n"
+        "time.sleep(600)\n"  # the parent itself dies of SIGTERM at once
+    )
+    node = await make_node(engine_command=f"{sys.executable} {script}")
+    engine = await node.start()
+
+    def children():
+        for line in open(engine.log_path, encoding="utf-8"):
+            if line.startswith("children "):
+                return [int(v) for v in line.split()[1:]]
+
+    (child,) = await async_wait_for(children, timeout=20, what="the test engine's child")
+    await async_wait_for(lambda: "child-ready" in open(engine.log_path, encoding="utf-8").read().splitlines(),
+                         timeout=20, what="the child ignoring SIGTERM")
+    stopped = await node.stop("prefill-0/rank0", deadline=duration(1.0))
+    assert stopped.state == STOPPED and "SIGKILL after the 1s deadline" in stopped.state_reason
+    assert stopped.exit_signal == signal.SIGTERM  # the engine server itself went on SIGTERM
+    assert not alive(engine.pid) and not alive(child)
+
+
+def duration(seconds: float):
+    from google.protobuf.duration_pb2 import Duration
+
+    value = Duration()
+    value.FromNanoseconds(int(seconds * 1e9))
+    return value
