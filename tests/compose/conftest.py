@@ -50,7 +50,11 @@ def compose() -> list[str]:
 
 @pytest.fixture(scope="session")
 def motor_image(compose: list[str]) -> str:
-    """Builds the base image (once per machine), the wheelhouse and the image, as a user does."""
+    """Builds the base image (once per machine), the wheelhouse and the image, as a user does.
+
+    MOTOR_TEST_IMAGE=<tag> tests an image built beforehand instead (no build)."""
+    if os.environ.get("MOTOR_TEST_IMAGE"):
+        return os.environ["MOTOR_TEST_IMAGE"]
     if BASE_IMAGE == "motor-base:bookworm":
         _timed("base image (debootstrap + import; 0 when present)", ["bash", "scripts/build-base-image.sh", BASE_IMAGE], timeout=900)
     venv = os.path.dirname(os.path.dirname(sys.executable))

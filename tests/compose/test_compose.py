@@ -94,7 +94,7 @@ def test_stack_comes_up_with_three_nodes_and_the_deployment_ready(stack: Compose
     reply = json.loads(
         run([_bin("grpcurl"), "-plaintext", "-d", "{}", stack.controller_address, "motor.v1.ControllerService/ListNodes"]).stdout
     )
-    assert sorted(n["info"]["nodeId"] for n in reply["nodes"]) == list(NODE_SERVICES)
+    assert sorted(n["info"]["node_id"] for n in reply["nodes"]) == list(NODE_SERVICES)
     shown = run([_bin("motorctl"), "--controller", stack.controller_address, "--output", "json", "instances"]).stdout
     assert "prefill-0" in shown and "decode-0" in shown, shown
 
