@@ -42,6 +42,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--status-timeout", type=float, help="deadline of each GetStatus call, <= heartbeat interval [1.0]")
     p.add_argument("--metrics-port", type=int, help="Prometheus metrics port, 0 = off [0]")
     p.add_argument("--engine-command", help="engine server command (split like a shell) [engine_server]")
+    p.add_argument("--engine-tls-cert", help="client certificate for engines that verify clients "
+                   "[the engine's mgmt_tls_config.cert_file]")
+    p.add_argument("--engine-tls-key", help="key of --engine-tls-cert [the engine's mgmt_tls_config.key_file]")
+    p.add_argument("--engine-tls-ca", help="CA of the engines' server certificates [the engine's mgmt_tls_config.ca_file]")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR [INFO]")
     return p
 

@@ -12,7 +12,7 @@ import shutil
 import sys
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
@@ -46,6 +46,12 @@ class NodeManagerConfig(BaseModel):
     status_timeout: float = Field(1.0, gt=0)
     metrics_port: int = Field(0, ge=0, le=65535)
     engine_command: str = "engine_server"
+    # The node manager's client certificate and key for engines whose management plane verifies
+    # clients (mgmt_tls_config.ca_file set); default: the engine section's cert_file/key_file.
+    engine_tls_cert: str | None = None
+    engine_tls_key: str | None = None
+    # CA that signed the engines' server certificates; default: the engine section's ca_file.
+    engine_tls_ca: str | None = None
     log_level: str = "INFO"
 
     @field_validator("node_id")
@@ -103,6 +109,19 @@ class NodeManagerConfig(BaseModel):
         if not shlex.split(value):
             raise ValueError("must name the engine server command (e.g. engine_server)")
         return value
+
+    @field_validator("engine_tls_cert", "engine_tls_key", "engine_tls_ca")
+    @classmethod
+    def _check_readable(cls, value: str | None) -> str | None:
+        if value is not None and not os.access(value, os.R_OK):
+            raise ValueError(f"cannot read {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_pair(self) -> "NodeManagerConfig":
+        if (self.engine_tls_cert is None) != (self.engine_tls_key is None):
+            raise ValueError("engine_tls_cert and engine_tls_key go together: set both or neither")
+        return self
 
     @field_validator("log_level")
     @classmethod

@@ -454,7 +454,7 @@ class NodeManager:
         # default 1 s (growing) reconnect backoff would delay noticing that it is up.
         options = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 50),
                    ("grpc.min_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 1000)]
-        tls = engine_tls(record.spec)
+        tls = engine_tls(record.spec, self.config)
         if tls is None:
             return grpc.aio.insecure_channel(target, options=options)
         return grpc.aio.secure_channel(target, channel_credentials(tls), options=options)
@@ -612,12 +612,14 @@ class NodeManager:
         record.tasks = []
 
 
-def engine_tls(spec: types_pb2.EngineSpec) -> TlsFiles | None:
+def engine_tls(spec: types_pb2.EngineSpec, config: NodeManagerConfig) -> TlsFiles | None:
     """TLS files for calling an engine's management plane, from its user_config's mgmt_tls_config.
 
-    The CA verifies the engine's certificate; when the engine verifies clients (ca_file set) the
-    node manager presents the certificate and key configured there. An unreadable config means
-    plaintext: the engine server itself refuses to start with it (and that failure is reported)."""
+    The CA (--engine-tls-ca, else the section's ca_file) verifies the engine's certificate. When
+    the engine verifies clients (ca_file set) the node manager presents --engine-tls-cert/key,
+    else the section's cert_file/key_file (a certificate that must then allow client auth). An
+    unreadable config means plaintext: the engine server itself refuses to start with it (and
+    that failure is reported)."""
     from engine_server.config import UserConfig, section_name_for
 
     try:
@@ -626,11 +628,16 @@ def engine_tls(spec: types_pb2.EngineSpec) -> TlsFiles | None:
         else:
             with open(spec.config_path, encoding="utf-8") as handle:
                 data = json.load(handle)
-        config = UserConfig.model_validate(data)
-        section = getattr(config, section_name_for(role_name(spec.role), config))
+        user_config = UserConfig.model_validate(data)
+        section = getattr(user_config, section_name_for(role_name(spec.role), user_config))
     except Exception:
         return None
     tls = section.mgmt_tls_config if section is not None else None
     if tls is None or not tls.enable_tls:
         return None
-    return TlsFiles(cert=tls.cert_file if tls.ca_file else None, key=tls.key_file if tls.ca_file else None, ca=tls.ca_file)
+    ca = config.engine_tls_ca or tls.ca_file
+    if not tls.ca_file:
+        return TlsFiles(ca=ca)
+    if config.engine_tls_cert:
+        return TlsFiles(cert=config.engine_tls_cert, key=config.engine_tls_key, ca=ca)
+    return TlsFiles(cert=tls.cert_file, key=tls.key_file, ca=ca)

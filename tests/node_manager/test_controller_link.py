@@ -76,29 +76,41 @@ async def asyncio_sleep(seconds: float) -> None:
 
 
 def make_certs(directory) -> dict[str, str]:
+    """A CA; a server certificate for 127.0.0.1 (server auth only); a client certificate (client
+    auth only); and a shared certificate allowing both."""
     require(shutil.which("openssl") is not None, "openssl (to make test certificates)")
-    paths = {name: str(directory / name) for name in ("ca.key", "ca.pem", "srv.key", "srv.pem", "ext.cnf")}
+    paths: dict[str, str] = {}
 
     def run(*args):
         subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
 
+    paths["ca.pem"], paths["ca.key"] = str(directory / "ca.pem"), str(directory / "ca.key")
     run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=motor-test-ca",
         "-keyout", paths["ca.key"], "-out", paths["ca.pem"])
-    with open(paths["ext.cnf"], "w") as handle:
-        handle.write("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", paths["srv.key"],
-        "-out", str(directory / "srv.csr"))
-    run("x509", "-req", "-in", str(directory / "srv.csr"), "-CA", paths["ca.pem"], "-CAkey", paths["ca.key"],
-        "-CAcreateserial", "-days", "2", "-extfile", paths["ext.cnf"], "-out", paths["srv.pem"])
+    usages = {"server": "serverAuth", "client": "clientAuth", "shared": "serverAuth,clientAuth"}
+    for name, usage in usages.items():
+        ext = directory / f"{name}.cnf"
+        ext.write_text(f"subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage={usage}\n")
+        key, cert = str(directory / f"{name}.key"), str(directory / f"{name}.pem")
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", key,
+            "-out", str(directory / f"{name}.csr"))
+        run("x509", "-req", "-in", str(directory / f"{name}.csr"), "-CA", paths["ca.pem"], "-CAkey", paths["ca.key"],
+            "-CAcreateserial", "-days", "2", "-extfile", str(ext), "-out", cert)
+        paths[f"{name}.pem"], paths[f"{name}.key"] = cert, key
     return paths
 
 
-async def test_status_calls_use_tls_with_client_certificate(make_node, tmp_path):
+@pytest.mark.parametrize("client_cert", ["node manager's own (--engine-tls-cert)", "the engine's, shared"])
+async def test_status_calls_use_tls_with_a_client_certificate(make_node, tmp_path, client_cert):
     certs = make_certs(tmp_path)
     config = json.loads(sim_config())
+    own = client_cert.startswith("node manager")
+    engine_cert = "server" if own else "shared"
     config["motor_engine_prefill_config"]["mgmt_tls_config"] = {
-        "enable_tls": True, "cert_file": certs["srv.pem"], "key_file": certs["srv.key"], "ca_file": certs["ca.pem"]}
-    node = await make_node()
+        "enable_tls": True, "cert_file": certs[f"{engine_cert}.pem"], "key_file": certs[f"{engine_cert}.key"],
+        "ca_file": certs["ca.pem"]}  # with ca_file the engine requires a client certificate
+    overrides = dict(engine_tls_cert=certs["client.pem"], engine_tls_key=certs["client.key"]) if own else {}
+    node = await make_node(**overrides)
     engine = await node.start(config_json=json.dumps(config))
     running = await node.wait_state("prefill-0/rank0", RUNNING, timeout=30)
     assert running.health == types_pb2.HEALTH_STATUS_NORMAL
