@@ -36,6 +36,11 @@ def controller(tmp_path_factory):
             stub = controller_pb2_grpc.ControllerServiceStub(channel)
             wait_for(lambda: _all_normal(stub), timeout=120, interval=0.5, what="the example deployment NORMAL")
         yield {"controller": cluster.controller_address}
+        # The walkthrough ends by applying the deployment again; let its engines come up before
+        # stopping the cluster (LocalCluster.stop races with engines the controller is starting).
+        with grpc.insecure_channel(cluster.controller_address) as channel:
+            stub = controller_pb2_grpc.ControllerServiceStub(channel)
+            wait_for(lambda: _all_normal(stub), timeout=120, interval=0.5, what="the re-applied deployment NORMAL")
     finally:
         problems = cluster.stop()
         assert not problems, problems
