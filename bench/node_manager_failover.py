@@ -15,8 +15,9 @@ Prints median and p99 of
   replacement returned, the process exec'd; supervisord: a new child seen by a 1 ms poll);
 - replacement NORMAL: SIGKILL -> the new engine answers NORMAL (node manager: its state is
   RUNNING, seen on the watch feed; supervisord has no health notion: a 10 ms GetStatus poll);
-and the ratio supervisord / node manager. Then starts the real `motor-node-manager` with 8 engines
-and prints its idle CPU and memory.
+and the ratio supervisord / node manager; then the kernel's floor for the same kill (a bare pidfd
+and select(), no supervisor); then starts the real `motor-node-manager` with 8 engines and prints
+its idle CPU and memory.
 
     .venv/bin/python bench/node_manager_failover.py [--kills 20] [--idle-seconds 10]
 """
@@ -263,6 +264,38 @@ async def failover(kills: int, workdir: str) -> None:
         print(f"goal: {labels[key]} p99 < {goal * 1000:g} ms: {verdict}")
 
 
+def kernel_floor(samples: int, workdir: str) -> None:
+    """The same SIGKILL seen by a bare pidfd + select() and nothing else: what the kernel takes to
+    tear the engine process down (the pidfd turns readable only once it has fully exited)."""
+    import select
+
+    config_path = os.path.join(workdir, "user_config.json")
+    results: dict[str, list[float]] = {}
+    port, mgmt = free_port(), free_port()
+    commands = {
+        "engine_server (sim)": [ENGINE_SERVER, "--dp-rank", "0", "--instance-id", "floor-0", "--role", "prefill",
+                                "--host", "127.0.0.1", "--port", str(port), "--mgmt-port", str(mgmt),
+                                "--master-dp-ip", "127.0.0.1", "--config-path", config_path],
+        "python -c sleep": [sys.executable, "-c", "import time; time.sleep(600)"],
+    }
+    for name, argv in commands.items():
+        results[name] = []
+        for _ in range(samples):
+            proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                    cwd=workdir)
+            time.sleep(1.5 if "engine" in name else 0.3)
+            fd = os.pidfd_open(proc.pid)
+            began = time.perf_counter()
+            os.kill(proc.pid, signal.SIGKILL)
+            select.select([fd], [], [])
+            results[name].append(time.perf_counter() - began)
+            os.close(fd)
+            proc.wait()
+    print(f"\nfloor: SIGKILL -> pidfd readable with a bare select() and no supervisor, {samples} kills each:")
+    for name, values in results.items():
+        print(f"  {name:22} median {statistics.median(values) * 1000:6.2f} ms   p99 {pct(values, 99) * 1000:6.2f} ms")
+
+
 async def idle_usage(engines: int, seconds: float, workdir: str) -> None:
     state_dir = os.path.join(workdir, "idle")
     argv = [os.path.join(BIN, "motor-node-manager"), "--node-id", "idle", "--listen", "127.0.0.1:0",
@@ -304,12 +337,14 @@ async def idle_usage(engines: int, seconds: float, workdir: str) -> None:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=20, help="SIGKILLs per supervisor (default 20)")
+    parser.add_argument("--floor-kills", type=int, default=10, help="kills for the kernel floor (default 10)")
     parser.add_argument("--idle-engines", type=int, default=8)
     parser.add_argument("--idle-seconds", type=float, default=10.0)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="motor-bench-") as workdir:
         began = time.monotonic()
         await failover(args.kills, workdir)
+        kernel_floor(args.floor_kills, workdir)
         await idle_usage(args.idle_engines, args.idle_seconds, workdir)
         print(f"\n(total {time.monotonic() - began:.0f} s on {psutil.cpu_count()} CPUs, Python {sys.version.split()[0]})")
 

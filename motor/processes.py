@@ -122,7 +122,7 @@ class ExitWatch:
         self.popen = popen
         self.started = started
         self.status: ExitStatus | None = None
-        self.noticed_at: float | None = None  # time.monotonic() when the exit was noticed
+        self.noticed_at: float | None = None  # time.monotonic() when the exit was noticed and confirmed
         self.exited = asyncio.Event()
         self._fd: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -140,12 +140,11 @@ class ExitWatch:
     def _readable(self) -> None:
         if self.status is not None:
             return
-        noticed = time.monotonic()
         status = self.confirm()
         if status is None:
             logger.warning("pid %d: exit notice without a confirmed exit; still watching", self.pid)
             return
-        self.status, self.noticed_at = status, noticed
+        self.status, self.noticed_at = status, time.monotonic()
         self.close()
         self.exited.set()
         self.on_exit(status)
