@@ -112,8 +112,10 @@ def test_motorctl_up_runs_until_ctrl_c_and_leaves_nothing(tmp_path):
             if not line:
                 break
             output.append(line)
-            if "NORMAL" in line and sum("NORMAL" in l for l in output[-20:]) >= 3:
-                break
+            if "Ctrl-C stops the cluster." in line:
+                screen = "".join(output[max(i for i, l in enumerate(output) if "Motor local cluster" in l):])
+                if sum(" NORMAL " in l and "/rank" in l for l in screen.splitlines()) == 3:
+                    break
         assert any("grpcurl -plaintext" in l for l in output), "".join(output[-40:])
         descendants = psutil.Process(process.pid).children(recursive=True)
         assert len(descendants) >= 6, "controller + 2 node managers + 3 engines expected"
