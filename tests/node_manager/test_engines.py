@@ -301,3 +301,19 @@ def duration(seconds: float):
     value = Duration()
     value.FromNanoseconds(int(seconds * 1e9))
     return value
+
+
+async def test_init_is_allowed_during_the_startup_grace_then_counts(make_node):
+    node = await make_node(startup_grace=4.0)
+    # The sim engine's /health answers 503 "loading" for a minute: its engine server says INIT.
+    loading = await node.start(config_json=sim_config(startup_delay_s=60))
+    await async_wait_for(lambda: _health_is(node, types_pb2.HEALTH_STATUS_INIT), timeout=20, what="INIT")
+    engine = await node.get("prefill-0/rank0")
+    assert engine.state == types_pb2.ENGINE_STATE_STARTING and engine.consecutive_abnormal == 0
+    failed = await node.wait_state("prefill-0/rank0", FAILED, timeout=30)
+    assert failed.state_reason.startswith("killed after 3 abnormal heartbeats: still INIT after the 4s start-up grace")
+    assert not alive(loading.pid)
+
+
+async def _health_is(node, health):
+    return (await node.get("prefill-0/rank0")).health == health
