@@ -18,6 +18,7 @@ import pytest
 
 from motor.ports import free_port
 from motorctl.up import LocalCluster
+from tests.grpcurl.services import stop_cluster
 from tests.support import REPO_ROOT, require, wait_for
 
 GO_DIR = os.path.join(REPO_ROOT, "examples", "go-client")
@@ -83,7 +84,7 @@ def client(request, tmp_path_factory):
         cluster.start(timeout=90)
         yield Client(argv, cluster.controller_address)
     finally:
-        problems = cluster.stop()
+        problems = stop_cluster(cluster)
         assert not problems, problems
 
 
@@ -100,15 +101,26 @@ def test_lists_the_registered_nodes(client):
     assert [row.split()[:2] for row in table[1:]] == [["node-a", "READY"], ["node-b", "READY"]]
 
 
-def test_applies_a_deployment_and_lists_its_instances(client):
-    result = client.run("apply", DEPLOYMENT_JSON)
-    assert 'applied deployment "local-sim", revision' in result.stdout, result.stdout
-
+def _wait_all_normal(client) -> None:
     def all_normal():
         engines = _engines(client.json("instances"))
         return set(engines) == EXPECTED_ENGINES and all(e.get("health") == "HEALTH_STATUS_NORMAL" for e in engines.values())
 
     wait_for(all_normal, timeout=120, interval=1.0, what="the three engines NORMAL, seen by the client")
+
+
+@pytest.fixture
+def deployed(client):
+    """The example deployment applied with the client (idempotent) and all its engines NORMAL."""
+    client.run("apply", DEPLOYMENT_JSON)
+    _wait_all_normal(client)
+    return client
+
+
+def test_applies_a_deployment_and_lists_its_instances(client):
+    result = client.run("apply", DEPLOYMENT_JSON)
+    assert 'applied deployment "local-sim", revision' in result.stdout, result.stdout
+    _wait_all_normal(client)
     instances = {i["instance_id"]: i for i in client.json("instances")["instances"]}
     assert instances["prefill-0"]["role"] == "ROLE_PREFILL" and instances["decode-0"]["role"] == "ROLE_DECODE"
     table = client.run("instances").stdout
@@ -119,7 +131,8 @@ def test_applies_a_deployment_and_lists_its_instances(client):
     assert again.split("revision")[-1] == result.stdout.split("revision")[-1], (result.stdout, again)
 
 
-def test_watch_events_shows_an_engine_killed_with_sigkill(client):
+def test_watch_events_shows_an_engine_killed_with_sigkill(deployed):
+    client = deployed
     engines = {e["engine_id"]: e for n in client.json("nodes")["nodes"] for e in n.get("engines", [])}
     victim = engines.get("decode-0/rank0")
     assert victim and victim.get("pid"), f"decode-0/rank0 has no pid in ListNodes: {engines}"
@@ -154,7 +167,8 @@ def test_watch_events_shows_an_engine_killed_with_sigkill(client):
     assert line.startswith("snapshot: 2 nodes, 2 instances"), line
 
 
-def test_bad_input_gets_an_error_naming_what_to_fix(client, tmp_path):
+def test_bad_input_gets_an_error_naming_what_to_fix(deployed, tmp_path):
+    client = deployed
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"name": "x", "instance_groups": [{"name": "p", "role": "ROLE_PREFIL"}]}))
     result = client.run("apply", str(bad), check=False)

@@ -99,3 +99,21 @@ def start_node_manager(log_dir: str, node_id: str = "node-a", controller: str | 
         service.stop()
         raise
     return service, address
+
+
+def stop_cluster(cluster) -> list[str]:
+    """Stop a motorctl.up.LocalCluster, controller first.
+
+    LocalCluster.stop stops the engines through their node managers while the controller still
+    runs, and the controller restarts engines stopped under a live deployment: those can be
+    left behind (stop then kills them and reports them). With the controller gone first,
+    nothing restarts them."""
+    controller = next((p.process for p in cluster.processes if p.name == "controller"), None)
+    if controller is not None and controller.poll() is None:
+        os.killpg(controller.pid, signal.SIGTERM)
+        try:
+            controller.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(controller.pid, signal.SIGKILL)
+            controller.wait()
+    return cluster.stop()

@@ -11,6 +11,7 @@ import pytest
 from motor.ports import free_port
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl.up import LocalCluster
+from tests.grpcurl.services import stop_cluster
 from tests.grpcurl.walkthrough import load_steps, run_step
 from tests.support import REPO_ROOT, wait_for
 
@@ -36,13 +37,8 @@ def controller(tmp_path_factory):
             stub = controller_pb2_grpc.ControllerServiceStub(channel)
             wait_for(lambda: _all_normal(stub), timeout=120, interval=0.5, what="the example deployment NORMAL")
         yield {"controller": cluster.controller_address}
-        # The walkthrough ends by applying the deployment again; let its engines come up before
-        # stopping the cluster (LocalCluster.stop races with engines the controller is starting).
-        with grpc.insecure_channel(cluster.controller_address) as channel:
-            stub = controller_pb2_grpc.ControllerServiceStub(channel)
-            wait_for(lambda: _all_normal(stub), timeout=120, interval=0.5, what="the re-applied deployment NORMAL")
     finally:
-        problems = cluster.stop()
+        problems = stop_cluster(cluster)
         assert not problems, problems
 
 
