@@ -30,7 +30,7 @@ from controller.instances import (
 )
 from controller.metrics import ControllerMetrics
 from controller.node_client import NodeCallError, NodeClient
-from controller.placement import NodeCapacity, Unplaceable, place_instance
+from controller.placement import NodeCapacity, Unplaceable, place_instance, ports_per_engine
 from controller.store import Store, StoredNode
 from controller.validation import InstanceSpec, expand, validate_deployment
 
@@ -450,7 +450,7 @@ class Controller:
                 self._stop_copy(node.node_id, engine.engine_id, generation, f"stale copy (generation {generation}): {why}", fence=True)
             return
         slot.launched = True
-        if engine.spec.port and not slot.port:  # ports the node manager allocated
+        if engine.spec.port != slot.port and engine.spec.port:  # ports the node manager allocated
             slot.port, slot.mgmt_port = engine.spec.port, engine.spec.mgmt_port
             slot.kv_port, slot.dp_rpc_port = engine.spec.kv_port, engine.spec.dp_rpc_port
             self._save_slot(slot)
@@ -580,6 +580,8 @@ class Controller:
                     old[s.engine_id] = (s.node_id, s.generation)
                 s.generation = self.store.next_generation()
                 s.launched, s.restarts, s.handled_failure_generation = False, s.restarts + 1, 0
+                # Ports the node manager picked are picked again (the old ones may be taken now).
+                s.port = s.mgmt_port = s.kv_port = s.dp_rpc_port = 0
                 s.state, s.health, s.health_reason = T.ENGINE_STATE_UNSPECIFIED, T.HEALTH_STATUS_UNSPECIFIED, ""
                 self._save_slot(s)
             inst.restarts += 1
@@ -749,7 +751,8 @@ class Controller:
             cap = capacity.get(s.node_id)
             if cap is not None:
                 cap.used_accelerators.update(s.accelerator_ids)
-                cap.used_ports.update(p for p in (*s.requested_ports, s.port, s.mgmt_port, s.kv_port, s.dp_rpc_port) if p)
+                inst = self.instances.get(s.instance_id)
+                cap.ports_in_use += ports_per_engine(bool(inst and inst.single_container))
         return capacity
 
     def _place(self, inst: InstanceRecord, unplaced: list[EngineSlot], capacity: dict[str, NodeCapacity]) -> None:
@@ -777,10 +780,8 @@ class Controller:
             for s in unplaced:
                 p = by_rank[s.dp_rank]
                 s.node_id, s.host, s.accelerator_ids = p.node_id, p.host, list(p.accelerator_ids)
-                s.requested_ports = list(p.ports)
-                s.port, s.mgmt_port = p.ports[0], p.ports[1]
-                if len(p.ports) > 2:
-                    s.kv_port, s.dp_rpc_port = p.ports[2], p.ports[3]
+                s.requested_ports = [0] * p.port_count  # the node manager allocates them
+                s.port = s.mgmt_port = s.kv_port = s.dp_rpc_port = 0
                 s.generation = self.store.next_generation()
                 s.launched, s.handled_failure_generation = False, 0
                 if s.moved:

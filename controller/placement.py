@@ -18,7 +18,8 @@ class NodeCapacity:
     used_accelerators: set[int] = field(default_factory=set)
     # Inclusive range of engine ports; (0, 0) when the node manager allocates ports itself.
     port_range: tuple[int, int] = (0, 0)
-    used_ports: set[int] = field(default_factory=set)
+    # Ports of the range held by engines placed here (the node manager picks the numbers).
+    ports_in_use: int = 0
 
     @property
     def free_accelerators(self) -> list[int]:
@@ -32,20 +33,7 @@ class NodeCapacity:
         if not self.has_port_range:
             return 1 << 30
         start, end = self.port_range
-        return (end - start + 1) - len([p for p in self.used_ports if start <= p <= end])
-
-    def take_ports(self, count: int) -> list[int]:
-        """Lowest free ports of the range (0s when the node manager allocates)."""
-        if not self.has_port_range:
-            return [0] * count
-        taken: list[int] = []
-        for port in range(self.port_range[0], self.port_range[1] + 1):
-            if port not in self.used_ports:
-                taken.append(port)
-                self.used_ports.add(port)
-                if len(taken) == count:
-                    break
-        return taken
+        return (end - start + 1) - self.ports_in_use
 
 
 @dataclass(frozen=True)
@@ -54,8 +42,10 @@ class RankPlacement:
     node_id: str
     host: str
     accelerator_ids: tuple[int, ...]
-    # port, mgmt_port, then kv_port and dp_rpc_port in single-container mode (0: node picks).
-    ports: tuple[int, ...]
+    # Ports the engine takes from the node's range: port and mgmt_port, plus kv_port and
+    # dp_rpc_port in single-container mode. The node manager picks the numbers (it knows which
+    # ports are free on its host) and StartEngine's answer tells them.
+    port_count: int
 
 
 class Unplaceable(Exception):
@@ -77,7 +67,7 @@ def place_instance(
         raise Unplaceable("no READY node is registered")
     need_ports = ports_per_engine(single_container)
     trial = {
-        n.node_id: NodeCapacity(n.node_id, n.host, list(n.accelerator_ids), set(n.used_accelerators), n.port_range, set(n.used_ports))
+        n.node_id: NodeCapacity(n.node_id, n.host, list(n.accelerator_ids), set(n.used_accelerators), n.port_range, n.ports_in_use)
         for n in nodes
     }
     placements: list[RankPlacement] = []
@@ -103,8 +93,9 @@ def place_instance(
         )
         accelerators = tuple(best.free_accelerators[:accelerators_per_engine])
         best.used_accelerators.update(accelerators)
-        placements.append(RankPlacement(rank, best.node_id, best.host, accelerators, tuple(best.take_ports(need_ports))))
+        best.ports_in_use += need_ports
+        placements.append(RankPlacement(rank, best.node_id, best.host, accelerators, need_ports))
     for node in nodes:  # commit
         node.used_accelerators = trial[node.node_id].used_accelerators
-        node.used_ports = trial[node.node_id].used_ports
+        node.ports_in_use = trial[node.node_id].ports_in_use
     return placements
