@@ -1,0 +1,141 @@
+"""motorctl and motor-controller as a user runs them: real processes, real gRPC."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from motor.ports import free_port
+from motorctl.up import LocalCluster, _bin
+from tests.controller.conftest import EXAMPLE
+from tests.support import wait_for
+
+
+def motorctl(address: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([_bin("motorctl"), "--controller", address, *args], capture_output=True, text=True, timeout=60)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+class ControllerProcess:
+    def __init__(self, tmp_path, *args: str):
+        self.db = str(tmp_path / "state" / "controller.db")
+        self.metrics_port = free_port()
+        self.argv = [_bin("motor-controller"), "--listen", "127.0.0.1:0", "--db", self.db,
+                     "--metrics-port", str(self.metrics_port), *args]
+        self.log = open(tmp_path / "controller.log", "ab")
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> str:
+        port_file = os.path.join(os.path.dirname(self.db), "controller.port")
+        if os.path.exists(port_file):
+            os.unlink(port_file)
+        self.process = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        port = wait_for(lambda: os.path.exists(port_file) and open(port_file).read().strip(), timeout=30, what="port file")
+        self.address = f"127.0.0.1:{port}"
+        LocalCluster.wait_serving(self.address, 30)
+        return self.address
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=30)
+
+
+@pytest.fixture
+def controller(tmp_path):
+    proc = ControllerProcess(tmp_path, "--deployment", EXAMPLE)
+    proc.start()
+    yield proc
+    proc.stop()
+    proc.log.close()
+
+
+def test_tables_and_json_against_a_live_controller(controller):
+    address = controller.address
+    table = motorctl(address, "instances").stdout
+    assert table.splitlines()[0].split()[:3] == ["INSTANCE", "ROLE", "STATE"]
+    assert "prefill-0" in table and "PENDING" in table and "no READY node is registered" in table
+    assert "prefill-0/rank1" in table  # the engines table
+    data = json.loads(motorctl(address, "--output", "json", "instances").stdout)
+    states = {i["instance_id"]: i["state"] for i in data["instances"]}
+    assert states == {"decode-0": "INSTANCE_STATE_PENDING", "prefill-0": "INSTANCE_STATE_PENDING"}
+    assert json.loads(motorctl(address, "-o", "json", "nodes").stdout) == {}
+    assert motorctl(address, "nodes").stdout.split()[:2] == ["NODE", "STATE"]
+    assert json.loads(motorctl(address, "-o", "json", "endpoints", "--role", "prefill").stdout) == {}
+    deployment = motorctl(address, "deployment").stdout
+    assert "# revision 1" in deployment and "name: local-sim" in deployment
+    events = motorctl(address, "events").stdout
+    assert "DEPLOYMENT_CHANGED" in events and "deployment 'local-sim' applied (revision 1" in events
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{controller.metrics_port}/metrics", timeout=10).read().decode()
+    assert 'motor_controller_instances{state="PENDING"} 2.0' in metrics
+    assert "motor_controller_heartbeat_ingest_seconds_bucket" in metrics
+
+
+def test_apply_and_delete(controller, tmp_path):
+    address = controller.address
+    assert "revision 1" in motorctl(address, "apply", "-f", EXAMPLE).stdout  # same spec, same revision
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(open(EXAMPLE).read().replace("model: sim-tiny\n", "model: sim-other\n", 1))
+    assert "revision 2" in motorctl(address, "apply", "-f", str(changed)).stdout
+    follow = subprocess.Popen([_bin("motorctl"), "--controller", address, "events", "--follow"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        motorctl(address, "delete")
+        lines = []
+        while "deleted" not in "".join(lines):
+            lines.append(follow.stdout.readline())
+    finally:
+        follow.terminate()
+        follow.wait(timeout=10)
+    result = motorctl(address, "deployment", check=False)
+    assert result.returncode == 1 and "NOT_FOUND" in result.stderr and "motorctl apply -f" in result.stderr
+
+
+def test_malformed_files_get_a_clear_error_and_change_nothing(controller, tmp_path):
+    address = controller.address
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("name: x\ninstance_groups: [\n")
+    result = motorctl(address, "apply", "-f", str(bad_yaml), check=False)
+    assert result.returncode == 2 and "not valid YAML" in result.stderr
+    bad_role = tmp_path / "role.yaml"
+    bad_role.write_text(open(EXAMPLE).read().replace("role: decode", "role: decoder"))
+    result = motorctl(address, "apply", "-f", str(bad_role), check=False)
+    assert result.returncode == 2 and "decoder" in result.stderr.lower() and "instance_groups[1].role" in result.stderr
+    bad_pair = tmp_path / "pair.yaml"
+    bad_pair.write_text(open(EXAMPLE).read().replace("pair_with: decode", "pair_with: decod"))
+    result = motorctl(address, "apply", "-f", str(bad_pair), check=False)
+    assert result.returncode == 1 and "INVALID_ARGUMENT" in result.stderr
+    assert "instance_groups[0].pair_with: 'decod' is not a group" in result.stderr
+    missing = motorctl(address, "apply", "-f", str(tmp_path / "nope.yaml"), check=False)
+    assert missing.returncode == 2 and "file not found" in missing.stderr
+    assert "# revision 1" in motorctl(address, "deployment").stdout  # nothing changed
+
+
+def test_restart_with_the_same_deployment_file_keeps_the_revision(tmp_path):
+    proc = ControllerProcess(tmp_path, "--deployment", EXAMPLE)
+    try:
+        proc.start()
+        proc.stop()
+        address = proc.start()
+        assert "# revision 1" in motorctl(address, "deployment").stdout
+    finally:
+        proc.stop()
+        proc.log.close()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmodel: m\ninstance_groups: [{name: u, role: union}]\n")
+    result = subprocess.run([_bin("motor-controller"), "--listen", "127.0.0.1:0", "--db", str(tmp_path / "o.db"),
+                             "--deployment", str(bad)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "engine_config.motor_engine_union_config: required" in result.stderr
+
+
+def test_unreachable_controller_is_said_plainly():
+    result = motorctl(f"127.0.0.1:{free_port()}", "--timeout", "2", "nodes", check=False)
+    assert result.returncode == 1 and "not reachable" in result.stderr
