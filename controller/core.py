@@ -30,7 +30,7 @@ from controller.instances import (
 )
 from controller.metrics import ControllerMetrics
 from controller.node_client import NodeCallError, NodeClient
-from controller.placement import NodeCapacity, Unplaceable, place_instance, ports_per_engine
+from controller.placement import Fleet, NodeCapacity, Unplaceable, place_instance, ports_per_engine
 from controller.store import Store, StoredNode
 from controller.validation import InstanceSpec, expand, validate_deployment
 
@@ -182,6 +182,10 @@ class Controller:
         self._fencing: dict[tuple[str, str, int], float] = {}
         self._restart_timers: dict[str, asyncio.TimerHandle] = {}
         self._stopping = False
+        # node id -> engine ids assigned there (placement, fencing and views without full scans).
+        self._by_node: dict[str, set[str]] = {}
+        # Instances with something left to do (place, launch, restart); the rest cost nothing.
+        self._attention: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -201,7 +205,10 @@ class Controller:
         for instance_id, data in stored.instances.items():
             self.instances[instance_id] = InstanceRecord.from_dict(data)
         for engine_id, data in stored.assignments.items():
-            self.slots[engine_id] = EngineSlot.from_dict(data)
+            slot = self.slots[engine_id] = EngineSlot.from_dict(data)
+            if slot.node_id:
+                self._by_node.setdefault(slot.node_id, set()).add(engine_id)
+        self._attention.update(self.instances)
         if any(n.state != NODE_LOST for n in self.nodes.values()):
             self.startup_until = now + self.config.effective_startup_grace
         logger.info(
@@ -311,6 +318,7 @@ class Controller:
         return validated, revision
 
     def _retry_failed(self, inst: InstanceRecord) -> None:
+        self._attention.add(inst.instance_id)
         inst.failure_times, inst.consecutive_failures = [], 0
         inst.restart_ranks = list(range(inst.data_parallel_size))
         inst.next_restart_at = self.wall()
@@ -324,6 +332,7 @@ class Controller:
             spec_hash=spec.spec_hash, state_changed_at=self.wall(),
         )
         self.instances[inst.instance_id] = inst
+        self._attention.add(inst.instance_id)
         self._save_instance(inst)
         for rank in range(spec.data_parallel_size):
             slot = EngineSlot(names.engine_id(spec.instance_id, rank), spec.instance_id, rank)
@@ -333,8 +342,10 @@ class Controller:
     def _remove_instance(self, instance_id: str, why: str) -> None:
         self.instances.pop(instance_id, None)
         self.store.delete_instance(instance_id)
+        self._attention.discard(instance_id)
         for slot in self._slots_of(instance_id):
             del self.slots[slot.engine_id]
+            self._by_node.get(slot.node_id, set()).discard(slot.engine_id)
             self.store.delete_assignment(slot.engine_id)
             if slot.node_id:
                 self._stop_copy(slot.node_id, slot.engine_id, slot.generation, f"instance {instance_id} {why}")
@@ -381,6 +392,7 @@ class Controller:
             copy = reported.get(slot.engine_id)
             if copy is None or copy.spec.generation != slot.generation:
                 slot.launched = False  # the node does not run it (any more): start it again
+                self._attention.add(slot.instance_id)
         if previous is not None and previous.state == NODE_LOST:
             kind, how = C.EVENT_TYPE_NODE_RECOVERED, "registered again after being lost"
         elif previous is not None:
@@ -485,7 +497,13 @@ class Controller:
         return [s for s in found if s is not None]
 
     def _slots_on(self, node_id: str) -> list[EngineSlot]:
-        return sorted((s for s in self.slots.values() if s.node_id == node_id), key=lambda s: s.engine_id)
+        return [self.slots[e] for e in sorted(self._by_node.get(node_id, ()))]
+
+    def _unplace(self, slot: EngineSlot, moved: bool = True) -> None:
+        self._by_node.get(slot.node_id, set()).discard(slot.engine_id)
+        slot.unplace()
+        slot.moved = moved
+        self._attention.add(slot.instance_id)
 
     def _evaluate(self, inst: InstanceRecord) -> None:
         """Derive STARTING / READY / DEGRADED from what the nodes report."""
@@ -549,6 +567,7 @@ class Controller:
             )
             self._save_instance(inst)
         self.metrics.reschedules.labels(reason="engine_failed").inc()
+        self._attention.add(inst.instance_id)
         self._schedule_restart(inst, decision.delay)
 
     def _schedule_restart(self, inst: InstanceRecord, delay: float) -> None:
@@ -573,9 +592,7 @@ class Controller:
             for s in slots:
                 node = self.nodes.get(s.node_id)
                 if s.node_id and (node is None or node.state != NODE_READY):
-                    # Its node is not usable: place the rank afresh.
-                    s.unplace()
-                    s.moved = True
+                    self._unplace(s)  # its node is not usable: place the rank afresh
                 if s.node_id:
                     old[s.engine_id] = (s.node_id, s.generation)
                 s.generation = self.store.next_generation()
@@ -648,6 +665,7 @@ class Controller:
             if exc.unreachable:
                 # The node's liveness is the node monitor's call; try again a little later.
                 slot.retry_at = self.mono() + max(1.0, self.config.heartbeat_interval)
+                self._attention.add(slot.instance_id)
                 logger.warning("StartEngine %s on %s: %s; retrying later", slot.engine_id, node.node_id, exc)
                 return
             self._engine_failed(slot, node.node_id, f"could not be started: StartEngine {exc}")
@@ -716,10 +734,11 @@ class Controller:
         if not self._startup_done():
             return
         now_wall, now = self.wall(), self.mono()
-        capacity: dict[str, NodeCapacity] | None = None
-        for instance_id in sorted(self.instances):
-            inst = self.instances[instance_id]
-            if inst.state == FAILED:
+        fleet: Fleet | None = None
+        for instance_id in sorted(self._attention):
+            inst = self.instances.get(instance_id)
+            if inst is None or inst.state == FAILED:
+                self._attention.discard(instance_id)
                 continue
             slots = self._slots_of(instance_id)
             if inst.state == RESTARTING:
@@ -730,16 +749,22 @@ class Controller:
                 continue
             unplaced = [s for s in slots if not s.node_id]
             if unplaced:
-                if capacity is None:
-                    capacity = self._capacity()
-                self._place(inst, unplaced, capacity)
+                if fleet is None:
+                    fleet = self._fleet()
+                self._place(inst, unplaced, fleet)
                 continue
+            waiting = False
             for s in slots:
+                if s.launched:
+                    continue
+                waiting = True
                 node = self.nodes.get(s.node_id)
-                if not s.launched and not s.busy and node is not None and node.state == NODE_READY and s.retry_at <= now:
+                if node is not None and node.state == NODE_READY and s.retry_at <= now:
                     self._spawn(self._launch(s), f"launch {s.engine_id}")
+            if not waiting:
+                self._attention.discard(instance_id)
 
-    def _capacity(self) -> dict[str, NodeCapacity]:
+    def _fleet(self) -> Fleet:
         capacity = {
             n.node_id: NodeCapacity(
                 n.node_id, n.info.host or n.info.address.rpartition(":")[0], list(n.info.accelerator_ids),
@@ -747,15 +772,15 @@ class Controller:
             )
             for n in self.nodes.values() if n.state == NODE_READY
         }
-        for s in self.slots.values():
-            cap = capacity.get(s.node_id)
-            if cap is not None:
+        for node_id, cap in capacity.items():
+            for engine_id in self._by_node.get(node_id, ()):
+                s = self.slots[engine_id]
                 cap.used_accelerators.update(s.accelerator_ids)
                 inst = self.instances.get(s.instance_id)
                 cap.ports_in_use += ports_per_engine(bool(inst and inst.single_container))
-        return capacity
+        return Fleet(list(capacity.values()))
 
-    def _place(self, inst: InstanceRecord, unplaced: list[EngineSlot], capacity: dict[str, NodeCapacity]) -> None:
+    def _place(self, inst: InstanceRecord, unplaced: list[EngineSlot], fleet: Fleet) -> None:
         rank0_moves = any(s.dp_rank == 0 for s in unplaced)
         placed_ranks = [s for s in self._slots_of(inst.instance_id) if s.node_id]
         if rank0_moves and placed_ranks:
@@ -768,8 +793,7 @@ class Controller:
             return
         try:
             placements = place_instance(
-                [s.dp_rank for s in unplaced], inst.accelerators_per_engine, inst.single_container,
-                sorted(capacity.values(), key=lambda c: c.node_id),
+                [s.dp_rank for s in unplaced], inst.accelerators_per_engine, inst.single_container, fleet
             )
         except Unplaceable as exc:
             self._transition(inst, PENDING, f"cannot be placed: {exc}")
@@ -780,6 +804,7 @@ class Controller:
             for s in unplaced:
                 p = by_rank[s.dp_rank]
                 s.node_id, s.host, s.accelerator_ids = p.node_id, p.host, list(p.accelerator_ids)
+                self._by_node.setdefault(p.node_id, set()).add(s.engine_id)
                 s.requested_ports = [0] * p.port_count  # the node manager allocates them
                 s.port = s.mgmt_port = s.kv_port = s.dp_rpc_port = 0
                 s.generation = self.store.next_generation()
@@ -817,8 +842,7 @@ class Controller:
             return
         with self.store.transaction():
             for s in slots:
-                s.unplace()
-                s.moved = True
+                self._unplace(s)
                 self._save_slot(s)
             if inst.state != FAILED:
                 self._transition(inst, PENDING, f"{why}: waiting for placement")
@@ -926,8 +950,7 @@ class Controller:
         by_instance: dict[str, list[int]] = {}
         with self.store.transaction():
             for s in on_node:
-                s.unplace()
-                s.moved = True
+                self._unplace(s)
                 self._save_slot(s)
                 by_instance.setdefault(s.instance_id, []).append(s.dp_rank)
             for instance_id, ranks in sorted(by_instance.items()):
@@ -945,7 +968,7 @@ class Controller:
     # ------------------------------------------------------------------ views
 
     def node_proto(self, node: NodeRuntime) -> C.Node:
-        used = {a for s in self.slots.values() if s.node_id == node.node_id for a in s.accelerator_ids}
+        used = {a for e in self._by_node.get(node.node_id, ()) for a in self.slots[e].accelerator_ids}
         proto = C.Node(
             info=node.info, state=node.state, state_reason=node.reason, generation=node.generation,
             free_accelerator_ids=[a for a in node.info.accelerator_ids if a not in used],

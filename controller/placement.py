@@ -1,12 +1,14 @@
 """Placement: bin-pack the ranks of one instance onto READY nodes by free accelerators and ports.
 
-Pure functions over plain data, so the policy is tested without nodes or gRPC. Best fit: each
-rank goes to the node left with the fewest free accelerators (ties: fewest free ports, then
-node id), which keeps large holes free for large engines.
+Plain data and functions, so the policy is tested without nodes or gRPC. Best fit: each rank
+goes to the node left with the fewest free accelerators (ties: fewest free ports, then node
+id), which keeps large holes free for large engines. `Fleet` keeps the nodes ordered by free
+room so that one placement costs O(log n) on fleets of thousands of nodes.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 
@@ -16,7 +18,7 @@ class NodeCapacity:
     host: str
     accelerator_ids: list[int]
     used_accelerators: set[int] = field(default_factory=set)
-    # Inclusive range of engine ports; (0, 0) when the node manager allocates ports itself.
+    # Inclusive range of engine ports; (0, 0) when the node manager has no declared range.
     port_range: tuple[int, int] = (0, 0)
     # Ports of the range held by engines placed here (the node manager picks the numbers).
     ports_in_use: int = 0
@@ -56,46 +58,76 @@ def ports_per_engine(single_container: bool) -> int:
     return 4 if single_container else 2
 
 
+class Fleet:
+    """READY nodes ordered by (free accelerators, free ports, node id)."""
+
+    def __init__(self, nodes: list[NodeCapacity]):
+        self.nodes = {n.node_id: n for n in nodes}
+        self.order = sorted(self._key(n) for n in nodes)
+
+    @staticmethod
+    def _key(n: NodeCapacity) -> tuple[int, int, str]:
+        return (len(n.accelerator_ids) - len(n.used_accelerators), n.free_port_count(), n.node_id)
+
+    def best_fit(self, accelerators: int, ports: int) -> NodeCapacity | None:
+        i = bisect.bisect_left(self.order, (accelerators, -1, ""))
+        for j in range(i, len(self.order)):
+            if self.order[j][1] >= ports:
+                return self.nodes[self.order[j][2]]
+        return None
+
+    def _update(self, node: NodeCapacity, change) -> None:
+        key = self._key(node)
+        del self.order[bisect.bisect_left(self.order, key)]
+        change()
+        bisect.insort(self.order, self._key(node))
+
+    def take(self, node: NodeCapacity, accelerators: tuple[int, ...], ports: int) -> None:
+        def change():
+            node.used_accelerators.update(accelerators)
+            node.ports_in_use += ports
+        self._update(node, change)
+
+    def give_back(self, node: NodeCapacity, accelerators: tuple[int, ...], ports: int) -> None:
+        def change():
+            node.used_accelerators.difference_update(accelerators)
+            node.ports_in_use -= ports
+        self._update(node, change)
+
+    def describe(self) -> str:
+        if not self.order:
+            return "no READY node is registered"
+        free, ports, node_id = self.order[-1]
+        node = self.nodes[node_id]
+        most = f"most free: {node_id} with {free}/{len(node.accelerator_ids)} accelerators"
+        if node.has_port_range:
+            most += f" and {ports} ports"
+        return f"{len(self.order)} READY node(s); {most}"
+
+
 def place_instance(
     ranks: list[int],
     accelerators_per_engine: int,
     single_container: bool,
-    nodes: list[NodeCapacity],
+    fleet: Fleet | list[NodeCapacity],
 ) -> list[RankPlacement]:
-    """Place `ranks`; `nodes` is updated only when every rank fits. Raises Unplaceable."""
-    if not nodes:
+    """Place `ranks`; the fleet is updated only when every rank fits. Raises Unplaceable."""
+    if not isinstance(fleet, Fleet):
+        fleet = Fleet(fleet)
+    if not fleet.order:
         raise Unplaceable("no READY node is registered")
     need_ports = ports_per_engine(single_container)
-    trial = {
-        n.node_id: NodeCapacity(n.node_id, n.host, list(n.accelerator_ids), set(n.used_accelerators), n.port_range, n.ports_in_use)
-        for n in nodes
-    }
     placements: list[RankPlacement] = []
     for rank in ranks:
-        candidates = [
-            n for n in trial.values()
-            if len(n.free_accelerators) >= accelerators_per_engine and n.free_port_count() >= need_ports
-        ]
-        if not candidates:
-            summary = ", ".join(
-                f"{n.node_id}: {len(n.free_accelerators)}/{len(n.accelerator_ids)} accelerators"
-                + (f", {n.free_port_count()} ports" if n.has_port_range else "")
-                + " free"
-                for n in sorted(trial.values(), key=lambda n: n.node_id)
-            )
+        best = fleet.best_fit(accelerators_per_engine, need_ports)
+        if best is None:
+            for p in placements:  # not all ranks fit: give back what this call took
+                fleet.give_back(fleet.nodes[p.node_id], p.accelerator_ids, p.port_count)
             raise Unplaceable(
                 f"rank {rank} needs {accelerators_per_engine} accelerator(s) and {need_ports} port(s) on one READY node; "
-                f"none has room ({summary})"
+                f"none has room ({fleet.describe()})"
             )
-        best = min(
-            candidates,
-            key=lambda n: (len(n.free_accelerators) - accelerators_per_engine, n.free_port_count(), n.node_id),
-        )
         accelerators = tuple(best.free_accelerators[:accelerators_per_engine])
-        best.used_accelerators.update(accelerators)
-        best.ports_in_use += need_ports
+        fleet.take(best, accelerators, need_ports)
         placements.append(RankPlacement(rank, best.node_id, best.host, accelerators, need_ports))
-    for node in nodes:  # commit
-        node.used_accelerators = trial[node.node_id].used_accelerators
-        node.ports_in_use = trial[node.node_id].ports_in_use
     return placements

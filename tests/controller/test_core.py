@@ -81,7 +81,7 @@ async def test_unplaceable_instance_is_pending_with_the_reason(harness):
     harness.controller.apply_deployment(small_deployment([{"name": "big", "role": "union", "accelerators_per_engine": 2}]))
     await async_wait_for(lambda: "none has room" in harness.instance("big-0").reason, timeout=5)
     assert harness.instance("big-0").state == C.INSTANCE_STATE_PENDING
-    assert "node-a: 1/1 accelerators free" in harness.instance("big-0").reason
+    assert "most free: node-a with 1/1 accelerators" in harness.instance("big-0").reason
     harness.register("node-b", accelerators=2)  # room appears: placed without being asked again
     await async_wait_for(lambda: harness.client.starts("big-0/rank0"), timeout=5)
     assert harness.client.calls[-1][1] == "node-b"

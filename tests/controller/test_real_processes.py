@@ -185,8 +185,9 @@ def test_lost_node_manager_engines_move_and_stale_copies_are_fenced(make_cluster
     wait_for(lambda: not psutil.pid_exists(old.pid) or psutil.Process(old.pid).status() == psutil.STATUS_ZOMBIE,
              timeout=60, interval=0.2, what="stale engine copy stopped")
     wait_for(lambda: {n.info.node_id: n.state for n in cluster.node_list().nodes}[victim] == C.NODE_STATE_READY, timeout=30)
-    copies = [k for k in cluster.engine_copies() if k[1] == "u-0/rank0"]
-    assert copies == [(survivor, "u-0/rank0")]  # one copy, never two
+    # One copy, on the survivor (the node's next heartbeat reports the fenced copy STOPPED).
+    wait_for(lambda: [k for k in cluster.engine_copies() if k[1] == "u-0/rank0"] == [(survivor, "u-0/rank0")],
+             timeout=30, interval=0.2, what="a single live copy")
     assert any(e.type in (C.EVENT_TYPE_ENGINE_FENCED, C.EVENT_TYPE_NODE_RECOVERED) and e.node_id == victim for e in cluster.events())
 
 

@@ -36,7 +36,7 @@ def test_unplaceable_says_why_and_changes_nothing():
     nodes = [NodeCapacity("a", "h", [0, 1]), NodeCapacity("b", "h", [0])]
     with pytest.raises(Unplaceable) as err:
         place_instance([0, 1], 2, False, nodes)
-    assert "rank 1 needs 2 accelerator(s)" in str(err.value) and "a: 0/2 accelerators" in str(err.value)
+    assert "rank 1 needs 2 accelerator(s)" in str(err.value) and "2 READY node(s); most free: a with 2/2" in str(err.value)
     assert nodes[0].free_accelerators == [0, 1]  # the partial placement of rank 0 was not kept
     with pytest.raises(Unplaceable, match="no READY node"):
         place_instance([0], 1, False, [])
