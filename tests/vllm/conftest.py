@@ -246,7 +246,7 @@ def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, str]]:
     return values, types
 
 
-def start_server(tmp_path, config: dict, env: dict[str, str], request) -> VllmServer:
-    server = VllmServer(tmp_path, config, env)
+def start_server(tmp_path, config: dict, env: dict[str, str], request, role: str = "prefill") -> VllmServer:
+    server = VllmServer(tmp_path, config, env, role=role)
     request.addfinalizer(server.kill_all)
     return server
