@@ -13,7 +13,6 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"io/ioutil"
 	"os"
 	"strings"
 	"text/tabwriter"
@@ -69,6 +68,14 @@ func main() {
 		os.Exit(2)
 	}
 
+	command, args := flag.Arg(0), flag.Args()[1:]
+	switch {
+	case command != "nodes" && command != "instances" && command != "apply" && command != "watch":
+		fail("unknown command %q (nodes, instances, apply, watch)", command)
+	case command == "apply" && len(args) != 1:
+		fail("apply needs exactly one argument: the deployment JSON file")
+	}
+
 	dialCtx, cancelDial := context.WithTimeout(context.Background(), *timeout)
 	conn, err := grpc.DialContext(dialCtx, *addr, grpc.WithInsecure(), grpc.WithBlock())
 	cancelDial()
@@ -78,21 +85,15 @@ func main() {
 	defer conn.Close()
 	client := motorv1.NewControllerServiceClient(conn)
 
-	command, args := flag.Arg(0), flag.Args()[1:]
 	switch command {
 	case "nodes":
 		listNodes(client, *timeout, *asJSON)
 	case "instances":
 		listInstances(client, *timeout, *asJSON)
 	case "apply":
-		if len(args) != 1 {
-			fail("apply needs exactly one argument: the deployment JSON file")
-		}
 		apply(client, *timeout, args[0])
 	case "watch":
 		watch(client, *asJSON, args)
-	default:
-		fail("unknown command %q (nodes, instances, apply, watch)", command)
 	}
 }
 
@@ -151,7 +152,7 @@ func listInstances(client motorv1.ControllerServiceClient, timeout time.Duration
 }
 
 func apply(client motorv1.ControllerServiceClient, timeout time.Duration, path string) {
-	data, err := ioutil.ReadFile(path)
+	data, err := os.ReadFile(path)
 	if err != nil {
 		fail("cannot read the deployment: %v", err)
 	}

@@ -170,6 +170,12 @@ async function main() {
   const options = { json: values.json, timeout: Number(values.timeout), until: values.until, count: Number(values.count) };
   if (!(options.timeout > 0)) fail(`--timeout: expected a number of seconds, got ${JSON.stringify(values.timeout)}`);
 
+  const [command, ...args] = positionals;
+  if (!["nodes", "instances", "apply", "watch"].includes(command)) {
+    fail(`unknown command ${JSON.stringify(command)} (nodes, instances, apply, watch)`);
+  }
+  if (command === "apply" && args.length !== 1) fail("apply needs exactly one argument: the deployment JSON file");
+
   const { api, definition } = loadApi(values["proto-dir"]);
   if (options.until && !definition["motor.v1.EventType"].type.value.some((v) => v.name === options.until)) {
     fail(`--until: unknown event type ${JSON.stringify(options.until)} (e.g. EVENT_TYPE_ENGINE_FAILED)`);
@@ -182,7 +188,6 @@ async function main() {
     });
   });
 
-  const [command, ...args] = positionals;
   switch (command) {
     case "nodes":
       await listNodes(client, options);
@@ -191,13 +196,10 @@ async function main() {
       await listInstances(client, options);
       break;
     case "apply":
-      if (args.length !== 1) fail("apply needs exactly one argument: the deployment JSON file");
       await apply(client, definition, options, args[0]);
       break;
     case "watch":
       return watch(client, options); // runs until --until/--count or the stream ends
-    default:
-      fail(`unknown command ${JSON.stringify(command)} (nodes, instances, apply, watch)`);
   }
   client.close();
 }
