@@ -22,7 +22,11 @@ EXPECTED_ENGINES = {"prefill-0/rank0", "prefill-0/rank1", "decode-0/rank0"}
 def _all_normal(stub) -> bool:
     instances = stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=5).instances
     engines = {e.engine_id: e for i in instances for e in i.engines}
-    return set(engines) == EXPECTED_ENGINES and all(e.health == types_pb2.HEALTH_STATUS_NORMAL for e in engines.values())
+    return (
+        set(engines) == EXPECTED_ENGINES
+        and all(e.health == types_pb2.HEALTH_STATUS_NORMAL for e in engines.values())
+        and all(i.state == controller_pb2.INSTANCE_STATE_READY for i in instances)
+    )
 
 
 @pytest.fixture(scope="module")
