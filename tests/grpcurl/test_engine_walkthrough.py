@@ -3,14 +3,13 @@ engine server (sim engine) started as the document starts it."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 from tests.grpcurl.services import start_engine_server
 from tests.grpcurl.walkthrough import load_steps, run_step
 from tests.support import wait_for
-
-import grpc
 
 STEPS = [step for step in load_steps() if step.section == "engine"]
 
@@ -21,10 +20,11 @@ def engine(tmp_path_factory):
     try:
         with grpc.insecure_channel(address) as channel:
             stub = engine_pb2_grpc.EngineServiceStub(channel)
-            wait_for(
-                lambda: stub.GetStatus(engine_pb2.GetStatusRequest(), timeout=2).status.status == types_pb2.HEALTH_STATUS_NORMAL,
-                timeout=60, interval=0.2, what="engine server NORMAL",
-            )
+            def serving():  # NORMAL, and virtual inference started (a moment after NORMAL)
+                status = stub.GetStatus(engine_pb2.GetStatusRequest(), timeout=2).status
+                return status.status == types_pb2.HEALTH_STATUS_NORMAL and status.probing
+
+            wait_for(serving, timeout=60, interval=0.2, what="engine server NORMAL and probing")
         yield {"engine": address}
     finally:
         service.stop()
