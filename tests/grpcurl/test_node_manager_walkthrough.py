@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.grpcurl.services import start_node_manager
+from tests.grpcurl.services import start_node_manager, stop_node_engines
 from tests.grpcurl.walkthrough import load_steps, run_step
 
 STEPS = [step for step in load_steps() if step.section == "node"]
@@ -17,7 +17,10 @@ def node(tmp_path_factory):
     try:
         yield {"node": address}
     finally:
-        service.stop()
+        try:
+            stop_node_engines(address)  # those a failed step left running
+        finally:
+            service.stop()
 
 
 @pytest.mark.parametrize("step", STEPS, ids=[step.id for step in STEPS])
