@@ -54,6 +54,9 @@ class LocalCluster:
     heartbeat_interval: float = 1.0
     node_grace: float = 5.0
     abnormal_threshold: int = 5
+    # Engines of node i get ports [engine_port_base + 500 i, + 499]; give two clusters on one
+    # machine different bases.
+    engine_port_base: int = 21000
     extra_controller_args: list[str] = field(default_factory=list)
     extra_node_args: list[str] = field(default_factory=list)
     processes: list[ManagedProcess] = field(default_factory=list)
@@ -98,7 +101,7 @@ class LocalCluster:
     def start_node(self, node_id: str, index: int) -> ManagedProcess:
         port = self.node_ports.get(node_id) or free_port()
         self.node_ports[node_id] = port
-        first_engine_port = 21000 + index * 500
+        first_engine_port = self.engine_port_base + index * 500
         argv = [
             _bin("motor-node-manager"),
             "--node-id", node_id,
@@ -153,18 +156,12 @@ class LocalCluster:
                 time.sleep(0.2)
 
     def stop(self, timeout: float = 30.0) -> list[str]:
-        """Stop engines (via their node managers), then node managers, then the controller.
+        """Stop the controller, then engines (through their node managers), then node managers.
 
-        Returns the names of processes that had to be killed or were found left over."""
+        The controller goes first so that it cannot restart the engines being stopped; node
+        managers leave engines running when they exit (a restart re-adopts them), so engines are
+        stopped explicitly. Returns what had to be killed or was found left over."""
         problems: list[str] = []
-        for node_id, port in self.node_ports.items():
-            try:
-                with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-                    stub = node_manager_pb2_grpc.NodeManagerServiceStub(channel)
-                    for engine in stub.ListEngines(node_manager_pb2.ListEnginesRequest(), timeout=5).engines:
-                        stub.StopEngine(node_manager_pb2.StopEngineRequest(engine_id=engine.engine_id), timeout=timeout)
-            except grpc.RpcError as exc:
-                problems.append(f"{node_id}: could not stop its engines ({exc.code().name})")
         # Everything any of our processes started, to confirm nothing outlives the cluster.
         descendants: list[psutil.Process] = []
         for managed in self.processes:
@@ -172,20 +169,42 @@ class LocalCluster:
                 descendants += psutil.Process(managed.process.pid).children(recursive=True)
             except psutil.Error:
                 pass
-        for managed in reversed(self.processes):
+        controllers = [p for p in self.processes if p.name == "controller"]
+        node_managers = [p for p in self.processes if p.name != "controller"]
+        problems += self._terminate(controllers, timeout)
+        for node_id, port in self.node_ports.items():
+            if all(p.process.poll() is not None for p in node_managers if p.name == node_id):
+                continue
+            try:
+                with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    stub = node_manager_pb2_grpc.NodeManagerServiceStub(channel)
+                    for engine in stub.ListEngines(node_manager_pb2.ListEnginesRequest(), timeout=5).engines:
+                        stub.StopEngine(node_manager_pb2.StopEngineRequest(engine_id=engine.engine_id), timeout=timeout)
+            except grpc.RpcError as exc:
+                problems.append(f"{node_id}: could not stop its engines ({exc.code().name})")
+        problems += self._terminate(node_managers, timeout)
+        for leftover in descendants:
+            try:
+                if leftover.is_running() and leftover.status() != psutil.STATUS_ZOMBIE:
+                    problems.append(f"left-over process {leftover.pid} ({' '.join(leftover.cmdline()[:3])}); killed")
+                    leftover.kill()
+            except psutil.NoSuchProcess:
+                pass
+        return problems
+
+    @staticmethod
+    def _terminate(processes: list[ManagedProcess], timeout: float) -> list[str]:
+        problems = []
+        for managed in processes:
             if managed.process.poll() is None:
                 os.killpg(managed.process.pid, signal.SIGTERM)
-        for managed in reversed(self.processes):
+        for managed in processes:
             try:
                 managed.process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 problems.append(f"{managed.name} ignored SIGTERM; killed")
                 os.killpg(managed.process.pid, signal.SIGKILL)
                 managed.process.wait()
-        for leftover in descendants:
-            if leftover.is_running() and leftover.status() != psutil.STATUS_ZOMBIE:
-                problems.append(f"left-over process {leftover.pid} ({' '.join(leftover.cmdline()[:3])}); killed")
-                leftover.kill()
         return problems
 
 

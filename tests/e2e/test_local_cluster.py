@@ -38,7 +38,8 @@ def _all_normal(stub) -> bool:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     local = LocalCluster(
-        str(tmp_path_factory.mktemp("cluster")), nodes=2, deployment_path=DEPLOYMENT, heartbeat_interval=0.5
+        str(tmp_path_factory.mktemp("cluster")), nodes=2, deployment_path=DEPLOYMENT, heartbeat_interval=0.5,
+        engine_port_base=31000,
     )
     try:
         local.start(timeout=60)
