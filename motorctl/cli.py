@@ -100,11 +100,14 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "up" in argv:  # `motorctl [--controller X] up ...`: the local cluster has its own flags
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "up":  # the local cluster has its own flags
         from motorctl import up
 
         return up.main(argv[argv.index("up") + 1 :])
-    args = _parser().parse_args(argv)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return run(args)
     except MotorError as exc:  # a malformed file, an unknown role
