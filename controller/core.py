@@ -186,6 +186,9 @@ class Controller:
         self._by_node: dict[str, set[str]] = {}
         # Instances with something left to do (place, launch, restart); the rest cost nothing.
         self._attention: set[str] = set()
+        # node id -> state, kept by _node_state(): the silent share is O(1) per change.
+        self._node_states: dict[str, int] = {}
+        self._state_counts: dict[int, int] = {NODE_READY: 0, NODE_SUSPECT: 0, NODE_LOST: 0}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -202,6 +205,7 @@ class Controller:
             state = NODE_LOST if record.state == NODE_LOST else NODE_READY
             reason = record.reason if state == NODE_LOST else "known from the store; waiting for it to report"
             self.nodes[record.node_id] = NodeRuntime(info, record.generation, state, reason, last_seen=now)
+            self._node_state(self.nodes[record.node_id], state, reason)
         for instance_id, data in stored.instances.items():
             self.instances[instance_id] = InstanceRecord.from_dict(data)
         for engine_id, data in stored.assignments.items():
@@ -383,6 +387,7 @@ class Controller:
         with self.store.transaction():
             generation = self.store.next_generation()
             node = NodeRuntime(info, generation, NODE_READY, f"registered (generation {generation})", last_seen=self.mono())
+            self._node_state(node, NODE_READY, node.reason)
             node.last_heartbeat_wall = self.wall()
             node.reported_since_start = True
             self.nodes[info.node_id] = node
@@ -864,8 +869,7 @@ class Controller:
         grace = self.config.node_grace
         for node in self.nodes.values():
             if node.state == NODE_READY and now - node.last_seen > grace:
-                node.state = NODE_SUSPECT
-                node.reason = f"no heartbeat for {now - node.last_seen:.1f}s (grace {grace:g}s); re-checking it directly"
+                self._node_state(node, NODE_SUSPECT, f"no heartbeat for {now - node.last_seen:.1f}s (grace {grace:g}s); re-checking it directly")
                 node.recheck_failed_at = None
                 self._event(C.EVENT_TYPE_NODE_SUSPECT, f"node {node.node_id} suspect: {node.reason}", node_id=node.node_id)
                 for s in self._slots_on(node.node_id):
@@ -888,13 +892,22 @@ class Controller:
                 node.rechecking = True
                 self._spawn(self._recheck(node), f"recheck {node.node_id}")
 
+    def _node_state(self, node: NodeRuntime, state: int, reason: str) -> None:
+        """Every node state change goes through here (keeps the per-state counts)."""
+        previous = self._node_states.get(node.node_id)
+        if previous is not None:
+            self._state_counts[previous] -= 1
+        self._node_states[node.node_id] = state
+        self._state_counts[state] += 1
+        node.state, node.reason = state, reason
+
     def _refresh_alarm(self) -> None:
-        active = [n for n in self.nodes.values() if n.state != NODE_LOST]
-        silent = [n for n in active if n.state == NODE_SUSPECT]
-        share = len(silent) / len(active) if active else 0.0
+        silent = self._state_counts[NODE_SUSPECT]
+        active = len(self._node_states) - self._state_counts[NODE_LOST]
+        share = silent / active if active else 0.0
         if share > self.config.silent_share_alarm:
             message = (
-                f"{len(silent)} of {len(active)} nodes silent at once (more than {self.config.silent_share_alarm:.0%}): "
+                f"{silent} of {active} nodes silent at once (more than {self.config.silent_share_alarm:.0%}): "
                 "suspecting the controller's own network; not rescheduling them"
             )
             if not self.alarm:
@@ -902,7 +915,7 @@ class Controller:
             self.alarm = message
         elif self.alarm:
             self.alarm = ""
-            self._event(C.EVENT_TYPE_ALARM, f"alarm cleared: {len(silent)} of {len(active)} nodes silent")
+            self._event(C.EVENT_TYPE_ALARM, f"alarm cleared: {silent} of {active} nodes silent")
 
     async def _recheck(self, node: NodeRuntime) -> None:
         generation = node.generation
@@ -923,7 +936,7 @@ class Controller:
                 self._observe(node, engine, "")
 
     def _node_back(self, node: NodeRuntime, how: str) -> None:
-        node.state, node.reason = NODE_READY, how
+        self._node_state(node, NODE_READY, how)
         node.recheck_failed_at = None
         self._event(C.EVENT_TYPE_NODE_RECOVERED, f"node {node.node_id} ready again: {how}", node_id=node.node_id)
         self._refresh_alarm()
@@ -938,8 +951,7 @@ class Controller:
         with self.store.transaction():
             # A new generation: the node's heartbeats are refused until it registers again.
             node.generation = self.store.next_generation()
-            node.state = NODE_LOST
-            node.reason = f"no heartbeat for {silence:.1f}s and the direct re-check failed ({node.recheck_error})"
+            self._node_state(node, NODE_LOST, f"no heartbeat for {silence:.1f}s and the direct re-check failed ({node.recheck_error})")
             self._save_node(node)
         on_node = self._slots_on(node.node_id)
         self._event(
