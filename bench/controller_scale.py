@@ -199,55 +199,62 @@ async def run(args) -> int:
     best = 0
     try:
         for size in args.steps:
-            # Grow the fleet: register, place one 8-rank instance per node, wait for every start.
-            began = time.monotonic()
-            new = [SimNode(i, nm_address) for i in range(len(nodes), size)]
-            for node in new:
-                fleet_nm.by_host[node.host] = node
-            for chunk in range(0, len(new), 100):
-                replies = await asyncio.gather(*(
-                    stubs[i % len(stubs)].RegisterNode(C.RegisterNodeRequest(node=n.info), timeout=60)
-                    for i, n in enumerate(new[chunk:chunk + 100])
-                ))
-                for node, reply in zip(new[chunk:chunk + 100], replies):
-                    node.generation = reply.generation
-            nodes += new
-            await stubs[0].ApplyDeployment(C.ApplyDeploymentRequest(deployment=deployment(size)), timeout=120)
-            for node in new:
-                tasks.append(asyncio.create_task(heartbeat_loop(node, stubs[int(node.node_id[4:]) % len(stubs)])))
-            deadline = time.monotonic() + 300
-            while fleet_nm.starts < size * ENGINES_PER_NODE and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
-            setup = time.monotonic() - began
-            await asyncio.sleep(args.warmup)
-            # Measure.
-            latencies.clear()
-            answered.update(ok=0, errors=0)
-            before = await asyncio.to_thread(scrape_histogram, metrics_port)
-            proc.cpu_percent(None)
-            measuring = True
-            await asyncio.sleep(args.window)
-            measuring = False
-            cpu = proc.cpu_percent(None)
-            rss = proc.memory_info().rss / 2**20
-            after = await asyncio.to_thread(scrape_histogram, metrics_port)
-            listed = await stubs[0].ListNodes(C.ListNodesRequest(), timeout=60)
-            ready = sum(1 for n in listed.nodes if n.state == C.NODE_STATE_READY)
-            rate = answered["ok"] / args.window
-            p50, p99 = quantile(latencies, 0.5) * 1e3, quantile(latencies, 0.99) * 1e3
-            server_p99 = histogram_quantile(before, after, 0.99) * 1e3
-            ok = p99 < args.p99_ms and rate >= 0.95 * size and answered["errors"] == 0
-            rows.append((size, size * ENGINES_PER_NODE, fleet_nm.starts, setup, rate, size, p50, p99, server_p99, cpu, rss, ready, ok))
-            print(
-                f"{size:>6} nodes {size * ENGINES_PER_NODE:>6} engines | setup {setup:5.1f}s | heartbeats {rate:7.1f}/s of {size}/s"
-                f" | client p50 {p50:6.2f} ms p99 {p99:7.2f} ms | controller handling p99 <= {server_p99:g} ms"
-                f" | controller CPU {cpu:5.1f}% RSS {rss:6.1f} MiB | READY {ready}/{size} | {'sustained' if ok else 'NOT sustained'}",
-                flush=True,
-            )
-            if ok:
-                best = size
-            elif rate < 0.5 * size:
-                break  # collapsed: larger fleets cannot do better
+            try:
+                # Grow the fleet: register, place one 8-rank instance per node, wait for every start.
+                began = time.monotonic()
+                new = [SimNode(i, nm_address) for i in range(len(nodes), size)]
+                for node in new:
+                    fleet_nm.by_host[node.host] = node
+                for chunk in range(0, len(new), 100):
+                    replies = await asyncio.gather(*(
+                        stubs[i % len(stubs)].RegisterNode(C.RegisterNodeRequest(node=n.info), timeout=60)
+                        for i, n in enumerate(new[chunk:chunk + 100])
+                    ))
+                    for node, reply in zip(new[chunk:chunk + 100], replies):
+                        node.generation = reply.generation
+                nodes += new
+                await stubs[0].ApplyDeployment(C.ApplyDeploymentRequest(deployment=deployment(size)), timeout=120)
+                for node in new:
+                    tasks.append(asyncio.create_task(heartbeat_loop(node, stubs[int(node.node_id[4:]) % len(stubs)])))
+                deadline = time.monotonic() + 300
+                while fleet_nm.starts < size * ENGINES_PER_NODE and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                setup = time.monotonic() - began
+                await asyncio.sleep(args.warmup)
+                # Measure.
+                latencies.clear()
+                answered.update(ok=0, errors=0)
+                before = await asyncio.to_thread(scrape_histogram, metrics_port)
+                proc.cpu_percent(None)
+                measuring = True
+                await asyncio.sleep(args.window)
+                measuring = False
+                cpu = proc.cpu_percent(None)
+                rss = proc.memory_info().rss / 2**20
+                after = await asyncio.to_thread(scrape_histogram, metrics_port)
+                listed = await stubs[0].ListNodes(C.ListNodesRequest(), timeout=60)
+                ready = sum(1 for n in listed.nodes if n.state == C.NODE_STATE_READY)
+                rate = answered["ok"] / args.window
+                p50, p99 = quantile(latencies, 0.5) * 1e3, quantile(latencies, 0.99) * 1e3
+                server_p99 = histogram_quantile(before, after, 0.99) * 1e3
+                ok = p99 < args.p99_ms and rate >= 0.95 * size and answered["errors"] == 0
+                rows.append((size, size * ENGINES_PER_NODE, fleet_nm.starts, setup, rate, size, p50, p99, server_p99, cpu, rss, ready, ok))
+                print(
+                    f"{size:>6} nodes {size * ENGINES_PER_NODE:>6} engines | setup {setup:5.1f}s | heartbeats {rate:7.1f}/s of {size}/s"
+                    f" | client p50 {p50:6.2f} ms p99 {p99:7.2f} ms | controller handling p99 <= {server_p99:g} ms"
+                    f" | controller CPU {cpu:5.1f}% RSS {rss:6.1f} MiB | READY {ready}/{size} | load {os.getloadavg()[0]:.1f}"
+                    f" | {'sustained' if ok else 'NOT sustained'}",
+                    flush=True,
+                )
+                if ok:
+                    best = size
+                elif rate < 0.5 * size:
+                    break  # collapsed: larger fleets cannot do better
+            except grpc.aio.AioRpcError as exc:
+                state = "alive" if controller.poll() is None else f"exited with {controller.returncode}"
+                print(f"{size:>6} nodes: a controller call failed ({exc.code().name}: {exc.details()}); controller {state}",
+                      flush=True)
+                break
     finally:
         stopping = True
         for task in tasks:
