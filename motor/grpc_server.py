@@ -25,9 +25,25 @@ logger = logging.getLogger(__name__)
 
 # Large fleets send big heartbeats; keep messages well above the 4 MiB default.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [
+_MESSAGE_SIZE_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+# A healed partition must be noticed in seconds: keepalive pings find a dead TCP connection,
+# and the reconnect backoff is capped (gRPC's default grows to 120 s, which once held a node
+# manager off its controller for ~50 s after a partition healed).
+CHANNEL_OPTIONS = [
+    *_MESSAGE_SIZE_OPTIONS,
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+# Servers accept those pings (by default they answer frequent pings with GOAWAY).
+SERVER_OPTIONS = [
+    *_MESSAGE_SIZE_OPTIONS,
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
 ]
 
 
@@ -69,9 +85,16 @@ def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
     )
 
 
-def aio_channel(target: str, tls: TlsFiles | None = None, server_name: str | None = None) -> grpc.aio.Channel:
-    """An asyncio channel to `target`, plaintext or TLS."""
-    options = list(CHANNEL_OPTIONS)
+def aio_channel(
+    target: str,
+    tls: TlsFiles | None = None,
+    server_name: str | None = None,
+    options: dict[str, Any] | None = None,
+) -> grpc.aio.Channel:
+    """An asyncio channel to `target`, plaintext or TLS; `options` override CHANNEL_OPTIONS by key."""
+    merged = dict(CHANNEL_OPTIONS)
+    merged.update(options or {})
+    options = list(merged.items())
     if tls is None:
         return grpc.aio.insecure_channel(target, options=options)
     if server_name:
@@ -86,7 +109,7 @@ class MotorServer:
         self.bind = bind
         self.tls = tls
         self.server = grpc.aio.server(
-            interceptors=[ErrorMappingInterceptor(), *(interceptors or [])], options=CHANNEL_OPTIONS
+            interceptors=[ErrorMappingInterceptor(), *(interceptors or [])], options=SERVER_OPTIONS
         )
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -19,7 +19,7 @@ import grpc
 
 from motor import processes
 from motor.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from motor.grpc_server import CHANNEL_OPTIONS, TlsFiles, channel_credentials
+from motor.grpc_server import TlsFiles, aio_channel
 from motor.names import ROLE_NAMES, check_instance_id, parse_engine_id, role_name
 from motor.names import engine_id as make_engine_id
 from motor.ports import PortAllocator, port_is_free
@@ -452,12 +452,9 @@ class NodeManager:
         target = f"{host}:{record.spec.mgmt_port}"
         # Reconnect quickly: a starting engine binds its port within a second or so, and the
         # default 1 s (growing) reconnect backoff would delay noticing that it is up.
-        options = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 50),
-                   ("grpc.min_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 1000)]
-        tls = engine_tls(record.spec, self.config)
-        if tls is None:
-            return grpc.aio.insecure_channel(target, options=options)
-        return grpc.aio.secure_channel(target, channel_credentials(tls), options=options)
+        fast_reconnect = {"grpc.initial_reconnect_backoff_ms": 50, "grpc.min_reconnect_backoff_ms": 50,
+                          "grpc.max_reconnect_backoff_ms": 1000}
+        return aio_channel(target, engine_tls(record.spec, self.config), options=fast_reconnect)
 
     async def _poll_status(self, record: EngineRecord) -> None:
         """Every heartbeat interval: GetStatus with a deadline, judged by HealthJudge."""
