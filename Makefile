@@ -24,3 +24,32 @@ lint: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache engine_server_log .run
+
+# The compose simulation (docs/compose.md): `docker compose` v2 when installed, else docker-compose v1.
+COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
+export COMPOSE_PROJECT_NAME ?= motor
+
+.PHONY: compose-up compose-offline-up compose-down compose-test clients
+
+# Needs a registry for the python:3.11-slim base image.
+compose-up: setup
+	bash scripts/build-wheelhouse.sh
+	$(COMPOSE) up -d --build
+
+# No registry, no network in containers (as root): local dockerd, a debootstrap base image, wheels.
+compose-offline-up: setup
+	bash scripts/docker-engine.sh
+	bash scripts/build-base-image.sh motor-base:bookworm
+	bash scripts/build-wheelhouse.sh
+	MOTOR_BASE_IMAGE=motor-base:bookworm $(COMPOSE) up -d --build
+
+compose-down:
+	$(COMPOSE) down --volumes --remove-orphans
+
+compose-test: setup
+	bash scripts/docker-engine.sh
+	$(PY) -m pytest tests/compose -m docker $(PYTEST_ARGS)
+
+# Build the Go example client (examples/go-client/bin/motor-go-client).
+clients:
+	bash examples/go-client/build.sh
