@@ -49,6 +49,8 @@ MOTOR_KEYS = {MOTOR_UTILIZATION}
 OWNED_ARGS = {"host": "--host", "port": "--port"}
 # How long shutdown waits for the HTTP server to close its connections.
 HTTP_SHUTDOWN_TIMEOUT_S = 5.0
+# How long a death seen by vLLM's side waits for the engine-core process's own exit report.
+DEATH_REASON_GRACE_S = 0.2
 
 _PROBE_ID = re.compile(VIRTUAL_REQUEST_ID_PATTERN)
 
@@ -407,8 +409,13 @@ class VllmEngine(EngineBackend):
         self._dead.set()
 
     def _notify_dead(self, reason: str) -> None:
+        """From the vLLM loop. When the engine core died, vLLM's side often notices first (its
+        sockets close before the process can be reaped): wait briefly, so that the reason names
+        the process and its exit status when that is the cause."""
         if self._main_loop is not None and not self._main_loop.is_closed():
-            self._main_loop.call_soon_threadsafe(self._declare_dead, reason)
+            self._main_loop.call_soon_threadsafe(
+                self._main_loop.call_later, DEATH_REASON_GRACE_S, self._declare_dead, reason
+            )
 
     def engine_core_processes(self) -> list[Any]:
         """The engine-core processes (multiprocessing.Process), once vLLM has started them."""

@@ -19,6 +19,7 @@ from engine_server.engines.vllm_probe_filter import (
 )
 from engine_server.engines.vllm_utilization import ProcessCpuSampler
 from motor.errors import ConfigError
+from tests.support import wait_for
 from tests.vllm.conftest import ENGINE_SERVER, LEAN_CPU_ARGS, vllm_config
 
 FIELD = "motor_engine_prefill_config.engine_args"
@@ -65,6 +66,7 @@ def test_cpu_sampler_reads_a_busy_process_tree_and_an_idle_one():
     busy = subprocess.Popen(["sh", "-c", f"{sys.executable} -c 'while True: pass' & wait"])
     idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
+        wait_for(lambda: psutil.Process(busy.pid).children(), timeout=10, what="the busy grandchild")
         busy_sampler, idle_sampler = ProcessCpuSampler(lambda: [busy.pid]), ProcessCpuSampler(lambda: [idle.pid])
         assert ProcessCpuSampler(lambda: []).read() == 0.0  # before the engine core exists
         busy_sampler.read(), idle_sampler.read()  # start the measurement windows
