@@ -4,6 +4,7 @@ implementation with retries (tenacity) for StartEngine and StopEngine."""
 from __future__ import annotations
 
 import abc
+import asyncio
 import logging
 
 import grpc
@@ -14,7 +15,9 @@ from motor.v1 import controller_pb2, node_manager_pb2, node_manager_pb2_grpc, ty
 
 logger = logging.getLogger(__name__)
 
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# Transport trouble, not an answer about the engine: retried, then left to the node monitor.
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+             grpc.StatusCode.CANCELLED}
 
 
 class NodeCallError(Exception):
@@ -27,7 +30,7 @@ class NodeCallError(Exception):
 
     @property
     def unreachable(self) -> bool:
-        return self.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+        return self.code in {code.name for code in RETRYABLE}
 
 
 class NodeClient(abc.ABC):
@@ -51,10 +54,19 @@ def _is_retryable(exc: BaseException) -> bool:
 
 
 class GrpcNodeClient(NodeClient):
-    def __init__(self, attempts: int = 4, start_timeout: float = 15.0):
+    def __init__(self, attempts: int = 4, start_timeout: float = 15.0, max_in_flight: int = 64):
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.attempts = attempts
         self.start_timeout = start_timeout
+        # Starting thousands of engines at once must not open thousands of calls at once.
+        self.max_in_flight = max_in_flight
+        self._limit: asyncio.Semaphore | None = None
+
+    @property
+    def limit(self) -> asyncio.Semaphore:
+        if self._limit is None:
+            self._limit = asyncio.Semaphore(self.max_in_flight)
+        return self._limit
 
     def _stub(self, node: controller_pb2.NodeInfo) -> node_manager_pb2_grpc.NodeManagerServiceStub:
         channel = self.channels.get(node.address)
@@ -74,9 +86,10 @@ class GrpcNodeClient(NodeClient):
         try:
             async for attempt in self._retrying():
                 with attempt:
-                    reply = await self._stub(node).StartEngine(
-                        node_manager_pb2.StartEngineRequest(spec=spec), timeout=self.start_timeout
-                    )
+                    async with self.limit:
+                        reply = await self._stub(node).StartEngine(
+                            node_manager_pb2.StartEngineRequest(spec=spec), timeout=self.start_timeout
+                        )
                     return reply.engine
         except grpc.aio.AioRpcError as exc:
             raise NodeCallError(exc.code().name, exc.details() or "") from None
@@ -88,7 +101,8 @@ class GrpcNodeClient(NodeClient):
         try:
             async for attempt in self._retrying():
                 with attempt:
-                    await self._stub(node).StopEngine(request, timeout=deadline + 15.0)
+                    async with self.limit:
+                        await self._stub(node).StopEngine(request, timeout=deadline + 15.0)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return  # never known there: nothing to stop
