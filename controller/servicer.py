@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -68,7 +67,5 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
                 if getattr(queue, "dropped", False) and queue.empty():
                     raise Unavailable("this watcher fell too far behind and was cut off; watch again")
                 yield controller_pb2.WatchEventsResponse(event=event)
-        except asyncio.CancelledError:
-            raise
         finally:
             bus.unsubscribe(queue)
