@@ -139,3 +139,18 @@ def test_restart_with_the_same_deployment_file_keeps_the_revision(tmp_path):
 def test_unreachable_controller_is_said_plainly():
     result = motorctl(f"127.0.0.1:{free_port()}", "--timeout", "2", "nodes", check=False)
     assert result.returncode == 1 and "not reachable" in result.stderr
+
+
+def test_render_status_shows_nodes_instances_and_engines(controller):
+    import grpc as grpc_sync
+
+    from motor.v1 import controller_pb2, controller_pb2_grpc
+    from motorctl.render import render_status
+
+    with grpc_sync.insecure_channel(controller.address) as channel:
+        stub = controller_pb2_grpc.ControllerServiceStub(channel)
+        screen = render_status(stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=10),
+                               stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=10))
+    sections = [line for line in screen.splitlines() if line in ("NODES", "INSTANCES", "ENGINES")]
+    assert sections == ["NODES", "INSTANCES", "ENGINES"]
+    assert "prefill-0/rank1" in screen and "PENDING" in screen

@@ -194,3 +194,17 @@ def test_config_file_and_unknown_keys(tmp_path):
     config.write_text("node_grase: 7\n")
     with pytest.raises(ConfigError, match="node_grase: Extra inputs are not permitted"):
         parse_config(["--config", str(config)])
+
+
+def test_reschedule_rate_limit_refills_over_time():
+    from controller.core import TokenBucket
+
+    now = [0.0]
+    bucket = TokenBucket(2, lambda: now[0])
+    assert bucket.available(2)
+    bucket.take(2)
+    assert not bucket.available(1)  # spent: a node loss now waits
+    now[0] = 0.5
+    assert bucket.available(1) and not bucket.available(2)
+    now[0] = 10.0
+    assert bucket.available(5)  # a move bigger than the burst goes once the bucket is full
