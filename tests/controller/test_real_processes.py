@@ -109,11 +109,6 @@ def make_cluster(tmp_path):
                 os.killpg(managed.process.pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-        # The controller goes first: while it runs it restores engines that cluster.stop() stops.
-        for managed in cluster.processes:
-            if managed.name == "controller" and managed.process.poll() is None:
-                os.killpg(managed.process.pid, signal.SIGTERM)
-                managed.process.wait(timeout=30)
         problems = [p for p in cluster.stop() if "could not stop its engines" not in p]
         assert not [p for p in problems if "left-over" in p], problems
 
