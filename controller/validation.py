@@ -15,6 +15,7 @@ from google.protobuf import json_format
 
 from motor import names
 from motor.errors import InvalidArgument
+from motor.user_config import section_name_for
 from motor.v1 import controller_pb2, types_pb2
 
 # Group names become instance-id prefixes ("<group>-<index>"); leave room for the index.
@@ -32,9 +33,10 @@ DEFAULT_POLICY = {
 }
 
 
-def config_section(role: int) -> str:
-    """The user_config section an engine of `role` reads, e.g. motor_engine_prefill_config."""
-    return f"motor_engine_{names.role_name(role)}_config"
+def config_section(role: int, engine_config: dict) -> str:
+    """The user_config section an engine of `role` reads, e.g. motor_engine_prefill_config
+    (union engines fall back to the prefill section, as the engine server does)."""
+    return section_name_for(names.role_name(role), engine_config.keys())
 
 
 def _seconds(duration) -> float:
@@ -80,7 +82,7 @@ def validate_deployment(deployment: controller_pb2.Deployment) -> controller_pb2
         if group.accelerators_per_engine > MAX_ACCELERATORS:
             problems.append(f"{where}.accelerators_per_engine: must be at most {MAX_ACCELERATORS} (got {group.accelerators_per_engine})")
         if group.role in names.ROLE_NAMES:
-            section = config_section(group.role)
+            section = config_section(group.role, engine_config)
             if not isinstance(engine_config.get(section), dict):
                 problems.append(
                     f"engine_config.{section}: required by {where} (role {names.role_name(group.role)}): "
@@ -144,7 +146,7 @@ def expand(deployment: controller_pb2.Deployment) -> dict[str, InstanceSpec]:
     engine_config = json_format.MessageToDict(deployment.engine_config) if deployment.HasField("engine_config") else {}
     out: dict[str, InstanceSpec] = {}
     for group in deployment.instance_groups:
-        section = engine_config.get(config_section(group.role))
+        section = engine_config.get(config_section(group.role, engine_config))
         digest = hashlib.sha256(
             json.dumps(
                 [deployment.model, group.role, group.data_parallel_size, group.accelerators_per_engine,

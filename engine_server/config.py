@@ -22,12 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from motor import config as motor_config
 from motor.errors import ConfigError
+from motor.user_config import SECTION_BY_ROLE
+from motor.user_config import section_name_for as _section_name_for
 
-SECTION_BY_ROLE = {
-    "prefill": "motor_engine_prefill_config",
-    "decode": "motor_engine_decode_config",
-    "union": "motor_engine_union_config",
-}
 ENGINE_TYPES = ("vllm", "sglang", "sim")
 
 
@@ -113,10 +110,7 @@ def _check_tls_files(tls: MgmtTlsConfig, field: str) -> None:
 
 def section_name_for(role: str, config: UserConfig) -> str:
     """The section a role uses: its own; the union role falls back to the prefill section."""
-    name = SECTION_BY_ROLE[role]
-    if getattr(config, name) is None and role == "union" and config.motor_engine_prefill_config is not None:
-        return SECTION_BY_ROLE["prefill"]
-    return name
+    return _section_name_for(role, [name for name in SECTION_BY_ROLE.values() if getattr(config, name) is not None])
 
 
 def load_section(path: str, role: str) -> tuple[str, EngineSection]:

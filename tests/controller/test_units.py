@@ -128,6 +128,15 @@ def test_missing_engine_config_section_is_named():
         validate_deployment(deployment)
 
 
+def test_union_group_falls_back_to_the_prefill_section_like_the_engine_server():
+    deployment = small_deployment([{"name": "u", "role": "union"}])
+    del deployment.engine_config.fields["motor_engine_union_config"]
+    validate_deployment(deployment)  # accepted: union engines read motor_engine_prefill_config
+    del deployment.engine_config.fields["motor_engine_prefill_config"]
+    with pytest.raises(InvalidArgument, match=r"engine_config.motor_engine_union_config: required by instance_groups\[0\]"):
+        validate_deployment(deployment)
+
+
 def test_defaults_and_expansion():
     d = validate_deployment(small_deployment([
         {"name": "p", "role": "prefill", "count": 2, "pair_with": "d", "data_parallel_size": 2},
