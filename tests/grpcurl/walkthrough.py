@@ -1,6 +1,7 @@
-"""The grpcurl walkthrough in docs/clients.md, read as the tests run it.
+"""The grpcurl walkthroughs in README.md (the short tour) and docs/clients.md (every RPC), read as
+the tests run them.
 
-The document is the one place the commands live: every ```console block between a
+Each document is the one place the commands live: every ```console block between a
 `<!-- walkthrough: NAME -->` marker and the next marker is a step of section NAME (engine, node,
 controller). In a block, a line starting with "$ " is a command (a trailing backslash continues
 it, and a here-document `<<EOF` takes the lines up to EOF); the lines after it, up to the next command, are an excerpt of its output: each of them must
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from tests.support import REPO_ROOT
 
 DOC = os.path.join(REPO_ROOT, "docs", "clients.md")
+DOCS = (os.path.join(REPO_ROOT, "README.md"), DOC)
 SECTIONS = {"engine": "ENGINE", "node": "NODE", "controller": "CONTROLLER"}
 _MARKER = re.compile(r"<!--\s*walkthrough:\s*(\w+)\s*-->")
 
@@ -31,6 +33,7 @@ class Step:
     line: int  # line of the command in docs/clients.md
     command: str
     expected: list[str]
+    doc: str = "docs/clients.md"  # the document, relative to the repository root
 
     @property
     def expects_error(self) -> bool:
@@ -40,10 +43,17 @@ class Step:
     def id(self) -> str:
         words = re.sub(r"[^\w./-]+", " ", self.command.replace("$", "")).split()
         method = next((w.rsplit("/", 1)[-1] for w in words if "/" in w and w.count(".") >= 2), None)
-        return f"{self.section}-L{self.line}-{method or (words[3] if len(words) > 3 else words[-1])}"
+        prefix = "" if self.doc == "docs/clients.md" else "readme-"
+        return f"{prefix}{self.section}-L{self.line}-{method or (words[3] if len(words) > 3 else words[-1])}"
 
 
-def load_steps(path: str = DOC) -> list[Step]:
+def load_steps(paths: tuple[str, ...] = DOCS) -> list[Step]:
+    """The steps of every document in `paths`, in order."""
+    return [step for path in paths for step in _load_document(path)]
+
+
+def _load_document(path: str) -> list[Step]:
+    doc = os.path.relpath(path, REPO_ROOT)
     steps: list[Step] = []
     section: str | None = None
     in_console = False
@@ -84,7 +94,7 @@ def load_steps(path: str = DOC) -> list[Step]:
                     index += 1
                     if lines[index - 1] == heredoc.group(1):
                         break
-            current = Step(section, number, command, [])
+            current = Step(section, number, command, [], doc)
             steps.append(current)
         elif current is not None and line.strip() not in ("", "..."):
             current.expected.append(line.rstrip())
@@ -107,7 +117,7 @@ def run_step(step: Step, addresses: dict[str, str], timeout: float = 60) -> str:
         capture_output=True, text=True, timeout=timeout,
     )
     output = result.stdout + result.stderr
-    where = f"docs/clients.md:{step.line}: $ {step.command}\n(exit {result.returncode})\n{output}"
+    where = f"{step.doc}:{step.line}: $ {step.command}\n(exit {result.returncode})\n{output}"
     if step.expects_error:
         assert result.returncode != 0, f"expected the command to fail:\n{where}"
     else:
