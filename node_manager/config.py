@@ -20,7 +20,7 @@ _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 def _host_port(value: str, field: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"must be HOST:PORT with a port in 0-65535 (e.g. 0.0.0.0:50052)")
+        raise ValueError("must be HOST:PORT with a port in 0-65535 (e.g. 0.0.0.0:50052)")
     return host.strip("[]"), int(port)
 
 
@@ -80,7 +80,7 @@ class NodeManagerConfig(BaseModel):
         if isinstance(value, str):
             items = [v.strip() for v in value.split(",") if v.strip()]
             if not all(v.isdigit() for v in items):
-                raise ValueError(f"must be a comma-separated list of accelerator numbers (e.g. 0,1,2,3)")
+                raise ValueError("must be a comma-separated list of accelerator numbers (e.g. 0,1,2,3)")
             return [int(v) for v in items]
         if isinstance(value, int):
             return [value]
@@ -100,7 +100,7 @@ class NodeManagerConfig(BaseModel):
     def _check_port_range(cls, value: str) -> str:
         match = re.match(r"^\s*(\d+)\s*-\s*(\d+)\s*$", value)
         if not match or not 0 < int(match[1]) <= int(match[2]) <= 65535:
-            raise ValueError(f"must be START-END within 1-65535 with START <= END (e.g. 20000-29999)")
+            raise ValueError("must be START-END within 1-65535 with START <= END (e.g. 20000-29999)")
         return value
 
     @field_validator("engine_command")

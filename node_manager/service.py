@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import grpc
 
 from motor.errors import InvalidArgument
 from motor.v1 import node_manager_pb2, node_manager_pb2_grpc

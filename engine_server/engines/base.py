@@ -12,6 +12,11 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
+
+from motor.config import describe_validation_error
+from motor.errors import ConfigError
+
 # Probes carry `X-Request-Id: {timestamp}_virtual`; engines rewrite ids (vLLM: `cmpl-<id>-<index>`),
 # so match the suffix with an optional prompt index.
 VIRTUAL_REQUEST_ID_PATTERN = r"_virtual(-\d+)?$"
@@ -62,6 +67,8 @@ class EngineBackend(abc.ABC):
     engine_type: str = "unknown"
     # Whether Sleep/WakeUp are supported (vLLM sleep mode, the simulated engine).
     can_sleep: bool = False
+    # A pydantic model of the engine's `engine_args`, checked by the default check_args.
+    args_model: type[BaseModel] | None = None
 
     def __init__(self, options: EngineOptions):
         self.options = options
@@ -73,8 +80,14 @@ class EngineBackend(abc.ABC):
         `field` is the path of engine_args in the user_config (e.g.
         "motor_engine_prefill_config.engine_args"); raise motor.errors.ConfigError with a message
         that starts with the full path of the bad value (the engine server exits with code 2).
-        Return the (possibly normalised) arguments. The default accepts anything."""
-        return engine_args
+        Return the (possibly normalised) arguments. The default validates `args_model` when the
+        engine has one, and accepts anything otherwise."""
+        if cls.args_model is None:
+            return engine_args
+        try:
+            return cls.args_model.model_validate(engine_args).model_dump(exclude_unset=True)
+        except ValidationError as exc:
+            raise ConfigError(describe_validation_error(exc, field)) from None
 
     @abc.abstractmethod
     async def start(self) -> None:

@@ -23,12 +23,9 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from motor.config import describe_validation_error
-from motor.errors import ConfigError
 
 from engine_server.engines.base import EngineBackend, EngineOptions
 
@@ -95,13 +92,8 @@ def describe_exit(returncode: int) -> str:
 class SglangEngine(EngineBackend):
     engine_type = "sglang"
     can_sleep = False
+    args_model = SglangArgs
 
-    @classmethod
-    def check_args(cls, engine_args: dict[str, Any], field: str) -> dict[str, Any]:
-        try:
-            return SglangArgs.model_validate(engine_args).model_dump(exclude_unset=True)
-        except ValidationError as exc:
-            raise ConfigError(describe_validation_error(exc, field)) from None
 
     def __init__(self, options: EngineOptions):
         super().__init__(options)

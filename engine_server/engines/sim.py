@@ -35,7 +35,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_late
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from motor.config import describe_validation_error
-from motor.errors import ConfigError
 
 from engine_server import metrics as server_metrics
 from engine_server.engines.base import (
@@ -116,13 +115,8 @@ class _SimSampler(UtilizationSampler):
 class SimEngine(EngineBackend):
     engine_type = "sim"
     can_sleep = True
+    args_model = SimArgs
 
-    @classmethod
-    def check_args(cls, engine_args: dict[str, Any], field: str) -> dict[str, Any]:
-        try:
-            return SimArgs.model_validate(engine_args).model_dump(exclude_unset=True)
-        except ValidationError as exc:
-            raise ConfigError(describe_validation_error(exc, field)) from None
 
     def __init__(self, options: EngineOptions):
         super().__init__(options)

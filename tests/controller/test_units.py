@@ -12,7 +12,7 @@ from motor.errors import InvalidArgument
 from motor.v1 import controller_pb2 as C
 
 from controller.instances import (
-    DEGRADED, FAILED, PENDING, READY, RESTARTING, STARTING,
+    DEGRADED, FAILED, READY, RESTARTING, STARTING,
     IllegalTransition, InstanceRecord, Policy, on_failure, transition,
 )
 from controller.placement import NodeCapacity, Unplaceable, place_instance

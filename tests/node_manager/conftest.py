@@ -6,14 +6,12 @@ managers' engine records), whatever the test did.
 
 from __future__ import annotations
 
-import asyncio
 import glob
 import itertools
 import json
 import os
 import sys
 
-import grpc
 import pytest
 
 from motor import processes
@@ -22,7 +20,7 @@ from motor.grpc_server import MotorServer, aio_channel, service_name
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from node_manager.config import NodeManagerConfig
 from node_manager.server import NodeManagerServer
-from tests.support import REPO_ROOT, async_wait_for, require
+from tests.support import async_wait_for, require
 
 ENGINE_SERVER = os.path.join(os.path.dirname(sys.executable), "engine_server")
 # Each node manager of the run gets its own slice of ports for its engines.

@@ -14,7 +14,6 @@ import grpc
 import psutil
 import pytest
 
-from motor import processes
 from motor.v1 import node_manager_pb2, types_pb2
 from tests.node_manager.conftest import alive, sim_config, spec
 from tests.support import async_wait_for

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 
-import grpc
 import pytest
 
 from motor import processes
