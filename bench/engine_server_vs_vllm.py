@@ -33,16 +33,9 @@ sys.path.insert(0, REPO_ROOT)
 import aiohttp  # noqa: E402
 
 from motor.ports import free_port  # noqa: E402
-from tests.support.tiny_model import ensure_tiny_model  # noqa: E402
+from tests.support.tiny_model import LEAN_CPU_ARGS, ensure_tiny_model  # noqa: E402
 
 VENV_BIN = os.path.join(REPO_ROOT, ".venv", "bin")
-LEAN_CPU_ARGS = {
-    "max_model_len": 256,
-    "dtype": "float32",
-    "enforce_eager": True,
-    "kv_cache_memory_bytes": 64 * 1024 * 1024,
-    "distributed_executor_backend": "uni",
-}
 
 
 def vllm_flags(args: dict) -> list[str]:

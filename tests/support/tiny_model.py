@@ -29,6 +29,17 @@ _CORPUS_LINES = [
 ]
 
 
+# vLLM settings that serve the tiny model lean on a CPU (see docs/vllm.md): eager mode, a
+# small context and KV cache, one process. Shared by the vLLM tests and the benchmark.
+LEAN_CPU_ARGS = {
+    "max_model_len": 256,
+    "dtype": "float32",
+    "enforce_eager": True,
+    "kv_cache_memory_bytes": 64 * 1024 * 1024,
+    "distributed_executor_backend": "uni",
+}
+
+
 def _corpus() -> list[str]:
     lines = []
     for i in range(40):

@@ -25,17 +25,9 @@ import pytest
 from motor.ports import free_port
 from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 from tests.support import REPO_ROOT, require, wait_for
-from tests.support.tiny_model import ensure_tiny_model
+from tests.support.tiny_model import LEAN_CPU_ARGS, ensure_tiny_model
 
 ENGINE_SERVER = os.path.join(REPO_ROOT, ".venv", "bin", "engine_server")
-# vLLM's lean CPU settings (see docs/vllm.md): eager mode, small context and KV cache.
-LEAN_CPU_ARGS = {
-    "max_model_len": 256,
-    "dtype": "float32",
-    "enforce_eager": True,
-    "kv_cache_memory_bytes": 64 * 1024 * 1024,
-    "distributed_executor_backend": "uni",
-}
 # A generous bound on vLLM's start-up (20 s measured alone; slower while other tests run).
 START_TIMEOUT = 240.0
 
