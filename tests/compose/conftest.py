@@ -70,11 +70,14 @@ def stack(compose: list[str], motor_image: str):
     _remove_leftover_projects()
     stack = ComposeStack(compose, f"{PROJECT_PREFIX}{os.getpid()}", motor_image, BASE_IMAGE, controller_port=free_port())
     started = time.monotonic()
+    rules: list[list[str]] = []
     try:
         stack.compose_run("up", "-d", "--no-build", timeout=300)
         TIMINGS["compose up -d (containers started)"] = time.monotonic() - started
+        rules = stack.isolate_networks()
         yield stack
     finally:
+        stack.remove_rules(rules)
         # Idempotent: the last test takes the stack down itself and checks what is left.
         stack.compose_run("down", "--volumes", "--remove-orphans", "--timeout", "20", timeout=300, check=False)
 

@@ -117,6 +117,28 @@ class ComposeStack:
     def network(self, name: str) -> str:
         return f"{self.project}_{name}"
 
+    def isolate_networks(self) -> list[list[str]]:
+        """Drop forwarding between the project's control and data bridges, as dockerd itself does
+        (its DOCKER-ISOLATION chains) when it manages iptables. dockerd here runs with
+        --iptables=false: without these rules a node cut off `control` still reaches the
+        controller, routed by the host from the `data` bridge (docker then gives the container a
+        default route through `data`). Returns the rules, for remove_rules()."""
+        if run(["iptables", "-S", "DOCKER-ISOLATION-STAGE-1"], check=False).returncode == 0:
+            return []  # dockerd isolates its networks already
+        bridges = [
+            "br-" + run(["docker", "network", "inspect", "-f", "{{.Id}}", self.network(name)]).stdout.strip()[:12]
+            for name in ("control", "data")
+        ]
+        rules = [["FORWARD", "-i", a, "-o", b, "-j", "DROP"] for a, b in (bridges, bridges[::-1])]
+        for rule in rules:
+            run(["iptables", "-I", *rule])
+        return rules
+
+    @staticmethod
+    def remove_rules(rules: list[list[str]]) -> None:
+        for rule in rules:
+            run(["iptables", "-D", *rule], check=False)
+
     def labelled(self, kind: str) -> list[str]:
         """Ids of this project's containers (kind 'ps -a') or networks (kind 'network ls')."""
         argv = ["docker", *kind.split(), "-q", "--filter", f"label=com.docker.compose.project={self.project}"]
