@@ -106,6 +106,7 @@ def test_motorctl_up_runs_until_ctrl_c_and_leaves_nothing(tmp_path):
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     output: list[str] = []
+    descendants: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -129,5 +130,12 @@ def test_motorctl_up_runs_until_ctrl_c_and_leaves_nothing(tmp_path):
         assert not alive, f"left behind: {[p.cmdline() for p in alive]}"
         assert "no process left behind" in rest
     finally:
+        # On a failure, leave nothing behind: the cluster's processes run in sessions of their own.
         if process.poll() is None:
+            descendants += psutil.Process(process.pid).children(recursive=True)
             os.killpg(process.pid, signal.SIGKILL)
+        for child in descendants:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
