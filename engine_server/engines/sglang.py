@@ -94,7 +94,6 @@ class SglangEngine(EngineBackend):
     can_sleep = False
     args_model = SglangArgs
 
-
     def __init__(self, options: EngineOptions):
         super().__init__(options)
         self.args = SglangArgs.model_validate(options.engine_args)

@@ -117,7 +117,6 @@ class SimEngine(EngineBackend):
     can_sleep = True
     args_model = SimArgs
 
-
     def __init__(self, options: EngineOptions):
         super().__init__(options)
         self.args = SimArgs.model_validate(options.engine_args)

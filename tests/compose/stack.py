@@ -11,13 +11,12 @@ import logging
 import os
 import shutil
 import subprocess
-import time
 from dataclasses import dataclass, field
 
 import grpc
 
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, wait_for
 
 logger = logging.getLogger(__name__)
 
@@ -212,21 +211,12 @@ def describe(nodes: list[controller_pb2.Node], instances: list[controller_pb2.In
 
 def wait(predicate, timeout: float, what: str, stack: ComposeStack | None = None, interval: float = 0.5):
     """Poll until predicate() is truthy; on timeout fail with the cluster's state and logs."""
-    deadline = time.monotonic() + timeout
-    last_error: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except (grpc.RpcError, AssertionError, subprocess.SubprocessError) as exc:
-            last_error = exc
-        time.sleep(interval)
-    detail = f"\nlast error: {last_error!r}" if last_error else ""
-    if stack is not None:
-        try:
-            detail += "\n" + describe(*stack.snapshot())
-        except grpc.RpcError as exc:
-            detail += f"\ncontroller not answering: {exc.code().name}"
-        detail += "\n--- compose logs ---\n" + stack.logs()
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}{detail}")
+    return wait_for(predicate, timeout, interval, what, detail=(lambda: stack_state(stack)) if stack else None)
+
+
+def stack_state(stack: ComposeStack) -> str:
+    try:
+        state = describe(*stack.snapshot())
+    except grpc.RpcError as exc:
+        state = f"controller not answering: {exc.code().name}"
+    return state + "\n--- compose logs ---\n" + stack.logs()

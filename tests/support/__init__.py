@@ -25,8 +25,15 @@ def require(available: bool, what: str) -> None:
     pytest.skip(f"{what} is missing")
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.05, what: str = "") -> Any:
-    """Poll `predicate` until it returns a truthy value; fail after `timeout` seconds."""
+def wait_for(
+    predicate: Callable[[], Any],
+    timeout: float = 10.0,
+    interval: float = 0.05,
+    what: str = "",
+    detail: Callable[[], str] | None = None,
+) -> Any:
+    """Poll `predicate` until it returns a truthy value; fail after `timeout` seconds, with what
+    `detail()` says about the system (state, logs) appended to the message."""
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
     while time.monotonic() < deadline:
@@ -37,7 +44,8 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: floa
         except Exception as exc:  # the condition may not be checkable yet
             last_error = exc
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}" + (f" (last error: {last_error!r})" if last_error else ""))
+    message = f"timed out after {timeout}s waiting for {what or predicate}" + (f" (last error: {last_error!r})" if last_error else "")
+    raise AssertionError(message + ("\n" + detail() if detail else ""))
 
 
 async def async_wait_for(
