@@ -79,6 +79,7 @@ class EngineRecord:
     health_reason: str = "engine server has not answered yet"
     consecutive_abnormal: int = 0
     ever_answered: bool = False
+    stream_heard_at: float = 0.0  # time.monotonic() of the last message on the probe stream
     last_probe: types_pb2.ProbeResult | None = None
     recent_probes: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_PROBES))
     remembered: list[tuple[int, float]] = field(default_factory=list)  # descendants seen alive

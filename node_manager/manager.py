@@ -468,7 +468,9 @@ class NodeManager:
                 status, error = None, ""
                 began = time.monotonic()
                 try:
-                    reply = await stub.GetStatus(engine_pb2.GetStatusRequest(), timeout=timeout)
+                    # wait_for_ready: within the deadline, wait for the engine's port instead of
+                    # failing at once on the channel's reconnect backoff from when it was starting.
+                    reply = await stub.GetStatus(engine_pb2.GetStatusRequest(), timeout=timeout, wait_for_ready=True)
                     status = reply.status
                     self.metrics.status_latency.labels(self.node_id).observe(time.monotonic() - began)
                 except grpc.aio.AioRpcError as exc:
@@ -476,31 +478,41 @@ class NodeManager:
                              else f"GetStatus failed: {exc.code().name}: {exc.details()}")
                 if record.busy or not record.active:
                     return
-                # An answer on the probe stream counts as the engine having answered too.
-                judge.ever_answered |= record.ever_answered or record.state == RUNNING
-                verdict = judge.judge(status, error, time.time() - record.started_at)
-                self._remember_descendants(record)
-                changed = (record.health, record.health_reason, record.consecutive_abnormal) != (
-                    verdict.health, verdict.reason, judge.consecutive)
-                record.health, record.health_reason = verdict.health, verdict.reason
-                record.consecutive_abnormal = judge.consecutive
-                record.ever_answered = judge.ever_answered
-                if verdict.counted:
-                    logger.warning("engine %s: abnormal heartbeat %d/%d: %s", record.engine_id,
-                                   judge.consecutive, judge.threshold, verdict.reason)
-                if verdict.kill:
-                    self._publish(record)
-                    await self._kill_abnormal(record, judge.kill_reason())
+                # A failed call that began before the engine answered on its probe stream (it was
+                # still binding its port) is older news than that answer: it is not judged.
+                stale = status is None and record.stream_heard_at > began
+                if not stale and await self._judge_heartbeat(record, judge, status, error):
                     return
-                if record.state == STARTING and verdict.health == types_pb2.HEALTH_STATUS_NORMAL:
-                    record.transition(RUNNING, "engine server reported NORMAL", self._changed)
-                elif changed:
-                    self._publish(record)
                 next_tick += interval
                 await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
                 next_tick = max(next_tick, time.monotonic() - interval)
         finally:
             await channel.close()
+
+    async def _judge_heartbeat(self, record: EngineRecord, judge: HealthJudge,
+                               status: types_pb2.EngineStatus | None, error: str) -> bool:
+        """Judge one GetStatus answer (or its absence); True when the engine was killed for it."""
+        # An answer on the probe stream counts as the engine having answered too.
+        judge.ever_answered |= record.ever_answered or record.state == RUNNING
+        verdict = judge.judge(status, error, time.time() - record.started_at)
+        self._remember_descendants(record)
+        changed = (record.health, record.health_reason, record.consecutive_abnormal) != (
+            verdict.health, verdict.reason, judge.consecutive)
+        record.health, record.health_reason = verdict.health, verdict.reason
+        record.consecutive_abnormal = judge.consecutive
+        record.ever_answered = judge.ever_answered
+        if verdict.counted:
+            logger.warning("engine %s: abnormal heartbeat %d/%d: %s", record.engine_id,
+                           judge.consecutive, judge.threshold, verdict.reason)
+        if verdict.kill:
+            self._publish(record)
+            await self._kill_abnormal(record, judge.kill_reason())
+            return True
+        if record.state == STARTING and verdict.health == types_pb2.HEALTH_STATUS_NORMAL:
+            record.transition(RUNNING, "engine server reported NORMAL", self._changed)
+        elif changed:
+            self._publish(record)
+        return False
 
     def _remember_descendants(self, record: EngineRecord) -> None:
         """Children re-parented to init after their parent died can still be found and killed."""
@@ -527,6 +539,7 @@ class NodeManager:
                         if record.busy or not record.active:
                             return
                         record.ever_answered = True
+                        record.stream_heard_at = time.monotonic()
                         if message.HasField("probe"):
                             record.add_probe(message.probe)
                         if record.state == STARTING and message.status.status == types_pb2.HEALTH_STATUS_NORMAL:
