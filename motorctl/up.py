@@ -176,10 +176,7 @@ class LocalCluster:
             if all(p.process.poll() is not None for p in node_managers if p.name == node_id):
                 continue
             try:
-                with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-                    stub = node_manager_pb2_grpc.NodeManagerServiceStub(channel)
-                    for engine in stub.ListEngines(node_manager_pb2.ListEnginesRequest(), timeout=5).engines:
-                        stub.StopEngine(node_manager_pb2.StopEngineRequest(engine_id=engine.engine_id), timeout=timeout)
+                stop_node_engines(f"127.0.0.1:{port}", timeout)
             except grpc.RpcError as exc:
                 problems.append(f"{node_id}: could not stop its engines ({exc.code().name})")
         problems += self._terminate(node_managers, timeout)
@@ -206,6 +203,14 @@ class LocalCluster:
                 os.killpg(managed.process.pid, signal.SIGKILL)
                 managed.process.wait()
         return problems
+
+
+def stop_node_engines(address: str, timeout: float = 30.0) -> None:
+    """Stop every engine of the node manager at `address` (engines outlive their node manager)."""
+    with grpc.insecure_channel(address) as channel:
+        stub = node_manager_pb2_grpc.NodeManagerServiceStub(channel)
+        for engine in stub.ListEngines(node_manager_pb2.ListEnginesRequest(), timeout=5).engines:
+            stub.StopEngine(node_manager_pb2.StopEngineRequest(engine_id=engine.engine_id), timeout=timeout)
 
 
 def show_status(address: str) -> str:

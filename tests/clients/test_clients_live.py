@@ -18,7 +18,6 @@ import pytest
 
 from motor.ports import free_port
 from motorctl.up import LocalCluster
-from tests.grpcurl.services import stop_cluster
 from tests.support import REPO_ROOT, require, wait_for
 
 GO_DIR = os.path.join(REPO_ROOT, "examples", "go-client")
@@ -84,7 +83,7 @@ def client(request, tmp_path_factory):
         cluster.start(timeout=90)
         yield Client(argv, cluster.controller_address)
     finally:
-        problems = stop_cluster(cluster)
+        problems = cluster.stop()
         assert not problems, problems
 
 

@@ -81,16 +81,6 @@ def start_engine_server(log_dir: str, config_path: str = "examples/user_config.j
     return service, address
 
 
-def stop_node_engines(address: str) -> None:
-    """Stop every engine of a node manager: engines outlive their node manager by design."""
-    from motor.v1 import node_manager_pb2, node_manager_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        stub = node_manager_pb2_grpc.NodeManagerServiceStub(channel)
-        for engine in stub.ListEngines(node_manager_pb2.ListEnginesRequest(), timeout=10).engines:
-            stub.StopEngine(node_manager_pb2.StopEngineRequest(engine_id=engine.engine_id), timeout=60)
-
-
 def start_node_manager(log_dir: str, node_id: str = "node-a", controller: str | None = None,
                        port_range: str = "30000-30999") -> tuple[Service, str]:
     """A node manager on a free port, standalone unless `controller` is given."""
@@ -109,21 +99,3 @@ def start_node_manager(log_dir: str, node_id: str = "node-a", controller: str | 
         service.stop()
         raise
     return service, address
-
-
-def stop_cluster(cluster) -> list[str]:
-    """Stop a motorctl.up.LocalCluster, controller first.
-
-    LocalCluster.stop stops the engines through their node managers while the controller still
-    runs, and the controller restarts engines stopped under a live deployment: those can be
-    left behind (stop then kills them and reports them). With the controller gone first,
-    nothing restarts them."""
-    controller = next((p.process for p in cluster.processes if p.name == "controller"), None)
-    if controller is not None and controller.poll() is None:
-        os.killpg(controller.pid, signal.SIGTERM)
-        try:
-            controller.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(controller.pid, signal.SIGKILL)
-            controller.wait()
-    return cluster.stop()

@@ -11,7 +11,6 @@ import pytest
 from motor.ports import free_port
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl.up import LocalCluster
-from tests.grpcurl.services import stop_cluster
 from tests.grpcurl.walkthrough import load_steps, run_step
 from tests.support import REPO_ROOT, wait_for
 
@@ -42,7 +41,7 @@ def controller(tmp_path_factory):
             wait_for(lambda: _all_normal(stub), timeout=120, interval=0.5, what="the example deployment NORMAL")
         yield {"controller": cluster.controller_address}
     finally:
-        problems = stop_cluster(cluster)
+        problems = cluster.stop()
         assert not problems, problems
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.grpcurl.services import start_node_manager, stop_node_engines
+from motorctl.up import stop_node_engines
+from tests.grpcurl.services import start_node_manager
 from tests.grpcurl.walkthrough import load_steps, run_step
 
 STEPS = [step for step in load_steps() if step.section == "node"]
