@@ -8,6 +8,7 @@ import aiohttp
 import pytest
 
 from engine_server.engines.base import EngineOptions
+from engine_server.engines import sim as sim_module
 from engine_server.engines.sim import SimEngine
 from motor.ports import free_port
 
@@ -98,16 +99,21 @@ async def test_crash_fault_makes_wait_dead_return(sim):
     assert await engine.wait_dead() == "sim fault: crash"
 
 
-async def test_in_flight_requests_exclude_probes(sim):
-    import asyncio
-
+async def test_in_flight_requests_exclude_probes(sim, monkeypatch):
+    """Each request records the in-flight count while it is being answered: a probe alone must see
+    0, a real request alone 1 (so counting the probe instead of the request fails too)."""
     engine, session = sim
-    await post(session, "/sim/faults", {"latency_ms": 300})
-    real = asyncio.ensure_future(post(session, "/v1/completions", {"prompt": "x"}))
-    probe = asyncio.ensure_future(
-        post(session, "/v1/completions", {"prompt": "1", "max_tokens": 1}, headers={"X-Request-Id": "1_virtual"})
-    )
-    await asyncio.sleep(0.15)
-    assert engine.in_flight_requests() == 1
-    await asyncio.gather(real, probe)
+    seen: dict[str, int] = {}
+    answer = sim_module.deterministic_text
+
+    def recording_text(prompt, tokens):
+        seen[prompt] = engine.in_flight_requests()
+        return answer(prompt, tokens)
+
+    monkeypatch.setattr(sim_module, "deterministic_text", recording_text)
+    status, _ = await post(session, "/v1/completions", {"prompt": "probe", "max_tokens": 1},
+                           headers={"X-Request-Id": "1_virtual"})  # fmt: skip
+    assert status == 200 and seen == {"probe": 0}
+    status, _ = await post(session, "/v1/completions", {"prompt": "real", "max_tokens": 1})
+    assert status == 200 and seen == {"probe": 0, "real": 1}
     assert engine.in_flight_requests() == 0
