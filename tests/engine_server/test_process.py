@@ -40,6 +40,11 @@ def until(stream, predicate, limit: int = 200):
     raise AssertionError(f"no matching message among {len(seen)}: {seen[-3:]}")
 
 
+def first_probe_sent_after(stream, moment: float):
+    """The first probe sent (and so sampled) after `moment` (epoch seconds)."""
+    return until(stream, lambda m: m.HasField("probe") and m.probe.time.ToNanoseconds() / 1e9 > moment)[-1].probe
+
+
 def probe_count(process, outcome: str = "success") -> float:
     return process.metrics().get(f'motor_engine_server_probes_total{{outcome="{outcome}"}}', 0.0)
 
@@ -59,7 +64,6 @@ def test_init_then_normal_then_probes_at_the_configured_interval(engine_server):
     first = next(stream)
     assert first.status.status == NORMAL and not first.HasField("probe")
     seen = probes(stream, 4)
-    stream.cancel()
     assert all(m.probe.outcome == SUCCESS for m in seen)
     assert all(seconds(m.probe.next_interval) == pytest.approx(0.3) for m in seen)
     assert all(m.probe.utilization_peak == 1 for m in seen)
@@ -67,6 +71,16 @@ def test_init_then_normal_then_probes_at_the_configured_interval(engine_server):
     gaps = [b - a for a, b in zip(sent, sent[1:])]
     # 0.3 s apart, start to start; the upper bound only catches a stalled prober.
     assert all(0.25 <= gap < 3.0 for gap in gaps), gaps
+
+    # The interval follows the utilization peak: busy -> the busy interval, idle again -> back to 0.3 s.
+    es.set_faults(utilization=90)
+    busy = first_probe_sent_after(stream, time.time())
+    assert busy.utilization_peak == 90 and seconds(busy.next_interval) == pytest.approx(1.5)
+    es.set_faults(utilization=1)
+    idle = first_probe_sent_after(stream, time.time())
+    stream.cancel()
+    assert idle.outcome == SUCCESS and idle.utilization_peak == 1
+    assert seconds(idle.next_interval) == pytest.approx(0.3)
 
 
 def test_fail_inference_turns_abnormal_after_max_failure_count_and_a_success_resets(engine_server):
@@ -175,10 +189,13 @@ def test_sigterm_gives_up_waiting_at_the_drain_timeout(engine_server):
 
 
 def test_drain_rpc_stops_probing_and_waits_without_exiting(engine_server):
-    es = engine_server(sim_config(engine_args={"latency_ms": 1500, "utilization": 1}, drain_timeout=20))
+    # The engine answers in 1.5 s; the probe timeout is longer, so probes succeed and the status stays
+    # NORMAL however long the steps below take (only draining may change, not health).
+    es = engine_server(
+        sim_config(engine_args={"latency_ms": 1500, "utilization": 1}, health={"probe_timeout": 10}, drain_timeout=20)
+    )
     es.wait_status(NORMAL)
-    # (these probes time out: the engine answers in 1.5 s; they are counted all the same)
-    wait_for(lambda: all_probes(es) >= 2, timeout=10, what="some probes")
+    wait_for(lambda: probe_count(es, "success") >= 1, timeout=20, what="a successful probe")
     threading.Thread(target=lambda: es.http("POST", "/v1/completions", {"prompt": "slow"}), daemon=True).start()
     wait_for(lambda: es.status().in_flight_requests == 1, timeout=10, what="the slow request in flight")
 
