@@ -16,6 +16,7 @@ from engine_server.engines.base import EngineOptions
 from engine_server.engines.sglang import SglangArgs, SglangEngine, sglang_command
 from motor.errors import ConfigError
 from motor.v1 import types_pb2
+from tests.engine_server.fake_sglang import sglang_parser
 from tests.support import wait_for
 
 FAKE = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_sglang.py")]
@@ -46,6 +47,30 @@ def test_argument_mapping_prefill_single_container():
         "--disaggregation-bootstrap-port", "9100", "--dist-init-addr", "10.0.0.1:9200", "--enable-metrics",
         "--log-level", "warning",
     ]  # fmt: skip
+
+
+def test_every_mapped_flag_is_one_sglang_knows():
+    """Each flag of the fullest mapping parses with SGLang's flag names and types (the stand-in's
+    strict parser), to the values given."""
+    args = SglangArgs(model_path="/models/qwen", served_model_name="qwen", tp_size=2, mem_fraction_static=0.8,
+                      context_length=4096, trust_remote_code=True, transfer_backend="nixl", launcher=["x"])
+    parsed = sglang_parser().parse_args(sglang_command(args, options(kv_port=9100, dp_rpc_port=9200))[1:])
+    assert vars(parsed) == {
+        "model_path": "/models/qwen", "host": "10.0.0.5", "port": 8000, "served_model_name": "qwen", "tp_size": 2,
+        "mem_fraction_static": 0.8, "context_length": 4096, "trust_remote_code": True,
+        "disaggregation_mode": "prefill", "disaggregation_transfer_backend": "nixl",
+        "disaggregation_bootstrap_port": 9100, "dist_init_addr": "10.0.0.1:9200", "enable_metrics": True,
+        "log_level": None,
+    }  # fmt: skip
+    decode = sglang_parser().parse_args(sglang_command(SglangArgs(model_path="m"), options("decode"))[3:])
+    assert decode.disaggregation_mode == "decode" and decode.enable_metrics
+
+
+@pytest.mark.parametrize("flag", ["--disagregation-mode", "--tp", "--tensor-parallel"])
+def test_the_stand_in_rejects_flags_sglang_does_not_have(flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        sglang_parser().parse_args(["--model-path", "m", "--host", "h", "--port", "1", flag, "2"])
+    assert exit_.value.code == 2 and flag in capsys.readouterr().err
 
 
 def test_argument_mapping_decode_and_union():
