@@ -70,6 +70,10 @@ class Store(abc.ABC):
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]: ...
 
+    async def flush(self) -> None:
+        """Return when every write made so far is durable. SQLite's writes already are when they
+        return; the etcd store sends its writes from a task and waits for them here."""
+
     def close(self) -> None:
         pass
 

@@ -1,0 +1,270 @@
+"""Leader election among controllers on etcd, the shape of etcd's `concurrency.Election` and
+Kubernetes' `leaderelection`.
+
+- A campaign is one transaction: if the leader key does not exist, create it bound to this
+  controller's lease and raise the epoch counter by one. The winner's epoch is larger than any
+  earlier leader's; it travels on every command to node managers, which refuse older ones.
+- The leader renews its lease every `ttl / 3` seconds. It counts itself leader only until
+  `renew_deadline` after the last renewal it *sent* that succeeded (2/3 of the TTL by default):
+  etcd keeps the lease at least TTL after that, so the leader stops acting before its lease
+  can expire and another controller can win. A leader that was paused (SIGSTOP, a long GC)
+  finds its deadline passed the moment it runs again and steps down without another call.
+- Every write the leader makes carries `fence()`: "the leader key still has my create
+  revision". After the lease expired the key is gone or belongs to a newer leader, so the
+  write is refused by etcd itself, whatever the deposed leader believes.
+- Standbys watch the leader key and campaign as soon as it is deleted (lease expiry or
+  resignation); they also re-read it every TTL in case a watch stalls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import aetcd
+
+from controller.etcd_client import UNAVAILABLE_ERRORS
+
+logger = logging.getLogger(__name__)
+
+
+class Role(enum.Enum):
+    CANDIDATE = "candidate"  # no leader known yet, or campaigning
+    STANDBY = "standby"  # another controller leads
+    LEADER = "leader"
+
+
+@dataclass(frozen=True)
+class LeaderInfo:
+    """The leader as recorded in etcd (what `motorctl controllers` and redirects show)."""
+
+    address: str  # host:port its gRPC server is reachable on
+    epoch: int
+    name: str = ""
+    lease_id: int = 0
+    create_revision: int = 0  # the fence: writes require the leader key at this revision
+
+    def encode(self) -> bytes:
+        return json.dumps({"address": self.address, "epoch": self.epoch, "name": self.name}).encode()
+
+    @classmethod
+    def decode(cls, kv: Any) -> "LeaderInfo":
+        data = json.loads(kv.value)
+        return cls(data["address"], int(data["epoch"]), data.get("name", ""), kv.lease, kv.create_revision)
+
+
+class NotLeader(Exception):
+    """This controller may not write or act: it is not (or no longer) the leader."""
+
+
+class LeaderElection:
+    """Campaigns, renews and observes leadership; `is_leader()` and `fence()` are what the rest
+    of the controller consults before acting or writing."""
+
+    def __init__(
+        self,
+        client: aetcd.Client,
+        prefix: str,
+        address: str,
+        name: str = "",
+        ttl: int = 2,
+        renew_deadline_share: float = 2 / 3,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if ttl < 1:
+            raise ValueError("the lease TTL is whole seconds, at least 1")
+        self.client = client
+        self.leader_key = f"{prefix}/election/leader".encode()
+        self.epoch_key = f"{prefix}/election/epoch".encode()
+        self.address = address
+        self.name = name or address
+        self.ttl = ttl
+        self.renew_period = ttl / 3
+        self.renew_deadline = ttl * renew_deadline_share
+        self.clock = clock
+        self.role = Role.CANDIDATE
+        self.leader: LeaderInfo | None = None  # as last seen in etcd (this controller when leading)
+        self.reason = "starting"  # why the role last changed (for events and logs)
+        self._lease: Any = None
+        self._watch_from = 0  # etcd revision after the last read of the leader key
+        self._valid_until = 0.0
+        self._listeners: list[Callable[[Role, LeaderInfo | None, str], None]] = []
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+
+    # --- what the rest of the controller asks -------------------------------------------------
+
+    def is_leader(self) -> bool:
+        """True only while this controller leads and its renewal deadline has not passed."""
+        return self.role is Role.LEADER and self.clock() < self._valid_until
+
+    @property
+    def epoch(self) -> int:
+        return self.leader.epoch if self.role is Role.LEADER and self.leader else 0
+
+    def fence(self) -> list[Any]:
+        """The compare every leader write carries (raises NotLeader when not leading)."""
+        if not self.is_leader():
+            raise NotLeader(self.not_leader_message())
+        assert self.leader is not None
+        return [self.client.transactions.create(self.leader_key) == self.leader.create_revision]
+
+    def not_leader_message(self) -> str:
+        if self.leader and self.role is not Role.LEADER:
+            return f"this controller is a standby; the leader is {self.leader.address} (epoch {self.leader.epoch})"
+        return "no controller leads at the moment (election in progress); retry shortly"
+
+    def on_change(self, listener: Callable[[Role, LeaderInfo | None, str], None]) -> None:
+        """`listener(role, leader, reason)` runs on the event loop after every change of role or leader."""
+        self._listeners.append(listener)
+
+    async def wait_for(self, predicate: Callable[["LeaderElection"], bool]) -> None:
+        while not predicate(self):
+            self._changed.clear()
+            await self._changed.wait()
+
+    def lost(self, reason: str) -> None:
+        """Step down now (a fenced write, a missed renewal); the run loop campaigns again later."""
+        if self.role is Role.LEADER:
+            logger.warning("stepping down as leader (epoch %d): %s", self.epoch, reason)
+            self._valid_until = 0.0
+            self._set(Role.CANDIDATE, None, reason)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="leader-election")
+
+    async def stop(self) -> None:
+        """Resign (revoke the lease, so a standby takes over at once) and stop."""
+        self._stopping = True
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        was_leader = self.role is Role.LEADER
+        self._valid_until = 0.0
+        if was_leader:
+            self._set(Role.CANDIDATE, None, "resigned: controller stopping")
+        await self._revoke()
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            try:
+                if await self._campaign():
+                    await self._lead()
+                else:
+                    await self._wait_for_vacancy()
+            except asyncio.CancelledError:
+                raise
+            except UNAVAILABLE_ERRORS as exc:
+                if self.role is Role.LEADER and not self.is_leader():
+                    self.lost(f"could not renew the lease: {exc}")
+                logger.info("etcd unavailable during election: %s", exc)
+                await asyncio.sleep(self.renew_period)
+            except Exception:  # keep campaigning whatever one round hit
+                logger.exception("election round failed")
+                await asyncio.sleep(self.renew_period)
+
+    async def _campaign(self) -> bool:
+        current = await self.client.get(self.leader_key)
+        if current is not None:
+            self._observe(LeaderInfo.decode(current), "leader found")
+            self._watch_from = current.header.revision + 1
+            return False
+        epoch_kv = await self.client.get(self.epoch_key)
+        epoch = int(epoch_kv.value) if epoch_kv else 0
+        sent = self.clock()  # etcd starts the lease's TTL after this instant
+        self._lease = await self.client.lease(self.ttl)
+        tx = self.client.transactions
+        mine = LeaderInfo(self.address, epoch + 1, self.name)
+        won, responses = await self.client.transaction(
+            compare=[tx.version(self.leader_key) == 0, tx.mod(self.epoch_key) == (epoch_kv.mod_revision if epoch_kv else 0)],
+            success=[
+                tx.put(self.leader_key, mine.encode(), lease=self._lease.id),
+                tx.put(self.epoch_key, str(epoch + 1).encode()),
+                tx.get(self.leader_key),
+            ],
+            failure=[],
+        )
+        if not won:  # another controller moved first: look again
+            await self._revoke()
+            self._watch_from = 0
+            return False
+        _, kv = responses[2][0]
+        self._valid_until = sent + self.renew_deadline
+        self._set(Role.LEADER, LeaderInfo.decode(kv), f"elected (epoch {epoch + 1})")
+        logger.info("leading as %s with epoch %d (lease %x, ttl %ds)", self.address, epoch + 1, self._lease.id, self.ttl)
+        return True
+
+    async def _lead(self) -> None:
+        """Renew until a renewal fails past the deadline or the lease is gone."""
+        while self.role is Role.LEADER:
+            await asyncio.sleep(self.renew_period)
+            if not self.is_leader():  # paused past the deadline (or stepped down by a fenced write)
+                self.lost("the renewal deadline passed before a renewal")
+                break
+            sent = self.clock()
+            try:
+                reply = await asyncio.wait_for(self._lease.refresh(), max(self._valid_until - sent, 0.01))
+            except (*UNAVAILABLE_ERRORS, asyncio.TimeoutError) as exc:
+                if not self.is_leader():
+                    self.lost(f"could not renew the lease in time: {exc!r}")
+                    break
+                continue  # retry at the next period, still within the deadline
+            if reply is None or reply.TTL <= 0:
+                self.lost("the lease expired in etcd")
+                break
+            if self.role is Role.LEADER:
+                self._valid_until = sent + self.renew_deadline
+        await self._revoke()  # a deposed leader's lease must not keep a stale key alive
+
+    async def _wait_for_vacancy(self) -> None:
+        """Block until the leader key is deleted (or a TTL passes: re-read it then)."""
+        if not self._watch_from:
+            return
+        watch = await self.client.watch(self.leader_key, start_revision=self._watch_from)
+        try:
+            async with asyncio.timeout(self.ttl):
+                async for event in watch:
+                    if event.kind == "DELETE":
+                        self._observe(None, "the leader's key was deleted (lease expired or resigned)")
+                        return
+                    self._observe(LeaderInfo.decode(event.kv), "a new leader was elected")
+        except TimeoutError:
+            pass
+        finally:
+            await watch.cancel()
+
+    async def _revoke(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            try:
+                await lease.revoke()
+            except Exception as exc:  # expired already, or etcd unreachable: it expires on its own
+                logger.debug("lease revoke failed: %s", exc)
+
+    # --- state changes ------------------------------------------------------------------------
+
+    def _observe(self, leader: LeaderInfo | None, reason: str) -> None:
+        role = Role.STANDBY if leader else Role.CANDIDATE
+        if self.role is Role.LEADER:
+            return
+        if leader != self.leader or role is not self.role:
+            self._set(role, leader, reason)
+
+    def _set(self, role: Role, leader: LeaderInfo | None, reason: str) -> None:
+        self.role, self.leader, self.reason = role, leader, reason
+        self._changed.set()
+        for listener in list(self._listeners):
+            try:
+                listener(role, leader, reason)
+            except Exception:
+                logger.exception("leadership listener failed")

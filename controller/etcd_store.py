@@ -1,0 +1,247 @@
+"""The controller's durable state in etcd (`--store etcd://...`), behind the same `Store` interface
+as SQLite.
+
+Layout under the prefix (default `/motor`; docs/ha.md):
+    state/deployment            {"revision": n, "deployment": base64 of motor.v1.Deployment | null}
+    state/generation            the generation counter
+    state/nodes/<node id>       {"info": base64 of motor.v1.NodeInfo, "generation", "state", "reason"}
+    state/assignments/<engine>  the assignment's JSON
+    state/instances/<instance>  the instance record's JSON
+    election/leader, election/epoch   (controller/election.py)
+
+How a write avoids blocking the event loop: the Store methods stay synchronous and only change
+an in-memory mirror and stage the write; a writer task on the loop sends staged writes in order,
+each `transaction()` block as one etcd transaction guarded by `fence()` (the leader's
+create-revision compare). `await flush()` returns once everything staged before it is
+committed; the controller awaits it before it acknowledges a change or acts on one. A guard
+that fails marks the store fenced: nothing more is written and `flush()` raises `Fenced`. When
+etcd cannot answer (no quorum), the writer retries the same batch, in order, until it can.
+
+A standby does not write: `follow()` keeps its mirror current from etcd's watch, so read RPCs
+answer from shared state, and `reload()` reads everything again when it becomes leader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import copy
+import json
+import logging
+from typing import Any, Callable, Iterator
+
+import aetcd
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
+
+from controller.etcd_client import UNAVAILABLE_ERRORS
+from controller.store import Store, StoredNode, StoredState
+
+logger = logging.getLogger(__name__)
+
+# etcd's default --max-txn-ops: a larger batch is sent as several transactions, in order.
+MAX_TXN_OPS = 128
+
+
+class Fenced(Exception):
+    """A write was refused because this controller no longer leads; nothing more is written."""
+
+
+def _b64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode()
+
+
+def _unb64(text: str | None) -> bytes | None:
+    return None if text is None else base64.b64decode(text)
+
+
+class EtcdStore(Store):
+    def __init__(self, client: aetcd.Client, prefix: str, fence: Callable[[], list[Any]] | None = None):
+        self.client = client
+        self.root = f"{prefix}/state/"
+        self.fence = fence  # None: unguarded writes (tests of the store alone)
+        self.revision = 0  # etcd revision the mirror reflects (standby) or was loaded at
+        self.fenced: str | None = None  # why writes stopped, once a guard failed
+        self._mirror = StoredState()
+        self._depth = 0
+        self._batch: dict[str, bytes | None] = {}
+        self._queue: list[tuple[int, dict[str, bytes | None]]] = []
+        self._staged = 0  # sequence number of the last staged batch
+        self._committed = 0
+        self._progress = asyncio.Condition()
+        self._writer: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+        self._listeners: list[Callable[[str], None]] = []
+
+    # --- reading ------------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Load the whole state (call before load()); starts the writer."""
+        await self.reload()
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(self._write_loop(), name="etcd-store-writer")
+
+    async def reload(self) -> None:
+        """Read everything again (a new leader: every write of the previous one is visible)."""
+        reply = await self.client.get_prefix(self.root.encode())
+        state = StoredState()
+        for kv in reply.kvs:
+            self._apply(state, kv.key.decode(), kv.value)
+        self._mirror = state
+        self.revision = reply.header.revision
+        # What etcd holds now replaces whatever a deposed leader staged and could not write.
+        self._batch, self._queue, self._committed = {}, [], self._staged
+        self.fenced = None
+
+    def load(self) -> StoredState:
+        return copy.deepcopy(self._mirror)
+
+    def on_change(self, listener: Callable[[str], None]) -> None:
+        """`listener(key)` runs after a followed change was applied to the mirror (standbys)."""
+        self._listeners.append(listener)
+
+    async def follow(self) -> None:
+        """Apply every change in etcd to the mirror, for as long as it runs (a standby)."""
+        while True:
+            try:
+                watch = await self.client.watch_prefix(self.root.encode(), start_revision=self.revision + 1)
+                try:
+                    async for event in watch:
+                        key = event.kv.key.decode()
+                        self._apply(self._mirror, key, None if event.kind == "DELETE" else event.kv.value)
+                        self.revision = max(self.revision, event.kv.mod_revision)
+                        for listener in list(self._listeners):
+                            try:
+                                listener(key)
+                            except Exception:
+                                logger.exception("state listener failed")
+                finally:
+                    await watch.cancel()
+            except aetcd.exceptions.RevisionCompactedError:
+                logger.info("watch fell behind etcd's compaction: reading the whole state again")
+                await self._reload_when_possible()
+            except (*UNAVAILABLE_ERRORS, aetcd.exceptions.ClientError) as exc:
+                logger.info("watch of the controller state broke (%s); resuming", exc)
+                await asyncio.sleep(0.5)
+
+    async def _reload_when_possible(self) -> None:
+        async for attempt in AsyncRetrying(retry=retry_if_exception_type(UNAVAILABLE_ERRORS), wait=wait_exponential(0.1, max=2)):
+            with attempt:
+                await self.reload()
+
+    def _apply(self, state: StoredState, key: str, value: bytes | None) -> None:
+        """Set one key of `state` from etcd's bytes (None: deleted)."""
+        name = key[len(self.root):]
+        section, _, item = name.partition("/")
+        data = None if value is None else json.loads(value)
+        if name == "deployment":
+            state.deployment = _unb64(data["deployment"]) if data else None
+            state.revision = data["revision"] if data else 0
+        elif name == "generation":
+            state.generation = int(data or 0)
+        elif section == "nodes":
+            state.nodes = [n for n in state.nodes if n.node_id != item]
+            if data is not None:
+                state.nodes.append(StoredNode(item, _unb64(data["info"]) or b"", data["generation"], data["state"], data["reason"]))
+                state.nodes.sort(key=lambda n: n.node_id)
+        elif section in ("assignments", "instances"):
+            table = getattr(state, section)
+            if data is None:
+                table.pop(item, None)
+            else:
+                table[item] = data
+
+    # --- writing ------------------------------------------------------------------------------
+
+    def _stage(self, name: str, data: Any) -> None:
+        key = self.root + name
+        value = None if data is None else json.dumps(data, sort_keys=True).encode()
+        self._apply(self._mirror, key, value)
+        with self.transaction():
+            self._batch[key] = value
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+        if self._depth == 0 and self._batch:
+            batch, self._batch = self._batch, {}
+            self._staged += 1
+            self._queue.append((self._staged, batch))
+            self._wake.set()
+
+    def save_deployment(self, deployment: bytes | None, revision: int) -> None:
+        self._stage("deployment", {"revision": revision, "deployment": _b64(deployment)})
+
+    def next_generation(self) -> int:
+        value = self._mirror.generation + 1
+        self._stage("generation", value)
+        return value
+
+    def save_node(self, node: StoredNode) -> None:
+        data = {"info": _b64(node.info), "generation": node.generation, "state": node.state, "reason": node.reason}
+        self._stage(f"nodes/{node.node_id}", data)
+
+    def save_assignment(self, engine_id: str, data: dict[str, Any]) -> None:
+        self._stage(f"assignments/{engine_id}", data)
+
+    def delete_assignment(self, engine_id: str) -> None:
+        self._stage(f"assignments/{engine_id}", None)
+
+    def save_instance(self, instance_id: str, data: dict[str, Any]) -> None:
+        self._stage(f"instances/{instance_id}", data)
+
+    def delete_instance(self, instance_id: str) -> None:
+        self._stage(f"instances/{instance_id}", None)
+
+    async def flush(self) -> None:
+        """Return when every write staged so far is in etcd; raise Fenced if it never will be."""
+        target = self._staged
+        async with self._progress:
+            await self._progress.wait_for(lambda: self._committed >= target or self.fenced is not None)
+        if self._committed < target:
+            raise Fenced(self.fenced)
+
+    async def _write_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue and self.fenced is None:
+                # Everything queued goes out together: later writes of a key replace earlier ones.
+                upto, merged = self._queue[-1][0], {}
+                for _, batch in self._queue:
+                    merged.update(batch)
+                try:
+                    await self._commit(merged)
+                except Fenced as exc:
+                    self.fenced = str(exc) or "leadership lost"
+                    logger.warning("etcd store fenced: %s", self.fenced)
+                self._queue = [item for item in self._queue if item[0] > upto]
+                async with self._progress:
+                    if self.fenced is None:
+                        self._committed = upto
+                    self._progress.notify_all()
+
+    async def _commit(self, writes: dict[str, bytes | None]) -> None:
+        tx = self.client.transactions
+        ops = [tx.delete(k.encode()) if v is None else tx.put(k.encode(), v) for k, v in writes.items()]
+        for start in range(0, len(ops), MAX_TXN_OPS):
+            chunk = ops[start:start + MAX_TXN_OPS]
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(UNAVAILABLE_ERRORS), wait=wait_exponential(0.05, max=1), reraise=True
+            ):
+                with attempt:
+                    try:
+                        guard = self.fence() if self.fence else []
+                    except Exception as exc:  # NotLeader: the election says we stopped leading
+                        raise Fenced(str(exc)) from exc
+                    succeeded, _ = await self.client.transaction(compare=guard, success=chunk, failure=[])
+            if not succeeded:
+                raise Fenced("the leader key changed: another controller leads now")
+
+    def close(self) -> None:
+        if self._writer:
+            self._writer.cancel()

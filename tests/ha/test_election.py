@@ -1,0 +1,153 @@
+"""Leader election against real etcd: one leader, a rising epoch, resignation and lease expiry
+hand over to a standby, a leader past its deadline stops at once, and a real leader process
+paused with SIGSTOP past its lease steps down on SIGCONT with none of its writes landing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from controller.election import LeaderElection, NotLeader, Role
+from controller.etcd_client import EtcdTarget, connect
+from controller.etcd_store import EtcdStore, Fenced
+from tests.support import REPO_ROOT, async_wait_for, wait_for
+
+TTL = 2  # etcd's smallest lease with its default timing
+
+
+async def _pair(etcd1, clients, prefix, **kwargs):
+    first = LeaderElection(clients(etcd1, prefix), prefix, "10.0.0.1:50051", ttl=TTL, **kwargs)
+    first.start()
+    await async_wait_for(first.is_leader, timeout=10, what="the first controller to lead")
+    second = LeaderElection(clients(etcd1, prefix), prefix, "10.0.0.2:50051", ttl=TTL)
+    second.start()
+    await async_wait_for(lambda: second.role is Role.STANDBY, timeout=10, what="the second to see a leader")
+    return first, second
+
+
+async def test_one_leader_and_a_standby_that_knows_it(etcd1, clients, prefix):
+    first, second = await _pair(etcd1, clients, prefix)
+    try:
+        assert first.epoch == 1 and first.leader.address == "10.0.0.1:50051"
+        assert not second.is_leader() and second.epoch == 0
+        assert second.leader.address == "10.0.0.1:50051" and second.leader.epoch == 1
+        with pytest.raises(NotLeader, match="leader is 10.0.0.1:50051"):
+            second.fence()
+        await asyncio.sleep(TTL * 2)  # several renewals: the leader keeps leading
+        assert first.is_leader() and second.role is Role.STANDBY
+    finally:
+        await second.stop()
+        await first.stop()
+
+
+async def test_resigning_hands_over_with_a_higher_epoch(etcd1, clients, prefix):
+    first, second = await _pair(etcd1, clients, prefix)
+    changes = []
+    second.on_change(lambda role, leader, reason: changes.append((role, reason)))
+    await first.stop()
+    await async_wait_for(second.is_leader, timeout=TTL, what="the standby to lead after a resignation")
+    assert second.epoch == 2
+    assert changes[-1][0] is Role.LEADER and "elected" in changes[-1][1]
+    await second.stop()
+
+
+async def test_a_silent_leader_is_replaced_and_its_writes_are_refused(etcd1, clients, prefix):
+    """The leader stops renewing without resigning (its process frozen): once the lease has
+    expired, the standby leads, and the old leadership's guard fails in etcd itself."""
+    first, second = await _pair(etcd1, clients, prefix)
+    old_fence = first.fence()
+    first._task.cancel()  # frozen: no renewals, no resignation
+    await async_wait_for(second.is_leader, timeout=TTL * 3 + 2, what="the standby to lead after the lease expired")
+    assert second.epoch == 2
+    assert not first.is_leader(), "the frozen leader's own deadline has passed"
+    with pytest.raises(NotLeader):
+        first.fence()
+    store = EtcdStore(clients(etcd1, prefix), prefix, fence=lambda: old_fence)  # a guard kept from before
+    await store.open()
+    store.save_instance("from-the-old-leader", {"n": 1})
+    with pytest.raises(Fenced):
+        await store.flush()
+    assert "from-the-old-leader" not in (await _reopened(clients(etcd1, prefix), prefix)).instances
+    store.close()
+    await second.stop()
+
+
+async def test_a_leader_past_its_renewal_deadline_stops_at_once(etcd1, clients, prefix):
+    now = [1000.0]
+    first, second = await _pair(etcd1, clients, prefix, clock=lambda: now[0])
+    try:
+        assert first.is_leader()
+        now[0] += TTL  # the process did not run for a whole TTL (a pause)
+        assert not first.is_leader()
+        with pytest.raises(NotLeader):
+            first.fence()
+    finally:
+        await second.stop()
+        await first.stop()
+
+
+async def _reopened(client, prefix):
+    store = EtcdStore(client, prefix)
+    await store.reload()
+    return store.load()
+
+
+def _lines(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.startswith("{")]
+
+
+def test_sigstop_past_the_lease_then_sigcont_steps_down_and_writes_nothing(etcd1, prefix, tmp_path):
+    endpoint = etcd1.members[0].endpoint
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+    procs, logs = {}, {}
+    for name in ("a", "b"):
+        logs[name] = str(tmp_path / f"{name}.log")
+        with open(logs[name], "w") as out:
+            procs[name] = subprocess.Popen([sys.executable, "-m", "tests.ha.elector", endpoint, prefix, name, str(TTL)],
+                                           stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
+    try:
+        def leader_name():
+            for name, path in logs.items():
+                roles = [line for line in _lines(path) if "role" in line]
+                if roles and roles[-1]["role"] == "leader":
+                    return name
+            return None
+
+        paused = wait_for(leader_name, timeout=20, what="a leader among the two processes")
+        other = "b" if paused == "a" else "a"
+        wait_for(lambda: any(line.get("write") == "ok" for line in _lines(logs[paused])), timeout=10, what="a first write")
+        procs[paused].send_signal(signal.SIGSTOP)
+        wait_for(lambda: any(line.get("role") == "leader" for line in _lines(logs[other])), timeout=TTL * 3 + 5,
+                 what="the other process to lead while the leader is stopped")
+        wait_for(lambda: any(line.get("write") == "ok" for line in _lines(logs[other])), timeout=10, what="the new leader's write")
+        stopped_at = len(_lines(logs[paused]))
+        procs[paused].send_signal(signal.SIGCONT)
+        wait_for(lambda: any(line.get("role") in ("standby", "candidate") for line in _lines(logs[paused])[stopped_at:]),
+                 timeout=10, what="the resumed process to step down")
+        leader_revision, ticks = asyncio.run(_read_ticks(etcd1, prefix))
+        assert ticks[paused] < leader_revision, "a write of the deposed leader landed after the new leader was elected"
+        assert ticks[other] > leader_revision
+        wait_for(lambda: _lines(logs[other])[-1].get("write") == "ok", timeout=10, what="the new leader to keep writing")
+    finally:
+        for proc in procs.values():
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait(10)
+
+
+async def _read_ticks(cluster, prefix):
+    """The leader key's create revision and each process's last tick's mod revision in etcd."""
+    client = connect(EtcdTarget(((cluster.members[0].host, cluster.members[0].client_port),), prefix))
+    try:
+        leader = await client.get(f"{prefix}/election/leader".encode())
+        ticks = {name: (await client.get(f"{prefix}/state/instances/tick-{name}".encode())).mod_revision for name in ("a", "b")}
+        return leader.create_revision, ticks
+    finally:
+        await client.close()

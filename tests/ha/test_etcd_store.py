@@ -1,0 +1,150 @@
+"""The etcd store against real etcd members: the same contract as SQLite, batched guarded
+writes, standbys following, a fenced store writing nothing, quorum lost and regained."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+
+from controller.etcd_store import EtcdStore, Fenced
+from controller.store import SqliteStore, StoredNode
+from tests.support import async_wait_for
+
+
+def _fill(store) -> None:
+    with store.transaction():
+        store.save_deployment(b"\x0a\x03dep", 3)
+        assert store.next_generation() == 1
+        assert store.next_generation() == 2
+        store.save_node(StoredNode("node-a", b"\x0a\x01a", 2, 1, "registered"))
+        store.save_node(StoredNode("node-b", b"\x0a\x01b", 1, 2, "lost: silent"))
+        store.save_assignment("e1", {"node_id": "node-a", "generation": 2})
+        store.save_assignment("e2", {"node_id": "node-b", "generation": 1})
+        store.save_instance("i1", {"restarts": 1, "window": [1.5]})
+    store.delete_assignment("e2")
+    store.save_instance("i2", {"restarts": 0})
+    store.delete_instance("i2")
+
+
+def _check(state) -> None:
+    assert state.deployment == b"\x0a\x03dep" and state.revision == 3
+    assert state.generation == 2
+    assert [(n.node_id, n.info, n.generation, n.state, n.reason) for n in state.nodes] == [
+        ("node-a", b"\x0a\x01a", 2, 1, "registered"),
+        ("node-b", b"\x0a\x01b", 1, 2, "lost: silent"),
+    ]
+    assert state.assignments == {"e1": {"node_id": "node-a", "generation": 2}}
+    assert state.instances == {"i1": {"restarts": 1, "window": [1.5]}}
+
+
+async def test_sqlite_and_etcd_keep_the_same_state(tmp_path, etcd1, clients, prefix):
+    sqlite = SqliteStore(str(tmp_path / "c.db"))
+    _fill(sqlite)
+    await sqlite.flush()
+    _check(SqliteStore(str(tmp_path / "c.db")).load())
+
+    store = EtcdStore(clients(etcd1, prefix), prefix)
+    await store.open()
+    _fill(store)
+    _check(store.load())  # the mirror answers at once
+    await store.flush()
+    fresh = EtcdStore(clients(etcd1, prefix), prefix)
+    await fresh.open()
+    _check(fresh.load())  # and etcd holds the same once flushed
+    store.close()
+    fresh.close()
+
+
+async def test_a_transaction_is_one_etcd_write(etcd1, clients, prefix):
+    client = clients(etcd1, prefix)
+    store = EtcdStore(client, prefix)
+    await store.open()
+    before = (await client.get_prefix(b"/")).header.revision
+    with store.transaction():
+        for i in range(50):
+            store.save_instance(f"i{i}", {"restarts": i})
+    await store.flush()
+    after = (await client.get_prefix(b"/")).header.revision
+    assert after == before + 1, "the 50 writes of one transaction landed as one etcd revision"
+    store.close()
+
+
+async def test_a_standby_follows_the_leaders_writes(etcd1, clients, prefix):
+    leader = EtcdStore(clients(etcd1, prefix), prefix)
+    await leader.open()
+    standby = EtcdStore(clients(etcd1, prefix), prefix)
+    await standby.open()
+    seen: list[str] = []
+    standby.on_change(seen.append)
+    follower = asyncio.create_task(standby.follow())
+    try:
+        _fill(leader)
+        await leader.flush()
+        await async_wait_for(lambda: standby.load().instances == {"i1": {"restarts": 1, "window": [1.5]}},
+                             timeout=10, what="the standby's mirror to catch up")
+        _check(standby.load())
+        leader.delete_assignment("e1")
+        await leader.flush()
+        await async_wait_for(lambda: standby.load().assignments == {}, timeout=10, what="the deletion to reach the standby")
+        assert f"{standby.root}assignments/e1" in seen
+    finally:
+        follower.cancel()
+        leader.close()
+        standby.close()
+
+
+async def test_a_fenced_store_writes_nothing(etcd1, clients, prefix):
+    client = clients(etcd1, prefix)
+    tx = client.transactions
+    # The guard a deposed leader carries: a leader key at a create revision that is not there.
+    store = EtcdStore(client, prefix, fence=lambda: [tx.create(f"{prefix}/election/leader".encode()) == 12345])
+    await store.open()
+    store.save_instance("i1", {"restarts": 1})
+    with pytest.raises(Fenced):
+        await store.flush()
+    store.save_instance("i2", {"restarts": 2})
+    with pytest.raises(Fenced):
+        await store.flush()
+    assert (await client.get_prefix(f"{prefix}/state/".encode())).count == 0
+    store.close()
+
+
+async def test_one_member_of_three_lost_changes_nothing(etcd3, clients, prefix):
+    store = EtcdStore(clients(etcd3, prefix, timeout=1.0), prefix)
+    await store.open()
+    store.save_instance("before", {"n": 1})
+    await store.flush()
+    for index in range(3):  # whichever member the channel uses, one of them goes away
+        etcd3.kill_member(index)
+        store.save_instance(f"while-{index}-down", {"n": index})
+        await asyncio.wait_for(store.flush(), 20)
+        etcd3.start_member(index)
+        etcd3.wait_healthy()
+    fresh = EtcdStore(clients(etcd3, prefix), prefix)
+    await fresh.open()
+    assert set(fresh.load().instances) == {"before", "while-0-down", "while-1-down", "while-2-down"}
+    store.close()
+    fresh.close()
+
+
+async def test_quorum_lost_holds_writes_until_it_returns(etcd3, clients, prefix):
+    store = EtcdStore(clients(etcd3, prefix, timeout=1.0), prefix)
+    await store.open()
+    store.save_instance("before", {"n": 1})
+    await store.flush()
+    etcd3.signal_member(1, signal.SIGSTOP)
+    etcd3.signal_member(2, signal.SIGSTOP)
+    store.save_instance("during", {"n": 2})
+    flushed = asyncio.create_task(store.flush())
+    await asyncio.sleep(3)  # several request deadlines: the write cannot commit without quorum
+    assert not flushed.done(), "a write committed without a quorum"
+    etcd3.signal_member(1, signal.SIGCONT)
+    etcd3.signal_member(2, signal.SIGCONT)
+    await asyncio.wait_for(flushed, 30)
+    fresh = EtcdStore(clients(etcd3, prefix), prefix)
+    await fresh.open()
+    assert set(fresh.load().instances) == {"before", "during"}
+    store.close()
+    fresh.close()
