@@ -6,6 +6,7 @@ Behaviour classes raise these; servicers never build status codes themselves. Th
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Awaitable, Callable
 
@@ -57,6 +58,9 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaita
 
 
 def _wrap_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    if not inspect.isasyncgenfunction(behavior):
+        return _wrap_unary(behavior)  # a stream written with context.write (grpc's health Watch)
+
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             async for item in behavior(request, context):

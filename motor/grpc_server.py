@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from motor.errors import ConfigError, ErrorMappingInterceptor
+from motor.tls import ReloadingServerCredentials
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +69,10 @@ def _read(path: str | None, field: str) -> bytes | None:
 
 
 def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
-    cert, key = _read(tls.cert, "cert"), _read(tls.key, "key")
-    if not cert or not key:
+    """Credentials that re-read the files when they change (motor/tls.py)."""
+    if not tls.cert or not tls.key:
         raise ConfigError("TLS needs both a certificate and a key")
-    ca = _read(tls.ca, "ca")
-    return grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=ca, require_client_auth=bool(ca) and tls.require_client_cert
-    )
+    return ReloadingServerCredentials(tls.cert, tls.key, tls.ca, tls.require_client_cert).credentials
 
 
 def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
@@ -105,9 +103,12 @@ def aio_channel(
 class MotorServer:
     """An asyncio gRPC server with health, reflection and domain-error mapping built in."""
 
-    def __init__(self, bind: str, tls: TlsFiles | None = None, interceptors: list[Any] | None = None):
+    def __init__(
+        self, bind: str, tls: TlsFiles | None = None, interceptors: list[Any] | None = None, reflection: bool = True
+    ):
         self.bind = bind
         self.tls = tls
+        self.reflection = reflection
         self.server = grpc.aio.server(
             interceptors=[ErrorMappingInterceptor(), *(interceptors or [])], options=SERVER_OPTIONS
         )
@@ -121,7 +122,8 @@ class MotorServer:
         self.service_names.append(service_name)
 
     async def start(self) -> int:
-        reflection.enable_server_reflection([*self.service_names, reflection.SERVICE_NAME], self.server)
+        if self.reflection:
+            reflection.enable_server_reflection([*self.service_names, reflection.SERVICE_NAME], self.server)
         try:
             if self.tls is not None:
                 port = self.server.add_secure_port(self.bind, server_credentials(self.tls))

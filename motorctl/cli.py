@@ -3,6 +3,7 @@
     motorctl [--controller HOST:PORT] [--output table|json] COMMAND
     nodes | instances | endpoints [--role R] | events [--follow] | deployment | apply -f FILE | delete
     up ...  (a local cluster; see `motorctl up --help`)
+    pki init|issue|tokens|dev ...  (a development PKI; see `motorctl pki --help`)
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     apply.add_argument("-f", "--file", required=True, help="deployment file")
     sub.add_parser("delete", help="delete the deployment and stop its engines")
     sub.add_parser("up", help="start a local cluster (controller, node managers, example deployment)", add_help=False)
+    sub.add_parser("pki", help="development PKI: CA, certificates, tokens (see `motorctl pki --help`)", add_help=False)
     return p
 
 
@@ -106,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         from motorctl import up
 
         return up.main(argv[argv.index("up") + 1 :])
+    if args.command == "pki":
+        from motorctl import pki
+
+        return pki.main(argv[argv.index("pki") + 1 :])
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:

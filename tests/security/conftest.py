@@ -1,0 +1,147 @@
+"""A development PKI made by motor/pki.py, and a real TLS server on 127.0.0.1:0 that serves every
+Motor RPC with empty answers, so the access interceptor in front of it is what a test exercises."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf import message_factory
+
+from motor.access import AccessInterceptor, AccessPolicy
+from motor.grpc_server import MotorServer, TlsFiles, aio_channel
+from motor.identity import Identity
+from motor.pki import CertificateAuthority
+from motor.tokens import TokenStore
+from motor.v1 import controller_pb2, engine_pb2, node_manager_pb2
+from motorctl.pki import DevPki, make_dev_pki
+
+SERVICES = [
+    controller_pb2.DESCRIPTOR.services_by_name["ControllerService"],
+    node_manager_pb2.DESCRIPTOR.services_by_name["NodeManagerService"],
+    engine_pb2.DESCRIPTOR.services_by_name["EngineService"],
+]
+
+
+def method_path(method: Any) -> str:
+    return f"/{method.containing_service.full_name}/{method.name}"
+
+
+def request_class(method: Any) -> Any:
+    return message_factory.GetMessageClass(method.input_type)
+
+
+def response_class(method: Any) -> Any:
+    return message_factory.GetMessageClass(method.output_type)
+
+
+class EmptyServices:
+    """Every RPC of SERVICES answers an empty response; streams send one, then each `push`."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.queues: list[asyncio.Queue] = []
+
+    def push(self) -> None:
+        for queue in self.queues:
+            queue.put_nowait(None)
+
+    def _unary(self, method: Any):
+        async def answer(request, context):
+            self.calls.append(method.name)
+            return response_class(method)()
+
+        return answer
+
+    def _stream(self, method: Any):
+        async def answer(request, context):
+            self.calls.append(method.name)
+            queue: asyncio.Queue = asyncio.Queue()
+            self.queues.append(queue)
+            try:
+                yield response_class(method)()
+                while True:
+                    await queue.get()
+                    yield response_class(method)()
+            finally:
+                self.queues.remove(queue)
+
+        return answer
+
+    def register(self, server: MotorServer) -> None:
+        for service in SERVICES:
+            handlers = {}
+            for method in service.methods:
+                make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+                behaviour = self._stream(method) if method.server_streaming else self._unary(method)
+                handlers[method.name] = make(
+                    behaviour,
+                    request_deserializer=request_class(method).FromString,
+                    response_serializer=response_class(method).SerializeToString,
+                )
+            generic = grpc.method_handlers_generic_handler(service.full_name, handlers)
+            server.add(lambda _, s, g=generic: s.add_generic_rpc_handlers((g,)), None, service.full_name)
+
+
+@dataclass
+class Served:
+    server: MotorServer
+    services: EmptyServices
+    port: int
+    interceptor: AccessInterceptor
+    extra_ports: list[int] = field(default_factory=list)
+
+
+async def serve(tls: TlsFiles | None, policy: AccessPolicy, bind: str = "127.0.0.1:0", reflection: bool = True) -> Served:
+    interceptor = AccessInterceptor(policy)
+    server = MotorServer(bind, tls=tls, interceptors=[interceptor], reflection=reflection)
+    services = EmptyServices()
+    services.register(server)
+    port = await server.start()
+    return Served(server, services, port, interceptor)
+
+
+@pytest.fixture(scope="session")
+def dev_pki(tmp_path_factory) -> DevPki:
+    return make_dev_pki(str(tmp_path_factory.mktemp("pki")), ["node-a", "node-b"])
+
+
+@pytest.fixture(scope="session")
+def odd_certs(tmp_path_factory, dev_pki) -> dict[str, tuple[str, str]]:
+    """Certificates a server must refuse: expired, from another CA, without a Motor identity."""
+    directory = str(tmp_path_factory.mktemp("odd"))
+    ca = CertificateAuthority.load(dev_pki.directory)
+    long_ago = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=10)
+    return {
+        "expired": ca.issue(Identity("operator", "old"), [], days=1, not_before=long_ago).save(directory, "expired"),
+        "other-ca": CertificateAuthority.create("another CA").issue(Identity("operator", "eve"), []).save(directory, "other"),
+        "no-identity": ca.issue(None, ["localhost"]).save(directory, "plain"),
+        "foreign-domain": ca.issue(Identity("operator", "x"), [], trust_domain="example.org").save(directory, "foreign"),
+    }
+
+
+def mtls_files(pki: DevPki, name: str = "controller") -> TlsFiles:
+    return TlsFiles(cert=pki.cert(name), key=pki.key(name), ca=pki.ca, require_client_cert=True)
+
+
+def client(pki: DevPki, port: int, name: str | None = None, host: str = "localhost") -> grpc.aio.Channel:
+    """A TLS channel trusting the dev CA, presenting `name`'s certificate when given."""
+    files = TlsFiles(cert=pki.cert(name), key=pki.key(name), ca=pki.ca) if name else TlsFiles(ca=pki.ca)
+    return aio_channel(f"{host}:{port}", files)
+
+
+def token_of(pki: DevPki, name: str) -> str:
+    with open(pki.token_file(name)) as handle:
+        return handle.read().strip()
+
+
+def policy(pki: DevPki, **kw: Any) -> AccessPolicy:
+    return AccessPolicy(secure=True, tokens=TokenStore(pki.tokens), **kw)
+
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
