@@ -1,9 +1,9 @@
-"""Prometheus metrics of the controller: nodes and instances by state (read at scrape time),
-reschedules by reason, heartbeat ingest latency."""
+"""Prometheus metrics of the controller: nodes and instances by state (read at scrape time
+through the callables the controller passes), reschedules by reason, heartbeat ingest latency."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -11,38 +11,34 @@ from prometheus_client.core import GaugeMetricFamily
 from motor.names import enum_short_name
 from motor.v1 import controller_pb2
 
-if TYPE_CHECKING:
-    from controller.core import Controller
+# Returns {state enum value: how many}; states it leaves out are reported as 0.
+StateCounts = Callable[[], dict[int, int]]
 
 
 class _StateCollector:
-    def __init__(self, controller: "Controller"):
-        self.controller = controller
+    def __init__(self, node_counts: StateCounts, instance_counts: StateCounts):
+        self.gauges = [
+            ("motor_controller_nodes", "Nodes by state", controller_pb2.NodeState, node_counts),
+            ("motor_controller_instances", "Instances by state", controller_pb2.InstanceState, instance_counts),
+        ]
 
     def describe(self):
         return []
 
     def collect(self):
-        nodes = GaugeMetricFamily("motor_controller_nodes", "Nodes by state", labels=["state"])
-        counts = {v: 0 for v in controller_pb2.NodeState.values() if v}
-        for node in self.controller.nodes.values():
-            counts[node.state] = counts.get(node.state, 0) + 1
-        for state, count in counts.items():
-            nodes.add_metric([enum_short_name(controller_pb2.NodeState, state)], count)
-        yield nodes
-        instances = GaugeMetricFamily("motor_controller_instances", "Instances by state", labels=["state"])
-        counts = {v: 0 for v in controller_pb2.InstanceState.values() if v}
-        for inst in self.controller.instances.values():
-            counts[inst.state] = counts.get(inst.state, 0) + 1
-        for state, count in counts.items():
-            instances.add_metric([enum_short_name(controller_pb2.InstanceState, state)], count)
-        yield instances
+        for name, help_text, enum_type, read in self.gauges:
+            family = GaugeMetricFamily(name, help_text, labels=["state"])
+            counts = read()
+            for state in enum_type.values():
+                if state:
+                    family.add_metric([enum_short_name(enum_type, state)], counts.get(state, 0))
+            yield family
 
 
 class ControllerMetrics:
-    def __init__(self, controller: "Controller"):
+    def __init__(self, node_counts: StateCounts, instance_counts: StateCounts):
         self.registry = CollectorRegistry()
-        self.registry.register(_StateCollector(controller))
+        self.registry.register(_StateCollector(node_counts, instance_counts))
         self.reschedules = Counter(
             "motor_controller_reschedules", "Engine restarts and moves by reason", ["reason"], registry=self.registry
         )

@@ -65,3 +65,16 @@ class FakeNodeClient(NodeClient):
         for engine in self.engines.get(node_id, {}).values():
             if engine.state in (types_pb2.ENGINE_STATE_STARTING, types_pb2.ENGINE_STATE_RUNNING):
                 engine.state, engine.health = state, health
+
+
+class ManualClock:
+    """A monotonic clock that moves only when told (`advance`)."""
+
+    def __init__(self, start: float = 1000.0):
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds

@@ -206,7 +206,7 @@ def test_config_file_and_unknown_keys(tmp_path):
 
 
 def test_reschedule_rate_limit_refills_over_time():
-    from controller.core import TokenBucket
+    from controller.scheduling import TokenBucket
 
     now = [0.0]
     bucket = TokenBucket(2, lambda: now[0])

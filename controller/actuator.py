@@ -1,0 +1,99 @@
+"""The actuator: what the controller asks of node managers. It builds StartEngine's spec, starts
+a copy (stopping an older copy the node still runs), and stops copies, at once or in the
+background, asking a node at most once per FENCE_WINDOW for the same copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Coroutine
+
+from motor.v1 import controller_pb2, types_pb2
+
+from controller.instances import InstanceRecord
+from controller.node_client import NodeCallError, NodeClient
+from controller.nodes import NodeTable
+from controller.slots import EngineSlot
+
+logger = logging.getLogger(__name__)
+
+C, T = controller_pb2, types_pb2
+# A copy asked to stop is not asked again within this many seconds (the node manager is on it).
+FENCE_WINDOW = 10.0
+
+
+def engine_spec(slot: EngineSlot, inst: InstanceRecord, master_dp_ip: str, config_json: str) -> T.EngineSpec:
+    ports = list(slot.requested_ports) + [0] * (4 - len(slot.requested_ports))
+    return T.EngineSpec(
+        instance_id=inst.instance_id, dp_rank=slot.dp_rank, role=inst.role, host=slot.host,
+        port=ports[0], mgmt_port=ports[1], kv_port=ports[2], dp_rpc_port=ports[3],
+        master_dp_ip=master_dp_ip, config_json=config_json,
+        single_container=inst.single_container, accelerator_ids=slot.accelerator_ids,
+        generation=slot.generation,
+    )
+
+
+class Actuator:
+    def __init__(
+        self,
+        client: NodeClient,
+        nodes: NodeTable,
+        stop_deadline: float,
+        spawn: Callable[[Coroutine, str], object],
+        emit: Callable[..., None],
+        monotonic: Callable[[], float],
+    ):
+        self.client, self.nodes, self.stop_deadline = client, nodes, stop_deadline
+        self.spawn, self.emit, self.mono = spawn, emit, monotonic
+        # (node id, engine id, generation) -> when its stop was asked, oldest first.
+        self.fencing: dict[tuple[str, str, int], float] = {}
+
+    async def start(self, node: C.NodeInfo, engine_id: str, spec: T.EngineSpec) -> T.Engine:
+        """StartEngine; raises NodeCallError."""
+        try:
+            return await self.client.start_engine(node, spec)
+        except NodeCallError as exc:
+            if exc.code != "ALREADY_EXISTS":
+                raise
+        # An older copy still runs there: stop it (fenced by generation), then retry once.
+        await self.stop(node, engine_id, spec.generation - 1)
+        return await self.client.start_engine(node, spec)
+
+    async def stop(self, node: C.NodeInfo, engine_id: str, generation: int) -> None:
+        """StopEngine of copies up to `generation`; raises NodeCallError."""
+        await self.client.stop_engine(node, engine_id, generation, self.stop_deadline)
+
+    def stop_copy(self, node_id: str, engine_id: str, generation: int, why: str, fence: bool = False) -> None:
+        """Stop one copy of an engine in the background (idempotent on the node side)."""
+        key = (node_id, engine_id, generation)
+        now = self.mono()
+        self._forget_old_stops(now)
+        if key in self.fencing:
+            return  # asked recently; the node manager is on it
+        self.fencing[key] = now
+        if fence:
+            self.emit(
+                C.EVENT_TYPE_ENGINE_FENCED, f"engine {engine_id} on {node_id} stopped: {why}",
+                node_id=node_id, engine_id=engine_id, instance_id=engine_id.split("/")[0],
+            )
+        self.spawn(self._stop_in_background(node_id, engine_id, generation, why), f"stop {engine_id}@{node_id}")
+
+    def _forget_old_stops(self, now: float) -> None:
+        # Insertion order is time order: the expired entries are at the front.
+        while self.fencing:
+            key, asked = next(iter(self.fencing.items()))
+            if now - asked < FENCE_WINDOW:
+                break
+            del self.fencing[key]
+
+    async def _stop_in_background(self, node_id: str, engine_id: str, generation: int, why: str) -> None:
+        node = self.nodes.get(node_id)
+        if node is None:
+            return
+        try:
+            await self.stop(node.info, engine_id, generation)
+            logger.info("stopped %s (generation %d) on %s: %s", engine_id, generation, node_id, why)
+        except NodeCallError as exc:
+            # Fencing on the next heartbeat or registration tries again.
+            logger.warning("could not stop %s on %s (%s): %s", engine_id, node_id, why, exc)
+            self.fencing.pop((node_id, engine_id, generation), None)

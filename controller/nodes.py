@@ -1,0 +1,106 @@
+"""The node table: every registered node, its READY/SUSPECT/LOST state with one transition
+table, and the per-state counts (kept on each change, so the silent share costs O(1)).
+
+Plain data, no I/O: the node monitor (controller/liveness.py) decides when a node changes
+state; this table checks that the change is allowed and keeps the counts right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from motor.errors import FailedPrecondition, NotFound
+from motor.names import enum_short_name
+from motor.v1 import controller_pb2, types_pb2
+
+from controller.instances import IllegalTransition
+from controller.table import Table
+
+C = controller_pb2
+NODE_READY, NODE_SUSPECT, NODE_LOST = C.NODE_STATE_READY, C.NODE_STATE_SUSPECT, C.NODE_STATE_LOST
+
+# Which state may follow which (None: a node the table does not hold yet). READY: heartbeats
+# arrive; SUSPECT: silent past the grace, being re-checked; LOST: the re-check failed too, its
+# generation was bumped and its engines placed elsewhere. A registration (READY -> READY too)
+# replaces the node's record; a node known from the store starts READY or LOST.
+NODE_TRANSITIONS: dict[int | None, set[int]] = {
+    None: {NODE_READY, NODE_LOST},
+    NODE_READY: {NODE_READY, NODE_SUSPECT},
+    NODE_SUSPECT: {NODE_READY, NODE_LOST},
+    NODE_LOST: {NODE_READY},
+}
+
+
+def node_state_name(state: int | None) -> str:
+    return "new" if state is None else enum_short_name(C.NodeState, state)
+
+
+@dataclass
+class NodeRuntime:
+    info: C.NodeInfo
+    generation: int
+    state: int
+    reason: str
+    last_seen: float  # monotonic
+    last_heartbeat_wall: float = 0.0
+    engines: dict[str, types_pb2.Engine] = field(default_factory=dict)
+    rechecking: bool = False
+    recheck_failed_at: float | None = None
+    recheck_error: str = ""
+    reported_since_start: bool = False
+
+    @property
+    def node_id(self) -> str:
+        return self.info.node_id
+
+
+class NodeTable(Table[NodeRuntime]):
+    """node id -> NodeRuntime, read like a dict; every state change goes through `put` or
+    `set_state`, which follow NODE_TRANSITIONS and keep the per-state counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._counts: dict[int, int] = {NODE_READY: 0, NODE_SUSPECT: 0, NODE_LOST: 0}
+
+    @staticmethod
+    def _check(node_id: str, old: int | None, new: int) -> None:
+        if new not in NODE_TRANSITIONS[old]:
+            raise IllegalTransition(f"node {node_id}: {node_state_name(old)} -> {node_state_name(new)} is not allowed")
+
+    def put(self, node: NodeRuntime) -> None:
+        """Add a node, or replace its record (a registration), in the state the record holds."""
+        previous = self._rows.get(node.node_id)
+        old = previous.state if previous is not None else None
+        self._check(node.node_id, old, node.state)
+        if old is not None:
+            self._counts[old] -= 1
+        self._counts[node.state] += 1
+        self._rows[node.node_id] = node
+
+    def set_state(self, node: NodeRuntime, state: int, reason: str) -> None:
+        self._check(node.node_id, node.state, state)
+        self._counts[node.state] -= 1
+        self._counts[state] += 1
+        node.state, node.reason = state, reason
+
+    def count(self, state: int) -> int:
+        return self._counts[state]
+
+    def counts(self) -> dict[int, int]:
+        return dict(self._counts)
+
+    def silent_share(self) -> tuple[int, int]:
+        """(silent, active): SUSPECT nodes among the nodes not LOST. A LOST node counts as neither."""
+        return self._counts[NODE_SUSPECT], len(self._rows) - self._counts[NODE_LOST]
+
+    def member(self, node_id: str, generation: int) -> NodeRuntime:
+        """The node, if `generation` is its current one (heartbeats and reports of a member)."""
+        node = self._rows.get(node_id)
+        if node is None:
+            raise NotFound(f"node {node_id!r} is not registered; call RegisterNode first")
+        if generation != node.generation:
+            raise FailedPrecondition(
+                f"node {node_id!r}: generation {generation} is stale (current {node.generation}"
+                f"{', node declared lost' if node.state == NODE_LOST else ''}); register again"
+            )
+        return node

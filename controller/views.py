@@ -1,0 +1,71 @@
+"""What the controller shows: nodes, instances and endpoints rendered as protobuf messages
+(ListNodes, ListInstances, ListEndpoints, WatchEvents' snapshot). Reads the state, changes nothing.
+"""
+
+from __future__ import annotations
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from motor.v1 import controller_pb2, types_pb2
+
+from controller.instances import RESTARTING, InstanceRecord
+from controller.nodes import NODE_READY, NodeRuntime
+from controller.state import ClusterState
+
+C, T = controller_pb2, types_pb2
+
+
+def _stamp(wall: float) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromNanoseconds(int(wall * 1e9))
+    return stamp
+
+
+def node_proto(state: ClusterState, node: NodeRuntime) -> C.Node:
+    used = state.slots.used_accelerators(node.node_id)
+    proto = C.Node(
+        info=node.info, state=node.state, state_reason=node.reason, generation=node.generation,
+        free_accelerator_ids=[a for a in node.info.accelerator_ids if a not in used],
+        engines=[node.engines[k] for k in sorted(node.engines)],
+    )
+    if node.last_heartbeat_wall:
+        proto.last_heartbeat.CopyFrom(_stamp(node.last_heartbeat_wall))
+    return proto
+
+
+def instance_proto(state: ClusterState, inst: InstanceRecord) -> C.Instance:
+    slots = state.slots_of(inst.instance_id)
+    rank0 = next((s for s in slots if s.dp_rank == 0), None)
+    proto = C.Instance(
+        instance_id=inst.instance_id, group=inst.group, role=inst.role, state=inst.state,
+        state_reason=inst.reason, master_dp_ip=rank0.host if rank0 else "",
+        paired_instance_id=inst.paired_instance_id, restarts=inst.restarts,
+        engines=[
+            C.InstanceEngine(
+                engine_id=s.engine_id, dp_rank=s.dp_rank, node_id=s.node_id, host=s.host, port=s.port,
+                mgmt_port=s.mgmt_port, accelerator_ids=s.accelerator_ids, state=s.state, health=s.health,
+                restarts=s.restarts, last_failure_reason=s.last_failure_reason, generation=s.generation,
+            )
+            for s in slots
+        ],
+    )
+    if inst.state == RESTARTING and inst.next_restart_at:
+        proto.next_restart_time.CopyFrom(_stamp(inst.next_restart_at))
+    return proto
+
+
+def endpoints(state: ClusterState, role: int) -> list[C.Endpoint]:
+    """NORMAL, RUNNING engines on READY nodes, of `role` (ROLE_UNSPECIFIED: every role)."""
+    out = []
+    for engine_id in sorted(state.slots):
+        s = state.slots[engine_id]
+        inst = state.instances.get(s.instance_id)
+        node = state.nodes.get(s.node_id)
+        if inst is None or node is None or node.state != NODE_READY or not s.port:
+            continue
+        if s.state != T.ENGINE_STATE_RUNNING or s.health != T.HEALTH_STATUS_NORMAL:
+            continue
+        if role != T.ROLE_UNSPECIFIED and inst.role != role:
+            continue
+        out.append(C.Endpoint(instance_id=s.instance_id, engine_id=s.engine_id, role=inst.role, url=f"http://{s.host}:{s.port}"))
+    return out
