@@ -1,6 +1,11 @@
 """Node liveness: a node silent past the grace turns SUSPECT and is re-checked directly; when
 the re-check fails too it is LOST (a new generation; its engines move), unless so many nodes
 are silent at once that the controller suspects its own network (the silent-nodes alarm).
+
+Nodes that fall silent together are noticed up to a heartbeat interval apart (their last
+heartbeats were), so a node is declared lost no sooner than two intervals after it turned
+SUSPECT: by then every node silent since the same moment is SUSPECT and counted in the silent
+share. A LOST node counts neither as silent nor as active.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ class NodeMonitor:
         for node in st.nodes.values():
             if node.state == NODE_READY and now - node.last_seen > grace:
                 st.nodes.set_state(node, NODE_SUSPECT, f"no heartbeat for {now - node.last_seen:.1f}s (grace {grace:g}s); re-checking it directly")
-                node.recheck_failed_at = None
+                node.recheck_failed_at, node.suspect_since = None, now
                 st.event(C.EVENT_TYPE_NODE_SUSPECT, f"node {node.node_id} suspect: {node.reason}", node_id=node.node_id)
                 st.evaluate_node(node.node_id)
         self.refresh_alarm()
@@ -48,13 +53,13 @@ class NodeMonitor:
             if node.state != NODE_SUSPECT or node.rechecking:
                 continue
             if node.recheck_failed_at is not None and now - node.recheck_failed_at < max(grace, 1.0):
-                if not self.alarm:
-                    self._declare_lost(node)
-                else:
+                if self.alarm:
                     node.reason = (
                         f"silent and the direct re-check failed ({node.recheck_error}); not declared lost while "
                         "the silent-nodes alarm is on"
                     )
+                elif now - node.suspect_since >= 2 * self.config.heartbeat_interval:
+                    self._declare_lost(node)
             else:
                 node.rechecking = True
                 self.spawn(self._recheck(node), f"recheck {node.node_id}")

@@ -48,6 +48,7 @@ class NodeRuntime:
     recheck_failed_at: float | None = None
     recheck_error: str = ""
     reported_since_start: bool = False
+    suspect_since: float = 0.0  # monotonic: when it last turned SUSPECT
 
     @property
     def node_id(self) -> str:

@@ -44,7 +44,8 @@ def small_deployment(groups: list[dict], **extra) -> controller_pb2.Deployment:
 class Harness:
     """A controller on a temporary SQLite file with a fake node-manager client; short intervals."""
 
-    def __init__(self, tmp_path, **overrides):
+    def __init__(self, tmp_path, clock=None, **overrides):
+        self.clock = clock  # a ManualClock drives the controller's monotonic time; None: real time
         self.db = str(tmp_path / "controller.db")
         settings = dict(db=self.db, heartbeat_interval=0.1, node_grace=0.6, recheck_timeout=0.2, startup_grace=1.0)
         settings.update(overrides)
@@ -57,7 +58,8 @@ class Harness:
         if client is not None:
             self.client = client
         self.store = SqliteStore(self.db)
-        self.controller = Controller(self.config, self.store, self.client)
+        clocks = {"monotonic": self.clock} if self.clock is not None else {}
+        self.controller = Controller(self.config, self.store, self.client, **clocks)
         await self.controller.start()
         return self.controller
 

@@ -13,13 +13,17 @@ from motor.v1 import types_pb2 as T
 
 from controller.node_client import NodeCallError
 from tests.controller.conftest import Harness, example_deployment, small_deployment
+from tests.controller.fakes import ManualClock
 from tests.support import async_wait_for
 
 
-async def running_example(h: Harness, nodes=("node-a", "node-b"), **policy):
+HELD_BY_ALARM = "not declared lost while the silent-nodes alarm is on"
+
+
+async def running_example(h: Harness, nodes=("node-a", "node-b"), accelerators=4, **policy):
     await h.start()
     for node in nodes:
-        h.register(node)
+        h.register(node, accelerators=accelerators)
     h.controller.apply_deployment(example_deployment(**policy))
     await async_wait_for(lambda: len(h.client.starts()) == 3, timeout=5, what="3 StartEngine calls")
     for node in nodes:
@@ -101,12 +105,20 @@ async def test_failed_engine_restarts_at_once_then_backs_off_then_fails(harness)
     fail_decode("killed after 5 abnormal heartbeats: probe timed out x5")
     inst = harness.instance("decode-0")
     assert inst.state == C.INSTANCE_STATE_RESTARTING and "restarting its data-parallel group now" in inst.reason
+    # The same failed copy reported again before its restart ran (a heartbeat showing it with
+    # another health) is not a second failure.
+    again = T.Engine()
+    again.CopyFrom(client.engines[node_id]["decode-0/rank0"])
+    again.health = T.HEALTH_STATUS_ABNORMAL
+    ctl.report_engine_event(node_id, harness.generations[node_id], again, "same-copy-again")
+    assert len(inst.failure_times) == 1 and "restarting its data-parallel group now" in inst.reason
+    assert not [e for e in ctl.events.recent if "same-copy-again" in e.message]
     await async_wait_for(lambda: len(client.starts("decode-0/rank0")) == 2, timeout=2, what="immediate restart")
     second = client.starts("decode-0/rank0")[-1]
     assert second.generation > engine.spec.generation
     messages = [e.message for e in ctl.events.recent]
     assert f"engine decode-0/rank0 on {node_id} killed after 5 abnormal heartbeats: probe timed out x5" in messages
-    # A repeated report of the same failure is ignored.
+    # A late report of the old generation's failure is ignored.
     ctl.report_engine_event(node_id, harness.generations[node_id], engine, "repeated-report")
     assert len([m for m in (e.message for e in ctl.events.recent) if "repeated-report" in m]) == 0
 
@@ -201,8 +213,10 @@ async def test_many_silent_nodes_raise_an_alarm_and_nothing_moves(harness):
     beater = asyncio.create_task(beat_c())
     try:
         await async_wait_for(lambda: ctl.alarm, timeout=5, what="alarm")
-        await asyncio.sleep(1.5)
         assert "2 of 3 nodes silent at once" in ctl.list_nodes()[1][0]
+        # Both re-checks failed, and the alarm holds both back from being declared lost.
+        await async_wait_for(lambda: all(HELD_BY_ALARM in ctl.nodes[n].reason for n in ("node-a", "node-b")),
+                             timeout=5, what="both nodes held back by the alarm")
         assert all(ctl.nodes[n].state == C.NODE_STATE_SUSPECT for n in ("node-a", "node-b"))
         assert len(client.starts()) == 3 and not client.stops()
         client.unreachable.clear()
@@ -210,6 +224,103 @@ async def test_many_silent_nodes_raise_an_alarm_and_nothing_moves(harness):
         assert all(n.state == C.NODE_STATE_READY for n in ctl.nodes.values())
     finally:
         beater.cancel()
+
+
+async def test_nodes_silent_together_but_noticed_one_by_one_raise_the_alarm(tmp_path):
+    clock = ManualClock()
+    h = Harness(tmp_path, clock=clock)  # heartbeat 0.1 s, grace 0.6 s
+    try:
+        await running_example(h, nodes=("node-a", "node-b", "node-c"))
+        ctl, client = h.controller, h.client
+        starts = len(client.starts())
+        client.unreachable.update({"node-a", "node-b"})
+        # Both stop at once; node-b's last heartbeat came one interval after node-a's.
+        clock.advance(0.1)
+        h.beat("node-b", "node-c")
+        clock.advance(0.55)
+        h.beat("node-c")
+        ctl.check_nodes()
+        assert (ctl.nodes["node-a"].state, ctl.nodes["node-b"].state) == (C.NODE_STATE_SUSPECT, C.NODE_STATE_READY)
+        await async_wait_for(lambda: ctl.nodes["node-a"].recheck_failed_at is not None, timeout=5, what="node-a re-check failed")
+        ctl.check_nodes()
+        assert ctl.nodes["node-a"].state == C.NODE_STATE_SUSPECT  # not lost before node-b had time to turn SUSPECT
+        clock.advance(0.1)
+        h.beat("node-c")
+        ctl.check_nodes()
+        assert ctl.nodes["node-b"].state == C.NODE_STATE_SUSPECT and "2 of 3 nodes silent at once" in ctl.alarm
+        await async_wait_for(lambda: ctl.nodes["node-b"].recheck_failed_at is not None, timeout=5, what="node-b re-check failed")
+        clock.advance(0.5)
+        h.beat("node-c")
+        ctl.check_nodes()
+        assert all(HELD_BY_ALARM in ctl.nodes[n].reason for n in ("node-a", "node-b"))
+        assert all(ctl.nodes[n].state == C.NODE_STATE_SUSPECT for n in ("node-a", "node-b"))
+        assert len(client.starts()) == starts and not client.stops()
+    finally:
+        await h.stop()
+
+
+async def test_moves_off_lost_nodes_wait_for_the_reschedule_rate_limit(tmp_path):
+    clock = ManualClock()
+    h = Harness(tmp_path, clock=clock, reschedule_rate=0.01)  # a burst of 1 move, then 1 per 100 s
+    try:
+        ctl = await h.start()
+        for node in ("node-a", "node-b", "node-c", "node-d"):
+            h.register(node, accelerators=1)
+        ctl.apply_deployment(small_deployment([{"name": "u", "role": "union", "count": 2}]))
+        await async_wait_for(lambda: len(h.client.starts()) == 2, timeout=5, what="2 engines started")
+        victims = {ctl.slots["u-0/rank0"].node_id, ctl.slots["u-1/rank0"].node_id}
+        spare = sorted({"node-a", "node-b", "node-c", "node-d"} - victims)
+        assert len(victims) == 2
+        h.client.unreachable.update(victims)
+        clock.advance(h.config.node_grace + 0.1)
+        h.beat(*spare)
+        ctl.check_nodes()  # 2 of 4 silent: no alarm; re-checked, refused
+        await async_wait_for(lambda: all(ctl.nodes[n].recheck_failed_at is not None for n in victims), timeout=5)
+        clock.advance(2 * h.config.heartbeat_interval)
+        h.beat(*spare)
+        ctl.check_nodes()
+        assert all(ctl.nodes[n].state == C.NODE_STATE_LOST for n in victims)
+        await async_wait_for(lambda: len(h.client.starts()) >= 3, timeout=5, what="the first move")
+        ctl.reconcile_once()
+        waiting = [i for i in ("u-0", "u-1") if not ctl.slots[f"{i}/rank0"].node_id]
+        assert len(waiting) == 1, "the second move should wait for the rate limit"
+        assert len(h.client.starts()) == 3
+        inst = h.instance(waiting[0])
+        assert inst.state == C.INSTANCE_STATE_PENDING
+        assert inst.reason == "waiting for the reschedule rate limit (0.01 engines/s)"
+        clock.advance(100)  # the bucket holds one move again
+        h.beat(*spare)
+        ctl.reconcile_once()
+        await async_wait_for(lambda: len(h.client.starts()) == 4, timeout=5, what="the second move")
+        assert {s.node_id for s in ctl.slots.values()} == set(spare)
+    finally:
+        await h.stop()
+
+
+async def test_after_a_restart_nothing_starts_until_every_node_reported_or_the_grace_ended(tmp_path):
+    clock = ManualClock()
+    h = Harness(tmp_path, clock=clock, node_grace=5.0, startup_grace=1.0)
+    try:
+        await running_example(h, accelerators=2)  # 3 ranks on 2 accelerators per node: both nodes used
+        client = h.client
+        on_b = sorted(client.engines["node-b"])
+        before = len(client.starts())
+        assert on_b and before == 3
+        await h.stop()
+        ctl = await h.start(client)
+        h.beat("node-a")  # node-b has not reported to this process yet
+        ctl.reconcile_once()
+        await asyncio.sleep(0)  # a launch would have called StartEngine by now
+        assert len(client.starts()) == before
+        clock.advance(1.5)  # the start-up grace ends without node-b
+        h.beat("node-a")
+        ctl.reconcile_once()
+        await async_wait_for(lambda: len(client.starts()) == before + len(on_b), timeout=5)
+        started = [c for c in client.calls if c[0] == "start"][before:]
+        assert sorted(f"{c[2].instance_id}/rank{c[2].dp_rank}" for c in started) == on_b
+        assert {c[1] for c in started} == {"node-b"}
+    finally:
+        await h.stop()
 
 
 async def test_restart_adopts_running_engines_without_restarting_them(harness):
