@@ -6,10 +6,15 @@
 //	motor-go-client [-addr ...] [-json] instances
 //	motor-go-client [-addr ...] apply deployment.json
 //	motor-go-client [-addr ...] [-json] watch [-until EVENT_TYPE_ENGINE_FAILED] [-count N]
+//
+// With TLS (docs/security.md): -cacert ca.crt, plus a client certificate (-cert, -key) or a
+// bearer token (-token-file operator.token); without -cacert the connection is plaintext.
 package main
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"flag"
 	"fmt"
 	"io"
@@ -20,6 +25,7 @@ import (
 
 	motorv1 "github.com/motor-llm/motor/gen/go/motor/v1"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
@@ -61,6 +67,10 @@ func main() {
 	addr := flag.String("addr", envOr("MOTOR_CONTROLLER", "localhost:50051"), "controller address (env MOTOR_CONTROLLER)")
 	asJSON := flag.Bool("json", false, "print protobuf JSON, one message per line")
 	timeout := flag.Duration("timeout", 10*time.Second, "deadline of unary calls and of connecting")
+	caFile := flag.String("cacert", "", "CA bundle that signed the controller's certificate: connect with TLS")
+	certFile := flag.String("cert", "", "client certificate (with -key and -cacert): identity from the certificate")
+	keyFile := flag.String("key", "", "key of -cert")
+	tokenFile := flag.String("token-file", "", "file holding a bearer token (with -cacert): identity from the token")
 	flag.Usage = func() { fmt.Fprint(os.Stderr, usage); flag.PrintDefaults() }
 	flag.Parse()
 	if flag.NArg() < 1 {
@@ -77,7 +87,8 @@ func main() {
 	}
 
 	dialCtx, cancelDial := context.WithTimeout(context.Background(), *timeout)
-	conn, err := grpc.DialContext(dialCtx, *addr, grpc.WithInsecure(), grpc.WithBlock())
+	options := append(transportOptions(*caFile, *certFile, *keyFile, *tokenFile), grpc.WithBlock())
+	conn, err := grpc.DialContext(dialCtx, *addr, options...)
 	cancelDial()
 	if err != nil {
 		fail("cannot connect to the controller at %s: %v", *addr, err)
@@ -95,6 +106,53 @@ func main() {
 	case "watch":
 		watch(client, *asJSON, args)
 	}
+}
+
+// bearerToken sends "authorization: Bearer <token>" with every call (over TLS only).
+type bearerToken string
+
+func (t bearerToken) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
+	return map[string]string{"authorization": "Bearer " + string(t)}, nil
+}
+
+func (bearerToken) RequireTransportSecurity() bool { return true }
+
+// transportOptions: plaintext without a CA; TLS with one, plus a client certificate or a token.
+func transportOptions(caFile, certFile, keyFile, tokenFile string) []grpc.DialOption {
+	if caFile == "" {
+		if certFile != "" || tokenFile != "" {
+			fail("-cert and -token-file need -cacert (the CA that signed the controller's certificate)")
+		}
+		return []grpc.DialOption{grpc.WithInsecure()}
+	}
+	pem, err := os.ReadFile(caFile)
+	if err != nil {
+		fail("-cacert: %v", err)
+	}
+	roots := x509.NewCertPool()
+	if !roots.AppendCertsFromPEM(pem) {
+		fail("-cacert: %s holds no PEM certificate", caFile)
+	}
+	config := &tls.Config{RootCAs: roots, MinVersion: tls.VersionTLS12}
+	if (certFile == "") != (keyFile == "") {
+		fail("-cert and -key go together")
+	}
+	if certFile != "" {
+		pair, err := tls.LoadX509KeyPair(certFile, keyFile)
+		if err != nil {
+			fail("-cert/-key: %v", err)
+		}
+		config.Certificates = []tls.Certificate{pair}
+	}
+	options := []grpc.DialOption{grpc.WithTransportCredentials(credentials.NewTLS(config))}
+	if tokenFile != "" {
+		token, err := os.ReadFile(tokenFile)
+		if err != nil {
+			fail("-token-file: %v", err)
+		}
+		options = append(options, grpc.WithPerRPCCredentials(bearerToken(strings.TrimSpace(string(token)))))
+	}
+	return options
 }
 
 func envOr(name, fallback string) string {

@@ -8,6 +8,9 @@
 //   node client.js [--addr ...] [--json] instances
 //   node client.js [--addr ...] apply deployment.json
 //   node client.js [--addr ...] [--json] watch [--until EVENT_TYPE_ENGINE_FAILED] [--count N]
+//
+// With TLS (docs/security.md): --cacert ca.crt, plus a client certificate (--cert, --key) or a
+// bearer token (--token-file operator.token); without --cacert the connection is plaintext.
 
 const fs = require("fs");
 const path = require("path");
@@ -30,6 +33,9 @@ options:
   --timeout SECONDS     deadline of unary calls and of connecting (default 10)
   --until TYPE          watch: stop after the first event of TYPE (e.g. EVENT_TYPE_ENGINE_FAILED)
   --count N             watch: stop after N events
+  --cacert FILE         CA bundle that signed the controller's certificate: connect with TLS
+  --cert FILE, --key FILE  client certificate and key (with --cacert): identity from the certificate
+  --token-file FILE     file holding a bearer token (with --cacert): identity from the token
 `;
 
 function fail(message) {
@@ -41,6 +47,36 @@ function fail(message) {
 function failRpc(call, error) {
   const code = Object.keys(grpc.status).find((name) => grpc.status[name] === error.code) || error.code;
   fail(`${call}: ${code}: ${error.details || error.message}`);
+}
+
+function readOrFail(file, option) {
+  try {
+    return fs.readFileSync(file);
+  } catch (error) {
+    return fail(`${option}: ${error.message}`);
+  }
+}
+
+// Plaintext without a CA; TLS with one, plus a client certificate or a bearer token.
+function channelCredentials(values) {
+  if (!values.cacert) {
+    if (values.cert || values["token-file"]) fail("--cert and --token-file need --cacert (the CA that signed the controller's certificate)");
+    return grpc.credentials.createInsecure();
+  }
+  if (Boolean(values.cert) !== Boolean(values.key)) fail("--cert and --key go together");
+  const tls = grpc.credentials.createSsl(
+    readOrFail(values.cacert, "--cacert"),
+    values.key ? readOrFail(values.key, "--key") : null,
+    values.cert ? readOrFail(values.cert, "--cert") : null,
+  );
+  if (!values["token-file"]) return tls;
+  const token = readOrFail(values["token-file"], "--token-file").toString().trim();
+  const bearer = grpc.credentials.createFromMetadataGenerator((_, callback) => {
+    const metadata = new grpc.Metadata();
+    metadata.add("authorization", `Bearer ${token}`);
+    callback(null, metadata);
+  });
+  return grpc.credentials.combineChannelCredentials(tls, bearer);
 }
 
 function loadApi(protoDir) {
@@ -156,6 +192,10 @@ async function main() {
         timeout: { type: "string", default: "10" },
         until: { type: "string", default: "" },
         count: { type: "string", default: "0" },
+        cacert: { type: "string", default: "" },
+        cert: { type: "string", default: "" },
+        key: { type: "string", default: "" },
+        "token-file": { type: "string", default: "" },
         help: { type: "boolean", short: "h", default: false },
       },
     });
@@ -180,7 +220,7 @@ async function main() {
   if (options.until && !definition["motor.v1.EventType"].type.value.some((v) => v.name === options.until)) {
     fail(`--until: unknown event type ${JSON.stringify(options.until)} (e.g. EVENT_TYPE_ENGINE_FAILED)`);
   }
-  const client = new api.ControllerService(values.addr, grpc.credentials.createInsecure());
+  const client = new api.ControllerService(values.addr, channelCredentials(values));
   await new Promise((resolve) => {
     client.waitForReady(new Date(Date.now() + options.timeout * 1000), (error) => {
       if (error) fail(`cannot connect to the controller at ${values.addr}: ${error.message}`);

@@ -41,7 +41,8 @@ def response_class(method: Any) -> Any:
 
 
 class EmptyServices:
-    """Every RPC of SERVICES answers an empty response; streams send one, then each `push`."""
+    """Every RPC of SERVICES answers an empty response (ApplyDeployment echoes the deployment);
+    streams send one, then one more at each `push`."""
 
     def __init__(self) -> None:
         self.calls: list[str] = []
@@ -54,7 +55,10 @@ class EmptyServices:
     def _unary(self, method: Any):
         async def answer(request, context):
             self.calls.append(method.name)
-            return response_class(method)()
+            response = response_class(method)()
+            if method.name == "ApplyDeployment":  # clients print the deployment they get back
+                response.deployment.CopyFrom(request.deployment)
+            return response
 
         return answer
 
