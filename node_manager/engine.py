@@ -7,12 +7,17 @@ Lifecycle (one transition function, a reason on every transition):
     STARTING/RUNNING --exit not asked for, or killed when abnormal--> FAILED
     STOPPING --processes survived SIGKILL--> FAILED
 
+While the engine is active, `ending` says which path of the node manager is ending it (stop,
+kill, or handling an exit): the first to claim it acts, the others leave the engine alone.
+
 STOPPED and FAILED are final for a record: a later StartEngine creates a new record.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import enum
 import json
 import logging
 import os
@@ -26,6 +31,7 @@ from google.protobuf import json_format
 from motor.names import engine_id as make_engine_id
 from motor.processes import ExitStatus, TreeId
 from motor.v1 import types_pb2
+from node_manager.process_ops import ExitWatcher
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +57,16 @@ RECENT_PROBES = 5
 
 def state_name(state: State) -> str:
     return types_pb2.EngineState.Name(state).removeprefix("ENGINE_STATE_")
+
+
+class Ending(enum.Enum):
+    """Who ends an active engine: one path at a time, the others leave it alone. Set while the
+    engine is STARTING, RUNNING or STOPPING, until it reaches STOPPED or FAILED."""
+
+    NONE = "none"
+    STOP = "stop"  # StopEngine or fencing: SIGTERM, deadline, SIGKILL
+    KILL = "kill"  # the node manager's kill decision on an abnormal verdict
+    EXIT = "exit"  # an exit nobody asked for is being handled (or happened while away)
 
 
 class TransitionError(RuntimeError):
@@ -84,10 +100,9 @@ class EngineRecord:
     recent_probes: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_PROBES))
     remembered: list[tuple[int, float]] = field(default_factory=list)  # descendants seen alive
     # Runtime only -------------------------------------------------------------------------
-    watch: Any = None  # motor.processes.ExitWatch
-    tasks: list[Any] = field(default_factory=list)  # monitor tasks, cancelled when the engine ends
-    busy: str = ""  # "stop" or "kill" while the node manager itself is ending the engine
-    settled: Any = None  # asyncio.Event set once the record reached a final state
+    watch: ExitWatcher | None = None  # notices the engine server's exit
+    ending: Ending = Ending.NONE  # who is ending the engine, once something is
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # set once in a final state
 
     @property
     def engine_id(self) -> str:
@@ -110,6 +125,18 @@ class EngineRecord:
         """The tree found by token only: once the engine has ended, its pid and process group
         id may belong to someone else."""
         return TreeId(pid=0, pgid=0, token=self.token, started=self.process_started)
+
+    @property
+    def being_ended(self) -> bool:
+        return self.ending is not Ending.NONE
+
+    def claim_ending(self, ending: Ending) -> bool:
+        """The one way to set `ending`: True when the caller now ends this active engine, False
+        when something else already does (or it has ended): then the caller leaves it alone."""
+        if not self.active or self.being_ended:
+            return False
+        self.ending = ending
+        return True
 
     def transition(self, new_state: State, reason: str, on_change: Callable[["EngineRecord", State], None]) -> None:
         """The one way to change state; `on_change(record, old_state)` persists and publishes."""

@@ -26,7 +26,9 @@ class Verdict:
     health: int  # what to show as the engine's health
     reason: str
     counted: bool  # this heartbeat counted as abnormal
-    kill: bool  # the threshold was reached
+    kill: bool  # the threshold was reached: the engine is to be killed
+    consecutive: int = 0  # abnormal heartbeats in a row, this one included
+    kill_reason: str = ""  # set with `kill`: the reason to kill, with the streak's reasons
 
 
 @dataclass
@@ -61,13 +63,15 @@ class HealthJudge:
         if reset:
             self.consecutive = 0
             self.reasons.clear()
-        return Verdict(health, reason, counted=False, kill=False)
+        return Verdict(health, reason, counted=False, kill=False, consecutive=self.consecutive)
 
     def _abnormal(self, health: int, reason: str) -> Verdict:
         self.consecutive += 1
         self.reasons.append(reason)
         del self.reasons[: -self.threshold]
-        return Verdict(health, reason, counted=True, kill=self.consecutive >= self.threshold)
+        kill = self.consecutive >= self.threshold
+        return Verdict(health, reason, counted=True, kill=kill, consecutive=self.consecutive,
+                       kill_reason=self.kill_reason() if kill else "")
 
     def kill_reason(self) -> str:
         return f"killed after {self.consecutive} abnormal heartbeats: {summarize(self.reasons)}"

@@ -1,29 +1,28 @@
 """The node manager's behaviour: launching, supervising and stopping engine servers.
 
-No gRPC server code here (the servicer in service.py is a thin translation layer); the only
-gRPC used is the client side towards the engines' management planes.
+No gRPC server code here (the servicer in service.py is a thin translation layer). The parts:
+- specs.py checks a StartEngine request and builds the engine's command line;
+- monitor.py watches each engine's health and reports verdicts here: this class alone decides
+  to kill an engine (and handles exits, stops and re-adoption after a restart);
+- every process operation and reading of time goes through `ProcessOps` and `Clock`
+  (process_ops.py), so that tests can drive the decisions on fakes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import subprocess
-import time
 import uuid
-from typing import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 
-import grpc
-
-from motor import processes
-from motor.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from motor.grpc_server import TlsFiles, aio_channel
-from motor.names import ROLE_NAMES, check_instance_id, parse_engine_id, role_name
+from motor.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from motor.names import engine_id as make_engine_id
+from motor.names import parse_engine_id
 from motor.ports import PortAllocator, port_is_free
-from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
+from motor.processes import ExitStatus
+from motor.v1 import engine_pb2, types_pb2
+from node_manager import specs
 from node_manager.config import NodeManagerConfig
 from node_manager.engine import (
     FAILED,
@@ -32,16 +31,19 @@ from node_manager.engine import (
     STOPPED,
     STOPPING,
     EngineRecord,
+    Ending,
     RecordStore,
+    State,
     state_name,
 )
-from node_manager.health import HealthJudge
+from node_manager.engine_client import EngineClient, EngineClientFactory, GrpcEngineClient
+from node_manager.health import Verdict
 from node_manager.metrics import Metrics
+from node_manager.monitor import EngineMonitor
+from node_manager.process_ops import Clock, ExitWatcher, Launched, ProcessOps, RealProcessOps, SystemClock
 
 logger = logging.getLogger(__name__)
 
-# Bounds that catch nonsense in a spec (a rank or port far outside anything real).
-MAX_DP_RANK = 4095
 # Lines of the engine's log quoted in the reason of an unexpected exit.
 LOG_TAIL_LINES = 3
 
@@ -49,11 +51,17 @@ Reporter = Callable[[types_pb2.Engine, str], Awaitable[None]]
 
 
 class NodeManager:
-    """Engines of one host. Call `await start()` once (re-adopts engines from the state dir)."""
+    """Engines of one host. Call `await start()` once (re-adopts engines from the state dir).
 
-    def __init__(self, config: NodeManagerConfig):
+    `ops`, `clock` and `engine_clients` default to the real ones; tests pass fakes."""
+
+    def __init__(self, config: NodeManagerConfig, ops: ProcessOps | None = None, clock: Clock | None = None,
+                 engine_clients: EngineClientFactory | None = None):
         self.config = config
         self.node_id = config.node_id
+        self.ops: ProcessOps = ops or RealProcessOps()
+        self.clock: Clock = clock or SystemClock()
+        self.engine_clients: EngineClientFactory = engine_clients or self._grpc_client
         self.records: dict[str, EngineRecord] = {}
         self.store = RecordStore(config.engines_dir)
         self.metrics = Metrics(config.node_id)
@@ -62,10 +70,14 @@ class NodeManager:
         self.argv = config.engine_argv()
         # Called with (engine, reason) whenever an engine fails: the controller link reports it.
         self.reporter: Reporter | None = None
-        self._subscribers: set[asyncio.Queue] = set()
+        self._monitors: dict[str, EngineMonitor] = {}
+        self._subscribers: set[asyncio.Queue[types_pb2.Engine | None]] = set()
         self._locks: dict[str, asyncio.Lock] = {}
         self._background: set[asyncio.Task] = set()
         self._closed = False
+
+    def _grpc_client(self, spec: types_pb2.EngineSpec) -> EngineClient:
+        return GrpcEngineClient(spec, self.config)
 
     # Life of the node manager ---------------------------------------------------------------
 
@@ -73,29 +85,28 @@ class NodeManager:
         """Load the engine records and re-adopt engines still alive (after a restart)."""
         for record in self.store.load_all():
             self.records[record.engine_id] = record
-            record.settled = asyncio.Event()
             if not record.active:
                 record.settled.set()
                 continue
             for port in record.allocated_ports:
                 self.ports.reserve(port)
-            if record.pid and processes.same_process(record.pid, record.process_started):
+            if record.pid and self.ops.same_process(record.pid, record.process_started):
                 logger.info("engine %s: re-adopting pid %d (%s)", record.engine_id, record.pid, state_name(record.state))
-                self._watch(record, popen=None)
+                self._watch(record, child=None)
                 if record.state == STOPPING:
                     self._begin_stop(record, self.config.stop_deadline, "stop requested before a node-manager restart")
                 else:
                     self._monitor(record)
             else:
-                record.busy = "exit"
-                self._spawn(self._handle_exit(record, processes.ExitStatus(), while_away=True))
+                record.claim_ending(Ending.EXIT)
+                self._spawn(self._handle_exit(record, ExitStatus(), while_away=True))
         self._publish_counts()
 
     async def close(self) -> None:
         """Stop supervising (engines keep running: a restarted node manager re-adopts them)."""
         self._closed = True
         for record in self.records.values():
-            self._cancel_tasks(record)
+            self._stop_monitor(record)
             if record.watch is not None:
                 record.watch.close()
         for task in list(self._background):
@@ -119,7 +130,7 @@ class NodeManager:
 
     async def watch(self) -> AsyncIterator[tuple[types_pb2.Engine, bool]]:
         """Every engine at once (snapshot=True), then each change, until the caller stops."""
-        queue: asyncio.Queue = asyncio.Queue(maxsize=10000)
+        queue: asyncio.Queue[types_pb2.Engine | None] = asyncio.Queue(maxsize=10000)
         self._subscribers.add(queue)
         try:
             for engine in self.engines():
@@ -137,12 +148,12 @@ class NodeManager:
     async def start_engine(self, spec: types_pb2.EngineSpec) -> EngineRecord:
         requested = types_pb2.EngineSpec()
         requested.CopyFrom(spec)
-        self._check_spec(spec)
+        specs.check_spec(spec, self.config)
         engine_id = make_engine_id(spec.instance_id, spec.dp_rank)
         async with self._lock(engine_id):
             existing = self.records.get(engine_id)
             if existing is not None and existing.active:
-                if self._same_request(existing, requested):
+                if specs.same_request(existing.spec, requested):
                     return existing
                 raise AlreadyExists(
                     f"engine {engine_id} already runs on node {self.node_id} with another spec "
@@ -153,72 +164,20 @@ class NodeManager:
                     f"engine {engine_id}: generation {spec.generation} is older than generation "
                     f"{existing.generation} that already ran here (stale request)"
                 )
-            record, popen = self._launch(spec, requested)
+            record, child = self._launch(requested)
             if existing is not None:
                 self.metrics.restarts.labels(self.node_id).inc()
             self.records[engine_id] = record
             self._changed(record, None)
-            self._watch(record, popen=popen)
+            self._watch(record, child=child)
             self._monitor(record)
             return record
 
-    def _check_spec(self, spec: types_pb2.EngineSpec) -> None:
-        """Everything that can be checked without touching the running engines' resources."""
-        check_instance_id(spec.instance_id, "spec.instance_id")
-        if spec.role not in ROLE_NAMES:
-            raise InvalidArgument(f"spec.role {spec.role} is not a role: use ROLE_PREFILL, ROLE_DECODE or ROLE_UNION")
-        if spec.dp_rank > MAX_DP_RANK:
-            raise InvalidArgument(f"spec.dp_rank {spec.dp_rank} is out of range (0-{MAX_DP_RANK})")
-        for name in ("port", "mgmt_port", "kv_port", "dp_rpc_port"):
-            if getattr(spec, name) > 65535:
-                raise InvalidArgument(f"spec.{name} {getattr(spec, name)} is not a TCP port (1-65535, or 0 to allocate)")
-        if not spec.single_container and (spec.kv_port or spec.dp_rpc_port):
-            raise InvalidArgument("spec.kv_port and spec.dp_rpc_port are only used with spec.single_container")
-        given = [p for p in self._port_fields(spec) if getattr(spec, p)]
-        if len({getattr(spec, p) for p in given}) != len(given):
-            raise InvalidArgument(f"spec ports must differ: {', '.join(f'{p}={getattr(spec, p)}' for p in given)}")
-        if bool(spec.config_path) == bool(spec.config_json):
-            raise InvalidArgument("spec: set exactly one of config_path (a file on the node) and config_json")
-        if spec.config_json:
-            try:
-                if not isinstance(json.loads(spec.config_json), dict):
-                    raise ValueError("not a JSON object")
-            except ValueError as exc:
-                raise InvalidArgument(f"spec.config_json is not a JSON object: {exc}") from None
-        elif not os.path.isfile(spec.config_path):
-            raise FailedPrecondition(f"spec.config_path {spec.config_path!r}: no such file on node {self.node_id}")
-        ids = list(spec.accelerator_ids)
-        if len(set(ids)) != len(ids):
-            raise InvalidArgument(f"spec.accelerator_ids {ids} lists an accelerator twice")
-        missing = sorted(set(ids) - set(self.config.accelerators))
-        if missing:
-            raise FailedPrecondition(
-                f"spec.accelerator_ids: accelerator(s) {missing} are not on node {self.node_id} "
-                f"(it has {self.config.accelerators or 'none'})"
-            )
-
-    @staticmethod
-    def _port_fields(spec: types_pb2.EngineSpec) -> list[str]:
-        return ["port", "mgmt_port"] + (["kv_port", "dp_rpc_port"] if spec.single_container else [])
-
-    def _same_request(self, record: EngineRecord, requested: types_pb2.EngineSpec) -> bool:
-        """A repeated StartEngine asks for the running engine: unset ports, host and config match."""
-        wanted = types_pb2.EngineSpec()
-        wanted.CopyFrom(requested)
-        for name in ("port", "mgmt_port", "kv_port", "dp_rpc_port", "host", "master_dp_ip"):
-            if not getattr(wanted, name):
-                setattr(wanted, name, getattr(record.spec, name))
-        if wanted.config_json and not wanted.config_path:
-            wanted.config_path = record.spec.config_path
-        elif wanted.config_path:
-            wanted.config_path = os.path.abspath(wanted.config_path)
-        return wanted == record.spec
-
-    def _launch(self, spec: types_pb2.EngineSpec, requested: types_pb2.EngineSpec) -> tuple[EngineRecord, subprocess.Popen]:
+    def _launch(self, requested: types_pb2.EngineSpec) -> tuple[EngineRecord, Launched]:
         """Allocate accelerators and ports, write the config, exec the engine server."""
-        engine_id = make_engine_id(spec.instance_id, spec.dp_rank)
+        engine_id = make_engine_id(requested.instance_id, requested.dp_rank)
         busy = {a: r.engine_id for r in self.active_engines() for a in r.spec.accelerator_ids}
-        taken = sorted(a for a in spec.accelerator_ids if a in busy)
+        taken = sorted(a for a in requested.accelerator_ids if a in busy)
         if taken:
             raise FailedPrecondition(
                 f"spec.accelerator_ids: accelerator(s) {taken} are in use by {sorted({busy[a] for a in taken})}"
@@ -229,22 +188,7 @@ class NodeManager:
         spec.master_dp_ip = spec.master_dp_ip or spec.host
         reserved: list[int] = []  # every port of the engine, released when it ends
         try:
-            used = {p: r.engine_id for r in self.active_engines() for p in self._ports_of(r.spec)}
-            for name in self._port_fields(spec):
-                port = getattr(spec, name)
-                if port:
-                    if port in used:
-                        raise FailedPrecondition(f"spec.{name} {port} is in use by engine {used[port]}")
-                    if not port_is_free(port, spec.host):
-                        raise FailedPrecondition(f"spec.{name} {port} is already in use on {spec.host}")
-                    self.ports.reserve(port)
-                else:
-                    try:
-                        port = self.ports.allocate()
-                    except RuntimeError as exc:
-                        raise FailedPrecondition(f"spec.{name}: {exc} on node {self.node_id}") from None
-                    setattr(spec, name, port)
-                reserved.append(port)
+            self._reserve_ports(spec, reserved)
             engine_dir = os.path.abspath(self.store.engine_dir(spec))
             if spec.config_json:
                 spec.config_path = os.path.join(engine_dir, "user_config.json")
@@ -252,19 +196,13 @@ class NodeManager:
                     handle.write(spec.config_json)
             else:
                 spec.config_path = os.path.abspath(spec.config_path)
-            log_path = os.path.abspath(
-                os.path.join(self.config.logs_dir, "engines", f"{spec.instance_id}_rank{spec.dp_rank}.log")
-            )
-            argv = self._engine_argv(spec)
-            env = dict(os.environ)
-            visible = ",".join(str(a) for a in spec.accelerator_ids)
-            env["CUDA_VISIBLE_DEVICES"] = visible
-            env["ASCEND_RT_VISIBLE_DEVICES"] = visible
+            log_path = specs.log_path(self.config, spec)
+            argv = specs.engine_argv(self.argv, spec)
             token = uuid.uuid4().hex
             try:
                 # Run in the engine's own directory: files it writes relative to its working
                 # directory (engine_server_log/, core dumps) stay with the engine's state.
-                popen = processes.launch(argv, log_path, env=env, token=token, cwd=engine_dir)
+                child = self.ops.launch(argv, log_path, specs.engine_env(spec, dict(os.environ)), token, engine_dir)
             except OSError as exc:
                 raise FailedPrecondition(
                     f"cannot launch the engine command {argv[0]!r} (--engine-command): {exc.strerror or exc}"
@@ -273,41 +211,42 @@ class NodeManager:
             for port in reserved:
                 self.ports.release(port)
             raise
+        now = self.clock.time()
         record = EngineRecord(
             spec=spec,
             requested=requested,
             log_path=log_path,
             token=token,
             state=STARTING,
-            state_reason=f"launched pid {popen.pid}",
-            pid=popen.pid,
-            pgid=popen.pid,
-            process_started=processes.create_time(popen.pid),
+            state_reason=f"launched pid {child.pid}",
+            state_changed_at=now,
+            started_at=now,
+            pid=child.pid,
+            pgid=child.pid,
+            process_started=self.ops.create_time(child.pid),
             allocated_ports=reserved,
         )
-        record.settled = asyncio.Event()
-        logger.info("engine %s: launched pid %d: %s (log %s)", engine_id, popen.pid, " ".join(argv), log_path)
-        return record, popen
+        logger.info("engine %s: launched pid %d: %s (log %s)", engine_id, child.pid, " ".join(argv), log_path)
+        return record, child
 
-    @staticmethod
-    def _ports_of(spec: types_pb2.EngineSpec) -> list[int]:
-        return [p for p in (spec.port, spec.mgmt_port, spec.kv_port, spec.dp_rpc_port) if p]
-
-    def _engine_argv(self, spec: types_pb2.EngineSpec) -> list[str]:
-        argv = [
-            *self.argv,
-            "--dp-rank", str(spec.dp_rank),
-            "--instance-id", spec.instance_id,
-            "--role", role_name(spec.role),
-            "--host", spec.host,
-            "--port", str(spec.port),
-            "--mgmt-port", str(spec.mgmt_port),
-            "--master-dp-ip", spec.master_dp_ip,
-            "--config-path", spec.config_path,
-        ]
-        if spec.single_container:
-            argv += ["--kv-port", str(spec.kv_port), "--dp-rpc-port", str(spec.dp_rpc_port)]
-        return argv
+    def _reserve_ports(self, spec: types_pb2.EngineSpec, reserved: list[int]) -> None:
+        """Check the given ports free, allocate the others; each one is appended to `reserved`."""
+        used = {p: r.engine_id for r in self.active_engines() for p in specs.ports_of(r.spec)}
+        for name in specs.port_fields(spec):
+            port = getattr(spec, name)
+            if port:
+                if port in used:
+                    raise FailedPrecondition(f"spec.{name} {port} is in use by engine {used[port]}")
+                if not port_is_free(port, spec.host):
+                    raise FailedPrecondition(f"spec.{name} {port} is already in use on {spec.host}")
+                self.ports.reserve(port)
+            else:
+                try:
+                    port = self.ports.allocate()
+                except RuntimeError as exc:
+                    raise FailedPrecondition(f"spec.{name}: {exc} on node {self.node_id}") from None
+                setattr(spec, name, port)
+            reserved.append(port)
 
     # StopEngine -------------------------------------------------------------------------------
 
@@ -324,70 +263,73 @@ class NodeManager:
         # Idempotent clean-up: nothing of an ended engine may be left running (found by its token:
         # its pid and process group may belong to someone else by now).
         token_tree = record.token_tree
-        if await asyncio.to_thread(processes.find_tree, token_tree):
+        if await self.ops.find_tree(token_tree):
             self.metrics.kill("orphans")
-            await processes.kill_tree_confirmed(token_tree)
+            await self.ops.kill_tree_confirmed(token_tree)
         return record
 
     def _begin_stop(self, record: EngineRecord, deadline: float, why: str) -> None:
-        if record.active and not record.busy:
-            record.busy = "stop"
+        if record.claim_ending(Ending.STOP):
             self._spawn(self._stop(record, deadline, why))
 
     async def _stop(self, record: EngineRecord, deadline: float, why: str) -> None:
-        self._cancel_tasks(record)
+        self._stop_monitor(record)
         if record.state != STOPPING:
             record.transition(STOPPING, f"{why}: SIGTERM, {deadline:g}s deadline", self._changed)
-        began = time.monotonic()
-        graceful, left = await processes.terminate_tree(
-            record.tree, record.watch.exited, deadline, record.remembered
-        )
+        watch = self._watcher(record)
+        began = self.clock.monotonic()
+        graceful, left = await self.ops.terminate_tree(record.tree, watch.exited, deadline, record.remembered)
         if not graceful:
             self.metrics.kill("stop_deadline")
         await self._wait_exit(record)
-        status = record.watch.status or processes.ExitStatus()
+        status = watch.status or ExitStatus()
         record.record_exit(status)
         if left:
-            self._end(record, FAILED, f"{why}: processes {[p.pid for p in left]} survived SIGKILL")
+            self._end(record, FAILED, f"{why}: processes {left} survived SIGKILL")
             return
-        how = (f"{status.describe()} {time.monotonic() - began:.2f}s after SIGTERM" if graceful
+        how = (f"{status.describe()} {self.clock.monotonic() - began:.2f}s after SIGTERM" if graceful
                else f"SIGKILL after the {deadline:g}s deadline")
         self._end(record, STOPPED, f"{why}: {how}")
 
     async def _wait_exit(self, record: EngineRecord, timeout: float = 10.0) -> None:
         try:
-            await asyncio.wait_for(record.watch.exited.wait(), timeout)
+            await asyncio.wait_for(self._watcher(record).exited.wait(), timeout)
         except asyncio.TimeoutError:
             logger.error("engine %s: pid %d exit not confirmed %gs after its tree was killed", record.engine_id, record.pid, timeout)
 
-    # Exits and kills --------------------------------------------------------------------------
+    # Exits --------------------------------------------------------------------------------------
 
-    def _watch(self, record: EngineRecord, popen) -> None:
-        watch = processes.ExitWatch(
-            record.pid, lambda status: self._on_exit(record, status), popen=popen, started=record.process_started
+    def _watch(self, record: EngineRecord, child: Launched | None) -> None:
+        record.watch = self.ops.watch_exit(
+            record.pid, lambda status: self._on_exit(record, status), child=child, started=record.process_started
         )
-        record.watch = watch
-        watch.start()
 
-    def _on_exit(self, record: EngineRecord, status: processes.ExitStatus) -> None:
+    @staticmethod
+    def _watcher(record: EngineRecord) -> ExitWatcher:
+        assert record.watch is not None, f"engine {record.engine_id}: its exit is not watched"
+        return record.watch
+
+    def _on_exit(self, record: EngineRecord, status: ExitStatus) -> None:
         logger.info("engine %s: pid %d %s", record.engine_id, record.pid, status.describe())
-        if record.busy or self._closed:
-            return  # the stop or kill under way records it
-        record.busy = "exit"  # at once: a StopEngine arriving now waits for this instead
-        self._spawn(self._handle_exit(record, status))
+        if self._closed:
+            return
+        # Claimed at once: a StopEngine arriving now waits for this instead. When a stop or a
+        # kill is under way, that path records the exit.
+        if record.claim_ending(Ending.EXIT):
+            self._spawn(self._handle_exit(record, status))
 
-    async def _handle_exit(self, record: EngineRecord, status: processes.ExitStatus, while_away: bool = False) -> None:
+    async def _handle_exit(self, record: EngineRecord, status: ExitStatus, while_away: bool = False) -> None:
         """An exit nobody asked for (exit code 0 included) is a failure."""
-        self._cancel_tasks(record)
+        self._stop_monitor(record)
         # Children may outlive the engine server (an orphaned engine core holds accelerator memory).
         # After a restart the process group id may have been reused: use the token only then.
         tree = record.token_tree if while_away else record.tree
-        left = await asyncio.to_thread(processes.find_tree, tree, record.remembered)
+        left = await self.ops.find_tree(tree, record.remembered)
         if left:
             logger.warning("engine %s: killing %d leftover process(es) of its tree: %s",
-                           record.engine_id, len(left), [p.pid for p in left])
+                           record.engine_id, len(left), left)
             self.metrics.kill("orphans")
-            await processes.kill_tree_confirmed(tree, record.remembered)
+            await self.ops.kill_tree_confirmed(tree, record.remembered)
         was = state_name(record.state)
         record.record_exit(status)
         if while_away:
@@ -400,20 +342,7 @@ class NodeManager:
         self._end(record, FAILED, reason)
         await self._report(record, reason)
 
-    async def _kill_abnormal(self, record: EngineRecord, reason: str) -> None:
-        if record.busy or record.watch.status is not None:
-            return
-        record.busy = "kill"
-        self._cancel_tasks(record, keep=asyncio.current_task())
-        logger.warning("engine %s: %s", record.engine_id, reason)
-        self.metrics.kill("abnormal")
-        await processes.kill_tree_confirmed(record.tree, record.remembered)
-        await self._wait_exit(record)
-        record.record_exit(record.watch.status or processes.ExitStatus(signal=9))
-        self._end(record, FAILED, reason)
-        await self._report(record, reason)
-
-    def _end(self, record: EngineRecord, state: int, reason: str) -> None:
+    def _end(self, record: EngineRecord, state: State, reason: str) -> None:
         for port in record.allocated_ports:
             self.ports.release(port)
         record.transition(state, reason, self._changed)
@@ -439,119 +368,61 @@ class NodeManager:
         tail = " | ".join(lines[-LOG_TAIL_LINES:])
         return tail if len(tail) <= 600 else "..." + tail[-600:]
 
-    # Health monitoring ------------------------------------------------------------------------
+    # Health: the monitor reports, the manager decides ----------------------------------------
 
     def _monitor(self, record: EngineRecord) -> None:
-        record.tasks.append(self._spawn(self._poll_status(record)))
-        record.tasks.append(self._spawn(self._follow_probes(record)))
+        monitor = EngineMonitor(record, self.config, self.engine_clients, self.clock, self,
+                                self.metrics.status_latency.labels(self.node_id).observe)
+        self._monitors[record.engine_id] = monitor
+        monitor.start(self._spawn)
 
-    def _engine_channel(self, record: EngineRecord) -> grpc.aio.Channel:
-        host = record.spec.host
-        if host in ("0.0.0.0", "::", ""):
-            host = "127.0.0.1"
-        target = f"{host}:{record.spec.mgmt_port}"
-        # Reconnect quickly: a starting engine binds its port within a second or so, and the
-        # default 1 s (growing) reconnect backoff would delay noticing that it is up.
-        fast_reconnect = {"grpc.initial_reconnect_backoff_ms": 50, "grpc.min_reconnect_backoff_ms": 50,
-                          "grpc.max_reconnect_backoff_ms": 1000}
-        return aio_channel(target, engine_tls(record.spec, self.config), options=fast_reconnect)
+    def _stop_monitor(self, record: EngineRecord) -> None:
+        monitor = self._monitors.pop(record.engine_id, None)
+        if monitor is not None:
+            monitor.stop()
 
-    async def _poll_status(self, record: EngineRecord) -> None:
-        """Every heartbeat interval: GetStatus with a deadline, judged by HealthJudge."""
-        interval, timeout = self.config.heartbeat_interval, self.config.status_timeout
-        judge = HealthJudge(self.config.abnormal_threshold, self.config.startup_grace)
-        channel = self._engine_channel(record)
-        stub = engine_pb2_grpc.EngineServiceStub(channel)
-        try:
-            next_tick = time.monotonic()
-            while record.active and not record.busy:
-                status, error = None, ""
-                began = time.monotonic()
-                try:
-                    # wait_for_ready: within the deadline, wait for the engine's port instead of
-                    # failing at once on the channel's reconnect backoff from when it was starting.
-                    reply = await stub.GetStatus(engine_pb2.GetStatusRequest(), timeout=timeout, wait_for_ready=True)
-                    status = reply.status
-                    self.metrics.status_latency.labels(self.node_id).observe(time.monotonic() - began)
-                except grpc.aio.AioRpcError as exc:
-                    error = (f"GetStatus timed out after {timeout:g}s" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                             else f"GetStatus failed: {exc.code().name}: {exc.details()}")
-                if record.busy or not record.active:
-                    return
-                # A failed call that began before the engine answered on its probe stream (it was
-                # still binding its port) is older news than that answer: it is not judged.
-                stale = status is None and record.stream_heard_at > began
-                if not stale and await self._judge_heartbeat(record, judge, status, error):
-                    return
-                next_tick += interval
-                await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
-                next_tick = max(next_tick, time.monotonic() - interval)
-        finally:
-            await channel.close()
-
-    async def _judge_heartbeat(self, record: EngineRecord, judge: HealthJudge,
-                               status: types_pb2.EngineStatus | None, error: str) -> bool:
-        """Judge one GetStatus answer (or its absence); True when the engine was killed for it."""
-        # An answer on the probe stream counts as the engine having answered too.
-        judge.ever_answered |= record.ever_answered or record.state == RUNNING
-        verdict = judge.judge(status, error, time.time() - record.started_at)
+    def on_verdict(self, record: EngineRecord, verdict: Verdict, changed: bool) -> None:
+        """The kill decision: an engine whose verdict says the threshold was reached is killed
+        (unless it is already being stopped, or its exit is already known)."""
         self._remember_descendants(record)
-        changed = (record.health, record.health_reason, record.consecutive_abnormal) != (
-            verdict.health, verdict.reason, judge.consecutive)
-        record.health, record.health_reason = verdict.health, verdict.reason
-        record.consecutive_abnormal = judge.consecutive
-        record.ever_answered = judge.ever_answered
-        if verdict.counted:
-            logger.warning("engine %s: abnormal heartbeat %d/%d: %s", record.engine_id,
-                           judge.consecutive, judge.threshold, verdict.reason)
         if verdict.kill:
             self._publish(record)
-            await self._kill_abnormal(record, judge.kill_reason())
-            return True
-        if record.state == STARTING and verdict.health == types_pb2.HEALTH_STATUS_NORMAL:
+            self._begin_kill(record, verdict.kill_reason)
+        elif record.state == STARTING and verdict.health == types_pb2.HEALTH_STATUS_NORMAL:
             record.transition(RUNNING, "engine server reported NORMAL", self._changed)
         elif changed:
             self._publish(record)
-        return False
+
+    def on_stream_message(self, record: EngineRecord, message: engine_pb2.WatchProbesResponse) -> None:
+        if record.state == STARTING and message.status.status == types_pb2.HEALTH_STATUS_NORMAL:
+            record.health, record.health_reason = message.status.status, message.status.reason
+            record.transition(RUNNING, "engine server reported NORMAL", self._changed)
+        elif message.HasField("probe"):
+            self._publish(record)
+
+    def _begin_kill(self, record: EngineRecord, reason: str) -> None:
+        if self._watcher(record).status is not None or not record.claim_ending(Ending.KILL):
+            return
+        self._stop_monitor(record)
+        self._spawn(self._kill_abnormal(record, reason))
+
+    async def _kill_abnormal(self, record: EngineRecord, reason: str) -> None:
+        logger.warning("engine %s: %s", record.engine_id, reason)
+        self.metrics.kill("abnormal")
+        await self.ops.kill_tree_confirmed(record.tree, record.remembered)
+        await self._wait_exit(record)
+        record.record_exit(self._watcher(record).status or ExitStatus(signal=9))
+        self._end(record, FAILED, reason)
+        await self._report(record, reason)
 
     def _remember_descendants(self, record: EngineRecord) -> None:
         """Children re-parented to init after their parent died can still be found and killed."""
         known = {pid for pid, _ in record.remembered}
-        for item in processes.descendants(record.pid):
+        for item in self.ops.descendants(record.pid):
             if item[0] not in known:
                 record.remembered.append(item)
         if len(record.remembered) > 256:
-            record.remembered = [item for item in record.remembered if processes.same_process(*item)]
-
-    async def _follow_probes(self, record: EngineRecord) -> None:
-        """Keep last_probe / recent_probes from the engine's WatchProbes stream (reconnecting).
-
-        The stream also sends every status change at once: a starting engine is RUNNING as soon
-        as it reports NORMAL, without waiting for the next heartbeat. Counting abnormal
-        heartbeats stays with the periodic GetStatus (a stream can stall silently)."""
-        channel = self._engine_channel(record)
-        stub = engine_pb2_grpc.EngineServiceStub(channel)
-        try:
-            while record.active and not record.busy:
-                try:
-                    call = stub.WatchProbes(engine_pb2.WatchProbesRequest(), wait_for_ready=True)
-                    async for message in call:
-                        if record.busy or not record.active:
-                            return
-                        record.ever_answered = True
-                        record.stream_heard_at = time.monotonic()
-                        if message.HasField("probe"):
-                            record.add_probe(message.probe)
-                        if record.state == STARTING and message.status.status == types_pb2.HEALTH_STATUS_NORMAL:
-                            record.health, record.health_reason = message.status.status, message.status.reason
-                            record.transition(RUNNING, "engine server reported NORMAL", self._changed)
-                        elif message.HasField("probe"):
-                            self._publish(record)
-                except grpc.aio.AioRpcError as exc:
-                    logger.debug("engine %s: probe stream ended: %s", record.engine_id, exc.code().name)
-                await asyncio.sleep(self.config.heartbeat_interval)
-        finally:
-            await channel.close()
+            record.remembered = [item for item in record.remembered if self.ops.same_process(*item)]
 
     # Fencing by the controller ----------------------------------------------------------------
 
@@ -604,7 +475,7 @@ class NodeManager:
     def _lock(self, engine_id: str) -> asyncio.Lock:
         return self._locks.setdefault(engine_id, asyncio.Lock())
 
-    def _spawn(self, coro) -> asyncio.Task:
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._task_done)
@@ -614,40 +485,3 @@ class NodeManager:
         self._background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             logger.error("node manager task failed", exc_info=task.exception())
-
-    def _cancel_tasks(self, record: EngineRecord, keep: asyncio.Task | None = None) -> None:
-        for task in record.tasks:
-            if task is not keep:
-                task.cancel()
-        record.tasks = []
-
-
-def engine_tls(spec: types_pb2.EngineSpec, config: NodeManagerConfig) -> TlsFiles | None:
-    """TLS files for calling an engine's management plane, from its user_config's mgmt_tls_config.
-
-    The CA (--engine-tls-ca, else the section's ca_file) verifies the engine's certificate. When
-    the engine verifies clients (ca_file set) the node manager presents --engine-tls-cert/key,
-    else the section's cert_file/key_file (a certificate that must then allow client auth). An
-    unreadable config means plaintext: the engine server itself refuses to start with it (and
-    that failure is reported)."""
-    from engine_server.config import UserConfig, section_name_for
-
-    try:
-        if spec.config_json:
-            data = json.loads(spec.config_json)
-        else:
-            with open(spec.config_path, encoding="utf-8") as handle:
-                data = json.load(handle)
-        user_config = UserConfig.model_validate(data)
-        section = getattr(user_config, section_name_for(role_name(spec.role), user_config))
-    except Exception:
-        return None
-    tls = section.mgmt_tls_config if section is not None else None
-    if tls is None or not tls.enable_tls:
-        return None
-    ca = config.engine_tls_ca or tls.ca_file
-    if not tls.ca_file:
-        return TlsFiles(ca=ca)
-    if config.engine_tls_cert:
-        return TlsFiles(cert=config.engine_tls_cert, key=config.engine_tls_key, ca=ca)
-    return TlsFiles(cert=tls.cert_file, key=tls.key_file, ca=ca)

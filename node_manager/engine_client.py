@@ -1,0 +1,100 @@
+"""Calls from the node manager to one engine's management plane (GetStatus, WatchProbes).
+
+`EngineClient` is what the engine monitor needs; `GrpcEngineClient` is the real one (gRPC, with
+the engine's TLS settings); tests give the monitor a scripted fake instead.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator, Callable, Protocol
+
+import grpc
+
+from motor.grpc_server import TlsFiles, aio_channel
+from motor.names import role_name
+from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
+from node_manager.config import NodeManagerConfig
+
+
+class NoAnswer(Exception):
+    """The engine did not answer a call; the message says how (shown in the health reason)."""
+
+
+class EngineClient(Protocol):
+    async def get_status(self, timeout: float) -> types_pb2.EngineStatus:
+        """The engine's status within `timeout` seconds; NoAnswer when there is none."""
+
+    def watch_probes(self) -> AsyncIterator[engine_pb2.WatchProbesResponse]:
+        """The engine's probe stream; ends with NoAnswer when the call fails."""
+
+    async def close(self) -> None: ...
+
+
+# Makes a client for the engine of a spec (one per monitoring loop, closed when it ends).
+EngineClientFactory = Callable[[types_pb2.EngineSpec], EngineClient]
+
+
+class GrpcEngineClient:
+    def __init__(self, spec: types_pb2.EngineSpec, config: NodeManagerConfig):
+        host = spec.host
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        # Reconnect quickly: a starting engine binds its port within a second or so, and the
+        # default 1 s (growing) reconnect backoff would delay noticing that it is up.
+        fast_reconnect = {"grpc.initial_reconnect_backoff_ms": 50, "grpc.min_reconnect_backoff_ms": 50,
+                          "grpc.max_reconnect_backoff_ms": 1000}
+        self.channel = aio_channel(f"{host}:{spec.mgmt_port}", engine_tls(spec, config), options=fast_reconnect)
+        self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
+
+    async def get_status(self, timeout: float) -> types_pb2.EngineStatus:
+        try:
+            # wait_for_ready: within the deadline, wait for the engine's port instead of
+            # failing at once on the channel's reconnect backoff from when it was starting.
+            reply = await self.stub.GetStatus(engine_pb2.GetStatusRequest(), timeout=timeout, wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise NoAnswer(f"GetStatus timed out after {timeout:g}s") from None
+            raise NoAnswer(f"GetStatus failed: {exc.code().name}: {exc.details()}") from None
+        return reply.status
+
+    async def watch_probes(self) -> AsyncIterator[engine_pb2.WatchProbesResponse]:
+        try:
+            async for message in self.stub.WatchProbes(engine_pb2.WatchProbesRequest(), wait_for_ready=True):
+                yield message
+        except grpc.aio.AioRpcError as exc:
+            raise NoAnswer(exc.code().name) from None
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def engine_tls(spec: types_pb2.EngineSpec, config: NodeManagerConfig) -> TlsFiles | None:
+    """TLS files for calling an engine's management plane, from its user_config's mgmt_tls_config.
+
+    The CA (--engine-tls-ca, else the section's ca_file) verifies the engine's certificate. When
+    the engine verifies clients (ca_file set) the node manager presents --engine-tls-cert/key,
+    else the section's cert_file/key_file (a certificate that must then allow client auth). An
+    unreadable config means plaintext: the engine server itself refuses to start with it (and
+    that failure is reported)."""
+    from engine_server.config import UserConfig, section_name_for
+
+    try:
+        if spec.config_json:
+            data = json.loads(spec.config_json)
+        else:
+            with open(spec.config_path, encoding="utf-8") as handle:
+                data = json.load(handle)
+        user_config = UserConfig.model_validate(data)
+        section = getattr(user_config, section_name_for(role_name(spec.role), user_config))
+    except Exception:
+        return None
+    tls = section.mgmt_tls_config if section is not None else None
+    if tls is None or not tls.enable_tls:
+        return None
+    ca = config.engine_tls_ca or tls.ca_file
+    if not tls.ca_file:
+        return TlsFiles(ca=ca)
+    if config.engine_tls_cert:
+        return TlsFiles(cert=config.engine_tls_cert, key=config.engine_tls_key, ca=ca)
+    return TlsFiles(cert=tls.cert_file, key=tls.key_file, ca=ca)

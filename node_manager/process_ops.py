@@ -1,0 +1,118 @@
+"""The node manager's seams to the operating system: process operations and the clock.
+
+Every OS call the node manager makes about an engine's processes (launch, exit watch, finding
+and killing its tree) goes through a `ProcessOps`, and every reading of time or wait through a
+`Clock` (as Supervisor's `options` object does). The real ones wrap `motor.processes`; tests
+replace them with fakes to drive the kill decision, adoption and restarts in milliseconds,
+beside the tests that use real processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable, Iterable, Protocol
+
+from motor import processes
+from motor.processes import ExitStatus, TreeId
+
+Remembered = Iterable[tuple[int, float]]  # (pid, create time) of descendants seen alive
+
+
+class Launched(Protocol):
+    """A process just launched (a `subprocess.Popen` for real)."""
+
+    pid: int
+
+
+class ExitWatcher(Protocol):
+    """Notices one process's exit (`motor.processes.ExitWatch` for real)."""
+
+    status: ExitStatus | None  # set once the exit is confirmed
+    exited: asyncio.Event  # set at the same time
+
+    def close(self) -> None: ...
+
+
+class ProcessOps(Protocol):
+    def launch(self, argv: list[str], log_path: str, env: dict[str, str], token: str, cwd: str) -> Launched:
+        """Exec `argv` in its own process group, tagged with `token`; OSError when it cannot."""
+
+    def create_time(self, pid: int) -> float | None: ...
+
+    def same_process(self, pid: int, started: float | None) -> bool:
+        """`pid` is alive and is the process that started at `started` (not a reused pid)."""
+
+    def descendants(self, pid: int) -> list[tuple[int, float]]: ...
+
+    def watch_exit(self, pid: int, on_exit: Callable[[ExitStatus], None], child: Launched | None,
+                   started: float | None) -> ExitWatcher:
+        """Start watching `pid`; `child` is given when it is our own child (exit code known)."""
+
+    async def find_tree(self, tree: TreeId, remembered: Remembered = ()) -> list[int]:
+        """Pids of every live process of the tree."""
+
+    async def kill_tree_confirmed(self, tree: TreeId, remembered: Remembered = ()) -> list[int]:
+        """SIGKILL the tree until none of it is left; pids still alive at the end (empty: success)."""
+
+    async def terminate_tree(self, tree: TreeId, exited: asyncio.Event, deadline: float,
+                             remembered: Remembered = ()) -> tuple[bool, list[int]]:
+        """SIGTERM, `deadline` seconds, then SIGKILL: (nothing needed SIGKILL, pids left alive)."""
+
+
+class Clock(Protocol):
+    def time(self) -> float:
+        """Wall-clock seconds since the epoch (start and change times shown to users)."""
+
+    def monotonic(self) -> float:
+        """Seconds for intervals and deadlines."""
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class SystemClock:
+    def time(self) -> float:
+        return time.time()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+def _pids(procs: Iterable[object]) -> list[int]:
+    return [proc.pid for proc in procs]  # type: ignore[attr-defined]
+
+
+class RealProcessOps:
+    """`ProcessOps` on real processes (motor.processes); /proc scans run in a worker thread."""
+
+    def launch(self, argv: list[str], log_path: str, env: dict[str, str], token: str, cwd: str) -> Launched:
+        return processes.launch(argv, log_path, env=env, token=token, cwd=cwd)
+
+    def create_time(self, pid: int) -> float | None:
+        return processes.create_time(pid)
+
+    def same_process(self, pid: int, started: float | None) -> bool:
+        return processes.same_process(pid, started)
+
+    def descendants(self, pid: int) -> list[tuple[int, float]]:
+        return processes.descendants(pid)
+
+    def watch_exit(self, pid: int, on_exit: Callable[[ExitStatus], None], child: Launched | None,
+                   started: float | None) -> ExitWatcher:
+        watch = processes.ExitWatch(pid, on_exit, popen=child, started=started)  # type: ignore[arg-type]
+        watch.start()
+        return watch
+
+    async def find_tree(self, tree: TreeId, remembered: Remembered = ()) -> list[int]:
+        return _pids(await asyncio.to_thread(processes.find_tree, tree, list(remembered)))
+
+    async def kill_tree_confirmed(self, tree: TreeId, remembered: Remembered = ()) -> list[int]:
+        return _pids(await processes.kill_tree_confirmed(tree, remembered))
+
+    async def terminate_tree(self, tree: TreeId, exited: asyncio.Event, deadline: float,
+                             remembered: Remembered = ()) -> tuple[bool, list[int]]:
+        graceful, left = await processes.terminate_tree(tree, exited, deadline, remembered)
+        return graceful, _pids(left)

@@ -1,0 +1,110 @@
+"""Engine specs: checking a StartEngine request, comparing a repeated one, the engine's command line.
+
+Plain functions of the spec and the node's configuration: nothing here touches a process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from motor.errors import FailedPrecondition, InvalidArgument
+from motor.names import ROLE_NAMES, check_instance_id, role_name
+from motor.v1 import types_pb2
+from node_manager.config import NodeManagerConfig
+
+# Bounds that catch nonsense in a spec (a rank far outside anything real).
+MAX_DP_RANK = 4095
+# Fields a repeated StartEngine may leave unset and still ask for the running engine.
+FILLED_IN_AT_LAUNCH = ("port", "mgmt_port", "kv_port", "dp_rpc_port", "host", "master_dp_ip")
+
+
+def check_spec(spec: types_pb2.EngineSpec, config: NodeManagerConfig) -> None:
+    """Everything that can be checked without touching the running engines' resources."""
+    node_id = config.node_id
+    check_instance_id(spec.instance_id, "spec.instance_id")
+    if spec.role not in ROLE_NAMES:
+        raise InvalidArgument(f"spec.role {spec.role} is not a role: use ROLE_PREFILL, ROLE_DECODE or ROLE_UNION")
+    if spec.dp_rank > MAX_DP_RANK:
+        raise InvalidArgument(f"spec.dp_rank {spec.dp_rank} is out of range (0-{MAX_DP_RANK})")
+    for name in ("port", "mgmt_port", "kv_port", "dp_rpc_port"):
+        if getattr(spec, name) > 65535:
+            raise InvalidArgument(f"spec.{name} {getattr(spec, name)} is not a TCP port (1-65535, or 0 to allocate)")
+    if not spec.single_container and (spec.kv_port or spec.dp_rpc_port):
+        raise InvalidArgument("spec.kv_port and spec.dp_rpc_port are only used with spec.single_container")
+    given = [p for p in port_fields(spec) if getattr(spec, p)]
+    if len({getattr(spec, p) for p in given}) != len(given):
+        raise InvalidArgument(f"spec ports must differ: {', '.join(f'{p}={getattr(spec, p)}' for p in given)}")
+    if bool(spec.config_path) == bool(spec.config_json):
+        raise InvalidArgument("spec: set exactly one of config_path (a file on the node) and config_json")
+    if spec.config_json:
+        try:
+            if not isinstance(json.loads(spec.config_json), dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            raise InvalidArgument(f"spec.config_json is not a JSON object: {exc}") from None
+    elif not os.path.isfile(spec.config_path):
+        raise FailedPrecondition(f"spec.config_path {spec.config_path!r}: no such file on node {node_id}")
+    ids = list(spec.accelerator_ids)
+    if len(set(ids)) != len(ids):
+        raise InvalidArgument(f"spec.accelerator_ids {ids} lists an accelerator twice")
+    missing = sorted(set(ids) - set(config.accelerators))
+    if missing:
+        raise FailedPrecondition(
+            f"spec.accelerator_ids: accelerator(s) {missing} are not on node {node_id} "
+            f"(it has {config.accelerators or 'none'})"
+        )
+
+
+def port_fields(spec: types_pb2.EngineSpec) -> list[str]:
+    """The port fields an engine of this spec uses."""
+    return ["port", "mgmt_port"] + (["kv_port", "dp_rpc_port"] if spec.single_container else [])
+
+
+def ports_of(spec: types_pb2.EngineSpec) -> list[int]:
+    return [p for p in (spec.port, spec.mgmt_port, spec.kv_port, spec.dp_rpc_port) if p]
+
+
+def same_request(launched: types_pb2.EngineSpec, requested: types_pb2.EngineSpec) -> bool:
+    """A repeated StartEngine asks for the running engine: unset ports, host and config match."""
+    wanted = types_pb2.EngineSpec()
+    wanted.CopyFrom(requested)
+    for name in FILLED_IN_AT_LAUNCH:
+        if not getattr(wanted, name):
+            setattr(wanted, name, getattr(launched, name))
+    if wanted.config_json and not wanted.config_path:
+        wanted.config_path = launched.config_path
+    elif wanted.config_path:
+        wanted.config_path = os.path.abspath(wanted.config_path)
+    return wanted == launched
+
+
+def engine_argv(base: list[str], spec: types_pb2.EngineSpec) -> list[str]:
+    """The engine server's command line: `base` (--engine-command) and the spec as flags."""
+    argv = [
+        *base,
+        "--dp-rank", str(spec.dp_rank),
+        "--instance-id", spec.instance_id,
+        "--role", role_name(spec.role),
+        "--host", spec.host,
+        "--port", str(spec.port),
+        "--mgmt-port", str(spec.mgmt_port),
+        "--master-dp-ip", spec.master_dp_ip,
+        "--config-path", spec.config_path,
+    ]
+    if spec.single_container:
+        argv += ["--kv-port", str(spec.kv_port), "--dp-rpc-port", str(spec.dp_rpc_port)]
+    return argv
+
+
+def engine_env(spec: types_pb2.EngineSpec, base: dict[str, str]) -> dict[str, str]:
+    """The engine's environment: `base` with its accelerators made visible."""
+    env = dict(base)
+    visible = ",".join(str(a) for a in spec.accelerator_ids)
+    env["CUDA_VISIBLE_DEVICES"] = visible
+    env["ASCEND_RT_VISIBLE_DEVICES"] = visible
+    return env
+
+
+def log_path(config: NodeManagerConfig, spec: types_pb2.EngineSpec) -> str:
+    return os.path.abspath(os.path.join(config.logs_dir, "engines", f"{spec.instance_id}_rank{spec.dp_rank}.log"))
