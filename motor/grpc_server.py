@@ -104,18 +104,23 @@ class MotorServer:
     """An asyncio gRPC server with health, reflection and domain-error mapping built in."""
 
     def __init__(
-        self, bind: str, tls: TlsFiles | None = None, interceptors: list[Any] | None = None, reflection: bool = True
+        self, bind: str, tls: TlsFiles | None = None, interceptors: list[Any] | None = None, reflection: bool = True,
+        token_bind: str | None = None, token_tls: TlsFiles | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
     ):
+        """`token_bind`: a second TLS port that asks for no client certificate (bearer tokens)."""
         self.bind = bind
         self.tls = tls
         self.reflection = reflection
+        self.token_bind, self.token_tls = token_bind, token_tls
+        sizes = [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes)]
         self.server = grpc.aio.server(
-            interceptors=[ErrorMappingInterceptor(), *(interceptors or [])], options=SERVER_OPTIONS
+            interceptors=[ErrorMappingInterceptor(), *(interceptors or [])], options=list(dict([*SERVER_OPTIONS, *sizes]).items())
         )
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names: list[str] = [health.SERVICE_NAME]
         self.port: int | None = None
+        self.token_port: int | None = None
 
     def add(self, register: Callable[[Any, grpc.aio.Server], None], servicer: Any, service_name: str) -> None:
         register(servicer, self.server)
@@ -124,20 +129,24 @@ class MotorServer:
     async def start(self) -> int:
         if self.reflection:
             reflection.enable_server_reflection([*self.service_names, reflection.SERVICE_NAME], self.server)
-        try:
-            if self.tls is not None:
-                port = self.server.add_secure_port(self.bind, server_credentials(self.tls))
-            else:
-                port = self.server.add_insecure_port(self.bind)
-        except RuntimeError:
-            port = 0
-        if port == 0:
-            raise ConfigError(f"cannot listen on {self.bind}: address in use or not available")
+        port = self._listen(self.bind, self.tls)
+        if self.token_bind and self.token_tls:
+            self.token_port = self._listen(self.token_bind, self.token_tls)
+            logger.info("bearer-token TLS port %d (%s)", self.token_port, self.token_bind)
         await self.server.start()
         self.port = port
         for name in ["", *self.service_names]:
             await self.set_serving(name, True)
         logger.info("gRPC server listening on %s (port %d, %s)", self.bind, port, "TLS" if self.tls else "plaintext")
+        return port
+
+    def _listen(self, bind: str, tls: TlsFiles | None) -> int:
+        try:
+            port = self.server.add_secure_port(bind, server_credentials(tls)) if tls else self.server.add_insecure_port(bind)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise ConfigError(f"cannot listen on {bind}: address in use or not available")
         return port
 
     async def set_serving(self, service: str, serving: bool) -> None:

@@ -1,0 +1,144 @@
+"""The security settings every service shares, and the one rule for turning them into a server.
+
+    tls_cert, tls_key   this process's certificate: served to callers, presented when it calls
+    tls_ca              the trust bundle: verifies callers' and servers' certificates (mutual TLS)
+    tokens_file         bearer tokens for operators and viewers (motor/tokens.py)
+    token_listen        a second TLS address that asks for no client certificate, for token callers
+    insecure            serve plaintext on a non-loopback address anyway (warned at every start)
+    reflection          offer gRPC server reflection
+    max_streams_per_caller, max_message_bytes, trust_domain
+
+Secure by default: without TLS a server may listen on loopback only (a developer's cluster, where
+every caller holds every role) unless `insecure` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from motor.access import AccessInterceptor, AccessPolicy
+from motor.errors import ConfigError
+from motor.grpc_server import MAX_MESSAGE_BYTES, MotorServer, TlsFiles
+from motor.identity import TRUST_DOMAIN
+from motor.tokens import TokenStore
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK_NAMES = {"localhost"}
+
+
+def is_loopback(bind: str) -> bool:
+    """'127.0.0.1:50051', '[::1]:0', 'localhost:1' -> True; '0.0.0.0:50051', ':50051' -> False."""
+    host = bind.rsplit(":", 1)[0].strip("[]")
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class SecuritySettings(BaseModel):
+    """Mixed into each service's configuration: the same names as settings and as flags."""
+
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    tokens_file: str | None = None
+    token_listen: str | None = None
+    insecure: bool = False
+    reflection: bool = True
+    max_streams_per_caller: int = Field(default=100, ge=1)
+    max_message_bytes: int = Field(default=MAX_MESSAGE_BYTES, ge=64 * 1024)
+    trust_domain: str = TRUST_DOMAIN
+
+    @field_validator("tls_cert", "tls_key", "tls_ca", "tokens_file")
+    @classmethod
+    def _readable(cls, value: str | None) -> str | None:
+        if value is not None and not os.access(value, os.R_OK):
+            raise ValueError(f"cannot read {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _coherent(self) -> "SecuritySettings":
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: set both or neither")
+        if self.tls_cert and not self.tls_ca:
+            raise ValueError("tls_ca: required with tls_cert (the CA bundle that verifies callers: mutual TLS)")
+        if self.tls_ca and not self.tls_cert:
+            raise ValueError("tls_cert/tls_key: required with tls_ca")
+        if self.token_listen and not (self.tls_cert and self.tokens_file):
+            raise ValueError("token_listen: needs tls_cert/tls_key/tls_ca and tokens_file (tokens travel over TLS only)")
+        return self
+
+    @property
+    def tls_enabled(self) -> bool:
+        return self.tls_cert is not None
+
+    def client_tls(self) -> TlsFiles | None:
+        """What this process presents and trusts when it calls another Motor service."""
+        return TlsFiles(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca) if self.tls_enabled else None
+
+    def check_listen(self, bind: str, setting: str = "listen") -> None:
+        """Refuse plaintext on a non-loopback address unless `insecure`; warn when it is."""
+        if self.tls_enabled or is_loopback(bind):
+            return
+        if not self.insecure:
+            raise ConfigError(
+                f"{setting}: {bind} is not a loopback address and TLS is off; set tls_cert, tls_key and tls_ca "
+                "(--tls-cert/--tls-key/--tls-ca), or set insecure (--insecure) to serve plaintext to the network, "
+                "where every caller holds every role"
+            )
+        logger.warning(
+            "INSECURE: serving plaintext on %s: anyone who reaches it can call every RPC (docs/security.md)", bind
+        )
+
+    def server(self, bind: str, local_node: str | None = None, setting: str = "listen") -> MotorServer:
+        """A MotorServer on `bind` with these settings; `local_node`: on an engine server, the node
+        whose manager may drain, sleep and wake it."""
+        self.check_listen(bind, setting)
+        policy = AccessPolicy(
+            secure=self.tls_enabled,
+            tokens=TokenStore(self.tokens_file) if self.tokens_file else None,
+            trust_domain=self.trust_domain,
+            local_node=local_node,
+            max_streams_per_caller=self.max_streams_per_caller,
+        )
+        tls = TlsFiles(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca, require_client_cert=True) if self.tls_enabled else None
+        return MotorServer(
+            bind, tls=tls, interceptors=[AccessInterceptor(policy)], reflection=self.reflection,
+            token_bind=self.token_listen, token_tls=TlsFiles(cert=self.tls_cert, key=self.tls_key) if self.token_listen else None,
+            max_message_bytes=self.max_message_bytes,
+        )
+
+
+SECURITY_FLAGS = {  # flag -> (setting, argparse keywords)
+    "--tls-cert": ("tls_cert", {"help": "PEM certificate this process serves and presents (with --tls-key, --tls-ca)"}),
+    "--tls-key": ("tls_key", {"help": "PEM key of --tls-cert"}),
+    "--tls-ca": ("tls_ca", {"help": "CA bundle that verifies callers and servers (mutual TLS)"}),
+    "--tokens-file": ("tokens_file", {"help": "bearer tokens of operators and viewers (docs/security.md)"}),
+    "--token-listen": ("token_listen", {"help": "HOST:PORT of a TLS port without client certificates, for bearer tokens"}),
+    "--insecure": ("insecure", {"action": "store_true", "help": "serve plaintext on a non-loopback address (every caller holds every role)"}),
+    "--no-reflection": ("reflection", {"action": "store_false", "help": "do not offer gRPC server reflection"}),
+    "--max-streams-per-caller": ("max_streams_per_caller", {"type": int, "help": "open streams one caller may hold [100]"}),
+    "--max-message-bytes": ("max_message_bytes", {"type": int, "help": f"largest message in either direction [{MAX_MESSAGE_BYTES}]"}),
+    "--trust-domain": ("trust_domain", {"help": f"SPIFFE trust domain of caller identities [{TRUST_DOMAIN}]"}),
+}
+
+
+def add_security_flags(parser) -> None:
+    """The flags of SecuritySettings; unset flags leave the setting to the config file or default."""
+    group = parser.add_argument_group("security (docs/security.md)")
+    for flag, (setting, keywords) in SECURITY_FLAGS.items():
+        group.add_argument(flag, dest=setting, default=argparse.SUPPRESS, **keywords)
+
+
+def security_values(args) -> dict:
+    """The security settings given on the command line, by setting name."""
+    given = vars(args)
+    return {setting: given[setting] for setting, _ in SECURITY_FLAGS.values() if setting in given}
