@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception, retry_if_exception_type, stop_after_attempt, wait_random_exponential
@@ -19,6 +18,7 @@ from tenacity import AsyncRetrying, retry_if_exception, retry_if_exception_type,
 from motor.grpc_server import aio_channel
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from node_manager.manager import NodeManager
+from node_manager.process_ops import Clock
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +35,12 @@ def _transient(exc: BaseException) -> bool:
 
 
 class ControllerLink:
+    """`clock` (default: the manager's) times heartbeats and backoffs; tests pass a fake one."""
+
     def __init__(self, manager: NodeManager, controller: str, node: controller_pb2.NodeInfo,
-                 interval: float, call_timeout: float = 5.0, max_backoff: float = 10.0):
+                 interval: float, call_timeout: float = 5.0, max_backoff: float = 10.0, clock: Clock | None = None):
         self.manager = manager
+        self.clock: Clock = clock or manager.clock
         self.node = node
         self.interval = interval
         self.call_timeout = call_timeout
@@ -53,6 +56,7 @@ class ControllerLink:
             wait=wait_random_exponential(multiplier=min(self.interval, 1.0) / 2, max=self.max_backoff),
             retry=retry,
             reraise=True,
+            sleep=self.clock.sleep,
             **kwargs,
         )
 
@@ -99,14 +103,15 @@ class ControllerLink:
 
     async def _heartbeats(self) -> None:
         failures = 0
-        next_tick = time.monotonic()
+        clock = self.clock
+        next_tick = clock.monotonic()
         while True:
             next_tick += self.interval
-            await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
+            await clock.sleep(max(0.0, next_tick - clock.monotonic()))
             request = controller_pb2.HeartbeatRequest(
                 node_id=self.node.node_id, generation=self.generation, engines=self.manager.engines()
             )
-            began = time.monotonic()
+            began = clock.monotonic()
             try:
                 await self.stub.Heartbeat(request, timeout=self.call_timeout)
             except grpc.aio.AioRpcError as exc:
@@ -118,9 +123,9 @@ class ControllerLink:
                                    failures, exc.code().name, exc.details())
                 # Back off (with jitter) while the controller is unreachable.
                 backoff = wait_random_exponential(multiplier=self.interval / 2, max=self.max_backoff)
-                next_tick = time.monotonic() + backoff(_State(failures)) - self.interval
+                next_tick = clock.monotonic() + backoff(_State(failures)) - self.interval
                 continue
-            self.manager.metrics.heartbeat_latency.labels(self.node.node_id).observe(time.monotonic() - began)
+            self.manager.metrics.heartbeat_latency.labels(self.node.node_id).observe(clock.monotonic() - began)
             if failures:
                 logger.info("heartbeats to the controller resumed after %d failure(s)", failures)
             failures = 0

@@ -1,0 +1,167 @@
+"""The controller link on a fake clock and a scripted controller: heartbeat spacing, backoff with
+jitter while the controller fails, registering again when refused, retries of failure reports.
+
+The same link against a real gRPC fake controller (and a controller outage) is in
+test_controller_link.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import pytest
+
+from motor.v1 import controller_pb2, types_pb2
+from node_manager.controller_link import ControllerLink
+from tests.node_manager.fakes import FakeNode, settle
+
+INTERVAL, MAX_BACKOFF = 1.0, 8.0
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+
+
+def rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=f"scripted {code.name}")
+
+
+class ScriptedController:
+    """Stands in for the link's stub: each call is timed on the fake clock and answered from a
+    script of status codes (an empty script answers OK)."""
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.calls: list[tuple[str, float, object]] = []
+        self.errors: dict[str, list[grpc.StatusCode]] = {"RegisterNode": [], "Heartbeat": [], "ReportEngineEvent": []}
+        self.generation = 0
+
+    def times(self, method: str) -> list[float]:
+        return [at for name, at, _ in self.calls if name == method]
+
+    def requests(self, method: str) -> list:
+        return [request for name, _, request in self.calls if name == method]
+
+    def _answer(self, method: str, request) -> None:
+        self.calls.append((method, self.clock.monotonic(), request))
+        if self.errors[method]:
+            raise rpc_error(self.errors[method].pop(0))
+
+    async def RegisterNode(self, request, timeout):
+        self._answer("RegisterNode", request)
+        self.generation += 1
+        return controller_pb2.RegisterNodeResponse(generation=self.generation)
+
+    async def Heartbeat(self, request, timeout):
+        self._answer("Heartbeat", request)
+        return controller_pb2.HeartbeatResponse()
+
+    async def ReportEngineEvent(self, request, timeout):
+        self._answer("ReportEngineEvent", request)
+        return controller_pb2.ReportEngineEventResponse()
+
+
+@pytest.fixture
+async def link(tmp_path):
+    node = FakeNode(str(tmp_path / "node"))
+    await node.manager.start()
+    link = ControllerLink(node.manager, "127.0.0.1:1", controller_pb2.NodeInfo(node_id="node-f"),
+                          interval=INTERVAL, max_backoff=MAX_BACKOFF, clock=node.clock)
+    link.stub = ScriptedController(node.clock)
+    task = None
+
+    def run() -> None:
+        nonlocal task
+        task = asyncio.get_running_loop().create_task(link.run())
+
+    link.start = run
+    yield link
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    else:
+        await link.channel.close()
+    await node.manager.close()
+
+
+def gaps(times: list[float]) -> list[float]:
+    return [round(b - a, 9) for a, b in zip(times, times[1:])]
+
+
+async def test_heartbeats_back_off_with_jitter_while_the_controller_fails_then_resume(link):
+    random.seed(1234)  # tenacity's jitter draws from `random`: the run is repeatable
+    controller: ScriptedController = link.stub
+    failures = 12
+    link.start()
+    await settle(lambda: len(controller.times("Heartbeat")) >= 3)
+    controller.errors["Heartbeat"] = [UNAVAILABLE] * failures
+    await settle(lambda: len(controller.times("Heartbeat")) >= 3 + failures + 4)
+    beats = controller.times("Heartbeat")
+    assert gaps(beats[:3]) == [INTERVAL, INTERVAL]  # every interval while all is well
+    # beats[2] was the last good one; beats[3..3+failures-1] failed; after failure k the next
+    # attempt waits a random time below an exponentially growing bound, capped.
+    waits = gaps(beats[3:3 + failures + 1])
+    bounds = [min(MAX_BACKOFF, INTERVAL / 2 * 2 ** k) for k in range(failures)]
+    assert all(0 <= wait <= bound for wait, bound in zip(waits, bounds)), list(zip(waits, bounds))
+    assert waits[0] < INTERVAL  # a blip is retried sooner than the next heartbeat would be
+    assert max(waits[4:]) > 2 * INTERVAL  # a long outage is not hammered at the heartbeat rate
+    assert len(set(waits[4:])) == len(waits[4:])  # jitter: nodes do not retry in step
+    # Back: every interval again, with no new registration (the node's generation still holds).
+    assert gaps(beats[3 + failures:]) == [INTERVAL] * 3
+    assert len(controller.times("RegisterNode")) == 1
+    assert all(r.generation == 1 for r in controller.requests("Heartbeat"))
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND])
+async def test_a_refused_heartbeat_registers_again_at_once(link, code):
+    controller: ScriptedController = link.stub
+    link.start()
+    await settle(lambda: len(controller.times("Heartbeat")) >= 2)
+    controller.errors["Heartbeat"] = [code]
+    await settle(lambda: len(controller.times("Heartbeat")) >= 5)
+    refused_at = controller.times("Heartbeat")[2]
+    registrations = controller.times("RegisterNode")
+    assert len(registrations) == 2 and registrations[1] == refused_at  # no backoff first
+    assert link.generation == 2 and link.registered.is_set()
+    assert [r.generation for r in controller.requests("Heartbeat")][3:] == [2, 2]
+
+
+async def test_transient_heartbeat_failures_never_register_again(link):
+    controller: ScriptedController = link.stub
+    controller.errors["Heartbeat"] = [UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL]
+    link.start()
+    await settle(lambda: len(controller.times("Heartbeat")) >= 5)
+    assert len(controller.times("RegisterNode")) == 1
+
+
+async def test_registration_waits_for_the_controller_with_backoff_and_jitter(link):
+    random.seed(99)
+    controller: ScriptedController = link.stub
+    controller.errors["RegisterNode"] = [UNAVAILABLE] * 8
+    link.start()
+    await settle(lambda: controller.times("Heartbeat"))
+    attempts = controller.times("RegisterNode")
+    assert len(attempts) == 9 and link.generation == 1
+    waits = gaps(attempts)
+    bounds = [min(MAX_BACKOFF, min(INTERVAL, 1.0) / 2 * 2 ** k) for k in range(8)]
+    assert all(0 <= wait <= bound for wait, bound in zip(waits, bounds)), list(zip(waits, bounds))
+    assert max(waits) > INTERVAL and len(set(waits)) == len(waits)
+
+
+async def test_a_failure_report_retries_transient_errors_only_and_a_few_times(link):
+    controller: ScriptedController = link.stub
+    await link.register()
+    engine = types_pb2.Engine(engine_id="prefill-0/rank0", state=types_pb2.ENGINE_STATE_FAILED)
+    controller.errors["ReportEngineEvent"] = [UNAVAILABLE, UNAVAILABLE]
+    await link.report(engine, "killed by signal 9")
+    assert len(controller.times("ReportEngineEvent")) == 3  # delivered on the third try
+    assert controller.requests("ReportEngineEvent")[-1].reason == "killed by signal 9"
+
+    controller.calls.clear()
+    controller.errors["ReportEngineEvent"] = [UNAVAILABLE] * 5
+    await link.report(engine, "again")  # gives up (the next heartbeat carries the failure)
+    assert len(controller.times("ReportEngineEvent")) == 3
+
+    controller.calls.clear()
+    controller.errors["ReportEngineEvent"] = [grpc.StatusCode.FAILED_PRECONDITION, UNAVAILABLE]
+    await link.report(engine, "stale")  # a refusal is not retried: registering again fixes it
+    assert len(controller.times("ReportEngineEvent")) == 1
