@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 import aiohttp
 import grpc
@@ -136,30 +135,41 @@ async def test_child_outliving_its_parent_is_killed(make_node, tmp_path):
     await async_wait_for(lambda: not any(alive(pid) for pid in pids), timeout=10, what="children killed")
 
 
-async def test_short_pause_is_tolerated_and_a_hang_is_killed_within_the_bound(make_node, fake_controller):
-    interval, threshold = 0.5, 6  # a 2 s pause is 4 intervals: below the threshold
+async def test_short_pause_is_tolerated_and_a_hang_is_killed(make_node, fake_controller):
+    # Real SIGSTOP/SIGCONT; every step waits on the engine's state, not on the wall clock. The
+    # policy itself (the exact threshold, the bound in heartbeats) is tested on a fake clock in
+    # test_kill_decision.py.
+    interval, threshold = 0.5, 8
     node = await make_node(controller=fake_controller.address, heartbeat_interval=interval,
                            status_timeout=interval, abnormal_threshold=threshold)
     engine = await node.start()
     await node.wait_state("prefill-0/rank0", RUNNING)
+    # A short pause: stopped until two heartbeats went unanswered, then resumed. The margin to the
+    # threshold (6 heartbeats) covers this test's reaction and the engine's first probe after
+    # SIGCONT, which may still fail.
     os.kill(engine.pid, signal.SIGSTOP)
-    await asyncio.sleep(2)
-    os.kill(engine.pid, signal.SIGCONT)
-    await asyncio.sleep(2 * interval)
-    await async_wait_for(lambda: _consecutive_is_zero(node), timeout=10, what="health recovered after SIGCONT")
+    try:
+        paused = await async_wait_for(lambda: _consecutive_at_least(node, 2), timeout=30,
+                                      what="two unanswered heartbeats")
+    finally:
+        os.kill(engine.pid, signal.SIGCONT)
+    assert paused.state == RUNNING and paused.health_reason.startswith("no answer: GetStatus timed out")
+    await async_wait_for(lambda: _consecutive_is_zero(node), timeout=30, what="health recovered after SIGCONT")
     engine = await node.get("prefill-0/rank0")
     assert engine.state == RUNNING and alive(engine.pid)
 
-    stopped_at = time.monotonic()
+    # A hang: killed once `threshold` heartbeats in a row went unanswered (60 s only catches a hang).
     os.kill(engine.pid, signal.SIGSTOP)
     failed = await node.wait_state("prefill-0/rank0", FAILED, timeout=60)
-    took = time.monotonic() - stopped_at
     assert failed.state_reason.startswith(f"killed after {threshold} abnormal heartbeats: no answer: GetStatus timed out")
     assert failed.exit_signal == signal.SIGKILL and not alive(engine.pid)
-    # threshold x interval + one interval, plus slack for a loaded 2-core machine (catches a hang).
-    assert took < (threshold + 1) * interval + 5
     report = await async_wait_for(lambda: fake_controller.reports, timeout=10)
     assert report[0].reason == failed.state_reason
+
+
+async def _consecutive_at_least(node, count):
+    engine = await node.get("prefill-0/rank0")
+    return engine if engine.consecutive_abnormal >= count else None
 
 
 async def _consecutive_is_zero(node):

@@ -9,6 +9,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from motor import processes
 from tests.support import async_wait_for
@@ -126,3 +127,58 @@ async def test_terminate_tree_is_graceful_when_the_process_exits_on_sigterm(tmp_
     graceful, left = await processes.terminate_tree(processes.TreeId(stubborn.pid, stubborn.pid, "tok-f"), w.exited, 0.5)
     assert not graceful and left == []
     assert exits == [processes.ExitStatus(signal=signal.SIGKILL)]
+
+
+# A leader that starts one child the way `mode` says, prints its pid, then exits (or stays, for
+# "walk"). The child is then findable by one of find_tree's searches only:
+# - group: stays in the leader's process group, without the token; the leader is gone;
+# - token: leaves the group (setsid), keeps the token; the leader is gone;
+# - walk: leaves the group and drops the token; the leader lives: found as its descendant;
+# - remembered: leaves the group and drops the token; the leader is gone: found only because
+#   it was remembered while the leader lived.
+LEADER = r"""
+import os, subprocess, sys, time
+mode = sys.argv[1]
+env = dict(os.environ)
+if mode != "token":
+    env.pop("MOTOR_PROCESS_TOKEN")
+escape = "os.setsid(); " if mode != "group" else ""
+code = f"import os, time; {escape}print('ready', flush=True); time.sleep(600)"
+child = subprocess.Popen([sys.executable, "-c", code], env=env)
+print("children", child.pid, flush=True)
+if mode in ("walk", "remembered"):
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("mode", ["group", "token", "walk", "remembered"])
+async def test_each_search_of_a_tree_finds_what_only_it_can(tmp_path, mode):
+    log = str(tmp_path / "leader.log")
+    token = f"tok-{mode}"
+    leader = processes.launch([sys.executable, "-c", LEADER, mode], log, token=token)
+    tree = processes.TreeId(leader.pid, leader.pid, token, processes.create_time(leader.pid))
+    (child,) = await async_wait_for(lambda: children_from_log(log), timeout=20, what="the child started")
+    try:
+        await async_wait_for(lambda: "ready" in open(log).read().split(), timeout=20, what="the child set up")
+        remembered = processes.descendants(leader.pid) if mode == "remembered" else []
+        if mode == "remembered":
+            assert child in [pid for pid, _ in remembered]
+        if mode in ("group", "token", "remembered"):
+            os.kill(leader.pid, signal.SIGKILL)
+            leader.wait(10)
+            assert psutil.Process(child).ppid() != leader.pid  # re-parented: no walk reaches it
+        # The child is what the mode says (so that only one search can find it).
+        in_group = os.getpgid(child) == leader.pid
+        has_token = psutil.Process(child).environ().get(processes.TOKEN_ENV) == token
+        assert (in_group, has_token) == (mode == "group", mode == "token")
+
+        assert child in {p.pid for p in processes.find_tree(tree, remembered)}
+        assert await processes.kill_tree_confirmed(tree, remembered) == []
+        assert not processes.same_process(child, None)
+    finally:
+        for pid in (child, leader.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        leader.wait(10)
