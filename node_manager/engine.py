@@ -156,6 +156,18 @@ class EngineRecord:
         self.last_probe = probe
         self.recent_probes.append(probe)
 
+    def log_tail(self, count: int) -> str:
+        """The last `count` lines of the engine's log (not the launch lines), for a failure reason."""
+        try:
+            with open(self.log_path, "rb") as handle:
+                handle.seek(max(0, os.path.getsize(self.log_path) - 4096))
+                lines = [l.strip() for l in handle.read().decode(errors="replace").splitlines() if l.strip()]
+        except OSError:
+            return ""
+        lines = [l for l in lines if not l.startswith("--- ")]
+        tail = " | ".join(lines[-count:])
+        return tail if len(tail) <= 600 else "..." + tail[-600:]
+
     # Views ------------------------------------------------------------------------------------
 
     def to_proto(self, node_id: str) -> types_pb2.Engine:

@@ -336,7 +336,7 @@ class NodeManager:
             reason = "exited while the node manager was not running (exit code unknown)"
         else:
             reason = f"{status.describe()} without being asked to stop (while {was})"
-        tail = self._log_tail(record)
+        tail = record.log_tail(LOG_TAIL_LINES)
         if tail:
             reason += f"; log: {tail}"
         self._end(record, FAILED, reason)
@@ -356,17 +356,6 @@ class NodeManager:
                 await self.reporter(record.to_proto(self.node_id), reason)
             except Exception:  # the next heartbeat carries the failure anyway
                 logger.exception("engine %s: reporting the failure failed", record.engine_id)
-
-    def _log_tail(self, record: EngineRecord) -> str:
-        try:
-            with open(record.log_path, "rb") as handle:
-                handle.seek(max(0, os.path.getsize(record.log_path) - 4096))
-                lines = [l.strip() for l in handle.read().decode(errors="replace").splitlines() if l.strip()]
-        except OSError:
-            return ""
-        lines = [l for l in lines if not l.startswith("--- ")]
-        tail = " | ".join(lines[-LOG_TAIL_LINES:])
-        return tail if len(tail) <= 600 else "..." + tail[-600:]
 
     # Health: the monitor reports, the manager decides ----------------------------------------
 

@@ -30,6 +30,7 @@ class ExitWatcher(Protocol):
 
     status: ExitStatus | None  # set once the exit is confirmed
     exited: asyncio.Event  # set at the same time
+    noticed_at: float | None  # time.monotonic() then (the failover bench reads it)
 
     def close(self) -> None: ...
 

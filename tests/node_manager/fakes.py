@@ -58,6 +58,7 @@ class FakeWatch:
     child: bool  # our own child: the exit code is known
     status: ExitStatus | None = None
     exited: asyncio.Event = field(default_factory=asyncio.Event)
+    noticed_at: float | None = None
     closed: bool = False
 
     def fire(self, status: ExitStatus) -> None:
