@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 
 from prometheus_client import start_http_server
@@ -16,6 +15,7 @@ from motor.deployment_file import load_deployment
 from motor.errors import ConfigError, MotorError
 from motor.grpc_server import MotorServer, service_name
 from motor.logs import setup_logging
+from motor.signals import wait_for_stop_signal
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
 from controller.config import ControllerConfig
@@ -39,7 +39,7 @@ _FLAGS = {  # flag -> (config field, type, help)
     "--metrics-port": ("metrics_port", int, "Prometheus /metrics port (0: off)"),
     "--startup-grace": ("startup_grace", float, "after a restart, seconds to wait for nodes to report (default: node grace)"),
     "--stop-deadline": ("stop_deadline", float, "seconds between SIGTERM and SIGKILL when stopping an engine"),
-    "--log-level": ("log_level", str, "DEBUG, INFO, WARNING or ERROR"),
+    "--log-level": ("log_level", str, "DEBUG, INFO, WARNING, ERROR or CRITICAL"),
 }
 
 
@@ -85,11 +85,7 @@ async def serve(config: ControllerConfig) -> None:
         port_file = os.path.join(os.path.dirname(os.path.abspath(config.db)), "controller.port")
         with open(port_file, "w", encoding="utf-8") as handle:
             handle.write(f"{port}\n")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_stop_signal()
     logger.info("stopping")
     await server.stop(grace=1.0)
     await controller.stop()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from motor.logs import check_log_level
+
 
 class ControllerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -47,9 +49,7 @@ class ControllerConfig(BaseModel):
     @field_validator("log_level")
     @classmethod
     def _check_level(cls, value: str) -> str:
-        if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            raise ValueError("must be DEBUG, INFO, WARNING or ERROR")
-        return value.upper()
+        return check_log_level(value)
 
     @property
     def effective_startup_grace(self) -> float:

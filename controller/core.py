@@ -25,6 +25,7 @@ from google.protobuf import json_format
 
 from motor import names
 from motor.errors import InvalidArgument, NotFound
+from motor.tasks import TaskSet
 from motor.v1 import controller_pb2, types_pb2
 
 from controller import views
@@ -83,7 +84,7 @@ class Controller:
         self.revision = 0
         self.started_at = monotonic()
         self._wake = asyncio.Event()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = TaskSet("controller")
         self._loops: list[asyncio.Task] = []
         self._stopping = False
         self.actuator = Actuator(node_client, self.state.nodes, config.stop_deadline, self._spawn, self.state.event, monotonic)
@@ -154,16 +155,7 @@ class Controller:
         await self.nodes_client.close()
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-
-        def done(t: asyncio.Task) -> None:
-            self._tasks.discard(t)
-            if not t.cancelled() and t.exception() is not None:
-                logger.error("background task %s failed", name, exc_info=t.exception())
-
-        task.add_done_callback(done)
-        return task
+        return self._tasks.spawn(coro, name)
 
     def wake(self) -> None:
         self._wake.set()

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from motor.names import enum_short_name
+from motor.restart_policy import Policy
 from motor.v1 import controller_pb2
 
 logger = logging.getLogger(__name__)
@@ -95,32 +96,6 @@ def transition(record: InstanceRecord, new_state: int, reason: str, now: float) 
             record.healthy_since = None
     record.state, record.reason = new_state, reason
     return changed_state
-
-
-@dataclass(frozen=True)
-class Policy:
-    """RestartPolicy with defaults applied, in seconds."""
-
-    group_scope: bool = True
-    initial_backoff: float = 1.0
-    max_backoff: float = 60.0
-    reset_after: float = 600.0
-    max_failures: int = 5
-    failure_window: float = 600.0
-
-    @classmethod
-    def from_proto(cls, p: controller_pb2.RestartPolicy) -> "Policy":
-        def sec(d) -> float:
-            return d.seconds + d.nanos / 1e9
-
-        return cls(
-            group_scope=p.scope != S.RESTART_SCOPE_RANK,
-            initial_backoff=sec(p.initial_backoff) or 1.0,
-            max_backoff=sec(p.max_backoff) or 60.0,
-            reset_after=sec(p.reset_after) or 600.0,
-            max_failures=p.max_failures or 5,
-            failure_window=sec(p.failure_window) or 600.0,
-        )
 
 
 @dataclass(frozen=True)

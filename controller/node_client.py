@@ -10,6 +10,7 @@ import logging
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
+from motor import pbtime
 from motor.grpc_server import aio_channel
 from motor.v1 import controller_pb2, node_manager_pb2, node_manager_pb2_grpc, types_pb2
 
@@ -97,7 +98,7 @@ class GrpcNodeClient(NodeClient):
 
     async def stop_engine(self, node, engine_id, generation, deadline):
         request = node_manager_pb2.StopEngineRequest(engine_id=engine_id, generation=generation)
-        request.deadline.FromNanoseconds(int(deadline * 1e9))
+        request.deadline.CopyFrom(pbtime.duration(deadline))
         try:
             async for attempt in self._retrying():
                 with attempt:

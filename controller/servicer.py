@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import time
 
-from motor.errors import InvalidArgument, Unavailable
+from motor import pbtime
+from motor.errors import InvalidArgument
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
 from controller.core import Controller
@@ -19,9 +20,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
 
     async def RegisterNode(self, request, context):
         generation, assignments = self.controller.register_node(request.node, request.engines)
-        reply = controller_pb2.RegisterNodeResponse(generation=generation, assignments=assignments)
-        reply.heartbeat_interval.FromNanoseconds(int(self.controller.config.heartbeat_interval * 1e9))
-        return reply
+        return controller_pb2.RegisterNodeResponse(generation=generation, assignments=assignments,
+                                                   heartbeat_interval=pbtime.duration(self.controller.config.heartbeat_interval))
 
     async def Heartbeat(self, request, context):
         started = time.perf_counter()
@@ -58,14 +58,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         return controller_pb2.ListEndpointsResponse(endpoints=self.controller.list_endpoints(request.role))
 
     async def WatchEvents(self, request, context):
-        bus = self.controller.events
-        queue = bus.subscribe()  # before the snapshot, so no event falls between the two
+        events = self.controller.events.subscribe()  # before the snapshot, so no event falls between the two
         try:
             yield controller_pb2.WatchEventsResponse(snapshot=self.controller.snapshot())
-            while True:
-                event = await queue.get()
-                if getattr(queue, "dropped", False) and queue.empty():
-                    raise Unavailable("this watcher fell too far behind and was cut off; watch again")
+            async for event in events:
                 yield controller_pb2.WatchEventsResponse(event=event)
         finally:
-            bus.unsubscribe(queue)
+            events.close()

@@ -13,34 +13,22 @@ from dataclasses import dataclass
 
 from google.protobuf import json_format
 
-from motor import names
+from motor import names, restart_policy
+from motor.pbtime import seconds
 from motor.errors import InvalidArgument
 from motor.user_config import section_name_for
 from motor.v1 import controller_pb2, types_pb2
 
 # Group names become instance-id prefixes ("<group>-<index>"); leave room for the index.
-GROUP_NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,55}$")
+GROUP_NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,55}")
 MAX_COUNT = 10_000
 MAX_DATA_PARALLEL = 1024
 MAX_ACCELERATORS = 64
-
-DEFAULT_POLICY = {
-    "initial_backoff": 1.0,
-    "max_backoff": 60.0,
-    "reset_after": 600.0,
-    "max_failures": 5,
-    "failure_window": 600.0,
-}
-
 
 def config_section(role: int, engine_config: dict) -> str:
     """The user_config section an engine of `role` reads, e.g. motor_engine_prefill_config
     (union engines fall back to the prefill section, as the engine server does)."""
     return section_name_for(names.role_name(role), engine_config.keys())
-
-
-def _seconds(duration) -> float:
-    return duration.seconds + duration.nanos / 1e9
 
 
 def validate_deployment(deployment: controller_pb2.Deployment) -> controller_pb2.Deployment:
@@ -58,9 +46,9 @@ def validate_deployment(deployment: controller_pb2.Deployment) -> controller_pb2
     seen: dict[str, int] = {}
     for i, group in enumerate(d.instance_groups):
         where = f"instance_groups[{i}]"
-        if not GROUP_NAME_PATTERN.match(group.name):
+        if not GROUP_NAME_PATTERN.fullmatch(group.name):
             problems.append(
-                f"{where}.name: {group.name!r} must be 1-56 lowercase letters, digits, '.', '_' or '-', "
+                f"{where}.name: {names.excerpt(group.name)} must be 1-56 lowercase letters, digits, '.', '_' or '-', "
                 "starting with a letter or digit (instances are named '<name>-<index>')"
             )
         elif group.name in seen:
@@ -97,7 +85,7 @@ def validate_deployment(deployment: controller_pb2.Deployment) -> controller_pb2
         if group.role != types_pb2.ROLE_PREFILL:
             problems.append(f"{where}: only a prefill group pairs with a decode group (this group's role is {names.role_name(group.role)})")
         elif target is None:
-            problems.append(f"{where}: {group.pair_with!r} is not a group of this deployment (groups: {', '.join(sorted(by_name))})")
+            problems.append(f"{where}: {names.excerpt(group.pair_with)} is not a group of this deployment (groups: {', '.join(sorted(by_name))})")
         elif target.role != types_pb2.ROLE_DECODE:
             problems.append(f"{where}: {group.pair_with!r} is a {names.role_name(target.role)} group, not a decode group")
         elif target.count != group.count:
@@ -106,20 +94,14 @@ def validate_deployment(deployment: controller_pb2.Deployment) -> controller_pb2
                 "paired groups pair instance i with instance i, so their counts must match"
             )
     p = d.restart_policy
-    if p.scope == controller_pb2.RESTART_SCOPE_UNSPECIFIED:
-        p.scope = controller_pb2.RESTART_SCOPE_GROUP
-    for name in ("initial_backoff", "max_backoff", "reset_after", "failure_window"):
-        field = getattr(p, name)
-        if not p.HasField(name):
-            field.FromNanoseconds(int(DEFAULT_POLICY[name] * 1e9))
-        elif _seconds(field) <= 0:
-            problems.append(f"restart_policy.{name}: must be a positive duration such as '1s' (got {_seconds(field)}s)")
-    if p.HasField("max_backoff") and p.HasField("initial_backoff") and _seconds(p.max_backoff) < _seconds(p.initial_backoff):
+    for name in restart_policy.DURATION_FIELDS:
+        if p.HasField(name) and seconds(getattr(p, name)) <= 0:
+            problems.append(f"restart_policy.{name}: must be a positive duration such as '1s' (got {seconds(getattr(p, name))}s)")
+    if p.HasField("max_backoff") and p.HasField("initial_backoff") and seconds(p.max_backoff) < seconds(p.initial_backoff):
         problems.append(
-            f"restart_policy.max_backoff: must be at least initial_backoff ({_seconds(p.initial_backoff)}s), got {_seconds(p.max_backoff)}s"
+            f"restart_policy.max_backoff: must be at least initial_backoff ({seconds(p.initial_backoff)}s), got {seconds(p.max_backoff)}s"
         )
-    if p.max_failures == 0:
-        p.max_failures = DEFAULT_POLICY["max_failures"]
+    restart_policy.fill_defaults(p)
     if problems:
         raise InvalidArgument("invalid deployment: " + "; ".join(problems))
     return d

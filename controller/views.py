@@ -4,8 +4,7 @@
 
 from __future__ import annotations
 
-from google.protobuf.timestamp_pb2 import Timestamp
-
+from motor.pbtime import timestamp as _stamp
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.instances import RESTARTING, InstanceRecord
@@ -13,12 +12,6 @@ from controller.nodes import NODE_READY, NodeRuntime
 from controller.state import ClusterState
 
 C, T = controller_pb2, types_pb2
-
-
-def _stamp(wall: float) -> Timestamp:
-    stamp = Timestamp()
-    stamp.FromNanoseconds(int(wall * 1e9))
-    return stamp
 
 
 def node_proto(state: ClusterState, node: NodeRuntime) -> C.Node:

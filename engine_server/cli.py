@@ -10,11 +10,11 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 
 # Set before anything imports prometheus_client (it picks its storage at import time).
 from engine_server.prometheus_dir import ensure_private_multiproc_dir, remove_private_multiproc_dir
+from motor.logs import LOG_LEVELS
 
 logger = logging.getLogger("engine_server")
 
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-port", type=_port, default=None, help="KV-transfer port (single-container mode)")
     parser.add_argument("--dp-rpc-port", type=_port, default=None, help="data-parallel RPC port (single-container mode)")
     parser.add_argument("--log-dir", default="./engine_server_log/", help="rotated log files go here")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     return parser
 
 
@@ -81,7 +81,8 @@ def _check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
 
 
 async def serve(args: argparse.Namespace, section) -> int:
-    from motor.grpc_server import MotorServer, TlsFiles
+    from motor.grpc_server import MotorServer
+    from motor.signals import stop_event
 
     from engine_server import service
     from engine_server.engines import engine_class
@@ -102,21 +103,11 @@ async def serve(args: argparse.Namespace, section) -> int:
     )
     engine = engine_class(section.engine_type)(options)
     core = EngineServer(options, section, engine, metrics=process_metrics())
-    tls_config = section.mgmt_tls_config
-    tls = (
-        TlsFiles(cert=tls_config.cert_file, key=tls_config.key_file, ca=tls_config.ca_file,
-                 require_client_cert=bool(tls_config.ca_file))
-        if tls_config.enable_tls
-        else None
-    )
-    grpc_server = MotorServer(f"{args.host}:{args.mgmt_port}", tls=tls)
+    grpc_server = MotorServer(f"{args.host}:{args.mgmt_port}", tls=section.mgmt_tls_config.server_files())
     service.register(grpc_server, core)
     await grpc_server.start()  # first, so that the node manager sees INIT while the engine loads
 
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+    stop = stop_event()
     try:
         await core.start()
     except Exception as exc:

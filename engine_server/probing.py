@@ -14,7 +14,8 @@ from typing import Any, Callable, Protocol
 
 import aiohttp
 
-from engine_server.config import HealthCheckConfig
+from motor.user_config import HealthCheckConfig
+
 from engine_server.engines.base import UtilizationSampler
 from engine_server.status import Event, Health, HealthStateMachine
 

@@ -15,14 +15,18 @@ from typing import Any
 import aiohttp
 
 from motor.errors import FailedPrecondition, InvalidArgument
+from motor.fanout import FanOut, Subscription
+from motor.user_config import EngineSection
 
-from engine_server.config import EngineSection
 from engine_server.engines.base import EngineBackend, EngineOptions, UtilizationSampler
 from engine_server.probing import HttpProbeClient, PeakSampler, ProbeClient, Prober, ProbeRecord
 from engine_server.samplers import choose_sampler
 from engine_server.status import Event, Health, HealthStateMachine, Transition
 
 logger = logging.getLogger(__name__)
+
+# WatchProbes messages queued for one client before its stream is cut (RESOURCE_EXHAUSTED).
+WATCH_QUEUE_LIMIT = 1000
 
 
 def connect_host(host: str) -> str:
@@ -85,8 +89,7 @@ class EngineServer:
         self._probing_requested = False
         self._probe_task: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
-        self._watchers: set[asyncio.Queue] = set()
-        self._stopped = False
+        self._watchers: FanOut[WatchEvent] = FanOut("WatchProbes", WATCH_QUEUE_LIMIT)
         if metrics is not None:
             metrics.status.set(int(self.machine.state))
 
@@ -157,9 +160,7 @@ class EngineServer:
         close = getattr(self._probe_client, "close", None)
         if close is not None:
             await close()
-        self._stopped = True
-        for queue in list(self._watchers):
-            queue.put_nowait(None)
+        self._watchers.close()
 
     # --- probing ---------------------------------------------------------------------------
     @property
@@ -226,26 +227,12 @@ class EngineServer:
             self._maybe_start_probing()
         return self.status()
 
-    def subscribe(self) -> asyncio.Queue:
-        """A queue of WatchEvents starting with the current status; None marks the end."""
-        queue: asyncio.Queue = asyncio.Queue(maxsize=1000)
-        queue.put_nowait(None if self._stopped else WatchEvent(self.status()))
-        self._watchers.add(queue)
-        return queue
-
-    def unsubscribe(self, queue: asyncio.Queue) -> None:
-        self._watchers.discard(queue)
+    def subscribe(self) -> Subscription[WatchEvent]:
+        """WatchEvents starting with the current status; it ends when the server closes."""
+        return self._watchers.subscribe([WatchEvent(self.status())])
 
     def _publish(self, probe: ProbeRecord | None = None) -> None:
-        event = WatchEvent(self.status(), probe)
-        for queue in list(self._watchers):
-            try:
-                queue.put_nowait(event)
-            except asyncio.QueueFull:  # a stuck watcher loses its stream, not our memory
-                logger.warning("a WatchProbes client is not reading; ending its stream")
-                self._watchers.discard(queue)
-                queue.get_nowait()
-                queue.put_nowait(None)
+        self._watchers.publish(WatchEvent(self.status(), probe))
 
     # --- Drain / Sleep / WakeUp ------------------------------------------------------------
     async def drain(self, deadline: float | None) -> tuple[bool, int]:

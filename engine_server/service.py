@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 from typing import AsyncIterator
 
-from google.protobuf import duration_pb2, timestamp_pb2
-
+from motor import pbtime
 from motor.names import ROLES_BY_NAME
 from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 
@@ -16,22 +15,14 @@ from engine_server.server import EngineServer, StatusSnapshot
 logger = logging.getLogger(__name__)
 
 
-def _duration(seconds: float) -> duration_pb2.Duration:
-    value = duration_pb2.Duration()
-    value.FromNanoseconds(int(seconds * 1e9))
-    return value
-
-
 def probe_to_proto(record: ProbeRecord) -> types_pb2.ProbeResult:
-    sent = timestamp_pb2.Timestamp()
-    sent.FromNanoseconds(int(record.time * 1e9))
     return types_pb2.ProbeResult(
-        time=sent,
+        time=pbtime.timestamp(record.time),
         outcome=types_pb2.PROBE_OUTCOME_SUCCESS if record.success else types_pb2.PROBE_OUTCOME_FAILURE,
-        latency=_duration(record.latency),
+        latency=pbtime.duration(record.latency),
         error=record.error,
         utilization_peak=record.utilization_peak,
-        next_interval=_duration(record.next_interval),
+        next_interval=pbtime.duration(record.next_interval),
         consecutive_failures=record.consecutive_failures,
         status=int(record.status),
         counted=record.counted,
@@ -50,7 +41,7 @@ def status_to_proto(status: StatusSnapshot) -> types_pb2.EngineStatus:
         draining=status.draining,
         probing=status.probing,
         consecutive_failures=status.consecutive_failures,
-        probe_interval=_duration(status.probe_interval),
+        probe_interval=pbtime.duration(status.probe_interval),
         in_flight_requests=status.in_flight_requests,
     )
     if status.last_probe is not None:
@@ -66,21 +57,18 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         return engine_pb2.GetStatusResponse(status=status_to_proto(self.server.get_status()))
 
     async def WatchProbes(self, request, context) -> AsyncIterator[engine_pb2.WatchProbesResponse]:
-        queue = self.server.subscribe()
+        events = self.server.subscribe()
         try:
-            while True:
-                event = await queue.get()
-                if event is None:
-                    return
+            async for event in events:
                 message = engine_pb2.WatchProbesResponse(status=status_to_proto(event.status))
                 if event.probe is not None:
                     message.probe.CopyFrom(probe_to_proto(event.probe))
                 yield message
         finally:
-            self.server.unsubscribe(queue)
+            events.close()
 
     async def Drain(self, request, context):
-        deadline = request.deadline.ToNanoseconds() / 1e9 if request.HasField("deadline") else None
+        deadline = pbtime.seconds(request.deadline) if request.HasField("deadline") else None
         drained, left = await self.server.drain(deadline)
         return engine_pb2.DrainResponse(drained=drained, in_flight_requests=left)
 

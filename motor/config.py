@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from motor.errors import ConfigError
+from motor.names import excerpt
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -34,7 +35,7 @@ def describe_validation_error(exc: ValidationError, prefix: str = "") -> str:
         if message.startswith("Value error, "):
             message = message[len("Value error, ") :]
         got = error.get("input")
-        shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+        shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {excerpt(got)})"
         lines.append(f"{path}: {message}{shown}")
     return "; ".join(lines)
 

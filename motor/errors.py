@@ -41,6 +41,10 @@ class Unavailable(MotorError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class ResourceExhausted(MotorError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class ConfigError(MotorError):
     """A configuration value is wrong; the message names the field. Entry points exit with 2."""
 

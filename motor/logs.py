@@ -8,6 +8,15 @@ import os
 import sys
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# The --log-level values every service accepts (any case).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def check_log_level(value: str) -> str:
+    """The level in upper case, or ValueError listing the accepted ones (for pydantic validators)."""
+    if not isinstance(value, str) or value.upper() not in LOG_LEVELS:
+        raise ValueError(f"must be {', '.join(LOG_LEVELS[:-1])} or {LOG_LEVELS[-1]}")
+    return value.upper()
 
 
 def setup_logging(

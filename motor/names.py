@@ -1,4 +1,9 @@
-"""Ids and enum names shared by every service and client."""
+"""Ids and enum names shared by every service and client.
+
+One id rule for node ids, instance ids and the instance part of engine ids: a DNS-label-like
+name (`ID_RULE`), checked with `fullmatch` (a trailing newline or NUL is not allowed). Values
+echoed in error messages are cut to a short excerpt (`excerpt`).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,12 @@ import re
 from motor.errors import InvalidArgument
 from motor.v1 import types_pb2
 
-INSTANCE_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
-ENGINE_ID_PATTERN = re.compile(r"^(?P<instance>[a-z0-9][a-z0-9._-]{0,62})/rank(?P<rank>\d+)$")
+_ID = r"[a-z0-9][a-z0-9._-]{0,62}"
+ID_PATTERN = re.compile(_ID)
+ID_RULE = "must be 1-63 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit"
+ENGINE_ID_PATTERN = re.compile(rf"(?P<instance>{_ID})/rank(?P<rank>[0-9]{{1,9}})")
+# Longest part of a rejected value quoted back in an error message.
+EXCERPT_CHARS = 64
 
 ROLE_NAMES = {
     types_pb2.ROLE_PREFILL: "prefill",
@@ -18,25 +27,43 @@ ROLE_NAMES = {
 ROLES_BY_NAME = {name: role for role, name in ROLE_NAMES.items()}
 
 
+def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
+    """repr() of `value`, cut to `limit` characters of it: a 1 MB id is not echoed back whole."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} characters)"
+    return repr(value)
+
+
+def is_valid_id(value: object) -> bool:
+    return isinstance(value, str) and ID_PATTERN.fullmatch(value) is not None
+
+
+def check_id(value: str, field: str) -> str:
+    """Return `value` when it is a valid node or instance id, else INVALID_ARGUMENT naming `field`."""
+    if not is_valid_id(value):
+        raise InvalidArgument(f"{field} {excerpt(value)} {ID_RULE}")
+    return value
+
+
+def check_instance_id(value: str, field: str = "instance_id") -> str:
+    return check_id(value, field)
+
+
+def check_node_id(value: str, field: str = "node_id") -> str:
+    return check_id(value, field)
+
+
 def engine_id(instance_id: str, dp_rank: int) -> str:
     return f"{instance_id}/rank{dp_rank}"
 
 
 def parse_engine_id(value: str) -> tuple[str, int]:
-    match = ENGINE_ID_PATTERN.match(value)
+    match = ENGINE_ID_PATTERN.fullmatch(value) if isinstance(value, str) else None
     if not match:
         raise InvalidArgument(
-            f"engine_id {value!r} is not of the form '<instance_id>/rank<dp_rank>' (e.g. 'prefill-0/rank1')"
+            f"engine_id {excerpt(value)} is not of the form '<instance_id>/rank<dp_rank>' (e.g. 'prefill-0/rank1')"
         )
     return match["instance"], int(match["rank"])
-
-
-def check_instance_id(value: str, field: str = "instance_id") -> str:
-    if not INSTANCE_ID_PATTERN.match(value or ""):
-        raise InvalidArgument(
-            f"{field} {value!r} must be 1-63 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit"
-        )
-    return value
 
 
 def role_name(role: int) -> str:
@@ -53,7 +80,7 @@ def parse_role(value: str | int, field: str = "role") -> int:
         text = text[len("role_") :]
     if text in ROLES_BY_NAME:
         return ROLES_BY_NAME[text]
-    raise InvalidArgument(f"{field} {value!r} is not a role: use prefill, decode or union")
+    raise InvalidArgument(f"{field} {excerpt(value)} is not a role: use prefill, decode or union")
 
 
 def enum_short_name(enum_type, value: int) -> str:

@@ -25,6 +25,8 @@ from typing import Callable, Iterable
 
 import psutil
 
+from motor.exits import describe_exit
+
 logger = logging.getLogger(__name__)
 
 # Environment variable carrying a launched process's token; inherited by its descendants.
@@ -41,15 +43,9 @@ class ExitStatus:
     signal: int | None = None
 
     def describe(self) -> str:
-        if self.signal is not None:
-            try:
-                name = signal.Signals(self.signal).name
-            except ValueError:
-                name = "unknown"
-            return f"killed by signal {self.signal} ({name})"
-        if self.exit_code is not None:
-            return f"exited with code {self.exit_code}"
-        return "exited (exit code unknown: not a child of this process)"
+        if self.signal is None and self.exit_code is None:
+            return "exited (exit code unknown: not a child of this process)"
+        return describe_exit(self.exit_code, self.signal)
 
 
 def launch(

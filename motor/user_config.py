@@ -1,9 +1,34 @@
-"""Which user_config section an engine of a role reads: one rule for the engine server (which
-loads it) and the controller (which checks a deployment's engine_config before placing it)."""
+"""The engine's user_config: typed models (errors name the field) and the TLS files it implies.
+
+One contract for the engine server (which loads it and serves its management plane with
+`mgmt_tls_config`), the node manager (which calls that management plane) and the controller
+(which checks a deployment's engine_config before placing it).
+
+Shape (one section per role; see examples/user_config.json):
+
+    {
+      "motor_engine_prefill_config": {"engine_type": "sim", "engine_args": {...},
+                                      "health_check_config": {...}, "mgmt_tls_config": {...},
+                                      "drain_timeout": 30},
+      "motor_engine_decode_config": {...},
+      "motor_engine_union_config": {...}      # optional: the union role falls back to prefill's
+    }
+
+Every model forbids unknown keys, so a typo is reported by name instead of silently ignored.
+"""
 
 from __future__ import annotations
 
-from typing import Collection
+import json
+import os
+from typing import Any, Collection, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from motor.errors import ConfigError
+from motor.grpc_server import TlsFiles
+
+ENGINE_TYPES = ("vllm", "sglang", "sim")
 
 SECTION_BY_ROLE = {
     "prefill": "motor_engine_prefill_config",
@@ -21,3 +46,125 @@ def section_name_for(role: str, present: Collection[str]) -> str:
     if name not in present and role == "union" and SECTION_BY_ROLE["prefill"] in present:
         return SECTION_BY_ROLE["prefill"]
     return name
+
+
+class _Strict(BaseModel):
+    # strict: "true" is not a bool and "5" is not a number; extra: typos are named.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class HealthCheckConfig(_Strict):
+    """Virtual inference (probing) and status settings. Defaults follow MindIE-PyMotor."""
+
+    enable_virtual_inference: bool = False
+    # Utilization (percent) below which the accelerator counts as idle: only then a failed probe
+    # counts towards max_failure_count, and the interval returns to probe_interval.
+    npu_usage_threshold: float = Field(3.0, gt=0, le=100)
+    # Timeout (seconds) of each GET /health while the engine starts (INIT).
+    health_collector_timeout: float = Field(2.0, gt=0)
+    max_failure_count: int = Field(6, ge=1)
+    probe_interval: float = Field(5.0, gt=0)
+    busy_probe_interval: float = Field(20.0, gt=0)
+    # Peak utilization (percent) at or above which the engine counts as busy.
+    busy_utilization: float = Field(80.0, gt=0, le=100)
+    probe_timeout: float = Field(5.0, gt=0)
+    # How long utilization is sampled per probe round (the peak over it decides).
+    utilization_window: float = Field(3.0, gt=0)
+    utilization_sample_period: float = Field(0.5, gt=0)
+    # How often GET /health is tried while INIT.
+    health_poll_interval: float = Field(0.5, gt=0)
+
+    @model_validator(mode="after")
+    def _coherent(self) -> "HealthCheckConfig":
+        if self.npu_usage_threshold > self.busy_utilization:
+            raise ValueError(
+                f"npu_usage_threshold ({self.npu_usage_threshold}) must not exceed busy_utilization "
+                f"({self.busy_utilization})"
+            )
+        if self.utilization_sample_period > self.utilization_window:
+            raise ValueError(
+                f"utilization_sample_period ({self.utilization_sample_period}) must not exceed "
+                f"utilization_window ({self.utilization_window})"
+            )
+        return self
+
+
+class MgmtTlsConfig(_Strict):
+    """TLS of the gRPC management plane. With ca_file, clients must present a certificate it signed."""
+
+    enable_tls: bool = False
+    cert_file: str | None = None
+    key_file: str | None = None
+    ca_file: str | None = None
+
+    def check_files(self, field: str) -> None:
+        """ConfigError naming the field when TLS is on and a file is missing or unreadable."""
+        if not self.enable_tls:
+            return
+        for name in ("cert_file", "key_file"):
+            if not getattr(self, name):
+                raise ConfigError(f"{field}.{name}: required when enable_tls is true")
+        for name in ("cert_file", "key_file", "ca_file"):
+            path = getattr(self, name)
+            if path and not os.access(path, os.R_OK):
+                raise ConfigError(f"{field}.{name}: cannot read {path!r}")
+
+    def server_files(self) -> TlsFiles | None:
+        """The engine server's side: its certificate; with ca_file, clients must present one."""
+        if not self.enable_tls:
+            return None
+        return TlsFiles(cert=self.cert_file, key=self.key_file, ca=self.ca_file, require_client_cert=bool(self.ca_file))
+
+    def client_files(self, cert: str | None = None, key: str | None = None, ca: str | None = None) -> TlsFiles | None:
+        """A client's side (the node manager): `ca` (else ca_file) verifies the server. When the
+        server verifies clients (ca_file set) the client presents `cert`/`key`, else the section's
+        cert_file/key_file (a certificate that must then allow client auth)."""
+        if not self.enable_tls:
+            return None
+        ca = ca or self.ca_file
+        if not self.ca_file:
+            return TlsFiles(ca=ca)
+        if cert:
+            return TlsFiles(cert=cert, key=key, ca=ca)
+        return TlsFiles(cert=self.cert_file, key=self.key_file, ca=ca)
+
+
+class EngineSection(_Strict):
+    """One role's section of the user_config."""
+
+    engine_type: Literal["vllm", "sglang", "sim"]
+    # The engine's own arguments (model path, parallel sizes, ...), checked by the engine class.
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    health_check_config: HealthCheckConfig = Field(default_factory=HealthCheckConfig)
+    mgmt_tls_config: MgmtTlsConfig = Field(default_factory=MgmtTlsConfig)
+    # Seconds SIGTERM (and Drain without a deadline) waits for in-flight requests.
+    drain_timeout: float = Field(30.0, ge=0)
+
+
+class UserConfig(_Strict):
+    motor_engine_prefill_config: EngineSection | None = None
+    motor_engine_decode_config: EngineSection | None = None
+    motor_engine_union_config: EngineSection | None = None
+
+    def present(self) -> list[str]:
+        return [name for name in SECTION_BY_ROLE.values() if getattr(self, name) is not None]
+
+    def section_for(self, role: str) -> tuple[str, EngineSection | None]:
+        """(section name, section) a role uses; the section is None when missing."""
+        name = section_name_for(role, self.present())
+        return name, getattr(self, name)
+
+
+def mgmt_tls_for(role: str, config_json: str = "", config_path: str = "") -> MgmtTlsConfig | None:
+    """The role's mgmt_tls_config from a user_config given as text or as a file; None when the
+    config cannot be read or validated (the engine server itself refuses to start with it)."""
+    try:
+        if config_json:
+            data = json.loads(config_json)
+        else:
+            with open(config_path, encoding="utf-8") as handle:
+                data = json.load(handle)
+        _, section = UserConfig.model_validate(data).section_for(role)
+    except Exception:
+        return None
+    return section.mgmt_tls_config if section is not None else None

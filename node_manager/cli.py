@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 
 from motor.config import read_document, validate
 from motor.errors import ConfigError
 from motor.logs import setup_logging
+from motor.signals import wait_for_stop_signal
 from node_manager.config import NodeManagerConfig
 from node_manager.server import NodeManagerServer
 
@@ -46,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
                    "[the engine's mgmt_tls_config.cert_file]")
     p.add_argument("--engine-tls-key", help="key of --engine-tls-cert [the engine's mgmt_tls_config.key_file]")
     p.add_argument("--engine-tls-ca", help="CA of the engines' server certificates [the engine's mgmt_tls_config.ca_file]")
-    p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR [INFO]")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR or CRITICAL [INFO]")
     return p
 
 
@@ -69,11 +69,7 @@ def load_config(argv: list[str] | None = None) -> NodeManagerConfig:
 async def serve(config: NodeManagerConfig) -> None:
     server = NodeManagerServer(config)
     await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_stop_signal()
     logger.info("shutting down (engines keep running; a restarted node manager re-adopts them)")
     await server.stop()
 

@@ -14,7 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-_NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+from motor.logs import check_log_level
+from motor.names import ID_RULE, is_valid_id
 
 
 def _host_port(value: str, field: str) -> tuple[str, int]:
@@ -57,8 +58,8 @@ class NodeManagerConfig(BaseModel):
     @field_validator("node_id")
     @classmethod
     def _check_node_id(cls, value: str) -> str:
-        if not _NODE_ID.match(value):
-            raise ValueError("must be 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit")
+        if not is_valid_id(value):
+            raise ValueError(ID_RULE)
         return value
 
     @field_validator("listen")
@@ -126,9 +127,7 @@ class NodeManagerConfig(BaseModel):
     @field_validator("log_level")
     @classmethod
     def _check_log_level(cls, value: str) -> str:
-        if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-            raise ValueError("must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
-        return value.upper()
+        return check_log_level(value)
 
     @field_validator("status_timeout")
     @classmethod

@@ -15,6 +15,7 @@ import logging
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception, retry_if_exception_type, stop_after_attempt, wait_random_exponential
 
+from motor import pbtime
 from motor.grpc_server import aio_channel
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from node_manager.manager import NodeManager
@@ -93,8 +94,8 @@ class ControllerLink:
                                        attempt_no, exc.code().name, exc.details())
                     raise
         self.generation = reply.generation
-        if reply.HasField("heartbeat_interval") and reply.heartbeat_interval.ToTimedelta().total_seconds() > 0:
-            self.interval = reply.heartbeat_interval.ToTimedelta().total_seconds()
+        if reply.HasField("heartbeat_interval") and pbtime.seconds(reply.heartbeat_interval) > 0:
+            self.interval = pbtime.seconds(reply.heartbeat_interval)
         fenced = self.manager.reconcile(((a.engine_id, a.generation) for a in reply.assignments), reported)
         logger.info("registered with the controller as %s (generation %d, heartbeat every %gs); %d engine(s) assigned%s",
                     self.node.node_id, self.generation, self.interval, len(reply.assignments),

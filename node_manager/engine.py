@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from google.protobuf import json_format
 
+from motor import pbtime
 from motor.names import engine_id as make_engine_id
 from motor.processes import ExitStatus, TreeId
 from motor.v1 import types_pb2
@@ -190,8 +191,8 @@ class EngineRecord:
             engine.exit_signal = self.exit_signal
         if self.last_probe is not None:
             engine.last_probe.CopyFrom(self.last_probe)
-        engine.started_at.FromNanoseconds(int(self.started_at * 1e9))
-        engine.state_changed_at.FromNanoseconds(int(self.state_changed_at * 1e9))
+        engine.started_at.CopyFrom(pbtime.timestamp(self.started_at))
+        engine.state_changed_at.CopyFrom(pbtime.timestamp(self.state_changed_at))
         return engine
 
     def to_json(self) -> dict[str, Any]:

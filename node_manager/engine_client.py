@@ -6,13 +6,13 @@ the engine's TLS settings); tests give the monitor a scripted fake instead.
 
 from __future__ import annotations
 
-import json
 from typing import AsyncIterator, Callable, Protocol
 
 import grpc
 
 from motor.grpc_server import TlsFiles, aio_channel
 from motor.names import role_name
+from motor.user_config import mgmt_tls_for
 from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 from node_manager.config import NodeManagerConfig
 
@@ -70,31 +70,7 @@ class GrpcEngineClient:
 
 
 def engine_tls(spec: types_pb2.EngineSpec, config: NodeManagerConfig) -> TlsFiles | None:
-    """TLS files for calling an engine's management plane, from its user_config's mgmt_tls_config.
-
-    The CA (--engine-tls-ca, else the section's ca_file) verifies the engine's certificate. When
-    the engine verifies clients (ca_file set) the node manager presents --engine-tls-cert/key,
-    else the section's cert_file/key_file (a certificate that must then allow client auth). An
-    unreadable config means plaintext: the engine server itself refuses to start with it (and
-    that failure is reported)."""
-    from engine_server.config import UserConfig, section_name_for
-
-    try:
-        if spec.config_json:
-            data = json.loads(spec.config_json)
-        else:
-            with open(spec.config_path, encoding="utf-8") as handle:
-                data = json.load(handle)
-        user_config = UserConfig.model_validate(data)
-        section = getattr(user_config, section_name_for(role_name(spec.role), user_config))
-    except Exception:
-        return None
-    tls = section.mgmt_tls_config if section is not None else None
-    if tls is None or not tls.enable_tls:
-        return None
-    ca = config.engine_tls_ca or tls.ca_file
-    if not tls.ca_file:
-        return TlsFiles(ca=ca)
-    if config.engine_tls_cert:
-        return TlsFiles(cert=config.engine_tls_cert, key=config.engine_tls_key, ca=ca)
-    return TlsFiles(cert=tls.cert_file, key=tls.key_file, ca=ca)
+    """TLS files for calling an engine's management plane, from its user_config's mgmt_tls_config
+    (--engine-tls-* override the section's files; see MgmtTlsConfig.client_files)."""
+    tls = mgmt_tls_for(role_name(spec.role), spec.config_json, spec.config_path)
+    return tls.client_files(config.engine_tls_cert, config.engine_tls_key, config.engine_tls_ca) if tls else None

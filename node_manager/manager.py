@@ -16,11 +16,13 @@ import os
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 
-from motor.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
+from motor.errors import AlreadyExists, FailedPrecondition, NotFound
+from motor.fanout import FanOut
 from motor.names import engine_id as make_engine_id
 from motor.names import parse_engine_id
 from motor.ports import PortAllocator, port_is_free
 from motor.processes import ExitStatus
+from motor.tasks import TaskSet
 from motor.v1 import engine_pb2, types_pb2
 from node_manager import specs
 from node_manager.config import NodeManagerConfig
@@ -46,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 # Lines of the engine's log quoted in the reason of an unexpected exit.
 LOG_TAIL_LINES = 3
+# WatchEngines changes queued for one client before its stream is cut (RESOURCE_EXHAUSTED).
+WATCH_QUEUE_LIMIT = 10000
 
 Reporter = Callable[[types_pb2.Engine, str], Awaitable[None]]
 
@@ -71,9 +75,9 @@ class NodeManager:
         # Called with (engine, reason) whenever an engine fails: the controller link reports it.
         self.reporter: Reporter | None = None
         self._monitors: dict[str, EngineMonitor] = {}
-        self._subscribers: set[asyncio.Queue[types_pb2.Engine | None]] = set()
+        self._watchers: FanOut[types_pb2.Engine] = FanOut("WatchEngines", WATCH_QUEUE_LIMIT)
         self._locks: dict[str, asyncio.Lock] = {}
-        self._background: set[asyncio.Task] = set()
+        self._background = TaskSet("node manager")
         self._closed = False
 
     def _grpc_client(self, spec: types_pb2.EngineSpec) -> EngineClient:
@@ -109,9 +113,7 @@ class NodeManager:
             self._stop_monitor(record)
             if record.watch is not None:
                 record.watch.close()
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await self._background.cancel_all()
 
     # Queries ----------------------------------------------------------------------------------
 
@@ -130,18 +132,14 @@ class NodeManager:
 
     async def watch(self) -> AsyncIterator[tuple[types_pb2.Engine, bool]]:
         """Every engine at once (snapshot=True), then each change, until the caller stops."""
-        queue: asyncio.Queue[types_pb2.Engine | None] = asyncio.Queue(maxsize=10000)
-        self._subscribers.add(queue)
+        changes = self._watchers.subscribe()
         try:
             for engine in self.engines():
                 yield engine, True
-            while True:
-                engine = await queue.get()
-                if engine is None:
-                    raise Unavailable("WatchEngines: this watcher fell more than 10000 changes behind; watch again")
+            async for engine in changes:
                 yield engine, False
         finally:
-            self._subscribers.discard(queue)
+            changes.close()
 
     # StartEngine ------------------------------------------------------------------------------
 
@@ -441,18 +439,7 @@ class NodeManager:
         self._publish_counts()
 
     def _publish(self, record: EngineRecord) -> None:
-        engine = record.to_proto(self.node_id)
-        for queue in list(self._subscribers):
-            try:
-                queue.put_nowait(engine)
-            except asyncio.QueueFull:
-                # End that stream (the watcher re-watches and gets a fresh snapshot) rather than
-                # let it silently miss changes.
-                logger.warning("ending a WatchEngines stream that does not keep up")
-                self._subscribers.discard(queue)
-                while not queue.empty():
-                    queue.get_nowait()
-                queue.put_nowait(None)
+        self._watchers.publish(record.to_proto(self.node_id))
 
     def _publish_counts(self) -> None:
         counts: dict[str, int] = {}
@@ -465,12 +452,4 @@ class NodeManager:
         return self._locks.setdefault(engine_id, asyncio.Lock())
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Task) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("node manager task failed", exc_info=task.exception())
+        return self._background.spawn(coro)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 
+from motor import pbtime
 from motor.errors import InvalidArgument
 from motor.v1 import node_manager_pb2, node_manager_pb2_grpc
 from node_manager.manager import NodeManager
@@ -21,7 +22,7 @@ class NodeManagerServicer(node_manager_pb2_grpc.NodeManagerServiceServicer):
     async def StopEngine(self, request, context):
         deadline = None
         if request.HasField("deadline"):
-            deadline = request.deadline.ToTimedelta().total_seconds()
+            deadline = pbtime.seconds(request.deadline)
             if deadline < 0:
                 raise InvalidArgument(f"deadline must not be negative (got {deadline:g}s)")
         record = await self.manager.stop_engine(request.engine_id, deadline, request.generation)

@@ -26,6 +26,7 @@ import sys
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from motor.exits import describe_returncode
 
 from engine_server.engines.base import EngineBackend, EngineOptions
 
@@ -84,9 +85,7 @@ def sglang_command(args: SglangArgs, options: EngineOptions) -> list[str]:
 
 
 def describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        return f"SGLang exited on signal {signal.Signals(-returncode).name}"
-    return f"SGLang exited with code {returncode}"
+    return f"SGLang {describe_returncode(returncode)}"
 
 
 class SglangEngine(EngineBackend):

@@ -170,7 +170,8 @@ class ControllerServiceServicer:
 
     def WatchEvents(self, request, context):
         """Streams a snapshot (nodes, instances, recent events) at once, then every event with its
-        causal reason, until cancelled. Returns OK or CANCELLED at the end of the stream.
+        causal reason, until cancelled. Returns OK or CANCELLED at the end of the stream,
+        RESOURCE_EXHAUSTED when the client falls more than 10000 events behind (watch again).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -76,7 +76,8 @@ class ControllerServiceStub:
     """
     WatchEvents: _grpc.UnaryStreamMultiCallable[_controller_pb2.WatchEventsRequest, _controller_pb2.WatchEventsResponse]
     """Streams a snapshot (nodes, instances, recent events) at once, then every event with its
-    causal reason, until cancelled. Returns OK or CANCELLED at the end of the stream.
+    causal reason, until cancelled. Returns OK or CANCELLED at the end of the stream,
+    RESOURCE_EXHAUSTED when the client falls more than 10000 events behind (watch again).
     """
 
 @_typing.type_check_only
@@ -127,7 +128,8 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     """
     WatchEvents: _aio.UnaryStreamMultiCallable[_controller_pb2.WatchEventsRequest, _controller_pb2.WatchEventsResponse]  # type: ignore[assignment]
     """Streams a snapshot (nodes, instances, recent events) at once, then every event with its
-    causal reason, until cancelled. Returns OK or CANCELLED at the end of the stream.
+    causal reason, until cancelled. Returns OK or CANCELLED at the end of the stream,
+    RESOURCE_EXHAUSTED when the client falls more than 10000 events behind (watch again).
     """
 
 class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -235,7 +237,8 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_controller_pb2.WatchEventsResponse], _abc.AsyncIterator[_controller_pb2.WatchEventsResponse]]:
         """Streams a snapshot (nodes, instances, recent events) at once, then every event with its
-        causal reason, until cancelled. Returns OK or CANCELLED at the end of the stream.
+        causal reason, until cancelled. Returns OK or CANCELLED at the end of the stream,
+        RESOURCE_EXHAUSTED when the client falls more than 10000 events behind (watch again).
         """
 
 def add_ControllerServiceServicer_to_server(servicer: ControllerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

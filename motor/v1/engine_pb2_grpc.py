@@ -78,7 +78,8 @@ class EngineServiceServicer:
     def WatchProbes(self, request, context):
         """Streams the current status at once, then one message for every probe and every status
         change, until the client cancels or the server stops. Safe to open many times. Returns
-        OK or CANCELLED at the end of the stream, UNAVAILABLE while the server shuts down.
+        OK or CANCELLED at the end of the stream, UNAVAILABLE while the server shuts down,
+        RESOURCE_EXHAUSTED when the client falls more than 1000 messages behind (watch again).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -41,7 +41,8 @@ class EngineServiceStub:
     WatchProbes: _grpc.UnaryStreamMultiCallable[_engine_pb2.WatchProbesRequest, _engine_pb2.WatchProbesResponse]
     """Streams the current status at once, then one message for every probe and every status
     change, until the client cancels or the server stops. Safe to open many times. Returns
-    OK or CANCELLED at the end of the stream, UNAVAILABLE while the server shuts down.
+    OK or CANCELLED at the end of the stream, UNAVAILABLE while the server shuts down,
+    RESOURCE_EXHAUSTED when the client falls more than 1000 messages behind (watch again).
     """
     Drain: _grpc.UnaryUnaryMultiCallable[_engine_pb2.DrainRequest, _engine_pb2.DrainResponse]
     """Stops probing and waits for in-flight requests to finish, up to the deadline; the process
@@ -71,7 +72,8 @@ class EngineServiceAsyncStub(EngineServiceStub):
     WatchProbes: _aio.UnaryStreamMultiCallable[_engine_pb2.WatchProbesRequest, _engine_pb2.WatchProbesResponse]  # type: ignore[assignment]
     """Streams the current status at once, then one message for every probe and every status
     change, until the client cancels or the server stops. Safe to open many times. Returns
-    OK or CANCELLED at the end of the stream, UNAVAILABLE while the server shuts down.
+    OK or CANCELLED at the end of the stream, UNAVAILABLE while the server shuts down,
+    RESOURCE_EXHAUSTED when the client falls more than 1000 messages behind (watch again).
     """
     Drain: _aio.UnaryUnaryMultiCallable[_engine_pb2.DrainRequest, _engine_pb2.DrainResponse]  # type: ignore[assignment]
     """Stops probing and waits for in-flight requests to finish, up to the deadline; the process
@@ -110,7 +112,8 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_engine_pb2.WatchProbesResponse], _abc.AsyncIterator[_engine_pb2.WatchProbesResponse]]:
         """Streams the current status at once, then one message for every probe and every status
         change, until the client cancels or the server stops. Safe to open many times. Returns
-        OK or CANCELLED at the end of the stream, UNAVAILABLE while the server shuts down.
+        OK or CANCELLED at the end of the stream, UNAVAILABLE while the server shuts down,
+        RESOURCE_EXHAUSTED when the client falls more than 1000 messages behind (watch again).
         """
 
     @_abc_1.abstractmethod

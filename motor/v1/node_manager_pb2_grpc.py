@@ -104,7 +104,8 @@ class NodeManagerServiceServicer:
 
     def WatchEngines(self, request, context):
         """Streams every engine's current state at once, then every change, until cancelled.
-        Returns OK or CANCELLED at the end of the stream.
+        Returns OK or CANCELLED at the end of the stream, RESOURCE_EXHAUSTED when the client
+        falls more than 10000 changes behind (watch again).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

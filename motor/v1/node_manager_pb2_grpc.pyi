@@ -54,7 +54,8 @@ class NodeManagerServiceStub:
     """
     WatchEngines: _grpc.UnaryStreamMultiCallable[_node_manager_pb2.WatchEnginesRequest, _node_manager_pb2.WatchEnginesResponse]
     """Streams every engine's current state at once, then every change, until cancelled.
-    Returns OK or CANCELLED at the end of the stream.
+    Returns OK or CANCELLED at the end of the stream, RESOURCE_EXHAUSTED when the client
+    falls more than 10000 changes behind (watch again).
     """
 
 @_typing.type_check_only
@@ -83,7 +84,8 @@ class NodeManagerServiceAsyncStub(NodeManagerServiceStub):
     """
     WatchEngines: _aio.UnaryStreamMultiCallable[_node_manager_pb2.WatchEnginesRequest, _node_manager_pb2.WatchEnginesResponse]  # type: ignore[assignment]
     """Streams every engine's current state at once, then every change, until cancelled.
-    Returns OK or CANCELLED at the end of the stream.
+    Returns OK or CANCELLED at the end of the stream, RESOURCE_EXHAUSTED when the client
+    falls more than 10000 changes behind (watch again).
     """
 
 class NodeManagerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -139,7 +141,8 @@ class NodeManagerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_node_manager_pb2.WatchEnginesResponse], _abc.AsyncIterator[_node_manager_pb2.WatchEnginesResponse]]:
         """Streams every engine's current state at once, then every change, until cancelled.
-        Returns OK or CANCELLED at the end of the stream.
+        Returns OK or CANCELLED at the end of the stream, RESOURCE_EXHAUSTED when the client
+        falls more than 10000 changes behind (watch again).
         """
 
 def add_NodeManagerServiceServicer_to_server(servicer: NodeManagerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

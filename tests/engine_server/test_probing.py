@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from engine_server.config import HealthCheckConfig
+from motor.user_config import HealthCheckConfig
 from engine_server.engines.base import VIRTUAL_REQUEST_ID_PATTERN, UtilizationSampler
 from engine_server.metrics import EngineServerMetrics
 from engine_server.probing import HttpProbeClient, PeakSampler, ProbeFailed, Prober, probe_request

@@ -143,7 +143,7 @@ def test_sglang_death_makes_the_engine_server_exit_non_zero(sglang_server):
     es.wait_status(NORMAL)
     os.kill(launch["pid"], signal.SIGKILL)
     assert es.wait_exit(timeout=10) == 1
-    assert "SGLang exited on signal SIGKILL" in es.output
+    assert "SGLang killed by signal 9 (SIGKILL)" in es.output
 
 
 def test_killed_engine_server_takes_sglang_with_it(sglang_server):
