@@ -291,7 +291,7 @@ class Controller:
         st = self.state
         if not info.node_id:
             raise InvalidArgument("node.node_id: required (a unique name of the node, e.g. 'node-a')")
-        names.check_instance_id(info.node_id, "node.node_id")
+        names.check_node_id(info.node_id, "node.node_id")
         if not info.address:
             raise InvalidArgument("node.address: required (host:port of the node manager's gRPC server)")
         if info.port_range_start or info.port_range_end:

@@ -14,7 +14,7 @@ import sys
 from motor.config import read_document, validate
 from motor.errors import ConfigError
 from motor.logs import setup_logging
-from motor.signals import wait_for_stop_signal
+from motor.signals import stop_event
 from node_manager.config import NodeManagerConfig
 from node_manager.server import NodeManagerServer
 
@@ -67,11 +67,20 @@ def load_config(argv: list[str] | None = None) -> NodeManagerConfig:
 
 
 async def serve(config: NodeManagerConfig) -> None:
+    """Until SIGTERM/SIGINT, or until the controller refuses this node for good (raised as a
+    ConfigError after stopping: exit 2 with the controller's reason)."""
     server = NodeManagerServer(config)
     await server.start()
-    await wait_for_stop_signal()
-    logger.info("shutting down (engines keep running; a restarted node manager re-adopts them)")
+    signalled = asyncio.ensure_future(stop_event().wait())
+    link = server.link_task
+    await asyncio.wait([signalled, *([link] if link else [])], return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()
+    refused = link.exception() if link is not None and link.done() and not link.cancelled() else None
+    if refused is None:
+        logger.info("shutting down (engines keep running; a restarted node manager re-adopts them)")
     await server.stop()
+    if refused is not None:
+        raise refused
 
 
 def main(argv: list[str] | None = None) -> int:

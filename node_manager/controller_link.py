@@ -4,19 +4,23 @@ Every call retries with exponential backoff and jitter (tenacity). While the con
 unreachable nothing else changes: engines keep running and supervision goes on. A heartbeat
 refused with FAILED_PRECONDITION (stale generation) or NOT_FOUND (controller forgot the node)
 leads to a new registration; the registration's assignments fence engines the controller no
-longer wants here.
+longer wants here. A registration refused with INVALID_ARGUMENT (e.g. a node id the controller
+rejects) cannot succeed by retrying: `run` raises RegistrationRefused and the node manager stops.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 
 import grpc
-from tenacity import AsyncRetrying, retry_if_exception, retry_if_exception_type, stop_after_attempt, wait_random_exponential
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from motor import pbtime
+from motor.errors import ConfigError
 from motor.grpc_server import aio_channel
+from motor.names import ID_RULE, excerpt
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from node_manager.manager import NodeManager
 from node_manager.process_ops import Clock
@@ -31,8 +35,22 @@ class ReRegister(Exception):
     """The controller refused the node's generation: register again."""
 
 
+class RegistrationRefused(ConfigError):
+    """The controller refused the node's registration for good (INVALID_ARGUMENT): stop."""
+
+
 def _transient(exc: BaseException) -> bool:
     return isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in REREGISTER
+
+
+def _registration_retryable(exc: BaseException) -> bool:
+    # Every other error is retried: a node manager waits for its controller, however long.
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() != grpc.StatusCode.INVALID_ARGUMENT
+
+
+def backoff_delay(failures: int, base: float, cap: float) -> float:
+    """Capped exponential backoff with full jitter: uniform in [0, min(cap, base * 2**(failures-1))]."""
+    return random.uniform(0, min(cap, base * 2 ** (failures - 1)))
 
 
 class ControllerLink:
@@ -76,23 +94,30 @@ class ControllerLink:
 
     async def register(self) -> None:
         attempt_no = 0
-        # Every error is retried: a node manager waits for its controller, however long.
-        async for attempt in self._retrying(retry=retry_if_exception_type(grpc.aio.AioRpcError)):
-            with attempt:
-                attempt_no += 1
-                request = controller_pb2.RegisterNodeRequest(
-                    node=self.node, engines=[e for e in self.manager.engines() if e.state != types_pb2.ENGINE_STATE_STOPPED]
-                )
-                # Only engines the controller was told about are judged by its answer (one
-                # started while the call was in flight is not fenced by a reply that predates it).
-                reported = {(e.engine_id, e.spec.generation) for e in request.engines}
-                try:
-                    reply = await self.stub.RegisterNode(request, timeout=self.call_timeout)
-                except grpc.aio.AioRpcError as exc:
-                    if attempt_no == 1 or attempt_no % 10 == 0:
-                        logger.warning("cannot register with the controller (attempt %d): %s: %s",
-                                       attempt_no, exc.code().name, exc.details())
-                    raise
+        try:
+            async for attempt in self._retrying(retry=retry_if_exception(_registration_retryable)):
+                with attempt:
+                    attempt_no += 1
+                    request = controller_pb2.RegisterNodeRequest(
+                        node=self.node, engines=[e for e in self.manager.engines() if e.state != types_pb2.ENGINE_STATE_STOPPED]
+                    )
+                    # Only engines the controller was told about are judged by its answer (one
+                    # started while the call was in flight is not fenced by a reply that predates it).
+                    reported = {(e.engine_id, e.spec.generation) for e in request.engines}
+                    try:
+                        reply = await self.stub.RegisterNode(request, timeout=self.call_timeout)
+                    except grpc.aio.AioRpcError as exc:
+                        if attempt_no == 1 or attempt_no % 10 == 0:
+                            logger.warning("cannot register with the controller (attempt %d): %s: %s",
+                                           attempt_no, exc.code().name, exc.details())
+                        raise
+        except grpc.aio.AioRpcError as exc:  # INVALID_ARGUMENT: retrying cannot help
+            details = exc.details() or ""
+            rule = "" if ID_RULE in details else f" (node ids {ID_RULE})"
+            raise RegistrationRefused(
+                f"the controller refused to register node {excerpt(self.node.node_id)}: {details}{rule}; "
+                "not retrying: fix the node's settings"
+            ) from None
         self.generation = reply.generation
         if reply.HasField("heartbeat_interval") and pbtime.seconds(reply.heartbeat_interval) > 0:
             self.interval = pbtime.seconds(reply.heartbeat_interval)
@@ -123,8 +148,7 @@ class ControllerLink:
                     logger.warning("heartbeat to the controller failed %d time(s): %s: %s (engines keep running)",
                                    failures, exc.code().name, exc.details())
                 # Back off (with jitter) while the controller is unreachable.
-                backoff = wait_random_exponential(multiplier=self.interval / 2, max=self.max_backoff)
-                next_tick = clock.monotonic() + backoff(_State(failures)) - self.interval
+                next_tick = clock.monotonic() + backoff_delay(failures, self.interval / 2, self.max_backoff) - self.interval
                 continue
             self.manager.metrics.heartbeat_latency.labels(self.node.node_id).observe(clock.monotonic() - began)
             if failures:
@@ -145,10 +169,3 @@ class ControllerLink:
         except grpc.aio.AioRpcError as exc:
             logger.warning("could not report engine %s to the controller (%s); the next heartbeat carries it",
                            engine.engine_id, exc.code().name)
-
-
-class _State:
-    """The one attribute of tenacity's RetryCallState that its wait strategies read."""
-
-    def __init__(self, attempt_number: int):
-        self.attempt_number = attempt_number

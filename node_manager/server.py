@@ -68,6 +68,11 @@ class NodeManagerServer:
             logger.info("no --controller: running standalone (StartEngine through gRPC)")
         return self.port
 
+    @property
+    def link_task(self) -> asyncio.Task | None:
+        """The controller link's task; it ends only with RegistrationRefused (or when cancelled)."""
+        return self._link_task
+
     async def stop(self) -> None:
         """Stop serving; engines keep running (a restarted node manager re-adopts them)."""
         if self._link_task is not None:
