@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from motor.errors import InvalidArgument
-from motor.names import INSTANCE_ID_PATTERN
+from motor.names import ID_RULE, is_valid_id
 
 TRUST_DOMAIN = "motor"
 # kind -> whether it carries a name (node id, operator or viewer name)
@@ -31,9 +31,9 @@ class Identity:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise InvalidArgument(f"identity kind {self.kind!r} is not one of {', '.join(KINDS)}")
-        if KINDS[self.kind] and not INSTANCE_ID_PATTERN.fullmatch(self.name):
+        if KINDS[self.kind] and not is_valid_id(self.name):
             raise InvalidArgument(
-                f"identity {self.kind}/{self.name!r}: the name must be 1-63 lowercase letters, digits, '.', '_' or '-'"
+                f"identity {self.kind}/{self.name!r}: the name {ID_RULE}"
             )
         if not KINDS[self.kind] and self.name:
             raise InvalidArgument(f"identity {self.kind!r} takes no name (got {self.name!r})")

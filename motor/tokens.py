@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from motor.config import load, validate
 from motor.errors import ConfigError
-from motor.names import INSTANCE_ID_PATTERN
+from motor.names import ID_RULE, is_valid_id
 from motor.pki import write_atomically
 
 logger = logging.getLogger(__name__)
@@ -42,8 +42,8 @@ class TokenEntry(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not INSTANCE_ID_PATTERN.fullmatch(value):
-            raise ValueError("must be 1-63 lowercase letters, digits, '.', '_' or '-'")
+        if not is_valid_id(value):
+            raise ValueError(ID_RULE)
         return value
 
     @field_validator("token")
