@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -10,7 +9,7 @@ import sys
 
 from prometheus_client import start_http_server
 
-from motor import config as motor_config
+from motor.cli_config import Flag, load_settings, settings_parser
 from motor.deployment_file import load_deployment
 from motor.errors import ConfigError, MotorError
 from motor.grpc_server import MotorServer, service_name
@@ -27,38 +26,25 @@ from controller.validation import validate_deployment
 
 logger = logging.getLogger(__name__)
 
-_FLAGS = {  # flag -> (config field, type, help)
-    "--listen": ("listen", str, "host:port to serve gRPC on (port 0: a free port, written to <db dir>/controller.port)"),
-    "--db": ("db", str, "SQLite file of the controller's state"),
-    "--deployment": ("deployment", str, "deployment file applied at start-up when it differs from the stored one"),
-    "--heartbeat-interval": ("heartbeat_interval", float, "seconds between node heartbeats (told to node managers)"),
-    "--node-grace": ("node_grace", float, "seconds of silence before a node is suspect and re-checked"),
-    "--recheck-timeout": ("recheck_timeout", float, "deadline of the direct re-check of a suspect node (s)"),
-    "--silent-share-alarm": ("silent_share_alarm", float, "share of nodes silent at once that raises the alarm (0-1)"),
-    "--reschedule-rate": ("reschedule_rate", float, "engine moves per second allowed"),
-    "--metrics-port": ("metrics_port", int, "Prometheus /metrics port (0: off)"),
-    "--startup-grace": ("startup_grace", float, "after a restart, seconds to wait for nodes to report (default: node grace)"),
-    "--stop-deadline": ("stop_deadline", float, "seconds between SIGTERM and SIGKILL when stopping an engine"),
-    "--log-level": ("log_level", str, "DEBUG, INFO, WARNING, ERROR or CRITICAL"),
+FLAGS = {
+    "listen": Flag("host:port to serve gRPC on (port 0: a free port, written to <db dir>/controller.port)"),
+    "db": Flag("SQLite file of the controller's state"),
+    "deployment": Flag("deployment file applied at start-up when it differs from the stored one"),
+    "heartbeat_interval": Flag("seconds between node heartbeats (told to node managers)"),
+    "node_grace": Flag("seconds of silence before a node is suspect and re-checked"),
+    "recheck_timeout": Flag("deadline of the direct re-check of a suspect node (s)"),
+    "silent_share_alarm": Flag("share of nodes silent at once that raises the alarm (0-1)"),
+    "reschedule_rate": Flag("engine moves per second allowed"),
+    "metrics_port": Flag("Prometheus /metrics port (0: off)"),
+    "startup_grace": Flag("after a restart, seconds to wait for nodes to report", default_text="--node-grace"),
+    "stop_deadline": Flag("seconds between SIGTERM and SIGKILL when stopping an engine"),
+    "log_level": Flag("DEBUG, INFO, WARNING, ERROR or CRITICAL"),
 }
 
 
 def parse_config(argv: list[str] | None) -> ControllerConfig:
-    parser = argparse.ArgumentParser(prog="motor-controller", description="Motor controller")
-    parser.add_argument("--config", help="YAML or JSON file with these settings (flags win)")
-    for flag, (field, _type, help_text) in _FLAGS.items():
-        parser.add_argument(flag, dest=field, default=None, help=help_text)
-    args = parser.parse_args(argv)
-    data = motor_config.read_document(args.config) if args.config else {}
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{args.config}: expected a mapping of settings")
-    for field, _type, _ in _FLAGS.values():
-        value = getattr(args, field)
-        if value is not None:
-            data[field] = value  # pydantic converts and names the field on error
-    return motor_config.validate(ControllerConfig, data, source=args.config or "command line")
+    parser = settings_parser("motor-controller", "Motor controller", ControllerConfig, FLAGS)
+    return load_settings(ControllerConfig, parser, argv)
 
 
 async def serve(config: ControllerConfig) -> None:

@@ -11,10 +11,14 @@ import asyncio
 import logging
 import os
 import sys
+from typing import Literal
 
 # Set before anything imports prometheus_client (it picks its storage at import time).
 from engine_server.prometheus_dir import ensure_private_multiproc_dir, remove_private_multiproc_dir
-from motor.logs import LOG_LEVELS
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from motor.cli_config import Flag, load_settings, settings_parser
+from motor.logs import LOG_LEVELS, check_log_level
 
 logger = logging.getLogger("engine_server")
 
@@ -42,27 +46,56 @@ def _rank(value: str) -> int:
     return rank
 
 
+class EngineServerArgs(BaseModel):
+    """The engine server's settings (flags only: the user_config file is --config-path)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dp_rank: int = Field(ge=0)
+    instance_id: str
+    role: Literal["prefill", "decode", "union"]
+    host: str
+    port: int = Field(ge=1, le=65535)
+    mgmt_port: int = Field(ge=1, le=65535)
+    master_dp_ip: str
+    config_path: str
+    kv_port: int | None = Field(None, ge=1, le=65535)
+    dp_rpc_port: int | None = Field(None, ge=1, le=65535)
+    log_dir: str = "./engine_server_log/"
+    log_level: str = "INFO"
+
+    @field_validator("log_level")
+    @classmethod
+    def _check_log_level(cls, value: str) -> str:
+        return check_log_level(value)
+
+
+REQUIRED = {"required": True}
+FLAGS = {
+    "dp_rank": Flag("data-parallel rank within the instance", options={"type": _rank, **REQUIRED}),
+    "instance_id": Flag("instance this engine belongs to, e.g. prefill-0", options=REQUIRED),
+    "role": Flag("prefill, decode or union", options={"choices": ["prefill", "decode", "union"], **REQUIRED}),
+    "host": Flag("address both planes bind to", options=REQUIRED),
+    "port": Flag("inference plane (OpenAI-compatible HTTP)", options={"type": _port, **REQUIRED}),
+    "mgmt_port": Flag("management plane (gRPC)", options={"type": _port, **REQUIRED}),
+    "master_dp_ip": Flag("host of data-parallel rank 0", options=REQUIRED),
+    "config_path": Flag("user_config JSON", options=REQUIRED),
+    "kv_port": Flag("KV-transfer port (single-container mode)", options={"type": _port}),
+    "dp_rpc_port": Flag("data-parallel RPC port (single-container mode)", options={"type": _port}),
+    "log_dir": Flag("rotated log files go here"),
+    "log_level": Flag("DEBUG, INFO, WARNING, ERROR or CRITICAL", options={"type": str.upper, "choices": LOG_LEVELS}),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="engine_server",
-        description="Wrap one inference engine: its OpenAI HTTP API on --port, motor.v1.EngineService on --mgmt-port.",
+    return settings_parser(
+        "engine_server",
+        "Wrap one inference engine: its OpenAI HTTP API on --port, motor.v1.EngineService on --mgmt-port.",
+        EngineServerArgs, FLAGS, config_file=False,
     )
-    parser.add_argument("--dp-rank", type=_rank, required=True, help="data-parallel rank within the instance")
-    parser.add_argument("--instance-id", required=True, help="instance this engine belongs to, e.g. prefill-0")
-    parser.add_argument("--role", choices=["prefill", "decode", "union"], required=True)
-    parser.add_argument("--host", required=True, help="address both planes bind to")
-    parser.add_argument("--port", type=_port, required=True, help="inference plane (OpenAI-compatible HTTP)")
-    parser.add_argument("--mgmt-port", type=_port, required=True, help="management plane (gRPC)")
-    parser.add_argument("--master-dp-ip", required=True, help="host of data-parallel rank 0")
-    parser.add_argument("--config-path", required=True, help="user_config JSON")
-    parser.add_argument("--kv-port", type=_port, default=None, help="KV-transfer port (single-container mode)")
-    parser.add_argument("--dp-rpc-port", type=_port, default=None, help="data-parallel RPC port (single-container mode)")
-    parser.add_argument("--log-dir", default="./engine_server_log/", help="rotated log files go here")
-    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
-    return parser
 
 
-def _check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+def _check_args(args: EngineServerArgs, parser: argparse.ArgumentParser) -> None:
     from motor.errors import InvalidArgument
     from motor.names import check_instance_id
 
@@ -80,7 +113,7 @@ def _check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> No
         seen[port] = flag
 
 
-async def serve(args: argparse.Namespace, section) -> int:
+async def serve(args: EngineServerArgs, section) -> int:
     from motor.grpc_server import MotorServer
     from motor.signals import stop_event
 
@@ -134,12 +167,16 @@ async def serve(args: argparse.Namespace, section) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from motor.errors import ConfigError
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = load_settings(EngineServerArgs, parser, argv)
+    except ConfigError as exc:  # argparse has checked each flag: only a rule it cannot express
+        parser.error(str(exc))
     _check_args(args, parser)
     ensure_private_multiproc_dir()
 
-    from motor.errors import ConfigError
     from motor.logs import setup_logging
 
     from engine_server.config import load_section
