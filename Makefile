@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup run test proto proto-check lint bench clean
+.PHONY: setup run test mutation proto proto-check lint bench clean
 
 setup:
 	@bash scripts/setup-venv.sh
@@ -14,6 +14,13 @@ run: setup
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# Mutation testing of the policy modules (pyproject.toml [tool.mutmut]); prints the score and fails
+# under 90% or on a surviving mutant that tests/mutation/equivalent.md does not explain.
+mutation: setup
+	rm -rf mutants
+	$(VENV)/bin/mutmut run >mutants.log 2>&1 || { tail -50 mutants.log; exit 1; }
+	$(PY) scripts/mutation_score.py
+
 # Regenerate the Python API (messages, gRPC stubs, type stubs) from proto/.
 proto: setup
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. \
@@ -23,7 +30,7 @@ lint: setup
 	$(VENV)/bin/buf lint
 
 clean:
-	rm -rf $(VENV) .pytest_cache engine_server_log .run
+	rm -rf $(VENV) .pytest_cache engine_server_log .run mutants mutants.log
 
 # The compose simulation (docs/compose.md): `docker compose` v2 when installed, else docker-compose v1.
 COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)

@@ -72,11 +72,12 @@ class HealthStateMachine:
         after = TRANSITIONS.get((self.state, event))
         if after is None:
             return False
+        # Death is final even when its reason repeats the current one (nothing else changes then).
+        self.dead = event is Event.ENGINE_DIED
         if after == self.state and reason == self.reason:
             return False
         transition = Transition(self.state, after, event, reason, self._clock())
         self.state, self.reason, self.changed_at = after, reason, transition.at
-        self.dead = event is Event.ENGINE_DIED
         log = logger.warning if after is Health.ABNORMAL else logger.info
         log("status %s -> %s (%s): %s", transition.before.name, after.name, event.value, reason)
         for listener in self._listeners:

@@ -1,0 +1,300 @@
+"""The prober's and the status machine's rules, one at a time, with injected clocks (in-process).
+
+Written to kill the mutants `make mutation` found surviving: each test pins one rule a user relies
+on (what a probe record says, when a failure counts, what is logged, what the status says)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from aiohttp import web
+
+from engine_server.engines.base import UtilizationSampler
+from engine_server.probing import HttpProbeClient, PeakSampler, ProbeFailed
+from engine_server.status import Event, Health, HealthStateMachine, Transition
+from motor.ports import free_port
+from tests.engine_server.test_probing import SETTINGS, FixedSampler, ScriptedClient, make_prober, no_sleep
+
+
+class Clock:
+    """A clock that moves only when told to."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ------------------------------------------------------------------ status machine
+
+def test_a_new_machine_is_init_alive_and_dated():
+    clock = Clock(1234.5)
+    machine = HealthStateMachine(clock=clock)
+    assert machine.state is Health.INIT and machine.dead is False and machine.changed_at == 1234.5
+    assert machine.reason == "starting: waiting for the inference plane's GET /health to answer"
+
+
+def test_listeners_get_the_event_and_the_time_of_each_transition():
+    clock = Clock(10.0)
+    machine = HealthStateMachine(clock=clock)
+    seen: list[Transition] = []
+    machine.on_transition(seen.append)
+    clock.now = 12.0
+    assert machine.fire(Event.HEALTH_UP, "up")
+    assert seen == [Transition(Health.INIT, Health.NORMAL, Event.HEALTH_UP, "up", 12.0)]
+    assert machine.changed_at == 12.0
+
+
+def test_a_new_state_with_the_same_reason_text_is_still_a_change():
+    machine = HealthStateMachine()
+    assert machine.fire(Event.HEALTH_UP, machine.reason)
+    assert machine.state is Health.NORMAL
+
+
+def test_a_new_reason_in_the_same_state_is_a_change_and_a_repeat_is_not():
+    machine = HealthStateMachine()
+    seen = []
+    machine.on_transition(seen.append)
+    machine.fire(Event.HEALTH_UP, "up")
+    machine.fire(Event.FAILURE_LIMIT, "3 probes failed")
+    # ABNORMAL -> ABNORMAL with a new reason (the engine died): reported.
+    assert machine.fire(Event.ENGINE_DIED, "engine core exited with 1")
+    assert machine.state is Health.ABNORMAL and machine.reason == "engine core exited with 1" and machine.dead
+    assert len(seen) == 3
+
+
+def test_death_with_the_current_reason_is_final_but_no_news():
+    machine = HealthStateMachine()
+    seen = []
+    machine.fire(Event.HEALTH_UP, "up")
+    machine.fire(Event.FAILURE_LIMIT, "gone")
+    machine.on_transition(seen.append)
+    assert not machine.fire(Event.ENGINE_DIED, "gone")  # same state, same reason: nothing to tell
+    assert seen == [] and machine.dead
+    assert not machine.fire(Event.PROBE_SUCCEEDED, "a late probe")
+    assert machine.state is Health.ABNORMAL
+
+
+def test_abnormal_is_logged_as_a_warning_and_the_rest_as_info(caplog):
+    caplog.set_level(logging.INFO, logger="engine_server.status")
+    machine = HealthStateMachine()
+    machine.fire(Event.HEALTH_UP, "up")
+    machine.fire(Event.FAILURE_LIMIT, "3 probes failed")
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", "status INIT -> NORMAL (health_up): up"),
+        ("WARNING", "status NORMAL -> ABNORMAL (failure_limit): 3 probes failed"),
+    ]
+
+
+# ------------------------------------------------------------------ one probe round
+
+async def test_a_record_says_when_it_was_sent_and_how_long_the_probe_took():
+    prober, _, records = make_prober(FixedSampler(0))
+    ticks = iter([100.0, 100.25])
+    prober._clock, prober._monotonic = (lambda: 1700000000.0), (lambda: next(ticks))
+    assert prober.last is None
+    record = await prober.probe_once()
+    assert record.time == 1700000000.0 and record.latency == pytest.approx(0.25)
+    assert record.success and record.error == ""
+    assert prober.last is record and records == [record]
+
+
+@pytest.mark.parametrize("outcome", ["ProbeFailed", "timeout", "bug"])
+async def test_a_failed_probe_has_its_latency_and_reason(outcome, caplog):
+    class Client:
+        async def probe(self):
+            if outcome == "ProbeFailed":
+                raise ProbeFailed("HTTP 500: boom")
+            if outcome == "timeout":
+                await asyncio.sleep(3600)
+            raise RuntimeError("boom")
+
+    settings = SETTINGS.model_copy(update={"probe_timeout": 0.05})
+    prober, _, _ = make_prober(FixedSampler(0), Client(), settings=settings)
+    ticks = iter([100.0, 100.5])
+    prober._monotonic = lambda: next(ticks)
+    record = await prober.probe_once()
+    assert not record.success and record.latency == pytest.approx(0.5)
+    assert record.error == {"ProbeFailed": "HTTP 500: boom", "timeout": "timed out after 0.05s",
+                            "bug": "RuntimeError: boom"}[outcome]  # fmt: skip
+    bugs = [r for r in caplog.records if r.getMessage() == "probe client raised"]
+    assert len(bugs) == (outcome == "bug") and all(r.exc_info for r in bugs)
+
+
+async def test_a_failure_at_exactly_the_idle_threshold_does_not_count():
+    client = ScriptedClient()
+    client.fail = "HTTP 500"
+    prober, _, _ = make_prober(FixedSampler(SETTINGS.npu_usage_threshold), client)
+    record = await prober.probe_once()
+    assert not record.counted and record.consecutive_failures == 0
+
+
+async def test_recovery_says_why():
+    client = ScriptedClient()
+    client.fail = "HTTP 500"
+    prober, machine, _ = make_prober(FixedSampler(0), client)
+    for _ in range(SETTINGS.max_failure_count):
+        await prober.probe_once()
+    assert machine.state is Health.ABNORMAL
+    client.fail = None
+    await prober.probe_once()
+    assert machine.state is Health.NORMAL and machine.reason == "virtual-inference probes succeed again"
+
+
+async def test_failed_probes_are_logged_with_whether_they_counted(caplog):
+    caplog.set_level(logging.INFO, logger="engine_server.probing")
+    client = ScriptedClient()
+    sampler = FixedSampler(1, 95)
+    prober, _, _ = make_prober(sampler, client, settings=SETTINGS.model_copy(update={"utilization_window": 0.5}))
+    await prober.probe_once()  # a success logs nothing
+    client.fail = "HTTP 500"
+    sampler.calls = 0
+    sampler.values = [1]
+    await prober.probe_once()
+    sampler.values = [95]
+    await prober.probe_once()
+    assert [r.getMessage() for r in caplog.records if r.name == "engine_server.probing"] == [
+        "probe failed (HTTP 500; peak 1%, counted, 1 consecutive)",
+        "probe failed (HTTP 500; peak 95%, not counted: accelerator busy, 1 consecutive)",
+    ]
+
+
+async def test_a_round_longer_than_the_interval_starts_the_next_at_once():
+    sleeps = []
+    now = [0.0]
+
+    async def fake_sleep(seconds):
+        sleeps.append(seconds)
+        raise asyncio.CancelledError
+
+    def monotonic():
+        now[0] += 4.0  # every reading moves the clock on: the round outlasts the 5 s interval
+        return now[0]
+
+    prober, _, _ = make_prober(FixedSampler(0))
+    prober._sleep, prober._monotonic = fake_sleep, monotonic
+    prober.interval = 5.0
+    with pytest.raises(asyncio.CancelledError):
+        await prober.run()
+    assert sleeps == [0.0]
+
+
+# ------------------------------------------------------------------ utilization peak
+
+async def test_samples_are_spaced_by_the_period_without_a_trailing_sleep():
+    sleeps = []
+
+    async def record_sleep(seconds):
+        sleeps.append(seconds)
+
+    sampler = FixedSampler(5, 50, 7)
+    assert await PeakSampler(sampler, 1.5, 0.5, sleep=record_sleep).peak() == 50
+    assert sampler.calls == 3 and sleeps == [0.5, 0.5]
+
+
+async def test_a_window_of_one_period_takes_one_sample():
+    sampler = FixedSampler(5)
+    await PeakSampler(sampler, 0.5, 0.5, sleep=no_sleep).peak()
+    assert sampler.calls == 1
+
+
+async def test_a_broken_sampler_is_reported_once(caplog):
+    class Broken(UtilizationSampler):
+        name = "broken"
+
+        async def sample(self) -> float:
+            raise RuntimeError("no driver")
+
+    peak = PeakSampler(Broken(), 1, 0.5, sleep=no_sleep)
+    assert await peak.peak() == 0.0 and await peak.peak() == 0.0
+    assert [r.getMessage() for r in caplog.records if r.name == "engine_server.probing"] == [
+        "utilization sampler broken failed: no driver (counting as 0%)"
+    ]
+
+
+# ------------------------------------------------------------------ the HTTP probe client
+
+@pytest.fixture
+async def completions():
+    """A /v1/completions server whose answer the test sets (status, raw body, whether it hangs)."""
+    answer = {"status": 200, "body": '{"choices": [{"text": "x"}]}', "hang": False}
+    released = asyncio.Event()
+
+    async def handler(request):
+        if answer["hang"]:
+            await released.wait()
+        return web.Response(status=answer["status"], text=answer["body"], content_type="application/json")
+
+    app = web.Application()
+    app.add_routes([web.post("/v1/completions", handler)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    yield f"http://127.0.0.1:{port}", answer
+    released.set()
+    await runner.cleanup()
+
+
+@pytest.mark.parametrize(
+    "base, url",
+    [("http://10.0.0.1:8000/", "http://10.0.0.1:8000/v1/completions"),
+     ("http://10.0.0.1:8000", "http://10.0.0.1:8000/v1/completions"),
+     ("http://ENGINE-BOX/", "http://ENGINE-BOX/v1/completions")],
+)  # fmt: skip
+def test_the_probe_url_is_the_completions_route_of_the_base_url(base, url):
+    assert HttpProbeClient(base, "prefill", 1).url == url
+
+
+async def test_long_bad_answers_are_cut_to_200_characters(completions):
+    url, answer = completions
+    client = HttpProbeClient(url, "prefill", timeout=5)
+    try:
+        answer.update(status=500, body="e" * 300)
+        with pytest.raises(ProbeFailed) as failed:
+            await client.probe()
+        assert str(failed.value) == "HTTP 500: " + "e" * 200
+        answer.update(status=200, body="n" * 300)
+        with pytest.raises(ProbeFailed) as failed:
+            await client.probe()
+        assert str(failed.value) == "answer is not JSON: " + "n" * 200
+        answer.update(body='{"choices": []' + " " * 300 + "}")
+        with pytest.raises(ProbeFailed) as failed:
+            await client.probe()
+        assert str(failed.value) == "answer has no choices: " + ('{"choices": []' + " " * 300)[:200]
+    finally:
+        await client.close()
+
+
+async def test_a_slow_answer_times_out_at_the_clients_timeout(completions):
+    url, answer = completions
+    answer["hang"] = True
+    client = HttpProbeClient(url, "prefill", timeout=0.2)
+    try:
+        with pytest.raises(ProbeFailed, match=r"^timed out after 0\.2s$"):
+            await asyncio.wait_for(client.probe(), 10)  # the outer bound only catches a missing timeout
+    finally:
+        await client.close()
+
+
+async def test_a_refused_connection_names_the_error_type():
+    client = HttpProbeClient(f"http://127.0.0.1:{free_port()}", "prefill", timeout=2)
+    try:
+        with pytest.raises(ProbeFailed, match=r"^ClientConnector\w*Error: "):
+            await client.probe()
+    finally:
+        await client.close()
+
+
+async def test_the_client_can_be_closed_unused_and_probes_again_after_close(completions):
+    url, _ = completions
+    await HttpProbeClient(url, "prefill", timeout=5).close()
+    client = HttpProbeClient(url, "prefill", timeout=5)
+    await client.probe()
+    await client.close()
+    await client.probe()  # a new session
+    await client.close()
+
