@@ -191,6 +191,17 @@ def test_probe_request_shape():
     assert decode["kv_transfer_params"]["do_remote_prefill"] is False
 
 
+async def serve_completions(handler) -> tuple[str, web.AppRunner]:
+    """(base URL, runner) of an in-process server answering POST /v1/completions with `handler`."""
+    app = web.Application()
+    app.add_routes([web.post("/v1/completions", handler)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return f"http://127.0.0.1:{port}", runner
+
+
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 async def test_http_probe_client_sends_the_probe_and_checks_the_answer(role):
     seen = []
@@ -200,13 +211,8 @@ async def test_http_probe_client_sends_the_probe_and_checks_the_answer(role):
         seen.append((request.headers.get("X-Request-Id"), await request.json()))
         return web.json_response(answer["body"], status=answer["status"])
 
-    app = web.Application()
-    app.add_routes([web.post("/v1/completions", completions)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    client = HttpProbeClient(f"http://127.0.0.1:{port}", role, timeout=2)
+    url, runner = await serve_completions(completions)
+    client = HttpProbeClient(url, role, timeout=2)
     try:
         await client.probe()
         request_id, body = seen[0]
@@ -223,7 +229,7 @@ async def test_http_probe_client_sends_the_probe_and_checks_the_answer(role):
         await client.close()
         await runner.cleanup()
     with pytest.raises(ProbeFailed, match="Connect"):
-        refused = HttpProbeClient(f"http://127.0.0.1:{port}", role, timeout=2)
+        refused = HttpProbeClient(url, role, timeout=2)
         try:
             await refused.probe()
         finally:

@@ -15,7 +15,9 @@ from engine_server.engines.base import UtilizationSampler
 from engine_server.probing import HttpProbeClient, PeakSampler, ProbeFailed
 from engine_server.status import Event, Health, HealthStateMachine, Transition
 from motor.ports import free_port
-from tests.engine_server.test_probing import SETTINGS, FixedSampler, ScriptedClient, make_prober, no_sleep
+from tests.engine_server.test_probing import (
+    SETTINGS, FixedSampler, ScriptedClient, make_prober, no_sleep, serve_completions,
+)  # fmt: skip
 
 
 class Clock:
@@ -228,13 +230,8 @@ async def completions():
             await released.wait()
         return web.Response(status=answer["status"], text=answer["body"], content_type="application/json")
 
-    app = web.Application()
-    app.add_routes([web.post("/v1/completions", handler)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield f"http://127.0.0.1:{port}", answer
+    url, runner = await serve_completions(handler)
+    yield url, answer
     released.set()
     await runner.cleanup()
 
