@@ -25,6 +25,7 @@ from google.protobuf import json_format
 
 from motor import names
 from motor.errors import InvalidArgument, NotFound
+from motor.exits import describe_exit
 from motor.tasks import TaskSet
 from motor.v1 import controller_pb2, types_pb2
 
@@ -385,12 +386,14 @@ class Controller:
 
     @staticmethod
     def _exit_words(engine: T.Engine) -> str:
+        """The failure's words when the node gave none (its reports normally carry them)."""
         if engine.state == T.ENGINE_STATE_STOPPED:
             return "stopped outside the controller"
-        if engine.HasField("exit_signal"):
-            return f"exited (signal {engine.exit_signal})"
-        if engine.HasField("exit_code"):
-            return f"exited with code {engine.exit_code}"
+        if engine.HasField("exit_signal") or engine.HasField("exit_code"):
+            return describe_exit(
+                engine.exit_code if engine.HasField("exit_code") else None,
+                engine.exit_signal if engine.HasField("exit_signal") else None,
+            )
         return "failed"
 
     # ------------------------------------------------------------------ launches

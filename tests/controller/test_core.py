@@ -135,6 +135,16 @@ async def test_failed_engine_restarts_at_once_then_backs_off_then_fails(harness)
     await async_wait_for(lambda: len(client.starts("decode-0/rank0")) == 4, timeout=5)
 
 
+async def test_a_failure_reported_without_words_is_described_from_the_exit(harness):
+    await running_example(harness)
+    client, ctl = harness.client, harness.controller
+    node_id = next(n for n, e in client.engines.items() if "decode-0/rank0" in e)
+    dead = client.engines[node_id]["decode-0/rank0"]
+    dead.state, dead.exit_signal = T.ENGINE_STATE_FAILED, 9
+    harness.beat(node_id)  # a heartbeat shows the copy FAILED, with no reason
+    assert ctl.slots["decode-0/rank0"].last_failure_reason == "killed by signal 9 (SIGKILL)"
+
+
 async def test_group_scope_restarts_every_rank_and_rank_scope_one(harness):
     await running_example(harness)
     client, ctl = harness.client, harness.controller
