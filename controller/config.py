@@ -5,16 +5,17 @@ Flags given on the command line win over the file. Every error names the setting
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from motor.logs import check_log_level
+from motor.config import HostPort
+from motor.logs import LogLevel
 
 
 class ControllerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # "host:port" the gRPC server binds; port 0 picks a free one (written to <db dir>/controller.port).
-    listen: str = "0.0.0.0:50051"
+    listen: HostPort = "0.0.0.0:50051"
     # SQLite file holding the desired deployment, assignments, node generations, restart counters.
     db: str = "./.state/controller.db"
     # Deployment file applied at start-up when it differs from the stored one.
@@ -36,20 +37,7 @@ class ControllerConfig(BaseModel):
     startup_grace: float | None = Field(None, ge=0)
     # Time a node manager gets to stop an engine gracefully before SIGKILL (seconds).
     stop_deadline: float = Field(5.0, ge=0)
-    log_level: str = "INFO"
-
-    @field_validator("listen")
-    @classmethod
-    def _check_listen(cls, value: str) -> str:
-        host, sep, port = value.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ValueError("must be host:port with a port in 0-65535, e.g. 0.0.0.0:50051")
-        return value
-
-    @field_validator("log_level")
-    @classmethod
-    def _check_level(cls, value: str) -> str:
-        return check_log_level(value)
+    log_level: LogLevel = "INFO"
 
     @property
     def effective_startup_grace(self) -> float:

@@ -15,10 +15,10 @@ from typing import Literal
 
 # Set before anything imports prometheus_client (it picks its storage at import time).
 from engine_server.prometheus_dir import ensure_private_multiproc_dir, remove_private_multiproc_dir
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from motor.cli_config import Flag, load_settings, settings_parser
-from motor.logs import LOG_LEVELS, check_log_level
+from motor.logs import LOG_LEVELS, LogLevel
 
 logger = logging.getLogger("engine_server")
 
@@ -62,12 +62,7 @@ class EngineServerArgs(BaseModel):
     kv_port: int | None = Field(None, ge=1, le=65535)
     dp_rpc_port: int | None = Field(None, ge=1, le=65535)
     log_dir: str = "./engine_server_log/"
-    log_level: str = "INFO"
-
-    @field_validator("log_level")
-    @classmethod
-    def _check_log_level(cls, value: str) -> str:
-        return check_log_level(value)
+    log_level: LogLevel = "INFO"
 
 
 REQUIRED = {"required": True}

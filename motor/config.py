@@ -8,15 +8,42 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import AfterValidator, BaseModel, ValidationError
 
 from motor.errors import ConfigError
 from motor.names import excerpt
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def split_host_port(value: str) -> tuple[str, int]:
+    """'0.0.0.0:50051' -> ('0.0.0.0', 50051); '[::1]:0' -> ('::1', 0); ValueError otherwise."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError("must be host:port with a port in 0-65535 (e.g. 0.0.0.0:50051)")
+    return host.strip("[]"), int(port)
+
+
+def _check_host_port(value: str) -> str:
+    split_host_port(value)
+    return value
+
+
+# A setting holding a listen or dial address (port 0 allowed: any free port).
+HostPort = Annotated[str, AfterValidator(_check_host_port)]
+
+
+def _check_readable(path: str) -> str:
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"cannot read {path!r}")
+    return path
+
+
+# A setting naming a file this process must be able to read (a certificate, a key, tokens).
+ReadableFile = Annotated[str, AfterValidator(_check_readable)]
 
 
 def field_path(loc: tuple[Any, ...], prefix: str = "") -> str:

@@ -6,6 +6,9 @@ import logging
 import logging.handlers
 import os
 import sys
+from typing import Annotated
+
+from pydantic import AfterValidator
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # The --log-level values every service accepts (any case).
@@ -17,6 +20,10 @@ def check_log_level(value: str) -> str:
     if not isinstance(value, str) or value.upper() not in LOG_LEVELS:
         raise ValueError(f"must be {', '.join(LOG_LEVELS[:-1])} or {LOG_LEVELS[-1]}")
     return value.upper()
+
+
+# A --log-level setting: any case in, upper case out.
+LogLevel = Annotated[str, AfterValidator(check_log_level)]
 
 
 def setup_logging(

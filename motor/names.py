@@ -8,6 +8,9 @@ echoed in error messages are cut to a short excerpt (`excerpt`).
 from __future__ import annotations
 
 import re
+from typing import Annotated
+
+from pydantic import AfterValidator
 
 from motor.errors import InvalidArgument
 from motor.v1 import types_pb2
@@ -36,6 +39,16 @@ def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
 
 def is_valid_id(value: object) -> bool:
     return isinstance(value, str) and ID_PATTERN.fullmatch(value) is not None
+
+
+def _id_setting(value: str) -> str:
+    if not is_valid_id(value):
+        raise ValueError(ID_RULE)
+    return value
+
+
+# A pydantic field holding a node id or another name under the id rule (errors name the field).
+IdSetting = Annotated[str, AfterValidator(_id_setting)]
 
 
 def check_id(value: str, field: str) -> str:

@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
-import os
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from motor.access import AccessInterceptor, AccessPolicy
+from motor.config import ReadableFile
 from motor.errors import ConfigError
 from motor.grpc_server import MAX_MESSAGE_BYTES, MotorServer, TlsFiles
 from motor.identity import TRUST_DOMAIN
@@ -46,23 +46,16 @@ def is_loopback(bind: str) -> bool:
 class SecuritySettings(BaseModel):
     """Mixed into each service's configuration: the same names as settings and as flags."""
 
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
-    tokens_file: str | None = None
+    tls_cert: ReadableFile | None = None
+    tls_key: ReadableFile | None = None
+    tls_ca: ReadableFile | None = None
+    tokens_file: ReadableFile | None = None
     token_listen: str | None = None
     insecure: bool = False
     reflection: bool = True
     max_streams_per_caller: int = Field(default=100, ge=1)
     max_message_bytes: int = Field(default=MAX_MESSAGE_BYTES, ge=64 * 1024)
     trust_domain: str = TRUST_DOMAIN
-
-    @field_validator("tls_cert", "tls_key", "tls_ca", "tokens_file")
-    @classmethod
-    def _readable(cls, value: str | None) -> str | None:
-        if value is not None and not os.access(value, os.R_OK):
-            raise ValueError(f"cannot read {value!r}")
-        return value
 
     @model_validator(mode="after")
     def _coherent(self) -> "SecuritySettings":

@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from motor.config import load, validate
 from motor.errors import ConfigError
-from motor.names import ID_RULE, is_valid_id
+from motor.names import IdSetting
 from motor.pki import write_atomically
 
 logger = logging.getLogger(__name__)
@@ -35,16 +35,9 @@ TOKEN_ROLES = ("operator", "viewer")
 
 
 class TokenEntry(BaseModel):
-    name: str
+    name: IdSetting
     roles: list[Literal["operator", "viewer"]] = Field(min_length=1)
     token: str = Field(min_length=16)
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        if not is_valid_id(value):
-            raise ValueError(ID_RULE)
-        return value
 
     @field_validator("token")
     @classmethod

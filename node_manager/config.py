@@ -14,15 +14,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from motor.logs import check_log_level
-from motor.names import ID_RULE, is_valid_id
-
-
-def _host_port(value: str, field: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError("must be HOST:PORT with a port in 0-65535 (e.g. 0.0.0.0:50052)")
-    return host.strip("[]"), int(port)
+from motor.config import HostPort, ReadableFile, split_host_port
+from motor.logs import LogLevel
+from motor.names import IdSetting
 
 
 class NodeManagerConfig(BaseModel):
@@ -30,10 +24,10 @@ class NodeManagerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    node_id: str
-    listen: str = "0.0.0.0:50052"
-    advertise_address: str | None = None
-    controller: str | None = None
+    node_id: IdSetting
+    listen: HostPort = "0.0.0.0:50052"
+    advertise_address: HostPort | None = None
+    controller: HostPort | None = None
     host: str = "127.0.0.1"
     accelerators: list[int] = Field(default_factory=list)
     accelerator_type: str = "sim"
@@ -49,31 +43,11 @@ class NodeManagerConfig(BaseModel):
     engine_command: str = "engine_server"
     # The node manager's client certificate and key for engines whose management plane verifies
     # clients (mgmt_tls_config.ca_file set); default: the engine section's cert_file/key_file.
-    engine_tls_cert: str | None = None
-    engine_tls_key: str | None = None
+    engine_tls_cert: ReadableFile | None = None
+    engine_tls_key: ReadableFile | None = None
     # CA that signed the engines' server certificates; default: the engine section's ca_file.
-    engine_tls_ca: str | None = None
-    log_level: str = "INFO"
-
-    @field_validator("node_id")
-    @classmethod
-    def _check_node_id(cls, value: str) -> str:
-        if not is_valid_id(value):
-            raise ValueError(ID_RULE)
-        return value
-
-    @field_validator("listen")
-    @classmethod
-    def _check_listen(cls, value: str) -> str:
-        _host_port(value, "listen")
-        return value
-
-    @field_validator("advertise_address", "controller")
-    @classmethod
-    def _check_address(cls, value: str | None) -> str | None:
-        if value is not None:
-            _host_port(value, "address")
-        return value
+    engine_tls_ca: ReadableFile | None = None
+    log_level: LogLevel = "INFO"
 
     @field_validator("accelerators", mode="before")
     @classmethod
@@ -111,23 +85,11 @@ class NodeManagerConfig(BaseModel):
             raise ValueError("must name the engine server command (e.g. engine_server)")
         return value
 
-    @field_validator("engine_tls_cert", "engine_tls_key", "engine_tls_ca")
-    @classmethod
-    def _check_readable(cls, value: str | None) -> str | None:
-        if value is not None and not os.access(value, os.R_OK):
-            raise ValueError(f"cannot read {value!r}")
-        return value
-
     @model_validator(mode="after")
     def _check_pair(self) -> "NodeManagerConfig":
         if (self.engine_tls_cert is None) != (self.engine_tls_key is None):
             raise ValueError("engine_tls_cert and engine_tls_key go together: set both or neither")
         return self
-
-    @field_validator("log_level")
-    @classmethod
-    def _check_log_level(cls, value: str) -> str:
-        return check_log_level(value)
 
     @field_validator("status_timeout")
     @classmethod
@@ -142,7 +104,7 @@ class NodeManagerConfig(BaseModel):
 
     @property
     def listen_host_port(self) -> tuple[str, int]:
-        return _host_port(self.listen, "listen")
+        return split_host_port(self.listen)
 
     @property
     def port_range_bounds(self) -> tuple[int, int]:
