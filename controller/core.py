@@ -24,6 +24,7 @@ from typing import Any, Awaitable, Callable, Iterable
 from google.protobuf import json_format
 
 from motor import names
+from motor import node_process
 from motor.errors import InvalidArgument, NotFound
 from motor.exits import describe_exit
 from motor.tasks import TaskSet
@@ -31,6 +32,7 @@ from motor.v1 import controller_pb2, types_pb2
 
 from controller import views
 from controller.actuator import Actuator, engine_spec
+from controller.claims import NodeClaims
 from controller.config import ControllerConfig
 from controller.events import EventBus
 from controller.instances import FAILED, RESTARTING, InstanceRecord, Policy
@@ -49,6 +51,7 @@ logger = logging.getLogger(__name__)
 C, T = controller_pb2, types_pb2
 # Engine states that mean the current copy is gone and must be replaced.
 DEAD_ENGINE_STATES = {T.ENGINE_STATE_FAILED, T.ENGINE_STATE_STOPPED}
+RegisterNodeResponse = C.RegisterNodeResponse
 
 
 def _integral(value: Any) -> Any:
@@ -94,6 +97,7 @@ class Controller:
             lambda reason: self.metrics.reschedules.labels(reason=reason).inc(),
         )
         self.monitor = NodeMonitor(self.state, config, node_client, self._spawn, self.wake, self._observe, self.scheduler.evacuate)
+        self.claims = NodeClaims(self.state, config, self.monitor, self.metrics.registrations_refused)
 
     # The tables, read by the servicer's views and by tests.
     @property
@@ -190,6 +194,7 @@ class Controller:
 
     def check_nodes(self) -> None:
         self.monitor.check()
+        self.claims.end_quiet()
 
     # ------------------------------------------------------------------ deployment
 
@@ -288,8 +293,10 @@ class Controller:
 
     # ------------------------------------------------------------------ nodes: register, heartbeat, events
 
-    def register_node(self, info: C.NodeInfo, engines: Iterable[T.Engine]) -> tuple[int, list[C.EngineAssignment]]:
-        st = self.state
+    async def register_node(self, info: C.NodeInfo, engines: Iterable[T.Engine]) -> RegisterNodeResponse:
+        """Register a node manager process under its node id, unless another live process holds it
+        (controller/claims.py): FAILED_PRECONDITION naming both then. `replaced` in the answer: the
+        process it took the node id over from."""
         if not info.node_id:
             raise InvalidArgument("node.node_id: required (a unique name of the node, e.g. 'node-a')")
         names.check_node_id(info.node_id, "node.node_id")
@@ -300,11 +307,21 @@ class Controller:
                 raise InvalidArgument(
                     f"node.port_range_start/port_range_end: {info.port_range_start}-{info.port_range_end} is not a range within 1-65535"
                 )
+        replaced = await self.claims.admit(info)
+        generation, assignments = self._register(info, engines)
+        self.claims.registered(info)
+        reply = RegisterNodeResponse(generation=generation, assignments=assignments)
+        if replaced is not None:
+            reply.replaced.CopyFrom(replaced)
+        return reply
+
+    def _register(self, info: C.NodeInfo, engines: Iterable[T.Engine]) -> tuple[int, list[C.EngineAssignment]]:
+        st = self.state
         previous = st.nodes.get(info.node_id)
         with self.store.transaction():
             generation = self.store.next_generation()
             node = NodeRuntime(info, generation, NODE_READY, f"registered (generation {generation})", last_seen=self.mono())
-            node.last_heartbeat_wall = self.wall()
+            node.last_heartbeat_wall = node.registered_wall = self.wall()
             node.reported_since_start = True
             st.nodes.put(node)
             st.save_node(node)
@@ -314,7 +331,11 @@ class Controller:
             if copy is None or copy.spec.generation != slot.generation:
                 slot.launched = False  # the node does not run it (any more): start it again
                 st.attention.add(slot.instance_id)
-        if previous is not None and previous.state == NODE_LOST:
+        if previous is not None and not node_process.same_seat(previous.info.process, info.process) \
+                and node_process.known(previous.info.process) and node_process.known(info.process):
+            kind, how = C.EVENT_TYPE_NODE_REGISTERED, (f"taken over by a new node manager process ({node_process.describe(info.process)}) "
+                                                       f"from {previous.info.address} ({node_process.describe(previous.info.process)})")
+        elif previous is not None and previous.state == NODE_LOST:
             kind, how = C.EVENT_TYPE_NODE_RECOVERED, "registered again after being lost"
         elif previous is not None:
             kind, how = C.EVENT_TYPE_NODE_REGISTERED, "re-registered"
@@ -438,7 +459,7 @@ class Controller:
 
     def list_nodes(self) -> tuple[list[C.Node], list[str]]:
         nodes = [views.node_proto(self.state, self.nodes[k]) for k in sorted(self.nodes)]
-        return nodes, [self.alarm] if self.alarm else []
+        return nodes, ([self.alarm] if self.alarm else []) + views.conflict_alarms(self.claims.conflicts.open())
 
     def list_instances(self) -> list[C.Instance]:
         return [views.instance_proto(self.state, self.instances[k]) for k in sorted(self.instances)]

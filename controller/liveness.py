@@ -10,8 +10,10 @@ share. A LOST node counts neither as silent nor as active.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Callable, Coroutine
 
+from motor import node_process
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.config import ControllerConfig
@@ -28,7 +30,7 @@ class NodeMonitor:
         state: ClusterState,
         config: ControllerConfig,
         client: NodeClient,
-        spawn: Callable[[Coroutine, str], object],
+        spawn: Callable[[Coroutine, str], asyncio.Task],
         wake: Callable[[], None],
         observe: Callable[[NodeRuntime, T.Engine, str], None],
         evacuate: Callable[[NodeRuntime], None],
@@ -36,6 +38,10 @@ class NodeMonitor:
         self.state, self.config, self.client = state, config, client
         self.spawn, self.wake, self.observe, self.evacuate = spawn, wake, observe, evacuate
         self.alarm = ""
+        # Set by the controller: whether a process on the node's host is asking for its node id
+        # (then that one takes the node over, engines and all, instead of the node being lost).
+        self.awaited_takeover: Callable[[NodeRuntime], bool] = lambda node: False
+        self._rechecks: dict[str, asyncio.Task] = {}
 
     def check(self) -> None:
         """One pass of the node monitor (every min(0.5 s, heartbeat interval / 2))."""
@@ -43,11 +49,7 @@ class NodeMonitor:
         now = st.mono()
         grace = self.config.node_grace
         for node in st.nodes.values():
-            if node.state == NODE_READY and now - node.last_seen > grace:
-                st.nodes.set_state(node, NODE_SUSPECT, f"no heartbeat for {now - node.last_seen:.1f}s (grace {grace:g}s); re-checking it directly")
-                node.recheck_failed_at, node.suspect_since = None, now
-                st.event(C.EVENT_TYPE_NODE_SUSPECT, f"node {node.node_id} suspect: {node.reason}", node_id=node.node_id)
-                st.evaluate_node(node.node_id)
+            self.suspect_if_silent(node, now)
         self.refresh_alarm()
         for node in list(st.nodes.values()):
             if node.state != NODE_SUSPECT or node.rechecking:
@@ -58,11 +60,35 @@ class NodeMonitor:
                         f"silent and the direct re-check failed ({node.recheck_error}); not declared lost while "
                         "the silent-nodes alarm is on"
                     )
+                elif self.awaited_takeover(node):
+                    node.reason = (f"silent and the direct re-check failed ({node.recheck_error}); a node manager "
+                                   "on its host asks for its node id: it takes the node over at its next ask")
                 elif now - node.suspect_since >= 2 * self.config.heartbeat_interval:
-                    self._declare_lost(node)
+                    self.declare_lost(node)
             else:
-                node.rechecking = True
-                self.spawn(self._recheck(node), f"recheck {node.node_id}")
+                self._start_recheck(node)
+
+    def suspect_if_silent(self, node: NodeRuntime, now: float) -> None:
+        grace = self.config.node_grace
+        if node.state == NODE_READY and now - node.last_seen > grace:
+            st = self.state
+            st.nodes.set_state(node, NODE_SUSPECT, f"no heartbeat for {now - node.last_seen:.1f}s (grace {grace:g}s); re-checking it directly")
+            node.recheck_failed_at, node.suspect_since = None, now
+            st.event(C.EVENT_TYPE_NODE_SUSPECT, f"node {node.node_id} suspect: {node.reason}", node_id=node.node_id)
+            st.evaluate_node(node.node_id)
+
+    def _start_recheck(self, node: NodeRuntime) -> asyncio.Task:
+        task = self._rechecks.get(node.node_id)
+        if task is None or task.done():
+            node.rechecking = True
+            task = self._rechecks[node.node_id] = self.spawn(self._recheck(node), f"recheck {node.node_id}")
+        return task
+
+    async def recheck_now(self, node: NodeRuntime) -> None:
+        """Re-check a silent node at once (another process claims its node id); joins one under way."""
+        self.suspect_if_silent(node, self.state.mono())
+        if node.state == NODE_SUSPECT:
+            await asyncio.shield(self._start_recheck(node))
 
     def refresh_alarm(self) -> None:
         silent, active = self.state.nodes.silent_share()
@@ -82,7 +108,12 @@ class NodeMonitor:
     async def _recheck(self, node: NodeRuntime) -> None:
         generation = node.generation
         try:
-            engines = await self.client.list_engines(node.info, self.config.recheck_timeout)
+            reply = await self.client.list_engines(node.info, self.config.recheck_timeout)
+            answered = reply.process
+            if node_process.known(node.info.process) and node_process.known(answered) \
+                    and not node_process.same_process(node.info.process, answered):
+                raise NodeCallError("WRONG_PROCESS", f"{node.info.address} is another node manager process now "
+                                    f"({node_process.describe(answered)}), not the holder")
         except NodeCallError as exc:
             if node.generation == generation and node.state == NODE_SUSPECT:
                 node.recheck_failed_at = self.state.mono()
@@ -90,6 +121,7 @@ class NodeMonitor:
             return
         finally:
             node.rechecking = False
+        engines = reply.engines
         if node.generation == generation and node.state == NODE_SUSPECT:
             node.last_seen = self.state.mono()
             self.node_back(node, "heartbeats were late but the direct re-check answered")
@@ -106,13 +138,14 @@ class NodeMonitor:
         st.evaluate_node(node.node_id)
         self.wake()
 
-    def _declare_lost(self, node: NodeRuntime) -> None:
+    def declare_lost(self, node: NodeRuntime, why: str = "") -> None:
         st = self.state
         silence = st.mono() - node.last_seen
+        why = why or f"no heartbeat for {silence:.1f}s and the direct re-check failed ({node.recheck_error})"
         with st.store.transaction():
             # A new generation: the node's heartbeats are refused until it registers again.
             node.generation = st.store.next_generation()
-            st.nodes.set_state(node, NODE_LOST, f"no heartbeat for {silence:.1f}s and the direct re-check failed ({node.recheck_error})")
+            st.nodes.set_state(node, NODE_LOST, why)
             st.save_node(node)
         st.event(
             C.EVENT_TYPE_NODE_LOST,

@@ -42,6 +42,11 @@ class ControllerMetrics:
         self.reschedules = Counter(
             "motor_controller_reschedules", "Engine restarts and moves by reason", ["reason"], registry=self.registry
         )
+        self.registrations_refused = Counter(
+            "motor_controller_registrations_refused",
+            "RegisterNode calls refused, by reason (node_id_held: another live node manager process holds the node id)",
+            ["reason"], registry=self.registry,
+        )
         self.heartbeat_seconds = Histogram(
             "motor_controller_heartbeat_ingest_seconds", "Time to handle one Heartbeat RPC",
             buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),

@@ -44,7 +44,8 @@ class NodeClient(abc.ABC):
     async def stop_engine(self, node: controller_pb2.NodeInfo, engine_id: str, generation: int, deadline: float) -> None: ...
 
     @abc.abstractmethod
-    async def list_engines(self, node: controller_pb2.NodeInfo, timeout: float) -> list[types_pb2.Engine]: ...
+    async def list_engines(self, node: controller_pb2.NodeInfo, timeout: float) -> node_manager_pb2.ListEnginesResponse:
+        """The node's engines and the node manager process that answered."""
 
     async def close(self) -> None:
         pass
@@ -114,7 +115,7 @@ class GrpcNodeClient(NodeClient):
             reply = await self._stub(node).ListEngines(node_manager_pb2.ListEnginesRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             raise NodeCallError(exc.code().name, exc.details() or "") from None
-        return list(reply.engines)
+        return reply
 
     async def close(self) -> None:
         for channel in self.channels.values():

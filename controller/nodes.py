@@ -43,6 +43,7 @@ class NodeRuntime:
     reason: str
     last_seen: float  # monotonic
     last_heartbeat_wall: float = 0.0
+    registered_wall: float = 0.0  # when the holding process registered (0: before a controller restart)
     engines: dict[str, types_pb2.Engine] = field(default_factory=dict)
     rechecking: bool = False
     recheck_failed_at: float | None = None

@@ -19,9 +19,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         self.controller = controller
 
     async def RegisterNode(self, request, context):
-        generation, assignments = self.controller.register_node(request.node, request.engines)
-        return controller_pb2.RegisterNodeResponse(generation=generation, assignments=assignments,
-                                                   heartbeat_interval=pbtime.duration(self.controller.config.heartbeat_interval))
+        reply = await self.controller.register_node(request.node, request.engines)
+        reply.heartbeat_interval.CopyFrom(pbtime.duration(self.controller.config.heartbeat_interval))
+        return reply
 
     async def Heartbeat(self, request, context):
         started = time.perf_counter()

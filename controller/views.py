@@ -4,9 +4,11 @@
 
 from __future__ import annotations
 
+from motor import node_process
 from motor.pbtime import timestamp as _stamp
 from motor.v1 import controller_pb2, types_pb2
 
+from controller.claims import Conflict
 from controller.instances import RESTARTING, InstanceRecord
 from controller.nodes import NODE_READY, NodeRuntime
 from controller.state import ClusterState
@@ -62,3 +64,12 @@ def endpoints(state: ClusterState, role: int) -> list[C.Endpoint]:
             continue
         out.append(C.Endpoint(instance_id=s.instance_id, engine_id=s.engine_id, role=inst.role, url=f"http://{s.host}:{s.port}"))
     return out
+
+
+def conflict_alarms(conflicts: list[Conflict]) -> list[str]:
+    """One ListNodes alarm per node id conflict under way, with its count."""
+    return [
+        f"node id {c.node_id} claimed by two live node managers: {c.refused} registration(s) from "
+        f"{c.newcomer_address} ({node_process.describe(c.newcomer)}) refused since {node_process.utc(c.since_wall)}"
+        for c in conflicts
+    ]

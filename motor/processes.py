@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 # Environment variable carrying a launched process's token; inherited by its descendants.
 TOKEN_ENV = "MOTOR_PROCESS_TOKEN"
+# Environment variable naming the node an engine was launched for (by whichever node manager).
+NODE_ENV = "MOTOR_NODE_ID"
 # psutil create times are rounded (clock ticks); two readings of one process agree within this.
 CREATE_TIME_TOLERANCE_S = 0.05
 
@@ -237,6 +239,20 @@ def find_tree(tree: TreeId, remembered: Iterable[tuple[int, float]] = ()) -> lis
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
     return list(found.values())
+
+
+def node_tokens(node_id: str) -> set[str]:
+    """Tokens of the live processes launched for `node_id` on this host (as far as this process
+    can see: another container's processes are not visible)."""
+    tokens: set[str] = set()
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied, ProcessLookupError):
+            continue
+        if env.get(NODE_ENV) == node_id and env.get(TOKEN_ENV):
+            tokens.add(env[TOKEN_ENV])
+    return tokens
 
 
 def kill_tree(tree: TreeId, sig: int = signal.SIGKILL, remembered: Iterable[tuple[int, float]] = ()) -> list[psutil.Process]:

@@ -6,6 +6,12 @@ refused with FAILED_PRECONDITION (stale generation) or NOT_FOUND (controller for
 leads to a new registration; the registration's assignments fence engines the controller no
 longer wants here. A registration refused with INVALID_ARGUMENT (e.g. a node id the controller
 rejects) cannot succeed by retrying: `run` raises RegistrationRefused and the node manager stops.
+
+A registration refused with FAILED_PRECONDITION means another node manager process holds the
+node id and is alive: this one says so (one line, then every tenth refusal), stops whatever
+engines it runs (it has no say over them any more), starts nothing, and asks again every
+heartbeat interval: it takes the node id over once the holder is gone. A registration that took
+the node id over from a process on this host kills what that process left running first.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from motor import pbtime
 from motor.errors import ConfigError
 from motor.grpc_server import aio_channel
 from motor.names import ID_RULE, excerpt
+from motor.node_process import describe
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from node_manager.manager import NodeManager
 from node_manager.process_ops import Clock
@@ -68,11 +75,24 @@ class ControllerLink:
         self.stub = controller_pb2_grpc.ControllerServiceStub(self.channel)
         self.generation = 0
         self.registered = asyncio.Event()
+        self.refusals = 0  # registrations refused in a row because another process holds the node id
         manager.reporter = self.report
+        manager.claim_held = self.registered
 
     def _retrying(self, retry=retry_if_exception(_transient), **kwargs) -> AsyncRetrying:
+        backoff = wait_random_exponential(multiplier=min(self.interval, 1.0) / 2, max=self.max_backoff)
+
+        def wait(state) -> float:
+            # Refused because another process holds the node id: ask every interval, so that this
+            # one takes over within an interval of the holder being judged gone (before the node
+            # is declared lost and its engines moved elsewhere). One small call per interval.
+            exc = state.outcome.exception() if state.outcome is not None else None
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                return self.interval
+            return backoff(state)
+
         return AsyncRetrying(
-            wait=wait_random_exponential(multiplier=min(self.interval, 1.0) / 2, max=self.max_backoff),
+            wait=wait,
             retry=retry,
             reraise=True,
             sleep=self.clock.sleep,
@@ -107,7 +127,9 @@ class ControllerLink:
                     try:
                         reply = await self.stub.RegisterNode(request, timeout=self.call_timeout)
                     except grpc.aio.AioRpcError as exc:
-                        if attempt_no == 1 or attempt_no % 10 == 0:
+                        if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                            self._refused(exc.details() or "")
+                        elif attempt_no == 1 or attempt_no % 10 == 0:
                             logger.warning("cannot register with the controller (attempt %d): %s: %s",
                                            attempt_no, exc.code().name, exc.details())
                         raise
@@ -118,6 +140,13 @@ class ControllerLink:
                 f"the controller refused to register node {excerpt(self.node.node_id)}: {details}{rule}; "
                 "not retrying: fix the node's settings"
             ) from None
+        if self.refusals:
+            logger.warning("node id %s is ours now, after %d refused registration(s)", self.node.node_id, self.refusals)
+        self.refusals, self.manager.claim_refused = 0, ""
+        if reply.HasField("replaced") and reply.replaced.boot_id == self.node.process.boot_id:
+            killed = await self.manager.stop_leftovers()
+            logger.warning("took node id %s over from %s; killed %d engine(s) it left running on this host",
+                           self.node.node_id, describe(reply.replaced), killed)
         self.generation = reply.generation
         if reply.HasField("heartbeat_interval") and pbtime.seconds(reply.heartbeat_interval) > 0:
             self.interval = pbtime.seconds(reply.heartbeat_interval)
@@ -126,6 +155,16 @@ class ControllerLink:
                     self.node.node_id, self.generation, self.interval, len(reply.assignments),
                     f", stopping unassigned {fenced}" if fenced else "")
         self.registered.set()
+
+    def _refused(self, details: str) -> None:
+        """Another node manager process holds the node id: say so, stop our engines, start nothing."""
+        self.refusals += 1
+        self.manager.claim_refused = details
+        fenced = self.manager.fence_all(f"node id {self.node.node_id} is held by another node manager process")
+        if self.refusals == 1 or self.refusals % 10 == 0 or fenced:
+            logger.error("node id %s is held by another live node manager; starting nothing%s, asking again "
+                         "every %gs (refusal %d): %s", self.node.node_id,
+                         f", stopping {fenced}" if fenced else "", self.interval, self.refusals, details)
 
     async def _heartbeats(self) -> None:
         failures = 0

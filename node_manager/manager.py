@@ -16,12 +16,12 @@ import os
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 
-from motor.errors import AlreadyExists, FailedPrecondition, NotFound
+from motor.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from motor.fanout import FanOut
 from motor.names import engine_id as make_engine_id
 from motor.names import parse_engine_id
 from motor.ports import PortAllocator, port_is_free
-from motor.processes import ExitStatus
+from motor.processes import ExitStatus, TreeId
 from motor.tasks import TaskSet
 from motor.v1 import engine_pb2, types_pb2
 from node_manager import specs
@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 LOG_TAIL_LINES = 3
 # WatchEngines changes queued for one client before its stream is cut (RESOURCE_EXHAUSTED).
 WATCH_QUEUE_LIMIT = 10000
+# How long a StartEngine waits for a registration under way to be answered.
+CLAIM_WAIT_S = 5.0
 
 Reporter = Callable[[types_pb2.Engine, str], Awaitable[None]]
 
@@ -74,6 +76,10 @@ class NodeManager:
         self.argv = config.engine_argv()
         # Called with (engine, reason) whenever an engine fails: the controller link reports it.
         self.reporter: Reporter | None = None
+        # Under a controller (set by the link): engines start only while this process holds the
+        # node id; `claim_refused` says why not when another node manager process holds it.
+        self.claim_held: asyncio.Event | None = None
+        self.claim_refused = ""
         self._monitors: dict[str, EngineMonitor] = {}
         self._watchers: FanOut[types_pb2.Engine] = FanOut("WatchEngines", WATCH_QUEUE_LIMIT)
         self._locks: dict[str, asyncio.Lock] = {}
@@ -147,6 +153,7 @@ class NodeManager:
         requested = types_pb2.EngineSpec()
         requested.CopyFrom(spec)
         specs.check_spec(spec, self.config)
+        await self._wait_for_claim()
         engine_id = make_engine_id(spec.instance_id, spec.dp_rank)
         async with self._lock(engine_id):
             existing = self.records.get(engine_id)
@@ -170,6 +177,17 @@ class NodeManager:
             self._watch(record, child=child)
             self._monitor(record)
             return record
+
+    async def _wait_for_claim(self) -> None:
+        held = self.claim_held
+        if held is None or held.is_set():
+            return
+        if self.claim_refused:
+            raise FailedPrecondition(f"node {self.node_id}: not starting anything: {self.claim_refused}")
+        try:  # registering (again): a StartEngine may arrive before the registration's answer
+            await asyncio.wait_for(held.wait(), CLAIM_WAIT_S)
+        except asyncio.TimeoutError:
+            raise Unavailable(f"node {self.node_id} is not registered with the controller yet; retry") from None
 
     def _launch(self, requested: types_pb2.EngineSpec) -> tuple[EngineRecord, Launched]:
         """Allocate accelerators and ports, write the config, exec the engine server."""
@@ -200,7 +218,7 @@ class NodeManager:
             try:
                 # Run in the engine's own directory: files it writes relative to its working
                 # directory (engine_server_log/, core dumps) stay with the engine's state.
-                child = self.ops.launch(argv, log_path, specs.engine_env(spec, dict(os.environ)), token, engine_dir)
+                child = self.ops.launch(argv, log_path, specs.engine_env(spec, dict(os.environ), self.node_id), token, engine_dir)
             except OSError as exc:
                 raise FailedPrecondition(
                     f"cannot launch the engine command {argv[0]!r} (--engine-command): {exc.strerror or exc}"
@@ -426,10 +444,27 @@ class NodeManager:
             if generation is None or (generation and generation != record.generation):
                 why = ("not assigned to this node by the controller" if generation is None
                        else f"the controller assigns generation {generation}, this copy is generation {record.generation}")
-                self.metrics.kill("unassigned")
-                stopped.append(record.engine_id)
-                self._spawn(self.stop_engine(record.engine_id, why=f"fenced: {why}"))
+                stopped.append(self._fence(record, why))
         return stopped
+
+    def fence_all(self, why: str) -> list[str]:
+        """Stop every engine: this process no longer holds the node id (another one does)."""
+        return [self._fence(record, why) for record in self.active_engines()]
+
+    def _fence(self, record: EngineRecord, why: str) -> str:
+        self.metrics.kill("unassigned")
+        self._spawn(self.stop_engine(record.engine_id, why=f"fenced: {why}"))
+        return record.engine_id
+
+    async def stop_leftovers(self) -> int:
+        """Kill every engine on this host launched for this node id by another node manager process
+        (the holder this one took over from): none of them is supervised any more. Returns how many."""
+        ours = {record.token for record in self.records.values()}
+        tokens = await self.ops.node_tokens(self.node_id) - ours
+        for token in sorted(tokens):
+            self.metrics.kill("leftover")
+            await self.ops.kill_tree_confirmed(TreeId(pid=0, pgid=0, token=token))
+        return len(tokens)
 
     # Plumbing ---------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ class Metrics:
         self.kills = Counter(
             "motor_node_manager_engine_kills",
             "Engines (or leftovers of their process tree) killed by the node manager, by reason: "
-            "abnormal, stop_deadline, orphans, unassigned",
+            "abnormal, stop_deadline, orphans, unassigned, leftover",
             ["node", "reason"],
             registry=self.registry,
         )

@@ -8,13 +8,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
 from motor.grpc_server import MotorServer, service_name
-from motor.v1 import controller_pb2, node_manager_pb2, node_manager_pb2_grpc
+from motor.v1 import controller_pb2, node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from node_manager.config import NodeManagerConfig
 from node_manager.controller_link import ControllerLink
 from node_manager.engine import atomic_write
 from node_manager.manager import NodeManager
+from node_manager.process_identity import StateDirLock, process_identity
 from node_manager.service import NodeManagerServicer
 
 logger = logging.getLogger(__name__)
@@ -24,10 +26,12 @@ class NodeManagerServer:
     def __init__(self, config: NodeManagerConfig):
         self.config = config
         self.manager = NodeManager(config)
+        self.lock = StateDirLock(config.state_dir)
+        self.process = types_pb2.NodeManagerProcess()  # filled in by start(), once the state dir is ours
         self.server = MotorServer(config.listen)
         self.server.add(
             node_manager_pb2_grpc.add_NodeManagerServiceServicer_to_server,
-            NodeManagerServicer(self.manager),
+            NodeManagerServicer(self.manager, self.process),
             service_name(node_manager_pb2, "NodeManagerService"),
         )
         self.link: ControllerLink | None = None
@@ -48,10 +52,13 @@ class NodeManagerServer:
             accelerator_type=self.config.accelerator_type,
             port_range_start=start,
             port_range_end=end,
+            process=self.process,
         )
 
     async def start(self) -> int:
         os.makedirs(self.config.state_dir, exist_ok=True)
+        self.lock.acquire()
+        self.process.CopyFrom(process_identity(self.config.state_dir, time.time()))
         await self.manager.start()
         self.port = await self.server.start()
         atomic_write(os.path.join(self.config.state_dir, "node_manager.port"), f"{self.port}\n")
@@ -80,3 +87,4 @@ class NodeManagerServer:
             await asyncio.gather(self._link_task, return_exceptions=True)
         await self.server.stop(grace=1.0)
         await self.manager.close()
+        self.lock.release()

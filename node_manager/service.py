@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from motor import pbtime
 from motor.errors import InvalidArgument
-from motor.v1 import node_manager_pb2, node_manager_pb2_grpc
+from motor.v1 import node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from node_manager.manager import NodeManager
 
 
 class NodeManagerServicer(node_manager_pb2_grpc.NodeManagerServiceServicer):
-    def __init__(self, manager: NodeManager):
+    def __init__(self, manager: NodeManager, process: types_pb2.NodeManagerProcess | None = None):
         self.manager = manager
+        self.process = process or types_pb2.NodeManagerProcess()
 
     async def StartEngine(self, request, context):
         if not request.HasField("spec"):
@@ -33,7 +34,7 @@ class NodeManagerServicer(node_manager_pb2_grpc.NodeManagerServiceServicer):
         return node_manager_pb2.GetEngineResponse(engine=record.to_proto(self.manager.node_id))
 
     async def ListEngines(self, request, context):
-        return node_manager_pb2.ListEnginesResponse(engines=self.manager.engines())
+        return node_manager_pb2.ListEnginesResponse(engines=self.manager.engines(), process=self.process)
 
     async def WatchEngines(self, request, context):
         async for engine, snapshot in self.manager.watch():

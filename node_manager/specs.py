@@ -10,6 +10,7 @@ import os
 
 from motor.errors import FailedPrecondition, InvalidArgument
 from motor.names import ROLE_NAMES, check_instance_id, role_name
+from motor.processes import NODE_ENV
 from motor.v1 import types_pb2
 from node_manager.config import NodeManagerConfig
 
@@ -97,9 +98,11 @@ def engine_argv(base: list[str], spec: types_pb2.EngineSpec) -> list[str]:
     return argv
 
 
-def engine_env(spec: types_pb2.EngineSpec, base: dict[str, str]) -> dict[str, str]:
-    """The engine's environment: `base` with its accelerators made visible."""
+def engine_env(spec: types_pb2.EngineSpec, base: dict[str, str], node_id: str) -> dict[str, str]:
+    """The engine's environment: `base` with its accelerators made visible and its node named
+    (a node manager taking the node id over finds what a gone holder left on the host by it)."""
     env = dict(base)
+    env[NODE_ENV] = node_id
     visible = ",".join(str(a) for a in spec.accelerator_ids)
     env["CUDA_VISIBLE_DEVICES"] = visible
     env["ASCEND_RT_VISIBLE_DEVICES"] = visible

@@ -143,6 +143,10 @@ class _EventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventType.V
     """A deployment was applied or deleted."""
     EVENT_TYPE_ALARM: _EventType.ValueType  # 10
     """An alarm was raised or cleared (e.g. many nodes silent at once)."""
+    EVENT_TYPE_NODE_CONFLICT: _EventType.ValueType  # 11
+    """A second node manager process claimed a node id that a live one holds (one event when
+    the conflict starts, one with the count of refused registrations when it ends).
+    """
 
 class EventType(_EventType, metaclass=_EventTypeEnumTypeWrapper):
     """Kind of a controller event."""
@@ -169,6 +173,10 @@ EVENT_TYPE_DEPLOYMENT_CHANGED: EventType.ValueType  # 9
 """A deployment was applied or deleted."""
 EVENT_TYPE_ALARM: EventType.ValueType  # 10
 """An alarm was raised or cleared (e.g. many nodes silent at once)."""
+EVENT_TYPE_NODE_CONFLICT: EventType.ValueType  # 11
+"""A second node manager process claimed a node id that a live one holds (one event when
+the conflict starts, one with the count of refused registrations when it ends).
+"""
 Global___EventType: _TypeAlias = EventType  # noqa: Y015
 
 @_typing.final
@@ -184,6 +192,7 @@ class NodeInfo(_message.Message):
     ACCELERATOR_TYPE_FIELD_NUMBER: _builtins.int
     PORT_RANGE_START_FIELD_NUMBER: _builtins.int
     PORT_RANGE_END_FIELD_NUMBER: _builtins.int
+    PROCESS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Unique name of the node, e.g. "node-a"."""
     address: _builtins.str
@@ -200,6 +209,12 @@ class NodeInfo(_message.Message):
     def accelerator_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Accelerators of this node."""
 
+    @_builtins.property
+    def process(self) -> _types_pb2.NodeManagerProcess:
+        """The node manager process that registers: while one process holds the node id and is
+        alive, a registration from another process is refused. Unset (older node managers): no check.
+        """
+
     def __init__(
         self,
         *,
@@ -210,10 +225,11 @@ class NodeInfo(_message.Message):
         accelerator_type: _builtins.str = ...,
         port_range_start: _builtins.int = ...,
         port_range_end: _builtins.int = ...,
+        process: _types_pb2.NodeManagerProcess | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["process", b"process"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerator_ids", b"accelerator_ids", "accelerator_type", b"accelerator_type", "address", b"address", "host", b"host", "node_id", b"node_id", "port_range_end", b"port_range_end", "port_range_start", b"port_range_start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerator_ids", b"accelerator_ids", "accelerator_type", b"accelerator_type", "address", b"address", "host", b"host", "node_id", b"node_id", "port_range_end", b"port_range_end", "port_range_start", b"port_range_start", "process", b"process"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -694,6 +710,7 @@ class RegisterNodeResponse(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_FIELD_NUMBER: _builtins.int
     ASSIGNMENTS_FIELD_NUMBER: _builtins.int
+    REPLACED_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     """Generation of this registration; heartbeats must carry it."""
     @_builtins.property
@@ -704,16 +721,24 @@ class RegisterNodeResponse(_message.Message):
     def assignments(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineAssignment]:
         """Engines the node should keep; it stops any other engine it runs."""
 
+    @_builtins.property
+    def replaced(self) -> _types_pb2.NodeManagerProcess:
+        """Set when this registration took the node id over from another process that was judged
+        gone (silent past the grace and failing the direct re-check): the node manager stops
+        what that process left running on its host before it starts anything.
+        """
+
     def __init__(
         self,
         *,
         generation: _builtins.int = ...,
         heartbeat_interval: _duration_pb2.Duration | None = ...,
         assignments: _abc.Iterable[Global___EngineAssignment] | None = ...,
+        replaced: _types_pb2.NodeManagerProcess | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval", b"heartbeat_interval"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval", b"heartbeat_interval", "replaced", b"replaced"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "generation", b"generation", "heartbeat_interval", b"heartbeat_interval"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "generation", b"generation", "heartbeat_interval", b"heartbeat_interval", "replaced", b"replaced"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -95,7 +95,10 @@ class ControllerServiceServicer:
         """Registers a node manager (or re-registers it after a restart or a fencing error) and tells
         it which engines it should run. Each call starts a new generation of the node; heartbeats
         of older generations are refused. Returns OK, INVALID_ARGUMENT for a missing node id or
-        address.
+        address, FAILED_PRECONDITION when another node manager process holds the node id and is
+        alive (heartbeating within the grace, or answering a direct re-check): the message names
+        both processes, their addresses and since when the holder holds the id. A restart of the
+        holder (same boot id and state directory id) is not a conflict.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

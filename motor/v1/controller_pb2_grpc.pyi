@@ -37,7 +37,10 @@ class ControllerServiceStub:
     """Registers a node manager (or re-registers it after a restart or a fencing error) and tells
     it which engines it should run. Each call starts a new generation of the node; heartbeats
     of older generations are refused. Returns OK, INVALID_ARGUMENT for a missing node id or
-    address.
+    address, FAILED_PRECONDITION when another node manager process holds the node id and is
+    alive (heartbeating within the grace, or answering a direct re-check): the message names
+    both processes, their addresses and since when the holder holds the id. A restart of the
+    holder (same boot id and state directory id) is not a conflict.
     """
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_controller_pb2.HeartbeatRequest, _controller_pb2.HeartbeatResponse]
     """Reports that a node is alive with the state of its engines. Safe to repeat. Returns OK,
@@ -89,7 +92,10 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     """Registers a node manager (or re-registers it after a restart or a fencing error) and tells
     it which engines it should run. Each call starts a new generation of the node; heartbeats
     of older generations are refused. Returns OK, INVALID_ARGUMENT for a missing node id or
-    address.
+    address, FAILED_PRECONDITION when another node manager process holds the node id and is
+    alive (heartbeating within the grace, or answering a direct re-check): the message names
+    both processes, their addresses and since when the holder holds the id. A restart of the
+    holder (same boot id and state directory id) is not a conflict.
     """
     Heartbeat: _aio.UnaryUnaryMultiCallable[_controller_pb2.HeartbeatRequest, _controller_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """Reports that a node is alive with the state of its engines. Safe to repeat. Returns OK,
@@ -144,7 +150,10 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Registers a node manager (or re-registers it after a restart or a fencing error) and tells
         it which engines it should run. Each call starts a new generation of the node; heartbeats
         of older generations are refused. Returns OK, INVALID_ARGUMENT for a missing node id or
-        address.
+        address, FAILED_PRECONDITION when another node manager process holds the node id and is
+        alive (heartbeating within the grace, or answering a direct re-check): the message names
+        both processes, their addresses and since when the holder holds the id. A restart of the
+        holder (same boot id and state directory id) is not a conflict.
         """
 
     @_abc_1.abstractmethod

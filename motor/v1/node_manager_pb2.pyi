@@ -196,18 +196,24 @@ class ListEnginesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ENGINES_FIELD_NUMBER: _builtins.int
+    PROCESS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Engine]:
         """Every engine, ordered by id."""
+
+    @_builtins.property
+    def process(self) -> _types_pb2.NodeManagerProcess:
+        """The node manager process that answers (the controller's re-check checks it is the holder)."""
 
     def __init__(
         self,
         *,
         engines: _abc.Iterable[_types_pb2.Engine] | None = ...,
+        process: _types_pb2.NodeManagerProcess | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["process", b"process"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "process", b"process"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -447,3 +447,49 @@ class Engine(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__exit_signal) -> _WhichOneofReturnType__exit_signal | None: ...
 
 Global___Engine: _TypeAlias = Engine  # noqa: Y015
+
+@_typing.final
+class NodeManagerProcess(_message.Message):
+    """Which node manager process this is: the controller tells a node manager that restarted
+    (same host boot and state directory, new process) from a second one alive at the same time.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BOOT_ID_FIELD_NUMBER: _builtins.int
+    STATE_DIR_ID_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    HOSTNAME_FIELD_NUMBER: _builtins.int
+    STARTED_AT_FIELD_NUMBER: _builtins.int
+    boot_id: _builtins.str
+    """The kernel's boot id (/proc/sys/kernel/random/boot_id): changes at every boot."""
+    state_dir_id: _builtins.str
+    """A random id written once into the state directory (<state-dir>/node_manager.id)."""
+    nonce: _builtins.str
+    """A random id drawn at every start of the process: two processes never share it."""
+    pid: _builtins.int
+    """Process id, for people reading messages."""
+    hostname: _builtins.str
+    """Host name, for people reading messages."""
+    @_builtins.property
+    def started_at(self) -> _timestamp_pb2.Timestamp:
+        """When the process started."""
+
+    def __init__(
+        self,
+        *,
+        boot_id: _builtins.str = ...,
+        state_dir_id: _builtins.str = ...,
+        nonce: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        hostname: _builtins.str = ...,
+        started_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["started_at", b"started_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "hostname", b"hostname", "nonce", b"nonce", "pid", b"pid", "started_at", b"started_at", "state_dir_id", b"state_dir_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeManagerProcess: _TypeAlias = NodeManagerProcess  # noqa: Y015

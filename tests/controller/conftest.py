@@ -69,10 +69,10 @@ class Harness:
             self.store.close()
             self.controller = None
 
-    def register(self, node_id: str, **kw):
-        generation, assignments = self.controller.register_node(node_info(node_id, **kw), self.client.report(node_id))
-        self.generations[node_id] = generation
-        return generation, assignments
+    async def register(self, node_id: str, **kw):
+        reply = await self.controller.register_node(node_info(node_id, **kw), self.client.report(node_id))
+        self.generations[node_id] = reply.generation
+        return reply.generation, list(reply.assignments)
 
     def beat(self, *node_ids: str) -> None:
         for node_id in node_ids:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 
 from motor.names import engine_id
-from motor.v1 import types_pb2
+from motor.v1 import node_manager_pb2, types_pb2
 
 from controller.node_client import NodeCallError, NodeClient
 
@@ -17,6 +17,7 @@ class FakeNodeClient(NodeClient):
         self.calls: list[tuple] = []
         self.unreachable: set[str] = set()
         self.start_errors: dict[str, NodeCallError] = {}  # engine id -> error for the next start
+        self.processes: dict[str, types_pb2.NodeManagerProcess] = {}  # node id -> the process answering there
         self._ports = itertools.count(30000)
         self._pids = itertools.count(1000)
 
@@ -55,7 +56,8 @@ class FakeNodeClient(NodeClient):
     async def list_engines(self, node, timeout):
         self.calls.append(("list", node.node_id))
         self._check(node)
-        return list(self.engines.get(node.node_id, {}).values())
+        return node_manager_pb2.ListEnginesResponse(engines=self.engines.get(node.node_id, {}).values(),
+                                                    process=self.processes.get(node.node_id))
 
     # What a node manager would send.
     def report(self, node_id: str) -> list[types_pb2.Engine]:

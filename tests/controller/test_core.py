@@ -23,7 +23,7 @@ HELD_BY_ALARM = "not declared lost while the silent-nodes alarm is on"
 async def running_example(h: Harness, nodes=("node-a", "node-b"), accelerators=4, **policy):
     await h.start()
     for node in nodes:
-        h.register(node, accelerators=accelerators)
+        await h.register(node, accelerators=accelerators)
     h.controller.apply_deployment(example_deployment(**policy))
     await async_wait_for(lambda: len(h.client.starts()) == 3, timeout=5, what="3 StartEngine calls")
     for node in nodes:
@@ -81,12 +81,12 @@ async def test_invalid_deployment_names_the_field_and_changes_nothing(harness):
 
 async def test_unplaceable_instance_is_pending_with_the_reason(harness):
     await harness.start()
-    harness.register("node-a", accelerators=1)
+    await harness.register("node-a", accelerators=1)
     harness.controller.apply_deployment(small_deployment([{"name": "big", "role": "union", "accelerators_per_engine": 2}]))
     await async_wait_for(lambda: "none has room" in harness.instance("big-0").reason, timeout=5)
     assert harness.instance("big-0").state == C.INSTANCE_STATE_PENDING
     assert "most free: node-a with 1/1 accelerators" in harness.instance("big-0").reason
-    harness.register("node-b", accelerators=2)  # room appears: placed without being asked again
+    await harness.register("node-b", accelerators=2)  # room appears: placed without being asked again
     await async_wait_for(lambda: harness.client.starts("big-0/rank0"), timeout=5)
     assert harness.client.calls[-1][1] == "node-b"
 
@@ -170,10 +170,10 @@ async def test_rank_scope_restarts_the_failed_rank_alone(harness):
 
 async def test_stale_and_unknown_heartbeats_are_refused(harness):
     await harness.start()
-    generation, _ = harness.register("node-a")
+    generation, _ = await harness.register("node-a")
     with pytest.raises(NotFound):
         harness.controller.heartbeat("node-x", 1, [])
-    harness.register("node-a")  # re-registration: a new generation
+    await harness.register("node-a")  # re-registration: a new generation
     with pytest.raises(FailedPrecondition, match="stale"):
         harness.controller.heartbeat("node-a", generation, [])
 
@@ -202,7 +202,7 @@ async def test_lost_node_engines_move_and_come_back_fenced(harness):
             harness.beat(victim)
         # The node comes back with its old copy still running: it is fenced.
         client.unreachable.discard(victim)
-        _, assignments = harness.register(victim)
+        _, assignments = await harness.register(victim)
         assert "decode-0/rank0" not in {a.engine_id for a in assignments}
         await async_wait_for(lambda: (victim, "decode-0/rank0", old.spec.generation) in client.stops(), timeout=5)
         assert any(e.type == C.EVENT_TYPE_ENGINE_FENCED for e in ctl.events.recent)
@@ -275,7 +275,7 @@ async def test_moves_off_lost_nodes_wait_for_the_reschedule_rate_limit(tmp_path)
     try:
         ctl = await h.start()
         for node in ("node-a", "node-b", "node-c", "node-d"):
-            h.register(node, accelerators=1)
+            await h.register(node, accelerators=1)
         ctl.apply_deployment(small_deployment([{"name": "u", "role": "union", "count": 2}]))
         await async_wait_for(lambda: len(h.client.starts()) == 2, timeout=5, what="2 engines started")
         victims = {ctl.slots["u-0/rank0"].node_id, ctl.slots["u-1/rank0"].node_id}
@@ -348,7 +348,7 @@ async def test_restart_adopts_running_engines_without_restarting_them(harness):
 
 async def test_start_failure_counts_as_a_failure_with_the_reason(harness):
     await harness.start()
-    harness.register("node-a")
+    await harness.register("node-a")
     harness.client.start_errors["solo-0/rank0"] = NodeCallError("FAILED_PRECONDITION", "port 21000 is in use")
     harness.controller.apply_deployment(small_deployment([{"name": "solo", "role": "union"}]))
     await async_wait_for(lambda: len(harness.client.starts("solo-0/rank0")) == 2, timeout=5)

@@ -145,16 +145,20 @@ class FakeController(controller_pb2_grpc.ControllerServiceServicer):
         self.reports: list[controller_pb2.ReportEngineEventRequest] = []
         self.assignments: list[tuple[str, int]] | None = None  # None: assign whatever the node runs
         self.refuse_heartbeats = 0  # the next N heartbeats get FAILED_PRECONDITION
+        self.refuse_registrations = ""  # while set: registrations get FAILED_PRECONDITION with this message
+        self.replaced: types_pb2.NodeManagerProcess | None = None  # answered as the process taken over from
         self.generation = 0
         self.address = ""
 
     async def RegisterNode(self, request, context):
         self.registrations.append(request)
+        if self.refuse_registrations:
+            raise FailedPrecondition(self.refuse_registrations)
         self.generation += 1
         assignments = self.assignments
         if assignments is None:
             assignments = [(e.engine_id, e.spec.generation) for e in request.engines]
-        reply = controller_pb2.RegisterNodeResponse(generation=self.generation)
+        reply = controller_pb2.RegisterNodeResponse(generation=self.generation, replaced=self.replaced)
         for engine_id, generation in assignments:
             reply.assignments.add(engine_id=engine_id, generation=generation)
         return reply

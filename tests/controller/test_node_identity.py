@@ -1,0 +1,140 @@
+"""Two node manager processes claiming one node id (issue 17), with real processes: a cluster as
+`motorctl up` starts it, then a second `motor-node-manager --node-id node-a` with its own
+--listen and --state-dir. Engines are counted as processes, by instance and rank."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import time
+
+import psutil
+
+from motor.ports import free_port
+from motor.v1 import controller_pb2 as C
+from motorctl.up import ManagedProcess, _bin
+from tests.controller.test_real_processes import GRACE, HEARTBEAT, Cluster, apply, make_cluster, sim_deployment  # noqa: F401
+from tests.support import wait_for
+
+REFUSED = "is held by another live node manager"
+
+
+def engine_processes(cluster: Cluster) -> collections.Counter:
+    """(instance id, rank) -> live engine server processes of this cluster (by their directory)."""
+    counts: collections.Counter = collections.Counter()
+    for proc in psutil.process_iter(["cmdline", "cwd", "status"]):
+        info = proc.info
+        argv, cwd = info["cmdline"] or [], info["cwd"] or ""
+        if info["status"] == psutil.STATUS_ZOMBIE or "--instance-id" not in argv or not cwd.startswith(cluster.run_dir):
+            continue
+        if any(os.path.basename(a) == "engine_server" for a in argv[:2]):
+            counts[(argv[argv.index("--instance-id") + 1], argv[argv.index("--dp-rank") + 1])] += 1
+    return counts
+
+
+def start_second(cluster: Cluster, node_id: str = "node-a") -> tuple[ManagedProcess, int]:
+    """A second node manager for `node_id` with its own --listen and --state-dir."""
+    port = free_port()
+    argv = [
+        _bin("motor-node-manager"), "--node-id", node_id, "--listen", f"127.0.0.1:{port}",
+        "--controller", cluster.controller_address, "--host", "127.0.0.1",
+        "--accelerators", ",".join(str(i) for i in range(cluster.accelerators_per_node)), "--accelerator-type", "sim",
+        "--port-range", f"{cluster.engine_port_base + 2000}-{cluster.engine_port_base + 2499}",
+        "--state-dir", os.path.join(cluster.run_dir, f"{node_id}-second"),
+        "--heartbeat-interval", str(cluster.heartbeat_interval), "--engine-command", _bin("engine_server"),
+    ]
+    managed = cluster._launch(node_id, argv)
+    cluster.wait_serving(f"127.0.0.1:{port}", 30)
+    return managed, port
+
+
+def log_of(managed: ManagedProcess) -> str:
+    with open(managed.log_path, encoding="utf-8", errors="replace") as handle:
+        return handle.read()
+
+
+def node(cluster: Cluster, node_id: str = "node-a") -> C.Node:
+    return {n.info.node_id: n for n in cluster.node_list().nodes}[node_id]
+
+
+def refused_so_far(cluster: Cluster) -> int:
+    """Refused registrations of the conflict under way, from its ListNodes alarm."""
+    for alarm in cluster.node_list().alarms:
+        if "claimed by two live node managers" in alarm:
+            return int(alarm.split(": ", 1)[1].split(" ", 1)[0])
+    return 0
+
+
+def running_with_a_second_claimant(make_cluster) -> tuple[Cluster, ManagedProcess, ManagedProcess, int]:
+    cluster = make_cluster(nodes=2)
+    apply(cluster, sim_deployment(count=2, dp=2))
+    wait_for(lambda: cluster.all_ready(2), timeout=90, interval=0.2, what="READY")
+    holder = cluster.process("node-a")
+    second, port = start_second(cluster)
+    wait_for(lambda: REFUSED in log_of(second), timeout=30, interval=0.2, what="the second node manager refused")
+    return cluster, holder, second, port
+
+
+def test_a_second_node_manager_for_a_live_node_id_is_refused_and_runs_nothing(make_cluster):
+    cluster, holder, second, port = running_with_a_second_claimant(make_cluster)
+    before = node(cluster)
+    restarts = {i.instance_id: i.restarts for i in cluster.instances().values()}
+    wait_for(lambda: refused_so_far(cluster) >= 5, timeout=30, interval=0.2, what="five refused registrations")
+    after = node(cluster)
+    assert after.generation == before.generation and after.info.address == before.info.address
+    assert after.info.process.pid == holder.process.pid
+    counts = engine_processes(cluster)
+    assert counts == {(i, r): 1 for i in ("u-0", "u-1") for r in ("0", "1")}, counts
+    line = next(line for line in log_of(second).splitlines() if REFUSED in line)
+    assert f"127.0.0.1:{port}" in line and before.info.address in line and "holding it since 20" in line
+    assert f"pid {holder.process.pid}" in line and f"pid {second.process.pid}" in line
+    conflicts = [e for e in cluster.events() if e.type == C.EVENT_TYPE_NODE_CONFLICT]
+    assert len(conflicts) == 1, [e.message for e in conflicts]
+    assert second.process.poll() is None  # it waits, asking again every interval
+    instances = cluster.instances().values()
+    assert {i.instance_id: i.restarts for i in instances} == restarts, [i.engines for i in instances]
+
+
+def test_the_second_takes_over_after_kill_9_of_the_holder_and_never_doubles_an_engine(make_cluster):
+    cluster, holder, second, port = running_with_a_second_claimant(make_cluster)
+    generation = node(cluster).generation
+    os.kill(holder.process.pid, signal.SIGKILL)  # the node manager alone: its engines stay, unsupervised
+    holder.process.wait()
+    killed_at = time.monotonic()
+    most: collections.Counter = collections.Counter()
+
+    def taken_over() -> bool:
+        for key, count in engine_processes(cluster).items():
+            most[key] = max(most[key], count)
+        current = node(cluster)
+        return current.info.address == f"127.0.0.1:{port}" and current.state == C.NODE_STATE_READY and cluster.all_ready(2)
+
+    wait_for(taken_over, timeout=90, interval=0.1, what="the second node manager holds node-a, every instance READY")
+    print(f"kill -9 -> taken over and READY after {time.monotonic() - killed_at:.1f}s (grace {GRACE}s)")
+    cluster.node_ports["node-a"] = port  # stop the engines through the new holder at the end
+    assert most and max(most.values()) == 1, most
+    assert engine_processes(cluster) == {(i, r): 1 for i in ("u-0", "u-1") for r in ("0", "1")}
+    assert node(cluster).generation > generation
+    assert "took node id node-a over from" in log_of(second)
+    assert not [e for e in cluster.events() if e.type == C.EVENT_TYPE_NODE_LOST and e.node_id == "node-a"]
+
+
+def test_a_paused_holder_that_returns_after_a_takeover_is_fenced_and_its_copies_stop(make_cluster):
+    cluster, holder, second, port = running_with_a_second_claimant(make_cluster)
+    old_pids = {p.pid for p in psutil.Process(holder.process.pid).children(recursive=True)}
+    holder.process.send_signal(signal.SIGSTOP)  # a partition on one host: silent, and deaf to the re-check
+    try:
+        wait_for(lambda: node(cluster).info.address == f"127.0.0.1:{port}" and cluster.all_ready(2),
+                 timeout=90, interval=0.2, what="taken over while the holder is paused")
+    finally:
+        holder.process.send_signal(signal.SIGCONT)
+    cluster.node_ports["node-a"] = port
+    assert not [p for p in old_pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    # Back: its heartbeats are stale, its registration is refused, and it starts nothing.
+    wait_for(lambda: REFUSED in log_of(holder), timeout=30, interval=0.2, what="the returning holder refused")
+    generation = node(cluster).generation
+    time.sleep(4 * HEARTBEAT)  # it keeps asking; the holder keeps the node id and its generation
+    assert node(cluster).generation == generation and node(cluster).info.address == f"127.0.0.1:{port}"
+    assert engine_processes(cluster) == {(i, r): 1 for i in ("u-0", "u-1") for r in ("0", "1")}
+    assert not psutil.Process(holder.process.pid).children(recursive=True)
