@@ -199,9 +199,11 @@ def test_lost_node_manager_engines_move_and_stale_copies_are_fenced(make_cluster
 
 def test_controller_kill9_restart_restarts_no_engine(make_cluster):
     # Node managers back off (with jitter, up to 10 s) while the controller is away, so their
-    # first heartbeat to the new process may come seconds later: a start-up grace longer than
-    # that lets the test see adoption, not the grace running out (which re-sends StartEngine).
-    cluster = make_cluster(nodes=2, extra=["--startup-grace", "15"])
+    # first heartbeat to the new process may come seconds later. A node grace (and so start-up
+    # grace) longer than that lets the test see adoption, not the grace running out (StartEngine
+    # sent again) nor a node turned SUSPECT whose re-check times out on this loaded machine
+    # (declared lost: its engines placed again).
+    cluster = make_cluster(nodes=2, extra=["--node-grace", "15"])
     apply(cluster, sim_deployment(count=2, dp=2))
     wait_for(lambda: cluster.all_ready(2), timeout=90, interval=0.2, what="READY")
     before = {k: (e.pid, e.spec.generation) for k, e in cluster.engine_copies().items()}
