@@ -39,6 +39,7 @@ from engine_server.engines.base import (
     UtilizationSampler,
 )
 from motor.errors import ConfigError, FailedPrecondition
+from motor.exits import describe_returncode
 
 logger = logging.getLogger(__name__)
 
@@ -190,19 +191,6 @@ def _data_parallel_args(options: EngineOptions, engine_args: dict[str, Any]) -> 
     if "data_parallel_rpc_port" not in engine_args and options.dp_rpc_port:
         argv += ["--data-parallel-rpc-port", str(options.dp_rpc_port)]
     return argv
-
-
-def _exit_description(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "exit status unknown"
-    if exitcode < 0:
-        import signal
-
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
 
 
 class VllmEngine(EngineBackend):
@@ -445,7 +433,7 @@ class VllmEngine(EngineBackend):
             exitcode = proc.exitcode
         except Exception:  # pragma: no cover - reaping races only
             pass
-        self._declare_dead(f"engine-core process {proc.name} (pid {proc.pid}) exited: {_exit_description(exitcode)}")
+        self._declare_dead(f"engine-core process {proc.name} (pid {proc.pid}) {describe_returncode(exitcode)}")
 
     def _on_output_handler_done(self, task: asyncio.Task) -> None:
         if task.cancelled():
