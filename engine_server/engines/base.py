@@ -72,6 +72,8 @@ class EngineBackend(abc.ABC):
 
     def __init__(self, options: EngineOptions):
         self.options = options
+        # The engine_args as a model instance, for engines with an args_model.
+        self.args: Any = self.args_model.model_validate(options.engine_args) if self.args_model else None
 
     @classmethod
     def check_args(cls, engine_args: dict[str, Any], field: str) -> dict[str, Any]:

@@ -95,7 +95,6 @@ class SglangEngine(EngineBackend):
 
     def __init__(self, options: EngineOptions):
         super().__init__(options)
-        self.args = SglangArgs.model_validate(options.engine_args)
         self.command = sglang_command(self.args, options)
         self.process: asyncio.subprocess.Process | None = None
         self._exited: asyncio.Task | None = None

@@ -119,7 +119,6 @@ class SimEngine(EngineBackend):
 
     def __init__(self, options: EngineOptions):
         super().__init__(options)
-        self.args = SimArgs.model_validate(options.engine_args)
         self.faults = self._initial_faults()
         self.sleeping = False
         self.sleep_level = 0
