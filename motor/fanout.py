@@ -26,16 +26,16 @@ _CUT = object()  # the subscriber was too slow
 class Subscription(Generic[T]):
     """One subscriber's stream: iterate it with `async for`; `close()` unsubscribes."""
 
-    def __init__(self, fanout: "FanOut[T]", limit: int):
+    def __init__(self, fanout: "FanOut[T]", capacity: int):
         self._fanout = fanout
-        # One slot more than the limit: room for the end marker even when full.
-        self._queue: asyncio.Queue = asyncio.Queue(maxsize=limit + 1)
-        self._limit = limit
+        # One slot more than the capacity: room for the end marker even when full.
+        self._queue: asyncio.Queue = asyncio.Queue(maxsize=capacity + 1)
+        self._capacity = capacity
         self.cut = False
 
     def _offer(self, item: object) -> bool:
-        """Queue `item`; False (and the subscriber cut) when `limit` messages are already queued."""
-        if self._queue.qsize() >= self._limit:
+        """Queue `item`; False (and the subscriber cut) when the queue is full."""
+        if self._queue.qsize() >= self._capacity:
             self._end(_CUT)
             return False
         self._queue.put_nowait(item)
@@ -59,7 +59,7 @@ class Subscription(Generic[T]):
         if item is _CUT:
             self._queue.put_nowait(_CUT)
             raise ResourceExhausted(
-                f"{self._fanout.name}: subscriber too slow: more than {self._limit} messages queued; reconnect"
+                f"{self._fanout.name}: subscriber too slow: more than {self._fanout.limit} messages queued; reconnect"
             )
         return item
 
@@ -86,6 +86,7 @@ class FanOut(Generic[T]):
 
         Subscribe before taking the snapshot so that no message falls between the two."""
         first = [] if self.closed else list(first)
+        # The first messages do not count against the limit.
         subscription: Subscription[T] = Subscription(self, self.limit + len(first))
         for item in first:
             subscription._offer(item)
