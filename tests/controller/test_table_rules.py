@@ -1,0 +1,63 @@
+"""The node and slot tables' remaining rules, one at a time: exact messages, and the index when a
+slot is placed again, or is removed or unplaced while on no node (plain data; written to kill the
+mutants `make mutation` found)."""
+
+from __future__ import annotations
+
+import pytest
+
+from motor.errors import FailedPrecondition
+
+from controller.instances import IllegalTransition
+from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeTable
+from controller.slots import EngineSlot, SlotTable
+from tests.controller.test_tables import runtime
+
+
+def test_a_stale_heartbeat_of_a_lost_node_is_told_so_exactly():
+    table = NodeTable()
+    node = runtime("node-a", generation=3)
+    table.put(node)
+    table.set_state(node, NODE_SUSPECT, "silent")
+    table.set_state(node, NODE_LOST, "gone")
+    with pytest.raises(FailedPrecondition) as error:
+        table.member("node-a", 2)
+    assert str(error.value) == "node 'node-a': generation 2 is stale (current 3, node declared lost); register again"
+
+
+def test_a_refused_record_names_its_node():
+    table = NodeTable()
+    with pytest.raises(IllegalTransition) as error:
+        table.put(runtime("node-b", NODE_SUSPECT))
+    assert str(error.value) == "node node-b: new -> SUSPECT is not allowed"
+    assert table.count(NODE_READY) == 0
+
+
+def placed(table: SlotTable, engine_id: str, node_id: str, accelerators: list[int]) -> EngineSlot:
+    slot = EngineSlot(engine_id, engine_id.split("/")[0], 0)
+    table.add(slot)
+    table.place(slot, node_id, "10.0.0.1", accelerators, 2, generation=1)
+    return slot
+
+
+def test_placing_a_placed_slot_again_moves_it_in_the_index():
+    table = SlotTable()
+    slot = placed(table, "p-0/rank0", "node-a", [0])
+    table.place(slot, "node-b", "10.0.0.2", [1], 2, generation=2)
+    assert table.on_node("node-a") == [] and list(table.placed_on("node-a")) == []
+    assert table.on_node("node-b") == [slot] and table.used_accelerators("node-b") == {1}
+
+
+def test_a_node_without_slots_has_none():
+    table = SlotTable()
+    placed(table, "p-0/rank0", "node-a", [0])
+    assert list(table.placed_on("node-x")) == [] and table.used_accelerators("node-x") == set()
+
+
+def test_a_slot_on_no_node_can_be_removed_and_unplaced():
+    table = SlotTable()
+    slot = EngineSlot("p-0/rank0", "p-0", 0)
+    table.add(slot)
+    table.unplace(slot, moved=False)
+    assert slot.node_id == "" and not slot.moved
+    assert table.remove("p-0/rank0") is slot and "p-0/rank0" not in table
