@@ -99,6 +99,7 @@ def test_a_second_node_manager_for_a_live_node_id_is_refused_and_runs_nothing(ma
 def test_the_second_takes_over_after_kill_9_of_the_holder_and_never_doubles_an_engine(make_cluster):
     cluster, holder, second, port = running_with_a_second_claimant(make_cluster)
     generation = node(cluster).generation
+    left = [p.pid for p in psutil.Process(holder.process.pid).children(recursive=True)]
     os.kill(holder.process.pid, signal.SIGKILL)  # the node manager alone: its engines stay, unsupervised
     holder.process.wait()
     killed_at = time.monotonic()
@@ -117,6 +118,7 @@ def test_the_second_takes_over_after_kill_9_of_the_holder_and_never_doubles_an_e
     assert engine_processes(cluster) == {(i, r): 1 for i in ("u-0", "u-1") for r in ("0", "1")}
     assert node(cluster).generation > generation
     assert "took node id node-a over from" in log_of(second)
+    assert left and not [p for p in left if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not [e for e in cluster.events() if e.type == C.EVENT_TYPE_NODE_LOST and e.node_id == "node-a"]
 
 
