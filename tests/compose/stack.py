@@ -180,6 +180,14 @@ class ComposeStack:
             instances = list(stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=10).instances)
         return nodes, instances
 
+    def events(self) -> list[controller_pb2.Event]:
+        """The controller's recent events, oldest first (the snapshot that opens WatchEvents)."""
+        with grpc.insecure_channel(self.controller_address) as channel:
+            stream = self.stub(channel).WatchEvents(controller_pb2.WatchEventsRequest(), timeout=10)
+            first = next(stream)
+            stream.cancel()
+        return list(first.snapshot.recent_events)
+
 
 def ready_nodes(nodes: list[controller_pb2.Node]) -> set[str]:
     return {n.info.node_id for n in nodes if n.state == controller_pb2.NODE_STATE_READY}

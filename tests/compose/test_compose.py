@@ -16,6 +16,7 @@ import time
 import psutil
 import pytest
 
+from motor.v1 import controller_pb2
 from tests.compose.conftest import TIMINGS
 from tests.compose.stack import (
     NODE_SERVICES,
@@ -139,6 +140,7 @@ def test_partitioned_node_is_fenced_when_healed_so_no_engine_runs_twice(stack: C
     network = stack.network("control")
     container = stack.container(victim)
     address = f"{stack.control_net}.{stack.node_addresses[victim]}"
+    seen_before = max((e.sequence for e in stack.events()), default=0)
 
     cut_at = time.monotonic()
     run(["docker", "network", "disconnect", network, container])
@@ -150,9 +152,10 @@ def test_partitioned_node_is_fenced_when_healed_so_no_engine_runs_twice(stack: C
 
         wait(moved_elsewhere, MOVE_TIMEOUT, f"the engines of partitioned {victim} READY elsewhere", stack)
         TIMINGS[f"partition {victim} -> its {len(moved)} engines NORMAL elsewhere"] = time.monotonic() - cut_at
-        # The partitioned node cannot hear the controller; whatever it still runs is a stale copy.
-        stale = sorted(e for e, where in stack.engine_processes().items() if victim in where)
-        print(f"stale engine copies still running on partitioned {victim}: {stale}")
+        # The partitioned node cannot hear the controller, and its node manager keeps supervising
+        # its engines: each engine moved off it still runs there, as a stale copy.
+        stale = {e for e, where in stack.engine_processes().items() if victim in where}
+        assert stale == moved, f"stale copies on partitioned {victim}: {sorted(stale)}, expected {sorted(moved)}"
     finally:
         healed_at = time.monotonic()
         run(["docker", "network", "connect", "--ip", address, "--alias", victim, network, container])
@@ -167,6 +170,11 @@ def test_partitioned_node_is_fenced_when_healed_so_no_engine_runs_twice(stack: C
 
     wait(fenced, 120, "each engine running exactly once after the heal", stack, interval=1)
     TIMINGS[f"heal {victim} -> no engine running twice"] = time.monotonic() - healed_at
+    # The controller said so: one ENGINE_FENCED event for each stale copy it stopped on the node.
+    fenced_events = [
+        e for e in stack.events() if e.sequence > seen_before and e.type == controller_pb2.EVENT_TYPE_ENGINE_FENCED
+    ]
+    assert {e.engine_id for e in fenced_events if e.node_id == victim} == stale, [e.message for e in fenced_events]
     for _ in range(5):  # and it stays so: the healed node does not restart its stale engines
         nodes, instances = stack.snapshot()
         found = _engines_once(stack)
