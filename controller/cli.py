@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import sys
 
 from prometheus_client import start_http_server
 
-from motor.cli_config import Flag, load_settings, settings_parser
+from motor.cli_config import Flag, load_settings, run_service, settings_parser
 from motor.deployment_file import load_deployment
-from motor.errors import ConfigError, MotorError
 from motor.grpc_server import MotorServer, service_name
 from motor.logs import setup_logging
 from motor.signals import wait_for_stop_signal
@@ -79,18 +77,7 @@ async def serve(config: ControllerConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        config = parse_config(argv)
-    except ConfigError as exc:
-        print(f"motor-controller: {exc}", file=sys.stderr)
-        return 2
-    setup_logging(config.log_level)
-    try:
-        asyncio.run(serve(config))
-    except MotorError as exc:  # e.g. a bad --deployment file or a port in use
-        print(f"motor-controller: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_service("motor-controller", lambda: parse_config(argv), lambda c: setup_logging(c.log_level), serve)
 
 
 if __name__ == "__main__":

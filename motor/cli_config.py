@@ -11,13 +11,16 @@ exit with 2).
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Mapping, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, TypeVar
 
 from pydantic import BaseModel
 
 from motor.config import read_document, validate
-from motor.errors import ConfigError
+from motor.errors import ConfigError, MotorError
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -89,3 +92,22 @@ def load_settings(model: type[ModelT], parser: argparse.ArgumentParser, argv: li
             where = f" or {name} in --config" if parser.get_default("config") is not None else ""
             raise ConfigError(f"{name}: required ({flag_name(name)}{where})")
     return validate(model, data, source=source)
+
+
+def run_service(prog: str, load: Callable[[], ModelT], start_logging: Callable[[ModelT], object],
+                serve: Callable[[ModelT], Awaitable[None]]) -> int:
+    """A service's main: settings (exit 2 naming the setting), logging, then `serve` until it
+    returns (0), or exit 2 when it raises a MotorError (a port in use, a bad deployment file, a
+    registration the controller refuses), logged with the reason."""
+    try:
+        config = load()
+    except ConfigError as exc:
+        print(f"{prog}: configuration error: {exc}", file=sys.stderr)
+        return 2
+    start_logging(config)
+    try:
+        asyncio.run(serve(config))
+    except MotorError as exc:
+        logging.getLogger(prog).error("%s", exc)
+        return 2
+    return 0

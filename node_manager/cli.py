@@ -11,8 +11,7 @@ import asyncio
 import logging
 import sys
 
-from motor.cli_config import Flag, load_settings, settings_parser
-from motor.errors import ConfigError
+from motor.cli_config import Flag, load_settings, run_service, settings_parser
 from motor.logs import setup_logging
 from motor.signals import stop_event
 from node_manager.config import NodeManagerConfig
@@ -73,18 +72,8 @@ async def serve(config: NodeManagerConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        config = load_config(argv)
-    except ConfigError as exc:
-        print(f"motor-node-manager: configuration error: {exc}", file=sys.stderr)
-        return 2
-    setup_logging(config.log_level, config.logs_dir, "node_manager.log")
-    try:
-        asyncio.run(serve(config))
-    except ConfigError as exc:
-        logger.error("configuration error: %s", exc)
-        return 2
-    return 0
+    return run_service("motor-node-manager", lambda: load_config(argv),
+                       lambda c: setup_logging(c.log_level, c.logs_dir, "node_manager.log"), serve)
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ class NodeManagerConfig(BaseModel):
     @field_validator("port_range")
     @classmethod
     def _check_port_range(cls, value: str) -> str:
-        match = re.match(r"^\s*(\d+)\s*-\s*(\d+)\s*$", value)
+        match = re.fullmatch(r"\s*([0-9]+)\s*-\s*([0-9]+)\s*", value)
         if not match or not 0 < int(match[1]) <= int(match[2]) <= 65535:
             raise ValueError("must be START-END within 1-65535 with START <= END (e.g. 20000-29999)")
         return value
