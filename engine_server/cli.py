@@ -1,7 +1,10 @@
 """`engine_server`: one engine's inference plane (--port) and gRPC management plane (--mgmt-port).
 
 Exit codes: 0 after SIGTERM/SIGINT (drained and shut down), 2 for a bad command line or
-user_config (the message names the field), 1 when the engine fails to start or dies.
+user_config (the message names the field), 1 when the engine fails to start or dies. With
+--termination-message-path the cause of the exit is also written there (motor.termination).
+The management plane answers first (INIT, "checking the configuration") while the engine's
+arguments are checked (vLLM: seconds to import it and read the model's config).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import logging
 import os
 import sys
 from typing import Literal
+from dataclasses import dataclass
 
 # Set before anything imports prometheus_client (it picks its storage at import time).
 from engine_server.prometheus_dir import ensure_private_multiproc_dir, remove_private_multiproc_dir
@@ -24,6 +28,15 @@ logger = logging.getLogger("engine_server")
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 DEATH_ENGINE_SHUTDOWN_TIMEOUT = 0.5  # the whole failure exit must stay under a second
+
+
+@dataclass(frozen=True)
+class Exit:
+    """How and why the process ends (the termination message)."""
+
+    code: int
+    cause: str  # motor.termination: stopped, config_error, start_failed, engine_died
+    message: str
 
 
 def _port(value: str) -> int:
@@ -63,6 +76,7 @@ class EngineServerArgs(BaseModel):
     dp_rpc_port: int | None = Field(None, ge=1, le=65535)
     log_dir: str = "./engine_server_log/"
     log_level: LogLevel = "INFO"
+    termination_message_path: str | None = None
 
 
 REQUIRED = {"required": True}
@@ -79,6 +93,7 @@ FLAGS = {
     "dp_rpc_port": Flag("data-parallel RPC port (single-container mode)", options={"type": _port}),
     "log_dir": Flag("rotated log files go here"),
     "log_level": Flag("DEBUG, INFO, WARNING, ERROR or CRITICAL", options={"type": str.upper, "choices": LOG_LEVELS}),
+    "termination_message_path": Flag("write the cause of the exit here (one JSON line) just before exiting"),
 }
 
 
@@ -108,9 +123,13 @@ def _check_args(args: EngineServerArgs, parser: argparse.ArgumentParser) -> None
         seen[port] = flag
 
 
-async def serve(args: EngineServerArgs, section) -> int:
+async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
+    from motor.errors import ConfigError
     from motor.grpc_server import MotorServer
     from motor.signals import stop_event
+    from motor.termination import CONFIG_ERROR, ENGINE_DIED, START_FAILED, STOPPED
+
+    from engine_server.descendants import CLEAN_EXIT_GRACE_S, end_descendants
 
     from engine_server import service
     from engine_server.engines import engine_class
@@ -129,7 +148,8 @@ async def serve(args: EngineServerArgs, section) -> int:
         dp_rpc_port=args.dp_rpc_port,
         engine_args=section.engine_args,
     )
-    engine = engine_class(section.engine_type)(options)
+    engine_cls = engine_class(section.engine_type)
+    engine = engine_cls(options)
     core = EngineServer(options, section, engine, metrics=process_metrics())
     grpc_server = MotorServer(f"{args.host}:{args.mgmt_port}", tls=section.mgmt_tls_config.server_files())
     service.register(grpc_server, core)
@@ -137,12 +157,26 @@ async def serve(args: EngineServerArgs, section) -> int:
 
     stop = stop_event()
     try:
+        if engine_cls.slow_check_args:  # deferred by load_section
+            field = f"{section_name}.engine_args"
+            section.engine_args = options.engine_args = await core.check_config(
+                lambda: engine_cls.check_args(section.engine_args, field)
+            )
+    except ConfigError as exc:
+        logger.error("invalid configuration: %s", exc)
+        await grpc_server.stop(0)
+        return Exit(EXIT_CONFIG, CONFIG_ERROR, str(exc))
+    if stop.is_set():
+        await grpc_server.stop(0)
+        return Exit(EXIT_OK, STOPPED, "SIGTERM before the engine started")
+    try:
         await core.start()
     except Exception as exc:
         logger.error("the %s engine failed to start: %s", section.engine_type, exc, exc_info=not isinstance(exc, RuntimeError))
         await core.close(engine_timeout=DEATH_ENGINE_SHUTDOWN_TIMEOUT)
+        await end_descendants(grace=0)
         await grpc_server.stop(0)
-        return EXIT_FAILED
+        return Exit(EXIT_FAILED, START_FAILED, f"the {section.engine_type} engine failed to start: {exc}")
     stopping = asyncio.ensure_future(stop.wait())
     dying = asyncio.ensure_future(core.died.wait())
     await asyncio.wait([stopping, dying], return_when=asyncio.FIRST_COMPLETED)
@@ -151,14 +185,17 @@ async def serve(args: EngineServerArgs, section) -> int:
         stopping.cancel()
         # Watchers have the ABNORMAL message queued; closing ends their streams after it.
         await core.close(engine_timeout=DEATH_ENGINE_SHUTDOWN_TIMEOUT)
+        await end_descendants(grace=0)  # the engine is dead: what is left of it goes now
         await grpc_server.stop(0.2)
-        return EXIT_FAILED
+        return Exit(EXIT_FAILED, ENGINE_DIED, f"the engine died: {core.death_reason}")
     dying.cancel()
     logger.info("SIGTERM: draining (up to %gs), then shutting down", section.drain_timeout)
-    await core.shutdown()
+    drained, left = await core.shutdown()
+    await end_descendants(grace=CLEAN_EXIT_GRACE_S)
     await grpc_server.stop(1.0)
     logger.info("shut down cleanly")
-    return EXIT_OK
+    how = "drained" if drained else f"drain_timeout ({section.drain_timeout:g}s) passed with {left} requests in flight"
+    return Exit(EXIT_OK, STOPPED, f"SIGTERM: {how}, shut down cleanly")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -173,24 +210,31 @@ def main(argv: list[str] | None = None) -> None:
     ensure_private_multiproc_dir()
 
     from motor.logs import setup_logging
+    from motor.termination import CONFIG_ERROR, STOPPED
 
     from engine_server.config import load_section
 
     log_path = setup_logging(args.log_level, args.log_dir, f"engine_server_{args.instance_id}_rank{args.dp_rank}.log")
     logger.info("engine_server %s rank %d (%s), log file %s", args.instance_id, args.dp_rank, args.role, log_path)
     try:
-        section_name, section = load_section(args.config_path, args.role)
-    except ConfigError as exc:
+        # A slow engine_args check (vLLM) runs in serve(), once the management plane answers.
+        section_name, section = load_section(args.config_path, args.role, defer_slow_checks=True)
+        logger.info("using %s (engine_type %s)", section_name, section.engine_type)
+        result = asyncio.run(serve(args, section_name, section))
+    except ConfigError as exc:  # e.g. a bad user_config, the management port taken, a TLS file unreadable
         logger.error("invalid configuration: %s", exc)
-        sys.exit(EXIT_CONFIG)
-    logger.info("using %s (engine_type %s)", section_name, section.engine_type)
-    try:
-        code = asyncio.run(serve(args, section))
-    except ConfigError as exc:  # e.g. the management port is taken, a TLS file unreadable
-        logger.error("%s", exc)
-        code = EXIT_CONFIG
+        result = Exit(EXIT_CONFIG, CONFIG_ERROR, str(exc))
     except KeyboardInterrupt:
-        code = EXIT_OK
+        result = Exit(EXIT_OK, STOPPED, "interrupted")
+    _exit(args, result)
+
+
+def _exit(args: EngineServerArgs, result: Exit) -> None:
+    from motor.termination import write_termination_message
+
+    if args.termination_message_path:
+        write_termination_message(args.termination_message_path, result.code, result.cause, result.message)
+    code = result.code
     if code != EXIT_OK:
         # Engine threads or children must not hold a failing process open (or turn it into exit 0).
         remove_private_multiproc_dir()

@@ -9,10 +9,12 @@ from motor.errors import ConfigError
 from motor.user_config import EngineSection, UserConfig
 
 
-def load_section(path: str, role: str) -> tuple[str, EngineSection]:
+def load_section(path: str, role: str, defer_slow_checks: bool = False) -> tuple[str, EngineSection]:
     """Load and validate the whole file, then return (section name, section) for `role`.
 
-    Raises ConfigError naming the field; engine_args are checked by the engine class."""
+    Raises ConfigError naming the field; engine_args are checked by the engine class, except a
+    slow check (EngineBackend.slow_check_args) with defer_slow_checks: the engine server runs
+    that one once its management plane answers."""
     from engine_server.engines import engine_class  # the engines import the config models
 
     data = motor_config.read_document(path)
@@ -25,5 +27,7 @@ def load_section(path: str, role: str) -> tuple[str, EngineSection]:
     if section is None:
         hint = " (or motor_engine_prefill_config, which union falls back to)" if role == "union" else ""
         raise ConfigError(f"{path}: {name}: missing; the {role} role needs this section{hint}")
-    section.engine_args = engine_class(section.engine_type).check_args(section.engine_args, f"{name}.engine_args")
+    engine = engine_class(section.engine_type)
+    if not (defer_slow_checks and engine.slow_check_args):
+        section.engine_args = engine.check_args(section.engine_args, f"{name}.engine_args")
     return name, section

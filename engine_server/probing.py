@@ -16,7 +16,7 @@ import aiohttp
 
 from motor.user_config import HealthCheckConfig
 
-from engine_server.engines.base import UtilizationSampler
+from engine_server.engines.base import UtilizationSampler, probe_request_id
 from engine_server.status import Event, Health, HealthStateMachine
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def probe_request(role: str, now: float | None = None) -> tuple[dict[str, Any], 
     if role == "decode":
         body["kv_transfer_params"] = dict(DECODE_KV_TRANSFER_PARAMS)
     stamp = int((now if now is not None else time.time()) * 1000)
-    return body, {"X-Request-Id": f"{stamp}_virtual"}
+    return body, {"X-Request-Id": probe_request_id(stamp)}
 
 
 class HttpProbeClient:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 
@@ -18,6 +18,7 @@ from motor.errors import FailedPrecondition, InvalidArgument
 from motor.fanout import FanOut, Subscription
 from motor.user_config import EngineSection
 
+from engine_server.descendants import CLEAN_EXIT_GRACE_S
 from engine_server.engines.base import EngineBackend, EngineOptions, UtilizationSampler
 from engine_server.probing import HttpProbeClient, PeakSampler, ProbeClient, Prober, ProbeRecord
 from engine_server.samplers import choose_sampler
@@ -53,6 +54,7 @@ class StatusSnapshot:
     probe_interval: float
     last_probe: ProbeRecord | None
     in_flight_requests: int
+    stop_grace: float  # seconds a SIGTERM needs to end in exit: drain_timeout + shutdown
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,20 @@ class EngineServer:
             metrics.status.set(int(self.machine.state))
 
     # --- life cycle ------------------------------------------------------------------------
+    @property
+    def stop_grace(self) -> float:
+        """How long SIGTERM may take to end this process: the drain, the engine's shutdown, and
+        the wait for its processes. The node manager waits at least this long before SIGKILL."""
+        return self.section.drain_timeout + self.engine.shutdown_grace + CLEAN_EXIT_GRACE_S
+
+    async def check_config(self, check: Callable[[], Any]) -> Any:
+        """Run the engine's configuration check off the loop (vLLM: imports vLLM and reads the
+        model's config, seconds) while the management plane answers INIT with why."""
+        self.machine.fire(Event.STARTING, f"starting: checking the configuration ({self.engine.engine_type} engine_args)")
+        result = await asyncio.to_thread(check)
+        self.machine.fire(Event.STARTING, "starting: waiting for the inference plane's GET /health to answer")
+        return result
+
     async def start(self) -> None:
         """Start the engine, then watch /health (INIT -> NORMAL) and the engine's death."""
         await self.engine.start()
@@ -139,12 +155,14 @@ class EngineServer:
         self.machine.fire(Event.ENGINE_DIED, f"the engine died: {reason}")
         self.died.set()
 
-    async def shutdown(self) -> None:
-        """SIGTERM: stop probing, drain up to drain_timeout, shut the engine down."""
+    async def shutdown(self) -> tuple[bool, int]:
+        """SIGTERM: stop probing, drain up to drain_timeout, shut the engine down; returns the
+        drain's outcome (drained, requests left)."""
         drained, left = await self.drain(None)
         if not drained:
             logger.warning("drain deadline (%gs) passed with %d requests in flight", self.section.drain_timeout, left)
         await self.close(engine_timeout=None)
+        return drained, left
 
     async def close(self, engine_timeout: float | None) -> None:
         """Stop background work, the engine (bounded by engine_timeout when given) and the watchers."""
@@ -218,6 +236,7 @@ class EngineServer:
             probe_interval=prober.interval if prober else self.settings.probe_interval,
             last_probe=prober.last if prober else None,
             in_flight_requests=self.engine.in_flight_requests(),
+            stop_grace=self.stop_grace,
         )
 
     def get_status(self) -> StatusSnapshot:
@@ -236,13 +255,15 @@ class EngineServer:
 
     # --- Drain / Sleep / WakeUp ------------------------------------------------------------
     async def drain(self, deadline: float | None) -> tuple[bool, int]:
-        """Stop probing and wait for in-flight requests up to `deadline` seconds (None: drain_timeout)."""
+        """Refuse new requests, stop probing, and wait for in-flight requests up to `deadline`
+        seconds (None: drain_timeout)."""
         if deadline is None:
             deadline = self.section.drain_timeout
         if deadline < 0:
             raise InvalidArgument(f"deadline must not be negative (got {deadline:g}s)")
         if not self.draining:
             self.draining = True
+            self.engine.stop_admitting()
             self._stop_probing()
             logger.info("draining: probes stopped, %d requests in flight", self.engine.in_flight_requests())
             self._publish()

@@ -1,5 +1,6 @@
 """The engine's health status: one state machine, one transition function, a reason on every change.
 
+    INIT --starting--> INIT (a start-up step with its reason, e.g. checking the configuration)
     INIT --health_up--> NORMAL --failure_limit--> ABNORMAL --probe_succeeded--> NORMAL
     any  --engine_died--> ABNORMAL (final: a dead engine never comes back in this process)
 
@@ -25,6 +26,7 @@ class Health(enum.IntEnum):
 
 
 class Event(enum.Enum):
+    STARTING = "starting"  # a step of the start-up (checking the configuration, loading)
     HEALTH_UP = "health_up"  # GET /health answered 200
     FAILURE_LIMIT = "failure_limit"  # max_failure_count consecutive counted probe failures
     PROBE_SUCCEEDED = "probe_succeeded"
@@ -33,6 +35,7 @@ class Event(enum.Enum):
 
 # (from, event) -> to. Anything else is ignored (e.g. a success while NORMAL changes nothing).
 TRANSITIONS: dict[tuple[Health, Event], Health] = {
+    (Health.INIT, Event.STARTING): Health.INIT,
     (Health.INIT, Event.HEALTH_UP): Health.NORMAL,
     (Health.NORMAL, Event.FAILURE_LIMIT): Health.ABNORMAL,
     (Health.ABNORMAL, Event.PROBE_SUCCEEDED): Health.NORMAL,

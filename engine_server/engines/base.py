@@ -9,6 +9,10 @@ Probes reach the engine over that same HTTP API, so probing logic is engine-inde
 from __future__ import annotations
 
 import abc
+import functools
+import os
+import re
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,9 +21,35 @@ from pydantic import BaseModel, ValidationError
 from motor.config import describe_validation_error
 from motor.errors import ConfigError
 
-# Probes carry `X-Request-Id: {timestamp}_virtual`; engines rewrite ids (vLLM: `cmpl-<id>-<index>`),
-# so match the suffix with an optional prompt index.
-VIRTUAL_REQUEST_ID_PATTERN = r"_virtual(-\d+)?$"
+# Probes carry `X-Request-Id: {timestamp}-{token}_virtual`, where the token is a secret of this
+# engine server: only ids carrying it are probes (kept out of the metrics), so a client id that
+# merely ends in `_virtual` is counted like any other. The token is kept in the environment so
+# that the engine's child processes (vLLM's engine core, spawned) see the same one.
+PROBE_TOKEN_ENV = "MOTOR_PROBE_ID_TOKEN"
+
+
+def probe_token() -> str:
+    """This engine server's probe-id token (made on first use, inherited by its children)."""
+    token = os.environ.get(PROBE_TOKEN_ENV)
+    if not token:
+        token = os.environ[PROBE_TOKEN_ENV] = secrets.token_hex(8)
+    return token
+
+
+def probe_request_id(stamp_ms: int) -> str:
+    """The X-Request-Id of a probe sent at `stamp_ms` (epoch milliseconds)."""
+    return f"{stamp_ms}-{probe_token()}_virtual"
+
+
+def is_probe_request_id(request_id: str | None) -> bool:
+    """True only for this engine server's probe ids, also as engines rewrite them
+    (vLLM: `cmpl-<id>-<prompt index>`, `chatcmpl-<id>`)."""
+    return bool(request_id) and _probe_id_pattern(probe_token()).search(request_id) is not None
+
+
+@functools.lru_cache(maxsize=4)
+def _probe_id_pattern(token: str) -> re.Pattern:
+    return re.compile(rf"\d-{re.escape(token)}_virtual(-\d+)?$")
 
 
 @dataclass
@@ -69,6 +99,12 @@ class EngineBackend(abc.ABC):
     can_sleep: bool = False
     # A pydantic model of the engine's `engine_args`, checked by the default check_args.
     args_model: type[BaseModel] | None = None
+    # check_args takes seconds (vLLM imports itself and reads the model's config): the engine
+    # server runs it once its management plane answers INIT "checking the configuration".
+    slow_check_args: bool = False
+    # Seconds shutdown() may take, on top of the drain: with drain_timeout, what the engine
+    # server asks its node manager to wait between SIGTERM and SIGKILL (EngineStatus.stop_grace).
+    shutdown_grace: float = 5.0
 
     def __init__(self, options: EngineOptions):
         self.options = options
@@ -104,6 +140,10 @@ class EngineBackend(abc.ABC):
     @abc.abstractmethod
     async def shutdown(self) -> None:
         """Stop the engine and free its resources. Called once, after draining."""
+
+    def stop_admitting(self) -> None:
+        """A drain starts (SIGTERM or the Drain RPC): from now on answer new inference requests
+        503 with Retry-After, and let those in flight finish. Default: keep admitting."""
 
     def in_flight_requests(self) -> int:
         """Requests in flight on the inference plane, probes excluded (used by Drain)."""

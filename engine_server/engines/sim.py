@@ -16,7 +16,7 @@ Faults (engine_args.faults in the user_config, or at run time):
   latency_ms      every completion takes this long
   utilization     the simulated accelerator utilization (percent) the engine server samples
 
-Probes (request id ending in `_virtual`) are served but kept out of the sim:* counters, as the
+Probes (the engine server's own request ids, see engines.base.is_probe_request_id) are served but kept out of the sim:* counters, as the
 engine server's patch does for vLLM.
 """
 
@@ -26,7 +26,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import re
 import time
 from typing import Any
 
@@ -38,15 +37,14 @@ from motor.config import describe_validation_error
 
 from engine_server import metrics as server_metrics
 from engine_server.engines.base import (
-    VIRTUAL_REQUEST_ID_PATTERN,
     EngineBackend,
     EngineOptions,
     UtilizationSampler,
+    is_probe_request_id,
 )
 
 logger = logging.getLogger(__name__)
 
-_VIRTUAL = re.compile(VIRTUAL_REQUEST_ID_PATTERN)
 WORDS = (
     "motor sim engine token answer fast cache prefill decode quiet river stone light model "
     "graph cloud field north amber signal"
@@ -275,7 +273,7 @@ class SimEngine(EngineBackend):
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             return _error(400, "max_tokens: must be a positive integer")
         request_id = request.headers.get("X-Request-Id") or f"sim-{time.time_ns()}"
-        probe = bool(_VIRTUAL.search(request_id))
+        probe = is_probe_request_id(request_id)
         model = body.get("model") or self.args.model
         if not probe:
             self._in_flight += 1

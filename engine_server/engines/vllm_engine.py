@@ -7,190 +7,56 @@ socket early), `AsyncLLM` (spawns the engine-core process), `build_app` / `init_
 handlers: SIGTERM belongs to the engine server, which drains and then calls `shutdown`).
 
 Being in-process lets the engine server patch vLLM: probes are kept out of every `vllm:*`
-series (vllm_probe_filter) and the engine-core process is set up to die with the engine
-server (vllm_engine_core).
+series (vllm_probe_filter), the engine core's progress is counted (vllm_utilization), new
+requests are refused from the start of a drain (vllm_admission) and the engine-core process is
+set up to die with the engine server (vllm_engine_core). `engine_args` -> vLLM's arguments:
+vllm_args.
 
-Engine death: the engine-core process exiting (watched through a pidfd: noticed at once),
+Engine death: the engine-core process exiting (motor.processes.ExitWatch: noticed at once),
 vLLM's output handler stopping (EngineDeadError), or the HTTP server stopping on its own
 makes `wait_dead` return with the reason. A hung engine core (e.g. SIGSTOP) is not death:
 `/health` stays 200 and only probes notice it.
-
-`engine_args` are vLLM's `vllm serve` arguments (`max_model_len: 256` is `--max-model-len 256`),
-except the keys in MOTOR_KEYS, which are this backend's own; host and port come from the
-engine server's command line.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import re
 import socket
 import threading
 import time
 from typing import Any
 
 from engine_server.engines.base import (
-    VIRTUAL_REQUEST_ID_PATTERN,
     EngineBackend,
     EngineOptions,
     UtilizationSampler,
+    is_probe_request_id,
+    probe_token,
 )
-from motor.errors import ConfigError, FailedPrecondition
+from engine_server.engines.vllm_admission import Admission, RefuseWhileDraining
+from engine_server.engines.vllm_args import (
+    MOTOR_UTILIZATION,
+    create_vllm_config,
+    import_keeping_logging,
+    parse_engine_args,
+    prepare_environment,
+)
+from motor.errors import FailedPrecondition
 from motor.exits import describe_returncode
+from motor.processes import ExitWatch, create_time
 
 logger = logging.getLogger(__name__)
 
-# engine_args keys read by this backend, never passed to vLLM.
-MOTOR_UTILIZATION = "motor_utilization"
-MOTOR_KEYS = {MOTOR_UTILIZATION}
-# vLLM arguments the engine server sets from its own command line.
-OWNED_ARGS = {"host": "--host", "port": "--port"}
-# How long shutdown waits for the HTTP server to close its connections.
+# How long shutdown waits for the HTTP server to close its connections (after a drain there
+# are none in flight; idle keep-alive connections close at once).
 HTTP_SHUTDOWN_TIMEOUT_S = 5.0
+# Beyond vLLM's own shutdown_timeout: the engine core's teardown (it is killed after
+# shutdown_timeout, as under `vllm serve`) and the serving thread's end.
+ENGINE_STOP_MARGIN_S = 5.0
 # How long a death seen by vLLM's side waits for the engine-core process's own exit report.
 DEATH_REASON_GRACE_S = 0.2
-
-_PROBE_ID = re.compile(VIRTUAL_REQUEST_ID_PATTERN)
-
-
-def prepare_environment() -> None:
-    """Environment vLLM must see before it is imported, for use inside the engine server."""
-    # gRPC does not survive fork(): vLLM must exec its engine core (spawn), never fork it.
-    method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
-    if method and method != "spawn":
-        logger.warning("VLLM_WORKER_MULTIPROC_METHOD=%s replaced by spawn: the engine server runs gRPC", method)
-    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    # vLLM's records go to the engine server's handlers (rotated log file) instead of its own
-    # stdout handler; set VLLM_CONFIGURE_LOGGING=1 to get vLLM's format back.
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-
-
-def import_keeping_logging(module: str) -> None:
-    """Import `module`, undoing what its import does to the root logger's level and handlers.
-
-    vLLM's app imports SageMaker's model_hosting_container_standards, whose import sets the root
-    logger (and its handlers) to ERROR: every INFO record of the engine server would vanish."""
-    root = logging.getLogger()
-    level, handler_levels = root.level, [(h, h.level) for h in root.handlers]
-    try:
-        __import__(module)
-    except ImportError:
-        return
-    finally:
-        root.setLevel(level)
-        for handler, handler_level in handler_levels:
-            handler.setLevel(handler_level)
-
-
-def _cli_value(value: Any) -> str:
-    if isinstance(value, (dict, list, tuple)):
-        return json.dumps(value)
-    return str(value)
-
-
-def engine_args_to_cli(engine_args: dict[str, Any], parser: Any, field: str = "engine_args") -> list[str]:
-    """Translate the engine_args mapping into `vllm serve` flags, checking each key exists.
-
-    Raises ConfigError naming `<field>.<key>` for an unknown key or one the engine server owns."""
-    import argparse
-
-    argv: list[str] = []
-    for key, value in engine_args.items():
-        if key in MOTOR_KEYS or value is None:
-            continue
-        if key in OWNED_ARGS:
-            raise ConfigError(f"{field}.{key}: set by the engine server's command line ({OWNED_ARGS[key]}); remove it")
-        flag = "--" + key.replace("_", "-")
-        action = parser._option_string_actions.get(flag)
-        if action is None:
-            raise ConfigError(f"{field}.{key}: not a vLLM argument (no {flag} in `vllm serve --help=all`)")
-        if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction)):
-            if not isinstance(value, bool):
-                raise ConfigError(f"{field}.{key}: must be true or false (got {value!r})")
-            if isinstance(action, argparse.BooleanOptionalAction):
-                argv.append(flag if value else "--no-" + flag[2:])
-            elif value:
-                argv.append(flag)
-        elif isinstance(value, (list, tuple)) and action.nargs in ("+", "*"):
-            argv.append(flag)
-            argv.extend(_cli_value(item) for item in value)
-        else:
-            argv.extend([flag, _cli_value(value)])
-    return argv
-
-
-def check_motor_keys(engine_args: dict[str, Any], field: str) -> None:
-    utilization = engine_args.get(MOTOR_UTILIZATION)
-    if utilization is not None and (
-        isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 <= utilization <= 100
-    ):
-        raise ConfigError(f"{field}.{MOTOR_UTILIZATION}: must be a number from 0 to 100 (got {utilization!r})")
-    model = engine_args.get("model")
-    if not model or not isinstance(model, str):
-        raise ConfigError(f"{field}.model: required (a model folder or a model name vLLM can download)")
-    # A path that does not exist would reach the model hub and fail with an unrelated message.
-    if model.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(model)):
-        raise ConfigError(f"{field}.model: no such model folder {model!r}")
-
-
-def parse_engine_args(options: EngineOptions, field: str = "engine_args") -> Any:
-    """engine_args + the engine server's command line -> the Namespace `vllm serve` would parse.
-
-    Raises ConfigError naming `<field>.<key>` for anything vLLM's parser rejects."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    engine_args = dict(options.engine_args)
-    check_motor_keys(engine_args, field)
-    parser = make_arg_parser(FlexibleArgumentParser(prog="engine_server (vllm engine_args)"))
-    argv = engine_args_to_cli(engine_args, parser, field)
-    argv += ["--host", options.host, "--port", str(options.port)]
-    argv += _data_parallel_args(options, engine_args)
-
-    def error(message: str):
-        # argparse names the flag (`argument --max-model-len: invalid ...`): name the key instead.
-        match = re.search(r"argument (--[\w-]+)", message)
-        key = "." + match.group(1)[2:].replace("-", "_") if match else ""
-        raise ConfigError(f"{field}{key}: {message}")
-
-    parser.error = error  # type: ignore[method-assign]
-    args = parser.parse_args(argv)
-    try:
-        validate_parsed_serve_args(args)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise ConfigError(f"{field}: {exc}") from None
-    return args
-
-
-def create_vllm_config(args: Any, field: str = "engine_args") -> Any:
-    """vLLM's engine configuration (reads the model's config; checks dtype, lengths, ...)."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.usage.usage_lib import UsageContext
-
-    try:
-        return AsyncEngineArgs.from_cli_args(args).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-    except (ValueError, TypeError, OSError) as exc:
-        # Unknown model, unsupported dtype, max_model_len too long...: vLLM's message names it.
-        raise ConfigError(f"{field}: vLLM rejected the configuration: {exc}") from None
-
-
-def _data_parallel_args(options: EngineOptions, engine_args: dict[str, Any]) -> list[str]:
-    """One engine server per data-parallel rank (external load balancing): the rank and the
-    master's address come from the engine server's command line."""
-    size = engine_args.get("data_parallel_size") or 1
-    if int(size) <= 1:
-        return []
-    argv = []
-    if "data_parallel_rank" not in engine_args:
-        argv += ["--data-parallel-rank", str(options.dp_rank)]
-    if "data_parallel_address" not in engine_args and options.master_dp_ip:
-        argv += ["--data-parallel-address", options.master_dp_ip]
-    if "data_parallel_rpc_port" not in engine_args and options.dp_rpc_port:
-        argv += ["--data-parallel-rpc-port", str(options.dp_rpc_port)]
-    return argv
 
 
 class VllmEngine(EngineBackend):
@@ -203,6 +69,7 @@ class VllmEngine(EngineBackend):
     death notices, sleep/wake_up, shutdown; in_flight_requests only reads."""
 
     engine_type = "vllm"
+    slow_check_args = True
 
     def __init__(self, options: EngineOptions):
         super().__init__(options)
@@ -216,7 +83,8 @@ class VllmEngine(EngineBackend):
         self._vllm_loop: asyncio.AbstractEventLoop | None = None
         self._vllm_thread: threading.Thread | None = None
         self._main_loop: asyncio.AbstractEventLoop | None = None
-        self._pidfds: list[int] = []
+        self._exit_watches: list[ExitWatch] = []
+        self._admission = Admission()
         self._dead = asyncio.Event()
         self._dead_reason = ""
         self._stopping = False
@@ -263,6 +131,7 @@ class VllmEngine(EngineBackend):
         from engine_server.engines import vllm_engine_core, vllm_probe_filter
 
         os.environ.setdefault(vllm_engine_core.LOG_LEVEL_ENV, logging.getLevelName(logging.getLogger().level))
+        probe_token()  # in the environment before the engine core is spawned: it filters probes too
         self.args = parse_engine_args(self.options)
         # Fail now, not after spawning, when the installed vLLM lacks a patched method.
         vllm_probe_filter.install_api_server_patches()
@@ -356,7 +225,8 @@ class VllmEngine(EngineBackend):
         app = build_app(args, supported_tasks, self.async_llm.model_config)
         await init_app_state(self.async_llm, app.state, args, supported_tasks)
         config = uvicorn.Config(
-            app,
+            # In front of vLLM's app (whose middleware stack is already built).
+            RefuseWhileDraining(app, self._admission),
             host=args.host,
             port=args.port,
             # None: uvicorn's records propagate to the engine server's handlers.
@@ -416,24 +286,17 @@ class VllmEngine(EngineBackend):
         processes = self.engine_core_processes()
         if not processes:
             raise RuntimeError("vLLM started no engine-core process that the engine server can watch")
-        loop = asyncio.get_running_loop()
         for proc in processes:
-            # A pidfd becomes readable only when the process has really exited: no spurious
-            # wake-ups (vLLM #54184) and no polling.
-            pidfd = os.pidfd_open(proc.pid)
-            self._pidfds.append(pidfd)
-            loop.add_reader(pidfd, self._on_engine_core_exit, proc, pidfd)
+            # ExitWatch confirms a real exit (no false alarm from a spurious wake-up, vLLM
+            # #54184) and leaves the reaping to multiprocessing, which owns the child.
+            watch = ExitWatch(proc.pid, lambda _status, proc=proc: self._on_engine_core_exit(proc), started=create_time(proc.pid))
+            watch.start()
+            self._exit_watches.append(watch)
         logger.info("watching vLLM engine core: %s", ", ".join(f"{p.name} pid {p.pid}" for p in processes))
 
-    def _on_engine_core_exit(self, proc: Any, pidfd: int) -> None:
-        asyncio.get_running_loop().remove_reader(pidfd)
-        exitcode = None
-        try:
-            # vLLM's own monitor thread may reap it first; both read the same Popen.
-            exitcode = proc.exitcode
-        except Exception:  # pragma: no cover - reaping races only
-            pass
-        self._declare_dead(f"engine-core process {proc.name} (pid {proc.pid}) {describe_returncode(exitcode)}")
+    def _on_engine_core_exit(self, proc: Any) -> None:
+        # multiprocessing reaps it here (or vLLM's monitor thread did): the code or signal.
+        self._declare_dead(f"engine-core process {proc.name} (pid {proc.pid}) {describe_returncode(proc.exitcode)}")
 
     def _on_output_handler_done(self, task: asyncio.Task) -> None:
         if task.cancelled():
@@ -477,11 +340,9 @@ class VllmEngine(EngineBackend):
     async def shutdown(self) -> None:
         """Stop serving HTTP, then stop the engine core (vLLM terminates its processes)."""
         self._stopping = True
-        loop = asyncio.get_running_loop()
-        for pidfd in self._pidfds:
-            loop.remove_reader(pidfd)
-            os.close(pidfd)
-        self._pidfds.clear()
+        for watch in self._exit_watches:
+            watch.close()
+        self._exit_watches.clear()
         if self._load_future is not None and not self._load_future.done():
             # Still loading: let it finish so that its engine core can be stopped too.
             await asyncio.wait([self._load_future])
@@ -492,7 +353,10 @@ class VllmEngine(EngineBackend):
                 logger.warning("vLLM's HTTP server did not stop cleanly", exc_info=True)
         if self.async_llm is not None:
             started = time.monotonic()
-            await asyncio.to_thread(self.async_llm.shutdown)
+            # As `vllm serve` does: the engine core gets vLLM's shutdown_timeout (default 0: the
+            # drain already happened), then is killed. Without it vLLM waits 5 s for a teardown
+            # that takes 4-5 s on CPU, and the whole stop overran the node manager's deadline.
+            await asyncio.to_thread(self.async_llm.shutdown, self._engine_shutdown_timeout())
             self.async_llm = None
             logger.info("vLLM engine stopped in %.1f s", time.monotonic() - started)
         if self._vllm_loop is not None and self._vllm_thread is not None:
@@ -501,7 +365,22 @@ class VllmEngine(EngineBackend):
         if self._sock is not None:
             self._sock.close()
 
+    def _engine_shutdown_timeout(self) -> float:
+        """vLLM's `shutdown_timeout` (engine_args; default 0, as under `vllm serve`)."""
+        if self.vllm_config is not None:
+            return float(self.vllm_config.shutdown_timeout or 0)
+        return float(self.options.engine_args.get("shutdown_timeout") or 0)
+
+    @property
+    def shutdown_grace(self) -> float:  # type: ignore[override]
+        """The HTTP server's close, vLLM's shutdown_timeout, then the engine core's teardown."""
+        return HTTP_SHUTDOWN_TIMEOUT_S + self._engine_shutdown_timeout() + ENGINE_STOP_MARGIN_S
+
     # -- runtime -----------------------------------------------------------------------------
+
+    def stop_admitting(self) -> None:
+        """From the start of a drain: new inference requests get 503 + Retry-After (vllm_admission)."""
+        self._admission.close()
 
     def in_flight_requests(self) -> int:
         """Requests vLLM is working on (queued, prefilling, decoding), probes excluded."""
@@ -510,7 +389,7 @@ class VllmEngine(EngineBackend):
             return 0
         # list() copies under the GIL: the vLLM loop thread may be changing the dict.
         states = list(processor.request_states.values())
-        return sum(1 for state in states if not _PROBE_ID.search(state.external_req_id))
+        return sum(1 for state in states if not is_probe_request_id(state.external_req_id))
 
     @property
     def can_sleep(self) -> bool:  # type: ignore[override]
@@ -538,13 +417,13 @@ class VllmEngine(EngineBackend):
         await self._on_vllm_loop(self.async_llm.wake_up())
 
     def utilization_sampler(self) -> UtilizationSampler | None:
-        from engine_server.engines.vllm_utilization import FixedUtilizationSampler, ProcessCpuSampler
+        from engine_server.engines.vllm_utilization import EngineProgressSampler, FixedUtilizationSampler
 
         fixed = self.options.engine_args.get(MOTOR_UTILIZATION)
         if fixed is not None:
             return FixedUtilizationSampler(float(fixed))
         if self._is_cpu_build():
-            return ProcessCpuSampler(lambda: [p.pid for p in self.engine_core_processes()])
+            return EngineProgressSampler()
         return None  # a GPU/NPU build: the machine's sampler (NVML, npu-smi)
 
     def _is_cpu_build(self) -> bool:

@@ -1,7 +1,8 @@
 """Keep virtual-inference probes out of every `vllm:*` metric.
 
-The engine server probes the engine with real completions (`X-Request-Id: {ts}_virtual`); an
-operator's dashboards must not see them. vLLM counts requests in three places, all patched here:
+The engine server probes the engine with real completions (`X-Request-Id: {ts}-{token}_virtual`,
+the token a secret of this engine server: engines.base.is_probe_request_id); an operator's
+dashboards must not see them, and a client cannot hide its own requests by picking such an id. vLLM counts requests in three places, all patched here:
 
 API-server process (this process), `vllm.v1.engine.output_processor.OutputProcessor`:
   - `_update_stats_from_output`: per-iteration counters (prompt and generation tokens, prompt
@@ -10,6 +11,8 @@ API-server process (this process), `vllm.v1.engine.output_processor.OutputProces
     decode / inference time, request prompt/generation tokens, max_tokens and n params).
   For a probe both get a throw-away `IterationStats`, so the probe's own bookkeeping (its
   RequestStateStats, LoRA tracking) runs exactly as before while nothing reaches the shared one.
+  The first also counts the tokens of client requests: the engine core's progress, which is the
+  CPU build's utilization figure (vllm_utilization).
   `StatLoggerManager.record` then drops an iteration's stats when only probes produced output in
   it, so `vllm:iteration_tokens_total` gets no empty observation from a probe-only step.
 
@@ -30,14 +33,13 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import re
 from typing import Any, Callable
 
-from engine_server.engines.base import VIRTUAL_REQUEST_ID_PATTERN
+from engine_server.engines.base import is_probe_request_id
+from engine_server.engines.vllm_utilization import PROGRESS
 
 logger = logging.getLogger(__name__)
 
-_EXTERNAL_ID = re.compile(VIRTUAL_REQUEST_ID_PATTERN)
 # Marks set on the shared IterationStats of one output batch.
 _REAL_SEEN = "_motor_real_output_seen"
 _PROBE_SEEN = "_motor_probe_output_seen"
@@ -49,8 +51,8 @@ class VllmPatchError(RuntimeError):
 
 
 def is_probe_external_id(external_req_id: str | None) -> bool:
-    """True for the external request id of a probe (`cmpl-{ts}_virtual-0`, `{ts}_virtual`)."""
-    return bool(external_req_id) and _EXTERNAL_ID.search(external_req_id) is not None
+    """True for the external request id of one of our probes (`cmpl-{probe id}-0`, `{probe id}`)."""
+    return is_probe_request_id(external_req_id)
 
 
 def is_probe_internal_id(request_id: str | None) -> bool:
@@ -105,8 +107,11 @@ def install_api_server_patches() -> None:
 
     @functools.wraps(update_from_output)
     def _update_stats_from_output(self, req_state, engine_core_output, engine_core_timestamp, iteration_stats):
+        probe = is_probe_external_id(req_state.external_req_id)
+        if not probe:
+            PROGRESS.add(len(engine_core_output.new_token_ids or ()) or 1)
         if iteration_stats is not None:
-            if is_probe_external_id(req_state.external_req_id):
+            if probe:
                 setattr(iteration_stats, _PROBE_SEEN, True)
                 iteration_stats = IterationStats()
             else:
@@ -134,7 +139,7 @@ def install_api_server_patches() -> None:
     OutputProcessor._update_stats_from_output = _mark(_update_stats_from_output)
     OutputProcessor._update_stats_from_finished = _mark(_update_stats_from_finished)
     StatLoggerManager.record = _mark(_record)
-    logger.info("vLLM probe filter installed in the API server (requests matching %s)", VIRTUAL_REQUEST_ID_PATTERN)
+    logger.info("vLLM probe filter installed in the API server (this engine server's probe ids only)")
 
 
 def install_engine_core_patches() -> None:

@@ -1,22 +1,34 @@
 """Utilization samplers for the vLLM backend when there is no GPU/NPU to ask.
 
-On the CPU build the "accelerator" is the CPU the engine core computes on, so the figure is the
-CPU usage of the engine-core process tree (its workers included) as a percentage of the CPUs
-this process may run on. A fixed figure (engine_args `motor_utilization`) overrides it: for
-tests, and for operators who want probe failures always counted (0) or never (100).
+On the CPU build the figure is the engine core's progress, not CPU time (a stopped engine core
+next to a live worker or API server could still show some CPU use, and a busier neighbour
+would then keep failed probes from counting, hiding the hang): 100 % when the engine core
+produced tokens for client requests since the previous reading, 0 % otherwise. Probes' tokens
+do not count, so an idle engine reads 0 % (failed probes count) and a hung one reads 0 % even
+with requests waiting; only an engine that is really serving reads as busy.
+
+A fixed figure (engine_args `motor_utilization`) overrides it: for tests, and for operators who
+want probe failures always counted (0) or never (100).
 """
 
 from __future__ import annotations
 
-import logging
-import os
-from typing import Callable, Iterable
-
-import psutil
-
 from engine_server.engines.base import UtilizationSampler
 
-logger = logging.getLogger(__name__)
+
+class EngineProgress:
+    """Tokens the engine core produced for client requests (probes excluded), counted by the
+    probe filter's patch of vLLM's output processor in the API-server process."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens  # only from vLLM's loop thread; readers only read
+
+
+# The API server of this process (one engine per engine server).
+PROGRESS = EngineProgress()
 
 
 class FixedUtilizationSampler(UtilizationSampler):
@@ -31,41 +43,19 @@ class FixedUtilizationSampler(UtilizationSampler):
         return self.percent
 
 
-class ProcessCpuSampler(UtilizationSampler):
-    """CPU usage of a set of processes and their children since the previous reading.
+class EngineProgressSampler(UtilizationSampler):
+    """100 when `progress` counted tokens since the previous reading, else 0."""
 
-    `pids` is called at each reading, so processes that appear later (the engine core starts
-    after the sampler is created) are picked up; before any exists the reading is 0."""
+    name = "engine-progress"
 
-    name = "cpu"
-
-    def __init__(self, pids: Callable[[], Iterable[int]], cpu_count: int | None = None):
-        self._pids = pids
-        self._cpu_count = cpu_count or len(os.sched_getaffinity(0)) or 1
-        self._processes: dict[int, psutil.Process] = {}
-
-    def _tree(self) -> list[psutil.Process]:
-        found: dict[int, psutil.Process] = {}
-        for pid in self._pids():
-            try:
-                root = self._processes.get(pid) or psutil.Process(pid)
-                found[pid] = root
-                for child in root.children(recursive=True):
-                    found[child.pid] = self._processes.get(child.pid) or child
-            except psutil.Error:
-                continue
-        self._processes = found
-        return list(found.values())
+    def __init__(self, progress: EngineProgress = PROGRESS):
+        self.progress = progress
+        self._last = progress.tokens
 
     def read(self) -> float:
-        total = 0.0
-        for process in self._tree():
-            try:
-                # First call per process returns 0 and starts its measurement window.
-                total += process.cpu_percent(interval=None)
-            except psutil.Error:
-                continue
-        return max(0.0, min(100.0, total / self._cpu_count))
+        now = self.progress.tokens
+        moved, self._last = now != self._last, now
+        return 100.0 if moved else 0.0
 
     async def sample(self) -> float:
         return self.read()

@@ -216,6 +216,7 @@ class EngineStatus(_message.Message):
     PROBE_INTERVAL_FIELD_NUMBER: _builtins.int
     LAST_PROBE_FIELD_NUMBER: _builtins.int
     IN_FLIGHT_REQUESTS_FIELD_NUMBER: _builtins.int
+    STOP_GRACE_FIELD_NUMBER: _builtins.int
     status: Global___HealthStatus.ValueType
     """INIT, NORMAL or ABNORMAL."""
     reason: _builtins.str
@@ -246,6 +247,12 @@ class EngineStatus(_message.Message):
     def last_probe(self) -> Global___ProbeResult:
         """The most recent probe, if any."""
 
+    @_builtins.property
+    def stop_grace(self) -> _duration_pb2.Duration:
+        """How long a SIGTERM may take to end the engine server: its drain_timeout plus the engine's
+        shutdown. A node manager waits at least this long between SIGTERM and SIGKILL.
+        """
+
     def __init__(
         self,
         *,
@@ -262,10 +269,11 @@ class EngineStatus(_message.Message):
         probe_interval: _duration_pb2.Duration | None = ...,
         last_probe: Global___ProbeResult | None = ...,
         in_flight_requests: _builtins.int = ...,
+        stop_grace: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["last_probe", b"last_probe", "probe_interval", b"probe_interval"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_probe", b"last_probe", "probe_interval", b"probe_interval", "stop_grace", b"stop_grace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consecutive_failures", b"consecutive_failures", "dp_rank", b"dp_rank", "draining", b"draining", "engine_type", b"engine_type", "in_flight_requests", b"in_flight_requests", "instance_id", b"instance_id", "last_probe", b"last_probe", "probe_interval", b"probe_interval", "probing", b"probing", "reason", b"reason", "role", b"role", "sleeping", b"sleeping", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consecutive_failures", b"consecutive_failures", "dp_rank", b"dp_rank", "draining", b"draining", "engine_type", b"engine_type", "in_flight_requests", b"in_flight_requests", "instance_id", b"instance_id", "last_probe", b"last_probe", "probe_interval", b"probe_interval", "probing", b"probing", "reason", b"reason", "role", b"role", "sleeping", b"sleeping", "status", b"status", "stop_grace", b"stop_grace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

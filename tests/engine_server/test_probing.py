@@ -10,7 +10,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from motor.user_config import HealthCheckConfig
-from engine_server.engines.base import VIRTUAL_REQUEST_ID_PATTERN, UtilizationSampler
+from engine_server.engines.base import UtilizationSampler, is_probe_request_id, probe_token
 from engine_server.metrics import EngineServerMetrics
 from engine_server.probing import HttpProbeClient, PeakSampler, ProbeFailed, Prober, probe_request
 from engine_server.status import Event, Health, HealthStateMachine
@@ -184,8 +184,10 @@ async def test_metrics_follow_the_probes():
 def test_probe_request_shape():
     body, headers = probe_request("prefill", now=1700000000.5)
     assert body == {"prompt": "1", "max_tokens": 1}
-    assert headers == {"X-Request-Id": "1700000000500_virtual"}
-    assert re.search(VIRTUAL_REQUEST_ID_PATTERN, f"cmpl-{headers['X-Request-Id']}-0")
+    assert headers == {"X-Request-Id": f"1700000000500-{probe_token()}_virtual"}
+    assert is_probe_request_id(f"cmpl-{headers['X-Request-Id']}-0")
+    # A client's id is never taken for a probe, whatever it ends with.
+    assert not is_probe_request_id("1700000000500_virtual") and not is_probe_request_id("cmpl-order_virtual-0")
     decode, _ = probe_request("decode")
     assert decode["kv_transfer_params"]["do_virtual"] is True
     assert decode["kv_transfer_params"]["do_remote_prefill"] is False
@@ -216,7 +218,7 @@ async def test_http_probe_client_sends_the_probe_and_checks_the_answer(role):
     try:
         await client.probe()
         request_id, body = seen[0]
-        assert re.fullmatch(r"\d+_virtual", request_id)
+        assert re.fullmatch(rf"\d+-{probe_token()}_virtual", request_id)
         assert body["prompt"] == "1" and body["max_tokens"] == 1
         assert ("kv_transfer_params" in body) == (role == "decode")
         answer.update(status=500, body={"error": "boom"})

@@ -10,6 +10,7 @@ import pytest
 from engine_server.engines.base import EngineOptions
 from engine_server.engines import sim as sim_module
 from engine_server.engines.sim import SimEngine
+from engine_server.probing import probe_request
 from motor.ports import free_port
 
 
@@ -112,7 +113,7 @@ async def test_in_flight_requests_exclude_probes(sim, monkeypatch):
 
     monkeypatch.setattr(sim_module, "deterministic_text", recording_text)
     status, _ = await post(session, "/v1/completions", {"prompt": "probe", "max_tokens": 1},
-                           headers={"X-Request-Id": "1_virtual"})  # fmt: skip
+                           headers=probe_request("prefill")[1])  # fmt: skip
     assert status == 200 and seen == {"probe": 0}
     status, _ = await post(session, "/v1/completions", {"prompt": "real", "max_tokens": 1})
     assert status == 200 and seen == {"probe": 0, "real": 1}

@@ -114,6 +114,7 @@ class VllmServer:
         self.config_path = tmp_path / f"user_config_{self.port}.json"
         self.config_path.write_text(json.dumps(config))
         self.log_path = tmp_path / f"engine_server_{self.port}.out"
+        self.termination_path = tmp_path / f"termination_{self.port}"
         self._log = open(self.log_path, "wb")
         self.started = time.monotonic()
         self.process = subprocess.Popen(
@@ -121,7 +122,7 @@ class VllmServer:
                 ENGINE_SERVER, "--dp-rank", "0", "--instance-id", f"{role}-0", "--role", role,
                 "--host", "127.0.0.1", "--port", str(self.port), "--mgmt-port", str(self.mgmt_port),
                 "--master-dp-ip", "127.0.0.1", "--config-path", str(self.config_path),
-                "--log-dir", str(tmp_path / "logs"),
+                "--log-dir", str(tmp_path / "logs"), "--termination-message-path", str(self.termination_path),
             ],  # fmt: skip
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -184,6 +185,11 @@ class VllmServer:
             except (psutil.Error, ProcessLookupError):
                 continue
         raise AssertionError("no engine-core process under the engine server")
+
+    def termination_message(self):
+        from motor.termination import read_termination_message
+
+        return read_termination_message(str(self.termination_path))
 
     def http(self, path: str, body: dict | None = None, headers: dict | None = None, timeout: float = 30) -> Any:
         data = json.dumps(body).encode() if body is not None else None

@@ -1,53 +1,45 @@
 """The vLLM backend's parts that run without starting vLLM: argument checks (they import vLLM's
-parser and read the tiny model's config), probe-id matching, the patch guard, the CPU sampler."""
+parser and read the tiny model's config), probe-id matching, the patch guard, the CPU build's
+progress sampler."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
-import time
 
-import psutil
 import pytest
 
+from engine_server.engines.base import probe_request_id
 from engine_server.engines.vllm_probe_filter import (
     VllmPatchError,
     _check,
     is_probe_external_id,
     is_probe_internal_id,
 )
-from engine_server.engines.vllm_utilization import ProcessCpuSampler
+from engine_server.engines.vllm_utilization import EngineProgress, EngineProgressSampler
 from motor.errors import ConfigError
-from tests.support import wait_for
+from motor.termination import read_termination_message
 from tests.vllm.conftest import ENGINE_SERVER, LEAN_CPU_ARGS, vllm_config
 
 FIELD = "motor_engine_prefill_config.engine_args"
 
 
-@pytest.mark.parametrize(
-    "request_id, probe",
-    [
-        ("cmpl-1795313754871_virtual-0", True),  # completion, prompt index 0
-        ("cmpl-1795313754871_virtual-12", True),
-        ("chatcmpl-1795313754871_virtual", True),
-        ("1795313754871_virtual", True),
-        ("cmpl-order_virtual_goods-0", False),  # "_virtual" inside a real id
-        ("cmpl-virtual-0", False),
-        ("cmpl-1795313754871_virtualx-0", False),
-        ("", False),
-        (None, False),
-    ],
-)
-def test_probe_external_ids(request_id, probe):
-    assert is_probe_external_id(request_id) is probe
-
-
-def test_probe_internal_ids_carry_a_random_suffix():
-    assert is_probe_internal_id("cmpl-1795313754871_virtual-0-1a2b3c4d")  # completion
-    assert is_probe_internal_id("chatcmpl-1795313754871_virtual-1a2b3c4d")  # chat: no prompt index
-    assert not is_probe_internal_id("cmpl-1795313754871_virtual")  # the suffix is missing: not internal
-    assert not is_probe_internal_id("cmpl-abc-0-1a2b3c4d")
+def test_only_this_engine_servers_probe_ids_are_probes():
+    probe = probe_request_id(1795313754871)  # what the prober sends
+    assert is_probe_external_id(probe)
+    assert is_probe_external_id(f"cmpl-{probe}-0")  # vLLM: completion, prompt index 0
+    assert is_probe_external_id(f"cmpl-{probe}-12")
+    assert is_probe_external_id(f"chatcmpl-{probe}")
+    assert is_probe_internal_id(f"cmpl-{probe}-0-1a2b3c4d")  # engine core: plus a random suffix
+    assert is_probe_internal_id(f"chatcmpl-{probe}-1a2b3c4d")
+    assert not is_probe_internal_id(f"cmpl-{probe}")  # the suffix is missing: not internal
+    # Ids a client may choose: counted, however much they look like a probe's.
+    for client_id in (
+        "1795313754871_virtual", "cmpl-1795313754871_virtual-0", "order_virtual", "cmpl-order_virtual-0",
+        "1795313754871-0123456789abcdef_virtual", probe.replace("_virtual", "_virtualx"), "", None,
+    ):  # fmt: skip
+        assert not is_probe_external_id(client_id), client_id
+    assert not is_probe_internal_id("cmpl-1795313754871_virtual-0-1a2b3c4d")
 
 
 def test_a_missing_or_changed_vllm_method_fails_loudly():
@@ -61,26 +53,13 @@ def test_a_missing_or_changed_vllm_method_fails_loudly():
         _check(Drifted, "_update_stats_from_finished", ["self", "req_state", "finish_reason", "iteration_stats"])
 
 
-def test_cpu_sampler_reads_a_busy_process_tree_and_an_idle_one():
-    # The busy loop runs in a grandchild: the sampler follows children, as with vLLM's workers.
-    busy = subprocess.Popen(["sh", "-c", f"{sys.executable} -c 'while True: pass' & wait"])
-    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        wait_for(lambda: psutil.Process(busy.pid).children(), timeout=10, what="the busy grandchild")
-        busy_sampler, idle_sampler = ProcessCpuSampler(lambda: [busy.pid]), ProcessCpuSampler(lambda: [idle.pid])
-        assert ProcessCpuSampler(lambda: []).read() == 0.0  # before the engine core exists
-        busy_sampler.read(), idle_sampler.read()  # start the measurement windows
-        time.sleep(1.0)
-        # One spinning process is 1/ncpu of the machine; generous bounds (other tests share the CPUs).
-        assert busy_sampler.read() > 10.0
-        assert idle_sampler.read() < 5.0
-    finally:
-        for child in psutil.Process(busy.pid).children(recursive=True):
-            child.kill()
-        busy.kill()
-        idle.kill()
-        busy.wait()
-        idle.wait()
+def test_progress_sampler_reads_busy_only_when_tokens_were_produced_since_the_last_reading():
+    progress = EngineProgress()
+    sampler = EngineProgressSampler(progress)
+    assert sampler.read() == 0.0  # idle (or hung): nothing produced
+    progress.add(3)
+    assert sampler.read() == 100.0
+    assert sampler.read() == 0.0  # nothing since the previous reading
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +112,7 @@ def test_engine_server_exits_2_naming_the_bad_engine_arg(tiny_model, vllm_env, t
             ENGINE_SERVER, "--dp-rank", "0", "--instance-id", "prefill-0", "--role", "prefill",
             "--host", "127.0.0.1", "--port", "18999", "--mgmt-port", "18998", "--master-dp-ip", "127.0.0.1",
             "--config-path", str(config_path), "--log-dir", str(tmp_path / "logs"),
+            "--termination-message-path", str(tmp_path / "termination"),
         ],  # fmt: skip
         capture_output=True,
         text=True,
@@ -141,3 +121,5 @@ def test_engine_server_exits_2_naming_the_bad_engine_arg(tiny_model, vllm_env, t
     )
     assert process.returncode == 2, process.stderr[-2000:]
     assert f"{FIELD}.max_model_len" in process.stderr
+    message = read_termination_message(str(tmp_path / "termination"))
+    assert message.cause == "config_error" and message.message.startswith(f"{FIELD}.max_model_len"), message
