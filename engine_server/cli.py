@@ -174,7 +174,7 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
     except Exception as exc:
         logger.error("the %s engine failed to start: %s", section.engine_type, exc, exc_info=not isinstance(exc, RuntimeError))
         await core.close(engine_timeout=DEATH_ENGINE_SHUTDOWN_TIMEOUT)
-        await end_descendants(grace=0)
+        await end_descendants(grace=0, groups=engine.process_groups())
         await grpc_server.stop(0)
         return Exit(EXIT_FAILED, START_FAILED, f"the {section.engine_type} engine failed to start: {exc}")
     stopping = asyncio.ensure_future(stop.wait())
@@ -185,13 +185,13 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
         stopping.cancel()
         # Watchers have the ABNORMAL message queued; closing ends their streams after it.
         await core.close(engine_timeout=DEATH_ENGINE_SHUTDOWN_TIMEOUT)
-        await end_descendants(grace=0)  # the engine is dead: what is left of it goes now
+        await end_descendants(grace=0, groups=engine.process_groups())  # the engine is dead: what is left of it goes now
         await grpc_server.stop(0.2)
         return Exit(EXIT_FAILED, ENGINE_DIED, f"the engine died: {core.death_reason}")
     dying.cancel()
     logger.info("SIGTERM: draining (up to %gs), then shutting down", section.drain_timeout)
     drained, left = await core.shutdown()
-    await end_descendants(grace=CLEAN_EXIT_GRACE_S)
+    await end_descendants(grace=CLEAN_EXIT_GRACE_S, groups=engine.process_groups())
     await grpc_server.stop(1.0)
     logger.info("shut down cleanly")
     how = "drained" if drained else f"drain_timeout ({section.drain_timeout:g}s) passed with {left} requests in flight"

@@ -145,6 +145,11 @@ class EngineBackend(abc.ABC):
         """A drain starts (SIGTERM or the Drain RPC): from now on answer new inference requests
         503 with Retry-After, and let those in flight finish. Default: keep admitting."""
 
+    def process_groups(self) -> list[int]:
+        """Process groups the engine made for its processes (vLLM: its engine core's), searched
+        at exit for anything left: a child re-parented to init is no descendant any more."""
+        return []
+
     def in_flight_requests(self) -> int:
         """Requests in flight on the inference plane, probes excluded (used by Drain)."""
         return 0

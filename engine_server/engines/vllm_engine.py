@@ -84,6 +84,7 @@ class VllmEngine(EngineBackend):
         self._vllm_thread: threading.Thread | None = None
         self._main_loop: asyncio.AbstractEventLoop | None = None
         self._exit_watches: list[ExitWatch] = []
+        self._core_pids: list[int] = []  # each leads its own process group (vllm_engine_core)
         self._admission = Admission()
         self._dead = asyncio.Event()
         self._dead_reason = ""
@@ -286,6 +287,7 @@ class VllmEngine(EngineBackend):
         processes = self.engine_core_processes()
         if not processes:
             raise RuntimeError("vLLM started no engine-core process that the engine server can watch")
+        self._core_pids = [proc.pid for proc in processes]
         for proc in processes:
             # ExitWatch confirms a real exit (no false alarm from a spurious wake-up, vLLM
             # #54184) and leaves the reaping to multiprocessing, which owns the child.
@@ -377,6 +379,9 @@ class VllmEngine(EngineBackend):
         return HTTP_SHUTDOWN_TIMEOUT_S + self._engine_shutdown_timeout() + ENGINE_STOP_MARGIN_S
 
     # -- runtime -----------------------------------------------------------------------------
+
+    def process_groups(self) -> list[int]:
+        return list(self._core_pids)
 
     def stop_admitting(self) -> None:
         """From the start of a drain: new inference requests get 503 + Retry-After (vllm_admission)."""
