@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Coroutine
 
+from motor import pbtime
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.instances import InstanceRecord
@@ -61,7 +62,15 @@ class Actuator:
 
     async def stop(self, node: C.NodeInfo, engine_id: str, generation: int) -> None:
         """StopEngine of copies up to `generation`; raises NodeCallError."""
-        await self.client.stop_engine(node, engine_id, generation, self.stop_deadline)
+        await self.client.stop_engine(node, engine_id, generation, self.deadline_for(node.node_id, engine_id))
+
+    def deadline_for(self, node_id: str, engine_id: str) -> float:
+        """--stop-deadline, or longer when the engine said its stop takes longer (its
+        drain_timeout plus its shutdown: a shorter deadline would end every stop in SIGKILL)."""
+        runtime = self.nodes.get(node_id)
+        engine = runtime.engines.get(engine_id) if runtime is not None else None
+        grace = pbtime.seconds(engine.stop_grace) if engine is not None and engine.HasField("stop_grace") else 0.0
+        return max(self.stop_deadline, grace)
 
     def stop_copy(self, node_id: str, engine_id: str, generation: int, why: str, fence: bool = False) -> None:
         """Stop one copy of an engine in the background (idempotent on the node side)."""

@@ -23,14 +23,13 @@ from typing import Any, Awaitable, Callable, Iterable
 
 from google.protobuf import json_format
 
-from motor import names
-from motor import node_process
+from motor import names, node_process, pbtime
 from motor.errors import InvalidArgument, NotFound
 from motor.exits import describe_exit
 from motor.tasks import TaskSet
 from motor.v1 import controller_pb2, types_pb2
 
-from controller import views
+from controller import endpoints, views
 from controller.actuator import Actuator, engine_spec
 from controller.claims import NodeClaims
 from controller.config import ControllerConfig
@@ -81,6 +80,8 @@ class Controller:
         self.mono, self.wall = monotonic, wall
         self.events = EventBus()
         self.state = ClusterState(store, self.events, monotonic, wall)
+        self.endpoints = endpoints.EndpointFeed(self.state)
+        self.state.on_change = self.endpoints.changed
         self.metrics = ControllerMetrics(
             self.state.nodes.counts, lambda: collections.Counter(i.state for i in self.state.instances.values())
         )
@@ -267,6 +268,7 @@ class Controller:
     def _remove_instance(self, instance_id: str, why: str) -> None:
         st = self.state
         st.instances.pop(instance_id, None)
+        self.endpoints.refresh()  # routers hear of it before any of its engines is stopped
         self.store.delete_instance(instance_id)
         st.attention.discard(instance_id)
         for slot in st.slots_of(instance_id):
@@ -395,9 +397,15 @@ class Controller:
         slot.launched = True
         if slot.adopt_ports(engine.spec):  # ports the node manager allocated
             self.state.save_slot(slot)
+        if engine.HasField("stop_grace"):
+            slot.stop_grace = pbtime.seconds(engine.stop_grace)
+        if (slot.draining, slot.sleeping) != (engine.draining, engine.sleeping):
+            slot.draining, slot.sleeping = engine.draining, engine.sleeping
+            self.state.on_change()
         if slot.state == engine.state and slot.health == engine.health and slot.health_reason == engine.health_reason:
             return
         slot.state, slot.health, slot.health_reason = engine.state, engine.health, engine.health_reason
+        self.state.on_change()
         if engine.state in DEAD_ENGINE_STATES and slot.handled_failure_generation != generation:
             self.scheduler.engine_failed(slot, node.node_id, reason or engine.state_reason or self._exit_words(engine))
             return
@@ -465,7 +473,7 @@ class Controller:
         return [views.instance_proto(self.state, self.instances[k]) for k in sorted(self.instances)]
 
     def list_endpoints(self, role: int = T.ROLE_UNSPECIFIED) -> list[C.Endpoint]:
-        return views.endpoints(self.state, role)
+        return endpoints.endpoints(self.state, role)
 
     def snapshot(self) -> C.ClusterSnapshot:
         nodes, _ = self.list_nodes()

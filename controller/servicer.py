@@ -9,6 +9,7 @@ from motor import pbtime
 from motor.errors import InvalidArgument
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
+from controller import endpoints
 from controller.core import Controller
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,16 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
 
     async def ListEndpoints(self, request, context):
         return controller_pb2.ListEndpointsResponse(endpoints=self.controller.list_endpoints(request.role))
+
+    async def WatchEndpoints(self, request, context):
+        changes = self.controller.endpoints.subscribe()
+        try:
+            async for message in changes:
+                message = endpoints.of_role(message, request.role)
+                if message is not None:
+                    yield message
+        finally:
+            changes.close()
 
     async def WatchEvents(self, request, context):
         events = self.controller.events.subscribe()  # before the snapshot, so no event falls between the two

@@ -51,6 +51,9 @@ class EngineSlot:
     state: int = T.ENGINE_STATE_UNSPECIFIED
     health: int = T.HEALTH_STATUS_UNSPECIFIED
     health_reason: str = ""
+    draining: bool = False  # the engine admits no new requests (Drain or SIGTERM)
+    sleeping: bool = False
+    stop_grace: float = 0.0  # what the engine said a SIGTERM may take (Engine.stop_grace)
     handled_failure_generation: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -73,6 +76,8 @@ class EngineSlot:
         self.port = self.mgmt_port = self.kv_port = self.dp_rpc_port = 0
         self.launched = False
         self.state, self.health, self.health_reason = T.ENGINE_STATE_UNSPECIFIED, T.HEALTH_STATUS_UNSPECIFIED, ""
+        self.draining = self.sleeping = False
+        self.stop_grace = 0.0
 
 
 class SlotTable(Table[EngineSlot]):

@@ -31,9 +31,12 @@ class ClusterState:
         # From the deployment: the restart policy and the engine config every StartEngine carries.
         self.policy = Policy()
         self.config_json = "{}"
+        # Called after anything that may change which engines can serve (the endpoint feed).
+        self.on_change: Callable[[], None] = lambda: None
 
     def event(self, type_: int, message: str, node_id: str = "", instance_id: str = "", engine_id: str = "") -> None:
         self.events.emit(type_, message, node_id=node_id, instance_id=instance_id, engine_id=engine_id)
+        self.on_change()
 
     def save_instance(self, inst: InstanceRecord) -> None:
         self.store.save_instance(inst.instance_id, inst.to_dict())
@@ -62,6 +65,7 @@ class ClusterState:
     def unplace(self, slot: EngineSlot, moved: bool = True) -> None:
         self.slots.unplace(slot, moved)
         self.attention.add(slot.instance_id)
+        self.on_change()
 
     def evaluate_node(self, node_id: str) -> None:
         """Re-derive the state of every instance with a rank on the node (its state changed)."""

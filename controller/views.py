@@ -1,5 +1,5 @@
 """What the controller shows: nodes, instances and endpoints rendered as protobuf messages
-(ListNodes, ListInstances, ListEndpoints, WatchEvents' snapshot). Reads the state, changes nothing.
+(ListNodes, ListInstances, WatchEvents' snapshot; endpoints: endpoints.py). Reads the state, changes nothing.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from motor.v1 import controller_pb2, types_pb2
 
 from controller.claims import Conflict
 from controller.instances import RESTARTING, InstanceRecord
-from controller.nodes import NODE_READY, NodeRuntime
+from controller.nodes import NodeRuntime
 from controller.state import ClusterState
 
 C, T = controller_pb2, types_pb2
@@ -47,23 +47,6 @@ def instance_proto(state: ClusterState, inst: InstanceRecord) -> C.Instance:
     if inst.state == RESTARTING and inst.next_restart_at:
         proto.next_restart_time.CopyFrom(_stamp(inst.next_restart_at))
     return proto
-
-
-def endpoints(state: ClusterState, role: int) -> list[C.Endpoint]:
-    """NORMAL, RUNNING engines on READY nodes, of `role` (ROLE_UNSPECIFIED: every role)."""
-    out = []
-    for engine_id in sorted(state.slots):
-        s = state.slots[engine_id]
-        inst = state.instances.get(s.instance_id)
-        node = state.nodes.get(s.node_id)
-        if inst is None or node is None or node.state != NODE_READY or not s.port:
-            continue
-        if s.state != T.ENGINE_STATE_RUNNING or s.health != T.HEALTH_STATUS_NORMAL:
-            continue
-        if role != T.ROLE_UNSPECIFIED and inst.role != role:
-            continue
-        out.append(C.Endpoint(instance_id=s.instance_id, engine_id=s.engine_id, role=inst.role, url=f"http://{s.host}:{s.port}"))
-    return out
 
 
 def conflict_alarms(conflicts: list[Conflict]) -> list[str]:

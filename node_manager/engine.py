@@ -100,6 +100,10 @@ class EngineRecord:
     last_probe: types_pb2.ProbeResult | None = None
     recent_probes: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_PROBES))
     remembered: list[tuple[int, float]] = field(default_factory=list)  # descendants seen alive
+    # What the engine server last said of itself (GetStatus / its probe stream).
+    stop_grace: float = 0.0  # seconds a SIGTERM may take to end it: a stop waits at least this
+    draining: bool = False
+    sleeping: bool = False
     # Runtime only -------------------------------------------------------------------------
     watch: ExitWatcher | None = None  # notices the engine server's exit
     ending: Ending = Ending.NONE  # who is ending the engine, once something is
@@ -116,6 +120,20 @@ class EngineRecord:
     @property
     def active(self) -> bool:
         return self.state in ACTIVE_STATES
+
+    @property
+    def termination_path(self) -> str:
+        """Where the engine server writes its cause of exit (--termination-message-path)."""
+        return termination_path(self.log_path)
+
+    def observe_status(self, status: types_pb2.EngineStatus) -> bool:
+        """Take what a status says of the engine besides its health; True when draining or
+        sleeping changed (routers must hear of it: the engine stops serving or serves again)."""
+        if status.HasField("stop_grace"):
+            self.stop_grace = pbtime.seconds(status.stop_grace)
+        changed = (self.draining, self.sleeping) != (status.draining, status.sleeping)
+        self.draining, self.sleeping = status.draining, status.sleeping
+        return changed
 
     @property
     def tree(self) -> TreeId:
@@ -184,7 +202,11 @@ class EngineRecord:
             node_id=node_id,
             log_path=self.log_path,
             recent_probes=list(self.recent_probes),
+            draining=self.draining,
+            sleeping=self.sleeping,
         )
+        if self.stop_grace:
+            engine.stop_grace.CopyFrom(pbtime.duration(self.stop_grace))
         if self.exit_code is not None:
             engine.exit_code = self.exit_code
         if self.exit_signal is not None:
@@ -233,6 +255,11 @@ class EngineRecord:
             allocated_ports=list(data.get("allocated_ports", [])),
             remembered=[tuple(item) for item in data.get("remembered", [])],
         )
+
+
+def termination_path(log_path: str) -> str:
+    """The engine's termination-message file, beside its log."""
+    return os.path.splitext(log_path)[0] + ".termination"
 
 
 def engine_dir_name(instance_id: str, dp_rank: int) -> str:

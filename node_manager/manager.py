@@ -11,6 +11,7 @@ No gRPC server code here (the servicer in service.py is a thin translation layer
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import uuid
@@ -23,6 +24,7 @@ from motor.names import parse_engine_id
 from motor.ports import PortAllocator, port_is_free
 from motor.processes import ExitStatus, TreeId
 from motor.tasks import TaskSet
+from motor.termination import read_termination_message
 from motor.v1 import engine_pb2, types_pb2
 from node_manager import specs
 from node_manager.config import NodeManagerConfig
@@ -37,6 +39,7 @@ from node_manager.engine import (
     RecordStore,
     State,
     state_name,
+    termination_path,
 )
 from node_manager.engine_client import EngineClient, EngineClientFactory, GrpcEngineClient
 from node_manager.health import Verdict
@@ -213,7 +216,10 @@ class NodeManager:
             else:
                 spec.config_path = os.path.abspath(spec.config_path)
             log_path = specs.log_path(self.config, spec)
-            argv = specs.engine_argv(self.argv, spec)
+            message_path = termination_path(log_path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(message_path)  # a previous copy's: must not be taken for this one's
+            argv = specs.engine_argv(self.argv, spec, message_path)
             token = uuid.uuid4().hex
             try:
                 # Run in the engine's own directory: files it writes relative to its working
@@ -274,6 +280,12 @@ class NodeManager:
                         engine_id, record.generation, generation)
             return record
         deadline = self.config.stop_deadline if deadline is None else deadline
+        if record.stop_grace > deadline:
+            # The engine said how long its stop takes (drain_timeout + shutdown): a shorter
+            # deadline would cut its drain short and end every stop in SIGKILL.
+            logger.info("engine %s: stop deadline %gs raised to the engine's stop grace %gs",
+                        engine_id, deadline, record.stop_grace)
+            deadline = record.stop_grace
         self._begin_stop(record, deadline, why)
         await record.settled.wait()
         # Idempotent clean-up: nothing of an ended engine may be left running (found by its token:
@@ -352,6 +364,10 @@ class NodeManager:
             reason = "exited while the node manager was not running (exit code unknown)"
         else:
             reason = f"{status.describe()} without being asked to stop (while {was})"
+        # The engine server's own word on why comes first, the log tail last.
+        message = read_termination_message(record.termination_path)
+        if message is not None:
+            reason = f"{message.message}; {reason}"
         tail = record.log_tail(LOG_TAIL_LINES)
         if tail:
             reason += f"; log: {tail}"
@@ -399,6 +415,11 @@ class NodeManager:
             self._publish(record)
 
     def on_stream_message(self, record: EngineRecord, message: engine_pb2.WatchProbesResponse) -> None:
+        if record.observe_status(message.status) and record.state == RUNNING:
+            # Draining or sleeping: tell the controller now, not at the next heartbeat, so that
+            # routers stop sending to the engine at once.
+            self._publish(record)
+            self._spawn(self._report(record, "draining" if record.draining else "sleeping" if record.sleeping else "serving again"))
         if record.state == STARTING and message.status.status == types_pb2.HEALTH_STATUS_NORMAL:
             record.health, record.health_reason = message.status.status, message.status.reason
             record.transition(RUNNING, "engine server reported NORMAL", self._changed)

@@ -92,6 +92,8 @@ class EngineMonitor:
         # An answer on the probe stream counts as the engine having answered too.
         judge.ever_answered |= record.ever_answered or record.state == RUNNING
         verdict = judge.judge(status, error, self.clock.time() - record.started_at)
+        if status is not None:
+            record.observe_status(status)
         changed = (record.health, record.health_reason, record.consecutive_abnormal) != (
             verdict.health, verdict.reason, verdict.consecutive)
         record.health, record.health_reason = verdict.health, verdict.reason

@@ -80,8 +80,9 @@ def same_request(launched: types_pb2.EngineSpec, requested: types_pb2.EngineSpec
     return wanted == launched
 
 
-def engine_argv(base: list[str], spec: types_pb2.EngineSpec) -> list[str]:
-    """The engine server's command line: `base` (--engine-command) and the spec as flags."""
+def engine_argv(base: list[str], spec: types_pb2.EngineSpec, termination_path: str) -> list[str]:
+    """The engine server's command line: `base` (--engine-command) and the spec as flags; the
+    engine server writes its cause of exit to `termination_path` (motor.termination)."""
     argv = [
         *base,
         "--dp-rank", str(spec.dp_rank),
@@ -92,6 +93,7 @@ def engine_argv(base: list[str], spec: types_pb2.EngineSpec) -> list[str]:
         "--mgmt-port", str(spec.mgmt_port),
         "--master-dp-ip", spec.master_dp_ip,
         "--config-path", spec.config_path,
+        "--termination-message-path", termination_path,
     ]
     if spec.single_container:
         argv += ["--kv-port", str(spec.kv_port), "--dp-rpc-port", str(spec.dp_rpc_port)]

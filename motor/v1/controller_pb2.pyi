@@ -563,7 +563,7 @@ Global___Instance: _TypeAlias = Instance  # noqa: Y015
 
 @_typing.final
 class Endpoint(_message.Message):
-    """An inference endpoint of a NORMAL engine."""
+    """An inference endpoint of an engine that can serve."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1096,7 +1096,7 @@ class ListEndpointsResponse(_message.Message):
     ENDPOINTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___Endpoint]:
-        """Endpoints of NORMAL engines, ordered by engine id."""
+        """Endpoints of engines that can serve (see ListEndpoints), ordered by engine id."""
 
     def __init__(
         self,
@@ -1110,6 +1110,62 @@ class ListEndpointsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListEndpointsResponse: _TypeAlias = ListEndpointsResponse  # noqa: Y015
+
+@_typing.final
+class WatchEndpointsRequest(_message.Message):
+    """Request for ControllerService.WatchEndpoints."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    role: _types_pb2.Role.ValueType
+    """Only endpoints of this role; ROLE_UNSPECIFIED means every role."""
+    def __init__(
+        self,
+        *,
+        role: _types_pb2.Role.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchEndpointsRequest: _TypeAlias = WatchEndpointsRequest  # noqa: Y015
+
+@_typing.final
+class WatchEndpointsResponse(_message.Message):
+    """One message of the ControllerService.WatchEndpoints stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDED_FIELD_NUMBER: _builtins.int
+    REMOVED_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    snapshot: _builtins.bool
+    """True for the first message, which lists every endpoint."""
+    @_builtins.property
+    def added(self) -> _containers.RepeatedCompositeFieldContainer[Global___Endpoint]:
+        """Endpoints that can serve now (in the snapshot: all of them)."""
+
+    @_builtins.property
+    def removed(self) -> _containers.RepeatedCompositeFieldContainer[Global___Endpoint]:
+        """Endpoints that can no longer serve (failed, draining, sleeping, stopped, moved)."""
+
+    def __init__(
+        self,
+        *,
+        added: _abc.Iterable[Global___Endpoint] | None = ...,
+        removed: _abc.Iterable[Global___Endpoint] | None = ...,
+        snapshot: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["added", b"added", "removed", b"removed", "snapshot", b"snapshot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchEndpointsResponse: _TypeAlias = WatchEndpointsResponse  # noqa: Y015
 
 @_typing.final
 class WatchEventsRequest(_message.Message):

@@ -80,6 +80,11 @@ class ControllerServiceStub:
                 request_serializer=motor_dot_v1_dot_controller__pb2.ListEndpointsRequest.SerializeToString,
                 response_deserializer=motor_dot_v1_dot_controller__pb2.ListEndpointsResponse.FromString,
                 _registered_method=True)
+        self.WatchEndpoints = channel.unary_stream(
+                '/motor.v1.ControllerService/WatchEndpoints',
+                request_serializer=motor_dot_v1_dot_controller__pb2.WatchEndpointsRequest.SerializeToString,
+                response_deserializer=motor_dot_v1_dot_controller__pb2.WatchEndpointsResponse.FromString,
+                _registered_method=True)
         self.WatchEvents = channel.unary_stream(
                 '/motor.v1.ControllerService/WatchEvents',
                 request_serializer=motor_dot_v1_dot_controller__pb2.WatchEventsRequest.SerializeToString,
@@ -164,8 +169,18 @@ class ControllerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListEndpoints(self, request, context):
-        """Returns the inference endpoints of engines that are NORMAL, for request routers.
+        """Returns the inference endpoints of engines that can serve, for request routers: RUNNING,
+        NORMAL, neither draining nor sleeping, on a READY node, of a READY or DEGRADED instance.
         Read-only. Returns OK.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchEndpoints(self, request, context):
+        """Streams the same endpoints: first one message with every endpoint (snapshot true), then one
+        message per change with the endpoints added and removed, until cancelled. Returns OK or
+        CANCELLED at the end of the stream, RESOURCE_EXHAUSTED for a client that does not read.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -227,6 +242,11 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     servicer.ListEndpoints,
                     request_deserializer=motor_dot_v1_dot_controller__pb2.ListEndpointsRequest.FromString,
                     response_serializer=motor_dot_v1_dot_controller__pb2.ListEndpointsResponse.SerializeToString,
+            ),
+            'WatchEndpoints': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEndpoints,
+                    request_deserializer=motor_dot_v1_dot_controller__pb2.WatchEndpointsRequest.FromString,
+                    response_serializer=motor_dot_v1_dot_controller__pb2.WatchEndpointsResponse.SerializeToString,
             ),
             'WatchEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvents,
@@ -478,6 +498,33 @@ class ControllerService:
             '/motor.v1.ControllerService/ListEndpoints',
             motor_dot_v1_dot_controller__pb2.ListEndpointsRequest.SerializeToString,
             motor_dot_v1_dot_controller__pb2.ListEndpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEndpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/motor.v1.ControllerService/WatchEndpoints',
+            motor_dot_v1_dot_controller__pb2.WatchEndpointsRequest.SerializeToString,
+            motor_dot_v1_dot_controller__pb2.WatchEndpointsResponse.FromString,
             options,
             channel_credentials,
             insecure,

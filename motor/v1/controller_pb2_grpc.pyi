@@ -74,8 +74,14 @@ class ControllerServiceStub:
     last failure reason). Read-only. Returns OK.
     """
     ListEndpoints: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ListEndpointsRequest, _controller_pb2.ListEndpointsResponse]
-    """Returns the inference endpoints of engines that are NORMAL, for request routers.
+    """Returns the inference endpoints of engines that can serve, for request routers: RUNNING,
+    NORMAL, neither draining nor sleeping, on a READY node, of a READY or DEGRADED instance.
     Read-only. Returns OK.
+    """
+    WatchEndpoints: _grpc.UnaryStreamMultiCallable[_controller_pb2.WatchEndpointsRequest, _controller_pb2.WatchEndpointsResponse]
+    """Streams the same endpoints: first one message with every endpoint (snapshot true), then one
+    message per change with the endpoints added and removed, until cancelled. Returns OK or
+    CANCELLED at the end of the stream, RESOURCE_EXHAUSTED for a client that does not read.
     """
     WatchEvents: _grpc.UnaryStreamMultiCallable[_controller_pb2.WatchEventsRequest, _controller_pb2.WatchEventsResponse]
     """Streams a snapshot (nodes, instances, recent events) at once, then every event with its
@@ -129,8 +135,14 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     last failure reason). Read-only. Returns OK.
     """
     ListEndpoints: _aio.UnaryUnaryMultiCallable[_controller_pb2.ListEndpointsRequest, _controller_pb2.ListEndpointsResponse]  # type: ignore[assignment]
-    """Returns the inference endpoints of engines that are NORMAL, for request routers.
+    """Returns the inference endpoints of engines that can serve, for request routers: RUNNING,
+    NORMAL, neither draining nor sleeping, on a READY node, of a READY or DEGRADED instance.
     Read-only. Returns OK.
+    """
+    WatchEndpoints: _aio.UnaryStreamMultiCallable[_controller_pb2.WatchEndpointsRequest, _controller_pb2.WatchEndpointsResponse]  # type: ignore[assignment]
+    """Streams the same endpoints: first one message with every endpoint (snapshot true), then one
+    message per change with the endpoints added and removed, until cancelled. Returns OK or
+    CANCELLED at the end of the stream, RESOURCE_EXHAUSTED for a client that does not read.
     """
     WatchEvents: _aio.UnaryStreamMultiCallable[_controller_pb2.WatchEventsRequest, _controller_pb2.WatchEventsResponse]  # type: ignore[assignment]
     """Streams a snapshot (nodes, instances, recent events) at once, then every event with its
@@ -235,8 +247,20 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _controller_pb2.ListEndpointsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_controller_pb2.ListEndpointsResponse, _abc.Awaitable[_controller_pb2.ListEndpointsResponse]]:
-        """Returns the inference endpoints of engines that are NORMAL, for request routers.
+        """Returns the inference endpoints of engines that can serve, for request routers: RUNNING,
+        NORMAL, neither draining nor sleeping, on a READY node, of a READY or DEGRADED instance.
         Read-only. Returns OK.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchEndpoints(
+        self,
+        request: _controller_pb2.WatchEndpointsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_controller_pb2.WatchEndpointsResponse], _abc.AsyncIterator[_controller_pb2.WatchEndpointsResponse]]:
+        """Streams the same endpoints: first one message with every endpoint (snapshot true), then one
+        message per change with the endpoints added and removed, until cancelled. Returns OK or
+        CANCELLED at the end of the stream, RESOURCE_EXHAUSTED for a client that does not read.
         """
 
     @_abc_1.abstractmethod

@@ -85,7 +85,9 @@ class StopEngineRequest(_message.Message):
     """
     @_builtins.property
     def deadline(self) -> _duration_pb2.Duration:
-        """Time between SIGTERM and SIGKILL; unset means the node manager's default."""
+        """Time between SIGTERM and SIGKILL; unset means the node manager's default. Raised to the
+        engine's own stop_grace (its drain_timeout plus its shutdown) when that is longer.
+        """
 
     def __init__(
         self,

@@ -79,8 +79,8 @@ class NodeManagerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StopEngine(self, request, context):
-        """Stops an engine gracefully: SIGTERM, the deadline, then SIGKILL of its whole process
-        group; returns once no process of the group is left. Idempotent: stopping a stopped,
+        """Stops an engine gracefully: SIGTERM, the deadline (at least the engine's stop_grace), then
+        SIGKILL of its whole process group; returns once no process of the group is left. Idempotent: stopping a stopped,
         failed or already-gone engine succeeds. Returns OK, NOT_FOUND for an id never known.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -42,8 +42,8 @@ class NodeManagerServiceStub:
     different spec).
     """
     StopEngine: _grpc.UnaryUnaryMultiCallable[_node_manager_pb2.StopEngineRequest, _node_manager_pb2.StopEngineResponse]
-    """Stops an engine gracefully: SIGTERM, the deadline, then SIGKILL of its whole process
-    group; returns once no process of the group is left. Idempotent: stopping a stopped,
+    """Stops an engine gracefully: SIGTERM, the deadline (at least the engine's stop_grace), then
+    SIGKILL of its whole process group; returns once no process of the group is left. Idempotent: stopping a stopped,
     failed or already-gone engine succeeds. Returns OK, NOT_FOUND for an id never known.
     """
     GetEngine: _grpc.UnaryUnaryMultiCallable[_node_manager_pb2.GetEngineRequest, _node_manager_pb2.GetEngineResponse]
@@ -72,8 +72,8 @@ class NodeManagerServiceAsyncStub(NodeManagerServiceStub):
     different spec).
     """
     StopEngine: _aio.UnaryUnaryMultiCallable[_node_manager_pb2.StopEngineRequest, _node_manager_pb2.StopEngineResponse]  # type: ignore[assignment]
-    """Stops an engine gracefully: SIGTERM, the deadline, then SIGKILL of its whole process
-    group; returns once no process of the group is left. Idempotent: stopping a stopped,
+    """Stops an engine gracefully: SIGTERM, the deadline (at least the engine's stop_grace), then
+    SIGKILL of its whole process group; returns once no process of the group is left. Idempotent: stopping a stopped,
     failed or already-gone engine succeeds. Returns OK, NOT_FOUND for an id never known.
     """
     GetEngine: _aio.UnaryUnaryMultiCallable[_node_manager_pb2.GetEngineRequest, _node_manager_pb2.GetEngineResponse]  # type: ignore[assignment]
@@ -111,8 +111,8 @@ class NodeManagerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _node_manager_pb2.StopEngineRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_node_manager_pb2.StopEngineResponse, _abc.Awaitable[_node_manager_pb2.StopEngineResponse]]:
-        """Stops an engine gracefully: SIGTERM, the deadline, then SIGKILL of its whole process
-        group; returns once no process of the group is left. Idempotent: stopping a stopped,
+        """Stops an engine gracefully: SIGTERM, the deadline (at least the engine's stop_grace), then
+        SIGKILL of its whole process group; returns once no process of the group is left. Idempotent: stopping a stopped,
         failed or already-gone engine succeeds. Returns OK, NOT_FOUND for an id never known.
         """
 

@@ -379,6 +379,9 @@ class Engine(_message.Message):
     NODE_ID_FIELD_NUMBER: _builtins.int
     LOG_PATH_FIELD_NUMBER: _builtins.int
     RECENT_PROBES_FIELD_NUMBER: _builtins.int
+    STOP_GRACE_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    SLEEPING_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """Identifier "<instance_id>/rank<dp_rank>", e.g. "prefill-0/rank1"."""
     state: Global___EngineState.ValueType
@@ -401,6 +404,10 @@ class Engine(_message.Message):
     """Name of the node that runs the engine."""
     log_path: _builtins.str
     """Path of the engine's stdout/stderr log file on the node."""
+    draining: _builtins.bool
+    """True while the engine drains (Drain or SIGTERM): it admits no new inference requests."""
+    sleeping: _builtins.bool
+    """True while the engine sleeps (it answers inference requests 503)."""
     @_builtins.property
     def spec(self) -> Global___EngineSpec:
         """What was asked for, with allocated ports and host filled in."""
@@ -421,6 +428,12 @@ class Engine(_message.Message):
     def recent_probes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProbeResult]:
         """Recent probe results (newest last), at most a handful: evidence for a failure report."""
 
+    @_builtins.property
+    def stop_grace(self) -> _duration_pb2.Duration:
+        """How long a SIGTERM may take to end the engine server, as it last stated it
+        (EngineStatus.stop_grace); unset until it answered. A stop waits at least this long.
+        """
+
     def __init__(
         self,
         *,
@@ -440,10 +453,13 @@ class Engine(_message.Message):
         node_id: _builtins.str = ...,
         log_path: _builtins.str = ...,
         recent_probes: _abc.Iterable[Global___ProbeResult] | None = ...,
+        stop_grace: _duration_pb2.Duration | None = ...,
+        draining: _builtins.bool = ...,
+        sleeping: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "last_probe", b"last_probe", "spec", b"spec", "started_at", b"started_at", "state_changed_at", b"state_changed_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "last_probe", b"last_probe", "spec", b"spec", "started_at", b"started_at", "state_changed_at", b"state_changed_at", "stop_grace", b"stop_grace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "consecutive_abnormal", b"consecutive_abnormal", "engine_id", b"engine_id", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "health", b"health", "health_reason", b"health_reason", "last_probe", b"last_probe", "log_path", b"log_path", "node_id", b"node_id", "pid", b"pid", "recent_probes", b"recent_probes", "spec", b"spec", "started_at", b"started_at", "state", b"state", "state_changed_at", b"state_changed_at", "state_reason", b"state_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "consecutive_abnormal", b"consecutive_abnormal", "draining", b"draining", "engine_id", b"engine_id", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "health", b"health", "health_reason", b"health_reason", "last_probe", b"last_probe", "log_path", b"log_path", "node_id", b"node_id", "pid", b"pid", "recent_probes", b"recent_probes", "sleeping", b"sleeping", "spec", b"spec", "started_at", b"started_at", "state", b"state", "state_changed_at", b"state_changed_at", "state_reason", b"state_reason", "stop_grace", b"stop_grace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
     _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015

@@ -47,7 +47,7 @@ class FakeNodeClient(NodeClient):
         return engine
 
     async def stop_engine(self, node, engine_id, generation, deadline):
-        self.calls.append(("stop", node.node_id, engine_id, generation))
+        self.calls.append(("stop", node.node_id, engine_id, generation, deadline))
         self._check(node)
         engine = self.engines.get(node.node_id, {}).get(engine_id)
         if engine is not None and (generation == 0 or engine.spec.generation <= generation):

@@ -1,0 +1,106 @@
+"""Which engines a router may send requests to (ListEndpoints), and the WatchEndpoints feed.
+
+An engine is listed when it can serve right now:
+- its instance is READY, or DEGRADED (another rank is not NORMAL, this one still serves: with
+  external load balancing every rank answers its own requests, and the controller is already
+  restarting the other); never STARTING, RESTARTING, FAILED or PENDING;
+- its node is READY, it runs (RUNNING) the current generation, its health is NORMAL;
+- it is neither draining (Drain or SIGTERM: it answers new requests 503) nor sleeping.
+
+`EndpointFeed` keeps the listed set and, whenever something that decides it changes, works out
+what was added and removed (once per event-loop turn, however many changes came in it) and
+sends that to every WatchEndpoints stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from motor.fanout import FanOut, Subscription
+from motor.v1 import controller_pb2, types_pb2
+
+from controller.instances import DEGRADED, READY
+from controller.nodes import NODE_READY
+from controller.slots import EngineSlot
+from controller.state import ClusterState
+
+logger = logging.getLogger(__name__)
+
+C, T = controller_pb2, types_pb2
+SERVING_INSTANCE_STATES = (READY, DEGRADED)
+
+
+def can_serve(state: ClusterState, slot: EngineSlot) -> bool:
+    inst = state.instances.get(slot.instance_id)
+    node = state.nodes.get(slot.node_id)
+    if inst is None or inst.state not in SERVING_INSTANCE_STATES or node is None or node.state != NODE_READY:
+        return False
+    if not slot.port or slot.state != T.ENGINE_STATE_RUNNING or slot.health != T.HEALTH_STATUS_NORMAL:
+        return False
+    return not (slot.draining or slot.sleeping)
+
+
+def endpoints(state: ClusterState, role: int = T.ROLE_UNSPECIFIED) -> list[C.Endpoint]:
+    """The engines that can serve, of `role` (ROLE_UNSPECIFIED: every role), by engine id."""
+    out = []
+    for engine_id in sorted(state.slots):
+        slot = state.slots[engine_id]
+        if not can_serve(state, slot):
+            continue
+        inst = state.instances[slot.instance_id]
+        if role != T.ROLE_UNSPECIFIED and inst.role != role:
+            continue
+        out.append(C.Endpoint(instance_id=slot.instance_id, engine_id=engine_id, role=inst.role, url=f"http://{slot.host}:{slot.port}"))
+    return out
+
+
+class EndpointFeed:
+    """The listed endpoints, and their changes streamed to WatchEndpoints subscribers."""
+
+    def __init__(self, state: ClusterState, queue_size: int = 10_000):
+        self.state = state
+        self.current: dict[str, C.Endpoint] = {}
+        self.subscribers: FanOut[C.WatchEndpointsResponse] = FanOut("WatchEndpoints", queue_size)
+        self._scheduled = False
+
+    def changed(self) -> None:
+        """Something that decides the list may have changed: refresh once the current change is
+        done (one refresh per event-loop turn, however many changes came in it)."""
+        if self._scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a unit test driving the tables): refresh now
+            self.refresh()
+            return
+        self._scheduled = True
+        loop.call_soon(self.refresh)
+
+    def refresh(self) -> None:
+        self._scheduled = False
+        new = {e.engine_id: e for e in endpoints(self.state)}
+        removed = [e for key, e in self.current.items() if new.get(key) != e]
+        added = [e for key, e in new.items() if self.current.get(key) != e]
+        self.current = new
+        if added or removed:
+            logger.info("endpoints: added %s, removed %s", [e.engine_id for e in added] or "none",
+                        [e.engine_id for e in removed] or "none")
+            self.subscribers.publish(C.WatchEndpointsResponse(added=added, removed=removed))
+
+    def subscribe(self) -> Subscription[C.WatchEndpointsResponse]:
+        """A stream starting with the snapshot (every listed endpoint), then every change."""
+        self.refresh()
+        return self.subscribers.subscribe([C.WatchEndpointsResponse(added=list(self.current.values()), snapshot=True)])
+
+
+def of_role(message: C.WatchEndpointsResponse, role: int) -> C.WatchEndpointsResponse | None:
+    """The part of a feed message about `role` (ROLE_UNSPECIFIED: all); None when nothing is left
+    of a change (a snapshot is always sent, even empty)."""
+    if role == T.ROLE_UNSPECIFIED:
+        return message
+    added = [e for e in message.added if e.role == role]
+    removed = [e for e in message.removed if e.role == role]
+    if not (added or removed or message.snapshot):
+        return None
+    return C.WatchEndpointsResponse(added=added, removed=removed, snapshot=message.snapshot)

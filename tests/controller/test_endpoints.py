@@ -1,0 +1,102 @@
+"""What routers are given: only engines that can serve (ListEndpoints), and every change of that
+list on the WatchEndpoints feed; and the stop deadline covering what the engine asked for.
+The controller against a fake node-manager client."""
+
+from __future__ import annotations
+
+import asyncio
+
+from motor import pbtime
+from motor.v1 import controller_pb2 as C
+from motor.v1 import types_pb2 as T
+
+from tests.controller.test_core import running_example
+from tests.support import async_wait_for
+
+ALL = {"prefill-0/rank0", "prefill-0/rank1", "decode-0/rank0"}
+
+
+def listed(h) -> set[str]:
+    return {e.engine_id for e in h.controller.list_endpoints()}
+
+
+def engine(h, engine_id: str) -> T.Engine:
+    return next(e for node in h.client.engines.values() for key, e in node.items() if key == engine_id)
+
+
+def beat_all(h) -> None:
+    h.beat(*h.generations)
+
+
+async def next_change(subscription) -> C.WatchEndpointsResponse:
+    return await asyncio.wait_for(subscription.__anext__(), 5)
+
+
+async def test_only_engines_that_can_serve_are_listed_and_every_change_is_streamed(harness):
+    h = harness
+    await running_example(h)
+    feed = h.controller.endpoints.subscribe()
+    snapshot = await next_change(feed)
+    assert snapshot.snapshot and {e.engine_id for e in snapshot.added} == ALL == listed(h)
+
+    engine(h, "decode-0/rank0").draining = True  # Drain or SIGTERM: it answers 503 now
+    beat_all(h)
+    change = await next_change(feed)
+    assert [e.engine_id for e in change.removed] == ["decode-0/rank0"] and not change.added
+    assert listed(h) == ALL - {"decode-0/rank0"}
+
+    engine(h, "prefill-0/rank1").sleeping = True
+    beat_all(h)
+    assert [e.engine_id for e in (await next_change(feed)).removed] == ["prefill-0/rank1"]
+    engine(h, "prefill-0/rank1").sleeping = False  # woken up: listed again
+    beat_all(h)
+    assert [e.engine_id for e in (await next_change(feed)).added] == ["prefill-0/rank1"]
+
+    # One rank ABNORMAL: the instance is DEGRADED; that rank goes, its NORMAL sibling still serves.
+    engine(h, "prefill-0/rank0").health = T.HEALTH_STATUS_ABNORMAL
+    beat_all(h)
+    assert [e.engine_id for e in (await next_change(feed)).removed] == ["prefill-0/rank0"]
+    await async_wait_for(lambda: h.instance("prefill-0").state == C.INSTANCE_STATE_DEGRADED, timeout=5)
+    assert listed(h) == {"prefill-0/rank1"}
+    feed.close()
+
+
+async def test_a_failed_engine_is_removed_on_the_stream_with_its_whole_instance(harness):
+    h = harness
+    await running_example(h)
+    feed = h.controller.endpoints.subscribe()
+    await next_change(feed)
+    failed = engine(h, "prefill-0/rank0")
+    failed.state = T.ENGINE_STATE_FAILED
+    node_id = failed.node_id
+    h.controller.report_engine_event(node_id, h.generations[node_id], failed, "killed by signal 9 (SIGKILL)")
+    change = await next_change(feed)
+    assert "prefill-0/rank0" in {e.engine_id for e in change.removed}, change
+    assert "prefill-0/rank0" not in listed(h)
+    feed.close()
+
+
+async def test_a_deleted_deployment_leaves_the_list_before_any_engine_is_stopped(harness):
+    h = harness
+    await running_example(h)
+    feed = h.controller.endpoints.subscribe()
+    await next_change(feed)
+    h.controller.delete_deployment()
+    assert listed(h) == set() and h.controller.endpoints.current == {}  # at once, synchronously
+    assert h.client.stops() == [], "no stop was sent before the list changed"
+    removed = set()
+    while removed != ALL:
+        removed |= {e.engine_id for e in (await next_change(feed)).removed}
+    feed.close()
+
+
+async def test_the_stop_deadline_covers_the_engines_own_stop_grace(harness):
+    h = harness
+    await running_example(h)
+    engine(h, "decode-0/rank0").stop_grace.CopyFrom(pbtime.duration(41.0))  # drain_timeout 30 + shutdown
+    beat_all(h)
+    h.controller.delete_deployment()
+    await async_wait_for(lambda: len(h.client.stops()) == 3, timeout=5, what="three StopEngine calls")
+    deadlines = {c[2]: c[4] for c in h.client.calls if c[0] == "stop"}
+    assert deadlines["decode-0/rank0"] == 41.0
+    assert deadlines["prefill-0/rank0"] == h.config.stop_deadline  # no stop grace stated: the default
