@@ -1,0 +1,158 @@
+"""How fast a router learns that an engine died: SIGKILL of an engine server -> its endpoint
+removed on the controller's WatchEndpoints stream, against polling ListEndpoints every second
+(what a router had to do before the stream), in one run.
+
+A real local cluster (`motorctl up`'s LocalCluster: a controller, one node manager, sim engine
+servers). Each round SIGKILLs the engine server of one listed endpoint, times the removal as the
+stream reports it and as a 1 s ListEndpoints poller sees it, then waits until the controller has
+restarted the engine and the stream lists it again. Prints median, p99 and max of both and their
+ratio. Goal: stream p99 < 50 ms.
+
+    .venv/bin/python bench/endpoint_removal.py [--kills 30] [--engines 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import grpc
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from motor.deployment_file import deployment_from_dict  # noqa: E402
+from motor.v1 import controller_pb2 as C  # noqa: E402
+from motor.v1 import controller_pb2_grpc  # noqa: E402
+from motorctl.up import LocalCluster  # noqa: E402
+
+POLL_INTERVAL = 1.0
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(round(q / 100 * len(ordered) + 0.5)) - 1))]
+
+
+class StreamRecorder:
+    """Reads WatchEndpoints in a thread: when each engine was last removed and added."""
+
+    def __init__(self, stub):
+        self.removed: dict[str, float] = {}
+        self.added: dict[str, float] = {}
+        self.listed: set[str] = set()
+        self.lock = threading.Lock()
+        self._call = stub.WatchEndpoints(C.WatchEndpointsRequest())
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for message in self._call:
+                now = time.monotonic()
+                with self.lock:
+                    for e in message.removed:
+                        self.removed[e.engine_id] = now
+                        self.listed.discard(e.engine_id)
+                    for e in message.added:
+                        self.added[e.engine_id] = now
+                        self.listed.add(e.engine_id)
+        except grpc.RpcError:
+            pass
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class Poller:
+    """ListEndpoints every POLL_INTERVAL: when each engine was first seen missing."""
+
+    def __init__(self, stub, watched: set[str]):
+        self.stub, self.watched = stub, set(watched)
+        self.missing_since: dict[str, float] = {}
+        self.stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(POLL_INTERVAL):
+            listed = {e.engine_id for e in self.stub.ListEndpoints(C.ListEndpointsRequest(), timeout=5).endpoints}
+            now = time.monotonic()
+            for engine_id in list(self.missing_since):
+                if engine_id in listed:
+                    del self.missing_since[engine_id]
+            for engine_id in self.watched - listed:
+                self.missing_since.setdefault(engine_id, now)
+
+
+def wait(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.005)
+    raise TimeoutError(f"{what} within {timeout:g}s")
+
+
+def engine_pids(stub) -> dict[str, int]:
+    nodes = stub.ListNodes(C.ListNodesRequest(), timeout=5).nodes
+    return {e.engine_id: e.pid for n in nodes for e in n.engines if e.pid}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kills", type=int, default=30)
+    parser.add_argument("--engines", type=int, default=4)
+    args = parser.parse_args()
+    run_dir = tempfile.mkdtemp(prefix="motor-endpoint-bench-")
+    cluster = LocalCluster(run_dir, nodes=1, heartbeat_interval=0.5, node_grace=5.0, engine_port_base=23000)
+    cluster.start()
+    channel = grpc.insecure_channel(cluster.controller_address)
+    stub = controller_pb2_grpc.ControllerServiceStub(channel)
+    section = {"engine_type": "sim", "engine_args": {"model": "sim-tiny"},
+               "health_check_config": {"enable_virtual_inference": False}}
+    deployment = deployment_from_dict({
+        "name": "bench", "model": "sim-tiny", "engine_config": {"motor_engine_union_config": section},
+        "instance_groups": [{"name": "u", "role": "union", "count": args.engines}],
+        "restart_policy": {"initial_backoff": "0.1s", "max_backoff": "0.1s", "max_failures": 100000},
+    })  # fmt: skip
+    stream_ms: list[float] = []
+    poll_ms: list[float] = []
+    try:
+        stub.ApplyDeployment(C.ApplyDeploymentRequest(deployment=deployment), timeout=10)
+        stream = StreamRecorder(stub)
+        wait(lambda: len(stream.listed) == args.engines, 120, f"{args.engines} endpoints listed")
+        poller = Poller(stub, stream.listed)
+        for round_ in range(args.kills):
+            engine_id = sorted(stream.listed)[round_ % args.engines]
+            pid = engine_pids(stub)[engine_id]
+            time.sleep(POLL_INTERVAL * (round_ % 7) / 7)  # kills at every phase of the poller
+            killed = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            removed = wait(lambda: (t := stream.removed.get(engine_id, 0)) > killed and t, 10, f"{engine_id} removed")
+            stream_ms.append((removed - killed) * 1000)
+            seen = wait(lambda: (t := poller.missing_since.get(engine_id, 0)) > killed and t, 10, "the poller to see it")
+            poll_ms.append((seen - killed) * 1000)
+            wait(lambda: (t := stream.added.get(engine_id, 0)) > removed and t, 60, f"{engine_id} listed again")
+            wait(lambda: engine_id not in poller.missing_since, 10, "the poller to list it again")
+        stream.cancel()
+        poller.stop.set()
+    finally:
+        channel.close()
+        cluster.stop()
+    print(f"SIGKILL of an engine server -> endpoint removed, {args.kills} kills, {args.engines} sim engines, "
+          f"{os.cpu_count()} CPUs")
+    print(f"{'':28}{'median ms':>10}{'p99 ms':>10}{'max ms':>10}")
+    for name, values in (("WatchEndpoints stream", stream_ms), (f"ListEndpoints every {POLL_INTERVAL:g}s", poll_ms)):
+        print(f"{name:28}{statistics.median(values):10.1f}{pct(values, 99):10.1f}{max(values):10.1f}")
+    print(f"ratio poll/stream (median): {statistics.median(poll_ms) / statistics.median(stream_ms):.1f}x; "
+          f"goal stream p99 < 50 ms: {'met' if pct(stream_ms, 99) < 50 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
