@@ -183,3 +183,19 @@ async def test_task_set_logs_a_failed_task_and_cancels_the_rest(caplog):
     assert "tester: background task failing failed" in caplog.text
     await tasks.cancel_all()
     assert forever.cancelled() and len(tasks) == 0
+
+
+def test_node_manager_and_controller_import_nothing_from_engine_server():
+    """Shared contracts live in motor/: the other services never reach into the engine server."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    offenders = []
+    for package in ("node_manager", "controller"):
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                offenders += [f"{path.relative_to(root)}: {m}" for m in modules if m.split(".")[0] == "engine_server"]
+    assert not offenders
