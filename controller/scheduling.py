@@ -233,6 +233,17 @@ class Scheduler:
         if inst.state == FAILED:
             st.save_slot(slot)
             return
+        if inst.state == RESTARTING:
+            # A restart is already pending: this failure belongs to it (ranks that died together,
+            # reported one by one, e.g. all at once when the controller comes back). One failure
+            # per instance per restart, however the reports arrive.
+            ranks = range(inst.data_parallel_size) if policy.group_scope else [slot.dp_rank]
+            inst.restart_ranks = sorted(set(inst.restart_ranks) | set(ranks))
+            with st.store.transaction():
+                st.save_slot(slot)
+                st.save_instance(inst)
+            st.attention.add(inst.instance_id)
+            return
         now = st.wall()
         decision = on_failure(inst, policy, now)
         with st.store.transaction():
