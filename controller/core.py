@@ -267,11 +267,12 @@ class Controller:
 
     def _remove_instance(self, instance_id: str, why: str) -> None:
         st = self.state
+        slots = st.slots_of(instance_id)  # while the instance is known: its ranks, not a scan of every slot
         st.instances.pop(instance_id, None)
         self.endpoints.refresh()  # routers hear of it before any of its engines is stopped
         self.store.delete_instance(instance_id)
         st.attention.discard(instance_id)
-        for slot in st.slots_of(instance_id):
+        for slot in slots:
             st.slots.remove(slot.engine_id)
             self.store.delete_assignment(slot.engine_id)
             if slot.node_id:
