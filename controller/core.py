@@ -305,6 +305,8 @@ class Controller:
         names.check_node_id(info.node_id, "node.node_id")
         if not info.address:
             raise InvalidArgument("node.address: required (host:port of the node manager's gRPC server)")
+        names.check_printable(info.address, "node.address")
+        names.check_printable(info.host, "node.host")
         if info.port_range_start or info.port_range_end:
             if not 0 < info.port_range_start <= info.port_range_end <= 65535:
                 raise InvalidArgument(
@@ -474,6 +476,8 @@ class Controller:
         return [views.instance_proto(self.state, self.instances[k]) for k in sorted(self.instances)]
 
     def list_endpoints(self, role: int = T.ROLE_UNSPECIFIED) -> list[C.Endpoint]:
+        if role != T.ROLE_UNSPECIFIED and role not in names.ROLE_NAMES:
+            raise InvalidArgument(f"role {role} is not a role: use ROLE_PREFILL, ROLE_DECODE, ROLE_UNION or leave it unset for all")
         return endpoints.endpoints(self.state, role)
 
     def snapshot(self) -> C.ClusterSnapshot:

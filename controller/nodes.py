@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from motor.errors import FailedPrecondition, NotFound
-from motor.names import enum_short_name
+from motor.names import enum_short_name, excerpt
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.instances import IllegalTransition
@@ -99,10 +99,10 @@ class NodeTable(Table[NodeRuntime]):
         """The node, if `generation` is its current one (heartbeats and reports of a member)."""
         node = self._rows.get(node_id)
         if node is None:
-            raise NotFound(f"node {node_id!r} is not registered; call RegisterNode first")
+            raise NotFound(f"node {excerpt(node_id)} is not registered; call RegisterNode first")
         if generation != node.generation:
             raise FailedPrecondition(
-                f"node {node_id!r}: generation {generation} is stale (current {node.generation}"
+                f"node {excerpt(node_id)}: generation {generation} is stale (current {node.generation}"
                 f"{', node declared lost' if node.state == NODE_LOST else ''}); register again"
             )
         return node

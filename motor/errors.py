@@ -51,12 +51,24 @@ class ConfigError(MotorError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+# gRPC carries a status message in a trailer (16 KiB at most, whole metadata): a message that
+# echoes a huge value would turn the answer into RESOURCE_EXHAUSTED. Longer ones are cut.
+MAX_MESSAGE_CHARS = 2000
+
+
+def status_message(exc: Exception) -> str:
+    text = str(exc)
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    return f"{text[:MAX_MESSAGE_CHARS]}... (message cut: {len(text)} characters)"
+
+
 def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             return await behavior(request, context)
         except MotorError as exc:
-            await context.abort(exc.code, str(exc))
+            await context.abort(exc.code, status_message(exc))
 
     return wrapper
 
@@ -70,7 +82,7 @@ def _wrap_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
             async for item in behavior(request, context):
                 yield item
         except MotorError as exc:
-            await context.abort(exc.code, str(exc))
+            await context.abort(exc.code, status_message(exc))
 
     return wrapper
 

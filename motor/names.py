@@ -37,6 +37,15 @@ def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
     return repr(value)
 
 
+def check_printable(value: str, field: str) -> str:
+    """INVALID_ARGUMENT naming `field` when a text that ends up on a command line or in an
+    address holds a control character (a NUL byte: exec refuses it; a newline splits logs)."""
+    bad = next((c for c in value if c < " " or c == "\x7f"), None)
+    if bad is not None:
+        raise InvalidArgument(f"{field} {excerpt(value)} holds the control character {bad!r}; remove it")
+    return value
+
+
 def is_valid_id(value: object) -> bool:
     return isinstance(value, str) and ID_PATTERN.fullmatch(value) is not None
 

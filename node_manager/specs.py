@@ -9,7 +9,7 @@ import json
 import os
 
 from motor.errors import FailedPrecondition, InvalidArgument
-from motor.names import ROLE_NAMES, check_instance_id, role_name
+from motor.names import ROLE_NAMES, check_instance_id, check_printable, role_name
 from motor.processes import NODE_ENV
 from motor.v1 import types_pb2
 from node_manager.config import NodeManagerConfig
@@ -24,6 +24,8 @@ def check_spec(spec: types_pb2.EngineSpec, config: NodeManagerConfig) -> None:
     """Everything that can be checked without touching the running engines' resources."""
     node_id = config.node_id
     check_instance_id(spec.instance_id, "spec.instance_id")
+    for name in ("host", "master_dp_ip", "config_path"):
+        check_printable(getattr(spec, name), f"spec.{name}")
     if spec.role not in ROLE_NAMES:
         raise InvalidArgument(f"spec.role {spec.role} is not a role: use ROLE_PREFILL, ROLE_DECODE or ROLE_UNION")
     if spec.dp_rank > MAX_DP_RANK:

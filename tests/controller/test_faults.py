@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
+import pytest
+
+from motor.grpc_server import MotorServer, service_name
 from motor.v1 import controller_pb2 as C
+from motor.v1 import controller_pb2_grpc
 from motor.v1 import types_pb2 as T
 
+from controller.servicer import ControllerServicer
 from tests.controller.conftest import Harness, small_deployment
 from tests.support import async_wait_for
 
@@ -43,3 +49,47 @@ async def test_ranks_that_died_together_while_the_controller_was_down_count_as_o
         assert len(client.starts()) == 10
     finally:
         await h.stop()
+
+
+@pytest.fixture
+async def served(harness):
+    """The harness's controller behind a real gRPC server; yields a stub on a real channel."""
+    await harness.start()
+    server = MotorServer("127.0.0.1:0")
+    server.add(controller_pb2_grpc.add_ControllerServiceServicer_to_server, ControllerServicer(harness.controller),
+               service_name(C, "ControllerService"))
+    port = await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield controller_pb2_grpc.ControllerServiceStub(channel)
+    finally:
+        await channel.close()
+        await server.stop(grace=0)
+
+
+async def call_code(call) -> tuple[grpc.StatusCode, str]:
+    try:
+        await call
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details()
+    return grpc.StatusCode.OK, ""
+
+
+async def test_a_1mb_node_id_is_refused_with_a_short_message(served):
+    huge = "n" * (1 << 20)
+    for call in (served.Heartbeat(C.HeartbeatRequest(node_id=huge, generation=1)),
+                 served.RegisterNode(C.RegisterNodeRequest(node=C.NodeInfo(node_id=huge, address="127.0.0.1:1")))):
+        code, details = await call_code(call)
+        assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), (code, details[:200])
+        assert len(details) < 2000 and "characters" in details
+
+
+async def test_a_nul_byte_in_a_node_host_is_invalid_argument(served):
+    info = C.NodeInfo(node_id="node-a", address="127.0.0.1:1", host="10.0.0.1\x00evil")
+    code, details = await call_code(served.RegisterNode(C.RegisterNodeRequest(node=info)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "node.host" in details
+
+
+async def test_list_endpoints_of_an_unknown_role_is_invalid_argument(served):
+    code, details = await call_code(served.ListEndpoints(C.ListEndpointsRequest(role=99)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "role" in details and "99" in details
