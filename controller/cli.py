@@ -19,7 +19,7 @@ from controller.config import ControllerConfig
 from controller.core import Controller
 from controller.node_client import GrpcNodeClient
 from controller.servicer import ControllerServicer
-from controller.store import SqliteStore
+from controller.store import SqliteStore, StoreUnreadable
 from controller.validation import validate_deployment
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ FLAGS = {
     "startup_grace": Flag("after a restart, seconds to wait for nodes to report", default_text="--node-grace"),
     "stop_deadline": Flag("seconds between SIGTERM and SIGKILL when stopping an engine"),
     "log_level": Flag("DEBUG, INFO, WARNING, ERROR or CRITICAL"),
+    "discard_unreadable_db": Flag("move an unreadable --db file aside and start empty (else: exit 2)", options={"action": "store_true"}),
 }
 
 
@@ -45,8 +46,19 @@ def parse_config(argv: list[str] | None) -> ControllerConfig:
     return load_settings(ControllerConfig, parser, argv)
 
 
+def open_store(config: ControllerConfig) -> SqliteStore:
+    try:
+        return SqliteStore(config.db)
+    except StoreUnreadable:
+        if not config.discard_unreadable_db:
+            raise
+    aside = SqliteStore.discard(config.db)
+    logger.warning("the database %s could not be read: moved to %s; starting empty (--discard-unreadable-db)", config.db, aside)
+    return SqliteStore(config.db)
+
+
 async def serve(config: ControllerConfig) -> None:
-    store = SqliteStore(config.db)
+    store = open_store(config)
     controller = Controller(config, store, GrpcNodeClient())
     await controller.start()
     if config.deployment:

@@ -38,6 +38,9 @@ class ControllerConfig(BaseModel):
     # Time a node manager gets to stop an engine gracefully before SIGKILL (seconds).
     stop_deadline: float = Field(5.0, ge=0)
     log_level: LogLevel = "INFO"
+    # An unreadable --db file is moved aside (<db>.unreadable-<time>) and the controller starts
+    # empty; without it the controller stops with exit code 2.
+    discard_unreadable_db: bool = False
 
     @property
     def effective_startup_grace(self) -> float:

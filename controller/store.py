@@ -14,8 +14,11 @@ import contextlib
 import json
 import os
 import sqlite3
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
+
+from motor.errors import MotorError
 
 
 @dataclass
@@ -87,6 +90,11 @@ CREATE TABLE IF NOT EXISTS instances (instance_id TEXT PRIMARY KEY, data TEXT NO
 """
 
 
+class StoreUnreadable(MotorError):
+    """The stored state cannot be read: the controller stops (exit 2) rather than start empty
+    by accident and forget the deployment, the generations and the restart counters."""
+
+
 class SqliteStore(Store):
     """The embedded default. WAL journal: a commit survives kill -9 of the controller."""
 
@@ -94,11 +102,29 @@ class SqliteStore(Store):
         self.path = path
         if path != ":memory:":
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.executescript(_SCHEMA)
+        try:
+            self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            problems = [row[0] for row in self.db.execute("PRAGMA quick_check")]
+            if problems != ["ok"]:
+                raise sqlite3.DatabaseError(f"damaged: {problems[0]}")
+            self.db.executescript(_SCHEMA)
+        except (sqlite3.Error, OSError) as exc:
+            raise StoreUnreadable(
+                f"the database {path} cannot be read ({exc}): restore it from a backup, or start empty with "
+                f"--discard-unreadable-db (moves it aside; the deployment must be applied again)"
+            ) from None
         self._depth = 0
+
+    @classmethod
+    def discard(cls, path: str) -> str:
+        """Move an unreadable database (and its WAL files) aside; returns the new name."""
+        aside = f"{path}.unreadable-{time.strftime('%Y%m%dT%H%M%S')}"
+        for suffix in ("", "-wal", "-shm"):
+            if os.path.lexists(path + suffix):
+                os.rename(path + suffix, aside + suffix)
+        return aside
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
