@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`motorctl events | head`): end quietly, as SIGPIPE would
+        render.quiet_stdout()
+        return 141
 
 
 if __name__ == "__main__":

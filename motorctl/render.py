@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime
+import os
+import sys
 from typing import Iterable, Sequence
 
 from motor.names import enum_short_name, role_name
@@ -82,3 +84,11 @@ def render_status(nodes: controller_pb2.ListNodesResponse, instances: controller
     """Nodes, instances and engine health: the whole cluster on one screen."""
     return "\n\n".join(["NODES\n" + render_nodes(nodes), "INSTANCES\n" + render_instances(instances),
                         "ENGINES\n" + render_engines(instances)])
+
+
+def quiet_stdout() -> None:
+    """Point stdout at /dev/null once its reader is gone (`motorctl ... | head`): later prints and
+    the interpreter's last flush raise no BrokenPipeError."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)

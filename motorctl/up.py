@@ -22,6 +22,7 @@ import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from motor.ports import free_port, port_is_free
+from motorctl.render import quiet_stdout
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -239,44 +240,72 @@ def main(argv: list[str] | None = None) -> int:
 
     shutil.rmtree(args.run_dir, ignore_errors=True)
     cluster = LocalCluster(args.run_dir, nodes=args.nodes, deployment_path=args.deployment, controller_port=args.controller_port)
-    stopping = False
+    stopping, started = False, False
 
-    def request_stop(signum, frame):  # Ctrl-C or SIGTERM: leave the loop, then clean up
+    def request_stop(signum, frame):  # Ctrl-C, SIGTERM, the terminal closed: leave the loop, then clean up
         nonlocal stopping
         stopping = True
+        if not started:
+            raise KeyboardInterrupt  # abandon the start-up; the stop below cleans up
 
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, request_stop)
+    # Every way this ends (a signal, stdout closed under `| tee`, the controller dying while the
+    # nodes register, any exception) goes through the stop below: no cluster is left running.
+    status, failure = 0, ""
     try:
-        print(f"Starting a local Motor cluster: 1 controller, {args.nodes} node managers (logs in {args.run_dir}/logs)")
+        say(f"Starting a local Motor cluster: 1 controller, {args.nodes} node managers (logs in {args.run_dir}/logs)")
         cluster.start()
-        address = cluster.controller_address
-        hint = (
-            f"Try:  grpcurl -plaintext {address} list\n"
-            f"      grpcurl -plaintext {address} motor.v1.ControllerService/ListInstances\n"
-            f"      motorctl --controller {address} events --follow\n"
-            "Ctrl-C stops the cluster."
-        )
-        while not stopping:
-            try:
-                screen = show_status(address)
-            except grpc.RpcError as exc:
-                screen = f"controller not answering: {exc.code().name}"
-            if sys.stdout.isatty():
-                sys.stdout.write("\033[2J\033[H")
-            print(f"Motor local cluster — controller {address} — {time.strftime('%H:%M:%S')}\n")
-            print(screen)
-            print("\n" + hint, flush=True)
-            end = time.monotonic() + args.refresh
-            while not stopping and time.monotonic() < end:
-                time.sleep(0.05)
-    except (TimeoutError, OSError) as exc:
-        print(f"motorctl up: {exc}; see the logs in {args.run_dir}/logs", file=sys.stderr)
-        cluster.stop()
-        return 1
-    print("\nStopping engines, node managers and the controller ...", flush=True)
+        started = True
+        watch(cluster.controller_address, args.refresh, lambda: stopping)
+    except BaseException as exc:  # noqa: BLE001 (the cluster is stopped whatever happened; reported below)
+        status, failure = 1, describe_failure(exc, cluster)
+    started = True  # a second Ctrl-C now does not interrupt the stop
+    say("\nStopping engines, node managers and the controller ...")
     problems = cluster.stop()
     for problem in problems:
-        print(f"  {problem}")
-    print("Stopped; no process left behind." if not problems else "Stopped (see above).")
-    return 0
+        say(f"  {problem}")
+    say("Stopped; no process left behind." if not problems else "Stopped (see above).")
+    if failure:
+        print(f"motorctl up: {failure}; see the logs in {args.run_dir}/logs", file=sys.stderr)
+    return status
+
+
+# SIGHUP: the terminal was closed.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def watch(address: str, refresh: float, stopping) -> None:
+    """Show the cluster until asked to stop."""
+    hint = (
+        f"Try:  grpcurl -plaintext {address} list\n"
+        f"      grpcurl -plaintext {address} motor.v1.ControllerService/ListInstances\n"
+        f"      motorctl --controller {address} events --follow\n"
+        "Ctrl-C stops the cluster."
+    )
+    while not stopping():
+        try:
+            screen = show_status(address)
+        except grpc.RpcError as exc:
+            screen = f"controller not answering: {exc.code().name}"
+        clear = "\033[2J\033[H" if sys.stdout.isatty() else ""
+        say(f"{clear}Motor local cluster — controller {address} — {time.strftime('%H:%M:%S')}\n\n{screen}\n\n{hint}")
+        end = time.monotonic() + refresh
+        while not stopping() and time.monotonic() < end:
+            time.sleep(0.05)
+
+
+def say(text: str) -> None:
+    """Print to stdout; once stdout is gone (a closed pipe), print nothing more, quietly."""
+    try:
+        print(text, flush=True)
+    except OSError:  # BrokenPipeError, or EIO once the terminal is closed
+        quiet_stdout()
+
+
+def describe_failure(exc: BaseException, cluster: LocalCluster) -> str:
+    if isinstance(exc, grpc.RpcError):
+        return f"the controller at {cluster.controller_address} stopped answering ({exc.code().name}: {exc.details()})"
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted while starting"
+    return f"{type(exc).__name__}: {exc}" if not isinstance(exc, (TimeoutError, OSError)) else str(exc)

@@ -1,0 +1,138 @@
+"""Every way `motorctl up` ends stops the cluster and leaves no process behind: the terminal
+closed (SIGHUP), stdout gone (`motorctl up | tee log`, then Ctrl-C), the controller dying while
+the nodes register. A closed pipe ends any motorctl command quietly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.support import REPO_ROOT, wait_for
+
+DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
+
+
+def motorctl_up(run_dir, stdout, prefix: list[str] | None = None) -> subprocess.Popen:
+    argv = prefix or [sys.executable, "-m", "motorctl.cli"]
+    return subprocess.Popen(
+        [*argv, "up", "--nodes", "1", "--deployment", DEPLOYMENT, "--run-dir", str(run_dir),
+         "--controller-port", "0", "--refresh", "0.3"],
+        cwd=REPO_ROOT, stdout=stdout, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env=dict(os.environ, PYTHONPATH=REPO_ROOT),
+    )
+
+
+def cluster_processes(run_dir) -> list[psutil.Process]:
+    """The controller and node managers of the cluster in `run_dir` (their flags name it), with
+    everything they started."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if any(str(run_dir) in part for part in p.cmdline()):
+                found += [p, *p.children(recursive=True)]
+        except psutil.Error:
+            pass
+    return found
+
+
+def wait_first_screen(process: subprocess.Popen, run_dir) -> list[psutil.Process]:
+    """Read motorctl up's output until its first status screen; then wait for the 3 engines."""
+    deadline = time.monotonic() + 180
+    for line in process.stdout:
+        if "Ctrl-C stops the cluster." in line or time.monotonic() > deadline:
+            break
+    assert process.poll() is None, f"motorctl up ended early: {process.stderr.read()}"
+
+    def engines():
+        tree = cluster_processes(run_dir)
+        return tree if sum(1 for p in tree if "engine_server" in " ".join(p.cmdline()[:3])) >= 3 else None
+    return wait_for(engines, timeout=180, interval=0.3, what="3 engines started by motorctl up")
+
+
+def assert_nothing_left(run_dir) -> None:
+    def gone():
+        return not [p for p in cluster_processes(run_dir) if p.status() != psutil.STATUS_ZOMBIE]
+    wait_for(gone, timeout=10, what="the cluster's processes gone")
+
+
+def kill_all(process: subprocess.Popen, run_dir) -> None:
+    if process.poll() is None:
+        process.kill()
+    for p in cluster_processes(run_dir):
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+@pytest.mark.parametrize("how", ["sighup", "stdout_closed_then_ctrl_c"])
+def test_motorctl_up_stops_the_cluster_however_it_ends(tmp_path, how):
+    run_dir = tmp_path / "run"
+    process = motorctl_up(run_dir, subprocess.PIPE)
+    try:
+        wait_first_screen(process, run_dir)
+        if how == "sighup":
+            process.send_signal(signal.SIGHUP)
+        else:
+            process.stdout.close()  # the reader of the pipe goes away: the next screen refresh fails
+            time.sleep(1.0)  # a refresh or two hit the closed pipe
+            process.send_signal(signal.SIGINT)
+        _, errors = process.communicate(timeout=90)
+        assert process.returncode == 0, errors
+        assert "Traceback" not in errors, errors
+        assert_nothing_left(run_dir)
+    finally:
+        kill_all(process, run_dir)
+
+
+# motorctl up whose controller is killed while the node managers register (ListNodes: UNAVAILABLE).
+CONTROLLER_DIES = """
+import json, os, signal, sys
+from motorctl import cli, up
+original = up.LocalCluster.wait_nodes_registered
+def controller_dies(self, count, timeout):
+    with open(os.environ["PIDS_FILE"], "w") as handle:
+        json.dump([p.process.pid for p in self.processes], handle)
+    os.kill(self.process("controller").process.pid, signal.SIGKILL)
+    return original(self, count, timeout)
+up.LocalCluster.wait_nodes_registered = controller_dies
+sys.exit(cli.main())
+"""
+
+
+def test_motorctl_up_stops_the_nodes_when_its_controller_dies_during_start_up(tmp_path):
+    pids_file = tmp_path / "pids.json"
+    os.environ["PIDS_FILE"] = str(pids_file)
+    try:
+        process = motorctl_up(tmp_path / "run", subprocess.DEVNULL, prefix=[sys.executable, "-c", CONTROLLER_DIES])
+    finally:
+        del os.environ["PIDS_FILE"]
+    try:
+        _, errors = process.communicate(timeout=120)
+    finally:
+        kill_all(process, tmp_path / "run")
+    assert process.returncode == 1, errors
+    assert "Traceback" not in errors, errors
+    assert "motorctl up: the controller at 127.0.0.1:" in errors and "stopped answering (UNAVAILABLE" in errors
+    pids = json.loads(pids_file.read_text())
+    assert len(pids) == 2  # the controller and node-a
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_closed_pipe_ends_a_motorctl_command_quietly():
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # `motorctl ... | head` once head has gone
+    try:
+        result = subprocess.run([sys.executable, "-m", "motorctl.cli", "--controller", "127.0.0.1:1", "--help"],
+                                stdout=write_end, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, timeout=60,
+                                env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr, result.stderr
