@@ -29,6 +29,7 @@ EXPECTED = {
     "ControllerService/ListInstances": READERS,
     "ControllerService/ListEndpoints": READERS,
     "ControllerService/WatchEvents": READERS,
+    "ControllerService/WatchEndpoints": READERS,
     "NodeManagerService/StartEngine": {"controller"},
     "NodeManagerService/StopEngine": {"controller"},
     "NodeManagerService/GetEngine": READERS | {"controller"},
