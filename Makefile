@@ -47,8 +47,9 @@ compose-up: setup
 compose-offline-up: setup
 	bash scripts/docker-engine.sh
 	bash scripts/build-base-image.sh motor-base:bookworm
+	DEBIAN_PACKAGES=prometheus bash scripts/build-base-image.sh motor-prometheus:bookworm
 	bash scripts/build-wheelhouse.sh
-	MOTOR_BASE_IMAGE=motor-base:bookworm $(COMPOSE) up -d --build
+	MOTOR_BASE_IMAGE=motor-base:bookworm MOTOR_PROMETHEUS_IMAGE=motor-prometheus:bookworm $(COMPOSE) up -d --build
 
 compose-down:
 	$(COMPOSE) down --volumes --remove-orphans

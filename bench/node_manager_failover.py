@@ -300,7 +300,8 @@ async def idle_usage(engines: int, seconds: float, workdir: str) -> None:
     state_dir = os.path.join(workdir, "idle")
     argv = [os.path.join(BIN, "motor-node-manager"), "--node-id", "idle", "--listen", "127.0.0.1:0",
             "--accelerators", ",".join(str(i) for i in range(engines)), "--port-range", "47100-47199",
-            "--state-dir", state_dir, "--engine-command", ENGINE_SERVER, "--log-level", "WARNING"]
+            "--state-dir", state_dir, "--engine-command", ENGINE_SERVER, "--log-level", "WARNING",
+            "--metrics-port", "0"]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     port_file = os.path.join(state_dir, "node_manager.port")
     try:

@@ -6,17 +6,18 @@ import logging
 import os
 import sys
 
-from prometheus_client import start_http_server
-
 from motor.cli_config import Flag, load_settings, run_service, settings_parser
 from motor.deployment_file import load_deployment
 from motor.grpc_server import MotorServer, service_name
 from motor.logs import setup_logging
+from motor.metrics_http import ServiceTelemetry
+from motor.ports import CONTROLLER_METRICS_PORT
 from motor.signals import wait_for_stop_signal
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
 from controller.config import ControllerConfig
 from controller.core import Controller
+from controller.fleet_metrics import engine_targets
 from controller.node_client import GrpcNodeClient
 from controller.servicer import ControllerServicer
 from controller.store import SqliteStore, StoreUnreadable
@@ -33,11 +34,12 @@ FLAGS = {
     "recheck_timeout": Flag("deadline of the direct re-check of a suspect node (s)"),
     "silent_share_alarm": Flag("share of nodes silent at once that raises the alarm (0-1)"),
     "reschedule_rate": Flag("engine moves per second allowed"),
-    "metrics_port": Flag("Prometheus /metrics port (0: off)"),
+    "metrics_port": Flag("Prometheus /metrics and /discovery/engines port (0: off)"),
     "startup_grace": Flag("after a restart, seconds to wait for nodes to report", default_text="--node-grace"),
     "stop_deadline": Flag("seconds between SIGTERM and SIGKILL when stopping an engine"),
     "log_level": Flag("DEBUG, INFO, WARNING, ERROR or CRITICAL"),
     "discard_unreadable_db": Flag("move an unreadable --db file aside and start empty (else: exit 2)", options={"action": "store_true"}),
+    "log_format": Flag("text, or json: one JSON object per line"),
 }
 
 
@@ -69,10 +71,11 @@ async def serve(config: ControllerConfig) -> None:
             logger.info("applied %s at start-up (revision %d)", config.deployment, revision)
         else:
             logger.info("%s is the stored deployment already (revision %d)", config.deployment, controller.revision)
-    if config.metrics_port:
-        start_http_server(config.metrics_port, registry=controller.metrics.registry)
-        logger.info("metrics on http://0.0.0.0:%d/metrics", config.metrics_port)
-    server = MotorServer(config.listen)
+    telemetry = ServiceTelemetry(controller.metrics.registry)
+    # /discovery/engines: Prometheus finds the engines' /metrics there (http_sd_configs).
+    await telemetry.serve("0.0.0.0", config.metrics_port,
+                          routes={"/discovery/engines": lambda: engine_targets(controller.list_instances)})
+    server = MotorServer(config.listen, metrics=telemetry.grpc)
     server.add(controller_pb2_grpc.add_ControllerServiceServicer_to_server, ControllerServicer(controller),
                service_name(controller_pb2, "ControllerService"))
     port = await server.start()
@@ -84,12 +87,14 @@ async def serve(config: ControllerConfig) -> None:
     await wait_for_stop_signal()
     logger.info("stopping")
     await server.stop(grace=1.0)
+    await telemetry.close()
     await controller.stop()
     store.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_service("motor-controller", lambda: parse_config(argv), lambda c: setup_logging(c.log_level), serve)
+    return run_service("motor-controller", lambda: parse_config(argv),
+                       lambda c: setup_logging(c.log_level, log_format=c.log_format, fields={"service": "controller"}), serve)
 
 
 if __name__ == "__main__":

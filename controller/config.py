@@ -8,7 +8,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from motor.config import HostPort
-from motor.logs import LogLevel
+from motor.logs import LogFormat, LogLevel
+from motor.ports import CONTROLLER_METRICS_PORT
 
 
 class ControllerConfig(BaseModel):
@@ -30,8 +31,8 @@ class ControllerConfig(BaseModel):
     silent_share_alarm: float = Field(0.5, gt=0, le=1)
     # Engine reschedules (moves off lost nodes) allowed per second; the burst is the same size.
     reschedule_rate: float = Field(10.0, gt=0)
-    # Prometheus /metrics port; 0 turns the endpoint off.
-    metrics_port: int = Field(0, ge=0, le=65535)
+    # Prometheus /metrics (and /discovery/engines) port; 0 turns the endpoint off.
+    metrics_port: int = Field(CONTROLLER_METRICS_PORT, ge=0, le=65535)
     # After a restart, how long to wait for node managers to report before reconciling
     # (seconds); default: node_grace.
     startup_grace: float | None = Field(None, ge=0)
@@ -41,6 +42,8 @@ class ControllerConfig(BaseModel):
     # An unreadable --db file is moved aside (<db>.unreadable-<time>) and the controller starts
     # empty; without it the controller stops with exit code 2.
     discard_unreadable_db: bool = False
+    # text, or json: one JSON object per line with the ids and the reason (docs/observability.md).
+    log_format: LogFormat = "text"
 
     @property
     def effective_startup_grace(self) -> float:

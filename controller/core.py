@@ -36,6 +36,8 @@ from controller.config import ControllerConfig
 from controller.events import EventBus
 from controller.instances import FAILED, RESTARTING, InstanceRecord, Policy
 from controller.liveness import NodeMonitor
+from controller.fleet_metrics import FleetCollector
+from controller.store_metrics import MeasuredStore, StoreMetrics
 from controller.metrics import ControllerMetrics
 from controller.node_client import NodeCallError, NodeClient
 from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
@@ -75,7 +77,9 @@ class Controller:
         wall: Callable[[], float] = time.time,
     ):
         self.config = config
-        self.store = store
+        # Every store (SQLite, etcd, a test's) is measured alike: write latency and failures.
+        store_metrics = StoreMetrics()
+        self.store = store = MeasuredStore(store, store_metrics)
         self.nodes_client = node_client
         self.mono, self.wall = monotonic, wall
         self.events = EventBus()
@@ -83,7 +87,8 @@ class Controller:
         self.endpoints = endpoints.EndpointFeed(self.state)
         self.state.on_change = self.endpoints.changed
         self.metrics = ControllerMetrics(
-            self.state.nodes.counts, lambda: collections.Counter(i.state for i in self.state.instances.values())
+            self.state.nodes.counts, lambda: collections.Counter(i.state for i in self.state.instances.values()),
+            [FleetCollector(self.list_nodes, self.list_instances, clock=wall), *store_metrics.collectors],
         )
         self.deployment: C.Deployment | None = None
         self.revision = 0
@@ -96,6 +101,7 @@ class Controller:
         self.scheduler = Scheduler(
             self.state, config, self.actuator, self._launch, self._spawn, self.wake,
             lambda reason: self.metrics.reschedules.labels(reason=reason).inc(),
+            count_rate_limited=self.metrics.rate_limited.inc,
         )
         self.monitor = NodeMonitor(self.state, config, node_client, self._spawn, self.wake, self._observe, self.scheduler.evacuate)
         self.claims = NodeClaims(self.state, config, self.monitor, self.metrics.registrations_refused)
@@ -408,6 +414,9 @@ class Controller:
         if slot.state == engine.state and slot.health == engine.health and slot.health_reason == engine.health_reason:
             return
         slot.state, slot.health, slot.health_reason = engine.state, engine.health, engine.health_reason
+        if slot.failed_at is not None and engine.state == T.ENGINE_STATE_RUNNING and engine.health == T.HEALTH_STATUS_NORMAL:
+            self.metrics.recovery_seconds.observe(self.mono() - slot.failed_at)
+            slot.failed_at = None
         self.state.on_change()
         if engine.state in DEAD_ENGINE_STATES and slot.handled_failure_generation != generation:
             self.scheduler.engine_failed(slot, node.node_id, reason or engine.state_reason or self._exit_words(engine))

@@ -26,7 +26,10 @@ class EventBus:
             instance_id=instance_id, engine_id=engine_id, message=message,
         )
         self.recent.append(event)
-        logger.info("event %s: %s", enum_short_name(controller_pb2.EventType, type_), message)
+        kind = enum_short_name(controller_pb2.EventType, type_)
+        # The ids and the reason as fields too, for JSON log lines (motor.logs).
+        ids = {"event": kind.lower(), "node_id": node_id, "instance_id": instance_id, "engine_id": engine_id, "reason": message}
+        logger.info("event %s: %s", kind, message, extra=ids)
         self.subscribers.publish(event)
         return event
 

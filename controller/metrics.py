@@ -1,9 +1,12 @@
 """Prometheus metrics of the controller: nodes and instances by state (read at scrape time
-through the callables the controller passes), reschedules by reason, heartbeat ingest latency."""
+through the callables the controller passes), reschedules by reason and rate-limit hold-backs,
+time from an engine's failure to its replacement NORMAL, heartbeat ingest latency. The per-node,
+per-instance and per-engine series (controller.fleet_metrics) and the store's
+(controller.store_metrics) come in as `collectors`."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -18,8 +21,10 @@ StateCounts = Callable[[], dict[int, int]]
 class _StateCollector:
     def __init__(self, node_counts: StateCounts, instance_counts: StateCounts):
         self.gauges = [
-            ("motor_controller_nodes", "Nodes by state", controller_pb2.NodeState, node_counts),
-            ("motor_controller_instances", "Instances by state", controller_pb2.InstanceState, instance_counts),
+            ("motor_controller_nodes", "Nodes by state (LOST: engines moved elsewhere; SUSPECT: silent, being "
+             "re-checked). motor_controller_node_state names the nodes.", controller_pb2.NodeState, node_counts),
+            ("motor_controller_instances", "Instances by state; anything but READY for long needs a look "
+             "(motor_controller_instance_state names them).", controller_pb2.InstanceState, instance_counts),
         ]
 
     def describe(self):
@@ -36,19 +41,42 @@ class _StateCollector:
 
 
 class ControllerMetrics:
-    def __init__(self, node_counts: StateCounts, instance_counts: StateCounts):
+    def __init__(self, node_counts: StateCounts, instance_counts: StateCounts, collectors: Iterable = ()):
         self.registry = CollectorRegistry()
         self.registry.register(_StateCollector(node_counts, instance_counts))
+        for collector in collectors:
+            self.registry.register(collector)
         self.reschedules = Counter(
-            "motor_controller_reschedules", "Engine restarts and moves by reason", ["reason"], registry=self.registry
+            "motor_controller_reschedules",
+            "Engine restarts (engine_failed) and moves off lost nodes (node_lost). A steady rate of "
+            "engine_failed means engines keep failing: see motor_controller_engine_restarts_total per engine.",
+            ["reason"], registry=self.registry,
         )
         self.registrations_refused = Counter(
             "motor_controller_registrations_refused",
             "RegisterNode calls refused, by reason (node_id_held: another live node manager process holds the node id)",
             ["reason"], registry=self.registry,
         )
+        self.rate_limited = Counter(
+            "motor_controller_reschedules_rate_limited",
+            "Engines whose move was held back by the reschedule rate limit (reschedule_rate). Many during a "
+            "node loss is the limit doing its job; raise reschedule_rate if recovery is too slow.",
+            registry=self.registry,
+        )
+        self.recovery_seconds = Histogram(
+            "motor_controller_engine_recovery_seconds",
+            "Time from an engine's failure (or its node's loss) to its replacement NORMAL: the outage an "
+            "instance sees. A rising p90 (motor:engine_recovery_seconds:p90_1h) points at slow engine "
+            "start-up, backoff, or no free accelerators.",
+            buckets=(1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1800),
+            registry=self.registry,
+        )
+        for reason in ("engine_failed", "node_lost"):  # present from the start, so rate() sees the first one
+            self.reschedules.labels(reason=reason)
         self.heartbeat_seconds = Histogram(
-            "motor_controller_heartbeat_ingest_seconds", "Time to handle one Heartbeat RPC",
+            "motor_controller_heartbeat_ingest_seconds",
+            "Time to handle one Heartbeat RPC. Above the heartbeat interval the controller falls behind "
+            "its nodes: check motor_event_loop_lag_seconds and the store's write latency.",
             buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
             registry=self.registry,
         )

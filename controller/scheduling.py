@@ -59,9 +59,13 @@ class Scheduler:
         spawn: Callable[[Coroutine, str], object],
         wake: Callable[[], None],
         count_reschedule: Callable[[str], None],
+        count_rate_limited: Callable[[int], None] = lambda engines: None,
     ):
         self.state, self.config, self.actuator = state, config, actuator
         self.launch, self.spawn, self.wake, self.count_reschedule = launch, spawn, wake, count_reschedule
+        self.count_rate_limited = count_rate_limited
+        # Instances whose move the rate limit holds back now (counted once per hold-back).
+        self._held_back: set[str] = set()
         self.reschedule_bucket = TokenBucket(config.reschedule_rate, state.mono)
         # Until then (monotonic), nothing is started unless every known node has reported.
         self.startup_until = state.mono()
@@ -142,7 +146,11 @@ class Scheduler:
         moved = sum(1 for s in unplaced if s.moved)
         if moved and not self.reschedule_bucket.available(moved):
             st.transition(inst, PENDING, f"waiting for the reschedule rate limit ({self.config.reschedule_rate:g} engines/s)")
+            if inst.instance_id not in self._held_back:
+                self._held_back.add(inst.instance_id)
+                self.count_rate_limited(moved)
             return
+        self._held_back.discard(inst.instance_id)
         try:
             placements = place_instance(
                 [s.dp_rank for s in unplaced], inst.accelerators_per_engine, inst.single_container, fleet
@@ -202,6 +210,8 @@ class Scheduler:
         by_instance: dict[str, list[int]] = {}
         with st.store.transaction():
             for s in st.slots.on_node(node.node_id):
+                if s.failed_at is None:
+                    s.failed_at = st.mono()
                 st.unplace(s)
                 st.save_slot(s)
                 by_instance.setdefault(s.instance_id, []).append(s.dp_rank)
@@ -225,6 +235,8 @@ class Scheduler:
         st, policy = self.state, self.state.policy
         slot.handled_failure_generation = slot.generation
         slot.last_failure_reason = reason
+        if slot.failed_at is None:
+            slot.failed_at = st.mono()
         what = f"engine {slot.engine_id} on {node_id} {reason}"
         st.event(C.EVENT_TYPE_ENGINE_FAILED, what, node_id=node_id, instance_id=slot.instance_id, engine_id=slot.engine_id)
         inst = st.instances.get(slot.instance_id)

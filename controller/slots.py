@@ -55,6 +55,7 @@ class EngineSlot:
     sleeping: bool = False
     stop_grace: float = 0.0  # what the engine said a SIGTERM may take (Engine.stop_grace)
     handled_failure_generation: int = 0
+    failed_at: float | None = None  # monotonic time of the failure (or node loss) not yet recovered from
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in _SLOT_PERSISTED}

@@ -22,7 +22,7 @@ from engine_server.prometheus_dir import ensure_private_multiproc_dir, remove_pr
 from pydantic import BaseModel, ConfigDict, Field
 
 from motor.cli_config import Flag, load_settings, settings_parser
-from motor.logs import LOG_LEVELS, LogLevel
+from motor.logs import LOG_FORMATS, LOG_LEVELS, LogFormat, LogLevel
 
 logger = logging.getLogger("engine_server")
 
@@ -76,6 +76,7 @@ class EngineServerArgs(BaseModel):
     dp_rpc_port: int | None = Field(None, ge=1, le=65535)
     log_dir: str = "./engine_server_log/"
     log_level: LogLevel = "INFO"
+    log_format: LogFormat = "text"
     termination_message_path: str | None = None
 
 
@@ -94,6 +95,8 @@ FLAGS = {
     "log_dir": Flag("rotated log files go here"),
     "log_level": Flag("DEBUG, INFO, WARNING, ERROR or CRITICAL", options={"type": str.upper, "choices": LOG_LEVELS}),
     "termination_message_path": Flag("write the cause of the exit here (one JSON line) just before exiting"),
+    "log_format": Flag("text, or json: one JSON object per line with this engine's ids",
+                       options={"type": str.lower, "choices": LOG_FORMATS}),
 }
 
 
@@ -150,8 +153,10 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
     )
     engine_cls = engine_class(section.engine_type)
     engine = engine_cls(options)
-    core = EngineServer(options, section, engine, metrics=process_metrics())
-    grpc_server = MotorServer(f"{args.host}:{args.mgmt_port}", tls=section.mgmt_tls_config.server_files())
+    metrics = process_metrics()
+    core = EngineServer(options, section, engine, metrics=metrics)
+    grpc_server = MotorServer(f"{args.host}:{args.mgmt_port}", tls=section.mgmt_tls_config.server_files(), metrics=metrics.grpc)
+    metrics.loop_lag.start()
     service.register(grpc_server, core)
     await grpc_server.start()  # first, so that the node manager sees INIT while the engine loads
 
@@ -211,10 +216,13 @@ def main(argv: list[str] | None = None) -> None:
 
     from motor.logs import setup_logging
     from motor.termination import CONFIG_ERROR, STOPPED
+    from motor.names import engine_id
 
     from engine_server.config import load_section
 
-    log_path = setup_logging(args.log_level, args.log_dir, f"engine_server_{args.instance_id}_rank{args.dp_rank}.log")
+    engine = {"service": "engine_server", "instance_id": args.instance_id, "engine_id": engine_id(args.instance_id, args.dp_rank)}
+    log_path = setup_logging(args.log_level, args.log_dir, f"engine_server_{args.instance_id}_rank{args.dp_rank}.log",
+                             log_format=args.log_format, fields=engine)
     logger.info("engine_server %s rank %d (%s), log file %s", args.instance_id, args.dp_rank, args.role, log_path)
     try:
         # A slow engine_args check (vLLM) runs in serve(), once the management plane answers.

@@ -10,6 +10,9 @@ import os
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 
+from motor.grpc_metrics import GrpcServerMetrics
+from motor.loop_lag import EventLoopLag
+
 PROBE_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -30,48 +33,58 @@ class EngineServerMetrics:
     def __init__(self, registry: CollectorRegistry | None = REGISTRY):
         self.probes = Counter(
             "motor_engine_server_probes",
-            "Virtual-inference probes sent, by outcome (success, failure).",
+            "Virtual-inference probes sent, by outcome (success, failure). Failures while busy are expected and not "
+            "counted; see motor_engine_server_probe_counted_failures_total for the ones that matter.",
             ["outcome"],
             registry=registry,
         )
         self.counted_failures = Counter(
             "motor_engine_server_probe_counted_failures",
-            "Failed probes that counted towards max_failure_count (utilization below the threshold).",
+            "Failed probes that counted towards max_failure_count: they failed while the accelerator was idle (below "
+            "npu_usage_threshold), so the engine is likely hung. Read its log (alert MotorProbesFailingWhileIdle).",
             registry=registry,
         )
         self.probe_latency = Histogram(
             "motor_engine_server_probe_latency_seconds",
-            "Latency of virtual-inference probes (to the answer or the timeout).",
+            "Latency of virtual-inference probes, to the answer or the timeout. Rising towards health_collector_timeout "
+            "means the engine answers slowly even to one token: check its load and log.",
             buckets=PROBE_LATENCY_BUCKETS,
             registry=registry,
         )
         # livemostrecent: the value of the live process that set it last (one engine server per dir).
         self.status = Gauge(
             "motor_engine_server_health_status",
-            "Health status: 1 INIT, 2 NORMAL, 3 ABNORMAL.",
+            "Health status this engine server reports: 1 INIT (loading), 2 NORMAL, 3 ABNORMAL. ABNORMAL for "
+            "abnormal_threshold heartbeats gets the engine restarted by its node manager.",
             multiprocess_mode="livemostrecent",
             registry=registry,
         )
         self.probe_interval = Gauge(
             "motor_engine_server_probe_interval_seconds",
-            "Current interval between virtual-inference probes.",
+            "Current interval between virtual-inference probes: probe_interval when idle, busy_probe_interval under load. "
+            "Informational; tune those settings if failures are noticed too late.",
             multiprocess_mode="livemostrecent",
             registry=registry,
         )
         self.consecutive_failures = Gauge(
             "motor_engine_server_consecutive_failures",
-            "Consecutive counted probe failures.",
+            "Consecutive counted probe failures. At max_failure_count the engine turns ABNORMAL; a value above 0 that "
+            "does not reset means probes keep failing while idle.",
             multiprocess_mode="livemostrecent",
             registry=registry,
         )
         self.probe_utilization = Gauge(
             "motor_engine_server_utilization_peak_percent",
-            "Peak accelerator utilization over the last probe round's sampling window.",
+            "Peak accelerator utilization over the last probe round's sampling window, in percent. Below "
+            "npu_usage_threshold the engine counts as idle, so probe failures count.",
             multiprocess_mode="livemostrecent",
             registry=registry,
         )
         for outcome in ("success", "failure"):
             self.probes.labels(outcome)
+        # The series every Motor service has (management-plane RPCs, event-loop lag).
+        self.grpc = GrpcServerMetrics(registry)
+        self.loop_lag = EventLoopLag(registry)
 
 
 _process_metrics: EngineServerMetrics | None = None

@@ -96,18 +96,28 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
+        return rewrap_handler(handler, _wrap_unary, _wrap_stream)
+
+
+def rewrap_handler(
+    handler: grpc.RpcMethodHandler | None,
+    wrap_unary: Callable[[Callable], Callable],
+    wrap_stream: Callable[[Callable], Callable],
+) -> grpc.RpcMethodHandler | None:
+    """`handler` with its unary-unary or unary-stream behaviour passed through a wrapper (for
+    interceptors); other kinds (Motor serves no client-streaming RPC) are returned as they are."""
+    if handler is None:
         return handler
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(
+            wrap_unary(handler.unary_unary),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(
+            wrap_stream(handler.unary_stream),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    return handler

@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from motor.errors import ConfigError, ErrorMappingInterceptor
+from motor.grpc_metrics import GrpcServerMetrics
 from motor.tls import ReloadingServerCredentials
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class MotorServer:
     def __init__(
         self, bind: str, tls: TlsFiles | None = None, interceptors: list[Any] | None = None, reflection: bool = True,
         token_bind: str | None = None, token_tls: TlsFiles | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
+        metrics: GrpcServerMetrics | None = None,
     ):
         """`token_bind`: a second TLS port that asks for no client certificate (bearer tokens)."""
         self.bind = bind
@@ -113,8 +115,11 @@ class MotorServer:
         self.reflection = reflection
         self.token_bind, self.token_tls = token_bind, token_tls
         sizes = [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes)]
+        # Metrics outermost: they see the status codes the error mapping and access checks set.
+        outer = [metrics] if metrics is not None else []
         self.server = grpc.aio.server(
-            interceptors=[ErrorMappingInterceptor(), *(interceptors or [])], options=list(dict([*SERVER_OPTIONS, *sizes]).items())
+            interceptors=[*outer, ErrorMappingInterceptor(), *(interceptors or [])],
+            options=list(dict([*SERVER_OPTIONS, *sizes]).items()),
         )
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

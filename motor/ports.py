@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import socket
 
+# Default /metrics ports (docs/observability.md); engine servers serve theirs on the inference port.
+CONTROLLER_METRICS_PORT = 9471
+NODE_MANAGER_METRICS_PORT = 9472
+
 
 def port_is_free(port: int, host: str = "0.0.0.0") -> bool:
     """True when a TCP listener could bind `host:port` now."""

@@ -26,6 +26,7 @@ from typing import Callable, Iterable
 import psutil
 
 from motor.exits import describe_exit
+from motor.logs import launch_line
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def launch(
     if token:
         child_env[TOKEN_ENV] = token
     with open(log_path, "ab", buffering=0) as log:
-        log.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} launching: {' '.join(argv)}\n".encode())
+        log.write((launch_line(argv) + "\n").encode())
         # exec, never a bare fork: gRPC state does not survive fork().
         return subprocess.Popen(
             argv,

@@ -21,13 +21,16 @@ import grpc
 import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from motor.ports import free_port, port_is_free
+from motor.ports import CONTROLLER_METRICS_PORT, free_port, port_is_free
 from motorctl.render import quiet_stdout
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONTROLLER_PORT = 50051
+# /metrics of `motorctl up`: the controller on DEFAULT_METRICS_PORT, node manager i on
+# DEFAULT_METRICS_PORT + 1 + i (node-a on the node managers' own default, 9472).
+DEFAULT_METRICS_PORT = CONTROLLER_METRICS_PORT
 
 
 def _bin(name: str) -> str:
@@ -50,6 +53,8 @@ class LocalCluster:
     run_dir: str
     nodes: int = 2
     deployment_path: str | None = None
+    # 0: a free port (clusters of tests running side by side never share a controller);
+    # `motorctl up` asks for 50051 when it is free.
     controller_port: int = 0
     accelerators_per_node: int = 4
     heartbeat_interval: float = 1.0
@@ -60,12 +65,30 @@ class LocalCluster:
     engine_port_base: int = 21000
     extra_controller_args: list[str] = field(default_factory=list)
     extra_node_args: list[str] = field(default_factory=list)
+    # /metrics ports: the controller on `metrics_port`, node i on `metrics_port + 1 + i`, a port
+    # already taken replaced by a free one. None: free ports only (tests running side by side);
+    # 0: no /metrics at all.
+    metrics_port: int | None = None
     processes: list[ManagedProcess] = field(default_factory=list)
     node_ports: dict[str, int] = field(default_factory=dict)
+    # Process name ("controller", "node-a"...) -> its /metrics port.
+    metrics_ports: dict[str, int] = field(default_factory=dict)
 
     @property
     def controller_address(self) -> str:
         return f"127.0.0.1:{self.controller_port}"
+
+    def _metrics_args(self, name: str, offset: int) -> list[str]:
+        if self.metrics_port == 0:
+            return ["--metrics-port", "0"]
+        if name not in self.metrics_ports:
+            wanted = None if self.metrics_port is None else self.metrics_port + offset
+            taken = set(self.metrics_ports.values())
+            self.metrics_ports[name] = wanted if wanted and wanted not in taken and port_is_free(wanted) else free_port()
+        return ["--metrics-port", str(self.metrics_ports[name])]
+
+    def metrics_urls(self) -> dict[str, str]:
+        return {name: f"http://127.0.0.1:{port}/metrics" for name, port in self.metrics_ports.items()}
 
     def _launch(self, name: str, argv: list[str]) -> ManagedProcess:
         log_path = os.path.join(self.run_dir, "logs", f"{name}.log")
@@ -82,13 +105,14 @@ class LocalCluster:
     def start(self, timeout: float = 60.0) -> None:
         os.makedirs(self.run_dir, exist_ok=True)
         if not self.controller_port:
-            self.controller_port = DEFAULT_CONTROLLER_PORT if port_is_free(DEFAULT_CONTROLLER_PORT) else free_port()
+            self.controller_port = free_port()
         argv = [
             _bin("motor-controller"),
             "--listen", self.controller_address,
             "--db", os.path.join(self.run_dir, "controller.db"),
             "--heartbeat-interval", str(self.heartbeat_interval),
             "--node-grace", str(self.node_grace),
+            *self._metrics_args("controller", 0),
             *self.extra_controller_args,
         ]
         if self.deployment_path:
@@ -116,6 +140,7 @@ class LocalCluster:
             "--heartbeat-interval", str(self.heartbeat_interval),
             "--abnormal-threshold", str(self.abnormal_threshold),
             "--engine-command", _bin("engine_server"),
+            *self._metrics_args(node_id, 1 + index),
             *self.extra_node_args,
         ]
         managed = self._launch(node_id, argv)
@@ -224,12 +249,21 @@ def show_status(address: str) -> str:
     return render_status(nodes, instances)
 
 
+def _default_controller_port() -> int:
+    return DEFAULT_CONTROLLER_PORT if port_is_free(DEFAULT_CONTROLLER_PORT) else free_port()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="motorctl up", description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=2, help="node managers to start (default 2)")
     parser.add_argument("--deployment", default="examples/local-deployment.yaml", help="deployment file to apply")
     parser.add_argument("--run-dir", default=".run", help="state and logs of this cluster (wiped at start)")
     parser.add_argument("--controller-port", type=int, default=0, help="default 50051, or a free port if taken")
+    parser.add_argument(
+        "--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+        help=f"controller /metrics port, node manager i on this + 1 + i; a taken one is replaced by a free one; "
+        f"0: no metrics (default {DEFAULT_METRICS_PORT})",
+    )
     parser.add_argument("--refresh", type=float, default=1.0, help="seconds between status refreshes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -239,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--deployment {args.deployment!r}: file not found")
 
     shutil.rmtree(args.run_dir, ignore_errors=True)
-    cluster = LocalCluster(args.run_dir, nodes=args.nodes, deployment_path=args.deployment, controller_port=args.controller_port)
+    cluster = LocalCluster(args.run_dir, nodes=args.nodes, deployment_path=args.deployment,
+                           controller_port=args.controller_port or _default_controller_port(), metrics_port=args.metrics_port)
     stopping, started = False, False
 
     def request_stop(signum, frame):  # Ctrl-C, SIGTERM, the terminal closed: leave the loop, then clean up
@@ -257,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"Starting a local Motor cluster: 1 controller, {args.nodes} node managers (logs in {args.run_dir}/logs)")
         cluster.start()
         started = True
-        watch(cluster.controller_address, args.refresh, lambda: stopping)
+        watch(cluster.controller_address, args.refresh, lambda: stopping, cluster.metrics_urls())
     except BaseException as exc:  # noqa: BLE001 (the cluster is stopped whatever happened; reported below)
         status, failure = 1, describe_failure(exc, cluster)
     started = True  # a second Ctrl-C now does not interrupt the stop
@@ -275,10 +310,12 @@ def main(argv: list[str] | None = None) -> int:
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def watch(address: str, refresh: float, stopping) -> None:
+def watch(address: str, refresh: float, stopping, metrics_urls: dict[str, str]) -> None:
     """Show the cluster until asked to stop."""
+    metrics = "".join(f"  {name:<11} {url}\n" for name, url in metrics_urls.items())
     hint = (
-        f"Try:  grpcurl -plaintext {address} list\n"
+        (f"Prometheus /metrics (engines serve theirs on their inference port):\n{metrics}\n" if metrics else "")
+        + f"Try:  grpcurl -plaintext {address} list\n"
         f"      grpcurl -plaintext {address} motor.v1.ControllerService/ListInstances\n"
         f"      motorctl --controller {address} events --follow\n"
         "Ctrl-C stops the cluster."

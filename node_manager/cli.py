@@ -36,13 +36,14 @@ FLAGS = {
     "startup_grace": Flag("seconds an engine may stay INIT"),
     "stop_deadline": Flag("default seconds from SIGTERM to SIGKILL"),
     "status_timeout": Flag("deadline of each GetStatus call, <= heartbeat interval"),
-    "metrics_port": Flag("Prometheus metrics port, 0 = off"),
+    "metrics_port": Flag("Prometheus /metrics port, 0 = off"),
     "engine_command": Flag("engine server command (split like a shell)"),
     "engine_tls_cert": Flag("client certificate for engines that verify clients",
                             default_text="the engine's mgmt_tls_config.cert_file"),
     "engine_tls_key": Flag("key of --engine-tls-cert", default_text="the engine's mgmt_tls_config.key_file"),
     "engine_tls_ca": Flag("CA of the engines' server certificates", default_text="the engine's mgmt_tls_config.ca_file"),
     "log_level": Flag("DEBUG, INFO, WARNING, ERROR or CRITICAL"),
+    "log_format": Flag("text, or json: one JSON object per line (its engines too)"),
 }
 
 
@@ -73,7 +74,8 @@ async def serve(config: NodeManagerConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     return run_service("motor-node-manager", lambda: load_config(argv),
-                       lambda c: setup_logging(c.log_level, c.logs_dir, "node_manager.log"), serve)
+                       lambda c: setup_logging(c.log_level, c.logs_dir, "node_manager.log", log_format=c.log_format,
+                                               fields={"service": "node_manager", "node_id": c.node_id}), serve)
 
 
 if __name__ == "__main__":

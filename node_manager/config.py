@@ -15,8 +15,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from motor.config import HostPort, ReadableFile, split_host_port
-from motor.logs import LogLevel
+from motor.logs import LogFormat, LogLevel
 from motor.names import IdSetting
+from motor.ports import NODE_MANAGER_METRICS_PORT
 
 
 class NodeManagerConfig(BaseModel):
@@ -39,7 +40,8 @@ class NodeManagerConfig(BaseModel):
     startup_grace: float = Field(600.0, ge=0)
     stop_deadline: float = Field(10.0, ge=0)
     status_timeout: float = Field(1.0, gt=0)
-    metrics_port: int = Field(0, ge=0, le=65535)
+    # Prometheus /metrics port; 0 turns it off. Node managers sharing a host need one each.
+    metrics_port: int = Field(NODE_MANAGER_METRICS_PORT, ge=0, le=65535)
     engine_command: str = "engine_server"
     # The node manager's client certificate and key for engines whose management plane verifies
     # clients (mgmt_tls_config.ca_file set); default: the engine section's cert_file/key_file.
@@ -48,6 +50,8 @@ class NodeManagerConfig(BaseModel):
     # CA that signed the engines' server certificates; default: the engine section's ca_file.
     engine_tls_ca: ReadableFile | None = None
     log_level: LogLevel = "INFO"
+    # text, or json (its engines log the same way).
+    log_format: LogFormat = "text"
 
     @field_validator("accelerators", mode="before")
     @classmethod
@@ -127,4 +131,6 @@ class NodeManagerConfig(BaseModel):
             beside = os.path.join(os.path.dirname(sys.executable), argv[0])
             if os.access(beside, os.X_OK):
                 argv[0] = beside
+        if self.log_format != "text":
+            argv += ["--log-format", self.log_format]
         return argv

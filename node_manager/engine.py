@@ -165,7 +165,8 @@ class EngineRecord:
             )
         old = self.state
         self.state, self.state_reason, self.state_changed_at = new_state, reason, time.time()
-        logger.info("engine %s: %s -> %s: %s", self.engine_id, state_name(old), state_name(new_state), reason)
+        logger.info("engine %s: %s -> %s: %s", self.engine_id, state_name(old), state_name(new_state), reason,
+                    extra={"event": state_name(new_state).lower(), "reason": reason})
         on_change(self, old)
 
     def record_exit(self, status: ExitStatus) -> None:
@@ -183,7 +184,7 @@ class EngineRecord:
                 lines = [l.strip() for l in handle.read().decode(errors="replace").splitlines() if l.strip()]
         except OSError:
             return ""
-        lines = [l for l in lines if not l.startswith("--- ")]
+        lines = [l for l in lines if not l.startswith("--- ") and "\"message\": \"--- launching" not in l]  # launch lines (text, JSON)
         tail = " | ".join(lines[-count:])
         return tail if len(tail) <= 600 else "..." + tail[-600:]
 

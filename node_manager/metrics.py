@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from motor.v1 import types_pb2
 
 STATES = [types_pb2.EngineState.Name(v).removeprefix("ENGINE_STATE_").lower() for v in (1, 2, 3, 4, 5)]
+KILL_REASONS = ("abnormal", "stop_deadline", "orphans", "unassigned")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -14,39 +15,51 @@ class Metrics:
     def __init__(self, node_id: str):
         self.registry = CollectorRegistry()
         self.engines = Gauge(
-            "motor_node_manager_engines", "Engines by state", ["node", "state"], registry=self.registry
+            "motor_node_manager_engines",
+            "Engine processes on this node by lifecycle state. Engines stuck in starting point at a slow model "
+            "load or a bad engine_command; failed ones are restarted by the controller's policy.",
+            ["node", "state"], registry=self.registry
         )
         self.restarts = Counter(
             "motor_node_manager_engine_restarts",
-            "Engines launched again for an id that ran before (a new generation or a restart)",
+            "Engines launched again for an id that ran before (a new generation or a restart). Many in a short "
+            "time: an engine keeps failing (motor_node_manager_engine_kills_total says why it was stopped).",
             ["node"],
             registry=self.registry,
         )
         self.kills = Counter(
             "motor_node_manager_engine_kills",
-            "Engines (or leftovers of their process tree) killed by the node manager, by reason: "
-            "abnormal, stop_deadline, orphans, unassigned, leftover",
+            "Engines (or leftovers of their process tree) killed by the node manager, by reason: abnormal "
+            "(unhealthy for abnormal_threshold heartbeats), stop_deadline (ignored SIGTERM), orphans, unassigned, "
+            "leftover. Rising abnormal kills: read those engines' logs.",
             ["node", "reason"],
             registry=self.registry,
         )
         self.failures = Counter(
-            "motor_node_manager_engine_failures", "Engines that ended in FAILED", ["node"], registry=self.registry
+            "motor_node_manager_engine_failures",
+            "Engines that ended in FAILED (exited, killed or never became healthy). Their exit reason is in "
+            "`motorctl instances` and the engine's log under the node's log directory.",
+            ["node"], registry=self.registry
         )
         self.heartbeat_latency = Histogram(
             "motor_node_manager_heartbeat_latency_seconds",
-            "Latency of Heartbeat calls to the controller",
+            "Latency of Heartbeat calls to the controller. Close to the controller's node_grace, the node "
+            "risks being declared lost: check the network and the controller's load.",
             ["node"],
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.status_latency = Histogram(
             "motor_node_manager_status_latency_seconds",
-            "Latency of GetStatus calls to engines (answered calls only)",
+            "Latency of GetStatus calls to engines (answered calls only). High values mean engines answer "
+            "their management plane slowly: check the engines' load and motor_event_loop_lag_seconds.",
             ["node"],
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.node = node_id
+        for reason in KILL_REASONS:  # present from the start, so rate() sees the first one
+            self.kills.labels(node_id, reason)
 
     def set_states(self, counts: dict[str, int]) -> None:
         for state in STATES:
@@ -54,6 +67,3 @@ class Metrics:
 
     def kill(self, reason: str) -> None:
         self.kills.labels(self.node, reason).inc()
-
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=addr, registry=self.registry)

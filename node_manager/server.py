@@ -11,6 +11,7 @@ import os
 import time
 
 from motor.grpc_server import MotorServer, service_name
+from motor.metrics_http import ServiceTelemetry
 from motor.v1 import controller_pb2, node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from node_manager.config import NodeManagerConfig
 from node_manager.controller_link import ControllerLink
@@ -28,7 +29,8 @@ class NodeManagerServer:
         self.manager = NodeManager(config)
         self.lock = StateDirLock(config.state_dir)
         self.process = types_pb2.NodeManagerProcess()  # filled in by start(), once the state dir is ours
-        self.server = MotorServer(config.listen)
+        self.telemetry = ServiceTelemetry(self.manager.metrics.registry)
+        self.server = MotorServer(config.listen, metrics=self.telemetry.grpc)
         self.server.add(
             node_manager_pb2_grpc.add_NodeManagerServiceServicer_to_server,
             NodeManagerServicer(self.manager, self.process),
@@ -64,9 +66,7 @@ class NodeManagerServer:
         atomic_write(os.path.join(self.config.state_dir, "node_manager.port"), f"{self.port}\n")
         logger.info("node manager %s serving motor.v1.NodeManagerService on port %d (advertised as %s)",
                     self.config.node_id, self.port, self.address)
-        if self.config.metrics_port:
-            self.manager.metrics.serve(self.config.metrics_port)
-            logger.info("Prometheus metrics on port %d", self.config.metrics_port)
+        await self.telemetry.serve("0.0.0.0", self.config.metrics_port)
         if self.config.controller:
             self.link = ControllerLink(self.manager, self.config.controller, self.node_info(),
                                        self.config.heartbeat_interval)
@@ -86,5 +86,6 @@ class NodeManagerServer:
             self._link_task.cancel()
             await asyncio.gather(self._link_task, return_exceptions=True)
         await self.server.stop(grace=1.0)
+        await self.telemetry.close()
         await self.manager.close()
         self.lock.release()

@@ -2,13 +2,16 @@
 # Builds a small local Debian base image with python3 + venv for the compose simulation, for
 # machines that cannot pull from a container registry (root; needs debootstrap and dockerd).
 #   scripts/build-base-image.sh [IMAGE]      (default motor-base:bookworm; FORCE=1 rebuilds)
+# DEBIAN_PACKAGES (comma-separated) replaces the packages installed; the compose simulation's
+# Prometheus image is built the same way:
+#   DEBIAN_PACKAGES=prometheus scripts/build-base-image.sh motor-prometheus:bookworm
 # The Debian mirror is read from this machine's apt sources (DEBIAN_MIRROR overrides it), so it
 # works wherever apt-get works.
 set -euo pipefail
 
 IMAGE=${1:-${MOTOR_BASE_IMAGE:-motor-base:bookworm}}
 SUITE=${DEBIAN_SUITE:-bookworm}
-PACKAGES=python3,python3-venv,ca-certificates
+PACKAGES=${DEBIAN_PACKAGES:-python3,python3-venv,ca-certificates}
 
 log() { echo "build-base-image: $*" >&2; }
 
@@ -56,7 +59,9 @@ log "docker import -> $IMAGE ($(du -sh "$ROOTFS" | cut -f1))"
 tar -C "$ROOTFS" -c . | docker import \
   --change 'ENV LANG=C.UTF-8' \
   --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-  --change 'CMD ["python3"]' \
+  --change "CMD [\"${PACKAGES%%,*}\"]" \
   --message "debootstrap $SUITE minbase + $PACKAGES (scripts/build-base-image.sh)" - "$IMAGE" >/dev/null
-docker run --rm "$IMAGE" python3 -c 'import sys, venv; print("build-base-image: python", sys.version.split()[0])' >&2
+if [[ ",$PACKAGES," == *,python3,* ]]; then
+  docker run --rm "$IMAGE" python3 -c 'import sys, venv; print("build-base-image: python", sys.version.split()[0])' >&2
+fi
 log "done: $IMAGE"

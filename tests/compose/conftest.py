@@ -18,6 +18,9 @@ from tests.support import require
 # MOTOR_TEST_BASE_IMAGE=python:3.11-slim where a registry is reachable.
 TEST_IMAGE = "motor-sim:test"
 BASE_IMAGE = os.environ.get("MOTOR_TEST_BASE_IMAGE", "motor-base:bookworm")
+# Prometheus: Debian's package in a local image (no registry here); MOTOR_TEST_PROMETHEUS_IMAGE=
+# prom/prometheus:v2.53.0 where a registry is reachable.
+PROMETHEUS_IMAGE = os.environ.get("MOTOR_TEST_PROMETHEUS_IMAGE", "motor-prometheus:bookworm")
 PROJECT_PREFIX = "motor-test-"
 
 # Seconds each step took, printed at the end of the session (pytest -s) for docs/compose.md.
@@ -50,9 +53,13 @@ def compose() -> list[str]:
 
 @pytest.fixture(scope="session")
 def motor_image(compose: list[str]) -> str:
-    """Builds the base image (once per machine), the wheelhouse and the image, as a user does.
+    """Builds the base image and the Prometheus image (once per machine), the wheelhouse and the
+    image, as a user does.
 
     MOTOR_TEST_IMAGE=<tag> tests an image built beforehand instead (no build)."""
+    if PROMETHEUS_IMAGE == "motor-prometheus:bookworm":
+        _timed("prometheus image (debootstrap + import; 0 when present)", ["bash", "scripts/build-base-image.sh", PROMETHEUS_IMAGE],
+               timeout=900, env=dict(os.environ, DEBIAN_PACKAGES="prometheus"))
     if os.environ.get("MOTOR_TEST_IMAGE"):
         return os.environ["MOTOR_TEST_IMAGE"]
     if BASE_IMAGE == "motor-base:bookworm":
@@ -68,7 +75,8 @@ def motor_image(compose: list[str]) -> str:
 @pytest.fixture(scope="module")
 def stack(compose: list[str], motor_image: str):
     _remove_leftover_projects()
-    stack = ComposeStack(compose, f"{PROJECT_PREFIX}{os.getpid()}", motor_image, BASE_IMAGE, controller_port=free_port())
+    stack = ComposeStack(compose, f"{PROJECT_PREFIX}{os.getpid()}", motor_image, BASE_IMAGE, controller_port=free_port(),
+                         prometheus_image=PROMETHEUS_IMAGE, prometheus_port=free_port())
     started = time.monotonic()
     rules: list[list[str]] = []
     try:

@@ -13,6 +13,10 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
+import json
+import urllib.parse
+import urllib.request
+
 import grpc
 
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
@@ -73,6 +77,8 @@ class ComposeStack:
     image: str
     base_image: str
     controller_port: int
+    prometheus_image: str = "prom/prometheus:v2.53.0"
+    prometheus_port: int = 0
     control_net: str = "10.213.100"  # first three octets; the default stack uses 10.213.0/10.213.1
     data_net: str = "10.213.101"
     node_addresses: dict[str, int] = field(default_factory=lambda: {"node-a": 11, "node-b": 12, "node-c": 13})
@@ -85,6 +91,8 @@ class ComposeStack:
             MOTOR_IMAGE=self.image,
             MOTOR_BASE_IMAGE=self.base_image,
             MOTOR_CONTROLLER_PORT=str(self.controller_port),
+            MOTOR_PROMETHEUS_IMAGE=self.prometheus_image,
+            MOTOR_PROMETHEUS_PORT=str(self.prometheus_port),
             MOTOR_CONTROL_NET=self.control_net,
             MOTOR_DATA_NET=self.data_net,
         )
@@ -95,6 +103,20 @@ class ComposeStack:
 
     def compose_run(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
         return run([*self.compose, *args], timeout=timeout, check=check, env=self.env)
+
+    # Prometheus, through its published port -----------------------------------------------
+
+    def prometheus(self, path: str, **params: str):
+        """GET Prometheus' HTTP API (`/api/v1/...`); returns its `data`."""
+        url = f"http://127.0.0.1:{self.prometheus_port}{path}" + ("?" + urllib.parse.urlencode(params) if params else "")
+        with urllib.request.urlopen(url, timeout=10) as response:
+            body = json.load(response)
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def firing_alerts(self, name: str) -> list[dict]:
+        return [a["labels"] for a in self.prometheus("/api/v1/alerts")["alerts"]
+                if a["labels"]["alertname"] == name and a["state"] == "firing"]
 
     # Containers and networks ---------------------------------------------------------------
 

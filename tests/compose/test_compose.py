@@ -15,9 +15,11 @@ import time
 
 import psutil
 import pytest
+import yaml
 
 from motor.v1 import controller_pb2
 from tests.compose.conftest import TIMINGS
+from tests.support import REPO_ROOT, wait_for
 from tests.compose.stack import (
     NODE_SERVICES,
     SERVICES,
@@ -38,6 +40,10 @@ EXPECTED_ENGINES = {"prefill-0/rank0", "prefill-0/rank1", "decode-0/rank0"}
 # Hang bounds only (the machine has 2 shared cores); measured figures are in TIMINGS.
 START_TIMEOUT = 180
 MOVE_TIMEOUT = NODE_GRACE + 60
+with open(os.path.join(REPO_ROOT, "deploy", "prometheus", "alerts.yaml")) as _f:
+    ALERT_RULES = {r["alert"]: r for g in yaml.safe_load(_f)["groups"] for r in g["rules"]}
+# MotorNodeLost's `for:` (30s), plus the scrape and evaluation intervals of docker/prometheus.yml.
+NODE_LOST_FOR = float(ALERT_RULES["MotorNodeLost"]["for"].removesuffix("s"))
 
 
 def _bin(name: str) -> str:
@@ -100,6 +106,47 @@ def test_stack_comes_up_with_three_nodes_and_the_deployment_ready(stack: Compose
     assert "prefill-0" in shown and "decode-0" in shown, shown
 
 
+def _targets(stack: ComposeStack) -> str:
+    """Prometheus' view of its targets, for failure messages."""
+    active = stack.prometheus("/api/v1/targets")["activeTargets"]
+    return "\n".join(f"{t['labels'].get('job')} {t['scrapeUrl']}: {t['health']} {t['lastError']}" for t in active)
+
+
+def test_prometheus_scrapes_every_service_with_the_alert_rules_loaded(stack: ComposeStack):
+    _wait_cluster_ready(stack, START_TIMEOUT, "the cluster ready")
+
+    def every_target_up():
+        samples = stack.prometheus("/api/v1/query", query="up")["result"]
+        by_job: dict[str, list[dict]] = {}
+        for sample in samples:
+            by_job.setdefault(sample["metric"]["job"], []).append(sample["metric"])
+        complete = (
+            len(by_job.get("motor-controller", [])) == 1
+            and {m.get("node_id") for m in by_job.get("motor-node-manager", [])} == set(NODE_SERVICES)
+            # Engines are discovered from the controller (/discovery/engines), with their ids.
+            and {m.get("engine_id") for m in by_job.get("motor-engine", [])} == EXPECTED_ENGINES
+        )
+        return complete and all(sample["value"][1] == "1" for sample in samples)
+
+    started = time.monotonic()
+    wait_for(every_target_up, 120, 1, "every Prometheus target up == 1", detail=lambda: _targets(stack))
+    TIMINGS["ready -> every Prometheus target up"] = time.monotonic() - started
+
+    loaded = {rule["name"] for group in stack.prometheus("/api/v1/rules")["groups"] for rule in group["rules"]}
+    assert set(ALERT_RULES) <= loaded, f"alert rules not loaded: {set(ALERT_RULES) - loaded}"
+    # Each service's own series arrive, labelled by job.
+    for query, job in (
+        ('motor_controller_node_state{state="ready"} == 1', "motor-controller"),
+        ("motor_node_manager_engines", "motor-node-manager"),
+        ("motor_engine_server_health_status", "motor-engine"),
+        ("motor_event_loop_lag_seconds_count", "motor-node-manager"),
+        ('grpc_server_handled_total{grpc_method="Heartbeat"}', "motor-controller"),
+    ):
+        result = stack.prometheus("/api/v1/query", query=query)["result"]
+        assert any(r["metric"]["job"] == job for r in result), f"{query}: {result}"
+    assert stack.firing_alerts("MotorNodeLost") == []
+
+
 def test_killed_node_manager_container_engines_move_to_the_other_nodes(stack: ComposeStack):
     nodes, before = _wait_cluster_ready(stack, START_TIMEOUT, "the cluster ready before the kill")
     victim = _busiest_node(before)
@@ -122,6 +169,12 @@ def test_killed_node_manager_container_engines_move_to_the_other_nodes(stack: Co
     TIMINGS[f"docker kill {victim} -> its {len(moved)} engines NORMAL elsewhere (grace {NODE_GRACE:.0f} s)"] = (
         time.monotonic() - killed_at
     )
+    # Prometheus fires MotorNodeLost for it: detection (grace + re-check), then the rule's `for:`.
+    wait_for(
+        lambda: [a for a in stack.firing_alerts("MotorNodeLost") if a["node_id"] == victim],
+        NODE_GRACE + NODE_LOST_FOR + 60, 1, f"MotorNodeLost firing for {victim}", detail=lambda: _targets(stack),
+    )
+    TIMINGS[f"docker kill {victim} -> MotorNodeLost firing (for: {NODE_LOST_FOR:.0f} s)"] = time.monotonic() - killed_at
     nodes, _ = stack.snapshot()
     assert victim not in ready_nodes(nodes)
     assert not stack.running(victim)
@@ -131,6 +184,7 @@ def test_killed_node_manager_container_engines_move_to_the_other_nodes(stack: Co
     run(["docker", "start", stack.container(victim)])
     _wait_cluster_ready(stack, START_TIMEOUT, f"{victim} READY again after docker start")
     _engines_once(stack)
+    wait_for(lambda: stack.firing_alerts("MotorNodeLost") == [], 60, 1, "MotorNodeLost resolved once the node is back")
 
 
 def test_partitioned_node_is_fenced_when_healed_so_no_engine_runs_twice(stack: ComposeStack):

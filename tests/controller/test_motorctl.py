@@ -131,7 +131,7 @@ def test_restart_with_the_same_deployment_file_keeps_the_revision(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nmodel: m\ninstance_groups: [{name: u, role: union}]\n")
     result = subprocess.run([_bin("motor-controller"), "--listen", "127.0.0.1:0", "--db", str(tmp_path / "o.db"),
-                             "--deployment", str(bad)], capture_output=True, text=True, timeout=60)
+                             "--metrics-port", "0", "--deployment", str(bad)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "engine_config.motor_engine_union_config: required" in result.stderr
 
 

@@ -45,6 +45,7 @@ class Cluster(LocalCluster):
             _bin("motor-controller"), "--listen", self.controller_address,
             "--db", os.path.join(self.run_dir, "controller.db"),
             "--heartbeat-interval", str(self.heartbeat_interval), "--node-grace", str(self.node_grace),
+            *self._metrics_args("controller", 0),  # the same /metrics port as before the restart
             *self.extra_controller_args,
         ]
 

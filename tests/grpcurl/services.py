@@ -89,6 +89,7 @@ def start_node_manager(log_dir: str, node_id: str = "node-a", controller: str | 
         os.path.join(BIN, "motor-node-manager"), "--node-id", node_id, "--listen", address,
         "--state-dir", os.path.join(log_dir, node_id), "--accelerators", "0,1,2,3", "--accelerator-type", "sim",
         "--port-range", port_range, "--engine-command", os.path.join(BIN, "engine_server"),
+        "--metrics-port", "0",  # tests run side by side: no fixed metrics port
     ]
     if controller:
         argv += ["--controller", controller]

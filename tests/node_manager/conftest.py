@@ -119,6 +119,7 @@ async def make_node(tmp_path):
             startup_grace=60,
             stop_deadline=5,
             engine_command=ENGINE_SERVER,
+            metrics_port=0,  # tests run side by side: a test that scrapes passes a free port
         )
         values.update(overrides)
         server = NodeManagerServer(NodeManagerConfig(**values))

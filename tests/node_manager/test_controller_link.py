@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -120,7 +121,12 @@ async def test_status_calls_use_tls_with_a_client_certificate(make_node, tmp_pat
             await engine_pb2_grpc.EngineServiceStub(channel).GetStatus(engine_pb2.GetStatusRequest(), timeout=2)
 
 
+def scrape(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+
 async def test_prometheus_metrics(make_node, fake_controller):
+    # /metrics is served on the node manager's event loop, which this test shares: scrape from a thread.
     port = free_port()
     node = await make_node(controller=fake_controller.address, metrics_port=port)
     engine = await node.start(config_json=sim_config(probe_interval=0.2, max_failure_count=1))
@@ -128,11 +134,11 @@ async def test_prometheus_metrics(make_node, fake_controller):
     os.kill(engine.pid, signal.SIGSTOP)
     await node.wait_state("prefill-0/rank0", FAILED, timeout=30)
     await async_wait_for(lambda: fake_controller.heartbeats, timeout=10)
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    text = await asyncio.to_thread(scrape, port)
     assert 'motor_node_manager_engines{node="node-a",state="failed"} 1.0' in text
     assert 'motor_node_manager_engines{node="node-a",state="running"} 0.0' in text
     assert 'motor_node_manager_engine_kills_total{node="node-a",reason="abnormal"} 1.0' in text
     assert 'motor_node_manager_heartbeat_latency_seconds_count{node="node-a"}' in text
     await node.start(config_json=sim_config(), generation=1)
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    text = await asyncio.to_thread(scrape, port)
     assert 'motor_node_manager_engine_restarts_total{node="node-a"} 1.0' in text

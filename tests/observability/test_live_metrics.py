@@ -1,0 +1,195 @@
+"""Every service's /metrics in a live `make run`-style cluster (motorctl.up.LocalCluster: a
+controller, two node managers, sim engine servers): `promtool check metrics` finds nothing to say
+about any Motor series, and every metric the shipped dashboard and alert rules query exists. The
+cluster logs in JSON (--log-format json): every line of every service is one JSON object."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import urllib.request
+
+import grpc
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
+from motorctl.up import LocalCluster
+from tests.support import REPO_ROOT, require, wait_for
+
+pytestmark = pytest.mark.slow
+
+DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
+DASHBOARD = os.path.join(REPO_ROOT, "deploy", "grafana", "motor.json")
+RULE_FILES = sorted(glob.glob(os.path.join(REPO_ROOT, "deploy", "prometheus", "*.yaml")))
+# Our series: Motor's own and the gRPC server series every service exports (vLLM's are not ours).
+OURS = re.compile(r"^(motor_|grpc_server_)")
+# Metric names in PromQL: identifiers that are neither functions, keywords nor label names.
+METRIC_IN_QUERY = re.compile(r"\b((?:motor|grpc_server)[a-z0-9_:]*)\b(?!\s*(?:=~|!~|!=|=(?!=)|\())")
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    local = LocalCluster(
+        str(tmp_path_factory.mktemp("cluster")), nodes=2, deployment_path=DEPLOYMENT, heartbeat_interval=0.5,
+        engine_port_base=33000, extra_controller_args=["--log-format", "json"], extra_node_args=["--log-format", "json"],
+    )
+    try:
+        local.start(timeout=60)
+        yield local
+    finally:
+        problems = local.stop()
+        assert not problems, problems
+
+
+@pytest.fixture(scope="module")
+def scraped(cluster) -> dict[str, str]:
+    """Target name -> its /metrics text, once every engine is NORMAL and has probed."""
+    assert set(cluster.metrics_urls()) == {"controller", "node-a", "node-b"}
+
+    def endpoints():
+        with grpc.insecure_channel(cluster.controller_address) as channel:
+            stub = controller_pb2_grpc.ControllerServiceStub(channel)
+            found = stub.ListEndpoints(controller_pb2.ListEndpointsRequest(role=types_pb2.ROLE_UNSPECIFIED), timeout=5)
+        return list(found.endpoints) if len(found.endpoints) == 3 else None
+
+    engines = wait_for(endpoints, 120, 0.5, "three NORMAL engines")
+    bodies = {name: _get(url) for name, url in cluster.metrics_urls().items()}
+    for endpoint in engines:
+        url = f"{endpoint.url}/metrics"
+        # An engine's probe series appear with its first probe.
+        bodies[endpoint.engine_id] = wait_for(
+            lambda: (body := _get(url)) and "motor_engine_server_probe_latency_seconds_count" in body and body,
+            60, 0.5, f"{endpoint.engine_id}'s first probe in {url}",
+        )
+    return bodies
+
+
+def _ours(text: str) -> str:
+    """The exposition of our families only, HELP and TYPE lines included."""
+    keep = []
+    for line in text.splitlines():
+        name = line.split()[2] if line.startswith("# ") and len(line.split()) > 2 else re.split(r"[{ ]", line, 1)[0]
+        if OURS.match(name):
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
+def test_promtool_check_metrics_passes_for_every_motor_series(scraped):
+    promtool = shutil.which("promtool")
+    require(promtool is not None, "promtool (scripts/prometheus-tools.sh installs it)")
+    for target, body in scraped.items():
+        ours = _ours(body)
+        assert "motor_event_loop_lag_seconds" in ours, f"{target} has no event-loop lag"
+        result = subprocess.run([promtool, "check", "metrics"], input=ours, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0 and not result.stdout.strip() and not result.stderr.strip(), (
+            f"{target}: promtool check metrics:\n{result.stdout}{result.stderr}"
+        )
+
+
+def _sample_names(scraped: dict[str, str]) -> set[str]:
+    names = set()
+    for body in scraped.values():
+        for family in text_string_to_metric_families(body):
+            names |= {sample.name for sample in family.samples}
+    return names
+
+
+def _queries_of_dashboard() -> list[str]:
+    with open(DASHBOARD) as f:
+        dashboard = json.load(f)  # valid JSON, or this fails
+    queries = []
+    for panel in dashboard["panels"]:
+        queries += [target["expr"] for target in panel.get("targets", [])]
+    for variable in dashboard["templating"]["list"]:
+        if isinstance(variable.get("query"), dict):
+            queries.append(variable["query"]["query"])
+    return queries
+
+
+def _rules() -> list[dict]:
+    rules = []
+    for path in RULE_FILES:
+        with open(path) as f:
+            rules += [rule for group in yaml.safe_load(f)["groups"] for rule in group["rules"]]
+    return rules
+
+
+def _missing(queries: list[str], live: set[str]) -> dict[str, set[str]]:
+    recorded = {rule["record"] for rule in _rules() if "record" in rule}
+    missing = {}
+    for query in queries:
+        names = set(METRIC_IN_QUERY.findall(query))
+        assert names, f"no Motor metric recognised in {query!r}"
+        absent = {n for n in names if n not in live and n not in recorded}
+        if absent:
+            missing[query] = absent
+    return missing
+
+
+def test_every_dashboard_query_uses_metrics_a_live_cluster_exports(scraped):
+    queries = _queries_of_dashboard()
+    assert len(queries) >= 15
+    assert _missing(queries, _sample_names(scraped)) == {}
+
+
+def test_every_rule_uses_metrics_a_live_cluster_exports(scraped):
+    queries = [rule["expr"] for rule in _rules() if "up{" not in rule["expr"]]
+    assert _missing(queries, _sample_names(scraped)) == {}
+
+
+def test_every_motor_series_has_help_that_says_what_it_is_for(scraped):
+    """HELP is what an operator reads first: a sentence, not a label (the wording is reviewed)."""
+    short = set()
+    for target, body in scraped.items():
+        for family in text_string_to_metric_families(body):
+            if OURS.match(family.name) and len(family.documentation.split()) < 8:
+                short.add(f"{family.name}: {family.documentation!r}")
+    assert not short, "\n".join(sorted(short))
+
+
+def _json_lines(path: str) -> list[dict]:
+    lines = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            try:
+                lines.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise AssertionError(f"{path}:{number} is not one JSON object: {line!r}") from None
+    return lines
+
+
+def test_every_service_logs_one_json_object_per_line_with_its_ids(cluster, scraped):
+    logs = os.path.join(cluster.run_dir, "logs")
+    controller = _json_lines(os.path.join(logs, "controller.log"))
+    assert {line["service"] for line in controller} == {"controller"}
+    registered = [line for line in controller if line.get("event") == "node_registered"]
+    assert {line["node_id"] for line in registered} == {"node-a", "node-b"}
+    assert all(line["reason"].startswith(f"node {line['node_id']} registered") for line in registered)
+    for node_id in ("node-a", "node-b"):
+        node = _json_lines(os.path.join(logs, f"{node_id}.log"))
+        assert {line["node_id"] for line in node} == {node_id}
+    # Engines inherit the format from their node manager; each line names its engine.
+    engine_logs = glob.glob(os.path.join(cluster.run_dir, "node-*", "logs", "engines", "*.log"))
+    engines = {}
+    for path in engine_logs:
+        launch, *lines = _json_lines(path)
+        # The node manager's line at the top of each engine's log, in its own JSON format.
+        assert launch["message"].startswith("--- launching: ") and launch["service"] == "node_manager", launch
+        for line in lines:
+            engines.setdefault(line["engine_id"], set()).add((line["service"], line["instance_id"]))
+    assert engines == {
+        "prefill-0/rank0": {("engine_server", "prefill-0")},
+        "prefill-0/rank1": {("engine_server", "prefill-0")},
+        "decode-0/rank0": {("engine_server", "decode-0")},
+    }

@@ -1,0 +1,110 @@
+"""The metrics every service shares (motor.metrics_http): gRPC calls per method and code, the
+event-loop lag, and the /metrics endpoint itself, on a real gRPC server and a real HTTP port."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from motor.errors import ConfigError, InvalidArgument
+from motor.grpc_server import MotorServer
+from motor.metrics_http import ServiceTelemetry
+from motor.ports import free_port
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(name, labels)
+
+
+async def test_grpc_calls_are_counted_by_method_and_code():
+    registry = CollectorRegistry()
+    telemetry = ServiceTelemetry(registry)
+    server = MotorServer("127.0.0.1:0", metrics=telemetry.grpc)
+
+    class Failing(health_pb2_grpc.HealthServicer):
+        async def Check(self, request, context):  # a domain error, mapped by ErrorMappingInterceptor
+            raise InvalidArgument("service: not a real service")
+
+    # A second health service under another name, whose Check fails the way servicers fail.
+    server.server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("test.Failing", {
+            "Check": grpc.unary_unary_rpc_method_handler(
+                Failing().Check, health_pb2.HealthCheckRequest.FromString, health_pb2.HealthCheckResponse.SerializeToString
+            )
+        })]
+    )
+    port = await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            failing = channel.unary_unary(
+                "/test.Failing/Check",
+                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                response_deserializer=health_pb2.HealthCheckResponse.FromString,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await failing(health_pb2.HealthCheckRequest(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            # A server stream written with context.write (grpc's health Watch) still streams.
+            watch = stub.Watch(health_pb2.HealthCheckRequest())
+            first = await watch.read()
+            assert first.status == health_pb2.HealthCheckResponse.SERVING
+            watch.cancel()
+    finally:
+        await server.stop(0)
+    check = dict(grpc_type="unary", grpc_service="grpc.health.v1.Health", grpc_method="Check")
+    assert sample(registry, "grpc_server_started_total", **check) == 2
+    assert sample(registry, "grpc_server_handled_total", **check, grpc_code="OK") == 2
+    assert sample(registry, "grpc_server_handling_seconds_count", **check) == 2
+    failing_labels = dict(grpc_type="unary", grpc_service="test.Failing", grpc_method="Check")
+    assert sample(registry, "grpc_server_handled_total", **failing_labels, grpc_code="INVALID_ARGUMENT") == 1
+    watch = dict(grpc_type="server_stream", grpc_service="grpc.health.v1.Health", grpc_method="Watch")
+    assert sample(registry, "grpc_server_started_total", **watch) == 1
+
+
+async def test_a_blocked_loop_shows_as_lag_and_metrics_are_served():
+    registry = CollectorRegistry()
+    telemetry = ServiceTelemetry(registry)
+    telemetry.loop_lag.interval = 0.05
+    port = await telemetry.serve("127.0.0.1", free_port(), routes={"/discovery": lambda: [{"targets": ["a:1"]}]})
+    try:
+        await asyncio.sleep(0.2)
+        time.sleep(0.4)  # blocking code on the loop, as a slow synchronous call would be
+        await asyncio.sleep(0.2)
+        slow = sample(registry, "motor_event_loop_lag_seconds_count") - sample(
+            registry, "motor_event_loop_lag_seconds_bucket", le="0.25"
+        )
+        assert slow >= 1
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{port}/metrics") as response:
+                assert response.status == 200
+                names = {family.name for family in text_string_to_metric_families(await response.text())}
+            async with session.get(f"http://127.0.0.1:{port}/discovery") as response:
+                assert await response.json() == [{"targets": ["a:1"]}]
+        assert {"motor_event_loop_lag_seconds", "grpc_server_handled"} <= names
+    finally:
+        await telemetry.close()
+
+
+async def test_a_taken_port_is_a_config_error_and_zero_turns_metrics_off():
+    taken = ServiceTelemetry(CollectorRegistry())
+    port = await taken.serve("127.0.0.1", free_port())
+    try:
+        other = ServiceTelemetry(CollectorRegistry())
+        with pytest.raises(ConfigError, match="metrics_port"):
+            await other.serve("127.0.0.1", port)
+        await other.close()
+        off = ServiceTelemetry(CollectorRegistry())
+        assert await off.serve("127.0.0.1", 0) == 0
+        await off.close()
+    finally:
+        await taken.close()
