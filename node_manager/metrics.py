@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from motor.v1 import types_pb2
 
 STATES = [types_pb2.EngineState.Name(v).removeprefix("ENGINE_STATE_").lower() for v in (1, 2, 3, 4, 5)]
-KILL_REASONS = ("abnormal", "stop_deadline", "orphans", "unassigned")
+KILL_REASONS = ("abnormal", "stop_deadline", "orphans", "unassigned", "leftover")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 

@@ -84,7 +84,7 @@ async def test_moves_held_back_by_the_rate_limit_are_counted_once_per_hold_back(
     try:
         await harness.start()
         for node in ("node-a", "node-b"):
-            harness.register(node, accelerators=2)
+            await harness.register(node, accelerators=2)
         groups = [{"name": "decode", "role": "decode", "count": 2, "data_parallel_size": 1, "accelerators_per_engine": 1}]
         harness.controller.apply_deployment(small_deployment(groups))
         await async_wait_for(lambda: len(harness.client.starts()) == 2, timeout=5, what="2 StartEngine calls")
