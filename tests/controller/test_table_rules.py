@@ -61,3 +61,11 @@ def test_a_slot_on_no_node_can_be_removed_and_unplaced():
     table.unplace(slot, moved=False)
     assert slot.node_id == "" and not slot.moved
     assert table.remove("p-0/rank0") is slot and "p-0/rank0" not in table
+
+
+def test_a_new_generation_forgets_what_the_last_copy_said_of_its_stop():
+    table = SlotTable()
+    slot = placed(table, "p-0/rank0", "node-a", [0])
+    slot.draining, slot.sleeping, slot.stop_grace = True, True, 12.5
+    table.new_generation(slot, 2)
+    assert (slot.draining, slot.sleeping, slot.stop_grace) == (False, False, 0.0)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from motor.errors import InvalidArgument
-from motor.names import ID_RULE, check_instance_id, check_node_id, excerpt, parse_engine_id, parse_role, role_name
+from motor.names import (
+    ID_RULE, check_instance_id, check_node_id, check_printable, excerpt, parse_engine_id, parse_role, role_name,
+)  # fmt: skip
 from motor.v1 import types_pb2 as T
 
 
@@ -55,3 +57,14 @@ def test_role_names():
     assert [role_name(r) for r in (T.ROLE_PREFILL, T.ROLE_DECODE, T.ROLE_UNION, T.ROLE_UNSPECIFIED)] == [
         "prefill", "decode", "union", "unspecified"
     ]
+
+
+def test_printable_text_passes_with_its_spaces_digits_and_punctuation():
+    assert check_printable("node-1.example:50052 ~é", "node.address") == "node-1.example:50052 ~é"
+
+
+@pytest.mark.parametrize("bad", ["\x00", "\n", "\x1f", "\x7f"])
+def test_a_control_character_is_named(bad):
+    with pytest.raises(InvalidArgument) as error:
+        check_printable(f"10.0.0.1{bad}", "node.host")
+    assert str(error.value) == f"node.host {f'10.0.0.1{bad}'!r} holds the control character {bad!r}; remove it"
