@@ -158,7 +158,7 @@ class NodeClaims:
         if not same_node:
             self.monitor.declare_lost(holder, why + "; another host or other accelerators: its engines move")
             return
-        with st.store.transaction():
+        with st.batch():
             for slot in list(st.slots.on_node(holder.node_id)):
                 st.slots.new_generation(slot, st.store.next_generation())
                 slot.launched = False

@@ -19,7 +19,7 @@ import collections
 import json
 import logging
 import time
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Awaitable, Callable, Iterable
 
 from google.protobuf import json_format
 
@@ -44,8 +44,8 @@ from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
 from controller.scheduling import LIVE_ENGINE_STATES, Scheduler
 from controller.slots import EngineSlot
 from controller.state import ClusterState
-from controller.store import Store
-from controller.validation import InstanceSpec, expand, validate_deployment
+from controller.store import Store, StoreUnavailable
+from controller.validation import InstanceSpec, expand, integral_numbers, validate_deployment
 
 logger = logging.getLogger(__name__)
 
@@ -53,18 +53,6 @@ C, T = controller_pb2, types_pb2
 # Engine states that mean the current copy is gone and must be replaced.
 DEAD_ENGINE_STATES = {T.ENGINE_STATE_FAILED, T.ENGINE_STATE_STOPPED}
 RegisterNodeResponse = C.RegisterNodeResponse
-
-
-def _integral(value: Any) -> Any:
-    """google.protobuf.Struct stores every number as a double: give engines back their ints
-    (engine servers validate `max_failure_count: 3`, not 3.0)."""
-    if isinstance(value, dict):
-        return {k: _integral(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_integral(v) for v in value]
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
 
 
 class Controller:
@@ -209,44 +197,67 @@ class Controller:
         self.deployment, self.revision = deployment, revision
         if deployment is not None:
             self.state.policy = Policy.from_proto(deployment.restart_policy)
-            self.state.config_json = json.dumps(_integral(json_format.MessageToDict(deployment.engine_config)), sort_keys=True)
+            self.state.config_json = json.dumps(integral_numbers(json_format.MessageToDict(deployment.engine_config)), sort_keys=True)
 
     def apply_deployment(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
         validated = validate_deployment(deployment)
         desired = expand(validated)
-        unchanged = self.deployment is not None and (
+        if self.deployment is not None and (
             validated.SerializeToString(deterministic=True) == self.deployment.SerializeToString(deterministic=True)
-        )
-        with self.store.transaction():
-            if unchanged:
-                # Same spec: nothing changes, except that FAILED instances get a new chance.
+        ):
+            # Same spec: nothing changes, except that FAILED instances get a new chance.
+            with self.state.batch():
                 for inst in self.instances.values():
                     if inst.state == FAILED:
                         self._retry_failed(inst)
-                return self.deployment, self.revision
-            revision = self.revision + 1
-            self.store.save_deployment(validated.SerializeToString(deterministic=True), revision)
-            self._set_deployment(validated, revision)
-            for instance_id in sorted(set(self.instances) - set(desired)):
+            return self.deployment, self.revision
+        revision = self.revision + 1
+        replaced = {i for i, spec in desired.items() if i in self.instances and self.instances[i].spec_hash != spec.spec_hash}
+        gone = sorted(set(self.instances) - set(desired))
+        new = {i: self._new_instance(spec) for i, spec in sorted(desired.items()) if i not in self.instances or i in replaced}
+        # The disk first: when it refuses (UNAVAILABLE), memory and the engines are untouched.
+        self._store_first(validated, revision, [*gone, *sorted(replaced)], new)
+        self._set_deployment(validated, revision)
+        with self.state.batch():
+            for instance_id in gone:
                 self._remove_instance(instance_id, "no longer in the deployment")
+            for instance_id in sorted(replaced):
+                self._remove_instance(instance_id, "its spec changed; it is started again")
+            for inst, slots in new.values():
+                self._install(inst, slots)
             for instance_id, spec in sorted(desired.items()):
-                inst = self.instances.get(instance_id)
-                if inst is not None and inst.spec_hash != spec.spec_hash:
-                    self._remove_instance(instance_id, "its spec changed; it is started again")
-                    inst = None
-                if inst is None:
-                    self._create_instance(spec)
-                else:
+                inst = self.instances[instance_id]
+                if instance_id not in new and inst.paired_instance_id != spec.paired_instance_id:
                     inst.paired_instance_id = spec.paired_instance_id
-                    if inst.state == FAILED:
-                        self._retry_failed(inst)
                     self.state.save_instance(inst)
+                if instance_id not in new and inst.state == FAILED:
+                    self._retry_failed(inst)
         self.state.event(
             C.EVENT_TYPE_DEPLOYMENT_CHANGED,
             f"deployment {validated.name!r} applied (revision {revision}, {len(desired)} instances)",
         )
         self.wake()
         return validated, revision
+
+    def _store_first(self, deployment: C.Deployment | None, revision: int, removed: list[str],
+                     new: dict[str, tuple[InstanceRecord, list[EngineSlot]]]) -> None:
+        """Write a deployment change in one transaction before memory changes; StoreUnavailable
+        (e.g. a full disk) leaves both as they were."""
+        try:
+            with self.store.transaction():
+                self.store.save_deployment(deployment.SerializeToString(deterministic=True) if deployment else None, revision)
+                for instance_id in removed:
+                    self.store.delete_instance(instance_id)
+                    for slot in self.state.slots_of(instance_id):
+                        self.store.delete_assignment(slot.engine_id)
+                for inst, slots in new.values():
+                    self.store.save_instance(inst.instance_id, inst.to_dict())
+                    for slot in slots:
+                        self.store.save_assignment(slot.engine_id, slot.to_dict())
+        except StoreUnavailable as exc:
+            self.state.refused(exc)
+            raise
+        self.state.store_ok()
 
     def _retry_failed(self, inst: InstanceRecord) -> None:
         self.state.attention.add(inst.instance_id)
@@ -255,32 +266,31 @@ class Controller:
         inst.next_restart_at = self.wall()
         self.state.transition(inst, RESTARTING, "deployment applied again: retrying the FAILED instance")
 
-    def _create_instance(self, spec: InstanceSpec) -> None:
-        st = self.state
+    def _new_instance(self, spec: InstanceSpec) -> tuple[InstanceRecord, list[EngineSlot]]:
         inst = InstanceRecord(
             instance_id=spec.instance_id, group=spec.group, role=spec.role,
             data_parallel_size=spec.data_parallel_size, accelerators_per_engine=spec.accelerators_per_engine,
             single_container=spec.single_container, paired_instance_id=spec.paired_instance_id,
             spec_hash=spec.spec_hash, state_changed_at=self.wall(),
         )
-        st.instances[inst.instance_id] = inst
-        st.attention.add(inst.instance_id)
-        st.save_instance(inst)
-        for rank in range(spec.data_parallel_size):
-            slot = EngineSlot(names.engine_id(spec.instance_id, rank), spec.instance_id, rank)
-            st.slots.add(slot)
-            st.save_slot(slot)
+        return inst, [EngineSlot(names.engine_id(spec.instance_id, r), spec.instance_id, r) for r in range(spec.data_parallel_size)]
+
+    def _install(self, inst: InstanceRecord, slots: list[EngineSlot]) -> None:
+        """Into memory only (_store_first wrote it)."""
+        self.state.instances[inst.instance_id] = inst
+        self.state.attention.add(inst.instance_id)
+        for slot in slots:
+            self.state.slots.add(slot)
 
     def _remove_instance(self, instance_id: str, why: str) -> None:
+        """From memory, and stop its engines (_store_first deleted its rows)."""
         st = self.state
         slots = st.slots_of(instance_id)  # while the instance is known: its ranks, not a scan of every slot
         st.instances.pop(instance_id, None)
         self.endpoints.refresh()  # routers hear of it before any of its engines is stopped
-        self.store.delete_instance(instance_id)
         st.attention.discard(instance_id)
         for slot in slots:
             st.slots.remove(slot.engine_id)
-            self.store.delete_assignment(slot.engine_id)
             if slot.node_id:
                 self.actuator.stop_copy(slot.node_id, slot.engine_id, slot.generation, f"instance {instance_id} {why}")
 
@@ -293,11 +303,11 @@ class Controller:
         if self.deployment is None:
             return
         name = self.deployment.name
-        with self.store.transaction():
-            for instance_id in sorted(self.instances):
-                self._remove_instance(instance_id, "deleted with the deployment")
-            self.store.save_deployment(None, self.revision)
-            self._set_deployment(None, self.revision)
+        removed = sorted(self.instances)
+        self._store_first(None, self.revision, removed, {})
+        for instance_id in removed:
+            self._remove_instance(instance_id, "deleted with the deployment")
+        self._set_deployment(None, self.revision)
         self.state.event(C.EVENT_TYPE_DEPLOYMENT_CHANGED, f"deployment {name!r} deleted; stopping its engines")
 
     # ------------------------------------------------------------------ nodes: register, heartbeat, events
@@ -329,7 +339,7 @@ class Controller:
     def _register(self, info: C.NodeInfo, engines: Iterable[T.Engine]) -> tuple[int, list[C.EngineAssignment]]:
         st = self.state
         previous = st.nodes.get(info.node_id)
-        with self.store.transaction():
+        with st.batch():
             generation = self.store.next_generation()
             node = NodeRuntime(info, generation, NODE_READY, f"registered (generation {generation})", last_seen=self.mono())
             node.last_heartbeat_wall = node.registered_wall = self.wall()

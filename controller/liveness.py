@@ -142,7 +142,7 @@ class NodeMonitor:
         st = self.state
         silence = st.mono() - node.last_seen
         why = why or f"no heartbeat for {silence:.1f}s and the direct re-check failed ({node.recheck_error})"
-        with st.store.transaction():
+        with st.batch():
             # A new generation: the node's heartbeats are refused until it registers again.
             node.generation = st.store.next_generation()
             st.nodes.set_state(node, NODE_LOST, why)

@@ -22,6 +22,7 @@ from controller.nodes import NODE_LOST, NODE_READY, NodeRuntime
 from controller.placement import Fleet, NodeCapacity, Unplaceable, place_instance, ports_per_engine
 from controller.slots import EngineSlot
 from controller.state import ClusterState
+from controller.store import StoreUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +84,10 @@ class Scheduler:
     # ------------------------------------------------------------------ the reconcile pass
 
     def reconcile_once(self) -> None:
+        st = self.state
+        st.flush()  # writes the store refused before, when their backoff has passed
         if not self.startup_done():
             return
-        st = self.state
         now_wall, now = st.wall(), st.mono()
         fleet: Fleet | None = None
         for instance_id in sorted(st.attention):
@@ -95,7 +97,9 @@ class Scheduler:
                 continue
             slots = st.slots_of(instance_id)
             if inst.state == RESTARTING:
-                if inst.next_restart_at is not None and inst.next_restart_at <= now_wall:
+                # Re-armed every pass once due: a restart whose timer or task was lost (its
+                # generation could not be stored) is never stranded.
+                if inst.next_restart_at is not None and inst.next_restart_at <= now_wall and now >= st.store_retry_at:
                     self.spawn(self.restart(instance_id), f"restart {instance_id}")
                 continue
             if any(s.busy for s in slots):
@@ -160,7 +164,7 @@ class Scheduler:
             return
         self.reschedule_bucket.take(moved)
         by_rank = {p.dp_rank: p for p in placements}
-        with st.store.transaction():
+        with st.batch():
             for s in unplaced:
                 if s.moved:
                     self.count_reschedule("node_lost")
@@ -195,7 +199,7 @@ class Scheduler:
                 s.busy = False
         if st.instances.get(instance_id) is not inst:
             return
-        with st.store.transaction():
+        with st.batch():
             for s in slots:
                 st.unplace(s)
                 st.save_slot(s)
@@ -208,7 +212,7 @@ class Scheduler:
         the scope is the group or rank 0 moves)."""
         st = self.state
         by_instance: dict[str, list[int]] = {}
-        with st.store.transaction():
+        with st.batch():
             for s in st.slots.on_node(node.node_id):
                 if s.failed_at is None:
                     s.failed_at = st.mono()
@@ -251,14 +255,14 @@ class Scheduler:
             # per instance per restart, however the reports arrive.
             ranks = range(inst.data_parallel_size) if policy.group_scope else [slot.dp_rank]
             inst.restart_ranks = sorted(set(inst.restart_ranks) | set(ranks))
-            with st.store.transaction():
+            with st.batch():
                 st.save_slot(slot)
                 st.save_instance(inst)
             st.attention.add(inst.instance_id)
             return
         now = st.wall()
         decision = on_failure(inst, policy, now)
-        with st.store.transaction():
+        with st.batch():
             st.save_slot(slot)
             if decision.give_up:
                 inst.restart_ranks, inst.next_restart_at = [], None
@@ -302,15 +306,20 @@ class Scheduler:
         slots = [s for s in st.slots_of(instance_id) if s.dp_rank in set(inst.restart_ranks)]
         if any(s.busy for s in slots):
             return  # a start/stop is still in flight; the reconcile loop comes back
+        try:  # durable generations first: without them nothing changes and the reconcile loop comes back
+            generations = [st.store.next_generation() for _ in slots]
+        except StoreUnavailable as exc:
+            st.refused(exc)
+            return
         old: dict[str, tuple[str, int]] = {}
-        with st.store.transaction():
-            for s in slots:
+        with st.batch():
+            for s, generation in zip(slots, generations):
                 node = st.nodes.get(s.node_id)
                 if s.node_id and (node is None or node.state != NODE_READY):
                     st.unplace(s)  # its node is not usable: place the rank afresh
                 if s.node_id:
                     old[s.engine_id] = (s.node_id, s.generation)
-                st.slots.new_generation(s, st.store.next_generation())
+                st.slots.new_generation(s, generation)
                 s.restarts += 1
                 st.save_slot(s)
             inst.restarts += 1

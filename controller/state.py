@@ -5,7 +5,9 @@ instance changes state through `transition`, stored and announced; slots and nod
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+import logging
+from typing import Callable, Iterator
 
 from motor.names import enum_short_name
 from motor.v1 import controller_pb2, types_pb2
@@ -14,7 +16,9 @@ from controller.events import EventBus
 from controller.instances import DEGRADED, FAILED, PENDING, READY, RESTARTING, STARTING, InstanceRecord, Policy, state_name, transition
 from controller.nodes import NODE_READY, NodeRuntime, NodeTable
 from controller.slots import EngineSlot, SlotTable
-from controller.store import Store, StoredNode
+from controller.store import Store, StoredNode, StoreUnavailable
+
+logger = logging.getLogger(__name__)
 
 C, T = controller_pb2, types_pb2
 
@@ -31,6 +35,14 @@ class ClusterState:
         # From the deployment: the restart policy and the engine config every StartEngine carries.
         self.policy = Policy()
         self.config_json = "{}"
+        # Write-behind of what already happened (a failure, a restart, a node's report): the
+        # rows changed since the last successful write, by table. A write the store refuses
+        # (a full disk) leaves them here; `flush` tries again with backoff until it lands.
+        self.unsaved: dict[str, set[str]] = {"instances": set(), "slots": set(), "nodes": set()}
+        self._batch_depth = 0
+        self.store_failures = 0  # refused writes in the current spell (0: the store works)
+        self.store_retry_at = 0.0  # monotonic
+        self.on_store_failure: Callable[[StoreUnavailable], None] = lambda exc: None
         # Called after anything that may change which engines can serve (the endpoint feed).
         self.on_change: Callable[[], None] = lambda: None
 
@@ -39,13 +51,84 @@ class ClusterState:
         self.on_change()
 
     def save_instance(self, inst: InstanceRecord) -> None:
-        self.store.save_instance(inst.instance_id, inst.to_dict())
+        self._changed("instances", inst.instance_id)
 
     def save_slot(self, slot: EngineSlot) -> None:
-        self.store.save_assignment(slot.engine_id, slot.to_dict())
+        self._changed("slots", slot.engine_id)
 
     def save_node(self, node: NodeRuntime) -> None:
-        self.store.save_node(StoredNode(node.node_id, node.info.SerializeToString(), node.generation, node.state, node.reason))
+        self._changed("nodes", node.node_id)
+
+    def _changed(self, table: str, key: str) -> None:
+        self.unsaved[table].add(key)
+        if self._batch_depth == 0:
+            self.flush()
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Changes written together, in one store transaction, when the block ends."""
+        self._batch_depth += 1
+        try:
+            yield
+        finally:
+            self._batch_depth -= 1
+        if self._batch_depth == 0:
+            self.flush()
+
+    def flush(self, retry: bool = False) -> bool:
+        """Write every unsaved row as memory has it now (a row gone from memory is deleted).
+        Memory is never rolled back: it describes what happened. A refused write is counted,
+        announced once per spell, and tried again from the reconcile loop with backoff (1 s, 2 s
+        ... 30 s); True when nothing is left unsaved."""
+        if not any(self.unsaved.values()):
+            return True
+        if self.store_failures and not retry and self.mono() < self.store_retry_at:
+            return False
+        unsaved = {table: set(keys) for table, keys in self.unsaved.items()}
+        try:
+            with self.store.transaction():
+                self._write(unsaved)
+        except StoreUnavailable as exc:
+            self.refused(exc)
+            return False
+        for table, keys in unsaved.items():
+            self.unsaved[table] -= keys
+        self.store_ok()
+        return True
+
+    def refused(self, exc: StoreUnavailable) -> None:
+        """A write the store refused: counted (metric), one ALARM event per spell, retried later."""
+        self.store_failures += 1
+        self.store_retry_at = self.mono() + min(30.0, 2.0 ** min(self.store_failures - 1, 5))
+        self.on_store_failure(exc)
+        logger.warning("store write refused (%d in a row): %s", self.store_failures, exc)
+        if self.store_failures == 1:
+            self.event(C.EVENT_TYPE_ALARM, f"the controller's store is failing: {exc}; changes that happened are kept "
+                       "in memory and written again with backoff, API changes are refused (UNAVAILABLE)")
+
+    def store_ok(self) -> None:
+        if self.store_failures:
+            self.event(C.EVENT_TYPE_ALARM, f"the controller's store accepts writes again after {self.store_failures} "
+                       "refused write(s); what happened meanwhile is saved")
+            self.store_failures = 0
+
+    def _write(self, unsaved: dict[str, set[str]]) -> None:
+        for instance_id in sorted(unsaved["instances"]):
+            inst = self.instances.get(instance_id)
+            if inst is None:
+                self.store.delete_instance(instance_id)
+            else:
+                self.store.save_instance(instance_id, inst.to_dict())
+        for engine_id in sorted(unsaved["slots"]):
+            slot = self.slots.get(engine_id)
+            if slot is None:
+                self.store.delete_assignment(engine_id)
+            else:
+                self.store.save_assignment(engine_id, slot.to_dict())
+        for node_id in sorted(unsaved["nodes"]):
+            node = self.nodes.get(node_id)
+            if node is not None:
+                self.store.save_node(StoredNode(node.node_id, node.info.SerializeToString(), node.generation, node.state, node.reason))
 
     def transition(self, inst: InstanceRecord, new_state: int, reason: str) -> None:
         """Instance state change: the state machine, then persistence and an event."""

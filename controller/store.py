@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from motor.errors import MotorError
+from motor.errors import MotorError, Unavailable
 
 
 @dataclass
@@ -90,6 +90,11 @@ CREATE TABLE IF NOT EXISTS instances (instance_id TEXT PRIMARY KEY, data TEXT NO
 """
 
 
+class StoreUnavailable(Unavailable):
+    """A write was refused (a full disk, an I/O error): nothing of it is stored. Callers answer
+    UNAVAILABLE with this cause and leave memory as it was, or retry the write later."""
+
+
 class StoreUnreadable(MotorError):
     """The stored state cannot be read: the controller stops (exit 2) rather than start empty
     by accident and forget the deployment, the generations and the restart counters."""
@@ -126,28 +131,47 @@ class SqliteStore(Store):
                 os.rename(path + suffix, aside + suffix)
         return aside
 
+    def _refused(self, exc: Exception) -> StoreUnavailable:
+        return StoreUnavailable(f"the controller's database {self.path} refused a write ({exc}); nothing was changed, try again")
+
+    def _execute(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
+        try:
+            return self.db.execute(sql, args)
+        except sqlite3.Error as exc:
+            raise self._refused(exc) from None
+
+    def _rollback(self) -> None:
+        # SQLite may already have rolled back by itself (SQLITE_FULL at COMMIT): a second
+        # ROLLBACK would fail with "cannot rollback - no transaction is active".
+        if self.db.in_transaction:
+            self.db.execute("ROLLBACK")
+
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
         if self._depth == 0:
-            self.db.execute("BEGIN IMMEDIATE")
+            self._execute("BEGIN IMMEDIATE")
         self._depth += 1
         try:
             yield
         except BaseException:
             self._depth -= 1
             if self._depth == 0:
-                self.db.execute("ROLLBACK")
+                self._rollback()
             raise
         self._depth -= 1
         if self._depth == 0:
-            self.db.execute("COMMIT")
+            try:
+                self._execute("COMMIT")
+            except StoreUnavailable:
+                self._rollback()
+                raise
 
     def _meta(self, key: str) -> Any:
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return row[0] if row else None
 
     def _set_meta(self, key: str, value: Any) -> None:
-        self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+        self._execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
 
     def load(self) -> StoredState:
         state = StoredState()
@@ -176,26 +200,26 @@ class SqliteStore(Store):
         return value
 
     def save_node(self, node: StoredNode) -> None:
-        self.db.execute(
+        self._execute(
             "INSERT OR REPLACE INTO nodes (node_id, info, generation, state, reason) VALUES (?, ?, ?, ?, ?)",
             (node.node_id, node.info, node.generation, node.state, node.reason),
         )
 
     def save_assignment(self, engine_id: str, data: dict[str, Any]) -> None:
-        self.db.execute(
+        self._execute(
             "INSERT OR REPLACE INTO assignments (engine_id, data) VALUES (?, ?)", (engine_id, json.dumps(data))
         )
 
     def delete_assignment(self, engine_id: str) -> None:
-        self.db.execute("DELETE FROM assignments WHERE engine_id = ?", (engine_id,))
+        self._execute("DELETE FROM assignments WHERE engine_id = ?", (engine_id,))
 
     def save_instance(self, instance_id: str, data: dict[str, Any]) -> None:
-        self.db.execute(
+        self._execute(
             "INSERT OR REPLACE INTO instances (instance_id, data) VALUES (?, ?)", (instance_id, json.dumps(data))
         )
 
     def delete_instance(self, instance_id: str) -> None:
-        self.db.execute("DELETE FROM instances WHERE instance_id = ?", (instance_id,))
+        self._execute("DELETE FROM instances WHERE instance_id = ?", (instance_id,))
 
     def close(self) -> None:
         self.db.close()

@@ -10,6 +10,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from google.protobuf import json_format
 
@@ -155,3 +156,15 @@ def expand(deployment: controller_pb2.Deployment) -> dict[str, InstanceSpec]:
             if not partner.paired_instance_id:
                 out[partner.instance_id] = InstanceSpec(**{**partner.__dict__, "paired_instance_id": spec.instance_id})
     return out
+
+
+def integral_numbers(value: Any) -> Any:
+    """google.protobuf.Struct stores every number as a double: give engines back their ints
+    (engine servers validate `max_failure_count: 3`, not 3.0)."""
+    if isinstance(value, dict):
+        return {k: integral_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [integral_numbers(v) for v in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
