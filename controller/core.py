@@ -225,12 +225,11 @@ class Controller:
                 self._remove_instance(instance_id, "its spec changed; it is started again")
             for inst, slots in new.values():
                 self._install(inst, slots)
-            for instance_id, spec in sorted(desired.items()):
+            for instance_id, spec in sorted((i, spec) for i, spec in desired.items() if i not in new):
                 inst = self.instances[instance_id]
-                if instance_id not in new and inst.paired_instance_id != spec.paired_instance_id:
-                    inst.paired_instance_id = spec.paired_instance_id
-                    self.state.save_instance(inst)
-                if instance_id not in new and inst.state == FAILED:
+                inst.paired_instance_id = spec.paired_instance_id
+                self.state.save_instance(inst)
+                if inst.state == FAILED:
                     self._retry_failed(inst)
         self.state.event(
             C.EVENT_TYPE_DEPLOYMENT_CHANGED,
@@ -241,8 +240,7 @@ class Controller:
 
     def _store_first(self, deployment: C.Deployment | None, revision: int, removed: list[str],
                      new: dict[str, tuple[InstanceRecord, list[EngineSlot]]]) -> None:
-        """Write a deployment change in one transaction before memory changes; StoreUnavailable
-        (e.g. a full disk) leaves both as they were."""
+        """One transaction, before memory changes; StoreUnavailable (a full disk) leaves both as they were."""
         try:
             with self.store.transaction():
                 self.store.save_deployment(deployment.SerializeToString(deterministic=True) if deployment else None, revision)
@@ -275,8 +273,7 @@ class Controller:
         )
         return inst, [EngineSlot(names.engine_id(spec.instance_id, r), spec.instance_id, r) for r in range(spec.data_parallel_size)]
 
-    def _install(self, inst: InstanceRecord, slots: list[EngineSlot]) -> None:
-        """Into memory only (_store_first wrote it)."""
+    def _install(self, inst: InstanceRecord, slots: list[EngineSlot]) -> None:  # memory only: _store_first wrote it
         self.state.instances[inst.instance_id] = inst
         self.state.attention.add(inst.instance_id)
         for slot in slots:
@@ -303,9 +300,8 @@ class Controller:
         if self.deployment is None:
             return
         name = self.deployment.name
-        removed = sorted(self.instances)
-        self._store_first(None, self.revision, removed, {})
-        for instance_id in removed:
+        self._store_first(None, self.revision, sorted(self.instances), {})
+        for instance_id in sorted(self.instances):
             self._remove_instance(instance_id, "deleted with the deployment")
         self._set_deployment(None, self.revision)
         self.state.event(C.EVENT_TYPE_DEPLOYMENT_CHANGED, f"deployment {name!r} deleted; stopping its engines")
