@@ -113,18 +113,17 @@ class ClusterState:
             self.store_failures = 0
 
     def _write(self, unsaved: dict[str, set[str]]) -> None:
-        for instance_id in sorted(unsaved["instances"]):
-            inst = self.instances.get(instance_id)
-            if inst is None:
-                self.store.delete_instance(instance_id)
-            else:
-                self.store.save_instance(instance_id, inst.to_dict())
-        for engine_id in sorted(unsaved["slots"]):
-            slot = self.slots.get(engine_id)
-            if slot is None:
-                self.store.delete_assignment(engine_id)
-            else:
-                self.store.save_assignment(engine_id, slot.to_dict())
+        tables = {
+            "instances": (self.instances.get, self.store.save_instance, self.store.delete_instance),
+            "slots": (self.slots.get, self.store.save_assignment, self.store.delete_assignment),
+        }
+        for table, (find, save, delete) in tables.items():
+            for key in sorted(unsaved[table]):
+                row = find(key)
+                if row is None:
+                    delete(key)  # gone from memory: gone from the store
+                else:
+                    save(key, row.to_dict())
         for node_id in sorted(unsaved["nodes"]):
             node = self.nodes.get(node_id)
             if node is not None:
