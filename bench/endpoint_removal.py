@@ -123,6 +123,7 @@ def main() -> None:
     })  # fmt: skip
     stream_ms: list[float] = []
     poll_ms: list[float] = []
+    killed_pids: set[int | None] = {None}
     try:
         stub.ApplyDeployment(C.ApplyDeploymentRequest(deployment=deployment), timeout=10)
         stream = StreamRecorder(stub)
@@ -130,7 +131,9 @@ def main() -> None:
         poller = Poller(stub, stream.listed)
         for round_ in range(args.kills):
             engine_id = sorted(stream.listed)[round_ % args.engines]
-            pid = engine_pids(stub)[engine_id]
+            # The node's report may still carry the copy killed before: wait for the new one.
+            pid = wait(lambda: (p := engine_pids(stub).get(engine_id)) not in killed_pids and p, 30, "the new copy's pid")
+            killed_pids.add(pid)
             time.sleep(POLL_INTERVAL * (round_ % 7) / 7)  # kills at every phase of the poller
             killed = time.monotonic()
             os.kill(pid, signal.SIGKILL)
@@ -146,7 +149,7 @@ def main() -> None:
         channel.close()
         cluster.stop()
     print(f"SIGKILL of an engine server -> endpoint removed, {args.kills} kills, {args.engines} sim engines, "
-          f"{os.cpu_count()} CPUs")
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     print(f"{'':28}{'median ms':>10}{'p99 ms':>10}{'max ms':>10}")
     for name, values in (("WatchEndpoints stream", stream_ms), (f"ListEndpoints every {POLL_INTERVAL:g}s", poll_ms)):
         print(f"{name:28}{statistics.median(values):10.1f}{pct(values, 99):10.1f}{max(values):10.1f}")

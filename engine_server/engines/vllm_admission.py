@@ -26,7 +26,6 @@ class Admission:
 
     def __init__(self) -> None:
         self.open = True
-        self.refused = 0
 
     def close(self) -> None:
         self.open = False
@@ -42,7 +41,6 @@ class RefuseWhileDraining:
         if scope["type"] != "http" or self.admission.open or not is_inference_request(scope["method"], scope["path"]):
             await self.app(scope, receive, send)
             return
-        self.admission.refused += 1
         body = json.dumps(
             {
                 "error": {
