@@ -8,10 +8,11 @@ import sys
 
 from motor.cli_config import Flag, load_settings, run_service, settings_parser
 from motor.deployment_file import load_deployment
-from motor.grpc_server import MotorServer, service_name
+from motor.grpc_server import service_name
 from motor.logs import setup_logging
 from motor.metrics_http import ServiceTelemetry
 from motor.ports import CONTROLLER_METRICS_PORT
+from motor.security_config import SECURITY_FLAGS
 from motor.signals import wait_for_stop_signal
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
@@ -40,6 +41,8 @@ FLAGS = {
     "log_level": Flag("DEBUG, INFO, WARNING, ERROR or CRITICAL"),
     "discard_unreadable_db": Flag("move an unreadable --db file aside and start empty (else: exit 2)", options={"action": "store_true"}),
     "log_format": Flag("text, or json: one JSON object per line"),
+    "max_engines_per_deployment": Flag("engines (count x data_parallel_size) one deployment may ask for"),
+    **SECURITY_FLAGS,
 }
 
 
@@ -61,10 +64,10 @@ def open_store(config: ControllerConfig) -> SqliteStore:
 
 async def serve(config: ControllerConfig) -> None:
     store = open_store(config)
-    controller = Controller(config, store, GrpcNodeClient())
+    controller = Controller(config, store, GrpcNodeClient(tls=config.client_tls()))
     await controller.start()
     if config.deployment:
-        wanted = validate_deployment(load_deployment(config.deployment))
+        wanted = validate_deployment(load_deployment(config.deployment), config.max_engines_per_deployment)
         stored = controller.deployment
         if stored is None or wanted.SerializeToString(deterministic=True) != stored.SerializeToString(deterministic=True):
             _, revision = controller.apply_deployment(wanted)
@@ -75,7 +78,7 @@ async def serve(config: ControllerConfig) -> None:
     # /discovery/engines: Prometheus finds the engines' /metrics there (http_sd_configs).
     await telemetry.serve("0.0.0.0", config.metrics_port,
                           routes={"/discovery/engines": lambda: engine_targets(controller.list_instances)})
-    server = MotorServer(config.listen, metrics=telemetry.grpc)
+    server = config.server(config.listen, metrics=telemetry.grpc)
     server.add(controller_pb2_grpc.add_ControllerServiceServicer_to_server, ControllerServicer(controller),
                service_name(controller_pb2, "ControllerService"))
     port = await server.start()

@@ -5,14 +5,17 @@ Flags given on the command line win over the file. Every error names the setting
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from motor.config import HostPort
 from motor.logs import LogFormat, LogLevel
 from motor.ports import CONTROLLER_METRICS_PORT
+from motor.security_config import SecuritySettings
+
+from controller.validation import MAX_ENGINES_PER_DEPLOYMENT
 
 
-class ControllerConfig(BaseModel):
+class ControllerConfig(SecuritySettings):
     model_config = ConfigDict(extra="forbid")
 
     # "host:port" the gRPC server binds; port 0 picks a free one (written to <db dir>/controller.port).
@@ -44,6 +47,8 @@ class ControllerConfig(BaseModel):
     discard_unreadable_db: bool = False
     # text, or json: one JSON object per line with the ids and the reason (docs/observability.md).
     log_format: LogFormat = "text"
+    # Engines (instances x data-parallel ranks) one deployment may ask for.
+    max_engines_per_deployment: int = Field(MAX_ENGINES_PER_DEPLOYMENT, ge=1)
 
     @property
     def effective_startup_grace(self) -> float:

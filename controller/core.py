@@ -200,7 +200,7 @@ class Controller:
             self.state.config_json = json.dumps(integral_numbers(json_format.MessageToDict(deployment.engine_config)), sort_keys=True)
 
     def apply_deployment(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
-        validated = validate_deployment(deployment)
+        validated = validate_deployment(deployment, self.config.max_engines_per_deployment)
         desired = expand(validated)
         if self.deployment is not None and (
             validated.SerializeToString(deterministic=True) == self.deployment.SerializeToString(deterministic=True)

@@ -11,7 +11,7 @@ import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from motor import pbtime
-from motor.grpc_server import aio_channel
+from motor.grpc_server import TlsFiles, aio_channel
 from motor.v1 import controller_pb2, node_manager_pb2, node_manager_pb2_grpc, types_pb2
 
 logger = logging.getLogger(__name__)
@@ -56,8 +56,9 @@ def _is_retryable(exc: BaseException) -> bool:
 
 
 class GrpcNodeClient(NodeClient):
-    def __init__(self, attempts: int = 4, start_timeout: float = 15.0, max_in_flight: int = 64):
+    def __init__(self, attempts: int = 4, start_timeout: float = 15.0, max_in_flight: int = 64, tls: TlsFiles | None = None):
         self.channels: dict[str, grpc.aio.Channel] = {}
+        self.tls = tls  # the controller's certificate and trust bundle under mutual TLS
         self.attempts = attempts
         self.start_timeout = start_timeout
         # Starting thousands of engines at once must not open thousands of calls at once.
@@ -73,7 +74,7 @@ class GrpcNodeClient(NodeClient):
     def _stub(self, node: controller_pb2.NodeInfo) -> node_manager_pb2_grpc.NodeManagerServiceStub:
         channel = self.channels.get(node.address)
         if channel is None:
-            channel = self.channels[node.address] = aio_channel(node.address)
+            channel = self.channels[node.address] = aio_channel(node.address, self.tls)
         return node_manager_pb2_grpc.NodeManagerServiceStub(channel)
 
     def _retrying(self) -> AsyncRetrying:

@@ -15,6 +15,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from motor import names, restart_policy
+from motor.engine_policy import check_engine_config
 from motor.pbtime import seconds
 from motor.errors import InvalidArgument
 from motor.user_config import section_name_for
@@ -25,6 +26,9 @@ GROUP_NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,55}")
 MAX_COUNT = 10_000
 MAX_DATA_PARALLEL = 1024
 MAX_ACCELERATORS = 64
+# Engines (instances x data-parallel ranks) one deployment may ask for: a large fleet's worth.
+MAX_ENGINES_PER_DEPLOYMENT = 100_000
+
 
 def config_section(role: int, engine_config: dict) -> str:
     """The user_config section an engine of `role` reads, e.g. motor_engine_prefill_config
@@ -32,7 +36,9 @@ def config_section(role: int, engine_config: dict) -> str:
     return section_name_for(names.role_name(role), engine_config.keys())
 
 
-def validate_deployment(deployment: controller_pb2.Deployment) -> controller_pb2.Deployment:
+def validate_deployment(
+    deployment: controller_pb2.Deployment, max_engines: int = MAX_ENGINES_PER_DEPLOYMENT
+) -> controller_pb2.Deployment:
     """Return a copy with defaults filled in, or raise InvalidArgument naming every bad field."""
     d = controller_pb2.Deployment()
     d.CopyFrom(deployment)
@@ -44,6 +50,10 @@ def validate_deployment(deployment: controller_pb2.Deployment) -> controller_pb2
     if not d.instance_groups:
         problems.append("instance_groups: at least one group is required")
     engine_config = json_format.MessageToDict(d.engine_config) if d.HasField("engine_config") else {}
+    try:  # programs and code never come from a deployment (each node manager also checks paths)
+        check_engine_config(engine_config, None, "engine_config")
+    except InvalidArgument as exc:
+        problems.append(str(exc))
     seen: dict[str, int] = {}
     for i, group in enumerate(d.instance_groups):
         where = f"instance_groups[{i}]"
@@ -77,6 +87,12 @@ def validate_deployment(deployment: controller_pb2.Deployment) -> controller_pb2
                     f"engine_config.{section}: required by {where} (role {names.role_name(group.role)}): "
                     "the user_config section its engines read"
                 )
+    engines = sum(g.count * g.data_parallel_size for g in d.instance_groups)
+    if engines > max_engines:
+        problems.append(
+            f"instance_groups: {engines} engines (count x data_parallel_size) exceed the limit "
+            f"max_engines_per_deployment={max_engines} (controller setting --max-engines-per-deployment)"
+        )
     by_name = {g.name: g for g in d.instance_groups}
     for i, group in enumerate(d.instance_groups):
         if not group.pair_with:

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 # Set before anything imports prometheus_client (it picks its storage at import time).
 from engine_server.prometheus_dir import ensure_private_multiproc_dir, remove_private_multiproc_dir
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from motor.cli_config import Flag, load_settings, settings_parser
 from motor.logs import LOG_FORMATS, LOG_LEVELS, LogFormat, LogLevel
+from motor.security_config import SECURITY_FLAGS, SecuritySettings
 
 logger = logging.getLogger("engine_server")
 
@@ -59,7 +60,7 @@ def _rank(value: str) -> int:
     return rank
 
 
-class EngineServerArgs(BaseModel):
+class EngineServerArgs(SecuritySettings):
     """The engine server's settings (flags only: the user_config file is --config-path)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -78,6 +79,8 @@ class EngineServerArgs(BaseModel):
     log_level: LogLevel = "INFO"
     log_format: LogFormat = "text"
     termination_message_path: str | None = None
+    # The node whose manager may Drain, Sleep and WakeUp this engine under TLS (it passes its id).
+    owner_node: str | None = None
 
 
 REQUIRED = {"required": True}
@@ -97,6 +100,8 @@ FLAGS = {
     "termination_message_path": Flag("write the cause of the exit here (one JSON line) just before exiting"),
     "log_format": Flag("text, or json: one JSON object per line with this engine's ids",
                        options={"type": str.lower, "choices": LOG_FORMATS}),
+    "owner_node": Flag("node id whose node manager (spiffe://<trust domain>/node/<id>) may Drain, Sleep and WakeUp it"),
+    **SECURITY_FLAGS,
 }
 
 
@@ -155,7 +160,13 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
     engine = engine_cls(options)
     metrics = process_metrics()
     core = EngineServer(options, section, engine, metrics=metrics)
-    grpc_server = MotorServer(f"{args.host}:{args.mgmt_port}", tls=section.mgmt_tls_config.server_files(), metrics=metrics.grpc)
+    bind = f"{args.host}:{args.mgmt_port}"
+    legacy_tls = section.mgmt_tls_config.server_files()
+    if legacy_tls is not None and not args.tls_enabled:
+        # A standalone engine server with TLS files in its own user_config: encrypted, no identities.
+        grpc_server = MotorServer(bind, tls=legacy_tls, reflection=args.reflection, metrics=metrics.grpc)
+    else:
+        grpc_server = args.server(bind, local_node=args.owner_node, setting="--host", metrics=metrics.grpc)
     metrics.loop_lag.start()
     service.register(grpc_server, core)
     await grpc_server.start()  # first, so that the node manager sees INIT while the engine loads

@@ -21,8 +21,10 @@ import logging
 from pydantic import BaseModel, Field, model_validator
 
 from motor.access import AccessInterceptor, AccessPolicy
+from motor.cli_config import Flag
 from motor.config import ReadableFile
 from motor.errors import ConfigError
+from motor.grpc_metrics import GrpcServerMetrics
 from motor.grpc_server import MAX_MESSAGE_BYTES, MotorServer, TlsFiles
 from motor.identity import TRUST_DOMAIN
 from motor.tokens import TokenStore
@@ -91,7 +93,8 @@ class SecuritySettings(BaseModel):
             "INSECURE: serving plaintext on %s: anyone who reaches it can call every RPC (docs/security.md)", bind
         )
 
-    def server(self, bind: str, local_node: str | None = None, setting: str = "listen") -> MotorServer:
+    def server(self, bind: str, local_node: str | None = None, setting: str = "listen",
+               metrics: GrpcServerMetrics | None = None) -> MotorServer:
         """A MotorServer on `bind` with these settings; `local_node`: on an engine server, the node
         whose manager may drain, sleep and wake it."""
         self.check_listen(bind, setting)
@@ -106,32 +109,20 @@ class SecuritySettings(BaseModel):
         return MotorServer(
             bind, tls=tls, interceptors=[AccessInterceptor(policy)], reflection=self.reflection,
             token_bind=self.token_listen, token_tls=TlsFiles(cert=self.tls_cert, key=self.tls_key) if self.token_listen else None,
-            max_message_bytes=self.max_message_bytes,
+            max_message_bytes=self.max_message_bytes, metrics=metrics,
         )
 
 
-SECURITY_FLAGS = {  # flag -> (setting, argparse keywords)
-    "--tls-cert": ("tls_cert", {"help": "PEM certificate this process serves and presents (with --tls-key, --tls-ca)"}),
-    "--tls-key": ("tls_key", {"help": "PEM key of --tls-cert"}),
-    "--tls-ca": ("tls_ca", {"help": "CA bundle that verifies callers and servers (mutual TLS)"}),
-    "--tokens-file": ("tokens_file", {"help": "bearer tokens of operators and viewers (docs/security.md)"}),
-    "--token-listen": ("token_listen", {"help": "HOST:PORT of a TLS port without client certificates, for bearer tokens"}),
-    "--insecure": ("insecure", {"action": "store_true", "help": "serve plaintext on a non-loopback address (every caller holds every role)"}),
-    "--no-reflection": ("reflection", {"action": "store_false", "help": "do not offer gRPC server reflection"}),
-    "--max-streams-per-caller": ("max_streams_per_caller", {"type": int, "help": "open streams one caller may hold [100]"}),
-    "--max-message-bytes": ("max_message_bytes", {"type": int, "help": f"largest message in either direction [{MAX_MESSAGE_BYTES}]"}),
-    "--trust-domain": ("trust_domain", {"help": f"SPIFFE trust domain of caller identities [{TRUST_DOMAIN}]"}),
+SECURITY_FLAGS = {  # every service's flags for SecuritySettings (motor/cli_config.py)
+    "tls_cert": Flag("PEM certificate this process serves and presents (with --tls-key, --tls-ca)"),
+    "tls_key": Flag("PEM key of --tls-cert"),
+    "tls_ca": Flag("CA bundle that verifies callers and servers (mutual TLS)"),
+    "tokens_file": Flag("bearer tokens of operators and viewers (docs/security.md)"),
+    "token_listen": Flag("HOST:PORT of a TLS port without client certificates, for bearer tokens"),
+    "insecure": Flag("serve plaintext on a non-loopback address (every caller holds every role)",
+                     options={"action": "store_true"}),
+    "reflection": Flag("offer gRPC server reflection (--no-reflection: off)", options={"action": argparse.BooleanOptionalAction}),
+    "max_streams_per_caller": Flag("open streams one caller may hold"),
+    "max_message_bytes": Flag("largest message in either direction"),
+    "trust_domain": Flag("SPIFFE trust domain of caller identities"),
 }
-
-
-def add_security_flags(parser) -> None:
-    """The flags of SecuritySettings; unset flags leave the setting to the config file or default."""
-    group = parser.add_argument_group("security (docs/security.md)")
-    for flag, (setting, keywords) in SECURITY_FLAGS.items():
-        group.add_argument(flag, dest=setting, default=argparse.SUPPRESS, **keywords)
-
-
-def security_values(args) -> dict:
-    """The security settings given on the command line, by setting name."""
-    given = vars(args)
-    return {setting: given[setting] for setting, _ in SECURITY_FLAGS.values() if setting in given}

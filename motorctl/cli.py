@@ -1,6 +1,6 @@
 """motorctl: the controller's command-line client.
 
-    motorctl [--controller HOST:PORT] [--output table|json] COMMAND
+    motorctl [--controller HOST:PORT] [--output table|json] [--cacert CA [--cert C --key K | --token-file T]] COMMAND
     nodes | instances | endpoints [--role R] | events [--follow] | deployment | apply -f FILE | delete
     up ...  (a local cluster; see `motorctl up --help`)
     pki init|issue|tokens|dev ...  (a development PKI; see `motorctl pki --help`)
@@ -21,6 +21,7 @@ from motor.errors import MotorError
 from motor.names import parse_role
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl import render
+from motorctl.connect import add_credential_flags, credentials_from
 
 DEFAULT_CONTROLLER = os.environ.get("MOTOR_CONTROLLER", "localhost:50051")
 
@@ -34,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--controller", default=DEFAULT_CONTROLLER, help=f"controller address [{DEFAULT_CONTROLLER}; env MOTOR_CONTROLLER]")
     p.add_argument("--output", "-o", choices=["table", "json"], default="table", help="output format [table]")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the controller [10]")
+    add_credential_flags(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("nodes", help="nodes with state, generation, free accelerators, engines")
     sub.add_parser("instances", help="instances and their engines (node, ports, state, health, restarts)")
@@ -51,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
-    with grpc.insecure_channel(args.controller) as channel:
+    with credentials_from(args).channel(args.controller) as channel:
         stub = controller_pb2_grpc.ControllerServiceStub(channel)
         t = args.timeout
         as_json = args.output == "json"

@@ -24,6 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from motor.ports import CONTROLLER_METRICS_PORT, free_port, port_is_free
 from motorctl.render import quiet_stdout
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
+from motorctl.connect import Credentials
+from motorctl.pki import DevPki, make_dev_pki
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,27 @@ class LocalCluster:
     node_ports: dict[str, int] = field(default_factory=dict)
     # Process name ("controller", "node-a"...) -> its /metrics port.
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    # mTLS on every plane with a development PKI in <run_dir>/pki (docs/security.md)
+    tls: bool = False
+    token_port: int = 0
+
+    @property
+    def pki(self) -> DevPki:
+        return DevPki(os.path.join(self.run_dir, "pki"))
+
+    def node_ids(self) -> list[str]:
+        return [f"node-{chr(ord('a') + index)}" for index in range(self.nodes)]
+
+    def credentials(self, identity: str = "operator") -> Credentials:
+        """How this cluster's owner calls it: as `identity` (a certificate of the dev PKI) under TLS."""
+        if not self.tls:
+            return Credentials()
+        return Credentials(ca=self.pki.ca, cert=self.pki.cert(identity), key=self.pki.key(identity))
+
+    def tls_flags(self, identity: str) -> list[str]:
+        if not self.tls:
+            return []
+        return ["--tls-cert", self.pki.cert(identity), "--tls-key", self.pki.key(identity), "--tls-ca", self.pki.ca]
 
     @property
     def controller_address(self) -> str:
@@ -106,6 +129,11 @@ class LocalCluster:
         os.makedirs(self.run_dir, exist_ok=True)
         if not self.controller_port:
             self.controller_port = free_port()
+        token_flags = []
+        if self.tls:
+            make_dev_pki(self.pki.directory, self.node_ids())
+            self.token_port = self.token_port or free_port()
+            token_flags = ["--tokens-file", self.pki.tokens, "--token-listen", f"127.0.0.1:{self.token_port}"]
         argv = [
             _bin("motor-controller"),
             "--listen", self.controller_address,
@@ -113,14 +141,16 @@ class LocalCluster:
             "--heartbeat-interval", str(self.heartbeat_interval),
             "--node-grace", str(self.node_grace),
             *self._metrics_args("controller", 0),
+            *self.tls_flags("controller"),
+            *token_flags,
             *self.extra_controller_args,
         ]
         if self.deployment_path:
             argv += ["--deployment", self.deployment_path]
         self._launch("controller", argv)
-        self.wait_serving(self.controller_address, timeout)
-        for index in range(self.nodes):
-            self.start_node(f"node-{chr(ord('a') + index)}", index)
+        self.wait_serving(self.controller_address, timeout, self.credentials())
+        for index, node_id in enumerate(self.node_ids()):
+            self.start_node(node_id, index)
         self.wait_nodes_registered(self.nodes, timeout)
 
     def start_node(self, node_id: str, index: int) -> ManagedProcess:
@@ -141,19 +171,20 @@ class LocalCluster:
             "--abnormal-threshold", str(self.abnormal_threshold),
             "--engine-command", _bin("engine_server"),
             *self._metrics_args(node_id, 1 + index),
+            *self.tls_flags(node_id),
             *self.extra_node_args,
         ]
         managed = self._launch(node_id, argv)
-        self.wait_serving(f"127.0.0.1:{port}", 30)
+        self.wait_serving(f"127.0.0.1:{port}", 30, self.credentials())
         return managed
 
     def process(self, name: str) -> ManagedProcess:
         return next(p for p in reversed(self.processes) if p.name == name)
 
     @staticmethod
-    def wait_serving(address: str, timeout: float) -> None:
+    def wait_serving(address: str, timeout: float, credentials: Credentials = Credentials()) -> None:
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(address) as channel:
+        with credentials.channel(address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 try:
@@ -171,7 +202,7 @@ class LocalCluster:
 
     def wait_nodes_registered(self, count: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.controller_address) as channel:
+        with self.credentials().channel(self.controller_address) as channel:
             stub = self.controller(channel)
             while True:
                 nodes = stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=5).nodes
@@ -202,7 +233,7 @@ class LocalCluster:
             if all(p.process.poll() is not None for p in node_managers if p.name == node_id):
                 continue
             try:
-                stop_node_engines(f"127.0.0.1:{port}", timeout)
+                stop_node_engines(f"127.0.0.1:{port}", timeout, self.credentials("controller"))
             except grpc.RpcError as exc:
                 problems.append(f"{node_id}: could not stop its engines ({exc.code().name})")
         problems += self._terminate(node_managers, timeout)
@@ -231,18 +262,19 @@ class LocalCluster:
         return problems
 
 
-def stop_node_engines(address: str, timeout: float = 30.0) -> None:
-    """Stop every engine of the node manager at `address` (engines outlive their node manager)."""
-    with grpc.insecure_channel(address) as channel:
+def stop_node_engines(address: str, timeout: float = 30.0, credentials: Credentials = Credentials()) -> None:
+    """Stop every engine of the node manager at `address` (engines outlive their node manager);
+    under TLS as the controller, the only caller a node manager lets stop engines."""
+    with credentials.channel(address) as channel:
         stub = node_manager_pb2_grpc.NodeManagerServiceStub(channel)
         for engine in stub.ListEngines(node_manager_pb2.ListEnginesRequest(), timeout=5).engines:
             stub.StopEngine(node_manager_pb2.StopEngineRequest(engine_id=engine.engine_id), timeout=timeout)
 
 
-def show_status(address: str) -> str:
+def show_status(address: str, credentials: Credentials = Credentials()) -> str:
     from motorctl.render import render_status
 
-    with grpc.insecure_channel(address) as channel:
+    with credentials.channel(address) as channel:
         stub = controller_pb2_grpc.ControllerServiceStub(channel)
         nodes = stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=5)
         instances = stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=5)
@@ -251,6 +283,27 @@ def show_status(address: str) -> str:
 
 def _default_controller_port() -> int:
     return DEFAULT_CONTROLLER_PORT if port_is_free(DEFAULT_CONTROLLER_PORT) else free_port()
+
+
+def try_commands(cluster: LocalCluster) -> str:
+    """What the screen suggests: grpcurl and motorctl commands that work on this cluster."""
+    address = cluster.controller_address
+    if not cluster.tls:
+        return (
+            f"Try:  grpcurl -plaintext {address} list\n"
+            f"      grpcurl -plaintext {address} motor.v1.ControllerService/ListInstances\n"
+            f"      motorctl --controller {address} events --follow"
+        )
+    pki = cluster.pki
+    viewer = f"-cacert {pki.ca} -cert {pki.cert('viewer')} -key {pki.key('viewer')}"
+    token = f"-cacert {pki.ca} -H \"authorization: Bearer $(cat {pki.token_file('operator')})\""
+    return (
+        f"Try:  grpcurl {viewer} {address} list\n"
+        f"      grpcurl {viewer} {address} motor.v1.ControllerService/ListInstances\n"
+        f"      grpcurl {token} 127.0.0.1:{cluster.token_port} motor.v1.ControllerService/GetDeployment\n"
+        f"      motorctl --controller {address} --cacert {pki.ca} --cert {pki.cert('operator')} --key {pki.key('operator')} events --follow\n"
+        f"      (certificates, keys and tokens in {pki.directory}; docs/security.md)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         f"0: no metrics (default {DEFAULT_METRICS_PORT})",
     )
     parser.add_argument("--refresh", type=float, default=1.0, help="seconds between status refreshes")
+    parser.add_argument("--tls", action="store_true", help="mutual TLS on every plane, with a development PKI in <run-dir>/pki")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.nodes < 1:
@@ -274,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
 
     shutil.rmtree(args.run_dir, ignore_errors=True)
     cluster = LocalCluster(args.run_dir, nodes=args.nodes, deployment_path=args.deployment,
-                           controller_port=args.controller_port or _default_controller_port(), metrics_port=args.metrics_port)
+                           controller_port=args.controller_port or _default_controller_port(), metrics_port=args.metrics_port, tls=args.tls)
     stopping, started = False, False
 
     def request_stop(signum, frame):  # Ctrl-C, SIGTERM, the terminal closed: leave the loop, then clean up
@@ -292,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"Starting a local Motor cluster: 1 controller, {args.nodes} node managers (logs in {args.run_dir}/logs)")
         cluster.start()
         started = True
-        watch(cluster.controller_address, args.refresh, lambda: stopping, cluster.metrics_urls())
+        watch(cluster, args.refresh, lambda: stopping)
     except BaseException as exc:  # noqa: BLE001 (the cluster is stopped whatever happened; reported below)
         status, failure = 1, describe_failure(exc, cluster)
     started = True  # a second Ctrl-C now does not interrupt the stop
@@ -310,19 +364,17 @@ def main(argv: list[str] | None = None) -> int:
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def watch(address: str, refresh: float, stopping, metrics_urls: dict[str, str]) -> None:
+def watch(cluster: LocalCluster, refresh: float, stopping) -> None:
     """Show the cluster until asked to stop."""
-    metrics = "".join(f"  {name:<11} {url}\n" for name, url in metrics_urls.items())
+    address = cluster.controller_address
+    metrics = "".join(f"  {name:<11} {url}\n" for name, url in cluster.metrics_urls().items())
     hint = (
         (f"Prometheus /metrics (engines serve theirs on their inference port):\n{metrics}\n" if metrics else "")
-        + f"Try:  grpcurl -plaintext {address} list\n"
-        f"      grpcurl -plaintext {address} motor.v1.ControllerService/ListInstances\n"
-        f"      motorctl --controller {address} events --follow\n"
-        "Ctrl-C stops the cluster."
+        + try_commands(cluster) + "\nCtrl-C stops the cluster."
     )
     while not stopping():
         try:
-            screen = show_status(address)
+            screen = show_status(address, cluster.credentials("viewer"))
         except grpc.RpcError as exc:
             screen = f"controller not answering: {exc.code().name}"
         clear = "\033[2J\033[H" if sys.stdout.isatty() else ""

@@ -13,6 +13,7 @@ import sys
 
 from motor.cli_config import Flag, load_settings, run_service, settings_parser
 from motor.logs import setup_logging
+from motor.security_config import SECURITY_FLAGS
 from motor.signals import stop_event
 from node_manager.config import NodeManagerConfig
 from node_manager.server import NodeManagerServer
@@ -38,12 +39,10 @@ FLAGS = {
     "status_timeout": Flag("deadline of each GetStatus call, <= heartbeat interval"),
     "metrics_port": Flag("Prometheus /metrics port, 0 = off"),
     "engine_command": Flag("engine server command (split like a shell)"),
-    "engine_tls_cert": Flag("client certificate for engines that verify clients",
-                            default_text="the engine's mgmt_tls_config.cert_file"),
-    "engine_tls_key": Flag("key of --engine-tls-cert", default_text="the engine's mgmt_tls_config.key_file"),
-    "engine_tls_ca": Flag("CA of the engines' server certificates", default_text="the engine's mgmt_tls_config.ca_file"),
+    "model_roots": Flag("folders engines may read models from, comma-separated"),
     "log_level": Flag("DEBUG, INFO, WARNING, ERROR or CRITICAL"),
     "log_format": Flag("text, or json: one JSON object per line (its engines too)"),
+    **SECURITY_FLAGS,
 }
 
 

@@ -12,16 +12,18 @@ import shutil
 import sys
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
-from motor.config import HostPort, ReadableFile, split_host_port
+from motor.config import HostPort, split_host_port
 from motor.logs import LogFormat, LogLevel
 from motor.names import IdSetting
 from motor.ports import NODE_MANAGER_METRICS_PORT
+from motor.security_config import SecuritySettings
 
 
-class NodeManagerConfig(BaseModel):
-    """Everything `motor-node-manager` can be told (same names as the flags, with '_')."""
+class NodeManagerConfig(SecuritySettings):
+    """Everything `motor-node-manager` can be told (same names as the flags, with '_'); the TLS
+    settings (SecuritySettings) also secure the controller link and the engines it launches."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -43,12 +45,8 @@ class NodeManagerConfig(BaseModel):
     # Prometheus /metrics port; 0 turns it off. Node managers sharing a host need one each.
     metrics_port: int = Field(NODE_MANAGER_METRICS_PORT, ge=0, le=65535)
     engine_command: str = "engine_server"
-    # The node manager's client certificate and key for engines whose management plane verifies
-    # clients (mgmt_tls_config.ca_file set); default: the engine section's cert_file/key_file.
-    engine_tls_cert: ReadableFile | None = None
-    engine_tls_key: ReadableFile | None = None
-    # CA that signed the engines' server certificates; default: the engine section's ca_file.
-    engine_tls_ca: ReadableFile | None = None
+    # Folders engines may read models (and other files named in a request) from; none by default.
+    model_roots: list[str] = Field(default_factory=list)
     log_level: LogLevel = "INFO"
     # text, or json (its engines log the same way).
     log_format: LogFormat = "text"
@@ -89,11 +87,18 @@ class NodeManagerConfig(BaseModel):
             raise ValueError("must name the engine server command (e.g. engine_server)")
         return value
 
-    @model_validator(mode="after")
-    def _check_pair(self) -> "NodeManagerConfig":
-        if (self.engine_tls_cert is None) != (self.engine_tls_key is None):
-            raise ValueError("engine_tls_cert and engine_tls_key go together: set both or neither")
-        return self
+    @field_validator("model_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: Any) -> Any:
+        return [v for v in value.split(",") if v] if isinstance(value, str) else value
+
+    @field_validator("model_roots")
+    @classmethod
+    def _check_roots(cls, value: list[str]) -> list[str]:
+        for root in value:
+            if not os.path.isabs(root) or not os.path.isdir(root):
+                raise ValueError(f"{root!r} is not an existing absolute folder")
+        return value
 
     @field_validator("status_timeout")
     @classmethod
@@ -125,7 +130,8 @@ class NodeManagerConfig(BaseModel):
 
     def engine_argv(self) -> list[str]:
         """The engine command as argv; a bare name is looked up on PATH, then next to this Python
-        (a virtual environment's bin/ need not be on PATH)."""
+        (a virtual environment's bin/ need not be on PATH). Engines serve with this node's TLS
+        files and let only this node's manager drain, sleep or wake them."""
         argv = shlex.split(self.engine_command)
         if os.sep not in argv[0] and shutil.which(argv[0]) is None:
             beside = os.path.join(os.path.dirname(sys.executable), argv[0])
@@ -133,4 +139,10 @@ class NodeManagerConfig(BaseModel):
                 argv[0] = beside
         if self.log_format != "text":
             argv += ["--log-format", self.log_format]
+        argv += ["--owner-node", self.node_id]
+        if self.tls_enabled:
+            argv += ["--tls-cert", os.path.abspath(self.tls_cert), "--tls-key", os.path.abspath(self.tls_key),
+                     "--tls-ca", os.path.abspath(self.tls_ca), "--trust-domain", self.trust_domain]
+        elif self.insecure:
+            argv.append("--insecure")
         return argv

@@ -25,7 +25,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from motor import pbtime
 from motor.errors import ConfigError
-from motor.grpc_server import aio_channel
+from motor.grpc_server import TlsFiles, aio_channel
 from motor.names import ID_RULE, excerpt
 from motor.node_process import describe
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
@@ -64,14 +64,15 @@ class ControllerLink:
     """`clock` (default: the manager's) times heartbeats and backoffs; tests pass a fake one."""
 
     def __init__(self, manager: NodeManager, controller: str, node: controller_pb2.NodeInfo,
-                 interval: float, call_timeout: float = 5.0, max_backoff: float = 10.0, clock: Clock | None = None):
+                 interval: float, call_timeout: float = 5.0, max_backoff: float = 10.0, clock: Clock | None = None,
+                 tls: TlsFiles | None = None):
         self.manager = manager
         self.clock: Clock = clock or manager.clock
         self.node = node
         self.interval = interval
         self.call_timeout = call_timeout
         self.max_backoff = max_backoff
-        self.channel = aio_channel(controller)
+        self.channel = aio_channel(controller, tls)
         self.stub = controller_pb2_grpc.ControllerServiceStub(self.channel)
         self.generation = 0
         self.registered = asyncio.Event()

@@ -1,7 +1,7 @@
 """Calls from the node manager to one engine's management plane (GetStatus, WatchProbes).
 
 `EngineClient` is what the engine monitor needs; `GrpcEngineClient` is the real one (gRPC, with
-the engine's TLS settings); tests give the monitor a scripted fake instead.
+the node's TLS settings); tests give the monitor a scripted fake instead.
 """
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ from typing import AsyncIterator, Callable, Protocol
 
 import grpc
 
-from motor.grpc_server import TlsFiles, aio_channel
-from motor.names import role_name
-from motor.user_config import mgmt_tls_for
+from motor.grpc_server import aio_channel
 from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 from node_manager.config import NodeManagerConfig
 
@@ -44,7 +42,9 @@ class GrpcEngineClient:
         # default 1 s (growing) reconnect backoff would delay noticing that it is up.
         fast_reconnect = {"grpc.initial_reconnect_backoff_ms": 50, "grpc.min_reconnect_backoff_ms": 50,
                           "grpc.max_reconnect_backoff_ms": 1000}
-        self.channel = aio_channel(f"{host}:{spec.mgmt_port}", engine_tls(spec, config), options=fast_reconnect)
+        # Engines serve with this node's own certificate (config.engine_argv), so the node
+        # manager verifies them and presents the same certificate: it is their node-manager.
+        self.channel = aio_channel(f"{host}:{spec.mgmt_port}", config.client_tls(), options=fast_reconnect)
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
 
     async def get_status(self, timeout: float) -> types_pb2.EngineStatus:
@@ -68,9 +68,3 @@ class GrpcEngineClient:
     async def close(self) -> None:
         await self.channel.close()
 
-
-def engine_tls(spec: types_pb2.EngineSpec, config: NodeManagerConfig) -> TlsFiles | None:
-    """TLS files for calling an engine's management plane, from its user_config's mgmt_tls_config
-    (--engine-tls-* override the section's files; see MgmtTlsConfig.client_files)."""
-    tls = mgmt_tls_for(role_name(spec.role), spec.config_json, spec.config_path)
-    return tls.client_files(config.engine_tls_cert, config.engine_tls_key, config.engine_tls_ca) if tls else None

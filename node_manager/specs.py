@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 
+from motor.engine_policy import check_engine_config, within
 from motor.errors import FailedPrecondition, InvalidArgument
 from motor.names import ROLE_NAMES, check_instance_id, check_printable, role_name
 from motor.processes import NODE_ENV
@@ -42,10 +43,17 @@ def check_spec(spec: types_pb2.EngineSpec, config: NodeManagerConfig) -> None:
         raise InvalidArgument("spec: set exactly one of config_path (a file on the node) and config_json")
     if spec.config_json:
         try:
-            if not isinstance(json.loads(spec.config_json), dict):
+            parsed = json.loads(spec.config_json)
+            if not isinstance(parsed, dict):
                 raise ValueError("not a JSON object")
         except ValueError as exc:
             raise InvalidArgument(f"spec.config_json is not a JSON object: {exc}") from None
+        check_engine_config(parsed, config.model_roots, "spec.config_json")
+    elif not within(spec.config_path, [config.state_dir]):
+        raise InvalidArgument(
+            f"spec.config_path {spec.config_path!r}: a request may name only files under the node's state directory "
+            f"({os.path.abspath(config.state_dir)}); send the configuration as spec.config_json"
+        )
     elif not os.path.isfile(spec.config_path):
         raise FailedPrecondition(f"spec.config_path {spec.config_path!r}: no such file on node {node_id}")
     ids = list(spec.accelerator_ids)

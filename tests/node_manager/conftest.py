@@ -16,7 +16,7 @@ import pytest
 
 from motor import processes
 from motor.errors import FailedPrecondition
-from motor.grpc_server import MotorServer, aio_channel, service_name
+from motor.grpc_server import MotorServer, TlsFiles, aio_channel, service_name
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from node_manager.config import NodeManagerConfig
 from node_manager.server import NodeManagerServer
@@ -73,10 +73,10 @@ def kill_engines_of(state_dir: str) -> None:
 class Node:
     """One in-process node manager and a client stub to it."""
 
-    def __init__(self, server: NodeManagerServer):
+    def __init__(self, server: NodeManagerServer, tls: TlsFiles | None = None):
         self.server = server
         self.manager = server.manager
-        self.channel = aio_channel(f"127.0.0.1:{server.port}")
+        self.channel = aio_channel(f"127.0.0.1:{server.port}", tls)
         self.stub = node_manager_pb2_grpc.NodeManagerServiceStub(self.channel)
 
     async def start(self, **kwargs) -> types_pb2.Engine:
@@ -104,7 +104,8 @@ async def make_node(tmp_path):
     made: list[Node] = []
     state_dirs: list[str] = []
 
-    async def make(node_id: str = "node-a", **overrides) -> Node:
+    async def make(node_id: str = "node-a", client_tls: TlsFiles | None = None, **overrides) -> Node:
+        """`client_tls`: how the test calls the node manager when it serves mutual TLS."""
         first = 40000 + (os.getpid() % 200) * 100 + next(_port_slices) * 20 % 100
         values = dict(
             node_id=node_id,
@@ -124,7 +125,7 @@ async def make_node(tmp_path):
         values.update(overrides)
         server = NodeManagerServer(NodeManagerConfig(**values))
         await server.start()
-        node = Node(server)
+        node = Node(server, client_tls)
         made.append(node)
         state_dirs.append(values["state_dir"])
         return node

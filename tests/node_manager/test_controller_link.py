@@ -5,19 +5,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
-import subprocess
 import urllib.request
 
 import grpc
 import pytest
 
-from motor.grpc_server import MotorServer, aio_channel, service_name
+from motor.grpc_server import MotorServer, TlsFiles, aio_channel, service_name
 from motor.ports import free_port
 from motor.v1 import controller_pb2, controller_pb2_grpc, engine_pb2, engine_pb2_grpc, types_pb2
 from tests.node_manager.conftest import alive, sim_config
-from tests.support import async_wait_for, require
+from motorctl.pki import make_dev_pki
+from tests.support import async_wait_for
 
 RUNNING, FAILED = types_pb2.ENGINE_STATE_RUNNING, types_pb2.ENGINE_STATE_FAILED
 
@@ -76,49 +75,35 @@ async def asyncio_sleep(seconds: float) -> None:
     await asyncio.sleep(seconds)
 
 
-def make_certs(directory) -> dict[str, str]:
-    """A CA; a server certificate for 127.0.0.1 (server auth only); a client certificate (client
-    auth only); and a shared certificate allowing both."""
-    require(shutil.which("openssl") is not None, "openssl (to make test certificates)")
-    paths: dict[str, str] = {}
-
-    def run(*args):
-        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
-
-    paths["ca.pem"], paths["ca.key"] = str(directory / "ca.pem"), str(directory / "ca.key")
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=motor-test-ca",
-        "-keyout", paths["ca.key"], "-out", paths["ca.pem"])
-    usages = {"server": "serverAuth", "client": "clientAuth", "shared": "serverAuth,clientAuth"}
-    for name, usage in usages.items():
-        ext = directory / f"{name}.cnf"
-        ext.write_text(f"subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage={usage}\n")
-        key, cert = str(directory / f"{name}.key"), str(directory / f"{name}.pem")
-        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", key,
-            "-out", str(directory / f"{name}.csr"))
-        run("x509", "-req", "-in", str(directory / f"{name}.csr"), "-CA", paths["ca.pem"], "-CAkey", paths["ca.key"],
-            "-CAcreateserial", "-days", "2", "-extfile", str(ext), "-out", cert)
-        paths[f"{name}.pem"], paths[f"{name}.key"] = cert, key
-    return paths
-
-
-@pytest.mark.parametrize("client_cert", ["node manager's own (--engine-tls-cert)", "the engine's, shared"])
-async def test_status_calls_use_tls_with_a_client_certificate(make_node, tmp_path, client_cert):
-    certs = make_certs(tmp_path)
-    config = json.loads(sim_config())
-    own = client_cert.startswith("node manager")
-    engine_cert = "server" if own else "shared"
-    config["motor_engine_prefill_config"]["mgmt_tls_config"] = {
-        "enable_tls": True, "cert_file": certs[f"{engine_cert}.pem"], "key_file": certs[f"{engine_cert}.key"],
-        "ca_file": certs["ca.pem"]}  # with ca_file the engine requires a client certificate
-    overrides = dict(engine_tls_cert=certs["client.pem"], engine_tls_key=certs["client.key"]) if own else {}
-    node = await make_node(**overrides)
-    engine = await node.start(config_json=json.dumps(config))
+async def test_engines_serve_the_nodes_certificate_and_only_its_manager_may_drain_them(make_node, tmp_path):
+    pki = make_dev_pki(str(tmp_path / "pki"), ["node-a"])
+    as_controller = TlsFiles(cert=pki.cert("controller"), key=pki.key("controller"), ca=pki.ca)
+    node = await make_node(tls_cert=pki.cert("node-a"), tls_key=pki.key("node-a"), tls_ca=pki.ca, client_tls=as_controller)
+    engine = await node.start(config_json=sim_config())
+    # NORMAL: the node manager's status calls went over mutual TLS with the node's certificate.
     running = await node.wait_state("prefill-0/rank0", RUNNING, timeout=30)
     assert running.health == types_pb2.HEALTH_STATUS_NORMAL
-    # The engine really speaks TLS only: a plaintext status call fails.
-    async with aio_channel(f"127.0.0.1:{engine.spec.mgmt_port}") as channel:
+    target = f"127.0.0.1:{engine.spec.mgmt_port}"
+    async with aio_channel(target) as channel:  # the engine speaks TLS only
         with pytest.raises(grpc.aio.AioRpcError):
             await engine_pb2_grpc.EngineServiceStub(channel).GetStatus(engine_pb2.GetStatusRequest(), timeout=2)
+    as_viewer = TlsFiles(cert=pki.cert("viewer"), key=pki.key("viewer"), ca=pki.ca)
+    async with aio_channel(target, as_viewer) as channel:  # a viewer reads; only node-a's manager drains
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        assert (await stub.GetStatus(engine_pb2.GetStatusRequest(), timeout=10)).status.instance_id == "prefill-0"
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Drain(engine_pb2.DrainRequest(), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED and "needs role node-manager" in refused.value.details()
+
+
+async def test_a_request_cannot_choose_the_engines_tls_files(make_node):
+    node = await make_node()
+    config = json.loads(sim_config())
+    config["motor_engine_prefill_config"]["mgmt_tls_config"] = {"enable_tls": True, "cert_file": "/etc/ssl/private/x.pem"}
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await node.start(config_json=json.dumps(config))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "spec.config_json.motor_engine_prefill_config.mgmt_tls_config: not accepted in a request" in refused.value.details()
 
 
 def scrape(port: int) -> str:

@@ -223,7 +223,9 @@ async def test_watch_engines_sends_a_snapshot_then_every_change(make_node):
         (dict(dp_rank=100000), grpc.StatusCode.INVALID_ARGUMENT, "spec.dp_rank"),
         (dict(accelerator_ids=[7]), grpc.StatusCode.FAILED_PRECONDITION, "not on node node-a"),
         (dict(accelerator_ids=[0]), grpc.StatusCode.FAILED_PRECONDITION, "in use by ['prefill-0/rank0']"),
-        (dict(config_json="", config_path="/nonexistent/user_config.json"), grpc.StatusCode.FAILED_PRECONDITION,
+        (dict(config_json="", config_path="/etc/passwd"), grpc.StatusCode.INVALID_ARGUMENT,
+         "a request may name only files under the node's state directory"),
+        (dict(config_json="", config_path="{state_dir}/missing.json"), grpc.StatusCode.FAILED_PRECONDITION,
          "no such file"),
         (dict(config_json="{not json"), grpc.StatusCode.INVALID_ARGUMENT, "spec.config_json"),
         (dict(port=70000), grpc.StatusCode.INVALID_ARGUMENT, "spec.port"),
@@ -244,6 +246,8 @@ async def test_bad_start_requests_get_clear_errors_and_disturb_nothing(make_node
         fields["port"] = busy.getsockname()[1]
     elif fields.get("port") == "running":
         fields["port"] = running.spec.port
+    if "config_path" in fields:
+        fields["config_path"] = fields["config_path"].format(state_dir=node.server.config.state_dir)
     request = spec(instance_id=fields.pop("instance_id", "other-0"), **fields)
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await node.stub.StartEngine(node_manager_pb2.StartEngineRequest(spec=request))
@@ -266,11 +270,11 @@ async def test_bad_stop_and_get_requests(make_node):
 
 async def test_config_path_given_is_passed_and_the_engine_runs_in_its_own_directory(make_node, tmp_path, monkeypatch):
     node = await make_node()
-    (tmp_path / "user_config.json").write_text(sim_config("decode"))
-    monkeypatch.chdir(tmp_path)  # a relative path, as a user types it
+    (tmp_path / "node-a" / "user_config.json").write_text(sim_config("decode"))  # a file the node's admin put in its state dir
+    monkeypatch.chdir(tmp_path / "node-a")  # a relative path, as a user types it
     engine = await node.start(instance_id="decode-0", role=types_pb2.ROLE_DECODE, config_path="user_config.json")
-    assert engine.spec.config_path == str(tmp_path / "user_config.json")
-    assert "--config-path " + str(tmp_path / "user_config.json") in " ".join(psutil.Process(engine.pid).cmdline())
+    assert engine.spec.config_path == str(tmp_path / "node-a" / "user_config.json")
+    assert "--config-path " + str(tmp_path / "node-a" / "user_config.json") in " ".join(psutil.Process(engine.pid).cmdline())
     assert psutil.Process(engine.pid).cwd() == str(tmp_path / "node-a" / "engines" / "decode-0_rank0")
     again = await node.start(instance_id="decode-0", role=types_pb2.ROLE_DECODE, config_path="user_config.json")
     assert again.pid == engine.pid
