@@ -1,8 +1,9 @@
 """The engine's user_config: typed models (errors name the field) and the TLS files it implies.
 
-One contract for the engine server (which loads it and serves its management plane with
-`mgmt_tls_config`), the node manager (which calls that management plane) and the controller
-(which checks a deployment's engine_config before placing it).
+One contract for the engine server (which loads it and, when standalone, serves its management
+plane with `mgmt_tls_config`) and the controller (which checks a deployment's engine_config
+before placing it). Under a node manager, engines serve with the node's own TLS settings and a
+request may not turn `mgmt_tls_config` on (motor/engine_policy.py).
 
 Shape (one section per role; see examples/user_config.json):
 
@@ -19,7 +20,6 @@ Every model forbids unknown keys, so a typo is reported by name instead of silen
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Collection, Literal
 
@@ -115,19 +115,6 @@ class MgmtTlsConfig(_Strict):
             return None
         return TlsFiles(cert=self.cert_file, key=self.key_file, ca=self.ca_file, require_client_cert=bool(self.ca_file))
 
-    def client_files(self, cert: str | None = None, key: str | None = None, ca: str | None = None) -> TlsFiles | None:
-        """A client's side (the node manager): `ca` (else ca_file) verifies the server. When the
-        server verifies clients (ca_file set) the client presents `cert`/`key`, else the section's
-        cert_file/key_file (a certificate that must then allow client auth)."""
-        if not self.enable_tls:
-            return None
-        ca = ca or self.ca_file
-        if not self.ca_file:
-            return TlsFiles(ca=ca)
-        if cert:
-            return TlsFiles(cert=cert, key=key, ca=ca)
-        return TlsFiles(cert=self.cert_file, key=self.key_file, ca=ca)
-
 
 class EngineSection(_Strict):
     """One role's section of the user_config."""
@@ -153,18 +140,3 @@ class UserConfig(_Strict):
         """(section name, section) a role uses; the section is None when missing."""
         name = section_name_for(role, self.present())
         return name, getattr(self, name)
-
-
-def mgmt_tls_for(role: str, config_json: str = "", config_path: str = "") -> MgmtTlsConfig | None:
-    """The role's mgmt_tls_config from a user_config given as text or as a file; None when the
-    config cannot be read or validated (the engine server itself refuses to start with it)."""
-    try:
-        if config_json:
-            data = json.loads(config_json)
-        else:
-            with open(config_path, encoding="utf-8") as handle:
-                data = json.load(handle)
-        _, section = UserConfig.model_validate(data).section_for(role)
-    except Exception:
-        return None
-    return section.mgmt_tls_config if section is not None else None
