@@ -99,7 +99,7 @@ class NodeTable(Table[NodeRuntime]):
         """The node, if `generation` is its current one (heartbeats and reports of a member)."""
         node = self._rows.get(node_id)
         if node is None:
-            raise NotFound(f"node {excerpt(node_id)} is not registered; call RegisterNode first")
+            raise NotFound(f"node_id {excerpt(node_id)} is not registered; call RegisterNode first")
         if generation != node.generation:
             raise FailedPrecondition(
                 f"node {excerpt(node_id)}: generation {generation} is stale (current {node.generation}"

@@ -28,7 +28,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import grpc
 from cryptography import x509
 
+from motor.errors import status_message
 from motor.identity import TRUST_DOMAIN, Identity, identity_from_uri
+from motor.names import excerpt
 from motor.tokens import TokenStore
 
 logger = logging.getLogger(__name__)
@@ -185,9 +187,9 @@ class AccessPolicy:
             if caller.node is not None and all(value == caller.node for _, value in named):
                 return
             wanted = {value for _, value in named}
-            needed.append(f"node:{wanted.pop()}" if len(wanted) == 1 else "node:<the node the request names>")
+            needed.append(f"node:{wanted.pop()[:64]}" if len(wanted) == 1 else "node:<the node the request names>")
             if caller.node is not None:
-                fields = ", ".join(f"{path}={value!r}" for path, value in named)
+                fields = ", ".join(f"{path}={excerpt(value)}" for path, value in named)
                 raise Refused(
                     grpc.StatusCode.PERMISSION_DENIED,
                     f"{caller.describe()} may not call {method} with {fields}: a node may act only for itself (needs role {' or '.join(needed)})",
@@ -278,7 +280,7 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
             self.policy.authorize(method, caller, request)
         except Refused as refusal:
             logger.warning("refused %s from %s: %s", method, context.peer(), refusal)
-            await context.abort(refusal.code, str(refusal))
+            await context.abort(refusal.code, status_message(refusal))
         return caller
 
 

@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from motor.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from motor.fanout import FanOut
 from motor.names import engine_id as make_engine_id
-from motor.names import parse_engine_id
+from motor.names import excerpt, parse_engine_id
 from motor.ports import PortAllocator, port_is_free
 from motor.processes import ExitStatus, TreeId
 from motor.tasks import TaskSet
@@ -130,7 +130,7 @@ class NodeManager:
         parse_engine_id(engine_id)
         record = self.records.get(engine_id)
         if record is None:
-            raise NotFound(f"engine {engine_id!r} is not known on node {self.node_id}")
+            raise NotFound(f"engine_id {excerpt(engine_id)} is not known on node {self.node_id}")
         return record
 
     def engines(self) -> list[types_pb2.Engine]:

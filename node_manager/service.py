@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-
 from motor import pbtime
 from motor.errors import InvalidArgument
 from motor.v1 import node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from node_manager.manager import NodeManager
+
+# A graceful stop longer than an hour is a mistake (or an attack); larger values are refused.
+MAX_STOP_DEADLINE = 3600.0
 
 
 class NodeManagerServicer(node_manager_pb2_grpc.NodeManagerServiceServicer):
@@ -24,8 +26,8 @@ class NodeManagerServicer(node_manager_pb2_grpc.NodeManagerServiceServicer):
         deadline = None
         if request.HasField("deadline"):
             deadline = pbtime.seconds(request.deadline)
-            if deadline < 0:
-                raise InvalidArgument(f"deadline must not be negative (got {deadline:g}s)")
+            if not 0 <= deadline <= MAX_STOP_DEADLINE:
+                raise InvalidArgument(f"deadline must be within 0-{MAX_STOP_DEADLINE:g}s (got {deadline:g}s)")
         record = await self.manager.stop_engine(request.engine_id, deadline, request.generation)
         return node_manager_pb2.StopEngineResponse(engine=record.to_proto(self.manager.node_id))
 

@@ -82,7 +82,7 @@ def test_membership_needs_the_current_generation():
     node = runtime("node-a", generation=3)
     table.put(node)
     assert table.member("node-a", 3) is node
-    with pytest.raises(NotFound, match="'node-x' is not registered"):
+    with pytest.raises(NotFound, match="node_id 'node-x' is not registered"):
         table.member("node-x", 3)
     with pytest.raises(FailedPrecondition, match="generation 2 is stale \\(current 3\\); register again"):
         table.member("node-a", 2)
