@@ -150,9 +150,9 @@ def test_the_fleet_describes_its_roomiest_node():
 
 # ---------------------------------------------------------------- validation
 
-def invalid(deployment) -> str:
+def invalid(deployment, **limits) -> str:
     with pytest.raises(InvalidArgument) as err:
-        validate_deployment(deployment)
+        validate_deployment(deployment, **limits)
     return str(err.value)
 
 
@@ -173,12 +173,22 @@ def test_every_problem_is_named_in_one_message():
 
 def test_size_limits_are_inclusive_and_named():
     largest = {"name": "u", "role": "union", "count": 10_000, "data_parallel_size": 1024, "accelerators_per_engine": 64}
-    validate_deployment(small_deployment([largest]))
+    unlimited = 2**62  # the per-field limits alone; the engines limit has its own test below
+    validate_deployment(small_deployment([largest]), max_engines=unlimited)
     too_large = {**largest, "count": 10_001, "data_parallel_size": 1025, "accelerators_per_engine": 65}
-    assert invalid(small_deployment([too_large])) == (
+    assert invalid(small_deployment([too_large]), max_engines=unlimited) == (
         "invalid deployment: instance_groups[0].count: must be at most 10000 (got 10001); "
         "instance_groups[0].data_parallel_size: must be at most 1024 (got 1025); "
         "instance_groups[0].accelerators_per_engine: must be at most 64 (got 65)"
+    )
+
+
+def test_the_engines_of_a_deployment_are_limited_inclusively_naming_the_setting():
+    group = {"name": "u", "role": "union", "count": 50, "data_parallel_size": 4}
+    validate_deployment(small_deployment([group]), max_engines=200)
+    assert invalid(small_deployment([group]), max_engines=199) == (
+        "invalid deployment: instance_groups: 200 engines (count x data_parallel_size) exceed the limit "
+        "max_engines_per_deployment=199 (controller setting --max-engines-per-deployment)"
     )
 
 
