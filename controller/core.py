@@ -29,7 +29,7 @@ from motor.exits import describe_exit
 from motor.tasks import TaskSet
 from motor.v1 import controller_pb2, types_pb2
 
-from controller import endpoints, views
+from controller import endpoints, paging, views
 from controller.actuator import Actuator, engine_spec
 from controller.claims import NodeClaims
 from controller.config import ControllerConfig
@@ -372,15 +372,20 @@ class Controller:
         self.wake()
         return generation, assignments
 
-    def heartbeat(self, node_id: str, generation: int, engines: Iterable[T.Engine]) -> None:
-        """The hot path: a dictionary update per engine; work only for what changed."""
+    def heartbeat(self, node_id: str, generation: int, engines: Iterable[T.Engine], delta: bool = False,
+                  removed: Iterable[str] = ()) -> None:
+        """The hot path (unary Heartbeat and every StreamHeartbeats message): a dictionary update
+        per engine reported; work only for what changed. `delta`: `engines` holds only the
+        engines that changed and `removed` those the node no longer runs; the others stay."""
         node = self.state.nodes.member(node_id, generation)
-        node.last_seen = self.mono()
+        self.state.nodes.heard_from(node, self.mono())
         node.last_heartbeat_wall = self.wall()
         node.reported_since_start = True
         if node.state == NODE_SUSPECT:
             self.monitor.node_back(node, "heartbeats arrived again")
-        reported: dict[str, T.Engine] = {}
+        reported: dict[str, T.Engine] = node.engines if delta else {}
+        for engine_id in removed if delta else ():
+            reported.pop(engine_id, None)
         for engine in engines:
             reported[engine.engine_id] = engine
             self._observe(node, engine, "")
@@ -483,12 +488,28 @@ class Controller:
 
     # ------------------------------------------------------------------ views
 
+    def page_nodes(self, request: C.ListNodesRequest) -> C.ListNodesResponse:
+        page, token = paging.page(request, self.nodes, views.NODE_FIELDS)
+        return C.ListNodesResponse(
+            nodes=[views.node_proto(self.state, n) for n in page], next_page_token=token,
+            alarms=([self.alarm] if self.alarm else []) + views.conflict_alarms(self.claims.conflicts.open()),
+        )
+
+    def page_instances(self, request: C.ListInstancesRequest) -> C.ListInstancesResponse:
+        page, token = paging.page(request, self.instances, views.INSTANCE_FIELDS)
+        return C.ListInstancesResponse(instances=[views.instance_proto(self.state, i) for i in page], next_page_token=token)
+
+    def page_endpoints(self, request: C.ListEndpointsRequest) -> C.ListEndpointsResponse:
+        found = {e.engine_id: e for e in endpoints.endpoints(self.state, request.role)}
+        page, token = paging.page(request, found, views.ENDPOINT_FIELDS)
+        return C.ListEndpointsResponse(endpoints=page, next_page_token=token)
+
     def list_nodes(self) -> tuple[list[C.Node], list[str]]:
-        nodes = [views.node_proto(self.state, self.nodes[k]) for k in sorted(self.nodes)]
-        return nodes, ([self.alarm] if self.alarm else []) + views.conflict_alarms(self.claims.conflicts.open())
+        reply = self.page_nodes(C.ListNodesRequest())
+        return list(reply.nodes), list(reply.alarms)
 
     def list_instances(self) -> list[C.Instance]:
-        return [views.instance_proto(self.state, self.instances[k]) for k in sorted(self.instances)]
+        return list(self.page_instances(C.ListInstancesRequest()).instances)
 
     def list_endpoints(self, role: int = T.ROLE_UNSPECIFIED) -> list[C.Endpoint]:
         if role != T.ROLE_UNSPECIFIED and role not in names.ROLE_NAMES:

@@ -48,10 +48,11 @@ class NodeMonitor:
         st = self.state
         now = st.mono()
         grace = self.config.node_grace
-        for node in st.nodes.values():
+        # O(changed): only the READY nodes silent past the grace, and the SUSPECT ones.
+        for node in st.nodes.ready_silent_since(now - grace):
             self.suspect_if_silent(node, now)
         self.refresh_alarm()
-        for node in list(st.nodes.values()):
+        for node in st.nodes.suspects():
             if node.state != NODE_SUSPECT or node.rechecking:
                 continue
             if node.recheck_failed_at is not None and now - node.recheck_failed_at < max(grace, 1.0):

@@ -1,5 +1,8 @@
 """The node table: every registered node, its READY/SUSPECT/LOST state with one transition
 table, and the per-state counts (kept on each change, so the silent share costs O(1)).
+READY nodes are also kept in the order of their last heartbeat and SUSPECT nodes apart, so the
+node monitor's sweep reads only the nodes that fell silent and those under re-check: O(changed)
+per tick, not O(fleet).
 
 Plain data, no I/O: the node monitor (controller/liveness.py) decides when a node changes
 state; this table checks that the change is allowed and keeps the counts right.
@@ -7,7 +10,9 @@ state; this table checks that the change is allowed and keeps the counts right.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from motor.errors import FailedPrecondition, NotFound
 from motor.names import enum_short_name, excerpt
@@ -63,6 +68,17 @@ class NodeTable(Table[NodeRuntime]):
     def __init__(self) -> None:
         super().__init__()
         self._counts: dict[int, int] = {NODE_READY: 0, NODE_SUSPECT: 0, NODE_LOST: 0}
+        self._ready_by_last_seen: OrderedDict[str, NodeRuntime] = OrderedDict()  # oldest heartbeat first
+        self._suspect: dict[str, NodeRuntime] = {}
+
+    def _index(self, node: NodeRuntime, old: int | None) -> None:
+        """Keep the READY order and the SUSPECT set right after `node` went from `old` to its state."""
+        self._ready_by_last_seen.pop(node.node_id, None)
+        self._suspect.pop(node.node_id, None)
+        if node.state == NODE_READY:
+            self._ready_by_last_seen[node.node_id] = node  # just heard from (registered, back): newest
+        elif node.state == NODE_SUSPECT:
+            self._suspect[node.node_id] = node
 
     @staticmethod
     def _check(node_id: str, old: int | None, new: int) -> None:
@@ -78,12 +94,32 @@ class NodeTable(Table[NodeRuntime]):
             self._counts[old] -= 1
         self._counts[node.state] += 1
         self._rows[node.node_id] = node
+        self._index(node, old)
 
     def set_state(self, node: NodeRuntime, state: int, reason: str) -> None:
         self._check(node.node_id, node.state, state)
         self._counts[node.state] -= 1
         self._counts[state] += 1
-        node.state, node.reason = state, reason
+        old, node.state, node.reason = node.state, state, reason
+        self._index(node, old)
+
+    def heard_from(self, node: NodeRuntime, now: float) -> None:
+        """A heartbeat arrived at monotonic `now`: O(1)."""
+        node.last_seen = now
+        if node.state == NODE_READY:
+            self._ready_by_last_seen.move_to_end(node.node_id)
+
+    def ready_silent_since(self, cutoff: float) -> Iterator[NodeRuntime]:
+        """READY nodes last heard from before `cutoff`, oldest first; stops at the first newer one."""
+        silent = []
+        for node in self._ready_by_last_seen.values():
+            if node.last_seen >= cutoff:
+                break
+            silent.append(node)
+        return iter(silent)  # a copy: the caller changes the states of what it reads
+
+    def suspects(self) -> list[NodeRuntime]:
+        return list(self._suspect.values())
 
     def count(self, state: int) -> int:
         return self._counts[state]

@@ -24,11 +24,20 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         reply.heartbeat_interval.CopyFrom(pbtime.duration(self.controller.config.heartbeat_interval))
         return reply
 
-    async def Heartbeat(self, request, context):
+    def _heartbeat(self, request: controller_pb2.HeartbeatRequest) -> controller_pb2.HeartbeatResponse:
         started = time.perf_counter()
-        self.controller.heartbeat(request.node_id, request.generation, request.engines)
+        self.controller.heartbeat(request.node_id, request.generation, request.engines, request.delta, request.removed_engine_ids)
         self.controller.metrics.heartbeat_seconds.observe(time.perf_counter() - started)
-        return controller_pb2.HeartbeatResponse()
+        return controller_pb2.HeartbeatResponse(sequence=request.sequence)
+
+    async def Heartbeat(self, request, context):
+        return self._heartbeat(request)
+
+    async def StreamHeartbeats(self, request_iterator, context):
+        # The same handling as Heartbeat, one answer per beat; a refused beat ends the stream
+        # with Heartbeat's status (the node registers again and opens a new stream).
+        async for request in request_iterator:
+            yield controller_pb2.StreamHeartbeatsResponse(heartbeat=self._heartbeat(request.heartbeat))
 
     async def ReportEngineEvent(self, request, context):
         self.controller.report_engine_event(request.node_id, request.generation, request.engine, request.reason)
@@ -49,14 +58,13 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         return controller_pb2.DeleteDeploymentResponse()
 
     async def ListNodes(self, request, context):
-        nodes, alarms = self.controller.list_nodes()
-        return controller_pb2.ListNodesResponse(nodes=nodes, alarms=alarms)
+        return self.controller.page_nodes(request)
 
     async def ListInstances(self, request, context):
-        return controller_pb2.ListInstancesResponse(instances=self.controller.list_instances())
+        return self.controller.page_instances(request)
 
     async def ListEndpoints(self, request, context):
-        return controller_pb2.ListEndpointsResponse(endpoints=self.controller.list_endpoints(request.role))
+        return self.controller.page_endpoints(request)
 
     async def WatchEndpoints(self, request, context):
         changes = self.controller.endpoints.subscribe()

@@ -5,15 +5,35 @@
 from __future__ import annotations
 
 from motor import node_process
+from motor.names import enum_short_name
 from motor.pbtime import timestamp as _stamp
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.claims import Conflict
 from controller.instances import RESTARTING, InstanceRecord
 from controller.nodes import NodeRuntime
+from controller.paging import Field
 from controller.state import ClusterState
 
 C, T = controller_pb2, types_pb2
+
+# The filter fields of ListNodes, ListInstances and ListEndpoints (controller/paging.py).
+NODE_FIELDS = {
+    "node_id": Field(lambda n: n.node_id),
+    "state": Field(lambda n: enum_short_name(C.NodeState, n.state), enum=True),
+    "host": Field(lambda n: n.info.host),
+}
+INSTANCE_FIELDS = {
+    "instance_id": Field(lambda i: i.instance_id),
+    "group": Field(lambda i: i.group),
+    "state": Field(lambda i: enum_short_name(C.InstanceState, i.state), enum=True),
+    "role": Field(lambda i: enum_short_name(T.Role, i.role), enum=True),
+}
+ENDPOINT_FIELDS = {
+    "engine_id": Field(lambda e: e.engine_id),
+    "instance_id": Field(lambda e: e.instance_id),
+    "role": Field(lambda e: enum_short_name(T.Role, e.role), enum=True),
+}
 
 
 def node_proto(state: ClusterState, node: NodeRuntime) -> C.Node:

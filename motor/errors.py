@@ -103,9 +103,11 @@ def rewrap_handler(
     handler: grpc.RpcMethodHandler | None,
     wrap_unary: Callable[[Callable], Callable],
     wrap_stream: Callable[[Callable], Callable],
+    wrap_bidi: Callable[[Callable], Callable] | None = None,
 ) -> grpc.RpcMethodHandler | None:
-    """`handler` with its unary-unary or unary-stream behaviour passed through a wrapper (for
-    interceptors); other kinds (Motor serves no client-streaming RPC) are returned as they are."""
+    """`handler` with its unary-unary, unary-stream or stream-stream behaviour passed through a
+    wrapper (for interceptors; `wrap_bidi` defaults to `wrap_stream`, which passes the request
+    stream on as it is); client-streaming ones (Motor serves none) are returned as they are."""
     if handler is None:
         return handler
     if handler.unary_unary is not None:
@@ -117,6 +119,12 @@ def rewrap_handler(
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(
             wrap_stream(handler.unary_stream),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    if handler.stream_stream is not None:  # StreamHeartbeats
+        return grpc.stream_stream_rpc_method_handler(
+            (wrap_bidi or wrap_stream)(handler.stream_stream),
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )

@@ -51,6 +51,7 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
             await continuation(details),
             lambda behavior: self._unary(behavior, ("unary", service, method)),
             lambda behavior: self._stream(behavior, ("server_stream", service, method)),
+            lambda behavior: self._stream(behavior, ("bidi_stream", service, method)),
         )
 
     def _finish(self, labels: tuple[str, ...], context: grpc.aio.ServicerContext, began: float, outcome: grpc.StatusCode) -> None:

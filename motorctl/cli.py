@@ -22,6 +22,7 @@ from motor.names import parse_role
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl import render
 from motorctl.connect import add_credential_flags, credentials_from
+from motorctl.pages import all_pages
 
 DEFAULT_CONTROLLER = os.environ.get("MOTOR_CONTROLLER", "localhost:50051")
 
@@ -37,9 +38,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the controller [10]")
     add_credential_flags(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser("nodes", help="nodes with state, generation, free accelerators, engines")
-    sub.add_parser("instances", help="instances and their engines (node, ports, state, health, restarts)")
+    nodes = sub.add_parser("nodes", help="nodes with state, generation, free accelerators, engines")
+    instances = sub.add_parser("instances", help="instances and their engines (node, ports, state, health, restarts)")
     endpoints = sub.add_parser("endpoints", help="inference endpoints of NORMAL engines")
+    for listing, fields in ((nodes, "node_id, state, host"), (instances, "instance_id, group, state, role"),
+                            (endpoints, "engine_id, instance_id, role")):
+        listing.add_argument("--filter", default="", help=f"only items matching every field=value term (value* for a prefix); fields: {fields}")
     endpoints.add_argument("--role", help="prefill, decode or union")
     events = sub.add_parser("events", help="recent events; --follow keeps streaming")
     events.add_argument("--follow", "-f", action="store_true", help="stream new events until Ctrl-C")
@@ -58,14 +62,14 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         t = args.timeout
         as_json = args.output == "json"
         if args.command == "nodes":
-            reply = stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=t)
+            reply = all_pages(stub.ListNodes, controller_pb2.ListNodesRequest(filter=args.filter), "nodes", t)
             print(_json(reply) if as_json else render.render_nodes(reply), file=out)
         elif args.command == "instances":
-            reply = stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=t)
+            reply = all_pages(stub.ListInstances, controller_pb2.ListInstancesRequest(filter=args.filter), "instances", t)
             print(_json(reply) if as_json else render.render_instances(reply) + "\n\n" + render.render_engines(reply), file=out)
         elif args.command == "endpoints":
             role = parse_role(args.role, "--role") if args.role else types_pb2.ROLE_UNSPECIFIED
-            reply = stub.ListEndpoints(controller_pb2.ListEndpointsRequest(role=role), timeout=t)
+            reply = all_pages(stub.ListEndpoints, controller_pb2.ListEndpointsRequest(role=role, filter=args.filter), "endpoints", t)
             print(_json(reply) if as_json else render.render_endpoints(reply), file=out)
         elif args.command == "deployment":
             reply = stub.GetDeployment(controller_pb2.GetDeploymentRequest(), timeout=t)

@@ -753,13 +753,27 @@ class HeartbeatRequest(_message.Message):
     NODE_ID_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     ENGINES_FIELD_NUMBER: _builtins.int
+    DELTA_FIELD_NUMBER: _builtins.int
+    REMOVED_ENGINE_IDS_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The node."""
     generation: _builtins.int
     """Generation from RegisterNodeResponse."""
+    delta: _builtins.bool
+    """True: `engines` lists only the engines whose state changed since the node's previous
+    heartbeat, and `removed_engine_ids` those it no longer runs; engines not named are
+    unchanged. False (the default): `engines` is the full list.
+    """
+    sequence: _builtins.int
+    """Set by the node, echoed in the response (StreamHeartbeats: matches answers to beats)."""
     @_builtins.property
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Engine]:
-        """Every engine of the node with its state and health."""
+        """Every engine of the node with its state and health (with delta: only those that changed)."""
+
+    @_builtins.property
+    def removed_engine_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """With delta: engines the node no longer runs."""
 
     def __init__(
         self,
@@ -767,10 +781,13 @@ class HeartbeatRequest(_message.Message):
         node_id: _builtins.str = ...,
         generation: _builtins.int = ...,
         engines: _abc.Iterable[_types_pb2.Engine] | None = ...,
+        delta: _builtins.bool = ...,
+        removed_engine_ids: _abc.Iterable[_builtins.str] | None = ...,
+        sequence: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "generation", b"generation", "node_id", b"node_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "engines", b"engines", "generation", b"generation", "node_id", b"node_id", "removed_engine_ids", b"removed_engine_ids", "sequence", b"sequence"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -782,16 +799,69 @@ class HeartbeatResponse(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    sequence: _builtins.int
+    """The request's sequence."""
     def __init__(
         self,
+        *,
+        sequence: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sequence", b"sequence"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatResponse: _TypeAlias = HeartbeatResponse  # noqa: Y015
+
+@_typing.final
+class StreamHeartbeatsRequest(_message.Message):
+    """One beat on a ControllerService.StreamHeartbeats stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def heartbeat(self) -> Global___HeartbeatRequest:
+        """The heartbeat, as for Heartbeat."""
+
+    def __init__(
+        self,
+        *,
+        heartbeat: Global___HeartbeatRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamHeartbeatsRequest: _TypeAlias = StreamHeartbeatsRequest  # noqa: Y015
+
+@_typing.final
+class StreamHeartbeatsResponse(_message.Message):
+    """The answer to one beat on a ControllerService.StreamHeartbeats stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def heartbeat(self) -> Global___HeartbeatResponse:
+        """The answer, as for Heartbeat."""
+
+    def __init__(
+        self,
+        *,
+        heartbeat: Global___HeartbeatResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamHeartbeatsResponse: _TypeAlias = StreamHeartbeatsResponse  # noqa: Y015
 
 @_typing.final
 class ReportEngineEventRequest(_message.Message):
@@ -983,12 +1053,29 @@ class ListNodesRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    FILTER_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    """At most this many nodes per page (at most 1000); 0 means all of them in one answer."""
+    page_token: _builtins.str
+    """next_page_token of the previous page, to read the next one; empty for the first page.
+    The other fields must be the same as for the first page.
+    """
+    filter: _builtins.str
+    """Only nodes matching every term: space-separated field=value terms, a value ending in
+    '*' matches a prefix. Fields: node_id, state (READY, SUSPECT, LOST), host.
+    """
     def __init__(
         self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+        filter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1002,6 +1089,9 @@ class ListNodesResponse(_message.Message):
 
     NODES_FIELD_NUMBER: _builtins.int
     ALARMS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Token of the next page; empty on the last page."""
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___Node]:
         """Every node, ordered by id."""
@@ -1015,10 +1105,11 @@ class ListNodesResponse(_message.Message):
         *,
         nodes: _abc.Iterable[Global___Node] | None = ...,
         alarms: _abc.Iterable[_builtins.str] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alarms", b"alarms", "nodes", b"nodes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alarms", b"alarms", "next_page_token", b"next_page_token", "nodes", b"nodes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1030,12 +1121,29 @@ class ListInstancesRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    FILTER_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    """At most this many instances per page (at most 1000); 0 means all of them in one answer."""
+    page_token: _builtins.str
+    """next_page_token of the previous page, to read the next one; empty for the first page.
+    The other fields must be the same as for the first page.
+    """
+    filter: _builtins.str
+    """Only instances matching every term: space-separated field=value terms, a value ending in
+    '*' matches a prefix. Fields: instance_id, group, state (PENDING, STARTING, READY, DEGRADED, RESTARTING, FAILED), role.
+    """
     def __init__(
         self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+        filter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1048,6 +1156,9 @@ class ListInstancesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     INSTANCES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Token of the next page; empty on the last page."""
     @_builtins.property
     def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___Instance]:
         """Every instance, ordered by id."""
@@ -1056,10 +1167,11 @@ class ListInstancesResponse(_message.Message):
         self,
         *,
         instances: _abc.Iterable[Global___Instance] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instances", b"instances"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instances", b"instances", "next_page_token", b"next_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1072,16 +1184,32 @@ class ListEndpointsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ROLE_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    FILTER_FIELD_NUMBER: _builtins.int
     role: _types_pb2.Role.ValueType
     """Only endpoints of this role; ROLE_UNSPECIFIED means every role."""
+    page_size: _builtins.int
+    """At most this many endpoints per page (at most 1000); 0 means all of them in one answer."""
+    page_token: _builtins.str
+    """next_page_token of the previous page, to read the next one; empty for the first page.
+    The other fields must be the same as for the first page.
+    """
+    filter: _builtins.str
+    """Only endpoints matching every term: space-separated field=value terms, a value ending in
+    '*' matches a prefix. Fields: engine_id, instance_id, role (PREFILL, DECODE, UNION).
+    """
     def __init__(
         self,
         *,
         role: _types_pb2.Role.ValueType = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+        filter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "page_size", b"page_size", "page_token", b"page_token", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1094,6 +1222,9 @@ class ListEndpointsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ENDPOINTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Token of the next page; empty on the last page."""
     @_builtins.property
     def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___Endpoint]:
         """Endpoints of engines that can serve (see ListEndpoints), ordered by engine id."""
@@ -1102,10 +1233,11 @@ class ListEndpointsResponse(_message.Message):
         self,
         *,
         endpoints: _abc.Iterable[Global___Endpoint] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints", "next_page_token", b"next_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

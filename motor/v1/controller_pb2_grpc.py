@@ -45,6 +45,11 @@ class ControllerServiceStub:
                 request_serializer=motor_dot_v1_dot_controller__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=motor_dot_v1_dot_controller__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.StreamHeartbeats = channel.stream_stream(
+                '/motor.v1.ControllerService/StreamHeartbeats',
+                request_serializer=motor_dot_v1_dot_controller__pb2.StreamHeartbeatsRequest.SerializeToString,
+                response_deserializer=motor_dot_v1_dot_controller__pb2.StreamHeartbeatsResponse.FromString,
+                _registered_method=True)
         self.ReportEngineEvent = channel.unary_unary(
                 '/motor.v1.ControllerService/ReportEngineEvent',
                 request_serializer=motor_dot_v1_dot_controller__pb2.ReportEngineEventRequest.SerializeToString,
@@ -113,6 +118,19 @@ class ControllerServiceServicer:
         """Reports that a node is alive with the state of its engines. Safe to repeat. Returns OK,
         NOT_FOUND for a node that never registered, FAILED_PRECONDITION for a stale generation
         (the node must register again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamHeartbeats(self, request_iterator, context):
+        """The same heartbeats on one long-lived stream per node (what large fleets use: one message
+        per beat instead of one call). The controller answers every request with one response
+        carrying its sequence, in order. Requests may be deltas (delta true: only the engines that
+        changed, plus removed_engine_ids); the node sends a full snapshot as the first message of
+        every stream and every few beats. Each request goes through the same rules as Heartbeat;
+        the stream ends with the status Heartbeat would return (NOT_FOUND, FAILED_PRECONDITION:
+        register again, then open a new stream), or OK when the node closes it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -207,6 +225,11 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=motor_dot_v1_dot_controller__pb2.HeartbeatRequest.FromString,
                     response_serializer=motor_dot_v1_dot_controller__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'StreamHeartbeats': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamHeartbeats,
+                    request_deserializer=motor_dot_v1_dot_controller__pb2.StreamHeartbeatsRequest.FromString,
+                    response_serializer=motor_dot_v1_dot_controller__pb2.StreamHeartbeatsResponse.SerializeToString,
             ),
             'ReportEngineEvent': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportEngineEvent,
@@ -309,6 +332,33 @@ class ControllerService:
             '/motor.v1.ControllerService/Heartbeat',
             motor_dot_v1_dot_controller__pb2.HeartbeatRequest.SerializeToString,
             motor_dot_v1_dot_controller__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamHeartbeats(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/motor.v1.ControllerService/StreamHeartbeats',
+            motor_dot_v1_dot_controller__pb2.StreamHeartbeatsRequest.SerializeToString,
+            motor_dot_v1_dot_controller__pb2.StreamHeartbeatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,6 +47,15 @@ class ControllerServiceStub:
     NOT_FOUND for a node that never registered, FAILED_PRECONDITION for a stale generation
     (the node must register again).
     """
+    StreamHeartbeats: _grpc.StreamStreamMultiCallable[_controller_pb2.StreamHeartbeatsRequest, _controller_pb2.StreamHeartbeatsResponse]
+    """The same heartbeats on one long-lived stream per node (what large fleets use: one message
+    per beat instead of one call). The controller answers every request with one response
+    carrying its sequence, in order. Requests may be deltas (delta true: only the engines that
+    changed, plus removed_engine_ids); the node sends a full snapshot as the first message of
+    every stream and every few beats. Each request goes through the same rules as Heartbeat;
+    the stream ends with the status Heartbeat would return (NOT_FOUND, FAILED_PRECONDITION:
+    register again, then open a new stream), or OK when the node closes it.
+    """
     ReportEngineEvent: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ReportEngineEventRequest, _controller_pb2.ReportEngineEventResponse]
     """Reports a change of one engine at once (a failure, an exit), without waiting for the next
     heartbeat. A repeated report of the same change is ignored. Returns OK, NOT_FOUND for an
@@ -107,6 +116,15 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     """Reports that a node is alive with the state of its engines. Safe to repeat. Returns OK,
     NOT_FOUND for a node that never registered, FAILED_PRECONDITION for a stale generation
     (the node must register again).
+    """
+    StreamHeartbeats: _aio.StreamStreamMultiCallable[_controller_pb2.StreamHeartbeatsRequest, _controller_pb2.StreamHeartbeatsResponse]  # type: ignore[assignment]
+    """The same heartbeats on one long-lived stream per node (what large fleets use: one message
+    per beat instead of one call). The controller answers every request with one response
+    carrying its sequence, in order. Requests may be deltas (delta true: only the engines that
+    changed, plus removed_engine_ids); the node sends a full snapshot as the first message of
+    every stream and every few beats. Each request goes through the same rules as Heartbeat;
+    the stream ends with the status Heartbeat would return (NOT_FOUND, FAILED_PRECONDITION:
+    register again, then open a new stream), or OK when the node closes it.
     """
     ReportEngineEvent: _aio.UnaryUnaryMultiCallable[_controller_pb2.ReportEngineEventRequest, _controller_pb2.ReportEngineEventResponse]  # type: ignore[assignment]
     """Reports a change of one engine at once (a failure, an exit), without waiting for the next
@@ -177,6 +195,21 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Reports that a node is alive with the state of its engines. Safe to repeat. Returns OK,
         NOT_FOUND for a node that never registered, FAILED_PRECONDITION for a stale generation
         (the node must register again).
+        """
+
+    @_abc_1.abstractmethod
+    def StreamHeartbeats(
+        self,
+        request_iterator: _MaybeAsyncIterator[_controller_pb2.StreamHeartbeatsRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_controller_pb2.StreamHeartbeatsResponse], _abc.AsyncIterator[_controller_pb2.StreamHeartbeatsResponse]]:
+        """The same heartbeats on one long-lived stream per node (what large fleets use: one message
+        per beat instead of one call). The controller answers every request with one response
+        carrying its sequence, in order. Requests may be deltas (delta true: only the engines that
+        changed, plus removed_engine_ids); the node sends a full snapshot as the first message of
+        every stream and every few beats. Each request goes through the same rules as Heartbeat;
+        the stream ends with the status Heartbeat would return (NOT_FOUND, FAILED_PRECONDITION:
+        register again, then open a new stream), or OK when the node closes it.
         """
 
     @_abc_1.abstractmethod
