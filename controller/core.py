@@ -283,6 +283,7 @@ class Controller:
         """From memory, and stop its engines (_store_first deleted its rows)."""
         st = self.state
         slots = st.slots_of(instance_id)  # while the instance is known: its ranks, not a scan of every slot
+        self.endpoints.changed([s.engine_id for s in slots])
         st.instances.pop(instance_id, None)
         self.endpoints.refresh()  # routers hear of it before any of its engines is stopped
         st.attention.discard(instance_id)
@@ -421,14 +422,14 @@ class Controller:
             slot.stop_grace = pbtime.seconds(engine.stop_grace)
         if (slot.draining, slot.sleeping) != (engine.draining, engine.sleeping):
             slot.draining, slot.sleeping = engine.draining, engine.sleeping
-            self.state.on_change()
+            self.state.on_change([slot.engine_id])
         if slot.state == engine.state and slot.health == engine.health and slot.health_reason == engine.health_reason:
             return
         slot.state, slot.health, slot.health_reason = engine.state, engine.health, engine.health_reason
         if slot.failed_at is not None and engine.state == T.ENGINE_STATE_RUNNING and engine.health == T.HEALTH_STATUS_NORMAL:
             self.metrics.recovery_seconds.observe(self.mono() - slot.failed_at)
             slot.failed_at = None
-        self.state.on_change()
+        self.state.on_change([slot.engine_id])
         if engine.state in DEAD_ENGINE_STATES and slot.handled_failure_generation != generation:
             self.scheduler.engine_failed(slot, node.node_id, reason or engine.state_reason or self._exit_words(engine))
             return

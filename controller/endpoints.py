@@ -9,13 +9,16 @@ An engine is listed when it can serve right now:
 
 `EndpointFeed` keeps the listed set and, whenever something that decides it changes, works out
 what was added and removed (once per event-loop turn, however many changes came in it) and
-sends that to every WatchEndpoints stream.
+sends that to every WatchEndpoints stream. A change names the engines it may concern (an
+engine, the ranks of an instance, the engines on a node), so the feed re-reads only those: a
+failure in a fleet of 80,000 engines costs a handful of look-ups, not a pass over the fleet.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Iterable
 
 from motor.fanout import FanOut, Subscription
 from motor.v1 import controller_pb2, types_pb2
@@ -41,17 +44,21 @@ def can_serve(state: ClusterState, slot: EngineSlot) -> bool:
     return not (slot.draining or slot.sleeping)
 
 
+def endpoint(state: ClusterState, slot: EngineSlot | None) -> C.Endpoint | None:
+    """The slot's endpoint, if it can serve."""
+    if slot is None or not can_serve(state, slot):
+        return None
+    inst = state.instances[slot.instance_id]
+    return C.Endpoint(instance_id=slot.instance_id, engine_id=slot.engine_id, role=inst.role, url=f"http://{slot.host}:{slot.port}")
+
+
 def endpoints(state: ClusterState, role: int = T.ROLE_UNSPECIFIED) -> list[C.Endpoint]:
     """The engines that can serve, of `role` (ROLE_UNSPECIFIED: every role), by engine id."""
     out = []
     for engine_id in sorted(state.slots):
-        slot = state.slots[engine_id]
-        if not can_serve(state, slot):
-            continue
-        inst = state.instances[slot.instance_id]
-        if role != T.ROLE_UNSPECIFIED and inst.role != role:
-            continue
-        out.append(C.Endpoint(instance_id=slot.instance_id, engine_id=engine_id, role=inst.role, url=f"http://{slot.host}:{slot.port}"))
+        found = endpoint(state, state.slots[engine_id])
+        if found is not None and (role == T.ROLE_UNSPECIFIED or found.role == role):
+            out.append(found)
     return out
 
 
@@ -63,10 +70,16 @@ class EndpointFeed:
         self.current: dict[str, C.Endpoint] = {}
         self.subscribers: FanOut[C.WatchEndpointsResponse] = FanOut("WatchEndpoints", queue_size)
         self._scheduled = False
+        self._dirty: set[str] | None = set()  # engine ids to re-read; None: every engine
 
-    def changed(self) -> None:
-        """Something that decides the list may have changed: refresh once the current change is
-        done (one refresh per event-loop turn, however many changes came in it)."""
+    def changed(self, engine_ids: Iterable[str] | None = None) -> None:
+        """Something that decides whether `engine_ids` (None: any engine) can serve may have
+        changed: refresh once the current change is done (one refresh per event-loop turn,
+        however many changes came in it)."""
+        if engine_ids is None:
+            self._dirty = None
+        elif self._dirty is not None:
+            self._dirty.update(engine_ids)
         if self._scheduled:
             return
         try:
@@ -79,10 +92,18 @@ class EndpointFeed:
 
     def refresh(self) -> None:
         self._scheduled = False
-        new = {e.engine_id: e for e in endpoints(self.state)}
-        removed = [e for key, e in self.current.items() if new.get(key) != e]
-        added = [e for key, e in new.items() if self.current.get(key) != e]
-        self.current = new
+        dirty, self._dirty = self._dirty, set()
+        added, removed = [], []
+        for key in sorted(set(self.state.slots) | set(self.current) if dirty is None else dirty):
+            old, new = self.current.get(key), endpoint(self.state, self.state.slots.get(key))
+            if new == old:
+                continue
+            if old is not None:
+                removed.append(old)
+                del self.current[key]
+            if new is not None:
+                added.append(new)
+                self.current[key] = new
         if added or removed:
             logger.info("endpoints: added %s, removed %s", [e.engine_id for e in added] or "none",
                         [e.engine_id for e in removed] or "none")
@@ -91,7 +112,8 @@ class EndpointFeed:
     def subscribe(self) -> Subscription[C.WatchEndpointsResponse]:
         """A stream starting with the snapshot (every listed endpoint), then every change."""
         self.refresh()
-        return self.subscribers.subscribe([C.WatchEndpointsResponse(added=list(self.current.values()), snapshot=True)])
+        listed = [self.current[k] for k in sorted(self.current)]
+        return self.subscribers.subscribe([C.WatchEndpointsResponse(added=listed, snapshot=True)])
 
 
 def of_role(message: C.WatchEndpointsResponse, role: int) -> C.WatchEndpointsResponse | None:

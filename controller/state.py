@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from motor.names import enum_short_name
 from motor.v1 import controller_pb2, types_pb2
@@ -43,12 +43,21 @@ class ClusterState:
         self.store_failures = 0  # refused writes in the current spell (0: the store works)
         self.store_retry_at = 0.0  # monotonic
         self.on_store_failure: Callable[[StoreUnavailable], None] = lambda exc: None
-        # Called after anything that may change which engines can serve (the endpoint feed).
-        self.on_change: Callable[[], None] = lambda: None
+        # Called after anything that may change which engines can serve (the endpoint feed),
+        # with the ids of the engines it may concern (None: any engine).
+        self.on_change: Callable[[Iterable[str] | None], None] = lambda engine_ids=None: None
 
     def event(self, type_: int, message: str, node_id: str = "", instance_id: str = "", engine_id: str = "") -> None:
         self.events.emit(type_, message, node_id=node_id, instance_id=instance_id, engine_id=engine_id)
-        self.on_change()
+        if not (node_id or instance_id or engine_id):
+            self.on_change(None)  # a deployment change, an alarm: anything may have changed
+            return
+        concerned = {engine_id} if engine_id else set()
+        if instance_id:
+            concerned.update(s.engine_id for s in self.slots_of(instance_id))
+        if node_id:
+            concerned.update(s.engine_id for s in self.slots.on_node(node_id))
+        self.on_change(concerned)
 
     def save_instance(self, inst: InstanceRecord) -> None:
         self._changed("instances", inst.instance_id)
@@ -147,7 +156,7 @@ class ClusterState:
     def unplace(self, slot: EngineSlot, moved: bool = True) -> None:
         self.slots.unplace(slot, moved)
         self.attention.add(slot.instance_id)
-        self.on_change()
+        self.on_change([slot.engine_id])
 
     def evaluate_node(self, node_id: str) -> None:
         """Re-derive the state of every instance with a rank on the node (its state changed)."""

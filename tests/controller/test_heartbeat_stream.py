@@ -18,6 +18,7 @@ from motor.v1 import controller_pb2 as C
 from motor.v1 import controller_pb2_grpc
 from motor.v1 import types_pb2 as T
 
+from controller import endpoints
 from controller.servicer import ControllerServicer
 from motorctl import pages
 from tests.controller.conftest import Harness, example_deployment, node_info
@@ -86,6 +87,8 @@ async def play(tmp_path, make_transport) -> dict:
     async def beat(*nodes: str) -> None:
         for node in nodes:
             await transport.beat(node, h.generations[node], client.report(node))
+        ctl.endpoints.refresh()  # the feed re-reads only what changed: it must agree with a full pass
+        assert ctl.endpoints.current == {e.engine_id: e for e in endpoints.endpoints(ctl.state)}
         held = {n: sorted(e.SerializeToString(deterministic=True) for e in ctl.nodes[n].engines.values()) for n in NODES}
         trace.append((held, sorted((s.engine_id, s.state, s.health) for s in ctl.slots.values())))
 

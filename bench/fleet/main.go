@@ -1,0 +1,447 @@
+// motor-fleet: a simulated fleet of node managers for bench/controller_scale.py, in its own
+// process so that the fleet is not what limits the controller it measures. Each simulated node
+// registers, runs the engines the controller starts on it (one NodeManagerService stands for
+// every node, routed by the engine's host), and heartbeats once per interval: on one
+// StreamHeartbeats stream per node with deltas (a full list every -full-every beats and on every
+// new stream), or with unary Heartbeat calls carrying the full list (-transport unary).
+//
+// Driven by one command per line on stdin; every answer is one JSON line on stdout:
+//
+//	grow N            register nodes until there are N, start their heartbeats  -> {"nodes": N}
+//	starts            engines started so far                                   -> {"starts": S}
+//	measure SECONDS   round trips seen in that window                          -> {"beats": ..., "p50_ms": ...}
+//	silence           stop the victim nodes' heartbeats and their node manager -> {"victims": [...]}
+//	quit
+//
+// Built by bench/fleet/build.sh (Go in GOPATH mode with Debian's grpc-go, offline).
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"math/rand"
+	"net"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	motorv1 "github.com/motor-llm/motor/gen/go/motor/v1"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+)
+
+const enginesPerNode = 8
+
+type node struct {
+	id, host   string
+	victim     bool
+	mu         sync.Mutex
+	generation uint64
+	engines    map[string]*motorv1.Engine
+	changed    map[string]bool // engine ids changed since the last beat
+	removed    map[string]bool
+	sinceFull  int
+	stopped    int32
+}
+
+type fleet struct {
+	controller motorv1.ControllerServiceClient
+	conns      []motorv1.ControllerServiceClient
+	mainAddr   string
+	victimAddr string
+	victimSrv  *grpc.Server
+	victims    int
+	transport  string
+	fullEvery  int
+	interval   time.Duration
+	reportRate float64
+
+	mu     sync.Mutex
+	nodes  []*node
+	byHost map[string]*node
+	starts int64
+	ports  int64
+
+	statsMu    sync.Mutex
+	measuring  bool
+	rtts       []float64
+	errors     int
+	fulls      int
+	deltas     int
+	deltaSizes int
+	reportRtts []float64
+	reportErrs int
+}
+
+// ---------------------------------------------------------------- the node manager side
+
+type nodeManager struct {
+	motorv1.UnimplementedNodeManagerServiceServer
+	f *fleet
+}
+
+func (s *nodeManager) StartEngine(ctx context.Context, req *motorv1.StartEngineRequest) (*motorv1.StartEngineResponse, error) {
+	f := s.f
+	f.mu.Lock()
+	n := f.byHost[req.Spec.Host]
+	f.mu.Unlock()
+	if n == nil {
+		return nil, status.Errorf(codes.NotFound, "no simulated node with host %q", req.Spec.Host)
+	}
+	port := uint32(20000 + 2*(atomic.AddInt64(&f.ports, 1)%4000))
+	spec := req.Spec
+	spec.Port, spec.MgmtPort = port, port+1
+	id := fmt.Sprintf("%s/rank%d", spec.InstanceId, spec.DpRank)
+	engine := &motorv1.Engine{
+		EngineId: id, Spec: spec, State: motorv1.EngineState_ENGINE_STATE_RUNNING,
+		Health: motorv1.HealthStatus_HEALTH_STATUS_NORMAL, HealthReason: "sim", Pid: int32(100000 + atomic.AddInt64(&f.starts, 1)), NodeId: n.id,
+	}
+	n.mu.Lock()
+	n.engines[id] = engine
+	n.changed[id] = true
+	delete(n.removed, id)
+	n.mu.Unlock()
+	return &motorv1.StartEngineResponse{Engine: engine}, nil
+}
+
+func (s *nodeManager) StopEngine(ctx context.Context, req *motorv1.StopEngineRequest) (*motorv1.StopEngineResponse, error) {
+	return &motorv1.StopEngineResponse{}, nil // the controller starts the copy again: StartEngine replaces it
+}
+
+func (s *nodeManager) ListEngines(ctx context.Context, req *motorv1.ListEnginesRequest) (*motorv1.ListEnginesResponse, error) {
+	return &motorv1.ListEnginesResponse{}, nil
+}
+
+func serve(f *fleet) (string, *grpc.Server) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		panic(err)
+	}
+	srv := grpc.NewServer()
+	motorv1.RegisterNodeManagerServiceServer(srv, &nodeManager{f: f})
+	go srv.Serve(lis)
+	return lis.Addr().String(), srv
+}
+
+// ---------------------------------------------------------------- the controller side
+
+func (f *fleet) client(n *node) motorv1.ControllerServiceClient {
+	i, _ := strconv.Atoi(n.id[4:])
+	return f.conns[i%len(f.conns)]
+}
+
+func (f *fleet) register(n *node) error {
+	addr := f.mainAddr
+	if n.victim {
+		addr = f.victimAddr
+	}
+	ids := make([]uint32, enginesPerNode)
+	for i := range ids {
+		ids[i] = uint32(i)
+	}
+	n.mu.Lock()
+	engines := make([]*motorv1.Engine, 0, len(n.engines))
+	for _, e := range n.engines {
+		engines = append(engines, e)
+	}
+	n.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	reply, err := f.client(n).RegisterNode(ctx, &motorv1.RegisterNodeRequest{
+		Node: &motorv1.NodeInfo{NodeId: n.id, Address: addr, Host: n.host, AcceleratorIds: ids, AcceleratorType: "sim",
+			PortRangeStart: 20000, PortRangeEnd: 29999},
+		Engines: engines,
+	})
+	if err != nil {
+		return err
+	}
+	n.mu.Lock()
+	n.generation = reply.Generation
+	n.sinceFull = f.fullEvery // the next beat is a full list
+	n.mu.Unlock()
+	return nil
+}
+
+// request builds the next beat: a full list every fullEvery beats (and first), else a delta.
+func (f *fleet) request(n *node, seq uint64, full bool) *motorv1.HeartbeatRequest {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	req := &motorv1.HeartbeatRequest{NodeId: n.id, Generation: n.generation, Sequence: seq}
+	if full || n.sinceFull >= f.fullEvery {
+		n.sinceFull = 1
+		for _, e := range n.engines {
+			req.Engines = append(req.Engines, e)
+		}
+	} else {
+		n.sinceFull++
+		req.Delta = true
+		for id := range n.changed {
+			if e, ok := n.engines[id]; ok {
+				req.Engines = append(req.Engines, e)
+			}
+		}
+		for id := range n.removed {
+			req.RemovedEngineIds = append(req.RemovedEngineIds, id)
+		}
+	}
+	n.changed, n.removed = map[string]bool{}, map[string]bool{}
+	return req
+}
+
+func (f *fleet) record(rtt time.Duration, err error, req *motorv1.HeartbeatRequest) {
+	f.statsMu.Lock()
+	if f.measuring {
+		if err != nil {
+			f.errors++
+		} else {
+			f.rtts = append(f.rtts, float64(rtt.Microseconds())/1000)
+			if req.Delta {
+				f.deltas++
+				f.deltaSizes += len(req.Engines)
+			} else {
+				f.fulls++
+			}
+		}
+	}
+	f.statsMu.Unlock()
+}
+
+func refused(err error) bool {
+	c := status.Code(err)
+	return c == codes.FailedPrecondition || c == codes.NotFound
+}
+
+func (f *fleet) beat(n *node) {
+	time.Sleep(time.Duration(rand.Int63n(int64(f.interval))))
+	ticker := time.NewTicker(f.interval)
+	defer ticker.Stop()
+	var seq uint64
+	var stream motorv1.ControllerService_StreamHeartbeatsClient
+	for range ticker.C {
+		if atomic.LoadInt32(&n.stopped) != 0 {
+			if stream != nil {
+				stream.CloseSend()
+			}
+			return
+		}
+		seq++
+		var err error
+		var req *motorv1.HeartbeatRequest
+		started := time.Now()
+		if f.transport == "unary" {
+			req = f.request(n, seq, true)
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			_, err = f.client(n).Heartbeat(ctx, req)
+			cancel()
+		} else {
+			fresh := stream == nil
+			if fresh {
+				stream, err = f.client(n).StreamHeartbeats(context.Background())
+			}
+			if err == nil {
+				req = f.request(n, seq, fresh)
+				started = time.Now()
+				if err = stream.Send(&motorv1.StreamHeartbeatsRequest{Heartbeat: req}); err == nil {
+					_, err = stream.Recv()
+				}
+			}
+			if err != nil {
+				stream = nil
+			}
+		}
+		f.record(time.Since(started), err, req)
+		if err != nil && refused(err) {
+			f.register(n)
+		}
+	}
+}
+
+// reportFailures fails one random engine reportRate times a second and times ReportEngineEvent.
+func (f *fleet) reportFailures() {
+	if f.reportRate <= 0 {
+		return
+	}
+	for range time.NewTicker(time.Duration(float64(time.Second) / f.reportRate)).C {
+		f.mu.Lock()
+		if len(f.nodes) <= f.victims {
+			f.mu.Unlock()
+			continue
+		}
+		n := f.nodes[f.victims+rand.Intn(len(f.nodes)-f.victims)]
+		f.mu.Unlock()
+		n.mu.Lock()
+		var victim *motorv1.Engine
+		for _, e := range n.engines {
+			if e.State == motorv1.EngineState_ENGINE_STATE_RUNNING {
+				victim = e
+				break
+			}
+		}
+		if victim == nil {
+			n.mu.Unlock()
+			continue
+		}
+		failed := proto.Clone(victim).(*motorv1.Engine)
+		failed.State, failed.Health = motorv1.EngineState_ENGINE_STATE_FAILED, motorv1.HealthStatus_HEALTH_STATUS_ABNORMAL
+		code := int32(1)
+		failed.ExitCode = &code
+		n.engines[failed.EngineId] = failed
+		n.changed[failed.EngineId] = true
+		req := &motorv1.ReportEngineEventRequest{NodeId: n.id, Generation: n.generation, Engine: failed, Reason: "exited with code 1 (fleet simulator)"}
+		n.mu.Unlock()
+		started := time.Now()
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		_, err := f.client(n).ReportEngineEvent(ctx, req)
+		cancel()
+		rtt := time.Since(started)
+		f.statsMu.Lock()
+		if f.measuring {
+			if err != nil {
+				f.reportErrs++
+			} else {
+				f.reportRtts = append(f.reportRtts, float64(rtt.Microseconds())/1000)
+			}
+		}
+		f.statsMu.Unlock()
+	}
+}
+
+func (f *fleet) grow(size int) {
+	var added []*node
+	f.mu.Lock()
+	for i := len(f.nodes); i < size; i++ {
+		n := &node{id: fmt.Sprintf("sim-%05d", i), host: fmt.Sprintf("10.%d.%d.%d", i/65536, (i/256)%256, i%256),
+			victim: i < f.victims, engines: map[string]*motorv1.Engine{}, changed: map[string]bool{}, removed: map[string]bool{}}
+		f.nodes = append(f.nodes, n)
+		f.byHost[n.host] = n
+		added = append(added, n)
+	}
+	f.mu.Unlock()
+	work := make(chan *node)
+	var wg sync.WaitGroup
+	for w := 0; w < 32; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for n := range work {
+				for f.register(n) != nil {
+					time.Sleep(100 * time.Millisecond)
+				}
+			}
+		}()
+	}
+	for _, n := range added {
+		work <- n
+	}
+	close(work)
+	wg.Wait()
+	for _, n := range added {
+		go f.beat(n)
+	}
+}
+
+func quantile(sorted []float64, q float64) float64 {
+	if len(sorted) == 0 {
+		return -1
+	}
+	i := int(q * float64(len(sorted)))
+	if i >= len(sorted) {
+		i = len(sorted) - 1
+	}
+	return sorted[i]
+}
+
+func (f *fleet) measure(seconds float64) map[string]interface{} {
+	f.statsMu.Lock()
+	f.rtts, f.reportRtts = nil, nil
+	f.errors, f.fulls, f.deltas, f.deltaSizes, f.reportErrs = 0, 0, 0, 0, 0
+	f.measuring = true
+	f.statsMu.Unlock()
+	time.Sleep(time.Duration(seconds * float64(time.Second)))
+	f.statsMu.Lock()
+	defer f.statsMu.Unlock()
+	f.measuring = false
+	sort.Float64s(f.rtts)
+	sort.Float64s(f.reportRtts)
+	return map[string]interface{}{
+		"beats": len(f.rtts), "errors": f.errors, "rate": float64(len(f.rtts)) / seconds,
+		"p50_ms": quantile(f.rtts, 0.5), "p99_ms": quantile(f.rtts, 0.99), "max_ms": quantile(f.rtts, 1),
+		"full_beats": f.fulls, "delta_beats": f.deltas, "delta_engines": f.deltaSizes,
+		"reports": len(f.reportRtts), "report_errors": f.reportErrs,
+		"report_p50_ms": quantile(f.reportRtts, 0.5), "report_p99_ms": quantile(f.reportRtts, 0.99),
+	}
+}
+
+func (f *fleet) silence() map[string]interface{} {
+	var ids []string
+	f.mu.Lock()
+	for _, n := range f.nodes {
+		if n.victim {
+			atomic.StoreInt32(&n.stopped, 1)
+			ids = append(ids, n.id)
+		}
+	}
+	f.mu.Unlock()
+	f.victimSrv.Stop() // the controller's direct re-check finds nobody
+	return map[string]interface{}{"victims": ids, "at_unix": float64(time.Now().UnixNano()) / 1e9}
+}
+
+func main() {
+	controller := flag.String("controller", "127.0.0.1:50051", "controller address")
+	conns := flag.Int("conns", 8, "connections the fleet spreads its streams and calls over")
+	transport := flag.String("transport", "stream", "stream (StreamHeartbeats with deltas) or unary (Heartbeat, full lists)")
+	fullEvery := flag.Int("full-every", 30, "a full engine list every this many beats (stream)")
+	interval := flag.Duration("interval", time.Second, "heartbeat interval")
+	victims := flag.Int("victims", 3, "nodes that `silence` stops (the first ones registered)")
+	reportRate := flag.Float64("reports-per-s", 2, "engine failures reported (ReportEngineEvent) per second")
+	flag.Parse()
+
+	f := &fleet{transport: *transport, fullEvery: *fullEvery, interval: *interval, victims: *victims,
+		reportRate: *reportRate, byHost: map[string]*node{}}
+	for i := 0; i < *conns; i++ {
+		// One channel each: WithInsecure (plaintext), the controller on loopback.
+		cc, err := grpc.Dial(*controller, grpc.WithInsecure(), grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(64<<20)))
+		if err != nil {
+			panic(err)
+		}
+		f.conns = append(f.conns, motorv1.NewControllerServiceClient(cc))
+	}
+	f.mainAddr, _ = serve(f)
+	f.victimAddr, f.victimSrv = serve(f)
+	go f.reportFailures()
+
+	out := json.NewEncoder(os.Stdout)
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+		words := strings.Fields(in.Text())
+		if len(words) == 0 {
+			continue
+		}
+		switch words[0] {
+		case "grow":
+			size, _ := strconv.Atoi(words[1])
+			f.grow(size)
+			out.Encode(map[string]interface{}{"nodes": size})
+		case "starts":
+			out.Encode(map[string]interface{}{"starts": atomic.LoadInt64(&f.starts)})
+		case "measure":
+			seconds, _ := strconv.ParseFloat(words[1], 64)
+			out.Encode(f.measure(seconds))
+		case "silence":
+			out.Encode(f.silence())
+		case "quit":
+			return
+		default:
+			out.Encode(map[string]interface{}{"error": "unknown command " + words[0]})
+		}
+	}
+}
