@@ -501,7 +501,7 @@ class Controller:
         return C.ListInstancesResponse(instances=[views.instance_proto(self.state, i) for i in page], next_page_token=token)
 
     def page_endpoints(self, request: C.ListEndpointsRequest) -> C.ListEndpointsResponse:
-        found = {e.engine_id: e for e in endpoints.endpoints(self.state, request.role)}
+        found = {e.engine_id: e for e in self.list_endpoints(request.role)}
         page, token = paging.page(request, found, views.ENDPOINT_FIELDS)
         return C.ListEndpointsResponse(endpoints=page, next_page_token=token)
 

@@ -336,6 +336,7 @@ func (f *fleet) grow(size int) {
 				for f.register(n) != nil {
 					time.Sleep(100 * time.Millisecond)
 				}
+				go f.beat(n) // at once: a registered node that stays silent past the grace turns SUSPECT
 			}
 		}()
 	}
@@ -344,9 +345,6 @@ func (f *fleet) grow(size int) {
 	}
 	close(work)
 	wg.Wait()
-	for _, n := range added {
-		go f.beat(n)
-	}
 }
 
 func quantile(sorted []float64, q float64) float64 {
