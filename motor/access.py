@@ -56,6 +56,7 @@ _READ = _rule("viewer", "operator")
 ACCESS_TABLE: dict[str, Rule] = {
     _C + "RegisterNode": _rule(NODE, node_fields=("node.node_id",)),
     _C + "Heartbeat": _rule(NODE, node_fields=("node_id",)),
+    _C + "StreamHeartbeats": _rule(NODE, node_fields=("heartbeat.node_id",)),  # checked on every message
     _C + "ReportEngineEvent": _rule(NODE, node_fields=("node_id",)),
     _C + "ApplyDeployment": _rule("operator"),
     _C + "DeleteDeployment": _rule("operator"),
@@ -222,15 +223,29 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
         method, metadata = details.method, details.invocation_metadata
         kind = _handler_kind(handler)
         behavior = getattr(handler, kind)
-        sees_request = kind in ("unary_unary", "unary_stream")  # a request stream is not read here
+        sees_request = kind in ("unary_unary", "unary_stream")  # a request stream is checked message by message
 
-        async def enter(request: Any, context: grpc.aio.ServicerContext) -> str | None:
+        async def enter(request: Any, context: grpc.aio.ServicerContext) -> tuple[Caller | None, str | None]:
             caller = await self._admit(method, metadata, request if sees_request else None, context)
-            return None if kind == "unary_unary" else await self._enter_stream(caller, context)
+            return caller, None if kind == "unary_unary" else await self._enter_stream(caller, context)
+
+        async def checked(requests: AsyncIterator[Any], caller: Caller | None, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            """Each message of a request stream, after checking it as a unary request (a node's
+            heartbeat stream may carry only its own node's heartbeats)."""
+            async for request in requests:
+                if caller is not None:
+                    try:
+                        self.policy.authorize(method, caller, request)
+                    except Refused as refusal:
+                        logger.warning("refused %s from %s: %s", method, context.peer(), refusal)
+                        await context.abort(refusal.code, str(refusal))
+                yield request
 
         if inspect.isasyncgenfunction(behavior):
             async def guarded_generator(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                key = await enter(request, context)
+                caller, key = await enter(request, context)
+                if not sees_request:
+                    request = checked(request, caller, context)
                 try:
                     async for item in behavior(request, context):
                         yield item
@@ -240,7 +255,9 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
             wrapped: Callable[..., Any] = guarded_generator
         else:  # a coroutine (unary replies, or streams written with context.write)
             async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                key = await enter(request, context)
+                caller, key = await enter(request, context)
+                if not sees_request:
+                    request = checked(request, caller, context)
                 try:
                     return await behavior(request, context)
                 finally:

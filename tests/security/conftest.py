@@ -77,12 +77,24 @@ class EmptyServices:
 
         return answer
 
+    def _bidi(self, method: Any):
+        async def answer(requests, context):  # one answer per message (StreamHeartbeats)
+            self.calls.append(method.name)
+            async for _ in requests:
+                yield response_class(method)()
+
+        return answer
+
     def register(self, server: MotorServer) -> None:
         for service in SERVICES:
             handlers = {}
             for method in service.methods:
-                make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
-                behaviour = self._stream(method) if method.server_streaming else self._unary(method)
+                if method.client_streaming:
+                    make, behaviour = grpc.stream_stream_rpc_method_handler, self._bidi(method)
+                elif method.server_streaming:
+                    make, behaviour = grpc.unary_stream_rpc_method_handler, self._stream(method)
+                else:
+                    make, behaviour = grpc.unary_unary_rpc_method_handler, self._unary(method)
                 handlers[method.name] = make(
                     behaviour,
                     request_deserializer=request_class(method).FromString,

@@ -21,6 +21,7 @@ READERS = {"operator", "viewer", "operator-token", "viewer-token"}
 EXPECTED = {
     "ControllerService/RegisterNode": {"node-a"},
     "ControllerService/Heartbeat": {"node-a"},
+    "ControllerService/StreamHeartbeats": {"node-a"},
     "ControllerService/ReportEngineEvent": {"node-a"},
     "ControllerService/ApplyDeployment": {"operator", "operator-token"},
     "ControllerService/DeleteDeployment": {"operator", "operator-token"},
@@ -60,13 +61,19 @@ def _request(method):
         request.node.node_id = "node-a"
     elif method.name in ("Heartbeat", "ReportEngineEvent"):
         request.node_id = "node-a"
+    elif method.name == "StreamHeartbeats":
+        request.heartbeat.node_id = "node-a"
     return request
 
 
 async def _call(channel, method, metadata=()):
     path = method_path(method)
     kwargs = dict(request_serializer=request_class(method).SerializeToString, response_deserializer=response_class(method).FromString)
-    if method.server_streaming:
+    if method.client_streaming:
+        call = channel.stream_stream(path, **kwargs)(iter([_request(method)]), metadata=metadata, timeout=10)
+        await call.read()
+        call.cancel()
+    elif method.server_streaming:
         call = channel.unary_stream(path, **kwargs)(_request(method), metadata=metadata, timeout=10)
         await call.read()
         call.cancel()
@@ -124,6 +131,23 @@ async def test_a_node_may_act_only_for_itself(servers, dev_pki):
     assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
     details = refused.value.details()
     assert "spiffe://motor/node/node-a" in details and "node:node-b" in details and "node_id='node-b'" in details
+
+
+async def test_a_node_may_stream_only_its_own_heartbeats(servers, dev_pki):
+    mtls, _ = servers
+    stream = next(m for m in METHODS if m.name == "StreamHeartbeats")
+    async with client(dev_pki, mtls.port, "node-a") as channel:
+        call = channel.stream_stream(method_path(stream), request_serializer=request_class(stream).SerializeToString,
+                                     response_deserializer=response_class(stream).FromString)(timeout=10)
+        await call.write(request_class(stream)(heartbeat={"node_id": "node-a"}))
+        await call.read()  # its own heartbeat: answered
+        await call.write(request_class(stream)(heartbeat={"node_id": "node-b", "generation": 3}))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call.read()
+            await call
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    details = refused.value.details()
+    assert "spiffe://motor/node/node-a" in details and "heartbeat.node_id='node-b'" in details
 
 
 async def test_a_node_is_not_the_node_manager_of_another_nodes_engines(servers, dev_pki):
