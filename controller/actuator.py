@@ -1,6 +1,7 @@
 """The actuator: what the controller asks of node managers. It builds StartEngine's spec, starts
 a copy (stopping an older copy the node still runs), and stops copies, at once or in the
-background, asking a node at most once per FENCE_WINDOW for the same copy.
+background, asking a node at most once per FENCE_WINDOW for the same copy (a stop that failed:
+again after 1 s, 2 s, 4 s ... FENCE_WINDOW; one ENGINE_FENCED event until it succeeds).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class Actuator:
         self.spawn, self.emit, self.mono = spawn, emit, monotonic
         # (node id, engine id, generation) -> when its stop was asked, oldest first.
         self.fencing: dict[tuple[str, str, int], float] = {}
+        # Copies whose stop was announced and has not succeeded yet -> how many times asked: a
+        # stop that keeps failing is one ENGINE_FENCED event, not one per retry.
+        self.unfinished: dict[tuple[str, str, int], int] = {}
 
     async def start(self, node: C.NodeInfo, engine_id: str, spec: T.EngineSpec) -> T.Engine:
         """StartEngine; raises NodeCallError."""
@@ -80,7 +84,8 @@ class Actuator:
         if key in self.fencing:
             return  # asked recently; the node manager is on it
         self.fencing[key] = now
-        if fence:
+        self.unfinished[key] = self.unfinished.get(key, 0) + 1
+        if fence and self.unfinished[key] == 1:
             self.emit(
                 C.EVENT_TYPE_ENGINE_FENCED, f"engine {engine_id} on {node_id} stopped: {why}",
                 node_id=node_id, engine_id=engine_id, instance_id=engine_id.split("/")[0],
@@ -102,7 +107,11 @@ class Actuator:
         try:
             await self.stop(node.info, engine_id, generation)
             logger.info("stopped %s (generation %d) on %s: %s", engine_id, generation, node_id, why)
+            self.unfinished.pop((node_id, engine_id, generation), None)
         except NodeCallError as exc:
-            # Fencing on the next heartbeat or registration tries again.
-            logger.warning("could not stop %s on %s (%s): %s", engine_id, node_id, why, exc)
-            self.fencing.pop((node_id, engine_id, generation), None)
+            # The next ask goes through after a backoff (1 s, 2 s, 4 s ... FENCE_WINDOW), not every heartbeat.
+            key = (node_id, engine_id, generation)
+            tries = self.unfinished.get(key, 1)
+            self.fencing.pop(key, None)
+            self.fencing[key] = self.mono() - FENCE_WINDOW + min(FENCE_WINDOW, 2.0 ** (tries - 1))
+            logger.warning("could not stop %s on %s (%s), try %d: %s", engine_id, node_id, why, tries, exc)

@@ -93,3 +93,28 @@ async def test_a_nul_byte_in_a_node_host_is_invalid_argument(served):
 async def test_list_endpoints_of_an_unknown_role_is_invalid_argument(served):
     code, details = await call_code(served.ListEndpoints(C.ListEndpointsRequest(role=99)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "role" in details and "99" in details
+
+
+async def test_a_fence_that_keeps_failing_is_retried_with_backoff_and_told_once():
+    """Issue 12, defect 6: a copy whose stop kept failing was fenced again every second (31
+    ENGINE_FENCED events in 31 s, flushing the event history). Now: one event, retries after a
+    doubling backoff capped at FENCE_WINDOW."""
+    from controller.actuator import FENCE_WINDOW, Actuator
+    from controller.nodes import NodeTable
+    from tests.controller.fakes import FakeNodeClient, ManualClock
+    from tests.controller.test_tables import runtime
+
+    client, clock, events = FakeNodeClient(), ManualClock(), []
+    client.unreachable.add("node-a")  # every StopEngine fails
+    nodes = NodeTable()
+    nodes.put(runtime("node-a"))
+    tasks: list[asyncio.Task] = []
+    actuator = Actuator(client, nodes, 5.0, lambda coro, name: tasks.append(asyncio.create_task(coro)),
+                        lambda *args, **kw: events.append((args, kw)), clock)
+    for _ in range(31):  # a heartbeat a second shows the stale copy again
+        actuator.stop_copy("node-a", "u-0/rank0", 3, "stale copy", fence=True)
+        await asyncio.gather(*tasks)
+        clock.advance(1.0)
+    assert [args[0] for args, _ in events] == [C.EVENT_TYPE_ENGINE_FENCED]
+    # Asked at 0 s, then after 1, 2, 4, 8 s and every FENCE_WINDOW (10 s): 0, 1, 3, 7, 15, 25.
+    assert FENCE_WINDOW == 10.0 and len(client.stops()) == 6

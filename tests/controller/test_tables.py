@@ -221,7 +221,7 @@ async def test_a_copy_is_asked_to_stop_once_per_window_and_old_stops_are_forgott
     await asyncio.gather(*tasks)
 
 
-async def test_a_failed_stop_is_asked_again_at_once():
+async def test_a_failed_stop_is_asked_again_after_a_backoff():
     client, clock = FakeNodeClient(), ManualClock()
     nodes = NodeTable()
     nodes.put(runtime("node-a"))
@@ -230,7 +230,14 @@ async def test_a_failed_stop_is_asked_again_at_once():
     client.unreachable.add("node-a")
     actuator.stop_copy("node-a", "u-0/rank0", 3, "stale copy")
     await asyncio.gather(*tasks)
-    assert not actuator.fencing
+    actuator.stop_copy("node-a", "u-0/rank0", 3, "stale copy")  # the next heartbeat: within the backoff
+    await asyncio.gather(*tasks)
+    assert len(client.stops()) == 1
+    clock.advance(1.0)  # the first backoff (1 s) passed
+    actuator.stop_copy("node-a", "u-0/rank0", 3, "stale copy")
+    await asyncio.gather(*tasks)
+    assert len(client.stops()) == 2
+    clock.advance(1.0)  # the second backoff is 2 s
     actuator.stop_copy("node-a", "u-0/rank0", 3, "stale copy")
     await asyncio.gather(*tasks)
     assert len(client.stops()) == 2
