@@ -164,7 +164,7 @@ class ControllerLink:
         fenced = self.manager.fence_all(f"node id {self.node.node_id} is held by another node manager process")
         if self.refusals == 1 or self.refusals % 10 == 0 or fenced:
             logger.error("node id %s is held by another live node manager; starting nothing%s, asking again "
-                         "every %gs (refusal %d): %s", self.node.node_id,
+                         "every %gs (refusal %d, FAILED_PRECONDITION): %s", self.node.node_id,
                          f", stopping {fenced}" if fenced else "", self.interval, self.refusals, details)
 
     async def _heartbeats(self) -> None:

@@ -8,6 +8,7 @@ import collections
 import os
 import signal
 import time
+import uuid
 
 import psutil
 
@@ -33,8 +34,9 @@ def engine_processes(cluster: Cluster) -> collections.Counter:
     return counts
 
 
-def start_second(cluster: Cluster, node_id: str = "node-a") -> tuple[ManagedProcess, int]:
-    """A second node manager for `node_id` with its own --listen and --state-dir."""
+def start_second(cluster: Cluster, node_id: str = "node-a", certificate: str | None = None) -> tuple[ManagedProcess, int]:
+    """A second node manager for `node_id` with its own --listen and --state-dir (under TLS,
+    presenting `certificate`'s pair of the cluster's PKI, by default the node id's own)."""
     port = free_port()
     argv = [
         _bin("motor-node-manager"), "--node-id", node_id, "--listen", f"127.0.0.1:{port}",
@@ -43,9 +45,11 @@ def start_second(cluster: Cluster, node_id: str = "node-a") -> tuple[ManagedProc
         "--port-range", f"{cluster.engine_port_base + 2000}-{cluster.engine_port_base + 2499}",
         "--state-dir", os.path.join(cluster.run_dir, f"{node_id}-second"),
         "--heartbeat-interval", str(cluster.heartbeat_interval), "--engine-command", _bin("engine_server"),
+        "--metrics-port", "0",  # the default 9472 may be another node manager's on this machine
+        *cluster.tls_flags(certificate or node_id),
     ]
     managed = cluster._launch(node_id, argv)
-    cluster.wait_serving(f"127.0.0.1:{port}", 30)
+    cluster.wait_serving(f"127.0.0.1:{port}", 30, cluster.credentials())
     return managed, port
 
 
@@ -140,3 +144,53 @@ def test_a_paused_holder_that_returns_after_a_takeover_is_fenced_and_its_copies_
     assert node(cluster).generation == generation and node(cluster).info.address == f"127.0.0.1:{port}"
     assert engine_processes(cluster) == {(i, r): 1 for i in ("u-0", "u-1") for r in ("0", "1")}
     assert not psutil.Process(holder.process.pid).children(recursive=True)
+
+
+class TlsCluster(Cluster):
+    """Mutual TLS on every plane (`motorctl up --tls`), with node ids of its own: a takeover kills
+    the engines a node id left on this host, and other runs on this machine use node-a."""
+
+    prefix = f"tls{uuid.uuid4().hex[:8]}"
+
+    def node_ids(self) -> list[str]:
+        return [f"{self.prefix}-{chr(ord('a') + index)}" for index in range(self.nodes)]
+
+    def stub(self):
+        if not hasattr(self, "_channel"):
+            self._channel = self.credentials("operator").channel(self.controller_address)
+        return super().stub()
+
+
+def test_under_mtls_a_second_process_with_the_same_node_certificate_is_refused(make_cluster):
+    cluster = make_cluster(nodes=1, kind=TlsCluster, tls=True)
+    node_a, node_b = cluster.node_ids()[0], f"{TlsCluster.prefix}-b"
+    apply(cluster, sim_deployment(count=1, dp=2))
+    wait_for(lambda: cluster.all_ready(1), timeout=90, interval=0.2, what="READY over mTLS")
+    holder = cluster.process(node_a)
+    before = node(cluster, node_a)
+    engines = {("u-0", "0"): 1, ("u-0", "1"): 1}
+    assert engine_processes(cluster) == engines
+
+    # The same certificate, another process: the access rules let it speak for node_a; the claim refuses it.
+    second, port = start_second(cluster, node_a)
+    wait_for(lambda: REFUSED in log_of(second), timeout=30, interval=0.2, what="the second node manager refused")
+    wait_for(lambda: refused_so_far(cluster) >= 3, timeout=30, interval=0.2, what="three refused registrations")
+    line = next(line for line in log_of(second).splitlines() if REFUSED in line)
+    assert "FAILED_PRECONDITION" in line and node_a in line and "holding it since 20" in line, line
+    assert f"127.0.0.1:{port}" in line and before.info.address in line, line
+    assert f"pid {holder.process.pid}" in line and f"pid {second.process.pid}" in line, line
+    after = node(cluster, node_a)
+    assert (after.generation, after.info.address, after.info.process.pid) == (before.generation, before.info.address, holder.process.pid)
+    assert engine_processes(cluster) == engines
+    assert second.process.poll() is None and not psutil.Process(second.process.pid).children(recursive=True)
+
+    # Another node id with node_a's certificate: the access rules refuse it before any claim is judged.
+    impostor, _ = start_second(cluster, node_b, certificate=node_a)
+    wait_for(lambda: "PERMISSION_DENIED" in log_of(impostor), timeout=30, interval=0.2, what="the impostor refused")
+    line = next(line for line in log_of(impostor).splitlines() if "PERMISSION_DENIED" in line)
+    assert f"spiffe://motor/node/{node_a}" in line and f"node:{node_b}" in line, line
+    time.sleep(4 * HEARTBEAT)  # it keeps asking; nothing of it ever lands
+    assert [n.info.node_id for n in cluster.node_list().nodes] == [node_a]
+    assert node(cluster, node_a).generation == before.generation
+    assert engine_processes(cluster) == engines
+    assert impostor.process.poll() is None and not psutil.Process(impostor.process.pid).children(recursive=True)

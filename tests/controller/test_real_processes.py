@@ -101,10 +101,11 @@ def make_cluster(tmp_path):
             "the motor-node-manager and engine_server commands")
     made: list[Cluster] = []
 
-    def make(nodes: int = 2, accelerators: int = 4, extra: list[str] | None = None) -> Cluster:
-        cluster = Cluster(str(tmp_path / f"c{len(made)}"), nodes=nodes, accelerators_per_node=accelerators,
-                          heartbeat_interval=HEARTBEAT, node_grace=GRACE, abnormal_threshold=3,
-                          extra_controller_args=["--recheck-timeout", "0.5", *(extra or [])])
+    def make(nodes: int = 2, accelerators: int = 4, extra: list[str] | None = None, kind: type[Cluster] = Cluster,
+             tls: bool = False) -> Cluster:
+        cluster = kind(str(tmp_path / f"c{len(made)}"), nodes=nodes, accelerators_per_node=accelerators,
+                       heartbeat_interval=HEARTBEAT, node_grace=GRACE, abnormal_threshold=3,
+                       extra_controller_args=["--recheck-timeout", "0.5", *(extra or [])], tls=tls)
         made.append(cluster)
         cluster.start(timeout=60)
         return cluster
