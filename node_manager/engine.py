@@ -276,6 +276,8 @@ class RecordStore:
 
     def __init__(self, root: str):
         self.root = root
+        # Every record write goes through here (tests replace it to replay a full disk: ENOSPC).
+        self.write: Callable[[str, str], None] = atomic_write
         os.makedirs(root, exist_ok=True)
 
     def engine_dir(self, spec: types_pb2.EngineSpec) -> str:
@@ -284,7 +286,13 @@ class RecordStore:
         return path
 
     def save(self, record: EngineRecord) -> None:
-        atomic_write(os.path.join(self.engine_dir(record.spec), self.FILE), json.dumps(record.to_json(), indent=1))
+        self.write(os.path.join(self.engine_dir(record.spec), self.FILE), json.dumps(record.to_json(), indent=1))
+
+    def probe(self, spec: types_pb2.EngineSpec) -> None:
+        """Raise the OSError a record write of this engine would meet now (a full disk)."""
+        path = os.path.join(self.engine_dir(spec), ".writable")
+        self.write(path, "record store write check\n")
+        os.unlink(path)
 
     def load_all(self) -> list[EngineRecord]:
         records = []

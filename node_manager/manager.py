@@ -11,6 +11,7 @@ No gRPC server code here (the servicer in service.py is a thin translation layer
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -46,6 +47,7 @@ from node_manager.health import Verdict
 from node_manager.metrics import Metrics
 from node_manager.monitor import EngineMonitor
 from node_manager.process_ops import Clock, ExitWatcher, Launched, ProcessOps, RealProcessOps, SystemClock
+from node_manager.record_saver import RecordSaver
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,7 @@ class NodeManager:
         self.records: dict[str, EngineRecord] = {}
         self.store = RecordStore(config.engines_dir)
         self.metrics = Metrics(config.node_id)
+        self.saver = RecordSaver(self.store, self._spawn, self.metrics.store_write_failures.labels(self.node_id).inc)
         start, end = config.port_range_bounds
         self.ports = PortAllocator(start, end, host=config.host)
         self.argv = config.engine_argv()
@@ -172,6 +175,7 @@ class NodeManager:
                     f"engine {engine_id}: generation {spec.generation} is older than generation "
                     f"{existing.generation} that already ran here (stale request)"
                 )
+            self.saver.require_writable(requested)  # on a full disk: UNAVAILABLE, nothing started
             record, child = self._launch(requested)
             if existing is not None:
                 self.metrics.restarts.labels(self.node_id).inc()
@@ -490,7 +494,7 @@ class NodeManager:
     # Plumbing ---------------------------------------------------------------------------------
 
     def _changed(self, record: EngineRecord, old_state: int | None) -> None:
-        self.store.save(record)
+        self.saver.save(record)
         self._publish(record)
         self._publish_counts()
 
@@ -498,11 +502,7 @@ class NodeManager:
         self._watchers.publish(record.to_proto(self.node_id))
 
     def _publish_counts(self) -> None:
-        counts: dict[str, int] = {}
-        for record in self.records.values():
-            name = state_name(record.state).lower()
-            counts[name] = counts.get(name, 0) + 1
-        self.metrics.set_states(counts)
+        self.metrics.set_states(collections.Counter(state_name(r.state).lower() for r in self.records.values()))
 
     def _lock(self, engine_id: str) -> asyncio.Lock:
         return self._locks.setdefault(engine_id, asyncio.Lock())

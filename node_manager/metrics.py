@@ -41,6 +41,12 @@ class Metrics:
             "`motorctl instances` and the engine's log under the node's log directory.",
             ["node"], registry=self.registry
         )
+        self.store_write_failures = Counter(
+            "motor_node_manager_store_write_failures",
+            "Engine record writes the disk refused (full, read-only, failing) under the node's state_dir, retries "
+            "included. Rising: free space there; exits are still recorded in memory and reported meanwhile.",
+            ["node"], registry=self.registry
+        )
         self.heartbeat_latency = Histogram(
             "motor_node_manager_heartbeat_latency_seconds",
             "Latency of Heartbeat calls to the controller. Close to the controller's node_grace, the node "
