@@ -25,7 +25,8 @@ FLAGS = {
     "node_id": Flag("unique name of this node, e.g. node-a"),
     "listen": Flag("HOST:PORT of the gRPC server (port 0: any free port)"),
     "advertise_address": Flag("HOST:PORT the controller dials", default_text="--host with the listen port"),
-    "controller": Flag("HOST:PORT of the controller; without it the node manager runs standalone"),
+    "controller": Flag("HOST:PORT of the controller, or several comma-separated (HA: the leader is followed); "
+                       "without it the node manager runs standalone"),
     "host": Flag("address engines bind and advertise"),
     "accelerators": Flag("accelerators of this host, e.g. 0,1,2,3"),
     "accelerator_type": Flag("nvidia, ascend or sim"),

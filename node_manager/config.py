@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from motor.config import HostPort, split_host_port
+from motor.leader import parse_addresses
 from motor.logs import LogFormat, LogLevel
 from motor.names import IdSetting
 from motor.ports import NODE_MANAGER_METRICS_PORT
@@ -30,7 +31,7 @@ class NodeManagerConfig(SecuritySettings):
     node_id: IdSetting
     listen: HostPort = "0.0.0.0:50052"
     advertise_address: HostPort | None = None
-    controller: HostPort | None = None
+    controller: str | None = None  # host:port, or several comma-separated (HA controllers)
     host: str = "127.0.0.1"
     accelerators: list[int] = Field(default_factory=list)
     accelerator_type: str = "sim"
@@ -50,6 +51,13 @@ class NodeManagerConfig(SecuritySettings):
     log_level: LogLevel = "INFO"
     # text, or json (its engines log the same way).
     log_format: LogFormat = "text"
+
+    @field_validator("controller")
+    @classmethod
+    def _check_controllers(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_addresses(value, "controller")  # several, comma-separated: the HA controllers
+        return value
 
     @field_validator("accelerators", mode="before")
     @classmethod

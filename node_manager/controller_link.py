@@ -26,9 +26,11 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from motor import pbtime
 from motor.errors import ConfigError
 from motor.grpc_server import TlsFiles, aio_channel
+from motor.leader import ControllerAddresses, parse_addresses
 from motor.names import ID_RULE, excerpt
 from motor.node_process import describe
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
+from node_manager.controller_epoch import ControllerEpoch
 from node_manager.manager import NodeManager
 from node_manager.process_ops import Clock
 
@@ -65,20 +67,37 @@ class ControllerLink:
 
     def __init__(self, manager: NodeManager, controller: str, node: controller_pb2.NodeInfo,
                  interval: float, call_timeout: float = 5.0, max_backoff: float = 10.0, clock: Clock | None = None,
-                 tls: TlsFiles | None = None):
+                 tls: TlsFiles | None = None, epoch: ControllerEpoch | None = None):
         self.manager = manager
         self.clock: Clock = clock or manager.clock
         self.node = node
         self.interval = interval
         self.call_timeout = call_timeout
         self.max_backoff = max_backoff
-        self.channel = aio_channel(controller, tls)
-        self.stub = controller_pb2_grpc.ControllerServiceStub(self.channel)
+        # One address, or every HA controller's: calls follow the leader (motor/leader.py).
+        self.tls = tls
+        self.controllers = ControllerAddresses(parse_addresses(controller, "--controller"))
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self._use(self.controllers.current)
+        self.epoch = epoch or ControllerEpoch()
         self.generation = 0
         self.registered = asyncio.Event()
         self.refusals = 0  # registrations refused in a row because another process holds the node id
         manager.reporter = self.report
         manager.claim_held = self.registered
+
+    def _use(self, address: str) -> None:
+        if address not in self.channels:
+            self.channels[address] = aio_channel(address, self.tls)
+        self.channel = self.channels[address]
+        self.stub = controller_pb2_grpc.ControllerServiceStub(self.channel)
+
+    def _move_on(self, exc: grpc.aio.AioRpcError) -> bool:
+        """After a failed call: to the leader a standby named, or the next controller; True if moved."""
+        moved = self.controllers.after_failure(exc)
+        if moved:
+            self._use(self.controllers.current)
+        return moved
 
     def _retrying(self, retry=retry_if_exception(_transient), **kwargs) -> AsyncRetrying:
         backoff = wait_random_exponential(multiplier=min(self.interval, 1.0) / 2, max=self.max_backoff)
@@ -111,7 +130,8 @@ class ControllerLink:
                     logger.warning("controller refused heartbeat (%s): registering again", exc)
                     self.registered.clear()
         finally:
-            await self.channel.close()
+            for channel in self.channels.values():
+                await channel.close()
 
     async def register(self) -> None:
         attempt_no = 0
@@ -128,6 +148,7 @@ class ControllerLink:
                     try:
                         reply = await self.stub.RegisterNode(request, timeout=self.call_timeout)
                     except grpc.aio.AioRpcError as exc:
+                        self._move_on(exc)
                         if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                             self._refused(exc.details() or "")
                         elif attempt_no == 1 or attempt_no % 10 == 0:
@@ -149,6 +170,7 @@ class ControllerLink:
             logger.warning("took node id %s over from %s; killed %d engine(s) it left running on this host",
                            self.node.node_id, describe(reply.replaced), killed)
         self.generation = reply.generation
+        self.epoch.observe(reply.controller_epoch)
         if reply.HasField("heartbeat_interval") and pbtime.seconds(reply.heartbeat_interval) > 0:
             self.interval = pbtime.seconds(reply.heartbeat_interval)
         fenced = self.manager.reconcile(((a.engine_id, a.generation) for a in reply.assignments), reported)
@@ -168,7 +190,7 @@ class ControllerLink:
                          f", stopping {fenced}" if fenced else "", self.interval, self.refusals, details)
 
     async def _heartbeats(self) -> None:
-        failures = 0
+        failures, switched = 0, False
         clock = self.clock
         next_tick = clock.monotonic()
         while True:
@@ -179,7 +201,7 @@ class ControllerLink:
             )
             began = clock.monotonic()
             try:
-                await self.stub.Heartbeat(request, timeout=self.call_timeout)
+                reply = await self.stub.Heartbeat(request, timeout=self.call_timeout)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in REREGISTER:
                     raise ReRegister(f"{exc.code().name}: {exc.details()}") from None
@@ -188,8 +210,17 @@ class ControllerLink:
                     logger.warning("heartbeat to the controller failed %d time(s): %s: %s (engines keep running)",
                                    failures, exc.code().name, exc.details())
                 # Back off (with jitter) while the controller is unreachable.
-                next_tick = clock.monotonic() + backoff_delay(failures, self.interval / 2, self.max_backoff) - self.interval
+                if self._move_on(exc) and not switched:
+                    switched = True  # another controller: try it now, once per tick
+                    next_tick = clock.monotonic() - self.interval
+                    continue
+                switched = False
+                # With several controllers a failover is under way: keep trying every interval.
+                delay = backoff_delay(failures, self.interval / 2, self.max_backoff)
+                next_tick = clock.monotonic() + (min(delay, self.interval) if self.controllers.several else delay) - self.interval
                 continue
+            self.epoch.observe(reply.controller_epoch)
+            switched = False
             self.manager.metrics.heartbeat_latency.labels(self.node.node_id).observe(clock.monotonic() - began)
             if failures:
                 logger.info("heartbeats to the controller resumed after %d failure(s)", failures)
@@ -205,7 +236,11 @@ class ControllerLink:
         try:
             async for attempt in self._retrying(stop=stop_after_attempt(3)):
                 with attempt:
-                    await self.stub.ReportEngineEvent(request, timeout=self.call_timeout)
+                    try:
+                        await self.stub.ReportEngineEvent(request, timeout=self.call_timeout)
+                    except grpc.aio.AioRpcError as exc:
+                        self._move_on(exc)
+                        raise
         except grpc.aio.AioRpcError as exc:
             logger.warning("could not report engine %s to the controller (%s); the next heartbeat carries it",
                            engine.engine_id, exc.code().name)

@@ -14,6 +14,7 @@ from motor.grpc_server import service_name
 from motor.metrics_http import ServiceTelemetry
 from motor.v1 import controller_pb2, node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from node_manager.config import NodeManagerConfig
+from node_manager.controller_epoch import ControllerEpoch
 from node_manager.controller_link import ControllerLink
 from node_manager.engine import atomic_write
 from node_manager.manager import NodeManager
@@ -30,10 +31,11 @@ class NodeManagerServer:
         self.lock = StateDirLock(config.state_dir)
         self.process = types_pb2.NodeManagerProcess()  # filled in by start(), once the state dir is ours
         self.telemetry = ServiceTelemetry(self.manager.metrics.registry)
+        self.epoch = ControllerEpoch()  # shared: commands are checked, controller replies raise it
         self.server = config.server(config.listen, metrics=self.telemetry.grpc)
         self.server.add(
             node_manager_pb2_grpc.add_NodeManagerServiceServicer_to_server,
-            NodeManagerServicer(self.manager, self.process),
+            NodeManagerServicer(self.manager, self.process, self.epoch),
             service_name(node_manager_pb2, "NodeManagerService"),
         )
         self.link: ControllerLink | None = None
@@ -69,7 +71,7 @@ class NodeManagerServer:
         await self.telemetry.serve("0.0.0.0", self.config.metrics_port)
         if self.config.controller:
             self.link = ControllerLink(self.manager, self.config.controller, self.node_info(),
-                                       self.config.heartbeat_interval, tls=self.config.client_tls())
+                                       self.config.heartbeat_interval, tls=self.config.client_tls(), epoch=self.epoch)
             self._link_task = asyncio.get_running_loop().create_task(self.link.run())
         else:
             logger.info("no --controller: running standalone (StartEngine through gRPC)")

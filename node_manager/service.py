@@ -5,6 +5,7 @@ from __future__ import annotations
 from motor import pbtime
 from motor.errors import InvalidArgument
 from motor.v1 import node_manager_pb2, node_manager_pb2_grpc, types_pb2
+from node_manager.controller_epoch import ControllerEpoch
 from node_manager.manager import NodeManager
 
 # A graceful stop longer than an hour is a mistake (or an attack); larger values are refused.
@@ -12,13 +13,16 @@ MAX_STOP_DEADLINE = 3600.0
 
 
 class NodeManagerServicer(node_manager_pb2_grpc.NodeManagerServiceServicer):
-    def __init__(self, manager: NodeManager, process: types_pb2.NodeManagerProcess | None = None):
+    def __init__(self, manager: NodeManager, process: types_pb2.NodeManagerProcess | None = None,
+                 epoch: ControllerEpoch | None = None):
         self.manager = manager
         self.process = process or types_pb2.NodeManagerProcess()
+        self.epoch = epoch or ControllerEpoch()
 
     async def StartEngine(self, request, context):
         if not request.HasField("spec"):
             raise InvalidArgument("spec: required (instance_id, dp_rank, role, config_path or config_json, ...)")
+        self.epoch.admit(request.controller_epoch, f"StartEngine of {request.spec.instance_id}/rank{request.spec.dp_rank}")
         record = await self.manager.start_engine(request.spec)
         return node_manager_pb2.StartEngineResponse(engine=record.to_proto(self.manager.node_id))
 
@@ -28,6 +32,7 @@ class NodeManagerServicer(node_manager_pb2_grpc.NodeManagerServiceServicer):
             deadline = pbtime.seconds(request.deadline)
             if not 0 <= deadline <= MAX_STOP_DEADLINE:
                 raise InvalidArgument(f"deadline must be within 0-{MAX_STOP_DEADLINE:g}s (got {deadline:g}s)")
+        self.epoch.admit(request.controller_epoch, f"StopEngine of {request.engine_id}")
         record = await self.manager.stop_engine(request.engine_id, deadline, request.generation)
         return node_manager_pb2.StopEngineResponse(engine=record.to_proto(self.manager.node_id))
 

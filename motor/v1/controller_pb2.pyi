@@ -147,6 +147,8 @@ class _EventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventType.V
     """A second node manager process claimed a node id that a live one holds (one event when
     the conflict starts, one with the count of refused registrations when it ends).
     """
+    EVENT_TYPE_LEADER_CHANGED: _EventType.ValueType  # 12
+    """Another controller leads now, or this one stepped down; the message says who and why."""
 
 class EventType(_EventType, metaclass=_EventTypeEnumTypeWrapper):
     """Kind of a controller event."""
@@ -177,6 +179,8 @@ EVENT_TYPE_NODE_CONFLICT: EventType.ValueType  # 11
 """A second node manager process claimed a node id that a live one holds (one event when
 the conflict starts, one with the count of refused registrations when it ends).
 """
+EVENT_TYPE_LEADER_CHANGED: EventType.ValueType  # 12
+"""Another controller leads now, or this one stepped down; the message says who and why."""
 Global___EventType: _TypeAlias = EventType  # noqa: Y015
 
 @_typing.final
@@ -711,8 +715,13 @@ class RegisterNodeResponse(_message.Message):
     HEARTBEAT_INTERVAL_FIELD_NUMBER: _builtins.int
     ASSIGNMENTS_FIELD_NUMBER: _builtins.int
     REPLACED_FIELD_NUMBER: _builtins.int
+    CONTROLLER_EPOCH_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     """Generation of this registration; heartbeats must carry it."""
+    controller_epoch: _builtins.int
+    """Epoch of the leading controller (0 without high availability); the node manager refuses
+    StartEngine/StopEngine of an older epoch from then on.
+    """
     @_builtins.property
     def heartbeat_interval(self) -> _duration_pb2.Duration:
         """How often the node must heartbeat."""
@@ -735,10 +744,11 @@ class RegisterNodeResponse(_message.Message):
         heartbeat_interval: _duration_pb2.Duration | None = ...,
         assignments: _abc.Iterable[Global___EngineAssignment] | None = ...,
         replaced: _types_pb2.NodeManagerProcess | None = ...,
+        controller_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval", b"heartbeat_interval", "replaced", b"replaced"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "generation", b"generation", "heartbeat_interval", b"heartbeat_interval", "replaced", b"replaced"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "controller_epoch", b"controller_epoch", "generation", b"generation", "heartbeat_interval", b"heartbeat_interval", "replaced", b"replaced"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -800,16 +810,20 @@ class HeartbeatResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SEQUENCE_FIELD_NUMBER: _builtins.int
+    CONTROLLER_EPOCH_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """The request's sequence."""
+    controller_epoch: _builtins.int
+    """Epoch of the leading controller (0 without high availability); see RegisterNodeResponse."""
     def __init__(
         self,
         *,
         sequence: _builtins.int = ...,
+        controller_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["sequence", b"sequence"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["controller_epoch", b"controller_epoch", "sequence", b"sequence"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1383,3 +1397,92 @@ class WatchEventsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
 
 Global___WatchEventsResponse: _TypeAlias = WatchEventsResponse  # noqa: Y015
+
+@_typing.final
+class ListControllersRequest(_message.Message):
+    """Request for ControllerService.ListControllers."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListControllersRequest: _TypeAlias = ListControllersRequest  # noqa: Y015
+
+@_typing.final
+class ControllerMember(_message.Message):
+    """One controller process."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    LEADER_FIELD_NUMBER: _builtins.int
+    address: _builtins.str
+    """host:port its gRPC server is reachable on."""
+    name: _builtins.str
+    """A name for people (defaults to the address)."""
+    leader: _builtins.bool
+    """True for the leader."""
+    def __init__(
+        self,
+        *,
+        address: _builtins.str = ...,
+        name: _builtins.str = ...,
+        leader: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "leader", b"leader", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ControllerMember: _TypeAlias = ControllerMember  # noqa: Y015
+
+@_typing.final
+class ListControllersResponse(_message.Message):
+    """Response of ControllerService.ListControllers."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONTROLLERS_FIELD_NUMBER: _builtins.int
+    LEADER_ADDRESS_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    LEASE_TTL_FIELD_NUMBER: _builtins.int
+    STORE_FIELD_NUMBER: _builtins.int
+    leader_address: _builtins.str
+    """The leader's address; empty while an election is in progress."""
+    epoch: _builtins.int
+    """The current controller epoch (0 without high availability)."""
+    store: _builtins.str
+    """Where the state lives: "sqlite:///path" or "etcd://host:port,.../prefix"."""
+    @_builtins.property
+    def controllers(self) -> _containers.RepeatedCompositeFieldContainer[Global___ControllerMember]:
+        """Every controller alive (its membership lease is renewed), the leader first."""
+
+    @_builtins.property
+    def lease_ttl(self) -> _duration_pb2.Duration:
+        """Time to live of the leader's lease."""
+
+    def __init__(
+        self,
+        *,
+        controllers: _abc.Iterable[Global___ControllerMember] | None = ...,
+        leader_address: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        lease_ttl: _duration_pb2.Duration | None = ...,
+        store: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease_ttl", b"lease_ttl"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["controllers", b"controllers", "epoch", b"epoch", "leader_address", b"leader_address", "lease_ttl", b"lease_ttl", "store", b"store"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListControllersResponse: _TypeAlias = ListControllersResponse  # noqa: Y015

@@ -95,6 +95,11 @@ class ControllerServiceStub:
                 request_serializer=motor_dot_v1_dot_controller__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=motor_dot_v1_dot_controller__pb2.WatchEventsResponse.FromString,
                 _registered_method=True)
+        self.ListControllers = channel.unary_unary(
+                '/motor.v1.ControllerService/ListControllers',
+                request_serializer=motor_dot_v1_dot_controller__pb2.ListControllersRequest.SerializeToString,
+                response_deserializer=motor_dot_v1_dot_controller__pb2.ListControllersResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServiceServicer:
@@ -213,6 +218,15 @@ class ControllerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListControllers(self, request, context):
+        """Returns the controllers sharing this cluster's etcd: the leader, the standbys, the epoch
+        and the leader's lease (docs/ha.md). Read-only; any controller answers. A controller on
+        SQLite answers with itself as the leader and epoch 0. Returns OK.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -275,6 +289,11 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=motor_dot_v1_dot_controller__pb2.WatchEventsRequest.FromString,
                     response_serializer=motor_dot_v1_dot_controller__pb2.WatchEventsResponse.SerializeToString,
+            ),
+            'ListControllers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListControllers,
+                    request_deserializer=motor_dot_v1_dot_controller__pb2.ListControllersRequest.FromString,
+                    response_serializer=motor_dot_v1_dot_controller__pb2.ListControllersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -602,6 +621,33 @@ class ControllerService:
             '/motor.v1.ControllerService/WatchEvents',
             motor_dot_v1_dot_controller__pb2.WatchEventsRequest.SerializeToString,
             motor_dot_v1_dot_controller__pb2.WatchEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListControllers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/motor.v1.ControllerService/ListControllers',
+            motor_dot_v1_dot_controller__pb2.ListControllersRequest.SerializeToString,
+            motor_dot_v1_dot_controller__pb2.ListControllersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -97,6 +97,11 @@ class ControllerServiceStub:
     causal reason, until cancelled. Returns OK or CANCELLED at the end of the stream,
     RESOURCE_EXHAUSTED when the client falls more than 10000 events behind (watch again).
     """
+    ListControllers: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ListControllersRequest, _controller_pb2.ListControllersResponse]
+    """Returns the controllers sharing this cluster's etcd: the leader, the standbys, the epoch
+    and the leader's lease (docs/ha.md). Read-only; any controller answers. A controller on
+    SQLite answers with itself as the leader and epoch 0. Returns OK.
+    """
 
 @_typing.type_check_only
 class ControllerServiceAsyncStub(ControllerServiceStub):
@@ -166,6 +171,11 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     """Streams a snapshot (nodes, instances, recent events) at once, then every event with its
     causal reason, until cancelled. Returns OK or CANCELLED at the end of the stream,
     RESOURCE_EXHAUSTED when the client falls more than 10000 events behind (watch again).
+    """
+    ListControllers: _aio.UnaryUnaryMultiCallable[_controller_pb2.ListControllersRequest, _controller_pb2.ListControllersResponse]  # type: ignore[assignment]
+    """Returns the controllers sharing this cluster's etcd: the leader, the standbys, the epoch
+    and the leader's lease (docs/ha.md). Read-only; any controller answers. A controller on
+    SQLite answers with itself as the leader and epoch 0. Returns OK.
     """
 
 class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -305,6 +315,17 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Streams a snapshot (nodes, instances, recent events) at once, then every event with its
         causal reason, until cancelled. Returns OK or CANCELLED at the end of the stream,
         RESOURCE_EXHAUSTED when the client falls more than 10000 events behind (watch again).
+        """
+
+    @_abc_1.abstractmethod
+    def ListControllers(
+        self,
+        request: _controller_pb2.ListControllersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_pb2.ListControllersResponse, _abc.Awaitable[_controller_pb2.ListControllersResponse]]:
+        """Returns the controllers sharing this cluster's etcd: the leader, the standbys, the epoch
+        and the leader's lease (docs/ha.md). Read-only; any controller answers. A controller on
+        SQLite answers with itself as the leader and epoch 0. Returns OK.
         """
 
 def add_ControllerServiceServicer_to_server(servicer: ControllerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

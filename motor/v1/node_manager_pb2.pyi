@@ -27,6 +27,11 @@ class StartEngineRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SPEC_FIELD_NUMBER: _builtins.int
+    CONTROLLER_EPOCH_FIELD_NUMBER: _builtins.int
+    controller_epoch: _builtins.int
+    """Epoch of the controller sending it (0: no high availability). A node manager that has seen
+    a higher epoch refuses the call with FAILED_PRECONDITION: it comes from a deposed leader.
+    """
     @_builtins.property
     def spec(self) -> _types_pb2.EngineSpec:
         """What to run."""
@@ -35,10 +40,11 @@ class StartEngineRequest(_message.Message):
         self,
         *,
         spec: _types_pb2.EngineSpec | None = ...,
+        controller_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["controller_epoch", b"controller_epoch", "spec", b"spec"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -77,12 +83,15 @@ class StopEngineRequest(_message.Message):
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     DEADLINE_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
+    CONTROLLER_EPOCH_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """Engine to stop, "<instance_id>/rank<dp_rank>"."""
     generation: _builtins.int
     """When set, only a copy of the engine with this generation or an older one is stopped
     (fencing); 0 stops whatever copy runs.
     """
+    controller_epoch: _builtins.int
+    """Epoch of the controller sending it; refused like StartEngineRequest.controller_epoch."""
     @_builtins.property
     def deadline(self) -> _duration_pb2.Duration:
         """Time between SIGTERM and SIGKILL; unset means the node manager's default. Raised to the
@@ -95,10 +104,11 @@ class StopEngineRequest(_message.Message):
         engine_id: _builtins.str = ...,
         deadline: _duration_pb2.Duration | None = ...,
         generation: _builtins.int = ...,
+        controller_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "engine_id", b"engine_id", "generation", b"generation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["controller_epoch", b"controller_epoch", "deadline", b"deadline", "engine_id", b"engine_id", "generation", b"generation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
