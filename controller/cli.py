@@ -19,6 +19,7 @@ from motor.v1 import controller_pb2, controller_pb2_grpc
 from controller.config import ControllerConfig
 from controller.core import Controller
 from controller.fleet_metrics import engine_targets
+from controller.ha import LeaderGate, advertised_address, open_high_availability
 from controller.node_client import GrpcNodeClient
 from controller.servicer import ControllerServicer
 from controller.store import SqliteStore, StoreUnreadable
@@ -43,6 +44,14 @@ FLAGS = {
     "log_format": Flag("text, or json: one JSON object per line"),
     "max_engines_per_deployment": Flag("engines (count x data_parallel_size) one deployment may ask for"),
     **SECURITY_FLAGS,
+    "store": Flag("sqlite:///PATH or etcd://HOST:PORT[,HOST:PORT...][/PREFIX] (docs/ha.md)", default_text="sqlite:/// + --db"),
+    "advertise": Flag("HOST:PORT others reach this controller on", default_text="--listen, host name for 0.0.0.0"),
+    "lease_ttl": Flag("etcd store: seconds of the leader's lease (a dead leader is replaced after it)"),
+    "etcd_timeout": Flag("etcd store: deadline of each etcd call (s)"),
+    "commit_timeout": Flag("etcd store: how long a change may wait for etcd before UNAVAILABLE (s)"),
+    "etcd_ca": Flag("etcd store: CA file of the members' certificates (turns TLS on)"),
+    "etcd_cert": Flag("etcd store: client certificate file (etcd's --client-cert-auth)"),
+    "etcd_key": Flag("etcd store: client key file"),
 }
 
 
@@ -52,47 +61,67 @@ def parse_config(argv: list[str] | None) -> ControllerConfig:
 
 
 def open_store(config: ControllerConfig) -> SqliteStore:
+    path = config.sqlite_path
     try:
-        return SqliteStore(config.db)
+        return SqliteStore(path)
     except StoreUnreadable:
         if not config.discard_unreadable_db:
             raise
-    aside = SqliteStore.discard(config.db)
-    logger.warning("the database %s could not be read: moved to %s; starting empty (--discard-unreadable-db)", config.db, aside)
-    return SqliteStore(config.db)
+    aside = SqliteStore.discard(path)
+    logger.warning("the database %s could not be read: moved to %s; starting empty (--discard-unreadable-db)", path, aside)
+    return SqliteStore(path)
+
+
+def apply_startup_deployment(controller: Controller, config: ControllerConfig) -> None:
+    """--deployment: apply the file when it differs from the stored deployment."""
+    path = config.deployment
+    wanted = validate_deployment(load_deployment(path), config.max_engines_per_deployment)
+    stored = controller.deployment
+    if stored is None or wanted.SerializeToString(deterministic=True) != stored.SerializeToString(deterministic=True):
+        _, revision = controller.apply_deployment(wanted)
+        logger.info("applied %s at start-up (revision %d)", path, revision)
+    else:
+        logger.info("%s is the stored deployment already (revision %d)", path, controller.revision)
 
 
 async def serve(config: ControllerConfig) -> None:
-    store = open_store(config)
-    controller = Controller(config, store, GrpcNodeClient(tls=config.client_tls()))
-    await controller.start()
-    if config.deployment:
-        wanted = validate_deployment(load_deployment(config.deployment), config.max_engines_per_deployment)
-        stored = controller.deployment
-        if stored is None or wanted.SerializeToString(deterministic=True) != stored.SerializeToString(deterministic=True):
-            _, revision = controller.apply_deployment(wanted)
-            logger.info("applied %s at start-up (revision %d)", config.deployment, revision)
-        else:
-            logger.info("%s is the stored deployment already (revision %d)", config.deployment, controller.revision)
-    telemetry = ServiceTelemetry(controller.metrics.registry)
+    ha = None
+    if config.uses_etcd:
+        on_lead = (lambda controller: apply_startup_deployment(controller, config)) if config.deployment else None
+        ha = await open_high_availability(config, on_lead)
+        store, controller, interceptors = ha.store, None, [LeaderGate(ha)]
+        telemetry = ServiceTelemetry(ha.metrics_registry())
+        current = lambda: ha.controller  # noqa: E731 (the leader's controller, or a standby's view)
+    else:
+        store = open_store(config)
+        controller = Controller(config, store, GrpcNodeClient(tls=config.client_tls()))
+        await controller.start()
+        if config.deployment:
+            apply_startup_deployment(controller, config)
+        interceptors, telemetry, current = [], ServiceTelemetry(controller.metrics.registry), lambda: controller
     # /discovery/engines: Prometheus finds the engines' /metrics there (http_sd_configs).
     await telemetry.serve("0.0.0.0", config.metrics_port,
-                          routes={"/discovery/engines": lambda: engine_targets(controller.list_instances)})
-    server = config.server(config.listen, metrics=telemetry.grpc)
-    server.add(controller_pb2_grpc.add_ControllerServiceServicer_to_server, ControllerServicer(controller),
+                          routes={"/discovery/engines": lambda: engine_targets(current().list_instances)})
+    server = config.server(config.listen, metrics=telemetry.grpc, interceptors=interceptors)
+    server.add(controller_pb2_grpc.add_ControllerServiceServicer_to_server, ControllerServicer(controller, ha),
                service_name(controller_pb2, "ControllerService"))
     port = await server.start()
-    logger.info("controller serving on port %d (db %s)", port, config.db)
+    logger.info("controller serving on port %d (store %s)", port, config.store or config.db)
     if config.listen.rsplit(":", 1)[1] == "0":
         port_file = os.path.join(os.path.dirname(os.path.abspath(config.db)), "controller.port")
         with open(port_file, "w", encoding="utf-8") as handle:
             handle.write(f"{port}\n")
+    if ha:
+        ha.campaign(advertised_address(config, port))
     await wait_for_stop_signal()
     logger.info("stopping")
     await server.stop(grace=1.0)
     await telemetry.close()
-    await controller.stop()
-    store.close()
+    if ha:
+        await ha.stop()  # resigns: a standby leads at once
+    else:
+        await controller.stop()
+        store.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,14 +5,17 @@ Flags given on the command line win over the file. Every error names the setting
 
 from __future__ import annotations
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, field_validator
 
 from motor.config import HostPort
+from motor.errors import ConfigError
 from motor.logs import LogFormat, LogLevel
 from motor.ports import CONTROLLER_METRICS_PORT
 from motor.security_config import SecuritySettings
 
 from controller.validation import MAX_ENGINES_PER_DEPLOYMENT
+
+from controller.etcd_client import parse_etcd_url
 
 
 class ControllerConfig(SecuritySettings):
@@ -49,6 +52,45 @@ class ControllerConfig(SecuritySettings):
     log_format: LogFormat = "text"
     # Engines (instances x data-parallel ranks) one deployment may ask for.
     max_engines_per_deployment: int = Field(MAX_ENGINES_PER_DEPLOYMENT, ge=1)
+    # Where the state lives: "sqlite:///path" (the default, the --db file) or
+    # "etcd://host:port[,host:port...][/prefix]" with leader election among controllers (docs/ha.md).
+    store: str | None = None
+    # host:port other controllers, node managers and motorctl reach this controller on (etcd
+    # store: shown to clients as the leader's address); default: the listen address, with
+    # 0.0.0.0 replaced by this host's name.
+    advertise: HostPort | None = None
+    # Time to live of the leader's etcd lease (whole seconds): a dead leader is replaced after it.
+    lease_ttl: int = Field(2, ge=1, le=60)
+    # Deadline of each etcd call (seconds).
+    etcd_timeout: float = Field(2.0, gt=0, le=60)
+    # How long a change may wait for etcd to commit it before the call answers UNAVAILABLE (s).
+    commit_timeout: float = Field(5.0, gt=0, le=300)
+    # TLS to etcd: the CA of the members' certificates; a client certificate and key for etcd's
+    # --client-cert-auth.
+    etcd_ca: str | None = None
+    etcd_cert: str | None = None
+    etcd_key: str | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _check_store(cls, value: str | None) -> str | None:
+        if value is None or value.startswith("sqlite:///"):
+            return value
+        if value.startswith("etcd://"):
+            try:
+                parse_etcd_url(value, setting="etcd address")
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+            return value
+        raise ValueError("must be sqlite:///path or etcd://host:port[,host:port...][/prefix]")
+
+    @property
+    def uses_etcd(self) -> bool:
+        return bool(self.store and self.store.startswith("etcd://"))
+
+    @property
+    def sqlite_path(self) -> str:
+        return self.store[len("sqlite://"):] if self.store and self.store.startswith("sqlite:///") else self.db
 
     @property
     def effective_startup_grace(self) -> float:

@@ -63,6 +63,7 @@ class Controller:
         node_client: NodeClient,
         monotonic: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        events: EventBus | None = None,
     ):
         self.config = config
         # Every store (SQLite, etcd, a test's) is measured alike: write latency and failures.
@@ -70,7 +71,8 @@ class Controller:
         self.store = store = MeasuredStore(store, store_metrics)
         self.nodes_client = node_client
         self.mono, self.wall = monotonic, wall
-        self.events = EventBus()
+        # Shared by the controllers one HA process runs in turn (docs/ha.md), so watchers stay.
+        self.events = events or EventBus()
         self.state = ClusterState(store, self.events, monotonic, wall)
         self.endpoints = endpoints.EndpointFeed(self.state)
         self.state.on_change = self.endpoints.changed

@@ -1,14 +1,17 @@
 """Leader election among controllers on etcd, the shape of etcd's `concurrency.Election` and
 Kubernetes' `leaderelection`.
 
+- Each controller holds a session: a lease it renews every `ttl / 3` seconds and a membership
+  key bound to it (`motorctl controllers` lists them).
 - A campaign is one transaction: if the leader key does not exist, create it bound to this
-  controller's lease and raise the epoch counter by one. The winner's epoch is larger than any
+  controller's session lease and raise the epoch counter by one. The winner's epoch is larger than any
   earlier leader's; it travels on every command to node managers, which refuse older ones.
-- The leader renews its lease every `ttl / 3` seconds. It counts itself leader only until
+- The leader counts itself leader only until
   `renew_deadline` after the last renewal it *sent* that succeeded (2/3 of the TTL by default):
   etcd keeps the lease at least TTL after that, so the leader stops acting before its lease
   can expire and another controller can win. A leader that was paused (SIGSTOP, a long GC)
-  finds its deadline passed the moment it runs again and steps down without another call.
+  finds its deadline passed the moment it runs again and steps down without another call; a
+  leader that steps down ends its session (revokes the lease), so no stale key outlives it.
 - Every write the leader makes carries `fence()`: "the leader key still has my create
   revision". After the lease expired the key is gone or belongs to a newer leader, so the
   write is refused by etcd itself, whatever the deposed leader believes.
@@ -83,20 +86,27 @@ class LeaderElection:
         self.epoch_key = f"{prefix}/election/epoch".encode()
         self.address = address
         self.name = name or address
-        self.ttl = ttl
-        self.renew_period = ttl / 3
-        self.renew_deadline = ttl * renew_deadline_share
+        self.renew_deadline_share = renew_deadline_share
+        self._set_ttl(ttl)
         self.clock = clock
         self.role = Role.CANDIDATE
         self.leader: LeaderInfo | None = None  # as last seen in etcd (this controller when leading)
         self.reason = "starting"  # why the role last changed (for events and logs)
+        self.members_prefix = f"{prefix}/election/members/".encode()
         self._lease: Any = None
+        self._renewed_at = 0.0  # send time of the lease's last successful renewal (or grant)
+        self._over = asyncio.Event()  # set when the current session must end
         self._watch_from = 0  # etcd revision after the last read of the leader key
         self._valid_until = 0.0
         self._listeners: list[Callable[[Role, LeaderInfo | None, str], None]] = []
         self._changed = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
+
+    def _set_ttl(self, ttl: int) -> None:
+        self.ttl = ttl
+        self.renew_period = ttl / 3
+        self.renew_deadline = ttl * self.renew_deadline_share
 
     # --- what the rest of the controller asks -------------------------------------------------
 
@@ -135,6 +145,7 @@ class LeaderElection:
             logger.warning("stepping down as leader (epoch %d): %s", self.epoch, reason)
             self._valid_until = 0.0
             self._set(Role.CANDIDATE, None, reason)
+            self._over.set()  # end the session: its lease must not keep our leader key alive
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -147,42 +158,108 @@ class LeaderElection:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        was_leader = self.role is Role.LEADER
         self._valid_until = 0.0
-        if was_leader:
+        if self.role is Role.LEADER:
             self._set(Role.CANDIDATE, None, "resigned: controller stopping")
         await self._revoke()
 
-    # --- the loop -----------------------------------------------------------------------------
+    async def controllers(self) -> tuple[list[tuple[str, str]], LeaderInfo | None]:
+        """Every controller whose session is alive, as (address, name), and the leader."""
+        members = await self.client.get_prefix(self.members_prefix)
+        leader = await self.client.get(self.leader_key)
+        listed = sorted((json.loads(kv.value)["address"], json.loads(kv.value)["name"]) for kv in members.kvs)
+        return listed, LeaderInfo.decode(leader) if leader else None
+
+    # --- the loop: one session (a lease kept alive) at a time ---------------------------------
 
     async def _run(self) -> None:
         while not self._stopping:
             try:
-                if await self._campaign():
-                    await self._lead()
-                else:
+                await self._session()
+            except asyncio.CancelledError:
+                raise
+            except UNAVAILABLE_ERRORS as exc:
+                logger.info("etcd unavailable for the election: %s", exc)
+                await asyncio.sleep(self.renew_period)
+            except Exception:  # keep campaigning whatever one session hit
+                logger.exception("election session failed")
+                await asyncio.sleep(self.renew_period)
+
+    async def _session(self) -> None:
+        """A lease for this controller, its membership key, and campaigns on that lease, until
+        the lease is lost or leadership ends (a deposed leader starts a fresh session: its old
+        lease must not keep a leader key alive)."""
+        self._over = asyncio.Event()
+        sent = self.clock()  # etcd starts the lease's TTL after this instant
+        self._lease = await self.client.lease(self.ttl)
+        self._renewed_at = sent
+        if self._lease.ttl > self.ttl:  # etcd raises a TTL below its minimum (2 s by default)
+            logger.warning("etcd granted a %ds lease instead of %ds", self._lease.ttl, self.ttl)
+            self._set_ttl(self._lease.ttl)
+        member = json.dumps({"address": self.address, "name": self.name}).encode()
+        await self.client.put(self.members_prefix + self.address.encode(), member, lease=self._lease.id)
+        campaigns = asyncio.get_running_loop().create_task(self._campaign_loop(), name="campaign")
+        try:
+            await self._keep_alive()
+        finally:
+            campaigns.cancel()
+            await asyncio.gather(campaigns, return_exceptions=True)
+        await self._revoke()  # not when cancelled: stop() resigns, a frozen test double must not
+
+    async def _keep_alive(self) -> None:
+        """Renew the lease every renew_period; return when the session is over."""
+        while True:
+            try:
+                await asyncio.wait_for(self._over.wait(), self.renew_period)
+                return
+            except TimeoutError:
+                pass
+            if self.role is Role.LEADER and not self.is_leader():  # paused past the deadline
+                self.lost("the renewal deadline passed before a renewal")
+                return
+            sent = self.clock()
+            expires = self._renewed_at + self.ttl  # the lease is surely gone after this
+            try:
+                reply = await asyncio.wait_for(self._lease.refresh(), max(expires - sent, 0.05))
+            except (*UNAVAILABLE_ERRORS, TimeoutError) as exc:
+                if self.role is Role.LEADER and not self.is_leader():
+                    self.lost(f"could not renew the lease in time: {exc!r}")
+                    return
+                if self.clock() >= expires:
+                    return  # a new session with a new lease
+                continue
+            if reply is None or reply.TTL <= 0:
+                self.lost("the lease expired in etcd")
+                return
+            self._renewed_at = sent
+            if self.role is Role.LEADER:
+                self._valid_until = sent + self.renew_deadline
+
+    async def _campaign_loop(self) -> None:
+        while True:
+            try:
+                if self.role is Role.LEADER:
+                    await self._over.wait()
+                    return
+                if not await self._campaign():
                     await self._wait_for_vacancy()
             except asyncio.CancelledError:
                 raise
             except UNAVAILABLE_ERRORS as exc:
-                if self.role is Role.LEADER and not self.is_leader():
-                    self.lost(f"could not renew the lease: {exc}")
-                logger.info("etcd unavailable during election: %s", exc)
-                await asyncio.sleep(self.renew_period)
-            except Exception:  # keep campaigning whatever one round hit
-                logger.exception("election round failed")
+                logger.info("etcd unavailable during the campaign: %s", exc)
                 await asyncio.sleep(self.renew_period)
 
     async def _campaign(self) -> bool:
         current = await self.client.get(self.leader_key)
         if current is not None:
+            if current.lease == self._lease.id:  # ours, from a leadership this process gave up
+                await self.client.delete(self.leader_key)
+                return False
             self._observe(LeaderInfo.decode(current), "leader found")
             self._watch_from = current.header.revision + 1
             return False
         epoch_kv = await self.client.get(self.epoch_key)
         epoch = int(epoch_kv.value) if epoch_kv else 0
-        sent = self.clock()  # etcd starts the lease's TTL after this instant
-        self._lease = await self.client.lease(self.ttl)
         tx = self.client.transactions
         mine = LeaderInfo(self.address, epoch + 1, self.name)
         won, responses = await self.client.transaction(
@@ -195,36 +272,14 @@ class LeaderElection:
             failure=[],
         )
         if not won:  # another controller moved first: look again
-            await self._revoke()
             self._watch_from = 0
             return False
         _, kv = responses[2][0]
-        self._valid_until = sent + self.renew_deadline
-        self._set(Role.LEADER, LeaderInfo.decode(kv), f"elected (epoch {epoch + 1})")
+        self._valid_until = self._renewed_at + self.renew_deadline
+        why = f" after {self.reason}" if self.role is Role.CANDIDATE and self.reason != "starting" else ""
+        self._set(Role.LEADER, LeaderInfo.decode(kv), f"elected (epoch {epoch + 1}){why}")
         logger.info("leading as %s with epoch %d (lease %x, ttl %ds)", self.address, epoch + 1, self._lease.id, self.ttl)
         return True
-
-    async def _lead(self) -> None:
-        """Renew until a renewal fails past the deadline or the lease is gone."""
-        while self.role is Role.LEADER:
-            await asyncio.sleep(self.renew_period)
-            if not self.is_leader():  # paused past the deadline (or stepped down by a fenced write)
-                self.lost("the renewal deadline passed before a renewal")
-                break
-            sent = self.clock()
-            try:
-                reply = await asyncio.wait_for(self._lease.refresh(), max(self._valid_until - sent, 0.01))
-            except (*UNAVAILABLE_ERRORS, asyncio.TimeoutError) as exc:
-                if not self.is_leader():
-                    self.lost(f"could not renew the lease in time: {exc!r}")
-                    break
-                continue  # retry at the next period, still within the deadline
-            if reply is None or reply.TTL <= 0:
-                self.lost("the lease expired in etcd")
-                break
-            if self.role is Role.LEADER:
-                self._valid_until = sent + self.renew_deadline
-        await self._revoke()  # a deposed leader's lease must not keep a stale key alive
 
     async def _wait_for_vacancy(self) -> None:
         """Block until the leader key is deleted (or a TTL passes: re-read it then)."""

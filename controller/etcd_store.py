@@ -27,8 +27,10 @@ import asyncio
 import base64
 import contextlib
 import copy
+import heapq
 import json
 import logging
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import aetcd
@@ -39,8 +41,10 @@ from controller.store import Store, StoredNode, StoredState
 
 logger = logging.getLogger(__name__)
 
-# etcd's default --max-txn-ops: a larger batch is sent as several transactions, in order.
+# etcd's default --max-txn-ops: a larger batch is sent as several transactions.
 MAX_TXN_OPS = 128
+# Transactions of one large batch sent at once (their keys are distinct, so order does not matter).
+TXNS_IN_FLIGHT = 8
 
 
 class Fenced(Exception):
@@ -55,6 +59,18 @@ def _unb64(text: str | None) -> bytes | None:
     return None if text is None else base64.b64decode(text)
 
 
+@dataclass
+class _Mirror:
+    """What etcd holds under state/, kept in memory (nodes by id: thousands are saved one by one)."""
+
+    deployment: bytes | None = None
+    revision: int = 0
+    generation: int = 0
+    nodes: dict[str, StoredNode] = field(default_factory=dict)
+    assignments: dict[str, dict[str, Any]] = field(default_factory=dict)
+    instances: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
 class EtcdStore(Store):
     def __init__(self, client: aetcd.Client, prefix: str, fence: Callable[[], list[Any]] | None = None):
         self.client = client
@@ -62,13 +78,15 @@ class EtcdStore(Store):
         self.fence = fence  # None: unguarded writes (tests of the store alone)
         self.revision = 0  # etcd revision the mirror reflects (standby) or was loaded at
         self.fenced: str | None = None  # why writes stopped, once a guard failed
-        self._mirror = StoredState()
+        self._mirror = _Mirror()
         self._depth = 0
         self._batch: dict[str, bytes | None] = {}
         self._queue: list[tuple[int, dict[str, bytes | None]]] = []
         self._staged = 0  # sequence number of the last staged batch
         self._committed = 0
-        self._progress = asyncio.Condition()
+        # flush() callers: (staged sequence number they wait for, tie-breaker, future), a heap,
+        # so that a commit wakes only those it satisfies (thousands of launches may wait at once).
+        self._waiters: list[tuple[int, int, asyncio.Future]] = []
         self._writer: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._listeners: list[Callable[[str], None]] = []
@@ -84,17 +102,22 @@ class EtcdStore(Store):
     async def reload(self) -> None:
         """Read everything again (a new leader: every write of the previous one is visible)."""
         reply = await self.client.get_prefix(self.root.encode())
-        state = StoredState()
+        mirror = _Mirror()
         for kv in reply.kvs:
-            self._apply(state, kv.key.decode(), kv.value)
-        self._mirror = state
+            self._apply(mirror, kv.key.decode(), kv.value)
+        self._mirror = mirror
         self.revision = reply.header.revision
         # What etcd holds now replaces whatever a deposed leader staged and could not write.
         self._batch, self._queue, self._committed = {}, [], self._staged
         self.fenced = None
+        self._wake_waiters()
 
     def load(self) -> StoredState:
-        return copy.deepcopy(self._mirror)
+        m = self._mirror
+        return StoredState(
+            m.deployment, m.revision, m.generation, [m.nodes[k] for k in sorted(m.nodes)],
+            copy.deepcopy(m.assignments), copy.deepcopy(m.instances),
+        )
 
     def on_change(self, listener: Callable[[str], None]) -> None:
         """`listener(key)` runs after a followed change was applied to the mirror (standbys)."""
@@ -129,7 +152,7 @@ class EtcdStore(Store):
             with attempt:
                 await self.reload()
 
-    def _apply(self, state: StoredState, key: str, value: bytes | None) -> None:
+    def _apply(self, state: "_Mirror", key: str, value: bytes | None) -> None:
         """Set one key of `state` from etcd's bytes (None: deleted)."""
         name = key[len(self.root):]
         section, _, item = name.partition("/")
@@ -140,10 +163,9 @@ class EtcdStore(Store):
         elif name == "generation":
             state.generation = int(data or 0)
         elif section == "nodes":
-            state.nodes = [n for n in state.nodes if n.node_id != item]
+            state.nodes.pop(item, None)
             if data is not None:
-                state.nodes.append(StoredNode(item, _unb64(data["info"]) or b"", data["generation"], data["state"], data["reason"]))
-                state.nodes.sort(key=lambda n: n.node_id)
+                state.nodes[item] = StoredNode(item, _unb64(data["info"]) or b"", data["generation"], data["state"], data["reason"])
         elif section in ("assignments", "instances"):
             table = getattr(state, section)
             if data is None:
@@ -197,13 +219,30 @@ class EtcdStore(Store):
     def delete_instance(self, instance_id: str) -> None:
         self._stage(f"instances/{instance_id}", None)
 
+    @property
+    def staged(self) -> int:
+        """How many batches were staged so far (a caller compares it to know if it wrote)."""
+        return self._staged
+
     async def flush(self) -> None:
         """Return when every write staged so far is in etcd; raise Fenced if it never will be."""
         target = self._staged
-        async with self._progress:
-            await self._progress.wait_for(lambda: self._committed >= target or self.fenced is not None)
-        if self._committed < target:
+        if self._committed >= target:
+            return
+        if self.fenced is not None:
             raise Fenced(self.fenced)
+        waiter = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (target, id(waiter), waiter))
+        await waiter
+
+    def _wake_waiters(self) -> None:
+        while self._waiters and (self.fenced is not None or self._waiters[0][0] <= self._committed):
+            _, _, waiter = heapq.heappop(self._waiters)
+            if not waiter.done():
+                if self.fenced is None:
+                    waiter.set_result(None)
+                else:
+                    waiter.set_exception(Fenced(self.fenced))
 
     async def _write_loop(self) -> None:
         while True:
@@ -220,27 +259,30 @@ class EtcdStore(Store):
                     self.fenced = str(exc) or "leadership lost"
                     logger.warning("etcd store fenced: %s", self.fenced)
                 self._queue = [item for item in self._queue if item[0] > upto]
-                async with self._progress:
-                    if self.fenced is None:
-                        self._committed = upto
-                    self._progress.notify_all()
+                if self.fenced is None:
+                    self._committed = upto
+                self._wake_waiters()
 
     async def _commit(self, writes: dict[str, bytes | None]) -> None:
+        """Send `writes` (distinct keys), as one guarded transaction per MAX_TXN_OPS, a few at once."""
         tx = self.client.transactions
         ops = [tx.delete(k.encode()) if v is None else tx.put(k.encode(), v) for k, v in writes.items()]
-        for start in range(0, len(ops), MAX_TXN_OPS):
-            chunk = ops[start:start + MAX_TXN_OPS]
-            async for attempt in AsyncRetrying(
-                retry=retry_if_exception_type(UNAVAILABLE_ERRORS), wait=wait_exponential(0.05, max=1), reraise=True
-            ):
-                with attempt:
-                    try:
-                        guard = self.fence() if self.fence else []
-                    except Exception as exc:  # NotLeader: the election says we stopped leading
-                        raise Fenced(str(exc)) from exc
-                    succeeded, _ = await self.client.transaction(compare=guard, success=chunk, failure=[])
-            if not succeeded:
-                raise Fenced("the leader key changed: another controller leads now")
+        chunks = [ops[start:start + MAX_TXN_OPS] for start in range(0, len(ops), MAX_TXN_OPS)]
+        for first in range(0, len(chunks), TXNS_IN_FLIGHT):
+            await asyncio.gather(*(self._commit_chunk(chunk) for chunk in chunks[first:first + TXNS_IN_FLIGHT]))
+
+    async def _commit_chunk(self, ops: list[Any]) -> None:
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(UNAVAILABLE_ERRORS), wait=wait_exponential(0.05, max=1), reraise=True
+        ):
+            with attempt:
+                try:
+                    guard = self.fence() if self.fence else []
+                except Exception as exc:  # NotLeader: the election says we stopped leading
+                    raise Fenced(str(exc)) from exc
+                succeeded, _ = await self.client.transaction(compare=guard, success=ops, failure=[])
+        if not succeeded:
+            raise Fenced("the leader key changed: another controller leads now")
 
     def close(self) -> None:
         if self._writer:

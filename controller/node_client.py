@@ -6,6 +6,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+from typing import Callable
 
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
@@ -56,9 +57,13 @@ def _is_retryable(exc: BaseException) -> bool:
 
 
 class GrpcNodeClient(NodeClient):
-    def __init__(self, attempts: int = 4, start_timeout: float = 15.0, max_in_flight: int = 64, tls: TlsFiles | None = None):
+    def __init__(
+        self, attempts: int = 4, start_timeout: float = 15.0, max_in_flight: int = 64, tls: TlsFiles | None = None,
+        epoch: Callable[[], int] = lambda: 0,
+    ):
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.tls = tls  # the controller's certificate and trust bundle under mutual TLS
+        self.epoch = epoch  # the leader's controller epoch, sent on StartEngine/StopEngine (0: no HA)
         self.attempts = attempts
         self.start_timeout = start_timeout
         # Starting thousands of engines at once must not open thousands of calls at once.
@@ -91,7 +96,7 @@ class GrpcNodeClient(NodeClient):
                 with attempt:
                     async with self.limit:
                         reply = await self._stub(node).StartEngine(
-                            node_manager_pb2.StartEngineRequest(spec=spec), timeout=self.start_timeout
+                            node_manager_pb2.StartEngineRequest(spec=spec, controller_epoch=self.epoch()), timeout=self.start_timeout
                         )
                     return reply.engine
         except grpc.aio.AioRpcError as exc:
@@ -99,7 +104,7 @@ class GrpcNodeClient(NodeClient):
         raise AssertionError("unreachable")
 
     async def stop_engine(self, node, engine_id, generation, deadline):
-        request = node_manager_pb2.StopEngineRequest(engine_id=engine_id, generation=generation)
+        request = node_manager_pb2.StopEngineRequest(engine_id=engine_id, generation=generation, controller_epoch=self.epoch())
         request.deadline.CopyFrom(pbtime.duration(deadline))
         try:
             async for attempt in self._retrying():

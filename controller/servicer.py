@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
+from typing import TYPE_CHECKING
 
 from motor import pbtime
 from motor.errors import InvalidArgument
@@ -12,12 +14,20 @@ from motor.v1 import controller_pb2, controller_pb2_grpc
 from controller import endpoints
 from controller.core import Controller
 
+if TYPE_CHECKING:
+    from controller.ha import HighAvailability
+
 logger = logging.getLogger(__name__)
 
 
 class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
-    def __init__(self, controller: Controller):
-        self.controller = controller
+    def __init__(self, controller: Controller | None, ha: "HighAvailability | None" = None):
+        self._controller = controller
+        self.ha = ha  # with etcd: the leader's Controller or a standby's read-only view, in turn
+
+    @property
+    def controller(self) -> Controller:
+        return self.ha.controller if self.ha else self._controller
 
     async def RegisterNode(self, request, context):
         reply = await self.controller.register_node(request.node, request.engines)
@@ -75,6 +85,16 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
                     yield message
         finally:
             changes.close()
+
+    async def ListControllers(self, request, context):
+        if self.ha:
+            return await self.ha.list_controllers()
+        config = self.controller.config  # one controller on SQLite: it is the leader, epoch 0
+        reply = controller_pb2.ListControllersResponse(
+            leader_address=config.listen, store=f"sqlite:///{os.path.abspath(config.db)}",
+            controllers=[controller_pb2.ControllerMember(address=config.listen, name=config.listen, leader=True)],
+        )
+        return reply
 
     async def WatchEvents(self, request, context):
         events = self.controller.events.subscribe()  # before the snapshot, so no event falls between the two

@@ -66,6 +66,7 @@ ACCESS_TABLE: dict[str, Rule] = {
     _C + "ListEndpoints": _READ,
     _C + "WatchEvents": _READ,
     _C + "WatchEndpoints": _READ,
+    _C + "ListControllers": _READ,
     _N + "StartEngine": _rule("controller"),
     _N + "StopEngine": _rule("controller"),
     _N + "GetEngine": _rule("controller", "viewer", "operator"),

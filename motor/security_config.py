@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -94,7 +95,7 @@ class SecuritySettings(BaseModel):
         )
 
     def server(self, bind: str, local_node: str | None = None, setting: str = "listen",
-               metrics: GrpcServerMetrics | None = None) -> MotorServer:
+               metrics: GrpcServerMetrics | None = None, interceptors: list[Any] | None = None) -> MotorServer:
         """A MotorServer on `bind` with these settings; `local_node`: on an engine server, the node
         whose manager may drain, sleep and wake it."""
         self.check_listen(bind, setting)
@@ -107,7 +108,7 @@ class SecuritySettings(BaseModel):
         )
         tls = TlsFiles(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca, require_client_cert=True) if self.tls_enabled else None
         return MotorServer(
-            bind, tls=tls, interceptors=[AccessInterceptor(policy)], reflection=self.reflection,
+            bind, tls=tls, interceptors=[AccessInterceptor(policy), *(interceptors or [])], reflection=self.reflection,
             token_bind=self.token_listen, token_tls=TlsFiles(cert=self.tls_cert, key=self.tls_key) if self.token_listen else None,
             max_message_bytes=self.max_message_bytes, metrics=metrics,
         )

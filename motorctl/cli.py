@@ -1,7 +1,7 @@
 """motorctl: the controller's command-line client.
 
-    motorctl [--controller HOST:PORT] [--output table|json] [--cacert CA [--cert C --key K | --token-file T]] COMMAND
-    nodes | instances | endpoints [--role R] | events [--follow] | deployment | apply -f FILE | delete
+    motorctl [--controller HOST:PORT[,HOST:PORT...]] [--output table|json] [--cacert CA [--cert C --key K | --token-file T]] COMMAND
+    nodes | instances | endpoints [--role R] | events [--follow] | deployment | apply -f FILE | delete | controllers
     up ...  (a local cluster; see `motorctl up --help`)
     pki init|issue|tokens|dev ...  (a development PKI; see `motorctl pki --help`)
 """
@@ -18,6 +18,7 @@ from google.protobuf import json_format
 
 from motor.deployment_file import load_deployment
 from motor.errors import MotorError
+from motor.leader import ControllerAddresses, parse_addresses
 from motor.names import parse_role
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl import render
@@ -33,7 +34,8 @@ def _json(message) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="motorctl", description="Command-line client of the Motor controller.")
-    p.add_argument("--controller", default=DEFAULT_CONTROLLER, help=f"controller address [{DEFAULT_CONTROLLER}; env MOTOR_CONTROLLER]")
+    p.add_argument("--controller", default=DEFAULT_CONTROLLER,
+                   help=f"controller address, or several comma-separated (the leader is followed) [{DEFAULT_CONTROLLER}; env MOTOR_CONTROLLER]")
     p.add_argument("--output", "-o", choices=["table", "json"], default="table", help="output format [table]")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the controller [10]")
     add_credential_flags(p)
@@ -51,58 +53,75 @@ def _parser() -> argparse.ArgumentParser:
     apply = sub.add_parser("apply", help="apply a deployment file (YAML or JSON)")
     apply.add_argument("-f", "--file", required=True, help="deployment file")
     sub.add_parser("delete", help="delete the deployment and stop its engines")
+    sub.add_parser("controllers", help="the controllers: leader, standbys, epoch, lease (docs/ha.md)")
     sub.add_parser("up", help="start a local cluster (controller, node managers, example deployment)", add_help=False)
     sub.add_parser("pki", help="development PKI: CA, certificates, tokens (see `motorctl pki --help`)", add_help=False)
     return p
 
 
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
-    with credentials_from(args).channel(args.controller) as channel:
-        stub = controller_pb2_grpc.ControllerServiceStub(channel)
-        t = args.timeout
-        as_json = args.output == "json"
-        if args.command == "nodes":
-            reply = all_pages(stub.ListNodes, controller_pb2.ListNodesRequest(filter=args.filter), "nodes", t)
-            print(_json(reply) if as_json else render.render_nodes(reply), file=out)
-        elif args.command == "instances":
-            reply = all_pages(stub.ListInstances, controller_pb2.ListInstancesRequest(filter=args.filter), "instances", t)
-            print(_json(reply) if as_json else render.render_instances(reply) + "\n\n" + render.render_engines(reply), file=out)
-        elif args.command == "endpoints":
-            role = parse_role(args.role, "--role") if args.role else types_pb2.ROLE_UNSPECIFIED
-            reply = all_pages(stub.ListEndpoints, controller_pb2.ListEndpointsRequest(role=role, filter=args.filter), "endpoints", t)
-            print(_json(reply) if as_json else render.render_endpoints(reply), file=out)
-        elif args.command == "deployment":
-            reply = stub.GetDeployment(controller_pb2.GetDeploymentRequest(), timeout=t)
-            if as_json:
-                print(_json(reply), file=out)
-            else:
-                import yaml
+    """Run the command on the first controller that takes it: with several addresses, an
+    unreachable one is skipped and a standby's refusal names the leader to ask (motor/leader.py)."""
+    controllers = ControllerAddresses(parse_addresses(args.controller, "--controller"))
+    attempts = 2 * len(controllers.addresses)  # each one, and each one's redirect, once
+    while True:
+        attempts -= 1
+        try:
+            with credentials_from(args).channel(controllers.current) as channel:
+                return _command(args, controller_pb2_grpc.ControllerServiceStub(channel), out)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or attempts <= 0 or not controllers.after_failure(exc):
+                raise
 
-                body = json_format.MessageToDict(reply.deployment, preserving_proto_field_name=True)
-                print(f"# revision {reply.revision}\n" + yaml.safe_dump(body, sort_keys=False), file=out, end="")
-        elif args.command == "apply":
-            deployment = load_deployment(args.file)
-            reply = stub.ApplyDeployment(controller_pb2.ApplyDeploymentRequest(deployment=deployment), timeout=t)
-            if as_json:
-                print(_json(reply), file=out)
-            else:
-                print(f"deployment {reply.deployment.name!r} applied (revision {reply.revision})", file=out)
-        elif args.command == "delete":
-            stub.DeleteDeployment(controller_pb2.DeleteDeploymentRequest(), timeout=t)
-            print("{}" if as_json else "deployment deleted; its engines are being stopped", file=out)
-        elif args.command == "events":
-            stream = stub.WatchEvents(controller_pb2.WatchEventsRequest(), timeout=None if args.follow else t)
-            try:
-                for message in stream:
-                    if message.HasField("snapshot"):
-                        for event in message.snapshot.recent_events:
-                            print(_json(event).replace("\n", " ") if as_json else render.render_event(event), file=out, flush=True)
-                        if not args.follow:
-                            break
-                    else:
-                        print(_json(message.event).replace("\n", " ") if as_json else render.render_event(message.event), file=out, flush=True)
-            finally:
-                stream.cancel()
+
+def _command(args: argparse.Namespace, stub: controller_pb2_grpc.ControllerServiceStub, out) -> int:
+    t = args.timeout
+    as_json = args.output == "json"
+    if args.command == "nodes":
+        reply = all_pages(stub.ListNodes, controller_pb2.ListNodesRequest(filter=args.filter), "nodes", t)
+        print(_json(reply) if as_json else render.render_nodes(reply), file=out)
+    elif args.command == "instances":
+        reply = all_pages(stub.ListInstances, controller_pb2.ListInstancesRequest(filter=args.filter), "instances", t)
+        print(_json(reply) if as_json else render.render_instances(reply) + "\n\n" + render.render_engines(reply), file=out)
+    elif args.command == "endpoints":
+        role = parse_role(args.role, "--role") if args.role else types_pb2.ROLE_UNSPECIFIED
+        reply = all_pages(stub.ListEndpoints, controller_pb2.ListEndpointsRequest(role=role, filter=args.filter), "endpoints", t)
+        print(_json(reply) if as_json else render.render_endpoints(reply), file=out)
+    elif args.command == "deployment":
+        reply = stub.GetDeployment(controller_pb2.GetDeploymentRequest(), timeout=t)
+        if as_json:
+            print(_json(reply), file=out)
+        else:
+            import yaml
+
+            body = json_format.MessageToDict(reply.deployment, preserving_proto_field_name=True)
+            print(f"# revision {reply.revision}\n" + yaml.safe_dump(body, sort_keys=False), file=out, end="")
+    elif args.command == "apply":
+        deployment = load_deployment(args.file)
+        reply = stub.ApplyDeployment(controller_pb2.ApplyDeploymentRequest(deployment=deployment), timeout=t)
+        if as_json:
+            print(_json(reply), file=out)
+        else:
+            print(f"deployment {reply.deployment.name!r} applied (revision {reply.revision})", file=out)
+    elif args.command == "controllers":
+        reply = stub.ListControllers(controller_pb2.ListControllersRequest(), timeout=t)
+        print(_json(reply) if as_json else render.render_controllers(reply), file=out)
+    elif args.command == "delete":
+        stub.DeleteDeployment(controller_pb2.DeleteDeploymentRequest(), timeout=t)
+        print("{}" if as_json else "deployment deleted; its engines are being stopped", file=out)
+    elif args.command == "events":
+        stream = stub.WatchEvents(controller_pb2.WatchEventsRequest(), timeout=None if args.follow else t)
+        try:
+            for message in stream:
+                if message.HasField("snapshot"):
+                    for event in message.snapshot.recent_events:
+                        print(_json(event).replace("\n", " ") if as_json else render.render_event(event), file=out, flush=True)
+                    if not args.follow:
+                        break
+                else:
+                    print(_json(message.event).replace("\n", " ") if as_json else render.render_event(message.event), file=out, flush=True)
+        finally:
+            stream.cancel()
     return 0
 
 
@@ -122,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return run(args)
-    except MotorError as exc:  # a malformed file, an unknown role
+    except (MotorError, ValueError) as exc:  # a malformed file, an unknown role, a bad --controller
         print(f"motorctl: {exc}", file=sys.stderr)
         return 2
     except grpc.RpcError as exc:

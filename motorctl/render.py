@@ -92,3 +92,13 @@ def quiet_stdout() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
+
+
+def render_controllers(reply: controller_pb2.ListControllersResponse) -> str:
+    """`motorctl controllers`: who leads, who stands by, the epoch and the lease."""
+    rows = [(c.address, "leader" if c.leader else "standby", c.name if c.name != c.address else "") for c in reply.controllers]
+    head = (
+        f"store: {reply.store}\nleader: {reply.leader_address or '(election in progress)'}  epoch: {reply.epoch}  "
+        f"lease: {reply.lease_ttl.ToTimedelta().total_seconds():g}s"
+    )
+    return head + "\n\n" + table(["ADDRESS", "ROLE", "NAME"], rows)

@@ -22,6 +22,7 @@ import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from motor.ports import CONTROLLER_METRICS_PORT, free_port, port_is_free
+from motorctl.etcd_cluster import EtcdCluster
 from motorctl.render import quiet_stdout
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
 from motorctl.connect import Credentials
@@ -75,6 +76,16 @@ class LocalCluster:
     node_ports: dict[str, int] = field(default_factory=dict)
     # Process name ("controller", "node-a"...) -> its /metrics port.
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    # High availability (docs/ha.md): one etcd member from PATH and `controllers` controllers
+    # on it; node managers are given every controller's address.
+    ha: bool = False
+    controllers: int = 2
+    etcd_members: int = 1
+    # Node ids are <prefix>-a, <prefix>-b, ...: clusters sharing one host (tests) use different ones.
+    node_id_prefix: str = "node"
+    etcd: EtcdCluster | None = None
+    controller_ports: list[int] = field(default_factory=list)
+    _token_flags: list[str] = field(default_factory=list)
     # mTLS on every plane with a development PKI in <run_dir>/pki (docs/security.md)
     tls: bool = False
     token_port: int = 0
@@ -84,7 +95,7 @@ class LocalCluster:
         return DevPki(os.path.join(self.run_dir, "pki"))
 
     def node_ids(self) -> list[str]:
-        return [f"node-{chr(ord('a') + index)}" for index in range(self.nodes)]
+        return [f"{self.node_id_prefix}-{chr(ord('a') + index)}" for index in range(self.nodes)]
 
     def credentials(self, identity: str = "operator") -> Credentials:
         """How this cluster's owner calls it: as `identity` (a certificate of the dev PKI) under TLS."""
@@ -113,6 +124,35 @@ class LocalCluster:
     def metrics_urls(self) -> dict[str, str]:
         return {name: f"http://127.0.0.1:{port}/metrics" for name, port in self.metrics_ports.items()}
 
+    @property
+    def controller_addresses(self) -> list[str]:
+        return [f"127.0.0.1:{port}" for port in self.controller_ports] or [self.controller_address]
+
+    def controller_command(self, index: int) -> list[str]:
+        """The command line of controller `index` (0: the one on the usual port)."""
+        port = self.controller_ports[index] if self.ha else self.controller_port
+        state = os.path.join(self.run_dir, "controller" if index == 0 else f"controller-{index + 1}")
+        argv = [
+            _bin("motor-controller"),
+            "--listen", f"127.0.0.1:{port}",
+            "--db", os.path.join(state, "controller.db") if self.ha else os.path.join(self.run_dir, "controller.db"),
+            "--heartbeat-interval", str(self.heartbeat_interval),
+            "--node-grace", str(self.node_grace),
+            *self._metrics_args("controller" if index == 0 else f"controller-{index + 1}", 0 if index == 0 else 50 + index),
+            *self.tls_flags("controller"),
+            *(self._token_flags if index == 0 else []),
+            *self.extra_controller_args,
+        ]
+        if self.ha:
+            assert self.etcd is not None
+            argv += ["--store", self.etcd.url + "/motor", "--advertise", f"127.0.0.1:{port}"]
+        if self.deployment_path:
+            argv += ["--deployment", self.deployment_path]
+        return argv
+
+    def launch_controller(self, index: int) -> ManagedProcess:
+        return self._launch("controller" if index == 0 else f"controller-{index + 1}", self.controller_command(index))
+
     def _launch(self, name: str, argv: list[str]) -> ManagedProcess:
         log_path = os.path.join(self.run_dir, "logs", f"{name}.log")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
@@ -129,26 +169,17 @@ class LocalCluster:
         os.makedirs(self.run_dir, exist_ok=True)
         if not self.controller_port:
             self.controller_port = free_port()
-        token_flags = []
         if self.tls:
             make_dev_pki(self.pki.directory, self.node_ids())
             self.token_port = self.token_port or free_port()
-            token_flags = ["--tokens-file", self.pki.tokens, "--token-listen", f"127.0.0.1:{self.token_port}"]
-        argv = [
-            _bin("motor-controller"),
-            "--listen", self.controller_address,
-            "--db", os.path.join(self.run_dir, "controller.db"),
-            "--heartbeat-interval", str(self.heartbeat_interval),
-            "--node-grace", str(self.node_grace),
-            *self._metrics_args("controller", 0),
-            *self.tls_flags("controller"),
-            *token_flags,
-            *self.extra_controller_args,
-        ]
-        if self.deployment_path:
-            argv += ["--deployment", self.deployment_path]
-        self._launch("controller", argv)
-        self.wait_serving(self.controller_address, timeout, self.credentials())
+            self._token_flags = ["--tokens-file", self.pki.tokens, "--token-listen", f"127.0.0.1:{self.token_port}"]
+        if self.ha:
+            self.etcd = EtcdCluster(os.path.join(self.run_dir, "etcd"), size=self.etcd_members).start(timeout)
+            self.controller_ports = [self.controller_port] + [free_port() for _ in range(self.controllers - 1)]
+        for index in range(self.controllers if self.ha else 1):
+            self.launch_controller(index)
+        for address in self.controller_addresses:
+            self.wait_serving(address, timeout, self.credentials())
         for index, node_id in enumerate(self.node_ids()):
             self.start_node(node_id, index)
         self.wait_nodes_registered(self.nodes, timeout)
@@ -161,7 +192,7 @@ class LocalCluster:
             _bin("motor-node-manager"),
             "--node-id", node_id,
             "--listen", f"127.0.0.1:{port}",
-            "--controller", self.controller_address,
+            "--controller", ",".join(self.controller_addresses),
             "--host", "127.0.0.1",
             "--accelerators", ",".join(str(i) for i in range(self.accelerators_per_node)),
             "--accelerator-type", "sim",
@@ -226,8 +257,8 @@ class LocalCluster:
                 descendants += psutil.Process(managed.process.pid).children(recursive=True)
             except psutil.Error:
                 pass
-        controllers = [p for p in self.processes if p.name == "controller"]
-        node_managers = [p for p in self.processes if p.name != "controller"]
+        controllers = [p for p in self.processes if p.name.startswith("controller")]
+        node_managers = [p for p in self.processes if not p.name.startswith("controller")]
         problems += self._terminate(controllers, timeout)
         for node_id, port in self.node_ports.items():
             if all(p.process.poll() is not None for p in node_managers if p.name == node_id):
@@ -237,6 +268,8 @@ class LocalCluster:
             except grpc.RpcError as exc:
                 problems.append(f"{node_id}: could not stop its engines ({exc.code().name})")
         problems += self._terminate(node_managers, timeout)
+        if self.etcd is not None:
+            self.etcd.stop()
         for leftover in descendants:
             try:
                 if leftover.is_running() and leftover.status() != psutil.STATUS_ZOMBIE:
@@ -288,11 +321,13 @@ def _default_controller_port() -> int:
 def try_commands(cluster: LocalCluster) -> str:
     """What the screen suggests: grpcurl and motorctl commands that work on this cluster."""
     address = cluster.controller_address
+    every = ",".join(cluster.controller_addresses)  # motorctl follows the leader among them
     if not cluster.tls:
         return (
             f"Try:  grpcurl -plaintext {address} list\n"
             f"      grpcurl -plaintext {address} motor.v1.ControllerService/ListInstances\n"
-            f"      motorctl --controller {address} events --follow"
+            f"      motorctl --controller {every} events --follow"
+            + (f"\n      motorctl --controller {every} controllers" if cluster.ha else "")
         )
     pki = cluster.pki
     viewer = f"-cacert {pki.ca} -cert {pki.cert('viewer')} -key {pki.key('viewer')}"
@@ -301,7 +336,7 @@ def try_commands(cluster: LocalCluster) -> str:
         f"Try:  grpcurl {viewer} {address} list\n"
         f"      grpcurl {viewer} {address} motor.v1.ControllerService/ListInstances\n"
         f"      grpcurl {token} 127.0.0.1:{cluster.token_port} motor.v1.ControllerService/GetDeployment\n"
-        f"      motorctl --controller {address} --cacert {pki.ca} --cert {pki.cert('operator')} --key {pki.key('operator')} events --follow\n"
+        f"      motorctl --controller {every} --cacert {pki.ca} --cert {pki.cert('operator')} --key {pki.key('operator')} events --follow\n"
         f"      (certificates, keys and tokens in {pki.directory}; docs/security.md)"
     )
 
@@ -319,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--refresh", type=float, default=1.0, help="seconds between status refreshes")
     parser.add_argument("--tls", action="store_true", help="mutual TLS on every plane, with a development PKI in <run-dir>/pki")
+    parser.add_argument("--ha", action="store_true",
+                        help="high availability: one etcd member (etcd from PATH) and two controllers, the first on "
+                             "the usual port (docs/ha.md)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.nodes < 1:
@@ -327,8 +365,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--deployment {args.deployment!r}: file not found")
 
     shutil.rmtree(args.run_dir, ignore_errors=True)
+    if args.ha and not shutil.which("etcd"):
+        parser.error("--ha needs etcd on PATH: install Debian's etcd-server (scripts/etcd-server.sh)")
     cluster = LocalCluster(args.run_dir, nodes=args.nodes, deployment_path=args.deployment,
-                           controller_port=args.controller_port or _default_controller_port(), metrics_port=args.metrics_port, tls=args.tls)
+                           controller_port=args.controller_port or _default_controller_port(), metrics_port=args.metrics_port,
+                           tls=args.tls, ha=args.ha)
     stopping, started = False, False
 
     def request_stop(signum, frame):  # Ctrl-C, SIGTERM, the terminal closed: leave the loop, then clean up
@@ -343,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     # nodes register, any exception) goes through the stop below: no cluster is left running.
     status, failure = 0, ""
     try:
-        say(f"Starting a local Motor cluster: 1 controller, {args.nodes} node managers (logs in {args.run_dir}/logs)")
+        what = "one etcd member, 2 controllers" if args.ha else "1 controller"
+        say(f"Starting a local Motor cluster: {what}, {args.nodes} node managers (logs in {args.run_dir}/logs)")
         cluster.start()
         started = True
         watch(cluster, args.refresh, lambda: stopping)

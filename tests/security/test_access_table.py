@@ -31,6 +31,7 @@ EXPECTED = {
     "ControllerService/ListEndpoints": READERS,
     "ControllerService/WatchEvents": READERS,
     "ControllerService/WatchEndpoints": READERS,
+    "ControllerService/ListControllers": READERS,
     "NodeManagerService/StartEngine": {"controller"},
     "NodeManagerService/StopEngine": {"controller"},
     "NodeManagerService/GetEngine": READERS | {"controller"},

@@ -1,0 +1,289 @@
+"""Several controllers on one etcd: exactly one acts (docs/ha.md).
+
+- `HighAvailability` runs a full `Controller` (reconcile, placement, restarts, node-manager
+  calls) only while the election says this process leads; on a standby it keeps a read-only
+  view built from the etcd store's followed mirror, which the read RPCs answer from. A new
+  leader reads etcd again and starts as a restarted controller does: every known node gets the
+  start-up grace to report, so nothing is restarted because of the hand-over.
+- `LeaderOnlyNodeClient` sits in front of the node-manager client: a StartEngine/StopEngine
+  goes out only while this controller leads, after the store has written everything staged
+  before it (a generation is in etcd before a node runs it), and with the epoch on it.
+- `LeaderGate` is the gRPC interceptor for mutating RPCs: on a standby they answer UNAVAILABLE
+  naming the leader (message and trailing metadata `motor-leader`); on the leader a change is
+  in etcd before the call returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Any, Awaitable, Callable
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from motor.errors import Unavailable
+from motor.leader import LEADER_METADATA
+from motor.v1 import controller_pb2, types_pb2
+
+from controller.config import ControllerConfig
+from controller.core import Controller
+from controller.election import LeaderElection, LeaderInfo, Role
+from controller.etcd_client import EtcdTarget, connect, parse_etcd_url
+from controller.etcd_store import EtcdStore, Fenced
+from controller.events import EventBus
+from controller.node_client import GrpcNodeClient, NodeCallError, NodeClient
+
+logger = logging.getLogger(__name__)
+
+C = controller_pb2
+# ControllerService methods that change state or feed the leader's liveness.
+MUTATING_METHODS = frozenset({"RegisterNode", "Heartbeat", "ReportEngineEvent", "ApplyDeployment", "DeleteDeployment"})
+# A standby rebuilds its read-only view at most this often while changes stream in (s).
+VIEW_REFRESH = 0.2
+
+
+class LeaderOnlyNodeClient(NodeClient):
+    def __init__(self, inner: NodeClient, election: LeaderElection, store: EtcdStore, flush_timeout: float):
+        self.inner, self.election, self.store, self.flush_timeout = inner, election, store, flush_timeout
+
+    async def _admit(self, what: str) -> None:
+        if not self.election.is_leader():
+            raise NodeCallError("FAILED_PRECONDITION", f"{what} not sent: {self.election.not_leader_message()}")
+        try:
+            await asyncio.wait_for(self.store.flush(), self.flush_timeout)
+        except Fenced as exc:
+            self.election.lost(f"a write was refused by etcd: {exc}")
+            raise NodeCallError("FAILED_PRECONDITION", f"{what} not sent: leadership lost ({exc})") from None
+        except TimeoutError:
+            raise NodeCallError("UNAVAILABLE", f"{what} not sent: etcd did not commit the state in {self.flush_timeout}s") from None
+        if not self.election.is_leader():  # the flush may have outlasted the leadership
+            raise NodeCallError("FAILED_PRECONDITION", f"{what} not sent: {self.election.not_leader_message()}")
+
+    async def start_engine(self, node: C.NodeInfo, spec: types_pb2.EngineSpec) -> types_pb2.Engine:
+        await self._admit(f"StartEngine of {spec.instance_id}/rank{spec.dp_rank}")
+        return await self.inner.start_engine(node, spec)
+
+    async def stop_engine(self, node: C.NodeInfo, engine_id: str, generation: int, deadline: float) -> None:
+        await self._admit(f"StopEngine of {engine_id}")
+        await self.inner.stop_engine(node, engine_id, generation, deadline)
+
+    async def list_engines(self, node: C.NodeInfo, timeout: float) -> list[types_pb2.Engine]:
+        return await self.inner.list_engines(node, timeout)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+class HighAvailability:
+    """Switches this process between leading (a running Controller) and standing by (a view)."""
+
+    def __init__(
+        self,
+        election: LeaderElection,
+        store: EtcdStore,
+        make_controller: Callable[[], Any],
+        events: EventBus,
+        store_url: str,
+        flush_timeout: float = 5.0,
+        on_lead: Callable[[Any], None] | None = None,
+    ):
+        self.election, self.store, self.events = election, store, events
+        self.make_controller = make_controller  # a Controller on this store, not started
+        self.store_url, self.flush_timeout = store_url, flush_timeout
+        self.on_lead = on_lead  # runs with the new leader's Controller (e.g. --deployment)
+        self.controller: Any = None  # what the servicer reads: the leader's Controller or the view
+        self._leading: Any = None
+        self._follow: asyncio.Task | None = None
+        self._transitions: asyncio.Queue[tuple[Role, LeaderInfo | None, str]] = asyncio.Queue()
+        self._worker: asyncio.Task | None = None
+        self._view_dirty = asyncio.Event()
+        self._viewer: asyncio.Task | None = None
+
+    async def open(self) -> None:
+        """Read the shared state and serve it as a standby (before the gRPC server starts)."""
+        await self.store.open()
+        self._show_view()
+        self._follow_changes()
+        loop = asyncio.get_running_loop()
+        self._viewer = loop.create_task(self._refresh_views(), name="standby-view")
+        self._worker = loop.create_task(self._apply_transitions(), name="leadership-transitions")
+        self.store.on_change(lambda key: self._view_dirty.set())
+        self.election.on_change(lambda role, leader, reason: self._transitions.put_nowait((role, leader, reason)))
+
+    def campaign(self, address: str) -> None:
+        """Join the election as `address` (once the gRPC server listens there)."""
+        self.election.address = self.election.name = address
+        self.election.start()
+
+    def metrics_registry(self) -> Any:
+        """A registry whose collection is that of the controller in use now (leader or view)."""
+        ha = self
+
+        class _Current:
+            def collect(self):
+                return ha.controller.metrics.registry.collect()
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Current())
+        return registry
+
+    async def stop(self) -> None:
+        for task in (self._worker, self._viewer, self._follow):
+            if task:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if self._leading is not None:
+            await self._leading.stop()
+            self._leading = None
+        await self.election.stop()
+        self.store.close()
+
+    # --- what the servicer and the gate ask ---------------------------------------------------
+
+    def is_leader(self) -> bool:
+        return self._leading is not None and self.election.is_leader()
+
+    def not_leader(self) -> tuple[str, str]:
+        """(message, leader address or "") for a refused mutating call."""
+        leader = self.election.leader if self.election.role is Role.STANDBY else None
+        return self.election.not_leader_message(), leader.address if leader else ""
+
+    @property
+    def epoch(self) -> int:
+        return self.election.epoch
+
+    async def flush(self) -> None:
+        try:
+            await asyncio.wait_for(self.store.flush(), self.flush_timeout)
+        except Fenced as exc:
+            self.election.lost(f"a write was refused by etcd: {exc}")
+            raise Unavailable(f"this controller lost the leadership before the change was stored; retry: {exc}") from None
+        except TimeoutError:
+            raise Unavailable(f"etcd did not commit the change within {self.flush_timeout}s (no quorum?); retry") from None
+
+    async def list_controllers(self) -> C.ListControllersResponse:
+        members, leader = await self.election.controllers()
+        reply = C.ListControllersResponse(
+            leader_address=leader.address if leader else "", epoch=leader.epoch if leader else 0, store=self.store_url
+        )
+        reply.lease_ttl.FromSeconds(self.election.ttl)
+        listed = sorted(members, key=lambda m: (not leader or m[0] != leader.address, m[0]))
+        for address, name in listed:
+            reply.controllers.add(address=address, name=name, leader=bool(leader and address == leader.address))
+        return reply
+
+    # --- transitions --------------------------------------------------------------------------
+
+    async def _apply_transitions(self) -> None:
+        while True:
+            role, leader, reason = await self._transitions.get()
+            try:
+                if role is Role.LEADER and self._leading is None:
+                    await self._lead(reason)
+                elif role is not Role.LEADER and self._leading is not None:
+                    await self._stand_by(reason)
+                if role is Role.STANDBY and leader is not None:
+                    self.events.emit(C.EVENT_TYPE_LEADER_CHANGED, f"{leader.address} leads (epoch {leader.epoch}): {reason}")
+            except Exception:
+                logger.exception("leadership transition to %s failed", role.value)
+
+    async def _lead(self, reason: str) -> None:
+        if self._follow:
+            self._follow.cancel()
+            await asyncio.gather(self._follow, return_exceptions=True)
+            self._follow = None
+        await self.store.reload()  # everything the previous leader wrote is visible
+        if not self.election.is_leader():  # lost again while reading
+            self._show_view()
+            self._follow_changes()
+            return
+        controller = self.make_controller()
+        await controller.start()
+        self._leading = self.controller = controller
+        if self.on_lead:
+            self.on_lead(controller)
+        self.events.emit(C.EVENT_TYPE_LEADER_CHANGED, f"{self.election.address} leads (epoch {self.election.epoch}): {reason}")
+
+    async def _stand_by(self, reason: str) -> None:
+        leading, self._leading = self._leading, None
+        self.events.emit(C.EVENT_TYPE_LEADER_CHANGED, f"{self.election.address} stepped down: {reason}")
+        await leading.stop()  # its loops end; the gate refused any node call since the deadline
+        await self.store.reload()
+        self._show_view()
+        self._follow_changes()
+
+    def _follow_changes(self) -> None:
+        self._follow = asyncio.get_running_loop().create_task(self.store.follow(), name="follow-state")
+
+    def _show_view(self) -> None:
+        view = self.make_controller()
+        view.load()
+        self.controller = view
+
+    async def _refresh_views(self) -> None:
+        while True:
+            await self._view_dirty.wait()
+            await asyncio.sleep(VIEW_REFRESH)  # gather a burst of changes into one rebuild
+            self._view_dirty.clear()
+            if self._leading is None:
+                self._show_view()
+
+
+class LeaderGate(grpc.aio.ServerInterceptor):
+    """Mutating ControllerService calls: only on the leader, and stored before they return."""
+
+    def __init__(self, ha: HighAvailability, service: str = "motor.v1.ControllerService"):
+        self.ha, self.service = ha, service
+
+    async def intercept_service(self, continuation: Callable[..., Awaitable[Any]], details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        service, _, method = details.method.lstrip("/").rpartition("/")
+        if handler is None or service != self.service or method not in MUTATING_METHODS or handler.unary_unary is None:
+            return handler
+        behavior, ha = handler.unary_unary, self.ha
+
+        async def gated(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if not ha.is_leader():
+                message, leader = ha.not_leader()
+                if leader:
+                    context.set_trailing_metadata(((LEADER_METADATA, leader),))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+            staged = ha.store.staged
+            reply = await behavior(request, context)
+            if ha.store.staged != staged:
+                await ha.flush()
+            if hasattr(reply, "controller_epoch"):  # RegisterNode, Heartbeat: nodes learn the epoch
+                reply.controller_epoch = ha.epoch
+            return reply
+
+        return grpc.unary_unary_rpc_method_handler(
+            gated, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
+
+
+def advertised_address(config: ControllerConfig, port: int) -> str:
+    if config.advertise:
+        return config.advertise
+    host = config.listen.rsplit(":", 1)[0]
+    return f"{socket.gethostname() if host in ('0.0.0.0', '::', '[::]') else host}:{port}"
+
+
+async def open_high_availability(config: ControllerConfig, on_lead: Callable[[Any], None] | None = None) -> HighAvailability:
+    """The etcd client, election, store and switcher for `--store etcd://...`, serving as a standby."""
+    assert config.store
+    endpoints, prefix = parse_etcd_url(config.store)
+    target = EtcdTarget(endpoints, prefix, config.etcd_ca, config.etcd_cert, config.etcd_key, config.etcd_timeout)
+    client = connect(target)
+    election = LeaderElection(client, prefix, address="", ttl=config.lease_ttl)
+    store = EtcdStore(client, prefix, fence=election.fence)
+    events = EventBus()
+
+    def make_controller() -> Controller:
+        node_client = GrpcNodeClient(tls=config.client_tls(), epoch=lambda: election.epoch)
+        return Controller(config, store, LeaderOnlyNodeClient(node_client, election, store, config.commit_timeout), events=events)
+
+    ha = HighAvailability(election, store, make_controller, events, target.describe(), config.commit_timeout, on_lead)
+    await ha.open()
+    return ha

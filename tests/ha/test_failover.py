@@ -1,0 +1,223 @@
+"""Failover on real processes: etcd, two controllers on it, two node managers, sim engines
+(the `motorctl up --ha` cluster). A leader killed with SIGKILL, or stopped with SIGSTOP past its
+lease, is replaced by the standby without any engine being restarted or stopped; node managers
+refuse a deposed leader's commands; losing etcd's quorum stops the acting, not the engines."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from motor.ports import free_port
+from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc, types_pb2
+from motorctl.up import LocalCluster
+from tests.ha.conftest import _require_etcd
+from tests.support import REPO_ROOT, wait_for
+
+DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
+EXPECTED_ENGINES = {"prefill-0/rank0", "prefill-0/rank1", "decode-0/rank0"}
+TTL = 2
+NODE_GRACE = 3.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    _require_etcd()
+    local = LocalCluster(
+        str(tmp_path_factory.mktemp("ha-cluster")), nodes=2, deployment_path=DEPLOYMENT, heartbeat_interval=0.5,
+        node_grace=NODE_GRACE, engine_port_base=35000, controller_port=free_port(), ha=True, etcd_members=3,
+        extra_controller_args=["--lease-ttl", str(TTL)],
+    )
+    try:
+        local.start(timeout=60)
+        yield local
+    finally:
+        problems = local.stop()
+        assert not problems, problems
+        assert local.etcd is not None and not any(m.running() for m in local.etcd.members)
+
+
+def _stub(address: str) -> controller_pb2_grpc.ControllerServiceStub:
+    return controller_pb2_grpc.ControllerServiceStub(grpc.insecure_channel(address))
+
+
+def _controllers(cluster, exclude: str = "") -> controller_pb2.ListControllersResponse | None:
+    for address in cluster.controller_addresses:
+        if address == exclude:
+            continue
+        try:
+            return _stub(address).ListControllers(controller_pb2.ListControllersRequest(), timeout=2)
+        except grpc.RpcError:
+            continue
+    return None
+
+
+def _leader(cluster, exclude: str = "") -> str:
+    """The leader as the controllers report it; with `exclude`, asked elsewhere and not that one."""
+    reply = _controllers(cluster, exclude)
+    leader = reply.leader_address if reply else ""
+    return "" if leader == exclude else leader
+
+
+def _engines(cluster) -> dict[str, tuple[int, int, int]]:
+    """Every engine the node managers run: id -> (pid, generation, state)."""
+    found = {}
+    for port in cluster.node_ports.values():
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = node_manager_pb2_grpc.NodeManagerServiceStub(channel)
+            for e in stub.ListEngines(node_manager_pb2.ListEnginesRequest(), timeout=5).engines:
+                if e.state == types_pb2.ENGINE_STATE_RUNNING:
+                    found[e.engine_id] = (e.pid, e.spec.generation, e.state)
+    return found
+
+
+def _all_normal(cluster) -> bool:
+    leader = _leader(cluster)
+    if not leader:
+        return False
+    instances = _stub(leader).ListInstances(controller_pb2.ListInstancesRequest(), timeout=5).instances
+    engines = {e.engine_id: e for i in instances for e in i.engines}
+    return set(engines) == EXPECTED_ENGINES and all(
+        e.health == types_pb2.HEALTH_STATUS_NORMAL for e in engines.values()
+    ) and all(i.state == controller_pb2.INSTANCE_STATE_READY for i in instances)
+
+
+def _process_of(cluster, address: str):
+    index = cluster.controller_addresses.index(address)
+    return cluster.process("controller" if index == 0 else f"controller-{index + 1}"), index
+
+
+def _settled(cluster) -> dict[str, tuple[int, int, int]]:
+    wait_for(lambda: _all_normal(cluster), timeout=90, interval=0.3, what="every engine NORMAL under the leader")
+    return _engines(cluster)
+
+
+def _nothing_restarted(cluster, before: dict, since: str) -> None:
+    """After the new leader's start-up grace (node grace) and more, the same engines run with the
+    same pids and generations, every instance READY with no restart."""
+    time.sleep(NODE_GRACE + 2.0)
+    wait_for(lambda: _all_normal(cluster), timeout=30, interval=0.3, what=f"every engine NORMAL {since}")
+    assert _engines(cluster) == before, f"engines changed {since}"
+    instances = _stub(_leader(cluster)).ListInstances(controller_pb2.ListInstancesRequest(), timeout=5).instances
+    assert all(i.restarts == 0 for i in instances), [(i.instance_id, i.restarts) for i in instances]
+
+
+def test_kill_9_of_the_leader_hands_over_without_touching_an_engine(cluster):
+    before = _settled(cluster)
+    old = _leader(cluster)
+    old_epoch = _controllers(cluster).epoch
+    process, index = _process_of(cluster, old)
+    killed_at = time.monotonic()
+    os.kill(process.process.pid, signal.SIGKILL)
+    process.process.wait(10)
+    new = wait_for(lambda: _leader(cluster, exclude=old), timeout=TTL * 3 + 10, interval=0.05, what="a new leader")
+    took = time.monotonic() - killed_at
+    assert new != old
+    print(f"new leader after {took:.2f}s (lease {TTL}s)")
+    reply = _controllers(cluster, exclude=old)
+    assert reply.epoch == old_epoch + 1
+    recent = next(_stub(new).WatchEvents(controller_pb2.WatchEventsRequest(), timeout=5)).snapshot.recent_events
+    changes = [e.message for e in recent if e.type == controller_pb2.EVENT_TYPE_LEADER_CHANGED]
+    assert any(new in m and "lease expired" in m for m in changes), changes
+    _nothing_restarted(cluster, before, "after the leader was killed")
+    # The killed controller comes back as a standby.
+    cluster.launch_controller(index)
+    cluster.wait_serving(old, 30)
+    wait_for(lambda: {c.address for c in _controllers(cluster).controllers} == set(cluster.controller_addresses),
+             timeout=20, what="both controllers listed again")
+    assert _leader(cluster) == new
+
+
+def test_a_standby_refuses_changes_and_names_the_leader(cluster):
+    leader = _leader(cluster)
+    standby = next(a for a in cluster.controller_addresses if a != leader)
+    with pytest.raises(grpc.RpcError) as refused:
+        _stub(standby).DeleteDeployment(controller_pb2.DeleteDeploymentRequest(), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert leader in refused.value.details()
+    assert ("motor-leader", leader) in tuple(refused.value.trailing_metadata())
+    # Reads are answered by the standby from etcd.
+    deployment = _stub(standby).GetDeployment(controller_pb2.GetDeploymentRequest(), timeout=5)
+    assert deployment.deployment.name == "local-sim"
+    assert {i.instance_id for i in _stub(standby).ListInstances(controller_pb2.ListInstancesRequest(), timeout=5).instances} == {
+        "prefill-0", "decode-0"}
+
+
+def test_node_managers_refuse_a_command_of_an_older_epoch(cluster):
+    _settled(cluster)
+    epoch = _controllers(cluster).epoch
+    port = next(iter(cluster.node_ports.values()))
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = node_manager_pb2_grpc.NodeManagerServiceStub(channel)
+        engine = stub.ListEngines(node_manager_pb2.ListEnginesRequest(), timeout=5).engines[0]
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.StopEngine(node_manager_pb2.StopEngineRequest(engine_id=engine.engine_id, controller_epoch=epoch - 1), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"epoch {epoch} leads now" in refused.value.details()
+        after = stub.GetEngine(node_manager_pb2.GetEngineRequest(engine_id=engine.engine_id), timeout=5).engine
+        assert after.pid == engine.pid and after.state == types_pb2.ENGINE_STATE_RUNNING
+
+
+def test_sigstop_of_the_leader_past_its_lease_then_sigcont(cluster):
+    before = _settled(cluster)
+    old = _leader(cluster)
+    epoch = _controllers(cluster).epoch
+    process, _ = _process_of(cluster, old)
+    log_size = os.path.getsize(process.log_path)
+    os.kill(process.process.pid, signal.SIGSTOP)
+    try:
+        new = wait_for(lambda: _leader(cluster, exclude=old), timeout=TTL * 3 + 10, interval=0.05, what="a new leader")
+        assert new != old and _controllers(cluster, exclude=old).epoch == epoch + 1
+        time.sleep(1.0)  # well past the old lease
+    finally:
+        os.kill(process.process.pid, signal.SIGCONT)
+
+    def stepped_down() -> bool:
+        with open(process.log_path, encoding="utf-8", errors="replace") as log:
+            log.seek(log_size)
+            return "stepped down" in log.read()
+
+    wait_for(stepped_down, timeout=20, what="the resumed controller to step down")
+    assert _leader(cluster) == new
+    _nothing_restarted(cluster, before, "after the old leader resumed")
+    with open(process.log_path, encoding="utf-8", errors="replace") as log:
+        log.seek(log_size)
+        resumed = log.read()
+    for sign in ("StartEngine of", "stopped ", "applied "):
+        assert not any(sign in line and "not sent" not in line for line in resumed.splitlines()), resumed
+
+
+def test_one_etcd_member_lost_changes_nothing_and_quorum_lost_stops_only_the_acting(cluster):
+    before = _settled(cluster)
+    leader, epoch = _leader(cluster), _controllers(cluster).epoch
+    etcd = cluster.etcd
+    etcd.kill_member(0)  # the member every client tries first
+    apply = controller_pb2.ApplyDeploymentRequest(
+        deployment=_stub(leader).GetDeployment(controller_pb2.GetDeploymentRequest(), timeout=5).deployment)
+    wait_for(lambda: _stub(leader).ApplyDeployment(apply, timeout=5), timeout=20, what="a change with one member down")
+    assert _leader(cluster) == leader and _controllers(cluster).epoch == epoch
+    etcd.start_member(0)
+    etcd.wait_healthy()
+
+    for index in (1, 2):  # two of three members gone: no quorum
+        etcd.signal_member(index, signal.SIGSTOP)
+    try:
+        def refused() -> bool:
+            try:
+                _stub(leader).ApplyDeployment(apply, timeout=5)
+            except grpc.RpcError as exc:
+                return exc.code() == grpc.StatusCode.UNAVAILABLE
+            return False
+
+        wait_for(refused, timeout=TTL * 3 + 15, interval=0.5, what="changes refused while etcd has no quorum")
+        assert _engines(cluster) == before, "engines changed while etcd had no quorum"
+    finally:
+        for index in (1, 2):
+            etcd.signal_member(index, signal.SIGCONT)
+    etcd.wait_healthy()
+    wait_for(lambda: _leader(cluster), timeout=30, what="a leader once the quorum is back")
+    _nothing_restarted(cluster, before, "after the quorum came back")
