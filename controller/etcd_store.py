@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import aetcd
-from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, retry_if_not_exception_type, wait_exponential
 
 from controller.etcd_client import UNAVAILABLE_ERRORS
 from controller.store import Store, StoredNode, StoredState
@@ -45,6 +45,13 @@ logger = logging.getLogger(__name__)
 MAX_TXN_OPS = 128
 # Transactions of one large batch sent at once (their keys are distinct, so order does not matter).
 TXNS_IN_FLIGHT = 8
+
+
+def _log_retry(state: RetryCallState) -> None:
+    error = state.outcome.exception() if state.outcome else None
+    if state.attempt_number == 1 or state.attempt_number % 20 == 0:
+        log = logger.info if isinstance(error, UNAVAILABLE_ERRORS) else logger.warning
+        log("etcd did not take a write (attempt %d, retrying): %r", state.attempt_number, error)
 
 
 class Fenced(Exception):
@@ -272,8 +279,11 @@ class EtcdStore(Store):
             await asyncio.gather(*(self._commit_chunk(chunk) for chunk in chunks[first:first + TXNS_IN_FLIGHT]))
 
     async def _commit_chunk(self, ops: list[Any]) -> None:
+        # Whatever etcd answers short of refusing the guard (no quorum, "leader changed", too many
+        # requests...) is retried, in order, until it answers: a change is never dropped.
         async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(UNAVAILABLE_ERRORS), wait=wait_exponential(0.05, max=1), reraise=True
+            retry=retry_if_not_exception_type(Fenced), wait=wait_exponential(0.05, max=1), reraise=True,
+            before_sleep=_log_retry,
         ):
             with attempt:
                 try:
