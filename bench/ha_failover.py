@@ -82,7 +82,8 @@ def wait(predicate, timeout: float, what: str):
 def failover(args) -> None:
     cluster = LocalCluster(tempfile.mkdtemp(prefix="motor-ha-bench-"), nodes=2, deployment_path=DEPLOYMENT,
                            heartbeat_interval=args.heartbeat, controller_port=free_port(), engine_port_base=36000,
-                           ha=True, extra_controller_args=["--lease-ttl", str(args.ttl), "--log-level", "WARNING"])
+                           ha=True, extra_controller_args=["--lease-ttl", str(args.ttl), "--log-level", "WARNING"],
+                           node_id_prefix="bench-node")
     probe = C.NodeInfo(node_id="bench-probe", address="127.0.0.1:9", host="127.0.0.1")
     rows = []
     try:

@@ -64,6 +64,7 @@ class Controller:
         monotonic: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         events: EventBus | None = None,
+        acting: Callable[[], bool] = lambda: True,
     ):
         self.config = config
         # Every store (SQLite, etcd, a test's) is measured alike: write latency and failures.
@@ -73,6 +74,9 @@ class Controller:
         self.mono, self.wall = monotonic, wall
         # Shared by the controllers one HA process runs in turn (docs/ha.md), so watchers stay.
         self.events = events or EventBus()
+        # False while this controller may not act (an HA leader past its renewal deadline, until
+        # it is stopped): the reconcile and node-check passes are skipped.
+        self.acting = acting
         self.state = ClusterState(store, self.events, monotonic, wall)
         self.endpoints = endpoints.EndpointFeed(self.state)
         self.state.on_change = self.endpoints.changed
@@ -184,6 +188,8 @@ class Controller:
         # races with the awaited event being set.
         while not self._stopping:
             await wait()
+            if not self.acting():
+                continue
             try:
                 step()
             except Exception:

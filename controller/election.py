@@ -6,6 +6,8 @@ Kubernetes' `leaderelection`.
 - A campaign is one transaction: if the leader key does not exist, create it bound to this
   controller's session lease and raise the epoch counter by one. The winner's epoch is larger than any
   earlier leader's; it travels on every command to node managers, which refuse older ones.
+- The lease is renewed from a thread of its own (`_Renewal`), so a busy event loop does not
+  cost the leadership; a loop that has not run for `max_stall` seconds stops the renewals.
 - The leader counts itself leader only until
   `renew_deadline` after the last renewal it *sent* that succeeded (2/3 of the TTL by default):
   etcd keeps the lease at least TTL after that, so the leader stops acting before its lease
@@ -25,6 +27,7 @@ import asyncio
 import enum
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -74,10 +77,13 @@ class LeaderElection:
         client: aetcd.Client,
         prefix: str,
         address: str,
+        *,
+        renew_client: Callable[[], aetcd.Client],
         name: str = "",
         ttl: int = 2,
         renew_deadline_share: float = 2 / 3,
         clock: Callable[[], float] = time.monotonic,
+        max_stall: float = 30.0,
     ):
         if ttl < 1:
             raise ValueError("the lease TTL is whole seconds, at least 1")
@@ -87,6 +93,10 @@ class LeaderElection:
         self.address = address
         self.name = name or address
         self.renew_deadline_share = renew_deadline_share
+        # Makes the renewal thread's own client (a grpc.aio channel belongs to one event loop).
+        self.renew_client = renew_client
+        self.max_stall = max_stall
+        self.loop_tick = clock()
         self._set_ttl(ttl)
         self.clock = clock
         self.role = Role.CANDIDATE
@@ -207,33 +217,33 @@ class LeaderElection:
         await self._revoke()  # not when cancelled: stop() resigns, a frozen test double must not
 
     async def _keep_alive(self) -> None:
-        """Renew the lease every renew_period; return when the session is over."""
-        while True:
-            try:
-                await asyncio.wait_for(self._over.wait(), self.renew_period)
-                return
-            except TimeoutError:
-                pass
-            if self.role is Role.LEADER and not self.is_leader():  # paused past the deadline
-                self.lost("the renewal deadline passed before a renewal")
-                return
-            sent = self.clock()
-            expires = self._renewed_at + self.ttl  # the lease is surely gone after this
-            try:
-                reply = await asyncio.wait_for(self._lease.refresh(), max(expires - sent, 0.05))
-            except (*UNAVAILABLE_ERRORS, TimeoutError) as exc:
-                if self.role is Role.LEADER and not self.is_leader():
-                    self.lost(f"could not renew the lease in time: {exc!r}")
+        """Watch the session while a thread renews its lease; return when the session is over."""
+        renewal = _Renewal(self, self._lease.id)
+        renewal.start()
+        try:
+            while True:
+                self.loop_tick = self.clock()  # the renewal thread's proof that this loop runs
+                try:
+                    await asyncio.wait_for(self._over.wait(), self.renew_period / 2)
                     return
-                if self.clock() >= expires:
-                    return  # a new session with a new lease
-                continue
-            if reply is None or reply.TTL <= 0:
-                self.lost("the lease expired in etcd")
-                return
-            self._renewed_at = sent
-            if self.role is Role.LEADER:
-                self._valid_until = sent + self.renew_deadline
+                except TimeoutError:
+                    pass
+                if renewal.gone.is_set():
+                    self.lost("the lease expired in etcd")
+                    return
+                if self.role is Role.LEADER and not self.is_leader():  # no renewal within the deadline
+                    self.lost(f"no renewal of the lease within {self.renew_deadline:.1f}s{renewal.trouble}")
+                    return
+                if self.clock() >= self._renewed_at + self.ttl:
+                    return  # the lease is surely gone: a new session with a new lease
+        finally:
+            renewal.stop.set()
+
+    def _renewed(self, sent: float) -> None:
+        """From the renewal thread: the lease was renewed by a request sent at `sent`."""
+        self._renewed_at = sent
+        if self.role is Role.LEADER:
+            self._valid_until = sent + self.renew_deadline
 
     async def _campaign_loop(self) -> None:
         while True:
@@ -323,3 +333,50 @@ class LeaderElection:
                 listener(role, leader, reason)
             except Exception:
                 logger.exception("leadership listener failed")
+
+
+class _Renewal(threading.Thread):
+    """Renews one session's lease every renew_period from its own thread, event loop and etcd
+    client, so that a controller whose loop is busy for a while (one reconcile pass placing
+    thousands of engines) keeps its lease. It stops renewing when the controller's loop has not
+    run for `max_stall` seconds: a hung process must not keep the leadership. A stopped process
+    (SIGSTOP) stops this thread with it, so a paused leader still loses its lease."""
+
+    def __init__(self, election: LeaderElection, lease_id: int):
+        super().__init__(name="lease-renewal", daemon=True)
+        self.election, self.lease_id = election, lease_id
+        self.stop = threading.Event()
+        self.gone = threading.Event()  # etcd says the lease no longer exists
+        self.trouble = ""  # why the last renewal failed, for the step-down message
+
+    def run(self) -> None:
+        asyncio.run(self._renew())
+
+    async def _renew(self) -> None:
+        e = self.election
+        client = e.renew_client()
+        try:
+            while not self.stop.is_set():
+                await asyncio.sleep(e.renew_period)
+                if self.stop.is_set():
+                    return
+                stalled = e.clock() - e.loop_tick
+                if stalled > e.max_stall:
+                    self.trouble = f" (the controller's event loop has not run for {stalled:.0f}s)"
+                    logger.error("no longer renewing the lease: the controller's event loop has not run for %.0fs", stalled)
+                    return
+                sent = e.clock()
+                expires = e._renewed_at + e.ttl
+                try:
+                    reply = await asyncio.wait_for(client.refresh_lease(self.lease_id), max(expires - sent, 0.05))
+                except (*UNAVAILABLE_ERRORS, TimeoutError) as exc:
+                    self.trouble = f" (etcd: {exc!r})"
+                    continue
+                if reply is None or reply.TTL <= 0:
+                    self.gone.set()
+                    return
+                if not self.stop.is_set():
+                    self.trouble = ""
+                    e._renewed(sent)
+        finally:
+            await client.close()

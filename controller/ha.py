@@ -276,13 +276,14 @@ async def open_high_availability(config: ControllerConfig, on_lead: Callable[[An
     endpoints, prefix = parse_etcd_url(config.store)
     target = EtcdTarget(endpoints, prefix, config.etcd_ca, config.etcd_cert, config.etcd_key, config.etcd_timeout)
     client = connect(target)
-    election = LeaderElection(client, prefix, address="", ttl=config.lease_ttl)
+    election = LeaderElection(client, prefix, address="", ttl=config.lease_ttl, renew_client=lambda: connect(target))
     store = EtcdStore(client, prefix, fence=election.fence)
     events = EventBus()
 
     def make_controller() -> Controller:
         node_client = GrpcNodeClient(tls=config.client_tls(), epoch=lambda: election.epoch)
-        return Controller(config, store, LeaderOnlyNodeClient(node_client, election, store, config.commit_timeout), events=events)
+        return Controller(config, store, LeaderOnlyNodeClient(node_client, election, store, config.commit_timeout),
+                          events=events, acting=election.is_leader)
 
     ha = HighAvailability(election, store, make_controller, events, target.describe(), config.commit_timeout, on_lead)
     await ha.open()

@@ -173,16 +173,22 @@ class ClusterState:
         if any(not s.node_id for s in slots):
             return
         waiting: list[str] = []
+        unreported = False
         for s in slots:
             node = self.nodes.get(s.node_id)
             if node is None or node.state != NODE_READY:
                 state = enum_short_name(C.NodeState, node.state) if node else "unknown"
                 waiting.append(f"{s.engine_id} on {s.node_id}: node {state}")
+            elif s.state == T.ENGINE_STATE_UNSPECIFIED and inst.state in (READY, DEGRADED):
+                # Not reported to this controller yet (it restarted, or took over as leader): its
+                # stored state stands until the rank's node reports it.
+                unreported = True
             elif s.state != T.ENGINE_STATE_RUNNING or s.health != T.HEALTH_STATUS_NORMAL:
                 what = f"{enum_short_name(T.EngineState, s.state)}/{enum_short_name(T.HealthStatus, s.health)}"
                 waiting.append(f"{s.engine_id} on {s.node_id}: {what}" + (f" ({s.health_reason})" if s.health_reason else ""))
         if not waiting:
-            self.transition(inst, READY, f"all {len(slots)} rank(s) NORMAL")
+            if not unreported:
+                self.transition(inst, READY, f"all {len(slots)} rank(s) NORMAL")
             return
         detail = waiting[0] + (f" (+{len(waiting) - 1} more)" if len(waiting) > 1 else "")
         if inst.state == STARTING:

@@ -23,8 +23,9 @@ def report(**fields) -> None:
 
 async def main(endpoint: str, prefix: str, name: str, ttl: int) -> None:
     host, port = endpoint.rsplit(":", 1)
-    client = connect(EtcdTarget(((host, int(port)),), prefix, request_timeout=1.0))
-    election = LeaderElection(client, prefix, address=name, ttl=ttl)
+    target = EtcdTarget(((host, int(port)),), prefix, request_timeout=1.0)
+    client = connect(target)
+    election = LeaderElection(client, prefix, address=name, ttl=ttl, renew_client=lambda: connect(target))
     election.on_change(lambda role, leader, reason: report(role=role.value, epoch=leader.epoch if leader else 0, reason=reason))
     store = EtcdStore(client, prefix, fence=election.fence)
     await store.open()

@@ -10,22 +10,29 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from controller.election import LeaderElection, NotLeader, Role
 from controller.etcd_client import EtcdTarget, connect
+from tests.ha.conftest import target_of
 from controller.etcd_store import EtcdStore, Fenced
 from tests.support import REPO_ROOT, async_wait_for, wait_for
 
 TTL = 2  # etcd's smallest lease with its default timing
 
 
+def _election(etcd1, clients, prefix, address, **kwargs) -> LeaderElection:
+    target = target_of(etcd1, prefix)
+    return LeaderElection(clients(etcd1, prefix), prefix, address, ttl=TTL, renew_client=lambda: connect(target), **kwargs)
+
+
 async def _pair(etcd1, clients, prefix, **kwargs):
-    first = LeaderElection(clients(etcd1, prefix), prefix, "10.0.0.1:50051", ttl=TTL, **kwargs)
+    first = _election(etcd1, clients, prefix, "10.0.0.1:50051", **kwargs)
     first.start()
     await async_wait_for(first.is_leader, timeout=10, what="the first controller to lead")
-    second = LeaderElection(clients(etcd1, prefix), prefix, "10.0.0.2:50051", ttl=TTL)
+    second = _election(etcd1, clients, prefix, "10.0.0.2:50051")
     second.start()
     await async_wait_for(lambda: second.role is Role.STANDBY, timeout=10, what="the second to see a leader")
     return first, second
@@ -78,15 +85,32 @@ async def test_a_silent_leader_is_replaced_and_its_writes_are_refused(etcd1, cli
     await second.stop()
 
 
-async def test_a_leader_past_its_renewal_deadline_stops_at_once(etcd1, clients, prefix):
-    now = [1000.0]
-    first, second = await _pair(etcd1, clients, prefix, clock=lambda: now[0])
+async def test_a_busy_event_loop_keeps_the_leadership(etcd1, clients, prefix):
+    """A loop held longer than the lease (one huge reconcile pass): the renewal thread keeps
+    the lease, so nobody else is elected and the leader goes on when its loop runs again."""
+    first, second = await _pair(etcd1, clients, prefix)
     try:
-        assert first.is_leader()
-        now[0] += TTL  # the process did not run for a whole TTL (a pause)
-        assert not first.is_leader()
+        time.sleep(TTL * 1.5)  # blocks this loop, which both elections run on
+        assert first.is_leader() and first.epoch == 1
+        await asyncio.sleep(TTL)
+        assert first.is_leader() and first.epoch == 1 and second.role is Role.STANDBY
+    finally:
+        await second.stop()
+        await first.stop()
+
+
+async def test_a_hung_event_loop_loses_the_leadership(etcd1, clients, prefix):
+    """A loop that has not run for max_stall: the renewals stop, the lease expires, the standby
+    leads; the old leader knows it is not leading the moment its loop runs again."""
+    first, second = await _pair(etcd1, clients, prefix, max_stall=0.5)
+    try:
+        time.sleep(TTL * 2 + 1)
+        assert not first.is_leader(), "renewals went on although the loop was stuck"
         with pytest.raises(NotLeader):
             first.fence()
+        await async_wait_for(second.is_leader, timeout=TTL * 3, what="the standby to lead")
+        assert second.epoch == 2
+        await async_wait_for(lambda: first.role is Role.STANDBY, timeout=TTL * 3, what="the old leader to stand by")
     finally:
         await second.stop()
         await first.stop()

@@ -30,7 +30,7 @@ def cluster(tmp_path_factory):
     local = LocalCluster(
         str(tmp_path_factory.mktemp("ha-cluster")), nodes=2, deployment_path=DEPLOYMENT, heartbeat_interval=0.5,
         node_grace=NODE_GRACE, engine_port_base=35000, controller_port=free_port(), ha=True, etcd_members=3,
-        extra_controller_args=["--lease-ttl", str(TTL)],
+        extra_controller_args=["--lease-ttl", str(TTL)], node_id_prefix="ha-node",
     )
     try:
         local.start(timeout=60)
