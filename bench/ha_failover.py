@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from controller.etcd_client import EtcdTarget, connect  # noqa: E402
 from controller_scale import ENGINES_PER_NODE, FleetNodeManager, SimNode, deployment  # noqa: E402
+from endpoint_removal import wait  # noqa: E402
 from motor.grpc_server import MotorServer, aio_channel, service_name  # noqa: E402
 from motor.ports import free_port  # noqa: E402
 from motor.v1 import controller_pb2 as C  # noqa: E402
@@ -67,16 +68,6 @@ def engines(cluster: LocalCluster) -> dict[str, tuple[int, int]]:
                 if e.state == types_pb2.ENGINE_STATE_RUNNING:
                     found[e.engine_id] = (e.pid, e.spec.generation)
     return found
-
-
-def wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise TimeoutError(what)
 
 
 def failover(args) -> None:
