@@ -39,7 +39,9 @@ logger = logging.getLogger(__name__)
 
 C = controller_pb2
 # ControllerService methods that change state or feed the leader's liveness.
-MUTATING_METHODS = frozenset({"RegisterNode", "Heartbeat", "ReportEngineEvent", "ApplyDeployment", "DeleteDeployment"})
+MUTATING_METHODS = frozenset(
+    {"RegisterNode", "Heartbeat", "StreamHeartbeats", "ReportEngineEvent", "ApplyDeployment", "DeleteDeployment"}
+)
 # A standby rebuilds its read-only view at most this often while changes stream in (s).
 VIEW_REFRESH = 0.2
 
@@ -240,16 +242,36 @@ class LeaderGate(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation: Callable[..., Awaitable[Any]], details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
         service, _, method = details.method.lstrip("/").rpartition("/")
-        if handler is None or service != self.service or method not in MUTATING_METHODS or handler.unary_unary is None:
+        if handler is None or service != self.service or method not in MUTATING_METHODS:
             return handler
-        behavior, ha = handler.unary_unary, self.ha
+        ha = self.ha
 
-        async def gated(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def refuse_unless_leader(context: grpc.aio.ServicerContext) -> None:
             if not ha.is_leader():
                 message, leader = ha.not_leader()
                 if leader:
                     context.set_trailing_metadata(((LEADER_METADATA, leader),))
                 await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+
+        if handler.stream_stream is not None:  # StreamHeartbeats: every beat only while leading
+            stream = handler.stream_stream
+
+            async def gated_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                await refuse_unless_leader(context)
+                async for reply in stream(requests, context):
+                    await refuse_unless_leader(context)
+                    yield reply
+
+            return grpc.stream_stream_rpc_method_handler(
+                gated_stream, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_unary is None:
+            return handler
+        behavior = handler.unary_unary
+
+        async def gated(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await refuse_unless_leader(context)
             staged = ha.store.staged
             reply = await behavior(request, context)
             if ha.store.staged != staged:

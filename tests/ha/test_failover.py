@@ -140,6 +140,10 @@ def test_a_standby_refuses_changes_and_names_the_leader(cluster):
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert leader in refused.value.details()
     assert ("motor-leader", leader) in tuple(refused.value.trailing_metadata())
+    beat = controller_pb2.StreamHeartbeatsRequest(heartbeat=controller_pb2.HeartbeatRequest(node_id="ha-node-a", generation=1))
+    with pytest.raises(grpc.RpcError) as streamed:
+        list(_stub(standby).StreamHeartbeats(iter([beat]), timeout=5))
+    assert streamed.value.code() == grpc.StatusCode.UNAVAILABLE and leader in streamed.value.details()
     # Reads are answered by the standby from etcd.
     deployment = _stub(standby).GetDeployment(controller_pb2.GetDeploymentRequest(), timeout=5)
     assert deployment.deployment.name == "local-sim"
