@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 TOKEN_ENV = "MOTOR_PROCESS_TOKEN"
 # Environment variable naming the node an engine was launched for (by whichever node manager).
 NODE_ENV = "MOTOR_NODE_ID"
+# The state-directory id of the node manager that launched the engine: a takeover kills only
+# what the replaced holder left, never the engines of another cluster on this host with the same node id.
+HOLDER_ENV = "MOTOR_NODE_STATE_DIR_ID"
 # psutil create times are rounded (clock ticks); two readings of one process agree within this.
 CREATE_TIME_TOLERANCE_S = 0.05
 
@@ -242,7 +245,7 @@ def find_tree(tree: TreeId, remembered: Iterable[tuple[int, float]] = ()) -> lis
     return list(found.values())
 
 
-def node_tokens(node_id: str) -> set[str]:
+def node_tokens(node_id: str, holder: str = "") -> set[str]:
     """Tokens of the live processes launched for `node_id` on this host (as far as this process
     can see: another container's processes are not visible)."""
     tokens: set[str] = set()
@@ -251,7 +254,8 @@ def node_tokens(node_id: str) -> set[str]:
             env = proc.environ()
         except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied, ProcessLookupError):
             continue
-        if env.get(NODE_ENV) == node_id and env.get(TOKEN_ENV):
+        # Engines without a holder id come from an older node manager: the node id alone decides.
+        if env.get(NODE_ENV) == node_id and env.get(TOKEN_ENV) and (not holder or env.get(HOLDER_ENV, holder) == holder):
             tokens.add(env[TOKEN_ENV])
     return tokens
 

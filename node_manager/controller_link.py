@@ -166,7 +166,7 @@ class ControllerLink:
             logger.warning("node id %s is ours now, after %d refused registration(s)", self.node.node_id, self.refusals)
         self.refusals, self.manager.claim_refused = 0, ""
         if reply.HasField("replaced") and reply.replaced.boot_id == self.node.process.boot_id:
-            killed = await self.manager.stop_leftovers()
+            killed = await self.manager.stop_leftovers(reply.replaced.state_dir_id)
             logger.warning("took node id %s over from %s; killed %d engine(s) it left running on this host",
                            self.node.node_id, describe(reply.replaced), killed)
         self.generation = reply.generation

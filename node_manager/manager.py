@@ -22,7 +22,7 @@ from motor.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailabl
 from motor.fanout import FanOut
 from motor.names import engine_id as make_engine_id
 from motor.names import excerpt, parse_engine_id
-from motor.ports import PortAllocator, port_is_free
+from motor.ports import PortAllocator
 from motor.processes import ExitStatus, TreeId
 from motor.tasks import TaskSet
 from motor.termination import read_termination_message
@@ -46,6 +46,7 @@ from node_manager.engine_client import EngineClient, EngineClientFactory, GrpcEn
 from node_manager.health import Verdict
 from node_manager.metrics import Metrics
 from node_manager.monitor import EngineMonitor
+from node_manager.process_identity import state_dir_id
 from node_manager.process_ops import Clock, ExitWatcher, Launched, ProcessOps, RealProcessOps, SystemClock
 from node_manager.record_saver import RecordSaver
 
@@ -211,7 +212,8 @@ class NodeManager:
         spec.master_dp_ip = spec.master_dp_ip or spec.host
         reserved: list[int] = []  # every port of the engine, released when it ends
         try:
-            self._reserve_ports(spec, reserved)
+            in_use = {p: r.engine_id for r in self.active_engines() for p in specs.ports_of(r.spec)}
+            specs.reserve_ports(spec, in_use, self.ports, self.node_id, reserved)
             engine_dir = os.path.abspath(self.store.engine_dir(spec))
             if spec.config_json:
                 spec.config_path = os.path.join(engine_dir, "user_config.json")
@@ -228,7 +230,7 @@ class NodeManager:
             try:
                 # Run in the engine's own directory: files it writes relative to its working
                 # directory (engine_server_log/, core dumps) stay with the engine's state.
-                child = self.ops.launch(argv, log_path, specs.engine_env(spec, dict(os.environ), self.node_id), token, engine_dir)
+                child = self.ops.launch(argv, log_path, specs.engine_env(spec, dict(os.environ), self.node_id, state_dir_id(self.config.state_dir)), token, engine_dir)
             except OSError as exc:
                 raise FailedPrecondition(
                     f"cannot launch the engine command {argv[0]!r} (--engine-command): {exc.strerror or exc}"
@@ -254,25 +256,6 @@ class NodeManager:
         )
         logger.info("engine %s: launched pid %d: %s (log %s)", engine_id, child.pid, " ".join(argv), log_path)
         return record, child
-
-    def _reserve_ports(self, spec: types_pb2.EngineSpec, reserved: list[int]) -> None:
-        """Check the given ports free, allocate the others; each one is appended to `reserved`."""
-        used = {p: r.engine_id for r in self.active_engines() for p in specs.ports_of(r.spec)}
-        for name in specs.port_fields(spec):
-            port = getattr(spec, name)
-            if port:
-                if port in used:
-                    raise FailedPrecondition(f"spec.{name} {port} is in use by engine {used[port]}")
-                if not port_is_free(port, spec.host):
-                    raise FailedPrecondition(f"spec.{name} {port} is already in use on {spec.host}")
-                self.ports.reserve(port)
-            else:
-                try:
-                    port = self.ports.allocate()
-                except RuntimeError as exc:
-                    raise FailedPrecondition(f"spec.{name}: {exc} on node {self.node_id}") from None
-                setattr(spec, name, port)
-            reserved.append(port)
 
     # StopEngine -------------------------------------------------------------------------------
 
@@ -481,11 +464,11 @@ class NodeManager:
         self._spawn(self.stop_engine(record.engine_id, why=f"fenced: {why}"))
         return record.engine_id
 
-    async def stop_leftovers(self) -> int:
+    async def stop_leftovers(self, holder: str) -> int:
         """Kill every engine on this host launched for this node id by another node manager process
         (the holder this one took over from): none of them is supervised any more. Returns how many."""
         ours = {record.token for record in self.records.values()}
-        tokens = await self.ops.node_tokens(self.node_id) - ours
+        tokens = await self.ops.node_tokens(self.node_id, holder) - ours
         for token in sorted(tokens):
             self.metrics.kill("leftover")
             await self.ops.kill_tree_confirmed(TreeId(pid=0, pgid=0, token=token))

@@ -56,8 +56,9 @@ class ProcessOps(Protocol):
     async def kill_tree_confirmed(self, tree: TreeId, remembered: Remembered = ()) -> list[int]:
         """SIGKILL the tree until none of it is left; pids still alive at the end (empty: success)."""
 
-    async def node_tokens(self, node_id: str) -> set[str]:
-        """Tokens of the live processes on this host launched for `node_id` (by any node manager)."""
+    async def node_tokens(self, node_id: str, holder: str = "") -> set[str]:
+        """Tokens of the live processes on this host launched for `node_id` by the node manager whose
+        state directory is `holder` (any, when empty)."""
 
     async def terminate_tree(self, tree: TreeId, exited: asyncio.Event, deadline: float,
                              remembered: Remembered = ()) -> tuple[bool, list[int]]:
@@ -116,8 +117,8 @@ class RealProcessOps:
     async def kill_tree_confirmed(self, tree: TreeId, remembered: Remembered = ()) -> list[int]:
         return _pids(await processes.kill_tree_confirmed(tree, remembered))
 
-    async def node_tokens(self, node_id: str) -> set[str]:
-        return await asyncio.to_thread(processes.node_tokens, node_id)
+    async def node_tokens(self, node_id: str, holder: str = "") -> set[str]:
+        return await asyncio.to_thread(processes.node_tokens, node_id, holder)
 
     async def terminate_tree(self, tree: TreeId, exited: asyncio.Event, deadline: float,
                              remembered: Remembered = ()) -> tuple[bool, list[int]]:

@@ -11,7 +11,8 @@ import os
 from motor.engine_policy import check_engine_config, within
 from motor.errors import FailedPrecondition, InvalidArgument
 from motor.names import ROLE_NAMES, check_instance_id, check_printable, role_name
-from motor.processes import NODE_ENV
+from motor.ports import PortAllocator, port_is_free
+from motor.processes import HOLDER_ENV, NODE_ENV
 from motor.v1 import types_pb2
 from node_manager.config import NodeManagerConfig
 
@@ -110,11 +111,13 @@ def engine_argv(base: list[str], spec: types_pb2.EngineSpec, termination_path: s
     return argv
 
 
-def engine_env(spec: types_pb2.EngineSpec, base: dict[str, str], node_id: str) -> dict[str, str]:
+def engine_env(spec: types_pb2.EngineSpec, base: dict[str, str], node_id: str, holder: str = "") -> dict[str, str]:
     """The engine's environment: `base` with its accelerators made visible and its node named
     (a node manager taking the node id over finds what a gone holder left on the host by it)."""
     env = dict(base)
     env[NODE_ENV] = node_id
+    if holder:
+        env[HOLDER_ENV] = holder
     visible = ",".join(str(a) for a in spec.accelerator_ids)
     env["CUDA_VISIBLE_DEVICES"] = visible
     env["ASCEND_RT_VISIBLE_DEVICES"] = visible
@@ -123,3 +126,24 @@ def engine_env(spec: types_pb2.EngineSpec, base: dict[str, str], node_id: str) -
 
 def log_path(config: NodeManagerConfig, spec: types_pb2.EngineSpec) -> str:
     return os.path.abspath(os.path.join(config.logs_dir, "engines", f"{spec.instance_id}_rank{spec.dp_rank}.log"))
+
+
+def reserve_ports(spec: types_pb2.EngineSpec, in_use: dict[int, str], allocator: PortAllocator, node_id: str,
+                  reserved: list[int]) -> None:
+    """Check the spec's given ports free (`in_use`: port -> engine id of the running engines), allocate
+    the others; each one is appended to `reserved`, so the caller can release them if the launch fails."""
+    for name in port_fields(spec):
+        port = getattr(spec, name)
+        if port:
+            if port in in_use:
+                raise FailedPrecondition(f"spec.{name} {port} is in use by engine {in_use[port]}")
+            if not port_is_free(port, spec.host):
+                raise FailedPrecondition(f"spec.{name} {port} is already in use on {spec.host}")
+            allocator.reserve(port)
+        else:
+            try:
+                port = allocator.allocate()
+            except RuntimeError as exc:
+                raise FailedPrecondition(f"spec.{name}: {exc} on node {node_id}") from None
+            setattr(spec, name, port)
+        reserved.append(port)

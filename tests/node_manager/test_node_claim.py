@@ -10,7 +10,7 @@ import pytest
 
 from motor.errors import ConfigError
 from motor.v1 import types_pb2
-from node_manager.process_identity import boot_id
+from node_manager.process_identity import boot_id, state_dir_id
 from tests.node_manager.conftest import alive
 from tests.support import async_wait_for
 
@@ -60,11 +60,17 @@ async def test_taking_the_node_id_over_kills_what_the_old_holder_left_on_this_ho
     await old.wait_state("prefill-0/rank0", RUNNING)
     await old.server.stop()  # gone; its engine keeps running, supervised by nobody
     assert alive(left.pid)
+    # Another cluster's node manager on this host uses the same node id: its engine is not ours to kill.
+    bystander = await make_node(state_dir=str(tmp_path / "bystander"))
+    theirs = await bystander.start(accelerator_ids=[1])
+    await bystander.wait_state("prefill-0/rank0", RUNNING)
 
-    fake_controller.replaced = types_pb2.NodeManagerProcess(boot_id=boot_id(), state_dir_id="old", nonce="old", pid=1)
+    holder = state_dir_id(str(tmp_path / "old"))
+    fake_controller.replaced = types_pb2.NodeManagerProcess(boot_id=boot_id(), state_dir_id=holder, nonce="old", pid=1)
     new = await make_node(state_dir=str(tmp_path / "new"), controller=fake_controller.address)
     await async_wait_for(lambda: new.manager.claim_held.is_set(), timeout=30, what="registered")
     assert not alive(left.pid)  # killed before the registration counts as done
+    assert alive(theirs.pid), "a takeover killed an engine of another node manager than the replaced holder"
     await new.start(accelerator_ids=[0])
     await new.wait_state("prefill-0/rank0", RUNNING)
 
