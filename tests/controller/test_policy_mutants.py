@@ -19,7 +19,7 @@ from controller.instances import (
     IllegalTransition, InstanceRecord, Policy, on_failure, transition,
 )  # fmt: skip
 from controller.placement import Fleet, NodeCapacity, RankPlacement, Unplaceable, place_instance
-from controller.validation import InstanceSpec, expand, validate_deployment
+from controller.validation import InstanceSpec, expand, integral_numbers, validate_deployment
 from tests.controller.conftest import small_deployment
 
 
@@ -277,3 +277,11 @@ def spec_hash(engine_args: dict) -> str:
 def test_the_spec_hash_follows_the_engine_config_section_not_its_key_order():
     assert spec_hash({"a": 1, "b": 2}) == spec_hash({"b": 2, "a": 1})
     assert spec_hash({"a": 1, "b": 2}) != spec_hash({"a": 1, "b": 3})
+
+
+def test_whole_numbers_of_the_engine_config_are_given_back_as_ints():
+    config = {"max_failure_count": 3.0, "ratio": 0.5, "ids": [1.0, 2.5], "name": "x", "on": True,
+              "nested": {"port": 8000.0}}  # fmt: skip
+    back = integral_numbers(config)
+    assert back == {"max_failure_count": 3, "ratio": 0.5, "ids": [1, 2.5], "name": "x", "on": True, "nested": {"port": 8000}}
+    assert type(back["max_failure_count"]) is int and type(back["nested"]["port"]) is int and type(back["ids"][0]) is int
