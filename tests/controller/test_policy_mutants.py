@@ -285,3 +285,14 @@ def test_whole_numbers_of_the_engine_config_are_given_back_as_ints():
     back = integral_numbers(config)
     assert back == {"max_failure_count": 3, "ratio": 0.5, "ids": [1, 2.5], "name": "x", "on": True, "nested": {"port": 8000}}
     assert type(back["max_failure_count"]) is int and type(back["nested"]["port"]) is int and type(back["ids"][0]) is int
+
+
+def test_a_deployment_may_not_choose_the_program_an_engine_runs():
+    deployment = small_deployment([{"name": "u", "role": "union"}])
+    deployment.engine_config.fields["motor_engine_union_config"].struct_value.update(
+        {"engine_args": {"launcher": ["/bin/sh"]}})
+    assert invalid(deployment) == (
+        "invalid deployment: engine_config.motor_engine_union_config.engine_args.launcher: names the command that "
+        "starts SGLang; a request may not choose what runs on a node (engine commands come from the node manager's "
+        "--engine-command)"
+    )

@@ -69,3 +69,12 @@ def test_a_new_generation_forgets_what_the_last_copy_said_of_its_stop():
     slot.draining, slot.sleeping, slot.stop_grace = True, True, 12.5
     table.new_generation(slot, 2)
     assert (slot.draining, slot.sleeping, slot.stop_grace) == (False, False, 0.0)
+
+
+def test_a_node_heard_from_exactly_at_the_cutoff_is_not_silent():
+    table = NodeTable()
+    early, on_time = runtime("node-a"), runtime("node-b")
+    early.last_seen, on_time.last_seen = 9.0, 10.0
+    table.put(early)
+    table.put(on_time)
+    assert [n.node_id for n in table.ready_silent_since(10.0)] == ["node-a"]
