@@ -6,7 +6,8 @@
 - scheduling.py: the reconcile pass, placement, moves, failures and restarts;
 - liveness.py: SUSPECT / LOST / the silent-nodes alarm;
 - actuator.py: StartEngine / StopEngine and fencing of stale copies;
-- views.py: the protobuf views. This file: deployment, node reports, launches.
+- views.py: the protobuf views and the read side (`ClusterReads`, a base of `Controller`).
+This file: deployment, node reports, launches.
 
 Everything runs on one asyncio loop; state changes happen between awaits, and a task that
 awaited a node manager re-checks the generation it started with before acting on the answer.
@@ -29,7 +30,7 @@ from motor.exits import describe_exit
 from motor.tasks import TaskSet
 from motor.v1 import controller_pb2, types_pb2
 
-from controller import endpoints, paging, views
+from controller import endpoints, views
 from controller.actuator import Actuator, engine_spec
 from controller.claims import NodeClaims
 from controller.config import ControllerConfig
@@ -55,7 +56,7 @@ DEAD_ENGINE_STATES = {T.ENGINE_STATE_FAILED, T.ENGINE_STATE_STOPPED}
 RegisterNodeResponse = C.RegisterNodeResponse
 
 
-class Controller:
+class Controller(views.ClusterReads):
     def __init__(
         self,
         config: ControllerConfig,
@@ -99,23 +100,6 @@ class Controller:
         )
         self.monitor = NodeMonitor(self.state, config, node_client, self._spawn, self.wake, self._observe, self.scheduler.evacuate)
         self.claims = NodeClaims(self.state, config, self.monitor, self.metrics.registrations_refused)
-
-    # The tables, read by the servicer's views and by tests.
-    @property
-    def nodes(self):
-        return self.state.nodes
-
-    @property
-    def slots(self):
-        return self.state.slots
-
-    @property
-    def instances(self) -> dict[str, InstanceRecord]:
-        return self.state.instances
-
-    @property
-    def alarm(self) -> str:
-        return self.monitor.alarm
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -494,37 +478,3 @@ class Controller:
         )
         node.engines.setdefault(engine.engine_id or slot.engine_id, engine)
         self._observe(node, engine, "")
-
-    # ------------------------------------------------------------------ views
-
-    def page_nodes(self, request: C.ListNodesRequest) -> C.ListNodesResponse:
-        page, token = paging.page(request, self.nodes, views.NODE_FIELDS)
-        return C.ListNodesResponse(
-            nodes=[views.node_proto(self.state, n) for n in page], next_page_token=token,
-            alarms=([self.alarm] if self.alarm else []) + views.conflict_alarms(self.claims.conflicts.open()),
-        )
-
-    def page_instances(self, request: C.ListInstancesRequest) -> C.ListInstancesResponse:
-        page, token = paging.page(request, self.instances, views.INSTANCE_FIELDS)
-        return C.ListInstancesResponse(instances=[views.instance_proto(self.state, i) for i in page], next_page_token=token)
-
-    def page_endpoints(self, request: C.ListEndpointsRequest) -> C.ListEndpointsResponse:
-        found = {e.engine_id: e for e in self.list_endpoints(request.role)}
-        page, token = paging.page(request, found, views.ENDPOINT_FIELDS)
-        return C.ListEndpointsResponse(endpoints=page, next_page_token=token)
-
-    def list_nodes(self) -> tuple[list[C.Node], list[str]]:
-        reply = self.page_nodes(C.ListNodesRequest())
-        return list(reply.nodes), list(reply.alarms)
-
-    def list_instances(self) -> list[C.Instance]:
-        return list(self.page_instances(C.ListInstancesRequest()).instances)
-
-    def list_endpoints(self, role: int = T.ROLE_UNSPECIFIED) -> list[C.Endpoint]:
-        if role != T.ROLE_UNSPECIFIED and role not in names.ROLE_NAMES:
-            raise InvalidArgument(f"role {role} is not a role: use ROLE_PREFILL, ROLE_DECODE, ROLE_UNION or leave it unset for all")
-        return endpoints.endpoints(self.state, role)
-
-    def snapshot(self) -> C.ClusterSnapshot:
-        nodes, _ = self.list_nodes()
-        return C.ClusterSnapshot(nodes=nodes, instances=self.list_instances(), recent_events=list(self.events.recent))

@@ -4,11 +4,13 @@
 
 from __future__ import annotations
 
-from motor import node_process
+from motor import names, node_process
+from motor.errors import InvalidArgument
 from motor.names import enum_short_name
 from motor.pbtime import timestamp as _stamp
 from motor.v1 import controller_pb2, types_pb2
 
+from controller import endpoints, paging
 from controller.claims import Conflict
 from controller.instances import RESTARTING, InstanceRecord
 from controller.nodes import NodeRuntime
@@ -76,3 +78,59 @@ def conflict_alarms(conflicts: list[Conflict]) -> list[str]:
         f"{c.newcomer_address} ({node_process.describe(c.newcomer)}) refused since {node_process.utc(c.since_wall)}"
         for c in conflicts
     ]
+
+class ClusterReads:
+    """The read side of the controller (ListNodes, ListInstances, ListEndpoints, the snapshot):
+    a base class of `Controller`, which provides `state`, `monitor`, `claims` and `events`.
+    Reads only: nothing here changes the state."""
+
+    state: ClusterState
+
+    # The tables, read by the servicer's views and by tests.
+    @property
+    def nodes(self):
+        return self.state.nodes
+
+    @property
+    def slots(self):
+        return self.state.slots
+
+    @property
+    def instances(self) -> dict[str, InstanceRecord]:
+        return self.state.instances
+
+    @property
+    def alarm(self) -> str:
+        return self.monitor.alarm
+
+    def page_nodes(self, request: C.ListNodesRequest) -> C.ListNodesResponse:
+        page, token = paging.page(request, self.nodes, NODE_FIELDS)
+        return C.ListNodesResponse(
+            nodes=[node_proto(self.state, n) for n in page], next_page_token=token,
+            alarms=([self.alarm] if self.alarm else []) + conflict_alarms(self.claims.conflicts.open()),
+        )
+
+    def page_instances(self, request: C.ListInstancesRequest) -> C.ListInstancesResponse:
+        page, token = paging.page(request, self.instances, INSTANCE_FIELDS)
+        return C.ListInstancesResponse(instances=[instance_proto(self.state, i) for i in page], next_page_token=token)
+
+    def page_endpoints(self, request: C.ListEndpointsRequest) -> C.ListEndpointsResponse:
+        found = {e.engine_id: e for e in self.list_endpoints(request.role)}
+        page, token = paging.page(request, found, ENDPOINT_FIELDS)
+        return C.ListEndpointsResponse(endpoints=page, next_page_token=token)
+
+    def list_nodes(self) -> tuple[list[C.Node], list[str]]:
+        reply = self.page_nodes(C.ListNodesRequest())
+        return list(reply.nodes), list(reply.alarms)
+
+    def list_instances(self) -> list[C.Instance]:
+        return list(self.page_instances(C.ListInstancesRequest()).instances)
+
+    def list_endpoints(self, role: int = T.ROLE_UNSPECIFIED) -> list[C.Endpoint]:
+        if role != T.ROLE_UNSPECIFIED and role not in names.ROLE_NAMES:
+            raise InvalidArgument(f"role {role} is not a role: use ROLE_PREFILL, ROLE_DECODE, ROLE_UNION or leave it unset for all")
+        return endpoints.endpoints(self.state, role)
+
+    def snapshot(self) -> C.ClusterSnapshot:
+        nodes, _ = self.list_nodes()
+        return C.ClusterSnapshot(nodes=nodes, instances=self.list_instances(), recent_events=list(self.events.recent))
