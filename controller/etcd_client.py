@@ -19,6 +19,7 @@ import grpc
 from aetcd import rpc, watcher
 
 from motor.errors import ConfigError
+from motor.tls import read_pem
 
 DEFAULT_PREFIX = "/motor"
 # etcd closes connections that ping more often than every 5 s (--grpc-keepalive-min-time).
@@ -81,14 +82,6 @@ def _grpc_target(endpoints: tuple[tuple[str, int], ...]) -> str:
     return "ipv4:" + ",".join(addresses)
 
 
-def _read(path: str, setting: str) -> bytes:
-    try:
-        with open(path, "rb") as handle:
-            return handle.read()
-    except OSError as exc:
-        raise ConfigError(f"{setting}: cannot read {path}: {exc.strerror}") from exc
-
-
 class _Client(aetcd.Client):
     """aetcd's client on a channel Motor builds (TLS, several members)."""
 
@@ -98,9 +91,9 @@ class _Client(aetcd.Client):
         self._credentials = None
         if target.ca_file:
             self._credentials = grpc.ssl_channel_credentials(
-                root_certificates=_read(target.ca_file, "--etcd-ca"),
-                private_key=_read(target.key_file, "--etcd-key") if target.key_file else None,
-                certificate_chain=_read(target.cert_file, "--etcd-cert") if target.cert_file else None,
+                root_certificates=read_pem(target.ca_file, "--etcd-ca"),
+                private_key=read_pem(target.key_file, "--etcd-key") if target.key_file else None,
+                certificate_chain=read_pem(target.cert_file, "--etcd-cert") if target.cert_file else None,
             )
 
     async def connect(self) -> None:

@@ -20,7 +20,8 @@ from motor.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 
-def _read(path: str, field: str) -> bytes:
+def read_pem(path: str, field: str) -> bytes:
+    """The bytes of a certificate or key file; a ConfigError naming the setting when it cannot be read."""
     try:
         with open(path, "rb") as handle:
             return handle.read()
@@ -69,9 +70,9 @@ class ReloadingServerCredentials:
 
     def _configuration(self) -> grpc.ServerCertificateConfiguration:
         cert_path, key_path = self.paths[0], self.paths[1]
-        cert, key = _read(cert_path, "cert"), _read(key_path, "key")
+        cert, key = read_pem(cert_path, "cert"), read_pem(key_path, "key")
         check_key_pair(cert, key, cert_path, key_path)
-        ca = _read(self.paths[2], "ca") if len(self.paths) > 2 else None
+        ca = read_pem(self.paths[2], "ca") if len(self.paths) > 2 else None
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
     def _fetch(self) -> grpc.ServerCertificateConfiguration | None:
