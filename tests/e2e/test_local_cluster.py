@@ -16,6 +16,7 @@ import grpc
 import psutil
 import pytest
 
+from motor.ports import free_port
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from motorctl.up import LocalCluster
 from tests.support import REPO_ROOT, wait_for
@@ -100,9 +101,11 @@ def test_sigkill_of_an_engine_is_noticed_by_the_controller(cluster):
 def test_motorctl_up_runs_until_ctrl_c_and_leaves_nothing(tmp_path):
     """What `make run` does: start, show status, stop on SIGINT, no process left behind."""
     run_dir = tmp_path / "run"
+    metrics_base = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "motorctl.cli", "up", "--nodes", "2", "--deployment", DEPLOYMENT,
-         "--run-dir", str(run_dir), "--controller-port", "0", "--refresh", "0.5"],
+         "--run-dir", str(run_dir), "--controller-port", "0", "--refresh", "0.5",
+         "--metrics-port", str(metrics_base)],  # not 9471: tests run side by side
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     output: list[str] = []
@@ -119,6 +122,10 @@ def test_motorctl_up_runs_until_ctrl_c_and_leaves_nothing(tmp_path):
                 if sum(" NORMAL " in l and "/rank" in l for l in screen.splitlines()) == 3:
                     break
         assert any("grpcurl -plaintext" in l for l in output), "".join(output[-40:])
+        # The screen lists every service's /metrics URL.
+        listed = {l.split()[0]: l.split()[1] for l in output if l.strip().endswith("/metrics") and len(l.split()) == 2}
+        assert set(listed) == {"controller", "node-a", "node-b"}, "".join(output[-40:])
+        assert listed["controller"] == f"http://127.0.0.1:{metrics_base}/metrics"
         descendants = psutil.Process(process.pid).children(recursive=True)
         assert len(descendants) >= 6, "controller + 2 node managers + 3 engines expected"
         process.send_signal(signal.SIGINT)

@@ -14,6 +14,7 @@ import time
 import psutil
 import pytest
 
+from motor.ports import free_port
 from tests.support import REPO_ROOT, wait_for
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
@@ -23,7 +24,8 @@ def motorctl_up(run_dir, stdout, prefix: list[str] | None = None) -> subprocess.
     argv = prefix or [sys.executable, "-m", "motorctl.cli"]
     return subprocess.Popen(
         [*argv, "up", "--nodes", "1", "--deployment", DEPLOYMENT, "--run-dir", str(run_dir),
-         "--controller-port", "0", "--refresh", "0.3"],
+         "--controller-port", "0", "--refresh", "0.3",
+         "--metrics-port", str(free_port())],  # not 9471: tests run side by side
         cwd=REPO_ROOT, stdout=stdout, stderr=subprocess.PIPE, text=True, start_new_session=True,
         env=dict(os.environ, PYTHONPATH=REPO_ROOT),
     )
