@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from motor.errors import ConfigError, ErrorMappingInterceptor
-from motor.grpc_metrics import GrpcServerMetrics
 from motor.tls import ReloadingServerCredentials
+
+
+if TYPE_CHECKING:  # prometheus_client must not be imported before the engine server sets its multiprocess dir
+    from motor.grpc_metrics import GrpcServerMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -25,10 +25,12 @@ from motor.access import AccessInterceptor, AccessPolicy
 from motor.cli_config import Flag
 from motor.config import ReadableFile
 from motor.errors import ConfigError
-from motor.grpc_metrics import GrpcServerMetrics
 from motor.grpc_server import MAX_MESSAGE_BYTES, MotorServer, TlsFiles
 from motor.identity import TRUST_DOMAIN
 from motor.tokens import TokenStore
+
+if TYPE_CHECKING:  # prometheus_client must not load before the engine server sets its multiprocess dir
+    from motor.grpc_metrics import GrpcServerMetrics
 
 logger = logging.getLogger(__name__)
 

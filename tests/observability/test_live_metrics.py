@@ -57,21 +57,18 @@ def scraped(cluster) -> dict[str, str]:
     """Target name -> its /metrics text, once every engine is NORMAL and has probed."""
     assert set(cluster.metrics_urls()) == {"controller", "node-a", "node-b"}
 
-    def endpoints():
+    def engine_bodies():
+        """Every NORMAL engine's /metrics once all three have probed (asked again each time: an
+        engine restarted meanwhile has a new address)."""
         with grpc.insecure_channel(cluster.controller_address) as channel:
             stub = controller_pb2_grpc.ControllerServiceStub(channel)
             found = stub.ListEndpoints(controller_pb2.ListEndpointsRequest(role=types_pb2.ROLE_UNSPECIFIED), timeout=5)
-        return list(found.endpoints) if len(found.endpoints) == 3 else None
+        bodies = {e.engine_id: _get(f"{e.url}/metrics") for e in found.endpoints}
+        probed = len(bodies) == 3 and all("motor_engine_server_probe_latency_seconds_count" in b for b in bodies.values())
+        return bodies if probed else None
 
-    engines = wait_for(endpoints, 120, 0.5, "three NORMAL engines")
-    bodies = {name: _get(url) for name, url in cluster.metrics_urls().items()}
-    for endpoint in engines:
-        url = f"{endpoint.url}/metrics"
-        # An engine's probe series appear with its first probe.
-        bodies[endpoint.engine_id] = wait_for(
-            lambda: (body := _get(url)) and "motor_engine_server_probe_latency_seconds_count" in body and body,
-            60, 0.5, f"{endpoint.engine_id}'s first probe in {url}",
-        )
+    bodies = wait_for(engine_bodies, 180, 0.5, "three NORMAL engines that have probed")
+    bodies.update({name: _get(url) for name, url in cluster.metrics_urls().items()})
     return bodies
 
 

@@ -108,3 +108,17 @@ async def test_a_taken_port_is_a_config_error_and_zero_turns_metrics_off():
         await off.close()
     finally:
         await taken.close()
+
+
+def test_the_engine_server_cli_loads_no_prometheus_client_before_its_multiprocess_dir():
+    """prometheus_client picks its storage at import: imported before the engine server sets
+    PROMETHEUS_MULTIPROC_DIR, every engine's /metrics came back empty."""
+    import subprocess
+    import sys
+
+    from tests.support import REPO_ROOT
+
+    code = "import sys, engine_server.cli; sys.exit('prometheus_client' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+                            env={"PYTHONPATH": REPO_ROOT, "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr or "engine_server.cli imported prometheus_client"
