@@ -73,7 +73,7 @@ def motor_image(compose: list[str]) -> str:
 
 
 @pytest.fixture(scope="module")
-def stack(compose: list[str], motor_image: str):
+def stack(compose: list[str], motor_image: str, tmp_path_factory):
     _remove_leftover_projects()
     stack = ComposeStack(compose, f"{PROJECT_PREFIX}{os.getpid()}", motor_image, BASE_IMAGE, controller_port=free_port(),
                          prometheus_image=PROMETHEUS_IMAGE, prometheus_port=free_port())
@@ -83,6 +83,7 @@ def stack(compose: list[str], motor_image: str):
         stack.compose_run("up", "-d", "--no-build", timeout=300)
         TIMINGS["compose up -d (containers started)"] = time.monotonic() - started
         rules = stack.isolate_networks()
+        stack.fetch_pki(str(tmp_path_factory.mktemp("compose-pki")))
         yield stack
     finally:
         stack.remove_rules(rules)

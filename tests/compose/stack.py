@@ -82,6 +82,8 @@ class ComposeStack:
     control_net: str = "10.213.100"  # first three octets; the default stack uses 10.213.0/10.213.1
     data_net: str = "10.213.101"
     node_addresses: dict[str, int] = field(default_factory=lambda: {"node-a": 11, "node-b": 12, "node-c": 13})
+    # The certificates the stack's `pki` service made, copied to the host by fetch_pki().
+    pki_dir: str = ""
 
     @property
     def env(self) -> dict[str, str]:
@@ -103,6 +105,29 @@ class ComposeStack:
 
     def compose_run(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
         return run([*self.compose, *args], timeout=timeout, check=check, env=self.env)
+
+    def fetch_pki(self, directory: str) -> str:
+        """Copies the `pki` volume out of the one-shot pki container, as docs/compose.md shows."""
+        run(["docker", "cp", f"{self.container('pki')}:/pki", directory])
+        self.pki_dir = os.path.join(directory, "pki")
+        return self.pki_dir
+
+    def pki(self, name: str) -> str:
+        assert self.pki_dir, "fetch_pki() first"
+        return os.path.join(self.pki_dir, name)
+
+    def tls_flags(self, identity: str = "operator", dash: str = "--") -> list[str]:
+        """CA, certificate and key flags for motorctl (dash '--') or grpcurl (dash '-')."""
+        return [f"{dash}cacert", self.pki("ca.crt"), f"{dash}cert", self.pki(f"{identity}.crt"), f"{dash}key", self.pki(f"{identity}.key")]
+
+    def channel(self, identity: str = "operator") -> grpc.Channel:
+        """A mutual-TLS channel to the published controller port, as `identity`."""
+        def read(name: str) -> bytes:
+            with open(self.pki(name), "rb") as f:
+                return f.read()
+
+        credentials = grpc.ssl_channel_credentials(read("ca.crt"), read(f"{identity}.key"), read(f"{identity}.crt"))
+        return grpc.secure_channel(self.controller_address, credentials)
 
     # Prometheus, through its published port -----------------------------------------------
 
@@ -196,7 +221,7 @@ class ComposeStack:
         return controller_pb2_grpc.ControllerServiceStub(channel)
 
     def snapshot(self) -> tuple[list[controller_pb2.Node], list[controller_pb2.Instance]]:
-        with grpc.insecure_channel(self.controller_address) as channel:
+        with self.channel() as channel:
             stub = self.stub(channel)
             nodes = list(stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=10).nodes)
             instances = list(stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=10).instances)
@@ -204,7 +229,7 @@ class ComposeStack:
 
     def events(self) -> list[controller_pb2.Event]:
         """The controller's recent events, oldest first (the snapshot that opens WatchEvents)."""
-        with grpc.insecure_channel(self.controller_address) as channel:
+        with self.channel() as channel:
             stream = self.stub(channel).WatchEvents(controller_pb2.WatchEventsRequest(), timeout=10)
             first = next(stream)
             stream.cancel()

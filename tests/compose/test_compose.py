@@ -13,6 +13,7 @@ import shutil
 import sys
 import time
 
+import grpc
 import psutil
 import pytest
 import yaml
@@ -95,15 +96,31 @@ def test_stack_comes_up_with_three_nodes_and_the_deployment_ready(stack: Compose
     # Docker's health checks (grpc.health.v1 inside each container) report healthy.
     wait(lambda: all(stack.health(s) == "healthy" for s in SERVICES), 90, "every container healthy", stack)
 
-    # From the host, through the published port: the real grpcurl and motorctl.
-    listed = run([_bin("grpcurl"), "-plaintext", stack.controller_address, "list"]).stdout.split()
+    # From the host, through the published port: the real grpcurl and motorctl, over mutual TLS
+    # with the operator certificate copied out of the stack's pki volume.
+    grpcurl = [_bin("grpcurl"), *stack.tls_flags(dash="-")]
+    listed = run([*grpcurl, stack.controller_address, "list"]).stdout.split()
     assert "motor.v1.ControllerService" in listed and "grpc.health.v1.Health" in listed
-    reply = json.loads(
-        run([_bin("grpcurl"), "-plaintext", "-d", "{}", stack.controller_address, "motor.v1.ControllerService/ListNodes"]).stdout
-    )
+    reply = json.loads(run([*grpcurl, "-d", "{}", stack.controller_address, "motor.v1.ControllerService/ListNodes"]).stdout)
     assert sorted(n["info"]["node_id"] for n in reply["nodes"]) == list(NODE_SERVICES)
-    shown = run([_bin("motorctl"), "--controller", stack.controller_address, "--output", "json", "instances"]).stdout
+    shown = run([_bin("motorctl"), "--controller", stack.controller_address, *stack.tls_flags(), "--output", "json", "instances"]).stdout
     assert "prefill-0" in shown and "decode-0" in shown, shown
+
+
+def test_published_controller_port_refuses_plaintext_and_callers_without_a_certificate(stack: ComposeStack):
+    """mTLS by default: the port the host reaches answers neither plaintext nor TLS without a
+    client certificate, while the same call with the viewer's certificate succeeds."""
+    call = [stack.controller_address, "motor.v1.ControllerService/ListNodes"]
+    plaintext = run([_bin("grpcurl"), "-plaintext", "-d", "{}", *call], check=False)
+    assert plaintext.returncode != 0, plaintext.stdout
+    no_client_cert = run([_bin("grpcurl"), "-cacert", stack.pki("ca.crt"), "-d", "{}", *call], check=False)
+    assert no_client_cert.returncode != 0, no_client_cert.stdout
+    with grpc.insecure_channel(stack.controller_address) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            stack.stub(channel).ListNodes(controller_pb2.ListNodesRequest(), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+    viewer = run([_bin("grpcurl"), *stack.tls_flags("viewer", dash="-"), "-d", "{}", *call])
+    assert sorted(n["info"]["node_id"] for n in json.loads(viewer.stdout)["nodes"]) == list(NODE_SERVICES)
 
 
 def _targets(stack: ComposeStack) -> str:
@@ -252,6 +269,7 @@ def test_compose_down_leaves_no_container_network_or_process(stack: ComposeStack
 
     assert stack.labelled("ps -a") == [], "containers left after down"
     assert stack.labelled("network ls") == [], "networks left after down"
+    assert stack.labelled("volume ls") == [], "volumes (the pki volume holds private keys) left after down"
     # psutil compares the create time too, so a reused pid is not mistaken for a survivor.
     left = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, [f"{p.pid} {' '.join(p.cmdline())}" for p in left]
