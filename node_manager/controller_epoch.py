@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 from motor.errors import FailedPrecondition
+from motor.names import excerpt
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ class ControllerEpoch:
         """Raise FailedPrecondition for a command of an epoch older than one seen; else note it."""
         if epoch and epoch < self.highest:
             raise FailedPrecondition(
-                f"{what} refused: it carries controller epoch {epoch}, but epoch {self.highest} leads now "
+                f"controller_epoch {epoch} refused ({excerpt(what, 200)}): epoch {self.highest} leads now "
                 "(the sender is a deposed leader)"
             )
         self.observe(epoch)
