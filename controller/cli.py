@@ -90,7 +90,7 @@ async def serve(config: ControllerConfig) -> None:
         on_lead = (lambda controller: apply_startup_deployment(controller, config)) if config.deployment else None
         ha = await open_high_availability(config, on_lead)
         store, controller, interceptors = ha.store, None, [LeaderGate(ha)]
-        telemetry = ServiceTelemetry(ha.metrics_registry())
+        telemetry = ServiceTelemetry(ha.metrics_registry(), lambda: ha.controller.fleet_series.render())
         current = lambda: ha.controller  # noqa: E731 (the leader's controller, or a standby's view)
     else:
         store = open_store(config)
@@ -98,10 +98,11 @@ async def serve(config: ControllerConfig) -> None:
         await controller.start()
         if config.deployment:
             apply_startup_deployment(controller, config)
-        interceptors, telemetry, current = [], ServiceTelemetry(controller.metrics.registry), lambda: controller
+        interceptors, current = [], lambda: controller
+        telemetry = ServiceTelemetry(controller.metrics.registry, controller.fleet_series.render)
     # /discovery/engines: Prometheus finds the engines' /metrics there (http_sd_configs).
     await telemetry.serve("0.0.0.0", config.metrics_port,
-                          routes={"/discovery/engines": lambda: engine_targets(current().list_instances)})
+                          routes={"/discovery/engines": lambda: engine_targets(current().state)})
     server = config.server(config.listen, metrics=telemetry.grpc, interceptors=interceptors)
     server.add(controller_pb2_grpc.add_ControllerServiceServicer_to_server, ControllerServicer(controller, ha),
                service_name(controller_pb2, "ControllerService"))

@@ -37,7 +37,7 @@ from controller.config import ControllerConfig
 from controller.events import EventBus
 from controller.instances import FAILED, RESTARTING, InstanceRecord, Policy
 from controller.liveness import NodeMonitor
-from controller.fleet_metrics import FleetCollector
+from controller.fleet_metrics import FleetSeries
 from controller.store_metrics import MeasuredStore, StoreMetrics
 from controller.metrics import ControllerMetrics
 from controller.node_client import NodeCallError, NodeClient
@@ -83,7 +83,7 @@ class Controller(views.ClusterReads):
         self.state.on_change = self.endpoints.changed
         self.metrics = ControllerMetrics(
             self.state.nodes.counts, lambda: collections.Counter(i.state for i in self.state.instances.values()),
-            [FleetCollector(self.list_nodes, self.list_instances, clock=wall), *store_metrics.collectors],
+            store_metrics.collectors,
         )
         self.deployment: C.Deployment | None = None
         self.revision = 0
@@ -99,6 +99,8 @@ class Controller(views.ClusterReads):
             count_rate_limited=self.metrics.rate_limited.inc,
         )
         self.monitor = NodeMonitor(self.state, config, node_client, self._spawn, self.wake, self._observe, self.scheduler.evacuate)
+        # The per-node, per-instance and per-engine series, served beside metrics.registry's (/metrics).
+        self.fleet_series = FleetSeries(self.state, lambda: self.monitor.alarm, clock=wall)
         self.claims = NodeClaims(self.state, config, self.monitor, self.metrics.registrations_refused)
 
     # ------------------------------------------------------------------ lifecycle

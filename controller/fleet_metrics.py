@@ -1,23 +1,29 @@
-"""The controller's per-node, per-instance and per-engine series, read at scrape time from the
-same views the API serves (ListNodes, ListInstances), and the engine list Prometheus discovers
-its engine targets from (http_sd_configs).
+"""The controller's per-node, per-instance and per-engine series, and the engine list Prometheus
+discovers its engine targets from (http_sd_configs).
 
 State series are one-hot (kube-state-metrics' style): for each node, instance or engine, one
 sample per possible state, 1 for the current one, so that `== 1` selects and `for:` works.
+
+At fleet scale these are hundreds of thousands of samples (10,000 nodes x 8 engines: 400,000),
+which prometheus_client would rebuild and format on every scrape, on the controller's event
+loop, for seconds. So they are rendered here instead, straight from the controller's tables:
+each node's, instance's and engine's lines are kept as text and made again only when what
+they show changed (a state, a restart), a scrape joins the kept text, and it yields to the
+loop every `chunk` rows, so heartbeats are answered while a large fleet is being scraped.
+Only the heartbeat ages are new numbers at every scrape. Each row's lines are consistent; a
+scrape of a large fleet spans a few loop turns, like any scrape of a changing system.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Callable, Iterable
-
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from typing import AsyncIterator, Callable, Iterator
 
 from motor.names import enum_short_name, role_name
 from motor.v1 import controller_pb2, types_pb2
 
-ListNodes = Callable[[], tuple[list[controller_pb2.Node], list[str]]]
-ListInstances = Callable[[], list[controller_pb2.Instance]]
+from controller.state import ClusterState
 
 
 def _states(enum_type) -> list[tuple[int, str]]:
@@ -28,86 +34,136 @@ NODE_STATES = _states(controller_pb2.NodeState)
 INSTANCE_STATES = _states(controller_pb2.InstanceState)
 HEALTH_STATES = _states(types_pb2.HealthStatus)
 
+# name, type, help: the exposition header of each family, in the order they are written.
+NODE_STATE = ("motor_controller_node_state", "gauge",
+              "State of each node, 1 for the current one. lost: its engines are being moved (alert MotorNodeLost); "
+              "suspect: silent and being re-checked.")
+HEARTBEAT_AGE = ("motor_controller_node_heartbeat_age_seconds", "gauge",
+                 "Seconds since each node's last heartbeat. Above node_grace the node is suspect; steadily rising "
+                 "ages on many nodes at once point at the controller's network.")
+SILENT_ALARM = ("motor_controller_silent_nodes_alarm", "gauge",
+                "1 while more than silent_share_alarm of the nodes are silent at once: the controller suspects its "
+                "own network and declares none of them lost (nothing is rescheduled). Check the controller's network.")
+INSTANCE_STATE = ("motor_controller_instance_state", "gauge",
+                  "State of each instance, 1 for the current one. Not ready for long: `motorctl instances` gives the "
+                  "reason (alert MotorInstanceNotReady).")
+ENGINE_HEALTH = ("motor_controller_engine_health", "gauge",
+                 "Health of each engine as its node manager last reported it, 1 for the current one. abnormal: its "
+                 "probes fail; the node manager restarts it after abnormal_threshold heartbeats.")
+ENGINE_RESTARTS = ("motor_controller_engine_restarts_total", "counter",
+                   "Restarts of each engine by the restart policy. Several in a few minutes is a crash loop (alert "
+                   "MotorEngineCrashLooping): read the engine's last failure reason.")
 
-def _one_hot(family: GaugeMetricFamily, labels: list[str], states: list[tuple[int, str]], current: int) -> None:
-    for value, name in states:
-        family.add_metric([*labels, name], 1.0 if value == current else 0.0)
+
+def header(family: tuple[str, str, str]) -> str:
+    name, kind, help_text = family
+    return f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n"
 
 
-class FleetCollector:
-    def __init__(self, list_nodes: ListNodes, list_instances: ListInstances, clock: Callable[[], float] = time.time):
-        self.list_nodes, self.list_instances, self.clock = list_nodes, list_instances, clock
+def label_value(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
-    def describe(self) -> Iterable:
-        return []
 
-    def collect(self) -> Iterable:
-        nodes, alarms = self.list_nodes()
-        yield from self._nodes(nodes, alarms)
-        yield from self._instances(self.list_instances())
+def labels(**pairs: str) -> str:
+    return ",".join(f'{k}="{label_value(v)}"' for k, v in pairs.items())
 
-    def _nodes(self, nodes: list[controller_pb2.Node], alarms: list[str]) -> Iterable:
-        state = GaugeMetricFamily(
-            "motor_controller_node_state",
-            "State of each node, 1 for the current one. lost: its engines are being moved (alert MotorNodeLost); "
-            "suspect: silent and being re-checked.",
-            labels=["node_id", "state"],
-        )
-        age = GaugeMetricFamily(
-            "motor_controller_node_heartbeat_age_seconds",
-            "Seconds since each node's last heartbeat. Above node_grace the node is suspect; steadily rising "
-            "ages on many nodes at once point at the controller's network.",
-            labels=["node_id"],
-        )
+
+def one_hot(name: str, label_text: str, states: list[tuple[int, str]], current: int, key: str) -> str:
+    return "".join(f'{name}{{{label_text},{key}="{state_name}"}} {1 if value == current else 0}\n'
+                   for value, state_name in states)
+
+
+class FleetSeries:
+    """Renders the fleet series from `state`'s tables; `alarm()` is the silent-nodes alarm's
+    message ("" when off); `clock` is wall time (heartbeat ages)."""
+
+    def __init__(self, state: ClusterState, alarm: Callable[[], str], clock: Callable[[], float] = time.time,
+                 chunk: int = 2000):
+        self.state, self.alarm, self.clock, self.chunk = state, alarm, clock, chunk
+        # id -> (what the lines show, the lines): made again only when the first part changes.
+        self._node_lines: dict[str, tuple[int, str, str]] = {}
+        self._instance_lines: dict[str, tuple[tuple, str]] = {}
+        self._engine_lines: dict[str, tuple[tuple, str, str]] = {}
+
+    async def render(self) -> AsyncIterator[bytes]:
+        """The exposition text of every fleet series, in pieces of `chunk` rows; the loop runs between pieces."""
+        nodes = list(self.state.nodes.values())
+        instances = dict(self.state.instances)
+        slots = [s for s in self.state.slots.values() if s.instance_id in instances]
+        kept_nodes: dict[str, tuple[int, str, str]] = {}
+        yield header(NODE_STATE).encode()
+        for rows in self._pieces(nodes):
+            yield "".join(self._node(node, kept_nodes)[1] for node in rows).encode()
+            await asyncio.sleep(0)
+        self._node_lines = kept_nodes
         now = self.clock()
-        for node in nodes:
-            _one_hot(state, [node.info.node_id], NODE_STATES, node.state)
-            if node.HasField("last_heartbeat"):
-                age.add_metric([node.info.node_id], max(0.0, now - node.last_heartbeat.ToMicroseconds() / 1e6))
-        alarm = GaugeMetricFamily(
-            "motor_controller_silent_nodes_alarm",
-            "1 while more than silent_share_alarm of the nodes are silent at once: the controller suspects its "
-            "own network and declares none of them lost (nothing is rescheduled). Check the controller's network.",
-        )
-        alarm.add_metric([], 1.0 if alarms else 0.0)
-        yield from (state, age, alarm)
+        yield header(HEARTBEAT_AGE).encode()
+        for rows in self._pieces(nodes):
+            yield "".join(f"{kept_nodes[n.node_id][2]}{max(0.0, now - n.last_heartbeat_wall):.3f}\n"
+                          for n in rows if n.last_heartbeat_wall).encode()
+            await asyncio.sleep(0)
+        yield (header(SILENT_ALARM) + f"{SILENT_ALARM[0]} {1 if self.alarm() else 0}\n").encode()
+        kept_instances: dict[str, tuple[tuple, str]] = {}
+        yield header(INSTANCE_STATE).encode()
+        for rows in self._pieces(list(instances.values())):
+            yield "".join(self._instance(inst, kept_instances)[1] for inst in rows).encode()
+            await asyncio.sleep(0)
+        self._instance_lines = kept_instances
+        kept_engines: dict[str, tuple[tuple, str, str]] = {}
+        yield header(ENGINE_HEALTH).encode()
+        for rows in self._pieces(slots):
+            yield "".join(self._engine(slot, kept_engines)[1] for slot in rows).encode()
+            await asyncio.sleep(0)
+        self._engine_lines = kept_engines
+        yield header(ENGINE_RESTARTS).encode()
+        for rows in self._pieces(list(kept_engines.values())):
+            yield "".join(lines[2] for lines in rows).encode()
+            await asyncio.sleep(0)
 
-    def _instances(self, instances: list[controller_pb2.Instance]) -> Iterable:
-        state = GaugeMetricFamily(
-            "motor_controller_instance_state",
-            "State of each instance, 1 for the current one. Not ready for long: `motorctl instances` gives the "
-            "reason (alert MotorInstanceNotReady).",
-            labels=["instance_id", "group", "role", "state"],
-        )
-        health = GaugeMetricFamily(
-            "motor_controller_engine_health",
-            "Health of each engine as its node manager last reported it, 1 for the current one. abnormal: its "
-            "probes fail; the node manager restarts it after abnormal_threshold heartbeats.",
-            labels=["instance_id", "engine_id", "node_id", "health"],
-        )
-        restarts = CounterMetricFamily(
-            "motor_controller_engine_restarts",
-            "Restarts of each engine by the restart policy. Several in a few minutes is a crash loop (alert "
-            "MotorEngineCrashLooping): read the engine's last failure reason.",
-            labels=["instance_id", "engine_id"],
-        )
-        for inst in instances:
-            _one_hot(state, [inst.instance_id, inst.group, role_name(inst.role)], INSTANCE_STATES, inst.state)
-            for engine in inst.engines:
-                _one_hot(health, [inst.instance_id, engine.engine_id, engine.node_id], HEALTH_STATES, engine.health)
-                restarts.add_metric([inst.instance_id, engine.engine_id], engine.restarts)
-        yield from (state, health, restarts)
+    def _pieces(self, rows: list) -> Iterator[list]:
+        return (rows[begin:begin + self.chunk] for begin in range(0, len(rows), self.chunk))
+
+    def _node(self, node, kept: dict) -> tuple[int, str, str]:
+        lines = self._node_lines.get(node.node_id)
+        if lines is None or lines[0] != node.state:
+            label_text = labels(node_id=node.node_id)
+            lines = (node.state, one_hot(NODE_STATE[0], label_text, NODE_STATES, node.state, "state"),
+                     f"{HEARTBEAT_AGE[0]}{{{label_text}}} ")
+        kept[node.node_id] = lines
+        return lines
+
+    def _instance(self, inst, kept: dict) -> tuple[tuple, str]:
+        shown = (inst.group, inst.role, inst.state)
+        lines = self._instance_lines.get(inst.instance_id)
+        if lines is None or lines[0] != shown:
+            label_text = labels(instance_id=inst.instance_id, group=inst.group, role=role_name(inst.role))
+            lines = (shown, one_hot(INSTANCE_STATE[0], label_text, INSTANCE_STATES, inst.state, "state"))
+        kept[inst.instance_id] = lines
+        return lines
+
+    def _engine(self, slot, kept: dict) -> tuple[tuple, str, str]:
+        shown = (slot.instance_id, slot.node_id, slot.health, slot.restarts)
+        lines = self._engine_lines.get(slot.engine_id)
+        if lines is None or lines[0] != shown:
+            ids = labels(instance_id=slot.instance_id, engine_id=slot.engine_id)
+            lines = (shown,
+                     one_hot(ENGINE_HEALTH[0], f'{ids},node_id="{label_value(slot.node_id)}"', HEALTH_STATES,
+                             slot.health, "health"),
+                     f"{ENGINE_RESTARTS[0]}{{{ids}}} {slot.restarts}\n")
+        kept[slot.engine_id] = lines
+        return lines
 
 
-def engine_targets(list_instances: ListInstances) -> list[dict]:
+def engine_targets(state: ClusterState) -> list[dict]:
     """Prometheus HTTP service discovery: every placed engine's inference address (its /metrics), with
     its ids as labels. Served on the controller's metrics port at /discovery/engines."""
     targets = []
-    for inst in list_instances():
-        for engine in inst.engines:
-            if not (engine.host and engine.port):
-                continue
-            labels = {"instance_id": inst.instance_id, "engine_id": engine.engine_id, "node_id": engine.node_id,
-                      "role": role_name(inst.role)}
-            targets.append({"targets": [f"{engine.host}:{engine.port}"], "labels": labels})
+    instances = state.instances
+    for slot in state.slots.values():
+        inst = instances.get(slot.instance_id)
+        if inst is None or not (slot.host and slot.port):
+            continue
+        labels_ = {"instance_id": slot.instance_id, "engine_id": slot.engine_id, "node_id": slot.node_id,
+                   "role": role_name(inst.role)}
+        targets.append({"targets": [f"{slot.host}:{slot.port}"], "labels": labels_})
     return targets

@@ -1,8 +1,8 @@
 """Prometheus metrics of the controller: nodes and instances by state (read at scrape time
 through the callables the controller passes), reschedules by reason and rate-limit hold-backs,
-time from an engine's failure to its replacement NORMAL, heartbeat ingest latency. The per-node,
-per-instance and per-engine series (controller.fleet_metrics) and the store's
-(controller.store_metrics) come in as `collectors`."""
+time from an engine's failure to its replacement NORMAL, heartbeat ingest latency. The store's
+series (controller.store_metrics) come in as `collectors`; the per-node, per-instance and
+per-engine series are rendered apart (controller.fleet_metrics) and served after these."""
 
 from __future__ import annotations
 

@@ -20,3 +20,6 @@ class Table(Mapping[str, V], Generic[V]):
 
     def __len__(self) -> int:
         return len(self._rows)
+
+    def values(self):  # the dict's own view: Mapping's would look every key up again
+        return self._rows.values()

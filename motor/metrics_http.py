@@ -8,12 +8,14 @@
     await telemetry.close()
 
 `routes` adds JSON GET endpoints beside /metrics (the controller's Prometheus service discovery).
+`more` (the controller's fleet series) streams exposition text written after the registry's, in
+pieces, so a large one does not hold the loop for the whole scrape.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -26,8 +28,8 @@ logger = logging.getLogger(__name__)
 
 
 class ServiceTelemetry:
-    def __init__(self, registry: CollectorRegistry):
-        self.registry = registry
+    def __init__(self, registry: CollectorRegistry, more: Callable[[], AsyncIterator[bytes]] | None = None):
+        self.registry, self.more = registry, more
         self.grpc = GrpcServerMetrics(registry)
         self.loop_lag = EventLoopLag(registry)
         self._runner: web.AppRunner | None = None
@@ -57,8 +59,16 @@ class ServiceTelemetry:
         logger.info("Prometheus metrics on http://%s:%d/metrics", host, port)
         return port
 
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        if self.more is None:
+            return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        response = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE_LATEST})
+        await response.prepare(request)
+        await response.write(generate_latest(self.registry))
+        async for piece in self.more():
+            await response.write(piece)
+        await response.write_eof()
+        return response
 
     @staticmethod
     def _json(produce: Callable[[], Any]):
