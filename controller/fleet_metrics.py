@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable
 
 from motor.names import enum_short_name, role_name
 from motor.v1 import controller_pb2, types_pb2
@@ -91,37 +91,32 @@ class FleetSeries:
         instances = dict(self.state.instances)
         slots = [s for s in self.state.slots.values() if s.instance_id in instances]
         kept_nodes: dict[str, tuple[int, str, str]] = {}
-        yield header(NODE_STATE).encode()
-        for rows in self._pieces(nodes):
-            yield "".join(self._node(node, kept_nodes)[1] for node in rows).encode()
-            await asyncio.sleep(0)
+        async for piece in self._family(NODE_STATE, nodes, lambda n: self._node(n, kept_nodes)[1]):
+            yield piece
         self._node_lines = kept_nodes
         now = self.clock()
-        yield header(HEARTBEAT_AGE).encode()
-        for rows in self._pieces(nodes):
-            yield "".join(f"{kept_nodes[n.node_id][2]}{max(0.0, now - n.last_heartbeat_wall):.3f}\n"
-                          for n in rows if n.last_heartbeat_wall).encode()
-            await asyncio.sleep(0)
+        heard = [n for n in nodes if n.last_heartbeat_wall]
+        async for piece in self._family(HEARTBEAT_AGE, heard, lambda n: f"{kept_nodes[n.node_id][2]}"
+                                                                     f"{max(0.0, now - n.last_heartbeat_wall):.3f}\n"):
+            yield piece
         yield (header(SILENT_ALARM) + f"{SILENT_ALARM[0]} {1 if self.alarm() else 0}\n").encode()
         kept_instances: dict[str, tuple[tuple, str]] = {}
-        yield header(INSTANCE_STATE).encode()
-        for rows in self._pieces(list(instances.values())):
-            yield "".join(self._instance(inst, kept_instances)[1] for inst in rows).encode()
-            await asyncio.sleep(0)
+        async for piece in self._family(INSTANCE_STATE, list(instances.values()), lambda i: self._instance(i, kept_instances)[1]):
+            yield piece
         self._instance_lines = kept_instances
         kept_engines: dict[str, tuple[tuple, str, str]] = {}
-        yield header(ENGINE_HEALTH).encode()
-        for rows in self._pieces(slots):
-            yield "".join(self._engine(slot, kept_engines)[1] for slot in rows).encode()
-            await asyncio.sleep(0)
+        async for piece in self._family(ENGINE_HEALTH, slots, lambda s: self._engine(s, kept_engines)[1]):
+            yield piece
         self._engine_lines = kept_engines
-        yield header(ENGINE_RESTARTS).encode()
-        for rows in self._pieces(list(kept_engines.values())):
-            yield "".join(lines[2] for lines in rows).encode()
-            await asyncio.sleep(0)
+        async for piece in self._family(ENGINE_RESTARTS, list(kept_engines.values()), lambda lines: lines[2]):
+            yield piece
 
-    def _pieces(self, rows: list) -> Iterator[list]:
-        return (rows[begin:begin + self.chunk] for begin in range(0, len(rows), self.chunk))
+    async def _family(self, family: tuple[str, str, str], rows: list, text: Callable[[Any], str]) -> AsyncIterator[bytes]:
+        """A family's header, then its rows' text `chunk` rows at a time, the loop running in between."""
+        yield header(family).encode()
+        for begin in range(0, len(rows), self.chunk):
+            yield "".join(text(row) for row in rows[begin:begin + self.chunk]).encode()
+            await asyncio.sleep(0)
 
     def _node(self, node, kept: dict) -> tuple[int, str, str]:
         lines = self._node_lines.get(node.node_id)
