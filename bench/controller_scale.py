@@ -1,29 +1,36 @@
-"""How many nodes can one controller process keep up with?
+"""How many nodes can one controller process keep up with, with mutual TLS and without?
 
 Starts a real `motor-controller` process and a simulated fleet in a separate process
 (bench/fleet, Go; built on first use with bench/fleet/build.sh): every simulated node manager
 registers, gets one 8-rank instance placed on it (the fleet answers StartEngine), and heartbeats
 once a second on its own StreamHeartbeats stream with deltas (a full list every 30 beats), or
-with unary Heartbeat calls (--transport unary). Meanwhile the fleet fails random engines
-(ReportEngineEvent, --reports-per-s), which the controller restarts. The fleet is stepped up; per
-step the script prints:
+with unary Heartbeat calls (--transport unary). Every node has its own connection, as real node
+managers do (--conns N shares N instead, plaintext only). Meanwhile the fleet fails random
+engines (ReportEngineEvent, --reports-per-s), which the controller restarts. The fleet is stepped
+up; per step the script prints:
 
   - heartbeats/s answered against the rate asked for (nodes x 1/s), and the round trip the
     simulated nodes saw (p50, p99);
   - engine failure reports: round trip p99 (handled before the answer);
   - the controller process's CPU (percent of one core) and resident memory, the fleet's CPU;
-  - the controller's event-loop lag p99 (its motor_event_loop_lag_seconds histogram, from just
-    before to just after the window: it includes the stall of the scrapes themselves, whose time
-    is printed, as /metrics renders every node and instance on the controller's loop);
+  - the controller's event-loop lag p99 (its motor_event_loop_lag_seconds histogram over the
+    window), and how long one /metrics scrape took: one is made in the middle of every window,
+    as a Prometheus would;
   - whether the step was sustained: heartbeat p99 under --p99-ms, at least 95% of the expected
     heartbeats answered, none failed, controller CPU at most one core, RSS at most 1 GiB.
 
-At the end, --victims nodes stop (heartbeats and node manager) and the script times until the
-controller declares each LOST, against grace + 2 intervals + re-check timeout.
-Everything talks to 127.0.0.1, in plaintext.
+--tls both (the default) runs the whole ladder twice, plaintext first, then with mutual TLS on
+every connection: the script makes a CA (motor/pki.py), the controller serves with its own
+certificate and verifies callers, and each simulated node presents a certificate of its own
+(ECDSA P-256, URI SAN spiffe://motor/node/<id>, minted by the fleet from that CA). The summary
+compares the largest fleet sustained with and without.
 
-    .venv/bin/python bench/controller_scale.py                           # 1000 .. 10000 nodes
-    .venv/bin/python bench/controller_scale.py --steps 100,200 --window 5
+At the end of each ladder, --victims nodes stop (heartbeats and node manager) and the script
+times until the controller declares each LOST, against grace + 2 intervals + re-check timeout.
+Everything talks to 127.0.0.1.
+
+    .venv/bin/python bench/controller_scale.py                           # 1000 .. 10000 nodes, both
+    .venv/bin/python bench/controller_scale.py --steps 100,200 --window 5 --tls on
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -45,6 +53,9 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from motor.grpc_server import TlsFiles, channel_credentials  # noqa: E402
+from motor.identity import Identity  # noqa: E402
+from motor.pki import CertificateAuthority  # noqa: E402
 from motor.ports import free_port  # noqa: E402
 from motor.v1 import controller_pb2 as C  # noqa: E402
 from motor.v1 import controller_pb2_grpc  # noqa: E402
@@ -85,14 +96,14 @@ def histogram_quantile(before: dict[float, float], after: dict[float, float], q:
 
 
 class Fleet:
-    def __init__(self, controller: str, args):
+    def __init__(self, controller: str, args, pki_dir: str | None):
         if not os.path.exists(FLEET):
             subprocess.run(["bash", os.path.join(HERE, "fleet", "build.sh")], check=True)
-        self.proc = subprocess.Popen(
-            [FLEET, "-controller", controller, "-transport", args.transport, "-victims", str(args.victims),
-             "-reports-per-s", str(args.reports_per_s), "-conns", str(args.conns)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-        )
+        command = [FLEET, "-controller", controller, "-transport", args.transport, "-victims", str(args.victims),
+                   "-reports-per-s", str(args.reports_per_s), "-conns", str(args.conns)]
+        if pki_dir:
+            command += ["-tls-ca", os.path.join(pki_dir, "ca.crt"), "-tls-ca-key", os.path.join(pki_dir, "ca.key")]
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         self.ps = psutil.Process(self.proc.pid)
 
     def ask(self, command: str) -> dict:
@@ -107,6 +118,16 @@ class Fleet:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def make_pki(work: str) -> str:
+    """A CA, the controller's certificate (127.0.0.1) and an operator's for this script's calls."""
+    directory = os.path.join(work, "pki")
+    ca = CertificateAuthority.create()
+    ca.save(directory)
+    ca.issue(Identity("controller"), hosts=["127.0.0.1", "localhost"]).save(directory, "controller")
+    ca.issue(Identity("operator", "bench")).save(directory, "operator")
+    return directory
 
 
 def time_node_loss(stub, fleet: Fleet, config: dict) -> str:
@@ -126,69 +147,110 @@ def time_node_loss(stub, fleet: Fleet, config: dict) -> str:
             f" (grace {config['node_grace']:g}s + 2 heartbeat intervals + re-check timeout = {bound:g}s; polled every 0.1s)")
 
 
-def run(args) -> int:
-    started_at = time.monotonic()
+class TimedScrape(threading.Thread):
+    """One /metrics scrape after `delay` seconds, timed (as a Prometheus would make during the window)."""
+
+    def __init__(self, metrics_port: int, delay: float):
+        super().__init__(daemon=True)
+        self.metrics_port, self.delay, self.seconds, self.size = metrics_port, delay, float("nan"), 0
+
+    def run(self) -> None:
+        time.sleep(self.delay)
+        began = time.monotonic()
+        self.size = len(urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=120).read())
+        self.seconds = time.monotonic() - began
+
+
+def step(size: int, stub, fleet: Fleet, proc: psutil.Process, metrics_port: int, args) -> tuple[bool, str, float]:
+    """Grow the fleet to `size`, measure a window; (sustained, the printed line, the answered rate)."""
+    began = time.monotonic()
+    fleet.ask(f"grow {size}")
+    stub.ApplyDeployment(C.ApplyDeploymentRequest(deployment=deployment(size)), timeout=300)
+    while fleet.ask("starts")["starts"] < size * ENGINES_PER_NODE and time.monotonic() - began < args.setup_timeout:
+        time.sleep(0.5)
+    setup = time.monotonic() - began
+    time.sleep(args.warmup)
+    ingest_before = scrape(metrics_port, "motor_controller_heartbeat_ingest_seconds")
+    lag_before = scrape(metrics_port, "motor_event_loop_lag_seconds")
+    time.sleep(1)
+    proc.cpu_percent(None)
+    fleet.ps.cpu_percent(None)
+    mid = TimedScrape(metrics_port, args.window / 2)
+    mid.start()
+    seen = fleet.ask(f"measure {args.window}")
+    cpu, fleet_cpu = proc.cpu_percent(None), fleet.ps.cpu_percent(None)
+    rss = proc.memory_info().rss / 2**20
+    mid.join()
+    ingest_p99 = histogram_quantile(ingest_before, scrape(metrics_port, "motor_controller_heartbeat_ingest_seconds"), 0.99)
+    lag_p99 = histogram_quantile(lag_before, scrape(metrics_port, "motor_event_loop_lag_seconds"), 0.99)
+    ready = sum(1 for _ in paged_nodes(stub, "state=READY"))
+    ok = (seen["p99_ms"] < args.p99_ms and seen["rate"] >= 0.95 * size and seen["errors"] == 0
+          and cpu <= 100 and rss <= 1024)
+    line = (
+        f"{size:>6} nodes {size * ENGINES_PER_NODE:>6} engines | setup {setup:5.1f}s"
+        f" | heartbeats {seen['rate']:7.1f}/s of {size}/s ({seen['errors']} failed, {seen['delta_beats']} deltas"
+        f" carrying {seen['delta_engines']} engines, {seen['full_beats']} full)"
+        f" | round trip p50 {seen['p50_ms']:6.2f} ms p99 {seen['p99_ms']:7.2f} ms"
+        f" | failure reports {seen['reports']} p99 {seen['report_p99_ms']:6.2f} ms"
+        f" | controller CPU {cpu:5.1f}% RSS {rss:6.1f} MiB handling p99 <= {ingest_p99 * 1e3:g} ms loop lag p99 <= {lag_p99 * 1e3:g} ms"
+        f" (a /metrics scrape in the window: {mid.seconds:.2f}s, {mid.size / 2**20:.1f} MiB)"
+        f" | fleet CPU {fleet_cpu:5.1f}% | READY {ready}/{size} | load {os.getloadavg()[0]:.1f}"
+        f" | {'sustained' if ok else 'NOT sustained'}"
+    )
+    return ok, line, seen["rate"]
+
+
+def paged_nodes(stub, filter_: str):
+    token = ""
+    while True:
+        reply = stub.ListNodes(C.ListNodesRequest(filter=filter_, page_size=1000, page_token=token), timeout=120)
+        yield from reply.nodes
+        token = reply.next_page_token
+        if not token:
+            return
+
+
+def ladder(args, tls: bool) -> tuple[int, str]:
+    """Every step of --steps against a fresh controller and fleet; (largest size sustained, node loss line)."""
     work = tempfile.mkdtemp(prefix="motor-scale-")
     port, metrics_port = free_port(), free_port()
     config = {"node_grace": args.node_grace, "heartbeat_interval": 1.0, "recheck_timeout": 1.0}
+    pki = make_pki(work) if tls else None
     command = [
         os.path.join(os.path.dirname(sys.executable), "motor-controller"), "--listen", f"127.0.0.1:{port}",
         "--db", os.path.join(work, "controller.db"), "--heartbeat-interval", "1", "--node-grace", str(args.node_grace),
         "--recheck-timeout", "1", "--metrics-port", str(metrics_port), "--log-level", "WARNING",
-        # Every simulated node's stream comes from 127.0.0.1: a plaintext caller is counted per host.
+        # Plaintext callers are counted per host: every simulated node's stream comes from 127.0.0.1.
         "--max-streams-per-caller", str(2 * max(args.steps) + 100),
     ]
-    print("controller:", " ".join(command[1:]))
+    if pki:
+        command += ["--tls-cert", os.path.join(pki, "controller.crt"), "--tls-key", os.path.join(pki, "controller.key"),
+                    "--tls-ca", os.path.join(pki, "ca.crt")]
+    print(f"--- {'mutual TLS' if tls else 'plaintext'}: controller", " ".join(command[1:]), flush=True)
     log = open(os.path.join(work, "controller.log"), "wb")
     controller = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     proc = psutil.Process(controller.pid)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 256 << 20)])
+    options = [("grpc.max_receive_message_length", 256 << 20)]
+    if pki:
+        credentials = channel_credentials(TlsFiles(cert=os.path.join(pki, "operator.crt"), key=os.path.join(pki, "operator.key"),
+                                                   ca=os.path.join(pki, "ca.crt")))
+        channel = grpc.secure_channel(f"127.0.0.1:{port}", credentials, options=options)
+    else:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
     stub = controller_pb2_grpc.ControllerServiceStub(channel)
     grpc.channel_ready_future(channel).result(timeout=30)
-    fleet = Fleet(f"127.0.0.1:{port}", args)
-    print(f"fleet: {FLEET} (separate process), transport {args.transport}, {args.reports_per_s:g} engine failures reported/s; "
-          f"plaintext on 127.0.0.1 (the fleet does not present one certificate per node)")
-    best = 0
-    loss = ""
+    fleet = Fleet(f"127.0.0.1:{port}", args, pki)
+    connections = f"{args.conns} shared connections" if args.conns and not tls else "one connection per node"
+    print(f"fleet: {FLEET} (separate process), transport {args.transport}, {connections}, "
+          f"{args.reports_per_s:g} engine failures reported/s", flush=True)
+    best, loss = 0, ""
     try:
         for size in args.steps:
-            began = time.monotonic()
-            fleet.ask(f"grow {size}")
-            stub.ApplyDeployment(C.ApplyDeploymentRequest(deployment=deployment(size)), timeout=300)
-            while fleet.ask("starts")["starts"] < size * ENGINES_PER_NODE and time.monotonic() - began < args.setup_timeout:
-                time.sleep(0.5)
-            setup = time.monotonic() - began
-            time.sleep(args.warmup)
-            scraped = time.monotonic()
-            ingest_before = scrape(metrics_port, "motor_controller_heartbeat_ingest_seconds")
-            scrape_s = time.monotonic() - scraped
-            lag_before = scrape(metrics_port, "motor_event_loop_lag_seconds")
-            time.sleep(2)  # the round trips are measured after the scrapes' own stall of the loop
-            proc.cpu_percent(None)
-            fleet.ps.cpu_percent(None)
-            seen = fleet.ask(f"measure {args.window}")
-            cpu, fleet_cpu = proc.cpu_percent(None), fleet.ps.cpu_percent(None)
-            rss = proc.memory_info().rss / 2**20
-            ingest_p99 = histogram_quantile(ingest_before, scrape(metrics_port, "motor_controller_heartbeat_ingest_seconds"), 0.99)
-            lag_p99 = histogram_quantile(lag_before, scrape(metrics_port, "motor_event_loop_lag_seconds"), 0.99)
-            ready = len(stub.ListNodes(C.ListNodesRequest(filter="state=READY"), timeout=120).nodes)
-            ok = (seen["p99_ms"] < args.p99_ms and seen["rate"] >= 0.95 * size and seen["errors"] == 0
-                  and cpu <= 100 and rss <= 1024)
-            print(
-                f"{size:>6} nodes {size * ENGINES_PER_NODE:>6} engines | setup {setup:5.1f}s"
-                f" | heartbeats {seen['rate']:7.1f}/s of {size}/s ({seen['errors']} failed, {seen['delta_beats']} deltas"
-                f" carrying {seen['delta_engines']} engines, {seen['full_beats']} full)"
-                f" | round trip p50 {seen['p50_ms']:6.2f} ms p99 {seen['p99_ms']:7.2f} ms"
-                f" | failure reports {seen['reports']} p99 {seen['report_p99_ms']:6.2f} ms"
-                f" | controller CPU {cpu:5.1f}% RSS {rss:6.1f} MiB handling p99 <= {ingest_p99 * 1e3:g} ms loop lag p99 <= {lag_p99 * 1e3:g} ms"
-                f" (one /metrics scrape {scrape_s:.2f}s)"
-                f" | fleet CPU {fleet_cpu:5.1f}% | READY {ready}/{size} | load {os.getloadavg()[0]:.1f}"
-                f" | {'sustained' if ok else 'NOT sustained'}",
-                flush=True,
-            )
+            ok, line, rate = step(size, stub, fleet, proc, metrics_port, args)
+            print(("mTLS  " if tls else "plain ") + line, flush=True)
             if ok:
                 best = size
-            elif seen["rate"] < 0.5 * size:
+            elif rate < 0.5 * size:
                 break  # collapsed: larger fleets cannot do better
         if args.victims:
             loss = time_node_loss(stub, fleet, config)
@@ -208,11 +270,23 @@ def run(args) -> int:
             print(f"controller log and database kept in {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
+    return best, loss
+
+
+def run(args) -> int:
+    started_at = time.monotonic()
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.tls]
+    results = {tls: ladder(args, tls) for tls in modes}
     print()
-    if loss:
-        print(loss)
-    print(f"largest fleet sustained (heartbeat p99 < {args.p99_ms:g} ms, CPU <= 1 core, RSS <= 1 GiB): {best} nodes x "
-          f"{ENGINES_PER_NODE} engines ({best * ENGINES_PER_NODE} engines); goal 10000 x 8")
+    for tls, (best, loss) in results.items():
+        what = "mutual TLS" if tls else "plaintext "
+        if loss:
+            print(f"{what}: {loss}")
+        print(f"{what}: largest fleet sustained (heartbeat p99 < {args.p99_ms:g} ms, CPU <= 1 core, RSS <= 1 GiB): "
+              f"{best} nodes x {ENGINES_PER_NODE} engines ({best * ENGINES_PER_NODE} engines); goal 10000 x 8")
+    if len(results) == 2 and results[False][0]:
+        ratio = results[True][0] / results[False][0]
+        print(f"mutual TLS / plaintext, largest fleet sustained: {ratio:.2f} (goal: at least 0.90; steps {args.steps})")
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end (controller and fleet share them)")
     print(f"run time {time.monotonic() - started_at:.0f}s")
     return 0
@@ -224,10 +298,13 @@ def main() -> int:
     parser.add_argument("--window", type=float, default=10.0, help="seconds measured per step")
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds between a step's set-up and its window")
     parser.add_argument("--p99-ms", type=float, default=50.0, help="heartbeat p99 a sustained step stays under")
+    parser.add_argument("--tls", choices=["off", "on", "both"], default="both",
+                        help="plaintext, mutual TLS (a certificate per node), or both ladders one after the other")
     parser.add_argument("--transport", choices=["stream", "unary"], default="stream", help="how the fleet heartbeats")
     parser.add_argument("--reports-per-s", type=float, default=2.0, help="engine failures the fleet reports per second")
     parser.add_argument("--victims", type=int, default=3, help="nodes silenced at the end to time their loss (0: none)")
-    parser.add_argument("--conns", type=int, default=8, help="connections the fleet spreads its streams over")
+    parser.add_argument("--conns", type=int, default=0,
+                        help="plaintext: connections the fleet shares between its nodes (0: one per node, as with TLS)")
     parser.add_argument("--setup-timeout", type=float, default=180.0, help="seconds a step may take to start its engines")
     parser.add_argument("--keep", action="store_true", help="keep the controller's log and database")
     parser.add_argument("--node-grace", type=float, default=5.0, help="controller --node-grace")

@@ -13,6 +13,8 @@
 //	silence           stop the victim nodes' heartbeats and their node manager -> {"victims": [...]}
 //	quit
 //
+// With -tls-ca every node presents a certificate of its own (tls.go); else plaintext.
+//
 // Built by bench/fleet/build.sh (Go in GOPATH mode with Debian's grpc-go, offline).
 package main
 
@@ -35,6 +37,7 @@ import (
 	motorv1 "github.com/motor-llm/motor/gen/go/motor/v1"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 )
@@ -51,19 +54,21 @@ type node struct {
 	removed    map[string]bool
 	sinceFull  int
 	stopped    int32
+	client     motorv1.ControllerServiceClient // its own connection (-conns 0, or mutual TLS); nil: a shared one
 }
 
 type fleet struct {
-	controller motorv1.ControllerServiceClient
-	conns      []motorv1.ControllerServiceClient
-	mainAddr   string
-	victimAddr string
-	victimSrv  *grpc.Server
-	victims    int
-	transport  string
-	fullEvery  int
-	interval   time.Duration
-	reportRate float64
+	controllerAddr string
+	ca             *authority // mutual TLS: every node presents a certificate of its own; nil: plaintext
+	conns          []motorv1.ControllerServiceClient
+	mainAddr       string
+	victimAddr     string
+	victimSrv      *grpc.Server
+	victims        int
+	transport      string
+	fullEvery      int
+	interval       time.Duration
+	reportRate     float64
 
 	mu     sync.Mutex
 	nodes  []*node
@@ -126,7 +131,15 @@ func serve(f *fleet) (string, *grpc.Server) {
 	if err != nil {
 		panic(err)
 	}
-	srv := grpc.NewServer()
+	var options []grpc.ServerOption
+	if f.ca != nil {
+		creds, err := f.ca.serverCredentials()
+		if err != nil {
+			panic(err)
+		}
+		options = append(options, grpc.Creds(creds))
+	}
+	srv := grpc.NewServer(options...)
 	motorv1.RegisterNodeManagerServiceServer(srv, &nodeManager{f: f})
 	go srv.Serve(lis)
 	return lis.Addr().String(), srv
@@ -135,8 +148,41 @@ func serve(f *fleet) (string, *grpc.Server) {
 // ---------------------------------------------------------------- the controller side
 
 func (f *fleet) client(n *node) motorv1.ControllerServiceClient {
+	if n.client != nil {
+		return n.client
+	}
 	i, _ := strconv.Atoi(n.id[4:])
 	return f.conns[i%len(f.conns)]
+}
+
+// dial opens a connection to the controller: plaintext, or presenting `creds` (mutual TLS).
+func (f *fleet) dial(creds credentials.TransportCredentials) motorv1.ControllerServiceClient {
+	security := grpc.WithInsecure()
+	if creds != nil {
+		security = grpc.WithTransportCredentials(creds)
+	}
+	// Small buffers: one connection per node makes thousands of them.
+	cc, err := grpc.Dial(f.controllerAddr, security, grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(64<<20)),
+		grpc.WithReadBufferSize(8<<10), grpc.WithWriteBufferSize(8<<10))
+	if err != nil {
+		panic(err)
+	}
+	return motorv1.NewControllerServiceClient(cc)
+}
+
+// connect gives a node its own connection when there are no shared ones (-conns 0 or mutual TLS).
+func (f *fleet) connect(n *node) {
+	if n.client != nil || len(f.conns) > 0 {
+		return
+	}
+	var creds credentials.TransportCredentials
+	if f.ca != nil {
+		var err error
+		if creds, err = f.ca.nodeCredentials(n.id); err != nil {
+			panic(err)
+		}
+	}
+	n.client = f.dial(creds)
 }
 
 func (f *fleet) register(n *node) error {
@@ -333,6 +379,7 @@ func (f *fleet) grow(size int) {
 		go func() {
 			defer wg.Done()
 			for n := range work {
+				f.connect(n)
 				for f.register(n) != nil {
 					time.Sleep(100 * time.Millisecond)
 				}
@@ -395,7 +442,9 @@ func (f *fleet) silence() map[string]interface{} {
 
 func main() {
 	controller := flag.String("controller", "127.0.0.1:50051", "controller address")
-	conns := flag.Int("conns", 8, "connections the fleet spreads its streams and calls over")
+	conns := flag.Int("conns", 8, "connections the fleet spreads its streams and calls over (0: one per node; always so with -tls-ca)")
+	caCert := flag.String("tls-ca", "", "CA certificate (PEM): mutual TLS, each node with a certificate minted from it")
+	caKey := flag.String("tls-ca-key", "", "the CA's key (PKCS#8 PEM), with -tls-ca")
 	transport := flag.String("transport", "stream", "stream (StreamHeartbeats with deltas) or unary (Heartbeat, full lists)")
 	fullEvery := flag.Int("full-every", 30, "a full engine list every this many beats (stream)")
 	interval := flag.Duration("interval", time.Second, "heartbeat interval")
@@ -403,15 +452,19 @@ func main() {
 	reportRate := flag.Float64("reports-per-s", 2, "engine failures reported (ReportEngineEvent) per second")
 	flag.Parse()
 
-	f := &fleet{transport: *transport, fullEvery: *fullEvery, interval: *interval, victims: *victims,
-		reportRate: *reportRate, byHost: map[string]*node{}}
-	for i := 0; i < *conns; i++ {
-		// One channel each: WithInsecure (plaintext), the controller on loopback.
-		cc, err := grpc.Dial(*controller, grpc.WithInsecure(), grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(64<<20)))
+	f := &fleet{controllerAddr: *controller, transport: *transport, fullEvery: *fullEvery, interval: *interval,
+		victims: *victims, reportRate: *reportRate, byHost: map[string]*node{}}
+	if *caCert != "" {
+		ca, err := loadAuthority(*caCert, *caKey)
 		if err != nil {
-			panic(err)
+			fmt.Fprintln(os.Stderr, "motor-fleet: -tls-ca/-tls-ca-key:", err)
+			os.Exit(2)
 		}
-		f.conns = append(f.conns, motorv1.NewControllerServiceClient(cc))
+		f.ca = ca
+	} else {
+		for i := 0; i < *conns; i++ {
+			f.conns = append(f.conns, f.dial(nil)) // plaintext, shared by every n-th node
+		}
 	}
 	f.mainAddr, _ = serve(f)
 	f.victimAddr, f.victimSrv = serve(f)
