@@ -164,9 +164,10 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
     legacy_tls = section.mgmt_tls_config.server_files()
     if legacy_tls is not None and not args.tls_enabled:
         # A standalone engine server with TLS files in its own user_config: encrypted, no identities.
-        grpc_server = MotorServer(bind, tls=legacy_tls, reflection=args.reflection, metrics=metrics.grpc)
+        grpc_server = MotorServer(bind, tls=legacy_tls, reflection=args.reflection, metrics=metrics.grpc, setting="--mgmt-port")
     else:
-        grpc_server = args.server(bind, local_node=args.owner_node, setting="--host", metrics=metrics.grpc)
+        grpc_server = args.server(bind, local_node=args.owner_node, setting="--host", metrics=metrics.grpc,
+                                  port_setting="--mgmt-port")
     metrics.loop_lag.start()
     service.register(grpc_server, core)
     await grpc_server.start()  # first, so that the node manager sees INIT while the engine loads

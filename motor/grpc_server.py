@@ -11,7 +11,9 @@ Usage:
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -44,9 +46,12 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
-# Servers accept those pings (by default they answer frequent pings with GOAWAY).
+# Servers accept those pings (by default they answer frequent pings with GOAWAY). No
+# SO_REUSEPORT (gRPC's default on Linux): with it a second controller given a taken --listen
+# started and the kernel split connections between the two.
 SERVER_OPTIONS = [
     *_MESSAGE_SIZE_OPTIONS,
+    ("grpc.so_reuseport", 0),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
@@ -110,10 +115,12 @@ class MotorServer:
     def __init__(
         self, bind: str, tls: TlsFiles | None = None, interceptors: list[Any] | None = None, reflection: bool = True,
         token_bind: str | None = None, token_tls: TlsFiles | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
-        metrics: GrpcServerMetrics | None = None,
+        metrics: GrpcServerMetrics | None = None, setting: str = "listen", token_setting: str = "token_listen",
     ):
-        """`token_bind`: a second TLS port that asks for no client certificate (bearer tokens)."""
+        """`token_bind`: a second TLS port that asks for no client certificate (bearer tokens);
+        `setting`/`token_setting`: the settings named when a port cannot be bound."""
         self.bind = bind
+        self.setting, self.token_setting = setting, token_setting
         self.tls = tls
         self.reflection = reflection
         self.token_bind, self.token_tls = token_bind, token_tls
@@ -137,9 +144,9 @@ class MotorServer:
     async def start(self) -> int:
         if self.reflection:
             reflection.enable_server_reflection([*self.service_names, reflection.SERVICE_NAME], self.server)
-        port = self._listen(self.bind, self.tls)
+        port = self._listen(self.bind, self.tls, self.setting)
         if self.token_bind and self.token_tls:
-            self.token_port = self._listen(self.token_bind, self.token_tls)
+            self.token_port = self._listen(self.token_bind, self.token_tls, self.token_setting)
             logger.info("bearer-token TLS port %d (%s)", self.token_port, self.token_bind)
         await self.server.start()
         self.port = port
@@ -148,13 +155,13 @@ class MotorServer:
         logger.info("gRPC server listening on %s (port %d, %s)", self.bind, port, "TLS" if self.tls else "plaintext")
         return port
 
-    def _listen(self, bind: str, tls: TlsFiles | None) -> int:
+    def _listen(self, bind: str, tls: TlsFiles | None, setting: str) -> int:
         try:
             port = self.server.add_secure_port(bind, server_credentials(tls)) if tls else self.server.add_insecure_port(bind)
         except RuntimeError:
             port = 0
-        if port == 0:
-            raise ConfigError(f"cannot listen on {bind}: address in use or not available")
+        if port == 0:  # gRPC says only that it failed: find out why by binding the address ourselves
+            raise ConfigError(f"{setting}: cannot listen on {bind}: {why_not_bindable(bind)}")
         return port
 
     async def set_serving(self, service: str, serving: bool) -> None:
@@ -167,6 +174,26 @@ class MotorServer:
         for name in ["", *self.service_names]:
             await self.set_serving(name, False)
         await self.server.stop(grace)
+
+
+def why_not_bindable(bind: str) -> str:
+    """Why a TCP listener on HOST:PORT cannot be opened, e.g. '127.0.0.1:50051 is in use'."""
+    host, _, port = bind.rpartition(":")
+    host = host.strip("[]") or None
+    try:
+        addresses = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, ValueError) as exc:
+        return f"{bind} is not a HOST:PORT this machine can listen on ({exc})"
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return f"{bind} is in use (another process listens there; stop it or choose another port)"
+                return f"{bind} is not available ({exc.strerror})"
+    return f"{bind} is in use or not available"
 
 
 def service_name(pb2_module: Any, name: str) -> str:

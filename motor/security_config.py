@@ -97,9 +97,11 @@ class SecuritySettings(BaseModel):
         )
 
     def server(self, bind: str, local_node: str | None = None, setting: str = "listen",
-               metrics: GrpcServerMetrics | None = None, interceptors: list[Any] | None = None) -> MotorServer:
+               metrics: GrpcServerMetrics | None = None, interceptors: list[Any] | None = None,
+               port_setting: str | None = None) -> MotorServer:
         """A MotorServer on `bind` with these settings; `local_node`: on an engine server, the node
-        whose manager may drain, sleep and wake it."""
+        whose manager may drain, sleep and wake it; `setting` (`port_setting` if given) is named
+        when the address cannot be used."""
         self.check_listen(bind, setting)
         policy = AccessPolicy(
             secure=self.tls_enabled,
@@ -112,7 +114,7 @@ class SecuritySettings(BaseModel):
         return MotorServer(
             bind, tls=tls, interceptors=[AccessInterceptor(policy), *(interceptors or [])], reflection=self.reflection,
             token_bind=self.token_listen, token_tls=TlsFiles(cert=self.tls_cert, key=self.tls_key) if self.token_listen else None,
-            max_message_bytes=self.max_message_bytes, metrics=metrics,
+            max_message_bytes=self.max_message_bytes, metrics=metrics, setting=port_setting or setting,
         )
 
 
