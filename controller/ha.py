@@ -260,6 +260,7 @@ class LeaderGate(grpc.aio.ServerInterceptor):
                 await refuse_unless_leader(context)
                 async for reply in stream(requests, context):
                     await refuse_unless_leader(context)
+                    reply.heartbeat.controller_epoch = ha.epoch  # as Heartbeat's answer: nodes learn the epoch
                     yield reply
 
             return grpc.stream_stream_rpc_method_handler(

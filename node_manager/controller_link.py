@@ -1,4 +1,7 @@
-"""The node manager's side of the controller: RegisterNode, Heartbeat, ReportEngineEvent.
+"""The node manager's side of the controller: RegisterNode, heartbeats, ReportEngineEvent.
+
+Heartbeats go on one StreamHeartbeats stream with deltas (node_manager/heartbeat_sender.py), or
+as unary Heartbeat calls to a controller without the stream.
 
 Every call retries with exponential backoff and jitter (tenacity). While the controller is
 unreachable nothing else changes: engines keep running and supervision goes on. A heartbeat
@@ -31,6 +34,7 @@ from motor.names import ID_RULE, excerpt
 from motor.node_process import describe
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from node_manager.controller_epoch import ControllerEpoch
+from node_manager.heartbeat_sender import HeartbeatSender
 from node_manager.manager import NodeManager
 from node_manager.process_ops import Clock
 
@@ -67,8 +71,9 @@ class ControllerLink:
 
     def __init__(self, manager: NodeManager, controller: str, node: controller_pb2.NodeInfo,
                  interval: float, call_timeout: float = 5.0, max_backoff: float = 10.0, clock: Clock | None = None,
-                 tls: TlsFiles | None = None, epoch: ControllerEpoch | None = None):
+                 tls: TlsFiles | None = None, epoch: ControllerEpoch | None = None, stream_heartbeats: bool = True):
         self.manager = manager
+        self.beats = HeartbeatSender(node.node_id, call_timeout, stream=stream_heartbeats)
         self.clock: Clock = clock or manager.clock
         self.node = node
         self.interval = interval
@@ -89,6 +94,7 @@ class ControllerLink:
     def _use(self, address: str) -> None:
         if address not in self.channels:
             self.channels[address] = aio_channel(address, self.tls)
+        self.beats.close()  # a stream is to one controller
         self.channel = self.channels[address]
         self.stub = controller_pb2_grpc.ControllerServiceStub(self.channel)
 
@@ -129,7 +135,9 @@ class ControllerLink:
                 except ReRegister as exc:
                     logger.warning("controller refused heartbeat (%s): registering again", exc)
                     self.registered.clear()
+                    self.beats.close()
         finally:
+            self.beats.close()
             for channel in self.channels.values():
                 await channel.close()
 
@@ -196,12 +204,9 @@ class ControllerLink:
         while True:
             next_tick += self.interval
             await clock.sleep(max(0.0, next_tick - clock.monotonic()))
-            request = controller_pb2.HeartbeatRequest(
-                node_id=self.node.node_id, generation=self.generation, engines=self.manager.engines()
-            )
             began = clock.monotonic()
             try:
-                reply = await self.stub.Heartbeat(request, timeout=self.call_timeout)
+                reply = await self.beats.send(self.stub, self.generation, self.manager.engines())
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in REREGISTER:
                     raise ReRegister(f"{exc.code().name}: {exc.details()}") from None

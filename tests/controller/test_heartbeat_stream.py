@@ -20,6 +20,7 @@ from motor.v1 import types_pb2 as T
 
 from controller import endpoints
 from controller.servicer import ControllerServicer
+from node_manager.heartbeat_sender import HeartbeatSender
 from motorctl import pages
 from tests.controller.conftest import Harness, example_deployment, node_info
 from tests.controller.fakes import ManualClock
@@ -67,6 +68,33 @@ class Streams:
     async def close(self) -> None:
         for call in self.calls.values():
             call.cancel()
+
+
+class NodeManagerSender:
+    """The node manager's own sender (node_manager/heartbeat_sender.py): one stream per node,
+    deltas with a full list every 4 beats."""
+
+    def __init__(self, stub):
+        self.stub = stub
+        self.senders = {n: HeartbeatSender(n, timeout=10, full_every=4) for n in NODES}
+        self.sent: list[C.HeartbeatRequest] = []
+        for sender in self.senders.values():
+            sender.deltas.next = self._recorded(sender.deltas.next)
+
+    def _recorded(self, make):
+        def next_request(*args):
+            request = make(*args)
+            self.sent.append(request)
+            return request
+        return next_request
+
+    async def beat(self, node_id: str, generation: int, engines: list[T.Engine]) -> None:
+        reply = await self.senders[node_id].send(self.stub, generation, engines)
+        assert reply.sequence == self.sent[-1].sequence
+
+    async def close(self) -> None:
+        for sender in self.senders.values():
+            sender.close()
 
 
 async def play(tmp_path, make_transport) -> dict:
@@ -169,9 +197,10 @@ async def all_pages(method, request_type, field: str, **request) -> dict:
     return {"items": out}
 
 
-async def test_stream_deltas_and_paging_match_unary(tmp_path):
+@pytest.mark.parametrize("streams", [Streams, NodeManagerSender])
+async def test_stream_deltas_and_paging_match_unary(tmp_path, streams):
     unary = await play(tmp_path / "unary", Unary)
-    streamed = await play(tmp_path / "stream", Streams)
+    streamed = await play(tmp_path / "stream", streams)
     # The stream really sent deltas: empty ones for unchanged beats, removals, full lists every 4.
     sent = streamed.pop("sent")
     unary.pop("sent")
@@ -219,3 +248,29 @@ async def test_list_filter_and_bad_paging_arguments(tmp_path, monkeypatch):
                 ctl.page_nodes(bad)
     finally:
         await h.stop()
+
+
+async def test_the_node_managers_sender_falls_back_to_unary_for_a_controller_without_the_stream():
+    beats: list[C.HeartbeatRequest] = []
+
+    async def heartbeat(request, context):
+        beats.append(request)
+        return C.HeartbeatResponse()
+
+    only_unary = grpc.method_handlers_generic_handler("motor.v1.ControllerService", {"Heartbeat": grpc.unary_unary_rpc_method_handler(
+        heartbeat, request_deserializer=C.HeartbeatRequest.FromString, response_serializer=C.HeartbeatResponse.SerializeToString)})
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((only_unary,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = aio_channel(f"127.0.0.1:{port}")
+    try:
+        sender = HeartbeatSender("node-a", timeout=10)
+        engines = [T.Engine(engine_id="u-0/rank0", state=T.ENGINE_STATE_RUNNING)]
+        for _ in range(2):
+            await sender.send(controller_pb2_grpc.ControllerServiceStub(channel), 3, engines)
+        assert not sender.stream  # UNIMPLEMENTED once, then unary calls for good
+        assert [(b.node_id, b.generation, b.delta, list(b.engines)) for b in beats] == [("node-a", 3, False, engines)] * 2
+    finally:
+        await channel.close()
+        await server.stop(0)

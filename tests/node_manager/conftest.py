@@ -143,7 +143,8 @@ class FakeController(controller_pb2_grpc.ControllerServiceServicer):
 
     def __init__(self):
         self.registrations: list[controller_pb2.RegisterNodeRequest] = []
-        self.heartbeats: list[controller_pb2.HeartbeatRequest] = []
+        self.heartbeats: list[controller_pb2.HeartbeatRequest] = []  # unary, or a streamed delta made whole
+        self.streamed: list[controller_pb2.HeartbeatRequest] = []
         self.reports: list[controller_pb2.ReportEngineEventRequest] = []
         self.assignments: list[tuple[str, int]] | None = None  # None: assign whatever the node runs
         self.refuse_heartbeats = 0  # the next N heartbeats get FAILED_PRECONDITION
@@ -171,6 +172,24 @@ class FakeController(controller_pb2_grpc.ControllerServiceServicer):
             raise FailedPrecondition(f"generation {request.generation} is stale: register again")
         self.heartbeats.append(request)
         return controller_pb2.HeartbeatResponse()
+
+    async def StreamHeartbeats(self, request_iterator, context):
+        # Deltas applied as the controller applies them: `heartbeats` records the full list each
+        # beat stands for, `streamed` what was sent.
+        held: dict[str, types_pb2.Engine] = {}
+        async for message in request_iterator:
+            beat = message.heartbeat
+            self.streamed.append(beat)
+            if not beat.delta:
+                held = {}
+            for engine_id in beat.removed_engine_ids:
+                held.pop(engine_id, None)
+            held.update((e.engine_id, e) for e in beat.engines)
+            full = controller_pb2.HeartbeatRequest(node_id=beat.node_id, generation=beat.generation,
+                                                   engines=[held[k] for k in sorted(held)])
+            reply = await self.Heartbeat(full, context)
+            reply.sequence = beat.sequence
+            yield controller_pb2.StreamHeartbeatsResponse(heartbeat=reply)
 
     async def ReportEngineEvent(self, request, context):
         self.reports.append(request)

@@ -32,11 +32,16 @@ async def test_registers_heartbeats_and_registers_again_when_refused(make_node, 
     beats = await async_wait_for(
         lambda: [h for h in fake_controller.heartbeats if h.engines and h.engines[0].state == RUNNING], timeout=30)
     assert beats[0].generation == 1 and beats[0].engines[0].health == types_pb2.HEALTH_STATUS_NORMAL
+    # On one StreamHeartbeats stream: a full list first, then deltas (empty while nothing changes).
+    await async_wait_for(lambda: any(b.delta and not b.engines for b in fake_controller.streamed), timeout=10)
+    assert not fake_controller.streamed[0].delta
 
     fake_controller.refuse_heartbeats = 1  # stale generation: the node must register again
     await async_wait_for(lambda: len(fake_controller.registrations) >= 2, timeout=10)
     assert [e.engine_id for e in fake_controller.registrations[1].engines] == ["prefill-0/rank0"]
     await async_wait_for(lambda: fake_controller.heartbeats[-1].generation == 2, timeout=10)
+    first_after = next(b for b in fake_controller.streamed if b.generation == 2)
+    assert not first_after.delta and [e.engine_id for e in first_after.engines] == ["prefill-0/rank0"]  # a new stream: full
     assert (await node.get("prefill-0/rank0")).state == RUNNING
 
 

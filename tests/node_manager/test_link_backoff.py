@@ -65,7 +65,7 @@ async def link(tmp_path):
     node = FakeNode(str(tmp_path / "node"))
     await node.manager.start()
     link = ControllerLink(node.manager, "127.0.0.1:1", controller_pb2.NodeInfo(node_id="node-f"),
-                          interval=INTERVAL, max_backoff=MAX_BACKOFF, clock=node.clock)
+                          interval=INTERVAL, max_backoff=MAX_BACKOFF, clock=node.clock, stream_heartbeats=False)
     link.stub = ScriptedController(node.clock)
     task = None
 

@@ -1,0 +1,79 @@
+"""How a node manager sends its heartbeats: on one long-lived StreamHeartbeats stream, as deltas
+(motor/heartbeats.py: only the engines whose report changed, a full list on every new stream and
+every `full_every` beats), one answer per beat; or with unary Heartbeat calls carrying the full
+list, for a controller that has no StreamHeartbeats (it answers UNIMPLEMENTED: this sender then
+stays on unary calls) or when streams are turned off.
+
+Any failure ends the stream; the next beat opens a new one, which starts with a full list, so a
+beat lost with a broken stream is repaired at once. Errors come out as grpc.aio.AioRpcError, as
+from a unary call (a beat unanswered within `timeout`: DEADLINE_EXCEEDED), so the caller's
+backoff, re-registration and leader-following treat both transports alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from motor.heartbeats import HeartbeatDeltas
+from motor.v1 import controller_pb2, types_pb2
+
+logger = logging.getLogger(__name__)
+
+
+def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+class HeartbeatSender:
+    def __init__(self, node_id: str, timeout: float, stream: bool = True, full_every: int = 30):
+        self.node_id, self.timeout, self.stream = node_id, timeout, stream
+        self.deltas = HeartbeatDeltas(node_id, full_every)
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._stub = None
+
+    def close(self) -> None:
+        """End the stream (a new registration, another controller): the next beat opens a new one."""
+        if self._call is not None:
+            self._call.cancel()
+        self._call = self._stub = None
+
+    async def send(self, stub, generation: int, engines: list[types_pb2.Engine]) -> controller_pb2.HeartbeatResponse:
+        if not self.stream:
+            request = controller_pb2.HeartbeatRequest(node_id=self.node_id, generation=generation, engines=engines)
+            return await stub.Heartbeat(request, timeout=self.timeout)
+        try:
+            return await self._beat(stub, generation, engines)
+        except grpc.aio.AioRpcError as exc:
+            self.close()
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+        logger.warning("the controller has no StreamHeartbeats (UNIMPLEMENTED): heartbeating with unary calls")
+        self.stream = False
+        return await self.send(stub, generation, engines)
+
+    async def _beat(self, stub, generation: int, engines: list[types_pb2.Engine]) -> controller_pb2.HeartbeatResponse:
+        if self._call is None or self._stub is not stub:
+            self.close()
+            self._call, self._stub = stub.StreamHeartbeats(), stub
+            self.deltas.restart()
+        call = self._call
+        request = self.deltas.next(generation, engines)
+        try:
+            await asyncio.wait_for(call.write(controller_pb2.StreamHeartbeatsRequest(heartbeat=request)), self.timeout)
+            reply = await asyncio.wait_for(call.read(), self.timeout)
+        except asyncio.TimeoutError:
+            self.close()
+            raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer to a heartbeat within {self.timeout:g}s") from None
+        except asyncio.InvalidStateError:  # the stream had ended without an error
+            reply = grpc.aio.EOF
+        if reply is grpc.aio.EOF:  # ended by the controller: its status, with its metadata (a standby names the leader)
+            self._call = self._stub = None
+            code = await call.code()
+            raise grpc.aio.AioRpcError(
+                code if code != grpc.StatusCode.OK else grpc.StatusCode.UNAVAILABLE, await call.initial_metadata(),
+                await call.trailing_metadata(), details=await call.details() or "the controller ended the heartbeat stream",
+            )
+        return reply.heartbeat
