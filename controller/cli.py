@@ -8,6 +8,7 @@ import sys
 
 from motor.cli_config import Flag, load_settings, run_service, settings_parser
 from motor.deployment_file import load_deployment
+from motor.gc_tuning import TenuredCollections
 from motor.grpc_server import service_name
 from motor.logs import setup_logging
 from motor.metrics_http import ServiceTelemetry
@@ -85,6 +86,7 @@ def apply_startup_deployment(controller: Controller, config: ControllerConfig) -
 
 
 async def serve(config: ControllerConfig) -> None:
+    TenuredCollections().install()  # a large fleet's state: no full garbage collection walks it all (motor/gc_tuning.py)
     ha = None
     if config.uses_etcd:
         on_lead = (lambda controller: apply_startup_deployment(controller, config)) if config.deployment else None
