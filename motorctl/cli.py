@@ -2,7 +2,7 @@
 
     motorctl [--controller HOST:PORT[,HOST:PORT...]] [--output table|json] [--cacert CA [--cert C --key K | --token-file T]] COMMAND
     nodes | instances | endpoints [--role R] | events [--follow] | deployment | apply -f FILE | delete | controllers
-    up ...  (a local cluster; see `motorctl up --help`)
+    up ...  (a local cluster; see `motorctl up --help`); down --run-dir DIR (stop one whose `motorctl up` was killed)
     pki init|issue|tokens|dev ...  (a development PKI; see `motorctl pki --help`)
 """
 
@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("delete", help="delete the deployment and stop its engines")
     sub.add_parser("controllers", help="the controllers: leader, standbys, epoch, lease (docs/ha.md)")
     sub.add_parser("up", help="start a local cluster (controller, node managers, example deployment)", add_help=False)
+    sub.add_parser("down", help="stop the local cluster of a `motorctl up` that was killed (see `motorctl down --help`)",
+                   add_help=False)
     sub.add_parser("pki", help="development PKI: CA, certificates, tokens (see `motorctl pki --help`)", add_help=False)
     return p
 
@@ -133,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         from motorctl import up
 
         return up.main(argv[argv.index("up") + 1 :])
+    if args.command == "down":
+        from motorctl import run_processes
+
+        return run_processes.main(argv[argv.index("down") + 1 :])
     if args.command == "pki":
         from motorctl import pki
 

@@ -56,8 +56,9 @@ class EtcdMember:
 class EtcdCluster:
     """`size` members on loopback; start(), kill/restart one, stop() leaves no process behind."""
 
-    def __init__(self, base_dir: str, size: int = 1, name: str = "motor-etcd"):
+    def __init__(self, base_dir: str, size: int = 1, name: str = "motor-etcd", env: dict[str, str] | None = None):
         self.base_dir = base_dir
+        self.env = env  # the members' environment (None: this process's)
         self.members = [
             EtcdMember(f"{name}-{i}", os.path.join(base_dir, f"member-{i}"), free_port(), free_port())
             for i in range(size)
@@ -92,7 +93,7 @@ class EtcdCluster:
     def start_member(self, index: int) -> EtcdMember:
         member = self.members[index]
         if not member.running():
-            member.process = launch(self._argv(member), os.path.join(self.base_dir, f"{member.name}.log"))
+            member.process = launch(self._argv(member), os.path.join(self.base_dir, f"{member.name}.log"), env=self.env)
         return member
 
     def start(self, timeout: float = 30.0) -> "EtcdCluster":

@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from motor.ports import CONTROLLER_METRICS_PORT, free_port, port_is_free
@@ -27,6 +26,8 @@ from motorctl.render import quiet_stdout
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
 from motorctl.connect import Credentials
 from motorctl.pki import DevPki, make_dev_pki
+from motorctl.run_processes import describe, run_processes, run_tag, stop_run
+from motorctl import guardian as cluster_guardian
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,8 @@ class LocalCluster:
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                env=dict(os.environ, **run_tag(self.run_dir)),
             )
         managed = ManagedProcess(name, process, log_path)
         self.processes.append(managed)
@@ -174,7 +176,8 @@ class LocalCluster:
             self.token_port = self.token_port or free_port()
             self._token_flags = ["--tokens-file", self.pki.tokens, "--token-listen", f"127.0.0.1:{self.token_port}"]
         if self.ha:
-            self.etcd = EtcdCluster(os.path.join(self.run_dir, "etcd"), size=self.etcd_members).start(timeout)
+            self.etcd = EtcdCluster(os.path.join(self.run_dir, "etcd"), size=self.etcd_members,
+                                    env=dict(os.environ, **run_tag(self.run_dir))).start(timeout)
             self.controller_ports = [self.controller_port] + [free_port() for _ in range(self.controllers - 1)]
         for index in range(self.controllers if self.ha else 1):
             self.launch_controller(index)
@@ -250,13 +253,6 @@ class LocalCluster:
         managers leave engines running when they exit (a restart re-adopts them), so engines are
         stopped explicitly. Returns what had to be killed or was found left over."""
         problems: list[str] = []
-        # Everything any of our processes started, to confirm nothing outlives the cluster.
-        descendants: list[psutil.Process] = []
-        for managed in self.processes:
-            try:
-                descendants += psutil.Process(managed.process.pid).children(recursive=True)
-            except psutil.Error:
-                pass
         controllers = [p for p in self.processes if p.name.startswith("controller")]
         node_managers = [p for p in self.processes if not p.name.startswith("controller")]
         problems += self._terminate(controllers, timeout)
@@ -270,13 +266,10 @@ class LocalCluster:
         problems += self._terminate(node_managers, timeout)
         if self.etcd is not None:
             self.etcd.stop()
-        for leftover in descendants:
-            try:
-                if leftover.is_running() and leftover.status() != psutil.STATUS_ZOMBIE:
-                    problems.append(f"left-over process {leftover.pid} ({' '.join(leftover.cmdline()[:3])}); killed")
-                    leftover.kill()
-            except psutil.NoSuchProcess:
-                pass
+        # Whatever still carries this run's tag: engines of a node manager that died, anything
+        # that escaped its parent (motorctl/run_processes.py).
+        for leftover in stop_run(self.run_dir, timeout):
+            problems.append(f"left-over process {leftover} of this cluster; stopped")
         return problems
 
     @staticmethod
@@ -364,6 +357,12 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists(args.deployment):
         parser.error(f"--deployment {args.deployment!r}: file not found")
 
+    live = run_processes(args.run_dir)
+    if live:  # wiping it would pull the state directories from under a running cluster
+        print(f"motorctl up: --run-dir {args.run_dir} is in use by a running cluster (processes "
+              f"{', '.join(describe(p) for p in live[:5])}{' ...' if len(live) > 5 else ''}); stop it with "
+              f"`motorctl down --run-dir {args.run_dir}`, or give this one another --run-dir", file=sys.stderr)
+        return 2
     shutil.rmtree(args.run_dir, ignore_errors=True)
     if args.ha and not shutil.which("etcd"):
         parser.error("--ha needs etcd on PATH: install Debian's etcd-server (scripts/etcd-server.sh)")
@@ -371,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
                            controller_port=args.controller_port or _default_controller_port(), metrics_port=args.metrics_port,
                            tls=args.tls, ha=args.ha)
     stopping, started = False, False
+    # Stops the cluster if this process is killed before it can (SIGKILL, the OOM killer).
+    guardian = cluster_guardian.spawn(args.run_dir)
 
     def request_stop(signum, frame):  # Ctrl-C, SIGTERM, the terminal closed: leave the loop, then clean up
         nonlocal stopping
@@ -394,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     started = True  # a second Ctrl-C now does not interrupt the stop
     say("\nStopping engines, node managers and the controller ...")
     problems = cluster.stop()
+    cluster_guardian.release(guardian)
     for problem in problems:
         say(f"  {problem}")
     say("Stopped; no process left behind." if not problems else "Stopped (see above).")

@@ -58,10 +58,10 @@ def wait_first_screen(process: subprocess.Popen, run_dir) -> list[psutil.Process
     return wait_for(engines, timeout=180, interval=0.3, what="3 engines started by motorctl up")
 
 
-def assert_nothing_left(run_dir) -> None:
+def assert_nothing_left(run_dir, timeout: float = 10) -> None:
     def gone():
         return not [p for p in cluster_processes(run_dir) if p.status() != psutil.STATUS_ZOMBIE]
-    wait_for(gone, timeout=10, what="the cluster's processes gone")
+    wait_for(gone, timeout=timeout, what="the cluster's processes gone")
 
 
 def kill_all(process: subprocess.Popen, run_dir) -> None:
@@ -138,3 +138,78 @@ def test_a_closed_pipe_ends_a_motorctl_command_quietly():
     finally:
         os.close(write_end)
     assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr, result.stderr
+
+
+def engines_of(run_dir) -> list[psutil.Process]:
+    def is_engine(process: psutil.Process) -> bool:
+        try:
+            return "engine_server" in " ".join(process.cmdline()[:3])
+        except psutil.Error:  # a zombie
+            return False
+    return list({p.pid: p for p in cluster_processes(run_dir) if is_engine(p)}.values())
+
+
+def test_a_killed_motorctl_up_is_stopped_by_its_guardian_and_its_run_dir_is_not_wiped_under_it(tmp_path):
+    """kill -9 of `motorctl up` (the OOM killer) leaves nothing running: its guardian stops the
+    cluster. Before that, a second `motorctl up` on the same run dir refuses to wipe it."""
+    run_dir = tmp_path / "run"
+    process = motorctl_up(run_dir, subprocess.PIPE)
+    try:
+        before = {p.pid for p in wait_first_screen(process, run_dir)}
+        second = motorctl_up(run_dir, subprocess.DEVNULL)
+        _, errors = second.communicate(timeout=60)
+        assert second.returncode == 2, errors
+        assert f"--run-dir {run_dir} is in use by a running cluster" in errors and "motorctl down" in errors, errors
+        assert before <= {p.pid for p in cluster_processes(run_dir)}  # the first cluster untouched
+        assert os.path.exists(run_dir / "node-a" / "node_manager.lock")
+        process.kill()  # SIGKILL: motorctl up cannot stop anything itself
+        process.wait(10)
+        assert_nothing_left(run_dir, timeout=90)
+        assert "motorctl up ended without stopping the cluster" in (run_dir / "logs" / "guardian.log").read_text()
+    finally:
+        kill_all(process, run_dir)
+
+
+def test_motorctl_down_stops_a_cluster_whose_motorctl_up_and_guardian_are_gone(tmp_path):
+    run_dir = tmp_path / "run"
+    process = motorctl_up(run_dir, subprocess.PIPE)
+    try:
+        wait_first_screen(process, run_dir)
+        guardian = list({p.pid: p for p in cluster_processes(run_dir) if "motorctl.guardian" in " ".join(p.cmdline())}.values())
+        assert len(guardian) == 1
+        guardian[0].kill()
+        process.kill()
+        process.wait(10)
+        assert engines_of(run_dir)  # nothing stops them by itself now
+        down = subprocess.run([sys.executable, "-m", "motorctl.cli", "down", "--run-dir", str(run_dir)], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+        assert down.returncode == 0, down.stderr
+        assert "motor-controller" in down.stdout and "engine_server" in down.stdout, down.stdout
+        assert_nothing_left(run_dir)
+    finally:
+        kill_all(process, run_dir)
+
+
+def test_motorctl_up_stops_the_engines_of_a_node_manager_that_died(tmp_path):
+    """A node manager killed while its engines run (they outlive it by design) cannot stop them:
+    `motorctl up` stops them itself and says so, instead of "no process left behind"."""
+    run_dir = tmp_path / "run"
+    process = motorctl_up(run_dir, subprocess.PIPE)
+    try:
+        wait_first_screen(process, run_dir)
+        node_manager = list({p.pid: p for p in cluster_processes(run_dir)
+                             if "motor-node-manager" in " ".join(p.cmdline()[:2])}.values())
+        assert len(node_manager) == 1
+        orphans = {p.pid for p in engines_of(run_dir)}
+        node_manager[0].kill()
+        wait_for(lambda: not node_manager[0].is_running() or node_manager[0].status() == psutil.STATUS_ZOMBIE,
+                 timeout=10, what="the node manager dead")  # a zombie until motorctl up reaps it
+        assert {p.pid for p in engines_of(run_dir)} == orphans  # still running, re-parented
+        process.send_signal(signal.SIGINT)
+        output, errors = process.communicate(timeout=120)
+        assert "no process left behind" not in output, output
+        for pid in orphans:
+            assert f"left-over process {pid} (" in output, output
+        assert_nothing_left(run_dir)
+    finally:
+        kill_all(process, run_dir)
