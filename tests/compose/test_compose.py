@@ -20,6 +20,7 @@ import yaml
 
 from motor.v1 import controller_pb2
 from tests.compose.conftest import TIMINGS
+from tests.support.chaos_table import Row, record
 from tests.support import REPO_ROOT, wait_for
 from tests.compose.stack import (
     NODE_SERVICES,
@@ -241,6 +242,7 @@ def test_partitioned_node_is_fenced_when_healed_so_no_engine_runs_twice(stack: C
 
     wait(fenced, 120, "each engine running exactly once after the heal", stack, interval=1)
     TIMINGS[f"heal {victim} -> no engine running twice"] = time.monotonic() - healed_at
+    _record_partition_row(stack, victim, before, moved, stale, seen_before, time.monotonic() - healed_at)
     # The controller said so: one ENGINE_FENCED event for each stale copy it stopped on the node.
     fenced_events = [
         e for e in stack.events() if e.sequence > seen_before and e.type == controller_pb2.EVENT_TYPE_ENGINE_FENCED
@@ -251,6 +253,24 @@ def test_partitioned_node_is_fenced_when_healed_so_no_engine_runs_twice(stack: C
         found = _engines_once(stack)
         assert {engine: where[0] for engine, where in found.items()} == placement(instances), describe(nodes, instances)
         time.sleep(1)
+
+
+def _record_partition_row(stack: ComposeStack, victim: str, before, moved: set[str], stale: set[str],
+                          seen_before: int, recovery_s: float) -> None:
+    """The partition row of the chaos table (tests/chaos, docs/chaos.md), measured on this stack."""
+    nodes, after = stack.snapshot()
+    untouched = {e: n for e, n in placement(before).items() if e not in moved}
+    failed = {e.engine_id for e in stack.events() if e.sequence > seen_before and e.type == controller_pb2.EVENT_TYPE_ENGINE_FAILED}
+    found = stack.engine_processes()
+    record(Row(
+        "partition and heal (compose)",
+        false_kills=len({e for e, n in untouched.items() if placement(after).get(e) != n or e in failed}),
+        instances_lost=sum(1 for i in after if i.state != controller_pb2.INSTANCE_STATE_READY),
+        running_twice=sum(1 for where in found.values() if len(where) > 1),
+        orphans=len(set(found) - EXPECTED_ENGINES),
+        recovery_s=recovery_s,
+        note=f"{victim} cut off the control network; {len(moved)} engines moved, {len(stale)} stale copies fenced on heal",
+    ))
 
 
 def test_compose_down_leaves_no_container_network_or_process(stack: ComposeStack):

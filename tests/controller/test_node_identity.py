@@ -34,21 +34,25 @@ def engine_processes(cluster: Cluster) -> collections.Counter:
     return counts
 
 
-def start_second(cluster: Cluster, node_id: str = "node-a", certificate: str | None = None) -> tuple[ManagedProcess, int]:
-    """A second node manager for `node_id` with its own --listen and --state-dir (under TLS,
-    presenting `certificate`'s pair of the cluster's PKI, by default the node id's own)."""
+def start_second(cluster: Cluster, node_id: str = "node-a", certificate: str | None = None, name: str = "second",
+                 engine_ports_from: int | None = None) -> tuple[ManagedProcess, int]:
+    """A second node manager for `node_id` with its own --listen and --state-dir (<node id>-<name>)
+    and engine ports (500 from `engine_ports_from`); under TLS presenting `certificate`'s pair of the
+    cluster's PKI, by default the node id's own."""
     port = free_port()
+    first_engine_port = engine_ports_from or cluster.engine_port_base + 2000
     argv = [
         _bin("motor-node-manager"), "--node-id", node_id, "--listen", f"127.0.0.1:{port}",
         "--controller", cluster.controller_address, "--host", "127.0.0.1",
         "--accelerators", ",".join(str(i) for i in range(cluster.accelerators_per_node)), "--accelerator-type", "sim",
-        "--port-range", f"{cluster.engine_port_base + 2000}-{cluster.engine_port_base + 2499}",
-        "--state-dir", os.path.join(cluster.run_dir, f"{node_id}-second"),
-        "--heartbeat-interval", str(cluster.heartbeat_interval), "--engine-command", _bin("engine_server"),
+        "--port-range", f"{first_engine_port}-{first_engine_port + 499}",
+        "--state-dir", os.path.join(cluster.run_dir, f"{node_id}-{name}"),
+        "--heartbeat-interval", str(cluster.heartbeat_interval), "--abnormal-threshold", str(cluster.abnormal_threshold),
+        "--engine-command", _bin("engine_server"),
         "--metrics-port", "0",  # the default 9472 may be another node manager's on this machine
         *cluster.tls_flags(certificate or node_id),
     ]
-    managed = cluster._launch(node_id, argv)
+    managed = cluster._launch(node_id if name == "second" else f"{node_id}-{name}", argv)
     cluster.wait_serving(f"127.0.0.1:{port}", 30, cluster.credentials())
     return managed, port
 
