@@ -12,8 +12,6 @@ from motorctl.up import _bin
 from tests.chaos.cluster import ABNORMAL_THRESHOLD, BASELINE, HEARTBEAT, NODE_GRACE, ChaosCluster
 from tests.support import require, wait_for
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="package")
 def cluster(tmp_path_factory):
