@@ -57,6 +57,14 @@ class TokensFile(BaseModel):
         doubled = sorted({name for name in names if names.count(name) > 1})
         if doubled:
             raise ValueError(f"names must be unique ({', '.join(doubled)} appear twice)")
+        # One token under two names would silently carry the roles of whichever entry matched
+        # last (a viewer's token pasted into an operator entry makes it an operator token).
+        first_named: dict[str, str] = {}
+        for entry in entries:
+            if entry.token in first_named:
+                raise ValueError(f"tokens must be unique: {first_named[entry.token]} and {entry.name} have the same "
+                                 "token; give each entry its own (`motorctl pki tokens` makes them)")
+            first_named[entry.token] = entry.name
         return entries
 
 

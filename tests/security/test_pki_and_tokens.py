@@ -106,6 +106,12 @@ def test_tokens_match_exactly_and_the_file_is_reread_when_it_changes(tmp_path):
         handle.write("tokens: [{name: carol, roles: [root], token: short}]\n")
     assert store.lookup(second["carol"]).name == "carol"
 
+    time.sleep(0.01)  # the viewer's token pasted under a new operator name: refused, previous kept
+    with open(path, "w") as handle:
+        handle.write(f"tokens: [{{name: carol, roles: [viewer], token: {second['carol']}}}, "
+                     f"{{name: mallory, roles: [operator], token: {second['carol']}}}]\n")
+    assert store.lookup(second["carol"]).roles == ["viewer"]
+
 
 @pytest.mark.parametrize(
     "body, named",
@@ -115,6 +121,8 @@ def test_tokens_match_exactly_and_the_file_is_reread_when_it_changes(tmp_path):
         ("tokens: [{name: a, roles: [], token: 0123456789abcdef}]", "tokens[0].roles"),
         ("tokens: [{name: a, roles: [viewer], token: 0123456789abcdef}, {name: a, roles: [viewer], token: 0123456789abcdeg}]", "appear twice"),
         ("tokens: [{name: a, roles: [viewer], token: '0123456789 abcdef'}]", "no spaces"),
+        ("tokens: [{name: bob, roles: [viewer], token: 0123456789abcdef}, {name: alice, roles: [operator], token: 0123456789abcdef}]",
+         "bob and alice have the same token"),
     ],
 )
 def test_a_bad_tokens_file_is_refused_naming_the_field(tmp_path, body, named):
