@@ -31,6 +31,7 @@ from google.protobuf import json_format
 from motor import pbtime
 from motor.names import engine_id as make_engine_id
 from motor.processes import ExitStatus, TreeId
+from motor.termination import read_termination_message
 from motor.v1 import types_pb2
 from node_manager.process_ops import ExitWatcher
 
@@ -171,6 +172,23 @@ class EngineRecord:
 
     def record_exit(self, status: ExitStatus) -> None:
         self.exit_code, self.exit_signal, self.pid = status.exit_code, status.signal, 0
+
+    def remember(self, descendants: list[tuple[int, float]], same_process: Callable[[int, float], bool]) -> None:
+        """Keep the (pid, create time) of descendants seen alive: children re-parented to init
+        after their parent died can still be found and killed."""
+        known = {pid for pid, _ in self.remembered}
+        self.remembered += [item for item in descendants if item[0] not in known]
+        if len(self.remembered) > 256:
+            self.remembered = [item for item in self.remembered if same_process(*item)]
+
+    def explain(self, reason: str, tail_lines: int) -> str:
+        """A failure's reason: the engine server's own word on why first (its termination
+        message), then `reason`, the last `tail_lines` of its log last."""
+        message = read_termination_message(self.termination_path)
+        if message is not None:
+            reason = f"{message.message}; {reason}"
+        tail = self.log_tail(tail_lines)
+        return f"{reason}; log: {tail}" if tail else reason
 
     def add_probe(self, probe: types_pb2.ProbeResult) -> None:
         self.last_probe = probe

@@ -25,7 +25,6 @@ from motor.names import excerpt, parse_engine_id
 from motor.ports import PortAllocator
 from motor.processes import ExitStatus, TreeId
 from motor.tasks import TaskSet
-from motor.termination import read_termination_message
 from motor.v1 import engine_pb2, types_pb2
 from node_manager import specs
 from node_manager.config import NodeManagerConfig
@@ -277,10 +276,7 @@ class NodeManager:
         await record.settled.wait()
         # Idempotent clean-up: nothing of an ended engine may be left running (found by its token:
         # its pid and process group may belong to someone else by now).
-        token_tree = record.token_tree
-        if await self.ops.find_tree(token_tree):
-            self.metrics.kill("orphans")
-            await self.ops.kill_tree_confirmed(token_tree)
+        await self._end_leftovers(record, record.token_tree, remembered=())
         return record
 
     def _begin_stop(self, record: EngineRecord, deadline: float, why: str) -> None:
@@ -336,30 +332,45 @@ class NodeManager:
     async def _handle_exit(self, record: EngineRecord, status: ExitStatus, while_away: bool = False) -> None:
         """An exit nobody asked for (exit code 0 included) is a failure."""
         self._stop_monitor(record)
+        was = state_name(record.state)
+        notice = None if while_away else self._not_serving(record, f"engine server {status.describe()}")
         # Children may outlive the engine server (an orphaned engine core holds accelerator memory).
         # After a restart the process group id may have been reused: use the token only then.
         tree = record.token_tree if while_away else record.tree
-        left = await self.ops.find_tree(tree, record.remembered)
-        if left:
-            logger.warning("engine %s: killing %d leftover process(es) of its tree: %s",
-                           record.engine_id, len(left), left)
-            self.metrics.kill("orphans")
-            await self.ops.kill_tree_confirmed(tree, record.remembered)
-        was = state_name(record.state)
+        survivors = await self._end_leftovers(record, tree)
         record.record_exit(status)
         if while_away:
             reason = "exited while the node manager was not running (exit code unknown)"
         else:
             reason = f"{status.describe()} without being asked to stop (while {was})"
-        # The engine server's own word on why comes first, the log tail last.
-        message = read_termination_message(record.termination_path)
-        if message is not None:
-            reason = f"{message.message}; {reason}"
-        tail = record.log_tail(LOG_TAIL_LINES)
-        if tail:
-            reason += f"; log: {tail}"
+        if survivors:
+            reason += f"; processes {survivors} of its tree survived SIGKILL"
+        reason = record.explain(reason, LOG_TAIL_LINES)
         self._end(record, FAILED, reason)
-        await self._report(record, reason)
+        await self._report(record, reason, after=notice)
+
+    def _not_serving(self, record: EngineRecord, why: str) -> asyncio.Task:
+        """Tell the controller at once that the engine no longer serves (its endpoint leaves the
+        routers' list), before its process tree is cleaned up. The engine stays active until the
+        tree is gone: only FAILED, reported after that, lets the controller start a replacement
+        (which then cannot collide with a leftover holding its ports or accelerators)."""
+        record.health, record.health_reason = types_pb2.HEALTH_STATUS_ABNORMAL, why
+        engine = record.to_proto(self.node_id)
+        self._watchers.publish(engine)
+        return self._spawn(self._report(record, f"{why}; ending its process tree", engine=engine))
+
+    async def _end_leftovers(self, record: EngineRecord, tree: TreeId, remembered: Iterable | None = None) -> list[int]:
+        """Kill what is left of an ended engine's tree; the pids that survived SIGKILL."""
+        remembered = record.remembered if remembered is None else remembered
+        left = await self.ops.find_tree(tree, remembered)
+        if not left:
+            return []
+        logger.warning("engine %s: killing %d leftover process(es) of its tree: %s", record.engine_id, len(left), left)
+        self.metrics.kill("orphans")
+        survivors = await self.ops.kill_tree_confirmed(tree, remembered)
+        if survivors:
+            logger.error("engine %s: processes %s survived SIGKILL", record.engine_id, survivors)
+        return survivors
 
     def _end(self, record: EngineRecord, state: State, reason: str) -> None:
         for port in record.allocated_ports:
@@ -369,10 +380,13 @@ class NodeManager:
             self.metrics.failures.labels(self.node_id).inc()
         record.settled.set()
 
-    async def _report(self, record: EngineRecord, reason: str) -> None:
+    async def _report(self, record: EngineRecord, reason: str, engine: types_pb2.Engine | None = None,
+                      after: asyncio.Task | None = None) -> None:
+        if after is not None:
+            await after  # the not-serving notice: the controller must not hear of FAILED first
         if self.reporter is not None and not self._closed:
             try:
-                await self.reporter(record.to_proto(self.node_id), reason)
+                await self.reporter(engine or record.to_proto(self.node_id), reason)
             except Exception:  # the next heartbeat carries the failure anyway
                 logger.exception("engine %s: reporting the failure failed", record.engine_id)
 
@@ -392,7 +406,7 @@ class NodeManager:
     def on_verdict(self, record: EngineRecord, verdict: Verdict, changed: bool) -> None:
         """The kill decision: an engine whose verdict says the threshold was reached is killed
         (unless it is already being stopped, or its exit is already known)."""
-        self._remember_descendants(record)
+        record.remember(self.ops.descendants(record.pid), self.ops.same_process)
         if verdict.kill:
             self._publish(record)
             self._begin_kill(record, verdict.kill_reason)
@@ -421,21 +435,13 @@ class NodeManager:
 
     async def _kill_abnormal(self, record: EngineRecord, reason: str) -> None:
         logger.warning("engine %s: %s", record.engine_id, reason)
+        notice = self._not_serving(record, reason)
         self.metrics.kill("abnormal")
         await self.ops.kill_tree_confirmed(record.tree, record.remembered)
         await self._wait_exit(record)
         record.record_exit(self._watcher(record).status or ExitStatus(signal=9))
         self._end(record, FAILED, reason)
-        await self._report(record, reason)
-
-    def _remember_descendants(self, record: EngineRecord) -> None:
-        """Children re-parented to init after their parent died can still be found and killed."""
-        known = {pid for pid, _ in record.remembered}
-        for item in self.ops.descendants(record.pid):
-            if item[0] not in known:
-                record.remembered.append(item)
-        if len(record.remembered) > 256:
-            record.remembered = [item for item in record.remembered if self.ops.same_process(*item)]
+        await self._report(record, reason, after=notice)
 
     # Fencing by the controller ----------------------------------------------------------------
 

@@ -84,6 +84,8 @@ class FakeProcessOps:
         self.terminated: list[TreeId] = []  # trees sent SIGTERM
         self.hold_terminate = asyncio.Event()  # clear it to keep a stop waiting
         self.hold_terminate.set()
+        self.hold_find = asyncio.Event()  # clear it to keep a search of a tree waiting (a slow /proc scan)
+        self.hold_find.set()
         self._pids = itertools.count(4000)
 
     # Test controls --------------------------------------------------------------------------
@@ -152,6 +154,7 @@ class FakeProcessOps:
         return found
 
     async def find_tree(self, tree: TreeId, remembered=()) -> list[int]:
+        await self.hold_find.wait()
         return [p.pid for p in self._tree(tree, remembered)]
 
     async def kill_tree_confirmed(self, tree: TreeId, remembered=()) -> list[int]:

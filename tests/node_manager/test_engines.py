@@ -83,9 +83,15 @@ async def test_sigkill_is_noticed_recorded_and_reported(make_node, fake_controll
     failed = await node.wait_state("prefill-0/rank0", FAILED, timeout=10)
     assert failed.exit_signal == signal.SIGKILL and not failed.HasField("exit_code")
     assert "killed by signal 9 (SIGKILL) without being asked to stop" in failed.state_reason
-    report = await async_wait_for(lambda: fake_controller.reports, timeout=10)
-    assert report[0].engine.engine_id == "prefill-0/rank0" and report[0].engine.state == FAILED
-    assert "SIGKILL" in report[0].reason
+    reports = await async_wait_for(lambda: len(fake_controller.reports) >= 2 and fake_controller.reports, timeout=10)
+    # Routers first: the controller hears at once that the engine no longer serves (its endpoint
+    # is removed), while the engine is still RUNNING for restart purposes (its tree is being
+    # cleaned up); FAILED, which allows a replacement, only once the tree is gone.
+    notice, failure = reports
+    assert notice.engine.engine_id == "prefill-0/rank0" and notice.engine.state == RUNNING
+    assert notice.engine.health == types_pb2.HEALTH_STATUS_ABNORMAL
+    assert notice.reason == "engine server killed by signal 9 (SIGKILL); ending its process tree"
+    assert failure.engine.state == FAILED and "SIGKILL" in failure.reason
     beat = await async_wait_for(
         lambda: [h for h in fake_controller.heartbeats if h.engines and h.engines[0].state == FAILED], timeout=10)
     assert beat[0].node_id == "node-a"
@@ -163,8 +169,12 @@ async def test_short_pause_is_tolerated_and_a_hang_is_killed(make_node, fake_con
     failed = await node.wait_state("prefill-0/rank0", FAILED, timeout=60)
     assert failed.state_reason.startswith(f"killed after {threshold} abnormal heartbeats: no answer: GetStatus timed out")
     assert failed.exit_signal == signal.SIGKILL and not alive(engine.pid)
-    report = await async_wait_for(lambda: fake_controller.reports, timeout=10)
+    report = await async_wait_for(lambda: _failure_reports(fake_controller), timeout=10)
     assert report[0].reason == failed.state_reason
+
+
+def _failure_reports(fake_controller):
+    return [r for r in fake_controller.reports if r.engine.state == FAILED]
 
 
 async def _consecutive_at_least(node, count):
@@ -189,7 +199,7 @@ async def test_failing_inference_with_green_health_is_killed_and_reported(make_n
     failed = await node.wait_state("prefill-0/rank0", FAILED, timeout=60)
     assert failed.state_reason.startswith("killed after 3 abnormal heartbeats: ABNORMAL")
     assert failed.exit_signal == signal.SIGKILL and not alive(engine.pid)
-    report = await async_wait_for(lambda: fake_controller.reports, timeout=10)
+    report = await async_wait_for(lambda: _failure_reports(fake_controller), timeout=10)
     assert report[0].engine.recent_probes
     assert any(p.outcome == types_pb2.PROBE_OUTCOME_FAILURE for p in report[0].engine.recent_probes)
 

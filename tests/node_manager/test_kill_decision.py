@@ -59,7 +59,10 @@ async def test_a_hang_is_killed_at_the_threshold_and_not_before(make_fake_node):
     assert record.state_reason == reason
     assert [tree.token for tree in node.ops.kills] == [record.token]  # the whole tree, once
     assert record.pid == 0 and node.ops.alive() == []
-    assert [r for _, r in node.reports] == [reason] and node.reports[0][0].state == FAILED
+    # Routers first: "not serving" (still RUNNING: no replacement yet) before the kill, FAILED after.
+    assert [r for _, r in node.reports] == [f"{reason}; ending its process tree", reason]
+    assert [e.state for e, _ in node.reports] == [RUNNING, FAILED]
+    assert node.reports[0][0].health == types_pb2.HEALTH_STATUS_ABNORMAL
     assert kills_of(node) == 1
     # The documented bound: threshold x interval plus one interval, on the fake clock.
     assert node.clock.monotonic() - hang_began <= (3 + 1) * node.config.heartbeat_interval
@@ -167,3 +170,27 @@ async def test_a_kill_reaches_children_that_left_the_group_and_those_seen_before
     await node.answer(TIMED_OUT)
     await ended(record)
     assert node.ops.alive() == []
+
+
+async def test_an_exit_is_reported_not_serving_at_once_and_failed_only_once_its_tree_is_gone(make_fake_node):
+    # The controller removes the endpoint on the first report; it starts a replacement only on
+    # FAILED, which must wait until nothing of the old copy (an engine core outliving its engine
+    # server) can hold the engine's ports or accelerators.
+    node = make_fake_node()
+    record = await running_engine(node)
+    core = node.ops.spawn_child(record.pid)
+    node.ops.hold_find.clear()  # the search for leftovers is slow (a /proc scan on a busy host)
+    node.ops.exit(record.pid, ExitStatus(signal=9))
+    await settle(lambda: len(node.reports) == 1)
+    notice, why = node.reports[0]
+    assert why == "engine server killed by signal 9 (SIGKILL); ending its process tree"
+    assert notice.state == RUNNING and notice.health == types_pb2.HEALTH_STATUS_ABNORMAL
+    assert record.active and core.alive and record.allocated_ports
+    # A start of the same engine meanwhile finds the old copy still active: nothing is launched.
+    launched = len(node.ops.launched)
+    assert await node.manager.start_engine(sim_spec()) is record and len(node.ops.launched) == launched
+    node.ops.hold_find.set()
+    await ended(record)
+    assert not core.alive and record.state == FAILED and record.exit_signal == 9
+    assert [e.state for e, _ in node.reports] == [RUNNING, FAILED]
+    assert node.reports[1][1].startswith("killed by signal 9 (SIGKILL) without being asked to stop (while RUNNING)")
