@@ -25,7 +25,7 @@ from motor.processes import ExitStatus
 from motor.v1 import node_manager_pb2, types_pb2
 from node_manager.record_saver import RecordSaver
 from tests.node_manager.conftest import alive, spec
-from tests.node_manager.fakes import NORMAL, FakeNode, ended, sim_spec
+from tests.node_manager.fakes import NORMAL, FakeNode, ended, settle, sim_spec
 from tests.support import async_wait_for
 
 RUNNING, FAILED = types_pb2.ENGINE_STATE_RUNNING, types_pb2.ENGINE_STATE_FAILED
@@ -122,7 +122,9 @@ async def test_exits_while_the_disk_refuses_are_kept_reported_logged_once_and_sa
         node.ops.exit(record.pid, ExitStatus(exit_code=3))
         await ended(record)
     assert [r.state for r in records] == [FAILED, FAILED]
-    assert sorted(engine.engine_id for engine, _ in node.reports) == [r.engine_id for r in records]
+    failures = lambda: [engine.engine_id for engine, _ in node.reports if engine.state == FAILED]  # noqa: E731
+    await settle(lambda: len(failures()) == 2)
+    assert sorted(failures()) == [r.engine_id for r in records]
     stopped = await asyncio.wait_for(manager.stop_engine(records[0].engine_id), 10)  # returns, no hang
     assert stopped.state == FAILED
     await async_wait_for(lambda: len(refused) >= 4, timeout=10, what="writes tried again")
