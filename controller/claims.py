@@ -11,17 +11,39 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
-from motor import node_process
-from motor.errors import FailedPrecondition
+from motor import names, node_process
+from motor.errors import FailedPrecondition, InvalidArgument
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.config import ControllerConfig
+from controller.generations import MAX_GENERATION
 from controller.liveness import NodeMonitor
 from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
 from controller.state import ClusterState
 
 # A conflict is over when the refused process has not asked for this long (it asks every 10 s at most).
 CONFLICT_QUIET_S = 60.0
+
+
+def check_registration(info: controller_pb2.NodeInfo, highest_generation: int) -> None:
+    """What a RegisterNode must carry; INVALID_ARGUMENT naming the field otherwise."""
+    if not info.node_id:
+        raise InvalidArgument("node.node_id: required (a unique name of the node, e.g. 'node-a')")
+    names.check_node_id(info.node_id, "node.node_id")
+    if not info.address:
+        raise InvalidArgument("node.address: required (host:port of the node manager's gRPC server)")
+    names.check_printable(info.address, "node.address")
+    names.check_printable(info.host, "node.host")
+    if info.port_range_start or info.port_range_end:
+        if not 0 < info.port_range_start <= info.port_range_end <= 65535:
+            raise InvalidArgument(
+                f"node.port_range_start/port_range_end: {info.port_range_start}-{info.port_range_end} is not a range within 1-65535"
+            )
+    if highest_generation >= MAX_GENERATION:
+        raise InvalidArgument(
+            f"highest_generation: {highest_generation} is beyond any generation a controller issues (2^62): an "
+            "engine record in the node's state directory carries it; remove that engine's record"
+        )
 
 
 class Claim(enum.Enum):

@@ -32,12 +32,14 @@ from motor.v1 import controller_pb2, types_pb2
 
 from controller import endpoints, views
 from controller.actuator import Actuator, engine_spec
-from controller.claims import NodeClaims
+from controller.adoption import Adoption
+from controller.claims import NodeClaims, check_registration
 from controller.config import ControllerConfig
 from controller.events import EventBus
 from controller.instances import FAILED, RESTARTING, InstanceRecord, Policy
 from controller.liveness import NodeMonitor
 from controller.fleet_metrics import FleetSeries
+from controller.generations import Generations
 from controller.store_metrics import MeasuredStore, StoreMetrics
 from controller.metrics import ControllerMetrics
 from controller.node_client import NodeCallError, NodeClient
@@ -102,6 +104,8 @@ class Controller(views.ClusterReads):
         # The per-node, per-instance and per-engine series, served beside metrics.registry's (/metrics).
         self.fleet_series = FleetSeries(self.state, lambda: self.monitor.alarm, clock=wall)
         self.claims = NodeClaims(self.state, config, self.monitor, self.metrics.registrations_refused)
+        self.generations = Generations(self.store, self.state.refused)
+        self.adoption = Adoption(self.state, self._observe)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -109,6 +113,7 @@ class Controller(views.ClusterReads):
         """Reload the stored state (after a restart or kill -9)."""
         st = self.state
         stored = self.store.load()
+        self.adoption.loaded(stored)
         if stored.deployment is not None:
             deployment = C.Deployment.FromString(stored.deployment)
             self._set_deployment(deployment, stored.revision)
@@ -219,6 +224,8 @@ class Controller(views.ClusterReads):
                 self._remove_instance(instance_id, "its spec changed; it is started again")
             for inst, slots in new.values():
                 self._install(inst, slots)
+            if self.adoption.waiting:  # a new store: take over what the nodes run as described
+                self.adoption.adopt(inst for inst, _ in new.values())
             for instance_id, spec in sorted((i, spec) for i, spec in desired.items() if i not in new):
                 inst = self.instances[instance_id]
                 inst.paired_instance_id = spec.paired_instance_id
@@ -293,6 +300,10 @@ class Controller(views.ClusterReads):
 
     def delete_deployment(self) -> None:
         if self.deployment is None:
+            if self.adoption.waiting:  # a new store: no engine it does not know is kept any more
+                self._store_first(None, 1, [], {})
+                self._set_deployment(None, 1)
+                self.adoption.end("deployment deleted on a new store")
             return
         name = self.deployment.name
         self._store_first(None, self.revision, sorted(self.instances), {})
@@ -303,35 +314,27 @@ class Controller(views.ClusterReads):
 
     # ------------------------------------------------------------------ nodes: register, heartbeat, events
 
-    async def register_node(self, info: C.NodeInfo, engines: Iterable[T.Engine]) -> RegisterNodeResponse:
+    async def register_node(self, info: C.NodeInfo, engines: Iterable[T.Engine], highest_generation: int = 0) -> RegisterNodeResponse:
         """Register a node manager process under its node id, unless another live process holds it
         (controller/claims.py): FAILED_PRECONDITION naming both then. `replaced` in the answer: the
         process it took the node id over from."""
-        if not info.node_id:
-            raise InvalidArgument("node.node_id: required (a unique name of the node, e.g. 'node-a')")
-        names.check_node_id(info.node_id, "node.node_id")
-        if not info.address:
-            raise InvalidArgument("node.address: required (host:port of the node manager's gRPC server)")
-        names.check_printable(info.address, "node.address")
-        names.check_printable(info.host, "node.host")
-        if info.port_range_start or info.port_range_end:
-            if not 0 < info.port_range_start <= info.port_range_end <= 65535:
-                raise InvalidArgument(
-                    f"node.port_range_start/port_range_end: {info.port_range_start}-{info.port_range_end} is not a range within 1-65535"
-                )
+        engines = list(engines)
+        highest = max([highest_generation, *(e.spec.generation for e in engines)])
+        check_registration(info, highest)
         replaced = await self.claims.admit(info)
-        generation, assignments = self._register(info, engines)
+        generation, assignments = self._register(info, engines, highest)
         self.claims.registered(info)
-        reply = RegisterNodeResponse(generation=generation, assignments=assignments)
+        reply = RegisterNodeResponse(generation=generation, assignments=assignments, generation_limit=self.generations.limit(),
+                                     keep_unassigned=self.adoption.waiting)
         if replaced is not None:
             reply.replaced.CopyFrom(replaced)
         return reply
 
-    def _register(self, info: C.NodeInfo, engines: Iterable[T.Engine]) -> tuple[int, list[C.EngineAssignment]]:
+    def _register(self, info: C.NodeInfo, engines: Iterable[T.Engine], highest: int) -> tuple[int, list[C.EngineAssignment]]:
         st = self.state
         previous = st.nodes.get(info.node_id)
         with st.batch():
-            generation = self.store.next_generation()
+            generation = self.generations.for_registration(highest)
             node = NodeRuntime(info, generation, NODE_READY, f"registered (generation {generation})", last_seen=self.mono())
             node.last_heartbeat_wall = node.registered_wall = self.wall()
             node.reported_since_start = True
@@ -398,6 +401,9 @@ class Controller(views.ClusterReads):
         slot = self.state.slots.get(engine.engine_id)
         generation = engine.spec.generation
         if slot is None or slot.node_id != node.node_id or generation != slot.generation:
+            self.generations.learn(generation, f"engine {engine.engine_id} on {node.node_id}")
+            if self.adoption.waiting:
+                return  # a new store: kept until a deployment is applied (controller/adoption.py)
             if slot is not None and slot.node_id == node.node_id and generation == 0:
                 return  # a copy not launched by a controller (cannot be stale-fenced safely)
             if engine.state in LIVE_ENGINE_STATES:

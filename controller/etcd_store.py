@@ -205,10 +205,13 @@ class EtcdStore(Store):
     def save_deployment(self, deployment: bytes | None, revision: int) -> None:
         self._stage("deployment", {"revision": revision, "deployment": _b64(deployment)})
 
-    def next_generation(self) -> int:
-        value = self._mirror.generation + 1
+    def next_generation(self, above: int = 0) -> int:
+        value = max(self._mirror.generation, above) + 1
         self._stage("generation", value)
         return value
+
+    def last_generation(self) -> int:
+        return self._mirror.generation
 
     def save_node(self, node: StoredNode) -> None:
         data = {"info": _b64(node.info), "generation": node.generation, "state": node.state, "reason": node.reason}

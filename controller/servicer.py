@@ -30,7 +30,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         return self.ha.controller if self.ha else self._controller
 
     async def RegisterNode(self, request, context):
-        reply = await self.controller.register_node(request.node, request.engines)
+        reply = await self.controller.register_node(request.node, request.engines, request.highest_generation)
         reply.heartbeat_interval.CopyFrom(pbtime.duration(self.controller.config.heartbeat_interval))
         return reply
 
@@ -38,7 +38,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         started = time.perf_counter()
         self.controller.heartbeat(request.node_id, request.generation, request.engines, request.delta, request.removed_engine_ids)
         self.controller.metrics.heartbeat_seconds.observe(time.perf_counter() - started)
-        return controller_pb2.HeartbeatResponse(sequence=request.sequence)
+        return controller_pb2.HeartbeatResponse(sequence=request.sequence, generation_limit=self.controller.generations.limit())
 
     async def Heartbeat(self, request, context):
         return self._heartbeat(request)

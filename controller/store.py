@@ -51,8 +51,14 @@ class Store(abc.ABC):
     def save_deployment(self, deployment: bytes | None, revision: int) -> None: ...
 
     @abc.abstractmethod
-    def next_generation(self) -> int:
-        """A number larger than any returned before, by this or an earlier controller process."""
+    def next_generation(self, above: int = 0) -> int:
+        """A number larger than any returned before, by this or an earlier controller process,
+        and larger than `above` (a generation a node reports that this store never issued: its
+        predecessor's, when the store was lost)."""
+
+    @abc.abstractmethod
+    def last_generation(self) -> int:
+        """The largest number next_generation returned so far (0: none); no I/O."""
 
     @abc.abstractmethod
     def save_node(self, node: StoredNode) -> None: ...
@@ -121,6 +127,7 @@ class SqliteStore(Store):
                 f"--discard-unreadable-db (moves it aside; the deployment must be applied again)"
             ) from None
         self._depth = 0
+        self._generation: int | None = None  # the counter, once read
 
     @classmethod
     def discard(cls, path: str) -> str:
@@ -145,6 +152,7 @@ class SqliteStore(Store):
         # ROLLBACK would fail with "cannot rollback - no transaction is active".
         if self.db.in_transaction:
             self.db.execute("ROLLBACK")
+        self._generation = None  # a counter raised in the rolled-back transaction is read again
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
@@ -193,11 +201,17 @@ class SqliteStore(Store):
             self._set_meta("deployment", deployment)
             self._set_meta("revision", revision)
 
-    def next_generation(self) -> int:
+    def next_generation(self, above: int = 0) -> int:
         with self.transaction():
-            value = int(self._meta("generation") or 0) + 1
+            value = max(int(self._meta("generation") or 0), above) + 1
             self._set_meta("generation", value)
+        self._generation = value
         return value
+
+    def last_generation(self) -> int:
+        if self._generation is None:
+            self._generation = int(self._meta("generation") or 0)
+        return self._generation
 
     def save_node(self, node: StoredNode) -> None:
         self._execute(

@@ -82,8 +82,11 @@ class MeasuredStore(Store):
     def save_deployment(self, deployment: bytes | None, revision: int) -> None:
         self._write("save_deployment", deployment, revision)
 
-    def next_generation(self) -> int:
-        return self._write("next_generation")
+    def next_generation(self, above: int = 0) -> int:
+        return self._write("next_generation", above)
+
+    def last_generation(self) -> int:
+        return self.inner.last_generation()
 
     def save_node(self, node: StoredNode) -> None:
         self._write("save_node", node)

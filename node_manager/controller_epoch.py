@@ -1,13 +1,27 @@
-"""The controller epoch a node manager has seen (docs/ha.md): a leader elected on etcd sends its
-epoch on StartEngine/StopEngine and in its RegisterNode/Heartbeat replies. Once a node has seen
-epoch N, a command of an older epoch comes from a deposed leader and is refused, even if that
-leader still believes it leads. Epoch 0 is a controller without high availability (SQLite)."""
+"""Which controller commands are current, as a node manager judges them (docs/security.md,
+"Generations and epochs"; docs/ha.md). One rule for high availability and for a lost store:
+
+The controller this node manager reports to is the authority. Each of its RegisterNode and
+Heartbeat replies (calls this node made, to the controller it is configured with) carries its
+epoch (0 without high availability) and the highest generation it may put on a StartEngine
+before its next reply. Only those replies teach the node anything. A StartEngine/StopEngine
+(which, in plaintext mode, anyone reaching the port can send) is checked and teaches nothing:
+- an epoch older than the reply's: a deposed leader: FAILED_PRECONDITION;
+- an epoch more than one past it: no controller issued it: FAILED_PRECONDITION (one past is a
+  new leader whose first reply has not reached this node yet); epoch 0 is always accepted (a
+  controller without high availability, grpcurl by hand);
+- a start's generation above the announced limit: UNAVAILABLE (the controller retries once the
+  node's next heartbeat has brought the new limit).
+So one bogus command cannot poison the node: nothing it carries is kept. A reply whose epoch is
+lower than the previous one replaces it (the controller's store was replaced: its election
+epochs started again); under HA two controllers never answer as leader at the same time.
+"""
 
 from __future__ import annotations
 
 import logging
 
-from motor.errors import FailedPrecondition
+from motor.errors import FailedPrecondition, Unavailable
 from motor.names import excerpt
 
 logger = logging.getLogger(__name__)
@@ -15,19 +29,35 @@ logger = logging.getLogger(__name__)
 
 class ControllerEpoch:
     def __init__(self) -> None:
-        self.highest = 0
+        self.heard = False  # no reply yet (a standalone node manager): nothing is checked
+        self.current = 0  # the epoch in the controller's latest reply
+        self.generation_limit = 0  # 0: no reply yet (a standalone node manager): generations unchecked
 
-    def observe(self, epoch: int) -> None:
-        if epoch > self.highest:
-            if self.highest:
-                logger.info("controller epoch %d -> %d: a new controller leads", self.highest, epoch)
-            self.highest = epoch
+    def observe(self, epoch: int, generation_limit: int = 0) -> None:
+        """A reply of the controller this node reports to: it says what is current."""
+        self.heard = True
+        if epoch != self.current:
+            if epoch > self.current:
+                logger.info("controller epoch %d -> %d: a new controller leads", self.current, epoch)
+            else:
+                logger.warning("controller epoch %d -> %d: the controller's store was replaced (its epochs started "
+                               "again); following it", self.current, epoch)
+            self.current = epoch
+        if generation_limit:
+            self.generation_limit = generation_limit
 
     def admit(self, epoch: int, what: str) -> None:
-        """Raise FailedPrecondition for a command of an epoch older than one seen; else note it."""
-        if epoch and epoch < self.highest:
-            raise FailedPrecondition(
-                f"controller_epoch {epoch} refused ({excerpt(what, 200)}): epoch {self.highest} leads now "
-                "(the sender is a deposed leader)"
+        """Raise FailedPrecondition for a command whose epoch is not current; learn nothing from it."""
+        if not epoch or not self.heard or self.current <= epoch <= self.current + 1:
+            return
+        why = ("epoch {current} leads now (the sender is a deposed leader)" if epoch < self.current else
+               "the controller this node reports to announced epoch {current}; no controller issued this one")
+        raise FailedPrecondition(f"controller_epoch {epoch} refused ({excerpt(what, 200)}): " + why.format(current=self.current))
+
+    def admit_generation(self, generation: int, what: str) -> None:
+        """Raise Unavailable for a start above the generation limit the controller announced."""
+        if self.generation_limit and generation > self.generation_limit:
+            raise Unavailable(
+                f"spec.generation {generation} refused ({excerpt(what, 200)}): above the limit {self.generation_limit} "
+                "the controller announced to this node; a controller retries after the node's next heartbeat"
             )
-        self.observe(epoch)

@@ -148,7 +148,9 @@ class ControllerLink:
                 with attempt:
                     attempt_no += 1
                     request = controller_pb2.RegisterNodeRequest(
-                        node=self.node, engines=[e for e in self.manager.engines() if e.state != types_pb2.ENGINE_STATE_STOPPED]
+                        node=self.node, engines=[e for e in self.manager.engines() if e.state != types_pb2.ENGINE_STATE_STOPPED],
+                        # A controller on a new store (its database lost) issues generations above it.
+                        highest_generation=max((r.generation for r in self.manager.records.values()), default=0),
                     )
                     # Only engines the controller was told about are judged by its answer (one
                     # started while the call was in flight is not fenced by a reply that predates it).
@@ -178,13 +180,16 @@ class ControllerLink:
             logger.warning("took node id %s over from %s; killed %d engine(s) it left running on this host",
                            self.node.node_id, describe(reply.replaced), killed)
         self.generation = reply.generation
-        self.epoch.observe(reply.controller_epoch)
+        self.epoch.observe(reply.controller_epoch, reply.generation_limit)
         if reply.HasField("heartbeat_interval") and pbtime.seconds(reply.heartbeat_interval) > 0:
             self.interval = pbtime.seconds(reply.heartbeat_interval)
-        fenced = self.manager.reconcile(((a.engine_id, a.generation) for a in reply.assignments), reported)
+        if reply.keep_unassigned:  # a new store: its first deployment adopts what it describes
+            kept = f", keeping the {len(reported)} engine(s) it does not know until a deployment is applied"
+        else:
+            fenced = self.manager.reconcile(((a.engine_id, a.generation) for a in reply.assignments), reported)
+            kept = f", stopping unassigned {fenced}" if fenced else ""
         logger.info("registered with the controller as %s (generation %d, heartbeat every %gs); %d engine(s) assigned%s",
-                    self.node.node_id, self.generation, self.interval, len(reply.assignments),
-                    f", stopping unassigned {fenced}" if fenced else "")
+                    self.node.node_id, self.generation, self.interval, len(reply.assignments), kept)
         self.registered.set()
 
     def _refused(self, details: str) -> None:
@@ -224,7 +229,7 @@ class ControllerLink:
                 delay = backoff_delay(failures, self.interval / 2, self.max_backoff)
                 next_tick = clock.monotonic() + (min(delay, self.interval) if self.controllers.several else delay) - self.interval
                 continue
-            self.epoch.observe(reply.controller_epoch)
+            self.epoch.observe(reply.controller_epoch, reply.generation_limit)
             switched = False
             self.manager.metrics.heartbeat_latency.labels(self.node.node_id).observe(clock.monotonic() - began)
             if failures:

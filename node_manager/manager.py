@@ -159,7 +159,7 @@ class NodeManager:
         requested = types_pb2.EngineSpec()
         requested.CopyFrom(spec)
         specs.check_spec(spec, self.config)
-        await self._wait_for_claim()
+        await self.wait_for_claim()
         engine_id = make_engine_id(spec.instance_id, spec.dp_rank)
         async with self._lock(engine_id):
             existing = self.records.get(engine_id)
@@ -185,7 +185,7 @@ class NodeManager:
             self._monitor(record)
             return record
 
-    async def _wait_for_claim(self) -> None:
+    async def wait_for_claim(self) -> None:
         held = self.claim_held
         if held is None or held.is_set():
             return

@@ -22,7 +22,10 @@ class NodeManagerServicer(node_manager_pb2_grpc.NodeManagerServiceServicer):
     async def StartEngine(self, request, context):
         if not request.HasField("spec"):
             raise InvalidArgument("spec: required (instance_id, dp_rank, role, config_path or config_json, ...)")
-        self.epoch.admit(request.controller_epoch, f"StartEngine of {request.spec.instance_id}/rank{request.spec.dp_rank}")
+        what = f"StartEngine of {request.spec.instance_id}/rank{request.spec.dp_rank}"
+        await self.manager.wait_for_claim()  # registering: its reply says which epoch and limit are current
+        self.epoch.admit(request.controller_epoch, what)
+        self.epoch.admit_generation(request.spec.generation, what)
         record = await self.manager.start_engine(request.spec)
         return node_manager_pb2.StartEngineResponse(engine=record.to_proto(self.manager.node_id))
 

@@ -657,6 +657,12 @@ class RegisterNodeRequest(_message.Message):
 
     NODE_FIELD_NUMBER: _builtins.int
     ENGINES_FIELD_NUMBER: _builtins.int
+    HIGHEST_GENERATION_FIELD_NUMBER: _builtins.int
+    highest_generation: _builtins.int
+    """The highest generation of any engine the node keeps a record of (running, stopped or
+    failed). A controller issues every later generation above it, so generations stay ordered
+    when the controller's store was lost (docs/security.md#generations-and-epochs).
+    """
     @_builtins.property
     def node(self) -> Global___NodeInfo:
         """The node's identity and capacity."""
@@ -670,10 +676,11 @@ class RegisterNodeRequest(_message.Message):
         *,
         node: Global___NodeInfo | None = ...,
         engines: _abc.Iterable[_types_pb2.Engine] | None = ...,
+        highest_generation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["node", b"node"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "node", b"node"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "highest_generation", b"highest_generation", "node", b"node"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -716,11 +723,22 @@ class RegisterNodeResponse(_message.Message):
     ASSIGNMENTS_FIELD_NUMBER: _builtins.int
     REPLACED_FIELD_NUMBER: _builtins.int
     CONTROLLER_EPOCH_FIELD_NUMBER: _builtins.int
+    GENERATION_LIMIT_FIELD_NUMBER: _builtins.int
+    KEEP_UNASSIGNED_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     """Generation of this registration; heartbeats must carry it."""
     controller_epoch: _builtins.int
     """Epoch of the leading controller (0 without high availability); the node manager refuses
     StartEngine/StopEngine of an older epoch from then on.
+    """
+    generation_limit: _builtins.int
+    """The highest generation this controller may put on a StartEngine before the node's next
+    registration or heartbeat: the node refuses a start above it (docs/security.md#generations-and-epochs).
+    """
+    keep_unassigned: _builtins.bool
+    """Set while the controller's store is new (no deployment was ever applied to it, e.g. its
+    database was lost): the node keeps the engines not in `assignments` running instead of
+    stopping them; the first ApplyDeployment adopts those it describes and stops the others.
     """
     @_builtins.property
     def heartbeat_interval(self) -> _duration_pb2.Duration:
@@ -745,10 +763,12 @@ class RegisterNodeResponse(_message.Message):
         assignments: _abc.Iterable[Global___EngineAssignment] | None = ...,
         replaced: _types_pb2.NodeManagerProcess | None = ...,
         controller_epoch: _builtins.int = ...,
+        generation_limit: _builtins.int = ...,
+        keep_unassigned: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval", b"heartbeat_interval", "replaced", b"replaced"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "controller_epoch", b"controller_epoch", "generation", b"generation", "heartbeat_interval", b"heartbeat_interval", "replaced", b"replaced"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "controller_epoch", b"controller_epoch", "generation", b"generation", "generation_limit", b"generation_limit", "heartbeat_interval", b"heartbeat_interval", "keep_unassigned", b"keep_unassigned", "replaced", b"replaced"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -811,19 +831,23 @@ class HeartbeatResponse(_message.Message):
 
     SEQUENCE_FIELD_NUMBER: _builtins.int
     CONTROLLER_EPOCH_FIELD_NUMBER: _builtins.int
+    GENERATION_LIMIT_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """The request's sequence."""
     controller_epoch: _builtins.int
     """Epoch of the leading controller (0 without high availability); see RegisterNodeResponse."""
+    generation_limit: _builtins.int
+    """See RegisterNodeResponse.generation_limit."""
     def __init__(
         self,
         *,
         sequence: _builtins.int = ...,
         controller_epoch: _builtins.int = ...,
+        generation_limit: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["controller_epoch", b"controller_epoch", "sequence", b"sequence"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["controller_epoch", b"controller_epoch", "generation_limit", b"generation_limit", "sequence", b"sequence"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

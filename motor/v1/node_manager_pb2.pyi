@@ -29,8 +29,9 @@ class StartEngineRequest(_message.Message):
     SPEC_FIELD_NUMBER: _builtins.int
     CONTROLLER_EPOCH_FIELD_NUMBER: _builtins.int
     controller_epoch: _builtins.int
-    """Epoch of the controller sending it (0: no high availability). A node manager that has seen
-    a higher epoch refuses the call with FAILED_PRECONDITION: it comes from a deposed leader.
+    """Epoch of the controller sending it (0: no high availability). The node manager refuses with
+    FAILED_PRECONDITION an epoch older than the one in its controller's latest reply (a deposed
+    leader) or more than one past it (never issued); docs/security.md#generations-and-epochs.
     """
     @_builtins.property
     def spec(self) -> _types_pb2.EngineSpec:

@@ -152,6 +152,9 @@ class FakeController(controller_pb2_grpc.ControllerServiceServicer):
         self.replaced: types_pb2.NodeManagerProcess | None = None  # answered as the process taken over from
         self.generation = 0
         self.address = ""
+        self.epoch = 0  # controller_epoch in every reply
+        self.generation_limit = 0  # generation_limit in every reply (0: none announced)
+        self.keep_unassigned = False
 
     async def RegisterNode(self, request, context):
         self.registrations.append(request)
@@ -161,7 +164,8 @@ class FakeController(controller_pb2_grpc.ControllerServiceServicer):
         assignments = self.assignments
         if assignments is None:
             assignments = [(e.engine_id, e.spec.generation) for e in request.engines]
-        reply = controller_pb2.RegisterNodeResponse(generation=self.generation, replaced=self.replaced)
+        reply = controller_pb2.RegisterNodeResponse(generation=self.generation, replaced=self.replaced, controller_epoch=self.epoch,
+                                                    generation_limit=self.generation_limit, keep_unassigned=self.keep_unassigned)
         for engine_id, generation in assignments:
             reply.assignments.add(engine_id=engine_id, generation=generation)
         return reply
@@ -171,7 +175,7 @@ class FakeController(controller_pb2_grpc.ControllerServiceServicer):
             self.refuse_heartbeats -= 1
             raise FailedPrecondition(f"generation {request.generation} is stale: register again")
         self.heartbeats.append(request)
-        return controller_pb2.HeartbeatResponse()
+        return controller_pb2.HeartbeatResponse(controller_epoch=self.epoch, generation_limit=self.generation_limit)
 
     async def StreamHeartbeats(self, request_iterator, context):
         # Deltas applied as the controller applies them: `heartbeats` records the full list each
