@@ -5,10 +5,9 @@ Plain functions of the spec and the node's configuration: nothing here touches a
 
 from __future__ import annotations
 
-import json
 import os
 
-from motor.engine_policy import check_engine_config, within
+from motor.engine_policy import check_engine_config, parse_config_json, within
 from motor.errors import FailedPrecondition, InvalidArgument
 from motor.names import ROLE_NAMES, check_instance_id, check_printable, role_name
 from motor.ports import PortAllocator, port_is_free
@@ -43,12 +42,7 @@ def check_spec(spec: types_pb2.EngineSpec, config: NodeManagerConfig) -> None:
     if bool(spec.config_path) == bool(spec.config_json):
         raise InvalidArgument("spec: set exactly one of config_path (a file on the node) and config_json")
     if spec.config_json:
-        try:
-            parsed = json.loads(spec.config_json)
-            if not isinstance(parsed, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as exc:
-            raise InvalidArgument(f"spec.config_json is not a JSON object: {exc}") from None
+        parsed = parse_config_json(spec.config_json, "spec.config_json")
         check_engine_config(parsed, config.model_roots, "spec.config_json")
     elif not within(spec.config_path, [config.state_dir]):
         raise InvalidArgument(

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from motor.engine_policy import check_engine_config
+from motor.engine_policy import MAX_CONFIG_DEPTH, check_engine_config, parse_config_json
 from motor.errors import InvalidArgument
 
 SECTION = "motor_engine_prefill_config"
@@ -19,7 +21,7 @@ def _config(**engine_args):
     [
         ({"launcher": ["/bin/sh", "-c", "id > /tmp/x"]}, "engine_args.launcher", "may not choose what runs"),
         ({"worker_extension_cls": "evil.Module"}, "engine_args.worker_extension_cls", "Python class"),
-        ({"tool_parser_plugin": "plugin.py"}, "engine_args.tool_parser_plugin", "Python file"),
+        ({"tool_parser_plugin": "plugin.py"}, "engine_args.tool_parser_plugin", "plugin"),
         ({"trust_remote_code": True}, "engine_args.trust_remote_code", "must be false"),
         ({"model_path": "/etc"}, "engine_args.model_path", "'/etc' is a local path outside"),
         ({"model_path": "~root/.ssh"}, "engine_args.model_path", "local path outside"),
@@ -55,3 +57,104 @@ def test_a_symlink_out_of_a_model_root_is_outside(tmp_path):
     (root / "escape").symlink_to("/etc")
     with pytest.raises(InvalidArgument):
         check_engine_config(_config(model_path=str(root / "escape")), [str(root)])
+
+
+def _vllm(**engine_args):
+    return {"motor_engine_union_config": {"engine_type": "vllm", "engine_args": {"model": "Qwen/Qwen2-0.5B", **engine_args}}}
+
+
+VLLM_UNION = "spec.config_json.motor_engine_union_config.engine_args"
+
+
+@pytest.mark.parametrize(
+    "engine_args, key, says",
+    [  # hostile F1: every spelling vLLM accepts, and the code-loading arguments missing from the old list
+        ({"trust-remote-code": True}, "trust-remote-code", "must be false"),
+        ({"Trust_Remote_Code": True}, "Trust_Remote_Code", "must be false"),
+        ({"worker-cls": "evil.Worker"}, "worker-cls", "Python class"),
+        ({"worker-extension-cls": "evil.X"}, "worker-extension-cls", "Python class"),
+        ({"scheduler_cls": "evil.Sched"}, "scheduler_cls", "Python class"),
+        ({"--scheduler-cls": "evil.Sched"}, "--scheduler-cls", "Python class"),
+        ({"kv_transfer_config": {"kv_connector": "Evil", "kv_connector_module_path": "evil"}},
+         "kv_transfer_config.kv_connector_module_path", "Python module"),
+        ({"kv_transfer_config": {"kv_connector_extra_config": {"spec_module_path": "evil"}}},
+         "kv_transfer_config.kv_connector_extra_config.spec_module_path", "Python module"),
+        ({"ec_manager_config": {"encoder_cache_manager_cls": "evil.M"}}, "ec_manager_config.encoder_cache_manager_cls", "Python class"),
+        ({"io-processor-plugin": "evil"}, "io-processor-plugin", "plugin"),
+        ({"config": "args.yaml"}, "config", "a file of more vLLM arguments"),
+        ({"logging_config": {"pylogging_config_file": "x.json"}}, "logging_config.pylogging_config_file", "logging configuration"),
+        ({"logging_config": {"log_level": "info"}}, "logging_config", "logging configuration"),
+        ({"distributed_executor_backend": "evil.Executor"}, "distributed_executor_backend", "must be one of"),
+        ({"compilation_config": {"backend": "evil.backend_fn"}}, "compilation_config.backend", "Python name vLLM would import"),
+        ({"compilation_config": {"inductor_compile_config": {"cpp.cxx": "sh"}}}, "compilation_config.inductor_compile_config", "compiler"),
+        ({"speculative_config": {"method": "custom_class", "model": "evil.Proposer"}}, "speculative_config.model", "Python name"),
+        ({"some_new_vllm_argument": 1}, "some_new_vllm_argument", "not among the vLLM arguments a request may set"),
+        ({"served_model_name": ["x", "--trust-remote-code"]}, "served_model_name[1]", "looks like a command-line option"),
+        ({"port": 9}, "port", "set by the engine server's command line"),
+        # hostile F2: JSON in a string is what vLLM parses, so it is checked as JSON
+        ({"speculative_config": '{"model": "/etc", "method": "eagle"}'}, "speculative_config.model", "'/etc' is a local path outside"),
+        ({"compilation_config": '{"cache_dir": "/etc/x"}'}, "compilation_config.cache_dir", "'/etc/x' is a local path outside"),
+        ({"compilation_config": ' {"backend": "evil.fn"}'}, "compilation_config.backend", "Python name"),
+        ({"kv_transfer_config": '{"kv_connector_module_path": "evil"}'}, "kv_transfer_config.kv_connector_module_path", "Python module"),
+        ({"hf_overrides": '[{"x": {"trust_remote_code": true}}]'}, "hf_overrides[0].x.trust_remote_code", "must be false"),
+    ],
+)
+def test_vllm_code_keys_in_every_spelling_and_json_strings_are_refused(engine_args, key, says, tmp_path):
+    with pytest.raises(InvalidArgument) as refused:
+        check_engine_config(_vllm(**engine_args), [str(tmp_path)], field="spec.config_json")
+    assert f"{VLLM_UNION}.{key}:" in str(refused.value) and says in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "extra_args, index, says",
+    [
+        (["--trust-remote-code"], 0, "must be false"),
+        (["--trust_remote_code=true"], 0, "must be false"),
+        (["--enable-custom-logit-processor"], 0, "send Python code"),
+        (["--max-running-requests", "8", "--custom-weight-loader", "evil.load"], 2, "Python functions"),
+        (["--json-model-override-args", "{}"], 0, "not among the SGLang flags a request may add"),
+        (["-c", "x"], 0, "not among the SGLang flags"),
+        (["evil"], 0, "must start with a --flag"),
+        (["--tokenizer-path", "/etc"], 1, "'/etc' is a local path outside"),
+    ],
+)
+def test_sglang_extra_args_take_only_the_listed_flags(extra_args, index, says, tmp_path):
+    with pytest.raises(InvalidArgument) as refused:
+        check_engine_config(_config(extra_args=extra_args), [str(tmp_path)], field="spec.config_json")
+    assert f"spec.config_json.{SECTION}.engine_args.extra_args[{index}]:" in str(refused.value), str(refused.value)
+    assert says in str(refused.value), str(refused.value)
+
+
+def test_ordinary_vllm_and_sglang_settings_are_accepted(tmp_path):
+    model = tmp_path / "tiny"
+    model.mkdir()
+    check_engine_config(_vllm(model=str(model), max_model_len=256, enforce_eager=True, dtype="float16", trust_remote_code=False,
+                              served_model_name=["qwen.small", "b"], motor_utilization=50, seed=-1,
+                              distributed_executor_backend="mp", speculative_config=f'{{"model": "{model}", "method": "eagle"}}',
+                              compilation_config={"mode": 3, "cudagraph_capture_sizes": [1, 2]},
+                              kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_both"}), [str(tmp_path)])
+    check_engine_config(_config(extra_args=["--max-running-requests", "8", "--random-seed", "-1", "--log-level=info",
+                                            "--chat-template", str(model)]), [str(tmp_path)])
+
+
+def test_configurations_nested_too_deep_are_refused_naming_the_limit():
+    deep = {"engine_args": {}}
+    cursor = deep["engine_args"]
+    for _ in range(MAX_CONFIG_DEPTH):
+        cursor["x"] = {}
+        cursor = cursor["x"]
+    with pytest.raises(InvalidArgument) as refused:
+        check_engine_config({SECTION: deep}, [])
+    assert f"nested deeper than {MAX_CONFIG_DEPTH} levels" in str(refused.value)
+    text = '{"a": ' + "[" * 5000 + "]" * 5000 + "}"  # deeper than Python's recursion limit
+    with pytest.raises(InvalidArgument) as refused:
+        check_engine_config(parse_config_json(text, "spec.config_json"), [], "spec.config_json")
+    assert f"spec.config_json: nested deeper than {MAX_CONFIG_DEPTH} levels" in str(refused.value)
+    with pytest.raises(InvalidArgument, match=f"^spec.config_json: nested deeper than {MAX_CONFIG_DEPTH} levels$"):
+        check_engine_config(parse_config_json('{"a": ' + "[" * 500 + "]" * 500 + "}", "spec.config_json"), [], "spec.config_json")
+    inside_a_string = {"b": json.dumps({"c": [[[[[[]]]]]]})}  # a JSON string's levels count too: 8 here
+    for _ in range(MAX_CONFIG_DEPTH - 7):
+        inside_a_string = {"x": inside_a_string}
+    with pytest.raises(InvalidArgument, match=f"^engine_config: nested deeper than {MAX_CONFIG_DEPTH} levels$"):
+        check_engine_config(inside_a_string, None, "engine_config")
+    check_engine_config(inside_a_string["x"], None, "engine_config")  # one level less is accepted
