@@ -64,6 +64,13 @@ class NodeManagerServer:
         self.lock.acquire()
         self.process.CopyFrom(process_identity(self.config.state_dir, time.time()))
         await self.manager.start()
+        # An engine launched from this state directory whose record is gone or unreadable (a crash
+        # mid-write, a careless edit) is supervised by no one and holds accelerators this node
+        # manager would offer again: stop it before serving.
+        strays = await self.manager.stop_leftovers(self.process.state_dir_id)
+        if strays:
+            logger.warning("stopped %d engine(s) launched from %s that no readable record describes",
+                           strays, self.config.state_dir)
         self.port = await self.server.start()
         atomic_write(os.path.join(self.config.state_dir, "node_manager.port"), f"{self.port}\n")
         logger.info("node manager %s serving motor.v1.NodeManagerService on port %d (advertised as %s)",

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from motor import processes
@@ -102,6 +103,39 @@ async def test_sigkilled_node_manager_restarts_and_readopts_its_engines(node_pro
     report = await async_wait_for(lambda: fake_controller.reports, timeout=10)
     assert report[-1].engine.engine_id == "prefill-0/rank0"
     await node_process.channel.close()
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "garbage"])
+async def test_an_engine_whose_record_is_unreadable_is_stopped_not_left_unsupervised(node_process, damage):
+    """A record lost to a crash mid-write or a careless edit: its engine still runs, holding its
+    accelerator. The restarted node manager stops it (it carries this state directory's id) before
+    offering the accelerator again, so the same rank never runs twice."""
+    node_process.launch()
+    stub = await node_process.stub()
+    await stub.StartEngine(node_manager_pb2.StartEngineRequest(spec=spec(dp_rank=0, accelerator_ids=[0])))
+    await async_wait_for(lambda: _all_in(stub, RUNNING, 1), timeout=60, what="the engine RUNNING")
+    old_pid = (await engines_by_id(stub))["prefill-0/rank0"].pid
+    node_process.kill()
+    await node_process.channel.close()
+    record = os.path.join(node_process.state_dir, "engines", "prefill-0_rank0", "record.json")
+    body = open(record, "rb").read()
+    with open(record, "wb") as handle:
+        handle.write({"empty": b"", "truncated": body[:100], "garbage": b"\x00\xff{{{"}[damage])
+
+    node_process.launch()
+    stub = await node_process.stub()
+    try:
+        assert not alive(old_pid), "an engine with no readable record must not outlive the restart unsupervised"
+        await stub.StartEngine(node_manager_pb2.StartEngineRequest(spec=spec(dp_rank=0, accelerator_ids=[0], generation=2)))
+        await async_wait_for(lambda: _all_in(stub, RUNNING, 1), timeout=60, what="the rank started again")
+        holder = open(os.path.join(node_process.state_dir, "node_manager.id")).read().strip()
+        mine = [p.pid for p in psutil.process_iter(["environ"])
+                if (p.info["environ"] or {}).get(processes.HOLDER_ENV) == holder and p.status() != psutil.STATUS_ZOMBIE]
+        assert mine == [(await engines_by_id(stub))["prefill-0/rank0"].pid]
+    finally:
+        if alive(old_pid):  # the record that would let the fixture find it is gone
+            os.kill(old_pid, signal.SIGKILL)
+        await node_process.channel.close()
 
 
 async def _all_in(stub, state, count):
