@@ -50,6 +50,7 @@ FLAGS = {
     "lease_ttl": Flag("etcd store: seconds of the leader's lease (a dead leader is replaced after it)"),
     "etcd_timeout": Flag("etcd store: deadline of each etcd call (s)"),
     "commit_timeout": Flag("etcd store: how long a change may wait for etcd before UNAVAILABLE (s)"),
+    "etcd_startup_wait": Flag("etcd store: how long a starting controller retries reading etcd before it exits (s)"),
     "etcd_ca": Flag("etcd store: CA file of the members' certificates (turns TLS on)"),
     "etcd_cert": Flag("etcd store: client certificate file (etcd's --client-cert-auth)"),
     "etcd_key": Flag("etcd store: client key file"),
@@ -118,10 +119,12 @@ async def serve(config: ControllerConfig) -> None:
         ha.campaign(advertised_address(config, port))
     await wait_for_stop_signal()
     logger.info("stopping")
+    if ha:  # resign first: a standby leads at once, and nothing acts once the port refuses
+        await ha.resign()
     await server.stop(grace=1.0)
     await telemetry.close()
     if ha:
-        await ha.stop()  # resigns: a standby leads at once
+        await ha.stop()
     else:
         await controller.stop()
         store.close()

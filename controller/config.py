@@ -65,6 +65,9 @@ class ControllerConfig(SecuritySettings):
     etcd_timeout: float = Field(2.0, gt=0, le=60)
     # How long a change may wait for etcd to commit it before the call answers UNAVAILABLE (s).
     commit_timeout: float = Field(5.0, gt=0, le=300)
+    # At start-up, how long etcd is read again (members still starting) before the controller
+    # exits with an error naming the settings to check (s).
+    etcd_startup_wait: float = Field(30.0, ge=0, le=3600)
     # TLS to etcd: the CA of the members' certificates; a client certificate and key for etcd's
     # --client-cert-auth.
     etcd_ca: str | None = None

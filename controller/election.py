@@ -112,6 +112,8 @@ class LeaderElection:
         self._changed = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
+        # Why the leader key is about to be deleted, when this process knows (leader_watch.py).
+        self.vacancy_reason = ""
 
     def _set_ttl(self, ttl: int) -> None:
         self.ttl = ttl
@@ -300,7 +302,8 @@ class LeaderElection:
             async with asyncio.timeout(self.ttl):
                 async for event in watch:
                     if event.kind == "DELETE":
-                        self._observe(None, "the leader's key was deleted (lease expired or resigned)")
+                        why, self.vacancy_reason = self.vacancy_reason, ""
+                        self._observe(None, why or "the leader's key was deleted (lease expired or resigned)")
                         return
                     self._observe(LeaderInfo.decode(event.kv), "a new leader was elected")
         except TimeoutError:

@@ -131,3 +131,18 @@ UNAVAILABLE_ERRORS = (
     aetcd.exceptions.InternalError,
     TimeoutError,
 )
+
+
+def unreachable_hint(target: EtcdTarget) -> str:
+    """What to check when etcd cannot be read at all (a TLS mismatch looks like an unreachable
+    member to the client: the handshake fails and gRPC reports UNAVAILABLE)."""
+    if not target.ca_file:
+        hint = "if the members serve TLS, give --etcd-ca (and --etcd-cert/--etcd-key for --client-cert-auth)"
+    elif not target.cert_file:
+        hint = ("members started with --client-cert-auth refuse a caller without a client certificate: "
+                "give --etcd-cert and --etcd-key")
+    else:
+        hint = ("--etcd-ca must be the CA of the members' certificates (valid for the addresses in --store) "
+                "and --etcd-cert/--etcd-key a client certificate the members' --trusted-ca-file signed")
+    return f"check that the members run and are reachable; {hint}"
+

@@ -22,17 +22,20 @@ from typing import Any, Awaitable, Callable
 
 import grpc
 from prometheus_client import CollectorRegistry
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from motor.errors import Unavailable
-from motor.leader import LEADER_METADATA
+from motor.errors import ConfigError, Unavailable
+from motor.grpc_server import aio_channel
+from motor.leader import ELECTION_METADATA, LEADER_METADATA
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.config import ControllerConfig
 from controller.core import Controller
 from controller.election import LeaderElection, LeaderInfo, Role
-from controller.etcd_client import EtcdTarget, connect, parse_etcd_url
+from controller.etcd_client import UNAVAILABLE_ERRORS, EtcdTarget, connect, parse_etcd_url, unreachable_hint
 from controller.etcd_store import EtcdStore, Fenced
 from controller.events import EventBus
+from controller.leader_watch import LeaderDeathWatch
 from controller.node_client import GrpcNodeClient, NodeCallError, NodeClient
 
 logger = logging.getLogger(__name__)
@@ -90,11 +93,13 @@ class HighAvailability:
         store_url: str,
         flush_timeout: float = 5.0,
         on_lead: Callable[[Any], None] | None = None,
+        death_watch: LeaderDeathWatch | None = None,
     ):
         self.election, self.store, self.events = election, store, events
         self.make_controller = make_controller  # a Controller on this store, not started
         self.store_url, self.flush_timeout = store_url, flush_timeout
         self.on_lead = on_lead  # runs with the new leader's Controller (e.g. --deployment)
+        self.death_watch = death_watch  # a standby's fast path when the leader's process is gone
         self.controller: Any = None  # what the servicer reads: the leader's Controller or the view
         self._leading: Any = None
         self._follow: asyncio.Task | None = None
@@ -118,6 +123,8 @@ class HighAvailability:
         """Join the election as `address` (once the gRPC server listens there)."""
         self.election.address = self.election.name = address
         self.election.start()
+        if self.death_watch:
+            self.death_watch.start()
 
     def metrics_registry(self) -> Any:
         """A registry whose collection is that of the controller in use now (leader or view)."""
@@ -131,15 +138,25 @@ class HighAvailability:
         registry.register(_Current())
         return registry
 
+    async def resign(self) -> None:
+        """Stop acting and give the leadership up (revoke the lease): a standby leads at once.
+        Called before the gRPC server stops, so nothing acts while the port already refuses."""
+        if self.death_watch:
+            await self.death_watch.stop()
+        if self._worker:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+        if self._leading is not None:
+            leading, self._leading = self._leading, None
+            await leading.stop()
+        await self.election.stop()
+
     async def stop(self) -> None:
-        for task in (self._worker, self._viewer, self._follow):
+        await self.resign()
+        for task in (self._viewer, self._follow):
             if task:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        if self._leading is not None:
-            await self._leading.stop()
-            self._leading = None
-        await self.election.stop()
         self.store.close()
 
     # --- what the servicer and the gate ask ---------------------------------------------------
@@ -249,8 +266,7 @@ class LeaderGate(grpc.aio.ServerInterceptor):
         async def refuse_unless_leader(context: grpc.aio.ServicerContext) -> None:
             if not ha.is_leader():
                 message, leader = ha.not_leader()
-                if leader:
-                    context.set_trailing_metadata(((LEADER_METADATA, leader),))
+                context.set_trailing_metadata(((LEADER_METADATA, leader),) if leader else ((ELECTION_METADATA, "under way"),))
                 await context.abort(grpc.StatusCode.UNAVAILABLE, message)
 
         if handler.stream_stream is not None:  # StreamHeartbeats: every beat only while leading
@@ -308,6 +324,21 @@ async def open_high_availability(config: ControllerConfig, on_lead: Callable[[An
         return Controller(config, store, LeaderOnlyNodeClient(node_client, election, store, config.commit_timeout),
                           events=events, acting=election.is_leader)
 
-    ha = HighAvailability(election, store, make_controller, events, target.describe(), config.commit_timeout, on_lead)
-    await ha.open()
+    death_watch = LeaderDeathWatch(election, lambda address: aio_channel(address, config.client_tls()))
+    ha = HighAvailability(election, store, make_controller, events, target.describe(), config.commit_timeout, on_lead,
+                          death_watch)
+    try:
+        def waiting(state) -> None:
+            logger.warning("etcd at %s not readable yet (%s); %s", target.describe(), state.outcome.exception(),
+                           unreachable_hint(target))
+
+        async for attempt in AsyncRetrying(stop=stop_after_delay(config.etcd_startup_wait), wait=wait_exponential(max=2),
+                                           retry=retry_if_exception_type(UNAVAILABLE_ERRORS), reraise=True,
+                                           before_sleep=waiting):
+            with attempt:
+                await ha.open()
+    except UNAVAILABLE_ERRORS as exc:
+        await client.close()
+        raise ConfigError(f"--store: cannot read the state from {target.describe()} within {config.etcd_startup_wait:g}s "
+                          f"({exc}); {unreachable_hint(target)}") from None
     return ha

@@ -12,13 +12,14 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import grpc
 from google.protobuf import json_format
 
 from motor.deployment_file import load_deployment
 from motor.errors import MotorError
-from motor.leader import ControllerAddresses, parse_addresses
+from motor.leader import FOLLOW_RETRY_BASE, FOLLOW_RETRY_CAP, ControllerAddresses, backoff_delay, parse_addresses
 from motor.names import parse_role
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl import render
@@ -63,17 +64,25 @@ def _parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
     """Run the command on the first controller that takes it: with several addresses, an
-    unreachable one is skipped and a standby's refusal names the leader to ask (motor/leader.py)."""
+    unreachable one is skipped and a standby's refusal names the leader to ask (motor/leader.py);
+    during a failover (no leader yet) they are tried in turn, with a short backoff, until --timeout."""
     controllers = ControllerAddresses(parse_addresses(args.controller, "--controller"))
-    attempts = 2 * len(controllers.addresses)  # each one, and each one's redirect, once
+    deadline = time.monotonic() + args.timeout
+    failures = 0
     while True:
-        attempts -= 1
         try:
             with credentials_from(args).channel(controllers.current) as channel:
                 return _command(args, controller_pb2_grpc.ControllerServiceStub(channel), out)
         except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.UNAVAILABLE or attempts <= 0 or not controllers.after_failure(exc):
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
+            failures += 1
+            if not controllers.after_failure(exc) and not controllers.several:
+                raise  # the only controller there is did not take it
+            delay = backoff_delay(failures, FOLLOW_RETRY_BASE, FOLLOW_RETRY_CAP)
+            if time.monotonic() + delay >= deadline:
+                raise
+            time.sleep(delay)
 
 
 def _command(args: argparse.Namespace, stub: controller_pb2_grpc.ControllerServiceStub, out) -> int:

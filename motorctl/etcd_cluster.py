@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -20,6 +21,22 @@ from motor.processes import launch
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class EtcdTls:
+    """Client TLS of the members: their certificate and key (valid for 127.0.0.1) and the CA
+    whose client certificates they require (etcd's --client-cert-auth)."""
+
+    ca: str
+    cert: str
+    key: str
+
+    def context(self) -> ssl.SSLContext:
+        """For the health check: trusts the CA, presents the members' own certificate."""
+        context = ssl.create_default_context(cafile=self.ca)
+        context.load_cert_chain(self.cert, self.key)
+        return context
+
+
 @dataclass
 class EtcdMember:
     name: str
@@ -28,10 +45,11 @@ class EtcdMember:
     peer_port: int
     host: str = "127.0.0.1"
     process: subprocess.Popen | None = field(default=None, repr=False)
+    tls: EtcdTls | None = None
 
     @property
     def client_url(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -47,7 +65,8 @@ class EtcdMember:
     def healthy(self) -> bool:
         """etcd's own /health: true only when this member is part of a cluster with a leader."""
         try:
-            with urllib.request.urlopen(f"{self.client_url}/health", timeout=1) as reply:
+            context = self.tls.context() if self.tls else None
+            with urllib.request.urlopen(f"{self.client_url}/health", timeout=1, context=context) as reply:
                 return json.loads(reply.read()).get("health") == "true"
         except (OSError, ValueError):
             return False
@@ -56,11 +75,13 @@ class EtcdMember:
 class EtcdCluster:
     """`size` members on loopback; start(), kill/restart one, stop() leaves no process behind."""
 
-    def __init__(self, base_dir: str, size: int = 1, name: str = "motor-etcd", env: dict[str, str] | None = None):
+    def __init__(self, base_dir: str, size: int = 1, name: str = "motor-etcd", env: dict[str, str] | None = None,
+                 tls: EtcdTls | None = None):
         self.base_dir = base_dir
         self.env = env  # the members' environment (None: this process's)
+        self.tls = tls  # client connections over TLS with client certificates (peers stay on loopback)
         self.members = [
-            EtcdMember(f"{name}-{i}", os.path.join(base_dir, f"member-{i}"), free_port(), free_port())
+            EtcdMember(f"{name}-{i}", os.path.join(base_dir, f"member-{i}"), free_port(), free_port(), tls=tls)
             for i in range(size)
         ]
         self.token = f"{name}-{os.getpid()}-{time.monotonic_ns()}"
@@ -88,7 +109,10 @@ class EtcdCluster:
             "--initial-cluster-state", "new",  # ignored when the data directory exists
             "--logger", "zap",
             "--log-outputs", "stderr",
-        ]
+        ] + ([
+            "--cert-file", self.tls.cert, "--key-file", self.tls.key,
+            "--trusted-ca-file", self.tls.ca, "--client-cert-auth",
+        ] if self.tls else [])
 
     def start_member(self, index: int) -> EtcdMember:
         member = self.members[index]

@@ -1,7 +1,7 @@
 """motorctl pki: a development PKI (CA, certificates with Motor identities, bearer tokens).
 
     motorctl pki init   --dir DIR                        CA: DIR/ca.crt, DIR/ca.key
-    motorctl pki issue  --dir DIR NAME --identity ID [--host H ...]
+    motorctl pki issue  --dir DIR NAME [--identity ID] [--host H ...]
                                                          DIR/NAME.crt, DIR/NAME.key signed by the CA
     motorctl pki tokens --file FILE NAME=ROLE[+ROLE] ... a tokens file with fresh tokens
     motorctl pki dev    --dir DIR [--nodes node-a,node-b] [--host H ...]
@@ -87,7 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     issue = sub.add_parser("issue", help="issue NAME.crt/NAME.key signed by the CA in --dir")
     issue.add_argument("name", help="file name stem, e.g. node-a")
     issue.add_argument("--dir", required=True, help="directory holding ca.crt/ca.key; the pair is written there")
-    issue.add_argument("--identity", required=True, help="controller, node/<id>, operator/<name> or viewer/<name>")
+    issue.add_argument("--identity", help="controller, node/<id>, operator/<name> or viewer/<name>; omit for a "
+                       "certificate that is no Motor identity (an etcd member's: --host only)")
     issue.add_argument("--host", action="append", default=[], help="DNS name or IP the server is reached at (repeatable)")
     issue.add_argument("--days", type=float, default=365, help="validity in days [365]")
     issue.add_argument("--trust-domain", default=TRUST_DOMAIN, help=f"SPIFFE trust domain [{TRUST_DOMAIN}]")
@@ -108,10 +109,10 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         cert, key = CertificateAuthority.create(days=args.days).save(args.dir)
         print(f"CA written: {cert} (share it), {key} (keep it secret)", file=out)
     elif args.action == "issue":
-        identity = Identity.parse(args.identity)
+        identity = Identity.parse(args.identity) if args.identity else None
         pair = CertificateAuthority.load(args.dir).issue(identity, args.host, days=args.days, trust_domain=args.trust_domain)
         cert, key = pair.save(args.dir, args.name)
-        print(f"{identity.uri(args.trust_domain)}: {cert}, {key}", file=out)
+        print(f"{identity.uri(args.trust_domain) if identity else ', '.join(args.host)}: {cert}, {key}", file=out)
     elif args.action == "tokens":
         roles = {}
         for entry in args.entries:

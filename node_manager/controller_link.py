@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
@@ -29,7 +28,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from motor import pbtime
 from motor.errors import ConfigError
 from motor.grpc_server import TlsFiles, aio_channel
-from motor.leader import ControllerAddresses, parse_addresses
+from motor.leader import FOLLOW_RETRY_BASE, FOLLOW_RETRY_CAP, ControllerAddresses, backoff_delay, parse_addresses
 from motor.names import ID_RULE, excerpt
 from motor.node_process import describe
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
@@ -59,11 +58,6 @@ def _transient(exc: BaseException) -> bool:
 def _registration_retryable(exc: BaseException) -> bool:
     # Every other error is retried: a node manager waits for its controller, however long.
     return isinstance(exc, grpc.aio.AioRpcError) and exc.code() != grpc.StatusCode.INVALID_ARGUMENT
-
-
-def backoff_delay(failures: int, base: float, cap: float) -> float:
-    """Capped exponential backoff with full jitter: uniform in [0, min(cap, base * 2**(failures-1))]."""
-    return random.uniform(0, min(cap, base * 2 ** (failures - 1)))
 
 
 class ControllerLink:
@@ -106,7 +100,10 @@ class ControllerLink:
         return moved
 
     def _retrying(self, retry=retry_if_exception(_transient), **kwargs) -> AsyncRetrying:
-        backoff = wait_random_exponential(multiplier=min(self.interval, 1.0) / 2, max=self.max_backoff)
+        if self.controllers.several:  # a failover may be under way: find the new leader promptly
+            backoff = wait_random_exponential(multiplier=FOLLOW_RETRY_BASE, max=min(self.interval, FOLLOW_RETRY_CAP))
+        else:
+            backoff = wait_random_exponential(multiplier=min(self.interval, 1.0) / 2, max=self.max_backoff)
 
         def wait(state) -> float:
             # Refused because another process holds the node id: ask every interval, so that this
@@ -225,9 +222,11 @@ class ControllerLink:
                     next_tick = clock.monotonic() - self.interval
                     continue
                 switched = False
-                # With several controllers a failover is under way: keep trying every interval.
-                delay = backoff_delay(failures, self.interval / 2, self.max_backoff)
-                next_tick = clock.monotonic() + (min(delay, self.interval) if self.controllers.several else delay) - self.interval
+                if self.controllers.several:  # a failover is under way: find the new leader promptly
+                    delay = backoff_delay(failures, FOLLOW_RETRY_BASE, min(self.interval, FOLLOW_RETRY_CAP))
+                else:
+                    delay = backoff_delay(failures, self.interval / 2, self.max_backoff)
+                next_tick = clock.monotonic() + delay - self.interval
                 continue
             self.epoch.observe(reply.controller_epoch, reply.generation_limit)
             switched = False

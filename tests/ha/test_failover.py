@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 import grpc
@@ -14,7 +15,7 @@ import pytest
 
 from motor.ports import free_port
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc, types_pb2
-from motorctl.up import LocalCluster
+from motorctl.up import LocalCluster, _bin
 from tests.ha.conftest import _require_etcd
 from tests.support import REPO_ROOT, wait_for
 
@@ -106,6 +107,15 @@ def _nothing_restarted(cluster, before: dict, since: str) -> None:
     assert all(i.restarts == 0 for i in instances), [(i.instance_id, i.restarts) for i in instances]
 
 
+def _refused(address: str, apply: controller_pb2.ApplyDeploymentRequest) -> bool:
+    """A change sent to `address` is answered UNAVAILABLE."""
+    try:
+        _stub(address).ApplyDeployment(apply, timeout=5)
+    except grpc.RpcError as exc:
+        return exc.code() == grpc.StatusCode.UNAVAILABLE
+    return False
+
+
 def test_kill_9_of_the_leader_hands_over_without_touching_an_engine(cluster):
     before = _settled(cluster)
     old = _leader(cluster)
@@ -122,7 +132,9 @@ def test_kill_9_of_the_leader_hands_over_without_touching_an_engine(cluster):
     assert reply.epoch == old_epoch + 1
     recent = next(_stub(new).WatchEvents(controller_pb2.WatchEventsRequest(), timeout=5)).snapshot.recent_events
     changes = [e.message for e in recent if e.type == controller_pb2.EVENT_TYPE_LEADER_CHANGED]
-    assert any(new in m and "lease expired" in m for m in changes), changes
+    # The standby saw its connection to the leader reset and the address refuse connections: it
+    # revoked the dead leader's lease rather than wait for it to expire (controller/leader_watch.py).
+    assert any(new in m and f"the leader {old} (epoch {old_epoch}) refused connections" in m for m in changes), changes
     _nothing_restarted(cluster, before, "after the leader was killed")
     # The killed controller comes back as a standby.
     cluster.launch_controller(index)
@@ -176,6 +188,11 @@ def test_sigstop_of_the_leader_past_its_lease_then_sigcont(cluster):
     try:
         new = wait_for(lambda: _leader(cluster, exclude=old), timeout=TTL * 3 + 10, interval=0.05, what="a new leader")
         assert new != old and _controllers(cluster, exclude=old).epoch == epoch + 1
+        # A stopped process still accepts connections (the kernel does): no confirmed death, the
+        # standby waited for the lease to expire.
+        recent = next(_stub(new).WatchEvents(controller_pb2.WatchEventsRequest(), timeout=5)).snapshot.recent_events
+        elected = [e.message for e in recent if e.type == controller_pb2.EVENT_TYPE_LEADER_CHANGED and f"(epoch {epoch + 1})" in e.message]
+        assert elected and all("lease expired" in m and "refused connections" not in m for m in elected), elected
         time.sleep(1.0)  # well past the old lease
     finally:
         os.kill(process.process.pid, signal.SIGCONT)
@@ -210,14 +227,8 @@ def test_one_etcd_member_lost_changes_nothing_and_quorum_lost_stops_only_the_act
     for index in (1, 2):  # two of three members gone: no quorum
         etcd.signal_member(index, signal.SIGSTOP)
     try:
-        def refused() -> bool:
-            try:
-                _stub(leader).ApplyDeployment(apply, timeout=5)
-            except grpc.RpcError as exc:
-                return exc.code() == grpc.StatusCode.UNAVAILABLE
-            return False
-
-        wait_for(refused, timeout=TTL * 3 + 15, interval=0.5, what="changes refused while etcd has no quorum")
+        wait_for(lambda: _refused(leader, apply), timeout=TTL * 3 + 15, interval=0.5,
+                 what="changes refused while etcd has no quorum")
         assert _engines(cluster) == before, "engines changed while etcd had no quorum"
     finally:
         for index in (1, 2):
@@ -225,3 +236,79 @@ def test_one_etcd_member_lost_changes_nothing_and_quorum_lost_stops_only_the_act
     etcd.wait_healthy()
     wait_for(lambda: _leader(cluster), timeout=30, what="a leader once the quorum is back")
     _nothing_restarted(cluster, before, "after the quorum came back")
+
+
+def test_sigterm_of_the_leader_resigns_before_its_port_closes(cluster):
+    """A controller stopping gracefully stops acting and revokes its lease before its gRPC
+    server closes: the standby leads on the resignation (not on a refused connection), the
+    stopped one exits 0, nothing is restarted."""
+    before = _settled(cluster)
+    old, epoch = _leader(cluster), _controllers(cluster).epoch
+    process, index = _process_of(cluster, old)
+    process.process.send_signal(signal.SIGTERM)
+    new = wait_for(lambda: _leader(cluster, exclude=old), timeout=TTL * 3 + 10, interval=0.05, what="a new leader")
+    assert process.process.wait(30) == 0
+    recent = next(_stub(new).WatchEvents(controller_pb2.WatchEventsRequest(), timeout=5)).snapshot.recent_events
+    elected = [e.message for e in recent if e.type == controller_pb2.EVENT_TYPE_LEADER_CHANGED and f"(epoch {epoch + 1})" in e.message]
+    assert elected and all("resigned" in m and "refused connections" not in m for m in elected), elected
+    _nothing_restarted(cluster, before, "after the leader stopped")
+    cluster.launch_controller(index)
+    cluster.wait_serving(old, 30)
+    wait_for(lambda: _leader(cluster) == new and len(_controllers(cluster).controllers) == 2, timeout=20,
+             what="the restarted controller to stand by")
+
+
+def test_motorctl_follows_the_leader_from_a_standby(cluster):
+    """motorctl given the standby first: reads answered there, a change sent on to the leader."""
+    leader = _leader(cluster)
+    standby = next(a for a in cluster.controller_addresses if a != leader)
+    every = f"{standby},{leader}"
+    shown = subprocess.run([_bin("motorctl"), "--controller", every, "controllers"], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert f"leader: {leader}" in shown.stdout and standby in shown.stdout
+    applied = subprocess.run([_bin("motorctl"), "--controller", every, "apply", "-f", DEPLOYMENT],
+                             capture_output=True, text=True, timeout=60)
+    assert applied.returncode == 0, applied.stderr
+    assert "deployment 'local-sim' applied" in applied.stdout
+
+
+def test_both_controllers_killed_and_restarted_at_once(cluster):
+    """No controller for a while, then two fresh processes: one leads with a higher epoch, adopts
+    the running engines (start-up grace) and restarts nothing."""
+    before = _settled(cluster)
+    epoch = _controllers(cluster).epoch
+    processes = [_process_of(cluster, address) for address in cluster.controller_addresses]
+    for process, _ in processes:
+        os.kill(process.process.pid, signal.SIGKILL)
+    for process, _ in processes:
+        process.process.wait(10)
+    for _, index in processes:
+        cluster.launch_controller(index)
+    for address in cluster.controller_addresses:
+        cluster.wait_serving(address, 30)
+    wait_for(lambda: _leader(cluster), timeout=TTL * 3 + 20, what="a leader among the restarted controllers")
+    assert _controllers(cluster).epoch > epoch
+    _nothing_restarted(cluster, before, "after both controllers were restarted")
+
+
+def test_etcd_restarted_with_its_data_loses_nothing_and_restarts_nothing(cluster):
+    """Every etcd member stopped, then started again on its data directory: meanwhile changes
+    are refused and engines run untouched; afterwards a leader acts on the same stored state."""
+    before = _settled(cluster)
+    leader = _leader(cluster)
+    stored = _stub(leader).GetDeployment(controller_pb2.GetDeploymentRequest(), timeout=5)
+    apply = controller_pb2.ApplyDeploymentRequest(deployment=stored.deployment)
+    etcd = cluster.etcd
+    etcd.stop()
+    try:
+        wait_for(lambda: _refused(leader, apply), timeout=TTL * 3 + 15, interval=0.5,
+                 what="changes refused while etcd is down")
+        assert _engines(cluster) == before, "engines changed while etcd was down"
+    finally:
+        for index in range(len(etcd.members)):
+            etcd.start_member(index)
+    etcd.wait_healthy()
+    new = wait_for(lambda: _leader(cluster), timeout=30, what="a leader once etcd is back")
+    again = _stub(new).GetDeployment(controller_pb2.GetDeploymentRequest(), timeout=5)
+    assert again.revision == stored.revision and again.deployment == stored.deployment
+    _nothing_restarted(cluster, before, "after etcd was restarted")

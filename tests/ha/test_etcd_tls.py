@@ -1,0 +1,110 @@
+"""TLS to etcd: a real etcd member serving TLS only and requiring client certificates
+(--client-cert-auth), a real controller process connecting with --etcd-ca/--etcd-cert/--etcd-key;
+controllers without the right files exit with an error that names what to check."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import grpc
+import pytest
+
+from controller.etcd_client import EtcdTarget, connect
+from motor.deployment_file import load_deployment
+from motor.identity import Identity
+from motor.pki import CertificateAuthority
+from motor.ports import free_port
+from motor.v1 import controller_pb2, controller_pb2_grpc
+from motorctl.etcd_cluster import EtcdCluster, EtcdTls
+from motorctl.up import _bin
+from tests.ha.conftest import _require_etcd
+from tests.support import REPO_ROOT, wait_for
+
+DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> str:
+    """The members' CA with a member certificate and a controller's; another CA's controller certificate."""
+    directory = str(tmp_path_factory.mktemp("etcd-pki"))
+    ca = CertificateAuthority.create()
+    ca.save(directory)
+    ca.issue(None, ["127.0.0.1", "localhost"]).save(directory, "etcd")
+    ca.issue(Identity.parse("controller"), ["127.0.0.1"]).save(directory, "controller")
+    CertificateAuthority.create().issue(Identity.parse("controller"), ["127.0.0.1"]).save(directory, "stranger")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def etcd_tls(tmp_path_factory, pki):
+    _require_etcd()
+    tls = EtcdTls(ca=f"{pki}/ca.crt", cert=f"{pki}/etcd.crt", key=f"{pki}/etcd.key")
+    cluster = EtcdCluster(str(tmp_path_factory.mktemp("etcd-tls")), size=1, tls=tls)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        assert not any(m.running() for m in cluster.members)
+
+
+def _controller(tmp_path, etcd: EtcdCluster, *flags: str) -> tuple[subprocess.Popen, str]:
+    address = f"127.0.0.1:{free_port()}"
+    log = open(tmp_path / f"controller-{address.rsplit(':', 1)[1]}.log", "w+")
+    process = subprocess.Popen(
+        [_bin("motor-controller"), "--listen", address, "--db", str(tmp_path / "unused.db"), "--store",
+         f"{etcd.url}/tls-test", "--etcd-startup-wait", "3", *flags],
+        stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    process.log = log  # type: ignore[attr-defined]
+    return process, address
+
+
+def _output(process: subprocess.Popen) -> str:
+    process.log.seek(0)  # type: ignore[attr-defined]
+    return process.log.read()  # type: ignore[attr-defined]
+
+
+async def test_a_controller_leads_and_writes_over_mutual_tls(tmp_path, etcd_tls, pki):
+    process, address = _controller(tmp_path, etcd_tls, "--etcd-ca", f"{pki}/ca.crt",
+                                   "--etcd-cert", f"{pki}/controller.crt", "--etcd-key", f"{pki}/controller.key")
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = controller_pb2_grpc.ControllerServiceStub(channel)
+
+            def leading():
+                try:
+                    return stub.ListControllers(controller_pb2.ListControllersRequest(), timeout=2)
+                except grpc.RpcError:
+                    return None
+
+            reply = wait_for(lambda: (r := leading()) and r.leader_address == address and r, timeout=30,
+                             what=f"the controller to lead; its log:\n{_output(process)}")
+            assert reply.store.startswith("etcds://127.0.0.1:")
+            stub.ApplyDeployment(controller_pb2.ApplyDeploymentRequest(deployment=load_deployment(DEPLOYMENT)), timeout=10)
+        member = etcd_tls.members[0]
+        client = connect(EtcdTarget(((member.host, member.client_port),), "/tls-test", f"{pki}/ca.crt",
+                                    f"{pki}/controller.crt", f"{pki}/controller.key"))
+        try:
+            stored = await client.get(b"/tls-test/state/deployment")
+            assert stored is not None and b"revision" in stored.value, "the deployment is in etcd"
+        finally:
+            await client.close()
+    finally:
+        process.terminate()
+        assert process.wait(30) == 0, _output(process)
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ((), "if the members serve TLS, give --etcd-ca"),
+    (("--etcd-ca", "{pki}/ca.crt"), "refuse a caller without a client certificate: give --etcd-cert and --etcd-key"),
+    (("--etcd-ca", "{pki}/ca.crt", "--etcd-cert", "{pki}/stranger.crt", "--etcd-key", "{pki}/stranger.key"),
+     "a client certificate the members' --trusted-ca-file signed"),
+], ids=["plaintext", "no-client-certificate", "certificate-of-another-ca"])
+def test_a_controller_without_the_right_files_exits_naming_them(tmp_path, etcd_tls, pki, flags, expected):
+    process, _ = _controller(tmp_path, etcd_tls, *(flag.format(pki=pki) for flag in flags))
+    assert process.wait(60) == 2, _output(process)
+    output = _output(process)
+    assert "--store: cannot read the state from etcd" in output and expected in output, output
+    assert "Traceback" not in output, output
