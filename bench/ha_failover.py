@@ -182,7 +182,7 @@ def steady_state(args) -> None:
     try:
         wait(lambda: leader_seen_by(f"127.0.0.1:{port}"), 30, "the controller to lead")
         # No engine failures reported: every etcd write in the window would be a real change.
-        fleet = Fleet(f"127.0.0.1:{port}", argparse.Namespace(transport="stream", victims=0, reports_per_s=0, conns=8))
+        fleet = Fleet(f"127.0.0.1:{port}", argparse.Namespace(transport="stream", victims=0, reports_per_s=0, conns=8), None)
         fleet.ask(f"grow {args.nodes}")
         applying = time.monotonic()
         stub(f"127.0.0.1:{port}").ApplyDeployment(C.ApplyDeploymentRequest(deployment=deployment(args.nodes)), timeout=300)
