@@ -78,7 +78,7 @@ class FleetSeries:
     message ("" when off); `clock` is wall time (heartbeat ages)."""
 
     def __init__(self, state: ClusterState, alarm: Callable[[], str], clock: Callable[[], float] = time.time,
-                 chunk: int = 2000):
+                 chunk: int = 500):
         self.state, self.alarm, self.clock, self.chunk = state, alarm, clock, chunk
         # id -> (what the lines show, the lines): made again only when the first part changes.
         self._node_lines: dict[str, tuple[int, str, str]] = {}
