@@ -98,3 +98,75 @@ def test_random_requests_get_a_clear_answer_and_the_server_keeps_serving(cluster
 
         one_request()
     assert _serving(address)
+
+
+CORRUPT = b"\xff\xff\xff\xff\x0f"  # a field tag that never ends: no message type can decode it
+
+
+def _raw_call(channel, method):
+    """The method with bytes in and out (no serializer): what another language's client may send."""
+    path = f"/{method.containing_service.full_name}/{method.name}"
+    if method.client_streaming:
+        stream = channel.stream_stream(path)
+        return lambda body, timeout: next(stream(iter([body]), timeout=timeout))
+    if method.server_streaming:
+        stream = channel.unary_stream(path)
+        return lambda body, timeout: next(stream(body, timeout=timeout))
+    return channel.unary_unary(path)
+
+
+@pytest.mark.parametrize("target, method", CASES, ids=[f"{t}-{m.name}" for t, m in CASES])
+def test_an_undecodable_request_is_invalid_argument(cluster, target, method):
+    with grpc.insecure_channel(cluster[target]) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            _raw_call(channel, method)(CORRUPT, timeout=20)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+    assert refused.value.details().startswith("request could not be decoded: "), refused.value.details()
+    assert _serving(cluster[target])
+
+
+def _field(number: int, payload: bytes) -> bytes:  # a length-delimited protobuf field
+    def varint(n: int) -> bytes:
+        out = b""
+        while True:
+            low, n = n & 0x7F, n >> 7
+            out += bytes([low | (0x80 if n else 0)])
+            if not n:
+                return out
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
+
+
+def _apply_with_engine_config_depth(depth: int) -> bytes:
+    """ApplyDeploymentRequest bytes whose engine_config nests `depth` lists (a Python client
+    refuses to build the deepest ones; other languages' clients do not)."""
+    value = b""
+    for _ in range(depth):
+        value = _field(6, _field(1, value))  # Value{list_value{values: [value]}}
+    section = _field(5, _field(1, _field(1, b"deep") + _field(2, value)))  # Value{struct_value{fields{deep: value}}}
+    struct = _field(1, _field(1, b"motor_engine_union_config") + _field(2, section))
+    return _field(1, _field(1, b"deep") + _field(3, struct))
+
+
+def test_deep_nesting_is_refused_naming_the_field_and_the_limit(cluster):
+    """Hostile F8: deep JSON once ended in RecursionError and a deep Struct in DecodeError (UNKNOWN)."""
+    node = cluster["node"]
+    with grpc.insecure_channel(node) as channel:
+        start = channel.unary_unary("/motor.v1.NodeManagerService/StartEngine",
+                                    request_serializer=node_manager_pb2.StartEngineRequest.SerializeToString)
+        for depth in (33, 990, 100_000):
+            config = '{"motor_engine_prefill_config": {"engine_type": "sim", "engine_args": {"x": ' + "[" * depth + "]" * depth + "}}}"
+            request = node_manager_pb2.StartEngineRequest(spec=types_pb2.EngineSpec(
+                instance_id="deep-0", role=types_pb2.ROLE_PREFILL, config_json=config, generation=1))
+            with pytest.raises(grpc.RpcError) as refused:
+                start(request, timeout=20)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+            assert refused.value.details() == "spec.config_json: nested deeper than 32 levels"
+    with grpc.insecure_channel(cluster["controller"]) as channel:
+        apply = channel.unary_unary("/motor.v1.ControllerService/ApplyDeployment")
+        for depth, says in [(31, "engine_config: nested deeper than 32 levels"),
+                            (60, "request could not be decoded: "), (400, "a message nests at most 100 levels")]:
+            with pytest.raises(grpc.RpcError) as refused:
+                apply(_apply_with_engine_config_depth(depth), timeout=20)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+            assert says in refused.value.details(), refused.value.details()
+    assert _serving(node) and _serving(cluster["controller"])

@@ -241,3 +241,27 @@ async def test_grpcurl_with_a_client_certificate_or_a_token(dev_pki, mtls_server
     anonymous = await run(f"127.0.0.1:{token_server.port}", "motor.v1.ControllerService/ListNodes")
     assert anonymous.returncode != 0 and "Unauthenticated" in anonymous.stderr
     assert token_server.services.calls == ["ApplyDeployment"]
+
+
+@pytest.mark.parametrize("method", ["ListNodes", "StreamHeartbeats"])
+async def test_an_undecodable_request_from_anyone_is_invalid_argument_not_unknown(token_server, mtls_server, dev_pki, method):
+    """gRPC decodes a unary request before any interceptor runs, so even a caller without a token
+    gets the decoding answer (it used to be UNKNOWN, 'Wire format was corrupt'); a stream is
+    authenticated when it opens, before its first message is read."""
+    corrupt = b"\xff\xff\xff\xff\x0f"
+    for port, name in [(token_server.port, None), (mtls_server.port, "node-a")]:
+        anonymous_stream = name is None and method == "StreamHeartbeats"
+        async with client(dev_pki, port, name) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                path = f"/motor.v1.ControllerService/{method}"
+                if method == "StreamHeartbeats":
+                    call = channel.stream_stream(path)(iter([corrupt]), timeout=10)
+                    await call.read()
+                else:
+                    await channel.unary_unary(path)(corrupt, timeout=10)
+        if anonymous_stream:
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, refused.value.details()
+            continue
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+        assert refused.value.details().startswith("request could not be decoded: ")
+    assert "ListNodes" not in token_server.services.calls + mtls_server.services.calls
