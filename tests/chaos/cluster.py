@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import os
+import shutil
 import subprocess
 
 import grpc
@@ -99,7 +100,13 @@ class ChaosCluster(Cluster):
         return self.disks_mounted
 
     def unmount_disks(self) -> None:
+        """Keeps the logs written there (engine servers') in <run dir>/kept/, then unmounts."""
         for path in getattr(self, "mounts", []):
+            try:
+                shutil.copytree(path, os.path.join(self.run_dir, "kept", os.path.basename(path)), dirs_exist_ok=True,
+                                ignore=lambda folder, names: [n for n in names if n == "filler"])
+            except (OSError, shutil.Error):  # a file gone meanwhile: keep what was copied
+                pass
             unmount(path)
 
     def with_db(self, argv: list[str]) -> list[str]:

@@ -22,7 +22,7 @@ from tests.support.chaos_table import Row, record
 # Hang bounds (2 shared cores): a cluster not whole again within this is a failed row.
 RECOVERY_BOUND = 120.0
 SETTLE_BOUND = 90.0
-# Once whole, it must still be whole this much later (a few heartbeats).
+# Whole counts once it is still whole this much later (a few heartbeats).
 STAYS_WHOLE_FOR = 1.5
 
 
@@ -73,23 +73,38 @@ class Fault:
     notes: list[str] = field(default_factory=list)
 
 
+def problems_now(cluster: ChaosCluster, fault: Fault | None, before: dict | None) -> list[str]:
+    """Why the cluster is not whole (and which engine the fault must replace was not replaced)."""
+    try:
+        problems = cluster.problems()
+        if fault is not None and before is not None:
+            running = cluster.engine_processes()
+            problems += [f"{i}/rank{r} not replaced yet" for i, r in BASELINE_ENGINES
+                         if i in fault.must_replace and running.get((i, r)) == [before.get((i, r))]]
+        return problems
+    except Exception as exc:  # a controller paused or restarting does not answer yet
+        return [f"{type(exc).__name__}: {str(exc)[:200]}"]
+
+
 def wait_whole(cluster: ChaosCluster, timeout: float, fault: Fault | None = None,
                before: dict | None = None) -> tuple[float | None, list[str]]:
-    """Polls until the cluster is whole (and every engine the fault must replace was replaced);
-    (the monotonic time it was, []) or (None, the problems)."""
+    """Polls until the cluster is whole (and every engine the fault must replace was replaced),
+    and still is, with the same engine processes, STAYS_WHOLE_FOR later (a few heartbeats: what
+    one look saw was not a moment between two reports). Returns (the monotonic time the lasting
+    whole state began, []) or (None, the problems). A whole state that did not last is noted."""
     deadline = time.monotonic() + timeout
     problems: list[str] = ["not checked yet"]
     while time.monotonic() < deadline:
-        try:
-            problems = cluster.problems()
-            if fault is not None and before is not None:
-                running = cluster.engine_processes()
-                problems += [f"{i}/rank{r} not replaced yet" for i, r in BASELINE_ENGINES
-                             if i in fault.must_replace and running.get((i, r)) == [before.get((i, r))]]
-        except Exception as exc:  # a controller paused or restarting does not answer yet
-            problems = [f"{type(exc).__name__}: {str(exc)[:200]}"]
+        problems = problems_now(cluster, fault, before)
         if not problems:
-            return time.monotonic(), []
+            whole_at, processes = time.monotonic(), cluster.engine_processes()
+            time.sleep(STAYS_WHOLE_FOR)
+            problems = problems_now(cluster, fault, before)
+            if not problems and cluster.engine_processes() == processes:
+                return whole_at, []
+            if fault is not None:
+                fault.notes.append(f"looked whole, then not {STAYS_WHOLE_FOR:g}s later: {'; '.join(problems)[:200]}")
+            continue
         time.sleep(0.2)
     return None, problems
 
@@ -122,11 +137,6 @@ def run_row(cluster: ChaosCluster, fault: Fault) -> Row:
         with DuplicateWatch(cluster) as watch:
             ended_at = fault.inject(fault)
             recovered_at, problems = wait_whole(cluster, RECOVERY_BOUND, fault, before)
-            if recovered_at is not None:
-                # It stays whole: a few heartbeats later (a healed node restarts nothing stale).
-                time.sleep(STAYS_WHOLE_FOR)
-                problems = cluster.problems()
-                recovered_at = None if problems else recovered_at
         after = {k: pids for k, pids in cluster.engine_processes().items()}
         replaced = {k for k in BASELINE_ENGINES if after.get(k) != [before.get(k)]}
         row.false_kills = len({k for k in replaced if k[0] not in fault.justified})
