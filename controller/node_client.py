@@ -96,7 +96,7 @@ class GrpcNodeClient(NodeClient):
                 with attempt:
                     async with self.limit:
                         reply = await self._stub(node).StartEngine(
-                            node_manager_pb2.StartEngineRequest(spec=spec, controller_epoch=self.epoch()), timeout=self.start_timeout
+                            node_manager_pb2.StartEngineRequest(spec=spec, controller_epoch=self.epoch(), node_id=node.node_id), timeout=self.start_timeout
                         )
                     return reply.engine
         except grpc.aio.AioRpcError as exc:
@@ -104,7 +104,8 @@ class GrpcNodeClient(NodeClient):
         raise AssertionError("unreachable")
 
     async def stop_engine(self, node, engine_id, generation, deadline):
-        request = node_manager_pb2.StopEngineRequest(engine_id=engine_id, generation=generation, controller_epoch=self.epoch())
+        request = node_manager_pb2.StopEngineRequest(engine_id=engine_id, generation=generation, controller_epoch=self.epoch(),
+                                                    node_id=node.node_id)
         request.deadline.CopyFrom(pbtime.duration(deadline))
         try:
             async for attempt in self._retrying():
@@ -118,7 +119,7 @@ class GrpcNodeClient(NodeClient):
 
     async def list_engines(self, node, timeout):
         try:
-            reply = await self._stub(node).ListEngines(node_manager_pb2.ListEnginesRequest(), timeout=timeout)
+            reply = await self._stub(node).ListEngines(node_manager_pb2.ListEnginesRequest(node_id=node.node_id), timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             raise NodeCallError(exc.code().name, exc.details() or "") from None
         return reply

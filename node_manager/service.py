@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from motor import pbtime
-from motor.errors import InvalidArgument
+from motor.errors import FailedPrecondition, InvalidArgument
+from motor.names import excerpt
 from motor.v1 import node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from node_manager.controller_epoch import ControllerEpoch
 from node_manager.manager import NodeManager
@@ -19,10 +20,20 @@ class NodeManagerServicer(node_manager_pb2_grpc.NodeManagerServiceServicer):
         self.process = process or types_pb2.NodeManagerProcess()
         self.epoch = epoch or ControllerEpoch()
 
+    def _for_this_node(self, node_id: str) -> None:
+        """Refuse a command meant for another node: whoever sent it has that node registered at
+        this node's address (a wrong --advertise-address, or a stolen node certificate)."""
+        if node_id and node_id != self.manager.node_id:
+            raise FailedPrecondition(
+                f"node_id {excerpt(node_id)}: this address is node {self.manager.node_id}'s node manager; node "
+                f"{excerpt(node_id)} is registered with the wrong address (check its --advertise-address)"
+            )
+
     async def StartEngine(self, request, context):
         if not request.HasField("spec"):
             raise InvalidArgument("spec: required (instance_id, dp_rank, role, config_path or config_json, ...)")
         what = f"StartEngine of {request.spec.instance_id}/rank{request.spec.dp_rank}"
+        self._for_this_node(request.node_id)
         await self.manager.wait_for_claim()  # registering: its reply says which epoch and limit are current
         self.epoch.admit(request.controller_epoch, what)
         self.epoch.admit_generation(request.spec.generation, what)
@@ -35,6 +46,7 @@ class NodeManagerServicer(node_manager_pb2_grpc.NodeManagerServiceServicer):
             deadline = pbtime.seconds(request.deadline)
             if not 0 <= deadline <= MAX_STOP_DEADLINE:
                 raise InvalidArgument(f"deadline must be within 0-{MAX_STOP_DEADLINE:g}s (got {deadline:g}s)")
+        self._for_this_node(request.node_id)
         self.epoch.admit(request.controller_epoch, f"StopEngine of {request.engine_id}")
         record = await self.manager.stop_engine(request.engine_id, deadline, request.generation)
         return node_manager_pb2.StopEngineResponse(engine=record.to_proto(self.manager.node_id))
@@ -44,6 +56,7 @@ class NodeManagerServicer(node_manager_pb2_grpc.NodeManagerServiceServicer):
         return node_manager_pb2.GetEngineResponse(engine=record.to_proto(self.manager.node_id))
 
     async def ListEngines(self, request, context):
+        self._for_this_node(request.node_id)
         return node_manager_pb2.ListEnginesResponse(engines=self.manager.engines(), process=self.process)
 
     async def WatchEngines(self, request, context):

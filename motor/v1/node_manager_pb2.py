@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from motor.v1 import types_pb2 as motor_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmotor/v1/node_manager.proto\x12\x08motor.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x14motor/v1/types.proto\"R\n\x12StartEngineRequest\x12\"\n\x04spec\x18\x01 \x01(\x0b\x32\x14.motor.v1.EngineSpec\x12\x18\n\x10\x63ontroller_epoch\x18\x02 \x01(\x04\"7\n\x13StartEngineResponse\x12 \n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x10.motor.v1.Engine\"\x81\x01\n\x11StopEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12+\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x18\n\x10\x63ontroller_epoch\x18\x04 \x01(\x04\"6\n\x12StopEngineResponse\x12 \n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x10.motor.v1.Engine\"%\n\x10GetEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"5\n\x11GetEngineResponse\x12 \n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x10.motor.v1.Engine\"\x14\n\x12ListEnginesRequest\"g\n\x13ListEnginesResponse\x12!\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x10.motor.v1.Engine\x12-\n\x07process\x18\x02 \x01(\x0b\x32\x1c.motor.v1.NodeManagerProcess\"\x15\n\x13WatchEnginesRequest\"J\n\x14WatchEnginesResponse\x12 \n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x10.motor.v1.Engine\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x32\x8c\x03\n\x12NodeManagerService\x12J\n\x0bStartEngine\x12\x1c.motor.v1.StartEngineRequest\x1a\x1d.motor.v1.StartEngineResponse\x12G\n\nStopEngine\x12\x1b.motor.v1.StopEngineRequest\x1a\x1c.motor.v1.StopEngineResponse\x12\x44\n\tGetEngine\x12\x1a.motor.v1.GetEngineRequest\x1a\x1b.motor.v1.GetEngineResponse\x12J\n\x0bListEngines\x12\x1c.motor.v1.ListEnginesRequest\x1a\x1d.motor.v1.ListEnginesResponse\x12O\n\x0cWatchEngines\x12\x1d.motor.v1.WatchEnginesRequest\x1a\x1e.motor.v1.WatchEnginesResponse0\x01\x42U\n\x0bio.motor.v1B\x10NodeManagerProtoP\x01Z2github.com/motor-llm/motor/gen/go/motor/v1;motorv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmotor/v1/node_manager.proto\x12\x08motor.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x14motor/v1/types.proto\"c\n\x12StartEngineRequest\x12\"\n\x04spec\x18\x01 \x01(\x0b\x32\x14.motor.v1.EngineSpec\x12\x18\n\x10\x63ontroller_epoch\x18\x02 \x01(\x04\x12\x0f\n\x07node_id\x18\x03 \x01(\t\"7\n\x13StartEngineResponse\x12 \n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x10.motor.v1.Engine\"\x92\x01\n\x11StopEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12+\n\x08\x64\x65\x61\x64line\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x18\n\x10\x63ontroller_epoch\x18\x04 \x01(\x04\x12\x0f\n\x07node_id\x18\x05 \x01(\t\"6\n\x12StopEngineResponse\x12 \n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x10.motor.v1.Engine\"%\n\x10GetEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"5\n\x11GetEngineResponse\x12 \n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x10.motor.v1.Engine\"%\n\x12ListEnginesRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"g\n\x13ListEnginesResponse\x12!\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x10.motor.v1.Engine\x12-\n\x07process\x18\x02 \x01(\x0b\x32\x1c.motor.v1.NodeManagerProcess\"\x15\n\x13WatchEnginesRequest\"J\n\x14WatchEnginesResponse\x12 \n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x10.motor.v1.Engine\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x32\x8c\x03\n\x12NodeManagerService\x12J\n\x0bStartEngine\x12\x1c.motor.v1.StartEngineRequest\x1a\x1d.motor.v1.StartEngineResponse\x12G\n\nStopEngine\x12\x1b.motor.v1.StopEngineRequest\x1a\x1c.motor.v1.StopEngineResponse\x12\x44\n\tGetEngine\x12\x1a.motor.v1.GetEngineRequest\x1a\x1b.motor.v1.GetEngineResponse\x12J\n\x0bListEngines\x12\x1c.motor.v1.ListEnginesRequest\x1a\x1d.motor.v1.ListEnginesResponse\x12O\n\x0cWatchEngines\x12\x1d.motor.v1.WatchEnginesRequest\x1a\x1e.motor.v1.WatchEnginesResponse0\x01\x42U\n\x0bio.motor.v1B\x10NodeManagerProtoP\x01Z2github.com/motor-llm/motor/gen/go/motor/v1;motorv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,25 +35,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\013io.motor.v1B\020NodeManagerProtoP\001Z2github.com/motor-llm/motor/gen/go/motor/v1;motorv1'
   _globals['_STARTENGINEREQUEST']._serialized_start=95
-  _globals['_STARTENGINEREQUEST']._serialized_end=177
-  _globals['_STARTENGINERESPONSE']._serialized_start=179
-  _globals['_STARTENGINERESPONSE']._serialized_end=234
-  _globals['_STOPENGINEREQUEST']._serialized_start=237
-  _globals['_STOPENGINEREQUEST']._serialized_end=366
-  _globals['_STOPENGINERESPONSE']._serialized_start=368
-  _globals['_STOPENGINERESPONSE']._serialized_end=422
-  _globals['_GETENGINEREQUEST']._serialized_start=424
-  _globals['_GETENGINEREQUEST']._serialized_end=461
-  _globals['_GETENGINERESPONSE']._serialized_start=463
-  _globals['_GETENGINERESPONSE']._serialized_end=516
-  _globals['_LISTENGINESREQUEST']._serialized_start=518
-  _globals['_LISTENGINESREQUEST']._serialized_end=538
-  _globals['_LISTENGINESRESPONSE']._serialized_start=540
-  _globals['_LISTENGINESRESPONSE']._serialized_end=643
-  _globals['_WATCHENGINESREQUEST']._serialized_start=645
-  _globals['_WATCHENGINESREQUEST']._serialized_end=666
-  _globals['_WATCHENGINESRESPONSE']._serialized_start=668
-  _globals['_WATCHENGINESRESPONSE']._serialized_end=742
-  _globals['_NODEMANAGERSERVICE']._serialized_start=745
-  _globals['_NODEMANAGERSERVICE']._serialized_end=1141
+  _globals['_STARTENGINEREQUEST']._serialized_end=194
+  _globals['_STARTENGINERESPONSE']._serialized_start=196
+  _globals['_STARTENGINERESPONSE']._serialized_end=251
+  _globals['_STOPENGINEREQUEST']._serialized_start=254
+  _globals['_STOPENGINEREQUEST']._serialized_end=400
+  _globals['_STOPENGINERESPONSE']._serialized_start=402
+  _globals['_STOPENGINERESPONSE']._serialized_end=456
+  _globals['_GETENGINEREQUEST']._serialized_start=458
+  _globals['_GETENGINEREQUEST']._serialized_end=495
+  _globals['_GETENGINERESPONSE']._serialized_start=497
+  _globals['_GETENGINERESPONSE']._serialized_end=550
+  _globals['_LISTENGINESREQUEST']._serialized_start=552
+  _globals['_LISTENGINESREQUEST']._serialized_end=589
+  _globals['_LISTENGINESRESPONSE']._serialized_start=591
+  _globals['_LISTENGINESRESPONSE']._serialized_end=694
+  _globals['_WATCHENGINESREQUEST']._serialized_start=696
+  _globals['_WATCHENGINESREQUEST']._serialized_end=717
+  _globals['_WATCHENGINESRESPONSE']._serialized_start=719
+  _globals['_WATCHENGINESRESPONSE']._serialized_end=793
+  _globals['_NODEMANAGERSERVICE']._serialized_start=796
+  _globals['_NODEMANAGERSERVICE']._serialized_end=1192
 # @@protoc_insertion_point(module_scope)

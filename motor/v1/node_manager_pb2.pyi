@@ -28,10 +28,17 @@ class StartEngineRequest(_message.Message):
 
     SPEC_FIELD_NUMBER: _builtins.int
     CONTROLLER_EPOCH_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
     controller_epoch: _builtins.int
     """Epoch of the controller sending it (0: no high availability). The node manager refuses with
     FAILED_PRECONDITION an epoch older than the one in its controller's latest reply (a deposed
     leader) or more than one past it (never issued); docs/security.md#generations-and-epochs.
+    """
+    node_id: _builtins.str
+    """The node this command is for (the controller always sets it). The node manager of another
+    node refuses it with FAILED_PRECONDITION, so a node registered at another node's address (a
+    wrong --advertise-address, a stolen node certificate) gets nothing done there. Empty: not
+    checked (a person with grpcurl).
     """
     @_builtins.property
     def spec(self) -> _types_pb2.EngineSpec:
@@ -42,10 +49,11 @@ class StartEngineRequest(_message.Message):
         *,
         spec: _types_pb2.EngineSpec | None = ...,
         controller_epoch: _builtins.int = ...,
+        node_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["controller_epoch", b"controller_epoch", "spec", b"spec"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["controller_epoch", b"controller_epoch", "node_id", b"node_id", "spec", b"spec"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -85,6 +93,7 @@ class StopEngineRequest(_message.Message):
     DEADLINE_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     CONTROLLER_EPOCH_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """Engine to stop, "<instance_id>/rank<dp_rank>"."""
     generation: _builtins.int
@@ -93,6 +102,8 @@ class StopEngineRequest(_message.Message):
     """
     controller_epoch: _builtins.int
     """Epoch of the controller sending it; refused like StartEngineRequest.controller_epoch."""
+    node_id: _builtins.str
+    """The node this command is for; refused like StartEngineRequest.node_id."""
     @_builtins.property
     def deadline(self) -> _duration_pb2.Duration:
         """Time between SIGTERM and SIGKILL; unset means the node manager's default. Raised to the
@@ -106,10 +117,11 @@ class StopEngineRequest(_message.Message):
         deadline: _duration_pb2.Duration | None = ...,
         generation: _builtins.int = ...,
         controller_epoch: _builtins.int = ...,
+        node_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["controller_epoch", b"controller_epoch", "deadline", b"deadline", "engine_id", b"engine_id", "generation", b"generation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["controller_epoch", b"controller_epoch", "deadline", b"deadline", "engine_id", b"engine_id", "generation", b"generation", "node_id", b"node_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -191,12 +203,19 @@ class ListEnginesRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.str
+    """The node the caller believes it asks (the controller's re-check sets it); refused like
+    StartEngineRequest.node_id. Empty: not checked.
+    """
     def __init__(
         self,
+        *,
+        node_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -182,6 +182,44 @@ def test_6_no_one_but_the_controller_sends_a_generation(cluster, unchanged):
                  grpc.StatusCode.PERMISSION_DENIED, "needs role controller")
 
 
+def test_a_node_registered_at_another_nodes_address_gets_nothing_done_there(cluster):
+    """Hostile F9: node-c's (stolen) certificate registers node-c with node-a's node-manager
+    address. Commands meant for node-c are refused by node-a's node manager, node-c's re-check
+    there fails so it is declared lost, and node-a's engines are never fenced as node-c's."""
+    from motor.identity import Identity
+    from motor.pki import CertificateAuthority
+
+    before = snapshot(cluster)
+    victim = next(n for n in before["nodes"] if any(e[0] == n for e in before["engines"].values()))
+    victim_address = f"127.0.0.1:{cluster.node_ports[victim]}"
+    CertificateAuthority.load(cluster.pki.directory).issue(Identity("node", "node-c"), []).save(cluster.pki.directory, "node-c")
+    as_node_c = _controller(cluster, "node-c")
+    registered = as_node_c.RegisterNode(controller_pb2.RegisterNodeRequest(node=controller_pb2.NodeInfo(
+        node_id="node-c", address=victim_address, host="127.0.0.1", accelerator_ids=[3], accelerator_type="sim",
+        port_range_start=47000, port_range_end=47099)), timeout=10)
+    for _ in range(3):
+        as_node_c.Heartbeat(controller_pb2.HeartbeatRequest(node_id="node-c", generation=registered.generation), timeout=10)
+        time.sleep(cluster.heartbeat_interval)
+
+    # What the controller sends to "node-c" reaches node-a's node manager, which refuses it.
+    as_controller = node_manager_pb2_grpc.NodeManagerServiceStub(_channel(cluster, victim_address, "controller"))
+    for call in (lambda: as_controller.ListEngines(node_manager_pb2.ListEnginesRequest(node_id="node-c"), timeout=10),
+                 lambda: as_controller.StopEngine(node_manager_pb2.StopEngineRequest(
+                     engine_id=next(iter(before["engines"])), node_id="node-c"), timeout=10)):
+        _refused(call, grpc.StatusCode.FAILED_PRECONDITION, "node_id 'node-c'", f"node {victim}'s node manager", "--advertise-address")
+
+    # node-c falls silent: its direct re-check at node-a's address fails, so it is lost, not "back".
+    def node_c_lost():
+        nodes = _controller(cluster).ListNodes(controller_pb2.ListNodesRequest(), timeout=5).nodes
+        node_c = next(n for n in nodes if n.info.node_id == "node-c")
+        return node_c if node_c.state == controller_pb2.NODE_STATE_LOST else None
+    lost = wait_for(node_c_lost, timeout=90, interval=0.5, what="node-c declared LOST")
+    assert "node_id 'node-c'" in lost.state_reason, lost.state_reason
+    after = snapshot(cluster)
+    assert {k: after[k] for k in ("engines", "endpoints", "restarts", "revision")} == \
+        {k: before[k] for k in ("engines", "endpoints", "restarts", "revision")}
+
+
 def test_the_screens_grpcurl_commands_work(cluster):
     grpcurl = shutil.which("grpcurl", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     require(grpcurl is not None, "grpcurl")
