@@ -12,6 +12,7 @@ import logging
 import sys
 
 from motor.cli_config import Flag, load_settings, run_service, settings_parser
+from motor.errors import MotorError
 from motor.logs import setup_logging
 from motor.security_config import SECURITY_FLAGS
 from motor.signals import stop_event
@@ -60,11 +61,17 @@ async def serve(config: NodeManagerConfig) -> None:
     ConfigError after stopping: exit 2 with the controller's reason)."""
     server = NodeManagerServer(config)
     await server.start()
-    signalled = asyncio.ensure_future(stop_event().wait())
+    stop = stop_event()
+    signalled = asyncio.ensure_future(stop.wait())
     link = server.link_task
     await asyncio.wait([signalled, *([link] if link else [])], return_when=asyncio.FIRST_COMPLETED)
     signalled.cancel()
     refused = link.exception() if link is not None and link.done() and not link.cancelled() else None
+    if link is not None and link.cancelled() and not stop.is_set():
+        # Nothing but a signal may end the link quietly: a node manager that stopped heartbeating
+        # while it runs would have its node declared lost and its engines started twice.
+        refused = MotorError("the link to the controller ended unexpectedly (cancelled); exiting so that the "
+                             "supervisor restarts this node manager (engines keep running and are re-adopted)")
     if refused is None:
         logger.info("shutting down (engines keep running; a restarted node manager re-adopts them)")
     await server.stop()

@@ -69,6 +69,15 @@ class HeartbeatSender:
             raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer to a heartbeat within {self.timeout:g}s") from None
         except asyncio.InvalidStateError:  # the stream had ended without an error
             reply = grpc.aio.EOF
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this node manager is stopping
+            # close() cancelled the stream under this beat (a report moved to another controller,
+            # a new registration): a failed beat like any other, retried on the new stream. Let
+            # through, it ended the controller link and with it the node manager (hostile F12).
+            self._call = self._stub = None
+            raise _error(grpc.StatusCode.CANCELLED, "the heartbeat stream was closed to follow another controller") from None
         if reply is grpc.aio.EOF:  # ended by the controller: its status, with its metadata (a standby names the leader)
             self._call = self._stub = None
             code = await call.code()
