@@ -1,7 +1,11 @@
 """The actuator: what the controller asks of node managers. It builds StartEngine's spec, starts
 a copy (stopping an older copy the node still runs), and stops copies, at once or in the
-background, asking a node at most once per FENCE_WINDOW for the same copy (a stop that failed:
-again after 1 s, 2 s, 4 s ... FENCE_WINDOW; one ENGINE_FENCED event until it succeeds).
+background, asking a node at most once per FENCE_WINDOW for the same copy.
+
+Retries back off and are told once (motor/retry.py): a stop that failed is asked again after
+1 s, 2 s, 4 s ... FENCE_WINDOW, and its ENGINE_FENCED event counts the tries until it succeeds;
+a StartEngine on an unreachable node is retried by the reconcile loop after 1 s, 2 s ...
+RETRY_CAP, with one RETRYING event per engine whose count grows until a start goes through.
 """
 
 from __future__ import annotations
@@ -10,7 +14,10 @@ import logging
 from typing import Callable, Coroutine
 
 from motor import pbtime
+from motor.retry import RepeatedFailure, worth_reporting
 from motor.v1 import controller_pb2, types_pb2
+
+from controller.events import EventBus
 
 from controller.instances import InstanceRecord
 from controller.node_client import NodeCallError, NodeClient
@@ -22,6 +29,8 @@ logger = logging.getLogger(__name__)
 C, T = controller_pb2, types_pb2
 # A copy asked to stop is not asked again within this many seconds (the node manager is on it).
 FENCE_WINDOW = 10.0
+# The longest wait before a StartEngine that found its node unreachable is tried again (seconds).
+RETRY_CAP = 10.0
 
 
 def engine_spec(slot: EngineSlot, inst: InstanceRecord, master_dp_ip: str, config_json: str) -> T.EngineSpec:
@@ -42,19 +51,45 @@ class Actuator:
         nodes: NodeTable,
         stop_deadline: float,
         spawn: Callable[[Coroutine, str], object],
-        emit: Callable[..., None],
+        events: EventBus,
         monotonic: Callable[[], float],
     ):
         self.client, self.nodes, self.stop_deadline = client, nodes, stop_deadline
-        self.spawn, self.emit, self.mono = spawn, emit, monotonic
+        self.spawn, self.events, self.mono = spawn, events, monotonic
         # (node id, engine id, generation) -> when its stop was asked, oldest first.
         self.fencing: dict[tuple[str, str, int], float] = {}
-        # Copies whose stop was announced and has not succeeded yet -> how many times asked: a
-        # stop that keeps failing is one ENGINE_FENCED event, not one per retry.
-        self.unfinished: dict[tuple[str, str, int], int] = {}
+        # Copies whose stop was announced and has not succeeded yet -> its failed tries: a stop
+        # that keeps failing is one ENGINE_FENCED event whose count grows, not one per retry.
+        self.unfinished: dict[tuple[str, str, int], RepeatedFailure] = {}
+        # Engines whose StartEngine found the node unreachable -> the failed tries in a row.
+        self.start_failures: dict[str, RepeatedFailure] = {}
 
     async def start(self, node: C.NodeInfo, engine_id: str, spec: T.EngineSpec) -> T.Engine:
-        """StartEngine; raises NodeCallError."""
+        """StartEngine; raises NodeCallError (an unreachable node: see retry_delay)."""
+        try:
+            engine = await self._start(node, engine_id, spec)
+        except NodeCallError as exc:
+            if exc.unreachable:
+                failure = self.start_failures.setdefault(engine_id, RepeatedFailure(1.0, RETRY_CAP))
+                failure.failed(exc)
+                self.events.repeat(
+                    ("start", engine_id), C.EVENT_TYPE_RETRYING,
+                    f"StartEngine of {engine_id} on {node.node_id} failed {failure.count} time(s) in a row, "
+                    f"trying again in {failure.delay():g}s: {exc}",
+                    node_id=node.node_id, instance_id=spec.instance_id, engine_id=engine_id,
+                )
+            raise
+        if self.start_failures.pop(engine_id, None) is not None:
+            count = self.events.settle(("start", engine_id))
+            logger.info("StartEngine of %s on %s went through after %d failed try(ies)", engine_id, node.node_id, count)
+        return engine
+
+    def retry_delay(self, engine_id: str) -> float:
+        """How long to wait before starting an engine whose last start found its node unreachable."""
+        failure = self.start_failures.get(engine_id)
+        return failure.delay() if failure is not None else 0.0
+
+    async def _start(self, node: C.NodeInfo, engine_id: str, spec: T.EngineSpec) -> T.Engine:
         try:
             return await self.client.start_engine(node, spec)
         except NodeCallError as exc:
@@ -84,12 +119,12 @@ class Actuator:
         if key in self.fencing:
             return  # asked recently; the node manager is on it
         self.fencing[key] = now
-        self.unfinished[key] = self.unfinished.get(key, 0) + 1
-        if fence and self.unfinished[key] == 1:
-            self.emit(
-                C.EVENT_TYPE_ENGINE_FENCED, f"engine {engine_id} on {node_id} stopped: {why}",
+        if fence and key not in self.unfinished:
+            self.events.repeat(
+                ("fence", key), C.EVENT_TYPE_ENGINE_FENCED, f"engine {engine_id} on {node_id} stopped: {why}",
                 node_id=node_id, engine_id=engine_id, instance_id=engine_id.split("/")[0],
             )
+        self.unfinished.setdefault(key, RepeatedFailure(1.0, FENCE_WINDOW))
         self.spawn(self._stop_in_background(node_id, engine_id, generation, why), f"stop {engine_id}@{node_id}")
 
     def _forget_old_stops(self, now: float) -> None:
@@ -106,12 +141,21 @@ class Actuator:
             return
         try:
             await self.stop(node.info, engine_id, generation)
-            logger.info("stopped %s (generation %d) on %s: %s", engine_id, generation, node_id, why)
-            self.unfinished.pop((node_id, engine_id, generation), None)
+            failure = self.unfinished.pop((node_id, engine_id, generation), None)
+            self.events.settle(("fence", (node_id, engine_id, generation)))
+            tries = f" after {failure.count} failed try(ies)" if failure is not None and failure.count else ""
+            logger.info("stopped %s (generation %d) on %s%s: %s", engine_id, generation, node_id, tries, why)
         except NodeCallError as exc:
             # The next ask goes through after a backoff (1 s, 2 s, 4 s ... FENCE_WINDOW), not every heartbeat.
             key = (node_id, engine_id, generation)
-            tries = self.unfinished.get(key, 1)
+            failure = self.unfinished.setdefault(key, RepeatedFailure(1.0, FENCE_WINDOW))
+            failure.failed(exc)
             self.fencing.pop(key, None)
-            self.fencing[key] = self.mono() - FENCE_WINDOW + min(FENCE_WINDOW, 2.0 ** (tries - 1))
-            logger.warning("could not stop %s on %s (%s), try %d: %s", engine_id, node_id, why, tries, exc)
+            self.fencing[key] = self.mono() - FENCE_WINDOW + failure.delay()
+            message = (f"engine {engine_id} on {node_id}: its stop failed {failure.count} time(s) in a row, asking "
+                       f"again in {failure.delay():g}s: {exc} ({why})")
+            if self.events.is_repeating(("fence", key)):  # a fence: its one event counts the tries
+                self.events.repeat(("fence", key), C.EVENT_TYPE_ENGINE_FENCED, message, node_id=node_id,
+                                   engine_id=engine_id, instance_id=engine_id.split("/")[0])
+            elif worth_reporting(failure.count):
+                logger.warning("%s", message)

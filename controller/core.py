@@ -94,7 +94,7 @@ class Controller(views.ClusterReads):
         self._tasks = TaskSet("controller")
         self._loops: list[asyncio.Task] = []
         self._stopping = False
-        self.actuator = Actuator(node_client, self.state.nodes, config.stop_deadline, self._spawn, self.state.event, monotonic)
+        self.actuator = Actuator(node_client, self.state.nodes, config.stop_deadline, self._spawn, self.events, monotonic)
         self.scheduler = Scheduler(
             self.state, config, self.actuator, self._launch, self._spawn, self.wake,
             lambda reason: self.metrics.reschedules.labels(reason=reason).inc(),
@@ -467,10 +467,10 @@ class Controller(views.ClusterReads):
             if st.slots.get(slot.engine_id) is not slot or slot.generation != spec.generation:
                 return
             if exc.unreachable:
-                # The node's liveness is the node monitor's call; try again a little later.
-                slot.retry_at = self.mono() + max(1.0, self.config.heartbeat_interval)
+                # The node's liveness is the node monitor's call; try again after a backoff (one
+                # RETRYING event counts the tries: controller/actuator.py).
+                slot.retry_at = self.mono() + self.actuator.retry_delay(slot.engine_id)
                 st.attention.add(slot.instance_id)
-                logger.warning("StartEngine %s on %s: %s; retrying later", slot.engine_id, node.node_id, exc)
                 return
             self.scheduler.engine_failed(slot, node.node_id, f"could not be started: StartEngine {exc}")
             return

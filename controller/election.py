@@ -34,6 +34,8 @@ from typing import Any, Callable
 
 import aetcd
 
+from motor.retry import RepeatedFailure
+
 from controller.etcd_client import UNAVAILABLE_ERRORS
 
 logger = logging.getLogger(__name__)
@@ -185,17 +187,23 @@ class LeaderElection:
     # --- the loop: one session (a lease kept alive) at a time ---------------------------------
 
     async def _run(self) -> None:
+        # A session that fails is tried again after renew_period, doubling up to the TTL (a
+        # standby retries at most a TTL after etcd is back); told at the 1st, 10th, 100th... failure.
+        failures = RepeatedFailure(self.renew_period, self.ttl)
         while not self._stopping:
             try:
                 await self._session()
+                failures.recovered()
             except asyncio.CancelledError:
                 raise
             except UNAVAILABLE_ERRORS as exc:
-                logger.info("etcd unavailable for the election: %s", exc)
-                await asyncio.sleep(self.renew_period)
+                if failures.failed(exc):
+                    logger.info("etcd unavailable for the election (%d time(s) in a row): %s", failures.count, exc)
+                await asyncio.sleep(failures.delay())
             except Exception:  # keep campaigning whatever one session hit
-                logger.exception("election session failed")
-                await asyncio.sleep(self.renew_period)
+                if failures.failed():
+                    logger.exception("election session failed (%d time(s) in a row)", failures.count)
+                await asyncio.sleep(failures.delay())
 
     async def _session(self) -> None:
         """A lease for this controller, its membership key, and campaigns on that lease, until
@@ -248,6 +256,7 @@ class LeaderElection:
             self._valid_until = sent + self.renew_deadline
 
     async def _campaign_loop(self) -> None:
+        failures = RepeatedFailure(self.renew_period, self.ttl)  # as in _run
         while True:
             try:
                 if self.role is Role.LEADER:
@@ -255,11 +264,13 @@ class LeaderElection:
                     return
                 if not await self._campaign():
                     await self._wait_for_vacancy()
+                failures.recovered()
             except asyncio.CancelledError:
                 raise
             except UNAVAILABLE_ERRORS as exc:
-                logger.info("etcd unavailable during the campaign: %s", exc)
-                await asyncio.sleep(self.renew_period)
+                if failures.failed(exc):
+                    logger.info("etcd unavailable during the campaign (%d time(s) in a row): %s", failures.count, exc)
+                await asyncio.sleep(failures.delay())
 
     async def _campaign(self) -> bool:
         current = await self.client.get(self.leader_key)

@@ -36,6 +36,8 @@ from typing import Any, Callable, Iterator
 import aetcd
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, retry_if_not_exception_type, wait_exponential
 
+from motor.retry import RepeatedFailure, worth_reporting
+
 from controller.etcd_client import UNAVAILABLE_ERRORS
 from controller.store import Store, StoredNode, StoredState
 
@@ -49,7 +51,7 @@ TXNS_IN_FLIGHT = 8
 
 def _log_retry(state: RetryCallState) -> None:
     error = state.outcome.exception() if state.outcome else None
-    if state.attempt_number == 1 or state.attempt_number % 20 == 0:
+    if worth_reporting(state.attempt_number):
         log = logger.info if isinstance(error, UNAVAILABLE_ERRORS) else logger.warning
         log("etcd did not take a write (attempt %d, retrying): %r", state.attempt_number, error)
 
@@ -131,12 +133,16 @@ class EtcdStore(Store):
         self._listeners.append(listener)
 
     async def follow(self) -> None:
-        """Apply every change in etcd to the mirror, for as long as it runs (a standby)."""
+        """Apply every change in etcd to the mirror, for as long as it runs (a standby). A broken
+        watch is opened again after 0.5 s, 1 s ... 5 s, told once when it breaks, once when it resumes."""
+        breaks = RepeatedFailure(0.5, 5.0)
         while True:
             try:
                 watch = await self.client.watch_prefix(self.root.encode(), start_revision=self.revision + 1)
                 try:
                     async for event in watch:
+                        if breaks.count:
+                            logger.info("watch of the controller state resumed after %d break(s)", breaks.recovered())
                         key = event.kv.key.decode()
                         self._apply(self._mirror, key, None if event.kind == "DELETE" else event.kv.value)
                         self.revision = max(self.revision, event.kv.mod_revision)
@@ -151,8 +157,9 @@ class EtcdStore(Store):
                 logger.info("watch fell behind etcd's compaction: reading the whole state again")
                 await self._reload_when_possible()
             except (*UNAVAILABLE_ERRORS, aetcd.exceptions.ClientError) as exc:
-                logger.info("watch of the controller state broke (%s); resuming", exc)
-                await asyncio.sleep(0.5)
+                if breaks.failed(exc):
+                    logger.info("watch of the controller state broke (%s, %d time(s) in a row); resuming", exc, breaks.count)
+                await asyncio.sleep(breaks.delay())
 
     async def _reload_when_possible(self) -> None:
         async for attempt in AsyncRetrying(retry=retry_if_exception_type(UNAVAILABLE_ERRORS), wait=wait_exponential(0.1, max=2)):

@@ -1,4 +1,5 @@
-"""Controller events: a bounded history and fan-out to WatchEvents subscribers."""
+"""Controller events: a bounded history and fan-out to WatchEvents subscribers. A failure that
+repeats is one event whose count grows (`repeat`, then `settle` when it stops), not one per try."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import logging
 from motor import pbtime
 from motor.fanout import FanOut, Subscription
 from motor.names import enum_short_name
+from motor.retry import worth_reporting
 from motor.v1 import controller_pb2
 
 logger = logging.getLogger(__name__)
+
+# Repeating operations followed at once; beyond that the oldest is forgotten (its next try is a new event).
+REPEATING_LIMIT = 10_000
 
 
 class EventBus:
@@ -18,6 +23,7 @@ class EventBus:
         self.sequence = 0
         self.recent: collections.deque[controller_pb2.Event] = collections.deque(maxlen=history)
         self.subscribers: FanOut[controller_pb2.Event] = FanOut("WatchEvents", queue_size)
+        self._repeating: dict[object, controller_pb2.Event] = {}  # key -> the event counting its tries
 
     def emit(self, type_: int, message: str, node_id: str = "", instance_id: str = "", engine_id: str = "") -> controller_pb2.Event:
         self.sequence += 1
@@ -32,6 +38,34 @@ class EventBus:
         logger.info("event %s: %s", kind, message, extra=ids)
         self.subscribers.publish(event)
         return event
+
+    def repeat(self, key: object, type_: int, message: str, node_id: str = "", instance_id: str = "",
+               engine_id: str = "") -> controller_pb2.Event:
+        """One more occurrence of what `key` names: the first is a new event (count 1); later ones
+        raise its count, take the latest message and time, and send it again (same sequence).
+        Logged at counts 1, 10, 100..."""
+        event = self._repeating.get(key)
+        if event is None:
+            if len(self._repeating) >= REPEATING_LIMIT:  # never settled (the operation was dropped): forget the oldest
+                del self._repeating[next(iter(self._repeating))]
+            event = self._repeating[key] = self.emit(type_, message, node_id, instance_id, engine_id)
+            event.count = 1
+            return event
+        event.count += 1
+        event.message = message
+        event.last_time.CopyFrom(pbtime.now())
+        if worth_reporting(event.count):
+            logger.info("event %s (x%d): %s", enum_short_name(controller_pb2.EventType, type_), event.count, message)
+        self.subscribers.publish(event)
+        return event
+
+    def is_repeating(self, key: object) -> bool:
+        return key in self._repeating
+
+    def settle(self, key: object) -> int:
+        """What `key` names stopped happening: a later occurrence is a new event. Returns its count."""
+        event = self._repeating.pop(key, None)
+        return event.count if event is not None else 0
 
     def subscribe(self) -> Subscription[controller_pb2.Event]:
         return self.subscribers.subscribe()

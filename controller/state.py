@@ -10,6 +10,7 @@ import logging
 from typing import Callable, Iterable, Iterator
 
 from motor.names import enum_short_name
+from motor.retry import backoff_delay, worth_reporting
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.events import EventBus
@@ -108,9 +109,10 @@ class ClusterState:
     def refused(self, exc: StoreUnavailable) -> None:
         """A write the store refused: counted (metric), one ALARM event per spell, retried later."""
         self.store_failures += 1
-        self.store_retry_at = self.mono() + min(30.0, 2.0 ** min(self.store_failures - 1, 5))
+        self.store_retry_at = self.mono() + backoff_delay(self.store_failures, 1.0, 30.0)
         self.on_store_failure(exc)
-        logger.warning("store write refused (%d in a row): %s", self.store_failures, exc)
+        if worth_reporting(self.store_failures):
+            logger.warning("store write refused (%d in a row): %s", self.store_failures, exc)
         if self.store_failures == 1:
             self.event(C.EVENT_TYPE_ALARM, f"the controller's store is failing: {exc}; changes that happened are kept "
                        "in memory and written again with backoff, API changes are refused (UNAVAILABLE)")

@@ -5,11 +5,12 @@ the leader in the trailing metadata `motor-leader`; an unreachable controller is
 from __future__ import annotations
 
 import logging
-import random
 import time
 from typing import Any, Callable
 
 import grpc
+
+from motor import retry
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ MOVE_ON = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 def backoff_delay(failures: int, base: float, cap: float) -> float:
     """Capped exponential backoff with full jitter: uniform in [0, min(cap, base * 2**(failures-1))]."""
-    return random.uniform(0, min(cap, base * 2 ** (failures - 1)))
+    return retry.backoff_delay(failures, base, cap, jitter=True)
 
 
 def parse_addresses(value: str, setting: str) -> list[str]:

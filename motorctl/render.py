@@ -77,7 +77,8 @@ def render_endpoints(reply: controller_pb2.ListEndpointsResponse) -> str:
 
 def render_event(event: controller_pb2.Event) -> str:
     when = event.time.ToDatetime(datetime.timezone.utc).astimezone().strftime("%H:%M:%S.%f")[:-3]
-    return f"{when}  #{event.sequence:<5} {enum_short_name(controller_pb2.EventType, event.type):<22} {event.message}"
+    times = f" (x{event.count})" if event.count > 1 else ""  # a failure that repeats: one event, counted
+    return f"{when}  #{event.sequence:<5} {enum_short_name(controller_pb2.EventType, event.type):<22} {event.message}{times}"
 
 
 def render_status(nodes: controller_pb2.ListNodesResponse, instances: controller_pb2.ListInstancesResponse) -> str:

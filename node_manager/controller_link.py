@@ -31,6 +31,7 @@ from motor.grpc_server import TlsFiles, aio_channel
 from motor.leader import FOLLOW_RETRY_BASE, FOLLOW_RETRY_CAP, ControllerAddresses, backoff_delay, parse_addresses
 from motor.names import ID_RULE, excerpt
 from motor.node_process import describe
+from motor.retry import RepeatedFailure, worth_reporting
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from node_manager.controller_epoch import ControllerEpoch
 from node_manager.heartbeat_sender import HeartbeatSender
@@ -158,7 +159,7 @@ class ControllerLink:
                         self._move_on(exc)
                         if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                             self._refused(exc.details() or "")
-                        elif attempt_no == 1 or attempt_no % 10 == 0:
+                        elif worth_reporting(attempt_no):
                             logger.warning("cannot register with the controller (attempt %d): %s: %s",
                                            attempt_no, exc.code().name, exc.details())
                         raise
@@ -169,6 +170,8 @@ class ControllerLink:
                 f"the controller refused to register node {excerpt(self.node.node_id)}: {details}{rule}; "
                 "not retrying: fix the node's settings"
             ) from None
+        if attempt_no > 1:
+            logger.info("registered after %d failed attempt(s)", attempt_no - 1)
         if self.refusals:
             logger.warning("node id %s is ours now, after %d refused registration(s)", self.node.node_id, self.refusals)
         self.refusals, self.manager.claim_refused = 0, ""
@@ -194,13 +197,15 @@ class ControllerLink:
         self.refusals += 1
         self.manager.claim_refused = details
         fenced = self.manager.fence_all(f"node id {self.node.node_id} is held by another node manager process")
-        if self.refusals == 1 or self.refusals % 10 == 0 or fenced:
+        if worth_reporting(self.refusals) or fenced:
             logger.error("node id %s is held by another live node manager; starting nothing%s, asking again "
                          "every %gs (refusal %d, FAILED_PRECONDITION): %s", self.node.node_id,
                          f", stopping {fenced}" if fenced else "", self.interval, self.refusals, details)
 
     async def _heartbeats(self) -> None:
-        failures, switched = 0, False
+        # Capped exponential backoff with full jitter while the controller is unreachable; one
+        # line at the first failure (then the 10th, 100th...) and one when heartbeats resume.
+        failures, switched = RepeatedFailure(self.interval / 2, self.max_backoff, jitter=True), False
         clock = self.clock
         next_tick = clock.monotonic()
         while True:
@@ -212,10 +217,9 @@ class ControllerLink:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in REREGISTER:
                     raise ReRegister(f"{exc.code().name}: {exc.details()}") from None
-                failures += 1
-                if failures == 1 or failures % 10 == 0:
+                if failures.failed(exc.code().name):
                     logger.warning("heartbeat to the controller failed %d time(s): %s: %s (engines keep running)",
-                                   failures, exc.code().name, exc.details())
+                                   failures.count, exc.code().name, exc.details())
                 # Back off (with jitter) while the controller is unreachable.
                 if self._move_on(exc) and not switched:
                     switched = True  # another controller: try it now, once per tick
@@ -223,17 +227,17 @@ class ControllerLink:
                     continue
                 switched = False
                 if self.controllers.several:  # a failover is under way: find the new leader promptly
-                    delay = backoff_delay(failures, FOLLOW_RETRY_BASE, min(self.interval, FOLLOW_RETRY_CAP))
+                    delay = backoff_delay(failures.count, FOLLOW_RETRY_BASE, min(self.interval, FOLLOW_RETRY_CAP))
                 else:
-                    delay = backoff_delay(failures, self.interval / 2, self.max_backoff)
+                    delay = failures.delay()
                 next_tick = clock.monotonic() + delay - self.interval
                 continue
             self.epoch.observe(reply.controller_epoch, reply.generation_limit)
             switched = False
             self.manager.metrics.heartbeat_latency.labels(self.node.node_id).observe(clock.monotonic() - began)
-            if failures:
-                logger.info("heartbeats to the controller resumed after %d failure(s)", failures)
-            failures = 0
+            failed = failures.recovered()
+            if failed:
+                logger.info("heartbeats to the controller resumed after %d failure(s)", failed)
 
     async def report(self, engine: types_pb2.Engine, reason: str) -> None:
         """ReportEngineEvent at once (a few quick retries; the next heartbeat carries it anyway)."""

@@ -73,4 +73,5 @@ class RecordSaver:
                     self.store.save(record)  # as memory has it now
                     if self.unsaved.get(engine_id) is record:
                         del self.unsaved[engine_id]
-        logger.info("engine records are written again in %s", self.store.root)
+        logger.info("engine records are written again in %s (after %d refused retry(ies))", self.store.root,
+                    attempt.retry_state.attempt_number - 1)

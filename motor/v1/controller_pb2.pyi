@@ -149,6 +149,10 @@ class _EventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventType.V
     """
     EVENT_TYPE_LEADER_CHANGED: _EventType.ValueType  # 12
     """Another controller leads now, or this one stepped down; the message says who and why."""
+    EVENT_TYPE_RETRYING: _EventType.ValueType  # 13
+    """A call the controller makes keeps failing and is retried with backoff (e.g. StartEngine
+    on an unreachable node): one event per operation, whose `count` grows with each failed try.
+    """
 
 class EventType(_EventType, metaclass=_EventTypeEnumTypeWrapper):
     """Kind of a controller event."""
@@ -181,6 +185,10 @@ the conflict starts, one with the count of refused registrations when it ends).
 """
 EVENT_TYPE_LEADER_CHANGED: EventType.ValueType  # 12
 """Another controller leads now, or this one stepped down; the message says who and why."""
+EVENT_TYPE_RETRYING: EventType.ValueType  # 13
+"""A call the controller makes keeps failing and is retried with backoff (e.g. StartEngine
+on an unreachable node): one event per operation, whose `count` grows with each failed try.
+"""
 Global___EventType: _TypeAlias = EventType  # noqa: Y015
 
 @_typing.final
@@ -612,6 +620,8 @@ class Event(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    LAST_TIME_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """Increases by one per event."""
     type: Global___EventType.ValueType
@@ -626,9 +636,18 @@ class Event(_message.Message):
     """What happened and why, e.g. "engine prefill-0/rank1 on node-b killed after 5 abnormal
     heartbeats: probe timed out x5".
     """
+    count: _builtins.int
+    """How many times it happened: a failure that repeats is one event whose count grows (and
+    whose message and last_time follow the latest try), sent again to watchers with the same
+    sequence; 0 or 1: once.
+    """
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp:
         """When it happened."""
+
+    @_builtins.property
+    def last_time(self) -> _timestamp_pb2.Timestamp:
+        """When it last happened (set when count > 1)."""
 
     def __init__(
         self,
@@ -640,10 +659,12 @@ class Event(_message.Message):
         instance_id: _builtins.str = ...,
         engine_id: _builtins.str = ...,
         message: _builtins.str = ...,
+        count: _builtins.int = ...,
+        last_time: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_time", b"last_time", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "instance_id", b"instance_id", "message", b"message", "node_id", b"node_id", "sequence", b"sequence", "time", b"time", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "engine_id", b"engine_id", "instance_id", b"instance_id", "last_time", b"last_time", "message", b"message", "node_id", b"node_id", "sequence", b"sequence", "time", b"time", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

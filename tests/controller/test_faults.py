@@ -97,24 +97,71 @@ async def test_list_endpoints_of_an_unknown_role_is_invalid_argument(served):
 
 async def test_a_fence_that_keeps_failing_is_retried_with_backoff_and_told_once():
     """Issue 12, defect 6: a copy whose stop kept failing was fenced again every second (31
-    ENGINE_FENCED events in 31 s, flushing the event history). Now: one event, retries after a
-    doubling backoff capped at FENCE_WINDOW."""
+    ENGINE_FENCED events in 31 s, flushing the event history). Now: one event whose count grows
+    with each failed try, retries after a doubling backoff capped at FENCE_WINDOW."""
     from controller.actuator import FENCE_WINDOW, Actuator
+    from controller.events import EventBus
     from controller.nodes import NodeTable
     from tests.controller.fakes import FakeNodeClient, ManualClock
     from tests.controller.test_tables import runtime
 
-    client, clock, events = FakeNodeClient(), ManualClock(), []
+    client, clock, events = FakeNodeClient(), ManualClock(), EventBus()
     client.unreachable.add("node-a")  # every StopEngine fails
     nodes = NodeTable()
     nodes.put(runtime("node-a"))
     tasks: list[asyncio.Task] = []
-    actuator = Actuator(client, nodes, 5.0, lambda coro, name: tasks.append(asyncio.create_task(coro)),
-                        lambda *args, **kw: events.append((args, kw)), clock)
+    actuator = Actuator(client, nodes, 5.0, lambda coro, name: tasks.append(asyncio.create_task(coro)), events, clock)
+    counts = []
     for _ in range(31):  # a heartbeat a second shows the stale copy again
         actuator.stop_copy("node-a", "u-0/rank0", 3, "stale copy", fence=True)
         await asyncio.gather(*tasks)
+        counts.append(events.recent[-1].count)
         clock.advance(1.0)
-    assert [args[0] for args, _ in events] == [C.EVENT_TYPE_ENGINE_FENCED]
+    assert [e.type for e in events.recent] == [C.EVENT_TYPE_ENGINE_FENCED]
     # Asked at 0 s, then after 1, 2, 4, 8 s and every FENCE_WINDOW (10 s): 0, 1, 3, 7, 15, 25.
-    assert FENCE_WINDOW == 10.0 and len(client.stops()) == 6
+    asked = [t for t, (c0, c1) in enumerate(zip([1] + counts, counts)) if c1 > c0]
+    assert FENCE_WINDOW == 10.0 and len(client.stops()) == 6 and asked == [0, 1, 3, 7, 15, 25]
+    event = events.recent[-1]
+    assert event.count == 7 and "its stop failed 6 time(s) in a row, asking again in 10s" in event.message
+    assert event.HasField("last_time")
+    from motorctl.render import render_event
+    assert render_event(event).endswith("(x7)")  # motorctl events shows the count
+    client.unreachable.clear()  # the node answers again: the copy stops, the spell ends
+    clock.advance(FENCE_WINDOW)
+    actuator.stop_copy("node-a", "u-0/rank0", 3, "stale copy", fence=True)
+    await asyncio.gather(*tasks)
+    assert not actuator.unfinished and not events.is_repeating(("fence", ("node-a", "u-0/rank0", 3)))
+    assert len(events.recent) == 1
+
+
+async def test_a_start_on_an_unreachable_node_backs_off_to_its_cap_with_one_counting_event(tmp_path):
+    """The reconcile loop retried StartEngine on an unreachable node every heartbeat interval with
+    a warning per try; now after 1, 2, 4, 8, 10, 10 s, told by one RETRYING event that counts."""
+    from controller.actuator import RETRY_CAP
+    from tests.controller.conftest import Harness, example_deployment
+    from tests.controller.fakes import ManualClock
+
+    clock = ManualClock()
+    h = Harness(tmp_path, clock=clock, node_grace=1000.0)
+    await h.start()
+    await h.register("node-a", accelerators=8)
+    h.client.unreachable.add("node-a")
+    h.controller.apply_deployment(example_deployment())
+    slot = h.controller.state.slots["decode-0/rank0"]
+    waits = []
+    for _ in range(7):
+        tries = len(h.client.starts("decode-0/rank0"))
+        h.controller.reconcile_once()
+        await async_wait_for(lambda: len(h.client.starts("decode-0/rank0")) == tries + 1 and not slot.busy, timeout=5)
+        waits.append(slot.retry_at - clock())
+        clock.advance(waits[-1])
+        h.beat("node-a")
+    assert waits == [1.0, 2.0, 4.0, 8.0, RETRY_CAP, RETRY_CAP, RETRY_CAP]
+    retrying = [e for e in h.controller.events.recent if e.type == C.EVENT_TYPE_RETRYING and e.engine_id == "decode-0/rank0"]
+    assert len(retrying) == 1 and retrying[0].count == 7
+    assert "StartEngine of decode-0/rank0 on node-a failed 7 time(s) in a row, trying again in 10s" in retrying[0].message
+    h.client.unreachable.clear()
+    h.controller.reconcile_once()
+    await async_wait_for(lambda: slot.launched, timeout=5, what="started once the node answers")
+    assert not h.controller.actuator.start_failures and not h.controller.events.is_repeating(("start", "decode-0/rank0"))
+    await h.stop()

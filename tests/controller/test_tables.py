@@ -13,6 +13,7 @@ from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
 
 from controller.actuator import FENCE_WINDOW, Actuator
+from controller.events import EventBus
 from controller.instances import IllegalTransition
 from controller.node_client import NodeCallError
 from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime, NodeTable
@@ -197,17 +198,16 @@ def test_persisted_fields_round_trip_and_observations_do_not():
 # ---------------------------------------------------------------- actuator
 
 async def test_a_copy_is_asked_to_stop_once_per_window_and_old_stops_are_forgotten():
-    client, clock, events = FakeNodeClient(), ManualClock(), []
+    client, clock, events = FakeNodeClient(), ManualClock(), EventBus()
     nodes = NodeTable()
     nodes.put(runtime("node-a"))
     tasks: list[asyncio.Task] = []
-    actuator = Actuator(client, nodes, 5.0, lambda coro, name: tasks.append(asyncio.create_task(coro)),
-                        lambda *args, **kw: events.append((args, kw)), clock)
+    actuator = Actuator(client, nodes, 5.0, lambda coro, name: tasks.append(asyncio.create_task(coro)), events, clock)
     actuator.stop_copy("node-a", "u-0/rank0", 3, "stale copy", fence=True)
     actuator.stop_copy("node-a", "u-0/rank0", 3, "stale copy", fence=True)  # asked already
     await asyncio.gather(*tasks)
     assert client.stops() == [("node-a", "u-0/rank0", 3)]
-    assert [args[0] for args, _ in events] == [C.EVENT_TYPE_ENGINE_FENCED]
+    assert [e.type for e in events.recent] == [C.EVENT_TYPE_ENGINE_FENCED]
     clock.advance(FENCE_WINDOW / 2)
     actuator.stop_copy("node-a", "u-1/rank0", 4, "removed")
     assert len(actuator.fencing) == 2
@@ -226,7 +226,7 @@ async def test_a_failed_stop_is_asked_again_after_a_backoff():
     nodes = NodeTable()
     nodes.put(runtime("node-a"))
     tasks: list[asyncio.Task] = []
-    actuator = Actuator(client, nodes, 5.0, lambda coro, name: tasks.append(asyncio.create_task(coro)), lambda *a, **kw: None, clock)
+    actuator = Actuator(client, nodes, 5.0, lambda coro, name: tasks.append(asyncio.create_task(coro)), EventBus(), clock)
     client.unreachable.add("node-a")
     actuator.stop_copy("node-a", "u-0/rank0", 3, "stale copy")
     await asyncio.gather(*tasks)
@@ -245,7 +245,7 @@ async def test_a_failed_stop_is_asked_again_after_a_backoff():
 
 async def test_start_over_an_older_copy_stops_it_then_starts_once_more():
     client = FakeNodeClient()
-    actuator = Actuator(client, NodeTable(), 5.0, lambda coro, name: None, lambda *a, **kw: None, ManualClock())
+    actuator = Actuator(client, NodeTable(), 5.0, lambda coro, name: None, EventBus(), ManualClock())
     client.start_errors["u-0/rank0"] = NodeCallError("ALREADY_EXISTS", "u-0/rank0 runs generation 6")
     spec = T.EngineSpec(instance_id="u-0", dp_rank=0, generation=7)
     engine = await actuator.start(node_info("node-a"), "u-0/rank0", spec)
