@@ -46,6 +46,15 @@ def check_key_pair(cert_pem: bytes, key_pem: bytes, cert_path: str, key_path: st
         raise ConfigError(f"key: {key_path!r} is not the key of the certificate {cert_path!r}")
 
 
+def check_ca_bundle(ca_pem: bytes, ca_path: str) -> None:
+    """Raise ConfigError unless `ca_pem` holds at least one PEM certificate: an emptied or
+    half-written bundle would make every new handshake fail."""
+    try:
+        x509.load_pem_x509_certificates(ca_pem)
+    except ValueError as exc:
+        raise ConfigError(f"ca: {ca_path!r} holds no PEM certificate ({exc})") from None
+
+
 class ReloadingServerCredentials:
     """`grpc.dynamic_ssl_server_credentials` over a certificate, key and optional client CA file."""
 
@@ -53,6 +62,7 @@ class ReloadingServerCredentials:
         self.paths = [cert, key] + ([ca] if ca else [])
         self.reloads = 0
         self._stamp = self._stamps()
+        self._refused: tuple[tuple[int, int, int], ...] | None = None
         initial = self._configuration()
         self.credentials = grpc.dynamic_ssl_server_credentials(
             initial, self._fetch, require_client_authentication=bool(ca) and require_client_cert
@@ -73,16 +83,21 @@ class ReloadingServerCredentials:
         cert, key = read_pem(cert_path, "cert"), read_pem(key_path, "key")
         check_key_pair(cert, key, cert_path, key_path)
         ca = read_pem(self.paths[2], "ca") if len(self.paths) > 2 else None
+        if ca is not None:
+            check_ca_bundle(ca, self.paths[2])
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
     def _fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        stamp = None
         try:
             stamp = self._stamps()
             if stamp == self._stamp:
                 return None
             configuration = self._configuration()
         except ConfigError as exc:
-            logger.warning("TLS files changed but cannot be used yet, keeping the previous ones: %s", exc)
+            if stamp is None or stamp != self._refused:  # asked before every handshake: say it once per change
+                logger.error("TLS files changed but cannot be used, keeping the previous ones: %s", exc)
+                self._refused = stamp
             return None
         self._stamp = stamp
         self.reloads += 1

@@ -200,6 +200,25 @@ async def test_a_half_written_rotation_keeps_serving_the_previous_pair(dev_pki, 
         await served.server.stop(None)
 
 
+@pytest.mark.parametrize("damage", [b"", b"-----BEGIN CERTIFICATE-----\nMIIB", b"not a certificate"])
+async def test_an_emptied_or_garbled_ca_bundle_keeps_serving_the_previous_one(dev_pki, tmp_path, caplog, damage):
+    """Hostile F14: a half-written CA bundle (a hand edit, a secret mounted mid-update) made every
+    new handshake fail with nothing but an INFO line; now it is refused with an ERROR naming it."""
+    ca_copy = tmp_path / "ca.crt"
+    ca_copy.write_bytes(open(dev_pki.ca, "rb").read())
+    cert, key = CertificateAuthority.load(dev_pki.directory).issue(Identity("controller"), ["localhost"]).save(str(tmp_path), "server")
+    served = await serve(TlsFiles(cert=cert, key=key, ca=str(ca_copy), require_client_cert=True), policy(dev_pki))
+    try:
+        ca_copy.write_bytes(damage)
+        for _ in range(3):  # new connections, each asking for the credentials again
+            async with client(dev_pki, served.port, "viewer") as channel:
+                await _stub(channel).ListNodes(controller_pb2.ListNodesRequest(), timeout=10)
+        errors = [r for r in caplog.records if r.levelname == "ERROR" and "ca.crt" in r.getMessage()]
+        assert len(errors) == 1 and "holds no PEM certificate" in errors[0].getMessage(), [r.getMessage() for r in errors]
+    finally:
+        await served.server.stop(None)
+
+
 async def test_oversized_messages_are_refused_naming_the_limit(dev_pki):
     from motor.grpc_server import MAX_MESSAGE_BYTES
 
