@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from motor.config import prepare_directory
 from motor.errors import MotorError, Unavailable
 
 
@@ -112,7 +113,8 @@ class SqliteStore(Store):
     def __init__(self, path: str):
         self.path = path
         if path != ":memory:":
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            name = os.path.basename(path)  # the database and its WAL files must be files
+            prepare_directory("db", os.path.dirname(os.path.abspath(path)), files=(name, f"{name}-wal", f"{name}-shm"))
         try:
             self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             self.db.execute("PRAGMA journal_mode=WAL")

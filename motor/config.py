@@ -99,3 +99,24 @@ def load(model: type[ModelT], path: str, prefix: str = "") -> ModelT:
     if data is None:
         data = {}
     return validate(model, data, source=path, prefix=prefix)
+
+
+def prepare_directory(setting: str, directory: str, subdirectories: tuple[str, ...] = (),
+                      files: tuple[str, ...] = ()) -> None:
+    """Create `directory` if needed and check what lives in it has the right kind: a ConfigError
+    naming `setting` and the path otherwise (a file where a directory belongs, or the reverse),
+    rather than a traceback from deep inside the service."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{setting}: cannot create the directory {directory} ({exc.strerror}: "
+                          f"{exc.filename}); choose another path or move what is in the way") from None
+    for name in subdirectories:
+        path = os.path.join(directory, name)
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise ConfigError(f"{setting}: {path} must be a directory but is not; move it away (or choose another path)")
+    for name in files:
+        path = os.path.join(directory, name)
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise ConfigError(f"{setting}: {path} must be a regular file but is not (a directory?); move it away "
+                              "(or choose another path)")

@@ -355,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.nodes < 1:
         parser.error("--nodes must be at least 1")
     if not os.path.exists(args.deployment):
-        parser.error(f"--deployment {args.deployment!r}: file not found")
+        parser.error(f"--deployment {args.deployment!r}: file not found (the default is relative to the repository "
+                     "root: run it from there, or give --deployment FILE)")
 
     live = run_processes(args.run_dir)
     if live:  # wiping it would pull the state directories from under a running cluster

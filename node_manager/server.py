@@ -10,6 +10,7 @@ import logging
 import os
 import time
 
+from motor.config import prepare_directory
 from motor.grpc_server import service_name
 from motor.metrics_http import ServiceTelemetry
 from motor.v1 import controller_pb2, node_manager_pb2, node_manager_pb2_grpc, types_pb2
@@ -26,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 class NodeManagerServer:
     def __init__(self, config: NodeManagerConfig):
+        # A state directory of the wrong shape is a configuration error naming the path, before
+        # anything is created in it.
+        prepare_directory("state_dir", config.state_dir, subdirectories=("engines",),
+                          files=("node_manager.port", "node_manager.lock", "node_manager.id"))
         self.config = config
         self.manager = NodeManager(config)
         self.lock = StateDirLock(config.state_dir)

@@ -43,11 +43,7 @@ def garbage(path) -> None:
     path.write_bytes(b"this is not a database at all" * 100)
 
 
-def unreadable(path) -> None:
-    path.mkdir()  # a directory where the file should be
-
-
-@pytest.mark.parametrize("damage", [corrupt, truncated, garbage, unreadable])
+@pytest.mark.parametrize("damage", [corrupt, truncated, garbage])
 def test_a_damaged_database_stops_the_controller_with_one_line(tmp_path, damage):
     db = tmp_path / "controller.db"
     damage(db)
@@ -56,6 +52,29 @@ def test_a_damaged_database_stops_the_controller_with_one_line(tmp_path, damage)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert str(db) in lines[0] and "restore it from a backup" in lines[0] and "--discard-unreadable-db" in lines[0]
+
+
+@pytest.mark.parametrize("shape, culprit, says", [
+    ("db_dir", "controller.db", "must be a regular file"),
+    ("wal_dir", "controller.db-wal", "must be a regular file"),  # the database itself is fine: keep it
+    ("parent_is_file", "f", "cannot create the directory"),
+])
+def test_a_database_path_of_the_wrong_shape_is_one_line_naming_it(tmp_path, shape, culprit, says):
+    db = tmp_path / "controller.db"
+    if shape == "db_dir":
+        db.mkdir()
+    elif shape == "wal_dir":
+        stored_db(db)
+        (tmp_path / "controller.db-wal").mkdir()
+    else:
+        (tmp_path / "f").write_text("")
+        db = tmp_path / "f" / "controller.db"
+    result = controller(db)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert culprit in lines[0] and says in lines[0] and lines[0].count("db: ") >= 1, lines[0]
+    assert "--discard-unreadable-db" not in lines[0]  # that advice would throw a good database away
 
 
 def test_discard_unreadable_db_moves_it_aside_and_starts_empty(tmp_path):

@@ -164,6 +164,27 @@ def test_cli_config_errors_name_the_field_and_exit_2(tmp_path):
     assert result.returncode == 2 and "port_range" in result.stderr
 
 
+@pytest.mark.parametrize("shape, culprit", [
+    ("engines_file", "engines"), ("port_dir", "node_manager.port"), ("lock_dir", "node_manager.lock"),
+    ("id_dir", "node_manager.id"), ("state_dir_is_a_file", "state"),
+])
+def test_a_state_directory_of_the_wrong_shape_is_one_line_naming_the_path(tmp_path, shape, culprit):
+    state = tmp_path / "state"
+    if shape == "state_dir_is_a_file":
+        state.write_text("")
+        state = state / "inner"
+    else:
+        state.mkdir()
+        (state / culprit).write_text("") if shape == "engines_file" else (state / culprit).mkdir()
+    result = subprocess.run([NODE_MANAGER, "--node-id", "node-s", "--listen", "127.0.0.1:0", "--state-dir", str(state),
+                             "--metrics-port", "0", "--accelerators", "0", "--log-dir", str(tmp_path / "logs")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    error = next(line for line in result.stderr.splitlines() if "state_dir: " in line)
+    assert culprit in error and ("move it away" in error or "cannot create" in error), error
+
+
 def test_grpcurl_start_get_stop_against_the_real_cli(tmp_path):
     """The copy-paste commands of docs/node-manager.md, with the real grpcurl binary."""
     grpcurl = os.path.join(os.path.dirname(sys.executable), "grpcurl")
