@@ -175,16 +175,9 @@ class VllmServer:
         return children
 
     def engine_core(self) -> psutil.Process:
-        """vLLM's engine-core process: the engine server's child that leads its own process group
-        (the engine server moves it there; vLLM renames it, so its command line does not tell)."""
-        for child in psutil.Process(self.process.pid).children():
-            self._known[child.pid] = child
-            try:
-                if os.getpgid(child.pid) == child.pid:
-                    return child
-            except (psutil.Error, ProcessLookupError):
-                continue
-        raise AssertionError("no engine-core process under the engine server")
+        core = engine_core_of(self.process.pid)
+        self._known[core.pid] = core
+        return core
 
     def termination_message(self):
         from motor.termination import read_termination_message
@@ -222,6 +215,18 @@ class VllmServer:
             pass
         self.channel.close()
         self._log.close()
+
+
+def engine_core_of(engine_server_pid: int) -> psutil.Process:
+    """vLLM's engine-core process: the engine server's child that leads its own process group
+    (the engine server moves it there; vLLM renames it, so its command line does not tell)."""
+    for child in psutil.Process(engine_server_pid).children():
+        try:
+            if os.getpgid(child.pid) == child.pid:
+                return child
+        except (psutil.Error, ProcessLookupError):
+            continue
+    raise AssertionError(f"no engine-core process under the engine server (pid {engine_server_pid})")
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
