@@ -42,6 +42,7 @@ from engine_server.engines.base import (
     UtilizationSampler,
     is_probe_request_id,
 )
+from engine_server.engines.vllm_admission import DRAINING_MESSAGE, RETRY_AFTER_S
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ class SimEngine(EngineBackend):
         self.faults = self._initial_faults()
         self.sleeping = False
         self.sleep_level = 0
+        self.admitting = True  # False from the start of a drain: new requests get 503
         self._in_flight = 0
         self._started_at = 0.0
         self._died: asyncio.Future[str] | None = None
@@ -274,6 +276,10 @@ class SimEngine(EngineBackend):
             return _error(400, "max_tokens: must be a positive integer")
         request_id = request.headers.get("X-Request-Id") or f"sim-{time.time_ns()}"
         probe = is_probe_request_id(request_id)
+        if not self.admitting:
+            # As with vLLM (vllm_admission.py): the router sends it elsewhere, the drain ends sooner.
+            return web.json_response({"error": {"message": DRAINING_MESSAGE, "code": 503}}, status=503,
+                                     headers={"Retry-After": str(RETRY_AFTER_S)})
         model = body.get("model") or self.args.model
         if not probe:
             self._in_flight += 1
@@ -322,6 +328,9 @@ class SimEngine(EngineBackend):
             if not probe:
                 self._in_flight -= 1
                 SIM_RUNNING.labels(self.args.model).dec()
+
+    def stop_admitting(self) -> None:
+        self.admitting = False
 
     def _failed(self, probe: bool, status: int, message: str) -> web.Response:
         if not probe:

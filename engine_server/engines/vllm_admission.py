@@ -15,6 +15,7 @@ from typing import Any
 # POST routes that start inference work in vLLM 0.32 (OpenAI, Anthropic, SageMaker, pooling).
 INFERENCE_PREFIXES = ("/v1/", "/v2/", "/inference/", "/invocations", "/pooling", "/classify", "/score", "/rerank", "/generate")
 RETRY_AFTER_S = 1
+DRAINING_MESSAGE = "this engine is draining (stopping) and admits no new requests: send the request to another engine"
 
 
 def is_inference_request(method: str, path: str) -> bool:
@@ -44,7 +45,7 @@ class RefuseWhileDraining:
         body = json.dumps(
             {
                 "error": {
-                    "message": "this engine is draining (stopping) and admits no new requests: send the request to another engine",
+                    "message": DRAINING_MESSAGE,
                     "type": "ServiceUnavailableError",
                     "code": 503,
                 }

@@ -17,7 +17,15 @@ import psutil
 import pytest
 
 from motor.ports import free_port
-from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc, types_pb2
+from motor.v1 import (
+    controller_pb2,
+    controller_pb2_grpc,
+    engine_pb2,
+    engine_pb2_grpc,
+    node_manager_pb2,
+    node_manager_pb2_grpc,
+    types_pb2,
+)
 from motorctl.up import LocalCluster
 from tests.support import REPO_ROOT, wait_for
 
@@ -78,7 +86,14 @@ def test_sigkill_of_an_engine_is_noticed_by_the_controller(cluster):
         events = stub.WatchEvents(controller_pb2.WatchEventsRequest(), timeout=60)
         first = next(events)
         assert first.HasField("snapshot")
+        feed = stub.WatchEndpoints(controller_pb2.WatchEndpointsRequest(), timeout=60)
+        assert victim.engine_id in {e.engine_id for e in next(feed).added}  # the snapshot
         os.kill(old.pid, signal.SIGKILL)
+        # A router following WatchEndpoints learns of it without polling: removed, later added
+        # back once the replacement serves.
+        assert _next_change_of(feed, victim.engine_id) == "removed"
+        assert _next_change_of(feed, victim.engine_id) == "added"
+        feed.cancel()
         failure = None
         for message in events:
             event = message.event
@@ -96,6 +111,33 @@ def test_sigkill_of_an_engine_is_noticed_by_the_controller(cluster):
 
         wait_for(replaced, timeout=60, interval=0.3, what="decode-0/rank0 restarted and NORMAL")
         assert not psutil.pid_exists(old.pid) or psutil.Process(old.pid).status() == psutil.STATUS_ZOMBIE
+
+
+def _next_change_of(feed, engine_id: str) -> str:
+    for message in feed:
+        if engine_id in {e.engine_id for e in message.removed}:
+            return "removed"
+        if engine_id in {e.engine_id for e in message.added}:
+            return "added"
+    return "stream ended"
+
+
+def test_a_drained_engine_leaves_the_endpoint_list_at_once(cluster):
+    # Drain (as a SIGTERM also does): the engine answers new requests 503, so routers must stop
+    # sending to it; its node manager reports the drain at once and the stream removes it.
+    with grpc.insecure_channel(cluster.controller_address) as channel:
+        stub = controller_pb2_grpc.ControllerServiceStub(channel)
+        wait_for(lambda: _all_normal(stub), timeout=90, interval=0.3, what="all engines NORMAL")
+        engine = next(e for i in _instances(stub) for e in i.engines if e.engine_id == "prefill-0/rank1")
+        feed = stub.WatchEndpoints(controller_pb2.WatchEndpointsRequest(), timeout=60)
+        assert engine.engine_id in {e.engine_id for e in next(feed).added}
+        with grpc.insecure_channel(f"{engine.host}:{engine.mgmt_port}") as engine_channel:
+            drained = engine_pb2_grpc.EngineServiceStub(engine_channel).Drain(engine_pb2.DrainRequest(), timeout=10)
+        assert drained.drained
+        assert _next_change_of(feed, engine.engine_id) == "removed"
+        feed.cancel()
+        listed = stub.ListEndpoints(controller_pb2.ListEndpointsRequest(), timeout=5).endpoints
+        assert engine.engine_id not in {e.engine_id for e in listed}
 
 
 def test_motorctl_up_runs_until_ctrl_c_and_leaves_nothing(tmp_path):

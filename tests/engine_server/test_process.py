@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -171,10 +174,24 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(engine_server):
     request.start()
     wait_for(lambda: es.status().in_flight_requests == 1, timeout=10, what="the slow request in flight")
     os.kill(es.process.pid, signal.SIGTERM)
+    wait_for(lambda: es.status().draining, timeout=10, what="the drain begun by SIGTERM")
+    # From the start of the drain nothing new is admitted (a router sends it elsewhere).
+    for path, body in (("/v1/completions", {"prompt": "new"}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "new"}]})):
+        refused = refused_while_draining(es, path, body)
+        assert refused.code == 503 and refused.headers["Retry-After"] == "1", path
+        assert "draining" in json.loads(refused.read())["error"]["message"]
     request.join(timeout=20)
     assert answers and answers[0][0] == 200, answers
     assert es.wait_exit(timeout=20) == 0
     assert "shut down cleanly" in es.output
+
+
+def refused_while_draining(es, path: str, body: dict) -> urllib.error.HTTPError:
+    request = urllib.request.Request(f"http://127.0.0.1:{es.port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    return refused.value
 
 
 def test_sigterm_gives_up_waiting_at_the_drain_timeout(engine_server):
@@ -201,6 +218,7 @@ def test_drain_rpc_stops_probing_and_waits_without_exiting(engine_server):
 
     short = es.stub().Drain(engine_pb2.DrainRequest(deadline=duration_pb2.Duration(nanos=100_000_000)), timeout=10)
     assert not short.drained and short.in_flight_requests == 1
+    assert refused_while_draining(es, "/v1/completions", {"prompt": "new"}).code == 503  # the drain's start
     full = es.stub().Drain(engine_pb2.DrainRequest(), timeout=30)
     assert full.drained and full.in_flight_requests == 0
     status = es.status()

@@ -64,3 +64,19 @@ async def test_a_stop_waits_for_the_drain_the_engine_asked_for(make_node):
     assert stopped.state == STOPPED and stopped.exit_code == 0, stopped
     assert "after SIGTERM" in stopped.state_reason and "SIGKILL" not in stopped.state_reason, stopped.state_reason
     assert os.path.exists(node.manager.get(ENGINE).termination_path)
+
+
+async def test_a_drain_is_reported_to_the_controller_at_once(make_node, fake_controller):
+    # A drained engine answers new requests 503: routers must stop sending to it now (the
+    # controller removes its endpoint on this report), not at the next heartbeat.
+    node = await make_node(controller=fake_controller.address)
+    await async_wait_for(lambda: fake_controller.registrations, timeout=10)
+    engine = await node.start()
+    await node.wait_state(ENGINE, RUNNING)
+    async with aio_channel(f"127.0.0.1:{engine.spec.mgmt_port}") as channel:
+        drained = await engine_pb2_grpc.EngineServiceStub(channel).Drain(engine_pb2.DrainRequest(), timeout=10)
+    assert drained.drained
+    report = await async_wait_for(lambda: [r for r in fake_controller.reports if r.engine.draining], timeout=10,
+                                  what="a report of the drain")
+    assert report[0].reason == "draining" and report[0].engine.state == RUNNING
+    assert report[0].engine.health == types_pb2.HEALTH_STATUS_NORMAL  # draining, not sick: nothing restarts it

@@ -3,8 +3,8 @@ LocalCluster) running one vLLM engine server that ApplyDeployment asked for. Iss
 as an operator sees it through `motorctl` and the node manager's records:
 
 - kill -9 of the engine core: ENGINE_FAILED whose reason gives the engine server's own cause of
-  exit first (its termination message), the exit second, the log tail last; the controller
-  restarts the engine;
+  exit first (its termination message), the exit second, the log tail last; the engine server
+  left no process of its tree for the node manager to kill; the controller restarts the engine;
 - `motorctl delete` of the idle replacement: the controller's StopEngine deadline is the stop
   grace the engine stated (its drain_timeout plus vLLM's shutdown), and the engine ends by
   SIGTERM with exit code 0, never SIGKILL, leaving no process behind.
@@ -116,8 +116,10 @@ def test_engine_core_kill_fails_the_engine_with_its_own_cause_first_then_it_is_r
     cause = message.index("the engine died")
     assert "SIGKILL" in message[cause:message.index("without being asked to stop")], message
     assert cause < message.index("exited with code 1 without being asked to stop") < message.index("; log: "), message
-    # Nothing of the dead copy is left; the controller starts a new one (first restart at once).
+    # The engine server waited for (or killed) its whole tree before exiting: the node manager
+    # found nothing left to kill. The controller starts a new copy (first restart at once).
     assert not psutil.pid_exists(engine.pid) or psutil.Process(engine.pid).status() == psutil.STATUS_ZOMBIE
+    assert "leftover process(es)" not in open(local.process(NODE).log_path, encoding="utf-8", errors="replace").read()
     wait_listed(stub)
     assert engine_on_node(stub).pid != engine.pid
 
