@@ -7,9 +7,10 @@ epoch (0 without high availability) and the highest generation it may put on a S
 before its next reply. Only those replies teach the node anything. A StartEngine/StopEngine
 (which, in plaintext mode, anyone reaching the port can send) is checked and teaches nothing:
 - an epoch older than the reply's: a deposed leader: FAILED_PRECONDITION;
-- an epoch more than one past it: no controller issued it: FAILED_PRECONDITION (one past is a
-  new leader whose first reply has not reached this node yet); epoch 0 is always accepted (a
-  controller without high availability, grpcurl by hand);
+- an epoch more than one past it: UNAVAILABLE (one past is a new leader whose first reply has
+  not reached this node yet; more is either not issued by any controller, or a leader after
+  several quick elections: it retries once the node's next heartbeat brought its epoch); epoch 0
+  is always accepted (a controller without high availability, grpcurl by hand);
 - a start's generation above the announced limit: UNAVAILABLE (the controller retries once the
   node's next heartbeat has brought the new limit).
 So one bogus command cannot poison the node: nothing it carries is kept. A reply whose epoch is
@@ -47,12 +48,15 @@ class ControllerEpoch:
             self.generation_limit = generation_limit
 
     def admit(self, epoch: int, what: str) -> None:
-        """Raise FailedPrecondition for a command whose epoch is not current; learn nothing from it."""
+        """Raise for a command whose epoch is not current (FailedPrecondition: older; Unavailable:
+        more than one ahead); learn nothing from it."""
         if not epoch or not self.heard or self.current <= epoch <= self.current + 1:
             return
-        why = ("epoch {current} leads now (the sender is a deposed leader)" if epoch < self.current else
-               "the controller this node reports to announced epoch {current}; no controller issued this one")
-        raise FailedPrecondition(f"controller_epoch {epoch} refused ({excerpt(what, 200)}): " + why.format(current=self.current))
+        refused = f"controller_epoch {epoch} refused ({excerpt(what, 200)}): "
+        if epoch < self.current:
+            raise FailedPrecondition(refused + f"epoch {self.current} leads now (the sender is a deposed leader)")
+        raise Unavailable(refused + f"the controller this node reports to announced epoch {self.current}; a leader "
+                          "of a later epoch is obeyed once the node's next heartbeat has brought it (retry)")
 
     def admit_generation(self, generation: int, what: str) -> None:
         """Raise Unavailable for a start above the generation limit the controller announced."""

@@ -30,9 +30,10 @@ class StartEngineRequest(_message.Message):
     CONTROLLER_EPOCH_FIELD_NUMBER: _builtins.int
     NODE_ID_FIELD_NUMBER: _builtins.int
     controller_epoch: _builtins.int
-    """Epoch of the controller sending it (0: no high availability). The node manager refuses with
-    FAILED_PRECONDITION an epoch older than the one in its controller's latest reply (a deposed
-    leader) or more than one past it (never issued); docs/security.md#generations-and-epochs.
+    """Epoch of the controller sending it (0: no high availability). The node manager refuses an
+    epoch older than the one in its controller's latest reply with FAILED_PRECONDITION (a deposed
+    leader), one more than one past it with UNAVAILABLE (retry after the node's next heartbeat);
+    docs/security.md#generations-and-epochs.
     """
     node_id: _builtins.str
     """The node this command is for (the controller always sets it). The node manager of another

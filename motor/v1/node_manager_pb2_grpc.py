@@ -71,10 +71,10 @@ class NodeManagerServiceServicer:
         same instance and rank returns the engine already starting or running (a call with a
         higher generation replaces a stopped or failed one). Returns OK, INVALID_ARGUMENT (bad role,
         instance id, config), FAILED_PRECONDITION (port in use, accelerator not on this node,
-        accelerator busy, missing config file, a controller_epoch that is not current, a generation
+        accelerator busy, missing config file, an older controller_epoch, a generation
         older than one that ran here), ALREADY_EXISTS (same rank running with a different spec),
-        UNAVAILABLE (a generation above the limit the controller announced: retry after the node's
-        next heartbeat).
+        UNAVAILABLE (a generation above the limit the controller announced, a controller_epoch more
+        than one ahead: retry after the node's next heartbeat).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -38,10 +38,10 @@ class NodeManagerServiceStub:
     same instance and rank returns the engine already starting or running (a call with a
     higher generation replaces a stopped or failed one). Returns OK, INVALID_ARGUMENT (bad role,
     instance id, config), FAILED_PRECONDITION (port in use, accelerator not on this node,
-    accelerator busy, missing config file, a controller_epoch that is not current, a generation
+    accelerator busy, missing config file, an older controller_epoch, a generation
     older than one that ran here), ALREADY_EXISTS (same rank running with a different spec),
-    UNAVAILABLE (a generation above the limit the controller announced: retry after the node's
-    next heartbeat).
+    UNAVAILABLE (a generation above the limit the controller announced, a controller_epoch more
+    than one ahead: retry after the node's next heartbeat).
     """
     StopEngine: _grpc.UnaryUnaryMultiCallable[_node_manager_pb2.StopEngineRequest, _node_manager_pb2.StopEngineResponse]
     """Stops an engine gracefully: SIGTERM, the deadline (at least the engine's stop_grace), then
@@ -70,10 +70,10 @@ class NodeManagerServiceAsyncStub(NodeManagerServiceStub):
     same instance and rank returns the engine already starting or running (a call with a
     higher generation replaces a stopped or failed one). Returns OK, INVALID_ARGUMENT (bad role,
     instance id, config), FAILED_PRECONDITION (port in use, accelerator not on this node,
-    accelerator busy, missing config file, a controller_epoch that is not current, a generation
+    accelerator busy, missing config file, an older controller_epoch, a generation
     older than one that ran here), ALREADY_EXISTS (same rank running with a different spec),
-    UNAVAILABLE (a generation above the limit the controller announced: retry after the node's
-    next heartbeat).
+    UNAVAILABLE (a generation above the limit the controller announced, a controller_epoch more
+    than one ahead: retry after the node's next heartbeat).
     """
     StopEngine: _aio.UnaryUnaryMultiCallable[_node_manager_pb2.StopEngineRequest, _node_manager_pb2.StopEngineResponse]  # type: ignore[assignment]
     """Stops an engine gracefully: SIGTERM, the deadline (at least the engine's stop_grace), then
@@ -105,10 +105,10 @@ class NodeManagerServiceServicer(metaclass=_abc_1.ABCMeta):
         same instance and rank returns the engine already starting or running (a call with a
         higher generation replaces a stopped or failed one). Returns OK, INVALID_ARGUMENT (bad role,
         instance id, config), FAILED_PRECONDITION (port in use, accelerator not on this node,
-        accelerator busy, missing config file, a controller_epoch that is not current, a generation
+        accelerator busy, missing config file, an older controller_epoch, a generation
         older than one that ran here), ALREADY_EXISTS (same rank running with a different spec),
-        UNAVAILABLE (a generation above the limit the controller announced: retry after the node's
-        next heartbeat).
+        UNAVAILABLE (a generation above the limit the controller announced, a controller_epoch more
+        than one ahead: retry after the node's next heartbeat).
         """
 
     @_abc_1.abstractmethod
