@@ -31,7 +31,7 @@ def test_replies_set_the_epoch_and_commands_teach_nothing():
     assert epoch.current == 5
     epoch.observe(1)  # a new store's first leader: its reply is the authority
     epoch.admit(1, "it")
-    with pytest.raises(FailedPrecondition):
+    with pytest.raises(Unavailable):
         epoch.admit(5, "the lost store's leader")
 
 
