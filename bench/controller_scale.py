@@ -19,14 +19,16 @@ up; per step the script prints:
   - whether the step was sustained: heartbeat p99 under --p99-ms, at least 95% of the expected
     heartbeats answered, none failed, controller CPU at most one core, RSS at most 1 GiB.
 
---tls both (the default) runs the whole ladder twice, plaintext first, then with mutual TLS on
-every connection: the script makes a CA (motor/pki.py), the controller serves with its own
-certificate and verifies callers, and each simulated node presents a certificate of its own
-(ECDSA P-256, URI SAN spiffe://motor/node/<id>, minted by the fleet from that CA). The summary
-compares the largest fleet sustained with and without.
+Every step runs on a fresh controller and fleet. --tls both (the default) runs each size twice,
+plaintext then with mutual TLS on every connection, one right after the other (the machine's load
+drifts: neighbours in time compare best): the script makes a CA (motor/pki.py), the controller
+serves with its own certificate and verifies callers, and each simulated node presents a
+certificate of its own (ECDSA P-256, URI SAN spiffe://motor/node/<id>, minted by the fleet from
+that CA). The summary compares the largest fleet sustained with and without.
 
-At the end of each ladder, --victims nodes stop (heartbeats and node manager) and the script
-times until the controller declares each LOST, against grace + 2 intervals + re-check timeout.
+After each step, --victims nodes stop (heartbeats and node manager) and the script times until
+the controller declares each LOST, against grace + 2 intervals + re-check timeout (the summary
+quotes the largest size's).
 Everything talks to 127.0.0.1.
 
     .venv/bin/python bench/controller_scale.py                           # 1000 .. 10000 nodes, both
@@ -210,83 +212,104 @@ def paged_nodes(stub, filter_: str):
             return
 
 
-def ladder(args, tls: bool) -> tuple[int, str]:
-    """Every step of --steps against a fresh controller and fleet; (largest size sustained, node loss line)."""
-    work = tempfile.mkdtemp(prefix="motor-scale-")
-    port, metrics_port = free_port(), free_port()
-    config = {"node_grace": args.node_grace, "heartbeat_interval": 1.0, "recheck_timeout": 1.0}
-    pki = make_pki(work) if tls else None
-    command = [
-        os.path.join(os.path.dirname(sys.executable), "motor-controller"), "--listen", f"127.0.0.1:{port}",
-        "--db", os.path.join(work, "controller.db"), "--heartbeat-interval", "1", "--node-grace", str(args.node_grace),
-        "--recheck-timeout", "1", "--metrics-port", str(metrics_port), "--log-level", "WARNING",
-        # Plaintext callers are counted per host: every simulated node's stream comes from 127.0.0.1.
-        "--max-streams-per-caller", str(2 * max(args.steps) + 100),
-    ]
-    if pki:
-        command += ["--tls-cert", os.path.join(pki, "controller.crt"), "--tls-key", os.path.join(pki, "controller.key"),
-                    "--tls-ca", os.path.join(pki, "ca.crt")]
-    print(f"--- {'mutual TLS' if tls else 'plaintext'}: controller", " ".join(command[1:]), flush=True)
-    log = open(os.path.join(work, "controller.log"), "wb")
-    controller = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    proc = psutil.Process(controller.pid)
-    options = [("grpc.max_receive_message_length", 256 << 20)]
-    if pki:
-        credentials = channel_credentials(TlsFiles(cert=os.path.join(pki, "operator.crt"), key=os.path.join(pki, "operator.key"),
-                                                   ca=os.path.join(pki, "ca.crt")))
-        channel = grpc.secure_channel(f"127.0.0.1:{port}", credentials, options=options)
-    else:
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
-    stub = controller_pb2_grpc.ControllerServiceStub(channel)
-    grpc.channel_ready_future(channel).result(timeout=30)
-    fleet = Fleet(f"127.0.0.1:{port}", args, pki)
-    connections = f"{args.conns} shared connections" if args.conns and not tls else "one connection per node"
-    print(f"fleet: {FLEET} (separate process), transport {args.transport}, {connections}, "
-          f"{args.reports_per_s:g} engine failures reported/s", flush=True)
-    best, loss = 0, ""
-    try:
-        for size in args.steps:
-            ok, line, rate = step(size, stub, fleet, proc, metrics_port, args)
-            print(("mTLS  " if tls else "plain ") + line, flush=True)
-            if ok:
-                best = size
-            elif rate < 0.5 * size:
-                break  # collapsed: larger fleets cannot do better
-        if args.victims:
-            loss = time_node_loss(stub, fleet, config)
-    except grpc.RpcError as exc:
-        state = "alive" if controller.poll() is None else f"exited with {controller.returncode}"
-        print(f"a controller call failed ({exc.code().name}: {exc.details()}); controller {state}", flush=True)
-    finally:
-        fleet.stop()
-        channel.close()
-        os.killpg(controller.pid, signal.SIGTERM)
-        try:
-            controller.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(controller.pid, signal.SIGKILL)
-        log.close()
-        if args.keep:
-            print(f"controller log and database kept in {work}")
+class Cluster:
+    """A fresh controller process (plaintext or mutual TLS) and fleet for one trial; a context manager."""
+
+    def __init__(self, args, tls: bool):
+        self.args, self.tls = args, tls
+        self.work = tempfile.mkdtemp(prefix="motor-scale-")
+        port, self.metrics_port = free_port(), free_port()
+        pki = make_pki(self.work) if tls else None
+        command = [
+            os.path.join(os.path.dirname(sys.executable), "motor-controller"), "--listen", f"127.0.0.1:{port}",
+            "--db", os.path.join(self.work, "controller.db"), "--heartbeat-interval", "1", "--node-grace",
+            str(args.node_grace), "--recheck-timeout", "1", "--metrics-port", str(self.metrics_port), "--log-level", "WARNING",
+            # Plaintext callers are counted per host: every simulated node's stream comes from 127.0.0.1.
+            "--max-streams-per-caller", str(2 * max(args.steps) + 100),
+        ]
+        if pki:
+            command += ["--tls-cert", os.path.join(pki, "controller.crt"), "--tls-key", os.path.join(pki, "controller.key"),
+                        "--tls-ca", os.path.join(pki, "ca.crt")]
+        self.command = command
+        self.log = open(os.path.join(self.work, "controller.log"), "wb")
+        self.controller = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = psutil.Process(self.controller.pid)
+        options = [("grpc.max_receive_message_length", 256 << 20)]
+        if pki:
+            credentials = channel_credentials(TlsFiles(cert=os.path.join(pki, "operator.crt"),
+                                                       key=os.path.join(pki, "operator.key"), ca=os.path.join(pki, "ca.crt")))
+            self.channel = grpc.secure_channel(f"127.0.0.1:{port}", credentials, options=options)
         else:
-            shutil.rmtree(work, ignore_errors=True)
-    return best, loss
+            self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
+        self.stub = controller_pb2_grpc.ControllerServiceStub(self.channel)
+        grpc.channel_ready_future(self.channel).result(timeout=30)
+        self.fleet = Fleet(f"127.0.0.1:{port}", args, pki)
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.fleet.stop()
+        self.channel.close()
+        os.killpg(self.controller.pid, signal.SIGTERM)
+        try:
+            self.controller.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.controller.pid, signal.SIGKILL)
+        self.log.close()
+        if self.args.keep:
+            print(f"controller log and database kept in {self.work}")
+        else:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+
+def trial(args, size: int, tls: bool) -> tuple[bool, float, str]:
+    """One step on a fresh cluster, then its node loss timed: (sustained, heartbeats answered per second, loss line)."""
+    with Cluster(args, tls) as cluster:
+        if size == args.steps[0]:
+            print(f"{'mutual TLS' if tls else 'plaintext'}: controller", " ".join(cluster.command[1:]), flush=True)
+        try:
+            ok, line, rate = step(size, cluster.stub, cluster.fleet, cluster.proc, cluster.metrics_port, args)
+            print(("mTLS  " if tls else "plain ") + line, flush=True)
+            loss = ""
+            if args.victims:
+                config = {"node_grace": args.node_grace, "heartbeat_interval": 1.0, "recheck_timeout": 1.0}
+                loss = time_node_loss(cluster.stub, cluster.fleet, config) + f" ({size} nodes)"
+            return ok, rate, loss
+        except grpc.RpcError as exc:
+            state = "alive" if cluster.controller.poll() is None else f"exited with {cluster.controller.returncode}"
+            print(f"a controller call failed ({exc.code().name}: {exc.details()}); controller {state}", flush=True)
+            return False, 0.0, ""
 
 
 def run(args) -> int:
     started_at = time.monotonic()
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.tls]
-    results = {tls: ladder(args, tls) for tls in modes}
+    connections = f"{args.conns} shared connections" if args.conns else "one connection per node"
+    print(f"fleet: {FLEET} (separate process), transport {args.transport}, {connections} (mutual TLS: always one per "
+          f"node), {args.reports_per_s:g} engine failures reported/s; every step on a fresh controller and fleet, "
+          "plaintext then mutual TLS at each size", flush=True)
+    best = {tls: 0 for tls in modes}
+    loss: dict[bool, str] = {}
+    going = list(modes)
+    for size in args.steps:
+        for tls in list(going):
+            ok, rate, lost = trial(args, size, tls)
+            loss[tls] = lost or loss.get(tls, "")
+            if ok:
+                best[tls] = size
+            elif rate < 0.5 * size:
+                going.remove(tls)  # collapsed: larger fleets cannot do better
     print()
-    for tls, (best, loss) in results.items():
+    for tls in modes:
         what = "mutual TLS" if tls else "plaintext "
-        if loss:
-            print(f"{what}: {loss}")
+        if loss.get(tls):
+            print(f"{what}: {loss[tls]}")
         print(f"{what}: largest fleet sustained (heartbeat p99 < {args.p99_ms:g} ms, CPU <= 1 core, RSS <= 1 GiB): "
-              f"{best} nodes x {ENGINES_PER_NODE} engines ({best * ENGINES_PER_NODE} engines); goal 10000 x 8")
-    if len(results) == 2 and results[False][0]:
-        ratio = results[True][0] / results[False][0]
-        print(f"mutual TLS / plaintext, largest fleet sustained: {ratio:.2f} (goal: at least 0.90; steps {args.steps})")
+              f"{best[tls]} nodes x {ENGINES_PER_NODE} engines ({best[tls] * ENGINES_PER_NODE} engines); goal 10000 x 8")
+    if len(modes) == 2:
+        ratio = f"{best[True] / best[False]:.2f}" if best[False] else "undefined (no plaintext step sustained)"
+        print(f"mutual TLS / plaintext, largest fleet sustained: {ratio} (goal: at least 0.90; steps {args.steps})")
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end (controller and fleet share them)")
     print(f"run time {time.monotonic() - started_at:.0f}s")
     return 0
