@@ -10,8 +10,9 @@ RETRY_CAP, with one RETRYING event per engine whose count grows until a start go
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Callable, Coroutine
+from typing import Callable, Coroutine, Iterator
 
 from motor import pbtime
 from motor.retry import RepeatedFailure, worth_reporting
@@ -29,6 +30,8 @@ logger = logging.getLogger(__name__)
 C, T = controller_pb2, types_pb2
 # A copy asked to stop is not asked again within this many seconds (the node manager is on it).
 FENCE_WINDOW = 10.0
+# Copies named in the one ENGINE_FENCED event of a report that fenced many.
+FENCES_NAMED = 5
 # The longest wait before a StartEngine that found its node unreachable is tried again (seconds).
 RETRY_CAP = 10.0
 
@@ -63,6 +66,36 @@ class Actuator:
         self.unfinished: dict[tuple[str, str, int], RepeatedFailure] = {}
         # Engines whose StartEngine found the node unreachable -> the failed tries in a row.
         self.start_failures: dict[str, RepeatedFailure] = {}
+        # While a node's report is read (fences_of_one_report): the copies it fences, for one event.
+        self._fenced_in_report: list[tuple[tuple[str, str, int], str]] | None = None
+
+    @contextlib.contextmanager
+    def fences_of_one_report(self, node_id: str) -> Iterator[None]:
+        """The stale copies fenced while one report of `node_id` is read make one ENGINE_FENCED
+        event with their count (a report listing thousands of unknown engines must not flush the
+        event history); a single copy keeps its own event, which counts its stop's retries."""
+        self._fenced_in_report = fenced = []
+        try:
+            yield
+        finally:
+            self._fenced_in_report = None
+            if len(fenced) == 1:
+                self._announce_fence(*fenced[0])
+            elif fenced:
+                shown = ", ".join(key[1] for key, _ in fenced[:FENCES_NAMED])
+                more = f" and {len(fenced) - FENCES_NAMED} more" if len(fenced) > FENCES_NAMED else ""
+                self.events.emit(
+                    C.EVENT_TYPE_ENGINE_FENCED,
+                    f"{len(fenced)} engines on {node_id} stopped: stale copies ({shown}{more}); the first: {fenced[0][1]}",
+                    node_id=node_id, count=len(fenced),
+                )
+
+    def _announce_fence(self, key: tuple[str, str, int], why: str) -> None:
+        node_id, engine_id, _ = key
+        self.events.repeat(
+            ("fence", key), C.EVENT_TYPE_ENGINE_FENCED, f"engine {engine_id} on {node_id} stopped: {why}",
+            node_id=node_id, engine_id=engine_id, instance_id=engine_id.split("/")[0],
+        )
 
     async def start(self, node: C.NodeInfo, engine_id: str, spec: T.EngineSpec) -> T.Engine:
         """StartEngine; raises NodeCallError (an unreachable node: see retry_delay)."""
@@ -120,10 +153,10 @@ class Actuator:
             return  # asked recently; the node manager is on it
         self.fencing[key] = now
         if fence and key not in self.unfinished:
-            self.events.repeat(
-                ("fence", key), C.EVENT_TYPE_ENGINE_FENCED, f"engine {engine_id} on {node_id} stopped: {why}",
-                node_id=node_id, engine_id=engine_id, instance_id=engine_id.split("/")[0],
-            )
+            if self._fenced_in_report is not None:
+                self._fenced_in_report.append((key, why))  # announced with the report's others
+            else:
+                self._announce_fence(key, why)
         self.unfinished.setdefault(key, RepeatedFailure(1.0, FENCE_WINDOW))
         self.spawn(self._stop_in_background(node_id, engine_id, generation, why), f"stop {engine_id}@{node_id}")
 

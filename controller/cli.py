@@ -44,6 +44,7 @@ FLAGS = {
     "discard_unreadable_db": Flag("move an unreadable --db file aside and start empty (else: exit 2)", options={"action": "store_true"}),
     "log_format": Flag("text, or json: one JSON object per line"),
     "max_engines_per_deployment": Flag("engines (count x data_parallel_size) one deployment may ask for"),
+    "max_engines_per_node": Flag("engines one node may report in RegisterNode or a heartbeat (beyond: RESOURCE_EXHAUSTED)"),
     **SECURITY_FLAGS,
     "store": Flag("sqlite:///PATH or etcd://HOST:PORT[,HOST:PORT...][/PREFIX] (docs/ha.md)", default_text="sqlite:/// + --db"),
     "advertise": Flag("HOST:PORT others reach this controller on", default_text="--listen, host name for 0.0.0.0"),

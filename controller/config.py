@@ -13,7 +13,7 @@ from motor.logs import LogFormat, LogLevel
 from motor.ports import CONTROLLER_METRICS_PORT
 from motor.security_config import SecuritySettings
 
-from controller.validation import MAX_ENGINES_PER_DEPLOYMENT
+from controller.validation import MAX_ENGINES_PER_DEPLOYMENT, MAX_ENGINES_PER_NODE
 
 from controller.etcd_client import parse_etcd_url
 
@@ -52,6 +52,9 @@ class ControllerConfig(SecuritySettings):
     log_format: LogFormat = "text"
     # Engines (instances x data-parallel ranks) one deployment may ask for.
     max_engines_per_deployment: int = Field(MAX_ENGINES_PER_DEPLOYMENT, ge=1)
+    # Engines one node may report (RegisterNode, a heartbeat): a node runs one engine per
+    # accelerator or so, plus old copies being stopped; far beyond is a broken or hostile node.
+    max_engines_per_node: int = Field(MAX_ENGINES_PER_NODE, ge=1)
     # Where the state lives: "sqlite:///path" (the default, the --db file) or
     # "etcd://host:port[,host:port...][/prefix]" with leader election among controllers (docs/ha.md).
     store: str | None = None

@@ -48,7 +48,7 @@ from controller.scheduling import LIVE_ENGINE_STATES, Scheduler
 from controller.slots import EngineSlot
 from controller.state import ClusterState
 from controller.store import Store, StoreUnavailable
-from controller.validation import InstanceSpec, expand, integral_numbers, validate_deployment
+from controller.validation import InstanceSpec, check_engine_count, expand, integral_numbers, validate_deployment
 
 logger = logging.getLogger(__name__)
 
@@ -319,6 +319,7 @@ class Controller(views.ClusterReads):
         (controller/claims.py): FAILED_PRECONDITION naming both then. `replaced` in the answer: the
         process it took the node id over from."""
         engines = list(engines)
+        check_engine_count(info.node_id, len(engines), self.config.max_engines_per_node, "engines")
         highest = max([highest_generation, *(e.spec.generation for e in engines)])
         check_registration(info, highest)
         replaced = await self.claims.admit(info)
@@ -362,8 +363,9 @@ class Controller(views.ClusterReads):
             f"{len(reported)} engines reported, address {info.address})",
             node_id=info.node_id,
         )
-        for engine in reported.values():
-            self._observe(node, engine, "")
+        with self.actuator.fences_of_one_report(info.node_id):
+            for engine in reported.values():
+                self._observe(node, engine, "")
         node.engines = reported
         assignments = [C.EngineAssignment(engine_id=s.engine_id, generation=s.generation) for s in st.slots.on_node(info.node_id)]
         self.monitor.refresh_alarm()
@@ -376,6 +378,10 @@ class Controller(views.ClusterReads):
         per engine reported; work only for what changed. `delta`: `engines` holds only the
         engines that changed and `removed` those the node no longer runs; the others stay."""
         node = self.state.nodes.member(node_id, generation)
+        engines = list(engines)
+        count = len(engines) if not delta else len(node.engines) + sum(e.engine_id not in node.engines for e in engines) \
+            - sum(engine_id in node.engines for engine_id in set(removed))
+        check_engine_count(node_id, count, self.config.max_engines_per_node, "engines")
         self.state.nodes.heard_from(node, self.mono())
         node.last_heartbeat_wall = self.wall()
         node.reported_since_start = True
@@ -384,9 +390,10 @@ class Controller(views.ClusterReads):
         reported: dict[str, T.Engine] = node.engines if delta else {}
         for engine_id in removed if delta else ():
             reported.pop(engine_id, None)
-        for engine in engines:
-            reported[engine.engine_id] = engine
-            self._observe(node, engine, "")
+        with self.actuator.fences_of_one_report(node_id):
+            for engine in engines:
+                reported[engine.engine_id] = engine
+                self._observe(node, engine, "")
         node.engines = reported
 
     def report_engine_event(self, node_id: str, generation: int, engine: T.Engine, reason: str) -> None:

@@ -25,11 +25,13 @@ class EventBus:
         self.subscribers: FanOut[controller_pb2.Event] = FanOut("WatchEvents", queue_size)
         self._repeating: dict[object, controller_pb2.Event] = {}  # key -> the event counting its tries
 
-    def emit(self, type_: int, message: str, node_id: str = "", instance_id: str = "", engine_id: str = "") -> controller_pb2.Event:
+    def emit(self, type_: int, message: str, node_id: str = "", instance_id: str = "", engine_id: str = "",
+             count: int = 0) -> controller_pb2.Event:
+        """One event; `count`: how many occurrences it stands for (0: one, not counted)."""
         self.sequence += 1
         event = controller_pb2.Event(
             sequence=self.sequence, time=pbtime.now(), type=type_, node_id=node_id,
-            instance_id=instance_id, engine_id=engine_id, message=message,
+            instance_id=instance_id, engine_id=engine_id, message=message, count=count,
         )
         self.recent.append(event)
         kind = enum_short_name(controller_pb2.EventType, type_)

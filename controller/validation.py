@@ -17,7 +17,7 @@ from google.protobuf import json_format
 from motor import names, restart_policy
 from motor.engine_policy import check_engine_config
 from motor.pbtime import seconds
-from motor.errors import InvalidArgument
+from motor.errors import InvalidArgument, ResourceExhausted
 from motor.user_config import section_name_for
 from motor.v1 import controller_pb2, types_pb2
 
@@ -28,6 +28,18 @@ MAX_DATA_PARALLEL = 1024
 MAX_ACCELERATORS = 64
 # Engines (instances x data-parallel ranks) one deployment may ask for: a large fleet's worth.
 MAX_ENGINES_PER_DEPLOYMENT = 100_000
+# Engines one node may report: a node runs an engine per accelerator or so (plus old copies
+# being stopped); thousands are a broken or hostile node manager, whose list would stall the loop.
+MAX_ENGINES_PER_NODE = 1024
+
+
+def check_engine_count(node_id: str, count: int, limit: int, where: str) -> None:
+    """RESOURCE_EXHAUSTED naming the limit when a node reports more engines than one node may run."""
+    if count > limit:
+        raise ResourceExhausted(
+            f"{where}: node {node_id} reports {count} engines; one node may report at most "
+            f"max_engines_per_node={limit} (controller setting --max-engines-per-node)"
+        )
 
 
 def config_section(role: int, engine_config: dict) -> str:
