@@ -177,6 +177,18 @@ def test_store_round_trip_survives_reopen(tmp_path):
     again.close()
 
 
+def test_the_generation_counter_goes_above_what_nodes_report_and_forgets_a_rolled_back_raise(tmp_path):
+    store = SqliteStore(str(tmp_path / "g.db"))
+    assert store.last_generation() == 0 and store.next_generation(above=41) == 42 and store.last_generation() == 42
+    assert store.next_generation(above=7) == 43  # never lower than what it issued
+    with pytest.raises(RuntimeError):
+        with store.transaction():
+            assert store.next_generation(above=1000) == 1001
+            raise RuntimeError("rolled back")
+    assert store.last_generation() == 43 and store.next_generation() == 44
+    store.close()
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -53,6 +53,9 @@ async def test_sqlite_and_etcd_keep_the_same_state(tmp_path, etcd1, clients, pre
     fresh = EtcdStore(clients(etcd1, prefix), prefix)
     await fresh.open()
     _check(fresh.load())  # and etcd holds the same once flushed
+    # A generation a node reports that this store never issued: the counter goes above it.
+    assert fresh.last_generation() == 2 and fresh.next_generation(above=41) == 42 and fresh.last_generation() == 42
+    assert fresh.next_generation(above=7) == 43
     store.close()
     fresh.close()
 
