@@ -55,6 +55,8 @@ FLAGS = {
     "etcd_ca": Flag("etcd store: CA file of the members' certificates (turns TLS on)"),
     "etcd_cert": Flag("etcd store: client certificate file (etcd's --client-cert-auth)"),
     "etcd_key": Flag("etcd store: client key file"),
+    "etcd_server_name": Flag("etcd store, TLS, several members: the name each member's certificate is valid for",
+                             default_text="the first endpoint's host"),
 }
 
 

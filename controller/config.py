@@ -76,6 +76,9 @@ class ControllerConfig(SecuritySettings):
     etcd_ca: str | None = None
     etcd_cert: str | None = None
     etcd_key: str | None = None
+    # TLS to several etcd members: the name every member's certificate is valid for (one
+    # channel walks them all, so one name is checked); default: the first endpoint's host.
+    etcd_server_name: str | None = None
 
     @field_validator("store")
     @classmethod

@@ -41,6 +41,15 @@ class EtcdTarget:
     cert_file: str | None = None  # client certificate (etcd's --client-cert-auth)
     key_file: str | None = None
     request_timeout: float = 2.0  # deadline of every unary call (s)
+    # With TLS and several endpoints: the name every member's certificate is checked against
+    # (one gRPC channel walks all members, so one name); default: the first endpoint's host.
+    server_name: str | None = None
+
+    def tls_name(self) -> str | None:
+        """The name TLS checks the members' certificates against, when not each one's address."""
+        if not self.ca_file or (len(self.endpoints) == 1 and not self.server_name):
+            return None
+        return self.server_name or self.endpoints[0][0]
 
     def describe(self) -> str:
         hosts = ",".join(f"{host}:{port}" for host, port in self.endpoints)
@@ -86,7 +95,10 @@ class _Client(aetcd.Client):
     """aetcd's client on a channel Motor builds (TLS, several members)."""
 
     def __init__(self, target: EtcdTarget):
-        super().__init__(timeout=target.request_timeout, options=_CHANNEL_OPTIONS)
+        options = dict(_CHANNEL_OPTIONS)
+        if target.tls_name():
+            options["grpc.ssl_target_name_override"] = target.tls_name()
+        super().__init__(timeout=target.request_timeout, options=options)
         self._grpc_target = _grpc_target(target.endpoints)
         self._credentials = None
         if target.ca_file:
@@ -142,7 +154,11 @@ def unreachable_hint(target: EtcdTarget) -> str:
         hint = ("members started with --client-cert-auth refuse a caller without a client certificate: "
                 "give --etcd-cert and --etcd-key")
     else:
-        hint = ("--etcd-ca must be the CA of the members' certificates (valid for the addresses in --store) "
-                "and --etcd-cert/--etcd-key a client certificate the members' --trusted-ca-file signed")
+        hint = ("--etcd-ca must be the CA of the members' certificates and --etcd-cert/--etcd-key a client "
+                "certificate the members' --trusted-ca-file signed")
+    if target.tls_name():
+        hint += f"; every member's certificate must be valid for {target.tls_name()!r} (--etcd-server-name)"
+    elif target.ca_file:
+        hint += "; the member's certificate must be valid for the address in --store"
     return f"check that the members run and are reachable; {hint}"
 

@@ -313,7 +313,8 @@ async def open_high_availability(config: ControllerConfig, on_lead: Callable[[An
     """The etcd client, election, store and switcher for `--store etcd://...`, serving as a standby."""
     assert config.store
     endpoints, prefix = parse_etcd_url(config.store)
-    target = EtcdTarget(endpoints, prefix, config.etcd_ca, config.etcd_cert, config.etcd_key, config.etcd_timeout)
+    target = EtcdTarget(endpoints, prefix, config.etcd_ca, config.etcd_cert, config.etcd_key, config.etcd_timeout,
+                        config.etcd_server_name)
     client = connect(target)
     election = LeaderElection(client, prefix, address="", ttl=config.lease_ttl, renew_client=lambda: connect(target))
     store = EtcdStore(client, prefix, fence=election.fence)

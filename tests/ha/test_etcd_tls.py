@@ -49,12 +49,26 @@ def etcd_tls(tmp_path_factory, pki):
         assert not any(m.running() for m in cluster.members)
 
 
+def _leader_of(address: str, process: subprocess.Popen) -> controller_pb2.ListControllersResponse:
+    with grpc.insecure_channel(address) as channel:
+        stub = controller_pb2_grpc.ControllerServiceStub(channel)
+
+        def answer():
+            try:
+                return stub.ListControllers(controller_pb2.ListControllersRequest(), timeout=2)
+            except grpc.RpcError:
+                return None
+
+        return wait_for(lambda: (r := answer()) and r.leader_address and r, timeout=30,
+                        what=f"a leader seen by {address}; its log:\n{_output(process)}")
+
+
 def _controller(tmp_path, etcd: EtcdCluster, *flags: str) -> tuple[subprocess.Popen, str]:
     address = f"127.0.0.1:{free_port()}"
     log = open(tmp_path / f"controller-{address.rsplit(':', 1)[1]}.log", "w+")
     process = subprocess.Popen(
         [_bin("motor-controller"), "--listen", address, "--db", str(tmp_path / "unused.db"), "--store",
-         f"{etcd.url}/tls-test", "--etcd-startup-wait", "3", *flags],
+         f"{etcd.url}/tls-test", "--etcd-startup-wait", "3", "--metrics-port", "0", *flags],
         stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     process.log = log  # type: ignore[attr-defined]
@@ -70,18 +84,10 @@ async def test_a_controller_leads_and_writes_over_mutual_tls(tmp_path, etcd_tls,
     process, address = _controller(tmp_path, etcd_tls, "--etcd-ca", f"{pki}/ca.crt",
                                    "--etcd-cert", f"{pki}/controller.crt", "--etcd-key", f"{pki}/controller.key")
     try:
+        reply = _leader_of(address, process)
+        assert reply.leader_address == address and reply.store.startswith("etcds://127.0.0.1:")
         with grpc.insecure_channel(address) as channel:
             stub = controller_pb2_grpc.ControllerServiceStub(channel)
-
-            def leading():
-                try:
-                    return stub.ListControllers(controller_pb2.ListControllersRequest(), timeout=2)
-                except grpc.RpcError:
-                    return None
-
-            reply = wait_for(lambda: (r := leading()) and r.leader_address == address and r, timeout=30,
-                             what=f"the controller to lead; its log:\n{_output(process)}")
-            assert reply.store.startswith("etcds://127.0.0.1:")
             stub.ApplyDeployment(controller_pb2.ApplyDeploymentRequest(deployment=load_deployment(DEPLOYMENT)), timeout=10)
         member = etcd_tls.members[0]
         client = connect(EtcdTarget(((member.host, member.client_port),), "/tls-test", f"{pki}/ca.crt",
@@ -108,3 +114,29 @@ def test_a_controller_without_the_right_files_exits_naming_them(tmp_path, etcd_t
     output = _output(process)
     assert "--store: cannot read the state from etcd" in output and expected in output, output
     assert "Traceback" not in output, output
+
+
+def test_three_members_over_tls_one_name_checked(tmp_path, pki):
+    """Several endpoints share one gRPC channel, so TLS checks one name against every member:
+    the first endpoint's host by default, or --etcd-server-name (here a name each member's
+    certificate carries); a name no certificate carries is refused, and the error names the flag."""
+    _require_etcd()
+    tls = EtcdTls(ca=f"{pki}/ca.crt", cert=f"{pki}/etcd.crt", key=f"{pki}/etcd.key")
+    cluster = EtcdCluster(str(tmp_path / "etcd"), size=3, tls=tls).start()
+    client_files = ("--etcd-ca", f"{pki}/ca.crt", "--etcd-cert", f"{pki}/controller.crt", "--etcd-key", f"{pki}/controller.key")
+    started = []
+    try:
+        by_default, first = _controller(tmp_path, cluster, *client_files)
+        named, second = _controller(tmp_path, cluster, *client_files, "--etcd-server-name", "localhost")
+        wrong, _ = _controller(tmp_path, cluster, *client_files, "--etcd-server-name", "etcd.example")
+        started = [by_default, named, wrong]
+        leader = _leader_of(first, by_default).leader_address
+        assert leader in (first, second) and _leader_of(second, named).leader_address == leader
+        assert wrong.wait(60) == 2, _output(wrong)
+        assert "must be valid for 'etcd.example' (--etcd-server-name)" in _output(wrong), _output(wrong)
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.terminate()
+                process.wait(30)
+        cluster.stop()
