@@ -18,7 +18,7 @@ test: setup
 # under 90% or on a surviving mutant that tests/mutation/equivalent.md does not explain.
 mutation: setup
 	rm -rf mutants
-	$(VENV)/bin/mutmut run >mutants.log 2>&1 || { tail -50 mutants.log; exit 1; }
+	$(PY) -m mutmut run >mutants.log 2>&1 || { tail -50 mutants.log; exit 1; }
 	$(PY) scripts/mutation_score.py
 
 # Regenerate the Python API (messages, gRPC stubs, type stubs) from proto/.

@@ -118,18 +118,17 @@ def embedded_json(value: str) -> Any:
     if not text.startswith(("{", "[")):
         return None
     try:
-        parsed = json.loads(text)
+        return json.loads(text)  # text starting with { or [ parses to an object or array, if at all
     except (ValueError, RecursionError):
         return None
-    return parsed if isinstance(parsed, (dict, list)) else None
 
 
 class TooDeep(ValueError):
     """A document nests deeper than MAX_CONFIG_DEPTH (check_engine_config names the field)."""
 
 
-def walk(value: Any, where: str, depth: int = 0) -> Iterator[tuple[str, str | None, Any, int]]:
-    """(field path, key, value, depth) for every value of a JSON document, strings holding JSON
+def walk(value: Any, where: str, depth: int = 0) -> Iterator[tuple[str, str | None, Any]]:
+    """(field path, key, value) for every value of a JSON document, strings holding JSON
     objects or arrays included; TooDeep past MAX_CONFIG_DEPTH levels."""
     if isinstance(value, str):
         inner = embedded_json(value)
@@ -145,7 +144,7 @@ def walk(value: Any, where: str, depth: int = 0) -> Iterator[tuple[str, str | No
     else:
         items = [(f"{where}[{index}]", None, item) for index, item in enumerate(value)]
     for path, key, item in items:
-        yield path, key, item, depth + 1
+        yield path, key, item
         yield from walk(item, path, depth + 1)
 
 
@@ -176,7 +175,7 @@ def _check_key(path: str, key: str, value: Any) -> None:
     name = normalise(key)
     if name in REFUSED_SECTIONS and isinstance(value, dict) and value.get("enable_tls"):
         raise InvalidArgument(f"{path}: not accepted in a request: {REFUSED_SECTIONS[name]}")
-    if name in CODE_FLAGS and value not in (False, None, "false", "False", 0):
+    if name in CODE_FLAGS and str(value).strip().lower() not in ("false", "0", "none"):
         raise InvalidArgument(f"{path}: must be false in a request: {CODE_FLAGS[name]}")
 
 
@@ -193,7 +192,7 @@ def _check_vllm_args(engine_args: dict, where: str) -> None:
             )
         if name in VLLM_ARG_CHOICES and value is not None and value not in VLLM_ARG_CHOICES[name]:
             raise InvalidArgument(f"{path}: must be one of {sorted(VLLM_ARG_CHOICES[name])} in a request (got {value!r})")
-        for inner, _, item, _ in [(path, None, value, 0), *walk(value, path)]:
+        for inner, _, item in [(path, None, value), *walk(value, path)]:
             if not isinstance(item, str):
                 continue
             if _DOTTED_NAME.fullmatch(item.strip()) and name not in _VLLM_FREE_TEXT:
@@ -210,7 +209,7 @@ def _check_sglang_extra_args(extra_args: Any, where: str) -> None:
             if index == 0:
                 raise InvalidArgument(f"{where}[0]: {item!r}: extra_args must start with a --flag")
             continue  # a value of the flag before it
-        flag = item.split("=", 1)[0]
+        flag = item.partition("=")[0]
         name = normalise(flag)
         path = f"{where}[{index}]"
         _check_key(path, name, True)
@@ -226,7 +225,7 @@ def _check_engine_sections(config: dict, field: str) -> None:
         if not isinstance(section, dict) or not isinstance(section.get("engine_args"), dict):
             continue
         engine_args, where = section["engine_args"], f"{field}.{section_name}.engine_args"
-        engine_type = normalise(section.get("engine_type", ""))
+        engine_type = normalise(section.get("engine_type"))
         if engine_type == "vllm":
             _check_vllm_args(engine_args, where)
         elif engine_type == "sglang":
@@ -241,7 +240,7 @@ def check_engine_config(config: dict, model_roots: list[str] | None, field: str 
     roots_hint = f"the node's model roots ({', '.join(model_roots)})" if model_roots else "a model root (the node allows no local paths: --model-root)"
     check_paths = model_roots is not None
     try:
-        for path, key, value, _ in walk(config, field):
+        for path, key, value in walk(config, field):
             if key is not None:
                 _check_key(path, key, value)
             if check_paths and isinstance(value, str):

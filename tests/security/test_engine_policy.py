@@ -158,3 +158,85 @@ def test_configurations_nested_too_deep_are_refused_naming_the_limit():
     with pytest.raises(InvalidArgument, match=f"^engine_config: nested deeper than {MAX_CONFIG_DEPTH} levels$"):
         check_engine_config(inside_a_string, None, "engine_config")
     check_engine_config(inside_a_string["x"], None, "engine_config")  # one level less is accepted
+
+
+RUNS = "a request may not choose what runs on a node (engine commands come from the node manager's --engine-command)"
+
+
+@pytest.mark.parametrize(
+    "key, names",
+    [
+        ("engine.launcher", "the command that starts SGLang"),  # each part of a dotted key counts
+        ("cls", "a Python class the engine imports"),
+        ("Class", "a Python class the engine imports"),
+        ("tokenizer_class", "a Python class the engine imports"),
+        ("module", "a Python module the engine imports"),
+        ("backend_module", "a Python module the engine imports"),
+        ("x.Y-Module-Path", "a Python module the engine imports"),
+        ("my_plugins", "a plugin the engine loads"),
+    ],
+)
+def test_code_keys_are_refused_by_their_shape_with_the_whole_message(key, names):
+    config = {SECTION: {"engine_type": "sim", "engine_args": {key: "x"}}}
+    with pytest.raises(InvalidArgument) as refused:
+        check_engine_config(config, [], "spec.config_json")
+    assert str(refused.value) == f"spec.config_json.{SECTION}.engine_args.{key}: names {names}; {RUNS}"
+
+
+@pytest.mark.parametrize("value", [False, "false", "False", " FALSE ", 0, "0", None])
+def test_trust_remote_code_off_in_any_spelling_is_accepted(value):
+    check_engine_config(_config(trust_remote_code=value), [])
+
+
+@pytest.mark.parametrize("value", [True, "true", 1, "yes"])
+def test_trust_remote_code_on_in_any_spelling_is_refused(value):
+    with pytest.raises(InvalidArgument, match="trust_remote_code: must be false in a request: it runs Python code"):
+        check_engine_config(_config(trust_remote_code=value), [])
+
+
+def test_engine_tls_off_is_accepted_and_the_default_field_is_config_json():
+    check_engine_config({SECTION: {"engine_type": "sim", "mgmt_tls_config": {"enable_tls": False}}}, [])
+    with pytest.raises(InvalidArgument) as refused:
+        check_engine_config({SECTION: {"engine_type": "sim", "mgmt_tls_config": {"enable_tls": True}}}, [])
+    assert str(refused.value).startswith(f"config_json.{SECTION}.mgmt_tls_config: not accepted in a request: ")
+
+
+@pytest.mark.parametrize("path", ["./evil", ".", "..", "models/..", "a/../../b"])
+def test_relative_paths_count_as_local_paths(path, tmp_path):
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    with pytest.raises(InvalidArgument) as refused:
+        check_engine_config(_config(model_path=path), roots, "spec.config_json")
+    assert str(refused.value) == (f"spec.config_json.{SECTION}.engine_args.model_path: {path!r} is a local path outside "
+                                  f"the node's model roots ({tmp_path}/a, {tmp_path}/b)")
+
+
+def test_a_node_without_model_roots_says_so():
+    with pytest.raises(InvalidArgument) as refused:
+        check_engine_config(_config(model_path="/m"), [], "f")
+    assert str(refused.value) == (f"f.{SECTION}.engine_args.model_path: '/m' is a local path outside "
+                                  "a model root (the node allows no local paths: --model-root)")
+
+
+def test_every_section_is_checked_and_motor_keys_do_not_end_the_check():
+    config = {"other": 1, "motor_engine_decode_config": {"engine_type": "sim"}, **_vllm(motor_utilization=5, Xseed=1)}
+    with pytest.raises(InvalidArgument) as refused:
+        check_engine_config(config, [])
+    assert str(refused.value) == (f"config_json.motor_engine_union_config.engine_args.Xseed: not among the vLLM arguments a "
+                                  "request may set (motor/vllm_request_args.py, docs/security.md)")
+    check_engine_config(_vllm(**{"compilation_config.mode": 3, "--seed": 1}), [])  # a dotted key is its first part's
+
+
+def test_sglang_extra_args_messages_name_the_flag_and_the_list():
+    check_engine_config(_config(extra_args=["--served-model-name=a=b"]), [])
+    with pytest.raises(InvalidArgument) as refused:
+        check_engine_config(_config(extra_args=["--dp-size", "2", "--weird=1"]), [])
+    assert str(refused.value) == (f"config_json.{SECTION}.engine_args.extra_args[2]: --weird is not among the SGLang flags "
+                                  "a request may add (SGLANG_EXTRA_FLAGS in motor/engine_policy.py, docs/security.md)")
+
+
+@pytest.mark.parametrize("text, says", [("nope", "spec.config_json is not a JSON object: Expecting value"),
+                                        ("[1]", "spec.config_json is not a JSON object: list")])
+def test_config_json_must_be_a_json_object(text, says):
+    with pytest.raises(InvalidArgument) as refused:
+        parse_config_json(text, "spec.config_json")
+    assert str(refused.value).startswith(says)
