@@ -156,12 +156,16 @@ class MotorServer:
         return port
 
     def _listen(self, bind: str, tls: TlsFiles | None, setting: str) -> int:
+        # Checked first: gRPC says only that it failed (and logs a line of its own).
+        in_use, problem = bind_problem(bind)
+        if in_use:
+            raise ConfigError(f"{setting}: cannot listen on {bind}: {problem}")
         try:
             port = self.server.add_secure_port(bind, server_credentials(tls)) if tls else self.server.add_insecure_port(bind)
         except RuntimeError:
             port = 0
-        if port == 0:  # gRPC says only that it failed: find out why by binding the address ourselves
-            raise ConfigError(f"{setting}: cannot listen on {bind}: {why_not_bindable(bind)}")
+        if port == 0:
+            raise ConfigError(f"{setting}: cannot listen on {bind}: {bind_problem(bind)[1] or 'in use or not available'}")
         return port
 
     async def set_serving(self, service: str, serving: bool) -> None:
@@ -176,14 +180,15 @@ class MotorServer:
         await self.server.stop(grace)
 
 
-def why_not_bindable(bind: str) -> str:
-    """Why a TCP listener on HOST:PORT cannot be opened, e.g. '127.0.0.1:50051 is in use'."""
+def bind_problem(bind: str) -> tuple[bool, str | None]:
+    """(in use, why) for a TCP listener on HOST:PORT, found by binding it as gRPC would: e.g.
+    (True, '127.0.0.1:50051 is in use (...)'), or (False, None) when it can be bound."""
     host, _, port = bind.rpartition(":")
-    host = host.strip("[]") or None
     try:
-        addresses = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        addresses = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (OSError, ValueError) as exc:
-        return f"{bind} is not a HOST:PORT this machine can listen on ({exc})"
+        return False, f"{bind} is not a HOST:PORT this machine can listen on ({exc})"
+    problem = None
     for family, kind, proto, _, address in addresses:
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does
@@ -191,9 +196,9 @@ def why_not_bindable(bind: str) -> str:
                 probe.bind(address)
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
-                    return f"{bind} is in use (another process listens there; stop it or choose another port)"
-                return f"{bind} is not available ({exc.strerror})"
-    return f"{bind} is in use or not available"
+                    return True, f"{bind} is in use (another process listens there; stop it or choose another port)"
+                problem = problem or f"{bind} is not available ({exc.strerror})"
+    return False, problem
 
 
 def service_name(pb2_module: Any, name: str) -> str:
