@@ -62,8 +62,11 @@ class NodeStates:
         self._thread.join()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 defect 5: a 10,000 x dp 4 apply blocks the controller's loop for "
-                                       "seconds (helper slicing's fix, long work in slices, not on main yet)")
+# Not strict: on a quiet machine main's unsliced apply (about 0.7 s of loop held) stays under the
+# hang bound and passes; under load it holds the loop for seconds and nodes turn SUSPECT.
+@pytest.mark.xfail(strict=False, reason="issue 12 defect 5: a 10,000 x dp 4 apply holds the controller's loop "
+                                        "(seconds under load, nodes SUSPECT); helper slicing's fix, long work in "
+                                        "slices, not on main yet")
 def test_10000_instances_apply_and_delete(cluster):
     verdict: dict[str, object] = {}
 
