@@ -14,6 +14,7 @@ import time
 
 import grpc
 import pytest
+from google.protobuf import json_format
 
 from motor.ports import free_port
 from motor.v1 import controller_pb2, controller_pb2_grpc, engine_pb2, engine_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc, types_pb2
@@ -121,6 +122,30 @@ def test_1_no_request_chooses_a_command_or_a_file(cluster, unchanged):
     operator = _controller(cluster, "operator")
     _refused(lambda: operator.ApplyDeployment(controller_pb2.ApplyDeploymentRequest(deployment=deployment), timeout=10),
              grpc.StatusCode.INVALID_ARGUMENT, "engine_config.motor_engine_prefill_config.engine_args.launcher")
+
+
+@pytest.mark.parametrize("engine_args, key", [
+    ({"trust-remote-code": True}, "trust-remote-code"),  # the hostile report's F1: other spellings of refused keys
+    ({"worker-cls": "os.Evil"}, "worker-cls"),
+    ({"scheduler_cls": "os.Evil"}, "scheduler_cls"),
+    ({"kv_transfer_config": {"kv_connector": "Evil", "kv_connector_module_path": "evil"}}, "kv_transfer_config.kv_connector_module_path"),
+    ({"speculative_config": '{"model": "/etc", "method": "eagle"}'}, "speculative_config.model"),  # F2: JSON in a string
+])
+def test_1b_code_keys_in_any_spelling_and_paths_in_json_strings_are_refused(cluster, unchanged, engine_args, key):
+    deployment = _controller(cluster).GetDeployment(controller_pb2.GetDeploymentRequest(), timeout=5).deployment
+    deployment.engine_config.Clear()
+    deployment.engine_config.update({"motor_engine_union_config": {"engine_type": "vllm", "engine_args": {"model": "m", **engine_args}}})
+    node_a = f"127.0.0.1:{cluster.node_ports['node-a']}"
+    as_controller = node_manager_pb2_grpc.NodeManagerServiceStub(_channel(cluster, node_a, "controller"))
+    spec = types_pb2.EngineSpec(instance_id="evil-0", role=types_pb2.ROLE_UNION,
+                                config_json=json.dumps(json_format.MessageToDict(deployment.engine_config)))
+    _refused(lambda: as_controller.StartEngine(node_manager_pb2.StartEngineRequest(spec=spec), timeout=10),
+             grpc.StatusCode.INVALID_ARGUMENT, f"spec.config_json.motor_engine_union_config.engine_args.{key}:")
+    if key.startswith("speculative_config"):
+        return  # the controller leaves paths to the node managers (it cannot know their model roots)
+    operator = _controller(cluster, "operator")
+    _refused(lambda: operator.ApplyDeployment(controller_pb2.ApplyDeploymentRequest(deployment=deployment), timeout=10),
+             grpc.StatusCode.INVALID_ARGUMENT, f"engine_config.motor_engine_union_config.engine_args.{key}:")
 
 
 def test_2_a_made_up_node_cannot_register(cluster, unchanged):
