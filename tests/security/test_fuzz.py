@@ -91,6 +91,12 @@ def test_random_requests_get_a_clear_answer_and_the_server_keeps_serving(cluster
                     call(request, timeout=20)
             except grpc.RpcError as exc:
                 code, details = exc.code(), exc.details() or ""
+                if code == grpc.StatusCode.UNAVAILABLE and target == "node" and details.startswith(NOT_ANNOUNCED):
+                    # A node manager refuses an epoch or generation its controller has not announced
+                    # (yet): UNAVAILABLE by design, so that a new leader's controller retries after the
+                    # next heartbeat (docs/security.md, "Generations and epochs"). Still names the field.
+                    assert "refused" in details and "announced" in details, details
+                    return
                 assert code not in BROKEN, f"{method.name}({request!r:.300}) -> {code.name}: {details}"
                 assert not names or any(name in details for name in names), (
                     f"{method.name} -> {code.name}: {details!r} names no field of {method.input_type.name}"
@@ -100,6 +106,8 @@ def test_random_requests_get_a_clear_answer_and_the_server_keeps_serving(cluster
     assert _serving(address)
 
 
+# How a node manager's refusal of a not-yet-announced epoch or generation begins (node_manager/controller_epoch.py).
+NOT_ANNOUNCED = ("controller_epoch ", "spec.generation ")
 CORRUPT = b"\xff\xff\xff\xff\x0f"  # a field tag that never ends: no message type can decode it
 
 
