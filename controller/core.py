@@ -7,7 +7,8 @@
 - liveness.py: SUSPECT / LOST / the silent-nodes alarm;
 - actuator.py: StartEngine / StopEngine and fencing of stale copies;
 - views.py: the protobuf views and the read side (`ClusterReads`, a base of `Controller`).
-This file: deployment, node reports, launches.
+- deployments.py: ApplyDeployment / DeleteDeployment, persisted first, made in slices;
+This file: node reports, launches, and the parts put together.
 
 Everything runs on one asyncio loop; state changes happen between awaits, and a task that
 awaited a node manager re-checks the generation it started with before acting on the answer.
@@ -17,12 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import time
 from typing import Awaitable, Callable, Iterable
-
-from google.protobuf import json_format
 
 from motor import names, node_process, pbtime
 from motor.errors import InvalidArgument, NotFound
@@ -35,8 +33,9 @@ from controller.actuator import Actuator, engine_spec
 from controller.adoption import Adoption
 from controller.claims import NodeClaims, check_registration
 from controller.config import ControllerConfig
+from controller.deployments import DeploymentChanges
 from controller.events import EventBus
-from controller.instances import FAILED, RESTARTING, InstanceRecord, Policy
+from controller.instances import InstanceRecord
 from controller.liveness import NodeMonitor
 from controller.fleet_metrics import FleetSeries
 from controller.generations import Generations
@@ -45,10 +44,11 @@ from controller.metrics import ControllerMetrics
 from controller.node_client import NodeCallError, NodeClient
 from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
 from controller.scheduling import LIVE_ENGINE_STATES, Scheduler
+from controller.slicing import Steps, run_sliced
 from controller.slots import EngineSlot
 from controller.state import ClusterState
-from controller.store import Store, StoreUnavailable
-from controller.validation import InstanceSpec, check_engine_count, expand, integral_numbers, validate_deployment
+from controller.store import Store
+from controller.validation import check_engine_count
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +87,6 @@ class Controller(views.ClusterReads):
             self.state.nodes.counts, lambda: collections.Counter(i.state for i in self.state.instances.values()),
             store_metrics.collectors,
         )
-        self.deployment: C.Deployment | None = None
-        self.revision = 0
         self.started_at = monotonic()
         self._wake = asyncio.Event()
         self._tasks = TaskSet("controller")
@@ -100,12 +98,14 @@ class Controller(views.ClusterReads):
             lambda reason: self.metrics.reschedules.labels(reason=reason).inc(),
             count_rate_limited=self.metrics.rate_limited.inc,
         )
+        self.adoption = Adoption(self.state, self._observe)
+        self.changes = DeploymentChanges(self.state, config.max_engines_per_deployment, self.endpoints, self.actuator,
+                                         self.adoption, self.wake, self._spawn)
         self.monitor = NodeMonitor(self.state, config, node_client, self._spawn, self.wake, self._observe, self.scheduler.evacuate)
         # The per-node, per-instance and per-engine series, served beside metrics.registry's (/metrics).
         self.fleet_series = FleetSeries(self.state, lambda: self.monitor.alarm, clock=wall)
         self.claims = NodeClaims(self.state, config, self.monitor, self.metrics.registrations_refused)
         self.generations = Generations(self.store, self.state.refused)
-        self.adoption = Adoption(self.state, self._observe)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -116,7 +116,7 @@ class Controller(views.ClusterReads):
         self.adoption.loaded(stored)
         if stored.deployment is not None:
             deployment = C.Deployment.FromString(stored.deployment)
-            self._set_deployment(deployment, stored.revision)
+            self.changes.set_deployment(deployment, stored.revision)
         now = self.mono()
         for record in stored.nodes:
             info = C.NodeInfo.FromString(record.info)
@@ -165,7 +165,7 @@ class Controller(views.ClusterReads):
                 pass
             self._wake.clear()
 
-        await self._repeat(woken_or_timeout, self.reconcile_once, "reconcile pass")
+        await self._repeat(woken_or_timeout, self.scheduler.reconcile_steps, "reconcile pass")
 
     def reconcile_once(self) -> None:
         self.scheduler.reconcile_once()
@@ -174,7 +174,7 @@ class Controller(views.ClusterReads):
         period = min(0.5, self.config.heartbeat_interval / 2)
         await self._repeat(lambda: asyncio.sleep(period), self.check_nodes, "node check")
 
-    async def _repeat(self, wait: Callable[[], Awaitable[None]], step: Callable[[], None], what: str) -> None:
+    async def _repeat(self, wait: Callable[[], Awaitable[None]], step: Callable[[], Steps | None], what: str) -> None:
         # The flag, not only cancel(): asyncio.wait_for (3.11) can swallow a cancellation that
         # races with the awaited event being set.
         while not self._stopping:
@@ -182,7 +182,9 @@ class Controller(views.ClusterReads):
             if not self.acting():
                 continue
             try:
-                step()
+                slices = step()
+                if slices is not None:  # a long step, in slices (controller/slicing.py)
+                    await run_sliced(slices)
             except Exception:
                 logger.exception("%s failed", what)
 
@@ -190,127 +192,33 @@ class Controller(views.ClusterReads):
         self.monitor.check()
         self.claims.end_quiet()
 
-    # ------------------------------------------------------------------ deployment
+    # ------------------------------------------------------------------ deployment (controller/deployments.py)
 
-    def _set_deployment(self, deployment: C.Deployment | None, revision: int) -> None:
-        self.deployment, self.revision = deployment, revision
-        if deployment is not None:
-            self.state.policy = Policy.from_proto(deployment.restart_policy)
-            self.state.config_json = json.dumps(integral_numbers(json_format.MessageToDict(deployment.engine_config)), sort_keys=True)
+    @property
+    def deployment(self) -> C.Deployment | None:
+        return self.changes.deployment
+
+    @property
+    def revision(self) -> int:
+        return self.changes.revision
 
     def apply_deployment(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
-        validated = validate_deployment(deployment, self.config.max_engines_per_deployment)
-        desired = expand(validated)
-        if self.deployment is not None and (
-            validated.SerializeToString(deterministic=True) == self.deployment.SerializeToString(deterministic=True)
-        ):
-            # Same spec: nothing changes, except that FAILED instances get a new chance.
-            with self.state.batch():
-                for inst in self.instances.values():
-                    if inst.state == FAILED:
-                        self._retry_failed(inst)
-            return self.deployment, self.revision
-        revision = self.revision + 1
-        replaced = {i for i, spec in desired.items() if i in self.instances and self.instances[i].spec_hash != spec.spec_hash}
-        gone = sorted(set(self.instances) - set(desired))
-        new = {i: self._new_instance(spec) for i, spec in sorted(desired.items()) if i not in self.instances or i in replaced}
-        # The disk first: when it refuses (UNAVAILABLE), memory and the engines are untouched.
-        self._store_first(validated, revision, [*gone, *sorted(replaced)], new)
-        self._set_deployment(validated, revision)
-        with self.state.batch():
-            for instance_id in gone:
-                self._remove_instance(instance_id, "no longer in the deployment")
-            for instance_id in sorted(replaced):
-                self._remove_instance(instance_id, "its spec changed; it is started again")
-            for inst, slots in new.values():
-                self._install(inst, slots)
-            if self.adoption.waiting:  # a new store: take over what the nodes run as described
-                self.adoption.adopt(inst for inst, _ in new.values())
-            for instance_id, spec in sorted((i, spec) for i, spec in desired.items() if i not in new):
-                inst = self.instances[instance_id]
-                inst.paired_instance_id = spec.paired_instance_id
-                self.state.save_instance(inst)
-                if inst.state == FAILED:
-                    self._retry_failed(inst)
-        self.state.event(
-            C.EVENT_TYPE_DEPLOYMENT_CHANGED,
-            f"deployment {validated.name!r} applied (revision {revision}, {len(desired)} instances)",
-        )
-        self.wake()
-        return validated, revision
+        """At once, holding the loop: start-up and tests. The API calls `apply` (in slices)."""
+        return self.changes.apply_now(deployment)
 
-    def _store_first(self, deployment: C.Deployment | None, revision: int, removed: list[str],
-                     new: dict[str, tuple[InstanceRecord, list[EngineSlot]]]) -> None:
-        """One transaction, before memory changes; StoreUnavailable (a full disk) leaves both as they were."""
-        try:
-            with self.store.transaction():
-                self.store.save_deployment(deployment.SerializeToString(deterministic=True) if deployment else None, revision)
-                for instance_id in removed:
-                    self.store.delete_instance(instance_id)
-                    for slot in self.state.slots_of(instance_id):
-                        self.store.delete_assignment(slot.engine_id)
-                for inst, slots in new.values():
-                    self.store.save_instance(inst.instance_id, inst.to_dict())
-                    for slot in slots:
-                        self.store.save_assignment(slot.engine_id, slot.to_dict())
-        except StoreUnavailable as exc:
-            self.state.refused(exc)
-            raise
-        self.state.store_ok()
+    def delete_deployment(self) -> None:
+        self.changes.delete_now()
 
-    def _retry_failed(self, inst: InstanceRecord) -> None:
-        self.state.attention.add(inst.instance_id)
-        inst.failure_times, inst.consecutive_failures = [], 0
-        inst.restart_ranks = list(range(inst.data_parallel_size))
-        inst.next_restart_at = self.wall()
-        self.state.transition(inst, RESTARTING, "deployment applied again: retrying the FAILED instance")
+    async def apply(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
+        return await self.changes.apply(deployment)
 
-    def _new_instance(self, spec: InstanceSpec) -> tuple[InstanceRecord, list[EngineSlot]]:
-        inst = InstanceRecord(
-            instance_id=spec.instance_id, group=spec.group, role=spec.role,
-            data_parallel_size=spec.data_parallel_size, accelerators_per_engine=spec.accelerators_per_engine,
-            single_container=spec.single_container, paired_instance_id=spec.paired_instance_id,
-            spec_hash=spec.spec_hash, state_changed_at=self.wall(),
-        )
-        return inst, [EngineSlot(names.engine_id(spec.instance_id, r), spec.instance_id, r) for r in range(spec.data_parallel_size)]
-
-    def _install(self, inst: InstanceRecord, slots: list[EngineSlot]) -> None:  # memory only: _store_first wrote it
-        self.state.instances[inst.instance_id] = inst
-        self.state.attention.add(inst.instance_id)
-        for slot in slots:
-            self.state.slots.add(slot)
-
-    def _remove_instance(self, instance_id: str, why: str) -> None:
-        """From memory, and stop its engines (_store_first deleted its rows)."""
-        st = self.state
-        slots = st.slots_of(instance_id)  # while the instance is known: its ranks, not a scan of every slot
-        self.endpoints.changed([s.engine_id for s in slots])
-        st.instances.pop(instance_id, None)
-        self.endpoints.refresh()  # routers hear of it before any of its engines is stopped
-        st.attention.discard(instance_id)
-        for slot in slots:
-            st.slots.remove(slot.engine_id)
-            if slot.node_id:
-                self.actuator.stop_copy(slot.node_id, slot.engine_id, slot.generation, f"instance {instance_id} {why}")
+    async def delete(self) -> None:
+        await self.changes.delete()
 
     def get_deployment(self) -> tuple[C.Deployment, int]:
         if self.deployment is None:
             raise NotFound("no deployment has been applied; apply one with `motorctl apply -f FILE`")
         return self.deployment, self.revision
-
-    def delete_deployment(self) -> None:
-        if self.deployment is None:
-            if self.adoption.waiting:  # a new store: no engine it does not know is kept any more
-                self._store_first(None, 1, [], {})
-                self._set_deployment(None, 1)
-                self.adoption.end("deployment deleted on a new store")
-            return
-        name = self.deployment.name
-        self._store_first(None, self.revision, sorted(self.instances), {})
-        for instance_id in sorted(self.instances):
-            self._remove_instance(instance_id, "deleted with the deployment")
-        self._set_deployment(None, self.revision)
-        self.state.event(C.EVENT_TYPE_DEPLOYMENT_CHANGED, f"deployment {name!r} deleted; stopping its engines")
 
     # ------------------------------------------------------------------ nodes: register, heartbeat, events
 

@@ -39,7 +39,8 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, ret
 from motor.retry import RepeatedFailure, worth_reporting
 
 from controller.etcd_client import UNAVAILABLE_ERRORS
-from controller.store import Store, StoredNode, StoredState
+from controller.slicing import Budget
+from controller.store import Store, StoreChange, StoredNode, StoredState
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +237,20 @@ class EtcdStore(Store):
     def delete_instance(self, instance_id: str) -> None:
         self._stage(f"instances/{instance_id}", None)
 
+    async def write_change_async(self, change: StoreChange) -> None:
+        """Staged in slices, yielding to the loop (the writer task sends it to etcd; flush() waits for it)."""
+        budget = Budget()
+        rows = [*((f"instances/{k}", None) for k in change.deleted_instances),
+                *((f"assignments/{k}", None) for k in change.deleted_assignments),
+                *((f"instances/{k}", v) for k, v in change.instances), *((f"assignments/{k}", v) for k, v in change.assignments)]
+        with self.transaction():  # one batch: what others stage meanwhile joins it (sent together, in order)
+            self.save_deployment(change.deployment, change.revision)
+            for name, data in rows:
+                self._stage(name, data)
+                if budget.spent():
+                    await asyncio.sleep(0)
+                    budget.restart()
+
     @property
     def staged(self) -> int:
         """How many batches were staged so far (a caller compares it to know if it wrote)."""
@@ -283,10 +298,12 @@ class EtcdStore(Store):
     async def _commit(self, writes: dict[str, bytes | None]) -> None:
         """Send `writes` (distinct keys), as one guarded transaction per MAX_TXN_OPS, a few at once."""
         tx = self.client.transactions
-        ops = [tx.delete(k.encode()) if v is None else tx.put(k.encode(), v) for k, v in writes.items()]
-        chunks = [ops[start:start + MAX_TXN_OPS] for start in range(0, len(ops), MAX_TXN_OPS)]
-        for first in range(0, len(chunks), TXNS_IN_FLIGHT):
-            await asyncio.gather(*(self._commit_chunk(chunk) for chunk in chunks[first:first + TXNS_IN_FLIGHT]))
+        items = list(writes.items())
+        group = MAX_TXN_OPS * TXNS_IN_FLIGHT
+        for first in range(0, len(items), group):  # ops built a group at a time: a 50,000-key change does not hold the loop
+            ops = [tx.delete(k.encode()) if v is None else tx.put(k.encode(), v) for k, v in items[first:first + group]]
+            chunks = [ops[start:start + MAX_TXN_OPS] for start in range(0, len(ops), MAX_TXN_OPS)]
+            await asyncio.gather(*(self._commit_chunk(chunk) for chunk in chunks))
 
     async def _commit_chunk(self, ops: list[Any]) -> None:
         # Whatever etcd answers short of refusing the guard (no quorum, "leader changed", too many

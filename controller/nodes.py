@@ -70,11 +70,14 @@ class NodeTable(Table[NodeRuntime]):
         self._counts: dict[int, int] = {NODE_READY: 0, NODE_SUSPECT: 0, NODE_LOST: 0}
         self._ready_by_last_seen: OrderedDict[str, NodeRuntime] = OrderedDict()  # oldest heartbeat first
         self._suspect: dict[str, NodeRuntime] = {}
+        # Nodes registered or changed state since the placement view last read them (FleetView).
+        self.room_changed: set[str] = set()
 
     def _index(self, node: NodeRuntime, old: int | None) -> None:
         """Keep the READY order and the SUSPECT set right after `node` went from `old` to its state."""
         self._ready_by_last_seen.pop(node.node_id, None)
         self._suspect.pop(node.node_id, None)
+        self.room_changed.add(node.node_id)
         if node.state == NODE_READY:
             self._ready_by_last_seen[node.node_id] = node  # just heard from (registered, back): newest
         elif node.state == NODE_SUSPECT:

@@ -3,7 +3,8 @@
 Plain data and functions, so the policy is tested without nodes or gRPC. Best fit: each rank
 goes to the node left with the fewest free accelerators (ties: fewest free ports, then node
 id), which keeps large holes free for large engines. `Fleet` keeps the nodes ordered by free
-room so that one placement costs O(log n) on fleets of thousands of nodes.
+room so that one placement costs O(log n) on fleets of thousands of nodes; `put` and `drop` let
+the controller keep one Fleet between passes (controller/fleet_view.py).
 """
 
 from __future__ import annotations
@@ -68,6 +69,17 @@ class Fleet:
     @staticmethod
     def _key(n: NodeCapacity) -> tuple[int, int, str]:
         return (len(n.accelerator_ids) - len(n.used_accelerators), n.free_port_count(), n.node_id)
+
+    def put(self, node: NodeCapacity) -> None:
+        """Add a node, or replace what the fleet knew of it."""
+        self.drop(node.node_id)
+        self.nodes[node.node_id] = node
+        bisect.insort(self.order, self._key(node))
+
+    def drop(self, node_id: str) -> None:
+        node = self.nodes.pop(node_id, None)
+        if node is not None:
+            del self.order[bisect.bisect_left(self.order, self._key(node))]
 
     def best_fit(self, accelerators: int, ports: int) -> NodeCapacity | None:
         i = bisect.bisect_left(self.order, (accelerators, -1, ""))

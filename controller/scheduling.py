@@ -16,10 +16,12 @@ from motor.v1 import controller_pb2, types_pb2
 
 from controller.actuator import Actuator
 from controller.config import ControllerConfig
+from controller.fleet_view import FleetView
 from controller.instances import FAILED, PENDING, RESTARTING, STARTING, InstanceRecord, on_failure
 from controller.node_client import NodeCallError
 from controller.nodes import NODE_LOST, NODE_READY, NodeRuntime
-from controller.placement import Fleet, NodeCapacity, Unplaceable, place_instance, ports_per_engine
+from controller.placement import Fleet, Unplaceable, place_instance
+from controller.slicing import Budget, Steps, run_at_once
 from controller.slots import EngineSlot
 from controller.state import ClusterState
 from controller.store import StoreUnavailable
@@ -71,6 +73,7 @@ class Scheduler:
         # Until then (monotonic), nothing is started unless every known node has reported.
         self.startup_until = state.mono()
         self._restart_timers: dict[str, asyncio.TimerHandle] = {}
+        self.fleet_view = FleetView(state)
 
     def cancel_timers(self) -> None:
         for handle in self._restart_timers.values():
@@ -84,13 +87,25 @@ class Scheduler:
     # ------------------------------------------------------------------ the reconcile pass
 
     def reconcile_once(self) -> None:
+        """One whole pass at once (tests); the controller's loop runs `reconcile_steps` in slices."""
+        run_at_once(self.reconcile_steps())
+
+    def reconcile_steps(self) -> Steps:
+        """The pass over the instances that need attention, yielding between slices. It stops
+        while a big store write runs outside the loop (it would wait for it): the next pass
+        goes on."""
         st = self.state
         st.flush()  # writes the store refused before, when their backoff has passed
-        if not self.startup_done():
+        if not self.startup_done() or st.store.busy:
             return
+        budget = Budget()
         now_wall, now = st.wall(), st.mono()
         fleet: Fleet | None = None
         for instance_id in sorted(st.attention):
+            if (yield from budget.checkpoint()):
+                if st.store.busy:
+                    return
+                now_wall, now, fleet = st.wall(), st.mono(), None  # anything may have changed meanwhile
             inst = st.instances.get(instance_id)
             if inst is None or inst.state == FAILED:
                 st.attention.discard(instance_id)
@@ -101,13 +116,16 @@ class Scheduler:
                 # generation could not be stored) is never stranded.
                 if inst.next_restart_at is not None and inst.next_restart_at <= now_wall and now >= st.store_retry_at:
                     self.spawn(self.restart(instance_id), f"restart {instance_id}")
+                    budget.spawned()
                 continue
             if any(s.busy for s in slots):
                 continue
             unplaced = [s for s in slots if not s.node_id]
             if unplaced:
+                if now < st.store_retry_at:
+                    continue  # placing needs new generations in the store: after its backoff
                 if fleet is None:
-                    fleet = self._fleet()
+                    fleet = self.fleet_view.fleet()
                 self._place(inst, unplaced, fleet)
                 continue
             waiting = False
@@ -118,26 +136,11 @@ class Scheduler:
                 node = st.nodes.get(s.node_id)
                 if node is not None and node.state == NODE_READY and s.retry_at <= now:
                     self.spawn(self.launch(s), f"launch {s.engine_id}")
+                    budget.spawned()
             if not waiting:
                 st.attention.discard(instance_id)
 
     # ------------------------------------------------------------------ placement and moves
-
-    def _fleet(self) -> Fleet:
-        st = self.state
-        capacity = {
-            n.node_id: NodeCapacity(
-                n.node_id, n.info.host or n.info.address.rpartition(":")[0], list(n.info.accelerator_ids),
-                port_range=(n.info.port_range_start, n.info.port_range_end),
-            )
-            for n in st.nodes.values() if n.state == NODE_READY
-        }
-        for node_id, cap in capacity.items():
-            for s in st.slots.placed_on(node_id):
-                cap.used_accelerators.update(s.accelerator_ids)
-                inst = st.instances.get(s.instance_id)
-                cap.ports_in_use += ports_per_engine(bool(inst and inst.single_container))
-        return Fleet(list(capacity.values()))
 
     def _place(self, inst: InstanceRecord, unplaced: list[EngineSlot], fleet: Fleet) -> None:
         st = self.state
@@ -162,14 +165,22 @@ class Scheduler:
         except Unplaceable as exc:
             st.transition(inst, PENDING, f"cannot be placed: {exc}")
             return
+        try:  # durable generations first (one write for the instance), or nothing changes
+            with st.store.transaction():
+                generations = [st.store.next_generation() for _ in unplaced]
+        except StoreUnavailable as exc:
+            for p in placements:
+                fleet.give_back(fleet.nodes[p.node_id], p.accelerator_ids, p.port_count)
+            st.refused(exc)
+            return
         self.reschedule_bucket.take(moved)
         by_rank = {p.dp_rank: p for p in placements}
         with st.batch():
-            for s in unplaced:
+            for s, generation in zip(unplaced, generations):
                 if s.moved:
                     self.count_reschedule("node_lost")
                 p = by_rank[s.dp_rank]
-                st.slots.place(s, p.node_id, p.host, list(p.accelerator_ids), p.port_count, st.store.next_generation())
+                st.slots.place(s, p.node_id, p.host, list(p.accelerator_ids), p.port_count, generation)
                 st.save_slot(s)
             where = ", ".join(f"rank {p.dp_rank} on {p.node_id}" for p in placements)
             st.transition(inst, STARTING, f"placed: {where}")
@@ -304,8 +315,8 @@ class Scheduler:
         if inst is None or inst.state != RESTARTING:
             return
         slots = [s for s in st.slots_of(instance_id) if s.dp_rank in set(inst.restart_ranks)]
-        if any(s.busy for s in slots):
-            return  # a start/stop is still in flight; the reconcile loop comes back
+        if any(s.busy for s in slots) or st.store.busy:
+            return  # a start/stop is still in flight, or a big write: the reconcile loop comes back
         try:  # durable generations first: without them nothing changes and the reconcile loop comes back
             generations = [st.store.next_generation() for _ in slots]
         except StoreUnavailable as exc:

@@ -56,7 +56,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     async def ApplyDeployment(self, request, context):
         if not request.HasField("deployment"):
             raise InvalidArgument("deployment: required")
-        deployment, revision = self.controller.apply_deployment(request.deployment)
+        deployment, revision = await self.controller.apply(request.deployment)
         return controller_pb2.ApplyDeploymentResponse(deployment=deployment, revision=revision)
 
     async def GetDeployment(self, request, context):
@@ -64,7 +64,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         return controller_pb2.GetDeploymentResponse(deployment=deployment, revision=revision)
 
     async def DeleteDeployment(self, request, context):
-        self.controller.delete_deployment()
+        await self.controller.delete()
         return controller_pb2.DeleteDeploymentResponse()
 
     async def ListNodes(self, request, context):

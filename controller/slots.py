@@ -87,16 +87,24 @@ class SlotTable(Table[EngineSlot]):
     def __init__(self) -> None:
         super().__init__()
         self._by_node: dict[str, set[str]] = {}
+        # Nodes whose set of slots changed since the placement view last read them (FleetView).
+        self.room_changed: set[str] = set()
 
     def add(self, slot: EngineSlot) -> None:
         self._rows[slot.engine_id] = slot
         if slot.node_id:
             self._by_node.setdefault(slot.node_id, set()).add(slot.engine_id)
+            self.room_changed.add(slot.node_id)
 
     def remove(self, engine_id: str) -> EngineSlot:
         slot = self._rows.pop(engine_id)
-        self._by_node.get(slot.node_id, set()).discard(engine_id)
+        self._leave(slot)
         return slot
+
+    def _leave(self, slot: EngineSlot) -> None:
+        if slot.node_id:
+            self._by_node.get(slot.node_id, set()).discard(slot.engine_id)
+            self.room_changed.add(slot.node_id)
 
     def of_instance(self, instance_id: str, ranks: int | None) -> list[EngineSlot]:
         """The slots of an instance of `ranks` ranks; None: the instance is gone, find leftovers."""
@@ -119,16 +127,17 @@ class SlotTable(Table[EngineSlot]):
     def place(self, slot: EngineSlot, node_id: str, host: str, accelerator_ids: list[int], port_count: int,
               generation: int) -> None:
         """Assign an unplaced slot to a node, as a new generation; the node manager picks its ports."""
-        self._by_node.get(slot.node_id, set()).discard(slot.engine_id)
+        self._leave(slot)
         slot.node_id, slot.host, slot.accelerator_ids = node_id, host, list(accelerator_ids)
         slot.requested_ports = [0] * port_count
         self._by_node.setdefault(node_id, set()).add(slot.engine_id)
+        self.room_changed.add(node_id)
         self.new_generation(slot, generation)
         slot.moved = False
 
     def unplace(self, slot: EngineSlot, moved: bool) -> None:
         """Take a slot off its node; `moved`: placing it again counts as a reschedule."""
-        self._by_node.get(slot.node_id, set()).discard(slot.engine_id)
+        self._leave(slot)
         slot.node_id, slot.host, slot.requested_ports, slot.accelerator_ids = "", "", [], []
         slot._forget_copy()
         slot.moved = moved

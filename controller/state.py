@@ -5,6 +5,7 @@ instance changes state through `transition`, stored and announced; slots and nod
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from typing import Callable, Iterable, Iterator
@@ -40,7 +41,11 @@ class ClusterState:
         # rows changed since the last successful write, by table. A write the store refuses
         # (a full disk) leaves them here; `flush` tries again with backoff until it lands.
         self.unsaved: dict[str, set[str]] = {"instances": set(), "slots": set(), "nodes": set()}
+        # Instances a deployment change removes or replaces, written to the store and not yet
+        # removed from memory (controller/deployments.py): their rows are the change's.
+        self.leaving: set[str] = set()
         self._batch_depth = 0
+        self._flush_scheduled = False
         self.store_failures = 0  # refused writes in the current spell (0: the store works)
         self.store_retry_at = 0.0  # monotonic
         self.on_store_failure: Callable[[StoreUnavailable], None] = lambda exc: None
@@ -53,11 +58,14 @@ class ClusterState:
         if not (node_id or instance_id or engine_id):
             self.on_change(None)  # a deployment change, an alarm: anything may have changed
             return
-        concerned = {engine_id} if engine_id else set()
+        if engine_id:  # about one engine (started, failed, fenced): only its endpoint may change
+            self.on_change([engine_id])
+            return
+        concerned: set[str] = set()
         if instance_id:
             concerned.update(s.engine_id for s in self.slots_of(instance_id))
         if node_id:
-            concerned.update(s.engine_id for s in self.slots.on_node(node_id))
+            concerned.update(s.engine_id for s in self.slots.placed_on(node_id))
         self.on_change(concerned)
 
     def save_instance(self, inst: InstanceRecord) -> None:
@@ -72,7 +80,24 @@ class ClusterState:
     def _changed(self, table: str, key: str) -> None:
         self.unsaved[table].add(key)
         if self._batch_depth == 0:
+            self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        """Flush once this turn of the loop is over: the rows changed in one turn (a burst of
+        StartEngine answers, a heartbeat's reports) go out as one transaction, not one each."""
+        if self._flush_scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a unit test driving the tables): now
             self.flush()
+            return
+        self._flush_scheduled = True
+        loop.call_soon(self._scheduled_flush)
+
+    def _scheduled_flush(self) -> None:
+        self._flush_scheduled = False
+        self.flush()
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -89,9 +114,12 @@ class ClusterState:
         """Write every unsaved row as memory has it now (a row gone from memory is deleted).
         Memory is never rolled back: it describes what happened. A refused write is counted,
         announced once per spell, and tried again from the reconcile loop with backoff (1 s, 2 s
-        ... 30 s); True when nothing is left unsaved."""
+        ... 30 s); True when nothing is left unsaved. While the store is busy with a big write the
+        rows wait for the next flush (the reconcile pass flushes every 0.5 s)."""
         if not any(self.unsaved.values()):
             return True
+        if self.store.busy:
+            return False  # a big write runs in a thread (controller/deployments.py): after it, not blocked behind it
         if self.store_failures and not retry and self.mono() < self.store_retry_at:
             return False
         unsaved = {table: set(keys) for table, keys in self.unsaved.items()}
@@ -133,7 +161,7 @@ class ClusterState:
                 row = find(key)
                 if row is None:
                     delete(key)  # gone from memory: gone from the store
-                else:
+                elif row.instance_id not in self.leaving:  # else the deployment change wrote its rows
                     save(key, row.to_dict())
         for node_id in sorted(unsaved["nodes"]):
             node = self.nodes.get(node_id)

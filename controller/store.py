@@ -10,10 +10,12 @@ crash-loop window). Every write is committed before the caller acknowledges the 
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
 import json
 import os
 import sqlite3
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -39,6 +41,23 @@ class StoredState:
     nodes: list[StoredNode] = field(default_factory=list)
     assignments: dict[str, dict[str, Any]] = field(default_factory=dict)
     instances: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class StoreChange:
+    """A deployment change as one transaction: the deployment row, and the instance and assignment
+    rows it deletes and writes (ApplyDeployment, DeleteDeployment; thousands of rows)."""
+
+    deployment: bytes | None
+    revision: int
+    deleted_instances: list[str] = field(default_factory=list)
+    deleted_assignments: list[str] = field(default_factory=list)
+    instances: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    assignments: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return len(self.deleted_instances) + len(self.deleted_assignments) + len(self.instances) + len(self.assignments)
 
 
 class Store(abc.ABC):
@@ -79,6 +98,27 @@ class Store(abc.ABC):
     @abc.abstractmethod
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]: ...
+
+    # True while a big write runs outside the loop (SqliteStore.write_change_async): writers that
+    # can wait (the write-behind flush, the reconcile pass) wait for it instead of blocking.
+    busy = False
+
+    def write_change(self, change: StoreChange) -> None:
+        """Write `change` in one transaction (durable when it returns)."""
+        with self.transaction():
+            self.save_deployment(change.deployment, change.revision)
+            for instance_id in change.deleted_instances:
+                self.delete_instance(instance_id)
+            for engine_id in change.deleted_assignments:
+                self.delete_assignment(engine_id)
+            for instance_id, data in change.instances:
+                self.save_instance(instance_id, data)
+            for engine_id, data in change.assignments:
+                self.save_assignment(engine_id, data)
+
+    async def write_change_async(self, change: StoreChange) -> None:
+        """`write_change` without holding the event loop for long (SQLite: in a thread)."""
+        self.write_change(change)
 
     async def flush(self) -> None:
         """Return when every write made so far is durable. SQLite's writes already are when they
@@ -130,6 +170,8 @@ class SqliteStore(Store):
             ) from None
         self._depth = 0
         self._generation: int | None = None  # the counter, once read
+        # The connection is used by the loop and, for a big write, by a worker thread: one at a time.
+        self._lock = threading.RLock()
 
     @classmethod
     def discard(cls, path: str) -> str:
@@ -145,7 +187,8 @@ class SqliteStore(Store):
 
     def _execute(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
         try:
-            return self.db.execute(sql, args)
+            with self._lock:
+                return self.db.execute(sql, args)
         except sqlite3.Error as exc:
             raise self._refused(exc) from None
 
@@ -158,32 +201,61 @@ class SqliteStore(Store):
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
-        if self._depth == 0:
-            self._execute("BEGIN IMMEDIATE")
-        self._depth += 1
-        try:
-            yield
-        except BaseException:
+        with self._lock:  # held to the end: a worker thread's write waits, and waits for it
+            if self._depth == 0:
+                self._execute("BEGIN IMMEDIATE")
+            self._depth += 1
+            try:
+                yield
+            except BaseException:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._rollback()
+                raise
             self._depth -= 1
             if self._depth == 0:
-                self._rollback()
-            raise
-        self._depth -= 1
-        if self._depth == 0:
+                try:
+                    self._execute("COMMIT")
+                except StoreUnavailable:
+                    self._rollback()
+                    raise
+
+    async def write_change_async(self, change: StoreChange) -> None:
+        """In a worker thread (SQLite lets go of the interpreter while it writes): the loop goes on
+        answering heartbeats. `busy` meanwhile; a loop-side write waits for the lock."""
+        self.busy = True
+        try:
+            await asyncio.to_thread(self._write_rows, change)
+        finally:
+            self.busy = False
+
+    def _write_rows(self, change: StoreChange) -> None:
+        # Serialized before the lock is taken: the lock is held only for SQLite's own work.
+        instances = [(key, json.dumps(data)) for key, data in change.instances]
+        assignments = [(key, json.dumps(data)) for key, data in change.assignments]
+        with self.transaction():
+            self.save_deployment(change.deployment, change.revision)
             try:
-                self._execute("COMMIT")
-            except StoreUnavailable:
-                self._rollback()
-                raise
+                self.db.executemany("DELETE FROM instances WHERE instance_id = ?", [(k,) for k in change.deleted_instances])
+                self.db.executemany("DELETE FROM assignments WHERE engine_id = ?", [(k,) for k in change.deleted_assignments])
+                self.db.executemany("INSERT OR REPLACE INTO instances (instance_id, data) VALUES (?, ?)", instances)
+                self.db.executemany("INSERT OR REPLACE INTO assignments (engine_id, data) VALUES (?, ?)", assignments)
+            except sqlite3.Error as exc:
+                raise self._refused(exc) from None
 
     def _meta(self, key: str) -> Any:
-        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        with self._lock:
+            row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return row[0] if row else None
 
     def _set_meta(self, key: str, value: Any) -> None:
         self._execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
 
     def load(self) -> StoredState:
+        with self._lock:
+            return self._load()
+
+    def _load(self) -> StoredState:
         state = StoredState()
         state.deployment = self._meta("deployment")
         state.revision = int(self._meta("revision") or 0)

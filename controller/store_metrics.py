@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 from prometheus_client import Counter, Histogram
 
-from controller.store import Store, StoredNode, StoredState
+from controller.store import Store, StoreChange, StoredNode, StoredState
 
 OPERATIONS = ("write", "transaction", "flush")
 WRITE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -125,6 +125,18 @@ class MeasuredStore(Store):
                 block.__exit__(None, None, None)
         finally:
             self._depth -= 1
+
+    @property
+    def busy(self) -> bool:  # type: ignore[override]
+        return self.inner.busy
+
+    def write_change(self, change: StoreChange) -> None:
+        with self.metrics.measure("transaction"):
+            self.inner.write_change(change)
+
+    async def write_change_async(self, change: StoreChange) -> None:
+        with self.metrics.measure("transaction"):
+            await self.inner.write_change_async(change)
 
     async def flush(self) -> None:
         with self.metrics.measure("flush"):

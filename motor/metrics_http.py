@@ -60,8 +60,12 @@ class ServiceTelemetry:
         return port
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
-        if self.more is None:
-            return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        # ?name[]=SERIES...: only those of the registry's series (as prometheus_client's own
+        # handler does), without the pieces `more` streams (the controller's fleet series).
+        names = request.query.getall("name[]", [])
+        if names or self.more is None:
+            registry = self.registry.restricted_registry(names) if names else self.registry
+            return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
         response = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE_LATEST})
         await response.prepare(request)
         await response.write(generate_latest(self.registry))

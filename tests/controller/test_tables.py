@@ -269,3 +269,56 @@ def test_metrics_read_the_state_counts_through_callables():
     assert 'motor_controller_nodes{state="READY"} 1.0' in text and 'motor_controller_nodes{state="SUSPECT"} 1.0' in text
     assert 'motor_controller_nodes{state="LOST"} 0.0' in text
     assert 'motor_controller_instances{state="READY"} 3.0' in text and 'motor_controller_instances{state="FAILED"} 0.0' in text
+
+
+# ---------------------------------------------------------------- what the placement view re-reads
+
+def test_the_slot_table_notes_every_node_whose_slots_changed_and_nothing_else():
+    table = SlotTable()
+    table.add(EngineSlot("u-0/rank0", "u-0", 0))  # unplaced: no node's room changed
+    assert table.room_changed == set()
+    table.add(EngineSlot("u-1/rank0", "u-1", 0, node_id="node-a"))
+    assert table.room_changed == {"node-a"}
+    table.room_changed.clear()
+    slot = table["u-0/rank0"]
+    table.place(slot, "node-b", "h", [0], 2, generation=3)
+    assert table.room_changed == {"node-b"}
+    table.room_changed.clear()
+    table.new_generation(slot, 4)  # same place, same room
+    table.place(slot, "node-c", "h", [1], 2, generation=5)  # moved: both nodes
+    assert table.room_changed == {"node-b", "node-c"} and table.on_node("node-b") == []
+    table.room_changed.clear()
+    table.unplace(slot, moved=True)
+    assert table.room_changed == {"node-c"}
+    table.room_changed.clear()
+    table.remove("u-0/rank0")  # unplaced already: nothing
+    assert table.room_changed == set()
+    table.remove("u-1/rank0")
+    assert table.room_changed == {"node-a"} and table.on_node("node-a") == []
+
+
+def test_the_node_table_notes_registrations_and_state_changes_not_heartbeats():
+    table = NodeTable()
+    node = runtime("node-a")
+    table.put(node)
+    assert table.room_changed == {"node-a"}
+    table.room_changed.clear()
+    table.heard_from(node, 5.0)
+    assert table.room_changed == set()
+    table.set_state(node, NODE_SUSPECT, "silent")
+    assert table.room_changed == {"node-a"}
+
+
+def test_a_fleet_takes_a_node_in_or_replaces_it_and_drops_it():
+    from controller.placement import Fleet, NodeCapacity
+
+    fleet = Fleet([NodeCapacity("a", "h", [0, 1])])
+    fleet.put(NodeCapacity("b", "h", [0, 1, 2, 3]))
+    assert [key[2] for key in fleet.order] == ["a", "b"]
+    fleet.put(NodeCapacity("a", "h", [0, 1, 2, 3, 4, 5]))  # a replaced: once, with its new room
+    assert fleet.order == [(4, 1 << 30, "b"), (6, 1 << 30, "a")] and set(fleet.nodes) == {"a", "b"}
+    assert fleet.best_fit(5, 2).node_id == "a"
+    fleet.drop("a")
+    fleet.drop("unknown")
+    assert list(fleet.nodes) == ["b"] and fleet.order == [(4, 1 << 30, "b")]
+    assert fleet.best_fit(5, 2) is None

@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from controller.etcd_store import EtcdStore, Fenced
-from controller.store import SqliteStore, StoredNode
+from controller.store import SqliteStore, StoreChange, StoredNode
 from tests.support import async_wait_for
 
 
@@ -57,6 +57,43 @@ async def test_sqlite_and_etcd_keep_the_same_state(tmp_path, etcd1, clients, pre
     assert fresh.last_generation() == 2 and fresh.next_generation(above=41) == 42 and fresh.last_generation() == 42
     assert fresh.next_generation(above=7) == 43
     store.close()
+    fresh.close()
+
+
+async def test_a_big_deployment_change_lands_the_same_in_sqlite_and_etcd_without_holding_the_loop(tmp_path, etcd1, clients, prefix):
+    """StoreChange (ApplyDeployment of thousands of instances): SQLite writes it in a thread,
+    etcd stages it in slices; both hold the same rows after, the loop ran meanwhile."""
+    first = StoreChange(b"\x0a\x03big", 1, instances=[(f"u-{n}", {"n": n}) for n in range(3000)],
+                        assignments=[(f"u-{n}/rank{r}", {"r": r}) for n in range(3000) for r in range(4)])
+    second = StoreChange(b"\x0a\x04big2", 2, deleted_instances=[f"u-{n}" for n in range(1000)],
+                         deleted_assignments=[f"u-{n}/rank{r}" for n in range(1000) for r in range(4)],
+                         instances=[("v-0", {"v": 0})])
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    etcd = EtcdStore(clients(etcd1, prefix), prefix)
+    await etcd.open()
+    sqlite = SqliteStore(str(tmp_path / "c.db"))
+    task = asyncio.create_task(ticker())
+    for store in (sqlite, etcd):
+        before = ticks
+        await store.write_change_async(first)
+        await store.write_change_async(second)
+        await store.flush()
+        assert ticks - before > 2, f"{type(store).__name__} held the loop for the whole write"
+    task.cancel()
+    fresh = EtcdStore(clients(etcd1, prefix), prefix)
+    await fresh.open()
+    for state in (SqliteStore(str(tmp_path / "c.db")).load(), fresh.load()):
+        assert state.deployment == b"\x0a\x04big2" and state.revision == 2
+        assert set(state.instances) == {f"u-{n}" for n in range(1000, 3000)} | {"v-0"}
+        assert len(state.assignments) == 8000 and "u-0/rank0" not in state.assignments
+    etcd.close()
     fresh.close()
 
 

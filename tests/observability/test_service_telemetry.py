@@ -84,6 +84,11 @@ async def test_a_blocked_loop_shows_as_lag_and_metrics_are_served():
             registry, "motor_event_loop_lag_seconds_bucket", le="0.25"
         )
         assert slow >= 1
+        # A sleep on the loop is the service's own stall, not the host's: blocked too.
+        blocked = sample(registry, "motor_event_loop_blocked_seconds_count") - sample(
+            registry, "motor_event_loop_blocked_seconds_bucket", le="0.25"
+        )
+        assert blocked >= 1
         async with aiohttp.ClientSession() as session:
             async with session.get(f"http://127.0.0.1:{port}/metrics") as response:
                 assert response.status == 200
@@ -91,6 +96,30 @@ async def test_a_blocked_loop_shows_as_lag_and_metrics_are_served():
             async with session.get(f"http://127.0.0.1:{port}/discovery") as response:
                 assert await response.json() == [{"targets": ["a:1"]}]
         assert {"motor_event_loop_lag_seconds", "grpc_server_handled"} <= names
+    finally:
+        await telemetry.close()
+
+
+async def test_a_scrape_asking_for_named_series_gets_only_them_and_skips_the_fleet_collector():
+    from controller.fleet_metrics import FleetCollector
+
+    registry = CollectorRegistry()
+    reads = []
+    registry.register(FleetCollector(lambda: reads.append("nodes") or ([], []), lambda: reads.append("instances") or []))
+    telemetry = ServiceTelemetry(registry)
+    port = await telemetry.serve("127.0.0.1", free_port())
+    try:
+        await asyncio.sleep(0.3)
+        async with aiohttp.ClientSession() as session:
+            url = f"http://127.0.0.1:{port}/metrics?name[]=motor_event_loop_lag_seconds_bucket"
+            async with session.get(url) as response:
+                text = await response.text()
+            assert not reads, "the per-node and per-instance series were rendered for a scrape of the loop lag"
+            names = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+            assert names == {"motor_event_loop_lag_seconds_bucket"}
+            async with session.get(f"http://127.0.0.1:{port}/metrics") as response:
+                full = {family.name for family in text_string_to_metric_families(await response.text())}
+        assert reads == ["nodes", "instances"] and {"motor_controller_node_state", "motor_event_loop_lag_seconds"} <= full
     finally:
         await telemetry.close()
 
@@ -122,3 +151,11 @@ def test_the_engine_server_cli_loads_no_prometheus_client_before_its_multiproces
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
                             env={"PYTHONPATH": REPO_ROOT, "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr or "engine_server.cli imported prometheus_client"
+
+
+def test_the_time_a_thread_waited_for_a_cpu_is_readable_and_never_goes_back():
+    from motor.loop_lag import cpu_wait
+
+    before = cpu_wait()
+    assert before is not None and before >= 0  # Linux with schedstat (every CI and dev machine here)
+    assert cpu_wait() >= before

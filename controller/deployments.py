@@ -1,0 +1,262 @@
+"""ApplyDeployment and DeleteDeployment, without blocking the controller's loop.
+
+A change is planned (the instances that go, those replaced because their spec changed, the new
+ones), written to the store as one transaction, and only then made in memory: persist first, so
+a store that refuses it (a full disk: UNAVAILABLE) leaves memory and the engines as they were.
+Planning and the memory change are generators that yield between slices (controller/slicing.py);
+the store write runs in a thread (SQLite), so the loop goes on answering heartbeats and other
+calls during a 10,000-instance change. The API answers once the change is durable and made in
+memory: what an answer says is what ListInstances shows.
+
+While a change is made in memory (seconds for 10,000 instances), readers see each instance either
+as it was or as the change leaves it, never half of one: ListInstances may list some old and some
+new instances; GetDeployment shows the new deployment from the moment it is durable. Changes are
+made one at a time (a second ApplyDeployment waits for the first), and once written a change is
+finished even if its caller goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Coroutine, Iterator
+
+from google.protobuf import json_format
+
+from motor import names
+from motor.v1 import controller_pb2
+
+from controller.actuator import Actuator
+from controller.adoption import Adoption
+from controller.endpoints import EndpointFeed
+from controller.instances import FAILED, RESTARTING, InstanceRecord, Policy
+from controller.slicing import Budget, Steps, in_slices, run_at_once, run_sliced
+from controller.slots import EngineSlot
+from controller.state import ClusterState
+from controller.store import StoreChange, StoreUnavailable
+from controller.validation import InstanceSpec, expand, integral_numbers, validate_deployment
+
+logger = logging.getLogger(__name__)
+
+C = controller_pb2
+NewInstances = dict[str, tuple[InstanceRecord, list[EngineSlot]]]
+
+
+@dataclass
+class Plan:
+    deployment: C.Deployment | None
+    revision: int
+    removed: list[tuple[str, str]] = field(default_factory=list)  # (instance id, why)
+    new: NewInstances = field(default_factory=dict)
+    kept: list[InstanceSpec] = field(default_factory=list)
+    same: bool = False  # the spec applied already: only FAILED instances get a new chance
+    ended_adoption: bool = False  # a delete on a new store (controller/adoption.py)
+
+
+class DeploymentChanges:
+    def __init__(self, state: ClusterState, max_engines: int, endpoints: EndpointFeed, actuator: Actuator,
+                 adoption: Adoption, wake: Callable[[], None], spawn: Callable[[Coroutine, str], asyncio.Task]):
+        self.state, self.max_engines, self.endpoints, self.actuator = state, max_engines, endpoints, actuator
+        self.adoption, self.wake, self.spawn = adoption, wake, spawn
+        self.deployment: C.Deployment | None = None
+        self.revision = 0
+        self._one_at_a_time = asyncio.Lock()
+
+    def set_deployment(self, deployment: C.Deployment | None, revision: int) -> None:
+        self.deployment, self.revision = deployment, revision
+        if deployment is not None:
+            self.state.policy = Policy.from_proto(deployment.restart_policy)
+            self.state.config_json = json.dumps(integral_numbers(json_format.MessageToDict(deployment.engine_config)), sort_keys=True)
+
+    # ------------------------------------------------------------------ the calls
+
+    def apply_now(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
+        """Apply at once, holding the loop (start-up --deployment, unit tests)."""
+        plan = run_at_once(self._plan(validate_deployment(deployment, self.max_engines)))
+        if not plan.same:
+            self._persist(plan, self._store_change(plan))
+        run_at_once(self._change_memory(plan))
+        return self.deployment, self.revision
+
+    def delete_now(self) -> None:
+        plan = run_at_once(self._plan(None))
+        if plan is not None:
+            self._persist(plan, self._store_change(plan))
+            run_at_once(self._change_memory(plan))
+
+    async def apply(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
+        """ApplyDeployment in slices; answers once the change is durable and made in memory."""
+        validated = validate_deployment(deployment, self.max_engines)  # refused before it waits its turn
+        return await self._in_turn(lambda: self._sliced(validated))
+
+    async def delete(self) -> None:
+        await self._in_turn(lambda: self._sliced(None))
+
+    async def _in_turn(self, change: Callable[[], Coroutine]):
+        async def turn():
+            async with self._one_at_a_time:
+                return await change()
+        # Shielded: a caller that goes away (deadline, cancel) does not stop a change half made.
+        return await asyncio.shield(self.spawn(turn(), "deployment change"))
+
+    async def _sliced(self, validated: C.Deployment | None) -> tuple[C.Deployment | None, int]:
+        plan = await run_sliced(self._plan(validated))
+        if plan is None:
+            return None, self.revision
+        if not plan.same:
+            change = await run_sliced(self._build_change(plan))
+            with self._leaving(plan):
+                await self.state.store.write_change_async(change)
+        await run_sliced(self._change_memory(plan))
+        return self.deployment, self.revision
+
+    # ------------------------------------------------------------------ the steps
+
+    def _plan(self, validated: C.Deployment | None) -> Steps[Plan | None]:
+        """What changes (`validated` None: delete the deployment; the plan None: nothing to do)."""
+        st, budget = self.state, Budget()
+        if validated is None and self.deployment is None:
+            # A new store waiting to adopt what the nodes run: a delete ends the wait (revision 1).
+            return Plan(None, 1, ended_adoption=True) if self.adoption.waiting else None
+        if validated is None:
+            plan = Plan(None, self.revision)
+            plan.removed = [(i, "deleted with the deployment") for i in sorted(st.instances)]
+            return plan
+        if self.deployment is not None and (
+            validated.SerializeToString(deterministic=True) == self.deployment.SerializeToString(deterministic=True)
+        ):
+            return Plan(self.deployment, self.revision, kept=list(expand(validated).values()), same=True)
+        plan = Plan(validated, self.revision + 1)
+        desired = expand(validated)
+        yield from budget.checkpoint()
+        replaced = []
+        for instance_id in sorted(desired):
+            spec, inst = desired[instance_id], st.instances.get(instance_id)
+            if inst is not None and inst.spec_hash == spec.spec_hash:
+                plan.kept.append(spec)
+            else:
+                if inst is not None:
+                    replaced.append((instance_id, "its spec changed; it is started again"))
+                plan.new[instance_id] = self._new_instance(spec)
+            yield from budget.checkpoint()
+        plan.removed = [(i, "no longer in the deployment") for i in sorted(set(st.instances) - set(desired))] + replaced
+        return plan
+
+    def _store_change(self, plan: Plan) -> StoreChange:
+        return run_at_once(self._build_change(plan))
+
+    def _build_change(self, plan: Plan) -> Steps[StoreChange]:
+        """The rows the change writes and deletes, serialized in slices (the store's part is one transaction)."""
+        budget = Budget()
+        deployment = plan.deployment.SerializeToString(deterministic=True) if plan.deployment is not None else None
+        change = StoreChange(deployment, plan.revision)
+        for instance_id, _ in plan.removed:
+            change.deleted_instances.append(instance_id)
+            change.deleted_assignments.extend(s.engine_id for s in self.state.slots_of(instance_id))
+            yield from budget.checkpoint()
+        for inst, slots in plan.new.values():
+            change.instances.append((inst.instance_id, inst.to_dict()))
+            change.assignments.extend((s.engine_id, s.to_dict()) for s in slots)
+            yield from budget.checkpoint()
+        return change
+
+    def _persist(self, plan: Plan, change: StoreChange) -> None:
+        with self._leaving(plan):
+            self.state.store.write_change(change)
+
+    @contextlib.contextmanager
+    def _leaving(self, plan: Plan) -> Iterator[None]:
+        """Around the store write: StoreUnavailable (a full disk) leaves memory as it was. From the
+        write until the memory change removes them, the write-behind leaves the rows of the
+        instances the change removes or replaces alone (it would write back what the change
+        deleted or replaced)."""
+        st = self.state
+        leaving = {instance_id for instance_id, _ in plan.removed}
+        st.leaving |= leaving
+        try:
+            yield
+        except StoreUnavailable as exc:
+            st.leaving -= leaving
+            st.refused(exc)
+            raise
+        st.store_ok()
+
+    def _change_memory(self, plan: Plan) -> Steps[None]:
+        st, budget = self.state, Budget()
+        name = (plan.deployment or self.deployment or C.Deployment()).name
+        self.set_deployment(plan.deployment, plan.revision)
+        # Each slice's writes (paired ids, FAILED retries) go out together when the slice ends.
+        yield from in_slices(plan.removed, lambda item: self._remove_instance(*item, budget), budget, st.batch)
+        yield from in_slices(plan.new.values(), lambda item: self._install(*item), budget, st.batch)
+        if self.adoption.waiting:  # a new store: take over what the nodes run as described
+            if plan.ended_adoption:
+                self.adoption.end("deployment deleted on a new store")
+                return
+            with st.batch():
+                self.adoption.adopt(inst for inst, _ in plan.new.values())
+        yield from in_slices(plan.kept, self._keep, budget, st.batch)
+        if plan.same:
+            return
+        # Not st.event: that would re-read every engine for the endpoint feed, which heard of each
+        # instance that went or came already.
+        if plan.deployment is None:
+            st.events.emit(C.EVENT_TYPE_DEPLOYMENT_CHANGED, f"deployment {name!r} deleted; stopping its engines")
+        else:
+            st.events.emit(C.EVENT_TYPE_DEPLOYMENT_CHANGED,
+                           f"deployment {name!r} applied (revision {plan.revision}, {len(plan.new) + len(plan.kept)} instances)")
+        self.wake()
+
+    # ------------------------------------------------------------------ one instance
+
+    def _new_instance(self, spec: InstanceSpec) -> tuple[InstanceRecord, list[EngineSlot]]:
+        inst = InstanceRecord(
+            instance_id=spec.instance_id, group=spec.group, role=spec.role,
+            data_parallel_size=spec.data_parallel_size, accelerators_per_engine=spec.accelerators_per_engine,
+            single_container=spec.single_container, paired_instance_id=spec.paired_instance_id,
+            spec_hash=spec.spec_hash, state_changed_at=self.state.wall(),
+        )
+        return inst, [EngineSlot(names.engine_id(spec.instance_id, r), spec.instance_id, r) for r in range(spec.data_parallel_size)]
+
+    def _install(self, inst: InstanceRecord, slots: list[EngineSlot]) -> None:  # memory only: the change wrote it
+        st = self.state
+        st.instances[inst.instance_id] = inst
+        st.attention.add(inst.instance_id)
+        for slot in slots:
+            st.slots.add(slot)
+
+    def _keep(self, spec: InstanceSpec) -> None:
+        inst = self.state.instances.get(spec.instance_id)
+        if inst is None:
+            return
+        if inst.paired_instance_id != spec.paired_instance_id:
+            inst.paired_instance_id = spec.paired_instance_id
+            self.state.save_instance(inst)
+        if inst.state == FAILED:
+            self._retry_failed(inst)
+
+    def _retry_failed(self, inst: InstanceRecord) -> None:
+        st = self.state
+        st.attention.add(inst.instance_id)
+        inst.failure_times, inst.consecutive_failures = [], 0
+        inst.restart_ranks = list(range(inst.data_parallel_size))
+        inst.next_restart_at = st.wall()
+        st.transition(inst, RESTARTING, "deployment applied again: retrying the FAILED instance")
+
+    def _remove_instance(self, instance_id: str, why: str, budget: Budget | None = None) -> None:
+        """From memory, and stop its engines (the change deleted its rows)."""
+        st = self.state
+        st.leaving.discard(instance_id)
+        slots = st.slots_of(instance_id)  # while the instance is known: its ranks, not a scan of every slot
+        self.endpoints.changed([s.engine_id for s in slots])
+        st.instances.pop(instance_id, None)
+        self.endpoints.refresh()  # routers hear of it before any of its engines is stopped
+        st.attention.discard(instance_id)
+        for slot in slots:
+            st.slots.remove(slot.engine_id)
+            if slot.node_id:
+                self.actuator.stop_copy(slot.node_id, slot.engine_id, slot.generation, f"instance {instance_id} {why}")
+                if budget is not None:
+                    budget.spawned()
