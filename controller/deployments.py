@@ -170,9 +170,9 @@ class DeploymentChanges:
     @contextlib.contextmanager
     def _leaving(self, plan: Plan) -> Iterator[None]:
         """Around the store write: StoreUnavailable (a full disk) leaves memory as it was. From the
-        write until the memory change removes them, the write-behind leaves the rows of the
-        instances the change removes or replaces alone (it would write back what the change
-        deleted or replaced)."""
+        write until memory has caught up (an instance removed, a replaced one installed again),
+        the write-behind leaves the rows of the instances the change removes or replaces alone:
+        it would write back, or delete, what the change wrote."""
         st = self.state
         leaving = {instance_id for instance_id, _ in plan.removed}
         st.leaving |= leaving
@@ -189,8 +189,17 @@ class DeploymentChanges:
         name = (plan.deployment or self.deployment or C.Deployment()).name
         self.set_deployment(plan.deployment, plan.revision)
         # Each slice's writes (paired ids, FAILED retries) go out together when the slice ends.
-        yield from in_slices(plan.removed, lambda item: self._remove_instance(*item, budget), budget, st.batch)
-        yield from in_slices(plan.new.values(), lambda item: self._install(*item), budget, st.batch)
+        def remove(item: tuple[str, str]) -> None:
+            self._remove_instance(*item, budget)
+            if item[0] not in plan.new:
+                st.leaving.discard(item[0])  # a replaced one: once installed again
+
+        def install(item: tuple[InstanceRecord, list[EngineSlot]]) -> None:
+            self._install(*item)
+            st.leaving.discard(item[0].instance_id)
+
+        yield from in_slices(plan.removed, remove, budget, st.batch)
+        yield from in_slices(plan.new.values(), install, budget, st.batch)
         if self.adoption.waiting:  # a new store: take over what the nodes run as described
             if plan.ended_adoption:
                 self.adoption.end("deployment deleted on a new store")
@@ -248,7 +257,6 @@ class DeploymentChanges:
     def _remove_instance(self, instance_id: str, why: str, budget: Budget | None = None) -> None:
         """From memory, and stop its engines (the change deleted its rows)."""
         st = self.state
-        st.leaving.discard(instance_id)
         slots = st.slots_of(instance_id)  # while the instance is known: its ranks, not a scan of every slot
         self.endpoints.changed([s.engine_id for s in slots])
         st.instances.pop(instance_id, None)

@@ -42,7 +42,8 @@ class ClusterState:
         # (a full disk) leaves them here; `flush` tries again with backoff until it lands.
         self.unsaved: dict[str, set[str]] = {"instances": set(), "slots": set(), "nodes": set()}
         # Instances a deployment change removes or replaces, written to the store and not yet
-        # removed from memory (controller/deployments.py): their rows are the change's.
+        # removed (or, replaced, installed again) in memory (controller/deployments.py): their
+        # rows are the change's until memory has caught up.
         self.leaving: set[str] = set()
         self._batch_depth = 0
         self._flush_scheduled = False
@@ -158,10 +159,12 @@ class ClusterState:
         }
         for table, (find, save, delete) in tables.items():
             for key in sorted(unsaved[table]):
+                if (key if table == "instances" else key.rpartition("/rank")[0]) in self.leaving:
+                    continue  # the deployment change wrote (or deleted) this row; memory catches up
                 row = find(key)
                 if row is None:
                     delete(key)  # gone from memory: gone from the store
-                elif row.instance_id not in self.leaving:  # else the deployment change wrote its rows
+                else:
                     save(key, row.to_dict())
         for node_id in sorted(unsaved["nodes"]):
             node = self.nodes.get(node_id)

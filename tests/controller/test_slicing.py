@@ -227,3 +227,29 @@ async def test_writes_of_one_loop_turn_go_out_as_one_transaction(harness):
     assert not ctl.state.unsaved["nodes"]
     after = sum(b.get() for b in seconds.labels("transaction")._buckets)
     assert after - before[1] == 1
+
+
+async def test_the_write_behind_never_undoes_rows_a_change_wrote_while_memory_catches_up(harness, monkeypatch):
+    """Rows changed before a change (a placement) are flushed between its slices: they must not
+    write back the old instance's rows, nor delete the new rows of a replaced instance before it
+    is installed again."""
+    from controller import deployments
+
+    ctl = await harness.start()
+    await harness.register("node-a", accelerators=4)
+    ctl.apply_deployment(small_deployment([{"name": "u", "role": "union", "count": 3, "data_parallel_size": 2}]))
+    ctl.reconcile_once()  # u-0 and u-1 placed, u-2 waits: their rows are written behind
+    st = ctl.state
+    monkeypatch.setattr(deployments, "Budget", lambda: Budget(seconds=0.0))  # a slice per item
+    changes = ctl.changes
+    plan = run_at_once(changes._plan(deployments.validate_deployment(
+        small_deployment([{"name": "u", "role": "union", "count": 2, "data_parallel_size": 3}]), 1000)))
+    for instance_id in ("u-0", "u-1", "u-2"):  # rows changed just before the change: unsaved
+        st.unsaved["instances"].add(instance_id)
+        st.unsaved["slots"].update(s.engine_id for s in st.slots_of(instance_id))
+    changes._persist(plan, changes._store_change(plan))
+    for _ in changes._change_memory(plan):
+        assert st.flush()  # between every two slices
+    stored = harness.store.load()
+    assert set(stored.instances) == {"u-0", "u-1"} and stored.instances["u-0"]["data_parallel_size"] == 3
+    assert set(stored.assignments) == {f"u-{n}/rank{r}" for n in range(2) for r in range(3)}
