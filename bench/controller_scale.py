@@ -14,8 +14,9 @@ up; per step the script prints:
   - engine failure reports: round trip p99 (handled before the answer);
   - the controller process's CPU (percent of one core) and resident memory, the fleet's CPU;
   - the controller's event-loop lag p99 (its motor_event_loop_lag_seconds histogram over the
-    window), and how long one /metrics scrape took: one is made in the middle of every window,
-    as a Prometheus would;
+    window) and, of it, the part not spent waiting for a CPU (motor_event_loop_blocked_seconds:
+    what the controller itself held the loop for; the rest is the machine's load), and how long
+    one /metrics scrape took: one is made in the middle of every window, as a Prometheus would;
   - whether the step was sustained: heartbeat p99 under --p99-ms, at least 95% of the expected
     heartbeats answered, none failed, controller CPU at most one core, RSS at most 1 GiB.
 
@@ -174,6 +175,7 @@ def step(size: int, stub, fleet: Fleet, proc: psutil.Process, metrics_port: int,
     time.sleep(args.warmup)
     ingest_before = scrape(metrics_port, "motor_controller_heartbeat_ingest_seconds")
     lag_before = scrape(metrics_port, "motor_event_loop_lag_seconds")
+    blocked_before = scrape(metrics_port, "motor_event_loop_blocked_seconds")
     time.sleep(1)
     proc.cpu_percent(None)
     fleet.ps.cpu_percent(None)
@@ -185,6 +187,7 @@ def step(size: int, stub, fleet: Fleet, proc: psutil.Process, metrics_port: int,
     mid.join()
     ingest_p99 = histogram_quantile(ingest_before, scrape(metrics_port, "motor_controller_heartbeat_ingest_seconds"), 0.99)
     lag_p99 = histogram_quantile(lag_before, scrape(metrics_port, "motor_event_loop_lag_seconds"), 0.99)
+    blocked_p99 = histogram_quantile(blocked_before, scrape(metrics_port, "motor_event_loop_blocked_seconds"), 0.99)
     ready = sum(1 for _ in paged_nodes(stub, "state=READY"))
     ok = (seen["p99_ms"] < args.p99_ms and seen["rate"] >= 0.95 * size and seen["errors"] == 0
           and cpu <= 100 and rss <= 1024)
@@ -195,6 +198,7 @@ def step(size: int, stub, fleet: Fleet, proc: psutil.Process, metrics_port: int,
         f" | round trip p50 {seen['p50_ms']:6.2f} ms p99 {seen['p99_ms']:7.2f} ms"
         f" | failure reports {seen['reports']} p99 {seen['report_p99_ms']:6.2f} ms"
         f" | controller CPU {cpu:5.1f}% RSS {rss:6.1f} MiB handling p99 <= {ingest_p99 * 1e3:g} ms loop lag p99 <= {lag_p99 * 1e3:g} ms"
+        f" (blocked <= {blocked_p99 * 1e3:g} ms)"
         f" (a /metrics scrape in the window: {mid.seconds:.2f}s, {mid.size / 2**20:.1f} MiB)"
         f" | fleet CPU {fleet_cpu:5.1f}% | READY {ready}/{size} | load {os.getloadavg()[0]:.1f}"
         f" | {'sustained' if ok else 'NOT sustained'}"
