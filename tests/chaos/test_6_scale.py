@@ -1,9 +1,11 @@
 """A 10,000-instance apply and delete (issue 12, defect 5): the baseline plus 10,000 instances of
 data-parallel size 4 (40,000 engines, none placeable: 8 accelerators each), then the baseline
 again (the 10,000 removed). The controller's loop must never block long enough to miss
-heartbeats: no node turns SUSPECT, and its event-loop lag histogram (/metrics) shows no timer
-late by a second or more (a hang bound, twenty times the 50 ms goal; the largest lag seen is
-recorded in the table)."""
+heartbeats: no node turns SUSPECT, and /metrics shows no stall of its loop of a second or more
+(motor_event_loop_blocked_seconds: the timer's lag less the time the loop's thread waited for a
+CPU, so that other processes on this shared machine do not count; a hang bound, twenty times
+the 50 ms goal, leaving room for a full garbage collection after a 10,000-instance change). The
+largest stall and lag seen are recorded in the table."""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ import threading
 import time
 import urllib.request
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from motor.v1 import controller_pb2 as C
@@ -22,11 +23,18 @@ BULK = 10_000
 LAG_BOUND_S = 1.0
 
 
-def lag_buckets(port: int) -> dict[float, float]:
-    """le -> cumulative count of motor_event_loop_lag_seconds on the controller."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+def lag_buckets(port: int, which: str) -> dict[float, float]:
+    """le -> cumulative count of the controller's motor_event_loop_<which>_seconds (that series
+    only: the whole /metrics would render every instance on the controller's loop)."""
+    name = f"motor_event_loop_{which}_seconds"
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics?name[]={name}_bucket", timeout=30).read().decode()
     return {float(s.labels["le"]): s.value for family in text_string_to_metric_families(text) for s in family.samples
-            if s.name == "motor_event_loop_lag_seconds_bucket"}
+            if s.name == f"{name}_bucket"}
+
+
+def worst(buckets: dict[float, float]) -> str:
+    top = max((le for le, n in buckets.items() if n), default=0.0)
+    return "over 5" if top == float("inf") else f"{top:g}"
 
 
 def lags_over(before: dict[float, float], after: dict[float, float]) -> dict[float, float]:
@@ -62,17 +70,12 @@ class NodeStates:
         self._thread.join()
 
 
-# Not strict: on a quiet machine main's unsliced apply (about 0.7 s of loop held) stays under the
-# hang bound and passes; under load it holds the loop for seconds and nodes turn SUSPECT.
-@pytest.mark.xfail(strict=False, reason="issue 12 defect 5: a 10,000 x dp 4 apply holds the controller's loop "
-                                        "(seconds under load, nodes SUSPECT); helper slicing's fix, long work in "
-                                        "slices, not on main yet")
 def test_10000_instances_apply_and_delete(cluster):
     verdict: dict[str, object] = {}
 
     def inject(fault: Fault) -> float:
         port = cluster.metrics_ports["controller"]
-        before = lag_buckets(port)
+        before = {which: lag_buckets(port, which) for which in ("blocked", "lag")}
         big = deployment([{"name": "bulk", "role": "union", "count": BULK, "data_parallel_size": 4,
                            "accelerators_per_engine": 8}], union={})
         with NodeStates(cluster) as states:
@@ -84,14 +87,13 @@ def test_10000_instances_apply_and_delete(cluster):
             cluster.stub().ApplyDeployment(C.ApplyDeploymentRequest(deployment=deployment()), timeout=300)
             deleted = time.monotonic()
             time.sleep(2 * cluster.heartbeat_interval)  # the passes after the delete, too
-        lags = lags_over(before, lag_buckets(port))
-        worst = max((le for le, n in lags.items() if n), default=0.0)
-        verdict.update(states=sorted(states.seen), late=sum(n for le, n in lags.items() if le > LAG_BOUND_S))
-        fault.notes.append(f"apply {applied - started:.1f}s, delete {deleted - applied:.1f}s, loop lag up to "
-                           f"{'over 5' if worst == float('inf') else worst:}s, nodes not READY meanwhile: "
+        stalls, lags = (lags_over(before[which], lag_buckets(port, which)) for which in ("blocked", "lag"))
+        verdict.update(states=sorted(states.seen), late=sum(n for le, n in stalls.items() if le > LAG_BOUND_S))
+        fault.notes.append(f"apply {applied - started:.1f}s, delete {deleted - applied:.1f}s, loop stalled up to "
+                           f"{worst(stalls)}s (lag up to {worst(lags)}s), nodes not READY meanwhile: "
                            f"{sorted(states.seen) or 'none'}")
         return deleted
 
     run_row(cluster, Fault("10,000-instance apply and delete", inject))
     assert not verdict["states"], f"nodes not READY during the apply and delete: {verdict['states']}"
-    assert not verdict["late"], f"the controller's loop was late by {LAG_BOUND_S:g}s or more {verdict['late']:g} times"
+    assert not verdict["late"], f"the controller's loop stalled {LAG_BOUND_S:g}s or more {verdict['late']:g} times"
