@@ -13,6 +13,12 @@ from tests.chaos.cluster import ABNORMAL_THRESHOLD, BASELINE, HEARTBEAT, NODE_GR
 from tests.support import require, wait_for
 
 
+def engine_port_base() -> int:
+    """Engine ports of its own for each run (3,500 from this base: three nodes and the claimants of
+    the node id rows), so that two chaos runs on one machine seldom meet on a port."""
+    return 36000 + 4000 * (os.getpid() % 6)
+
+
 @pytest.fixture(scope="package")
 def cluster(tmp_path_factory):
     require(os.path.exists(_bin("motor-node-manager")) and os.path.exists(_bin("engine_server")),
@@ -23,7 +29,7 @@ def cluster(tmp_path_factory):
         handle.write(json.dumps(BASELINE))
     cluster = ChaosCluster(run_dir, nodes=3, accelerators_per_node=4, deployment_path=baseline,
                            heartbeat_interval=HEARTBEAT, node_grace=NODE_GRACE, abnormal_threshold=ABNORMAL_THRESHOLD,
-                           engine_port_base=36000, node_id_prefix="chaos",
+                           engine_port_base=engine_port_base(), node_id_prefix="chaos",
                            extra_controller_args=["--recheck-timeout", "1"])
     cluster.mount_disks()
     try:
