@@ -6,7 +6,7 @@ The fleet: --nodes simulated nodes with --accelerators each, heartbeating (unary
 from a thread of this script), whose node manager is one fake gRPC server in a child process
 (tests/support/big_fleet.py: StartEngine answers at once with a RUNNING, NORMAL engine). Per phase
 the script prints how long the API call took to answer, how long until the fake node manager
-saw every start or stop, the controller's event-loop lag (motor_event_loop_lag_seconds: p99 and
+saw every start or stop (of the engines the fleet has room for: the others wait PENDING), the controller's event-loop lag (motor_event_loop_lag_seconds: p99 and
 the largest bucket hit) and the part of it the loop itself was held (motor_event_loop_blocked_seconds:
 the lag less the time the loop's thread waited for a CPU, i.e. without the load of other
 processes), both read with /metrics?name[]=... (that series alone: cheap), and the slowest
@@ -58,6 +58,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a phase may take")
     args = parser.parse_args()
     engines = args.instances * args.dp
+    placed = min(engines, args.nodes * args.accelerators)  # the rest wait PENDING (every pass goes over them)
     fleet = BigFleet(args.nodes, args.accelerators, grace=args.grace, store_args=["--store", args.store] if args.store else None)
     rows = []
     try:
@@ -65,11 +66,11 @@ def main() -> int:
         time.sleep(2)
         phases = [
             ("apply", lambda: fleet.stub.ApplyDeployment(C.ApplyDeploymentRequest(deployment=deployment(args.instances, args.dp)), timeout=600),
-             "starts", engines),
+             "starts", placed),
             ("replacing apply", lambda: fleet.stub.ApplyDeployment(
                 C.ApplyDeploymentRequest(deployment=deployment(args.instances, args.dp, "sim-tiny-2")), timeout=600),
-             "starts", 2 * engines),
-            ("delete", lambda: fleet.stub.DeleteDeployment(C.DeleteDeploymentRequest(), timeout=600), "stops", 2 * engines),
+             "starts", 2 * placed),
+            ("delete", lambda: fleet.stub.DeleteDeployment(C.DeleteDeploymentRequest(), timeout=600), "stops", 2 * placed),
         ]
         for name, call, key, target in phases:
             before = {which: fleet.lag_buckets(which) for which in ("lag", "blocked")}
@@ -86,7 +87,7 @@ def main() -> int:
             rows.append((*row, fleet.beats.slowest, len(fleet.beats.failed)))
     finally:
         fleet.stop()
-    print(f"{args.instances} instances x dp {args.dp} = {engines} engines on {args.nodes} nodes x {args.accelerators} accelerators; "
+    print(f"{args.instances} instances x dp {args.dp} = {engines} engines ({placed} placed) on {args.nodes} nodes x {args.accelerators} accelerators; "
           f"store {args.store or 'SQLite'}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     print(f"{'phase':18}{'answered s':>11}{'done s':>9}{'lag p99 <=':>12}{'lag max <=':>12}{'held p99 <=':>13}"
           f"{'held max <=':>13}{'slowest beat':>14}{'failed beats':>14}")
