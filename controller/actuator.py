@@ -4,8 +4,10 @@ background, asking a node at most once per FENCE_WINDOW for the same copy.
 
 Retries back off and are told once (motor/retry.py): a stop that failed is asked again after
 1 s, 2 s, 4 s ... FENCE_WINDOW, and its ENGINE_FENCED event counts the tries until it succeeds;
-a StartEngine on an unreachable node is retried by the reconcile loop after 1 s, 2 s ...
-RETRY_CAP, with one RETRYING event per engine whose count grows until a start goes through.
+a StartEngine on an unreachable node, or refused because what the engine needs is still held by
+another engine there (an old copy draining and stopping), is retried by the reconcile loop after
+1 s, 2 s ... RETRY_CAP, with one RETRYING event per engine whose count grows until a start goes
+through; neither is an engine failure (the crash-loop budget is for engines that fail).
 """
 
 from __future__ import annotations
@@ -98,11 +100,11 @@ class Actuator:
         )
 
     async def start(self, node: C.NodeInfo, engine_id: str, spec: T.EngineSpec) -> T.Engine:
-        """StartEngine; raises NodeCallError (an unreachable node: see retry_delay)."""
+        """StartEngine; raises NodeCallError (one to wait out, NodeCallError.waits: see retry_delay)."""
         try:
             engine = await self._start(node, engine_id, spec)
         except NodeCallError as exc:
-            if exc.unreachable:
+            if exc.waits:
                 failure = self.start_failures.setdefault(engine_id, RepeatedFailure(1.0, RETRY_CAP))
                 failure.failed(exc)
                 self.events.repeat(
@@ -118,7 +120,7 @@ class Actuator:
         return engine
 
     def retry_delay(self, engine_id: str) -> float:
-        """How long to wait before starting an engine whose last start found its node unreachable."""
+        """How long to wait before starting an engine whose last start was to be waited out (NodeCallError.waits)."""
         failure = self.start_failures.get(engine_id)
         return failure.delay() if failure is not None else 0.0
 

@@ -25,6 +25,7 @@ from typing import Awaitable, Callable, Iterable
 from motor import names, node_process, pbtime
 from motor.errors import InvalidArgument, NotFound
 from motor.exits import describe_exit
+from motor.start_refusals import Refusal
 from motor.tasks import TaskSet
 from motor.v1 import controller_pb2, types_pb2
 
@@ -381,11 +382,15 @@ class Controller(views.ClusterReads):
             slot.busy = False
             if st.slots.get(slot.engine_id) is not slot or slot.generation != spec.generation:
                 return
-            if exc.unreachable:
-                # The node's liveness is the node monitor's call; try again after a backoff (one
-                # RETRYING event counts the tries: controller/actuator.py).
+            if exc.waits:
+                # An unreachable node (its liveness is the node monitor's call), or accelerators
+                # still held by an old copy stopping there: try again after a backoff (one
+                # RETRYING event counts the tries: controller/actuator.py), not a failure.
                 slot.retry_at = self.mono() + self.actuator.retry_delay(slot.engine_id)
                 st.attention.add(slot.instance_id)
+                return
+            if exc.refusal is Refusal.WRONG_NODE:  # not the node's fault of an engine: placed elsewhere
+                self.scheduler.set_aside(node, str(exc))
                 return
             self.scheduler.engine_failed(slot, node.node_id, f"could not be started: StartEngine {exc}")
             return

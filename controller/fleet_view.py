@@ -27,7 +27,7 @@ class FleetView:
         st.slots.room_changed.clear()
         for node_id in changed:
             node = st.nodes.get(node_id)
-            if node is None or node.state != NODE_READY:
+            if node is None or node.state != NODE_READY or node.unusable:  # unusable: set aside (Scheduler.set_aside)
                 self._fleet.drop(node_id)
             else:
                 self._fleet.put(self._capacity(node))

@@ -11,7 +11,7 @@ from typing import Callable
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from motor import pbtime
+from motor import pbtime, start_refusals
 from motor.grpc_server import TlsFiles, aio_channel
 from motor.v1 import controller_pb2, node_manager_pb2, node_manager_pb2_grpc, types_pb2
 
@@ -33,6 +33,17 @@ class NodeCallError(Exception):
     @property
     def unreachable(self) -> bool:
         return self.code in {code.name for code in RETRYABLE}
+
+    @property
+    def refusal(self) -> start_refusals.Refusal | None:
+        """A StartEngine refusal the controller waits out or works around (motor/start_refusals.py)."""
+        return start_refusals.kind(self.code, self.message)
+
+    @property
+    def waits(self) -> bool:
+        """Worth trying again after a backoff, not an engine failure: the node is unreachable, or
+        what the engine needs is still held by another engine there (an old copy stopping)."""
+        return self.unreachable or self.refusal is start_refusals.Refusal.HELD
 
 
 class NodeClient(abc.ABC):

@@ -55,6 +55,9 @@ class NodeRuntime:
     recheck_error: str = ""
     reported_since_start: bool = False
     suspect_since: float = 0.0  # monotonic: when it last turned SUSPECT
+    # Why it gets no new engines although READY (its address answers as another node); cleared
+    # by registering again (a new NodeRuntime).
+    unusable: str = ""
 
     @property
     def node_id(self) -> str:

@@ -218,9 +218,23 @@ class Scheduler:
                 st.transition(inst, PENDING, f"{why}: waiting for placement")
         self.wake()
 
-    def evacuate(self, node: NodeRuntime) -> None:
-        """A node was declared lost: its ranks are placed again (their whole group with them when
-        the scope is the group or rank 0 moves)."""
+    def set_aside(self, node: NodeRuntime, answer: str) -> None:
+        """A StartEngine sent to the node's address was answered by another node's node manager (a
+        wrong --advertise-address, a stolen certificate): the node gets no new engines until it
+        registers again, and its ranks are placed elsewhere. No engine failed: no budget is spent."""
+        if not node.unusable:
+            self.state.nodes.room_changed.add(node.node_id)  # the placement view drops it
+            node.unusable = node.reason = (
+                f"its address {node.info.address} answers as another node: it gets no engines until it registers "
+                "again with its own address (check its --advertise-address)")
+        self.state.events.repeat(("misaddressed", node.node_id), C.EVENT_TYPE_NODE_CONFLICT,
+                                 f"node {node.node_id}: {node.unusable}; StartEngine there: {answer}", node_id=node.node_id)
+        self.evacuate(node, f"node {node.node_id}, whose address answers as another node")
+
+    def evacuate(self, node: NodeRuntime, what: str = "") -> None:
+        """A node was declared lost (or set aside): its ranks are placed again (their whole group
+        with them when the scope is the group or rank 0 moves)."""
+        where = what or f"lost node {node.node_id}"
         st = self.state
         by_instance: dict[str, list[int]] = {}
         with st.batch():
@@ -236,10 +250,10 @@ class Scheduler:
                     continue
                 if inst.state == RESTARTING:
                     inst.restart_ranks, inst.next_restart_at = [], None
-                st.transition(inst, PENDING, f"rank(s) {','.join(map(str, ranks))} were on lost node {node.node_id}")
+                st.transition(inst, PENDING, f"rank(s) {','.join(map(str, ranks))} were on {where}")
                 others = [s.dp_rank for s in st.slots_of(instance_id) if s.node_id]
                 if others and (st.policy.group_scope or 0 in ranks):
-                    self.spawn(self.move(instance_id, others, f"node {node.node_id} lost"), f"move {instance_id}")
+                    self.spawn(self.move(instance_id, others, what or f"node {node.node_id} lost"), f"move {instance_id}")
         self.wake()
 
     # ------------------------------------------------------------------ restarts

@@ -18,6 +18,7 @@ import os
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 
+from motor import start_refusals
 from motor.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from motor.fanout import FanOut
 from motor.names import engine_id as make_engine_id
@@ -202,9 +203,7 @@ class NodeManager:
         busy = {a: r.engine_id for r in self.active_engines() for a in r.spec.accelerator_ids}
         taken = sorted(a for a in requested.accelerator_ids if a in busy)
         if taken:
-            raise FailedPrecondition(
-                f"spec.accelerator_ids: accelerator(s) {taken} are in use by {sorted({busy[a] for a in taken})}"
-            )
+            raise start_refusals.accelerators_held(taken, sorted({busy[a] for a in taken}))
         spec = types_pb2.EngineSpec()
         spec.CopyFrom(requested)
         spec.host = spec.host or self.config.host

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from motor import pbtime
-from motor.errors import FailedPrecondition, InvalidArgument
+from motor import pbtime, start_refusals
+from motor.errors import InvalidArgument
 from motor.names import excerpt
 from motor.v1 import node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from node_manager.controller_epoch import ControllerEpoch
@@ -24,10 +24,7 @@ class NodeManagerServicer(node_manager_pb2_grpc.NodeManagerServiceServicer):
         """Refuse a command meant for another node: whoever sent it has that node registered at
         this node's address (a wrong --advertise-address, or a stolen node certificate)."""
         if node_id and node_id != self.manager.node_id:
-            raise FailedPrecondition(
-                f"node_id {excerpt(node_id)}: this address is node {self.manager.node_id}'s node manager; node "
-                f"{excerpt(node_id)} is registered with the wrong address (check its --advertise-address)"
-            )
+            raise start_refusals.wrong_node(excerpt(node_id), self.manager.node_id)
 
     async def StartEngine(self, request, context):
         if not request.HasField("spec"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+from motor import start_refusals
 from motor.engine_policy import check_engine_config, parse_config_json, within
 from motor.errors import FailedPrecondition, InvalidArgument
 from motor.names import ROLE_NAMES, check_instance_id, check_printable, role_name
@@ -130,7 +131,7 @@ def reserve_ports(spec: types_pb2.EngineSpec, in_use: dict[int, str], allocator:
         port = getattr(spec, name)
         if port:
             if port in in_use:
-                raise FailedPrecondition(f"spec.{name} {port} is in use by engine {in_use[port]}")
+                raise start_refusals.port_held(name, port, in_use[port])
             if not port_is_free(port, spec.host):
                 raise FailedPrecondition(f"spec.{name} {port} is already in use on {spec.host}")
             allocator.reserve(port)

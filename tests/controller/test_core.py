@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from motor import start_refusals
 from motor.errors import FailedPrecondition, InvalidArgument, NotFound
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
@@ -354,6 +355,60 @@ async def test_start_failure_counts_as_a_failure_with_the_reason(harness):
     await async_wait_for(lambda: len(harness.client.starts("solo-0/rank0")) == 2, timeout=5)
     slot = harness.controller.slots["solo-0/rank0"]
     assert "port 21000 is in use" in slot.last_failure_reason and slot.restarts == 1
+
+
+async def test_a_start_refused_for_accelerators_still_held_is_a_wait_not_a_failure(harness):
+    """Hostile F7: an old copy still stopping holds the accelerators; the start is tried again
+    after a backoff, with one RETRYING event whose count grows, and the crash-loop budget is untouched."""
+    await harness.start()
+    await harness.register("node-a")
+    held = start_refusals.accelerators_held([0], ["a-0/rank0"])
+    harness.client.start_errors["solo-0/rank0"] = NodeCallError(held.code.name, str(held))
+    harness.controller.apply_deployment(small_deployment([{"name": "solo", "role": "union"}], restart_policy={"max_failures": 1}))
+    await async_wait_for(lambda: len(harness.client.starts("solo-0/rank0")) == 1, timeout=10)
+    harness.client.start_errors["solo-0/rank0"] = NodeCallError(held.code.name, str(held))  # still held at the next try
+    await async_wait_for(lambda: len(harness.client.starts("solo-0/rank0")) == 3, timeout=10, what="tried again, then started")
+    slot, inst = harness.controller.slots["solo-0/rank0"], harness.instance("solo-0")
+    assert slot.restarts == 0 and not slot.last_failure_reason and inst.state != C.INSTANCE_STATE_FAILED
+    waits = [e for e in harness.controller.events.recent if e.type == C.EVENT_TYPE_RETRYING]
+    assert len(waits) == 1 and waits[0].count == 2 and "in use by ['a-0/rank0']" in waits[0].message
+    assert not [e for e in harness.controller.events.recent if e.type == C.EVENT_TYPE_ENGINE_FAILED]
+    assert slot.launched
+
+
+async def test_a_node_whose_address_answers_as_another_node_is_set_aside_and_the_rank_placed_elsewhere(harness):
+    """Hostile F9: node-c registered at node-a's address; node-a's node manager refuses the start
+    for node-c. The rank goes to a healthy node without spending its crash-loop budget, node-c
+    gets no engines until it registers again, and an event names --advertise-address."""
+    await harness.start()
+    await harness.register("node-a", accelerators=4)
+    await harness.register("node-c", accelerators=1)  # the best fit: the node with the fewest free accelerators
+    wrong = start_refusals.wrong_node("node-c", "node-a")
+    harness.client.start_errors["solo-0/rank0"] = NodeCallError(wrong.code.name, str(wrong))
+    ctl = harness.controller
+    ctl.apply_deployment(small_deployment([{"name": "solo", "role": "union"}], restart_policy={"max_failures": 1}))
+    def started_on(engine: str) -> list[str]:
+        return [c[1] for c in harness.client.calls if c[0] == "start" and f"{c[2].instance_id}/rank{c[2].dp_rank}" == engine]
+
+    await async_wait_for(lambda: started_on("solo-0/rank0") == ["node-c", "node-a"],
+                         timeout=10, what="refused on node-c, then started on node-a")
+    slot = ctl.slots["solo-0/rank0"]
+    assert slot.node_id == "node-a" and slot.restarts == 0 and not slot.last_failure_reason
+    assert harness.instance("solo-0").state != C.INSTANCE_STATE_FAILED
+    node_c = next(n for n in ctl.list_nodes()[0] if n.info.node_id == "node-c")
+    assert node_c.state == C.NODE_STATE_READY and "answers as another node" in node_c.state_reason
+    assert "--advertise-address" in node_c.state_reason
+    told = [e for e in ctl.events.recent if e.type == C.EVENT_TYPE_NODE_CONFLICT and e.node_id == "node-c"]
+    assert len(told) == 1 and "--advertise-address" in told[0].message and "node-a's node manager" in told[0].message
+    assert not [e for e in ctl.events.recent if e.type == C.EVENT_TYPE_ENGINE_FAILED]
+    # No new engine is placed on node-c while it is set aside, even with room there only.
+    await harness.register("node-a", accelerators=1)
+    ctl.apply_deployment(small_deployment([{"name": "solo", "role": "union"}, {"name": "more", "role": "union"}]))
+    await asyncio.sleep(0.3)
+    assert not ctl.slots["more-0/rank0"].node_id and not harness.client.starts("more-0/rank0")
+    # Registering again (with its own address, an operator's fix) makes it usable again.
+    await harness.register("node-c", accelerators=1)
+    await async_wait_for(lambda: started_on("more-0/rank0") == ["node-c"], timeout=10)
 
 
 async def test_delete_stops_engines(harness):

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from motor.errors import InvalidArgument
+from motor.errors import InvalidArgument, ResourceExhausted
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
 
@@ -19,7 +19,7 @@ from controller.instances import (
     IllegalTransition, InstanceRecord, Policy, on_failure, transition,
 )  # fmt: skip
 from controller.placement import Fleet, NodeCapacity, RankPlacement, Unplaceable, place_instance
-from controller.validation import InstanceSpec, expand, integral_numbers, validate_deployment
+from controller.validation import MAX_ENGINES_PER_NODE, InstanceSpec, check_engine_count, expand, integral_numbers, validate_deployment
 from tests.controller.conftest import small_deployment
 
 
@@ -190,6 +190,17 @@ def test_the_engines_of_a_deployment_are_limited_inclusively_naming_the_setting(
         "invalid deployment: instance_groups: 200 engines (count x data_parallel_size) exceed the limit "
         "max_engines_per_deployment=199 (controller setting --max-engines-per-deployment)"
     )
+
+
+def test_the_engines_one_node_reports_are_limited_inclusively_naming_the_setting():
+    check_engine_count("node-a", 10, 10, "engines")  # at the limit: taken
+    with pytest.raises(ResourceExhausted) as refused:
+        check_engine_count("node-a", 11, 10, "engines")
+    assert str(refused.value) == (
+        "engines: node node-a reports 11 engines; one node may report at most "
+        "max_engines_per_node=10 (controller setting --max-engines-per-node)"
+    )
+    assert MAX_ENGINES_PER_NODE == 1024
 
 
 def test_group_defaults():
