@@ -329,6 +329,7 @@ class Controller(views.ClusterReads):
                     why = f"it is assigned to {slot.node_id or 'no node'} now (generation {slot.generation})"
                 else:
                     why = f"the current generation is {slot.generation}"
+                self.state.nodes.room_changed.add(node.node_id)  # it holds accelerators there (fleet_view.py)
                 self.actuator.stop_copy(node.node_id, engine.engine_id, generation, f"stale copy (generation {generation}): {why}", fence=True)
             return
         slot.launched = True

@@ -9,9 +9,27 @@ directly, and re-read (the same) from the tables on the next call.
 
 from __future__ import annotations
 
+from motor.v1 import types_pb2 as T
+
 from controller.nodes import NODE_READY, NodeRuntime
 from controller.placement import Fleet, NodeCapacity, ports_per_engine
 from controller.state import ClusterState
+
+# States in which a copy still holds its accelerators and ports on its node.
+HOLDING_ENGINE_STATES = {T.ENGINE_STATE_STARTING, T.ENGINE_STATE_RUNNING, T.ENGINE_STATE_STOPPING}
+
+
+def held_by_other_copies(state: ClusterState, node: NodeRuntime) -> list[T.Engine]:
+    """The copies a node still reports holding accelerators and ports that no slot placed there
+    accounts for (an old deployment's engines draining and stopping, a fenced copy): placement
+    does not offer what they hold until the node stops reporting them (hostile F7)."""
+    held = []
+    for engine in node.engines.values():
+        slot = state.slots.get(engine.engine_id)
+        if engine.state in HOLDING_ENGINE_STATES and (
+                slot is None or slot.node_id != node.node_id or slot.generation != engine.spec.generation):
+            held.append(engine)
+    return held
 
 
 class FleetView:
@@ -19,16 +37,20 @@ class FleetView:
         self.state = state
         self._fleet = Fleet([])
         state.nodes.room_changed.update(state.nodes)  # the first read covers every node
+        # Nodes whose room counted copies no slot accounts for: read again at every call, since
+        # a heartbeat (not the tables) says when those copies are gone. Few: only while they stop.
+        self._holding: set[str] = set()
 
     def fleet(self) -> Fleet:
         st = self.state
-        changed = st.nodes.room_changed | st.slots.room_changed
+        changed = st.nodes.room_changed | st.slots.room_changed | self._holding
         st.nodes.room_changed.clear()
         st.slots.room_changed.clear()
         for node_id in changed:
             node = st.nodes.get(node_id)
             if node is None or node.state != NODE_READY or node.unusable:  # unusable: set aside (Scheduler.set_aside)
                 self._fleet.drop(node_id)
+                self._holding.discard(node_id)
             else:
                 self._fleet.put(self._capacity(node))
         return self._fleet
@@ -41,4 +63,9 @@ class FleetView:
             cap.used_accelerators.update(s.accelerator_ids)
             inst = st.instances.get(s.instance_id)
             cap.ports_in_use += ports_per_engine(bool(inst and inst.single_container))
+        held = held_by_other_copies(st, n)
+        for copy in held:
+            cap.used_accelerators.update(copy.spec.accelerator_ids)
+            cap.ports_in_use += ports_per_engine(copy.spec.single_container)
+        (self._holding.add if held else self._holding.discard)(n.node_id)
         return cap

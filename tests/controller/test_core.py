@@ -376,6 +376,33 @@ async def test_a_start_refused_for_accelerators_still_held_is_a_wait_not_a_failu
     assert slot.launched
 
 
+async def test_accelerators_an_old_copy_still_holds_are_not_offered_while_another_node_has_room(harness):
+    """Hostile F7: a replaced deployment's engine on node-a is still stopping (node-a still
+    reports it RUNNING); the new engine goes to node-b, which has room, rather than waiting on
+    node-a. Once node-a no longer reports the old copy, its accelerator is offered again."""
+    await harness.start()
+    await harness.register("node-a", accelerators=1)
+    await harness.register("node-b", accelerators=1)
+    ctl = harness.controller
+    ctl.apply_deployment(small_deployment([{"name": "old", "role": "union"}]))
+    await async_wait_for(lambda: harness.client.starts("old-0/rank0"), timeout=5)
+    assert ctl.slots["old-0/rank0"].node_id == "node-a"  # the tie goes to the first node id
+    harness.client.set_health("node-a")
+    # Copies, as a real node's report is: the fake's records change when it is asked to stop.
+    still_running = [T.Engine.FromString(e.SerializeToString()) for e in harness.client.report("node-a")]
+    ctl.heartbeat("node-a", harness.generations["node-a"], still_running)
+    ctl.apply_deployment(small_deployment([{"name": "new", "role": "union"}]))
+    await async_wait_for(lambda: harness.client.starts("new-0/rank0"), timeout=5)
+    assert ctl.slots["new-0/rank0"].node_id == "node-b"
+    # A third engine: only node-a's accelerator is left, held by the old copy it still reports.
+    ctl.apply_deployment(small_deployment([{"name": "new", "role": "union", "count": 2}]))
+    await asyncio.sleep(0.3)
+    assert not ctl.slots["new-1/rank0"].node_id and not harness.client.starts("new-1/rank0")
+    harness.beat("node-a")  # the old copy is stopped now (the fake stopped it when asked)
+    await async_wait_for(lambda: harness.client.starts("new-1/rank0"), timeout=5, what="placed once the old copy is gone")
+    assert ctl.slots["new-1/rank0"].node_id == "node-a"
+
+
 async def test_a_node_whose_address_answers_as_another_node_is_set_aside_and_the_rank_placed_elsewhere(harness):
     """Hostile F9: node-c registered at node-a's address; node-a's node manager refuses the start
     for node-c. The rank goes to a healthy node without spending its crash-loop budget, node-c
