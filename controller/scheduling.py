@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 C, T = controller_pb2, types_pb2
 LIVE_ENGINE_STATES = {T.ENGINE_STATE_STARTING, T.ENGINE_STATE_RUNNING}
 
+
 class TokenBucket:
     """Reschedule rate limit: `rate` per second, bursts up to `rate`."""
 
