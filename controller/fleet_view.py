@@ -37,20 +37,21 @@ class FleetView:
         self.state = state
         self._fleet = Fleet([])
         state.nodes.room_changed.update(state.nodes)  # the first read covers every node
-        # Nodes whose room counted copies no slot accounts for: read again at every call, since
-        # a heartbeat (not the tables) says when those copies are gone. Few: only while they stop.
-        self._holding: set[str] = set()
+        # Nodes whose room counted copies no slot accounts for -> when the node was last heard
+        # from at that read: read again after its next report, which says whether they are gone.
+        self._holding: dict[str, float] = {}
 
     def fleet(self) -> Fleet:
         st = self.state
-        changed = st.nodes.room_changed | st.slots.room_changed | self._holding
+        changed = st.nodes.room_changed | st.slots.room_changed
+        changed.update(n for n, seen in self._holding.items() if st.nodes.get(n) is None or st.nodes.get(n).last_seen != seen)
         st.nodes.room_changed.clear()
         st.slots.room_changed.clear()
         for node_id in changed:
             node = st.nodes.get(node_id)
             if node is None or node.state != NODE_READY or node.unusable:  # unusable: set aside (Scheduler.set_aside)
                 self._fleet.drop(node_id)
-                self._holding.discard(node_id)
+                self._holding.pop(node_id, None)
             else:
                 self._fleet.put(self._capacity(node))
         return self._fleet
@@ -67,5 +68,8 @@ class FleetView:
         for copy in held:
             cap.used_accelerators.update(copy.spec.accelerator_ids)
             cap.ports_in_use += ports_per_engine(copy.spec.single_container)
-        (self._holding.add if held else self._holding.discard)(n.node_id)
+        if held:
+            self._holding[n.node_id] = n.last_seen
+        else:
+            self._holding.pop(n.node_id, None)
         return cap
