@@ -48,8 +48,10 @@ compose-offline-up: setup
 	bash scripts/docker-engine.sh
 	bash scripts/build-base-image.sh motor-base:bookworm
 	DEBIAN_PACKAGES=prometheus bash scripts/build-base-image.sh motor-prometheus:bookworm
+	DEBIAN_PACKAGES=etcd-server,etcd-client bash scripts/build-base-image.sh motor-etcd:bookworm
 	bash scripts/build-wheelhouse.sh
-	MOTOR_BASE_IMAGE=motor-base:bookworm MOTOR_PROMETHEUS_IMAGE=motor-prometheus:bookworm $(COMPOSE) up -d --build
+	MOTOR_BASE_IMAGE=motor-base:bookworm MOTOR_PROMETHEUS_IMAGE=motor-prometheus:bookworm \
+	  MOTOR_ETCD_IMAGE=motor-etcd:bookworm $(COMPOSE) up -d --build
 
 compose-down:
 	$(COMPOSE) down --volumes --remove-orphans

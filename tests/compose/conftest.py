@@ -21,6 +21,9 @@ BASE_IMAGE = os.environ.get("MOTOR_TEST_BASE_IMAGE", "motor-base:bookworm")
 # Prometheus: Debian's package in a local image (no registry here); MOTOR_TEST_PROMETHEUS_IMAGE=
 # prom/prometheus:v2.53.0 where a registry is reachable.
 PROMETHEUS_IMAGE = os.environ.get("MOTOR_TEST_PROMETHEUS_IMAGE", "motor-prometheus:bookworm")
+# etcd: Debian's etcd-server (and etcdctl, for the health check) in a local image;
+# MOTOR_TEST_ETCD_IMAGE=gcr.io/etcd-development/etcd:v3.4.23 where a registry is reachable.
+ETCD_IMAGE = os.environ.get("MOTOR_TEST_ETCD_IMAGE", "motor-etcd:bookworm")
 PROJECT_PREFIX = "motor-test-"
 
 # Seconds each step took, printed at the end of the session (pytest -s) for docs/compose.md.
@@ -53,13 +56,16 @@ def compose() -> list[str]:
 
 @pytest.fixture(scope="session")
 def motor_image(compose: list[str]) -> str:
-    """Builds the base image and the Prometheus image (once per machine), the wheelhouse and the
+    """Builds the base, Prometheus and etcd images (once per machine), the wheelhouse and the
     image, as a user does.
 
     MOTOR_TEST_IMAGE=<tag> tests an image built beforehand instead (no build)."""
     if PROMETHEUS_IMAGE == "motor-prometheus:bookworm":
         _timed("prometheus image (debootstrap + import; 0 when present)", ["bash", "scripts/build-base-image.sh", PROMETHEUS_IMAGE],
                timeout=900, env=dict(os.environ, DEBIAN_PACKAGES="prometheus"))
+    if ETCD_IMAGE == "motor-etcd:bookworm":
+        _timed("etcd image (debootstrap + import; 0 when present)", ["bash", "scripts/build-base-image.sh", ETCD_IMAGE],
+               timeout=900, env=dict(os.environ, DEBIAN_PACKAGES="etcd-server,etcd-client"))
     if os.environ.get("MOTOR_TEST_IMAGE"):
         return os.environ["MOTOR_TEST_IMAGE"]
     if BASE_IMAGE == "motor-base:bookworm":
@@ -76,11 +82,13 @@ def motor_image(compose: list[str]) -> str:
 def stack(compose: list[str], motor_image: str, tmp_path_factory):
     _remove_leftover_projects()
     stack = ComposeStack(compose, f"{PROJECT_PREFIX}{os.getpid()}", motor_image, BASE_IMAGE, controller_port=free_port(),
-                         prometheus_image=PROMETHEUS_IMAGE, prometheus_port=free_port())
+                         prometheus_image=PROMETHEUS_IMAGE, prometheus_port=free_port(), etcd_image=ETCD_IMAGE,
+                         controller_b_port=free_port())
     started = time.monotonic()
     rules: list[list[str]] = []
     try:
-        stack.compose_run("up", "-d", "--no-build", timeout=300)
+        up = stack.compose_run("up", "-d", "--no-build", timeout=300, check=False)
+        assert up.returncode == 0, f"compose up failed:\n{up.stdout}\n{up.stderr}\n{stack.health_report()}\n{stack.logs(60)}"
         TIMINGS["compose up -d (containers started)"] = time.monotonic() - started
         rules = stack.isolate_networks()
         stack.fetch_pki(str(tmp_path_factory.mktemp("compose-pki")))

@@ -25,7 +25,9 @@ from tests.support import REPO_ROOT, wait_for
 logger = logging.getLogger(__name__)
 
 NODE_SERVICES = ("node-a", "node-b", "node-c")
-SERVICES = ("controller", *NODE_SERVICES)
+CONTROLLER_SERVICES = ("controller", "controller-b")
+ETCD_SERVICES = ("etcd-1", "etcd-2", "etcd-3")
+SERVICES = (*ETCD_SERVICES, *CONTROLLER_SERVICES, *NODE_SERVICES)
 
 # Lists every engine server process of a container as "<instance_id>/rank<dp_rank> <pid>" lines:
 # the engine id comes from the --instance-id/--dp-rank arguments node managers launch it with.
@@ -79,6 +81,8 @@ class ComposeStack:
     controller_port: int
     prometheus_image: str = "prom/prometheus:v2.53.0"
     prometheus_port: int = 0
+    etcd_image: str = "gcr.io/etcd-development/etcd:v3.4.23"
+    controller_b_port: int = 0  # controller-b's published port
     control_net: str = "10.213.100"  # first three octets; the default stack uses 10.213.0/10.213.1
     data_net: str = "10.213.101"
     node_addresses: dict[str, int] = field(default_factory=lambda: {"node-a": 11, "node-b": 12, "node-c": 13})
@@ -93,6 +97,8 @@ class ComposeStack:
             MOTOR_IMAGE=self.image,
             MOTOR_BASE_IMAGE=self.base_image,
             MOTOR_CONTROLLER_PORT=str(self.controller_port),
+            MOTOR_CONTROLLER_B_PORT=str(self.controller_b_port),
+            MOTOR_ETCD_IMAGE=self.etcd_image,
             MOTOR_PROMETHEUS_IMAGE=self.prometheus_image,
             MOTOR_PROMETHEUS_PORT=str(self.prometheus_port),
             MOTOR_CONTROL_NET=self.control_net,
@@ -102,6 +108,22 @@ class ComposeStack:
     @property
     def controller_address(self) -> str:
         return f"localhost:{self.controller_port}"
+
+    def published(self, service: str) -> str:
+        """The host address of a controller service's published port."""
+        return f"localhost:{self.controller_port if service == 'controller' else self.controller_b_port}"
+
+    def leader(self) -> str:
+        """The published address of the leading controller (the first port when none answers):
+        only the leader has the engines' live state and health."""
+        for service in ("controller", "controller-b"):
+            try:
+                leader = self.controllers(self.published(service)).leader_address.rsplit(":", 1)[0]
+            except grpc.RpcError:
+                continue
+            if leader in ("controller", "controller-b"):
+                return self.published(leader)
+        return self.controller_address
 
     def compose_run(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
         return run([*self.compose, *args], timeout=timeout, check=check, env=self.env)
@@ -120,14 +142,14 @@ class ComposeStack:
         """CA, certificate and key flags for motorctl (dash '--') or grpcurl (dash '-')."""
         return [f"{dash}cacert", self.pki("ca.crt"), f"{dash}cert", self.pki(f"{identity}.crt"), f"{dash}key", self.pki(f"{identity}.key")]
 
-    def channel(self, identity: str = "operator") -> grpc.Channel:
-        """A mutual-TLS channel to the published controller port, as `identity`."""
+    def channel(self, identity: str = "operator", address: str = "") -> grpc.Channel:
+        """A mutual-TLS channel to a published controller port (the first one's by default), as `identity`."""
         def read(name: str) -> bytes:
             with open(self.pki(name), "rb") as f:
                 return f.read()
 
         credentials = grpc.ssl_channel_credentials(read("ca.crt"), read(f"{identity}.key"), read(f"{identity}.crt"))
-        return grpc.secure_channel(self.controller_address, credentials)
+        return grpc.secure_channel(address or self.controller_address, credentials)
 
     # Prometheus, through its published port -----------------------------------------------
 
@@ -159,6 +181,16 @@ class ComposeStack:
 
     def health(self, service: str) -> str:
         return run(["docker", "inspect", "-f", "{{.State.Health.Status}}", self.container(service)]).stdout.strip()
+
+    def health_report(self) -> str:
+        """Each container's state and its last health-check outputs (why one is unhealthy)."""
+        lines = []
+        for cid in self.labelled("ps -a"):
+            out = run(["docker", "inspect", "-f", "{{.Name}} {{.State.Status}} exit={{.State.ExitCode}} "
+                       "{{if .State.Health}}{{.State.Health.Status}}{{range .State.Health.Log}} | {{.ExitCode}}: "
+                       "{{.Output}}{{end}}{{end}}", cid], check=False).stdout.strip()
+            lines.append(out)
+        return "\n".join(lines)
 
     def network(self, name: str) -> str:
         return f"{self.project}_{name}"
@@ -206,22 +238,34 @@ class ComposeStack:
     def engine_processes(self) -> dict[str, list[str]]:
         """Engine id -> services whose container runs an engine server process for it."""
         found: dict[str, list[str]] = {}
+        for (engine_id, service), _pid in self.engine_pids().items():
+            found.setdefault(engine_id, []).append(service)
+        return found
+
+    def engine_pids(self) -> dict[tuple[str, str], int]:
+        """(engine id, service) -> pid (in its container) of every engine server process."""
+        found: dict[tuple[str, str], int] = {}
         for service in NODE_SERVICES:
             if not self.running(service):
                 continue
             out = run(["docker", "exec", self.container(service), "python", "-c", _LIST_ENGINES], timeout=60).stdout
             for line in out.splitlines():
-                engine_id, _pid = line.split()
-                found.setdefault(engine_id, []).append(service)
+                engine_id, pid = line.split()
+                found[(engine_id, service)] = int(pid)
         return found
+
+    def controllers(self, address: str = "") -> controller_pb2.ListControllersResponse:
+        with self.channel(address=address) as channel:
+            return self.stub(channel).ListControllers(controller_pb2.ListControllersRequest(), timeout=10)
 
     # The controller, through the published port ------------------------------------------
 
     def stub(self, channel: grpc.Channel) -> controller_pb2_grpc.ControllerServiceStub:
         return controller_pb2_grpc.ControllerServiceStub(channel)
 
-    def snapshot(self) -> tuple[list[controller_pb2.Node], list[controller_pb2.Instance]]:
-        with self.channel() as channel:
+    def snapshot(self, address: str = "") -> tuple[list[controller_pb2.Node], list[controller_pb2.Instance]]:
+        """Nodes and instances as the leading controller (or `address`) sees them."""
+        with self.channel(address=address or self.leader()) as channel:
             stub = self.stub(channel)
             nodes = list(stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=10).nodes)
             instances = list(stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=10).instances)
@@ -229,7 +273,7 @@ class ComposeStack:
 
     def events(self) -> list[controller_pb2.Event]:
         """The controller's recent events, oldest first (the snapshot that opens WatchEvents)."""
-        with self.channel() as channel:
+        with self.channel(address=self.leader()) as channel:
             stream = self.stub(channel).WatchEvents(controller_pb2.WatchEventsRequest(), timeout=10)
             first = next(stream)
             stream.cancel()

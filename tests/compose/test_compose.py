@@ -23,6 +23,7 @@ from tests.compose.conftest import TIMINGS
 from tests.support.chaos_table import Row, record
 from tests.support import REPO_ROOT, wait_for
 from tests.compose.stack import (
+    CONTROLLER_SERVICES,
     NODE_SERVICES,
     SERVICES,
     ComposeStack,
@@ -139,7 +140,7 @@ def test_prometheus_scrapes_every_service_with_the_alert_rules_loaded(stack: Com
         for sample in samples:
             by_job.setdefault(sample["metric"]["job"], []).append(sample["metric"])
         complete = (
-            len(by_job.get("motor-controller", [])) == 1
+            len(by_job.get("motor-controller", [])) == 2  # the leader and the standby
             and {m.get("node_id") for m in by_job.get("motor-node-manager", [])} == set(NODE_SERVICES)
             # Engines are discovered from the controller (/discovery/engines), with their ids.
             and {m.get("engine_id") for m in by_job.get("motor-engine", [])} == EXPECTED_ENGINES
@@ -278,6 +279,58 @@ def _record_partition_row(stack: ComposeStack, victim: str, before, moved: set[s
              + (f"; false kills: {false_kills}" if false_kills else ""),
     ))
     assert row.zeros(), row
+
+
+def test_killed_leader_container_the_standby_leads_and_no_engine_restarts(stack: ComposeStack):
+    """Two controllers on three etcd members (mutual TLS): docker kill of the leading one's
+    container; the other leads with the next epoch and has every node and the deployment ready
+    with the very same engine processes; the killed one comes back as the standby, and motorctl
+    given both published ports follows the leader."""
+    _wait_cluster_ready(stack, START_TIMEOUT, "the cluster ready before the leader is killed")
+    reply = stack.controllers()
+    assert reply.store.startswith("etcds://"), reply.store
+    assert sorted(c.address for c in reply.controllers) == [f"{s}:50051" for s in CONTROLLER_SERVICES], reply
+    leader = reply.leader_address.rsplit(":", 1)[0]
+    standby = next(s for s in CONTROLLER_SERVICES if s != leader)
+    pids = stack.engine_pids()
+    _, before = stack.snapshot(stack.published(leader))
+    restarts = {i.instance_id: i.restarts for i in before}
+
+    killed_at = time.monotonic()
+    run(["docker", "kill", stack.container(leader)])
+
+    def leads():
+        try:
+            now = stack.controllers(stack.published(standby))
+        except grpc.RpcError:
+            return None
+        return now if now.leader_address == f"{standby}:50051" else None
+
+    now = wait(leads, 60, f"{standby} leading after {leader} was killed", stack)
+    TIMINGS[f"docker kill {leader} (leader) -> {standby} leads"] = time.monotonic() - killed_at
+    assert now.epoch == reply.epoch + 1
+
+    def ready_at_the_new_leader():
+        nodes, instances = stack.snapshot(stack.published(standby))
+        return instances if ready_nodes(nodes) == set(NODE_SERVICES) and deployment_ready(instances) else None
+
+    after = wait(ready_at_the_new_leader, 60, f"every node and instance ready under {standby}", stack)
+    TIMINGS[f"docker kill {leader} (leader) -> every node READY, deployment ready under {standby}"] = time.monotonic() - killed_at
+    assert placement(after) == placement(before)
+    assert {i.instance_id: i.restarts for i in after} == restarts, "an instance restarted across the failover"
+    assert stack.engine_pids() == pids, "an engine process was restarted or stopped across the failover"
+
+    # The killed controller comes back as the standby; motorctl on the host, given both published
+    # ports, follows the leader (the standby names it by its in-network name, which the host
+    # cannot resolve: motorctl tries the other port).
+    run(["docker", "start", stack.container(leader)])
+    wait(lambda: stack.health(leader) == "healthy" and stack.controllers(stack.published(leader)).leader_address
+         == f"{standby}:50051", 90, f"{leader} back as the standby", stack)
+    both = f"{stack.published(leader)},{stack.published(standby)}"
+    applied = run([_bin("motorctl"), "--controller", both, *stack.tls_flags(), "apply", "-f",
+                   os.path.join(REPO_ROOT, "docker", "deployment.yaml")])
+    assert "applied" in applied.stdout, applied.stdout
+    assert stack.engine_pids() == pids
 
 
 def test_compose_down_leaves_no_container_network_or_process(stack: ComposeStack):

@@ -220,7 +220,9 @@ def test_one_etcd_member_lost_changes_nothing_and_quorum_lost_stops_only_the_act
     apply = controller_pb2.ApplyDeploymentRequest(
         deployment=_stub(leader).GetDeployment(controller_pb2.GetDeploymentRequest(), timeout=5).deployment)
     wait_for(lambda: _stub(leader).ApplyDeployment(apply, timeout=5), timeout=20, what="a change with one member down")
-    assert _leader(cluster) == leader and _controllers(cluster).epoch == epoch
+    # ListControllers reads etcd: right after the member's death a read may still fail over.
+    reply = wait_for(lambda: _controllers(cluster), timeout=20, what="the controllers answering with one member down")
+    assert reply.leader_address == leader and reply.epoch == epoch
     etcd.start_member(0)
     etcd.wait_healthy()
 
