@@ -102,8 +102,8 @@ class SlotTable(Table[EngineSlot]):
         return slot
 
     def _leave(self, slot: EngineSlot) -> None:
-        if slot.node_id:
-            self._by_node.get(slot.node_id, set()).discard(slot.engine_id)
+        if slot.node_id:  # a placed slot is always in its node's index (add and place put it there)
+            self._by_node[slot.node_id].discard(slot.engine_id)
             self.room_changed.add(slot.node_id)
 
     def of_instance(self, instance_id: str, ranks: int | None) -> list[EngineSlot]:

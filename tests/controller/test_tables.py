@@ -316,9 +316,9 @@ def test_a_fleet_takes_a_node_in_or_replaces_it_and_drops_it():
     fleet.put(NodeCapacity("b", "h", [0, 1, 2, 3]))
     assert [key[2] for key in fleet.order] == ["a", "b"]
     fleet.put(NodeCapacity("a", "h", [0, 1, 2, 3, 4, 5]))  # a replaced: once, with its new room
-    assert fleet.order == [(4, 1 << 30, "b"), (6, 1 << 30, "a")] and set(fleet.nodes) == {"a", "b"}
+    assert [(free, node) for free, _, node in fleet.order] == [(4, "b"), (6, "a")] and set(fleet.nodes) == {"a", "b"}
     assert fleet.best_fit(5, 2).node_id == "a"
     fleet.drop("a")
     fleet.drop("unknown")
-    assert list(fleet.nodes) == ["b"] and fleet.order == [(4, 1 << 30, "b")]
+    assert list(fleet.nodes) == ["b"] and [(free, node) for free, _, node in fleet.order] == [(4, "b")]
     assert fleet.best_fit(5, 2) is None
