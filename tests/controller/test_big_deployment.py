@@ -28,10 +28,12 @@ from tests.support.big_fleet import BigFleet, deployment, lag_stalls
 INSTANCES, DP = 10_000, 4
 NODES, ACCELERATORS = 10, 400
 PLACED = NODES * ACCELERATORS  # engines the fleet has room for
-# Seconds, a bucket bound of motor_event_loop_blocked_seconds. Not 0.5: full garbage collections
-# (motor/gc_tuning.py walks the whole heap once each time it doubles, as a 10,000-instance change
-# makes it) hold this loop 0.3-0.9 s here; the deployment code itself is sliced to 20 ms.
-STALL_BOUND = 1.0
+# Seconds, a bucket bound of motor_event_loop_blocked_seconds: a hang bound that catches the
+# defect's stalls (delete 10.6 s, replace 39.7 s), not the 50 ms goal. Not 0.5 or 1.0: full
+# garbage collections (motor/gc_tuning.py walks the whole heap once each time it doubles, as a
+# 10,000-instance change makes it) held this loop 0.3-1.2 s here, and one run in four saw an
+# observation in the 1.0-2.5 s bucket; the deployment code itself yields every 20 ms.
+STALL_BOUND = 2.5
 GRACE = 10.0  # --node-grace
 
 
