@@ -55,6 +55,8 @@ HTTP_SHUTDOWN_TIMEOUT_S = 5.0
 # Beyond vLLM's own shutdown_timeout: the engine core's teardown (it is killed after
 # shutdown_timeout, as under `vllm serve`) and the serving thread's end.
 ENGINE_STOP_MARGIN_S = 5.0
+# Polls (10 ms apart) for an engine-core exit code that vLLM's monitor thread is storing.
+EXIT_CODE_POLLS = 50
 # How long a death seen by vLLM's side waits for the engine-core process's own exit report.
 DEATH_REASON_GRACE_S = 0.2
 
@@ -297,7 +299,15 @@ class VllmEngine(EngineBackend):
         logger.info("watching vLLM engine core: %s", ", ".join(f"{p.name} pid {p.pid}" for p in processes))
 
     def _on_engine_core_exit(self, proc: Any) -> None:
-        # multiprocessing reaps it here (or vLLM's monitor thread did): the code or signal.
+        self._death_report = asyncio.get_running_loop().create_task(self._engine_core_died(proc))  # kept: not collected mid-way
+
+    async def _engine_core_died(self, proc: Any) -> None:
+        # multiprocessing reaps it here, or vLLM's monitor thread is reaping it right now: then
+        # its exit code lands on `proc` a moment later (our own waitpid found nothing to reap).
+        for _ in range(EXIT_CODE_POLLS):
+            if proc.exitcode is not None:
+                break
+            await asyncio.sleep(0.01)
         self._declare_dead(f"engine-core process {proc.name} (pid {proc.pid}) {describe_returncode(proc.exitcode)}")
 
     def _on_output_handler_done(self, task: asyncio.Task) -> None:
