@@ -140,25 +140,26 @@ def test_a_closed_pipe_ends_a_motorctl_command_quietly():
     assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr, result.stderr
 
 
-def services_of(run_dir) -> set[int]:
-    """Pids of the cluster's controller and node managers."""
-    found = set()
+def running(run_dir, *programs: str) -> list[psutil.Process]:
+    """The cluster's live processes whose command (its first three words) names one of
+    `programs`, each once (a node manager's later flags name engine_server too)."""
+    found = {}
     for p in cluster_processes(run_dir):
         try:
-            if any(name in " ".join(p.cmdline()[:2]) for name in ("motor-controller", "motor-node-manager")):
-                found.add(p.pid)
-        except psutil.Error:
+            if any(program in " ".join(p.cmdline()[:3]) for program in programs):
+                found[p.pid] = p
+        except psutil.Error:  # a zombie
             pass
-    return found
+    return list(found.values())
+
+
+def services_of(run_dir) -> set[int]:
+    """Pids of the cluster's controller and node managers."""
+    return {p.pid for p in running(run_dir, "motor-controller", "motor-node-manager")}
 
 
 def engines_of(run_dir) -> list[psutil.Process]:
-    def is_engine(process: psutil.Process) -> bool:
-        try:
-            return "engine_server" in " ".join(process.cmdline()[:3])
-        except psutil.Error:  # a zombie
-            return False
-    return list({p.pid: p for p in cluster_processes(run_dir) if is_engine(p)}.values())
+    return running(run_dir, "engine_server")
 
 
 def test_a_killed_motorctl_up_is_stopped_by_its_guardian_and_its_run_dir_is_not_wiped_under_it(tmp_path):
@@ -189,7 +190,7 @@ def test_motorctl_down_stops_a_cluster_whose_motorctl_up_and_guardian_are_gone(t
     process = motorctl_up(run_dir, subprocess.PIPE)
     try:
         wait_first_screen(process, run_dir)
-        guardian = list({p.pid: p for p in cluster_processes(run_dir) if "motorctl.guardian" in " ".join(p.cmdline())}.values())
+        guardian = running(run_dir, "motorctl.guardian")
         assert len(guardian) == 1
         guardian[0].kill()
         process.kill()
@@ -211,8 +212,7 @@ def test_motorctl_up_stops_the_engines_of_a_node_manager_that_died(tmp_path):
     process = motorctl_up(run_dir, subprocess.PIPE)
     try:
         wait_first_screen(process, run_dir)
-        node_manager = list({p.pid: p for p in cluster_processes(run_dir)
-                             if "motor-node-manager" in " ".join(p.cmdline()[:2])}.values())
+        node_manager = running(run_dir, "motor-node-manager")
         assert len(node_manager) == 1
         orphans = {p.pid for p in engines_of(run_dir)}
         node_manager[0].kill()
