@@ -26,7 +26,7 @@ from motor import names, node_process, pbtime
 from motor.errors import InvalidArgument, NotFound
 from motor.exits import describe_exit
 from motor.start_refusals import Refusal
-from motor.tasks import TaskSet
+from motor.tasks import TaskSet, cancel_and_wait, set_within
 from motor.v1 import controller_pb2, types_pb2
 
 from controller import endpoints, views
@@ -146,10 +146,8 @@ class Controller(views.ClusterReads):
 
     async def stop(self) -> None:
         self._stopping = True
-        for task in [*self._loops, *self._tasks]:
-            task.cancel()
         self.scheduler.cancel_timers()
-        await asyncio.gather(*self._loops, *self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._loops, *self._tasks, owner="controller")
         await self.nodes_client.close()
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
@@ -160,10 +158,7 @@ class Controller(views.ClusterReads):
 
     async def _reconcile_loop(self) -> None:
         async def woken_or_timeout() -> None:
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=0.5)
-            except asyncio.TimeoutError:
-                pass
+            await set_within(self._wake, 0.5)
             self._wake.clear()
 
         await self._repeat(woken_or_timeout, self.scheduler.reconcile_steps, "reconcile pass")

@@ -35,6 +35,7 @@ from typing import Any, Callable
 import aetcd
 
 from motor.retry import RepeatedFailure
+from motor.tasks import set_within
 
 from controller.etcd_client import UNAVAILABLE_ERRORS
 
@@ -233,11 +234,8 @@ class LeaderElection:
         try:
             while True:
                 self.loop_tick = self.clock()  # the renewal thread's proof that this loop runs
-                try:
-                    await asyncio.wait_for(self._over.wait(), self.renew_period / 2)
+                if await set_within(self._over, self.renew_period / 2):
                     return
-                except TimeoutError:
-                    pass
                 if renewal.gone.is_set():
                     self.lost("the lease expired in etcd")
                     return
@@ -382,7 +380,8 @@ class _Renewal(threading.Thread):
                 sent = e.clock()
                 expires = e._renewed_at + e.ttl
                 try:
-                    reply = await asyncio.wait_for(client.refresh_lease(self.lease_id), max(expires - sent, 0.05))
+                    async with asyncio.timeout(max(expires - sent, 0.05)):
+                        reply = await client.refresh_lease(self.lease_id)
                 except (*UNAVAILABLE_ERRORS, TimeoutError) as exc:
                     self.trouble = f" (etcd: {exc!r})"
                     continue

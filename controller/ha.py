@@ -57,7 +57,8 @@ class LeaderOnlyNodeClient(NodeClient):
         if not self.election.is_leader():
             raise NodeCallError("FAILED_PRECONDITION", f"{what} not sent: {self.election.not_leader_message()}")
         try:
-            await asyncio.wait_for(self.store.flush(), self.flush_timeout)
+            async with asyncio.timeout(self.flush_timeout):
+                await self.store.flush()
         except Fenced as exc:
             self.election.lost(f"a write was refused by etcd: {exc}")
             raise NodeCallError("FAILED_PRECONDITION", f"{what} not sent: leadership lost ({exc})") from None
@@ -175,7 +176,8 @@ class HighAvailability:
 
     async def flush(self) -> None:
         try:
-            await asyncio.wait_for(self.store.flush(), self.flush_timeout)
+            async with asyncio.timeout(self.flush_timeout):
+                await self.store.flush()
         except Fenced as exc:
             self.election.lost(f"a write was refused by etcd: {exc}")
             raise Unavailable(f"this controller lost the leadership before the change was stored; retry: {exc}") from None

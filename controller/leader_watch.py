@@ -35,7 +35,8 @@ async def refuses_connections(address: str, timeout: float) -> bool:
     """True only when a TCP connect to host:port is refused (nothing listens, the host is up)."""
     host, _, port = address.rpartition(":")
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
+        async with asyncio.timeout(timeout):
+            _, writer = await asyncio.open_connection(host.strip("[]"), int(port))
     except ConnectionRefusedError:
         return True
     except (OSError, TimeoutError):  # unreachable, silent, unresolvable: not a confirmed death

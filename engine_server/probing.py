@@ -169,7 +169,8 @@ class Prober:
     async def _timed_probe(self) -> tuple[bool, float, str]:
         started = self._monotonic()
         try:
-            await asyncio.wait_for(self.client.probe(), self.settings.probe_timeout)
+            async with asyncio.timeout(self.settings.probe_timeout):
+                await self.client.probe()
             return True, self._monotonic() - started, ""
         except asyncio.TimeoutError:
             return False, self._monotonic() - started, f"timed out after {self.settings.probe_timeout:g}s"

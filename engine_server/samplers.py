@@ -99,7 +99,8 @@ class NpuSmiSampler(UtilizationSampler):
             self.binary, "info", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
         )
         try:
-            out, _ = await asyncio.wait_for(process.communicate(), self.timeout)
+            async with asyncio.timeout(self.timeout):
+                out, _ = await process.communicate()
         except asyncio.TimeoutError:
             process.kill()
             await process.wait()

@@ -170,7 +170,8 @@ class EngineServer:
         for task in self._tasks:
             task.cancel()
         try:
-            await asyncio.wait_for(self.engine.shutdown(), engine_timeout)
+            async with asyncio.timeout(engine_timeout):
+                await self.engine.shutdown()
         except asyncio.TimeoutError:
             logger.warning("engine shutdown did not finish within %gs", engine_timeout)
         except Exception:

@@ -27,6 +27,7 @@ import psutil
 
 from motor.exits import describe_exit
 from motor.logs import launch_line
+from motor.tasks import set_within
 
 logger = logging.getLogger(__name__)
 
@@ -326,11 +327,7 @@ async def terminate_tree(
         os.kill(tree.pid, signal.SIGTERM)
     except ProcessLookupError:
         pass
-    try:
-        await asyncio.wait_for(exited.wait(), timeout=max(0.0, end - time.monotonic()))
-    except asyncio.TimeoutError:
-        pass
-    if exited.is_set():
+    if await set_within(exited, max(0.0, end - time.monotonic())):
         rest = await asyncio.to_thread(find_tree, tree, remembered)
         rest = await wait_gone(rest, max(0.0, end - time.monotonic()))
         if not rest:

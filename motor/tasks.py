@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any, Coroutine, Iterator
 
@@ -35,7 +36,27 @@ class TaskSet:
 
     async def cancel_all(self) -> None:
         """Cancel every task and wait until all have ended."""
-        tasks = list(self._tasks)
-        for task in tasks:
+        await cancel_and_wait(*self._tasks, owner=self.owner)
+
+
+async def cancel_and_wait(*tasks: asyncio.Task, owner: str, patience: float = 2.0) -> None:
+    """Cancel the tasks and wait until all have ended. A task still running after `patience`
+    seconds swallowed its cancel (Python 3.11's asyncio.wait_for does when the awaited result
+    lands in the same loop turn; some libraries catch CancelledError): it is cancelled again, with
+    a warning, rather than letting a stop wait forever."""
+    pending = {task for task in tasks if not task.done()}
+    while pending:
+        for task in pending:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        _, pending = await asyncio.wait(pending, timeout=patience)
+        for task in pending:
+            logger.warning("%s: task %s is still running %gs after its cancel: cancelling it again",
+                           owner, task.get_name(), patience)
+
+
+async def set_within(event: asyncio.Event, timeout: float | None) -> bool:
+    """Whether the event is set within `timeout` seconds (asyncio.timeout, not wait_for: see above)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            await event.wait()
+    return event.is_set()

@@ -62,8 +62,10 @@ class HeartbeatSender:
         call = self._call
         request = self.deltas.next(generation, engines)
         try:
-            await asyncio.wait_for(call.write(controller_pb2.StreamHeartbeatsRequest(heartbeat=request)), self.timeout)
-            reply = await asyncio.wait_for(call.read(), self.timeout)
+            async with asyncio.timeout(self.timeout):
+                await call.write(controller_pb2.StreamHeartbeatsRequest(heartbeat=request))
+            async with asyncio.timeout(self.timeout):
+                reply = await call.read()
         except asyncio.TimeoutError:
             self.close()
             raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer to a heartbeat within {self.timeout:g}s") from None

@@ -25,7 +25,7 @@ from motor.names import engine_id as make_engine_id
 from motor.names import excerpt, parse_engine_id
 from motor.ports import PortAllocator
 from motor.processes import ExitStatus, TreeId
-from motor.tasks import TaskSet
+from motor.tasks import TaskSet, set_within
 from motor.v1 import engine_pb2, types_pb2
 from node_manager import specs
 from node_manager.config import NodeManagerConfig
@@ -192,9 +192,8 @@ class NodeManager:
             return
         if self.claim_refused:
             raise FailedPrecondition(f"node {self.node_id}: not starting anything: {self.claim_refused}")
-        try:  # registering (again): a StartEngine may arrive before the registration's answer
-            await asyncio.wait_for(held.wait(), CLAIM_WAIT_S)
-        except asyncio.TimeoutError:
+        # Registering (again): a StartEngine may arrive before the registration's answer.
+        if not await set_within(held, CLAIM_WAIT_S):
             raise Unavailable(f"node {self.node_id} is not registered with the controller yet; retry") from None
 
     def _launch(self, requested: types_pb2.EngineSpec) -> tuple[EngineRecord, Launched]:
@@ -302,9 +301,7 @@ class NodeManager:
         self._end(record, STOPPED, f"{why}: {how}")
 
     async def _wait_exit(self, record: EngineRecord, timeout: float = 10.0) -> None:
-        try:
-            await asyncio.wait_for(self._watcher(record).exited.wait(), timeout)
-        except asyncio.TimeoutError:
+        if not await set_within(self._watcher(record).exited, timeout):
             logger.error("engine %s: pid %d exit not confirmed %gs after its tree was killed", record.engine_id, record.pid, timeout)
 
     # Exits --------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import time
 from motor.config import prepare_directory
 from motor.grpc_server import service_name
 from motor.metrics_http import ServiceTelemetry
+from motor.tasks import cancel_and_wait
 from motor.v1 import controller_pb2, node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from node_manager.config import NodeManagerConfig
 from node_manager.controller_epoch import ControllerEpoch
@@ -97,8 +98,7 @@ class NodeManagerServer:
     async def stop(self) -> None:
         """Stop serving; engines keep running (a restarted node manager re-adopts them)."""
         if self._link_task is not None:
-            self._link_task.cancel()
-            await asyncio.gather(self._link_task, return_exceptions=True)
+            await cancel_and_wait(self._link_task, owner="node manager")
         await self.server.stop(grace=1.0)
         await self.telemetry.close()
         await self.manager.close()

@@ -118,7 +118,8 @@ class SglangEngine(EngineBackend):
             return
         self._signal_group(signal.SIGTERM)
         try:
-            await asyncio.wait_for(asyncio.shield(self._exited), self.args.stop_timeout)
+            async with asyncio.timeout(self.args.stop_timeout):
+                await asyncio.shield(self._exited)
         except asyncio.TimeoutError:
             logger.warning("SGLang did not stop within %gs of SIGTERM: SIGKILL", self.args.stop_timeout)
         # The main process may be gone while its workers linger: end the whole group.

@@ -334,14 +334,16 @@ class VllmEngine(EngineBackend):
     async def _on_vllm_loop(self, coroutine: Any, timeout: float | None = None) -> Any:
         assert self._vllm_loop is not None
         future = asyncio.run_coroutine_threadsafe(coroutine, self._vllm_loop)
-        return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+        async with asyncio.timeout(timeout):
+            return await asyncio.wrap_future(future)
 
     async def _stop_http(self) -> None:
         """On the vLLM loop: stop accepting, close connections, stop reading engine outputs."""
         if self._server is not None and self._serve_task is not None:
             self._server.should_exit = True
             try:
-                await asyncio.wait_for(asyncio.shield(self._serve_task), HTTP_SHUTDOWN_TIMEOUT_S)
+                async with asyncio.timeout(HTTP_SHUTDOWN_TIMEOUT_S):
+                    await asyncio.shield(self._serve_task)
             except (asyncio.TimeoutError, Exception):
                 self._serve_task.cancel()
         # The engine core's exit is expected from now on, not an error to report.

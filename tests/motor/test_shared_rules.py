@@ -15,7 +15,7 @@ from motor.fanout import FanOut
 from motor.logs import LOG_LEVELS, check_log_level
 from motor.names import check_id, check_instance_id, check_node_id, excerpt, parse_engine_id
 from motor.restart_policy import Policy, fill_defaults
-from motor.tasks import TaskSet
+from motor.tasks import TaskSet, cancel_and_wait, set_within
 from motor.v1 import controller_pb2
 
 
@@ -211,3 +211,32 @@ def test_node_manager_and_controller_import_nothing_from_engine_server():
     scan = subprocess.run([sys.executable, "-c", _IMPORT_SCAN, str(root)], capture_output=True, text=True, timeout=60)
     assert scan.returncode == 0, scan.stderr
     assert scan.stdout == "", f"imports from engine_server:\n{scan.stdout}"
+
+
+async def test_a_stop_ends_a_task_that_swallowed_its_cancel(caplog):
+    """What Python 3.11's asyncio.wait_for does when its result lands with the cancel: the task
+    goes on. cancel_and_wait cancels it again (with a warning) instead of waiting forever."""
+    swallowed = []
+
+    async def stubborn():
+        while True:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed.append(True)
+
+    task = asyncio.create_task(stubborn(), name="heartbeats")
+    await asyncio.sleep(0)
+    with caplog.at_level(logging.WARNING):
+        await cancel_and_wait(task, owner="node manager", patience=0.1)
+    assert task.cancelled() and swallowed
+    assert "node manager: task heartbeats is still running 0.1s after its cancel: cancelling it again" in caplog.text
+
+
+async def test_set_within_says_whether_the_event_came():
+    event = asyncio.Event()
+    assert not await set_within(event, 0.01)
+    asyncio.get_running_loop().call_later(0.01, event.set)
+    assert await set_within(event, 5)

@@ -56,3 +56,37 @@ async def test_stopping_the_node_manager_still_cancels_a_beat(slow_controller):
     with pytest.raises(asyncio.CancelledError):
         await beat
     sender.close()
+
+
+class AnswerInHand:
+    """A stream whose answer the test releases itself, to land it in the same loop turn as a cancel."""
+
+    def __init__(self):
+        self.answer = asyncio.get_running_loop().create_future()
+
+    def StreamHeartbeats(self):
+        return self
+
+    async def write(self, request):
+        pass
+
+    def read(self):
+        return self.answer
+
+    def cancel(self):
+        self.answer.cancel()
+
+
+async def test_a_stop_that_meets_the_answer_still_stops_the_beat():
+    """CI hang: the node manager's stop cancelled the controller link just as a heartbeat answer
+    arrived; Python 3.11's asyncio.wait_for then returned the answer and dropped the cancel, so the
+    link went on beating and stop() waited for it forever (600 s, pytest-timeout)."""
+    stream = AnswerInHand()
+    sender = HeartbeatSender("node-a", timeout=5.0, stream=True)
+    beat = asyncio.create_task(sender.send(stream, 1, []))
+    for _ in range(5):
+        await asyncio.sleep(0)  # the beat is written and waits on read()
+    stream.answer.set_result(controller_pb2.StreamHeartbeatsResponse())
+    beat.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await beat
