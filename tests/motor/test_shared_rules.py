@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import pathlib
 
 import pytest
 
@@ -240,3 +241,14 @@ async def test_set_within_says_whether_the_event_came():
     assert not await set_within(event, 0.01)
     asyncio.get_running_loop().call_later(0.01, event.set)
     assert await set_within(event, 5)
+
+
+def test_no_service_waits_with_asyncio_wait_for():
+    """asyncio.wait_for drops a cancel that lands with its result on Python 3.11 (the CI hang
+    above); the services use asyncio.timeout or motor.tasks.set_within instead."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    offenders = [f"{path.relative_to(root)}:{number}"
+                 for package in ("motor", "controller", "node_manager", "engine_server", "motorctl")
+                 for path in sorted((root / package).rglob("*.py"))
+                 for number, line in enumerate(path.read_text().splitlines(), 1) if "asyncio.wait_for(" in line]
+    assert not offenders, f"use asyncio.timeout instead of asyncio.wait_for in {offenders}"
