@@ -43,12 +43,7 @@ class Adoption:
     def adopt(self, instances: Iterable[InstanceRecord]) -> int:
         """The first deployment on a new store: adopt every instance whose ranks all run as it
         describes them; returns how many. The wait ends: unknown copies are fenced from now on."""
-        copies: dict[str, list[tuple[NodeRuntime, T.Engine]]] = {}
-        for node in self.state.nodes.values():
-            if node.state == NODE_READY:
-                for engine in node.engines.values():
-                    if engine.state in LIVE:
-                        copies.setdefault(engine.engine_id, []).append((node, engine))
+        copies = self.live_copies()
         adopted = 0
         for inst in instances:
             found = self._matching(inst, copies)
@@ -57,6 +52,16 @@ class Adoption:
                 adopted += 1
         self.end(f"first deployment on a new store: {adopted} instance(s) adopted with the engines the nodes run")
         return adopted
+
+    def live_copies(self) -> dict[str, list[tuple[NodeRuntime, T.Engine]]]:
+        """Engine id -> the copies READY nodes run of it (starting or running): what can be adopted."""
+        copies: dict[str, list[tuple[NodeRuntime, T.Engine]]] = {}
+        for node in self.state.nodes.values():
+            if node.state == NODE_READY:
+                for engine in node.engines.values():
+                    if engine.state in LIVE:
+                        copies.setdefault(engine.engine_id, []).append((node, engine))
+        return copies
 
     def end(self, why: str) -> None:
         self.waiting = False

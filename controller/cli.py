@@ -23,8 +23,8 @@ from controller.fleet_metrics import engine_targets
 from controller.ha import LeaderGate, advertised_address, open_high_availability
 from controller.node_client import GrpcNodeClient
 from controller.servicer import ControllerServicer
+from controller.startup_deployment import StartupDeployment
 from controller.store import SqliteStore, StoreUnreadable
-from controller.validation import validate_deployment
 
 logger = logging.getLogger(__name__)
 
@@ -78,15 +78,10 @@ def open_store(config: ControllerConfig) -> SqliteStore:
 
 
 def apply_startup_deployment(controller: Controller, config: ControllerConfig) -> None:
-    """--deployment: apply the file when it differs from the stored deployment."""
-    path = config.deployment
-    wanted = validate_deployment(load_deployment(path), config.max_engines_per_deployment)
-    stored = controller.deployment
-    if stored is None or wanted.SerializeToString(deterministic=True) != stored.SerializeToString(deterministic=True):
-        _, revision = controller.apply_deployment(wanted)
-        logger.info("applied %s at start-up (revision %d)", path, revision)
-    else:
-        logger.info("%s is the stored deployment already (revision %d)", path, controller.revision)
+    """--deployment: apply the file when it differs from the stored deployment; on a new store,
+    once the nodes had a chance to register (controller/startup_deployment.py)."""
+    deployment = load_deployment(config.deployment)
+    StartupDeployment(controller, config.deployment, deployment, config.effective_startup_grace).begin()
 
 
 async def serve(config: ControllerConfig) -> None:

@@ -211,6 +211,13 @@ class Controller(views.ClusterReads):
     async def delete(self) -> None:
         await self.changes.delete()
 
+    async def apply_on_new_store(self, deployment: C.Deployment) -> tuple[C.Deployment, int] | None:
+        return await self.changes.apply_on_new_store(deployment)
+
+    def spawn(self, coro, name: str) -> asyncio.Task:
+        """A task of this controller's: cancelled when it stops (an HA leader stepping down too)."""
+        return self._spawn(coro, name)
+
     def get_deployment(self) -> tuple[C.Deployment, int]:
         if self.deployment is None:
             raise NotFound("no deployment has been applied; apply one with `motorctl apply -f FILE`")

@@ -95,6 +95,15 @@ class DeploymentChanges:
     async def delete(self) -> None:
         await self._in_turn(lambda: self._sliced(None))
 
+    async def apply_on_new_store(self, deployment: C.Deployment) -> tuple[C.Deployment, int] | None:
+        """The deferred start-up --deployment (controller/startup_deployment.py), in its turn;
+        None when an API apply or delete ended the new store's wait first (the newer word)."""
+        validated = validate_deployment(deployment, self.max_engines)
+
+        async def change():
+            return await self._sliced(validated) if self.adoption.waiting else None
+        return await self._in_turn(change)
+
     async def _in_turn(self, change: Callable[[], Coroutine]):
         async def turn():
             async with self._one_at_a_time:

@@ -122,15 +122,6 @@ class ChaosCluster(Cluster):
     def controller_argv(self) -> list[str]:
         return self.with_db(super().controller_argv())
 
-    def start_controller_empty_handed(self) -> None:
-        """The controller without --deployment: on a lost database it then waits for the
-        operator's apply, made once the nodes registered, to adopt what they run (docs/controller.md,
-        "A lost database")."""
-        argv = self.controller_argv()
-        del argv[argv.index("--deployment"):argv.index("--deployment") + 2]
-        self._launch("controller", argv)
-        self.wait_serving(self.controller_address, 30)
-
     # --- what the rows look at -------------------------------------------------------------
 
     def engine_processes(self) -> dict[tuple[str, int], list[int]]:

@@ -1,6 +1,6 @@
 """Controller faults: SIGKILL and restart, SIGSTOP 10 s, and its database lost (moved away while
-it is down: it starts again on an empty one, and the operator applies the same deployment once
-the nodes registered). The engines run on under their node managers; the controller comes back
+it is down: it starts again on an empty one with the same --deployment, applied once the nodes
+registered). The engines run on under their node managers; the controller comes back
 and adopts them, restarting nothing."""
 
 from __future__ import annotations
@@ -10,10 +10,7 @@ import shutil
 import signal
 import time
 
-from motor.v1 import controller_pb2 as C
-from tests.chaos.cluster import deployment
 from tests.chaos.rows import Fault, run_row
-from tests.controller.test_real_processes import apply
 from tests.support import wait_for
 
 
@@ -45,8 +42,9 @@ def database_files(cluster) -> list[str]:
 
 
 def test_controller_database_lost(cluster):
-    # As docs/controller.md ("A lost database") tells the operator: start it without the file,
-    # wait for the nodes to register, apply the same deployment: it adopts what they run.
+    # Started again with the same command line (--deployment FILE) on an empty database: the file
+    # waits until the nodes registered and run what it describes, then adopts it (docs/controller.md,
+    # "A lost database").
     lost = os.path.join(cluster.run_dir, "lost-db")
 
     def inject(fault: Fault) -> float:
@@ -55,12 +53,11 @@ def test_controller_database_lost(cluster):
         for path in database_files(cluster):
             shutil.move(path, lost)
         killed_at = time.monotonic()
-        cluster.start_controller_empty_handed()
-        wait_for(lambda: {n.info.node_id for n in cluster.node_list().nodes if n.state == C.NODE_STATE_READY}
-                 == set(cluster.node_ids()), timeout=60, interval=0.2, what="every node registered with the new store")
-        apply(cluster, deployment())
+        cluster.start_controller()
+        wait_for(lambda: any("first deployment on a new store" in e.message for e in cluster.events()), timeout=60,
+                 interval=0.2, what="the start-up deployment applied on the new store", detail=cluster.describe)
         adopted = [e.message for e in cluster.events() if "adopted the engines the nodes run" in e.message]
-        fault.notes.append(f"{len(adopted)} instances adopted by the operator's apply")
+        fault.notes.append(f"{len(adopted)} instances adopted by the start-up deployment")
         return killed_at
 
     try:

@@ -5,9 +5,13 @@ engine started) instead of refusing every start as stale (issue 12, defect 3).""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
+from google.protobuf import json_format
+
+from motor.deployment_file import load_deployment
 from motor.v1 import controller_pb2 as C
 from tests.controller.test_real_processes import HEARTBEAT, apply, make_cluster, sim_deployment  # noqa: F401
 from tests.support import wait_for
@@ -48,3 +52,41 @@ def test_database_lost_then_the_same_deployment_applied_again_adopts_every_engin
     assert not [e for e in events if e.type in (C.EVENT_TYPE_ENGINE_STARTED, C.EVENT_TYPE_ENGINE_FAILED,
                                                  C.EVENT_TYPE_ENGINE_FENCED)], cluster.describe()
     assert any("adopted" in e.message for e in events), cluster.describe()
+
+
+def _write_deployment_file(path: str, deployment: C.Deployment) -> str:
+    data = json_format.MessageToDict(deployment, preserving_proto_field_name=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(data, handle)
+    assert load_deployment(path) == deployment
+    return path
+
+
+def test_database_lost_under_a_startup_deployment_adopts_every_engine(make_cluster, tmp_path):
+    """`motor-controller --deployment FILE` restarted on a lost database: the file waits for the
+    nodes to register, then adopts what they run (the same pids, nothing restarted)."""
+    deployment = sim_deployment(count=2, dp=2)
+    path = _write_deployment_file(str(tmp_path / "deployment.json"), deployment)
+    # The first start (no engine anywhere) waits out the startup grace; the restart need not.
+    cluster = make_cluster(nodes=2, extra=["--node-grace", "15", "--startup-grace", "8", "--deployment", path])
+    wait_for(lambda: cluster.all_ready(2), timeout=120, interval=0.2, what="READY from the start-up deployment",
+             detail=cluster.describe)
+    before = {k: e.pid for k, e in cluster.engine_copies().items()}
+    assert len(before) == 4
+    cluster.kill_controller()
+    _move_database_away(cluster)
+    cluster.start_controller()  # the same command line: --deployment FILE on an empty database
+    wait_for(lambda: any("adopted" in e.message for e in cluster.events()), timeout=60, interval=0.2,
+             what="the start-up deployment applied, adopting", detail=cluster.describe)
+    wait_for(lambda: cluster.all_ready(2), timeout=60, interval=0.2, what="READY after the restart", detail=cluster.describe)
+    time.sleep(4 * HEARTBEAT)
+    after = {k: e.pid for k, e in cluster.engine_copies().items()}
+    assert after == before, cluster.describe()
+    assert all(i.state == C.INSTANCE_STATE_READY and i.restarts == 0 for i in cluster.instances().values()), cluster.describe()
+    events = cluster.events()
+    assert not [e for e in events if e.type in (C.EVENT_TYPE_ENGINE_STARTED, C.EVENT_TYPE_ENGINE_FAILED,
+                                                 C.EVENT_TYPE_ENGINE_FENCED)], cluster.describe()
+    assert any("2 instance(s) adopted" in e.message for e in events), cluster.describe()
+    with open(cluster.process("controller").log_path, encoding="utf-8") as log:
+        text = log.read()
+    assert "start-up deployment deferred" in text and "start-up deployment applied" in text, text[-3000:]

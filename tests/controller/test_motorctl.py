@@ -16,6 +16,11 @@ from tests.controller.conftest import EXAMPLE
 from tests.support import wait_for
 
 
+# A lone controller on a new store: the file is applied at once (--startup-grace 0), not after the
+# grace it otherwise leaves node managers that run engines to register (test_startup_deployment.py).
+AT_ONCE = ("--deployment", EXAMPLE, "--startup-grace", "0")
+
+
 def motorctl(address: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run([_bin("motorctl"), "--controller", address, *args], capture_output=True, text=True, timeout=60)
     if check:
@@ -50,7 +55,7 @@ class ControllerProcess:
 
 @pytest.fixture
 def controller(tmp_path):
-    proc = ControllerProcess(tmp_path, "--deployment", EXAMPLE)
+    proc = ControllerProcess(tmp_path, *AT_ONCE)
     proc.start()
     yield proc
     proc.stop()
@@ -119,7 +124,7 @@ def test_malformed_files_get_a_clear_error_and_change_nothing(controller, tmp_pa
 
 
 def test_restart_with_the_same_deployment_file_keeps_the_revision(tmp_path):
-    proc = ControllerProcess(tmp_path, "--deployment", EXAMPLE)
+    proc = ControllerProcess(tmp_path, *AT_ONCE)
     try:
         proc.start()
         proc.stop()
