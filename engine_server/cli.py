@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import logging
 import os
+import shlex
 import sys
 from typing import Literal
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from engine_server.prometheus_dir import ensure_private_multiproc_dir, remove_pr
 from pydantic import ConfigDict, Field
 
 from motor.cli_config import Flag, load_settings, settings_parser
+from motor.config import AbsoluteCommand
 from motor.logs import LOG_FORMATS, LOG_LEVELS, LogFormat, LogLevel
 from motor.security_config import SECURITY_FLAGS, SecuritySettings
 
@@ -81,6 +83,8 @@ class EngineServerArgs(SecuritySettings):
     termination_message_path: str | None = None
     # The node whose manager may Drain, Sleep and WakeUp this engine under TLS (it passes its id).
     owner_node: str | None = None
+    # Replaces engine_args.launcher of an sglang engine (the node manager's --sglang-launcher).
+    sglang_launcher: AbsoluteCommand | None = None
 
 
 REQUIRED = {"required": True}
@@ -101,6 +105,8 @@ FLAGS = {
     "log_format": Flag("text, or json: one JSON object per line with this engine's ids",
                        options={"type": str.lower, "choices": LOG_FORMATS}),
     "owner_node": Flag("node id whose node manager (spiffe://<trust domain>/node/<id>) may Drain, Sleep and WakeUp it"),
+    "sglang_launcher": Flag("SGLang launcher command (split like a shell, an absolute path first); replaces "
+                            "engine_args.launcher", default_text="engine_args.launcher"),
     **SECURITY_FLAGS,
 }
 
@@ -156,6 +162,8 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
         dp_rpc_port=args.dp_rpc_port,
         engine_args=section.engine_args,
     )
+    if args.sglang_launcher and section.engine_type == "sglang":
+        options.engine_args = {**options.engine_args, "launcher": shlex.split(args.sglang_launcher)}
     engine_cls = engine_class(section.engine_type)
     engine = engine_cls(options)
     metrics = process_metrics()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from typing import Annotated, Any, TypeVar
 
 import yaml
@@ -44,6 +45,19 @@ def _check_readable(path: str) -> str:
 
 # A setting naming a file this process must be able to read (a certificate, a key, tokens).
 ReadableFile = Annotated[str, AfterValidator(_check_readable)]
+
+
+def _check_absolute_command(value: str) -> str:
+    argv = shlex.split(value)
+    if not argv or not os.path.isabs(argv[0]) or not os.path.isfile(argv[0]) or not os.access(argv[0], os.X_OK):
+        raise ValueError("must start with the absolute path of an executable file "
+                         "(e.g. /opt/sglang/bin/python -m sglang.launch_server)")
+    return value
+
+
+# A command line set by the operator only (split like a shell), whose program is named by its
+# absolute path: what a node runs is never looked up on a PATH someone else may change.
+AbsoluteCommand = Annotated[str, AfterValidator(_check_absolute_command)]
 
 
 def field_path(loc: tuple[Any, ...], prefix: str = "") -> str:

@@ -41,6 +41,8 @@ FLAGS = {
     "status_timeout": Flag("deadline of each GetStatus call, <= heartbeat interval"),
     "metrics_port": Flag("Prometheus /metrics port, 0 = off"),
     "engine_command": Flag("engine server command (split like a shell)"),
+    "sglang_launcher": Flag("SGLang launcher command for this node's sglang engines (split like a shell; "
+                            "starts with an absolute path)", default_text="python -m sglang.launch_server"),
     "model_roots": Flag("folders engines may read models from, comma-separated"),
     "log_level": Flag("DEBUG, INFO, WARNING, ERROR or CRITICAL"),
     "log_format": Flag("text, or json: one JSON object per line (its engines too)"),

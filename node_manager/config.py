@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
-from motor.config import HostPort, split_host_port
+from motor.config import AbsoluteCommand, HostPort, split_host_port
 from motor.leader import parse_addresses
 from motor.logs import LogFormat, LogLevel
 from motor.names import IdSetting
@@ -46,6 +46,9 @@ class NodeManagerConfig(SecuritySettings):
     # Prometheus /metrics port; 0 turns it off. Node managers sharing a host need one each.
     metrics_port: int = Field(NODE_MANAGER_METRICS_PORT, ge=0, le=65535)
     engine_command: str = "engine_server"
+    # SGLang's launcher for every sglang engine of this node (a wrapper, a container entry point);
+    # None: `python -m sglang.launch_server`. Only this setting chooses it, never a request.
+    sglang_launcher: AbsoluteCommand | None = None
     # Folders engines may read models (and other files named in a request) from; none by default.
     model_roots: list[str] = Field(default_factory=list)
     log_level: LogLevel = "INFO"
@@ -139,7 +142,8 @@ class NodeManagerConfig(SecuritySettings):
     def engine_argv(self) -> list[str]:
         """The engine command as argv; a bare name is looked up on PATH, then next to this Python
         (a virtual environment's bin/ need not be on PATH). Engines serve with this node's TLS
-        files and let only this node's manager drain, sleep or wake them."""
+        files and let only this node's manager drain, sleep or wake them, with this node manager's
+        reflection and limits settings, and SGLang's launcher if one is set."""
         argv = shlex.split(self.engine_command)
         if os.sep not in argv[0] and shutil.which(argv[0]) is None:
             beside = os.path.join(os.path.dirname(sys.executable), argv[0])
@@ -153,4 +157,10 @@ class NodeManagerConfig(SecuritySettings):
                      "--tls-ca", os.path.abspath(self.tls_ca), "--trust-domain", self.trust_domain]
         elif self.insecure:
             argv.append("--insecure")
+        if not self.reflection:
+            argv.append("--no-reflection")
+        argv += ["--max-message-bytes", str(self.max_message_bytes),
+                 "--max-streams-per-caller", str(self.max_streams_per_caller)]
+        if self.sglang_launcher:
+            argv += ["--sglang-launcher", self.sglang_launcher]
         return argv
