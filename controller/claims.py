@@ -149,7 +149,7 @@ class NodeClaims:
 
     def _judge(self, info: controller_pb2.NodeInfo) -> Claim:
         st = self.state
-        return judge(st.nodes.get(info.node_id), info.process, st.mono(), self.config.node_grace, bool(self.monitor.alarm))
+        return judge(st.nodes.get(info.node_id), info.process, st.mono(), self.monitor.budget.grace(), bool(self.monitor.alarm))
 
     async def admit(self, info: controller_pb2.NodeInfo) -> types_pb2.NodeManagerProcess | None:
         """Returns the process whose node id this registration takes over (None: nobody else's)."""
@@ -210,14 +210,14 @@ class NodeClaims:
         st = self.state
         holder = st.nodes[info.node_id]
         since = f"since {node_process.utc(holder.registered_wall)}" if holder.registered_wall else "since before the controller restarted"
-        silent = st.mono() - holder.last_seen
-        alive = (f"last heartbeat {silent:.1f}s ago" if holder.state == NODE_READY and silent <= self.config.node_grace
+        silent, grace = st.mono() - holder.last_seen, self.monitor.budget.grace()
+        alive = (f"last heartbeat {silent:.1f}s ago" if holder.state == NODE_READY and silent <= grace
                  else f"silent {silent:.1f}s: {self.monitor.alarm or holder.reason}")
         message = (
             f"node id {info.node_id!r} is held by another live node manager: {holder.info.address} "
             f"({node_process.describe(holder.info.process)}), holding it {since}, {alive}; refused the registration "
             f"from {info.address} ({node_process.describe(info.process)}). Stop one of them or give one another "
-            f"--node-id; the holder is replaced only once it is silent past the grace ({self.config.node_grace:g}s) "
+            f"--node-id; the holder is replaced only once it is silent past the grace ({grace:g}s) "
             "and fails a direct re-check"
         )
         self.refused_counter.labels(reason="node_id_held").inc()

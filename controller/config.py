@@ -29,8 +29,12 @@ class ControllerConfig(SecuritySettings):
     deployment: str | None = None
     # Interval node managers are told to heartbeat at (seconds).
     heartbeat_interval: float = Field(1.0, gt=0, le=60)
-    # Silence after which a node is suspect and re-checked directly (seconds).
+    # Silence after which a node is suspect and re-checked directly (seconds), at the configured
+    # interval; scaled with the announced interval (controller/heartbeat_budget.py).
     node_grace: float = Field(5.0, gt=0, le=3600)
+    # Heartbeats a second the whole fleet may send: past heartbeat_interval x this many nodes the
+    # announced interval grows (live nodes / this); 0: always heartbeat_interval.
+    max_heartbeats_per_second: float = Field(2000.0, ge=0)
     # Deadline of the direct re-check of a suspect node (seconds).
     recheck_timeout: float = Field(1.0, gt=0, le=60)
     # Share of nodes silent at once above which the controller suspects its own network.
@@ -103,4 +107,5 @@ class ControllerConfig(SecuritySettings):
 
     @property
     def effective_startup_grace(self) -> float:
+        """Without nodes known yet (a new store): the configured node grace."""
         return self.node_grace if self.startup_grace is None else self.startup_grace

@@ -37,6 +37,7 @@ from controller.config import ControllerConfig
 from controller.deployments import DeploymentChanges
 from controller.events import EventBus
 from controller.instances import InstanceRecord
+from controller.heartbeat_budget import HeartbeatBudget
 from controller.liveness import NodeMonitor
 from controller.fleet_metrics import FleetSeries
 from controller.generations import Generations
@@ -102,7 +103,13 @@ class Controller(views.ClusterReads):
         self.adoption = Adoption(self.state, self._observe)
         self.changes = DeploymentChanges(self.state, config.max_engines_per_deployment, self.endpoints, self.actuator,
                                          self.adoption, self.wake, self._spawn)
-        self.monitor = NodeMonitor(self.state, config, node_client, self._spawn, self.wake, self._observe, self.scheduler.evacuate)
+        # The interval node managers are told and the grace their silence is judged by.
+        self.budget = HeartbeatBudget(config.heartbeat_interval, config.node_grace, config.max_heartbeats_per_second,
+                                      self.state.nodes.live, monotonic)
+        self.metrics.heartbeat_interval.set_function(lambda: self.budget.announced)
+        self.metrics.node_grace.set_function(self.budget.held_grace)
+        self.monitor = NodeMonitor(self.state, config, self.budget, node_client, self._spawn, self.wake, self._observe,
+                                   self.scheduler.evacuate)
         # The per-node, per-instance and per-engine series, served beside metrics.registry's (/metrics).
         self.fleet_series = FleetSeries(self.state, lambda: self.monitor.alarm, clock=wall)
         self.claims = NodeClaims(self.state, config, self.monitor, self.metrics.registrations_refused)
@@ -131,7 +138,9 @@ class Controller(views.ClusterReads):
             st.slots.add(EngineSlot.from_dict(data))
         st.attention.update(st.instances)
         if any(n.state != NODE_LOST for n in st.nodes.values()):
-            self.scheduler.startup_until = now + self.config.effective_startup_grace
+            # Default: the grace of the interval the known nodes were told (with this many of them).
+            grace = self.budget.grace() if self.config.startup_grace is None else self.config.startup_grace
+            self.scheduler.startup_until = now + grace
         logger.info(
             "loaded state: deployment revision %d, %d nodes, %d instances, %d engine assignments",
             self.revision, len(st.nodes), len(st.instances), len(st.slots),

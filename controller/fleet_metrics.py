@@ -39,7 +39,7 @@ NODE_STATE = ("motor_controller_node_state", "gauge",
               "State of each node, 1 for the current one. lost: its engines are being moved (alert MotorNodeLost); "
               "suspect: silent and being re-checked.")
 HEARTBEAT_AGE = ("motor_controller_node_heartbeat_age_seconds", "gauge",
-                 "Seconds since each node's last heartbeat. Above node_grace the node is suspect; steadily rising "
+                 "Seconds since each node's last heartbeat. Above the node grace (motor_controller_node_grace_seconds) the node is suspect; steadily rising "
                  "ages on many nodes at once point at the controller's network.")
 SILENT_ALARM = ("motor_controller_silent_nodes_alarm", "gauge",
                 "1 while more than silent_share_alarm of the nodes are silent at once: the controller suspects its "

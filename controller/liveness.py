@@ -17,6 +17,7 @@ from motor import node_process
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.config import ControllerConfig
+from controller.heartbeat_budget import HeartbeatBudget
 from controller.node_client import NodeCallError, NodeClient
 from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
 from controller.state import ClusterState
@@ -29,13 +30,14 @@ class NodeMonitor:
         self,
         state: ClusterState,
         config: ControllerConfig,
+        budget: HeartbeatBudget,
         client: NodeClient,
         spawn: Callable[[Coroutine, str], asyncio.Task],
         wake: Callable[[], None],
         observe: Callable[[NodeRuntime, T.Engine, str], None],
         evacuate: Callable[[NodeRuntime], None],
     ):
-        self.state, self.config, self.client = state, config, client
+        self.state, self.config, self.budget, self.client = state, config, budget, client
         self.spawn, self.wake, self.observe, self.evacuate = spawn, wake, observe, evacuate
         self.alarm = ""
         # Set by the controller: whether a process on the node's host is asking for its node id
@@ -47,7 +49,7 @@ class NodeMonitor:
         """One pass of the node monitor (every min(0.5 s, heartbeat interval / 2))."""
         st = self.state
         now = st.mono()
-        grace = self.config.node_grace
+        grace = self.budget.grace()
         # O(changed): only the READY nodes silent past the grace, and the SUSPECT ones.
         for node in st.nodes.ready_silent_since(now - grace):
             self.suspect_if_silent(node, now)
@@ -64,16 +66,17 @@ class NodeMonitor:
                 elif self.awaited_takeover(node):
                     node.reason = (f"silent and the direct re-check failed ({node.recheck_error}); a node manager "
                                    "on its host asks for its node id: it takes the node over at its next ask")
-                elif now - node.suspect_since >= 2 * self.config.heartbeat_interval:
+                elif now - node.suspect_since >= 2 * self.budget.liveness_interval():
                     self.declare_lost(node)
             else:
                 self._start_recheck(node)
 
     def suspect_if_silent(self, node: NodeRuntime, now: float) -> None:
-        grace = self.config.node_grace
+        grace = self.budget.grace()
         if node.state == NODE_READY and now - node.last_seen > grace:
             st = self.state
-            st.nodes.set_state(node, NODE_SUSPECT, f"no heartbeat for {now - node.last_seen:.1f}s (grace {grace:g}s); re-checking it directly")
+            st.nodes.set_state(node, NODE_SUSPECT, f"no heartbeat for {now - node.last_seen:.1f}s (grace {grace:g}s, "
+                               f"heartbeat interval {self.budget.liveness_interval():g}s); re-checking it directly")
             node.recheck_failed_at, node.suspect_since = None, now
             st.event(C.EVENT_TYPE_NODE_SUSPECT, f"node {node.node_id} suspect: {node.reason}", node_id=node.node_id)
             st.evaluate_node(node.node_id)

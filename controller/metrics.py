@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from motor.names import enum_short_name
@@ -73,6 +73,18 @@ class ControllerMetrics:
         )
         for reason in ("engine_failed", "node_lost"):  # present from the start, so rate() sees the first one
             self.reschedules.labels(reason=reason)
+        self.heartbeat_interval = Gauge(
+            "motor_controller_heartbeat_interval_seconds",
+            "Heartbeat interval the controller announces to node managers: --heartbeat-interval, longer when "
+            "the fleet would exceed --max-heartbeats-per-second (live nodes / that rate).",
+            registry=self.registry,
+        )
+        self.node_grace = Gauge(
+            "motor_controller_node_grace_seconds",
+            "Silence after which a node turns SUSPECT: --node-grace scaled with the announced interval. A node "
+            "is declared lost within this + 2 intervals + --recheck-timeout.",
+            registry=self.registry,
+        )
         self.heartbeat_seconds = Histogram(
             "motor_controller_heartbeat_ingest_seconds",
             "Time to handle one Heartbeat RPC. Above the heartbeat interval the controller falls behind "

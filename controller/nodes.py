@@ -135,7 +135,11 @@ class NodeTable(Table[NodeRuntime]):
 
     def silent_share(self) -> tuple[int, int]:
         """(silent, active): SUSPECT nodes among the nodes not LOST. A LOST node counts as neither."""
-        return self._counts[NODE_SUSPECT], len(self._rows) - self._counts[NODE_LOST]
+        return self._counts[NODE_SUSPECT], self.live()
+
+    def live(self) -> int:
+        """Nodes not LOST (READY or SUSPECT): those expected to heartbeat."""
+        return len(self._rows) - self._counts[NODE_LOST]
 
     def member(self, node_id: str, generation: int) -> NodeRuntime:
         """The node, if `generation` is its current one (heartbeats and reports of a member)."""

@@ -7,7 +7,6 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from motor import pbtime
 from motor.errors import InvalidArgument
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
@@ -31,14 +30,18 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
 
     async def RegisterNode(self, request, context):
         reply = await self.controller.register_node(request.node, request.engines, request.highest_generation)
-        reply.heartbeat_interval.CopyFrom(pbtime.duration(self.controller.config.heartbeat_interval))
+        interval, grace = self.controller.budget.announcement()
+        reply.heartbeat_interval.CopyFrom(interval)
+        reply.node_grace.CopyFrom(grace)
         return reply
 
     def _heartbeat(self, request: controller_pb2.HeartbeatRequest) -> controller_pb2.HeartbeatResponse:
         started = time.perf_counter()
         self.controller.heartbeat(request.node_id, request.generation, request.engines, request.delta, request.removed_engine_ids)
         self.controller.metrics.heartbeat_seconds.observe(time.perf_counter() - started)
-        return controller_pb2.HeartbeatResponse(sequence=request.sequence, generation_limit=self.controller.generations.limit())
+        interval, grace = self.controller.budget.announcement()  # the rate budget: it changes with the fleet's size
+        return controller_pb2.HeartbeatResponse(sequence=request.sequence, generation_limit=self.controller.generations.limit(),
+                                                heartbeat_interval=interval, node_grace=grace)
 
     async def Heartbeat(self, request, context):
         return self._heartbeat(request)

@@ -35,6 +35,7 @@ FLAGS = {
     "state_dir": Flag("engine records and configs"),
     "log_dir": Flag("node manager and engine logs", default_text="<state-dir>/logs"),
     "heartbeat_interval": Flag("seconds between status checks and heartbeats"),
+    "max_heartbeat_interval": Flag("longest heartbeat interval followed when the controller announces a longer one"),
     "abnormal_threshold": Flag("consecutive abnormal heartbeats before a kill"),
     "startup_grace": Flag("seconds an engine may stay INIT"),
     "stop_deadline": Flag("default seconds from SIGTERM to SIGKILL"),

@@ -39,6 +39,9 @@ class NodeManagerConfig(SecuritySettings):
     state_dir: str = "./.state/node"
     log_dir: str | None = None
     heartbeat_interval: float = Field(1.0, gt=0, le=3600)
+    # The longest heartbeat interval this node follows when the controller announces a longer
+    # one (its heartbeat rate budget at a large fleet): beyond it, it heartbeats at this cap.
+    max_heartbeat_interval: float = Field(30.0, gt=0, le=3600)
     abnormal_threshold: int = Field(5, ge=1, le=1000)
     startup_grace: float = Field(600.0, ge=0)
     stop_deadline: float = Field(10.0, ge=0)
@@ -109,6 +112,14 @@ class NodeManagerConfig(SecuritySettings):
         for root in value:
             if not os.path.isabs(root) or not os.path.isdir(root):
                 raise ValueError(f"{root!r} is not an existing absolute folder")
+        return value
+
+    @field_validator("max_heartbeat_interval")
+    @classmethod
+    def _check_max_interval(cls, value: float, info: ValidationInfo) -> float:
+        interval = info.data.get("heartbeat_interval")
+        if interval is not None and value < interval:
+            raise ValueError(f"must be at least heartbeat_interval ({interval:g}s)")
         return value
 
     @field_validator("status_timeout")

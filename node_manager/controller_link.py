@@ -66,11 +66,15 @@ class ControllerLink:
 
     def __init__(self, manager: NodeManager, controller: str, node: controller_pb2.NodeInfo,
                  interval: float, call_timeout: float = 5.0, max_backoff: float = 10.0, clock: Clock | None = None,
-                 tls: TlsFiles | None = None, epoch: ControllerEpoch | None = None, stream_heartbeats: bool = True):
+                 tls: TlsFiles | None = None, epoch: ControllerEpoch | None = None, stream_heartbeats: bool = True,
+                 max_interval: float = 30.0):
         self.manager = manager
         self.beats = HeartbeatSender(node.node_id, call_timeout, stream=stream_heartbeats)
         self.clock: Clock = clock or manager.clock
         self.node = node
+        # Heartbeats follow the interval the controller announces (its rate budget: longer at a
+        # large fleet), at most max_interval; the configured one paces the refused-registration asks.
+        self.configured_interval, self.max_interval = interval, max(interval, max_interval)
         self.interval = interval
         self.call_timeout = call_timeout
         self.max_backoff = max_backoff
@@ -112,7 +116,7 @@ class ControllerLink:
             # is declared lost and its engines moved elsewhere). One small call per interval.
             exc = state.outcome.exception() if state.outcome is not None else None
             if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                return self.interval
+                return self.configured_interval
             return backoff(state)
 
         return AsyncRetrying(
@@ -181,8 +185,7 @@ class ControllerLink:
                            self.node.node_id, describe(reply.replaced), killed)
         self.generation = reply.generation
         self.epoch.observe(reply.controller_epoch, reply.generation_limit)
-        if reply.HasField("heartbeat_interval") and pbtime.seconds(reply.heartbeat_interval) > 0:
-            self.interval = pbtime.seconds(reply.heartbeat_interval)
+        self._follow(reply)
         if reply.keep_unassigned:  # a new store: its first deployment adopts what it describes
             kept = f", keeping the {len(reported)} engine(s) it does not know until a deployment is applied"
         else:
@@ -192,6 +195,21 @@ class ControllerLink:
                     self.node.node_id, self.generation, self.interval, len(reply.assignments), kept)
         self.registered.set()
 
+    def _follow(self, reply: controller_pb2.RegisterNodeResponse | controller_pb2.HeartbeatResponse) -> None:
+        """Heartbeat at the interval the controller announced (capped at max_interval)."""
+        if not reply.HasField("heartbeat_interval"):
+            return  # an older controller announces it at registration only
+        announced = pbtime.seconds(reply.heartbeat_interval)
+        if announced <= 0:
+            return
+        interval = min(announced, self.max_interval)
+        if interval != self.interval:
+            # It steps with the fleet's size: a line each time only at DEBUG, but a cap is worth saying.
+            capped = f" (announced {announced:g}s, capped by --max-heartbeat-interval)" if announced > interval else ""
+            logger.log(logging.WARNING if capped else logging.DEBUG, "heartbeat interval %gs -> %gs as the controller "
+                       "announced%s", self.interval, interval, capped)
+            self.interval = interval
+
     def _refused(self, details: str) -> None:
         """Another node manager process holds the node id: say so, stop our engines, start nothing."""
         self.refusals += 1
@@ -200,7 +218,7 @@ class ControllerLink:
         if worth_reporting(self.refusals) or fenced:
             logger.error("node id %s is held by another live node manager; starting nothing%s, asking again "
                          "every %gs (refusal %d, FAILED_PRECONDITION): %s", self.node.node_id,
-                         f", stopping {fenced}" if fenced else "", self.interval, self.refusals, details)
+                         f", stopping {fenced}" if fenced else "", self.configured_interval, self.refusals, details)
 
     async def _heartbeats(self) -> None:
         # Capped exponential backoff with full jitter while the controller is unreachable; one
@@ -233,6 +251,7 @@ class ControllerLink:
                 next_tick = clock.monotonic() + delay - self.interval
                 continue
             self.epoch.observe(reply.controller_epoch, reply.generation_limit)
+            self._follow(reply)
             switched = False
             self.manager.metrics.heartbeat_latency.labels(self.node.node_id).observe(clock.monotonic() - began)
             failed = failures.recovered()

@@ -84,7 +84,8 @@ class NodeManagerServer:
         await self.telemetry.serve("0.0.0.0", self.config.metrics_port)
         if self.config.controller:
             self.link = ControllerLink(self.manager, self.config.controller, self.node_info(),
-                                       self.config.heartbeat_interval, tls=self.config.client_tls(), epoch=self.epoch)
+                                       self.config.heartbeat_interval, tls=self.config.client_tls(), epoch=self.epoch,
+                                       max_interval=self.config.max_heartbeat_interval)
             self._link_task = asyncio.get_running_loop().create_task(self.link.run())
         else:
             logger.info("no --controller: running standalone (StartEngine through gRPC)")

@@ -746,6 +746,7 @@ class RegisterNodeResponse(_message.Message):
     CONTROLLER_EPOCH_FIELD_NUMBER: _builtins.int
     GENERATION_LIMIT_FIELD_NUMBER: _builtins.int
     KEEP_UNASSIGNED_FIELD_NUMBER: _builtins.int
+    NODE_GRACE_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     """Generation of this registration; heartbeats must carry it."""
     controller_epoch: _builtins.int
@@ -763,7 +764,10 @@ class RegisterNodeResponse(_message.Message):
     """
     @_builtins.property
     def heartbeat_interval(self) -> _duration_pb2.Duration:
-        """How often the node must heartbeat."""
+        """How often the node must heartbeat: the controller's --heartbeat-interval, stretched so that
+        the whole fleet stays within its --max-heartbeats-per-second (docs/controller.md#heartbeat-rate-budget).
+        Every heartbeat answer carries it too: a node follows the latest.
+        """
 
     @_builtins.property
     def assignments(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineAssignment]:
@@ -776,6 +780,13 @@ class RegisterNodeResponse(_message.Message):
         what that process left running on its host before it starts anything.
         """
 
+    @_builtins.property
+    def node_grace(self) -> _duration_pb2.Duration:
+        """The silence after which the controller turns this node SUSPECT and re-checks it directly
+        (--node-grace, scaled with the announced interval); it is declared LOST when the re-check
+        fails, no sooner than two intervals later. Informational: the node need not act on it.
+        """
+
     def __init__(
         self,
         *,
@@ -786,10 +797,11 @@ class RegisterNodeResponse(_message.Message):
         controller_epoch: _builtins.int = ...,
         generation_limit: _builtins.int = ...,
         keep_unassigned: _builtins.bool = ...,
+        node_grace: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval", b"heartbeat_interval", "replaced", b"replaced"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval", b"heartbeat_interval", "node_grace", b"node_grace", "replaced", b"replaced"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "controller_epoch", b"controller_epoch", "generation", b"generation", "generation_limit", b"generation_limit", "heartbeat_interval", b"heartbeat_interval", "keep_unassigned", b"keep_unassigned", "replaced", b"replaced"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignments", b"assignments", "controller_epoch", b"controller_epoch", "generation", b"generation", "generation_limit", b"generation_limit", "heartbeat_interval", b"heartbeat_interval", "keep_unassigned", b"keep_unassigned", "node_grace", b"node_grace", "replaced", b"replaced"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -853,22 +865,36 @@ class HeartbeatResponse(_message.Message):
     SEQUENCE_FIELD_NUMBER: _builtins.int
     CONTROLLER_EPOCH_FIELD_NUMBER: _builtins.int
     GENERATION_LIMIT_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_INTERVAL_FIELD_NUMBER: _builtins.int
+    NODE_GRACE_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """The request's sequence."""
     controller_epoch: _builtins.int
     """Epoch of the leading controller (0 without high availability); see RegisterNodeResponse."""
     generation_limit: _builtins.int
     """See RegisterNodeResponse.generation_limit."""
+    @_builtins.property
+    def heartbeat_interval(self) -> _duration_pb2.Duration:
+        """The interval the node should heartbeat at from now on (it changes with the fleet's size);
+        see RegisterNodeResponse.heartbeat_interval.
+        """
+
+    @_builtins.property
+    def node_grace(self) -> _duration_pb2.Duration:
+        """See RegisterNodeResponse.node_grace."""
+
     def __init__(
         self,
         *,
         sequence: _builtins.int = ...,
         controller_epoch: _builtins.int = ...,
         generation_limit: _builtins.int = ...,
+        heartbeat_interval: _duration_pb2.Duration | None = ...,
+        node_grace: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval", b"heartbeat_interval", "node_grace", b"node_grace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["controller_epoch", b"controller_epoch", "generation_limit", b"generation_limit", "sequence", b"sequence"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["controller_epoch", b"controller_epoch", "generation_limit", b"generation_limit", "heartbeat_interval", b"heartbeat_interval", "node_grace", b"node_grace", "sequence", b"sequence"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

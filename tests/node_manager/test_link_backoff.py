@@ -13,6 +13,7 @@ import random
 import grpc
 import pytest
 
+from motor import pbtime
 from motor.v1 import controller_pb2, types_pb2
 from node_manager.controller_link import ControllerLink
 from tests.node_manager.fakes import FakeNode, settle
@@ -34,6 +35,7 @@ class ScriptedController:
         self.calls: list[tuple[str, float, object]] = []
         self.errors: dict[str, list[grpc.StatusCode]] = {"RegisterNode": [], "Heartbeat": [], "ReportEngineEvent": []}
         self.generation = 0
+        self.announce: float | None = None  # the heartbeat interval its answers announce (None: none)
 
     def times(self, method: str) -> list[float]:
         return [at for name, at, _ in self.calls if name == method]
@@ -49,11 +51,17 @@ class ScriptedController:
     async def RegisterNode(self, request, timeout):
         self._answer("RegisterNode", request)
         self.generation += 1
-        return controller_pb2.RegisterNodeResponse(generation=self.generation)
+        reply = controller_pb2.RegisterNodeResponse(generation=self.generation)
+        if self.announce is not None:
+            reply.heartbeat_interval.CopyFrom(pbtime.duration(self.announce))
+        return reply
 
     async def Heartbeat(self, request, timeout):
         self._answer("Heartbeat", request)
-        return controller_pb2.HeartbeatResponse()
+        reply = controller_pb2.HeartbeatResponse()
+        if self.announce is not None:
+            reply.heartbeat_interval.CopyFrom(pbtime.duration(self.announce))
+        return reply
 
     async def ReportEngineEvent(self, request, timeout):
         self._answer("ReportEngineEvent", request)
@@ -165,3 +173,23 @@ async def test_a_failure_report_retries_transient_errors_only_and_a_few_times(li
     controller.errors["ReportEngineEvent"] = [grpc.StatusCode.FAILED_PRECONDITION, UNAVAILABLE]
     await link.report(engine, "stale")  # a refusal is not retried: registering again fixes it
     assert len(controller.times("ReportEngineEvent")) == 1
+
+
+async def test_heartbeats_follow_the_interval_the_controller_announces_up_to_the_cap(link):
+    controller: ScriptedController = link.stub
+    link.max_interval = 30.0
+    link.start()
+    await settle(lambda: len(controller.times("Heartbeat")) >= 2)
+    controller.announce = 3.0  # the fleet grew past the controller's heartbeat budget
+    await settle(lambda: len(controller.times("Heartbeat")) >= 5)
+    controller.announce = 100.0  # beyond --max-heartbeat-interval: the node beats at its cap
+    await settle(lambda: len(controller.times("Heartbeat")) >= 8)
+    controller.announce = 0.5  # the fleet shrank: faster again at once
+    await settle(lambda: len(controller.times("Heartbeat")) >= 11)
+    steps = gaps(controller.times("Heartbeat"))
+    # Each announcement sets the wait after the beat it answers: runs of the configured interval,
+    # the announced 3 s, the cap, then 0.5 s, in that order and nothing else.
+    runs = [value for i, value in enumerate(steps) if i == 0 or steps[i - 1] != value]
+    assert runs == [INTERVAL, 3.0, 30.0, 0.5], steps
+    assert steps.count(30.0) >= 2 and steps[-2:] == [0.5, 0.5], steps
+    assert len(controller.times("RegisterNode")) == 1  # following the interval is no reason to register again

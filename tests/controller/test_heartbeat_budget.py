@@ -1,0 +1,112 @@
+"""The heartbeat rate budget (controller/heartbeat_budget.py): the interval the controller
+announces grows with the fleet so that the total rate stays within --max-heartbeats-per-second,
+the grace grows with it, and node loss is judged by the grace the controller stated. On a
+hand-driven clock; the same with real node managers is in test_heartbeat_budget_processes.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from motor import pbtime
+from motor.v1 import controller_pb2 as C
+
+from controller.heartbeat_budget import HeartbeatBudget
+from controller.servicer import ControllerServicer
+from tests.controller.conftest import Harness, node_info
+from tests.controller.fakes import ManualClock
+from tests.support import async_wait_for
+
+
+def budget(live: list[int], clock: ManualClock, rate: float = 100.0) -> HeartbeatBudget:
+    return HeartbeatBudget(base_interval=1.0, base_grace=5.0, max_per_second=rate, live_nodes=lambda: live[0], mono=clock)
+
+
+def test_the_interval_is_the_configured_one_until_the_fleet_would_exceed_the_budget():
+    clock, live = ManualClock(), [50]
+    b = budget(live, clock)
+    assert (b.interval(), b.grace()) == (1.0, 5.0)
+    live[0] = 100
+    assert (b.interval(), b.grace()) == (1.0, 5.0)  # exactly at the budget
+    live[0] = 101
+    assert b.interval() == pytest.approx(1.1)  # rounded up to a tenth: never over the budget
+    live[0] = 1000
+    assert (b.interval(), b.grace()) == (10.0, 50.0)  # 1000 nodes / 10 s = 100 beats/s, grace scaled alike
+    assert b.announced == 10.0 and b.held_grace() == 50.0
+
+
+def test_budget_zero_means_a_fixed_interval():
+    clock, live = ManualClock(), [100_000]
+    b = budget(live, clock, rate=0)
+    assert (b.interval(), b.grace()) == (1.0, 5.0)
+
+
+def test_a_shorter_interval_is_announced_at_once_but_silence_is_judged_by_the_longer_one_for_two_of_its_intervals():
+    clock, live = ManualClock(), [1000]
+    b = budget(live, clock)
+    assert b.interval() == 10.0
+    live[0] = 300  # most of the fleet left: nodes hear 3 s only at their next answer, up to 10 s from now
+    assert b.interval() == 3.0
+    assert (b.liveness_interval(), b.grace()) == (10.0, 50.0)
+    clock.advance(19.9)
+    assert b.grace() == 50.0
+    clock.advance(0.2)
+    assert (b.liveness_interval(), b.grace()) == (3.0, 15.0)
+    live[0] = 700  # a longer one counts at once
+    assert (b.interval(), b.grace()) == (7.0, 35.0)
+
+
+async def test_the_announcement_is_in_every_registration_and_heartbeat_answer(tmp_path):
+    clock = ManualClock()
+    h = Harness(tmp_path, clock=clock, heartbeat_interval=0.1, node_grace=0.6, max_heartbeats_per_second=10)
+    servicer = ControllerServicer(await h.start())
+    try:
+        answers = []
+        for node in ("node-a", "node-b", "node-c", "node-d"):
+            reply = await servicer.RegisterNode(C.RegisterNodeRequest(node=node_info(node)), None)
+            h.generations[node] = reply.generation
+            answers.append((pbtime.seconds(reply.heartbeat_interval), pbtime.seconds(reply.node_grace)))
+        # 1 node at 10/s fits 0.1 s; 2 nodes: 0.2 s ... the grace is 6 intervals, as 0.6 s is of 0.1 s.
+        assert answers == [(0.1, pytest.approx(0.6)), (0.2, pytest.approx(1.2)), (0.3, pytest.approx(1.8)),
+                           (0.4, pytest.approx(2.4))]
+        beat = await servicer.Heartbeat(C.HeartbeatRequest(node_id="node-a", generation=h.generations["node-a"],
+                                                           sequence=7), None)
+        assert (beat.sequence, pbtime.seconds(beat.heartbeat_interval), pbtime.seconds(beat.node_grace)) == \
+            (7, 0.4, pytest.approx(2.4))
+    finally:
+        await h.stop()
+
+
+async def test_a_silent_node_is_judged_by_the_announced_grace_then_lost_within_grace_two_intervals_and_the_recheck(tmp_path):
+    clock = ManualClock()
+    # 4 nodes at 10 beats/s: interval 0.4 s, grace 2.4 s (the configured 0.6 s would be 6 x 0.1 s).
+    h = Harness(tmp_path, clock=clock, heartbeat_interval=0.1, node_grace=0.6, max_heartbeats_per_second=10)
+    ctl = await h.start()
+    try:
+        for node in ("node-a", "node-b", "node-c", "node-d"):
+            await h.register(node)
+        assert (ctl.budget.interval(), ctl.budget.grace()) == (0.4, pytest.approx(2.4))
+        h.client.unreachable.add("node-a")
+        silent_since = clock.now
+        for _ in range(5):  # the others beat at the announced interval; node-a is silent for 2.0 s
+            clock.advance(0.4)
+            h.beat("node-b", "node-c", "node-d")
+            ctl.check_nodes()
+            assert ctl.nodes["node-a"].state == C.NODE_STATE_READY, "judged by the configured grace, not the announced"
+        clock.advance(0.6)
+        h.beat("node-b", "node-c", "node-d")
+        ctl.check_nodes()
+        node = ctl.nodes["node-a"]
+        assert node.state == C.NODE_STATE_SUSPECT and "grace 2.4s, heartbeat interval 0.4s" in node.reason
+        await async_wait_for(lambda: node.recheck_failed_at is not None, timeout=5, what="node-a's re-check failed")
+        lost_at = None
+        while lost_at is None and clock.now - silent_since < 2.4 + 2 * 0.4 + h.config.recheck_timeout + 0.4:
+            clock.advance(0.1)
+            h.beat("node-b", "node-c", "node-d")
+            ctl.check_nodes()
+            if node.state == C.NODE_STATE_LOST:
+                lost_at = clock.now - silent_since
+        # Lost no sooner than two announced intervals after it turned SUSPECT, within grace + 2 intervals + re-check.
+        assert lost_at is not None and lost_at >= 2.4 + 2 * 0.4 - 1e-6, lost_at
+        assert all(ctl.nodes[n].state == C.NODE_STATE_READY for n in ("node-b", "node-c", "node-d"))
+    finally:
+        await h.stop()
