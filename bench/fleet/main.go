@@ -1,7 +1,8 @@
 // motor-fleet: a simulated fleet of node managers for bench/controller_scale.py, in its own
 // process so that the fleet is not what limits the controller it measures. Each simulated node
 // registers, runs the engines the controller starts on it (one NodeManagerService stands for
-// every node, routed by the engine's host), and heartbeats once per interval: on one
+// every node, routed by the engine's host), and heartbeats once per interval, the interval the
+// controller announces in its answers (its heartbeat rate budget), as node managers do: on one
 // StreamHeartbeats stream per node with deltas (a full list every -full-every beats and on every
 // new stream), or with unary Heartbeat calls carrying the full list (-transport unary).
 //
@@ -25,7 +26,6 @@ import (
 	"flag"
 	"fmt"
 	"math/rand"
-	"net"
 	"os"
 	"sort"
 	"strconv"
@@ -40,6 +40,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/durationpb"
 )
 
 const enginesPerNode = 8
@@ -53,6 +54,7 @@ type node struct {
 	changed    map[string]bool // engine ids changed since the last beat
 	removed    map[string]bool
 	sinceFull  int
+	interval   time.Duration // as the controller last announced (-interval until it does)
 	stopped    int32
 	client     motorv1.ControllerServiceClient // its own connection (-conns 0, or mutual TLS); nil: a shared one
 }
@@ -85,64 +87,9 @@ type fleet struct {
 	deltaSizes int
 	reportRtts []float64
 	reportErrs int
-}
 
-// ---------------------------------------------------------------- the node manager side
-
-type nodeManager struct {
-	motorv1.UnimplementedNodeManagerServiceServer
-	f *fleet
-}
-
-func (s *nodeManager) StartEngine(ctx context.Context, req *motorv1.StartEngineRequest) (*motorv1.StartEngineResponse, error) {
-	f := s.f
-	f.mu.Lock()
-	n := f.byHost[req.Spec.Host]
-	f.mu.Unlock()
-	if n == nil {
-		return nil, status.Errorf(codes.NotFound, "no simulated node with host %q", req.Spec.Host)
-	}
-	port := uint32(20000 + 2*(atomic.AddInt64(&f.ports, 1)%4000))
-	spec := req.Spec
-	spec.Port, spec.MgmtPort = port, port+1
-	id := fmt.Sprintf("%s/rank%d", spec.InstanceId, spec.DpRank)
-	engine := &motorv1.Engine{
-		EngineId: id, Spec: spec, State: motorv1.EngineState_ENGINE_STATE_RUNNING,
-		Health: motorv1.HealthStatus_HEALTH_STATUS_NORMAL, HealthReason: "sim", Pid: int32(100000 + atomic.AddInt64(&f.starts, 1)), NodeId: n.id,
-	}
-	n.mu.Lock()
-	n.engines[id] = engine
-	n.changed[id] = true
-	delete(n.removed, id)
-	n.mu.Unlock()
-	return &motorv1.StartEngineResponse{Engine: engine}, nil
-}
-
-func (s *nodeManager) StopEngine(ctx context.Context, req *motorv1.StopEngineRequest) (*motorv1.StopEngineResponse, error) {
-	return &motorv1.StopEngineResponse{}, nil // the controller starts the copy again: StartEngine replaces it
-}
-
-func (s *nodeManager) ListEngines(ctx context.Context, req *motorv1.ListEnginesRequest) (*motorv1.ListEnginesResponse, error) {
-	return &motorv1.ListEnginesResponse{}, nil
-}
-
-func serve(f *fleet) (string, *grpc.Server) {
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		panic(err)
-	}
-	var options []grpc.ServerOption
-	if f.ca != nil {
-		creds, err := f.ca.serverCredentials()
-		if err != nil {
-			panic(err)
-		}
-		options = append(options, grpc.Creds(creds))
-	}
-	srv := grpc.NewServer(options...)
-	motorv1.RegisterNodeManagerServiceServer(srv, &nodeManager{f: f})
-	go srv.Serve(lis)
-	return lis.Addr().String(), srv
+	announced int64 // nanoseconds: the latest heartbeat interval and grace the controller announced
+	grace     int64
 }
 
 // ---------------------------------------------------------------- the controller side
@@ -214,7 +161,20 @@ func (f *fleet) register(n *node) error {
 	n.generation = reply.Generation
 	n.sinceFull = f.fullEvery // the next beat is a full list
 	n.mu.Unlock()
+	f.follow(n, reply.HeartbeatInterval, reply.NodeGrace)
 	return nil
+}
+
+// follow takes the interval the controller announced (and notes it and the grace for `measure`).
+func (f *fleet) follow(n *node, interval, grace *durationpb.Duration) {
+	if interval == nil || interval.AsDuration() <= 0 {
+		return
+	}
+	n.interval = interval.AsDuration()
+	atomic.StoreInt64(&f.announced, int64(n.interval))
+	if grace != nil {
+		atomic.StoreInt64(&f.grace, int64(grace.AsDuration()))
+	}
 }
 
 // request builds the next beat: a full list every fullEvery beats (and first), else a delta.
@@ -267,8 +227,12 @@ func refused(err error) bool {
 }
 
 func (f *fleet) beat(n *node) {
-	time.Sleep(time.Duration(rand.Int63n(int64(f.interval))))
-	ticker := time.NewTicker(f.interval)
+	if n.interval <= 0 {
+		n.interval = f.interval
+	}
+	time.Sleep(time.Duration(rand.Int63n(int64(n.interval))))
+	every := n.interval
+	ticker := time.NewTicker(every)
 	defer ticker.Stop()
 	var seq uint64
 	var stream motorv1.ControllerService_StreamHeartbeatsClient
@@ -282,11 +246,12 @@ func (f *fleet) beat(n *node) {
 		seq++
 		var err error
 		var req *motorv1.HeartbeatRequest
+		var reply *motorv1.HeartbeatResponse
 		started := time.Now()
 		if f.transport == "unary" {
 			req = f.request(n, seq, true)
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			_, err = f.client(n).Heartbeat(ctx, req)
+			reply, err = f.client(n).Heartbeat(ctx, req)
 			cancel()
 		} else {
 			fresh := stream == nil
@@ -297,7 +262,10 @@ func (f *fleet) beat(n *node) {
 				req = f.request(n, seq, fresh)
 				started = time.Now()
 				if err = stream.Send(&motorv1.StreamHeartbeatsRequest{Heartbeat: req}); err == nil {
-					_, err = stream.Recv()
+					var answer *motorv1.StreamHeartbeatsResponse
+					if answer, err = stream.Recv(); err == nil {
+						reply = answer.Heartbeat
+					}
 				}
 			}
 			if err != nil {
@@ -307,6 +275,13 @@ func (f *fleet) beat(n *node) {
 		f.record(time.Since(started), err, req)
 		if err != nil && refused(err) {
 			f.register(n)
+		}
+		if reply != nil {
+			f.follow(n, reply.HeartbeatInterval, reply.NodeGrace)
+		}
+		if n.interval != every { // the next beat one announced interval after this one
+			every = n.interval
+			ticker.Reset(every)
 		}
 	}
 }
@@ -423,6 +398,7 @@ func (f *fleet) measure(seconds float64) map[string]interface{} {
 		"full_beats": f.fulls, "delta_beats": f.deltas, "delta_engines": f.deltaSizes,
 		"reports": len(f.reportRtts), "report_errors": f.reportErrs,
 		"report_p50_ms": quantile(f.reportRtts, 0.5), "report_p99_ms": quantile(f.reportRtts, 0.99),
+		"interval_s": float64(atomic.LoadInt64(&f.announced)) / 1e9, "grace_s": float64(atomic.LoadInt64(&f.grace)) / 1e9,
 	}
 }
 
@@ -447,7 +423,7 @@ func main() {
 	caKey := flag.String("tls-ca-key", "", "the CA's key (PKCS#8 PEM), with -tls-ca")
 	transport := flag.String("transport", "stream", "stream (StreamHeartbeats with deltas) or unary (Heartbeat, full lists)")
 	fullEvery := flag.Int("full-every", 30, "a full engine list every this many beats (stream)")
-	interval := flag.Duration("interval", time.Second, "heartbeat interval")
+	interval := flag.Duration("interval", time.Second, "heartbeat interval until the controller announces one")
 	victims := flag.Int("victims", 3, "nodes that `silence` stops (the first ones registered)")
 	reportRate := flag.Float64("reports-per-s", 2, "engine failures reported (ReportEngineEvent) per second")
 	flag.Parse()
