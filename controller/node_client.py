@@ -12,7 +12,8 @@ import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from motor import pbtime, start_refusals
-from motor.grpc_server import TlsFiles, aio_channel
+from motor.channels import ReloadingChannel
+from motor.grpc_server import TlsFiles
 from motor.v1 import controller_pb2, node_manager_pb2, node_manager_pb2_grpc, types_pb2
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class GrpcNodeClient(NodeClient):
         self, attempts: int = 4, start_timeout: float = 15.0, max_in_flight: int = 64, tls: TlsFiles | None = None,
         epoch: Callable[[], int] = lambda: 0,
     ):
-        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.channels: dict[str, ReloadingChannel] = {}
         self.tls = tls  # the controller's certificate and trust bundle under mutual TLS
         self.epoch = epoch  # the leader's controller epoch, sent on StartEngine/StopEngine (0: no HA)
         self.attempts = attempts
@@ -89,9 +90,9 @@ class GrpcNodeClient(NodeClient):
 
     def _stub(self, node: controller_pb2.NodeInfo) -> node_manager_pb2_grpc.NodeManagerServiceStub:
         channel = self.channels.get(node.address)
-        if channel is None:
-            channel = self.channels[node.address] = aio_channel(node.address, self.tls)
-        return node_manager_pb2_grpc.NodeManagerServiceStub(channel)
+        if channel is None:  # made again when the TLS files change (motor/channels.py)
+            channel = self.channels[node.address] = ReloadingChannel(node.address, self.tls)
+        return channel.stub(node_manager_pb2_grpc.NodeManagerServiceStub)
 
     def _retrying(self) -> AsyncRetrying:
         return AsyncRetrying(

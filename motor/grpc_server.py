@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from motor.errors import ConfigError, ErrorMappingInterceptor
-from motor.tls import ReloadingServerCredentials
+from motor.tls import ReloadingServerCredentials, TlsFileWatch, TlsPems
 
 
 if TYPE_CHECKING:  # prometheus_client must not be imported before the engine server sets its multiprocess dir
@@ -67,16 +67,6 @@ class TlsFiles:
     require_client_cert: bool = False
 
 
-def _read(path: str | None, field: str) -> bytes | None:
-    if not path:
-        return None
-    try:
-        with open(path, "rb") as handle:
-            return handle.read()
-    except OSError as exc:
-        raise ConfigError(f"{field}: cannot read {path!r}: {exc.strerror}") from None
-
-
 def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
     """Credentials that re-read the files when they change (motor/tls.py)."""
     if not tls.cert or not tls.key:
@@ -84,12 +74,10 @@ def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
     return ReloadingServerCredentials(tls.cert, tls.key, tls.ca, tls.require_client_cert).credentials
 
 
-def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
-    return grpc.ssl_channel_credentials(
-        root_certificates=_read(tls.ca, "ca"),
-        private_key=_read(tls.key, "key"),
-        certificate_chain=_read(tls.cert, "cert"),
-    )
+def channel_credentials(tls: TlsFiles, pems: TlsPems | None = None) -> grpc.ChannelCredentials:
+    """Client credentials from `tls`'s files, or from `pems` already read from them."""
+    pems = pems or TlsFileWatch(tls.cert, tls.key, tls.ca).pems
+    return grpc.ssl_channel_credentials(root_certificates=pems.ca, private_key=pems.key, certificate_chain=pems.cert)
 
 
 def aio_channel(
@@ -97,8 +85,10 @@ def aio_channel(
     tls: TlsFiles | None = None,
     server_name: str | None = None,
     options: dict[str, Any] | None = None,
+    pems: TlsPems | None = None,
 ) -> grpc.aio.Channel:
-    """An asyncio channel to `target`, plaintext or TLS; `options` override CHANNEL_OPTIONS by key."""
+    """An asyncio channel to `target`, plaintext or TLS; `options` override CHANNEL_OPTIONS by key.
+    A process that keeps a channel uses motor/channels.py, which follows rotated TLS files."""
     merged = dict(CHANNEL_OPTIONS)
     merged.update(options or {})
     options = list(merged.items())
@@ -106,7 +96,7 @@ def aio_channel(
         return grpc.aio.insecure_channel(target, options=options)
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
-    return grpc.aio.secure_channel(target, channel_credentials(tls), options=options)
+    return grpc.aio.secure_channel(target, channel_credentials(tls, pems), options=options)
 
 
 class MotorServer:

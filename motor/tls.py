@@ -1,15 +1,17 @@
-"""TLS server credentials that follow their files: rotate a certificate on disk, no restart.
+"""TLS credentials that follow their files: rotate a certificate on disk, no restart.
 
-gRPC asks `_fetch` before every new handshake; it answers None (keep the current files) unless a
-file's mtime, size or inode changed, and then only with a certificate and key that belong
-together, so a rotation caught half way (new certificate, old key) keeps the previous pair
-until the second file lands. Connections already open keep the certificate they started with.
+A server's gRPC asks `_fetch` before every new handshake; a client channel (motor/channels.py)
+asks before every call. Both get nothing new (keep the current files) unless a file's mtime,
+size or inode changed, and then only a certificate and key that belong together, so a rotation
+caught half way (new certificate, old key) keeps the previous pair until the second file lands.
+Connections already open keep the certificate they started with.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import grpc
 from cryptography import x509
@@ -55,18 +57,28 @@ def check_ca_bundle(ca_pem: bytes, ca_path: str) -> None:
         raise ConfigError(f"ca: {ca_path!r} holds no PEM certificate ({exc})") from None
 
 
-class ReloadingServerCredentials:
-    """`grpc.dynamic_ssl_server_credentials` over a certificate, key and optional client CA file."""
+@dataclass(frozen=True)
+class TlsPems:
+    """The contents of a certificate, its key and a CA bundle (None: that file is not used)."""
 
-    def __init__(self, cert: str, key: str, ca: str | None = None, require_client_cert: bool = False):
-        self.paths = [cert, key] + ([ca] if ca else [])
+    cert: bytes | None = None
+    key: bytes | None = None
+    ca: bytes | None = None
+
+
+class TlsFileWatch:
+    """A certificate, its key and a CA bundle (each optional) read from their files, and read again
+    when one of them changes: `changed()` costs a stat per file, and answers new contents only
+    once they are usable (the key belongs to the certificate, the bundle holds a certificate).
+    Shared by servers (ReloadingServerCredentials) and clients (motor/channels.py)."""
+
+    def __init__(self, cert: str | None, key: str | None, ca: str | None):
+        self.files = {field: path for field, path in (("cert", cert), ("key", key), ("ca", ca)) if path}
+        self.paths = list(self.files.values())
         self.reloads = 0
         self._stamp = self._stamps()
         self._refused: tuple[tuple[int, int, int], ...] | None = None
-        initial = self._configuration()
-        self.credentials = grpc.dynamic_ssl_server_credentials(
-            initial, self._fetch, require_client_authentication=bool(ca) and require_client_cert
-        )
+        self.pems = self._read()  # at start a ConfigError naming the setting: exit 2
 
     def _stamps(self) -> tuple[tuple[int, int, int], ...]:
         stamps = []
@@ -78,28 +90,47 @@ class ReloadingServerCredentials:
             stamps.append((stat.st_mtime_ns, stat.st_size, stat.st_ino))
         return tuple(stamps)
 
-    def _configuration(self) -> grpc.ServerCertificateConfiguration:
-        cert_path, key_path = self.paths[0], self.paths[1]
-        cert, key = read_pem(cert_path, "cert"), read_pem(key_path, "key")
-        check_key_pair(cert, key, cert_path, key_path)
-        ca = read_pem(self.paths[2], "ca") if len(self.paths) > 2 else None
-        if ca is not None:
-            check_ca_bundle(ca, self.paths[2])
-        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+    def _read(self) -> TlsPems:
+        pems = TlsPems(**{field: read_pem(path, field) for field, path in self.files.items()})
+        if pems.cert is not None and pems.key is not None:
+            check_key_pair(pems.cert, pems.key, self.files["cert"], self.files["key"])
+        if pems.ca is not None:
+            check_ca_bundle(pems.ca, self.files["ca"])
+        return pems
 
-    def _fetch(self) -> grpc.ServerCertificateConfiguration | None:
+    def changed(self) -> TlsPems | None:
+        """The files' new contents when they changed and can be used; None otherwise (an unusable
+        change, e.g. a certificate whose key has not landed yet, is logged once and retried)."""
         stamp = None
         try:
             stamp = self._stamps()
             if stamp == self._stamp:
                 return None
-            configuration = self._configuration()
+            pems = self._read()
         except ConfigError as exc:
-            if stamp is None or stamp != self._refused:  # asked before every handshake: say it once per change
+            if stamp is None or stamp != self._refused:  # asked before every handshake or call: say it once per change
                 logger.error("TLS files changed but cannot be used, keeping the previous ones: %s", exc)
                 self._refused = stamp
             return None
-        self._stamp = stamp
+        self._stamp, self.pems = stamp, pems
         self.reloads += 1
         logger.info("TLS certificate re-read from %s", ", ".join(self.paths))
-        return configuration
+        return pems
+
+
+class ReloadingServerCredentials:
+    """`grpc.dynamic_ssl_server_credentials` over a certificate, key and optional client CA file."""
+
+    def __init__(self, cert: str, key: str, ca: str | None = None, require_client_cert: bool = False):
+        self.watch = TlsFileWatch(cert, key, ca)
+        self.credentials = grpc.dynamic_ssl_server_credentials(
+            self._configuration(self.watch.pems), self._fetch, require_client_authentication=bool(ca) and require_client_cert
+        )
+
+    @staticmethod
+    def _configuration(pems: TlsPems) -> grpc.ServerCertificateConfiguration:
+        return grpc.ssl_server_certificate_configuration([(pems.key, pems.cert)], root_certificates=pems.ca)
+
+    def _fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        pems = self.watch.changed()
+        return None if pems is None else self._configuration(pems)

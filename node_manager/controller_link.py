@@ -27,7 +27,8 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from motor import pbtime
 from motor.errors import ConfigError
-from motor.grpc_server import TlsFiles, aio_channel
+from motor.channels import ReloadingChannel
+from motor.grpc_server import TlsFiles
 from motor.leader import FOLLOW_RETRY_BASE, FOLLOW_RETRY_CAP, ControllerAddresses, backoff_delay, parse_addresses
 from motor.names import ID_RULE, excerpt
 from motor.node_process import describe
@@ -81,7 +82,7 @@ class ControllerLink:
         # One address, or every HA controller's: calls follow the leader (motor/leader.py).
         self.tls = tls
         self.controllers = ControllerAddresses(parse_addresses(controller, "--controller"))
-        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.channels: dict[str, ReloadingChannel] = {}
         self._use(self.controllers.current)
         self.epoch = epoch or ControllerEpoch()
         self.generation = 0
@@ -92,10 +93,15 @@ class ControllerLink:
 
     def _use(self, address: str) -> None:
         if address not in self.channels:
-            self.channels[address] = aio_channel(address, self.tls)
+            self.channels[address] = ReloadingChannel(address, self.tls)
         self.beats.close()  # a stream is to one controller
-        self.channel = self.channels[address]
-        self.stub = controller_pb2_grpc.ControllerServiceStub(self.channel)
+        self.address = address
+
+    @property
+    def stub(self) -> controller_pb2_grpc.ControllerServiceStub:
+        """The current controller's stub; a new one (and so a new heartbeat stream) once the TLS
+        files changed (motor/channels.py)."""
+        return self.channels[self.address].stub(controller_pb2_grpc.ControllerServiceStub)
 
     def _move_on(self, exc: grpc.aio.AioRpcError) -> bool:
         """After a failed call: to the leader a standby named, or the next controller; True if moved."""

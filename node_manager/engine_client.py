@@ -10,7 +10,7 @@ from typing import AsyncIterator, Callable, Protocol
 
 import grpc
 
-from motor.grpc_server import aio_channel
+from motor.channels import ReloadingChannel
 from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 from node_manager.config import NodeManagerConfig
 
@@ -44,8 +44,12 @@ class GrpcEngineClient:
                           "grpc.max_reconnect_backoff_ms": 1000}
         # Engines serve with this node's own certificate (config.engine_argv), so the node
         # manager verifies them and presents the same certificate: it is their node-manager.
-        self.channel = aio_channel(f"{host}:{spec.mgmt_port}", config.client_tls(), options=fast_reconnect)
-        self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
+        # Rotated files are used without a restart (motor/channels.py).
+        self.channel = ReloadingChannel(f"{host}:{spec.mgmt_port}", config.client_tls(), options=fast_reconnect)
+
+    @property
+    def stub(self) -> engine_pb2_grpc.EngineServiceStub:
+        return self.channel.stub(engine_pb2_grpc.EngineServiceStub)
 
     async def get_status(self, timeout: float) -> types_pb2.EngineStatus:
         try:

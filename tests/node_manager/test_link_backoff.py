@@ -68,13 +68,26 @@ class ScriptedController:
         return controller_pb2.ReportEngineEventResponse()
 
 
+class ScriptedChannel:
+    """Stands in for the link's ReloadingChannel: every stub is the scripted controller."""
+
+    def __init__(self, controller: ScriptedController):
+        self.controller = controller
+
+    def stub(self, stub_class) -> ScriptedController:
+        return self.controller
+
+    async def close(self) -> None:
+        pass
+
+
 @pytest.fixture
 async def link(tmp_path):
     node = FakeNode(str(tmp_path / "node"))
     await node.manager.start()
     link = ControllerLink(node.manager, "127.0.0.1:1", controller_pb2.NodeInfo(node_id="node-f"),
                           interval=INTERVAL, max_backoff=MAX_BACKOFF, clock=node.clock, stream_heartbeats=False)
-    link.stub = ScriptedController(node.clock)
+    link.channels[link.address] = ScriptedChannel(ScriptedController(node.clock))
     task = None
 
     def run() -> None:
@@ -87,7 +100,7 @@ async def link(tmp_path):
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     else:
-        await link.channel.close()
+        await link.channels[link.address].close()
     await node.manager.close()
 
 

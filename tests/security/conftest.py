@@ -145,6 +145,14 @@ def mtls_files(pki: DevPki, name: str = "controller") -> TlsFiles:
     return TlsFiles(cert=pki.cert(name), key=pki.key(name), ca=pki.ca, require_client_cert=True)
 
 
+@pytest.fixture
+async def mtls_server(dev_pki):
+    """A mutual-TLS server with the controller's certificate, trusting the dev CA."""
+    served = await serve(mtls_files(dev_pki), policy(dev_pki))
+    yield served
+    await served.server.stop(None)
+
+
 def client(pki: DevPki, port: int, name: str | None = None, host: str = "localhost") -> grpc.aio.Channel:
     """A TLS channel trusting the dev CA, presenting `name`'s certificate when given."""
     files = TlsFiles(cert=pki.cert(name), key=pki.key(name), ca=pki.ca) if name else TlsFiles(ca=pki.ca)

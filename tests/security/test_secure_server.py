@@ -32,13 +32,6 @@ def _stub(channel):
 
 
 @pytest.fixture
-async def mtls_server(dev_pki):
-    served = await serve(mtls_files(dev_pki), policy(dev_pki))
-    yield served
-    await served.server.stop(None)
-
-
-@pytest.fixture
 async def token_server(dev_pki):
     served = await serve(TlsFiles(cert=dev_pki.cert("controller"), key=dev_pki.key("controller")), policy(dev_pki))
     yield served

@@ -1,0 +1,77 @@
+"""Client channels that a process keeps, following their TLS files: a rotated client certificate,
+key or CA bundle is used without a restart.
+
+A gRPC channel's credentials are fixed when it is made, and a connection checks certificates
+only at its handshake. A node manager or controller that kept its channels presented (and
+trusted) the files of its start for ever: once they expired or the CA changed, the next
+reconnect failed (for a node manager's engine channels that meant failed status checks, then
+healthy engines killed). `ReloadingChannel` asks its `TlsFileWatch` (motor/tls.py, the same
+rule servers use) before handing out its channel: when the files changed and belong together it
+makes a new channel from them and hands out that one. Calls running on the old channel are not
+cut: it takes no new calls and is closed once they end, or after RETIRE_GRACE seconds (a
+long-lived stream then ends, and its owner opens it again on the new channel).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable, TypeVar
+
+import grpc
+
+from motor.grpc_server import TlsFiles, aio_channel
+from motor.tls import TlsFileWatch
+
+logger = logging.getLogger(__name__)
+
+# Seconds the calls on a replaced channel may still run (status checks, starts and stops have
+# their own shorter deadlines; a stream older than this is reopened on the new channel).
+RETIRE_GRACE = 60.0
+
+StubT = TypeVar("StubT")
+
+
+class ReloadingChannel:
+    """A channel to `target` (plaintext when `tls` is None) and the stubs made on it."""
+
+    def __init__(self, target: str, tls: TlsFiles | None = None, server_name: str | None = None,
+                 options: dict[str, Any] | None = None):
+        self.target, self.tls = target, tls
+        self._make: Callable[..., grpc.aio.Channel] = lambda pems=None: aio_channel(
+            target, tls, server_name=server_name, options=options, pems=pems)
+        self._watch = TlsFileWatch(tls.cert, tls.key, tls.ca) if tls else None
+        self._channel = self._make(self._watch.pems if self._watch else None)
+        self._stubs: dict[type, Any] = {}
+        self._retiring: dict[asyncio.Task, grpc.aio.Channel] = {}
+        self.replaced = 0  # channels made again because the files changed
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The channel to call on now: made again first if the TLS files changed."""
+        pems = self._watch.changed() if self._watch else None
+        if pems is not None:
+            old, self._channel = self._channel, self._make(pems)
+            self._stubs.clear()
+            self.replaced += 1
+            retire = asyncio.get_running_loop().create_task(old.close(RETIRE_GRACE), name=f"retire channel to {self.target}")
+            self._retiring[retire] = old
+            retire.add_done_callback(lambda task: self._retiring.pop(task, None))
+            logger.info("TLS files changed: new calls to %s use a new channel with them", self.target)
+        return self._channel
+
+    def stub(self, stub_class: Callable[[grpc.aio.Channel], StubT]) -> StubT:
+        """A `stub_class` on the current channel: the same object until the channel is replaced (so
+        a caller can tell that its stream belongs to the old one)."""
+        channel = self.channel
+        stub = self._stubs.get(stub_class)
+        if stub is None:
+            stub = self._stubs[stub_class] = stub_class(channel)
+        return stub
+
+    async def close(self) -> None:
+        """Close the channel and any replaced one still finishing its calls (cancelling them)."""
+        for task, old in list(self._retiring.items()):
+            task.cancel()
+            await old.close()
+        await self._channel.close()

@@ -1,0 +1,76 @@
+"""motor/channels.py on a real mutual-TLS server: a kept channel follows its rotated client files,
+a call running on the old channel is not cut, and a half-written rotation is not used."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+
+import grpc
+import pytest
+
+from motor.channels import ReloadingChannel
+from motor.grpc_server import TlsFiles
+from motor.identity import Identity
+from motor.pki import CertificateAuthority
+from motor.v1 import controller_pb2, controller_pb2_grpc
+
+Stub = controller_pb2_grpc.ControllerServiceStub
+
+
+@pytest.fixture
+def client_files(dev_pki, tmp_path) -> TlsFiles:
+    """The viewer's files, copied: the test rotates them."""
+    return TlsFiles(cert=shutil.copy(dev_pki.cert("viewer"), tmp_path), key=shutil.copy(dev_pki.key("viewer"), tmp_path),
+                    ca=shutil.copy(dev_pki.ca, tmp_path))
+
+
+async def test_a_rotated_client_certificate_makes_a_new_channel_and_calls_on_the_old_one_finish(mtls_server, dev_pki, client_files, tmp_path):
+    kept = ReloadingChannel(f"localhost:{mtls_server.port}", client_files)
+    try:
+        first = kept.stub(Stub)
+        assert kept.stub(Stub) is first  # unchanged files: the same stub, no new channel
+        stream = first.WatchEvents(controller_pb2.WatchEventsRequest())
+        await stream.read()
+
+        # A CA the server does not trust: the new channel presents the new certificate (refused),
+        # which shows it is the one in use, while the stream on the old channel goes on.
+        stranger = CertificateAuthority.create("stranger")
+        stranger.issue(Identity("viewer", "viewer"), []).save(str(tmp_path), "viewer")
+        refused_stub = kept.stub(Stub)
+        assert refused_stub is not first and kept.replaced == 1
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await refused_stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        mtls_server.services.push()
+        await asyncio.wait_for(stream.read(), 10)  # the call in flight on the old channel was not cut
+
+        # Rotated again, by the right CA: calls work on the newest channel.
+        CertificateAuthority.load(dev_pki.directory).issue(Identity("viewer", "viewer"), []).save(str(tmp_path), "viewer")
+        await kept.stub(Stub).ListNodes(controller_pb2.ListNodesRequest(), timeout=10)
+        assert kept.replaced == 2
+        stream.cancel()
+    finally:
+        await kept.close()
+
+
+async def test_a_half_written_rotation_keeps_the_channel_until_the_key_lands(mtls_server, dev_pki, client_files, caplog):
+    kept = ReloadingChannel(f"localhost:{mtls_server.port}", client_files)
+    try:
+        stub = kept.stub(Stub)
+        newer = CertificateAuthority.load(dev_pki.directory).issue(Identity("viewer", "viewer"), [])
+        with open(client_files.cert, "wb") as handle:  # the certificate lands, its key not yet
+            handle.write(newer.cert_pem)
+        with caplog.at_level(logging.ERROR):
+            for _ in range(3):
+                assert kept.stub(Stub) is stub
+                await stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=10)
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert len(errors) == 1 and "is not the key of the certificate" in errors[0], errors
+        with open(client_files.key, "wb") as handle:
+            handle.write(newer.key_pem)
+        assert kept.stub(Stub) is not stub and kept.replaced == 1
+        await kept.stub(Stub).ListNodes(controller_pb2.ListNodesRequest(), timeout=10)
+    finally:
+        await kept.close()
