@@ -5,9 +5,9 @@ A gRPC channel's credentials are fixed when it is made, and a connection checks 
 only at its handshake. A node manager or controller that kept its channels presented (and
 trusted) the files of its start for ever: once they expired or the CA changed, the next
 reconnect failed (for a node manager's engine channels that meant failed status checks, then
-healthy engines killed). `ReloadingChannel` asks its `TlsFileWatch` (motor/tls.py, the same
-rule servers use) before handing out its channel: when the files changed and belong together it
-makes a new channel from them and hands out that one. Calls running on the old channel are not
+healthy engines killed). `ReloadingChannel` asks the process's `TlsFileWatch` of its files
+(motor/tls.py, the same rule servers use) before handing out its channel: when the files changed
+and belong together it makes a new channel from them and hands out that one. Calls running on the old channel are not
 cut: it takes no new calls and is closed once they end, or after RETIRE_GRACE seconds (a
 long-lived stream then ends, and its owner opens it again on the new channel).
 """
@@ -40,7 +40,8 @@ class ReloadingChannel:
         self.target, self.tls = target, tls
         self._make: Callable[..., grpc.aio.Channel] = lambda pems=None: aio_channel(
             target, tls, server_name=server_name, options=options, pems=pems)
-        self._watch = TlsFileWatch(tls.cert, tls.key, tls.ca) if tls else None
+        self._watch = TlsFileWatch.shared(tls.cert, tls.key, tls.ca) if tls else None
+        self._made_at = self._watch.reloads if self._watch else 0  # the version of the files in use
         self._channel = self._make(self._watch.pems if self._watch else None)
         self._stubs: dict[type, Any] = {}
         self._retiring: dict[asyncio.Task, grpc.aio.Channel] = {}
@@ -49,9 +50,11 @@ class ReloadingChannel:
     @property
     def channel(self) -> grpc.aio.Channel:
         """The channel to call on now: made again first if the TLS files changed."""
-        pems = self._watch.changed() if self._watch else None
-        if pems is not None:
-            old, self._channel = self._channel, self._make(pems)
+        if self._watch is not None:
+            self._watch.changed()  # the files read again if they changed, for every channel of the process
+        if self._watch is not None and self._watch.reloads != self._made_at:
+            self._made_at = self._watch.reloads
+            old, self._channel = self._channel, self._make(self._watch.pems)
             self._stubs.clear()
             self.replaced += 1
             retire = asyncio.get_running_loop().create_task(old.close(RETIRE_GRACE), name=f"retire channel to {self.target}")

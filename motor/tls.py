@@ -70,7 +70,10 @@ class TlsFileWatch:
     """A certificate, its key and a CA bundle (each optional) read from their files, and read again
     when one of them changes: `changed()` costs a stat per file, and answers new contents only
     once they are usable (the key belongs to the certificate, the bundle holds a certificate).
-    Shared by servers (ReloadingServerCredentials) and clients (motor/channels.py)."""
+    Used by servers (ReloadingServerCredentials) and, one per set of files in a process
+    (`shared`), by the client channels it keeps (motor/channels.py)."""
+
+    _shared: dict[tuple[str | None, str | None, str | None], "TlsFileWatch"] = {}
 
     def __init__(self, cert: str | None, key: str | None, ca: str | None):
         self.files = {field: path for field, path in (("cert", cert), ("key", key), ("ca", ca)) if path}
@@ -79,6 +82,16 @@ class TlsFileWatch:
         self._stamp = self._stamps()
         self._refused: tuple[tuple[int, int, int], ...] | None = None
         self.pems = self._read()  # at start a ConfigError naming the setting: exit 2
+
+    @classmethod
+    def shared(cls, cert: str | None, key: str | None, ca: str | None) -> "TlsFileWatch":
+        """This process's one watch of these files: read once, so that a channel made later (to a
+        new engine, a new node) starts from the last usable contents, even in the middle of a
+        rotation, and every channel sees a change under the same `reloads` count."""
+        files = (cert, key, ca)
+        if files not in cls._shared:
+            cls._shared[files] = cls(cert, key, ca)
+        return cls._shared[files]
 
     def _stamps(self) -> tuple[tuple[int, int, int], ...]:
         stamps = []

@@ -66,6 +66,12 @@ async def test_a_half_written_rotation_keeps_the_channel_until_the_key_lands(mtl
             for _ in range(3):
                 assert kept.stub(Stub) is stub
                 await stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=10)
+            # A channel made now (to a new engine, a new node) starts from the last usable pair.
+            later = ReloadingChannel(f"localhost:{mtls_server.port}", client_files)
+            try:
+                await later.stub(Stub).ListNodes(controller_pb2.ListNodesRequest(), timeout=10)
+            finally:
+                await later.close()
         errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
         assert len(errors) == 1 and "is not the key of the certificate" in errors[0], errors
         with open(client_files.key, "wb") as handle:
