@@ -87,7 +87,7 @@ def apply_startup_deployment(controller: Controller, config: ControllerConfig) -
 
 
 async def serve(config: ControllerConfig) -> None:
-    TenuredCollections().install()  # a large fleet's state: no full garbage collection walks it all (motor/gc_tuning.py)
+    gc_policy = TenuredCollections().install()  # a large fleet's state: no full garbage collection walks it all (motor/gc_tuning.py)
     ha = None
     if config.uses_etcd:
         on_lead = (lambda controller: apply_startup_deployment(controller, config)) if config.deployment else None
@@ -103,6 +103,8 @@ async def serve(config: ControllerConfig) -> None:
             apply_startup_deployment(controller, config)
         interceptors, current = [], lambda: controller
         telemetry = ServiceTelemetry(controller.metrics.registry, controller.fleet_series.render)
+    # A deployment change holds the old and the new instances at once: a complete walk waits for its end.
+    gc_policy.busy = lambda: current() is not None and current().changes.busy
     # /discovery/engines: Prometheus finds the engines' /metrics there (http_sd_configs).
     await telemetry.serve("0.0.0.0", config.metrics_port,
                           routes={"/discovery/engines": lambda: engine_targets(current().state)})

@@ -65,6 +65,11 @@ class DeploymentChanges:
         self.revision = 0
         self._one_at_a_time = asyncio.Lock()
 
+    @property
+    def busy(self) -> bool:
+        """A change is being made (the old and the new instances are both in memory meanwhile)."""
+        return self._one_at_a_time.locked()
+
     def set_deployment(self, deployment: C.Deployment | None, revision: int) -> None:
         self.deployment, self.revision = deployment, revision
         if deployment is not None:
@@ -267,9 +272,8 @@ class DeploymentChanges:
         """From memory, and stop its engines (the change deleted its rows)."""
         st = self.state
         slots = st.slots_of(instance_id)  # while the instance is known: its ranks, not a scan of every slot
-        self.endpoints.changed([s.engine_id for s in slots])
         st.instances.pop(instance_id, None)
-        self.endpoints.refresh()  # routers hear of it before any of its engines is stopped
+        self.endpoints.refresh_engines([s.engine_id for s in slots])  # routers hear of it before any of its engines is stopped
         st.attention.discard(instance_id)
         for slot in slots:
             st.slots.remove(slot.engine_id)

@@ -9,7 +9,8 @@ An engine is listed when it can serve right now:
 
 `EndpointFeed` keeps the listed set and, whenever something that decides it changes, works out
 what was added and removed (once per event-loop turn, however many changes came in it) and
-sends that to every WatchEndpoints stream. A change names the engines it may concern (an
+sends that to every WatchEndpoints stream (a change of tens of thousands of engines in slices
+that yield to the loop, one message each). A change names the engines it may concern (an
 engine, the ranks of an instance, the engines on a node), so the feed re-reads only those: a
 failure in a fleet of 80,000 engines costs a handful of look-ups, not a pass over the fleet.
 """
@@ -25,6 +26,7 @@ from motor.v1 import controller_pb2, types_pb2
 
 from controller.instances import DEGRADED, READY
 from controller.nodes import NODE_READY
+from controller.slicing import Budget
 from controller.slots import EngineSlot
 from controller.state import ClusterState
 
@@ -91,23 +93,47 @@ class EndpointFeed:
         loop.call_soon(self.refresh)
 
     def refresh(self) -> None:
+        """Re-read the engines changed since the last refresh and publish what was added and
+        removed. A long list (a fleet-wide change: tens of thousands of engines) is re-read in
+        slices of SLICE_SECONDS, one message each, the rest in the loop's next turn."""
         self._scheduled = False
         dirty, self._dirty = self._dirty, set()
-        added, removed = [], []
-        for key in sorted(set(self.state.slots) | set(self.current) if dirty is None else dirty):
+        if dirty is None:
+            keys = [*self.state.slots, *(key for key in self.current if key not in self.state.slots)]
+        else:
+            keys = list(dirty)
+        done = self._reread(keys, Budget())
+        if done < len(keys):
+            self.changed(keys[done:])
+
+    def refresh_engines(self, engine_ids: list[str]) -> None:
+        """Re-read these engines now (an instance removed: routers hear of it before its engines stop)."""
+        if self._dirty is not None:
+            self._dirty.difference_update(engine_ids)
+        self._reread(engine_ids)
+
+    def _reread(self, keys: list[str], budget: Budget | None = None) -> int:
+        """Publishes the changes among `keys` (all of them, or until `budget` is spent); returns how many it read."""
+        added, removed, done = [], [], 0
+        for key in keys:
+            done += 1
             old, new = self.current.get(key), endpoint(self.state, self.state.slots.get(key))
-            if new == old:
-                continue
-            if old is not None:
-                removed.append(old)
-                del self.current[key]
-            if new is not None:
-                added.append(new)
-                self.current[key] = new
+            if new != old:
+                if old is not None:
+                    removed.append(old)
+                    del self.current[key]
+                if new is not None:
+                    added.append(new)
+                    self.current[key] = new
+            if budget is not None and budget.spent():
+                break
         if added or removed:
+            added.sort(key=lambda e: e.engine_id)
+            removed.sort(key=lambda e: e.engine_id)
             logger.info("endpoints: added %s, removed %s", [e.engine_id for e in added] or "none",
                         [e.engine_id for e in removed] or "none")
             self.subscribers.publish(C.WatchEndpointsResponse(added=added, removed=removed))
+        return done
 
     def subscribe(self) -> Subscription[C.WatchEndpointsResponse]:
         """A stream starting with the snapshot (every listed endpoint), then every change."""

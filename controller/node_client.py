@@ -104,13 +104,13 @@ class GrpcNodeClient(NodeClient):
 
     async def start_engine(self, node, spec):
         try:
-            async for attempt in self._retrying():
-                with attempt:
-                    async with self.limit:
+            async with self.limit:  # around the retries: see stop_engine
+                async for attempt in self._retrying():
+                    with attempt:
                         reply = await self._stub(node).StartEngine(
                             node_manager_pb2.StartEngineRequest(spec=spec, controller_epoch=self.epoch(), node_id=node.node_id), timeout=self.start_timeout
                         )
-                    return reply.engine
+                        return reply.engine
         except grpc.aio.AioRpcError as exc:
             raise NodeCallError(exc.code().name, exc.details() or "") from None
         raise AssertionError("unreachable")
@@ -120,9 +120,13 @@ class GrpcNodeClient(NodeClient):
                                                     node_id=node.node_id)
         request.deadline.CopyFrom(pbtime.duration(deadline))
         try:
-            async for attempt in self._retrying():
-                with attempt:
-                    async with self.limit:
+            # The slot is taken before the retries begin: tenacity's per-call objects hold
+            # reference cycles, and 40,000 calls queued here (a deployment deleted) would each
+            # keep ~30 of them alive for seconds, long enough to be tenured and walked by full
+            # garbage collections (motor/gc_tuning.py). A backoff between tries keeps the slot.
+            async with self.limit:
+                async for attempt in self._retrying():
+                    with attempt:
                         await self._stub(node).StopEngine(request, timeout=deadline + 15.0)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:

@@ -100,3 +100,26 @@ async def test_the_stop_deadline_covers_the_engines_own_stop_grace(harness):
     deadlines = {c[2]: c[4] for c in h.client.calls if c[0] == "stop"}
     assert deadlines["decode-0/rank0"] == 41.0
     assert deadlines["prefill-0/rank0"] == h.config.stop_deadline  # no stop grace stated: the default
+
+
+async def test_a_refresh_of_many_engines_goes_out_in_slices_that_yield_to_the_loop(harness, monkeypatch):
+    """A change of every engine (tens of thousands in a big fleet) is re-read in slices, one
+    message each, with the loop free between them; together they say what one refresh would."""
+    from controller import endpoints
+    from controller.slicing import Budget
+
+    h = harness
+    await running_example(h)
+    feed = h.controller.endpoints.subscribe()
+    await next_change(feed)
+    monkeypatch.setattr(endpoints, "Budget", lambda: Budget(seconds=0.0))  # one engine per slice
+    for engine_id in ALL:
+        engine(h, engine_id).draining = True
+    beat_all(h)
+    removed = []
+    for _ in ALL:
+        change = await next_change(feed)
+        assert len(change.removed) == 1 and not change.added
+        removed += [e.engine_id for e in change.removed]
+    assert sorted(removed) == sorted(ALL) and not listed(h)
+    feed.close()
