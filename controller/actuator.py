@@ -12,6 +12,7 @@ through; neither is an engine failure (the crash-loop budget is for engines that
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 from typing import Callable, Coroutine, Iterator
@@ -61,8 +62,10 @@ class Actuator:
     ):
         self.client, self.nodes, self.stop_deadline = client, nodes, stop_deadline
         self.spawn, self.events, self.mono = spawn, events, monotonic
-        # (node id, engine id, generation) -> when its stop was asked, oldest first.
-        self.fencing: dict[tuple[str, str, int], float] = {}
+        # (node id, engine id, generation) -> when its stop was asked, oldest first. An
+        # OrderedDict: a dict emptied from its front skips every deleted entry to find the first
+        # one left (0.5 s of the loop to forget 40,000 stops; OrderedDict: 10 ms).
+        self.fencing: collections.OrderedDict[tuple[str, str, int], float] = collections.OrderedDict()
         # Copies whose stop was announced and has not succeeded yet -> its failed tries: a stop
         # that keeps failing is one ENGINE_FENCED event whose count grows, not one per retry.
         self.unfinished: dict[tuple[str, str, int], RepeatedFailure] = {}
@@ -168,7 +171,7 @@ class Actuator:
             key, asked = next(iter(self.fencing.items()))
             if now - asked < FENCE_WINDOW:
                 break
-            del self.fencing[key]
+            self.fencing.popitem(last=False)
 
     async def _stop_in_background(self, node_id: str, engine_id: str, generation: int, why: str) -> None:
         node = self.nodes.get(node_id)

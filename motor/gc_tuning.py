@@ -47,7 +47,12 @@ class TenuredCollections:
         self._thresholds = gc.get_threshold()
 
     def install(self) -> "TenuredCollections":
+        """At start-up: what is there now (modules, classes) is walked once, here, and frozen, so
+        the first full collection while serving walks only what came since (30-50 ms otherwise)."""
         young, middle, _ = self._thresholds
+        gc.collect()
+        gc.freeze()
+        self.baseline = self.heap()
         gc.set_threshold(young, middle, FULL_EVERY)
         gc.callbacks.append(self._after)
         return self

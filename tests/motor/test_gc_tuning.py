@@ -18,10 +18,8 @@ def test_survivors_are_frozen_and_cycles_among_them_reclaimed_after_a_thaw(monke
     monkeypatch.setattr(gc_tuning, "FLOOR", 0)
     tuning = TenuredCollections().install()
     try:
-        gc.collect()  # nothing frozen yet counts as doubled: thawed, the next one walks everything
-        assert tuning.walking and gc.get_freeze_count() == 0
-        gc.collect()
-        assert not tuning.walking and gc.get_freeze_count() > 0 and tuning.baseline > 0
+        # Installed: what was there is frozen, and the heap then is the baseline.
+        assert gc.get_freeze_count() > 0 and tuning.baseline > 0 and not tuning.walking
 
         garbage = Cyclic()
         garbage.me = garbage
