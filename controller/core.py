@@ -23,7 +23,7 @@ import time
 from typing import Awaitable, Callable, Iterable
 
 from motor import names, node_process, pbtime
-from motor.errors import InvalidArgument, NotFound
+from motor.errors import NotFound
 from motor.exits import describe_exit
 from motor.start_refusals import Refusal
 from motor.tasks import TaskSet, cancel_and_wait, set_within
@@ -50,7 +50,7 @@ from controller.slicing import Steps, run_sliced
 from controller.slots import EngineSlot
 from controller.state import ClusterState
 from controller.store import Store
-from controller.validation import check_engine_count
+from controller.validation import check_engine_count, check_reported_engine, check_reported_engines
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +242,7 @@ class Controller(views.ClusterReads):
         check_engine_count(info.node_id, len(engines), self.config.max_engines_per_node, "engines")
         highest = max([highest_generation, *(e.spec.generation for e in engines)])
         check_registration(info, highest)
+        check_reported_engines(engines)
         replaced = await self.claims.admit(info)
         generation, assignments = self._register(info, engines, highest)
         self.claims.registered(info)
@@ -302,6 +303,7 @@ class Controller(views.ClusterReads):
         count = len(engines) if not delta else len(node.engines) + sum(e.engine_id not in node.engines for e in engines) \
             - sum(engine_id in node.engines for engine_id in set(removed))
         check_engine_count(node_id, count, self.config.max_engines_per_node, "engines")
+        check_reported_engines(engines, node.engines)  # what changed since its last report
         self.state.nodes.heard_from(node, self.mono())
         node.last_heartbeat_wall = self.wall()
         node.reported_since_start = True
@@ -318,9 +320,7 @@ class Controller(views.ClusterReads):
 
     def report_engine_event(self, node_id: str, generation: int, engine: T.Engine, reason: str) -> None:
         node = self.state.nodes.member(node_id, generation)
-        if not engine.engine_id:
-            raise InvalidArgument("engine.engine_id: required ('<instance_id>/rank<dp_rank>')")
-        names.parse_engine_id(engine.engine_id)
+        check_reported_engine(engine, "engine")
         node.engines[engine.engine_id] = engine
         self._observe(node, engine, reason)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from motor.errors import FailedPrecondition, NotFound
-from motor.names import enum_short_name, excerpt
+from motor.names import check_node_id, enum_short_name, excerpt
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.instances import IllegalTransition
@@ -142,7 +142,9 @@ class NodeTable(Table[NodeRuntime]):
         return len(self._rows) - self._counts[NODE_LOST]
 
     def member(self, node_id: str, generation: int) -> NodeRuntime:
-        """The node, if `generation` is its current one (heartbeats and reports of a member)."""
+        """The node, if `generation` is its current one (heartbeats and reports of a member).
+        The id rule first: a node id no node can have is INVALID_ARGUMENT, not NOT_FOUND."""
+        check_node_id(node_id)
         node = self._rows.get(node_id)
         if node is None:
             raise NotFound(f"node_id {excerpt(node_id)} is not registered; call RegisterNode first")

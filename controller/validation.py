@@ -10,7 +10,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from google.protobuf import json_format
 
@@ -37,9 +37,41 @@ def check_engine_count(node_id: str, count: int, limit: int, where: str) -> None
     """RESOURCE_EXHAUSTED naming the limit when a node reports more engines than one node may run."""
     if count > limit:
         raise ResourceExhausted(
-            f"{where}: node {node_id} reports {count} engines; one node may report at most "
+            f"{where}: node {names.excerpt(node_id)} reports {count} engines; one node may report at most "
             f"max_engines_per_node={limit} (controller setting --max-engines-per-node)"
         )
+
+
+# Text of a reported engine that reaches events, logs, addresses or command lines.
+REPORTED_TEXT = ("node_id", "log_path")
+REPORTED_SPEC_TEXT = ("instance_id", "host", "master_dp_ip", "config_path")
+
+
+def check_reported_engines(engines: Sequence[types_pb2.Engine], known: Mapping[str, types_pb2.Engine] | None = None,
+                           where: str = "engines") -> None:
+    """INVALID_ARGUMENT naming the field (`engines[3].engine_id ...`) of the first engine a node
+    reports whose id is not '<instance_id>/rank<n>' or whose text holds a control character:
+    checked before anything of the report is kept (nothing stored, fenced or logged).
+    `known`: the node's last report, checked already; its engines reported again with the same
+    text are not checked twice (a full heartbeat repeats them all, every beat)."""
+    known = known or {}
+    for i, engine in enumerate(engines):
+        spec, before = engine.spec, known.get(engine.engine_id)
+        if before is not None and before.spec == spec and before.log_path == engine.log_path \
+                and before.node_id == engine.node_id:
+            continue
+        if names.ENGINE_ID_PATTERN.fullmatch(engine.engine_id) and not names.CONTROL_CHARACTER.search(
+                engine.node_id + engine.log_path + spec.instance_id + spec.host + spec.master_dp_ip + spec.config_path):
+            continue  # a new or changed engine, fine: one regex each
+        check_reported_engine(engine, f"{where}[{i}]")
+
+
+def check_reported_engine(engine: types_pb2.Engine, where: str) -> None:
+    names.parse_engine_id(engine.engine_id, f"{where}.engine_id")
+    for name in REPORTED_TEXT:
+        names.check_printable(getattr(engine, name), f"{where}.{name}")
+    for name in REPORTED_SPEC_TEXT:
+        names.check_printable(getattr(engine.spec, name), f"{where}.spec.{name}")
 
 
 def config_section(role: int, engine_config: dict) -> str:

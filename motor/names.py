@@ -19,6 +19,8 @@ _ID = r"[a-z0-9][a-z0-9._-]{0,62}"
 ID_PATTERN = re.compile(_ID)
 ID_RULE = "must be 1-63 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit"
 ENGINE_ID_PATTERN = re.compile(rf"(?P<instance>{_ID})/rank(?P<rank>[0-9]{{1,9}})")
+# A control character (NUL, newline, ESC...) in a text that must be printable.
+CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
 # Longest part of a rejected value quoted back in an error message.
 EXCERPT_CHARS = 64
 
@@ -40,9 +42,9 @@ def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
 def check_printable(value: str, field: str) -> str:
     """INVALID_ARGUMENT naming `field` when a text that ends up on a command line or in an
     address holds a control character (a NUL byte: exec refuses it; a newline splits logs)."""
-    bad = next((c for c in value if c < " " or c == "\x7f"), None)
+    bad = CONTROL_CHARACTER.search(value)
     if bad is not None:
-        raise InvalidArgument(f"{field} {excerpt(value)} holds the control character {bad!r}; remove it")
+        raise InvalidArgument(f"{field} {excerpt(value)} holds the control character {bad[0]!r}; remove it")
     return value
 
 
@@ -79,11 +81,11 @@ def engine_id(instance_id: str, dp_rank: int) -> str:
     return f"{instance_id}/rank{dp_rank}"
 
 
-def parse_engine_id(value: str) -> tuple[str, int]:
+def parse_engine_id(value: str, field: str = "engine_id") -> tuple[str, int]:
     match = ENGINE_ID_PATTERN.fullmatch(value) if isinstance(value, str) else None
     if not match:
         raise InvalidArgument(
-            f"engine_id {excerpt(value)} is not of the form '<instance_id>/rank<dp_rank>' (e.g. 'prefill-0/rank1')"
+            f"{field} {excerpt(value)} is not of the form '<instance_id>/rank<dp_rank>' (e.g. 'prefill-0/rank1')"
         )
     return match["instance"], int(match["rank"])
 

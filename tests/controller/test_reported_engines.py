@@ -1,0 +1,115 @@
+"""What a node reports about its engines is checked like any other request (issue 11 "ids with
+fullmatch", issue 12 defects 6 and 8): an engine id not of the form '<instance_id>/rank<n>' or a
+text field with a control character is INVALID_ARGUMENT naming the field (`engines[1].engine_id`),
+on Heartbeat, StreamHeartbeats and RegisterNode alike, and nothing of it is stored or fenced; a
+node id is checked before it is looked up. Against a real controller, node manager and engine."""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+import pytest
+
+from motor.v1 import controller_pb2 as C
+from motor.v1 import types_pb2 as T
+from tests.controller.test_real_processes import apply, make_cluster, sim_deployment  # noqa: F401 (fixture)
+from tests.support import wait_for
+
+
+def reported(engine_id: str, host: str = "127.0.0.1", **spec) -> T.Engine:
+    return T.Engine(engine_id=engine_id, node_id="node-a", state=T.ENGINE_STATE_RUNNING,
+                    spec=T.EngineSpec(**{"instance_id": "zz-0", "role": T.ROLE_UNION, "generation": 1, "port": 30000,
+                                         "host": host, **spec}))
+
+
+# (the bad engine, the field the refusal must start with)
+BAD_ENGINES = [
+    (reported("bogus\n/rank0"), "engines[1].engine_id"),
+    (reported("x" * 100_000 + "/rank0"), "engines[1].engine_id"),
+    (reported("zz-0/rank0\n"), "engines[1].engine_id"),
+    (reported("zz-0/rank0", host="10.0.0.1\x00evil"), "engines[1].spec.host"),
+    (reported("zz-0/rank0", master_dp_ip="10.0.0.1\nx"), "engines[1].spec.master_dp_ip"),
+]
+
+
+def refusal(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as refused:
+        call()
+    return refused.value
+
+
+def test_reported_engines_with_a_bad_id_or_a_control_character_are_refused_and_nothing_is_kept(make_cluster):
+    cluster = make_cluster(nodes=1)
+    apply(cluster, sim_deployment())
+    wait_for(lambda: cluster.all_ready(1), timeout=60, interval=0.2, what="instance READY")
+    node = cluster.node_list().nodes[0]
+    real = next(e for e in node.engines if e.engine_id == "u-0/rank0")
+    for bad, field in BAD_ENGINES:
+        beat = C.HeartbeatRequest(node_id="node-a", generation=node.generation, engines=[real, bad])
+        for name, call in [
+            ("Heartbeat", lambda: cluster.stub().Heartbeat(beat, timeout=10)),
+            ("delta Heartbeat", lambda: cluster.stub().Heartbeat(
+                C.HeartbeatRequest(node_id="node-a", generation=node.generation, engines=[real, bad], delta=True), timeout=10)),
+            ("StreamHeartbeats", lambda: list(cluster.stub().StreamHeartbeats(
+                iter([C.StreamHeartbeatsRequest(heartbeat=beat)]), timeout=10))),
+            ("RegisterNode", lambda: cluster.stub().RegisterNode(
+                C.RegisterNodeRequest(node=node.info, engines=[real, bad]), timeout=10)),
+        ]:
+            error = refusal(call)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, field, error.details()[:300])
+            assert error.details().startswith(field + " "), (name, error.details()[:300])
+            assert len(error.details()) < 500, (name, len(error.details()))
+    # Nothing of it was kept: no copy fenced, the node's generation and engines as before.
+    events = cluster.events()
+    assert not [e for e in events if e.type == C.EVENT_TYPE_ENGINE_FENCED], cluster.describe()
+    assert all(len(e.message) < 1000 and "\n" not in e.message and "\x00" not in e.message for e in events)
+    after = cluster.node_list().nodes[0]
+    assert after.state == C.NODE_STATE_READY and after.generation == node.generation
+    assert {e.engine_id for e in after.engines} == {"u-0/rank0"}
+    assert all(e.spec.host == real.spec.host for e in after.engines)
+    assert cluster.all_ready(1)
+    with open(os.path.join(cluster.run_dir, "logs", "controller.log"), errors="replace") as log:
+        text = log.read()
+    assert "bogus\n" not in text and "x" * 1000 not in text and "\x00" not in text
+
+
+def test_a_heartbeat_from_a_bad_node_id_is_invalid_argument_not_not_found(make_cluster):
+    """The id rule before the lookup: a node id no node can have is a bad request, not an
+    unknown node (a node manager told NOT_FOUND registers again, forever)."""
+    cluster = make_cluster(nodes=1)
+    for node_id in ["node-a\n", "n" * (1 << 20), "Node-A"]:
+        refused_everywhere(cluster, node_id)
+
+
+def refused_everywhere(cluster, node_id: str) -> None:
+    beat = C.HeartbeatRequest(node_id=node_id, generation=1)
+    for call in (lambda: cluster.stub().Heartbeat(beat, timeout=10),
+                 lambda: list(cluster.stub().StreamHeartbeats(iter([C.StreamHeartbeatsRequest(heartbeat=beat)]), timeout=10)),
+                 lambda: cluster.stub().ReportEngineEvent(C.ReportEngineEventRequest(
+                     node_id=node_id, generation=1, engine=T.Engine(engine_id="u-0/rank0")), timeout=10)):
+        error = refusal(call)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()[:300]
+        assert error.details().startswith("node_id "), error.details()[:300]
+        assert len(error.details()) < 500
+
+
+def test_the_check_names_the_first_bad_engine_and_passes_good_ones():
+    """The plain rule (controller/validation.py) beside the real-process tests above."""
+    from motor.errors import InvalidArgument
+
+    from controller.validation import check_reported_engines
+
+    good = [reported(f"zz-{i}/rank{i}") for i in range(4)]
+    check_reported_engines(good)
+    check_reported_engines([])
+    for bad, field in BAD_ENGINES:
+        with pytest.raises(InvalidArgument) as refused:
+            check_reported_engines([good[0], bad, reported("also\nbad/rank0")])
+        assert str(refused.value).startswith(field + " ") and len(str(refused.value)) < 500
+    for field in ("node_id", "log_path"):
+        with pytest.raises(InvalidArgument, match=rf"^engines\[0\]\.{field} "):
+            check_reported_engines([T.Engine(engine_id="zz-0/rank0", **{field: "a\x1bb"})])
+    for field in ("instance_id", "config_path"):
+        with pytest.raises(InvalidArgument, match=rf"^reported\[0\]\.spec\.{field} "):
+            check_reported_engines([reported("zz-0/rank0", **{field: "a\x7fb"})], where="reported")
