@@ -239,9 +239,9 @@ class Controller(views.ClusterReads):
         (controller/claims.py): FAILED_PRECONDITION naming both then. `replaced` in the answer: the
         process it took the node id over from."""
         engines = list(engines)
-        check_engine_count(info.node_id, len(engines), self.config.max_engines_per_node, "engines")
         highest = max([highest_generation, *(e.spec.generation for e in engines)])
         check_registration(info, highest)
+        check_engine_count(info.node_id, len(engines), self.config.max_engines_per_node, "engines")
         check_reported_engines(engines)
         replaced = await self.claims.admit(info)
         generation, assignments = self._register(info, engines, highest)

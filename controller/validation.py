@@ -37,7 +37,7 @@ def check_engine_count(node_id: str, count: int, limit: int, where: str) -> None
     """RESOURCE_EXHAUSTED naming the limit when a node reports more engines than one node may run."""
     if count > limit:
         raise ResourceExhausted(
-            f"{where}: node {names.excerpt(node_id)} reports {count} engines; one node may report at most "
+            f"{where}: node {node_id} reports {count} engines; one node may report at most "
             f"max_engines_per_node={limit} (controller setting --max-engines-per-node)"
         )
 
