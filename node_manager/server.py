@@ -38,6 +38,8 @@ class NodeManagerServer:
         self.process = types_pb2.NodeManagerProcess()  # filled in by start(), once the state dir is ours
         self.telemetry = ServiceTelemetry(self.manager.metrics.registry)
         self.epoch = ControllerEpoch()  # shared: commands are checked, controller replies raise it
+        # Its engines serve on --host with these TLS settings: refused here, not by each engine.
+        config.check_listen(f"{config.host}:*", "host")
         self.server = config.server(config.listen, metrics=self.telemetry.grpc)
         self.server.add(
             node_manager_pb2_grpc.add_NodeManagerServiceServicer_to_server,
