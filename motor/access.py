@@ -30,7 +30,7 @@ from cryptography import x509
 
 from motor.errors import status_message
 from motor.identity import TRUST_DOMAIN, Identity, identity_from_uri
-from motor.names import excerpt
+from motor.names import excerpt, is_valid_id
 from motor.tokens import TokenStore
 
 logger = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ class AccessPolicy:
             if caller.node is not None and all(value == caller.node for _, value in named):
                 return
             wanted = {value for _, value in named}
-            needed.append(f"node:{wanted.pop()[:64]}" if len(wanted) == 1 else "node:<the node the request names>")
+            needed.append(f"node:{_quoted(wanted.pop())}" if len(wanted) == 1 else "node:<the node the request names>")
             if caller.node is not None:
                 fields = ", ".join(f"{path}={excerpt(value)}" for path, value in named)
                 raise Refused(
@@ -308,3 +308,8 @@ def _handler_kind(handler: grpc.RpcMethodHandler) -> str:
             return kind
     raise ValueError("a method handler without a behaviour")
 
+
+def _quoted(node_id: object) -> str:
+    """A node id from a request, as a refusal names it: plain when it is a valid id, else an
+    excerpt (escaped, cut: no raw newline or megabyte in a message)."""
+    return node_id if is_valid_id(node_id) else excerpt(node_id)

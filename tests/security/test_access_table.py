@@ -134,6 +134,22 @@ async def test_a_node_may_act_only_for_itself(servers, dev_pki):
     assert "spiffe://motor/node/node-a" in details and "node:node-b" in details and "node_id='node-b'" in details
 
 
+async def test_a_refusal_quotes_the_node_id_of_the_request_short_and_escaped(servers, dev_pki):
+    """The role a refusal names comes from the request: 'node-a\\n' and a 1 MB id are quoted as
+    excerpts (no raw newline in the message, no megabyte echoed back)."""
+    mtls, _ = servers
+    heartbeat = next(m for m in METHODS if m.name == "Heartbeat")
+    async with client(dev_pki, mtls.port, "node-b") as channel:
+        call = channel.unary_unary(method_path(heartbeat), request_serializer=request_class(heartbeat).SerializeToString,
+                                   response_deserializer=response_class(heartbeat).FromString)
+        for node_id, quoted in [("node-a\n", "node:'node-a\\n'"), ("n" * (1 << 20), "(1048576 characters)")]:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call(request_class(heartbeat)(node_id=node_id, generation=3), timeout=10)
+            details = refused.value.details()
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, details[:300]
+            assert "\n" not in details and len(details) < 1000 and quoted in details, details[:300]
+
+
 async def test_a_node_may_stream_only_its_own_heartbeats(servers, dev_pki):
     mtls, _ = servers
     stream = next(m for m in METHODS if m.name == "StreamHeartbeats")
