@@ -150,7 +150,7 @@ class NodeTable(Table[NodeRuntime]):
             raise NotFound(f"node_id {excerpt(node_id)} is not registered; call RegisterNode first")
         if generation != node.generation:
             raise FailedPrecondition(
-                f"node {excerpt(node_id)}: generation {generation} is stale (current {node.generation}"
+                f"generation {generation} of node {excerpt(node_id)} is stale (current {node.generation}"
                 f"{', node declared lost' if node.state == NODE_LOST else ''}); register again"
             )
         return node

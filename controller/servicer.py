@@ -7,7 +7,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from motor.errors import InvalidArgument
+from motor.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
 from controller import endpoints
@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from controller.ha import HighAvailability
 
 logger = logging.getLogger(__name__)
+# Refusals whose message starts with the field of the request it is about (not UNAVAILABLE: a standby's).
+ABOUT_THE_REQUEST = (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted)
 
 
 class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
@@ -50,7 +52,11 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         # The same handling as Heartbeat, one answer per beat; a refused beat ends the stream
         # with Heartbeat's status (the node registers again and opens a new stream).
         async for request in request_iterator:
-            yield controller_pb2.StreamHeartbeatsResponse(heartbeat=self._heartbeat(request.heartbeat))
+            try:
+                reply = self._heartbeat(request.heartbeat)
+            except ABOUT_THE_REQUEST as exc:  # the fields it names are those of the message's `heartbeat`
+                raise type(exc)(f"heartbeat.{exc}") from None
+            yield controller_pb2.StreamHeartbeatsResponse(heartbeat=reply)
 
     async def ReportEngineEvent(self, request, context):
         self.controller.report_engine_event(request.node_id, request.generation, request.engine, request.reason)

@@ -58,7 +58,8 @@ def test_reported_engines_with_a_bad_id_or_a_control_character_are_refused_and_n
         ]:
             error = refusal(call)
             assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, field, error.details()[:300])
-            assert error.details().startswith(field + " "), (name, error.details()[:300])
+            path = f"heartbeat.{field}" if name == "StreamHeartbeats" else field  # the stream message's field
+            assert error.details().startswith(path + " "), (name, error.details()[:300])
             assert len(error.details()) < 500, (name, len(error.details()))
     # Nothing of it was kept: no copy fenced, the node's generation and engines as before.
     events = cluster.events()
@@ -84,13 +85,15 @@ def test_a_heartbeat_from_a_bad_node_id_is_invalid_argument_not_not_found(make_c
 
 def refused_everywhere(cluster, node_id: str) -> None:
     beat = C.HeartbeatRequest(node_id=node_id, generation=1)
-    for call in (lambda: cluster.stub().Heartbeat(beat, timeout=10),
-                 lambda: list(cluster.stub().StreamHeartbeats(iter([C.StreamHeartbeatsRequest(heartbeat=beat)]), timeout=10)),
-                 lambda: cluster.stub().ReportEngineEvent(C.ReportEngineEventRequest(
-                     node_id=node_id, generation=1, engine=T.Engine(engine_id="u-0/rank0")), timeout=10)):
+    for path, call in (
+        ("node_id", lambda: cluster.stub().Heartbeat(beat, timeout=10)),
+        ("heartbeat.node_id", lambda: list(cluster.stub().StreamHeartbeats(iter([C.StreamHeartbeatsRequest(heartbeat=beat)]), timeout=10))),
+        ("node_id", lambda: cluster.stub().ReportEngineEvent(C.ReportEngineEventRequest(
+            node_id=node_id, generation=1, engine=T.Engine(engine_id="u-0/rank0")), timeout=10)),
+    ):
         error = refusal(call)
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()[:300]
-        assert error.details().startswith("node_id "), error.details()[:300]
+        assert error.details().startswith(path + " "), error.details()[:300]
         assert len(error.details()) < 500
 
 

@@ -22,7 +22,7 @@ def test_a_stale_heartbeat_of_a_lost_node_is_told_so_exactly():
     table.set_state(node, NODE_LOST, "gone")
     with pytest.raises(FailedPrecondition) as error:
         table.member("node-a", 2)
-    assert str(error.value) == "node 'node-a': generation 2 is stale (current 3, node declared lost); register again"
+    assert str(error.value) == "generation 2 of node 'node-a' is stale (current 3, node declared lost); register again"
 
 
 def test_a_refused_record_names_its_node():

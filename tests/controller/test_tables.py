@@ -106,7 +106,7 @@ def test_membership_needs_the_current_generation():
     assert table.member("node-a", 3) is node
     with pytest.raises(NotFound, match="node_id 'node-x' is not registered"):
         table.member("node-x", 3)
-    with pytest.raises(FailedPrecondition, match="generation 2 is stale \\(current 3\\); register again"):
+    with pytest.raises(FailedPrecondition, match="^generation 2 of node .node-a. is stale \\(current 3\\); register again"):
         table.member("node-a", 2)
     table.set_state(node, NODE_SUSPECT, "silent")
     table.set_state(node, NODE_LOST, "gone")

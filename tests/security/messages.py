@@ -4,6 +4,7 @@ the API does not define, nested messages, maps, Struct values, Duration/Timestam
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from google.protobuf import message_factory
@@ -105,3 +106,32 @@ def field_names(descriptor: Any, seen: set[str] | None = None) -> set[str]:
         if field.message_type is not None:
             names |= field_names(field.message_type, seen)
     return names
+
+
+# A field path at the start of a refusal: `node_id`, `engines[3].engine_id`, `spec.host`...
+FIELD_PATH = re.compile(r"[a-z_][a-z0-9_]*(?:\[[0-9]+\])?(?:\.[a-z_][a-z0-9_]*(?:\[[0-9]+\])?)*(?=[ :/]|$)")
+# A refusal of a whole deployment lists its problems after this lead-in, paths from the deployment.
+DEPLOYMENT_LEAD = "invalid deployment: "
+# Field types whose inside is free-form (keys, not fields): a path may go on into them.
+FREE_FORM = {"google.protobuf.Struct", "google.protobuf.Value", "google.protobuf.ListValue"}
+
+
+def leading_field(descriptor: Any, details: str) -> str | None:
+    """The field path a refusal of a `descriptor` request starts with, when it is one of the
+    request's fields (nested fields by their path): `engines[1].spec.host 'x\\x00' holds ...`.
+    None when the message starts with anything else (a generic word is not a field path)."""
+    if details.startswith(DEPLOYMENT_LEAD) and "deployment" in descriptor.fields_by_name:
+        descriptor, details = descriptor.fields_by_name["deployment"].message_type, details[len(DEPLOYMENT_LEAD):]
+    match = FIELD_PATH.match(details)
+    if match is None:
+        return None
+    current = descriptor
+    for part in match[0].split("."):
+        field = current.fields_by_name.get(part.split("[")[0]) if current is not None else None
+        if field is None:
+            return None
+        if field.message_type is None or field.message_type.full_name in FREE_FORM or field.message_type.GetOptions().map_entry:
+            current = None  # a scalar, or keys of a map or Struct follow: nothing more to check
+            break
+        current = field.message_type
+    return match[0]
