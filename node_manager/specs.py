@@ -10,7 +10,7 @@ import os
 from motor import start_refusals
 from motor.engine_policy import check_engine_config, parse_config_json, within
 from motor.errors import FailedPrecondition, InvalidArgument
-from motor.names import ROLE_NAMES, check_instance_id, check_printable, role_name
+from motor.names import ROLE_NAMES, check_instance_id, check_printable, excerpt, role_name
 from motor.ports import PortAllocator, port_is_free
 from motor.processes import HOLDER_ENV, NODE_ENV
 from motor.v1 import types_pb2
@@ -52,6 +52,9 @@ def check_spec(spec: types_pb2.EngineSpec, config: NodeManagerConfig) -> None:
         )
     elif not os.path.isfile(spec.config_path):
         raise FailedPrecondition(f"spec.config_path {spec.config_path!r}: no such file on node {node_id}")
+    else:  # the file's content is held to config_json's rules (the state dir holds logs and records too)
+        parsed = parse_config_json(read_config_file(spec.config_path, config.max_message_bytes), "spec.config_path")
+        check_engine_config(parsed, config.model_roots, "spec.config_path")
     ids = list(spec.accelerator_ids)
     if len(set(ids)) != len(ids):
         raise InvalidArgument(f"spec.accelerator_ids {ids} lists an accelerator twice")
@@ -61,6 +64,15 @@ def check_spec(spec: types_pb2.EngineSpec, config: NodeManagerConfig) -> None:
             f"spec.accelerator_ids: accelerator(s) {missing} are not on node {node_id} "
             f"(it has {config.accelerators or 'none'})"
         )
+
+
+def read_config_file(path: str, limit: int) -> str:
+    """A config_path file's text, at most `limit` bytes (what a request's config_json may carry)."""
+    with open(path, "rb") as handle:
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise InvalidArgument(f"spec.config_path {excerpt(path)}: larger than {limit} bytes (max_message_bytes)")
+    return data.decode("utf-8", errors="replace")
 
 
 def port_fields(spec: types_pb2.EngineSpec) -> list[str]:

@@ -270,6 +270,24 @@ async def test_bad_start_requests_get_clear_errors_and_disturb_nothing(make_node
         "prefill-0/rank0"]
 
 
+@pytest.mark.parametrize("content, words", [
+    (json.dumps({"motor_engine_prefill_config": {"engine_type": "sglang", "engine_args": {"launcher": ["/bin/sh", "-c", "id"]}}}),
+     "spec.config_path.motor_engine_prefill_config.engine_args.launcher: names"),
+    ("not json", "spec.config_path is not a JSON object"),
+])
+async def test_a_config_path_file_is_checked_like_config_json(make_node, content, words):
+    """A file in the state directory (where engine logs and records live too) is held to the
+    rules a request's config_json is: no key that chooses a program, JSON only."""
+    node = await make_node()
+    path = os.path.join(node.server.config.state_dir, "evil.json")
+    with open(path, "w") as handle:
+        handle.write(content)
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await node.stub.StartEngine(node_manager_pb2.StartEngineRequest(spec=spec(config_json="", config_path=path)))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error.value.details().startswith(words), error.value.details()
+    assert not (await node.stub.ListEngines(node_manager_pb2.ListEnginesRequest())).engines
+
+
 async def test_bad_stop_and_get_requests(make_node):
     node = await make_node()
     with pytest.raises(grpc.aio.AioRpcError) as unknown:
