@@ -45,6 +45,7 @@ from controller.store_metrics import MeasuredStore, StoreMetrics
 from controller.metrics import ControllerMetrics
 from controller.node_client import NodeCallError, NodeClient
 from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
+from controller.node_stores import NodeStoreAlarms
 from controller.scheduling import LIVE_ENGINE_STATES, Scheduler
 from controller.slicing import Steps, run_sliced
 from controller.slots import EngineSlot
@@ -114,6 +115,7 @@ class Controller(views.ClusterReads):
         self.fleet_series = FleetSeries(self.state, lambda: self.monitor.alarm, clock=wall)
         self.claims = NodeClaims(self.state, config, self.monitor, self.metrics.registrations_refused)
         self.generations = Generations(self.store, self.state.refused)
+        self.node_stores = NodeStoreAlarms(self.events)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -294,21 +296,24 @@ class Controller(views.ClusterReads):
         return generation, assignments
 
     def heartbeat(self, node_id: str, generation: int, engines: Iterable[T.Engine], delta: bool = False,
-                  removed: Iterable[str] = ()) -> None:
+                  removed: Iterable[str] = (), store_failing: str = "") -> None:
         """The hot path (unary Heartbeat and every StreamHeartbeats message): a dictionary update
         per engine reported; work only for what changed. `delta`: `engines` holds only the
-        engines that changed and `removed` those the node no longer runs; the others stay."""
+        engines that changed and `removed` those the node no longer runs; the others stay.
+        `store_failing`: why the node cannot write its engine records (controller/node_stores.py)."""
         node = self.state.nodes.member(node_id, generation)
         engines = list(engines)
         count = len(engines) if not delta else len(node.engines) + sum(e.engine_id not in node.engines for e in engines) \
             - sum(engine_id in node.engines for engine_id in set(removed))
         check_engine_count(node_id, count, self.config.max_engines_per_node, "engines")
         check_reported_engines(engines, node.engines)  # what changed since its last report
+        names.check_printable(store_failing, "store_failing")
         self.state.nodes.heard_from(node, self.mono())
         node.last_heartbeat_wall = self.wall()
         node.reported_since_start = True
         if node.state == NODE_SUSPECT:
             self.monitor.node_back(node, "heartbeats arrived again")
+        self.node_stores.report(node_id, store_failing)
         reported: dict[str, T.Engine] = node.engines if delta else {}
         for engine_id in removed if delta else ():
             reported.pop(engine_id, None)

@@ -39,7 +39,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
 
     def _heartbeat(self, request: controller_pb2.HeartbeatRequest) -> controller_pb2.HeartbeatResponse:
         started = time.perf_counter()
-        self.controller.heartbeat(request.node_id, request.generation, request.engines, request.delta, request.removed_engine_ids)
+        self.controller.heartbeat(request.node_id, request.generation, request.engines, request.delta, request.removed_engine_ids,
+                                  request.store_failing)
         self.controller.metrics.heartbeat_seconds.observe(time.perf_counter() - started)
         interval, grace = self.controller.budget.announcement()  # the rate budget: it changes with the fleet's size
         return controller_pb2.HeartbeatResponse(sequence=request.sequence, generation_limit=self.controller.generations.limit(),

@@ -40,27 +40,32 @@ class HeartbeatSender:
             self._call.cancel()
         self._call = self._stub = None
 
-    async def send(self, stub, generation: int, engines: list[types_pb2.Engine]) -> controller_pb2.HeartbeatResponse:
+    async def send(self, stub, generation: int, engines: list[types_pb2.Engine],
+                   store_failing: str = "") -> controller_pb2.HeartbeatResponse:
+        """One beat; `store_failing`: why engine records cannot be written now (empty: they can)."""
         if not self.stream:
-            request = controller_pb2.HeartbeatRequest(node_id=self.node_id, generation=generation, engines=engines)
+            request = controller_pb2.HeartbeatRequest(node_id=self.node_id, generation=generation, engines=engines,
+                                                      store_failing=store_failing)
             return await stub.Heartbeat(request, timeout=self.timeout)
         try:
-            return await self._beat(stub, generation, engines)
+            return await self._beat(stub, generation, engines, store_failing)
         except grpc.aio.AioRpcError as exc:
             self.close()
             if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise
         logger.warning("the controller has no StreamHeartbeats (UNIMPLEMENTED): heartbeating with unary calls")
         self.stream = False
-        return await self.send(stub, generation, engines)
+        return await self.send(stub, generation, engines, store_failing)
 
-    async def _beat(self, stub, generation: int, engines: list[types_pb2.Engine]) -> controller_pb2.HeartbeatResponse:
+    async def _beat(self, stub, generation: int, engines: list[types_pb2.Engine],
+                    store_failing: str) -> controller_pb2.HeartbeatResponse:
         if self._call is None or self._stub is not stub:
             self.close()
             self._call, self._stub = stub.StreamHeartbeats(), stub
             self.deltas.restart()
         call = self._call
         request = self.deltas.next(generation, engines)
+        request.store_failing = store_failing  # every beat, delta or not: empty says the spell ended
         try:
             async with asyncio.timeout(self.timeout):
                 await call.write(controller_pb2.StreamHeartbeatsRequest(heartbeat=request))

@@ -4,8 +4,10 @@ Memory describes what happened (an engine exited, was stopped): it is changed an
 first, whatever the disk says. A write the disk refuses (ENOSPC, EIO...) keeps the record as
 unsaved; one background task writes every unsaved record again with backoff (1 s doubling to
 30 s) until the disk takes them. A refused write is counted in the metrics and logged once per
-spell, not per try. Only StartEngine asks the disk first (`require_writable`): it starts
-nothing when the record of what it would start cannot be written."""
+spell, not per try; `failing` says why while the spell lasts (each heartbeat carries it, and
+the controller raises an event). Only StartEngine asks the disk first (`require_writable`): it
+starts nothing when the record of what it would start cannot be written, and the background
+task then tries that write until the disk takes it, which ends the spell."""
 
 from __future__ import annotations
 
@@ -33,6 +35,9 @@ class RecordSaver:
         self._count_failure = count_failure
         self.unsaved: dict[str, EngineRecord] = {}
         self._retrying: asyncio.Task | None = None
+        self._probe: types_pb2.EngineSpec | None = None  # a refused write check, tried again too
+        # Why records cannot be written, while they cannot (empty otherwise): sent with heartbeats.
+        self.failing = ""
 
     def save(self, record: EngineRecord) -> bool:
         """Write the record now; on refusal keep it for the retry task. Never raises."""
@@ -49,18 +54,21 @@ class RecordSaver:
         try:
             self.store.probe(spec)
         except OSError as exc:
-            self._count_failure()
+            self._probe = spec
+            self._refused(None, exc)
             raise Unavailable(
                 f"engine records cannot be written in {self.store.root} ({exc.strerror or exc}): nothing "
                 "was started; free space on that disk (or fix it) and retry"
             ) from None
 
-    def _refused(self, record: EngineRecord, exc: OSError) -> None:
+    def _refused(self, record: EngineRecord | None, exc: OSError) -> None:
         self._count_failure()
-        self.unsaved[record.engine_id] = record
+        self.failing = f"engine records cannot be written in {self.store.root} ({exc.strerror or exc})"
+        if record is not None:
+            self.unsaved[record.engine_id] = record
         if self._retrying is None or self._retrying.done():
-            logger.error("engine records cannot be written in %s (%s): engine %s and any later change are kept "
-                         "in memory, reported, and written again with backoff", self.store.root, exc, record.engine_id)
+            logger.error("%s: engine records and any later change are kept in memory, reported, and written again "
+                         "with backoff (first: %s)", self.failing, record.engine_id if record else "a write check")
             self._retrying = self._spawn(self._write_again())
 
     async def _write_again(self) -> None:
@@ -73,5 +81,9 @@ class RecordSaver:
                     self.store.save(record)  # as memory has it now
                     if self.unsaved.get(engine_id) is record:
                         del self.unsaved[engine_id]
+                if self._probe is not None:
+                    self.store.probe(self._probe)
+                    self._probe = None
+        self.failing = ""
         logger.info("engine records are written again in %s (after %d refused retry(ies))", self.store.root,
                     attempt.retry_state.attempt_number - 1)

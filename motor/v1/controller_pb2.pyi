@@ -819,6 +819,7 @@ class HeartbeatRequest(_message.Message):
     DELTA_FIELD_NUMBER: _builtins.int
     REMOVED_ENGINE_IDS_FIELD_NUMBER: _builtins.int
     SEQUENCE_FIELD_NUMBER: _builtins.int
+    STORE_FAILING_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """The node."""
     generation: _builtins.int
@@ -830,6 +831,11 @@ class HeartbeatRequest(_message.Message):
     """
     sequence: _builtins.int
     """Set by the node, echoed in the response (StreamHeartbeats: matches answers to beats)."""
+    store_failing: _builtins.str
+    """While the node manager cannot write its engine records (a full disk...): why, in one short
+    line; empty when it can. Sent in every heartbeat (delta or not). The controller raises one
+    EVENT_TYPE_ALARM whose count grows while it lasts, and one when it ends.
+    """
     @_builtins.property
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.Engine]:
         """Every engine of the node with its state and health (with delta: only those that changed)."""
@@ -847,10 +853,11 @@ class HeartbeatRequest(_message.Message):
         delta: _builtins.bool = ...,
         removed_engine_ids: _abc.Iterable[_builtins.str] | None = ...,
         sequence: _builtins.int = ...,
+        store_failing: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "engines", b"engines", "generation", b"generation", "node_id", b"node_id", "removed_engine_ids", b"removed_engine_ids", "sequence", b"sequence"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delta", b"delta", "engines", b"engines", "generation", b"generation", "node_id", b"node_id", "removed_engine_ids", b"removed_engine_ids", "sequence", b"sequence", "store_failing", b"store_failing"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

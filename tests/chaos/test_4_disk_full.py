@@ -80,9 +80,11 @@ def test_disk_full_controller(cluster):
 
 def test_disk_full_node_manager(cluster):
     metric = "motor_node_manager_store_write_failures_total"
+    full: list[str] = []  # the node whose disk was filled
 
     def inject(fault: Fault) -> float:
         node_id = cluster.where()[("decode-0", 0)]
+        full.append(node_id)
         port = cluster.metrics_ports[node_id]
         refused_before = counter(port, metric)
         filler = fill(cluster.state_dir(node_id))
@@ -91,9 +93,22 @@ def test_disk_full_node_manager(cluster):
             wait_for(lambda: counter(port, metric) > refused_before, timeout=30, interval=0.2,
                      what=f"{node_id} refused a record write")
             time.sleep(FULL_FOR)  # the fault itself: restarts are asked of a node with a full disk
-            fault.notes.append(f"{node_id}: {counter(port, metric) - refused_before:g} record writes refused")
+            # The operator sees it: one ALARM naming the node and the cause, its count growing per heartbeat.
+            raised = wait_for(lambda: store_alarms(cluster, node_id, "No space left on device"), timeout=30, interval=0.2,
+                              what=f"an ALARM event for {node_id}'s disk")
+            assert len(raised) == 1 and raised[0].count >= 1, raised
+            fault.notes.append(f"{node_id}: {counter(port, metric) - refused_before:g} record writes refused, "
+                               f"alarm count {raised[0].count}")
         finally:
             os.remove(filler)
         return time.monotonic()
 
     run_row(cluster, Fault("disk full: node manager (tmpfs)", inject, justified={"decode-0"}, must_replace={"decode-0"}))
+    node_id = full[0]
+    wait_for(lambda: store_alarms(cluster, node_id, "written again"), timeout=60, interval=0.3,
+             what=f"the ALARM event saying {node_id}'s disk takes writes again")
+    assert len(store_alarms(cluster, node_id, "No space left on device")) == 1  # one event for the spell, not one per beat
+
+
+def store_alarms(cluster, node_id: str, words: str) -> list[C.Event]:
+    return [e for e in cluster.events() if e.type == C.EVENT_TYPE_ALARM and e.node_id == node_id and words in e.message]
