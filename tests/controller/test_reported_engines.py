@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import grpc
+import psutil
 import pytest
 
 from motor.v1 import controller_pb2 as C
@@ -116,3 +117,34 @@ def test_the_check_names_the_first_bad_engine_and_passes_good_ones():
     for field in ("instance_id", "config_path"):
         with pytest.raises(InvalidArgument, match=rf"^reported\[0\]\.spec\.{field} "):
             check_reported_engines([reported("zz-0/rank0", **{field: "a\x7fb"})], where="reported")
+
+
+def test_a_node_reporting_another_nodes_engine_under_its_own_id_leaves_that_engine_alone(make_cluster):
+    """The NodeRestriction rule's other half (issue 11): node-b may speak only for itself, and
+    what it says about node-a's engine (FAILED, or running elsewhere) does not touch node-a's copy:
+    same pid, same endpoint, no failure counted, no restart."""
+    cluster = make_cluster(nodes=2)
+    apply(cluster, sim_deployment())
+    wait_for(lambda: cluster.all_ready(1), timeout=60, interval=0.2, what="instance READY")
+    [(owner, engine_id)] = cluster.engine_copies()
+    real = cluster.engine_copies()[(owner, engine_id)]
+    other = next(n for n in cluster.node_list().nodes if n.info.node_id != owner)
+    endpoints = cluster.stub().ListEndpoints(C.ListEndpointsRequest(), timeout=5).endpoints
+    claimed = T.Engine()
+    claimed.CopyFrom(real)
+    claimed.node_id, claimed.state, claimed.pid, claimed.exit_signal = other.info.node_id, T.ENGINE_STATE_FAILED, 4242, 9
+    cluster.stub().ReportEngineEvent(C.ReportEngineEventRequest(
+        node_id=other.info.node_id, generation=other.generation, engine=claimed, reason="killed by SIGKILL"), timeout=10)
+    elsewhere = T.Engine()
+    elsewhere.CopyFrom(real)
+    elsewhere.node_id, elsewhere.spec.host, elsewhere.pid = other.info.node_id, "6.6.6.6", 4242
+    cluster.stub().Heartbeat(C.HeartbeatRequest(node_id=other.info.node_id, generation=other.generation,
+                                                engines=[elsewhere], delta=True), timeout=10)
+    wait_for(lambda: any(e.type == C.EVENT_TYPE_ENGINE_FENCED for e in cluster.events()), timeout=30, interval=0.2,
+             what="the claimed copy fenced on the node that claimed it", detail=cluster.describe)
+    assert cluster.engine_copies()[(owner, engine_id)].pid == real.pid
+    assert cluster.stub().ListEndpoints(C.ListEndpointsRequest(), timeout=5).endpoints == endpoints
+    [instance] = cluster.instances().values()
+    assert instance.state == C.INSTANCE_STATE_READY and instance.restarts == 0, cluster.describe()
+    assert not [e for e in cluster.events() if e.type == C.EVENT_TYPE_ENGINE_FAILED], cluster.describe()
+    assert psutil.pid_exists(real.pid)
