@@ -47,9 +47,16 @@ if ! pgrep -x dockerd >/dev/null; then
   # A socket left behind by a dead dockerd would make the wait below succeed too early.
   rm -f "$DOCKER_SOCK"
   log "starting dockerd $DOCKERD_ARGS (log: $DOCKERD_LOG)"
-  # setsid: dockerd outlives this script and the shell that called it.
+  # setsid: dockerd outlives this script and the shell that called it. The other descriptors are
+  # closed first: a lock the caller holds (flock around a test run) must not live on in dockerd.
   # shellcheck disable=SC2086
-  setsid dockerd $DOCKERD_ARGS >>"$DOCKERD_LOG" 2>&1 < /dev/null &
+  (
+    for fd in /proc/self/fd/*; do
+      n=${fd##*/}
+      if [ "$n" -gt 2 ]; then eval "exec $n>&-" 2>/dev/null || true; fi
+    done
+    exec setsid dockerd $DOCKERD_ARGS >>"$DOCKERD_LOG" 2>&1 < /dev/null
+  ) &
 fi
 
 for _ in $(seq "$WAIT_S"); do
