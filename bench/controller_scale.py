@@ -25,7 +25,7 @@ up; per step the script prints:
     heartbeats answered, none failed, controller CPU at most one core, RSS at most 1 GiB, failure
     reports p99 under 10 ms is printed but not required (it shares the loaded machine).
 
-A ladder stops at its first step not sustained (the largest sustained is the step below).
+A ladder stops when a step collapses (under half the heartbeats asked for answered).
 
 Every step runs on a fresh controller and fleet. --tls both (the default) runs each size twice,
 plaintext then with mutual TLS on every connection, one right after the other (the machine's load
@@ -289,7 +289,7 @@ class Cluster:
 
 
 def trial(args, size: int, tls: bool) -> tuple[bool, float]:
-    """One step on a fresh cluster, then its node loss timed: (sustained, heartbeats answered per second)."""
+    """One step on a fresh cluster, then its node loss timed: (sustained, share of the heartbeats asked for answered)."""
     with Cluster(args, tls) as cluster:
         if size == args.steps[0]:
             print(f"{'mutual TLS' if tls else 'plaintext'}: controller", " ".join(cluster.command[1:]), flush=True)
@@ -299,7 +299,7 @@ def trial(args, size: int, tls: bool) -> tuple[bool, float]:
             print(mode + line, flush=True)
             if args.victims:
                 print(f"{mode}{size:>6} nodes | " + time_node_loss(cluster.stub, cluster.fleet, grace, interval, 1.0), flush=True)
-            return ok, rate
+            return ok, rate * interval / size
         except grpc.RpcError as exc:
             state = "alive" if cluster.controller.poll() is None else f"exited with {cluster.controller.returncode}"
             print(f"a controller call failed ({exc.code().name}: {exc.details()}); controller {state}", flush=True)
@@ -317,11 +317,11 @@ def run(args) -> int:
     going = list(modes)
     for size in args.steps:
         for tls in list(going):
-            ok, _ = trial(args, size, tls)
+            ok, share = trial(args, size, tls)
             if ok:
                 best[tls] = size
-            else:
-                going.remove(tls)  # the largest sustained is the step below
+            elif share < 0.5:
+                going.remove(tls)  # collapsed (under half the beats asked for): larger fleets cannot do better
     print()
     for tls in modes:
         what = "mutual TLS" if tls else "plaintext "
