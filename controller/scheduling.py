@@ -106,6 +106,11 @@ class Scheduler:
                 if st.store.busy:
                     return
                 now_wall, now, fleet = st.wall(), st.mono(), None  # anything may have changed meanwhile
+            if instance_id in st.leaving:
+                # A deployment change removes or replaces it (controller/deployments.py): placed
+                # meanwhile, it would be started only to be stopped (a delete of 10,000 PENDING
+                # instances freeing room slice by slice started and stopped thousands of them).
+                continue
             inst = st.instances.get(instance_id)
             if inst is None or inst.state == FAILED:
                 st.attention.discard(instance_id)

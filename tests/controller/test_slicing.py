@@ -253,3 +253,26 @@ async def test_the_write_behind_never_undoes_rows_a_change_wrote_while_memory_ca
     stored = harness.store.load()
     assert set(stored.instances) == {"u-0", "u-1"} and stored.instances["u-0"]["data_parallel_size"] == 3
     assert set(stored.assignments) == {f"u-{n}/rank{r}" for n in range(2) for r in range(3)}
+
+
+async def test_instances_a_change_removes_are_not_placed_while_it_removes_them(harness, monkeypatch):
+    """A delete frees room slice by slice: the instances still waiting for it to remove them are
+    not placed (and started, and stopped) meanwhile."""
+    from controller import deployments
+
+    ctl = await harness.start()
+    await harness.register("node-a", accelerators=4)
+    ctl.apply_deployment(small_deployment([{"name": "u", "role": "union", "count": 10}]))
+    ctl.reconcile_once()
+    st = ctl.state
+    placed = {s.instance_id for s in st.slots.values() if s.node_id}
+    assert len(placed) == 4  # the others wait PENDING
+    monkeypatch.setattr(deployments, "Budget", lambda: Budget(seconds=0.0))  # a slice per item
+    changes = ctl.changes
+    plan = run_at_once(changes._plan(None))
+    with changes._leaving(plan):
+        changes.state.store.write_change(changes._store_change(plan))
+    for _ in changes._change_memory(plan):  # room freed as placed instances go
+        ctl.reconcile_once()
+        assert {s.instance_id for s in st.slots.values() if s.node_id} <= placed
+    assert not st.instances and not st.leaving
