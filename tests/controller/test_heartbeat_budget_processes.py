@@ -37,11 +37,13 @@ def test_node_managers_follow_the_announced_interval_and_a_killed_one_is_lost_by
     beats = 'motor_node_manager_heartbeat_latency_seconds_count{node="node-a"}'
     time.sleep(ANNOUNCED + 1)  # every node heard it at its next answer
     before, began = metric(urls["node-a"], beats), time.monotonic()
-    time.sleep(6)
+    time.sleep(8)
     sent = metric(urls["node-a"], beats) - before
     window = time.monotonic() - began
-    # At the configured 0.5 s it would be about 12 beats; at the announced 2 s about 3.
-    assert 1 <= sent <= window / ANNOUNCED + 2, f"{sent:g} heartbeats in {window:.1f}s"
+    # At the configured 0.5 s about 16 beats, at the announced 2 s about 4: the bound lies halfway,
+    # so a beat or two caught up after a stall on this loaded machine does not decide it.
+    halfway = (window / ANNOUNCED + window / HEARTBEAT) / 2
+    assert 1 <= sent < halfway, f"{sent:g} heartbeats in {window:.1f}s (announced {ANNOUNCED:g}s, configured {HEARTBEAT:g}s)"
 
     node_b = cluster.process("node-b").process
     node_b.send_signal(signal.SIGKILL)
@@ -59,4 +61,3 @@ def test_node_managers_follow_the_announced_interval_and_a_killed_one_is_lost_by
     assert lost_after >= GRACE - ANNOUNCED, f"lost after {lost_after:.1f}s: judged by the configured grace?"
     suspect = [e.message for e in cluster.events() if e.type == C.EVENT_TYPE_NODE_SUSPECT and e.node_id == "node-b"]
     assert suspect and f"grace {GRACE:g}s, heartbeat interval {ANNOUNCED:g}s" in suspect[-1], suspect
-    assert HEARTBEAT < ANNOUNCED  # the node managers were configured faster than they were told to beat
