@@ -28,7 +28,8 @@ async def test_registers_heartbeats_and_registers_again_when_refused(make_node, 
     assert info.node_id == "node-b" and info.address == f"127.0.0.1:{node.server.port}"
     assert list(info.accelerator_ids) == [0, 1] and info.accelerator_type == "sim"
     assert info.port_range_start > 0 and info.port_range_end >= info.port_range_start
-    await node.start(accelerator_ids=[1])
+    # Probes every 30 s: the engine's report (last_probe) then stays the same from beat to beat.
+    await node.start(accelerator_ids=[1], config_json=sim_config(probe_interval=30))
     beats = await async_wait_for(
         lambda: [h for h in fake_controller.heartbeats if h.engines and h.engines[0].state == RUNNING], timeout=30)
     assert beats[0].generation == 1 and beats[0].engines[0].health == types_pb2.HEALTH_STATUS_NORMAL
