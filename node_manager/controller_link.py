@@ -237,7 +237,7 @@ class ControllerLink:
             await clock.sleep(max(0.0, next_tick - clock.monotonic()))
             began = clock.monotonic()
             try:
-                reply = await self.beats.send(self.stub, self.generation, self.manager.engines(), self.manager.saver.failing)
+                reply = await self.beats.send(self.stub, self.generation, self.manager.engines(), self.manager.saver.for_heartbeat())
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in REREGISTER:
                     raise ReRegister(f"{exc.code().name}: {exc.details()}") from None

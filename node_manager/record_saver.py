@@ -36,8 +36,15 @@ class RecordSaver:
         self.unsaved: dict[str, EngineRecord] = {}
         self._retrying: asyncio.Task | None = None
         self._probe: types_pb2.EngineSpec | None = None  # a refused write check, tried again too
-        # Why records cannot be written, while they cannot (empty otherwise): sent with heartbeats.
+        # Why records cannot be written, while they cannot (empty otherwise).
         self.failing = ""
+        self._untold = ""  # a spell that ended before any heartbeat carried it
+
+    def for_heartbeat(self) -> str:
+        """What the next heartbeat says: the spell under way, or one that began and ended since the
+        last beat (told once, so a short spell still reaches the operator)."""
+        told, self._untold = self.failing or self._untold, ""
+        return told
 
     def save(self, record: EngineRecord) -> bool:
         """Write the record now; on refusal keep it for the retry task. Never raises."""
@@ -64,6 +71,7 @@ class RecordSaver:
     def _refused(self, record: EngineRecord | None, exc: OSError) -> None:
         self._count_failure()
         self.failing = f"engine records cannot be written in {self.store.root} ({exc.strerror or exc})"
+        self._untold = f"{self.failing} (written again since)"
         if record is not None:
             self.unsaved[record.engine_id] = record
         if self._retrying is None or self._retrying.done():

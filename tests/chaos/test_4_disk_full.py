@@ -95,7 +95,7 @@ def test_disk_full_node_manager(cluster):
             time.sleep(FULL_FOR)  # the fault itself: restarts are asked of a node with a full disk
             # The operator sees it: one ALARM naming the node and the cause, its count growing per heartbeat.
             raised = wait_for(lambda: store_alarms(cluster, node_id, "No space left on device"), timeout=30, interval=0.2,
-                              what=f"an ALARM event for {node_id}'s disk")
+                              what=f"an ALARM event for {node_id}'s disk", detail=lambda: recent_events(cluster))
             assert len(raised) == 1 and raised[0].count >= 1, raised
             fault.notes.append(f"{node_id}: {counter(port, metric) - refused_before:g} record writes refused, "
                                f"alarm count {raised[0].count}")
@@ -112,3 +112,7 @@ def test_disk_full_node_manager(cluster):
 
 def store_alarms(cluster, node_id: str, words: str) -> list[C.Event]:
     return [e for e in cluster.events() if e.type == C.EVENT_TYPE_ALARM and e.node_id == node_id and words in e.message]
+
+
+def recent_events(cluster) -> str:
+    return "\n".join(f"  {C.EventType.Name(e.type)} {e.node_id} x{e.count}: {e.message[:160]}" for e in cluster.events()[-25:])

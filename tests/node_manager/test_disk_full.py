@@ -145,3 +145,19 @@ async def test_exits_while_the_disk_refuses_are_kept_reported_logged_once_and_sa
     assert [stored_state(manager.store, r.engine_id) for r in records] == ["FAILED", "FAILED"]
     assert any("written again" in r.getMessage() for r in caplog.records)
     await manager.close()
+
+
+async def test_a_spell_shorter_than_a_heartbeat_still_reaches_the_next_one(tmp_path):
+    """A refusal whose retry succeeded before the next beat (space freed meanwhile: a removed
+    record, a log rotated) is still told once: the operator learns the disk filled up."""
+    node = FakeNode(str(tmp_path))
+    await node.manager.start()
+    fill_disk(node.manager.store)
+    with pytest.raises(Unavailable):
+        await node.manager.start_engine(sim_spec())
+    free_disk(node.manager.store)
+    await async_wait_for(lambda: node.manager.saver.failing == "", timeout=10, what="the refused write check passing again")
+    told = node.manager.saver.for_heartbeat()
+    assert "No space left on device" in told and "(written again since)" in told
+    assert node.manager.saver.for_heartbeat() == ""  # told once; the next beat ends the spell
+    await node.manager.close()
