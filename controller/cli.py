@@ -83,7 +83,7 @@ def apply_startup_deployment(controller: Controller, config: ControllerConfig) -
     """--deployment: apply the file when it differs from the stored deployment; on a new store,
     once the nodes had a chance to register (controller/startup_deployment.py)."""
     deployment = load_deployment(config.deployment)
-    StartupDeployment(controller, config.deployment, deployment, config.effective_startup_grace).begin()
+    StartupDeployment(controller, config.deployment, deployment, controller.startup_grace()).begin()
 
 
 async def serve(config: ControllerConfig) -> None:

@@ -104,8 +104,3 @@ class ControllerConfig(SecuritySettings):
     @property
     def sqlite_path(self) -> str:
         return self.store[len("sqlite://"):] if self.store and self.store.startswith("sqlite:///") else self.db
-
-    @property
-    def effective_startup_grace(self) -> float:
-        """Without nodes known yet (a new store): the configured node grace."""
-        return self.node_grace if self.startup_grace is None else self.startup_grace

@@ -140,9 +140,7 @@ class Controller(views.ClusterReads):
             st.slots.add(EngineSlot.from_dict(data))
         st.attention.update(st.instances)
         if any(n.state != NODE_LOST for n in st.nodes.values()):
-            # Default: the grace of the interval the known nodes were told (with this many of them).
-            grace = self.budget.grace() if self.config.startup_grace is None else self.config.startup_grace
-            self.scheduler.startup_until = now + grace
+            self.scheduler.startup_until = now + self.startup_grace()
         logger.info(
             "loaded state: deployment revision %d, %d nodes, %d instances, %d engine assignments",
             self.revision, len(st.nodes), len(st.instances), len(st.slots),
@@ -224,6 +222,11 @@ class Controller(views.ClusterReads):
 
     async def apply_on_new_store(self, deployment: C.Deployment) -> tuple[C.Deployment, int] | None:
         return await self.changes.apply_on_new_store(deployment)
+
+    def startup_grace(self) -> float:
+        """--startup-grace; by default the node grace the budget states for the nodes known now
+        (the configured node grace on a new store, which knows none)."""
+        return self.budget.grace() if self.config.startup_grace is None else self.config.startup_grace
 
     def spawn(self, coro, name: str) -> asyncio.Task:
         """A task of this controller's: cancelled when it stops (an HA leader stepping down too)."""
