@@ -10,7 +10,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from google.protobuf import json_format
 
@@ -61,17 +61,23 @@ def check_reported_engines(engines: Sequence[types_pb2.Engine], known: Mapping[s
                 and before.node_id == engine.node_id:
             continue
         if names.ENGINE_ID_PATTERN.fullmatch(engine.engine_id) and not names.CONTROL_CHARACTER.search(
-                engine.node_id + engine.log_path + spec.instance_id + spec.host + spec.master_dp_ip + spec.config_path):
+                "".join(value for _, value in reported_text(engine))):
             continue  # a new or changed engine, fine: one regex each
         check_reported_engine(engine, f"{where}[{i}]")
 
 
 def check_reported_engine(engine: types_pb2.Engine, where: str) -> None:
     names.parse_engine_id(engine.engine_id, f"{where}.engine_id")
+    for field, value in reported_text(engine):
+        names.check_printable(value, f"{where}.{field}")
+
+
+def reported_text(engine: types_pb2.Engine) -> Iterator[tuple[str, str]]:
+    """(field, value) of each text of a reported engine that reaches events, logs, addresses or command lines."""
     for name in REPORTED_TEXT:
-        names.check_printable(getattr(engine, name), f"{where}.{name}")
+        yield name, getattr(engine, name)
     for name in REPORTED_SPEC_TEXT:
-        names.check_printable(getattr(engine.spec, name), f"{where}.spec.{name}")
+        yield f"spec.{name}", getattr(engine.spec, name)
 
 
 def config_section(role: int, engine_config: dict) -> str:
