@@ -6,6 +6,8 @@ client and clock, no processes; the real-process test is test_database_lost.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from typing import AsyncIterator
 
 from motor.v1 import controller_pb2 as C
 
@@ -43,20 +45,27 @@ async def test_a_lost_store_applies_the_file_once_the_nodes_run_every_engine_it_
     assert any("2 instance(s) adopted" in e.message for e in harness.controller.events.recent)
 
 
-async def test_a_first_start_applies_the_file_when_the_startup_grace_ends(tmp_path):
+@contextlib.asynccontextmanager
+async def waiting_on_a_new_store(tmp_path) -> AsyncIterator[tuple[Harness, ManualClock]]:
+    """A controller on a new store whose start-up file waits (startup grace 5 s, a manual clock)."""
     clock = ManualClock()
     h = Harness(tmp_path, clock=clock)
     try:
         await h.start()
         StartupDeployment(h.controller, "deployment.yaml", example_deployment(), window=5).begin()
+        yield h, clock
+    finally:
+        await h.stop()
+
+
+async def test_a_first_start_applies_the_file_when_the_startup_grace_ends(tmp_path):
+    async with waiting_on_a_new_store(tmp_path) as (h, clock):
         await h.register("node-a")  # a brand-new node: it runs nothing
         await _a_few_polls()
         assert h.controller.deployment is None
         clock.advance(5)
         await async_wait_for(lambda: h.controller.revision == 1, timeout=5, what="the file applied after the grace")
         await async_wait_for(lambda: len(h.client.starts()) == 3, timeout=5, what="its engines started")
-    finally:
-        await h.stop()
 
 
 async def test_without_a_startup_grace_the_file_is_applied_at_once(tmp_path):
@@ -70,18 +79,12 @@ async def test_without_a_startup_grace_the_file_is_applied_at_once(tmp_path):
 
 
 async def test_an_operators_apply_during_the_wait_wins_over_the_file(tmp_path):
-    clock = ManualClock()
-    h = Harness(tmp_path, clock=clock)
-    try:
-        await h.start()
-        StartupDeployment(h.controller, "deployment.yaml", example_deployment(), window=5).begin()
+    async with waiting_on_a_new_store(tmp_path) as (h, clock):
         own = small_deployment([{"name": "u", "role": "union", "count": 1}])
         await h.controller.apply(own)
         clock.advance(5)
         await _a_few_polls()
         assert h.controller.revision == 1 and h.controller.deployment.instance_groups[0].name == "u"
-    finally:
-        await h.stop()
 
 
 async def test_a_store_that_knows_a_deployment_applies_the_file_at_once(tmp_path):
