@@ -5,7 +5,7 @@ Flags given on the command line win over the file. Every error names the setting
 
 from __future__ import annotations
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from motor.config import HostPort
 from motor.errors import ConfigError
@@ -83,6 +83,16 @@ class ControllerConfig(SecuritySettings):
     # TLS to several etcd members: the name every member's certificate is valid for (one
     # channel walks them all, so one name is checked); default: the first endpoint's host.
     etcd_server_name: str | None = None
+
+    @field_validator("node_grace")
+    @classmethod
+    def _check_node_grace(cls, value: float, info: ValidationInfo) -> float:
+        # Within one interval every node would turn SUSPECT (and be re-checked) between two beats.
+        interval = info.data.get("heartbeat_interval")
+        if interval is not None and value <= interval:
+            raise ValueError(f"must be more than heartbeat_interval ({interval:g}s): a few intervals, so that a "
+                             "node is suspected only after missed heartbeats")
+        return value
 
     @field_validator("store")
     @classmethod

@@ -193,6 +193,9 @@ def test_the_generation_counter_goes_above_what_nodes_report_and_forgets_a_rolle
     "args, message",
     [
         (["--node-grace", "0"], "node_grace: Input should be greater than 0"),
+        # A grace within one interval would suspect every node between two of its beats.
+        (["--heartbeat-interval", "4", "--node-grace", "2"], "node_grace: must be more than heartbeat_interval (4s)"),
+        (["--heartbeat-interval", "2", "--node-grace", "2"], "node_grace: must be more than heartbeat_interval (2s)"),
         (["--silent-share-alarm", "2"], "silent_share_alarm"),
         (["--listen", "nowhere"], "listen: must be host:port"),
         (["--metrics-port", "x"], "metrics_port"),
