@@ -3,12 +3,14 @@
 A server's gRPC asks `_fetch` before every new handshake; a client channel (motor/channels.py)
 asks before every call. Both get nothing new (keep the current files) unless a file's mtime,
 size or inode changed, and then only a certificate and key that belong together, so a rotation
-caught half way (new certificate, old key) keeps the previous pair until the second file lands.
+caught half way (new certificate, old key) keeps the previous pair until the second file lands;
+an expired certificate or a deleted file keeps the previous files too (said once per change).
 Connections already open keep the certificate they started with.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 from dataclasses import dataclass
@@ -46,6 +48,15 @@ def check_key_pair(cert_pem: bytes, key_pem: bytes, cert_path: str, key_path: st
         serialization.Encoding.DER, public
     ):
         raise ConfigError(f"key: {key_path!r} is not the key of the certificate {cert_path!r}")
+
+
+def check_not_expired(cert_pem: bytes, cert_path: str) -> None:
+    """Raise ConfigError when the first certificate of `cert_pem` has expired: rotating to it would
+    make every new handshake fail, where the certificate in use may still be good."""
+    expires = x509.load_pem_x509_certificates(cert_pem)[0].not_valid_after_utc
+    if expires < datetime.datetime.now(datetime.timezone.utc):
+        raise ConfigError(f"cert: {cert_path!r} expired on {expires:%Y-%m-%d %H:%M} UTC; write a current certificate "
+                          "and its key there")
 
 
 def check_ca_bundle(ca_pem: bytes, ca_path: str) -> None:
@@ -98,8 +109,9 @@ class TlsFileWatch:
         for path in self.paths:
             try:
                 stat = os.stat(path)
-            except OSError as exc:
-                raise ConfigError(f"cannot read {path!r}: {exc.strerror}") from None
+            except OSError:  # a missing file is a state too: _read names it, once until it changes
+                stamps.append((-1, -1, -1))
+                continue
             stamps.append((stat.st_mtime_ns, stat.st_size, stat.st_ino))
         return tuple(stamps)
 
@@ -114,14 +126,15 @@ class TlsFileWatch:
     def changed(self) -> TlsPems | None:
         """The files' new contents when they changed and can be used; None otherwise (an unusable
         change, e.g. a certificate whose key has not landed yet, is logged once and retried)."""
-        stamp = None
+        stamp = self._stamps()
+        if stamp == self._stamp:
+            return None
         try:
-            stamp = self._stamps()
-            if stamp == self._stamp:
-                return None
             pems = self._read()
+            if pems.cert is not None:  # at start an expired one is used (and refused by the peer, which says so)
+                check_not_expired(pems.cert, self.files["cert"])
         except ConfigError as exc:
-            if stamp is None or stamp != self._refused:  # asked before every handshake or call: say it once per change
+            if stamp != self._refused:  # asked before every handshake or call: say it once per change
                 logger.error("TLS files changed but cannot be used, keeping the previous ones: %s", exc)
                 self._refused = stamp
             return None

@@ -4,7 +4,9 @@ a call running on the old channel is not cut, and a half-written rotation is not
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
+import os
 import shutil
 
 import grpc
@@ -78,5 +80,43 @@ async def test_a_half_written_rotation_keeps_the_channel_until_the_key_lands(mtl
             handle.write(newer.key_pem)
         assert kept.stub(Stub) is not stub and kept.replaced == 1
         await kept.stub(Stub).ListNodes(controller_pb2.ListNodesRequest(), timeout=10)
+    finally:
+        await kept.close()
+
+
+async def _calls_on_the_kept_channel(kept: ReloadingChannel, stub, caplog, times: int = 5) -> list[str]:
+    """`times` calls that must go on the channel in use; the ERROR lines they logged."""
+    caplog.clear()
+    with caplog.at_level(logging.ERROR):
+        for _ in range(times):
+            assert kept.stub(Stub) is stub
+            await stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=10)
+    return [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+
+
+async def test_a_deleted_certificate_keeps_the_channel_and_is_said_once(mtls_server, dev_pki, client_files, caplog):
+    kept = ReloadingChannel(f"localhost:{mtls_server.port}", client_files)
+    try:
+        stub = kept.stub(Stub)
+        os.remove(client_files.cert)  # a rotation that removes the old file before writing the new one
+        errors = await _calls_on_the_kept_channel(kept, stub, caplog)
+        assert len(errors) == 1 and client_files.cert in errors[0] and "No such file" in errors[0], errors
+        CertificateAuthority.load(dev_pki.directory).issue(Identity("viewer", "viewer"), []).save(
+            os.path.dirname(client_files.cert), "viewer")
+        assert kept.stub(Stub) is not stub and kept.replaced == 1
+        await kept.stub(Stub).ListNodes(controller_pb2.ListNodesRequest(), timeout=10)
+    finally:
+        await kept.close()
+
+
+async def test_a_rotation_to_an_expired_certificate_keeps_the_last_good_one(mtls_server, dev_pki, client_files, caplog):
+    kept = ReloadingChannel(f"localhost:{mtls_server.port}", client_files)
+    try:
+        stub = kept.stub(Stub)
+        long_ago = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=10)
+        CertificateAuthority.load(dev_pki.directory).issue(Identity("viewer", "viewer"), [], days=1, not_before=long_ago).save(
+            os.path.dirname(client_files.cert), "viewer")
+        errors = await _calls_on_the_kept_channel(kept, stub, caplog)
+        assert len(errors) == 1 and f"cert: {client_files.cert!r} expired on" in errors[0], errors
     finally:
         await kept.close()
