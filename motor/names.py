@@ -108,7 +108,10 @@ def parse_role(value: str | int, field: str = "role") -> int:
 
 
 def enum_short_name(enum_type, value: int) -> str:
-    """HEALTH_STATUS_NORMAL -> 'NORMAL' (for tables and logs)."""
+    """HEALTH_STATUS_NORMAL -> 'NORMAL' (for tables and logs); a number without a name (proto3
+    enums are open: a newer or hostile peer may send any) -> 'UNKNOWN_<number>'."""
+    if value not in enum_type.values():
+        return f"UNKNOWN_{value}"
     full = enum_type.Name(value)
     prefix = enum_type.DESCRIPTOR.name
     snake = re.sub(r"(?<!^)(?=[A-Z])", "_", prefix).upper() + "_"

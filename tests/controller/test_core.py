@@ -445,3 +445,18 @@ async def test_delete_stops_engines(harness):
     with pytest.raises(NotFound):
         harness.controller.get_deployment()
     assert harness.controller.list_instances() == []
+
+
+async def test_a_health_or_state_number_this_version_does_not_know_is_shown_by_number_not_a_crash(harness):
+    # A newer node manager (or a hostile one) may report enum numbers this controller has no name for.
+    await running_example(harness)
+    engines = harness.client.engines["node-a"].values()
+    for engine in engines:
+        engine.health, engine.health_reason = 77, "a health of a newer version"
+    harness.beat("node-a")  # answered (it raised ValueError: HealthStatus has no name for 77)
+    degraded = [i for i in harness.controller.instances.values() if i.state == C.INSTANCE_STATE_DEGRADED]
+    assert degraded and all("RUNNING/UNKNOWN_77 (a health of a newer version)" in i.reason for i in degraded)
+    for engine in engines:
+        engine.state = 99
+    harness.beat("node-a")
+    assert any("UNKNOWN_99/UNKNOWN_77" in i.reason for i in harness.controller.instances.values())

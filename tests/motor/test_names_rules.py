@@ -7,7 +7,8 @@ import pytest
 
 from motor.errors import InvalidArgument
 from motor.names import (
-    ID_RULE, check_instance_id, check_node_id, check_printable, excerpt, parse_engine_id, parse_role, role_name,
+    ID_RULE, check_instance_id, check_node_id, check_printable, enum_short_name, excerpt, parse_engine_id, parse_role,
+    role_name,
 )  # fmt: skip
 from motor.v1 import types_pb2 as T
 
@@ -68,3 +69,9 @@ def test_a_control_character_is_named(bad):
     with pytest.raises(InvalidArgument) as error:
         check_printable(f"10.0.0.1{bad}", "node.host")
     assert str(error.value) == f"node.host {f'10.0.0.1{bad}'!r} holds the control character {bad!r}; remove it"
+
+
+def test_an_enum_number_without_a_name_is_shown_by_its_number():
+    # Open proto3 enums: a newer peer may send a number this version has no name for.
+    assert enum_short_name(T.HealthStatus, T.HEALTH_STATUS_NORMAL) == "NORMAL"
+    assert enum_short_name(T.HealthStatus, 77) == "UNKNOWN_77"
