@@ -8,7 +8,7 @@ import logging
 
 from motor import pbtime
 from motor.fanout import FanOut, Subscription
-from motor.names import enum_short_name
+from motor.names import CONTROL_CHARACTER, enum_short_name
 from motor.retry import worth_reporting
 from motor.v1 import controller_pb2
 
@@ -16,6 +16,17 @@ logger = logging.getLogger(__name__)
 
 # Repeating operations followed at once; beyond that the oldest is forgotten (its next try is a new event).
 REPEATING_LIMIT = 10_000
+# The longest event message kept, sent and logged: the reasons it quotes come from nodes and engines.
+EVENT_MESSAGE_CHARS = 2000
+
+
+def one_line(message: str) -> str:
+    """`message` with its control characters escaped (a newline in an engine's reason would forge a
+    log line) and cut to EVENT_MESSAGE_CHARS (a megabyte reason would stay in the history)."""
+    message = CONTROL_CHARACTER.sub(lambda bad: repr(bad[0])[1:-1], message)
+    if len(message) > EVENT_MESSAGE_CHARS:
+        message = f"{message[:EVENT_MESSAGE_CHARS]}... ({len(message)} characters)"
+    return message
 
 
 class EventBus:
@@ -29,6 +40,7 @@ class EventBus:
              count: int = 0) -> controller_pb2.Event:
         """One event; `count`: how many occurrences it stands for (0: one, not counted)."""
         self.sequence += 1
+        message = one_line(message)
         event = controller_pb2.Event(
             sequence=self.sequence, time=pbtime.now(), type=type_, node_id=node_id,
             instance_id=instance_id, engine_id=engine_id, message=message, count=count,
@@ -54,7 +66,7 @@ class EventBus:
             event.count = 1
             return event
         event.count += 1
-        event.message = message
+        event.message = message = one_line(message)
         event.last_time.CopyFrom(pbtime.now())
         if worth_reporting(event.count):
             logger.info("event %s (x%d): %s", enum_short_name(controller_pb2.EventType, type_), event.count, message)

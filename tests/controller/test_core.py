@@ -12,7 +12,9 @@ from motor.errors import FailedPrecondition, InvalidArgument, NotFound
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
 
+from controller.events import EVENT_MESSAGE_CHARS
 from controller.node_client import NodeCallError
+from motor.names import CONTROL_CHARACTER
 from tests.controller.conftest import Harness, example_deployment, small_deployment
 from tests.controller.fakes import ManualClock
 from tests.support import async_wait_for
@@ -460,3 +462,19 @@ async def test_a_health_or_state_number_this_version_does_not_know_is_shown_by_n
         engine.state = 99
     harness.beat("node-a")
     assert any("UNKNOWN_99/UNKNOWN_77" in i.reason for i in harness.controller.instances.values())
+
+
+async def test_reported_free_text_reaches_events_and_logs_on_one_bounded_line(harness, caplog):
+    # state_reason and health_reason are free text (an engine's own words may hold a traceback):
+    # not refused, but a newline must not forge a log line, nor a megabyte stay in the history.
+    await running_example(harness)
+    forged = "exited\n2026-11-23 06:00:00,000 ERROR controller: forged line\x00" + "x" * 1_000_000
+    engine = next(iter(harness.client.engines["node-a"].values()))
+    engine.state, engine.state_reason = T.ENGINE_STATE_FAILED, forged
+    with caplog.at_level("INFO", logger="controller.events"):
+        harness.beat("node-a")
+    [failed] = [e for e in harness.controller.events.recent if e.type == C.EVENT_TYPE_ENGINE_FAILED]
+    assert failed.message.startswith(f"engine {engine.engine_id} on node-a exited\\n2026-11-23"), failed.message[:200]
+    assert not CONTROL_CHARACTER.search(failed.message) and len(failed.message) <= EVENT_MESSAGE_CHARS + 40
+    assert failed.message.endswith(" characters)")
+    assert not any(CONTROL_CHARACTER.search(r.getMessage()) for r in caplog.records)
