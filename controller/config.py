@@ -45,7 +45,7 @@ class ControllerConfig(SecuritySettings):
     metrics_port: int = Field(CONTROLLER_METRICS_PORT, ge=0, le=65535)
     # After a restart, how long to wait for node managers to report before reconciling
     # (seconds); default: node_grace.
-    startup_grace: float | None = Field(None, ge=0)
+    startup_grace: float | None = Field(None, ge=0, le=3600)
     # Time a node manager gets to stop an engine gracefully before SIGKILL (seconds).
     stop_deadline: float = Field(5.0, ge=0)
     log_level: LogLevel = "INFO"

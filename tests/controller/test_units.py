@@ -196,6 +196,8 @@ def test_the_generation_counter_goes_above_what_nodes_report_and_forgets_a_rolle
         # A grace within one interval would suspect every node between two of its beats.
         (["--heartbeat-interval", "4", "--node-grace", "2"], "node_grace: must be more than heartbeat_interval (4s)"),
         (["--heartbeat-interval", "2", "--node-grace", "2"], "node_grace: must be more than heartbeat_interval (2s)"),
+        # Infinite: after a restart nothing would ever start, on a new store --deployment never applied.
+        (["--startup-grace", "inf"], "startup_grace: Input should be less than or equal to 3600"),
         (["--silent-share-alarm", "2"], "silent_share_alarm"),
         (["--listen", "nowhere"], "listen: must be host:port"),
         (["--metrics-port", "x"], "metrics_port"),
