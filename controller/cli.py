@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
@@ -15,6 +16,7 @@ from motor.metrics_http import ServiceTelemetry
 from motor.ports import CONTROLLER_METRICS_PORT
 from motor.security_config import SECURITY_FLAGS
 from motor.signals import wait_for_stop_signal
+from motor.tasks import cancel_and_wait
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
 from controller.config import ControllerConfig
@@ -119,6 +121,7 @@ async def serve(config: ControllerConfig) -> None:
             handle.write(f"{port}\n")
     if ha:
         ha.campaign(advertised_address(config, port))
+    collecting = asyncio.create_task(gc_policy.pace(), name="garbage collection")
     await wait_for_stop_signal()
     logger.info("stopping")
     if ha:  # resign first: a standby leads at once, and nothing acts once the port refuses
@@ -130,6 +133,7 @@ async def serve(config: ControllerConfig) -> None:
     else:
         await controller.stop()
         store.close()
+    await cancel_and_wait(collecting, owner="controller")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,11 +3,13 @@ included) once the heap has doubled since the last complete walk."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import weakref
 
 from motor import gc_tuning
 from motor.gc_tuning import TenuredCollections
+from motor.tasks import cancel_and_wait
 
 
 class Cyclic:
@@ -39,20 +41,40 @@ def test_survivors_are_frozen_and_cycles_among_them_reclaimed_after_a_thaw(monke
     assert gc.get_freeze_count() == 0 and tuning._after not in gc.callbacks
 
 
-def test_full_collections_run_more_often_and_thresholds_come_back():
+def test_collections_come_by_time_not_by_allocations_and_thresholds_come_back():
     before = gc.get_threshold()
     tuning = TenuredCollections().install()
     try:
-        assert gc.get_threshold() == (before[0], before[1], gc_tuning.FULL_EVERY)
+        assert gc.get_threshold() == (gc_tuning.YOUNG_SAFETY, before[1], 1)
     finally:
         tuning.uninstall()
     assert gc.get_threshold() == before
 
 
-def test_a_due_walk_waits_while_busy_and_the_next_full_collection_is_reset_after_it(monkeypatch):
-    """A deployment change doubles the heap for a while: the walk waits for its end. After the
-    walk, a collection of what is new is scheduled on the loop (CPython would otherwise hold the
-    next full one back until a quarter of the heap is new)."""
+async def test_the_paced_collection_reclaims_new_cycles_and_freezes_the_survivors():
+    """Every PACE seconds one collection walks what is not frozen: a cycle made since is reclaimed
+    there, and what is still referenced is frozen out of the next collections."""
+    tuning = TenuredCollections().install()
+    pacing = asyncio.create_task(tuning.pace(interval=0.01))
+    try:
+        garbage, kept = Cyclic(), Cyclic()
+        garbage.me, kept.me = garbage, kept
+        gone, alive = weakref.ref(garbage), weakref.ref(kept)
+        frozen = gc.get_freeze_count()
+        del garbage
+        for _ in range(200):  # well past a few paces (a hang would fail here)
+            await asyncio.sleep(0.01)
+            if gone() is None and gc.get_freeze_count() > frozen:
+                break
+        assert gone() is None, "a cycle made since the last collection is reclaimed by the next"
+        assert alive() is kept and gc.get_freeze_count() > frozen, "what survived is frozen"
+    finally:
+        await cancel_and_wait(pacing, owner="test")
+        tuning.uninstall()
+
+
+def test_a_due_walk_waits_while_busy(monkeypatch):
+    """A deployment change doubles the heap for a while: the walk waits for its end."""
     monkeypatch.setattr(gc_tuning, "FLOOR", 0)
     heap = [100]
     tuning = TenuredCollections(heap=lambda: heap[0]).install()
@@ -67,15 +89,7 @@ def test_a_due_walk_waits_while_busy_and_the_next_full_collection_is_reset_after
         tuning.busy = lambda: False
         gc.collect()
         assert tuning.walking and gc.get_freeze_count() == 0
-
-        scheduled = []
-
-        class Loop:  # the running loop the collection happens on
-            def call_soon(self, callback, *args):
-                scheduled.append((callback, args))
-
-        monkeypatch.setattr(gc_tuning.asyncio, "get_running_loop", Loop)
         gc.collect()
-        assert scheduled == [(gc.collect, (2,))] and tuning.baseline == 300 and not tuning.walking
+        assert tuning.baseline == 300 and not tuning.walking and gc.get_freeze_count() > 0
     finally:
         tuning.uninstall()
