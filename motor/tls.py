@@ -4,7 +4,8 @@ A server's gRPC asks `_fetch` before every new handshake; a client channel (moto
 asks before every call. Both get nothing new (keep the current files) unless a file's mtime,
 size or inode changed, and then only a certificate and key that belong together, so a rotation
 caught half way (new certificate, old key) keeps the previous pair until the second file lands;
-an expired certificate or a deleted file keeps the previous files too (said once per change).
+an expired certificate, one from a CA outside the bundle or a deleted file keeps the previous files
+too (said once per change).
 Connections already open keep the certificate they started with.
 """
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 
 from motor.errors import ConfigError
@@ -57,6 +59,31 @@ def check_not_expired(cert_pem: bytes, cert_path: str) -> None:
     if expires < datetime.datetime.now(datetime.timezone.utc):
         raise ConfigError(f"cert: {cert_path!r} expired on {expires:%Y-%m-%d %H:%M} UTC; write a current certificate "
                           "and its key there")
+
+
+def issued_by_bundle(cert_pem: bytes, ca_pem: bytes) -> bool:
+    """Whether a certificate of `cert_pem` (the leaf, or an intermediate after it) is signed by one of the bundle."""
+    bundle = x509.load_pem_x509_certificates(ca_pem)
+    for cert in x509.load_pem_x509_certificates(cert_pem):
+        for ca in bundle:
+            try:
+                cert.verify_directly_issued_by(ca)
+                return True
+            except (ValueError, TypeError, InvalidSignature):
+                continue
+    return False
+
+
+def check_same_trust(before: TlsPems, after: TlsPems, cert_path: str, ca_path: str) -> None:
+    """Raise ConfigError when the certificate in use is issued by a CA of the bundle and the new one
+    is not: the peers, which trust that bundle, would refuse it at every new handshake. (A process
+    whose own certificate never came from its bundle is not held to it.)"""
+    if None in (before.cert, before.ca, after.cert, after.ca) or not issued_by_bundle(before.cert, before.ca):
+        return
+    if not issued_by_bundle(after.cert, after.ca):
+        issuer = x509.load_pem_x509_certificates(after.cert)[0].issuer.rfc4514_string()
+        raise ConfigError(f"cert: {cert_path!r} is not issued by a CA of {ca_path!r} (its issuer: {issuer}); peers "
+                          "trusting that bundle would refuse it: add its CA to the bundle first, or issue it from that CA")
 
 
 def check_ca_bundle(ca_pem: bytes, ca_path: str) -> None:
@@ -131,8 +158,9 @@ class TlsFileWatch:
             return None
         try:
             pems = self._read()
-            if pems.cert is not None:  # at start an expired one is used (and refused by the peer, which says so)
+            if pems.cert is not None:  # at start these are used (and refused by the peer, which says so)
                 check_not_expired(pems.cert, self.files["cert"])
+                check_same_trust(self.pems, pems, self.files["cert"], self.files.get("ca", ""))
         except ConfigError as exc:
             if stamp != self._refused:  # asked before every handshake or call: say it once per change
                 logger.error("TLS files changed but cannot be used, keeping the previous ones: %s", exc)

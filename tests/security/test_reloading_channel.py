@@ -36,20 +36,20 @@ async def test_a_rotated_client_certificate_makes_a_new_channel_and_calls_on_the
         stream = first.WatchEvents(controller_pb2.WatchEventsRequest())
         await stream.read()
 
-        # A CA the server does not trust: the new channel presents the new certificate (refused),
+        # A node's certificate, which may not list nodes: the new channel presents it (refused),
         # which shows it is the one in use, while the stream on the old channel goes on.
-        stranger = CertificateAuthority.create("stranger")
-        stranger.issue(Identity("viewer", "viewer"), []).save(str(tmp_path), "viewer")
+        ca = CertificateAuthority.load(dev_pki.directory)
+        ca.issue(Identity("node", "node-a"), []).save(str(tmp_path), "viewer")
         refused_stub = kept.stub(Stub)
         assert refused_stub is not first and kept.replaced == 1
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await refused_stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=10)
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
         mtls_server.services.push()
         await asyncio.wait_for(stream.read(), 10)  # the call in flight on the old channel was not cut
 
-        # Rotated again, by the right CA: calls work on the newest channel.
-        CertificateAuthority.load(dev_pki.directory).issue(Identity("viewer", "viewer"), []).save(str(tmp_path), "viewer")
+        # Rotated again, to a viewer: calls work on the newest channel.
+        ca.issue(Identity("viewer", "viewer"), []).save(str(tmp_path), "viewer")
         await kept.stub(Stub).ListNodes(controller_pb2.ListNodesRequest(), timeout=10)
         assert kept.replaced == 2
         stream.cancel()
@@ -118,5 +118,22 @@ async def test_a_rotation_to_an_expired_certificate_keeps_the_last_good_one(mtls
             os.path.dirname(client_files.cert), "viewer")
         errors = await _calls_on_the_kept_channel(kept, stub, caplog)
         assert len(errors) == 1 and f"cert: {client_files.cert!r} expired on" in errors[0], errors
+    finally:
+        await kept.close()
+
+
+async def test_a_rotation_to_a_certificate_of_a_ca_outside_the_bundle_keeps_the_last_good_one(mtls_server, client_files, caplog):
+    kept = ReloadingChannel(f"localhost:{mtls_server.port}", client_files)
+    try:
+        stub = kept.stub(Stub)
+        stranger = CertificateAuthority.create("stranger")
+        stranger.issue(Identity("viewer", "viewer"), []).save(os.path.dirname(client_files.cert), "viewer")
+        errors = await _calls_on_the_kept_channel(kept, stub, caplog)
+        assert len(errors) == 1 and f"cert: {client_files.cert!r} is not issued by a CA of {client_files.ca!r}" in errors[0], errors
+        assert "CN=stranger" in errors[0]
+        # The bundle now holds its CA too (a CA rotation's first step): the certificate is taken.
+        with open(client_files.ca, "ab") as bundle:
+            bundle.write(stranger.cert_pem)
+        assert kept.stub(Stub) is not stub and kept.replaced == 1
     finally:
         await kept.close()
