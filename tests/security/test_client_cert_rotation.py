@@ -6,11 +6,13 @@ CA and new certificates for every identity, written over the old files the way a
 certificate is invalid). Then every established connection between the cluster's processes is
 cut (`ss -K`, a network glitch), so each client must handshake again. Node managers must keep
 heartbeating, engines must keep being polled and must not be killed, and the controller must
-still start engines on the nodes.
+still start engines on the nodes. A bad rotation (a certificate of a CA the cluster does not
+trust, an expired one, a deleted file) keeps the node heartbeating on its last good files.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import shutil
 import socket
@@ -151,3 +153,40 @@ def test_rotated_client_certificates_are_used_without_a_restart(cluster, tmp_pat
             controller_pb2_grpc.ControllerServiceStub(channel).ListNodes(controller_pb2.ListNodesRequest(), timeout=10)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
+
+
+@pytest.mark.parametrize("bad", ["another CA", "expired", "deleted"])
+def test_a_bad_rotation_keeps_the_node_heartbeating_on_its_last_good_certificate(cluster, bad):
+    """node-a's files replaced by a certificate of a CA the cluster does not trust, an expired
+    one, or removed; then every connection cut (so the next heartbeat needs a new handshake)."""
+    node_id, pki = "node-a", cluster.pki
+    cert, key = pki.cert(node_id), pki.key(node_id)
+    good = {path: open(path, "rb").read() for path in (cert, key)}
+    log = cluster.process(node_id).log_path
+    logged_before = open(log, errors="replace").read().count("TLS files changed but cannot be used")
+    if bad == "another CA":
+        CertificateAuthority.create("stranger").issue(Identity("node", node_id), DEV_HOSTS).save(pki.directory, node_id)
+    elif bad == "expired":
+        long_ago = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=10)
+        CertificateAuthority.load(pki.directory).issue(Identity("node", node_id), DEV_HOSTS, days=1,
+                                                        not_before=long_ago).save(pki.directory, node_id)
+    else:
+        os.remove(cert)
+    try:
+        cut_at = time.time()
+        cut_connections([cluster.controller_port, *cluster.node_ports.values()])
+
+        def beat_since_cut() -> bool:
+            [node] = [n for n in _nodes(cluster) if n.info.node_id == node_id]
+            return node.state == controller_pb2.NODE_STATE_READY and node.last_heartbeat.ToNanoseconds() / 1e9 > cut_at + 2
+
+        wait_for(beat_since_cut, timeout=60, interval=0.5, what=f"{node_id} heartbeating on its last good certificate")
+        lines = [line for line in open(log, errors="replace").read().splitlines()
+                 if "TLS files changed but cannot be used" in line][logged_before:]
+        # Said once per change of the files (the key lands first, then the certificate) by each of
+        # the node manager's two watches (its channels', its server's), naming the file and why.
+        why = {"another CA": "is not issued by a CA of", "expired": "expired on", "deleted": "No such file"}[bad]
+        assert 1 <= len(lines) <= 4 and any("cert: " in line and repr(cert) in line and why in line for line in lines), lines
+    finally:
+        for path, content in good.items():
+            write_atomically(path, content, private=path == key)
