@@ -166,6 +166,9 @@ class TlsFileWatch:
                 logger.error("TLS files changed but cannot be used, keeping the previous ones: %s", exc)
                 self._refused = stamp
             return None
+        if pems == self.pems:  # rewritten or touched, same contents: nothing to make again
+            self._stamp = stamp
+            return None
         self._stamp, self.pems = stamp, pems
         self.reloads += 1
         logger.info("TLS certificate re-read from %s", ", ".join(self.paths))

@@ -15,7 +15,7 @@ import pytest
 from motor.channels import ReloadingChannel
 from motor.grpc_server import TlsFiles
 from motor.identity import Identity
-from motor.pki import CertificateAuthority
+from motor.pki import CertificateAuthority, write_atomically
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
 Stub = controller_pb2_grpc.ControllerServiceStub
@@ -135,5 +135,21 @@ async def test_a_rotation_to_a_certificate_of_a_ca_outside_the_bundle_keeps_the_
         with open(client_files.ca, "ab") as bundle:
             bundle.write(stranger.cert_pem)
         assert kept.stub(Stub) is not stub and kept.replaced == 1
+    finally:
+        await kept.close()
+
+
+async def test_files_rewritten_with_the_same_contents_keep_the_channel(mtls_server, client_files):
+    # A renewal job that rewrites unchanged files (or touches them) every minute must not make
+    # every process reconnect and reopen its heartbeat stream each time.
+    kept = ReloadingChannel(f"localhost:{mtls_server.port}", client_files)
+    try:
+        stub = kept.stub(Stub)
+        for _ in range(3):
+            for path in (client_files.key, client_files.cert, client_files.ca):
+                write_atomically(path, open(path, "rb").read())
+            assert kept.stub(Stub) is stub
+        assert kept.replaced == 0
+        await stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=10)
     finally:
         await kept.close()
