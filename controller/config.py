@@ -94,6 +94,14 @@ class ControllerConfig(SecuritySettings):
                              "node is suspected only after missed heartbeats")
         return value
 
+    @field_validator("max_heartbeats_per_second")
+    @classmethod
+    def _check_heartbeat_budget(cls, value: float) -> float:
+        # Below one a second the announced interval grows past anything useful (1e-14 overflowed it).
+        if 0 < value < 1:
+            raise ValueError("must be 0 (off) or at least 1 (heartbeats a second for the whole fleet)")
+        return value
+
     @field_validator("store")
     @classmethod
     def _check_store(cls, value: str | None) -> str | None:

@@ -196,6 +196,9 @@ def test_the_generation_counter_goes_above_what_nodes_report_and_forgets_a_rolle
         # A grace within one interval would suspect every node between two of its beats.
         (["--heartbeat-interval", "4", "--node-grace", "2"], "node_grace: must be more than heartbeat_interval (4s)"),
         (["--heartbeat-interval", "2", "--node-grace", "2"], "node_grace: must be more than heartbeat_interval (2s)"),
+        # 1e-14 made the announced interval overflow: every RegisterNode failed (OverflowError, UNKNOWN).
+        (["--max-heartbeats-per-second", "1e-14"], "max_heartbeats_per_second: must be 0 (off) or at least 1"),
+        (["--max-heartbeats-per-second", "0.5"], "max_heartbeats_per_second: must be 0 (off) or at least 1"),
         # Infinite: after a restart nothing would ever start, on a new store --deployment never applied.
         (["--startup-grace", "inf"], "startup_grace: Input should be less than or equal to 3600"),
         (["--silent-share-alarm", "2"], "silent_share_alarm"),
