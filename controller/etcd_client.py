@@ -10,6 +10,7 @@ the channel moves to another member when the one it uses goes away.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -18,8 +19,11 @@ import aetcd
 import grpc
 from aetcd import rpc, watcher
 
+from motor.channels import RetiredChannels
 from motor.errors import ConfigError
-from motor.tls import read_pem
+from motor.tls import TlsFileWatch, read_pem
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "/motor"
 # etcd closes connections that ping more often than every 5 s (--grpc-keepalive-min-time).
@@ -100,30 +104,54 @@ class _Client(aetcd.Client):
             options["grpc.ssl_target_name_override"] = target.tls_name()
         super().__init__(timeout=target.request_timeout, options=options)
         self._grpc_target = _grpc_target(target.endpoints)
-        self._credentials = None
+        self._files: TlsFileWatch | None = None
         if target.ca_file:
-            self._credentials = grpc.ssl_channel_credentials(
-                root_certificates=read_pem(target.ca_file, "--etcd-ca"),
-                private_key=read_pem(target.key_file, "--etcd-key") if target.key_file else None,
-                certificate_chain=read_pem(target.cert_file, "--etcd-cert") if target.cert_file else None,
-            )
+            # Read here first, so that an unreadable file at start is an error naming its flag.
+            for path, flag in ((target.ca_file, "--etcd-ca"), (target.key_file, "--etcd-key"), (target.cert_file, "--etcd-cert")):
+                if path:
+                    read_pem(path, flag)
+            self._files = TlsFileWatch.shared(target.cert_file, target.key_file, target.ca_file)
+        self._made_at = 0  # the version of the files the channel was made with
+        self._retired = RetiredChannels()
+
+    def _files_renewed(self) -> bool:
+        """The TLS files changed (a renewed certificate, a new CA) since the channel was made."""
+        if self._files is None:
+            return False
+        self._files.changed()
+        return self._files.reloads != self._made_at
 
     async def connect(self) -> None:
-        # Replaces aetcd's connect (plaintext, one address); nothing here awaits, so two tasks
-        # cannot both build a channel.
-        if self._connected.is_set():
+        # Replaces aetcd's connect (plaintext, one address), which aetcd runs before every call;
+        # nothing here awaits, so two tasks cannot both build a channel. With TLS, a channel is
+        # made again once the files changed (motor/channels.py does the same for Motor's own
+        # channels): new calls use it, calls and watches on the old one finish there, and it is
+        # closed RETIRE_GRACE later (a watch cut then is opened again by its owner).
+        renewed = self._connected.is_set() and self._files_renewed()
+        if self._connected.is_set() and not renewed:
             return
         options = list(self._options.items())
-        if self._credentials is None:
+        old = self.channel if renewed else None
+        if self._files is None:
             self.channel = grpc.aio.insecure_channel(self._grpc_target, options=options)
         else:
-            self.channel = grpc.aio.secure_channel(self._grpc_target, self._credentials, options=options)
+            self._made_at, pems = self._files.reloads, self._files.pems
+            credentials = grpc.ssl_channel_credentials(root_certificates=pems.ca, private_key=pems.key,
+                                                       certificate_chain=pems.cert)
+            self.channel = grpc.aio.secure_channel(self._grpc_target, credentials, options=options)
         self.kvstub = rpc.KVStub(self.channel)
         self.clusterstub = rpc.ClusterStub(self.channel)
         self.leasestub = rpc.LeaseStub(self.channel)
         self.maintenancestub = rpc.MaintenanceStub(self.channel)
         self._watcher = watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout, metadata=None)
         self._connected.set()
+        if old is not None:
+            logger.info("TLS files changed: new calls to etcd use a new channel with them")
+            self._retired.retire(old, self._grpc_target)
+
+    async def close(self) -> None:
+        await self._retired.close()
+        await super().close()
 
 
 def connect(target: EtcdTarget) -> aetcd.Client:

@@ -32,6 +32,26 @@ RETIRE_GRACE = 60.0
 StubT = TypeVar("StubT")
 
 
+class RetiredChannels:
+    """Channels replaced by one made with renewed TLS files: each takes no new calls and is closed
+    once its calls end, or RETIRE_GRACE seconds later (a long-lived stream then ends, and its
+    owner opens it again on the new channel)."""
+
+    def __init__(self) -> None:
+        self._closing: dict[asyncio.Task, grpc.aio.Channel] = {}
+
+    def retire(self, old: grpc.aio.Channel, target: str) -> None:
+        closing = asyncio.get_running_loop().create_task(old.close(RETIRE_GRACE), name=f"retire channel to {target}")
+        self._closing[closing] = old
+        closing.add_done_callback(lambda task: self._closing.pop(task, None))
+
+    async def close(self) -> None:
+        """Close them now, cancelling the calls still running there."""
+        for task, old in list(self._closing.items()):
+            task.cancel()
+            await old.close()
+
+
 class ReloadingChannel:
     """A channel to `target` (plaintext when `tls` is None) and the stubs made on it."""
 
@@ -44,7 +64,7 @@ class ReloadingChannel:
         self._made_at = self._watch.reloads if self._watch else 0  # the version of the files in use
         self._channel = self._make(self._watch.pems if self._watch else None)
         self._stubs: dict[type, Any] = {}
-        self._retiring: dict[asyncio.Task, grpc.aio.Channel] = {}
+        self._retired = RetiredChannels()
         self.replaced = 0  # channels made again because the files changed
 
     @property
@@ -57,9 +77,7 @@ class ReloadingChannel:
             old, self._channel = self._channel, self._make(self._watch.pems)
             self._stubs.clear()
             self.replaced += 1
-            retire = asyncio.get_running_loop().create_task(old.close(RETIRE_GRACE), name=f"retire channel to {self.target}")
-            self._retiring[retire] = old
-            retire.add_done_callback(lambda task: self._retiring.pop(task, None))
+            self._retired.retire(old, self.target)
             logger.info("TLS files changed: new calls to %s use a new channel with them", self.target)
         return self._channel
 
@@ -74,7 +92,5 @@ class ReloadingChannel:
 
     async def close(self) -> None:
         """Close the channel and any replaced one still finishing its calls (cancelling them)."""
-        for task, old in list(self._retiring.items()):
-            task.cancel()
-            await old.close()
+        await self._retired.close()
         await self._channel.close()

@@ -4,8 +4,10 @@ controllers without the right files exit with an error that names what to check.
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
+import time
 
 import grpc
 import pytest
@@ -139,4 +141,51 @@ def test_three_members_over_tls_one_name_checked(tmp_path, pki):
             if process.poll() is None:
                 process.terminate()
                 process.wait(30)
+        cluster.stop()
+
+
+def test_a_renewed_client_certificate_is_used_without_a_restart(tmp_path, pki):
+    """Short-lived client certificates (SPIRE, cert-manager): the controller's etcd client starts
+    with one that expires 20 s later; a renewed pair lands on the same paths; once the first has
+    expired, etcd is restarted (every connection opens again, with a handshake). The controller
+    leads and writes again: it presented the renewed certificate. Before, the etcd client kept the
+    files of its start, and every reconnect past the expiry was refused for good."""
+    _require_etcd()
+    ca = CertificateAuthority.load(pki)
+    started = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=5)
+    short = ca.issue(Identity.parse("controller"), ["127.0.0.1"], days=25 / 86400, not_before=started)
+    short.save(str(tmp_path), "client")
+    expires = short.certificate.not_valid_after_utc.timestamp()
+    tls = EtcdTls(ca=f"{pki}/ca.crt", cert=f"{pki}/etcd.crt", key=f"{pki}/etcd.key")
+    cluster = EtcdCluster(str(tmp_path / "etcd"), size=1, tls=tls).start()
+    process = None
+    try:
+        process, address = _controller(tmp_path, cluster, "--etcd-ca", f"{pki}/ca.crt", "--etcd-cert",
+                                       str(tmp_path / "client.crt"), "--etcd-key", str(tmp_path / "client.key"))
+        assert _leader_of(address, process).leader_address == address
+        renewed = tmp_path / "renewed"
+        renewed.mkdir()
+        ca.issue(Identity.parse("controller"), ["127.0.0.1"]).save(str(renewed), "client")
+        for name in ("client.key", "client.crt"):  # a rotation as a tool writes it: one file, then the other
+            os.replace(renewed / name, tmp_path / name)
+        time.sleep(max(0.0, expires - time.time() + 2))  # the certificate of its start has expired
+        cluster.kill_member(0)
+        cluster.start_member(0)
+        cluster.wait_healthy()
+
+        def applied() -> bool:
+            try:
+                with grpc.insecure_channel(address) as channel:
+                    controller_pb2_grpc.ControllerServiceStub(channel).ApplyDeployment(
+                        controller_pb2.ApplyDeploymentRequest(deployment=load_deployment(DEPLOYMENT)), timeout=5)
+                return True
+            except grpc.RpcError:
+                return False
+
+        wait_for(applied, timeout=60, what=f"an apply stored in etcd after the restart; the controller's log:\n{_output(process)}")
+        assert "TLS certificate re-read from" in _output(process), _output(process)
+    finally:
+        if process is not None:
+            process.terminate()
+            assert process.wait(30) == 0, _output(process)
         cluster.stop()
