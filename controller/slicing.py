@@ -17,8 +17,9 @@ import contextlib
 import time
 from typing import Callable, ContextManager, Generator, Iterable, TypeVar
 
-# Work done between two yields: well under the 50 ms an API call may hold the loop.
-SLICE_SECONDS = 0.02
+# Work done between two yields: well under the 50 ms an API call may hold the loop, with room
+# for a collection of new objects (motor/gc_tuning.py) and heartbeats in the same loop iteration.
+SLICE_SECONDS = 0.01
 SPAWNS_PER_SLICE = 200
 
 R = TypeVar("R")

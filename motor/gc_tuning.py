@@ -12,8 +12,8 @@ what lives 5 s was walked again by every generation it passed through.
 `TenuredCollections` collects by time instead: every PACE seconds one collection of everything
 not frozen, after which what survived is frozen (`gc.freeze`), so each object is walked once,
 in the first collection after it was made (short-lived garbage, cycles included, is reclaimed
-there), and later collections walk only what was made since: at 10,000 nodes 11-28 ms each
-(p50), 7% of a core. Allocations still start a collection past YOUNG_SAFETY (a burst between
+there), and later collections walk only what was made since: at 10,000 nodes 10-35 ms each
+(p50), 7-17% of a core. Allocations still start a collection past YOUNG_SAFETY (a burst between
 two paced ones). Reference counting still frees frozen objects; only reference cycles among them
 that turn into garbage later would stay, so once the heap has doubled since the last complete
 walk, the frozen objects are thawed and the next collection walks (and reclaims) everything.
@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 FLOOR = 500_000  # allocated blocks (about 200,000 objects): no complete walk before twice this
 PACE = 0.25  # seconds between two collections
-YOUNG_SAFETY = 50_000  # allocations (net of frees) that start a collection before the next paced one
+YOUNG_SAFETY = 20_000  # allocations (net of frees) that start a collection before the next paced one
 
 
 class TenuredCollections:
@@ -53,11 +53,13 @@ class TenuredCollections:
     def install(self) -> "TenuredCollections":
         """At start-up: what is there now (modules, classes) is walked once, here, and frozen, so
         the first full collection while serving walks only what came since (30-50 ms otherwise)."""
-        _, middle, _ = self._thresholds
         gc.collect()
         gc.freeze()
         self.baseline = self.heap()
-        gc.set_threshold(YOUNG_SAFETY, middle, 1)  # allocations start one only in a burst between two paced ones
+        # Between two paced collections allocations start one only in a burst (a big apply): a
+        # young one per YOUNG_SAFETY, every third a full one whose survivors are frozen, so each
+        # walk stays at a few ten thousand objects.
+        gc.set_threshold(YOUNG_SAFETY, 0, 0)
         gc.callbacks.append(self._after)
         return self
 
