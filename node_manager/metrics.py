@@ -44,7 +44,8 @@ class Metrics:
         self.store_write_failures = Counter(
             "motor_node_manager_store_write_failures",
             "Engine record writes the disk refused (full, read-only, failing) under the node's state_dir, retries "
-            "included. Rising: free space there; exits are still recorded in memory and reported meanwhile.",
+            "included. Rising: free space there; exits are still recorded in memory and reported meanwhile (alert "
+            "MotorNodeStoreFailing).",
             ["node"], registry=self.registry
         )
         self.heartbeat_latency = Histogram(
