@@ -18,11 +18,15 @@ and interval being the ones it was told. Live nodes are the nodes not LOST (an O
 
 A node hears a shorter interval only at its next answer, up to one old interval later: when the
 announced interval drops (nodes were lost or left), silence is still judged by the longer one
-for two of its intervals, so no node is suspected for beating at the pace it was told.
+for two of its intervals, so no node is suspected for beating at the pace it was told. Every
+interval announced is held so, one told while a longer one was held too (the fleet shrinking
+in waves: 10 s, then 5.5 s to some nodes, then 1 s): `_holds` keeps, longest first, each
+announced interval that no longer one announced later outlasts, with the end of its hold.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Callable
 
@@ -36,8 +40,10 @@ class HeartbeatBudget:
                  live_nodes: Callable[[], int], mono: Callable[[], float]):
         self.base_interval, self.base_grace, self.max_per_second = base_interval, base_grace, max_per_second
         self.live_nodes, self.mono = live_nodes, mono
-        self._held, self._held_until = base_interval, 0.0  # the longest interval announced lately
-        self.announced = base_interval  # the latest announced (read by /metrics, from its own thread)
+        # (interval, end of its hold), intervals decreasing; the first one not over is held.
+        self._holds: collections.deque[tuple[float, float]] = collections.deque()
+        self._held = base_interval  # the longest interval announced lately (read by /metrics, from its own thread)
+        self.announced = base_interval  # the latest announced (read by /metrics too)
         self._messages: tuple[float, float, Duration, Duration] | None = None
 
     def interval(self) -> float:
@@ -46,9 +52,13 @@ class HeartbeatBudget:
         if self.max_per_second > 0:
             needed = math.ceil(self.live_nodes() / self.max_per_second * 10 - 1e-9) / 10
             interval = max(interval, needed)
-        now = self.mono()
-        if interval >= self._held or now >= self._held_until:
-            self._held, self._held_until = interval, now + 2 * interval
+        now, holds = self.mono(), self._holds
+        while holds and holds[-1][0] <= interval:
+            holds.pop()  # no longer, and its hold ends before this one's
+        holds.append((interval, now + 2 * interval))
+        while holds[0][1] <= now:
+            holds.popleft()  # over (the one just added is not)
+        self._held = holds[0][0]
         self.announced = interval
         return interval
 

@@ -55,6 +55,27 @@ def test_a_shorter_interval_is_announced_at_once_but_silence_is_judged_by_the_lo
     assert (b.interval(), b.grace()) == (7.0, 35.0)
 
 
+def test_an_interval_announced_while_a_longer_one_was_held_is_held_for_two_of_its_own_intervals():
+    # The fleet shrinks in two waves: 10 s, then 5.5 s told to a node at t=16, then 1 s. The 10 s
+    # hold ends at t=20; the node, told 5.5 s, beats again at t=21.5. Judged by 1 s (grace 5 s)
+    # from t=20 on, it was suspected at t=21.1 for beating at the pace it was told.
+    clock, live = ManualClock(), [1000]
+    b = budget(live, clock)
+    assert b.interval() == 10.0
+    clock.advance(16)
+    live[0] = 550
+    assert b.interval() == 5.5  # told to a node now
+    clock.advance(2)  # t=18
+    live[0] = 100
+    assert b.interval() == 1.0
+    assert (b.liveness_interval(), b.grace()) == (10.0, 50.0)
+    clock.advance(2.1)  # t=20.1: the 10 s hold is over, the 5.5 s one lasts until t=27
+    assert (b.liveness_interval(), b.grace()) == (5.5, 27.5)
+    assert b.held_grace() == 27.5
+    clock.advance(7)  # t=27.1
+    assert (b.liveness_interval(), b.grace()) == (1.0, 5.0)
+
+
 async def test_the_announcement_is_in_every_registration_and_heartbeat_answer(tmp_path):
     clock = ManualClock()
     h = Harness(tmp_path, clock=clock, heartbeat_interval=0.1, node_grace=0.6, max_heartbeats_per_second=10)
