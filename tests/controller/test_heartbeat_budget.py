@@ -5,6 +5,8 @@ hand-driven clock; the same with real node managers is in test_heartbeat_budget_
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from motor import pbtime
@@ -74,6 +76,24 @@ def test_an_interval_announced_while_a_longer_one_was_held_is_held_for_two_of_it
     assert b.held_grace() == 27.5
     clock.advance(7)  # t=27.1
     assert (b.liveness_interval(), b.grace()) == (1.0, 5.0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_node_beating_at_the_pace_it_was_told_is_never_silent_past_the_grace(seed):
+    # A fleet that grows and shrinks tenfold at random while one node beats exactly at the
+    # interval of its last answer (other nodes' answers announce too).
+    rnd, clock, live = random.Random(seed), ManualClock(), [5000]
+    b = HeartbeatBudget(base_interval=1.0, base_grace=1.5, max_per_second=2000.0, live_nodes=lambda: live[0], mono=clock)
+    last_beat, next_beat = clock(), clock() + b.interval()
+    for _ in range(20_000):  # 1,000 s in steps of 50 ms
+        clock.advance(0.05)
+        if rnd.random() < 0.01:
+            live[0] = max(1, int(live[0] * rnd.choice([0.1, 0.5, 2, 10]))) if rnd.random() < 0.5 else rnd.randint(1, 40_000)
+        if rnd.random() < 0.2:
+            b.announcement()
+        if clock() >= next_beat - 1e-9:
+            last_beat, next_beat = clock(), clock() + b.interval()
+        assert clock() - last_beat <= b.grace(), f"silent {clock() - last_beat:.2f}s, grace {b.grace():g}s"
 
 
 async def test_the_announcement_is_in_every_registration_and_heartbeat_answer(tmp_path):
