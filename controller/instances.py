@@ -39,9 +39,10 @@ class IllegalTransition(Exception):
     pass
 
 
-@dataclass
+@dataclass(slots=True)
 class InstanceRecord:
-    """What the controller keeps about one instance (persisted as a dict)."""
+    """What the controller keeps about one instance (persisted as a dict). Slots: no dict per
+    instance (10,000s of them)."""
 
     instance_id: str
     group: str
@@ -67,7 +68,7 @@ class InstanceRecord:
     state_changed_at: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "InstanceRecord":

@@ -40,7 +40,7 @@ def node_state_name(state: int | None) -> str:
     return "new" if state is None else enum_short_name(C.NodeState, state)
 
 
-@dataclass
+@dataclass(slots=True)
 class NodeRuntime:
     info: C.NodeInfo
     generation: int

@@ -5,6 +5,8 @@ the actuator's stop de-duplication (its fencing map forgets old stops)."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import json
 
 import pytest
 
@@ -135,7 +137,7 @@ def test_placing_indexes_the_slot_by_node_as_a_new_generation():
     table.add(slot)
     assert table.on_node("node-a") == []
     table.place(slot, "node-a", "10.0.0.1", [2, 3], 4, generation=7)
-    assert (slot.node_id, slot.host, slot.accelerator_ids, slot.requested_ports) == ("node-a", "10.0.0.1", [2, 3], [0, 0, 0, 0])
+    assert (slot.node_id, slot.host, slot.accelerator_ids, slot.requested_ports) == ("node-a", "10.0.0.1", (2, 3), (0, 0, 0, 0))
     assert slot.generation == 7 and not slot.moved
     assert table.on_node("node-a") == [slot] and table.used_accelerators("node-a") == {2, 3}
     assert_no_copy_known(slot)
@@ -148,7 +150,7 @@ def test_unplacing_leaves_the_node_index_and_forgets_the_copy():
     assert table.on_node("node-a") == [slot]
     table.unplace(observed(slot), moved=True)
     assert table.on_node("node-a") == [] and table.used_accelerators("node-a") == set()
-    assert (slot.node_id, slot.host, slot.accelerator_ids, slot.requested_ports, slot.moved) == ("", "", [], [], True)
+    assert (slot.node_id, slot.host, slot.accelerator_ids, slot.requested_ports, slot.moved) == ("", "", (), (), True)
     assert slot.generation == 4 and slot.restarts == 2  # what is persisted about the rank stays
     assert_no_copy_known(slot)
 
@@ -160,7 +162,7 @@ def test_new_generation_keeps_the_place_and_forgets_the_last_copy():
     table.place(slot, "node-a", "h", [0], 2, generation=3)
     observed(slot)
     table.new_generation(slot, 9)
-    assert (slot.node_id, slot.accelerator_ids, slot.generation, slot.handled_failure_generation) == ("node-a", [0], 9, 0)
+    assert (slot.node_id, slot.accelerator_ids, slot.generation, slot.handled_failure_generation) == ("node-a", (0,), 9, 0)
     assert_no_copy_known(slot)
     assert table.on_node("node-a") == [slot]
 
@@ -193,6 +195,15 @@ def test_persisted_fields_round_trip_and_observations_do_not():
     again = EngineSlot.from_dict(slot.to_dict())
     assert (again.node_id, again.generation, again.restarts, again.last_failure_reason, again.port) == ("node-a", 5, 1, "x", 21000)
     assert not again.launched and again.state == T.ENGINE_STATE_UNSPECIFIED
+
+
+def test_a_stored_slot_keeps_its_ports_and_accelerators_as_tuples():
+    # The store keeps JSON (lists); in memory they are tuples, which the garbage collector does not track.
+    slot = EngineSlot("u-0/rank0", "u-0", 0, node_id="node-a", requested_ports=(0, 0), accelerator_ids=(2, 3))
+    again = EngineSlot.from_dict(json.loads(json.dumps(slot.to_dict())))
+    assert (again.requested_ports, again.accelerator_ids) == ((0, 0), (2, 3))
+    gc.collect()
+    assert not gc.is_tracked(again.requested_ports) and not gc.is_tracked(again.accelerator_ids)
 
 
 # ---------------------------------------------------------------- actuator
