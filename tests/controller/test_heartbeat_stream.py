@@ -116,7 +116,7 @@ async def play(tmp_path, make_transport) -> dict:
         for node in nodes:
             await transport.beat(node, h.generations[node], client.report(node))
         ctl.endpoints.refresh()  # the feed re-reads only what changed: it must agree with a full pass
-        assert ctl.endpoints.current == {e.engine_id: e for e in endpoints.endpoints(ctl.state)}
+        assert {k: endpoints.message(v) for k, v in ctl.endpoints.current.items()} == {e.engine_id: e for e in endpoints.endpoints(ctl.state)}
         held = {n: sorted(e.SerializeToString(deterministic=True) for e in ctl.nodes[n].engines.values()) for n in NODES}
         trace.append((held, sorted((s.engine_id, s.state, s.health) for s in ctl.slots.values())))
 
