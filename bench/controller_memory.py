@@ -12,8 +12,10 @@ HeartbeatRequest is on the wire (as the servicer receives them). One scrape of t
 
 It prints, against a baseline taken before the controller was made: tracked GC objects per
 engine (len(gc.get_objects())), the types that grew most, bytes per engine (RSS, and the Python
-allocator's share by tracemalloc with --tracemalloc: slow), and one complete collection
-(gc.collect() after gc.unfreeze(), as motor/gc_tuning.py's complete walk), median of --walks.
+allocator's share by tracemalloc with --tracemalloc: slow), the time Controller.heartbeat takes
+per engine in a full heartbeat of engines reported unchanged (the steady state of unary
+heartbeats), and one complete collection (gc.collect() after gc.unfreeze(), as
+motor/gc_tuning.py's complete walk: every tracked object of the process), median of --walks.
 
     .venv/bin/python bench/controller_memory.py --nodes 10000 --instances 10000 --dp 8   # 10,000 x 8
     .venv/bin/python bench/controller_memory.py --nodes 5000 --instances 10000 --dp 4    # 10,000 x dp 4
@@ -103,13 +105,20 @@ async def build(args, work: str) -> Controller:
     while sum(map(len, nodes.engines.values())) < engines or controller._tasks:
         controller.reconcile_once()
         await asyncio.sleep(0.01)
+    wires = {node_id: C.HeartbeatRequest(node_id=node_id, generation=controller.nodes[node_id].generation,
+                                         engines=map(T.Engine.FromString, running.values())).SerializeToString()
+             for node_id, running in nodes.engines.items()}
     for _ in range(args.beats):
-        for node_id, running in nodes.engines.items():
-            wire = C.HeartbeatRequest(node_id=node_id, generation=controller.nodes[node_id].generation,
-                                      engines=map(T.Engine.FromString, running.values())).SerializeToString()
+        held = 0.0  # in Controller.heartbeat
+        for wire in wires.values():
             request = C.HeartbeatRequest.FromString(wire)
+            began = time.perf_counter()
             controller.heartbeat(request.node_id, request.generation, request.engines)
+            held += time.perf_counter() - began
         await asyncio.sleep(0)  # the endpoint feed's refresh
+    controller.beat_seconds = held  # the last round: every engine reported unchanged
+    del wires
+    nodes.engines.clear()  # the fleet's side: not the controller's
     not_ready = [i for i in controller.instances.values() if i.state != C.INSTANCE_STATE_READY]
     if not_ready:
         raise SystemExit(f"{len(not_ready)} instances not READY, e.g. {not_ready[0]}")
@@ -158,6 +167,8 @@ def main() -> int:
               f"{rss / 2**20:.0f} MiB in the process")
         if args.tracemalloc:
             print(f"Python allocator (tracemalloc): {traced / 2**20:.0f} MiB ({traced / engines:.0f} bytes per engine)")
+        print(f"a full heartbeat of unchanged engines: {controller.beat_seconds / engines * 1e6:.2f} us per engine "
+              f"in Controller.heartbeat")
         print(f"complete collection: median {statistics.median(walks) * 1000:.0f} ms of {args.walks} "
               f"({', '.join(f'{w * 1000:.0f}' for w in walks)} ms)")
         print("tracked objects that grew most (type: count, per engine):")

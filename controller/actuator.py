@@ -17,7 +17,6 @@ import contextlib
 import logging
 from typing import Callable, Coroutine, Iterator
 
-from motor import pbtime
 from motor.retry import RepeatedFailure, worth_reporting
 from motor.v1 import controller_pb2, types_pb2
 
@@ -27,6 +26,7 @@ from controller.instances import InstanceRecord
 from controller.node_client import NodeCallError, NodeClient
 from controller.nodes import NodeTable
 from controller.slots import EngineSlot
+from controller import reported
 
 logger = logging.getLogger(__name__)
 
@@ -145,9 +145,9 @@ class Actuator:
         """--stop-deadline, or longer when the engine said its stop takes longer (its
         drain_timeout plus its shutdown: a shorter deadline would end every stop in SIGKILL)."""
         runtime = self.nodes.get(node_id)
-        engine = runtime.engines.get(engine_id) if runtime is not None else None
-        grace = pbtime.seconds(engine.stop_grace) if engine is not None and engine.HasField("stop_grace") else 0.0
-        return max(self.stop_deadline, grace)
+        kept = runtime.engines.get(engine_id) if runtime is not None else None
+        grace = kept[reported.STOP_GRACE] if kept is not None else None
+        return max(self.stop_deadline, grace or 0.0)
 
     def stop_copy(self, node_id: str, engine_id: str, generation: int, why: str, fence: bool = False) -> None:
         """Stop one copy of an engine in the background (idempotent on the node side)."""

@@ -25,6 +25,7 @@ from controller.nodes import NODE_READY, NodeRuntime
 from controller.placement import ports_per_engine
 from controller.state import ClusterState
 from controller.store import StoredState
+from controller import reported
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +59,9 @@ class Adoption:
         copies: dict[str, list[tuple[NodeRuntime, T.Engine]]] = {}
         for node in self.state.nodes.values():
             if node.state == NODE_READY:
-                for engine in node.engines.values():
-                    if engine.state in LIVE:
-                        copies.setdefault(engine.engine_id, []).append((node, engine))
+                for engine_id, kept in node.engines.items():
+                    if kept[reported.STATE] in LIVE:
+                        copies.setdefault(engine_id, []).append((node, reported.message(kept)))
         return copies
 
     def end(self, why: str) -> None:

@@ -29,7 +29,7 @@ from motor.start_refusals import Refusal
 from motor.tasks import TaskSet, cancel_and_wait, set_within
 from motor.v1 import controller_pb2, types_pb2
 
-from controller import endpoints, views
+from controller import endpoints, reported as reported_engine, views
 from controller.actuator import Actuator, engine_spec
 from controller.adoption import Adoption
 from controller.claims import NodeClaims, check_registration
@@ -292,7 +292,7 @@ class Controller(views.ClusterReads):
         with self.actuator.fences_of_one_report(info.node_id):
             for engine in reported.values():
                 self._observe(node, engine, "")
-        node.engines = reported
+        node.engines = {engine_id: reported_engine.keep(engine) for engine_id, engine in reported.items()}
         assignments = [C.EngineAssignment(engine_id=s.engine_id, generation=s.generation) for s in st.slots.on_node(info.node_id)]
         self.monitor.refresh_alarm()
         self.wake()
@@ -309,7 +309,9 @@ class Controller(views.ClusterReads):
         count = len(engines) if not delta else len(node.engines) + sum(e.engine_id not in node.engines for e in engines) \
             - sum(engine_id in node.engines for engine_id in set(removed))
         check_engine_count(node_id, count, self.config.max_engines_per_node, "engines")
-        check_reported_engines(engines, node.engines)  # what changed since its last report
+        kept = [reported_engine.keep(e) for e in engines]
+        # What is the same as its last report was checked then.
+        check_reported_engines(engines, {i for i, k in enumerate(kept) if node.engines.get(k[reported_engine.ENGINE_ID]) == k})
         names.check_printable(store_failing, "store_failing")
         self.state.nodes.heard_from(node, self.mono())
         node.last_heartbeat_wall = self.wall()
@@ -317,19 +319,19 @@ class Controller(views.ClusterReads):
         if node.state == NODE_SUSPECT:
             self.monitor.node_back(node, "heartbeats arrived again")
         self.node_stores.report(node_id, store_failing)
-        reported: dict[str, T.Engine] = node.engines if delta else {}
+        reported: dict[str, reported_engine.Reported] = node.engines if delta else {}
         for engine_id in removed if delta else ():
             reported.pop(engine_id, None)
         with self.actuator.fences_of_one_report(node_id):
-            for engine in engines:
-                reported[engine.engine_id] = engine
+            for engine, k in zip(engines, kept):
+                reported[engine.engine_id] = k
                 self._observe(node, engine, "")
         node.engines = reported
 
     def report_engine_event(self, node_id: str, generation: int, engine: T.Engine, reason: str) -> None:
         node = self.state.nodes.member(node_id, generation)
         check_reported_engine(engine, "engine")
-        node.engines[engine.engine_id] = engine
+        node.engines[engine.engine_id] = reported_engine.keep(engine)
         self._observe(node, engine, reason)
 
     def _observe(self, node: NodeRuntime, engine: T.Engine, reason: str) -> None:
@@ -424,5 +426,5 @@ class Controller(views.ClusterReads):
             f"port {engine.spec.port or spec.port}, pid {engine.pid})",
             node_id=node.node_id, instance_id=slot.instance_id, engine_id=slot.engine_id,
         )
-        node.engines.setdefault(engine.engine_id or slot.engine_id, engine)
+        node.engines.setdefault(engine.engine_id or slot.engine_id, reported_engine.keep(engine))
         self._observe(node, engine, "")

@@ -14,6 +14,7 @@ from motor.v1 import types_pb2 as T
 from controller.nodes import NODE_READY, NodeRuntime
 from controller.placement import Fleet, NodeCapacity, ports_per_engine
 from controller.state import ClusterState
+from controller import reported
 
 # States in which a copy still holds its accelerators and ports on its node.
 HOLDING_ENGINE_STATES = {T.ENGINE_STATE_STARTING, T.ENGINE_STATE_RUNNING, T.ENGINE_STATE_STOPPING}
@@ -24,11 +25,10 @@ def held_by_other_copies(state: ClusterState, node: NodeRuntime) -> list[T.Engin
     accounts for (an old deployment's engines draining and stopping, a fenced copy): placement
     does not offer what they hold until the node stops reporting them (hostile F7)."""
     held = []
-    for engine in node.engines.values():
-        slot = state.slots.get(engine.engine_id)
-        if engine.state in HOLDING_ENGINE_STATES and (
-                slot is None or slot.node_id != node.node_id or slot.generation != engine.spec.generation):
-            held.append(engine)
+    for engine_id, state_, generation, *_ in node.engines.values():
+        slot = state.slots.get(engine_id)
+        if state_ in HOLDING_ENGINE_STATES and (slot is None or slot.node_id != node.node_id or slot.generation != generation):
+            held.append(reported.message(node.engines[engine_id]))
     return held
 
 

@@ -21,6 +21,7 @@ from controller.heartbeat_budget import HeartbeatBudget
 from controller.node_client import NodeCallError, NodeClient
 from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
 from controller.state import ClusterState
+from controller import reported
 
 C, T = controller_pb2, types_pb2
 
@@ -130,7 +131,7 @@ class NodeMonitor:
             node.last_seen = self.state.mono()
             self.node_back(node, "heartbeats were late but the direct re-check answered")
             for engine in engines:
-                node.engines[engine.engine_id] = engine
+                node.engines[engine.engine_id] = reported.keep(engine)
                 self.observe(node, engine, "")
 
     def node_back(self, node: NodeRuntime, how: str) -> None:

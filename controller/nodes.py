@@ -16,9 +16,10 @@ from typing import Iterator
 
 from motor.errors import FailedPrecondition, NotFound
 from motor.names import check_node_id, enum_short_name, excerpt
-from motor.v1 import controller_pb2, types_pb2
+from motor.v1 import controller_pb2
 
 from controller.instances import IllegalTransition
+from controller.reported import Reported
 from controller.table import Table
 
 C = controller_pb2
@@ -49,7 +50,7 @@ class NodeRuntime:
     last_seen: float  # monotonic
     last_heartbeat_wall: float = 0.0
     registered_wall: float = 0.0  # when the holding process registered (0: before a controller restart)
-    engines: dict[str, types_pb2.Engine] = field(default_factory=dict)
+    engines: dict[str, Reported] = field(default_factory=dict)  # engine id -> its last report (controller/reported.py)
     rechecking: bool = False
     recheck_failed_at: float | None = None
     recheck_error: str = ""

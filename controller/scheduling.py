@@ -25,6 +25,7 @@ from controller.slicing import Budget, Steps, run_at_once
 from controller.slots import EngineSlot
 from controller.state import ClusterState
 from controller.store import StoreUnavailable
+from controller import reported
 
 logger = logging.getLogger(__name__)
 
@@ -370,7 +371,7 @@ class Scheduler:
             node_id, generation = old
             node = st.nodes.get(node_id)
             copy = node.engines.get(slot.engine_id) if node else None
-            if node is not None and copy is not None and copy.state in LIVE_ENGINE_STATES:
+            if node is not None and copy is not None and copy[reported.STATE] in LIVE_ENGINE_STATES:
                 slot.busy = True
                 try:
                     await self.actuator.stop(node.info, slot.engine_id, generation)

@@ -10,7 +10,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 from google.protobuf import json_format
 
@@ -47,18 +47,15 @@ REPORTED_TEXT = ("node_id", "log_path")
 REPORTED_SPEC_TEXT = ("instance_id", "host", "master_dp_ip", "config_path")
 
 
-def check_reported_engines(engines: Sequence[types_pb2.Engine], known: Mapping[str, types_pb2.Engine] | None = None,
+def check_reported_engines(engines: Sequence[types_pb2.Engine], unchanged: Collection[int] = (),
                            where: str = "engines") -> None:
     """INVALID_ARGUMENT naming the field (`engines[3].engine_id ...`) of the first engine a node
     reports whose id is not '<instance_id>/rank<n>' or whose text holds a control character:
     checked before anything of the report is kept (nothing stored, fenced or logged).
-    `known`: the node's last report, checked already; its engines reported again with the same
-    text are not checked twice (a full heartbeat repeats them all, every beat)."""
-    known = known or {}
+    `unchanged`: the places of the engines reported exactly as in the node's last report,
+    checked then: not checked twice (a full heartbeat repeats them all, every beat)."""
     for i, engine in enumerate(engines):
-        spec, before = engine.spec, known.get(engine.engine_id)
-        if before is not None and before.spec == spec and before.log_path == engine.log_path \
-                and before.node_id == engine.node_id:
+        if i in unchanged:
             continue
         if names.ENGINE_ID_PATTERN.fullmatch(engine.engine_id) and not names.CONTROL_CHARACTER.search(
                 "".join(value for _, value in reported_text(engine))):

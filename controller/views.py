@@ -10,7 +10,7 @@ from motor.names import enum_short_name
 from motor.pbtime import timestamp as _stamp
 from motor.v1 import controller_pb2, types_pb2
 
-from controller import endpoints, paging
+from controller import endpoints, paging, reported
 from controller.claims import Conflict
 from controller.instances import RESTARTING, InstanceRecord
 from controller.nodes import NodeRuntime
@@ -43,7 +43,7 @@ def node_proto(state: ClusterState, node: NodeRuntime) -> C.Node:
     proto = C.Node(
         info=node.info, state=node.state, state_reason=node.reason, generation=node.generation,
         free_accelerator_ids=[a for a in node.info.accelerator_ids if a not in used],
-        engines=[node.engines[k] for k in sorted(node.engines)],
+        engines=[reported.message(node.engines[k]) for k in sorted(node.engines)],
     )
     if node.last_heartbeat_wall:
         proto.last_heartbeat.CopyFrom(_stamp(node.last_heartbeat_wall))

@@ -18,7 +18,7 @@ from motor.v1 import controller_pb2 as C
 from motor.v1 import controller_pb2_grpc
 from motor.v1 import types_pb2 as T
 
-from controller import endpoints
+from controller import endpoints, reported
 from controller.servicer import ControllerServicer
 from node_manager.heartbeat_sender import HeartbeatSender
 from motorctl import pages
@@ -117,7 +117,7 @@ async def play(tmp_path, make_transport) -> dict:
             await transport.beat(node, h.generations[node], client.report(node))
         ctl.endpoints.refresh()  # the feed re-reads only what changed: it must agree with a full pass
         assert {k: endpoints.message(v) for k, v in ctl.endpoints.current.items()} == {e.engine_id: e for e in endpoints.endpoints(ctl.state)}
-        held = {n: sorted(e.SerializeToString(deterministic=True) for e in ctl.nodes[n].engines.values()) for n in NODES}
+        held = {n: sorted(e.SerializeToString(deterministic=True) for e in map(reported.message, ctl.nodes[n].engines.values())) for n in NODES}
         trace.append((held, sorted((s.engine_id, s.state, s.health) for s in ctl.slots.values())))
 
     try:

@@ -4,8 +4,11 @@ named by its place in the report; an engine reported again unchanged is not chec
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
+from controller import reported
 from controller.validation import check_reported_engine, check_reported_engines
 from motor.errors import InvalidArgument
 from motor.v1 import types_pb2
@@ -49,13 +52,27 @@ def test_a_bad_field_is_refused_by_its_place_in_the_report(field):
 def test_an_engine_reported_again_unchanged_is_not_checked_twice_but_a_changed_one_is():
     # What the node reported before was checked then (here: pretend it held a bad host).
     held = engine(host="10.0.0.1\x00")
-    check_reported_engines([held], known={held.engine_id: held})  # the same report: skipped
+    check_reported_engines([held], unchanged={0})  # the same report: skipped
     other = engine("u-1/rank0", instance_id="u-1")
-    check_reported_engines([held, other], known={held.engine_id: held})  # one skipped, one new and fine
+    check_reported_engines([held, other], unchanged={0})  # one skipped, one new and fine
     with pytest.raises(InvalidArgument, match=r"^engines\[1\]\.spec\.host "):
-        check_reported_engines([held, engine("u-1/rank0", instance_id="u-1", host="\x00")], known={held.engine_id: held})
-    before = {GOOD.engine_id: GOOD}
-    for field, changed in (("spec.host", engine(host="h\x00")), ("log_path", engine(log_path="l\n")),
-                           ("node_id", engine(node_id="n\n"))):
-        with pytest.raises(InvalidArgument, match=rf"^engines\[0\]\.{field.replace('.', '[.]')} "):
-            check_reported_engines([changed], known=before)
+        check_reported_engines([held, engine("u-1/rank0", instance_id="u-1", host="\x00")], unchanged={0})
+    with pytest.raises(InvalidArgument, match=r"^engines\[0\]\.spec\.host "):
+        check_reported_engines([held, other], unchanged={1})  # only what is unchanged is skipped
+
+
+def test_the_kept_copy_of_a_report_is_untracked_equal_when_unchanged_and_gives_the_message_back():
+    held = engine(config_json='{"motor_engine_union_config": {"engine_type": "sim"}}')
+    held.stop_grace.FromSeconds(40)
+    wire = held.SerializeToString()
+    kept = reported.keep(types_pb2.Engine.FromString(wire))
+    assert kept == reported.keep(types_pb2.Engine.FromString(wire))  # the same report again: skipped
+    assert kept[reported.ENGINE_ID] == "u-0/rank0" and kept[reported.STOP_GRACE] == 40.0
+    assert reported.message(kept) == held and reported.keep(GOOD)[reported.STOP_GRACE] is None
+    gc.collect()
+    assert not gc.is_tracked(kept)
+    for field, value in (("spec.host", "h"), ("log_path", "l"), ("node_id", "n"), ("spec.config_json", "{}"),
+                         ("health_reason", "x")):
+        changed = types_pb2.Engine.FromString(wire)
+        setattr(changed.spec if field.startswith("spec.") else changed, field.removeprefix("spec."), value)
+        assert reported.keep(changed) != kept, field  # checked again
