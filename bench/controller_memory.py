@@ -11,11 +11,13 @@ HeartbeatRequest is on the wire (as the servicer receives them). One scrape of t
 (/metrics) and one ListNodes are rendered, as a running controller serves them.
 
 It prints, against a baseline taken before the controller was made: tracked GC objects per
-engine (len(gc.get_objects())), the types that grew most, bytes per engine (RSS, and the Python
-allocator's share by tracemalloc with --tracemalloc: slow), the time Controller.heartbeat takes
-per engine in a full heartbeat of engines reported unchanged (the steady state of unary
-heartbeats), and one complete collection (gc.collect() after gc.unfreeze(), as
-motor/gc_tuning.py's complete walk: every tracked object of the process), median of --walks.
+engine (len(gc.get_objects())), the types that grew most, bytes per engine (RSS after glibc's
+malloc_trim, so that it counts what is held rather than the peak; with --tracemalloc also the
+Python allocator's share: slow), the time Controller.heartbeat takes per engine in a full
+heartbeat of engines reported unchanged (the steady state of unary heartbeats), and one
+complete collection (gc.collect() after gc.unfreeze(), as motor/gc_tuning.py's complete walk:
+every tracked object of the process), median of --walks. --config-bytes grows the deployment's
+engine config (a real one is often kilobytes; every engine's spec carries it).
 
     .venv/bin/python bench/controller_memory.py --nodes 10000 --instances 10000 --dp 8   # 10,000 x 8
     .venv/bin/python bench/controller_memory.py --nodes 5000 --instances 10000 --dp 4    # 10,000 x dp 4
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import ctypes
 import gc
 import itertools
 import os
@@ -48,6 +51,12 @@ from controller.core import Controller  # noqa: E402
 from controller.node_client import NodeClient  # noqa: E402
 from controller.store import SqliteStore  # noqa: E402
 from tests.support.big_fleet import deployment  # noqa: E402
+
+
+try:
+    LIBC = ctypes.CDLL("libc.so.6")
+except OSError:  # not glibc
+    LIBC = None
 
 
 class SimulatedNodes(NodeClient):
@@ -82,6 +91,8 @@ class SimulatedNodes(NodeClient):
 
 def snapshot() -> tuple[int, collections.Counter, int]:
     gc.collect()
+    if LIBC is not None:  # freed memory back to the system: RSS then counts what is held, not the peak
+        LIBC.malloc_trim(0)
     objects = gc.get_objects()
     kinds = collections.Counter(type(o).__name__ for o in objects)
     count = len(objects)
@@ -100,7 +111,10 @@ async def build(args, work: str) -> Controller:
                           host=f"10.1.{n // 250}.{n % 250 + 1}", accelerator_ids=range(args.accelerators),
                           accelerator_type="sim")
         await controller.register_node(info, [])
-    controller.apply_deployment(deployment(args.instances, args.dp))
+    wanted = deployment(args.instances, args.dp)
+    if args.config_bytes:  # a bigger engine config, as a real deployment's (every engine's spec carries it)
+        wanted.engine_config["motor_engine_union_config"]["served_model_name"] = "m" * args.config_bytes
+    controller.apply_deployment(wanted)
     engines = args.instances * args.dp
     while sum(map(len, nodes.engines.values())) < engines or controller._tasks:
         controller.reconcile_once()
@@ -135,6 +149,7 @@ def main() -> int:
     parser.add_argument("--accelerators", type=int, default=8, help="per node")
     parser.add_argument("--instances", type=int, default=1000)
     parser.add_argument("--dp", type=int, default=8)
+    parser.add_argument("--config-bytes", type=int, default=0, help="grow the deployment's engine config by this much")
     parser.add_argument("--beats", type=int, default=2, help="full heartbeats per node")
     parser.add_argument("--walks", type=int, default=3, help="complete collections timed")
     parser.add_argument("--top", type=int, default=12, help="object types shown")
