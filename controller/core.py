@@ -309,9 +309,10 @@ class Controller(views.ClusterReads):
         count = len(engines) if not delta else len(node.engines) + sum(e.engine_id not in node.engines for e in engines) \
             - sum(engine_id in node.engines for engine_id in set(removed))
         check_engine_count(node_id, count, self.config.max_engines_per_node, "engines")
-        kept = [reported_engine.keep(e) for e in engines]
+        before = node.engines
+        kept = [reported_engine.keep(e, before.get(e.engine_id)) for e in engines]
         # What is the same as its last report was checked then.
-        check_reported_engines(engines, {i for i, k in enumerate(kept) if node.engines.get(k[reported_engine.ENGINE_ID]) == k})
+        check_reported_engines(engines, {i for i, k in enumerate(kept) if k is before.get(k[reported_engine.ENGINE_ID])})
         names.check_printable(store_failing, "store_failing")
         self.state.nodes.heard_from(node, self.mono())
         node.last_heartbeat_wall = self.wall()
@@ -319,7 +320,7 @@ class Controller(views.ClusterReads):
         if node.state == NODE_SUSPECT:
             self.monitor.node_back(node, "heartbeats arrived again")
         self.node_stores.report(node_id, store_failing)
-        reported: dict[str, reported_engine.Reported] = node.engines if delta else {}
+        reported: dict[str, reported_engine.Reported] = before if delta else {}
         for engine_id in removed if delta else ():
             reported.pop(engine_id, None)
         with self.actuator.fences_of_one_report(node_id):

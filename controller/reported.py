@@ -25,8 +25,10 @@ Reported = tuple[str, int, int, float | None, str, bytes]
 ENGINE_ID, STATE, GENERATION, STOP_GRACE = 0, 1, 2, 3
 
 
-def keep(engine: types_pb2.Engine) -> Reported:
-    """The compact copy of a reported engine (it keeps nothing of the message)."""
+def keep(engine: types_pb2.Engine, last: Reported | None = None) -> Reported:
+    """The compact copy of a reported engine (it keeps nothing of the message). `last`: the copy
+    kept of the engine's previous report, returned when nothing changed (the new one is freed at
+    once: the next garbage collection has nothing new to walk)."""
     config = engine.spec.config_json
     if config:
         rest = types_pb2.Engine()
@@ -35,7 +37,8 @@ def keep(engine: types_pb2.Engine) -> Reported:
     else:
         rest = engine
     stop_grace = pbtime.seconds(engine.stop_grace) if engine.HasField("stop_grace") else None
-    return engine.engine_id, engine.state, engine.spec.generation, stop_grace, sys.intern(config), rest.SerializeToString()
+    kept = engine.engine_id, engine.state, engine.spec.generation, stop_grace, sys.intern(config), rest.SerializeToString()
+    return last if kept == last else kept
 
 
 def message(kept: Reported) -> types_pb2.Engine:

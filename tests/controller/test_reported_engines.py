@@ -67,6 +67,7 @@ def test_the_kept_copy_of_a_report_is_untracked_equal_when_unchanged_and_gives_t
     wire = held.SerializeToString()
     kept = reported.keep(types_pb2.Engine.FromString(wire))
     assert kept == reported.keep(types_pb2.Engine.FromString(wire))  # the same report again: skipped
+    assert reported.keep(types_pb2.Engine.FromString(wire), kept) is kept  # and the kept copy stays
     assert kept[reported.ENGINE_ID] == "u-0/rank0" and kept[reported.STOP_GRACE] == 40.0
     assert reported.message(kept) == held and reported.keep(GOOD)[reported.STOP_GRACE] is None
     gc.collect()
@@ -75,4 +76,4 @@ def test_the_kept_copy_of_a_report_is_untracked_equal_when_unchanged_and_gives_t
                          ("health_reason", "x")):
         changed = types_pb2.Engine.FromString(wire)
         setattr(changed.spec if field.startswith("spec.") else changed, field.removeprefix("spec."), value)
-        assert reported.keep(changed) != kept, field  # checked again
+        assert reported.keep(changed, kept) != kept, field  # checked again
