@@ -263,8 +263,8 @@ class DeploymentChanges:
     def _retry_failed(self, inst: InstanceRecord) -> None:
         st = self.state
         st.attention.add(inst.instance_id)
-        inst.failure_times, inst.consecutive_failures = [], 0
-        inst.restart_ranks = list(range(inst.data_parallel_size))
+        inst.failure_times, inst.consecutive_failures = (), 0
+        inst.restart_ranks = tuple(range(inst.data_parallel_size))
         inst.next_restart_at = st.wall()
         st.transition(inst, RESTARTING, "deployment applied again: retrying the FAILED instance")
 

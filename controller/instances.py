@@ -5,7 +5,7 @@ policy (immediate first restart, doubling backoff, reset after healthy time, cra
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from motor.names import enum_short_name
@@ -41,8 +41,8 @@ class IllegalTransition(Exception):
 
 @dataclass(slots=True)
 class InstanceRecord:
-    """What the controller keeps about one instance (persisted as a dict). Slots: no dict per
-    instance (10,000s of them)."""
+    """What the controller keeps about one instance (persisted as a dict). Slots, and tuples of
+    numbers, which the garbage collector does not track: 10,000s of them (docs/controller.md)."""
 
     instance_id: str
     group: str
@@ -58,11 +58,11 @@ class InstanceRecord:
     # Failures counted by the backoff since the last reset (0: next restart is immediate).
     consecutive_failures: int = 0
     # Wall-clock times of failures inside the crash-loop window.
-    failure_times: list[float] = field(default_factory=list)
+    failure_times: tuple[float, ...] = ()
     # Wall-clock time the pending restart is due (RESTARTING only).
     next_restart_at: float | None = None
     # Ranks the pending restart covers.
-    restart_ranks: list[int] = field(default_factory=list)
+    restart_ranks: tuple[int, ...] = ()
     # Wall-clock time the instance last became READY (None while not READY).
     healthy_since: float | None = None
     state_changed_at: float = 0.0
@@ -73,7 +73,9 @@ class InstanceRecord:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "InstanceRecord":
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
+        record = cls(**known)
+        record.failure_times, record.restart_ranks = tuple(record.failure_times), tuple(record.restart_ranks)
+        return record
 
 
 def transition(record: InstanceRecord, new_state: int, reason: str, now: float) -> bool:
@@ -110,7 +112,7 @@ def on_failure(record: InstanceRecord, policy: Policy, now: float) -> FailureDec
     """Count a failure; say whether to restart (after `delay` seconds) or give up (FAILED)."""
     if record.healthy_since is not None and now - record.healthy_since >= policy.reset_after:
         record.consecutive_failures = 0  # healthy long enough: the backoff starts over
-    record.failure_times = [t for t in record.failure_times if now - t < policy.failure_window] + [now]
+    record.failure_times = (*(t for t in record.failure_times if now - t < policy.failure_window), now)
     if len(record.failure_times) >= policy.max_failures:
         return FailureDecision(True, 0.0, len(record.failure_times))
     n = record.consecutive_failures

@@ -255,7 +255,7 @@ class Scheduler:
                 if inst is None or inst.state == FAILED:
                     continue
                 if inst.state == RESTARTING:
-                    inst.restart_ranks, inst.next_restart_at = [], None
+                    inst.restart_ranks, inst.next_restart_at = (), None
                 st.transition(inst, PENDING, f"rank(s) {','.join(map(str, ranks))} were on {where}")
                 others = [s.dp_rank for s in st.slots_of(instance_id) if s.node_id]
                 if others and (st.policy.group_scope or 0 in ranks):
@@ -285,7 +285,7 @@ class Scheduler:
             # reported one by one, e.g. all at once when the controller comes back). One failure
             # per instance per restart, however the reports arrive.
             ranks = range(inst.data_parallel_size) if policy.group_scope else [slot.dp_rank]
-            inst.restart_ranks = sorted(set(inst.restart_ranks) | set(ranks))
+            inst.restart_ranks = tuple(sorted(set(inst.restart_ranks) | set(ranks)))
             with st.batch():
                 st.save_slot(slot)
                 st.save_instance(inst)
@@ -296,7 +296,7 @@ class Scheduler:
         with st.batch():
             st.save_slot(slot)
             if decision.give_up:
-                inst.restart_ranks, inst.next_restart_at = [], None
+                inst.restart_ranks, inst.next_restart_at = (), None
                 st.transition(
                     inst, FAILED,
                     f"crash-loop budget spent: {decision.failures_in_window} failures within "
@@ -305,7 +305,7 @@ class Scheduler:
                 st.save_instance(inst)
                 return
             ranks = range(inst.data_parallel_size) if policy.group_scope else [slot.dp_rank]
-            inst.restart_ranks = sorted(set(inst.restart_ranks) | set(ranks))
+            inst.restart_ranks = tuple(sorted(set(inst.restart_ranks) | set(ranks)))
             inst.next_restart_at = now + decision.delay
             when = "now" if decision.delay == 0 else f"in {decision.delay:g}s"
             scope = "its data-parallel group" if policy.group_scope else "the rank"
@@ -355,7 +355,7 @@ class Scheduler:
                 st.save_slot(s)
             inst.restarts += 1
             ranks = ",".join(str(s.dp_rank) for s in slots)
-            inst.restart_ranks, inst.next_restart_at = [], None
+            inst.restart_ranks, inst.next_restart_at = (), None
             if any(not s.node_id for s in st.slots_of(instance_id)):
                 st.transition(inst, PENDING, f"restart {inst.restarts}: rank(s) {ranks} need a new place")
             else:
