@@ -293,6 +293,9 @@ class Controller(views.ClusterReads):
             for engine in reported.values():
                 self._observe(node, engine, "")
         node.engines = {engine_id: reported_engine.keep(engine) for engine_id, engine in reported.items()}
+        moved_from = previous.info.address if previous is not None and previous.info.address != info.address else ""
+        if moved_from and not any(n.info.address == moved_from for n in st.nodes.values()):  # rare: O(fleet) is fine
+            self._spawn(self.nodes_client.forget(moved_from), f"forget {moved_from}")
         assignments = [C.EngineAssignment(engine_id=s.engine_id, generation=s.generation) for s in st.slots.on_node(info.node_id)]
         self.monitor.refresh_alarm()
         self.wake()

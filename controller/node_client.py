@@ -60,6 +60,10 @@ class NodeClient(abc.ABC):
     async def list_engines(self, node: controller_pb2.NodeInfo, timeout: float) -> node_manager_pb2.ListEnginesResponse:
         """The node's engines and the node manager process that answered."""
 
+    async def forget(self, address: str) -> None:
+        """No node is reached at `address` any more (its node registered from another one): let go
+        of what is kept for it."""
+
     async def close(self) -> None:
         pass
 
@@ -93,6 +97,13 @@ class GrpcNodeClient(NodeClient):
         if channel is None:  # made again when the TLS files change (motor/channels.py)
             channel = self.channels[node.address] = ReloadingChannel(node.address, self.tls)
         return channel.stub(node_manager_pb2_grpc.NodeManagerServiceStub)
+
+    async def forget(self, address: str) -> None:
+        # A node manager that comes back on a new address (a rescheduled pod) would otherwise
+        # leave its old channel behind at every move.
+        channel = self.channels.pop(address, None)
+        if channel is not None:
+            await channel.close()
 
     def _retrying(self) -> AsyncRetrying:
         return AsyncRetrying(

@@ -53,6 +53,9 @@ class FakeNodeClient(NodeClient):
         if engine is not None and (generation == 0 or engine.spec.generation <= generation):
             engine.state = types_pb2.ENGINE_STATE_STOPPED
 
+    async def forget(self, address):
+        self.calls.append(("forget", address))
+
     async def list_engines(self, node, timeout):
         self.calls.append(("list", node.node_id))
         self._check(node)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import grpc
 import pytest
 
 from motor import start_refusals
@@ -13,9 +14,9 @@ from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
 
 from controller.events import EVENT_MESSAGE_CHARS
-from controller.node_client import NodeCallError
+from controller.node_client import GrpcNodeClient, NodeCallError
 from motor.names import CONTROL_CHARACTER
-from tests.controller.conftest import Harness, example_deployment, small_deployment
+from tests.controller.conftest import Harness, example_deployment, node_info, small_deployment
 from tests.controller.fakes import ManualClock
 from tests.support import async_wait_for
 
@@ -478,3 +479,39 @@ async def test_reported_free_text_reaches_events_and_logs_on_one_bounded_line(ha
     assert not CONTROL_CHARACTER.search(failed.message) and len(failed.message) <= EVENT_MESSAGE_CHARS + 40
     assert failed.message.endswith(" characters)")
     assert not any(CONTROL_CHARACTER.search(r.getMessage()) for r in caplog.records)
+
+
+async def test_a_node_back_on_a_new_address_lets_go_of_the_old_addresss_channel(harness):
+    """A node manager that comes back on another address (a rescheduled pod): the controller lets
+    go of what it kept for the old one, unless another node is reached there."""
+    await harness.start()
+    await harness.register("node-a")
+    old = harness.controller.state.nodes["node-a"].info.address
+    await harness.register("node-a")  # same address: nothing to let go of
+    moved = node_info("node-a")
+    moved.address = "127.0.0.1:2999"
+    await harness.controller.register_node(moved, [])
+    await async_wait_for(lambda: ("forget", old) in harness.client.calls, timeout=5, what="the old address forgotten")
+    assert [c for c in harness.client.calls if c[0] == "forget"] == [("forget", old)]
+
+    shared = node_info("node-b")
+    shared.address = "127.0.0.1:2999"  # node-b reached where node-a is now
+    await harness.controller.register_node(shared, [])
+    elsewhere = node_info("node-a")
+    elsewhere.address = "127.0.0.1:2998"
+    await harness.controller.register_node(elsewhere, [])
+    await asyncio.sleep(0.1)
+    assert [c for c in harness.client.calls if c[0] == "forget"] == [("forget", old)], "node-b is still reached there"
+
+
+async def test_the_grpc_client_closes_a_forgotten_addresss_channel():
+    client = GrpcNodeClient()
+    node = node_info("node-a")
+    client._stub(node)
+    channel = client.channels[node.address]
+    await client.forget(node.address)
+    assert node.address not in client.channels
+    with pytest.raises(grpc.aio.UsageError):  # closed: no call can start on it
+        await channel.channel.channel_ready()
+    await client.forget("127.0.0.1:1")  # never called: nothing to do
+    await client.close()
