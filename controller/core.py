@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import sys
 import time
 from typing import Awaitable, Callable, Iterable
 
@@ -292,7 +293,7 @@ class Controller(views.ClusterReads):
         with self.actuator.fences_of_one_report(info.node_id):
             for engine in reported.values():
                 self._observe(node, engine, "")
-        node.engines = {engine_id: reported_engine.keep(engine) for engine_id, engine in reported.items()}
+        node.engines = {k[reported_engine.ENGINE_ID]: k for k in map(reported_engine.keep, reported.values())}
         moved_from = previous.info.address if previous is not None and previous.info.address != info.address else ""
         if moved_from and not any(n.info.address == moved_from for n in st.nodes.values()):  # rare: O(fleet) is fine
             self._spawn(self.nodes_client.forget(moved_from), f"forget {moved_from}")
@@ -328,7 +329,7 @@ class Controller(views.ClusterReads):
             reported.pop(engine_id, None)
         with self.actuator.fences_of_one_report(node_id):
             for engine, k in zip(engines, kept):
-                reported[engine.engine_id] = k
+                reported[k[reported_engine.ENGINE_ID]] = k  # the kept id: one string per engine, not two
                 self._observe(node, engine, "")
         node.engines = reported
 
@@ -367,7 +368,8 @@ class Controller(views.ClusterReads):
             self.state.on_change([slot.engine_id])
         if slot.state == engine.state and slot.health == engine.health and slot.health_reason == engine.health_reason:
             return
-        slot.state, slot.health, slot.health_reason = engine.state, engine.health, engine.health_reason
+        # Interned: the same few reasons for thousands of engines are one string each.
+        slot.state, slot.health, slot.health_reason = engine.state, engine.health, sys.intern(engine.health_reason)
         if slot.failed_at is not None and engine.state == T.ENGINE_STATE_RUNNING and engine.health == T.HEALTH_STATUS_NORMAL:
             self.metrics.recovery_seconds.observe(self.mono() - slot.failed_at)
             slot.failed_at = None
