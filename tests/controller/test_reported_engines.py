@@ -9,6 +9,8 @@ import gc
 import pytest
 
 from controller import reported
+from tests.controller.conftest import small_deployment
+from tests.support import async_wait_for
 from controller.validation import check_reported_engine, check_reported_engines
 from motor.errors import InvalidArgument
 from motor.v1 import types_pb2
@@ -77,3 +79,23 @@ def test_the_kept_copy_of_a_report_is_untracked_equal_when_unchanged_and_gives_t
         changed = types_pb2.Engine.FromString(wire)
         setattr(changed.spec if field.startswith("spec.") else changed, field.removeprefix("spec."), value)
         assert reported.keep(changed, kept) != kept, field  # checked again
+
+
+async def test_list_nodes_shows_each_engine_exactly_as_its_node_reported_it(harness):
+    # The controller keeps a compact copy of each report (controller/reported.py): ListNodes,
+    # the stop deadline and a later identical report must see the same engine as before.
+    await harness.start()
+    await harness.register("node-a")
+    harness.controller.apply_deployment(small_deployment([{"name": "u", "role": "union", "count": 2, "data_parallel_size": 1}]))
+    await async_wait_for(lambda: len(harness.client.starts()) == 2, timeout=5, what="2 StartEngine calls")
+    harness.client.set_health("node-a")
+    for engine in harness.client.report("node-a"):
+        engine.health_reason, engine.log_path = "probe ok", f"/var/log/{engine.spec.instance_id}.log"
+        engine.stop_grace.FromSeconds(90)
+    reported = {e.engine_id: e for e in harness.client.report("node-a")}
+    assert all(e.spec.config_json for e in reported.values())
+    for _ in range(2):  # the second report is unchanged: the kept copies stay
+        harness.beat("node-a")
+        nodes, _ = harness.controller.list_nodes()
+        assert {e.engine_id: e for e in nodes[0].engines} == reported
+    assert harness.controller.actuator.deadline_for("node-a", "u-0/rank0") == 90.0
