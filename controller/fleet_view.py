@@ -58,7 +58,7 @@ class FleetView:
 
     def _capacity(self, n: NodeRuntime) -> NodeCapacity:
         st = self.state
-        cap = NodeCapacity(n.node_id, n.info.host or n.info.address.rpartition(":")[0], list(n.info.accelerator_ids),
+        cap = NodeCapacity(n.node_id, n.info.host or n.info.address.rpartition(":")[0], tuple(n.info.accelerator_ids),
                            port_range=(n.info.port_range_start, n.info.port_range_end))
         for s in st.slots.placed_on(n.node_id):
             cap.used_accelerators.update(s.accelerator_ids)

@@ -10,6 +10,7 @@ the controller keep one Fleet between passes (controller/fleet_view.py).
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 class NodeCapacity:
     node_id: str
     host: str
-    accelerator_ids: list[int]
+    accelerator_ids: Sequence[int]  # a tuple in the controller (untracked by the garbage collector)
     used_accelerators: set[int] = field(default_factory=set)
     # Inclusive range of engine ports; (0, 0) when the node manager has no declared range.
     port_range: tuple[int, int] = (0, 0)
