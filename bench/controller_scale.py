@@ -32,7 +32,10 @@ plaintext then with mutual TLS on every connection, one right after the other (t
 drifts: neighbours in time compare best): the script makes a CA (motor/pki.py), the controller
 serves with its own certificate and verifies callers, and each simulated node presents a
 certificate of its own (ECDSA P-256, URI SAN spiffe://motor/node/<id>, minted by the fleet from
-that CA). The summary compares the largest fleet sustained with and without.
+that CA). The summary compares the largest fleet sustained with and without. A ladder's steps
+are coarse where the two modes part; --search LO,HI bisects instead, for each mode, the largest
+size sustained in [LO, HI) until the bounds are within --precision (10%) of each other, the modes
+taking turns at each round.
 
 After each step, --victims nodes stop (heartbeats and node manager) and the script times until
 the controller declares each LOST, against the announced grace + 2 announced intervals +
@@ -41,12 +44,14 @@ Everything talks to 127.0.0.1.
 
     .venv/bin/python bench/controller_scale.py                           # 1000 .. 15000 nodes, both
     .venv/bin/python bench/controller_scale.py --steps 100,200 --window 5 --tls on
+    .venv/bin/python bench/controller_scale.py --search 2000,10000 --victims 0   # mTLS vs plaintext, 10%
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -306,6 +311,33 @@ def trial(args, size: int, tls: bool) -> tuple[bool, float]:
             return False, 0.0
 
 
+def search(args, modes: list[bool]) -> dict[bool, int]:
+    """The largest size each mode sustains in [LO, HI), by bisection (geometric, two digits)
+    until the bounds are within --precision of each other; the modes take turns at each round, so
+    that both see the machine of the same minutes. 0: LO itself was not sustained."""
+    low, high = args.search
+    bounds = {tls: [low, high] for tls in modes}
+    best = {tls: 0 for tls in modes}
+    size = {tls: low for tls in modes}
+    while size:
+        for tls in list(size):
+            if trial(args, size[tls], tls)[0]:
+                best[tls] = bounds[tls][0] = size[tls]
+            elif size[tls] == low:
+                del size[tls]  # LO not sustained: nothing to search
+                continue
+            else:
+                bounds[tls][1] = size[tls]
+            below, above = bounds[tls]
+            unit = 10 ** max(0, len(str(below)) - 2)  # two significant digits: 2,400, not 2,449
+            middle = round(math.sqrt(below * above) / unit) * unit
+            if above / below <= 1 + args.precision or middle in (below, above):
+                del size[tls]
+            else:
+                size[tls] = middle
+    return best
+
+
 def run(args) -> int:
     started_at = time.monotonic()
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.tls]
@@ -314,14 +346,16 @@ def run(args) -> int:
           f"node), {args.reports_per_s:g} engine failures reported/s; every step on a fresh controller and fleet, "
           "plaintext then mutual TLS at each size", flush=True)
     best = {tls: 0 for tls in modes}
-    going = list(modes)
-    for size in args.steps:
+    going = list(modes) if not args.search else []
+    for size in args.steps if not args.search else []:
         for tls in list(going):
             ok, share = trial(args, size, tls)
             if ok:
                 best[tls] = size
             elif share < 0.5:
                 going.remove(tls)  # collapsed (under half the beats asked for): larger fleets cannot do better
+    if args.search:
+        best = search(args, modes)
     print()
     for tls in modes:
         what = "mutual TLS" if tls else "plaintext "
@@ -329,7 +363,9 @@ def run(args) -> int:
               f"{best[tls]} nodes x {ENGINES_PER_NODE} engines ({best[tls] * ENGINES_PER_NODE} engines); goal 10000 x 8")
     if len(modes) == 2:
         ratio = f"{best[True] / best[False]:.2f}" if best[False] else "undefined (no plaintext step sustained)"
-        print(f"mutual TLS / plaintext, largest fleet sustained: {ratio} (goal: at least 0.90; steps {args.steps})")
+        how = (f"searched in [{args.search[0]}, {args.search[1]}) to within {args.precision:.0%}" if args.search
+               else f"steps {args.steps}")
+        print(f"mutual TLS / plaintext, largest fleet sustained: {ratio} (goal: at least 0.90; {how})")
     print(f"heartbeat budget: --max-heartbeats-per-second {args.max_heartbeats_per_second:g}")
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end (controller and fleet share them)")
     print(f"run time {time.monotonic() - started_at:.0f}s")
@@ -356,8 +392,16 @@ def main() -> int:
     parser.add_argument("--setup-timeout", type=float, default=600.0, help="seconds a step may take to start its engines")
     parser.add_argument("--keep", action="store_true", help="keep the controller's log and database")
     parser.add_argument("--node-grace", type=float, default=5.0, help="controller --node-grace")
+    parser.add_argument("--search", metavar="LO,HI", help="instead of --steps: bisect the largest size sustained in "
+                        "[LO, HI) for each mode, the modes taking turns")
+    parser.add_argument("--precision", type=float, default=0.1, help="--search stops when HI/LO is within this")
     args = parser.parse_args()
     args.steps = [int(s) for s in args.steps.split(",")]
+    if args.search:
+        args.search = [int(s) for s in args.search.split(",")]
+        if len(args.search) != 2 or not 0 < args.search[0] < args.search[1]:
+            parser.error("--search: LO,HI with 0 < LO < HI")
+        args.steps = args.search  # the first size prints the command line; the largest sizes the stream limit
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the controller and the fleet on the way out
     return run(args)
 
