@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 
 # Default /metrics ports (docs/observability.md); engine servers serve theirs on the inference port.
@@ -20,9 +21,31 @@ def port_is_free(port: int, host: str = "0.0.0.0") -> bool:
     return True
 
 
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def _outside_ephemeral_range() -> range:
+    """Ports no outgoing connection takes as its own: above the kernel's ephemeral range when
+    there is room there, below it otherwise."""
+    try:
+        with open(EPHEMERAL_RANGE, encoding="ascii") as handle:
+            low, high = (int(value) for value in handle.read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(high + 1, 65536) if 65535 - high >= 1000 else range(max(1024, low - 10000), low)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel says is free now (racy by nature: bind it soon)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A port free now, for a listener started soon (racy by nature: bind it soon). Picked outside
+    the kernel's ephemeral range: a port the kernel picks (bind to port 0) is one it also gives
+    outgoing connections as their local port, and one of those took an etcd member's port
+    between the pick and the member's bind (it exited: address already in use)."""
+    candidates = _outside_ephemeral_range()
+    for _ in range(200):
+        port = random.choice(candidates)
+        if port_is_free(port, host):
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # that range is full: any free port
         sock.bind((host, 0))
         return sock.getsockname()[1]
 
