@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import psutil
 
 from motor.v1 import controller_pb2 as C
 from tests.chaos.cluster import BASELINE_ENGINES, BASELINE_INSTANCES, ChaosCluster, deployment
@@ -167,8 +166,3 @@ def run_row(cluster: ChaosCluster, fault: Fault) -> Row:
     return row
 
 
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

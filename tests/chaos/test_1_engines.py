@@ -11,9 +11,9 @@ from typing import Callable
 
 from motor.v1 import controller_pb2 as C
 from tests.chaos.cluster import deployment
-from tests.chaos.rows import Fault, alive, run_row
+from tests.chaos.rows import Fault, run_row
 from tests.controller.test_real_processes import apply
-from tests.support import wait_for
+from tests.support import process_alive, wait_for
 
 
 def pid_of(cluster, instance_id: str, rank: int = 0) -> int:
@@ -35,7 +35,7 @@ def paused(cluster, instance_id: str, rank: int, seconds: float) -> float:
     try:
         time.sleep(seconds)  # the fault itself: the process stays paused this long
     finally:
-        if alive(pid):  # else killed as hung meanwhile
+        if process_alive(pid):  # else killed as hung meanwhile
             os.kill(pid, signal.SIGCONT)
     return time.monotonic()
 
@@ -50,7 +50,7 @@ def test_engine_sigstop_8s(cluster):
     def inject(fault: Fault) -> float:
         pid = pid_of(cluster, "decode-0")
         ended = paused(cluster, "decode-0", 0, 8.0)
-        fault.notes.append("killed as hung" if not alive(pid) else "survived")
+        fault.notes.append("killed as hung" if not process_alive(pid) else "survived")
         return ended
 
     run_row(cluster, Fault("engine SIGSTOP 8 s", inject, justified={"decode-0"}))
@@ -61,7 +61,7 @@ def test_engine_sigstop_forever(cluster):
         pid = pid_of(cluster, "prefill-0", 0)
         os.kill(pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
-        wait_for(lambda: not alive(pid), timeout=60, interval=0.2, what="the paused engine killed as hung")
+        wait_for(lambda: not process_alive(pid), timeout=60, interval=0.2, what="the paused engine killed as hung")
         fault.notes.append(f"killed {time.monotonic() - stopped_at:.1f}s after SIGSTOP")
         return stopped_at
 
@@ -73,7 +73,7 @@ def test_engine_exit_0(cluster):
     def inject(fault: Fault) -> float:
         pid = pid_of(cluster, "decode-0")
         os.kill(pid, signal.SIGTERM)
-        wait_for(lambda: not alive(pid), timeout=30, interval=0.1, what="the engine server exited")
+        wait_for(lambda: not process_alive(pid), timeout=30, interval=0.1, what="the engine server exited")
         return time.monotonic()
 
     run_row(cluster, Fault("engine exit 0", inject, justified={"decode-0"}, must_replace={"decode-0"}))

@@ -16,7 +16,7 @@ from motor.ports import free_port
 from motor.v1 import controller_pb2 as C
 from motorctl.up import ManagedProcess, _bin
 from tests.controller.test_real_processes import GRACE, HEARTBEAT, Cluster, apply, make_cluster, sim_deployment  # noqa: F401
-from tests.support import wait_for
+from tests.support import process_alive, wait_for
 
 REFUSED = "is held by another live node manager"
 
@@ -126,7 +126,7 @@ def test_the_second_takes_over_after_kill_9_of_the_holder_and_never_doubles_an_e
     assert engine_processes(cluster) == {(i, r): 1 for i in ("u-0", "u-1") for r in ("0", "1")}
     assert node(cluster).generation > generation
     assert "took node id node-a over from" in log_of(second)
-    assert left and not [p for p in left if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert left and not [p for p in left if process_alive(p)]
     assert not [e for e in cluster.events() if e.type == C.EVENT_TYPE_NODE_LOST and e.node_id == "node-a"]
 
 
@@ -140,7 +140,7 @@ def test_a_paused_holder_that_returns_after_a_takeover_is_fenced_and_its_copies_
     finally:
         holder.process.send_signal(signal.SIGCONT)
     cluster.node_ports["node-a"] = port
-    assert not [p for p in old_pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in old_pids if process_alive(p)]
     # Back: its heartbeats are stale, its registration is refused, and it starts nothing.
     wait_for(lambda: REFUSED in log_of(holder), timeout=30, interval=0.2, what="the returning holder refused")
     generation = node(cluster).generation

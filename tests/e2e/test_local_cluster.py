@@ -27,7 +27,7 @@ from motor.v1 import (
     types_pb2,
 )
 from motorctl.up import LocalCluster
-from tests.support import REPO_ROOT, wait_for
+from tests.support import REPO_ROOT, process_alive, wait_for
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 EXPECTED_ENGINES = {"prefill-0/rank0", "prefill-0/rank1", "decode-0/rank0"}
@@ -110,7 +110,7 @@ def test_sigkill_of_an_engine_is_noticed_by_the_controller(cluster):
             return engine.restarts >= 1 and engine.health == types_pb2.HEALTH_STATUS_NORMAL
 
         wait_for(replaced, timeout=60, interval=0.3, what="decode-0/rank0 restarted and NORMAL")
-        assert not psutil.pid_exists(old.pid) or psutil.Process(old.pid).status() == psutil.STATUS_ZOMBIE
+        assert not process_alive(old.pid)
 
 
 def _next_change_of(feed, engine_id: str) -> str:

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from motor.ports import free_port
-from tests.support import REPO_ROOT, wait_for
+from tests.support import REPO_ROOT, process_alive, wait_for
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 
@@ -125,7 +125,7 @@ def test_motorctl_up_stops_the_nodes_when_its_controller_dies_during_start_up(tm
     assert "motorctl up: the controller at 127.0.0.1:" in errors and "stopped answering (UNAVAILABLE" in errors
     pids = json.loads(pids_file.read_text())
     assert len(pids) == 2  # the controller and node-a
-    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not [pid for pid in pids if process_alive(pid)]
 
 
 def test_a_closed_pipe_ends_a_motorctl_command_quietly():

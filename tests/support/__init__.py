@@ -7,9 +7,18 @@ import os
 import time
 from typing import Any, Awaitable, Callable
 
+import psutil
 import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def process_alive(pid: int) -> bool:
+    """The process exists and has not exited (a zombie has); it may end while we look."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def under_ci() -> bool:
