@@ -25,6 +25,7 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
+	"math"
 	"math/rand"
 	"os"
 	"sort"
@@ -230,13 +231,19 @@ func (f *fleet) beat(n *node) {
 	if n.interval <= 0 {
 		n.interval = f.interval
 	}
-	time.Sleep(time.Duration(rand.Int63n(int64(n.interval))))
-	every := n.interval
-	ticker := time.NewTicker(every)
-	defer ticker.Stop()
+	// Each node beats on a grid of the announced interval at a random phase of its own, so the
+	// fleet's beats stay spread evenly: this one process registers its nodes within seconds and
+	// follows every interval step at once, and a ticker started at registration kept them in
+	// bursts (measured at 10,000 nodes: 2,250 of them beat within the same half second, and the
+	// controller's p99 was 250-500 ms for a machine that is otherwise half idle). Real node
+	// managers still beat one interval after registration (README, controller scale: follow-up).
+	phase := rand.Float64()
+	next := time.Now()
 	var seq uint64
 	var stream motorv1.ControllerService_StreamHeartbeatsClient
-	for range ticker.C {
+	for {
+		next = gridAfter(next, n.interval, phase)
+		time.Sleep(time.Until(next))
 		if atomic.LoadInt32(&n.stopped) != 0 {
 			if stream != nil {
 				stream.CloseSend()
@@ -279,11 +286,19 @@ func (f *fleet) beat(n *node) {
 		if reply != nil {
 			f.follow(n, reply.HeartbeatInterval, reply.NodeGrace)
 		}
-		if n.interval != every { // the next beat one announced interval after this one
-			every = n.interval
-			ticker.Reset(every)
-		}
 	}
+}
+
+// gridAfter is the first of the times (k + phase) x interval after t (counted from the Unix
+// epoch): within one interval of t, whatever the interval was before.
+func gridAfter(t time.Time, interval time.Duration, phase float64) time.Time {
+	period := interval.Seconds()
+	k := math.Floor(float64(t.UnixNano())/1e9/period-phase) + 1
+	next := time.Unix(0, int64((k+phase)*period*1e9))
+	if next.Sub(t) < time.Millisecond { // t was on the grid but for rounding: the point after it
+		next = next.Add(interval)
+	}
+	return next
 }
 
 // reportFailures fails one random engine reportRate times a second and times ReportEngineEvent.
