@@ -7,18 +7,16 @@ import os
 import time
 from typing import Any, Awaitable, Callable
 
-import psutil
 import pytest
+
+from motor.processes import same_process
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def process_alive(pid: int) -> bool:
     """The process exists and has not exited (a zombie has); it may end while we look."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+    return same_process(pid, None)
 
 
 def under_ci() -> bool:
