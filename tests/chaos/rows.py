@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-
 from motor.v1 import controller_pb2 as C
 from tests.chaos.cluster import BASELINE_ENGINES, BASELINE_INSTANCES, ChaosCluster, deployment
 from tests.controller.test_real_processes import apply
@@ -164,5 +163,3 @@ def run_row(cluster: ChaosCluster, fault: Fault) -> Row:
     assert row.zeros(), f"{fault.name}: {row}"
     assert not unreplaced, f"{fault.name}: the fault needed {sorted(unreplaced)} replaced; it was not"
     return row
-
-
