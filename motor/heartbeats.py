@@ -6,6 +6,7 @@ controller that forgot the node's engines is repaired within that many beats.
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 from motor.v1 import controller_pb2, types_pb2
@@ -40,3 +41,14 @@ class HeartbeatDeltas:
             request.removed_engine_ids.extend(eid for eid in self._sent if eid not in now)
         self._sent = {eid: raw for eid, (_, raw) in now.items()}
         return request
+
+
+def next_on_grid(after: float, interval: float, phase: float) -> float:
+    """The first of the times (k + phase) x interval that comes at least a millisecond after
+    `after`: a node beating on such a grid, at a random phase of its own, beats evenly spread
+    with the rest of a fleet that was started at once (each one's schedule counted from its
+    registration would beat in bursts), and is never more than one interval late for its
+    next point, whatever the interval was before."""
+    k = math.floor(after / interval - phase) + 1
+    point = (k + phase) * interval
+    return point + interval if point - after < 0.001 else point

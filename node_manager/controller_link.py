@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
@@ -29,6 +30,7 @@ from motor import pbtime
 from motor.errors import ConfigError
 from motor.channels import ReloadingChannel
 from motor.grpc_server import TlsFiles
+from motor.heartbeats import next_on_grid
 from motor.leader import FOLLOW_RETRY_BASE, FOLLOW_RETRY_CAP, ControllerAddresses, backoff_delay, parse_addresses
 from motor.names import ID_RULE, excerpt
 from motor.node_process import describe
@@ -68,7 +70,7 @@ class ControllerLink:
     def __init__(self, manager: NodeManager, controller: str, node: controller_pb2.NodeInfo,
                  interval: float, call_timeout: float = 5.0, max_backoff: float = 10.0, clock: Clock | None = None,
                  tls: TlsFiles | None = None, epoch: ControllerEpoch | None = None, stream_heartbeats: bool = True,
-                 max_interval: float = 30.0):
+                 max_interval: float = 30.0, phase: float | None = None):
         self.manager = manager
         self.beats = HeartbeatSender(node.node_id, call_timeout, stream=stream_heartbeats)
         self.clock: Clock = clock or manager.clock
@@ -77,6 +79,9 @@ class ControllerLink:
         # large fleet), at most max_interval; the configured one paces the refused-registration asks.
         self.configured_interval, self.max_interval = interval, max(interval, max_interval)
         self.interval = interval
+        # Beats fall on a grid of the interval at this node's own phase (a fraction of it), random
+        # unless a test fixes it: nodes started at once beat spread over the interval, not in a burst.
+        self.phase = random.random() if phase is None else phase
         self.call_timeout = call_timeout
         self.max_backoff = max_backoff
         # One address, or every HA controller's: calls follow the leader (motor/leader.py).
@@ -231,10 +236,9 @@ class ControllerLink:
         # line at the first failure (then the 10th, 100th...) and one when heartbeats resume.
         failures, switched = RepeatedFailure(self.interval / 2, self.max_backoff, jitter=True), False
         clock = self.clock
-        next_tick = clock.monotonic()
+        wake = next_on_grid(clock.monotonic(), self.interval, self.phase)
         while True:
-            next_tick += self.interval
-            await clock.sleep(max(0.0, next_tick - clock.monotonic()))
+            await clock.sleep(max(0.0, wake - clock.monotonic()))
             began = clock.monotonic()
             try:
                 reply = await self.beats.send(self.stub, self.generation, self.manager.engines(), self.manager.saver.for_heartbeat())
@@ -247,19 +251,20 @@ class ControllerLink:
                 # Back off (with jitter) while the controller is unreachable.
                 if self._move_on(exc) and not switched:
                     switched = True  # another controller: try it now, once per tick
-                    next_tick = clock.monotonic() - self.interval
+                    wake = clock.monotonic()
                     continue
                 switched = False
                 if self.controllers.several:  # a failover is under way: find the new leader promptly
                     delay = backoff_delay(failures.count, FOLLOW_RETRY_BASE, min(self.interval, FOLLOW_RETRY_CAP))
                 else:
                     delay = failures.delay()
-                next_tick = clock.monotonic() + delay - self.interval
+                wake = clock.monotonic() + delay
                 continue
             self.epoch.observe(reply.controller_epoch, reply.generation_limit)
             self._follow(reply)
             switched = False
             self.manager.metrics.heartbeat_latency.labels(self.node.node_id).observe(clock.monotonic() - began)
+            wake = next_on_grid(clock.monotonic(), self.interval, self.phase)  # back on the grid after a retry too
             failed = failures.recovered()
             if failed:
                 logger.info("heartbeats to the controller resumed after %d failure(s)", failed)

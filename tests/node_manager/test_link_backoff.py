@@ -86,7 +86,8 @@ async def link(tmp_path):
     node = FakeNode(str(tmp_path / "node"))
     await node.manager.start()
     link = ControllerLink(node.manager, "127.0.0.1:1", controller_pb2.NodeInfo(node_id="node-f"),
-                          interval=INTERVAL, max_backoff=MAX_BACKOFF, clock=node.clock, stream_heartbeats=False)
+                          interval=INTERVAL, max_backoff=MAX_BACKOFF, clock=node.clock, stream_heartbeats=False,
+                          phase=0.0)
     link.channels[link.address] = ScriptedChannel(ScriptedController(node.clock))
     task = None
 
@@ -126,8 +127,11 @@ async def test_heartbeats_back_off_with_jitter_while_the_controller_fails_then_r
     assert waits[0] < INTERVAL  # a blip is retried sooner than the next heartbeat would be
     assert max(waits[4:]) > 2 * INTERVAL  # a long outage is not hammered at the heartbeat rate
     assert len(set(waits[4:])) == len(waits[4:])  # jitter: nodes do not retry in step
-    # Back: every interval again, with no new registration (the node's generation still holds).
-    assert gaps(beats[3 + failures:]) == [INTERVAL] * 3
+    # Back: on its grid again (phase 0: whole seconds), the first within an interval of the
+    # retry that got through, with no new registration (the node's generation still holds).
+    resumed = beats[3 + failures:]
+    assert 0 < resumed[1] - resumed[0] <= INTERVAL and gaps(resumed[1:]) == [INTERVAL] * 2
+    assert all(at == round(at) for at in resumed[1:]), resumed
     assert len(controller.times("RegisterNode")) == 1
     assert all(r.generation == 1 for r in controller.requests("Heartbeat"))
 
@@ -201,8 +205,59 @@ async def test_heartbeats_follow_the_interval_the_controller_announces_up_to_the
     await settle(lambda: len(controller.times("Heartbeat")) >= 11)
     steps = gaps(controller.times("Heartbeat"))
     # Each announcement sets the wait after the beat it answers: runs of the configured interval,
-    # the announced 3 s, the cap, then 0.5 s, in that order and nothing else.
-    runs = [value for i, value in enumerate(steps) if i == 0 or steps[i - 1] != value]
+    # the announced 3 s, the cap, then 0.5 s, in that order and nothing else, but for one shorter
+    # step into each new grid (the next point of the new interval after the beat that taught it).
+    lone = [i for i in range(1, len(steps) - 1) if steps[i - 1] != steps[i] != steps[i + 1]]
+    assert all(0 < steps[i] <= steps[i + 1] for i in lone), steps
+    steady = [value for i, value in enumerate(steps) if i not in lone]
+    runs = [value for i, value in enumerate(steady) if i == 0 or steady[i - 1] != value]
     assert runs == [INTERVAL, 3.0, 30.0, 0.5], steps
     assert steps.count(30.0) >= 2 and steps[-2:] == [0.5, 0.5], steps
     assert len(controller.times("RegisterNode")) == 1  # following the interval is no reason to register again
+
+
+async def test_beats_fall_on_the_nodes_own_grid_so_nodes_started_at_once_beat_spread(tmp_path):
+    """Each node beats at the points (k + phase) x interval of its own phase: two node managers
+    registered at the same instant beat half an interval apart (phases 0.25 and 0.75), through an
+    interval change, and each stays on its grid; without a phase given, each link draws its own."""
+    # One fake clock each (time moves when its node sleeps), both reading the same at the start.
+    nodes = [FakeNode(str(tmp_path / name)) for name in ("a", "b")]
+    controllers, tasks = [], []
+    for node, phase in zip(nodes, (0.25, 0.75)):
+        await node.manager.start()
+        link = ControllerLink(node.manager, "127.0.0.1:1", controller_pb2.NodeInfo(node_id=f"node-{phase}"),
+                              interval=INTERVAL, clock=node.clock, stream_heartbeats=False, phase=phase)
+        link.channels[link.address] = ScriptedChannel(ScriptedController(node.clock))
+        controllers.append(link.stub)
+        tasks.append(asyncio.get_running_loop().create_task(link.run()))
+    try:
+        await settle(lambda: all(len(c.times("Heartbeat")) >= 4 for c in controllers))
+        for c in controllers:
+            c.announce = 4.0
+        await settle(lambda: all(len(c.times("Heartbeat")) >= 9 for c in controllers))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    registered = [c.times("RegisterNode")[0] for c in controllers]
+    assert registered[0] == registered[1]  # started together
+    for c, phase in zip(controllers, (0.25, 0.75)):
+        beats = c.times("Heartbeat")
+        assert 0 < beats[0] - registered[0] <= INTERVAL  # the first beat within an interval of registering
+        fast, slow = beats[:4], beats[-3:]
+        assert all(round(at / INTERVAL - phase, 9) == round(at / INTERVAL - phase) for at in fast), fast
+        assert all(round(at / 4.0 - phase, 9) == round(at / 4.0 - phase) for at in slow), slow
+        assert gaps(slow) == [4.0, 4.0]
+    first, second = (c.times("Heartbeat") for c in controllers)
+    assert {round(abs(a - b), 9) for a, b in zip(first[:4], second[:4])} == {INTERVAL / 2}
+    assert {round(abs(a - b), 9) for a, b in zip(first[-3:], second[-3:])} == {2.0}  # half of 4 s
+
+    drawn = []
+    for _ in range(3):
+        link = ControllerLink(node.manager, "127.0.0.1:1", controller_pb2.NodeInfo(node_id="node-x"),
+                              interval=INTERVAL, clock=node.clock)
+        drawn.append(link.phase)
+        await link.channels[link.address].close()
+    for node in nodes:
+        await node.manager.close()
+    assert len(set(drawn)) == 3 and all(0 <= p < 1 for p in drawn), drawn
