@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 
 from motor.errors import ConfigError
@@ -43,12 +43,15 @@ def check_key_pair(cert_pem: bytes, key_pem: bytes, cert_path: str, key_path: st
         raise ConfigError(f"cert: {cert_path!r} holds no PEM certificate ({exc})") from None
     try:
         key = serialization.load_pem_private_key(key_pem, password=None)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"key: {key_path!r} holds no unencrypted PEM private key ({exc})") from None
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:  # not PEM, encrypted, an unknown algorithm
+        raise ConfigError(f"key: {key_path!r} holds no usable PEM private key, unencrypted, of a known "
+                          f"algorithm ({exc})") from None
     public = serialization.PublicFormat.SubjectPublicKeyInfo
-    if cert.public_key().public_bytes(serialization.Encoding.DER, public) != key.public_key().public_bytes(
-        serialization.Encoding.DER, public
-    ):
+    try:
+        cert_public = cert.public_key().public_bytes(serialization.Encoding.DER, public)
+    except (ValueError, UnsupportedAlgorithm) as exc:
+        raise ConfigError(f"cert: {cert_path!r} holds a public key of an unknown algorithm ({exc})") from None
+    if cert_public != key.public_key().public_bytes(serialization.Encoding.DER, public):
         raise ConfigError(f"key: {key_path!r} is not the key of the certificate {cert_path!r}")
 
 
@@ -161,9 +164,10 @@ class TlsFileWatch:
             if pems.cert is not None:  # at start these are used (and refused by the peer, which says so)
                 check_not_expired(pems.cert, self.files["cert"])
                 check_same_trust(self.pems, pems, self.files["cert"], self.files.get("ca", ""))
-        except ConfigError as exc:
+        except Exception as exc:  # a ConfigError naming the file, or a library's surprise: the files in use stay
             if stamp != self._refused:  # asked before every handshake or call: say it once per change
-                logger.error("TLS files changed but cannot be used, keeping the previous ones: %s", exc)
+                why = exc if isinstance(exc, ConfigError) else f"{', '.join(self.paths)}: {type(exc).__name__}: {exc}"
+                logger.error("TLS files changed but cannot be used, keeping the previous ones: %s", why)
                 self._refused = stamp
             return None
         if pems == self.pems:  # rewritten or touched, same contents: nothing to make again

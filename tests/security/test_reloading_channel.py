@@ -4,18 +4,22 @@ a call running on the old channel is not cut, and a half-written rotation is not
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime
 import logging
 import os
+import re
 import shutil
 
 import grpc
 import pytest
 
 from motor.channels import ReloadingChannel
+from motor.errors import ConfigError
 from motor.grpc_server import TlsFiles
 from motor.identity import Identity
 from motor.pki import CertificateAuthority, write_atomically
+from motor.tls import TlsFileWatch
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
 Stub = controller_pb2_grpc.ControllerServiceStub
@@ -153,3 +157,45 @@ async def test_files_rewritten_with_the_same_contents_keep_the_channel(mtls_serv
         await stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=10)
     finally:
         await kept.close()
+
+
+def _key_of_an_unknown_algorithm() -> bytes:
+    """A PKCS #8 private key whose algorithm (OID 1.2.3.4) no TLS library knows: `cryptography`
+    answers UnsupportedAlgorithm, which is neither ValueError nor TypeError."""
+    algorithm = b"\x30\x05\x06\x03\x2a\x03\x04"
+    body = b"\x02\x01\x00" + algorithm + b"\x04\x04\x04\x02\x00\x00"
+    return b"-----BEGIN PRIVATE KEY-----\n" + base64.encodebytes(b"\x30" + bytes([len(body)]) + body) + b"-----END PRIVATE KEY-----\n"
+
+
+async def test_a_rotation_to_a_key_of_an_unknown_algorithm_keeps_the_last_good_one(mtls_server, client_files, caplog):
+    kept = ReloadingChannel(f"localhost:{mtls_server.port}", client_files)
+    try:
+        stub = kept.stub(Stub)
+        with open(client_files.key, "wb") as handle:
+            handle.write(_key_of_an_unknown_algorithm())
+        errors = await _calls_on_the_kept_channel(kept, stub, caplog)
+        assert len(errors) == 1 and f"key: {client_files.key!r} holds no usable PEM private key" in errors[0], errors
+        assert "1.2.3.4" in errors[0]
+    finally:
+        await kept.close()
+
+
+def test_a_key_of_an_unknown_algorithm_at_start_is_a_config_error_naming_the_file(client_files):
+    with open(client_files.key, "wb") as handle:
+        handle.write(_key_of_an_unknown_algorithm())
+    with pytest.raises(ConfigError, match=f"key: {re.escape(repr(client_files.key))} holds no usable PEM private key"):
+        TlsFileWatch(client_files.cert, client_files.key, client_files.ca)
+
+
+def test_an_unexpected_failure_reading_rotated_files_keeps_the_last_good_ones(client_files, monkeypatch, caplog):
+    """Whatever a check of new files raises (a library's surprise), the files in use stay: the
+    server asks before every handshake, and an exception there would fail them all."""
+    watch = TlsFileWatch(client_files.cert, client_files.key, client_files.ca)
+    before = watch.pems
+    os.utime(client_files.cert, ns=(1, 1))  # a change to look at
+    monkeypatch.setattr("motor.tls.check_not_expired", lambda *args: 1 / 0)
+    with caplog.at_level(logging.ERROR):
+        assert watch.changed() is None and watch.changed() is None
+    assert watch.pems is before
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "ZeroDivisionError" in errors[0], errors
