@@ -9,7 +9,6 @@ import os
 import signal
 import sys
 
-import psutil
 import pytest
 
 from engine_server.engines.base import EngineOptions
@@ -17,17 +16,10 @@ from engine_server.engines.sglang import SglangArgs, SglangEngine, sglang_comman
 from motor.errors import ConfigError
 from motor.v1 import types_pb2
 from tests.engine_server.fake_sglang import sglang_parser
-from tests.support import wait_for
+from tests.support import process_alive, wait_for
 
 FAKE = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_sglang.py")]
 NORMAL = types_pb2.HEALTH_STATUS_NORMAL
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def options(role="prefill", **kwargs):
@@ -126,7 +118,7 @@ def test_sglang_child_is_launched_probed_and_stopped_with_its_group(sglang_serve
     os.kill(es.process.pid, signal.SIGTERM)
     assert es.wait_exit(timeout=30) == 0
     for pid in (launch["pid"], launch["worker_pid"]):
-        wait_for(lambda: gone(pid), timeout=10, what=f"process {pid} gone")
+        wait_for(lambda: not process_alive(pid), timeout=10, what=f"process {pid} gone")
 
 
 def test_sglang_that_ignores_sigterm_is_killed_after_stop_timeout(sglang_server):
@@ -135,7 +127,7 @@ def test_sglang_that_ignores_sigterm_is_killed_after_stop_timeout(sglang_server)
     os.kill(es.process.pid, signal.SIGTERM)
     assert es.wait_exit(timeout=30) == 0
     assert "did not stop within 0.5s of SIGTERM" in es.output
-    wait_for(lambda: gone(launch["pid"]), timeout=10, what="SGLang killed")
+    wait_for(lambda: not process_alive(launch["pid"]), timeout=10, what="SGLang killed")
 
 
 def test_sglang_death_makes_the_engine_server_exit_non_zero(sglang_server):
@@ -151,7 +143,7 @@ def test_killed_engine_server_takes_sglang_with_it(sglang_server):
     es.wait_status(NORMAL)
     es.process.kill()  # SIGKILL of the engine server alone (not its group): no clean-up code runs
     es.process.wait(timeout=10)
-    wait_for(lambda: gone(launch["pid"]), timeout=10, what="SGLang gone with its parent")
+    wait_for(lambda: not process_alive(launch["pid"]), timeout=10, what="SGLang gone with its parent")
     try:
         os.killpg(launch["pgid"], signal.SIGKILL)  # its worker is SGLang's own business; tidy up here
     except ProcessLookupError:
