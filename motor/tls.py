@@ -14,25 +14,37 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import stat
 from dataclasses import dataclass
 
 import grpc
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
 from motor.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 
+MAX_PEM_BYTES = 1 << 20  # a certificate chain, a key or a CA bundle is a few KB; a bundle of hundreds of CAs under 1 MB
+
+
 def read_pem(path: str, field: str) -> bytes:
-    """The bytes of a certificate or key file; a ConfigError naming the setting when it cannot be read."""
+    """The bytes of a certificate or key file; a ConfigError naming the setting when it cannot be
+    read. Only a regular file is read: a FIFO would block the reader (at a rotation, a node
+    manager's event loop) until something wrote to it, and /dev/zero never ends."""
     try:
-        with open(path, "rb") as handle:
-            return handle.read()
+        with open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK)) as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                raise ConfigError(f"{field}: {path!r} is not a regular file: give the path of a PEM file")
+            data = handle.read(MAX_PEM_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"{field}: cannot read {path!r}: {exc.strerror}") from None
+    if len(data) > MAX_PEM_BYTES:
+        raise ConfigError(f"{field}: {path!r} is over {MAX_PEM_BYTES} bytes; a PEM certificate, key or CA bundle is far smaller")
+    return data
 
 
 def check_key_pair(cert_pem: bytes, key_pem: bytes, cert_path: str, key_path: str) -> None:
@@ -46,6 +58,10 @@ def check_key_pair(cert_pem: bytes, key_pem: bytes, cert_path: str, key_path: st
     except (ValueError, TypeError, UnsupportedAlgorithm) as exc:  # not PEM, encrypted, an unknown algorithm
         raise ConfigError(f"key: {key_path!r} holds no usable PEM private key, unencrypted, of a known "
                           f"algorithm ({exc})") from None
+    if not usable_for_tls(key):
+        kind = f"ECDSA on {key.curve.name}" if isinstance(key, ec.EllipticCurvePrivateKey) else type(key).__name__.removesuffix("PrivateKey")
+        raise ConfigError(f"key: {key_path!r} holds a key gRPC's TLS cannot sign handshakes with ({kind}): use an RSA "
+                          "key or an ECDSA key on P-256 or P-384")
     public = serialization.PublicFormat.SubjectPublicKeyInfo
     try:
         cert_public = cert.public_key().public_bytes(serialization.Encoding.DER, public)
@@ -55,13 +71,24 @@ def check_key_pair(cert_pem: bytes, key_pem: bytes, cert_path: str, key_path: st
         raise ConfigError(f"key: {key_path!r} is not the key of the certificate {cert_path!r}")
 
 
+def usable_for_tls(key: object) -> bool:
+    """Whether gRPC's TLS (BoringSSL, as grpcio builds it) can sign a handshake with `key`. Others
+    (Ed25519, Ed448, P-521, DSA...) load here, and then every handshake fails."""
+    return isinstance(key, rsa.RSAPrivateKey) or (
+        isinstance(key, ec.EllipticCurvePrivateKey) and isinstance(key.curve, (ec.SECP256R1, ec.SECP384R1)))
+
+
 def check_not_expired(cert_pem: bytes, cert_path: str) -> None:
-    """Raise ConfigError when the first certificate of `cert_pem` has expired: rotating to it would
-    make every new handshake fail, where the certificate in use may still be good."""
-    expires = x509.load_pem_x509_certificates(cert_pem)[0].not_valid_after_utc
-    if expires < datetime.datetime.now(datetime.timezone.utc):
-        raise ConfigError(f"cert: {cert_path!r} expired on {expires:%Y-%m-%d %H:%M} UTC; write a current certificate "
-                          "and its key there")
+    """Raise ConfigError when the first certificate of `cert_pem` has expired or is not valid yet:
+    rotating to it would make every new handshake fail, where the certificate in use may still be good."""
+    cert = x509.load_pem_x509_certificates(cert_pem)[0]
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if cert.not_valid_after_utc < now:
+        raise ConfigError(f"cert: {cert_path!r} expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC; write a "
+                          "current certificate and its key there")
+    if cert.not_valid_before_utc > now:
+        raise ConfigError(f"cert: {cert_path!r} is not valid before {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC "
+                          "(check this host's clock, or issue it to start now)")
 
 
 def issued_by_bundle(cert_pem: bytes, ca_pem: bytes) -> bool:

@@ -13,6 +13,10 @@ import shutil
 
 import grpc
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+from cryptography.x509.oid import NameOID
 
 from motor.channels import ReloadingChannel
 from motor.errors import ConfigError
@@ -199,3 +203,59 @@ def test_an_unexpected_failure_reading_rotated_files_keeps_the_last_good_ones(cl
     assert watch.pems is before
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "ZeroDivisionError" in errors[0], errors
+
+
+def _self_signed(key) -> bytes:
+    """A certificate of `key`'s public key, signed by it (Ed25519 signs with no hash)."""
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "odd")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+               .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1)))
+    algorithm = None if isinstance(key, ed25519.Ed25519PrivateKey) else hashes.SHA256()
+    return builder.sign(key, algorithm).public_bytes(serialization.Encoding.PEM)
+
+
+@pytest.mark.parametrize("kind", ["ed25519", "p521"])
+def test_a_key_grpc_cannot_sign_handshakes_with_is_a_config_error_naming_the_file(kind, tmp_path):
+    """cryptography loads these, but gRPC's TLS offers no signature algorithm for them: a server
+    with one started, and every handshake failed (a rotation to one took it too)."""
+    key = ed25519.Ed25519PrivateKey.generate() if kind == "ed25519" else ec.generate_private_key(ec.SECP521R1())
+    cert_path, key_path = str(tmp_path / "odd.crt"), str(tmp_path / "odd.key")
+    write_atomically(cert_path, _self_signed(key))
+    write_atomically(key_path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                 serialization.NoEncryption()))
+    with pytest.raises(ConfigError, match=f"key: {re.escape(repr(key_path))} .*use an RSA key or an ECDSA key on P-256 or P-384"):
+        TlsFileWatch(cert_path, key_path, None)
+
+
+async def test_a_rotation_to_a_certificate_not_valid_yet_keeps_the_last_good_one(mtls_server, dev_pki, client_files, caplog):
+    kept = ReloadingChannel(f"localhost:{mtls_server.port}", client_files)
+    try:
+        stub = kept.stub(Stub)
+        tomorrow = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=1)
+        CertificateAuthority.load(dev_pki.directory).issue(Identity("viewer", "viewer"), [], not_before=tomorrow).save(
+            os.path.dirname(client_files.cert), "viewer")
+        errors = await _calls_on_the_kept_channel(kept, stub, caplog)
+        assert len(errors) == 1 and f"cert: {client_files.cert!r} is not valid before" in errors[0], errors
+    finally:
+        await kept.close()
+
+
+def test_a_fifo_or_a_device_as_a_tls_file_is_refused_without_reading_it(client_files, tmp_path, caplog):
+    """A FIFO would block the reader (a node manager's loop, at its next handshake) until a writer
+    came; /dev/zero would be read until memory ran out. Only regular files are read."""
+    fifo = str(tmp_path / "fifo.key")
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match=f"key: {re.escape(repr(fifo))} is not a regular file"):
+        TlsFileWatch(client_files.cert, fifo, client_files.ca)
+    with pytest.raises(ConfigError, match="cert: '/dev/zero' is not a regular file"):
+        TlsFileWatch("/dev/zero", client_files.key, client_files.ca)
+
+    watch = TlsFileWatch(client_files.cert, client_files.key, client_files.ca)
+    before = watch.pems
+    os.remove(client_files.key)
+    os.mkfifo(client_files.key)  # at a rotation: the files in use stay, said once
+    with caplog.at_level(logging.ERROR):
+        assert watch.changed() is None and watch.changed() is None
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert watch.pems is before and len(errors) == 1 and "is not a regular file" in errors[0], errors
