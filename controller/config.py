@@ -28,7 +28,7 @@ class ControllerConfig(SecuritySettings):
     # Deployment file applied at start-up when it differs from the stored one.
     deployment: str | None = None
     # Interval node managers are told to heartbeat at (seconds).
-    heartbeat_interval: float = Field(1.0, gt=0, le=60)
+    heartbeat_interval: float = Field(1.0, ge=0.05, le=60)  # below, the node monitor spins (it wakes every interval/2)
     # Silence after which a node is suspect and re-checked directly (seconds), at the configured
     # interval; scaled with the announced interval (controller/heartbeat_budget.py).
     node_grace: float = Field(5.0, gt=0, le=3600)

@@ -38,7 +38,7 @@ class NodeManagerConfig(SecuritySettings):
     port_range: str = "20000-29999"
     state_dir: str = "./.state/node"
     log_dir: str | None = None
-    heartbeat_interval: float = Field(1.0, gt=0, le=3600)
+    heartbeat_interval: float = Field(1.0, ge=0.05, le=3600)  # below, status checks and beats spin
     # The longest heartbeat interval this node follows when the controller announces a longer
     # one (its heartbeat rate budget at a large fleet): beyond it, it heartbeats at this cap.
     max_heartbeat_interval: float = Field(30.0, gt=0, le=3600)

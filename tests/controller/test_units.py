@@ -193,6 +193,8 @@ def test_the_generation_counter_goes_above_what_nodes_report_and_forgets_a_rolle
     "args, message",
     [
         (["--node-grace", "0"], "node_grace: Input should be greater than 0"),
+        # 1e-9 was taken: the node monitor then slept interval/2 in a loop (97% of a core, no node).
+        (["--heartbeat-interval", "1e-9", "--node-grace", "1"], "heartbeat_interval: Input should be greater than or equal to 0.05"),
         # A grace within one interval would suspect every node between two of its beats.
         (["--heartbeat-interval", "4", "--node-grace", "2"], "node_grace: must be more than heartbeat_interval (4s)"),
         (["--heartbeat-interval", "2", "--node-grace", "2"], "node_grace: must be more than heartbeat_interval (2s)"),

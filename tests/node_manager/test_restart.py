@@ -162,6 +162,10 @@ def test_cli_config_errors_name_the_field_and_exit_2(tmp_path):
     result = subprocess.run([NODE_MANAGER, "--node-id", "n", "--port-range", "3000-2000"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "port_range" in result.stderr
+    # 1e-9 was taken: heartbeats and status checks every millisecond (a quarter of a core each side).
+    result = subprocess.run([NODE_MANAGER, "--node-id", "n", "--heartbeat-interval", "1e-9", "--status-timeout", "1e-9"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "heartbeat_interval: Input should be greater than or equal to 0.05" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("shape, culprit", [
