@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from motor.ports import CONTROLLER_METRICS_PORT, free_port, port_is_free
+from motor.signals import STOP_SIGNALS  # SIGHUP among them: the terminal was closed
 from motorctl.etcd_cluster import EtcdCluster
 from motorctl.render import quiet_stdout
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
@@ -403,10 +404,6 @@ def main(argv: list[str] | None = None) -> int:
     if failure:
         print(f"motorctl up: {failure}; see the logs in {args.run_dir}/logs", file=sys.stderr)
     return status
-
-
-# SIGHUP: the terminal was closed.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def watch(cluster: LocalCluster, refresh: float, stopping) -> None:
