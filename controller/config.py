@@ -19,7 +19,7 @@ from controller.etcd_client import parse_etcd_url
 
 
 class ControllerConfig(SecuritySettings):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # "nan" fails every bound: say what is wrong
 
     # "host:port" the gRPC server binds; port 0 picks a free one (written to <db dir>/controller.port).
     listen: HostPort = "0.0.0.0:50051"

@@ -65,7 +65,7 @@ def _rank(value: str) -> int:
 class EngineServerArgs(SecuritySettings):
     """The engine server's settings (flags only: the user_config file is --config-path)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # "nan" fails every bound: say what is wrong
 
     dp_rank: int = Field(ge=0)
     instance_id: str

@@ -50,7 +50,7 @@ def section_name_for(role: str, present: Collection[str]) -> str:
 
 class _Strict(BaseModel):
     # strict: "true" is not a bool and "5" is not a number; extra: typos are named.
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class HealthCheckConfig(_Strict):

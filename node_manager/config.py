@@ -26,7 +26,7 @@ class NodeManagerConfig(SecuritySettings):
     """Everything `motor-node-manager` can be told (same names as the flags, with '_'); the TLS
     settings (SecuritySettings) also secure the controller link and the engines it launches."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # "nan" fails every bound: say what is wrong
 
     node_id: IdSetting
     listen: HostPort = "0.0.0.0:50052"

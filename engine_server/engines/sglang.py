@@ -44,7 +44,7 @@ _DIE_WITH_PARENT = (
 
 
 class SglangArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     model_path: str = Field(min_length=1)
     served_model_name: str | None = None

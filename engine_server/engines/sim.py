@@ -66,7 +66,7 @@ SIM_RUNNING = Gauge(
 class SimFaults(BaseModel):
     """Fault knobs; POST /sim/faults takes any subset of these keys."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     crash: bool = False
     crash_after_s: float | None = Field(None, gt=0)
@@ -79,7 +79,7 @@ class SimFaults(BaseModel):
 class SimArgs(BaseModel):
     """engine_args of the simulated engine."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     model: str = "sim-tiny"
     # Base latency and utilization (the same knobs as in faults; faults win when both are set).

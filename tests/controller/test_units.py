@@ -202,7 +202,9 @@ def test_the_generation_counter_goes_above_what_nodes_report_and_forgets_a_rolle
         (["--max-heartbeats-per-second", "1e-14"], "max_heartbeats_per_second: must be 0 (off) or at least 1"),
         (["--max-heartbeats-per-second", "0.5"], "max_heartbeats_per_second: must be 0 (off) or at least 1"),
         # Infinite: after a restart nothing would ever start, on a new store --deployment never applied.
-        (["--startup-grace", "inf"], "startup_grace: Input should be less than or equal to 3600"),
+        (["--startup-grace", "inf"], "startup_grace: Input should be a finite number"),
+        # nan fails every bound: the message says what is wrong with it, not a bound.
+        (["--heartbeat-interval", "nan"], "heartbeat_interval: Input should be a finite number (got 'nan')"),
         (["--silent-share-alarm", "2"], "silent_share_alarm"),
         (["--listen", "nowhere"], "listen: must be host:port"),
         (["--metrics-port", "x"], "metrics_port"),

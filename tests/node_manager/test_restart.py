@@ -166,6 +166,9 @@ def test_cli_config_errors_name_the_field_and_exit_2(tmp_path):
     result = subprocess.run([NODE_MANAGER, "--node-id", "n", "--heartbeat-interval", "1e-9", "--status-timeout", "1e-9"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "heartbeat_interval: Input should be greater than or equal to 0.05" in result.stderr, result.stderr
+    # nan fails every bound: the message says what is wrong with it, not a bound.
+    result = subprocess.run([NODE_MANAGER, "--node-id", "n", "--stop-deadline", "nan"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "stop_deadline: Input should be a finite number (got 'nan')" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("shape, culprit", [
