@@ -105,6 +105,7 @@ async def serve(config: ControllerConfig) -> None:
             apply_startup_deployment(controller, config)
         interceptors, current = [], lambda: controller
         telemetry = ServiceTelemetry(controller.metrics.registry, controller.fleet_series.render)
+    gc_policy.export(telemetry.registry)
     # A deployment change holds the old and the new instances at once: a complete walk waits for its end.
     gc_policy.busy = lambda: current() is not None and current().changes.busy
     # /discovery/engines: Prometheus finds the engines' /metrics there (http_sd_configs).

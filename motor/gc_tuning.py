@@ -36,11 +36,20 @@ from __future__ import annotations
 import asyncio
 import gc
 import sys
+import time
 from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry, Histogram
 
 FLOOR = 500_000  # allocated blocks (about 200,000 objects): no complete walk before twice this
 PACE = 0.25  # seconds between two collections
 YOUNG_SAFETY = 20_000  # allocations (net of frees) that start a collection before the next paced one
+PAUSE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+PAUSE_HELP = (
+    "How long one garbage collection held the process (every thread of it), by what it walked: 'recent' "
+    "(what was made since the last collection) or 'complete' (everything: once each time the heap has "
+    "doubled). Part of motor_event_loop_blocked_seconds."
+)
 
 
 class TenuredCollections:
@@ -50,6 +59,12 @@ class TenuredCollections:
         self.baseline = 0  # the heap after the last complete walk
         self.walking = False  # the next full collection walks everything (thawed)
         self._thresholds = gc.get_threshold()
+        self.pauses: Histogram | None = None
+        self._began = 0.0
+
+    def export(self, registry: CollectorRegistry | None) -> None:
+        """Observe every collection's pause in `motor_gc_pause_seconds` of `registry`."""
+        self.pauses = Histogram("motor_gc_pause_seconds", PAUSE_HELP, ["walk"], buckets=PAUSE_BUCKETS, registry=registry)
 
     def install(self) -> "TenuredCollections":
         """At start-up: what is there now (modules, classes) is walked once, here, and frozen, so
@@ -77,7 +92,13 @@ class TenuredCollections:
         gc.unfreeze()
 
     def _after(self, phase: str, info: dict[str, Any]) -> None:
-        if phase != "stop" or info["generation"] != 2:
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        if self.pauses is not None:
+            self.pauses.labels("complete" if self.walking and info["generation"] == 2 else "recent").observe(
+                time.perf_counter() - self._began)
+        if info["generation"] != 2:
             return
         gc.freeze()  # survivors of a full collection: out of the next ones
         heap = self.heap()

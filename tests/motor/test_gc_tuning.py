@@ -7,6 +7,8 @@ import asyncio
 import gc
 import weakref
 
+from prometheus_client import CollectorRegistry
+
 from motor import gc_tuning
 from motor.gc_tuning import TenuredCollections
 from motor.tasks import cancel_and_wait
@@ -19,6 +21,11 @@ class Cyclic:
 def test_survivors_are_frozen_and_cycles_among_them_reclaimed_after_a_thaw(monkeypatch):
     monkeypatch.setattr(gc_tuning, "FLOOR", 0)
     tuning = TenuredCollections().install()
+    registry = CollectorRegistry()
+    tuning.export(registry)
+
+    def pauses(walk: str) -> float:
+        return registry.get_sample_value("motor_gc_pause_seconds_count", {"walk": walk}) or 0.0
     try:
         # Installed: what was there is frozen, and the heap then is the baseline.
         assert gc.get_freeze_count() > 0 and tuning.baseline > 0 and not tuning.walking
@@ -34,8 +41,10 @@ def test_survivors_are_frozen_and_cycles_among_them_reclaimed_after_a_thaw(monke
         tuning.baseline = 1  # ...until the heap has doubled since the last complete walk
         gc.collect()
         assert tuning.walking and gc.get_freeze_count() == 0
+        assert pauses("complete") == 0 and pauses("recent") == 3  # every collection's pause is observed...
         gc.collect()
         assert alive() is None and gc.get_freeze_count() > 0
+        assert pauses("complete") == 1  # ...and the complete walk's apart
     finally:
         tuning.uninstall()
     assert gc.get_freeze_count() == 0 and tuning._after not in gc.callbacks
