@@ -320,6 +320,8 @@ class Controller(views.ClusterReads):
         names.check_printable(store_failing, "store_failing")
         self.state.nodes.heard_from(node, self.mono())
         node.last_heartbeat_wall = self.wall()
+        if not node.reported_since_start and node.state == NODE_READY:  # loaded from the store: no longer "waiting"
+            node.reason = f"reporting again since the controller started (generation {node.generation})"
         node.reported_since_start = True
         if node.state == NODE_SUSPECT:
             self.monitor.node_back(node, "heartbeats arrived again")

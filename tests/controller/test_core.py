@@ -344,7 +344,10 @@ async def test_restart_adopts_running_engines_without_restarting_them(harness):
     await harness.stop()
     ctl = await harness.start(client)
     assert ctl.revision == 1 and set(ctl.instances) == {"prefill-0", "decode-0"}
+    assert ctl.nodes["node-a"].reason == "known from the store; waiting for it to report"
     harness.beat("node-a", "node-b")  # same generations as before the restart
+    # The reason says what is true now (it stayed "waiting for it to report"; found by a hostile tester).
+    assert ctl.nodes["node-a"].reason.startswith("reporting again since the controller started (generation ")
     await async_wait_for(lambda: all(i.state == C.INSTANCE_STATE_READY for i in ctl.instances.values()), timeout=5)
     await asyncio.sleep(1.2)  # past the start-up grace
     assert len(client.starts()) == before and not client.stops()
