@@ -178,7 +178,18 @@ class Controller(views.ClusterReads):
 
     async def _monitor_loop(self) -> None:
         period = min(0.5, self.config.heartbeat_interval / 2)
-        await self._repeat(lambda: asyncio.sleep(period), self.check_nodes, "node check")
+        last = time.monotonic()
+
+        async def tick() -> None:
+            nonlocal last
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            # How late this tick came is real time; a test's manual clock does not stop with the process.
+            if self.mono is time.monotonic:
+                self.monitor.controller_was_away(now - last - period)
+            last = now
+
+        await self._repeat(tick, self.check_nodes, "node check")
 
     async def _repeat(self, wait: Callable[[], Awaitable[None]], step: Callable[[], Steps | None], what: str) -> None:
         # The flag, not only cancel(): asyncio.wait_for (3.11) can swallow a cancellation that

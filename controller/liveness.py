@@ -11,6 +11,7 @@ share. A LOST node counts neither as silent nor as active.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Callable, Coroutine
 
 from motor import node_process
@@ -24,6 +25,7 @@ from controller.state import ClusterState
 from controller import reported
 
 C, T = controller_pb2, types_pb2
+logger = logging.getLogger(__name__)
 
 
 class NodeMonitor:
@@ -71,6 +73,16 @@ class NodeMonitor:
                     self.declare_lost(node)
             else:
                 self._start_recheck(node)
+
+    def controller_was_away(self, seconds: float) -> None:
+        """The monitor ran `seconds` later than due: the controller was stopped (SIGSTOP, a
+        suspended VM) or its loop held. The heartbeats sent meanwhile wait, unread, in its
+        sockets; judged before they are read, every node would turn SUSPECT at once (and the
+        silent-nodes alarm fire). Time away past a heartbeat interval is not counted as silence."""
+        if seconds > self.budget.liveness_interval():
+            logger.warning("the controller did not run for %.1fs (stopped, or its loop held): not counted as the "
+                           "nodes' silence", seconds)
+            self.state.nodes.not_counting(seconds)
 
     def suspect_if_silent(self, node: NodeRuntime, now: float) -> None:
         grace = self.budget.grace()

@@ -116,6 +116,14 @@ class NodeTable(Table[NodeRuntime]):
         if node.state == NODE_READY:
             self._ready_by_last_seen.move_to_end(node.node_id)
 
+    def not_counting(self, seconds: float) -> None:
+        """The controller itself did not run for `seconds` (paused, or its loop held): that is not
+        the nodes' silence. O(fleet), once per such pause; the READY order stays as it was."""
+        for node in self._ready_by_last_seen.values():
+            node.last_seen += seconds
+        for node in self._suspect.values():
+            node.suspect_since += seconds
+
     def ready_silent_since(self, cutoff: float) -> Iterator[NodeRuntime]:
         """READY nodes last heard from before `cutoff`, oldest first; stops at the first newer one."""
         silent = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import grpc
 import pytest
@@ -238,6 +239,23 @@ async def test_many_silent_nodes_raise_an_alarm_and_nothing_moves(harness):
         assert all(n.state == C.NODE_STATE_READY for n in ctl.nodes.values())
     finally:
         beater.cancel()
+
+
+async def test_time_the_controller_did_not_run_is_not_counted_as_the_nodes_silence(harness, caplog):
+    """A controller stopped (SIGSTOP) or its loop held for longer than the grace: on resuming, the
+    node monitor ran before the heartbeats waiting in its sockets were read, and every node turned
+    SUSPECT at once, the silent-nodes alarm with them (found by a hostile tester)."""
+    await running_example(harness, nodes=("node-a", "node-b", "node-c"))
+    ctl = harness.controller
+    harness.beat("node-a", "node-b", "node-c")
+    time.sleep(3 * harness.config.node_grace)  # the loop held, as a stopped process's would be
+    await asyncio.sleep(0.3)  # the monitor runs (no heartbeat read yet)
+    assert all(n.state == C.NODE_STATE_READY for n in ctl.nodes.values()), {n.node_id: n.reason for n in ctl.nodes.values()}
+    assert not ctl.alarm and not [e for e in ctl.events.recent if e.type == C.EVENT_TYPE_NODE_SUSPECT]
+    assert "the controller did not run for" in caplog.text
+    # Silence while the controller runs still counts.
+    harness.client.unreachable.add("node-c")
+    await async_wait_for(lambda: ctl.nodes["node-c"].state != C.NODE_STATE_READY, timeout=10, what="node-c suspect")
 
 
 async def test_nodes_silent_together_but_noticed_one_by_one_raise_the_alarm(tmp_path):
