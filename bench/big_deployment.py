@@ -11,8 +11,10 @@ controller's event-loop lag (motor_event_loop_lag_seconds: median, p99 and the l
 hit, as bucket bounds; one observation every 0.25 s) and the part of it the loop itself was held
 (motor_event_loop_blocked_seconds: the lag less the time the loop's thread waited for a CPU, i.e.
 without the load of other processes; and how many of its observations were over the 50 ms
-goal), both read with /metrics?name[]=... (that series alone: cheap), and the slowest heartbeat
-round trip. Everything on 127.0.0.1, plaintext.
+goal), both read with /metrics?name[]=... (that series alone: cheap); the garbage collections'
+pauses (motor_gc_pause_seconds, part of the held time: the largest of the collections of what was
+made since the last one, and how many complete walks, once each time the heap doubled, with the
+largest); and the slowest heartbeat round trip. Everything on 127.0.0.1, plaintext.
 
     .venv/bin/python bench/big_deployment.py [--instances 10000] [--dp 4] [--nodes 100]
 """
@@ -78,6 +80,7 @@ def main() -> int:
         ]
         for name, call, key, target in phases:
             before = {which: fleet.lag_buckets(which) for which in ("lag", "blocked")}
+            gc_before = {walk: fleet.buckets("motor_gc_pause_seconds", f'walk="{walk}",') for walk in ("recent", "complete")}
             fleet.beats.slowest = 0.0
             began = time.monotonic()
             call()
@@ -90,16 +93,22 @@ def main() -> int:
                 row += [quantile(observed, 0.5), quantile(observed, 0.99), max((le for le, n in observed.items() if n > 0), default=0.0)]
             held = stalls["blocked"]
             over = sum(n for le, n in held.items() if le > GOAL)  # held past the goal, of all observations
+            pauses = {walk: lag_stalls(gc_before[walk], fleet.buckets("motor_gc_pause_seconds", f'walk="{walk}",'))
+                      for walk in ("recent", "complete")}
+            largest = {walk: max((le for le, n in observed.items() if n > 0), default=0.0) for walk, observed in pauses.items()}
+            row += [largest["recent"], f"{sum(pauses['complete'].values()):.0f}", largest["complete"]]
             rows.append((*row, f"{over:.0f}/{sum(held.values()):.0f}", fleet.beats.slowest, len(fleet.beats.failed)))
     finally:
         fleet.stop()
     print(f"{args.instances} instances x dp {args.dp} = {engines} engines ({placed} placed) on {args.nodes} nodes x {args.accelerators} accelerators; "
           f"store {args.store or 'SQLite'}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     print(f"{'phase':16}{'answered s':>11}{'done s':>8}{'lag p50 <=':>12}{'p99 <=':>9}{'max <=':>9}{'held p50 <=':>13}"
-          f"{'p99 <=':>9}{'max <=':>9}{'held >50ms':>12}{'slowest beat':>14}{'failed beats':>14}")
-    for name, answered, done, lag50, lag99, lagmax, held50, held99, heldmax, over, beat, failed in rows:
+          f"{'p99 <=':>9}{'max <=':>9}{'gc max <=':>11}{'complete':>10}{'max <=':>9}{'held >50ms':>12}{'slowest beat':>14}{'failed beats':>14}")
+    for (name, answered, done, lag50, lag99, lagmax, held50, held99, heldmax, gc_recent, walks, gc_complete,
+         over, beat, failed) in rows:
         print(f"{name:16}{answered:11.2f}{done:8.1f}{lag50 * 1e3:10.0f}ms{lag99 * 1e3:7.0f}ms{lagmax * 1e3:7.0f}ms"
-              f"{held50 * 1e3:11.0f}ms{held99 * 1e3:7.0f}ms{heldmax * 1e3:7.0f}ms{over:>12}{beat * 1e3:12.0f}ms{failed:14d}")
+              f"{held50 * 1e3:11.0f}ms{held99 * 1e3:7.0f}ms{heldmax * 1e3:7.0f}ms{gc_recent * 1e3:9.0f}ms{walks:>10}"
+              f"{gc_complete * 1e3:7.0f}ms{over:>12}{beat * 1e3:12.0f}ms{failed:14d}")
     print(f"heartbeats: {fleet.beats.sent} sent, {len(fleet.beats.failed)} failed" + (f" (first: {fleet.beats.failed[0]})" if fleet.beats.failed else "")
           + f"; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end")
     return 0

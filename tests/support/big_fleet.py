@@ -169,12 +169,16 @@ class BigFleet:
 
     def lag_buckets(self, which: str = "lag") -> dict[float, float]:
         """The controller's motor_event_loop_{lag,blocked}_seconds buckets (cumulative counts by upper bound)."""
-        name = f"motor_event_loop_{which}_seconds_bucket"
+        return self.buckets(f"motor_event_loop_{which}_seconds")
+
+    def buckets(self, histogram: str, labels: str = "") -> dict[float, float]:
+        """A histogram of the controller's (`labels`: 'walk="complete",' as rendered before le)."""
+        name = f"{histogram}_bucket"
         # Only that series: the full /metrics renders every instance and engine on the controller's loop.
         url = f"http://127.0.0.1:{self.metrics_port}/metrics?name[]={name}"
         text = urllib.request.urlopen(url, timeout=60).read().decode()
         return {float("inf") if le == "+Inf" else float(le): float(value)
-                for le, value in re.findall(name + r'\{le="([^"]+)"\} (\S+)', text)}
+                for le, value in re.findall(re.escape(name + "{" + labels) + r'le="([^"]+)"\} (\S+)', text)}
 
     def node_reasons(self) -> dict[str, tuple[str, str]]:
         """node id -> (state, reason) as ListNodes shows them."""
