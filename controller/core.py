@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Awaitable, Callable, Iterable
 
-from motor import names, node_process, pbtime
+from motor import heartbeats, names, node_process, pbtime
 from motor.errors import NotFound
 from motor.exits import describe_exit
 from motor.start_refusals import Refusal
@@ -131,10 +131,12 @@ class Controller(views.ClusterReads):
         now = self.mono()
         for record in stored.nodes:
             info = C.NodeInfo.FromString(record.info)
-            # Every known node gets a fresh grace period to report to this process.
+            # Every known node gets a fresh grace period to report to this process, and the time a
+            # node manager may still be waiting between two tries (it backed off while this
+            # process was away): a restart alone suspects no node.
             state = NODE_LOST if record.state == NODE_LOST else NODE_READY
             reason = record.reason if state == NODE_LOST else "known from the store; waiting for it to report"
-            st.nodes.put(NodeRuntime(info, record.generation, state, reason, last_seen=now))
+            st.nodes.put(NodeRuntime(info, record.generation, state, reason, last_seen=now + heartbeats.MAX_BACKOFF))
         for instance_id, data in stored.instances.items():
             st.instances[instance_id] = InstanceRecord.from_dict(data)
         for engine_id, data in stored.assignments.items():

@@ -15,6 +15,7 @@ import logging
 from typing import Callable, Coroutine
 
 from motor import node_process
+from motor.heartbeats import MAX_BACKOFF
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.config import ControllerConfig
@@ -88,7 +89,10 @@ class NodeMonitor:
         grace = self.budget.grace()
         if node.state == NODE_READY and now - node.last_seen > grace:
             st = self.state
-            st.nodes.set_state(node, NODE_SUSPECT, f"no heartbeat for {now - node.last_seen:.1f}s (grace {grace:g}s, "
+            silence = (f"no heartbeat for {now - node.last_seen:.1f}s" if node.reported_since_start else
+                       f"no heartbeat since this controller started ({now - node.last_seen + MAX_BACKOFF:.1f}s ago; "
+                       f"a node manager waits at most {MAX_BACKOFF:g}s between two tries)")
+            st.nodes.set_state(node, NODE_SUSPECT, f"{silence} (grace {grace:g}s, "
                                f"heartbeat interval {self.budget.liveness_interval():g}s); re-checking it directly")
             node.recheck_failed_at, node.suspect_since = None, now
             st.event(C.EVENT_TYPE_NODE_SUSPECT, f"node {node.node_id} suspect: {node.reason}", node_id=node.node_id)

@@ -11,6 +11,10 @@ from typing import Iterable
 
 from motor.v1 import controller_pb2, types_pb2
 
+# The longest a node manager waits between two tries to reach an unreachable controller: after a
+# controller restart, a node's first report may come that long after the controller is back.
+MAX_BACKOFF = 10.0
+
 
 class HeartbeatDeltas:
     def __init__(self, node_id: str, full_every: int = 30):

@@ -30,7 +30,7 @@ from motor import pbtime
 from motor.errors import ConfigError
 from motor.channels import ReloadingChannel
 from motor.grpc_server import TlsFiles
-from motor.heartbeats import next_on_grid
+from motor.heartbeats import MAX_BACKOFF, next_on_grid
 from motor.leader import FOLLOW_RETRY_BASE, FOLLOW_RETRY_CAP, ControllerAddresses, backoff_delay, parse_addresses
 from motor.names import ID_RULE, excerpt
 from motor.node_process import describe
@@ -68,7 +68,7 @@ class ControllerLink:
     """`clock` (default: the manager's) times heartbeats and backoffs; tests pass a fake one."""
 
     def __init__(self, manager: NodeManager, controller: str, node: controller_pb2.NodeInfo,
-                 interval: float, call_timeout: float = 5.0, max_backoff: float = 10.0, clock: Clock | None = None,
+                 interval: float, call_timeout: float = 5.0, max_backoff: float = MAX_BACKOFF, clock: Clock | None = None,
                  tls: TlsFiles | None = None, epoch: ControllerEpoch | None = None, stream_heartbeats: bool = True,
                  max_interval: float = 30.0, phase: float | None = None):
         self.manager = manager

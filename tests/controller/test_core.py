@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from motor import start_refusals
+from motor import heartbeats, start_refusals
 from motor.errors import FailedPrecondition, InvalidArgument, NotFound
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
@@ -351,6 +351,30 @@ async def test_after_a_restart_nothing_starts_until_every_node_reported_or_the_g
         started = [c for c in client.calls if c[0] == "start"][before:]
         assert sorted(f"{c[2].instance_id}/rank{c[2].dp_rank}" for c in started) == on_b
         assert {c[1] for c in started} == {"node-b"}
+    finally:
+        await h.stop()
+
+
+async def test_after_a_restart_a_node_has_the_grace_and_a_node_managers_longest_backoff_to_report(tmp_path):
+    """A node manager backs off (up to MAX_BACKOFF) while the controller is away: its first report
+    may come that long after the controller is back. Judged by the grace alone, every node was
+    SUSPECT after a 25 s outage (found by a hostile tester)."""
+    clock = ManualClock()
+    h = Harness(tmp_path, clock=clock, node_grace=5.0, heartbeat_interval=1.0)
+    try:
+        await running_example(h)
+        client = h.client
+        await h.stop()
+        ctl = await h.start(client)
+        clock.advance(5.0 + heartbeats.MAX_BACKOFF - 0.5)
+        ctl.check_nodes()
+        assert all(n.state == C.NODE_STATE_READY for n in ctl.nodes.values())
+        h.beat("node-a")
+        clock.advance(1.0)
+        ctl.check_nodes()
+        node_b = ctl.nodes["node-b"]
+        assert ctl.nodes["node-a"].state == C.NODE_STATE_READY and node_b.state == C.NODE_STATE_SUSPECT
+        assert node_b.reason.startswith(f"no heartbeat since this controller started ({5.0 + heartbeats.MAX_BACKOFF + 0.5:.1f}s ago")
     finally:
         await h.stop()
 
