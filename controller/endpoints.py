@@ -18,8 +18,9 @@ failure in a fleet of 80,000 engines costs a handful of look-ups, not a pass ove
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from motor.fanout import FanOut, Subscription
 from motor.v1 import controller_pb2, types_pb2
@@ -89,51 +90,69 @@ class EndpointFeed:
         self.current: dict[str, Listed] = {}
         self.subscribers: FanOut[C.WatchEndpointsResponse] = FanOut("WatchEndpoints", queue_size)
         self._scheduled = False
-        self._dirty: set[str] | None = set()  # engine ids to re-read; None: every engine
+        self._everything = False  # every engine to re-read (queued at the next refresh)
+        # Engine ids to re-read, in order; an id no longer in `_queued` was re-read meanwhile.
+        self._queue: collections.deque[str] = collections.deque()
+        self._queued: set[str] = set()
 
     def changed(self, engine_ids: Iterable[str] | None = None) -> None:
         """Something that decides whether `engine_ids` (None: any engine) can serve may have
         changed: refresh once the current change is done (one refresh per event-loop turn,
         however many changes came in it)."""
         if engine_ids is None:
-            self._dirty = None
-        elif self._dirty is not None:
-            self._dirty.update(engine_ids)
+            self._everything = True
+        else:
+            self._enqueue(engine_ids)
         if self._scheduled:
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no loop (a unit test driving the tables): refresh now
-            self.refresh()
+            self.refresh(whole=True)
             return
         self._scheduled = True
         loop.call_soon(self.refresh)
 
-    def refresh(self) -> None:
+    def _enqueue(self, engine_ids: Iterable[str]) -> None:
+        queued, queue = self._queued, self._queue
+        for engine_id in engine_ids:
+            if engine_id not in queued:
+                queued.add(engine_id)
+                queue.append(engine_id)
+
+    def refresh(self, whole: bool = False) -> None:
         """Re-read the engines changed since the last refresh and publish what was added and
         removed. A long list (a fleet-wide change: tens of thousands of engines) is re-read in
-        slices of SLICE_SECONDS, one message each, the rest in the loop's next turn."""
+        slices of SLICE_SECONDS, one message each, the rest in the loop's next turn (`whole`: all
+        now): each slice costs what it re-reads, not what is left (that waits in a queue)."""
         self._scheduled = False
-        dirty, self._dirty = self._dirty, set()
-        if dirty is None:
-            keys = [*self.state.slots, *(key for key in self.current if key not in self.state.slots)]
-        else:
-            keys = list(dirty)
-        done = self._reread(keys, Budget())
-        if done < len(keys):
-            self.changed(keys[done:])
+        if self._everything:
+            self._everything = False
+            st = self.state
+            self._enqueue(st.slots)
+            self._enqueue([key for key in self.current if key not in st.slots])
+        queue, queued = self._queue, self._queued
+
+        def pending() -> Iterator[str]:
+            while queue:
+                key = queue.popleft()
+                if key in queued:
+                    queued.discard(key)
+                    yield key
+        self._reread(pending(), None if whole else Budget())
+        if queue and not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self.refresh)
 
     def refresh_engines(self, engine_ids: list[str]) -> None:
         """Re-read these engines now (an instance removed: routers hear of it before its engines stop)."""
-        if self._dirty is not None:
-            self._dirty.difference_update(engine_ids)
+        self._queued.difference_update(engine_ids)
         self._reread(engine_ids)
 
-    def _reread(self, keys: list[str], budget: Budget | None = None) -> int:
-        """Publishes the changes among `keys` (all of them, or until `budget` is spent); returns how many it read."""
-        added, removed, done = [], [], 0
+    def _reread(self, keys: Iterable[str], budget: Budget | None = None) -> None:
+        """Publishes the changes among `keys` (all of them, or until `budget` is spent)."""
+        added, removed = [], []
         for key in keys:
-            done += 1
             old, new = self.current.get(key), listing(self.state, self.state.slots.get(key))
             if new != old:
                 if old is not None:
@@ -149,7 +168,6 @@ class EndpointFeed:
             removed.sort()
             logger.info("endpoints: added %s, removed %s", [e[0] for e in added] or "none", [e[0] for e in removed] or "none")
             self.subscribers.publish(C.WatchEndpointsResponse(added=map(message, added), removed=map(message, removed)))
-        return done
 
     def subscribe(self) -> Subscription[C.WatchEndpointsResponse]:
         """A stream starting with the snapshot (every listed endpoint), then every change."""
