@@ -37,7 +37,7 @@ from controller.slicing import Budget, Steps, in_slices, run_at_once, run_sliced
 from controller.slots import EngineSlot
 from controller.state import ClusterState
 from controller.store import StoreChange, StoreUnavailable
-from controller.validation import InstanceSpec, expand, integral_numbers, validate_deployment
+from controller.validation import InstanceSpec, expand_in_slices, integral_numbers, validate_deployment
 
 logger = logging.getLogger(__name__)
 
@@ -142,10 +142,10 @@ class DeploymentChanges:
         if self.deployment is not None and (
             validated.SerializeToString(deterministic=True) == self.deployment.SerializeToString(deterministic=True)
         ):
-            return Plan(self.deployment, self.revision, kept=list(expand(validated).values()), same=True)
+            desired = yield from expand_in_slices(validated, budget)
+            return Plan(self.deployment, self.revision, kept=list(desired.values()), same=True)
         plan = Plan(validated, self.revision + 1)
-        desired = expand(validated)
-        yield from budget.checkpoint()
+        desired = yield from expand_in_slices(validated, budget)
         replaced = []
         for instance_id in sorted(desired):
             spec, inst = desired[instance_id], st.instances.get(instance_id)
