@@ -80,7 +80,7 @@ def main() -> int:
         ]
         for name, call, key, target in phases:
             before = {which: fleet.lag_buckets(which) for which in ("lag", "blocked")}
-            gc_before = {walk: fleet.buckets("motor_gc_pause_seconds", f'walk="{walk}",') for walk in ("recent", "complete")}
+            gc_before = {walk: fleet.buckets("motor_gc_pause_seconds", f',walk="{walk}"') for walk in ("recent", "complete")}
             fleet.beats.slowest = 0.0
             began = time.monotonic()
             call()
@@ -93,7 +93,7 @@ def main() -> int:
                 row += [quantile(observed, 0.5), quantile(observed, 0.99), max((le for le, n in observed.items() if n > 0), default=0.0)]
             held = stalls["blocked"]
             over = sum(n for le, n in held.items() if le > GOAL)  # held past the goal, of all observations
-            pauses = {walk: lag_stalls(gc_before[walk], fleet.buckets("motor_gc_pause_seconds", f'walk="{walk}",'))
+            pauses = {walk: lag_stalls(gc_before[walk], fleet.buckets("motor_gc_pause_seconds", f',walk="{walk}"'))
                       for walk in ("recent", "complete")}
             largest = {walk: max((le for le, n in observed.items() if n > 0), default=0.0) for walk, observed in pauses.items()}
             row += [largest["recent"], f"{sum(pauses['complete'].values()):.0f}", largest["complete"]]

@@ -172,13 +172,13 @@ class BigFleet:
         return self.buckets(f"motor_event_loop_{which}_seconds")
 
     def buckets(self, histogram: str, labels: str = "") -> dict[float, float]:
-        """A histogram of the controller's (`labels`: 'walk="complete",' as rendered before le)."""
+        """A histogram of the controller's (`labels`: ',walk="complete"' as rendered after le)."""
         name = f"{histogram}_bucket"
         # Only that series: the full /metrics renders every instance and engine on the controller's loop.
         url = f"http://127.0.0.1:{self.metrics_port}/metrics?name[]={name}"
         text = urllib.request.urlopen(url, timeout=60).read().decode()
         return {float("inf") if le == "+Inf" else float(le): float(value)
-                for le, value in re.findall(re.escape(name + "{" + labels) + r'le="([^"]+)"\} (\S+)', text)}
+                for le, value in re.findall(re.escape(name) + r'\{le="([^"]+)"' + re.escape(labels) + r'\} (\S+)', text)}
 
     def node_reasons(self) -> dict[str, tuple[str, str]]:
         """node id -> (state, reason) as ListNodes shows them."""
