@@ -69,8 +69,8 @@ class Actuator:
         # Copies whose stop was announced and has not succeeded yet -> its failed tries: a stop
         # that keeps failing is one ENGINE_FENCED event whose count grows, not one per retry.
         self.unfinished: dict[tuple[str, str, int], RepeatedFailure] = {}
-        # Engines whose StartEngine found the node unreachable -> the failed tries in a row.
-        self.start_failures: dict[str, RepeatedFailure] = {}
+        # Engines whose StartEngine found the node unreachable -> (that node, the failed tries in a row).
+        self.start_failures: dict[str, tuple[str, RepeatedFailure]] = {}
         # While a node's report is read (fences_of_one_report): the copies it fences, for one event.
         self._fenced_in_report: list[tuple[tuple[str, str, int], str]] | None = None
 
@@ -108,7 +108,11 @@ class Actuator:
             engine = await self._start(node, engine_id, spec)
         except NodeCallError as exc:
             if exc.waits:
-                failure = self.start_failures.setdefault(engine_id, RepeatedFailure(1.0, RETRY_CAP))
+                tried, failure = self.start_failures.get(engine_id, ("", None))
+                if failure is None or tried != node.node_id:  # placed elsewhere since: its own spell and event
+                    self.events.settle(("start", engine_id))
+                    failure = RepeatedFailure(1.0, RETRY_CAP)
+                    self.start_failures[engine_id] = (node.node_id, failure)
                 failure.failed(exc)
                 self.events.repeat(
                     ("start", engine_id), C.EVENT_TYPE_RETRYING,
@@ -124,8 +128,8 @@ class Actuator:
 
     def retry_delay(self, engine_id: str) -> float:
         """How long to wait before starting an engine whose last start was to be waited out (NodeCallError.waits)."""
-        failure = self.start_failures.get(engine_id)
-        return failure.delay() if failure is not None else 0.0
+        tried = self.start_failures.get(engine_id)
+        return tried[1].delay() if tried is not None else 0.0
 
     async def _start(self, node: C.NodeInfo, engine_id: str, spec: T.EngineSpec) -> T.Engine:
         try:

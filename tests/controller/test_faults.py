@@ -165,3 +165,29 @@ async def test_a_start_on_an_unreachable_node_backs_off_to_its_cap_with_one_coun
     await async_wait_for(lambda: slot.launched, timeout=5, what="started once the node answers")
     assert not h.controller.actuator.start_failures and not h.controller.events.is_repeating(("start", "decode-0/rank0"))
     await h.stop()
+
+
+async def test_a_start_retried_on_another_node_is_a_new_retrying_event_naming_that_node(tmp_path):
+    """An engine re-placed while its starts kept failing: the one RETRYING event kept the first
+    node in its node_id, and the backoff went on from where it was (found by a hostile tester)."""
+    from controller.node_client import NodeCallError
+    from tests.controller.conftest import Harness
+    from motor.v1 import types_pb2 as T
+
+    h = Harness(tmp_path, node_grace=1000.0)
+    await h.start()
+    try:
+        for node_id in ("node-a", "node-b"):
+            await h.register(node_id, accelerators=8)
+        h.client.unreachable.update({"node-a", "node-b"})
+        actuator, spec = h.controller.actuator, T.EngineSpec(instance_id="decode-0", generation=1)
+        for node_id, tries in (("node-a", 3), ("node-b", 1)):
+            for _ in range(tries):
+                with pytest.raises(NodeCallError):
+                    await actuator.start(h.controller.nodes[node_id].info, "decode-0/rank0", spec)
+        retrying = [e for e in h.controller.events.recent if e.type == C.EVENT_TYPE_RETRYING]
+        assert [(e.node_id, e.count) for e in retrying] == [("node-a", 3), ("node-b", 1)]
+        assert "on node-b failed 1 time(s)" in retrying[1].message
+        assert actuator.retry_delay("decode-0/rank0") == 1.0  # a fresh backoff on the new node
+    finally:
+        await h.stop()
