@@ -17,7 +17,7 @@ import contextlib
 import logging
 from typing import Callable, Coroutine, Iterator
 
-from motor.retry import RepeatedFailure, worth_reporting
+from motor.retry import RepeatedFailure
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.events import EventBus
@@ -185,6 +185,7 @@ class Actuator:
             await self.stop(node.info, engine_id, generation)
             failure = self.unfinished.pop((node_id, engine_id, generation), None)
             self.events.settle(("fence", (node_id, engine_id, generation)))
+            self.events.settle(("stop", (node_id, engine_id, generation)))
             tries = f" after {failure.count} failed try(ies)" if failure is not None and failure.count else ""
             logger.info("stopped %s (generation %d) on %s%s: %s", engine_id, generation, node_id, tries, why)
         except NodeCallError as exc:
@@ -199,5 +200,6 @@ class Actuator:
             if self.events.is_repeating(("fence", key)):  # a fence: its one event counts the tries
                 self.events.repeat(("fence", key), C.EVENT_TYPE_ENGINE_FENCED, message, node_id=node_id,
                                    engine_id=engine_id, instance_id=engine_id.split("/")[0])
-            elif worth_reporting(failure.count):
-                logger.warning("%s", message)
+            else:  # any other stop (a deployment's engine removed): one RETRYING event that counts
+                self.events.repeat(("stop", key), C.EVENT_TYPE_RETRYING, message, node_id=node_id,
+                                   engine_id=engine_id, instance_id=engine_id.split("/")[0])

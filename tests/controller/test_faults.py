@@ -191,3 +191,32 @@ async def test_a_start_retried_on_another_node_is_a_new_retrying_event_naming_th
         assert actuator.retry_delay("decode-0/rank0") == 1.0  # a fresh backoff on the new node
     finally:
         await h.stop()
+
+
+async def test_a_stop_that_keeps_failing_is_one_retrying_event_that_counts(tmp_path):
+    """A removed engine's StopEngine to a node that does not answer (SIGSTOPped) was only a log
+    line: nothing told the operator that the copy still ran (found by a hostile tester)."""
+    from tests.controller.conftest import Harness
+
+    h = Harness(tmp_path, node_grace=1000.0)
+    await h.start()
+    try:
+        await h.register("node-a", accelerators=8)
+        h.client.unreachable.add("node-a")
+        actuator, key = h.controller.actuator, ("node-a", "gone-0/rank0", 3)
+        actuator.stop_copy(*key, "deleted with the deployment")
+
+        def retrying():
+            return [e for e in h.controller.events.recent if e.type == C.EVENT_TYPE_RETRYING and e.engine_id == "gone-0/rank0"]
+        await async_wait_for(lambda: retrying(), timeout=5, what="a RETRYING event")
+        event = retrying()[0]
+        assert event.node_id == "node-a" and event.count == 1
+        assert "engine gone-0/rank0 on node-a: its stop failed 1 time(s) in a row" in event.message
+        assert "(deleted with the deployment)" in event.message
+        h.client.unreachable.clear()
+        await asyncio.sleep(actuator.unfinished[key].delay())
+        actuator.stop_copy(*key, "deleted with the deployment")  # asked again once its backoff is over
+        await async_wait_for(lambda: not h.controller.events.is_repeating(("stop", key)), timeout=5, what="settled")
+        assert len(retrying()) == 1 and not actuator.unfinished
+    finally:
+        await h.stop()
