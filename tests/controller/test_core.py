@@ -560,3 +560,40 @@ async def test_the_grpc_client_closes_a_forgotten_addresss_channel():
         await channel.channel.channel_ready()
     await client.forget("127.0.0.1:1")  # never called: nothing to do
     await client.close()
+
+
+async def test_launches_in_flight_are_capped_and_the_rest_follow_as_they_finish(tmp_path, monkeypatch):
+    """A pass spawned a launch task for every placed engine at once: 40,000 waiting tasks for a
+    10,000 x dp 4 deployment, a transient heap that set off a complete garbage walk (0.14-0.34 s)."""
+    from controller import scheduling
+    from tests.controller.fakes import FakeNodeClient
+
+    class Gated(FakeNodeClient):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.open, self.most = asyncio.Event(), 0, 0
+
+        async def start_engine(self, node, spec):
+            self.open += 1
+            self.most = max(self.most, self.open)
+            try:
+                await self.gate.wait()
+                return await super().start_engine(node, spec)
+            finally:
+                self.open -= 1
+
+    monkeypatch.setattr(scheduling, "LAUNCHES_OPEN", 2)
+    h = Harness(tmp_path)
+    client = Gated()
+    await h.start(client)
+    try:
+        await h.register("node-a", accelerators=8)
+        h.controller.apply_deployment(example_deployment())  # 3 engines
+        await async_wait_for(lambda: client.open == 2, timeout=5, what="two launches in flight")
+        await asyncio.sleep(1.2)  # passes run meanwhile (every 0.5 s)
+        assert client.most == 2 and h.controller.scheduler.launches_open == 2
+        client.gate.set()
+        await async_wait_for(lambda: len(client.starts()) == 3, timeout=5, what="the third launch once room was made")
+        await async_wait_for(lambda: h.controller.scheduler.launches_open == 0, timeout=5)
+    finally:
+        await h.stop()
