@@ -78,3 +78,18 @@ def test_a_node_heard_from_exactly_at_the_cutoff_is_not_silent():
     table.put(early)
     table.put(on_time)
     assert [n.node_id for n in table.ready_silent_since(10.0)] == ["node-a"]
+
+
+def test_time_the_controller_was_away_moves_ready_and_suspect_clocks_forward_by_that_much():
+    table = NodeTable()
+    ready, suspect = runtime("node-a"), runtime("node-b")
+    ready.last_seen = 9.0
+    table.put(ready)
+    table.put(suspect)
+    table.set_state(suspect, NODE_SUSPECT, "silent")
+    suspect.last_seen, suspect.suspect_since = 5.0, 7.0
+    table.not_counting(3.0)
+    assert (ready.last_seen, suspect.suspect_since) == (12.0, 10.0)
+    assert suspect.last_seen == 5.0  # a SUSPECT node's own clock is its suspicion
+    assert [n.node_id for n in table.ready_silent_since(12.0)] == []
+    assert [n.node_id for n in table.ready_silent_since(12.5)] == ["node-a"]
