@@ -42,7 +42,7 @@ FLAGS = {
     "silent_share_alarm": Flag("share of nodes silent at once that raises the alarm (0-1)"),
     "reschedule_rate": Flag("engine moves per second allowed"),
     "metrics_port": Flag("Prometheus /metrics and /discovery/engines port (0: off)"),
-    "startup_grace": Flag("after a restart, seconds to wait for nodes to report", default_text="the node grace"),
+    "startup_grace": Flag("after a restart, seconds to wait for nodes to report", default_text="the node grace; after a restart + 10 s"),
     "stop_deadline": Flag("seconds between SIGTERM and SIGKILL when stopping an engine"),
     "log_level": Flag("DEBUG, INFO, WARNING, ERROR or CRITICAL"),
     "discard_unreadable_db": Flag("move an unreadable --db file aside and start empty (else: exit 2)", options={"action": "store_true"}),

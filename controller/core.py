@@ -133,17 +133,19 @@ class Controller(views.ClusterReads):
             info = C.NodeInfo.FromString(record.info)
             # Every known node gets a fresh grace period to report to this process, and the time a
             # node manager may still be waiting between two tries (it backed off while this
-            # process was away): a restart alone suspects no node.
+            # process was away; NodeMonitor.suspect_if_silent): a restart alone suspects no node.
             state = NODE_LOST if record.state == NODE_LOST else NODE_READY
             reason = record.reason if state == NODE_LOST else "known from the store; waiting for it to report"
-            st.nodes.put(NodeRuntime(info, record.generation, state, reason, last_seen=now + heartbeats.MAX_BACKOFF))
+            st.nodes.put(NodeRuntime(info, record.generation, state, reason, last_seen=now))
         for instance_id, data in stored.instances.items():
             st.instances[instance_id] = InstanceRecord.from_dict(data)
         for engine_id, data in stored.assignments.items():
             st.slots.add(EngineSlot.from_dict(data))
         st.attention.update(st.instances)
         if any(n.state != NODE_LOST for n in st.nodes.values()):
-            self.scheduler.startup_until = now + self.startup_grace()
+            # By default also the node managers' longest backoff, as their first reports may take.
+            backoff = heartbeats.MAX_BACKOFF if self.config.startup_grace is None else 0.0
+            self.scheduler.startup_until = now + self.startup_grace() + backoff
         logger.info(
             "loaded state: deployment revision %d, %d nodes, %d instances, %d engine assignments",
             self.revision, len(st.nodes), len(st.instances), len(st.slots),

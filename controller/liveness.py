@@ -87,10 +87,13 @@ class NodeMonitor:
 
     def suspect_if_silent(self, node: NodeRuntime, now: float) -> None:
         grace = self.budget.grace()
-        if node.state == NODE_READY and now - node.last_seen > grace:
+        # A node known from the store that has not reported to this process yet may still be
+        # backing off from the outage: it has the grace and a node manager's longest backoff.
+        allowed = grace if node.reported_since_start else grace + MAX_BACKOFF
+        if node.state == NODE_READY and now - node.last_seen > allowed:
             st = self.state
             silence = (f"no heartbeat for {now - node.last_seen:.1f}s" if node.reported_since_start else
-                       f"no heartbeat since this controller started ({now - node.last_seen + MAX_BACKOFF:.1f}s ago; "
+                       f"no heartbeat since this controller started ({now - node.last_seen:.1f}s ago; "
                        f"a node manager waits at most {MAX_BACKOFF:g}s between two tries)")
             st.nodes.set_state(node, NODE_SUSPECT, f"{silence} (grace {grace:g}s, "
                                f"heartbeat interval {self.budget.liveness_interval():g}s); re-checking it directly")

@@ -379,6 +379,43 @@ async def test_after_a_restart_a_node_has_the_grace_and_a_node_managers_longest_
         await h.stop()
 
 
+async def test_after_a_restart_a_node_that_reported_then_fell_silent_is_suspected_on_its_own_grace(tmp_path):
+    """The nodes still waiting to report held it back: they were loaded as heard from in the
+    future, so the silent-node sweep, oldest first, stopped at them (found by a hostile tester:
+    SUSPECT 12.7 s after the kill, and the alarm with the waiting nodes)."""
+    clock = ManualClock()
+    h = Harness(tmp_path, clock=clock, node_grace=5.0, heartbeat_interval=1.0)
+    try:
+        await running_example(h)
+        client = h.client
+        await h.stop()
+        ctl = await h.start(client)
+        clock.advance(1.0)
+        h.beat("node-a")  # node-a reports, then dies; node-b has not reported yet
+        clock.advance(5.1)
+        ctl.check_nodes()
+        assert ctl.nodes["node-a"].state == C.NODE_STATE_SUSPECT and ctl.nodes["node-b"].state == C.NODE_STATE_READY
+        assert ctl.nodes["node-a"].reason.startswith("no heartbeat for 5.1s")
+    finally:
+        await h.stop()
+
+
+async def test_after_a_restart_the_default_startup_grace_waits_out_a_node_managers_backoff_too(tmp_path):
+    """StartEngine went to nodes that had not reported yet, 5 s after a 45 s outage (found by a
+    hostile tester); an explicit --startup-grace is kept as given."""
+    for given, expected in ((None, 5.0 + heartbeats.MAX_BACKOFF), (2.0, 2.0)):
+        clock = ManualClock()
+        h = Harness(tmp_path / str(given), clock=clock, node_grace=5.0, heartbeat_interval=1.0, startup_grace=given)
+        try:
+            await running_example(h)
+            client = h.client
+            await h.stop()
+            ctl = await h.start(client)
+            assert ctl.scheduler.startup_until - clock() == pytest.approx(expected)
+        finally:
+            await h.stop()
+
+
 async def test_restart_adopts_running_engines_without_restarting_them(harness):
     await running_example(harness)
     before = len(harness.client.starts())
