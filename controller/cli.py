@@ -15,7 +15,7 @@ from motor.logs import setup_logging
 from motor.metrics_http import ServiceTelemetry
 from motor.ports import CONTROLLER_METRICS_PORT
 from motor.security_config import SECURITY_FLAGS
-from motor.signals import wait_for_stop_signal
+from motor.signals import stop_event
 from motor.tasks import cancel_and_wait
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
@@ -89,6 +89,7 @@ def apply_startup_deployment(controller: Controller, config: ControllerConfig) -
 
 
 async def serve(config: ControllerConfig) -> None:
+    stop = stop_event()  # first: a stop signal during start-up (a slow store, etcd) is a stop too
     gc_policy = TenuredCollections().install()  # a large fleet's state: no full garbage collection walks it all (motor/gc_tuning.py)
     ha = None
     if config.uses_etcd:
@@ -123,7 +124,7 @@ async def serve(config: ControllerConfig) -> None:
     if ha:
         ha.campaign(advertised_address(config, port))
     collecting = asyncio.create_task(gc_policy.pace(), name="garbage collection")
-    await wait_for_stop_signal()
+    await stop.wait()
     logger.info("stopping")
     if ha:  # resign first: a standby leads at once, and nothing acts once the port refuses
         await ha.resign()

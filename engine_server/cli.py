@@ -151,6 +151,7 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
     from engine_server.metrics import process_metrics
     from engine_server.server import EngineServer
 
+    stop = stop_event()  # first: a stop signal while it sets up is a stop too
     options = EngineOptions(
         role=args.role,
         instance_id=args.instance_id,
@@ -180,7 +181,6 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
     service.register(grpc_server, core)
     await grpc_server.start()  # first, so that the node manager sees INIT while the engine loads
 
-    stop = stop_event()
     try:
         if engine_cls.slow_check_args:  # deferred by load_section
             field = f"{section_name}.engine_args"
@@ -193,7 +193,7 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
         return Exit(EXIT_CONFIG, CONFIG_ERROR, str(exc))
     if stop.is_set():
         await grpc_server.stop(0)
-        return Exit(EXIT_OK, STOPPED, "SIGTERM before the engine started")
+        return Exit(EXIT_OK, STOPPED, f"{stop.signal_name} before the engine started")
     try:
         await core.start()
     except Exception as exc:
@@ -214,13 +214,13 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
         await grpc_server.stop(0.2)
         return Exit(EXIT_FAILED, ENGINE_DIED, f"the engine died: {core.death_reason}")
     dying.cancel()
-    logger.info("SIGTERM: draining (up to %gs), then shutting down", section.drain_timeout)
+    logger.info("%s: draining (up to %gs), then shutting down", stop.signal_name, section.drain_timeout)
     drained, left = await core.shutdown()
     await end_descendants(grace=CLEAN_EXIT_GRACE_S, groups=engine.process_groups())
     await grpc_server.stop(1.0)
     logger.info("shut down cleanly")
     how = "drained" if drained else f"drain_timeout ({section.drain_timeout:g}s) passed with {left} requests in flight"
-    return Exit(EXIT_OK, STOPPED, f"SIGTERM: {how}, shut down cleanly")
+    return Exit(EXIT_OK, STOPPED, f"{stop.signal_name}: {how}, shut down cleanly")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -62,9 +62,9 @@ def load_config(argv: list[str] | None = None) -> NodeManagerConfig:
 async def serve(config: NodeManagerConfig) -> None:
     """Until SIGTERM/SIGINT, or until the controller refuses this node for good (raised as a
     ConfigError after stopping: exit 2 with the controller's reason)."""
+    stop = stop_event()  # first: a stop signal during start-up is a stop too
     server = NodeManagerServer(config)
     await server.start()
-    stop = stop_event()
     signalled = asyncio.ensure_future(stop.wait())
     link = server.link_task
     await asyncio.wait([signalled, *([link] if link else [])], return_when=asyncio.FIRST_COMPLETED)

@@ -7,6 +7,8 @@ import json
 import os
 import signal
 
+import pytest
+
 from motor.termination import read_termination_message
 from motor.v1 import types_pb2
 from tests.engine_server.conftest import sim_config
@@ -19,16 +21,18 @@ def start(engine_server, tmp_path, config):
     return engine_server(config, extra_args=("--termination-message-path", str(path))), str(path)
 
 
-def test_sigterm_leaves_stopped_with_code_0(engine_server, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_leaves_stopped_with_code_0_naming_the_signal(engine_server, tmp_path, sig):
     es, path = start(engine_server, tmp_path, sim_config(engine_args={"utilization": 1}))
     status = es.wait_status(NORMAL)
     # It states how long a SIGTERM may take: drain_timeout (default 30 s) plus its shutdown.
     assert status.stop_grace.ToNanoseconds() / 1e9 > 30.0
     assert read_termination_message(path) is None, "written only at the exit"
-    os.kill(es.process.pid, signal.SIGTERM)
+    os.kill(es.process.pid, sig)
     assert es.wait_exit() == 0
     message = read_termination_message(path)
     assert (message.exit_code, message.cause) == (0, "stopped") and "drained" in message.message, message
+    assert message.message.startswith(f"{sig.name}: "), message  # a SIGHUP was told as SIGTERM
 
 
 def test_engine_death_leaves_the_cause_first(engine_server, tmp_path):

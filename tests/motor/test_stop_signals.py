@@ -1,6 +1,7 @@
 """SIGHUP (a closed terminal, or a supervisor) stops the controller and the node manager the way
 SIGTERM does, saying so, instead of killing them silently (its default action; found by a
-hostile tester)."""
+hostile tester); stop signals repeated in quick succession do not kill a service that is
+stopping."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -40,6 +42,10 @@ def test_a_stop_signal_stops_the_service_gracefully_and_says_which(tmp_path, ser
         wait_for(lambda: os.path.exists(port_file) or proc.poll() is not None, timeout=60, what="the service's port file")
         assert proc.poll() is None, log_path.read_text()
         proc.send_signal(sig)
+        for _ in range(5):  # more in quick succession: the stop goes on (they killed it once its loop closed)
+            time.sleep(0.01)
+            if proc.poll() is None:
+                proc.send_signal(sig)
         code = proc.wait(30)
         log = log_path.read_text()
         assert code == 0, log
