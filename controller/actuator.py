@@ -127,9 +127,13 @@ class Actuator:
                     node_id=node.node_id, instance_id=spec.instance_id, engine_id=engine_id,
                 )
             raise
-        if self.start_failures.pop(engine_id, None) is not None:
-            count = self.events.settle(("start", engine_id))
-            logger.info("StartEngine of %s on %s went through after %d failed try(ies)", engine_id, node.node_id, count)
+        tried = self.start_failures.pop(engine_id, None)
+        if tried is not None:
+            if tried[0] == node.node_id:
+                count = self.events.settle(("start", engine_id), f"went through after {tried[1].count} failed try(ies)")
+                logger.info("StartEngine of %s on %s went through after %d failed try(ies)", engine_id, node.node_id, count)
+            else:
+                self.events.settle(("start", engine_id), f"started on {node.node_id} instead")
         return engine
 
     def retry_delay(self, engine_id: str) -> float:
@@ -204,9 +208,9 @@ class Actuator:
         try:
             await self.stop(node.info, engine_id, generation)
             failure = self.unfinished.pop((node_id, engine_id, generation), None)
-            self.events.settle(("fence", (node_id, engine_id, generation)))
-            self.events.settle(("stop", (node_id, engine_id, generation)))
             tries = f" after {failure.count} failed try(ies)" if failure is not None and failure.count else ""
+            for kind in ("fence", "stop"):  # the event that counted the failed tries says it is over
+                self.events.settle((kind, (node_id, engine_id, generation)), f"stopped{tries}")
             logger.info("stopped %s (generation %d) on %s%s: %s", engine_id, generation, node_id, tries, why)
         except NodeCallError as exc:
             # The next ask goes through after a backoff (1 s, 2 s, 4 s ... FENCE_WINDOW), not every heartbeat.

@@ -76,10 +76,18 @@ class EventBus:
     def is_repeating(self, key: object) -> bool:
         return key in self._repeating
 
-    def settle(self, key: object) -> int:
-        """What `key` names stopped happening: a later occurrence is a new event. Returns its count."""
+    def settle(self, key: object, outcome: str = "") -> int:
+        """What `key` names stopped happening: a later occurrence is a new event. Returns its
+        count. `outcome` ("stopped after 3 failed try(ies)") is added to the event's message and
+        the event sent again: its last words were "trying again in 1s"."""
         event = self._repeating.pop(key, None)
-        return event.count if event is not None else 0
+        if event is None:
+            return 0
+        if outcome:
+            event.message = one_line(f"{event.message} -> {outcome}")
+            event.last_time.CopyFrom(pbtime.now())
+            self.subscribers.publish(event)
+        return event.count
 
     def subscribe(self) -> Subscription[controller_pb2.Event]:
         return self.subscribers.subscribe()

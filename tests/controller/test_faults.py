@@ -189,6 +189,10 @@ async def test_a_start_retried_on_another_node_is_a_new_retrying_event_naming_th
         assert [(e.node_id, e.count) for e in retrying] == [("node-a", 3), ("node-b", 1)]
         assert "on node-b failed 1 time(s)" in retrying[1].message
         assert actuator.retry_delay("decode-0/rank0") == 1.0  # a fresh backoff on the new node
+        h.client.unreachable.clear()
+        await actuator.start(h.controller.nodes["node-a"].info, "decode-0/rank0", spec)  # placed back: it goes through
+        events = [e for e in h.controller.events.recent if e.type == C.EVENT_TYPE_RETRYING]
+        assert events[1].message.endswith("-> started on node-a instead")
     finally:
         await h.stop()
 
@@ -218,6 +222,7 @@ async def test_a_stop_that_keeps_failing_is_one_retrying_event_that_counts(tmp_p
         actuator.stop_copy(*key, "deleted with the deployment")  # asked again once its backoff is over
         await async_wait_for(lambda: not h.controller.events.is_repeating(("stop", key)), timeout=5, what="settled")
         assert len(retrying()) == 1 and not actuator.unfinished
+        assert retrying()[0].message.endswith("-> stopped after 1 failed try(ies)")  # not "asking again in 1s"
     finally:
         await h.stop()
 
