@@ -73,8 +73,17 @@ class NodeClient(abc.ABC):
         pass
 
 
+# Tried again at once (0.1 s, 0.2 s ...): a refused connection or a busy node answers quickly. A
+# call that ran out its whole deadline is not: a frozen node manager (SIGSTOP) held a StopEngine
+# for 4 x (deadline + 15 s), one of the 64 call slots with it, before anything was told; the
+# actuator's own retry (after a backoff, with one RETRYING event) follows at once instead.
+RETRIED_AT_ONCE = RETRYABLE - {grpc.StatusCode.DEADLINE_EXCEEDED}
+# A StopEngine call may take the stop's deadline (SIGTERM to SIGKILL) and this much more.
+STOP_SLACK = 15.0
+
+
 def _is_retryable(exc: BaseException) -> bool:
-    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in RETRYABLE
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in RETRIED_AT_ONCE
 
 
 class GrpcNodeClient(NodeClient):
@@ -136,7 +145,7 @@ class GrpcNodeClient(NodeClient):
             # deleted) would otherwise each hold their state for seconds. A backoff between
             # tries keeps the slot.
             async with self.limit:
-                await self._retried(lambda: self._stub(node).StopEngine(request, timeout=deadline + 15.0))
+                await self._retried(lambda: self._stub(node).StopEngine(request, timeout=deadline + STOP_SLACK))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return  # never known there: nothing to stop

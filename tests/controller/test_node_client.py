@@ -6,12 +6,14 @@ walk; tenacity's retry objects left about 30 objects per call, ~4.5 KB)."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 
 import grpc
 import psutil
 import pytest
 
+from controller import node_client
 from controller.node_client import GrpcNodeClient, NodeCallError
 from motor.v1 import controller_pb2, node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from tests.support import async_wait_for
@@ -21,12 +23,20 @@ class ScriptedNodeManager(node_manager_pb2_grpc.NodeManagerServiceServicer):
     def __init__(self) -> None:
         self.errors: list[grpc.StatusCode] = []
         self.starts: list[node_manager_pb2.StartEngineRequest] = []
+        self.stops: list[node_manager_pb2.StopEngineRequest] = []
+        self.hang = 0.0  # seconds each call takes (a frozen node manager)
 
     async def StartEngine(self, request, context):
         self.starts.append(request)
+        await asyncio.sleep(self.hang)
         if self.errors:
             await context.abort(self.errors.pop(0), "scripted")
         return node_manager_pb2.StartEngineResponse(engine=types_pb2.Engine(engine_id=f"{request.spec.instance_id}/rank0"))
+
+    async def StopEngine(self, request, context):
+        self.stops.append(request)
+        await asyncio.sleep(self.hang)
+        return node_manager_pb2.StopEngineResponse()
 
 
 @pytest.fixture
@@ -110,3 +120,19 @@ async def test_a_node_managers_connection_is_let_go_when_idle_and_made_again_on_
     finally:
         await client.close()
         await server.stop(None)
+
+
+async def test_a_call_that_ran_out_its_deadline_is_not_tried_again_at_once(node_manager, monkeypatch):
+    """A frozen node manager held each StopEngine for 4 x (deadline + 15 s), and one of the 64
+    call slots with it, before the controller said anything (found by a hostile tester): the
+    actuator's own retry, after a backoff and with an event, follows instead."""
+    scripted, client, node = node_manager
+    client.start_timeout = 0.3
+    monkeypatch.setattr(node_client, "STOP_SLACK", 0.3)
+    scripted.hang = 5.0
+    with pytest.raises(NodeCallError) as started:
+        await client.start_engine(node, types_pb2.EngineSpec(instance_id="prefill-0"))
+    with pytest.raises(NodeCallError) as stopped:
+        await client.stop_engine(node, "prefill-0/rank0", 1, deadline=0.0)
+    assert started.value.code == stopped.value.code == "DEADLINE_EXCEEDED" and started.value.unreachable
+    assert len(scripted.starts) == 1 and len(scripted.stops) == 1
