@@ -80,6 +80,10 @@ class NodeClient(abc.ABC):
 RETRIED_AT_ONCE = RETRYABLE - {grpc.StatusCode.DEADLINE_EXCEEDED}
 # A StopEngine call may take the stop's deadline (SIGTERM to SIGKILL) and this much more.
 STOP_SLACK = 15.0
+# Calls to one node manager at once, at most: a call takes this slot before one of the
+# max_in_flight (64) shared by every node, so node managers that do not answer (SIGSTOP) hold
+# at most this many of those each while their calls run out, not all of them.
+NODE_IN_FLIGHT = 16
 
 
 def _is_retryable(exc: BaseException) -> bool:
@@ -100,12 +104,19 @@ class GrpcNodeClient(NodeClient):
         # Starting thousands of engines at once must not open thousands of calls at once.
         self.max_in_flight = max_in_flight
         self._limit: asyncio.Semaphore | None = None
+        self._node_limits: dict[str, asyncio.Semaphore] = {}  # node manager address -> its NODE_IN_FLIGHT slots
 
     @property
     def limit(self) -> asyncio.Semaphore:
         if self._limit is None:
             self._limit = asyncio.Semaphore(self.max_in_flight)
         return self._limit
+
+    def node_limit(self, node: controller_pb2.NodeInfo) -> asyncio.Semaphore:
+        limit = self._node_limits.get(node.address)
+        if limit is None:
+            limit = self._node_limits[node.address] = asyncio.Semaphore(NODE_IN_FLIGHT)
+        return limit
 
     def _stub(self, node: controller_pb2.NodeInfo) -> node_manager_pb2_grpc.NodeManagerServiceStub:
         channel = self.channels.get(node.address)
@@ -116,6 +127,7 @@ class GrpcNodeClient(NodeClient):
     async def forget(self, address: str) -> None:
         # A node manager that comes back on a new address (a rescheduled pod) would otherwise
         # leave its old channel behind at every move.
+        self._node_limits.pop(address, None)
         channel = self.channels.pop(address, None)
         if channel is not None:
             await channel.close()
@@ -130,7 +142,7 @@ class GrpcNodeClient(NodeClient):
             return self._stub(node).StartEngine(request, timeout=self.start_timeout)
 
         try:
-            async with self.limit:  # around the retries: see stop_engine
+            async with self.node_limit(node), self.limit:  # around the retries: see stop_engine
                 reply = await self._retried(call)
         except grpc.aio.AioRpcError as exc:
             raise NodeCallError(exc.code().name, exc.details() or "") from None
@@ -144,7 +156,7 @@ class GrpcNodeClient(NodeClient):
             # The slot is taken before the retries begin: 40,000 calls queued here (a deployment
             # deleted) would otherwise each hold their state for seconds. A backoff between
             # tries keeps the slot.
-            async with self.limit:
+            async with self.node_limit(node), self.limit:
                 await self._retried(lambda: self._stub(node).StopEngine(request, timeout=deadline + STOP_SLACK))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:

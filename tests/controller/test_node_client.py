@@ -136,3 +136,32 @@ async def test_a_call_that_ran_out_its_deadline_is_not_tried_again_at_once(node_
         await client.stop_engine(node, "prefill-0/rank0", 1, deadline=0.0)
     assert started.value.code == stopped.value.code == "DEADLINE_EXCEEDED" and started.value.unreachable
     assert len(scripted.starts) == 1 and len(scripted.stops) == 1
+
+
+async def test_a_node_manager_that_does_not_answer_holds_only_its_own_share_of_the_call_slots(monkeypatch):
+    """StartEngine and StopEngine share max_in_flight slots: calls hanging on frozen node
+    managers held all of them, and every other node's calls waited (found by a hostile tester)."""
+    monkeypatch.setattr(node_client, "NODE_IN_FLIGHT", 2)
+    frozen, answering = ScriptedNodeManager(), ScriptedNodeManager()
+    frozen.hang = 30.0
+    servers, nodes = [], []
+    for name, scripted in (("node-f", frozen), ("node-a", answering)):
+        server = grpc.aio.server()
+        node_manager_pb2_grpc.add_NodeManagerServiceServicer_to_server(scripted, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        servers.append(server)
+        nodes.append(controller_pb2.NodeInfo(node_id=name, address=f"127.0.0.1:{port}"))
+    client = GrpcNodeClient(max_in_flight=3)
+    hanging = [asyncio.create_task(client.start_engine(nodes[0], types_pb2.EngineSpec(instance_id=f"f-{i}"))) for i in range(4)]
+    try:
+        await async_wait_for(lambda: len(frozen.starts) == 2, timeout=5, what="two calls to the frozen node")
+        engine = await asyncio.wait_for(client.start_engine(nodes[1], types_pb2.EngineSpec(instance_id="a-0")), 5)
+        assert engine.engine_id == "a-0/rank0" and len(frozen.starts) == 2  # the others wait for the frozen node's slots
+    finally:
+        for task in hanging:
+            task.cancel()
+        await asyncio.gather(*hanging, return_exceptions=True)
+        await client.close()
+        for server in servers:
+            await server.stop(None)
