@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -355,17 +356,26 @@ async def test_after_a_restart_nothing_starts_until_every_node_reported_or_the_g
         await h.stop()
 
 
-async def test_after_a_restart_a_node_has_the_grace_and_a_node_managers_longest_backoff_to_report(tmp_path):
-    """A node manager backs off (up to MAX_BACKOFF) while the controller is away: its first report
-    may come that long after the controller is back. Judged by the grace alone, every node was
-    SUSPECT after a 25 s outage (found by a hostile tester)."""
+@contextlib.asynccontextmanager
+async def restarted(path, **settings):
+    """The running example on a hand-driven clock (grace 5 s, interval 1 s), then its controller
+    restarted on the same store: (harness, the new controller, the clock)."""
     clock = ManualClock()
-    h = Harness(tmp_path, clock=clock, node_grace=5.0, heartbeat_interval=1.0)
+    h = Harness(path, clock=clock, node_grace=5.0, heartbeat_interval=1.0, **settings)
     try:
         await running_example(h)
         client = h.client
         await h.stop()
-        ctl = await h.start(client)
+        yield h, await h.start(client), clock
+    finally:
+        await h.stop()
+
+
+async def test_after_a_restart_a_node_has_the_grace_and_a_node_managers_longest_backoff_to_report(tmp_path):
+    """A node manager backs off (up to MAX_BACKOFF) while the controller is away: its first report
+    may come that long after the controller is back. Judged by the grace alone, every node was
+    SUSPECT after a 25 s outage (found by a hostile tester)."""
+    async with restarted(tmp_path) as (h, ctl, clock):
         clock.advance(5.0 + heartbeats.MAX_BACKOFF - 0.5)
         ctl.check_nodes()
         assert all(n.state == C.NODE_STATE_READY for n in ctl.nodes.values())
@@ -375,45 +385,27 @@ async def test_after_a_restart_a_node_has_the_grace_and_a_node_managers_longest_
         node_b = ctl.nodes["node-b"]
         assert ctl.nodes["node-a"].state == C.NODE_STATE_READY and node_b.state == C.NODE_STATE_SUSPECT
         assert node_b.reason.startswith(f"no heartbeat since this controller started ({5.0 + heartbeats.MAX_BACKOFF + 0.5:.1f}s ago")
-    finally:
-        await h.stop()
 
 
 async def test_after_a_restart_a_node_that_reported_then_fell_silent_is_suspected_on_its_own_grace(tmp_path):
     """The nodes still waiting to report held it back: they were loaded as heard from in the
     future, so the silent-node sweep, oldest first, stopped at them (found by a hostile tester:
     SUSPECT 12.7 s after the kill, and the alarm with the waiting nodes)."""
-    clock = ManualClock()
-    h = Harness(tmp_path, clock=clock, node_grace=5.0, heartbeat_interval=1.0)
-    try:
-        await running_example(h)
-        client = h.client
-        await h.stop()
-        ctl = await h.start(client)
+    async with restarted(tmp_path) as (h, ctl, clock):
         clock.advance(1.0)
         h.beat("node-a")  # node-a reports, then dies; node-b has not reported yet
         clock.advance(5.1)
         ctl.check_nodes()
         assert ctl.nodes["node-a"].state == C.NODE_STATE_SUSPECT and ctl.nodes["node-b"].state == C.NODE_STATE_READY
         assert ctl.nodes["node-a"].reason.startswith("no heartbeat for 5.1s")
-    finally:
-        await h.stop()
 
 
 async def test_after_a_restart_the_default_startup_grace_waits_out_a_node_managers_backoff_too(tmp_path):
     """StartEngine went to nodes that had not reported yet, 5 s after a 45 s outage (found by a
     hostile tester); an explicit --startup-grace is kept as given."""
     for given, expected in ((None, 5.0 + heartbeats.MAX_BACKOFF), (2.0, 2.0)):
-        clock = ManualClock()
-        h = Harness(tmp_path / str(given), clock=clock, node_grace=5.0, heartbeat_interval=1.0, startup_grace=given)
-        try:
-            await running_example(h)
-            client = h.client
-            await h.stop()
-            ctl = await h.start(client)
+        async with restarted(tmp_path / str(given), startup_grace=given) as (_, ctl, clock):
             assert ctl.scheduler.startup_until - clock() == pytest.approx(expected)
-        finally:
-            await h.stop()
 
 
 async def test_restart_adopts_running_engines_without_restarting_them(harness):
