@@ -140,9 +140,8 @@ class EndpointFeed:
                     queued.discard(key)
                     yield key
         self._reread(pending(), None if whole else Budget())
-        if queue and not self._scheduled:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self.refresh)
+        if queue:
+            self.changed(())  # the rest in the loop's next turn
 
     def refresh_engines(self, engine_ids: list[str]) -> None:
         """Re-read these engines now (an instance removed: routers hear of it before its engines stop)."""

@@ -41,8 +41,3 @@ def stop_event() -> StopEvent:
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, received, sig)
     return stop
-
-
-async def wait_for_stop_signal() -> None:
-    """Return once SIGTERM, SIGINT or SIGHUP arrives."""
-    await stop_event().wait()
