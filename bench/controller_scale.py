@@ -79,6 +79,8 @@ from motor.v1 import controller_pb2 as C  # noqa: E402
 from motor.v1 import controller_pb2_grpc  # noqa: E402
 from motor.v1 import types_pb2 as T  # noqa: E402
 
+from controller.validation import MAX_COUNT  # noqa: E402
+
 ENGINES_PER_NODE = 8
 # What a sustained step is held to. "full": issue 15's goal; "latency": the heartbeats alone, the
 # measure of issue 11's goal (the largest fleet sustained at heartbeat p99 < 50 ms with mutual TLS
@@ -92,10 +94,13 @@ FLEET = os.path.join(HERE, "fleet", "bin", "motor-fleet")
 
 
 def deployment(instances: int) -> C.Deployment:
+    """One 8-rank instance per node, in groups of at most MAX_COUNT instances (a group's limit)."""
     d = C.Deployment(name="scale", model="sim-tiny")
     d.engine_config.update({"motor_engine_union_config": {"engine_type": "sim"}})
-    d.instance_groups.add(name="u", role=T.ROLE_UNION, count=instances, data_parallel_size=ENGINES_PER_NODE,
-                          accelerators_per_engine=1)
+    for group, first in enumerate(range(0, instances, MAX_COUNT)):
+        d.instance_groups.add(name=f"u{group}" if group else "u", role=T.ROLE_UNION,
+                              count=min(MAX_COUNT, instances - first), data_parallel_size=ENGINES_PER_NODE,
+                              accelerators_per_engine=1)
     d.restart_policy.scope = C.RESTART_SCOPE_RANK  # a failed rank restarts alone
     return d
 
@@ -266,6 +271,8 @@ class Cluster:
             str(args.node_grace), "--recheck-timeout", "1", "--max-heartbeats-per-second", str(args.max_heartbeats_per_second), "--metrics-port", str(self.metrics_port), "--log-level", "WARNING",
             # Plaintext callers are counted per host: every simulated node's stream comes from 127.0.0.1.
             "--max-streams-per-caller", str(2 * max(args.steps) + 100),
+            # Past 12,500 nodes the fleet's engines exceed the default limit (100,000 a deployment).
+            "--max-engines-per-deployment", str(max(100_000, ENGINES_PER_NODE * max(args.steps))),
         ]
         if pki:
             command += ["--tls-cert", os.path.join(pki, "controller.crt"), "--tls-key", os.path.join(pki, "controller.key"),
