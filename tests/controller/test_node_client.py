@@ -39,15 +39,21 @@ class ScriptedNodeManager(node_manager_pb2_grpc.NodeManagerServiceServicer):
         return node_manager_pb2.StopEngineResponse()
 
 
-@pytest.fixture
-async def node_manager():
+async def serve(scripted: ScriptedNodeManager, node_id: str) -> tuple[grpc.aio.Server, controller_pb2.NodeInfo]:
+    """`scripted` served on a port of its own: (the server, the node it is)."""
     server = grpc.aio.server()
-    scripted = ScriptedNodeManager()
     node_manager_pb2_grpc.add_NodeManagerServiceServicer_to_server(scripted, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    return server, controller_pb2.NodeInfo(node_id=node_id, address=f"127.0.0.1:{port}")
+
+
+@pytest.fixture
+async def node_manager():
+    scripted = ScriptedNodeManager()
+    server, node = await serve(scripted, "node-a")
     client = GrpcNodeClient(attempts=3, epoch=lambda: 7)
-    yield scripted, client, controller_pb2.NodeInfo(node_id="node-a", address=f"127.0.0.1:{port}")
+    yield scripted, client, node
     await client.close()
     await server.stop(None)
 
@@ -144,14 +150,7 @@ async def test_a_node_manager_that_does_not_answer_holds_only_its_own_share_of_t
     monkeypatch.setattr(node_client, "NODE_IN_FLIGHT", 2)
     frozen, answering = ScriptedNodeManager(), ScriptedNodeManager()
     frozen.hang = 30.0
-    servers, nodes = [], []
-    for name, scripted in (("node-f", frozen), ("node-a", answering)):
-        server = grpc.aio.server()
-        node_manager_pb2_grpc.add_NodeManagerServiceServicer_to_server(scripted, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        servers.append(server)
-        nodes.append(controller_pb2.NodeInfo(node_id=name, address=f"127.0.0.1:{port}"))
+    servers, nodes = zip(*[await serve(frozen, "node-f"), await serve(answering, "node-a")])
     client = GrpcNodeClient(max_in_flight=3)
     hanging = [asyncio.create_task(client.start_engine(nodes[0], types_pb2.EngineSpec(instance_id=f"f-{i}"))) for i in range(4)]
     try:
