@@ -79,7 +79,7 @@ from motor.v1 import controller_pb2 as C  # noqa: E402
 from motor.v1 import controller_pb2_grpc  # noqa: E402
 from motor.v1 import types_pb2 as T  # noqa: E402
 
-from controller.validation import MAX_COUNT  # noqa: E402
+from controller.validation import MAX_COUNT, MAX_ENGINES_PER_DEPLOYMENT  # noqa: E402
 
 ENGINES_PER_NODE = 8
 # What a sustained step is held to. "full": issue 15's goal; "latency": the heartbeats alone, the
@@ -272,7 +272,7 @@ class Cluster:
             # Plaintext callers are counted per host: every simulated node's stream comes from 127.0.0.1.
             "--max-streams-per-caller", str(2 * max(args.steps) + 100),
             # Past 12,500 nodes the fleet's engines exceed the default limit (100,000 a deployment).
-            "--max-engines-per-deployment", str(max(100_000, ENGINES_PER_NODE * max(args.steps))),
+            "--max-engines-per-deployment", str(max(MAX_ENGINES_PER_DEPLOYMENT, ENGINES_PER_NODE * max(args.steps))),
         ]
         if pki:
             command += ["--tls-cert", os.path.join(pki, "controller.crt"), "--tls-key", os.path.join(pki, "controller.key"),
