@@ -1,9 +1,9 @@
 """What one client connection costs a bare gRPC Python server (grpc.aio) in memory, plaintext
 against mutual TLS, side by side: the floor under the controller's RSS in bench/controller_scale.py.
 
-The server has no Motor code: one bidirectional-streaming method, served as
-ControllerService/StreamHeartbeats is (an async generator answering each message), and nothing
-else. A client process (also grpc.aio) opens --connections connections with one stream each, as
+The server has no Motor code but its TLS credentials (motor/grpc_server.py, the controller's): one
+bidirectional-streaming method, served as ControllerService/StreamHeartbeats is (an async
+generator answering each message), and nothing else. A client process (also grpc.aio) opens --connections connections with one stream each, as
 node managers do, and sends a heartbeat-sized message on each every --every seconds. Once every
 stream has had its first answer and --settle seconds have passed, the server's RSS is read; its
 growth over the idle server, per connection, is what gRPC itself (its C-core: the HTTP/2 transport,
@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grpc  # noqa: E402
 
+from motor.grpc_server import TlsFiles, channel_credentials, server_credentials  # noqa: E402
 from motor.pki import CertificateAuthority  # noqa: E402
 from motor.ports import free_port  # noqa: E402
 from motor.v1 import controller_pb2 as C  # noqa: E402
@@ -44,9 +45,9 @@ METHOD = "/motor.v1.ControllerService/StreamHeartbeats"
 FLEET = 10_000  # the size the per-connection cost is scaled to (issue 15's goal)
 
 
-def read(directory: str, name: str) -> bytes:
-    with open(os.path.join(directory, name), "rb") as f:
-        return f.read()
+def tls_files(pki: str, name: str, server: bool = False) -> TlsFiles:
+    return TlsFiles(cert=os.path.join(pki, f"{name}.crt"), key=os.path.join(pki, f"{name}.key"),
+                    ca=os.path.join(pki, "ca.crt"), require_client_cert=server)
 
 
 async def answer(requests, context):
@@ -62,9 +63,7 @@ async def serve(port: int, pki: str, options: list[tuple[str, int]]) -> None:
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("motor.v1.ControllerService",
                                                                           {"StreamHeartbeats": handler})])
     if pki:
-        credentials = grpc.ssl_server_credentials([(read(pki, "server.key"), read(pki, "server.crt"))],
-                                                  read(pki, "ca.crt"), require_client_auth=True)
-        server.add_secure_port(f"127.0.0.1:{port}", credentials)
+        server.add_secure_port(f"127.0.0.1:{port}", server_credentials(tls_files(pki, "server", server=True)))
     else:
         server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
@@ -74,8 +73,7 @@ async def serve(port: int, pki: str, options: list[tuple[str, int]]) -> None:
 
 async def connect(port: int, pki: str, connections: int, every: float) -> None:
     """`connections` channels of one stream each; prints "open" once every stream has been answered."""
-    credentials = (grpc.ssl_channel_credentials(read(pki, "ca.crt"), read(pki, "client.key"), read(pki, "client.crt"))
-                   if pki else None)
+    credentials = channel_credentials(tls_files(pki, "client")) if pki else None
     answered = 0
 
     async def node(n: int) -> None:
