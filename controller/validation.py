@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Collection, Iterator, Sequence
 
-from google.protobuf import json_format
+from google.protobuf import json_format, struct_pb2
 
 from motor import names, restart_policy
 from motor.engine_policy import check_engine_config
@@ -98,7 +98,7 @@ def validate_deployment(
         problems.append("model: required (the model name or path the engines serve)")
     if not d.instance_groups:
         problems.append("instance_groups: at least one group is required")
-    engine_config = json_format.MessageToDict(d.engine_config) if d.HasField("engine_config") else {}
+    engine_config = struct_dict(d.engine_config) if d.HasField("engine_config") else {}
     try:  # programs and code never come from a deployment (each node manager also checks paths)
         check_engine_config(engine_config, None, "engine_config")
     except InvalidArgument as exc:
@@ -187,6 +187,21 @@ class InstanceSpec:
     paired_instance_id: str
     # Changes when anything its engines are launched with changes (restart needed).
     spec_hash: str
+
+
+def struct_dict(struct: struct_pb2.Struct) -> dict:
+    """A Struct as plain Python values. Unlike json_format.MessageToDict, which raises ValueError
+    on NaN and infinities (an UNKNOWN error), keeps them for check_engine_config to name the key."""
+    return {key: _plain_value(value) for key, value in struct.fields.items()}
+
+
+def _plain_value(value: struct_pb2.Value) -> Any:
+    kind = value.WhichOneof("kind")
+    if kind == "struct_value":
+        return struct_dict(value.struct_value)
+    if kind == "list_value":
+        return [_plain_value(item) for item in value.list_value.values]
+    return None if kind in (None, "null_value") else getattr(value, kind)
 
 
 def expand(deployment: controller_pb2.Deployment) -> dict[str, InstanceSpec]:

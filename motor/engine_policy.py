@@ -25,6 +25,7 @@ dotted key (`speculative-config.model`) is each of its parts. The rules (docs/se
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from typing import Any, Iterator
@@ -152,10 +153,14 @@ def config_depth_error(field: str) -> InvalidArgument:
     return InvalidArgument(f"{field}: nested deeper than {MAX_CONFIG_DEPTH} levels")
 
 
+def _not_json(constant: str) -> float:
+    raise ValueError(f"{constant} is not JSON (JSON numbers are finite)")
+
+
 def parse_config_json(text: str, field: str) -> dict:
     """A request's JSON configuration as a dict; InvalidArgument naming `field` otherwise."""
     try:
-        parsed = json.loads(text)
+        parsed = json.loads(text, parse_constant=_not_json)
     except RecursionError:
         raise config_depth_error(field) from None
     except ValueError as exc:
@@ -243,6 +248,9 @@ def check_engine_config(config: dict, model_roots: list[str] | None, field: str 
         for path, key, value in walk(config, field):
             if key is not None:
                 _check_key(path, key, value)
+            if isinstance(value, float) and not math.isfinite(value):
+                # A protobuf Struct and embedded JSON strings carry them; engines' range checks miss NaN.
+                raise InvalidArgument(f"{path}: {value!r} is not a finite number; give a number")
             if check_paths and isinstance(value, str):
                 for local in local_paths(value):
                     if not within(local, model_roots or []):

@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import pytest
+from google.protobuf import json_format
+from google.protobuf.struct_pb2 import Struct
 
 from motor.errors import InvalidArgument
 from motor.v1 import controller_pb2 as C
@@ -17,7 +19,7 @@ from controller.instances import (
 )
 from controller.placement import NodeCapacity, Unplaceable, place_instance
 from controller.store import SqliteStore, StoredNode
-from controller.validation import expand, validate_deployment
+from controller.validation import expand, struct_dict, validate_deployment
 from tests.controller.conftest import example_deployment, small_deployment
 
 
@@ -126,6 +128,20 @@ def test_missing_engine_config_section_is_named():
     del deployment.engine_config.fields["motor_engine_decode_config"]
     with pytest.raises(InvalidArgument, match=r"engine_config.motor_engine_decode_config: required by instance_groups\[1\]"):
         validate_deployment(deployment)
+
+
+def test_engine_config_numbers_that_are_not_finite_are_named_not_an_internal_error():
+    """json_format.MessageToDict raises ValueError on NaN in a Struct; the check names the key."""
+    deployment = example_deployment()
+    section = deployment.engine_config.fields["motor_engine_decode_config"].struct_value
+    section.fields["engine_args"].struct_value.fields["ratio"].list_value.values.add().number_value = float("inf")
+    with pytest.raises(InvalidArgument, match=r"engine_config.motor_engine_decode_config.engine_args.ratio\[0\]: inf is not a finite"):
+        validate_deployment(deployment)
+    config = Struct()
+    config.update({"s": {"n": 1, "t": "x", "b": False, "z": None, "l": [2.5, {"y": True}]}})
+    config.fields["unset"].SetInParent()  # a Value with no kind: None, as MessageToDict has it
+    assert struct_dict(config) == json_format.MessageToDict(config) == {
+        "s": {"n": 1.0, "t": "x", "b": False, "z": None, "l": [2.5, {"y": True}]}, "unset": None}
 
 
 def test_union_group_falls_back_to_the_prefill_section_like_the_engine_server():

@@ -240,3 +240,21 @@ def test_config_json_must_be_a_json_object(text, says):
     with pytest.raises(InvalidArgument) as refused:
         parse_config_json(text, "spec.config_json")
     assert str(refused.value).startswith(says)
+
+
+@pytest.mark.parametrize("where", ["value", "in a JSON string", "in a list"])
+@pytest.mark.parametrize("number", [float("nan"), float("inf"), float("-inf")])
+def test_numbers_that_are_not_finite_are_refused_naming_the_key(number, where):
+    """JSON has no NaN or Infinity, yet Python's parser and a protobuf Struct carry them: vLLM
+    would get gpu_memory_utilization=NaN, which its own range check lets through."""
+    value = {"value": number, "in a JSON string": json.dumps({"x": number}), "in a list": [1, number]}[where]
+    key = {"value": "engine_args.gpu_memory_utilization", "in a JSON string": "engine_args.gpu_memory_utilization.x",
+           "in a list": "engine_args.gpu_memory_utilization[1]"}[where]
+    with pytest.raises(InvalidArgument) as refused:
+        check_engine_config(_vllm(gpu_memory_utilization=value), None, field="engine_config")
+    assert str(refused.value).startswith(f"engine_config.motor_engine_union_config.{key}: ") and "not a finite number" in str(refused.value)
+
+
+def test_config_json_with_nan_is_refused_naming_the_field():
+    with pytest.raises(InvalidArgument, match=r"^spec.config_json is not a JSON object: NaN is not JSON"):
+        parse_config_json('{"a": NaN}', "spec.config_json")

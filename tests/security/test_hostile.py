@@ -148,6 +148,24 @@ def test_1b_code_keys_in_any_spelling_and_paths_in_json_strings_are_refused(clus
              grpc.StatusCode.INVALID_ARGUMENT, f"engine_config.motor_engine_union_config.engine_args.{key}:")
 
 
+def test_1c_numbers_that_are_not_finite_are_refused(cluster, unchanged):
+    """A protobuf Struct and Python's JSON carry NaN; vLLM's range check on
+    gpu_memory_utilization lets NaN through."""
+    engine_config = {"motor_engine_union_config": {"engine_type": "vllm",
+                                                   "engine_args": {"model": "m", "gpu_memory_utilization": float("nan")}}}
+    node_a = f"127.0.0.1:{cluster.node_ports['node-a']}"
+    as_controller = node_manager_pb2_grpc.NodeManagerServiceStub(_channel(cluster, node_a, "controller"))
+    spec = types_pb2.EngineSpec(instance_id="evil-0", role=types_pb2.ROLE_UNION, config_json=json.dumps(engine_config))
+    _refused(lambda: as_controller.StartEngine(node_manager_pb2.StartEngineRequest(spec=spec), timeout=10),
+             grpc.StatusCode.INVALID_ARGUMENT, "spec.config_json is not a JSON object: NaN is not JSON")
+    deployment = _controller(cluster).GetDeployment(controller_pb2.GetDeploymentRequest(), timeout=5).deployment
+    deployment.engine_config.Clear()
+    deployment.engine_config.update(engine_config)
+    _refused(lambda: _controller(cluster, "operator").ApplyDeployment(controller_pb2.ApplyDeploymentRequest(deployment=deployment), timeout=10),
+             grpc.StatusCode.INVALID_ARGUMENT,
+             "engine_config.motor_engine_union_config.engine_args.gpu_memory_utilization: nan is not a finite number")
+
+
 def test_2_a_made_up_node_cannot_register(cluster, unchanged):
     fake = controller_pb2.RegisterNodeRequest(node=controller_pb2.NodeInfo(
         node_id="node-x", address="127.0.0.1:1", host="6.6.6.6", accelerator_ids=[0, 1], accelerator_type="sim"))
