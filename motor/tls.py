@@ -166,8 +166,8 @@ class TlsFileWatch:
         for path in self.paths:
             try:
                 stat = os.stat(path)
-            except OSError:  # a missing file is a state too: _read names it, once until it changes
-                stamps.append((-1, -1, -1))
+            except OSError as exc:  # missing, a symlink loop: a state by its reason; _read names it, once a change
+                stamps.append((-1, -1, -(exc.errno or 1)))
                 continue
             stamps.append((stat.st_mtime_ns, stat.st_size, stat.st_ino))
         return tuple(stamps)

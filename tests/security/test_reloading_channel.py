@@ -259,3 +259,17 @@ def test_a_fifo_or_a_device_as_a_tls_file_is_refused_without_reading_it(client_f
         assert watch.changed() is None and watch.changed() is None
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert watch.pems is before and len(errors) == 1 and "is not a regular file" in errors[0], errors
+
+
+def test_a_missing_file_that_turns_into_a_symlink_loop_is_said_again_with_the_new_reason(client_files, caplog):
+    """Both cannot be stat'ed; the operator who fixed 'no such file' with a bad link must hear
+    why it still is not used, not silence."""
+    watch = TlsFileWatch(client_files.cert, client_files.key, client_files.ca)
+    os.remove(client_files.key)
+    with caplog.at_level(logging.ERROR):
+        assert watch.changed() is None
+        os.symlink(client_files.key, client_files.key + ".tmp")
+        os.replace(client_files.key + ".tmp", client_files.key)  # a link to itself
+        assert watch.changed() is None and watch.changed() is None
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 2 and "No such file" in errors[0] and "Too many levels of symbolic links" in errors[1], errors
