@@ -427,6 +427,9 @@ class Controller(views.ClusterReads):
             slot.busy = False
             if st.slots.get(slot.engine_id) is not slot or slot.generation != spec.generation:
                 return
+            if slot.node_id != node.node_id:  # its node was lost meanwhile (the call abandoned): placed again now
+                self.wake()
+                return
             if exc.waits:
                 # An unreachable node (its liveness is the node monitor's call), or accelerators
                 # still held by an old copy stopping there: try again after a backoff (one

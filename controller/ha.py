@@ -78,6 +78,12 @@ class LeaderOnlyNodeClient(NodeClient):
     async def list_engines(self, node: C.NodeInfo, timeout: float) -> list[types_pb2.Engine]:
         return await self.inner.list_engines(node, timeout)
 
+    async def forget(self, address: str) -> None:
+        await self.inner.forget(address)
+
+    def abandon(self, address: str, why: str) -> None:
+        self.inner.abandon(address, why)
+
     async def close(self) -> None:
         await self.inner.close()
 

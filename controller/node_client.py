@@ -69,6 +69,10 @@ class NodeClient(abc.ABC):
         """No node is reached at `address` any more (its node registered from another one): let go
         of what is kept for it."""
 
+    def abandon(self, address: str, why: str) -> None:
+        """Its node was declared lost: the calls running to `address` end at once with
+        NodeCallError CANCELLED (`why`), one to wait out, instead of running out their timeouts."""
+
     async def close(self) -> None:
         pass
 
@@ -105,6 +109,8 @@ class GrpcNodeClient(NodeClient):
         self.max_in_flight = max_in_flight
         self._limit: asyncio.Semaphore | None = None
         self._node_limits: dict[str, asyncio.Semaphore] = {}  # node manager address -> its NODE_IN_FLIGHT slots
+        # Node manager address -> its calls running now -> why abandon() ended it ("": it did not).
+        self._in_flight: dict[str, dict[grpc.aio.Call, str]] = {}
 
     @property
     def limit(self) -> asyncio.Semaphore:
@@ -132,6 +138,28 @@ class GrpcNodeClient(NodeClient):
         if channel is not None:
             await channel.close()
 
+    def abandon(self, address: str, why: str) -> None:
+        calls = self._in_flight.get(address, {})
+        for call in list(calls):
+            calls[call] = why
+            call.cancel()
+
+    async def _run(self, address: str, call: grpc.aio.Call):
+        """`await call`, kept among the address's calls in flight for abandon()."""
+        calls = self._in_flight.setdefault(address, {})
+        calls[call] = ""
+        try:
+            return await call
+        except asyncio.CancelledError:
+            why = calls.get(call)
+            if why:  # ended by abandon(), not by a cancellation of the task awaiting it
+                raise NodeCallError(grpc.StatusCode.CANCELLED.name, why) from None
+            raise
+        finally:
+            calls.pop(call, None)
+            if not calls:
+                self._in_flight.pop(address, None)
+
     def _retried(self, call):
         """`call()` with up to `attempts` tries, 0.1 s, 0.2 s, ... (at most 2 s) apart, for transport trouble only."""
         return with_retries(call, self.attempts, _is_retryable, base=0.1, cap=2.0)
@@ -139,7 +167,7 @@ class GrpcNodeClient(NodeClient):
     async def start_engine(self, node, spec):
         def call():  # each try carries the epoch of its moment
             request = node_manager_pb2.StartEngineRequest(spec=spec, controller_epoch=self.epoch(), node_id=node.node_id)
-            return self._stub(node).StartEngine(request, timeout=self.start_timeout)
+            return self._run(node.address, self._stub(node).StartEngine(request, timeout=self.start_timeout))
 
         try:
             async with self.node_limit(node), self.limit:  # around the retries: see stop_engine
@@ -157,7 +185,7 @@ class GrpcNodeClient(NodeClient):
             # deleted) would otherwise each hold their state for seconds. A backoff between
             # tries keeps the slot.
             async with self.node_limit(node), self.limit:
-                await self._retried(lambda: self._stub(node).StopEngine(request, timeout=deadline + STOP_SLACK))
+                await self._retried(lambda: self._run(node.address, self._stub(node).StopEngine(request, timeout=deadline + STOP_SLACK)))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return  # never known there: nothing to stop
@@ -165,7 +193,8 @@ class GrpcNodeClient(NodeClient):
 
     async def list_engines(self, node, timeout):
         try:
-            reply = await self._stub(node).ListEngines(node_manager_pb2.ListEnginesRequest(node_id=node.node_id), timeout=timeout)
+            reply = await self._run(node.address, self._stub(node).ListEngines(
+                node_manager_pb2.ListEnginesRequest(node_id=node.node_id), timeout=timeout))
         except grpc.aio.AioRpcError as exc:
             raise NodeCallError(exc.code().name, exc.details() or "") from None
         return reply

@@ -3,6 +3,7 @@ engines it was asked to run, and can be told that a node is unreachable."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 from motor.names import engine_id
@@ -18,6 +19,8 @@ class FakeNodeClient(NodeClient):
         self.unreachable: set[str] = set()
         self.start_errors: dict[str, NodeCallError] = {}  # engine id -> error for the next start
         self.processes: dict[str, types_pb2.NodeManagerProcess] = {}  # node id -> the process answering there
+        self.frozen: set[str] = set()  # node ids whose StartEngine calls hang until abandon() (a SIGSTOPped node manager)
+        self._hanging: dict[str, list[asyncio.Future]] = {}  # address -> the calls hanging there
         self._ports = itertools.count(30000)
         self._pids = itertools.count(1000)
 
@@ -34,6 +37,10 @@ class FakeNodeClient(NodeClient):
     async def start_engine(self, node, spec):
         self.calls.append(("start", node.node_id, spec))
         self._check(node)
+        if node.node_id in self.frozen:
+            hang = asyncio.get_running_loop().create_future()
+            self._hanging.setdefault(node.address, []).append(hang)
+            await hang  # raises what abandon() sets
         eid = engine_id(spec.instance_id, spec.dp_rank)
         if eid in self.start_errors:
             raise self.start_errors.pop(eid)
@@ -55,6 +62,11 @@ class FakeNodeClient(NodeClient):
 
     async def forget(self, address):
         self.calls.append(("forget", address))
+
+    def abandon(self, address, why):
+        self.calls.append(("abandon", address))
+        for hang in self._hanging.pop(address, []):
+            hang.set_exception(NodeCallError("CANCELLED", why))
 
     async def list_engines(self, node, timeout):
         self.calls.append(("list", node.node_id))

@@ -216,6 +216,36 @@ async def test_lost_node_engines_move_and_come_back_fenced(harness):
         beater.cancel()
 
 
+async def test_a_start_hanging_on_a_node_declared_lost_is_abandoned_and_its_rank_placed_again(harness):
+    """A StartEngine in flight to a frozen node manager held its rank (busy) until the call ran
+    out its timeout (15 s) after the node was declared LOST: the move waited for it."""
+    await running_example(harness, nodes=("node-a", "node-b", "node-c"))
+    client, ctl = harness.client, harness.controller
+    victim = next(n for n, e in client.engines.items() if "decode-0/rank0" in e)
+    others = [n for n in ("node-a", "node-b", "node-c") if n != victim]
+    client.frozen.add(victim)
+    client.engines[victim]["decode-0/rank0"].state = T.ENGINE_STATE_FAILED
+    harness.beat(*others, victim)  # the failure: a restart on the same node, which hangs there
+    await async_wait_for(lambda: len(client.starts("decode-0/rank0")) == 2, timeout=5, what="the restart's StartEngine")
+    assert ctl.slots["decode-0/rank0"].busy
+    client.unreachable.add(victim)  # its re-check fails too
+
+    async def beat_others():
+        while True:
+            harness.beat(*others)
+            await asyncio.sleep(0.1)
+
+    beater = asyncio.create_task(beat_others())
+    try:
+        await async_wait_for(lambda: ctl.nodes[victim].state == C.NODE_STATE_LOST, timeout=5, what="node lost")
+        assert ("abandon", ctl.nodes[victim].info.address) in client.calls
+        await async_wait_for(lambda: len(client.starts("decode-0/rank0")) == 3, timeout=5, what="a start elsewhere")
+        calls = [c for c in client.calls if c[0] == "start" and c[2].instance_id == "decode-0"]
+        assert calls[-1][1] in others and calls[-1][2].generation > calls[-2][2].generation
+    finally:
+        beater.cancel()
+
+
 async def test_many_silent_nodes_raise_an_alarm_and_nothing_moves(harness):
     await running_example(harness, nodes=("node-a", "node-b", "node-c"))
     client, ctl = harness.client, harness.controller

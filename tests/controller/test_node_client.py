@@ -164,3 +164,35 @@ async def test_a_node_manager_that_does_not_answer_holds_only_its_own_share_of_t
         await client.close()
         for server in servers:
             await server.stop(None)
+
+
+async def test_calls_to_a_node_declared_lost_end_at_once_and_later_calls_go_through(node_manager):
+    """A StartEngine in flight to a frozen node manager held its rank for the call's whole timeout
+    (15 s) after the node was declared LOST: abandon() ends the calls there at once, as ones to
+    wait out (CANCELLED), not engine failures, and not retried."""
+    scripted, client, node = node_manager
+    scripted.hang = 30.0
+    calls = [asyncio.create_task(client.start_engine(node, types_pb2.EngineSpec(instance_id="a-0"))),
+             asyncio.create_task(client.stop_engine(node, "a-1/rank0", 1, 5.0))]
+    await async_wait_for(lambda: len(scripted.starts) == 1 and len(scripted.stops) == 1, timeout=5, what="both calls in flight")
+    client.abandon(node.address, "abandoned: lost node node-a")
+    for call in calls:
+        with pytest.raises(NodeCallError) as cut:
+            await asyncio.wait_for(call, 2)
+        assert cut.value.code == "CANCELLED" and cut.value.waits and str(cut.value) == "CANCELLED: abandoned: lost node node-a"
+    assert len(scripted.starts) == 1 and len(scripted.stops) == 1 and not client._in_flight
+    scripted.hang = 0.0
+    engine = await asyncio.wait_for(client.start_engine(node, types_pb2.EngineSpec(instance_id="a-0")), 5)
+    assert engine.engine_id == "a-0/rank0"
+    client.abandon("127.0.0.1:1", "nothing runs there")  # no call there: nothing to do
+
+
+async def test_a_call_whose_task_is_cancelled_is_cancelled_not_abandoned(node_manager):
+    scripted, client, node = node_manager
+    scripted.hang = 30.0
+    call = asyncio.create_task(client.start_engine(node, types_pb2.EngineSpec(instance_id="a-0")))
+    await async_wait_for(lambda: len(scripted.starts) == 1, timeout=5, what="the call in flight")
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert not client._in_flight
