@@ -111,6 +111,9 @@ class GrpcNodeClient(NodeClient):
         self._node_limits: dict[str, asyncio.Semaphore] = {}  # node manager address -> its NODE_IN_FLIGHT slots
         # Node manager address -> its calls running now -> why abandon() ended it ("": it did not).
         self._in_flight: dict[str, dict[grpc.aio.Call, str]] = {}
+        # Node manager address -> (times abandoned, the last reason): a call asked for before an
+        # abandon() and still waiting for its slot or its next try is not made.
+        self._abandoned: dict[str, tuple[int, str]] = {}
 
     @property
     def limit(self) -> asyncio.Semaphore:
@@ -139,13 +142,22 @@ class GrpcNodeClient(NodeClient):
             await channel.close()
 
     def abandon(self, address: str, why: str) -> None:
+        self._abandoned[address] = (self._abandons(address) + 1, why)
         calls = self._in_flight.get(address, {})
         for call in list(calls):
             calls[call] = why
             call.cancel()
 
-    async def _run(self, address: str, call: grpc.aio.Call):
-        """`await call`, kept among the address's calls in flight for abandon()."""
+    def _abandons(self, address: str) -> int:
+        return self._abandoned.get(address, (0, ""))[0]
+
+    async def _run(self, address: str, since: int, make_call: Callable[[], grpc.aio.Call]):
+        """`await make_call()`, kept among the address's calls in flight for abandon(); not made
+        when the address was abandoned after the caller asked (`since`: _abandons then)."""
+        count, why = self._abandoned.get(address, (0, ""))
+        if count != since:
+            raise NodeCallError(grpc.StatusCode.CANCELLED.name, why)
+        call = make_call()
         calls = self._in_flight.setdefault(address, {})
         calls[call] = ""
         try:
@@ -165,9 +177,11 @@ class GrpcNodeClient(NodeClient):
         return with_retries(call, self.attempts, _is_retryable, base=0.1, cap=2.0)
 
     async def start_engine(self, node, spec):
+        since = self._abandons(node.address)
+
         def call():  # each try carries the epoch of its moment
             request = node_manager_pb2.StartEngineRequest(spec=spec, controller_epoch=self.epoch(), node_id=node.node_id)
-            return self._run(node.address, self._stub(node).StartEngine(request, timeout=self.start_timeout))
+            return self._run(node.address, since, lambda: self._stub(node).StartEngine(request, timeout=self.start_timeout))
 
         try:
             async with self.node_limit(node), self.limit:  # around the retries: see stop_engine
@@ -180,12 +194,14 @@ class GrpcNodeClient(NodeClient):
         request = node_manager_pb2.StopEngineRequest(engine_id=engine_id, generation=generation, controller_epoch=self.epoch(),
                                                     node_id=node.node_id)
         request.deadline.CopyFrom(pbtime.duration(deadline))
+        since = self._abandons(node.address)
         try:
             # The slot is taken before the retries begin: 40,000 calls queued here (a deployment
             # deleted) would otherwise each hold their state for seconds. A backoff between
             # tries keeps the slot.
             async with self.node_limit(node), self.limit:
-                await self._retried(lambda: self._run(node.address, self._stub(node).StopEngine(request, timeout=deadline + STOP_SLACK)))
+                await self._retried(lambda: self._run(node.address, since, lambda: self._stub(node).StopEngine(
+                    request, timeout=deadline + STOP_SLACK)))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return  # never known there: nothing to stop
@@ -193,7 +209,7 @@ class GrpcNodeClient(NodeClient):
 
     async def list_engines(self, node, timeout):
         try:
-            reply = await self._run(node.address, self._stub(node).ListEngines(
+            reply = await self._run(node.address, self._abandons(node.address), lambda: self._stub(node).ListEngines(
                 node_manager_pb2.ListEnginesRequest(node_id=node.node_id), timeout=timeout))
         except grpc.aio.AioRpcError as exc:
             raise NodeCallError(exc.code().name, exc.details() or "") from None

@@ -196,3 +196,18 @@ async def test_a_call_whose_task_is_cancelled_is_cancelled_not_abandoned(node_ma
     with pytest.raises(asyncio.CancelledError):
         await call
     assert not client._in_flight
+
+
+async def test_calls_waiting_for_a_slot_on_a_node_declared_lost_are_not_made(node_manager, monkeypatch):
+    """Calls queued behind a frozen node's slots (NODE_IN_FLIGHT) got a slot as the abandoned
+    ones ended, and each then hung on the lost node for its whole timeout."""
+    monkeypatch.setattr(node_client, "NODE_IN_FLIGHT", 1)
+    scripted, client, node = node_manager
+    scripted.hang = 30.0
+    calls = [asyncio.create_task(client.start_engine(node, types_pb2.EngineSpec(instance_id=f"a-{i}"))) for i in range(3)]
+    await async_wait_for(lambda: len(scripted.starts) == 1, timeout=5, what="one call in flight, two waiting")
+    client.abandon(node.address, "abandoned: lost node node-a")
+    for call in calls:
+        with pytest.raises(NodeCallError, match="^CANCELLED: abandoned: lost node node-a$"):
+            await asyncio.wait_for(call, 2)
+    assert len(scripted.starts) == 1
