@@ -19,8 +19,10 @@ up; per step the script prints:
     and the fleet's CPU;
   - the controller's event-loop lag p99 (its motor_event_loop_lag_seconds histogram over the
     window) and, of it, the part not spent waiting for a CPU (motor_event_loop_blocked_seconds:
-    what the controller itself held the loop for; the rest is the machine's load), and how long
-    one /metrics scrape took: one is made in the middle of every window, as a Prometheus would;
+    what the controller itself held the loop for; the rest is the machine's load), the share of
+    the window its loop thread ran and the share it waited, runnable, for a CPU (Linux schedstat:
+    the machine's load, measured), and how long one /metrics scrape took: one is made in the
+    middle of every window, as a Prometheus would;
   - whether the step was sustained: heartbeat p99 under --p99-ms, at least 95% of the expected
     heartbeats answered, none failed, controller CPU at most one core, RSS at most 1 GiB, failure
     reports p99 under 10 ms is printed but not required (it shares the loaded machine); and, for a
@@ -39,6 +41,10 @@ apart from its memory, ~50 KiB per connection). A ladder's steps
 are coarse where the two modes part; --search LO,HI bisects instead, for each mode, the largest
 size sustained in [LO, HI) until the bounds are within --precision (10%) of each other, the modes
 taking turns at each round, holding each step to --rule (full, or latency: the heartbeats alone).
+
+The fleet stands in for other hosts but shares this machine's CPUs (with mutual TLS it also does
+every node's client side of TLS); --fleet-nice 10 runs it at a lower priority, so that it takes
+the CPU the controller leaves.
 
 After each step, --victims nodes stop (heartbeats and node manager) and the script times until
 the controller declares each LOST, against the announced grace + 2 announced intervals +
@@ -139,6 +145,8 @@ class Fleet:
                    "-reports-per-s", str(args.reports_per_s), "-conns", str(args.conns)]
         if pki_dir:
             command += ["-tls-ca", os.path.join(pki_dir, "ca.crt"), "-tls-ca-key", os.path.join(pki_dir, "ca.key")]
+        if args.fleet_nice:
+            command = ["nice", "-n", str(args.fleet_nice)] + command  # nice execs the fleet: same pid
         self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         self.ps = psutil.Process(self.proc.pid)
 
@@ -198,6 +206,17 @@ class TimedScrape(threading.Thread):
         self.seconds = time.monotonic() - began
 
 
+def loop_thread_schedstat(pid: int) -> tuple[float, float]:
+    """Seconds the process's main thread (the controller's event loop) has run and has waited,
+    runnable, for a CPU (Linux schedstat; NaN elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/schedstat") as stat:
+            ran, waited = stat.read().split()[:2]
+    except OSError:
+        return float("nan"), float("nan")
+    return int(ran) / 1e9, int(waited) / 1e9
+
+
 def step(size: int, stub, fleet: Fleet, proc: psutil.Process, metrics_port: int, args) -> tuple[dict[str, bool], str, float, float, float]:
     """Grow the fleet to `size`, measure a window: (sustained by each rule of RULES, the printed
     line, the answered rate, the announced interval and grace)."""
@@ -217,10 +236,15 @@ def step(size: int, stub, fleet: Fleet, proc: psutil.Process, metrics_port: int,
     time.sleep(1)
     proc.cpu_percent(None)
     fleet.ps.cpu_percent(None)
+    ran_before, waited_before = loop_thread_schedstat(proc.pid)
+    window_began = time.monotonic()
     mid = TimedScrape(metrics_port, window / 2)
     mid.start()
     seen = fleet.ask(f"measure {window}")
     cpu, fleet_cpu = proc.cpu_percent(None), fleet.ps.cpu_percent(None)
+    ran_after, waited_after = loop_thread_schedstat(proc.pid)
+    measured = time.monotonic() - window_began
+    loop_ran, loop_waited = (ran_after - ran_before) / measured, (waited_after - waited_before) / measured
     rss = proc.memory_info().rss / 2**20
     mid.join()
     ingest_p99 = histogram_quantile(ingest_before, scrape(metrics_port, "motor_controller_heartbeat_ingest_seconds"), 0.99)
@@ -240,6 +264,7 @@ def step(size: int, stub, fleet: Fleet, proc: psutil.Process, metrics_port: int,
         f" | failure reports {seen['reports']} p99 {seen['report_p99_ms']:6.2f} ms"
         f" | controller CPU {cpu:5.1f}% ({per_beat_ms:.3f} ms per beat) RSS {rss:6.1f} MiB handling p99 <= {ingest_p99 * 1e3:g} ms loop lag p99 <= {lag_p99 * 1e3:g} ms"
         f" (blocked <= {blocked_p99 * 1e3:g} ms)"
+        f" loop thread ran {loop_ran:.0%} waited for a CPU {loop_waited:.0%}"
         f" (a /metrics scrape in the window: {mid.seconds:.2f}s, {mid.size / 2**20:.1f} MiB)"
         f" | fleet CPU {fleet_cpu:5.1f}% | READY {ready}/{size} | load {os.getloadavg()[0]:.1f}"
         f" | {'sustained' if ok['full'] else 'NOT sustained' + (' (heartbeats alone: sustained)' if heard else '')}"
@@ -410,6 +435,8 @@ def main() -> int:
     parser.add_argument("--transport", choices=["stream", "unary"], default="stream", help="how the fleet heartbeats")
     parser.add_argument("--reports-per-s", type=float, default=2.0, help="engine failures the fleet reports per second")
     parser.add_argument("--victims", type=int, default=3, help="nodes silenced at the end to time their loss (0: none)")
+    parser.add_argument("--fleet-nice", type=int, default=0,
+                        help="run the fleet at this niceness (it stands in for other hosts; 10: it yields the CPU)")
     parser.add_argument("--conns", type=int, default=0,
                         help="plaintext: connections the fleet shares between its nodes (0: one per node, as with TLS)")
     parser.add_argument("--setup-timeout", type=float, default=600.0, help="seconds a step may take to start its engines")
