@@ -113,7 +113,7 @@ class Actuator:
         try:
             engine = await self._start(node, engine_id, spec)
         except NodeCallError as exc:
-            if exc.waits:
+            if exc.waits and not exc.abandoned:  # abandoned: its node is lost, the engine is placed again elsewhere
                 tried, failure = self.start_failures.get(engine_id, ("", None))
                 if failure is None or tried != node.node_id:  # placed elsewhere since: its own spell and event
                     self.events.settle(("start", engine_id))

@@ -424,7 +424,6 @@ class Controller(views.ClusterReads):
         try:
             engine = await self.actuator.start(node.info, slot.engine_id, spec)
         except NodeCallError as exc:
-            slot.busy = False
             if st.slots.get(slot.engine_id) is not slot or slot.generation != spec.generation:
                 return
             if slot.node_id != node.node_id:  # its node was lost meanwhile (the call abandoned): placed again now
@@ -442,7 +441,8 @@ class Controller(views.ClusterReads):
                 return
             self.scheduler.engine_failed(slot, node.node_id, f"could not be started: StartEngine {exc}")
             return
-        slot.busy = False
+        finally:
+            slot.busy = False  # whatever ended the call (a cancelled task too): the slot is never left busy
         if st.slots.get(slot.engine_id) is not slot or slot.generation != spec.generation:
             return
         slot.launched = True

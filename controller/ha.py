@@ -36,7 +36,7 @@ from controller.etcd_client import UNAVAILABLE_ERRORS, EtcdTarget, connect, pars
 from controller.etcd_store import EtcdStore, Fenced
 from controller.events import EventBus
 from controller.leader_watch import LeaderDeathWatch
-from controller.node_client import GrpcNodeClient, NodeCallError, NodeClient
+from controller.node_client import Abandonments, GrpcNodeClient, NodeCallError, NodeClient
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ VIEW_REFRESH = 0.2
 class LeaderOnlyNodeClient(NodeClient):
     def __init__(self, inner: NodeClient, election: LeaderElection, store: EtcdStore, flush_timeout: float):
         self.inner, self.election, self.store, self.flush_timeout = inner, election, store, flush_timeout
+        self.abandonments = Abandonments()  # a node abandoned while a call waits for the flush: not sent
 
     async def _admit(self, what: str) -> None:
         if not self.election.is_leader():
@@ -68,11 +69,15 @@ class LeaderOnlyNodeClient(NodeClient):
             raise NodeCallError("FAILED_PRECONDITION", f"{what} not sent: {self.election.not_leader_message()}")
 
     async def start_engine(self, node: C.NodeInfo, spec: types_pb2.EngineSpec) -> types_pb2.Engine:
+        since = self.abandonments.count(node.node_id)
         await self._admit(f"StartEngine of {spec.instance_id}/rank{spec.dp_rank}")
+        self.abandonments.check(node.node_id, since)
         return await self.inner.start_engine(node, spec)
 
     async def stop_engine(self, node: C.NodeInfo, engine_id: str, generation: int, deadline: float) -> None:
+        since = self.abandonments.count(node.node_id)
         await self._admit(f"StopEngine of {engine_id}")
+        self.abandonments.check(node.node_id, since)
         await self.inner.stop_engine(node, engine_id, generation, deadline)
 
     async def list_engines(self, node: C.NodeInfo, timeout: float) -> list[types_pb2.Engine]:
@@ -81,8 +86,9 @@ class LeaderOnlyNodeClient(NodeClient):
     async def forget(self, address: str) -> None:
         await self.inner.forget(address)
 
-    def abandon(self, address: str, why: str) -> None:
-        self.inner.abandon(address, why)
+    def abandon(self, node_id: str, why: str) -> None:
+        self.abandonments.add(node_id, why)
+        self.inner.abandon(node_id, why)
 
     async def close(self) -> None:
         await self.inner.close()

@@ -31,10 +31,11 @@ IDLE_TIMEOUT = 60.0
 class NodeCallError(Exception):
     """A node-manager call failed; `code` is the gRPC status code name (e.g. 'UNAVAILABLE')."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, abandoned: bool = False):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+        self.abandoned = abandoned  # ended by NodeClient.abandon(): its node was declared lost or set aside
 
     @property
     def unreachable(self) -> bool:
@@ -50,6 +51,28 @@ class NodeCallError(Exception):
         """Worth trying again after a backoff, not an engine failure: the node is unreachable, or
         what the engine needs is still held by another engine there (an old copy stopping)."""
         return self.unreachable or self.refusal is start_refusals.Refusal.HELD
+
+
+class Abandonments:
+    """Per node id: how many times its calls were abandoned, and the last reason. A call notes the
+    count when it is asked for and is not made if the count changed meanwhile (it waited for a
+    slot, a retry, or an etcd flush). Kept per node id, not address: a node set aside because its
+    address answers as another node must not cut that other node's calls."""
+
+    def __init__(self) -> None:
+        self._by_node: dict[str, tuple[int, str]] = {}  # one entry per node id ever abandoned
+
+    def count(self, node_id: str) -> int:
+        return self._by_node.get(node_id, (0, ""))[0]
+
+    def add(self, node_id: str, why: str) -> None:
+        self._by_node[node_id] = (self.count(node_id) + 1, why)
+
+    def check(self, node_id: str, since: int) -> None:
+        """NodeCallError CANCELLED when the node was abandoned after `since` (count() then)."""
+        count, why = self._by_node.get(node_id, (0, ""))
+        if count != since:
+            raise NodeCallError(grpc.StatusCode.CANCELLED.name, why, abandoned=True)
 
 
 class NodeClient(abc.ABC):
@@ -69,9 +92,10 @@ class NodeClient(abc.ABC):
         """No node is reached at `address` any more (its node registered from another one): let go
         of what is kept for it."""
 
-    def abandon(self, address: str, why: str) -> None:
-        """Its node was declared lost: the calls running to `address` end at once with
-        NodeCallError CANCELLED (`why`), one to wait out, instead of running out their timeouts."""
+    def abandon(self, node_id: str, why: str) -> None:
+        """The node was declared lost or set aside: the calls to it running now, or asked for and
+        not made yet, end at once with NodeCallError CANCELLED (`why`, abandoned), instead of
+        running out their timeouts on a frozen node manager."""
 
     async def close(self) -> None:
         pass
@@ -109,11 +133,9 @@ class GrpcNodeClient(NodeClient):
         self.max_in_flight = max_in_flight
         self._limit: asyncio.Semaphore | None = None
         self._node_limits: dict[str, asyncio.Semaphore] = {}  # node manager address -> its NODE_IN_FLIGHT slots
-        # Node manager address -> its calls running now -> why abandon() ended it ("": it did not).
+        # Node id -> its calls running now -> why abandon() ended it ("": it did not).
         self._in_flight: dict[str, dict[grpc.aio.Call, str]] = {}
-        # Node manager address -> (times abandoned, the last reason): a call asked for before an
-        # abandon() and still waiting for its slot or its next try is not made.
-        self._abandoned: dict[str, tuple[int, str]] = {}
+        self.abandonments = Abandonments()
 
     @property
     def limit(self) -> asyncio.Semaphore:
@@ -141,47 +163,48 @@ class GrpcNodeClient(NodeClient):
         if channel is not None:
             await channel.close()
 
-    def abandon(self, address: str, why: str) -> None:
-        self._abandoned[address] = (self._abandons(address) + 1, why)
-        calls = self._in_flight.get(address, {})
+    def abandon(self, node_id: str, why: str) -> None:
+        self.abandonments.add(node_id, why)
+        calls = self._in_flight.get(node_id, {})
         for call in list(calls):
             calls[call] = why
             call.cancel()
 
-    def _abandons(self, address: str) -> int:
-        return self._abandoned.get(address, (0, ""))[0]
-
-    async def _run(self, address: str, since: int, make_call: Callable[[], grpc.aio.Call]):
-        """`await make_call()`, kept among the address's calls in flight for abandon(); not made
-        when the address was abandoned after the caller asked (`since`: _abandons then)."""
-        count, why = self._abandoned.get(address, (0, ""))
-        if count != since:
-            raise NodeCallError(grpc.StatusCode.CANCELLED.name, why)
+    async def _run(self, node: controller_pb2.NodeInfo, since: int, make_call: Callable[[], grpc.aio.Call]):
+        """`await make_call()`, kept among the node's calls in flight for abandon(); not made when
+        the node was abandoned after the caller asked (`since`). A call cancelled under a task
+        that is not itself being cancelled (abandon(), or its channel closed by forget()) is a
+        NodeCallError: the launch awaiting it must not end as if its task were cancelled."""
+        self.abandonments.check(node.node_id, since)
         call = make_call()
-        calls = self._in_flight.setdefault(address, {})
+        calls = self._in_flight.setdefault(node.node_id, {})
         calls[call] = ""
         try:
             return await call
         except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the caller's task is being cancelled (shutdown): so be it
             why = calls.get(call)
-            if why:  # ended by abandon(), not by a cancellation of the task awaiting it
-                raise NodeCallError(grpc.StatusCode.CANCELLED.name, why) from None
-            raise
+            if why:
+                raise NodeCallError(grpc.StatusCode.CANCELLED.name, why, abandoned=True) from None
+            raise NodeCallError(grpc.StatusCode.CANCELLED.name, "the call was cancelled: its channel was closed "
+                                "(the node registered from another address)") from None
         finally:
             calls.pop(call, None)
             if not calls:
-                self._in_flight.pop(address, None)
+                self._in_flight.pop(node.node_id, None)
 
     def _retried(self, call):
         """`call()` with up to `attempts` tries, 0.1 s, 0.2 s, ... (at most 2 s) apart, for transport trouble only."""
         return with_retries(call, self.attempts, _is_retryable, base=0.1, cap=2.0)
 
     async def start_engine(self, node, spec):
-        since = self._abandons(node.address)
+        since = self.abandonments.count(node.node_id)
 
         def call():  # each try carries the epoch of its moment
             request = node_manager_pb2.StartEngineRequest(spec=spec, controller_epoch=self.epoch(), node_id=node.node_id)
-            return self._run(node.address, since, lambda: self._stub(node).StartEngine(request, timeout=self.start_timeout))
+            return self._run(node, since, lambda: self._stub(node).StartEngine(request, timeout=self.start_timeout))
 
         try:
             async with self.node_limit(node), self.limit:  # around the retries: see stop_engine
@@ -194,13 +217,13 @@ class GrpcNodeClient(NodeClient):
         request = node_manager_pb2.StopEngineRequest(engine_id=engine_id, generation=generation, controller_epoch=self.epoch(),
                                                     node_id=node.node_id)
         request.deadline.CopyFrom(pbtime.duration(deadline))
-        since = self._abandons(node.address)
+        since = self.abandonments.count(node.node_id)
         try:
             # The slot is taken before the retries begin: 40,000 calls queued here (a deployment
             # deleted) would otherwise each hold their state for seconds. A backoff between
             # tries keeps the slot.
             async with self.node_limit(node), self.limit:
-                await self._retried(lambda: self._run(node.address, since, lambda: self._stub(node).StopEngine(
+                await self._retried(lambda: self._run(node, since, lambda: self._stub(node).StopEngine(
                     request, timeout=deadline + STOP_SLACK)))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
@@ -209,7 +232,7 @@ class GrpcNodeClient(NodeClient):
 
     async def list_engines(self, node, timeout):
         try:
-            reply = await self._run(node.address, self._abandons(node.address), lambda: self._stub(node).ListEngines(
+            reply = await self._run(node, self.abandonments.count(node.node_id), lambda: self._stub(node).ListEngines(
                 node_manager_pb2.ListEnginesRequest(node_id=node.node_id), timeout=timeout))
         except grpc.aio.AioRpcError as exc:
             raise NodeCallError(exc.code().name, exc.details() or "") from None

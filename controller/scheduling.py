@@ -259,7 +259,7 @@ class Scheduler:
         where = what or f"lost node {node.node_id}"
         st = self.state
         # A StartEngine still waiting on the node would hold its rank here until its timeout (15 s).
-        self.actuator.client.abandon(node.info.address, f"abandoned: {where}")
+        self.actuator.client.abandon(node.node_id, f"abandoned: {where}")
         by_instance: dict[str, list[int]] = {}
         with st.batch():
             for s in st.slots.on_node(node.node_id):

@@ -20,7 +20,7 @@ class FakeNodeClient(NodeClient):
         self.start_errors: dict[str, NodeCallError] = {}  # engine id -> error for the next start
         self.processes: dict[str, types_pb2.NodeManagerProcess] = {}  # node id -> the process answering there
         self.frozen: set[str] = set()  # node ids whose StartEngine calls hang until abandon() (a SIGSTOPped node manager)
-        self._hanging: dict[str, list[asyncio.Future]] = {}  # address -> the calls hanging there
+        self._hanging: dict[str, list[asyncio.Future]] = {}  # node id -> the calls hanging there
         self._ports = itertools.count(30000)
         self._pids = itertools.count(1000)
 
@@ -39,7 +39,7 @@ class FakeNodeClient(NodeClient):
         self._check(node)
         if node.node_id in self.frozen:
             hang = asyncio.get_running_loop().create_future()
-            self._hanging.setdefault(node.address, []).append(hang)
+            self._hanging.setdefault(node.node_id, []).append(hang)
             await hang  # raises what abandon() sets
         eid = engine_id(spec.instance_id, spec.dp_rank)
         if eid in self.start_errors:
@@ -63,10 +63,10 @@ class FakeNodeClient(NodeClient):
     async def forget(self, address):
         self.calls.append(("forget", address))
 
-    def abandon(self, address, why):
-        self.calls.append(("abandon", address))
-        for hang in self._hanging.pop(address, []):
-            hang.set_exception(NodeCallError("CANCELLED", why))
+    def abandon(self, node_id, why):
+        self.calls.append(("abandon", node_id))
+        for hang in self._hanging.pop(node_id, []):
+            hang.set_exception(NodeCallError("CANCELLED", why, abandoned=True))
 
     async def list_engines(self, node, timeout):
         self.calls.append(("list", node.node_id))

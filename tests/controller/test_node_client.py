@@ -175,16 +175,17 @@ async def test_calls_to_a_node_declared_lost_end_at_once_and_later_calls_go_thro
     calls = [asyncio.create_task(client.start_engine(node, types_pb2.EngineSpec(instance_id="a-0"))),
              asyncio.create_task(client.stop_engine(node, "a-1/rank0", 1, 5.0))]
     await async_wait_for(lambda: len(scripted.starts) == 1 and len(scripted.stops) == 1, timeout=5, what="both calls in flight")
-    client.abandon(node.address, "abandoned: lost node node-a")
+    client.abandon(node.node_id, "abandoned: lost node node-a")
     for call in calls:
         with pytest.raises(NodeCallError) as cut:
             await asyncio.wait_for(call, 2)
-        assert cut.value.code == "CANCELLED" and cut.value.waits and str(cut.value) == "CANCELLED: abandoned: lost node node-a"
+        assert cut.value.code == "CANCELLED" and cut.value.waits and cut.value.abandoned
+        assert str(cut.value) == "CANCELLED: abandoned: lost node node-a"
     assert len(scripted.starts) == 1 and len(scripted.stops) == 1 and not client._in_flight
     scripted.hang = 0.0
     engine = await asyncio.wait_for(client.start_engine(node, types_pb2.EngineSpec(instance_id="a-0")), 5)
     assert engine.engine_id == "a-0/rank0"
-    client.abandon("127.0.0.1:1", "nothing runs there")  # no call there: nothing to do
+    client.abandon("node-x", "nothing runs there")  # no call there: nothing to do
 
 
 async def test_a_call_whose_task_is_cancelled_is_cancelled_not_abandoned(node_manager):
@@ -206,8 +207,84 @@ async def test_calls_waiting_for_a_slot_on_a_node_declared_lost_are_not_made(nod
     scripted.hang = 30.0
     calls = [asyncio.create_task(client.start_engine(node, types_pb2.EngineSpec(instance_id=f"a-{i}"))) for i in range(3)]
     await async_wait_for(lambda: len(scripted.starts) == 1, timeout=5, what="one call in flight, two waiting")
-    client.abandon(node.address, "abandoned: lost node node-a")
+    client.abandon(node.node_id, "abandoned: lost node node-a")
     for call in calls:
         with pytest.raises(NodeCallError, match="^CANCELLED: abandoned: lost node node-a$"):
             await asyncio.wait_for(call, 2)
     assert len(scripted.starts) == 1
+
+
+async def test_abandoning_a_node_set_aside_leaves_the_node_really_at_its_address_alone(node_manager):
+    """set_aside(A): A's address answers as node B. Abandoning A by its address ended B's calls."""
+    scripted, client, node_b = node_manager
+    node_a = controller_pb2.NodeInfo(node_id="node-x", address=node_b.address)
+    scripted.hang = 30.0
+    calls = {n.node_id: asyncio.create_task(client.start_engine(n, types_pb2.EngineSpec(instance_id=f"{n.node_id}-0")))
+             for n in (node_a, node_b)}
+    await async_wait_for(lambda: len(scripted.starts) == 2, timeout=5, what="both calls in flight")
+    client.abandon("node-x", "abandoned: node node-x, whose address answers as another node")
+    with pytest.raises(NodeCallError, match="^CANCELLED: abandoned: node node-x"):
+        await asyncio.wait_for(calls["node-x"], 2)
+    await asyncio.sleep(0.3)
+    assert not calls["node-a"].done()  # node-a's own call runs on
+    calls["node-a"].cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await calls["node-a"]
+
+
+async def test_a_call_cut_by_forget_is_a_node_call_error_not_a_cancelled_task(node_manager):
+    """A node registering from a new address makes the controller forget the old one: closing its
+    channel cancelled the StartEngine running there, and the bare CancelledError left the
+    launch's rank busy for good."""
+    scripted, client, node = node_manager
+    scripted.hang = 30.0
+    call = asyncio.create_task(client.start_engine(node, types_pb2.EngineSpec(instance_id="a-0")))
+    await async_wait_for(lambda: len(scripted.starts) == 1, timeout=5, what="the call in flight")
+    await client.forget(node.address)
+    with pytest.raises(NodeCallError, match="^CANCELLED: the call was cancelled: its channel was closed") as cut:
+        await asyncio.wait_for(call, 2)
+    assert cut.value.waits and not cut.value.abandoned
+
+
+async def test_a_task_cancelled_in_the_same_turn_as_an_abandon_stays_cancelled(node_manager):
+    scripted, client, node = node_manager
+    scripted.hang = 30.0
+    call = asyncio.create_task(client.start_engine(node, types_pb2.EngineSpec(instance_id="a-0")))
+    await async_wait_for(lambda: len(scripted.starts) == 1, timeout=5, what="the call in flight")
+    client.abandon(node.node_id, "abandoned: lost node node-a")
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+
+
+class _Leader:
+    def is_leader(self) -> bool:
+        return True
+
+
+class _SlowFlush:
+    def __init__(self) -> None:
+        self.flushing, self.release = asyncio.Event(), asyncio.Event()
+
+    async def flush(self) -> None:
+        self.flushing.set()
+        await self.release.wait()
+
+
+async def test_under_ha_a_node_abandoned_while_a_call_waits_for_the_etcd_flush_is_not_called(node_manager):
+    """The leader's client flushes the state to etcd before each call: a node declared lost
+    meanwhile still got the call, which hung there with its rank busy."""
+    from controller.ha import LeaderOnlyNodeClient
+
+    scripted, inner, node = node_manager
+    store = _SlowFlush()
+    client = LeaderOnlyNodeClient(inner, _Leader(), store, flush_timeout=10)
+    calls = [asyncio.create_task(client.start_engine(node, types_pb2.EngineSpec(instance_id="a-0"))),
+             asyncio.create_task(client.stop_engine(node, "a-1/rank0", 1, 5.0))]
+    await asyncio.wait_for(store.flushing.wait(), 5)
+    client.abandon(node.node_id, "abandoned: lost node node-a")
+    store.release.set()
+    for call in calls:
+        with pytest.raises(NodeCallError, match="^CANCELLED: abandoned: lost node node-a$"):
+            await asyncio.wait_for(call, 2)
+    assert not scripted.starts and not scripted.stops
