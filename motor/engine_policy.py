@@ -157,6 +157,14 @@ def _not_json(constant: str) -> float:
     raise ValueError(f"{constant} is not JSON (JSON numbers are finite)")
 
 
+def _not_finite_text(text: str) -> bool:
+    """'nan', '-inf', '1e999': what vLLM's and SGLang's argument parsers make a float that is not finite."""
+    try:
+        return not math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
 def parse_config_json(text: str, field: str) -> dict:
     """A request's JSON configuration as a dict; InvalidArgument naming `field` otherwise."""
     try:
@@ -248,8 +256,9 @@ def check_engine_config(config: dict, model_roots: list[str] | None, field: str 
         for path, key, value in walk(config, field):
             if key is not None:
                 _check_key(path, key, value)
-            if isinstance(value, float) and not math.isfinite(value):
-                # A protobuf Struct and embedded JSON strings carry them; engines' range checks miss NaN.
+            if isinstance(value, float) and not math.isfinite(value) or isinstance(value, str) and _not_finite_text(value):
+                # A protobuf Struct and embedded JSON strings carry them, and argument parsers read
+                # "nan" as one; engines' range checks miss NaN.
                 raise InvalidArgument(f"{path}: {value!r} is not a finite number; give a number")
             if check_paths and isinstance(value, str):
                 for local in local_paths(value):

@@ -258,3 +258,14 @@ def test_numbers_that_are_not_finite_are_refused_naming_the_key(number, where):
 def test_config_json_with_nan_is_refused_naming_the_field():
     with pytest.raises(InvalidArgument, match=r"^spec.config_json is not a JSON object: NaN is not JSON"):
         parse_config_json('{"a": NaN}', "spec.config_json")
+
+
+@pytest.mark.parametrize("text", ["nan", "-inf", "Infinity", "1e999", " NaN "])
+def test_strings_an_argument_parser_turns_into_numbers_that_are_not_finite_are_refused(text):
+    """vLLM's argparse reads gpu_memory_utilization "nan" as float('nan'); SGLang's extra_args
+    likewise (found by a hostile tester of the NaN check)."""
+    with pytest.raises(InvalidArgument, match=r"^engine_config.motor_engine_union_config.engine_args.gpu_memory_utilization: .* is not a finite number"):
+        check_engine_config(_vllm(gpu_memory_utilization=text), None, field="engine_config")
+    with pytest.raises(InvalidArgument, match=rf"^spec.config_json.{SECTION}.engine_args.extra_args\[1\]: .* is not a finite number"):
+        check_engine_config(_config(extra_args=["--mem-fraction-static", text]), [], field="spec.config_json")
+    check_engine_config(_vllm(gpu_memory_utilization="0.9", served_model_name=["nano", "info"]), None)  # finite and words: fine
