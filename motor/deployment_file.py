@@ -31,6 +31,32 @@ def _normalize(value: Any, key: str | None = None) -> Any:
     return value
 
 
+def json_problem(value: Any, where: str) -> str | None:
+    """What in a YAML document is not JSON, named by its path (None when all of it is): a
+    protobuf Struct takes only string keys and JSON values, and said 'Unexpected type' or raised
+    TypeError naming nothing."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"{where}: the key {key!r} is not a string; quote it"
+            problem = json_problem(item, f"{where}.{key}")
+            if problem:
+                return problem
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            problem = json_problem(item, f"{where}[{index}]")
+            if problem:
+                return problem
+    elif isinstance(value, int) and not isinstance(value, bool):
+        try:
+            float(value)
+        except OverflowError:
+            return f"{where}: a number too large to hold ({len(str(value))} digits); quote it or make it smaller"
+    elif not isinstance(value, (str, float, bool, type(None))):
+        return f"{where}: a {type(value).__name__} value ({value}) is not JSON; quote it"
+    return None
+
+
 def deployment_from_dict(data: Any, source: str = "deployment") -> controller_pb2.Deployment:
     if not isinstance(data, dict):
         raise InvalidArgument(f"{source}: expected a mapping with name, model, engine_config and instance_groups")
@@ -44,6 +70,9 @@ def deployment_from_dict(data: Any, source: str = "deployment") -> controller_pb
     if engine_config is not None:
         if not isinstance(engine_config, dict):
             raise InvalidArgument(f"{source}: engine_config must be a mapping (the engine servers' user_config)")
+        problem = json_problem(engine_config, "engine_config")
+        if problem:
+            raise InvalidArgument(f"{source}: {problem}")
         deployment.engine_config.update(engine_config)
     return deployment
 

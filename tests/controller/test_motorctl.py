@@ -120,6 +120,18 @@ def test_malformed_files_get_a_clear_error_and_change_nothing(controller, tmp_pa
     assert "instance_groups[0].pair_with: 'decod' is not a group" in result.stderr
     missing = motorctl(address, "apply", "-f", str(tmp_path / "nope.yaml"), check=False)
     assert missing.returncode == 2 and "file not found" in missing.stderr
+    # engine_config is free-form, but JSON: YAML's other keys and values were a traceback or
+    # "Unexpected type" naming nothing (found by a hostile tester).
+    where = "engine_config.motor_engine_prefill_config.engine_args"
+    for odd, says in [("      1: one\n", f"{where}: the key 1 is not a string; quote it"),
+                      ("      null: x\n", f"{where}: the key None is not a string; quote it"),
+                      ("      when: 2026-11-26\n", f"{where}.when: a date value (2026-11-26) is not JSON; quote it"),
+                      ("      huge: " + "9" * 400 + "\n", f"{where}.huge: a number too large to hold"),
+                      ("      s: !!set {a}\n", f"{where}.s: a set value")]:
+        odd_file = tmp_path / "odd.yaml"
+        odd_file.write_text(open(EXAMPLE).read().replace("      latency_ms: 5\n", odd + "      latency_ms: 5\n", 1))
+        result = motorctl(address, "apply", "-f", str(odd_file), check=False)
+        assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr, (odd, result.stderr)
     assert "# revision 1" in motorctl(address, "deployment").stdout  # nothing changed
 
 
