@@ -54,6 +54,11 @@ SERVER_OPTIONS = [
     ("grpc.so_reuseport", 0),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # No BDP probing: it sized receive windows for bulk transfers, of which Motor's servers take
+    # none, and the server sent a PING after almost every message it received (a heartbeat: one
+    # more frame out and one more in, each a TLS record). Off: 15-20% less controller CPU per
+    # heartbeat (bench/controller_scale.py, README "Controller scale").
+    ("grpc.http2.bdp_probe", 0),
 ]
 
 
