@@ -11,6 +11,7 @@ from motor.cli_config import Flag, load_settings, run_service, settings_parser
 from motor.deployment_file import load_deployment
 from motor.gc_tuning import TenuredCollections
 from motor.grpc_server import service_name
+from motor.limits import raise_open_files_limit
 from motor.logs import setup_logging
 from motor.metrics_http import ServiceTelemetry
 from motor.ports import CONTROLLER_METRICS_PORT
@@ -90,6 +91,7 @@ def apply_startup_deployment(controller: Controller, config: ControllerConfig) -
 
 async def serve(config: ControllerConfig) -> None:
     stop = stop_event()  # first: a stop signal during start-up (a slow store, etcd) is a stop too
+    open_files = raise_open_files_limit()  # a socket per node
     gc_policy = TenuredCollections().install()  # a large fleet's state: no full garbage collection walks it all (motor/gc_tuning.py)
     ha = None
     if config.uses_etcd:
@@ -116,7 +118,9 @@ async def serve(config: ControllerConfig) -> None:
     server.add(controller_pb2_grpc.add_ControllerServiceServicer_to_server, ControllerServicer(controller, ha),
                service_name(controller_pb2, "ControllerService"))
     port = await server.start()
-    logger.info("controller serving on port %d (store %s)", port, config.store or config.db)
+    logger.info("controller serving on port %d (store %s); open-file limit %d, a file per node connection "
+                "(a larger fleet needs more: systemd LimitNOFILE=, docker --ulimit nofile=)", port,
+                config.store or config.db, open_files)
     if config.listen.rsplit(":", 1)[1] == "0":
         port_file = os.path.join(os.path.dirname(os.path.abspath(config.db)), "controller.port")
         with open(port_file, "w", encoding="utf-8") as handle:

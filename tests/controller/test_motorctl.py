@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import resource
 import signal
 import subprocess
 import urllib.request
 
 import pytest
 
+from motor.limits import NR_OPEN_DEFAULT
 from motor.ports import free_port
 from motorctl.up import LocalCluster, _bin
 from tests.controller.conftest import EXAMPLE
@@ -170,3 +173,22 @@ def test_render_status_shows_nodes_instances_and_engines(controller):
     sections = [line for line in screen.splitlines() if line in ("NODES", "INSTANCES", "ENGINES")]
     assert sections == ["NODES", "INSTANCES", "ENGINES"]
     assert "prefill-0/rank1" in screen and "PENDING" in screen
+
+
+def test_the_controller_raises_its_open_file_limit_to_the_hard_one(tmp_path):
+    """A socket per node: under the usual soft limit (1,024) a controller stopped accepting nodes
+    past about a thousand, and gRPC only logged 'File descriptor limit reached. Retrying.'."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    proc = ControllerProcess(tmp_path, *AT_ONCE)
+    proc.argv = ["bash", "-c", 'ulimit -Sn 256 && exec "$@"', "bash", *proc.argv]
+    try:
+        proc.start()
+        limits = open(f"/proc/{proc.process.pid}/limits").read()
+        soft_now, hard_now = re.search(r"Max open files\s+(\S+)\s+(\S+)", limits).groups()
+        expected = str(NR_OPEN_DEFAULT if hard == resource.RLIM_INFINITY else hard)
+        assert soft_now == expected and hard_now in (str(hard), "unlimited"), limits
+        log = open(tmp_path / "controller.log").read()
+        assert f"open files: soft limit raised from 256 to {expected}" in log and f"open-file limit {expected}" in log
+    finally:
+        proc.stop()
+        proc.log.close()
