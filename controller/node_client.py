@@ -188,8 +188,9 @@ class GrpcNodeClient(NodeClient):
             why = calls.get(call)
             if why:
                 raise NodeCallError(grpc.StatusCode.CANCELLED.name, why, abandoned=True) from None
-            raise NodeCallError(grpc.StatusCode.CANCELLED.name, "the call was cancelled: its channel was closed "
-                                "(the node registered from another address)") from None
+            # Its channel was closed: the node registered from another address, or the client closes.
+            raise NodeCallError(grpc.StatusCode.CANCELLED.name, "the call was cancelled: its channel to the node "
+                                "was closed") from None
         finally:
             calls.pop(call, None)
             if not calls:
