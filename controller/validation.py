@@ -98,7 +98,7 @@ def validate_deployment(
         problems.append("model: required (the model name or path the engines serve)")
     if not d.instance_groups:
         problems.append("instance_groups: at least one group is required")
-    engine_config = struct_dict(d.engine_config) if d.HasField("engine_config") else {}
+    engine_config = struct_dict(d.engine_config)  # {} when unset
     try:  # programs and code never come from a deployment (each node manager also checks paths)
         check_engine_config(engine_config, None, "engine_config")
     except InvalidArgument as exc:
