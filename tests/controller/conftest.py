@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 
 import pytest
@@ -77,6 +79,20 @@ class Harness:
     def beat(self, *node_ids: str) -> None:
         for node_id in node_ids:
             self.controller.heartbeat(node_id, self.generations[node_id], self.client.report(node_id))
+
+    @contextlib.asynccontextmanager
+    async def beating(self, *node_ids: str, every: float = 0.1):
+        """These nodes heartbeat every `every` seconds while the block runs (the others fall silent)."""
+        async def beat_forever() -> None:
+            while True:
+                self.beat(*node_ids)
+                await asyncio.sleep(every)
+
+        beater = asyncio.create_task(beat_forever())
+        try:
+            yield
+        finally:
+            beater.cancel()
 
     def instance(self, instance_id: str):
         return self.controller.instances[instance_id]

@@ -192,13 +192,7 @@ async def test_lost_node_engines_move_and_come_back_fenced(harness):
     old = client.engines[victim]["decode-0/rank0"]
     client.unreachable.add(victim)
 
-    async def beat_others():
-        while True:
-            harness.beat(*others)
-            await asyncio.sleep(0.1)
-
-    beater = asyncio.create_task(beat_others())
-    try:
+    async with harness.beating(*others):
         await async_wait_for(lambda: ctl.nodes[victim].state == C.NODE_STATE_LOST, timeout=5, what="node lost")
         assert ("list", victim) in client.calls  # re-checked directly before being declared lost
         kinds = [e.type for e in ctl.events.recent if e.node_id == victim]
@@ -212,8 +206,6 @@ async def test_lost_node_engines_move_and_come_back_fenced(harness):
         assert "decode-0/rank0" not in {a.engine_id for a in assignments}
         await async_wait_for(lambda: (victim, "decode-0/rank0", old.spec.generation) in client.stops(), timeout=5)
         assert any(e.type == C.EVENT_TYPE_ENGINE_FENCED for e in ctl.events.recent)
-    finally:
-        beater.cancel()
 
 
 async def test_a_start_hanging_on_a_node_declared_lost_is_abandoned_and_its_rank_placed_again(harness):
@@ -230,21 +222,13 @@ async def test_a_start_hanging_on_a_node_declared_lost_is_abandoned_and_its_rank
     assert ctl.slots["decode-0/rank0"].busy
     client.unreachable.add(victim)  # its re-check fails too
 
-    async def beat_others():
-        while True:
-            harness.beat(*others)
-            await asyncio.sleep(0.1)
-
-    beater = asyncio.create_task(beat_others())
-    try:
+    async with harness.beating(*others):
         await async_wait_for(lambda: ctl.nodes[victim].state == C.NODE_STATE_LOST, timeout=5, what="node lost")
         assert ("abandon", victim) in client.calls
         await async_wait_for(lambda: len(client.starts("decode-0/rank0")) == 3, timeout=5, what="a start elsewhere")
         calls = [c for c in client.calls if c[0] == "start" and c[2].instance_id == "decode-0"]
         assert calls[-1][1] in others and calls[-1][2].generation > calls[-2][2].generation
         assert not any(e.type == C.EVENT_TYPE_RETRYING for e in ctl.events.recent)  # not "trying again" on the lost node
-    finally:
-        beater.cancel()
 
 
 async def test_many_silent_nodes_raise_an_alarm_and_nothing_moves(harness):
@@ -252,13 +236,7 @@ async def test_many_silent_nodes_raise_an_alarm_and_nothing_moves(harness):
     client, ctl = harness.client, harness.controller
     client.unreachable.update({"node-a", "node-b"})
 
-    async def beat_c():
-        while True:
-            harness.beat("node-c")
-            await asyncio.sleep(0.1)
-
-    beater = asyncio.create_task(beat_c())
-    try:
+    async with harness.beating("node-c"):
         await async_wait_for(lambda: ctl.alarm, timeout=5, what="alarm")
         assert "2 of 3 nodes silent at once" in ctl.list_nodes()[1][0]
         # Both re-checks failed, and the alarm holds both back from being declared lost.
@@ -269,8 +247,6 @@ async def test_many_silent_nodes_raise_an_alarm_and_nothing_moves(harness):
         client.unreachable.clear()
         await async_wait_for(lambda: not ctl.alarm, timeout=5, what="alarm cleared by re-checks")
         assert all(n.state == C.NODE_STATE_READY for n in ctl.nodes.values())
-    finally:
-        beater.cancel()
 
 
 async def test_time_the_controller_did_not_run_is_not_counted_as_the_nodes_silence(harness, caplog):
