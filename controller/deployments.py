@@ -24,7 +24,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Coroutine, Iterator
 
-from google.protobuf import json_format
 
 from motor import names
 from motor.v1 import controller_pb2
@@ -37,7 +36,7 @@ from controller.slicing import Budget, Steps, in_slices, run_at_once, run_sliced
 from controller.slots import EngineSlot
 from controller.state import ClusterState
 from controller.store import StoreChange, StoreUnavailable
-from controller.validation import InstanceSpec, expand_in_slices, integral_numbers, validate_deployment
+from controller.validation import InstanceSpec, expand_in_slices, integral_numbers, struct_dict, validate_deployment
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +73,7 @@ class DeploymentChanges:
         self.deployment, self.revision = deployment, revision
         if deployment is not None:
             self.state.policy = Policy.from_proto(deployment.restart_policy)
-            self.state.config_json = json.dumps(integral_numbers(json_format.MessageToDict(deployment.engine_config)), sort_keys=True)
+            self.state.config_json = json.dumps(integral_numbers(struct_dict(deployment.engine_config)), sort_keys=True)
 
     # ------------------------------------------------------------------ the calls
 

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Collection, Iterator, Sequence
 
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import struct_pb2
 
 from motor import names, restart_policy
 from motor.engine_policy import check_engine_config
@@ -190,8 +190,9 @@ class InstanceSpec:
 
 
 def struct_dict(struct: struct_pb2.Struct) -> dict:
-    """A Struct as plain Python values. Unlike json_format.MessageToDict, which raises ValueError
-    on NaN and infinities (an UNKNOWN error), keeps them for check_engine_config to name the key."""
+    """A Struct as plain Python values: how the controller reads engine_config, for validation,
+    expansion and config_json alike. Unlike json_format.MessageToDict, which raises ValueError on
+    NaN and infinities (an UNKNOWN error), it keeps them for check_engine_config to name the key."""
     return {key: _plain_value(value) for key, value in struct.fields.items()}
 
 
@@ -211,7 +212,7 @@ def expand(deployment: controller_pb2.Deployment) -> dict[str, InstanceSpec]:
 
 def expand_in_slices(deployment: controller_pb2.Deployment, budget: Budget | None) -> Steps[dict[str, InstanceSpec]]:
     """`expand`, yielding when `budget` is spent (10,000 instances: 25-40 ms at once)."""
-    engine_config = json_format.MessageToDict(deployment.engine_config) if deployment.HasField("engine_config") else {}
+    engine_config = struct_dict(deployment.engine_config)
     out: dict[str, InstanceSpec] = {}
     for group in deployment.instance_groups:
         section = engine_config.get(config_section(group.role, engine_config))
