@@ -27,6 +27,8 @@ from motor.v1 import controller_pb2 as C
 from tests.support import wait_for
 from tests.support.big_fleet import BigFleet, deployment, lag_stalls
 
+pytestmark = pytest.mark.processes
+
 INSTANCES, DP = 10_000, 4
 NODES, ACCELERATORS = 10, 400
 PLACED = NODES * ACCELERATORS  # engines the fleet has room for

@@ -20,6 +20,8 @@ from motor.v1 import types_pb2 as T
 from tests.controller.test_real_processes import apply, make_cluster, sim_deployment  # noqa: F401 (fixture)
 from tests.support import wait_for
 
+pytestmark = pytest.mark.processes
+
 
 def made_up(node_id: str, n: int) -> list[T.Engine]:
     return [T.Engine(engine_id=f"zz{i}-0/rank0", node_id=node_id, state=T.ENGINE_STATE_RUNNING,

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import collections
 import os
 import signal
@@ -17,6 +19,8 @@ from motor.v1 import controller_pb2 as C
 from motorctl.up import ManagedProcess, _bin
 from tests.controller.test_real_processes import GRACE, HEARTBEAT, Cluster, apply, make_cluster, sim_deployment  # noqa: F401
 from tests.support import process_alive, wait_for
+
+pytestmark = pytest.mark.processes
 
 REFUSED = "is held by another live node manager"
 

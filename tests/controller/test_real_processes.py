@@ -19,6 +19,8 @@ from motor.v1 import types_pb2 as T
 from motorctl.up import LocalCluster, _bin
 from tests.support import require, wait_for
 
+pytestmark = pytest.mark.processes
+
 HEARTBEAT = 0.5
 GRACE = 2.0
 

@@ -226,6 +226,7 @@ def test_the_generation_counter_goes_above_what_nodes_report_and_forgets_a_rolle
         (["--metrics-port", "x"], "metrics_port"),
     ],
 )
+@pytest.mark.processes
 def test_bad_settings_exit_2_naming_the_field(args, message, tmp_path):
     result = subprocess.run([sys.executable, "-m", "controller.cli", "--db", str(tmp_path / "c.db"), *args],
                             capture_output=True, text=True, timeout=60)

@@ -82,12 +82,14 @@ def run_engine_server(tmp_path, config, role="prefill", extra=()):
 
 
 @pytest.mark.parametrize("field, value, expected", BAD_VALUES, ids=[f"{f}={v!r}" for f, v, _ in BAD_VALUES])
+@pytest.mark.processes
 def test_bad_value_exits_2_naming_the_field(tmp_path, field, value, expected):
     result = run_engine_server(tmp_path, _set(GOOD, field, value))
     assert result.returncode == 2, result.stderr
     assert expected in result.stderr
 
 
+@pytest.mark.processes
 def test_tls_file_that_cannot_be_read_is_named(tmp_path):
     config = _set(GOOD, f"{P}.mgmt_tls_config", {"enable_tls": True, "cert_file": str(tmp_path / "no.pem"), "key_file": str(tmp_path / "no.key")})
     result = run_engine_server(tmp_path, config)
@@ -99,11 +101,13 @@ def test_tls_file_that_cannot_be_read_is_named(tmp_path):
     "text, expected",
     [("{not json", "not valid JSON"), ("[1, 2]", "must be a JSON object"), ("{}", f"{P}: missing; the prefill role needs")],
 )
+@pytest.mark.processes
 def test_malformed_file_exits_2(tmp_path, text, expected):
     result = run_engine_server(tmp_path, text)
     assert result.returncode == 2 and expected in result.stderr
 
 
+@pytest.mark.processes
 def test_missing_section_for_the_role_is_named(tmp_path):
     result = run_engine_server(tmp_path, GOOD, role="decode")
     assert result.returncode == 2
@@ -120,11 +124,13 @@ def test_missing_section_for_the_role_is_named(tmp_path):
         (["--instance-id", "Prefill 0"], "--instance-id 'Prefill 0' must be"),
     ],
 )
+@pytest.mark.processes
 def test_bad_flag_exits_2(tmp_path, change, expected):
     result = run_engine_server(tmp_path, GOOD, extra=change)
     assert result.returncode == 2 and expected in result.stderr
 
 
+@pytest.mark.processes
 def test_config_missing_file_exits_2(tmp_path):
     result = subprocess.run(
         [ENGINE_SERVER, "--dp-rank", "0", "--instance-id", "p", "--role", "prefill", "--host", "127.0.0.1",

@@ -20,6 +20,8 @@ from motor.v1 import engine_pb2, types_pb2
 from tests.engine_server.conftest import sim_config, watch
 from tests.support import wait_for
 
+pytestmark = pytest.mark.processes
+
 INIT, NORMAL, ABNORMAL = types_pb2.HEALTH_STATUS_INIT, types_pb2.HEALTH_STATUS_NORMAL, types_pb2.HEALTH_STATUS_ABNORMAL
 SUCCESS, FAILURE = types_pb2.PROBE_OUTCOME_SUCCESS, types_pb2.PROBE_OUTCOME_FAILURE
 

@@ -107,6 +107,7 @@ def sglang_server(engine_server, tmp_path, monkeypatch):
     return start
 
 
+@pytest.mark.processes
 def test_sglang_child_is_launched_probed_and_stopped_with_its_group(sglang_server):
     es, launch = sglang_server()
     assert launch["argv"][:6] == ["--model-path", "/models/fake", "--host", "127.0.0.1", "--port", str(es.port)]
@@ -121,6 +122,7 @@ def test_sglang_child_is_launched_probed_and_stopped_with_its_group(sglang_serve
         wait_for(lambda: not process_alive(pid), timeout=10, what=f"process {pid} gone")
 
 
+@pytest.mark.processes
 def test_sglang_that_ignores_sigterm_is_killed_after_stop_timeout(sglang_server):
     es, launch = sglang_server(ignore_term=True, stop_timeout=0.5)
     es.wait_status(NORMAL)
@@ -130,6 +132,7 @@ def test_sglang_that_ignores_sigterm_is_killed_after_stop_timeout(sglang_server)
     wait_for(lambda: not process_alive(launch["pid"]), timeout=10, what="SGLang killed")
 
 
+@pytest.mark.processes
 def test_sglang_death_makes_the_engine_server_exit_non_zero(sglang_server):
     es, launch = sglang_server()
     es.wait_status(NORMAL)
@@ -138,6 +141,7 @@ def test_sglang_death_makes_the_engine_server_exit_non_zero(sglang_server):
     assert "SGLang killed by signal 9 (SIGKILL)" in es.output
 
 
+@pytest.mark.processes
 def test_killed_engine_server_takes_sglang_with_it(sglang_server):
     es, launch = sglang_server()
     es.wait_status(NORMAL)

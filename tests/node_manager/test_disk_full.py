@@ -65,6 +65,7 @@ def fast_backoff(monkeypatch):
     monkeypatch.setattr(RecordSaver, "RETRY_MAX_S", 0.2)
 
 
+@pytest.mark.processes
 async def test_a_kill_on_a_full_disk_is_recorded_reported_and_stop_returns(make_node, fake_controller):
     # Real node manager, real sim engines, real SIGKILL.
     node = await make_node(controller=fake_controller.address)

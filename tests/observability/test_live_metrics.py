@@ -22,7 +22,7 @@ from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl.up import LocalCluster
 from tests.support import REPO_ROOT, require, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 DASHBOARD = os.path.join(REPO_ROOT, "deploy", "grafana", "motor.json")

@@ -33,6 +33,8 @@ from motorctl.pki import DEV_HOSTS
 from motorctl.up import LocalCluster
 from tests.support import REPO_ROOT, require, wait_for
 
+pytestmark = pytest.mark.processes
+
 NORMAL = types_pb2.HEALTH_STATUS_NORMAL
 
 

@@ -15,6 +15,8 @@ from motor.v1 import types_pb2 as T
 from tests.controller.test_real_processes import apply, make_cluster, sim_deployment  # noqa: F401
 from tests.support import wait_for
 
+pytestmark = pytest.mark.processes
+
 
 def test_bogus_generations_and_epochs_cannot_poison_a_node_manager(make_cluster):
     cluster = make_cluster(nodes=1)

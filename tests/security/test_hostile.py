@@ -22,6 +22,8 @@ from motorctl.connect import Credentials
 from motorctl.up import LocalCluster, try_commands
 from tests.support import REPO_ROOT, require, wait_for
 
+pytestmark = pytest.mark.processes
+
 MARKER = "/tmp/motor-hostile-marker"
 LAUNCHER = ["/bin/sh", "-c", f"id > {MARKER}"]
 
