@@ -1,5 +1,5 @@
-"""Faults found by reproduction (issue 12), each replayed against the controller with a fake
-node-manager client: simultaneous failures, big deployments, bad input."""
+"""Failures that arrive together, big deployments and bad input, each replayed against the controller with a fake
+node-manager client.
 
 from __future__ import annotations
 
