@@ -1,5 +1,5 @@
 """Failures that arrive together, big deployments and bad input, each replayed against the controller with a fake
-node-manager client.
+node-manager client."""
 
 from __future__ import annotations
 
