@@ -139,7 +139,7 @@ class Controller(views.ClusterReads):
             st.nodes.put(NodeRuntime(info, record.generation, state, reason, last_seen=now))
         for instance_id, data in stored.instances.items():
             st.instances[instance_id] = InstanceRecord.from_dict(data)
-        for engine_id, data in stored.assignments.items():
+        for data in stored.assignments.values():
             st.slots.add(EngineSlot.from_dict(data))
         st.attention.update(st.instances)
         if any(n.state != NODE_LOST for n in st.nodes.values()):

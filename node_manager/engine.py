@@ -199,10 +199,10 @@ class EngineRecord:
         try:
             with open(self.log_path, "rb") as handle:
                 handle.seek(max(0, os.path.getsize(self.log_path) - 4096))
-                lines = [l.strip() for l in handle.read().decode(errors="replace").splitlines() if l.strip()]
+                lines = [line.strip() for line in handle.read().decode(errors="replace").splitlines() if line.strip()]
         except OSError:
             return ""
-        lines = [l for l in lines if not l.startswith("--- ") and "\"message\": \"--- launching" not in l]  # launch lines (text, JSON)
+        lines = [line for line in lines if not line.startswith("--- ") and "\"message\": \"--- launching" not in line]  # launch lines (text, JSON)
         tail = " | ".join(lines[-count:])
         return tail if len(tail) <= 600 else "..." + tail[-600:]
 

@@ -24,7 +24,7 @@ from motor.errors import Unavailable
 from motor.processes import ExitStatus
 from motor.v1 import node_manager_pb2, types_pb2
 from node_manager.record_saver import RecordSaver
-from tests.node_manager.conftest import alive, spec
+from tests.node_manager.conftest import alive
 from tests.node_manager.fakes import NORMAL, FakeNode, ended, settle, sim_spec
 from tests.support import async_wait_for
 

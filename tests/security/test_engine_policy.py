@@ -221,7 +221,7 @@ def test_every_section_is_checked_and_motor_keys_do_not_end_the_check():
     config = {"other": 1, "motor_engine_decode_config": {"engine_type": "sim"}, **_vllm(motor_utilization=5, Xseed=1)}
     with pytest.raises(InvalidArgument) as refused:
         check_engine_config(config, [])
-    assert str(refused.value) == (f"config_json.motor_engine_union_config.engine_args.Xseed: not among the vLLM arguments a "
+    assert str(refused.value) == ("config_json.motor_engine_union_config.engine_args.Xseed: not among the vLLM arguments a "
                                   "request may set (motor/vllm_request_args.py, docs/security.md)")
     check_engine_config(_vllm(**{"compilation_config.mode": 3, "--seed": 1}), [])  # a dotted key is its first part's
 
