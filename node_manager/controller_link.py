@@ -30,7 +30,8 @@ from motor import pbtime
 from motor.errors import ConfigError
 from motor.channels import ReloadingChannel
 from motor.grpc_server import TlsFiles
-from motor.heartbeats import MAX_BACKOFF, next_on_grid
+from motor.heartbeats import MAX_BACKOFF
+from node_manager.heartbeat_deltas import next_on_grid
 from motor.leader import FOLLOW_RETRY_BASE, FOLLOW_RETRY_CAP, ControllerAddresses, backoff_delay, parse_addresses
 from motor.names import ID_RULE, excerpt
 from motor.node_process import describe
