@@ -82,7 +82,7 @@ class HeartbeatSender:
                 raise  # this node manager is stopping
             # close() cancelled the stream under this beat (a report moved to another controller,
             # a new registration): a failed beat like any other, retried on the new stream. Let
-            # through, it ended the controller link and with it the node manager (hostile F12).
+            # through, it ended the controller link and with it the node manager.
             self._call = self._stub = None
             raise _error(grpc.StatusCode.CANCELLED, "the heartbeat stream was closed to follow another controller") from None
         if reply is grpc.aio.EOF:  # ended by the controller: its status, with its metadata (a standby names the leader)

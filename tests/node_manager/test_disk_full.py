@@ -1,4 +1,4 @@
-"""The node manager's disk full (issue 12, defect 2), replayed by a write-failure injection at
+"""The node manager's disk full, replayed by a write-failure injection at
 the record store boundary: every engine record write raises OSError(ENOSPC), as a full disk
 does, through the store's one write path (`RecordStore.write`). (A real full tmpfs needs root
 to mount; the chaos suite uses one where it can.)

@@ -68,7 +68,7 @@ VLLM_UNION = "spec.config_json.motor_engine_union_config.engine_args"
 
 @pytest.mark.parametrize(
     "engine_args, key, says",
-    [  # hostile F1: every spelling vLLM accepts, and the code-loading arguments missing from the old list
+    [  # every spelling vLLM accepts, and the code-loading arguments missing from the old list
         ({"trust-remote-code": True}, "trust-remote-code", "must be false"),
         ({"Trust_Remote_Code": True}, "Trust_Remote_Code", "must be false"),
         ({"worker-cls": "evil.Worker"}, "worker-cls", "Python class"),
@@ -91,7 +91,7 @@ VLLM_UNION = "spec.config_json.motor_engine_union_config.engine_args"
         ({"some_new_vllm_argument": 1}, "some_new_vllm_argument", "not among the vLLM arguments a request may set"),
         ({"served_model_name": ["x", "--trust-remote-code"]}, "served_model_name[1]", "looks like a command-line option"),
         ({"port": 9}, "port", "set by the engine server's command line"),
-        # hostile F2: JSON in a string is what vLLM parses, so it is checked as JSON
+        # JSON in a string is what vLLM parses, so it is checked as JSON
         ({"speculative_config": '{"model": "/etc", "method": "eagle"}'}, "speculative_config.model", "'/etc' is a local path outside"),
         ({"compilation_config": '{"cache_dir": "/etc/x"}'}, "compilation_config.cache_dir", "'/etc/x' is a local path outside"),
         ({"compilation_config": ' {"backend": "evil.fn"}'}, "compilation_config.backend", "Python name"),
