@@ -12,6 +12,9 @@ Faults (engine_args.faults in the user_config, or at run time):
   crash           the engine dies: the engine server reports ABNORMAL and exits non-zero
   crash_after_s   (config only) die that many seconds after start
   hang            inference and /health stop answering (until hang is set false)
+  hang_inference  completions (probes too) never answer while /health stays 200 and the
+                  utilization figure stays as it was: a hung engine core behind a live API
+                  server, the failure only probes and the engine's progress can see
   fail_inference  completions answer 500 while /health stays 200
   latency_ms      every completion takes this long
   utilization     the simulated accelerator utilization (percent) the engine server samples
@@ -71,6 +74,7 @@ class SimFaults(BaseModel):
     crash: bool = False
     crash_after_s: float | None = Field(None, gt=0)
     hang: bool = False
+    hang_inference: bool = False
     fail_inference: bool = False
     latency_ms: float = Field(0.0, ge=0)
     utilization: float = Field(0.0, ge=0, le=100)
@@ -126,6 +130,7 @@ class SimEngine(EngineBackend):
         self._started_at = 0.0
         self._died: asyncio.Future[str] | None = None
         self._unhang = asyncio.Event()
+        self._inference_unhang = asyncio.Event()  # cleared by hang_inference
         self._runner: web.AppRunner | None = None
         self._crash_timer: asyncio.TimerHandle | None = None
 
@@ -175,6 +180,7 @@ class SimEngine(EngineBackend):
         if self._crash_timer is not None:
             self._crash_timer.cancel()
         self._unhang.set()  # release hung handlers so the runner can close
+        self._inference_unhang.set()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -198,10 +204,11 @@ class SimEngine(EngineBackend):
             self._died.set_result(reason)
 
     def _apply_faults(self) -> None:
-        if self.faults.hang:
-            self._unhang.clear()
-        else:
-            self._unhang.set()
+        for event, hung in ((self._unhang, self.faults.hang), (self._inference_unhang, self.faults.hang_inference)):
+            if hung:
+                event.clear()
+            else:
+                event.set()
         if self.faults.crash:
             self._die("sim fault: crash")
 
@@ -285,14 +292,14 @@ class SimEngine(EngineBackend):
             self._in_flight += 1
             SIM_RUNNING.labels(self.args.model).inc()
         try:
-            await self._unhang.wait()
+            await self._until_inference_runs()
             if self.sleeping:
                 return self._failed(probe, 503, "the engine is sleeping; call WakeUp first")
             if self.faults.fail_inference:
                 return self._failed(probe, 500, "sim fault: fail_inference")
             if self.faults.latency_ms:
                 await asyncio.sleep(self.faults.latency_ms / 1000)
-            await self._unhang.wait()  # a hang set while this request waited
+            await self._until_inference_runs()  # a hang set while this request waited
             text = deterministic_text(prompt, max_tokens)
             prompt_tokens, completion_tokens = count_tokens(prompt), max_tokens
             if not probe:
@@ -328,6 +335,11 @@ class SimEngine(EngineBackend):
             if not probe:
                 self._in_flight -= 1
                 SIM_RUNNING.labels(self.args.model).dec()
+
+    async def _until_inference_runs(self) -> None:
+        while not (self._unhang.is_set() and self._inference_unhang.is_set()):
+            await self._unhang.wait()
+            await self._inference_unhang.wait()
 
     def stop_admitting(self) -> None:
         self.admitting = False
