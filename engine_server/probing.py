@@ -35,6 +35,10 @@ DECODE_KV_TRANSFER_PARAMS = {
 }
 
 
+# Why a failed probe did not count, by whether the engine made progress (None: no progress source).
+_BUSY_BECAUSE = {None: "accelerator busy", True: "engine busy and making progress"}
+
+
 class ProbeFailed(Exception):
     """The probe did not produce a completion; the message says why."""
 
@@ -134,9 +138,13 @@ class Prober:
     """Runs probe rounds; each round probes and samples utilization at the same time.
 
     Interval rule: peak >= busy_utilization -> busy_probe_interval; peak < npu_usage_threshold ->
-    probe_interval; in between -> unchanged. A failure counts only when the peak is below
-    npu_usage_threshold; max_failure_count consecutive counted failures -> ABNORMAL; a success
-    resets the count (and an ABNORMAL status goes back to NORMAL)."""
+    probe_interval; in between -> unchanged. A failure is not counted only while the engine is
+    busy: the peak at or above npu_usage_threshold *and* the engine made progress (`progress`:
+    tokens or scheduler steps for client requests) since the previous round. A hung kernel
+    reads near 100 % on NVML and npu-smi, so utilization alone never excuses a failure; an
+    engine without a progress source (`progress` returns None) is judged by utilization alone.
+    max_failure_count consecutive counted failures -> ABNORMAL; a success resets the count (and
+    an ABNORMAL status goes back to NORMAL)."""
 
     def __init__(
         self,
@@ -149,8 +157,11 @@ class Prober:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Any] = asyncio.sleep,
+        progress: Callable[[], int | None] = lambda: None,
     ):
         self.settings, self.client, self.peak_sampler, self.machine = settings, client, peak_sampler, machine
+        self.progress = progress
+        self._progress_seen: int | None = None  # the progress reading at the end of the previous round
         self.on_record, self.metrics = on_record, metrics
         self._clock, self._monotonic, self._sleep = clock, monotonic, sleep
         self.interval = settings.probe_interval
@@ -180,15 +191,32 @@ class Prober:
             logger.exception("probe client raised")
             return False, self._monotonic() - started, f"{type(exc).__name__}: {exc}"
 
+    def _progressed(self) -> bool | None:
+        """Whether the engine made progress since the previous round (None: it cannot tell)."""
+        before = self._progress_seen
+        self._progress_seen = now = self.progress()
+        if now is None or before is None:
+            return None
+        return now != before
+
+    def _why_counted(self, peak: float) -> str:
+        if peak < self.settings.npu_usage_threshold:
+            return f"the accelerator was idle (peak {peak:.0f}% < npu_usage_threshold {self.settings.npu_usage_threshold:g}%)"
+        return f"the engine made no progress (no tokens or scheduler steps) although utilization peaked at {peak:.0f}%"
+
     async def probe_once(self) -> ProbeRecord:
         sent = self._clock()
+        if self._progress_seen is None:
+            self._progress_seen = self.progress()  # the first round measures from its own start
         probe = asyncio.ensure_future(self._timed_probe())
         try:
             peak = await self.peak_sampler.peak()
             success, latency, error = await probe
         finally:
             probe.cancel()
-        counted = not success and peak < self.settings.npu_usage_threshold
+        progressed = self._progressed()
+        busy = peak >= self.settings.npu_usage_threshold and progressed is not False
+        counted = not success and not busy
         if success:
             self.consecutive_failures = 0
         elif counted:
@@ -199,9 +227,8 @@ class Prober:
         elif self.consecutive_failures >= self.settings.max_failure_count:
             self.machine.fire(
                 Event.FAILURE_LIMIT,
-                f"{self.consecutive_failures} consecutive virtual-inference probes failed while the "
-                f"accelerator was idle (peak {peak:.0f}% < npu_usage_threshold "
-                f"{self.settings.npu_usage_threshold:g}%); last error: {error}",
+                f"{self.consecutive_failures} consecutive virtual-inference probes failed while "
+                f"{self._why_counted(peak)}; last error: {error}",
             )
         record = ProbeRecord(
             time=sent,
@@ -219,7 +246,8 @@ class Prober:
         if not success:
             logger.info(
                 "probe failed (%s; peak %.0f%%, %s, %d consecutive)",
-                error, peak, "counted" if counted else "not counted: accelerator busy", self.consecutive_failures,
+                error, peak, "counted" if counted else f"not counted: {_BUSY_BECAUSE[progressed]}",
+                self.consecutive_failures,
             )
         self.on_record(record)
         return record

@@ -122,6 +122,7 @@ class EngineServer:
             self.machine,
             on_record=self._on_probe,
             metrics=self.metrics,
+            progress=self.engine.progress,
         )
         self._tasks.append(asyncio.create_task(self._watch_death(), name="watch-death"))
         self._tasks.append(asyncio.create_task(self._watch_health(), name="watch-health"))

@@ -49,6 +49,8 @@ from engine_server.engines.vllm_admission import DRAINING_MESSAGE, RETRY_AFTER_S
 
 logger = logging.getLogger(__name__)
 
+SIM_STEP_S = 0.05  # one simulated scheduler step of a prefill
+
 WORDS = (
     "motor sim engine token answer fast cache prefill decode quiet river stone light model "
     "graph cloud field north amber signal"
@@ -89,6 +91,10 @@ class SimArgs(BaseModel):
     # Base latency and utilization (the same knobs as in faults; faults win when both are set).
     latency_ms: float = Field(0.0, ge=0)
     utilization: float = Field(0.0, ge=0, le=100)
+    # Prefill time per prompt token (words). One prefill runs at a time, as one batch holds a
+    # real engine: a long prompt keeps later requests and probes waiting while its steps
+    # (every SIM_STEP_S) show the engine making progress.
+    prefill_ms_per_token: float = Field(0.0, ge=0)
     # Seconds during which /health answers 503 "loading" (a model load, for INIT).
     startup_delay_s: float = Field(0.0, ge=0)
     max_tokens_default: int = Field(16, ge=1)
@@ -127,6 +133,8 @@ class SimEngine(EngineBackend):
         self.sleep_level = 0
         self.admitting = True  # False from the start of a drain: new requests get 503
         self._in_flight = 0
+        self._progress = 0  # scheduler steps and tokens for client requests (probes excluded)
+        self._prefilling = asyncio.Lock()
         self._started_at = 0.0
         self._died: asyncio.Future[str] | None = None
         self._unhang = asyncio.Event()
@@ -193,6 +201,9 @@ class SimEngine(EngineBackend):
 
     async def wake_up(self) -> None:
         self.sleeping, self.sleep_level = False, 0
+
+    def progress(self) -> int:
+        return self._progress
 
     def utilization_sampler(self) -> UtilizationSampler:
         return _SimSampler(self)
@@ -297,6 +308,7 @@ class SimEngine(EngineBackend):
                 return self._failed(probe, 503, "the engine is sleeping; call WakeUp first")
             if self.faults.fail_inference:
                 return self._failed(probe, 500, "sim fault: fail_inference")
+            await self._prefill(count_tokens(prompt), probe)
             if self.faults.latency_ms:
                 await asyncio.sleep(self.faults.latency_ms / 1000)
             await self._until_inference_runs()  # a hang set while this request waited
@@ -306,6 +318,7 @@ class SimEngine(EngineBackend):
                 SIM_REQUESTS.labels(self.args.model).inc()
                 SIM_PROMPT_TOKENS.labels(self.args.model).inc(prompt_tokens)
                 SIM_GENERATION_TOKENS.labels(self.args.model).inc(completion_tokens)
+                self._progress += completion_tokens
             prefix = "chatcmpl" if chat else "cmpl"
             answer_id = f"{prefix}-{request_id}"
             usage = {
@@ -335,6 +348,18 @@ class SimEngine(EngineBackend):
             if not probe:
                 self._in_flight -= 1
                 SIM_RUNNING.labels(self.args.model).dec()
+
+    async def _prefill(self, tokens: int, probe: bool) -> None:
+        left = tokens * self.args.prefill_ms_per_token / 1000
+        if not left:
+            return
+        async with self._prefilling:
+            while left > 0:
+                await asyncio.sleep(min(SIM_STEP_S, left))
+                await self._until_inference_runs()
+                left -= SIM_STEP_S
+                if not probe:
+                    self._progress += 1
 
     async def _until_inference_runs(self) -> None:
         while not (self._unhang.is_set() and self._inference_unhang.is_set()):

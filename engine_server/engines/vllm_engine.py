@@ -433,6 +433,12 @@ class VllmEngine(EngineBackend):
             raise self._sleep_unsupported()
         await self._on_vllm_loop(self.async_llm.wake_up())
 
+    def progress(self) -> int:
+        """Tokens and engine-core steps for client requests (vllm_utilization.PROGRESS)."""
+        from engine_server.engines.vllm_utilization import PROGRESS
+
+        return PROGRESS.total
+
     def utilization_sampler(self) -> UtilizationSampler | None:
         from engine_server.engines.vllm_utilization import EngineProgressSampler, FixedUtilizationSampler
 

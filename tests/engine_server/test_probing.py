@@ -59,13 +59,14 @@ async def no_sleep(seconds: float) -> None:
     return None
 
 
-def make_prober(sampler: UtilizationSampler, client=None, settings=SETTINGS, metrics=None):
+def make_prober(sampler: UtilizationSampler, client=None, settings=SETTINGS, metrics=None, progress=lambda: None):
     machine = HealthStateMachine()
     machine.fire(Event.HEALTH_UP, "up")
     records = []
     prober = Prober(
         settings, client or ScriptedClient(), PeakSampler(sampler, settings.utilization_window,
         settings.utilization_sample_period, sleep=no_sleep), machine, on_record=records.append, metrics=metrics,
+        progress=progress,
     )  # fmt: skip
     return prober, machine, records
 
@@ -113,6 +114,64 @@ async def test_busy_accelerator_with_failing_probes_never_turns_abnormal():
         record = await prober.probe_once()
         assert not record.counted and record.next_interval == 20
     assert machine.state is Health.NORMAL and prober.consecutive_failures == 0
+
+
+class Progress:
+    """An engine's progress counter that moves only when told to."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self) -> int:
+        return self.count
+
+
+async def test_a_busy_reading_without_progress_is_a_hang_and_counts():
+    """A kernel spinning in a hung collective reads near 100 %: with the engine's progress known,
+    failures count unless it produced something since the previous round."""
+    client, progress = ScriptedClient(), Progress()
+    client.hang = True
+    prober, machine, _ = make_prober(FixedSampler(95), client, progress=progress)
+    for expected in (1, 2, 3):
+        record = await prober.probe_once()
+        assert record.counted and record.consecutive_failures == expected
+    assert machine.state is Health.ABNORMAL
+    assert "made no progress" in machine.reason and "95%" in machine.reason and "timed out" in machine.reason
+
+
+async def test_a_long_request_making_progress_excuses_failed_probes():
+    """A long prefill keeps probes waiting, but its steps move the engine on: not a failure."""
+    client, progress = ScriptedClient(), Progress()
+    client.fail = "timed out after 0.2s"
+
+    class Stepping(FixedSampler):
+        async def sample(self) -> float:
+            progress.count += 1  # steps complete while the window is sampled
+            return await super().sample()
+
+    prober, machine, _ = make_prober(Stepping(95), client, progress=progress)
+    for _ in range(10):
+        record = await prober.probe_once()
+        assert not record.counted and record.consecutive_failures == 0
+    assert machine.state is Health.NORMAL
+
+
+async def test_progress_between_rounds_counts_for_the_next_round():
+    client, progress = ScriptedClient(), Progress()
+    client.fail = "HTTP 500"
+    prober, _, _ = make_prober(FixedSampler(95), client, progress=progress)
+    assert (await prober.probe_once()).counted  # nothing moved during the first round
+    progress.count += 5  # tokens produced while waiting for the next round
+    assert not (await prober.probe_once()).counted
+    assert (await prober.probe_once()).counted  # nothing since
+
+
+async def test_progress_never_excuses_a_failure_on_an_idle_accelerator():
+    client, progress = ScriptedClient(), Progress()
+    client.fail = "HTTP 500"
+    prober, _, _ = make_prober(FixedSampler(1), client, progress=progress)
+    progress.count += 1
+    assert (await prober.probe_once()).counted
 
 
 async def test_peak_over_the_window_decides_not_the_last_sample():
