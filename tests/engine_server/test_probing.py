@@ -295,3 +295,55 @@ async def test_http_probe_client_sends_the_probe_and_checks_the_answer(role):
             await refused.probe()
         finally:
             await refused.close()
+
+
+class ScriptedHealth:
+    def __init__(self):
+        self.problem: str | None = None
+        self.calls = 0
+
+    async def check(self) -> None:
+        self.calls += 1
+        if self.problem:
+            raise ProbeFailed(self.problem)
+
+
+async def test_failed_health_checks_count_to_abnormal_and_a_200_recovers():
+    """While nothing probes, GET /health alone is checked for the engine's whole life."""
+    health = ScriptedHealth()
+    prober, machine, _ = make_prober(FixedSampler(0))
+    changes = []
+    prober.health, prober.on_health_check = health, lambda: changes.append(machine.state)
+    await prober.check_health_once()
+    assert changes == [] and prober.consecutive_failures == 0  # a 200 on a healthy engine: no news
+    health.problem = "GET /health timed out after 2s"
+    for _ in range(SETTINGS.max_failure_count):
+        await prober.check_health_once()
+    assert machine.state is Health.ABNORMAL and prober.consecutive_failures == 3
+    assert machine.reason.startswith("3 consecutive health checks failed: GET /health timed out after 2s")
+    health.problem = None
+    await prober.check_health_once()
+    assert machine.state is Health.NORMAL and machine.reason == "GET /health answers 200 again"
+    assert prober.consecutive_failures == 0 and len(changes) == 4
+
+
+async def test_a_probe_round_checks_health_first_and_does_not_probe_while_it_fails():
+    health, client = ScriptedHealth(), ScriptedClient()
+    prober, machine, records = make_prober(FixedSampler(95), client)
+    prober.health = health
+    health.problem = "GET /health answered 503"
+    record = await prober.probe_once()
+    assert client.calls == 0 and not record.success and record.counted and record.error == "GET /health answered 503"
+    client.fail = "HTTP 500"
+    health.problem = None
+    prober.progress = lambda: None  # judged by utilization alone: a busy reading excuses the probe
+    record = await prober.probe_once()
+    assert client.calls == 1 and not record.counted and record.consecutive_failures == 1
+    health.problem = "GET /health failed: ClientConnectorError"
+    await prober.probe_once()
+    await prober.probe_once()
+    assert machine.state is Health.ABNORMAL and "health checks failed: GET /health failed" in machine.reason
+    health.problem = None
+    client.fail = None
+    assert (await prober.probe_once()).success and machine.state is Health.NORMAL
+    assert machine.reason == "virtual-inference probes succeed again"

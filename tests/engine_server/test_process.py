@@ -363,3 +363,18 @@ def test_a_taken_port_stops_the_start_with_a_clear_error(engine_server, plane, c
         es = engine_server(sim_config(), **{plane: taken})
         assert es.wait_exit(timeout=30) == code
     assert f"cannot listen on 127.0.0.1:{taken}" in es.output
+
+
+def test_health_is_checked_for_the_engines_whole_life_without_virtual_inference(engine_server):
+    """/health was checked only until its first 200: a hang that freezes it went unseen."""
+    es = engine_server(sim_config(engine_args={"utilization": 1},
+                                  health={"enable_virtual_inference": False, "health_collector_timeout": 0.3,
+                                          "max_failure_count": 2}))  # fmt: skip
+    es.wait_status(NORMAL)
+    es.set_faults(hang=True)
+    abnormal = es.wait_status(ABNORMAL, timeout=30)
+    assert "health checks failed: GET /health timed out after 0.3s" in abnormal.reason, abnormal.reason
+    assert not abnormal.probing
+    es.set_faults(hang=False)
+    recovered = es.wait_status(NORMAL, timeout=30)
+    assert recovered.reason == "GET /health answers 200 again" and recovered.consecutive_failures == 0
