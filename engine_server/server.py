@@ -209,7 +209,7 @@ class EngineServer:
         return self._probe_task is not None
 
     def _maybe_start_probing(self) -> None:
-        if not (self._probing_requested and self.settings.enable_virtual_inference and self.healthy):
+        if not (self._probing_requested and self.settings.probing and self.healthy):
             return
         if self.sleeping or self.draining or self.machine.dead or self.probing or self.prober is None:
             return
