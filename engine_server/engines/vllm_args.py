@@ -15,7 +15,7 @@ from typing import Any
 
 from engine_server.engines.base import EngineOptions
 from motor.errors import ConfigError
-from motor.vllm_request_args import MOTOR_ENGINE_ARGS
+from motor.vllm_request_args import MOTOR_ENGINE_ARGS, unsupported_vllm_arg
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,10 @@ def engine_args_to_cli(engine_args: dict[str, Any], parser: Any, field: str = "e
 
 
 def check_motor_keys(engine_args: dict[str, Any], field: str) -> None:
+    for key, value in engine_args.items():
+        unsupported = unsupported_vllm_arg(str(key).replace("-", "_"), value)
+        if unsupported:
+            raise ConfigError(f"{field}.{key}: {unsupported}")
     utilization = engine_args.get(MOTOR_UTILIZATION)
     if utilization is not None and (
         isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 <= utilization <= 100

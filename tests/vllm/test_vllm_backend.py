@@ -95,6 +95,10 @@ def test_valid_engine_args_pass(check):
         ({"model": "/nonexistent/model"}, "model", "no such model folder"),
         ({"model": None}, "model", "required"),
         ({"max_model_len": 1_000_000}, "", "vLLM rejected the configuration"),
+        ({"distributed_executor_backend": "ray"}, "distributed_executor_backend", "Ray is not supported"),
+        ({"data_parallel_backend": "ray"}, "data_parallel_backend", "use mp"),
+        ({"ssl_certfile": "/tmp/cert.pem", "ssl_keyfile": "/tmp/key.pem"}, "ssl_certfile",
+         "TLS on the inference plane is not supported"),
     ],
 )
 def test_bad_engine_args_are_named(check, overrides, field, words):
