@@ -5,12 +5,23 @@ engine class."""
 from __future__ import annotations
 
 import logging
+import os
 
 from motor import config as motor_config
 from motor.errors import ConfigError
 from motor.user_config import EngineSection, UserConfig
 
 logger = logging.getLogger(__name__)
+
+
+# What every engine (and its children) sees unless its section sets usage_stats: true.
+NO_USAGE_STATS = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+def apply_usage_stats(section: EngineSection, environ=os.environ) -> None:
+    """Turn the engine's usage statistics off, unless the section asks for them."""
+    if not section.usage_stats:
+        environ.update(NO_USAGE_STATS)
 
 
 def load_section(path: str, role: str, defer_slow_checks: bool = False) -> tuple[str, EngineSection]:

@@ -150,6 +150,9 @@ class EngineSection(_Strict):
     mgmt_tls_config: MgmtTlsConfig = Field(default_factory=MgmtTlsConfig)
     # Seconds SIGTERM (and Drain without a deadline) waits for in-flight requests.
     drain_timeout: float = Field(30.0, ge=0)
+    # Let the engine send usage statistics home (vLLM's usage stats, anything honouring
+    # DO_NOT_TRACK). Off: fleets are often air-gapped, and a call home there only waits and fails.
+    usage_stats: bool = False
 
 
 # Sections of other components in a MindIE user_config: `motor_<name>_config`, name not `engine_*`.
