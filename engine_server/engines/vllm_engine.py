@@ -40,6 +40,7 @@ from engine_server.engines.vllm_args import (
     MOTOR_UTILIZATION,
     create_vllm_config,
     import_keeping_logging,
+    kv_side_channel_environment,
     parse_engine_args,
     prepare_environment,
 )
@@ -116,6 +117,10 @@ class VllmEngine(EngineBackend):
         (the engine core takes ~10-20 s on CPU); /health answers once it serves."""
         self._main_loop = asyncio.get_running_loop()
         prepare_environment()
+        side_channel = kv_side_channel_environment(self.options)
+        if side_channel:  # the engine core (spawned) inherits it
+            logger.info("KV connector side channel from --kv-port/--host: %s", side_channel)
+            os.environ.update(side_channel)
         # The import of vLLM (~4 s) and the model config check run off the event loop, so the
         # management plane keeps answering (INIT) meanwhile.
         await asyncio.to_thread(self._prepare)
