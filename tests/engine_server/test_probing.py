@@ -347,3 +347,11 @@ async def test_a_probe_round_checks_health_first_and_does_not_probe_while_it_fai
     client.fail = None
     assert (await prober.probe_once()).success and machine.state is Health.NORMAL
     assert machine.reason == "virtual-inference probes succeed again"
+
+
+def test_metric_help_names_the_settings_that_really_apply():
+    """The help an operator reads in /metrics must name the timeout the probes use."""
+    metrics = EngineServerMetrics(CollectorRegistry())
+    latency = metrics.probe_latency._documentation
+    assert "probe_timeout" in latency and "health_collector_timeout" not in latency
+    assert "scheduler steps" in metrics.counted_failures._documentation
