@@ -19,6 +19,8 @@ progress (100).
 
 from __future__ import annotations
 
+from typing import Callable
+
 from engine_server.engines.base import UtilizationSampler
 
 
@@ -31,12 +33,16 @@ class EngineProgress:
     def __init__(self) -> None:
         self.tokens = 0
         self.steps = 0
+        # Whether a client request is in the engine now: a step counts only then, so the steps
+        # of a probe (and the steps around it that carry no output) are no progress.
+        self.serving_clients: Callable[[], bool] = lambda: False
 
     def add(self, tokens: int) -> None:
         self.tokens += tokens  # only from vLLM's loop thread; readers only read
 
     def step(self) -> None:
-        self.steps += 1
+        if self.serving_clients():
+            self.steps += 1
 
     @property
     def total(self) -> int:

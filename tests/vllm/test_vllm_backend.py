@@ -60,7 +60,10 @@ def test_progress_sampler_reads_busy_only_when_tokens_were_produced_since_the_la
     progress.add(3)
     assert sampler.read() == 100.0
     assert sampler.read() == 0.0  # nothing since the previous reading
-    progress.step()  # a prefill chunk: no token yet, but the engine core moved
+    progress.step()  # a step with no client request in the engine (a probe's): no progress
+    assert sampler.read() == 0.0
+    progress.serving_clients = lambda: True
+    progress.step()  # a prefill chunk of a client request: no token yet, but the engine core moved
     assert sampler.read() == 100.0 and progress.total == 4
 
 
