@@ -240,8 +240,9 @@ class EngineServer:
     def _on_transition(self, transition: Transition) -> None:
         if self.metrics is not None:
             self.metrics.status.set(int(transition.after))
-        if transition.event not in (Event.FAILURE_LIMIT, Event.PROBE_SUCCEEDED):
-            # Probe-caused changes are published once, with the probe (see _on_probe).
+        if transition.event not in (Event.FAILURE_LIMIT, Event.PROBE_SUCCEEDED, Event.HEALTH_RECOVERED):
+            # Check-caused changes are published once: with the probe (_on_probe), or after the
+            # /health check that caused them (Prober.on_health_check).
             self._publish()
 
     # --- status and watchers ---------------------------------------------------------------
