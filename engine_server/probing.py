@@ -249,15 +249,15 @@ class Prober:
         except ProbeFailed as exc:
             return str(exc)
 
-    def _count_health_failure(self, problem: str) -> None:
+    def _count_health_failure(self, problem: str, probing: bool) -> None:
         self.health_failing = True
         self.consecutive_failures += 1
         logger.info("health check failed (%s; %d consecutive)", problem, self.consecutive_failures)
         if self.consecutive_failures >= self.settings.max_failure_count:
             self.machine.fire(
                 Event.FAILURE_LIMIT,
-                f"{self.consecutive_failures} consecutive health checks failed: {problem} "
-                "(probes wait until it answers 200)",
+                f"{self.consecutive_failures} consecutive health checks failed: {problem}"
+                + (" (probes wait until it answers 200)" if probing else ""),
             )
 
     async def check_health_once(self) -> None:
@@ -266,7 +266,7 @@ class Prober:
         before = (self.consecutive_failures, self.machine.state, self.machine.reason)
         problem = await self._health_problem()
         if problem:
-            self._count_health_failure(problem)
+            self._count_health_failure(problem, probing=False)
         elif self.health_failing:
             self.health_failing, self.consecutive_failures = False, 0
             self.machine.fire(Event.HEALTH_RECOVERED, "GET /health answers 200 again")
@@ -287,7 +287,7 @@ class Prober:
         started = self._monotonic() if self.health is not None else 0.0
         problem = await self._health_problem()
         if problem:  # probes run only while /health answers 200: this round failed there
-            self._count_health_failure(problem)
+            self._count_health_failure(problem, probing=True)
             self.interval = self.settings.probe_interval
             return self._finish(ProbeRecord(
                 time=sent, success=False, latency=self._monotonic() - started, error=problem,
