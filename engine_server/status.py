@@ -2,6 +2,7 @@
 
     INIT --starting--> INIT (a start-up step with its reason, e.g. checking the configuration)
     INIT --health_up--> NORMAL --failure_limit--> ABNORMAL --probe_succeeded--> NORMAL
+                                                  ABNORMAL --health_recovered--> NORMAL
     any  --engine_died--> ABNORMAL (final: a dead engine never comes back in this process)
 
 Flags that are not states (sleeping, draining, probing) live beside it in the EngineStatus message.
@@ -28,8 +29,9 @@ class Health(enum.IntEnum):
 class Event(enum.Enum):
     STARTING = "starting"  # a step of the start-up (checking the configuration, loading)
     HEALTH_UP = "health_up"  # GET /health answered 200
-    FAILURE_LIMIT = "failure_limit"  # max_failure_count consecutive counted probe failures
+    FAILURE_LIMIT = "failure_limit"  # max_failure_count consecutive failed checks (/health or probes)
     PROBE_SUCCEEDED = "probe_succeeded"
+    HEALTH_RECOVERED = "health_recovered"  # /health answers 200 again while nothing probes
     ENGINE_DIED = "engine_died"
 
 
@@ -39,6 +41,7 @@ TRANSITIONS: dict[tuple[Health, Event], Health] = {
     (Health.INIT, Event.HEALTH_UP): Health.NORMAL,
     (Health.NORMAL, Event.FAILURE_LIMIT): Health.ABNORMAL,
     (Health.ABNORMAL, Event.PROBE_SUCCEEDED): Health.NORMAL,
+    (Health.ABNORMAL, Event.HEALTH_RECOVERED): Health.NORMAL,
     (Health.INIT, Event.ENGINE_DIED): Health.ABNORMAL,
     (Health.NORMAL, Event.ENGINE_DIED): Health.ABNORMAL,
     (Health.ABNORMAL, Event.ENGINE_DIED): Health.ABNORMAL,

@@ -85,6 +85,12 @@ VLLM_UNION = "spec.config_json.motor_engine_union_config.engine_args"
         ({"logging_config": {"pylogging_config_file": "x.json"}}, "logging_config.pylogging_config_file", "logging configuration"),
         ({"logging_config": {"log_level": "info"}}, "logging_config", "logging configuration"),
         ({"distributed_executor_backend": "evil.Executor"}, "distributed_executor_backend", "must be one of"),
+        # accepted by vLLM, but they cannot work under the engine server
+        ({"distributed_executor_backend": "ray"}, "distributed_executor_backend", "Ray is not supported"),
+        ({"data-parallel-backend": "ray"}, "data-parallel-backend", "Ray is not supported"),
+        ({"ssl_certfile": "cert.pem"}, "ssl_certfile", "TLS on the inference plane is not supported"),
+        ({"ssl_keyfile": "key.pem"}, "ssl_keyfile", "TLS on the inference plane is not supported"),
+        ({"ssl_ca_certs": "ca.pem"}, "ssl_ca_certs", "TLS on the inference plane is not supported"),
         ({"compilation_config": {"backend": "evil.backend_fn"}}, "compilation_config.backend", "Python name vLLM would import"),
         ({"compilation_config": {"inductor_compile_config": {"cpp.cxx": "sh"}}}, "compilation_config.inductor_compile_config", "compiler"),
         ({"speculative_config": {"method": "custom_class", "model": "evil.Proposer"}}, "speculative_config.model", "Python name"),
@@ -269,3 +275,11 @@ def test_strings_an_argument_parser_turns_into_numbers_that_are_not_finite_are_r
     with pytest.raises(InvalidArgument, match=rf"^spec.config_json.{SECTION}.engine_args.extra_args\[1\]: .* is not a finite number"):
         check_engine_config(_config(extra_args=["--mem-fraction-static", text]), [], field="spec.config_json")
     check_engine_config(_vllm(gpu_memory_utilization="0.9", served_model_name=["nano", "info"]), None)  # finite and words: fine
+
+
+@pytest.mark.parametrize("engine_args", [
+    {"distributed_executor_backend": "mp"}, {"data_parallel_backend": "mp"}, {"ssl_certfile": None},
+    {"enable_ssl_refresh": False},
+])  # fmt: skip
+def test_the_supported_backends_and_tls_left_off_pass(engine_args, tmp_path):
+    check_engine_config(_vllm(**engine_args), [str(tmp_path)], field="spec.config_json")
