@@ -45,6 +45,9 @@ class ClusterState:
         # removed (or, replaced, installed again) in memory (controller/deployments.py): their
         # rows are the change's until memory has caught up.
         self.leaving: set[str] = set()
+        # A new store: engines the nodes run that it does not know are kept, not fenced, until a
+        # deployment is applied (controller/adoption.py).
+        self.keeping_unknown = False
         self._batch_depth = 0
         self._flush_scheduled = False
         self.store_failures = 0  # refused writes in the current spell (0: the store works)
