@@ -21,10 +21,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import time
 from typing import Awaitable, Callable, Iterable
 
 from motor import heartbeats, names, node_process
+from motor.clock import SYSTEM_CLOCK, Clock
 from motor.errors import NotFound
 from motor.tasks import TaskSet, cancel_and_wait, set_within
 from motor.v1 import controller_pb2, types_pb2
@@ -66,8 +66,7 @@ class Controller(views.ClusterReads):
         config: ControllerConfig,
         store: Store,
         node_client: NodeClient,
-        monotonic: Callable[[], float] = time.monotonic,
-        wall: Callable[[], float] = time.time,
+        clock: Clock = SYSTEM_CLOCK,
         events: EventBus | None = None,
         acting: Callable[[], bool] = lambda: True,
     ):
@@ -76,25 +75,26 @@ class Controller(views.ClusterReads):
         store_metrics = StoreMetrics()
         self.store = store = MeasuredStore(store, store_metrics)
         self.nodes_client = node_client
-        self.mono, self.wall = monotonic, wall
+        self.clock = clock
+        self.mono, self.wall = clock.monotonic, clock.time
         # Shared by the controllers one HA process runs in turn (docs/ha.md), so watchers stay.
         self.events = events or EventBus()
         # False while this controller may not act (an HA leader past its renewal deadline, until
         # it is stopped): the reconcile and node-check passes are skipped.
         self.acting = acting
-        self.state = ClusterState(store, self.events, monotonic, wall)
+        self.state = ClusterState(store, self.events, clock)
         self.endpoints = endpoints.EndpointFeed(self.state)
         self.state.on_change = self.endpoints.changed
         self.metrics = ControllerMetrics(
             self.state.nodes.counts, lambda: collections.Counter(i.state for i in self.state.instances.values()),
             store_metrics.collectors,
         )
-        self.started_at = monotonic()
+        self.started_at = clock.monotonic()
         self._wake = asyncio.Event()
         self._tasks = TaskSet("controller")
         self._loops: list[asyncio.Task] = []
         self._stopping = False
-        self.actuator = Actuator(node_client, self.state.nodes, config.stop_deadline, self._spawn, self.events, monotonic)
+        self.actuator = Actuator(node_client, self.state.nodes, config.stop_deadline, self._spawn, self.events, clock)
         self.generations = Generations(self.store, self.state.refused)
         self.lifecycle = EngineLifecycle(self.state, self.actuator, self.generations, self.metrics, self)
         self.scheduler = Scheduler(self.state, config, self.lifecycle, self.metrics, self)
@@ -103,12 +103,12 @@ class Controller(views.ClusterReads):
                                          self.adoption, self.wake, self._spawn)
         # The interval node managers are told and the grace their silence is judged by.
         self.budget = HeartbeatBudget(config.heartbeat_interval, config.node_grace, config.max_heartbeats_per_second,
-                                      self.state.nodes.live, monotonic)
+                                      self.state.nodes.live, clock)
         self.metrics.heartbeat_interval.set_function(lambda: self.budget.announced)
         self.metrics.node_grace.set_function(self.budget.held_grace)
         self.monitor = NodeMonitor(self.state, config, self.budget, node_client, self.lifecycle, self)
         # The per-node, per-instance and per-engine series, served beside metrics.registry's (/metrics).
-        self.fleet_series = FleetSeries(self.state, lambda: self.monitor.alarm, clock=wall)
+        self.fleet_series = FleetSeries(self.state, lambda: self.monitor.alarm, clock=clock)
         self.claims = NodeClaims(self.state, config, self.monitor, self.metrics.registrations_refused)
         self.node_stores = NodeStoreAlarms(self.events)
 
@@ -176,15 +176,18 @@ class Controller(views.ClusterReads):
 
     async def _monitor_loop(self) -> None:
         period = min(0.5, self.config.heartbeat_interval / 2)
-        last = time.monotonic()
+        loop = asyncio.get_running_loop()
+        last = self.mono(), loop.time()
 
         async def tick() -> None:
             nonlocal last
             await asyncio.sleep(period)
-            now = time.monotonic()
-            # How late this tick came is real time; a test's manual clock does not stop with the process.
-            if self.mono is time.monotonic:
-                self.monitor.controller_was_away(now - last - period)
+            now = self.mono(), loop.time()
+            # Away: the tick came late on the loop's own clock (the process did not run) and the
+            # controller's clock, which node silence is judged by, moved on meanwhile too: the
+            # lesser of the two overruns (a clock that moves only when told is not away while
+            # the loop runs on time).
+            self.monitor.controller_was_away(min(now[0] - last[0], now[1] - last[1]) - period)
             last = now
 
         await self._repeat(tick, self.check_nodes, "node check")

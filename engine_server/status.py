@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import enum
 import logging
-import time
 from dataclasses import dataclass
 from typing import Callable
+
+from motor.clock import SYSTEM_CLOCK, Clock
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +58,11 @@ class Transition:
 class HealthStateMachine:
     """Holds the status and its reason; `fire` is the only way to change them."""
 
-    def __init__(self, clock: Callable[[], float] = time.time):
+    def __init__(self, clock: Clock = SYSTEM_CLOCK):
         self.state = Health.INIT
         self.reason = "starting: waiting for the inference plane's GET /health to answer"
         self.dead = False
-        self.changed_at = clock()
+        self.changed_at = clock.time()
         self._clock = clock
         self._listeners: list[Callable[[Transition], None]] = []
 
@@ -79,7 +80,7 @@ class HealthStateMachine:
         self.dead = event is Event.ENGINE_DIED
         if after == self.state and reason == self.reason:
             return False
-        transition = Transition(self.state, after, event, reason, self._clock())
+        transition = Transition(self.state, after, event, reason, self._clock.time())
         self.state, self.reason, self.changed_at = after, reason, transition.at
         log = logger.warning if after is Health.ABNORMAL else logger.info
         log("status %s -> %s (%s): %s", transition.before.name, after.name, event.value, reason)
