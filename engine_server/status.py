@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from motor.clock import SYSTEM_CLOCK, Clock
+from motor.state_machine import Transitions
 
 logger = logging.getLogger(__name__)
 
@@ -34,16 +35,12 @@ class Event(enum.Enum):
     ENGINE_DIED = "engine_died"
 
 
-# (from, event) -> to. Anything else is ignored (e.g. a success while NORMAL changes nothing).
-TRANSITIONS: dict[tuple[Health, Event], Health] = {
-    (Health.INIT, Event.STARTING): Health.INIT,
-    (Health.INIT, Event.HEALTH_UP): Health.NORMAL,
-    (Health.NORMAL, Event.FAILURE_LIMIT): Health.ABNORMAL,
-    (Health.ABNORMAL, Event.PROBE_SUCCEEDED): Health.NORMAL,
-    (Health.INIT, Event.ENGINE_DIED): Health.ABNORMAL,
-    (Health.NORMAL, Event.ENGINE_DIED): Health.ABNORMAL,
-    (Health.ABNORMAL, Event.ENGINE_DIED): Health.ABNORMAL,
-}
+# from -> {event: to}. Anything else is ignored (e.g. a success while NORMAL changes nothing).
+TRANSITIONS: Transitions[Health, Event] = Transitions({
+    Health.INIT: {Event.STARTING: Health.INIT, Event.HEALTH_UP: Health.NORMAL, Event.ENGINE_DIED: Health.ABNORMAL},
+    Health.NORMAL: {Event.FAILURE_LIMIT: Health.ABNORMAL, Event.ENGINE_DIED: Health.ABNORMAL},
+    Health.ABNORMAL: {Event.PROBE_SUCCEEDED: Health.NORMAL, Event.ENGINE_DIED: Health.ABNORMAL},
+}, lambda health: health.name)
 
 
 @dataclass(frozen=True)
@@ -73,7 +70,7 @@ class HealthStateMachine:
         """Apply `event`; return True when the status or its reason changed."""
         if self.dead:
             return False  # a dead engine stays ABNORMAL with the death's reason
-        after = TRANSITIONS.get((self.state, event))
+        after = TRANSITIONS.next(self.state, event)
         if after is None:
             return False
         # Death is final even when its reason repeats the current one (nothing else changes then).
