@@ -61,15 +61,8 @@ RegisterNodeResponse = C.RegisterNodeResponse
 
 
 class Controller(views.ClusterReads):
-    def __init__(
-        self,
-        config: ControllerConfig,
-        store: Store,
-        node_client: NodeClient,
-        clock: Clock = SYSTEM_CLOCK,
-        events: EventBus | None = None,
-        acting: Callable[[], bool] = lambda: True,
-    ):
+    def __init__(self, config: ControllerConfig, store: Store, node_client: NodeClient, clock: Clock = SYSTEM_CLOCK,
+                 events: EventBus | None = None, acting: Callable[[], bool] = lambda: True):
         self.config = config
         # Every store (SQLite, etcd, a test's) is measured alike: write latency and failures.
         store_metrics = StoreMetrics()

@@ -16,12 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from typing import Coroutine, Protocol
-
-from motor import names, pbtime
-from motor.exits import describe_exit
-from motor.start_refusals import Refusal
-from motor.v1 import controller_pb2, types_pb2
+from collections.abc import Coroutine
+from typing import Protocol
 
 from controller import reported
 from controller.actuator import Actuator, engine_spec
@@ -33,6 +29,10 @@ from controller.nodes import NODE_LOST, NODE_READY, NodeRuntime
 from controller.slots import EngineSlot
 from controller.state import ClusterState
 from controller.store import StoreUnavailable
+from motor import names, pbtime
+from motor.exits import describe_exit
+from motor.start_refusals import Refusal
+from motor.v1 import controller_pb2, types_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +53,21 @@ class ControllerLoop(Protocol):
 
 
 class EngineLifecycle:
-    def __init__(self, state: ClusterState, actuator: Actuator, generations: Generations, metrics: ControllerMetrics,
-                 loop: ControllerLoop):
-        self.state, self.actuator, self.generations, self.metrics, self.loop = state, actuator, generations, metrics, loop
+    def __init__(
+        self,
+        state: ClusterState,
+        actuator: Actuator,
+        generations: Generations,
+        metrics: ControllerMetrics,
+        loop: ControllerLoop,
+    ):
+        self.state, self.actuator, self.generations, self.metrics, self.loop = (
+            state,
+            actuator,
+            generations,
+            metrics,
+            loop,
+        )
         # Until then (monotonic), nothing is started unless every known node has reported.
         self.startup_until = state.mono()
         self._restart_timers: dict[str, asyncio.TimerHandle] = {}
@@ -91,7 +103,13 @@ class EngineLifecycle:
                 else:
                     why = f"the current generation is {slot.generation}"
                 self.state.nodes.room_changed.add(node.node_id)  # it holds accelerators there (fleet_view.py)
-                self.actuator.stop_copy(node.node_id, engine.engine_id, generation, f"stale copy (generation {generation}): {why}", fence=True)
+                self.actuator.stop_copy(
+                    node.node_id,
+                    engine.engine_id,
+                    generation,
+                    f"stale copy (generation {generation}): {why}",
+                    fence=True,
+                )
             return
         slot.launched = True
         if slot.adopt_ports(engine.spec):  # ports the node manager allocated
@@ -105,7 +123,11 @@ class EngineLifecycle:
             return
         # Interned: the same few reasons for thousands of engines are one string each.
         slot.state, slot.health, slot.health_reason = engine.state, engine.health, sys.intern(engine.health_reason)
-        if slot.failed_at is not None and engine.state == T.ENGINE_STATE_RUNNING and engine.health == T.HEALTH_STATUS_NORMAL:
+        if (
+            slot.failed_at is not None
+            and engine.state == T.ENGINE_STATE_RUNNING
+            and engine.health == T.HEALTH_STATUS_NORMAL
+        ):
             self.metrics.recovery_seconds.observe(self.state.mono() - slot.failed_at)
             slot.failed_at = None
         self.state.on_change([slot.engine_id])
@@ -127,7 +149,9 @@ class EngineLifecycle:
         if slot.failed_at is None:
             slot.failed_at = st.mono()
         what = f"engine {slot.engine_id} on {node_id} {reason}"
-        st.event(C.EVENT_TYPE_ENGINE_FAILED, what, node_id=node_id, instance_id=slot.instance_id, engine_id=slot.engine_id)
+        st.event(
+            C.EVENT_TYPE_ENGINE_FAILED, what, node_id=node_id, instance_id=slot.instance_id, engine_id=slot.engine_id
+        )
         inst = st.instances.get(slot.instance_id)
         if inst is None:
             return
@@ -152,7 +176,8 @@ class EngineLifecycle:
             if decision.give_up:
                 inst.restart_ranks, inst.next_restart_at = (), None
                 st.transition(
-                    inst, FAILED,
+                    inst,
+                    FAILED,
                     f"crash-loop budget spent: {decision.failures_in_window} failures within "
                     f"{policy.failure_window:g}s; last: {what}; left alone until the deployment is applied again",
                 )
@@ -164,7 +189,8 @@ class EngineLifecycle:
             when = "now" if decision.delay == 0 else f"in {decision.delay:g}s"
             scope = "its data-parallel group" if policy.group_scope else "the rank"
             st.transition(
-                inst, RESTARTING,
+                inst,
+                RESTARTING,
                 f"{what}; restarting {scope} {when} (failure {decision.failures_in_window} of "
                 f"{policy.max_failures} allowed within {policy.failure_window:g}s)",
             )
@@ -230,7 +256,9 @@ class EngineLifecycle:
                 try:
                     await self.actuator.stop(node.info, slot.engine_id, generation)
                 except NodeCallError as exc:
-                    logger.warning("could not stop %s (generation %d) on %s: %s", slot.engine_id, generation, node_id, exc)
+                    logger.warning(
+                        "could not stop %s (generation %d) on %s: %s", slot.engine_id, generation, node_id, exc
+                    )
                 finally:
                     slot.busy = False
         if st.slots.get(slot.engine_id) is slot:
@@ -279,7 +307,9 @@ class EngineLifecycle:
             C.EVENT_TYPE_ENGINE_STARTED,
             f"engine {slot.engine_id} started on {node.node_id} (generation {spec.generation}, "
             f"port {engine.spec.port or spec.port}, pid {engine.pid})",
-            node_id=node.node_id, instance_id=slot.instance_id, engine_id=slot.engine_id,
+            node_id=node.node_id,
+            instance_id=slot.instance_id,
+            engine_id=slot.engine_id,
         )
         node.engines.setdefault(engine.engine_id or slot.engine_id, reported.keep(engine))
         self.observe(node, engine, "")
@@ -326,9 +356,14 @@ class EngineLifecycle:
             self.state.nodes.room_changed.add(node.node_id)  # the placement view drops it
             node.unusable = node.reason = (
                 f"its address {node.info.address} answers as another node: it gets no engines until it registers "
-                "again with its own address (check its --advertise-address)")
-        self.state.events.repeat(("misaddressed", node.node_id), C.EVENT_TYPE_NODE_CONFLICT,
-                                 f"node {node.node_id}: {node.unusable}; StartEngine there: {answer}", node_id=node.node_id)
+                "again with its own address (check its --advertise-address)"
+            )
+        self.state.events.repeat(
+            ("misaddressed", node.node_id),
+            C.EVENT_TYPE_NODE_CONFLICT,
+            f"node {node.node_id}: {node.unusable}; StartEngine there: {answer}",
+            node_id=node.node_id,
+        )
         self.evacuate(node, f"node {node.node_id}, whose address answers as another node")
 
     def evacuate(self, node: NodeRuntime, what: str = "") -> None:
@@ -355,7 +390,9 @@ class EngineLifecycle:
                 st.transition(inst, PENDING, f"rank(s) {','.join(map(str, ranks))} were on {where}")
                 others = [s.dp_rank for s in st.slots_of(instance_id) if s.node_id]
                 if others and (st.policy.group_scope or 0 in ranks):
-                    self.loop.spawn(self.move(instance_id, others, what or f"node {node.node_id} lost"), f"move {instance_id}")
+                    self.loop.spawn(
+                        self.move(instance_id, others, what or f"node {node.node_id} lost"), f"move {instance_id}"
+                    )
         self.loop.wake()
 
 

@@ -8,7 +8,8 @@ driven by events (the engine server's health) names the event and asks `next`.
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Hashable, Iterable, Mapping, TypeVar
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Generic, TypeVar
 
 S = TypeVar("S", bound=Hashable)
 K = TypeVar("K", bound=Hashable)
