@@ -61,13 +61,8 @@ class EngineLifecycle:
         metrics: ControllerMetrics,
         loop: ControllerLoop,
     ):
-        self.state, self.actuator, self.generations, self.metrics, self.loop = (
-            state,
-            actuator,
-            generations,
-            metrics,
-            loop,
-        )
+        self.state, self.actuator, self.generations = state, actuator, generations
+        self.metrics, self.loop = metrics, loop
         # Until then (monotonic), nothing is started unless every known node has reported.
         self.startup_until = state.mono()
         self._restart_timers: dict[str, asyncio.TimerHandle] = {}
