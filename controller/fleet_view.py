@@ -49,7 +49,7 @@ class FleetView:
         st.slots.room_changed.clear()
         for node_id in changed:
             node = st.nodes.get(node_id)
-            if node is None or node.state != NODE_READY or node.unusable:  # unusable: set aside (Scheduler.set_aside)
+            if node is None or node.state != NODE_READY or node.unusable:  # unusable: set aside (EngineLifecycle.set_aside)
                 self._fleet.drop(node_id)
                 self._holding.pop(node_id, None)
             else:

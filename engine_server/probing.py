@@ -1,7 +1,7 @@
 """Virtual inference: 1-token probes, the utilization peak that chooses the next interval, and
 the failure count that turns the status ABNORMAL.
 
-Plain classes with injectable clock, sleep, sampler and probe client, so tests drive them fast.
+Plain classes with injectable clock (`motor/clock.py`), sampler and probe client, so tests drive them fast.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any, Callable, Protocol
 
 import aiohttp
 
+from motor.clock import SYSTEM_CLOCK, Clock
 from motor.user_config import HealthCheckConfig
 
 from engine_server.engines.base import UtilizationSampler, probe_request_id
@@ -145,9 +146,9 @@ class PeakSampler:
         sampler: UtilizationSampler,
         window: float,
         period: float,
-        sleep: Callable[[float], Any] = asyncio.sleep,
+        clock: Clock = SYSTEM_CLOCK,
     ):
-        self.sampler, self.window, self.period, self._sleep = sampler, window, period, sleep
+        self.sampler, self.window, self.period, self._clock = sampler, window, period, clock
         self._warned = False
 
     async def peak(self) -> float:
@@ -161,7 +162,7 @@ class PeakSampler:
                     logger.warning("utilization sampler %s failed: %s (counting as 0%%)", self.sampler.name, exc)
                     self._warned = True
             if index < count - 1:
-                await self._sleep(self.period)
+                await self._clock.sleep(self.period)
         return max(samples, default=0.0)
 
 
@@ -185,9 +186,7 @@ class Prober:
         machine: HealthStateMachine,
         on_record: Callable[[ProbeRecord], None] = lambda record: None,
         metrics: Any = None,
-        clock: Callable[[], float] = time.time,
-        monotonic: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], Any] = asyncio.sleep,
+        clock: Clock = SYSTEM_CLOCK,
         progress: Callable[[], int | None] = lambda: None,
         health: HealthClient | None = None,
         on_health_check: Callable[[], None] = lambda: None,
@@ -198,7 +197,7 @@ class Prober:
         self.health, self.on_health_check = health, on_health_check
         self.health_failing = False  # the last counted failure was a failed GET /health
         self.on_record, self.metrics = on_record, metrics
-        self._clock, self._monotonic, self._sleep = clock, monotonic, sleep
+        self._clock = clock
         self.interval = settings.probe_interval
         self.consecutive_failures = 0
         self.last: ProbeRecord | None = None
@@ -213,18 +212,18 @@ class Prober:
         return self.interval
 
     async def _timed_probe(self) -> tuple[bool, float, str]:
-        started = self._monotonic()
+        started = self._clock.monotonic()
         try:
             async with asyncio.timeout(self.settings.probe_timeout):
                 await self.client.probe()
-            return True, self._monotonic() - started, ""
+            return True, self._clock.monotonic() - started, ""
         except asyncio.TimeoutError:
-            return False, self._monotonic() - started, f"timed out after {self.settings.probe_timeout:g}s"
+            return False, self._clock.monotonic() - started, f"timed out after {self.settings.probe_timeout:g}s"
         except ProbeFailed as exc:
-            return False, self._monotonic() - started, str(exc)
+            return False, self._clock.monotonic() - started, str(exc)
         except Exception as exc:  # a probe client bug must not stop probing
             logger.exception("probe client raised")
-            return False, self._monotonic() - started, f"{type(exc).__name__}: {exc}"
+            return False, self._clock.monotonic() - started, f"{type(exc).__name__}: {exc}"
 
     def _progressed(self) -> bool | None:
         """Whether the engine made progress since the previous round (None: it cannot tell)."""
@@ -278,19 +277,19 @@ class Prober:
     async def run_health_checks(self) -> None:
         """GET /health every probe_interval, for as long as nothing probes."""
         while True:
-            started = self._monotonic()
+            started = self._clock.monotonic()
             await self.check_health_once()
-            await self._sleep(max(0.0, self.settings.probe_interval - (self._monotonic() - started)))
+            await self._clock.sleep(max(0.0, self.settings.probe_interval - (self._clock.monotonic() - started)))
 
     async def probe_once(self) -> ProbeRecord:
-        sent = self._clock()
-        started = self._monotonic() if self.health is not None else 0.0
+        sent = self._clock.time()
+        started = self._clock.monotonic() if self.health is not None else 0.0
         problem = await self._health_problem()
         if problem:  # probes run only while /health answers 200: this round failed there
             self._count_health_failure(problem, probing=True)
             self.interval = self.settings.probe_interval
             return self._finish(ProbeRecord(
-                time=sent, success=False, latency=self._monotonic() - started, error=problem,
+                time=sent, success=False, latency=self._clock.monotonic() - started, error=problem,
                 utilization_peak=0.0, next_interval=self.interval,
                 consecutive_failures=self.consecutive_failures, counted=True, status=self.machine.state,
             ))  # fmt: skip
@@ -359,6 +358,6 @@ class Prober:
     async def run(self) -> None:
         """Probe forever, start to start every `interval` (a round lasts at least the sampling window)."""
         while True:
-            started = self._monotonic()
+            started = self._clock.monotonic()
             await self.probe_once()
-            await self._sleep(max(0.0, self.interval - (self._monotonic() - started)))
+            await self._clock.sleep(max(0.0, self.interval - (self._clock.monotonic() - started)))

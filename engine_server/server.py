@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from motor.clock import SYSTEM_CLOCK, Clock
 from motor.errors import FailedPrecondition, InvalidArgument
 from motor.fanout import FanOut, Subscription
 from motor.user_config import EngineSection
@@ -75,11 +75,12 @@ class EngineServer:
         sampler: UtilizationSampler | None = None,
         probe_client: ProbeClient | None = None,
         health_client: HealthClient | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ):
-        self.options, self.section, self.engine, self.metrics = options, section, engine, metrics
+        self.options, self.section, self.engine, self.metrics, self.clock = options, section, engine, metrics, clock
         self.settings = section.health_check_config
         self.base_url = f"http://{connect_host(options.host)}:{options.port}"
-        self.machine = HealthStateMachine()
+        self.machine = HealthStateMachine(clock)
         self.machine.on_transition(self._on_transition)
         self._sampler = sampler
         self._probe_client = probe_client or HttpProbeClient(self.base_url, options.role, self.settings.probe_timeout)
@@ -123,13 +124,14 @@ class EngineServer:
         self.prober = Prober(
             self.settings,
             self._probe_client,
-            PeakSampler(sampler, self.settings.utilization_window, self.settings.utilization_sample_period),
+            PeakSampler(sampler, self.settings.utilization_window, self.settings.utilization_sample_period, self.clock),
             self.machine,
             on_record=self._on_probe,
             metrics=self.metrics,
             progress=self.engine.progress,
             health=self._health_client,
             on_health_check=self._publish,
+            clock=self.clock,
         )
         self._tasks.append(asyncio.create_task(self._watch_death(), name="watch-death"))
         self._tasks.append(asyncio.create_task(self._watch_health(), name="watch-health"))
@@ -147,7 +149,7 @@ class EngineServer:
             if problem != last_problem:
                 logger.info("engine not up yet: %s", problem)
                 last_problem = problem
-            await asyncio.sleep(self.settings.health_poll_interval)
+            await self.clock.sleep(self.settings.health_poll_interval)
         self.healthy = True
         self.machine.fire(Event.HEALTH_UP, "inference plane is up: GET /health answered 200")
         self._maybe_start_probing()
@@ -294,9 +296,9 @@ class EngineServer:
             self._pause_health_checks()
             logger.info("draining: probes stopped, %d requests in flight", self.engine.in_flight_requests())
             self._publish()
-        end = time.monotonic() + deadline
-        while self.engine.in_flight_requests() > 0 and time.monotonic() < end:
-            await asyncio.sleep(0.05)
+        end = self.clock.monotonic() + deadline
+        while self.engine.in_flight_requests() > 0 and self.clock.monotonic() < end:
+            await self.clock.sleep(0.05)
         left = self.engine.in_flight_requests()
         return left == 0, left
 

@@ -26,6 +26,7 @@ import random
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
+from motor.clock import Clock
 from motor import pbtime
 from motor.errors import ConfigError
 from motor.channels import ReloadingChannel
@@ -40,7 +41,6 @@ from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from node_manager.controller_epoch import ControllerEpoch
 from node_manager.heartbeat_sender import HeartbeatSender
 from node_manager.manager import NodeManager
-from node_manager.process_ops import Clock
 
 logger = logging.getLogger(__name__)
 

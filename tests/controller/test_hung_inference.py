@@ -8,10 +8,14 @@ from __future__ import annotations
 import json
 import urllib.request
 
+import pytest
+
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
 from tests.controller.test_real_processes import apply, make_cluster, sim_deployment  # noqa: F401 (fixture)
 from tests.support import process_alive, wait_for
+
+pytestmark = pytest.mark.processes
 
 FAST_PROBES = {
     "enable_virtual_inference": True, "probe_interval": 0.3, "busy_probe_interval": 0.6, "probe_timeout": 0.5,

@@ -206,6 +206,7 @@ def test_a_threshold_above_busy_utilization_is_a_warning_not_a_refusal(tmp_path,
     ]
 
 
+@pytest.mark.processes
 def test_an_engine_whose_threshold_turns_probing_off_is_never_probed(engine_server):
     from tests.engine_server.conftest import sim_config
     from motor.v1 import types_pb2

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
+from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from motor.clock import SystemClock
 from motor.user_config import HealthCheckConfig
 from engine_server.engines.base import UtilizationSampler, is_probe_request_id, probe_token
 from engine_server.metrics import EngineServerMetrics
@@ -55,8 +58,14 @@ class ScriptedClient:
             raise ProbeFailed(self.fail)
 
 
-async def no_sleep(seconds: float) -> None:
-    return None
+class NoWaitClock(SystemClock):
+    """The system clock, but a sleep returns at once."""
+
+    async def sleep(self, seconds: float) -> None:
+        return None
+
+
+NO_WAIT = NoWaitClock()
 
 
 def make_prober(sampler: UtilizationSampler, client=None, settings=SETTINGS, metrics=None, progress=lambda: None):
@@ -65,7 +74,7 @@ def make_prober(sampler: UtilizationSampler, client=None, settings=SETTINGS, met
     records = []
     prober = Prober(
         settings, client or ScriptedClient(), PeakSampler(sampler, settings.utilization_window,
-        settings.utilization_sample_period, sleep=no_sleep), machine, on_record=records.append, metrics=metrics,
+        settings.utilization_sample_period, clock=NO_WAIT), machine, on_record=records.append, metrics=metrics,
         progress=progress,
     )  # fmt: skip
     return prober, machine, records
@@ -200,7 +209,7 @@ async def test_a_broken_sampler_counts_as_idle():
         async def sample(self) -> float:
             raise RuntimeError("no driver")
 
-    assert await PeakSampler(Broken(), 1, 0.5, sleep=no_sleep).peak() == 0.0
+    assert await PeakSampler(Broken(), 1, 0.5, clock=NO_WAIT).peak() == 0.0
 
 
 async def test_run_probes_start_to_start_every_interval():
@@ -217,7 +226,7 @@ async def test_run_probes_start_to_start_every_interval():
         return now[0]
 
     prober, _, _ = make_prober(FixedSampler(0))
-    prober._sleep, prober._monotonic = fake_sleep, monotonic
+    prober._clock = SimpleNamespace(time=time.time, monotonic=monotonic, sleep=fake_sleep)
     with pytest.raises(asyncio.CancelledError):
         await prober.run()
     assert all(0 < s < 5 for s in sleeps)  # the round's own time is taken off the interval

@@ -156,6 +156,7 @@ def test_killed_engine_server_takes_sglang_with_it(sglang_server):
         pass
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("usage_stats", [None, True])
 def test_engines_do_not_phone_home_unless_the_section_asks(sglang_server, monkeypatch, usage_stats):
     """Air-gapped fleets: the engine's own processes see VLLM_NO_USAGE_STATS=1 and DO_NOT_TRACK=1."""
