@@ -1,1 +1,2 @@
-"""The shared contract between the services: ids, time, exits, refusals, the user_config and deployment file, engine policy, heartbeat timing."""
+"""The shared contract between the services: ids, time, exits, refusals, the user_config and
+deployment file, engine policy, heartbeat timing."""

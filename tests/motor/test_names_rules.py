@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from motor.errors import InvalidArgument
 from motor.contract.names import (
-    ID_RULE, check_instance_id, check_node_id, check_printable, enum_short_name, excerpt, parse_engine_id, parse_role,
+    ID_RULE,
+    check_instance_id,
+    check_node_id,
+    check_printable,
+    enum_short_name,
+    excerpt,
+    parse_engine_id,
+    parse_role,
     role_name,
 )  # fmt: skip
+from motor.errors import InvalidArgument
 from motor.v1 import types_pb2 as T
 
 
@@ -38,8 +45,13 @@ def test_a_bad_engine_id_of_any_type_is_invalid_argument_quoting_it(value, shown
 
 @pytest.mark.parametrize(
     "value, role",
-    [("prefill", T.ROLE_PREFILL), (" Decode ", T.ROLE_DECODE), ("ROLE_UNION", T.ROLE_UNION), ("role_prefill", T.ROLE_PREFILL),
-     (T.ROLE_DECODE, T.ROLE_DECODE)],
+    [
+        ("prefill", T.ROLE_PREFILL),
+        (" Decode ", T.ROLE_DECODE),
+        ("ROLE_UNION", T.ROLE_UNION),
+        ("role_prefill", T.ROLE_PREFILL),
+        (T.ROLE_DECODE, T.ROLE_DECODE),
+    ],
 )  # fmt: skip
 def test_roles_by_name_or_number(value, role):
     assert parse_role(value) == role
@@ -56,7 +68,10 @@ def test_anything_else_is_not_a_role(value, shown):
 
 def test_role_names():
     assert [role_name(r) for r in (T.ROLE_PREFILL, T.ROLE_DECODE, T.ROLE_UNION, T.ROLE_UNSPECIFIED)] == [
-        "prefill", "decode", "union", "unspecified"
+        "prefill",
+        "decode",
+        "union",
+        "unspecified",
     ]
 
 
