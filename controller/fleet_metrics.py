@@ -142,7 +142,8 @@ class FleetSeries:
         engines: list[tuple[Any, list]] = []
         yield header(ENGINE_HEALTH).encode()
         async for blocks in self._pieces(list(self.state.slots.values()), self._engines,
-                                         lambda rows: EngineLines.of(rows, instances), lambda lines: lines.hold(instances)):
+                                         lambda rows: EngineLines.of(rows, instances),
+                                         lambda lines: lines.hold(instances)):
             engines += blocks
             yield b"".join(lines.health for lines, _ in blocks)
         # The restart counts as the blocks just read showed them (each block's lines consistent).
@@ -176,8 +177,8 @@ class FleetSeries:
 def node_lines(nodes: list) -> tuple[bytes, list[str]]:
     """A block of nodes' state lines, and the text before each one's heartbeat age (only the
     number is new at each scrape)."""
-    return ("".join(one_hot(NODE_STATE[0], labels(node_id=n.node_id), NODE_STATES, n.state, "state") for n in nodes).encode(),
-            [f"{HEARTBEAT_AGE[0]}{{{labels(node_id=n.node_id)}}} " for n in nodes])
+    states = "".join(one_hot(NODE_STATE[0], labels(node_id=n.node_id), NODE_STATES, n.state, "state") for n in nodes)
+    return states.encode(), [f"{HEARTBEAT_AGE[0]}{{{labels(node_id=n.node_id)}}} " for n in nodes]
 
 
 def instance_lines(instances: list) -> bytes:
@@ -197,7 +198,7 @@ class EngineLines:
     complete: bool
 
     @classmethod
-    def of(cls, slots: list, instances: dict) -> "EngineLines":
+    def of(cls, slots: list, instances: dict) -> EngineLines:
         ids = frozenset(s.instance_id for s in slots)
         kept = slots if ids <= instances.keys() else [s for s in slots if s.instance_id in instances]
         return cls(health_lines(kept), restart_lines(kept), ids, len(kept) == len(slots))
@@ -208,8 +209,9 @@ class EngineLines:
 
 
 def health_lines(slots: list) -> bytes:
-    return "".join(one_hot(ENGINE_HEALTH[0], labels(instance_id=s.instance_id, engine_id=s.engine_id, node_id=s.node_id),
-                           HEALTH_STATES, s.health, "health") for s in slots).encode()
+    return "".join(one_hot(ENGINE_HEALTH[0], labels(instance_id=s.instance_id, engine_id=s.engine_id,
+                                                    node_id=s.node_id), HEALTH_STATES, s.health, "health")
+                   for s in slots).encode()
 
 
 def restart_lines(slots: list) -> bytes:

@@ -67,7 +67,8 @@ def assert_same_as_the_views(samples: dict, controller) -> None:
     assert sum(1 for k in samples if k[0] == "motor_controller_node_state") == len(nodes) * 3
 
 
-@pytest.mark.parametrize("chunk", [1, 500])  # one row per loop turn (the pieces join into one valid exposition), the default
+# One row per loop turn (the pieces must still join into one valid exposition), and the default.
+@pytest.mark.parametrize("chunk", [1, 500])
 async def test_the_series_show_what_the_views_show_and_follow_changes(harness, chunk):
     await running_example(harness)
     controller = harness.controller
@@ -165,13 +166,14 @@ async def test_a_change_in_a_large_fleet_shows_at_the_next_scrape_and_only_engin
     state.instances["u-00250"].state = C.INSTANCE_STATE_RESTARTING
     node = state.nodes["node-00777"]
     state.nodes.set_state(node, NODE_SUSPECT, "silent")
-    replaced = NodeRuntime(C.NodeInfo(node_id="node-00042"), 2, NODE_READY, "", 0.0, 0.0)  # registered again, not heard from
+    # Registered again (a new record), not heard from yet.
+    replaced = NodeRuntime(C.NodeInfo(node_id="node-00042"), 2, NODE_READY, "", 0.0, 0.0)
     state.nodes.put(replaced)
     after = await scrape(series)
     ids = {"instance_id": "u-00512", "engine_id": "u-00512/rank3"}
     assert one_hot(after, "motor_controller_engine_health", "health", **ids, node_id="node-00999") == "abnormal"
-    assert not [k for k in after if k[0] == "motor_controller_engine_health" and dict(k[1]).get("node_id") == "node-00512"
-                and dict(k[1])["engine_id"] == "u-00512/rank3"]
+    assert not [k for k in after if k[0] == "motor_controller_engine_health"
+                and dict(k[1]).get("node_id") == "node-00512" and dict(k[1])["engine_id"] == "u-00512/rank3"]
     assert sample(after, "motor_controller_engine_restarts_total", **ids) == 2
     assert one_hot(after, "motor_controller_instance_state", "state", instance_id="u-00250", group="u",
                    role="union") == "restarting"
@@ -196,7 +198,8 @@ async def test_a_change_in_a_large_fleet_shows_at_the_next_scrape_and_only_engin
 SCRAPER = """
 import sys, urllib.request, zlib
 for _ in sys.stdin:
-    with urllib.request.urlopen(urllib.request.Request(sys.argv[1], headers={"Accept-Encoding": "gzip"}), timeout=60) as r:
+    request = urllib.request.Request(sys.argv[1], headers={"Accept-Encoding": "gzip"})
+    with urllib.request.urlopen(request, timeout=60) as r:
         body = r.read()
         if r.headers.get("Content-Encoding") == "gzip":
             body = zlib.decompress(body, 16 + zlib.MAX_WBITS)

@@ -151,7 +151,8 @@ async def test_a_scrape_asking_for_gzip_gets_the_same_exposition_compressed():
         await telemetry.close()
     assert len(plain) > 2 * GzipOffLoop.BATCH and b"".join(rows) in plain
     assert len(packed) < len(plain) / 10
-    text = gzip.decompress(packed)  # the registry's series (the loop lag may have moved between the scrapes), then the fleet's
+    # The registry's series (the loop lag may have moved between the two scrapes), then the fleet's.
+    text = gzip.decompress(packed)
     assert text.endswith(b"".join(rows)) and plain.endswith(b"".join(rows))
     assert {f.name for f in text_string_to_metric_families(text.decode())} == \
         {f.name for f in text_string_to_metric_families(plain.decode())}
