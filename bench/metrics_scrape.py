@@ -113,7 +113,8 @@ async def measure(args) -> list[dict]:
 def compare(args) -> dict[str, float]:
     """The medians of this measurement on git revision `args.compare`'s code."""
     with tempfile.TemporaryDirectory(prefix="motor-compare-") as tree:
-        archive = subprocess.run(["git", "-C", HERE, "archive", args.compare], capture_output=True, check=True)
+        root = os.path.dirname(HERE)  # (git archive in a subdirectory archives only that)
+        archive = subprocess.run(["git", "-C", root, "archive", args.compare], capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", tree], input=archive.stdout, check=True)
         script = os.path.join(tree, "bench", os.path.basename(__file__))
         with open(__file__, "rb") as mine, open(script, "wb") as copy:
