@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 import psutil
 
@@ -122,8 +123,20 @@ def wait_for_line(process: subprocess.Popen, line: str, timeout: float) -> None:
     raise SystemExit(f"no {line!r} from {process.args[2]} within {timeout:.0f}s")
 
 
-def measure(args, pki: str) -> float:
-    """Server RSS growth per connection (KiB) for one mode ("" pki: plaintext)."""
+@dataclass(frozen=True)
+class Floor:
+    """What the bare server held in one mode: its RSS idle, and its growth per connection."""
+
+    idle_mib: float
+    per_connection_kib: float
+
+    def at(self, connections: int) -> float:
+        """The bare server's RSS (MiB) with `connections` connections open, one stream each."""
+        return self.idle_mib + self.per_connection_kib * connections / 1024
+
+
+def measure(args, pki: str) -> Floor:
+    """The bare server's RSS idle and its growth per connection for one mode ("" pki: plaintext)."""
     port = free_port()
     me = os.path.abspath(__file__)
     options = json.dumps(args.option)
@@ -148,7 +161,16 @@ def measure(args, pki: str) -> float:
     print(f"{mode} | {args.connections} connections | server RSS {idle / 2**20:6.1f} MiB idle, {held / 2**20:6.1f} MiB "
           f"with them open | {per_connection:5.1f} KiB per connection | {FLEET:,} connections: "
           f"{per_connection * FLEET / 1024:5.0f} MiB", flush=True)
-    return per_connection
+    return Floor(idle / 2**20, per_connection)
+
+
+def both_modes(connections: int, settle: float = 10.0, every: float = 2.0) -> dict[bool, Floor]:
+    """Plaintext (False) and mutual TLS (True), each measured once now with `connections`
+    connections (bench/controller_scale.py's memory bound)."""
+    how = argparse.Namespace(connections=connections, every=every, settle=settle, option=[])
+    with tempfile.TemporaryDirectory(prefix="motor-grpc-memory-") as pki:
+        make_pki(pki)
+        return {False: measure(how, ""), True: measure(how, pki)}
 
 
 def main() -> int:
@@ -180,8 +202,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="motor-grpc-memory-") as pki:
         make_pki(pki)
         for _ in range(args.repeats):
-            plain.append(measure(args, ""))
-            tls.append(measure(args, pki))
+            plain.append(measure(args, "").per_connection_kib)
+            tls.append(measure(args, pki).per_connection_kib)
     p, t = statistics.median(plain), statistics.median(tls)
     print(f"median of {args.repeats}: plaintext {p:.1f} KiB, mutual TLS {t:.1f} KiB per connection (TLS's own: "
           f"{t - p:.1f} KiB); at {FLEET:,} connections gRPC alone holds {p * FLEET / 1024:.0f} MiB plaintext, "
