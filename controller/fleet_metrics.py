@@ -121,12 +121,14 @@ class FleetSeries:
         self._engines = KeptBlocks("node_id", "health", "restarts")
 
     async def render(self) -> AsyncIterator[bytes]:
-        """The exposition text of every fleet series, in pieces of `chunk` rows; the loop runs between pieces."""
+        """The exposition text of every fleet series, a block of rows at a time (the kept text
+        itself, not copied); the loop runs every `chunk` rows."""
         nodes: list[tuple[Any, list]] = []  # (kept texts, rows) of each block read
         yield header(NODE_STATE).encode()
         async for blocks in self._pieces(list(self.state.nodes.values()), self._nodes, node_lines):
             nodes += blocks
-            yield b"".join(text[0] for text, _ in blocks)
+            for text, _ in blocks:
+                yield text[0]
         now = self.clock()
         yield header(HEARTBEAT_AGE).encode()
         async for blocks in self._again(nodes):
@@ -137,7 +139,8 @@ class FleetSeries:
         instances = dict(self.state.instances)
         yield header(INSTANCE_STATE).encode()
         async for blocks in self._pieces(list(instances.values()), self._instances, instance_lines):
-            yield b"".join(text for text, _ in blocks)
+            for text, _ in blocks:
+                yield text
         # Engines of instances that are gone (a deployment change under way) are left out.
         engines: list[tuple[Any, list]] = []
         yield header(ENGINE_HEALTH).encode()
@@ -145,11 +148,13 @@ class FleetSeries:
                                          lambda rows: EngineLines.of(rows, instances),
                                          lambda lines: lines.hold(instances)):
             engines += blocks
-            yield b"".join(lines.health for lines, _ in blocks)
+            for lines, _ in blocks:
+                yield lines.health
         # The restart counts as the blocks just read showed them (each block's lines consistent).
         yield header(ENGINE_RESTARTS).encode()
         async for blocks in self._again(engines):
-            yield b"".join(lines.restarts for lines, _ in blocks)
+            for lines, _ in blocks:
+                yield lines.restarts
 
     async def _pieces(self, rows: list, kept: KeptBlocks, make: Callable[[list], Any],
                       still: Callable[[Any], bool] | None = None) -> AsyncIterator[list[tuple[Any, list]]]:
