@@ -211,7 +211,8 @@ async def test_a_scrape_of_10000_nodes_x_8_engines_leaves_the_loop_to_the_heartb
     """What a Prometheus scrape (every 15 s, always) costs the controller's loop at 10,000 nodes x
     8 engines: a heartbeat-like coroutine, due every millisecond, is never held up long by it, and
     the scrape takes little of the loop's thread in all (0.1-0.15 s here when every row's text
-    was joined anew at each scrape; bench/metrics_scrape.py measures it in a real controller)."""
+    was joined anew at each scrape, about 40 ms since; bench/metrics_scrape.py measures it in a
+    real controller)."""
     state = fleet_tables(10_000, 8)
     telemetry = ServiceTelemetry(CollectorRegistry(), FleetSeries(state, lambda: "").render)
     port = await telemetry.serve("127.0.0.1", free_port())
@@ -247,4 +248,4 @@ async def test_a_scrape_of_10000_nodes_x_8_engines_leaves_the_loop_to_the_heartb
         await telemetry.close()
     assert samples == 80_000
     assert max(held) < 0.02, f"a heartbeat was held {max(held) * 1e3:.0f} ms during a scrape"
-    assert cpu < 0.09, f"a scrape took {cpu * 1e3:.0f} ms of the loop's thread"
+    assert cpu < 0.075, f"a scrape took {cpu * 1e3:.0f} ms of the loop's thread"
