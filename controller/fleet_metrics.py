@@ -8,10 +8,11 @@ At fleet scale these are hundreds of thousands of samples (10,000 nodes x 8 engi
 some 40 MB of text), which prometheus_client would rebuild and format on every scrape, on the
 controller's event loop, for seconds. So they are rendered here instead, straight from the
 controller's tables, and the text is kept between scrapes in blocks of rows (`KeptBlocks`),
-each with what its rows showed when it was made (their ids, a state, a restart count). A scrape
-reads those fields of a block's rows in C (`operator.attrgetter` over the block) and compares
-them with the kept ones (list equality): only a block where something changed is made again,
-the others are joined as they are. Only the heartbeat ages are new numbers at every scrape. The
+each with what its rows showed when it was made (the rows themselves, a state, a node, a restart
+count). A scrape reads those fields of a block's rows in C (`operator.attrgetter` over the
+block) and compares them with the kept ones (list equality): only a block where something
+changed is made again, the others are sent as they are. Only the heartbeat ages are new numbers
+at every scrape. The
 scrape yields to the loop every `chunk` rows, so heartbeats are answered while a large fleet is
 being scraped, and what it takes of the loop in all stays a few tens of milliseconds at 10,000
 x 8 (bench/metrics_scrape.py). Each block's lines are consistent; a scrape of a large fleet
