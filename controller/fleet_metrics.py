@@ -22,11 +22,11 @@ spans a few loop turns, like any scrape of a changing system.
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, AsyncIterator, Callable
 
+from motor.clock import SYSTEM_CLOCK, Clock
 from motor.names import enum_short_name, role_name
 from motor.v1 import controller_pb2, types_pb2
 
@@ -111,9 +111,9 @@ class KeptBlocks:
 
 class FleetSeries:
     """Renders the fleet series from `state`'s tables; `alarm()` is the silent-nodes alarm's
-    message ("" when off); `clock` is wall time (heartbeat ages)."""
+    message ("" when off); `clock.time()` is read for heartbeat ages."""
 
-    def __init__(self, state: ClusterState, alarm: Callable[[], str], clock: Callable[[], float] = time.time,
+    def __init__(self, state: ClusterState, alarm: Callable[[], str], clock: Clock = SYSTEM_CLOCK,
                  chunk: int = 500):
         self.state, self.alarm, self.clock, self.chunk = state, alarm, clock, chunk
         self._nodes = KeptBlocks("state")
@@ -130,7 +130,7 @@ class FleetSeries:
             nodes += blocks
             for text, _ in blocks:
                 yield text[0]
-        now = self.clock()
+        now = self.clock.time()
         yield header(HEARTBEAT_AGE).encode()
         async for blocks in self._again(nodes):
             # (a node restored from the store has not heartbeated yet: no age)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -17,6 +18,7 @@ from controller.instances import READY, InstanceRecord
 from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
 from controller.slots import EngineSlot
 from controller.state import ClusterState
+from motor.clock import SYSTEM_CLOCK
 from motor.loop_lag import cpu_wait
 from motor.metrics_http import ServiceTelemetry
 from motor.names import enum_short_name, role_name
@@ -102,7 +104,8 @@ async def test_heartbeat_ages_are_read_at_the_scrape_and_the_alarm_is_one_while_
     await running_example(harness)
     controller = harness.controller
     clock = {"now": controller.nodes["node-a"].last_heartbeat_wall + 5}
-    series = FleetSeries(controller.state, lambda: controller.monitor.alarm, clock=lambda: clock["now"])
+    wall = SimpleNamespace(time=lambda: clock["now"])
+    series = FleetSeries(controller.state, lambda: controller.monitor.alarm, clock=wall)
     assert abs(sample(await scrape(series), "motor_controller_node_heartbeat_age_seconds", node_id="node-a") - 5) < 0.01
     clock["now"] += 95
     assert abs(sample(await scrape(series), "motor_controller_node_heartbeat_age_seconds", node_id="node-a") - 100) < 0.01
@@ -143,7 +146,7 @@ async def test_discovery_lists_placed_engines_with_their_ids(harness):
 def fleet_tables(nodes: int, ranks: int) -> ClusterState:
     """The controller's tables as a fleet of `nodes` READY nodes leaves them, each running one
     READY instance of `ranks` NORMAL engines, all heard from just now."""
-    state = ClusterState(None, EventBus(), time.monotonic, time.time)
+    state = ClusterState(None, EventBus(), SYSTEM_CLOCK)
     now = time.time()
     for n in range(nodes):
         node_id, instance_id = f"node-{n:05d}", f"u-{n:05d}"
