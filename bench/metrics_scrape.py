@@ -3,7 +3,7 @@
 A real `controller.core.Controller` is built as bench/controller_memory.py builds it (--nodes
 nodes, --instances x --dp engines placed, started and heartbeating NORMAL), its /metrics is
 served on a free loopback port by the controller's own `ServiceTelemetry` (its registry, then
-its fleet series), with the controller's garbage collection policy (motor/gc_tuning.py), and
+its fleet series), with the controller's garbage collection policy (controller/gc_tuning.py), and
 `curl` in a child process scrapes it (as Prometheus does, asking for gzip unless --identity),
 --scrapes times. Meanwhile a ticker coroutine stands in for the heartbeats: it asks to run
 every --tick seconds and records how late the loop ran it.
@@ -37,9 +37,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.controller_memory import build  # noqa: E402
-from motor.gc_tuning import TenuredCollections  # noqa: E402
-from motor.loop_lag import cpu_wait  # noqa: E402
-from motor.metrics_http import ServiceTelemetry  # noqa: E402
+from controller.gc_tuning import TenuredCollections  # noqa: E402
+from motor.service.loop_lag import cpu_wait  # noqa: E402
+from motor.service.metrics_http import ServiceTelemetry  # noqa: E402
 from motor.ports import free_port  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

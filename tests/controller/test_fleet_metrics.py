@@ -19,9 +19,9 @@ from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
 from controller.slots import EngineSlot
 from controller.state import ClusterState
 from motor.clock import SYSTEM_CLOCK
-from motor.loop_lag import cpu_wait
-from motor.metrics_http import ServiceTelemetry
-from motor.names import enum_short_name, role_name
+from motor.service.loop_lag import cpu_wait
+from motor.service.metrics_http import ServiceTelemetry
+from motor.contract.names import enum_short_name, role_name
 from motor.ports import free_port
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
