@@ -38,13 +38,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.controller_memory import build  # noqa: E402
 from controller.gc_tuning import TenuredCollections  # noqa: E402
+from motor.ports import free_port  # noqa: E402
 from motor.service.loop_lag import cpu_wait  # noqa: E402
 from motor.service.metrics_http import ServiceTelemetry  # noqa: E402
-from motor.ports import free_port  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FIGURES = {"seconds": "scrape (s)", "wire_mib": "on the wire (MiB)", "max_held_ms": "loop held at most (ms)",
-           "max_late_ms": "ticker late at most (ms)", "loop_cpu_ms": "loop thread CPU (ms)"}
+FIGURES = {
+    "seconds": "scrape (s)",
+    "wire_mib": "on the wire (MiB)",
+    "max_held_ms": "loop held at most (ms)",
+    "max_late_ms": "ticker late at most (ms)",
+    "loop_cpu_ms": "loop thread CPU (ms)",
+}
 
 
 class Ticker:
@@ -69,23 +74,37 @@ async def scrape_once(port: int, identity: bool, ticker: Ticker) -> dict:
     ticker.lateness.clear()
     ticker.held.clear()
     cpu_before = time.thread_time()  # this coroutine runs on the loop's thread
-    command = ["curl", "-sS", "-o", "/dev/null", "-w", "%{time_total} %{size_download}",
-               f"http://127.0.0.1:{port}/metrics"] + ([] if identity else ["--compressed"])
+    command = [
+        "curl",
+        "-sS",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{time_total} %{size_download}",
+        f"http://127.0.0.1:{port}/metrics",
+    ] + ([] if identity else ["--compressed"])
     curl = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)
     out, _ = await curl.communicate()
     loop_cpu = time.thread_time() - cpu_before
     seconds, size = out.split()
-    return {"seconds": float(seconds), "wire_mib": int(size) / 2**20,
-            "max_held_ms": max(ticker.held, default=0) * 1e3, "max_late_ms": max(ticker.lateness, default=0) * 1e3,
-            "loop_cpu_ms": loop_cpu * 1e3}
+    return {
+        "seconds": float(seconds),
+        "wire_mib": int(size) / 2**20,
+        "max_held_ms": max(ticker.held, default=0) * 1e3,
+        "max_late_ms": max(ticker.lateness, default=0) * 1e3,
+        "loop_cpu_ms": loop_cpu * 1e3,
+    }
 
 
 async def measure(args) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="motor-scrape-") as work:
         began = time.monotonic()
         controller = await build(args, work)
-        print(f"{args.nodes} nodes, {args.instances} instances x dp {args.dp} = {args.instances * args.dp} engines "
-              f"(built in {time.monotonic() - began:.1f} s, Python {sys.version.split()[0]})", flush=True)
+        print(
+            f"{args.nodes} nodes, {args.instances} instances x dp {args.dp} = {args.instances * args.dp} engines "
+            f"(built in {time.monotonic() - began:.1f} s, Python {sys.version.split()[0]})",
+            flush=True,
+        )
         collections = TenuredCollections().install()  # as the controller runs (controller/cli.py)
         pacing = asyncio.create_task(collections.pace())
         telemetry = ServiceTelemetry(controller.metrics.registry, controller.fleet_series.render)
@@ -98,9 +117,12 @@ async def measure(args) -> list[dict]:
             for _ in range(args.scrapes):
                 results.append(await scrape_once(port, args.identity, ticker))
                 r = results[-1]
-                print(f"scrape {r['seconds']:.3f} s, {r['wire_mib']:.1f} MiB on the wire | loop held the ticker "
-                      f"(every {args.tick * 1e3:g} ms) at most {r['max_held_ms']:.1f} ms (late at most "
-                      f"{r['max_late_ms']:.1f} ms) | loop thread CPU {r['loop_cpu_ms']:.0f} ms", flush=True)
+                print(
+                    f"scrape {r['seconds']:.3f} s, {r['wire_mib']:.1f} MiB on the wire | loop held the ticker "
+                    f"(every {args.tick * 1e3:g} ms) at most {r['max_held_ms']:.1f} ms (late at most "
+                    f"{r['max_late_ms']:.1f} ms) | loop thread CPU {r['loop_cpu_ms']:.0f} ms",
+                    flush=True,
+                )
                 await asyncio.sleep(args.pause)
         finally:
             ticking.cancel()
@@ -120,8 +142,9 @@ def compare(args) -> dict[str, float]:
         with open(__file__, "rb") as mine, open(script, "wb") as copy:
             copy.write(mine.read())
         command = [sys.executable, script, "--json"] + [a for a in sys.argv[1:] if a not in ("--compare", args.compare)]
-        done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True,
-                              env=dict(os.environ, PYTHONPATH=tree), cwd=tree)
+        done = subprocess.run(
+            command, stdout=subprocess.PIPE, text=True, check=True, env=dict(os.environ, PYTHONPATH=tree), cwd=tree
+        )
         *lines, medians = done.stdout.splitlines()
         print("\n".join(lines), flush=True)
         return json.loads(medians)
@@ -167,8 +190,11 @@ def rev(name: str) -> str:
 
 
 def dirty() -> bool:
-    return bool(subprocess.run(["git", "-C", HERE, "status", "--porcelain", "--", ".."], capture_output=True,
-                               text=True).stdout.strip())
+    return bool(
+        subprocess.run(
+            ["git", "-C", HERE, "status", "--porcelain", "--", ".."], capture_output=True, text=True
+        ).stdout.strip()
+    )
 
 
 if __name__ == "__main__":

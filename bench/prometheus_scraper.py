@@ -94,8 +94,10 @@ class PrometheusScraper(threading.Thread):
         if answered:
             seconds = [s.seconds for s in answered]
             last = answered[-1]
-            text += (f", {statistics.median(seconds):.2f}s p50 {max(seconds):.2f}s max,"
-                     f" {last.wire_bytes / 2**20:.1f} MiB gzipped ({last.text_bytes / 2**20:.1f} MiB of text)")
+            text += (
+                f", {statistics.median(seconds):.2f}s p50 {max(seconds):.2f}s max,"
+                f" {last.wire_bytes / 2**20:.1f} MiB gzipped ({last.text_bytes / 2**20:.1f} MiB of text)"
+            )
         if failed:
             text += f", {len(failed)} failed ({failed[-1].error})"
         return text

@@ -22,15 +22,15 @@ spans a few loop turns, like any scrape of a changing system.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
+from controller.state import ClusterState
 from motor.clock import SYSTEM_CLOCK, Clock
 from motor.contract.names import enum_short_name, role_name
 from motor.v1 import controller_pb2, types_pb2
-
-from controller.state import ClusterState
 
 
 def _states(enum_type) -> list[tuple[int, str]]:
@@ -42,24 +42,42 @@ INSTANCE_STATES = _states(controller_pb2.InstanceState)
 HEALTH_STATES = _states(types_pb2.HealthStatus)
 
 # name, type, help: the exposition header of each family, in the order they are written.
-NODE_STATE = ("motor_controller_node_state", "gauge",
-              "State of each node, 1 for the current one. lost: its engines are being moved (alert MotorNodeLost); "
-              "suspect: silent and being re-checked.")
-HEARTBEAT_AGE = ("motor_controller_node_heartbeat_age_seconds", "gauge",
-                 "Seconds since each node's last heartbeat. Above the node grace (motor_controller_node_grace_seconds) the node is suspect; steadily rising "
-                 "ages on many nodes at once point at the controller's network.")
-SILENT_ALARM = ("motor_controller_silent_nodes_alarm", "gauge",
-                "1 while more than silent_share_alarm of the nodes are silent at once: the controller suspects its "
-                "own network and declares none of them lost (nothing is rescheduled). Check the controller's network.")
-INSTANCE_STATE = ("motor_controller_instance_state", "gauge",
-                  "State of each instance, 1 for the current one. Not ready for long: `motorctl instances` gives the "
-                  "reason (alert MotorInstanceNotReady).")
-ENGINE_HEALTH = ("motor_controller_engine_health", "gauge",
-                 "Health of each engine as its node manager last reported it, 1 for the current one. abnormal: its "
-                 "probes fail; the node manager restarts it after abnormal_threshold heartbeats.")
-ENGINE_RESTARTS = ("motor_controller_engine_restarts_total", "counter",
-                   "Restarts of each engine by the restart policy. Several in a few minutes is a crash loop (alert "
-                   "MotorEngineCrashLooping): read the engine's last failure reason.")
+NODE_STATE = (
+    "motor_controller_node_state",
+    "gauge",
+    "State of each node, 1 for the current one. lost: its engines are being moved (alert MotorNodeLost); "
+    "suspect: silent and being re-checked.",
+)
+HEARTBEAT_AGE = (
+    "motor_controller_node_heartbeat_age_seconds",
+    "gauge",
+    "Seconds since each node's last heartbeat. Above the node grace (motor_controller_node_grace_seconds) the node is suspect; steadily rising "
+    "ages on many nodes at once point at the controller's network.",
+)
+SILENT_ALARM = (
+    "motor_controller_silent_nodes_alarm",
+    "gauge",
+    "1 while more than silent_share_alarm of the nodes are silent at once: the controller suspects its "
+    "own network and declares none of them lost (nothing is rescheduled). Check the controller's network.",
+)
+INSTANCE_STATE = (
+    "motor_controller_instance_state",
+    "gauge",
+    "State of each instance, 1 for the current one. Not ready for long: `motorctl instances` gives the "
+    "reason (alert MotorInstanceNotReady).",
+)
+ENGINE_HEALTH = (
+    "motor_controller_engine_health",
+    "gauge",
+    "Health of each engine as its node manager last reported it, 1 for the current one. abnormal: its "
+    "probes fail; the node manager restarts it after abnormal_threshold heartbeats.",
+)
+ENGINE_RESTARTS = (
+    "motor_controller_engine_restarts_total",
+    "counter",
+    "Restarts of each engine by the restart policy. Several in a few minutes is a crash loop (alert "
+    "MotorEngineCrashLooping): read the engine's last failure reason.",
+)
 
 
 def header(family: tuple[str, str, str]) -> str:
@@ -76,8 +94,9 @@ def labels(**pairs: str) -> str:
 
 
 def one_hot(name: str, label_text: str, states: list[tuple[int, str]], current: int, key: str) -> str:
-    return "".join(f'{name}{{{label_text},{key}="{state_name}"}} {1 if value == current else 0}\n'
-                   for value, state_name in states)
+    return "".join(
+        f'{name}{{{label_text},{key}="{state_name}"}} {1 if value == current else 0}\n' for value, state_name in states
+    )
 
 
 # Rows whose text is kept and made again together: a changed row costs its block's text.
@@ -97,8 +116,14 @@ class KeptBlocks:
         self.columns = [attrgetter(f) for f in fields]
         self.kept: list[tuple[list, Any]] = []
 
-    def made(self, index: int, rows: list, kept: list[tuple[list, Any]], make: Callable[[list], Any],
-             still: Callable[[Any], bool] | None = None) -> Any:
+    def made(
+        self,
+        index: int,
+        rows: list,
+        kept: list[tuple[list, Any]],
+        make: Callable[[list], Any],
+        still: Callable[[Any], bool] | None = None,
+    ) -> Any:
         """Block `index`'s text, appended to `kept` (the next scrape's); made again if its rows changed."""
         shown = [rows]
         shown += [list(map(column, rows)) for column in self.columns]
@@ -113,8 +138,7 @@ class FleetSeries:
     """Renders the fleet series from `state`'s tables; `alarm()` is the silent-nodes alarm's
     message ("" when off); `clock.time()` is read for heartbeat ages."""
 
-    def __init__(self, state: ClusterState, alarm: Callable[[], str], clock: Clock = SYSTEM_CLOCK,
-                 chunk: int = 500):
+    def __init__(self, state: ClusterState, alarm: Callable[[], str], clock: Clock = SYSTEM_CLOCK, chunk: int = 500):
         self.state, self.alarm, self.clock, self.chunk = state, alarm, clock, chunk
         self._nodes = KeptBlocks("state")
         self._instances = KeptBlocks("state")
@@ -134,8 +158,14 @@ class FleetSeries:
         yield header(HEARTBEAT_AGE).encode()
         async for blocks in self._again(nodes):
             # (a node restored from the store has not heartbeated yet: no age)
-            yield "".join([f"{name}{max(0.0, now - n.last_heartbeat_wall):.3f}\n" for (_, names), rows in blocks
-                           for name, n in zip(names, rows) if n.last_heartbeat_wall]).encode()
+            yield "".join(
+                [
+                    f"{name}{max(0.0, now - n.last_heartbeat_wall):.3f}\n"
+                    for (_, names), rows in blocks
+                    for name, n in zip(names, rows)
+                    if n.last_heartbeat_wall
+                ]
+            ).encode()
         yield (header(SILENT_ALARM) + f"{SILENT_ALARM[0]} {1 if self.alarm() else 0}\n").encode()
         instances = dict(self.state.instances)
         yield header(INSTANCE_STATE).encode()
@@ -145,9 +175,12 @@ class FleetSeries:
         # Engines of instances that are gone (a deployment change under way) are left out.
         engines: list[tuple[Any, list]] = []
         yield header(ENGINE_HEALTH).encode()
-        async for blocks in self._pieces(list(self.state.slots.values()), self._engines,
-                                         lambda rows: EngineLines.of(rows, instances),
-                                         lambda lines: lines.hold(instances)):
+        async for blocks in self._pieces(
+            list(self.state.slots.values()),
+            self._engines,
+            lambda rows: EngineLines.of(rows, instances),
+            lambda lines: lines.hold(instances),
+        ):
             engines += blocks
             for lines, _ in blocks:
                 yield lines.health
@@ -157,8 +190,9 @@ class FleetSeries:
             for lines, _ in blocks:
                 yield lines.restarts
 
-    async def _pieces(self, rows: list, kept: KeptBlocks, make: Callable[[list], Any],
-                      still: Callable[[Any], bool] | None = None) -> AsyncIterator[list[tuple[Any, list]]]:
+    async def _pieces(
+        self, rows: list, kept: KeptBlocks, make: Callable[[list], Any], still: Callable[[Any], bool] | None = None
+    ) -> AsyncIterator[list[tuple[Any, list]]]:
         """`rows` in pieces of `chunk` rows, each piece its blocks' (kept text, rows); the loop runs
         between pieces. The blocks read are kept for the next scrape."""
         size = min(BLOCK, self.chunk)
@@ -166,7 +200,7 @@ class FleetSeries:
         for begin in range(0, len(rows), self.chunk):
             piece = []
             for start in range(begin, min(begin + self.chunk, len(rows)), size):
-                block = rows[start:start + size]
+                block = rows[start : start + size]
                 piece.append((kept.made(len(made), block, made, make, still), block))
             yield piece
             await asyncio.sleep(0)
@@ -176,7 +210,7 @@ class FleetSeries:
         """Blocks `_pieces` read, again in pieces of `chunk` rows (a second family of the same rows)."""
         per_piece = self.chunk // min(BLOCK, self.chunk)
         for begin in range(0, len(blocks), per_piece):
-            yield blocks[begin:begin + per_piece]
+            yield blocks[begin : begin + per_piece]
             await asyncio.sleep(0)
 
 
@@ -188,8 +222,16 @@ def node_lines(nodes: list) -> tuple[bytes, list[str]]:
 
 
 def instance_lines(instances: list) -> bytes:
-    return "".join(one_hot(INSTANCE_STATE[0], labels(instance_id=i.instance_id, group=i.group, role=role_name(i.role)),
-                           INSTANCE_STATES, i.state, "state") for i in instances).encode()
+    return "".join(
+        one_hot(
+            INSTANCE_STATE[0],
+            labels(instance_id=i.instance_id, group=i.group, role=role_name(i.role)),
+            INSTANCE_STATES,
+            i.state,
+            "state",
+        )
+        for i in instances
+    ).encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,14 +257,23 @@ class EngineLines:
 
 
 def health_lines(slots: list) -> bytes:
-    return "".join(one_hot(ENGINE_HEALTH[0], labels(instance_id=s.instance_id, engine_id=s.engine_id,
-                                                    node_id=s.node_id), HEALTH_STATES, s.health, "health")
-                   for s in slots).encode()
+    return "".join(
+        one_hot(
+            ENGINE_HEALTH[0],
+            labels(instance_id=s.instance_id, engine_id=s.engine_id, node_id=s.node_id),
+            HEALTH_STATES,
+            s.health,
+            "health",
+        )
+        for s in slots
+    ).encode()
 
 
 def restart_lines(slots: list) -> bytes:
-    return "".join(f"{ENGINE_RESTARTS[0]}{{{labels(instance_id=s.instance_id, engine_id=s.engine_id)}}} {s.restarts}\n"
-                   for s in slots).encode()
+    return "".join(
+        f"{ENGINE_RESTARTS[0]}{{{labels(instance_id=s.instance_id, engine_id=s.engine_id)}}} {s.restarts}\n"
+        for s in slots
+    ).encode()
 
 
 def engine_targets(state: ClusterState) -> list[dict]:
@@ -234,7 +285,11 @@ def engine_targets(state: ClusterState) -> list[dict]:
         inst = instances.get(slot.instance_id)
         if inst is None or not (slot.host and slot.port):
             continue
-        labels_ = {"instance_id": slot.instance_id, "engine_id": slot.engine_id, "node_id": slot.node_id,
-                   "role": role_name(inst.role)}
+        labels_ = {
+            "instance_id": slot.instance_id,
+            "engine_id": slot.engine_id,
+            "node_id": slot.node_id,
+            "role": role_name(inst.role),
+        }
         targets.append({"targets": [f"{slot.host}:{slot.port}"], "labels": labels_})
     return targets

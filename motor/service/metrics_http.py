@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import zlib
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest

@@ -19,10 +19,10 @@ from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
 from controller.slots import EngineSlot
 from controller.state import ClusterState
 from motor.clock import SYSTEM_CLOCK
-from motor.service.loop_lag import cpu_wait
-from motor.service.metrics_http import ServiceTelemetry
 from motor.contract.names import enum_short_name, role_name
 from motor.ports import free_port
+from motor.service.loop_lag import cpu_wait
+from motor.service.metrics_http import ServiceTelemetry
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
 from tests.controller.test_core import running_example
@@ -43,8 +43,11 @@ def sample(samples: dict, name: str, **labels) -> float:
 
 def one_hot(samples: dict, name: str, key: str, **labels) -> str:
     """The state whose sample is 1; exactly one must be."""
-    current = [dict(k[1])[key] for k, v in samples.items() if k[0] == name and v == 1
-               and all(dict(k[1]).get(n) == v2 for n, v2 in labels.items())]
+    current = [
+        dict(k[1])[key]
+        for k, v in samples.items()
+        if k[0] == name and v == 1 and all(dict(k[1]).get(n) == v2 for n, v2 in labels.items())
+    ]
     assert len(current) == 1, (name, labels, current)
     return current[0]
 
@@ -52,17 +55,23 @@ def one_hot(samples: dict, name: str, key: str, **labels) -> str:
 def assert_same_as_the_views(samples: dict, controller) -> None:
     nodes, _ = controller.list_nodes()
     for node in nodes:
-        assert one_hot(samples, "motor_controller_node_state", "state", node_id=node.info.node_id) == \
-            enum_short_name(C.NodeState, node.state).lower()
+        assert (
+            one_hot(samples, "motor_controller_node_state", "state", node_id=node.info.node_id)
+            == enum_short_name(C.NodeState, node.state).lower()
+        )
     instances = controller.list_instances()
     for inst in instances:
         labels = {"instance_id": inst.instance_id, "group": inst.group, "role": role_name(inst.role)}
-        assert one_hot(samples, "motor_controller_instance_state", "state", **labels) == \
-            enum_short_name(C.InstanceState, inst.state).lower()
+        assert (
+            one_hot(samples, "motor_controller_instance_state", "state", **labels)
+            == enum_short_name(C.InstanceState, inst.state).lower()
+        )
         for engine in inst.engines:
             ids = {"instance_id": inst.instance_id, "engine_id": engine.engine_id}
-            assert one_hot(samples, "motor_controller_engine_health", "health", **ids, node_id=engine.node_id) == \
-                enum_short_name(T.HealthStatus, engine.health).lower()
+            assert (
+                one_hot(samples, "motor_controller_engine_health", "health", **ids, node_id=engine.node_id)
+                == enum_short_name(T.HealthStatus, engine.health).lower()
+            )
             assert sample(samples, "motor_controller_engine_restarts_total", **ids) == engine.restarts
     engines = sum(len(i.engines) for i in instances)
     assert sum(1 for k in samples if k[0] == "motor_controller_engine_restarts_total") == engines
@@ -91,8 +100,16 @@ async def test_the_series_show_what_the_views_show_and_follow_changes(harness, c
     samples = await scrape(series)
     assert_same_as_the_views(samples, controller)
     assert one_hot(samples, "motor_controller_node_state", "state", node_id="node-b") == "lost"
-    assert sample(samples, "motor_controller_engine_restarts_total", instance_id=failed.instance_id,
-                  engine_id=failed.engine_id) == controller.slots[failed.engine_id].restarts >= 1
+    assert (
+        sample(
+            samples,
+            "motor_controller_engine_restarts_total",
+            instance_id=failed.instance_id,
+            engine_id=failed.engine_id,
+        )
+        == controller.slots[failed.engine_id].restarts
+        >= 1
+    )
 
     # A removed deployment leaves no engine or instance series behind.
     controller.delete_deployment()
@@ -108,7 +125,9 @@ async def test_heartbeat_ages_are_read_at_the_scrape_and_the_alarm_is_one_while_
     series = FleetSeries(controller.state, lambda: controller.monitor.alarm, clock=wall)
     assert abs(sample(await scrape(series), "motor_controller_node_heartbeat_age_seconds", node_id="node-a") - 5) < 0.01
     clock["now"] += 95
-    assert abs(sample(await scrape(series), "motor_controller_node_heartbeat_age_seconds", node_id="node-a") - 100) < 0.01
+    assert (
+        abs(sample(await scrape(series), "motor_controller_node_heartbeat_age_seconds", node_id="node-a") - 100) < 0.01
+    )
     controller.monitor.alarm = "2 of 2 nodes silent at once"
     assert sample(await scrape(series), "motor_controller_silent_nodes_alarm") == 1
 
@@ -136,9 +155,18 @@ async def test_discovery_lists_placed_engines_with_their_ids(harness):
     controller = harness.controller
     targets = engine_targets(controller.state)
     expected = [
-        {"targets": [f"{e.host}:{e.port}"],
-         "labels": {"instance_id": i.instance_id, "engine_id": e.engine_id, "node_id": e.node_id, "role": role_name(i.role)}}
-        for i in controller.list_instances() for e in i.engines if e.host and e.port
+        {
+            "targets": [f"{e.host}:{e.port}"],
+            "labels": {
+                "instance_id": i.instance_id,
+                "engine_id": e.engine_id,
+                "node_id": e.node_id,
+                "role": role_name(i.role),
+            },
+        }
+        for i in controller.list_instances()
+        for e in i.engines
+        if e.host and e.port
     ]
     assert expected and sorted(targets, key=str) == sorted(expected, key=str)
 
@@ -153,8 +181,17 @@ def fleet_tables(nodes: int, ranks: int) -> ClusterState:
         state.nodes.put(NodeRuntime(C.NodeInfo(node_id=node_id), 1, NODE_READY, "", time.monotonic(), now))
         state.instances[instance_id] = InstanceRecord(instance_id, "u", T.ROLE_UNION, ranks, 1, False, "", "", READY)
         for rank in range(ranks):
-            state.slots.add(EngineSlot(f"{instance_id}/rank{rank}", instance_id, rank, node_id, generation=1,
-                                       state=T.ENGINE_STATE_RUNNING, health=T.HEALTH_STATUS_NORMAL))
+            state.slots.add(
+                EngineSlot(
+                    f"{instance_id}/rank{rank}",
+                    instance_id,
+                    rank,
+                    node_id,
+                    generation=1,
+                    state=T.ENGINE_STATE_RUNNING,
+                    health=T.HEALTH_STATUS_NORMAL,
+                )
+            )
     return state
 
 
@@ -175,18 +212,28 @@ async def test_a_change_in_a_large_fleet_shows_at_the_next_scrape_and_only_engin
     after = await scrape(series)
     ids = {"instance_id": "u-00512", "engine_id": "u-00512/rank3"}
     assert one_hot(after, "motor_controller_engine_health", "health", **ids, node_id="node-00999") == "abnormal"
-    assert not [k for k in after if k[0] == "motor_controller_engine_health"
-                and dict(k[1]).get("node_id") == "node-00512" and dict(k[1])["engine_id"] == "u-00512/rank3"]
+    assert not [
+        k
+        for k in after
+        if k[0] == "motor_controller_engine_health"
+        and dict(k[1]).get("node_id") == "node-00512"
+        and dict(k[1])["engine_id"] == "u-00512/rank3"
+    ]
     assert sample(after, "motor_controller_engine_restarts_total", **ids) == 2
-    assert one_hot(after, "motor_controller_instance_state", "state", instance_id="u-00250", group="u",
-                   role="union") == "restarting"
+    assert (
+        one_hot(after, "motor_controller_instance_state", "state", instance_id="u-00250", group="u", role="union")
+        == "restarting"
+    )
     assert one_hot(after, "motor_controller_node_state", "state", node_id="node-00777") == "suspect"
     assert ("motor_controller_node_heartbeat_age_seconds", (("node_id", "node-00042"),)) not in after
     assert ("motor_controller_node_heartbeat_age_seconds", (("node_id", "node-00043"),)) in after
     changed = {k for k in after if after[k] != before.get(k)} | {k for k in before if k not in after}
     assert {k[0] for k in changed} - {"motor_controller_node_heartbeat_age_seconds"} <= {
-        "motor_controller_engine_health", "motor_controller_engine_restarts_total",
-        "motor_controller_instance_state", "motor_controller_node_state"}
+        "motor_controller_engine_health",
+        "motor_controller_engine_restarts_total",
+        "motor_controller_instance_state",
+        "motor_controller_node_state",
+    }
     # The engines of an instance that is gone (a deployment change under way) leave; back when it is.
     gone = state.instances.pop("u-00600")
     listed = await scrape(series)
@@ -219,8 +266,14 @@ async def test_a_scrape_of_10000_nodes_x_8_engines_leaves_the_loop_to_the_heartb
     state = fleet_tables(10_000, 8)
     telemetry = ServiceTelemetry(CollectorRegistry(), FleetSeries(state, lambda: "").render)
     port = await telemetry.serve("127.0.0.1", free_port())
-    scraper = await asyncio.create_subprocess_exec(sys.executable, "-c", SCRAPER, f"http://127.0.0.1:{port}/metrics",
-                                                   stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+    scraper = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        SCRAPER,
+        f"http://127.0.0.1:{port}/metrics",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
     held: list[float] = []
 
     async def heartbeats():

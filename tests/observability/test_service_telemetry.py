@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from motor.errors import ConfigError, InvalidArgument
+from motor.ports import free_port
 from motor.service.grpc_server import MotorServer
 from motor.service.metrics_http import GzipOffLoop, ServiceTelemetry, accepts_gzip
-from motor.ports import free_port
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
@@ -35,11 +35,18 @@ async def test_grpc_calls_are_counted_by_method_and_code():
 
     # A second health service under another name, whose Check fails the way servicers fail.
     server.server.add_generic_rpc_handlers(
-        [grpc.method_handlers_generic_handler("test.Failing", {
-            "Check": grpc.unary_unary_rpc_method_handler(
-                Failing().Check, health_pb2.HealthCheckRequest.FromString, health_pb2.HealthCheckResponse.SerializeToString
+        [
+            grpc.method_handlers_generic_handler(
+                "test.Failing",
+                {
+                    "Check": grpc.unary_unary_rpc_method_handler(
+                        Failing().Check,
+                        health_pb2.HealthCheckRequest.FromString,
+                        health_pb2.HealthCheckResponse.SerializeToString,
+                    )
+                },
             )
-        })]
+        ]
     )
     port = await server.start()
     try:
@@ -106,7 +113,7 @@ async def test_a_scrape_asking_for_named_series_gets_only_them_without_the_strea
 
     async def fleet_series():  # what the controller streams after its registry (per-engine series)
         reads.append(1)
-        yield b"motor_controller_node_state{node_id=\"a\",state=\"ready\"} 1.0\n"
+        yield b'motor_controller_node_state{node_id="a",state="ready"} 1.0\n'
 
     registry = CollectorRegistry()
     telemetry = ServiceTelemetry(registry, fleet_series)
@@ -134,7 +141,7 @@ async def test_a_scrape_asking_for_gzip_gets_the_same_exposition_compressed():
 
     async def fleet_series():  # more than one batch of the compressor
         for begin in range(0, len(rows), 500):
-            yield b"".join(rows[begin:begin + 500])
+            yield b"".join(rows[begin : begin + 500])
 
     telemetry = ServiceTelemetry(CollectorRegistry(), fleet_series)
     port = await telemetry.serve("127.0.0.1", free_port())
@@ -154,14 +161,25 @@ async def test_a_scrape_asking_for_gzip_gets_the_same_exposition_compressed():
     # The registry's series (the loop lag may have moved between the two scrapes), then the fleet's.
     text = gzip.decompress(packed)
     assert text.endswith(b"".join(rows)) and plain.endswith(b"".join(rows))
-    assert {f.name for f in text_string_to_metric_families(text.decode())} == \
-        {f.name for f in text_string_to_metric_families(plain.decode())}
+    assert {f.name for f in text_string_to_metric_families(text.decode())} == {
+        f.name for f in text_string_to_metric_families(plain.decode())
+    }
 
 
-@pytest.mark.parametrize("header, takes", [
-    ("gzip", True), ("gzip, deflate", True), ("deflate, GZIP;q=0.5", True), ("*", True),
-    ("", False), ("identity", False), ("deflate", False), ("gzip;q=0", False), ("gzip;q=0.0", False),
-])
+@pytest.mark.parametrize(
+    "header, takes",
+    [
+        ("gzip", True),
+        ("gzip, deflate", True),
+        ("deflate, GZIP;q=0.5", True),
+        ("*", True),
+        ("", False),
+        ("identity", False),
+        ("deflate", False),
+        ("gzip;q=0", False),
+        ("gzip;q=0.0", False),
+    ],
+)
 def test_accept_encoding_is_read_as_http_says(header, takes):
     assert accepts_gzip(header) is takes
 
@@ -191,8 +209,14 @@ def test_the_engine_server_cli_loads_no_prometheus_client_before_its_multiproces
     from tests.support import REPO_ROOT
 
     code = "import sys, engine_server.cli; sys.exit('prometheus_client' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
-                            env={"PYTHONPATH": REPO_ROOT, "PATH": "/usr/bin:/bin"})
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": REPO_ROOT, "PATH": "/usr/bin:/bin"},
+    )
     assert result.returncode == 0, result.stderr or "engine_server.cli imported prometheus_client"
 
 
