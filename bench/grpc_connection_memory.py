@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 import psutil
 
@@ -43,7 +44,7 @@ from motor.service.grpc_server import TlsFiles, channel_credentials, server_cred
 from motor.v1 import controller_pb2 as C  # noqa: E402
 
 METHOD = "/motor.v1.ControllerService/StreamHeartbeats"
-FLEET = 10_000  # the size the per-connection cost is scaled to (issue 15's goal)
+FLEET = 10_000  # the size the per-connection cost is scaled to (the scale goal's fleet)
 
 
 def tls_files(pki: str, name: str, server: bool = False) -> TlsFiles:
@@ -139,8 +140,20 @@ def wait_for_line(process: subprocess.Popen, line: str, timeout: float) -> None:
     raise SystemExit(f"no {line!r} from {process.args[2]} within {timeout:.0f}s")
 
 
-def measure(args, pki: str) -> float:
-    """Server RSS growth per connection (KiB) for one mode ("" pki: plaintext)."""
+@dataclass(frozen=True)
+class Floor:
+    """What the bare server held in one mode: its RSS idle, and its growth per connection."""
+
+    idle_mib: float
+    per_connection_kib: float
+
+    def at(self, connections: int) -> float:
+        """The bare server's RSS (MiB) with `connections` connections open, one stream each."""
+        return self.idle_mib + self.per_connection_kib * connections / 1024
+
+
+def measure(args, pki: str) -> Floor:
+    """The bare server's RSS idle and its growth per connection for one mode ("" pki: plaintext)."""
     port = free_port()
     me = os.path.abspath(__file__)
     options = json.dumps(args.option)
@@ -171,7 +184,16 @@ def measure(args, pki: str) -> float:
         f"{per_connection * FLEET / 1024:5.0f} MiB",
         flush=True,
     )
-    return per_connection
+    return Floor(idle / 2**20, per_connection)
+
+
+def both_modes(connections: int, settle: float = 10.0, every: float = 2.0) -> dict[bool, Floor]:
+    """Plaintext (False) and mutual TLS (True), each measured once now with `connections`
+    connections (bench/controller_scale.py's memory bound)."""
+    how = argparse.Namespace(connections=connections, every=every, settle=settle, option=[])
+    with tempfile.TemporaryDirectory(prefix="motor-grpc-memory-") as pki:
+        make_pki(pki)
+        return {False: measure(how, ""), True: measure(how, pki)}
 
 
 def main() -> int:
@@ -214,8 +236,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="motor-grpc-memory-") as pki:
         make_pki(pki)
         for _ in range(args.repeats):
-            plain.append(measure(args, ""))
-            tls.append(measure(args, pki))
+            plain.append(measure(args, "").per_connection_kib)
+            tls.append(measure(args, pki).per_connection_kib)
     p, t = statistics.median(plain), statistics.median(tls)
     print(
         f"median of {args.repeats}: plaintext {p:.1f} KiB, mutual TLS {t:.1f} KiB per connection (TLS's own: "

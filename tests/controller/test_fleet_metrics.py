@@ -4,13 +4,25 @@ Prometheus engine discovery: they show what ListNodes/ListInstances show, and fo
 from __future__ import annotations
 
 import asyncio
+import sys
+import time
 from types import SimpleNamespace
 
+import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from controller.events import EventBus
 from controller.fleet_metrics import FleetSeries, engine_targets
-from controller.nodes import NODE_LOST, NODE_SUSPECT
+from controller.instances import READY, InstanceRecord
+from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
+from controller.slots import EngineSlot
+from controller.state import ClusterState
+from motor.clock import SYSTEM_CLOCK
 from motor.contract.names import enum_short_name, role_name
+from motor.ports import free_port
+from motor.service.loop_lag import cpu_wait
+from motor.service.metrics_http import ServiceTelemetry
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
 from tests.controller.test_core import running_example
@@ -66,11 +78,13 @@ def assert_same_as_the_views(samples: dict, controller) -> None:
     assert sum(1 for k in samples if k[0] == "motor_controller_node_state") == len(nodes) * 3
 
 
-async def test_the_series_show_what_the_views_show_and_follow_changes(harness):
+# One row per loop turn (the pieces must still join into one valid exposition), and the default.
+@pytest.mark.parametrize("chunk", [1, 500])
+async def test_the_series_show_what_the_views_show_and_follow_changes(harness, chunk):
     await running_example(harness)
     controller = harness.controller
     series = controller.fleet_series
-    series.chunk = 1  # one row per loop turn: the pieces must still join into one valid exposition
+    series.chunk = chunk
     samples = await scrape(series)
     assert_same_as_the_views(samples, controller)
     assert sample(samples, "motor_controller_silent_nodes_alarm") == 0
@@ -155,3 +169,139 @@ async def test_discovery_lists_placed_engines_with_their_ids(harness):
         if e.host and e.port
     ]
     assert expected and sorted(targets, key=str) == sorted(expected, key=str)
+
+
+def fleet_tables(nodes: int, ranks: int) -> ClusterState:
+    """The controller's tables as a fleet of `nodes` READY nodes leaves them, each running one
+    READY instance of `ranks` NORMAL engines, all heard from just now."""
+    state = ClusterState(None, EventBus(), SYSTEM_CLOCK)
+    now = time.time()
+    for n in range(nodes):
+        node_id, instance_id = f"node-{n:05d}", f"u-{n:05d}"
+        state.nodes.put(NodeRuntime(C.NodeInfo(node_id=node_id), 1, NODE_READY, "", time.monotonic(), now))
+        state.instances[instance_id] = InstanceRecord(instance_id, "u", T.ROLE_UNION, ranks, 1, False, "", "", READY)
+        for rank in range(ranks):
+            state.slots.add(
+                EngineSlot(
+                    f"{instance_id}/rank{rank}",
+                    instance_id,
+                    rank,
+                    node_id,
+                    generation=1,
+                    state=T.ENGINE_STATE_RUNNING,
+                    health=T.HEALTH_STATUS_NORMAL,
+                )
+            )
+    return state
+
+
+async def test_a_change_in_a_large_fleet_shows_at_the_next_scrape_and_only_engines_of_live_instances_are_listed():
+    state = fleet_tables(1_000, 8)
+    series = FleetSeries(state, lambda: "")
+    before = await scrape(series)
+    assert sum(1 for k in before if k[0] == "motor_controller_engine_restarts_total") == 8_000
+    # One row changed in the middle of its block of rows, in each table.
+    slot = state.slots["u-00512/rank3"]
+    slot.health, slot.restarts, slot.node_id = T.HEALTH_STATUS_ABNORMAL, 2, "node-00999"
+    state.instances["u-00250"].state = C.INSTANCE_STATE_RESTARTING
+    node = state.nodes["node-00777"]
+    state.nodes.set_state(node, NODE_SUSPECT, "silent")
+    # Registered again (a new record), not heard from yet.
+    replaced = NodeRuntime(C.NodeInfo(node_id="node-00042"), 2, NODE_READY, "", 0.0, 0.0)
+    state.nodes.put(replaced)
+    after = await scrape(series)
+    ids = {"instance_id": "u-00512", "engine_id": "u-00512/rank3"}
+    assert one_hot(after, "motor_controller_engine_health", "health", **ids, node_id="node-00999") == "abnormal"
+    assert not [
+        k
+        for k in after
+        if k[0] == "motor_controller_engine_health"
+        and dict(k[1]).get("node_id") == "node-00512"
+        and dict(k[1])["engine_id"] == "u-00512/rank3"
+    ]
+    assert sample(after, "motor_controller_engine_restarts_total", **ids) == 2
+    assert (
+        one_hot(after, "motor_controller_instance_state", "state", instance_id="u-00250", group="u", role="union")
+        == "restarting"
+    )
+    assert one_hot(after, "motor_controller_node_state", "state", node_id="node-00777") == "suspect"
+    assert ("motor_controller_node_heartbeat_age_seconds", (("node_id", "node-00042"),)) not in after
+    assert ("motor_controller_node_heartbeat_age_seconds", (("node_id", "node-00043"),)) in after
+    changed = {k for k in after if after[k] != before.get(k)} | {k for k in before if k not in after}
+    assert {k[0] for k in changed} - {"motor_controller_node_heartbeat_age_seconds"} <= {
+        "motor_controller_engine_health",
+        "motor_controller_engine_restarts_total",
+        "motor_controller_instance_state",
+        "motor_controller_node_state",
+    }
+    # The engines of an instance that is gone (a deployment change under way) leave; back when it is.
+    gone = state.instances.pop("u-00600")
+    listed = await scrape(series)
+    assert not [k for k in listed if dict(k[1]).get("instance_id") == "u-00600"]
+    assert sum(1 for k in listed if k[0] == "motor_controller_engine_restarts_total") == 7_992
+    state.instances["u-00600"] = gone
+    assert sum(1 for k in await scrape(series) if k[0] == "motor_controller_engine_restarts_total") == 8_000
+
+
+# A Prometheus in another process: scrapes once per line read, asking for gzip, and prints how many
+# engine restart samples it read.
+SCRAPER = """
+import sys, urllib.request, zlib
+for _ in sys.stdin:
+    request = urllib.request.Request(sys.argv[1], headers={"Accept-Encoding": "gzip"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        body = r.read()
+        if r.headers.get("Content-Encoding") == "gzip":
+            body = zlib.decompress(body, 16 + zlib.MAX_WBITS)
+    print(body.count(b"\\nmotor_controller_engine_restarts_total{"), flush=True)
+"""
+
+
+async def test_a_scrape_of_10000_nodes_x_8_engines_leaves_the_loop_to_the_heartbeats():
+    """What a Prometheus scrape (every 15 s, always) costs the controller's loop at 10,000 nodes x
+    8 engines: a heartbeat-like coroutine, due every millisecond, is never held up long by it, and
+    the scrape takes little of the loop's thread in all (0.1-0.15 s here when every row's text
+    was joined anew at each scrape, about 40 ms since; bench/metrics_scrape.py measures it in a
+    real controller)."""
+    state = fleet_tables(10_000, 8)
+    telemetry = ServiceTelemetry(CollectorRegistry(), FleetSeries(state, lambda: "").render)
+    port = await telemetry.serve("127.0.0.1", free_port())
+    scraper = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        SCRAPER,
+        f"http://127.0.0.1:{port}/metrics",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    held: list[float] = []
+
+    async def heartbeats():
+        loop = asyncio.get_running_loop()
+        while True:
+            due, waited = loop.time() + 0.001, cpu_wait()
+            await asyncio.sleep(0.001)
+            # How late it ran, less the time the thread waited for a CPU (a loaded machine, not the scrape).
+            held.append(loop.time() - due - (cpu_wait() - waited))
+
+    async def scrape_once() -> tuple[int, float]:
+        cpu = time.thread_time()  # of the loop's thread: what the scrape took of it
+        scraper.stdin.write(b"go\n")
+        samples = int(await asyncio.wait_for(scraper.stdout.readline(), 60))
+        return samples, time.thread_time() - cpu
+
+    try:
+        assert (await scrape_once())[0] == 80_000  # the first scrape after a start makes every row's text
+        beating = asyncio.create_task(heartbeats())
+        await asyncio.sleep(0.05)
+        held.clear()
+        assert (await scrape_once())[0] == 80_000
+        beating.cancel()
+        samples, cpu = await scrape_once()
+    finally:
+        scraper.stdin.close()
+        await scraper.wait()
+        await telemetry.close()
+    assert samples == 80_000
+    assert max(held) < 0.02, f"a heartbeat was held {max(held) * 1e3:.0f} ms during a scrape"
+    assert cpu < 0.075, f"a scrape took {cpu * 1e3:.0f} ms of the loop's thread"
