@@ -257,6 +257,7 @@ for _ in sys.stdin:
 """
 
 
+@pytest.mark.processes
 async def test_a_scrape_of_10000_nodes_x_8_engines_leaves_the_loop_to_the_heartbeats():
     """What a Prometheus scrape (every 15 s, always) costs the controller's loop at 10,000 nodes x
     8 engines: a heartbeat-like coroutine, due every millisecond, is never held up long by it, and
