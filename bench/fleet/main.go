@@ -236,7 +236,7 @@ func (f *fleet) beat(n *node) {
 	// follows every interval step at once, and a ticker started at registration kept them in
 	// bursts (measured at 10,000 nodes: 2,250 of them beat within the same half second, and the
 	// controller's p99 was 250-500 ms for a machine that is otherwise half idle). Real node
-	// managers still beat one interval after registration (README, controller scale: follow-up).
+	// managers still beat one interval after registration (docs/benchmarks.md, controller scale).
 	phase := rand.Float64()
 	next := time.Now()
 	var seq uint64

@@ -57,7 +57,7 @@ SERVER_OPTIONS = [
     # No BDP probing: it sized receive windows for bulk transfers, of which Motor's servers take
     # none, and the server sent a PING after almost every message it received (a heartbeat: one
     # more frame out and one more in, each a TLS record). Off: 15-20% less controller CPU per
-    # heartbeat (bench/controller_scale.py, README "Controller scale").
+    # heartbeat (bench/controller_scale.py, docs/benchmarks.md).
     ("grpc.http2.bdp_probe", 0),
 ]
 

@@ -15,7 +15,7 @@ the test (motor_event_loop_lag_seconds is printed beside it). The bounds and the
 (GRACE) are hang bounds, not the goal (50 ms): before the fixes the same run held the loop for
 seconds (the apply ~1.6 s; delete and replace 10-40 s before instance removal was made linear,
 0.3-2.5 s before the garbage collections were tamed). The real figures come from
-bench/big_deployment.py (README).
+bench/big_deployment.py (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""The grpcurl walkthroughs in README.md (the short tour) and docs/clients.md (every RPC), read as
-the tests run them.
+"""The grpcurl walkthrough of docs/clients.md (every RPC), read as the tests run them.
 
 Each document is the one place the commands live: every ```console block between a
 `<!-- walkthrough: NAME -->` marker and the next marker is a step of section NAME (engine, node,
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 from tests.support import REPO_ROOT
 
 DOC = os.path.join(REPO_ROOT, "docs", "clients.md")
-DOCS = (os.path.join(REPO_ROOT, "README.md"), DOC)
+DOCS = (DOC,)
 SECTIONS = {"engine": "ENGINE", "node": "NODE", "controller": "CONTROLLER"}
 _MARKER = re.compile(r"<!--\s*walkthrough:\s*(\w+)\s*-->")
 
@@ -44,8 +43,7 @@ class Step:
     def id(self) -> str:
         words = re.sub(r"[^\w./-]+", " ", self.command.replace("$", "")).split()
         method = next((w.rsplit("/", 1)[-1] for w in words if "/" in w and w.count(".") >= 2), None)
-        prefix = "" if self.doc == "docs/clients.md" else "readme-"
-        return f"{prefix}{self.section}-L{self.line}-{method or (words[3] if len(words) > 3 else words[-1])}"
+        return f"{self.section}-L{self.line}-{method or (words[3] if len(words) > 3 else words[-1])}"
 
 
 def load_steps(paths: tuple[str, ...] = DOCS) -> list[Step]:
