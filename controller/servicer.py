@@ -32,7 +32,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
 
     async def RegisterNode(self, request, context):
         reply = await self.controller.register_node(request.node, request.engines, request.highest_generation)
-        interval, grace = self.controller.budget.announcement()
+        interval, grace = self.controller.monitor.announce(request.node.node_id)  # its silence is judged by these
         reply.heartbeat_interval.CopyFrom(interval)
         reply.node_grace.CopyFrom(grace)
         return reply
@@ -42,7 +42,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         self.controller.heartbeat(request.node_id, request.generation, request.engines, request.delta, request.removed_engine_ids,
                                   request.store_failing)
         self.controller.metrics.heartbeat_seconds.observe(time.perf_counter() - started)
-        interval, grace = self.controller.budget.announcement()  # the rate budget: it changes with the fleet's size
+        # The rate budget: it changes with the fleet's size; this node is judged by what it is told.
+        interval, grace = self.controller.monitor.announce(request.node_id)
         return controller_pb2.HeartbeatResponse(sequence=request.sequence, generation_limit=self.controller.generations.limit(),
                                                 heartbeat_interval=interval, node_grace=grace)
 

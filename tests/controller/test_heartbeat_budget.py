@@ -5,6 +5,7 @@ hand-driven clock; the same with real node managers is in test_heartbeat_budget_
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -149,5 +150,49 @@ async def test_a_silent_node_is_judged_by_the_announced_grace_then_lost_within_g
         # Lost no sooner than two announced intervals after it turned SUSPECT, within grace + 2 intervals + re-check.
         assert lost_at is not None and lost_at >= 2.4 + 2 * 0.4 - 1e-6, lost_at
         assert all(ctl.nodes[n].state == C.NODE_STATE_READY for n in ("node-b", "node-c", "node-d"))
+    finally:
+        await h.stop()
+
+
+async def test_a_node_already_silent_is_lost_within_the_bound_it_was_told_while_nodes_register(tmp_path):
+    """Four nodes told interval 4 s, grace 20 s (1 beat/s for the fleet); node-b falls silent, and
+    5 s later ten more nodes register: the fleet's interval grows to 14 s, but node-b is still
+    judged by the 4 s / 20 s it was told, so it is lost within 20 + 2 x 4 + the re-check."""
+    clock = ManualClock()
+    h = Harness(tmp_path, clock=clock, heartbeat_interval=1, node_grace=5, max_heartbeats_per_second=1)
+    servicer = ControllerServicer(ctl := await h.start())
+    next_beat: dict[str, float] = {}
+
+    async def register(node: str) -> None:
+        reply = await servicer.RegisterNode(C.RegisterNodeRequest(node=node_info(node)), None)
+        h.generations[node] = reply.generation
+        next_beat[node] = clock.now + pbtime.seconds(reply.heartbeat_interval)
+
+    async def beat_when_due() -> None:
+        for node, due in list(next_beat.items()):
+            if node != "node-b" and due <= clock.now:
+                reply = await servicer.Heartbeat(C.HeartbeatRequest(node_id=node, generation=h.generations[node]), None)
+                next_beat[node] = clock.now + pbtime.seconds(reply.heartbeat_interval)
+
+    try:
+        for node in ("node-a", "node-b", "node-c", "node-d"):
+            await register(node)
+        reply = await servicer.Heartbeat(C.HeartbeatRequest(node_id="node-b", generation=h.generations["node-b"]), None)
+        assert (pbtime.seconds(reply.heartbeat_interval), pbtime.seconds(reply.node_grace)) == (4.0, pytest.approx(20.0))
+        h.client.unreachable.add("node-b")
+        silent_since, lost_at = clock.now, None
+        while lost_at is None and clock.now - silent_since < 120:
+            clock.advance(0.5)
+            if clock.now - silent_since == 5.0:
+                for index in range(10):
+                    await register(f"late-{index}")
+            await beat_when_due()
+            ctl.check_nodes()
+            await asyncio.sleep(0.01)  # the direct re-check of a suspect node runs
+            if ctl.nodes["node-b"].state == C.NODE_STATE_LOST:
+                lost_at = clock.now - silent_since
+        assert ctl.budget.interval() == 13.0  # the fleet's interval did grow (13 live nodes, node-b lost)
+        assert lost_at is not None and lost_at <= 20 + 2 * 4 + 1, lost_at
+        assert sum(n.state == C.NODE_STATE_READY for n in ctl.nodes.values()) == 13
     finally:
         await h.stop()
