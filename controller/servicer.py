@@ -79,13 +79,19 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         return controller_pb2.DeleteDeploymentResponse()
 
     async def ListNodes(self, request, context):
-        return self.controller.page_nodes(request)
+        return self._marked(self.controller.page_nodes(request))
 
     async def ListInstances(self, request, context):
-        return self.controller.page_instances(request)
+        return self._marked(self.controller.page_instances(request))
 
     async def ListEndpoints(self, request, context):
-        return self.controller.page_endpoints(request)
+        return self._marked(self.controller.page_endpoints(request))
+
+    def _marked(self, reply):
+        """A standby's answer says it is one (its view lacks liveness, engine state and health)."""
+        if self.ha is not None and not self.ha.is_leader():
+            reply.standby_view = self.ha.standby_view()
+        return reply
 
     async def WatchEndpoints(self, request, context):
         changes = self.controller.endpoints.subscribe()

@@ -93,7 +93,7 @@ def _command(args: argparse.Namespace, stub: controller_pb2_grpc.ControllerServi
         print(_json(reply) if as_json else render.render_nodes(reply), file=out)
     elif args.command == "instances":
         reply = all_pages(stub.ListInstances, controller_pb2.ListInstancesRequest(filter=args.filter), "instances", t)
-        print(_json(reply) if as_json else render.render_instances(reply) + "\n\n" + render.render_engines(reply), file=out)
+        print(_json(reply) if as_json else render.standby_banner(reply) + render.render_instances(reply) + "\n\n" + render.render_engines(reply), file=out)
     elif args.command == "endpoints":
         role = parse_role(args.role, "--role") if args.role else types_pb2.ROLE_UNSPECIFIED
         reply = all_pages(stub.ListEndpoints, controller_pb2.ListEndpointsRequest(role=role, filter=args.filter), "endpoints", t)

@@ -88,3 +88,27 @@ def test_a_new_leader_does_not_apply_its_deployment_file_over_an_operators_apply
         elected = log.read()
     assert "applied" not in elected.replace("not applied", ""), elected
     assert "not applied: the store holds revision 2" in elected, elected
+
+
+def test_reads_on_a_standby_say_they_are_a_standbys_view_and_name_the_leader(seeded):
+    """Either controller of `motorctl up --ha` may lead; one read on the standby must not look
+    like a cluster whose engines are gone (no state, no health, every node waiting to report)."""
+    cluster, _ = seeded
+    wait_for(lambda: _leader(cluster) and _ready(cluster) == {"u-0"}, timeout=60, what="A.yaml's one instance READY")
+    leader = _leader(cluster)
+    standby = next(a for a in cluster.controller_addresses if a != leader)
+    for address, expected in ((leader, ""), (standby, leader)):
+        stub = _stub(address)
+        views = [stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=5).standby_view,
+                 stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=5).standby_view,
+                 stub.ListEndpoints(controller_pb2.ListEndpointsRequest(), timeout=5).standby_view]
+        if not expected:
+            assert views == ["", "", ""], views
+        else:
+            assert all(f"ask the leader {leader}" in v and "standby" in v for v in views), views
+    for command in ("nodes", "instances", "endpoints"):
+        shown = subprocess.run([_bin("motorctl"), "--controller", standby, command], capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        assert shown.stdout.startswith("STANDBY VIEW: ") and leader in shown.stdout.splitlines()[0], shown.stdout
+    on_leader = subprocess.run([_bin("motorctl"), "--controller", leader, "nodes"], capture_output=True, text=True, timeout=60)
+    assert "STANDBY" not in on_leader.stdout, on_leader.stdout
