@@ -33,6 +33,7 @@ from motor.v1 import controller_pb2, types_pb2
 from controller import endpoints, reported as reported_engine, views
 from controller.actuator import Actuator, engine_spec
 from controller.adoption import Adoption
+from controller.beat_pacing import BeatPacing
 from controller.claims import NodeClaims, check_registration
 from controller.config import ControllerConfig
 from controller.deployments import DeploymentChanges
@@ -110,6 +111,7 @@ class Controller(views.ClusterReads):
                                       self.state.nodes.live, monotonic)
         self.metrics.heartbeat_interval.set_function(lambda: self.budget.announced)
         self.metrics.node_grace.set_function(self.budget.held_grace)
+        self.pacing = BeatPacing(self.state.nodes, monotonic, self.metrics.heartbeats_refused)
         self.monitor = NodeMonitor(self.state, config, self.budget, node_client, self._spawn, self.wake, self._observe,
                                    self.scheduler.evacuate)
         # The per-node, per-instance and per-engine series, served beside metrics.registry's (/metrics).

@@ -61,6 +61,10 @@ class NodeRuntime:
     # yet); its silence is judged by them, whatever the fleet announces later.
     told_interval: float = 0.0
     told_grace: float = 0.0
+    # Its heartbeat token bucket (controller/beat_pacing.py): tokens, when last refilled, said once.
+    beat_tokens: float = 0.0
+    beats_checked: float = 0.0
+    pace_logged: bool = False
     # Why it gets no new engines although READY (its address answers as another node); cleared
     # by registering again (a new NodeRuntime).
     unusable: str = ""

@@ -11,6 +11,7 @@ import random
 import pytest
 
 from motor import pbtime
+from motor.errors import ResourceExhausted
 from motor.v1 import controller_pb2 as C
 
 from controller.heartbeat_budget import HeartbeatBudget
@@ -194,5 +195,42 @@ async def test_a_node_already_silent_is_lost_within_the_bound_it_was_told_while_
         assert ctl.budget.interval() == 13.0  # the fleet's interval did grow (13 live nodes, node-b lost)
         assert lost_at is not None and lost_at <= 20 + 2 * 4 + 1, lost_at
         assert sum(n.state == C.NODE_STATE_READY for n in ctl.nodes.values()) == 13
+    finally:
+        await h.stop()
+
+
+async def test_a_node_beating_far_faster_than_told_is_pushed_back_counted_and_named_once(tmp_path, caplog):
+    clock = ManualClock()
+    h = Harness(tmp_path, clock=clock, heartbeat_interval=1, node_grace=5, max_heartbeats_per_second=100)
+    servicer = ControllerServicer(ctl := await h.start())
+    try:
+        for node in ("node-a", "node-b"):
+            reply = await servicer.RegisterNode(C.RegisterNodeRequest(node=node_info(node)), None)
+            h.generations[node] = reply.generation
+
+        async def beat(node: str) -> C.HeartbeatResponse:
+            return await servicer.Heartbeat(C.HeartbeatRequest(node_id=node, generation=h.generations[node]), None)
+
+        refused = 0
+        with caplog.at_level("WARNING", logger="controller.beat_pacing"):
+            for _ in range(1000):  # a hostile node: 1000 beats in 1 s, told 1 s
+                clock.advance(0.001)
+                try:
+                    await beat("node-a")
+                except ResourceExhausted as exc:
+                    refused += 1
+                    assert "far faster than the 1s interval it was told" in str(exc) and "retry after" in str(exc)
+        assert 990 <= refused <= 995  # the burst and 4 x the told rate went through
+        assert ctl.metrics.registry.get_sample_value("motor_controller_heartbeats_refused_total",
+                                                     {"node_id": "node-a"}) == refused
+        assert len(caplog.records) == 1 and "node-a" in caplog.records[0].getMessage()
+        # node-b keeps to its interval, with retries after lost answers now and then: never refused.
+        for index in range(200):
+            clock.advance(1.0)
+            await beat("node-b")
+            if index % 10 == 0:
+                await beat("node-b")
+        clock.advance(1.0)
+        await beat("node-a")  # slowed down: read again
     finally:
         await h.stop()
