@@ -193,6 +193,9 @@ class NodeTable(Table[NodeRuntime]):
         node = self._rows.get(node_id)
         if node is None:
             raise NotFound(f"node_id {excerpt(node_id)} is not registered; call RegisterNode first")
+        if generation > node.generation:
+            raise FailedPrecondition(f"generation {generation} of node {excerpt(node_id)} is ahead of the current one "
+                                     f"({node.generation}): this controller never issued it; register again")
         if generation != node.generation:
             raise FailedPrecondition(
                 f"generation {generation} of node {excerpt(node_id)} is stale (current {node.generation}"

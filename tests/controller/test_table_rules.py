@@ -25,6 +25,15 @@ def test_a_stale_heartbeat_of_a_lost_node_is_told_so_exactly():
     assert str(error.value) == "generation 2 of node 'node-a' is stale (current 3, node declared lost); register again"
 
 
+def test_a_heartbeat_of_a_generation_ahead_of_the_current_one_is_not_called_stale():
+    table = NodeTable()
+    table.put(runtime("node-a", generation=1))
+    with pytest.raises(FailedPrecondition) as error:
+        table.member("node-a", 2**64 - 1)
+    assert str(error.value) == ("generation 18446744073709551615 of node 'node-a' is ahead of the current one (1): "
+                                "this controller never issued it; register again")
+
+
 def test_a_refused_record_names_its_node():
     table = NodeTable()
     with pytest.raises(IllegalTransition) as error:
