@@ -10,26 +10,19 @@ import signal
 import subprocess
 
 import pytest
-import yaml
 
 from motor.ports import free_port
 from motor.v1 import controller_pb2
 from motorctl.up import LocalCluster, _bin
 from tests.ha.conftest import _require_etcd
 from tests.ha.test_failover import _controllers, _leader, _process_of, _stub
-from tests.support import wait_for
+from tests.support import wait_for, write_sim_deployment
 
 TTL = 2
 
 
 def _write(path, count: int) -> str:
-    document = {
-        "name": "seeded", "model": "sim-tiny",
-        "instance_groups": [{"name": "u", "role": "union", "count": count, "accelerators_per_engine": 1}],
-        "engine_config": {"motor_engine_union_config": {"engine_type": "sim", "engine_args": {"model": "sim-tiny"}}},
-    }
-    path.write_text(yaml.safe_dump(document))
-    return str(path)
+    return write_sim_deployment(path, count, name="seeded")
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import yaml
 
 from motor.pki import write_atomically
 from motor.ports import free_port
@@ -15,7 +14,7 @@ from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl.pki import DevPki, make_dev_pki
 from motorctl.up import LocalCluster
 from node_manager.engine_tls import EngineTlsCopy, engine_tls_paths
-from tests.support import wait_for
+from tests.support import wait_for, write_sim_deployment
 
 
 def _contents(paths: dict[str, str]) -> dict[str, bytes]:
@@ -55,15 +54,9 @@ def test_the_copy_holds_the_last_good_files_and_follows_a_good_rotation(tmp_path
 
 @pytest.fixture
 def tls_cluster(tmp_path):
-    document = {
-        "name": "tls", "model": "sim-tiny",
-        "instance_groups": [{"name": "u", "role": "union", "count": 1, "accelerators_per_engine": 1}],
-        "engine_config": {"motor_engine_union_config": {"engine_type": "sim", "engine_args": {"model": "sim-tiny"}}},
-    }
-    deployment = tmp_path / "deployment.yaml"
-    deployment.write_text(yaml.safe_dump(document))
+    deployment = write_sim_deployment(tmp_path / "deployment.yaml", 1)
     cluster = LocalCluster(str(tmp_path / "run"), nodes=1, controller_port=free_port(), heartbeat_interval=0.5,
-                           engine_port_base=39000, deployment_path=str(deployment), tls=True,
+                           engine_port_base=39000, deployment_path=deployment, tls=True,
                            extra_controller_args=["--startup-grace", "0"])
     try:
         cluster.start(timeout=90)
