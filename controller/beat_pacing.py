@@ -14,10 +14,9 @@ A node told nothing yet (known from the store, or registered outside the gRPC se
 from __future__ import annotations
 
 import logging
-from typing import Callable
-
 from prometheus_client import Counter
 
+from motor.clock import Clock
 from motor.errors import ResourceExhausted
 from motor.names import excerpt
 
@@ -30,8 +29,8 @@ SLACK = 4.0  # sustained: this many times the rate it was told
 
 
 class BeatPacing:
-    def __init__(self, nodes: NodeTable, mono: Callable[[], float], refused: Counter):
-        self.nodes, self.mono, self.refused = nodes, mono, refused
+    def __init__(self, nodes: NodeTable, clock: Clock, refused: Counter):
+        self.nodes, self.mono, self.refused = nodes, clock.monotonic, refused
 
     def admit(self, node_id: str) -> None:
         """Raise ResourceExhausted when `node_id` beats far faster than its told interval: O(1)."""

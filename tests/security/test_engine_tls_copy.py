@@ -77,6 +77,7 @@ def _serving(instance: controller_pb2.Instance | None) -> bool:
         e.health == types_pb2.HEALTH_STATUS_NORMAL for e in instance.engines)
 
 
+@pytest.mark.processes
 def test_an_engine_started_while_the_node_certificate_file_is_garbage_serves(tls_cluster):
     cluster = tls_cluster
     wait_for(lambda: _serving(_instances(cluster).get("u-0")), timeout=90, interval=0.5, what="u-0 serving")
