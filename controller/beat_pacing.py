@@ -18,7 +18,7 @@ from prometheus_client import Counter
 
 from motor.clock import Clock
 from motor.errors import ResourceExhausted
-from motor.names import excerpt
+from motor.contract.names import excerpt
 
 from controller.nodes import NodeTable
 

@@ -21,8 +21,8 @@ from typing import Callable
 
 from google.protobuf.duration_pb2 import Duration
 
-from motor import node_process
-from motor.heartbeats import MAX_BACKOFF
+from motor.contract import node_process
+from motor.contract.heartbeats import MAX_BACKOFF
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.config import ControllerConfig

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from motor import pbtime
+from motor.contract import pbtime
 from motor.errors import ResourceExhausted
 from motor.v1 import controller_pb2 as C
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from motor.pki import write_atomically
+from motor.security.pki import write_atomically
 from motor.ports import free_port
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl.pki import DevPki, make_dev_pki
