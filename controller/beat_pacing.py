@@ -14,13 +14,13 @@ A node told nothing yet (known from the store, or registered outside the gRPC se
 from __future__ import annotations
 
 import logging
+
 from prometheus_client import Counter
 
-from motor.clock import Clock
-from motor.errors import ResourceExhausted
-from motor.contract.names import excerpt
-
 from controller.nodes import NodeTable
+from motor.clock import Clock
+from motor.contract.names import excerpt
+from motor.errors import ResourceExhausted
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +47,17 @@ class BeatPacing:
         wait = (1 - node.beat_tokens) * told / SLACK
         if not node.pace_logged:
             node.pace_logged = True
-            logger.warning("node %s heartbeats far faster than the %gs interval it was told (over %g beats back to "
-                           "back or %g times that rate): refusing the excess with RESOURCE_EXHAUSTED "
-                           "(motor_controller_heartbeats_refused_total)", excerpt(node_id), told, BURST, SLACK)
-        raise ResourceExhausted(f"node_id: node {excerpt(node_id)} heartbeats far faster than the {told:g}s interval "
-                                f"it was told: this heartbeat was not read; retry after {wait:.2f}s, then beat every "
-                                f"{told:g}s")
+            logger.warning(
+                "node %s heartbeats far faster than the %gs interval it was told (over %g beats back to "
+                "back or %g times that rate): refusing the excess with RESOURCE_EXHAUSTED "
+                "(motor_controller_heartbeats_refused_total)",
+                excerpt(node_id),
+                told,
+                BURST,
+                SLACK,
+            )
+        raise ResourceExhausted(
+            f"node_id: node {excerpt(node_id)} heartbeats far faster than the {told:g}s interval "
+            f"it was told: this heartbeat was not read; retry after {wait:.2f}s, then beat every "
+            f"{told:g}s"
+        )

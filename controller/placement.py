@@ -99,12 +99,14 @@ class Fleet:
         def change():
             node.used_accelerators.update(accelerators)
             node.ports_in_use += ports
+
         self._update(node, change)
 
     def give_back(self, node: NodeCapacity, accelerators: tuple[int, ...], ports: int) -> None:
         def change():
             node.used_accelerators.difference_update(accelerators)
             node.ports_in_use -= ports
+
         self._update(node, change)
 
     def describe(self) -> str:

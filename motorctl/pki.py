@@ -33,16 +33,20 @@ PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")  # a file name in -
 def check_days(days: float) -> float:
     """--days: a certificate valid from now for a positive, finite, sane number of days."""
     if not (math.isfinite(days) and 0 < days <= MAX_DAYS):
-        raise MotorError(f"--days: give a number of days above 0 and at most {MAX_DAYS} (got {days:g}); "
-                         "0 or less would issue a certificate already expired")
+        raise MotorError(
+            f"--days: give a number of days above 0 and at most {MAX_DAYS} (got {days:g}); "
+            "0 or less would issue a certificate already expired"
+        )
     return days
 
 
 def check_name(name: str) -> str:
     """NAME of `pki issue`: NAME.crt and NAME.key are written in --dir, so a plain file name."""
     if not PLAIN_NAME.fullmatch(name):
-        raise MotorError(f"NAME: {name!r} is not a plain file name (letters, digits, '.', '_', '-', not starting "
-                         "with '.' or '-'): NAME.crt and NAME.key are written in --dir, never elsewhere")
+        raise MotorError(
+            f"NAME: {name!r} is not a plain file name (letters, digits, '.', '_', '-', not starting "
+            "with '.' or '-'): NAME.crt and NAME.key are written in --dir, never elsewhere"
+        )
     return name
 
 
@@ -98,18 +102,27 @@ def make_dev_pki(directory: str, nodes: list[str], hosts: list[str] | None = Non
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="motorctl pki", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="motorctl pki", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     init = sub.add_parser("init", help="create a CA (ca.crt, ca.key) in --dir")
     init.add_argument("--dir", required=True, help="directory for the CA files")
     init.add_argument("--days", type=float, default=3650, help="validity in days [3650]")
-    init.add_argument("--force", action="store_true", help="replace an existing CA (every certificate it signed stops being trusted)")
+    init.add_argument(
+        "--force", action="store_true", help="replace an existing CA (every certificate it signed stops being trusted)"
+    )
     issue = sub.add_parser("issue", help="issue NAME.crt/NAME.key signed by the CA in --dir")
     issue.add_argument("name", help="file name stem, e.g. node-a")
     issue.add_argument("--dir", required=True, help="directory holding ca.crt/ca.key; the pair is written there")
-    issue.add_argument("--identity", help="controller, node/<id>, operator/<name> or viewer/<name>; omit for a "
-                       "certificate that is no Motor identity (an etcd member's: --host only)")
-    issue.add_argument("--host", action="append", default=[], help="DNS name or IP the server is reached at (repeatable)")
+    issue.add_argument(
+        "--identity",
+        help="controller, node/<id>, operator/<name> or viewer/<name>; omit for a "
+        "certificate that is no Motor identity (an etcd member's: --host only)",
+    )
+    issue.add_argument(
+        "--host", action="append", default=[], help="DNS name or IP the server is reached at (repeatable)"
+    )
     issue.add_argument("--days", type=float, default=365, help="validity in days [365]")
     issue.add_argument("--trust-domain", default=TRUST_DOMAIN, help=f"SPIFFE trust domain [{TRUST_DOMAIN}]")
     tokens = sub.add_parser("tokens", help="write a tokens file with a fresh token per NAME=ROLE[+ROLE]")
@@ -118,7 +131,9 @@ def _parser() -> argparse.ArgumentParser:
     dev = sub.add_parser("dev", help="the whole development set: CA, controller, nodes, operator, viewer, tokens")
     dev.add_argument("--dir", required=True, help="directory to write (an existing CA there is reused)")
     dev.add_argument("--nodes", default="node-a,node-b", help="comma-separated node ids [node-a,node-b]")
-    dev.add_argument("--host", action="append", default=[], help=f"server names/IPs (repeatable) [{', '.join(DEV_HOSTS)}]")
+    dev.add_argument(
+        "--host", action="append", default=[], help=f"server names/IPs (repeatable) [{', '.join(DEV_HOSTS)}]"
+    )
     return p
 
 
@@ -144,7 +159,10 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     else:
         nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
         pki = make_dev_pki(args.dir, nodes, args.host or None)
-        print(f"development PKI in {pki.directory}: ca.crt, controller, {', '.join(nodes)}, operator, viewer, {TOKENS_FILE}", file=out)
+        print(
+            f"development PKI in {pki.directory}: ca.crt, controller, {', '.join(nodes)}, operator, viewer, {TOKENS_FILE}",
+            file=out,
+        )
     return 0
 
 

@@ -31,13 +31,20 @@ class NodeManagerServer:
     def __init__(self, config: NodeManagerConfig):
         # A state directory of the wrong shape is a configuration error naming the path, before
         # anything is created in it.
-        prepare_directory("state_dir", config.state_dir, subdirectories=("engines",),
-                          files=("node_manager.port", "node_manager.lock", "node_manager.id"))
+        prepare_directory(
+            "state_dir",
+            config.state_dir,
+            subdirectories=("engines",),
+            files=("node_manager.port", "node_manager.lock", "node_manager.id"),
+        )
         self.config = config
         self.manager = NodeManager(config)
         # Engines get a copy of the TLS files this process uses: a bad node file never reaches them.
-        self.engine_tls = EngineTlsCopy(config.state_dir, config.tls_cert, config.tls_key, config.tls_ca) \
-            if config.tls_enabled else None
+        self.engine_tls = (
+            EngineTlsCopy(config.state_dir, config.tls_cert, config.tls_key, config.tls_ca)
+            if config.tls_enabled
+            else None
+        )
         self._engine_tls_task: asyncio.Task | None = None
         self.lock = StateDirLock(config.state_dir)
         self.process = types_pb2.NodeManagerProcess()  # filled in by start(), once the state dir is ours
@@ -78,24 +85,37 @@ class NodeManagerServer:
         self.process.CopyFrom(process_identity(self.config.state_dir, time.time()))
         if self.engine_tls is not None:
             self.engine_tls.refresh()
-            self._engine_tls_task = asyncio.get_running_loop().create_task(self.engine_tls.follow(), name="engine TLS copy")
+            self._engine_tls_task = asyncio.get_running_loop().create_task(
+                self.engine_tls.follow(), name="engine TLS copy"
+            )
         await self.manager.start()
         # An engine launched from this state directory whose record is gone or unreadable (a crash
         # mid-write, a careless edit) is supervised by no one and holds accelerators this node
         # manager would offer again: stop it before serving.
         strays = await self.manager.stop_leftovers(self.process.state_dir_id)
         if strays:
-            logger.warning("stopped %d engine(s) launched from %s that no readable record describes",
-                           strays, self.config.state_dir)
+            logger.warning(
+                "stopped %d engine(s) launched from %s that no readable record describes", strays, self.config.state_dir
+            )
         self.port = await self.server.start()
         atomic_write(os.path.join(self.config.state_dir, "node_manager.port"), f"{self.port}\n")
-        logger.info("node manager %s serving motor.v1.NodeManagerService on port %d (advertised as %s)",
-                    self.config.node_id, self.port, self.address)
+        logger.info(
+            "node manager %s serving motor.v1.NodeManagerService on port %d (advertised as %s)",
+            self.config.node_id,
+            self.port,
+            self.address,
+        )
         await self.telemetry.serve("0.0.0.0", self.config.metrics_port)
         if self.config.controller:
-            self.link = ControllerLink(self.manager, self.config.controller, self.node_info(),
-                                       self.config.heartbeat_interval, tls=self.config.client_tls(), epoch=self.epoch,
-                                       max_interval=self.config.max_heartbeat_interval)
+            self.link = ControllerLink(
+                self.manager,
+                self.config.controller,
+                self.node_info(),
+                self.config.heartbeat_interval,
+                tls=self.config.client_tls(),
+                epoch=self.epoch,
+                max_interval=self.config.max_heartbeat_interval,
+            )
             self._link_task = asyncio.get_running_loop().create_task(self.link.run())
         else:
             logger.info("no --controller: running standalone (StartEngine through gRPC)")

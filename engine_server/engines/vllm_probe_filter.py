@@ -35,7 +35,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from engine_server.engines.base import is_probe_request_id
 from engine_server.engines.vllm_utilization import PROGRESS

@@ -15,7 +15,8 @@ pieces, so a large one does not hold the loop for the whole scrape.
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest

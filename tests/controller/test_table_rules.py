@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from motor.errors import FailedPrecondition
-
 from controller.instances import IllegalTransition
 from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeTable
 from controller.slots import EngineSlot, SlotTable
+from motor.errors import FailedPrecondition
 from tests.controller.test_tables import runtime
 
 
@@ -30,8 +29,10 @@ def test_a_heartbeat_of_a_generation_ahead_of_the_current_one_is_not_called_stal
     table.put(runtime("node-a", generation=1))
     with pytest.raises(FailedPrecondition) as error:
         table.member("node-a", 2**64 - 1)
-    assert str(error.value) == ("generation 18446744073709551615 of node 'node-a' is ahead of the current one (1): "
-                                "this controller never issued it; register again")
+    assert str(error.value) == (
+        "generation 18446744073709551615 of node 'node-a' is ahead of the current one (1): "
+        "this controller never issued it; register again"
+    )
 
 
 def test_a_refused_record_names_its_node():

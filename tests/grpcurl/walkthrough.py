@@ -113,8 +113,12 @@ def environment(addresses: dict[str, str]) -> dict[str, str]:
 def run_step(step: Step, addresses: dict[str, str], timeout: float = 60) -> str:
     """Run one documented command; fail with the command and its output when it differs."""
     result = subprocess.run(
-        ["bash", "-c", step.command], cwd=REPO_ROOT, env=environment(addresses),
-        capture_output=True, text=True, timeout=timeout,
+        ["bash", "-c", step.command],
+        cwd=REPO_ROOT,
+        env=environment(addresses),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     output = result.stdout + result.stderr
     where = f"{step.doc}:{step.line}: $ {step.command}\n(exit {result.returncode})\n{output}"
@@ -128,5 +132,7 @@ def run_step(step: Step, addresses: dict[str, str], timeout: float = 60) -> str:
         try:
             position = actual.index(expected, position) + 1
         except ValueError:
-            raise AssertionError(f"documented output line {expected!r} not found (in order) in the real output of\n{where}") from None
+            raise AssertionError(
+                f"documented output line {expected!r} not found (in order) in the real output of\n{where}"
+            ) from None
     return output

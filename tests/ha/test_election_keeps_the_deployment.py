@@ -29,9 +29,17 @@ def _write(path, count: int) -> str:
 def seeded(tmp_path):
     _require_etcd()
     local = LocalCluster(
-        str(tmp_path / "run"), nodes=2, deployment_path=_write(tmp_path / "A.yaml", 1), heartbeat_interval=0.5,
-        node_grace=2.0, engine_port_base=37000, controller_port=free_port(), ha=True, etcd_members=1,
-        extra_controller_args=["--lease-ttl", str(TTL), "--startup-grace", "0"], node_id_prefix="seed-node",
+        str(tmp_path / "run"),
+        nodes=2,
+        deployment_path=_write(tmp_path / "A.yaml", 1),
+        heartbeat_interval=0.5,
+        node_grace=2.0,
+        engine_port_base=37000,
+        controller_port=free_port(),
+        ha=True,
+        etcd_members=1,
+        extra_controller_args=["--lease-ttl", str(TTL), "--startup-grace", "0"],
+        node_id_prefix="seed-node",
     )
     try:
         local.start(timeout=60)
@@ -54,16 +62,28 @@ def test_a_new_leader_does_not_apply_its_deployment_file_over_an_operators_apply
     cluster, tmp_path = seeded
     wait_for(lambda: _leader(cluster) and _ready(cluster) == {"u-0"}, timeout=60, what="A.yaml's one instance READY")
     assert _deployment(cluster).revision == 1
-    applied = subprocess.run([_bin("motorctl"), "--controller", ",".join(cluster.controller_addresses), "apply",
-                              "-f", _write(tmp_path / "B.yaml", 3)], capture_output=True, text=True, timeout=60)
+    applied = subprocess.run(
+        [
+            _bin("motorctl"),
+            "--controller",
+            ",".join(cluster.controller_addresses),
+            "apply",
+            "-f",
+            _write(tmp_path / "B.yaml", 3),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert applied.returncode == 0, applied.stderr
     wait_for(lambda: _ready(cluster) == {"u-0", "u-1", "u-2"}, timeout=60, what="B.yaml's three instances READY")
 
     old = _leader(cluster)
     epoch = _controllers(cluster).epoch
     process, _ = _process_of(cluster, old)
-    standby = cluster.process(next(p.name for p in cluster.processes
-                                   if p.name.startswith("controller") and p is not process))
+    standby = cluster.process(
+        next(p.name for p in cluster.processes if p.name.startswith("controller") and p is not process)
+    )
     log_size = os.path.getsize(standby.log_path)
     os.kill(process.process.pid, signal.SIGSTOP)  # past its lease: the standby is elected
     try:
@@ -92,16 +112,22 @@ def test_reads_on_a_standby_say_they_are_a_standbys_view_and_name_the_leader(see
     standby = next(a for a in cluster.controller_addresses if a != leader)
     for address, expected in ((leader, ""), (standby, leader)):
         stub = _stub(address)
-        views = [stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=5).standby_view,
-                 stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=5).standby_view,
-                 stub.ListEndpoints(controller_pb2.ListEndpointsRequest(), timeout=5).standby_view]
+        views = [
+            stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=5).standby_view,
+            stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=5).standby_view,
+            stub.ListEndpoints(controller_pb2.ListEndpointsRequest(), timeout=5).standby_view,
+        ]
         if not expected:
             assert views == ["", "", ""], views
         else:
             assert all(f"ask the leader {leader}" in v and "standby" in v for v in views), views
     for command in ("nodes", "instances", "endpoints"):
-        shown = subprocess.run([_bin("motorctl"), "--controller", standby, command], capture_output=True, text=True, timeout=60)
+        shown = subprocess.run(
+            [_bin("motorctl"), "--controller", standby, command], capture_output=True, text=True, timeout=60
+        )
         assert shown.returncode == 0, shown.stderr
         assert shown.stdout.startswith("STANDBY VIEW: ") and leader in shown.stdout.splitlines()[0], shown.stdout
-    on_leader = subprocess.run([_bin("motorctl"), "--controller", leader, "nodes"], capture_output=True, text=True, timeout=60)
+    on_leader = subprocess.run(
+        [_bin("motorctl"), "--controller", leader, "nodes"], capture_output=True, text=True, timeout=60
+    )
     assert "STANDBY" not in on_leader.stdout, on_leader.stdout

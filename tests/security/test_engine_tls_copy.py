@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from motor.security.pki import write_atomically
 from motor.ports import free_port
+from motor.security.pki import write_atomically
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl.pki import DevPki, make_dev_pki
 from motorctl.up import LocalCluster
@@ -55,9 +55,16 @@ def test_the_copy_holds_the_last_good_files_and_follows_a_good_rotation(tmp_path
 @pytest.fixture
 def tls_cluster(tmp_path):
     deployment = write_sim_deployment(tmp_path / "deployment.yaml", 1)
-    cluster = LocalCluster(str(tmp_path / "run"), nodes=1, controller_port=free_port(), heartbeat_interval=0.5,
-                           engine_port_base=39000, deployment_path=deployment, tls=True,
-                           extra_controller_args=["--startup-grace", "0"])
+    cluster = LocalCluster(
+        str(tmp_path / "run"),
+        nodes=1,
+        controller_port=free_port(),
+        heartbeat_interval=0.5,
+        engine_port_base=39000,
+        deployment_path=deployment,
+        tls=True,
+        extra_controller_args=["--startup-grace", "0"],
+    )
     try:
         cluster.start(timeout=90)
         yield cluster
@@ -68,13 +75,18 @@ def tls_cluster(tmp_path):
 
 def _instances(cluster: LocalCluster) -> dict[str, controller_pb2.Instance]:
     with cluster.credentials("operator").channel(cluster.controller_address) as channel:
-        reply = controller_pb2_grpc.ControllerServiceStub(channel).ListInstances(controller_pb2.ListInstancesRequest(), timeout=5)
+        reply = controller_pb2_grpc.ControllerServiceStub(channel).ListInstances(
+            controller_pb2.ListInstancesRequest(), timeout=5
+        )
     return {i.instance_id: i for i in reply.instances}
 
 
 def _serving(instance: controller_pb2.Instance | None) -> bool:
-    return instance is not None and instance.state == controller_pb2.INSTANCE_STATE_READY and all(
-        e.health == types_pb2.HEALTH_STATUS_NORMAL for e in instance.engines)
+    return (
+        instance is not None
+        and instance.state == controller_pb2.INSTANCE_STATE_READY
+        and all(e.health == types_pb2.HEALTH_STATUS_NORMAL for e in instance.engines)
+    )
 
 
 @pytest.mark.processes
@@ -90,8 +102,12 @@ def test_an_engine_started_while_the_node_certificate_file_is_garbage_serves(tls
             deployment = stub.GetDeployment(controller_pb2.GetDeploymentRequest(), timeout=5).deployment
             deployment.instance_groups[0].count = 2
             stub.ApplyDeployment(controller_pb2.ApplyDeploymentRequest(deployment=deployment), timeout=30)
-        wait_for(lambda: _serving(_instances(cluster).get("u-1")), timeout=60, interval=0.5,
-                 what="u-1 started on node-a with the node manager's last good certificate")
+        wait_for(
+            lambda: _serving(_instances(cluster).get("u-1")),
+            timeout=60,
+            interval=0.5,
+            what="u-1 started on node-a with the node manager's last good certificate",
+        )
         assert _instances(cluster)["u-1"].restarts == 0
     finally:
         write_atomically(cert, good)
