@@ -32,7 +32,10 @@ logger = logging.getLogger(__name__)
 FLAGS = {
     "listen": Flag("host:port to serve gRPC on (port 0: a free port, written to <db dir>/controller.port)"),
     "db": Flag("SQLite file of the controller's state"),
-    "deployment": Flag("deployment file applied at start-up when it differs from the stored one"),
+    "deployment": Flag(
+        "deployment file that seeds a new store (first start, lost database); a store that knows a deployment is left "
+        "alone"
+    ),
     "heartbeat_interval": Flag("seconds between node heartbeats (told to node managers)"),
     "node_grace": Flag(
         "seconds of silence before a node is suspect and re-checked (scaled with the announced interval)"
@@ -96,8 +99,8 @@ def open_store(config: ControllerConfig) -> SqliteStore:
 
 
 def apply_startup_deployment(controller: Controller, config: ControllerConfig) -> None:
-    """--deployment: apply the file when it differs from the stored deployment; on a new store,
-    once the nodes had a chance to register (controller/startup_deployment.py)."""
+    """--deployment: seed a new store with the file, once the nodes had a chance to register; a
+    store that knows a deployment is left alone (controller/startup_deployment.py)."""
     deployment = load_deployment(config.deployment)
     StartupDeployment(controller, config.deployment, deployment, controller.startup_grace()).begin()
 

@@ -27,6 +27,7 @@ from controller import endpoints, views
 from controller import reported as reported_engine
 from controller.actuator import Actuator
 from controller.adoption import Adoption
+from controller.beat_pacing import BeatPacing
 from controller.claims import NodeClaims, check_registration
 from controller.config import ControllerConfig
 from controller.deployments import DeploymentChanges
@@ -115,6 +116,7 @@ class Controller(views.ClusterReads):
         )
         self.metrics.heartbeat_interval.set_function(lambda: self.budget.announced)
         self.metrics.node_grace.set_function(self.budget.held_grace)
+        self.pacing = BeatPacing(self.state.nodes, clock, self.metrics.heartbeats_refused)
         self.monitor = NodeMonitor(self.state, config, self.budget, node_client, self.lifecycle, self)
         # The per-node, per-instance and per-engine series, served beside metrics.registry's (/metrics).
         self.fleet_series = FleetSeries(self.state, lambda: self.monitor.alarm, clock=clock)

@@ -6,6 +6,11 @@ Nodes that fall silent together are noticed up to a heartbeat interval apart (th
 heartbeats were), so a node is declared lost no sooner than two intervals after it turned
 SUSPECT: by then every node silent since the same moment is SUSPECT and counted in the silent
 share. A LOST node counts neither as silent nor as active.
+
+Each node is judged by the interval and grace its latest answer told it (as Nomad sets each
+client's TTL from its own heartbeat answer): nodes registering while one is silent make the
+fleet's announced grace longer, but not the silent node's, so it is lost within the bound it was
+given. A node told nothing by this process yet (known from the store) is judged by the fleet's.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+
+from google.protobuf.duration_pb2 import Duration
 
 from controller import reported
 from controller.config import ControllerConfig
@@ -52,14 +59,14 @@ class NodeMonitor:
         st = self.state
         now = st.mono()
         grace = self.budget.grace()
-        # O(changed): only the READY nodes silent past the grace, and the SUSPECT ones.
-        for node in st.nodes.ready_silent_since(now - grace):
+        # O(changed): only the READY nodes silent past their grace, and the SUSPECT ones.
+        for node in st.nodes.ready_silent(now, grace):
             self.suspect_if_silent(node, now)
         self.refresh_alarm()
         for node in st.nodes.suspects():
             if node.state != NODE_SUSPECT or node.rechecking:
                 continue
-            if node.recheck_failed_at is not None and now - node.recheck_failed_at < max(grace, 1.0):
+            if node.recheck_failed_at is not None and now - node.recheck_failed_at < max(self._grace(node), 1.0):
                 if self.alarm:
                     node.reason = (
                         f"silent and the direct re-check failed ({node.recheck_error}); not declared lost while "
@@ -70,7 +77,7 @@ class NodeMonitor:
                         f"silent and the direct re-check failed ({node.recheck_error}); a node manager "
                         "on its host asks for its node id: it takes the node over at its next ask"
                     )
-                elif now - node.suspect_since >= 2 * self.budget.liveness_interval():
+                elif now - node.suspect_since >= 2 * self._interval(node):
                     self.declare_lost(node)
             else:
                 self._start_recheck(node)
@@ -87,8 +94,23 @@ class NodeMonitor:
             )
             self.state.nodes.not_counting(seconds)
 
+    def announce(self, node_id: str) -> tuple[Duration, Duration]:
+        """(interval, grace) for a RegisterNode or heartbeat answer to `node_id`, remembered as
+        what it was told: its silence is judged by them from now on."""
+        interval, grace = self.budget.announcement()
+        node = self.state.nodes.get(node_id)
+        if node is not None:
+            self.state.nodes.told(node, self.budget.announced, self.budget.held_grace())
+        return interval, grace
+
+    def _grace(self, node: NodeRuntime) -> float:
+        return node.told_grace or self.budget.grace()
+
+    def _interval(self, node: NodeRuntime) -> float:
+        return node.told_interval or self.budget.liveness_interval()
+
     def suspect_if_silent(self, node: NodeRuntime, now: float) -> None:
-        grace = self.budget.grace()
+        grace = self._grace(node)
         # A node known from the store that has not reported to this process yet may still be
         # backing off from the outage: it has the grace and a node manager's longest backoff.
         allowed = grace if node.reported_since_start else grace + MAX_BACKOFF
@@ -103,8 +125,7 @@ class NodeMonitor:
             st.nodes.set_state(
                 node,
                 NODE_SUSPECT,
-                f"{silence} (grace {grace:g}s, "
-                f"heartbeat interval {self.budget.liveness_interval():g}s); re-checking it directly",
+                f"{silence} (grace {grace:g}s, heartbeat interval {self._interval(node):g}s); re-checking it directly",
             )
             node.recheck_failed_at, node.suspect_since = None, now
             st.event(C.EVENT_TYPE_NODE_SUSPECT, f"node {node.node_id} suspect: {node.reason}", node_id=node.node_id)

@@ -69,6 +69,13 @@ class ControllerMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.heartbeats_refused = Counter(
+            "motor_controller_heartbeats_refused",
+            "Heartbeats refused (RESOURCE_EXHAUSTED, not read) because the node beats far faster than the "
+            "interval it was told: a node manager that does not keep to the heartbeat rate budget.",
+            ["node_id"],
+            registry=self.registry,
+        )
         self.rate_limited = Counter(
             "motor_controller_reschedules_rate_limited",
             "Engines whose move was held back by the reschedule rate limit (reschedule_rate). Many during a "

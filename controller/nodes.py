@@ -1,8 +1,9 @@
 """The node table: every registered node, its READY/SUSPECT/LOST state with one transition
 table, and the per-state counts (kept on each change, so the silent share costs O(1)).
-READY nodes are also kept in the order of their last heartbeat and SUSPECT nodes apart, so the
-node monitor's sweep reads only the nodes that fell silent and those under re-check: O(changed)
-per tick, not O(fleet).
+READY nodes are also kept in the order of their last heartbeat, one order per grace they were
+told (a handful: the grace changes in steps with the fleet's size), and SUSPECT nodes apart, so
+the node monitor's sweep reads only the nodes that fell silent and those under re-check:
+O(changed) per tick, not O(fleet).
 
 Plain data, no I/O: the node monitor (controller/liveness.py) decides when a node changes
 state; this table checks that the change is allowed and keeps the counts right.
@@ -58,6 +59,14 @@ class NodeRuntime:
     recheck_error: str = ""
     reported_since_start: bool = False
     suspect_since: float = 0.0  # monotonic: when it last turned SUSPECT
+    # The heartbeat interval and grace its latest answer told it (0: none told by this process
+    # yet); its silence is judged by them, whatever the fleet announces later.
+    told_interval: float = 0.0
+    told_grace: float = 0.0
+    # Its heartbeat token bucket (controller/beat_pacing.py): tokens, when last refilled, said once.
+    beat_tokens: float = 0.0
+    beats_checked: float = 0.0
+    pace_logged: bool = False
     # Why it gets no new engines although READY (its address answers as another node); cleared
     # by registering again (a new NodeRuntime).
     unusable: str = ""
@@ -74,18 +83,20 @@ class NodeTable(Table[NodeRuntime]):
     def __init__(self) -> None:
         super().__init__()
         self._counts: dict[int, int] = {NODE_READY: 0, NODE_SUSPECT: 0, NODE_LOST: 0}
-        self._ready_by_last_seen: OrderedDict[str, NodeRuntime] = OrderedDict()  # oldest heartbeat first
+        # Told grace -> its READY nodes, oldest heartbeat first.
+        self._ready_by_grace: dict[float, OrderedDict[str, NodeRuntime]] = {}
+        self._ready_grace: dict[str, float] = {}  # node id -> the key of its order above
         self._suspect: dict[str, NodeRuntime] = {}
         # Nodes registered or changed state since the placement view last read them (FleetView).
         self.room_changed: set[str] = set()
 
     def _index(self, node: NodeRuntime, old: int | None) -> None:
         """Keep the READY order and the SUSPECT set right after `node` went from `old` to its state."""
-        self._ready_by_last_seen.pop(node.node_id, None)
+        self._unorder(node.node_id)
         self._suspect.pop(node.node_id, None)
         self.room_changed.add(node.node_id)
         if node.state == NODE_READY:
-            self._ready_by_last_seen[node.node_id] = node  # just heard from (registered, back): newest
+            self._order(node)  # just heard from (registered, back): newest
         elif node.state == NODE_SUSPECT:
             self._suspect[node.node_id] = node
 
@@ -111,27 +122,52 @@ class NodeTable(Table[NodeRuntime]):
         old, node.state, node.reason = node.state, state, reason
         self._index(node, old)
 
+    def _order(self, node: NodeRuntime) -> None:
+        self._ready_by_grace.setdefault(node.told_grace, OrderedDict())[node.node_id] = node
+        self._ready_grace[node.node_id] = node.told_grace
+
+    def _unorder(self, node_id: str) -> None:
+        grace = self._ready_grace.pop(node_id, None)
+        if grace is not None:
+            order = self._ready_by_grace[grace]
+            del order[node_id]
+            if not order:
+                del self._ready_by_grace[grace]
+
     def heard_from(self, node: NodeRuntime, now: float) -> None:
         """A heartbeat arrived at monotonic `now`: O(1)."""
         node.last_seen = now
         if node.state == NODE_READY:
-            self._ready_by_last_seen.move_to_end(node.node_id)
+            self._ready_by_grace[node.told_grace].move_to_end(node.node_id)
+
+    def told(self, node: NodeRuntime, interval: float, grace: float) -> None:
+        """An answer just told the node this interval and grace (it was heard from just now): O(1)."""
+        node.told_interval = interval
+        if grace != node.told_grace:
+            node.told_grace = grace
+            if node.state == NODE_READY:
+                self._unorder(node.node_id)
+                self._order(node)
 
     def not_counting(self, seconds: float) -> None:
         """The controller itself did not run for `seconds` (paused, or its loop held): that is not
         the nodes' silence. O(fleet), once per such pause; the READY order stays as it was."""
-        for node in self._ready_by_last_seen.values():
-            node.last_seen += seconds
+        for order in self._ready_by_grace.values():
+            for node in order.values():
+                node.last_seen += seconds
         for node in self._suspect.values():
             node.suspect_since += seconds
 
-    def ready_silent_since(self, cutoff: float) -> Iterator[NodeRuntime]:
-        """READY nodes last heard from before `cutoff`, oldest first; stops at the first newer one."""
+    def ready_silent(self, now: float, untold_grace: float) -> Iterator[NodeRuntime]:
+        """READY nodes silent at monotonic `now` past the grace they were told (`untold_grace` for
+        those told none), oldest first within each grace; each order stops at its first newer one."""
         silent = []
-        for node in self._ready_by_last_seen.values():
-            if node.last_seen >= cutoff:
-                break
-            silent.append(node)
+        for grace, order in self._ready_by_grace.items():
+            cutoff = now - (grace or untold_grace)
+            for node in order.values():
+                if node.last_seen >= cutoff:
+                    break
+                silent.append(node)
         return iter(silent)  # a copy: the caller changes the states of what it reads
 
     def suspects(self) -> list[NodeRuntime]:
@@ -158,6 +194,11 @@ class NodeTable(Table[NodeRuntime]):
         node = self._rows.get(node_id)
         if node is None:
             raise NotFound(f"node_id {excerpt(node_id)} is not registered; call RegisterNode first")
+        if generation > node.generation:
+            raise FailedPrecondition(
+                f"generation {generation} of node {excerpt(node_id)} is ahead of the current one "
+                f"({node.generation}): this controller never issued it; register again"
+            )
         if generation != node.generation:
             raise FailedPrecondition(
                 f"generation {generation} of node {excerpt(node_id)} is stale (current {node.generation}"

@@ -31,13 +31,14 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
 
     async def RegisterNode(self, request, context):
         reply = await self.controller.register_node(request.node, request.engines, request.highest_generation)
-        interval, grace = self.controller.budget.announcement()
+        interval, grace = self.controller.monitor.announce(request.node.node_id)  # its silence is judged by these
         reply.heartbeat_interval.CopyFrom(interval)
         reply.node_grace.CopyFrom(grace)
         return reply
 
     def _heartbeat(self, request: controller_pb2.HeartbeatRequest) -> controller_pb2.HeartbeatResponse:
         started = time.perf_counter()
+        self.controller.pacing.admit(request.node_id)  # far faster than told: refused before it is read
         self.controller.heartbeat(
             request.node_id,
             request.generation,
@@ -47,7 +48,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
             request.store_failing,
         )
         self.controller.metrics.heartbeat_seconds.observe(time.perf_counter() - started)
-        interval, grace = self.controller.budget.announcement()  # the rate budget: it changes with the fleet's size
+        # The rate budget: it changes with the fleet's size; this node is judged by what it is told.
+        interval, grace = self.controller.monitor.announce(request.node_id)
         return controller_pb2.HeartbeatResponse(
             sequence=request.sequence,
             generation_limit=self.controller.generations.limit(),
@@ -87,13 +89,19 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         return controller_pb2.DeleteDeploymentResponse()
 
     async def ListNodes(self, request, context):
-        return self.controller.page_nodes(request)
+        return self._marked(self.controller.page_nodes(request))
 
     async def ListInstances(self, request, context):
-        return self.controller.page_instances(request)
+        return self._marked(self.controller.page_instances(request))
 
     async def ListEndpoints(self, request, context):
-        return self.controller.page_endpoints(request)
+        return self._marked(self.controller.page_endpoints(request))
+
+    def _marked(self, reply):
+        """A standby's answer says it is one (its view lacks liveness, engine state and health)."""
+        if self.ha is not None and not self.ha.is_leader():
+            reply.standby_view = self.ha.standby_view()
+        return reply
 
     async def WatchEndpoints(self, request, context):
         changes = self.controller.endpoints.subscribe()

@@ -1,10 +1,12 @@
 """--deployment FILE at start-up (docs/controller.md, "A lost database").
 
-On a store that knows a deployment, the file is applied at once when it differs from it (the
-known nodes' engines are kept by the restart rules: the startup grace). On a new store (a first
-start, or a lost database) applying at once would place and start every engine before the node
-managers still running the lost store's engines have registered: nothing could be adopted, every
-engine would start again elsewhere and the old copies be fenced. So there the file waits, until
+The file seeds a new store (a first start, or a lost database: no deployment ever applied), once.
+A store that knows a deployment is never changed by it: the stored revision may be an operator's
+newer apply, and under HA every controller is given the file and calls this on each election it
+wins (an election must never change the desired state). On a new store applying at once would
+place and start every engine before the node managers still running the lost store's engines
+have registered: nothing could be adopted, every engine would start again elsewhere and the old
+copies be fenced. So there the file waits, until
 the first of:
 - the registered nodes run every engine it describes: all of it can be adopted, nothing to wait for;
 - `--startup-grace` (default: the node grace) has passed since the start: what has not registered
@@ -43,8 +45,26 @@ class StartupDeployment:
         }
 
     def begin(self) -> None:
-        """Apply now, or defer on a new store (a task of the controller's, stopped with it)."""
-        if self.controller.adoption.waiting and self.window > 0:
+        """On a new store: apply now, or defer (a task of the controller's, stopped with it).
+        On a store that knows a deployment: nothing but a line saying so."""
+        controller = self.controller
+        if not controller.adoption.waiting:
+            stored = controller.deployment
+            held = (
+                "no deployment (deleted)"
+                if stored is None
+                else "the same deployment"
+                if _same(self.wanted, stored)
+                else "a different deployment"
+            )
+            logger.info(
+                "%s not applied: the store holds revision %d, %s (a --deployment file seeds a new store only; "
+                "`motorctl apply -f FILE` changes a running cluster's deployment)",
+                self.path,
+                controller.revision,
+                held,
+            )
+        elif self.window > 0:
             logger.info(
                 "start-up deployment deferred: the store is new (no deployment ever applied: a first start "
                 "or a lost database), so %s waits until the registered nodes run the %d engine(s) it describes "
@@ -58,14 +78,8 @@ class StartupDeployment:
             self.apply_now()
 
     def apply_now(self) -> None:
-        controller, stored = self.controller, self.controller.deployment
-        if stored is None or self.wanted.SerializeToString(deterministic=True) != stored.SerializeToString(
-            deterministic=True
-        ):
-            _, revision = controller.apply_deployment(self.wanted)
-            logger.info("applied %s at start-up (revision %d)", self.path, revision)
-        else:
-            logger.info("%s is the stored deployment already (revision %d)", self.path, controller.revision)
+        _, revision = self.controller.apply_deployment(self.wanted)
+        logger.info("applied %s at start-up to a new store (revision %d)", self.path, revision)
 
     def missing(self) -> set[str]:
         """The engines the file describes that no READY node runs (yet)."""
@@ -96,3 +110,7 @@ class StartupDeployment:
             logger.info(
                 "start-up deployment applied after %.1fs: %s (revision %d): %s", waited, self.path, applied[1], why
             )
+
+
+def _same(a: controller_pb2.Deployment, b: controller_pb2.Deployment) -> bool:
+    return a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)

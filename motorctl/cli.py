@@ -109,7 +109,9 @@ def _command(args: argparse.Namespace, stub: controller_pb2_grpc.ControllerServi
     elif args.command == "instances":
         reply = all_pages(stub.ListInstances, controller_pb2.ListInstancesRequest(filter=args.filter), "instances", t)
         print(
-            _json(reply) if as_json else render.render_instances(reply) + "\n\n" + render.render_engines(reply),
+            _json(reply)
+            if as_json
+            else render.standby_banner(reply) + render.render_instances(reply) + "\n\n" + render.render_engines(reply),
             file=out,
         )
     elif args.command == "endpoints":

@@ -13,7 +13,9 @@ ID is `controller`, `node/<node id>`, `operator/<name>` or `viewer/<name>` (docs
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import sys
 from dataclasses import dataclass
 
@@ -24,6 +26,28 @@ from motor.security.tokens import write_tokens_file
 
 DEV_HOSTS = ["localhost", "127.0.0.1"]
 TOKENS_FILE = "tokens.yaml"
+MAX_DAYS = 36500  # 100 years; beyond, the dates overflow (X.509 ends at 9999) and nothing needs it
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")  # a file name in --dir, never a path
+
+
+def check_days(days: float) -> float:
+    """--days: a certificate valid from now for a positive, finite, sane number of days."""
+    if not (math.isfinite(days) and 0 < days <= MAX_DAYS):
+        raise MotorError(
+            f"--days: give a number of days above 0 and at most {MAX_DAYS} (got {days:g}); "
+            "0 or less would issue a certificate already expired"
+        )
+    return days
+
+
+def check_name(name: str) -> str:
+    """NAME of `pki issue`: NAME.crt and NAME.key are written in --dir, so a plain file name."""
+    if not PLAIN_NAME.fullmatch(name):
+        raise MotorError(
+            f"NAME: {name!r} is not a plain file name (letters, digits, '.', '_', '-', not starting "
+            "with '.' or '-'): NAME.crt and NAME.key are written in --dir, never elsewhere"
+        )
+    return name
 
 
 @dataclass(frozen=True)
@@ -117,14 +141,13 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     if args.action == "init":
         if os.path.exists(os.path.join(args.dir, CA_CERT)) and not args.force:
             raise MotorError(f"--dir: {args.dir} already holds a CA; pass --force to replace it")
-        cert, key = CertificateAuthority.create(days=args.days).save(args.dir)
+        cert, key = CertificateAuthority.create(days=check_days(args.days)).save(args.dir)
         print(f"CA written: {cert} (share it), {key} (keep it secret)", file=out)
     elif args.action == "issue":
+        name, days = check_name(args.name), check_days(args.days)
         identity = Identity.parse(args.identity) if args.identity else None
-        pair = CertificateAuthority.load(args.dir).issue(
-            identity, args.host, days=args.days, trust_domain=args.trust_domain
-        )
-        cert, key = pair.save(args.dir, args.name)
+        pair = CertificateAuthority.load(args.dir).issue(identity, args.host, days=days, trust_domain=args.trust_domain)
+        cert, key = pair.save(args.dir, name)
         print(f"{identity.uri(args.trust_domain) if identity else ', '.join(args.host)}: {cert}, {key}", file=out)
     elif args.action == "tokens":
         roles = {}

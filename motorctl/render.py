@@ -30,7 +30,16 @@ def _ago(stamp) -> str:
     return f"{max(seconds, 0):.1f}s ago"
 
 
+def standby_banner(reply) -> str:
+    """A first line saying that a standby answered (its view lacks liveness, engine state and health)."""
+    return f"STANDBY VIEW: {reply.standby_view}\n\n" if reply.standby_view else ""
+
+
 def render_nodes(reply: controller_pb2.ListNodesResponse) -> str:
+    return standby_banner(reply) + _nodes_table(reply)
+
+
+def _nodes_table(reply: controller_pb2.ListNodesResponse) -> str:
     rows = [
         (
             n.info.node_id,
@@ -86,7 +95,9 @@ def render_engines(reply: controller_pb2.ListInstancesResponse) -> str:
 
 
 def render_endpoints(reply: controller_pb2.ListEndpointsResponse) -> str:
-    return table(["ENGINE", "ROLE", "URL"], [(e.engine_id, role_name(e.role), e.url) for e in reply.endpoints])
+    return standby_banner(reply) + table(
+        ["ENGINE", "ROLE", "URL"], [(e.engine_id, role_name(e.role), e.url) for e in reply.endpoints]
+    )
 
 
 def render_event(event: controller_pb2.Event) -> str:
@@ -98,9 +109,9 @@ def render_event(event: controller_pb2.Event) -> str:
 
 def render_status(nodes: controller_pb2.ListNodesResponse, instances: controller_pb2.ListInstancesResponse) -> str:
     """Nodes, instances and engine health: the whole cluster on one screen."""
-    return "\n\n".join(
+    return standby_banner(nodes) + "\n\n".join(
         [
-            "NODES\n" + render_nodes(nodes),
+            "NODES\n" + _nodes_table(nodes),
             "INSTANCES\n" + render_instances(instances),
             "ENGINES\n" + render_engines(instances),
         ]

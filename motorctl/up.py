@@ -195,10 +195,9 @@ class LocalCluster:
                 env=dict(os.environ, **run_tag(self.run_dir)),
             ).start(timeout)
             self.controller_ports = [self.controller_port] + [free_port() for _ in range(self.controllers - 1)]
-        for index in range(self.controllers if self.ha else 1):
-            self.launch_controller(index)
-        for address in self.controller_addresses:
-            self.wait_serving(address, timeout, self.credentials())
+        launched = [self.launch_controller(index) for index in range(self.controllers if self.ha else 1)]
+        for address, controller in zip(self.controller_addresses, launched):
+            self.wait_serving(address, timeout, self.credentials(), controller)
         for index, node_id in enumerate(self.node_ids()):
             self.start_node(node_id, index)
         self.wait_nodes_registered(self.nodes, timeout)
@@ -236,14 +235,17 @@ class LocalCluster:
             *self.extra_node_args,
         ]
         managed = self._launch(node_id, argv)
-        self.wait_serving(f"127.0.0.1:{port}", 30, self.credentials())
+        self.wait_serving(f"127.0.0.1:{port}", 30, self.credentials(), managed)
         return managed
 
     def process(self, name: str) -> ManagedProcess:
         return next(p for p in reversed(self.processes) if p.name == name)
 
     @staticmethod
-    def wait_serving(address: str, timeout: float, credentials: Credentials = Credentials()) -> None:
+    def wait_serving(
+        address: str, timeout: float, credentials: Credentials = Credentials(), process: ManagedProcess | None = None
+    ) -> None:
+        """Until `address` serves; a `process` that exits meanwhile is named at once, with its last log line."""
         deadline = time.monotonic() + timeout
         with credentials.channel(address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
@@ -254,6 +256,11 @@ class LocalCluster:
                         return
                 except grpc.RpcError:
                     pass
+                if process is not None and process.process.poll() is not None:
+                    raise ProcessExited(
+                        f"the {process.name} exited with code {process.process.returncode} at start: "
+                        f"{last_line(process.log_path)}"
+                    )
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{address} did not start serving within {timeout:.0f}s")
                 time.sleep(0.1)
@@ -313,6 +320,20 @@ class LocalCluster:
                 os.killpg(managed.process.pid, signal.SIGKILL)
                 managed.process.wait()
         return problems
+
+
+class ProcessExited(RuntimeError):
+    """A process of the cluster ended while it was being started."""
+
+
+class ReaderGone(Exception):
+    """`motorctl up | head`: the reader of stdout went away; the cluster is stopped, exit 141."""
+
+
+def last_line(path: str) -> str:
+    with open(path, encoding="utf-8", errors="replace") as log:
+        lines = [line.strip() for line in log if line.strip()]
+    return lines[-1] if lines else "(nothing in its log)"
 
 
 def stop_node_engines(address: str, timeout: float = 30.0, credentials: Credentials = Credentials()) -> None:
@@ -433,10 +454,13 @@ def main(argv: list[str] | None = None) -> int:
     status, failure = 0, ""
     try:
         what = "one etcd member, 2 controllers" if args.ha else "1 controller"
-        say(f"Starting a local Motor cluster: {what}, {args.nodes} node managers (logs in {args.run_dir}/logs)")
+        if not say(f"Starting a local Motor cluster: {what}, {args.nodes} node managers (logs in {args.run_dir}/logs)"):
+            raise ReaderGone
         cluster.start()
         started = True
         watch(cluster, args.refresh, lambda: stopping)
+    except ReaderGone:  # as SIGPIPE would end it, once the cluster is stopped
+        status = 141
     except BaseException as exc:  # noqa: BLE001 (the cluster is stopped whatever happened; reported below)
         status, failure = 1, describe_failure(exc, cluster)
     started = True  # a second Ctrl-C now does not interrupt the stop
@@ -466,18 +490,29 @@ def watch(cluster: LocalCluster, refresh: float, stopping) -> None:
         except grpc.RpcError as exc:
             screen = f"controller not answering: {exc.code().name}"
         clear = "\033[2J\033[H" if sys.stdout.isatty() else ""
-        say(f"{clear}Motor local cluster — controller {address} — {time.strftime('%H:%M:%S')}\n\n{screen}\n\n{hint}")
+        if (
+            not say(
+                f"{clear}Motor local cluster — controller {address} — {time.strftime('%H:%M:%S')}\n\n{screen}\n\n{hint}"
+            )
+            and not stopping()
+        ):
+            raise ReaderGone
         end = time.monotonic() + refresh
         while not stopping() and time.monotonic() < end:
             time.sleep(0.05)
 
 
-def say(text: str) -> None:
-    """Print to stdout; once stdout is gone (a closed pipe), print nothing more, quietly."""
+def say(text: str) -> bool:
+    """Print to stdout; once stdout is gone (a closed pipe), print nothing more, quietly. False
+    when its reader went away (a closed pipe)."""
     try:
         print(text, flush=True)
-    except OSError:  # BrokenPipeError, or EIO once the terminal is closed
+    except BrokenPipeError:
         quiet_stdout()
+        return False
+    except OSError:  # EIO once the terminal is closed (SIGHUP stops the cluster)
+        quiet_stdout()
+    return True
 
 
 def describe_failure(exc: BaseException, cluster: LocalCluster) -> str:
@@ -485,4 +520,4 @@ def describe_failure(exc: BaseException, cluster: LocalCluster) -> str:
         return f"the controller at {cluster.controller_address} stopped answering ({exc.code().name}: {exc.details()})"
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted while starting"
-    return f"{type(exc).__name__}: {exc}" if not isinstance(exc, (TimeoutError, OSError)) else str(exc)
+    return f"{type(exc).__name__}: {exc}" if not isinstance(exc, (TimeoutError, OSError, ProcessExited)) else str(exc)

@@ -20,6 +20,7 @@ from motor.ports import NODE_MANAGER_METRICS_PORT
 from motor.security.security_config import SecuritySettings
 from motor.service.config import AbsoluteCommand, HostPort, split_host_port
 from motor.service.logs import LogFormat, LogLevel
+from node_manager.engine_tls import engine_tls_paths
 
 
 class NodeManagerConfig(SecuritySettings):
@@ -152,8 +153,8 @@ class NodeManagerConfig(SecuritySettings):
 
     def engine_argv(self) -> list[str]:
         """The engine command as argv; a bare name is looked up on PATH, then next to this Python
-        (a virtual environment's bin/ need not be on PATH). Engines serve with this node's TLS
-        files and let only this node's manager drain, sleep or wake them, with this node manager's
+        (a virtual environment's bin/ need not be on PATH). Engines serve with a copy of this
+        node's TLS files and let only this node's manager drain, sleep or wake them, with this node manager's
         reflection and limits settings, and SGLang's launcher if one is set."""
         argv = shlex.split(self.engine_command)
         if os.sep not in argv[0] and shutil.which(argv[0]) is None:
@@ -164,13 +165,14 @@ class NodeManagerConfig(SecuritySettings):
             argv += ["--log-format", self.log_format]
         argv += ["--owner-node", self.node_id]
         if self.tls_enabled:
+            copy = engine_tls_paths(self.state_dir)  # the files this node manager uses (node_manager/engine_tls.py)
             argv += [
                 "--tls-cert",
-                os.path.abspath(self.tls_cert),
+                copy["cert"],
                 "--tls-key",
-                os.path.abspath(self.tls_key),
+                copy["key"],
                 "--tls-ca",
-                os.path.abspath(self.tls_ca),
+                copy["ca"],
                 "--trust-domain",
                 self.trust_domain,
             ]

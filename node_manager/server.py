@@ -19,6 +19,7 @@ from node_manager.config import NodeManagerConfig
 from node_manager.controller_epoch import ControllerEpoch
 from node_manager.controller_link import ControllerLink
 from node_manager.engine import atomic_write
+from node_manager.engine_tls import EngineTlsCopy
 from node_manager.manager import NodeManager
 from node_manager.process_identity import StateDirLock, process_identity
 from node_manager.service import NodeManagerServicer
@@ -38,6 +39,13 @@ class NodeManagerServer:
         )
         self.config = config
         self.manager = NodeManager(config)
+        # Engines get a copy of the TLS files this process uses: a bad node file never reaches them.
+        self.engine_tls = (
+            EngineTlsCopy(config.state_dir, config.tls_cert, config.tls_key, config.tls_ca)
+            if config.tls_enabled
+            else None
+        )
+        self._engine_tls_task: asyncio.Task | None = None
         self.lock = StateDirLock(config.state_dir)
         self.process = types_pb2.NodeManagerProcess()  # filled in by start(), once the state dir is ours
         self.telemetry = ServiceTelemetry(self.manager.metrics.registry)
@@ -75,6 +83,11 @@ class NodeManagerServer:
         os.makedirs(self.config.state_dir, exist_ok=True)
         self.lock.acquire()
         self.process.CopyFrom(process_identity(self.config.state_dir, time.time()))
+        if self.engine_tls is not None:
+            self.engine_tls.refresh()
+            self._engine_tls_task = asyncio.get_running_loop().create_task(
+                self.engine_tls.follow(), name="engine TLS copy"
+            )
         await self.manager.start()
         # An engine launched from this state directory whose record is gone or unreadable (a crash
         # mid-write, a careless edit) is supervised by no one and holds accelerators this node
@@ -115,8 +128,9 @@ class NodeManagerServer:
 
     async def stop(self) -> None:
         """Stop serving; engines keep running (a restarted node manager re-adopts them)."""
-        if self._link_task is not None:
-            await cancel_and_wait(self._link_task, owner="node manager")
+        for task in (self._link_task, self._engine_tls_task):
+            if task is not None:
+                await cancel_and_wait(task, owner="node manager")
         await self.server.stop(grace=1.0)
         await self.telemetry.close()
         await self.manager.close()

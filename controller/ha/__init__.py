@@ -184,6 +184,15 @@ class HighAvailability:
         leader = self.election.leader if self.election.role is Role.STANDBY else None
         return self.election.not_leader_message(), leader.address if leader else ""
 
+    def standby_view(self) -> str:
+        """What a standby's read answer says of itself (ListNodes, ListInstances, ListEndpoints)."""
+        leader = self.election.leader if self.election.role is Role.STANDBY else None
+        ask = f"ask the leader {leader.address}" if leader else "no leader is elected now: ask again shortly"
+        return (
+            f"answered by the standby controller {self.election.address} from the store: node liveness and the "
+            f"engines' state and health are known only to the leader; {ask} for the live view"
+        )
+
     @property
     def epoch(self) -> int:
         return self.election.epoch

@@ -189,12 +189,30 @@ class TlsFileWatch:
         return tuple(stamps)
 
     def _read(self) -> TlsPems:
-        pems = TlsPems(**{field: read_pem(path, field) for field, path in self.files.items()})
-        if pems.cert is not None and pems.key is not None:
-            check_key_pair(pems.cert, pems.key, self.files["cert"], self.files["key"])
-        if pems.ca is not None:
-            check_ca_bundle(pems.ca, self.files["ca"])
-        return pems
+        """The files' contents once usable; else a ConfigError naming every bad file (an emptied
+        bundle beside a garbled certificate is named too, not found only after the first is fixed)."""
+        contents: dict[str, bytes] = {}
+        problems: list[str] = []
+        for field, path in self.files.items():
+            try:
+                contents[field] = read_pem(path, field)
+            except ConfigError as exc:
+                problems.append(str(exc))
+        pair, ca = [contents.get(f) for f in ("cert", "key")], contents.get("ca")
+        checks = (
+            [lambda: check_key_pair(pair[0], pair[1], self.files["cert"], self.files["key"])]
+            if None not in pair
+            else []
+        )
+        checks += [lambda: check_ca_bundle(ca, self.files["ca"])] if ca is not None else []
+        for check in checks:
+            try:
+                check()
+            except ConfigError as exc:
+                problems.append(str(exc))
+        if problems:
+            raise ConfigError("; ".join(problems))
+        return TlsPems(**contents)
 
     def changed(self) -> TlsPems | None:
         """The files' new contents when they changed and can be used; None otherwise (an unusable
@@ -213,6 +231,13 @@ class TlsFileWatch:
                 logger.error("TLS files changed but cannot be used, keeping the previous ones: %s", why)
                 self._refused = stamp
             return None
+        if self._refused is not None:  # healed (a bad change came before): say it, once
+            self._refused = None
+            logger.info(
+                "TLS files usable again: %s%s",
+                ", ".join(self.paths),
+                "" if pems == self.pems else " (new contents in use)",
+            )
         if pems == self.pems:  # rewritten or touched, same contents: nothing to make again
             self._stamp = stamp
             return None

@@ -1182,8 +1182,15 @@ class ListNodesResponse(_message.Message):
     NODES_FIELD_NUMBER: _builtins.int
     ALARMS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    STANDBY_VIEW_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
     """Token of the next page; empty on the last page."""
+    standby_view: _builtins.str
+    """Set when a standby controller answered (docs/ha.md): the store's view, in which node
+    liveness and the engines' state and health are not known (they live only in the leader's
+    memory: UNSPECIFIED here, nodes "waiting for it to report"). Names the leader to ask for the
+    live view. Empty on the leader and on a controller without standbys.
+    """
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___Node]:
         """Every node, ordered by id."""
@@ -1198,10 +1205,11 @@ class ListNodesResponse(_message.Message):
         nodes: _abc.Iterable[Global___Node] | None = ...,
         alarms: _abc.Iterable[_builtins.str] | None = ...,
         next_page_token: _builtins.str = ...,
+        standby_view: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alarms", b"alarms", "next_page_token", b"next_page_token", "nodes", b"nodes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alarms", b"alarms", "next_page_token", b"next_page_token", "nodes", b"nodes", "standby_view", b"standby_view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1249,8 +1257,15 @@ class ListInstancesResponse(_message.Message):
 
     INSTANCES_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    STANDBY_VIEW_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
     """Token of the next page; empty on the last page."""
+    standby_view: _builtins.str
+    """Set when a standby controller answered (docs/ha.md): the store's view, in which node
+    liveness and the engines' state and health are not known (they live only in the leader's
+    memory: UNSPECIFIED here, nodes "waiting for it to report"). Names the leader to ask for the
+    live view. Empty on the leader and on a controller without standbys.
+    """
     @_builtins.property
     def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___Instance]:
         """Every instance, ordered by id."""
@@ -1260,10 +1275,11 @@ class ListInstancesResponse(_message.Message):
         *,
         instances: _abc.Iterable[Global___Instance] | None = ...,
         next_page_token: _builtins.str = ...,
+        standby_view: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instances", b"instances", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instances", b"instances", "next_page_token", b"next_page_token", "standby_view", b"standby_view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1315,8 +1331,15 @@ class ListEndpointsResponse(_message.Message):
 
     ENDPOINTS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    STANDBY_VIEW_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
     """Token of the next page; empty on the last page."""
+    standby_view: _builtins.str
+    """Set when a standby controller answered (docs/ha.md): the store's view, in which node
+    liveness and the engines' state and health are not known (they live only in the leader's
+    memory: UNSPECIFIED here, nodes "waiting for it to report"). Names the leader to ask for the
+    live view. Empty on the leader and on a controller without standbys.
+    """
     @_builtins.property
     def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___Endpoint]:
         """Endpoints of engines that can serve (see ListEndpoints), ordered by engine id."""
@@ -1326,10 +1349,11 @@ class ListEndpointsResponse(_message.Message):
         *,
         endpoints: _abc.Iterable[Global___Endpoint] | None = ...,
         next_page_token: _builtins.str = ...,
+        standby_view: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoints", b"endpoints", "next_page_token", b"next_page_token", "standby_view", b"standby_view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

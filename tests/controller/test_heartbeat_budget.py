@@ -5,6 +5,7 @@ hand-driven clock; the same with real node managers is in test_heartbeat_budget_
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from controller.heartbeat_budget import HeartbeatBudget
 from controller.servicer import ControllerServicer
 from motor.contract import pbtime
+from motor.errors import ResourceExhausted
 from motor.v1 import controller_pb2 as C
 from tests.controller.conftest import Harness, node_info
 from tests.controller.fakes import ManualClock
@@ -164,5 +166,91 @@ async def test_a_silent_node_is_judged_by_the_announced_grace_then_lost_within_g
         # Lost no sooner than two announced intervals after it turned SUSPECT, within grace + 2 intervals + re-check.
         assert lost_at is not None and lost_at >= 2.4 + 2 * 0.4 - 1e-6, lost_at
         assert all(ctl.nodes[n].state == C.NODE_STATE_READY for n in ("node-b", "node-c", "node-d"))
+    finally:
+        await h.stop()
+
+
+async def test_a_node_already_silent_is_lost_within_the_bound_it_was_told_while_nodes_register(tmp_path):
+    """Four nodes told interval 4 s, grace 20 s (1 beat/s for the fleet); node-b falls silent, and
+    5 s later ten more nodes register: the fleet's interval grows to 14 s, but node-b is still
+    judged by the 4 s / 20 s it was told, so it is lost within 20 + 2 x 4 + the re-check."""
+    clock = ManualClock()
+    h = Harness(tmp_path, clock=clock, heartbeat_interval=1, node_grace=5, max_heartbeats_per_second=1)
+    servicer = ControllerServicer(ctl := await h.start())
+    next_beat: dict[str, float] = {}
+
+    async def register(node: str) -> None:
+        reply = await servicer.RegisterNode(C.RegisterNodeRequest(node=node_info(node)), None)
+        h.generations[node] = reply.generation
+        next_beat[node] = clock.now + pbtime.seconds(reply.heartbeat_interval)
+
+    async def beat_when_due() -> None:
+        for node, due in list(next_beat.items()):
+            if node != "node-b" and due <= clock.now:
+                reply = await servicer.Heartbeat(C.HeartbeatRequest(node_id=node, generation=h.generations[node]), None)
+                next_beat[node] = clock.now + pbtime.seconds(reply.heartbeat_interval)
+
+    try:
+        for node in ("node-a", "node-b", "node-c", "node-d"):
+            await register(node)
+        reply = await servicer.Heartbeat(C.HeartbeatRequest(node_id="node-b", generation=h.generations["node-b"]), None)
+        assert (pbtime.seconds(reply.heartbeat_interval), pbtime.seconds(reply.node_grace)) == (
+            4.0,
+            pytest.approx(20.0),
+        )
+        h.client.unreachable.add("node-b")
+        silent_since, lost_at = clock.now, None
+        while lost_at is None and clock.now - silent_since < 120:
+            clock.advance(0.5)
+            if clock.now - silent_since == 5.0:
+                for index in range(10):
+                    await register(f"late-{index}")
+            await beat_when_due()
+            ctl.check_nodes()
+            await asyncio.sleep(0.01)  # the direct re-check of a suspect node runs
+            if ctl.nodes["node-b"].state == C.NODE_STATE_LOST:
+                lost_at = clock.now - silent_since
+        assert ctl.budget.interval() == 13.0  # the fleet's interval did grow (13 live nodes, node-b lost)
+        assert lost_at is not None and lost_at <= 20 + 2 * 4 + 1, lost_at
+        assert sum(n.state == C.NODE_STATE_READY for n in ctl.nodes.values()) == 13
+    finally:
+        await h.stop()
+
+
+async def test_a_node_beating_far_faster_than_told_is_pushed_back_counted_and_named_once(tmp_path, caplog):
+    clock = ManualClock()
+    h = Harness(tmp_path, clock=clock, heartbeat_interval=1, node_grace=5, max_heartbeats_per_second=100)
+    servicer = ControllerServicer(ctl := await h.start())
+    try:
+        for node in ("node-a", "node-b"):
+            reply = await servicer.RegisterNode(C.RegisterNodeRequest(node=node_info(node)), None)
+            h.generations[node] = reply.generation
+
+        async def beat(node: str) -> C.HeartbeatResponse:
+            return await servicer.Heartbeat(C.HeartbeatRequest(node_id=node, generation=h.generations[node]), None)
+
+        refused = 0
+        with caplog.at_level("WARNING", logger="controller.beat_pacing"):
+            for _ in range(1000):  # a hostile node: 1000 beats in 1 s, told 1 s
+                clock.advance(0.001)
+                try:
+                    await beat("node-a")
+                except ResourceExhausted as exc:
+                    refused += 1
+                    assert "far faster than the 1s interval it was told" in str(exc) and "retry after" in str(exc)
+        assert 990 <= refused <= 995  # the burst and 4 x the told rate went through
+        assert (
+            ctl.metrics.registry.get_sample_value("motor_controller_heartbeats_refused_total", {"node_id": "node-a"})
+            == refused
+        )
+        assert len(caplog.records) == 1 and "node-a" in caplog.records[0].getMessage()
+        # node-b keeps to its interval, with retries after lost answers now and then: never refused.
+        for index in range(200):
+            clock.advance(1.0)
+            await beat("node-b")
+            if index % 10 == 0:
+                await beat("node-b")
+        clock.advance(1.0)
+        await beat("node-a")  # slowed down: read again
     finally:
         await h.stop()

@@ -118,6 +118,7 @@ async def play(tmp_path, make_transport) -> dict:
     trace = []  # what the controller holds after every round of beats
 
     async def beat(*nodes: str) -> None:
+        clock.advance(h.config.heartbeat_interval)  # at the pace they were told (faster is refused)
         for node in nodes:
             await transport.beat(node, h.generations[node], client.report(node))
         ctl.endpoints.refresh()  # the feed re-reads only what changed: it must agree with a full pass

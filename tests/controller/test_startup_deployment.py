@@ -1,6 +1,6 @@
 """The start-up --deployment on a new store (controller/startup_deployment.py): deferred until the
 registered nodes run every engine it describes or the startup grace ends; an operator's call
-meanwhile wins; a store that knows a deployment applies the file at once (fake node-manager
+meanwhile wins; a store that knows a deployment is never changed by the file (fake node-manager
 client and clock, no processes; the real-process test is test_database_lost.py)."""
 
 from __future__ import annotations
@@ -89,7 +89,9 @@ async def test_an_operators_apply_during_the_wait_wins_over_the_file(tmp_path):
         assert h.controller.revision == 1 and h.controller.deployment.instance_groups[0].name == "u"
 
 
-async def test_a_store_that_knows_a_deployment_applies_the_file_at_once(tmp_path):
+async def test_a_store_that_knows_a_deployment_is_not_changed_by_the_file(tmp_path, caplog):
+    """The stored revision may be an operator's newer apply (or, under HA, the file is handed to
+    every controller and begins on each election): the file seeds a new store only."""
     h = Harness(tmp_path)
     try:
         await h.start()
@@ -98,7 +100,14 @@ async def test_a_store_that_knows_a_deployment_applies_the_file_at_once(tmp_path
         await h.start()
         changed = example_deployment()
         changed.model = "sim-other"
+        with caplog.at_level("INFO", logger="controller.startup_deployment"):
+            StartupDeployment(h.controller, "deployment.yaml", changed, window=600).begin()
+            await _a_few_polls()
+        assert h.controller.revision == 1 and h.controller.deployment.model == "sim-tiny"
+        assert "deployment.yaml not applied: the store holds revision 1, a different deployment" in caplog.text
+        h.controller.delete_deployment()  # deleted is the operator's word too
         StartupDeployment(h.controller, "deployment.yaml", changed, window=600).begin()
-        assert h.controller.revision == 2 and h.controller.deployment.model == "sim-other"
+        await _a_few_polls()
+        assert h.controller.deployment is None
     finally:
         await h.stop()

@@ -24,6 +24,17 @@ def test_a_stale_heartbeat_of_a_lost_node_is_told_so_exactly():
     assert str(error.value) == "generation 2 of node 'node-a' is stale (current 3, node declared lost); register again"
 
 
+def test_a_heartbeat_of_a_generation_ahead_of_the_current_one_is_not_called_stale():
+    table = NodeTable()
+    table.put(runtime("node-a", generation=1))
+    with pytest.raises(FailedPrecondition) as error:
+        table.member("node-a", 2**64 - 1)
+    assert str(error.value) == (
+        "generation 18446744073709551615 of node 'node-a' is ahead of the current one (1): "
+        "this controller never issued it; register again"
+    )
+
+
 def test_a_refused_record_names_its_node():
     table = NodeTable()
     with pytest.raises(IllegalTransition) as error:
@@ -76,7 +87,7 @@ def test_a_node_heard_from_exactly_at_the_cutoff_is_not_silent():
     early.last_seen, on_time.last_seen = 9.0, 10.0
     table.put(early)
     table.put(on_time)
-    assert [n.node_id for n in table.ready_silent_since(10.0)] == ["node-a"]
+    assert [n.node_id for n in table.ready_silent(10.0, 0.0)] == ["node-a"]
 
 
 def test_time_the_controller_was_away_moves_ready_and_suspect_clocks_forward_by_that_much():
@@ -90,5 +101,5 @@ def test_time_the_controller_was_away_moves_ready_and_suspect_clocks_forward_by_
     table.not_counting(3.0)
     assert (ready.last_seen, suspect.suspect_since) == (12.0, 10.0)
     assert suspect.last_seen == 5.0  # a SUSPECT node's own clock is its suspicion
-    assert [n.node_id for n in table.ready_silent_since(12.0)] == []
-    assert [n.node_id for n in table.ready_silent_since(12.5)] == ["node-a"]
+    assert [n.node_id for n in table.ready_silent(12.0, 0.0)] == []
+    assert [n.node_id for n in table.ready_silent(12.5, 0.0)] == ["node-a"]

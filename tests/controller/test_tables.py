@@ -38,17 +38,17 @@ def test_the_sweep_reads_only_silent_ready_nodes_and_suspects():
     for t, node in enumerate(nodes[1:], start=1):
         table.heard_from(node, float(t))  # b at 1, c at 2, d at 3
     table.heard_from(nodes[0], 4.0)  # a heard from last: now the newest
-    assert [n.node_id for n in table.ready_silent_since(2.5)] == ["node-b", "node-c"]
+    assert [n.node_id for n in table.ready_silent(2.5, 0.0)] == ["node-b", "node-c"]
     table.set_state(nodes[1], NODE_SUSPECT, "silent")
-    assert [n.node_id for n in table.ready_silent_since(2.5)] == ["node-c"]
+    assert [n.node_id for n in table.ready_silent(2.5, 0.0)] == ["node-c"]
     assert [n.node_id for n in table.suspects()] == ["node-b"]
     nodes[1].last_seen = 5.0
     table.set_state(nodes[1], NODE_READY, "back")  # back: the newest, no longer a suspect
-    assert [n.node_id for n in table.ready_silent_since(4.5)] == ["node-c", "node-d", "node-a"]
+    assert [n.node_id for n in table.ready_silent(4.5, 0.0)] == ["node-c", "node-d", "node-a"]
     assert table.suspects() == []
     table.set_state(nodes[2], NODE_SUSPECT, "silent")
     table.set_state(nodes[2], NODE_LOST, "lost")
-    assert table.suspects() == [] and "node-c" not in [n.node_id for n in table.ready_silent_since(10.0)]
+    assert table.suspects() == [] and "node-c" not in [n.node_id for n in table.ready_silent(10.0, 0.0)]
 
 
 def test_node_states_follow_the_table_and_the_counts_follow_the_states():

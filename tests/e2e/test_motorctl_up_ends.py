@@ -93,7 +93,7 @@ def kill_all(process: subprocess.Popen, run_dir) -> None:
             pass
 
 
-@pytest.mark.parametrize("how", ["sighup", "stdout_closed_then_ctrl_c"])
+@pytest.mark.parametrize("how", ["sighup", "ctrl_c_after_the_reader_of_stdout_went_away"])
 def test_motorctl_up_stops_the_cluster_however_it_ends(tmp_path, how):
     run_dir = tmp_path / "run"
     process = motorctl_up(run_dir, subprocess.PIPE)
@@ -101,16 +101,93 @@ def test_motorctl_up_stops_the_cluster_however_it_ends(tmp_path, how):
         wait_first_screen(process, run_dir)
         if how == "sighup":
             process.send_signal(signal.SIGHUP)
-        else:
-            process.stdout.close()  # the reader of the pipe goes away: the next screen refresh fails
-            time.sleep(1.0)  # a refresh or two hit the closed pipe
+        else:  # `motorctl up | tee log`, then Ctrl-C: the signal reaches both at once
             process.send_signal(signal.SIGINT)
+            process.stdout.close()
         _, errors = process.communicate(timeout=90)
         assert process.returncode == 0, errors
         assert "Traceback" not in errors, errors
         assert_nothing_left(run_dir)
     finally:
         kill_all(process, run_dir)
+
+
+def test_motorctl_up_whose_reader_goes_away_stops_the_cluster_and_ends_with_141(tmp_path):
+    """`motorctl up | head -c 300`: head exits after its bytes; nothing else would ever stop the
+    cluster (no screen, no Ctrl-C to give), so the closed pipe does, and the exit is SIGPIPE's."""
+    run_dir = tmp_path / "run"
+    argv = [
+        sys.executable,
+        "-m",
+        "motorctl.cli",
+        "up",
+        "--nodes",
+        "1",
+        "--deployment",
+        DEPLOYMENT,
+        "--run-dir",
+        str(run_dir),
+        "--controller-port",
+        "0",
+        "--refresh",
+        "0.3",
+        "--metrics-port",
+        str(free_port()),
+    ]
+    pipeline = " ".join(f"'{a}'" for a in argv) + ' | head -c 300 >/dev/null; echo "exit ${PIPESTATUS[0]}"'
+    try:
+        result = subprocess.run(
+            ["bash", "-c", pipeline],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=dict(os.environ, PYTHONPATH=REPO_ROOT),
+        )
+        assert result.stdout.strip() == "exit 141", (result.stdout, result.stderr)
+        assert "Traceback" not in result.stderr, result.stderr
+        assert_nothing_left(run_dir)
+    finally:
+        for p in cluster_processes(run_dir):
+            p.kill()
+
+
+def test_a_controller_that_exits_at_start_is_named_at_once_with_its_own_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nmodel: sim-tiny\ninstance_groups: 5\n")
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "motorctl.cli",
+            "up",
+            "--nodes",
+            "1",
+            "--deployment",
+            str(bad),
+            "--run-dir",
+            str(run_dir),
+            "--controller-port",
+            "0",
+            "--metrics-port",
+            "0",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=REPO_ROOT),
+    )
+    took = time.monotonic() - started
+    assert result.returncode == 1, result.stderr
+    assert took < 30, f"took {took:.0f}s"  # not the 60 s wait for a port nobody will serve
+    assert "the controller exited with code 2 at start: " in result.stderr and "instance_groups" in result.stderr, (
+        result.stderr
+    )
+    assert "Traceback" not in result.stderr, result.stderr
+    assert_nothing_left(run_dir)
 
 
 # motorctl up whose controller is killed while the node managers register (ListNodes: UNAVAILABLE).

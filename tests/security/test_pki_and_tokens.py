@@ -84,6 +84,40 @@ def test_motorctl_pki_issue_refuses_a_bad_identity(tmp_path, identity, message):
 
 
 @pytest.mark.processes
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--days", "-1"], "--days: "),
+        (["--days", "0"], "--days: "),
+        (["--days", "99999999"], "--days: "),
+        (["--days", "nan"], "--days: "),
+        (["--days", "inf"], "--days: "),
+    ],
+)
+def test_motorctl_pki_refuses_a_validity_that_is_not_a_sane_number_of_days_in_one_line(tmp_path, args, named):
+    directory = str(tmp_path)
+    refused_init = motorctl("pki", "init", "--dir", str(tmp_path / "other"), *args)
+    assert motorctl("pki", "init", "--dir", directory).returncode == 0
+    refused = motorctl("pki", "issue", "x", "--dir", directory, "--identity", "node/x", *args)
+    for result in (refused_init, refused):
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and named in result.stderr, result.stderr
+    assert not os.path.exists(f"{directory}/x.crt") and not os.path.exists(tmp_path / "other" / "ca.crt")
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("name", ["../../escape", "sub/x", "..", ".hidden", "", "a\nb"])
+def test_motorctl_pki_issue_takes_a_plain_file_name(tmp_path, name):
+    directory = tmp_path / "a" / "b" / "pki"
+    assert motorctl("pki", "init", "--dir", str(directory)).returncode == 0
+    refused = motorctl("pki", "issue", name, "--dir", str(directory), "--identity", "node/x")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert "NAME: " in refused.stderr and "plain file name" in refused.stderr, refused.stderr
+    assert sorted(os.listdir(directory)) == ["ca.crt", "ca.key"] and sorted(os.listdir(tmp_path)) == ["a"]
+    assert sorted(os.listdir(tmp_path / "a")) == ["b"]
+
+
+@pytest.mark.processes
 def test_motorctl_pki_dev_writes_the_cluster_set_and_reuses_its_ca(tmp_path):
     directory = str(tmp_path / "pki")
     assert motorctl("pki", "dev", "--dir", directory, "--nodes", "node-a,node-b,node-c").returncode == 0

@@ -305,3 +305,31 @@ def test_a_missing_file_that_turns_into_a_symlink_loop_is_said_again_with_the_ne
         assert watch.changed() is None and watch.changed() is None
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 2 and "No such file" in errors[0] and "Too many levels of symbolic links" in errors[1], errors
+
+
+def test_a_healed_file_is_said_to_be_used_again(client_files, caplog):
+    """Garbage written over the certificate, then the good file back: both said, once each."""
+    watch = TlsFileWatch(client_files.cert, client_files.key, client_files.ca)
+    good = open(client_files.cert, "rb").read()
+    with caplog.at_level(logging.INFO, logger="motor.security.tls"):
+        write_atomically(client_files.cert, b"garbage\n")
+        assert watch.changed() is None and watch.changed() is None
+        write_atomically(client_files.cert, good)
+        assert watch.changed() is None  # the same contents as in use: nothing to make again
+        assert watch.changed() is None
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in said] == ["ERROR", "INFO"], said
+    assert said[1][1].startswith("TLS files usable again") and client_files.cert in said[1][1], said
+
+
+def test_every_bad_file_is_named_an_emptied_ca_bundle_too(client_files, caplog):
+    watch = TlsFileWatch(client_files.cert, client_files.key, client_files.ca)
+    write_atomically(client_files.cert, b"garbage\n")
+    write_atomically(client_files.ca, b"")
+    with caplog.at_level(logging.ERROR, logger="motor.security.tls"):
+        assert watch.changed() is None
+    [error] = [r.getMessage() for r in caplog.records]
+    assert f"cert: {client_files.cert!r} holds no PEM certificate" in error, error
+    assert f"ca: {client_files.ca!r} holds no PEM certificate" in error, error
+    with pytest.raises(ConfigError, match=r"cert: .*; ca: "):  # at start: one error naming both
+        TlsFileWatch(client_files.cert, client_files.key, client_files.ca)

@@ -78,3 +78,18 @@ async def async_wait_for(
         f"timed out after {timeout}s waiting for {what or predicate}"
         + (f" (last error: {last_error!r})" if last_error else "")
     )
+
+
+def write_sim_deployment(path, count: int, name: str = "sim") -> str:
+    """A deployment file of `count` one-engine union instances of the sim engine; returns its path."""
+    import yaml
+
+    document = {
+        "name": name,
+        "model": "sim-tiny",
+        "instance_groups": [{"name": "u", "role": "union", "count": count, "accelerators_per_engine": 1}],
+        "engine_config": {"motor_engine_union_config": {"engine_type": "sim", "engine_args": {"model": "sim-tiny"}}},
+    }
+    with open(path, "w", encoding="utf-8") as handle:
+        yaml.safe_dump(document, handle)
+    return str(path)
