@@ -1,0 +1,80 @@
+"""The real vllm-router binary, and simulated engine servers behind it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+
+from motor.ports import free_port
+from tests.support import require, wait_for
+
+VLLM_ROUTER = os.path.join(os.path.dirname(sys.executable), "vllm-router")
+
+
+def http(method: str, url: str, body=None, timeout: float = 10.0) -> tuple[int, str]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+class RouterProcess:
+    """One vllm-router on a free port of 127.0.0.1, with no workers until told."""
+
+    def __init__(self, log_dir, port: int | None = None, extra=()):
+        require(os.access(VLLM_ROUTER, os.X_OK) or shutil.which("vllm-router"), "vllm-router (requirements/dev.txt)")
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(log_dir, f"router-{self.port}.log")
+        self.extra = list(extra)
+        self.process: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> "RouterProcess":
+        argv = [VLLM_ROUTER if os.access(VLLM_ROUTER, os.X_OK) else "vllm-router", "--host", "127.0.0.1",
+                "--port", str(self.port), "--policy", "round_robin", "--worker-startup-timeout-secs", "2",
+                "--worker-startup-check-interval", "1",
+                *self.extra]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for(self._answers, timeout=30, interval=0.1, what=f"vllm-router on port {self.port}")
+        return self
+
+    def _answers(self) -> bool:
+        assert self.process.poll() is None, f"vllm-router exited: {open(self.log_path, errors='replace').read()[-2000:]}"
+        try:
+            return http("GET", self.url + "/list_workers", timeout=1)[0] == 200
+        except OSError:
+            return False
+
+    def workers(self) -> set[str]:
+        status, text = http("GET", self.url + "/list_workers")
+        assert status == 200, text
+        return set(json.loads(text)["urls"])
+
+    def add(self, url: str) -> None:
+        status, text = http("POST", f"{self.url}/add_worker?url={url}")
+        assert status == 200, text
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+@pytest.fixture
+def router(tmp_path):
+    started = RouterProcess(str(tmp_path))
+    yield started
+    started.stop()
