@@ -27,6 +27,7 @@ from motorctl.render import quiet_stdout
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
 from motorctl.connect import Credentials
 from motorctl.pki import DevPki, make_dev_pki
+from motorctl import router as front
 from motorctl.run_processes import describe, run_processes, run_tag, stop_run
 from motorctl import guardian as cluster_guardian
 
@@ -91,6 +92,16 @@ class LocalCluster:
     # mTLS on every plane with a development PKI in <run_dir>/pki (docs/security.md)
     tls: bool = False
     token_port: int = 0
+    # A vllm-router on this port (0: a free one) kept by motor-router-sync; None: no router.
+    router_port: int | None = None
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
+
+    @property
+    def router_api_key_file(self) -> str | None:
+        return os.path.join(self.pki.directory, "router-api-key") if self.tls else None
 
     @property
     def pki(self) -> DevPki:
@@ -187,6 +198,20 @@ class LocalCluster:
         for index, node_id in enumerate(self.node_ids()):
             self.start_node(node_id, index)
         self.wait_nodes_registered(self.nodes, timeout)
+        if self.router_port is not None:
+            self.start_router(timeout)
+
+    def start_router(self, timeout: float) -> None:
+        self.router_port = self.router_port or free_port()
+        key = front.write_api_key(self.router_api_key_file) if self.tls else None
+        self._launch("router", front.router_command(self.router_port, key))
+        deadline = time.monotonic() + timeout
+        while front.router_workers(self.router_url, key) is None:
+            if self.process("router").process.poll() is not None or time.monotonic() > deadline:
+                raise TimeoutError(f"the router on port {self.router_port} did not start; see its log")
+            time.sleep(0.1)
+        self._launch("router-sync", front.sync_command(self.controller_addresses, self.router_url, key,
+                                                        self.tls_flags("router-sync")))
 
     def start_node(self, node_id: str, index: int) -> ManagedProcess:
         port = self.node_ports.get(node_id) or free_port()
@@ -253,9 +278,9 @@ class LocalCluster:
         The controller goes first so that it cannot restart the engines being stopped; node
         managers leave engines running when they exit (a restart re-adopts them), so engines are
         stopped explicitly. Returns what had to be killed or was found left over."""
-        problems: list[str] = []
+        problems: list[str] = self._terminate([p for p in self.processes if p.name.startswith("router")], timeout)
         controllers = [p for p in self.processes if p.name.startswith("controller")]
-        node_managers = [p for p in self.processes if not p.name.startswith("controller")]
+        node_managers = [p for p in self.processes if not p.name.startswith(("controller", "router"))]
         problems += self._terminate(controllers, timeout)
         for node_id, port in self.node_ports.items():
             if all(p.process.poll() is not None for p in node_managers if p.name == node_id):
@@ -309,7 +334,11 @@ def show_status(address: str, credentials: Credentials = Credentials()) -> str:
 
 
 def _default_controller_port() -> int:
-    return DEFAULT_CONTROLLER_PORT if port_is_free(DEFAULT_CONTROLLER_PORT) else free_port()
+    return _default_port(DEFAULT_CONTROLLER_PORT)
+
+
+def _default_port(port: int) -> int:
+    return port if port_is_free(port) else free_port()
 
 
 def try_commands(cluster: LocalCluster) -> str:
@@ -346,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         help=f"controller /metrics port, node manager i on this + 1 + i; a taken one is replaced by a free one; "
         f"0: no metrics (default {DEFAULT_METRICS_PORT})",
     )
+    parser.add_argument("--router-port", type=int, default=0,
+                        help=f"port of the router (vllm-router) in front of the engines: default {front.ROUTER_PORT}, "
+                             "or a free port if taken")
     parser.add_argument("--refresh", type=float, default=1.0, help="seconds between status refreshes")
     parser.add_argument("--tls", action="store_true", help="mutual TLS on every plane, with a development PKI in <run-dir>/pki")
     parser.add_argument("--ha", action="store_true",
@@ -370,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ha needs etcd on PATH: install Debian's etcd-server (scripts/etcd-server.sh)")
     cluster = LocalCluster(args.run_dir, nodes=args.nodes, deployment_path=args.deployment,
                            controller_port=args.controller_port or _default_controller_port(), metrics_port=args.metrics_port,
-                           tls=args.tls, ha=args.ha)
+                           tls=args.tls, ha=args.ha,
+                           router_port=args.router_port or _default_port(front.ROUTER_PORT))
     stopping, started = False, False
     # Stops the cluster if this process is killed before it can (SIGKILL, the OOM killer).
     guardian = cluster_guardian.spawn(args.run_dir)
@@ -420,7 +453,8 @@ def watch(cluster: LocalCluster, refresh: float, stopping) -> None:
         except grpc.RpcError as exc:
             screen = f"controller not answering: {exc.code().name}"
         clear = "\033[2J\033[H" if sys.stdout.isatty() else ""
-        say(f"{clear}Motor local cluster — controller {address} — {time.strftime('%H:%M:%S')}\n\n{screen}\n\n{hint}")
+        router = f"{front.router_line(cluster.router_url, cluster.router_api_key_file)}\n" if cluster.router_port is not None else ""
+        say(f"{clear}Motor local cluster — controller {address} — {time.strftime('%H:%M:%S')}\n\n{screen}\n\n{router}{hint}")
         end = time.monotonic() + refresh
         while not stopping() and time.monotonic() < end:
             time.sleep(0.05)
