@@ -100,10 +100,6 @@ class LocalCluster:
         return f"http://127.0.0.1:{self.router_port}"
 
     @property
-    def router_api_key_file(self) -> str | None:
-        return os.path.join(self.pki.directory, "router-api-key") if self.tls else None
-
-    @property
     def pki(self) -> DevPki:
         return DevPki(os.path.join(self.run_dir, "pki"))
 
@@ -203,14 +199,13 @@ class LocalCluster:
 
     def start_router(self, timeout: float) -> None:
         self.router_port = self.router_port or free_port()
-        key = front.write_api_key(self.router_api_key_file) if self.tls else None
-        self._launch("router", front.router_command(self.router_port, key))
+        self._launch("router", front.router_command(self.router_port))
         deadline = time.monotonic() + timeout
-        while front.router_workers(self.router_url, key) is None:
+        while front.router_workers(self.router_url) is None:
             if self.process("router").process.poll() is not None or time.monotonic() > deadline:
                 raise TimeoutError(f"the router on port {self.router_port} did not start; see its log")
             time.sleep(0.1)
-        self._launch("router-sync", front.sync_command(self.controller_addresses, self.router_url, key,
+        self._launch("router-sync", front.sync_command(self.controller_addresses, self.router_url,
                                                         self.tls_flags("router-sync")))
 
     def start_node(self, node_id: str, index: int) -> ManagedProcess:
@@ -453,7 +448,7 @@ def watch(cluster: LocalCluster, refresh: float, stopping) -> None:
         except grpc.RpcError as exc:
             screen = f"controller not answering: {exc.code().name}"
         clear = "\033[2J\033[H" if sys.stdout.isatty() else ""
-        router = f"{front.router_line(cluster.router_url, cluster.router_api_key_file)}\n" if cluster.router_port is not None else ""
+        router = f"{front.router_line(cluster.router_url)}\n" if cluster.router_port is not None else ""
         say(f"{clear}Motor local cluster — controller {address} — {time.strftime('%H:%M:%S')}\n\n{screen}\n\n{router}{hint}")
         end = time.monotonic() + refresh
         while not stopping() and time.monotonic() < end:

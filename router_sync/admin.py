@@ -28,10 +28,9 @@ class Refused(Exception):
 
 
 class RouterAdmin:
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 10.0):
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    def __init__(self, base_url: str, timeout: float = 10.0):
         self.base_url = base_url.rstrip("/")
-        self.client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout)
+        self.client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout)
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -42,7 +41,7 @@ class RouterAdmin:
         except httpx.HTTPError as exc:
             raise RouterDown(f"{self.base_url}: {type(exc).__name__}: {exc or 'no answer'}") from exc
         if response.status_code >= 500 or response.status_code in (401, 403):
-            # 401/403: a wrong --api-key is not about one worker: every call would be refused.
+            # 401/403: not about one worker (a router guarding its API): every call would be refused.
             raise RouterDown(f"{self.base_url}{path}: HTTP {response.status_code}: {response.text[:200]}")
         return response
 

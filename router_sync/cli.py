@@ -1,7 +1,7 @@
 """motor-router-sync: keeps one router's workers equal to the engines Motor lists (docs/router.md).
 
     motor-router-sync --controller 127.0.0.1:50051 --router http://127.0.0.1:8080 [--pd]
-                      [--api-key-file F] [--tls-ca CA --tls-cert C --tls-key K]
+                      [--tls-ca CA --tls-cert C --tls-key K]
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--router", required=True, help="the router's base URL, e.g. http://127.0.0.1:8080")
     parser.add_argument("--pd", action="store_true", help="the router runs in P/D mode (vllm-router --enable-igw "
                         "--vllm-pd-disaggregation): prefill and decode engines are added with their worker type")
-    parser.add_argument("--api-key-file", help="file holding the router's --api-key (sent as a bearer token)")
     parser.add_argument("--relist-interval", type=float, default=5.0,
                         help="seconds between re-reads of the router's whole worker list (default 5)")
     parser.add_argument("--tls-ca", help="CA of the controller's certificate: connect with mutual TLS")
@@ -45,16 +44,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def read_key(path: str | None) -> str | None:
-    if not path:
-        return None
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read().strip() or None
-    except OSError as exc:
-        raise SystemExit(f"motor-router-sync: --api-key-file {path!r}: {exc.strerror}") from None
-
-
 def announce(text: str) -> None:
     """An event of the sync: one WARNING line with a fixed prefix (what an operator greps for)."""
     logger.warning("event: %s", text)
@@ -62,7 +51,7 @@ def announce(text: str) -> None:
 
 async def serve(args: argparse.Namespace) -> None:
     stop = stop_event()
-    admin = RouterAdmin(args.router, read_key(args.api_key_file))
+    admin = RouterAdmin(args.router)
     sync = RouterSync(admin, announce, pd=args.pd, relist_interval=args.relist_interval)
     tls = TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca) if args.tls_ca else None
     controllers = [a.strip() for a in args.controller.split(",") if a.strip()]
