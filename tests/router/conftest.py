@@ -8,6 +8,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -78,3 +80,44 @@ def router(tmp_path):
     started = RouterProcess(str(tmp_path))
     yield started
     started.stop()
+
+
+class OpenLoad:
+    """Open-loop completions through a router (one request every `period` s, each on its own
+    thread): a stalled request does not slow the others. `results`: (sent, status, answered)."""
+
+    def __init__(self, url: str, period: float = 0.05, timeout: float = 30.0):
+        self.url, self.period, self.timeout = url, period, timeout
+        self.results: list[tuple[float, int, float]] = []
+        self._stop = threading.Event()
+        self._sender = threading.Thread(target=self._send, daemon=True)
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self) -> "OpenLoad":
+        self._sender.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._sender.join()
+        for thread in self._threads:
+            thread.join(timeout=self.timeout + 5)
+
+    def _send(self) -> None:
+        while not self._stop.is_set():
+            thread = threading.Thread(target=self._one, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+            time.sleep(self.period)
+
+    def _one(self) -> None:
+        sent = time.monotonic()
+        try:
+            status, _ = http("POST", self.url + "/v1/completions",
+                             {"model": "sim-tiny", "prompt": "x", "max_tokens": 2}, timeout=self.timeout)
+        except OSError:
+            status = 0
+        self.results.append((sent, status, time.monotonic()))
+
+    def failed(self) -> list[tuple[float, int, float]]:
+        return [r for r in self.results if r[1] != 200]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 
 import grpc
@@ -14,7 +13,7 @@ import pytest
 
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
 from motorctl.up import LocalCluster
-from tests.router.conftest import http
+from tests.router.conftest import OpenLoad, http
 from tests.support import REPO_ROOT, wait_for
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
@@ -81,41 +80,20 @@ def test_a_hung_engine_server_leaves_the_router_within_3s_long_before_the_kill(c
     all_three_routed(cluster)
     pid, url = engine_pid(cluster, "decode-0/rank0")
     assert url in router_workers(cluster)
-    # Open-loop client load through the router (a request every 50 ms, each on its own thread):
-    # requests already sent to the hung engine wait, the ones sent after its removal must not.
-    results: list[tuple[float, int, float]] = []  # (sent, status, answered)
-    stop = threading.Event()
-
-    def one():
-        sent = time.monotonic()
+    # Open-loop load: requests already sent to the hung engine wait, the ones sent after its removal must not.
+    with OpenLoad(cluster.router_url) as load:
+        time.sleep(1)
+        hang = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
         try:
-            status, _ = http("POST", cluster.router_url + "/v1/completions",
-                             {"model": "sim-tiny", "prompt": "x", "max_tokens": 2}, timeout=30)
-        except OSError:
-            status = 0
-        results.append((sent, status, time.monotonic()))
-
-    def load():
-        while not stop.is_set():
-            threading.Thread(target=one, daemon=True).start()
-            time.sleep(0.05)
-
-    sender = threading.Thread(target=load, daemon=True)
-    sender.start()
-    time.sleep(1)
-    hang = time.monotonic()
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        wait_for(lambda: url not in router_workers(cluster), timeout=10, interval=0.02, what="the hung engine removed")
-        withdrawn = time.monotonic() - hang
-        # The kill comes at the 5th missed heartbeat (about 5 s): the router has let it go well before.
-        assert withdrawn < 3.0, f"removed from the router {withdrawn:.2f}s after the hang"
-        time.sleep(2)
-        after = [r for r in results if r[0] > hang + withdrawn + 0.1 and r[0] < time.monotonic() - 1]
-        assert len(after) > 10 and all(status == 200 and answered - sent < 1.0 for sent, status, answered in after), after
-    finally:
-        stop.set()
-        os.kill(pid, signal.SIGCONT)
-        sender.join()
+            wait_for(lambda: url not in router_workers(cluster), timeout=10, interval=0.02, what="the hung engine removed")
+            withdrawn = time.monotonic() - hang
+            # The kill comes at the 5th missed heartbeat (about 5 s): the router let it go well before.
+            assert withdrawn < 3.0, f"removed from the router {withdrawn:.2f}s after the hang"
+            time.sleep(2)
+            after = [r for r in load.results if hang + withdrawn + 0.1 < r[0] < time.monotonic() - 1]
+            assert len(after) > 10 and all(status == 200 and answered - sent < 1.0 for sent, status, answered in after), after
+        finally:
+            os.kill(pid, signal.SIGCONT)
     # Killed and restarted by Motor, then added back.
     wait_for(lambda: len(router_workers(cluster)) == 3, timeout=90, interval=0.2, what="the replacement added back")
