@@ -2,7 +2,7 @@
 by Motor (motor-router-sync), side by side in one run.
 
 Each (fault, mode) gets a fresh `motorctl up` cluster (LocalCluster: a controller, two node
-managers, three simulated union engines, the real vllm-router with `--policy round_robin` and
+managers with two accelerators each, three simulated union engines, the real vllm-router with `--policy round_robin` and
 its health checks at their defaults). Mode `static`: the router's workers are set once from
 ListEndpoints and the sync is stopped (a router in front of Motor without Motor's help). Mode
 `motor`: motor-router-sync keeps them. Open-loop load (--rate requests/s, each on its own
@@ -94,7 +94,7 @@ class Load:
 class Bench:
     def __init__(self, args, fault: str, mode: str, base_port: int):
         self.args, self.fault, self.mode = args, fault, mode
-        self.cluster = LocalCluster(tempfile.mkdtemp(prefix=f"router-{fault}-{mode}-"), nodes=2, heartbeat_interval=1.0,
+        self.cluster = LocalCluster(tempfile.mkdtemp(prefix=f"router-{fault}-{mode}-"), nodes=2, heartbeat_interval=1.0, accelerators_per_node=2,
                                     engine_port_base=base_port, router_port=0, metrics_port=0)
 
     def stub(self, channel):
@@ -154,7 +154,10 @@ class Bench:
             load.stopping.set()
             sender.join()
             if self.fault == "sigstop":
-                os.kill(pid, signal.SIGCONT)
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass  # killed by its node manager meanwhile
             for thread in load.threads:
                 thread.join(timeout=35)
             return self.figures(load.results, fault_at)
