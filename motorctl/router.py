@@ -16,6 +16,10 @@ import urllib.error
 import urllib.request
 
 ROUTER_PORT = 8080
+# vllm-router renames its process with setproctitle, which by default writes over the environment
+# too, and with it the run tag that `motorctl down` and the guardian find processes by:
+# SPT_NOENV keeps the environment.
+ROUTER_ENV = {"SPT_NOENV": "1"}
 
 
 def router_binary() -> str:
@@ -23,8 +27,10 @@ def router_binary() -> str:
     return local if os.path.exists(local) else (shutil.which("vllm-router") or "vllm-router")
 
 
-def router_command(port: int) -> list[str]:
+def router_command(port: int, metrics_port: int) -> list[str]:
     argv = [router_binary(), "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+            # Its Prometheus exporter is on by default, on 29000: two routers on a machine clash.
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
             # An add waits for the worker's /health: Motor adds only engines that serve already.
             "--worker-startup-timeout-secs", "10", "--worker-startup-check-interval", "1"]
     return argv

@@ -162,13 +162,13 @@ class LocalCluster:
     def launch_controller(self, index: int) -> ManagedProcess:
         return self._launch("controller" if index == 0 else f"controller-{index + 1}", self.controller_command(index))
 
-    def _launch(self, name: str, argv: list[str]) -> ManagedProcess:
+    def _launch(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
         log_path = os.path.join(self.run_dir, "logs", f"{name}.log")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
                 argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                env=dict(os.environ, **run_tag(self.run_dir)),
+                env=dict(os.environ, **run_tag(self.run_dir), **(env or {})),
             )
         managed = ManagedProcess(name, process, log_path)
         self.processes.append(managed)
@@ -199,7 +199,7 @@ class LocalCluster:
 
     def start_router(self, timeout: float) -> None:
         self.router_port = self.router_port or free_port()
-        self._launch("router", front.router_command(self.router_port))
+        self._launch("router", front.router_command(self.router_port, free_port()), front.ROUTER_ENV)
         deadline = time.monotonic() + timeout
         while front.router_workers(self.router_url) is None:
             if self.process("router").process.poll() is not None or time.monotonic() > deadline:

@@ -16,6 +16,7 @@ import urllib.request
 import pytest
 
 from motor.ports import free_port
+from motorctl.router import ROUTER_ENV
 from tests.support import require, wait_for
 
 VLLM_ROUTER = os.path.join(os.path.dirname(sys.executable), "vllm-router")
@@ -47,9 +48,11 @@ class RouterProcess:
         argv = [VLLM_ROUTER if os.access(VLLM_ROUTER, os.X_OK) else "vllm-router", "--host", "127.0.0.1",
                 "--port", str(self.port), "--policy", "round_robin", "--worker-startup-timeout-secs", "2",
                 "--worker-startup-check-interval", "1",
+                "--prometheus-port", str(free_port()),
                 *self.extra]
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                            env=dict(os.environ, **ROUTER_ENV))
         wait_for(self._answers, timeout=30, interval=0.1, what=f"vllm-router on port {self.port}")
         return self
 

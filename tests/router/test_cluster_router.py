@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
+from motorctl.run_processes import run_processes
 from motorctl.up import LocalCluster
 from tests.router.conftest import OpenLoad, http
 from tests.support import REPO_ROOT, wait_for
@@ -97,3 +98,9 @@ def test_a_hung_engine_server_leaves_the_router_within_3s_long_before_the_kill(c
             os.kill(pid, signal.SIGCONT)
     # Killed and restarted by Motor, then added back.
     wait_for(lambda: len(router_workers(cluster)) == 3, timeout=90, interval=0.2, what="the replacement added back")
+
+
+def test_the_router_and_its_sync_carry_the_run_tag_that_motorctl_down_and_the_guardian_find(cluster):
+    tagged = {p.pid for p in run_processes(cluster.run_dir)}
+    for name in ("router", "router-sync"):
+        assert cluster.process(name).process.pid in tagged, f"{name} would outlive `motorctl down`"
