@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup run test mutation proto proto-check lint bench clean
+.PHONY: setup run test test-fast mutation proto proto-check lint format bench clean
 
 setup:
 	@bash scripts/setup-venv.sh
@@ -13,6 +13,11 @@ run: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The inner loop while coding: every test that starts no real process (no service, engine, vLLM,
+# etcd or docker), in a few minutes. A test here that starts one fails, naming the mark it needs.
+test-fast: setup
+	MOTOR_FAST_TIER=1 $(PY) -m pytest -q -m "not processes and not vllm and not docker" $(PYTEST_ARGS)
 
 # Mutation testing of the policy modules (pyproject.toml [tool.mutmut]); prints the score and fails
 # under 90% or on a surviving mutant that tests/mutation/equivalent.md does not explain.
@@ -26,8 +31,15 @@ proto: setup
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. \
 		--mypy_out=. --mypy_grpc_out=. proto/motor/v1/*.proto
 
+# Ruff's rules and formatting (pyproject.toml [tool.ruff]) and buf's for proto/. `make format` mends both Python kinds.
 lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/buf lint
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 clean:
 	rm -rf $(VENV) .pytest_cache engine_server_log .run mutants mutants.log

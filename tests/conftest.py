@@ -1,8 +1,41 @@
 import os
+import subprocess
 import sys
+
+import pytest
 
 # Make `tests.support` importable however pytest is started.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Folders whose every test starts real processes (services, engines, vLLM, etcd, docker). A test
+# elsewhere that does says so with the `processes` mark; `make test-fast` leaves all of them out.
+PROCESS_FOLDERS = {"chaos", "clients", "compose", "e2e", "grpcurl", "ha", "router", "vllm"}
+# `make test-fast` sets this: a test there that starts a process fails, naming the mark it lacks,
+# so the fast tier stays fast as tests are added.
+FAST_TIER = os.environ.get("MOTOR_FAST_TIER") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    here = os.path.dirname(os.path.abspath(__file__))
+    for item in items:
+        folder = os.path.relpath(str(item.path), here).split(os.sep)[0]
+        if folder in PROCESS_FOLDERS:
+            item.add_marker(pytest.mark.processes)
+
+
+def _no_process(*args, **kwargs):
+    raise RuntimeError(
+        "this test starts a real process, so it does not belong in the fast tier: mark it "
+        "`pytest.mark.processes` (or its module: `pytestmark = pytest.mark.processes`)"
+    )
+
+
+def pytest_configure(config):
+    # Patched for the whole session, so that module and session fixtures are held to it too.
+    if FAST_TIER:
+        subprocess.Popen._execute_child = _no_process
+        os.fork = _no_process
+        os.posix_spawn = _no_process
 
 
 def pytest_runtest_logreport(report):

@@ -1,5 +1,6 @@
 """The API contract: buf lint passes and the committed Python code matches proto/."""
 
+import pytest
 import filecmp
 import os
 import shutil
@@ -7,6 +8,8 @@ import subprocess
 import sys
 
 from tests.support import REPO_ROOT
+
+pytestmark = pytest.mark.processes
 
 PROTO_DIR = os.path.join(REPO_ROOT, "proto")
 GENERATED_DIR = os.path.join(REPO_ROOT, "motor", "v1")

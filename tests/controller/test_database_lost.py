@@ -1,9 +1,11 @@
 """The controller's database lost (moved away, a new disk) under a running fleet, with real
 processes: the restarted controller starts on an empty store, the node managers keep their
 engines, and applying the same deployment again adopts them (same pids, nothing FAILED, no
-engine started) instead of refusing every start as stale (issue 12, defect 3)."""
+engine started) instead of refusing every start as stale."""
 
 from __future__ import annotations
+
+import pytest
 
 import json
 import os
@@ -15,6 +17,8 @@ from motor.deployment_file import load_deployment
 from motor.v1 import controller_pb2 as C
 from tests.controller.test_real_processes import HEARTBEAT, apply, make_cluster, sim_deployment  # noqa: F401
 from tests.support import wait_for
+
+pytestmark = pytest.mark.processes
 
 
 def _move_database_away(cluster) -> None:

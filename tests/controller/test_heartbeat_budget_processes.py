@@ -6,6 +6,8 @@ checked is the lower one (not lost before the announced grace), which load canno
 
 from __future__ import annotations
 
+import pytest
+
 import re
 import signal
 import time
@@ -15,6 +17,8 @@ from motor.v1 import controller_pb2 as C
 
 from tests.controller.test_real_processes import HEARTBEAT, make_cluster  # noqa: F401 (the fixture)
 from tests.support import wait_for
+
+pytestmark = pytest.mark.processes
 
 # Two nodes at most 1 heartbeat a second in all: the controller announces 2 s (not the 0.5 s
 # configured) and a grace of 8 s (the configured 2 s is 4 intervals of 0.5 s).

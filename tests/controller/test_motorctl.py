@@ -18,6 +18,8 @@ from motorctl.up import LocalCluster, _bin
 from tests.controller.conftest import EXAMPLE
 from tests.support import wait_for
 
+pytestmark = pytest.mark.processes
+
 
 # A lone controller on a new store: the file is applied at once (--startup-grace 0), not after the
 # grace it otherwise leaves node managers that run engines to register (test_startup_deployment.py).

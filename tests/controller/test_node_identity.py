@@ -1,8 +1,10 @@
-"""Two node manager processes claiming one node id (issue 17), with real processes: a cluster as
+"""Two node manager processes claiming one node id, with real processes: a cluster as
 `motorctl up` starts it, then a second `motor-node-manager --node-id node-a` with its own
 --listen and --state-dir. Engines are counted as processes, by instance and rank."""
 
 from __future__ import annotations
+
+import pytest
 
 import collections
 import os
@@ -17,6 +19,8 @@ from motor.v1 import controller_pb2 as C
 from motorctl.up import ManagedProcess, _bin
 from tests.controller.test_real_processes import GRACE, HEARTBEAT, Cluster, apply, make_cluster, sim_deployment  # noqa: F401
 from tests.support import process_alive, wait_for
+
+pytestmark = pytest.mark.processes
 
 REFUSED = "is held by another live node manager"
 

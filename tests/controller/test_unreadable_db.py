@@ -12,6 +12,8 @@ import pytest
 
 from tests.support import REPO_ROOT
 
+pytestmark = pytest.mark.processes
+
 
 def controller(db, *flags: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 
+import psutil
 import pytest
 
 from engine_server.engines.base import EngineOptions
@@ -87,7 +88,7 @@ def test_bad_engine_args_are_named(engine_args, field):
 
 @pytest.fixture
 def sglang_server(engine_server, tmp_path, monkeypatch):
-    def start(ignore_term=False, stop_timeout=10.0, role="prefill"):
+    def start(ignore_term=False, stop_timeout=10.0, role="prefill", **section):
         monkeypatch.setenv("FAKE_SGLANG_STATE", str(tmp_path))
         monkeypatch.setenv("FAKE_SGLANG_IGNORE_TERM", "1" if ignore_term else "0")
         config = {
@@ -96,6 +97,7 @@ def sglang_server(engine_server, tmp_path, monkeypatch):
                 "engine_args": {"model_path": "/models/fake", "launcher": FAKE, "stop_timeout": stop_timeout},
                 "health_check_config": {"enable_virtual_inference": True, "probe_interval": 0.3,
                                         "utilization_window": 0.1, "utilization_sample_period": 0.05},
+                **section,
             }
         }  # fmt: skip
         es = engine_server(config, role=role, extra_args=["--kv-port", "9999"])
@@ -107,6 +109,7 @@ def sglang_server(engine_server, tmp_path, monkeypatch):
     return start
 
 
+@pytest.mark.processes
 def test_sglang_child_is_launched_probed_and_stopped_with_its_group(sglang_server):
     es, launch = sglang_server()
     assert launch["argv"][:6] == ["--model-path", "/models/fake", "--host", "127.0.0.1", "--port", str(es.port)]
@@ -121,6 +124,7 @@ def test_sglang_child_is_launched_probed_and_stopped_with_its_group(sglang_serve
         wait_for(lambda: not process_alive(pid), timeout=10, what=f"process {pid} gone")
 
 
+@pytest.mark.processes
 def test_sglang_that_ignores_sigterm_is_killed_after_stop_timeout(sglang_server):
     es, launch = sglang_server(ignore_term=True, stop_timeout=0.5)
     es.wait_status(NORMAL)
@@ -130,6 +134,7 @@ def test_sglang_that_ignores_sigterm_is_killed_after_stop_timeout(sglang_server)
     wait_for(lambda: not process_alive(launch["pid"]), timeout=10, what="SGLang killed")
 
 
+@pytest.mark.processes
 def test_sglang_death_makes_the_engine_server_exit_non_zero(sglang_server):
     es, launch = sglang_server()
     es.wait_status(NORMAL)
@@ -138,6 +143,7 @@ def test_sglang_death_makes_the_engine_server_exit_non_zero(sglang_server):
     assert "SGLang killed by signal 9 (SIGKILL)" in es.output
 
 
+@pytest.mark.processes
 def test_killed_engine_server_takes_sglang_with_it(sglang_server):
     es, launch = sglang_server()
     es.wait_status(NORMAL)
@@ -148,3 +154,18 @@ def test_killed_engine_server_takes_sglang_with_it(sglang_server):
         os.killpg(launch["pgid"], signal.SIGKILL)  # its worker is SGLang's own business; tidy up here
     except ProcessLookupError:
         pass
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("usage_stats", [None, True])
+def test_engines_do_not_phone_home_unless_the_section_asks(sglang_server, monkeypatch, usage_stats):
+    """Air-gapped fleets: the engine's own processes see VLLM_NO_USAGE_STATS=1 and DO_NOT_TRACK=1."""
+    for name in ("VLLM_NO_USAGE_STATS", "DO_NOT_TRACK"):
+        monkeypatch.delenv(name, raising=False)
+    es, launch = sglang_server(**({} if usage_stats is None else {"usage_stats": usage_stats}))
+    environ = psutil.Process(launch["pid"]).environ()
+    told = {name: environ.get(name) for name in ("VLLM_NO_USAGE_STATS", "DO_NOT_TRACK")}
+    if usage_stats:
+        assert told == {"VLLM_NO_USAGE_STATS": None, "DO_NOT_TRACK": None}
+    else:
+        assert told == {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}

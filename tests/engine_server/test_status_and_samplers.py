@@ -80,6 +80,7 @@ def fake_npu_smi(tmp_path):
     return binary
 
 
+@pytest.mark.processes
 async def test_npu_smi_sampler_takes_the_peak_of_its_devices(fake_npu_smi):
     assert await NpuSmiSampler(str(fake_npu_smi)).sample() == 87.0
     assert await NpuSmiSampler(str(fake_npu_smi), device_ids=[0, 2]).sample() == 12.5

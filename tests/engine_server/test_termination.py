@@ -22,6 +22,7 @@ def start(engine_server, tmp_path, config):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.processes
 def test_a_stop_signal_leaves_stopped_with_code_0_naming_the_signal(engine_server, tmp_path, sig):
     es, path = start(engine_server, tmp_path, sim_config(engine_args={"utilization": 1}))
     status = es.wait_status(NORMAL)
@@ -35,6 +36,7 @@ def test_a_stop_signal_leaves_stopped_with_code_0_naming_the_signal(engine_serve
     assert message.message.startswith(f"{sig.name}: "), message  # a SIGHUP was told as SIGTERM
 
 
+@pytest.mark.processes
 def test_engine_death_leaves_the_cause_first(engine_server, tmp_path):
     es, path = start(engine_server, tmp_path, sim_config(engine_args={"utilization": 1, "faults": {"crash_after_s": 1.0}}))
     assert es.wait_exit() == 1
@@ -46,6 +48,7 @@ def test_engine_death_leaves_the_cause_first(engine_server, tmp_path):
     assert len(lines) == 1 and json.loads(lines[0])["cause"] == "engine_died", lines
 
 
+@pytest.mark.processes
 def test_a_bad_engine_arg_leaves_config_error_naming_the_field(engine_server, tmp_path):
     es, path = start(engine_server, tmp_path, sim_config(engine_args={"latency_ms": -5}))
     assert es.wait_exit() == 2

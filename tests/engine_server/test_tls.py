@@ -15,6 +15,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 from tests.engine_server.conftest import sim_config
 
+pytestmark = pytest.mark.processes
+
 NORMAL = types_pb2.HEALTH_STATUS_NORMAL
 
 

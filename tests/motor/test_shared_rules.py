@@ -200,6 +200,7 @@ for package in ("node_manager", "controller"):
 """
 
 
+@pytest.mark.processes
 def test_node_manager_and_controller_import_nothing_from_engine_server():
     """Shared contracts live in motor/: the other services never reach into the engine server."""
     import pathlib

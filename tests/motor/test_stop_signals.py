@@ -16,6 +16,8 @@ import pytest
 from motor.ports import free_port
 from tests.support import wait_for
 
+pytestmark = pytest.mark.processes
+
 BIN = os.path.dirname(sys.executable)
 
 

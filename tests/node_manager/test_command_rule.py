@@ -46,6 +46,7 @@ def test_a_start_above_the_announced_generation_limit_is_refused_until_the_next_
     epoch.admit_generation(101, "after the next heartbeat")
 
 
+@pytest.mark.processes
 async def test_a_node_under_a_controller_refuses_bogus_commands_and_obeys_the_real_ones(make_node, fake_controller):
     fake_controller.epoch, fake_controller.generation_limit = 3, 1000
     node = await make_node(controller=fake_controller.address)
@@ -63,6 +64,7 @@ async def test_a_node_under_a_controller_refuses_bogus_commands_and_obeys_the_re
     await node.wait_state("prefill-0/rank0", RUNNING)
 
 
+@pytest.mark.processes
 async def test_a_new_store_keeps_what_the_node_runs_and_learns_its_highest_generation(make_node, fake_controller):
     node = await make_node(controller=fake_controller.address)
     await async_wait_for(lambda: fake_controller.registrations, timeout=10, what="registered")

@@ -21,6 +21,7 @@ from tests.support import async_wait_for
 RUNNING, FAILED = types_pb2.ENGINE_STATE_RUNNING, types_pb2.ENGINE_STATE_FAILED
 
 
+@pytest.mark.processes
 async def test_registers_heartbeats_and_registers_again_when_refused(make_node, fake_controller):
     node = await make_node(node_id="node-b", controller=fake_controller.address, accelerators=[0, 1])
     first = await async_wait_for(lambda: fake_controller.registrations, timeout=10)
@@ -46,6 +47,7 @@ async def test_registers_heartbeats_and_registers_again_when_refused(make_node, 
     assert (await node.get("prefill-0/rank0")).state == RUNNING
 
 
+@pytest.mark.processes
 async def test_engines_keep_running_and_supervision_goes_on_while_the_controller_is_down(make_node, fake_controller):
     node = await make_node(controller=fake_controller.address)
     first = await node.start(dp_rank=0, accelerator_ids=[0])
@@ -81,6 +83,7 @@ async def asyncio_sleep(seconds: float) -> None:
     await asyncio.sleep(seconds)
 
 
+@pytest.mark.processes
 async def test_engines_serve_the_nodes_certificate_and_only_its_manager_may_drain_them(make_node, tmp_path):
     pki = make_dev_pki(str(tmp_path / "pki"), ["node-a"])
     as_controller = TlsFiles(cert=pki.cert("controller"), key=pki.key("controller"), ca=pki.ca)
@@ -116,6 +119,7 @@ def scrape(port: int) -> str:
     return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
 
 
+@pytest.mark.processes
 async def test_prometheus_metrics(make_node, fake_controller):
     # /metrics is served on the node manager's event loop, which this test shares: scrape from a thread.
     port = free_port()

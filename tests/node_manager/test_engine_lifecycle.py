@@ -5,6 +5,8 @@ Real node managers, real sim engine servers."""
 
 from __future__ import annotations
 
+import pytest
+
 import asyncio
 import json
 import os
@@ -15,6 +17,8 @@ from motor.grpc_server import aio_channel
 from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 from tests.node_manager.conftest import sim_config
 from tests.support import async_wait_for
+
+pytestmark = pytest.mark.processes
 
 RUNNING, STOPPED, FAILED = types_pb2.ENGINE_STATE_RUNNING, types_pb2.ENGINE_STATE_STOPPED, types_pb2.ENGINE_STATE_FAILED
 ENGINE = "prefill-0/rank0"

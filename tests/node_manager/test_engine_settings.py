@@ -19,8 +19,7 @@ from motor.errors import ConfigError
 from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 from node_manager.cli import load_config
 from node_manager.engine import RUNNING
-from tests.node_manager.conftest import spec
-from tests.support import async_wait_for, require
+from tests.support import require
 
 FAKE_SGLANG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine_server", "fake_sglang.py")
 
@@ -49,12 +48,14 @@ async def _running(node, **kwargs) -> types_pb2.Engine:
     return await node.wait_state(engine.engine_id, RUNNING, timeout=60)
 
 
+@pytest.mark.processes
 async def test_engines_keep_reflection_and_default_limits_by_default(make_node):
     engine = await _running(await make_node())
     listed = await _list_services(engine.spec.mgmt_port)
     assert listed.returncode == 0 and "motor.v1.EngineService" in listed.stdout, listed.stderr
 
 
+@pytest.mark.processes
 async def test_engines_get_the_node_managers_reflection_and_limits(make_node):
     node = await make_node(reflection=False, max_message_bytes=65536, max_streams_per_caller=2)
     engine = await _running(node)
@@ -88,6 +89,7 @@ async def test_engines_get_the_node_managers_reflection_and_limits(make_node):
     assert any("RESOURCE_EXHAUSTED" in o and "max_streams_per_caller=2" in o for o in outcomes), outcomes
 
 
+@pytest.mark.processes
 async def test_sglang_engines_run_the_node_managers_launcher(make_node, tmp_path, monkeypatch):
     state = tmp_path / "fake-sglang"
     state.mkdir()

@@ -24,6 +24,7 @@ def tree_of(engine: types_pb2.Engine) -> list[int]:
     return [engine.pid] + [c.pid for c in psutil.Process(engine.pid).children(recursive=True)]
 
 
+@pytest.mark.processes
 async def test_start_reaches_running_and_stop_leaves_no_process(make_node):
     node = await make_node()
     engine = await node.start(accelerator_ids=[1, 2])
@@ -54,6 +55,7 @@ async def _with_probe(node):
     return engine if engine.HasField("last_probe") else None
 
 
+@pytest.mark.processes
 async def test_start_is_idempotent_and_a_different_spec_is_refused(make_node):
     node = await make_node()
     first = await node.start(accelerator_ids=[0])
@@ -74,6 +76,7 @@ async def test_start_is_idempotent_and_a_different_spec_is_refused(make_node):
     assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "stale" in stale.value.details()
 
 
+@pytest.mark.processes
 async def test_sigkill_is_noticed_recorded_and_reported(make_node, fake_controller):
     node = await make_node(controller=fake_controller.address)
     await async_wait_for(lambda: fake_controller.registrations, timeout=10)
@@ -97,6 +100,7 @@ async def test_sigkill_is_noticed_recorded_and_reported(make_node, fake_controll
     assert beat[0].node_id == "node-a"
 
 
+@pytest.mark.processes
 async def test_exit_zero_not_asked_for_is_a_failure(make_node):
     # Status checks of 1 s: with the fixture's 0.3 s, a loaded machine slowed the engine's own
     # shutdown past three checks and the health rule killed it first (a different, also right, verdict).
@@ -110,6 +114,7 @@ async def test_exit_zero_not_asked_for_is_a_failure(make_node):
     assert "exited with code 0 without being asked to stop" in failed.state_reason
 
 
+@pytest.mark.processes
 async def test_crash_during_startup_reports_the_exit_code_and_log(make_node):
     node = await make_node()
     bad = json.dumps({"motor_engine_prefill_config": {"engine_type": "sim", "engine_args": {"no_such_arg": 1}}})
@@ -119,6 +124,7 @@ async def test_crash_during_startup_reports_the_exit_code_and_log(make_node):
     assert "while STARTING" in failed.state_reason and "no_such_arg" in failed.state_reason
 
 
+@pytest.mark.processes
 async def test_child_outliving_its_parent_is_killed(make_node, tmp_path):
     script = tmp_path / "engine_with_children.py"
     script.write_text(
@@ -143,6 +149,7 @@ async def test_child_outliving_its_parent_is_killed(make_node, tmp_path):
     await async_wait_for(lambda: not any(alive(pid) for pid in pids), timeout=10, what="children killed")
 
 
+@pytest.mark.processes
 async def test_short_pause_is_tolerated_and_a_hang_is_killed(make_node, fake_controller):
     # Real SIGSTOP/SIGCONT; every step waits on the engine's state, not on the wall clock. The
     # policy itself (the exact threshold, the bound in heartbeats) is tested on a fake clock in
@@ -189,6 +196,7 @@ async def _consecutive_is_zero(node):
     return engine.consecutive_abnormal == 0 and engine.health == types_pb2.HEALTH_STATUS_NORMAL
 
 
+@pytest.mark.processes
 async def test_failing_inference_with_green_health_is_killed_and_reported(make_node, fake_controller):
     node = await make_node(controller=fake_controller.address)
     engine = await node.start(config_json=sim_config(probe_interval=0.2, max_failure_count=2))
@@ -206,6 +214,7 @@ async def test_failing_inference_with_green_health_is_killed_and_reported(make_n
     assert any(p.outcome == types_pb2.PROBE_OUTCOME_FAILURE for p in report[0].engine.recent_probes)
 
 
+@pytest.mark.processes
 async def test_watch_engines_sends_a_snapshot_then_every_change(make_node):
     node = await make_node()
     await node.start(instance_id="decode-0", role=types_pb2.ROLE_DECODE, config_json=sim_config("decode"))
@@ -245,6 +254,7 @@ async def test_watch_engines_sends_a_snapshot_then_every_change(make_node):
         (dict(port="running"), grpc.StatusCode.FAILED_PRECONDITION, "in use by engine prefill-0/rank0"),
     ],
 )
+@pytest.mark.processes
 async def test_bad_start_requests_get_clear_errors_and_disturb_nothing(make_node, fields, code, words):
     node = await make_node()
     running = await node.start(accelerator_ids=[0])
@@ -298,6 +308,7 @@ async def test_bad_stop_and_get_requests(make_node):
     assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "<instance_id>/rank<dp_rank>" in malformed.value.details()
 
 
+@pytest.mark.processes
 async def test_config_path_given_is_passed_and_the_engine_runs_in_its_own_directory(make_node, tmp_path, monkeypatch):
     node = await make_node()
     (tmp_path / "node-a" / "user_config.json").write_text(sim_config("decode"))  # a file the node's admin put in its state dir
@@ -311,6 +322,7 @@ async def test_config_path_given_is_passed_and_the_engine_runs_in_its_own_direct
     await node.wait_state("decode-0/rank0", RUNNING)
 
 
+@pytest.mark.processes
 async def test_stop_kills_children_that_ignore_sigterm_after_the_deadline(make_node, tmp_path):
     script = tmp_path / "engine_with_stubborn_child.py"
     script.write_text(
@@ -346,6 +358,7 @@ def duration(seconds: float):
     return value
 
 
+@pytest.mark.processes
 async def test_init_is_allowed_during_the_startup_grace_then_counts(make_node):
     # The grace outlasts the sim engine server's own start (about 5 s on a loaded machine), so
     # that it answers INIT within the grace.

@@ -28,6 +28,7 @@ async def test_registration_carries_the_process_identity(make_node, fake_control
         assert handle.read().strip() == process.state_dir_id
 
 
+@pytest.mark.processes
 async def test_a_refused_node_manager_stops_its_engines_says_so_and_starts_nothing(make_node, fake_controller, caplog):
     caplog.set_level(logging.ERROR, logger="node_manager.controller_link")
     node = await make_node(controller=fake_controller.address)
@@ -54,6 +55,7 @@ async def test_a_refused_node_manager_stops_its_engines_says_so_and_starts_nothi
     await node.start(dp_rank=1, accelerator_ids=[1])
 
 
+@pytest.mark.processes
 async def test_taking_the_node_id_over_kills_what_the_old_holder_left_on_this_host(make_node, fake_controller, tmp_path):
     old = await make_node(state_dir=str(tmp_path / "old"))  # the holder, standalone here
     left = await old.start(accelerator_ids=[0])

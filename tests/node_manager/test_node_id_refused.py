@@ -54,6 +54,7 @@ def node_manager_process(tmp_path, *args: str) -> subprocess.Popen:
     )
 
 
+@pytest.mark.processes
 async def test_a_node_manager_the_controller_refuses_stops_with_a_clear_message(tmp_path):
     controller = RefusingController("node-x")
     server = MotorServer("127.0.0.1:0")
@@ -74,6 +75,7 @@ async def test_a_node_manager_the_controller_refuses_stops_with_a_clear_message(
 
 
 @pytest.mark.parametrize("node_id", ["Node-A", "node a"])
+@pytest.mark.processes
 def test_a_node_id_outside_the_rule_is_refused_at_start_up(tmp_path, node_id):
     process = node_manager_process(tmp_path, "--node-id", node_id, "--controller", "127.0.0.1:1")
     output, _ = process.communicate(timeout=60)

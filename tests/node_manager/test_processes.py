@@ -40,6 +40,7 @@ async def watch(popen=None, pid=None, started=None):
     return w, exits
 
 
+@pytest.mark.processes
 async def test_exit_code_and_signal_are_recorded(tmp_path):
     ok = processes.launch([sys.executable, "-c", "import sys; sys.exit(3)"], str(tmp_path / "a.log"))
     w, exits = await watch(ok)
@@ -55,6 +56,7 @@ async def test_exit_code_and_signal_are_recorded(tmp_path):
     assert exits[0].describe() == "killed by signal 9 (SIGKILL)"
 
 
+@pytest.mark.processes
 async def test_stopped_process_is_not_an_exit_and_spurious_notice_is_ignored(tmp_path):
     proc = processes.launch([sys.executable, "-c", "import time; time.sleep(600)"], str(tmp_path / "c.log"))
     w, exits = await watch(proc)
@@ -70,6 +72,7 @@ async def test_stopped_process_is_not_an_exit_and_spurious_notice_is_ignored(tmp
     assert exits == [processes.ExitStatus(signal=signal.SIGKILL)]
 
 
+@pytest.mark.processes
 async def test_adopted_process_exit_is_noticed_without_being_its_parent(tmp_path):
     # A process that is not our child (its parent is a shell we start): pidfd notice, psutil confirms.
     shell = processes.launch(["sh", "-c", f"{sys.executable} -c 'import time; time.sleep(600)' & echo $! ; wait"],
@@ -95,6 +98,7 @@ async def test_pid_reuse_is_not_mistaken_for_the_same_process():
     assert not processes.same_process(me, processes.create_time(me) - 100)
 
 
+@pytest.mark.processes
 async def test_tree_kill_finds_children_in_and_outside_the_group(tmp_path):
     log = str(tmp_path / "tree.log")
     parent = processes.launch([sys.executable, "-c", PARENT], log, token="tok-tree-1")
@@ -110,6 +114,7 @@ async def test_tree_kill_finds_children_in_and_outside_the_group(tmp_path):
     assert not any(processes.same_process(pid, None) for pid in pids)
 
 
+@pytest.mark.processes
 async def test_terminate_tree_is_graceful_when_the_process_exits_on_sigterm(tmp_path):
     proc = processes.launch([sys.executable, "-c", "import time; time.sleep(600)"], str(tmp_path / "e.log"), token="tok-e")
     w, exits = await watch(proc)
@@ -152,6 +157,7 @@ if mode in ("walk", "remembered"):
 
 
 @pytest.mark.parametrize("mode", ["group", "token", "walk", "remembered"])
+@pytest.mark.processes
 async def test_each_search_of_a_tree_finds_what_only_it_can(tmp_path, mode):
     log = str(tmp_path / "leader.log")
     token = f"tok-{mode}"

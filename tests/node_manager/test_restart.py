@@ -16,6 +16,8 @@ from motor.v1 import node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from tests.node_manager.conftest import ENGINE_SERVER, alive, kill_engines_of, spec
 from tests.support import async_wait_for
 
+pytestmark = pytest.mark.processes
+
 NODE_MANAGER = os.path.join(os.path.dirname(sys.executable), "motor-node-manager")
 RUNNING, FAILED, STOPPED = types_pb2.ENGINE_STATE_RUNNING, types_pb2.ENGINE_STATE_FAILED, types_pb2.ENGINE_STATE_STOPPED
 

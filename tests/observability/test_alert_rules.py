@@ -31,6 +31,7 @@ def rules_of(path: str) -> list[dict]:
 ALERTS = [rule for path in RULE_FILES for rule in rules_of(path) if "alert" in rule]
 
 
+@pytest.mark.processes
 def test_rule_files_are_valid():
     assert RULE_FILES and ALERTS
     result = subprocess.run([promtool(), "check", "rules", *RULE_FILES], capture_output=True, text=True, timeout=60)
@@ -38,6 +39,7 @@ def test_rule_files_are_valid():
 
 
 @pytest.mark.parametrize("test_file", [os.path.basename(p) for p in TEST_FILES])
+@pytest.mark.processes
 def test_promtool_unit_tests_pass(test_file):
     result = subprocess.run(
         [promtool(), "test", "rules", os.path.join(RULES_DIR, "tests", test_file)], capture_output=True, text=True, timeout=120

@@ -141,6 +141,7 @@ async def test_a_taken_port_is_a_config_error_and_zero_turns_metrics_off():
         await taken.close()
 
 
+@pytest.mark.processes
 def test_the_engine_server_cli_loads_no_prometheus_client_before_its_multiprocess_dir():
     """prometheus_client picks its storage at import: imported before the engine server sets
     PROMETHEUS_MULTIPROC_DIR, every engine's /metrics came back empty."""

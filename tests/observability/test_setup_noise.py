@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import subprocess
 
@@ -28,6 +30,7 @@ def quiet_pip(text: str, flag: str) -> str:
     return result.stdout
 
 
+@pytest.mark.processes
 def test_intended_gaps_are_dropped_and_flagged(tmp_path):
     flag = tmp_path / "flag"
     out = quiet_pip("\n".join(["Looking in links: /wheels", HEADER, *LEFT_OUT, "Successfully installed x"]) + "\n", str(flag))
@@ -36,6 +39,7 @@ def test_intended_gaps_are_dropped_and_flagged(tmp_path):
     assert flag.exists()  # setup-venv.sh prints its one sentence
 
 
+@pytest.mark.processes
 def test_other_conflicts_are_still_shown(tmp_path):
     flag = tmp_path / "flag"
     other = "grpcio-tools 1.85.1 requires protobuf<7, but you have protobuf 7.36.0 which is incompatible."
@@ -44,6 +48,7 @@ def test_other_conflicts_are_still_shown(tmp_path):
     assert flag.exists()
 
 
+@pytest.mark.processes
 def test_quiet_install_leaves_no_flag(tmp_path):
     flag = tmp_path / "flag"
     assert quiet_pip("pkg 1.0 is ignored: it is neither a file nor a directory\n", str(flag)) == ""

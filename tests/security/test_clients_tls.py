@@ -12,6 +12,8 @@ from motor.grpc_server import TlsFiles
 from tests.clients.test_clients_live import BUILDERS, DEPLOYMENT_JSON
 from tests.security.conftest import mtls_files, policy, serve
 
+pytestmark = pytest.mark.processes
+
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
 def argv(request):

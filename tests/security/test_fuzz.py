@@ -22,6 +22,8 @@ from tests.grpcurl.services import start_engine_server
 from tests.security.messages import field_names, leading_field, messages
 from tests.support import REPO_ROOT, wait_for
 
+pytestmark = pytest.mark.processes
+
 SERVICES = {
     "controller": controller_pb2.DESCRIPTOR.services_by_name["ControllerService"],
     "node": node_manager_pb2.DESCRIPTOR.services_by_name["NodeManagerService"],

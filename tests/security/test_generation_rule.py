@@ -1,4 +1,4 @@
-"""Issue 11, attack 6 in plaintext mode (no identities: anyone reaching a node manager's port
+"""Only the controller sends generations, in plaintext mode (no identities: anyone reaching a node manager's port
 may call StartEngine): a huge generation or controller epoch is refused naming the field and
 leaves nothing behind; a bogus generation within the controller's limit is learned by the
 controller, which issues above it. Either way the controller's next real start succeeds.
@@ -14,6 +14,8 @@ from motor.v1 import node_manager_pb2, node_manager_pb2_grpc
 from motor.v1 import types_pb2 as T
 from tests.controller.test_real_processes import apply, make_cluster, sim_deployment  # noqa: F401
 from tests.support import wait_for
+
+pytestmark = pytest.mark.processes
 
 
 def test_bogus_generations_and_epochs_cannot_poison_a_node_manager(make_cluster):

@@ -1,4 +1,4 @@
-"""The hostile findings of issue 11, replayed against a `motorctl up --tls` cluster (controller, two
+"""A hostile caller's attacks, replayed against a `motorctl up --tls` cluster (controller, two
 node managers, the example deployment; mutual TLS on every plane, certificates from its dev
 PKI): every attack is refused with the right status code, and afterwards the cluster is
 unchanged: same engines, same pids, same ports, same endpoints, same deployment revision."""
@@ -21,6 +21,8 @@ from motor.v1 import controller_pb2, controller_pb2_grpc, engine_pb2, engine_pb2
 from motorctl.connect import Credentials
 from motorctl.up import LocalCluster, try_commands
 from tests.support import REPO_ROOT, require, wait_for
+
+pytestmark = pytest.mark.processes
 
 MARKER = "/tmp/motor-hostile-marker"
 LAUNCHER = ["/bin/sh", "-c", f"id > {MARKER}"]

@@ -28,6 +28,7 @@ def _load(path: str) -> x509.Certificate:
         return x509.load_pem_x509_certificate(handle.read())
 
 
+@pytest.mark.processes
 def test_motorctl_pki_init_and_issue_make_a_verifiable_certificate_with_the_identity(tmp_path):
     directory = str(tmp_path / "pki")
     made = motorctl("pki", "init", "--dir", directory)
@@ -51,6 +52,7 @@ def test_motorctl_pki_init_and_issue_make_a_verifiable_certificate_with_the_iden
 
 
 @pytest.mark.parametrize("identity, message", [("node/Node-A", "lowercase"), ("node/nl\n", "lowercase"), ("admin/x", "not one of"), ("controller/x", "takes no name")])
+@pytest.mark.processes
 def test_motorctl_pki_issue_refuses_a_bad_identity(tmp_path, identity, message):
     directory = str(tmp_path)
     assert motorctl("pki", "init", "--dir", directory).returncode == 0
@@ -59,6 +61,7 @@ def test_motorctl_pki_issue_refuses_a_bad_identity(tmp_path, identity, message):
     assert not os.path.exists(f"{directory}/x.crt")
 
 
+@pytest.mark.processes
 def test_motorctl_pki_dev_writes_the_cluster_set_and_reuses_its_ca(tmp_path):
     directory = str(tmp_path / "pki")
     assert motorctl("pki", "dev", "--dir", directory, "--nodes", "node-a,node-b,node-c").returncode == 0

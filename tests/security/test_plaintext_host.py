@@ -4,11 +4,15 @@ instead of every engine exiting 2 later (each exit spent against the crash-loop 
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import signal
 
 from tests.node_manager.test_node_id_refused import node_manager_process
 from tests.support import wait_for
+
+pytestmark = pytest.mark.processes
 
 
 def test_a_non_loopback_host_without_tls_is_refused_at_start(tmp_path):

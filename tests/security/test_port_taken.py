@@ -16,6 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from motor.ports import free_port
 from tests.support import REPO_ROOT, wait_for
 
+pytestmark = pytest.mark.processes
+
 
 def _controller(tmp_path, name: str, port: int) -> list[str]:
     return [sys.executable, "-m", "controller.cli", "--listen", f"127.0.0.1:{port}", "--db", str(tmp_path / f"{name}.db"),

@@ -234,6 +234,7 @@ def _grpcurl() -> str:
     return path
 
 
+@pytest.mark.processes
 async def test_grpcurl_with_a_client_certificate_or_a_token(dev_pki, mtls_server, token_server):
     grpcurl = _grpcurl()
 

@@ -12,6 +12,8 @@ from motor.engine_policy import code_reason
 from motor.vllm_request_args import MOTOR_ENGINE_ARGS, VLLM_ARG_CHOICES, VLLM_REFUSED_ARGS, VLLM_REQUEST_ARGS
 from tests.support import require
 
+pytestmark = pytest.mark.processes
+
 
 @pytest.fixture(scope="module")
 def vllm_arguments() -> set[str]:

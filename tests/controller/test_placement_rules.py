@@ -1,0 +1,46 @@
+"""Placement, rule by rule: ports, accelerators and the fleet description (controller/placement.py).
+
+Each test pins a boundary or a message a user relies on (they keep `make mutation` honest)."""
+
+from __future__ import annotations
+
+
+import pytest
+
+
+from controller.placement import Fleet, NodeCapacity, RankPlacement, Unplaceable, place_instance
+
+
+# ---------------------------------------------------------------- placement
+
+def test_a_port_range_counts_its_ends():
+    assert NodeCapacity("a", "h", [], port_range=(100, 103)).free_port_count() == 4
+    assert NodeCapacity("a", "h", [], port_range=(100, 103), ports_in_use=3).free_port_count() == 1
+
+
+def test_a_node_with_exactly_the_ports_needed_fits():
+    nodes = [NodeCapacity("a", "10.0.0.1", [0], port_range=(100, 101))]
+    assert place_instance([3], 1, False, nodes) == [RankPlacement(3, "a", "10.0.0.1", (0,), 2)]
+    assert nodes[0].ports_in_use == 2
+
+
+def test_ports_taken_add_up_and_a_failed_placement_gives_back_only_its_own():
+    node = NodeCapacity("a", "h", [0, 1, 2], port_range=(100, 109))
+    fleet = Fleet([node])
+    place_instance([0], 1, False, fleet)
+    place_instance([0], 1, False, fleet)
+    assert node.ports_in_use == 4 and node.free_port_count() == 6
+    with pytest.raises(Unplaceable):
+        place_instance([0, 1], 1, False, fleet)  # rank 0 fits, rank 1 does not
+    assert node.ports_in_use == 4 and node.used_accelerators == {0, 1}
+
+
+def test_the_fleet_describes_its_roomiest_node():
+    assert Fleet([]).describe() == "no READY node is registered"
+    with pytest.raises(Unplaceable, match=r"^no READY node is registered$"):
+        place_instance([0], 1, False, [])
+    nodes = [NodeCapacity("a", "h", [0, 1, 2, 3], used_accelerators={0}, port_range=(100, 105)),
+             NodeCapacity("b", "h", [0, 1])]  # fmt: skip
+    assert Fleet(nodes).describe() == "2 READY node(s); most free: a with 3/4 accelerators and 6 ports"
+
+
