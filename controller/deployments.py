@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Coroutine, Iterator
 
 
-from motor import names
+from motor.contract import names
 from motor.v1 import controller_pb2
 
 from controller.actuator import Actuator

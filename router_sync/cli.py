@@ -11,9 +11,9 @@ import asyncio
 import logging
 import sys
 
-from motor.grpc_server import TlsFiles
-from motor.logs import LOG_LEVELS
-from motor.signals import stop_event
+from motor.service.grpc_server import TlsFiles
+from motor.service.logs import LOG_LEVELS
+from motor.service.signals import stop_event
 
 from router_sync.admin import RouterAdmin
 from router_sync.follow import follow

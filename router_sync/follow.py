@@ -13,8 +13,8 @@ from typing import Callable
 
 import grpc
 
-from motor.grpc_server import TlsFiles, aio_channel
-from motor.retry import RepeatedFailure
+from motor.service.grpc_server import TlsFiles, aio_channel
+from motor.service.retry import RepeatedFailure
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
 from router_sync.sync import RouterSync

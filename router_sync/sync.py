@@ -20,7 +20,7 @@ import logging
 import time
 from typing import Awaitable, Callable, Iterable
 
-from motor.retry import RepeatedFailure
+from motor.service.retry import RepeatedFailure
 from motor.v1 import controller_pb2, types_pb2
 
 from router_sync.admin import Refused, RouterAdmin, RouterDown

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from motor.deployment_file import deployment_from_dict
+from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from motorctl.up import LocalCluster
 from tests.router.conftest import OpenLoad, http
