@@ -48,11 +48,19 @@ STALLED, SLOW = 1.0, 5.0
 
 
 def deployment(count: int) -> C.Deployment:
-    return deployment_from_dict({
-        "name": "bench", "model": "sim-tiny",
-        "instance_groups": [{"name": "union", "role": "union", "count": count, "accelerators_per_engine": 1}],
-        "engine_config": {"motor_engine_union_config": {"engine_type": "sim", "engine_args": {"model": "sim-tiny", "latency_ms": 20}}},
-    })
+    return deployment_from_dict(
+        {
+            "name": "bench",
+            "model": "sim-tiny",
+            "instance_groups": [{"name": "union", "role": "union", "count": count, "accelerators_per_engine": 1}],
+            "engine_config": {
+                "motor_engine_union_config": {
+                    "engine_type": "sim",
+                    "engine_args": {"model": "sim-tiny", "latency_ms": 20},
+                }
+            },
+        }
+    )
 
 
 def post(url: str, body: dict | None, timeout: float, method: str = "POST") -> tuple[int, str]:
@@ -94,8 +102,15 @@ class Load:
 class Bench:
     def __init__(self, args, fault: str, mode: str, base_port: int):
         self.args, self.fault, self.mode = args, fault, mode
-        self.cluster = LocalCluster(tempfile.mkdtemp(prefix=f"router-{fault}-{mode}-"), nodes=2, heartbeat_interval=1.0, accelerators_per_node=2,
-                                    engine_port_base=base_port, router_port=0, metrics_port=0)
+        self.cluster = LocalCluster(
+            tempfile.mkdtemp(prefix=f"router-{fault}-{mode}-"),
+            nodes=2,
+            heartbeat_interval=1.0,
+            accelerators_per_node=2,
+            engine_port_base=base_port,
+            router_port=0,
+            metrics_port=0,
+        )
 
     def stub(self, channel):
         return controller_pb2_grpc.ControllerServiceStub(channel)
@@ -125,15 +140,20 @@ class Bench:
         node_id = next(e.node_id for i in instances for e in i.engines if e.engine_id == engine.engine_id)
         with grpc.insecure_channel(f"127.0.0.1:{self.cluster.node_ports[node_id]}") as channel:
             node = node_manager_pb2_grpc.NodeManagerServiceStub(channel)
-            return node_id, node.GetEngine(node_manager_pb2.GetEngineRequest(engine_id=engine.engine_id), timeout=5).engine.pid
+            return node_id, node.GetEngine(
+                node_manager_pb2.GetEngineRequest(engine_id=engine.engine_id), timeout=5
+            ).engine.pid
 
     def run(self) -> dict:
         cluster = self.cluster
         cluster.start(timeout=60)
         try:
             self.apply(3)
-            self.wait(lambda: len(self.endpoints()) == 3 and self.workers() == {e.url for e in self.endpoints()}, 90,
-                      "three engines routed")
+            self.wait(
+                lambda: len(self.endpoints()) == 3 and self.workers() == {e.url for e in self.endpoints()},
+                90,
+                "three engines routed",
+            )
             victim = self.endpoints()[0]
             if self.fault == "hang_inference":
                 status, text = post(victim.url + "/sim/faults", None, 5, method="GET")
@@ -180,8 +200,11 @@ class Bench:
                 os.kill(engine_pid, signal.SIGKILL)
 
     def figures(self, results, fault_at: float) -> dict:
-        bad = [sent - fault_at for sent, status, answered in results
-               if sent >= fault_at and (status != 200 or answered - sent > STALLED)]
+        bad = [
+            sent - fault_at
+            for sent, status, answered in results
+            if sent >= fault_at and (status != 200 or answered - sent > STALLED)
+        ]
         before = [r for r in results if fault_at - self.args.before + 0.5 <= r[2] < fault_at and r[1] == 200]
         window = (fault_at + 3, fault_at + self.args.after)
         after = [r for r in results if window[0] <= r[2] < window[1] and r[1] == 200]
@@ -206,7 +229,10 @@ def main() -> int:
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:
         parser.error(f"--faults: unknown {', '.join(unknown)} (known: {', '.join(FAULTS)})")
-    print(f"{'fault':<15} {'mode':<7} {'requests':>8} {'failed':>7} {'>5s':>5} {'last hit':>9} {'rate before':>12} {'rate after':>11}")
+    print(
+        f"{'fault':<15} {'mode':<7} {'requests':>8} {'failed':>7} {'>5s':>5} {'last hit':>9} {'rate before':>12} "
+        f"{'rate after':>11}"
+    )
     base = 40000
     for fault in faults:
         for mode in ("static", "motor"):
@@ -215,8 +241,11 @@ def main() -> int:
             if "skipped" in row:
                 print(f"{fault:<15} {mode:<7} skipped: {row['skipped']}", flush=True)
                 continue
-            print(f"{fault:<15} {mode:<7} {row['requests']:>8} {row['failed']:>7} {row['over_5s']:>5} "
-                  f"{row['last_hit_s']:>8.2f}s {row['rate_before']:>10.1f}/s {row['rate_after']:>9.1f}/s", flush=True)
+            print(
+                f"{fault:<15} {mode:<7} {row['requests']:>8} {row['failed']:>7} {row['over_5s']:>5} "
+                f"{row['last_hit_s']:>8.2f}s {row['rate_before']:>10.1f}/s {row['rate_after']:>9.1f}/s",
+                flush=True,
+            )
     return 0
 
 

@@ -21,12 +21,8 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Coroutine, Iterator
-
-
-from motor.contract import names
-from motor.v1 import controller_pb2
 
 from controller.actuator import Actuator
 from controller.adoption import Adoption
@@ -37,6 +33,8 @@ from controller.slots import EngineSlot
 from controller.state import ClusterState
 from controller.store import StoreChange, StoreUnavailable
 from controller.validation import InstanceSpec, expand_in_slices, integral_numbers, struct_dict, validate_deployment
+from motor.contract import names
+from motor.v1 import controller_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +54,16 @@ class Plan:
 
 
 class DeploymentChanges:
-    def __init__(self, state: ClusterState, max_engines: int, endpoints: EndpointFeed, actuator: Actuator,
-                 adoption: Adoption, wake: Callable[[], None], spawn: Callable[[Coroutine, str], asyncio.Task]):
+    def __init__(
+        self,
+        state: ClusterState,
+        max_engines: int,
+        endpoints: EndpointFeed,
+        actuator: Actuator,
+        adoption: Adoption,
+        wake: Callable[[], None],
+        spawn: Callable[[Coroutine, str], asyncio.Task],
+    ):
         self.state, self.max_engines, self.endpoints, self.actuator = state, max_engines, endpoints, actuator
         self.adoption, self.wake, self.spawn = adoption, wake, spawn
         self.deployment: C.Deployment | None = None
@@ -106,12 +112,14 @@ class DeploymentChanges:
 
         async def change():
             return await self._sliced(validated) if self.adoption.waiting else None
+
         return await self._in_turn(change)
 
     async def _in_turn(self, change: Callable[[], Coroutine]):
         async def turn():
             async with self._one_at_a_time:
                 return await change()
+
         # Shielded: a caller that goes away (deadline, cancel) does not stop a change half made.
         return await asyncio.shield(self.spawn(turn(), "deployment change"))
 
@@ -201,6 +209,7 @@ class DeploymentChanges:
         st, budget = self.state, Budget()
         name = (plan.deployment or self.deployment or C.Deployment()).name
         self.set_deployment(plan.deployment, plan.revision)
+
         # Each slice's writes (paired ids, FAILED retries) go out together when the slice ends.
         def remove(item: tuple[str, str]) -> None:
             self._remove_instance(*item, budget)
@@ -227,20 +236,30 @@ class DeploymentChanges:
         if plan.deployment is None:
             st.events.emit(C.EVENT_TYPE_DEPLOYMENT_CHANGED, f"deployment {name!r} deleted; stopping its engines")
         else:
-            st.events.emit(C.EVENT_TYPE_DEPLOYMENT_CHANGED,
-                           f"deployment {name!r} applied (revision {plan.revision}, {len(plan.new) + len(plan.kept)} instances)")
+            st.events.emit(
+                C.EVENT_TYPE_DEPLOYMENT_CHANGED,
+                f"deployment {name!r} applied (revision {plan.revision}, {len(plan.new) + len(plan.kept)} instances)",
+            )
         self.wake()
 
     # ------------------------------------------------------------------ one instance
 
     def _new_instance(self, spec: InstanceSpec) -> tuple[InstanceRecord, list[EngineSlot]]:
         inst = InstanceRecord(
-            instance_id=spec.instance_id, group=spec.group, role=spec.role,
-            data_parallel_size=spec.data_parallel_size, accelerators_per_engine=spec.accelerators_per_engine,
-            single_container=spec.single_container, paired_instance_id=spec.paired_instance_id,
-            spec_hash=spec.spec_hash, state_changed_at=self.state.wall(),
+            instance_id=spec.instance_id,
+            group=spec.group,
+            role=spec.role,
+            data_parallel_size=spec.data_parallel_size,
+            accelerators_per_engine=spec.accelerators_per_engine,
+            single_container=spec.single_container,
+            paired_instance_id=spec.paired_instance_id,
+            spec_hash=spec.spec_hash,
+            state_changed_at=self.state.wall(),
         )
-        return inst, [EngineSlot(names.engine_id(spec.instance_id, r), spec.instance_id, r) for r in range(spec.data_parallel_size)]
+        return inst, [
+            EngineSlot(names.engine_id(spec.instance_id, r), spec.instance_id, r)
+            for r in range(spec.data_parallel_size)
+        ]
 
     def _install(self, inst: InstanceRecord, slots: list[EngineSlot]) -> None:  # memory only: the change wrote it
         st = self.state
@@ -272,7 +291,9 @@ class DeploymentChanges:
         st = self.state
         slots = st.slots_of(instance_id)  # while the instance is known: its ranks, not a scan of every slot
         st.instances.pop(instance_id, None)
-        self.endpoints.refresh_engines([s.engine_id for s in slots])  # routers hear of it before any of its engines is stopped
+        self.endpoints.refresh_engines(
+            [s.engine_id for s in slots]
+        )  # routers hear of it before any of its engines is stopped
         st.attention.discard(instance_id)
         for slot in slots:
             st.slots.remove(slot.engine_id)

@@ -20,16 +20,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import Iterable, Iterator
-
-from motor.service.fanout import FanOut, Subscription
-from motor.v1 import controller_pb2, types_pb2
+from collections.abc import Iterable, Iterator
 
 from controller.instances import DEGRADED, READY
 from controller.nodes import NODE_READY
 from controller.slicing import Budget
 from controller.slots import EngineSlot
 from controller.state import ClusterState
+from motor.service.fanout import FanOut, Subscription
+from motor.v1 import controller_pb2, types_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +138,7 @@ class EndpointFeed:
                 if key in queued:
                     queued.discard(key)
                     yield key
+
         self._reread(pending(), None if whole else Budget())
         if queue:
             self.changed(())  # the rest in the loop's next turn
@@ -165,7 +165,9 @@ class EndpointFeed:
         if added or removed:
             added.sort()  # by engine id, the first of each tuple
             removed.sort()
-            logger.info("endpoints: added %s, removed %s", [e[0] for e in added] or "none", [e[0] for e in removed] or "none")
+            logger.info(
+                "endpoints: added %s, removed %s", [e[0] for e in added] or "none", [e[0] for e in removed] or "none"
+            )
             self.subscribers.publish(C.WatchEndpointsResponse(added=map(message, added), removed=map(message, removed)))
 
     def subscribe(self) -> Subscription[C.WatchEndpointsResponse]:

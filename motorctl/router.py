@@ -28,11 +28,25 @@ def router_binary() -> str:
 
 
 def router_command(port: int, metrics_port: int) -> list[str]:
-    argv = [router_binary(), "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
-            # Its Prometheus exporter is on by default, on 29000: two routers on a machine clash.
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-            # An add waits for the worker's /health: Motor adds only engines that serve already.
-            "--worker-startup-timeout-secs", "10", "--worker-startup-check-interval", "1"]
+    argv = [
+        router_binary(),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        "round_robin",
+        # Its Prometheus exporter is on by default, on 29000: two routers on a machine clash.
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(metrics_port),
+        # An add waits for the worker's /health: Motor adds only engines that serve already.
+        "--worker-startup-timeout-secs",
+        "10",
+        "--worker-startup-check-interval",
+        "1",
+    ]
     return argv
 
 

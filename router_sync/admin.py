@@ -2,7 +2,8 @@
 
 `GET /list_workers`, `POST /add_worker?url=U` (a regular worker), `POST /workers` with
 `{"url", "worker_type": "prefill"|"decode"}` (a P/D router, started with `--enable-igw`: the only
-mode of vllm-router 0.1.17 whose admin API takes worker types), `POST /remove_worker?url=U`. Adding polls the worker's /health inside the router, so every add
+mode of vllm-router 0.1.17 whose admin API takes worker types), `POST /remove_worker?url=U`. Adding polls the worker's
+/health inside the router, so every add
 has a deadline here: Motor lists only engines that already serve, an add that takes long means
 the router is in trouble. A router that does not answer (refused connection, timeout, 5xx) is
 `RouterDown`; a 4xx about one worker is `Refused`, with the router's answer.
@@ -35,7 +36,9 @@ class RouterAdmin:
     async def close(self) -> None:
         await self.client.aclose()
 
-    async def _call(self, method: str, path: str, params: dict | None = None, json: dict | None = None) -> httpx.Response:
+    async def _call(
+        self, method: str, path: str, params: dict | None = None, json: dict | None = None
+    ) -> httpx.Response:
         try:
             response = await self.client.request(method, path, params=params, json=json)
         except httpx.HTTPError as exc:
@@ -64,8 +67,11 @@ class RouterAdmin:
             # The router waits for the worker's /health before it answers: a slow add is about
             # this worker (the list call before it was answered), not a router down.
             if isinstance(exc.__cause__, httpx.TimeoutException):
-                raise Refused(url, 0, f"no answer within {self.client.timeout.read:g}s (the router polls the "
-                                      f"worker's /health first)") from None
+                raise Refused(
+                    url,
+                    0,
+                    f"no answer within {self.client.timeout.read:g}s (the router polls the worker's /health first)",
+                ) from None
             raise
         if response.status_code >= 400 and ALREADY_THERE not in response.text:
             raise Refused(url, response.status_code, response.text[:300])

@@ -18,11 +18,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 from motor.service.retry import RepeatedFailure
 from motor.v1 import controller_pb2, types_pb2
-
 from router_sync.admin import Refused, RouterAdmin, RouterDown
 
 logger = logging.getLogger(__name__)
@@ -38,8 +37,15 @@ def worker_type(role: int, pd: bool) -> str | None:
 
 
 class RouterSync:
-    def __init__(self, admin: RouterAdmin, announce: Callable[[str], None], pd: bool = False,
-                 relist_interval: float = 5.0, backoff_base: float = 0.2, backoff_cap: float = 5.0):
+    def __init__(
+        self,
+        admin: RouterAdmin,
+        announce: Callable[[str], None],
+        pd: bool = False,
+        relist_interval: float = 5.0,
+        backoff_base: float = 0.2,
+        backoff_cap: float = 5.0,
+    ):
         self.admin, self.announce, self.pd = admin, announce, pd
         self.relist_interval = relist_interval
         self.wanted: dict[str, str | None] = {}
@@ -76,9 +82,11 @@ class RouterSync:
             except RouterDown as exc:
                 self.believed = None
                 if self.router_down.failed(exc):
-                    self.announce(f"router {self.admin.base_url} not answering ({exc}); retrying with backoff, "
-                                  f"the whole worker list is re-synced when it answers"
-                                  + (f" (failure {self.router_down.count})" if self.router_down.count > 1 else ""))
+                    self.announce(
+                        f"router {self.admin.base_url} not answering ({exc}); retrying with backoff, "
+                        f"the whole worker list is re-synced when it answers"
+                        + (f" (failure {self.router_down.count})" if self.router_down.count > 1 else "")
+                    )
                 await asyncio.sleep(self.router_down.delay())
                 continue
             try:
@@ -100,17 +108,25 @@ class RouterSync:
         removed = await self._each(extra, self.admin.remove, believed.discard)
         added = await self._each(missing, lambda url: self.admin.add(url, self.wanted.get(url)), believed.add)
         if removed or added:
-            logger.info("router %s: removed %s, added %s (%.0f ms)", self.admin.base_url, removed or "none",
-                        added or "none", 1000 * (time.monotonic() - began))
+            logger.info(
+                "router %s: removed %s, added %s (%.0f ms)",
+                self.admin.base_url,
+                removed or "none",
+                added or "none",
+                1000 * (time.monotonic() - began),
+            )
         if self.router_down.count:
             count = self.router_down.recovered()
-            self.announce(f"router {self.admin.base_url} answers again after {count} failed call(s); re-synced "
-                          f"its whole worker list: {len(believed)} worker(s), removed {removed or 'none'}, "
-                          f"added {added or 'none'}")
+            self.announce(
+                f"router {self.admin.base_url} answers again after {count} failed call(s); re-synced "
+                f"its whole worker list: {len(believed)} worker(s), removed {removed or 'none'}, "
+                f"added {added or 'none'}"
+            )
         self.passes += 1
 
-    async def _each(self, urls: Iterable[str], call: Callable[[str], Awaitable[None]],
-                    done: Callable[[str], None]) -> list[str]:
+    async def _each(
+        self, urls: Iterable[str], call: Callable[[str], Awaitable[None]], done: Callable[[str], None]
+    ) -> list[str]:
         """`call(url)` for every url at once; those that succeeded are `done` and returned. A
         refusal is announced; a router that does not answer is raised after the others ran."""
         urls = list(urls)
@@ -122,8 +138,10 @@ class RouterSync:
                 succeeded.append(url)
             elif isinstance(result, Refused):
                 self.refused[url] = result.answer
-                self.announce(f"router {self.admin.base_url} refused worker {url}: HTTP {result.status}: "
-                              f"{result.answer}; tried again at the next re-list")
+                self.announce(
+                    f"router {self.admin.base_url} refused worker {url}: HTTP {result.status}: "
+                    f"{result.answer}; tried again at the next re-list"
+                )
             elif isinstance(result, RouterDown):
                 down = result
             else:

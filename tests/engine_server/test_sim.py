@@ -8,8 +8,8 @@ import json
 import aiohttp
 import pytest
 
-from engine_server.engines.base import EngineOptions
 from engine_server.engines import sim as sim_module
+from engine_server.engines.base import EngineOptions
 from engine_server.engines.sim import SimEngine
 from engine_server.probing import probe_request
 from motor.ports import free_port
@@ -52,9 +52,11 @@ async def test_answers_are_deterministic_and_openai_shaped(sim):
 async def test_streaming_gives_the_same_text(sim):
     _, session = sim
     _, whole = await post(session, "/v1/completions", {"prompt": "stream me", "max_tokens": 4})
-    async with session.post("/v1/completions", json={"prompt": "stream me", "max_tokens": 4, "stream": True}) as response:
+    async with session.post(
+        "/v1/completions", json={"prompt": "stream me", "max_tokens": 4, "stream": True}
+    ) as response:
         assert response.headers["Content-Type"].startswith("text/event-stream")
-        events = [line[len("data: "):] for line in (await response.text()).splitlines() if line.startswith("data: ")]
+        events = [line[len("data: ") :] for line in (await response.text()).splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     pieces = [json.loads(e)["choices"][0]["text"] for e in events[:-1]]
     assert "".join(pieces) == whole["choices"][0]["text"]

@@ -44,20 +44,34 @@ class RouterProcess:
         self.process: subprocess.Popen | None = None
         self.start()
 
-    def start(self) -> "RouterProcess":
-        argv = [VLLM_ROUTER if os.access(VLLM_ROUTER, os.X_OK) else "vllm-router", "--host", "127.0.0.1",
-                "--port", str(self.port), "--policy", "round_robin", "--worker-startup-timeout-secs", "2",
-                "--worker-startup-check-interval", "1",
-                "--prometheus-port", str(free_port()),
-                *self.extra]
+    def start(self) -> RouterProcess:
+        argv = [
+            VLLM_ROUTER if os.access(VLLM_ROUTER, os.X_OK) else "vllm-router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--policy",
+            "round_robin",
+            "--worker-startup-timeout-secs",
+            "2",
+            "--worker-startup-check-interval",
+            "1",
+            "--prometheus-port",
+            str(free_port()),
+            *self.extra,
+        ]
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                            env=dict(os.environ, **ROUTER_ENV))
+            self.process = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ, **ROUTER_ENV)
+            )
         wait_for(self._answers, timeout=30, interval=0.1, what=f"vllm-router on port {self.port}")
         return self
 
     def _answers(self) -> bool:
-        assert self.process.poll() is None, f"vllm-router exited: {open(self.log_path, errors='replace').read()[-2000:]}"
+        assert self.process.poll() is None, (
+            f"vllm-router exited: {open(self.log_path, errors='replace').read()[-2000:]}"
+        )
         try:
             return http("GET", self.url + "/list_workers", timeout=1)[0] == 200
         except OSError:
@@ -96,7 +110,7 @@ class OpenLoad:
         self._sender = threading.Thread(target=self._send, daemon=True)
         self._threads: list[threading.Thread] = []
 
-    def __enter__(self) -> "OpenLoad":
+    def __enter__(self) -> OpenLoad:
         self._sender.start()
         return self
 
@@ -116,8 +130,12 @@ class OpenLoad:
     def _one(self) -> None:
         sent = time.monotonic()
         try:
-            status, _ = http("POST", self.url + "/v1/completions",
-                             {"model": "sim-tiny", "prompt": "x", "max_tokens": 2}, timeout=self.timeout)
+            status, _ = http(
+                "POST",
+                self.url + "/v1/completions",
+                {"model": "sim-tiny", "prompt": "x", "max_tokens": 2},
+                timeout=self.timeout,
+            )
         except OSError:
             status = 0
         self.results.append((sent, status, time.monotonic()))

@@ -22,8 +22,15 @@ DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    local = LocalCluster(str(tmp_path_factory.mktemp("routed")), nodes=2, deployment_path=DEPLOYMENT,
-                         heartbeat_interval=1.0, abnormal_threshold=5, engine_port_base=33000, router_port=0)
+    local = LocalCluster(
+        str(tmp_path_factory.mktemp("routed")),
+        nodes=2,
+        deployment_path=DEPLOYMENT,
+        heartbeat_interval=1.0,
+        abnormal_threshold=5,
+        engine_port_base=33000,
+        router_port=0,
+    )
     try:
         local.start(timeout=60)
         yield local
@@ -48,21 +55,32 @@ def router_workers(cluster) -> set[str]:
 
 def all_three_routed(cluster) -> set[str]:
     urls = listed_urls(cluster)
-    wait_for(lambda: len(listed_urls(cluster)) == 3 and router_workers(cluster) == listed_urls(cluster),
-             timeout=90, interval=0.2, what="the router's workers equal to the three listed endpoints")
+    wait_for(
+        lambda: len(listed_urls(cluster)) == 3 and router_workers(cluster) == listed_urls(cluster),
+        timeout=90,
+        interval=0.2,
+        what="the router's workers equal to the three listed endpoints",
+    )
     return urls
 
 
 def test_requests_through_the_router_reach_every_engine(cluster):
     all_three_routed(cluster)
-    status, text = http("POST", cluster.router_url + "/v1/completions",
-                        {"model": "sim-tiny", "prompt": "hello", "max_tokens": 4})
+    status, text = http(
+        "POST", cluster.router_url + "/v1/completions", {"model": "sim-tiny", "prompt": "hello", "max_tokens": 4}
+    )
     assert status == 200 and json.loads(text)["choices"][0]["text"], text
-    status, text = http("POST", cluster.router_url + "/v1/chat/completions",
-                        {"model": "sim-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    status, text = http(
+        "POST",
+        cluster.router_url + "/v1/chat/completions",
+        {"model": "sim-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
     assert status == 200 and json.loads(text)["choices"][0]["message"]["content"], text
-    status, text = http("POST", cluster.router_url + "/v1/completions",
-                        {"model": "sim-tiny", "prompt": "hello", "max_tokens": 4, "stream": True})
+    status, text = http(
+        "POST",
+        cluster.router_url + "/v1/completions",
+        {"model": "sim-tiny", "prompt": "hello", "max_tokens": 4, "stream": True},
+    )
     assert status == 200 and text.rstrip().endswith("data: [DONE]"), text
 
 
@@ -87,13 +105,17 @@ def test_a_hung_engine_server_leaves_the_router_within_3s_long_before_the_kill(c
         hang = time.monotonic()
         os.kill(pid, signal.SIGSTOP)
         try:
-            wait_for(lambda: url not in router_workers(cluster), timeout=10, interval=0.02, what="the hung engine removed")
+            wait_for(
+                lambda: url not in router_workers(cluster), timeout=10, interval=0.02, what="the hung engine removed"
+            )
             withdrawn = time.monotonic() - hang
             # The kill comes at the 5th missed heartbeat (about 5 s): the router let it go well before.
             assert withdrawn < 3.0, f"removed from the router {withdrawn:.2f}s after the hang"
             time.sleep(2)
             after = [r for r in load.results if hang + withdrawn + 0.1 < r[0] < time.monotonic() - 1]
-            assert len(after) > 10 and all(status == 200 and answered - sent < 1.0 for sent, status, answered in after), after
+            assert len(after) > 10 and all(
+                status == 200 and answered - sent < 1.0 for sent, status, answered in after
+            ), after
         finally:
             os.kill(pid, signal.SIGCONT)
     # Killed and restarted by Motor, then added back.

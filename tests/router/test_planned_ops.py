@@ -18,17 +18,21 @@ SIM = {"engine_type": "sim", "engine_args": {"model": "sim-tiny", "latency_ms": 
 
 
 def union(count: int) -> controller_pb2.Deployment:
-    return deployment_from_dict({
-        "name": "routed", "model": "sim-tiny",
-        "instance_groups": [{"name": "union", "role": "union", "count": count, "accelerators_per_engine": 1}],
-        "engine_config": {"motor_engine_union_config": SIM},
-    })
+    return deployment_from_dict(
+        {
+            "name": "routed",
+            "model": "sim-tiny",
+            "instance_groups": [{"name": "union", "role": "union", "count": count, "accelerators_per_engine": 1}],
+            "engine_config": {"motor_engine_union_config": SIM},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    local = LocalCluster(str(tmp_path_factory.mktemp("planned")), nodes=2, heartbeat_interval=1.0,
-                         engine_port_base=35000, router_port=0)
+    local = LocalCluster(
+        str(tmp_path_factory.mktemp("planned")), nodes=2, heartbeat_interval=1.0, engine_port_base=35000, router_port=0
+    )
     try:
         local.start(timeout=60)
         yield local
@@ -39,7 +43,8 @@ def cluster(tmp_path_factory):
 def apply(cluster, deployment) -> None:
     with cluster.credentials().channel(cluster.controller_address) as channel:
         controller_pb2_grpc.ControllerServiceStub(channel).ApplyDeployment(
-            controller_pb2.ApplyDeploymentRequest(deployment=deployment), timeout=30)
+            controller_pb2.ApplyDeploymentRequest(deployment=deployment), timeout=30
+        )
 
 
 def workers(cluster) -> set[str]:

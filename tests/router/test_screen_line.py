@@ -9,7 +9,9 @@ from tests.router.conftest import router  # noqa: F401 (fixture)
 
 
 def test_the_screen_line_names_the_url_and_counts_the_workers(router, engine_server):
-    assert router_line(router.url) == (f"Router (OpenAI API):  {router.url}/v1  (0 worker(s); kept by motor-router-sync)")
+    assert router_line(router.url) == (
+        f"Router (OpenAI API):  {router.url}/v1  (0 worker(s); kept by motor-router-sync)"
+    )
     engine = engine_server(sim_config("union"), role="union", instance_id="u-0")
     engine.wait_status(types_pb2.HEALTH_STATUS_NORMAL)
     router.add(f"http://127.0.0.1:{engine.port}")

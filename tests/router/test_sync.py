@@ -17,8 +17,9 @@ UNION = types_pb2.ROLE_UNION
 
 
 def endpoint(engine, name: str) -> controller_pb2.Endpoint:
-    return controller_pb2.Endpoint(instance_id=name, engine_id=f"{name}/rank0", role=UNION,
-                                   url=f"http://127.0.0.1:{engine.port}")
+    return controller_pb2.Endpoint(
+        instance_id=name, engine_id=f"{name}/rank0", role=UNION, url=f"http://127.0.0.1:{engine.port}"
+    )
 
 
 def snapshot(*endpoints) -> controller_pb2.WatchEndpointsResponse:
@@ -106,13 +107,17 @@ async def test_a_restarted_router_gets_the_whole_list_again_with_one_announcemen
 
 async def test_a_worker_the_router_refuses_is_announced_with_its_answer_and_the_others_still_added(router, two_engines):
     first, _ = two_engines
-    silent = controller_pb2.Endpoint(instance_id="gone", engine_id="gone/rank0", role=UNION,
-                                     url="http://127.0.0.1:9")  # nothing answers its /health
+    silent = controller_pb2.Endpoint(
+        instance_id="gone", engine_id="gone/rank0", role=UNION, url="http://127.0.0.1:9"
+    )  # nothing answers its /health
     running = Running(router.url)
     try:
         running.sync.apply(snapshot(endpoint(first, "u-0"), silent))
-        await until(lambda: any("refused worker http://127.0.0.1:9" in e for e in running.events), timeout=20,
-                    what="the refusal announcement")
+        await until(
+            lambda: any("refused worker http://127.0.0.1:9" in e for e in running.events),
+            timeout=20,
+            what="the refusal announcement",
+        )
         assert router.workers() == {f"http://127.0.0.1:{first.port}"}
         assert "HTTP " in running.events[0] or "no answer within" in running.events[0]
     finally:

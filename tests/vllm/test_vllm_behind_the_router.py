@@ -23,9 +23,15 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def routed(tiny_model, vllm_env, tmp_path_factory):
-    local = LocalCluster(str(tmp_path_factory.mktemp("vllm-routed")), nodes=1, node_id_prefix="vllm",
-                         accelerators_per_node=1, engine_port_base=38000, router_port=0,
-                         extra_node_args=["--model-root", os.path.dirname(tiny_model)])
+    local = LocalCluster(
+        str(tmp_path_factory.mktemp("vllm-routed")),
+        nodes=1,
+        node_id_prefix="vllm",
+        accelerators_per_node=1,
+        engine_port_base=38000,
+        router_port=0,
+        extra_node_args=["--model-root", os.path.dirname(tiny_model)],
+    )
     with pytest.MonkeyPatch.context() as patch:
         for name, value in vllm_env.items():
             patch.setenv(name, value)
@@ -62,13 +68,23 @@ def test_completions_chat_and_a_stream_through_the_router_then_delete_removes_th
     status, text = http("GET", local.router_url + "/v1/models")
     assert status == 200, text
     model = json.loads(text)["data"][0]["id"]
-    status, text = http("POST", local.router_url + "/v1/completions", {"model": model, "prompt": "Hello", "max_tokens": 3}, timeout=60)
+    status, text = http(
+        "POST", local.router_url + "/v1/completions", {"model": model, "prompt": "Hello", "max_tokens": 3}, timeout=60
+    )
     assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 3, text
-    status, text = http("POST", local.router_url + "/v1/chat/completions",
-                        {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, timeout=60)
+    status, text = http(
+        "POST",
+        local.router_url + "/v1/chat/completions",
+        {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        timeout=60,
+    )
     assert status == 200 and json.loads(text)["choices"][0]["message"]["role"] == "assistant", text
-    status, text = http("POST", local.router_url + "/v1/completions",
-                        {"model": model, "prompt": "Hello", "max_tokens": 3, "stream": True}, timeout=60)
+    status, text = http(
+        "POST",
+        local.router_url + "/v1/completions",
+        {"model": model, "prompt": "Hello", "max_tokens": 3, "stream": True},
+        timeout=60,
+    )
     assert status == 200 and text.rstrip().endswith("data: [DONE]") and text.count("data: ") >= 3, text
     stub.DeleteDeployment(controller_pb2.DeleteDeploymentRequest(), timeout=10)
     wait_for(lambda: workers(local) == [], timeout=5, interval=0.05, what="the engine out of the router")
