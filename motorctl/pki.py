@@ -78,7 +78,7 @@ class DevPki:
 
 
 def make_dev_pki(directory: str, nodes: list[str], hosts: list[str] | None = None) -> DevPki:
-    """A CA, then controller, one pair per node, operator and viewer, and a tokens file.
+    """A CA, then controller, one pair per node, operator, viewer and router-sync, and a tokens file.
 
     An existing CA in `directory` is kept (certificates are re-issued from it), so a client
     that trusts it keeps working across restarts of a development cluster.
@@ -93,7 +93,7 @@ def make_dev_pki(directory: str, nodes: list[str], hosts: list[str] | None = Non
     ca.issue(Identity("controller"), hosts).save(directory, "controller")
     for node in nodes:
         ca.issue(Identity("node", node), hosts).save(directory, node)
-    for kind in ("operator", "viewer"):
+    for kind in ("operator", "viewer", "router-sync"):
         ca.issue(Identity(kind, kind), []).save(directory, kind)
     tokens = write_tokens_file(pki.tokens, {"operator": ["operator"], "viewer": ["viewer"]})
     for name, token in tokens.items():

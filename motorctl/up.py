@@ -24,6 +24,7 @@ from motor.ports import CONTROLLER_METRICS_PORT, free_port, port_is_free
 from motor.service.signals import STOP_SIGNALS  # SIGHUP among them: the terminal was closed
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
 from motorctl import guardian as cluster_guardian
+from motorctl import router as front
 from motorctl.connect import Credentials
 from motorctl.etcd_cluster import EtcdCluster
 from motorctl.pki import DevPki, make_dev_pki
@@ -91,6 +92,12 @@ class LocalCluster:
     # mTLS on every plane with a development PKI in <run_dir>/pki (docs/security.md)
     tls: bool = False
     token_port: int = 0
+    # A vllm-router on this port (0: a free one) kept by motor-router-sync; None: no router.
+    router_port: int | None = None
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}"
 
     @property
     def pki(self) -> DevPki:
@@ -163,7 +170,7 @@ class LocalCluster:
     def launch_controller(self, index: int) -> ManagedProcess:
         return self._launch("controller" if index == 0 else f"controller-{index + 1}", self.controller_command(index))
 
-    def _launch(self, name: str, argv: list[str]) -> ManagedProcess:
+    def _launch(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
         log_path = os.path.join(self.run_dir, "logs", f"{name}.log")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         with open(log_path, "ab") as log:
@@ -173,7 +180,7 @@ class LocalCluster:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                env=dict(os.environ, **run_tag(self.run_dir)),
+                env=dict(os.environ, **run_tag(self.run_dir), **(env or {})),
             )
         managed = ManagedProcess(name, process, log_path)
         self.processes.append(managed)
@@ -201,6 +208,20 @@ class LocalCluster:
         for index, node_id in enumerate(self.node_ids()):
             self.start_node(node_id, index)
         self.wait_nodes_registered(self.nodes, timeout)
+        if self.router_port is not None:
+            self.start_router(timeout)
+
+    def start_router(self, timeout: float) -> None:
+        self.router_port = self.router_port or free_port()
+        self._launch("router", front.router_command(self.router_port, free_port()), front.ROUTER_ENV)
+        deadline = time.monotonic() + timeout
+        while front.router_workers(self.router_url) is None:
+            if self.process("router").process.poll() is not None or time.monotonic() > deadline:
+                raise TimeoutError(f"the router on port {self.router_port} did not start; see its log")
+            time.sleep(0.1)
+        self._launch(
+            "router-sync", front.sync_command(self.controller_addresses, self.router_url, self.tls_flags("router-sync"))
+        )
 
     def start_node(self, node_id: str, index: int) -> ManagedProcess:
         port = self.node_ports.get(node_id) or free_port()
@@ -286,9 +307,9 @@ class LocalCluster:
         The controller goes first so that it cannot restart the engines being stopped; node
         managers leave engines running when they exit (a restart re-adopts them), so engines are
         stopped explicitly. Returns what had to be killed or was found left over."""
-        problems: list[str] = []
+        problems: list[str] = self._terminate([p for p in self.processes if p.name.startswith("router")], timeout)
         controllers = [p for p in self.processes if p.name.startswith("controller")]
-        node_managers = [p for p in self.processes if not p.name.startswith("controller")]
+        node_managers = [p for p in self.processes if not p.name.startswith(("controller", "router"))]
         problems += self._terminate(controllers, timeout)
         for node_id, port in self.node_ports.items():
             if all(p.process.poll() is not None for p in node_managers if p.name == node_id):
@@ -356,7 +377,11 @@ def show_status(address: str, credentials: Credentials = Credentials()) -> str:
 
 
 def _default_controller_port() -> int:
-    return DEFAULT_CONTROLLER_PORT if port_is_free(DEFAULT_CONTROLLER_PORT) else free_port()
+    return _default_port(DEFAULT_CONTROLLER_PORT)
+
+
+def _default_port(port: int) -> int:
+    return port if port_is_free(port) else free_port()
 
 
 def try_commands(cluster: LocalCluster) -> str:
@@ -395,6 +420,13 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_METRICS_PORT,
         help=f"controller /metrics port, node manager i on this + 1 + i; a taken one is replaced by a free one; "
         f"0: no metrics (default {DEFAULT_METRICS_PORT})",
+    )
+    parser.add_argument(
+        "--router-port",
+        type=int,
+        default=0,
+        help=f"port of the router (vllm-router) in front of the engines: default {front.ROUTER_PORT}, "
+        "or a free port if taken",
     )
     parser.add_argument("--refresh", type=float, default=1.0, help="seconds between status refreshes")
     parser.add_argument(
@@ -436,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_port=args.metrics_port,
         tls=args.tls,
         ha=args.ha,
+        router_port=args.router_port or _default_port(front.ROUTER_PORT),
     )
     stopping, started = False, False
     # Stops the cluster if this process is killed before it can (SIGKILL, the OOM killer).
@@ -490,9 +523,11 @@ def watch(cluster: LocalCluster, refresh: float, stopping) -> None:
         except grpc.RpcError as exc:
             screen = f"controller not answering: {exc.code().name}"
         clear = "\033[2J\033[H" if sys.stdout.isatty() else ""
+        router = f"{front.router_line(cluster.router_url)}\n" if cluster.router_port is not None else ""
         if (
             not say(
-                f"{clear}Motor local cluster — controller {address} — {time.strftime('%H:%M:%S')}\n\n{screen}\n\n{hint}"
+                f"{clear}Motor local cluster — controller {address} — "
+                f"{time.strftime('%H:%M:%S')}\n\n{screen}\n\n{router}{hint}"
             )
             and not stopping()
         ):

@@ -95,6 +95,8 @@ class NodeManager:
         self.claim_held: asyncio.Event | None = None
         self.claim_refused = ""
         self._monitors: dict[str, EngineMonitor] = {}
+        # The health last reported at once of each running engine (see on_verdict).
+        self._health_told: dict[str, int] = {}
         self._watchers: FanOut[types_pb2.Engine] = FanOut("WatchEngines", WATCH_QUEUE_LIMIT)
         self._locks: dict[str, asyncio.Lock] = {}
         self._background = TaskSet("node manager")
@@ -439,6 +441,7 @@ class NodeManager:
 
     def _stop_monitor(self, record: EngineRecord) -> None:
         monitor = self._monitors.pop(record.engine_id, None)
+        self._health_told.pop(record.engine_id, None)
         if monitor is not None:
             monitor.stop()
 
@@ -453,6 +456,18 @@ class NodeManager:
             record.transition(RUNNING, "engine server reported NORMAL", self._changed)
         elif changed:
             self._publish(record)
+            self._tell_health(record, verdict)
+
+    def _tell_health(self, record: EngineRecord, verdict: Verdict) -> None:
+        """A running engine whose health changed (a GetStatus missed or ABNORMAL, or NORMAL again)
+        is reported to the controller now, not at the next heartbeat: routers follow the
+        controller's endpoints, and a hung engine must leave them long before the kill."""
+        told = self._health_told.get(record.engine_id, types_pb2.HEALTH_STATUS_NORMAL)
+        if record.state != RUNNING or verdict.health == told:
+            return
+        self._health_told[record.engine_id] = verdict.health
+        serving = verdict.health == types_pb2.HEALTH_STATUS_NORMAL
+        self._spawn(self._report(record, "serving again" if serving else f"not serving: {verdict.reason}"))
 
     def on_stream_message(self, record: EngineRecord, message: engine_pb2.WatchProbesResponse) -> None:
         if record.observe_status(message.status) and record.state == RUNNING:

@@ -22,7 +22,7 @@ trap 'rm -f "$constraints"' EXIT
 rm -f "$DIR"/motor-*.whl
 # --no-build-isolation: build the motor wheel with the venv's pinned setuptools.
 "$PY" -m pip --disable-pip-version-check wheel -q --no-build-isolation \
-  --wheel-dir "$DIR" --find-links "$DIR" -c "$constraints" . 2>&1 \
+  --wheel-dir "$DIR" --find-links "$DIR" -c "$constraints" ".[router]" 2>&1 \
   | { grep -v "is ignored: it is neither" || true; }
 ls "$DIR"/motor-*.whl >/dev/null
 log "$(ls "$DIR" | wc -l) wheels, $(du -sh "$DIR" | cut -f1) in $DIR"

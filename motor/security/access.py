@@ -7,7 +7,9 @@ Roles (docs/security.md has the same table for readers):
                   the only caller of Drain, Sleep and WakeUp;
 - `controller`    the only caller of the node managers' StartEngine and StopEngine;
 - `operator`      applies and deletes deployments, and reads everything a viewer reads;
-- `viewer`        List/Get/Watch.
+- `viewer`        List/Get/Watch;
+- `router-sync`   a router's motor-router-sync: ListEndpoints and WatchEndpoints only (engine URLs
+                  come from the controller, and the sync can learn nothing else).
 Health checks are open to anyone; reflection (when the server offers it) too, as it only
 describes the public API. A method missing from the table is refused: new RPCs must be added.
 
@@ -31,7 +33,7 @@ from cryptography import x509
 
 from motor.contract.names import excerpt, is_valid_id
 from motor.errors import status_message
-from motor.security.identity import TRUST_DOMAIN, Identity, identity_from_uri
+from motor.security.identity import KINDS, TRUST_DOMAIN, Identity, identity_from_uri
 from motor.security.tokens import TokenStore
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ def _rule(*roles: str, node_fields: tuple[str, ...] = ()) -> Rule:
 
 _C, _N, _E = "/motor.v1.ControllerService/", "/motor.v1.NodeManagerService/", "/motor.v1.EngineService/"
 _READ = _rule("viewer", "operator")
+_ENDPOINTS = _rule("viewer", "operator", "router-sync")
 
 ACCESS_TABLE: dict[str, Rule] = {
     _C + "RegisterNode": _rule(NODE, node_fields=("node.node_id",)),
@@ -64,9 +67,9 @@ ACCESS_TABLE: dict[str, Rule] = {
     _C + "GetDeployment": _READ,
     _C + "ListNodes": _READ,
     _C + "ListInstances": _READ,
-    _C + "ListEndpoints": _READ,
+    _C + "ListEndpoints": _ENDPOINTS,
     _C + "WatchEvents": _READ,
-    _C + "WatchEndpoints": _READ,
+    _C + "WatchEndpoints": _ENDPOINTS,
     _C + "ListControllers": _READ,
     _N + "StartEngine": _rule("controller"),
     _N + "StopEngine": _rule("controller"),
@@ -163,7 +166,7 @@ class AccessPolicy:
                 raise Refused(
                     grpc.StatusCode.UNAUTHENTICATED,
                     f"{described}: needs exactly one spiffe://{self.trust_domain}/<kind>[/<name>] identity "
-                    f"(kinds: controller, node, operator, viewer)",
+                    f"(kinds: {', '.join(KINDS)})",
                 )
             identity = identities[0]
             node = identity.name if identity.kind == "node" else None

@@ -19,8 +19,8 @@ from motor.contract.names import ID_RULE, is_valid_id
 from motor.errors import InvalidArgument
 
 TRUST_DOMAIN = "motor"
-# kind -> whether it carries a name (node id, operator or viewer name)
-KINDS = {"controller": False, "node": True, "operator": True, "viewer": True}
+# kind -> whether it carries a name (node id, operator or viewer name, router name)
+KINDS = {"controller": False, "node": True, "operator": True, "viewer": True, "router-sync": True}
 
 
 @dataclass(frozen=True)

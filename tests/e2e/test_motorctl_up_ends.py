@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from motor.ports import free_port
+from motorctl.run_processes import run_processes
 from tests.support import REPO_ROOT, process_alive, wait_for
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
@@ -51,7 +52,7 @@ def motorctl_up(run_dir, stdout, prefix: list[str] | None = None) -> subprocess.
 def cluster_processes(run_dir) -> list[psutil.Process]:
     """The controller and node managers of the cluster in `run_dir` (their flags name it), with
     everything they started."""
-    found = []
+    found = run_processes(str(run_dir))  # by the run tag: the router's command line does not name it
     for p in psutil.process_iter():
         try:
             if any(str(run_dir) in part for part in p.cmdline()):

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -16,9 +17,9 @@ import pytest
 
 from motor.ports import free_port
 from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
-from tests.support import REPO_ROOT, wait_for
+from tests.support import wait_for
 
-ENGINE_SERVER = os.path.join(REPO_ROOT, ".venv", "bin", "engine_server")
+ENGINE_SERVER = os.path.join(os.path.dirname(sys.executable), "engine_server")  # this interpreter's console script
 
 # Short intervals so that a test sees many probe rounds in a few seconds.
 FAST_HEALTH_CHECK = {

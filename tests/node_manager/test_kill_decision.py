@@ -63,10 +63,15 @@ async def test_a_hang_is_killed_at_the_threshold_and_not_before(make_fake_node):
     assert record.state_reason == reason
     assert [tree.token for tree in node.ops.kills] == [record.token]  # the whole tree, once
     assert record.pid == 0 and node.ops.alive() == []
-    # Routers first: "not serving" (still RUNNING: no replacement yet) before the kill, FAILED after.
-    assert [r for _, r in node.reports] == [f"{reason}; ending its process tree", reason]
-    assert [e.state for e, _ in node.reports] == [RUNNING, FAILED]
-    assert node.reports[0][0].health == types_pb2.HEALTH_STATUS_ABNORMAL
+    # Routers first: "not serving" at the first missed status and again before the kill (still
+    # RUNNING: no replacement yet), FAILED after.
+    assert [r for _, r in node.reports] == [
+        f"not serving: no answer: {TIMED_OUT}",
+        f"{reason}; ending its process tree",
+        reason,
+    ]
+    assert [e.state for e, _ in node.reports] == [RUNNING, RUNNING, FAILED]
+    assert node.reports[1][0].health == types_pb2.HEALTH_STATUS_ABNORMAL
     assert kills_of(node) == 1
     # The documented bound: threshold x interval plus one interval, on the fake clock.
     assert node.clock.monotonic() - hang_began <= (3 + 1) * node.config.heartbeat_interval
@@ -205,3 +210,24 @@ async def test_an_exit_is_reported_not_serving_at_once_and_failed_only_once_its_
     assert not core.alive and record.state == FAILED and record.exit_signal == 9
     assert [e.state for e, _ in node.reports] == [RUNNING, FAILED]
     assert node.reports[1][1].startswith("killed by signal 9 (SIGKILL) without being asked to stop (while RUNNING)")
+
+
+async def test_a_missed_or_abnormal_status_is_reported_at_once_and_so_is_the_recovery(make_fake_node):
+    """Routers follow the controller's endpoints: a hang must reach it with the verdict, not a
+    heartbeat later, and long before the kill at the threshold."""
+    node = make_fake_node(abnormal_threshold=5)
+    record = await running_engine(node)
+    node.reports.clear()
+    await node.answer(TIMED_OUT)
+    await settle(lambda: len(node.reports) == 1)
+    engine, reason = node.reports[0]
+    assert engine.health == types_pb2.HEALTH_STATUS_UNSPECIFIED and engine.state == types_pb2.ENGINE_STATE_RUNNING
+    assert TIMED_OUT in reason and "not serving" in reason
+    await node.answer(TIMED_OUT)  # the same verdict again: nothing new to report
+    await node.answer(ABNORMAL)
+    await settle(lambda: len(node.reports) == 2)
+    assert node.reports[1][0].health == types_pb2.HEALTH_STATUS_ABNORMAL
+    await node.answer(NORMAL)
+    await settle(lambda: len(node.reports) == 3)
+    assert node.reports[2][0].health == types_pb2.HEALTH_STATUS_NORMAL and "serving again" in node.reports[2][1]
+    assert record.state == RUNNING and node.ops.kills == []

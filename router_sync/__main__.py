@@ -1,0 +1,3 @@
+from router_sync.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,151 @@
+"""Keeping a router's workers equal to the engines Motor lists (plain logic over RouterAdmin).
+
+`RouterSync` holds what Motor wants (`wanted`: url -> worker type, from WatchEndpoints) and what
+it believes the router has (`believed`). Every pass removes what the router has and Motor does
+not list, then adds what Motor lists and the router lacks, each group concurrently (removals
+first: a worker that cannot serve leaves before anything else happens). `believed` is re-read
+from the router (`GET /list_workers`) on every snapshot (a (re)connect to the controller), after
+the router failed to answer, and every `relist_interval` (a router restarted between two of our
+calls has an empty list): so workers the router has and Motor does not list are removed.
+
+A router that does not answer: one announcement, retries with a capped backoff, and one
+announcement when it is back, with what the re-sync changed. A worker the router refuses: one
+announcement naming it and the router's answer; it is tried again at the next re-list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+
+from motor.service.retry import RepeatedFailure
+from motor.v1 import controller_pb2, types_pb2
+from router_sync.admin import Refused, RouterAdmin, RouterDown
+
+logger = logging.getLogger(__name__)
+
+# The router's worker type of each Motor role in a P/D router; None: a regular worker.
+PD_WORKER_TYPES = {types_pb2.ROLE_PREFILL: "prefill", types_pb2.ROLE_DECODE: "decode"}
+
+
+def worker_type(role: int, pd: bool) -> str | None:
+    """What the router is told an engine of `role` is. A regular router takes every role as a
+    regular worker (an engine of a P/D pair also serves whole requests alone)."""
+    return PD_WORKER_TYPES.get(role) if pd else None
+
+
+class RouterSync:
+    def __init__(
+        self,
+        admin: RouterAdmin,
+        announce: Callable[[str], None],
+        pd: bool = False,
+        relist_interval: float = 5.0,
+        backoff_base: float = 0.2,
+        backoff_cap: float = 5.0,
+    ):
+        self.admin, self.announce, self.pd = admin, announce, pd
+        self.relist_interval = relist_interval
+        self.wanted: dict[str, str | None] = {}
+        self.believed: set[str] | None = None  # None: to be re-read from the router
+        self.refused: dict[str, str] = {}  # url -> the router's answer, until the next re-list
+        self.have_snapshot = False  # before Motor's first list the router's list is left alone
+        self.router_down = RepeatedFailure(backoff_base, backoff_cap)
+        self.wake = asyncio.Event()
+        self.passes = 0  # completed passes (tests wait on it)
+
+    # What Motor says ------------------------------------------------------------------------
+
+    def apply(self, message: controller_pb2.WatchEndpointsResponse) -> None:
+        """One WatchEndpoints message: a snapshot replaces the wanted list (and the router's list
+        is re-read); a change removes and adds."""
+        if message.snapshot:
+            self.wanted = {}
+            self.believed = None
+            self.have_snapshot = True
+        for gone in message.removed:
+            self.wanted.pop(gone.url, None)
+        for new in message.added:
+            self.wanted[new.url] = worker_type(new.role, self.pd)
+        self.wake.set()
+
+    # Keeping the router -----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Passes until cancelled: at once after each change, else every relist_interval."""
+        while True:
+            self.wake.clear()
+            try:
+                await self.reconcile()
+            except RouterDown as exc:
+                self.believed = None
+                if self.router_down.failed(exc):
+                    self.announce(
+                        f"router {self.admin.base_url} not answering ({exc}); retrying with backoff, "
+                        f"the whole worker list is re-synced when it answers"
+                        + (f" (failure {self.router_down.count})" if self.router_down.count > 1 else "")
+                    )
+                await asyncio.sleep(self.router_down.delay())
+                continue
+            try:
+                await asyncio.wait_for(self.wake.wait(), self.relist_interval)
+            except TimeoutError:
+                self.believed = None
+
+    async def reconcile(self) -> None:
+        if not self.have_snapshot:
+            return
+        relisted = self.believed is None
+        if relisted:
+            self.believed = await self.admin.workers()
+            self.refused.clear()
+        believed = self.believed
+        extra = sorted(believed - self.wanted.keys())
+        missing = sorted(u for u in self.wanted if u not in believed and u not in self.refused)
+        began = time.monotonic()
+        removed = await self._each(extra, self.admin.remove, believed.discard)
+        added = await self._each(missing, lambda url: self.admin.add(url, self.wanted.get(url)), believed.add)
+        if removed or added:
+            logger.info(
+                "router %s: removed %s, added %s (%.0f ms)",
+                self.admin.base_url,
+                removed or "none",
+                added or "none",
+                1000 * (time.monotonic() - began),
+            )
+        if self.router_down.count:
+            count = self.router_down.recovered()
+            self.announce(
+                f"router {self.admin.base_url} answers again after {count} failed call(s); re-synced "
+                f"its whole worker list: {len(believed)} worker(s), removed {removed or 'none'}, "
+                f"added {added or 'none'}"
+            )
+        self.passes += 1
+
+    async def _each(
+        self, urls: Iterable[str], call: Callable[[str], Awaitable[None]], done: Callable[[str], None]
+    ) -> list[str]:
+        """`call(url)` for every url at once; those that succeeded are `done` and returned. A
+        refusal is announced; a router that does not answer is raised after the others ran."""
+        urls = list(urls)
+        results = await asyncio.gather(*(call(url) for url in urls), return_exceptions=True)
+        succeeded, down = [], None
+        for url, result in zip(urls, results):
+            if result is None:
+                done(url)
+                succeeded.append(url)
+            elif isinstance(result, Refused):
+                self.refused[url] = result.answer
+                self.announce(
+                    f"router {self.admin.base_url} refused worker {url}: HTTP {result.status}: "
+                    f"{result.answer}; tried again at the next re-list"
+                )
+            elif isinstance(result, RouterDown):
+                down = result
+            else:
+                raise result
+        if down is not None:
+            raise down
+        return succeeded

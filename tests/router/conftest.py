@@ -1,0 +1,144 @@
+"""The real vllm-router binary, and simulated engine servers behind it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from motor.ports import free_port
+from motorctl.router import ROUTER_ENV
+from tests.support import require, wait_for
+
+VLLM_ROUTER = os.path.join(os.path.dirname(sys.executable), "vllm-router")
+
+
+def http(method: str, url: str, body=None, timeout: float = 10.0) -> tuple[int, str]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+class RouterProcess:
+    """One vllm-router on a free port of 127.0.0.1, with no workers until told."""
+
+    def __init__(self, log_dir, port: int | None = None, extra=()):
+        require(os.access(VLLM_ROUTER, os.X_OK) or shutil.which("vllm-router"), "vllm-router (requirements/dev.txt)")
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(log_dir, f"router-{self.port}.log")
+        self.extra = list(extra)
+        self.process: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> RouterProcess:
+        argv = [
+            VLLM_ROUTER if os.access(VLLM_ROUTER, os.X_OK) else "vllm-router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--policy",
+            "round_robin",
+            "--worker-startup-timeout-secs",
+            "2",
+            "--worker-startup-check-interval",
+            "1",
+            "--prometheus-port",
+            str(free_port()),
+            *self.extra,
+        ]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ, **ROUTER_ENV)
+            )
+        wait_for(self._answers, timeout=30, interval=0.1, what=f"vllm-router on port {self.port}")
+        return self
+
+    def _answers(self) -> bool:
+        assert self.process.poll() is None, (
+            f"vllm-router exited: {open(self.log_path, errors='replace').read()[-2000:]}"
+        )
+        try:
+            return http("GET", self.url + "/list_workers", timeout=1)[0] == 200
+        except OSError:
+            return False
+
+    def workers(self) -> set[str]:
+        status, text = http("GET", self.url + "/list_workers")
+        assert status == 200, text
+        return set(json.loads(text)["urls"])
+
+    def add(self, url: str) -> None:
+        status, text = http("POST", f"{self.url}/add_worker?url={url}")
+        assert status == 200, text
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+@pytest.fixture
+def router(tmp_path):
+    started = RouterProcess(str(tmp_path))
+    yield started
+    started.stop()
+
+
+class OpenLoad:
+    """Open-loop completions through a router (one request every `period` s, each on its own
+    thread): a stalled request does not slow the others. `results`: (sent, status, answered)."""
+
+    def __init__(self, url: str, period: float = 0.05, timeout: float = 30.0):
+        self.url, self.period, self.timeout = url, period, timeout
+        self.results: list[tuple[float, int, float]] = []
+        self._stop = threading.Event()
+        self._sender = threading.Thread(target=self._send, daemon=True)
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self) -> OpenLoad:
+        self._sender.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._sender.join()
+        for thread in self._threads:
+            thread.join(timeout=self.timeout + 5)
+
+    def _send(self) -> None:
+        while not self._stop.is_set():
+            thread = threading.Thread(target=self._one, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+            time.sleep(self.period)
+
+    def _one(self) -> None:
+        sent = time.monotonic()
+        try:
+            status, _ = http(
+                "POST",
+                self.url + "/v1/completions",
+                {"model": "sim-tiny", "prompt": "x", "max_tokens": 2},
+                timeout=self.timeout,
+            )
+        except OSError:
+            status = 0
+        self.results.append((sent, status, time.monotonic()))
+
+    def failed(self) -> list[tuple[float, int, float]]:
+        return [r for r in self.results if r[1] != 200]

@@ -1,0 +1,65 @@
+"""Planned stops through the router lose no request: the engine leaves the router, drains (new
+requests 503 with Retry-After, which the router retries elsewhere), then stops."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from motor.contract.deployment_file import deployment_from_dict
+from motor.v1 import controller_pb2, controller_pb2_grpc
+from motorctl.up import LocalCluster
+from tests.router.conftest import OpenLoad, http
+from tests.support import wait_for
+
+SIM = {"engine_type": "sim", "engine_args": {"model": "sim-tiny", "latency_ms": 20}}
+
+
+def union(count: int) -> controller_pb2.Deployment:
+    return deployment_from_dict(
+        {
+            "name": "routed",
+            "model": "sim-tiny",
+            "instance_groups": [{"name": "union", "role": "union", "count": count, "accelerators_per_engine": 1}],
+            "engine_config": {"motor_engine_union_config": SIM},
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    local = LocalCluster(
+        str(tmp_path_factory.mktemp("planned")), nodes=2, heartbeat_interval=1.0, engine_port_base=35000, router_port=0
+    )
+    try:
+        local.start(timeout=60)
+        yield local
+    finally:
+        assert not local.stop()
+
+
+def apply(cluster, deployment) -> None:
+    with cluster.credentials().channel(cluster.controller_address) as channel:
+        controller_pb2_grpc.ControllerServiceStub(channel).ApplyDeployment(
+            controller_pb2.ApplyDeploymentRequest(deployment=deployment), timeout=30
+        )
+
+
+def workers(cluster) -> set[str]:
+    status, text = http("GET", cluster.router_url + "/list_workers")
+    assert status == 200, text
+    return set(json.loads(text)["urls"])
+
+
+def test_scale_down_under_load_fails_no_request(cluster):
+    apply(cluster, union(3))
+    wait_for(lambda: len(workers(cluster)) == 3, timeout=90, interval=0.2, what="three engines in the router")
+    with OpenLoad(cluster.router_url) as load:
+        time.sleep(1.5)
+        apply(cluster, union(2))
+        wait_for(lambda: len(workers(cluster)) == 2, timeout=30, interval=0.05, what="one engine out of the router")
+        time.sleep(3)  # the removed engine drains and stops meanwhile
+    assert len(load.results) > 50
+    assert load.failed() == [], f"{len(load.failed())} of {len(load.results)} failed"

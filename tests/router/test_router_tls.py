@@ -1,0 +1,67 @@
+"""The router under `motorctl up --tls`: the sync reads endpoints with its own identity, and
+nothing else; the router's admin API listens on loopback only."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import grpc
+import psutil
+import pytest
+
+from motor.v1 import controller_pb2, controller_pb2_grpc
+from motorctl.up import LocalCluster
+from tests.router.conftest import http
+from tests.support import REPO_ROOT, wait_for
+
+DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    local = LocalCluster(
+        str(tmp_path_factory.mktemp("routed-tls")),
+        nodes=1,
+        deployment_path=DEPLOYMENT,
+        tls=True,
+        heartbeat_interval=1.0,
+        engine_port_base=34000,
+        router_port=0,
+    )
+    try:
+        local.start(timeout=60)
+        yield local
+    finally:
+        assert not local.stop()
+
+
+def test_the_sync_follows_the_controller_under_tls_with_an_identity_that_reads_endpoints_only(cluster):
+    def routed():
+        status, text = http("GET", cluster.router_url + "/list_workers")
+        return status == 200 and len(json.loads(text)["urls"]) == 3
+
+    wait_for(routed, timeout=90, interval=0.3, what="three engines in the router")
+    with cluster.credentials("router-sync").channel(cluster.controller_address) as channel:
+        stub = controller_pb2_grpc.ControllerServiceStub(channel)
+        assert len(stub.ListEndpoints(controller_pb2.ListEndpointsRequest(), timeout=5).endpoints) == 3
+        for call, request in (
+            (stub.ListNodes, controller_pb2.ListNodesRequest()),
+            (stub.ListInstances, controller_pb2.ListInstancesRequest()),
+            (stub.DeleteDeployment, controller_pb2.DeleteDeploymentRequest()),
+        ):
+            with pytest.raises(grpc.RpcError) as refused:
+                call(request, timeout=5)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value.details()
+            assert "router-sync" in refused.value.details()
+
+
+def test_the_router_listens_on_loopback_only(cluster):
+    router = psutil.Process(cluster.process("router").process.pid)
+    listening = [
+        c.laddr
+        for p in (router, *router.children(recursive=True))
+        for c in p.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN
+    ]
+    assert listening and all(address.ip == "127.0.0.1" for address in listening), listening

@@ -1,0 +1,124 @@
+"""RouterSync against the real vllm-router, simulated engine servers behind it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from motor.v1 import controller_pb2, types_pb2
+from router_sync.admin import RouterAdmin
+from router_sync.sync import RouterSync
+from tests.engine_server.conftest import engine_server, sim_config  # noqa: F401 (fixture)
+from tests.router.conftest import router  # noqa: F401 (fixture)
+
+UNION = types_pb2.ROLE_UNION
+
+
+def endpoint(engine, name: str) -> controller_pb2.Endpoint:
+    return controller_pb2.Endpoint(
+        instance_id=name, engine_id=f"{name}/rank0", role=UNION, url=f"http://127.0.0.1:{engine.port}"
+    )
+
+
+def snapshot(*endpoints) -> controller_pb2.WatchEndpointsResponse:
+    return controller_pb2.WatchEndpointsResponse(added=endpoints, snapshot=True)
+
+
+async def until(predicate, timeout: float = 15.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def two_engines(engine_server):
+    first = engine_server(sim_config("union"), role="union", instance_id="u-0")
+    second = engine_server(sim_config("union"), role="union", instance_id="u-1")
+    for engine in (first, second):
+        engine.wait_status(types_pb2.HEALTH_STATUS_NORMAL)
+    return first, second
+
+
+class Running:
+    """A RouterSync's run() in the background, and what it announced."""
+
+    def __init__(self, router_url: str, **options):
+        self.events: list[str] = []
+        self.admin = RouterAdmin(router_url, timeout=5)
+        self.sync = RouterSync(self.admin, self.events.append, relist_interval=0.5, backoff_cap=0.5, **options)
+        self.task = asyncio.get_running_loop().create_task(self.sync.run())
+
+    async def close(self):
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        await self.admin.close()
+
+
+async def test_snapshot_adds_listed_engines_and_removes_what_motor_does_not_list(router, two_engines):
+    first, second = two_engines
+    stranger = f"http://127.0.0.1:{second.port}"
+    router.add(stranger)  # a worker added by hand, not listed by Motor
+    running = Running(router.url)
+    try:
+        await asyncio.sleep(0.3)
+        assert router.workers() == {stranger}, "before Motor's first list the router is left alone"
+        running.sync.apply(snapshot(endpoint(first, "u-0")))
+        await until(lambda: router.workers() == {f"http://127.0.0.1:{first.port}"}, what="the snapshot applied")
+        assert running.events == []
+    finally:
+        await running.close()
+
+
+async def test_a_removed_endpoint_leaves_the_router_within_milliseconds(router, two_engines):
+    first, second = two_engines
+    running = Running(router.url)
+    try:
+        running.sync.apply(snapshot(endpoint(first, "u-0"), endpoint(second, "u-1")))
+        await until(lambda: len(router.workers()) == 2, what="both engines added")
+        began = time.monotonic()
+        running.sync.apply(controller_pb2.WatchEndpointsResponse(removed=[endpoint(second, "u-1")]))
+        await until(lambda: router.workers() == {f"http://127.0.0.1:{first.port}"}, what="the removal")
+        assert time.monotonic() - began < 1.0
+    finally:
+        await running.close()
+
+
+async def test_a_restarted_router_gets_the_whole_list_again_with_one_announcement_each_way(router, two_engines):
+    first, second = two_engines
+    running = Running(router.url)
+    try:
+        running.sync.apply(snapshot(endpoint(first, "u-0"), endpoint(second, "u-1")))
+        await until(lambda: len(router.workers()) == 2, what="both engines added")
+        router.stop()
+        running.sync.apply(controller_pb2.WatchEndpointsResponse(removed=[endpoint(second, "u-1")]))
+        await until(lambda: any("not answering" in e for e in running.events), what="the router-down announcement")
+        await asyncio.sleep(1.5)  # several failed retries: still one announcement
+        assert sum("not answering" in e for e in running.events) == 1, running.events
+        router.start()  # empty, on the same port
+        await until(lambda: router.workers() == {f"http://127.0.0.1:{first.port}"}, what="the re-sync")
+        await until(lambda: any("answers again" in e for e in running.events), what="the router-back announcement")
+        assert len(running.events) == 2, running.events
+    finally:
+        await running.close()
+
+
+async def test_a_worker_the_router_refuses_is_announced_with_its_answer_and_the_others_still_added(router, two_engines):
+    first, _ = two_engines
+    silent = controller_pb2.Endpoint(
+        instance_id="gone", engine_id="gone/rank0", role=UNION, url="http://127.0.0.1:9"
+    )  # nothing answers its /health
+    running = Running(router.url)
+    try:
+        running.sync.apply(snapshot(endpoint(first, "u-0"), silent))
+        await until(
+            lambda: any("refused worker http://127.0.0.1:9" in e for e in running.events),
+            timeout=20,
+            what="the refusal announcement",
+        )
+        assert router.workers() == {f"http://127.0.0.1:{first.port}"}
+        assert "HTTP " in running.events[0] or "no answer within" in running.events[0]
+    finally:
+        await running.close()

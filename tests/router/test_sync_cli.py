@@ -1,0 +1,31 @@
+"""motor-router-sync's command line: bad input is named, not a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (
+            ["--controller", "127.0.0.1:1", "--router", "127.0.0.1:8080"],
+            "--router '127.0.0.1:8080': give a URL starting with http://",
+        ),
+        (
+            ["--controller", "127.0.0.1:1", "--router", "http://127.0.0.1:8080", "--tls-cert", "c.crt"],
+            "--tls-cert and --tls-key go together",
+        ),
+        (
+            ["--controller", "127.0.0.1:1", "--router", "http://127.0.0.1:8080", "--relist-interval", "0"],
+            "--relist-interval must be above 0",
+        ),
+        (["--router", "http://127.0.0.1:8080"], "the following arguments are required: --controller"),
+    ],
+)
+def test_bad_flags_exit_2_naming_what_to_fix(args, said):
+    done = subprocess.run([sys.executable, "-m", "router_sync", *args], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr, done.stderr

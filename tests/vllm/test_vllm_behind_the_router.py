@@ -1,0 +1,90 @@
+"""The real vLLM CPU engine behind `motorctl up`'s router (vllm-router and motor-router-sync):
+completions, chat and a stream through the router, and the engine out of the router once its
+deployment is deleted (before it has stopped)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import grpc
+import pytest
+
+from motor.contract.deployment_file import deployment_from_dict
+from motor.v1 import controller_pb2, controller_pb2_grpc
+from motorctl.up import LocalCluster
+from tests.router.conftest import http
+from tests.support import wait_for
+from tests.vllm.conftest import vllm_config
+from tests.vllm.test_vllm_under_the_stack import wait_listed
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def routed(tiny_model, vllm_env, tmp_path_factory):
+    local = LocalCluster(
+        str(tmp_path_factory.mktemp("vllm-routed")),
+        nodes=1,
+        node_id_prefix="vllm",
+        accelerators_per_node=1,
+        engine_port_base=38000,
+        router_port=0,
+        extra_node_args=["--model-root", os.path.dirname(tiny_model)],
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in vllm_env.items():
+            patch.setenv(name, value)
+        try:
+            local.start(timeout=60)
+        except BaseException:
+            local.stop()
+            raise
+    channel = grpc.insecure_channel(local.controller_address)
+    stub = controller_pb2_grpc.ControllerServiceStub(channel)
+    try:
+        stub.ApplyDeployment(controller_pb2.ApplyDeploymentRequest(deployment=deployment_from_dict({
+            "name": "vllm", "model": os.path.basename(tiny_model),
+            "engine_config": {"motor_engine_prefill_config": vllm_config(tiny_model)["motor_engine_prefill_config"]},
+            "instance_groups": [{"name": "prefill", "role": "prefill", "count": 1}],
+        })), timeout=10)  # fmt: skip
+        wait_listed(stub)
+        yield local, stub
+    finally:
+        channel.close()
+        assert not local.stop()
+
+
+def workers(local) -> list[str]:
+    status, text = http("GET", local.router_url + "/list_workers")
+    assert status == 200, text
+    return json.loads(text)["urls"]
+
+
+def test_completions_chat_and_a_stream_through_the_router_then_delete_removes_the_engine(routed):
+    local, stub = routed
+    url = stub.ListEndpoints(controller_pb2.ListEndpointsRequest(), timeout=5).endpoints[0].url
+    wait_for(lambda: workers(local) == [url], timeout=30, interval=0.2, what="the vLLM engine in the router")
+    status, text = http("GET", local.router_url + "/v1/models")
+    assert status == 200, text
+    model = json.loads(text)["data"][0]["id"]
+    status, text = http(
+        "POST", local.router_url + "/v1/completions", {"model": model, "prompt": "Hello", "max_tokens": 3}, timeout=60
+    )
+    assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 3, text
+    status, text = http(
+        "POST",
+        local.router_url + "/v1/chat/completions",
+        {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        timeout=60,
+    )
+    assert status == 200 and json.loads(text)["choices"][0]["message"]["role"] == "assistant", text
+    status, text = http(
+        "POST",
+        local.router_url + "/v1/completions",
+        {"model": model, "prompt": "Hello", "max_tokens": 3, "stream": True},
+        timeout=60,
+    )
+    assert status == 200 and text.rstrip().endswith("data: [DONE]") and text.count("data: ") >= 3, text
+    stub.DeleteDeployment(controller_pb2.DeleteDeploymentRequest(), timeout=10)
+    wait_for(lambda: workers(local) == [], timeout=5, interval=0.05, what="the engine out of the router")
