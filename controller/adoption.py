@@ -39,7 +39,7 @@ class Adoption:
         self.waiting = False  # a new store: engines it does not know are kept until a deployment
 
     def loaded(self, stored: StoredState) -> None:
-        self.waiting = stored.deployment is None and stored.revision == 0
+        self.waiting = not stored.deployments and not stored.ever_applied
 
     def adopt(self, instances: Iterable[InstanceRecord]) -> int:
         """The first deployment on a new store: adopt every instance whose ranks all run as it
@@ -80,7 +80,7 @@ class Adoption:
             spec = engine.spec
             used = self.state.slots.used_accelerators(node.node_id)
             master = found[0][1].spec.master_dp_ip if found else spec.master_dp_ip  # rank 0's host, for every rank
-            if (spec.role != inst.role or spec.config_json != self.state.config_json
+            if (spec.role != inst.role or spec.config_json != self.state.config_of(inst)
                     or spec.single_container != inst.single_container or spec.master_dp_ip != master
                     or len(spec.accelerator_ids) != inst.accelerators_per_engine
                     or not set(spec.accelerator_ids) <= set(node.info.accelerator_ids) - used):

@@ -24,7 +24,6 @@ import time
 from typing import Awaitable, Callable, Iterable
 
 from motor import heartbeats, names, node_process, pbtime
-from motor.errors import NotFound
 from motor.exits import describe_exit
 from motor.start_refusals import Refusal
 from motor.tasks import TaskSet, cancel_and_wait, set_within
@@ -125,9 +124,7 @@ class Controller(views.ClusterReads):
         st = self.state
         stored = self.store.load()
         self.adoption.loaded(stored)
-        if stored.deployment is not None:
-            deployment = C.Deployment.FromString(stored.deployment)
-            self.changes.set_deployment(deployment, stored.revision)
+        self.changes.loaded(stored)
         now = self.mono()
         for record in stored.nodes:
             info = C.NodeInfo.FromString(record.info)
@@ -147,12 +144,13 @@ class Controller(views.ClusterReads):
             backoff = heartbeats.MAX_BACKOFF if self.config.startup_grace is None else 0.0
             self.scheduler.startup_until = now + self.startup_grace() + backoff
         logger.info(
-            "loaded state: deployment revision %d, %d nodes, %d instances, %d engine assignments",
-            self.revision, len(st.nodes), len(st.instances), len(st.slots),
+            "loaded state: %d deployment(s), %d nodes, %d instances, %d engine assignments",
+            len(self.changes.deployments), len(st.nodes), len(st.instances), len(st.slots),
         )
 
     async def start(self) -> None:
         self.load()
+        self.changes.upgrade()  # the leader only: a standby's view loads and never writes
         self._loops = [
             asyncio.create_task(self._monitor_loop(), name="node-monitor"),
             asyncio.create_task(self._reconcile_loop(), name="reconcile"),
@@ -227,14 +225,14 @@ class Controller(views.ClusterReads):
         """At once, holding the loop: start-up and tests. The API calls `apply` (in slices)."""
         return self.changes.apply_now(deployment)
 
-    def delete_deployment(self) -> None:
-        self.changes.delete_now()
+    def delete_deployment(self, name: str = "") -> None:
+        self.changes.delete_now(name)
 
     async def apply(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
         return await self.changes.apply(deployment)
 
-    async def delete(self) -> None:
-        await self.changes.delete()
+    async def delete(self, name: str = "") -> None:
+        await self.changes.delete(name)
 
     async def apply_on_new_store(self, deployment: C.Deployment) -> tuple[C.Deployment, int] | None:
         return await self.changes.apply_on_new_store(deployment)
@@ -248,10 +246,9 @@ class Controller(views.ClusterReads):
         """A task of this controller's: cancelled when it stops (an HA leader stepping down too)."""
         return self._spawn(coro, name)
 
-    def get_deployment(self) -> tuple[C.Deployment, int]:
-        if self.deployment is None:
-            raise NotFound("no deployment has been applied; apply one with `motorctl apply -f FILE`")
-        return self.deployment, self.revision
+    def get_deployment(self, name: str = "") -> tuple[C.Deployment, int]:
+        """The named deployment; without a name, the only one (controller/deployments.py: `named`)."""
+        return self.changes.deployments[self.changes.named(name)]
 
     # ------------------------------------------------------------------ nodes: register, heartbeat, events
 
@@ -419,7 +416,7 @@ class Controller(views.ClusterReads):
         if inst is None or node is None or slot.busy:
             return
         rank0 = st.slots.get(names.engine_id(inst.instance_id, 0))
-        spec = engine_spec(slot, inst, rank0.host if rank0 else slot.host, st.config_json)
+        spec = engine_spec(slot, inst, rank0.host if rank0 else slot.host, st.config_of(inst))
         slot.busy = True
         try:
             engine = await self.actuator.start(node.info, slot.engine_id, spec)

@@ -37,18 +37,19 @@ class EventBus:
         self._repeating: dict[object, controller_pb2.Event] = {}  # key -> the event counting its tries
 
     def emit(self, type_: int, message: str, node_id: str = "", instance_id: str = "", engine_id: str = "",
-             count: int = 0) -> controller_pb2.Event:
+             count: int = 0, deployment: str = "") -> controller_pb2.Event:
         """One event; `count`: how many occurrences it stands for (0: one, not counted)."""
         self.sequence += 1
         message = one_line(message)
         event = controller_pb2.Event(
             sequence=self.sequence, time=pbtime.now(), type=type_, node_id=node_id,
-            instance_id=instance_id, engine_id=engine_id, message=message, count=count,
+            instance_id=instance_id, engine_id=engine_id, message=message, count=count, deployment=deployment,
         )
         self.recent.append(event)
         kind = enum_short_name(controller_pb2.EventType, type_)
         # The ids and the reason as fields too, for JSON log lines (motor.logs).
-        ids = {"event": kind.lower(), "node_id": node_id, "instance_id": instance_id, "engine_id": engine_id, "reason": message}
+        ids = {"event": kind.lower(), "node_id": node_id, "instance_id": instance_id, "engine_id": engine_id, "reason": message,
+               "deployment": deployment}
         logger.info("event %s: %s", kind, message, extra=ids)
         self.subscribers.publish(event)
         return event

@@ -107,7 +107,7 @@ class Scheduler:
         budget = Budget()
         now_wall, now = st.wall(), st.mono()
         fleet: Fleet | None = None
-        for instance_id in sorted(st.attention):
+        for instance_id in sorted(st.attention, key=st.placement_order):  # first come, first served
             if (yield from budget.checkpoint()):
                 if st.store.busy:
                     return
@@ -276,7 +276,7 @@ class Scheduler:
                     inst.restart_ranks, inst.next_restart_at = (), None
                 st.transition(inst, PENDING, f"rank(s) {','.join(map(str, ranks))} were on {where}")
                 others = [s.dp_rank for s in st.slots_of(instance_id) if s.node_id]
-                if others and (st.policy.group_scope or 0 in ranks):
+                if others and (st.policy_of(inst).group_scope or 0 in ranks):
                     self.spawn(self.move(instance_id, others, what or f"node {node.node_id} lost"), f"move {instance_id}")
         self.wake()
 
@@ -285,7 +285,7 @@ class Scheduler:
     def engine_failed(self, slot: EngineSlot, node_id: str, reason: str) -> None:
         """The current copy of a slot failed: restart its rank or group (maybe after a backoff), or
         give up when the crash-loop budget is spent."""
-        st, policy = self.state, self.state.policy
+        st = self.state
         slot.handled_failure_generation = slot.generation
         slot.last_failure_reason = reason
         if slot.failed_at is None:
@@ -295,6 +295,7 @@ class Scheduler:
         inst = st.instances.get(slot.instance_id)
         if inst is None:
             return
+        policy = st.policy_of(inst)  # the instance's deployment's own restart policy
         if inst.state == FAILED:
             st.save_slot(slot)
             return

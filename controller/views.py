@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import collections
+
 from motor import names, node_process
 from motor.errors import InvalidArgument
 from motor.names import enum_short_name
@@ -12,7 +14,7 @@ from motor.v1 import controller_pb2, types_pb2
 
 from controller import endpoints, paging, reported
 from controller.claims import Conflict
-from controller.instances import RESTARTING, InstanceRecord
+from controller.instances import PENDING, READY, RESTARTING, InstanceRecord
 from controller.nodes import NodeRuntime
 from controller.paging import Field
 from controller.state import ClusterState
@@ -56,7 +58,7 @@ def instance_proto(state: ClusterState, inst: InstanceRecord) -> C.Instance:
     proto = C.Instance(
         instance_id=inst.instance_id, group=inst.group, role=inst.role, state=inst.state,
         state_reason=inst.reason, master_dp_ip=rank0.host if rank0 else "",
-        paired_instance_id=inst.paired_instance_id, restarts=inst.restarts,
+        paired_instance_id=inst.paired_instance_id, restarts=inst.restarts, deployment=state.deployment_of(inst),
         engines=[
             C.InstanceEngine(
                 engine_id=s.engine_id, dp_rank=s.dp_rank, node_id=s.node_id, host=s.host, port=s.port,
@@ -111,8 +113,21 @@ class ClusterReads:
         )
 
     def page_instances(self, request: C.ListInstancesRequest) -> C.ListInstancesResponse:
-        page, token = paging.page(request, self.instances, INSTANCE_FIELDS)
+        fields = {**INSTANCE_FIELDS, "deployment": Field(self.state.deployment_of)}  # known by the instance's group
+        page, token = paging.page(request, self.instances, fields)
         return C.ListInstancesResponse(instances=[instance_proto(self.state, i) for i in page], next_page_token=token)
+
+    def list_deployments(self) -> C.ListDeploymentsResponse:
+        """Every deployment (by name) with its revision and how many of its instances are READY or PENDING."""
+        counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        for inst in self.instances.values():
+            counts[self.state.deployment_of(inst)][inst.state] += 1
+        summaries = []
+        for name, (deployment, revision) in sorted(self.changes.deployments.items()):
+            mine = counts[name]
+            summaries.append(C.DeploymentSummary(deployment=deployment, revision=revision, instances=sum(mine.values()),
+                                                 ready_instances=mine[READY], pending_instances=mine[PENDING]))
+        return C.ListDeploymentsResponse(deployments=summaries)
 
     def page_endpoints(self, request: C.ListEndpointsRequest) -> C.ListEndpointsResponse:
         found = {e.engine_id: e for e in self.list_endpoints(request.role)}
