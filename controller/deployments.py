@@ -94,12 +94,14 @@ class DeploymentChanges:
                 st.group_owner.pop(group.name, None)
             st.policies.pop(name, None)
             st.configs.pop(name, None)
+            st.served_models.pop(name, None)
         if deployment is not None:
             self.deployments[name] = (deployment, revision)
             for group in deployment.instance_groups:
                 st.group_owner[group.name] = name
             st.policies[name] = Policy.from_proto(deployment.restart_policy)
             st.configs[name] = json.dumps(integral_numbers(struct_dict(deployment.engine_config)), sort_keys=True)
+            st.served_models[name] = (deployment.model,)
 
     def loaded(self, stored: StoredState) -> None:
         """The stored deployments; the one of a store written before deployments had names is

@@ -93,7 +93,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         changes = self.controller.endpoints.subscribe()
         try:
             async for message in changes:
-                message = endpoints.of_role(message, request.role)
+                message = endpoints.of_role(message, request.role, request.model)
                 if message is not None:
                     yield message
         finally:

@@ -40,6 +40,7 @@ class ClusterState:
         self.group_owner: dict[str, str] = {}
         self.policies: dict[str, Policy] = {}
         self.configs: dict[str, str] = {}
+        self.served_models: dict[str, tuple[str, ...]] = {}  # the model names its engines answer to
         # For an instance whose deployment is gone (its removal is under way).
         self.policy = Policy()
         self.config_json = "{}"

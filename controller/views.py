@@ -37,6 +37,7 @@ ENDPOINT_FIELDS = {
     "engine_id": Field(lambda e: e.engine_id),
     "instance_id": Field(lambda e: e.instance_id),
     "role": Field(lambda e: enum_short_name(T.Role, e.role), enum=True),
+    "deployment": Field(lambda e: e.deployment),
 }
 
 
@@ -130,7 +131,7 @@ class ClusterReads:
         return C.ListDeploymentsResponse(deployments=summaries)
 
     def page_endpoints(self, request: C.ListEndpointsRequest) -> C.ListEndpointsResponse:
-        found = {e.engine_id: e for e in self.list_endpoints(request.role)}
+        found = {e.engine_id: e for e in self.list_endpoints(request.role, request.model)}
         page, token = paging.page(request, found, ENDPOINT_FIELDS)
         return C.ListEndpointsResponse(endpoints=page, next_page_token=token)
 
@@ -141,10 +142,10 @@ class ClusterReads:
     def list_instances(self) -> list[C.Instance]:
         return list(self.page_instances(C.ListInstancesRequest()).instances)
 
-    def list_endpoints(self, role: int = T.ROLE_UNSPECIFIED) -> list[C.Endpoint]:
+    def list_endpoints(self, role: int = T.ROLE_UNSPECIFIED, model: str = "") -> list[C.Endpoint]:
         if role != T.ROLE_UNSPECIFIED and role not in names.ROLE_NAMES:
             raise InvalidArgument(f"role {role} is not a role: use ROLE_PREFILL, ROLE_DECODE, ROLE_UNION or leave it unset for all")
-        return endpoints.endpoints(self.state, role)
+        return endpoints.endpoints(self.state, role, model)
 
     def snapshot(self) -> C.ClusterSnapshot:
         nodes, _ = self.list_nodes()

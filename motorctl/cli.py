@@ -49,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
                             (endpoints, "engine_id, instance_id, role, deployment, model")):
         listing.add_argument("--filter", default="", help=f"only items matching every field=value term (value* for a prefix); fields: {fields}")
     endpoints.add_argument("--role", help="prefill, decode or union")
+    endpoints.add_argument("--model", default="", help="only engines that answer to this model name")
     events = sub.add_parser("events", help="recent events; --follow keeps streaming")
     events.add_argument("--follow", "-f", action="store_true", help="stream new events until Ctrl-C")
     sub.add_parser("deployments", help="every deployment: model, revision, instances READY and PENDING")
@@ -100,7 +101,7 @@ def _command(args: argparse.Namespace, stub: controller_pb2_grpc.ControllerServi
         print(_json(reply) if as_json else render.render_instances(reply) + "\n\n" + render.render_engines(reply), file=out)
     elif args.command == "endpoints":
         role = parse_role(args.role, "--role") if args.role else types_pb2.ROLE_UNSPECIFIED
-        reply = all_pages(stub.ListEndpoints, controller_pb2.ListEndpointsRequest(role=role, filter=args.filter), "endpoints", t)
+        reply = all_pages(stub.ListEndpoints, controller_pb2.ListEndpointsRequest(role=role, filter=args.filter, model=args.model), "endpoints", t)
         print(_json(reply) if as_json else render.render_endpoints(reply), file=out)
     elif args.command == "deployments":
         reply = stub.ListDeployments(controller_pb2.ListDeploymentsRequest(), timeout=t)

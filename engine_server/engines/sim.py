@@ -281,6 +281,8 @@ class SimEngine(EngineBackend):
             return web.json_response({"error": {"message": DRAINING_MESSAGE, "code": 503}}, status=503,
                                      headers={"Retry-After": str(RETRY_AFTER_S)})
         model = body.get("model") or self.args.model
+        if model != self.args.model:  # as vLLM: only the model it serves (the router routes by it)
+            return _model_not_found(model, self.args.model)
         if not probe:
             self._in_flight += 1
             SIM_RUNNING.labels(self.args.model).inc()
@@ -336,6 +338,13 @@ class SimEngine(EngineBackend):
         if not probe:
             SIM_FAILED.labels(self.args.model).inc()
         return _error(status, message)
+
+
+def _model_not_found(model: str, served: str) -> web.Response:
+    """vLLM's answer to a request for a model it does not serve (entrypoints/serve/engine/serving.py)."""
+    message = f"The model `{model}` does not exist. Valid aliases: {served}."
+    return web.json_response({"error": {"message": message, "type": "NotFoundError", "param": "model", "code": 404}},
+                             status=404)
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -645,7 +645,9 @@ class Endpoint(_message.Message):
     """The deployment of the engine."""
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """The model names the engine answers to (the deployment's model)."""
+        """The model names the engine answers to: its deployment's `model` (what requests name in
+        their `model` field).
+        """
 
     def __init__(
         self,
@@ -1404,7 +1406,7 @@ class ListEndpointsRequest(_message.Message):
     """
     filter: _builtins.str
     """Only endpoints matching every term: space-separated field=value terms, a value ending in
-    '*' matches a prefix. Fields: engine_id, instance_id, role (PREFILL, DECODE, UNION), deployment, model.
+    '*' matches a prefix. Fields: engine_id, instance_id, role (PREFILL, DECODE, UNION), deployment.
     """
     model: _builtins.str
     """Only endpoints that answer to this model name; empty: every model."""

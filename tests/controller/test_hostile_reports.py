@@ -60,7 +60,8 @@ def sim_group(name: str, count: int, drain_timeout: float = 0, latency_ms: float
     if drain_timeout:
         section["drain_timeout"] = drain_timeout
     return deployment_from_dict({
-        "name": name, "model": "sim-tiny", "engine_config": {"motor_engine_union_config": section},
+        # One deployment whatever the group: applying another group replaces the first.
+        "name": "hostile", "model": "sim-tiny", "engine_config": {"motor_engine_union_config": section},
         "instance_groups": [{"name": name, "role": "union", "count": count, "accelerators_per_engine": 1}],
         "restart_policy": {"initial_backoff": "1s", "max_backoff": "4s", **policy},
     })

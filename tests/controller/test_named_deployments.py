@@ -150,3 +150,36 @@ async def test_a_deployment_that_does_not_fit_waits_and_room_goes_first_come_fir
     ctl.reconcile_once()
     assert harness.instance("embed-0").state == C.INSTANCE_STATE_STARTING  # applied before `late`: first
     assert harness.instance("a-late-0").state == C.INSTANCE_STATE_PENDING
+
+
+async def test_endpoints_carry_their_deployment_and_model_and_filter_by_model(harness):
+    """A router routes by the request's `model`: each endpoint names its deployment and the model
+    it serves; ListEndpoints and the WatchEndpoints stream filter by model."""
+    from controller import endpoints
+
+    ctl = await two_running(harness)
+    feed = ctl.endpoints.subscribe()
+    await anext(feed)
+    harness.client.set_health("node-a")
+    harness.beat("node-a")
+    await async_wait_for(lambda: len(ctl.list_endpoints()) == 3, timeout=5, what="three endpoints")
+    by_engine = {e.engine_id: (e.deployment, list(e.models)) for e in ctl.list_endpoints()}
+    assert by_engine == {"chat-0/rank0": ("chat", ["sim-chat"]), "chat-1/rank0": ("chat", ["sim-chat"]),
+                         "embed-0/rank0": ("embed", ["sim-embed"])}
+    assert [e.engine_id for e in ctl.list_endpoints(model="sim-embed")] == ["embed-0/rank0"]
+    assert ctl.list_endpoints(model="llama-70b") == []
+    paged = ctl.page_endpoints(C.ListEndpointsRequest(model="sim-chat", filter="instance_id=chat-1"))
+    assert [e.engine_id for e in paged.endpoints] == ["chat-1/rank0"]
+    assert [e.engine_id for e in ctl.page_endpoints(C.ListEndpointsRequest(filter="deployment=embed")).endpoints] == ["embed-0/rank0"]
+
+    added = []
+    while len(added) < 3:
+        added += (await asyncio.wait_for(anext(feed), 5)).added
+    ctl.delete_deployment("chat")
+    removed = []
+    while len(removed) < 2:  # one change per instance removed
+        change = await asyncio.wait_for(anext(feed), 5)
+        assert endpoints.of_role(change, 0, "sim-embed") is None  # nothing of embed's changed
+        removed += [e.engine_id for e in endpoints.of_role(change, 0, "sim-chat").removed]
+    assert sorted(removed) == ["chat-0/rank0", "chat-1/rank0"]
+    feed.close()

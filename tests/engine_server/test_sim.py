@@ -118,3 +118,17 @@ async def test_in_flight_requests_exclude_probes(sim, monkeypatch):
     status, _ = await post(session, "/v1/completions", {"prompt": "real", "max_tokens": 1})
     assert status == 200 and seen == {"probe": 0, "real": 1}
     assert engine.in_flight_requests() == 0
+
+
+async def test_a_request_for_another_model_gets_vllms_404(sim):
+    """Routers route by the request's `model`: like vLLM, the engine answers only its own model
+    (or none named) and refuses another with vLLM's 404 body, naming the model it serves."""
+    engine, session = sim
+    status, body = await post(session, "/v1/completions", {"model": "llama-70b", "prompt": "hi", "max_tokens": 2})
+    assert status == 404
+    assert body == {"error": {"message": "The model `llama-70b` does not exist. Valid aliases: tiny.",
+                              "type": "NotFoundError", "param": "model", "code": 404}}
+    status, _ = await post(session, "/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "x"}]})
+    assert status == 404
+    status, body = await post(session, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert status == 200 and body["model"] == "tiny"
