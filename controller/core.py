@@ -31,6 +31,7 @@ from motor.v1 import controller_pb2, types_pb2
 
 from controller import endpoints, reported as reported_engine, views
 from controller.actuator import Actuator, engine_spec
+from controller.adapters import AdapterSync
 from controller.adoption import Adoption
 from controller.claims import NodeClaims, check_registration
 from controller.config import ControllerConfig
@@ -116,6 +117,7 @@ class Controller(views.ClusterReads):
         self.claims = NodeClaims(self.state, config, self.monitor, self.metrics.registrations_refused)
         self.generations = Generations(self.store, self.state.refused)
         self.node_stores = NodeStoreAlarms(self.events)
+        self.adapters = AdapterSync(self.state, self._spawn)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -154,6 +156,7 @@ class Controller(views.ClusterReads):
         self._loops = [
             asyncio.create_task(self._monitor_loop(), name="node-monitor"),
             asyncio.create_task(self._reconcile_loop(), name="reconcile"),
+            asyncio.create_task(self._repeat(lambda: asyncio.sleep(0.5), self.adapters.pass_once, "adapter pass"), name="adapters"),
         ]
 
     async def stop(self) -> None:
@@ -161,6 +164,7 @@ class Controller(views.ClusterReads):
         self.scheduler.cancel_timers()
         await cancel_and_wait(*self._loops, *self._tasks, owner="controller")
         await self.nodes_client.close()
+        await self.adapters.close()
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
         return self._tasks.spawn(coro, name)

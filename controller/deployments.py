@@ -95,6 +95,7 @@ class DeploymentChanges:
             st.policies.pop(name, None)
             st.configs.pop(name, None)
             st.served_models.pop(name, None)
+            st.adapters.pop(name, None)
         if deployment is not None:
             self.deployments[name] = (deployment, revision)
             for group in deployment.instance_groups:
@@ -102,6 +103,8 @@ class DeploymentChanges:
             st.policies[name] = Policy.from_proto(deployment.restart_policy)
             st.configs[name] = json.dumps(integral_numbers(struct_dict(deployment.engine_config)), sort_keys=True)
             st.served_models[name] = (deployment.model,)
+            if deployment.adapters:
+                st.adapters[name] = {a.name: a.path for a in deployment.adapters}
 
     def loaded(self, stored: StoredState) -> None:
         """The stored deployments; the one of a store written before deployments had names is

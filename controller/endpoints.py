@@ -60,8 +60,11 @@ def listing(state: ClusterState, slot: EngineSlot | None) -> Listed | None:
         return None
     inst = state.instances[slot.instance_id]
     deployment = state.deployment_of(inst)
-    return (slot.engine_id, slot.instance_id, inst.role, f"http://{slot.host}:{slot.port}", deployment,
-            state.served_models.get(deployment, ()))
+    models = state.served_models.get(deployment, ())
+    adapters = state.engine_adapters.get(slot.engine_id)
+    if adapters is not None and adapters.loaded:  # only the adapters that did load
+        models = (*models, *sorted(adapters.loaded))
+    return slot.engine_id, slot.instance_id, inst.role, f"http://{slot.host}:{slot.port}", deployment, models
 
 
 def message(listed: Listed) -> C.Endpoint:

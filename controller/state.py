@@ -41,6 +41,9 @@ class ClusterState:
         self.policies: dict[str, Policy] = {}
         self.configs: dict[str, str] = {}
         self.served_models: dict[str, tuple[str, ...]] = {}  # the model names its engines answer to
+        self.adapters: dict[str, dict[str, str]] = {}  # its LoRA adapters, name -> path (only those that have some)
+        # Engine id -> the adapters loaded into its current copy (controller/adapters.py).
+        self.engine_adapters: dict = {}
         # For an instance whose deployment is gone (its removal is under way).
         self.policy = Policy()
         self.config_json = "{}"

@@ -21,6 +21,7 @@ from motor.errors import InvalidArgument, ResourceExhausted
 from motor.user_config import section_name_for
 from motor.v1 import controller_pb2, types_pb2
 
+from controller.adapters import adapter_problems
 from controller.slicing import Budget, Steps, run_at_once
 
 # Group names become instance-id prefixes ("<group>-<index>"); leave room for the index.
@@ -173,6 +174,7 @@ def validate_deployment(
             f"restart_policy.max_backoff: must be at least initial_backoff ({seconds(p.initial_backoff)}s), got {seconds(p.max_backoff)}s"
         )
     restart_policy.fill_defaults(p)
+    problems.extend(adapter_problems(d))
     if problems:
         raise InvalidArgument("invalid deployment: " + "; ".join(problems))
     return d

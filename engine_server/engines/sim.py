@@ -43,6 +43,7 @@ from engine_server.engines.base import (
     is_probe_request_id,
 )
 from engine_server.engines.vllm_admission import DRAINING_MESSAGE, RETRY_AFTER_S
+from engine_server.engines.sim_lora import SimLoras
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ class SimEngine(EngineBackend):
         self._unhang = asyncio.Event()
         self._runner: web.AppRunner | None = None
         self._crash_timer: asyncio.TimerHandle | None = None
+        self.loras = SimLoras(self.args.model)  # adapters loaded at run time (sim_lora.py)
 
     def _initial_faults(self) -> SimFaults:
         base = {"latency_ms": self.args.latency_ms, "utilization": self.args.utilization}
@@ -150,6 +152,7 @@ class SimEngine(EngineBackend):
                 web.get("/sim/faults", self._get_faults),
                 web.post("/sim/faults", self._post_faults),
                 web.delete("/sim/faults", self._reset_faults),
+                *self.loras.routes(),
             ]
         )
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -242,7 +245,8 @@ class SimEngine(EngineBackend):
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(
-            {"object": "list", "data": [{"id": self.args.model, "object": "model", "owned_by": "motor-sim"}]}
+            {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "motor-sim"}
+                                        for name in (self.args.model, *self.loras.loaded)]}
         )
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -281,7 +285,7 @@ class SimEngine(EngineBackend):
             return web.json_response({"error": {"message": DRAINING_MESSAGE, "code": 503}}, status=503,
                                      headers={"Retry-After": str(RETRY_AFTER_S)})
         model = body.get("model") or self.args.model
-        if model != self.args.model:  # as vLLM: only the model it serves (the router routes by it)
+        if model != self.args.model and model not in self.loras.loaded:  # as vLLM: only what it serves
             return _model_not_found(model, self.args.model)
         if not probe:
             self._in_flight += 1

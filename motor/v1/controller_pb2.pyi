@@ -153,6 +153,10 @@ class _EventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventType.V
     """A call the controller makes keeps failing and is retried with backoff (e.g. StartEngine
     on an unreachable node): one event per operation, whose `count` grows with each failed try.
     """
+    EVENT_TYPE_ADAPTER: _EventType.ValueType  # 14
+    """A LoRA adapter was loaded into or unloaded from an engine at run time, or failed to load
+    (the message names the adapter and gives the engine's answer).
+    """
 
 class EventType(_EventType, metaclass=_EventTypeEnumTypeWrapper):
     """Kind of a controller event."""
@@ -189,6 +193,10 @@ EVENT_TYPE_RETRYING: EventType.ValueType  # 13
 """A call the controller makes keeps failing and is retried with backoff (e.g. StartEngine
 on an unreachable node): one event per operation, whose `count` grows with each failed try.
 """
+EVENT_TYPE_ADAPTER: EventType.ValueType  # 14
+"""A LoRA adapter was loaded into or unloaded from an engine at run time, or failed to load
+(the message names the adapter and gives the engine's answer).
+"""
 Global___EventType: _TypeAlias = EventType  # noqa: Y015
 
 @_typing.final
@@ -205,6 +213,7 @@ class NodeInfo(_message.Message):
     PORT_RANGE_START_FIELD_NUMBER: _builtins.int
     PORT_RANGE_END_FIELD_NUMBER: _builtins.int
     PROCESS_FIELD_NUMBER: _builtins.int
+    MODEL_ROOTS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Unique name of the node, e.g. "node-a"."""
     address: _builtins.str
@@ -227,6 +236,12 @@ class NodeInfo(_message.Message):
         alive, a registration from another process is refused. Unset (older node managers): no check.
         """
 
+    @_builtins.property
+    def model_roots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Folders engines on this node may read models and adapters from (--model-root); a
+        deployment's adapter paths are relative to the first.
+        """
+
     def __init__(
         self,
         *,
@@ -238,10 +253,11 @@ class NodeInfo(_message.Message):
         port_range_start: _builtins.int = ...,
         port_range_end: _builtins.int = ...,
         process: _types_pb2.NodeManagerProcess | None = ...,
+        model_roots: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["process", b"process"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerator_ids", b"accelerator_ids", "accelerator_type", b"accelerator_type", "address", b"address", "host", b"host", "node_id", b"node_id", "port_range_end", b"port_range_end", "port_range_start", b"port_range_start", "process", b"process"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerator_ids", b"accelerator_ids", "accelerator_type", b"accelerator_type", "address", b"address", "host", b"host", "model_roots", b"model_roots", "node_id", b"node_id", "port_range_end", b"port_range_end", "port_range_start", b"port_range_start", "process", b"process"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -410,6 +426,7 @@ class Deployment(_message.Message):
     ENGINE_CONFIG_FIELD_NUMBER: _builtins.int
     INSTANCE_GROUPS_FIELD_NUMBER: _builtins.int
     RESTART_POLICY_FIELD_NUMBER: _builtins.int
+    ADAPTERS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name of the deployment, unique on the controller: 1-63 lowercase letters, digits, '.',
     '_' or '-', starting with a letter or digit.
@@ -430,6 +447,12 @@ class Deployment(_message.Message):
     def restart_policy(self) -> Global___RestartPolicy:
         """Restart behaviour for failed engines (this deployment's own crash-loop budget)."""
 
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___LoraAdapter]:
+        """LoRA adapters loaded into every engine of the deployment once it is NORMAL, and whenever
+        this list changes, without restarting it (vLLM's runtime LoRA API); at most 64.
+        """
+
     def __init__(
         self,
         *,
@@ -438,14 +461,43 @@ class Deployment(_message.Message):
         engine_config: _struct_pb2.Struct | None = ...,
         instance_groups: _abc.Iterable[Global___InstanceGroup] | None = ...,
         restart_policy: Global___RestartPolicy | None = ...,
+        adapters: _abc.Iterable[Global___LoraAdapter] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["engine_config", b"engine_config", "restart_policy", b"restart_policy"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_config", b"engine_config", "instance_groups", b"instance_groups", "model", b"model", "name", b"name", "restart_policy", b"restart_policy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "engine_config", b"engine_config", "instance_groups", b"instance_groups", "model", b"model", "name", b"name", "restart_policy", b"restart_policy"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Deployment: _TypeAlias = Deployment  # noqa: Y015
+
+@_typing.final
+class LoraAdapter(_message.Message):
+    """A LoRA adapter of a deployment."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The model name requests use for it (1-128 letters, digits, '.', '_', ':' or '-'); not the
+    deployment's model.
+    """
+    path: _builtins.str
+    """Its folder, relative to the node's first model root (e.g. "adapters/sql-lora"), without '..'."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoraAdapter: _TypeAlias = LoraAdapter  # noqa: Y015
 
 @_typing.final
 class DeploymentSummary(_message.Message):
@@ -646,7 +698,7 @@ class Endpoint(_message.Message):
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The model names the engine answers to: its deployment's `model` (what requests name in
-        their `model` field).
+        their `model` field), then the adapters loaded into it (only those that did load).
         """
 
     def __init__(
