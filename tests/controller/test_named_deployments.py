@@ -183,3 +183,18 @@ async def test_endpoints_carry_their_deployment_and_model_and_filter_by_model(ha
         removed += [e.engine_id for e in endpoints.of_role(change, 0, "sim-chat").removed]
     assert sorted(removed) == ["chat-0/rank0", "chat-1/rank0"]
     feed.close()
+
+
+async def test_the_second_model_example_runs_beside_the_local_example(harness):
+    """examples/second-model.yaml applies beside examples/local-deployment.yaml (as docs show)."""
+    from motor.deployment_file import load_deployment
+    from tests.controller.conftest import EXAMPLE
+
+    ctl = await harness.start()
+    await harness.register("node-a", accelerators=4)
+    await harness.register("node-b", accelerators=4)
+    ctl.apply_deployment(load_deployment(EXAMPLE))
+    ctl.apply_deployment(load_deployment(EXAMPLE.replace("local-deployment.yaml", "second-model.yaml")))
+    ctl.reconcile_once()
+    assert {d.deployment.name: d.instances for d in ctl.list_deployments().deployments} == {"local-sim": 2, "small-sim": 2}
+    assert all(i.state == C.INSTANCE_STATE_STARTING for i in ctl.instances.values())  # all placed: 5 of 8 accelerators
