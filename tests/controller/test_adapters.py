@@ -63,7 +63,11 @@ async def test_adapters_load_into_serving_engines_and_follow_the_list_without_a_
     await async_wait_for(lambda: models(ctl) == {e: ["sim-chat", "sql"] for e in both}, timeout=10,
                          what="sql loaded into both engines")
     assert all(s.loras.loaded == {"sql": str(root / "adapters" / "sql")} for s in sims)
-    failed = [e.message for e in ctl.events.recent if e.type == C.EVENT_TYPE_ADAPTER and "failed" in e.message]
+
+    def failures() -> list[str]:
+        return [e.message for e in ctl.events.recent if e.type == C.EVENT_TYPE_ADAPTER and "failed" in e.message]
+    await async_wait_for(lambda: len(failures()) == 2, timeout=10, what="the broken adapter's two failures")
+    failed = failures()
     assert len(failed) == 2 and all("adapter 'broken' (adapters/missing) failed to load" in m and "HTTP 404" in m
                                     and "No adapter found for" in m for m in failed), failed
     assert all(e.deployment == "chat" for e in ctl.events.recent if e.type == C.EVENT_TYPE_ADAPTER)
