@@ -56,6 +56,11 @@ def test_two_models_side_by_side_and_deleting_one_leaves_the_others_engines(make
             status, body = complete(endpoint.url, other)
             assert status == 404 and body["error"]["type"] == "NotFoundError", body
 
+    watch = stub.WatchEndpoints(C.WatchEndpointsRequest(model="sim-embed"), timeout=10)
+    snapshot = next(watch)
+    watch.cancel()
+    assert snapshot.snapshot and [e.engine_id for e in snapshot.added] == ["embed-0/rank0"]
+
     embed_pid = {k: e.pid for k, e in cluster.engine_copies().items() if e.engine_id.startswith("embed")}
     stub.DeleteDeployment(C.DeleteDeploymentRequest(name="chat"), timeout=10)
     wait_for(lambda: set(cluster.instances()) == {"embed-0"} and not any(
