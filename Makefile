@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup run test test-fast mutation proto proto-check lint bench clean
+.PHONY: setup run test test-fast mutation proto proto-check lint format bench clean
 
 setup:
 	@bash scripts/setup-venv.sh
@@ -31,8 +31,15 @@ proto: setup
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. \
 		--mypy_out=. --mypy_grpc_out=. proto/motor/v1/*.proto
 
+# Ruff's rules and formatting (pyproject.toml [tool.ruff]) and buf's for proto/. `make format` mends both Python kinds.
 lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/buf lint
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 clean:
 	rm -rf $(VENV) .pytest_cache engine_server_log .run mutants mutants.log

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from motor.v1 import controller_pb2 as C  # noqa: E402
 from tests.support.big_fleet import BigFleet, deployment, lag_stalls  # noqa: E402
 
-GOAL = 0.05  # seconds an API call may hold the controller's loop (issue 12)
+GOAL = 0.05  # seconds an API call may hold the controller's loop
 
 
 def quantile(stalls: dict[float, float], q: float) -> float:

@@ -17,6 +17,7 @@ import contextlib
 import logging
 from typing import Callable, Coroutine, Iterator
 
+from motor.clock import Clock
 from motor.retry import RepeatedFailure
 from motor.v1 import controller_pb2, types_pb2
 
@@ -62,10 +63,10 @@ class Actuator:
         stop_deadline: float,
         spawn: Callable[[Coroutine, str], object],
         events: EventBus,
-        monotonic: Callable[[], float],
+        clock: Clock,
     ):
         self.client, self.nodes, self.stop_deadline = client, nodes, stop_deadline
-        self.spawn, self.events, self.mono = spawn, events, monotonic
+        self.spawn, self.events, self.mono = spawn, events, clock.monotonic
         # (node id, engine id, generation) -> when its stop was asked, oldest first. An
         # OrderedDict: a dict emptied from its front skips every deleted entry to find the first
         # one left (0.5 s of the loop to forget 40,000 stops; OrderedDict: 10 ms).

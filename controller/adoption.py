@@ -15,12 +15,13 @@ new store ends the wait the same way (everything unknown is stopped).
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable
+from typing import Iterable
 
 from motor import names
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.instances import STARTING, InstanceRecord
+from controller.lifecycle import EngineLifecycle
 from controller.nodes import NODE_READY, NodeRuntime
 from controller.placement import ports_per_engine
 from controller.state import ClusterState
@@ -34,12 +35,17 @@ LIVE = {T.ENGINE_STATE_STARTING, T.ENGINE_STATE_RUNNING}
 
 
 class Adoption:
-    def __init__(self, state: ClusterState, observe: Callable[[NodeRuntime, T.Engine, str], None]):
-        self.state, self.observe = state, observe
-        self.waiting = False  # a new store: engines it does not know are kept until a deployment
+    def __init__(self, state: ClusterState, lifecycle: EngineLifecycle):
+        self.state, self.lifecycle = state, lifecycle
+
+    @property
+    def waiting(self) -> bool:
+        """A new store: engines it does not know are kept until a deployment (the lifecycle reads
+        the same flag from the state when a node reports one)."""
+        return self.state.keeping_unknown
 
     def loaded(self, stored: StoredState) -> None:
-        self.waiting = not stored.deployments and not stored.ever_applied
+        self.state.keeping_unknown = not stored.deployments and not stored.ever_applied
 
     def adopt(self, instances: Iterable[InstanceRecord]) -> int:
         """The first deployment on a new store: adopt every instance whose ranks all run as it
@@ -65,7 +71,7 @@ class Adoption:
         return copies
 
     def end(self, why: str) -> None:
-        self.waiting = False
+        self.state.keeping_unknown = False
         self.state.event(C.EVENT_TYPE_DEPLOYMENT_CHANGED,
                          f"{why}; engines the nodes run that the deployment does not describe are stopped from now on")
 
@@ -103,4 +109,4 @@ class Adoption:
             st.transition(inst, STARTING, f"adopted the engines the nodes run: {where}")
         logger.info("instance %s adopted: %s", inst.instance_id, where)
         for node, engine in found:
-            self.observe(node, engine, "")
+            self.lifecycle.observe(node, engine, "")

@@ -14,7 +14,6 @@ from motor.grpc_server import service_name
 from motor.limits import raise_open_files_limit
 from motor.logs import setup_logging
 from motor.metrics_http import ServiceTelemetry
-from motor.ports import CONTROLLER_METRICS_PORT
 from motor.security_config import SECURITY_FLAGS
 from motor.signals import stop_event
 from motor.tasks import cancel_and_wait

@@ -3,12 +3,14 @@
 
 - state.py: the node, slot and instance tables (nodes.py, slots.py) and the rules shared by
   every part (instance transitions are stored and announced);
-- scheduling.py: the reconcile pass, placement, moves, failures and restarts;
+- lifecycle.py: an engine copy's path: a report read, a failure decided (restart or give up),
+  restarts, launches, moves off lost nodes;
+- scheduling.py: the reconcile pass and placement;
 - liveness.py: SUSPECT / LOST / the silent-nodes alarm;
 - actuator.py: StartEngine / StopEngine and fencing of stale copies;
 - views.py: the protobuf views and the read side (`ClusterReads`, a base of `Controller`).
 - deployments.py: ApplyDeployment / DeleteDeployment, persisted first, made in slices;
-This file: node reports, launches, and the parts put together.
+This file: node reports, and the parts put together.
 
 Everything runs on one asyncio loop; state changes happen between awaits, and a task that
 awaited a node manager re-checks the generation it started with before acting on the answer.
@@ -19,18 +21,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import sys
-import time
 from typing import Awaitable, Callable, Iterable
 
-from motor import heartbeats, names, node_process, pbtime
-from motor.exits import describe_exit
-from motor.start_refusals import Refusal
+from motor import heartbeats, names, node_process
+from motor.clock import SYSTEM_CLOCK, Clock
 from motor.tasks import TaskSet, cancel_and_wait, set_within
 from motor.v1 import controller_pb2, types_pb2
 
 from controller import endpoints, reported as reported_engine, views
-from controller.actuator import Actuator, engine_spec
+from controller.actuator import Actuator
 from controller.adapters import AdapterSync
 from controller.adoption import Adoption
 from controller.claims import NodeClaims, check_registration
@@ -44,10 +43,11 @@ from controller.fleet_metrics import FleetSeries
 from controller.generations import Generations
 from controller.store_metrics import MeasuredStore, StoreMetrics
 from controller.metrics import ControllerMetrics
-from controller.node_client import NodeCallError, NodeClient
+from controller.node_client import NodeClient
 from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
 from controller.node_stores import NodeStoreAlarms
-from controller.scheduling import LIVE_ENGINE_STATES, Scheduler
+from controller.lifecycle import EngineLifecycle
+from controller.scheduling import Scheduler
 from controller.slicing import Steps, run_sliced
 from controller.slots import EngineSlot
 from controller.state import ClusterState
@@ -57,65 +57,52 @@ from controller.validation import check_engine_count, check_reported_engine, che
 logger = logging.getLogger(__name__)
 
 C, T = controller_pb2, types_pb2
-# Engine states that mean the current copy is gone and must be replaced.
-DEAD_ENGINE_STATES = {T.ENGINE_STATE_FAILED, T.ENGINE_STATE_STOPPED}
 RegisterNodeResponse = C.RegisterNodeResponse
 
 
 class Controller(views.ClusterReads):
-    def __init__(
-        self,
-        config: ControllerConfig,
-        store: Store,
-        node_client: NodeClient,
-        monotonic: Callable[[], float] = time.monotonic,
-        wall: Callable[[], float] = time.time,
-        events: EventBus | None = None,
-        acting: Callable[[], bool] = lambda: True,
-    ):
+    def __init__(self, config: ControllerConfig, store: Store, node_client: NodeClient, clock: Clock = SYSTEM_CLOCK,
+                 events: EventBus | None = None, acting: Callable[[], bool] = lambda: True):
         self.config = config
         # Every store (SQLite, etcd, a test's) is measured alike: write latency and failures.
         store_metrics = StoreMetrics()
         self.store = store = MeasuredStore(store, store_metrics)
         self.nodes_client = node_client
-        self.mono, self.wall = monotonic, wall
+        self.clock = clock
+        self.mono, self.wall = clock.monotonic, clock.time
         # Shared by the controllers one HA process runs in turn (docs/ha.md), so watchers stay.
         self.events = events or EventBus()
         # False while this controller may not act (an HA leader past its renewal deadline, until
         # it is stopped): the reconcile and node-check passes are skipped.
         self.acting = acting
-        self.state = ClusterState(store, self.events, monotonic, wall)
+        self.state = ClusterState(store, self.events, clock)
         self.endpoints = endpoints.EndpointFeed(self.state)
         self.state.on_change = self.endpoints.changed
         self.metrics = ControllerMetrics(
             self.state.nodes.counts, lambda: collections.Counter(i.state for i in self.state.instances.values()),
             store_metrics.collectors,
         )
-        self.started_at = monotonic()
+        self.started_at = clock.monotonic()
         self._wake = asyncio.Event()
         self._tasks = TaskSet("controller")
         self._loops: list[asyncio.Task] = []
         self._stopping = False
-        self.actuator = Actuator(node_client, self.state.nodes, config.stop_deadline, self._spawn, self.events, monotonic)
-        self.scheduler = Scheduler(
-            self.state, config, self.actuator, self._launch, self._spawn, self.wake,
-            lambda reason: self.metrics.reschedules.labels(reason=reason).inc(),
-            count_rate_limited=self.metrics.rate_limited.inc,
-        )
-        self.adoption = Adoption(self.state, self._observe)
+        self.actuator = Actuator(node_client, self.state.nodes, config.stop_deadline, self._spawn, self.events, clock)
+        self.generations = Generations(self.store, self.state.refused)
+        self.lifecycle = EngineLifecycle(self.state, self.actuator, self.generations, self.metrics, self)
+        self.scheduler = Scheduler(self.state, config, self.lifecycle, self.metrics, self)
+        self.adoption = Adoption(self.state, self.lifecycle)
         self.changes = DeploymentChanges(self.state, config.max_engines_per_deployment, self.endpoints, self.actuator,
                                          self.adoption, self.wake, self._spawn)
         # The interval node managers are told and the grace their silence is judged by.
         self.budget = HeartbeatBudget(config.heartbeat_interval, config.node_grace, config.max_heartbeats_per_second,
-                                      self.state.nodes.live, monotonic)
+                                      self.state.nodes.live, clock)
         self.metrics.heartbeat_interval.set_function(lambda: self.budget.announced)
         self.metrics.node_grace.set_function(self.budget.held_grace)
-        self.monitor = NodeMonitor(self.state, config, self.budget, node_client, self._spawn, self.wake, self._observe,
-                                   self.scheduler.evacuate)
+        self.monitor = NodeMonitor(self.state, config, self.budget, node_client, self.lifecycle, self)
         # The per-node, per-instance and per-engine series, served beside metrics.registry's (/metrics).
-        self.fleet_series = FleetSeries(self.state, lambda: self.monitor.alarm, clock=wall)
+        self.fleet_series = FleetSeries(self.state, lambda: self.monitor.alarm, clock=clock)
         self.claims = NodeClaims(self.state, config, self.monitor, self.metrics.registrations_refused)
-        self.generations = Generations(self.store, self.state.refused)
         self.node_stores = NodeStoreAlarms(self.events)
         self.adapters = AdapterSync(self.state, self._spawn)
 
@@ -138,13 +125,13 @@ class Controller(views.ClusterReads):
             st.nodes.put(NodeRuntime(info, record.generation, state, reason, last_seen=now))
         for instance_id, data in stored.instances.items():
             st.instances[instance_id] = InstanceRecord.from_dict(data)
-        for engine_id, data in stored.assignments.items():
+        for data in stored.assignments.values():
             st.slots.add(EngineSlot.from_dict(data))
         st.attention.update(st.instances)
         if any(n.state != NODE_LOST for n in st.nodes.values()):
             # By default also the node managers' longest backoff, as their first reports may take.
             backoff = heartbeats.MAX_BACKOFF if self.config.startup_grace is None else 0.0
-            self.scheduler.startup_until = now + self.startup_grace() + backoff
+            self.lifecycle.startup_until = now + self.startup_grace() + backoff
         logger.info(
             "loaded state: %d deployment(s), %d nodes, %d instances, %d engine assignments",
             len(self.changes.deployments), len(st.nodes), len(st.instances), len(st.slots),
@@ -161,7 +148,7 @@ class Controller(views.ClusterReads):
 
     async def stop(self) -> None:
         self._stopping = True
-        self.scheduler.cancel_timers()
+        self.lifecycle.cancel_timers()
         await cancel_and_wait(*self._loops, *self._tasks, owner="controller")
         await self.nodes_client.close()
         await self.adapters.close()
@@ -184,15 +171,18 @@ class Controller(views.ClusterReads):
 
     async def _monitor_loop(self) -> None:
         period = min(0.5, self.config.heartbeat_interval / 2)
-        last = time.monotonic()
+        loop = asyncio.get_running_loop()
+        last = self.mono(), loop.time()
 
         async def tick() -> None:
             nonlocal last
             await asyncio.sleep(period)
-            now = time.monotonic()
-            # How late this tick came is real time; a test's manual clock does not stop with the process.
-            if self.mono is time.monotonic:
-                self.monitor.controller_was_away(now - last - period)
+            now = self.mono(), loop.time()
+            # Away: the tick came late on the loop's own clock (the process did not run) and the
+            # controller's clock, which node silence is judged by, moved on meanwhile too: the
+            # lesser of the two overruns (a clock that moves only when told is not away while
+            # the loop runs on time).
+            self.monitor.controller_was_away(min(now[0] - last[0], now[1] - last[1]) - period)
             last = now
 
         await self._repeat(tick, self.check_nodes, "node check")
@@ -308,7 +298,7 @@ class Controller(views.ClusterReads):
         )
         with self.actuator.fences_of_one_report(info.node_id):
             for engine in reported.values():
-                self._observe(node, engine, "")
+                self.lifecycle.observe(node, engine, "")
         node.engines = {k[reported_engine.ENGINE_ID]: k for k in map(reported_engine.keep, reported.values())}
         moved_from = previous.info.address if previous is not None and previous.info.address != info.address else ""
         if moved_from and not any(n.info.address == moved_from for n in st.nodes.values()):  # rare: O(fleet) is fine
@@ -348,110 +338,11 @@ class Controller(views.ClusterReads):
         with self.actuator.fences_of_one_report(node_id):
             for engine, k in zip(engines, kept):
                 reported[k[reported_engine.ENGINE_ID]] = k  # the kept id: one string per engine, not two
-                self._observe(node, engine, "")
+                self.lifecycle.observe(node, engine, "")
         node.engines = reported
 
     def report_engine_event(self, node_id: str, generation: int, engine: T.Engine, reason: str) -> None:
         node = self.state.nodes.member(node_id, generation)
         check_reported_engine(engine, "engine")
         node.engines[engine.engine_id] = reported_engine.keep(engine)
-        self._observe(node, engine, reason)
-
-    def _observe(self, node: NodeRuntime, engine: T.Engine, reason: str) -> None:
-        slot = self.state.slots.get(engine.engine_id)
-        generation = engine.spec.generation
-        if slot is None or slot.node_id != node.node_id or generation != slot.generation:
-            self.generations.learn(generation, f"engine {engine.engine_id} on {node.node_id}")
-            if self.adoption.waiting:
-                return  # a new store: kept until a deployment is applied (controller/adoption.py)
-            if slot is not None and slot.node_id == node.node_id and generation == 0:
-                return  # a copy not launched by a controller (cannot be stale-fenced safely)
-            if engine.state in LIVE_ENGINE_STATES:
-                if slot is None:
-                    why = "it is not part of the deployment"
-                elif slot.node_id != node.node_id:
-                    why = f"it is assigned to {slot.node_id or 'no node'} now (generation {slot.generation})"
-                else:
-                    why = f"the current generation is {slot.generation}"
-                self.state.nodes.room_changed.add(node.node_id)  # it holds accelerators there (fleet_view.py)
-                self.actuator.stop_copy(node.node_id, engine.engine_id, generation, f"stale copy (generation {generation}): {why}", fence=True)
-            return
-        slot.launched = True
-        if slot.adopt_ports(engine.spec):  # ports the node manager allocated
-            self.state.save_slot(slot)
-        if engine.HasField("stop_grace"):
-            slot.stop_grace = pbtime.seconds(engine.stop_grace)
-        if (slot.draining, slot.sleeping) != (engine.draining, engine.sleeping):
-            slot.draining, slot.sleeping = engine.draining, engine.sleeping
-            self.state.on_change([slot.engine_id])
-        if slot.state == engine.state and slot.health == engine.health and slot.health_reason == engine.health_reason:
-            return
-        # Interned: the same few reasons for thousands of engines are one string each.
-        slot.state, slot.health, slot.health_reason = engine.state, engine.health, sys.intern(engine.health_reason)
-        if slot.failed_at is not None and engine.state == T.ENGINE_STATE_RUNNING and engine.health == T.HEALTH_STATUS_NORMAL:
-            self.metrics.recovery_seconds.observe(self.mono() - slot.failed_at)
-            slot.failed_at = None
-        self.state.on_change([slot.engine_id])
-        if engine.state in DEAD_ENGINE_STATES and slot.handled_failure_generation != generation:
-            self.scheduler.engine_failed(slot, node.node_id, reason or engine.state_reason or self._exit_words(engine))
-            return
-        inst = self.instances.get(slot.instance_id)
-        if inst is not None:
-            self.state.evaluate(inst)
-
-    @staticmethod
-    def _exit_words(engine: T.Engine) -> str:
-        """The failure's words when the node gave none (its reports normally carry them)."""
-        if engine.state == T.ENGINE_STATE_STOPPED:
-            return "stopped outside the controller"
-        if engine.HasField("exit_signal") or engine.HasField("exit_code"):
-            return describe_exit(
-                engine.exit_code if engine.HasField("exit_code") else None,
-                engine.exit_signal if engine.HasField("exit_signal") else None,
-            )
-        return "failed"
-
-    # ------------------------------------------------------------------ launches
-
-    async def _launch(self, slot: EngineSlot) -> None:
-        st = self.state
-        inst = st.instances.get(slot.instance_id)
-        node = st.nodes.get(slot.node_id)
-        if inst is None or node is None or slot.busy:
-            return
-        rank0 = st.slots.get(names.engine_id(inst.instance_id, 0))
-        spec = engine_spec(slot, inst, rank0.host if rank0 else slot.host, st.config_of(inst))
-        slot.busy = True
-        try:
-            engine = await self.actuator.start(node.info, slot.engine_id, spec)
-        except NodeCallError as exc:
-            if st.slots.get(slot.engine_id) is not slot or slot.generation != spec.generation:
-                return
-            if slot.node_id != node.node_id:  # its node was lost meanwhile (the call abandoned): placed again now
-                self.wake()
-                return
-            if exc.waits:
-                # An unreachable node (its liveness is the node monitor's call), or accelerators
-                # still held by an old copy stopping there: try again after a backoff (one
-                # RETRYING event counts the tries: controller/actuator.py), not a failure.
-                slot.retry_at = self.mono() + self.actuator.retry_delay(slot.engine_id)
-                st.attention.add(slot.instance_id)
-                return
-            if exc.refusal is Refusal.WRONG_NODE:  # not the node's fault of an engine: placed elsewhere
-                self.scheduler.set_aside(node, str(exc))
-                return
-            self.scheduler.engine_failed(slot, node.node_id, f"could not be started: StartEngine {exc}")
-            return
-        finally:
-            slot.busy = False  # whatever ended the call (a cancelled task too): the slot is never left busy
-        if st.slots.get(slot.engine_id) is not slot or slot.generation != spec.generation:
-            return
-        slot.launched = True
-        st.event(
-            C.EVENT_TYPE_ENGINE_STARTED,
-            f"engine {slot.engine_id} started on {node.node_id} (generation {spec.generation}, "
-            f"port {engine.spec.port or spec.port}, pid {engine.pid})",
-            node_id=node.node_id, instance_id=slot.instance_id, engine_id=slot.engine_id,
-        )
-        node.engines.setdefault(engine.engine_id or slot.engine_id, reported_engine.keep(engine))
-        self._observe(node, engine, "")
+        self.lifecycle.observe(node, engine, reason)

@@ -17,9 +17,9 @@ scrape of a large fleet spans a few loop turns, like any scrape of a changing sy
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any, AsyncIterator, Callable
 
+from motor.clock import SYSTEM_CLOCK, Clock
 from motor.names import enum_short_name, role_name
 from motor.v1 import controller_pb2, types_pb2
 
@@ -75,9 +75,9 @@ def one_hot(name: str, label_text: str, states: list[tuple[int, str]], current: 
 
 class FleetSeries:
     """Renders the fleet series from `state`'s tables; `alarm()` is the silent-nodes alarm's
-    message ("" when off); `clock` is wall time (heartbeat ages)."""
+    message ("" when off); `clock.time()` is read for heartbeat ages."""
 
-    def __init__(self, state: ClusterState, alarm: Callable[[], str], clock: Callable[[], float] = time.time,
+    def __init__(self, state: ClusterState, alarm: Callable[[], str], clock: Clock = SYSTEM_CLOCK,
                  chunk: int = 500):
         self.state, self.alarm, self.clock, self.chunk = state, alarm, clock, chunk
         # id -> (what the lines show, the lines): made again only when the first part changes.
@@ -94,7 +94,7 @@ class FleetSeries:
         async for piece in self._family(NODE_STATE, nodes, lambda n: self._node(n, kept_nodes)[1]):
             yield piece
         self._node_lines = kept_nodes
-        now = self.clock()
+        now = self.clock.time()
         heard = [n for n in nodes if n.last_heartbeat_wall]
         async for piece in self._family(HEARTBEAT_AGE, heard, lambda n: f"{kept_nodes[n.node_id][2]}"
                                                                      f"{max(0.0, now - n.last_heartbeat_wall):.3f}\n"):

@@ -23,7 +23,7 @@ HOLDING_ENGINE_STATES = {T.ENGINE_STATE_STARTING, T.ENGINE_STATE_RUNNING, T.ENGI
 def held_by_other_copies(state: ClusterState, node: NodeRuntime) -> list[T.Engine]:
     """The copies a node still reports holding accelerators and ports that no slot placed there
     accounts for (an old deployment's engines draining and stopping, a fenced copy): placement
-    does not offer what they hold until the node stops reporting them (hostile F7)."""
+    does not offer what they hold until the node stops reporting them."""
     held = []
     for engine_id, state_, generation, *_ in node.engines.values():
         slot = state.slots.get(engine_id)
@@ -49,7 +49,7 @@ class FleetView:
         st.slots.room_changed.clear()
         for node_id in changed:
             node = st.nodes.get(node_id)
-            if node is None or node.state != NODE_READY or node.unusable:  # unusable: set aside (Scheduler.set_aside)
+            if node is None or node.state != NODE_READY or node.unusable:  # unusable: set aside (EngineLifecycle.set_aside)
                 self._fleet.drop(node_id)
                 self._holding.pop(node_id, None)
             else:

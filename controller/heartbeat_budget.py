@@ -33,13 +33,14 @@ from typing import Callable
 from google.protobuf.duration_pb2 import Duration
 
 from motor import pbtime
+from motor.clock import Clock
 
 
 class HeartbeatBudget:
     def __init__(self, base_interval: float, base_grace: float, max_per_second: float,
-                 live_nodes: Callable[[], int], mono: Callable[[], float]):
+                 live_nodes: Callable[[], int], clock: Clock):
         self.base_interval, self.base_grace, self.max_per_second = base_interval, base_grace, max_per_second
-        self.live_nodes, self.mono = live_nodes, mono
+        self.live_nodes, self.mono = live_nodes, clock.monotonic
         # (interval, end of its hold), intervals decreasing; the first one not over is held.
         self._holds: collections.deque[tuple[float, float]] = collections.deque()
         self._held = base_interval  # the longest interval announced lately (read by /metrics, from its own thread)

@@ -10,6 +10,8 @@ from typing import Any
 
 from motor.names import enum_short_name
 from motor.restart_policy import Policy
+from motor.state_machine import IllegalTransition as IllegalTransition  # the instance machine's error, re-exported
+from motor.state_machine import Transitions
 from motor.v1 import controller_pb2
 
 logger = logging.getLogger(__name__)
@@ -21,22 +23,18 @@ DEGRADED, RESTARTING, FAILED = S.INSTANCE_STATE_DEGRADED, S.INSTANCE_STATE_RESTA
 # Which state may follow which. PENDING: waiting for room; STARTING: launched, not all NORMAL;
 # READY: every rank NORMAL; DEGRADED: some rank not NORMAL, nothing failed yet; RESTARTING:
 # a failure is being handled (maybe backing off); FAILED: crash-loop budget spent.
-TRANSITIONS: dict[int, set[int]] = {
+TRANSITIONS = Transitions.between({
     PENDING: {PENDING, STARTING, RESTARTING, FAILED},
     STARTING: {STARTING, READY, DEGRADED, RESTARTING, PENDING, FAILED},
     READY: {DEGRADED, RESTARTING, PENDING, STARTING, FAILED},
     DEGRADED: {DEGRADED, READY, RESTARTING, PENDING, STARTING, FAILED},
     RESTARTING: {RESTARTING, STARTING, PENDING, FAILED},
     FAILED: {RESTARTING, PENDING},
-}
+}, lambda state: state_name(state))
 
 
 def state_name(state: int) -> str:
     return enum_short_name(S.InstanceState, state)
-
-
-class IllegalTransition(Exception):
-    pass
 
 
 @dataclass(slots=True)
@@ -82,10 +80,8 @@ def transition(record: InstanceRecord, new_state: int, reason: str, now: float) 
     """The one place an instance changes state. Returns True when the state or reason changed."""
     if not reason:
         raise ValueError("every transition needs a reason")
-    if new_state != record.state and new_state not in TRANSITIONS[record.state]:
-        raise IllegalTransition(
-            f"{record.instance_id}: {state_name(record.state)} -> {state_name(new_state)} is not allowed ({reason})"
-        )
+    if new_state != record.state:  # staying is always allowed (a new reason)
+        TRANSITIONS.check(record.instance_id, record.state, new_state, reason)
     if new_state == record.state and reason == record.reason:
         return False
     changed_state = new_state != record.state

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Coroutine
+from typing import Callable
 
 from motor import node_process
 from motor.heartbeats import MAX_BACKOFF
@@ -20,6 +20,7 @@ from motor.v1 import controller_pb2, types_pb2
 
 from controller.config import ControllerConfig
 from controller.heartbeat_budget import HeartbeatBudget
+from controller.lifecycle import ControllerLoop, EngineLifecycle
 from controller.node_client import NodeCallError, NodeClient
 from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
 from controller.state import ClusterState
@@ -30,19 +31,10 @@ logger = logging.getLogger(__name__)
 
 
 class NodeMonitor:
-    def __init__(
-        self,
-        state: ClusterState,
-        config: ControllerConfig,
-        budget: HeartbeatBudget,
-        client: NodeClient,
-        spawn: Callable[[Coroutine, str], asyncio.Task],
-        wake: Callable[[], None],
-        observe: Callable[[NodeRuntime, T.Engine, str], None],
-        evacuate: Callable[[NodeRuntime], None],
-    ):
+    def __init__(self, state: ClusterState, config: ControllerConfig, budget: HeartbeatBudget, client: NodeClient,
+                 lifecycle: EngineLifecycle, loop: ControllerLoop):
         self.state, self.config, self.budget, self.client = state, config, budget, client
-        self.spawn, self.wake, self.observe, self.evacuate = spawn, wake, observe, evacuate
+        self.lifecycle, self.loop = lifecycle, loop
         self.alarm = ""
         # Set by the controller: whether a process on the node's host is asking for its node id
         # (then that one takes the node over, engines and all, instead of the node being lost).
@@ -105,7 +97,7 @@ class NodeMonitor:
         task = self._rechecks.get(node.node_id)
         if task is None or task.done():
             node.rechecking = True
-            task = self._rechecks[node.node_id] = self.spawn(self._recheck(node), f"recheck {node.node_id}")
+            task = self._rechecks[node.node_id] = self.loop.spawn(self._recheck(node), f"recheck {node.node_id}")
         return task
 
     async def recheck_now(self, node: NodeRuntime) -> None:
@@ -151,7 +143,7 @@ class NodeMonitor:
             self.node_back(node, "heartbeats were late but the direct re-check answered")
             for engine in engines:
                 node.engines[engine.engine_id] = reported.keep(engine)
-                self.observe(node, engine, "")
+                self.lifecycle.observe(node, engine, "")
 
     def node_back(self, node: NodeRuntime, how: str) -> None:
         st = self.state
@@ -160,7 +152,7 @@ class NodeMonitor:
         st.event(C.EVENT_TYPE_NODE_RECOVERED, f"node {node.node_id} ready again: {how}", node_id=node.node_id)
         self.refresh_alarm()
         st.evaluate_node(node.node_id)
-        self.wake()
+        self.loop.wake()
 
     def declare_lost(self, node: NodeRuntime, why: str = "") -> None:
         st = self.state
@@ -176,4 +168,4 @@ class NodeMonitor:
             f"node {node.node_id} lost: {node.reason}; moving its {len(st.slots.on_node(node.node_id))} engine(s)",
             node_id=node.node_id,
         )
-        self.evacuate(node)
+        self.lifecycle.evacuate(node)

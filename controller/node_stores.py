@@ -1,4 +1,4 @@
-"""A node manager whose engine records cannot be written (a full disk: issue 12, defect 2) says
+"""A node manager whose engine records cannot be written (a full disk) says
 why in every heartbeat (`HeartbeatRequest.store_failing`). The operator sees one ALARM event
 per spell whose count grows with each heartbeat that says so (EventBus.repeat: not one event
 per beat), and one event when it ends: after SETTLE_BEATS heartbeats in a row that say nothing,

@@ -16,9 +16,9 @@ from typing import Iterator
 
 from motor.errors import FailedPrecondition, NotFound
 from motor.names import check_node_id, enum_short_name, excerpt
+from motor.state_machine import Transitions
 from motor.v1 import controller_pb2
 
-from controller.instances import IllegalTransition
 from controller.reported import Reported
 from controller.table import Table
 
@@ -29,12 +29,12 @@ NODE_READY, NODE_SUSPECT, NODE_LOST = C.NODE_STATE_READY, C.NODE_STATE_SUSPECT, 
 # arrive; SUSPECT: silent past the grace, being re-checked; LOST: the re-check failed too, its
 # generation was bumped and its engines placed elsewhere. A registration (READY -> READY too)
 # replaces the node's record; a node known from the store starts READY or LOST.
-NODE_TRANSITIONS: dict[int | None, set[int]] = {
+NODE_TRANSITIONS: Transitions[int | None, int] = Transitions.between({
     None: {NODE_READY, NODE_LOST},
     NODE_READY: {NODE_READY, NODE_SUSPECT},
     NODE_SUSPECT: {NODE_READY, NODE_LOST},
     NODE_LOST: {NODE_READY},
-}
+}, lambda state: node_state_name(state))
 
 
 def node_state_name(state: int | None) -> str:
@@ -89,8 +89,7 @@ class NodeTable(Table[NodeRuntime]):
 
     @staticmethod
     def _check(node_id: str, old: int | None, new: int) -> None:
-        if new not in NODE_TRANSITIONS[old]:
-            raise IllegalTransition(f"node {node_id}: {node_state_name(old)} -> {node_state_name(new)} is not allowed")
+        NODE_TRANSITIONS.check(f"node {node_id}", old, new)
 
     def put(self, node: NodeRuntime) -> None:
         """Add a node, or replace its record (a registration), in the state the record holds."""

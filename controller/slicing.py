@@ -26,7 +26,7 @@ SLICE_SECONDS = 0.005
 SPAWNS_PER_SLICE = 100
 
 R = TypeVar("R")
-I = TypeVar("I")
+Item = TypeVar("Item")
 Steps = Generator[None, None, R]
 
 
@@ -55,7 +55,7 @@ class Budget:
         return True
 
 
-def in_slices(items: Iterable[I], work: Callable[[I], None], budget: Budget,
+def in_slices(items: Iterable[Item], work: Callable[[Item], None], budget: Budget,
               around: Callable[[], ContextManager] = contextlib.nullcontext) -> Steps[None]:
     """`work(item)` for every item, yielding between slices; each slice runs inside `around()`
     (e.g. one store transaction for the slice's writes), which ends before the yield."""

@@ -10,6 +10,7 @@ import contextlib
 import logging
 from typing import Callable, Iterable, Iterator
 
+from motor.clock import Clock
 from motor.names import enum_short_name
 from motor.retry import backoff_delay, worth_reporting
 from motor.v1 import controller_pb2, types_pb2
@@ -26,9 +27,10 @@ C, T = controller_pb2, types_pb2
 
 
 class ClusterState:
-    def __init__(self, store: Store, events: EventBus, monotonic: Callable[[], float], wall: Callable[[], float]):
-        self.store, self.events = store, events
-        self.mono, self.wall = monotonic, wall
+    def __init__(self, store: Store, events: EventBus, clock: Clock):
+        self.store, self.events, self.clock = store, events, clock
+        # The two readings every rule takes, by their short names.
+        self.mono, self.wall = clock.monotonic, clock.time
         self.nodes = NodeTable()
         self.slots = SlotTable()
         self.instances: dict[str, InstanceRecord] = {}
@@ -55,6 +57,9 @@ class ClusterState:
         # removed (or, replaced, installed again) in memory (controller/deployments.py): their
         # rows are the change's until memory has caught up.
         self.leaving: set[str] = set()
+        # A new store: engines the nodes run that it does not know are kept, not fenced, until a
+        # deployment is applied (controller/adoption.py).
+        self.keeping_unknown = False
         self._batch_depth = 0
         self._flush_scheduled = False
         self.store_failures = 0  # refused writes in the current spell (0: the store works)

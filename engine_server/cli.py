@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     from motor.termination import CONFIG_ERROR, STOPPED
     from motor.names import engine_id
 
-    from engine_server.config import load_section
+    from engine_server.config import apply_usage_stats, load_section
 
     engine = {"service": "engine_server", "instance_id": args.instance_id, "engine_id": engine_id(args.instance_id, args.dp_rank)}
     log_path = setup_logging(args.log_level, args.log_dir, f"engine_server_{args.instance_id}_rank{args.dp_rank}.log",
@@ -247,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # A slow engine_args check (vLLM) runs in serve(), once the management plane answers.
         section_name, section = load_section(args.config_path, args.role, defer_slow_checks=True)
+        apply_usage_stats(section)  # before any engine starts: its children inherit it
         logger.info("using %s (engine_type %s)", section_name, section.engine_type)
         result = asyncio.run(serve(args, section_name, section))
     except ConfigError as exc:  # e.g. a bad user_config, the management port taken, a TLS file unreadable

@@ -4,9 +4,24 @@ engine class."""
 
 from __future__ import annotations
 
+import logging
+import os
+
 from motor import config as motor_config
 from motor.errors import ConfigError
 from motor.user_config import EngineSection, UserConfig
+
+logger = logging.getLogger(__name__)
+
+
+# What every engine (and its children) sees unless its section sets usage_stats: true.
+NO_USAGE_STATS = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+def apply_usage_stats(section: EngineSection, environ=os.environ) -> None:
+    """Turn the engine's usage statistics off, unless the section asks for them."""
+    if not section.usage_stats:
+        environ.update(NO_USAGE_STATS)
 
 
 def load_section(path: str, role: str, defer_slow_checks: bool = False) -> tuple[str, EngineSection]:
@@ -21,12 +36,16 @@ def load_section(path: str, role: str, defer_slow_checks: bool = False) -> tuple
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the user_config must be a JSON object with motor_engine_*_config sections")
     config = motor_config.validate(UserConfig, data, source=path)
+    if config.ignored_sections:
+        logger.info("%s: ignoring the sections of other components: %s", path, ", ".join(config.ignored_sections))
     for name in config.present():
         getattr(config, name).mgmt_tls_config.check_files(f"{name}.mgmt_tls_config")
     name, section = config.section_for(role)
     if section is None:
         hint = " (or motor_engine_prefill_config, which union falls back to)" if role == "union" else ""
         raise ConfigError(f"{path}: {name}: missing; the {role} role needs this section{hint}")
+    for warning in section.health_check_config.warnings(f"{name}.health_check_config"):
+        logger.warning("%s: %s", path, warning)
     engine = engine_class(section.engine_type)
     if not (defer_slow_checks and engine.slow_check_args):
         section.engine_args = engine.check_args(section.engine_args, f"{name}.engine_args")

@@ -41,12 +41,13 @@ class EngineServerMetrics:
         self.counted_failures = Counter(
             "motor_engine_server_probe_counted_failures",
             "Failed probes that counted towards max_failure_count: they failed while the accelerator was idle (below "
-            "npu_usage_threshold), so the engine is likely hung. Read its log (alert MotorProbesFailingWhileIdle).",
+            "npu_usage_threshold) or while the engine produced no tokens and completed no scheduler steps, so it is "
+            "likely hung. Read its log (alert MotorProbesFailingWhileIdle).",
             registry=registry,
         )
         self.probe_latency = Histogram(
             "motor_engine_server_probe_latency_seconds",
-            "Latency of virtual-inference probes, to the answer or the timeout. Rising towards health_collector_timeout "
+            "Latency of virtual-inference probes, to the answer or the timeout. Rising towards probe_timeout "
             "means the engine answers slowly even to one token: check its load and log.",
             buckets=PROBE_LATENCY_BUCKETS,
             registry=registry,
@@ -68,8 +69,8 @@ class EngineServerMetrics:
         )
         self.consecutive_failures = Gauge(
             "motor_engine_server_consecutive_failures",
-            "Consecutive counted probe failures. At max_failure_count the engine turns ABNORMAL; a value above 0 that "
-            "does not reset means probes keep failing while idle.",
+            "Consecutive failed checks (counted probe failures, failed GET /health). At max_failure_count the engine "
+            "turns ABNORMAL; a value above 0 that does not reset means the engine keeps failing them.",
             multiprocess_mode="livemostrecent",
             registry=registry,
         )

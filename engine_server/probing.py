@@ -1,7 +1,7 @@
 """Virtual inference: 1-token probes, the utilization peak that chooses the next interval, and
 the failure count that turns the status ABNORMAL.
 
-Plain classes with injectable clock, sleep, sampler and probe client, so tests drive them fast.
+Plain classes with injectable clock (`motor/clock.py`), sampler and probe client, so tests drive them fast.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any, Callable, Protocol
 
 import aiohttp
 
+from motor.clock import SYSTEM_CLOCK, Clock
 from motor.user_config import HealthCheckConfig
 
 from engine_server.engines.base import UtilizationSampler, probe_request_id
@@ -33,6 +34,10 @@ DECODE_KV_TRANSFER_PARAMS = {
     "remote_host": None,
     "remote_port": None,
 }
+
+
+# Why a failed probe did not count, by whether the engine made progress (None: no progress source).
+_BUSY_BECAUSE = {None: "accelerator busy", True: "engine busy and making progress"}
 
 
 class ProbeFailed(Exception):
@@ -102,6 +107,37 @@ class HttpProbeClient:
             self._session = None
 
 
+class HealthClient(Protocol):
+    async def check(self) -> None:
+        """GET /health once; raise ProbeFailed saying what went wrong."""
+
+
+class HttpHealthClient:
+    """GET /health on the inference plane, each try bounded by `timeout` (health_collector_timeout)."""
+
+    def __init__(self, base_url: str, timeout: float):
+        self.url = base_url.rstrip("/") + "/health"
+        self.timeout = timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    async def check(self) -> None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+        try:
+            async with self._session.get(self.url) as response:
+                if response.status != 200:
+                    raise ProbeFailed(f"GET /health answered {response.status}")
+        except asyncio.TimeoutError:
+            raise ProbeFailed(f"GET /health timed out after {self.timeout:g}s") from None
+        except aiohttp.ClientError as exc:
+            raise ProbeFailed(f"GET /health failed: {type(exc).__name__}") from None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
 class PeakSampler:
     """Samples utilization every `period` over `window` seconds and returns the peak."""
 
@@ -110,9 +146,9 @@ class PeakSampler:
         sampler: UtilizationSampler,
         window: float,
         period: float,
-        sleep: Callable[[float], Any] = asyncio.sleep,
+        clock: Clock = SYSTEM_CLOCK,
     ):
-        self.sampler, self.window, self.period, self._sleep = sampler, window, period, sleep
+        self.sampler, self.window, self.period, self._clock = sampler, window, period, clock
         self._warned = False
 
     async def peak(self) -> float:
@@ -126,7 +162,7 @@ class PeakSampler:
                     logger.warning("utilization sampler %s failed: %s (counting as 0%%)", self.sampler.name, exc)
                     self._warned = True
             if index < count - 1:
-                await self._sleep(self.period)
+                await self._clock.sleep(self.period)
         return max(samples, default=0.0)
 
 
@@ -134,9 +170,13 @@ class Prober:
     """Runs probe rounds; each round probes and samples utilization at the same time.
 
     Interval rule: peak >= busy_utilization -> busy_probe_interval; peak < npu_usage_threshold ->
-    probe_interval; in between -> unchanged. A failure counts only when the peak is below
-    npu_usage_threshold; max_failure_count consecutive counted failures -> ABNORMAL; a success
-    resets the count (and an ABNORMAL status goes back to NORMAL)."""
+    probe_interval; in between -> unchanged. A failure is not counted only while the engine is
+    busy: the peak at or above npu_usage_threshold *and* the engine made progress (`progress`:
+    tokens or scheduler steps for client requests) since the previous round. A hung kernel
+    reads near 100 % on NVML and npu-smi, so utilization alone never excuses a failure; an
+    engine without a progress source (`progress` returns None) is judged by utilization alone.
+    max_failure_count consecutive counted failures -> ABNORMAL; a success resets the count (and
+    an ABNORMAL status goes back to NORMAL)."""
 
     def __init__(
         self,
@@ -146,13 +186,18 @@ class Prober:
         machine: HealthStateMachine,
         on_record: Callable[[ProbeRecord], None] = lambda record: None,
         metrics: Any = None,
-        clock: Callable[[], float] = time.time,
-        monotonic: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], Any] = asyncio.sleep,
+        clock: Clock = SYSTEM_CLOCK,
+        progress: Callable[[], int | None] = lambda: None,
+        health: HealthClient | None = None,
+        on_health_check: Callable[[], None] = lambda: None,
     ):
         self.settings, self.client, self.peak_sampler, self.machine = settings, client, peak_sampler, machine
+        self.progress = progress
+        self._progress_seen: int | None = None  # the progress reading at the end of the previous round
+        self.health, self.on_health_check = health, on_health_check
+        self.health_failing = False  # the last counted failure was a failed GET /health
         self.on_record, self.metrics = on_record, metrics
-        self._clock, self._monotonic, self._sleep = clock, monotonic, sleep
+        self._clock = clock
         self.interval = settings.probe_interval
         self.consecutive_failures = 0
         self.last: ProbeRecord | None = None
@@ -167,31 +212,103 @@ class Prober:
         return self.interval
 
     async def _timed_probe(self) -> tuple[bool, float, str]:
-        started = self._monotonic()
+        started = self._clock.monotonic()
         try:
             async with asyncio.timeout(self.settings.probe_timeout):
                 await self.client.probe()
-            return True, self._monotonic() - started, ""
+            return True, self._clock.monotonic() - started, ""
         except asyncio.TimeoutError:
-            return False, self._monotonic() - started, f"timed out after {self.settings.probe_timeout:g}s"
+            return False, self._clock.monotonic() - started, f"timed out after {self.settings.probe_timeout:g}s"
         except ProbeFailed as exc:
-            return False, self._monotonic() - started, str(exc)
+            return False, self._clock.monotonic() - started, str(exc)
         except Exception as exc:  # a probe client bug must not stop probing
             logger.exception("probe client raised")
-            return False, self._monotonic() - started, f"{type(exc).__name__}: {exc}"
+            return False, self._clock.monotonic() - started, f"{type(exc).__name__}: {exc}"
+
+    def _progressed(self) -> bool | None:
+        """Whether the engine made progress since the previous round (None: it cannot tell)."""
+        before = self._progress_seen
+        self._progress_seen = now = self.progress()
+        if now is None or before is None:
+            return None
+        return now != before
+
+    def _why_counted(self, peak: float) -> str:
+        if peak < self.settings.npu_usage_threshold:
+            return f"the accelerator was idle (peak {peak:.0f}% < npu_usage_threshold {self.settings.npu_usage_threshold:g}%)"
+        return f"the engine made no progress (no tokens or scheduler steps) although utilization peaked at {peak:.0f}%"
+
+    async def _health_problem(self) -> str:
+        """'' when GET /health answers 200 (or there is no health client), else what went wrong."""
+        if self.health is None:
+            return ""
+        try:
+            await self.health.check()
+            return ""
+        except ProbeFailed as exc:
+            return str(exc)
+
+    def _count_health_failure(self, problem: str, probing: bool) -> None:
+        self.health_failing = True
+        self.consecutive_failures += 1
+        logger.info("health check failed (%s; %d consecutive)", problem, self.consecutive_failures)
+        if self.consecutive_failures >= self.settings.max_failure_count:
+            self.machine.fire(
+                Event.FAILURE_LIMIT,
+                f"{self.consecutive_failures} consecutive health checks failed: {problem}"
+                + (" (probes wait until it answers 200)" if probing else ""),
+            )
+
+    async def check_health_once(self) -> None:
+        """A round without a probe (virtual inference off or paused): GET /health only. A failure
+        counts toward max_failure_count; a 200 ends a streak of /health failures."""
+        before = (self.consecutive_failures, self.machine.state, self.machine.reason)
+        problem = await self._health_problem()
+        if problem:
+            self._count_health_failure(problem, probing=False)
+        elif self.health_failing:
+            self.health_failing, self.consecutive_failures = False, 0
+            self.machine.fire(Event.HEALTH_RECOVERED, "GET /health answers 200 again")
+        if before != (self.consecutive_failures, self.machine.state, self.machine.reason):
+            if self.metrics is not None:
+                self.metrics.consecutive_failures.set(self.consecutive_failures)
+            self.on_health_check()
+
+    async def run_health_checks(self) -> None:
+        """GET /health every probe_interval, for as long as nothing probes."""
+        while True:
+            started = self._clock.monotonic()
+            await self.check_health_once()
+            await self._clock.sleep(max(0.0, self.settings.probe_interval - (self._clock.monotonic() - started)))
 
     async def probe_once(self) -> ProbeRecord:
-        sent = self._clock()
+        sent = self._clock.time()
+        started = self._clock.monotonic() if self.health is not None else 0.0
+        problem = await self._health_problem()
+        if problem:  # probes run only while /health answers 200: this round failed there
+            self._count_health_failure(problem, probing=True)
+            self.interval = self.settings.probe_interval
+            return self._finish(ProbeRecord(
+                time=sent, success=False, latency=self._clock.monotonic() - started, error=problem,
+                utilization_peak=0.0, next_interval=self.interval,
+                consecutive_failures=self.consecutive_failures, counted=True, status=self.machine.state,
+            ))  # fmt: skip
+        if self._progress_seen is None:
+            self._progress_seen = self.progress()  # the first round measures from its own start
         probe = asyncio.ensure_future(self._timed_probe())
         try:
             peak = await self.peak_sampler.peak()
             success, latency, error = await probe
         finally:
             probe.cancel()
-        counted = not success and peak < self.settings.npu_usage_threshold
+        progressed = self._progressed()
+        busy = peak >= self.settings.npu_usage_threshold and progressed is not False
+        counted = not success and not busy
         if success:
             self.consecutive_failures = 0
-        elif counted:
+        if success or counted:
+            self.health_failing = False
+        if counted:
             self.consecutive_failures += 1
         self.interval = self.next_interval(peak)
         if success:
@@ -199,9 +316,8 @@ class Prober:
         elif self.consecutive_failures >= self.settings.max_failure_count:
             self.machine.fire(
                 Event.FAILURE_LIMIT,
-                f"{self.consecutive_failures} consecutive virtual-inference probes failed while the "
-                f"accelerator was idle (peak {peak:.0f}% < npu_usage_threshold "
-                f"{self.settings.npu_usage_threshold:g}%); last error: {error}",
+                f"{self.consecutive_failures} consecutive virtual-inference probes failed while "
+                f"{self._why_counted(peak)}; last error: {error}",
             )
         record = ProbeRecord(
             time=sent,
@@ -214,13 +330,17 @@ class Prober:
             counted=counted,
             status=self.machine.state,
         )
-        self.last = record
-        self._observe(record)
         if not success:
             logger.info(
                 "probe failed (%s; peak %.0f%%, %s, %d consecutive)",
-                error, peak, "counted" if counted else "not counted: accelerator busy", self.consecutive_failures,
+                error, peak, "counted" if counted else f"not counted: {_BUSY_BECAUSE[progressed]}",
+                self.consecutive_failures,
             )
+        return self._finish(record)
+
+    def _finish(self, record: ProbeRecord) -> ProbeRecord:
+        self.last = record
+        self._observe(record)
         self.on_record(record)
         return record
 
@@ -238,6 +358,6 @@ class Prober:
     async def run(self) -> None:
         """Probe forever, start to start every `interval` (a round lasts at least the sampling window)."""
         while True:
-            started = self._monotonic()
+            started = self._clock.monotonic()
             await self.probe_once()
-            await self._sleep(max(0.0, self.interval - (self._monotonic() - started)))
+            await self._clock.sleep(max(0.0, self.interval - (self._clock.monotonic() - started)))

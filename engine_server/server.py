@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import aiohttp
-
+from motor.clock import SYSTEM_CLOCK, Clock
 from motor.errors import FailedPrecondition, InvalidArgument
 from motor.fanout import FanOut, Subscription
 from motor.user_config import EngineSection
 
 from engine_server.descendants import CLEAN_EXIT_GRACE_S
 from engine_server.engines.base import EngineBackend, EngineOptions, UtilizationSampler
-from engine_server.probing import HttpProbeClient, PeakSampler, ProbeClient, Prober, ProbeRecord
+from engine_server.probing import (
+    HealthClient, HttpHealthClient, HttpProbeClient, PeakSampler, ProbeClient, ProbeFailed, Prober, ProbeRecord,
+)  # fmt: skip
 from engine_server.samplers import choose_sampler
 from engine_server.status import Event, Health, HealthStateMachine, Transition
 
@@ -74,15 +74,21 @@ class EngineServer:
         metrics: Any = None,
         sampler: UtilizationSampler | None = None,
         probe_client: ProbeClient | None = None,
+        health_client: HealthClient | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ):
-        self.options, self.section, self.engine, self.metrics = options, section, engine, metrics
+        self.options, self.section, self.engine, self.metrics, self.clock = options, section, engine, metrics, clock
         self.settings = section.health_check_config
         self.base_url = f"http://{connect_host(options.host)}:{options.port}"
-        self.machine = HealthStateMachine()
+        self.machine = HealthStateMachine(clock)
         self.machine.on_transition(self._on_transition)
         self._sampler = sampler
         self._probe_client = probe_client or HttpProbeClient(self.base_url, options.role, self.settings.probe_timeout)
+        self._health_client = health_client or HttpHealthClient(self.base_url, self.settings.health_collector_timeout)
         self.prober: Prober | None = None
+        # GET /health every probe_interval while nothing probes (a probe round checks it first).
+        self._health_task: asyncio.Task | None = None
+        self._closing = False
         self.sleeping = False
         self.draining = False
         self.healthy = False
@@ -118,40 +124,55 @@ class EngineServer:
         self.prober = Prober(
             self.settings,
             self._probe_client,
-            PeakSampler(sampler, self.settings.utilization_window, self.settings.utilization_sample_period),
+            PeakSampler(sampler, self.settings.utilization_window, self.settings.utilization_sample_period, self.clock),
             self.machine,
             on_record=self._on_probe,
             metrics=self.metrics,
+            progress=self.engine.progress,
+            health=self._health_client,
+            on_health_check=self._publish,
+            clock=self.clock,
         )
         self._tasks.append(asyncio.create_task(self._watch_death(), name="watch-death"))
         self._tasks.append(asyncio.create_task(self._watch_health(), name="watch-health"))
 
     async def _watch_health(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.settings.health_collector_timeout)
+        """Until the first 200 (INIT -> NORMAL); then /health is checked for the engine's whole
+        life, by each probe round or, while nothing probes, by the health-check loop."""
         last_problem = None
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            while True:
-                try:
-                    async with session.get(self.base_url + "/health") as response:
-                        if response.status == 200:
-                            break
-                        problem = f"GET /health answered {response.status}"
-                except asyncio.TimeoutError:
-                    problem = f"GET /health did not answer within {self.settings.health_collector_timeout:g}s"
-                except aiohttp.ClientError as exc:
-                    problem = f"GET /health failed: {type(exc).__name__}"
-                if problem != last_problem:
-                    logger.info("engine not up yet: %s", problem)
-                    last_problem = problem
-                await asyncio.sleep(self.settings.health_poll_interval)
+        while True:
+            try:
+                await self._health_client.check()
+                break
+            except ProbeFailed as exc:
+                problem = str(exc)
+            if problem != last_problem:
+                logger.info("engine not up yet: %s", problem)
+                last_problem = problem
+            await self.clock.sleep(self.settings.health_poll_interval)
         self.healthy = True
         self.machine.fire(Event.HEALTH_UP, "inference plane is up: GET /health answered 200")
         self._maybe_start_probing()
+        self._resume_health_checks()
+
+    def _resume_health_checks(self) -> None:
+        """Check /health on its own while nothing probes (not while draining: the engine is going)."""
+        if self._health_task is not None or self.probing or self.prober is None or not self.healthy:
+            return
+        if self.draining or self._closing or self.machine.dead:
+            return
+        self._health_task = asyncio.create_task(self.prober.run_health_checks(), name="health-checks")
+
+    def _pause_health_checks(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            self._health_task = None
 
     async def _watch_death(self) -> None:
         reason = await self.engine.wait_dead()
         self.death_reason = reason
         self._stop_probing()
+        self._pause_health_checks()
         self.machine.fire(Event.ENGINE_DIED, f"the engine died: {reason}")
         self.died.set()
 
@@ -166,7 +187,9 @@ class EngineServer:
 
     async def close(self, engine_timeout: float | None) -> None:
         """Stop background work, the engine (bounded by engine_timeout when given) and the watchers."""
+        self._closing = True  # nothing resumes the health checks from here on
         self._stop_probing()
+        self._pause_health_checks()
         for task in self._tasks:
             task.cancel()
         try:
@@ -176,9 +199,10 @@ class EngineServer:
             logger.warning("engine shutdown did not finish within %gs", engine_timeout)
         except Exception:
             logger.exception("engine shutdown failed")
-        close = getattr(self._probe_client, "close", None)
-        if close is not None:
-            await close()
+        for client in (self._probe_client, self._health_client):
+            close = getattr(client, "close", None)
+            if close is not None:
+                await close()
         self._watchers.close()
 
     # --- probing ---------------------------------------------------------------------------
@@ -187,7 +211,7 @@ class EngineServer:
         return self._probe_task is not None
 
     def _maybe_start_probing(self) -> None:
-        if not (self._probing_requested and self.settings.enable_virtual_inference and self.healthy):
+        if not (self._probing_requested and self.settings.probing and self.healthy):
             return
         if self.sleeping or self.draining or self.machine.dead or self.probing or self.prober is None:
             return
@@ -195,6 +219,7 @@ class EngineServer:
             "virtual inference started (interval %gs, busy %gs, threshold %g%%)",
             self.prober.interval, self.settings.busy_probe_interval, self.settings.npu_usage_threshold,
         )
+        self._pause_health_checks()  # each probe round checks /health first
         self._probe_task = asyncio.create_task(self.prober.run(), name="prober")
         self._probe_task.add_done_callback(self._probe_task_done)
         self._publish()
@@ -209,6 +234,7 @@ class EngineServer:
         self._probe_task.cancel()
         self._probe_task = None
         logger.info("virtual inference paused")
+        self._resume_health_checks()
 
     def _on_probe(self, record: ProbeRecord) -> None:
         self._publish(record)
@@ -216,8 +242,9 @@ class EngineServer:
     def _on_transition(self, transition: Transition) -> None:
         if self.metrics is not None:
             self.metrics.status.set(int(transition.after))
-        if transition.event not in (Event.FAILURE_LIMIT, Event.PROBE_SUCCEEDED):
-            # Probe-caused changes are published once, with the probe (see _on_probe).
+        if transition.event not in (Event.FAILURE_LIMIT, Event.PROBE_SUCCEEDED, Event.HEALTH_RECOVERED):
+            # Check-caused changes are published once: with the probe (_on_probe), or after the
+            # /health check that caused them (Prober.on_health_check).
             self._publish()
 
     # --- status and watchers ---------------------------------------------------------------
@@ -266,11 +293,12 @@ class EngineServer:
             self.draining = True
             self.engine.stop_admitting()
             self._stop_probing()
+            self._pause_health_checks()
             logger.info("draining: probes stopped, %d requests in flight", self.engine.in_flight_requests())
             self._publish()
-        end = time.monotonic() + deadline
-        while self.engine.in_flight_requests() > 0 and time.monotonic() < end:
-            await asyncio.sleep(0.05)
+        end = self.clock.monotonic() + deadline
+        while self.engine.in_flight_requests() > 0 and self.clock.monotonic() < end:
+            await self.clock.sleep(0.05)
         left = self.engine.in_flight_requests()
         return left == 0, left
 

@@ -1,7 +1,7 @@
 """Typed configuration loading: JSON or YAML files into pydantic models.
 
 Every error names the field to change, e.g.
-`health_check_config.npu_usage_threshold: must be > 0 and <= 100 (got 0)`.
+`health_check_config.max_failure_count: must be >= 1 (got 0)`.
 """
 
 from __future__ import annotations

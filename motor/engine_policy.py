@@ -31,7 +31,9 @@ import re
 from typing import Any, Iterator
 
 from motor.errors import InvalidArgument
-from motor.vllm_request_args import MOTOR_ENGINE_ARGS, VLLM_ARG_CHOICES, VLLM_REFUSED_ARGS, VLLM_REQUEST_ARGS
+from motor.vllm_request_args import (
+    MOTOR_ENGINE_ARGS, VLLM_ARG_CHOICES, VLLM_REFUSED_ARGS, VLLM_REQUEST_ARGS, unsupported_vllm_arg,
+)  # fmt: skip
 
 # Far above any real engine configuration (a few levels), far below Python's recursion limit.
 MAX_CONFIG_DEPTH = 32
@@ -205,6 +207,9 @@ def _check_vllm_args(engine_args: dict, where: str) -> None:
             )
         if name in VLLM_ARG_CHOICES and value is not None and value not in VLLM_ARG_CHOICES[name]:
             raise InvalidArgument(f"{path}: must be one of {sorted(VLLM_ARG_CHOICES[name])} in a request (got {value!r})")
+        unsupported = unsupported_vllm_arg(name, value)
+        if unsupported:
+            raise InvalidArgument(f"{path}: {unsupported}")
         for inner, _, item in [(path, None, value), *walk(value, path)]:
             if not isinstance(item, str):
                 continue

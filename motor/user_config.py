@@ -16,14 +16,20 @@ Shape (one section per role; see examples/user_config.json):
     }
 
 Every model forbids unknown keys, so a typo is reported by name instead of silently ignored.
+The one exception is the top level: MindIE's user_config files also hold the sections of other
+components (`motor_controller_config`, `motor_nodemanger_config`, ...: any `motor_<name>_config`
+whose name does not start with `engine_`); those are accepted and ignored
+(`UserConfig.ignored_sections`, logged once by the engine server). A `motor_engine_*` key that is
+not a role's section is still a typo.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Collection, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from motor.errors import ConfigError
 from motor.grpc_server import TlsFiles
@@ -57,9 +63,11 @@ class HealthCheckConfig(_Strict):
     """Virtual inference (probing) and status settings. Defaults follow MindIE-PyMotor."""
 
     enable_virtual_inference: bool = False
-    # Utilization (percent) below which the accelerator counts as idle: only then a failed probe
-    # counts towards max_failure_count, and the interval returns to probe_interval.
-    npu_usage_threshold: float = Field(3.0, gt=0, le=100)
+    # Utilization (percent) below which the accelerator counts as idle: a failed probe then
+    # counts towards max_failure_count, and the interval returns to probe_interval. As in
+    # MindIE, virtual inference runs only with 0 < npu_usage_threshold <= 100 (`probing`);
+    # another value turns it off with a warning (`warnings`).
+    npu_usage_threshold: float = 3.0
     # Timeout (seconds) of each GET /health while the engine starts (INIT).
     health_collector_timeout: float = Field(2.0, gt=0)
     max_failure_count: int = Field(6, ge=1)
@@ -74,13 +82,29 @@ class HealthCheckConfig(_Strict):
     # How often GET /health is tried while INIT.
     health_poll_interval: float = Field(0.5, gt=0)
 
+    @property
+    def probing(self) -> bool:
+        """Whether virtual inference runs: enabled, with a threshold MindIE accepts."""
+        return self.enable_virtual_inference and 0 < self.npu_usage_threshold <= 100
+
+    def warnings(self, field: str) -> list[str]:
+        """Settings MindIE accepts but that change what probing does, one line each."""
+        found = []
+        if self.enable_virtual_inference and not self.probing:
+            found.append(
+                f"{field}.npu_usage_threshold: {self.npu_usage_threshold:g} is outside 0 < npu_usage_threshold "
+                "<= 100: virtual inference is off"
+            )
+        elif self.probing and self.npu_usage_threshold > self.busy_utilization:
+            found.append(
+                f"{field}.npu_usage_threshold ({self.npu_usage_threshold:g}) exceeds busy_utilization "
+                f"({self.busy_utilization:g}): an engine between the two counts as idle yet is probed at "
+                "busy_probe_interval"
+            )
+        return found
+
     @model_validator(mode="after")
     def _coherent(self) -> "HealthCheckConfig":
-        if self.npu_usage_threshold > self.busy_utilization:
-            raise ValueError(
-                f"npu_usage_threshold ({self.npu_usage_threshold}) must not exceed busy_utilization "
-                f"({self.busy_utilization})"
-            )
         if self.utilization_sample_period > self.utilization_window:
             raise ValueError(
                 f"utilization_sample_period ({self.utilization_sample_period}) must not exceed "
@@ -126,12 +150,36 @@ class EngineSection(_Strict):
     mgmt_tls_config: MgmtTlsConfig = Field(default_factory=MgmtTlsConfig)
     # Seconds SIGTERM (and Drain without a deadline) waits for in-flight requests.
     drain_timeout: float = Field(30.0, ge=0)
+    # Let the engine send usage statistics home (vLLM's usage stats, anything honouring
+    # DO_NOT_TRACK). Off: fleets are often air-gapped, and a call home there only waits and fails.
+    usage_stats: bool = False
+
+
+# Sections of other components in a MindIE user_config: `motor_<name>_config`, name not `engine_*`.
+OTHER_COMPONENT_SECTION = re.compile(r"motor_(?!engine_)\w+_config")
 
 
 class UserConfig(_Strict):
     motor_engine_prefill_config: EngineSection | None = None
     motor_engine_decode_config: EngineSection | None = None
     motor_engine_union_config: EngineSection | None = None
+    # Names of the other components' sections that were present and set aside.
+    _ignored: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _set_aside_other_components(cls, data: Any, handler: Any) -> "UserConfig":
+        ignored: list[str] = []
+        if isinstance(data, dict):
+            ignored = sorted(k for k in data if isinstance(k, str) and OTHER_COMPONENT_SECTION.fullmatch(k))
+            data = {k: v for k, v in data.items() if k not in ignored}
+        config = handler(data)
+        config._ignored = ignored
+        return config
+
+    @property
+    def ignored_sections(self) -> list[str]:
+        return list(self._ignored)
 
     def present(self) -> list[str]:
         return [name for name in SECTION_BY_ROLE.values() if getattr(self, name) is not None]

@@ -37,6 +37,37 @@ VLLM_REFUSED_ARGS = {
     "help": "not a setting",
 }
 
+# Arguments vLLM takes that cannot work under the engine server: refused by every check of an
+# engine's configuration (controller, node manager, engine server start-up), naming the key.
+# key -> (the values refused; None: any value that turns it on, why)
+_TLS_WHY = (
+    "TLS on the inference plane is not supported: the engine server's GET /health and probes and "
+    "the endpoint URLs routers read are http://, so the engine would never leave INIT; terminate "
+    "TLS in front of the engine (the router or a proxy) instead"
+)
+_RAY_WHY = (
+    "Ray is not supported: the engine server runs vLLM's engine core as its own processes and "
+    "watches them (a Ray start reports \"vLLM started no engine-core process\"); use mp"
+)
+VLLM_UNSUPPORTED_ARGS: dict[str, tuple[frozenset | None, str]] = {
+    "distributed_executor_backend": (frozenset({"ray"}), _RAY_WHY),
+    "data_parallel_backend": (frozenset({"ray"}), _RAY_WHY),
+    **{key: (None, _TLS_WHY) for key in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "ssl_ciphers", "enable_ssl_refresh")},
+}
+
+
+def unsupported_vllm_arg(key: str, value: object) -> str | None:
+    """Why `key: value` cannot work under the engine server, or None. `key` as vLLM spells it
+    with underscores."""
+    rule = VLLM_UNSUPPORTED_ARGS.get(key)
+    if rule is None or value is None or value is False or value == "":
+        return None
+    values, why = rule
+    if values is not None and (not isinstance(value, str) or value.strip().lower() not in values):
+        return None
+    return f"{value!r} cannot be used: {why}"
+
+
 # An argument whose value picks code by name takes only vLLM's own choices.
 VLLM_ARG_CHOICES = {
     "distributed_executor_backend": {"mp", "uni", "ray", "external_launcher"},

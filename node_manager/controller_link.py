@@ -26,11 +26,13 @@ import random
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
+from motor.clock import Clock
 from motor import pbtime
 from motor.errors import ConfigError
 from motor.channels import ReloadingChannel
 from motor.grpc_server import TlsFiles
-from motor.heartbeats import MAX_BACKOFF, next_on_grid
+from motor.heartbeats import MAX_BACKOFF
+from node_manager.heartbeat_deltas import next_on_grid
 from motor.leader import FOLLOW_RETRY_BASE, FOLLOW_RETRY_CAP, ControllerAddresses, backoff_delay, parse_addresses
 from motor.names import ID_RULE, excerpt
 from motor.node_process import describe
@@ -39,7 +41,6 @@ from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from node_manager.controller_epoch import ControllerEpoch
 from node_manager.heartbeat_sender import HeartbeatSender
 from node_manager.manager import NodeManager
-from node_manager.process_ops import Clock
 
 logger = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ from google.protobuf import json_format
 from motor import pbtime
 from motor.names import engine_id as make_engine_id
 from motor.processes import ExitStatus, TreeId
+from motor.state_machine import Transitions
 from motor.termination import read_termination_message
 from motor.v1 import types_pb2
 from node_manager.process_ops import ExitWatcher
@@ -46,13 +47,13 @@ FAILED = types_pb2.ENGINE_STATE_FAILED
 
 ACTIVE_STATES = frozenset({STARTING, RUNNING, STOPPING})
 FINAL_STATES = frozenset({STOPPED, FAILED})
-TRANSITIONS: dict[State, frozenset[State]] = {
+TRANSITIONS = Transitions.between({
     STARTING: frozenset({RUNNING, STOPPING, FAILED}),
     RUNNING: frozenset({STOPPING, FAILED}),
     STOPPING: frozenset({STOPPED, FAILED}),
     STOPPED: frozenset(),
     FAILED: frozenset(),
-}
+}, lambda state: state_name(state))
 # Probe results kept as evidence for a failure report.
 RECENT_PROBES = 5
 
@@ -69,10 +70,6 @@ class Ending(enum.Enum):
     STOP = "stop"  # StopEngine or fencing: SIGTERM, deadline, SIGKILL
     KILL = "kill"  # the node manager's kill decision on an abnormal verdict
     EXIT = "exit"  # an exit nobody asked for is being handled (or happened while away)
-
-
-class TransitionError(RuntimeError):
-    """A transition the state machine does not allow (a bug in the node manager)."""
 
 
 @dataclass
@@ -160,10 +157,7 @@ class EngineRecord:
 
     def transition(self, new_state: State, reason: str, on_change: Callable[["EngineRecord", State], None]) -> None:
         """The one way to change state; `on_change(record, old_state)` persists and publishes."""
-        if new_state not in TRANSITIONS[self.state]:
-            raise TransitionError(
-                f"{self.engine_id}: {state_name(self.state)} -> {state_name(new_state)} is not allowed ({reason})"
-            )
+        TRANSITIONS.check(self.engine_id, self.state, new_state, reason)
         old = self.state
         self.state, self.state_reason, self.state_changed_at = new_state, reason, time.time()
         logger.info("engine %s: %s -> %s: %s", self.engine_id, state_name(old), state_name(new_state), reason,
@@ -199,10 +193,10 @@ class EngineRecord:
         try:
             with open(self.log_path, "rb") as handle:
                 handle.seek(max(0, os.path.getsize(self.log_path) - 4096))
-                lines = [l.strip() for l in handle.read().decode(errors="replace").splitlines() if l.strip()]
+                lines = [line.strip() for line in handle.read().decode(errors="replace").splitlines() if line.strip()]
         except OSError:
             return ""
-        lines = [l for l in lines if not l.startswith("--- ") and "\"message\": \"--- launching" not in l]  # launch lines (text, JSON)
+        lines = [line for line in lines if not line.startswith("--- ") and "\"message\": \"--- launching" not in line]  # launch lines (text, JSON)
         tail = " | ".join(lines[-count:])
         return tail if len(tail) <= 600 else "..." + tail[-600:]
 

@@ -1,5 +1,5 @@
 """How a node manager sends its heartbeats: on one long-lived StreamHeartbeats stream, as deltas
-(motor/heartbeats.py: only the engines whose report changed, a full list on every new stream and
+(node_manager/heartbeat_deltas.py: only the engines whose report changed, a full list on every new stream and
 every `full_every` beats), one answer per beat; or with unary Heartbeat calls carrying the full
 list, for a controller that has no StreamHeartbeats (it answers UNIMPLEMENTED: this sender then
 stays on unary calls) or when streams are turned off.
@@ -17,7 +17,7 @@ import logging
 
 import grpc
 
-from motor.heartbeats import HeartbeatDeltas
+from node_manager.heartbeat_deltas import HeartbeatDeltas
 from motor.v1 import controller_pb2, types_pb2
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class HeartbeatSender:
                 raise  # this node manager is stopping
             # close() cancelled the stream under this beat (a report moved to another controller,
             # a new registration): a failed beat like any other, retried on the new stream. Let
-            # through, it ended the controller link and with it the node manager (hostile F12).
+            # through, it ended the controller link and with it the node manager.
             self._call = self._stub = None
             raise _error(grpc.StatusCode.CANCELLED, "the heartbeat stream was closed to follow another controller") from None
         if reply is grpc.aio.EOF:  # ended by the controller: its status, with its metadata (a standby names the leader)

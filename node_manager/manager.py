@@ -19,6 +19,7 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 
 from motor import start_refusals
+from motor.clock import SYSTEM_CLOCK, Clock
 from motor.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from motor.fanout import FanOut
 from motor.names import engine_id as make_engine_id
@@ -47,7 +48,7 @@ from node_manager.health import Verdict
 from node_manager.metrics import Metrics
 from node_manager.monitor import EngineMonitor
 from node_manager.process_identity import state_dir_id
-from node_manager.process_ops import Clock, ExitWatcher, Launched, ProcessOps, RealProcessOps, SystemClock
+from node_manager.process_ops import ExitWatcher, Launched, ProcessOps, RealProcessOps
 from node_manager.record_saver import RecordSaver
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class NodeManager:
         self.config = config
         self.node_id = config.node_id
         self.ops: ProcessOps = ops or RealProcessOps()
-        self.clock: Clock = clock or SystemClock()
+        self.clock: Clock = clock or SYSTEM_CLOCK
         self.engine_clients: EngineClientFactory = engine_clients or self._grpc_client
         self.records: dict[str, EngineRecord] = {}
         self.store = RecordStore(config.engines_dir)

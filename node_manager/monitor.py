@@ -13,12 +13,12 @@ import asyncio
 import logging
 from typing import Any, Callable, Coroutine, Protocol
 
+from motor.clock import Clock
 from motor.v1 import engine_pb2, types_pb2
 from node_manager.config import NodeManagerConfig
 from node_manager.engine import RUNNING, EngineRecord
 from node_manager.engine_client import EngineClientFactory, NoAnswer
 from node_manager.health import HealthJudge, Verdict
-from node_manager.process_ops import Clock
 
 logger = logging.getLogger(__name__)
 

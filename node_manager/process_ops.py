@@ -1,16 +1,15 @@
-"""The node manager's seams to the operating system: process operations and the clock.
+"""The node manager's seam to the operating system: process operations.
 
 Every OS call the node manager makes about an engine's processes (launch, exit watch, finding
-and killing its tree) goes through a `ProcessOps`, and every reading of time or wait through a
-`Clock` (as Supervisor's `options` object does). The real ones wrap `motor.processes`; tests
-replace them with fakes to drive the kill decision, adoption and restarts in milliseconds,
-beside the tests that use real processes.
+and killing its tree) goes through a `ProcessOps` (as Supervisor's `options` object does); every
+reading of time or wait goes through the `Clock` all services share (`motor/clock.py`). The real
+ops wrap `motor.processes`; tests replace both with fakes to drive the kill decision, adoption and
+restarts in milliseconds, beside the tests that use real processes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Callable, Iterable, Protocol
 
 from motor import processes
@@ -63,27 +62,6 @@ class ProcessOps(Protocol):
     async def terminate_tree(self, tree: TreeId, exited: asyncio.Event, deadline: float,
                              remembered: Remembered = ()) -> tuple[bool, list[int]]:
         """SIGTERM, `deadline` seconds, then SIGKILL: (nothing needed SIGKILL, pids left alive)."""
-
-
-class Clock(Protocol):
-    def time(self) -> float:
-        """Wall-clock seconds since the epoch (start and change times shown to users)."""
-
-    def monotonic(self) -> float:
-        """Seconds for intervals and deadlines."""
-
-    async def sleep(self, seconds: float) -> None: ...
-
-
-class SystemClock:
-    def time(self) -> float:
-        return time.time()
-
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
 
 
 def _pids(procs: Iterable[object]) -> list[int]:

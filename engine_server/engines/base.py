@@ -163,6 +163,12 @@ class EngineBackend(abc.ABC):
         """Undo sleep(); only called when can_sleep is true and the engine sleeps."""
         raise NotImplementedError
 
+    def progress(self) -> int | None:
+        """A count that grows while the engine works for client requests (tokens produced,
+        scheduler steps completed; probes excluded), or None when this engine cannot tell.
+        Virtual inference excuses a failed probe only on a busy engine that made progress."""
+        return None
+
     def utilization_sampler(self) -> UtilizationSampler | None:
         """A sampler this engine provides (the simulated engine's figure), or None to use the
         machine's (NVML, npu-smi)."""

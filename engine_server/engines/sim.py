@@ -12,6 +12,9 @@ Faults (engine_args.faults in the user_config, or at run time):
   crash           the engine dies: the engine server reports ABNORMAL and exits non-zero
   crash_after_s   (config only) die that many seconds after start
   hang            inference and /health stop answering (until hang is set false)
+  hang_inference  completions (probes too) never answer while /health stays 200 and the
+                  utilization figure stays as it was: a hung engine core behind a live API
+                  server, the failure only probes and the engine's progress can see
   fail_inference  completions answer 500 while /health stays 200
   latency_ms      every completion takes this long
   utilization     the simulated accelerator utilization (percent) the engine server samples
@@ -47,6 +50,8 @@ from engine_server.engines.sim_lora import SimLoras
 
 logger = logging.getLogger(__name__)
 
+SIM_STEP_S = 0.05  # one simulated scheduler step of a prefill
+
 WORDS = (
     "motor sim engine token answer fast cache prefill decode quiet river stone light model "
     "graph cloud field north amber signal"
@@ -72,6 +77,7 @@ class SimFaults(BaseModel):
     crash: bool = False
     crash_after_s: float | None = Field(None, gt=0)
     hang: bool = False
+    hang_inference: bool = False
     fail_inference: bool = False
     latency_ms: float = Field(0.0, ge=0)
     utilization: float = Field(0.0, ge=0, le=100)
@@ -86,6 +92,10 @@ class SimArgs(BaseModel):
     # Base latency and utilization (the same knobs as in faults; faults win when both are set).
     latency_ms: float = Field(0.0, ge=0)
     utilization: float = Field(0.0, ge=0, le=100)
+    # Prefill time per prompt token (words). One prefill runs at a time, as one batch holds a
+    # real engine: a long prompt keeps later requests and probes waiting while its steps
+    # (every SIM_STEP_S) show the engine making progress.
+    prefill_ms_per_token: float = Field(0.0, ge=0)
     # Seconds during which /health answers 503 "loading" (a model load, for INIT).
     startup_delay_s: float = Field(0.0, ge=0)
     max_tokens_default: int = Field(16, ge=1)
@@ -124,9 +134,12 @@ class SimEngine(EngineBackend):
         self.sleep_level = 0
         self.admitting = True  # False from the start of a drain: new requests get 503
         self._in_flight = 0
+        self._progress = 0  # scheduler steps and tokens for client requests (probes excluded)
+        self._prefilling = asyncio.Lock()
         self._started_at = 0.0
         self._died: asyncio.Future[str] | None = None
         self._unhang = asyncio.Event()
+        self._inference_unhang = asyncio.Event()  # cleared by hang_inference
         self._runner: web.AppRunner | None = None
         self._crash_timer: asyncio.TimerHandle | None = None
         self.loras = SimLoras(self.args.model)  # adapters loaded at run time (sim_lora.py)
@@ -178,6 +191,7 @@ class SimEngine(EngineBackend):
         if self._crash_timer is not None:
             self._crash_timer.cancel()
         self._unhang.set()  # release hung handlers so the runner can close
+        self._inference_unhang.set()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -191,6 +205,9 @@ class SimEngine(EngineBackend):
     async def wake_up(self) -> None:
         self.sleeping, self.sleep_level = False, 0
 
+    def progress(self) -> int:
+        return self._progress
+
     def utilization_sampler(self) -> UtilizationSampler:
         return _SimSampler(self)
 
@@ -201,10 +218,11 @@ class SimEngine(EngineBackend):
             self._died.set_result(reason)
 
     def _apply_faults(self) -> None:
-        if self.faults.hang:
-            self._unhang.clear()
-        else:
-            self._unhang.set()
+        for event, hung in ((self._unhang, self.faults.hang), (self._inference_unhang, self.faults.hang_inference)):
+            if hung:
+                event.clear()
+            else:
+                event.set()
         if self.faults.crash:
             self._die("sim fault: crash")
 
@@ -291,20 +309,22 @@ class SimEngine(EngineBackend):
             self._in_flight += 1
             SIM_RUNNING.labels(self.args.model).inc()
         try:
-            await self._unhang.wait()
+            await self._until_inference_runs()
             if self.sleeping:
                 return self._failed(probe, 503, "the engine is sleeping; call WakeUp first")
             if self.faults.fail_inference:
                 return self._failed(probe, 500, "sim fault: fail_inference")
+            await self._prefill(count_tokens(prompt), probe)
             if self.faults.latency_ms:
                 await asyncio.sleep(self.faults.latency_ms / 1000)
-            await self._unhang.wait()  # a hang set while this request waited
+            await self._until_inference_runs()  # a hang set while this request waited
             text = deterministic_text(prompt, max_tokens)
             prompt_tokens, completion_tokens = count_tokens(prompt), max_tokens
             if not probe:
                 SIM_REQUESTS.labels(self.args.model).inc()
                 SIM_PROMPT_TOKENS.labels(self.args.model).inc(prompt_tokens)
                 SIM_GENERATION_TOKENS.labels(self.args.model).inc(completion_tokens)
+                self._progress += completion_tokens
             prefix = "chatcmpl" if chat else "cmpl"
             answer_id = f"{prefix}-{request_id}"
             usage = {
@@ -334,6 +354,23 @@ class SimEngine(EngineBackend):
             if not probe:
                 self._in_flight -= 1
                 SIM_RUNNING.labels(self.args.model).dec()
+
+    async def _prefill(self, tokens: int, probe: bool) -> None:
+        left = tokens * self.args.prefill_ms_per_token / 1000
+        if not left:
+            return
+        async with self._prefilling:
+            while left > 0:
+                await asyncio.sleep(min(SIM_STEP_S, left))
+                await self._until_inference_runs()
+                left -= SIM_STEP_S
+                if not probe:
+                    self._progress += 1
+
+    async def _until_inference_runs(self) -> None:
+        while not (self._unhang.is_set() and self._inference_unhang.is_set()):
+            await self._unhang.wait()
+            await self._inference_unhang.wait()
 
     def stop_admitting(self) -> None:
         self.admitting = False

@@ -15,7 +15,7 @@ from typing import Any
 
 from engine_server.engines.base import EngineOptions
 from motor.errors import ConfigError
-from motor.vllm_request_args import MOTOR_ENGINE_ARGS
+from motor.vllm_request_args import MOTOR_ENGINE_ARGS, unsupported_vllm_arg
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,31 @@ def prepare_environment() -> None:
     # vLLM's records go to the engine server's handlers (rotated log file) instead of its own
     # stdout handler; set VLLM_CONFIGURE_LOGGING=1 to get vLLM's format back.
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+
+
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+
+def kv_side_channel_environment(options: EngineOptions, environ: Any = os.environ) -> dict[str, str]:
+    """With --kv-port (single-container mode, where P/D engines share the host's ports): the
+    environment that puts vLLM's NIXL connector side channel on exactly that port, and (unless
+    the environment names one) on the engine's --host, which decode engines are told to reach.
+
+    vLLM listens on VLLM_NIXL_SIDE_CHANNEL_PORT + the data-parallel rank, so the rank is taken off."""
+    if options.kv_port is None:
+        return {}
+    engine_args = options.engine_args
+    distributed = int(engine_args.get("data_parallel_size") or 1) > 1
+    rank = int(engine_args.get("data_parallel_rank", options.dp_rank if distributed else 0) or 0)
+    if options.kv_port - rank < 1:
+        raise ConfigError(
+            f"--kv-port {options.kv_port}: vLLM's NIXL side channel listens on VLLM_NIXL_SIDE_CHANNEL_PORT + the "
+            f"data-parallel rank ({rank}); choose a port above the rank"
+        )
+    env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(options.kv_port - rank)}
+    if options.host not in WILDCARD_HOSTS and not environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST"):
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = options.host
+    return env
 
 
 def import_keeping_logging(module: str) -> None:
@@ -93,6 +118,10 @@ def engine_args_to_cli(engine_args: dict[str, Any], parser: Any, field: str = "e
 
 
 def check_motor_keys(engine_args: dict[str, Any], field: str) -> None:
+    for key, value in engine_args.items():
+        unsupported = unsupported_vllm_arg(str(key).replace("-", "_"), value)
+        if unsupported:
+            raise ConfigError(f"{field}.{key}: {unsupported}")
     utilization = engine_args.get(MOTOR_UTILIZATION)
     if utilization is not None and (
         isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 <= utilization <= 100

@@ -40,6 +40,7 @@ from engine_server.engines.vllm_args import (
     MOTOR_UTILIZATION,
     create_vllm_config,
     import_keeping_logging,
+    kv_side_channel_environment,
     parse_engine_args,
     prepare_environment,
 )
@@ -116,6 +117,13 @@ class VllmEngine(EngineBackend):
         (the engine core takes ~10-20 s on CPU); /health answers once it serves."""
         self._main_loop = asyncio.get_running_loop()
         prepare_environment()
+        from engine_server.engines.vllm_utilization import PROGRESS
+
+        PROGRESS.serving_clients = self._serving_clients  # an engine-core step is progress only then
+        side_channel = kv_side_channel_environment(self.options)
+        if side_channel:  # the engine core (spawned) inherits it
+            logger.info("KV connector side channel from --kv-port/--host: %s", side_channel)
+            os.environ.update(side_channel)
         # The import of vLLM (~4 s) and the model config check run off the event loop, so the
         # management plane keeps answering (INIT) meanwhile.
         await asyncio.to_thread(self._prepare)
@@ -405,12 +413,15 @@ class VllmEngine(EngineBackend):
 
     def in_flight_requests(self) -> int:
         """Requests vLLM is working on (queued, prefilling, decoding), probes excluded."""
+        return sum(1 for _ in self._client_requests())
+
+    def _client_requests(self):
         processor = getattr(self.async_llm, "output_processor", None)
         if processor is None:
-            return 0
+            return
         # list() copies under the GIL: the vLLM loop thread may be changing the dict.
         states = list(processor.request_states.values())
-        return sum(1 for state in states if not is_probe_request_id(state.external_req_id))
+        yield from (state for state in states if not is_probe_request_id(state.external_req_id))
 
     @property
     def can_sleep(self) -> bool:  # type: ignore[override]
@@ -436,6 +447,15 @@ class VllmEngine(EngineBackend):
         if not self.can_sleep or self.async_llm is None:
             raise self._sleep_unsupported()
         await self._on_vllm_loop(self.async_llm.wake_up())
+
+    def progress(self) -> int:
+        """Tokens and engine-core steps for client requests (vllm_utilization.PROGRESS)."""
+        from engine_server.engines.vllm_utilization import PROGRESS
+
+        return PROGRESS.total
+
+    def _serving_clients(self) -> bool:
+        return next(self._client_requests(), None) is not None
 
     def utilization_sampler(self) -> UtilizationSampler | None:
         from engine_server.engines.vllm_utilization import EngineProgressSampler, FixedUtilizationSampler

@@ -14,7 +14,9 @@ API-server process (this process), `vllm.v1.engine.output_processor.OutputProces
   The first also counts the tokens of client requests: the engine core's progress, which is the
   CPU build's utilization figure (vllm_utilization).
   `StatLoggerManager.record` then drops an iteration's stats when only probes produced output in
-  it, so `vllm:iteration_tokens_total` gets no empty observation from a probe-only step.
+  it, so `vllm:iteration_tokens_total` gets no empty observation from a probe-only step; every
+  other step it records (one per engine-core step, with or without output: a prefill chunk
+  too) is counted as progress.
 
 Engine-core process, `vllm.v1.core.kv_cache_manager.KVCacheManager.record_prefix_cache_stats`:
   prefix-cache queries and hits (`vllm:prefix_cache_queries`, `vllm:prefix_cache_hits`,
@@ -134,6 +136,8 @@ def install_api_server_patches() -> None:
             and not getattr(iteration_stats, _REAL_SEEN, False)
         ):
             iteration_stats = None
+        elif scheduler_stats is not None:
+            PROGRESS.step()
         return record(self, scheduler_stats, iteration_stats, *args, **kwargs)
 
     OutputProcessor._update_stats_from_output = _mark(_update_stats_from_output)

@@ -7,24 +7,46 @@ produced tokens for client requests since the previous reading, 0 % otherwise. P
 do not count, so an idle engine reads 0 % (failed probes count) and a hung one reads 0 % even
 with requests waiting; only an engine that is really serving reads as busy.
 
-A fixed figure (engine_args `motor_utilization`) overrides it: for tests, and for operators who
-want probe failures always counted (0) or never (100).
+The same progress (`EngineProgress.total`: tokens plus scheduler steps) is what excuses a failed
+probe on every build (probing.Prober): on a GPU or NPU the utilization comes from NVML or
+npu-smi, and a kernel spinning in a hung collective reads near 100 % there, so a busy figure
+counts only when the engine also made progress.
+
+A fixed figure (engine_args `motor_utilization`) overrides the utilization: for tests, and for
+operators who want probe failures always counted (0), or counted only when the engine makes no
+progress (100).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from engine_server.engines.base import UtilizationSampler
 
 
 class EngineProgress:
-    """Tokens the engine core produced for client requests (probes excluded), counted by the
-    probe filter's patch of vLLM's output processor in the API-server process."""
+    """Tokens the engine core produced for client requests and scheduler steps it completed
+    (probe-only steps excluded), counted by the probe filter's patches of vLLM's output
+    processor and stat logger in the API-server process. Steps move during a long chunked
+    prefill, before the first token."""
 
     def __init__(self) -> None:
         self.tokens = 0
+        self.steps = 0
+        # Whether a client request is in the engine now: a step counts only then, so the steps
+        # of a probe (and the steps around it that carry no output) are no progress.
+        self.serving_clients: Callable[[], bool] = lambda: False
 
     def add(self, tokens: int) -> None:
         self.tokens += tokens  # only from vLLM's loop thread; readers only read
+
+    def step(self) -> None:
+        if self.serving_clients():
+            self.steps += 1
+
+    @property
+    def total(self) -> int:
+        return self.tokens + self.steps
 
 
 # The API server of this process (one engine per engine server).
@@ -44,16 +66,16 @@ class FixedUtilizationSampler(UtilizationSampler):
 
 
 class EngineProgressSampler(UtilizationSampler):
-    """100 when `progress` counted tokens since the previous reading, else 0."""
+    """100 when `progress` moved (tokens or steps) since the previous reading, else 0."""
 
     name = "engine-progress"
 
     def __init__(self, progress: EngineProgress = PROGRESS):
         self.progress = progress
-        self._last = progress.tokens
+        self._last = progress.total
 
     def read(self) -> float:
-        now = self.progress.tokens
+        now = self.progress.total
         moved, self._last = now != self._last, now
         return 100.0 if moved else 0.0
 

@@ -5,7 +5,6 @@ them back from being declared lost: nothing moves)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 

@@ -1,4 +1,4 @@
-"""Two node managers claiming one node id (issue 17): a second process while the holder lives
+"""Two node managers claiming one node id: a second process while the holder lives
 (refused, starts nothing), the holder killed -9 while the second waits (it takes over; the
 engines the first left are adopted or stopped, never doubled), and a paused holder that comes
 back after the takeover (fenced: refused, its copies gone)."""

@@ -1,4 +1,4 @@
-"""A 10,000-instance apply and delete (issue 12, defect 5): the baseline plus 10,000 instances of
+"""A 10,000-instance apply and delete (a big deployment must not block the loop): the baseline plus 10,000 instances of
 data-parallel size 4 (40,000 engines, none placeable: 8 accelerators each), then the baseline
 again (the 10,000 removed). The controller's loop must never block long enough to miss
 heartbeats: no node turns SUSPECT, and /metrics shows no stall of its loop of a second or more

@@ -47,7 +47,7 @@ class Harness:
     """A controller on a temporary SQLite file with a fake node-manager client; short intervals."""
 
     def __init__(self, tmp_path, clock=None, **overrides):
-        self.clock = clock  # a ManualClock drives the controller's monotonic time; None: real time
+        self.clock = clock  # a ManualClock drives the controller's monotonic time; None: the system clock
         self.db = str(tmp_path / "controller.db")
         settings = dict(db=self.db, heartbeat_interval=0.1, node_grace=0.6, recheck_timeout=0.2, startup_grace=1.0)
         settings.update(overrides)
@@ -60,7 +60,7 @@ class Harness:
         if client is not None:
             self.client = client
         self.store = SqliteStore(self.db)
-        clocks = {"monotonic": self.clock} if self.clock is not None else {}
+        clocks = {"clock": self.clock} if self.clock is not None else {}
         self.controller = Controller(self.config, self.store, self.client, **clocks)
         await self.controller.start()
         return self.controller

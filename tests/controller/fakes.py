@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 from motor.names import engine_id
 from motor.v1 import node_manager_pb2, types_pb2
@@ -85,13 +86,23 @@ class FakeNodeClient(NodeClient):
 
 
 class ManualClock:
-    """A monotonic clock that moves only when told (`advance`)."""
+    """A `motor.clock.Clock` whose monotonic time moves only when told (`advance`); calling it
+    reads that time too. Wall time and sleeps stay real (dates and restart backoffs)."""
 
     def __init__(self, start: float = 1000.0):
         self.now = start
 
     def __call__(self) -> float:
         return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return time.time()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
 
     def advance(self, seconds: float) -> None:
         self.now += seconds

@@ -1,4 +1,4 @@
-"""Issue 12, defect 5: a big deployment must not block the controller's loop.
+"""A big deployment must not block the controller's loop.
 
 A real controller process (SQLite) and 10 simulated nodes of 400 accelerators heartbeating every
 0.5 s, whose node manager is one fake gRPC server in a child process (tests/support/big_fleet.py).

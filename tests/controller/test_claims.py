@@ -75,7 +75,7 @@ async def test_a_second_live_process_is_refused_naming_both_once_per_conflict(tm
     try:
         ctl = h.controller
         first = await ctl.register_node(info("node-a", proc("n1"), 5001), [])
-        for attempt in range(5):
+        for _ in range(5):
             clock.advance(0.2)
             ctl.heartbeat("node-a", first.generation, [])
             with pytest.raises(FailedPrecondition) as refused:

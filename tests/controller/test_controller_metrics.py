@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from controller.store import SqliteStore
+from controller.store import SqliteStore, StoreUnavailable
 from controller.store_metrics import MeasuredStore, StoreMetrics
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
@@ -46,9 +46,9 @@ def test_store_writes_are_timed_and_failures_counted(tmp_path):
     assert "decode-2" not in store.load().instances
 
     store.close()  # the database is gone: every write now fails, and is counted
-    with pytest.raises(Exception):
+    with pytest.raises(StoreUnavailable):
         store.save_instance("decode-3", {})
-    with pytest.raises(Exception):
+    with pytest.raises(StoreUnavailable):
         with store.transaction():
             store.save_instance("decode-4", {})
     assert value(metrics, "failures", "write") == 1

@@ -412,7 +412,7 @@ async def test_after_a_restart_the_default_startup_grace_waits_out_a_node_manage
     hostile tester); an explicit --startup-grace is kept as given."""
     for given, expected in ((None, 5.0 + heartbeats.MAX_BACKOFF), (2.0, 2.0)):
         async with restarted(tmp_path / str(given), startup_grace=given) as (_, ctl, clock):
-            assert ctl.scheduler.startup_until - clock() == pytest.approx(expected)
+            assert ctl.lifecycle.startup_until - clock() == pytest.approx(expected)
 
 
 async def test_restart_adopts_running_engines_without_restarting_them(harness):

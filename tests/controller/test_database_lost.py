@@ -1,7 +1,7 @@
 """The controller's database lost (moved away, a new disk) under a running fleet, with real
 processes: the restarted controller starts on an empty store, the node managers keep their
 engines, and applying the same deployment again adopts them (same pids, nothing FAILED, no
-engine started) instead of refusing every start as stale (issue 12, defect 3)."""
+engine started) instead of refusing every start as stale."""
 
 from __future__ import annotations
 

@@ -96,7 +96,7 @@ async def test_list_endpoints_of_an_unknown_role_is_invalid_argument(served):
 
 
 async def test_a_fence_that_keeps_failing_is_retried_with_backoff_and_told_once():
-    """Issue 12, defect 6: a copy whose stop kept failing was fenced again every second (31
+    """A copy whose stop kept failing was fenced again every second (31
     ENGINE_FENCED events in 31 s, flushing the event history). Now: one event whose count grows
     with each failed try, retries after a doubling backoff capped at FENCE_WINDOW."""
     from controller.actuator import FENCE_WINDOW, Actuator

@@ -4,6 +4,7 @@ Prometheus engine discovery: they show what ListNodes/ListInstances show, and fo
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -89,7 +90,8 @@ async def test_heartbeat_ages_are_read_at_the_scrape_and_the_alarm_is_one_while_
     await running_example(harness)
     controller = harness.controller
     clock = {"now": controller.nodes["node-a"].last_heartbeat_wall + 5}
-    series = FleetSeries(controller.state, lambda: controller.monitor.alarm, clock=lambda: clock["now"])
+    wall = SimpleNamespace(time=lambda: clock["now"])
+    series = FleetSeries(controller.state, lambda: controller.monitor.alarm, clock=wall)
     assert abs(sample(await scrape(series), "motor_controller_node_heartbeat_age_seconds", node_id="node-a") - 5) < 0.01
     clock["now"] += 95
     assert abs(sample(await scrape(series), "motor_controller_node_heartbeat_age_seconds", node_id="node-a") - 100) < 0.01

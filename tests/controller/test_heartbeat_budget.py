@@ -20,7 +20,7 @@ from tests.support import async_wait_for
 
 
 def budget(live: list[int], clock: ManualClock, rate: float = 100.0) -> HeartbeatBudget:
-    return HeartbeatBudget(base_interval=1.0, base_grace=5.0, max_per_second=rate, live_nodes=lambda: live[0], mono=clock)
+    return HeartbeatBudget(base_interval=1.0, base_grace=5.0, max_per_second=rate, live_nodes=lambda: live[0], clock=clock)
 
 
 def test_the_interval_is_the_configured_one_until_the_fleet_would_exceed_the_budget():
@@ -83,7 +83,7 @@ def test_a_node_beating_at_the_pace_it_was_told_is_never_silent_past_the_grace(s
     # A fleet that grows and shrinks tenfold at random while one node beats exactly at the
     # interval of its last answer (other nodes' answers announce too).
     rnd, clock, live = random.Random(seed), ManualClock(), [5000]
-    b = HeartbeatBudget(base_interval=1.0, base_grace=1.5, max_per_second=2000.0, live_nodes=lambda: live[0], mono=clock)
+    b = HeartbeatBudget(base_interval=1.0, base_grace=1.5, max_per_second=2000.0, live_nodes=lambda: live[0], clock=clock)
     last_beat, next_beat = clock(), clock() + b.interval()
     for _ in range(20_000):  # 1,000 s in steps of 50 ms
         clock.advance(0.05)

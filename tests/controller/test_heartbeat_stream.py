@@ -13,7 +13,7 @@ import pytest
 
 from motor.errors import InvalidArgument
 from motor.grpc_server import MotorServer, aio_channel, service_name
-from motor.heartbeats import HeartbeatDeltas
+from node_manager.heartbeat_deltas import HeartbeatDeltas
 from motor.v1 import controller_pb2 as C
 from motor.v1 import controller_pb2_grpc
 from motor.v1 import types_pb2 as T

@@ -1,7 +1,7 @@
 """Hostile reports and replacements against real processes (a real controller, real node
 managers, sim engine servers): a heartbeat listing 20,000 made-up engines is refused naming
---max-engines-per-node and the cluster carries on (hostile F11); a replaced deployment waits for
-the accelerators its old engines hold while they drain (hostile F7)."""
+--max-engines-per-node and the cluster carries on; a replaced deployment waits for
+the accelerators its old engines hold while they drain."""
 
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ async def test_each_deployment_keeps_its_own_restart_policy(harness):
     await async_wait_for(lambda: len(harness.client.starts()) == 3, timeout=5, what="the three engines started")
     for engine_id in ("chat-0/rank0", "embed-0/rank0"):
         slot = ctl.slots[engine_id]
-        ctl.scheduler.engine_failed(slot, slot.node_id, "exited with code 1")
+        ctl.lifecycle.engine_failed(slot, slot.node_id, "exited with code 1")
     assert harness.instance("chat-0").state == C.INSTANCE_STATE_FAILED  # its budget: one failure
     assert harness.instance("embed-0").state == C.INSTANCE_STATE_RESTARTING  # its own: five
     failed = [e for e in ctl.events.recent if e.type == C.EVENT_TYPE_INSTANCE_STATE_CHANGED and e.instance_id == "chat-0"]

@@ -1,4 +1,4 @@
-"""Two node manager processes claiming one node id (issue 17), with real processes: a cluster as
+"""Two node manager processes claiming one node id, with real processes: a cluster as
 `motorctl up` starts it, then a second `motor-node-manager --node-id node-a` with its own
 --listen and --state-dir. Engines are counted as processes, by instance and rank."""
 

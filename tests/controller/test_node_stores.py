@@ -1,4 +1,4 @@
-"""A node manager's full disk reaches the operator (issue 12, defect 2: "a metric and an
+"""A node manager's full disk reaches the operator ("a metric and an
 event"): its heartbeats carry `store_failing`; the controller raises one ALARM event for the
 spell whose count grows per heartbeat, and one when it ends. The real node manager's side is in
 tests/node_manager/test_disk_full.py, the whole path on a real full tmpfs in tests/chaos."""

@@ -25,12 +25,13 @@ HEARTBEAT = 0.5
 GRACE = 2.0
 
 
-def sim_deployment(count: int = 1, dp: int = 1, faults: dict | None = None, **policy) -> C.Deployment:
-    args = {"model": "sim-tiny", "latency_ms": 1, "utilization": 10}
+def sim_deployment(count: int = 1, dp: int = 1, faults: dict | None = None, utilization: float = 10,
+                   health: dict | None = None, **policy) -> C.Deployment:
+    args = {"model": "sim-tiny", "latency_ms": 1, "utilization": utilization}
     if faults:
         args["faults"] = faults
     section = {"engine_type": "sim", "engine_args": args,
-               "health_check_config": {"enable_virtual_inference": False}}
+               "health_check_config": health or {"enable_virtual_inference": False}}
     return deployment_from_dict({
         "name": "test", "model": "sim-tiny",
         "engine_config": {"motor_engine_union_config": section},

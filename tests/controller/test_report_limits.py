@@ -1,4 +1,4 @@
-"""A node's report is bounded and its fencing told once (hostile F11): a heartbeat or RegisterNode
+"""A node's report is bounded and its fencing told once: a heartbeat or RegisterNode
 listing more engines than one node may run is refused RESOURCE_EXHAUSTED naming
 --max-engines-per-node, before anything is changed; the unknown copies one report fences are one
 ENGINE_FENCED event with their count, not one event per copy."""

@@ -11,7 +11,6 @@ import random
 import pytest
 
 from motor.errors import Unavailable
-from motor.v1 import controller_pb2 as C
 
 from controller.fleet_view import FleetView
 from controller.nodes import NODE_SUSPECT

@@ -1,4 +1,4 @@
-"""The controller's disk full (issue 12, defect 1), replayed by a write-failure injection at the
+"""The controller's disk full, replayed by a write-failure injection at the
 store boundary: every write statement of the SQLite store fails with the error SQLite gives on a
 full disk (`sqlite3.OperationalError: database or disk is full`), through the store's own error
 handling. (A real full tmpfs needs root to mount; the chaos suite uses one where it can.)"""

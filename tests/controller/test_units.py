@@ -144,6 +144,20 @@ def test_engine_config_numbers_that_are_not_finite_are_named_not_an_internal_err
         "s": {"n": 1.0, "t": "x", "b": False, "z": None, "l": [2.5, {"y": True}]}, "unset": None}
 
 
+@pytest.mark.parametrize("key, value, says", [
+    ("distributed_executor_backend", "ray", "Ray is not supported"),
+    ("ssl_certfile", "/certs/engine.pem", "TLS on the inference plane is not supported"),
+])  # fmt: skip
+def test_vllm_settings_that_cannot_work_are_refused_at_apply_naming_the_key(key, value, says):
+    deployment = example_deployment()
+    section = deployment.engine_config.fields["motor_engine_decode_config"].struct_value
+    section.fields["engine_type"].string_value = "vllm"
+    section.fields["engine_args"].struct_value.Clear()
+    section.fields["engine_args"].struct_value.update({"model": "Qwen/Qwen2-0.5B", key: value})
+    with pytest.raises(InvalidArgument, match=rf"engine_config.motor_engine_decode_config.engine_args.{key}: .*{says}"):
+        validate_deployment(deployment)
+
+
 def test_union_group_falls_back_to_the_prefill_section_like_the_engine_server():
     deployment = small_deployment([{"name": "u", "role": "union"}])
     del deployment.engine_config.fields["motor_engine_union_config"]

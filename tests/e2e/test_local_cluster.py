@@ -160,12 +160,12 @@ def test_motorctl_up_runs_until_ctrl_c_and_leaves_nothing(tmp_path):
                 break
             output.append(line)
             if "Ctrl-C stops the cluster." in line:
-                screen = "".join(output[max(i for i, l in enumerate(output) if "Motor local cluster" in l):])
-                if sum(" NORMAL " in l and "/rank" in l for l in screen.splitlines()) == 3:
+                screen = "".join(output[max(i for i, seen in enumerate(output) if "Motor local cluster" in seen):])
+                if sum(" NORMAL " in row and "/rank" in row for row in screen.splitlines()) == 3:
                     break
-        assert any("grpcurl -plaintext" in l for l in output), "".join(output[-40:])
+        assert any("grpcurl -plaintext" in seen for seen in output), "".join(output[-40:])
         # The screen lists every service's /metrics URL.
-        listed = {l.split()[0]: l.split()[1] for l in output if l.strip().endswith("/metrics") and len(l.split()) == 2}
+        listed = {seen.split()[0]: seen.split()[1] for seen in output if seen.strip().endswith("/metrics") and len(seen.split()) == 2}
         assert set(listed) == {"controller", "node-a", "node-b"}, "".join(output[-40:])
         assert listed["controller"] == f"http://127.0.0.1:{metrics_base}/metrics"
         descendants = psutil.Process(process.pid).children(recursive=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import subprocess
 
 import pytest
@@ -37,10 +38,7 @@ def _set(config: dict, dotted: str, value) -> dict:
 
 # (field to set, bad value, text the error must contain)
 BAD_VALUES = [
-    (f"{H}.npu_usage_threshold", 0, f"{H}.npu_usage_threshold"),
-    (f"{H}.npu_usage_threshold", 100.5, f"{H}.npu_usage_threshold"),
     (f"{H}.npu_usage_threshold", "5", f"{H}.npu_usage_threshold"),
-    (f"{H}.npu_usage_threshold", 90, "npu_usage_threshold (90.0) must not exceed busy_utilization"),
     (f"{H}.enable_virtual_inference", "yes", f"{H}.enable_virtual_inference"),
     (f"{H}.health_collector_timeout", 0, f"{H}.health_collector_timeout"),
     (f"{H}.max_failure_count", 0, f"{H}.max_failure_count"),
@@ -65,6 +63,7 @@ BAD_VALUES = [
     (f"{P}.engine_args.faults.crash", "yes", f"{P}.engine_args.faults.crash"),
     (f"{P}.engine_args.modle", "x", f"{P}.engine_args.modle"),
     ("motor_engine_prefil_config", {}, "motor_engine_prefil_config: Extra inputs are not permitted"),
+    ("health_check_config", {}, "health_check_config: Extra inputs are not permitted"),
     # A section other than the one used is validated too.
     ("motor_engine_decode_config.engine_type", "gpu", "motor_engine_decode_config.engine_type"),
 ]
@@ -167,3 +166,53 @@ def test_the_shipped_example_is_valid():
 
     for role in ("prefill", "decode", "union"):
         load_section(f"{REPO_ROOT}/examples/user_config.json", role)
+
+
+def test_sections_of_other_components_are_set_aside_with_one_log_line(tmp_path, caplog):
+    """A MindIE user_config holds the controller's and node manager's sections beside the engines'."""
+    caplog.set_level(logging.INFO, logger="engine_server.config")
+    mindie = {**GOOD, "motor_nodemanger_config": {"probe_interval": 3}, "motor_controller_config": {"x": [1]}}
+    path = tmp_path / "mindie.json"
+    path.write_text(json.dumps(mindie))
+    name, section = load_section(str(path), "prefill")
+    assert name == P and section.engine_type == "sim"
+    lines = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
+    assert lines == [f"{path}: ignoring the sections of other components: motor_controller_config, motor_nodemanger_config"]
+    # The engine sections stay strict beside them.
+    path.write_text(json.dumps(_set(mindie, f"{P}.drian_timeout", 1)))
+    with pytest.raises(ConfigError, match=f"{P}.drian_timeout: Extra inputs are not permitted"):
+        load_section(str(path), "prefill")
+
+
+@pytest.mark.parametrize("threshold", [0, -5, 100.5])
+def test_a_threshold_outside_mindies_range_turns_probing_off_with_a_warning(tmp_path, caplog, threshold):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(_set(GOOD, f"{H}.npu_usage_threshold", threshold)))
+    _, section = load_section(str(path), "prefill")
+    assert section.health_check_config.enable_virtual_inference and not section.health_check_config.probing
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [f"{path}: {H}.npu_usage_threshold: {threshold:g} is outside 0 < npu_usage_threshold "
+                        "<= 100: virtual inference is off"]  # fmt: skip
+
+
+def test_a_threshold_above_busy_utilization_is_a_warning_not_a_refusal(tmp_path, caplog):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(_set(GOOD, f"{H}.npu_usage_threshold", 90)))
+    _, section = load_section(str(path), "prefill")
+    assert section.health_check_config.probing
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"{path}: {H}.npu_usage_threshold (90) exceeds busy_utilization (80): an engine between the two counts as "
+        "idle yet is probed at busy_probe_interval"
+    ]
+
+
+@pytest.mark.processes
+def test_an_engine_whose_threshold_turns_probing_off_is_never_probed(engine_server):
+    from tests.engine_server.conftest import sim_config
+    from motor.v1 import types_pb2
+
+    es = engine_server(sim_config(engine_args={"utilization": 1}, health={"npu_usage_threshold": 0}))
+    es.wait_status(types_pb2.HEALTH_STATUS_NORMAL)
+    status = es.status()
+    assert not status.probing and not status.HasField("last_probe")
+    assert "npu_usage_threshold: 0 is outside 0 < npu_usage_threshold <= 100: virtual inference is off" in es.output

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
+from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from motor.clock import SystemClock
 from motor.user_config import HealthCheckConfig
 from engine_server.engines.base import UtilizationSampler, is_probe_request_id, probe_token
 from engine_server.metrics import EngineServerMetrics
@@ -55,17 +58,24 @@ class ScriptedClient:
             raise ProbeFailed(self.fail)
 
 
-async def no_sleep(seconds: float) -> None:
-    return None
+class NoWaitClock(SystemClock):
+    """The system clock, but a sleep returns at once."""
+
+    async def sleep(self, seconds: float) -> None:
+        return None
 
 
-def make_prober(sampler: UtilizationSampler, client=None, settings=SETTINGS, metrics=None):
+NO_WAIT = NoWaitClock()
+
+
+def make_prober(sampler: UtilizationSampler, client=None, settings=SETTINGS, metrics=None, progress=lambda: None):
     machine = HealthStateMachine()
     machine.fire(Event.HEALTH_UP, "up")
     records = []
     prober = Prober(
         settings, client or ScriptedClient(), PeakSampler(sampler, settings.utilization_window,
-        settings.utilization_sample_period, sleep=no_sleep), machine, on_record=records.append, metrics=metrics,
+        settings.utilization_sample_period, clock=NO_WAIT), machine, on_record=records.append, metrics=metrics,
+        progress=progress,
     )  # fmt: skip
     return prober, machine, records
 
@@ -115,6 +125,64 @@ async def test_busy_accelerator_with_failing_probes_never_turns_abnormal():
     assert machine.state is Health.NORMAL and prober.consecutive_failures == 0
 
 
+class Progress:
+    """An engine's progress counter that moves only when told to."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self) -> int:
+        return self.count
+
+
+async def test_a_busy_reading_without_progress_is_a_hang_and_counts():
+    """A kernel spinning in a hung collective reads near 100 %: with the engine's progress known,
+    failures count unless it produced something since the previous round."""
+    client, progress = ScriptedClient(), Progress()
+    client.hang = True
+    prober, machine, _ = make_prober(FixedSampler(95), client, progress=progress)
+    for expected in (1, 2, 3):
+        record = await prober.probe_once()
+        assert record.counted and record.consecutive_failures == expected
+    assert machine.state is Health.ABNORMAL
+    assert "made no progress" in machine.reason and "95%" in machine.reason and "timed out" in machine.reason
+
+
+async def test_a_long_request_making_progress_excuses_failed_probes():
+    """A long prefill keeps probes waiting, but its steps move the engine on: not a failure."""
+    client, progress = ScriptedClient(), Progress()
+    client.fail = "timed out after 0.2s"
+
+    class Stepping(FixedSampler):
+        async def sample(self) -> float:
+            progress.count += 1  # steps complete while the window is sampled
+            return await super().sample()
+
+    prober, machine, _ = make_prober(Stepping(95), client, progress=progress)
+    for _ in range(10):
+        record = await prober.probe_once()
+        assert not record.counted and record.consecutive_failures == 0
+    assert machine.state is Health.NORMAL
+
+
+async def test_progress_between_rounds_counts_for_the_next_round():
+    client, progress = ScriptedClient(), Progress()
+    client.fail = "HTTP 500"
+    prober, _, _ = make_prober(FixedSampler(95), client, progress=progress)
+    assert (await prober.probe_once()).counted  # nothing moved during the first round
+    progress.count += 5  # tokens produced while waiting for the next round
+    assert not (await prober.probe_once()).counted
+    assert (await prober.probe_once()).counted  # nothing since
+
+
+async def test_progress_never_excuses_a_failure_on_an_idle_accelerator():
+    client, progress = ScriptedClient(), Progress()
+    client.fail = "HTTP 500"
+    prober, _, _ = make_prober(FixedSampler(1), client, progress=progress)
+    progress.count += 1
+    assert (await prober.probe_once()).counted
+
+
 async def test_peak_over_the_window_decides_not_the_last_sample():
     # Idle at the end of the window, but busy during it: the failure must not count.
     client = ScriptedClient()
@@ -141,7 +209,7 @@ async def test_a_broken_sampler_counts_as_idle():
         async def sample(self) -> float:
             raise RuntimeError("no driver")
 
-    assert await PeakSampler(Broken(), 1, 0.5, sleep=no_sleep).peak() == 0.0
+    assert await PeakSampler(Broken(), 1, 0.5, clock=NO_WAIT).peak() == 0.0
 
 
 async def test_run_probes_start_to_start_every_interval():
@@ -158,7 +226,7 @@ async def test_run_probes_start_to_start_every_interval():
         return now[0]
 
     prober, _, _ = make_prober(FixedSampler(0))
-    prober._sleep, prober._monotonic = fake_sleep, monotonic
+    prober._clock = SimpleNamespace(time=time.time, monotonic=monotonic, sleep=fake_sleep)
     with pytest.raises(asyncio.CancelledError):
         await prober.run()
     assert all(0 < s < 5 for s in sleeps)  # the round's own time is taken off the interval
@@ -236,3 +304,64 @@ async def test_http_probe_client_sends_the_probe_and_checks_the_answer(role):
             await refused.probe()
         finally:
             await refused.close()
+
+
+class ScriptedHealth:
+    def __init__(self):
+        self.problem: str | None = None
+        self.calls = 0
+
+    async def check(self) -> None:
+        self.calls += 1
+        if self.problem:
+            raise ProbeFailed(self.problem)
+
+
+async def test_failed_health_checks_count_to_abnormal_and_a_200_recovers():
+    """While nothing probes, GET /health alone is checked for the engine's whole life."""
+    health = ScriptedHealth()
+    prober, machine, _ = make_prober(FixedSampler(0))
+    changes = []
+    prober.health, prober.on_health_check = health, lambda: changes.append(machine.state)
+    await prober.check_health_once()
+    assert changes == [] and prober.consecutive_failures == 0  # a 200 on a healthy engine: no news
+    health.problem = "GET /health timed out after 2s"
+    for _ in range(SETTINGS.max_failure_count):
+        await prober.check_health_once()
+    assert machine.state is Health.ABNORMAL and prober.consecutive_failures == 3
+    assert machine.reason == "3 consecutive health checks failed: GET /health timed out after 2s"
+    health.problem = None
+    await prober.check_health_once()
+    assert machine.state is Health.NORMAL and machine.reason == "GET /health answers 200 again"
+    assert prober.consecutive_failures == 0 and len(changes) == 4
+
+
+async def test_a_probe_round_checks_health_first_and_does_not_probe_while_it_fails():
+    health, client = ScriptedHealth(), ScriptedClient()
+    prober, machine, records = make_prober(FixedSampler(95), client)
+    prober.health = health
+    health.problem = "GET /health answered 503"
+    record = await prober.probe_once()
+    assert client.calls == 0 and not record.success and record.counted and record.error == "GET /health answered 503"
+    client.fail = "HTTP 500"
+    health.problem = None
+    prober.progress = lambda: None  # judged by utilization alone: a busy reading excuses the probe
+    record = await prober.probe_once()
+    assert client.calls == 1 and not record.counted and record.consecutive_failures == 1
+    health.problem = "GET /health failed: ClientConnectorError"
+    await prober.probe_once()
+    await prober.probe_once()
+    assert machine.state is Health.ABNORMAL and machine.reason == (
+        "3 consecutive health checks failed: GET /health failed: ClientConnectorError (probes wait until it answers 200)")
+    health.problem = None
+    client.fail = None
+    assert (await prober.probe_once()).success and machine.state is Health.NORMAL
+    assert machine.reason == "virtual-inference probes succeed again"
+
+
+def test_metric_help_names_the_settings_that_really_apply():
+    """The help an operator reads in /metrics must name the timeout the probes use."""
+    metrics = EngineServerMetrics(CollectorRegistry())
+    latency = metrics.probe_latency._documentation
+    assert "probe_timeout" in latency and "health_collector_timeout" not in latency
+    assert "scheduler steps" in metrics.counted_failures._documentation

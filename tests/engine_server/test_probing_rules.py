@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
@@ -16,17 +18,17 @@ from engine_server.probing import HttpProbeClient, PeakSampler, ProbeFailed
 from engine_server.status import Event, Health, HealthStateMachine, Transition
 from motor.ports import free_port
 from tests.engine_server.test_probing import (
-    SETTINGS, FixedSampler, ScriptedClient, make_prober, no_sleep, serve_completions,
+    NO_WAIT, SETTINGS, FixedSampler, ScriptedClient, make_prober, serve_completions,
 )  # fmt: skip
 
 
 class Clock:
-    """A clock that moves only when told to."""
+    """A wall clock that moves only when told to (all the status machine reads)."""
 
     def __init__(self, now: float = 1000.0):
         self.now = now
 
-    def __call__(self) -> float:
+    def time(self) -> float:
         return self.now
 
 
@@ -96,7 +98,7 @@ def test_abnormal_is_logged_as_a_warning_and_the_rest_as_info(caplog):
 async def test_a_record_says_when_it_was_sent_and_how_long_the_probe_took():
     prober, _, records = make_prober(FixedSampler(0))
     ticks = iter([100.0, 100.25])
-    prober._clock, prober._monotonic = (lambda: 1700000000.0), (lambda: next(ticks))
+    prober._clock = SimpleNamespace(time=lambda: 1700000000.0, monotonic=lambda: next(ticks))
     assert prober.last is None
     record = await prober.probe_once()
     assert record.time == 1700000000.0 and record.latency == pytest.approx(0.25)
@@ -117,7 +119,7 @@ async def test_a_failed_probe_has_its_latency_and_reason(outcome, caplog):
     settings = SETTINGS.model_copy(update={"probe_timeout": 0.05})
     prober, _, _ = make_prober(FixedSampler(0), Client(), settings=settings)
     ticks = iter([100.0, 100.5])
-    prober._monotonic = lambda: next(ticks)
+    prober._clock = SimpleNamespace(time=time.time, monotonic=lambda: next(ticks))
     record = await prober.probe_once()
     assert not record.success and record.latency == pytest.approx(0.5)
     assert record.error == {"ProbeFailed": "HTTP 500: boom", "timeout": "timed out after 0.05s",
@@ -177,7 +179,7 @@ async def test_a_round_longer_than_the_interval_starts_the_next_at_once():
         return now[0]
 
     prober, _, _ = make_prober(FixedSampler(0))
-    prober._sleep, prober._monotonic = fake_sleep, monotonic
+    prober._clock = SimpleNamespace(time=time.time, monotonic=monotonic, sleep=fake_sleep)
     prober.interval = 5.0
     with pytest.raises(asyncio.CancelledError):
         await prober.run()
@@ -193,13 +195,13 @@ async def test_samples_are_spaced_by_the_period_without_a_trailing_sleep():
         sleeps.append(seconds)
 
     sampler = FixedSampler(5, 50, 7)
-    assert await PeakSampler(sampler, 1.5, 0.5, sleep=record_sleep).peak() == 50
+    assert await PeakSampler(sampler, 1.5, 0.5, clock=SimpleNamespace(sleep=record_sleep)).peak() == 50
     assert sampler.calls == 3 and sleeps == [0.5, 0.5]
 
 
 async def test_a_window_of_one_period_takes_one_sample():
     sampler = FixedSampler(5)
-    await PeakSampler(sampler, 0.5, 0.5, sleep=no_sleep).peak()
+    await PeakSampler(sampler, 0.5, 0.5, clock=NO_WAIT).peak()
     assert sampler.calls == 1
 
 
@@ -210,7 +212,7 @@ async def test_a_broken_sampler_is_reported_once(caplog):
         async def sample(self) -> float:
             raise RuntimeError("no driver")
 
-    peak = PeakSampler(Broken(), 1, 0.5, sleep=no_sleep)
+    peak = PeakSampler(Broken(), 1, 0.5, clock=NO_WAIT)
     assert await peak.peak() == 0.0 and await peak.peak() == 0.0
     assert [r.getMessage() for r in caplog.records if r.name == "engine_server.probing"] == [
         "utilization sampler broken failed: no driver (counting as 0%)"

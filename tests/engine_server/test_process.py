@@ -112,14 +112,31 @@ def test_fail_inference_turns_abnormal_after_max_failure_count_and_a_success_res
     assert "succeed again" in recovered.reason
 
 
-def test_busy_engine_with_failing_probes_stays_normal_and_uses_the_busy_interval(engine_server):
-    es = engine_server(
-        sim_config(engine_args={"utilization": 95, "faults": {"fail_inference": True}}, health={"max_failure_count": 2})
-    )
+def long_request(es, words: int) -> threading.Thread:
+    """A client request whose prompt keeps the sim engine prefilling (its steps are progress)."""
+    answers: list = []
+
+    def send():
+        try:
+            answers.append(es.http("POST", "/v1/completions", {"prompt": "w " * words, "max_tokens": 2}, timeout=120)[0])
+        except OSError as exc:  # the test ended (and killed the engine) first
+            answers.append(exc)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.answers = answers  # type: ignore[attr-defined]
+    thread.start()
+    return thread
+
+
+def test_busy_engine_making_progress_with_failing_probes_stays_normal_and_uses_the_busy_interval(engine_server):
+    # A long prefill holds the engine (30 s): probes wait behind it and time out (1 s).
+    es = engine_server(sim_config(engine_args={"utilization": 95, "prefill_ms_per_token": 5},
+                                  health={"max_failure_count": 2}))  # fmt: skip
     es.wait_status(NORMAL)
     stream = watch(es)
     next(stream)
-    busy = probes(stream, 4)
+    long_request(es, 6000)
+    busy = probes(stream, 5)[1:]  # the first may have been sent before the request
     assert all(m.probe.outcome == FAILURE and not m.probe.counted for m in busy)
     assert all(m.probe.consecutive_failures == 0 and m.status.status == NORMAL for m in busy)
     assert all(seconds(m.probe.next_interval) == pytest.approx(1.5) for m in busy)
@@ -131,12 +148,44 @@ def test_busy_engine_with_failing_probes_stays_normal_and_uses_the_busy_interval
     assert all(not m.probe.counted and seconds(m.probe.next_interval) == pytest.approx(1.5) for m in middle)
     assert es.status().status == NORMAL
 
-    # Idle again: back to the short interval, and the failures count.
+    # Idle again: back to the short interval, and the failures count (progress or not).
     es.set_faults(utilization=0)
     seen = until(stream, lambda m: m.status.status == ABNORMAL)
     stream.cancel()
     counted = [m.probe for m in seen if m.HasField("probe") and m.probe.counted]
     assert len(counted) >= 2 and seconds(counted[-1].next_interval) == pytest.approx(0.3)
+
+
+def test_a_long_request_making_progress_never_turns_the_engine_abnormal(engine_server):
+    """A long prefill that makes progress is load, not a failure (the false positives of
+    sglang #22511 and ray #54070): probes time out behind it, nothing counts, the request ends."""
+    es = engine_server(sim_config(engine_args={"utilization": 90, "prefill_ms_per_token": 2},
+                                  health={"max_failure_count": 2}))  # fmt: skip
+    es.wait_status(NORMAL)
+    stream = watch(es)
+    next(stream)
+    request = long_request(es, 3000)  # 6 s of prefill
+    failed = until(stream, lambda m: m.HasField("probe") and m.probe.outcome == FAILURE)[-1].probe
+    assert "timed out" in failed.error and not failed.counted
+    request.join(timeout=60)
+    assert request.answers == [200]  # type: ignore[attr-defined]
+    seen = until(stream, lambda m: m.HasField("probe") and m.probe.outcome == SUCCESS)
+    stream.cancel()
+    assert all(m.status.status == NORMAL for m in seen) and es.status().status == NORMAL
+    assert not any(m.probe.counted for m in seen if m.HasField("probe"))
+
+
+def test_hang_inference_on_a_busy_reading_turns_abnormal(engine_server):
+    """The hang no utilization figure can hide: completions never answer, /health stays 200, the
+    accelerator reads 90 %; nothing is produced, so the failed probes count."""
+    es = engine_server(sim_config(engine_args={"utilization": 90}, health={"max_failure_count": 2}))
+    es.wait_status(NORMAL)
+    es.set_faults(hang_inference=True)
+    abnormal = es.wait_status(ABNORMAL, timeout=30)
+    assert "made no progress" in abnormal.reason and "90%" in abnormal.reason and "timed out" in abnormal.reason
+    assert es.http("GET", "/health")[0] == 200
+    es.set_faults(hang_inference=False)
+    es.wait_status(NORMAL, timeout=30)
 
 
 def test_hung_engine_turns_abnormal_and_recovers(engine_server):
@@ -316,3 +365,18 @@ def test_a_taken_port_stops_the_start_with_a_clear_error(engine_server, plane, c
         es = engine_server(sim_config(), **{plane: taken})
         assert es.wait_exit(timeout=30) == code
     assert f"cannot listen on 127.0.0.1:{taken}" in es.output
+
+
+def test_health_is_checked_for_the_engines_whole_life_without_virtual_inference(engine_server):
+    """/health was checked only until its first 200: a hang that freezes it went unseen."""
+    es = engine_server(sim_config(engine_args={"utilization": 1},
+                                  health={"enable_virtual_inference": False, "health_collector_timeout": 0.3,
+                                          "max_failure_count": 2}))  # fmt: skip
+    es.wait_status(NORMAL)
+    es.set_faults(hang=True)
+    abnormal = es.wait_status(ABNORMAL, timeout=30)
+    assert "health checks failed: GET /health timed out after 0.3s" in abnormal.reason, abnormal.reason
+    assert not abnormal.probing
+    es.set_faults(hang=False)
+    recovered = es.wait_status(NORMAL, timeout=30)
+    assert recovered.reason == "GET /health answers 200 again" and recovered.consecutive_failures == 0

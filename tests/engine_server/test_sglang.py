@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 
+import psutil
 import pytest
 
 from engine_server.engines.base import EngineOptions
@@ -87,7 +88,7 @@ def test_bad_engine_args_are_named(engine_args, field):
 
 @pytest.fixture
 def sglang_server(engine_server, tmp_path, monkeypatch):
-    def start(ignore_term=False, stop_timeout=10.0, role="prefill"):
+    def start(ignore_term=False, stop_timeout=10.0, role="prefill", **section):
         monkeypatch.setenv("FAKE_SGLANG_STATE", str(tmp_path))
         monkeypatch.setenv("FAKE_SGLANG_IGNORE_TERM", "1" if ignore_term else "0")
         config = {
@@ -96,6 +97,7 @@ def sglang_server(engine_server, tmp_path, monkeypatch):
                 "engine_args": {"model_path": "/models/fake", "launcher": FAKE, "stop_timeout": stop_timeout},
                 "health_check_config": {"enable_virtual_inference": True, "probe_interval": 0.3,
                                         "utilization_window": 0.1, "utilization_sample_period": 0.05},
+                **section,
             }
         }  # fmt: skip
         es = engine_server(config, role=role, extra_args=["--kv-port", "9999"])
@@ -152,3 +154,18 @@ def test_killed_engine_server_takes_sglang_with_it(sglang_server):
         os.killpg(launch["pgid"], signal.SIGKILL)  # its worker is SGLang's own business; tidy up here
     except ProcessLookupError:
         pass
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("usage_stats", [None, True])
+def test_engines_do_not_phone_home_unless_the_section_asks(sglang_server, monkeypatch, usage_stats):
+    """Air-gapped fleets: the engine's own processes see VLLM_NO_USAGE_STATS=1 and DO_NOT_TRACK=1."""
+    for name in ("VLLM_NO_USAGE_STATS", "DO_NOT_TRACK"):
+        monkeypatch.delenv(name, raising=False)
+    es, launch = sglang_server(**({} if usage_stats is None else {"usage_stats": usage_stats}))
+    environ = psutil.Process(launch["pid"]).environ()
+    told = {name: environ.get(name) for name in ("VLLM_NO_USAGE_STATS", "DO_NOT_TRACK")}
+    if usage_stats:
+        assert told == {"VLLM_NO_USAGE_STATS": None, "DO_NOT_TRACK": None}
+    else:
+        assert told == {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
@@ -161,3 +162,23 @@ async def test_lora_adapters_load_and_unload_at_run_time_as_with_vllm(sim, tmp_p
     assert status == 404 and body["error"]["message"] == "The lora adapter 'sql' cannot be found."
     status, _ = await post(session, "/v1/completions", {"model": "sql", "prompt": "hi", "max_tokens": 2})
     assert status == 404
+
+
+async def test_hang_inference_freezes_completions_only(sim):
+    """The failure seen in vLLM fleets: completions never answer while /health stays 200 and the
+    utilization figure stays where it was."""
+    engine, session = sim
+    await post(session, "/sim/faults", {"utilization": 90})
+    status, answer = await post(session, "/sim/faults", {"hang_inference": True})
+    assert status == 200 and answer["hang_inference"] is True and answer["hang"] is False
+    stuck = asyncio.ensure_future(post(session, "/v1/completions", {"prompt": "x"}))
+    probe = asyncio.ensure_future(post(session, "/v1/completions", {"prompt": "p", "max_tokens": 1},
+                                       headers=probe_request("prefill")[1]))  # fmt: skip
+    done, _ = await asyncio.wait([stuck, probe], timeout=0.5)
+    assert not done  # neither a request nor a probe answers
+    async with session.get("/health") as response:
+        assert response.status == 200
+    assert await engine.utilization_sampler().sample() == 90
+    await post(session, "/sim/faults", {"hang_inference": False})
+    (status, _), (probe_status, _) = await asyncio.wait_for(asyncio.gather(stuck, probe), 5)
+    assert status == 200 and probe_status == 200  # released where they waited

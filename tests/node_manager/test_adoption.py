@@ -127,7 +127,7 @@ async def test_a_failed_engine_starts_again_as_a_new_process_and_counts_a_restar
 
 async def test_an_exit_during_a_stop_is_not_a_failure(fake_node):
     node = fake_node
-    record = await node.manager.start_engine(sim_spec())
+    await node.manager.start_engine(sim_spec())
     await node.answer(NORMAL)
     stopped = await node.manager.stop_engine(ENGINE, deadline=1.0)
     assert stopped.state == STOPPED and stopped.exit_code == 0 and node.reports == []

@@ -1,4 +1,4 @@
-"""The node manager's disk full (issue 12, defect 2), replayed by a write-failure injection at
+"""The node manager's disk full, replayed by a write-failure injection at
 the record store boundary: every engine record write raises OSError(ENOSPC), as a full disk
 does, through the store's one write path (`RecordStore.write`). (A real full tmpfs needs root
 to mount; the chaos suite uses one where it can.)
@@ -24,7 +24,7 @@ from motor.errors import Unavailable
 from motor.processes import ExitStatus
 from motor.v1 import node_manager_pb2, types_pb2
 from node_manager.record_saver import RecordSaver
-from tests.node_manager.conftest import alive, spec
+from tests.node_manager.conftest import alive
 from tests.node_manager.fakes import NORMAL, FakeNode, ended, settle, sim_spec
 from tests.support import async_wait_for
 

@@ -19,8 +19,7 @@ from motor.errors import ConfigError
 from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 from node_manager.cli import load_config
 from node_manager.engine import RUNNING
-from tests.node_manager.conftest import spec
-from tests.support import async_wait_for, require
+from tests.support import require
 
 FAKE_SGLANG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine_server", "fake_sglang.py")
 

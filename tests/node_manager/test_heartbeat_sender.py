@@ -1,4 +1,4 @@
-"""The heartbeat stream closed under a beat (hostile F12): during a failover a failed report moves
+"""The heartbeat stream closed under a beat: during a failover a failed report moves
 the link to another controller, which closes the heartbeat stream while the heartbeat loop awaits
 its answer. That is a failed beat to retry, never the end of the node manager."""
 

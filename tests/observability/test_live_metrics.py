@@ -76,7 +76,7 @@ def _ours(text: str) -> str:
     """The exposition of our families only, HELP and TYPE lines included."""
     keep = []
     for line in text.splitlines():
-        name = line.split()[2] if line.startswith("# ") and len(line.split()) > 2 else re.split(r"[{ ]", line, 1)[0]
+        name = line.split()[2] if line.startswith("# ") and len(line.split()) > 2 else re.split(r"[{ ]", line, maxsplit=1)[0]
         if OURS.match(name):
             keep.append(line)
     return "\n".join(keep) + "\n"
@@ -148,7 +148,7 @@ def test_every_rule_uses_metrics_a_live_cluster_exports(scraped):
 def test_every_motor_series_has_help_that_says_what_it_is_for(scraped):
     """HELP is what an operator reads first: a sentence, not a label (the wording is reviewed)."""
     short = set()
-    for target, body in scraped.items():
+    for body in scraped.values():
         for family in text_string_to_metric_families(body):
             if OURS.match(family.name) and len(family.documentation.split()) < 8:
                 short.add(f"{family.name}: {family.documentation!r}")

@@ -1,4 +1,4 @@
-"""Client certificates rotated on a running mutual-TLS cluster are used without a restart (issue 11).
+"""Client certificates rotated on a running mutual-TLS cluster are used without a restart.
 
 A `motorctl up --tls` cluster (controller, two node managers, the example deployment) gets a new
 CA and new certificates for every identity, written over the old files the way a rotation does

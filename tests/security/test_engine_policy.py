@@ -68,7 +68,7 @@ VLLM_UNION = "spec.config_json.motor_engine_union_config.engine_args"
 
 @pytest.mark.parametrize(
     "engine_args, key, says",
-    [  # hostile F1: every spelling vLLM accepts, and the code-loading arguments missing from the old list
+    [  # every spelling vLLM accepts, and the code-loading arguments missing from the old list
         ({"trust-remote-code": True}, "trust-remote-code", "must be false"),
         ({"Trust_Remote_Code": True}, "Trust_Remote_Code", "must be false"),
         ({"worker-cls": "evil.Worker"}, "worker-cls", "Python class"),
@@ -85,13 +85,19 @@ VLLM_UNION = "spec.config_json.motor_engine_union_config.engine_args"
         ({"logging_config": {"pylogging_config_file": "x.json"}}, "logging_config.pylogging_config_file", "logging configuration"),
         ({"logging_config": {"log_level": "info"}}, "logging_config", "logging configuration"),
         ({"distributed_executor_backend": "evil.Executor"}, "distributed_executor_backend", "must be one of"),
+        # accepted by vLLM, but they cannot work under the engine server
+        ({"distributed_executor_backend": "ray"}, "distributed_executor_backend", "Ray is not supported"),
+        ({"data-parallel-backend": "ray"}, "data-parallel-backend", "Ray is not supported"),
+        ({"ssl_certfile": "cert.pem"}, "ssl_certfile", "TLS on the inference plane is not supported"),
+        ({"ssl_keyfile": "key.pem"}, "ssl_keyfile", "TLS on the inference plane is not supported"),
+        ({"ssl_ca_certs": "ca.pem"}, "ssl_ca_certs", "TLS on the inference plane is not supported"),
         ({"compilation_config": {"backend": "evil.backend_fn"}}, "compilation_config.backend", "Python name vLLM would import"),
         ({"compilation_config": {"inductor_compile_config": {"cpp.cxx": "sh"}}}, "compilation_config.inductor_compile_config", "compiler"),
         ({"speculative_config": {"method": "custom_class", "model": "evil.Proposer"}}, "speculative_config.model", "Python name"),
         ({"some_new_vllm_argument": 1}, "some_new_vllm_argument", "not among the vLLM arguments a request may set"),
         ({"served_model_name": ["x", "--trust-remote-code"]}, "served_model_name[1]", "looks like a command-line option"),
         ({"port": 9}, "port", "set by the engine server's command line"),
-        # hostile F2: JSON in a string is what vLLM parses, so it is checked as JSON
+        # JSON in a string is what vLLM parses, so it is checked as JSON
         ({"speculative_config": '{"model": "/etc", "method": "eagle"}'}, "speculative_config.model", "'/etc' is a local path outside"),
         ({"compilation_config": '{"cache_dir": "/etc/x"}'}, "compilation_config.cache_dir", "'/etc/x' is a local path outside"),
         ({"compilation_config": ' {"backend": "evil.fn"}'}, "compilation_config.backend", "Python name"),
@@ -221,7 +227,7 @@ def test_every_section_is_checked_and_motor_keys_do_not_end_the_check():
     config = {"other": 1, "motor_engine_decode_config": {"engine_type": "sim"}, **_vllm(motor_utilization=5, Xseed=1)}
     with pytest.raises(InvalidArgument) as refused:
         check_engine_config(config, [])
-    assert str(refused.value) == (f"config_json.motor_engine_union_config.engine_args.Xseed: not among the vLLM arguments a "
+    assert str(refused.value) == ("config_json.motor_engine_union_config.engine_args.Xseed: not among the vLLM arguments a "
                                   "request may set (motor/vllm_request_args.py, docs/security.md)")
     check_engine_config(_vllm(**{"compilation_config.mode": 3, "--seed": 1}), [])  # a dotted key is its first part's
 
@@ -269,3 +275,11 @@ def test_strings_an_argument_parser_turns_into_numbers_that_are_not_finite_are_r
     with pytest.raises(InvalidArgument, match=rf"^spec.config_json.{SECTION}.engine_args.extra_args\[1\]: .* is not a finite number"):
         check_engine_config(_config(extra_args=["--mem-fraction-static", text]), [], field="spec.config_json")
     check_engine_config(_vllm(gpu_memory_utilization="0.9", served_model_name=["nano", "info"]), None)  # finite and words: fine
+
+
+@pytest.mark.parametrize("engine_args", [
+    {"distributed_executor_backend": "mp"}, {"data_parallel_backend": "mp"}, {"ssl_certfile": None},
+    {"enable_ssl_refresh": False},
+])  # fmt: skip
+def test_the_supported_backends_and_tls_left_off_pass(engine_args, tmp_path):
+    check_engine_config(_vllm(**engine_args), [str(tmp_path)], field="spec.config_json")

@@ -1,4 +1,4 @@
-"""Issue 11, attack 6 in plaintext mode (no identities: anyone reaching a node manager's port
+"""Only the controller sends generations, in plaintext mode (no identities: anyone reaching a node manager's port
 may call StartEngine): a huge generation or controller epoch is refused naming the field and
 leaves nothing behind; a bogus generation within the controller's limit is learned by the
 controller, which issues above it. Either way the controller's next real start succeeds.

@@ -1,4 +1,4 @@
-"""The hostile findings of issue 11, replayed against a `motorctl up --tls` cluster (controller, two
+"""A hostile caller's attacks, replayed against a `motorctl up --tls` cluster (controller, two
 node managers, the example deployment; mutual TLS on every plane, certificates from its dev
 PKI): every attack is refused with the right status code, and afterwards the cluster is
 unchanged: same engines, same pids, same ports, same endpoints, same deployment revision."""

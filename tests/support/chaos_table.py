@@ -1,4 +1,4 @@
-"""The chaos table (issue 12): one row per fault, recorded by the test that injected it
+"""The chaos table: one row per fault, recorded by the test that injected it
 (tests/chaos, and the partition row of tests/compose), printed at the end of the pytest session
 by the terminal summary hook in tests/conftest.py, and written to $MOTOR_CHAOS_TABLE if set.
 

@@ -60,6 +60,11 @@ def test_progress_sampler_reads_busy_only_when_tokens_were_produced_since_the_la
     progress.add(3)
     assert sampler.read() == 100.0
     assert sampler.read() == 0.0  # nothing since the previous reading
+    progress.step()  # a step with no client request in the engine (a probe's): no progress
+    assert sampler.read() == 0.0
+    progress.serving_clients = lambda: True
+    progress.step()  # a prefill chunk of a client request: no token yet, but the engine core moved
+    assert sampler.read() == 100.0 and progress.total == 4
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +98,10 @@ def test_valid_engine_args_pass(check):
         ({"model": "/nonexistent/model"}, "model", "no such model folder"),
         ({"model": None}, "model", "required"),
         ({"max_model_len": 1_000_000}, "", "vLLM rejected the configuration"),
+        ({"distributed_executor_backend": "ray"}, "distributed_executor_backend", "Ray is not supported"),
+        ({"data_parallel_backend": "ray"}, "data_parallel_backend", "use mp"),
+        ({"ssl_certfile": "/tmp/cert.pem", "ssl_keyfile": "/tmp/key.pem"}, "ssl_certfile",
+         "TLS on the inference plane is not supported"),
     ],
 )
 def test_bad_engine_args_are_named(check, overrides, field, words):
@@ -123,3 +132,30 @@ def test_engine_server_exits_2_naming_the_bad_engine_arg(tiny_model, vllm_env, t
     assert f"{FIELD}.max_model_len" in process.stderr
     message = read_termination_message(str(tmp_path / "termination"))
     assert message.cause == "config_error" and message.message.startswith(f"{FIELD}.max_model_len"), message
+
+
+@pytest.mark.parametrize("dp_size, dp_rank, kv_port, expected", [
+    (1, 0, 27000, 27000),
+    (1, 3, 27000, 27000),  # no data parallelism: vLLM's rank is 0 whatever the engine server's
+    (2, 1, 27001, 27001),  # vLLM adds the rank: the variable holds 27000
+])  # fmt: skip
+def test_kv_port_puts_the_nixl_side_channel_on_it(monkeypatch, dp_size, dp_rank, kv_port, expected):
+    """Single-container mode: P/D engines sharing a host must not collide on vLLM's default 5600."""
+    import vllm.envs as envs
+    from engine_server.engines.base import EngineOptions
+    from engine_server.engines.vllm_args import kv_side_channel_environment
+
+    options = EngineOptions(role="prefill", instance_id="p", dp_rank=dp_rank, host="10.0.0.7", port=8000,
+                            master_dp_ip="10.0.0.7", kv_port=kv_port, engine_args={"data_parallel_size": dp_size})
+    env = kv_side_channel_environment(options, environ={})
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    vllm_rank = dp_rank if dp_size > 1 else 0  # what vLLM's parallel config calls data_parallel_index
+    assert envs.VLLM_NIXL_SIDE_CHANNEL_PORT + vllm_rank == expected
+    assert envs.VLLM_NIXL_SIDE_CHANNEL_HOST == "10.0.0.7"  # inferred from --host
+    # A host the operator set stays; a wildcard --host is no address to give decode engines.
+    assert "VLLM_NIXL_SIDE_CHANNEL_HOST" not in kv_side_channel_environment(options, {"VLLM_NIXL_SIDE_CHANNEL_HOST": "nic0"})
+    options.host = "0.0.0.0"
+    assert "VLLM_NIXL_SIDE_CHANNEL_HOST" not in kv_side_channel_environment(options, {})
+    options.kv_port = None
+    assert kv_side_channel_environment(options, {}) == {}

@@ -1,5 +1,5 @@
 """The whole stack with the real vLLM engine: a controller and a node manager (`motorctl up`'s
-LocalCluster) running one vLLM engine server that ApplyDeployment asked for. Issue #13 end to end,
+LocalCluster) running one vLLM engine server that ApplyDeployment asked for. End to end,
 as an operator sees it through `motorctl` and the node manager's records:
 
 - kill -9 of the engine core: ENGINE_FAILED whose reason gives the engine server's own cause of
