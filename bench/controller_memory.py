@@ -15,7 +15,7 @@ engine (len(gc.get_objects())), the types that grew most, bytes per engine (RSS 
 malloc_trim, so that it counts what is held rather than the peak; with --tracemalloc also the
 Python allocator's share: slow), the time Controller.heartbeat takes per engine in a full
 heartbeat of engines reported unchanged (the steady state of unary heartbeats), and one
-complete collection (gc.collect() after gc.unfreeze(), as motor/gc_tuning.py's complete walk:
+complete collection (gc.collect() after gc.unfreeze(), as controller/gc_tuning.py's complete walk:
 every tracked object of the process), median of --walks. --config-bytes grows the deployment's
 engine config (a real one is often kilobytes; every engine's spec carries it).
 
@@ -42,7 +42,7 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from motor import names  # noqa: E402
+from motor.contract import names  # noqa: E402
 from motor.v1 import controller_pb2 as C  # noqa: E402
 from motor.v1 import types_pb2 as T  # noqa: E402
 

@@ -32,7 +32,7 @@ A ladder stops when a step collapses (under half the heartbeats asked for answer
 
 Every step runs on a fresh controller and fleet. --tls both (the default) runs each size twice,
 plaintext then with mutual TLS on every connection, one right after the other (the machine's load
-drifts: neighbours in time compare best): the script makes a CA (motor/pki.py), the controller
+drifts: neighbours in time compare best): the script makes a CA (motor/security/pki.py), the controller
 serves with its own certificate and verifies callers, and each simulated node presents a
 certificate of its own (ECDSA P-256, URI SAN spiffe://motor/node/<id>, minted by the fleet from
 that CA). The summary compares the largest fleet sustained with and without, by each rule: all of
@@ -78,9 +78,9 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from motor.grpc_server import TlsFiles, channel_credentials  # noqa: E402
-from motor.identity import Identity  # noqa: E402
-from motor.pki import CertificateAuthority  # noqa: E402
+from motor.service.grpc_server import TlsFiles, channel_credentials  # noqa: E402
+from motor.security.identity import Identity  # noqa: E402
+from motor.security.pki import CertificateAuthority  # noqa: E402
 from motor.ports import free_port  # noqa: E402
 from motor.v1 import controller_pb2 as C  # noqa: E402
 from motor.v1 import controller_pb2_grpc  # noqa: E402

@@ -29,7 +29,7 @@ import grpc
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from motor.deployment_file import deployment_from_dict  # noqa: E402
+from motor.contract.deployment_file import deployment_from_dict  # noqa: E402
 from motor.v1 import controller_pb2 as C  # noqa: E402
 from motor.v1 import controller_pb2_grpc  # noqa: E402
 from motorctl.up import LocalCluster  # noqa: E402

@@ -1,7 +1,7 @@
 """What one client connection costs a bare gRPC Python server (grpc.aio) in memory, plaintext
 against mutual TLS, side by side: the floor under the controller's RSS in bench/controller_scale.py.
 
-The server has no Motor code but its TLS credentials (motor/grpc_server.py, the controller's): one
+The server has no Motor code but its TLS credentials (motor/service/grpc_server.py, the controller's): one
 bidirectional-streaming method, served as ControllerService/StreamHeartbeats is (an async
 generator answering each message), and nothing else. A client process (also grpc.aio) opens --connections connections with one stream each, as
 node managers do, and sends a heartbeat-sized message on each every --every seconds. Once every
@@ -10,7 +10,7 @@ growth over the idle server, per connection, is what gRPC itself (its C-core: th
 the call and its arena, the TLS session and buffers; and grpc.aio's per-call objects) holds for
 a connection with one open stream. Both modes run in one invocation, plaintext first, each on a
 fresh server; --repeats runs the pair again. Mutual TLS uses ECDSA P-256 certificates from one CA
-(motor/pki.py), as the controller and node managers do; --option NAME=VALUE adds a gRPC server
+(motor/security/pki.py), as the controller and node managers do; --option NAME=VALUE adds a gRPC server
 option (an integer) to both modes, to see what a C-core setting changes.
 
     .venv/bin/python bench/grpc_connection_memory.py                       # 2,000 connections
@@ -36,8 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grpc  # noqa: E402
 
-from motor.grpc_server import TlsFiles, channel_credentials, server_credentials  # noqa: E402
-from motor.pki import CertificateAuthority  # noqa: E402
+from motor.service.grpc_server import TlsFiles, channel_credentials, server_credentials  # noqa: E402
+from motor.security.pki import CertificateAuthority  # noqa: E402
 from motor.ports import free_port  # noqa: E402
 from motor.v1 import controller_pb2 as C  # noqa: E402
 

@@ -43,7 +43,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from motor import processes  # noqa: E402
-from motor.grpc_server import aio_channel  # noqa: E402
+from motor.service.grpc_server import aio_channel  # noqa: E402
 from motor.ports import free_port  # noqa: E402
 from motor.v1 import engine_pb2, engine_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc, types_pb2  # noqa: E402
 from node_manager.config import NodeManagerConfig  # noqa: E402

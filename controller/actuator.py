@@ -2,7 +2,7 @@
 a copy (stopping an older copy the node still runs), and stops copies, at once or in the
 background, asking a node at most once per FENCE_WINDOW for the same copy.
 
-Retries back off and are told once (motor/retry.py): a stop that failed is asked again after
+Retries back off and are told once (motor/service/retry.py): a stop that failed is asked again after
 1 s, 2 s, 4 s ... FENCE_WINDOW, and its ENGINE_FENCED event counts the tries until it succeeds;
 a StartEngine on an unreachable node, or refused because what the engine needs is still held by
 another engine there (an old copy draining and stopping), is retried by the reconcile loop after
@@ -18,7 +18,7 @@ import logging
 from typing import Callable, Coroutine, Iterator
 
 from motor.clock import Clock
-from motor.retry import RepeatedFailure
+from motor.service.retry import RepeatedFailure
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.events import EventBus

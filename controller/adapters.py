@@ -22,7 +22,7 @@ from typing import Callable, Coroutine
 
 import aiohttp
 
-from motor import names
+from motor.contract import names
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.slots import EngineSlot

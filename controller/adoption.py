@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Iterable
 
-from motor import names
+from motor.contract import names
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.instances import STARTING, InstanceRecord

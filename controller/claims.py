@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
-from motor import names, node_process
+from motor.contract import names, node_process
 from motor.errors import FailedPrecondition, InvalidArgument
 from motor.v1 import controller_pb2, types_pb2
 

@@ -7,16 +7,16 @@ import logging
 import os
 import sys
 
-from motor.cli_config import Flag, load_settings, run_service, settings_parser
-from motor.deployment_file import load_deployment
-from motor.gc_tuning import TenuredCollections
-from motor.grpc_server import service_name
-from motor.limits import raise_open_files_limit
-from motor.logs import setup_logging
-from motor.metrics_http import ServiceTelemetry
-from motor.security_config import SECURITY_FLAGS
-from motor.signals import stop_event
-from motor.tasks import cancel_and_wait
+from motor.service.cli_config import Flag, load_settings, run_service, settings_parser
+from motor.contract.deployment_file import load_deployment
+from controller.gc_tuning import TenuredCollections
+from motor.service.grpc_server import service_name
+from controller.limits import raise_open_files_limit
+from motor.service.logs import setup_logging
+from motor.service.metrics_http import ServiceTelemetry
+from motor.security.security_config import SECURITY_FLAGS
+from motor.service.signals import stop_event
+from motor.service.tasks import cancel_and_wait
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
 from controller.config import ControllerConfig
@@ -91,7 +91,7 @@ def apply_startup_deployment(controller: Controller, config: ControllerConfig) -
 async def serve(config: ControllerConfig) -> None:
     stop = stop_event()  # first: a stop signal during start-up (a slow store, etcd) is a stop too
     open_files = raise_open_files_limit()  # a socket per node
-    gc_policy = TenuredCollections().install()  # a large fleet's state: no full garbage collection walks it all (motor/gc_tuning.py)
+    gc_policy = TenuredCollections().install()  # a large fleet's state: no full garbage collection walks it all (controller/gc_tuning.py)
     ha = None
     if config.uses_etcd:
         on_lead = (lambda controller: apply_startup_deployment(controller, config)) if config.deployment else None

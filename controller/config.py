@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
-from motor.config import HostPort
+from motor.service.config import HostPort
 from motor.errors import ConfigError
-from motor.logs import LogFormat, LogLevel
+from motor.service.logs import LogFormat, LogLevel
 from motor.ports import CONTROLLER_METRICS_PORT
-from motor.security_config import SecuritySettings
+from motor.security.security_config import SecuritySettings
 
 from controller.validation import MAX_ENGINES_PER_DEPLOYMENT, MAX_ENGINES_PER_NODE
 
-from controller.etcd_client import parse_etcd_url
+from controller.store.etcd_client import parse_etcd_url
 
 
 class ControllerConfig(SecuritySettings):

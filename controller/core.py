@@ -23,9 +23,9 @@ import collections
 import logging
 from typing import Awaitable, Callable, Iterable
 
-from motor import heartbeats, names, node_process
+from motor.contract import heartbeats, names, node_process
 from motor.clock import SYSTEM_CLOCK, Clock
-from motor.tasks import TaskSet, cancel_and_wait, set_within
+from motor.service.tasks import TaskSet, cancel_and_wait, set_within
 from motor.v1 import controller_pb2, types_pb2
 
 from controller import endpoints, reported as reported_engine, views
@@ -41,7 +41,7 @@ from controller.heartbeat_budget import HeartbeatBudget
 from controller.liveness import NodeMonitor
 from controller.fleet_metrics import FleetSeries
 from controller.generations import Generations
-from controller.store_metrics import MeasuredStore, StoreMetrics
+from controller.store.metrics import MeasuredStore, StoreMetrics
 from controller.metrics import ControllerMetrics
 from controller.node_client import NodeClient
 from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Coroutine, Iterator
 
 
-from motor import names
+from motor.contract import names
 from motor.errors import InvalidArgument, NotFound
 from motor.v1 import controller_pb2
 

@@ -22,7 +22,7 @@ import collections
 import logging
 from typing import Iterable, Iterator
 
-from motor.fanout import FanOut, Subscription
+from motor.service.fanout import FanOut, Subscription
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.instances import DEGRADED, READY

@@ -6,10 +6,10 @@ from __future__ import annotations
 import collections
 import logging
 
-from motor import pbtime
-from motor.fanout import FanOut, Subscription
-from motor.names import CONTROL_CHARACTER, enum_short_name
-from motor.retry import worth_reporting
+from motor.contract import pbtime
+from motor.service.fanout import FanOut, Subscription
+from motor.contract.names import CONTROL_CHARACTER, enum_short_name
+from motor.service.retry import worth_reporting
 from motor.v1 import controller_pb2
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class EventBus:
         )
         self.recent.append(event)
         kind = enum_short_name(controller_pb2.EventType, type_)
-        # The ids and the reason as fields too, for JSON log lines (motor.logs).
+        # The ids and the reason as fields too, for JSON log lines (motor.service.logs).
         ids = {"event": kind.lower(), "node_id": node_id, "instance_id": instance_id, "engine_id": engine_id, "reason": message,
                "deployment": deployment}
         logger.info("event %s: %s", kind, message, extra=ids)

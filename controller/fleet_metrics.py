@@ -20,7 +20,7 @@ import asyncio
 from typing import Any, AsyncIterator, Callable
 
 from motor.clock import SYSTEM_CLOCK, Clock
-from motor.names import enum_short_name, role_name
+from motor.contract.names import enum_short_name, role_name
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.state import ClusterState

@@ -32,7 +32,7 @@ from typing import Callable
 
 from google.protobuf.duration_pb2 import Duration
 
-from motor import pbtime
+from motor.contract import pbtime
 from motor.clock import Clock
 
 

@@ -8,8 +8,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from motor.names import enum_short_name
-from motor.restart_policy import Policy
+from motor.contract.names import enum_short_name
+from controller.restart_policy import Policy
 from motor.state_machine import IllegalTransition as IllegalTransition  # the instance machine's error, re-exported
 from motor.state_machine import Transitions
 from motor.v1 import controller_pb2

@@ -29,9 +29,9 @@ from controller.nodes import NODE_LOST, NODE_READY, NodeRuntime
 from controller.slots import EngineSlot
 from controller.state import ClusterState
 from controller.store import StoreUnavailable
-from motor import names, pbtime
-from motor.exits import describe_exit
-from motor.start_refusals import Refusal
+from motor.contract import names, pbtime
+from motor.contract.exits import describe_exit
+from motor.contract.start_refusals import Refusal
 from motor.v1 import controller_pb2, types_pb2
 
 logger = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ import asyncio
 import logging
 from typing import Callable
 
-from motor import node_process
-from motor.heartbeats import MAX_BACKOFF
+from motor.contract import node_process
+from motor.contract.heartbeats import MAX_BACKOFF
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.config import ControllerConfig

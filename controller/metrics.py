@@ -1,7 +1,7 @@
 """Prometheus metrics of the controller: nodes and instances by state (read at scrape time
 through the callables the controller passes), reschedules by reason and rate-limit hold-backs,
 time from an engine's failure to its replacement NORMAL, heartbeat ingest latency. The store's
-series (controller.store_metrics) come in as `collectors`; the per-node, per-instance and
+series (controller.store.metrics) come in as `collectors`; the per-node, per-instance and
 per-engine series are rendered apart (controller.fleet_metrics) and served after these."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from motor.names import enum_short_name
+from motor.contract.names import enum_short_name
 from motor.v1 import controller_pb2
 
 # Returns {state enum value: how many}; states it leaves out are reported as 0.

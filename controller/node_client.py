@@ -11,10 +11,10 @@ from typing import Callable
 
 import grpc
 
-from motor import pbtime, start_refusals
-from motor.channels import ReloadingChannel
-from motor.grpc_server import TlsFiles
-from motor.retry import with_retries
+from motor.contract import pbtime, start_refusals
+from motor.security.channels import ReloadingChannel
+from motor.service.grpc_server import TlsFiles
+from motor.service.retry import with_retries
 from motor.v1 import controller_pb2, node_manager_pb2, node_manager_pb2_grpc, types_pb2
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class NodeCallError(Exception):
 
     @property
     def refusal(self) -> start_refusals.Refusal | None:
-        """A StartEngine refusal the controller waits out or works around (motor/start_refusals.py)."""
+        """A StartEngine refusal the controller waits out or works around (motor/contract/start_refusals.py)."""
         return start_refusals.kind(self.code, self.message)
 
     @property
@@ -151,7 +151,7 @@ class GrpcNodeClient(NodeClient):
 
     def _stub(self, node: controller_pb2.NodeInfo) -> node_manager_pb2_grpc.NodeManagerServiceStub:
         channel = self.channels.get(node.address)
-        if channel is None:  # made again when the TLS files change (motor/channels.py)
+        if channel is None:  # made again when the TLS files change (motor/security/channels.py)
             channel = self.channels[node.address] = ReloadingChannel(node.address, self.tls, options=self.options)
         return channel.stub(node_manager_pb2_grpc.NodeManagerServiceStub)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from motor.errors import FailedPrecondition, NotFound
-from motor.names import check_node_id, enum_short_name, excerpt
+from motor.contract.names import check_node_id, enum_short_name, excerpt
 from motor.state_machine import Transitions
 from motor.v1 import controller_pb2
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 
-from motor import pbtime
+from motor.contract import pbtime
 from motor.v1 import types_pb2
 
 # (engine id, state, spec.generation, stop grace in seconds or None, spec.config_json, the rest

@@ -19,7 +19,7 @@ from typing import Callable, ContextManager, Generator, Iterable, TypeVar
 
 # Work done between two yields: well under the 50 ms an API call may hold the loop. Several
 # slicers (a deployment change, the reconcile pass, the endpoint feed) and a collection of new
-# objects (motor/gc_tuning.py) can land in one loop iteration: at 10 ms slices and 200 spawns
+# objects (controller/gc_tuning.py) can land in one loop iteration: at 10 ms slices and 200 spawns
 # (their first steps run in the next turn) a 10,000 x dp 4 apply held the loop 50-100 ms in about
 # one observation in 15; at 5 ms and 100, none over 50 ms in 9 phases, no slower overall.
 SLICE_SECONDS = 0.005

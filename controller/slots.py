@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from motor import names
+from motor.contract import names
 from motor.v1 import types_pb2
 
 from controller.table import Table

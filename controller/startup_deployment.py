@@ -19,7 +19,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from motor import names
+from motor.contract import names
 from motor.v1 import controller_pb2
 
 from controller.validation import expand, validate_deployment

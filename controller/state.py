@@ -11,8 +11,8 @@ import logging
 from typing import Callable, Iterable, Iterator
 
 from motor.clock import Clock
-from motor.names import enum_short_name
-from motor.retry import backoff_delay, worth_reporting
+from motor.contract.names import enum_short_name
+from motor.service.retry import backoff_delay, worth_reporting
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.events import EventBus

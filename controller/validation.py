@@ -14,11 +14,13 @@ from typing import Any, Collection, Iterator, Sequence
 
 from google.protobuf import struct_pb2
 
-from motor import names, restart_policy
-from motor.engine_policy import check_engine_config
-from motor.pbtime import seconds
+from motor.contract import names
+
+from controller import restart_policy
+from motor.contract.engine_policy import check_engine_config
+from motor.contract.pbtime import seconds
 from motor.errors import InvalidArgument, ResourceExhausted
-from motor.user_config import section_name_for
+from motor.contract.user_config import section_name_for
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.adapters import adapter_problems

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import collections
 
-from motor import names, node_process
+from motor.contract import names, node_process
 from motor.errors import InvalidArgument
-from motor.names import enum_short_name
-from motor.pbtime import timestamp as _stamp
+from motor.contract.names import enum_short_name
+from motor.contract.pbtime import timestamp as _stamp
 from motor.v1 import controller_pb2, types_pb2
 
 from controller import endpoints, paging, reported

@@ -2,7 +2,7 @@
 
 Exit codes: 0 after SIGTERM/SIGINT (drained and shut down), 2 for a bad command line or
 user_config (the message names the field), 1 when the engine fails to start or dies. With
---termination-message-path the cause of the exit is also written there (motor.termination).
+--termination-message-path the cause of the exit is also written there (motor.contract.termination).
 The management plane answers first (INIT, "checking the configuration") while the engine's
 arguments are checked (vLLM: seconds to import it and read the model's config).
 """
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from engine_server.prometheus_dir import ensure_private_multiproc_dir, remove_private_multiproc_dir
 from pydantic import ConfigDict, Field
 
-from motor.cli_config import Flag, load_settings, settings_parser
-from motor.config import AbsoluteCommand
-from motor.logs import LOG_FORMATS, LOG_LEVELS, LogFormat, LogLevel
-from motor.security_config import SECURITY_FLAGS, SecuritySettings
+from motor.service.cli_config import Flag, load_settings, settings_parser
+from motor.service.config import AbsoluteCommand
+from motor.service.logs import LOG_FORMATS, LOG_LEVELS, LogFormat, LogLevel
+from motor.security.security_config import SECURITY_FLAGS, SecuritySettings
 
 logger = logging.getLogger("engine_server")
 
@@ -38,7 +38,7 @@ class Exit:
     """How and why the process ends (the termination message)."""
 
     code: int
-    cause: str  # motor.termination: stopped, config_error, start_failed, engine_died
+    cause: str  # motor.contract.termination: stopped, config_error, start_failed, engine_died
     message: str
 
 
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_args(args: EngineServerArgs, parser: argparse.ArgumentParser) -> None:
     from motor.errors import InvalidArgument
-    from motor.names import check_instance_id
+    from motor.contract.names import check_instance_id
 
     try:
         check_instance_id(args.instance_id, "--instance-id")
@@ -139,9 +139,9 @@ def _check_args(args: EngineServerArgs, parser: argparse.ArgumentParser) -> None
 
 async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
     from motor.errors import ConfigError
-    from motor.grpc_server import MotorServer
-    from motor.signals import stop_event
-    from motor.termination import CONFIG_ERROR, ENGINE_DIED, START_FAILED, STOPPED
+    from motor.service.grpc_server import MotorServer
+    from motor.service.signals import stop_event
+    from motor.contract.termination import CONFIG_ERROR, ENGINE_DIED, START_FAILED, STOPPED
 
     from engine_server.descendants import CLEAN_EXIT_GRACE_S, end_descendants
 
@@ -234,9 +234,9 @@ def main(argv: list[str] | None = None) -> None:
     _check_args(args, parser)
     ensure_private_multiproc_dir()
 
-    from motor.logs import setup_logging
-    from motor.termination import CONFIG_ERROR, STOPPED
-    from motor.names import engine_id
+    from motor.service.logs import setup_logging
+    from motor.contract.termination import CONFIG_ERROR, STOPPED
+    from motor.contract.names import engine_id
 
     from engine_server.config import apply_usage_stats, load_section
 
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _exit(args: EngineServerArgs, result: Exit) -> None:
-    from motor.termination import write_termination_message
+    from motor.contract.termination import write_termination_message
 
     if args.termination_message_path:
         write_termination_message(args.termination_message_path, result.code, result.cause, result.message)

@@ -1,4 +1,4 @@
-"""Loading the engine server's user_config (models in motor/user_config.py): the whole file is
+"""Loading the engine server's user_config (models in motor/contract/user_config.py): the whole file is
 validated at start-up, errors name the field, and the role's engine_args are checked by its
 engine class."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 import os
 
-from motor import config as motor_config
+from motor.service import config as motor_config
 from motor.errors import ConfigError
-from motor.user_config import EngineSection, UserConfig
+from motor.contract.user_config import EngineSection, UserConfig
 
 logger = logging.getLogger(__name__)
 

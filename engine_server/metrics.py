@@ -10,8 +10,8 @@ import os
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 
-from motor.grpc_metrics import GrpcServerMetrics
-from motor.loop_lag import EventLoopLag
+from motor.service.grpc_metrics import GrpcServerMetrics
+from motor.service.loop_lag import EventLoopLag
 
 PROBE_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Protocol
 import aiohttp
 
 from motor.clock import SYSTEM_CLOCK, Clock
-from motor.user_config import HealthCheckConfig
+from motor.contract.user_config import HealthCheckConfig
 
 from engine_server.engines.base import UtilizationSampler, probe_request_id
 from engine_server.status import Event, Health, HealthStateMachine

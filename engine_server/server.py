@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 from motor.clock import SYSTEM_CLOCK, Clock
 from motor.errors import FailedPrecondition, InvalidArgument
-from motor.fanout import FanOut, Subscription
-from motor.user_config import EngineSection
+from motor.service.fanout import FanOut, Subscription
+from motor.contract.user_config import EngineSection
 
 from engine_server.descendants import CLEAN_EXIT_GRACE_S
 from engine_server.engines.base import EngineBackend, EngineOptions, UtilizationSampler

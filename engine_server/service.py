@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from typing import AsyncIterator
 
-from motor import pbtime
-from motor.names import ROLES_BY_NAME
+from motor.contract import pbtime
+from motor.contract.names import ROLES_BY_NAME
 from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 
 from engine_server.probing import ProbeRecord
@@ -81,7 +81,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
 
 def register(motor_server, engine_server: EngineServer) -> None:
-    """Add EngineService to a motor.grpc_server.MotorServer."""
+    """Add EngineService to a motor.service.grpc_server.MotorServer."""
     motor_server.add(
         engine_pb2_grpc.add_EngineServiceServicer_to_server,
         EngineServicer(engine_server),

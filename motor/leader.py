@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import grpc
 
-from motor import retry
+from motor.service import retry
 
 logger = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from typing import Callable, Iterable
 
 import psutil
 
-from motor.exits import describe_exit
-from motor.logs import launch_line
-from motor.tasks import set_within
+from motor.contract.exits import describe_exit
+from motor.service.logs import launch_line
+from motor.service.tasks import set_within
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ import time
 import grpc
 from google.protobuf import json_format
 
-from motor.deployment_file import load_deployment
+from motor.contract.deployment_file import load_deployment
 from motor.errors import MotorError
 from motor.leader import FOLLOW_RETRY_BASE, FOLLOW_RETRY_CAP, ControllerAddresses, backoff_delay, parse_addresses
-from motor.names import parse_role
+from motor.contract.names import parse_role
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl import render
 from motorctl.connect import add_credential_flags, credentials_from

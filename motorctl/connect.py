@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import grpc
 
 from motor.errors import ConfigError
-from motor.grpc_server import CHANNEL_OPTIONS, TlsFiles, channel_credentials
+from motor.service.grpc_server import CHANNEL_OPTIONS, TlsFiles, channel_credentials
 
 
 @dataclass(frozen=True)

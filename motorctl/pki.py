@@ -18,9 +18,9 @@ import sys
 from dataclasses import dataclass
 
 from motor.errors import MotorError
-from motor.identity import TRUST_DOMAIN, Identity
-from motor.pki import CA_CERT, CA_KEY, CertificateAuthority, write_private
-from motor.tokens import write_tokens_file
+from motor.security.identity import TRUST_DOMAIN, Identity
+from motor.security.pki import CA_CERT, CA_KEY, CertificateAuthority, write_private
+from motor.security.tokens import write_tokens_file
 
 DEV_HOSTS = ["localhost", "127.0.0.1"]
 TOKENS_FILE = "tokens.yaml"

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Iterable, Sequence
 
-from motor.names import enum_short_name, role_name
+from motor.contract.names import enum_short_name, role_name
 from motor.v1 import controller_pb2, types_pb2
 
 

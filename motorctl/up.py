@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from motor.ports import CONTROLLER_METRICS_PORT, free_port, port_is_free
-from motor.signals import STOP_SIGNALS  # SIGHUP among them: the terminal was closed
+from motor.service.signals import STOP_SIGNALS  # SIGHUP among them: the terminal was closed
 from motorctl.etcd_cluster import EtcdCluster
 from motorctl.render import quiet_stdout
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc

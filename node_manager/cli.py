@@ -1,7 +1,7 @@
 """`motor-node-manager`: one per host; launches and supervises engine servers.
 
 Flags override the optional YAML file (--config), whose keys are the flag names with '_'
-(motor/cli_config.py). Configuration errors name the field and exit with status 2.
+(motor/service/cli_config.py). Configuration errors name the field and exit with status 2.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import asyncio
 import logging
 import sys
 
-from motor.cli_config import Flag, load_settings, run_service, settings_parser
+from motor.service.cli_config import Flag, load_settings, run_service, settings_parser
 from motor.errors import MotorError
-from motor.logs import setup_logging
-from motor.security_config import SECURITY_FLAGS
-from motor.signals import stop_event
+from motor.service.logs import setup_logging
+from motor.security.security_config import SECURITY_FLAGS
+from motor.service.signals import stop_event
 from node_manager.config import NodeManagerConfig
 from node_manager.server import NodeManagerServer
 

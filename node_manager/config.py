@@ -14,12 +14,12 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
-from motor.config import AbsoluteCommand, HostPort, split_host_port
+from motor.service.config import AbsoluteCommand, HostPort, split_host_port
 from motor.leader import parse_addresses
-from motor.logs import LogFormat, LogLevel
-from motor.names import IdSetting
+from motor.service.logs import LogFormat, LogLevel
+from motor.contract.names import IdSetting
 from motor.ports import NODE_MANAGER_METRICS_PORT
-from motor.security_config import SecuritySettings
+from motor.security.security_config import SecuritySettings
 
 
 class NodeManagerConfig(SecuritySettings):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 
 from motor.errors import FailedPrecondition, Unavailable
-from motor.names import excerpt
+from motor.contract.names import excerpt
 
 logger = logging.getLogger(__name__)
 

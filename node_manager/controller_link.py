@@ -27,16 +27,16 @@ import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from motor.clock import Clock
-from motor import pbtime
+from motor.contract import pbtime
 from motor.errors import ConfigError
-from motor.channels import ReloadingChannel
-from motor.grpc_server import TlsFiles
-from motor.heartbeats import MAX_BACKOFF
+from motor.security.channels import ReloadingChannel
+from motor.service.grpc_server import TlsFiles
+from motor.contract.heartbeats import MAX_BACKOFF
 from node_manager.heartbeat_deltas import next_on_grid
 from motor.leader import FOLLOW_RETRY_BASE, FOLLOW_RETRY_CAP, ControllerAddresses, backoff_delay, parse_addresses
-from motor.names import ID_RULE, excerpt
-from motor.node_process import describe
-from motor.retry import RepeatedFailure, worth_reporting
+from motor.contract.names import ID_RULE, excerpt
+from motor.contract.node_process import describe
+from motor.service.retry import RepeatedFailure, worth_reporting
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from node_manager.controller_epoch import ControllerEpoch
 from node_manager.heartbeat_sender import HeartbeatSender
@@ -106,7 +106,7 @@ class ControllerLink:
     @property
     def stub(self) -> controller_pb2_grpc.ControllerServiceStub:
         """The current controller's stub; a new one (and so a new heartbeat stream) once the TLS
-        files changed (motor/channels.py)."""
+        files changed (motor/security/channels.py)."""
         return self.channels[self.address].stub(controller_pb2_grpc.ControllerServiceStub)
 
     def _move_on(self, exc: grpc.aio.AioRpcError) -> bool:

@@ -28,11 +28,11 @@ from typing import Any, Callable
 
 from google.protobuf import json_format
 
-from motor import pbtime
-from motor.names import engine_id as make_engine_id
+from motor.contract import pbtime
+from motor.contract.names import engine_id as make_engine_id
 from motor.processes import ExitStatus, TreeId
 from motor.state_machine import Transitions
-from motor.termination import read_termination_message
+from motor.contract.termination import read_termination_message
 from motor.v1 import types_pb2
 from node_manager.process_ops import ExitWatcher
 

@@ -10,7 +10,7 @@ from typing import AsyncIterator, Callable, Protocol
 
 import grpc
 
-from motor.channels import ReloadingChannel
+from motor.security.channels import ReloadingChannel
 from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 from node_manager.config import NodeManagerConfig
 
@@ -44,7 +44,7 @@ class GrpcEngineClient:
                           "grpc.max_reconnect_backoff_ms": 1000}
         # Engines serve with this node's own certificate (config.engine_argv), so the node
         # manager verifies them and presents the same certificate: it is their node-manager.
-        # Rotated files are used without a restart (motor/channels.py).
+        # Rotated files are used without a restart (motor/security/channels.py).
         self.channel = ReloadingChannel(f"{host}:{spec.mgmt_port}", config.client_tls(), options=fast_reconnect)
 
     @property

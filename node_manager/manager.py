@@ -18,15 +18,15 @@ import os
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 
-from motor import start_refusals
+from motor.contract import start_refusals
 from motor.clock import SYSTEM_CLOCK, Clock
 from motor.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
-from motor.fanout import FanOut
-from motor.names import engine_id as make_engine_id
-from motor.names import excerpt, parse_engine_id
+from motor.service.fanout import FanOut
+from motor.contract.names import engine_id as make_engine_id
+from motor.contract.names import excerpt, parse_engine_id
 from motor.ports import PortAllocator
 from motor.processes import ExitStatus, TreeId
-from motor.tasks import TaskSet, set_within
+from motor.service.tasks import TaskSet, set_within
 from motor.v1 import engine_pb2, types_pb2
 from node_manager import specs
 from node_manager.config import NodeManagerConfig

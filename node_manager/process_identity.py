@@ -5,7 +5,7 @@
   manager on the same state directory stops at start-up with a message naming the holder's pid:
   two processes re-adopting the same engines would supervise each one twice.
 - `process_identity`: boot id + the state directory's id (`<state-dir>/node_manager.id`, drawn
-  once) + a nonce drawn at every start. The controller compares them (motor/node_process.py).
+  once) + a nonce drawn at every start. The controller compares them (motor/contract/node_process.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import socket
 import uuid
 
-from motor import pbtime
+from motor.contract import pbtime
 from motor.errors import ConfigError
 from motor.v1 import types_pb2
 from node_manager.engine import atomic_write

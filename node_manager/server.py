@@ -10,10 +10,10 @@ import logging
 import os
 import time
 
-from motor.config import prepare_directory
-from motor.grpc_server import service_name
-from motor.metrics_http import ServiceTelemetry
-from motor.tasks import cancel_and_wait
+from motor.service.config import prepare_directory
+from motor.service.grpc_server import service_name
+from motor.service.metrics_http import ServiceTelemetry
+from motor.service.tasks import cancel_and_wait
 from motor.v1 import controller_pb2, node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from node_manager.config import NodeManagerConfig
 from node_manager.controller_epoch import ControllerEpoch

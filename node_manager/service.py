@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from motor import pbtime, start_refusals
+from motor.contract import pbtime, start_refusals
 from motor.errors import InvalidArgument
-from motor.names import excerpt
+from motor.contract.names import excerpt
 from motor.v1 import node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from node_manager.controller_epoch import ControllerEpoch
 from node_manager.manager import NodeManager

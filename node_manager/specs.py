@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import os
 
-from motor import start_refusals
-from motor.engine_policy import check_engine_config, parse_config_json, within
+from motor.contract import start_refusals
+from motor.contract.engine_policy import check_engine_config, parse_config_json, within
 from motor.errors import FailedPrecondition, InvalidArgument
-from motor.names import ROLE_NAMES, check_instance_id, check_printable, excerpt, role_name
+from motor.contract.names import ROLE_NAMES, check_instance_id, check_printable, excerpt, role_name
 from motor.ports import PortAllocator, port_is_free
 from motor.processes import HOLDER_ENV, NODE_ENV
 from motor.v1 import types_pb2
@@ -100,7 +100,7 @@ def same_request(launched: types_pb2.EngineSpec, requested: types_pb2.EngineSpec
 
 def engine_argv(base: list[str], spec: types_pb2.EngineSpec, termination_path: str) -> list[str]:
     """The engine server's command line: `base` (--engine-command) and the spec as flags; the
-    engine server writes its cause of exit to `termination_path` (motor.termination)."""
+    engine server writes its cause of exit to `termination_path` (motor.contract.termination)."""
     argv = [
         *base,
         "--dp-rank", str(spec.dp_rank),

@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from motor.config import describe_validation_error
+from motor.service.config import describe_validation_error
 from motor.errors import ConfigError
 
 # Probes carry `X-Request-Id: {timestamp}-{token}_virtual`, where the token is a secret of this

@@ -26,7 +26,7 @@ import sys
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from motor.exits import describe_returncode
+from motor.contract.exits import describe_returncode
 
 from engine_server.engines.base import EngineBackend, EngineOptions
 

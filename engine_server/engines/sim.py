@@ -36,7 +36,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from motor.config import describe_validation_error
+from motor.service.config import describe_validation_error
 
 from engine_server import metrics as server_metrics
 from engine_server.engines.base import (

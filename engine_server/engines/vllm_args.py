@@ -15,13 +15,13 @@ from typing import Any
 
 from engine_server.engines.base import EngineOptions
 from motor.errors import ConfigError
-from motor.vllm_request_args import MOTOR_ENGINE_ARGS, unsupported_vllm_arg
+from motor.contract.vllm_request_args import MOTOR_ENGINE_ARGS, unsupported_vllm_arg
 
 logger = logging.getLogger(__name__)
 
 # engine_args keys read by this backend, never passed to vLLM.
 MOTOR_UTILIZATION = "motor_utilization"
-MOTOR_KEYS = MOTOR_ENGINE_ARGS  # the request check (motor/engine_policy.py) lets these through too
+MOTOR_KEYS = MOTOR_ENGINE_ARGS  # the request check (motor/contract/engine_policy.py) lets these through too
 # vLLM arguments the engine server sets from its own command line.
 OWNED_ARGS = {"host": "--host", "port": "--port"}
 

@@ -45,7 +45,7 @@ from engine_server.engines.vllm_args import (
     prepare_environment,
 )
 from motor.errors import FailedPrecondition
-from motor.exits import describe_returncode
+from motor.contract.exits import describe_returncode
 from motor.processes import ExitWatch, create_time
 
 logger = logging.getLogger(__name__)

@@ -57,7 +57,7 @@ def run_engine_core(*args, **kwargs):
     except OSError:
         pass  # e.g. already a group leader; the parent watch below still applies
     _exit_with_parent(os.getppid())
-    from motor.logs import LOG_FORMAT
+    from motor.service.logs import LOG_FORMAT
 
     logging.basicConfig(
         level=os.environ.get(LOG_LEVEL_ENV, "INFO"),

@@ -17,7 +17,7 @@ import subprocess
 import grpc
 import psutil
 
-from motor.deployment_file import deployment_from_dict
+from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2 as C
 from motor.v1 import node_manager_pb2, node_manager_pb2_grpc
 from motor.v1 import types_pb2 as T

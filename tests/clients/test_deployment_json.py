@@ -7,7 +7,7 @@ import os
 
 from google.protobuf import json_format
 
-from motor.deployment_file import load_deployment
+from motor.contract.deployment_file import load_deployment
 from motor.v1 import controller_pb2
 from tests.support import REPO_ROOT
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from motor.deployment_file import deployment_from_dict, load_deployment
+from motor.contract.deployment_file import deployment_from_dict, load_deployment
 from motor.v1 import controller_pb2
 
 from controller.config import ControllerConfig

@@ -7,7 +7,7 @@ import asyncio
 import itertools
 import time
 
-from motor.names import engine_id
+from motor.contract.names import engine_id
 from motor.v1 import node_manager_pb2, types_pb2
 
 from controller.node_client import NodeCallError, NodeClient

@@ -35,7 +35,7 @@ PLACED = NODES * ACCELERATORS  # engines the fleet has room for
 # Seconds, bucket bounds of motor_event_loop_blocked_seconds: hang bounds, not the 50 ms goal
 # (bench/big_deployment.py measures that). No observation over HANG_BOUND: the defect held the
 # loop 10-40 s (delete 10.6 s, replace 39.7 s). At most one over STALL_BOUND: that one is the
-# complete walk of the heap (motor/gc_tuning.py: once the heap has doubled, as a fleet's first
+# complete walk of the heap (controller/gc_tuning.py: once the heap has doubled, as a fleet's first
 # 10,000-instance apply makes it), which took 0.3-1.0 s here under load (it visits every object
 # at once); everything else stays near 50 ms, where before the fixes a replace and a delete each
 # held the loop 0.5-2.5 s several times (garbage collections of queued calls' reference cycles,

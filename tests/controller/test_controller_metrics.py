@@ -8,7 +8,7 @@ import contextlib
 import pytest
 
 from controller.store import SqliteStore, StoreUnavailable
-from controller.store_metrics import MeasuredStore, StoreMetrics
+from controller.store.metrics import MeasuredStore, StoreMetrics
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
 from tests.controller.conftest import Harness, small_deployment

@@ -10,14 +10,14 @@ import time
 import grpc
 import pytest
 
-from motor import heartbeats, start_refusals
+from motor.contract import heartbeats, start_refusals
 from motor.errors import FailedPrecondition, InvalidArgument, NotFound
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
 
 from controller.events import EVENT_MESSAGE_CHARS
 from controller.node_client import GrpcNodeClient, NodeCallError
-from motor.names import CONTROL_CHARACTER
+from motor.contract.names import CONTROL_CHARACTER
 from tests.controller.conftest import Harness, example_deployment, node_info, small_deployment
 from tests.controller.fakes import ManualClock
 from tests.support import async_wait_for

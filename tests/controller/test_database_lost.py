@@ -13,7 +13,7 @@ import time
 
 from google.protobuf import json_format
 
-from motor.deployment_file import load_deployment
+from motor.contract.deployment_file import load_deployment
 from motor.v1 import controller_pb2 as C
 from tests.controller.test_real_processes import HEARTBEAT, apply, make_cluster, sim_deployment  # noqa: F401
 from tests.support import wait_for

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from motor import pbtime
+from motor.contract import pbtime
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
 

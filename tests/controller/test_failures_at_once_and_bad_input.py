@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import pytest
 
-from motor.grpc_server import MotorServer, service_name
+from motor.service.grpc_server import MotorServer, service_name
 from motor.v1 import controller_pb2 as C
 from motor.v1 import controller_pb2_grpc
 from motor.v1 import types_pb2 as T

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controller.fleet_metrics import FleetSeries, engine_targets
 from controller.nodes import NODE_LOST, NODE_SUSPECT
-from motor.names import enum_short_name, role_name
+from motor.contract.names import enum_short_name, role_name
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
 from tests.controller.test_core import running_example

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from motor import pbtime
+from motor.contract import pbtime
 from motor.v1 import controller_pb2 as C
 
 from controller.heartbeat_budget import HeartbeatBudget

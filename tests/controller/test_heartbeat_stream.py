@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from motor.errors import InvalidArgument
-from motor.grpc_server import MotorServer, aio_channel, service_name
+from motor.service.grpc_server import MotorServer, aio_channel, service_name
 from node_manager.heartbeat_deltas import HeartbeatDeltas
 from motor.v1 import controller_pb2 as C
 from motor.v1 import controller_pb2_grpc

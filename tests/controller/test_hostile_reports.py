@@ -14,7 +14,7 @@ import urllib.request
 import grpc
 import pytest
 
-from motor.deployment_file import deployment_from_dict
+from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
 from tests.controller.test_real_processes import apply, make_cluster, sim_deployment  # noqa: F401 (fixture)

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from motor.limits import NR_OPEN_DEFAULT
+from controller.limits import NR_OPEN_DEFAULT
 from motor.ports import free_port
 from motorctl.up import LocalCluster, _bin
 from tests.controller.conftest import EXAMPLE

@@ -187,7 +187,7 @@ async def test_endpoints_carry_their_deployment_and_model_and_filter_by_model(ha
 
 async def test_the_second_model_example_runs_beside_the_local_example(harness):
     """examples/second-model.yaml applies beside examples/local-deployment.yaml (as docs show)."""
-    from motor.deployment_file import load_deployment
+    from motor.contract.deployment_file import load_deployment
     from tests.controller.conftest import EXAMPLE
 
     ctl = await harness.start()

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from motor.deployment_file import deployment_from_dict
+from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2 as C
 from tests.controller.test_real_processes import apply, make_cluster  # noqa: F401 (fixture)
 from tests.support import wait_for

@@ -1,6 +1,6 @@
 """The controller's gRPC client of node managers against a real gRPC fake node manager: transport
 trouble is retried with the backoff, answers are not, and the calls leave nothing in reference
-cycles (the controller freezes what survives a paced collection, motor/gc_tuning.py: cycles of a
+cycles (the controller freezes what survives a paced collection, controller/gc_tuning.py: cycles of a
 call that outlived one, as every StartEngine of a real engine does, stayed until the rare complete
 walk; tenacity's retry objects left about 30 objects per call, ~4.5 KB)."""
 

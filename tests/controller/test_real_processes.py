@@ -12,7 +12,7 @@ import grpc
 import psutil
 import pytest
 
-from motor.deployment_file import deployment_from_dict
+from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2 as C
 from motor.v1 import controller_pb2_grpc
 from motor.v1 import types_pb2 as T

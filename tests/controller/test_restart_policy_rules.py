@@ -1,4 +1,4 @@
-"""The restart policy, rule by rule: backoff, its reset, the crash-loop window (controller/instances.py, motor/restart_policy.py).
+"""The restart policy, rule by rule: backoff, its reset, the crash-loop window (controller/instances.py, controller/restart_policy.py).
 
 Each test pins a boundary or a message a user relies on (they keep `make mutation` honest)."""
 

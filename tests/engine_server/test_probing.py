@@ -12,7 +12,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from motor.clock import SystemClock
-from motor.user_config import HealthCheckConfig
+from motor.contract.user_config import HealthCheckConfig
 from engine_server.engines.base import UtilizationSampler, is_probe_request_id, probe_token
 from engine_server.metrics import EngineServerMetrics
 from engine_server.probing import HttpProbeClient, PeakSampler, ProbeFailed, Prober, probe_request

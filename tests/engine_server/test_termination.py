@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from motor.termination import read_termination_message
+from motor.contract.termination import read_termination_message
 from motor.v1 import types_pb2
 from tests.engine_server.conftest import sim_config
 

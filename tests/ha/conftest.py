@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from controller.etcd_client import EtcdTarget, connect
+from controller.store.etcd_client import EtcdTarget, connect
 from motorctl.etcd_cluster import EtcdCluster
 from tests.support import require
 

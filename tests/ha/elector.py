@@ -12,9 +12,9 @@ import json
 import sys
 import time
 
-from controller.election import LeaderElection
-from controller.etcd_client import EtcdTarget, connect
-from controller.etcd_store import EtcdStore, Fenced
+from controller.ha.election import LeaderElection
+from controller.store.etcd_client import EtcdTarget, connect
+from controller.store.etcd import EtcdStore, Fenced
 
 
 def report(**fields) -> None:

@@ -14,10 +14,10 @@ import time
 
 import pytest
 
-from controller.election import LeaderElection, NotLeader, Role
-from controller.etcd_client import EtcdTarget, connect
+from controller.ha.election import LeaderElection, NotLeader, Role
+from controller.store.etcd_client import EtcdTarget, connect
 from tests.ha.conftest import target_of
-from controller.etcd_store import EtcdStore, Fenced
+from controller.store.etcd import EtcdStore, Fenced
 from tests.support import REPO_ROOT, async_wait_for, wait_for
 
 TTL = 2  # etcd's smallest lease with its default timing

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from controller.etcd_store import EtcdStore, Fenced
+from controller.store.etcd import EtcdStore, Fenced
 from controller.store import SqliteStore, StoreChange, StoredNode
 from tests.support import async_wait_for
 

@@ -12,10 +12,10 @@ import time
 import grpc
 import pytest
 
-from controller.etcd_client import EtcdTarget, connect
-from motor.deployment_file import load_deployment
-from motor.identity import Identity
-from motor.pki import CertificateAuthority
+from controller.store.etcd_client import EtcdTarget, connect
+from motor.contract.deployment_file import load_deployment
+from motor.security.identity import Identity
+from motor.security.pki import CertificateAuthority
 from motor.ports import free_port
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from motorctl.etcd_cluster import EtcdCluster, EtcdTls

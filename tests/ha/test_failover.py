@@ -133,7 +133,7 @@ def test_kill_9_of_the_leader_hands_over_without_touching_an_engine(cluster):
     recent = next(_stub(new).WatchEvents(controller_pb2.WatchEventsRequest(), timeout=5)).snapshot.recent_events
     changes = [e.message for e in recent if e.type == controller_pb2.EVENT_TYPE_LEADER_CHANGED]
     # The standby saw its connection to the leader reset and the address refuse connections: it
-    # revoked the dead leader's lease rather than wait for it to expire (controller/leader_watch.py).
+    # revoked the dead leader's lease rather than wait for it to expire (controller/ha/leader_watch.py).
     assert any(new in m and f"the leader {old} (epoch {old_epoch}) refused connections" in m for m in changes), changes
     _nothing_restarted(cluster, before, "after the leader was killed")
     # The killed controller comes back as a standby.

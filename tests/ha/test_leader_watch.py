@@ -1,4 +1,4 @@
-"""A standby's fast path when the leader's process is gone (controller/leader_watch.py), against
+"""A standby's fast path when the leader's process is gone (controller/ha/leader_watch.py), against
 real etcd and real gRPC servers: a leader whose address starts refusing connections after the
 standby was connected loses its lease at once (and its old guard is refused by etcd); an
 address that never answered, or one that still accepts, costs the lease as before."""
@@ -9,11 +9,11 @@ import asyncio
 
 import pytest
 
-from controller.election import LeaderElection, Role
-from controller.etcd_client import connect
-from controller.etcd_store import EtcdStore, Fenced
-from controller.leader_watch import LeaderDeathWatch, refuses_connections
-from motor.grpc_server import MotorServer, aio_channel
+from controller.ha.election import LeaderElection, Role
+from controller.store.etcd_client import connect
+from controller.store.etcd import EtcdStore, Fenced
+from controller.ha.leader_watch import LeaderDeathWatch, refuses_connections
+from motor.service.grpc_server import MotorServer, aio_channel
 from motor.ports import free_port
 from tests.ha.conftest import target_of
 from tests.support import async_wait_for

@@ -1,4 +1,4 @@
-"""One way from command line and --config file to settings (motor/cli_config.py), for all three
+"""One way from command line and --config file to settings (motor/service/cli_config.py), for all three
 services: errors name the setting, flags win over the file, help shows the model's real default."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from controller.cli import parse_config
 from controller.config import ControllerConfig
 from engine_server.cli import FLAGS as ENGINE_FLAGS
 from engine_server.cli import EngineServerArgs, build_parser
-from motor.cli_config import default_text, flag_name, settings_parser
+from motor.service.cli_config import default_text, flag_name, settings_parser
 from motor.errors import ConfigError
 from node_manager.cli import FLAGS as NODE_FLAGS
 from node_manager.cli import load_config, parser

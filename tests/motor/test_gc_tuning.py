@@ -9,9 +9,9 @@ import weakref
 
 from prometheus_client import CollectorRegistry
 
-from motor import gc_tuning
-from motor.gc_tuning import TenuredCollections
-from motor.tasks import cancel_and_wait
+from controller import gc_tuning
+from controller.gc_tuning import TenuredCollections
+from motor.service.tasks import cancel_and_wait
 
 
 class Cyclic:

@@ -1,4 +1,4 @@
-"""motor.names, rule by rule: the default field names, excerpt's bound, engine ids of any type,
+"""motor.contract.names, rule by rule: the default field names, excerpt's bound, engine ids of any type,
 roles by name or number (plain functions; written to kill the mutants `make mutation` found)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from motor.errors import InvalidArgument
-from motor.names import (
+from motor.contract.names import (
     ID_RULE, check_instance_id, check_node_id, check_printable, enum_short_name, excerpt, parse_engine_id, parse_role,
     role_name,
 )  # fmt: skip

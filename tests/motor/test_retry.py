@@ -1,8 +1,8 @@
-"""motor/retry.py: the capped backoff and the one-report-per-spell rule every retry loop uses."""
+"""motor/service/retry.py: the capped backoff and the one-report-per-spell rule every retry loop uses."""
 
 from __future__ import annotations
 
-from motor.retry import RepeatedFailure, backoff_delay, worth_reporting
+from motor.service.retry import RepeatedFailure, backoff_delay, worth_reporting
 
 
 def test_the_backoff_doubles_up_to_its_cap_and_jitter_stays_below_it():
@@ -31,7 +31,7 @@ class Flaky(Exception):
 
 
 async def test_with_retries_tries_again_after_a_retryable_error_only_and_waits_the_backoff():
-    from motor.retry import with_retries
+    from motor.service.retry import with_retries
 
     waits, tries = [], []
 

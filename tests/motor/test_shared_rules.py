@@ -9,14 +9,14 @@ import pathlib
 
 import pytest
 
-from motor import pbtime
+from motor.contract import pbtime
 from motor.errors import InvalidArgument, ResourceExhausted
-from motor.exits import describe_exit, describe_returncode
-from motor.fanout import FanOut
-from motor.logs import LOG_LEVELS, check_log_level
-from motor.names import check_id, check_instance_id, check_node_id, excerpt, parse_engine_id
-from motor.restart_policy import Policy, fill_defaults
-from motor.tasks import TaskSet, cancel_and_wait, set_within
+from motor.contract.exits import describe_exit, describe_returncode
+from motor.service.fanout import FanOut
+from motor.service.logs import LOG_LEVELS, check_log_level
+from motor.contract.names import check_id, check_instance_id, check_node_id, excerpt, parse_engine_id
+from controller.restart_policy import Policy, fill_defaults
+from motor.service.tasks import TaskSet, cancel_and_wait, set_within
 from motor.v1 import controller_pb2
 
 
@@ -110,7 +110,7 @@ async def test_a_slow_watch_stream_ends_with_resource_exhausted_over_grpc():
     """Through the real error mapping: the client sees the status code and the reason."""
     import grpc
 
-    from motor.grpc_server import MotorServer
+    from motor.service.grpc_server import MotorServer
 
     fanout: FanOut[int] = FanOut("WatchEvents", limit=2)
 
@@ -246,7 +246,7 @@ async def test_set_within_says_whether_the_event_came():
 
 def test_no_service_waits_with_asyncio_wait_for():
     """asyncio.wait_for drops a cancel that lands with its result on Python 3.11 (the CI hang
-    above); the services use asyncio.timeout or motor.tasks.set_within instead."""
+    above); the services use asyncio.timeout or motor.service.tasks.set_within instead."""
     root = pathlib.Path(__file__).resolve().parents[2]
     offenders = [f"{path.relative_to(root)}:{number}"
                  for package in ("motor", "controller", "node_manager", "engine_server", "motorctl")

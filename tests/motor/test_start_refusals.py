@@ -1,7 +1,7 @@
 """The words the node manager refuses a start with, as the controller reads them."""
 
-from motor import start_refusals
-from motor.start_refusals import Refusal, kind
+from motor.contract import start_refusals
+from motor.contract.start_refusals import Refusal, kind
 
 
 def as_sent(error) -> tuple[str, str]:

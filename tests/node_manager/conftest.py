@@ -16,7 +16,7 @@ import pytest
 
 from motor import processes
 from motor.errors import FailedPrecondition
-from motor.grpc_server import MotorServer, TlsFiles, aio_channel, service_name
+from motor.service.grpc_server import MotorServer, TlsFiles, aio_channel, service_name
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from node_manager.config import NodeManagerConfig
 from node_manager.server import NodeManagerServer

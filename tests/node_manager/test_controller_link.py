@@ -11,7 +11,7 @@ import urllib.request
 import grpc
 import pytest
 
-from motor.grpc_server import MotorServer, TlsFiles, aio_channel, service_name
+from motor.service.grpc_server import MotorServer, TlsFiles, aio_channel, service_name
 from motor.ports import free_port
 from motor.v1 import controller_pb2, controller_pb2_grpc, engine_pb2, engine_pb2_grpc, types_pb2
 from tests.node_manager.conftest import alive, sim_config

@@ -12,8 +12,8 @@ import json
 import os
 import urllib.request
 
-from motor import pbtime
-from motor.grpc_server import aio_channel
+from motor.contract import pbtime
+from motor.service.grpc_server import aio_channel
 from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 from tests.node_manager.conftest import sim_config
 from tests.support import async_wait_for

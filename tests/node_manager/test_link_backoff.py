@@ -13,7 +13,7 @@ import random
 import grpc
 import pytest
 
-from motor import pbtime
+from motor.contract import pbtime
 from motor.v1 import controller_pb2, types_pb2
 from node_manager.controller_link import ControllerLink
 from tests.node_manager.fakes import FakeNode, settle

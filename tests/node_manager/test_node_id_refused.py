@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from motor.errors import InvalidArgument
-from motor.grpc_server import MotorServer, service_name
-from motor.names import check_node_id
+from motor.service.grpc_server import MotorServer, service_name
+from motor.contract.names import check_node_id
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from node_manager.controller_link import RegistrationRefused
 from tests.node_manager.test_link_backoff import ScriptedController, link  # noqa: F401 (fixture)

@@ -1,4 +1,4 @@
-"""JSON log lines (motor.logs): one object per line with the ids a line is about and the reason."""
+"""JSON log lines (motor.service.logs): one object per line with the ids a line is about and the reason."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import logging
 
 from controller.events import EventBus
-from motor.logs import JsonFormatter
+from motor.service.logs import JsonFormatter
 from motor.v1 import controller_pb2
 
 

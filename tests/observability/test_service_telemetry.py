@@ -1,4 +1,4 @@
-"""The metrics every service shares (motor.metrics_http): gRPC calls per method and code, the
+"""The metrics every service shares (motor.service.metrics_http): gRPC calls per method and code, the
 event-loop lag, and the /metrics endpoint itself, on a real gRPC server and a real HTTP port."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from motor.errors import ConfigError, InvalidArgument
-from motor.grpc_server import MotorServer
-from motor.metrics_http import ServiceTelemetry
+from motor.service.grpc_server import MotorServer
+from motor.service.metrics_http import ServiceTelemetry
 from motor.ports import free_port
 
 
@@ -157,7 +157,7 @@ def test_the_engine_server_cli_loads_no_prometheus_client_before_its_multiproces
 
 
 def test_the_time_a_thread_waited_for_a_cpu_is_readable_and_never_goes_back():
-    from motor.loop_lag import cpu_wait
+    from motor.service.loop_lag import cpu_wait
 
     before = cpu_wait()
     assert before is not None and before >= 0  # Linux with schedstat (every CI and dev machine here)

@@ -1,4 +1,4 @@
-"""A development PKI made by motor/pki.py, and a real TLS server on 127.0.0.1:0 that serves every
+"""A development PKI made by motor/security/pki.py, and a real TLS server on 127.0.0.1:0 that serves every
 Motor RPC with empty answers, so the access interceptor in front of it is what a test exercises."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import grpc
 import pytest
 from google.protobuf import message_factory
 
-from motor.access import AccessInterceptor, AccessPolicy
-from motor.grpc_server import MotorServer, TlsFiles, aio_channel
-from motor.identity import Identity
-from motor.pki import CertificateAuthority
-from motor.tokens import TokenStore
+from motor.security.access import AccessInterceptor, AccessPolicy
+from motor.service.grpc_server import MotorServer, TlsFiles, aio_channel
+from motor.security.identity import Identity
+from motor.security.pki import CertificateAuthority
+from motor.security.tokens import TokenStore
 from motor.v1 import controller_pb2, engine_pb2, node_manager_pb2
 from motorctl.pki import DevPki, make_dev_pki
 

@@ -1,5 +1,5 @@
 """The access table, exercised as a table: every Motor RPC, called by every kind of caller over a
-real TLS connection (certificates from motor/pki.py, tokens from a tokens file), is allowed
+real TLS connection (certificates from motor/security/pki.py, tokens from a tokens file), is allowed
 exactly for the roles docs/security.md lists, and refused with PERMISSION_DENIED otherwise."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
-from motor.access import ACCESS_TABLE
-from motor.grpc_server import TlsFiles
+from motor.security.access import ACCESS_TABLE
+from motor.service.grpc_server import TlsFiles
 from tests.security.conftest import SERVICES, client, method_path, mtls_files, policy, request_class, response_class, serve, token_of
 
 CERT_CALLERS = ["controller", "node-a", "node-b", "operator", "viewer"]

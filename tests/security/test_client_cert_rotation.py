@@ -24,8 +24,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from motor.identity import Identity
-from motor.pki import CertificateAuthority, write_atomically
+from motor.security.identity import Identity
+from motor.security.pki import CertificateAuthority, write_atomically
 from motor.ports import free_port
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl.connect import Credentials

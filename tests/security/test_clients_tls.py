@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from motor.grpc_server import TlsFiles
+from motor.service.grpc_server import TlsFiles
 from tests.clients.test_clients_live import BUILDERS, DEPLOYMENT_JSON
 from tests.security.conftest import mtls_files, policy, serve
 

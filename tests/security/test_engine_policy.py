@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from motor.engine_policy import MAX_CONFIG_DEPTH, check_engine_config, parse_config_json
+from motor.contract.engine_policy import MAX_CONFIG_DEPTH, check_engine_config, parse_config_json
 from motor.errors import InvalidArgument
 
 SECTION = "motor_engine_prefill_config"
@@ -228,7 +228,7 @@ def test_every_section_is_checked_and_motor_keys_do_not_end_the_check():
     with pytest.raises(InvalidArgument) as refused:
         check_engine_config(config, [])
     assert str(refused.value) == ("config_json.motor_engine_union_config.engine_args.Xseed: not among the vLLM arguments a "
-                                  "request may set (motor/vllm_request_args.py, docs/security.md)")
+                                  "request may set (motor/contract/vllm_request_args.py, docs/security.md)")
     check_engine_config(_vllm(**{"compilation_config.mode": 3, "--seed": 1}), [])  # a dotted key is its first part's
 
 
@@ -237,7 +237,7 @@ def test_sglang_extra_args_messages_name_the_flag_and_the_list():
     with pytest.raises(InvalidArgument) as refused:
         check_engine_config(_config(extra_args=["--dp-size", "2", "--weird=1"]), [])
     assert str(refused.value) == (f"config_json.{SECTION}.engine_args.extra_args[2]: --weird is not among the SGLang flags "
-                                  "a request may add (SGLANG_EXTRA_FLAGS in motor/engine_policy.py, docs/security.md)")
+                                  "a request may add (SGLANG_EXTRA_FLAGS in motor/contract/engine_policy.py, docs/security.md)")
 
 
 @pytest.mark.parametrize("text, says", [("nope", "spec.config_json is not a JSON object: Expecting value"),

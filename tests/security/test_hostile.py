@@ -231,8 +231,8 @@ def test_a_node_registered_at_another_nodes_address_gets_nothing_done_there(clus
     """Hostile F9: node-c's (stolen) certificate registers node-c with node-a's node-manager
     address. Commands meant for node-c are refused by node-a's node manager, node-c's re-check
     there fails so it is declared lost, and node-a's engines are never fenced as node-c's."""
-    from motor.identity import Identity
-    from motor.pki import CertificateAuthority
+    from motor.security.identity import Identity
+    from motor.security.pki import CertificateAuthority
 
     before = snapshot(cluster)
     victim = next(n for n in before["nodes"] if any(e[0] == n for e in before["engines"].values()))

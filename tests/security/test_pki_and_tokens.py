@@ -13,8 +13,8 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from motor.errors import ConfigError, InvalidArgument
-from motor.identity import Identity, identity_from_uri
-from motor.tokens import TokenStore, write_tokens_file
+from motor.security.identity import Identity, identity_from_uri
+from motor.security.tokens import TokenStore, write_tokens_file
 from tests.support import REPO_ROOT
 
 

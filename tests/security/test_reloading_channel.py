@@ -1,4 +1,4 @@
-"""motor/channels.py on a real mutual-TLS server: a kept channel follows its rotated client files,
+"""motor/security/channels.py on a real mutual-TLS server: a kept channel follows its rotated client files,
 a call running on the old channel is not cut, and a half-written rotation is not used."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import NameOID
 
-from motor.channels import ReloadingChannel
+from motor.security.channels import ReloadingChannel
 from motor.errors import ConfigError
-from motor.grpc_server import TlsFiles
-from motor.identity import Identity
-from motor.pki import CertificateAuthority, write_atomically
-from motor.tls import TlsFileWatch
+from motor.service.grpc_server import TlsFiles
+from motor.security.identity import Identity
+from motor.security.pki import CertificateAuthority, write_atomically
+from motor.security.tls import TlsFileWatch
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
 Stub = controller_pb2_grpc.ControllerServiceStub
@@ -197,7 +197,7 @@ def test_an_unexpected_failure_reading_rotated_files_keeps_the_last_good_ones(cl
     watch = TlsFileWatch(client_files.cert, client_files.key, client_files.ca)
     before = watch.pems
     os.utime(client_files.cert, ns=(1, 1))  # a change to look at
-    monkeypatch.setattr("motor.tls.check_not_expired", lambda *args: 1 / 0)
+    monkeypatch.setattr("motor.security.tls.check_not_expired", lambda *args: 1 / 0)
     with caplog.at_level(logging.ERROR):
         assert watch.changed() is None and watch.changed() is None
     assert watch.pems is before

@@ -18,10 +18,10 @@ from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from motor.access import AccessPolicy
-from motor.grpc_server import TlsFiles, aio_channel
-from motor.identity import Identity
-from motor.pki import CertificateAuthority
+from motor.security.access import AccessPolicy
+from motor.service.grpc_server import TlsFiles, aio_channel
+from motor.security.identity import Identity
+from motor.security.pki import CertificateAuthority
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from tests.security.conftest import client, mtls_files, policy, serve, token_of
 from tests.support import async_wait_for, require
@@ -213,7 +213,7 @@ async def test_an_emptied_or_garbled_ca_bundle_keeps_serving_the_previous_one(de
 
 
 async def test_oversized_messages_are_refused_naming_the_limit(dev_pki):
-    from motor.grpc_server import MAX_MESSAGE_BYTES
+    from motor.service.grpc_server import MAX_MESSAGE_BYTES
 
     served = await serve(None, AccessPolicy(secure=False))
     try:

@@ -8,9 +8,9 @@ import logging
 import grpc
 import pytest
 
-from motor.config import validate
+from motor.service.config import validate
 from motor.errors import ConfigError
-from motor.security_config import SecuritySettings, is_loopback
+from motor.security.security_config import SecuritySettings, is_loopback
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from tests.security.conftest import EmptyServices, client, token_of
 

@@ -1,4 +1,4 @@
-"""The vLLM allow-list (motor/vllm_request_args.py) against the installed vLLM's `vllm serve`
+"""The vLLM allow-list (motor/contract/vllm_request_args.py) against the installed vLLM's `vllm serve`
 parser: every argument vLLM has is either allowed or refused with a reason, so an argument a new
 vLLM adds fails here until someone reviews it. Imports vLLM (about a minute)."""
 
@@ -8,8 +8,8 @@ import importlib.util
 
 import pytest
 
-from motor.engine_policy import code_reason
-from motor.vllm_request_args import MOTOR_ENGINE_ARGS, VLLM_ARG_CHOICES, VLLM_REFUSED_ARGS, VLLM_REQUEST_ARGS
+from motor.contract.engine_policy import code_reason
+from motor.contract.vllm_request_args import MOTOR_ENGINE_ARGS, VLLM_ARG_CHOICES, VLLM_REFUSED_ARGS, VLLM_REQUEST_ARGS
 from tests.support import require
 
 pytestmark = pytest.mark.processes
@@ -27,7 +27,7 @@ def vllm_arguments() -> set[str]:
 
 def test_every_vllm_argument_is_either_allowed_or_refused_with_a_reason(vllm_arguments):
     unreviewed = vllm_arguments - VLLM_REQUEST_ARGS - set(VLLM_REFUSED_ARGS)
-    assert not unreviewed, f"vLLM arguments in neither list of motor/vllm_request_args.py: {sorted(unreviewed)}"
+    assert not unreviewed, f"vLLM arguments in neither list of motor/contract/vllm_request_args.py: {sorted(unreviewed)}"
     assert not VLLM_REQUEST_ARGS & set(VLLM_REFUSED_ARGS)
 
 

@@ -180,7 +180,7 @@ class VllmServer:
         return core
 
     def termination_message(self):
-        from motor.termination import read_termination_message
+        from motor.contract.termination import read_termination_message
 
         return read_termination_message(str(self.termination_path))
 

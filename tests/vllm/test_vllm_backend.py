@@ -18,7 +18,7 @@ from engine_server.engines.vllm_probe_filter import (
 )
 from engine_server.engines.vllm_utilization import EngineProgress, EngineProgressSampler
 from motor.errors import ConfigError
-from motor.termination import read_termination_message
+from motor.contract.termination import read_termination_message
 from tests.vllm.conftest import ENGINE_SERVER, LEAN_CPU_ARGS, vllm_config
 
 FIELD = "motor_engine_prefill_config.engine_args"

@@ -19,9 +19,9 @@ import aetcd
 import grpc
 from aetcd import rpc, watcher
 
-from motor.channels import RetiredChannels
+from motor.security.channels import RetiredChannels
 from motor.errors import ConfigError
-from motor.tls import TlsFileWatch, read_pem
+from motor.security.tls import TlsFileWatch, read_pem
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class _Client(aetcd.Client):
     async def connect(self) -> None:
         # Replaces aetcd's connect (plaintext, one address), which aetcd runs before every call;
         # nothing here awaits, so two tasks cannot both build a channel. With TLS, a channel is
-        # made again once the files changed (motor/channels.py does the same for Motor's own
+        # made again once the files changed (motor/security/channels.py does the same for Motor's own
         # channels): new calls use it, calls and watches on the old one finish there, and it is
         # closed RETIRE_GRACE later (a watch cut then is opened again by its owner).
         renewed = self._connected.is_set() and self._files_renewed()

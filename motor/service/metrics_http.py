@@ -21,8 +21,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from motor.errors import ConfigError
-from motor.grpc_metrics import GrpcServerMetrics
-from motor.loop_lag import EventLoopLag
+from motor.service.grpc_metrics import GrpcServerMetrics
+from motor.service.loop_lag import EventLoopLag
 
 logger = logging.getLogger(__name__)
 

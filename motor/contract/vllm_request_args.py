@@ -6,7 +6,7 @@ would be wrong the day vLLM adds another, so a request may set only the argument
 `VLLM_REFUSED_ARGS` says why the others are refused. `tests/security/test_vllm_request_args.py`
 compares both lists with the installed vLLM's `vllm serve` parser: an argument a new vLLM adds
 fails it until someone decides which list it belongs to. Nested values (the JSON config objects)
-are checked by motor/engine_policy.py.
+are checked by motor/contract/engine_policy.py.
 """
 
 from __future__ import annotations

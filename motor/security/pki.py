@@ -5,7 +5,7 @@
     pair = ca.issue(Identity("node", "node-a"), hosts=["localhost", "127.0.0.1"])
     pair.save("pki", "node-a")                                # pki/node-a.crt, pki/node-a.key
 
-Every leaf certificate carries its identity as a SPIFFE URI SAN (see motor/identity.py) and may
+Every leaf certificate carries its identity as a SPIFFE URI SAN (see motor/security/identity.py) and may
 serve and be a client at once (a node manager is both); `hosts` become DNS or IP SANs, the names
 a server is reached at. Keys are ECDSA P-256 (fast handshakes) and written mode 0600.
 Production sites bring their own PKI (docs/security.md); nothing here is needed at run time.
@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from motor.errors import ConfigError
-from motor.identity import TRUST_DOMAIN, Identity
+from motor.security.identity import TRUST_DOMAIN, Identity
 
 CA_CERT, CA_KEY = "ca.crt", "ca.key"
 

@@ -11,8 +11,8 @@ Roles (docs/security.md has the same table for readers):
 Health checks are open to anyone; reflection (when the server offers it) too, as it only
 describes the public API. A method missing from the table is refused: new RPCs must be added.
 
-A secure server takes the identity from the verified client certificate (motor/identity.py) or,
-without one, from a bearer token (motor/tokens.py). A plaintext server (loopback only, a
+A secure server takes the identity from the verified client certificate (motor/security/identity.py) or,
+without one, from a bearer token (motor/security/tokens.py). A plaintext server (loopback only, a
 developer's cluster) has no identities: every caller holds every role, as before.
 Each caller may hold at most `max_streams_per_caller` streams open at once.
 """
@@ -29,9 +29,9 @@ import grpc
 from cryptography import x509
 
 from motor.errors import status_message
-from motor.identity import TRUST_DOMAIN, Identity, identity_from_uri
-from motor.names import excerpt, is_valid_id
-from motor.tokens import TokenStore
+from motor.security.identity import TRUST_DOMAIN, Identity, identity_from_uri
+from motor.contract.names import excerpt, is_valid_id
+from motor.security.tokens import TokenStore
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from motor.errors import InvalidArgument
-from motor.names import ID_RULE, is_valid_id
+from motor.contract.names import ID_RULE, is_valid_id
 
 TRUST_DOMAIN = "motor"
 # kind -> whether it carries a name (node id, operator or viewer name)

@@ -25,17 +25,17 @@ from prometheus_client import CollectorRegistry
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from motor.errors import ConfigError, Unavailable
-from motor.grpc_server import aio_channel
+from motor.service.grpc_server import aio_channel
 from motor.leader import ELECTION_METADATA, LEADER_METADATA
 from motor.v1 import controller_pb2, types_pb2
 
 from controller.config import ControllerConfig
 from controller.core import Controller
-from controller.election import LeaderElection, LeaderInfo, Role
-from controller.etcd_client import UNAVAILABLE_ERRORS, EtcdTarget, connect, parse_etcd_url, unreachable_hint
-from controller.etcd_store import EtcdStore, Fenced
+from controller.ha.election import LeaderElection, LeaderInfo, Role
+from controller.store.etcd_client import UNAVAILABLE_ERRORS, EtcdTarget, connect, parse_etcd_url, unreachable_hint
+from controller.store.etcd import EtcdStore, Fenced
 from controller.events import EventBus
-from controller.leader_watch import LeaderDeathWatch
+from controller.ha.leader_watch import LeaderDeathWatch
 from controller.node_client import Abandonments, GrpcNodeClient, NodeCallError, NodeClient
 
 logger = logging.getLogger(__name__)

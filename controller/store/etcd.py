@@ -10,7 +10,7 @@ Layout under the prefix (default `/motor`; docs/ha.md):
     state/nodes/<node id>       {"info": base64 of motor.v1.NodeInfo, "generation", "state", "reason"}
     state/assignments/<engine>  the assignment's JSON
     state/instances/<instance>  the instance record's JSON
-    election/leader, election/epoch   (controller/election.py)
+    election/leader, election/epoch   (controller/ha/election.py)
 
 How a write avoids blocking the event loop: the Store methods stay synchronous and only change
 an in-memory mirror and stage the write; a writer task on the loop sends staged writes in order,
@@ -39,9 +39,9 @@ from typing import Any, Callable, Iterator
 import aetcd
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, retry_if_not_exception_type, wait_exponential
 
-from motor.retry import RepeatedFailure, worth_reporting
+from motor.service.retry import RepeatedFailure, worth_reporting
 
-from controller.etcd_client import UNAVAILABLE_ERRORS
+from controller.store.etcd_client import UNAVAILABLE_ERRORS
 from controller.slicing import Budget
 from controller.store import LEGACY_DEPLOYMENT, Store, StoreChange, StoredNode, StoredState
 

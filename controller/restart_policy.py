@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from motor import pbtime
+from motor.contract import pbtime
 from motor.v1 import controller_pb2
 
 # RestartPolicy's google.protobuf.Duration fields.

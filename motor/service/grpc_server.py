@@ -22,11 +22,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from motor.errors import ConfigError, ErrorMappingInterceptor
-from motor.tls import ReloadingServerCredentials, TlsFileWatch, TlsPems
+from motor.security.tls import ReloadingServerCredentials, TlsFileWatch, TlsPems
 
 
 if TYPE_CHECKING:  # prometheus_client must not be imported before the engine server sets its multiprocess dir
-    from motor.grpc_metrics import GrpcServerMetrics
+    from motor.service.grpc_metrics import GrpcServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class TlsFiles:
 
 
 def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
-    """Credentials that re-read the files when they change (motor/tls.py)."""
+    """Credentials that re-read the files when they change (motor/security/tls.py)."""
     if not tls.cert or not tls.key:
         raise ConfigError("TLS needs both a certificate and a key")
     return ReloadingServerCredentials(tls.cert, tls.key, tls.ca, tls.require_client_cert).credentials
@@ -93,7 +93,7 @@ def aio_channel(
     pems: TlsPems | None = None,
 ) -> grpc.aio.Channel:
     """An asyncio channel to `target`, plaintext or TLS; `options` override CHANNEL_OPTIONS by key.
-    A process that keeps a channel uses motor/channels.py, which follows rotated TLS files."""
+    A process that keeps a channel uses motor/security/channels.py, which follows rotated TLS files."""
     merged = dict(CHANNEL_OPTIONS)
     merged.update(options or {})
     options = list(merged.items())

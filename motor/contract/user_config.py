@@ -3,7 +3,7 @@
 One contract for the engine server (which loads it and, when standalone, serves its management
 plane with `mgmt_tls_config`) and the controller (which checks a deployment's engine_config
 before placing it). Under a node manager, engines serve with the node's own TLS settings and a
-request may not turn `mgmt_tls_config` on (motor/engine_policy.py).
+request may not turn `mgmt_tls_config` on (motor/contract/engine_policy.py).
 
 Shape (one section per role; see examples/user_config.json):
 
@@ -32,7 +32,7 @@ from typing import Any, Collection, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from motor.errors import ConfigError
-from motor.grpc_server import TlsFiles
+from motor.service.grpc_server import TlsFiles
 
 ENGINE_TYPES = ("vllm", "sglang", "sim")
 

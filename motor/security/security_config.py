@@ -2,7 +2,7 @@
 
     tls_cert, tls_key   this process's certificate: served to callers, presented when it calls
     tls_ca              the trust bundle: verifies callers' and servers' certificates (mutual TLS)
-    tokens_file         bearer tokens for operators and viewers (motor/tokens.py)
+    tokens_file         bearer tokens for operators and viewers (motor/security/tokens.py)
     token_listen        a second TLS address that asks for no client certificate, for token callers
     insecure            serve plaintext on a non-loopback address anyway (warned at every start)
     reflection          offer gRPC server reflection
@@ -21,16 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field, model_validator
 
-from motor.access import AccessInterceptor, AccessPolicy
-from motor.cli_config import Flag
-from motor.config import ReadableFile
+from motor.security.access import AccessInterceptor, AccessPolicy
+from motor.service.cli_config import Flag
+from motor.service.config import ReadableFile
 from motor.errors import ConfigError
-from motor.grpc_server import MAX_MESSAGE_BYTES, MotorServer, TlsFiles
-from motor.identity import TRUST_DOMAIN
-from motor.tokens import TokenStore
+from motor.service.grpc_server import MAX_MESSAGE_BYTES, MotorServer, TlsFiles
+from motor.security.identity import TRUST_DOMAIN
+from motor.security.tokens import TokenStore
 
 if TYPE_CHECKING:  # prometheus_client must not load before the engine server sets its multiprocess dir
-    from motor.grpc_metrics import GrpcServerMetrics
+    from motor.service.grpc_metrics import GrpcServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class SecuritySettings(BaseModel):
         )
 
 
-SECURITY_FLAGS = {  # every service's flags for SecuritySettings (motor/cli_config.py)
+SECURITY_FLAGS = {  # every service's flags for SecuritySettings (motor/service/cli_config.py)
     "tls_cert": Flag("PEM certificate this process serves and presents (with --tls-key, --tls-ca)"),
     "tls_key": Flag("PEM key of --tls-cert"),
     "tls_ca": Flag("CA bundle that verifies callers and servers (mutual TLS)"),

@@ -10,7 +10,7 @@ dotted key (`speculative-config.model`) is each of its parts. The rules (docs/se
 - anywhere: keys that name a program or code to import (`CODE_KEYS`, and every `*_cls`,
   `*_class`, `*_module`, `*module_path`, `*plugin*` key), `trust_remote_code` unless false,
   `mgmt_tls_config` with `enable_tls: true` (an engine's TLS comes from its node manager);
-- vLLM `engine_args`: only the arguments of motor/vllm_request_args.py (an allow-list); inside
+- vLLM `engine_args`: only the arguments of motor/contract/vllm_request_args.py (an allow-list); inside
   its values no dotted Python name (`pkg.Class`: vLLM imports those, e.g.
   `compilation_config.backend`) and no string that looks like a command-line option;
 - SGLang `extra_args`: only the flags of `SGLANG_EXTRA_FLAGS` (an allow-list), as `--flag value`
@@ -31,7 +31,7 @@ import re
 from typing import Any, Iterator
 
 from motor.errors import InvalidArgument
-from motor.vllm_request_args import (
+from motor.contract.vllm_request_args import (
     MOTOR_ENGINE_ARGS, VLLM_ARG_CHOICES, VLLM_REFUSED_ARGS, VLLM_REQUEST_ARGS, unsupported_vllm_arg,
 )  # fmt: skip
 
@@ -203,7 +203,7 @@ def _check_vllm_args(engine_args: dict, where: str) -> None:
             continue  # read by the engine server itself
         if name not in VLLM_REQUEST_ARGS:
             raise InvalidArgument(
-                f"{path}: not among the vLLM arguments a request may set (motor/vllm_request_args.py, docs/security.md)"
+                f"{path}: not among the vLLM arguments a request may set (motor/contract/vllm_request_args.py, docs/security.md)"
             )
         if name in VLLM_ARG_CHOICES and value is not None and value not in VLLM_ARG_CHOICES[name]:
             raise InvalidArgument(f"{path}: must be one of {sorted(VLLM_ARG_CHOICES[name])} in a request (got {value!r})")
@@ -234,7 +234,7 @@ def _check_sglang_extra_args(extra_args: Any, where: str) -> None:
         if name not in SGLANG_EXTRA_FLAGS or not item.startswith("--"):
             raise InvalidArgument(
                 f"{path}: {flag} is not among the SGLang flags a request may add (SGLANG_EXTRA_FLAGS in "
-                "motor/engine_policy.py, docs/security.md)"
+                "motor/contract/engine_policy.py, docs/security.md)"
             )
 
 

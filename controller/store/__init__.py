@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from motor.config import prepare_directory
+from motor.service.config import prepare_directory
 from motor.errors import MotorError, Unavailable
 
 

@@ -34,10 +34,10 @@ from typing import Any, Callable
 
 import aetcd
 
-from motor.retry import RepeatedFailure
-from motor.tasks import set_within
+from motor.service.retry import RepeatedFailure
+from motor.service.tasks import set_within
 
-from controller.etcd_client import UNAVAILABLE_ERRORS
+from controller.store.etcd_client import UNAVAILABLE_ERRORS
 
 logger = logging.getLogger(__name__)
 

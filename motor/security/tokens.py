@@ -24,10 +24,10 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, Field, field_validator
 
-from motor.config import load, validate
+from motor.service.config import load, validate
 from motor.errors import ConfigError
-from motor.names import IdSetting
-from motor.pki import write_atomically
+from motor.contract.names import IdSetting
+from motor.security.pki import write_atomically
 
 logger = logging.getLogger(__name__)
 

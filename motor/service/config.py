@@ -15,7 +15,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ValidationError
 
 from motor.errors import ConfigError
-from motor.names import excerpt
+from motor.contract.names import excerpt
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 

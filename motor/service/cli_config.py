@@ -19,7 +19,7 @@ from typing import Any, Awaitable, Callable, Mapping, TypeVar
 
 from pydantic import BaseModel
 
-from motor.config import read_document, validate
+from motor.service.config import read_document, validate
 from motor.errors import ConfigError, MotorError
 
 ModelT = TypeVar("ModelT", bound=BaseModel)

@@ -15,7 +15,7 @@ import signal
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
-logger = logging.getLogger("motor.signals")
+logger = logging.getLogger("motor.service.signals")
 
 
 class StopEvent(asyncio.Event):

@@ -22,8 +22,8 @@ from typing import Callable
 
 import grpc
 
-from controller.election import LeaderElection, LeaderInfo, Role
-from controller.etcd_client import UNAVAILABLE_ERRORS
+from controller.ha.election import LeaderElection, LeaderInfo, Role
+from controller.store.etcd_client import UNAVAILABLE_ERRORS
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ backoff, and a failure that repeats is reported once, with a count, not once per
   that backoff between tries, for calls made by the thousand (the controller's StartEngine and
   StopEngine): it leaves nothing in reference cycles, which tenacity's AsyncRetrying does (about
   30 objects, 4.5 KB, per call). A call that outlives one paced garbage collection has those
-  frozen with it (motor/gc_tuning.py), and only the rare complete walk frees them then: at
+  frozen with it (controller/gc_tuning.py), and only the rare complete walk frees them then: at
   10,000 nodes, tens of thousands of calls' worth.
 - `RepeatedFailure`: one operation that may keep failing (a stop the node refuses, a start on an
   unreachable node, a watch that breaks). `failed()` counts a try and says when it is worth a

@@ -1,6 +1,6 @@
 """TLS credentials that follow their files: rotate a certificate on disk, no restart.
 
-A server's gRPC asks `_fetch` before every new handshake; a client channel (motor/channels.py)
+A server's gRPC asks `_fetch` before every new handshake; a client channel (motor/security/channels.py)
 asks before every call. Both get nothing new (keep the current files) unless a file's mtime,
 size or inode changed, and then only a certificate and key that belong together, so a rotation
 caught half way (new certificate, old key) keeps the previous pair until the second file lands;
@@ -139,7 +139,7 @@ class TlsFileWatch:
     when one of them changes: `changed()` costs a stat per file, and answers new contents only
     once they are usable (the key belongs to the certificate, the bundle holds a certificate).
     Used by servers (ReloadingServerCredentials) and, one per set of files in a process
-    (`shared`), by the client channels it keeps (motor/channels.py)."""
+    (`shared`), by the client channels it keeps (motor/security/channels.py)."""
 
     _shared: dict[tuple[str | None, str | None, str | None], "TlsFileWatch"] = {}
 

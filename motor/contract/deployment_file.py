@@ -11,7 +11,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from motor.config import read_document
+from motor.service.config import read_document
 from motor.errors import InvalidArgument
 from motor.v1 import controller_pb2
 
