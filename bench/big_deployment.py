@@ -60,27 +60,49 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, default=100)
     parser.add_argument("--grace", type=float, default=2.5, help="controller --node-grace (heartbeats every 0.5 s)")
     parser.add_argument("--accelerators", type=int, default=400, help="per node")
-    parser.add_argument("--store", default="", help="etcd://HOST:PORT/PREFIX (default: SQLite in a temporary directory)")
+    parser.add_argument(
+        "--store", default="", help="etcd://HOST:PORT/PREFIX (default: SQLite in a temporary directory)"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a phase may take")
     args = parser.parse_args()
     engines = args.instances * args.dp
     placed = min(engines, args.nodes * args.accelerators)  # the rest wait PENDING (every pass goes over them)
-    fleet = BigFleet(args.nodes, args.accelerators, grace=args.grace, store_args=["--store", args.store] if args.store else None)
+    fleet = BigFleet(
+        args.nodes, args.accelerators, grace=args.grace, store_args=["--store", args.store] if args.store else None
+    )
     rows = []
     try:
         fleet.start()
         time.sleep(2)
         phases = [
-            ("apply", lambda: fleet.stub.ApplyDeployment(C.ApplyDeploymentRequest(deployment=deployment(args.instances, args.dp)), timeout=600),
-             "starts", placed),
-            ("replacing apply", lambda: fleet.stub.ApplyDeployment(
-                C.ApplyDeploymentRequest(deployment=deployment(args.instances, args.dp, "sim-tiny-2")), timeout=600),
-             "starts", 2 * placed),
-            ("delete", lambda: fleet.stub.DeleteDeployment(C.DeleteDeploymentRequest(), timeout=600), "stops", 2 * placed),
+            (
+                "apply",
+                lambda: fleet.stub.ApplyDeployment(
+                    C.ApplyDeploymentRequest(deployment=deployment(args.instances, args.dp)), timeout=600
+                ),
+                "starts",
+                placed,
+            ),
+            (
+                "replacing apply",
+                lambda: fleet.stub.ApplyDeployment(
+                    C.ApplyDeploymentRequest(deployment=deployment(args.instances, args.dp, "sim-tiny-2")), timeout=600
+                ),
+                "starts",
+                2 * placed,
+            ),
+            (
+                "delete",
+                lambda: fleet.stub.DeleteDeployment(C.DeleteDeploymentRequest(), timeout=600),
+                "stops",
+                2 * placed,
+            ),
         ]
         for name, call, key, target in phases:
             before = {which: fleet.lag_buckets(which) for which in ("lag", "blocked")}
-            gc_before = {walk: fleet.buckets("motor_gc_pause_seconds", f',walk="{walk}"') for walk in ("recent", "complete")}
+            gc_before = {
+                walk: fleet.buckets("motor_gc_pause_seconds", f',walk="{walk}"') for walk in ("recent", "complete")
+            }
             fleet.beats.slowest = 0.0
             began = time.monotonic()
             call()
@@ -90,27 +112,61 @@ def main() -> int:
             row = [name, answered, done]
             stalls = {which: lag_stalls(before[which], fleet.lag_buckets(which)) for which in ("lag", "blocked")}
             for observed in stalls.values():
-                row += [quantile(observed, 0.5), quantile(observed, 0.99), max((le for le, n in observed.items() if n > 0), default=0.0)]
+                row += [
+                    quantile(observed, 0.5),
+                    quantile(observed, 0.99),
+                    max((le for le, n in observed.items() if n > 0), default=0.0),
+                ]
             held = stalls["blocked"]
             over = sum(n for le, n in held.items() if le > GOAL)  # held past the goal, of all observations
-            pauses = {walk: lag_stalls(gc_before[walk], fleet.buckets("motor_gc_pause_seconds", f',walk="{walk}"'))
-                      for walk in ("recent", "complete")}
-            largest = {walk: max((le for le, n in observed.items() if n > 0), default=0.0) for walk, observed in pauses.items()}
+            pauses = {
+                walk: lag_stalls(gc_before[walk], fleet.buckets("motor_gc_pause_seconds", f',walk="{walk}"'))
+                for walk in ("recent", "complete")
+            }
+            largest = {
+                walk: max((le for le, n in observed.items() if n > 0), default=0.0) for walk, observed in pauses.items()
+            }
             row += [largest["recent"], f"{sum(pauses['complete'].values()):.0f}", largest["complete"]]
             rows.append((*row, f"{over:.0f}/{sum(held.values()):.0f}", fleet.beats.slowest, len(fleet.beats.failed)))
     finally:
         fleet.stop()
-    print(f"{args.instances} instances x dp {args.dp} = {engines} engines ({placed} placed) on {args.nodes} nodes x {args.accelerators} accelerators; "
-          f"store {args.store or 'SQLite'}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
-    print(f"{'phase':16}{'answered s':>11}{'done s':>8}{'lag p50 <=':>12}{'p99 <=':>9}{'max <=':>9}{'held p50 <=':>13}"
-          f"{'p99 <=':>9}{'max <=':>9}{'gc max <=':>11}{'complete':>10}{'max <=':>9}{'held >50ms':>12}{'slowest beat':>14}{'failed beats':>14}")
-    for (name, answered, done, lag50, lag99, lagmax, held50, held99, heldmax, gc_recent, walks, gc_complete,
-         over, beat, failed) in rows:
-        print(f"{name:16}{answered:11.2f}{done:8.1f}{lag50 * 1e3:10.0f}ms{lag99 * 1e3:7.0f}ms{lagmax * 1e3:7.0f}ms"
-              f"{held50 * 1e3:11.0f}ms{held99 * 1e3:7.0f}ms{heldmax * 1e3:7.0f}ms{gc_recent * 1e3:9.0f}ms{walks:>10}"
-              f"{gc_complete * 1e3:7.0f}ms{over:>12}{beat * 1e3:12.0f}ms{failed:14d}")
-    print(f"heartbeats: {fleet.beats.sent} sent, {len(fleet.beats.failed)} failed" + (f" (first: {fleet.beats.failed[0]})" if fleet.beats.failed else "")
-          + f"; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end")
+    print(
+        f"{args.instances} instances x dp {args.dp} = {engines} engines ({placed} placed) on {args.nodes} nodes x "
+        f"{args.accelerators} accelerators; "
+        f"store {args.store or 'SQLite'}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"{'phase':16}{'answered s':>11}{'done s':>8}{'lag p50 <=':>12}{'p99 <=':>9}{'max <=':>9}{'held p50 <=':>13}"
+        f"{'p99 <=':>9}{'max <=':>9}{'gc max <=':>11}{'complete':>10}{'max <=':>9}{'held >50ms':>12}"
+        f"{'slowest beat':>14}{'failed beats':>14}"
+    )
+    for (
+        name,
+        answered,
+        done,
+        lag50,
+        lag99,
+        lagmax,
+        held50,
+        held99,
+        heldmax,
+        gc_recent,
+        walks,
+        gc_complete,
+        over,
+        beat,
+        failed,
+    ) in rows:
+        print(
+            f"{name:16}{answered:11.2f}{done:8.1f}{lag50 * 1e3:10.0f}ms{lag99 * 1e3:7.0f}ms{lagmax * 1e3:7.0f}ms"
+            f"{held50 * 1e3:11.0f}ms{held99 * 1e3:7.0f}ms{heldmax * 1e3:7.0f}ms{gc_recent * 1e3:9.0f}ms{walks:>10}"
+            f"{gc_complete * 1e3:7.0f}ms{over:>12}{beat * 1e3:12.0f}ms{failed:14d}"
+        )
+    print(
+        f"heartbeats: {fleet.beats.sent} sent, {len(fleet.beats.failed)} failed"
+        + (f" (first: {fleet.beats.failed[0]})" if fleet.beats.failed else "")
+        + f"; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end"
+    )
     return 0
 
 

@@ -42,16 +42,14 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from motor.contract import names  # noqa: E402
-from motor.v1 import controller_pb2 as C  # noqa: E402
-from motor.v1 import types_pb2 as T  # noqa: E402
-
 from controller.config import ControllerConfig  # noqa: E402
 from controller.core import Controller  # noqa: E402
 from controller.node_client import NodeClient  # noqa: E402
 from controller.store import SqliteStore  # noqa: E402
+from motor.contract import names  # noqa: E402
+from motor.v1 import controller_pb2 as C  # noqa: E402
+from motor.v1 import types_pb2 as T  # noqa: E402
 from tests.support.big_fleet import deployment  # noqa: E402
-
 
 try:
     LIBC = ctypes.CDLL("libc.so.6")
@@ -73,9 +71,15 @@ class SimulatedNodes(NodeClient):
         spec = T.EngineSpec.FromString(spec.SerializeToString())  # what crossed the wire
         spec.port = 20000 + 2 * (next(self._ports) % 4000)
         spec.mgmt_port = spec.port + 1
-        engine = T.Engine(engine_id=names.engine_id(spec.instance_id, spec.dp_rank), spec=spec,
-                          state=T.ENGINE_STATE_RUNNING, health=T.HEALTH_STATUS_NORMAL, health_reason="sim",
-                          pid=next(self._pids), node_id=node.node_id)
+        engine = T.Engine(
+            engine_id=names.engine_id(spec.instance_id, spec.dp_rank),
+            spec=spec,
+            state=T.ENGINE_STATE_RUNNING,
+            health=T.HEALTH_STATUS_NORMAL,
+            health_reason="sim",
+            pid=next(self._pids),
+            node_id=node.node_id,
+        )
         self.engines[node.node_id][engine.engine_id] = wire = engine.SerializeToString()
         return T.Engine.FromString(wire)
 
@@ -101,15 +105,20 @@ def snapshot() -> tuple[int, collections.Counter, int]:
 
 
 async def build(args, work: str) -> Controller:
-    config = ControllerConfig(db=os.path.join(work, "controller.db"), heartbeat_interval=1.0, node_grace=30.0,
-                              startup_grace=0.0)
+    config = ControllerConfig(
+        db=os.path.join(work, "controller.db"), heartbeat_interval=1.0, node_grace=30.0, startup_grace=0.0
+    )
     nodes = SimulatedNodes()
     controller = Controller(config, SqliteStore(config.db), nodes)
     controller.load()
     for n in range(args.nodes):
-        info = C.NodeInfo(node_id=f"node-{n:05d}", address=f"10.1.{n // 250}.{n % 250 + 1}:50051",
-                          host=f"10.1.{n // 250}.{n % 250 + 1}", accelerator_ids=range(args.accelerators),
-                          accelerator_type="sim")
+        info = C.NodeInfo(
+            node_id=f"node-{n:05d}",
+            address=f"10.1.{n // 250}.{n % 250 + 1}:50051",
+            host=f"10.1.{n // 250}.{n % 250 + 1}",
+            accelerator_ids=range(args.accelerators),
+            accelerator_type="sim",
+        )
         await controller.register_node(info, [])
     wanted = deployment(args.instances, args.dp)
     if args.config_bytes:  # a bigger engine config, as a real deployment's (every engine's spec carries it)
@@ -119,9 +128,14 @@ async def build(args, work: str) -> Controller:
     while sum(map(len, nodes.engines.values())) < engines or controller._tasks:
         controller.reconcile_once()
         await asyncio.sleep(0.01)
-    wires = {node_id: C.HeartbeatRequest(node_id=node_id, generation=controller.nodes[node_id].generation,
-                                         engines=map(T.Engine.FromString, running.values())).SerializeToString()
-             for node_id, running in nodes.engines.items()}
+    wires = {
+        node_id: C.HeartbeatRequest(
+            node_id=node_id,
+            generation=controller.nodes[node_id].generation,
+            engines=map(T.Engine.FromString, running.values()),
+        ).SerializeToString()
+        for node_id, running in nodes.engines.items()
+    }
     for _ in range(args.beats):
         held = 0.0  # in Controller.heartbeat
         for wire in wires.values():
@@ -174,18 +188,28 @@ def main() -> int:
             t0 = time.perf_counter()
             gc.collect()
             walks.append(time.perf_counter() - t0)
-        print(f"{args.nodes} nodes x {args.accelerators} accelerators, {args.instances} instances x dp {args.dp} "
-              f"= {engines} engines (built in {built:.1f} s, Python {sys.version.split()[0]})")
-        print(f"tracked GC objects: {objects - base_objects} ({(objects - base_objects) / engines:.1f} per engine), "
-              f"{objects} in the process")
-        print(f"RSS: +{(rss - base_rss) / 2**20:.0f} MiB ({(rss - base_rss) / engines:.0f} bytes per engine), "
-              f"{rss / 2**20:.0f} MiB in the process")
+        print(
+            f"{args.nodes} nodes x {args.accelerators} accelerators, {args.instances} instances x dp {args.dp} "
+            f"= {engines} engines (built in {built:.1f} s, Python {sys.version.split()[0]})"
+        )
+        print(
+            f"tracked GC objects: {objects - base_objects} ({(objects - base_objects) / engines:.1f} per engine), "
+            f"{objects} in the process"
+        )
+        print(
+            f"RSS: +{(rss - base_rss) / 2**20:.0f} MiB ({(rss - base_rss) / engines:.0f} bytes per engine), "
+            f"{rss / 2**20:.0f} MiB in the process"
+        )
         if args.tracemalloc:
             print(f"Python allocator (tracemalloc): {traced / 2**20:.0f} MiB ({traced / engines:.0f} bytes per engine)")
-        print(f"a full heartbeat of unchanged engines: {controller.beat_seconds / engines * 1e6:.2f} us per engine "
-              f"in Controller.heartbeat")
-        print(f"complete collection: median {statistics.median(walks) * 1000:.0f} ms of {args.walks} "
-              f"({', '.join(f'{w * 1000:.0f}' for w in walks)} ms)")
+        print(
+            f"a full heartbeat of unchanged engines: {controller.beat_seconds / engines * 1e6:.2f} us per engine "
+            f"in Controller.heartbeat"
+        )
+        print(
+            f"complete collection: median {statistics.median(walks) * 1000:.0f} ms of {args.walks} "
+            f"({', '.join(f'{w * 1000:.0f}' for w in walks)} ms)"
+        )
         print("tracked objects that grew most (type: count, per engine):")
         grown = kinds - base_kinds
         for name, count in grown.most_common(args.top):

@@ -54,7 +54,8 @@ Everything talks to 127.0.0.1.
     .venv/bin/python bench/controller_scale.py                           # 1000 .. 15000 nodes, both
     .venv/bin/python bench/controller_scale.py --steps 100,200 --window 5 --tls on
     .venv/bin/python bench/controller_scale.py --search 2000,10000 --victims 0   # mTLS vs plaintext, 10%
-    .venv/bin/python bench/controller_scale.py --steps 1000 --tls off --deployments 100  # 100 x 10 instances vs 1 x 1000
+    .venv/bin/python bench/controller_scale.py --steps 1000 --tls off --deployments 100  # 100 x 10 instances vs 1 x
+    1000
 """
 
 from __future__ import annotations
@@ -78,15 +79,14 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from motor.service.grpc_server import TlsFiles, channel_credentials  # noqa: E402
+from controller.validation import MAX_COUNT, MAX_ENGINES_PER_DEPLOYMENT  # noqa: E402
+from motor.ports import free_port  # noqa: E402
 from motor.security.identity import Identity  # noqa: E402
 from motor.security.pki import CertificateAuthority  # noqa: E402
-from motor.ports import free_port  # noqa: E402
+from motor.service.grpc_server import TlsFiles, channel_credentials  # noqa: E402
 from motor.v1 import controller_pb2 as C  # noqa: E402
 from motor.v1 import controller_pb2_grpc  # noqa: E402
 from motor.v1 import types_pb2 as T  # noqa: E402
-
-from controller.validation import MAX_COUNT, MAX_ENGINES_PER_DEPLOYMENT  # noqa: E402
 
 ENGINES_PER_NODE = 8
 # What a sustained step is held to. "full": issue 15's goal; "latency": the heartbeats alone, the
@@ -105,9 +105,13 @@ def deployment(instances: int, name: str = "scale", prefix: str = "u") -> C.Depl
     d = C.Deployment(name=name, model="sim-tiny")
     d.engine_config.update({"motor_engine_union_config": {"engine_type": "sim"}})
     for group, first in enumerate(range(0, instances, MAX_COUNT)):
-        d.instance_groups.add(name=f"{prefix}{group}" if group else prefix, role=T.ROLE_UNION,
-                              count=min(MAX_COUNT, instances - first), data_parallel_size=ENGINES_PER_NODE,
-                              accelerators_per_engine=1)
+        d.instance_groups.add(
+            name=f"{prefix}{group}" if group else prefix,
+            role=T.ROLE_UNION,
+            count=min(MAX_COUNT, instances - first),
+            data_parallel_size=ENGINES_PER_NODE,
+            accelerators_per_engine=1,
+        )
     d.restart_policy.scope = C.RESTART_SCOPE_RANK  # a failed rank restarts alone
     return d
 
@@ -150,8 +154,19 @@ class Fleet:
     def __init__(self, controller: str, args, pki_dir: str | None):
         if not os.path.exists(FLEET):
             subprocess.run(["bash", os.path.join(HERE, "fleet", "build.sh")], check=True)
-        command = [FLEET, "-controller", controller, "-transport", args.transport, "-victims", str(args.victims),
-                   "-reports-per-s", str(args.reports_per_s), "-conns", str(args.conns)]
+        command = [
+            FLEET,
+            "-controller",
+            controller,
+            "-transport",
+            args.transport,
+            "-victims",
+            str(args.victims),
+            "-reports-per-s",
+            str(args.reports_per_s),
+            "-conns",
+            str(args.conns),
+        ]
         if pki_dir:
             command += ["-tls-ca", os.path.join(pki_dir, "ca.crt"), "-tls-ca-key", os.path.join(pki_dir, "ca.key")]
         if args.fleet_nice:
@@ -195,10 +210,14 @@ def time_node_loss(stub, fleet: Fleet, grace: float, interval: float, recheck_ti
                 lost_at.setdefault(node.info.node_id, time.monotonic() - began)
         time.sleep(0.1)
     if len(lost_at) < len(victims):
-        return f"node loss: only {len(lost_at)} of {len(victims)} silenced nodes declared LOST within {4 * bound + 10:.0f}s"
-    return (f"node loss: {len(victims)} silenced nodes declared LOST after {min(lost_at.values()):.1f}-{max(lost_at.values()):.1f}s"
-            f" (announced grace {grace:g}s + 2 x interval {interval:g}s + re-check {recheck_timeout:g}s = {bound:g}s;"
-            " polled every 0.1s)")
+        within = 4 * bound + 10
+        return f"node loss: only {len(lost_at)} of {len(victims)} silenced nodes declared LOST within {within:.0f}s"
+    return (
+        f"node loss: {len(victims)} silenced nodes declared LOST after "
+        f"{min(lost_at.values()):.1f}-{max(lost_at.values()):.1f}s"
+        f" (announced grace {grace:g}s + 2 x interval {interval:g}s + re-check {recheck_timeout:g}s = {bound:g}s;"
+        " polled every 0.1s)"
+    )
 
 
 class TimedScrape(threading.Thread):
@@ -226,7 +245,9 @@ def loop_thread_schedstat(pid: int) -> tuple[float, float]:
     return int(ran) / 1e9, int(waited) / 1e9
 
 
-def step(size: int, stub, fleet: Fleet, proc: psutil.Process, metrics_port: int, args) -> tuple[dict[str, bool], str, float, float, float]:
+def step(
+    size: int, stub, fleet: Fleet, proc: psutil.Process, metrics_port: int, args
+) -> tuple[dict[str, bool], str, float, float, float]:
     """Grow the fleet to `size`, measure a window: (sustained by each rule of RULES, the printed
     line, the answered rate, the announced interval and grace)."""
     began = time.monotonic()
@@ -260,7 +281,9 @@ def step(size: int, stub, fleet: Fleet, proc: psutil.Process, metrics_port: int,
     loop_ran, loop_waited = (ran_after - ran_before) / measured, (waited_after - waited_before) / measured
     rss = proc.memory_info().rss / 2**20
     mid.join()
-    ingest_p99 = histogram_quantile(ingest_before, scrape(metrics_port, "motor_controller_heartbeat_ingest_seconds"), 0.99)
+    ingest_p99 = histogram_quantile(
+        ingest_before, scrape(metrics_port, "motor_controller_heartbeat_ingest_seconds"), 0.99
+    )
     lag_p99 = histogram_quantile(lag_before, scrape(metrics_port, "motor_event_loop_lag_seconds"), 0.99)
     blocked_p99 = histogram_quantile(blocked_before, scrape(metrics_port, "motor_event_loop_blocked_seconds"), 0.99)
     ready = sum(1 for _ in paged_nodes(stub, "state=READY"))
@@ -272,11 +295,13 @@ def step(size: int, stub, fleet: Fleet, proc: psutil.Process, metrics_port: int,
         f"{size:>6} nodes {size * ENGINES_PER_NODE:>6} engines | {len(applied)} deployment(s) applied in {apply_s:.2f}s"
         f" | setup {setup:5.1f}s"
         f" | interval {interval:g}s grace {grace:g}s (fleet heard {seen['interval_s']:g}s) | window {window:g}s"
-        f" | heartbeats {seen['rate']:7.1f}/s of {expected:.0f}/s ({seen['errors']} failed, {seen['delta_beats']} deltas"
+        f" | heartbeats {seen['rate']:7.1f}/s of {expected:.0f}/s ({seen['errors']} failed, {seen['delta_beats']} "
+        "deltas"
         f" carrying {seen['delta_engines']} engines, {seen['full_beats']} full)"
         f" | round trip p50 {seen['p50_ms']:6.2f} ms p99 {seen['p99_ms']:7.2f} ms"
         f" | failure reports {seen['reports']} p99 {seen['report_p99_ms']:6.2f} ms"
-        f" | controller CPU {cpu:5.1f}% ({per_beat_ms:.3f} ms per beat) RSS {rss:6.1f} MiB handling p99 <= {ingest_p99 * 1e3:g} ms loop lag p99 <= {lag_p99 * 1e3:g} ms"
+        f" | controller CPU {cpu:5.1f}% ({per_beat_ms:.3f} ms per beat) RSS {rss:6.1f} MiB handling p99 <= "
+        f"{ingest_p99 * 1e3:g} ms loop lag p99 <= {lag_p99 * 1e3:g} ms"
         f" (blocked <= {blocked_p99 * 1e3:g} ms)"
         f" loop thread ran {loop_ran:.0%} waited for a CPU {loop_waited:.0%}"
         f" (a /metrics scrape in the window: {mid.seconds:.2f}s, {mid.size / 2**20:.1f} MiB)"
@@ -305,25 +330,52 @@ class Cluster:
         port, self.metrics_port = free_port(), free_port()
         pki = make_pki(self.work) if tls else None
         command = [
-            os.path.join(os.path.dirname(sys.executable), "motor-controller"), "--listen", f"127.0.0.1:{port}",
-            "--db", os.path.join(self.work, "controller.db"), "--heartbeat-interval", "1", "--node-grace",
-            str(args.node_grace), "--recheck-timeout", "1", "--max-heartbeats-per-second", str(args.max_heartbeats_per_second), "--metrics-port", str(self.metrics_port), "--log-level", "WARNING",
+            os.path.join(os.path.dirname(sys.executable), "motor-controller"),
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--db",
+            os.path.join(self.work, "controller.db"),
+            "--heartbeat-interval",
+            "1",
+            "--node-grace",
+            str(args.node_grace),
+            "--recheck-timeout",
+            "1",
+            "--max-heartbeats-per-second",
+            str(args.max_heartbeats_per_second),
+            "--metrics-port",
+            str(self.metrics_port),
+            "--log-level",
+            "WARNING",
             # Plaintext callers are counted per host: every simulated node's stream comes from 127.0.0.1.
-            "--max-streams-per-caller", str(2 * max(args.steps) + 100),
+            "--max-streams-per-caller",
+            str(2 * max(args.steps) + 100),
             # Past 12,500 nodes the fleet's engines exceed the default limit (100,000 a deployment).
-            "--max-engines-per-deployment", str(max(MAX_ENGINES_PER_DEPLOYMENT, ENGINES_PER_NODE * max(args.steps))),
+            "--max-engines-per-deployment",
+            str(max(MAX_ENGINES_PER_DEPLOYMENT, ENGINES_PER_NODE * max(args.steps))),
         ]
         if pki:
-            command += ["--tls-cert", os.path.join(pki, "controller.crt"), "--tls-key", os.path.join(pki, "controller.key"),
-                        "--tls-ca", os.path.join(pki, "ca.crt")]
+            command += [
+                "--tls-cert",
+                os.path.join(pki, "controller.crt"),
+                "--tls-key",
+                os.path.join(pki, "controller.key"),
+                "--tls-ca",
+                os.path.join(pki, "ca.crt"),
+            ]
         self.command = command
         self.log = open(os.path.join(self.work, "controller.log"), "wb")
         self.controller = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.proc = psutil.Process(self.controller.pid)
         options = [("grpc.max_receive_message_length", 256 << 20)]
         if pki:
-            credentials = channel_credentials(TlsFiles(cert=os.path.join(pki, "operator.crt"),
-                                                       key=os.path.join(pki, "operator.key"), ca=os.path.join(pki, "ca.crt")))
+            credentials = channel_credentials(
+                TlsFiles(
+                    cert=os.path.join(pki, "operator.crt"),
+                    key=os.path.join(pki, "operator.key"),
+                    ca=os.path.join(pki, "ca.crt"),
+                )
+            )
             self.channel = grpc.secure_channel(f"127.0.0.1:{port}", credentials, options=options)
         else:
             self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
@@ -331,7 +383,7 @@ class Cluster:
         grpc.channel_ready_future(self.channel).result(timeout=30)
         self.fleet = Fleet(f"127.0.0.1:{port}", args, pki)
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -350,16 +402,22 @@ class Cluster:
 
 
 def trial(args, size: int, tls: bool) -> tuple[dict[str, bool], float]:
-    """One step on a fresh cluster, then its node loss timed: (sustained by each rule, share of the heartbeats asked for answered)."""
+    """One step on a fresh cluster, then its node loss timed: (sustained by each rule, share of the
+    heartbeats asked for answered)."""
     with Cluster(args, tls) as cluster:
         if size == args.steps[0]:
             print(f"{'mutual TLS' if tls else 'plaintext'}: controller", " ".join(cluster.command[1:]), flush=True)
         try:
-            ok, line, rate, interval, grace = step(size, cluster.stub, cluster.fleet, cluster.proc, cluster.metrics_port, args)
+            ok, line, rate, interval, grace = step(
+                size, cluster.stub, cluster.fleet, cluster.proc, cluster.metrics_port, args
+            )
             mode = "mTLS  " if tls else "plain "
             print(mode + line, flush=True)
             if args.victims:
-                print(f"{mode}{size:>6} nodes | " + time_node_loss(cluster.stub, cluster.fleet, grace, interval, 1.0), flush=True)
+                print(
+                    f"{mode}{size:>6} nodes | " + time_node_loss(cluster.stub, cluster.fleet, grace, interval, 1.0),
+                    flush=True,
+                )
             return ok, rate * interval / size
         except grpc.RpcError as exc:
             state = "alive" if cluster.controller.poll() is None else f"exited with {cluster.controller.returncode}"
@@ -398,9 +456,12 @@ def run(args) -> int:
     started_at = time.monotonic()
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.tls]
     connections = f"{args.conns} shared connections" if args.conns else "one connection per node"
-    print(f"fleet: {FLEET} (separate process), transport {args.transport}, {connections} (mutual TLS: always one per "
-          f"node), {args.reports_per_s:g} engine failures reported/s; every step on a fresh controller and fleet, "
-          "plaintext then mutual TLS at each size", flush=True)
+    print(
+        f"fleet: {FLEET} (separate process), transport {args.transport}, {connections} (mutual TLS: always one per "
+        f"node), {args.reports_per_s:g} engine failures reported/s; every step on a fresh controller and fleet, "
+        "plaintext then mutual TLS at each size",
+        flush=True,
+    )
     best = {rule: {tls: 0 for tls in modes} for rule in RULES}
     going = list(modes) if not args.search else []
     for size in args.steps if not args.search else []:
@@ -418,18 +479,29 @@ def run(args) -> int:
     for rule in rules:
         for tls in modes:
             what = "mutual TLS" if tls else "plaintext "
-            print(f"{what}: largest fleet sustained ({RULES[rule].format(p99=args.p99_ms)}): "
-                  f"{best[rule][tls]} nodes x {ENGINES_PER_NODE} engines ({best[rule][tls] * ENGINES_PER_NODE} engines); goal 10000 x 8")
+            print(
+                f"{what}: largest fleet sustained ({RULES[rule].format(p99=args.p99_ms)}): "
+                f"{best[rule][tls]} nodes x {ENGINES_PER_NODE} engines ({best[rule][tls] * ENGINES_PER_NODE} engines); "
+                "goal 10000 x 8"
+            )
     if len(modes) == 2:
-        how = (f"searched in [{args.search[0]}, {args.search[1]}) to within {args.precision:.0%}" if args.search
-               else f"steps {args.steps}")
+        how = (
+            f"searched in [{args.search[0]}, {args.search[1]}) to within {args.precision:.0%}"
+            if args.search
+            else f"steps {args.steps}"
+        )
         for rule in rules:
             plain, tls = best[rule][False], best[rule][True]
             ratio = f"{tls / plain:.2f}" if plain else "undefined (no plaintext step sustained)"
-            print(f"mutual TLS / plaintext, largest fleet sustained ({RULES[rule].format(p99=args.p99_ms)}): {ratio} "
-                  f"(goal: at least 0.90; {how})")
+            print(
+                f"mutual TLS / plaintext, largest fleet sustained ({RULES[rule].format(p99=args.p99_ms)}): {ratio} "
+                f"(goal: at least 0.90; {how})"
+            )
     print(f"heartbeat budget: --max-heartbeats-per-second {args.max_heartbeats_per_second:g}")
-    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end (controller and fleet share them)")
+    print(
+        f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end (controller and fleet share "
+        "them)"
+    )
     print(f"run time {time.monotonic() - started_at:.0f}s")
     return 0
 
@@ -437,33 +509,67 @@ def run(args) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", default="1000,2500,5000,7500,10000,12500,15000", help="fleet sizes to try, in order")
-    parser.add_argument("--window", type=float, default=10.0,
-                        help="seconds measured per step (at least 3 announced intervals)")
-    parser.add_argument("--warmup", type=float, default=3.0,
-                        help="seconds between a step's set-up and its window (at least 2 announced intervals)")
-    parser.add_argument("--max-heartbeats-per-second", type=float, default=2000.0,
-                        help="the controller's heartbeat rate budget (its default); 0: 1 Hz at every size")
+    parser.add_argument(
+        "--window", type=float, default=10.0, help="seconds measured per step (at least 3 announced intervals)"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=3.0,
+        help="seconds between a step's set-up and its window (at least 2 announced intervals)",
+    )
+    parser.add_argument(
+        "--max-heartbeats-per-second",
+        type=float,
+        default=2000.0,
+        help="the controller's heartbeat rate budget (its default); 0: 1 Hz at every size",
+    )
     parser.add_argument("--p99-ms", type=float, default=50.0, help="heartbeat p99 a sustained step stays under")
-    parser.add_argument("--tls", choices=["off", "on", "both"], default="both",
-                        help="plaintext, mutual TLS (a certificate per node), or both ladders one after the other")
+    parser.add_argument(
+        "--tls",
+        choices=["off", "on", "both"],
+        default="both",
+        help="plaintext, mutual TLS (a certificate per node), or both ladders one after the other",
+    )
     parser.add_argument("--transport", choices=["stream", "unary"], default="stream", help="how the fleet heartbeats")
     parser.add_argument("--reports-per-s", type=float, default=2.0, help="engine failures the fleet reports per second")
     parser.add_argument("--victims", type=int, default=3, help="nodes silenced at the end to time their loss (0: none)")
-    parser.add_argument("--fleet-nice", type=int, default=0,
-                        help="run the fleet at this niceness (it stands in for other hosts; 10: it yields the CPU)")
-    parser.add_argument("--conns", type=int, default=0,
-                        help="plaintext: connections the fleet shares between its nodes (0: one per node, as with TLS)")
-    parser.add_argument("--setup-timeout", type=float, default=600.0, help="seconds a step may take to start its engines")
-    parser.add_argument("--deployments", type=int, default=1,
-                        help="split each step's instances over this many named deployments, applied one after another "
-                             "(the per-deployment cost: compare with 1 at the same size)")
+    parser.add_argument(
+        "--fleet-nice",
+        type=int,
+        default=0,
+        help="run the fleet at this niceness (it stands in for other hosts; 10: it yields the CPU)",
+    )
+    parser.add_argument(
+        "--conns",
+        type=int,
+        default=0,
+        help="plaintext: connections the fleet shares between its nodes (0: one per node, as with TLS)",
+    )
+    parser.add_argument(
+        "--setup-timeout", type=float, default=600.0, help="seconds a step may take to start its engines"
+    )
+    parser.add_argument(
+        "--deployments",
+        type=int,
+        default=1,
+        help="split each step's instances over this many named deployments, applied one after another "
+        "(the per-deployment cost: compare with 1 at the same size)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the controller's log and database")
     parser.add_argument("--node-grace", type=float, default=5.0, help="controller --node-grace")
-    parser.add_argument("--search", metavar="LO,HI", help="instead of --steps: bisect the largest size sustained in "
-                        "[LO, HI) for each mode, the modes taking turns")
+    parser.add_argument(
+        "--search",
+        metavar="LO,HI",
+        help="instead of --steps: bisect the largest size sustained in [LO, HI) for each mode, the modes taking turns",
+    )
     parser.add_argument("--precision", type=float, default=0.1, help="--search stops when HI/LO is within this")
-    parser.add_argument("--rule", choices=list(RULES), default="full",
-                        help="what --search holds a sustained step to (--steps print both)")
+    parser.add_argument(
+        "--rule",
+        choices=list(RULES),
+        default="full",
+        help="what --search holds a sustained step to (--steps print both)",
+    )
     args = parser.parse_args()
     args.steps = [int(s) for s in args.steps.split(",")]
     if args.search:

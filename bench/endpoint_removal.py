@@ -120,8 +120,11 @@ def main() -> None:
     cluster.start()
     channel = grpc.insecure_channel(cluster.controller_address)
     stub = controller_pb2_grpc.ControllerServiceStub(channel)
-    section = {"engine_type": "sim", "engine_args": {"model": "sim-tiny"},
-               "health_check_config": {"enable_virtual_inference": False}}
+    section = {
+        "engine_type": "sim",
+        "engine_args": {"model": "sim-tiny"},
+        "health_check_config": {"enable_virtual_inference": False},
+    }
     deployment = deployment_from_dict({
         "name": "bench", "model": "sim-tiny", "engine_config": {"motor_engine_union_config": section},
         "instance_groups": [{"name": "u", "role": "union", "count": args.engines}],
@@ -142,7 +145,9 @@ def main() -> None:
         for round_ in range(args.kills):
             engine_id = sorted(stream.listed)[round_ % args.engines]
             # The node's report may still carry the copy killed before: wait for the new one.
-            pid = wait(lambda: (p := engine_pids(stub).get(engine_id)) not in killed_pids and p, 30, "the new copy's pid")
+            pid = wait(
+                lambda: (p := engine_pids(stub).get(engine_id)) not in killed_pids and p, 30, "the new copy's pid"
+            )
             killed_pids.add(pid)
             time.sleep(POLL_INTERVAL * (round_ % 7) / 7)  # kills at every phase of the poller
             killed = time.monotonic()
@@ -167,14 +172,21 @@ def main() -> None:
     finally:
         channel.close()
         cluster.stop()
-    print(f"SIGKILL of an engine server -> endpoint removed, {args.kills} kills, {args.engines} sim engines, "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"SIGKILL of an engine server -> endpoint removed, {args.kills} kills, {args.engines} sim engines, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+    )
     print(f"{'':28}{'median ms':>10}{'p90 ms':>10}{'p99 ms':>10}{'max ms':>10}")
     for name, values in (("WatchEndpoints stream", stream_ms), (f"ListEndpoints every {POLL_INTERVAL:g}s", poll_ms)):
-        print(f"{name:28}{statistics.median(values):10.1f}{pct(values, 90):10.1f}{pct(values, 99):10.1f}{max(values):10.1f}")
+        print(
+            f"{name:28}{statistics.median(values):10.1f}{pct(values, 90):10.1f}{pct(values, 99):10.1f}"
+            f"{max(values):10.1f}"
+        )
     print(f"outages the poller never saw (restarted between two polls): {poll_missed} of {args.kills}")
-    print(f"ratio poll/stream (median): {statistics.median(poll_ms) / statistics.median(stream_ms):.1f}x; "
-          f"goal stream p99 < 50 ms: {'met' if pct(stream_ms, 99) < 50 else 'NOT met'}")
+    print(
+        f"ratio poll/stream (median): {statistics.median(poll_ms) / statistics.median(stream_ms):.1f}x; "
+        f"goal stream p99 < 50 ms: {'met' if pct(stream_ms, 99) < 50 else 'NOT met'}"
+    )
 
 
 if __name__ == "__main__":

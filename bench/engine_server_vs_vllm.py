@@ -87,7 +87,9 @@ class Peer:
             self.process.wait()
 
 
-async def drive(port: int, model: str, seconds: float, concurrency: int, max_tokens: int) -> tuple[int, float, list[float]]:
+async def drive(
+    port: int, model: str, seconds: float, concurrency: int, max_tokens: int
+) -> tuple[int, float, list[float]]:
     """Closed loop: `concurrency` clients send completions for `seconds`. Returns (done, elapsed, latencies)."""
     url = f"http://127.0.0.1:{port}/v1/completions"
     body = {"model": model, "prompt": "The quick brown fox", "max_tokens": max_tokens, "ignore_eos": True}
@@ -156,9 +158,25 @@ def main() -> int:
     engine_server = Peer(
         "engine_server",
         [
-            os.path.join(VENV_BIN, "engine_server"), "--dp-rank", "0", "--instance-id", "bench-0", "--role", "union",
-            "--host", "127.0.0.1", "--port", str(es_port), "--mgmt-port", str(es_mgmt),
-            "--master-dp-ip", "127.0.0.1", "--config-path", config_path, "--log-dir", os.path.join(work, "logs"),
+            os.path.join(VENV_BIN, "engine_server"),
+            "--dp-rank",
+            "0",
+            "--instance-id",
+            "bench-0",
+            "--role",
+            "union",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(es_port),
+            "--mgmt-port",
+            str(es_mgmt),
+            "--master-dp-ip",
+            "127.0.0.1",
+            "--config-path",
+            config_path,
+            "--log-dir",
+            os.path.join(work, "logs"),
         ],  # fmt: skip
         es_port,
         env,
@@ -166,8 +184,16 @@ def main() -> int:
     )
     plain = Peer(
         "vllm serve",
-        [os.path.join(VENV_BIN, "vllm"), "serve", model, "--host", "127.0.0.1", "--port", str(vllm_port),
-         *vllm_flags(LEAN_CPU_ARGS)],  # fmt: skip
+        [
+            os.path.join(VENV_BIN, "vllm"),
+            "serve",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(vllm_port),
+            *vllm_flags(LEAN_CPU_ARGS),
+        ],  # fmt: skip
         vllm_port,
         env,
         os.path.join(work, "vllm_serve.out"),
@@ -221,13 +247,13 @@ def main() -> int:
         rows[peer.name] = (peer.startup_s, rps, median, p99)
         print(f"{peer.name:16}{peer.startup_s:12.1f}{rps:10.1f}{median:12.1f}{p99:10.1f}{result['done']:10d}")
     es, vl = rows["engine_server"], rows["vllm serve"]
-    print(
-        f"{'ratio es/vllm':16}{es[0] / vl[0]:12.2f}{es[1] / vl[1]:10.3f}{es[2] / vl[2]:12.3f}{es[3] / vl[3]:10.3f}"
-    )
+    print(f"{'ratio es/vllm':16}{es[0] / vl[0]:12.2f}{es[1] / vl[1]:10.3f}{es[2] / vl[2]:12.3f}{es[3] / vl[3]:10.3f}")
     # Each engine-server round next to the plain round run right before or after it: on a shared
     # machine the load drifts, and neighbouring rounds see about the same.
     paired = [a / b for a, b in zip(results["engine_server"]["rounds"], results["vllm serve"]["rounds"])]
-    print(f"paired round ratios es/vllm: {' '.join(f'{r:.2f}' for r in paired)}; median {statistics.median(paired):.3f}")
+    print(
+        f"paired round ratios es/vllm: {' '.join(f'{r:.2f}' for r in paired)}; median {statistics.median(paired):.3f}"
+    )
     overhead = (1 - statistics.median(paired)) * 100
     print(f"engine server throughput cost (median paired round): {overhead:+.1f}% (goal: under 2%)")
     shutil.rmtree(work, ignore_errors=True)

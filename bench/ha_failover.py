@@ -34,9 +34,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from controller.store.etcd_client import EtcdTarget, connect  # noqa: E402
 from controller_scale import ENGINES_PER_NODE, Fleet, deployment  # noqa: E402
 from endpoint_removal import wait  # noqa: E402
+
+from controller.store.etcd_client import EtcdTarget, connect  # noqa: E402
 from motor.ports import free_port  # noqa: E402
 from motor.v1 import controller_pb2 as C  # noqa: E402
 from motor.v1 import controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc, types_pb2  # noqa: E402
@@ -66,7 +67,9 @@ def engines(cluster: LocalCluster) -> dict[str, tuple[int, int]]:
     found = {}
     for port in cluster.node_ports.values():
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            listed = node_manager_pb2_grpc.NodeManagerServiceStub(channel).ListEngines(node_manager_pb2.ListEnginesRequest(), timeout=5)
+            listed = node_manager_pb2_grpc.NodeManagerServiceStub(channel).ListEngines(
+                node_manager_pb2.ListEnginesRequest(), timeout=5
+            )
             for e in listed.engines:
                 if e.state == types_pb2.ENGINE_STATE_RUNNING:
                     found[e.engine_id] = (e.pid, e.spec.generation)
@@ -91,7 +94,9 @@ def fail_leader(cluster: LocalCluster, how: str, args, probe: C.NodeInfo) -> tup
         def heard_every_node() -> bool:
             nodes = stub(other).ListNodes(C.ListNodesRequest(), timeout=2).nodes
             real = [n for n in nodes if n.info.node_id in cluster.node_ports]
-            return len(real) == len(cluster.node_ports) and all(n.last_heartbeat.ToMicroseconds() / 1e6 > failed_wall for n in real)
+            return len(real) == len(cluster.node_ports) and all(
+                n.last_heartbeat.ToMicroseconds() / 1e6 > failed_wall for n in real
+            )
 
         wait(heard_every_node, 30, "a heartbeat of every node at the new leader")
         heartbeat = time.monotonic() - failed
@@ -117,10 +122,17 @@ def fail_leader(cluster: LocalCluster, how: str, args, probe: C.NodeInfo) -> tup
 
 
 def failover(args) -> None:
-    cluster = LocalCluster(tempfile.mkdtemp(prefix="motor-ha-bench-"), nodes=2, deployment_path=DEPLOYMENT,
-                           heartbeat_interval=args.heartbeat, controller_port=free_port(), engine_port_base=36000,
-                           ha=True, extra_controller_args=["--lease-ttl", str(args.ttl), "--log-level", "WARNING"],
-                           node_id_prefix="bench-node")
+    cluster = LocalCluster(
+        tempfile.mkdtemp(prefix="motor-ha-bench-"),
+        nodes=2,
+        deployment_path=DEPLOYMENT,
+        heartbeat_interval=args.heartbeat,
+        controller_port=free_port(),
+        engine_port_base=36000,
+        ha=True,
+        extra_controller_args=["--lease-ttl", str(args.ttl), "--log-level", "WARNING"],
+        node_id_prefix="bench-node",
+    )
     probe = C.NodeInfo(node_id="bench-probe", address="127.0.0.1:9", host="127.0.0.1")
     rows: dict[str, list[tuple[float, float, float]]] = {"kill": [], "pause": []}
     loads = [os.getloadavg()[0]]
@@ -139,8 +151,11 @@ def failover(args) -> None:
                 led, heartbeat, write = fail_leader(cluster, how, args, probe)
                 rows[how].append((led, heartbeat, write))
                 loads.append(os.getloadavg()[0])
-                print(f"{how} {n + 1:>2}: leads after {led:5.2f}s, every node's heartbeat after {heartbeat:5.2f}s, "
-                      f"a write after {write:5.2f}s", flush=True)
+                print(
+                    f"{how} {n + 1:>2}: leads after {led:5.2f}s, every node's heartbeat after {heartbeat:5.2f}s, "
+                    f"a write after {write:5.2f}s",
+                    flush=True,
+                )
         time.sleep(args.heartbeat * 4)
         after = engines(cluster)
         restarted = sum(1 for engine_id, seen in before.items() if after.get(engine_id) != seen)
@@ -151,7 +166,11 @@ def failover(args) -> None:
             continue
         print()
         print(f"{f'{title} (lease {args.ttl} s, {len(rows[how])} times)':<44} {'median':>8} {'p99':>8}")
-        for label, column in (("new leader elected", 0), ("heartbeat of every node accepted", 1), ("write accepted and stored", 2)):
+        for label, column in (
+            ("new leader elected", 0),
+            ("heartbeat of every node accepted", 1),
+            ("write accepted and stored", 2),
+        ):
             values = [row[column] for row in rows[how]]
             print(f"{label:<44} {quantile(values, 0.5):7.2f}s {quantile(values, 0.99):7.2f}s")
     print(f"engines restarted or stopped across all failovers: {restarted} of {len(before)}")
@@ -162,12 +181,28 @@ def steady_state(args) -> None:
     work = tempfile.mkdtemp(prefix="motor-ha-writes-")
     etcd = EtcdCluster(os.path.join(work, "etcd"), size=1).start()
     port = free_port()
-    command = [os.path.join(os.path.dirname(sys.executable), "motor-controller"), "--listen", f"127.0.0.1:{port}",
-               "--db", os.path.join(work, "controller.db"), "--store", etcd.url + "/motor",
-               "--lease-ttl", str(args.steady_ttl), "--commit-timeout", "300", "--heartbeat-interval", "1",
-               "--node-grace", "30", "--log-level", "WARNING",
-               # Every simulated node's stream comes from 127.0.0.1: a plaintext caller is counted per host.
-               "--max-streams-per-caller", str(2 * args.nodes + 100)]
+    command = [
+        os.path.join(os.path.dirname(sys.executable), "motor-controller"),
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--db",
+        os.path.join(work, "controller.db"),
+        "--store",
+        etcd.url + "/motor",
+        "--lease-ttl",
+        str(args.steady_ttl),
+        "--commit-timeout",
+        "300",
+        "--heartbeat-interval",
+        "1",
+        "--node-grace",
+        "30",
+        "--log-level",
+        "WARNING",
+        # Every simulated node's stream comes from 127.0.0.1: a plaintext caller is counted per host.
+        "--max-streams-per-caller",
+        str(2 * args.nodes + 100),
+    ]
     log = open(os.path.join(work, "controller.log"), "wb")
     controller = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     fleet = None
@@ -182,10 +217,14 @@ def steady_state(args) -> None:
     try:
         wait(lambda: leader_seen_by(f"127.0.0.1:{port}"), 30, "the controller to lead")
         # No engine failures reported: every etcd write in the window would be a real change.
-        fleet = Fleet(f"127.0.0.1:{port}", argparse.Namespace(transport="stream", victims=0, reports_per_s=0, conns=8), None)
+        fleet = Fleet(
+            f"127.0.0.1:{port}", argparse.Namespace(transport="stream", victims=0, reports_per_s=0, conns=8), None
+        )
         fleet.ask(f"grow {args.nodes}")
         applying = time.monotonic()
-        stub(f"127.0.0.1:{port}").ApplyDeployment(C.ApplyDeploymentRequest(deployment=deployment(args.nodes)), timeout=300)
+        stub(f"127.0.0.1:{port}").ApplyDeployment(
+            C.ApplyDeploymentRequest(deployment=deployment(args.nodes)), timeout=300
+        )
         applied = time.monotonic() - applying
         wait(lambda: fleet.ask("starts")["starts"] >= args.nodes * ENGINES_PER_NODE, 600, "every engine started")
         time.sleep(args.warmup)
@@ -194,11 +233,15 @@ def steady_state(args) -> None:
         last = asyncio.run(revision())
         listed = stub(f"127.0.0.1:{port}").ListNodes(C.ListNodesRequest(filter="state=READY"), timeout=60)
         print()
-        print(f"steady state: {args.nodes} simulated nodes (bench/fleet) x {ENGINES_PER_NODE} engines heartbeating at "
-              f"1 Hz, {len(listed.nodes)} nodes READY (lease {args.steady_ttl} s; ApplyDeployment of "
-              f"{args.nodes * ENGINES_PER_NODE} engines took {applied:.1f} s)")
-        print(f"etcd writes over {args.window:g} s: {last - first} ({(last - first) / args.window:.2f}/s) "
-              f"while the leader answered {seen['rate']:.0f} heartbeats/s ({seen['errors']} failed)")
+        print(
+            f"steady state: {args.nodes} simulated nodes (bench/fleet) x {ENGINES_PER_NODE} engines heartbeating at "
+            f"1 Hz, {len(listed.nodes)} nodes READY (lease {args.steady_ttl} s; ApplyDeployment of "
+            f"{args.nodes * ENGINES_PER_NODE} engines took {applied:.1f} s)"
+        )
+        print(
+            f"etcd writes over {args.window:g} s: {last - first} ({(last - first) / args.window:.2f}/s) "
+            f"while the leader answered {seen['rate']:.0f} heartbeats/s ({seen['errors']} failed)"
+        )
     finally:
         if fleet:
             fleet.stop()
@@ -215,9 +258,13 @@ def main() -> int:
     parser.add_argument("--ttl", type=int, default=2, help="leader lease TTL in seconds [2, the default]")
     parser.add_argument("--heartbeat", type=float, default=1.0, help="node heartbeat interval (s) [1, the default]")
     parser.add_argument("--nodes", type=int, default=2000, help="simulated nodes for the write rate [2000]")
-    parser.add_argument("--steady-ttl", type=int, default=30,
-                        help="lease TTL of the write-rate part [30]: one reconcile pass placing 16,000 engines holds "
-                             "the controller's loop for seconds, longer than 2/3 of a short lease (docs/ha.md)")
+    parser.add_argument(
+        "--steady-ttl",
+        type=int,
+        default=30,
+        help="lease TTL of the write-rate part [30]: one reconcile pass placing 16,000 engines holds "
+        "the controller's loop for seconds, longer than 2/3 of a short lease (docs/ha.md)",
+    )
     parser.add_argument("--warmup", type=float, default=10.0, help="seconds after the last start before measuring [10]")
     parser.add_argument("--window", type=float, default=30.0, help="seconds of the write-rate window [30]")
     args = parser.parse_args()

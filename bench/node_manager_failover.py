@@ -43,8 +43,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from motor import processes  # noqa: E402
-from motor.service.grpc_server import aio_channel  # noqa: E402
 from motor.ports import free_port  # noqa: E402
+from motor.service.grpc_server import aio_channel  # noqa: E402
 from motor.v1 import engine_pb2, engine_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc, types_pb2  # noqa: E402
 from node_manager.config import NodeManagerConfig  # noqa: E402
 from node_manager.manager import NodeManager  # noqa: E402
@@ -91,12 +91,17 @@ class NodeManagerSide:
 
     def __init__(self, workdir: str, config_path: str):
         self.config = NodeManagerConfig(
-            node_id="bench", listen="127.0.0.1:0", state_dir=os.path.join(workdir, "nm"), accelerators=[0],
-            port_range="47000-47099", engine_command=ENGINE_SERVER,
+            node_id="bench",
+            listen="127.0.0.1:0",
+            state_dir=os.path.join(workdir, "nm"),
+            accelerators=[0],
+            port_range="47000-47099",
+            engine_command=ENGINE_SERVER,
         )
         self.manager = NodeManager(self.config)
-        self.spec = types_pb2.EngineSpec(instance_id="bench-0", role=types_pb2.ROLE_PREFILL,
-                                         config_path=config_path, accelerator_ids=[0])
+        self.spec = types_pb2.EngineSpec(
+            instance_id="bench-0", role=types_pb2.ROLE_PREFILL, config_path=config_path, accelerator_ids=[0]
+        )
         self.generation = 0
         self.restarted_at: dict[int, float] = {}  # failed generation -> its replacement launched
         self.normal_at: dict[int, float] = {}  # generation -> RUNNING seen
@@ -154,9 +159,11 @@ class SupervisordSide:
         os.makedirs(self.dir)
         self.log = os.path.join(self.dir, "supervisord.log")
         self.mgmt_port = free_port()
-        command = (f"{ENGINE_SERVER} --dp-rank 0 --instance-id sup-0 --role prefill --host 127.0.0.1 "
-                   f"--port {free_port()} --mgmt-port {self.mgmt_port} --master-dp-ip 127.0.0.1 "
-                   f"--config-path {config_path}")
+        command = (
+            f"{ENGINE_SERVER} --dp-rank 0 --instance-id sup-0 --role prefill --host 127.0.0.1 "
+            f"--port {free_port()} --mgmt-port {self.mgmt_port} --master-dp-ip 127.0.0.1 "
+            f"--config-path {config_path}"
+        )
         self.conf = os.path.join(self.dir, "supervisord.conf")
         with open(self.conf, "w") as handle:
             handle.write(f"""[supervisord]
@@ -184,8 +191,12 @@ stdout_logfile={self.dir}/engine.log
         self.results: dict[str, list[float]] = {"noticed": [], "running": [], "normal": []}
 
     async def start(self) -> None:
-        self.proc = subprocess.Popen([os.path.join(BIN, "supervisord"), "-c", self.conf],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [os.path.join(BIN, "supervisord"), "-c", self.conf],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.channel = aio_channel(f"127.0.0.1:{self.mgmt_port}")
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         await wait_until(self.child, 30, 0.01, "supervisord's child")
@@ -244,8 +255,11 @@ async def failover(kills: int, workdir: str) -> None:
         for i in range(kills):
             await nm.kill_once()
             await sup.kill_once()
-            print(f"  kill {i + 1}/{kills}: node manager noticed {nm.results['noticed'][-1] * 1000:.2f} ms, "
-                  f"supervisord {sup.results['noticed'][-1] * 1000:.0f} ms", flush=True)
+            print(
+                f"  kill {i + 1}/{kills}: node manager noticed {nm.results['noticed'][-1] * 1000:.2f} ms, "
+                f"supervisord {sup.results['noticed'][-1] * 1000:.0f} ms",
+                flush=True,
+            )
     finally:
         await nm.close()
         await sup.close()
@@ -255,9 +269,11 @@ async def failover(kills: int, workdir: str) -> None:
     labels = {"noticed": "exit noticed", "running": "replacement running", "normal": "replacement NORMAL"}
     for key, label in labels.items():
         a, b = nm.results[key], sup.results[key]
-        print(f"{label:22}{statistics.median(a) * 1000:10.2f} ms{pct(a, 99) * 1000:10.2f} ms"
-              f"{statistics.median(b) * 1000:10.1f} ms{pct(b, 99) * 1000:10.1f} ms"
-              f"{statistics.median(b) / statistics.median(a):13.1f}x{pct(b, 99) / pct(a, 99):13.1f}x")
+        print(
+            f"{label:22}{statistics.median(a) * 1000:10.2f} ms{pct(a, 99) * 1000:10.2f} ms"
+            f"{statistics.median(b) * 1000:10.1f} ms{pct(b, 99) * 1000:10.1f} ms"
+            f"{statistics.median(b) / statistics.median(a):13.1f}x{pct(b, 99) / pct(a, 99):13.1f}x"
+        )
     goals = {"noticed": 0.005, "running": 0.150}
     for key, goal in goals.items():
         verdict = "met" if pct(nm.results[key], 99) < goal else "NOT met"
@@ -273,16 +289,33 @@ def kernel_floor(samples: int, workdir: str) -> None:
     results: dict[str, list[float]] = {}
     port, mgmt = free_port(), free_port()
     commands = {
-        "engine_server (sim)": [ENGINE_SERVER, "--dp-rank", "0", "--instance-id", "floor-0", "--role", "prefill",
-                                "--host", "127.0.0.1", "--port", str(port), "--mgmt-port", str(mgmt),
-                                "--master-dp-ip", "127.0.0.1", "--config-path", config_path],
+        "engine_server (sim)": [
+            ENGINE_SERVER,
+            "--dp-rank",
+            "0",
+            "--instance-id",
+            "floor-0",
+            "--role",
+            "prefill",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--mgmt-port",
+            str(mgmt),
+            "--master-dp-ip",
+            "127.0.0.1",
+            "--config-path",
+            config_path,
+        ],
         "python -c sleep": [sys.executable, "-c", "import time; time.sleep(600)"],
     }
     for name, argv in commands.items():
         results[name] = []
         for _ in range(samples):
-            proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                                    cwd=workdir)
+            proc = subprocess.Popen(
+                argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=workdir
+            )
             time.sleep(1.5 if "engine" in name else 0.3)
             fd = os.pidfd_open(proc.pid)
             began = time.perf_counter()
@@ -298,10 +331,25 @@ def kernel_floor(samples: int, workdir: str) -> None:
 
 async def idle_usage(engines: int, seconds: float, workdir: str) -> None:
     state_dir = os.path.join(workdir, "idle")
-    argv = [os.path.join(BIN, "motor-node-manager"), "--node-id", "idle", "--listen", "127.0.0.1:0",
-            "--accelerators", ",".join(str(i) for i in range(engines)), "--port-range", "47100-47199",
-            "--state-dir", state_dir, "--engine-command", ENGINE_SERVER, "--log-level", "WARNING",
-            "--metrics-port", "0"]
+    argv = [
+        os.path.join(BIN, "motor-node-manager"),
+        "--node-id",
+        "idle",
+        "--listen",
+        "127.0.0.1:0",
+        "--accelerators",
+        ",".join(str(i) for i in range(engines)),
+        "--port-range",
+        "47100-47199",
+        "--state-dir",
+        state_dir,
+        "--engine-command",
+        ENGINE_SERVER,
+        "--log-level",
+        "WARNING",
+        "--metrics-port",
+        "0",
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     port_file = os.path.join(state_dir, "node_manager.port")
     try:
@@ -310,8 +358,13 @@ async def idle_usage(engines: int, seconds: float, workdir: str) -> None:
             stub = node_manager_pb2_grpc.NodeManagerServiceStub(channel)
             config = json.dumps(USER_CONFIG)
             for rank in range(engines):
-                spec = types_pb2.EngineSpec(instance_id="idle-0", dp_rank=rank, role=types_pb2.ROLE_PREFILL,
-                                            config_json=config, accelerator_ids=[rank])
+                spec = types_pb2.EngineSpec(
+                    instance_id="idle-0",
+                    dp_rank=rank,
+                    role=types_pb2.ROLE_PREFILL,
+                    config_json=config,
+                    accelerator_ids=[rank],
+                )
                 await stub.StartEngine(node_manager_pb2.StartEngineRequest(spec=spec))
 
             async def all_running():
@@ -326,8 +379,10 @@ async def idle_usage(engines: int, seconds: float, workdir: str) -> None:
             cpu1, t1 = me.cpu_times(), time.monotonic()
             used = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
             rss = me.memory_info().rss / 2**20
-            print(f"\nnode manager idle with {engines} NORMAL engines (heartbeat interval 1 s, probe streams open), "
-                  f"over {seconds:g} s: CPU {100 * used / (t1 - t0):.2f}% of one core, RSS {rss:.0f} MiB")
+            print(
+                f"\nnode manager idle with {engines} NORMAL engines (heartbeat interval 1 s, probe streams open), "
+                f"over {seconds:g} s: CPU {100 * used / (t1 - t0):.2f}% of one core, RSS {rss:.0f} MiB"
+            )
             for rank in range(engines):
                 await stub.StopEngine(node_manager_pb2.StopEngineRequest(engine_id=f"idle-0/rank{rank}"))
     finally:
@@ -347,7 +402,9 @@ async def main() -> None:
         await failover(args.kills, workdir)
         kernel_floor(args.floor_kills, workdir)
         await idle_usage(args.idle_engines, args.idle_seconds, workdir)
-        print(f"\n(total {time.monotonic() - began:.0f} s on {psutil.cpu_count()} CPUs, Python {sys.version.split()[0]})")
+        print(
+            f"\n(total {time.monotonic() - began:.0f} s on {psutil.cpu_count()} CPUs, Python {sys.version.split()[0]})"
+        )
 
 
 if __name__ == "__main__":

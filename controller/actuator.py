@@ -15,19 +15,17 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-from typing import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 
-from motor.clock import Clock
-from motor.service.retry import RepeatedFailure
-from motor.v1 import controller_pb2, types_pb2
-
+from controller import reported
 from controller.events import EventBus
-
 from controller.instances import InstanceRecord
 from controller.node_client import NodeCallError, NodeClient
 from controller.nodes import NodeTable
 from controller.slots import EngineSlot
-from controller import reported
+from motor.clock import Clock
+from motor.service.retry import RepeatedFailure
+from motor.v1 import controller_pb2, types_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +45,18 @@ STOP_WORKERS = 64
 def engine_spec(slot: EngineSlot, inst: InstanceRecord, master_dp_ip: str, config_json: str) -> T.EngineSpec:
     ports = list(slot.requested_ports) + [0] * (4 - len(slot.requested_ports))
     return T.EngineSpec(
-        instance_id=inst.instance_id, dp_rank=slot.dp_rank, role=inst.role, host=slot.host,
-        port=ports[0], mgmt_port=ports[1], kv_port=ports[2], dp_rpc_port=ports[3],
-        master_dp_ip=master_dp_ip, config_json=config_json,
-        single_container=inst.single_container, accelerator_ids=slot.accelerator_ids,
+        instance_id=inst.instance_id,
+        dp_rank=slot.dp_rank,
+        role=inst.role,
+        host=slot.host,
+        port=ports[0],
+        mgmt_port=ports[1],
+        kv_port=ports[2],
+        dp_rpc_port=ports[3],
+        master_dp_ip=master_dp_ip,
+        config_json=config_json,
+        single_container=inst.single_container,
+        accelerator_ids=slot.accelerator_ids,
         generation=slot.generation,
     )
 
@@ -98,15 +104,21 @@ class Actuator:
                 more = f" and {len(fenced) - FENCES_NAMED} more" if len(fenced) > FENCES_NAMED else ""
                 self.events.emit(
                     C.EVENT_TYPE_ENGINE_FENCED,
-                    f"{len(fenced)} engines on {node_id} stopped: stale copies ({shown}{more}); the first: {fenced[0][1]}",
-                    node_id=node_id, count=len(fenced),
+                    f"{len(fenced)} engines on {node_id} stopped: stale copies ({shown}{more}); the first: "
+                    f"{fenced[0][1]}",
+                    node_id=node_id,
+                    count=len(fenced),
                 )
 
     def _announce_fence(self, key: tuple[str, str, int], why: str) -> None:
         node_id, engine_id, _ = key
         self.events.repeat(
-            ("fence", key), C.EVENT_TYPE_ENGINE_FENCED, f"engine {engine_id} on {node_id} stopped: {why}",
-            node_id=node_id, engine_id=engine_id, instance_id=engine_id.split("/")[0],
+            ("fence", key),
+            C.EVENT_TYPE_ENGINE_FENCED,
+            f"engine {engine_id} on {node_id} stopped: {why}",
+            node_id=node_id,
+            engine_id=engine_id,
+            instance_id=engine_id.split("/")[0],
         )
 
     async def start(self, node: C.NodeInfo, engine_id: str, spec: T.EngineSpec) -> T.Engine:
@@ -122,17 +134,22 @@ class Actuator:
                     self.start_failures[engine_id] = (node.node_id, failure)
                 failure.failed(exc)
                 self.events.repeat(
-                    ("start", engine_id), C.EVENT_TYPE_RETRYING,
+                    ("start", engine_id),
+                    C.EVENT_TYPE_RETRYING,
                     f"StartEngine of {engine_id} on {node.node_id} failed {failure.count} time(s) in a row, "
                     f"trying again in {failure.delay():g}s: {exc}",
-                    node_id=node.node_id, instance_id=spec.instance_id, engine_id=engine_id,
+                    node_id=node.node_id,
+                    instance_id=spec.instance_id,
+                    engine_id=engine_id,
                 )
             raise
         tried = self.start_failures.pop(engine_id, None)
         if tried is not None:
             if tried[0] == node.node_id:
                 count = self.events.settle(("start", engine_id), f"went through after {tried[1].count} failed try(ies)")
-                logger.info("StartEngine of %s on %s went through after %d failed try(ies)", engine_id, node.node_id, count)
+                logger.info(
+                    "StartEngine of %s on %s went through after %d failed try(ies)", engine_id, node.node_id, count
+                )
             else:
                 self.events.settle(("start", engine_id), f"started on {node.node_id} instead")
         return engine
@@ -220,11 +237,25 @@ class Actuator:
             failure.failed(exc)
             self.fencing.pop(key, None)
             self.fencing[key] = self.mono() - FENCE_WINDOW + failure.delay()
-            message = (f"engine {engine_id} on {node_id}: its stop failed {failure.count} time(s) in a row, asking "
-                       f"again in {failure.delay():g}s: {exc} ({why})")
+            message = (
+                f"engine {engine_id} on {node_id}: its stop failed {failure.count} time(s) in a row, asking "
+                f"again in {failure.delay():g}s: {exc} ({why})"
+            )
             if self.events.is_repeating(("fence", key)):  # a fence: its one event counts the tries
-                self.events.repeat(("fence", key), C.EVENT_TYPE_ENGINE_FENCED, message, node_id=node_id,
-                                   engine_id=engine_id, instance_id=engine_id.split("/")[0])
+                self.events.repeat(
+                    ("fence", key),
+                    C.EVENT_TYPE_ENGINE_FENCED,
+                    message,
+                    node_id=node_id,
+                    engine_id=engine_id,
+                    instance_id=engine_id.split("/")[0],
+                )
             else:  # any other stop (a deployment's engine removed): one RETRYING event that counts
-                self.events.repeat(("stop", key), C.EVENT_TYPE_RETRYING, message, node_id=node_id,
-                                   engine_id=engine_id, instance_id=engine_id.split("/")[0])
+                self.events.repeat(
+                    ("stop", key),
+                    C.EVENT_TYPE_RETRYING,
+                    message,
+                    node_id=node_id,
+                    engine_id=engine_id,
+                    instance_id=engine_id.split("/")[0],
+                )

@@ -17,16 +17,15 @@ import asyncio
 import logging
 import posixpath
 import re
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Callable, Coroutine
 
 import aiohttp
 
-from motor.contract import names
-from motor.v1 import controller_pb2, types_pb2
-
 from controller.slots import EngineSlot
 from controller.state import ClusterState
+from motor.contract import names
+from motor.v1 import controller_pb2, types_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -45,19 +44,31 @@ def adapter_problems(deployment: C.Deployment) -> list[str]:
     for i, adapter in enumerate(adapters):
         where = f"adapters[{i}]"
         if not ADAPTER_NAME_PATTERN.fullmatch(adapter.name):
-            problems.append(f"{where}.name: {names.excerpt(adapter.name)} must be 1-128 letters, digits, '.', '_', ':' or '-', "
-                            "starting with a letter or digit")
+            problems.append(
+                f"{where}.name: {names.excerpt(adapter.name)} must be 1-128 letters, digits, '.', '_', ':' or '-', "
+                "starting with a letter or digit"
+            )
         elif adapter.name == deployment.model:
-            problems.append(f"{where}.name: {adapter.name!r} is the deployment's model; an adapter needs a name of its own")
+            problems.append(
+                f"{where}.name: {adapter.name!r} is the deployment's model; an adapter needs a name of its own"
+            )
         elif adapter.name in seen:
             problems.append(f"{where}.name: {adapter.name!r} is already the name of adapters[{seen[adapter.name]}]")
         else:
             seen[adapter.name] = i
         path = adapter.path
-        if not path or names.CONTROL_CHARACTER.search(path) or path.startswith("/") or posixpath.isabs(path) \
-                or ".." in path.split("/") or posixpath.normpath(path) != path.rstrip("/"):
-            problems.append(f"{where}.path: {names.excerpt(path)} must be a folder inside the node's model root, given "
-                            "relative to it without '..' (e.g. 'adapters/sql-lora')")
+        if (
+            not path
+            or names.CONTROL_CHARACTER.search(path)
+            or path.startswith("/")
+            or posixpath.isabs(path)
+            or ".." in path.split("/")
+            or posixpath.normpath(path) != path.rstrip("/")
+        ):
+            problems.append(
+                f"{where}.path: {names.excerpt(path)} must be a folder inside the node's model root, given "
+                "relative to it without '..' (e.g. 'adapters/sql-lora')"
+            )
     return problems
 
 
@@ -106,7 +117,11 @@ class AdapterSync:
                 self.spawn(self._sync(slot, held, loads, unloads), f"adapters of {slot.engine_id}")
 
     def _serving(self, slot: EngineSlot) -> bool:
-        return bool(slot.node_id and slot.port) and slot.state == T.ENGINE_STATE_RUNNING and slot.health == T.HEALTH_STATUS_NORMAL
+        return (
+            bool(slot.node_id and slot.port)
+            and slot.state == T.ENGINE_STATE_RUNNING
+            and slot.health == T.HEALTH_STATUS_NORMAL
+        )
 
     async def _sync(self, slot: EngineSlot, held: EngineAdapters, loads: dict[str, str], unloads: list[str]) -> None:
         try:
@@ -117,16 +132,27 @@ class AdapterSync:
                     held.loaded.pop(name, None)
                     self._announce(slot, f"adapter {name!r} unloaded from engine {slot.engine_id}")
                 else:
-                    self._announce(slot, f"adapter {name!r} could not be unloaded from engine {slot.engine_id}: {answer}")
+                    self._announce(
+                        slot, f"adapter {name!r} could not be unloaded from engine {slot.engine_id}: {answer}"
+                    )
             node = self.state.nodes.get(slot.node_id)
             roots = list(node.info.model_roots) if node is not None else []
             for name, path in loads.items():
                 if not roots:
-                    self._failed(slot, held, name, path, f"node {slot.node_id} has no model root (--model-root) to read adapters from")
+                    self._failed(
+                        slot,
+                        held,
+                        name,
+                        path,
+                        f"node {slot.node_id} has no model root (--model-root) to read adapters from",
+                    )
                     continue
-                status, answer = await self._post(f"{base}/v1/load_lora_adapter",
-                                                  {"lora_name": name, "lora_path": posixpath.join(roots[0], path)})
-                if status == 200 or (status == 400 and "already been loaded" in answer):  # loaded before a controller restart
+                status, answer = await self._post(
+                    f"{base}/v1/load_lora_adapter", {"lora_name": name, "lora_path": posixpath.join(roots[0], path)}
+                )
+                if status == 200 or (
+                    status == 400 and "already been loaded" in answer
+                ):  # loaded before a controller restart
                     held.loaded[name] = path
                     held.failed.pop(name, None)
                     self._announce(slot, f"adapter {name!r} ({path}) loaded into engine {slot.engine_id}")
@@ -143,8 +169,14 @@ class AdapterSync:
         inst = self.state.instances.get(slot.instance_id)
         deployment = self.state.deployment_of(inst) if inst is not None else ""
         # About one engine: its endpoint (the models it answers to) is read again.
-        self.state.event(C.EVENT_TYPE_ADAPTER, message, node_id=slot.node_id, instance_id=slot.instance_id,
-                         engine_id=slot.engine_id, deployment=deployment)
+        self.state.event(
+            C.EVENT_TYPE_ADAPTER,
+            message,
+            node_id=slot.node_id,
+            instance_id=slot.instance_id,
+            engine_id=slot.engine_id,
+            deployment=deployment,
+        )
 
     async def _post(self, url: str, body: dict) -> tuple[int, str]:
         """The status and, when not 200, the engine's answer (cut short); 0 when it did not answer."""
@@ -154,5 +186,5 @@ class AdapterSync:
             async with self._session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=CALL_TIMEOUT)) as reply:
                 text = "" if reply.status == 200 else (await reply.text()).strip()
                 return reply.status, f"HTTP {reply.status}: {text[:300]}"
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             return 0, f"no answer ({exc or type(exc).__name__})"

@@ -15,18 +15,17 @@ new store ends the wait the same way (everything unknown is stopped).
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from collections.abc import Iterable
 
-from motor.contract import names
-from motor.v1 import controller_pb2, types_pb2
-
+from controller import reported
 from controller.instances import STARTING, InstanceRecord
 from controller.lifecycle import EngineLifecycle
 from controller.nodes import NODE_READY, NodeRuntime
 from controller.placement import ports_per_engine
 from controller.state import ClusterState
 from controller.store import StoredState
-from controller import reported
+from motor.contract import names
+from motor.v1 import controller_pb2, types_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +71,14 @@ class Adoption:
 
     def end(self, why: str) -> None:
         self.state.keeping_unknown = False
-        self.state.event(C.EVENT_TYPE_DEPLOYMENT_CHANGED,
-                         f"{why}; engines the nodes run that the deployment does not describe are stopped from now on")
+        self.state.event(
+            C.EVENT_TYPE_DEPLOYMENT_CHANGED,
+            f"{why}; engines the nodes run that the deployment does not describe are stopped from now on",
+        )
 
-    def _matching(self, inst: InstanceRecord, copies: dict[str, list[tuple[NodeRuntime, T.Engine]]]
-                  ) -> list[tuple[NodeRuntime, T.Engine]] | None:
+    def _matching(
+        self, inst: InstanceRecord, copies: dict[str, list[tuple[NodeRuntime, T.Engine]]]
+    ) -> list[tuple[NodeRuntime, T.Engine]] | None:
         found = []
         for rank in range(inst.data_parallel_size):
             candidates = copies.get(names.engine_id(inst.instance_id, rank), [])
@@ -86,10 +88,14 @@ class Adoption:
             spec = engine.spec
             used = self.state.slots.used_accelerators(node.node_id)
             master = found[0][1].spec.master_dp_ip if found else spec.master_dp_ip  # rank 0's host, for every rank
-            if (spec.role != inst.role or spec.config_json != self.state.config_of(inst)
-                    or spec.single_container != inst.single_container or spec.master_dp_ip != master
-                    or len(spec.accelerator_ids) != inst.accelerators_per_engine
-                    or not set(spec.accelerator_ids) <= set(node.info.accelerator_ids) - used):
+            if (
+                spec.role != inst.role
+                or spec.config_json != self.state.config_of(inst)
+                or spec.single_container != inst.single_container
+                or spec.master_dp_ip != master
+                or len(spec.accelerator_ids) != inst.accelerators_per_engine
+                or not set(spec.accelerator_ids) <= set(node.info.accelerator_ids) - used
+            ):
                 return None
             found.append((node, engine))
         return found
@@ -100,12 +106,19 @@ class Adoption:
         with st.batch():
             for slot, (node, engine) in zip(slots, found):
                 spec = engine.spec
-                st.slots.place(slot, node.node_id, spec.host, list(spec.accelerator_ids),
-                               ports_per_engine(inst.single_container), spec.generation)
+                st.slots.place(
+                    slot,
+                    node.node_id,
+                    spec.host,
+                    list(spec.accelerator_ids),
+                    ports_per_engine(inst.single_container),
+                    spec.generation,
+                )
                 slot.adopt_ports(spec)
                 st.save_slot(slot)
-            where = ", ".join(f"rank {e.spec.dp_rank} on {n.node_id} (pid {e.pid}, generation {e.spec.generation})"
-                              for n, e in found)
+            where = ", ".join(
+                f"rank {e.spec.dp_rank} on {n.node_id} (pid {e.pid}, generation {e.spec.generation})" for n, e in found
+            )
             st.transition(inst, STARTING, f"adopted the engines the nodes run: {where}")
         logger.info("instance %s adopted: %s", inst.instance_id, where)
         for node, engine in found:

@@ -11,15 +11,14 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
-from motor.contract import names, node_process
-from motor.errors import FailedPrecondition, InvalidArgument
-from motor.v1 import controller_pb2, types_pb2
-
 from controller.config import ControllerConfig
 from controller.generations import MAX_GENERATION
 from controller.liveness import NodeMonitor
 from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
 from controller.state import ClusterState
+from motor.contract import names, node_process
+from motor.errors import FailedPrecondition, InvalidArgument
+from motor.v1 import controller_pb2, types_pb2
 
 # A conflict is over when the refused process has not asked for this long (it asks every 10 s at most).
 CONFLICT_QUIET_S = 60.0
@@ -37,7 +36,8 @@ def check_registration(info: controller_pb2.NodeInfo, highest_generation: int) -
     if info.port_range_start or info.port_range_end:
         if not 0 < info.port_range_start <= info.port_range_end <= 65535:
             raise InvalidArgument(
-                f"node.port_range_start/port_range_end: {info.port_range_start}-{info.port_range_end} is not a range within 1-65535"
+                f"node.port_range_start/port_range_end: {info.port_range_start}-{info.port_range_end} is not a range "
+                "within 1-65535"
             )
     if highest_generation >= MAX_GENERATION:
         raise InvalidArgument(
@@ -57,8 +57,9 @@ class Claim(enum.Enum):
     REFUSE = "refuse"  # the holder is alive: a second process claims its node id
 
 
-def judge(holder: NodeRuntime | None, newcomer: types_pb2.NodeManagerProcess, now: float, grace: float,
-          alarm: bool) -> Claim:
+def judge(
+    holder: NodeRuntime | None, newcomer: types_pb2.NodeManagerProcess, now: float, grace: float, alarm: bool
+) -> Claim:
     """What a registration from `newcomer` does to the node id `holder` holds (monotonic `now`).
 
     While the silent-nodes alarm is on, a silent holder is replaced only by a process on the same
@@ -101,8 +102,9 @@ class ConflictLog:
     def __init__(self) -> None:
         self._open: dict[tuple[str, str], Conflict] = {}
 
-    def refused(self, node_id: str, newcomer: types_pb2.NodeManagerProcess, address: str, message: str,
-                wall: float, mono: float) -> Conflict | None:
+    def refused(
+        self, node_id: str, newcomer: types_pb2.NodeManagerProcess, address: str, message: str, wall: float, mono: float
+    ) -> Conflict | None:
         """Count a refusal; returns the conflict when it is a new one (to announce)."""
         key = (node_id, newcomer.nonce)
         conflict = self._open.get(key)
@@ -125,8 +127,10 @@ class ConflictLog:
 
     def asking(self, node_id: str, boot_id: str, since_mono: float) -> bool:
         """A process on host boot `boot_id` asked for `node_id` at `since_mono` or later."""
-        return any(c.node_id == node_id and c.newcomer.boot_id == boot_id and c.last_mono >= since_mono
-                   for c in self._open.values())
+        return any(
+            c.node_id == node_id and c.newcomer.boot_id == boot_id and c.last_mono >= since_mono
+            for c in self._open.values()
+        )
 
     def open(self) -> list[Conflict]:
         return sorted(self._open.values(), key=lambda c: (c.node_id, c.since_wall))
@@ -145,11 +149,15 @@ class NodeClaims:
     def _awaited(self, holder: NodeRuntime) -> bool:
         # Asked within the last three intervals: it asks every interval while refused.
         recent = self.state.mono() - 3 * self.config.heartbeat_interval
-        return bool(holder.info.process.boot_id) and self.conflicts.asking(holder.node_id, holder.info.process.boot_id, recent)
+        return bool(holder.info.process.boot_id) and self.conflicts.asking(
+            holder.node_id, holder.info.process.boot_id, recent
+        )
 
     def _judge(self, info: controller_pb2.NodeInfo) -> Claim:
         st = self.state
-        return judge(st.nodes.get(info.node_id), info.process, st.mono(), self.monitor.budget.grace(), bool(self.monitor.alarm))
+        return judge(
+            st.nodes.get(info.node_id), info.process, st.mono(), self.monitor.budget.grace(), bool(self.monitor.alarm)
+        )
 
     async def admit(self, info: controller_pb2.NodeInfo) -> types_pb2.NodeManagerProcess | None:
         """Returns the process whose node id this registration takes over (None: nobody else's)."""
@@ -175,8 +183,10 @@ class NodeClaims:
         on the host. Otherwise the holder is declared lost and its engines move."""
         st = self.state
         same_node = (holder.info.host, list(holder.info.accelerator_ids)) == (info.host, list(info.accelerator_ids))
-        why = (f"taken over by {info.address} ({node_process.describe(info.process)}): silent and the direct "
-               f"re-check failed ({holder.recheck_error})")
+        why = (
+            f"taken over by {info.address} ({node_process.describe(info.process)}): silent and the direct "
+            f"re-check failed ({holder.recheck_error})"
+        )
         if not same_node:
             self.monitor.declare_lost(holder, why + "; another host or other accelerators: its engines move")
             return
@@ -209,10 +219,17 @@ class NodeClaims:
     def _refuse(self, info: controller_pb2.NodeInfo) -> None:
         st = self.state
         holder = st.nodes[info.node_id]
-        since = f"since {node_process.utc(holder.registered_wall)}" if holder.registered_wall else "since before the controller restarted"
+        since = (
+            f"since {node_process.utc(holder.registered_wall)}"
+            if holder.registered_wall
+            else "since before the controller restarted"
+        )
         silent, grace = st.mono() - holder.last_seen, self.monitor.budget.grace()
-        alive = (f"last heartbeat {silent:.1f}s ago" if holder.state == NODE_READY and silent <= grace
-                 else f"silent {silent:.1f}s: {self.monitor.alarm or holder.reason}")
+        alive = (
+            f"last heartbeat {silent:.1f}s ago"
+            if holder.state == NODE_READY and silent <= grace
+            else f"silent {silent:.1f}s: {self.monitor.alarm or holder.reason}"
+        )
         message = (
             f"node id {info.node_id!r} is held by another live node manager: {holder.info.address} "
             f"({node_process.describe(holder.info.process)}), holding it {since}, {alive}; refused the registration "
@@ -223,5 +240,9 @@ class NodeClaims:
         self.refused_counter.labels(reason="node_id_held").inc()
         started = self.conflicts.refused(info.node_id, info.process, info.address, message, st.wall(), st.mono())
         if started is not None:
-            st.event(controller_pb2.EVENT_TYPE_NODE_CONFLICT, f"node id {info.node_id} conflict: {message}", node_id=info.node_id)
+            st.event(
+                controller_pb2.EVENT_TYPE_NODE_CONFLICT,
+                f"node id {info.node_id} conflict: {message}",
+                node_id=info.node_id,
+            )
         raise FailedPrecondition(message)

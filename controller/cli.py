@@ -7,26 +7,25 @@ import logging
 import os
 import sys
 
-from motor.service.cli_config import Flag, load_settings, run_service, settings_parser
-from motor.contract.deployment_file import load_deployment
-from controller.gc_tuning import TenuredCollections
-from motor.service.grpc_server import service_name
-from controller.limits import raise_open_files_limit
-from motor.service.logs import setup_logging
-from motor.service.metrics_http import ServiceTelemetry
-from motor.security.security_config import SECURITY_FLAGS
-from motor.service.signals import stop_event
-from motor.service.tasks import cancel_and_wait
-from motor.v1 import controller_pb2, controller_pb2_grpc
-
 from controller.config import ControllerConfig
 from controller.core import Controller
 from controller.fleet_metrics import engine_targets
+from controller.gc_tuning import TenuredCollections
 from controller.ha import LeaderGate, advertised_address, open_high_availability
+from controller.limits import raise_open_files_limit
 from controller.node_client import GrpcNodeClient
 from controller.servicer import ControllerServicer
 from controller.startup_deployment import StartupDeployment
 from controller.store import SqliteStore, StoreUnreadable
+from motor.contract.deployment_file import load_deployment
+from motor.security.security_config import SECURITY_FLAGS
+from motor.service.cli_config import Flag, load_settings, run_service, settings_parser
+from motor.service.grpc_server import service_name
+from motor.service.logs import setup_logging
+from motor.service.metrics_http import ServiceTelemetry
+from motor.service.signals import stop_event
+from motor.service.tasks import cancel_and_wait
+from motor.v1 import controller_pb2, controller_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -35,22 +34,33 @@ FLAGS = {
     "db": Flag("SQLite file of the controller's state"),
     "deployment": Flag("deployment file applied at start-up when it differs from the stored one"),
     "heartbeat_interval": Flag("seconds between node heartbeats (told to node managers)"),
-    "node_grace": Flag("seconds of silence before a node is suspect and re-checked (scaled with the announced interval)"),
-    "max_heartbeats_per_second": Flag("heartbeat rate budget of the whole fleet: the announced interval is at least "
-                                      "live nodes / this (0: off)"),
+    "node_grace": Flag(
+        "seconds of silence before a node is suspect and re-checked (scaled with the announced interval)"
+    ),
+    "max_heartbeats_per_second": Flag(
+        "heartbeat rate budget of the whole fleet: the announced interval is at least live nodes / this (0: off)"
+    ),
     "recheck_timeout": Flag("deadline of the direct re-check of a suspect node (s)"),
     "silent_share_alarm": Flag("share of nodes silent at once that raises the alarm (0-1)"),
     "reschedule_rate": Flag("engine moves per second allowed"),
     "metrics_port": Flag("Prometheus /metrics and /discovery/engines port (0: off)"),
-    "startup_grace": Flag("after a restart, seconds to wait for nodes to report", default_text="the node grace; after a restart + 10 s"),
+    "startup_grace": Flag(
+        "after a restart, seconds to wait for nodes to report", default_text="the node grace; after a restart + 10 s"
+    ),
     "stop_deadline": Flag("seconds between SIGTERM and SIGKILL when stopping an engine"),
     "log_level": Flag("DEBUG, INFO, WARNING, ERROR or CRITICAL"),
-    "discard_unreadable_db": Flag("move an unreadable --db file aside and start empty (else: exit 2)", options={"action": "store_true"}),
+    "discard_unreadable_db": Flag(
+        "move an unreadable --db file aside and start empty (else: exit 2)", options={"action": "store_true"}
+    ),
     "log_format": Flag("text, or json: one JSON object per line"),
     "max_engines_per_deployment": Flag("engines (count x data_parallel_size) one deployment may ask for"),
-    "max_engines_per_node": Flag("engines one node may report in RegisterNode or a heartbeat (beyond: RESOURCE_EXHAUSTED)"),
+    "max_engines_per_node": Flag(
+        "engines one node may report in RegisterNode or a heartbeat (beyond: RESOURCE_EXHAUSTED)"
+    ),
     **SECURITY_FLAGS,
-    "store": Flag("sqlite:///PATH or etcd://HOST:PORT[,HOST:PORT...][/PREFIX] (docs/ha.md)", default_text="sqlite:/// + --db"),
+    "store": Flag(
+        "sqlite:///PATH or etcd://HOST:PORT[,HOST:PORT...][/PREFIX] (docs/ha.md)", default_text="sqlite:/// + --db"
+    ),
     "advertise": Flag("HOST:PORT others reach this controller on", default_text="--listen, host name for 0.0.0.0"),
     "lease_ttl": Flag("etcd store: seconds of the leader's lease (a dead leader is replaced after it)"),
     "etcd_timeout": Flag("etcd store: deadline of each etcd call (s)"),
@@ -59,8 +69,10 @@ FLAGS = {
     "etcd_ca": Flag("etcd store: CA file of the members' certificates (turns TLS on)"),
     "etcd_cert": Flag("etcd store: client certificate file (etcd's --client-cert-auth)"),
     "etcd_key": Flag("etcd store: client key file"),
-    "etcd_server_name": Flag("etcd store, TLS, several members: the name each member's certificate is valid for",
-                             default_text="the first endpoint's host"),
+    "etcd_server_name": Flag(
+        "etcd store, TLS, several members: the name each member's certificate is valid for",
+        default_text="the first endpoint's host",
+    ),
 }
 
 
@@ -77,7 +89,9 @@ def open_store(config: ControllerConfig) -> SqliteStore:
         if not config.discard_unreadable_db:
             raise
     aside = SqliteStore.discard(path)
-    logger.warning("the database %s could not be read: moved to %s; starting empty (--discard-unreadable-db)", path, aside)
+    logger.warning(
+        "the database %s could not be read: moved to %s; starting empty (--discard-unreadable-db)", path, aside
+    )
     return SqliteStore(path)
 
 
@@ -91,7 +105,9 @@ def apply_startup_deployment(controller: Controller, config: ControllerConfig) -
 async def serve(config: ControllerConfig) -> None:
     stop = stop_event()  # first: a stop signal during start-up (a slow store, etcd) is a stop too
     open_files = raise_open_files_limit()  # a socket per node
-    gc_policy = TenuredCollections().install()  # a large fleet's state: no full garbage collection walks it all (controller/gc_tuning.py)
+    gc_policy = (
+        TenuredCollections().install()
+    )  # a large fleet's state: no full garbage collection walks it all (controller/gc_tuning.py)
     ha = None
     if config.uses_etcd:
         on_lead = (lambda controller: apply_startup_deployment(controller, config)) if config.deployment else None
@@ -111,15 +127,23 @@ async def serve(config: ControllerConfig) -> None:
     # A deployment change holds the old and the new instances at once: a complete walk waits for its end.
     gc_policy.busy = lambda: current() is not None and current().changes.busy
     # /discovery/engines: Prometheus finds the engines' /metrics there (http_sd_configs).
-    await telemetry.serve("0.0.0.0", config.metrics_port,
-                          routes={"/discovery/engines": lambda: engine_targets(current().state)})
+    await telemetry.serve(
+        "0.0.0.0", config.metrics_port, routes={"/discovery/engines": lambda: engine_targets(current().state)}
+    )
     server = config.server(config.listen, metrics=telemetry.grpc, interceptors=interceptors)
-    server.add(controller_pb2_grpc.add_ControllerServiceServicer_to_server, ControllerServicer(controller, ha),
-               service_name(controller_pb2, "ControllerService"))
+    server.add(
+        controller_pb2_grpc.add_ControllerServiceServicer_to_server,
+        ControllerServicer(controller, ha),
+        service_name(controller_pb2, "ControllerService"),
+    )
     port = await server.start()
-    logger.info("controller serving on port %d (store %s); open-file limit %d, a file per node connection "
-                "(a larger fleet needs more: systemd LimitNOFILE=, docker --ulimit nofile=)", port,
-                config.store or config.db, open_files)
+    logger.info(
+        "controller serving on port %d (store %s); open-file limit %d, a file per node connection "
+        "(a larger fleet needs more: systemd LimitNOFILE=, docker --ulimit nofile=)",
+        port,
+        config.store or config.db,
+        open_files,
+    )
     if config.listen.rsplit(":", 1)[1] == "0":
         port_file = os.path.join(os.path.dirname(os.path.abspath(config.db)), "controller.port")
         with open(port_file, "w", encoding="utf-8") as handle:
@@ -142,8 +166,12 @@ async def serve(config: ControllerConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_service("motor-controller", lambda: parse_config(argv),
-                       lambda c: setup_logging(c.log_level, log_format=c.log_format, fields={"service": "controller"}), serve)
+    return run_service(
+        "motor-controller",
+        lambda: parse_config(argv),
+        lambda c: setup_logging(c.log_level, log_format=c.log_format, fields={"service": "controller"}),
+        serve,
+    )
 
 
 if __name__ == "__main__":

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
-from motor.service.config import HostPort
+from controller.store.etcd_client import parse_etcd_url
+from controller.validation import MAX_ENGINES_PER_DEPLOYMENT, MAX_ENGINES_PER_NODE
 from motor.errors import ConfigError
-from motor.service.logs import LogFormat, LogLevel
 from motor.ports import CONTROLLER_METRICS_PORT
 from motor.security.security_config import SecuritySettings
-
-from controller.validation import MAX_ENGINES_PER_DEPLOYMENT, MAX_ENGINES_PER_NODE
-
-from controller.store.etcd_client import parse_etcd_url
+from motor.service.config import HostPort
+from motor.service.logs import LogFormat, LogLevel
 
 
 class ControllerConfig(SecuritySettings):
@@ -90,8 +88,10 @@ class ControllerConfig(SecuritySettings):
         # Within one interval every node would turn SUSPECT (and be re-checked) between two beats.
         interval = info.data.get("heartbeat_interval")
         if interval is not None and value <= interval:
-            raise ValueError(f"must be more than heartbeat_interval ({interval:g}s): a few intervals, so that a "
-                             "node is suspected only after missed heartbeats")
+            raise ValueError(
+                f"must be more than heartbeat_interval ({interval:g}s): a few intervals, so that a "
+                "node is suspected only after missed heartbeats"
+            )
         return value
 
     @field_validator("max_heartbeats_per_second")
@@ -121,4 +121,4 @@ class ControllerConfig(SecuritySettings):
 
     @property
     def sqlite_path(self) -> str:
-        return self.store[len("sqlite://"):] if self.store and self.store.startswith("sqlite:///") else self.db
+        return self.store[len("sqlite://") :] if self.store and self.store.startswith("sqlite:///") else self.db

@@ -21,14 +21,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
-from motor.contract import heartbeats, names, node_process
-from motor.clock import SYSTEM_CLOCK, Clock
-from motor.service.tasks import TaskSet, cancel_and_wait, set_within
-from motor.v1 import controller_pb2, types_pb2
-
-from controller import endpoints, reported as reported_engine, views
+from controller import endpoints, views
+from controller import reported as reported_engine
 from controller.actuator import Actuator
 from controller.adapters import AdapterSync
 from controller.adoption import Adoption
@@ -36,23 +32,27 @@ from controller.claims import NodeClaims, check_registration
 from controller.config import ControllerConfig
 from controller.deployments import DeploymentChanges
 from controller.events import EventBus
-from controller.instances import InstanceRecord
-from controller.heartbeat_budget import HeartbeatBudget
-from controller.liveness import NodeMonitor
 from controller.fleet_metrics import FleetSeries
 from controller.generations import Generations
-from controller.store.metrics import MeasuredStore, StoreMetrics
+from controller.heartbeat_budget import HeartbeatBudget
+from controller.instances import InstanceRecord
+from controller.lifecycle import EngineLifecycle
+from controller.liveness import NodeMonitor
 from controller.metrics import ControllerMetrics
 from controller.node_client import NodeClient
-from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
 from controller.node_stores import NodeStoreAlarms
-from controller.lifecycle import EngineLifecycle
+from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
 from controller.scheduling import Scheduler
 from controller.slicing import Steps, run_sliced
 from controller.slots import EngineSlot
 from controller.state import ClusterState
 from controller.store import Store
+from controller.store.metrics import MeasuredStore, StoreMetrics
 from controller.validation import check_engine_count, check_reported_engine, check_reported_engines
+from motor.clock import SYSTEM_CLOCK, Clock
+from motor.contract import heartbeats, names, node_process
+from motor.service.tasks import TaskSet, cancel_and_wait, set_within
+from motor.v1 import controller_pb2, types_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +61,15 @@ RegisterNodeResponse = C.RegisterNodeResponse
 
 
 class Controller(views.ClusterReads):
-    def __init__(self, config: ControllerConfig, store: Store, node_client: NodeClient, clock: Clock = SYSTEM_CLOCK,
-                 events: EventBus | None = None, acting: Callable[[], bool] = lambda: True):
+    def __init__(
+        self,
+        config: ControllerConfig,
+        store: Store,
+        node_client: NodeClient,
+        clock: Clock = SYSTEM_CLOCK,
+        events: EventBus | None = None,
+        acting: Callable[[], bool] = lambda: True,
+    ):
         self.config = config
         # Every store (SQLite, etcd, a test's) is measured alike: write latency and failures.
         store_metrics = StoreMetrics()
@@ -79,7 +86,8 @@ class Controller(views.ClusterReads):
         self.endpoints = endpoints.EndpointFeed(self.state)
         self.state.on_change = self.endpoints.changed
         self.metrics = ControllerMetrics(
-            self.state.nodes.counts, lambda: collections.Counter(i.state for i in self.state.instances.values()),
+            self.state.nodes.counts,
+            lambda: collections.Counter(i.state for i in self.state.instances.values()),
             store_metrics.collectors,
         )
         self.started_at = clock.monotonic()
@@ -92,11 +100,19 @@ class Controller(views.ClusterReads):
         self.lifecycle = EngineLifecycle(self.state, self.actuator, self.generations, self.metrics, self)
         self.scheduler = Scheduler(self.state, config, self.lifecycle, self.metrics, self)
         self.adoption = Adoption(self.state, self.lifecycle)
-        self.changes = DeploymentChanges(self.state, config.max_engines_per_deployment, self.endpoints, self.actuator,
-                                         self.adoption, self.wake, self._spawn)
+        self.changes = DeploymentChanges(
+            self.state,
+            config.max_engines_per_deployment,
+            self.endpoints,
+            self.actuator,
+            self.adoption,
+            self.wake,
+            self._spawn,
+        )
         # The interval node managers are told and the grace their silence is judged by.
-        self.budget = HeartbeatBudget(config.heartbeat_interval, config.node_grace, config.max_heartbeats_per_second,
-                                      self.state.nodes.live, clock)
+        self.budget = HeartbeatBudget(
+            config.heartbeat_interval, config.node_grace, config.max_heartbeats_per_second, self.state.nodes.live, clock
+        )
         self.metrics.heartbeat_interval.set_function(lambda: self.budget.announced)
         self.metrics.node_grace.set_function(self.budget.held_grace)
         self.monitor = NodeMonitor(self.state, config, self.budget, node_client, self.lifecycle, self)
@@ -134,7 +150,10 @@ class Controller(views.ClusterReads):
             self.lifecycle.startup_until = now + self.startup_grace() + backoff
         logger.info(
             "loaded state: %d deployment(s), %d nodes, %d instances, %d engine assignments",
-            len(self.changes.deployments), len(st.nodes), len(st.instances), len(st.slots),
+            len(self.changes.deployments),
+            len(st.nodes),
+            len(st.instances),
+            len(st.slots),
         )
 
     async def start(self) -> None:
@@ -143,7 +162,9 @@ class Controller(views.ClusterReads):
         self._loops = [
             asyncio.create_task(self._monitor_loop(), name="node-monitor"),
             asyncio.create_task(self._reconcile_loop(), name="reconcile"),
-            asyncio.create_task(self._repeat(lambda: asyncio.sleep(0.5), self.adapters.pass_once, "adapter pass"), name="adapters"),
+            asyncio.create_task(
+                self._repeat(lambda: asyncio.sleep(0.5), self.adapters.pass_once, "adapter pass"), name="adapters"
+            ),
         ]
 
     async def stop(self) -> None:
@@ -246,7 +267,9 @@ class Controller(views.ClusterReads):
 
     # ------------------------------------------------------------------ nodes: register, heartbeat, events
 
-    async def register_node(self, info: C.NodeInfo, engines: Iterable[T.Engine], highest_generation: int = 0) -> RegisterNodeResponse:
+    async def register_node(
+        self, info: C.NodeInfo, engines: Iterable[T.Engine], highest_generation: int = 0
+    ) -> RegisterNodeResponse:
         """Register a node manager process under its node id, unless another live process holds it
         (controller/claims.py): FAILED_PRECONDITION naming both then. `replaced` in the answer: the
         process it took the node id over from."""
@@ -258,18 +281,26 @@ class Controller(views.ClusterReads):
         replaced = await self.claims.admit(info)
         generation, assignments = self._register(info, engines, highest)
         self.claims.registered(info)
-        reply = RegisterNodeResponse(generation=generation, assignments=assignments, generation_limit=self.generations.limit(),
-                                     keep_unassigned=self.adoption.waiting)
+        reply = RegisterNodeResponse(
+            generation=generation,
+            assignments=assignments,
+            generation_limit=self.generations.limit(),
+            keep_unassigned=self.adoption.waiting,
+        )
         if replaced is not None:
             reply.replaced.CopyFrom(replaced)
         return reply
 
-    def _register(self, info: C.NodeInfo, engines: Iterable[T.Engine], highest: int) -> tuple[int, list[C.EngineAssignment]]:
+    def _register(
+        self, info: C.NodeInfo, engines: Iterable[T.Engine], highest: int
+    ) -> tuple[int, list[C.EngineAssignment]]:
         st = self.state
         previous = st.nodes.get(info.node_id)
         with st.batch():
             generation = self.generations.for_registration(highest)
-            node = NodeRuntime(info, generation, NODE_READY, f"registered (generation {generation})", last_seen=self.mono())
+            node = NodeRuntime(
+                info, generation, NODE_READY, f"registered (generation {generation})", last_seen=self.mono()
+            )
             node.last_heartbeat_wall = node.registered_wall = self.wall()
             node.reported_since_start = True
             st.nodes.put(node)
@@ -280,10 +311,19 @@ class Controller(views.ClusterReads):
             if copy is None or copy.spec.generation != slot.generation:
                 slot.launched = False  # the node does not run it (any more): start it again
                 st.attention.add(slot.instance_id)
-        if previous is not None and not node_process.same_seat(previous.info.process, info.process) \
-                and node_process.known(previous.info.process) and node_process.known(info.process):
-            kind, how = C.EVENT_TYPE_NODE_REGISTERED, (f"taken over by a new node manager process ({node_process.describe(info.process)}) "
-                                                       f"from {previous.info.address} ({node_process.describe(previous.info.process)})")
+        if (
+            previous is not None
+            and not node_process.same_seat(previous.info.process, info.process)
+            and node_process.known(previous.info.process)
+            and node_process.known(info.process)
+        ):
+            kind, how = (
+                C.EVENT_TYPE_NODE_REGISTERED,
+                (
+                    f"taken over by a new node manager process ({node_process.describe(info.process)}) "
+                    f"from {previous.info.address} ({node_process.describe(previous.info.process)})"
+                ),
+            )
         elif previous is not None and previous.state == NODE_LOST:
             kind, how = C.EVENT_TYPE_NODE_RECOVERED, "registered again after being lost"
         elif previous is not None:
@@ -303,26 +343,42 @@ class Controller(views.ClusterReads):
         moved_from = previous.info.address if previous is not None and previous.info.address != info.address else ""
         if moved_from and not any(n.info.address == moved_from for n in st.nodes.values()):  # rare: O(fleet) is fine
             self._spawn(self.nodes_client.forget(moved_from), f"forget {moved_from}")
-        assignments = [C.EngineAssignment(engine_id=s.engine_id, generation=s.generation) for s in st.slots.on_node(info.node_id)]
+        assignments = [
+            C.EngineAssignment(engine_id=s.engine_id, generation=s.generation) for s in st.slots.on_node(info.node_id)
+        ]
         self.monitor.refresh_alarm()
         self.wake()
         return generation, assignments
 
-    def heartbeat(self, node_id: str, generation: int, engines: Iterable[T.Engine], delta: bool = False,
-                  removed: Iterable[str] = (), store_failing: str = "") -> None:
+    def heartbeat(
+        self,
+        node_id: str,
+        generation: int,
+        engines: Iterable[T.Engine],
+        delta: bool = False,
+        removed: Iterable[str] = (),
+        store_failing: str = "",
+    ) -> None:
         """The hot path (unary Heartbeat and every StreamHeartbeats message): a dictionary update
         per engine reported; work only for what changed. `delta`: `engines` holds only the
         engines that changed and `removed` those the node no longer runs; the others stay.
         `store_failing`: why the node cannot write its engine records (controller/node_stores.py)."""
         node = self.state.nodes.member(node_id, generation)
         engines = list(engines)
-        count = len(engines) if not delta else len(node.engines) + sum(e.engine_id not in node.engines for e in engines) \
+        count = (
+            len(engines)
+            if not delta
+            else len(node.engines)
+            + sum(e.engine_id not in node.engines for e in engines)
             - sum(engine_id in node.engines for engine_id in set(removed))
+        )
         check_engine_count(node_id, count, self.config.max_engines_per_node, "engines")
         before = node.engines
         kept = [reported_engine.keep(e, before.get(e.engine_id)) for e in engines]
         # What is the same as its last report was checked then.
-        check_reported_engines(engines, {i for i, k in enumerate(kept) if k is before.get(k[reported_engine.ENGINE_ID])})
+        check_reported_engines(
+            engines, {i for i, k in enumerate(kept) if k is before.get(k[reported_engine.ENGINE_ID])}
+        )
         names.check_printable(store_failing, "store_failing")
         self.state.nodes.heard_from(node, self.mono())
         node.last_heartbeat_wall = self.wall()

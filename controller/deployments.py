@@ -27,13 +27,8 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Coroutine, Iterator
-
-
-from motor.contract import names
-from motor.errors import InvalidArgument, NotFound
-from motor.v1 import controller_pb2
 
 from controller.actuator import Actuator
 from controller.adoption import Adoption
@@ -44,6 +39,9 @@ from controller.slots import EngineSlot
 from controller.state import ClusterState
 from controller.store import LEGACY_DEPLOYMENT, StoreChange, StoredState, StoreUnavailable
 from controller.validation import InstanceSpec, expand_in_slices, integral_numbers, struct_dict, validate_deployment
+from motor.contract import names
+from motor.errors import InvalidArgument, NotFound
+from motor.v1 import controller_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +62,16 @@ class Plan:
 
 
 class DeploymentChanges:
-    def __init__(self, state: ClusterState, max_engines: int, endpoints: EndpointFeed, actuator: Actuator,
-                 adoption: Adoption, wake: Callable[[], None], spawn: Callable[[Coroutine, str], asyncio.Task]):
+    def __init__(
+        self,
+        state: ClusterState,
+        max_engines: int,
+        endpoints: EndpointFeed,
+        actuator: Actuator,
+        adoption: Adoption,
+        wake: Callable[[], None],
+        spawn: Callable[[Coroutine, str], asyncio.Task],
+    ):
         self.state, self.max_engines, self.endpoints, self.actuator = state, max_engines, endpoints, actuator
         self.adoption, self.wake, self.spawn = adoption, wake, spawn
         self.deployments: dict[str, tuple[C.Deployment, int]] = {}  # name -> (deployment, revision)
@@ -131,7 +137,11 @@ class DeploymentChanges:
                     self.state.store.save_deployment(deployment.SerializeToString(deterministic=True), revision, name)
                 self.state.store.save_deployment(None, revision, LEGACY_DEPLOYMENT)
         except StoreUnavailable as exc:
-            logger.warning("could not move the deployment %r of an older store under its name (%s); tried again at the next start", name, exc)
+            logger.warning(
+                "could not move the deployment %r of an older store under its name (%s); tried again at the next start",
+                name,
+                exc,
+            )
             return
         self._legacy = None
         logger.info("store upgraded: its deployment %r is now stored under its name (revision %d)", name, revision)
@@ -145,9 +155,10 @@ class DeploymentChanges:
                 raise NotFound(f"name: no deployment is named {names.excerpt(name)} (deployments: {known})")
             return name
         if len(self.deployments) > 1:
-            raise InvalidArgument(f"name: required: {len(self.deployments)} deployments exist "
-                                  f"({', '.join(sorted(self.deployments))}); name the one to "
-                                  + ("delete" if deleting else "read"))
+            raise InvalidArgument(
+                f"name: required: {len(self.deployments)} deployments exist "
+                f"({', '.join(sorted(self.deployments))}); name the one to " + ("delete" if deleting else "read")
+            )
         if not self.deployments:
             if deleting:
                 return LEGACY_DEPLOYMENT  # a delete of nothing succeeds (it ends a new store's wait)
@@ -191,12 +202,14 @@ class DeploymentChanges:
 
         async def change():
             return await self._sliced(validated) if self.adoption.waiting else None
+
         return await self._in_turn(change)
 
     async def _in_turn(self, change: Callable[[], Coroutine]):
         async def turn():
             async with self._one_at_a_time:
                 return await change()
+
         # Shielded: a caller that goes away (deadline, cancel) does not stop a change half made.
         return await asyncio.shield(self.spawn(turn(), "deployment change"))
 
@@ -245,15 +258,20 @@ class DeploymentChanges:
                     replaced.append((instance_id, "its spec changed; it is started again"))
                 plan.new[instance_id] = self._new_instance(spec)
             yield from budget.checkpoint()
-        plan.removed = [(i, "no longer in the deployment") for i in self.instances_of(name) if i not in desired] + replaced
+        plan.removed = [
+            (i, "no longer in the deployment") for i in self.instances_of(name) if i not in desired
+        ] + replaced
         return plan
 
     def _check_groups(self, validated: C.Deployment) -> None:
         """INVALID_ARGUMENT when a group name is another deployment's (its instance ids would be too)."""
         owner = self.state.group_owner
-        taken = [f"instance_groups[{i}].name: {g.name!r} is a group of deployment {owner[g.name]!r} (instances are "
-                 "named '<group>-<index>' across all deployments): choose another group name"
-                 for i, g in enumerate(validated.instance_groups) if owner.get(g.name, validated.name) != validated.name]
+        taken = [
+            f"instance_groups[{i}].name: {g.name!r} is a group of deployment {owner[g.name]!r} (instances are "
+            "named '<group>-<index>' across all deployments): choose another group name"
+            for i, g in enumerate(validated.instance_groups)
+            if owner.get(g.name, validated.name) != validated.name
+        ]
         if taken:
             raise InvalidArgument("; ".join(taken))
 
@@ -300,6 +318,7 @@ class DeploymentChanges:
         st, budget = self.state, Budget()
         name = plan.name
         self.set_deployment(name, plan.deployment, plan.revision)
+
         # Each slice's writes (paired ids, FAILED retries) go out together when the slice ends.
         def remove(item: tuple[str, str]) -> None:
             self._remove_instance(*item, budget)
@@ -324,23 +343,35 @@ class DeploymentChanges:
         # Not st.event: that would re-read every engine for the endpoint feed, which heard of each
         # instance that went or came already.
         if plan.deployment is None:
-            st.events.emit(C.EVENT_TYPE_DEPLOYMENT_CHANGED, f"deployment {name!r} deleted; stopping its engines", deployment=name)
+            st.events.emit(
+                C.EVENT_TYPE_DEPLOYMENT_CHANGED, f"deployment {name!r} deleted; stopping its engines", deployment=name
+            )
         else:
-            st.events.emit(C.EVENT_TYPE_DEPLOYMENT_CHANGED,
-                           f"deployment {name!r} applied (revision {plan.revision}, {len(plan.new) + len(plan.kept)} instances)",
-                           deployment=name)
+            st.events.emit(
+                C.EVENT_TYPE_DEPLOYMENT_CHANGED,
+                f"deployment {name!r} applied (revision {plan.revision}, {len(plan.new) + len(plan.kept)} instances)",
+                deployment=name,
+            )
         self.wake()
 
     # ------------------------------------------------------------------ one instance
 
     def _new_instance(self, spec: InstanceSpec) -> tuple[InstanceRecord, list[EngineSlot]]:
         inst = InstanceRecord(
-            instance_id=spec.instance_id, group=spec.group, role=spec.role,
-            data_parallel_size=spec.data_parallel_size, accelerators_per_engine=spec.accelerators_per_engine,
-            single_container=spec.single_container, paired_instance_id=spec.paired_instance_id,
-            spec_hash=spec.spec_hash, state_changed_at=self.state.wall(),
+            instance_id=spec.instance_id,
+            group=spec.group,
+            role=spec.role,
+            data_parallel_size=spec.data_parallel_size,
+            accelerators_per_engine=spec.accelerators_per_engine,
+            single_container=spec.single_container,
+            paired_instance_id=spec.paired_instance_id,
+            spec_hash=spec.spec_hash,
+            state_changed_at=self.state.wall(),
         )
-        return inst, [EngineSlot(names.engine_id(spec.instance_id, r), spec.instance_id, r) for r in range(spec.data_parallel_size)]
+        return inst, [
+            EngineSlot(names.engine_id(spec.instance_id, r), spec.instance_id, r)
+            for r in range(spec.data_parallel_size)
+        ]
 
     def _install(self, inst: InstanceRecord, slots: list[EngineSlot]) -> None:  # memory only: the change wrote it
         st = self.state
@@ -372,7 +403,9 @@ class DeploymentChanges:
         st = self.state
         slots = st.slots_of(instance_id)  # while the instance is known: its ranks, not a scan of every slot
         st.instances.pop(instance_id, None)
-        self.endpoints.refresh_engines([s.engine_id for s in slots])  # routers hear of it before any of its engines is stopped
+        self.endpoints.refresh_engines(
+            [s.engine_id for s in slots]
+        )  # routers hear of it before any of its engines is stopped
         st.attention.discard(instance_id)
         for slot in slots:
             st.slots.remove(slot.engine_id)

@@ -20,16 +20,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import Iterable, Iterator
-
-from motor.service.fanout import FanOut, Subscription
-from motor.v1 import controller_pb2, types_pb2
+from collections.abc import Iterable, Iterator
 
 from controller.instances import DEGRADED, READY
 from controller.nodes import NODE_READY
 from controller.slicing import Budget
 from controller.slots import EngineSlot
 from controller.state import ClusterState
+from motor.service.fanout import FanOut, Subscription
+from motor.v1 import controller_pb2, types_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +68,9 @@ def listing(state: ClusterState, slot: EngineSlot | None) -> Listed | None:
 
 def message(listed: Listed) -> C.Endpoint:
     engine_id, instance_id, role, url, deployment, models = listed
-    return C.Endpoint(instance_id=instance_id, engine_id=engine_id, role=role, url=url, deployment=deployment, models=models)
+    return C.Endpoint(
+        instance_id=instance_id, engine_id=engine_id, role=role, url=url, deployment=deployment, models=models
+    )
 
 
 def endpoint(state: ClusterState, slot: EngineSlot | None) -> C.Endpoint | None:
@@ -84,7 +85,11 @@ def endpoints(state: ClusterState, role: int = T.ROLE_UNSPECIFIED, model: str = 
     out = []
     for engine_id in sorted(state.slots):
         found = endpoint(state, state.slots[engine_id])
-        if found is not None and (role == T.ROLE_UNSPECIFIED or found.role == role) and (not model or model in found.models):
+        if (
+            found is not None
+            and (role == T.ROLE_UNSPECIFIED or found.role == role)
+            and (not model or model in found.models)
+        ):
             out.append(found)
     return out
 
@@ -146,6 +151,7 @@ class EndpointFeed:
                 if key in queued:
                     queued.discard(key)
                     yield key
+
         self._reread(pending(), None if whole else Budget())
         if queue:
             self.changed(())  # the rest in the loop's next turn
@@ -172,7 +178,9 @@ class EndpointFeed:
         if added or removed:
             added.sort()  # by engine id, the first of each tuple
             removed.sort()
-            logger.info("endpoints: added %s, removed %s", [e[0] for e in added] or "none", [e[0] for e in removed] or "none")
+            logger.info(
+                "endpoints: added %s, removed %s", [e[0] for e in added] or "none", [e[0] for e in removed] or "none"
+            )
             self.subscribers.publish(C.WatchEndpointsResponse(added=map(message, added), removed=map(message, removed)))
 
     def subscribe(self) -> Subscription[C.WatchEndpointsResponse]:
@@ -190,6 +198,7 @@ def of_role(message: C.WatchEndpointsResponse, role: int, model: str = "") -> C.
 
     def wanted(e: C.Endpoint) -> bool:
         return (role == T.ROLE_UNSPECIFIED or e.role == role) and (not model or model in e.models)
+
     added = [e for e in message.added if wanted(e)]
     removed = [e for e in message.removed if wanted(e)]
     if not (added or removed or message.snapshot):

@@ -7,8 +7,8 @@ import collections
 import logging
 
 from motor.contract import pbtime
-from motor.service.fanout import FanOut, Subscription
 from motor.contract.names import CONTROL_CHARACTER, enum_short_name
+from motor.service.fanout import FanOut, Subscription
 from motor.service.retry import worth_reporting
 from motor.v1 import controller_pb2
 
@@ -36,26 +36,48 @@ class EventBus:
         self.subscribers: FanOut[controller_pb2.Event] = FanOut("WatchEvents", queue_size)
         self._repeating: dict[object, controller_pb2.Event] = {}  # key -> the event counting its tries
 
-    def emit(self, type_: int, message: str, node_id: str = "", instance_id: str = "", engine_id: str = "",
-             count: int = 0, deployment: str = "") -> controller_pb2.Event:
+    def emit(
+        self,
+        type_: int,
+        message: str,
+        node_id: str = "",
+        instance_id: str = "",
+        engine_id: str = "",
+        count: int = 0,
+        deployment: str = "",
+    ) -> controller_pb2.Event:
         """One event; `count`: how many occurrences it stands for (0: one, not counted)."""
         self.sequence += 1
         message = one_line(message)
         event = controller_pb2.Event(
-            sequence=self.sequence, time=pbtime.now(), type=type_, node_id=node_id,
-            instance_id=instance_id, engine_id=engine_id, message=message, count=count, deployment=deployment,
+            sequence=self.sequence,
+            time=pbtime.now(),
+            type=type_,
+            node_id=node_id,
+            instance_id=instance_id,
+            engine_id=engine_id,
+            message=message,
+            count=count,
+            deployment=deployment,
         )
         self.recent.append(event)
         kind = enum_short_name(controller_pb2.EventType, type_)
         # The ids and the reason as fields too, for JSON log lines (motor.service.logs).
-        ids = {"event": kind.lower(), "node_id": node_id, "instance_id": instance_id, "engine_id": engine_id, "reason": message,
-               "deployment": deployment}
+        ids = {
+            "event": kind.lower(),
+            "node_id": node_id,
+            "instance_id": instance_id,
+            "engine_id": engine_id,
+            "reason": message,
+            "deployment": deployment,
+        }
         logger.info("event %s: %s", kind, message, extra=ids)
         self.subscribers.publish(event)
         return event
 
-    def repeat(self, key: object, type_: int, message: str, node_id: str = "", instance_id: str = "",
-               engine_id: str = "") -> controller_pb2.Event:
+    def repeat(
+        self, key: object, type_: int, message: str, node_id: str = "", instance_id: str = "", engine_id: str = ""
+    ) -> controller_pb2.Event:
         """One more occurrence of what `key` names: the first is a new event (count 1); later ones
         raise its count, take the latest message and time, and send it again (same sequence).
         Logged at counts 1, 10, 100..."""

@@ -17,13 +17,13 @@ scrape of a large fleet spans a few loop turns, like any scrape of a changing sy
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
+from controller.state import ClusterState
 from motor.clock import SYSTEM_CLOCK, Clock
 from motor.contract.names import enum_short_name, role_name
 from motor.v1 import controller_pb2, types_pb2
-
-from controller.state import ClusterState
 
 
 def _states(enum_type) -> list[tuple[int, str]]:
@@ -35,24 +35,43 @@ INSTANCE_STATES = _states(controller_pb2.InstanceState)
 HEALTH_STATES = _states(types_pb2.HealthStatus)
 
 # name, type, help: the exposition header of each family, in the order they are written.
-NODE_STATE = ("motor_controller_node_state", "gauge",
-              "State of each node, 1 for the current one. lost: its engines are being moved (alert MotorNodeLost); "
-              "suspect: silent and being re-checked.")
-HEARTBEAT_AGE = ("motor_controller_node_heartbeat_age_seconds", "gauge",
-                 "Seconds since each node's last heartbeat. Above the node grace (motor_controller_node_grace_seconds) the node is suspect; steadily rising "
-                 "ages on many nodes at once point at the controller's network.")
-SILENT_ALARM = ("motor_controller_silent_nodes_alarm", "gauge",
-                "1 while more than silent_share_alarm of the nodes are silent at once: the controller suspects its "
-                "own network and declares none of them lost (nothing is rescheduled). Check the controller's network.")
-INSTANCE_STATE = ("motor_controller_instance_state", "gauge",
-                  "State of each instance, 1 for the current one. Not ready for long: `motorctl instances` gives the "
-                  "reason (alert MotorInstanceNotReady).")
-ENGINE_HEALTH = ("motor_controller_engine_health", "gauge",
-                 "Health of each engine as its node manager last reported it, 1 for the current one. abnormal: its "
-                 "probes fail; the node manager restarts it after abnormal_threshold heartbeats.")
-ENGINE_RESTARTS = ("motor_controller_engine_restarts_total", "counter",
-                   "Restarts of each engine by the restart policy. Several in a few minutes is a crash loop (alert "
-                   "MotorEngineCrashLooping): read the engine's last failure reason.")
+NODE_STATE = (
+    "motor_controller_node_state",
+    "gauge",
+    "State of each node, 1 for the current one. lost: its engines are being moved (alert MotorNodeLost); "
+    "suspect: silent and being re-checked.",
+)
+HEARTBEAT_AGE = (
+    "motor_controller_node_heartbeat_age_seconds",
+    "gauge",
+    "Seconds since each node's last heartbeat. Above the node grace (motor_controller_node_grace_seconds) the node is "
+    "suspect; steadily rising "
+    "ages on many nodes at once point at the controller's network.",
+)
+SILENT_ALARM = (
+    "motor_controller_silent_nodes_alarm",
+    "gauge",
+    "1 while more than silent_share_alarm of the nodes are silent at once: the controller suspects its "
+    "own network and declares none of them lost (nothing is rescheduled). Check the controller's network.",
+)
+INSTANCE_STATE = (
+    "motor_controller_instance_state",
+    "gauge",
+    "State of each instance, 1 for the current one. Not ready for long: `motorctl instances` gives the "
+    "reason (alert MotorInstanceNotReady).",
+)
+ENGINE_HEALTH = (
+    "motor_controller_engine_health",
+    "gauge",
+    "Health of each engine as its node manager last reported it, 1 for the current one. abnormal: its "
+    "probes fail; the node manager restarts it after abnormal_threshold heartbeats.",
+)
+ENGINE_RESTARTS = (
+    "motor_controller_engine_restarts_total",
+    "counter",
+    "Restarts of each engine by the restart policy. Several in a few minutes is a crash loop (alert "
+    "MotorEngineCrashLooping): read the engine's last failure reason.",
+)
 
 
 def header(family: tuple[str, str, str]) -> str:
@@ -69,16 +88,16 @@ def labels(**pairs: str) -> str:
 
 
 def one_hot(name: str, label_text: str, states: list[tuple[int, str]], current: int, key: str) -> str:
-    return "".join(f'{name}{{{label_text},{key}="{state_name}"}} {1 if value == current else 0}\n'
-                   for value, state_name in states)
+    return "".join(
+        f'{name}{{{label_text},{key}="{state_name}"}} {1 if value == current else 0}\n' for value, state_name in states
+    )
 
 
 class FleetSeries:
     """Renders the fleet series from `state`'s tables; `alarm()` is the silent-nodes alarm's
     message ("" when off); `clock.time()` is read for heartbeat ages."""
 
-    def __init__(self, state: ClusterState, alarm: Callable[[], str], clock: Clock = SYSTEM_CLOCK,
-                 chunk: int = 500):
+    def __init__(self, state: ClusterState, alarm: Callable[[], str], clock: Clock = SYSTEM_CLOCK, chunk: int = 500):
         self.state, self.alarm, self.clock, self.chunk = state, alarm, clock, chunk
         # id -> (what the lines show, the lines): made again only when the first part changes.
         self._node_lines: dict[str, tuple[int, str, str]] = {}
@@ -96,12 +115,15 @@ class FleetSeries:
         self._node_lines = kept_nodes
         now = self.clock.time()
         heard = [n for n in nodes if n.last_heartbeat_wall]
-        async for piece in self._family(HEARTBEAT_AGE, heard, lambda n: f"{kept_nodes[n.node_id][2]}"
-                                                                     f"{max(0.0, now - n.last_heartbeat_wall):.3f}\n"):
+        async for piece in self._family(
+            HEARTBEAT_AGE, heard, lambda n: f"{kept_nodes[n.node_id][2]}{max(0.0, now - n.last_heartbeat_wall):.3f}\n"
+        ):
             yield piece
         yield (header(SILENT_ALARM) + f"{SILENT_ALARM[0]} {1 if self.alarm() else 0}\n").encode()
         kept_instances: dict[str, tuple[tuple, str]] = {}
-        async for piece in self._family(INSTANCE_STATE, list(instances.values()), lambda i: self._instance(i, kept_instances)[1]):
+        async for piece in self._family(
+            INSTANCE_STATE, list(instances.values()), lambda i: self._instance(i, kept_instances)[1]
+        ):
             yield piece
         self._instance_lines = kept_instances
         kept_engines: dict[str, tuple[tuple, str, str]] = {}
@@ -111,19 +133,24 @@ class FleetSeries:
         async for piece in self._family(ENGINE_RESTARTS, list(kept_engines.values()), lambda lines: lines[2]):
             yield piece
 
-    async def _family(self, family: tuple[str, str, str], rows: list, text: Callable[[Any], str]) -> AsyncIterator[bytes]:
+    async def _family(
+        self, family: tuple[str, str, str], rows: list, text: Callable[[Any], str]
+    ) -> AsyncIterator[bytes]:
         """A family's header, then its rows' text `chunk` rows at a time, the loop running in between."""
         yield header(family).encode()
         for begin in range(0, len(rows), self.chunk):
-            yield "".join(text(row) for row in rows[begin:begin + self.chunk]).encode()
+            yield "".join(text(row) for row in rows[begin : begin + self.chunk]).encode()
             await asyncio.sleep(0)
 
     def _node(self, node, kept: dict) -> tuple[int, str, str]:
         lines = self._node_lines.get(node.node_id)
         if lines is None or lines[0] != node.state:
             label_text = labels(node_id=node.node_id)
-            lines = (node.state, one_hot(NODE_STATE[0], label_text, NODE_STATES, node.state, "state"),
-                     f"{HEARTBEAT_AGE[0]}{{{label_text}}} ")
+            lines = (
+                node.state,
+                one_hot(NODE_STATE[0], label_text, NODE_STATES, node.state, "state"),
+                f"{HEARTBEAT_AGE[0]}{{{label_text}}} ",
+            )
         kept[node.node_id] = lines
         return lines
 
@@ -141,10 +168,17 @@ class FleetSeries:
         lines = self._engine_lines.get(slot.engine_id)
         if lines is None or lines[0] != shown:
             ids = labels(instance_id=slot.instance_id, engine_id=slot.engine_id)
-            lines = (shown,
-                     one_hot(ENGINE_HEALTH[0], f'{ids},node_id="{label_value(slot.node_id)}"', HEALTH_STATES,
-                             slot.health, "health"),
-                     f"{ENGINE_RESTARTS[0]}{{{ids}}} {slot.restarts}\n")
+            lines = (
+                shown,
+                one_hot(
+                    ENGINE_HEALTH[0],
+                    f'{ids},node_id="{label_value(slot.node_id)}"',
+                    HEALTH_STATES,
+                    slot.health,
+                    "health",
+                ),
+                f"{ENGINE_RESTARTS[0]}{{{ids}}} {slot.restarts}\n",
+            )
         kept[slot.engine_id] = lines
         return lines
 
@@ -158,7 +192,11 @@ def engine_targets(state: ClusterState) -> list[dict]:
         inst = instances.get(slot.instance_id)
         if inst is None or not (slot.host and slot.port):
             continue
-        labels_ = {"instance_id": slot.instance_id, "engine_id": slot.engine_id, "node_id": slot.node_id,
-                   "role": role_name(inst.role)}
+        labels_ = {
+            "instance_id": slot.instance_id,
+            "engine_id": slot.engine_id,
+            "node_id": slot.node_id,
+            "role": role_name(inst.role),
+        }
         targets.append({"targets": [f"{slot.host}:{slot.port}"], "labels": labels_})
     return targets

@@ -9,12 +9,11 @@ directly, and re-read (the same) from the tables on the next call.
 
 from __future__ import annotations
 
-from motor.v1 import types_pb2 as T
-
+from controller import reported
 from controller.nodes import NODE_READY, NodeRuntime
 from controller.placement import Fleet, NodeCapacity, ports_per_engine
 from controller.state import ClusterState
-from controller import reported
+from motor.v1 import types_pb2 as T
 
 # States in which a copy still holds its accelerators and ports on its node.
 HOLDING_ENGINE_STATES = {T.ENGINE_STATE_STARTING, T.ENGINE_STATE_RUNNING, T.ENGINE_STATE_STOPPING}
@@ -27,7 +26,9 @@ def held_by_other_copies(state: ClusterState, node: NodeRuntime) -> list[T.Engin
     held = []
     for engine_id, state_, generation, *_ in node.engines.values():
         slot = state.slots.get(engine_id)
-        if state_ in HOLDING_ENGINE_STATES and (slot is None or slot.node_id != node.node_id or slot.generation != generation):
+        if state_ in HOLDING_ENGINE_STATES and (
+            slot is None or slot.node_id != node.node_id or slot.generation != generation
+        ):
             held.append(reported.message(node.engines[engine_id]))
     return held
 
@@ -44,12 +45,16 @@ class FleetView:
     def fleet(self) -> Fleet:
         st = self.state
         changed = st.nodes.room_changed | st.slots.room_changed
-        changed.update(n for n, seen in self._holding.items() if st.nodes.get(n) is None or st.nodes.get(n).last_seen != seen)
+        changed.update(
+            n for n, seen in self._holding.items() if st.nodes.get(n) is None or st.nodes.get(n).last_seen != seen
+        )
         st.nodes.room_changed.clear()
         st.slots.room_changed.clear()
         for node_id in changed:
             node = st.nodes.get(node_id)
-            if node is None or node.state != NODE_READY or node.unusable:  # unusable: set aside (EngineLifecycle.set_aside)
+            if (
+                node is None or node.state != NODE_READY or node.unusable
+            ):  # unusable: set aside (EngineLifecycle.set_aside)
                 self._fleet.drop(node_id)
                 self._holding.pop(node_id, None)
             else:
@@ -58,8 +63,12 @@ class FleetView:
 
     def _capacity(self, n: NodeRuntime) -> NodeCapacity:
         st = self.state
-        cap = NodeCapacity(n.node_id, n.info.host or n.info.address.rpartition(":")[0], tuple(n.info.accelerator_ids),
-                           port_range=(n.info.port_range_start, n.info.port_range_end))
+        cap = NodeCapacity(
+            n.node_id,
+            n.info.host or n.info.address.rpartition(":")[0],
+            tuple(n.info.accelerator_ids),
+            port_range=(n.info.port_range_start, n.info.port_range_end),
+        )
         for s in st.slots.placed_on(n.node_id):
             cap.used_accelerators.update(s.accelerator_ids)
             inst = st.instances.get(s.instance_id)

@@ -37,7 +37,8 @@ import asyncio
 import gc
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -64,9 +65,11 @@ class TenuredCollections:
 
     def export(self, registry: CollectorRegistry | None) -> None:
         """Observe every collection's pause in `motor_gc_pause_seconds` of `registry`."""
-        self.pauses = Histogram("motor_gc_pause_seconds", PAUSE_HELP, ["walk"], buckets=PAUSE_BUCKETS, registry=registry)
+        self.pauses = Histogram(
+            "motor_gc_pause_seconds", PAUSE_HELP, ["walk"], buckets=PAUSE_BUCKETS, registry=registry
+        )
 
-    def install(self) -> "TenuredCollections":
+    def install(self) -> TenuredCollections:
         """At start-up: what is there now (modules, classes) is walked once, here, and frozen, so
         the first full collection while serving walks only what came since (30-50 ms otherwise)."""
         gc.collect()
@@ -97,7 +100,8 @@ class TenuredCollections:
             return
         if self.pauses is not None:
             self.pauses.labels("complete" if self.walking and info["generation"] == 2 else "recent").observe(
-                time.perf_counter() - self._began)
+                time.perf_counter() - self._began
+            )
         if info["generation"] != 2:
             return
         gc.freeze()  # survivors of a full collection: out of the next ones

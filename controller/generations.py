@@ -15,7 +15,7 @@ rules keep the numbers ordered without trusting a caller:
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from controller.store import Store, StoreUnavailable
 
@@ -53,5 +53,10 @@ class Generations:
         except StoreUnavailable as exc:
             self.refused(exc)
             return
-        logger.warning("%s reported generation %d, which this store never issued (its counter was at %d): "
-                       "later generations are issued above it", where, generation, last)
+        logger.warning(
+            "%s reported generation %d, which this store never issued (its counter was at %d): "
+            "later generations are issued above it",
+            where,
+            generation,
+            last,
+        )

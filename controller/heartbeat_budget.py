@@ -28,17 +28,23 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from google.protobuf.duration_pb2 import Duration
 
-from motor.contract import pbtime
 from motor.clock import Clock
+from motor.contract import pbtime
 
 
 class HeartbeatBudget:
-    def __init__(self, base_interval: float, base_grace: float, max_per_second: float,
-                 live_nodes: Callable[[], int], clock: Clock):
+    def __init__(
+        self,
+        base_interval: float,
+        base_grace: float,
+        max_per_second: float,
+        live_nodes: Callable[[], int],
+        clock: Clock,
+    ):
         self.base_interval, self.base_grace, self.max_per_second = base_interval, base_grace, max_per_second
         self.live_nodes, self.mono = live_nodes, clock.monotonic
         # (interval, end of its hold), intervals decreasing; the first one not over is held.

@@ -8,8 +8,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from motor.contract.names import enum_short_name
 from controller.restart_policy import Policy
+from motor.contract.names import enum_short_name
 from motor.state_machine import IllegalTransition as IllegalTransition  # the instance machine's error, re-exported
 from motor.state_machine import Transitions
 from motor.v1 import controller_pb2
@@ -23,14 +23,17 @@ DEGRADED, RESTARTING, FAILED = S.INSTANCE_STATE_DEGRADED, S.INSTANCE_STATE_RESTA
 # Which state may follow which. PENDING: waiting for room; STARTING: launched, not all NORMAL;
 # READY: every rank NORMAL; DEGRADED: some rank not NORMAL, nothing failed yet; RESTARTING:
 # a failure is being handled (maybe backing off); FAILED: crash-loop budget spent.
-TRANSITIONS = Transitions.between({
-    PENDING: {PENDING, STARTING, RESTARTING, FAILED},
-    STARTING: {STARTING, READY, DEGRADED, RESTARTING, PENDING, FAILED},
-    READY: {DEGRADED, RESTARTING, PENDING, STARTING, FAILED},
-    DEGRADED: {DEGRADED, READY, RESTARTING, PENDING, STARTING, FAILED},
-    RESTARTING: {RESTARTING, STARTING, PENDING, FAILED},
-    FAILED: {RESTARTING, PENDING},
-}, lambda state: state_name(state))
+TRANSITIONS = Transitions.between(
+    {
+        PENDING: {PENDING, STARTING, RESTARTING, FAILED},
+        STARTING: {STARTING, READY, DEGRADED, RESTARTING, PENDING, FAILED},
+        READY: {DEGRADED, RESTARTING, PENDING, STARTING, FAILED},
+        DEGRADED: {DEGRADED, READY, RESTARTING, PENDING, STARTING, FAILED},
+        RESTARTING: {RESTARTING, STARTING, PENDING, FAILED},
+        FAILED: {RESTARTING, PENDING},
+    },
+    lambda state: state_name(state),
+)
 
 
 def state_name(state: int) -> str:
@@ -69,7 +72,7 @@ class InstanceRecord:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "InstanceRecord":
+    def from_dict(cls, data: dict[str, Any]) -> InstanceRecord:
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         record = cls(**known)
         record.failure_times, record.restart_ranks = tuple(record.failure_times), tuple(record.restart_ranks)

@@ -12,27 +12,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from collections.abc import Callable
 
-from motor.contract import node_process
-from motor.contract.heartbeats import MAX_BACKOFF
-from motor.v1 import controller_pb2, types_pb2
-
+from controller import reported
 from controller.config import ControllerConfig
 from controller.heartbeat_budget import HeartbeatBudget
 from controller.lifecycle import ControllerLoop, EngineLifecycle
 from controller.node_client import NodeCallError, NodeClient
 from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
 from controller.state import ClusterState
-from controller import reported
+from motor.contract import node_process
+from motor.contract.heartbeats import MAX_BACKOFF
+from motor.v1 import controller_pb2, types_pb2
 
 C, T = controller_pb2, types_pb2
 logger = logging.getLogger(__name__)
 
 
 class NodeMonitor:
-    def __init__(self, state: ClusterState, config: ControllerConfig, budget: HeartbeatBudget, client: NodeClient,
-                 lifecycle: EngineLifecycle, loop: ControllerLoop):
+    def __init__(
+        self,
+        state: ClusterState,
+        config: ControllerConfig,
+        budget: HeartbeatBudget,
+        client: NodeClient,
+        lifecycle: EngineLifecycle,
+        loop: ControllerLoop,
+    ):
         self.state, self.config, self.budget, self.client = state, config, budget, client
         self.lifecycle, self.loop = lifecycle, loop
         self.alarm = ""
@@ -60,8 +66,10 @@ class NodeMonitor:
                         "the silent-nodes alarm is on"
                     )
                 elif self.awaited_takeover(node):
-                    node.reason = (f"silent and the direct re-check failed ({node.recheck_error}); a node manager "
-                                   "on its host asks for its node id: it takes the node over at its next ask")
+                    node.reason = (
+                        f"silent and the direct re-check failed ({node.recheck_error}); a node manager "
+                        "on its host asks for its node id: it takes the node over at its next ask"
+                    )
                 elif now - node.suspect_since >= 2 * self.budget.liveness_interval():
                     self.declare_lost(node)
             else:
@@ -73,8 +81,10 @@ class NodeMonitor:
         sockets; judged before they are read, every node would turn SUSPECT at once (and the
         silent-nodes alarm fire). Time away past a heartbeat interval is not counted as silence."""
         if seconds > self.budget.liveness_interval():
-            logger.warning("the controller did not run for %.1fs (stopped, or its loop held): not counted as the "
-                           "nodes' silence", seconds)
+            logger.warning(
+                "the controller did not run for %.1fs (stopped, or its loop held): not counted as the nodes' silence",
+                seconds,
+            )
             self.state.nodes.not_counting(seconds)
 
     def suspect_if_silent(self, node: NodeRuntime, now: float) -> None:
@@ -84,11 +94,18 @@ class NodeMonitor:
         allowed = grace if node.reported_since_start else grace + MAX_BACKOFF
         if node.state == NODE_READY and now - node.last_seen > allowed:
             st = self.state
-            silence = (f"no heartbeat for {now - node.last_seen:.1f}s" if node.reported_since_start else
-                       f"no heartbeat since this controller started ({now - node.last_seen:.1f}s ago; "
-                       f"a node manager waits at most {MAX_BACKOFF:g}s between two tries)")
-            st.nodes.set_state(node, NODE_SUSPECT, f"{silence} (grace {grace:g}s, "
-                               f"heartbeat interval {self.budget.liveness_interval():g}s); re-checking it directly")
+            silence = (
+                f"no heartbeat for {now - node.last_seen:.1f}s"
+                if node.reported_since_start
+                else f"no heartbeat since this controller started ({now - node.last_seen:.1f}s ago; "
+                f"a node manager waits at most {MAX_BACKOFF:g}s between two tries)"
+            )
+            st.nodes.set_state(
+                node,
+                NODE_SUSPECT,
+                f"{silence} (grace {grace:g}s, "
+                f"heartbeat interval {self.budget.liveness_interval():g}s); re-checking it directly",
+            )
             node.recheck_failed_at, node.suspect_since = None, now
             st.event(C.EVENT_TYPE_NODE_SUSPECT, f"node {node.node_id} suspect: {node.reason}", node_id=node.node_id)
             st.evaluate_node(node.node_id)
@@ -126,10 +143,16 @@ class NodeMonitor:
         try:
             reply = await self.client.list_engines(node.info, self.config.recheck_timeout)
             answered = reply.process
-            if node_process.known(node.info.process) and node_process.known(answered) \
-                    and not node_process.same_process(node.info.process, answered):
-                raise NodeCallError("WRONG_PROCESS", f"{node.info.address} is another node manager process now "
-                                    f"({node_process.describe(answered)}), not the holder")
+            if (
+                node_process.known(node.info.process)
+                and node_process.known(answered)
+                and not node_process.same_process(node.info.process, answered)
+            ):
+                raise NodeCallError(
+                    "WRONG_PROCESS",
+                    f"{node.info.address} is another node manager process now "
+                    f"({node_process.describe(answered)}), not the holder",
+                )
         except NodeCallError as exc:
             if node.generation == generation and node.state == NODE_SUSPECT:
                 node.recheck_failed_at = self.state.mono()

@@ -6,7 +6,7 @@ per-engine series are rendered apart (controller.fleet_metrics) and served after
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -21,10 +21,20 @@ StateCounts = Callable[[], dict[int, int]]
 class _StateCollector:
     def __init__(self, node_counts: StateCounts, instance_counts: StateCounts):
         self.gauges = [
-            ("motor_controller_nodes", "Nodes by state (LOST: engines moved elsewhere; SUSPECT: silent, being "
-             "re-checked). motor_controller_node_state names the nodes.", controller_pb2.NodeState, node_counts),
-            ("motor_controller_instances", "Instances by state; anything but READY for long needs a look "
-             "(motor_controller_instance_state names them).", controller_pb2.InstanceState, instance_counts),
+            (
+                "motor_controller_nodes",
+                "Nodes by state (LOST: engines moved elsewhere; SUSPECT: silent, being "
+                "re-checked). motor_controller_node_state names the nodes.",
+                controller_pb2.NodeState,
+                node_counts,
+            ),
+            (
+                "motor_controller_instances",
+                "Instances by state; anything but READY for long needs a look "
+                "(motor_controller_instance_state names them).",
+                controller_pb2.InstanceState,
+                instance_counts,
+            ),
         ]
 
     def describe(self):
@@ -50,12 +60,14 @@ class ControllerMetrics:
             "motor_controller_reschedules",
             "Engine restarts (engine_failed) and moves off lost nodes (node_lost). A steady rate of "
             "engine_failed means engines keep failing: see motor_controller_engine_restarts_total per engine.",
-            ["reason"], registry=self.registry,
+            ["reason"],
+            registry=self.registry,
         )
         self.registrations_refused = Counter(
             "motor_controller_registrations_refused",
             "RegisterNode calls refused, by reason (node_id_held: another live node manager process holds the node id)",
-            ["reason"], registry=self.registry,
+            ["reason"],
+            registry=self.registry,
         )
         self.rate_limited = Counter(
             "motor_controller_reschedules_rate_limited",

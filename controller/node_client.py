@@ -7,7 +7,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 
@@ -20,8 +20,12 @@ from motor.v1 import controller_pb2, node_manager_pb2, node_manager_pb2_grpc, ty
 logger = logging.getLogger(__name__)
 
 # Transport trouble, not an answer about the engine: retried, then left to the node monitor.
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-             grpc.StatusCode.CANCELLED}
+RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.CANCELLED,
+}
 # A node manager's connection is closed after this long without a call (gRPC's default: 30 min),
 # and made again by the next call: 10,000 nodes would otherwise keep 10,000 (TLS) connections
 # open in the controller (~50 KiB each) long after a wave of starts.
@@ -82,7 +86,9 @@ class NodeClient(abc.ABC):
     async def start_engine(self, node: controller_pb2.NodeInfo, spec: types_pb2.EngineSpec) -> types_pb2.Engine: ...
 
     @abc.abstractmethod
-    async def stop_engine(self, node: controller_pb2.NodeInfo, engine_id: str, generation: int, deadline: float) -> None: ...
+    async def stop_engine(
+        self, node: controller_pb2.NodeInfo, engine_id: str, generation: int, deadline: float
+    ) -> None: ...
 
     @abc.abstractmethod
     async def list_engines(self, node: controller_pb2.NodeInfo, timeout: float) -> node_manager_pb2.ListEnginesResponse:
@@ -120,8 +126,13 @@ def _is_retryable(exc: BaseException) -> bool:
 
 class GrpcNodeClient(NodeClient):
     def __init__(
-        self, attempts: int = 4, start_timeout: float = 15.0, max_in_flight: int = 64, tls: TlsFiles | None = None,
-        epoch: Callable[[], int] = lambda: 0, idle_timeout: float = IDLE_TIMEOUT,
+        self,
+        attempts: int = 4,
+        start_timeout: float = 15.0,
+        max_in_flight: int = 64,
+        tls: TlsFiles | None = None,
+        epoch: Callable[[], int] = lambda: 0,
+        idle_timeout: float = IDLE_TIMEOUT,
     ):
         self.channels: dict[str, ReloadingChannel] = {}
         self.options = {"grpc.client_idle_timeout_ms": int(idle_timeout * 1000)}
@@ -189,8 +200,9 @@ class GrpcNodeClient(NodeClient):
             if why:
                 raise NodeCallError(grpc.StatusCode.CANCELLED.name, why, abandoned=True) from None
             # Its channel was closed: the node registered from another address, or the client closes.
-            raise NodeCallError(grpc.StatusCode.CANCELLED.name, "the call was cancelled: its channel to the node "
-                                "was closed") from None
+            raise NodeCallError(
+                grpc.StatusCode.CANCELLED.name, "the call was cancelled: its channel to the node was closed"
+            ) from None
         finally:
             calls.pop(call, None)
             if not calls:
@@ -204,7 +216,9 @@ class GrpcNodeClient(NodeClient):
         since = self.abandonments.count(node.node_id)
 
         def call():  # each try carries the epoch of its moment
-            request = node_manager_pb2.StartEngineRequest(spec=spec, controller_epoch=self.epoch(), node_id=node.node_id)
+            request = node_manager_pb2.StartEngineRequest(
+                spec=spec, controller_epoch=self.epoch(), node_id=node.node_id
+            )
             return self._run(node, since, lambda: self._stub(node).StartEngine(request, timeout=self.start_timeout))
 
         try:
@@ -215,8 +229,9 @@ class GrpcNodeClient(NodeClient):
         return reply.engine
 
     async def stop_engine(self, node, engine_id, generation, deadline):
-        request = node_manager_pb2.StopEngineRequest(engine_id=engine_id, generation=generation, controller_epoch=self.epoch(),
-                                                    node_id=node.node_id)
+        request = node_manager_pb2.StopEngineRequest(
+            engine_id=engine_id, generation=generation, controller_epoch=self.epoch(), node_id=node.node_id
+        )
         request.deadline.CopyFrom(pbtime.duration(deadline))
         since = self.abandonments.count(node.node_id)
         try:
@@ -224,8 +239,11 @@ class GrpcNodeClient(NodeClient):
             # deleted) would otherwise each hold their state for seconds. A backoff between
             # tries keeps the slot.
             async with self.node_limit(node), self.limit:
-                await self._retried(lambda: self._run(node, since, lambda: self._stub(node).StopEngine(
-                    request, timeout=deadline + STOP_SLACK)))
+                await self._retried(
+                    lambda: self._run(
+                        node, since, lambda: self._stub(node).StopEngine(request, timeout=deadline + STOP_SLACK)
+                    )
+                )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return  # never known there: nothing to stop
@@ -233,8 +251,13 @@ class GrpcNodeClient(NodeClient):
 
     async def list_engines(self, node, timeout):
         try:
-            reply = await self._run(node, self.abandonments.count(node.node_id), lambda: self._stub(node).ListEngines(
-                node_manager_pb2.ListEnginesRequest(node_id=node.node_id), timeout=timeout))
+            reply = await self._run(
+                node,
+                self.abandonments.count(node.node_id),
+                lambda: self._stub(node).ListEngines(
+                    node_manager_pb2.ListEnginesRequest(node_id=node.node_id), timeout=timeout
+                ),
+            )
         except grpc.aio.AioRpcError as exc:
             raise NodeCallError(exc.code().name, exc.details() or "") from None
         return reply

@@ -8,9 +8,8 @@ own metric (motor_node_manager_store_write_failures_total) counts the refused wr
 
 from __future__ import annotations
 
-from motor.v1 import controller_pb2
-
 from controller.events import EventBus
+from motor.v1 import controller_pb2
 
 # The longest part of a node's reason quoted in the event.
 REASON_CHARS = 300
@@ -32,7 +31,8 @@ class NodeStoreAlarms:
         if store_failing:
             self.failing[node_id] = 0
             self.events.repeat(
-                key, controller_pb2.EVENT_TYPE_ALARM,
+                key,
+                controller_pb2.EVENT_TYPE_ALARM,
                 f"node {node_id}: {store_failing[:REASON_CHARS]}; its engines' exits are kept in memory and reported, "
                 "StartEngine there is refused (UNAVAILABLE) until the disk takes writes again: free space on it",
                 node_id=node_id,
@@ -43,6 +43,9 @@ class NodeStoreAlarms:
             return
         del self.failing[node_id]
         beats = self.events.settle(key)
-        self.events.emit(controller_pb2.EVENT_TYPE_ALARM,
-                         f"node {node_id}: engine records are written again ({SETTLE_BEATS} heartbeats in a row said "
-                         f"nothing; the failure was said in {beats} heartbeat(s))", node_id=node_id)
+        self.events.emit(
+            controller_pb2.EVENT_TYPE_ALARM,
+            f"node {node_id}: engine records are written again ({SETTLE_BEATS} heartbeats in a row said "
+            f"nothing; the failure was said in {beats} heartbeat(s))",
+            node_id=node_id,
+        )

@@ -11,16 +11,15 @@ state; this table checks that the change is allowed and keeps the counts right.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
-
-from motor.errors import FailedPrecondition, NotFound
-from motor.contract.names import check_node_id, enum_short_name, excerpt
-from motor.state_machine import Transitions
-from motor.v1 import controller_pb2
 
 from controller.reported import Reported
 from controller.table import Table
+from motor.contract.names import check_node_id, enum_short_name, excerpt
+from motor.errors import FailedPrecondition, NotFound
+from motor.state_machine import Transitions
+from motor.v1 import controller_pb2
 
 C = controller_pb2
 NODE_READY, NODE_SUSPECT, NODE_LOST = C.NODE_STATE_READY, C.NODE_STATE_SUSPECT, C.NODE_STATE_LOST
@@ -29,12 +28,15 @@ NODE_READY, NODE_SUSPECT, NODE_LOST = C.NODE_STATE_READY, C.NODE_STATE_SUSPECT, 
 # arrive; SUSPECT: silent past the grace, being re-checked; LOST: the re-check failed too, its
 # generation was bumped and its engines placed elsewhere. A registration (READY -> READY too)
 # replaces the node's record; a node known from the store starts READY or LOST.
-NODE_TRANSITIONS: Transitions[int | None, int] = Transitions.between({
-    None: {NODE_READY, NODE_LOST},
-    NODE_READY: {NODE_READY, NODE_SUSPECT},
-    NODE_SUSPECT: {NODE_READY, NODE_LOST},
-    NODE_LOST: {NODE_READY},
-}, lambda state: node_state_name(state))
+NODE_TRANSITIONS: Transitions[int | None, int] = Transitions.between(
+    {
+        None: {NODE_READY, NODE_LOST},
+        NODE_READY: {NODE_READY, NODE_SUSPECT},
+        NODE_SUSPECT: {NODE_READY, NODE_LOST},
+        NODE_LOST: {NODE_READY},
+    },
+    lambda state: node_state_name(state),
+)
 
 
 def node_state_name(state: int | None) -> str:

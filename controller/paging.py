@@ -15,8 +15,9 @@ import base64
 import binascii
 import bisect
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Generic, Mapping, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from motor.errors import InvalidArgument
 
@@ -71,16 +72,22 @@ def _after(token: str, filter_text: str) -> str:
         data = json.loads(base64.urlsafe_b64decode(token.encode()))
         after, issued_for = data["after"], data["filter"]
     except (binascii.Error, ValueError, KeyError, TypeError):
-        raise InvalidArgument("page_token: not a token this controller issued (pass next_page_token unchanged)") from None
+        raise InvalidArgument(
+            "page_token: not a token this controller issued (pass next_page_token unchanged)"
+        ) from None
     if issued_for != filter_text:
-        raise InvalidArgument(f"page_token: issued for filter {issued_for!r}, not {filter_text!r}; keep the filter of the first page")
+        raise InvalidArgument(
+            f"page_token: issued for filter {issued_for!r}, not {filter_text!r}; keep the filter of the first page"
+        )
     return after
 
 
 def page(request: PagedRequest, rows: Mapping[str, V], fields: Mapping[str, Field[V]]) -> tuple[list[V], str]:
     """One page of `rows` (id -> item) for `request`: (items in id order, next page token)."""
     if request.page_size < 0:
-        raise InvalidArgument(f"page_size: {request.page_size} is negative (0 means everything, at most {MAX_PAGE_SIZE} a page)")
+        raise InvalidArgument(
+            f"page_size: {request.page_size} is negative (0 means everything, at most {MAX_PAGE_SIZE} a page)"
+        )
     matcher = Filter(request.filter, fields)
     after = _after(request.page_token, request.filter)
     size = min(request.page_size, MAX_PAGE_SIZE) or len(rows)
@@ -92,6 +99,6 @@ def page(request: PagedRequest, rows: Mapping[str, V], fields: Mapping[str, Fiel
             continue
         out.append(item)
         if len(out) == size:
-            more = any(matcher.matches(rows[k]) for k in keys[index + 1:])
+            more = any(matcher.matches(rows[k]) for k in keys[index + 1 :])
             return out, _token(keys[index], request.filter) if more else ""
     return out, ""

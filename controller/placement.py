@@ -99,12 +99,14 @@ class Fleet:
         def change():
             node.used_accelerators.update(accelerators)
             node.ports_in_use += ports
+
         self._update(node, change)
 
     def give_back(self, node: NodeCapacity, accelerators: tuple[int, ...], ports: int) -> None:
         def change():
             node.used_accelerators.difference_update(accelerators)
             node.ports_in_use -= ports
+
         self._update(node, change)
 
     def describe(self) -> str:
@@ -137,7 +139,8 @@ def place_instance(
             for p in placements:  # not all ranks fit: give back what this call took
                 fleet.give_back(fleet.nodes[p.node_id], p.accelerator_ids, p.port_count)
             raise Unplaceable(
-                f"rank {rank} needs {accelerators_per_engine} accelerator(s) and {need_ports} port(s) on one READY node; "
+                f"rank {rank} needs {accelerators_per_engine} accelerator(s) and {need_ports} port(s) on one READY "
+                "node; "
                 f"none has room ({fleet.describe()})"
             )
         accelerators = tuple(best.free_accelerators[:accelerators_per_engine])

@@ -37,7 +37,14 @@ def keep(engine: types_pb2.Engine, last: Reported | None = None) -> Reported:
     else:
         rest = engine
     stop_grace = pbtime.seconds(engine.stop_grace) if engine.HasField("stop_grace") else None
-    kept = engine.engine_id, engine.state, engine.spec.generation, stop_grace, sys.intern(config), rest.SerializeToString()
+    kept = (
+        engine.engine_id,
+        engine.state,
+        engine.spec.generation,
+        stop_grace,
+        sys.intern(config),
+        rest.SerializeToString(),
+    )
     return last if kept == last else kept
 
 

@@ -29,7 +29,7 @@ class Policy:
     failure_window: float = 600.0
 
     @classmethod
-    def from_proto(cls, p: controller_pb2.RestartPolicy) -> "Policy":
+    def from_proto(cls, p: controller_pb2.RestartPolicy) -> Policy:
         """Unset (zero) fields take the defaults."""
         default = cls()
         durations = {name: pbtime.seconds(getattr(p, name)) or getattr(default, name) for name in DURATION_FIELDS}

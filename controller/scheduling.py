@@ -8,9 +8,8 @@ Everything runs on the controller's asyncio loop.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Coroutine
-
-from motor.v1 import controller_pb2, types_pb2
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from controller.config import ControllerConfig
 from controller.fleet_view import FleetView
@@ -23,6 +22,7 @@ from controller.slicing import Budget, Steps, run_at_once
 from controller.slots import EngineSlot
 from controller.state import ClusterState
 from controller.store import StoreUnavailable
+from motor.v1 import controller_pb2, types_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,14 @@ class TokenBucket:
 
 
 class Scheduler:
-    def __init__(self, state: ClusterState, config: ControllerConfig, lifecycle: EngineLifecycle,
-                 metrics: ControllerMetrics, loop: ControllerLoop):
+    def __init__(
+        self,
+        state: ClusterState,
+        config: ControllerConfig,
+        lifecycle: EngineLifecycle,
+        metrics: ControllerMetrics,
+        loop: ControllerLoop,
+    ):
         self.state, self.config, self.lifecycle, self.metrics, self.loop = state, config, lifecycle, metrics, loop
         # Instances whose move the rate limit holds back now (counted once per hold-back).
         self._held_back: set[str] = set()
@@ -143,12 +149,16 @@ class Scheduler:
         placed_ranks = [s for s in st.slots_of(inst.instance_id) if s.node_id]
         if rank0_moves and placed_ranks:
             # Rank 0's host is every rank's --master-dp-ip: move the group with it.
-            self.loop.spawn(self.lifecycle.move(inst.instance_id, [s.dp_rank for s in placed_ranks], "rank 0 moves"),
-                            f"move {inst.instance_id}")
+            self.loop.spawn(
+                self.lifecycle.move(inst.instance_id, [s.dp_rank for s in placed_ranks], "rank 0 moves"),
+                f"move {inst.instance_id}",
+            )
             return
         moved = sum(1 for s in unplaced if s.moved)
         if moved and not self.reschedule_bucket.available(moved):
-            st.transition(inst, PENDING, f"waiting for the reschedule rate limit ({self.config.reschedule_rate:g} engines/s)")
+            st.transition(
+                inst, PENDING, f"waiting for the reschedule rate limit ({self.config.reschedule_rate:g} engines/s)"
+            )
             if inst.instance_id not in self._held_back:
                 self._held_back.add(inst.instance_id)
                 self.metrics.rate_limited.inc(moved)

@@ -7,11 +7,10 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from motor.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from motor.v1 import controller_pb2, controller_pb2_grpc
-
 from controller import endpoints
 from controller.core import Controller
+from motor.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from motor.v1 import controller_pb2, controller_pb2_grpc
 
 if TYPE_CHECKING:
     from controller.ha import HighAvailability
@@ -22,7 +21,7 @@ ABOUT_THE_REQUEST = (InvalidArgument, NotFound, FailedPrecondition, ResourceExha
 
 
 class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
-    def __init__(self, controller: Controller | None, ha: "HighAvailability | None" = None):
+    def __init__(self, controller: Controller | None, ha: HighAvailability | None = None):
         self._controller = controller
         self.ha = ha  # with etcd: the leader's Controller or a standby's read-only view, in turn
 
@@ -39,12 +38,22 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
 
     def _heartbeat(self, request: controller_pb2.HeartbeatRequest) -> controller_pb2.HeartbeatResponse:
         started = time.perf_counter()
-        self.controller.heartbeat(request.node_id, request.generation, request.engines, request.delta, request.removed_engine_ids,
-                                  request.store_failing)
+        self.controller.heartbeat(
+            request.node_id,
+            request.generation,
+            request.engines,
+            request.delta,
+            request.removed_engine_ids,
+            request.store_failing,
+        )
         self.controller.metrics.heartbeat_seconds.observe(time.perf_counter() - started)
         interval, grace = self.controller.budget.announcement()  # the rate budget: it changes with the fleet's size
-        return controller_pb2.HeartbeatResponse(sequence=request.sequence, generation_limit=self.controller.generations.limit(),
-                                                heartbeat_interval=interval, node_grace=grace)
+        return controller_pb2.HeartbeatResponse(
+            sequence=request.sequence,
+            generation_limit=self.controller.generations.limit(),
+            heartbeat_interval=interval,
+            node_grace=grace,
+        )
 
     async def Heartbeat(self, request, context):
         return self._heartbeat(request)
@@ -104,7 +113,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
             return await self.ha.list_controllers()
         config = self.controller.config  # one controller on SQLite: it is the leader, epoch 0
         reply = controller_pb2.ListControllersResponse(
-            leader_address=config.listen, store=f"sqlite:///{os.path.abspath(config.db)}",
+            leader_address=config.listen,
+            store=f"sqlite:///{os.path.abspath(config.db)}",
             controllers=[controller_pb2.ControllerMember(address=config.listen, name=config.listen, leader=True)],
         )
         return reply

@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Callable, ContextManager, Generator, Iterable, TypeVar
+from collections.abc import Callable, Generator, Iterable
+from typing import ContextManager, TypeVar
 
 # Work done between two yields: well under the 50 ms an API call may hold the loop. Several
 # slicers (a deployment change, the reconcile pass, the endpoint feed) and a collection of new
@@ -31,8 +32,12 @@ Steps = Generator[None, None, R]
 
 
 class Budget:
-    def __init__(self, seconds: float = SLICE_SECONDS, spawns: int = SPAWNS_PER_SLICE,
-                 clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        seconds: float = SLICE_SECONDS,
+        spawns: int = SPAWNS_PER_SLICE,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.seconds, self.max_spawns, self.clock = seconds, spawns, clock
         self.began = clock()
         self.spawns = 0
@@ -55,8 +60,12 @@ class Budget:
         return True
 
 
-def in_slices(items: Iterable[Item], work: Callable[[Item], None], budget: Budget,
-              around: Callable[[], ContextManager] = contextlib.nullcontext) -> Steps[None]:
+def in_slices(
+    items: Iterable[Item],
+    work: Callable[[Item], None],
+    budget: Budget,
+    around: Callable[[], ContextManager] = contextlib.nullcontext,
+) -> Steps[None]:
     """`work(item)` for every item, yielding between slices; each slice runs inside `around()`
     (e.g. one store transaction for the slice's writes), which ends before the yield."""
     remaining = iter(items)

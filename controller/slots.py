@@ -11,17 +11,28 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from controller.table import Table
 from motor.contract import names
 from motor.v1 import types_pb2
-
-from controller.table import Table
 
 T = types_pb2
 
 # Slot fields that are persisted; the others are observations rebuilt from node reports.
 _SLOT_PERSISTED = (
-    "engine_id", "instance_id", "dp_rank", "node_id", "host", "requested_ports", "port", "mgmt_port",
-    "kv_port", "dp_rpc_port", "accelerator_ids", "generation", "restarts", "last_failure_reason",
+    "engine_id",
+    "instance_id",
+    "dp_rank",
+    "node_id",
+    "host",
+    "requested_ports",
+    "port",
+    "mgmt_port",
+    "kv_port",
+    "dp_rpc_port",
+    "accelerator_ids",
+    "generation",
+    "restarts",
+    "last_failure_reason",
 )
 
 
@@ -65,7 +76,7 @@ class EngineSlot:
         return {k: getattr(self, k) for k in _SLOT_PERSISTED}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "EngineSlot":
+    def from_dict(cls, data: dict[str, Any]) -> EngineSlot:
         slot = cls(**{k: v for k, v in data.items() if k in _SLOT_PERSISTED})
         slot.requested_ports, slot.accelerator_ids = tuple(slot.requested_ports), tuple(slot.accelerator_ids)
         return slot
@@ -74,7 +85,12 @@ class EngineSlot:
         """Take the ports the node manager allocated; True when they changed (save the slot)."""
         if not spec.port or spec.port == self.port:
             return False
-        self.port, self.mgmt_port, self.kv_port, self.dp_rpc_port = spec.port, spec.mgmt_port, spec.kv_port, spec.dp_rpc_port
+        self.port, self.mgmt_port, self.kv_port, self.dp_rpc_port = (
+            spec.port,
+            spec.mgmt_port,
+            spec.kv_port,
+            spec.dp_rpc_port,
+        )
         return True
 
     def _forget_copy(self) -> None:
@@ -130,8 +146,15 @@ class SlotTable(Table[EngineSlot]):
     def used_accelerators(self, node_id: str) -> set[int]:
         return {a for s in self.placed_on(node_id) for a in s.accelerator_ids}
 
-    def place(self, slot: EngineSlot, node_id: str, host: str, accelerator_ids: Iterable[int], port_count: int,
-              generation: int) -> None:
+    def place(
+        self,
+        slot: EngineSlot,
+        node_id: str,
+        host: str,
+        accelerator_ids: Iterable[int],
+        port_count: int,
+        generation: int,
+    ) -> None:
         """Assign an unplaced slot to a node, as a new generation; the node manager picks its ports."""
         self._leave(slot)
         slot.node_id, slot.host, slot.accelerator_ids = node_id, host, tuple(accelerator_ids)

@@ -19,10 +19,9 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from controller.validation import expand, validate_deployment
 from motor.contract import names
 from motor.v1 import controller_pb2
-
-from controller.validation import expand, validate_deployment
 
 if TYPE_CHECKING:
     from controller.core import Controller
@@ -37,23 +36,32 @@ class StartupDeployment:
         """`window`: the startup grace (s). An invalid deployment raises InvalidArgument here."""
         self.controller, self.path, self.window = controller, path, window
         self.wanted = wanted = validate_deployment(deployment, controller.config.max_engines_per_deployment)
-        self.engine_ids = {names.engine_id(spec.instance_id, rank)
-                           for spec in expand(wanted).values() for rank in range(spec.data_parallel_size)}
+        self.engine_ids = {
+            names.engine_id(spec.instance_id, rank)
+            for spec in expand(wanted).values()
+            for rank in range(spec.data_parallel_size)
+        }
 
     def begin(self) -> None:
         """Apply now, or defer on a new store (a task of the controller's, stopped with it)."""
         if self.controller.adoption.waiting and self.window > 0:
-            logger.info("start-up deployment deferred: the store is new (no deployment ever applied: a first start "
-                        "or a lost database), so %s waits until the registered nodes run the %d engine(s) it describes "
-                        "(they are adopted, not restarted), for at most --startup-grace %gs",
-                        self.path, len(self.engine_ids), self.window)
+            logger.info(
+                "start-up deployment deferred: the store is new (no deployment ever applied: a first start "
+                "or a lost database), so %s waits until the registered nodes run the %d engine(s) it describes "
+                "(they are adopted, not restarted), for at most --startup-grace %gs",
+                self.path,
+                len(self.engine_ids),
+                self.window,
+            )
             self.controller.spawn(self._deferred(), "start-up deployment")
         else:
             self.apply_now()
 
     def apply_now(self) -> None:
         controller, stored = self.controller, self.controller.deployment
-        if stored is None or self.wanted.SerializeToString(deterministic=True) != stored.SerializeToString(deterministic=True):
+        if stored is None or self.wanted.SerializeToString(deterministic=True) != stored.SerializeToString(
+            deterministic=True
+        ):
             _, revision = controller.apply_deployment(self.wanted)
             logger.info("applied %s at start-up (revision %d)", self.path, revision)
         else:
@@ -70,13 +78,21 @@ class StartupDeployment:
             await asyncio.sleep(POLL_SECONDS)
         missing = self.missing()
         nodes = len(controller.state.nodes)
-        why = (f"the {nodes} registered node(s) run every engine it describes" if not missing else
-               f"--startup-grace {self.window:g}s passed with {len(self.engine_ids) - len(missing)} of its "
-               f"{len(self.engine_ids)} engine(s) running on the {nodes} registered node(s)")
+        why = (
+            f"the {nodes} registered node(s) run every engine it describes"
+            if not missing
+            else f"--startup-grace {self.window:g}s passed with {len(self.engine_ids) - len(missing)} of its "
+            f"{len(self.engine_ids)} engine(s) running on the {nodes} registered node(s)"
+        )
         applied = await controller.apply_on_new_store(self.wanted)
         waited = controller.mono() - began
         if applied is None:
-            logger.info("start-up deployment %s not applied after %.1fs: an ApplyDeployment or DeleteDeployment "
-                        "came first", self.path, waited)
+            logger.info(
+                "start-up deployment %s not applied after %.1fs: an ApplyDeployment or DeleteDeployment came first",
+                self.path,
+                waited,
+            )
         else:
-            logger.info("start-up deployment applied after %.1fs: %s (revision %d): %s", waited, self.path, applied[1], why)
+            logger.info(
+                "start-up deployment applied after %.1fs: %s (revision %d): %s", waited, self.path, applied[1], why
+            )

@@ -8,18 +8,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
+from controller.events import EventBus
+from controller.instances import (
+    DEGRADED,
+    FAILED,
+    PENDING,
+    READY,
+    RESTARTING,
+    STARTING,
+    InstanceRecord,
+    Policy,
+    state_name,
+    transition,
+)
+from controller.nodes import NODE_READY, NodeRuntime, NodeTable
+from controller.slots import EngineSlot, SlotTable
+from controller.store import Store, StoredNode, StoreUnavailable
 from motor.clock import Clock
 from motor.contract.names import enum_short_name
 from motor.service.retry import backoff_delay, worth_reporting
 from motor.v1 import controller_pb2, types_pb2
-
-from controller.events import EventBus
-from controller.instances import DEGRADED, FAILED, PENDING, READY, RESTARTING, STARTING, InstanceRecord, Policy, state_name, transition
-from controller.nodes import NODE_READY, NodeRuntime, NodeTable
-from controller.slots import EngineSlot, SlotTable
-from controller.store import Store, StoredNode, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -85,9 +95,18 @@ class ClusterState:
         inst = self.instances.get(instance_id)
         return (inst.state_changed_at if inst is not None and inst.state == PENDING else 0.0, instance_id)
 
-    def event(self, type_: int, message: str, node_id: str = "", instance_id: str = "", engine_id: str = "",
-              deployment: str = "") -> None:
-        self.events.emit(type_, message, node_id=node_id, instance_id=instance_id, engine_id=engine_id, deployment=deployment)
+    def event(
+        self,
+        type_: int,
+        message: str,
+        node_id: str = "",
+        instance_id: str = "",
+        engine_id: str = "",
+        deployment: str = "",
+    ) -> None:
+        self.events.emit(
+            type_, message, node_id=node_id, instance_id=instance_id, engine_id=engine_id, deployment=deployment
+        )
         if not (node_id or instance_id or engine_id):
             self.on_change(None)  # a deployment change, an alarm: anything may have changed
             return
@@ -175,13 +194,19 @@ class ClusterState:
         if worth_reporting(self.store_failures):
             logger.warning("store write refused (%d in a row): %s", self.store_failures, exc)
         if self.store_failures == 1:
-            self.event(C.EVENT_TYPE_ALARM, f"the controller's store is failing: {exc}; changes that happened are kept "
-                       "in memory and written again with backoff, API changes are refused (UNAVAILABLE)")
+            self.event(
+                C.EVENT_TYPE_ALARM,
+                f"the controller's store is failing: {exc}; changes that happened are kept "
+                "in memory and written again with backoff, API changes are refused (UNAVAILABLE)",
+            )
 
     def store_ok(self) -> None:
         if self.store_failures:
-            self.event(C.EVENT_TYPE_ALARM, f"the controller's store accepts writes again after {self.store_failures} "
-                       "refused write(s); what happened meanwhile is saved")
+            self.event(
+                C.EVENT_TYPE_ALARM,
+                f"the controller's store accepts writes again after {self.store_failures} "
+                "refused write(s); what happened meanwhile is saved",
+            )
             self.store_failures = 0
 
     def _write(self, unsaved: dict[str, set[str]]) -> None:
@@ -201,7 +226,9 @@ class ClusterState:
         for node_id in sorted(unsaved["nodes"]):
             node = self.nodes.get(node_id)
             if node is not None:
-                self.store.save_node(StoredNode(node.node_id, node.info.SerializeToString(), node.generation, node.state, node.reason))
+                self.store.save_node(
+                    StoredNode(node.node_id, node.info.SerializeToString(), node.generation, node.state, node.reason)
+                )
 
     def transition(self, inst: InstanceRecord, new_state: int, reason: str) -> None:
         """Instance state change: the state machine, then persistence and an event."""
@@ -211,7 +238,8 @@ class ClusterState:
             self.event(
                 C.EVENT_TYPE_INSTANCE_STATE_CHANGED,
                 f"instance {inst.instance_id} {state_name(old)} -> {state_name(new_state)}: {reason}",
-                instance_id=inst.instance_id, deployment=self.deployment_of(inst),
+                instance_id=inst.instance_id,
+                deployment=self.deployment_of(inst),
             )
 
     def slots_of(self, instance_id: str) -> list[EngineSlot]:
@@ -250,7 +278,9 @@ class ClusterState:
                 unreported = True
             elif s.state != T.ENGINE_STATE_RUNNING or s.health != T.HEALTH_STATUS_NORMAL:
                 what = f"{enum_short_name(T.EngineState, s.state)}/{enum_short_name(T.HealthStatus, s.health)}"
-                waiting.append(f"{s.engine_id} on {s.node_id}: {what}" + (f" ({s.health_reason})" if s.health_reason else ""))
+                waiting.append(
+                    f"{s.engine_id} on {s.node_id}: {what}" + (f" ({s.health_reason})" if s.health_reason else "")
+                )
         if not waiting:
             if not unreported:
                 self.transition(inst, READY, f"all {len(slots)} rank(s) NORMAL")

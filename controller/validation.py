@@ -9,22 +9,21 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Collection, Iterator, Sequence
+from typing import Any
 
 from google.protobuf import struct_pb2
 
-from motor.contract import names
-
 from controller import restart_policy
-from motor.contract.engine_policy import check_engine_config
-from motor.contract.pbtime import seconds
-from motor.errors import InvalidArgument, ResourceExhausted
-from motor.contract.user_config import section_name_for
-from motor.v1 import controller_pb2, types_pb2
-
 from controller.adapters import adapter_problems
 from controller.slicing import Budget, Steps, run_at_once
+from motor.contract import names
+from motor.contract.engine_policy import check_engine_config
+from motor.contract.pbtime import seconds
+from motor.contract.user_config import section_name_for
+from motor.errors import InvalidArgument, ResourceExhausted
+from motor.v1 import controller_pb2, types_pb2
 
 # Group names become instance-id prefixes ("<group>-<index>"); leave room for the index.
 GROUP_NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,55}")
@@ -54,8 +53,9 @@ REPORTED_TEXT = ("node_id", "log_path")
 REPORTED_SPEC_TEXT = ("instance_id", "host", "master_dp_ip", "config_path")
 
 
-def check_reported_engines(engines: Sequence[types_pb2.Engine], unchanged: Collection[int] = (),
-                           where: str = "engines") -> None:
+def check_reported_engines(
+    engines: Sequence[types_pb2.Engine], unchanged: Collection[int] = (), where: str = "engines"
+) -> None:
     """INVALID_ARGUMENT naming the field (`engines[3].engine_id ...`) of the first engine a node
     reports whose id is not '<instance_id>/rank<n>' or whose text holds a control character:
     checked before anything of the report is kept (nothing stored, fenced or logged).
@@ -65,7 +65,8 @@ def check_reported_engines(engines: Sequence[types_pb2.Engine], unchanged: Colle
         if i in unchanged:
             continue
         if names.ENGINE_ID_PATTERN.fullmatch(engine.engine_id) and not names.CONTROL_CHARACTER.search(
-                "".join(value for _, value in reported_text(engine))):
+            "".join(value for _, value in reported_text(engine))
+        ):
             continue  # a new or changed engine, fine: one regex each
         check_reported_engine(engine, f"{where}[{i}]")
 
@@ -100,8 +101,10 @@ def validate_deployment(
     if not d.name.strip():
         problems.append("name: required (a name for this deployment, e.g. 'local-sim')")
     elif not DEPLOYMENT_NAME_PATTERN.fullmatch(d.name):
-        problems.append(f"name: {names.excerpt(d.name)} must be 1-63 lowercase letters, digits, '.', '_' or '-', "
-                        "starting with a letter or digit (e.g. 'chat-large')")
+        problems.append(
+            f"name: {names.excerpt(d.name)} must be 1-63 lowercase letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit (e.g. 'chat-large')"
+        )
     if not d.model.strip():
         problems.append("model: required (the model name or path the engines serve)")
     if not d.instance_groups:
@@ -132,11 +135,16 @@ def validate_deployment(
         if group.data_parallel_size == 0:
             group.data_parallel_size = 1
         if group.data_parallel_size > MAX_DATA_PARALLEL:
-            problems.append(f"{where}.data_parallel_size: must be at most {MAX_DATA_PARALLEL} (got {group.data_parallel_size})")
+            problems.append(
+                f"{where}.data_parallel_size: must be at most {MAX_DATA_PARALLEL} (got {group.data_parallel_size})"
+            )
         if not group.HasField("accelerators_per_engine"):
             group.accelerators_per_engine = 1
         if group.accelerators_per_engine > MAX_ACCELERATORS:
-            problems.append(f"{where}.accelerators_per_engine: must be at most {MAX_ACCELERATORS} (got {group.accelerators_per_engine})")
+            problems.append(
+                f"{where}.accelerators_per_engine: must be at most {MAX_ACCELERATORS} (got "
+                f"{group.accelerators_per_engine})"
+            )
         if group.role in names.ROLE_NAMES:
             section = config_section(group.role, engine_config)
             if not isinstance(engine_config.get(section), dict):
@@ -157,11 +165,19 @@ def validate_deployment(
         where = f"instance_groups[{i}].pair_with"
         target = by_name.get(group.pair_with)
         if group.role != types_pb2.ROLE_PREFILL:
-            problems.append(f"{where}: only a prefill group pairs with a decode group (this group's role is {names.role_name(group.role)})")
+            problems.append(
+                f"{where}: only a prefill group pairs with a decode group (this group's role is "
+                f"{names.role_name(group.role)})"
+            )
         elif target is None:
-            problems.append(f"{where}: {names.excerpt(group.pair_with)} is not a group of this deployment (groups: {', '.join(sorted(by_name))})")
+            problems.append(
+                f"{where}: {names.excerpt(group.pair_with)} is not a group of this deployment (groups: "
+                f"{', '.join(sorted(by_name))})"
+            )
         elif target.role != types_pb2.ROLE_DECODE:
-            problems.append(f"{where}: {group.pair_with!r} is a {names.role_name(target.role)} group, not a decode group")
+            problems.append(
+                f"{where}: {group.pair_with!r} is a {names.role_name(target.role)} group, not a decode group"
+            )
         elif target.count != group.count:
             problems.append(
                 f"{where}: {group.pair_with!r} has {target.count} instance(s) and this group {group.count}: "
@@ -170,10 +186,17 @@ def validate_deployment(
     p = d.restart_policy
     for name in restart_policy.DURATION_FIELDS:
         if p.HasField(name) and seconds(getattr(p, name)) <= 0:
-            problems.append(f"restart_policy.{name}: must be a positive duration such as '1s' (got {seconds(getattr(p, name))}s)")
-    if p.HasField("max_backoff") and p.HasField("initial_backoff") and seconds(p.max_backoff) < seconds(p.initial_backoff):
+            problems.append(
+                f"restart_policy.{name}: must be a positive duration such as '1s' (got {seconds(getattr(p, name))}s)"
+            )
+    if (
+        p.HasField("max_backoff")
+        and p.HasField("initial_backoff")
+        and seconds(p.max_backoff) < seconds(p.initial_backoff)
+    ):
         problems.append(
-            f"restart_policy.max_backoff: must be at least initial_backoff ({seconds(p.initial_backoff)}s), got {seconds(p.max_backoff)}s"
+            f"restart_policy.max_backoff: must be at least initial_backoff ({seconds(p.initial_backoff)}s), got "
+            f"{seconds(p.max_backoff)}s"
         )
     restart_policy.fill_defaults(p)
     problems.extend(adapter_problems(d))
@@ -227,8 +250,14 @@ def expand_in_slices(deployment: controller_pb2.Deployment, budget: Budget | Non
         section = engine_config.get(config_section(group.role, engine_config))
         digest = hashlib.sha256(
             json.dumps(
-                [deployment.model, group.role, group.data_parallel_size, group.accelerators_per_engine,
-                 group.single_container, section],
+                [
+                    deployment.model,
+                    group.role,
+                    group.data_parallel_size,
+                    group.accelerators_per_engine,
+                    group.single_container,
+                    section,
+                ],
                 sort_keys=True,
             ).encode()
         ).hexdigest()[:16]

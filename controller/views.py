@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import collections
 
-from motor.contract import names, node_process
-from motor.errors import InvalidArgument
-from motor.contract.names import enum_short_name
-from motor.contract.pbtime import timestamp as _stamp
-from motor.v1 import controller_pb2, types_pb2
-
 from controller import endpoints, paging, reported
 from controller.claims import Conflict
 from controller.instances import PENDING, READY, RESTARTING, InstanceRecord
 from controller.nodes import NodeRuntime
 from controller.paging import Field
 from controller.state import ClusterState
+from motor.contract import names, node_process
+from motor.contract.names import enum_short_name
+from motor.contract.pbtime import timestamp as _stamp
+from motor.errors import InvalidArgument
+from motor.v1 import controller_pb2, types_pb2
 
 C, T = controller_pb2, types_pb2
 
@@ -44,7 +43,10 @@ ENDPOINT_FIELDS = {
 def node_proto(state: ClusterState, node: NodeRuntime) -> C.Node:
     used = state.slots.used_accelerators(node.node_id)
     proto = C.Node(
-        info=node.info, state=node.state, state_reason=node.reason, generation=node.generation,
+        info=node.info,
+        state=node.state,
+        state_reason=node.reason,
+        generation=node.generation,
         free_accelerator_ids=[a for a in node.info.accelerator_ids if a not in used],
         engines=[reported.message(node.engines[k]) for k in sorted(node.engines)],
     )
@@ -57,14 +59,29 @@ def instance_proto(state: ClusterState, inst: InstanceRecord) -> C.Instance:
     slots = state.slots_of(inst.instance_id)
     rank0 = next((s for s in slots if s.dp_rank == 0), None)
     proto = C.Instance(
-        instance_id=inst.instance_id, group=inst.group, role=inst.role, state=inst.state,
-        state_reason=inst.reason, master_dp_ip=rank0.host if rank0 else "",
-        paired_instance_id=inst.paired_instance_id, restarts=inst.restarts, deployment=state.deployment_of(inst),
+        instance_id=inst.instance_id,
+        group=inst.group,
+        role=inst.role,
+        state=inst.state,
+        state_reason=inst.reason,
+        master_dp_ip=rank0.host if rank0 else "",
+        paired_instance_id=inst.paired_instance_id,
+        restarts=inst.restarts,
+        deployment=state.deployment_of(inst),
         engines=[
             C.InstanceEngine(
-                engine_id=s.engine_id, dp_rank=s.dp_rank, node_id=s.node_id, host=s.host, port=s.port,
-                mgmt_port=s.mgmt_port, accelerator_ids=s.accelerator_ids, state=s.state, health=s.health,
-                restarts=s.restarts, last_failure_reason=s.last_failure_reason, generation=s.generation,
+                engine_id=s.engine_id,
+                dp_rank=s.dp_rank,
+                node_id=s.node_id,
+                host=s.host,
+                port=s.port,
+                mgmt_port=s.mgmt_port,
+                accelerator_ids=s.accelerator_ids,
+                state=s.state,
+                health=s.health,
+                restarts=s.restarts,
+                last_failure_reason=s.last_failure_reason,
+                generation=s.generation,
             )
             for s in slots
         ],
@@ -81,6 +98,7 @@ def conflict_alarms(conflicts: list[Conflict]) -> list[str]:
         f"{c.newcomer_address} ({node_process.describe(c.newcomer)}) refused since {node_process.utc(c.since_wall)}"
         for c in conflicts
     ]
+
 
 class ClusterReads:
     """The read side of the controller (ListNodes, ListInstances, ListEndpoints, the snapshot):
@@ -109,7 +127,8 @@ class ClusterReads:
     def page_nodes(self, request: C.ListNodesRequest) -> C.ListNodesResponse:
         page, token = paging.page(request, self.nodes, NODE_FIELDS)
         return C.ListNodesResponse(
-            nodes=[node_proto(self.state, n) for n in page], next_page_token=token,
+            nodes=[node_proto(self.state, n) for n in page],
+            next_page_token=token,
             alarms=([self.alarm] if self.alarm else []) + conflict_alarms(self.claims.conflicts.open()),
         )
 
@@ -126,8 +145,15 @@ class ClusterReads:
         summaries = []
         for name, (deployment, revision) in sorted(self.changes.deployments.items()):
             mine = counts[name]
-            summaries.append(C.DeploymentSummary(deployment=deployment, revision=revision, instances=sum(mine.values()),
-                                                 ready_instances=mine[READY], pending_instances=mine[PENDING]))
+            summaries.append(
+                C.DeploymentSummary(
+                    deployment=deployment,
+                    revision=revision,
+                    instances=sum(mine.values()),
+                    ready_instances=mine[READY],
+                    pending_instances=mine[PENDING],
+                )
+            )
         return C.ListDeploymentsResponse(deployments=summaries)
 
     def page_endpoints(self, request: C.ListEndpointsRequest) -> C.ListEndpointsResponse:
@@ -144,7 +170,9 @@ class ClusterReads:
 
     def list_endpoints(self, role: int = T.ROLE_UNSPECIFIED, model: str = "") -> list[C.Endpoint]:
         if role != T.ROLE_UNSPECIFIED and role not in names.ROLE_NAMES:
-            raise InvalidArgument(f"role {role} is not a role: use ROLE_PREFILL, ROLE_DECODE, ROLE_UNION or leave it unset for all")
+            raise InvalidArgument(
+                f"role {role} is not a role: use ROLE_PREFILL, ROLE_DECODE, ROLE_UNION or leave it unset for all"
+            )
         return endpoints.endpoints(self.state, role, model)
 
     def snapshot(self) -> C.ClusterSnapshot:

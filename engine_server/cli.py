@@ -15,17 +15,17 @@ import logging
 import os
 import shlex
 import sys
-from typing import Literal
 from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import ConfigDict, Field
 
 # Set before anything imports prometheus_client (it picks its storage at import time).
 from engine_server.prometheus_dir import ensure_private_multiproc_dir, remove_private_multiproc_dir
-from pydantic import ConfigDict, Field
-
+from motor.security.security_config import SECURITY_FLAGS, SecuritySettings
 from motor.service.cli_config import Flag, load_settings, settings_parser
 from motor.service.config import AbsoluteCommand
 from motor.service.logs import LOG_FORMATS, LOG_LEVELS, LogFormat, LogLevel
-from motor.security.security_config import SECURITY_FLAGS, SecuritySettings
 
 logger = logging.getLogger("engine_server")
 
@@ -102,11 +102,15 @@ FLAGS = {
     "log_dir": Flag("rotated log files go here"),
     "log_level": Flag("DEBUG, INFO, WARNING, ERROR or CRITICAL", options={"type": str.upper, "choices": LOG_LEVELS}),
     "termination_message_path": Flag("write the cause of the exit here (one JSON line) just before exiting"),
-    "log_format": Flag("text, or json: one JSON object per line with this engine's ids",
-                       options={"type": str.lower, "choices": LOG_FORMATS}),
+    "log_format": Flag(
+        "text, or json: one JSON object per line with this engine's ids",
+        options={"type": str.lower, "choices": LOG_FORMATS},
+    ),
     "owner_node": Flag("node id whose node manager (spiffe://<trust domain>/node/<id>) may Drain, Sleep and WakeUp it"),
-    "sglang_launcher": Flag("SGLang launcher command (split like a shell, an absolute path first); replaces "
-                            "engine_args.launcher", default_text="engine_args.launcher"),
+    "sglang_launcher": Flag(
+        "SGLang launcher command (split like a shell, an absolute path first); replaces engine_args.launcher",
+        default_text="engine_args.launcher",
+    ),
     **SECURITY_FLAGS,
 }
 
@@ -115,19 +119,26 @@ def build_parser() -> argparse.ArgumentParser:
     return settings_parser(
         "engine_server",
         "Wrap one inference engine: its OpenAI HTTP API on --port, motor.v1.EngineService on --mgmt-port.",
-        EngineServerArgs, FLAGS, config_file=False,
+        EngineServerArgs,
+        FLAGS,
+        config_file=False,
     )
 
 
 def _check_args(args: EngineServerArgs, parser: argparse.ArgumentParser) -> None:
-    from motor.errors import InvalidArgument
     from motor.contract.names import check_instance_id
+    from motor.errors import InvalidArgument
 
     try:
         check_instance_id(args.instance_id, "--instance-id")
     except InvalidArgument as exc:
         parser.error(str(exc))
-    ports = {"--port": args.port, "--mgmt-port": args.mgmt_port, "--kv-port": args.kv_port, "--dp-rpc-port": args.dp_rpc_port}
+    ports = {
+        "--port": args.port,
+        "--mgmt-port": args.mgmt_port,
+        "--kv-port": args.kv_port,
+        "--dp-rpc-port": args.dp_rpc_port,
+    }
     seen: dict[int, str] = {}
     for flag, port in ports.items():
         if port is None:
@@ -138,18 +149,16 @@ def _check_args(args: EngineServerArgs, parser: argparse.ArgumentParser) -> None
 
 
 async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
-    from motor.errors import ConfigError
-    from motor.service.grpc_server import MotorServer
-    from motor.service.signals import stop_event
-    from motor.contract.termination import CONFIG_ERROR, ENGINE_DIED, START_FAILED, STOPPED
-
-    from engine_server.descendants import CLEAN_EXIT_GRACE_S, end_descendants
-
     from engine_server import service
+    from engine_server.descendants import CLEAN_EXIT_GRACE_S, end_descendants
     from engine_server.engines import engine_class
     from engine_server.engines.base import EngineOptions
     from engine_server.metrics import process_metrics
     from engine_server.server import EngineServer
+    from motor.contract.termination import CONFIG_ERROR, ENGINE_DIED, START_FAILED, STOPPED
+    from motor.errors import ConfigError
+    from motor.service.grpc_server import MotorServer
+    from motor.service.signals import stop_event
 
     stop = stop_event()  # first: a stop signal while it sets up is a stop too
     options = EngineOptions(
@@ -173,10 +182,13 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
     legacy_tls = section.mgmt_tls_config.server_files()
     if legacy_tls is not None and not args.tls_enabled:
         # A standalone engine server with TLS files in its own user_config: encrypted, no identities.
-        grpc_server = MotorServer(bind, tls=legacy_tls, reflection=args.reflection, metrics=metrics.grpc, setting="--mgmt-port")
+        grpc_server = MotorServer(
+            bind, tls=legacy_tls, reflection=args.reflection, metrics=metrics.grpc, setting="--mgmt-port"
+        )
     else:
-        grpc_server = args.server(bind, local_node=args.owner_node, setting="--host", metrics=metrics.grpc,
-                                  port_setting="--mgmt-port")
+        grpc_server = args.server(
+            bind, local_node=args.owner_node, setting="--host", metrics=metrics.grpc, port_setting="--mgmt-port"
+        )
     metrics.loop_lag.start()
     service.register(grpc_server, core)
     await grpc_server.start()  # first, so that the node manager sees INIT while the engine loads
@@ -197,7 +209,9 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
     try:
         await core.start()
     except Exception as exc:
-        logger.error("the %s engine failed to start: %s", section.engine_type, exc, exc_info=not isinstance(exc, RuntimeError))
+        logger.error(
+            "the %s engine failed to start: %s", section.engine_type, exc, exc_info=not isinstance(exc, RuntimeError)
+        )
         await core.close(engine_timeout=DEATH_ENGINE_SHUTDOWN_TIMEOUT)
         await end_descendants(grace=0, groups=engine.process_groups())
         await grpc_server.stop(0)
@@ -210,7 +224,9 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
         stopping.cancel()
         # Watchers have the ABNORMAL message queued; closing ends their streams after it.
         await core.close(engine_timeout=DEATH_ENGINE_SHUTDOWN_TIMEOUT)
-        await end_descendants(grace=0, groups=engine.process_groups())  # the engine is dead: what is left of it goes now
+        await end_descendants(
+            grace=0, groups=engine.process_groups()
+        )  # the engine is dead: what is left of it goes now
         await grpc_server.stop(0.2)
         return Exit(EXIT_FAILED, ENGINE_DIED, f"the engine died: {core.death_reason}")
     dying.cancel()
@@ -234,15 +250,23 @@ def main(argv: list[str] | None = None) -> None:
     _check_args(args, parser)
     ensure_private_multiproc_dir()
 
-    from motor.service.logs import setup_logging
-    from motor.contract.termination import CONFIG_ERROR, STOPPED
-    from motor.contract.names import engine_id
-
     from engine_server.config import apply_usage_stats, load_section
+    from motor.contract.names import engine_id
+    from motor.contract.termination import CONFIG_ERROR, STOPPED
+    from motor.service.logs import setup_logging
 
-    engine = {"service": "engine_server", "instance_id": args.instance_id, "engine_id": engine_id(args.instance_id, args.dp_rank)}
-    log_path = setup_logging(args.log_level, args.log_dir, f"engine_server_{args.instance_id}_rank{args.dp_rank}.log",
-                             log_format=args.log_format, fields=engine)
+    engine = {
+        "service": "engine_server",
+        "instance_id": args.instance_id,
+        "engine_id": engine_id(args.instance_id, args.dp_rank),
+    }
+    log_path = setup_logging(
+        args.log_level,
+        args.log_dir,
+        f"engine_server_{args.instance_id}_rank{args.dp_rank}.log",
+        log_format=args.log_format,
+        fields=engine,
+    )
     logger.info("engine_server %s rank %d (%s), log file %s", args.instance_id, args.dp_rank, args.role, log_path)
     try:
         # A slow engine_args check (vLLM) runs in serve(), once the management plane answers.

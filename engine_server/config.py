@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 import os
 
-from motor.service import config as motor_config
-from motor.errors import ConfigError
 from motor.contract.user_config import EngineSection, UserConfig
+from motor.errors import ConfigError
+from motor.service import config as motor_config
 
 logger = logging.getLogger(__name__)
 

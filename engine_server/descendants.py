@@ -16,7 +16,7 @@ import asyncio
 import logging
 import os
 import threading
-from typing import Iterable
+from collections.abc import Iterable
 
 import psutil
 

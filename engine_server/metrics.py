@@ -62,7 +62,8 @@ class EngineServerMetrics:
         )
         self.probe_interval = Gauge(
             "motor_engine_server_probe_interval_seconds",
-            "Current interval between virtual-inference probes: probe_interval when idle, busy_probe_interval under load. "
+            "Current interval between virtual-inference probes: probe_interval when idle, busy_probe_interval under "
+            "load. "
             "Informational; tune those settings if failures are noticed too late.",
             multiprocess_mode="livemostrecent",
             registry=registry,

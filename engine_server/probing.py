@@ -9,16 +9,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import aiohttp
 
-from motor.clock import SYSTEM_CLOCK, Clock
-from motor.contract.user_config import HealthCheckConfig
-
 from engine_server.engines.base import UtilizationSampler, probe_request_id
 from engine_server.status import Event, Health, HealthStateMachine
+from motor.clock import SYSTEM_CLOCK, Clock
+from motor.contract.user_config import HealthCheckConfig
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class HttpProbeClient:
                     raise ProbeFailed(f"answer is not JSON: {text[:200]}") from None
                 if not isinstance(answer, dict) or not answer.get("choices"):
                     raise ProbeFailed(f"answer has no choices: {text[:200]}")
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ProbeFailed(f"timed out after {self.timeout:g}s") from None
         except aiohttp.ClientError as exc:
             raise ProbeFailed(f"{type(exc).__name__}: {exc}") from None
@@ -127,7 +127,7 @@ class HttpHealthClient:
             async with self._session.get(self.url) as response:
                 if response.status != 200:
                     raise ProbeFailed(f"GET /health answered {response.status}")
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ProbeFailed(f"GET /health timed out after {self.timeout:g}s") from None
         except aiohttp.ClientError as exc:
             raise ProbeFailed(f"GET /health failed: {type(exc).__name__}") from None
@@ -217,7 +217,7 @@ class Prober:
             async with asyncio.timeout(self.settings.probe_timeout):
                 await self.client.probe()
             return True, self._clock.monotonic() - started, ""
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False, self._clock.monotonic() - started, f"timed out after {self.settings.probe_timeout:g}s"
         except ProbeFailed as exc:
             return False, self._clock.monotonic() - started, str(exc)
@@ -235,7 +235,8 @@ class Prober:
 
     def _why_counted(self, peak: float) -> str:
         if peak < self.settings.npu_usage_threshold:
-            return f"the accelerator was idle (peak {peak:.0f}% < npu_usage_threshold {self.settings.npu_usage_threshold:g}%)"
+            threshold = self.settings.npu_usage_threshold
+            return f"the accelerator was idle (peak {peak:.0f}% < npu_usage_threshold {threshold:g}%)"
         return f"the engine made no progress (no tokens or scheduler steps) although utilization peaked at {peak:.0f}%"
 
     async def _health_problem(self) -> str:
@@ -333,7 +334,9 @@ class Prober:
         if not success:
             logger.info(
                 "probe failed (%s; peak %.0f%%, %s, %d consecutive)",
-                error, peak, "counted" if counted else f"not counted: {_BUSY_BECAUSE[progressed]}",
+                error,
+                peak,
+                "counted" if counted else f"not counted: {_BUSY_BECAUSE[progressed]}",
                 self.consecutive_failures,
             )
         return self._finish(record)

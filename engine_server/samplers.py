@@ -101,7 +101,7 @@ class NpuSmiSampler(UtilizationSampler):
         try:
             async with asyncio.timeout(self.timeout):
                 out, _ = await process.communicate()
-        except asyncio.TimeoutError:
+        except TimeoutError:
             process.kill()
             await process.wait()
             raise RuntimeError(f"{self.binary} info did not answer within {self.timeout}s") from None

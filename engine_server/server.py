@@ -8,21 +8,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
-
-from motor.clock import SYSTEM_CLOCK, Clock
-from motor.errors import FailedPrecondition, InvalidArgument
-from motor.service.fanout import FanOut, Subscription
-from motor.contract.user_config import EngineSection
+from typing import Any
 
 from engine_server.descendants import CLEAN_EXIT_GRACE_S
 from engine_server.engines.base import EngineBackend, EngineOptions, UtilizationSampler
 from engine_server.probing import (
-    HealthClient, HttpHealthClient, HttpProbeClient, PeakSampler, ProbeClient, ProbeFailed, Prober, ProbeRecord,
+    HealthClient,
+    HttpHealthClient,
+    HttpProbeClient,
+    PeakSampler,
+    ProbeClient,
+    ProbeFailed,
+    Prober,
+    ProbeRecord,
 )  # fmt: skip
 from engine_server.samplers import choose_sampler
 from engine_server.status import Event, Health, HealthStateMachine, Transition
+from motor.clock import SYSTEM_CLOCK, Clock
+from motor.contract.user_config import EngineSection
+from motor.errors import FailedPrecondition, InvalidArgument
+from motor.service.fanout import FanOut, Subscription
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +118,9 @@ class EngineServer:
     async def check_config(self, check: Callable[[], Any]) -> Any:
         """Run the engine's configuration check off the loop (vLLM: imports vLLM and reads the
         model's config, seconds) while the management plane answers INIT with why."""
-        self.machine.fire(Event.STARTING, f"starting: checking the configuration ({self.engine.engine_type} engine_args)")
+        self.machine.fire(
+            Event.STARTING, f"starting: checking the configuration ({self.engine.engine_type} engine_args)"
+        )
         result = await asyncio.to_thread(check)
         self.machine.fire(Event.STARTING, "starting: waiting for the inference plane's GET /health to answer")
         return result
@@ -195,7 +204,7 @@ class EngineServer:
         try:
             async with asyncio.timeout(engine_timeout):
                 await self.engine.shutdown()
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logger.warning("engine shutdown did not finish within %gs", engine_timeout)
         except Exception:
             logger.exception("engine shutdown failed")
@@ -217,7 +226,9 @@ class EngineServer:
             return
         logger.info(
             "virtual inference started (interval %gs, busy %gs, threshold %g%%)",
-            self.prober.interval, self.settings.busy_probe_interval, self.settings.npu_usage_threshold,
+            self.prober.interval,
+            self.settings.busy_probe_interval,
+            self.settings.npu_usage_threshold,
         )
         self._pause_health_checks()  # each probe round checks /health first
         self._probe_task = asyncio.create_task(self.prober.run(), name="prober")

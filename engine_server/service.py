@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-from typing import AsyncIterator
-
-from motor.contract import pbtime
-from motor.contract.names import ROLES_BY_NAME
-from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
+from collections.abc import AsyncIterator
 
 from engine_server.probing import ProbeRecord
 from engine_server.server import EngineServer, StatusSnapshot
+from motor.contract import pbtime
+from motor.contract.names import ROLES_BY_NAME
+from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -87,4 +86,3 @@ def register(motor_server, engine_server: EngineServer) -> None:
         EngineServicer(engine_server),
         engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name,
     )
-

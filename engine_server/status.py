@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from motor.clock import SYSTEM_CLOCK, Clock
 from motor.state_machine import Transitions
@@ -38,13 +38,18 @@ class Event(enum.Enum):
 
 
 # from -> {event: to}. Anything else is ignored (e.g. a success while NORMAL changes nothing).
-TRANSITIONS: Transitions[Health, Event] = Transitions({
-    Health.INIT: {Event.STARTING: Health.INIT, Event.HEALTH_UP: Health.NORMAL, Event.ENGINE_DIED: Health.ABNORMAL},
-    Health.NORMAL: {Event.FAILURE_LIMIT: Health.ABNORMAL, Event.ENGINE_DIED: Health.ABNORMAL},
-    Health.ABNORMAL: {
-        Event.PROBE_SUCCEEDED: Health.NORMAL, Event.HEALTH_RECOVERED: Health.NORMAL, Event.ENGINE_DIED: Health.ABNORMAL,
+TRANSITIONS: Transitions[Health, Event] = Transitions(
+    {
+        Health.INIT: {Event.STARTING: Health.INIT, Event.HEALTH_UP: Health.NORMAL, Event.ENGINE_DIED: Health.ABNORMAL},
+        Health.NORMAL: {Event.FAILURE_LIMIT: Health.ABNORMAL, Event.ENGINE_DIED: Health.ABNORMAL},
+        Health.ABNORMAL: {
+            Event.PROBE_SUCCEEDED: Health.NORMAL,
+            Event.HEALTH_RECOVERED: Health.NORMAL,
+            Event.ENGINE_DIED: Health.ABNORMAL,
+        },
     },
-}, lambda health: health.name)
+    lambda health: health.name,
+)
 
 
 @dataclass(frozen=True)

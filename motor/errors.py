@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 
@@ -79,8 +80,10 @@ class UndecodableRequest:
     def message(self) -> str:
         text = f"request could not be decoded: {self.error}"
         if "MaxDepth" in text:
-            text += (f" (a message nests at most {PROTOBUF_MAX_DEPTH} levels; each level of a deployment's"
-                     " engine_config counts two)")
+            text += (
+                f" (a message nests at most {PROTOBUF_MAX_DEPTH} levels; each level of a deployment's"
+                " engine_config counts two)"
+            )
         return text
 
 
@@ -140,6 +143,7 @@ def _wrap_bidi(behavior: Callable[..., Any]) -> Callable[..., Any]:
             yield request
 
     if inspect.isasyncgenfunction(behavior):
+
         async def wrapper(requests: Any, context: grpc.aio.ServicerContext) -> Any:
             async for item in wrapped(decoded(requests, context), context):
                 yield item

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -39,7 +40,7 @@ def backoff_delay(failures: int, base: float, cap: float) -> float:
 
 
 def parse_addresses(value: str, setting: str) -> list[str]:
-    """"h1:p1,h2:p2" -> ["h1:p1", "h2:p2"]; ValueError naming `setting` when one is not host:port."""
+    """ "h1:p1,h2:p2" -> ["h1:p1", "h2:p2"]; ValueError naming `setting` when one is not host:port."""
     addresses = [item.strip() for item in value.split(",") if item.strip()]
     if not addresses:
         raise ValueError(f"{setting}: give at least one host:port")
@@ -109,8 +110,12 @@ class ControllerAddresses:
             self._next()
         if self.current != previous:
             self.waited = 0
-            logger.info("controller %s did not take the call; trying %s%s", previous, self.current,
-                        " (named as the leader)" if self.current == leader else "")
+            logger.info(
+                "controller %s did not take the call; trying %s%s",
+                previous,
+                self.current,
+                " (named as the leader)" if self.current == leader else "",
+            )
         return self.current != previous
 
     def _next(self) -> None:

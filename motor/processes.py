@@ -20,8 +20,8 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import psutil
 
@@ -229,8 +229,11 @@ def find_tree(tree: TreeId, remembered: Iterable[tuple[int, float]] = ()) -> lis
         try:
             if tree.pgid > 0 and tree.pgid != my_group and os.getpgid(proc.pid) == tree.pgid:
                 add(proc)
-            elif tree.token and (tree.started is None or proc.create_time() >= tree.started - CREATE_TIME_TOLERANCE_S) \
-                    and proc.environ().get(TOKEN_ENV) == tree.token:
+            elif (
+                tree.token
+                and (tree.started is None or proc.create_time() >= tree.started - CREATE_TIME_TOLERANCE_S)
+                and proc.environ().get(TOKEN_ENV) == tree.token
+            ):
                 add(proc)
         except (ProcessLookupError, psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
             continue
@@ -256,12 +259,18 @@ def node_tokens(node_id: str, holder: str = "") -> set[str]:
         except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied, ProcessLookupError):
             continue
         # Engines without a holder id come from an older node manager: the node id alone decides.
-        if env.get(NODE_ENV) == node_id and env.get(TOKEN_ENV) and (not holder or env.get(HOLDER_ENV, holder) == holder):
+        if (
+            env.get(NODE_ENV) == node_id
+            and env.get(TOKEN_ENV)
+            and (not holder or env.get(HOLDER_ENV, holder) == holder)
+        ):
             tokens.add(env[TOKEN_ENV])
     return tokens
 
 
-def kill_tree(tree: TreeId, sig: int = signal.SIGKILL, remembered: Iterable[tuple[int, float]] = ()) -> list[psutil.Process]:
+def kill_tree(
+    tree: TreeId, sig: int = signal.SIGKILL, remembered: Iterable[tuple[int, float]] = ()
+) -> list[psutil.Process]:
     """Send `sig` to the whole tree; returns the processes signalled."""
     # Members are signalled one by one (no killpg): a group id can be reused once the group is
     # empty, and find_tree has checked each member.

@@ -1,10 +1,11 @@
 """motorctl: the controller's command-line client.
 
-    motorctl [--controller HOST:PORT[,HOST:PORT...]] [--output table|json] [--cacert CA [--cert C --key K | --token-file T]] COMMAND
-    nodes | instances | endpoints [--role R] [--model M] | events [--follow] | deployments | deployment [NAME]
-    | apply -f FILE [-f FILE...] | delete [NAME] | controllers
-    up ...  (a local cluster; see `motorctl up --help`); down --run-dir DIR (stop one whose `motorctl up` was killed)
-    pki init|issue|tokens|dev ...  (a development PKI; see `motorctl pki --help`)
+motorctl [--controller HOST:PORT[,HOST:PORT...]] [--output table|json] [--cacert CA [--cert C --key K | --token-file
+T]] COMMAND
+nodes | instances | endpoints [--role R] [--model M] | events [--follow] | deployments | deployment [NAME]
+| apply -f FILE [-f FILE...] | delete [NAME] | controllers
+up ...  (a local cluster; see `motorctl up --help`); down --run-dir DIR (stop one whose `motorctl up` was killed)
+pki init|issue|tokens|dev ...  (a development PKI; see `motorctl pki --help`)
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import grpc
 from google.protobuf import json_format
 
 from motor.contract.deployment_file import load_deployment
+from motor.contract.names import parse_role
 from motor.errors import MotorError
 from motor.leader import FOLLOW_RETRY_BASE, FOLLOW_RETRY_CAP, ControllerAddresses, backoff_delay, parse_addresses
-from motor.contract.names import parse_role
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl import render
 from motorctl.connect import add_credential_flags, credentials_from
@@ -36,8 +37,12 @@ def _json(message) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="motorctl", description="Command-line client of the Motor controller.")
-    p.add_argument("--controller", default=DEFAULT_CONTROLLER,
-                   help=f"controller address, or several comma-separated (the leader is followed) [{DEFAULT_CONTROLLER}; env MOTOR_CONTROLLER]")
+    p.add_argument(
+        "--controller",
+        default=DEFAULT_CONTROLLER,
+        help=f"controller address, or several comma-separated (the leader is followed) "
+        f"[{DEFAULT_CONTROLLER}; env MOTOR_CONTROLLER]",
+    )
     p.add_argument("--output", "-o", choices=["table", "json"], default="table", help="output format [table]")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the controller [10]")
     add_credential_flags(p)
@@ -45,24 +50,40 @@ def _parser() -> argparse.ArgumentParser:
     nodes = sub.add_parser("nodes", help="nodes with state, generation, free accelerators, engines")
     instances = sub.add_parser("instances", help="instances and their engines (node, ports, state, health, restarts)")
     endpoints = sub.add_parser("endpoints", help="inference endpoints of NORMAL engines")
-    for listing, fields in ((nodes, "node_id, state, host"), (instances, "instance_id, group, state, role, deployment"),
-                            (endpoints, "engine_id, instance_id, role, deployment, model")):
-        listing.add_argument("--filter", default="", help=f"only items matching every field=value term (value* for a prefix); fields: {fields}")
+    for listing, fields in (
+        (nodes, "node_id, state, host"),
+        (instances, "instance_id, group, state, role, deployment"),
+        (endpoints, "engine_id, instance_id, role, deployment, model"),
+    ):
+        listing.add_argument(
+            "--filter",
+            default="",
+            help=f"only items matching every field=value term (value* for a prefix); fields: {fields}",
+        )
     endpoints.add_argument("--role", help="prefill, decode or union")
     endpoints.add_argument("--model", default="", help="only engines that answer to this model name")
     events = sub.add_parser("events", help="recent events; --follow keeps streaming")
     events.add_argument("--follow", "-f", action="store_true", help="stream new events until Ctrl-C")
     sub.add_parser("deployments", help="every deployment: model, revision, instances READY and PENDING")
     deployment = sub.add_parser("deployment", help="a deployment and its revision")
-    deployment.add_argument("name", nargs="?", default="", help="its name (may be left out when there is one deployment)")
-    apply = sub.add_parser("apply", help="apply deployment files (YAML or JSON), each creating or updating the deployment it names")
-    apply.add_argument("-f", "--file", required=True, action="append", help="deployment file; repeat for several, applied in order")
+    deployment.add_argument(
+        "name", nargs="?", default="", help="its name (may be left out when there is one deployment)"
+    )
+    apply = sub.add_parser(
+        "apply", help="apply deployment files (YAML or JSON), each creating or updating the deployment it names"
+    )
+    apply.add_argument(
+        "-f", "--file", required=True, action="append", help="deployment file; repeat for several, applied in order"
+    )
     delete = sub.add_parser("delete", help="delete a deployment and stop its engines (the others are untouched)")
     delete.add_argument("name", nargs="?", default="", help="its name (may be left out when there is one deployment)")
     sub.add_parser("controllers", help="the controllers: leader, standbys, epoch, lease (docs/ha.md)")
     sub.add_parser("up", help="start a local cluster (controller, node managers, example deployment)", add_help=False)
-    sub.add_parser("down", help="stop the local cluster of a `motorctl up` that was killed (see `motorctl down --help`)",
-                   add_help=False)
+    sub.add_parser(
+        "down",
+        help="stop the local cluster of a `motorctl up` that was killed (see `motorctl down --help`)",
+        add_help=False,
+    )
     sub.add_parser("pki", help="development PKI: CA, certificates, tokens (see `motorctl pki --help`)", add_help=False)
     return p
 
@@ -98,10 +119,18 @@ def _command(args: argparse.Namespace, stub: controller_pb2_grpc.ControllerServi
         print(_json(reply) if as_json else render.render_nodes(reply), file=out)
     elif args.command == "instances":
         reply = all_pages(stub.ListInstances, controller_pb2.ListInstancesRequest(filter=args.filter), "instances", t)
-        print(_json(reply) if as_json else render.render_instances(reply) + "\n\n" + render.render_engines(reply), file=out)
+        print(
+            _json(reply) if as_json else render.render_instances(reply) + "\n\n" + render.render_engines(reply),
+            file=out,
+        )
     elif args.command == "endpoints":
         role = parse_role(args.role, "--role") if args.role else types_pb2.ROLE_UNSPECIFIED
-        reply = all_pages(stub.ListEndpoints, controller_pb2.ListEndpointsRequest(role=role, filter=args.filter, model=args.model), "endpoints", t)
+        reply = all_pages(
+            stub.ListEndpoints,
+            controller_pb2.ListEndpointsRequest(role=role, filter=args.filter, model=args.model),
+            "endpoints",
+            t,
+        )
         print(_json(reply) if as_json else render.render_endpoints(reply), file=out)
     elif args.command == "deployments":
         reply = stub.ListDeployments(controller_pb2.ListDeploymentsRequest(), timeout=t)
@@ -128,18 +157,31 @@ def _command(args: argparse.Namespace, stub: controller_pb2_grpc.ControllerServi
         print(_json(reply) if as_json else render.render_controllers(reply), file=out)
     elif args.command == "delete":
         stub.DeleteDeployment(controller_pb2.DeleteDeploymentRequest(name=args.name), timeout=t)
-        print("{}" if as_json else f"deployment {args.name + ' ' if args.name else ''}deleted; its engines are being stopped", file=out)
+        print(
+            "{}"
+            if as_json
+            else f"deployment {args.name + ' ' if args.name else ''}deleted; its engines are being stopped",
+            file=out,
+        )
     elif args.command == "events":
         stream = stub.WatchEvents(controller_pb2.WatchEventsRequest(), timeout=None if args.follow else t)
         try:
             for message in stream:
                 if message.HasField("snapshot"):
                     for event in message.snapshot.recent_events:
-                        print(_json(event).replace("\n", " ") if as_json else render.render_event(event), file=out, flush=True)
+                        print(
+                            _json(event).replace("\n", " ") if as_json else render.render_event(event),
+                            file=out,
+                            flush=True,
+                        )
                     if not args.follow:
                         break
                 else:
-                    print(_json(message.event).replace("\n", " ") if as_json else render.render_event(message.event), file=out, flush=True)
+                    print(
+                        _json(message.event).replace("\n", " ") if as_json else render.render_event(message.event),
+                        file=out,
+                        flush=True,
+                    )
         finally:
             stream.cancel()
     return 0

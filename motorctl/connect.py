@@ -31,7 +31,9 @@ class Credentials:
             return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         credentials = channel_credentials(TlsFiles(cert=self.cert, key=self.key, ca=self.ca))
         if self.token_file:
-            credentials = grpc.composite_channel_credentials(credentials, grpc.access_token_call_credentials(self._token()))
+            credentials = grpc.composite_channel_credentials(
+                credentials, grpc.access_token_call_credentials(self._token())
+            )
         return grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
 
     def _token(self) -> str:
@@ -44,10 +46,16 @@ class Credentials:
 
 def add_credential_flags(parser) -> None:
     env = os.environ.get
-    parser.add_argument("--cacert", default=env("MOTOR_CACERT"), help="CA bundle of the server's certificate: connect with TLS [env MOTOR_CACERT]")
+    parser.add_argument(
+        "--cacert",
+        default=env("MOTOR_CACERT"),
+        help="CA bundle of the server's certificate: connect with TLS [env MOTOR_CACERT]",
+    )
     parser.add_argument("--cert", default=env("MOTOR_CERT"), help="client certificate (with --key) [env MOTOR_CERT]")
     parser.add_argument("--key", default=env("MOTOR_KEY"), help="key of --cert [env MOTOR_KEY]")
-    parser.add_argument("--token-file", default=env("MOTOR_TOKEN_FILE"), help="file holding a bearer token [env MOTOR_TOKEN_FILE]")
+    parser.add_argument(
+        "--token-file", default=env("MOTOR_TOKEN_FILE"), help="file holding a bearer token [env MOTOR_TOKEN_FILE]"
+    )
 
 
 def credentials_from(args) -> Credentials:

@@ -75,8 +75,14 @@ class EtcdMember:
 class EtcdCluster:
     """`size` members on loopback; start(), kill/restart one, stop() leaves no process behind."""
 
-    def __init__(self, base_dir: str, size: int = 1, name: str = "motor-etcd", env: dict[str, str] | None = None,
-                 tls: EtcdTls | None = None):
+    def __init__(
+        self,
+        base_dir: str,
+        size: int = 1,
+        name: str = "motor-etcd",
+        env: dict[str, str] | None = None,
+        tls: EtcdTls | None = None,
+    ):
         self.base_dir = base_dir
         self.env = env  # the members' environment (None: this process's)
         self.tls = tls  # client connections over TLS with client certificates (peers stay on loopback)
@@ -98,21 +104,41 @@ class EtcdCluster:
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         return [
             binary,
-            "--name", member.name,
-            "--data-dir", member.data_dir,
-            "--listen-client-urls", member.client_url,
-            "--advertise-client-urls", member.client_url,
-            "--listen-peer-urls", member.peer_url,
-            "--initial-advertise-peer-urls", member.peer_url,
-            "--initial-cluster", initial,
-            "--initial-cluster-token", self.token,
-            "--initial-cluster-state", "new",  # ignored when the data directory exists
-            "--logger", "zap",
-            "--log-outputs", "stderr",
-        ] + ([
-            "--cert-file", self.tls.cert, "--key-file", self.tls.key,
-            "--trusted-ca-file", self.tls.ca, "--client-cert-auth",
-        ] if self.tls else [])
+            "--name",
+            member.name,
+            "--data-dir",
+            member.data_dir,
+            "--listen-client-urls",
+            member.client_url,
+            "--advertise-client-urls",
+            member.client_url,
+            "--listen-peer-urls",
+            member.peer_url,
+            "--initial-advertise-peer-urls",
+            member.peer_url,
+            "--initial-cluster",
+            initial,
+            "--initial-cluster-token",
+            self.token,
+            "--initial-cluster-state",
+            "new",  # ignored when the data directory exists
+            "--logger",
+            "zap",
+            "--log-outputs",
+            "stderr",
+        ] + (
+            [
+                "--cert-file",
+                self.tls.cert,
+                "--key-file",
+                self.tls.key,
+                "--trusted-ca-file",
+                self.tls.ca,
+                "--client-cert-auth",
+            ]
+            if self.tls
+            else []
+        )
 
     def start_member(self, index: int) -> EtcdMember:
         member = self.members[index]
@@ -120,7 +146,7 @@ class EtcdCluster:
             member.process = launch(self._argv(member), os.path.join(self.base_dir, f"{member.name}.log"), env=self.env)
         return member
 
-    def start(self, timeout: float = 30.0) -> "EtcdCluster":
+    def start(self, timeout: float = 30.0) -> EtcdCluster:
         for index in range(len(self.members)):
             self.start_member(index)
         self.wait_healthy(timeout)

@@ -25,7 +25,10 @@ def spawn(run_dir: str) -> subprocess.Popen:
     with open(os.path.join(log_dir, "guardian.log"), "ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "motorctl.guardian", os.path.abspath(run_dir)],
-            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
 

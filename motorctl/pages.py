@@ -3,7 +3,8 @@ so motorctl's tables and JSON look the same at 10 nodes as at 10,000."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 PAGE_SIZE = 500
 

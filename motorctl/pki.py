@@ -78,18 +78,27 @@ def make_dev_pki(directory: str, nodes: list[str], hosts: list[str] | None = Non
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="motorctl pki", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="motorctl pki", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     init = sub.add_parser("init", help="create a CA (ca.crt, ca.key) in --dir")
     init.add_argument("--dir", required=True, help="directory for the CA files")
     init.add_argument("--days", type=float, default=3650, help="validity in days [3650]")
-    init.add_argument("--force", action="store_true", help="replace an existing CA (every certificate it signed stops being trusted)")
+    init.add_argument(
+        "--force", action="store_true", help="replace an existing CA (every certificate it signed stops being trusted)"
+    )
     issue = sub.add_parser("issue", help="issue NAME.crt/NAME.key signed by the CA in --dir")
     issue.add_argument("name", help="file name stem, e.g. node-a")
     issue.add_argument("--dir", required=True, help="directory holding ca.crt/ca.key; the pair is written there")
-    issue.add_argument("--identity", help="controller, node/<id>, operator/<name> or viewer/<name>; omit for a "
-                       "certificate that is no Motor identity (an etcd member's: --host only)")
-    issue.add_argument("--host", action="append", default=[], help="DNS name or IP the server is reached at (repeatable)")
+    issue.add_argument(
+        "--identity",
+        help="controller, node/<id>, operator/<name> or viewer/<name>; omit for a "
+        "certificate that is no Motor identity (an etcd member's: --host only)",
+    )
+    issue.add_argument(
+        "--host", action="append", default=[], help="DNS name or IP the server is reached at (repeatable)"
+    )
     issue.add_argument("--days", type=float, default=365, help="validity in days [365]")
     issue.add_argument("--trust-domain", default=TRUST_DOMAIN, help=f"SPIFFE trust domain [{TRUST_DOMAIN}]")
     tokens = sub.add_parser("tokens", help="write a tokens file with a fresh token per NAME=ROLE[+ROLE]")
@@ -98,7 +107,9 @@ def _parser() -> argparse.ArgumentParser:
     dev = sub.add_parser("dev", help="the whole development set: CA, controller, nodes, operator, viewer, tokens")
     dev.add_argument("--dir", required=True, help="directory to write (an existing CA there is reused)")
     dev.add_argument("--nodes", default="node-a,node-b", help="comma-separated node ids [node-a,node-b]")
-    dev.add_argument("--host", action="append", default=[], help=f"server names/IPs (repeatable) [{', '.join(DEV_HOSTS)}]")
+    dev.add_argument(
+        "--host", action="append", default=[], help=f"server names/IPs (repeatable) [{', '.join(DEV_HOSTS)}]"
+    )
     return p
 
 
@@ -110,7 +121,9 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         print(f"CA written: {cert} (share it), {key} (keep it secret)", file=out)
     elif args.action == "issue":
         identity = Identity.parse(args.identity) if args.identity else None
-        pair = CertificateAuthority.load(args.dir).issue(identity, args.host, days=args.days, trust_domain=args.trust_domain)
+        pair = CertificateAuthority.load(args.dir).issue(
+            identity, args.host, days=args.days, trust_domain=args.trust_domain
+        )
         cert, key = pair.save(args.dir, args.name)
         print(f"{identity.uri(args.trust_domain) if identity else ', '.join(args.host)}: {cert}, {key}", file=out)
     elif args.action == "tokens":
@@ -123,7 +136,11 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     else:
         nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
         pki = make_dev_pki(args.dir, nodes, args.host or None)
-        print(f"development PKI in {pki.directory}: ca.crt, controller, {', '.join(nodes)}, operator, viewer, {TOKENS_FILE}", file=out)
+        print(
+            f"development PKI in {pki.directory}: ca.crt, controller, {', '.join(nodes)}, operator, viewer, "
+            f"{TOKENS_FILE}",
+            file=out,
+        )
     return 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from motor.contract.names import enum_short_name, role_name
 from motor.v1 import controller_pb2, types_pb2
@@ -26,7 +26,7 @@ def _short(text: str, limit: int = 70) -> str:
 def _ago(stamp) -> str:
     if not stamp.seconds and not stamp.nanos:
         return "-"
-    seconds = (datetime.datetime.now(datetime.timezone.utc) - stamp.ToDatetime(datetime.timezone.utc)).total_seconds()
+    seconds = (datetime.datetime.now(datetime.UTC) - stamp.ToDatetime(datetime.UTC)).total_seconds()
     return f"{max(seconds, 0):.1f}s ago"
 
 
@@ -52,8 +52,14 @@ def render_nodes(reply: controller_pb2.ListNodesResponse) -> str:
 
 def render_instances(reply: controller_pb2.ListInstancesResponse) -> str:
     rows = [
-        (i.instance_id, role_name(i.role), enum_short_name(controller_pb2.InstanceState, i.state), i.restarts,
-         i.paired_instance_id or "-", _short(i.state_reason))
+        (
+            i.instance_id,
+            role_name(i.role),
+            enum_short_name(controller_pb2.InstanceState, i.state),
+            i.restarts,
+            i.paired_instance_id or "-",
+            _short(i.state_reason),
+        )
         for i in reply.instances
     ]
     return table(["INSTANCE", "ROLE", "STATE", "RESTARTS", "PAIRED", "REASON"], rows)
@@ -63,11 +69,19 @@ def render_engines(reply: controller_pb2.ListInstancesResponse) -> str:
     rows = []
     for inst in reply.instances:
         for e in inst.engines:
-            rows.append((
-                e.engine_id, e.node_id or "-", f"{e.host}:{e.port}" if e.port else "-", e.mgmt_port or "-",
-                enum_short_name(types_pb2.EngineState, e.state), enum_short_name(types_pb2.HealthStatus, e.health),
-                e.restarts, e.generation, _short(e.last_failure_reason, 50) or "-",
-            ))
+            rows.append(
+                (
+                    e.engine_id,
+                    e.node_id or "-",
+                    f"{e.host}:{e.port}" if e.port else "-",
+                    e.mgmt_port or "-",
+                    enum_short_name(types_pb2.EngineState, e.state),
+                    enum_short_name(types_pb2.HealthStatus, e.health),
+                    e.restarts,
+                    e.generation,
+                    _short(e.last_failure_reason, 50) or "-",
+                )
+            )
     return table(["ENGINE", "NODE", "ENDPOINT", "MGMT", "STATE", "HEALTH", "RESTARTS", "GEN", "LAST FAILURE"], rows)
 
 
@@ -76,15 +90,21 @@ def render_endpoints(reply: controller_pb2.ListEndpointsResponse) -> str:
 
 
 def render_event(event: controller_pb2.Event) -> str:
-    when = event.time.ToDatetime(datetime.timezone.utc).astimezone().strftime("%H:%M:%S.%f")[:-3]
+    when = event.time.ToDatetime(datetime.UTC).astimezone().strftime("%H:%M:%S.%f")[:-3]
     times = f" (x{event.count})" if event.count > 1 else ""  # a failure that repeats: one event, counted
-    return f"{when}  #{event.sequence:<5} {enum_short_name(controller_pb2.EventType, event.type):<22} {event.message}{times}"
+    kind = enum_short_name(controller_pb2.EventType, event.type)
+    return f"{when}  #{event.sequence:<5} {kind:<22} {event.message}{times}"
 
 
 def render_status(nodes: controller_pb2.ListNodesResponse, instances: controller_pb2.ListInstancesResponse) -> str:
     """Nodes, instances and engine health: the whole cluster on one screen."""
-    return "\n\n".join(["NODES\n" + render_nodes(nodes), "INSTANCES\n" + render_instances(instances),
-                        "ENGINES\n" + render_engines(instances)])
+    return "\n\n".join(
+        [
+            "NODES\n" + render_nodes(nodes),
+            "INSTANCES\n" + render_instances(instances),
+            "ENGINES\n" + render_engines(instances),
+        ]
+    )
 
 
 def quiet_stdout() -> None:
@@ -97,7 +117,10 @@ def quiet_stdout() -> None:
 
 def render_controllers(reply: controller_pb2.ListControllersResponse) -> str:
     """`motorctl controllers`: who leads, who stands by, the epoch and the lease."""
-    rows = [(c.address, "leader" if c.leader else "standby", c.name if c.name != c.address else "") for c in reply.controllers]
+    rows = [
+        (c.address, "leader" if c.leader else "standby", c.name if c.name != c.address else "")
+        for c in reply.controllers
+    ]
     head = (
         f"store: {reply.store}\nleader: {reply.leader_address or '(election in progress)'}  epoch: {reply.epoch}  "
         f"lease: {reply.lease_ttl.ToTimedelta().total_seconds():g}s"
@@ -107,6 +130,8 @@ def render_controllers(reply: controller_pb2.ListControllersResponse) -> str:
 
 def render_deployments(reply: controller_pb2.ListDeploymentsResponse) -> str:
     """`motorctl deployments`: each deployment, its model, revision and instance counts."""
-    rows = [(d.deployment.name, d.deployment.model, d.revision, d.instances, d.ready_instances, d.pending_instances)
-            for d in reply.deployments]
+    rows = [
+        (d.deployment.name, d.deployment.model, d.revision, d.instances, d.ready_instances, d.pending_instances)
+        for d in reply.deployments
+    ]
     return table(["NAME", "MODEL", "REVISION", "INSTANCES", "READY", "PENDING"], rows)

@@ -22,13 +22,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from motor.ports import CONTROLLER_METRICS_PORT, free_port, port_is_free
 from motor.service.signals import STOP_SIGNALS  # SIGHUP among them: the terminal was closed
-from motorctl.etcd_cluster import EtcdCluster
-from motorctl.render import quiet_stdout
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
-from motorctl.connect import Credentials
-from motorctl.pki import DevPki, make_dev_pki
-from motorctl.run_processes import describe, run_processes, run_tag, stop_run
 from motorctl import guardian as cluster_guardian
+from motorctl.connect import Credentials
+from motorctl.etcd_cluster import EtcdCluster
+from motorctl.pki import DevPki, make_dev_pki
+from motorctl.render import quiet_stdout
+from motorctl.run_processes import describe, run_processes, run_tag, stop_run
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,9 @@ class LocalCluster:
         if name not in self.metrics_ports:
             wanted = None if self.metrics_port is None else self.metrics_port + offset
             taken = set(self.metrics_ports.values())
-            self.metrics_ports[name] = wanted if wanted and wanted not in taken and port_is_free(wanted) else free_port()
+            self.metrics_ports[name] = (
+                wanted if wanted and wanted not in taken and port_is_free(wanted) else free_port()
+            )
         return ["--metrics-port", str(self.metrics_ports[name])]
 
     def metrics_urls(self) -> dict[str, str]:
@@ -136,11 +138,17 @@ class LocalCluster:
         state = os.path.join(self.run_dir, "controller" if index == 0 else f"controller-{index + 1}")
         argv = [
             _bin("motor-controller"),
-            "--listen", f"127.0.0.1:{port}",
-            "--db", os.path.join(state, "controller.db") if self.ha else os.path.join(self.run_dir, "controller.db"),
-            "--heartbeat-interval", str(self.heartbeat_interval),
-            "--node-grace", str(self.node_grace),
-            *self._metrics_args("controller" if index == 0 else f"controller-{index + 1}", 0 if index == 0 else 50 + index),
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--db",
+            os.path.join(state, "controller.db") if self.ha else os.path.join(self.run_dir, "controller.db"),
+            "--heartbeat-interval",
+            str(self.heartbeat_interval),
+            "--node-grace",
+            str(self.node_grace),
+            *self._metrics_args(
+                "controller" if index == 0 else f"controller-{index + 1}", 0 if index == 0 else 50 + index
+            ),
             *self.tls_flags("controller"),
             *(self._token_flags if index == 0 else []),
             *self.extra_controller_args,
@@ -160,7 +168,11 @@ class LocalCluster:
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
                 env=dict(os.environ, **run_tag(self.run_dir)),
             )
         managed = ManagedProcess(name, process, log_path)
@@ -177,8 +189,11 @@ class LocalCluster:
             self.token_port = self.token_port or free_port()
             self._token_flags = ["--tokens-file", self.pki.tokens, "--token-listen", f"127.0.0.1:{self.token_port}"]
         if self.ha:
-            self.etcd = EtcdCluster(os.path.join(self.run_dir, "etcd"), size=self.etcd_members,
-                                    env=dict(os.environ, **run_tag(self.run_dir))).start(timeout)
+            self.etcd = EtcdCluster(
+                os.path.join(self.run_dir, "etcd"),
+                size=self.etcd_members,
+                env=dict(os.environ, **run_tag(self.run_dir)),
+            ).start(timeout)
             self.controller_ports = [self.controller_port] + [free_port() for _ in range(self.controllers - 1)]
         for index in range(self.controllers if self.ha else 1):
             self.launch_controller(index)
@@ -194,17 +209,28 @@ class LocalCluster:
         first_engine_port = self.engine_port_base + index * 500
         argv = [
             _bin("motor-node-manager"),
-            "--node-id", node_id,
-            "--listen", f"127.0.0.1:{port}",
-            "--controller", ",".join(self.controller_addresses),
-            "--host", "127.0.0.1",
-            "--accelerators", ",".join(str(i) for i in range(self.accelerators_per_node)),
-            "--accelerator-type", "sim",
-            "--port-range", f"{first_engine_port}-{first_engine_port + 499}",
-            "--state-dir", os.path.join(self.run_dir, node_id),
-            "--heartbeat-interval", str(self.heartbeat_interval),
-            "--abnormal-threshold", str(self.abnormal_threshold),
-            "--engine-command", _bin("engine_server"),
+            "--node-id",
+            node_id,
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--controller",
+            ",".join(self.controller_addresses),
+            "--host",
+            "127.0.0.1",
+            "--accelerators",
+            ",".join(str(i) for i in range(self.accelerators_per_node)),
+            "--accelerator-type",
+            "sim",
+            "--port-range",
+            f"{first_engine_port}-{first_engine_port + 499}",
+            "--state-dir",
+            os.path.join(self.run_dir, node_id),
+            "--heartbeat-interval",
+            str(self.heartbeat_interval),
+            "--abnormal-threshold",
+            str(self.abnormal_threshold),
+            "--engine-command",
+            _bin("engine_server"),
             *self._metrics_args(node_id, 1 + index),
             *self.tls_flags(node_id),
             *self.extra_node_args,
@@ -325,12 +351,13 @@ def try_commands(cluster: LocalCluster) -> str:
         )
     pki = cluster.pki
     viewer = f"-cacert {pki.ca} -cert {pki.cert('viewer')} -key {pki.key('viewer')}"
-    token = f"-cacert {pki.ca} -H \"authorization: Bearer $(cat {pki.token_file('operator')})\""
+    token = f'-cacert {pki.ca} -H "authorization: Bearer $(cat {pki.token_file("operator")})"'
     return (
         f"Try:  grpcurl {viewer} {address} list\n"
         f"      grpcurl {viewer} {address} motor.v1.ControllerService/ListInstances\n"
         f"      grpcurl {token} 127.0.0.1:{cluster.token_port} motor.v1.ControllerService/GetDeployment\n"
-        f"      motorctl --controller {every} --cacert {pki.ca} --cert {pki.cert('operator')} --key {pki.key('operator')} events --follow\n"
+        f"      motorctl --controller {every} --cacert {pki.ca} --cert {pki.cert('operator')} --key "
+        f"{pki.key('operator')} events --follow\n"
         f"      (certificates, keys and tokens in {pki.directory}; docs/security.md)"
     )
 
@@ -342,35 +369,53 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", default=".run", help="state and logs of this cluster (wiped at start)")
     parser.add_argument("--controller-port", type=int, default=0, help="default 50051, or a free port if taken")
     parser.add_argument(
-        "--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
         help=f"controller /metrics port, node manager i on this + 1 + i; a taken one is replaced by a free one; "
         f"0: no metrics (default {DEFAULT_METRICS_PORT})",
     )
     parser.add_argument("--refresh", type=float, default=1.0, help="seconds between status refreshes")
-    parser.add_argument("--tls", action="store_true", help="mutual TLS on every plane, with a development PKI in <run-dir>/pki")
-    parser.add_argument("--ha", action="store_true",
-                        help="high availability: one etcd member (etcd from PATH) and two controllers, the first on "
-                             "the usual port (docs/ha.md)")
+    parser.add_argument(
+        "--tls", action="store_true", help="mutual TLS on every plane, with a development PKI in <run-dir>/pki"
+    )
+    parser.add_argument(
+        "--ha",
+        action="store_true",
+        help="high availability: one etcd member (etcd from PATH) and two controllers, the first on "
+        "the usual port (docs/ha.md)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.nodes < 1:
         parser.error("--nodes must be at least 1")
     if not os.path.exists(args.deployment):
-        parser.error(f"--deployment {args.deployment!r}: file not found (the default is relative to the repository "
-                     "root: run it from there, or give --deployment FILE)")
+        parser.error(
+            f"--deployment {args.deployment!r}: file not found (the default is relative to the repository "
+            "root: run it from there, or give --deployment FILE)"
+        )
 
     live = run_processes(args.run_dir)
     if live:  # wiping it would pull the state directories from under a running cluster
-        print(f"motorctl up: --run-dir {args.run_dir} is in use by a running cluster (processes "
-              f"{', '.join(describe(p) for p in live[:5])}{' ...' if len(live) > 5 else ''}); stop it with "
-              f"`motorctl down --run-dir {args.run_dir}`, or give this one another --run-dir", file=sys.stderr)
+        print(
+            f"motorctl up: --run-dir {args.run_dir} is in use by a running cluster (processes "
+            f"{', '.join(describe(p) for p in live[:5])}{' ...' if len(live) > 5 else ''}); stop it with "
+            f"`motorctl down --run-dir {args.run_dir}`, or give this one another --run-dir",
+            file=sys.stderr,
+        )
         return 2
     shutil.rmtree(args.run_dir, ignore_errors=True)
     if args.ha and not shutil.which("etcd"):
         parser.error("--ha needs etcd on PATH: install Debian's etcd-server (scripts/etcd-server.sh)")
-    cluster = LocalCluster(args.run_dir, nodes=args.nodes, deployment_path=args.deployment,
-                           controller_port=args.controller_port or _default_controller_port(), metrics_port=args.metrics_port,
-                           tls=args.tls, ha=args.ha)
+    cluster = LocalCluster(
+        args.run_dir,
+        nodes=args.nodes,
+        deployment_path=args.deployment,
+        controller_port=args.controller_port or _default_controller_port(),
+        metrics_port=args.metrics_port,
+        tls=args.tls,
+        ha=args.ha,
+    )
     stopping, started = False, False
     # Stops the cluster if this process is killed before it can (SIGKILL, the OOM killer).
     guardian = cluster_guardian.spawn(args.run_dir)
@@ -412,7 +457,8 @@ def watch(cluster: LocalCluster, refresh: float, stopping) -> None:
     metrics = "".join(f"  {name:<11} {url}\n" for name, url in cluster.metrics_urls().items())
     hint = (
         (f"Prometheus /metrics (engines serve theirs on their inference port):\n{metrics}\n" if metrics else "")
-        + try_commands(cluster) + "\nCtrl-C stops the cluster."
+        + try_commands(cluster)
+        + "\nCtrl-C stops the cluster."
     )
     while not stopping():
         try:

@@ -11,10 +11,10 @@ import asyncio
 import logging
 import sys
 
-from motor.service.cli_config import Flag, load_settings, run_service, settings_parser
 from motor.errors import MotorError
-from motor.service.logs import setup_logging
 from motor.security.security_config import SECURITY_FLAGS
+from motor.service.cli_config import Flag, load_settings, run_service, settings_parser
+from motor.service.logs import setup_logging
 from motor.service.signals import stop_event
 from node_manager.config import NodeManagerConfig
 from node_manager.server import NodeManagerServer
@@ -26,8 +26,10 @@ FLAGS = {
     "node_id": Flag("unique name of this node, e.g. node-a"),
     "listen": Flag("HOST:PORT of the gRPC server (port 0: any free port)"),
     "advertise_address": Flag("HOST:PORT the controller dials", default_text="--host with the listen port"),
-    "controller": Flag("HOST:PORT of the controller, or several comma-separated (HA: the leader is followed); "
-                       "without it the node manager runs standalone"),
+    "controller": Flag(
+        "HOST:PORT of the controller, or several comma-separated (HA: the leader is followed); "
+        "without it the node manager runs standalone"
+    ),
     "host": Flag("address engines bind and advertise"),
     "accelerators": Flag("accelerators of this host, e.g. 0,1,2,3"),
     "accelerator_type": Flag("nvidia, ascend or sim"),
@@ -42,8 +44,10 @@ FLAGS = {
     "status_timeout": Flag("deadline of each GetStatus call, <= heartbeat interval"),
     "metrics_port": Flag("Prometheus /metrics port, 0 = off"),
     "engine_command": Flag("engine server command (split like a shell)"),
-    "sglang_launcher": Flag("SGLang launcher command for this node's sglang engines (split like a shell; "
-                            "starts with an absolute path)", default_text="python -m sglang.launch_server"),
+    "sglang_launcher": Flag(
+        "SGLang launcher command for this node's sglang engines (split like a shell; starts with an absolute path)",
+        default_text="python -m sglang.launch_server",
+    ),
     "model_roots": Flag("folders engines may read models from, comma-separated"),
     "log_level": Flag("DEBUG, INFO, WARNING, ERROR or CRITICAL"),
     "log_format": Flag("text, or json: one JSON object per line (its engines too)"),
@@ -73,8 +77,10 @@ async def serve(config: NodeManagerConfig) -> None:
     if link is not None and link.cancelled() and not stop.is_set():
         # Nothing but a signal may end the link quietly: a node manager that stopped heartbeating
         # while it runs would have its node declared lost and its engines started twice.
-        refused = MotorError("the link to the controller ended unexpectedly (cancelled); exiting so that the "
-                             "supervisor restarts this node manager (engines keep running and are re-adopted)")
+        refused = MotorError(
+            "the link to the controller ended unexpectedly (cancelled); exiting so that the "
+            "supervisor restarts this node manager (engines keep running and are re-adopted)"
+        )
     if refused is None:
         logger.info("shutting down (engines keep running; a restarted node manager re-adopts them)")
     await server.stop()
@@ -83,9 +89,18 @@ async def serve(config: NodeManagerConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_service("motor-node-manager", lambda: load_config(argv),
-                       lambda c: setup_logging(c.log_level, c.logs_dir, "node_manager.log", log_format=c.log_format,
-                                               fields={"service": "node_manager", "node_id": c.node_id}), serve)
+    return run_service(
+        "motor-node-manager",
+        lambda: load_config(argv),
+        lambda c: setup_logging(
+            c.log_level,
+            c.logs_dir,
+            "node_manager.log",
+            log_format=c.log_format,
+            fields={"service": "node_manager", "node_id": c.node_id},
+        ),
+        serve,
+    )
 
 
 if __name__ == "__main__":

@@ -14,12 +14,12 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
-from motor.service.config import AbsoluteCommand, HostPort, split_host_port
-from motor.leader import parse_addresses
-from motor.service.logs import LogFormat, LogLevel
 from motor.contract.names import IdSetting
+from motor.leader import parse_addresses
 from motor.ports import NODE_MANAGER_METRICS_PORT
 from motor.security.security_config import SecuritySettings
+from motor.service.config import AbsoluteCommand, HostPort, split_host_port
+from motor.service.logs import LogFormat, LogLevel
 
 
 class NodeManagerConfig(SecuritySettings):
@@ -164,14 +164,26 @@ class NodeManagerConfig(SecuritySettings):
             argv += ["--log-format", self.log_format]
         argv += ["--owner-node", self.node_id]
         if self.tls_enabled:
-            argv += ["--tls-cert", os.path.abspath(self.tls_cert), "--tls-key", os.path.abspath(self.tls_key),
-                     "--tls-ca", os.path.abspath(self.tls_ca), "--trust-domain", self.trust_domain]
+            argv += [
+                "--tls-cert",
+                os.path.abspath(self.tls_cert),
+                "--tls-key",
+                os.path.abspath(self.tls_key),
+                "--tls-ca",
+                os.path.abspath(self.tls_ca),
+                "--trust-domain",
+                self.trust_domain,
+            ]
         elif self.insecure:
             argv.append("--insecure")
         if not self.reflection:
             argv.append("--no-reflection")
-        argv += ["--max-message-bytes", str(self.max_message_bytes),
-                 "--max-streams-per-caller", str(self.max_streams_per_caller)]
+        argv += [
+            "--max-message-bytes",
+            str(self.max_message_bytes),
+            "--max-streams-per-caller",
+            str(self.max_streams_per_caller),
+        ]
         if self.sglang_launcher:
             argv += ["--sglang-launcher", self.sglang_launcher]
         return argv

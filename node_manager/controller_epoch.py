@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import logging
 
-from motor.errors import FailedPrecondition, Unavailable
 from motor.contract.names import excerpt
+from motor.errors import FailedPrecondition, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +41,12 @@ class ControllerEpoch:
             if epoch > self.current:
                 logger.info("controller epoch %d -> %d: a new controller leads", self.current, epoch)
             else:
-                logger.warning("controller epoch %d -> %d: the controller's store was replaced (its epochs started "
-                               "again); following it", self.current, epoch)
+                logger.warning(
+                    "controller epoch %d -> %d: the controller's store was replaced (its epochs started "
+                    "again); following it",
+                    self.current,
+                    epoch,
+                )
             self.current = epoch
         if generation_limit:
             self.generation_limit = generation_limit
@@ -55,8 +59,10 @@ class ControllerEpoch:
         refused = f"controller_epoch {epoch} refused ({excerpt(what, 200)}): "
         if epoch < self.current:
             raise FailedPrecondition(refused + f"epoch {self.current} leads now (the sender is a deposed leader)")
-        raise Unavailable(refused + f"the controller this node reports to announced epoch {self.current}; a leader "
-                          "of a later epoch is obeyed once the node's next heartbeat has brought it (retry)")
+        raise Unavailable(
+            refused + f"the controller this node reports to announced epoch {self.current}; a leader "
+            "of a later epoch is obeyed once the node's next heartbeat has brought it (retry)"
+        )
 
     def admit_generation(self, generation: int, what: str) -> None:
         """Raise Unavailable for a start above the generation limit the controller announced."""

@@ -28,17 +28,17 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from motor.clock import Clock
 from motor.contract import pbtime
-from motor.errors import ConfigError
-from motor.security.channels import ReloadingChannel
-from motor.service.grpc_server import TlsFiles
 from motor.contract.heartbeats import MAX_BACKOFF
-from node_manager.heartbeat_deltas import next_on_grid
-from motor.leader import FOLLOW_RETRY_BASE, FOLLOW_RETRY_CAP, ControllerAddresses, backoff_delay, parse_addresses
 from motor.contract.names import ID_RULE, excerpt
 from motor.contract.node_process import describe
+from motor.errors import ConfigError
+from motor.leader import FOLLOW_RETRY_BASE, FOLLOW_RETRY_CAP, ControllerAddresses, backoff_delay, parse_addresses
+from motor.security.channels import ReloadingChannel
+from motor.service.grpc_server import TlsFiles
 from motor.service.retry import RepeatedFailure, worth_reporting
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from node_manager.controller_epoch import ControllerEpoch
+from node_manager.heartbeat_deltas import next_on_grid
 from node_manager.heartbeat_sender import HeartbeatSender
 from node_manager.manager import NodeManager
 
@@ -68,10 +68,21 @@ def _registration_retryable(exc: BaseException) -> bool:
 class ControllerLink:
     """`clock` (default: the manager's) times heartbeats and backoffs; tests pass a fake one."""
 
-    def __init__(self, manager: NodeManager, controller: str, node: controller_pb2.NodeInfo,
-                 interval: float, call_timeout: float = 5.0, max_backoff: float = MAX_BACKOFF, clock: Clock | None = None,
-                 tls: TlsFiles | None = None, epoch: ControllerEpoch | None = None, stream_heartbeats: bool = True,
-                 max_interval: float = 30.0, phase: float | None = None):
+    def __init__(
+        self,
+        manager: NodeManager,
+        controller: str,
+        node: controller_pb2.NodeInfo,
+        interval: float,
+        call_timeout: float = 5.0,
+        max_backoff: float = MAX_BACKOFF,
+        clock: Clock | None = None,
+        tls: TlsFiles | None = None,
+        epoch: ControllerEpoch | None = None,
+        stream_heartbeats: bool = True,
+        max_interval: float = 30.0,
+        phase: float | None = None,
+    ):
         self.manager = manager
         self.beats = HeartbeatSender(node.node_id, call_timeout, stream=stream_heartbeats)
         self.clock: Clock = clock or manager.clock
@@ -162,7 +173,8 @@ class ControllerLink:
                 with attempt:
                     attempt_no += 1
                     request = controller_pb2.RegisterNodeRequest(
-                        node=self.node, engines=[e for e in self.manager.engines() if e.state != types_pb2.ENGINE_STATE_STOPPED],
+                        node=self.node,
+                        engines=[e for e in self.manager.engines() if e.state != types_pb2.ENGINE_STATE_STOPPED],
                         # A controller on a new store (its database lost) issues generations above it.
                         highest_generation=max((r.generation for r in self.manager.records.values()), default=0),
                     )
@@ -176,8 +188,12 @@ class ControllerLink:
                         if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                             self._refused(exc.details() or "")
                         elif worth_reporting(attempt_no):
-                            logger.warning("cannot register with the controller (attempt %d): %s: %s",
-                                           attempt_no, exc.code().name, exc.details())
+                            logger.warning(
+                                "cannot register with the controller (attempt %d): %s: %s",
+                                attempt_no,
+                                exc.code().name,
+                                exc.details(),
+                            )
                         raise
         except grpc.aio.AioRpcError as exc:  # INVALID_ARGUMENT: retrying cannot help
             details = exc.details() or ""
@@ -193,8 +209,12 @@ class ControllerLink:
         self.refusals, self.manager.claim_refused = 0, ""
         if reply.HasField("replaced") and reply.replaced.boot_id == self.node.process.boot_id:
             killed = await self.manager.stop_leftovers(reply.replaced.state_dir_id)
-            logger.warning("took node id %s over from %s; killed %d engine(s) it left running on this host",
-                           self.node.node_id, describe(reply.replaced), killed)
+            logger.warning(
+                "took node id %s over from %s; killed %d engine(s) it left running on this host",
+                self.node.node_id,
+                describe(reply.replaced),
+                killed,
+            )
         self.generation = reply.generation
         self.epoch.observe(reply.controller_epoch, reply.generation_limit)
         self._follow(reply)
@@ -203,8 +223,14 @@ class ControllerLink:
         else:
             fenced = self.manager.reconcile(((a.engine_id, a.generation) for a in reply.assignments), reported)
             kept = f", stopping unassigned {fenced}" if fenced else ""
-        logger.info("registered with the controller as %s (generation %d, heartbeat every %gs); %d engine(s) assigned%s",
-                    self.node.node_id, self.generation, self.interval, len(reply.assignments), kept)
+        logger.info(
+            "registered with the controller as %s (generation %d, heartbeat every %gs); %d engine(s) assigned%s",
+            self.node.node_id,
+            self.generation,
+            self.interval,
+            len(reply.assignments),
+            kept,
+        )
         self.registered.set()
 
     def _follow(self, reply: controller_pb2.RegisterNodeResponse | controller_pb2.HeartbeatResponse) -> None:
@@ -218,8 +244,13 @@ class ControllerLink:
         if interval != self.interval:
             # It steps with the fleet's size: a line each time only at DEBUG, but a cap is worth saying.
             capped = f" (announced {announced:g}s, capped by --max-heartbeat-interval)" if announced > interval else ""
-            logger.log(logging.WARNING if capped else logging.DEBUG, "heartbeat interval %gs -> %gs as the controller "
-                       "announced%s", self.interval, interval, capped)
+            logger.log(
+                logging.WARNING if capped else logging.DEBUG,
+                "heartbeat interval %gs -> %gs as the controller announced%s",
+                self.interval,
+                interval,
+                capped,
+            )
             self.interval = interval
 
     def _refused(self, details: str) -> None:
@@ -228,9 +259,15 @@ class ControllerLink:
         self.manager.claim_refused = details
         fenced = self.manager.fence_all(f"node id {self.node.node_id} is held by another node manager process")
         if worth_reporting(self.refusals) or fenced:
-            logger.error("node id %s is held by another live node manager; starting nothing%s, asking again "
-                         "every %gs (refusal %d, FAILED_PRECONDITION): %s", self.node.node_id,
-                         f", stopping {fenced}" if fenced else "", self.configured_interval, self.refusals, details)
+            logger.error(
+                "node id %s is held by another live node manager; starting nothing%s, asking again "
+                "every %gs (refusal %d, FAILED_PRECONDITION): %s",
+                self.node.node_id,
+                f", stopping {fenced}" if fenced else "",
+                self.configured_interval,
+                self.refusals,
+                details,
+            )
 
     async def _heartbeats(self) -> None:
         # Capped exponential backoff with full jitter while the controller is unreachable; one
@@ -242,13 +279,19 @@ class ControllerLink:
             await clock.sleep(max(0.0, wake - clock.monotonic()))
             began = clock.monotonic()
             try:
-                reply = await self.beats.send(self.stub, self.generation, self.manager.engines(), self.manager.saver.for_heartbeat())
+                reply = await self.beats.send(
+                    self.stub, self.generation, self.manager.engines(), self.manager.saver.for_heartbeat()
+                )
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in REREGISTER:
                     raise ReRegister(f"{exc.code().name}: {exc.details()}") from None
                 if failures.failed(exc.code().name):
-                    logger.warning("heartbeat to the controller failed %d time(s): %s: %s (engines keep running)",
-                                   failures.count, exc.code().name, exc.details())
+                    logger.warning(
+                        "heartbeat to the controller failed %d time(s): %s: %s (engines keep running)",
+                        failures.count,
+                        exc.code().name,
+                        exc.details(),
+                    )
                 # Back off (with jitter) while the controller is unreachable.
                 if self._move_on(exc) and not switched:
                     switched = True  # another controller: try it now, once per tick
@@ -286,5 +329,8 @@ class ControllerLink:
                         self._move_on(exc)
                         raise
         except grpc.aio.AioRpcError as exc:
-            logger.warning("could not report engine %s to the controller (%s); the next heartbeat carries it",
-                           engine.engine_id, exc.code().name)
+            logger.warning(
+                "could not report engine %s to the controller (%s); the next heartbeat carries it",
+                engine.engine_id,
+                exc.code().name,
+            )

@@ -23,16 +23,17 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from google.protobuf import json_format
 
 from motor.contract import pbtime
 from motor.contract.names import engine_id as make_engine_id
+from motor.contract.termination import read_termination_message
 from motor.processes import ExitStatus, TreeId
 from motor.state_machine import Transitions
-from motor.contract.termination import read_termination_message
 from motor.v1 import types_pb2
 from node_manager.process_ops import ExitWatcher
 
@@ -47,13 +48,16 @@ FAILED = types_pb2.ENGINE_STATE_FAILED
 
 ACTIVE_STATES = frozenset({STARTING, RUNNING, STOPPING})
 FINAL_STATES = frozenset({STOPPED, FAILED})
-TRANSITIONS = Transitions.between({
-    STARTING: frozenset({RUNNING, STOPPING, FAILED}),
-    RUNNING: frozenset({STOPPING, FAILED}),
-    STOPPING: frozenset({STOPPED, FAILED}),
-    STOPPED: frozenset(),
-    FAILED: frozenset(),
-}, lambda state: state_name(state))
+TRANSITIONS = Transitions.between(
+    {
+        STARTING: frozenset({RUNNING, STOPPING, FAILED}),
+        RUNNING: frozenset({STOPPING, FAILED}),
+        STOPPING: frozenset({STOPPED, FAILED}),
+        STOPPED: frozenset(),
+        FAILED: frozenset(),
+    },
+    lambda state: state_name(state),
+)
 # Probe results kept as evidence for a failure report.
 RECENT_PROBES = 5
 
@@ -155,13 +159,19 @@ class EngineRecord:
         self.ending = ending
         return True
 
-    def transition(self, new_state: State, reason: str, on_change: Callable[["EngineRecord", State], None]) -> None:
+    def transition(self, new_state: State, reason: str, on_change: Callable[[EngineRecord, State], None]) -> None:
         """The one way to change state; `on_change(record, old_state)` persists and publishes."""
         TRANSITIONS.check(self.engine_id, self.state, new_state, reason)
         old = self.state
         self.state, self.state_reason, self.state_changed_at = new_state, reason, time.time()
-        logger.info("engine %s: %s -> %s: %s", self.engine_id, state_name(old), state_name(new_state), reason,
-                    extra={"event": state_name(new_state).lower(), "reason": reason})
+        logger.info(
+            "engine %s: %s -> %s: %s",
+            self.engine_id,
+            state_name(old),
+            state_name(new_state),
+            reason,
+            extra={"event": state_name(new_state).lower(), "reason": reason},
+        )
         on_change(self, old)
 
     def record_exit(self, status: ExitStatus) -> None:
@@ -196,7 +206,9 @@ class EngineRecord:
                 lines = [line.strip() for line in handle.read().decode(errors="replace").splitlines() if line.strip()]
         except OSError:
             return ""
-        lines = [line for line in lines if not line.startswith("--- ") and "\"message\": \"--- launching" not in line]  # launch lines (text, JSON)
+        lines = [
+            line for line in lines if not line.startswith("--- ") and '"message": "--- launching' not in line
+        ]  # launch lines (text, JSON)
         tail = " | ".join(lines[-count:])
         return tail if len(tail) <= 600 else "..." + tail[-600:]
 
@@ -250,7 +262,7 @@ class EngineRecord:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "EngineRecord":
+    def from_json(cls, data: dict[str, Any]) -> EngineRecord:
         return cls(
             spec=json_format.ParseDict(data["spec"], types_pb2.EngineSpec()),
             requested=json_format.ParseDict(data.get("requested", data["spec"]), types_pb2.EngineSpec()),

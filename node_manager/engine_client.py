@@ -6,7 +6,8 @@ the node's TLS settings); tests give the monitor a scripted fake instead.
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Callable, Protocol
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 import grpc
 
@@ -40,8 +41,11 @@ class GrpcEngineClient:
             host = "127.0.0.1"
         # Reconnect quickly: a starting engine binds its port within a second or so, and the
         # default 1 s (growing) reconnect backoff would delay noticing that it is up.
-        fast_reconnect = {"grpc.initial_reconnect_backoff_ms": 50, "grpc.min_reconnect_backoff_ms": 50,
-                          "grpc.max_reconnect_backoff_ms": 1000}
+        fast_reconnect = {
+            "grpc.initial_reconnect_backoff_ms": 50,
+            "grpc.min_reconnect_backoff_ms": 50,
+            "grpc.max_reconnect_backoff_ms": 1000,
+        }
         # Engines serve with this node's own certificate (config.engine_argv), so the node
         # manager verifies them and presents the same certificate: it is their node-manager.
         # Rotated files are used without a restart (motor/security/channels.py).
@@ -71,4 +75,3 @@ class GrpcEngineClient:
 
     async def close(self) -> None:
         await self.channel.close()
-

@@ -54,7 +54,9 @@ class HealthJudge:
         if status.status == INIT:
             if in_grace:
                 return self._ok(INIT, reason or "starting", reset=False)
-            return self._abnormal(INIT, f"still INIT after the {self.startup_grace:g}s start-up grace: {reason or 'starting'}")
+            return self._abnormal(
+                INIT, f"still INIT after the {self.startup_grace:g}s start-up grace: {reason or 'starting'}"
+            )
         if status.status == ABNORMAL:
             return self._abnormal(ABNORMAL, f"ABNORMAL: {reason or 'no reason given'}")
         return self._abnormal(UNKNOWN, f"unknown status {status.status}: {reason}")
@@ -70,8 +72,14 @@ class HealthJudge:
         self.reasons.append(reason)
         del self.reasons[: -self.threshold]
         kill = self.consecutive >= self.threshold
-        return Verdict(health, reason, counted=True, kill=kill, consecutive=self.consecutive,
-                       kill_reason=self.kill_reason() if kill else "")
+        return Verdict(
+            health,
+            reason,
+            counted=True,
+            kill=kill,
+            consecutive=self.consecutive,
+            kill_reason=self.kill_reason() if kill else "",
+        )
 
     def kill_reason(self) -> str:
         return f"killed after {self.consecutive} abnormal heartbeats: {summarize(self.reasons)}"

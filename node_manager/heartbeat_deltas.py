@@ -8,7 +8,7 @@ node's beats fall on.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 from motor.v1 import controller_pb2, types_pb2
 

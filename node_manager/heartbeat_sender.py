@@ -17,8 +17,8 @@ import logging
 
 import grpc
 
-from node_manager.heartbeat_deltas import HeartbeatDeltas
 from motor.v1 import controller_pb2, types_pb2
+from node_manager.heartbeat_deltas import HeartbeatDeltas
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +40,14 @@ class HeartbeatSender:
             self._call.cancel()
         self._call = self._stub = None
 
-    async def send(self, stub, generation: int, engines: list[types_pb2.Engine],
-                   store_failing: str = "") -> controller_pb2.HeartbeatResponse:
+    async def send(
+        self, stub, generation: int, engines: list[types_pb2.Engine], store_failing: str = ""
+    ) -> controller_pb2.HeartbeatResponse:
         """One beat; `store_failing`: why engine records cannot be written now (empty: they can)."""
         if not self.stream:
-            request = controller_pb2.HeartbeatRequest(node_id=self.node_id, generation=generation, engines=engines,
-                                                      store_failing=store_failing)
+            request = controller_pb2.HeartbeatRequest(
+                node_id=self.node_id, generation=generation, engines=engines, store_failing=store_failing
+            )
             return await stub.Heartbeat(request, timeout=self.timeout)
         try:
             return await self._beat(stub, generation, engines, store_failing)
@@ -57,8 +59,9 @@ class HeartbeatSender:
         self.stream = False
         return await self.send(stub, generation, engines, store_failing)
 
-    async def _beat(self, stub, generation: int, engines: list[types_pb2.Engine],
-                    store_failing: str) -> controller_pb2.HeartbeatResponse:
+    async def _beat(
+        self, stub, generation: int, engines: list[types_pb2.Engine], store_failing: str
+    ) -> controller_pb2.HeartbeatResponse:
         if self._call is None or self._stub is not stub:
             self.close()
             self._call, self._stub = stub.StreamHeartbeats(), stub
@@ -71,9 +74,11 @@ class HeartbeatSender:
                 await call.write(controller_pb2.StreamHeartbeatsRequest(heartbeat=request))
             async with asyncio.timeout(self.timeout):
                 reply = await call.read()
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.close()
-            raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer to a heartbeat within {self.timeout:g}s") from None
+            raise _error(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer to a heartbeat within {self.timeout:g}s"
+            ) from None
         except asyncio.InvalidStateError:  # the stream had ended without an error
             reply = grpc.aio.EOF
         except asyncio.CancelledError:
@@ -84,12 +89,16 @@ class HeartbeatSender:
             # a new registration): a failed beat like any other, retried on the new stream. Let
             # through, it ended the controller link and with it the node manager.
             self._call = self._stub = None
-            raise _error(grpc.StatusCode.CANCELLED, "the heartbeat stream was closed to follow another controller") from None
+            raise _error(
+                grpc.StatusCode.CANCELLED, "the heartbeat stream was closed to follow another controller"
+            ) from None
         if reply is grpc.aio.EOF:  # ended by the controller: its status, with its metadata (a standby names the leader)
             self._call = self._stub = None
             code = await call.code()
             raise grpc.aio.AioRpcError(
-                code if code != grpc.StatusCode.OK else grpc.StatusCode.UNAVAILABLE, await call.initial_metadata(),
-                await call.trailing_metadata(), details=await call.details() or "the controller ended the heartbeat stream",
+                code if code != grpc.StatusCode.OK else grpc.StatusCode.UNAVAILABLE,
+                await call.initial_metadata(),
+                await call.trailing_metadata(),
+                details=await call.details() or "the controller ended the heartbeat stream",
             )
         return reply.heartbeat

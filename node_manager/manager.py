@@ -16,16 +16,17 @@ import contextlib
 import logging
 import os
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from typing import Any
 
-from motor.contract import start_refusals
 from motor.clock import SYSTEM_CLOCK, Clock
-from motor.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
-from motor.service.fanout import FanOut
+from motor.contract import start_refusals
 from motor.contract.names import engine_id as make_engine_id
 from motor.contract.names import excerpt, parse_engine_id
+from motor.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from motor.ports import PortAllocator
 from motor.processes import ExitStatus, TreeId
+from motor.service.fanout import FanOut
 from motor.service.tasks import TaskSet, set_within
 from motor.v1 import engine_pb2, types_pb2
 from node_manager import specs
@@ -36,8 +37,8 @@ from node_manager.engine import (
     STARTING,
     STOPPED,
     STOPPING,
-    EngineRecord,
     Ending,
+    EngineRecord,
     RecordStore,
     State,
     state_name,
@@ -68,8 +69,13 @@ class NodeManager:
 
     `ops`, `clock` and `engine_clients` default to the real ones; tests pass fakes."""
 
-    def __init__(self, config: NodeManagerConfig, ops: ProcessOps | None = None, clock: Clock | None = None,
-                 engine_clients: EngineClientFactory | None = None):
+    def __init__(
+        self,
+        config: NodeManagerConfig,
+        ops: ProcessOps | None = None,
+        clock: Clock | None = None,
+        engine_clients: EngineClientFactory | None = None,
+    ):
         self.config = config
         self.node_id = config.node_id
         self.ops: ProcessOps = ops or RealProcessOps()
@@ -109,7 +115,9 @@ class NodeManager:
             for port in record.allocated_ports:
                 self.ports.reserve(port)
             if record.pid and self.ops.same_process(record.pid, record.process_started):
-                logger.info("engine %s: re-adopting pid %d (%s)", record.engine_id, record.pid, state_name(record.state))
+                logger.info(
+                    "engine %s: re-adopting pid %d (%s)", record.engine_id, record.pid, state_name(record.state)
+                )
                 self._watch(record, child=None)
                 if record.state == STOPPING:
                     self._begin_stop(record, self.config.stop_deadline, "stop requested before a node-manager restart")
@@ -228,7 +236,13 @@ class NodeManager:
             try:
                 # Run in the engine's own directory: files it writes relative to its working
                 # directory (engine_server_log/, core dumps) stay with the engine's state.
-                child = self.ops.launch(argv, log_path, specs.engine_env(spec, dict(os.environ), self.node_id, state_dir_id(self.config.state_dir)), token, engine_dir)
+                child = self.ops.launch(
+                    argv,
+                    log_path,
+                    specs.engine_env(spec, dict(os.environ), self.node_id, state_dir_id(self.config.state_dir)),
+                    token,
+                    engine_dir,
+                )
             except OSError as exc:
                 raise FailedPrecondition(
                     f"cannot launch the engine command {argv[0]!r} (--engine-command): {exc.strerror or exc}"
@@ -257,19 +271,28 @@ class NodeManager:
 
     # StopEngine -------------------------------------------------------------------------------
 
-    async def stop_engine(self, engine_id: str, deadline: float | None = None, generation: int = 0,
-                          why: str = "stop requested") -> EngineRecord:
+    async def stop_engine(
+        self, engine_id: str, deadline: float | None = None, generation: int = 0, why: str = "stop requested"
+    ) -> EngineRecord:
         record = self.get(engine_id)
         if generation and record.generation > generation:
-            logger.info("engine %s: not stopping generation %d for a request about generation %d",
-                        engine_id, record.generation, generation)
+            logger.info(
+                "engine %s: not stopping generation %d for a request about generation %d",
+                engine_id,
+                record.generation,
+                generation,
+            )
             return record
         deadline = self.config.stop_deadline if deadline is None else deadline
         if record.stop_grace > deadline:
             # The engine said how long its stop takes (drain_timeout + shutdown): a shorter
             # deadline would cut its drain short and end every stop in SIGKILL.
-            logger.info("engine %s: stop deadline %gs raised to the engine's stop grace %gs",
-                        engine_id, deadline, record.stop_grace)
+            logger.info(
+                "engine %s: stop deadline %gs raised to the engine's stop grace %gs",
+                engine_id,
+                deadline,
+                record.stop_grace,
+            )
             deadline = record.stop_grace
         self._begin_stop(record, deadline, why)
         await record.settled.wait()
@@ -297,13 +320,21 @@ class NodeManager:
         if left:
             self._end(record, FAILED, f"{why}: processes {left} survived SIGKILL")
             return
-        how = (f"{status.describe()} {self.clock.monotonic() - began:.2f}s after SIGTERM" if graceful
-               else f"SIGKILL after the {deadline:g}s deadline")
+        how = (
+            f"{status.describe()} {self.clock.monotonic() - began:.2f}s after SIGTERM"
+            if graceful
+            else f"SIGKILL after the {deadline:g}s deadline"
+        )
         self._end(record, STOPPED, f"{why}: {how}")
 
     async def _wait_exit(self, record: EngineRecord, timeout: float = 10.0) -> None:
         if not await set_within(self._watcher(record).exited, timeout):
-            logger.error("engine %s: pid %d exit not confirmed %gs after its tree was killed", record.engine_id, record.pid, timeout)
+            logger.error(
+                "engine %s: pid %d exit not confirmed %gs after its tree was killed",
+                record.engine_id,
+                record.pid,
+                timeout,
+            )
 
     # Exits --------------------------------------------------------------------------------------
 
@@ -377,8 +408,13 @@ class NodeManager:
             self.metrics.failures.labels(self.node_id).inc()
         record.settled.set()
 
-    async def _report(self, record: EngineRecord, reason: str, engine: types_pb2.Engine | None = None,
-                      after: asyncio.Task | None = None) -> None:
+    async def _report(
+        self,
+        record: EngineRecord,
+        reason: str,
+        engine: types_pb2.Engine | None = None,
+        after: asyncio.Task | None = None,
+    ) -> None:
         if after is not None:
             await after  # the not-serving notice: the controller must not hear of FAILED first
         if self.reporter is not None and not self._closed:
@@ -390,8 +426,14 @@ class NodeManager:
     # Health: the monitor reports, the manager decides ----------------------------------------
 
     def _monitor(self, record: EngineRecord) -> None:
-        monitor = EngineMonitor(record, self.config, self.engine_clients, self.clock, self,
-                                self.metrics.status_latency.labels(self.node_id).observe)
+        monitor = EngineMonitor(
+            record,
+            self.config,
+            self.engine_clients,
+            self.clock,
+            self,
+            self.metrics.status_latency.labels(self.node_id).observe,
+        )
         self._monitors[record.engine_id] = monitor
         monitor.start(self._spawn)
 
@@ -417,7 +459,11 @@ class NodeManager:
             # Draining or sleeping: tell the controller now, not at the next heartbeat, so that
             # routers stop sending to the engine at once.
             self._publish(record)
-            self._spawn(self._report(record, "draining" if record.draining else "sleeping" if record.sleeping else "serving again"))
+            self._spawn(
+                self._report(
+                    record, "draining" if record.draining else "sleeping" if record.sleeping else "serving again"
+                )
+            )
         if record.state == STARTING and message.status.status == types_pb2.HEALTH_STATUS_NORMAL:
             record.health, record.health_reason = message.status.status, message.status.reason
             record.transition(RUNNING, "engine server reported NORMAL", self._changed)
@@ -442,7 +488,9 @@ class NodeManager:
 
     # Fencing by the controller ----------------------------------------------------------------
 
-    def reconcile(self, assignments: Iterable[tuple[str, int]], reported: set[tuple[str, int]] | None = None) -> list[str]:
+    def reconcile(
+        self, assignments: Iterable[tuple[str, int]], reported: set[tuple[str, int]] | None = None
+    ) -> list[str]:
         """Stop every active engine the controller does not assign (or assigns another generation).
 
         `reported`: the (engine id, generation) pairs the controller was shown; others are left alone."""
@@ -453,8 +501,11 @@ class NodeManager:
                 continue
             generation = wanted.get(record.engine_id)
             if generation is None or (generation and generation != record.generation):
-                why = ("not assigned to this node by the controller" if generation is None
-                       else f"the controller assigns generation {generation}, this copy is generation {record.generation}")
+                why = (
+                    "not assigned to this node by the controller"
+                    if generation is None
+                    else f"the controller assigns generation {generation}, this copy is generation {record.generation}"
+                )
                 stopped.append(self._fence(record, why))
         return stopped
 

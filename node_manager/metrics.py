@@ -18,7 +18,8 @@ class Metrics:
             "motor_node_manager_engines",
             "Engine processes on this node by lifecycle state. Engines stuck in starting point at a slow model "
             "load or a bad engine_command; failed ones are restarted by the controller's policy.",
-            ["node", "state"], registry=self.registry
+            ["node", "state"],
+            registry=self.registry,
         )
         self.restarts = Counter(
             "motor_node_manager_engine_restarts",
@@ -39,14 +40,16 @@ class Metrics:
             "motor_node_manager_engine_failures",
             "Engines that ended in FAILED (exited, killed or never became healthy). Their exit reason is in "
             "`motorctl instances` and the engine's log under the node's log directory.",
-            ["node"], registry=self.registry
+            ["node"],
+            registry=self.registry,
         )
         self.store_write_failures = Counter(
             "motor_node_manager_store_write_failures",
             "Engine record writes the disk refused (full, read-only, failing) under the node's state_dir, retries "
             "included. Rising: free space there; exits are still recorded in memory and reported meanwhile (alert "
             "MotorNodeStoreFailing).",
-            ["node"], registry=self.registry
+            ["node"],
+            registry=self.registry,
         )
         self.heartbeat_latency = Histogram(
             "motor_node_manager_heartbeat_latency_seconds",

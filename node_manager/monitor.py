@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable, Coroutine, Protocol
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 from motor.clock import Clock
 from motor.v1 import engine_pb2, types_pb2
@@ -36,8 +37,15 @@ class MonitorListener(Protocol):
 class EngineMonitor:
     """Two loops for one engine, until it stops being watched (no longer active, or being ended)."""
 
-    def __init__(self, record: EngineRecord, config: NodeManagerConfig, clients: EngineClientFactory,
-                 clock: Clock, listener: MonitorListener, observe_latency: Callable[[float], None]):
+    def __init__(
+        self,
+        record: EngineRecord,
+        config: NodeManagerConfig,
+        clients: EngineClientFactory,
+        clock: Clock,
+        listener: MonitorListener,
+        observe_latency: Callable[[float], None],
+    ):
         self.record = record
         self.interval, self.timeout = config.heartbeat_interval, config.status_timeout
         self.judge = HealthJudge(config.abnormal_threshold, config.startup_grace)
@@ -95,13 +103,21 @@ class EngineMonitor:
         if status is not None:
             record.observe_status(status)
         changed = (record.health, record.health_reason, record.consecutive_abnormal) != (
-            verdict.health, verdict.reason, verdict.consecutive)
+            verdict.health,
+            verdict.reason,
+            verdict.consecutive,
+        )
         record.health, record.health_reason = verdict.health, verdict.reason
         record.consecutive_abnormal = verdict.consecutive
         record.ever_answered = judge.ever_answered
         if verdict.counted:
-            logger.warning("engine %s: abnormal heartbeat %d/%d: %s", record.engine_id,
-                           verdict.consecutive, judge.threshold, verdict.reason)
+            logger.warning(
+                "engine %s: abnormal heartbeat %d/%d: %s",
+                record.engine_id,
+                verdict.consecutive,
+                judge.threshold,
+                verdict.reason,
+            )
         self.listener.on_verdict(record, verdict, changed)
 
     async def _follow_probes(self) -> None:

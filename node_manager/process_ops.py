@@ -10,7 +10,8 @@ restarts in milliseconds, beside the tests that use real processes.
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Iterable, Protocol
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from motor import processes
 from motor.processes import ExitStatus, TreeId
@@ -45,8 +46,9 @@ class ProcessOps(Protocol):
 
     def descendants(self, pid: int) -> list[tuple[int, float]]: ...
 
-    def watch_exit(self, pid: int, on_exit: Callable[[ExitStatus], None], child: Launched | None,
-                   started: float | None) -> ExitWatcher:
+    def watch_exit(
+        self, pid: int, on_exit: Callable[[ExitStatus], None], child: Launched | None, started: float | None
+    ) -> ExitWatcher:
         """Start watching `pid`; `child` is given when it is our own child (exit code known)."""
 
     async def find_tree(self, tree: TreeId, remembered: Remembered = ()) -> list[int]:
@@ -59,8 +61,9 @@ class ProcessOps(Protocol):
         """Tokens of the live processes on this host launched for `node_id` by the node manager whose
         state directory is `holder` (any, when empty)."""
 
-    async def terminate_tree(self, tree: TreeId, exited: asyncio.Event, deadline: float,
-                             remembered: Remembered = ()) -> tuple[bool, list[int]]:
+    async def terminate_tree(
+        self, tree: TreeId, exited: asyncio.Event, deadline: float, remembered: Remembered = ()
+    ) -> tuple[bool, list[int]]:
         """SIGTERM, `deadline` seconds, then SIGKILL: (nothing needed SIGKILL, pids left alive)."""
 
 
@@ -83,8 +86,9 @@ class RealProcessOps:
     def descendants(self, pid: int) -> list[tuple[int, float]]:
         return processes.descendants(pid)
 
-    def watch_exit(self, pid: int, on_exit: Callable[[ExitStatus], None], child: Launched | None,
-                   started: float | None) -> ExitWatcher:
+    def watch_exit(
+        self, pid: int, on_exit: Callable[[ExitStatus], None], child: Launched | None, started: float | None
+    ) -> ExitWatcher:
         watch = processes.ExitWatch(pid, on_exit, popen=child, started=started)  # type: ignore[arg-type]
         watch.start()
         return watch
@@ -98,7 +102,8 @@ class RealProcessOps:
     async def node_tokens(self, node_id: str, holder: str = "") -> set[str]:
         return await asyncio.to_thread(processes.node_tokens, node_id, holder)
 
-    async def terminate_tree(self, tree: TreeId, exited: asyncio.Event, deadline: float,
-                             remembered: Remembered = ()) -> tuple[bool, list[int]]:
+    async def terminate_tree(
+        self, tree: TreeId, exited: asyncio.Event, deadline: float, remembered: Remembered = ()
+    ) -> tuple[bool, list[int]]:
         graceful, left = await processes.terminate_tree(tree, exited, deadline, remembered)
         return graceful, _pids(left)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable, Coroutine
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
@@ -28,8 +29,12 @@ class RecordSaver:
     RETRY_MIN_S = 1.0
     RETRY_MAX_S = 30.0
 
-    def __init__(self, store: RecordStore, spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task],
-                 count_failure: Callable[[], None]):
+    def __init__(
+        self,
+        store: RecordStore,
+        spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task],
+        count_failure: Callable[[], None],
+    ):
         self.store = store
         self._spawn = spawn
         self._count_failure = count_failure
@@ -75,15 +80,22 @@ class RecordSaver:
         if record is not None:
             self.unsaved[record.engine_id] = record
         if self._retrying is None or self._retrying.done():
-            logger.error("%s: engine records and any later change are kept in memory, reported, and written again "
-                         "with backoff (first: %s)", self.failing, record.engine_id if record else "a write check")
+            logger.error(
+                "%s: engine records and any later change are kept in memory, reported, and written again "
+                "with backoff (first: %s)",
+                self.failing,
+                record.engine_id if record else "a write check",
+            )
             self._retrying = self._spawn(self._write_again())
 
     async def _write_again(self) -> None:
         await asyncio.sleep(self.RETRY_MIN_S)
-        async for attempt in AsyncRetrying(retry=retry_if_exception_type(OSError), reraise=True,
-                                           wait=wait_exponential(min=self.RETRY_MIN_S, max=self.RETRY_MAX_S),
-                                           before_sleep=lambda state: self._count_failure()):
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(OSError),
+            reraise=True,
+            wait=wait_exponential(min=self.RETRY_MIN_S, max=self.RETRY_MAX_S),
+            before_sleep=lambda state: self._count_failure(),
+        ):
             with attempt:
                 for engine_id, record in list(self.unsaved.items()):
                     self.store.save(record)  # as memory has it now
@@ -93,5 +105,8 @@ class RecordSaver:
                     self.store.probe(self._probe)
                     self._probe = None
         self.failing = ""
-        logger.info("engine records are written again in %s (after %d refused retry(ies))", self.store.root,
-                    attempt.retry_state.attempt_number - 1)
+        logger.info(
+            "engine records are written again in %s (after %d refused retry(ies))",
+            self.store.root,
+            attempt.retry_state.attempt_number - 1,
+        )

@@ -30,8 +30,12 @@ class NodeManagerServer:
     def __init__(self, config: NodeManagerConfig):
         # A state directory of the wrong shape is a configuration error naming the path, before
         # anything is created in it.
-        prepare_directory("state_dir", config.state_dir, subdirectories=("engines",),
-                          files=("node_manager.port", "node_manager.lock", "node_manager.id"))
+        prepare_directory(
+            "state_dir",
+            config.state_dir,
+            subdirectories=("engines",),
+            files=("node_manager.port", "node_manager.lock", "node_manager.id"),
+        )
         self.config = config
         self.manager = NodeManager(config)
         self.lock = StateDirLock(config.state_dir)
@@ -78,17 +82,28 @@ class NodeManagerServer:
         # manager would offer again: stop it before serving.
         strays = await self.manager.stop_leftovers(self.process.state_dir_id)
         if strays:
-            logger.warning("stopped %d engine(s) launched from %s that no readable record describes",
-                           strays, self.config.state_dir)
+            logger.warning(
+                "stopped %d engine(s) launched from %s that no readable record describes", strays, self.config.state_dir
+            )
         self.port = await self.server.start()
         atomic_write(os.path.join(self.config.state_dir, "node_manager.port"), f"{self.port}\n")
-        logger.info("node manager %s serving motor.v1.NodeManagerService on port %d (advertised as %s)",
-                    self.config.node_id, self.port, self.address)
+        logger.info(
+            "node manager %s serving motor.v1.NodeManagerService on port %d (advertised as %s)",
+            self.config.node_id,
+            self.port,
+            self.address,
+        )
         await self.telemetry.serve("0.0.0.0", self.config.metrics_port)
         if self.config.controller:
-            self.link = ControllerLink(self.manager, self.config.controller, self.node_info(),
-                                       self.config.heartbeat_interval, tls=self.config.client_tls(), epoch=self.epoch,
-                                       max_interval=self.config.max_heartbeat_interval)
+            self.link = ControllerLink(
+                self.manager,
+                self.config.controller,
+                self.node_info(),
+                self.config.heartbeat_interval,
+                tls=self.config.client_tls(),
+                epoch=self.epoch,
+                max_interval=self.config.max_heartbeat_interval,
+            )
             self._link_task = asyncio.get_running_loop().create_task(self.link.run())
         else:
             logger.info("no --controller: running standalone (StartEngine through gRPC)")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from motor.contract import pbtime, start_refusals
-from motor.errors import InvalidArgument
 from motor.contract.names import excerpt
+from motor.errors import InvalidArgument
 from motor.v1 import node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from node_manager.controller_epoch import ControllerEpoch
 from node_manager.manager import NodeManager
@@ -14,8 +14,12 @@ MAX_STOP_DEADLINE = 3600.0
 
 
 class NodeManagerServicer(node_manager_pb2_grpc.NodeManagerServiceServicer):
-    def __init__(self, manager: NodeManager, process: types_pb2.NodeManagerProcess | None = None,
-                 epoch: ControllerEpoch | None = None):
+    def __init__(
+        self,
+        manager: NodeManager,
+        process: types_pb2.NodeManagerProcess | None = None,
+        epoch: ControllerEpoch | None = None,
+    ):
         self.manager = manager
         self.process = process or types_pb2.NodeManagerProcess()
         self.epoch = epoch or ControllerEpoch()

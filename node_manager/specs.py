@@ -9,8 +9,8 @@ import os
 
 from motor.contract import start_refusals
 from motor.contract.engine_policy import check_engine_config, parse_config_json, within
-from motor.errors import FailedPrecondition, InvalidArgument
 from motor.contract.names import ROLE_NAMES, check_instance_id, check_printable, excerpt, role_name
+from motor.errors import FailedPrecondition, InvalidArgument
 from motor.ports import PortAllocator, port_is_free
 from motor.processes import HOLDER_ENV, NODE_ENV
 from motor.v1 import types_pb2
@@ -103,15 +103,24 @@ def engine_argv(base: list[str], spec: types_pb2.EngineSpec, termination_path: s
     engine server writes its cause of exit to `termination_path` (motor.contract.termination)."""
     argv = [
         *base,
-        "--dp-rank", str(spec.dp_rank),
-        "--instance-id", spec.instance_id,
-        "--role", role_name(spec.role),
-        "--host", spec.host,
-        "--port", str(spec.port),
-        "--mgmt-port", str(spec.mgmt_port),
-        "--master-dp-ip", spec.master_dp_ip,
-        "--config-path", spec.config_path,
-        "--termination-message-path", termination_path,
+        "--dp-rank",
+        str(spec.dp_rank),
+        "--instance-id",
+        spec.instance_id,
+        "--role",
+        role_name(spec.role),
+        "--host",
+        spec.host,
+        "--port",
+        str(spec.port),
+        "--mgmt-port",
+        str(spec.mgmt_port),
+        "--master-dp-ip",
+        spec.master_dp_ip,
+        "--config-path",
+        spec.config_path,
+        "--termination-message-path",
+        termination_path,
     ]
     if spec.single_container:
         argv += ["--kv-port", str(spec.kv_port), "--dp-rpc-port", str(spec.dp_rpc_port)]
@@ -135,8 +144,9 @@ def log_path(config: NodeManagerConfig, spec: types_pb2.EngineSpec) -> str:
     return os.path.abspath(os.path.join(config.logs_dir, "engines", f"{spec.instance_id}_rank{spec.dp_rank}.log"))
 
 
-def reserve_ports(spec: types_pb2.EngineSpec, in_use: dict[int, str], allocator: PortAllocator, node_id: str,
-                  reserved: list[int]) -> None:
+def reserve_ports(
+    spec: types_pb2.EngineSpec, in_use: dict[int, str], allocator: PortAllocator, node_id: str, reserved: list[int]
+) -> None:
     """Check the spec's given ports free (`in_use`: port -> engine id of the running engines), allocate
     the others; each one is appended to `reserved`, so the caller can release them if the launch fails."""
     for name in port_fields(spec):

@@ -40,6 +40,7 @@ def function_of(mutant: str) -> str:
 
 def changed_lines(diff: str) -> tuple[str, str]:
     """(old, new): the removed and the added lines of a mutant's diff, whitespace collapsed."""
+
     def collect(sign: str) -> str:
         lines = [line[1:] for line in diff.splitlines() if line.startswith(sign) and not line.startswith(sign * 3)]
         return " ⏎ ".join(" ".join(line.split()) for line in lines)
@@ -84,8 +85,11 @@ def main() -> int:
             used.add(key)
         else:
             unexplained.append((mutant, status, key))
-    print(f"mutation score: {score:.1f}% ({detected} of {total} mutants detected; "
-          + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) + ")")
+    print(
+        f"mutation score: {score:.1f}% ({detected} of {total} mutants detected; "
+        + ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+        + ")"
+    )
     print(f"listed as equivalent in {EQUIVALENT}: {len(used)} survivors")
     for mutant, status, (function, old, new) in unexplained:
         print(f"NOT EXPLAINED ({status}) {mutant}\n- `{function}`: `{old}` → `{new}` — WHY?")
@@ -97,8 +101,10 @@ def main() -> int:
     if score < GOAL:
         print(f"mutation: the score is under the goal of {GOAL:g}%")
     if unexplained:
-        print(f"mutation: {len(unexplained)} survivors need a test that kills them or an entry in {EQUIVALENT} "
-              "(`mutmut show NAME` prints one)")
+        print(
+            f"mutation: {len(unexplained)} survivors need a test that kills them or an entry in {EQUIVALENT} "
+            "(`mutmut show NAME` prints one)"
+        )
     return 1 if score < GOAL or unexplained else 0
 
 

@@ -49,7 +49,11 @@ print(f"vllm-shim: wrote {folder}")
 
 
 def main() -> int:
-    venv = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv")
+    venv = (
+        sys.argv[1]
+        if len(sys.argv) > 1
+        else os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv")
+    )
     python = os.path.join(venv, "bin", "python")
     if not os.path.exists(python):
         print(f"vllm-shim: no Python at {python}", file=sys.stderr)

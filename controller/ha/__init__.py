@@ -18,25 +18,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from motor.errors import ConfigError, Unavailable
-from motor.service.grpc_server import aio_channel
-from motor.leader import ELECTION_METADATA, LEADER_METADATA
-from motor.v1 import controller_pb2, types_pb2
-
 from controller.config import ControllerConfig
 from controller.core import Controller
-from controller.ha.election import LeaderElection, LeaderInfo, Role
-from controller.store.etcd_client import UNAVAILABLE_ERRORS, EtcdTarget, connect, parse_etcd_url, unreachable_hint
-from controller.store.etcd import EtcdStore, Fenced
 from controller.events import EventBus
+from controller.ha.election import LeaderElection, LeaderInfo, Role
 from controller.ha.leader_watch import LeaderDeathWatch
 from controller.node_client import Abandonments, GrpcNodeClient, NodeCallError, NodeClient
+from controller.store.etcd import EtcdStore, Fenced
+from controller.store.etcd_client import UNAVAILABLE_ERRORS, EtcdTarget, connect, parse_etcd_url, unreachable_hint
+from motor.errors import ConfigError, Unavailable
+from motor.leader import ELECTION_METADATA, LEADER_METADATA
+from motor.service.grpc_server import aio_channel
+from motor.v1 import controller_pb2, types_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,9 @@ class LeaderOnlyNodeClient(NodeClient):
             self.election.lost(f"a write was refused by etcd: {exc}")
             raise NodeCallError("FAILED_PRECONDITION", f"{what} not sent: leadership lost ({exc})") from None
         except TimeoutError:
-            raise NodeCallError("UNAVAILABLE", f"{what} not sent: etcd did not commit the state in {self.flush_timeout}s") from None
+            raise NodeCallError(
+                "UNAVAILABLE", f"{what} not sent: etcd did not commit the state in {self.flush_timeout}s"
+            ) from None
         if not self.election.is_leader():  # the flush may have outlasted the leadership
             raise NodeCallError("FAILED_PRECONDITION", f"{what} not sent: {self.election.not_leader_message()}")
 
@@ -192,9 +194,13 @@ class HighAvailability:
                 await self.store.flush()
         except Fenced as exc:
             self.election.lost(f"a write was refused by etcd: {exc}")
-            raise Unavailable(f"this controller lost the leadership before the change was stored; retry: {exc}") from None
+            raise Unavailable(
+                f"this controller lost the leadership before the change was stored; retry: {exc}"
+            ) from None
         except TimeoutError:
-            raise Unavailable(f"etcd did not commit the change within {self.flush_timeout}s (no quorum?); retry") from None
+            raise Unavailable(
+                f"etcd did not commit the change within {self.flush_timeout}s (no quorum?); retry"
+            ) from None
 
     async def list_controllers(self) -> C.ListControllersResponse:
         members, leader = await self.election.controllers()
@@ -218,7 +224,9 @@ class HighAvailability:
                 elif role is not Role.LEADER and self._leading is not None:
                     await self._stand_by(reason)
                 if role is Role.STANDBY and leader is not None:
-                    self.events.emit(C.EVENT_TYPE_LEADER_CHANGED, f"{leader.address} leads (epoch {leader.epoch}): {reason}")
+                    self.events.emit(
+                        C.EVENT_TYPE_LEADER_CHANGED, f"{leader.address} leads (epoch {leader.epoch}): {reason}"
+                    )
             except Exception:
                 logger.exception("leadership transition to %s failed", role.value)
 
@@ -237,7 +245,9 @@ class HighAvailability:
         self._leading = self.controller = controller
         if self.on_lead:
             self.on_lead(controller)
-        self.events.emit(C.EVENT_TYPE_LEADER_CHANGED, f"{self.election.address} leads (epoch {self.election.epoch}): {reason}")
+        self.events.emit(
+            C.EVENT_TYPE_LEADER_CHANGED, f"{self.election.address} leads (epoch {self.election.epoch}): {reason}"
+        )
 
     async def _stand_by(self, reason: str) -> None:
         leading, self._leading = self._leading, None
@@ -270,7 +280,9 @@ class LeaderGate(grpc.aio.ServerInterceptor):
     def __init__(self, ha: HighAvailability, service: str = "motor.v1.ControllerService"):
         self.ha, self.service = ha, service
 
-    async def intercept_service(self, continuation: Callable[..., Awaitable[Any]], details: grpc.HandlerCallDetails) -> Any:
+    async def intercept_service(
+        self, continuation: Callable[..., Awaitable[Any]], details: grpc.HandlerCallDetails
+    ) -> Any:
         handler = await continuation(details)
         service, _, method = details.method.lstrip("/").rpartition("/")
         if handler is None or service != self.service or method not in MUTATING_METHODS:
@@ -280,7 +292,9 @@ class LeaderGate(grpc.aio.ServerInterceptor):
         async def refuse_unless_leader(context: grpc.aio.ServicerContext) -> None:
             if not ha.is_leader():
                 message, leader = ha.not_leader()
-                context.set_trailing_metadata(((LEADER_METADATA, leader),) if leader else ((ELECTION_METADATA, "under way"),))
+                context.set_trailing_metadata(
+                    ((LEADER_METADATA, leader),) if leader else ((ELECTION_METADATA, "under way"),)
+                )
                 await context.abort(grpc.StatusCode.UNAVAILABLE, message)
 
         if handler.stream_stream is not None:  # StreamHeartbeats: every beat only while leading
@@ -294,7 +308,8 @@ class LeaderGate(grpc.aio.ServerInterceptor):
                     yield reply
 
             return grpc.stream_stream_rpc_method_handler(
-                gated_stream, request_deserializer=handler.request_deserializer,
+                gated_stream,
+                request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_unary is None:
@@ -323,12 +338,21 @@ def advertised_address(config: ControllerConfig, port: int) -> str:
     return f"{socket.gethostname() if host in ('0.0.0.0', '::', '[::]') else host}:{port}"
 
 
-async def open_high_availability(config: ControllerConfig, on_lead: Callable[[Any], None] | None = None) -> HighAvailability:
+async def open_high_availability(
+    config: ControllerConfig, on_lead: Callable[[Any], None] | None = None
+) -> HighAvailability:
     """The etcd client, election, store and switcher for `--store etcd://...`, serving as a standby."""
     assert config.store
     endpoints, prefix = parse_etcd_url(config.store)
-    target = EtcdTarget(endpoints, prefix, config.etcd_ca, config.etcd_cert, config.etcd_key, config.etcd_timeout,
-                        config.etcd_server_name)
+    target = EtcdTarget(
+        endpoints,
+        prefix,
+        config.etcd_ca,
+        config.etcd_cert,
+        config.etcd_key,
+        config.etcd_timeout,
+        config.etcd_server_name,
+    )
     client = connect(target)
     election = LeaderElection(client, prefix, address="", ttl=config.lease_ttl, renew_client=lambda: connect(target))
     store = EtcdStore(client, prefix, fence=election.fence)
@@ -336,24 +360,41 @@ async def open_high_availability(config: ControllerConfig, on_lead: Callable[[An
 
     def make_controller() -> Controller:
         node_client = GrpcNodeClient(tls=config.client_tls(), epoch=lambda: election.epoch)
-        return Controller(config, store, LeaderOnlyNodeClient(node_client, election, store, config.commit_timeout),
-                          events=events, acting=election.is_leader)
+        return Controller(
+            config,
+            store,
+            LeaderOnlyNodeClient(node_client, election, store, config.commit_timeout),
+            events=events,
+            acting=election.is_leader,
+        )
 
     death_watch = LeaderDeathWatch(election, lambda address: aio_channel(address, config.client_tls()))
-    ha = HighAvailability(election, store, make_controller, events, target.describe(), config.commit_timeout, on_lead,
-                          death_watch)
+    ha = HighAvailability(
+        election, store, make_controller, events, target.describe(), config.commit_timeout, on_lead, death_watch
+    )
     try:
-        def waiting(state) -> None:
-            logger.warning("etcd at %s not readable yet (%s); %s", target.describe(), state.outcome.exception(),
-                           unreachable_hint(target))
 
-        async for attempt in AsyncRetrying(stop=stop_after_delay(config.etcd_startup_wait), wait=wait_exponential(max=2),
-                                           retry=retry_if_exception_type(UNAVAILABLE_ERRORS), reraise=True,
-                                           before_sleep=waiting):
+        def waiting(state) -> None:
+            logger.warning(
+                "etcd at %s not readable yet (%s); %s",
+                target.describe(),
+                state.outcome.exception(),
+                unreachable_hint(target),
+            )
+
+        async for attempt in AsyncRetrying(
+            stop=stop_after_delay(config.etcd_startup_wait),
+            wait=wait_exponential(max=2),
+            retry=retry_if_exception_type(UNAVAILABLE_ERRORS),
+            reraise=True,
+            before_sleep=waiting,
+        ):
             with attempt:
                 await ha.open()
     except UNAVAILABLE_ERRORS as exc:
         await client.close()
-        raise ConfigError(f"--store: cannot read the state from {target.describe()} within {config.etcd_startup_wait:g}s "
-                          f"({exc}); {unreachable_hint(target)}") from None
+        raise ConfigError(
+            f"--store: cannot read the state from {target.describe()} within {config.etcd_startup_wait:g}s "
+            f"({exc}); {unreachable_hint(target)}"
+        ) from None
     return ha

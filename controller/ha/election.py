@@ -29,15 +29,15 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import aetcd
 
+from controller.store.etcd_client import UNAVAILABLE_ERRORS
 from motor.service.retry import RepeatedFailure
 from motor.service.tasks import set_within
-
-from controller.store.etcd_client import UNAVAILABLE_ERRORS
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class LeaderInfo:
         return json.dumps({"address": self.address, "epoch": self.epoch, "name": self.name}).encode()
 
     @classmethod
-    def decode(cls, kv: Any) -> "LeaderInfo":
+    def decode(cls, kv: Any) -> LeaderInfo:
         data = json.loads(kv.value)
         return cls(data["address"], int(data["epoch"]), data.get("name", ""), kv.lease, kv.create_revision)
 
@@ -149,7 +149,7 @@ class LeaderElection:
         """`listener(role, leader, reason)` runs on the event loop after every change of role or leader."""
         self._listeners.append(listener)
 
-    async def wait_for(self, predicate: Callable[["LeaderElection"], bool]) -> None:
+    async def wait_for(self, predicate: Callable[[LeaderElection], bool]) -> None:
         while not predicate(self):
             self._changed.clear()
             await self._changed.wait()
@@ -284,7 +284,10 @@ class LeaderElection:
         tx = self.client.transactions
         mine = LeaderInfo(self.address, epoch + 1, self.name)
         won, responses = await self.client.transaction(
-            compare=[tx.version(self.leader_key) == 0, tx.mod(self.epoch_key) == (epoch_kv.mod_revision if epoch_kv else 0)],
+            compare=[
+                tx.version(self.leader_key) == 0,
+                tx.mod(self.epoch_key) == (epoch_kv.mod_revision if epoch_kv else 0),
+            ],
             success=[
                 tx.put(self.leader_key, mine.encode(), lease=self._lease.id),
                 tx.put(self.epoch_key, str(epoch + 1).encode()),
@@ -299,7 +302,9 @@ class LeaderElection:
         self._valid_until = self._renewed_at + self.renew_deadline
         why = f" after {self.reason}" if self.role is Role.CANDIDATE and self.reason != "starting" else ""
         self._set(Role.LEADER, LeaderInfo.decode(kv), f"elected (epoch {epoch + 1}){why}")
-        logger.info("leading as %s with epoch %d (lease %x, ttl %ds)", self.address, epoch + 1, self._lease.id, self.ttl)
+        logger.info(
+            "leading as %s with epoch %d (lease %x, ttl %ds)", self.address, epoch + 1, self._lease.id, self.ttl
+        )
         return True
 
     async def _wait_for_vacancy(self) -> None:
@@ -375,7 +380,9 @@ class _Renewal(threading.Thread):
                 stalled = e.clock() - e.loop_tick
                 if stalled > e.max_stall:
                     self.trouble = f" (the controller's event loop has not run for {stalled:.0f}s)"
-                    logger.error("no longer renewing the lease: the controller's event loop has not run for %.0fs", stalled)
+                    logger.error(
+                        "no longer renewing the lease: the controller's event loop has not run for %.0fs", stalled
+                    )
                     return
                 sent = e.clock()
                 expires = e._renewed_at + e.ttl

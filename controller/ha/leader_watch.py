@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 
@@ -48,7 +48,9 @@ async def refuses_connections(address: str, timeout: float) -> bool:
 class LeaderDeathWatch:
     """While this controller stands by, watches its connection to the leader (see module doc)."""
 
-    def __init__(self, election: LeaderElection, channel: Callable[[str], grpc.aio.Channel], probe_timeout: float = 0.5):
+    def __init__(
+        self, election: LeaderElection, channel: Callable[[str], grpc.aio.Channel], probe_timeout: float = 0.5
+    ):
         self.election = election
         self.channel = channel  # makes a channel to a controller's address (its TLS settings)
         self.probe_timeout = probe_timeout

@@ -17,11 +17,12 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
-from motor.service.config import prepare_directory
 from motor.errors import MotorError, Unavailable
+from motor.service.config import prepare_directory
 
 
 @dataclass
@@ -210,7 +211,9 @@ class SqliteStore(Store):
         return aside
 
     def _refused(self, exc: Exception) -> StoreUnavailable:
-        return StoreUnavailable(f"the controller's database {self.path} refused a write ({exc}); nothing was changed, try again")
+        return StoreUnavailable(
+            f"the controller's database {self.path} refused a write ({exc}); nothing was changed, try again"
+        )
 
     def _execute(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
         try:
@@ -264,8 +267,12 @@ class SqliteStore(Store):
             self.mark_applied()
             self.save_deployment(change.deployment, change.revision, change.name)
             try:
-                self.db.executemany("DELETE FROM instances WHERE instance_id = ?", [(k,) for k in change.deleted_instances])
-                self.db.executemany("DELETE FROM assignments WHERE engine_id = ?", [(k,) for k in change.deleted_assignments])
+                self.db.executemany(
+                    "DELETE FROM instances WHERE instance_id = ?", [(k,) for k in change.deleted_instances]
+                )
+                self.db.executemany(
+                    "DELETE FROM assignments WHERE engine_id = ?", [(k,) for k in change.deleted_assignments]
+                )
                 self.db.executemany("INSERT OR REPLACE INTO instances (instance_id, data) VALUES (?, ?)", instances)
                 self.db.executemany("INSERT OR REPLACE INTO assignments (engine_id, data) VALUES (?, ?)", assignments)
             except sqlite3.Error as exc:
@@ -310,8 +317,10 @@ class SqliteStore(Store):
             elif deployment is None:
                 self._execute("DELETE FROM deployments WHERE name = ?", (name,))
             else:
-                self._execute("INSERT OR REPLACE INTO deployments (name, data, revision) VALUES (?, ?, ?)",
-                              (name, deployment, revision))
+                self._execute(
+                    "INSERT OR REPLACE INTO deployments (name, data, revision) VALUES (?, ?, ?)",
+                    (name, deployment, revision),
+                )
 
     def mark_applied(self) -> None:
         self._set_meta("applied", 1)

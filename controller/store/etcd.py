@@ -33,17 +33,23 @@ import copy
 import heapq
 import json
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import aetcd
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, retry_if_not_exception_type, wait_exponential
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    retry_if_not_exception_type,
+    wait_exponential,
+)
 
-from motor.service.retry import RepeatedFailure, worth_reporting
-
-from controller.store.etcd_client import UNAVAILABLE_ERRORS
 from controller.slicing import Budget
 from controller.store import LEGACY_DEPLOYMENT, Store, StoreChange, StoredNode, StoredState
+from controller.store.etcd_client import UNAVAILABLE_ERRORS
+from motor.service.retry import RepeatedFailure, worth_reporting
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +134,12 @@ class EtcdStore(Store):
     def load(self) -> StoredState:
         m = self._mirror
         return StoredState(
-            dict(sorted(m.deployments.items())), m.ever_applied or bool(m.deployments), m.generation, [m.nodes[k] for k in sorted(m.nodes)],
-            copy.deepcopy(m.assignments), copy.deepcopy(m.instances),
+            dict(sorted(m.deployments.items())),
+            m.ever_applied or bool(m.deployments),
+            m.generation,
+            [m.nodes[k] for k in sorted(m.nodes)],
+            copy.deepcopy(m.assignments),
+            copy.deepcopy(m.instances),
         )
 
     def on_change(self, listener: Callable[[str], None]) -> None:
@@ -162,17 +172,21 @@ class EtcdStore(Store):
                 await self._reload_when_possible()
             except (*UNAVAILABLE_ERRORS, aetcd.exceptions.ClientError) as exc:
                 if breaks.failed(exc):
-                    logger.info("watch of the controller state broke (%s, %d time(s) in a row); resuming", exc, breaks.count)
+                    logger.info(
+                        "watch of the controller state broke (%s, %d time(s) in a row); resuming", exc, breaks.count
+                    )
                 await asyncio.sleep(breaks.delay())
 
     async def _reload_when_possible(self) -> None:
-        async for attempt in AsyncRetrying(retry=retry_if_exception_type(UNAVAILABLE_ERRORS), wait=wait_exponential(0.1, max=2)):
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(UNAVAILABLE_ERRORS), wait=wait_exponential(0.1, max=2)
+        ):
             with attempt:
                 await self.reload()
 
-    def _apply(self, state: "_Mirror", key: str, value: bytes | None) -> None:
+    def _apply(self, state: _Mirror, key: str, value: bytes | None) -> None:
         """Set one key of `state` from etcd's bytes (None: deleted)."""
-        name = key[len(self.root):]
+        name = key[len(self.root) :]
         section, _, item = name.partition("/")
         data = None if value is None else json.loads(value)
         if name in ("deployment", "applied") and value is not None:
@@ -188,7 +202,9 @@ class EtcdStore(Store):
         elif section == "nodes":
             state.nodes.pop(item, None)
             if data is not None:
-                state.nodes[item] = StoredNode(item, _unb64(data["info"]) or b"", data["generation"], data["state"], data["reason"])
+                state.nodes[item] = StoredNode(
+                    item, _unb64(data["info"]) or b"", data["generation"], data["state"], data["reason"]
+                )
         elif section in ("assignments", "instances"):
             table = getattr(state, section)
             if data is None:
@@ -222,7 +238,10 @@ class EtcdStore(Store):
         if name == LEGACY_DEPLOYMENT:
             self._stage("deployment", {"revision": revision, "deployment": _b64(deployment)})
         else:
-            self._stage(f"deployments/{name}", None if deployment is None else {"revision": revision, "deployment": _b64(deployment)})
+            self._stage(
+                f"deployments/{name}",
+                None if deployment is None else {"revision": revision, "deployment": _b64(deployment)},
+            )
 
     def mark_applied(self) -> None:
         self._stage("applied", 1)
@@ -254,9 +273,12 @@ class EtcdStore(Store):
     async def write_change_async(self, change: StoreChange) -> None:
         """Staged in slices, yielding to the loop (the writer task sends it to etcd; flush() waits for it)."""
         budget = Budget()
-        rows = [*((f"instances/{k}", None) for k in change.deleted_instances),
-                *((f"assignments/{k}", None) for k in change.deleted_assignments),
-                *((f"instances/{k}", v) for k, v in change.instances), *((f"assignments/{k}", v) for k, v in change.assignments)]
+        rows = [
+            *((f"instances/{k}", None) for k in change.deleted_instances),
+            *((f"assignments/{k}", None) for k in change.deleted_assignments),
+            *((f"instances/{k}", v) for k, v in change.instances),
+            *((f"assignments/{k}", v) for k, v in change.assignments),
+        ]
         with self.transaction():  # one batch: what others stage meanwhile joins it (sent together, in order)
             self.mark_applied()
             self.save_deployment(change.deployment, change.revision, change.name)
@@ -315,16 +337,22 @@ class EtcdStore(Store):
         tx = self.client.transactions
         items = list(writes.items())
         group = MAX_TXN_OPS * TXNS_IN_FLIGHT
-        for first in range(0, len(items), group):  # ops built a group at a time: a 50,000-key change does not hold the loop
-            ops = [tx.delete(k.encode()) if v is None else tx.put(k.encode(), v) for k, v in items[first:first + group]]
-            chunks = [ops[start:start + MAX_TXN_OPS] for start in range(0, len(ops), MAX_TXN_OPS)]
+        for first in range(
+            0, len(items), group
+        ):  # ops built a group at a time: a 50,000-key change does not hold the loop
+            ops = [
+                tx.delete(k.encode()) if v is None else tx.put(k.encode(), v) for k, v in items[first : first + group]
+            ]
+            chunks = [ops[start : start + MAX_TXN_OPS] for start in range(0, len(ops), MAX_TXN_OPS)]
             await asyncio.gather(*(self._commit_chunk(chunk) for chunk in chunks))
 
     async def _commit_chunk(self, ops: list[Any]) -> None:
         # Whatever etcd answers short of refusing the guard (no quorum, "leader changed", too many
         # requests...) is retried, in order, until it answers: a change is never dropped.
         async for attempt in AsyncRetrying(
-            retry=retry_if_not_exception_type(Fenced), wait=wait_exponential(0.05, max=1), reraise=True,
+            retry=retry_if_not_exception_type(Fenced),
+            wait=wait_exponential(0.05, max=1),
+            reraise=True,
             before_sleep=_log_retry,
         ):
             with attempt:

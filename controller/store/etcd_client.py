@@ -19,8 +19,8 @@ import aetcd
 import grpc
 from aetcd import rpc, watcher
 
-from motor.security.channels import RetiredChannels
 from motor.errors import ConfigError
+from motor.security.channels import RetiredChannels
 from motor.security.tls import TlsFileWatch, read_pem
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,11 @@ class _Client(aetcd.Client):
         self._files: TlsFileWatch | None = None
         if target.ca_file:
             # Read here first, so that an unreadable file at start is an error naming its flag.
-            for path, flag in ((target.ca_file, "--etcd-ca"), (target.key_file, "--etcd-key"), (target.cert_file, "--etcd-cert")):
+            for path, flag in (
+                (target.ca_file, "--etcd-ca"),
+                (target.key_file, "--etcd-key"),
+                (target.cert_file, "--etcd-cert"),
+            ):
                 if path:
                     read_pem(path, flag)
             self._files = TlsFileWatch.shared(target.cert_file, target.key_file, target.ca_file)
@@ -136,8 +140,9 @@ class _Client(aetcd.Client):
             self.channel = grpc.aio.insecure_channel(self._grpc_target, options=options)
         else:
             self._made_at, pems = self._files.reloads, self._files.pems
-            credentials = grpc.ssl_channel_credentials(root_certificates=pems.ca, private_key=pems.key,
-                                                       certificate_chain=pems.cert)
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=pems.ca, private_key=pems.key, certificate_chain=pems.cert
+            )
             self.channel = grpc.aio.secure_channel(self._grpc_target, credentials, options=options)
         self.kvstub = rpc.KVStub(self.channel)
         self.clusterstub = rpc.ClusterStub(self.channel)
@@ -179,14 +184,17 @@ def unreachable_hint(target: EtcdTarget) -> str:
     if not target.ca_file:
         hint = "if the members serve TLS, give --etcd-ca (and --etcd-cert/--etcd-key for --client-cert-auth)"
     elif not target.cert_file:
-        hint = ("members started with --client-cert-auth refuse a caller without a client certificate: "
-                "give --etcd-cert and --etcd-key")
+        hint = (
+            "members started with --client-cert-auth refuse a caller without a client certificate: "
+            "give --etcd-cert and --etcd-key"
+        )
     else:
-        hint = ("--etcd-ca must be the CA of the members' certificates and --etcd-cert/--etcd-key a client "
-                "certificate the members' --trusted-ca-file signed")
+        hint = (
+            "--etcd-ca must be the CA of the members' certificates and --etcd-cert/--etcd-key a client "
+            "certificate the members' --trusted-ca-file signed"
+        )
     if target.tls_name():
         hint += f"; every member's certificate must be valid for {target.tls_name()!r} (--etcd-server-name)"
     elif target.ca_file:
         hint += "; the member's certificate must be valid for the address in --store"
     return f"check that the members run and are reachable; {hint}"
-

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import Counter, Histogram
 
@@ -27,13 +28,16 @@ class StoreMetrics:
             "motor_controller_store_write_seconds",
             "Time the controller waits for its store to make a write durable, by operation. Every state "
             "change waits for it: a p99 rising above 0.1 s means a slow disk (SQLite) or a slow etcd.",
-            ["operation"], buckets=WRITE_BUCKETS, registry=None,
+            ["operation"],
+            buckets=WRITE_BUCKETS,
+            registry=None,
         )
         self.failures = Counter(
             "motor_controller_store_write_failures",
             "Store writes that raised, by operation: the controller's state may not survive a restart. Check "
             "the database's disk or etcd and the controller's log (alert MotorControllerStoreFailing).",
-            ["operation"], registry=None,
+            ["operation"],
+            registry=None,
         )
         for operation in OPERATIONS:
             self.seconds.labels(operation)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from motor.errors import ConfigError
-
 from engine_server.engines.base import EngineBackend
+from motor.errors import ConfigError
 
 
 def engine_class(engine_type: str) -> type[EngineBackend]:

@@ -18,8 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from motor.service.config import describe_validation_error
 from motor.errors import ConfigError
+from motor.service.config import describe_validation_error
 
 # Probes carry `X-Request-Id: {timestamp}-{token}_virtual`, where the token is a secret of this
 # engine server: only ids carrying it are probes (kept out of the metrics), so a client id that

@@ -26,9 +26,8 @@ import sys
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from motor.contract.exits import describe_returncode
-
 from engine_server.engines.base import EngineBackend, EngineOptions
+from motor.contract.exits import describe_returncode
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +119,7 @@ class SglangEngine(EngineBackend):
         try:
             async with asyncio.timeout(self.args.stop_timeout):
                 await asyncio.shield(self._exited)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logger.warning("SGLang did not stop within %gs of SIGTERM: SIGKILL", self.args.stop_timeout)
         # The main process may be gone while its workers linger: end the whole group.
         self._signal_group(signal.SIGKILL)

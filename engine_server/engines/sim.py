@@ -19,7 +19,8 @@ Faults (engine_args.faults in the user_config, or at run time):
   latency_ms      every completion takes this long
   utilization     the simulated accelerator utilization (percent) the engine server samples
 
-Probes (the engine server's own request ids, see engines.base.is_probe_request_id) are served but kept out of the sim:* counters, as the
+Probes (the engine server's own request ids, see engines.base.is_probe_request_id) are served but kept out of the sim:*
+counters, as the
 engine server's patch does for vLLM.
 """
 
@@ -36,8 +37,6 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from motor.service.config import describe_validation_error
-
 from engine_server import metrics as server_metrics
 from engine_server.engines.base import (
     EngineBackend,
@@ -45,8 +44,9 @@ from engine_server.engines.base import (
     UtilizationSampler,
     is_probe_request_id,
 )
-from engine_server.engines.vllm_admission import DRAINING_MESSAGE, RETRY_AFTER_S
 from engine_server.engines.sim_lora import SimLoras
+from engine_server.engines.vllm_admission import DRAINING_MESSAGE, RETRY_AFTER_S
+from motor.service.config import describe_validation_error
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,10 @@ SIM_GENERATION_TOKENS = Counter(
     "sim:generation_tokens", "Generated tokens of simulated requests (probes excluded).", ["model"]
 )
 SIM_RUNNING = Gauge(
-    "sim:num_requests_running", "Simulated requests in flight (probes excluded).", ["model"], multiprocess_mode="livesum"
+    "sim:num_requests_running",
+    "Simulated requests in flight (probes excluded).",
+    ["model"],
+    multiprocess_mode="livesum",
 )
 
 
@@ -115,7 +118,7 @@ def count_tokens(text: str) -> int:
 class _SimSampler(UtilizationSampler):
     name = "sim"
 
-    def __init__(self, engine: "SimEngine"):
+    def __init__(self, engine: SimEngine):
         self.engine = engine
 
     async def sample(self) -> float:
@@ -175,8 +178,12 @@ class SimEngine(EngineBackend):
             await site.start()
         except OSError as exc:
             await self._runner.cleanup()
-            raise RuntimeError(f"sim engine cannot listen on {self.options.host}:{self.options.port}: {exc.strerror}") from None
-        logger.info("sim engine serving model %r on http://%s:%d", self.args.model, self.options.host, self.options.port)
+            raise RuntimeError(
+                f"sim engine cannot listen on {self.options.host}:{self.options.port}: {exc.strerror}"
+            ) from None
+        logger.info(
+            "sim engine serving model %r on http://%s:%d", self.args.model, self.options.host, self.options.port
+        )
         self._apply_faults()
         if self.faults.crash_after_s:
             self._crash_timer = loop.call_later(
@@ -233,9 +240,9 @@ class SimEngine(EngineBackend):
         try:
             change = await request.json()
         except ValueError:
-            return _error(400, "body must be a JSON object of faults, e.g. {\"fail_inference\": true}")
+            return _error(400, 'body must be a JSON object of faults, e.g. {"fail_inference": true}')
         if not isinstance(change, dict):
-            return _error(400, "body must be a JSON object of faults, e.g. {\"fail_inference\": true}")
+            return _error(400, 'body must be a JSON object of faults, e.g. {"fail_inference": true}')
         try:
             SimFaults.model_validate(change)  # names the bad key before anything changes
             self.faults = SimFaults.model_validate({**self.faults.model_dump(), **change})
@@ -263,8 +270,13 @@ class SimEngine(EngineBackend):
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(
-            {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "motor-sim"}
-                                        for name in (self.args.model, *self.loras.loaded)]}
+            {
+                "object": "list",
+                "data": [
+                    {"id": name, "object": "model", "owned_by": "motor-sim"}
+                    for name in (self.args.model, *self.loras.loaded)
+                ],
+            }
         )
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -288,7 +300,7 @@ class SimEngine(EngineBackend):
             return problem
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            return _error(400, "messages: must be a non-empty list of {\"role\", \"content\"} objects")
+            return _error(400, 'messages: must be a non-empty list of {"role", "content"} objects')
         prompt = "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in messages)
         return await self._serve(request, body, prompt, chat=True)
 
@@ -300,8 +312,11 @@ class SimEngine(EngineBackend):
         probe = is_probe_request_id(request_id)
         if not self.admitting:
             # As with vLLM (vllm_admission.py): the router sends it elsewhere, the drain ends sooner.
-            return web.json_response({"error": {"message": DRAINING_MESSAGE, "code": 503}}, status=503,
-                                     headers={"Retry-After": str(RETRY_AFTER_S)})
+            return web.json_response(
+                {"error": {"message": DRAINING_MESSAGE, "code": 503}},
+                status=503,
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         model = body.get("model") or self.args.model
         if model != self.args.model and model not in self.loras.loaded:  # as vLLM: only what it serves
             return _model_not_found(model, self.args.model)
@@ -384,8 +399,9 @@ class SimEngine(EngineBackend):
 def _model_not_found(model: str, served: str) -> web.Response:
     """vLLM's answer to a request for a model it does not serve (entrypoints/serve/engine/serving.py)."""
     message = f"The model `{model}` does not exist. Valid aliases: {served}."
-    return web.json_response({"error": {"message": message, "type": "NotFoundError", "param": "model", "code": 404}},
-                             status=404)
+    return web.json_response(
+        {"error": {"message": message, "type": "NotFoundError", "param": "model", "code": 404}}, status=404
+    )
 
 
 def _error(status: int, message: str) -> web.Response:

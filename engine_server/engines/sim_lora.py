@@ -13,7 +13,9 @@ from aiohttp import web
 
 
 def _error(status: int, message: str, kind: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status)
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status
+    )
 
 
 class SimLoras:
@@ -41,8 +43,12 @@ class SimLoras:
         if name == self.base_model:
             return _error(400, f"The lora adapter '{name}' conflicts with a served base model.", "InvalidUserInput")
         if name in self.loaded and not body.get("load_inplace"):
-            return _error(400, f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
-                               "in place, set 'load_inplace' to True.", "InvalidUserInput")
+            return _error(
+                400,
+                f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
+                "in place, set 'load_inplace' to True.",
+                "InvalidUserInput",
+            )
         if not os.path.isfile(os.path.join(path, "adapter_config.json")):
             return _error(404, f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError")
         self.loaded[name] = path

@@ -13,7 +13,17 @@ import json
 from typing import Any
 
 # POST routes that start inference work in vLLM 0.32 (OpenAI, Anthropic, SageMaker, pooling).
-INFERENCE_PREFIXES = ("/v1/", "/v2/", "/inference/", "/invocations", "/pooling", "/classify", "/score", "/rerank", "/generate")
+INFERENCE_PREFIXES = (
+    "/v1/",
+    "/v2/",
+    "/inference/",
+    "/invocations",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/rerank",
+    "/generate",
+)
 RETRY_AFTER_S = 1
 DRAINING_MESSAGE = "this engine is draining (stopping) and admits no new requests: send the request to another engine"
 

@@ -14,8 +14,8 @@ import re
 from typing import Any
 
 from engine_server.engines.base import EngineOptions
-from motor.errors import ConfigError
 from motor.contract.vllm_request_args import MOTOR_ENGINE_ARGS, unsupported_vllm_arg
+from motor.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -44,8 +44,8 @@ from engine_server.engines.vllm_args import (
     parse_engine_args,
     prepare_environment,
 )
-from motor.errors import FailedPrecondition
 from motor.contract.exits import describe_returncode
+from motor.errors import FailedPrecondition
 from motor.processes import ExitWatch, create_time
 
 logger = logging.getLogger(__name__)
@@ -255,7 +255,9 @@ class VllmEngine(EngineBackend):
             ssl_cert_reqs=args.ssl_cert_reqs,
             ssl_ciphers=args.ssl_ciphers,
         )
-        config.h11_max_incomplete_event_size = args.h11_max_incomplete_event_size or H11_MAX_INCOMPLETE_EVENT_SIZE_DEFAULT
+        config.h11_max_incomplete_event_size = (
+            args.h11_max_incomplete_event_size or H11_MAX_INCOMPLETE_EVENT_SIZE_DEFAULT
+        )
         config.h11_max_header_count = args.h11_max_header_count or H11_MAX_HEADER_COUNT_DEFAULT
         config.load()
         self._server = NoSignalServer(config)
@@ -305,13 +307,17 @@ class VllmEngine(EngineBackend):
         for proc in processes:
             # ExitWatch confirms a real exit (no false alarm from a spurious wake-up, vLLM
             # #54184) and leaves the reaping to multiprocessing, which owns the child.
-            watch = ExitWatch(proc.pid, lambda _status, proc=proc: self._on_engine_core_exit(proc), started=create_time(proc.pid))
+            watch = ExitWatch(
+                proc.pid, lambda _status, proc=proc: self._on_engine_core_exit(proc), started=create_time(proc.pid)
+            )
             watch.start()
             self._exit_watches.append(watch)
         logger.info("watching vLLM engine core: %s", ", ".join(f"{p.name} pid {p.pid}" for p in processes))
 
     def _on_engine_core_exit(self, proc: Any) -> None:
-        self._death_report = asyncio.get_running_loop().create_task(self._engine_core_died(proc))  # kept: not collected mid-way
+        self._death_report = asyncio.get_running_loop().create_task(
+            self._engine_core_died(proc)
+        )  # kept: not collected mid-way
 
     async def _engine_core_died(self, proc: Any) -> None:
         # multiprocessing reaps it here, or vLLM's monitor thread is reaping it right now: then
@@ -356,7 +362,7 @@ class VllmEngine(EngineBackend):
             try:
                 async with asyncio.timeout(HTTP_SHUTDOWN_TIMEOUT_S):
                     await asyncio.shield(self._serve_task)
-            except (asyncio.TimeoutError, Exception):
+            except (TimeoutError, Exception):
                 self._serve_task.cancel()
         # The engine core's exit is expected from now on, not an error to report.
         handler = getattr(self.async_llm, "output_handler", None)
@@ -375,7 +381,7 @@ class VllmEngine(EngineBackend):
         if self._vllm_loop is not None and self._vllm_loop.is_running():
             try:
                 await self._on_vllm_loop(self._stop_http(), HTTP_SHUTDOWN_TIMEOUT_S + 1)
-            except (asyncio.TimeoutError, Exception):
+            except (TimeoutError, Exception):
                 logger.warning("vLLM's HTTP server did not stop cleanly", exc_info=True)
         if self.async_llm is not None:
             started = time.monotonic()

@@ -2,7 +2,8 @@
 
 The engine server probes the engine with real completions (`X-Request-Id: {ts}-{token}_virtual`,
 the token a secret of this engine server: engines.base.is_probe_request_id); an operator's
-dashboards must not see them, and a client cannot hide its own requests by picking such an id. vLLM counts requests in three places, all patched here:
+dashboards must not see them, and a client cannot hide its own requests by picking such an id. vLLM counts requests in
+three places, all patched here:
 
 API-server process (this process), `vllm.v1.engine.output_processor.OutputProcessor`:
   - `_update_stats_from_output`: per-iteration counters (prompt and generation tokens, prompt
@@ -35,7 +36,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from engine_server.engines.base import is_probe_request_id
 from engine_server.engines.vllm_utilization import PROGRESS

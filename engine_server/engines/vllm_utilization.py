@@ -19,7 +19,7 @@ progress (100).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from engine_server.engines.base import UtilizationSampler
 

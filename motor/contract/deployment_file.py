@@ -11,8 +11,8 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from motor.service.config import read_document
 from motor.errors import InvalidArgument
+from motor.service.config import read_document
 from motor.v1 import controller_pb2
 
 _ENUM_PREFIXES = {"role": "ROLE_", "scope": "RESTART_SCOPE_"}

@@ -28,12 +28,17 @@ import json
 import math
 import os
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
-from motor.errors import InvalidArgument
 from motor.contract.vllm_request_args import (
-    MOTOR_ENGINE_ARGS, VLLM_ARG_CHOICES, VLLM_REFUSED_ARGS, VLLM_REQUEST_ARGS, unsupported_vllm_arg,
+    MOTOR_ENGINE_ARGS,
+    VLLM_ARG_CHOICES,
+    VLLM_REFUSED_ARGS,
+    VLLM_REQUEST_ARGS,
+    unsupported_vllm_arg,
 )  # fmt: skip
+from motor.errors import InvalidArgument
 
 # Far above any real engine configuration (a few levels), far below Python's recursion limit.
 MAX_CONFIG_DEPTH = 32
@@ -49,7 +54,9 @@ CODE_KEYS = {
     "enable_custom_logit_processor": "it lets callers send Python code (SGLang)",
     "custom_weight_loader": "Python functions SGLang imports",
 }
-REFUSED_SECTIONS = {"mgmt_tls_config": "an engine's TLS files come from its node manager's settings (--tls-cert/--tls-key/--tls-ca)"}
+REFUSED_SECTIONS = {
+    "mgmt_tls_config": "an engine's TLS files come from its node manager's settings (--tls-cert/--tls-key/--tls-ca)"
+}
 CODE_FLAGS = {"trust_remote_code": "it runs Python code shipped with the model"}
 
 # SGLang flags a request may append (`extra_args`), reviewed against `sglang.launch_server --help`:
@@ -203,10 +210,13 @@ def _check_vllm_args(engine_args: dict, where: str) -> None:
             continue  # read by the engine server itself
         if name not in VLLM_REQUEST_ARGS:
             raise InvalidArgument(
-                f"{path}: not among the vLLM arguments a request may set (motor/contract/vllm_request_args.py, docs/security.md)"
+                f"{path}: not among the vLLM arguments a request may set (motor/contract/vllm_request_args.py, "
+                "docs/security.md)"
             )
         if name in VLLM_ARG_CHOICES and value is not None and value not in VLLM_ARG_CHOICES[name]:
-            raise InvalidArgument(f"{path}: must be one of {sorted(VLLM_ARG_CHOICES[name])} in a request (got {value!r})")
+            raise InvalidArgument(
+                f"{path}: must be one of {sorted(VLLM_ARG_CHOICES[name])} in a request (got {value!r})"
+            )
         unsupported = unsupported_vllm_arg(name, value)
         if unsupported:
             raise InvalidArgument(f"{path}: {unsupported}")
@@ -214,7 +224,9 @@ def _check_vllm_args(engine_args: dict, where: str) -> None:
             if not isinstance(item, str):
                 continue
             if _DOTTED_NAME.fullmatch(item.strip()) and name not in _VLLM_FREE_TEXT:
-                raise InvalidArgument(f"{inner}: {item!r} is a Python name vLLM would import; not accepted in a request")
+                raise InvalidArgument(
+                    f"{inner}: {item!r} is a Python name vLLM would import; not accepted in a request"
+                )
             if _OPTION.match(item):
                 raise InvalidArgument(f"{inner}: {item!r} looks like a command-line option; vLLM would read it as one")
 
@@ -255,13 +267,22 @@ def check_engine_config(config: dict, model_roots: list[str] | None, field: str 
 
     `model_roots` None (the controller, which cannot know each node's roots) skips the path
     check; the node manager repeats the whole check with its own roots."""
-    roots_hint = f"the node's model roots ({', '.join(model_roots)})" if model_roots else "a model root (the node allows no local paths: --model-root)"
+    roots_hint = (
+        f"the node's model roots ({', '.join(model_roots)})"
+        if model_roots
+        else "a model root (the node allows no local paths: --model-root)"
+    )
     check_paths = model_roots is not None
     try:
         for path, key, value in walk(config, field):
             if key is not None:
                 _check_key(path, key, value)
-            if isinstance(value, float) and not math.isfinite(value) or isinstance(value, str) and _not_finite_text(value):
+            if (
+                isinstance(value, float)
+                and not math.isfinite(value)
+                or isinstance(value, str)
+                and _not_finite_text(value)
+            ):
                 # A protobuf Struct and embedded JSON strings carry them, and argument parsers read
                 # "nan" as one; engines' range checks miss NaN.
                 raise InvalidArgument(f"{path}: {value!r} is not a finite number; give a number")

@@ -30,7 +30,7 @@ def same_seat(a: Process, b: Process) -> bool:
 
 
 def utc(wall: float) -> str:
-    return datetime.datetime.fromtimestamp(wall, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.fromtimestamp(wall, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def describe(process: Process) -> str:

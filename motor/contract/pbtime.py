@@ -23,7 +23,7 @@ def seconds(value: Duration) -> float:
 def timestamp(wall: float) -> Timestamp:
     """A Timestamp of `wall` (seconds since the epoch, as time.time())."""
     value = Timestamp()
-    value.FromDatetime(datetime.datetime.fromtimestamp(wall, datetime.timezone.utc))
+    value.FromDatetime(datetime.datetime.fromtimestamp(wall, datetime.UTC))
     return value
 
 

@@ -45,7 +45,8 @@ def kind(code: str, message: str) -> Refusal | None:
         return None
     if message.startswith("node_id ") and _WRONG_NODE in message:
         return Refusal.WRONG_NODE
-    if (message.startswith("spec.accelerator_ids: accelerator(s) ") and f" {_HELD_ACCELERATORS} " in message) or \
-            (message.startswith("spec.") and f" {_HELD_PORT} " in message):
+    if (message.startswith("spec.accelerator_ids: accelerator(s) ") and f" {_HELD_ACCELERATORS} " in message) or (
+        message.startswith("spec.") and f" {_HELD_PORT} " in message
+    ):
         return Refusal.HELD
     return None

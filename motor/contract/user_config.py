@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Collection, Literal
+from collections.abc import Collection
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
@@ -104,7 +105,7 @@ class HealthCheckConfig(_Strict):
         return found
 
     @model_validator(mode="after")
-    def _coherent(self) -> "HealthCheckConfig":
+    def _coherent(self) -> HealthCheckConfig:
         if self.utilization_sample_period > self.utilization_window:
             raise ValueError(
                 f"utilization_sample_period ({self.utilization_sample_period}) must not exceed "
@@ -168,7 +169,7 @@ class UserConfig(_Strict):
 
     @model_validator(mode="wrap")
     @classmethod
-    def _set_aside_other_components(cls, data: Any, handler: Any) -> "UserConfig":
+    def _set_aside_other_components(cls, data: Any, handler: Any) -> UserConfig:
         ignored: list[str] = []
         if isinstance(data, dict):
             ignored = sorted(k for k in data if isinstance(k, str) and OTHER_COMPONENT_SECTION.fullmatch(k))

@@ -47,12 +47,15 @@ _TLS_WHY = (
 )
 _RAY_WHY = (
     "Ray is not supported: the engine server runs vLLM's engine core as its own processes and "
-    "watches them (a Ray start reports \"vLLM started no engine-core process\"); use mp"
+    'watches them (a Ray start reports "vLLM started no engine-core process"); use mp'
 )
 VLLM_UNSUPPORTED_ARGS: dict[str, tuple[frozenset | None, str]] = {
     "distributed_executor_backend": (frozenset({"ray"}), _RAY_WHY),
     "data_parallel_backend": (frozenset({"ray"}), _RAY_WHY),
-    **{key: (None, _TLS_WHY) for key in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "ssl_ciphers", "enable_ssl_refresh")},
+    **{
+        key: (None, _TLS_WHY)
+        for key in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "ssl_ciphers", "enable_ssl_refresh")
+    },
 }
 
 

@@ -22,15 +22,16 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 from cryptography import x509
 
+from motor.contract.names import excerpt, is_valid_id
 from motor.errors import status_message
 from motor.security.identity import TRUST_DOMAIN, Identity, identity_from_uri
-from motor.contract.names import excerpt, is_valid_id
 from motor.security.tokens import TokenStore
 
 logger = logging.getLogger(__name__)
@@ -170,7 +171,9 @@ class AccessPolicy:
             return Caller(identity.uri(self.trust_domain), roles_of(identity, self.local_node), node)
         token = bearer_token(metadata)
         if token is None:
-            raise Refused(grpc.StatusCode.UNAUTHENTICATED, "no client certificate and no 'authorization: Bearer <token>' header")
+            raise Refused(
+                grpc.StatusCode.UNAUTHENTICATED, "no client certificate and no 'authorization: Bearer <token>' header"
+            )
         entry = self.tokens.lookup(token) if (self.tokens is not None and token) else None
         if entry is None:
             raise Refused(grpc.StatusCode.UNAUTHENTICATED, "the bearer token is not in this server's tokens file")
@@ -195,9 +198,13 @@ class AccessPolicy:
                 fields = ", ".join(f"{path}={excerpt(value)}" for path, value in named)
                 raise Refused(
                     grpc.StatusCode.PERMISSION_DENIED,
-                    f"{caller.describe()} may not call {method} with {fields}: a node may act only for itself (needs role {' or '.join(needed)})",
+                    f"{caller.describe()} may not call {method} with {fields}: a node may act only for itself (needs "
+                    f"role {' or '.join(needed)})",
                 )
-        raise Refused(grpc.StatusCode.PERMISSION_DENIED, f"{caller.describe()} may not call {method}: needs role {' or '.join(needed)}")
+        raise Refused(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"{caller.describe()} may not call {method}: needs role {' or '.join(needed)}",
+        )
 
     def stream_key(self, caller: Caller | None, peer: str) -> str:
         """Streams are counted per identity; a plaintext or unauthenticated caller per host."""
@@ -231,7 +238,9 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
             caller = await self._admit(method, metadata, request if sees_request else None, context)
             return caller, None if kind == "unary_unary" else await self._enter_stream(caller, context)
 
-        async def checked(requests: AsyncIterator[Any], caller: Caller | None, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def checked(
+            requests: AsyncIterator[Any], caller: Caller | None, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
             """Each message of a request stream, after checking it as a unary request (a node's
             heartbeat stream may carry only its own node's heartbeats)."""
             async for request in requests:
@@ -244,6 +253,7 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
                 yield request
 
         if inspect.isasyncgenfunction(behavior):
+
             async def guarded_generator(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 caller, key = await enter(request, context)
                 if not sees_request:
@@ -256,6 +266,7 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
 
             wrapped: Callable[..., Any] = guarded_generator
         else:  # a coroutine (unary replies, or streams written with context.write)
+
             async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 caller, key = await enter(request, context)
                 if not sees_request:
@@ -267,7 +278,9 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
 
             wrapped = guarded
         make = getattr(grpc, f"{kind}_rpc_method_handler")
-        return make(wrapped, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        return make(
+            wrapped, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
 
     async def _enter_stream(self, caller: Caller | None, context: grpc.aio.ServicerContext) -> str:
         key = self.policy.stream_key(caller, context.peer())
@@ -288,7 +301,9 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
         if not self.open_streams[key]:
             del self.open_streams[key]
 
-    async def _admit(self, method: str, metadata: Any, request: Any, context: grpc.aio.ServicerContext) -> Caller | None:
+    async def _admit(
+        self, method: str, metadata: Any, request: Any, context: grpc.aio.ServicerContext
+    ) -> Caller | None:
         """The caller, after checking it may call `method`; aborts the call otherwise."""
         caller = None
         try:

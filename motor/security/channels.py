@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import grpc
 
-from motor.service.grpc_server import TlsFiles, aio_channel
 from motor.security.tls import TlsFileWatch
+from motor.service.grpc_server import TlsFiles, aio_channel
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +56,17 @@ class RetiredChannels:
 class ReloadingChannel:
     """A channel to `target` (plaintext when `tls` is None) and the stubs made on it."""
 
-    def __init__(self, target: str, tls: TlsFiles | None = None, server_name: str | None = None,
-                 options: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        target: str,
+        tls: TlsFiles | None = None,
+        server_name: str | None = None,
+        options: dict[str, Any] | None = None,
+    ):
         self.target, self.tls = target, tls
         self._make: Callable[..., grpc.aio.Channel] = lambda pems=None: aio_channel(
-            target, tls, server_name=server_name, options=options, pems=pems)
+            target, tls, server_name=server_name, options=options, pems=pems
+        )
         self._watch = TlsFileWatch.shared(tls.cert, tls.key, tls.ca) if tls else None
         self._made_at = self._watch.reloads if self._watch else 0  # the version of the files in use
         self._channel = self._make(self._watch.pems if self._watch else None)

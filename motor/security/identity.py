@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from motor.errors import InvalidArgument
 from motor.contract.names import ID_RULE, is_valid_id
+from motor.errors import InvalidArgument
 
 TRUST_DOMAIN = "motor"
 # kind -> whether it carries a name (node id, operator or viewer name)
@@ -32,14 +32,12 @@ class Identity:
         if self.kind not in KINDS:
             raise InvalidArgument(f"identity kind {self.kind!r} is not one of {', '.join(KINDS)}")
         if KINDS[self.kind] and not is_valid_id(self.name):
-            raise InvalidArgument(
-                f"identity {self.kind}/{self.name!r}: the name {ID_RULE}"
-            )
+            raise InvalidArgument(f"identity {self.kind}/{self.name!r}: the name {ID_RULE}")
         if not KINDS[self.kind] and self.name:
             raise InvalidArgument(f"identity {self.kind!r} takes no name (got {self.name!r})")
 
     @classmethod
-    def parse(cls, text: str) -> "Identity":
+    def parse(cls, text: str) -> Identity:
         """'controller', 'node/node-a', 'operator/alice', 'viewer/bob'."""
         kind, _, name = text.partition("/")
         return cls(kind, name)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -31,15 +31,19 @@ CA_CERT, CA_KEY = "ca.crt", "ca.key"
 
 
 def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
+    return datetime.datetime.now(datetime.UTC)
 
 
 def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Motor"), x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    return x509.Name(
+        [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Motor"), x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+    )
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def subject_alt_names(hosts: Iterable[str]) -> list[x509.GeneralName]:
@@ -96,7 +100,7 @@ class CertificateAuthority:
         self.key = key
 
     @classmethod
-    def create(cls, common_name: str = "Motor development CA", days: int = 3650) -> "CertificateAuthority":
+    def create(cls, common_name: str = "Motor development CA", days: int = 3650) -> CertificateAuthority:
         key = ec.generate_private_key(ec.SECP256R1())
         now = _now()
         cert = (
@@ -108,16 +112,14 @@ class CertificateAuthority:
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=days))
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(
-                x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
-            )
+            .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .sign(key, hashes.SHA256())
         )
         return cls(cert, key)
 
     @classmethod
-    def load(cls, directory: str) -> "CertificateAuthority":
+    def load(cls, directory: str) -> CertificateAuthority:
         """Read `ca.crt` and `ca.key` from `directory` (made by `motorctl pki init`)."""
         paths = os.path.join(directory, CA_CERT), os.path.join(directory, CA_KEY)
         try:
@@ -125,7 +127,9 @@ class CertificateAuthority:
                 cert = x509.load_pem_x509_certificate(cert_file.read())
                 key = serialization.load_pem_private_key(key_file.read(), password=None)
         except OSError as exc:
-            raise ConfigError(f"--dir: no CA in {directory!r} ({exc.strerror}: {exc.filename}); run `motorctl pki init` first") from None
+            raise ConfigError(
+                f"--dir: no CA in {directory!r} ({exc.strerror}: {exc.filename}); run `motorctl pki init` first"
+            ) from None
         except ValueError as exc:
             raise ConfigError(f"--dir: {directory!r} holds no readable PEM CA: {exc}") from None
         if not isinstance(key, ec.EllipticCurvePrivateKey):
@@ -168,15 +172,12 @@ class CertificateAuthority:
             .not_valid_after(start + datetime.timedelta(days=days))
             .add_extension(x509.SubjectAlternativeName(sans), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(True, False, False, False, False, False, False, False, False), critical=True)
             .add_extension(
-                x509.KeyUsage(True, False, False, False, False, False, False, False, False), critical=True
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False,
             )
-            .add_extension(
-                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
-            )
-            .add_extension(
-                x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()), critical=False
-            )
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()), critical=False)
             .sign(self.key, hashes.SHA256())
         )
         return KeyPair(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field, model_validator
 
-from motor.security.access import AccessInterceptor, AccessPolicy
-from motor.service.cli_config import Flag
-from motor.service.config import ReadableFile
 from motor.errors import ConfigError
-from motor.service.grpc_server import MAX_MESSAGE_BYTES, MotorServer, TlsFiles
+from motor.security.access import AccessInterceptor, AccessPolicy
 from motor.security.identity import TRUST_DOMAIN
 from motor.security.tokens import TokenStore
+from motor.service.cli_config import Flag
+from motor.service.config import ReadableFile
+from motor.service.grpc_server import MAX_MESSAGE_BYTES, MotorServer, TlsFiles
 
 if TYPE_CHECKING:  # prometheus_client must not load before the engine server sets its multiprocess dir
     from motor.service.grpc_metrics import GrpcServerMetrics
@@ -63,7 +63,7 @@ class SecuritySettings(BaseModel):
     trust_domain: str = TRUST_DOMAIN
 
     @model_validator(mode="after")
-    def _coherent(self) -> "SecuritySettings":
+    def _coherent(self) -> SecuritySettings:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: set both or neither")
         if self.tls_cert and not self.tls_ca:
@@ -71,7 +71,9 @@ class SecuritySettings(BaseModel):
         if self.tls_ca and not self.tls_cert:
             raise ValueError("tls_cert/tls_key: required with tls_ca")
         if self.token_listen and not (self.tls_cert and self.tokens_file):
-            raise ValueError("token_listen: needs tls_cert/tls_key/tls_ca and tokens_file (tokens travel over TLS only)")
+            raise ValueError(
+                "token_listen: needs tls_cert/tls_key/tls_ca and tokens_file (tokens travel over TLS only)"
+            )
         return self
 
     @property
@@ -96,9 +98,15 @@ class SecuritySettings(BaseModel):
             "INSECURE: serving plaintext on %s: anyone who reaches it can call every RPC (docs/security.md)", bind
         )
 
-    def server(self, bind: str, local_node: str | None = None, setting: str = "listen",
-               metrics: GrpcServerMetrics | None = None, interceptors: list[Any] | None = None,
-               port_setting: str | None = None) -> MotorServer:
+    def server(
+        self,
+        bind: str,
+        local_node: str | None = None,
+        setting: str = "listen",
+        metrics: GrpcServerMetrics | None = None,
+        interceptors: list[Any] | None = None,
+        port_setting: str | None = None,
+    ) -> MotorServer:
         """A MotorServer on `bind` with these settings; `local_node`: on an engine server, the node
         whose manager may drain, sleep and wake it; `setting` (`port_setting` if given) is named
         when the address cannot be used."""
@@ -110,11 +118,21 @@ class SecuritySettings(BaseModel):
             local_node=local_node,
             max_streams_per_caller=self.max_streams_per_caller,
         )
-        tls = TlsFiles(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca, require_client_cert=True) if self.tls_enabled else None
+        tls = (
+            TlsFiles(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca, require_client_cert=True)
+            if self.tls_enabled
+            else None
+        )
         return MotorServer(
-            bind, tls=tls, interceptors=[AccessInterceptor(policy), *(interceptors or [])], reflection=self.reflection,
-            token_bind=self.token_listen, token_tls=TlsFiles(cert=self.tls_cert, key=self.tls_key) if self.token_listen else None,
-            max_message_bytes=self.max_message_bytes, metrics=metrics, setting=port_setting or setting,
+            bind,
+            tls=tls,
+            interceptors=[AccessInterceptor(policy), *(interceptors or [])],
+            reflection=self.reflection,
+            token_bind=self.token_listen,
+            token_tls=TlsFiles(cert=self.tls_cert, key=self.tls_key) if self.token_listen else None,
+            max_message_bytes=self.max_message_bytes,
+            metrics=metrics,
+            setting=port_setting or setting,
         )
 
 
@@ -124,9 +142,12 @@ SECURITY_FLAGS = {  # every service's flags for SecuritySettings (motor/service/
     "tls_ca": Flag("CA bundle that verifies callers and servers (mutual TLS)"),
     "tokens_file": Flag("bearer tokens of operators and viewers (docs/security.md)"),
     "token_listen": Flag("HOST:PORT of a TLS port without client certificates, for bearer tokens"),
-    "insecure": Flag("serve plaintext on a non-loopback address (every caller holds every role)",
-                     options={"action": "store_true"}),
-    "reflection": Flag("offer gRPC server reflection (--no-reflection: off)", options={"action": argparse.BooleanOptionalAction}),
+    "insecure": Flag(
+        "serve plaintext on a non-loopback address (every caller holds every role)", options={"action": "store_true"}
+    ),
+    "reflection": Flag(
+        "offer gRPC server reflection (--no-reflection: off)", options={"action": argparse.BooleanOptionalAction}
+    ),
     "max_streams_per_caller": Flag("open streams one caller may hold"),
     "max_message_bytes": Flag("largest message in either direction"),
     "trust_domain": Flag("SPIFFE trust domain of caller identities"),

@@ -43,7 +43,9 @@ def read_pem(path: str, field: str) -> bytes:
     except OSError as exc:
         raise ConfigError(f"{field}: cannot read {path!r}: {exc.strerror}") from None
     if len(data) > MAX_PEM_BYTES:
-        raise ConfigError(f"{field}: {path!r} is over {MAX_PEM_BYTES} bytes; a PEM certificate, key or CA bundle is far smaller")
+        raise ConfigError(
+            f"{field}: {path!r} is over {MAX_PEM_BYTES} bytes; a PEM certificate, key or CA bundle is far smaller"
+        )
     return data
 
 
@@ -56,12 +58,19 @@ def check_key_pair(cert_pem: bytes, key_pem: bytes, cert_path: str, key_path: st
     try:
         key = serialization.load_pem_private_key(key_pem, password=None)
     except (ValueError, TypeError, UnsupportedAlgorithm) as exc:  # not PEM, encrypted, an unknown algorithm
-        raise ConfigError(f"key: {key_path!r} holds no usable PEM private key, unencrypted, of a known "
-                          f"algorithm ({exc})") from None
+        raise ConfigError(
+            f"key: {key_path!r} holds no usable PEM private key, unencrypted, of a known algorithm ({exc})"
+        ) from None
     if not usable_for_tls(key):
-        kind = f"ECDSA on {key.curve.name}" if isinstance(key, ec.EllipticCurvePrivateKey) else type(key).__name__.removesuffix("PrivateKey")
-        raise ConfigError(f"key: {key_path!r} holds a key gRPC's TLS cannot sign handshakes with ({kind}): use an RSA "
-                          "key or an ECDSA key on P-256 or P-384")
+        kind = (
+            f"ECDSA on {key.curve.name}"
+            if isinstance(key, ec.EllipticCurvePrivateKey)
+            else type(key).__name__.removesuffix("PrivateKey")
+        )
+        raise ConfigError(
+            f"key: {key_path!r} holds a key gRPC's TLS cannot sign handshakes with ({kind}): use an RSA "
+            "key or an ECDSA key on P-256 or P-384"
+        )
     public = serialization.PublicFormat.SubjectPublicKeyInfo
     try:
         cert_public = cert.public_key().public_bytes(serialization.Encoding.DER, public)
@@ -75,20 +84,25 @@ def usable_for_tls(key: object) -> bool:
     """Whether gRPC's TLS (BoringSSL, as grpcio builds it) can sign a handshake with `key`. Others
     (Ed25519, Ed448, P-521, DSA...) load here, and then every handshake fails."""
     return isinstance(key, rsa.RSAPrivateKey) or (
-        isinstance(key, ec.EllipticCurvePrivateKey) and isinstance(key.curve, (ec.SECP256R1, ec.SECP384R1)))
+        isinstance(key, ec.EllipticCurvePrivateKey) and isinstance(key.curve, (ec.SECP256R1, ec.SECP384R1))
+    )
 
 
 def check_not_expired(cert_pem: bytes, cert_path: str) -> None:
     """Raise ConfigError when the first certificate of `cert_pem` has expired or is not valid yet:
     rotating to it would make every new handshake fail, where the certificate in use may still be good."""
     cert = x509.load_pem_x509_certificates(cert_pem)[0]
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     if cert.not_valid_after_utc < now:
-        raise ConfigError(f"cert: {cert_path!r} expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC; write a "
-                          "current certificate and its key there")
+        raise ConfigError(
+            f"cert: {cert_path!r} expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC; write a "
+            "current certificate and its key there"
+        )
     if cert.not_valid_before_utc > now:
-        raise ConfigError(f"cert: {cert_path!r} is not valid before {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC "
-                          "(check this host's clock, or issue it to start now)")
+        raise ConfigError(
+            f"cert: {cert_path!r} is not valid before {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC "
+            "(check this host's clock, or issue it to start now)"
+        )
 
 
 def issued_by_bundle(cert_pem: bytes, ca_pem: bytes) -> bool:
@@ -112,8 +126,10 @@ def check_same_trust(before: TlsPems, after: TlsPems, cert_path: str, ca_path: s
         return
     if not issued_by_bundle(after.cert, after.ca):
         issuer = x509.load_pem_x509_certificates(after.cert)[0].issuer.rfc4514_string()
-        raise ConfigError(f"cert: {cert_path!r} is not issued by a CA of {ca_path!r} (its issuer: {issuer}); peers "
-                          "trusting that bundle would refuse it: add its CA to the bundle first, or issue it from that CA")
+        raise ConfigError(
+            f"cert: {cert_path!r} is not issued by a CA of {ca_path!r} (its issuer: {issuer}); peers "
+            "trusting that bundle would refuse it: add its CA to the bundle first, or issue it from that CA"
+        )
 
 
 def check_ca_bundle(ca_pem: bytes, ca_path: str) -> None:
@@ -141,7 +157,7 @@ class TlsFileWatch:
     Used by servers (ReloadingServerCredentials) and, one per set of files in a process
     (`shared`), by the client channels it keeps (motor/security/channels.py)."""
 
-    _shared: dict[tuple[str | None, str | None, str | None], "TlsFileWatch"] = {}
+    _shared: dict[tuple[str | None, str | None, str | None], TlsFileWatch] = {}
 
     def __init__(self, cert: str | None, key: str | None, ca: str | None):
         self.files = {field: path for field, path in (("cert", cert), ("key", key), ("ca", ca)) if path}
@@ -152,7 +168,7 @@ class TlsFileWatch:
         self.pems = self._read()  # at start a ConfigError naming the setting: exit 2
 
     @classmethod
-    def shared(cls, cert: str | None, key: str | None, ca: str | None) -> "TlsFileWatch":
+    def shared(cls, cert: str | None, key: str | None, ca: str | None) -> TlsFileWatch:
         """This process's one watch of these files: read once, so that a channel made later (to a
         new engine, a new node) starts from the last usable contents, even in the middle of a
         rotation, and every channel sees a change under the same `reloads` count."""
@@ -212,7 +228,9 @@ class ReloadingServerCredentials:
     def __init__(self, cert: str, key: str, ca: str | None = None, require_client_cert: bool = False):
         self.watch = TlsFileWatch(cert, key, ca)
         self.credentials = grpc.dynamic_ssl_server_credentials(
-            self._configuration(self.watch.pems), self._fetch, require_client_authentication=bool(ca) and require_client_cert
+            self._configuration(self.watch.pems),
+            self._fetch,
+            require_client_authentication=bool(ca) and require_client_cert,
         )
 
     @staticmethod

@@ -24,10 +24,10 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, Field, field_validator
 
-from motor.service.config import load, validate
-from motor.errors import ConfigError
 from motor.contract.names import IdSetting
+from motor.errors import ConfigError
 from motor.security.pki import write_atomically
+from motor.service.config import load, validate
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +62,10 @@ class TokensFile(BaseModel):
         first_named: dict[str, str] = {}
         for entry in entries:
             if entry.token in first_named:
-                raise ValueError(f"tokens must be unique: {first_named[entry.token]} and {entry.name} have the same "
-                                 "token; give each entry its own (`motorctl pki tokens` makes them)")
+                raise ValueError(
+                    f"tokens must be unique: {first_named[entry.token]} and {entry.name} have the same "
+                    "token; give each entry its own (`motorctl pki tokens` makes them)"
+                )
             first_named[entry.token] = entry.name
         return entries
 
@@ -121,6 +123,6 @@ def write_tokens_file(path: str, roles_by_name: dict[str, list[str]]) -> dict[st
     tokens = {name: new_token() for name in roles_by_name}
     entries = [{"name": name, "roles": roles, "token": tokens[name]} for name, roles in roles_by_name.items()]
     body = validate(TokensFile, {"tokens": entries}, source=path)
-    header = "# Bearer tokens (docs/security.md): grpcurl -H \"authorization: Bearer <token>\"\n"
+    header = '# Bearer tokens (docs/security.md): grpcurl -H "authorization: Bearer <token>"\n'
     write_atomically(path, (header + yaml.safe_dump(body.model_dump(), sort_keys=False)).encode(), private=True)
     return tokens

@@ -14,13 +14,14 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from motor.service.config import read_document, validate
 from motor.errors import ConfigError, MotorError
+from motor.service.config import read_document, validate
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -52,24 +53,33 @@ def default_text(model: type[BaseModel], setting: str, flag: Flag) -> str:
     return str(value)
 
 
-def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, model: type[BaseModel],
-              flags: Mapping[str, Flag]) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, model: type[BaseModel], flags: Mapping[str, Flag]
+) -> None:
     """One flag per setting of `model` named in `flags`; unset flags leave the setting alone."""
     for setting, flag in flags.items():
         options = dict(flag.options)
         if not options.get("required"):
             options.setdefault("default", argparse.SUPPRESS)
         shown = default_text(model, setting, flag)
-        parser.add_argument(flag_name(setting), dest=setting,
-                            help=f"{flag.help} [{shown if shown == 'required' else 'default: ' + shown}]", **options)
+        parser.add_argument(
+            flag_name(setting),
+            dest=setting,
+            help=f"{flag.help} [{shown if shown == 'required' else 'default: ' + shown}]",
+            **options,
+        )
 
 
-def settings_parser(prog: str, description: str, model: type[BaseModel], flags: Mapping[str, Flag],
-                    config_file: bool = True) -> argparse.ArgumentParser:
+def settings_parser(
+    prog: str, description: str, model: type[BaseModel], flags: Mapping[str, Flag], config_file: bool = True
+) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description)
     if config_file:
-        parser.add_argument("--config", default=argparse.SUPPRESS,
-                            help="YAML or JSON file with these settings, named with '_' (flags win)")
+        parser.add_argument(
+            "--config",
+            default=argparse.SUPPRESS,
+            help="YAML or JSON file with these settings, named with '_' (flags win)",
+        )
     add_flags(parser, model, flags)
     return parser
 
@@ -94,8 +104,12 @@ def load_settings(model: type[ModelT], parser: argparse.ArgumentParser, argv: li
     return validate(model, data, source=source)
 
 
-def run_service(prog: str, load: Callable[[], ModelT], start_logging: Callable[[ModelT], object],
-                serve: Callable[[ModelT], Awaitable[None]]) -> int:
+def run_service(
+    prog: str,
+    load: Callable[[], ModelT],
+    start_logging: Callable[[ModelT], object],
+    serve: Callable[[ModelT], Awaitable[None]],
+) -> int:
     """A service's main: settings (exit 2 naming the setting), logging, then `serve` until it
     returns (0), or exit 2 when it raises a MotorError (a port in use, a bad deployment file, a
     registration the controller refuses), logged with the reason."""

@@ -14,8 +14,8 @@ from typing import Annotated, Any, TypeVar
 import yaml
 from pydantic import AfterValidator, BaseModel, ValidationError
 
-from motor.errors import ConfigError
 from motor.contract.names import excerpt
+from motor.errors import ConfigError
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -50,8 +50,10 @@ ReadableFile = Annotated[str, AfterValidator(_check_readable)]
 def _check_absolute_command(value: str) -> str:
     argv = shlex.split(value)
     if not argv or not os.path.isabs(argv[0]) or not os.path.isfile(argv[0]) or not os.access(argv[0], os.X_OK):
-        raise ValueError("must start with the absolute path of an executable file "
-                         "(e.g. /opt/sglang/bin/python -m sglang.launch_server)")
+        raise ValueError(
+            "must start with the absolute path of an executable file "
+            "(e.g. /opt/sglang/bin/python -m sglang.launch_server)"
+        )
     return value
 
 
@@ -115,22 +117,29 @@ def load(model: type[ModelT], path: str, prefix: str = "") -> ModelT:
     return validate(model, data, source=path, prefix=prefix)
 
 
-def prepare_directory(setting: str, directory: str, subdirectories: tuple[str, ...] = (),
-                      files: tuple[str, ...] = ()) -> None:
+def prepare_directory(
+    setting: str, directory: str, subdirectories: tuple[str, ...] = (), files: tuple[str, ...] = ()
+) -> None:
     """Create `directory` if needed and check what lives in it has the right kind: a ConfigError
     naming `setting` and the path otherwise (a file where a directory belongs, or the reverse),
     rather than a traceback from deep inside the service."""
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"{setting}: cannot create the directory {directory} ({exc.strerror}: "
-                          f"{exc.filename}); choose another path or move what is in the way") from None
+        raise ConfigError(
+            f"{setting}: cannot create the directory {directory} ({exc.strerror}: "
+            f"{exc.filename}); choose another path or move what is in the way"
+        ) from None
     for name in subdirectories:
         path = os.path.join(directory, name)
         if os.path.lexists(path) and not os.path.isdir(path):
-            raise ConfigError(f"{setting}: {path} must be a directory but is not; move it away (or choose another path)")
+            raise ConfigError(
+                f"{setting}: {path} must be a directory but is not; move it away (or choose another path)"
+            )
     for name in files:
         path = os.path.join(directory, name)
         if os.path.lexists(path) and not os.path.isfile(path):
-            raise ConfigError(f"{setting}: {path} must be a regular file but is not (a directory?); move it away "
-                              "(or choose another path)")
+            raise ConfigError(
+                f"{setting}: {path} must be a regular file but is not (a directory?); move it away "
+                "(or choose another path)"
+            )

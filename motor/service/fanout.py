@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Generic, Iterable, TypeVar
+from collections.abc import AsyncIterator, Iterable
+from typing import Generic, TypeVar
 
 from motor.errors import ResourceExhausted
 
@@ -26,7 +27,7 @@ _CUT = object()  # the subscriber was too slow
 class Subscription(Generic[T]):
     """One subscriber's stream: iterate it with `async for`; `close()` unsubscribes."""
 
-    def __init__(self, fanout: "FanOut[T]", capacity: int):
+    def __init__(self, fanout: FanOut[T], capacity: int):
         self._fanout = fanout
         # One slot more than the capacity: room for the end marker even when full.
         self._queue: asyncio.Queue = asyncio.Queue(maxsize=capacity + 1)

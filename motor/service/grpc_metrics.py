@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -29,20 +30,25 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
 
     def __init__(self, registry: CollectorRegistry | None):
         self.started = Counter(
-            "grpc_server_started", "RPCs started on the server, by method. Compare with handled to see calls in flight.",
-            LABELS, registry=registry,
+            "grpc_server_started",
+            "RPCs started on the server, by method. Compare with handled to see calls in flight.",
+            LABELS,
+            registry=registry,
         )
         self.handled = Counter(
             "grpc_server_handled",
             "RPCs finished on the server, by method and status code. A rising share of codes other than OK "
             "(motor:grpc_server_error_ratio:rate5m) means callers see failures: the code names the cause.",
-            [*LABELS, "grpc_code"], registry=registry,
+            [*LABELS, "grpc_code"],
+            registry=registry,
         )
         self.handling = Histogram(
             "grpc_server_handling_seconds",
             "Time to handle an RPC to its end (streams: their whole life). Slow unary calls point at a "
             "loaded service: compare with motor_event_loop_lag_seconds.",
-            LABELS, buckets=HANDLING_BUCKETS, registry=registry,
+            LABELS,
+            buckets=HANDLING_BUCKETS,
+            registry=registry,
         )
 
     async def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Any:
@@ -54,7 +60,9 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
             lambda behavior: self._stream(behavior, ("bidi_stream", service, method)),
         )
 
-    def _finish(self, labels: tuple[str, ...], context: grpc.aio.ServicerContext, began: float, outcome: grpc.StatusCode) -> None:
+    def _finish(
+        self, labels: tuple[str, ...], context: grpc.aio.ServicerContext, began: float, outcome: grpc.StatusCode
+    ) -> None:
         # An abort (context.abort, the error-mapping interceptor) leaves its code on the context.
         code = context.code() or outcome
         self.handled.labels(*labels, code.name if isinstance(code, grpc.StatusCode) else str(code)).inc()

@@ -14,8 +14,9 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,7 +24,6 @@ from grpc_reflection.v1alpha import reflection
 
 from motor.errors import ConfigError, ErrorMappingInterceptor
 from motor.security.tls import ReloadingServerCredentials, TlsFileWatch, TlsPems
-
 
 if TYPE_CHECKING:  # prometheus_client must not be imported before the engine server sets its multiprocess dir
     from motor.service.grpc_metrics import GrpcServerMetrics
@@ -108,9 +108,17 @@ class MotorServer:
     """An asyncio gRPC server with health, reflection and domain-error mapping built in."""
 
     def __init__(
-        self, bind: str, tls: TlsFiles | None = None, interceptors: list[Any] | None = None, reflection: bool = True,
-        token_bind: str | None = None, token_tls: TlsFiles | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
-        metrics: GrpcServerMetrics | None = None, setting: str = "listen", token_setting: str = "token_listen",
+        self,
+        bind: str,
+        tls: TlsFiles | None = None,
+        interceptors: list[Any] | None = None,
+        reflection: bool = True,
+        token_bind: str | None = None,
+        token_tls: TlsFiles | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        metrics: GrpcServerMetrics | None = None,
+        setting: str = "listen",
+        token_setting: str = "token_listen",
     ):
         """`token_bind`: a second TLS port that asks for no client certificate (bearer tokens);
         `setting`/`token_setting`: the settings named when a port cannot be bound."""
@@ -119,7 +127,10 @@ class MotorServer:
         self.tls = tls
         self.reflection = reflection
         self.token_bind, self.token_tls = token_bind, token_tls
-        sizes = [("grpc.max_send_message_length", max_message_bytes), ("grpc.max_receive_message_length", max_message_bytes)]
+        sizes = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
         # Metrics outermost: they see the status codes the error mapping and access checks set.
         outer = [metrics] if metrics is not None else []
         self.server = grpc.aio.server(
@@ -156,11 +167,17 @@ class MotorServer:
         if in_use:
             raise ConfigError(f"{setting}: cannot listen on {bind}: {problem}")
         try:
-            port = self.server.add_secure_port(bind, server_credentials(tls)) if tls else self.server.add_insecure_port(bind)
+            port = (
+                self.server.add_secure_port(bind, server_credentials(tls))
+                if tls
+                else self.server.add_insecure_port(bind)
+            )
         except RuntimeError:
             port = 0
         if port == 0:
-            raise ConfigError(f"{setting}: cannot listen on {bind}: {bind_problem(bind)[1] or 'in use or not available'}")
+            raise ConfigError(
+                f"{setting}: cannot listen on {bind}: {bind_problem(bind)[1] or 'in use or not available'}"
+            )
         return port
 
     async def set_serving(self, service: str, serving: bool) -> None:
@@ -180,7 +197,9 @@ def bind_problem(bind: str) -> tuple[bool, str | None]:
     (True, '127.0.0.1:50051 is in use (...)'), or (False, None) when it can be bound."""
     host, _, port = bind.rpartition(":")
     try:
-        addresses = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        addresses = socket.getaddrinfo(
+            host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
     except (OSError, ValueError) as exc:
         return False, f"{bind} is not a HOST:PORT this machine can listen on ({exc})"
     problem = None

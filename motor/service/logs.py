@@ -61,7 +61,9 @@ def launch_line(argv: list[str]) -> str:
     """The line a node manager writes at the top of an engine's log file before launching it:
     `--- <time> launching: <argv>`, or in JSON mode an object whose message starts "--- launching"."""
     if isinstance(_active, JsonFormatter):
-        record = logging.LogRecord("motor.processes", logging.INFO, __file__, 0, "--- launching: %s", (" ".join(argv),), None)
+        record = logging.LogRecord(
+            "motor.processes", logging.INFO, __file__, 0, "--- launching: %s", (" ".join(argv),), None
+        )
         return _active.format(record)
     return f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} launching: {' '.join(argv)}"
 
@@ -75,7 +77,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
-            "time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(timespec="milliseconds"),
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname,
             **self.fields,
             "logger": record.name,
@@ -122,9 +124,7 @@ def setup_logging(
     if log_dir and file_name:
         os.makedirs(log_dir, exist_ok=True)
         path = os.path.join(log_dir, file_name)
-        rotating = logging.handlers.RotatingFileHandler(
-            path, maxBytes=max_bytes, backupCount=backup_count
-        )
+        rotating = logging.handlers.RotatingFileHandler(path, maxBytes=max_bytes, backupCount=backup_count)
         rotating.setFormatter(formatter)
         root.addHandler(rotating)
     # grpc's own chatter is rarely useful to an operator.

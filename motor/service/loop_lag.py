@@ -54,7 +54,9 @@ def lag_histogram(registry: CollectorRegistry | None) -> Histogram:
 class EventLoopLag:
     def __init__(self, registry: CollectorRegistry | None, interval: float = 0.25):
         self.histogram = lag_histogram(registry)
-        self.blocked = Histogram("motor_event_loop_blocked_seconds", BLOCKED_HELP, buckets=LAG_BUCKETS, registry=registry)
+        self.blocked = Histogram(
+            "motor_event_loop_blocked_seconds", BLOCKED_HELP, buckets=LAG_BUCKETS, registry=registry
+        )
         self.interval = interval
         self._task: asyncio.Task | None = None
 

@@ -15,7 +15,8 @@ pieces, so a large one does not hold the loop for the whole scrape.
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -53,7 +54,8 @@ class ServiceTelemetry:
             await self._runner.cleanup()
             self._runner = None
             raise ConfigError(
-                f"metrics_port: cannot listen on {host}:{port} ({exc.strerror}); choose another port, or 0 to turn /metrics off"
+                f"metrics_port: cannot listen on {host}:{port} ({exc.strerror}); choose another port, or 0 to turn "
+                "/metrics off"
             ) from None
         self.port = port
         logger.info("Prometheus metrics on http://%s:%d/metrics", host, port)

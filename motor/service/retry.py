@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -35,8 +36,14 @@ def backoff_delay(failures: int, base: float, cap: float, jitter: bool = False) 
     return random.uniform(0, delay) if jitter else delay
 
 
-async def with_retries(call: Callable[[], Awaitable[T]], attempts: int, retryable: Callable[[BaseException], bool],
-                       base: float, cap: float, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> T:
+async def with_retries(
+    call: Callable[[], Awaitable[T]],
+    attempts: int,
+    retryable: Callable[[BaseException], bool],
+    base: float,
+    cap: float,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> T:
     """`await call()`, tried again after an error `retryable` accepts, at most `attempts` tries in
     all, waiting backoff_delay(n, base, cap) after the n-th failure; the last error is raised."""
     failures = 0

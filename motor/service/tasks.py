@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, Coroutine, Iterator
+from collections.abc import Coroutine, Iterator
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +51,12 @@ async def cancel_and_wait(*tasks: asyncio.Task, owner: str, patience: float = 2.
             task.cancel()
         _, pending = await asyncio.wait(pending, timeout=patience)
         for task in pending:
-            logger.warning("%s: task %s is still running %gs after its cancel: cancelling it again",
-                           owner, task.get_name(), patience)
+            logger.warning(
+                "%s: task %s is still running %gs after its cancel: cancelling it again",
+                owner,
+                task.get_name(),
+                patience,
+            )
 
 
 async def set_within(event: asyncio.Event, timeout: float | None) -> bool:

@@ -1,11 +1,12 @@
 """The API contract: buf lint passes and the committed Python code matches proto/."""
 
-import pytest
 import filecmp
 import os
 import shutil
 import subprocess
 import sys
+
+import pytest
 
 from tests.support import REPO_ROOT
 
@@ -34,13 +35,27 @@ def test_generated_code_is_fresh(tmp_path):
     )
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-Iproto", f"--python_out={tmp_path}",
-         f"--grpc_python_out={tmp_path}", f"--mypy_out={tmp_path}", f"--mypy_grpc_out={tmp_path}", *protos],
-        cwd=REPO_ROOT, check=True, env=env, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-Iproto",
+            f"--python_out={tmp_path}",
+            f"--grpc_python_out={tmp_path}",
+            f"--mypy_out={tmp_path}",
+            f"--mypy_grpc_out={tmp_path}",
+            *protos,
+        ],
+        cwd=REPO_ROOT,
+        check=True,
+        env=env,
+        capture_output=True,
     )
     fresh_dir = tmp_path / "motor" / "v1"
     fresh = sorted(p.name for p in fresh_dir.iterdir())
     committed = sorted(n for n in os.listdir(GENERATED_DIR) if n.endswith((".py", ".pyi")) and n != "__init__.py")
     assert fresh == committed, "generated file set differs: run `make proto`"
-    stale = [name for name in fresh if not filecmp.cmp(fresh_dir / name, os.path.join(GENERATED_DIR, name), shallow=False)]
+    stale = [
+        name for name in fresh if not filecmp.cmp(fresh_dir / name, os.path.join(GENERATED_DIR, name), shallow=False)
+    ]
     assert not stale, f"stale generated code {stale}: run `make proto` and commit the result"

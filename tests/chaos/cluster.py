@@ -41,13 +41,25 @@ BASELINE = {
     "name": "chaos",
     "model": "sim-tiny",
     "instance_groups": [
-        {"name": "prefill", "role": "prefill", "count": 1, "data_parallel_size": 2, "accelerators_per_engine": 1,
-         "pair_with": "decode"},
+        {
+            "name": "prefill",
+            "role": "prefill",
+            "count": 1,
+            "data_parallel_size": 2,
+            "accelerators_per_engine": 1,
+            "pair_with": "decode",
+        },
         {"name": "decode", "role": "decode", "count": 1, "data_parallel_size": 1, "accelerators_per_engine": 1},
     ],
     # Failures older than 30 s do not count: the rows kill the same instances again and again.
-    "restart_policy": {"scope": "group", "initial_backoff": "0.5s", "max_backoff": "2s", "reset_after": "10s",
-                       "max_failures": 4, "failure_window": "30s"},
+    "restart_policy": {
+        "scope": "group",
+        "initial_backoff": "0.5s",
+        "max_backoff": "2s",
+        "reset_after": "10s",
+        "max_failures": 4,
+        "failure_window": "30s",
+    },
     "engine_config": {"motor_engine_prefill_config": SIM_SECTION, "motor_engine_decode_config": SIM_SECTION},
 }
 # (instance id, dp rank) of every engine of BASELINE.
@@ -94,7 +106,9 @@ class ChaosCluster(Cluster):
 
     def mount_disks(self) -> bool:
         """tmpfs for the controller's database and each node's state directory (docs/chaos.md)."""
-        wanted = [(self.db_dir, DISK_MB["controller"])] + [(self.state_dir(n), DISK_MB["node"]) for n in self.node_ids()]
+        wanted = [(self.db_dir, DISK_MB["controller"])] + [
+            (self.state_dir(n), DISK_MB["node"]) for n in self.node_ids()
+        ]
         self.mounts = [path for path, size in wanted if mount_tmpfs(path, size)]
         self.disks_mounted = len(self.mounts) == len(wanted)
         return self.disks_mounted
@@ -103,8 +117,12 @@ class ChaosCluster(Cluster):
         """Keeps the logs written there (engine servers') in <run dir>/kept/, then unmounts."""
         for path in getattr(self, "mounts", []):
             try:
-                shutil.copytree(path, os.path.join(self.run_dir, "kept", os.path.basename(path)), dirs_exist_ok=True,
-                                ignore=lambda folder, names: [n for n in names if n == "filler"])
+                shutil.copytree(
+                    path,
+                    os.path.join(self.run_dir, "kept", os.path.basename(path)),
+                    dirs_exist_ok=True,
+                    ignore=lambda folder, names: [n for n in names if n == "filler"],
+                )
             except (OSError, shutil.Error):  # a file gone meanwhile: keep what was copied
                 pass
             unmount(path)
@@ -133,7 +151,9 @@ class ChaosCluster(Cluster):
             argv, cwd = info["cmdline"] or [], info["cwd"] or ""
             if info["status"] == psutil.STATUS_ZOMBIE or "--instance-id" not in argv:
                 continue
-            if not cwd.startswith(self.run_dir + os.sep) or not any(os.path.basename(a) == "engine_server" for a in argv[:2]):
+            if not cwd.startswith(self.run_dir + os.sep) or not any(
+                os.path.basename(a) == "engine_server" for a in argv[:2]
+            ):
                 continue
             rank = int(argv[argv.index("--dp-rank") + 1]) if "--dp-rank" in argv else 0
             found[(argv[argv.index("--instance-id") + 1], rank)].append(proc.pid)
@@ -169,20 +189,35 @@ class ChaosCluster(Cluster):
         problems += [f"{n} not READY" for n in self.node_ids() if states.get(n) != C.NODE_STATE_READY]
         found = self.instances()
         problems += [f"{i} missing" for i in instances - set(found)]
-        problems += [f"{i} is {C.InstanceState.Name(inst.state)}: {inst.state_reason}" for i, inst in found.items()
-                     if i in instances and inst.state != C.INSTANCE_STATE_READY]
+        problems += [
+            f"{i} is {C.InstanceState.Name(inst.state)}: {inst.state_reason}"
+            for i, inst in found.items()
+            if i in instances and inst.state != C.INSTANCE_STATE_READY
+        ]
         problems += [f"instance {i} not in the deployment" for i in set(found) - instances]
         for inst in found.values():
-            problems += [f"{e.engine_id} {T.EngineState.Name(e.state)} {T.HealthStatus.Name(e.health)}" for e in inst.engines
-                         if e.state != T.ENGINE_STATE_RUNNING or e.health != T.HEALTH_STATUS_NORMAL]
+            problems += [
+                f"{e.engine_id} {T.EngineState.Name(e.state)} {T.HealthStatus.Name(e.health)}"
+                for e in inst.engines
+                if e.state != T.ENGINE_STATE_RUNNING or e.health != T.HEALTH_STATUS_NORMAL
+            ]
         processes = self.engine_processes()
         expected = {(i, r) for i, r in BASELINE_ENGINES if i in instances}
-        problems += [f"{k} has {len(processes.get(k, []))} processes" for k in expected if len(processes.get(k, [])) != 1]
+        problems += [
+            f"{k} has {len(processes.get(k, []))} processes" for k in expected if len(processes.get(k, [])) != 1
+        ]
         problems += [f"unexpected engine processes {k}: {v}" for k, v in processes.items() if k not in expected]
-        reported = {(e.engine_id.split("/rank")[0], int(e.engine_id.split("/rank")[1])): e.pid
-                    for n in nodes.nodes for e in n.engines if e.state == T.ENGINE_STATE_RUNNING}
-        problems += [f"{k}: the controller says pid {reported.get(k)}, the machine runs {processes.get(k)}"
-                     for k in expected if processes.get(k) and reported.get(k) not in processes[k]]
+        reported = {
+            (e.engine_id.split("/rank")[0], int(e.engine_id.split("/rank")[1])): e.pid
+            for n in nodes.nodes
+            for e in n.engines
+            if e.state == T.ENGINE_STATE_RUNNING
+        }
+        problems += [
+            f"{k}: the controller says pid {reported.get(k)}, the machine runs {processes.get(k)}"
+            for k in expected
+            if processes.get(k) and reported.get(k) not in processes[k]
+        ]
         if not problems:
             problems += [f"orphan engine process {pid}" for pid in self.orphans()]
         return problems
@@ -194,4 +229,3 @@ class ChaosCluster(Cluster):
     def busiest_node(self) -> str:
         counts = collections.Counter(self.where().values())
         return max(sorted(counts), key=counts.get)
-

@@ -9,8 +9,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from motor.v1 import controller_pb2 as C
 from tests.chaos.cluster import BASELINE_ENGINES, BASELINE_INSTANCES, ChaosCluster, deployment
@@ -45,7 +45,7 @@ class DuplicateWatch:
     def twice(self, since: float = 0.0, until: float = float("inf")) -> set[tuple[str, int]]:
         return set().union(*(keys for at, keys in self.seen if since <= at < until))
 
-    def __enter__(self) -> "DuplicateWatch":
+    def __enter__(self) -> DuplicateWatch:
         self._thread.start()
         return self
 
@@ -61,7 +61,7 @@ class Fault:
     engines the fault may replace (the victim's instance, those of a node declared lost)."""
 
     name: str
-    inject: Callable[["Fault"], float]
+    inject: Callable[[Fault], float]
     justified: set[str] = field(default_factory=set)
     # Copies running twice while the fault lasts are by design (a paused node's engines moved
     # elsewhere); only copies seen twice after the fault ended count.
@@ -77,15 +77,19 @@ def problems_now(cluster: ChaosCluster, fault: Fault | None, before: dict | None
         problems = cluster.problems()
         if fault is not None and before is not None:
             running = cluster.engine_processes()
-            problems += [f"{i}/rank{r} not replaced yet" for i, r in BASELINE_ENGINES
-                         if i in fault.must_replace and running.get((i, r)) == [before.get((i, r))]]
+            problems += [
+                f"{i}/rank{r} not replaced yet"
+                for i, r in BASELINE_ENGINES
+                if i in fault.must_replace and running.get((i, r)) == [before.get((i, r))]
+            ]
         return problems
     except Exception as exc:  # a controller paused or restarting does not answer yet
         return [f"{type(exc).__name__}: {str(exc)[:200]}"]
 
 
-def wait_whole(cluster: ChaosCluster, timeout: float, fault: Fault | None = None,
-               before: dict | None = None) -> tuple[float | None, list[str]]:
+def wait_whole(
+    cluster: ChaosCluster, timeout: float, fault: Fault | None = None, before: dict | None = None
+) -> tuple[float | None, list[str]]:
     """Polls until the cluster is whole (and every engine the fault must replace was replaced),
     and still is, with the same engine processes, STAYS_WHOLE_FOR later (a few heartbeats: what
     one look saw was not a moment between two reports). Returns (the monotonic time the lasting
@@ -140,7 +144,9 @@ def run_row(cluster: ChaosCluster, fault: Fault) -> Row:
         row.false_kills = len({k for k in replaced if k[0] not in fault.justified})
         unreplaced = {i for i in fault.must_replace if not any(k[0] == i for k in replaced)}
         instances = cluster.instances()
-        row.instances_lost = sum(1 for i in BASELINE_INSTANCES if i not in instances or instances[i].state != C.INSTANCE_STATE_READY)
+        row.instances_lost = sum(
+            1 for i in BASELINE_INSTANCES if i not in instances or instances[i].state != C.INSTANCE_STATE_READY
+        )
         # Stale copies of a paused node moved elsewhere run twice until it is back and fenced.
         counted_from = recovered_at if fault.stale_copies_expected and recovered_at else 0.0
         row.running_twice = len(watch.twice(since=counted_from))

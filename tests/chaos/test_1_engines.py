@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from motor.v1 import controller_pb2 as C
 from tests.chaos.cluster import deployment
@@ -87,12 +87,23 @@ def crashing(cluster, faults: dict) -> Callable[[Fault], float]:
     def inject(fault: Fault) -> float:
         applied_at = time.monotonic()
         apply(cluster, deployment([{"name": "crashy", "role": "union", "count": 1}], union=faults))
-        failed = wait_for(lambda: (i := cluster.instances().get("crashy-0")) and i.state == C.INSTANCE_STATE_FAILED and i,
-                          timeout=90, interval=0.2, what="crashy-0 FAILED", detail=cluster.describe)
+        failed = wait_for(
+            lambda: (i := cluster.instances().get("crashy-0")) and i.state == C.INSTANCE_STATE_FAILED and i,
+            timeout=90,
+            interval=0.2,
+            what="crashy-0 FAILED",
+            detail=cluster.describe,
+        )
         assert "crash-loop budget spent" in failed.state_reason, failed.state_reason
-        wait_for(lambda: ("crashy-0", 0) not in cluster.engine_processes(), timeout=30, interval=0.2,
-                 what="no process left of crashy-0")
-        fault.notes.append(f"FAILED after {failed.restarts} restarts in {time.monotonic() - applied_at:.1f}s, no process left")
+        wait_for(
+            lambda: ("crashy-0", 0) not in cluster.engine_processes(),
+            timeout=30,
+            interval=0.2,
+            what="no process left of crashy-0",
+        )
+        fault.notes.append(
+            f"FAILED after {failed.restarts} restarts in {time.monotonic() - applied_at:.1f}s, no process left"
+        )
         apply(cluster, deployment())
         return applied_at
 
@@ -101,7 +112,10 @@ def crashing(cluster, faults: dict) -> Callable[[Fault], float]:
 
 def test_crash_at_start_up(cluster):
     # Dies while still loading (INIT), before it ever served.
-    run_row(cluster, Fault("crash at start-up", crashing(cluster, {"startup_delay_s": 30, "faults": {"crash_after_s": 0.3}})))
+    run_row(
+        cluster,
+        Fault("crash at start-up", crashing(cluster, {"startup_delay_s": 30, "faults": {"crash_after_s": 0.3}})),
+    )
 
 
 def test_crash_loop(cluster):

@@ -57,15 +57,19 @@ def test_node_manager_sigstop_20s(cluster):
         try:
             state = lambda: {n.info.node_id: n.state for n in cluster.node_list().nodes}[victim]  # noqa: E731
             wait_for(lambda: state() == C.NODE_STATE_LOST, timeout=20, interval=0.2, what=f"{victim} declared LOST")
-            fault.notes.append(f"{victim} LOST after {time.monotonic() - paused_at:.1f}s, {len(moved)} instances moved, "
-                               "stale copies fenced on return")
+            fault.notes.append(
+                f"{victim} LOST after {time.monotonic() - paused_at:.1f}s, {len(moved)} instances moved, "
+                "stale copies fenced on return"
+            )
             time.sleep(max(0.0, paused_at + 20.0 - time.monotonic()))  # the rest of the 20 s pause
         finally:
             process.send_signal(signal.SIGCONT)
         return time.monotonic()
 
-    run_row(cluster, Fault("node manager SIGSTOP 20 s", inject, justified=moved, must_replace=moved,
-                           stale_copies_expected=True))
+    run_row(
+        cluster,
+        Fault("node manager SIGSTOP 20 s", inject, justified=moved, must_replace=moved, stale_copies_expected=True),
+    )
 
 
 def test_many_nodes_silent_at_once(cluster):
@@ -77,8 +81,13 @@ def test_many_nodes_silent_at_once(cluster):
             process.send_signal(signal.SIGSTOP)
         try:
             held = "not declared lost while the silent-nodes alarm is on"
-            wait_for(lambda: all(held in n.state_reason for n in cluster.node_list().nodes if n.info.node_id in silent),
-                     timeout=60, interval=0.2, what="both silent nodes held back by the alarm", detail=cluster.describe)
+            wait_for(
+                lambda: all(held in n.state_reason for n in cluster.node_list().nodes if n.info.node_id in silent),
+                timeout=60,
+                interval=0.2,
+                what="both silent nodes held back by the alarm",
+                detail=cluster.describe,
+            )
             fault.notes.append(f"alarm: {cluster.node_list().alarms[0]}; nothing moved")
         finally:
             for process in processes:

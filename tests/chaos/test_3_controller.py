@@ -54,8 +54,13 @@ def test_controller_database_lost(cluster):
             shutil.move(path, lost)
         killed_at = time.monotonic()
         cluster.start_controller()
-        wait_for(lambda: any("first deployment on a new store" in e.message for e in cluster.events()), timeout=60,
-                 interval=0.2, what="the start-up deployment applied on the new store", detail=cluster.describe)
+        wait_for(
+            lambda: any("first deployment on a new store" in e.message for e in cluster.events()),
+            timeout=60,
+            interval=0.2,
+            what="the start-up deployment applied on the new store",
+            detail=cluster.describe,
+        )
         adopted = [e.message for e in cluster.events() if "adopted the engines the nodes run" in e.message]
         fault.notes.append(f"{len(adopted)} instances adopted by the start-up deployment")
         return killed_at

@@ -63,7 +63,9 @@ def test_disk_full_controller(cluster):
         revision = cluster.stub().GetDeployment(C.GetDeploymentRequest(), timeout=5).revision
         filler = fill(cluster.db_dir)
         try:
-            bigger = deployment([{"name": "more", "role": "union", "count": 300, "accelerators_per_engine": 8}], union={})
+            bigger = deployment(
+                [{"name": "more", "role": "union", "count": 300, "accelerators_per_engine": 8}], union={}
+            )
             with pytest.raises(grpc.RpcError) as refused:
                 cluster.stub().ApplyDeployment(C.ApplyDeploymentRequest(deployment=bigger), timeout=10)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
@@ -90,24 +92,43 @@ def test_disk_full_node_manager(cluster):
         filler = fill(cluster.state_dir(node_id))
         try:
             kill(cluster, "decode-0")
-            wait_for(lambda: counter(port, metric) > refused_before, timeout=30, interval=0.2,
-                     what=f"{node_id} refused a record write")
+            wait_for(
+                lambda: counter(port, metric) > refused_before,
+                timeout=30,
+                interval=0.2,
+                what=f"{node_id} refused a record write",
+            )
             time.sleep(FULL_FOR)  # the fault itself: restarts are asked of a node with a full disk
             # The operator sees it: one ALARM naming the node and the cause, its count growing per heartbeat.
-            raised = wait_for(lambda: store_alarms(cluster, node_id, "No space left on device"), timeout=30, interval=0.2,
-                              what=f"an ALARM event for {node_id}'s disk", detail=lambda: recent_events(cluster))
+            raised = wait_for(
+                lambda: store_alarms(cluster, node_id, "No space left on device"),
+                timeout=30,
+                interval=0.2,
+                what=f"an ALARM event for {node_id}'s disk",
+                detail=lambda: recent_events(cluster),
+            )
             assert len(raised) == 1 and raised[0].count >= 1, raised
-            fault.notes.append(f"{node_id}: {counter(port, metric) - refused_before:g} record writes refused, "
-                               f"alarm count {raised[0].count}")
+            fault.notes.append(
+                f"{node_id}: {counter(port, metric) - refused_before:g} record writes refused, "
+                f"alarm count {raised[0].count}"
+            )
         finally:
             os.remove(filler)
         return time.monotonic()
 
-    run_row(cluster, Fault("disk full: node manager (tmpfs)", inject, justified={"decode-0"}, must_replace={"decode-0"}))
+    run_row(
+        cluster, Fault("disk full: node manager (tmpfs)", inject, justified={"decode-0"}, must_replace={"decode-0"})
+    )
     node_id = full[0]
-    wait_for(lambda: store_alarms(cluster, node_id, "written again"), timeout=60, interval=0.3,
-             what=f"the ALARM event saying {node_id}'s disk takes writes again")
-    assert len(store_alarms(cluster, node_id, "No space left on device")) == 1  # one event for the spell, not one per beat
+    wait_for(
+        lambda: store_alarms(cluster, node_id, "written again"),
+        timeout=60,
+        interval=0.3,
+        what=f"the ALARM event saying {node_id}'s disk takes writes again",
+    )
+    assert (
+        len(store_alarms(cluster, node_id, "No space left on device")) == 1
+    )  # one event for the spell, not one per beat
 
 
 def store_alarms(cluster, node_id: str, words: str) -> list[C.Event]:
@@ -115,4 +136,6 @@ def store_alarms(cluster, node_id: str, words: str) -> list[C.Event]:
 
 
 def recent_events(cluster) -> str:
-    return "\n".join(f"  {C.EventType.Name(e.type)} {e.node_id} x{e.count}: {e.message[:160]}" for e in cluster.events()[-25:])
+    return "\n".join(
+        f"  {C.EventType.Name(e.type)} {e.node_id} x{e.count}: {e.message[:160]}" for e in cluster.events()[-25:]
+    )

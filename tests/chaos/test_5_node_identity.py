@@ -22,8 +22,9 @@ def start_claimant(cluster, node_id: str) -> tuple[ManagedProcess, int]:
     """Another `motor-node-manager --node-id <node_id>` with its own --listen, --state-dir and
     engine ports, pointed at the same controller (as an operator starts one by hand); refused."""
     number = next(_claimants)
-    managed, port = start_second(cluster, node_id, name=f"claimant-{number}",
-                                 engine_ports_from=cluster.engine_port_base + 2000 + 500 * number)
+    managed, port = start_second(
+        cluster, node_id, name=f"claimant-{number}", engine_ports_from=cluster.engine_port_base + 2000 + 500 * number
+    )
     wait_for(lambda: REFUSED in log_of(managed), timeout=30, interval=0.2, what="the second node manager refused")
     return managed, port
 
@@ -33,8 +34,13 @@ def node(cluster, node_id: str) -> C.Node:
 
 
 def wait_taken_over(cluster, node_id: str, port: int) -> None:
-    wait_for(lambda: node(cluster, node_id).info.address == f"127.0.0.1:{port}", timeout=60, interval=0.2,
-             what=f"the second node manager holding {node_id}", detail=cluster.describe)
+    wait_for(
+        lambda: node(cluster, node_id).info.address == f"127.0.0.1:{port}",
+        timeout=60,
+        interval=0.2,
+        what=f"the second node manager holding {node_id}",
+        detail=cluster.describe,
+    )
 
 
 def hand_over(cluster, node_id: str, holder: ManagedProcess, claimant: ManagedProcess, port: int) -> None:
@@ -59,8 +65,9 @@ def test_node_id_claimed_by_a_second_live_node_manager(cluster):
             after = node(cluster, victim)
             assert (after.generation, after.info.address) == (before.generation, before.info.address)
             conflicts = [e for e in cluster.events() if e.type == C.EVENT_TYPE_NODE_CONFLICT and e.node_id == victim]
-            fault.notes.append(f"refused {refused_so_far(cluster)} times, {len(conflicts)} NODE_CONFLICT event, "
-                               "generation unchanged")
+            fault.notes.append(
+                f"refused {refused_so_far(cluster)} times, {len(conflicts)} NODE_CONFLICT event, generation unchanged"
+            )
         finally:
             stop(claimant)
         return time.monotonic()
@@ -102,7 +109,12 @@ def test_node_id_paused_holder_returns_after_a_takeover(cluster):
         hand_over(cluster, victim, holder, claimant, port)
         # Back, its registration is refused (the log says so again) and it starts nothing.
         refused = log_of(holder).count(REFUSED)
-        wait_for(lambda: log_of(holder).count(REFUSED) > refused, timeout=30, interval=0.2, what="the returning holder refused")
+        wait_for(
+            lambda: log_of(holder).count(REFUSED) > refused,
+            timeout=30,
+            interval=0.2,
+            what="the returning holder refused",
+        )
         fault.notes.append("the returning holder refused, its copies stopped")
         stop(holder)
         return back_at

@@ -28,8 +28,12 @@ def lag_buckets(port: int, which: str) -> dict[float, float]:
     only: the whole /metrics would render every instance on the controller's loop)."""
     name = f"motor_event_loop_{which}_seconds"
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics?name[]={name}_bucket", timeout=30).read().decode()
-    return {float(s.labels["le"]): s.value for family in text_string_to_metric_families(text) for s in family.samples
-            if s.name == f"{name}_bucket"}
+    return {
+        float(s.labels["le"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == f"{name}_bucket"
+    }
 
 
 def worst(buckets: dict[float, float]) -> str:
@@ -56,7 +60,9 @@ class NodeStates:
         while not self._stop.is_set():
             try:
                 nodes = self.cluster.stub().ListNodes(C.ListNodesRequest(), timeout=30).nodes
-                self.seen |= {(n.info.node_id, C.NodeState.Name(n.state)) for n in nodes if n.state != C.NODE_STATE_READY}
+                self.seen |= {
+                    (n.info.node_id, C.NodeState.Name(n.state)) for n in nodes if n.state != C.NODE_STATE_READY
+                }
             except Exception:  # noqa: BLE001 (a slow answer is what the lag histogram reports)
                 pass
             self._stop.wait(0.2)
@@ -76,8 +82,10 @@ def test_10000_instances_apply_and_delete(cluster):
     def inject(fault: Fault) -> float:
         port = cluster.metrics_ports["controller"]
         before = {which: lag_buckets(port, which) for which in ("blocked", "lag")}
-        big = deployment([{"name": "bulk", "role": "union", "count": BULK, "data_parallel_size": 4,
-                           "accelerators_per_engine": 8}], union={})
+        big = deployment(
+            [{"name": "bulk", "role": "union", "count": BULK, "data_parallel_size": 4, "accelerators_per_engine": 8}],
+            union={},
+        )
         with NodeStates(cluster) as states:
             started = time.monotonic()
             cluster.stub().ApplyDeployment(C.ApplyDeploymentRequest(deployment=big), timeout=300)
@@ -89,9 +97,11 @@ def test_10000_instances_apply_and_delete(cluster):
             time.sleep(2 * cluster.heartbeat_interval)  # the passes after the delete, too
         stalls, lags = (lags_over(before[which], lag_buckets(port, which)) for which in ("blocked", "lag"))
         verdict.update(states=sorted(states.seen), late=sum(n for le, n in stalls.items() if le > LAG_BOUND_S))
-        fault.notes.append(f"apply {applied - started:.1f}s, delete {deleted - applied:.1f}s, loop stalled up to "
-                           f"{worst(stalls)}s (lag up to {worst(lags)}s), nodes not READY meanwhile: "
-                           f"{sorted(states.seen) or 'none'}")
+        fault.notes.append(
+            f"apply {applied - started:.1f}s, delete {deleted - applied:.1f}s, loop stalled up to "
+            f"{worst(stalls)}s (lag up to {worst(lags)}s), nodes not READY meanwhile: "
+            f"{sorted(states.seen) or 'none'}"
+        )
         return deleted
 
     run_row(cluster, Fault("10,000-instance apply and delete", inject))

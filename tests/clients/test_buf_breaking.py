@@ -38,7 +38,9 @@ def breaking_baseline() -> tuple[str, str] | None:
 
 def buf_breaking(workdir: str, commit: str) -> subprocess.CompletedProcess:
     against = f"{os.path.join(REPO_ROOT, '.git')}#ref={commit}"
-    return subprocess.run([BUF, "breaking", "--against", against], cwd=workdir, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [BUF, "breaking", "--against", against], cwd=workdir, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,9 @@ def test_deleting_a_field_is_caught(baseline, proto_copy):
 
 def test_renaming_a_field_is_caught(baseline, proto_copy):
     # Same number and type (wire-compatible), but JSON, grpcurl and generated code break.
-    _edit(proto_copy, "controller.proto", "  string node_id = 1;\n  // Address", "  string node_name = 1;\n  // Address")
+    _edit(
+        proto_copy, "controller.proto", "  string node_id = 1;\n  // Address", "  string node_name = 1;\n  // Address"
+    )
     result = buf_breaking(proto_copy, baseline)
     assert result.returncode != 0
     assert 'changed name from "node_id" to "node_name"' in result.stdout, result.stdout
@@ -94,6 +98,11 @@ def test_renaming_an_rpc_is_caught(baseline, proto_copy):
 
 
 def test_adding_a_field_is_not_breaking(baseline, proto_copy):
-    _edit(proto_copy, "types.proto", "  string reason = 2;", "  string reason = 2;\n  // A new field.\n  string hint = 999;")
+    _edit(
+        proto_copy,
+        "types.proto",
+        "  string reason = 2;",
+        "  string reason = 2;\n  // A new field.\n  string hint = 999;",
+    )
     result = buf_breaking(proto_copy, baseline)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -29,7 +29,9 @@ EXPECTED_ENGINES = {"prefill-0/rank0", "prefill-0/rank1", "decode-0/rank0"}
 def _build_go() -> list[str]:
     for tool in ("go", "protoc", "protoc-gen-go", "protoc-gen-go-grpc"):
         require(shutil.which(tool) is not None, f"{tool} (scripts/ci-clients.sh installs it)")
-    require(os.path.isdir("/usr/share/gocode/src/google.golang.org/grpc"), "golang-google-grpc-dev (scripts/ci-clients.sh)")
+    require(
+        os.path.isdir("/usr/share/gocode/src/google.golang.org/grpc"), "golang-google-grpc-dev (scripts/ci-clients.sh)"
+    )
     result = subprocess.run(["bash", os.path.join(GO_DIR, "build.sh")], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"the Go client does not build:\n{result.stdout}{result.stderr}"
     return [os.path.join(GO_DIR, "bin", "motor-go-client")]
@@ -39,8 +41,13 @@ def _build_js() -> list[str]:
     require(shutil.which("node") is not None, "node (scripts/ci-clients.sh installs it)")
     if not os.path.isdir(os.path.join(JS_DIR, "node_modules", "@grpc", "grpc-js")):
         require(shutil.which("npm") is not None, "npm (scripts/ci-clients.sh installs it)")
-        result = subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=JS_DIR,
-                                capture_output=True, text=True, timeout=600)
+        result = subprocess.run(
+            ["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"],
+            cwd=JS_DIR,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert result.returncode == 0, f"npm ci failed:\n{result.stdout}{result.stderr}"
     return ["node", os.path.join(JS_DIR, "client.js")]
 
@@ -65,7 +72,9 @@ class Client:
     def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         result = subprocess.run(self.command(*args), capture_output=True, text=True, timeout=60)
         if check:
-            assert result.returncode == 0, f"{' '.join(args)} failed ({result.returncode}):\n{result.stdout}{result.stderr}"
+            assert result.returncode == 0, (
+                f"{' '.join(args)} failed ({result.returncode}):\n{result.stdout}{result.stderr}"
+            )
         return result
 
     def json(self, *args: str) -> dict:
@@ -76,7 +85,9 @@ class Client:
 def client(request, tmp_path_factory):
     argv = BUILDERS[request.param]()
     cluster = LocalCluster(
-        str(tmp_path_factory.mktemp(f"cluster-{request.param}")), nodes=2, controller_port=free_port(),
+        str(tmp_path_factory.mktemp(f"cluster-{request.param}")),
+        nodes=2,
+        controller_port=free_port(),
         heartbeat_interval=0.5,
     )
     try:
@@ -103,7 +114,9 @@ def test_lists_the_registered_nodes(client):
 def _wait_all_normal(client) -> None:
     def all_normal():
         engines = _engines(client.json("instances"))
-        return set(engines) == EXPECTED_ENGINES and all(e.get("health") == "HEALTH_STATUS_NORMAL" for e in engines.values())
+        return set(engines) == EXPECTED_ENGINES and all(
+            e.get("health") == "HEALTH_STATUS_NORMAL" for e in engines.values()
+        )
 
     wait_for(all_normal, timeout=120, interval=1.0, what="the three engines NORMAL, seen by the client")
 
@@ -136,8 +149,13 @@ def test_watch_events_shows_an_engine_killed_with_sigkill(deployed):
     victim = engines.get("decode-0/rank0")
     assert victim and victim.get("pid"), f"decode-0/rank0 has no pid in ListNodes: {engines}"
 
-    process = subprocess.Popen(client.command(client.flag("json"), "watch", client.flag("until"), "EVENT_TYPE_ENGINE_FAILED"), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        client.command(client.flag("json"), "watch", client.flag("until"), "EVENT_TYPE_ENGINE_FAILED"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         first = json.loads(process.stdout.readline())  # the snapshot comes first, at once
         assert "snapshot" in first, first
@@ -156,8 +174,9 @@ def test_watch_events_shows_an_engine_killed_with_sigkill(deployed):
     assert "signal 9" in failure["message"] or "SIGKILL" in failure["message"], failure["message"]
 
     # The text form of the same stream, as a person reads it: the snapshot line comes first.
-    process = subprocess.Popen(client.command("watch"), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                               text=True, start_new_session=True)
+    process = subprocess.Popen(
+        client.command("watch"), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True
+    )
     try:
         line = process.stdout.readline()
     finally:
@@ -181,7 +200,9 @@ def test_bad_input_gets_an_error_naming_what_to_fix(deployed, tmp_path):
 
     # Valid JSON the controller refuses: its INVALID_ARGUMENT message reaches the user.
     invalid = tmp_path / "invalid.json"
-    invalid.write_text(json.dumps({"name": "x", "instance_groups": [{"name": "p", "role": "ROLE_PREFILL", "pair_with": "nowhere"}]}))
+    invalid.write_text(
+        json.dumps({"name": "x", "instance_groups": [{"name": "p", "role": "ROLE_PREFILL", "pair_with": "nowhere"}]})
+    )
     result = client.run("apply", str(invalid), check=False)
     assert result.returncode == 1
     assert "INVALID_ARGUMENT" in result.stderr.upper().replace("INVALIDARGUMENT", "INVALID_ARGUMENT"), result.stderr

@@ -16,4 +16,6 @@ def test_json_deployment_matches_the_yaml_example():
     with open(os.path.join(REPO_ROOT, "examples", "go-client", "local-deployment.json")) as handle:
         from_json = json_format.Parse(handle.read(), controller_pb2.Deployment())
     from_yaml = load_deployment(os.path.join(REPO_ROOT, "examples", "local-deployment.yaml"))
-    assert from_json == from_yaml, "regenerate examples/go-client/local-deployment.json from examples/local-deployment.yaml"
+    assert from_json == from_yaml, (
+        "regenerate examples/go-client/local-deployment.json from examples/local-deployment.yaml"
+    )

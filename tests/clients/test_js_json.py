@@ -11,7 +11,8 @@ from tests.clients.test_clients_live import JS_DIR, _build_js
 
 def test_js_client_json_mapping():
     _build_js()
-    result = subprocess.run(["node", "--test", os.path.join(JS_DIR, "wkt.test.js")], cwd=JS_DIR,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        ["node", "--test", os.path.join(JS_DIR, "wkt.test.js")], cwd=JS_DIR, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "# fail 0" in result.stdout and "# pass 0" not in result.stdout, result.stdout

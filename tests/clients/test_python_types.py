@@ -15,7 +15,7 @@ import pytest
 
 from tests.support import REPO_ROOT, require
 
-GOOD = '''
+GOOD = """
     import grpc
 
     from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
@@ -33,7 +33,7 @@ GOOD = '''
             print(not_normal(reply))
             group = controller_pb2.InstanceGroup(name="decode", role=types_pb2.ROLE_DECODE, count=1)
             print(group.count + 1)
-'''
+"""
 
 # Each line is one mistake mypy must catch, with the error code it must report.
 BAD = {
@@ -53,8 +53,21 @@ def installed(tmp_path_factory) -> str:
     require(mypy is not None, "mypy (requirements/dev.txt; run `make setup`)")
     target = tmp_path_factory.mktemp("site")
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), REPO_ROOT],
-        check=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            REPO_ROOT,
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     assert (target / "motor" / "v1" / "py.typed").exists(), "py.typed is not in the installed package"
     return str(target)
@@ -66,7 +79,11 @@ def run_mypy(site: str, directory, source: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=site)
     return subprocess.run(
         [sys.executable, "-m", "mypy", "--strict", "--no-incremental", str(path)],
-        cwd=directory, env=env, capture_output=True, text=True, timeout=300,
+        cwd=directory,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -77,7 +94,11 @@ def test_a_correct_client_type_checks(installed, tmp_path):
 
 
 def test_type_errors_in_a_client_are_caught(installed, tmp_path):
-    lines = ["import grpc", "from motor.v1 import controller_pb2, controller_pb2_grpc", 'channel = grpc.insecure_channel("localhost:50051")']
+    lines = [
+        "import grpc",
+        "from motor.v1 import controller_pb2, controller_pb2_grpc",
+        'channel = grpc.insecure_channel("localhost:50051")',
+    ]
     source = "\n".join([*lines, *BAD]) + "\n"
     result = run_mypy(installed, tmp_path, source)
     assert result.returncode == 1, result.stdout + result.stderr

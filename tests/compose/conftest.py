@@ -41,7 +41,11 @@ def _remove_leftover_projects() -> None:
     """Containers and networks of earlier test runs that died before their clean-up (same subnets)."""
     for kind, remove in (("ps -a", ["docker", "rm", "-f"]), ("network ls", ["docker", "network", "rm"])):
         listed = run(["docker", *kind.split(), "--format", '{{.ID}} {{.Label "com.docker.compose.project"}}']).stdout
-        ids = [line.split()[0] for line in listed.splitlines() if len(line.split()) == 2 and line.split()[1].startswith(PROJECT_PREFIX)]
+        ids = [
+            line.split()[0]
+            for line in listed.splitlines()
+            if len(line.split()) == 2 and line.split()[1].startswith(PROJECT_PREFIX)
+        ]
         if ids:
             run([*remove, *ids], check=False)
 
@@ -61,15 +65,27 @@ def motor_image(compose: list[str]) -> str:
 
     MOTOR_TEST_IMAGE=<tag> tests an image built beforehand instead (no build)."""
     if PROMETHEUS_IMAGE == "motor-prometheus:bookworm":
-        _timed("prometheus image (debootstrap + import; 0 when present)", ["bash", "scripts/build-base-image.sh", PROMETHEUS_IMAGE],
-               timeout=900, env=dict(os.environ, DEBIAN_PACKAGES="prometheus"))
+        _timed(
+            "prometheus image (debootstrap + import; 0 when present)",
+            ["bash", "scripts/build-base-image.sh", PROMETHEUS_IMAGE],
+            timeout=900,
+            env=dict(os.environ, DEBIAN_PACKAGES="prometheus"),
+        )
     if ETCD_IMAGE == "motor-etcd:bookworm":
-        _timed("etcd image (debootstrap + import; 0 when present)", ["bash", "scripts/build-base-image.sh", ETCD_IMAGE],
-               timeout=900, env=dict(os.environ, DEBIAN_PACKAGES="etcd-server,etcd-client"))
+        _timed(
+            "etcd image (debootstrap + import; 0 when present)",
+            ["bash", "scripts/build-base-image.sh", ETCD_IMAGE],
+            timeout=900,
+            env=dict(os.environ, DEBIAN_PACKAGES="etcd-server,etcd-client"),
+        )
     if os.environ.get("MOTOR_TEST_IMAGE"):
         return os.environ["MOTOR_TEST_IMAGE"]
     if BASE_IMAGE == "motor-base:bookworm":
-        _timed("base image (debootstrap + import; 0 when present)", ["bash", "scripts/build-base-image.sh", BASE_IMAGE], timeout=900)
+        _timed(
+            "base image (debootstrap + import; 0 when present)",
+            ["bash", "scripts/build-base-image.sh", BASE_IMAGE],
+            timeout=900,
+        )
     venv = os.path.dirname(os.path.dirname(sys.executable))
     _timed("wheelhouse", ["bash", "scripts/build-wheelhouse.sh"], timeout=600, env=dict(os.environ, VENV=venv))
     stack = ComposeStack(compose, f"{PROJECT_PREFIX}build", TEST_IMAGE, BASE_IMAGE, controller_port=0)
@@ -81,14 +97,24 @@ def motor_image(compose: list[str]) -> str:
 @pytest.fixture(scope="module")
 def stack(compose: list[str], motor_image: str, tmp_path_factory):
     _remove_leftover_projects()
-    stack = ComposeStack(compose, f"{PROJECT_PREFIX}{os.getpid()}", motor_image, BASE_IMAGE, controller_port=free_port(),
-                         prometheus_image=PROMETHEUS_IMAGE, prometheus_port=free_port(), etcd_image=ETCD_IMAGE,
-                         controller_b_port=free_port())
+    stack = ComposeStack(
+        compose,
+        f"{PROJECT_PREFIX}{os.getpid()}",
+        motor_image,
+        BASE_IMAGE,
+        controller_port=free_port(),
+        prometheus_image=PROMETHEUS_IMAGE,
+        prometheus_port=free_port(),
+        etcd_image=ETCD_IMAGE,
+        controller_b_port=free_port(),
+    )
     started = time.monotonic()
     rules: list[list[str]] = []
     try:
         up = stack.compose_run("up", "-d", "--no-build", timeout=300, check=False)
-        assert up.returncode == 0, f"compose up failed:\n{up.stdout}\n{up.stderr}\n{stack.health_report()}\n{stack.logs(60)}"
+        assert up.returncode == 0, (
+            f"compose up failed:\n{up.stdout}\n{up.stderr}\n{stack.health_report()}\n{stack.logs(60)}"
+        )
         TIMINGS["compose up -d (containers started)"] = time.monotonic() - started
         rules = stack.isolate_networks()
         stack.fetch_pki(str(tmp_path_factory.mktemp("compose-pki")))

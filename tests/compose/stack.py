@@ -7,15 +7,14 @@ The controller is queried through its published port from the host, as users do.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass, field
-
-import json
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -63,7 +62,9 @@ def docker_engine_running() -> bool:
     return subprocess.run(["docker", "info"], capture_output=True, timeout=60).returncode == 0
 
 
-def run(argv: list[str], timeout: float = 300, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+def run(
+    argv: list[str], timeout: float = 300, check: bool = True, env: dict | None = None
+) -> subprocess.CompletedProcess:
     result = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(argv)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
@@ -140,10 +141,18 @@ class ComposeStack:
 
     def tls_flags(self, identity: str = "operator", dash: str = "--") -> list[str]:
         """CA, certificate and key flags for motorctl (dash '--') or grpcurl (dash '-')."""
-        return [f"{dash}cacert", self.pki("ca.crt"), f"{dash}cert", self.pki(f"{identity}.crt"), f"{dash}key", self.pki(f"{identity}.key")]
+        return [
+            f"{dash}cacert",
+            self.pki("ca.crt"),
+            f"{dash}cert",
+            self.pki(f"{identity}.crt"),
+            f"{dash}key",
+            self.pki(f"{identity}.key"),
+        ]
 
     def channel(self, identity: str = "operator", address: str = "") -> grpc.Channel:
         """A mutual-TLS channel to a published controller port (the first one's by default), as `identity`."""
+
         def read(name: str) -> bytes:
             with open(self.pki(name), "rb") as f:
                 return f.read()
@@ -155,15 +164,20 @@ class ComposeStack:
 
     def prometheus(self, path: str, **params: str):
         """GET Prometheus' HTTP API (`/api/v1/...`); returns its `data`."""
-        url = f"http://127.0.0.1:{self.prometheus_port}{path}" + ("?" + urllib.parse.urlencode(params) if params else "")
+        url = f"http://127.0.0.1:{self.prometheus_port}{path}" + (
+            "?" + urllib.parse.urlencode(params) if params else ""
+        )
         with urllib.request.urlopen(url, timeout=10) as response:
             body = json.load(response)
         assert body["status"] == "success", body
         return body["data"]
 
     def firing_alerts(self, name: str) -> list[dict]:
-        return [a["labels"] for a in self.prometheus("/api/v1/alerts")["alerts"]
-                if a["labels"]["alertname"] == name and a["state"] == "firing"]
+        return [
+            a["labels"]
+            for a in self.prometheus("/api/v1/alerts")["alerts"]
+            if a["labels"]["alertname"] == name and a["state"] == "firing"
+        ]
 
     # Containers and networks ---------------------------------------------------------------
 
@@ -186,9 +200,18 @@ class ComposeStack:
         """Each container's state and its last health-check outputs (why one is unhealthy)."""
         lines = []
         for cid in self.labelled("ps -a"):
-            out = run(["docker", "inspect", "-f", "{{.Name}} {{.State.Status}} exit={{.State.ExitCode}} "
-                       "{{if .State.Health}}{{.State.Health.Status}}{{range .State.Health.Log}} | {{.ExitCode}}: "
-                       "{{.Output}}{{end}}{{end}}", cid], check=False).stdout.strip()
+            out = run(
+                [
+                    "docker",
+                    "inspect",
+                    "-f",
+                    "{{.Name}} {{.State.Status}} exit={{.State.ExitCode}} "
+                    "{{if .State.Health}}{{.State.Health.Status}}{{range .State.Health.Log}} | {{.ExitCode}}: "
+                    "{{.Output}}{{end}}{{end}}",
+                    cid,
+                ],
+                check=False,
+            ).stdout.strip()
             lines.append(out)
         return "\n".join(lines)
 
@@ -228,7 +251,9 @@ class ComposeStack:
     def host_processes(self) -> list[tuple[int, str]]:
         """(host pid, command) of every process in the project's running containers."""
         processes = []
-        for cid in run(["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={self.project}"]).stdout.split():
+        for cid in run(
+            ["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={self.project}"]
+        ).stdout.split():
             # docker top runs ps on the host: the pids are the host's.
             for line in run(["docker", "top", cid, "-eo", "pid,args"]).stdout.splitlines()[1:]:
                 pid, _, args = line.strip().partition(" ")

@@ -21,8 +21,6 @@ import yaml
 
 from motor.v1 import controller_pb2
 from tests.compose.conftest import TIMINGS
-from tests.support.chaos_table import Row, record
-from tests.support import REPO_ROOT, wait_for
 from tests.compose.stack import (
     CONTROLLER_SERVICES,
     NODE_SERVICES,
@@ -35,6 +33,8 @@ from tests.compose.stack import (
     run,
     wait,
 )
+from tests.support import REPO_ROOT, wait_for
+from tests.support.chaos_table import Row, record
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -104,9 +104,21 @@ def test_stack_comes_up_with_three_nodes_and_the_deployment_ready(stack: Compose
     grpcurl = [_bin("grpcurl"), *stack.tls_flags(dash="-")]
     listed = run([*grpcurl, stack.controller_address, "list"]).stdout.split()
     assert "motor.v1.ControllerService" in listed and "grpc.health.v1.Health" in listed
-    reply = json.loads(run([*grpcurl, "-d", "{}", stack.controller_address, "motor.v1.ControllerService/ListNodes"]).stdout)
+    reply = json.loads(
+        run([*grpcurl, "-d", "{}", stack.controller_address, "motor.v1.ControllerService/ListNodes"]).stdout
+    )
     assert sorted(n["info"]["node_id"] for n in reply["nodes"]) == list(NODE_SERVICES)
-    shown = run([_bin("motorctl"), "--controller", stack.controller_address, *stack.tls_flags(), "--output", "json", "instances"]).stdout
+    shown = run(
+        [
+            _bin("motorctl"),
+            "--controller",
+            stack.controller_address,
+            *stack.tls_flags(),
+            "--output",
+            "json",
+            "instances",
+        ]
+    ).stdout
     assert "prefill-0" in shown and "decode-0" in shown, shown
 
 
@@ -194,7 +206,10 @@ def test_killed_node_manager_container_engines_move_to_the_other_nodes(stack: Co
     # Prometheus fires MotorNodeLost for it: detection (grace + re-check), then the rule's `for:`.
     wait_for(
         lambda: [a for a in stack.firing_alerts("MotorNodeLost") if a["node_id"] == victim],
-        NODE_GRACE + NODE_LOST_FOR + 60, 1, f"MotorNodeLost firing for {victim}", detail=lambda: _targets(stack),
+        NODE_GRACE + NODE_LOST_FOR + 60,
+        1,
+        f"MotorNodeLost firing for {victim}",
+        detail=lambda: _targets(stack),
     )
     TIMINGS[f"docker kill {victim} -> MotorNodeLost firing (for: {NODE_LOST_FOR:.0f} s)"] = time.monotonic() - killed_at
     nodes, _ = stack.snapshot()
@@ -221,6 +236,7 @@ def test_partitioned_node_is_fenced_when_healed_so_no_engine_runs_twice(stack: C
     cut_at = time.monotonic()
     run(["docker", "network", "disconnect", network, container])
     try:
+
         def moved_elsewhere():
             nodes, instances = stack.snapshot()
             where = placement(instances)
@@ -264,26 +280,33 @@ def test_partitioned_node_is_fenced_when_healed_so_no_engine_runs_twice(stack: C
         time.sleep(1)
 
 
-def _record_partition_row(stack: ComposeStack, victim: str, before, moved: set[str], stale: set[str],
-                          seen_before: int, recovery_s: float) -> None:
+def _record_partition_row(
+    stack: ComposeStack, victim: str, before, moved: set[str], stale: set[str], seen_before: int, recovery_s: float
+) -> None:
     """The partition row of the chaos table (tests/chaos, docs/chaos.md), measured on this stack."""
     nodes, after = stack.snapshot()
     # An instance with an engine on the partitioned node is restarted whole (restart scope: group).
     touched = {engine.split("/rank")[0] for engine in moved}
     untouched = {e: n for e, n in placement(before).items() if e.split("/rank")[0] not in touched}
-    failed = {e.engine_id for e in stack.events() if e.sequence > seen_before and e.type == controller_pb2.EVENT_TYPE_ENGINE_FAILED}
+    failed = {
+        e.engine_id
+        for e in stack.events()
+        if e.sequence > seen_before and e.type == controller_pb2.EVENT_TYPE_ENGINE_FAILED
+    }
     false_kills = sorted(e for e, n in untouched.items() if placement(after).get(e) != n or e in failed)
     found = stack.engine_processes()
-    row = record(Row(
-        "partition and heal (compose)",
-        false_kills=len(false_kills),
-        instances_lost=sum(1 for i in after if i.state != controller_pb2.INSTANCE_STATE_READY),
-        running_twice=sum(1 for where in found.values() if len(where) > 1),
-        orphans=len(set(found) - EXPECTED_ENGINES),
-        recovery_s=recovery_s,
-        note=f"{victim} cut off the control network; {len(moved)} engines moved, {len(stale)} stale copies fenced on heal"
-             + (f"; false kills: {false_kills}" if false_kills else ""),
-    ))
+    row = record(
+        Row(
+            "partition and heal (compose)",
+            false_kills=len(false_kills),
+            instances_lost=sum(1 for i in after if i.state != controller_pb2.INSTANCE_STATE_READY),
+            running_twice=sum(1 for where in found.values() if len(where) > 1),
+            orphans=len(set(found) - EXPECTED_ENGINES),
+            recovery_s=recovery_s,
+            note=f"{victim} cut off the control network; {len(moved)} engines moved, "
+            f"{len(stale)} stale copies fenced on heal" + (f"; false kills: {false_kills}" if false_kills else ""),
+        )
+    )
     assert row.zeros(), row
 
 
@@ -321,7 +344,9 @@ def test_killed_leader_container_the_standby_leads_and_no_engine_restarts(stack:
         return instances if ready_nodes(nodes) == set(NODE_SERVICES) and deployment_ready(instances) else None
 
     after = wait(ready_at_the_new_leader, 60, f"every node and instance ready under {standby}", stack)
-    TIMINGS[f"docker kill {leader} (leader) -> every node READY, deployment ready under {standby}"] = time.monotonic() - killed_at
+    TIMINGS[f"docker kill {leader} (leader) -> every node READY, deployment ready under {standby}"] = (
+        time.monotonic() - killed_at
+    )
     assert placement(after) == placement(before)
     assert {i.instance_id: i.restarts for i in after} == restarts, "an instance restarted across the failover"
     assert stack.engine_pids() == pids, "an engine process was restarted or stopped across the failover"
@@ -330,11 +355,27 @@ def test_killed_leader_container_the_standby_leads_and_no_engine_restarts(stack:
     # ports, follows the leader (the standby names it by its in-network name, which the host
     # cannot resolve: motorctl tries the other port).
     run(["docker", "start", stack.container(leader)])
-    wait(lambda: stack.health(leader) == "healthy" and stack.controllers(stack.published(leader)).leader_address
-         == f"{standby}:50051", 90, f"{leader} back as the standby", stack)
+    wait(
+        lambda: (
+            stack.health(leader) == "healthy"
+            and stack.controllers(stack.published(leader)).leader_address == f"{standby}:50051"
+        ),
+        90,
+        f"{leader} back as the standby",
+        stack,
+    )
     both = f"{stack.published(leader)},{stack.published(standby)}"
-    applied = run([_bin("motorctl"), "--controller", both, *stack.tls_flags(), "apply", "-f",
-                   os.path.join(REPO_ROOT, "docker", "deployment.yaml")])
+    applied = run(
+        [
+            _bin("motorctl"),
+            "--controller",
+            both,
+            *stack.tls_flags(),
+            "apply",
+            "-f",
+            os.path.join(REPO_ROOT, "docker", "deployment.yaml"),
+        ]
+    )
     assert "applied" in applied.stdout, applied.stdout
     assert stack.engine_pids() == pids
 

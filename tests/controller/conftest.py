@@ -6,12 +6,11 @@ import os
 
 import pytest
 
-from motor.contract.deployment_file import deployment_from_dict, load_deployment
-from motor.v1 import controller_pb2
-
 from controller.config import ControllerConfig
 from controller.core import Controller
 from controller.store import SqliteStore
+from motor.contract.deployment_file import deployment_from_dict, load_deployment
+from motor.v1 import controller_pb2
 from tests.controller.fakes import FakeNodeClient
 from tests.support import REPO_ROOT
 
@@ -20,9 +19,13 @@ EXAMPLE = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 
 def node_info(node_id: str, accelerators: int = 4, port_range: tuple[int, int] = (0, 0)) -> controller_pb2.NodeInfo:
     return controller_pb2.NodeInfo(
-        node_id=node_id, address=f"127.0.0.1:{1000 + ord(node_id[-1])}", host=f"10.0.0.{ord(node_id[-1]) - 96}",
-        accelerator_ids=list(range(accelerators)), accelerator_type="sim",
-        port_range_start=port_range[0], port_range_end=port_range[1],
+        node_id=node_id,
+        address=f"127.0.0.1:{1000 + ord(node_id[-1])}",
+        host=f"10.0.0.{ord(node_id[-1]) - 96}",
+        accelerator_ids=list(range(accelerators)),
+        accelerator_type="sim",
+        port_range_start=port_range[0],
+        port_range_end=port_range[1],
     )
 
 
@@ -40,7 +43,9 @@ def example_deployment(**policy) -> controller_pb2.Deployment:
 
 def small_deployment(groups: list[dict], **extra) -> controller_pb2.Deployment:
     sections = {f"motor_engine_{r}_config": {"engine_type": "sim"} for r in ("prefill", "decode", "union")}
-    return deployment_from_dict({"name": "t", "model": "sim-tiny", "engine_config": sections, "instance_groups": groups, **extra})
+    return deployment_from_dict(
+        {"name": "t", "model": "sim-tiny", "engine_config": sections, "instance_groups": groups, **extra}
+    )
 
 
 class Harness:
@@ -83,6 +88,7 @@ class Harness:
     @contextlib.asynccontextmanager
     async def beating(self, *node_ids: str, every: float = 0.1):
         """These nodes heartbeat every `every` seconds while the block runs (the others fall silent)."""
+
         async def beat_forever() -> None:
             while True:
                 self.beat(*node_ids)

@@ -7,10 +7,9 @@ import asyncio
 import itertools
 import time
 
+from controller.node_client import NodeCallError, NodeClient
 from motor.contract.names import engine_id
 from motor.v1 import node_manager_pb2, types_pb2
-
-from controller.node_client import NodeCallError, NodeClient
 
 
 class FakeNodeClient(NodeClient):
@@ -20,13 +19,19 @@ class FakeNodeClient(NodeClient):
         self.unreachable: set[str] = set()
         self.start_errors: dict[str, NodeCallError] = {}  # engine id -> error for the next start
         self.processes: dict[str, types_pb2.NodeManagerProcess] = {}  # node id -> the process answering there
-        self.frozen: set[str] = set()  # node ids whose StartEngine calls hang until abandon() (a SIGSTOPped node manager)
+        self.frozen: set[str] = (
+            set()
+        )  # node ids whose StartEngine calls hang until abandon() (a SIGSTOPped node manager)
         self._hanging: dict[str, list[asyncio.Future]] = {}  # node id -> the calls hanging there
         self._ports = itertools.count(30000)
         self._pids = itertools.count(1000)
 
     def starts(self, engine: str | None = None) -> list[types_pb2.EngineSpec]:
-        return [c[2] for c in self.calls if c[0] == "start" and (engine is None or engine_id(c[2].instance_id, c[2].dp_rank) == engine)]
+        return [
+            c[2]
+            for c in self.calls
+            if c[0] == "start" and (engine is None or engine_id(c[2].instance_id, c[2].dp_rank) == engine)
+        ]
 
     def stops(self) -> list[tuple[str, str, int]]:
         return [(c[1], c[2], c[3]) for c in self.calls if c[0] == "stop"]
@@ -49,8 +54,14 @@ class FakeNodeClient(NodeClient):
         filled.CopyFrom(spec)
         filled.port = spec.port or next(self._ports)
         filled.mgmt_port = spec.mgmt_port or next(self._ports)
-        engine = types_pb2.Engine(engine_id=eid, spec=filled, state=types_pb2.ENGINE_STATE_STARTING,
-                                  health=types_pb2.HEALTH_STATUS_INIT, pid=next(self._pids), node_id=node.node_id)
+        engine = types_pb2.Engine(
+            engine_id=eid,
+            spec=filled,
+            state=types_pb2.ENGINE_STATE_STARTING,
+            health=types_pb2.HEALTH_STATUS_INIT,
+            pid=next(self._pids),
+            node_id=node.node_id,
+        )
         self.engines.setdefault(node.node_id, {})[eid] = engine
         return engine
 
@@ -72,14 +83,17 @@ class FakeNodeClient(NodeClient):
     async def list_engines(self, node, timeout):
         self.calls.append(("list", node.node_id))
         self._check(node)
-        return node_manager_pb2.ListEnginesResponse(engines=self.engines.get(node.node_id, {}).values(),
-                                                    process=self.processes.get(node.node_id))
+        return node_manager_pb2.ListEnginesResponse(
+            engines=self.engines.get(node.node_id, {}).values(), process=self.processes.get(node.node_id)
+        )
 
     # What a node manager would send.
     def report(self, node_id: str) -> list[types_pb2.Engine]:
         return list(self.engines.get(node_id, {}).values())
 
-    def set_health(self, node_id: str, health=types_pb2.HEALTH_STATUS_NORMAL, state=types_pb2.ENGINE_STATE_RUNNING) -> None:
+    def set_health(
+        self, node_id: str, health=types_pb2.HEALTH_STATUS_NORMAL, state=types_pb2.ENGINE_STATE_RUNNING
+    ) -> None:
         for engine in self.engines.get(node_id, {}).values():
             if engine.state in (types_pb2.ENGINE_STATE_STARTING, types_pb2.ENGINE_STATE_RUNNING):
                 engine.state, engine.health = state, health

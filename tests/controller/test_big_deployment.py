@@ -54,8 +54,13 @@ def test_a_10000_instance_apply_replace_and_delete_never_stall_the_loop_nor_sile
         stub = fleet.stub
 
         def placed(key: str, target: int, what: str) -> None:
-            wait_for(lambda: fleet.counts()[key] >= target, timeout=400, interval=0.5, what=what,
-                     detail=lambda: f"fake node manager: {fleet.counts()}; heartbeats: {len(fleet.beats.failed)} failed")
+            wait_for(
+                lambda: fleet.counts()[key] >= target,
+                timeout=400,
+                interval=0.5,
+                what=what,
+                detail=lambda: f"fake node manager: {fleet.counts()}; heartbeats: {len(fleet.beats.failed)} failed",
+            )
 
         reply = stub.ApplyDeployment(C.ApplyDeploymentRequest(deployment=deployment(INSTANCES, DP)), timeout=300)
         assert reply.revision == 1
@@ -64,7 +69,9 @@ def test_a_10000_instance_apply_replace_and_delete_never_stall_the_loop_nor_sile
         assert len(page.instances) == 1000 and page.next_page_token
         placed("starts", PLACED, f"{PLACED} engines started")
 
-        reply = stub.ApplyDeployment(C.ApplyDeploymentRequest(deployment=deployment(INSTANCES, DP, "sim-tiny-2")), timeout=300)
+        reply = stub.ApplyDeployment(
+            C.ApplyDeploymentRequest(deployment=deployment(INSTANCES, DP, "sim-tiny-2")), timeout=300
+        )
         assert reply.revision == 2 and reply.deployment.model == "sim-tiny-2"
         placed("stops", PLACED, "the replaced engines stopped")
         placed("starts", 2 * PLACED, "the new engines started")
@@ -81,11 +88,15 @@ def test_a_10000_instance_apply_replace_and_delete_never_stall_the_loop_nor_sile
         hung = {le: n for le, n in stalls.items() if le > HANG_BOUND and n}
         assert not hung, f"the controller's loop was held past {HANG_BOUND}s: {hung} (blocked: {stalls}; lag: {lags})"
         over = sum(n for le, n in stalls.items() if le > STALL_BOUND)
-        assert over <= 1, f"the controller's loop was held past {STALL_BOUND}s {over:g} times (blocked: {stalls}; lag: {lags})"
+        assert over <= 1, (
+            f"the controller's loop was held past {STALL_BOUND}s {over:g} times (blocked: {stalls}; lag: {lags})"
+        )
         assert fleet.beats.sent >= NODES * 10 and not fleet.beats.failed, fleet.beats.failed[:5]
         # A node that went SUSPECT and came back says so in its reason; these were only registered.
         nodes = fleet.node_reasons()
         assert len(nodes) == NODES
-        assert all(state == "NODE_STATE_READY" and reason.startswith("registered") for state, reason in nodes.values()), nodes
+        assert all(
+            state == "NODE_STATE_READY" and reason.startswith("registered") for state, reason in nodes.values()
+        ), nodes
     finally:
         fleet.stop()

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from motor.errors import FailedPrecondition
-from motor.v1 import controller_pb2 as C
-from motor.v1 import types_pb2 as T
-
 from controller import claims
 from controller.claims import Claim, judge
 from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
+from motor.errors import FailedPrecondition
+from motor.v1 import controller_pb2 as C
+from motor.v1 import types_pb2 as T
 from tests.controller.conftest import Harness, node_info, small_deployment
 from tests.controller.fakes import ManualClock
 from tests.support import async_wait_for
@@ -30,23 +29,72 @@ def holder(process: T.NodeManagerProcess, state=NODE_READY, last_seen=100.0, rec
     return node
 
 
-@pytest.mark.parametrize("case, node, newcomer, now, alarm, expected", [
-    ("nobody holds it", None, proc("n2"), 100.0, False, Claim.NEW),
-    ("the holder registers again", holder(proc("n1")), proc("n1"), 100.0, False, Claim.SAME),
-    ("the holder restarted (same boot and state dir)", holder(proc("n1")), proc("n2"), 100.0, False, Claim.RESTART),
-    ("an older node manager holds it", holder(T.NodeManagerProcess()), proc("n2"), 100.0, False, Claim.UNCHECKED),
-    ("an older node manager asks", holder(proc("n1")), T.NodeManagerProcess(), 100.0, False, Claim.UNCHECKED),
-    ("heartbeating holder, other state dir", holder(proc("n1")), proc("n2", state_dir="dir-2"), 100.5, False, Claim.REFUSE),
-    ("heartbeating holder, same state dir after a reboot", holder(proc("n1")), proc("n2", boot="boot-2"), 100.5, False, Claim.REFUSE),
-    ("holder silent past the grace, not re-checked yet", holder(proc("n1")), proc("n2", state_dir="dir-2"), 101.0, False, Claim.RECHECK),
-    ("suspect holder whose re-check failed", holder(proc("n1"), NODE_SUSPECT, recheck_failed=101.0),
-     proc("n2", state_dir="dir-2"), 101.2, False, Claim.TAKEOVER),
-    ("the same from another host while the silent-nodes alarm is on", holder(proc("n1"), NODE_SUSPECT, recheck_failed=101.0),
-     proc("n2", boot="boot-2"), 101.2, True, Claim.REFUSE),
-    ("the same from the holder's host while the alarm is on", holder(proc("n1"), NODE_SUSPECT, recheck_failed=101.0),
-     proc("n2", state_dir="dir-2"), 101.2, True, Claim.TAKEOVER),
-    ("holder declared lost", holder(proc("n1"), NODE_LOST), proc("n2", state_dir="dir-2"), 100.1, False, Claim.AFTER_LOST),
-])
+@pytest.mark.parametrize(
+    "case, node, newcomer, now, alarm, expected",
+    [
+        ("nobody holds it", None, proc("n2"), 100.0, False, Claim.NEW),
+        ("the holder registers again", holder(proc("n1")), proc("n1"), 100.0, False, Claim.SAME),
+        ("the holder restarted (same boot and state dir)", holder(proc("n1")), proc("n2"), 100.0, False, Claim.RESTART),
+        ("an older node manager holds it", holder(T.NodeManagerProcess()), proc("n2"), 100.0, False, Claim.UNCHECKED),
+        ("an older node manager asks", holder(proc("n1")), T.NodeManagerProcess(), 100.0, False, Claim.UNCHECKED),
+        (
+            "heartbeating holder, other state dir",
+            holder(proc("n1")),
+            proc("n2", state_dir="dir-2"),
+            100.5,
+            False,
+            Claim.REFUSE,
+        ),
+        (
+            "heartbeating holder, same state dir after a reboot",
+            holder(proc("n1")),
+            proc("n2", boot="boot-2"),
+            100.5,
+            False,
+            Claim.REFUSE,
+        ),
+        (
+            "holder silent past the grace, not re-checked yet",
+            holder(proc("n1")),
+            proc("n2", state_dir="dir-2"),
+            101.0,
+            False,
+            Claim.RECHECK,
+        ),
+        (
+            "suspect holder whose re-check failed",
+            holder(proc("n1"), NODE_SUSPECT, recheck_failed=101.0),
+            proc("n2", state_dir="dir-2"),
+            101.2,
+            False,
+            Claim.TAKEOVER,
+        ),
+        (
+            "the same from another host while the silent-nodes alarm is on",
+            holder(proc("n1"), NODE_SUSPECT, recheck_failed=101.0),
+            proc("n2", boot="boot-2"),
+            101.2,
+            True,
+            Claim.REFUSE,
+        ),
+        (
+            "the same from the holder's host while the alarm is on",
+            holder(proc("n1"), NODE_SUSPECT, recheck_failed=101.0),
+            proc("n2", state_dir="dir-2"),
+            101.2,
+            True,
+            Claim.TAKEOVER,
+        ),
+        (
+            "holder declared lost",
+            holder(proc("n1"), NODE_LOST),
+            proc("n2", state_dir="dir-2"),
+            100.1,
+            False,
+            Claim.AFTER_LOST,
+        ),
+    ],
+)
 def test_rule(case, node, newcomer, now, alarm, expected):
     assert judge(node, newcomer, now, GRACE, alarm) is expected, case
 
@@ -66,8 +114,12 @@ async def started(tmp_path) -> tuple[Harness, ManualClock]:
 
 
 def refused_count(h: Harness) -> float:
-    return h.controller.metrics.registry.get_sample_value(
-        "motor_controller_registrations_refused_total", {"reason": "node_id_held"}) or 0.0
+    return (
+        h.controller.metrics.registry.get_sample_value(
+            "motor_controller_registrations_refused_total", {"reason": "node_id_held"}
+        )
+        or 0.0
+    )
 
 
 async def test_a_second_live_process_is_refused_naming_both_once_per_conflict(tmp_path):
@@ -165,7 +217,6 @@ async def test_a_recheck_answered_by_another_process_is_not_the_holder(tmp_path)
         await h.stop()
 
 
-
 async def test_a_takeover_on_the_same_host_starts_the_engines_there_with_new_generations(tmp_path):
     h, clock = await started(tmp_path)
     try:
@@ -226,7 +277,9 @@ async def test_a_silent_node_whose_host_has_a_process_asking_for_it_waits_for_th
         clock.advance(0.2)
         h.beat("node-b")
         ctl.check_nodes()  # SUSPECT, re-checked
-        await async_wait_for(lambda: ctl.nodes["node-a"].recheck_failed_at is not None, timeout=5, what="re-check failed")
+        await async_wait_for(
+            lambda: ctl.nodes["node-a"].recheck_failed_at is not None, timeout=5, what="re-check failed"
+        )
         clock.advance(0.9)  # past the two intervals after which a silent, unanswering node is lost
         h.beat("node-b")
         ctl.check_nodes()

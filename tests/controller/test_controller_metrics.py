@@ -17,7 +17,10 @@ from tests.support import async_wait_for
 
 
 def value(metrics: StoreMetrics, name: str, operation: str) -> float:
-    sample = {"seconds": "motor_controller_store_write_seconds_count", "failures": "motor_controller_store_write_failures_total"}
+    sample = {
+        "seconds": "motor_controller_store_write_seconds_count",
+        "failures": "motor_controller_store_write_failures_total",
+    }
     collector = metrics.seconds if name == "seconds" else metrics.failures
     for family in collector.collect():
         for s in family.samples:
@@ -85,7 +88,9 @@ async def test_moves_held_back_by_the_rate_limit_are_counted_once_per_hold_back(
         await harness.start()
         for node in ("node-a", "node-b"):
             await harness.register(node, accelerators=2)
-        groups = [{"name": "decode", "role": "decode", "count": 2, "data_parallel_size": 1, "accelerators_per_engine": 1}]
+        groups = [
+            {"name": "decode", "role": "decode", "count": 2, "data_parallel_size": 1, "accelerators_per_engine": 1}
+        ]
         harness.controller.apply_deployment(small_deployment(groups))
         await async_wait_for(lambda: len(harness.client.starts()) == 2, timeout=5, what="2 StartEngine calls")
         ctl = harness.controller

@@ -10,18 +10,16 @@ import time
 import grpc
 import pytest
 
+from controller.events import EVENT_MESSAGE_CHARS
+from controller.node_client import GrpcNodeClient, NodeCallError
 from motor.contract import heartbeats, start_refusals
+from motor.contract.names import CONTROL_CHARACTER
 from motor.errors import FailedPrecondition, InvalidArgument, NotFound
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-
-from controller.events import EVENT_MESSAGE_CHARS
-from controller.node_client import GrpcNodeClient, NodeCallError
-from motor.contract.names import CONTROL_CHARACTER
 from tests.controller.conftest import Harness, example_deployment, node_info, small_deployment
 from tests.controller.fakes import ManualClock
 from tests.support import async_wait_for
-
 
 HELD_BY_ALARM = "not declared lost while the silent-nodes alarm is on"
 
@@ -35,14 +33,18 @@ async def running_example(h: Harness, nodes=("node-a", "node-b"), accelerators=4
     for node in nodes:
         h.client.set_health(node)
     h.beat(*nodes)
-    await async_wait_for(lambda: all(i.state == C.INSTANCE_STATE_READY for i in h.controller.instances.values()), timeout=5)
+    await async_wait_for(
+        lambda: all(i.state == C.INSTANCE_STATE_READY for i in h.controller.instances.values()), timeout=5
+    )
 
 
 async def test_apply_places_every_rank_with_master_ip_config_and_generation(harness):
     await running_example(harness)
     starts = {f"{s.instance_id}/rank{s.dp_rank}": s for s in harness.client.starts()}
     assert set(starts) == {"prefill-0/rank0", "prefill-0/rank1", "decode-0/rank0"}
-    rank0_node = next(c[1] for c in harness.client.calls if c[0] == "start" and c[2].instance_id == "prefill-0" and c[2].dp_rank == 0)
+    rank0_node = next(
+        c[1] for c in harness.client.calls if c[0] == "start" and c[2].instance_id == "prefill-0" and c[2].dp_rank == 0
+    )
     expected_host = {"node-a": "10.0.0.1", "node-b": "10.0.0.2"}[rank0_node]
     assert starts["prefill-0/rank0"].master_dp_ip == starts["prefill-0/rank1"].master_dp_ip == expected_host
     config = json.loads(starts["decode-0/rank0"].config_json)
@@ -76,8 +78,13 @@ async def test_apply_is_idempotent_and_stored_before_return(harness):
 async def test_invalid_deployment_names_the_field_and_changes_nothing(harness):
     await harness.start()
     harness.controller.apply_deployment(example_deployment())
-    bad = small_deployment([{"name": "Bad Name", "role": "prefill"}, {"name": "d", "role": "decode", "count": 2},
-                            {"name": "p", "role": "prefill", "pair_with": "nope"}])
+    bad = small_deployment(
+        [
+            {"name": "Bad Name", "role": "prefill"},
+            {"name": "d", "role": "decode", "count": 2},
+            {"name": "p", "role": "prefill", "pair_with": "nope"},
+        ]
+    )
     with pytest.raises(InvalidArgument) as err:
         harness.controller.apply_deployment(bad)
     text = str(err.value)
@@ -88,7 +95,9 @@ async def test_invalid_deployment_names_the_field_and_changes_nothing(harness):
 async def test_unplaceable_instance_is_pending_with_the_reason(harness):
     await harness.start()
     await harness.register("node-a", accelerators=1)
-    harness.controller.apply_deployment(small_deployment([{"name": "big", "role": "union", "accelerators_per_engine": 2}]))
+    harness.controller.apply_deployment(
+        small_deployment([{"name": "big", "role": "union", "accelerators_per_engine": 2}])
+    )
     await async_wait_for(lambda: "none has room" in harness.instance("big-0").reason, timeout=5)
     assert harness.instance("big-0").state == C.INSTANCE_STATE_PENDING
     assert "most free: node-a with 1/1 accelerators" in harness.instance("big-0").reason
@@ -158,7 +167,9 @@ async def test_group_scope_restarts_every_rank_and_rank_scope_one(harness):
     failed = engines["prefill-0/rank1"]
     failed.state = T.ENGINE_STATE_FAILED
     ctl.report_engine_event(node_id, harness.generations[node_id], failed, "exited (signal 9)")
-    await async_wait_for(lambda: len(client.starts("prefill-0/rank0")) == 2 and len(client.starts("prefill-0/rank1")) == 2, timeout=5)
+    await async_wait_for(
+        lambda: len(client.starts("prefill-0/rank0")) == 2 and len(client.starts("prefill-0/rank1")) == 2, timeout=5
+    )
     # The surviving rank 0 was stopped (fenced by its old generation) before its new copy started.
     assert any(s[1] == "prefill-0/rank0" for s in client.stops())
 
@@ -228,7 +239,9 @@ async def test_a_start_hanging_on_a_node_declared_lost_is_abandoned_and_its_rank
         await async_wait_for(lambda: len(client.starts("decode-0/rank0")) == 3, timeout=5, what="a start elsewhere")
         calls = [c for c in client.calls if c[0] == "start" and c[2].instance_id == "decode-0"]
         assert calls[-1][1] in others and calls[-1][2].generation > calls[-2][2].generation
-        assert not any(e.type == C.EVENT_TYPE_RETRYING for e in ctl.events.recent)  # not "trying again" on the lost node
+        assert not any(
+            e.type == C.EVENT_TYPE_RETRYING for e in ctl.events.recent
+        )  # not "trying again" on the lost node
 
 
 async def test_many_silent_nodes_raise_an_alarm_and_nothing_moves(harness):
@@ -240,8 +253,11 @@ async def test_many_silent_nodes_raise_an_alarm_and_nothing_moves(harness):
         await async_wait_for(lambda: ctl.alarm, timeout=5, what="alarm")
         assert "2 of 3 nodes silent at once" in ctl.list_nodes()[1][0]
         # Both re-checks failed, and the alarm holds both back from being declared lost.
-        await async_wait_for(lambda: all(HELD_BY_ALARM in ctl.nodes[n].reason for n in ("node-a", "node-b")),
-                             timeout=5, what="both nodes held back by the alarm")
+        await async_wait_for(
+            lambda: all(HELD_BY_ALARM in ctl.nodes[n].reason for n in ("node-a", "node-b")),
+            timeout=5,
+            what="both nodes held back by the alarm",
+        )
         assert all(ctl.nodes[n].state == C.NODE_STATE_SUSPECT for n in ("node-a", "node-b"))
         assert len(client.starts()) == 3 and not client.stops()
         client.unreachable.clear()
@@ -258,7 +274,9 @@ async def test_time_the_controller_did_not_run_is_not_counted_as_the_nodes_silen
     harness.beat("node-a", "node-b", "node-c")
     time.sleep(3 * harness.config.node_grace)  # the loop held, as a stopped process's would be
     await asyncio.sleep(0.3)  # the monitor runs (no heartbeat read yet)
-    assert all(n.state == C.NODE_STATE_READY for n in ctl.nodes.values()), {n.node_id: n.reason for n in ctl.nodes.values()}
+    assert all(n.state == C.NODE_STATE_READY for n in ctl.nodes.values()), {
+        n.node_id: n.reason for n in ctl.nodes.values()
+    }
     assert not ctl.alarm and not [e for e in ctl.events.recent if e.type == C.EVENT_TYPE_NODE_SUSPECT]
     assert "the controller did not run for" in caplog.text
     # Silence while the controller runs still counts.
@@ -281,14 +299,18 @@ async def test_nodes_silent_together_but_noticed_one_by_one_raise_the_alarm(tmp_
         h.beat("node-c")
         ctl.check_nodes()
         assert (ctl.nodes["node-a"].state, ctl.nodes["node-b"].state) == (C.NODE_STATE_SUSPECT, C.NODE_STATE_READY)
-        await async_wait_for(lambda: ctl.nodes["node-a"].recheck_failed_at is not None, timeout=5, what="node-a re-check failed")
+        await async_wait_for(
+            lambda: ctl.nodes["node-a"].recheck_failed_at is not None, timeout=5, what="node-a re-check failed"
+        )
         ctl.check_nodes()
         assert ctl.nodes["node-a"].state == C.NODE_STATE_SUSPECT  # not lost before node-b had time to turn SUSPECT
         clock.advance(0.1)
         h.beat("node-c")
         ctl.check_nodes()
         assert ctl.nodes["node-b"].state == C.NODE_STATE_SUSPECT and "2 of 3 nodes silent at once" in ctl.alarm
-        await async_wait_for(lambda: ctl.nodes["node-b"].recheck_failed_at is not None, timeout=5, what="node-b re-check failed")
+        await async_wait_for(
+            lambda: ctl.nodes["node-b"].recheck_failed_at is not None, timeout=5, what="node-b re-check failed"
+        )
         clock.advance(0.5)
         h.beat("node-c")
         ctl.check_nodes()
@@ -391,7 +413,9 @@ async def test_after_a_restart_a_node_has_the_grace_and_a_node_managers_longest_
         ctl.check_nodes()
         node_b = ctl.nodes["node-b"]
         assert ctl.nodes["node-a"].state == C.NODE_STATE_READY and node_b.state == C.NODE_STATE_SUSPECT
-        assert node_b.reason.startswith(f"no heartbeat since this controller started ({5.0 + heartbeats.MAX_BACKOFF + 0.5:.1f}s ago")
+        assert node_b.reason.startswith(
+            f"no heartbeat since this controller started ({5.0 + heartbeats.MAX_BACKOFF + 0.5:.1f}s ago"
+        )
 
 
 async def test_after_a_restart_a_node_that_reported_then_fell_silent_is_suspected_on_its_own_grace(tmp_path):
@@ -448,10 +472,14 @@ async def test_a_start_refused_for_accelerators_still_held_is_a_wait_not_a_failu
     await harness.register("node-a")
     held = start_refusals.accelerators_held([0], ["a-0/rank0"])
     harness.client.start_errors["solo-0/rank0"] = NodeCallError(held.code.name, str(held))
-    harness.controller.apply_deployment(small_deployment([{"name": "solo", "role": "union"}], restart_policy={"max_failures": 1}))
+    harness.controller.apply_deployment(
+        small_deployment([{"name": "solo", "role": "union"}], restart_policy={"max_failures": 1})
+    )
     await async_wait_for(lambda: len(harness.client.starts("solo-0/rank0")) == 1, timeout=10)
     harness.client.start_errors["solo-0/rank0"] = NodeCallError(held.code.name, str(held))  # still held at the next try
-    await async_wait_for(lambda: len(harness.client.starts("solo-0/rank0")) == 3, timeout=10, what="tried again, then started")
+    await async_wait_for(
+        lambda: len(harness.client.starts("solo-0/rank0")) == 3, timeout=10, what="tried again, then started"
+    )
     slot, inst = harness.controller.slots["solo-0/rank0"], harness.instance("solo-0")
     assert slot.restarts == 0 and not slot.last_failure_reason and inst.state != C.INSTANCE_STATE_FAILED
     waits = [e for e in harness.controller.events.recent if e.type == C.EVENT_TYPE_RETRYING]
@@ -483,7 +511,9 @@ async def test_accelerators_an_old_copy_still_holds_are_not_offered_while_anothe
     await asyncio.sleep(0.3)
     assert not ctl.slots["new-1/rank0"].node_id and not harness.client.starts("new-1/rank0")
     harness.beat("node-a")  # the old copy is stopped now (the fake stopped it when asked)
-    await async_wait_for(lambda: harness.client.starts("new-1/rank0"), timeout=5, what="placed once the old copy is gone")
+    await async_wait_for(
+        lambda: harness.client.starts("new-1/rank0"), timeout=5, what="placed once the old copy is gone"
+    )
     assert ctl.slots["new-1/rank0"].node_id == "node-a"
 
 
@@ -498,11 +528,17 @@ async def test_a_node_whose_address_answers_as_another_node_is_set_aside_and_the
     harness.client.start_errors["solo-0/rank0"] = NodeCallError(wrong.code.name, str(wrong))
     ctl = harness.controller
     ctl.apply_deployment(small_deployment([{"name": "solo", "role": "union"}], restart_policy={"max_failures": 1}))
-    def started_on(engine: str) -> list[str]:
-        return [c[1] for c in harness.client.calls if c[0] == "start" and f"{c[2].instance_id}/rank{c[2].dp_rank}" == engine]
 
-    await async_wait_for(lambda: started_on("solo-0/rank0") == ["node-c", "node-a"],
-                         timeout=10, what="refused on node-c, then started on node-a")
+    def started_on(engine: str) -> list[str]:
+        return [
+            c[1] for c in harness.client.calls if c[0] == "start" and f"{c[2].instance_id}/rank{c[2].dp_rank}" == engine
+        ]
+
+    await async_wait_for(
+        lambda: started_on("solo-0/rank0") == ["node-c", "node-a"],
+        timeout=10,
+        what="refused on node-c, then started on node-a",
+    )
     slot = ctl.slots["solo-0/rank0"]
     assert slot.node_id == "node-a" and slot.restarts == 0 and not slot.last_failure_reason
     assert harness.instance("solo-0").state != C.INSTANCE_STATE_FAILED

@@ -5,12 +5,11 @@ engine started) instead of refusing every start as stale."""
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import os
 import time
 
+import pytest
 from google.protobuf import json_format
 
 from motor.contract.deployment_file import load_deployment
@@ -39,22 +38,33 @@ def test_database_lost_then_the_same_deployment_applied_again_adopts_every_engin
     cluster.kill_controller()
     _move_database_away(cluster)
     cluster.start_controller()
-    wait_for(lambda: len(cluster.node_list().nodes) == 2 and all(n.HasField("last_heartbeat") for n in cluster.node_list().nodes),
-             timeout=60, interval=0.2, what="both nodes registered with the empty controller")
+    wait_for(
+        lambda: (
+            len(cluster.node_list().nodes) == 2 and all(n.HasField("last_heartbeat") for n in cluster.node_list().nodes)
+        ),
+        timeout=60,
+        interval=0.2,
+        what="both nodes registered with the empty controller",
+    )
     # No deployment yet: the engines the nodes run are kept (not stopped in a hurry).
     time.sleep(4 * HEARTBEAT)
     kept = {k: (e.pid, e.spec.generation) for k, e in cluster.engine_copies().items()}
     assert kept == before, cluster.describe()
     apply(cluster, deployment)
-    wait_for(lambda: cluster.all_ready(2), timeout=60, interval=0.2, what="READY after the re-apply", detail=cluster.describe)
+    wait_for(
+        lambda: cluster.all_ready(2), timeout=60, interval=0.2, what="READY after the re-apply", detail=cluster.describe
+    )
     time.sleep(4 * HEARTBEAT)
     after = {k: (e.pid, e.spec.generation) for k, e in cluster.engine_copies().items()}
     assert after == before, cluster.describe()
     instances = cluster.instances()
     assert all(i.state == C.INSTANCE_STATE_READY and i.restarts == 0 for i in instances.values()), cluster.describe()
     events = cluster.events()
-    assert not [e for e in events if e.type in (C.EVENT_TYPE_ENGINE_STARTED, C.EVENT_TYPE_ENGINE_FAILED,
-                                                 C.EVENT_TYPE_ENGINE_FENCED)], cluster.describe()
+    assert not [
+        e
+        for e in events
+        if e.type in (C.EVENT_TYPE_ENGINE_STARTED, C.EVENT_TYPE_ENGINE_FAILED, C.EVENT_TYPE_ENGINE_FENCED)
+    ], cluster.describe()
     assert any("adopted" in e.message for e in events), cluster.describe()
 
 
@@ -73,23 +83,40 @@ def test_database_lost_under_a_startup_deployment_adopts_every_engine(make_clust
     path = _write_deployment_file(str(tmp_path / "deployment.json"), deployment)
     # The first start (no engine anywhere) waits out the startup grace; the restart need not.
     cluster = make_cluster(nodes=2, extra=["--node-grace", "15", "--startup-grace", "8", "--deployment", path])
-    wait_for(lambda: cluster.all_ready(2), timeout=120, interval=0.2, what="READY from the start-up deployment",
-             detail=cluster.describe)
+    wait_for(
+        lambda: cluster.all_ready(2),
+        timeout=120,
+        interval=0.2,
+        what="READY from the start-up deployment",
+        detail=cluster.describe,
+    )
     before = {k: e.pid for k, e in cluster.engine_copies().items()}
     assert len(before) == 4
     cluster.kill_controller()
     _move_database_away(cluster)
     cluster.start_controller()  # the same command line: --deployment FILE on an empty database
-    wait_for(lambda: any("adopted" in e.message for e in cluster.events()), timeout=60, interval=0.2,
-             what="the start-up deployment applied, adopting", detail=cluster.describe)
-    wait_for(lambda: cluster.all_ready(2), timeout=60, interval=0.2, what="READY after the restart", detail=cluster.describe)
+    wait_for(
+        lambda: any("adopted" in e.message for e in cluster.events()),
+        timeout=60,
+        interval=0.2,
+        what="the start-up deployment applied, adopting",
+        detail=cluster.describe,
+    )
+    wait_for(
+        lambda: cluster.all_ready(2), timeout=60, interval=0.2, what="READY after the restart", detail=cluster.describe
+    )
     time.sleep(4 * HEARTBEAT)
     after = {k: e.pid for k, e in cluster.engine_copies().items()}
     assert after == before, cluster.describe()
-    assert all(i.state == C.INSTANCE_STATE_READY and i.restarts == 0 for i in cluster.instances().values()), cluster.describe()
+    assert all(i.state == C.INSTANCE_STATE_READY and i.restarts == 0 for i in cluster.instances().values()), (
+        cluster.describe()
+    )
     events = cluster.events()
-    assert not [e for e in events if e.type in (C.EVENT_TYPE_ENGINE_STARTED, C.EVENT_TYPE_ENGINE_FAILED,
-                                                 C.EVENT_TYPE_ENGINE_FENCED)], cluster.describe()
+    assert not [
+        e
+        for e in events
+        if e.type in (C.EVENT_TYPE_ENGINE_STARTED, C.EVENT_TYPE_ENGINE_FAILED, C.EVENT_TYPE_ENGINE_FENCED)
+    ], cluster.describe()
     assert any("2 instance(s) adopted" in e.message for e in events), cluster.describe()
     with open(cluster.process("controller").log_path, encoding="utf-8") as log:
         text = log.read()

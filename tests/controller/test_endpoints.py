@@ -9,7 +9,6 @@ import asyncio
 from motor.contract import pbtime
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-
 from tests.controller.test_core import running_example
 from tests.support import async_wait_for
 

@@ -8,12 +8,11 @@ import asyncio
 import grpc
 import pytest
 
+from controller.servicer import ControllerServicer
 from motor.service.grpc_server import MotorServer, service_name
 from motor.v1 import controller_pb2 as C
 from motor.v1 import controller_pb2_grpc
 from motor.v1 import types_pb2 as T
-
-from controller.servicer import ControllerServicer
 from tests.controller.conftest import Harness, small_deployment
 from tests.support import async_wait_for
 
@@ -25,10 +24,12 @@ async def test_ranks_that_died_together_while_the_controller_was_down_count_as_o
     try:
         await h.start()
         await h.register("node-a", accelerators=5)
-        h.controller.apply_deployment(small_deployment(
-            [{"name": "wide", "role": "union", "data_parallel_size": 5}],
-            restart_policy={"max_failures": 3, "scope": "group"},
-        ))
+        h.controller.apply_deployment(
+            small_deployment(
+                [{"name": "wide", "role": "union", "data_parallel_size": 5}],
+                restart_policy={"max_failures": 3, "scope": "group"},
+            )
+        )
         await async_wait_for(lambda: len(h.client.starts()) == 5, timeout=5, what="5 StartEngine calls")
         h.client.set_health("node-a")
         h.beat("node-a")
@@ -42,7 +43,9 @@ async def test_ranks_that_died_together_while_the_controller_was_down_count_as_o
         inst = h.instance("wide-0")
         assert inst.state == C.INSTANCE_STATE_RESTARTING, inst.reason
         assert len(inst.failure_times) == 1 and inst.consecutive_failures == 1
-        assert sum(1 for e in ctl.events.recent if e.type == C.EVENT_TYPE_ENGINE_FAILED) == 5  # each rank's cause is told
+        assert (
+            sum(1 for e in ctl.events.recent if e.type == C.EVENT_TYPE_ENGINE_FAILED) == 5
+        )  # each rank's cause is told
         await async_wait_for(lambda: len(client.starts()) == 10, timeout=5, what="the group started again once")
         assert h.instance("wide-0").restarts == 1
         await asyncio.sleep(0.2)
@@ -56,8 +59,11 @@ async def served(harness):
     """The harness's controller behind a real gRPC server; yields a stub on a real channel."""
     await harness.start()
     server = MotorServer("127.0.0.1:0")
-    server.add(controller_pb2_grpc.add_ControllerServiceServicer_to_server, ControllerServicer(harness.controller),
-               service_name(C, "ControllerService"))
+    server.add(
+        controller_pb2_grpc.add_ControllerServiceServicer_to_server,
+        ControllerServicer(harness.controller),
+        service_name(C, "ControllerService"),
+    )
     port = await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
@@ -77,8 +83,10 @@ async def call_code(call) -> tuple[grpc.StatusCode, str]:
 
 async def test_a_1mb_node_id_is_refused_with_a_short_message(served):
     huge = "n" * (1 << 20)
-    for call in (served.Heartbeat(C.HeartbeatRequest(node_id=huge, generation=1)),
-                 served.RegisterNode(C.RegisterNodeRequest(node=C.NodeInfo(node_id=huge, address="127.0.0.1:1")))):
+    for call in (
+        served.Heartbeat(C.HeartbeatRequest(node_id=huge, generation=1)),
+        served.RegisterNode(C.RegisterNodeRequest(node=C.NodeInfo(node_id=huge, address="127.0.0.1:1"))),
+    ):
         code, details = await call_code(call)
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details[:200])  # the id rule before the lookup
         assert details.startswith(("node_id ", "node.node_id ")) and len(details) < 2000 and "characters" in details
@@ -125,6 +133,7 @@ async def test_a_fence_that_keeps_failing_is_retried_with_backoff_and_told_once(
     assert event.count == 7 and "its stop failed 6 time(s) in a row, asking again in 10s" in event.message
     assert event.HasField("last_time")
     from motorctl.render import render_event
+
     assert render_event(event).endswith("(x7)")  # motorctl events shows the count
     client.unreachable.clear()  # the node answers again: the copy stops, the spell ends
     clock.advance(FENCE_WINDOW)
@@ -157,13 +166,19 @@ async def test_a_start_on_an_unreachable_node_backs_off_to_its_cap_with_one_coun
         clock.advance(waits[-1])
         h.beat("node-a")
     assert waits == [1.0, 2.0, 4.0, 8.0, RETRY_CAP, RETRY_CAP, RETRY_CAP]
-    retrying = [e for e in h.controller.events.recent if e.type == C.EVENT_TYPE_RETRYING and e.engine_id == "decode-0/rank0"]
+    retrying = [
+        e for e in h.controller.events.recent if e.type == C.EVENT_TYPE_RETRYING and e.engine_id == "decode-0/rank0"
+    ]
     assert len(retrying) == 1 and retrying[0].count == 7
-    assert "StartEngine of decode-0/rank0 on node-a failed 7 time(s) in a row, trying again in 10s" in retrying[0].message
+    assert (
+        "StartEngine of decode-0/rank0 on node-a failed 7 time(s) in a row, trying again in 10s" in retrying[0].message
+    )
     h.client.unreachable.clear()
     h.controller.reconcile_once()
     await async_wait_for(lambda: slot.launched, timeout=5, what="started once the node answers")
-    assert not h.controller.actuator.start_failures and not h.controller.events.is_repeating(("start", "decode-0/rank0"))
+    assert not h.controller.actuator.start_failures and not h.controller.events.is_repeating(
+        ("start", "decode-0/rank0")
+    )
     await h.stop()
 
 
@@ -171,8 +186,8 @@ async def test_a_start_retried_on_another_node_is_a_new_retrying_event_naming_th
     """An engine re-placed while its starts kept failing: the one RETRYING event kept the first
     node in its node_id, and the backoff went on from where it was (found by a hostile tester)."""
     from controller.node_client import NodeCallError
-    from tests.controller.conftest import Harness
     from motor.v1 import types_pb2 as T
+    from tests.controller.conftest import Harness
 
     h = Harness(tmp_path, node_grace=1000.0)
     await h.start()
@@ -211,7 +226,12 @@ async def test_a_stop_that_keeps_failing_is_one_retrying_event_that_counts(tmp_p
         actuator.stop_copy(*key, "deleted with the deployment")
 
         def retrying():
-            return [e for e in h.controller.events.recent if e.type == C.EVENT_TYPE_RETRYING and e.engine_id == "gone-0/rank0"]
+            return [
+                e
+                for e in h.controller.events.recent
+                if e.type == C.EVENT_TYPE_RETRYING and e.engine_id == "gone-0/rank0"
+            ]
+
         await async_wait_for(lambda: retrying(), timeout=5, what="a RETRYING event")
         event = retrying()[0]
         assert event.node_id == "node-a" and event.count == 1

@@ -31,8 +31,11 @@ def sample(samples: dict, name: str, **labels) -> float:
 
 def one_hot(samples: dict, name: str, key: str, **labels) -> str:
     """The state whose sample is 1; exactly one must be."""
-    current = [dict(k[1])[key] for k, v in samples.items() if k[0] == name and v == 1
-               and all(dict(k[1]).get(n) == v2 for n, v2 in labels.items())]
+    current = [
+        dict(k[1])[key]
+        for k, v in samples.items()
+        if k[0] == name and v == 1 and all(dict(k[1]).get(n) == v2 for n, v2 in labels.items())
+    ]
     assert len(current) == 1, (name, labels, current)
     return current[0]
 
@@ -40,17 +43,23 @@ def one_hot(samples: dict, name: str, key: str, **labels) -> str:
 def assert_same_as_the_views(samples: dict, controller) -> None:
     nodes, _ = controller.list_nodes()
     for node in nodes:
-        assert one_hot(samples, "motor_controller_node_state", "state", node_id=node.info.node_id) == \
-            enum_short_name(C.NodeState, node.state).lower()
+        assert (
+            one_hot(samples, "motor_controller_node_state", "state", node_id=node.info.node_id)
+            == enum_short_name(C.NodeState, node.state).lower()
+        )
     instances = controller.list_instances()
     for inst in instances:
         labels = {"instance_id": inst.instance_id, "group": inst.group, "role": role_name(inst.role)}
-        assert one_hot(samples, "motor_controller_instance_state", "state", **labels) == \
-            enum_short_name(C.InstanceState, inst.state).lower()
+        assert (
+            one_hot(samples, "motor_controller_instance_state", "state", **labels)
+            == enum_short_name(C.InstanceState, inst.state).lower()
+        )
         for engine in inst.engines:
             ids = {"instance_id": inst.instance_id, "engine_id": engine.engine_id}
-            assert one_hot(samples, "motor_controller_engine_health", "health", **ids, node_id=engine.node_id) == \
-                enum_short_name(T.HealthStatus, engine.health).lower()
+            assert (
+                one_hot(samples, "motor_controller_engine_health", "health", **ids, node_id=engine.node_id)
+                == enum_short_name(T.HealthStatus, engine.health).lower()
+            )
             assert sample(samples, "motor_controller_engine_restarts_total", **ids) == engine.restarts
     engines = sum(len(i.engines) for i in instances)
     assert sum(1 for k in samples if k[0] == "motor_controller_engine_restarts_total") == engines
@@ -77,8 +86,16 @@ async def test_the_series_show_what_the_views_show_and_follow_changes(harness):
     samples = await scrape(series)
     assert_same_as_the_views(samples, controller)
     assert one_hot(samples, "motor_controller_node_state", "state", node_id="node-b") == "lost"
-    assert sample(samples, "motor_controller_engine_restarts_total", instance_id=failed.instance_id,
-                  engine_id=failed.engine_id) == controller.slots[failed.engine_id].restarts >= 1
+    assert (
+        sample(
+            samples,
+            "motor_controller_engine_restarts_total",
+            instance_id=failed.instance_id,
+            engine_id=failed.engine_id,
+        )
+        == controller.slots[failed.engine_id].restarts
+        >= 1
+    )
 
     # A removed deployment leaves no engine or instance series behind.
     controller.delete_deployment()
@@ -94,7 +111,9 @@ async def test_heartbeat_ages_are_read_at_the_scrape_and_the_alarm_is_one_while_
     series = FleetSeries(controller.state, lambda: controller.monitor.alarm, clock=wall)
     assert abs(sample(await scrape(series), "motor_controller_node_heartbeat_age_seconds", node_id="node-a") - 5) < 0.01
     clock["now"] += 95
-    assert abs(sample(await scrape(series), "motor_controller_node_heartbeat_age_seconds", node_id="node-a") - 100) < 0.01
+    assert (
+        abs(sample(await scrape(series), "motor_controller_node_heartbeat_age_seconds", node_id="node-a") - 100) < 0.01
+    )
     controller.monitor.alarm = "2 of 2 nodes silent at once"
     assert sample(await scrape(series), "motor_controller_silent_nodes_alarm") == 1
 
@@ -122,8 +141,17 @@ async def test_discovery_lists_placed_engines_with_their_ids(harness):
     controller = harness.controller
     targets = engine_targets(controller.state)
     expected = [
-        {"targets": [f"{e.host}:{e.port}"],
-         "labels": {"instance_id": i.instance_id, "engine_id": e.engine_id, "node_id": e.node_id, "role": role_name(i.role)}}
-        for i in controller.list_instances() for e in i.engines if e.host and e.port
+        {
+            "targets": [f"{e.host}:{e.port}"],
+            "labels": {
+                "instance_id": i.instance_id,
+                "engine_id": e.engine_id,
+                "node_id": e.node_id,
+                "role": role_name(i.role),
+            },
+        }
+        for i in controller.list_instances()
+        for e in i.engines
+        if e.host and e.port
     ]
     assert expected and sorted(targets, key=str) == sorted(expected, key=str)

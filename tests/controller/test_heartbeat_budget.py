@@ -9,18 +9,19 @@ import random
 
 import pytest
 
-from motor.contract import pbtime
-from motor.v1 import controller_pb2 as C
-
 from controller.heartbeat_budget import HeartbeatBudget
 from controller.servicer import ControllerServicer
+from motor.contract import pbtime
+from motor.v1 import controller_pb2 as C
 from tests.controller.conftest import Harness, node_info
 from tests.controller.fakes import ManualClock
 from tests.support import async_wait_for
 
 
 def budget(live: list[int], clock: ManualClock, rate: float = 100.0) -> HeartbeatBudget:
-    return HeartbeatBudget(base_interval=1.0, base_grace=5.0, max_per_second=rate, live_nodes=lambda: live[0], clock=clock)
+    return HeartbeatBudget(
+        base_interval=1.0, base_grace=5.0, max_per_second=rate, live_nodes=lambda: live[0], clock=clock
+    )
 
 
 def test_the_interval_is_the_configured_one_until_the_fleet_would_exceed_the_budget():
@@ -83,12 +84,16 @@ def test_a_node_beating_at_the_pace_it_was_told_is_never_silent_past_the_grace(s
     # A fleet that grows and shrinks tenfold at random while one node beats exactly at the
     # interval of its last answer (other nodes' answers announce too).
     rnd, clock, live = random.Random(seed), ManualClock(), [5000]
-    b = HeartbeatBudget(base_interval=1.0, base_grace=1.5, max_per_second=2000.0, live_nodes=lambda: live[0], clock=clock)
+    b = HeartbeatBudget(
+        base_interval=1.0, base_grace=1.5, max_per_second=2000.0, live_nodes=lambda: live[0], clock=clock
+    )
     last_beat, next_beat = clock(), clock() + b.interval()
     for _ in range(20_000):  # 1,000 s in steps of 50 ms
         clock.advance(0.05)
         if rnd.random() < 0.01:
-            live[0] = max(1, int(live[0] * rnd.choice([0.1, 0.5, 2, 10]))) if rnd.random() < 0.5 else rnd.randint(1, 40_000)
+            live[0] = (
+                max(1, int(live[0] * rnd.choice([0.1, 0.5, 2, 10]))) if rnd.random() < 0.5 else rnd.randint(1, 40_000)
+            )
         if rnd.random() < 0.2:
             b.announcement()
         if clock() >= next_beat - 1e-9:
@@ -107,17 +112,27 @@ async def test_the_announcement_is_in_every_registration_and_heartbeat_answer(tm
             h.generations[node] = reply.generation
             answers.append((pbtime.seconds(reply.heartbeat_interval), pbtime.seconds(reply.node_grace)))
         # 1 node at 10/s fits 0.1 s; 2 nodes: 0.2 s ... the grace is 6 intervals, as 0.6 s is of 0.1 s.
-        assert answers == [(0.1, pytest.approx(0.6)), (0.2, pytest.approx(1.2)), (0.3, pytest.approx(1.8)),
-                           (0.4, pytest.approx(2.4))]
-        beat = await servicer.Heartbeat(C.HeartbeatRequest(node_id="node-a", generation=h.generations["node-a"],
-                                                           sequence=7), None)
-        assert (beat.sequence, pbtime.seconds(beat.heartbeat_interval), pbtime.seconds(beat.node_grace)) == \
-            (7, 0.4, pytest.approx(2.4))
+        assert answers == [
+            (0.1, pytest.approx(0.6)),
+            (0.2, pytest.approx(1.2)),
+            (0.3, pytest.approx(1.8)),
+            (0.4, pytest.approx(2.4)),
+        ]
+        beat = await servicer.Heartbeat(
+            C.HeartbeatRequest(node_id="node-a", generation=h.generations["node-a"], sequence=7), None
+        )
+        assert (beat.sequence, pbtime.seconds(beat.heartbeat_interval), pbtime.seconds(beat.node_grace)) == (
+            7,
+            0.4,
+            pytest.approx(2.4),
+        )
     finally:
         await h.stop()
 
 
-async def test_a_silent_node_is_judged_by_the_announced_grace_then_lost_within_grace_two_intervals_and_the_recheck(tmp_path):
+async def test_a_silent_node_is_judged_by_the_announced_grace_then_lost_within_grace_two_intervals_and_the_recheck(
+    tmp_path,
+):
     clock = ManualClock()
     # 4 nodes at 10 beats/s: interval 0.4 s, grace 2.4 s (the configured 0.6 s would be 6 x 0.1 s).
     h = Harness(tmp_path, clock=clock, heartbeat_interval=0.1, node_grace=0.6, max_heartbeats_per_second=10)

@@ -6,15 +6,14 @@ checked is the lower one (not lost before the announced grace), which load canno
 
 from __future__ import annotations
 
-import pytest
-
 import re
 import signal
 import time
 import urllib.request
 
-from motor.v1 import controller_pb2 as C
+import pytest
 
+from motor.v1 import controller_pb2 as C
 from tests.controller.test_real_processes import HEARTBEAT, make_cluster  # noqa: F401 (the fixture)
 from tests.support import wait_for
 
@@ -35,8 +34,12 @@ def metric(url: str, name: str) -> float:
 def test_node_managers_follow_the_announced_interval_and_a_killed_one_is_lost_by_the_announced_grace(make_cluster):
     cluster = make_cluster(nodes=2, extra=["--max-heartbeats-per-second", str(RATE)])
     urls = cluster.metrics_urls()
-    wait_for(lambda: metric(urls["controller"], "motor_controller_heartbeat_interval_seconds") == ANNOUNCED,
-             timeout=30, interval=0.2, what="the controller announcing 2 s")
+    wait_for(
+        lambda: metric(urls["controller"], "motor_controller_heartbeat_interval_seconds") == ANNOUNCED,
+        timeout=30,
+        interval=0.2,
+        what="the controller announcing 2 s",
+    )
     assert metric(urls["controller"], "motor_controller_node_grace_seconds") == GRACE
     beats = 'motor_node_manager_heartbeat_latency_seconds_count{node="node-a"}'
     time.sleep(ANNOUNCED + 1)  # every node heard it at its next answer
@@ -47,7 +50,9 @@ def test_node_managers_follow_the_announced_interval_and_a_killed_one_is_lost_by
     # At the configured 0.5 s about 16 beats, at the announced 2 s about 4: the bound lies halfway,
     # so a beat or two caught up after a stall on this loaded machine does not decide it.
     halfway = (window / ANNOUNCED + window / HEARTBEAT) / 2
-    assert 1 <= sent < halfway, f"{sent:g} heartbeats in {window:.1f}s (announced {ANNOUNCED:g}s, configured {HEARTBEAT:g}s)"
+    assert 1 <= sent < halfway, (
+        f"{sent:g} heartbeats in {window:.1f}s (announced {ANNOUNCED:g}s, configured {HEARTBEAT:g}s)"
+    )
 
     node_b = cluster.process("node-b").process
     node_b.send_signal(signal.SIGKILL)

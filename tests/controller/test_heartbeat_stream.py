@@ -11,17 +11,16 @@ import asyncio
 import grpc
 import pytest
 
+from controller import endpoints, reported
+from controller.servicer import ControllerServicer
 from motor.errors import InvalidArgument
 from motor.service.grpc_server import MotorServer, aio_channel, service_name
-from node_manager.heartbeat_deltas import HeartbeatDeltas
 from motor.v1 import controller_pb2 as C
 from motor.v1 import controller_pb2_grpc
 from motor.v1 import types_pb2 as T
-
-from controller import endpoints, reported
-from controller.servicer import ControllerServicer
-from node_manager.heartbeat_sender import HeartbeatSender
 from motorctl import pages
+from node_manager.heartbeat_deltas import HeartbeatDeltas
+from node_manager.heartbeat_sender import HeartbeatSender
 from tests.controller.conftest import Harness, example_deployment, node_info
 from tests.controller.fakes import ManualClock
 from tests.support import async_wait_for
@@ -36,7 +35,9 @@ class Unary:
         self.stub = stub
 
     async def beat(self, node_id: str, generation: int, engines: list[T.Engine]) -> None:
-        await self.stub.Heartbeat(C.HeartbeatRequest(node_id=node_id, generation=generation, engines=engines), timeout=10)
+        await self.stub.Heartbeat(
+            C.HeartbeatRequest(node_id=node_id, generation=generation, engines=engines), timeout=10
+        )
 
     async def close(self) -> None:
         pass
@@ -86,6 +87,7 @@ class NodeManagerSender:
             request = make(*args)
             self.sent.append(request)
             return request
+
         return next_request
 
     async def beat(self, node_id: str, generation: int, engines: list[T.Engine]) -> None:
@@ -102,8 +104,11 @@ async def play(tmp_path, make_transport) -> dict:
     h = Harness(tmp_path, clock=clock)  # heartbeat 0.1 s, grace 0.6 s
     ctl = await h.start()
     server = MotorServer("127.0.0.1:0")
-    server.add(controller_pb2_grpc.add_ControllerServiceServicer_to_server, ControllerServicer(ctl),
-               service_name(C, "ControllerService"))
+    server.add(
+        controller_pb2_grpc.add_ControllerServiceServicer_to_server,
+        ControllerServicer(ctl),
+        service_name(C, "ControllerService"),
+    )
     port = await server.start()
     channel = aio_channel(f"127.0.0.1:{port}")
     stub = controller_pb2_grpc.ControllerServiceStub(channel)
@@ -116,8 +121,15 @@ async def play(tmp_path, make_transport) -> dict:
         for node in nodes:
             await transport.beat(node, h.generations[node], client.report(node))
         ctl.endpoints.refresh()  # the feed re-reads only what changed: it must agree with a full pass
-        assert {k: endpoints.message(v) for k, v in ctl.endpoints.current.items()} == {e.engine_id: e for e in endpoints.endpoints(ctl.state)}
-        held = {n: sorted(e.SerializeToString(deterministic=True) for e in map(reported.message, ctl.nodes[n].engines.values())) for n in NODES}
+        assert {k: endpoints.message(v) for k, v in ctl.endpoints.current.items()} == {
+            e.engine_id: e for e in endpoints.endpoints(ctl.state)
+        }
+        held = {
+            n: sorted(
+                e.SerializeToString(deterministic=True) for e in map(reported.message, ctl.nodes[n].engines.values())
+            )
+            for n in NODES
+        }
         trace.append((held, sorted((s.engine_id, s.state, s.health) for s in ctl.slots.values())))
 
     try:
@@ -207,7 +219,7 @@ async def test_stream_deltas_and_paging_match_unary(tmp_path, streams):
     unary.pop("sent")
     assert any(r.delta and not r.engines for r in sent)
     assert any(r.delta and r.removed_engine_ids == ["decode-0/rank0"] for r in sent)
-    assert any(not r.delta for r in sent[len(NODES):])
+    assert any(not r.delta for r in sent[len(NODES) :])
     assert unary["refused"][0] == streamed["refused"][0] == grpc.StatusCode.FAILED_PRECONDITION
     assert unary == streamed
     states = {C.Node.FromString(n).info.node_id: C.Node.FromString(n).state for n in unary["nodes"]["items"]}
@@ -229,9 +241,13 @@ async def test_list_filter_and_bad_paging_arguments(tmp_path, monkeypatch):
         h.beat(*NODES)
         first = ctl.page_nodes(C.ListNodesRequest(page_size=2, filter="state=ready node_id=node-*"))
         assert [n.info.node_id for n in first.nodes] == ["node-a", "node-b"] and first.next_page_token
-        rest = ctl.page_nodes(C.ListNodesRequest(page_size=2, filter="state=ready node_id=node-*", page_token=first.next_page_token))
+        rest = ctl.page_nodes(
+            C.ListNodesRequest(page_size=2, filter="state=ready node_id=node-*", page_token=first.next_page_token)
+        )
         assert [n.info.node_id for n in rest.nodes] == ["node-c"] and not rest.next_page_token
-        assert [i.instance_id for i in ctl.page_instances(C.ListInstancesRequest(filter="group=decode")).instances] == ["decode-0"]
+        assert [i.instance_id for i in ctl.page_instances(C.ListInstancesRequest(filter="group=decode")).instances] == [
+            "decode-0"
+        ]
         # motorctl reads page after page: the same as one unpaged answer.
         monkeypatch.setattr(pages, "PAGE_SIZE", 1)
         merged = pages.all_pages(lambda request, timeout: ctl.page_nodes(request), C.ListNodesRequest(), "nodes", 10)
@@ -258,8 +274,16 @@ async def test_the_node_managers_sender_falls_back_to_unary_for_a_controller_wit
         beats.append(request)
         return C.HeartbeatResponse()
 
-    only_unary = grpc.method_handlers_generic_handler("motor.v1.ControllerService", {"Heartbeat": grpc.unary_unary_rpc_method_handler(
-        heartbeat, request_deserializer=C.HeartbeatRequest.FromString, response_serializer=C.HeartbeatResponse.SerializeToString)})
+    only_unary = grpc.method_handlers_generic_handler(
+        "motor.v1.ControllerService",
+        {
+            "Heartbeat": grpc.unary_unary_rpc_method_handler(
+                heartbeat,
+                request_deserializer=C.HeartbeatRequest.FromString,
+                response_serializer=C.HeartbeatResponse.SerializeToString,
+            )
+        },
+    )
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((only_unary,))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -271,7 +295,9 @@ async def test_the_node_managers_sender_falls_back_to_unary_for_a_controller_wit
         for _ in range(2):
             await sender.send(controller_pb2_grpc.ControllerServiceStub(channel), 3, engines)
         assert not sender.stream  # UNIMPLEMENTED once, then unary calls for good
-        assert [(b.node_id, b.generation, b.delta, list(b.engines)) for b in beats] == [("node-a", 3, False, engines)] * 2
+        assert [(b.node_id, b.generation, b.delta, list(b.engines)) for b in beats] == [
+            ("node-a", 3, False, engines)
+        ] * 2
     finally:
         await channel.close()
         await server.stop(0)

@@ -24,9 +24,15 @@ pytestmark = pytest.mark.processes
 
 
 def made_up(node_id: str, n: int) -> list[T.Engine]:
-    return [T.Engine(engine_id=f"zz{i}-0/rank0", node_id=node_id, state=T.ENGINE_STATE_RUNNING,
-                     spec=T.EngineSpec(instance_id=f"zz{i}-0", dp_rank=0, role=T.ROLE_UNION, generation=1, port=30000))
-            for i in range(n)]
+    return [
+        T.Engine(
+            engine_id=f"zz{i}-0/rank0",
+            node_id=node_id,
+            state=T.ENGINE_STATE_RUNNING,
+            spec=T.EngineSpec(instance_id=f"zz{i}-0", dp_rank=0, role=T.ROLE_UNION, generation=1, port=30000),
+        )
+        for i in range(n)
+    ]
 
 
 def test_a_heartbeat_listing_20000_made_up_engines_is_refused_and_nothing_is_fenced(make_cluster):
@@ -42,9 +48,14 @@ def test_a_heartbeat_listing_20000_made_up_engines_is_refused_and_nothing_is_fen
     stream = cluster.stub().StreamHeartbeats(iter([C.StreamHeartbeatsRequest(heartbeat=flood)]), timeout=30)
     with pytest.raises(grpc.RpcError) as streamed:
         list(stream)
-    assert streamed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-engines-per-node" in streamed.value.details()
+    assert (
+        streamed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        and "--max-engines-per-node" in streamed.value.details()
+    )
     with pytest.raises(grpc.RpcError) as registered:
-        cluster.stub().RegisterNode(C.RegisterNodeRequest(node=cluster.node_list().nodes[0].info, engines=flood.engines), timeout=30)
+        cluster.stub().RegisterNode(
+            C.RegisterNodeRequest(node=cluster.node_list().nodes[0].info, engines=flood.engines), timeout=30
+        )
     assert registered.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     # Nothing of it was taken: no copy fenced, the real node and its engine carry on.
     assert not [e for e in cluster.events() if e.type == C.EVENT_TYPE_ENGINE_FENCED]
@@ -55,16 +66,23 @@ def test_a_heartbeat_listing_20000_made_up_engines_is_refused_and_nothing_is_fen
 
 
 def sim_group(name: str, count: int, drain_timeout: float = 0, latency_ms: float = 1, **policy) -> C.Deployment:
-    section = {"engine_type": "sim", "engine_args": {"model": "sim-tiny", "latency_ms": latency_ms},
-               "health_check_config": {"enable_virtual_inference": False}}
+    section = {
+        "engine_type": "sim",
+        "engine_args": {"model": "sim-tiny", "latency_ms": latency_ms},
+        "health_check_config": {"enable_virtual_inference": False},
+    }
     if drain_timeout:
         section["drain_timeout"] = drain_timeout
-    return deployment_from_dict({
-        # One deployment whatever the group: applying another group replaces the first.
-        "name": "hostile", "model": "sim-tiny", "engine_config": {"motor_engine_union_config": section},
-        "instance_groups": [{"name": name, "role": "union", "count": count, "accelerators_per_engine": 1}],
-        "restart_policy": {"initial_backoff": "1s", "max_backoff": "4s", **policy},
-    })
+    return deployment_from_dict(
+        {
+            # One deployment whatever the group: applying another group replaces the first.
+            "name": "hostile",
+            "model": "sim-tiny",
+            "engine_config": {"motor_engine_union_config": section},
+            "instance_groups": [{"name": name, "role": "union", "count": count, "accelerators_per_engine": 1}],
+            "restart_policy": {"initial_backoff": "1s", "max_backoff": "4s", **policy},
+        }
+    )
 
 
 def complete(url: str) -> None:
@@ -88,11 +106,18 @@ def test_a_replacement_waits_for_the_draining_engines_accelerators_instead_of_fa
         thread.start()
     time.sleep(1)  # the requests are in flight: each of a's stops drains them first
     apply(cluster, sim_group("b", 4, max_failures=3))
-    wait_for(lambda: cluster.all_ready(4) and set(cluster.instances()) == {f"b-{i}" for i in range(4)},
-             timeout=120, interval=0.2, what="b's 4 instances READY", detail=cluster.describe)
+    wait_for(
+        lambda: cluster.all_ready(4) and set(cluster.instances()) == {f"b-{i}" for i in range(4)},
+        timeout=120,
+        interval=0.2,
+        what="b's 4 instances READY",
+        detail=cluster.describe,
+    )
     events = cluster.events()
     assert all(i.restarts == 0 for i in cluster.instances().values()), cluster.describe()
-    assert not [e for e in events if e.type == C.EVENT_TYPE_ENGINE_FAILED and e.instance_id.startswith("b-")], cluster.describe()
+    assert not [e for e in events if e.type == C.EVENT_TYPE_ENGINE_FAILED and e.instance_id.startswith("b-")], (
+        cluster.describe()
+    )
     # b waited for placement while node-a still reported a's copies (or, when a report lagged, its
     # start was refused and tried again: one RETRYING event per engine, its count growing).
     waited = [e for e in events if e.type == C.EVENT_TYPE_RETRYING and e.instance_id.startswith("b-")]
@@ -112,30 +137,47 @@ def test_an_instance_placed_on_a_node_registered_at_another_nodes_address_runs_e
     wait_for(lambda: cluster.all_ready(1), timeout=60, interval=0.2, what="u-0 READY")
     first = {k: e.pid for k, e in cluster.engine_copies().items()}
     victim = cluster.node_list().nodes[0].info
-    registered = cluster.stub().RegisterNode(C.RegisterNodeRequest(node=C.NodeInfo(
-        node_id="node-c", address=victim.address, host="127.0.0.1", accelerator_ids=[3], accelerator_type="sim")), timeout=10)
+    registered = cluster.stub().RegisterNode(
+        C.RegisterNodeRequest(
+            node=C.NodeInfo(
+                node_id="node-c", address=victim.address, host="127.0.0.1", accelerator_ids=[3], accelerator_type="sim"
+            )
+        ),
+        timeout=10,
+    )
     stop = threading.Event()
 
     def heartbeat_as_node_c():
         while not stop.wait(0.3):
             with contextlib.suppress(grpc.RpcError):
-                cluster.stub().Heartbeat(C.HeartbeatRequest(node_id="node-c", generation=registered.generation), timeout=5)
+                cluster.stub().Heartbeat(
+                    C.HeartbeatRequest(node_id="node-c", generation=registered.generation), timeout=5
+                )
 
     beating = threading.Thread(target=heartbeat_as_node_c, daemon=True)
     beating.start()
     try:
         apply(cluster, sim_group("u", 2))  # u-1 fits node-c best (its one free accelerator)
-        wait_for(lambda: cluster.all_ready(2), timeout=90, interval=0.2, what="u-0 and u-1 READY", detail=cluster.describe)
+        wait_for(
+            lambda: cluster.all_ready(2), timeout=90, interval=0.2, what="u-0 and u-1 READY", detail=cluster.describe
+        )
         nodes = {n.info.node_id: n for n in cluster.node_list().nodes}
-        assert nodes["node-c"].state == C.NODE_STATE_READY, cluster.describe()  # still heartbeating: set aside, not lost
+        assert nodes["node-c"].state == C.NODE_STATE_READY, (
+            cluster.describe()
+        )  # still heartbeating: set aside, not lost
     finally:
         stop.set()
         beating.join()
-    assert "answers as another node" in nodes["node-c"].state_reason and "--advertise-address" in nodes["node-c"].state_reason
+    assert (
+        "answers as another node" in nodes["node-c"].state_reason
+        and "--advertise-address" in nodes["node-c"].state_reason
+    )
     u1 = cluster.instances()["u-1"]
     assert u1.restarts == 0 and u1.engines[0].node_id != "node-c", cluster.describe()
     events = cluster.events()
     told = [e for e in events if e.type == C.EVENT_TYPE_NODE_CONFLICT and e.node_id == "node-c"]
-    assert told and "--advertise-address" in told[0].message and f"node {victim.node_id}'s node manager" in told[0].message
+    assert (
+        told and "--advertise-address" in told[0].message and f"node {victim.node_id}'s node manager" in told[0].message
+    )
     assert not [e for e in events if e.type == C.EVENT_TYPE_ENGINE_FAILED], cluster.describe()
     assert {k: e.pid for k, e in cluster.engine_copies().items() if k[1] == "u-0/rank0"} == first  # u-0 untouched

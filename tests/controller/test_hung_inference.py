@@ -62,8 +62,12 @@ def test_a_busy_looking_hang_turns_abnormal_leaves_the_endpoints_and_is_replaced
     removed = next(m for m in feed if "u-0/rank0" in {e.engine_id for e in m.removed})
     assert removed is not None
     second = wait_for(
-        lambda: next((e for k, e in cluster.engine_copies().items() if k[1] == "u-0/rank0" and e.pid != first.pid), None),
-        timeout=60, interval=0.1, what="a replacement engine process",
+        lambda: next(
+            (e for k, e in cluster.engine_copies().items() if k[1] == "u-0/rank0" and e.pid != first.pid), None
+        ),
+        timeout=60,
+        interval=0.1,
+        what="a replacement engine process",
     )
     assert second.spec.generation > first.spec.generation
     wait_for(lambda: not process_alive(first.pid), timeout=30, interval=0.1, what="the hung engine killed")

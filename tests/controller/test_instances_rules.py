@@ -9,12 +9,16 @@ import json
 
 import pytest
 
-from motor.v1 import types_pb2 as T
-
 from controller.instances import (
-    FAILED, PENDING, READY, STARTING,
-    IllegalTransition, InstanceRecord, transition,
+    FAILED,
+    PENDING,
+    READY,
+    STARTING,
+    IllegalTransition,
+    InstanceRecord,
+    transition,
 )  # fmt: skip
+from motor.v1 import types_pb2 as T
 
 
 def record(**kw) -> InstanceRecord:
@@ -23,10 +27,15 @@ def record(**kw) -> InstanceRecord:
 
 # ---------------------------------------------------------------- instance records and transitions
 
+
 def test_a_record_survives_its_stored_form_and_ignores_unknown_keys():
-    r = record(state=READY, reason="all NORMAL", restarts=2, failure_times=(1.0, 2.0), restart_ranks=(0, 1), healthy_since=3.0)
+    r = record(
+        state=READY, reason="all NORMAL", restarts=2, failure_times=(1.0, 2.0), restart_ranks=(0, 1), healthy_since=3.0
+    )
     stored = json.loads(json.dumps(r.to_dict()))  # as the store keeps it
-    assert stored["reason"] == "all NORMAL" and stored["failure_times"] == [1.0, 2.0] and stored["restart_ranks"] == [0, 1]
+    assert (
+        stored["reason"] == "all NORMAL" and stored["failure_times"] == [1.0, 2.0] and stored["restart_ranks"] == [0, 1]
+    )
     again = InstanceRecord.from_dict(stored)
     assert again == r  # tuples again: the garbage collector does not track them
     gc.collect()
@@ -60,5 +69,3 @@ def test_only_ready_starts_the_healthy_clock():
     assert r.healthy_since is None
     transition(r, READY, "all NORMAL", 2.0)
     assert r.healthy_since == 2.0
-
-

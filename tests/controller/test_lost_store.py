@@ -8,11 +8,10 @@ import os
 
 import pytest
 
+from controller.generations import WINDOW
 from motor.errors import InvalidArgument
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-
-from controller.generations import WINDOW
 from tests.controller.conftest import Harness, example_deployment, node_info
 from tests.controller.test_core import running_example
 from tests.support import async_wait_for
@@ -48,8 +47,11 @@ async def test_a_new_store_keeps_what_nodes_run_then_adopts_the_same_deployment(
     assert not harness.client.stops()  # nothing unknown is stopped while the store is new
     harness.controller.apply_deployment(example_deployment())
     harness.beat(*NODES)
-    await async_wait_for(lambda: all(i.state == C.INSTANCE_STATE_READY for i in harness.controller.instances.values()),
-                         timeout=5, what="every instance READY with the adopted engines")
+    await async_wait_for(
+        lambda: all(i.state == C.INSTANCE_STATE_READY for i in harness.controller.instances.values()),
+        timeout=5,
+        what="every instance READY with the adopted engines",
+    )
     assert set(harness.controller.instances) == {"prefill-0", "decode-0"}
     assert not harness.client.starts() and not harness.client.stops()
     slots = {(s.node_id, s.engine_id): s.generation for s in harness.controller.state.slots.values()}
@@ -72,8 +74,11 @@ async def test_copies_the_first_deployment_does_not_describe_are_stopped_and_sta
     changed.engine_config["motor_engine_decode_config"]["engine_args"] = {"latency_ms": 7}
     harness.controller.apply_deployment(changed)
     harness.beat(*NODES)
-    await async_wait_for(lambda: len(harness.client.stops()) == 3 and len(harness.client.starts()) == 3, timeout=5,
-                         what="the three undescribed copies stopped and new ones started")
+    await async_wait_for(
+        lambda: len(harness.client.stops()) == 3 and len(harness.client.starts()) == 3,
+        timeout=5,
+        what="the three undescribed copies stopped and new ones started",
+    )
     assert {e for _, e, _ in harness.client.stops()} == {e for _, e in running}
     assert min(s.generation for s in harness.client.starts()) > max(g for _, g in running.values())
 
@@ -114,11 +119,16 @@ async def test_heartbeats_teach_generations_within_the_limit_only(harness):
     await harness.start()
     await harness.register("node-a")
     last = harness.store.last_generation()
-    planted = T.Engine(engine_id="x-0/rank0", state=T.ENGINE_STATE_STOPPED, spec=T.EngineSpec(instance_id="x-0", generation=last + 50))
+    planted = T.Engine(
+        engine_id="x-0/rank0", state=T.ENGINE_STATE_STOPPED, spec=T.EngineSpec(instance_id="x-0", generation=last + 50)
+    )
     harness.controller.heartbeat("node-a", harness.generations["node-a"], [planted])
     assert harness.store.last_generation() == last + 51
-    beyond = T.Engine(engine_id="y-0/rank0", state=T.ENGINE_STATE_STOPPED,
-                      spec=T.EngineSpec(instance_id="y-0", generation=last + 51 + WINDOW + 1))
+    beyond = T.Engine(
+        engine_id="y-0/rank0",
+        state=T.ENGINE_STATE_STOPPED,
+        spec=T.EngineSpec(instance_id="y-0", generation=last + 51 + WINDOW + 1),
+    )
     harness.controller.heartbeat("node-a", harness.generations["node-a"], [beyond])
     assert harness.store.last_generation() == last + 51  # no node that checks the limit ran it
     assert harness.store.next_generation() == last + 52
@@ -134,5 +144,8 @@ async def test_an_instance_is_adopted_whole_or_not_at_all(harness):
     harness.controller.apply_deployment(example_deployment())
     harness.beat(*NODES)
     await async_wait_for(lambda: len(harness.client.starts()) == 2, timeout=5, what="both prefill ranks started")
-    assert {f"{s.instance_id}/rank{s.dp_rank}" for s in harness.client.starts()} == {"prefill-0/rank0", "prefill-0/rank1"}
+    assert {f"{s.instance_id}/rank{s.dp_rank}" for s in harness.client.starts()} == {
+        "prefill-0/rank0",
+        "prefill-0/rank1",
+    }
     assert [e for _, e, _ in harness.client.stops()] == ["prefill-0/rank0"]  # the lone rank's copy

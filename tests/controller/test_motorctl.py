@@ -27,7 +27,9 @@ AT_ONCE = ("--deployment", EXAMPLE, "--startup-grace", "0")
 
 
 def motorctl(address: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run([_bin("motorctl"), "--controller", address, *args], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [_bin("motorctl"), "--controller", address, *args], capture_output=True, text=True, timeout=60
+    )
     if check:
         assert result.returncode == 0, result.stderr
     return result
@@ -37,8 +39,16 @@ class ControllerProcess:
     def __init__(self, tmp_path, *args: str):
         self.db = str(tmp_path / "state" / "controller.db")
         self.metrics_port = free_port()
-        self.argv = [_bin("motor-controller"), "--listen", "127.0.0.1:0", "--db", self.db,
-                     "--metrics-port", str(self.metrics_port), *args]
+        self.argv = [
+            _bin("motor-controller"),
+            "--listen",
+            "127.0.0.1:0",
+            "--db",
+            self.db,
+            "--metrics-port",
+            str(self.metrics_port),
+            *args,
+        ]
         self.log = open(tmp_path / "controller.log", "ab")
         self.process: subprocess.Popen | None = None
 
@@ -47,7 +57,9 @@ class ControllerProcess:
         if os.path.exists(port_file):
             os.unlink(port_file)
         self.process = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        port = wait_for(lambda: os.path.exists(port_file) and open(port_file).read().strip(), timeout=30, what="port file")
+        port = wait_for(
+            lambda: os.path.exists(port_file) and open(port_file).read().strip(), timeout=30, what="port file"
+        )
         self.address = f"127.0.0.1:{port}"
         LocalCluster.wait_serving(self.address, 30)
         return self.address
@@ -94,8 +106,9 @@ def test_apply_and_delete(controller, tmp_path):
     changed = tmp_path / "changed.yaml"
     changed.write_text(open(EXAMPLE).read().replace("model: sim-tiny\n", "model: sim-other\n", 1))
     assert "revision 2" in motorctl(address, "apply", "-f", str(changed)).stdout
-    follow = subprocess.Popen([_bin("motorctl"), "--controller", address, "events", "--follow"],
-                              stdout=subprocess.PIPE, text=True)
+    follow = subprocess.Popen(
+        [_bin("motorctl"), "--controller", address, "events", "--follow"], stdout=subprocess.PIPE, text=True
+    )
     try:
         motorctl(address, "delete")
         lines = []
@@ -128,15 +141,20 @@ def test_malformed_files_get_a_clear_error_and_change_nothing(controller, tmp_pa
     # engine_config is free-form, but JSON: YAML's other keys and values were a traceback or
     # "Unexpected type" naming nothing (found by a hostile tester).
     where = "engine_config.motor_engine_prefill_config.engine_args"
-    for odd, says in [("      1: one\n", f"{where}: the key 1 is not a string; quote it"),
-                      ("      null: x\n", f"{where}: the key None is not a string; quote it"),
-                      ("      when: 2026-11-26\n", f"{where}.when: a date value (2026-11-26) is not JSON; quote it"),
-                      ("      huge: " + "9" * 400 + "\n", f"{where}.huge: a number too large to hold"),
-                      ("      s: !!set {a}\n", f"{where}.s: a set value")]:
+    for odd, says in [
+        ("      1: one\n", f"{where}: the key 1 is not a string; quote it"),
+        ("      null: x\n", f"{where}: the key None is not a string; quote it"),
+        ("      when: 2026-11-26\n", f"{where}.when: a date value (2026-11-26) is not JSON; quote it"),
+        ("      huge: " + "9" * 400 + "\n", f"{where}.huge: a number too large to hold"),
+        ("      s: !!set {a}\n", f"{where}.s: a set value"),
+    ]:
         odd_file = tmp_path / "odd.yaml"
         odd_file.write_text(open(EXAMPLE).read().replace("      latency_ms: 5\n", odd + "      latency_ms: 5\n", 1))
         result = motorctl(address, "apply", "-f", str(odd_file), check=False)
-        assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr, (odd, result.stderr)
+        assert result.returncode == 2 and says in result.stderr and "Traceback" not in result.stderr, (
+            odd,
+            result.stderr,
+        )
     assert "# revision 1" in motorctl(address, "deployment").stdout  # nothing changed
 
 
@@ -152,8 +170,22 @@ def test_restart_with_the_same_deployment_file_keeps_the_revision(tmp_path):
         proc.log.close()
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nmodel: m\ninstance_groups: [{name: u, role: union}]\n")
-    result = subprocess.run([_bin("motor-controller"), "--listen", "127.0.0.1:0", "--db", str(tmp_path / "o.db"),
-                             "--metrics-port", "0", "--deployment", str(bad)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            _bin("motor-controller"),
+            "--listen",
+            "127.0.0.1:0",
+            "--db",
+            str(tmp_path / "o.db"),
+            "--metrics-port",
+            "0",
+            "--deployment",
+            str(bad),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "engine_config.motor_engine_union_config: required" in result.stderr
 
 
@@ -170,8 +202,10 @@ def test_render_status_shows_nodes_instances_and_engines(controller):
 
     with grpc_sync.insecure_channel(controller.address) as channel:
         stub = controller_pb2_grpc.ControllerServiceStub(channel)
-        screen = render_status(stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=10),
-                               stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=10))
+        screen = render_status(
+            stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=10),
+            stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=10),
+        )
     sections = [line for line in screen.splitlines() if line in ("NODES", "INSTANCES", "ENGINES")]
     assert sections == ["NODES", "INSTANCES", "ENGINES"]
     assert "prefill-0/rank1" in screen and "PENDING" in screen
@@ -206,9 +240,13 @@ def test_several_deployments_applied_listed_and_deleted_by_name(controller, tmp_
     example = yaml.safe_load(open(EXAMPLE))
     files = []
     for name, group in (("chat", "chat"), ("embed", "embed")):
-        spec = dict(example, name=name, model=f"sim-{name}",
-                    instance_groups=[{"name": group, "role": "union", "accelerators_per_engine": 0}],
-                    engine_config={"motor_engine_union_config": {"engine_type": "sim"}})
+        spec = dict(
+            example,
+            name=name,
+            model=f"sim-{name}",
+            instance_groups=[{"name": group, "role": "union", "accelerators_per_engine": 0}],
+            engine_config={"motor_engine_union_config": {"engine_type": "sim"}},
+        )
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(spec))
         files.append(str(path))
@@ -216,17 +254,27 @@ def test_several_deployments_applied_listed_and_deleted_by_name(controller, tmp_
     assert applied.splitlines() == ["deployment 'chat' applied (revision 1)", "deployment 'embed' applied (revision 1)"]
     rows = [line.split() for line in motorctl(address, "deployments").stdout.splitlines()]
     assert rows[0] == ["NAME", "MODEL", "REVISION", "INSTANCES", "READY", "PENDING"]
-    assert [r[:4] for r in rows[1:]] == [["chat", "sim-chat", "1", "1"], ["embed", "sim-embed", "1", "1"],
-                                         ["local-sim", "sim-tiny", "1", "2"]]
+    assert [r[:4] for r in rows[1:]] == [
+        ["chat", "sim-chat", "1", "1"],
+        ["embed", "sim-embed", "1", "1"],
+        ["local-sim", "sim-tiny", "1", "2"],
+    ]
     assert "name: chat" in motorctl(address, "deployment", "chat").stdout
     refused = motorctl(address, "deployment", check=False)
     assert refused.returncode == 1 and "name: required: 3 deployments exist" in refused.stderr
     thief = tmp_path / "thief.yaml"
     thief.write_text(yaml.safe_dump(dict(yaml.safe_load(open(files[1])), name="thief")))
     refused = motorctl(address, "apply", "-f", str(thief), check=False)
-    assert refused.returncode == 1 and "instance_groups[0].name: 'embed' is a group of deployment 'embed'" in refused.stderr
-    assert motorctl(address, "delete", "chat").stdout.strip() == "deployment chat deleted; its engines are being stopped"
+    assert (
+        refused.returncode == 1
+        and "instance_groups[0].name: 'embed' is a group of deployment 'embed'" in refused.stderr
+    )
+    assert (
+        motorctl(address, "delete", "chat").stdout.strip() == "deployment chat deleted; its engines are being stopped"
+    )
     refused = motorctl(address, "delete", "chat", check=False)
-    assert refused.returncode == 1 and "NOT_FOUND" in refused.stderr and "no deployment is named 'chat'" in refused.stderr
+    assert (
+        refused.returncode == 1 and "NOT_FOUND" in refused.stderr and "no deployment is named 'chat'" in refused.stderr
+    )
     names = [line.split()[0] for line in motorctl(address, "deployments").stdout.splitlines()[1:]]
     assert names == ["embed", "local-sim"]

@@ -39,7 +39,11 @@ async def test_two_deployments_run_side_by_side_and_deleting_one_leaves_the_othe
     assert ctl.get_deployment("chat")[1] == 1 and ctl.get_deployment("embed")[1] == 1
     listed = {d.deployment.name: d for d in ctl.list_deployments().deployments}
     assert list(listed) == ["chat", "embed"] and listed["chat"].instances == 2 and listed["embed"].instances == 1
-    assert {i.instance_id: i.deployment for i in ctl.list_instances()} == {"chat-0": "chat", "chat-1": "chat", "embed-0": "embed"}
+    assert {i.instance_id: i.deployment for i in ctl.list_instances()} == {
+        "chat-0": "chat",
+        "chat-1": "chat",
+        "embed-0": "embed",
+    }
     only_chat = ctl.page_instances(C.ListInstancesRequest(filter="deployment=chat"))
     assert [i.instance_id for i in only_chat.instances] == ["chat-0", "chat-1"]
 
@@ -72,7 +76,9 @@ async def test_each_deployment_keeps_its_own_restart_policy(harness):
         ctl.lifecycle.engine_failed(slot, slot.node_id, "exited with code 1")
     assert harness.instance("chat-0").state == C.INSTANCE_STATE_FAILED  # its budget: one failure
     assert harness.instance("embed-0").state == C.INSTANCE_STATE_RESTARTING  # its own: five
-    failed = [e for e in ctl.events.recent if e.type == C.EVENT_TYPE_INSTANCE_STATE_CHANGED and e.instance_id == "chat-0"]
+    failed = [
+        e for e in ctl.events.recent if e.type == C.EVENT_TYPE_INSTANCE_STATE_CHANGED and e.instance_id == "chat-0"
+    ]
     assert failed[-1].deployment == "chat"
 
 
@@ -144,7 +150,9 @@ async def test_a_deployment_that_does_not_fit_waits_and_room_goes_first_come_fir
     summary = {d.deployment.name: d.pending_instances for d in ctl.list_deployments().deployments}
     assert summary == {"chat": 0, "embed": 1, "late": 1}
 
-    ctl.apply_deployment(small_deployment([{"name": "chat", "role": "union", "count": 1}], name="chat", model="sim-chat"))
+    ctl.apply_deployment(
+        small_deployment([{"name": "chat", "role": "union", "count": 1}], name="chat", model="sim-chat")
+    )
     await async_wait_for(lambda: len(harness.client.stops()) == 1, timeout=5, what="chat-1 stopped")
     harness.beat("node-a")  # the node reports it gone: its accelerator is free
     ctl.reconcile_once()
@@ -164,13 +172,18 @@ async def test_endpoints_carry_their_deployment_and_model_and_filter_by_model(ha
     harness.beat("node-a")
     await async_wait_for(lambda: len(ctl.list_endpoints()) == 3, timeout=5, what="three endpoints")
     by_engine = {e.engine_id: (e.deployment, list(e.models)) for e in ctl.list_endpoints()}
-    assert by_engine == {"chat-0/rank0": ("chat", ["sim-chat"]), "chat-1/rank0": ("chat", ["sim-chat"]),
-                         "embed-0/rank0": ("embed", ["sim-embed"])}
+    assert by_engine == {
+        "chat-0/rank0": ("chat", ["sim-chat"]),
+        "chat-1/rank0": ("chat", ["sim-chat"]),
+        "embed-0/rank0": ("embed", ["sim-embed"]),
+    }
     assert [e.engine_id for e in ctl.list_endpoints(model="sim-embed")] == ["embed-0/rank0"]
     assert ctl.list_endpoints(model="llama-70b") == []
     paged = ctl.page_endpoints(C.ListEndpointsRequest(model="sim-chat", filter="instance_id=chat-1"))
     assert [e.engine_id for e in paged.endpoints] == ["chat-1/rank0"]
-    assert [e.engine_id for e in ctl.page_endpoints(C.ListEndpointsRequest(filter="deployment=embed")).endpoints] == ["embed-0/rank0"]
+    assert [e.engine_id for e in ctl.page_endpoints(C.ListEndpointsRequest(filter="deployment=embed")).endpoints] == [
+        "embed-0/rank0"
+    ]
 
     added = []
     while len(added) < 3:
@@ -196,5 +209,8 @@ async def test_the_second_model_example_runs_beside_the_local_example(harness):
     ctl.apply_deployment(load_deployment(EXAMPLE))
     ctl.apply_deployment(load_deployment(EXAMPLE.replace("local-deployment.yaml", "second-model.yaml")))
     ctl.reconcile_once()
-    assert {d.deployment.name: d.instances for d in ctl.list_deployments().deployments} == {"local-sim": 2, "small-sim": 2}
+    assert {d.deployment.name: d.instances for d in ctl.list_deployments().deployments} == {
+        "local-sim": 2,
+        "small-sim": 2,
+    }
     assert all(i.state == C.INSTANCE_STATE_STARTING for i in ctl.instances.values())  # all placed: 5 of 8 accelerators

@@ -19,12 +19,19 @@ pytestmark = pytest.mark.processes
 
 
 def model_deployment(name: str, model: str, count: int) -> C.Deployment:
-    section = {"engine_type": "sim", "engine_args": {"model": model, "latency_ms": 1},
-               "health_check_config": {"enable_virtual_inference": False}}
-    return deployment_from_dict({
-        "name": name, "model": model, "engine_config": {"motor_engine_union_config": section},
-        "instance_groups": [{"name": name, "role": "union", "count": count}],
-    })
+    section = {
+        "engine_type": "sim",
+        "engine_args": {"model": model, "latency_ms": 1},
+        "health_check_config": {"enable_virtual_inference": False},
+    }
+    return deployment_from_dict(
+        {
+            "name": name,
+            "model": model,
+            "engine_config": {"motor_engine_union_config": section},
+            "instance_groups": [{"name": name, "role": "union", "count": count}],
+        }
+    )
 
 
 def complete(url: str, model: str) -> tuple[int, dict]:
@@ -43,11 +50,18 @@ def test_two_models_side_by_side_and_deleting_one_leaves_the_others_engines(make
     apply(cluster, model_deployment("embed", "sim-embed", 1))
     wait_for(lambda: cluster.all_ready(3), timeout=90, interval=0.2, what="3 instances READY", detail=cluster.describe)
     stub = cluster.stub()
-    wait_for(lambda: len(stub.ListEndpoints(C.ListEndpointsRequest(), timeout=5).endpoints) == 3, timeout=30,
-             what="3 endpoints")
-    by_model = {m: stub.ListEndpoints(C.ListEndpointsRequest(model=m), timeout=5).endpoints for m in ("sim-chat", "sim-embed")}
+    wait_for(
+        lambda: len(stub.ListEndpoints(C.ListEndpointsRequest(), timeout=5).endpoints) == 3,
+        timeout=30,
+        what="3 endpoints",
+    )
+    by_model = {
+        m: stub.ListEndpoints(C.ListEndpointsRequest(model=m), timeout=5).endpoints for m in ("sim-chat", "sim-embed")
+    }
     assert sorted(e.engine_id for e in by_model["sim-chat"]) == ["chat-0/rank0", "chat-1/rank0"]
-    assert [(e.engine_id, e.deployment, list(e.models)) for e in by_model["sim-embed"]] == [("embed-0/rank0", "embed", ["sim-embed"])]
+    assert [(e.engine_id, e.deployment, list(e.models)) for e in by_model["sim-embed"]] == [
+        ("embed-0/rank0", "embed", ["sim-embed"])
+    ]
     for model, endpoints in by_model.items():
         other = "sim-embed" if model == "sim-chat" else "sim-chat"
         for endpoint in endpoints:
@@ -63,8 +77,15 @@ def test_two_models_side_by_side_and_deleting_one_leaves_the_others_engines(make
 
     embed_pid = {k: e.pid for k, e in cluster.engine_copies().items() if e.engine_id.startswith("embed")}
     stub.DeleteDeployment(C.DeleteDeploymentRequest(name="chat"), timeout=10)
-    wait_for(lambda: set(cluster.instances()) == {"embed-0"} and not any(
-        k[1].startswith("chat") for k in cluster.engine_copies()), timeout=60, interval=0.2, what="chat's engines gone")
+    wait_for(
+        lambda: (
+            set(cluster.instances()) == {"embed-0"}
+            and not any(k[1].startswith("chat") for k in cluster.engine_copies())
+        ),
+        timeout=60,
+        interval=0.2,
+        what="chat's engines gone",
+    )
     assert {k: e.pid for k, e in cluster.engine_copies().items()} == embed_pid  # the same embed engine, not restarted
     assert complete(by_model["sim-embed"][0].url, "sim-embed")[0] == 200
     listed = stub.ListDeployments(C.ListDeploymentsRequest(), timeout=5).deployments

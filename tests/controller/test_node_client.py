@@ -31,7 +31,9 @@ class ScriptedNodeManager(node_manager_pb2_grpc.NodeManagerServiceServicer):
         await asyncio.sleep(self.hang)
         if self.errors:
             await context.abort(self.errors.pop(0), "scripted")
-        return node_manager_pb2.StartEngineResponse(engine=types_pb2.Engine(engine_id=f"{request.spec.instance_id}/rank0"))
+        return node_manager_pb2.StartEngineResponse(
+            engine=types_pb2.Engine(engine_id=f"{request.spec.instance_id}/rank0")
+        )
 
     async def StopEngine(self, request, context):
         self.stops.append(request)
@@ -92,9 +94,13 @@ async def test_calls_that_succeed_leave_no_reference_cycles_of_the_client(node_m
         gc.collect()
         # The fake node manager is a gRPC server in this process: its own per-call objects
         # (grpc's method lookup) are not the client's.
-        ours = [o for o in gc.garbage if not type(o).__module__.startswith(("grpc", "_cython"))
-                and type(o).__name__ not in ("_Metadatum", "_HandlerCallDetails", "tuple", "cython_function_or_method")
-                and "__pyx_scope" not in type(o).__name__]
+        ours = [
+            o
+            for o in gc.garbage
+            if not type(o).__module__.startswith(("grpc", "_cython"))
+            and type(o).__name__ not in ("_Metadatum", "_HandlerCallDetails", "tuple", "cython_function_or_method")
+            and "__pyx_scope" not in type(o).__name__
+        ]
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
@@ -115,8 +121,11 @@ async def test_a_node_managers_connection_is_let_go_when_idle_and_made_again_on_
     node = controller_pb2.NodeInfo(node_id="node-a", address=f"127.0.0.1:{port}")
 
     def connected() -> bool:
-        return any(c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
-                   for c in psutil.Process().net_connections("tcp"))
+        return any(
+            c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+            for c in psutil.Process().net_connections("tcp")
+        )
+
     try:
         await client.start_engine(node, types_pb2.EngineSpec(instance_id="prefill-0"))
         assert connected()
@@ -152,11 +161,15 @@ async def test_a_node_manager_that_does_not_answer_holds_only_its_own_share_of_t
     frozen.hang = 30.0
     servers, nodes = zip(*[await serve(frozen, "node-f"), await serve(answering, "node-a")])
     client = GrpcNodeClient(max_in_flight=3)
-    hanging = [asyncio.create_task(client.start_engine(nodes[0], types_pb2.EngineSpec(instance_id=f"f-{i}"))) for i in range(4)]
+    hanging = [
+        asyncio.create_task(client.start_engine(nodes[0], types_pb2.EngineSpec(instance_id=f"f-{i}"))) for i in range(4)
+    ]
     try:
         await async_wait_for(lambda: len(frozen.starts) == 2, timeout=5, what="two calls to the frozen node")
         engine = await asyncio.wait_for(client.start_engine(nodes[1], types_pb2.EngineSpec(instance_id="a-0")), 5)
-        assert engine.engine_id == "a-0/rank0" and len(frozen.starts) == 2  # the others wait for the frozen node's slots
+        assert (
+            engine.engine_id == "a-0/rank0" and len(frozen.starts) == 2
+        )  # the others wait for the frozen node's slots
     finally:
         for task in hanging:
             task.cancel()
@@ -172,9 +185,13 @@ async def test_calls_to_a_node_declared_lost_end_at_once_and_later_calls_go_thro
     wait out (CANCELLED), not engine failures, and not retried."""
     scripted, client, node = node_manager
     scripted.hang = 30.0
-    calls = [asyncio.create_task(client.start_engine(node, types_pb2.EngineSpec(instance_id="a-0"))),
-             asyncio.create_task(client.stop_engine(node, "a-1/rank0", 1, 5.0))]
-    await async_wait_for(lambda: len(scripted.starts) == 1 and len(scripted.stops) == 1, timeout=5, what="both calls in flight")
+    calls = [
+        asyncio.create_task(client.start_engine(node, types_pb2.EngineSpec(instance_id="a-0"))),
+        asyncio.create_task(client.stop_engine(node, "a-1/rank0", 1, 5.0)),
+    ]
+    await async_wait_for(
+        lambda: len(scripted.starts) == 1 and len(scripted.stops) == 1, timeout=5, what="both calls in flight"
+    )
     client.abandon(node.node_id, "abandoned: lost node node-a")
     for call in calls:
         with pytest.raises(NodeCallError) as cut:
@@ -205,7 +222,9 @@ async def test_calls_waiting_for_a_slot_on_a_node_declared_lost_are_not_made(nod
     monkeypatch.setattr(node_client, "NODE_IN_FLIGHT", 1)
     scripted, client, node = node_manager
     scripted.hang = 30.0
-    calls = [asyncio.create_task(client.start_engine(node, types_pb2.EngineSpec(instance_id=f"a-{i}"))) for i in range(3)]
+    calls = [
+        asyncio.create_task(client.start_engine(node, types_pb2.EngineSpec(instance_id=f"a-{i}"))) for i in range(3)
+    ]
     await async_wait_for(lambda: len(scripted.starts) == 1, timeout=5, what="one call in flight, two waiting")
     client.abandon(node.node_id, "abandoned: lost node node-a")
     for call in calls:
@@ -219,8 +238,10 @@ async def test_abandoning_a_node_set_aside_leaves_the_node_really_at_its_address
     scripted, client, node_b = node_manager
     node_a = controller_pb2.NodeInfo(node_id="node-x", address=node_b.address)
     scripted.hang = 30.0
-    calls = {n.node_id: asyncio.create_task(client.start_engine(n, types_pb2.EngineSpec(instance_id=f"{n.node_id}-0")))
-             for n in (node_a, node_b)}
+    calls = {
+        n.node_id: asyncio.create_task(client.start_engine(n, types_pb2.EngineSpec(instance_id=f"{n.node_id}-0")))
+        for n in (node_a, node_b)
+    }
     await async_wait_for(lambda: len(scripted.starts) == 2, timeout=5, what="both calls in flight")
     client.abandon("node-x", "abandoned: node node-x, whose address answers as another node")
     with pytest.raises(NodeCallError, match="^CANCELLED: abandoned: node node-x"):
@@ -241,7 +262,9 @@ async def test_a_call_cut_by_forget_is_a_node_call_error_not_a_cancelled_task(no
     call = asyncio.create_task(client.start_engine(node, types_pb2.EngineSpec(instance_id="a-0")))
     await async_wait_for(lambda: len(scripted.starts) == 1, timeout=5, what="the call in flight")
     await client.forget(node.address)
-    with pytest.raises(NodeCallError, match="^CANCELLED: the call was cancelled: its channel to the node was closed$") as cut:
+    with pytest.raises(
+        NodeCallError, match="^CANCELLED: the call was cancelled: its channel to the node was closed$"
+    ) as cut:
         await asyncio.wait_for(call, 2)
     assert cut.value.waits and not cut.value.abandoned
 
@@ -279,8 +302,10 @@ async def test_under_ha_a_node_abandoned_while_a_call_waits_for_the_etcd_flush_i
     scripted, inner, node = node_manager
     store = _SlowFlush()
     client = LeaderOnlyNodeClient(inner, _Leader(), store, flush_timeout=10)
-    calls = [asyncio.create_task(client.start_engine(node, types_pb2.EngineSpec(instance_id="a-0"))),
-             asyncio.create_task(client.stop_engine(node, "a-1/rank0", 1, 5.0))]
+    calls = [
+        asyncio.create_task(client.start_engine(node, types_pb2.EngineSpec(instance_id="a-0"))),
+        asyncio.create_task(client.stop_engine(node, "a-1/rank0", 1, 5.0)),
+    ]
     await asyncio.wait_for(store.flushing.wait(), 5)
     client.abandon(node.node_id, "abandoned: lost node node-a")
     store.release.set()

@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 import collections
 import os
 import signal
@@ -13,6 +11,7 @@ import time
 import uuid
 
 import psutil
+import pytest
 
 from motor.ports import free_port
 from motor.v1 import controller_pb2 as C
@@ -38,22 +37,44 @@ def engine_processes(cluster: Cluster) -> collections.Counter:
     return counts
 
 
-def start_second(cluster: Cluster, node_id: str = "node-a", certificate: str | None = None, name: str = "second",
-                 engine_ports_from: int | None = None) -> tuple[ManagedProcess, int]:
+def start_second(
+    cluster: Cluster,
+    node_id: str = "node-a",
+    certificate: str | None = None,
+    name: str = "second",
+    engine_ports_from: int | None = None,
+) -> tuple[ManagedProcess, int]:
     """A second node manager for `node_id` with its own --listen and --state-dir (<node id>-<name>)
     and engine ports (500 from `engine_ports_from`); under TLS presenting `certificate`'s pair of the
     cluster's PKI, by default the node id's own."""
     port = free_port()
     first_engine_port = engine_ports_from or cluster.engine_port_base + 2000
     argv = [
-        _bin("motor-node-manager"), "--node-id", node_id, "--listen", f"127.0.0.1:{port}",
-        "--controller", cluster.controller_address, "--host", "127.0.0.1",
-        "--accelerators", ",".join(str(i) for i in range(cluster.accelerators_per_node)), "--accelerator-type", "sim",
-        "--port-range", f"{first_engine_port}-{first_engine_port + 499}",
-        "--state-dir", os.path.join(cluster.run_dir, f"{node_id}-{name}"),
-        "--heartbeat-interval", str(cluster.heartbeat_interval), "--abnormal-threshold", str(cluster.abnormal_threshold),
-        "--engine-command", _bin("engine_server"),
-        "--metrics-port", "0",  # the default 9472 may be another node manager's on this machine
+        _bin("motor-node-manager"),
+        "--node-id",
+        node_id,
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--controller",
+        cluster.controller_address,
+        "--host",
+        "127.0.0.1",
+        "--accelerators",
+        ",".join(str(i) for i in range(cluster.accelerators_per_node)),
+        "--accelerator-type",
+        "sim",
+        "--port-range",
+        f"{first_engine_port}-{first_engine_port + 499}",
+        "--state-dir",
+        os.path.join(cluster.run_dir, f"{node_id}-{name}"),
+        "--heartbeat-interval",
+        str(cluster.heartbeat_interval),
+        "--abnormal-threshold",
+        str(cluster.abnormal_threshold),
+        "--engine-command",
+        _bin("engine_server"),
+        "--metrics-port",
+        "0",  # the default 9472 may be another node manager's on this machine
         *cluster.tls_flags(certificate or node_id),
     ]
     managed = cluster._launch(node_id if name == "second" else f"{node_id}-{name}", argv)
@@ -121,7 +142,9 @@ def test_the_second_takes_over_after_kill_9_of_the_holder_and_never_doubles_an_e
         for key, count in engine_processes(cluster).items():
             most[key] = max(most[key], count)
         current = node(cluster)
-        return current.info.address == f"127.0.0.1:{port}" and current.state == C.NODE_STATE_READY and cluster.all_ready(2)
+        return (
+            current.info.address == f"127.0.0.1:{port}" and current.state == C.NODE_STATE_READY and cluster.all_ready(2)
+        )
 
     wait_for(taken_over, timeout=90, interval=0.1, what="the second node manager holds node-a, every instance READY")
     print(f"kill -9 -> taken over and READY after {time.monotonic() - killed_at:.1f}s (grace {GRACE}s)")
@@ -139,8 +162,12 @@ def test_a_paused_holder_that_returns_after_a_takeover_is_fenced_and_its_copies_
     old_pids = {p.pid for p in psutil.Process(holder.process.pid).children(recursive=True)}
     holder.process.send_signal(signal.SIGSTOP)  # a partition on one host: silent, and deaf to the re-check
     try:
-        wait_for(lambda: node(cluster).info.address == f"127.0.0.1:{port}" and cluster.all_ready(2),
-                 timeout=90, interval=0.2, what="taken over while the holder is paused")
+        wait_for(
+            lambda: node(cluster).info.address == f"127.0.0.1:{port}" and cluster.all_ready(2),
+            timeout=90,
+            interval=0.2,
+            what="taken over while the holder is paused",
+        )
     finally:
         holder.process.send_signal(signal.SIGCONT)
     cluster.node_ports["node-a"] = port
@@ -188,7 +215,11 @@ def test_under_mtls_a_second_process_with_the_same_node_certificate_is_refused(m
     assert f"127.0.0.1:{port}" in line and before.info.address in line, line
     assert f"pid {holder.process.pid}" in line and f"pid {second.process.pid}" in line, line
     after = node(cluster, node_a)
-    assert (after.generation, after.info.address, after.info.process.pid) == (before.generation, before.info.address, holder.process.pid)
+    assert (after.generation, after.info.address, after.info.process.pid) == (
+        before.generation,
+        before.info.address,
+        holder.process.pid,
+    )
     assert engine_processes(cluster) == engines
     assert second.process.poll() is None and not psutil.Process(second.process.pid).children(recursive=True)
 

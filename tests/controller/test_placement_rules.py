@@ -4,14 +4,12 @@ Each test pins a boundary or a message a user relies on (they keep `make mutatio
 
 from __future__ import annotations
 
-
 import pytest
-
 
 from controller.placement import Fleet, NodeCapacity, RankPlacement, Unplaceable, place_instance
 
-
 # ---------------------------------------------------------------- placement
+
 
 def test_a_port_range_counts_its_ends():
     assert NodeCapacity("a", "h", [], port_range=(100, 103)).free_port_count() == 4
@@ -42,5 +40,3 @@ def test_the_fleet_describes_its_roomiest_node():
     nodes = [NodeCapacity("a", "h", [0, 1, 2, 3], used_accelerators={0}, port_range=(100, 105)),
              NodeCapacity("b", "h", [0, 1])]  # fmt: skip
     assert Fleet(nodes).describe() == "2 READY node(s); most free: a with 3/4 accelerators and 6 ports"
-
-

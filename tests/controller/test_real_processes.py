@@ -25,19 +25,31 @@ HEARTBEAT = 0.5
 GRACE = 2.0
 
 
-def sim_deployment(count: int = 1, dp: int = 1, faults: dict | None = None, utilization: float = 10,
-                   health: dict | None = None, **policy) -> C.Deployment:
+def sim_deployment(
+    count: int = 1,
+    dp: int = 1,
+    faults: dict | None = None,
+    utilization: float = 10,
+    health: dict | None = None,
+    **policy,
+) -> C.Deployment:
     args = {"model": "sim-tiny", "latency_ms": 1, "utilization": utilization}
     if faults:
         args["faults"] = faults
-    section = {"engine_type": "sim", "engine_args": args,
-               "health_check_config": health or {"enable_virtual_inference": False}}
-    return deployment_from_dict({
-        "name": "test", "model": "sim-tiny",
-        "engine_config": {"motor_engine_union_config": section},
-        "instance_groups": [{"name": "u", "role": "union", "count": count, "data_parallel_size": dp}],
-        "restart_policy": {"initial_backoff": "1s", "max_backoff": "4s", **policy},
-    })
+    section = {
+        "engine_type": "sim",
+        "engine_args": args,
+        "health_check_config": health or {"enable_virtual_inference": False},
+    }
+    return deployment_from_dict(
+        {
+            "name": "test",
+            "model": "sim-tiny",
+            "engine_config": {"motor_engine_union_config": section},
+            "instance_groups": [{"name": "u", "role": "union", "count": count, "data_parallel_size": dp}],
+            "restart_policy": {"initial_backoff": "1s", "max_backoff": "4s", **policy},
+        }
+    )
 
 
 class Cluster(LocalCluster):
@@ -45,9 +57,15 @@ class Cluster(LocalCluster):
 
     def controller_argv(self) -> list[str]:
         return [
-            _bin("motor-controller"), "--listen", self.controller_address,
-            "--db", os.path.join(self.run_dir, "controller.db"),
-            "--heartbeat-interval", str(self.heartbeat_interval), "--node-grace", str(self.node_grace),
+            _bin("motor-controller"),
+            "--listen",
+            self.controller_address,
+            "--db",
+            os.path.join(self.run_dir, "controller.db"),
+            "--heartbeat-interval",
+            str(self.heartbeat_interval),
+            "--node-grace",
+            str(self.node_grace),
             *self._metrics_args("controller", 0),  # the same /metrics port as before the restart
             *self.extra_controller_args,
         ]
@@ -75,7 +93,9 @@ class Cluster(LocalCluster):
     def engine_copies(self) -> dict[tuple[str, str], T.Engine]:
         """(node, engine id) -> engine, as each node reports it, live copies only."""
         return {
-            (n.info.node_id, e.engine_id): e for n in self.node_list().nodes for e in n.engines
+            (n.info.node_id, e.engine_id): e
+            for n in self.node_list().nodes
+            for e in n.engines
             if e.state in (T.ENGINE_STATE_STARTING, T.ENGINE_STATE_RUNNING)
         }
 
@@ -85,9 +105,13 @@ class Cluster(LocalCluster):
 
     def describe(self) -> str:
         """Instances, nodes and recent events: what a failed wait shows."""
-        lines = [f"instance {i.instance_id} {C.InstanceState.Name(i.state)} restarts={i.restarts}: {i.state_reason}"
-                 for i in self.instances().values()]
-        lines += [f"node {n.info.node_id} {C.NodeState.Name(n.state)}: {n.state_reason}" for n in self.node_list().nodes]
+        lines = [
+            f"instance {i.instance_id} {C.InstanceState.Name(i.state)} restarts={i.restarts}: {i.state_reason}"
+            for i in self.instances().values()
+        ]
+        lines += [
+            f"node {n.info.node_id} {C.NodeState.Name(n.state)}: {n.state_reason}" for n in self.node_list().nodes
+        ]
         lines += [f"event {C.EventType.Name(e.type)}: {e.message[:300]}" for e in self.events()[-30:]]
         return "\n".join(lines)
 
@@ -100,15 +124,29 @@ class Cluster(LocalCluster):
 
 @pytest.fixture
 def make_cluster(tmp_path):
-    require(os.path.exists(_bin("motor-node-manager")) and os.path.exists(_bin("engine_server")),
-            "the motor-node-manager and engine_server commands")
+    require(
+        os.path.exists(_bin("motor-node-manager")) and os.path.exists(_bin("engine_server")),
+        "the motor-node-manager and engine_server commands",
+    )
     made: list[Cluster] = []
 
-    def make(nodes: int = 2, accelerators: int = 4, extra: list[str] | None = None, kind: type[Cluster] = Cluster,
-             tls: bool = False) -> Cluster:
-        cluster = kind(str(tmp_path / f"c{len(made)}"), nodes=nodes, accelerators_per_node=accelerators,
-                       heartbeat_interval=HEARTBEAT, node_grace=GRACE, abnormal_threshold=3,
-                       extra_controller_args=["--recheck-timeout", "0.5", *(extra or [])], tls=tls)
+    def make(
+        nodes: int = 2,
+        accelerators: int = 4,
+        extra: list[str] | None = None,
+        kind: type[Cluster] = Cluster,
+        tls: bool = False,
+    ) -> Cluster:
+        cluster = kind(
+            str(tmp_path / f"c{len(made)}"),
+            nodes=nodes,
+            accelerators_per_node=accelerators,
+            heartbeat_interval=HEARTBEAT,
+            node_grace=GRACE,
+            abnormal_threshold=3,
+            extra_controller_args=["--recheck-timeout", "0.5", *(extra or [])],
+            tls=tls,
+        )
         made.append(cluster)
         cluster.start(timeout=60)
         return cluster
@@ -138,8 +176,12 @@ def test_killed_engine_is_restarted_then_backs_off(make_cluster):
     killed_at = time.monotonic()
     os.kill(first.pid, signal.SIGKILL)
     second = wait_for(
-        lambda: next((e for k, e in cluster.engine_copies().items() if k[1] == "u-0/rank0" and e.pid != first.pid), None),
-        timeout=30, interval=0.05, what="a replacement engine process",
+        lambda: next(
+            (e for k, e in cluster.engine_copies().items() if k[1] == "u-0/rank0" and e.pid != first.pid), None
+        ),
+        timeout=30,
+        interval=0.05,
+        what="a replacement engine process",
     )
     print(f"kill -9 -> replacement process reported after {time.monotonic() - killed_at:.3f}s (includes polling)")
     assert second.spec.generation > first.spec.generation
@@ -152,11 +194,21 @@ def test_killed_engine_is_restarted_then_backs_off(make_cluster):
     # (1 s here, more if a port race on this busy host added failures).
     failures = cluster.instances()["u-0"].restarts
     os.kill(second.pid, signal.SIGKILL)
-    backing_off = wait_for(lambda: cluster.instances()["u-0"].state == C.INSTANCE_STATE_RESTARTING and cluster.instances()["u-0"],
-                           timeout=30, interval=0.05, what="RESTARTING with a backoff")
-    assert f"in {min(2 ** (failures - 1), 4):g}s" in backing_off.state_reason and backing_off.HasField("next_restart_time")
-    wait_for(lambda: cluster.instances()["u-0"].restarts >= 2 and cluster.all_ready(1), timeout=60, interval=0.2,
-             what="READY after the backoff")
+    backing_off = wait_for(
+        lambda: cluster.instances()["u-0"].state == C.INSTANCE_STATE_RESTARTING and cluster.instances()["u-0"],
+        timeout=30,
+        interval=0.05,
+        what="RESTARTING with a backoff",
+    )
+    assert f"in {min(2 ** (failures - 1), 4):g}s" in backing_off.state_reason and backing_off.HasField(
+        "next_restart_time"
+    )
+    wait_for(
+        lambda: cluster.instances()["u-0"].restarts >= 2 and cluster.all_ready(1),
+        timeout=60,
+        interval=0.2,
+        what="READY after the backoff",
+    )
     messages = [e.message for e in cluster.events()]
     assert any(m.startswith("engine u-0/rank0 on node-a ") for m in messages if "signal" in m or "exited" in m)
 
@@ -164,8 +216,12 @@ def test_killed_engine_is_restarted_then_backs_off(make_cluster):
 def test_crash_looping_engine_ends_failed_and_is_left_alone(make_cluster):
     cluster = make_cluster(nodes=1)
     apply(cluster, sim_deployment(faults={"crash_after_s": 0.5}, max_failures=3, initial_backoff="0.2s"))
-    failed = wait_for(lambda: cluster.instances()["u-0"].state == C.INSTANCE_STATE_FAILED and cluster.instances()["u-0"],
-                      timeout=90, interval=0.2, what="instance FAILED")
+    failed = wait_for(
+        lambda: cluster.instances()["u-0"].state == C.INSTANCE_STATE_FAILED and cluster.instances()["u-0"],
+        timeout=90,
+        interval=0.2,
+        what="instance FAILED",
+    )
     assert "crash-loop budget spent: 3 failures" in failed.state_reason
     restarts = failed.restarts
     time.sleep(3)
@@ -185,21 +241,38 @@ def test_lost_node_manager_engines_move_and_stale_copies_are_fenced(make_cluster
     nm.send_signal(signal.SIGKILL)
     nm.wait()
     assert psutil.pid_exists(old.pid)
-    wait_for(lambda: cluster.instances()["u-0"].engines[0].node_id == survivor and cluster.all_ready(1),
-             timeout=60, interval=0.2, what="engine moved to the other node and READY")
+    wait_for(
+        lambda: cluster.instances()["u-0"].engines[0].node_id == survivor and cluster.all_ready(1),
+        timeout=60,
+        interval=0.2,
+        what="engine moved to the other node and READY",
+    )
     lost = {n.info.node_id: n for n in cluster.node_list().nodes}[victim]
     assert lost.state == C.NODE_STATE_LOST and "direct re-check failed" in lost.state_reason
     kinds = [(e.type, e.node_id) for e in cluster.events()]
     assert kinds.index((C.EVENT_TYPE_NODE_SUSPECT, victim)) < kinds.index((C.EVENT_TYPE_NODE_LOST, victim))
     # The node manager comes back, re-adopts its old engine and registers: the copy is fenced.
     cluster.start_node(victim, 0 if victim == "node-a" else 1)
-    wait_for(lambda: not psutil.pid_exists(old.pid) or psutil.Process(old.pid).status() == psutil.STATUS_ZOMBIE,
-             timeout=60, interval=0.2, what="stale engine copy stopped")
-    wait_for(lambda: {n.info.node_id: n.state for n in cluster.node_list().nodes}[victim] == C.NODE_STATE_READY, timeout=30)
+    wait_for(
+        lambda: not psutil.pid_exists(old.pid) or psutil.Process(old.pid).status() == psutil.STATUS_ZOMBIE,
+        timeout=60,
+        interval=0.2,
+        what="stale engine copy stopped",
+    )
+    wait_for(
+        lambda: {n.info.node_id: n.state for n in cluster.node_list().nodes}[victim] == C.NODE_STATE_READY, timeout=30
+    )
     # One copy, on the survivor (the node's next heartbeat reports the fenced copy STOPPED).
-    wait_for(lambda: [k for k in cluster.engine_copies() if k[1] == "u-0/rank0"] == [(survivor, "u-0/rank0")],
-             timeout=30, interval=0.2, what="a single live copy")
-    assert any(e.type in (C.EVENT_TYPE_ENGINE_FENCED, C.EVENT_TYPE_NODE_RECOVERED) and e.node_id == victim for e in cluster.events())
+    wait_for(
+        lambda: [k for k in cluster.engine_copies() if k[1] == "u-0/rank0"] == [(survivor, "u-0/rank0")],
+        timeout=30,
+        interval=0.2,
+        what="a single live copy",
+    )
+    assert any(
+        e.type in (C.EVENT_TYPE_ENGINE_FENCED, C.EVENT_TYPE_NODE_RECOVERED) and e.node_id == victim
+        for e in cluster.events()
+    )
 
 
 def test_controller_kill9_restart_restarts_no_engine(make_cluster):
@@ -219,10 +292,19 @@ def test_controller_kill9_restart_restarts_no_engine(make_cluster):
     cluster.start_controller()
     # Every node reported to the new process (which ends the start-up grace), then a reconcile
     # pass (every 0.5 s at most) had the chance to start something.
-    wait_for(lambda: all(n.HasField("last_heartbeat") for n in cluster.node_list().nodes), timeout=30, interval=0.2,
-             what="both nodes reporting to the restarted controller")
-    wait_for(lambda: cluster.all_ready(2), timeout=60, interval=0.2, what="READY after the controller restart",
-             detail=cluster.describe)
+    wait_for(
+        lambda: all(n.HasField("last_heartbeat") for n in cluster.node_list().nodes),
+        timeout=30,
+        interval=0.2,
+        what="both nodes reporting to the restarted controller",
+    )
+    wait_for(
+        lambda: cluster.all_ready(2),
+        timeout=60,
+        interval=0.2,
+        what="READY after the controller restart",
+        detail=cluster.describe,
+    )
     time.sleep(2 * HEARTBEAT)
     after = {k: (e.pid, e.spec.generation) for k, e in cluster.engine_copies().items()}
     assert after == before, cluster.describe()
@@ -246,12 +328,18 @@ def test_many_silent_nodes_raise_an_alarm_and_nothing_is_rescheduled(make_cluste
     for process in stopped:
         process.send_signal(signal.SIGSTOP)
     try:
-        reply = wait_for(lambda: cluster.node_list().alarms and cluster.node_list(), timeout=30, interval=0.2, what="alarm")
+        reply = wait_for(
+            lambda: cluster.node_list().alarms and cluster.node_list(), timeout=30, interval=0.2, what="alarm"
+        )
         assert "2 of 3 nodes silent at once" in reply.alarms[0]
         # Both re-checks failed, and the alarm holds both back from being declared lost.
         held = "not declared lost while the silent-nodes alarm is on"
-        wait_for(lambda: all(held in n.state_reason for n in cluster.node_list().nodes if n.info.node_id != "node-c"),
-                 timeout=30, interval=0.2, what="both silent nodes held back by the alarm")
+        wait_for(
+            lambda: all(held in n.state_reason for n in cluster.node_list().nodes if n.info.node_id != "node-c"),
+            timeout=30,
+            interval=0.2,
+            what="both silent nodes held back by the alarm",
+        )
         nodes = {n.info.node_id: n for n in cluster.node_list().nodes}
         assert nodes["node-a"].state == nodes["node-b"].state == C.NODE_STATE_SUSPECT
         placed = {i.engines[0].node_id for i in cluster.instances().values()}
@@ -259,6 +347,8 @@ def test_many_silent_nodes_raise_an_alarm_and_nothing_is_rescheduled(make_cluste
     finally:
         for process in stopped:
             process.send_signal(signal.SIGCONT)
-    wait_for(lambda: not cluster.node_list().alarms and cluster.all_ready(3), timeout=60, interval=0.2, what="alarm cleared")
+    wait_for(
+        lambda: not cluster.node_list().alarms and cluster.all_ready(3), timeout=60, interval=0.2, what="alarm cleared"
+    )
     assert {k: e.pid for k, e in cluster.engine_copies().items()} == before
     assert all(i.restarts == 0 for i in cluster.instances().values())

@@ -10,15 +10,21 @@ import asyncio
 import pytest
 
 from motor.errors import ResourceExhausted
-from motor.v1 import controller_pb2 as C, types_pb2 as T
-
+from motor.v1 import controller_pb2 as C
+from motor.v1 import types_pb2 as T
 from tests.controller.conftest import Harness, node_info, small_deployment
 
 
 def made_up(node_id: str, n: int, start: int = 0) -> list[T.Engine]:
-    return [T.Engine(engine_id=f"zz{i}-0/rank0", node_id=node_id, state=T.ENGINE_STATE_RUNNING,
-                     spec=T.EngineSpec(instance_id=f"zz{i}-0", dp_rank=0, role=T.ROLE_UNION, generation=1, port=30000))
-            for i in range(start, start + n)]
+    return [
+        T.Engine(
+            engine_id=f"zz{i}-0/rank0",
+            node_id=node_id,
+            state=T.ENGINE_STATE_RUNNING,
+            spec=T.EngineSpec(instance_id=f"zz{i}-0", dp_rank=0, role=T.ROLE_UNION, generation=1, port=30000),
+        )
+        for i in range(start, start + n)
+    ]
 
 
 @pytest.fixture
@@ -56,7 +62,9 @@ async def test_a_delta_heartbeat_counts_what_the_node_would_run_after_it(limited
     with pytest.raises(ResourceExhausted):
         ctl.heartbeat("node-a", gen, made_up("node-a", 1, start=10), delta=True)
     # One removed makes room for one new.
-    ctl.heartbeat("node-a", gen, made_up("node-a", 1, start=10), delta=True, removed=["zz0-0/rank0", "zz0-0/rank0", "nope/rank0"])
+    ctl.heartbeat(
+        "node-a", gen, made_up("node-a", 1, start=10), delta=True, removed=["zz0-0/rank0", "zz0-0/rank0", "nope/rank0"]
+    )
     assert len(ctl.nodes["node-a"].engines) == 10
 
 
@@ -95,7 +103,10 @@ async def test_a_single_unknown_copy_keeps_its_own_event(limited):
     events = fenced_events(ctl)[before:]
     assert len(events) == 1
     assert events[0].engine_id == "zz0-0/rank0" and events[0].instance_id == "zz0-0"
-    assert events[0].message == "engine zz0-0/rank0 on node-a stopped: stale copy (generation 1): it is not part of the deployment"
+    assert (
+        events[0].message
+        == "engine zz0-0/rank0 on node-a stopped: stale copy (generation 1): it is not part of the deployment"
+    )
 
 
 async def test_register_fences_the_unknown_copies_it_lists_with_one_event(limited):
@@ -107,5 +118,6 @@ async def test_register_fences_the_unknown_copies_it_lists_with_one_event(limite
 
 def test_the_default_limit_is_generous_and_set_from_the_command_line():
     from controller.cli import parse_config
+
     assert parse_config(["--db", "/tmp/x.db"]).max_engines_per_node == 1024
     assert parse_config(["--db", "/tmp/x.db", "--max-engines-per-node", "7"]).max_engines_per_node == 7

@@ -9,18 +9,21 @@ import gc
 import pytest
 
 from controller import reported
-from tests.controller.conftest import small_deployment
-from tests.support import async_wait_for
 from controller.validation import check_reported_engine, check_reported_engines
 from motor.errors import InvalidArgument
 from motor.v1 import types_pb2
+from tests.controller.conftest import small_deployment
+from tests.support import async_wait_for
 
 
-def engine(engine_id: str = "u-0/rank0", node_id: str = "node-a", log_path: str = "/var/log/u-0.log",
-           **spec) -> types_pb2.Engine:
+def engine(
+    engine_id: str = "u-0/rank0", node_id: str = "node-a", log_path: str = "/var/log/u-0.log", **spec
+) -> types_pb2.Engine:
     fields = dict(instance_id="u-0", host="10.0.0.1", master_dp_ip="10.0.0.1", config_path="")
     fields.update(spec)
-    return types_pb2.Engine(engine_id=engine_id, node_id=node_id, log_path=log_path, spec=types_pb2.EngineSpec(**fields))
+    return types_pb2.Engine(
+        engine_id=engine_id, node_id=node_id, log_path=log_path, spec=types_pb2.EngineSpec(**fields)
+    )
 
 
 GOOD = engine()
@@ -74,8 +77,13 @@ def test_the_kept_copy_of_a_report_is_untracked_equal_when_unchanged_and_gives_t
     assert reported.message(kept) == held and reported.keep(GOOD)[reported.STOP_GRACE] is None
     gc.collect()
     assert not gc.is_tracked(kept)
-    for field, value in (("spec.host", "h"), ("log_path", "l"), ("node_id", "n"), ("spec.config_json", "{}"),
-                         ("health_reason", "x")):
+    for field, value in (
+        ("spec.host", "h"),
+        ("log_path", "l"),
+        ("node_id", "n"),
+        ("spec.config_json", "{}"),
+        ("health_reason", "x"),
+    ):
         changed = types_pb2.Engine.FromString(wire)
         setattr(changed.spec if field.startswith("spec.") else changed, field.removeprefix("spec."), value)
         assert reported.keep(changed, kept) != kept, field  # checked again
@@ -86,7 +94,9 @@ async def test_list_nodes_shows_each_engine_exactly_as_its_node_reported_it(harn
     # the stop deadline and a later identical report must see the same engine as before.
     await harness.start()
     await harness.register("node-a")
-    harness.controller.apply_deployment(small_deployment([{"name": "u", "role": "union", "count": 2, "data_parallel_size": 1}]))
+    harness.controller.apply_deployment(
+        small_deployment([{"name": "u", "role": "union", "count": 2, "data_parallel_size": 1}])
+    )
     await async_wait_for(lambda: len(harness.client.starts()) == 2, timeout=5, what="2 StartEngine calls")
     harness.client.set_health("node-a")
     for engine in harness.client.report("node-a"):

@@ -1,16 +1,17 @@
-"""The restart policy, rule by rule: backoff, its reset, the crash-loop window (controller/instances.py, controller/restart_policy.py).
+"""The restart policy, rule by rule: backoff, its reset, the crash-loop window (controller/instances.py,
+controller/restart_policy.py).
 
 Each test pins a boundary or a message a user relies on (they keep `make mutation` honest)."""
 
 from __future__ import annotations
 
-
+from controller.instances import (
+    InstanceRecord,
+    Policy,
+    on_failure,
+)  # fmt: skip
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-
-from controller.instances import (
-    InstanceRecord, Policy, on_failure,
-)  # fmt: skip
 
 
 def record(**kw) -> InstanceRecord:
@@ -18,6 +19,7 @@ def record(**kw) -> InstanceRecord:
 
 
 # ---------------------------------------------------------------- restart policy
+
 
 def test_policy_from_an_empty_proto_takes_the_defaults():
     assert Policy.from_proto(C.RestartPolicy()) == Policy(
@@ -32,7 +34,12 @@ def test_policy_from_proto_keeps_every_value_given():
     p.reset_after.FromNanoseconds(300_000_000_000)
     p.failure_window.FromNanoseconds(120_000_000_000)
     assert Policy.from_proto(p) == Policy(
-        group_scope=False, initial_backoff=1.5, max_backoff=30.25, reset_after=300.0, max_failures=3, failure_window=120.0
+        group_scope=False,
+        initial_backoff=1.5,
+        max_backoff=30.25,
+        reset_after=300.0,
+        max_failures=3,
+        failure_window=120.0,
     )
     assert Policy.from_proto(C.RestartPolicy(scope=C.RESTART_SCOPE_GROUP)).group_scope
 
@@ -65,5 +72,3 @@ def test_a_failure_exactly_one_window_old_is_forgotten():
     decision = on_failure(r, policy, 100.0)
     assert decision == type(decision)(give_up=False, delay=1, failures_in_window=1)
     assert on_failure(r, policy, 150.0).give_up
-
-

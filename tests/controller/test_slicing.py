@@ -10,12 +10,11 @@ import random
 
 import pytest
 
-from motor.errors import Unavailable
-
 from controller.fleet_view import FleetView
 from controller.nodes import NODE_SUSPECT
 from controller.placement import Fleet, NodeCapacity, place_instance
 from controller.slicing import Budget, in_slices, run_at_once, run_sliced
+from motor.errors import Unavailable
 from tests.controller.conftest import small_deployment
 from tests.controller.test_store_full import fill_disk, free_disk
 
@@ -241,8 +240,13 @@ async def test_the_write_behind_never_undoes_rows_a_change_wrote_while_memory_ca
     st = ctl.state
     monkeypatch.setattr(deployments, "Budget", lambda: Budget(seconds=0.0))  # a slice per item
     changes = ctl.changes
-    plan = run_at_once(changes._plan(deployments.validate_deployment(
-        small_deployment([{"name": "u", "role": "union", "count": 2, "data_parallel_size": 3}]), 1000)))
+    plan = run_at_once(
+        changes._plan(
+            deployments.validate_deployment(
+                small_deployment([{"name": "u", "role": "union", "count": 2, "data_parallel_size": 3}]), 1000
+            )
+        )
+    )
     for instance_id in ("u-0", "u-1", "u-2"):  # rows changed just before the change: unsaved
         st.unsaved["instances"].add(instance_id)
         st.unsaved["slots"].update(s.engine_id for s in st.slots_of(instance_id))
@@ -281,8 +285,14 @@ def test_expanding_a_deployment_yields_between_instances_and_gives_what_expandin
     """A 10,000-instance deployment was expanded at once at the start of every apply (25-40 ms)."""
     from controller.validation import expand, expand_in_slices, validate_deployment
 
-    deployment = validate_deployment(small_deployment([{"name": "p", "role": "prefill", "count": 3, "pair_with": "d"},
-                                                       {"name": "d", "role": "decode", "count": 3}]))
+    deployment = validate_deployment(
+        small_deployment(
+            [
+                {"name": "p", "role": "prefill", "count": 3, "pair_with": "d"},
+                {"name": "d", "role": "decode", "count": 3},
+            ]
+        )
+    )
     steps, yields = expand_in_slices(deployment, Budget(seconds=0.0)), 0
     while True:
         try:

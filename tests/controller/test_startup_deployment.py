@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator
-
-from motor.v1 import controller_pb2 as C
+from collections.abc import AsyncIterator
 
 from controller.startup_deployment import POLL_SECONDS, StartupDeployment
+from motor.v1 import controller_pb2 as C
 from tests.controller.conftest import Harness, example_deployment, small_deployment
 from tests.controller.fakes import ManualClock
-from tests.controller.test_lost_store import NODES, _lose_the_store
 from tests.controller.test_core import running_example
+from tests.controller.test_lost_store import NODES, _lose_the_store
 from tests.support import async_wait_for
 
 
@@ -37,8 +36,11 @@ async def test_a_lost_store_applies_the_file_once_the_nodes_run_every_engine_it_
     await harness.register(last)
     await async_wait_for(lambda: harness.controller.deployment is not None, timeout=5, what="the file applied")
     harness.beat(*NODES)
-    await async_wait_for(lambda: all(i.state == C.INSTANCE_STATE_READY for i in harness.controller.instances.values()),
-                         timeout=5, what="every instance READY with the adopted engines")
+    await async_wait_for(
+        lambda: all(i.state == C.INSTANCE_STATE_READY for i in harness.controller.instances.values()),
+        timeout=5,
+        what="every instance READY with the adopted engines",
+    )
     assert not harness.client.starts() and not harness.client.stops()
     slots = {(s.node_id, s.engine_id): s.generation for s in harness.controller.state.slots.values()}
     assert slots == {k: g for k, (_, g) in running.items()}

@@ -13,7 +13,6 @@ import pytest
 from motor.errors import Unavailable
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-
 from tests.controller.conftest import small_deployment
 from tests.controller.test_core import running_example
 from tests.support import async_wait_for
@@ -45,7 +44,9 @@ async def test_apply_on_a_full_disk_is_unavailable_and_changes_nothing(harness):
     await running_example(harness)
     ctl, client = harness.controller, harness.client
     fill_disk(harness.store)
-    bigger = small_deployment([{"name": "other", "role": "union", "count": 300}], name="local-sim")  # the same deployment, changed
+    bigger = small_deployment(
+        [{"name": "other", "role": "union", "count": 300}], name="local-sim"
+    )  # the same deployment, changed
     with pytest.raises(Unavailable, match="database or disk is full"):
         ctl.apply_deployment(bigger)
     assert ctl.revision == 1 and ctl.get_deployment()[0].name == "local-sim"
@@ -53,7 +54,9 @@ async def test_apply_on_a_full_disk_is_unavailable_and_changes_nothing(harness):
     with pytest.raises(Unavailable, match="database or disk is full"):
         ctl.delete_deployment()
     assert ctl.revision == 1 and set(ctl.instances) == {"prefill-0", "decode-0"} and not client.stops()
-    refused = ctl.metrics.registry.get_sample_value("motor_controller_store_write_failures_total", {"operation": "transaction"})
+    refused = ctl.metrics.registry.get_sample_value(
+        "motor_controller_store_write_failures_total", {"operation": "transaction"}
+    )
     assert refused == 2
     assert any(e.type == C.EVENT_TYPE_ALARM and "store is failing" in e.message for e in ctl.events.recent)
     free_disk(harness.store)
@@ -76,15 +79,21 @@ async def test_an_engine_failure_on_a_full_disk_is_restarted_once_space_returns_
     # The failure is handled in memory although the disk refuses it: RESTARTING, said by an alarm.
     inst = harness.instance("decode-0")
     assert inst.state == C.INSTANCE_STATE_RESTARTING and len(inst.failure_times) == 1
-    await async_wait_for(lambda: any(e.type == C.EVENT_TYPE_ALARM and "store is failing" in e.message for e in ctl.events.recent),
-                         timeout=5, what="the store alarm")
+    await async_wait_for(
+        lambda: any(e.type == C.EVENT_TYPE_ALARM and "store is failing" in e.message for e in ctl.events.recent),
+        timeout=5,
+        what="the store alarm",
+    )
     # A restart needs a generation stored first: it waits for the disk, re-armed by the reconcile loop.
     await asyncio.sleep(1.0)
     assert len(client.starts("decode-0/rank0")) == before and inst.state == C.INSTANCE_STATE_RESTARTING
     free_disk(harness.store)
-    await async_wait_for(lambda: len(client.starts("decode-0/rank0")) == before + 1, timeout=10, what="the restart once space returned")
-    await async_wait_for(lambda: harness.store.load().instances["decode-0"]["restarts"] == 1, timeout=10,
-                         what="the refused writes saved")
+    await async_wait_for(
+        lambda: len(client.starts("decode-0/rank0")) == before + 1, timeout=10, what="the restart once space returned"
+    )
+    await async_wait_for(
+        lambda: harness.store.load().instances["decode-0"]["restarts"] == 1, timeout=10, what="the refused writes saved"
+    )
     assert harness.store.load().assignments["decode-0/rank0"]["generation"] == ctl.slots["decode-0/rank0"].generation
     assert len(harness.store.load().instances["decode-0"]["failure_times"]) == 1
     assert any("accepts writes again" in e.message for e in ctl.events.recent)

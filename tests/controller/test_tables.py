@@ -10,16 +10,15 @@ import json
 
 import pytest
 
-from motor.errors import FailedPrecondition, NotFound
-from motor.v1 import controller_pb2 as C
-from motor.v1 import types_pb2 as T
-
 from controller.actuator import FENCE_WINDOW, Actuator
 from controller.events import EventBus
 from controller.instances import IllegalTransition
 from controller.node_client import NodeCallError
 from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime, NodeTable
 from controller.slots import EngineSlot, SlotTable
+from motor.errors import FailedPrecondition, NotFound
+from motor.v1 import controller_pb2 as C
+from motor.v1 import types_pb2 as T
 from tests.controller.conftest import node_info
 from tests.controller.fakes import FakeNodeClient, ManualClock
 
@@ -29,6 +28,7 @@ def runtime(node_id: str, state: int = NODE_READY, generation: int = 1) -> NodeR
 
 
 # ---------------------------------------------------------------- node table
+
 
 def test_the_sweep_reads_only_silent_ready_nodes_and_suspects():
     table = NodeTable()
@@ -108,7 +108,9 @@ def test_membership_needs_the_current_generation():
     assert table.member("node-a", 3) is node
     with pytest.raises(NotFound, match="node_id 'node-x' is not registered"):
         table.member("node-x", 3)
-    with pytest.raises(FailedPrecondition, match="^generation 2 of node .node-a. is stale \\(current 3\\); register again"):
+    with pytest.raises(
+        FailedPrecondition, match="^generation 2 of node .node-a. is stale \\(current 3\\); register again"
+    ):
         table.member("node-a", 2)
     table.set_state(node, NODE_SUSPECT, "silent")
     table.set_state(node, NODE_LOST, "gone")
@@ -117,6 +119,7 @@ def test_membership_needs_the_current_generation():
 
 
 # ---------------------------------------------------------------- slot table
+
 
 def observed(slot: EngineSlot) -> EngineSlot:
     """What a node's report leaves on a slot."""
@@ -128,7 +131,11 @@ def observed(slot: EngineSlot) -> EngineSlot:
 
 def assert_no_copy_known(slot: EngineSlot) -> None:
     assert (slot.port, slot.mgmt_port, slot.kv_port, slot.dp_rpc_port, slot.launched) == (0, 0, 0, 0, False)
-    assert (slot.state, slot.health, slot.health_reason) == (T.ENGINE_STATE_UNSPECIFIED, T.HEALTH_STATUS_UNSPECIFIED, "")
+    assert (slot.state, slot.health, slot.health_reason) == (
+        T.ENGINE_STATE_UNSPECIFIED,
+        T.HEALTH_STATUS_UNSPECIFIED,
+        "",
+    )
 
 
 def test_placing_indexes_the_slot_by_node_as_a_new_generation():
@@ -137,7 +144,12 @@ def test_placing_indexes_the_slot_by_node_as_a_new_generation():
     table.add(slot)
     assert table.on_node("node-a") == []
     table.place(slot, "node-a", "10.0.0.1", [2, 3], 4, generation=7)
-    assert (slot.node_id, slot.host, slot.accelerator_ids, slot.requested_ports) == ("node-a", "10.0.0.1", (2, 3), (0, 0, 0, 0))
+    assert (slot.node_id, slot.host, slot.accelerator_ids, slot.requested_ports) == (
+        "node-a",
+        "10.0.0.1",
+        (2, 3),
+        (0, 0, 0, 0),
+    )
     assert slot.generation == 7 and not slot.moved
     assert table.on_node("node-a") == [slot] and table.used_accelerators("node-a") == {2, 3}
     assert_no_copy_known(slot)
@@ -162,7 +174,12 @@ def test_new_generation_keeps_the_place_and_forgets_the_last_copy():
     table.place(slot, "node-a", "h", [0], 2, generation=3)
     observed(slot)
     table.new_generation(slot, 9)
-    assert (slot.node_id, slot.accelerator_ids, slot.generation, slot.handled_failure_generation) == ("node-a", (0,), 9, 0)
+    assert (slot.node_id, slot.accelerator_ids, slot.generation, slot.handled_failure_generation) == (
+        "node-a",
+        (0,),
+        9,
+        0,
+    )
     assert_no_copy_known(slot)
     assert table.on_node("node-a") == [slot]
 
@@ -191,9 +208,17 @@ def test_ports_the_node_picked_are_adopted_once():
 
 
 def test_persisted_fields_round_trip_and_observations_do_not():
-    slot = observed(EngineSlot("u-0/rank0", "u-0", 0, node_id="node-a", generation=5, restarts=1, last_failure_reason="x"))
+    slot = observed(
+        EngineSlot("u-0/rank0", "u-0", 0, node_id="node-a", generation=5, restarts=1, last_failure_reason="x")
+    )
     again = EngineSlot.from_dict(slot.to_dict())
-    assert (again.node_id, again.generation, again.restarts, again.last_failure_reason, again.port) == ("node-a", 5, 1, "x", 21000)
+    assert (again.node_id, again.generation, again.restarts, again.last_failure_reason, again.port) == (
+        "node-a",
+        5,
+        1,
+        "x",
+        21000,
+    )
     assert not again.launched and again.state == T.ENGINE_STATE_UNSPECIFIED
 
 
@@ -207,6 +232,7 @@ def test_a_stored_slot_keeps_its_ports_and_accelerators_as_tuples():
 
 
 # ---------------------------------------------------------------- actuator
+
 
 async def test_a_copy_is_asked_to_stop_once_per_window_and_old_stops_are_forgotten():
     client, clock, events = FakeNodeClient(), ManualClock(), EventBus()
@@ -237,7 +263,9 @@ async def test_a_failed_stop_is_asked_again_after_a_backoff():
     nodes = NodeTable()
     nodes.put(runtime("node-a"))
     tasks: list[asyncio.Task] = []
-    actuator = Actuator(client, nodes, 5.0, lambda coro, name: tasks.append(asyncio.create_task(coro)), EventBus(), clock)
+    actuator = Actuator(
+        client, nodes, 5.0, lambda coro, name: tasks.append(asyncio.create_task(coro)), EventBus(), clock
+    )
     client.unreachable.add("node-a")
     actuator.stop_copy("node-a", "u-0/rank0", 3, "stale copy")
     await asyncio.gather(*tasks)
@@ -266,6 +294,7 @@ async def test_start_over_an_older_copy_stops_it_then_starts_once_more():
 
 # ---------------------------------------------------------------- metrics
 
+
 def test_metrics_read_the_state_counts_through_callables():
     from prometheus_client import generate_latest
 
@@ -279,10 +308,14 @@ def test_metrics_read_the_state_counts_through_callables():
     text = generate_latest(metrics.registry).decode()
     assert 'motor_controller_nodes{state="READY"} 1.0' in text and 'motor_controller_nodes{state="SUSPECT"} 1.0' in text
     assert 'motor_controller_nodes{state="LOST"} 0.0' in text
-    assert 'motor_controller_instances{state="READY"} 3.0' in text and 'motor_controller_instances{state="FAILED"} 0.0' in text
+    assert (
+        'motor_controller_instances{state="READY"} 3.0' in text
+        and 'motor_controller_instances{state="FAILED"} 0.0' in text
+    )
 
 
 # ---------------------------------------------------------------- what the placement view re-reads
+
 
 def test_the_slot_table_notes_every_node_whose_slots_changed_and_nothing_else():
     table = SlotTable()

@@ -10,20 +10,27 @@ import pytest
 from google.protobuf import json_format
 from google.protobuf.struct_pb2 import Struct
 
-from motor.errors import InvalidArgument
-from motor.v1 import controller_pb2 as C
-
 from controller.instances import (
-    DEGRADED, FAILED, READY, RESTARTING, STARTING,
-    IllegalTransition, InstanceRecord, Policy, on_failure, transition,
+    DEGRADED,
+    FAILED,
+    READY,
+    RESTARTING,
+    STARTING,
+    IllegalTransition,
+    InstanceRecord,
+    Policy,
+    on_failure,
+    transition,
 )
 from controller.placement import NodeCapacity, Unplaceable, place_instance
 from controller.store import SqliteStore, StoredNode
 from controller.validation import expand, struct_dict, validate_deployment
+from motor.errors import InvalidArgument
+from motor.v1 import controller_pb2 as C
 from tests.controller.conftest import example_deployment, small_deployment
 
-
 # ---------------------------------------------------------------- placement
+
 
 def test_best_fit_packs_and_keeps_big_holes():
     nodes = [NodeCapacity("a", "h-a", [0, 1, 2, 3]), NodeCapacity("b", "h-b", [0, 1], used_accelerators={0})]
@@ -38,7 +45,9 @@ def test_unplaceable_says_why_and_changes_nothing():
     nodes = [NodeCapacity("a", "h", [0, 1]), NodeCapacity("b", "h", [0])]
     with pytest.raises(Unplaceable) as err:
         place_instance([0, 1], 2, False, nodes)
-    assert "rank 1 needs 2 accelerator(s)" in str(err.value) and "2 READY node(s); most free: a with 2/2" in str(err.value)
+    assert "rank 1 needs 2 accelerator(s)" in str(err.value) and "2 READY node(s); most free: a with 2/2" in str(
+        err.value
+    )
     assert nodes[0].free_accelerators == [0, 1]  # the partial placement of rank 0 was not kept
     with pytest.raises(Unplaceable, match="no READY node"):
         place_instance([0], 1, False, [])
@@ -53,6 +62,7 @@ def test_ports_of_a_range_are_counted():
 
 
 # ---------------------------------------------------------------- state machine and policy
+
 
 def record(**kw) -> InstanceRecord:
     return InstanceRecord("p-0", "p", 1, 2, 1, False, "", "x", **kw)
@@ -96,24 +106,52 @@ def test_backoff_resets_after_healthy_time_and_window_forgets():
 
 def test_policy_from_proto_defaults():
     p = Policy.from_proto(validate_deployment(small_deployment([{"name": "u", "role": "union"}])).restart_policy)
-    assert (p.group_scope, p.initial_backoff, p.max_backoff, p.reset_after, p.max_failures, p.failure_window) == (True, 1, 60, 600, 5, 600)
+    assert (p.group_scope, p.initial_backoff, p.max_backoff, p.reset_after, p.max_failures, p.failure_window) == (
+        True,
+        1,
+        60,
+        600,
+        5,
+        600,
+    )
 
 
 # ---------------------------------------------------------------- validation
+
 
 @pytest.mark.parametrize(
     "groups, extra, field",
     [
         ([], {}, "instance_groups: at least one group"),
         ([{"name": "u"}], {}, "instance_groups[0].role: required"),
-        ([{"name": "u", "role": "union"}, {"name": "u", "role": "union"}], {}, "instance_groups[1].name: 'u' is already"),
+        (
+            [{"name": "u", "role": "union"}, {"name": "u", "role": "union"}],
+            {},
+            "instance_groups[1].name: 'u' is already",
+        ),
         ([{"name": "-bad", "role": "union"}], {}, "instance_groups[0].name"),
-        ([{"name": "p", "role": "prefill", "pair_with": "u"}, {"name": "u", "role": "union"}], {}, "'u' is a union group, not a decode group"),
-        ([{"name": "p", "role": "prefill", "pair_with": "d", "count": 2}, {"name": "d", "role": "decode"}], {}, "counts must match"),
+        (
+            [{"name": "p", "role": "prefill", "pair_with": "u"}, {"name": "u", "role": "union"}],
+            {},
+            "'u' is a union group, not a decode group",
+        ),
+        (
+            [{"name": "p", "role": "prefill", "pair_with": "d", "count": 2}, {"name": "d", "role": "decode"}],
+            {},
+            "counts must match",
+        ),
         ([{"name": "d", "role": "decode", "pair_with": "d"}], {}, "only a prefill group pairs"),
         ([{"name": "u", "role": "union", "count": 100000}], {}, "instance_groups[0].count: must be at most"),
-        ([{"name": "u", "role": "union"}], {"restart_policy": {"initial_backoff": "5s", "max_backoff": "1s"}}, "restart_policy.max_backoff"),
-        ([{"name": "u", "role": "union"}], {"restart_policy": {"failure_window": "-1s"}}, "restart_policy.failure_window"),
+        (
+            [{"name": "u", "role": "union"}],
+            {"restart_policy": {"initial_backoff": "5s", "max_backoff": "1s"}},
+            "restart_policy.max_backoff",
+        ),
+        (
+            [{"name": "u", "role": "union"}],
+            {"restart_policy": {"failure_window": "-1s"}},
+            "restart_policy.failure_window",
+        ),
         ([{"name": "u", "role": "union"}], {"model": ""}, "model: required"),
     ],
 )
@@ -126,7 +164,9 @@ def test_invalid_deployments_name_the_field(groups, extra, field):
 def test_missing_engine_config_section_is_named():
     deployment = example_deployment()
     del deployment.engine_config.fields["motor_engine_decode_config"]
-    with pytest.raises(InvalidArgument, match=r"engine_config.motor_engine_decode_config: required by instance_groups\[1\]"):
+    with pytest.raises(
+        InvalidArgument, match=r"engine_config.motor_engine_decode_config: required by instance_groups\[1\]"
+    ):
         validate_deployment(deployment)
 
 
@@ -135,13 +175,18 @@ def test_engine_config_numbers_that_are_not_finite_are_named_not_an_internal_err
     deployment = example_deployment()
     section = deployment.engine_config.fields["motor_engine_decode_config"].struct_value
     section.fields["engine_args"].struct_value.fields["ratio"].list_value.values.add().number_value = float("inf")
-    with pytest.raises(InvalidArgument, match=r"engine_config.motor_engine_decode_config.engine_args.ratio\[0\]: inf is not a finite"):
+    with pytest.raises(
+        InvalidArgument, match=r"engine_config.motor_engine_decode_config.engine_args.ratio\[0\]: inf is not a finite"
+    ):
         validate_deployment(deployment)
     config = Struct()
     config.update({"s": {"n": 1, "t": "x", "b": False, "z": None, "l": [2.5, {"y": True}]}})
     config.fields["unset"].SetInParent()  # a Value with no kind: None, as MessageToDict has it
-    assert struct_dict(config) == json_format.MessageToDict(config) == {
-        "s": {"n": 1.0, "t": "x", "b": False, "z": None, "l": [2.5, {"y": True}]}, "unset": None}
+    assert (
+        struct_dict(config)
+        == json_format.MessageToDict(config)
+        == {"s": {"n": 1.0, "t": "x", "b": False, "z": None, "l": [2.5, {"y": True}]}, "unset": None}
+    )
 
 
 @pytest.mark.parametrize("key, value, says", [
@@ -163,15 +208,21 @@ def test_union_group_falls_back_to_the_prefill_section_like_the_engine_server():
     del deployment.engine_config.fields["motor_engine_union_config"]
     validate_deployment(deployment)  # accepted: union engines read motor_engine_prefill_config
     del deployment.engine_config.fields["motor_engine_prefill_config"]
-    with pytest.raises(InvalidArgument, match=r"engine_config.motor_engine_union_config: required by instance_groups\[0\]"):
+    with pytest.raises(
+        InvalidArgument, match=r"engine_config.motor_engine_union_config: required by instance_groups\[0\]"
+    ):
         validate_deployment(deployment)
 
 
 def test_defaults_and_expansion():
-    d = validate_deployment(small_deployment([
-        {"name": "p", "role": "prefill", "count": 2, "pair_with": "d", "data_parallel_size": 2},
-        {"name": "d", "role": "decode", "count": 2},
-    ]))
+    d = validate_deployment(
+        small_deployment(
+            [
+                {"name": "p", "role": "prefill", "count": 2, "pair_with": "d", "data_parallel_size": 2},
+                {"name": "d", "role": "decode", "count": 2},
+            ]
+        )
+    )
     assert d.instance_groups[1].accelerators_per_engine == 1 and d.restart_policy.scope == C.RESTART_SCOPE_GROUP
     instances = expand(d)
     assert sorted(instances) == ["d-0", "d-1", "p-0", "p-1"]
@@ -182,6 +233,7 @@ def test_defaults_and_expansion():
 
 
 # ---------------------------------------------------------------- store and configuration
+
 
 def test_store_round_trip_survives_reopen(tmp_path):
     path = str(tmp_path / "s.db")
@@ -224,7 +276,10 @@ def test_the_generation_counter_goes_above_what_nodes_report_and_forgets_a_rolle
     [
         (["--node-grace", "0"], "node_grace: Input should be greater than 0"),
         # 1e-9 was taken: the node monitor then slept interval/2 in a loop (97% of a core, no node).
-        (["--heartbeat-interval", "1e-9", "--node-grace", "1"], "heartbeat_interval: Input should be greater than or equal to 0.05"),
+        (
+            ["--heartbeat-interval", "1e-9", "--node-grace", "1"],
+            "heartbeat_interval: Input should be greater than or equal to 0.05",
+        ),
         # A grace within one interval would suspect every node between two of its beats.
         (["--heartbeat-interval", "4", "--node-grace", "2"], "node_grace: must be more than heartbeat_interval (4s)"),
         (["--heartbeat-interval", "2", "--node-grace", "2"], "node_grace: must be more than heartbeat_interval (2s)"),
@@ -242,8 +297,12 @@ def test_the_generation_counter_goes_above_what_nodes_report_and_forgets_a_rolle
 )
 @pytest.mark.processes
 def test_bad_settings_exit_2_naming_the_field(args, message, tmp_path):
-    result = subprocess.run([sys.executable, "-m", "controller.cli", "--db", str(tmp_path / "c.db"), *args],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "controller.cli", "--db", str(tmp_path / "c.db"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and message in result.stderr
 
 

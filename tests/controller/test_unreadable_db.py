@@ -17,14 +17,22 @@ pytestmark = pytest.mark.processes
 
 def controller(db, *flags: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "controller.cli", "--listen", "127.0.0.1:0", "--db", str(db), *flags],
-                          capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "controller.cli", "--listen", "127.0.0.1:0", "--db", str(db), *flags],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+        timeout=timeout,
+    )
 
 
 def stored_db(path) -> None:
     db = sqlite3.connect(path)
-    db.executescript("CREATE TABLE meta (key TEXT PRIMARY KEY, value BLOB);" +
-                     "".join(f"INSERT INTO meta VALUES ('k{i}', randomblob(4000));" for i in range(50)))
+    db.executescript(
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value BLOB);"
+        + "".join(f"INSERT INTO meta VALUES ('k{i}', randomblob(4000));" for i in range(50))
+    )
     db.close()
 
 
@@ -56,11 +64,14 @@ def test_a_damaged_database_stops_the_controller_with_one_line(tmp_path, damage)
     assert str(db) in lines[0] and "restore it from a backup" in lines[0] and "--discard-unreadable-db" in lines[0]
 
 
-@pytest.mark.parametrize("shape, culprit, says", [
-    ("db_dir", "controller.db", "must be a regular file"),
-    ("wal_dir", "controller.db-wal", "must be a regular file"),  # the database itself is fine: keep it
-    ("parent_is_file", "f", "cannot create the directory"),
-])
+@pytest.mark.parametrize(
+    "shape, culprit, says",
+    [
+        ("db_dir", "controller.db", "must be a regular file"),
+        ("wal_dir", "controller.db-wal", "must be a regular file"),  # the database itself is fine: keep it
+        ("parent_is_file", "f", "cannot create the directory"),
+    ],
+)
 def test_a_database_path_of_the_wrong_shape_is_one_line_naming_it(tmp_path, shape, culprit, says):
     db = tmp_path / "controller.db"
     if shape == "db_dir":
@@ -84,7 +95,10 @@ def test_discard_unreadable_db_moves_it_aside_and_starts_empty(tmp_path):
     garbage(db)
     process = subprocess.Popen(
         [sys.executable, "-m", "controller.cli", "--listen", "127.0.0.1:0", "--db", str(db), "--discard-unreadable-db"],
-        env=dict(os.environ, PYTHONPATH=REPO_ROOT), cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=REPO_ROOT),
+        cwd=REPO_ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         for line in process.stderr:

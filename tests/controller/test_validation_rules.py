@@ -1,4 +1,5 @@
-"""Deployment validation and expansion, rule by rule: every problem named, limits inclusive, spec hashes (controller/validation.py).
+"""Deployment validation and expansion, rule by rule: every problem named, limits inclusive, spec hashes
+(controller/validation.py).
 
 Each test pins a boundary or a message a user relies on (they keep `make mutation` honest)."""
 
@@ -8,15 +9,21 @@ import re
 
 import pytest
 
+from controller.validation import (
+    MAX_ENGINES_PER_NODE,
+    InstanceSpec,
+    check_engine_count,
+    expand,
+    integral_numbers,
+    validate_deployment,
+)
 from motor.errors import InvalidArgument, ResourceExhausted
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-
-from controller.validation import MAX_ENGINES_PER_NODE, InstanceSpec, check_engine_count, expand, integral_numbers, validate_deployment
 from tests.controller.conftest import small_deployment
 
-
 # ---------------------------------------------------------------- validation
+
 
 def invalid(deployment, **limits) -> str:
     with pytest.raises(InvalidArgument) as err:
@@ -27,7 +34,8 @@ def invalid(deployment, **limits) -> str:
 def test_every_problem_is_named_in_one_message():
     deployment = small_deployment(
         [{"name": "Bad Name", "role": "union"}, {"name": "u", "role": "union"}, {"name": "u", "role": "union"}],
-        name=" ", model="",
+        name=" ",
+        model="",
     )
     assert invalid(deployment) == (
         "invalid deployment: name: required (a name for this deployment, e.g. 'local-sim'); "
@@ -98,7 +106,9 @@ def test_pairing_problems_are_found_in_every_group():
         "invalid deployment: instance_groups[0].pair_with: only a prefill group pairs with a decode group "
         "(this group's role is decode)"
     )
-    counts = small_deployment([{"name": "p", "role": "prefill", "pair_with": "d", "count": 2}, {"name": "d", "role": "decode"}])
+    counts = small_deployment(
+        [{"name": "p", "role": "prefill", "pair_with": "d", "count": 2}, {"name": "d", "role": "decode"}]
+    )
     assert invalid(counts) == (
         "invalid deployment: instance_groups[0].pair_with: 'd' has 1 instance(s) and this group 2: "
         "paired groups pair instance i with instance i, so their counts must match"
@@ -107,9 +117,9 @@ def test_pairing_problems_are_found_in_every_group():
 
 def test_restart_policy_defaults_are_filled_in_the_stored_deployment():
     p = validate_deployment(small_deployment([{"name": "u", "role": "union"}])).restart_policy
-    assert [getattr(p, name).ToNanoseconds() for name in ("initial_backoff", "max_backoff", "reset_after", "failure_window")] == [
-        1_000_000_000, 60_000_000_000, 600_000_000_000, 600_000_000_000
-    ]
+    assert [
+        getattr(p, name).ToNanoseconds() for name in ("initial_backoff", "max_backoff", "reset_after", "failure_window")
+    ] == [1_000_000_000, 60_000_000_000, 600_000_000_000, 600_000_000_000]
     assert p.max_failures == 5 and p.scope == C.RESTART_SCOPE_GROUP
 
 
@@ -131,6 +141,7 @@ def test_restart_policy_bounds():
 
 # ---------------------------------------------------------------- expansion
 
+
 def test_expanded_instances_carry_their_group():
     d = validate_deployment(small_deployment([
         {"name": "p", "role": "prefill", "count": 2, "pair_with": "d", "data_parallel_size": 2,
@@ -141,8 +152,15 @@ def test_expanded_instances_carry_their_group():
     spec = instances["p-1"]
     assert re.fullmatch(r"[0-9a-f]{16}", spec.spec_hash)
     assert spec == InstanceSpec(
-        instance_id="p-1", group="p", role=T.ROLE_PREFILL, index=1, data_parallel_size=2, accelerators_per_engine=2,
-        single_container=True, paired_instance_id="d-1", spec_hash=spec.spec_hash,
+        instance_id="p-1",
+        group="p",
+        role=T.ROLE_PREFILL,
+        index=1,
+        data_parallel_size=2,
+        accelerators_per_engine=2,
+        single_container=True,
+        paired_instance_id="d-1",
+        spec_hash=spec.spec_hash,
     )
     assert instances["d-1"].paired_instance_id == "p-1" and instances["d-0"].index == 0
 
@@ -162,14 +180,24 @@ def test_whole_numbers_of_the_engine_config_are_given_back_as_ints():
     config = {"max_failure_count": 3.0, "ratio": 0.5, "ids": [1.0, 2.5], "name": "x", "on": True,
               "nested": {"port": 8000.0}}  # fmt: skip
     back = integral_numbers(config)
-    assert back == {"max_failure_count": 3, "ratio": 0.5, "ids": [1, 2.5], "name": "x", "on": True, "nested": {"port": 8000}}
-    assert type(back["max_failure_count"]) is int and type(back["nested"]["port"]) is int and type(back["ids"][0]) is int
+    assert back == {
+        "max_failure_count": 3,
+        "ratio": 0.5,
+        "ids": [1, 2.5],
+        "name": "x",
+        "on": True,
+        "nested": {"port": 8000},
+    }
+    assert (
+        type(back["max_failure_count"]) is int and type(back["nested"]["port"]) is int and type(back["ids"][0]) is int
+    )
 
 
 def test_a_deployment_may_not_choose_the_program_an_engine_runs():
     deployment = small_deployment([{"name": "u", "role": "union"}])
     deployment.engine_config.fields["motor_engine_union_config"].struct_value.update(
-        {"engine_args": {"launcher": ["/bin/sh"]}})
+        {"engine_args": {"launcher": ["/bin/sh"]}}
+    )
     assert invalid(deployment) == (
         "invalid deployment: engine_config.motor_engine_union_config.engine_args.launcher: names the command that "
         "starts SGLang; a request may not choose what runs on a node (engine commands come from the node manager's "

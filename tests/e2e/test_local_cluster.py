@@ -40,14 +40,18 @@ def _instances(stub) -> list:
 def _all_normal(stub) -> bool:
     engines = {e.engine_id: e for i in _instances(stub) for e in i.engines}
     return set(engines) == EXPECTED_ENGINES and all(
-        e.health == types_pb2.HEALTH_STATUS_NORMAL and e.state == types_pb2.ENGINE_STATE_RUNNING for e in engines.values()
+        e.health == types_pb2.HEALTH_STATUS_NORMAL and e.state == types_pb2.ENGINE_STATE_RUNNING
+        for e in engines.values()
     )
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     local = LocalCluster(
-        str(tmp_path_factory.mktemp("cluster")), nodes=2, deployment_path=DEPLOYMENT, heartbeat_interval=0.5,
+        str(tmp_path_factory.mktemp("cluster")),
+        nodes=2,
+        deployment_path=DEPLOYMENT,
+        heartbeat_interval=0.5,
         engine_port_base=31000,
     )
     try:
@@ -145,10 +149,29 @@ def test_motorctl_up_runs_until_ctrl_c_and_leaves_nothing(tmp_path):
     run_dir = tmp_path / "run"
     metrics_base = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "motorctl.cli", "up", "--nodes", "2", "--deployment", DEPLOYMENT,
-         "--run-dir", str(run_dir), "--controller-port", "0", "--refresh", "0.5",
-         "--metrics-port", str(metrics_base)],  # not 9471: tests run side by side
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "motorctl.cli",
+            "up",
+            "--nodes",
+            "2",
+            "--deployment",
+            DEPLOYMENT,
+            "--run-dir",
+            str(run_dir),
+            "--controller-port",
+            "0",
+            "--refresh",
+            "0.5",
+            "--metrics-port",
+            str(metrics_base),
+        ],  # not 9471: tests run side by side
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     output: list[str] = []
     descendants: list[psutil.Process] = []
@@ -160,12 +183,16 @@ def test_motorctl_up_runs_until_ctrl_c_and_leaves_nothing(tmp_path):
                 break
             output.append(line)
             if "Ctrl-C stops the cluster." in line:
-                screen = "".join(output[max(i for i, seen in enumerate(output) if "Motor local cluster" in seen):])
+                screen = "".join(output[max(i for i, seen in enumerate(output) if "Motor local cluster" in seen) :])
                 if sum(" NORMAL " in row and "/rank" in row for row in screen.splitlines()) == 3:
                     break
         assert any("grpcurl -plaintext" in seen for seen in output), "".join(output[-40:])
         # The screen lists every service's /metrics URL.
-        listed = {seen.split()[0]: seen.split()[1] for seen in output if seen.strip().endswith("/metrics") and len(seen.split()) == 2}
+        listed = {
+            seen.split()[0]: seen.split()[1]
+            for seen in output
+            if seen.strip().endswith("/metrics") and len(seen.split()) == 2
+        }
         assert set(listed) == {"controller", "node-a", "node-b"}, "".join(output[-40:])
         assert listed["controller"] == f"http://127.0.0.1:{metrics_base}/metrics"
         descendants = psutil.Process(process.pid).children(recursive=True)

@@ -23,10 +23,27 @@ DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 def motorctl_up(run_dir, stdout, prefix: list[str] | None = None) -> subprocess.Popen:
     argv = prefix or [sys.executable, "-m", "motorctl.cli"]
     return subprocess.Popen(
-        [*argv, "up", "--nodes", "1", "--deployment", DEPLOYMENT, "--run-dir", str(run_dir),
-         "--controller-port", "0", "--refresh", "0.3",
-         "--metrics-port", str(free_port())],  # not 9471: tests run side by side
-        cwd=REPO_ROOT, stdout=stdout, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [
+            *argv,
+            "up",
+            "--nodes",
+            "1",
+            "--deployment",
+            DEPLOYMENT,
+            "--run-dir",
+            str(run_dir),
+            "--controller-port",
+            "0",
+            "--refresh",
+            "0.3",
+            "--metrics-port",
+            str(free_port()),
+        ],  # not 9471: tests run side by side
+        cwd=REPO_ROOT,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
         env=dict(os.environ, PYTHONPATH=REPO_ROOT),
     )
 
@@ -55,12 +72,14 @@ def wait_first_screen(process: subprocess.Popen, run_dir) -> list[psutil.Process
     def engines():
         tree = cluster_processes(run_dir)
         return tree if sum(1 for p in tree if "engine_server" in " ".join(p.cmdline()[:3])) >= 3 else None
+
     return wait_for(engines, timeout=180, interval=0.3, what="3 engines started by motorctl up")
 
 
 def assert_nothing_left(run_dir, timeout: float = 10) -> None:
     def gone():
         return not [p for p in cluster_processes(run_dir) if p.status() != psutil.STATUS_ZOMBIE]
+
     wait_for(gone, timeout=timeout, what="the cluster's processes gone")
 
 
@@ -132,9 +151,15 @@ def test_a_closed_pipe_ends_a_motorctl_command_quietly():
     read_end, write_end = os.pipe()
     os.close(read_end)  # `motorctl ... | head` once head has gone
     try:
-        result = subprocess.run([sys.executable, "-m", "motorctl.cli", "--controller", "127.0.0.1:1", "--help"],
-                                stdout=write_end, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, timeout=60,
-                                env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+        result = subprocess.run(
+            [sys.executable, "-m", "motorctl.cli", "--controller", "127.0.0.1:1", "--help"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+            timeout=60,
+            env=dict(os.environ, PYTHONPATH=REPO_ROOT),
+        )
     finally:
         os.close(write_end)
     assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr, result.stderr
@@ -196,8 +221,14 @@ def test_motorctl_down_stops_a_cluster_whose_motorctl_up_and_guardian_are_gone(t
         process.kill()
         process.wait(10)
         assert engines_of(run_dir)  # nothing stops them by itself now
-        down = subprocess.run([sys.executable, "-m", "motorctl.cli", "down", "--run-dir", str(run_dir)], cwd=REPO_ROOT,
-                              capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO_ROOT))
+        down = subprocess.run(
+            [sys.executable, "-m", "motorctl.cli", "down", "--run-dir", str(run_dir)],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, PYTHONPATH=REPO_ROOT),
+        )
         assert down.returncode == 0, down.stderr
         assert "motor-controller" in down.stdout and "engine_server" in down.stdout, down.stdout
         assert_nothing_left(run_dir)
@@ -216,8 +247,11 @@ def test_motorctl_up_stops_the_engines_of_a_node_manager_that_died(tmp_path):
         assert len(node_manager) == 1
         orphans = {p.pid for p in engines_of(run_dir)}
         node_manager[0].kill()
-        wait_for(lambda: not node_manager[0].is_running() or node_manager[0].status() == psutil.STATUS_ZOMBIE,
-                 timeout=10, what="the node manager dead")  # a zombie until motorctl up reaps it
+        wait_for(
+            lambda: not node_manager[0].is_running() or node_manager[0].status() == psutil.STATUS_ZOMBIE,
+            timeout=10,
+            what="the node manager dead",
+        )  # a zombie until motorctl up reaps it
         assert {p.pid for p in engines_of(run_dir)} == orphans  # still running, re-parented
         process.send_signal(signal.SIGINT)
         output, errors = process.communicate(timeout=120)

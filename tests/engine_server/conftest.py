@@ -33,7 +33,9 @@ FAST_HEALTH_CHECK = {
 }
 
 
-def sim_config(role: str = "prefill", engine_args: dict | None = None, health: dict | None = None, **section: Any) -> dict:
+def sim_config(
+    role: str = "prefill", engine_args: dict | None = None, health: dict | None = None, **section: Any
+) -> dict:
     return {
         f"motor_engine_{role}_config": {
             "engine_type": "sim",

@@ -45,16 +45,33 @@ async def main() -> None:
     state = os.environ["FAKE_SGLANG_STATE"]
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     with open(os.path.join(state, "launch.json"), "w") as handle:
-        json.dump({"argv": sys.argv[1:], "pid": os.getpid(), "worker_pid": worker.pid,
-                   "pgid": os.getpgid(0), "ppid": os.getppid()}, handle)
+        json.dump(
+            {
+                "argv": sys.argv[1:],
+                "pid": os.getpid(),
+                "worker_pid": worker.pid,
+                "pgid": os.getpgid(0),
+                "ppid": os.getppid(),
+            },
+            handle,
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     if os.environ.get("FAKE_SGLANG_IGNORE_TERM") == "1":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     else:
         loop.add_signal_handler(signal.SIGTERM, stop.set)
-    engine = SimEngine(EngineOptions(role="union", instance_id="fake", dp_rank=0, host=args.host, port=args.port,
-                                     master_dp_ip=args.host, engine_args={"model": args.model_path, "utilization": 1}))
+    engine = SimEngine(
+        EngineOptions(
+            role="union",
+            instance_id="fake",
+            dp_rank=0,
+            host=args.host,
+            port=args.port,
+            master_dp_ip=args.host,
+            engine_args={"model": args.model_path, "utilization": 1},
+        )
+    )
     await engine.start()
     await stop.wait()
     await engine.shutdown()

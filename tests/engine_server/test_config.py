@@ -90,7 +90,11 @@ def test_bad_value_exits_2_naming_the_field(tmp_path, field, value, expected):
 
 @pytest.mark.processes
 def test_tls_file_that_cannot_be_read_is_named(tmp_path):
-    config = _set(GOOD, f"{P}.mgmt_tls_config", {"enable_tls": True, "cert_file": str(tmp_path / "no.pem"), "key_file": str(tmp_path / "no.key")})
+    config = _set(
+        GOOD,
+        f"{P}.mgmt_tls_config",
+        {"enable_tls": True, "cert_file": str(tmp_path / "no.pem"), "key_file": str(tmp_path / "no.key")},
+    )
     result = run_engine_server(tmp_path, config)
     assert result.returncode == 2
     assert f"{P}.mgmt_tls_config.cert_file: cannot read" in result.stderr
@@ -98,7 +102,11 @@ def test_tls_file_that_cannot_be_read_is_named(tmp_path):
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("{not json", "not valid JSON"), ("[1, 2]", "must be a JSON object"), ("{}", f"{P}: missing; the prefill role needs")],
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ("{}", f"{P}: missing; the prefill role needs"),
+    ],
 )
 @pytest.mark.processes
 def test_malformed_file_exits_2(tmp_path, text, expected):
@@ -177,7 +185,9 @@ def test_sections_of_other_components_are_set_aside_with_one_log_line(tmp_path, 
     name, section = load_section(str(path), "prefill")
     assert name == P and section.engine_type == "sim"
     lines = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
-    assert lines == [f"{path}: ignoring the sections of other components: motor_controller_config, motor_nodemanger_config"]
+    assert lines == [
+        f"{path}: ignoring the sections of other components: motor_controller_config, motor_nodemanger_config"
+    ]
     # The engine sections stay strict beside them.
     path.write_text(json.dumps(_set(mindie, f"{P}.drian_timeout", 1)))
     with pytest.raises(ConfigError, match=f"{P}.drian_timeout: Extra inputs are not permitted"):
@@ -208,8 +218,8 @@ def test_a_threshold_above_busy_utilization_is_a_warning_not_a_refusal(tmp_path,
 
 @pytest.mark.processes
 def test_an_engine_whose_threshold_turns_probing_off_is_never_probed(engine_server):
-    from tests.engine_server.conftest import sim_config
     from motor.v1 import types_pb2
+    from tests.engine_server.conftest import sim_config
 
     es = engine_server(sim_config(engine_args={"utilization": 1}, health={"npu_usage_threshold": 0}))
     es.wait_status(types_pb2.HEALTH_STATUS_NORMAL)

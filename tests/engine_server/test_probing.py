@@ -11,12 +11,12 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from motor.clock import SystemClock
-from motor.contract.user_config import HealthCheckConfig
 from engine_server.engines.base import UtilizationSampler, is_probe_request_id, probe_token
 from engine_server.metrics import EngineServerMetrics
 from engine_server.probing import HttpProbeClient, PeakSampler, ProbeFailed, Prober, probe_request
 from engine_server.status import Event, Health, HealthStateMachine
+from motor.clock import SystemClock
+from motor.contract.user_config import HealthCheckConfig
 from motor.ports import free_port
 
 SETTINGS = HealthCheckConfig(
@@ -352,7 +352,9 @@ async def test_a_probe_round_checks_health_first_and_does_not_probe_while_it_fai
     await prober.probe_once()
     await prober.probe_once()
     assert machine.state is Health.ABNORMAL and machine.reason == (
-        "3 consecutive health checks failed: GET /health failed: ClientConnectorError (probes wait until it answers 200)")
+        "3 consecutive health checks failed: GET /health failed: ClientConnectorError (probes wait until it answers "
+        "200)"
+    )
     health.problem = None
     client.fail = None
     assert (await prober.probe_once()).success and machine.state is Health.NORMAL

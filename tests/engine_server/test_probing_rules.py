@@ -18,7 +18,12 @@ from engine_server.probing import HttpProbeClient, PeakSampler, ProbeFailed
 from engine_server.status import Event, Health, HealthStateMachine, Transition
 from motor.ports import free_port
 from tests.engine_server.test_probing import (
-    NO_WAIT, SETTINGS, FixedSampler, ScriptedClient, make_prober, serve_completions,
+    NO_WAIT,
+    SETTINGS,
+    FixedSampler,
+    ScriptedClient,
+    make_prober,
+    serve_completions,
 )  # fmt: skip
 
 
@@ -33,6 +38,7 @@ class Clock:
 
 
 # ------------------------------------------------------------------ status machine
+
 
 def test_a_new_machine_is_init_alive_and_dated():
     clock = Clock(1234.5)
@@ -94,6 +100,7 @@ def test_abnormal_is_logged_as_a_warning_and_the_rest_as_info(caplog):
 
 
 # ------------------------------------------------------------------ one probe round
+
 
 async def test_a_record_says_when_it_was_sent_and_how_long_the_probe_took():
     prober, _, records = make_prober(FixedSampler(0))
@@ -188,6 +195,7 @@ async def test_a_round_longer_than_the_interval_starts_the_next_at_once():
 
 # ------------------------------------------------------------------ utilization peak
 
+
 async def test_samples_are_spaced_by_the_period_without_a_trailing_sleep():
     sleeps = []
 
@@ -220,6 +228,7 @@ async def test_a_broken_sampler_is_reported_once(caplog):
 
 
 # ------------------------------------------------------------------ the HTTP probe client
+
 
 @pytest.fixture
 async def completions():
@@ -296,4 +305,3 @@ async def test_the_client_can_be_closed_unused_and_probes_again_after_close(comp
     await client.close()
     await client.probe()  # a new session
     await client.close()
-

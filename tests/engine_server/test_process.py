@@ -118,7 +118,9 @@ def long_request(es, words: int) -> threading.Thread:
 
     def send():
         try:
-            answers.append(es.http("POST", "/v1/completions", {"prompt": "w " * words, "max_tokens": 2}, timeout=120)[0])
+            answers.append(
+                es.http("POST", "/v1/completions", {"prompt": "w " * words, "max_tokens": 2}, timeout=120)[0]
+            )
         except OSError as exc:  # the test ended (and killed the engine) first
             answers.append(exc)
 
@@ -189,7 +191,9 @@ def test_hang_inference_on_a_busy_reading_turns_abnormal(engine_server):
 
 
 def test_hung_engine_turns_abnormal_and_recovers(engine_server):
-    es = engine_server(sim_config(engine_args={"utilization": 1}, health={"max_failure_count": 2, "probe_timeout": 0.5}))
+    es = engine_server(
+        sim_config(engine_args={"utilization": 1}, health={"max_failure_count": 2, "probe_timeout": 0.5})
+    )
     es.wait_status(NORMAL)
     es.set_faults(hang=True)
     abnormal = es.wait_status(ABNORMAL, timeout=30)
@@ -227,7 +231,10 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(engine_server):
     os.kill(es.process.pid, signal.SIGTERM)
     wait_for(lambda: es.status().draining, timeout=10, what="the drain begun by SIGTERM")
     # From the start of the drain nothing new is admitted (a router sends it elsewhere).
-    for path, body in (("/v1/completions", {"prompt": "new"}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "new"}]})):
+    for path, body in (
+        ("/v1/completions", {"prompt": "new"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "new"}]}),
+    ):
         refused = refused_while_draining(es, path, body)
         assert refused.code == 503 and refused.headers["Retry-After"] == "1", path
         assert "draining" in json.loads(refused.read())["error"]["message"]
@@ -238,8 +245,11 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(engine_server):
 
 
 def refused_while_draining(es, path: str, body: dict) -> urllib.error.HTTPError:
-    request = urllib.request.Request(f"http://127.0.0.1:{es.port}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{es.port}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=10)
     return refused.value
@@ -249,7 +259,9 @@ def test_sigterm_gives_up_waiting_at_the_drain_timeout(engine_server):
     es = engine_server(sim_config(engine_args={"utilization": 1}, drain_timeout=0.5))
     es.wait_status(NORMAL)
     es.set_faults(hang=True)
-    threading.Thread(target=lambda: es.http("POST", "/v1/completions", {"prompt": "stuck"}, timeout=30), daemon=True).start()
+    threading.Thread(
+        target=lambda: es.http("POST", "/v1/completions", {"prompt": "stuck"}, timeout=30), daemon=True
+    ).start()
     wait_for(lambda: es.status().in_flight_requests == 1, timeout=10, what="the stuck request in flight")
     os.kill(es.process.pid, signal.SIGTERM)
     assert es.wait_exit(timeout=20) == 0

@@ -8,8 +8,8 @@ import json
 import aiohttp
 import pytest
 
-from engine_server.engines.base import EngineOptions
 from engine_server.engines import sim as sim_module
+from engine_server.engines.base import EngineOptions
 from engine_server.engines.sim import SimEngine
 from engine_server.probing import probe_request
 from motor.ports import free_port
@@ -52,9 +52,11 @@ async def test_answers_are_deterministic_and_openai_shaped(sim):
 async def test_streaming_gives_the_same_text(sim):
     _, session = sim
     _, whole = await post(session, "/v1/completions", {"prompt": "stream me", "max_tokens": 4})
-    async with session.post("/v1/completions", json={"prompt": "stream me", "max_tokens": 4, "stream": True}) as response:
+    async with session.post(
+        "/v1/completions", json={"prompt": "stream me", "max_tokens": 4, "stream": True}
+    ) as response:
         assert response.headers["Content-Type"].startswith("text/event-stream")
-        events = [line[len("data: "):] for line in (await response.text()).splitlines() if line.startswith("data: ")]
+        events = [line[len("data: ") :] for line in (await response.text()).splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     pieces = [json.loads(e)["choices"][0]["text"] for e in events[:-1]]
     assert "".join(pieces) == whole["choices"][0]["text"]
@@ -127,9 +129,17 @@ async def test_a_request_for_another_model_gets_vllms_404(sim):
     engine, session = sim
     status, body = await post(session, "/v1/completions", {"model": "llama-70b", "prompt": "hi", "max_tokens": 2})
     assert status == 404
-    assert body == {"error": {"message": "The model `llama-70b` does not exist. Valid aliases: tiny.",
-                              "type": "NotFoundError", "param": "model", "code": 404}}
-    status, _ = await post(session, "/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "x"}]})
+    assert body == {
+        "error": {
+            "message": "The model `llama-70b` does not exist. Valid aliases: tiny.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
+    status, _ = await post(
+        session, "/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "x"}]}
+    )
     assert status == 404
     status, body = await post(session, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})
     assert status == 200 and body["model"] == "tiny"
@@ -155,7 +165,9 @@ async def test_lora_adapters_load_and_unload_at_run_time_as_with_vllm(sim, tmp_p
     status, body = await post(session, "/v1/load_lora_adapter", {"lora_name": "tiny", "lora_path": str(adapter)})
     assert status == 400 and body["error"]["message"] == "The lora adapter 'tiny' conflicts with a served base model."
     status, body = await post(session, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path / "none")})
-    assert status == 404 and body["error"]["message"] == f"Loading lora x failed: No adapter found for {tmp_path / 'none'}"
+    assert (
+        status == 404 and body["error"]["message"] == f"Loading lora x failed: No adapter found for {tmp_path / 'none'}"
+    )
     async with session.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}) as reply:
         assert reply.status == 200
     status, body = await post(session, "/v1/unload_lora_adapter", {"lora_name": "sql"})

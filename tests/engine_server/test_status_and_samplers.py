@@ -75,7 +75,7 @@ def fake_npu_smi(tmp_path):
     sample = tmp_path / "sample.txt"
     sample.write_text(NPU_SMI_INFO)
     binary = tmp_path / "npu-smi"
-    binary.write_text(f"#!/bin/sh\n[ \"$1\" = info ] || exit 3\ncat {sample}\n")
+    binary.write_text(f'#!/bin/sh\n[ "$1" = info ] || exit 3\ncat {sample}\n')
     binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
     return binary
 
@@ -98,7 +98,9 @@ def test_visible_device_ids(monkeypatch):
 
 
 def _engine():
-    return SimEngine(EngineOptions(role="prefill", instance_id="p", dp_rank=0, host="127.0.0.1", port=1, master_dp_ip="x"))
+    return SimEngine(
+        EngineOptions(role="prefill", instance_id="p", dp_rank=0, host="127.0.0.1", port=1, master_dp_ip="x")
+    )
 
 
 def test_choose_sampler_prefers_the_engines_own_then_npu_smi_then_idle(monkeypatch, fake_npu_smi):

@@ -38,7 +38,9 @@ def test_a_stop_signal_leaves_stopped_with_code_0_naming_the_signal(engine_serve
 
 @pytest.mark.processes
 def test_engine_death_leaves_the_cause_first(engine_server, tmp_path):
-    es, path = start(engine_server, tmp_path, sim_config(engine_args={"utilization": 1, "faults": {"crash_after_s": 1.0}}))
+    es, path = start(
+        engine_server, tmp_path, sim_config(engine_args={"utilization": 1, "faults": {"crash_after_s": 1.0}})
+    )
     assert es.wait_exit() == 1
     message = read_termination_message(path)
     assert (message.exit_code, message.cause) == (1, "engine_died"), message

@@ -25,7 +25,7 @@ def _name(common_name: str) -> x509.Name:
 
 
 def _issue(subject: str, issuer_key, issuer_name, key, *, ca: bool, usage=None, sans=()):
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (
         x509.CertificateBuilder()
         .subject_name(_name(subject))
@@ -48,7 +48,9 @@ def _write(path, cert=None, key=None):
         path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     else:
         path.write_bytes(
-            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
         )
     return str(path)
 

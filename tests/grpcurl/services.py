@@ -25,7 +25,11 @@ class Service:
         self.log_path = os.path.join(log_dir, f"{name}.log")
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                argv, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                argv,
+                cwd=REPO_ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
 
@@ -42,7 +46,10 @@ class Service:
                 if self.process.poll() is not None:
                     raise AssertionError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
                 try:
-                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    if (
+                        stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                        == health_pb2.HealthCheckResponse.SERVING
+                    ):
                         return
                 except grpc.RpcError:
                     pass
@@ -67,9 +74,25 @@ def start_engine_server(log_dir: str, config_path: str = "examples/user_config.j
     """A standalone sim engine server (prefill-0 rank 0) on free ports; returns it and its mgmt address."""
     port, mgmt_port = free_port(), free_port()
     argv = [
-        os.path.join(BIN, "engine_server"), "--instance-id", "prefill-0", "--dp-rank", "0", "--role", "prefill",
-        "--host", "127.0.0.1", "--port", str(port), "--mgmt-port", str(mgmt_port), "--master-dp-ip", "127.0.0.1",
-        "--config-path", config_path, "--log-dir", log_dir,
+        os.path.join(BIN, "engine_server"),
+        "--instance-id",
+        "prefill-0",
+        "--dp-rank",
+        "0",
+        "--role",
+        "prefill",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--mgmt-port",
+        str(mgmt_port),
+        "--master-dp-ip",
+        "127.0.0.1",
+        "--config-path",
+        config_path,
+        "--log-dir",
+        log_dir,
     ]
     service = Service("engine_server", argv, log_dir)
     address = f"127.0.0.1:{mgmt_port}"
@@ -81,15 +104,29 @@ def start_engine_server(log_dir: str, config_path: str = "examples/user_config.j
     return service, address
 
 
-def start_node_manager(log_dir: str, node_id: str = "node-a", controller: str | None = None,
-                       port_range: str = "30000-30999") -> tuple[Service, str]:
+def start_node_manager(
+    log_dir: str, node_id: str = "node-a", controller: str | None = None, port_range: str = "30000-30999"
+) -> tuple[Service, str]:
     """A node manager on a free port, standalone unless `controller` is given."""
     address = f"127.0.0.1:{free_port()}"
     argv = [
-        os.path.join(BIN, "motor-node-manager"), "--node-id", node_id, "--listen", address,
-        "--state-dir", os.path.join(log_dir, node_id), "--accelerators", "0,1,2,3", "--accelerator-type", "sim",
-        "--port-range", port_range, "--engine-command", os.path.join(BIN, "engine_server"),
-        "--metrics-port", "0",  # tests run side by side: no fixed metrics port
+        os.path.join(BIN, "motor-node-manager"),
+        "--node-id",
+        node_id,
+        "--listen",
+        address,
+        "--state-dir",
+        os.path.join(log_dir, node_id),
+        "--accelerators",
+        "0,1,2,3",
+        "--accelerator-type",
+        "sim",
+        "--port-range",
+        port_range,
+        "--engine-command",
+        os.path.join(BIN, "engine_server"),
+        "--metrics-port",
+        "0",  # tests run side by side: no fixed metrics port
     ]
     if controller:
         argv += ["--controller", controller]

@@ -31,7 +31,10 @@ def _all_normal(stub) -> bool:
 @pytest.fixture(scope="module")
 def controller(tmp_path_factory):
     cluster = LocalCluster(
-        str(tmp_path_factory.mktemp("cluster")), nodes=2, controller_port=free_port(), heartbeat_interval=0.5,
+        str(tmp_path_factory.mktemp("cluster")),
+        nodes=2,
+        controller_port=free_port(),
+        heartbeat_interval=0.5,
         deployment_path=os.path.join(REPO_ROOT, "examples", "local-deployment.yaml"),
     )
     try:

@@ -20,6 +20,7 @@ def engine(tmp_path_factory):
     try:
         with grpc.insecure_channel(address) as channel:
             stub = engine_pb2_grpc.EngineServiceStub(channel)
+
             def serving():  # NORMAL, and virtual inference started (a moment after NORMAL)
                 status = stub.GetStatus(engine_pb2.GetStatusRequest(), timeout=2).status
                 return status.status == types_pb2.HEALTH_STATUS_NORMAL and status.probing

@@ -4,7 +4,8 @@ the tests run them.
 Each document is the one place the commands live: every ```console block between a
 `<!-- walkthrough: NAME -->` marker and the next marker is a step of section NAME (engine, node,
 controller). In a block, a line starting with "$ " is a command (a trailing backslash continues
-it, and a here-document `<<EOF` takes the lines up to EOF); the lines after it, up to the next command, are an excerpt of its output: each of them must
+it, and a here-document `<<EOF` takes the lines up to EOF); the lines after it, up to the next command, are an excerpt
+of its output: each of them must
 appear in the real output, in that order ("..." marks skipped lines and is not matched). A
 command whose excerpt shows "ERROR:" must fail (grpcurl's exit status is non-zero); any other
 must succeed. Commands run with bash in the repository root, with $ENGINE, $NODE and
@@ -113,8 +114,12 @@ def environment(addresses: dict[str, str]) -> dict[str, str]:
 def run_step(step: Step, addresses: dict[str, str], timeout: float = 60) -> str:
     """Run one documented command; fail with the command and its output when it differs."""
     result = subprocess.run(
-        ["bash", "-c", step.command], cwd=REPO_ROOT, env=environment(addresses),
-        capture_output=True, text=True, timeout=timeout,
+        ["bash", "-c", step.command],
+        cwd=REPO_ROOT,
+        env=environment(addresses),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     output = result.stdout + result.stderr
     where = f"{step.doc}:{step.line}: $ {step.command}\n(exit {result.returncode})\n{output}"
@@ -128,5 +133,7 @@ def run_step(step: Step, addresses: dict[str, str], timeout: float = 60) -> str:
         try:
             position = actual.index(expected, position) + 1
         except ValueError:
-            raise AssertionError(f"documented output line {expected!r} not found (in order) in the real output of\n{where}") from None
+            raise AssertionError(
+                f"documented output line {expected!r} not found (in order) in the real output of\n{where}"
+            ) from None
     return output

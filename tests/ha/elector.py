@@ -13,8 +13,8 @@ import sys
 import time
 
 from controller.ha.election import LeaderElection
-from controller.store.etcd_client import EtcdTarget, connect
 from controller.store.etcd import EtcdStore, Fenced
+from controller.store.etcd_client import EtcdTarget, connect
 
 
 def report(**fields) -> None:
@@ -26,7 +26,9 @@ async def main(endpoint: str, prefix: str, name: str, ttl: int) -> None:
     target = EtcdTarget(((host, int(port)),), prefix, request_timeout=1.0)
     client = connect(target)
     election = LeaderElection(client, prefix, address=name, ttl=ttl, renew_client=lambda: connect(target))
-    election.on_change(lambda role, leader, reason: report(role=role.value, epoch=leader.epoch if leader else 0, reason=reason))
+    election.on_change(
+        lambda role, leader, reason: report(role=role.value, epoch=leader.epoch if leader else 0, reason=reason)
+    )
     store = EtcdStore(client, prefix, fence=election.fence)
     await store.open()
     election.start()

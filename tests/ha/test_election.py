@@ -15,9 +15,9 @@ import time
 import pytest
 
 from controller.ha.election import LeaderElection, NotLeader, Role
+from controller.store.etcd import EtcdStore, Fenced
 from controller.store.etcd_client import EtcdTarget, connect
 from tests.ha.conftest import target_of
-from controller.store.etcd import EtcdStore, Fenced
 from tests.support import REPO_ROOT, async_wait_for, wait_for
 
 TTL = 2  # etcd's smallest lease with its default timing
@@ -25,7 +25,9 @@ TTL = 2  # etcd's smallest lease with its default timing
 
 def _election(etcd1, clients, prefix, address, **kwargs) -> LeaderElection:
     target = target_of(etcd1, prefix)
-    return LeaderElection(clients(etcd1, prefix), prefix, address, ttl=TTL, renew_client=lambda: connect(target), **kwargs)
+    return LeaderElection(
+        clients(etcd1, prefix), prefix, address, ttl=TTL, renew_client=lambda: connect(target), **kwargs
+    )
 
 
 async def _pair(etcd1, clients, prefix, **kwargs):
@@ -134,9 +136,15 @@ def test_sigstop_past_the_lease_then_sigcont_steps_down_and_writes_nothing(etcd1
     for name in ("a", "b"):
         logs[name] = str(tmp_path / f"{name}.log")
         with open(logs[name], "w") as out:
-            procs[name] = subprocess.Popen([sys.executable, "-m", "tests.ha.elector", endpoint, prefix, name, str(TTL)],
-                                           stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
+            procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "tests.ha.elector", endpoint, prefix, name, str(TTL)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=REPO_ROOT,
+                env=env,
+            )
     try:
+
         def leader_name():
             for name, path in logs.items():
                 roles = [line for line in _lines(path) if "role" in line]
@@ -146,19 +154,33 @@ def test_sigstop_past_the_lease_then_sigcont_steps_down_and_writes_nothing(etcd1
 
         paused = wait_for(leader_name, timeout=20, what="a leader among the two processes")
         other = "b" if paused == "a" else "a"
-        wait_for(lambda: any(line.get("write") == "ok" for line in _lines(logs[paused])), timeout=10, what="a first write")
+        wait_for(
+            lambda: any(line.get("write") == "ok" for line in _lines(logs[paused])), timeout=10, what="a first write"
+        )
         procs[paused].send_signal(signal.SIGSTOP)
-        wait_for(lambda: any(line.get("role") == "leader" for line in _lines(logs[other])), timeout=TTL * 3 + 5,
-                 what="the other process to lead while the leader is stopped")
-        wait_for(lambda: any(line.get("write") == "ok" for line in _lines(logs[other])), timeout=10, what="the new leader's write")
+        wait_for(
+            lambda: any(line.get("role") == "leader" for line in _lines(logs[other])),
+            timeout=TTL * 3 + 5,
+            what="the other process to lead while the leader is stopped",
+        )
+        wait_for(
+            lambda: any(line.get("write") == "ok" for line in _lines(logs[other])),
+            timeout=10,
+            what="the new leader's write",
+        )
         stopped_at = len(_lines(logs[paused]))
         procs[paused].send_signal(signal.SIGCONT)
-        wait_for(lambda: any(line.get("role") in ("standby", "candidate") for line in _lines(logs[paused])[stopped_at:]),
-                 timeout=10, what="the resumed process to step down")
+        wait_for(
+            lambda: any(line.get("role") in ("standby", "candidate") for line in _lines(logs[paused])[stopped_at:]),
+            timeout=10,
+            what="the resumed process to step down",
+        )
         leader_revision, ticks = asyncio.run(_read_ticks(etcd1, prefix))
         assert ticks[paused] < leader_revision, "a write of the deposed leader landed after the new leader was elected"
         assert ticks[other] > leader_revision
-        wait_for(lambda: _lines(logs[other])[-1].get("write") == "ok", timeout=10, what="the new leader to keep writing")
+        wait_for(
+            lambda: _lines(logs[other])[-1].get("write") == "ok", timeout=10, what="the new leader to keep writing"
+        )
     finally:
         for proc in procs.values():
             proc.send_signal(signal.SIGCONT)
@@ -171,7 +193,10 @@ async def _read_ticks(cluster, prefix):
     client = connect(EtcdTarget(((cluster.members[0].host, cluster.members[0].client_port),), prefix))
     try:
         leader = await client.get(f"{prefix}/election/leader".encode())
-        ticks = {name: (await client.get(f"{prefix}/state/instances/tick-{name}".encode())).mod_revision for name in ("a", "b")}
+        ticks = {
+            name: (await client.get(f"{prefix}/state/instances/tick-{name}".encode())).mod_revision
+            for name in ("a", "b")
+        }
         return leader.create_revision, ticks
     finally:
         await client.close()

@@ -8,8 +8,8 @@ import signal
 
 import pytest
 
-from controller.store.etcd import EtcdStore, Fenced
 from controller.store import SqliteStore, StoreChange, StoredNode
+from controller.store.etcd import EtcdStore, Fenced
 from tests.support import async_wait_for
 
 
@@ -60,14 +60,24 @@ async def test_sqlite_and_etcd_keep_the_same_state(tmp_path, etcd1, clients, pre
     fresh.close()
 
 
-async def test_a_big_deployment_change_lands_the_same_in_sqlite_and_etcd_without_holding_the_loop(tmp_path, etcd1, clients, prefix):
+async def test_a_big_deployment_change_lands_the_same_in_sqlite_and_etcd_without_holding_the_loop(
+    tmp_path, etcd1, clients, prefix
+):
     """StoreChange (ApplyDeployment of thousands of instances): SQLite writes it in a thread,
     etcd stages it in slices; both hold the same rows after, the loop ran meanwhile."""
-    first = StoreChange(b"\x0a\x03big", 1, instances=[(f"u-{n}", {"n": n}) for n in range(3000)],
-                        assignments=[(f"u-{n}/rank{r}", {"r": r}) for n in range(3000) for r in range(4)])
-    second = StoreChange(b"\x0a\x04big2", 2, deleted_instances=[f"u-{n}" for n in range(1000)],
-                         deleted_assignments=[f"u-{n}/rank{r}" for n in range(1000) for r in range(4)],
-                         instances=[("v-0", {"v": 0})])
+    first = StoreChange(
+        b"\x0a\x03big",
+        1,
+        instances=[(f"u-{n}", {"n": n}) for n in range(3000)],
+        assignments=[(f"u-{n}/rank{r}", {"r": r}) for n in range(3000) for r in range(4)],
+    )
+    second = StoreChange(
+        b"\x0a\x04big2",
+        2,
+        deleted_instances=[f"u-{n}" for n in range(1000)],
+        deleted_assignments=[f"u-{n}/rank{r}" for n in range(1000) for r in range(4)],
+        instances=[("v-0", {"v": 0})],
+    )
     ticks = 0
 
     async def ticker():
@@ -122,12 +132,17 @@ async def test_a_standby_follows_the_leaders_writes(etcd1, clients, prefix):
     try:
         _fill(leader)
         await leader.flush()
-        await async_wait_for(lambda: standby.load().instances == {"i1": {"restarts": 1, "window": [1.5]}},
-                             timeout=10, what="the standby's mirror to catch up")
+        await async_wait_for(
+            lambda: standby.load().instances == {"i1": {"restarts": 1, "window": [1.5]}},
+            timeout=10,
+            what="the standby's mirror to catch up",
+        )
         _check(standby.load())
         leader.delete_assignment("e1")
         await leader.flush()
-        await async_wait_for(lambda: standby.load().assignments == {}, timeout=10, what="the deletion to reach the standby")
+        await async_wait_for(
+            lambda: standby.load().assignments == {}, timeout=10, what="the deletion to reach the standby"
+        )
         assert f"{standby.root}assignments/e1" in seen
     finally:
         follower.cancel()

@@ -14,9 +14,9 @@ import pytest
 
 from controller.store.etcd_client import EtcdTarget, connect
 from motor.contract.deployment_file import load_deployment
+from motor.ports import free_port
 from motor.security.identity import Identity
 from motor.security.pki import CertificateAuthority
-from motor.ports import free_port
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from motorctl.etcd_cluster import EtcdCluster, EtcdTls
 from motorctl.up import _bin
@@ -61,17 +61,35 @@ def _leader_of(address: str, process: subprocess.Popen) -> controller_pb2.ListCo
             except grpc.RpcError:
                 return None
 
-        return wait_for(lambda: (r := answer()) and r.leader_address and r, timeout=30,
-                        what=f"a leader seen by {address}; its log:\n{_output(process)}")
+        return wait_for(
+            lambda: (r := answer()) and r.leader_address and r,
+            timeout=30,
+            what=f"a leader seen by {address}; its log:\n{_output(process)}",
+        )
 
 
 def _controller(tmp_path, etcd: EtcdCluster, *flags: str) -> tuple[subprocess.Popen, str]:
     address = f"127.0.0.1:{free_port()}"
     log = open(tmp_path / f"controller-{address.rsplit(':', 1)[1]}.log", "w+")
     process = subprocess.Popen(
-        [_bin("motor-controller"), "--listen", address, "--db", str(tmp_path / "unused.db"), "--store",
-         f"{etcd.url}/tls-test", "--etcd-startup-wait", "3", "--metrics-port", "0", *flags],
-        stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [
+            _bin("motor-controller"),
+            "--listen",
+            address,
+            "--db",
+            str(tmp_path / "unused.db"),
+            "--store",
+            f"{etcd.url}/tls-test",
+            "--etcd-startup-wait",
+            "3",
+            "--metrics-port",
+            "0",
+            *flags,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     process.log = log  # type: ignore[attr-defined]
     return process, address
@@ -83,17 +101,34 @@ def _output(process: subprocess.Popen) -> str:
 
 
 async def test_a_controller_leads_and_writes_over_mutual_tls(tmp_path, etcd_tls, pki):
-    process, address = _controller(tmp_path, etcd_tls, "--etcd-ca", f"{pki}/ca.crt",
-                                   "--etcd-cert", f"{pki}/controller.crt", "--etcd-key", f"{pki}/controller.key")
+    process, address = _controller(
+        tmp_path,
+        etcd_tls,
+        "--etcd-ca",
+        f"{pki}/ca.crt",
+        "--etcd-cert",
+        f"{pki}/controller.crt",
+        "--etcd-key",
+        f"{pki}/controller.key",
+    )
     try:
         reply = _leader_of(address, process)
         assert reply.leader_address == address and reply.store.startswith("etcds://127.0.0.1:")
         with grpc.insecure_channel(address) as channel:
             stub = controller_pb2_grpc.ControllerServiceStub(channel)
-            stub.ApplyDeployment(controller_pb2.ApplyDeploymentRequest(deployment=load_deployment(DEPLOYMENT)), timeout=10)
+            stub.ApplyDeployment(
+                controller_pb2.ApplyDeploymentRequest(deployment=load_deployment(DEPLOYMENT)), timeout=10
+            )
         member = etcd_tls.members[0]
-        client = connect(EtcdTarget(((member.host, member.client_port),), "/tls-test", f"{pki}/ca.crt",
-                                    f"{pki}/controller.crt", f"{pki}/controller.key"))
+        client = connect(
+            EtcdTarget(
+                ((member.host, member.client_port),),
+                "/tls-test",
+                f"{pki}/ca.crt",
+                f"{pki}/controller.crt",
+                f"{pki}/controller.key",
+            )
+        )
         try:
             stored = await client.get(b"/tls-test/state/deployments/local-sim")  # a deployment is kept under its name
             assert stored is not None and b"revision" in stored.value, "the deployment is in etcd"
@@ -104,12 +139,21 @@ async def test_a_controller_leads_and_writes_over_mutual_tls(tmp_path, etcd_tls,
         assert process.wait(30) == 0, _output(process)
 
 
-@pytest.mark.parametrize("flags, expected", [
-    ((), "if the members serve TLS, give --etcd-ca"),
-    (("--etcd-ca", "{pki}/ca.crt"), "refuse a caller without a client certificate: give --etcd-cert and --etcd-key"),
-    (("--etcd-ca", "{pki}/ca.crt", "--etcd-cert", "{pki}/stranger.crt", "--etcd-key", "{pki}/stranger.key"),
-     "a client certificate the members' --trusted-ca-file signed"),
-], ids=["plaintext", "no-client-certificate", "certificate-of-another-ca"])
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ((), "if the members serve TLS, give --etcd-ca"),
+        (
+            ("--etcd-ca", "{pki}/ca.crt"),
+            "refuse a caller without a client certificate: give --etcd-cert and --etcd-key",
+        ),
+        (
+            ("--etcd-ca", "{pki}/ca.crt", "--etcd-cert", "{pki}/stranger.crt", "--etcd-key", "{pki}/stranger.key"),
+            "a client certificate the members' --trusted-ca-file signed",
+        ),
+    ],
+    ids=["plaintext", "no-client-certificate", "certificate-of-another-ca"],
+)
 def test_a_controller_without_the_right_files_exits_naming_them(tmp_path, etcd_tls, pki, flags, expected):
     process, _ = _controller(tmp_path, etcd_tls, *(flag.format(pki=pki) for flag in flags))
     assert process.wait(60) == 2, _output(process)
@@ -125,7 +169,14 @@ def test_three_members_over_tls_one_name_checked(tmp_path, pki):
     _require_etcd()
     tls = EtcdTls(ca=f"{pki}/ca.crt", cert=f"{pki}/etcd.crt", key=f"{pki}/etcd.key")
     cluster = EtcdCluster(str(tmp_path / "etcd"), size=3, tls=tls).start()
-    client_files = ("--etcd-ca", f"{pki}/ca.crt", "--etcd-cert", f"{pki}/controller.crt", "--etcd-key", f"{pki}/controller.key")
+    client_files = (
+        "--etcd-ca",
+        f"{pki}/ca.crt",
+        "--etcd-cert",
+        f"{pki}/controller.crt",
+        "--etcd-key",
+        f"{pki}/controller.key",
+    )
     started = []
     try:
         by_default, first = _controller(tmp_path, cluster, *client_files)
@@ -152,7 +203,7 @@ def test_a_renewed_client_certificate_is_used_without_a_restart(tmp_path, pki):
     files of its start, and every reconnect past the expiry was refused for good."""
     _require_etcd()
     ca = CertificateAuthority.load(pki)
-    started = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=5)
+    started = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=5)
     short = ca.issue(Identity.parse("controller"), ["127.0.0.1"], days=25 / 86400, not_before=started)
     short.save(str(tmp_path), "client")
     expires = short.certificate.not_valid_after_utc.timestamp()
@@ -160,8 +211,16 @@ def test_a_renewed_client_certificate_is_used_without_a_restart(tmp_path, pki):
     cluster = EtcdCluster(str(tmp_path / "etcd"), size=1, tls=tls).start()
     process = None
     try:
-        process, address = _controller(tmp_path, cluster, "--etcd-ca", f"{pki}/ca.crt", "--etcd-cert",
-                                       str(tmp_path / "client.crt"), "--etcd-key", str(tmp_path / "client.key"))
+        process, address = _controller(
+            tmp_path,
+            cluster,
+            "--etcd-ca",
+            f"{pki}/ca.crt",
+            "--etcd-cert",
+            str(tmp_path / "client.crt"),
+            "--etcd-key",
+            str(tmp_path / "client.key"),
+        )
         assert _leader_of(address, process).leader_address == address
         renewed = tmp_path / "renewed"
         renewed.mkdir()
@@ -177,12 +236,17 @@ def test_a_renewed_client_certificate_is_used_without_a_restart(tmp_path, pki):
             try:
                 with grpc.insecure_channel(address) as channel:
                     controller_pb2_grpc.ControllerServiceStub(channel).ApplyDeployment(
-                        controller_pb2.ApplyDeploymentRequest(deployment=load_deployment(DEPLOYMENT)), timeout=5)
+                        controller_pb2.ApplyDeploymentRequest(deployment=load_deployment(DEPLOYMENT)), timeout=5
+                    )
                 return True
             except grpc.RpcError:
                 return False
 
-        wait_for(applied, timeout=60, what=f"an apply stored in etcd after the restart; the controller's log:\n{_output(process)}")
+        wait_for(
+            applied,
+            timeout=60,
+            what=f"an apply stored in etcd after the restart; the controller's log:\n{_output(process)}",
+        )
         assert "TLS certificate re-read from" in _output(process), _output(process)
     finally:
         if process is not None:

@@ -29,9 +29,17 @@ NODE_GRACE = 3.0
 def cluster(tmp_path_factory):
     _require_etcd()
     local = LocalCluster(
-        str(tmp_path_factory.mktemp("ha-cluster")), nodes=2, deployment_path=DEPLOYMENT, heartbeat_interval=0.5,
-        node_grace=NODE_GRACE, engine_port_base=35000, controller_port=free_port(), ha=True, etcd_members=3,
-        extra_controller_args=["--lease-ttl", str(TTL)], node_id_prefix="ha-node",
+        str(tmp_path_factory.mktemp("ha-cluster")),
+        nodes=2,
+        deployment_path=DEPLOYMENT,
+        heartbeat_interval=0.5,
+        node_grace=NODE_GRACE,
+        engine_port_base=35000,
+        controller_port=free_port(),
+        ha=True,
+        etcd_members=3,
+        extra_controller_args=["--lease-ttl", str(TTL)],
+        node_id_prefix="ha-node",
     )
     try:
         local.start(timeout=60)
@@ -82,9 +90,11 @@ def _all_normal(cluster) -> bool:
         return False
     instances = _stub(leader).ListInstances(controller_pb2.ListInstancesRequest(), timeout=5).instances
     engines = {e.engine_id: e for i in instances for e in i.engines}
-    return set(engines) == EXPECTED_ENGINES and all(
-        e.health == types_pb2.HEALTH_STATUS_NORMAL for e in engines.values()
-    ) and all(i.state == controller_pb2.INSTANCE_STATE_READY for i in instances)
+    return (
+        set(engines) == EXPECTED_ENGINES
+        and all(e.health == types_pb2.HEALTH_STATUS_NORMAL for e in engines.values())
+        and all(i.state == controller_pb2.INSTANCE_STATE_READY for i in instances)
+    )
 
 
 def _process_of(cluster, address: str):
@@ -139,8 +149,11 @@ def test_kill_9_of_the_leader_hands_over_without_touching_an_engine(cluster):
     # The killed controller comes back as a standby.
     cluster.launch_controller(index)
     cluster.wait_serving(old, 30)
-    wait_for(lambda: {c.address for c in _controllers(cluster).controllers} == set(cluster.controller_addresses),
-             timeout=20, what="both controllers listed again")
+    wait_for(
+        lambda: {c.address for c in _controllers(cluster).controllers} == set(cluster.controller_addresses),
+        timeout=20,
+        what="both controllers listed again",
+    )
     assert _leader(cluster) == new
 
 
@@ -152,15 +165,18 @@ def test_a_standby_refuses_changes_and_names_the_leader(cluster):
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert leader in refused.value.details()
     assert ("motor-leader", leader) in tuple(refused.value.trailing_metadata())
-    beat = controller_pb2.StreamHeartbeatsRequest(heartbeat=controller_pb2.HeartbeatRequest(node_id="ha-node-a", generation=1))
+    beat = controller_pb2.StreamHeartbeatsRequest(
+        heartbeat=controller_pb2.HeartbeatRequest(node_id="ha-node-a", generation=1)
+    )
     with pytest.raises(grpc.RpcError) as streamed:
         list(_stub(standby).StreamHeartbeats(iter([beat]), timeout=5))
     assert streamed.value.code() == grpc.StatusCode.UNAVAILABLE and leader in streamed.value.details()
     # Reads are answered by the standby from etcd.
     deployment = _stub(standby).GetDeployment(controller_pb2.GetDeploymentRequest(), timeout=5)
     assert deployment.deployment.name == "local-sim"
-    assert {i.instance_id for i in _stub(standby).ListInstances(controller_pb2.ListInstancesRequest(), timeout=5).instances} == {
-        "prefill-0", "decode-0"}
+    assert {
+        i.instance_id for i in _stub(standby).ListInstances(controller_pb2.ListInstancesRequest(), timeout=5).instances
+    } == {"prefill-0", "decode-0"}
 
 
 def test_node_managers_refuse_a_command_of_an_older_epoch(cluster):
@@ -171,7 +187,9 @@ def test_node_managers_refuse_a_command_of_an_older_epoch(cluster):
         stub = node_manager_pb2_grpc.NodeManagerServiceStub(channel)
         engine = stub.ListEngines(node_manager_pb2.ListEnginesRequest(), timeout=5).engines[0]
         with pytest.raises(grpc.RpcError) as refused:
-            stub.StopEngine(node_manager_pb2.StopEngineRequest(engine_id=engine.engine_id, controller_epoch=epoch - 1), timeout=5)
+            stub.StopEngine(
+                node_manager_pb2.StopEngineRequest(engine_id=engine.engine_id, controller_epoch=epoch - 1), timeout=5
+            )
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert f"epoch {epoch} leads now" in refused.value.details()
         after = stub.GetEngine(node_manager_pb2.GetEngineRequest(engine_id=engine.engine_id), timeout=5).engine
@@ -191,7 +209,11 @@ def test_sigstop_of_the_leader_past_its_lease_then_sigcont(cluster):
         # A stopped process still accepts connections (the kernel does): no confirmed death, the
         # standby waited for the lease to expire.
         recent = next(_stub(new).WatchEvents(controller_pb2.WatchEventsRequest(), timeout=5)).snapshot.recent_events
-        elected = [e.message for e in recent if e.type == controller_pb2.EVENT_TYPE_LEADER_CHANGED and f"(epoch {epoch + 1})" in e.message]
+        elected = [
+            e.message
+            for e in recent
+            if e.type == controller_pb2.EVENT_TYPE_LEADER_CHANGED and f"(epoch {epoch + 1})" in e.message
+        ]
         assert elected and all("lease expired" in m and "refused connections" not in m for m in elected), elected
         time.sleep(1.0)  # well past the old lease
     finally:
@@ -218,7 +240,8 @@ def test_one_etcd_member_lost_changes_nothing_and_quorum_lost_stops_only_the_act
     etcd = cluster.etcd
     etcd.kill_member(0)  # the member every client tries first
     apply = controller_pb2.ApplyDeploymentRequest(
-        deployment=_stub(leader).GetDeployment(controller_pb2.GetDeploymentRequest(), timeout=5).deployment)
+        deployment=_stub(leader).GetDeployment(controller_pb2.GetDeploymentRequest(), timeout=5).deployment
+    )
     wait_for(lambda: _stub(leader).ApplyDeployment(apply, timeout=5), timeout=20, what="a change with one member down")
     # ListControllers reads etcd: right after the member's death a read may still fail over.
     reply = wait_for(lambda: _controllers(cluster), timeout=20, what="the controllers answering with one member down")
@@ -229,8 +252,12 @@ def test_one_etcd_member_lost_changes_nothing_and_quorum_lost_stops_only_the_act
     for index in (1, 2):  # two of three members gone: no quorum
         etcd.signal_member(index, signal.SIGSTOP)
     try:
-        wait_for(lambda: _refused(leader, apply), timeout=TTL * 3 + 15, interval=0.5,
-                 what="changes refused while etcd has no quorum")
+        wait_for(
+            lambda: _refused(leader, apply),
+            timeout=TTL * 3 + 15,
+            interval=0.5,
+            what="changes refused while etcd has no quorum",
+        )
         assert _engines(cluster) == before, "engines changed while etcd had no quorum"
     finally:
         for index in (1, 2):
@@ -251,13 +278,20 @@ def test_sigterm_of_the_leader_resigns_before_its_port_closes(cluster):
     new = wait_for(lambda: _leader(cluster, exclude=old), timeout=TTL * 3 + 10, interval=0.05, what="a new leader")
     assert process.process.wait(30) == 0
     recent = next(_stub(new).WatchEvents(controller_pb2.WatchEventsRequest(), timeout=5)).snapshot.recent_events
-    elected = [e.message for e in recent if e.type == controller_pb2.EVENT_TYPE_LEADER_CHANGED and f"(epoch {epoch + 1})" in e.message]
+    elected = [
+        e.message
+        for e in recent
+        if e.type == controller_pb2.EVENT_TYPE_LEADER_CHANGED and f"(epoch {epoch + 1})" in e.message
+    ]
     assert elected and all("resigned" in m and "refused connections" not in m for m in elected), elected
     _nothing_restarted(cluster, before, "after the leader stopped")
     cluster.launch_controller(index)
     cluster.wait_serving(old, 30)
-    wait_for(lambda: _leader(cluster) == new and len(_controllers(cluster).controllers) == 2, timeout=20,
-             what="the restarted controller to stand by")
+    wait_for(
+        lambda: _leader(cluster) == new and len(_controllers(cluster).controllers) == 2,
+        timeout=20,
+        what="the restarted controller to stand by",
+    )
 
 
 def test_motorctl_follows_the_leader_from_a_standby(cluster):
@@ -265,11 +299,14 @@ def test_motorctl_follows_the_leader_from_a_standby(cluster):
     leader = _leader(cluster)
     standby = next(a for a in cluster.controller_addresses if a != leader)
     every = f"{standby},{leader}"
-    shown = subprocess.run([_bin("motorctl"), "--controller", every, "controllers"], capture_output=True, text=True, timeout=60)
+    shown = subprocess.run(
+        [_bin("motorctl"), "--controller", every, "controllers"], capture_output=True, text=True, timeout=60
+    )
     assert shown.returncode == 0, shown.stderr
     assert f"leader: {leader}" in shown.stdout and standby in shown.stdout
-    applied = subprocess.run([_bin("motorctl"), "--controller", every, "apply", "-f", DEPLOYMENT],
-                             capture_output=True, text=True, timeout=60)
+    applied = subprocess.run(
+        [_bin("motorctl"), "--controller", every, "apply", "-f", DEPLOYMENT], capture_output=True, text=True, timeout=60
+    )
     assert applied.returncode == 0, applied.stderr
     assert "deployment 'local-sim' applied" in applied.stdout
 
@@ -289,8 +326,11 @@ def test_both_controllers_killed_and_restarted_at_once(cluster):
     for address in cluster.controller_addresses:
         cluster.wait_serving(address, 30)
     # The old leader's key outlives it until its lease expires: wait for a newly elected one.
-    wait_for(lambda: (reply := _controllers(cluster)) and reply.leader_address and reply.epoch > epoch,
-             timeout=TTL * 3 + 20, what="a leader elected among the restarted controllers")
+    wait_for(
+        lambda: (reply := _controllers(cluster)) and reply.leader_address and reply.epoch > epoch,
+        timeout=TTL * 3 + 20,
+        what="a leader elected among the restarted controllers",
+    )
     _nothing_restarted(cluster, before, "after both controllers were restarted")
 
 
@@ -304,8 +344,12 @@ def test_etcd_restarted_with_its_data_loses_nothing_and_restarts_nothing(cluster
     etcd = cluster.etcd
     etcd.stop()
     try:
-        wait_for(lambda: _refused(leader, apply), timeout=TTL * 3 + 15, interval=0.5,
-                 what="changes refused while etcd is down")
+        wait_for(
+            lambda: _refused(leader, apply),
+            timeout=TTL * 3 + 15,
+            interval=0.5,
+            what="changes refused while etcd is down",
+        )
         assert _engines(cluster) == before, "engines changed while etcd was down"
     finally:
         for index in range(len(etcd.members)):

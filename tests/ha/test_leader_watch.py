@@ -10,11 +10,11 @@ import asyncio
 import pytest
 
 from controller.ha.election import LeaderElection, Role
-from controller.store.etcd_client import connect
-from controller.store.etcd import EtcdStore, Fenced
 from controller.ha.leader_watch import LeaderDeathWatch, refuses_connections
-from motor.service.grpc_server import MotorServer, aio_channel
+from controller.store.etcd import EtcdStore, Fenced
+from controller.store.etcd_client import connect
 from motor.ports import free_port
+from motor.service.grpc_server import MotorServer, aio_channel
 from tests.ha.conftest import target_of
 from tests.support import async_wait_for
 
@@ -28,10 +28,14 @@ async def _serving() -> tuple[MotorServer, str]:
 
 async def _pair(etcd1, clients, prefix, leader_address: str):
     target = target_of(etcd1, prefix)
-    first = LeaderElection(clients(etcd1, prefix), prefix, leader_address, ttl=TTL, renew_client=lambda: connect(target))
+    first = LeaderElection(
+        clients(etcd1, prefix), prefix, leader_address, ttl=TTL, renew_client=lambda: connect(target)
+    )
     first.start()
     await async_wait_for(first.is_leader, timeout=10, what="the first controller to lead")
-    second = LeaderElection(clients(etcd1, prefix), prefix, "127.0.0.1:1", ttl=TTL, renew_client=lambda: connect(target))
+    second = LeaderElection(
+        clients(etcd1, prefix), prefix, "127.0.0.1:1", ttl=TTL, renew_client=lambda: connect(target)
+    )
     second.start()
     await async_wait_for(lambda: second.role is Role.STANDBY, timeout=10, what="the second to see the leader")
     watch = LeaderDeathWatch(second, lambda address: aio_channel(address))
@@ -68,8 +72,11 @@ async def test_a_leader_whose_port_refuses_loses_its_lease_at_once(etcd1, client
         with pytest.raises(Fenced):
             await store.flush()
         store.close()
-        await async_wait_for(lambda: not first.is_leader() and first.role is not Role.LEADER, timeout=TTL * 2,
-                             what="the old leader to step down")
+        await async_wait_for(
+            lambda: not first.is_leader() and first.role is not Role.LEADER,
+            timeout=TTL * 2,
+            what="the old leader to step down",
+        )
     finally:
         await watch.stop()
         await second.stop()

@@ -10,15 +10,17 @@ from controller.cli import parse_config
 from controller.config import ControllerConfig
 from engine_server.cli import FLAGS as ENGINE_FLAGS
 from engine_server.cli import EngineServerArgs, build_parser
-from motor.service.cli_config import default_text, flag_name, settings_parser
 from motor.errors import ConfigError
+from motor.service.cli_config import default_text, flag_name, settings_parser
 from node_manager.cli import FLAGS as NODE_FLAGS
 from node_manager.cli import load_config, parser
 from node_manager.config import NodeManagerConfig
 
 
 def test_a_bad_flag_value_names_the_setting():
-    with pytest.raises(ConfigError, match=r"command line: heartbeat_interval: Input should be a valid number.*\(got 'abc'\)"):
+    with pytest.raises(
+        ConfigError, match=r"command line: heartbeat_interval: Input should be a valid number.*\(got 'abc'\)"
+    ):
         load_config(["--node-id", "n", "--heartbeat-interval", "abc"])
     with pytest.raises(ConfigError, match=r"command line: node_grace: Input should be greater than 0 \(got '0'\)"):
         parse_config(["--node-grace", "0"])
@@ -44,11 +46,18 @@ def test_flags_win_over_the_file_and_file_errors_name_file_and_setting(tmp_path)
         load_config(["--config", str(tmp_path / "absent.yaml")])
 
 
-@pytest.mark.parametrize("model, flags, make_parser", [
-    (NodeManagerConfig, NODE_FLAGS, parser),
-    (ControllerConfig, CONTROLLER_FLAGS, lambda: settings_parser("motor-controller", "", ControllerConfig, CONTROLLER_FLAGS)),
-    (EngineServerArgs, ENGINE_FLAGS, build_parser),
-])
+@pytest.mark.parametrize(
+    "model, flags, make_parser",
+    [
+        (NodeManagerConfig, NODE_FLAGS, parser),
+        (
+            ControllerConfig,
+            CONTROLLER_FLAGS,
+            lambda: settings_parser("motor-controller", "", ControllerConfig, CONTROLLER_FLAGS),
+        ),
+        (EngineServerArgs, ENGINE_FLAGS, build_parser),
+    ],
+)
 def test_help_shows_each_settings_real_default(model, flags, make_parser, monkeypatch):
     monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps to the terminal width
     help_text = " ".join(make_parser().format_help().split())

@@ -26,6 +26,7 @@ def test_survivors_are_frozen_and_cycles_among_them_reclaimed_after_a_thaw(monke
 
     def pauses(walk: str) -> float:
         return registry.get_sample_value("motor_gc_pause_seconds_count", {"walk": walk}) or 0.0
+
     try:
         # Installed: what was there is frozen, and the heap then is the baseline.
         assert gc.get_freeze_count() > 0 and tuning.baseline > 0 and not tuning.walking

@@ -7,8 +7,14 @@ import grpc
 import pytest
 
 from motor.leader import (
-    ELECTION_METADATA, ELECTION_PATIENCE, FOLLOW_RETRY_BASE, LEADER_METADATA, SUSPECT_FOR, ControllerAddresses,
-    backoff_delay, parse_addresses,
+    ELECTION_METADATA,
+    ELECTION_PATIENCE,
+    FOLLOW_RETRY_BASE,
+    LEADER_METADATA,
+    SUSPECT_FOR,
+    ControllerAddresses,
+    backoff_delay,
+    parse_addresses,
 )
 
 

@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from motor.errors import InvalidArgument
 from motor.contract.names import (
-    ID_RULE, check_instance_id, check_node_id, check_printable, enum_short_name, excerpt, parse_engine_id, parse_role,
+    ID_RULE,
+    check_instance_id,
+    check_node_id,
+    check_printable,
+    enum_short_name,
+    excerpt,
+    parse_engine_id,
+    parse_role,
     role_name,
 )  # fmt: skip
+from motor.errors import InvalidArgument
 from motor.v1 import types_pb2 as T
 
 
@@ -56,7 +63,10 @@ def test_anything_else_is_not_a_role(value, shown):
 
 def test_role_names():
     assert [role_name(r) for r in (T.ROLE_PREFILL, T.ROLE_DECODE, T.ROLE_UNION, T.ROLE_UNSPECIFIED)] == [
-        "prefill", "decode", "union", "unspecified"
+        "prefill",
+        "decode",
+        "union",
+        "unspecified",
     ]
 
 

@@ -9,18 +9,18 @@ import pathlib
 
 import pytest
 
+from controller.restart_policy import Policy, fill_defaults
 from motor.contract import pbtime
-from motor.errors import InvalidArgument, ResourceExhausted
 from motor.contract.exits import describe_exit, describe_returncode
+from motor.contract.names import check_id, check_instance_id, check_node_id, excerpt, parse_engine_id
+from motor.errors import InvalidArgument, ResourceExhausted
 from motor.service.fanout import FanOut
 from motor.service.logs import LOG_LEVELS, check_log_level
-from motor.contract.names import check_id, check_instance_id, check_node_id, excerpt, parse_engine_id
-from controller.restart_policy import Policy, fill_defaults
 from motor.service.tasks import TaskSet, cancel_and_wait, set_within
 from motor.v1 import controller_pb2
 
-
 # --- ids -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("good", ["node-a", "a", "0", "prefill-0", "x.y_z-1", "a" * 63])
 def test_valid_ids_pass_every_check(good):
@@ -64,6 +64,7 @@ def test_the_node_manager_config_uses_the_one_id_rule():
 
 # --- log levels ----------------------------------------------------------------------------
 
+
 def test_one_list_of_log_levels_everywhere():
     from controller.cli import parse_config
     from node_manager.cli import load_config
@@ -78,6 +79,7 @@ def test_one_list_of_log_levels_everywhere():
 
 # --- fan-out -------------------------------------------------------------------------------
 
+
 async def test_fanout_cuts_only_the_slow_subscriber_and_says_why():
     fanout: FanOut[int] = FanOut("WatchThings", limit=3)
     slow = fanout.subscribe(first=["snapshot"])
@@ -88,7 +90,9 @@ async def test_fanout_cuts_only_the_slow_subscriber_and_says_why():
         received.append(await fast.__anext__())  # the fast one keeps up
     assert received == [0, 1, 2, 3, 4]
     assert len(fanout) == 1  # the slow one was cut at once
-    with pytest.raises(ResourceExhausted, match=r"WatchThings: subscriber too slow: more than 3 messages queued; reconnect"):
+    with pytest.raises(
+        ResourceExhausted, match=r"WatchThings: subscriber too slow: more than 3 messages queued; reconnect"
+    ):
         await slow.__anext__()
     with pytest.raises(ResourceExhausted):  # and stays ended
         await slow.__anext__()
@@ -119,14 +123,21 @@ async def test_a_slow_watch_stream_ends_with_resource_exhausted_over_grpc():
             yield item
 
     handler = grpc.method_handlers_generic_handler(
-        "test.Fan", {"Watch": grpc.unary_stream_rpc_method_handler(stream, request_deserializer=bytes, response_serializer=lambda n: bytes([n]))}
+        "test.Fan",
+        {
+            "Watch": grpc.unary_stream_rpc_method_handler(
+                stream, request_deserializer=bytes, response_serializer=lambda n: bytes([n])
+            )
+        },
     )
     server = MotorServer("127.0.0.1:0")
     server.server.add_generic_rpc_handlers((handler,))
     port = await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = channel.unary_stream("/test.Fan/Watch", request_serializer=bytes, response_deserializer=bytes)(b"", timeout=30)
+            call = channel.unary_stream("/test.Fan/Watch", request_serializer=bytes, response_deserializer=bytes)(
+                b"", timeout=30
+            )
             while not len(fanout):  # the server has subscribed
                 await asyncio.sleep(0.01)
             for i in range(3):
@@ -142,6 +153,7 @@ async def test_a_slow_watch_stream_ends_with_resource_exhausted_over_grpc():
 
 # --- exits, time, restart policy, tasks ----------------------------------------------------
 
+
 def test_one_exit_description():
     assert describe_exit(signal=9) == "killed by signal 9 (SIGKILL)"
     assert describe_exit(exit_code=0) == "exited with code 0"
@@ -155,7 +167,7 @@ def test_protobuf_time_helpers_round_trip():
     assert pbtime.seconds(pbtime.duration(1.5)) == 1.5
     assert pbtime.duration(0.25).ToJsonString() == "0.250s"
     stamp = pbtime.timestamp(1_700_000_000.5)
-    assert stamp.ToDatetime(datetime.timezone.utc).timestamp() == 1_700_000_000.5
+    assert stamp.ToDatetime(datetime.UTC).timestamp() == 1_700_000_000.5
     assert pbtime.now().seconds > 1_700_000_000
 
 
@@ -248,8 +260,11 @@ def test_no_service_waits_with_asyncio_wait_for():
     """asyncio.wait_for drops a cancel that lands with its result on Python 3.11 (the CI hang
     above); the services use asyncio.timeout or motor.service.tasks.set_within instead."""
     root = pathlib.Path(__file__).resolve().parents[2]
-    offenders = [f"{path.relative_to(root)}:{number}"
-                 for package in ("motor", "controller", "node_manager", "engine_server", "motorctl")
-                 for path in sorted((root / package).rglob("*.py"))
-                 for number, line in enumerate(path.read_text().splitlines(), 1) if "asyncio.wait_for(" in line]
+    offenders = [
+        f"{path.relative_to(root)}:{number}"
+        for package in ("motor", "controller", "node_manager", "engine_server", "motorctl")
+        for path in sorted((root / package).rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "asyncio.wait_for(" in line
+    ]
     assert not offenders, f"use asyncio.timeout instead of asyncio.wait_for in {offenders}"

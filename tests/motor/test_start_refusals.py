@@ -13,11 +13,16 @@ def test_the_node_managers_refusals_are_recognised():
     assert kind(*as_sent(start_refusals.port_held("port", 21000, "a-0/rank0"))) is Refusal.HELD
     assert kind(*as_sent(start_refusals.wrong_node("node-c", "node-a"))) is Refusal.WRONG_NODE
     wrong = str(start_refusals.wrong_node("node-c", "node-a"))
-    assert wrong.startswith("node_id node-c: this address is node node-a's node manager") and "--advertise-address" in wrong
+    assert (
+        wrong.startswith("node_id node-c: this address is node node-a's node manager")
+        and "--advertise-address" in wrong
+    )
 
 
 def test_other_refusals_are_not():
-    assert kind("FAILED_PRECONDITION", "spec.port 21000 is already in use on 10.0.0.1") is None  # another process: a failure
+    assert (
+        kind("FAILED_PRECONDITION", "spec.port 21000 is already in use on 10.0.0.1") is None
+    )  # another process: a failure
     assert kind("FAILED_PRECONDITION", "engine u-0/rank0: generation 3 is older than generation 4") is None
     assert kind("FAILED_PRECONDITION", "spec.config_path '/x': no such file on node node-a") is None
     # The same words under another code, or not where the node manager puts them, are not these refusals.

@@ -22,15 +22,40 @@ BIN = os.path.dirname(sys.executable)
 
 
 def controller(tmp_path) -> tuple[list[str], str]:
-    return ([os.path.join(BIN, "motor-controller"), "--listen", "127.0.0.1:0", "--db", str(tmp_path / "controller.db"),
-             "--metrics-port", "0"], str(tmp_path / "controller.port"))
+    return (
+        [
+            os.path.join(BIN, "motor-controller"),
+            "--listen",
+            "127.0.0.1:0",
+            "--db",
+            str(tmp_path / "controller.db"),
+            "--metrics-port",
+            "0",
+        ],
+        str(tmp_path / "controller.port"),
+    )
 
 
 def node_manager(tmp_path) -> tuple[list[str], str]:
     # Nothing listens at its controller: it serves while it retries the registration.
-    return ([os.path.join(BIN, "motor-node-manager"), "--node-id", "node-h", "--listen", "127.0.0.1:0",
-             "--controller", f"127.0.0.1:{free_port()}", "--host", "127.0.0.1", "--state-dir", str(tmp_path),
-             "--metrics-port", "0"], str(tmp_path / "node_manager.port"))
+    return (
+        [
+            os.path.join(BIN, "motor-node-manager"),
+            "--node-id",
+            "node-h",
+            "--listen",
+            "127.0.0.1:0",
+            "--controller",
+            f"127.0.0.1:{free_port()}",
+            "--host",
+            "127.0.0.1",
+            "--state-dir",
+            str(tmp_path),
+            "--metrics-port",
+            "0",
+        ],
+        str(tmp_path / "node_manager.port"),
+    )
 
 
 @pytest.mark.parametrize("service", [controller, node_manager])
@@ -41,7 +66,9 @@ def test_a_stop_signal_stops_the_service_gracefully_and_says_which(tmp_path, ser
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_for(lambda: os.path.exists(port_file) or proc.poll() is not None, timeout=60, what="the service's port file")
+        wait_for(
+            lambda: os.path.exists(port_file) or proc.poll() is not None, timeout=60, what="the service's port file"
+        )
         assert proc.poll() is None, log_path.read_text()
         proc.send_signal(sig)
         for _ in range(5):  # more in quick succession: the stop goes on (they killed it once its loop closed)

@@ -46,12 +46,18 @@ def sim_config(role: str = "prefill", probe_interval: float = 0.3, max_failure_c
     return json.dumps({f"motor_engine_{role}_config": section})
 
 
-def spec(instance_id: str = "prefill-0", dp_rank: int = 0, role: int = types_pb2.ROLE_PREFILL,
-         config_json: str | None = None, **fields) -> types_pb2.EngineSpec:
+def spec(
+    instance_id: str = "prefill-0",
+    dp_rank: int = 0,
+    role: int = types_pb2.ROLE_PREFILL,
+    config_json: str | None = None,
+    **fields,
+) -> types_pb2.EngineSpec:
     if config_json is None and "config_path" not in fields:
         config_json = sim_config()
-    return types_pb2.EngineSpec(instance_id=instance_id, dp_rank=dp_rank, role=role,
-                                config_json=config_json or "", **fields)
+    return types_pb2.EngineSpec(
+        instance_id=instance_id, dp_rank=dp_rank, role=role, config_json=config_json or "", **fields
+    )
 
 
 def tokens_in(state_dir: str) -> list[str]:
@@ -95,7 +101,9 @@ class Node:
             engine = await self.get(engine_id)
             return engine if engine.state == state else None
 
-        return await async_wait_for(reached, timeout=timeout, what=f"{engine_id} in {types_pb2.EngineState.Name(state)}")
+        return await async_wait_for(
+            reached, timeout=timeout, what=f"{engine_id} in {types_pb2.EngineState.Name(state)}"
+        )
 
 
 @pytest.fixture
@@ -164,8 +172,13 @@ class FakeController(controller_pb2_grpc.ControllerServiceServicer):
         assignments = self.assignments
         if assignments is None:
             assignments = [(e.engine_id, e.spec.generation) for e in request.engines]
-        reply = controller_pb2.RegisterNodeResponse(generation=self.generation, replaced=self.replaced, controller_epoch=self.epoch,
-                                                    generation_limit=self.generation_limit, keep_unassigned=self.keep_unassigned)
+        reply = controller_pb2.RegisterNodeResponse(
+            generation=self.generation,
+            replaced=self.replaced,
+            controller_epoch=self.epoch,
+            generation_limit=self.generation_limit,
+            keep_unassigned=self.keep_unassigned,
+        )
         for engine_id, generation in assignments:
             reply.assignments.add(engine_id=engine_id, generation=generation)
         return reply
@@ -189,8 +202,9 @@ class FakeController(controller_pb2_grpc.ControllerServiceServicer):
             for engine_id in beat.removed_engine_ids:
                 held.pop(engine_id, None)
             held.update((e.engine_id, e) for e in beat.engines)
-            full = controller_pb2.HeartbeatRequest(node_id=beat.node_id, generation=beat.generation,
-                                                   engines=[held[k] for k in sorted(held)])
+            full = controller_pb2.HeartbeatRequest(
+                node_id=beat.node_id, generation=beat.generation, engines=[held[k] for k in sorted(held)]
+            )
             reply = await self.Heartbeat(full, context)
             reply.sequence = beat.sequence
             yield controller_pb2.StreamHeartbeatsResponse(heartbeat=reply)
@@ -204,8 +218,11 @@ class FakeController(controller_pb2_grpc.ControllerServiceServicer):
 async def fake_controller():
     controller = FakeController()
     server = MotorServer("127.0.0.1:0")
-    server.add(controller_pb2_grpc.add_ControllerServiceServicer_to_server, controller,
-               service_name(controller_pb2, "ControllerService"))
+    server.add(
+        controller_pb2_grpc.add_ControllerServiceServicer_to_server,
+        controller,
+        service_name(controller_pb2, "ControllerService"),
+    )
     port = await server.start()
     controller.address = f"127.0.0.1:{port}"
     controller.server = server
@@ -215,4 +232,3 @@ async def fake_controller():
 
 def alive(pid: int) -> bool:
     return processes.same_process(pid, None)
-

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
 
 from motor.processes import ExitStatus, TreeId
 from motor.v1 import engine_pb2, types_pb2
@@ -94,8 +94,13 @@ class FakeProcessOps:
         """A process started by `parent` (an engine core); it may leave the group or drop the token."""
         leader = self.procs[parent]
         pid = next(self._pids)
-        proc = FakeProcess(pid, self.clock.time(), leader.token if keep_token else "",
-                           pid if escape_group else leader.pgid, parent=parent)
+        proc = FakeProcess(
+            pid,
+            self.clock.time(),
+            leader.token if keep_token else "",
+            pid if escape_group else leader.pgid,
+            parent=parent,
+        )
         self.procs[pid] = proc
         return proc
 
@@ -136,8 +141,9 @@ class FakeProcessOps:
                     frontier.append(proc.pid)
         return found
 
-    def watch_exit(self, pid: int, on_exit: Callable[[ExitStatus], None], child: object | None,
-                   started: float | None) -> FakeWatch:
+    def watch_exit(
+        self, pid: int, on_exit: Callable[[ExitStatus], None], child: object | None, started: float | None
+    ) -> FakeWatch:
         watch = FakeWatch(pid, on_exit, child=child is not None)
         self.watches[pid] = watch
         if not self.same_process(pid, started):
@@ -146,9 +152,16 @@ class FakeProcessOps:
 
     def _tree(self, tree: TreeId, remembered) -> list[FakeProcess]:
         remembered = set(remembered)
-        found = [p for p in self.procs.values() if p.alive and (
-            (tree.pgid and p.pgid == tree.pgid) or (tree.token and p.token == tree.token)
-            or (p.pid, p.started) in remembered)]
+        found = [
+            p
+            for p in self.procs.values()
+            if p.alive
+            and (
+                (tree.pgid and p.pgid == tree.pgid)
+                or (tree.token and p.token == tree.token)
+                or (p.pid, p.started) in remembered
+            )
+        ]
         for proc in list(found):
             found += [self.procs[pid] for pid, _ in self.descendants(proc.pid) if self.procs[pid] not in found]
         return found
@@ -163,8 +176,9 @@ class FakeProcessOps:
             self.exit(proc.pid, ExitStatus(signal=9))
         return []
 
-    async def terminate_tree(self, tree: TreeId, exited: asyncio.Event, deadline: float,
-                             remembered=()) -> tuple[bool, list[int]]:
+    async def terminate_tree(
+        self, tree: TreeId, exited: asyncio.Event, deadline: float, remembered=()
+    ) -> tuple[bool, list[int]]:
         self.terminated.append(tree)
         await self.hold_terminate.wait()
         leader = self.procs[tree.pid]
@@ -233,9 +247,18 @@ class FakeNode:
     """A NodeManager on fakes, with one FakeEngine per engine id (kept across node-manager restarts)."""
 
     def __init__(self, state_dir: str, **overrides):
-        values = dict(node_id="node-f", state_dir=state_dir, host="127.0.0.1", accelerators=[0, 1],
-                      port_range="47000-47099", heartbeat_interval=0.5, status_timeout=0.5,
-                      abnormal_threshold=3, startup_grace=60, stop_deadline=5)
+        values = dict(
+            node_id="node-f",
+            state_dir=state_dir,
+            host="127.0.0.1",
+            accelerators=[0, 1],
+            port_range="47000-47099",
+            heartbeat_interval=0.5,
+            status_timeout=0.5,
+            abnormal_threshold=3,
+            startup_grace=60,
+            stop_deadline=5,
+        )
         values.update(overrides)
         self.config = NodeManagerConfig(**values)
         self.clock = FakeClock()
@@ -285,5 +308,10 @@ async def settle(condition: Callable[[], bool], turns: int = 10_000) -> None:
 
 
 def sim_spec(instance_id: str = "prefill-0", generation: int = 0, **fields) -> types_pb2.EngineSpec:
-    return types_pb2.EngineSpec(instance_id=instance_id, role=types_pb2.ROLE_PREFILL, generation=generation,
-                                config_json='{"motor_engine_prefill_config": {"engine_type": "sim"}}', **fields)
+    return types_pb2.EngineSpec(
+        instance_id=instance_id,
+        role=types_pb2.ROLE_PREFILL,
+        generation=generation,
+        config_json='{"motor_engine_prefill_config": {"engine_type": "sim"}}',
+        **fields,
+    )

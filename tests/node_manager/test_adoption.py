@@ -12,7 +12,11 @@ from motor.processes import ExitStatus
 from motor.v1 import types_pb2
 from tests.node_manager.fakes import NORMAL, FakeNode, FakeProcess, ended, settle, sim_spec
 
-STARTING, RUNNING, STOPPING = types_pb2.ENGINE_STATE_STARTING, types_pb2.ENGINE_STATE_RUNNING, types_pb2.ENGINE_STATE_STOPPING
+STARTING, RUNNING, STOPPING = (
+    types_pb2.ENGINE_STATE_STARTING,
+    types_pb2.ENGINE_STATE_RUNNING,
+    types_pb2.ENGINE_STATE_STOPPING,
+)
 STOPPED, FAILED = types_pb2.ENGINE_STATE_STOPPED, types_pb2.ENGINE_STATE_FAILED
 ENGINE = "prefill-0/rank0"
 

@@ -21,7 +21,9 @@ def test_replies_set_the_epoch_and_commands_teach_nothing():
     epoch.admit(2**63, "before any reply")  # a standalone node manager: nothing to compare with
     epoch.observe(5, generation_limit=100)
     for bogus in (2**63, 7):
-        with pytest.raises(Unavailable, match=rf"^controller_epoch {bogus} refused .*announced epoch 5; a leader of a later"):
+        with pytest.raises(
+            Unavailable, match=rf"^controller_epoch {bogus} refused .*announced epoch 5; a leader of a later"
+        ):
             epoch.admit(bogus, "StartEngine of x-0/rank0")
     with pytest.raises(FailedPrecondition, match="^controller_epoch 4 refused .*epoch 5 leads now"):
         epoch.admit(4, "StopEngine of x-0/rank0")
@@ -52,8 +54,16 @@ async def test_a_node_under_a_controller_refuses_bogus_commands_and_obeys_the_re
     node = await make_node(controller=fake_controller.address)
     await async_wait_for(lambda: fake_controller.heartbeats, timeout=10, what="a heartbeat")
     for request, code, field in (
-        (node_manager_pb2.StartEngineRequest(spec=spec(generation=2**63), controller_epoch=3), grpc.StatusCode.UNAVAILABLE, "spec.generation"),
-        (node_manager_pb2.StartEngineRequest(spec=spec(generation=5), controller_epoch=2**63), grpc.StatusCode.UNAVAILABLE, "controller_epoch"),
+        (
+            node_manager_pb2.StartEngineRequest(spec=spec(generation=2**63), controller_epoch=3),
+            grpc.StatusCode.UNAVAILABLE,
+            "spec.generation",
+        ),
+        (
+            node_manager_pb2.StartEngineRequest(spec=spec(generation=5), controller_epoch=2**63),
+            grpc.StatusCode.UNAVAILABLE,
+            "controller_epoch",
+        ),
     ):
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await node.stub.StartEngine(request)

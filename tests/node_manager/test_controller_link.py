@@ -11,11 +11,11 @@ import urllib.request
 import grpc
 import pytest
 
-from motor.service.grpc_server import MotorServer, TlsFiles, aio_channel, service_name
 from motor.ports import free_port
+from motor.service.grpc_server import MotorServer, TlsFiles, aio_channel, service_name
 from motor.v1 import controller_pb2, controller_pb2_grpc, engine_pb2, engine_pb2_grpc, types_pb2
-from tests.node_manager.conftest import alive, sim_config
 from motorctl.pki import make_dev_pki
+from tests.node_manager.conftest import alive, sim_config
 from tests.support import async_wait_for
 
 RUNNING, FAILED = types_pb2.ENGINE_STATE_RUNNING, types_pb2.ENGINE_STATE_FAILED
@@ -32,7 +32,8 @@ async def test_registers_heartbeats_and_registers_again_when_refused(make_node, 
     # Probes every 30 s: the engine's report (last_probe) then stays the same from beat to beat.
     await node.start(accelerator_ids=[1], config_json=sim_config(probe_interval=30))
     beats = await async_wait_for(
-        lambda: [h for h in fake_controller.heartbeats if h.engines and h.engines[0].state == RUNNING], timeout=30)
+        lambda: [h for h in fake_controller.heartbeats if h.engines and h.engines[0].state == RUNNING], timeout=30
+    )
     assert beats[0].generation == 1 and beats[0].engines[0].health == types_pb2.HEALTH_STATUS_NORMAL
     # On one StreamHeartbeats stream: a full list first, then deltas (empty while nothing changes).
     await async_wait_for(lambda: any(b.delta and not b.engines for b in fake_controller.streamed), timeout=10)
@@ -43,7 +44,9 @@ async def test_registers_heartbeats_and_registers_again_when_refused(make_node, 
     assert [e.engine_id for e in fake_controller.registrations[1].engines] == ["prefill-0/rank0"]
     await async_wait_for(lambda: fake_controller.heartbeats[-1].generation == 2, timeout=10)
     first_after = next(b for b in fake_controller.streamed if b.generation == 2)
-    assert not first_after.delta and [e.engine_id for e in first_after.engines] == ["prefill-0/rank0"]  # a new stream: full
+    assert not first_after.delta and [e.engine_id for e in first_after.engines] == [
+        "prefill-0/rank0"
+    ]  # a new stream: full
     assert (await node.get("prefill-0/rank0")).state == RUNNING
 
 
@@ -65,8 +68,11 @@ async def test_engines_keep_running_and_supervision_goes_on_while_the_controller
 
     # The controller comes back on the same address: heartbeats resume and carry the failure.
     server = MotorServer(f"127.0.0.1:{port}")
-    server.add(controller_pb2_grpc.add_ControllerServiceServicer_to_server, fake_controller,
-               service_name(controller_pb2, "ControllerService"))
+    server.add(
+        controller_pb2_grpc.add_ControllerServiceServicer_to_server,
+        fake_controller,
+        service_name(controller_pb2, "ControllerService"),
+    )
     await server.start()
     try:
         fake_controller.heartbeats.clear()
@@ -87,7 +93,9 @@ async def asyncio_sleep(seconds: float) -> None:
 async def test_engines_serve_the_nodes_certificate_and_only_its_manager_may_drain_them(make_node, tmp_path):
     pki = make_dev_pki(str(tmp_path / "pki"), ["node-a"])
     as_controller = TlsFiles(cert=pki.cert("controller"), key=pki.key("controller"), ca=pki.ca)
-    node = await make_node(tls_cert=pki.cert("node-a"), tls_key=pki.key("node-a"), tls_ca=pki.ca, client_tls=as_controller)
+    node = await make_node(
+        tls_cert=pki.cert("node-a"), tls_key=pki.key("node-a"), tls_ca=pki.ca, client_tls=as_controller
+    )
     engine = await node.start(config_json=sim_config())
     # NORMAL: the node manager's status calls went over mutual TLS with the node's certificate.
     running = await node.wait_state("prefill-0/rank0", RUNNING, timeout=30)
@@ -102,17 +110,26 @@ async def test_engines_serve_the_nodes_certificate_and_only_its_manager_may_drai
         assert (await stub.GetStatus(engine_pb2.GetStatusRequest(), timeout=10)).status.instance_id == "prefill-0"
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.Drain(engine_pb2.DrainRequest(), timeout=10)
-    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED and "needs role node-manager" in refused.value.details()
+    assert (
+        refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        and "needs role node-manager" in refused.value.details()
+    )
 
 
 async def test_a_request_cannot_choose_the_engines_tls_files(make_node):
     node = await make_node()
     config = json.loads(sim_config())
-    config["motor_engine_prefill_config"]["mgmt_tls_config"] = {"enable_tls": True, "cert_file": "/etc/ssl/private/x.pem"}
+    config["motor_engine_prefill_config"]["mgmt_tls_config"] = {
+        "enable_tls": True,
+        "cert_file": "/etc/ssl/private/x.pem",
+    }
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await node.start(config_json=json.dumps(config))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "spec.config_json.motor_engine_prefill_config.mgmt_tls_config: not accepted in a request" in refused.value.details()
+    assert (
+        "spec.config_json.motor_engine_prefill_config.mgmt_tls_config: not accepted in a request"
+        in refused.value.details()
+    )
 
 
 def scrape(port: int) -> str:

@@ -56,7 +56,9 @@ def stored_state(store, engine_id: str = ENGINE) -> str:
 
 
 def refused_writes(manager) -> float:
-    return manager.metrics.registry.get_sample_value("motor_node_manager_store_write_failures_total", {"node": manager.node_id})
+    return manager.metrics.registry.get_sample_value(
+        "motor_node_manager_store_write_failures_total", {"node": manager.node_id}
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -81,8 +83,11 @@ async def test_a_kill_on_a_full_disk_is_recorded_reported_and_stop_returns(make_
     assert "No space left on device" in refused.value.details() and "free space" in refused.value.details()
     assert "prefill-1/rank0" not in node.manager.records and len(node.manager.active_engines()) == 1
     # Every heartbeat says why while the disk refuses (the controller raises an ALARM event from it).
-    await async_wait_for(lambda: "No space left on device" in fake_controller.streamed[-1].store_failing, timeout=10,
-                         what="a heartbeat naming the full disk")
+    await async_wait_for(
+        lambda: "No space left on device" in fake_controller.streamed[-1].store_failing,
+        timeout=10,
+        what="a heartbeat naming the full disk",
+    )
 
     os.kill(engine.pid, signal.SIGKILL)
     failed = await node.wait_state(ENGINE, FAILED, timeout=10)
@@ -96,8 +101,11 @@ async def test_a_kill_on_a_full_disk_is_recorded_reported_and_stop_returns(make_
 
     free_disk(store)
     await async_wait_for(lambda: stored_state(store) == "FAILED", timeout=10, what="the FAILED record written")
-    await async_wait_for(lambda: fake_controller.streamed[-1].store_failing == "", timeout=10,
-                         what="a heartbeat saying the records are written again")
+    await async_wait_for(
+        lambda: fake_controller.streamed[-1].store_failing == "",
+        timeout=10,
+        what="a heartbeat saying the records are written again",
+    )
     started = await node.start(instance_id="prefill-1")
     assert started.engine_id == "prefill-1/rank0"
 
@@ -111,7 +119,9 @@ async def test_start_on_a_full_disk_launches_nothing(tmp_path):
     assert node.ops.launched == [] and node.manager.records == {} and refused_writes(node.manager) == 1
     assert "No space left on device" in node.manager.saver.failing
     free_disk(node.manager.store)
-    await async_wait_for(lambda: node.manager.saver.failing == "", timeout=10, what="the refused write check passing again")
+    await async_wait_for(
+        lambda: node.manager.saver.failing == "", timeout=10, what="the refused write check passing again"
+    )
     record = await node.manager.start_engine(sim_spec())
     assert record.state == types_pb2.ENGINE_STATE_STARTING and node.ops.launched
     await node.manager.close()
@@ -157,7 +167,9 @@ async def test_a_spell_shorter_than_a_heartbeat_still_reaches_the_next_one(tmp_p
     with pytest.raises(Unavailable):
         await node.manager.start_engine(sim_spec())
     free_disk(node.manager.store)
-    await async_wait_for(lambda: node.manager.saver.failing == "", timeout=10, what="the refused write check passing again")
+    await async_wait_for(
+        lambda: node.manager.saver.failing == "", timeout=10, what="the refused write check passing again"
+    )
     told = node.manager.saver.for_heartbeat()
     assert "No space left on device" in told and "(written again since)" in told
     assert node.manager.saver.for_heartbeat() == ""  # told once; the next beat ends the spell

@@ -5,12 +5,12 @@ Real node managers, real sim engine servers."""
 
 from __future__ import annotations
 
-import pytest
-
 import asyncio
 import json
 import os
 import urllib.request
+
+import pytest
 
 from motor.contract import pbtime
 from motor.service.grpc_server import aio_channel
@@ -80,7 +80,8 @@ async def test_a_drain_is_reported_to_the_controller_at_once(make_node, fake_con
     async with aio_channel(f"127.0.0.1:{engine.spec.mgmt_port}") as channel:
         drained = await engine_pb2_grpc.EngineServiceStub(channel).Drain(engine_pb2.DrainRequest(), timeout=10)
     assert drained.drained
-    report = await async_wait_for(lambda: [r for r in fake_controller.reports if r.engine.draining], timeout=10,
-                                  what="a report of the drain")
+    report = await async_wait_for(
+        lambda: [r for r in fake_controller.reports if r.engine.draining], timeout=10, what="a report of the drain"
+    )
     assert report[0].reason == "draining" and report[0].engine.state == RUNNING
     assert report[0].engine.health == types_pb2.HEALTH_STATUS_NORMAL  # draining, not sick: nothing restarts it

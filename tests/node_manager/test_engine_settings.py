@@ -21,7 +21,9 @@ from node_manager.cli import load_config
 from node_manager.engine import RUNNING
 from tests.support import require
 
-FAKE_SGLANG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine_server", "fake_sglang.py")
+FAKE_SGLANG = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine_server", "fake_sglang.py"
+)
 
 
 def _grpcurl() -> str:
@@ -39,8 +41,13 @@ def _varint(value: int) -> bytes:
 
 
 async def _list_services(mgmt_port: int) -> subprocess.CompletedProcess:
-    return await asyncio.to_thread(subprocess.run, [_grpcurl(), "-plaintext", f"127.0.0.1:{mgmt_port}", "list"],
-                                   capture_output=True, text=True, timeout=30)
+    return await asyncio.to_thread(
+        subprocess.run,
+        [_grpcurl(), "-plaintext", f"127.0.0.1:{mgmt_port}", "list"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 async def _running(node, **kwargs) -> types_pb2.Engine:
@@ -62,13 +69,17 @@ async def test_engines_get_the_node_managers_reflection_and_limits(make_node):
     address = f"127.0.0.1:{engine.spec.mgmt_port}"
 
     listed = await _list_services(engine.spec.mgmt_port)
-    assert listed.returncode != 0 and "does not support the reflection API" in listed.stderr, (listed.stdout, listed.stderr)
+    assert listed.returncode != 0 and "does not support the reflection API" in listed.stderr, (
+        listed.stdout,
+        listed.stderr,
+    )
 
     async with grpc.aio.insecure_channel(address) as channel:
         # A GetStatus carrying 100 kB in field 1000 (unknown to it): over the node manager's 64 KiB limit.
         oversized = _varint(1000 << 3 | 2) + _varint(100_000) + bytes(100_000)
-        get_status = channel.unary_unary("/motor.v1.EngineService/GetStatus",
-                                         response_deserializer=engine_pb2.GetStatusResponse.FromString)
+        get_status = channel.unary_unary(
+            "/motor.v1.EngineService/GetStatus", response_deserializer=engine_pb2.GetStatusResponse.FromString
+        )
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await get_status(oversized, timeout=10)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

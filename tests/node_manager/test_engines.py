@@ -36,8 +36,7 @@ async def test_start_reaches_running_and_stop_leaves_no_process(make_node):
     assert os.getpgid(engine.pid) == engine.pid  # its own process group
     running = await node.wait_state("prefill-0/rank0", RUNNING)
     assert running.health == types_pb2.HEALTH_STATUS_NORMAL
-    probed = await async_wait_for(
-        lambda: _with_probe(node), timeout=20, what="a probe result from WatchProbes")
+    probed = await async_wait_for(lambda: _with_probe(node), timeout=20, what="a probe result from WatchProbes")
     assert probed.last_probe.outcome == types_pb2.PROBE_OUTCOME_SUCCESS
 
     pids = tree_of(running)
@@ -96,7 +95,8 @@ async def test_sigkill_is_noticed_recorded_and_reported(make_node, fake_controll
     assert notice.reason == "engine server killed by signal 9 (SIGKILL); ending its process tree"
     assert failure.engine.state == FAILED and "SIGKILL" in failure.reason
     beat = await async_wait_for(
-        lambda: [h for h in fake_controller.heartbeats if h.engines and h.engines[0].state == FAILED], timeout=10)
+        lambda: [h for h in fake_controller.heartbeats if h.engines and h.engines[0].state == FAILED], timeout=10
+    )
     assert beat[0].node_id == "node-a"
 
 
@@ -155,8 +155,12 @@ async def test_short_pause_is_tolerated_and_a_hang_is_killed(make_node, fake_con
     # policy itself (the exact threshold, the bound in heartbeats) is tested on a fake clock in
     # test_kill_decision.py.
     interval, threshold = 0.5, 8
-    node = await make_node(controller=fake_controller.address, heartbeat_interval=interval,
-                           status_timeout=interval, abnormal_threshold=threshold)
+    node = await make_node(
+        controller=fake_controller.address,
+        heartbeat_interval=interval,
+        status_timeout=interval,
+        abnormal_threshold=threshold,
+    )
     engine = await node.start()
     await node.wait_state("prefill-0/rank0", RUNNING)
     # A short pause: stopped until two heartbeats went unanswered, then resumed. The margin to the
@@ -164,8 +168,9 @@ async def test_short_pause_is_tolerated_and_a_hang_is_killed(make_node, fake_con
     # SIGCONT, which may still fail.
     os.kill(engine.pid, signal.SIGSTOP)
     try:
-        paused = await async_wait_for(lambda: _consecutive_at_least(node, 2), timeout=30,
-                                      what="two unanswered heartbeats")
+        paused = await async_wait_for(
+            lambda: _consecutive_at_least(node, 2), timeout=30, what="two unanswered heartbeats"
+        )
     finally:
         os.kill(engine.pid, signal.SIGCONT)
     assert paused.state == RUNNING and paused.health_reason.startswith("no answer: GetStatus timed out")
@@ -176,7 +181,9 @@ async def test_short_pause_is_tolerated_and_a_hang_is_killed(make_node, fake_con
     # A hang: killed once `threshold` heartbeats in a row went unanswered (60 s only catches a hang).
     os.kill(engine.pid, signal.SIGSTOP)
     failed = await node.wait_state("prefill-0/rank0", FAILED, timeout=60)
-    assert failed.state_reason.startswith(f"killed after {threshold} abnormal heartbeats: no answer: GetStatus timed out")
+    assert failed.state_reason.startswith(
+        f"killed after {threshold} abnormal heartbeats: no answer: GetStatus timed out"
+    )
     assert failed.exit_signal == signal.SIGKILL and not alive(engine.pid)
     report = await async_wait_for(lambda: _failure_reports(fake_controller), timeout=10)
     assert report[0].reason == failed.state_reason
@@ -244,10 +251,16 @@ async def test_watch_engines_sends_a_snapshot_then_every_change(make_node):
         (dict(dp_rank=100000), grpc.StatusCode.INVALID_ARGUMENT, "spec.dp_rank"),
         (dict(accelerator_ids=[7]), grpc.StatusCode.FAILED_PRECONDITION, "not on node node-a"),
         (dict(accelerator_ids=[0]), grpc.StatusCode.FAILED_PRECONDITION, "in use by ['prefill-0/rank0']"),
-        (dict(config_json="", config_path="/etc/passwd"), grpc.StatusCode.INVALID_ARGUMENT,
-         "a request may name only files under the node's state directory"),
-        (dict(config_json="", config_path="{state_dir}/missing.json"), grpc.StatusCode.FAILED_PRECONDITION,
-         "no such file"),
+        (
+            dict(config_json="", config_path="/etc/passwd"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "a request may name only files under the node's state directory",
+        ),
+        (
+            dict(config_json="", config_path="{state_dir}/missing.json"),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "no such file",
+        ),
         (dict(config_json="{not json"), grpc.StatusCode.INVALID_ARGUMENT, "spec.config_json"),
         (dict(port=70000), grpc.StatusCode.INVALID_ARGUMENT, "spec.port"),
         (dict(port="busy"), grpc.StatusCode.FAILED_PRECONDITION, "already in use"),
@@ -277,14 +290,27 @@ async def test_bad_start_requests_get_clear_errors_and_disturb_nothing(make_node
     engine = await node.get("prefill-0/rank0")
     assert engine.pid == running.pid and alive(running.pid)
     assert [e.engine_id for e in (await node.stub.ListEngines(node_manager_pb2.ListEnginesRequest())).engines] == [
-        "prefill-0/rank0"]
+        "prefill-0/rank0"
+    ]
 
 
-@pytest.mark.parametrize("content, words", [
-    (json.dumps({"motor_engine_prefill_config": {"engine_type": "sglang", "engine_args": {"launcher": ["/bin/sh", "-c", "id"]}}}),
-     "spec.config_path.motor_engine_prefill_config.engine_args.launcher: names"),
-    ("not json", "spec.config_path is not a JSON object"),
-])
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (
+            json.dumps(
+                {
+                    "motor_engine_prefill_config": {
+                        "engine_type": "sglang",
+                        "engine_args": {"launcher": ["/bin/sh", "-c", "id"]},
+                    }
+                }
+            ),
+            "spec.config_path.motor_engine_prefill_config.engine_args.launcher: names",
+        ),
+        ("not json", "spec.config_path is not a JSON object"),
+    ],
+)
 async def test_a_config_path_file_is_checked_like_config_json(make_node, content, words):
     """A file in the state directory (where engine logs and records live too) is held to the
     rules a request's config_json is: no key that chooses a program, JSON only."""
@@ -294,7 +320,9 @@ async def test_a_config_path_file_is_checked_like_config_json(make_node, content
         handle.write(content)
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await node.stub.StartEngine(node_manager_pb2.StartEngineRequest(spec=spec(config_json="", config_path=path)))
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error.value.details().startswith(words), error.value.details()
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error.value.details().startswith(words), (
+        error.value.details()
+    )
     assert not (await node.stub.ListEngines(node_manager_pb2.ListEnginesRequest())).engines
 
 
@@ -305,17 +333,24 @@ async def test_bad_stop_and_get_requests(make_node):
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and "not known on node node-a" in unknown.value.details()
     with pytest.raises(grpc.aio.AioRpcError) as malformed:
         await node.get("no-rank")
-    assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "<instance_id>/rank<dp_rank>" in malformed.value.details()
+    assert (
+        malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "<instance_id>/rank<dp_rank>" in malformed.value.details()
+    )
 
 
 @pytest.mark.processes
 async def test_config_path_given_is_passed_and_the_engine_runs_in_its_own_directory(make_node, tmp_path, monkeypatch):
     node = await make_node()
-    (tmp_path / "node-a" / "user_config.json").write_text(sim_config("decode"))  # a file the node's admin put in its state dir
+    (tmp_path / "node-a" / "user_config.json").write_text(
+        sim_config("decode")
+    )  # a file the node's admin put in its state dir
     monkeypatch.chdir(tmp_path / "node-a")  # a relative path, as a user types it
     engine = await node.start(instance_id="decode-0", role=types_pb2.ROLE_DECODE, config_path="user_config.json")
     assert engine.spec.config_path == str(tmp_path / "node-a" / "user_config.json")
-    assert "--config-path " + str(tmp_path / "node-a" / "user_config.json") in " ".join(psutil.Process(engine.pid).cmdline())
+    assert "--config-path " + str(tmp_path / "node-a" / "user_config.json") in " ".join(
+        psutil.Process(engine.pid).cmdline()
+    )
     assert psutil.Process(engine.pid).cwd() == str(tmp_path / "node-a" / "engines" / "decode-0_rank0")
     again = await node.start(instance_id="decode-0", role=types_pb2.ROLE_DECODE, config_path="user_config.json")
     assert again.pid == engine.pid
@@ -342,8 +377,11 @@ async def test_stop_kills_children_that_ignore_sigterm_after_the_deadline(make_n
                 return [int(v) for v in line.split()[1:]]
 
     (child,) = await async_wait_for(children, timeout=20, what="the test engine's child")
-    await async_wait_for(lambda: "child-ready" in open(engine.log_path, encoding="utf-8").read().splitlines(),
-                         timeout=20, what="the child ignoring SIGTERM")
+    await async_wait_for(
+        lambda: "child-ready" in open(engine.log_path, encoding="utf-8").read().splitlines(),
+        timeout=20,
+        what="the child ignoring SIGTERM",
+    )
     stopped = await node.stop("prefill-0/rank0", deadline=duration(1.0))
     assert stopped.state == STOPPED and "SIGKILL after the 1s deadline" in stopped.state_reason
     assert stopped.exit_signal == signal.SIGTERM  # the engine server itself went on SIGTERM

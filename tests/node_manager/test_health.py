@@ -24,8 +24,9 @@ def test_threshold_of_consecutive_abnormal_kills_and_normal_resets():
         assert not judge.judge(None, "GetStatus timed out after 1s", 20).kill
     verdict = judge.judge(ABNORMAL, "", 20)
     assert verdict.kill
-    assert judge.kill_reason() == ("killed after 3 abnormal heartbeats: no answer: GetStatus timed out after 1s x2; "
-                                   "ABNORMAL: probe failed x3")
+    assert judge.kill_reason() == (
+        "killed after 3 abnormal heartbeats: no answer: GetStatus timed out after 1s x2; ABNORMAL: probe failed x3"
+    )
 
 
 def test_init_and_silence_allowed_during_the_startup_grace_only():

@@ -41,7 +41,12 @@ def counted(health: int, reason: str) -> Verdict:
         (answer(INIT, "loading"), "", 11, counted(INIT, "still INIT after the 10s start-up grace: loading")),
         (answer(ABNORMAL, "probe failed x3"), "", 20, counted(ABNORMAL, "ABNORMAL: probe failed x3")),
         (answer(ABNORMAL), "", 20, counted(ABNORMAL, "ABNORMAL: no reason given")),
-        (answer(7, "from a newer engine server"), "", 20, counted(UNKNOWN, "unknown status 7: from a newer engine server")),
+        (
+            answer(7, "from a newer engine server"),
+            "",
+            20,
+            counted(UNKNOWN, "unknown status 7: from a newer engine server"),
+        ),
         (None, "GetStatus timed out after 1s", 5, counted(UNKNOWN, "no answer: GetStatus timed out after 1s")),
     ],
 )
@@ -70,7 +75,13 @@ def test_the_threshold_kills_and_keeps_the_last_reasons():
     judge = answered_judge()
     verdicts = [judge.judge(answer(ABNORMAL, f"r{i}"), "", 20) for i in range(4)]
     assert [v.kill for v in verdicts] == [False, False, True, True]
-    assert verdicts[2] == Verdict(ABNORMAL, "ABNORMAL: r2", counted=True, kill=True, consecutive=3, kill_reason=(
-        "killed after 3 abnormal heartbeats: ABNORMAL: r0; ABNORMAL: r1; ABNORMAL: r2"))
+    assert verdicts[2] == Verdict(
+        ABNORMAL,
+        "ABNORMAL: r2",
+        counted=True,
+        kill=True,
+        consecutive=3,
+        kill_reason=("killed after 3 abnormal heartbeats: ABNORMAL: r0; ABNORMAL: r1; ABNORMAL: r2"),
+    )
     assert judge.reasons == ["ABNORMAL: r1", "ABNORMAL: r2", "ABNORMAL: r3"]
     assert judge.kill_reason() == "killed after 4 abnormal heartbeats: ABNORMAL: r1; ABNORMAL: r2; ABNORMAL: r3"

@@ -20,7 +20,8 @@ class SlowController(controller_pb2_grpc.ControllerServiceServicer):
         async for request in requests:
             await asyncio.sleep(1.0)
             yield controller_pb2.StreamHeartbeatsResponse(
-                heartbeat=controller_pb2.HeartbeatResponse(sequence=request.heartbeat.sequence))
+                heartbeat=controller_pb2.HeartbeatResponse(sequence=request.heartbeat.sequence)
+            )
 
 
 @pytest.fixture

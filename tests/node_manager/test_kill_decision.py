@@ -15,7 +15,11 @@ from node_manager.engine import Ending
 from node_manager.health import Verdict
 from tests.node_manager.fakes import ABNORMAL, INIT, NORMAL, TIMED_OUT, FakeNode, ended, settle, sim_spec
 
-STARTING, RUNNING, FAILED = types_pb2.ENGINE_STATE_STARTING, types_pb2.ENGINE_STATE_RUNNING, types_pb2.ENGINE_STATE_FAILED
+STARTING, RUNNING, FAILED = (
+    types_pb2.ENGINE_STATE_STARTING,
+    types_pb2.ENGINE_STATE_RUNNING,
+    types_pb2.ENGINE_STATE_FAILED,
+)
 
 
 @pytest.fixture
@@ -85,8 +89,9 @@ async def test_a_short_pause_is_tolerated_and_the_count_restarts_after_it(make_f
     await node.answer(TIMED_OUT)
     await node.answer(ABNORMAL)
     await ended(record)
-    assert record.state_reason == ("killed after 3 abnormal heartbeats: ABNORMAL: probe failed; "
-                                   f"no answer: {TIMED_OUT}; ABNORMAL: probe failed")
+    assert record.state_reason == (
+        f"killed after 3 abnormal heartbeats: ABNORMAL: probe failed; no answer: {TIMED_OUT}; ABNORMAL: probe failed"
+    )
 
 
 async def test_silence_and_init_are_allowed_during_the_startup_grace_then_count(make_fake_node):
@@ -144,8 +149,14 @@ async def test_the_probe_stream_marks_running_and_makes_an_older_failed_call_sta
 async def test_only_the_manager_kills_and_never_over_a_stop_or_a_known_exit(make_fake_node):
     node = make_fake_node(abnormal_threshold=3)
     record = await running_engine(node)
-    verdict = Verdict(types_pb2.HEALTH_STATUS_UNSPECIFIED, "no answer", counted=True, kill=True,
-                      consecutive=3, kill_reason="killed after 3 abnormal heartbeats: no answer")
+    verdict = Verdict(
+        types_pb2.HEALTH_STATUS_UNSPECIFIED,
+        "no answer",
+        counted=True,
+        kill=True,
+        consecutive=3,
+        kill_reason="killed after 3 abnormal heartbeats: no answer",
+    )
     record.ending = Ending.STOP  # a stop is under way
     node.manager.on_verdict(record, verdict, changed=True)
     assert node.ops.kills == [] and record.state == RUNNING

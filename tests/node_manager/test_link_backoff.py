@@ -85,9 +85,16 @@ class ScriptedChannel:
 async def link(tmp_path):
     node = FakeNode(str(tmp_path / "node"))
     await node.manager.start()
-    link = ControllerLink(node.manager, "127.0.0.1:1", controller_pb2.NodeInfo(node_id="node-f"),
-                          interval=INTERVAL, max_backoff=MAX_BACKOFF, clock=node.clock, stream_heartbeats=False,
-                          phase=0.0)
+    link = ControllerLink(
+        node.manager,
+        "127.0.0.1:1",
+        controller_pb2.NodeInfo(node_id="node-f"),
+        interval=INTERVAL,
+        max_backoff=MAX_BACKOFF,
+        clock=node.clock,
+        stream_heartbeats=False,
+        phase=0.0,
+    )
     link.channels[link.address] = ScriptedChannel(ScriptedController(node.clock))
     task = None
 
@@ -121,15 +128,15 @@ async def test_heartbeats_back_off_with_jitter_while_the_controller_fails_then_r
     assert gaps(beats[:3]) == [INTERVAL, INTERVAL]  # every interval while all is well
     # beats[2] was the last good one; beats[3..3+failures-1] failed; after failure k the next
     # attempt waits a random time below an exponentially growing bound, capped.
-    waits = gaps(beats[3:3 + failures + 1])
-    bounds = [min(MAX_BACKOFF, INTERVAL / 2 * 2 ** k) for k in range(failures)]
+    waits = gaps(beats[3 : 3 + failures + 1])
+    bounds = [min(MAX_BACKOFF, INTERVAL / 2 * 2**k) for k in range(failures)]
     assert all(0 <= wait <= bound for wait, bound in zip(waits, bounds)), list(zip(waits, bounds))
     assert waits[0] < INTERVAL  # a blip is retried sooner than the next heartbeat would be
     assert max(waits[4:]) > 2 * INTERVAL  # a long outage is not hammered at the heartbeat rate
     assert len(set(waits[4:])) == len(waits[4:])  # jitter: nodes do not retry in step
     # Back: on its grid again (phase 0: whole seconds), the first within an interval of the
     # retry that got through, with no new registration (the node's generation still holds).
-    resumed = beats[3 + failures:]
+    resumed = beats[3 + failures :]
     assert 0 < resumed[1] - resumed[0] <= INTERVAL and gaps(resumed[1:]) == [INTERVAL] * 2
     assert all(at == round(at) for at in resumed[1:]), resumed
     assert len(controller.times("RegisterNode")) == 1
@@ -167,7 +174,7 @@ async def test_registration_waits_for_the_controller_with_backoff_and_jitter(lin
     attempts = controller.times("RegisterNode")
     assert len(attempts) == 9 and link.generation == 1
     waits = gaps(attempts)
-    bounds = [min(MAX_BACKOFF, min(INTERVAL, 1.0) / 2 * 2 ** k) for k in range(8)]
+    bounds = [min(MAX_BACKOFF, min(INTERVAL, 1.0) / 2 * 2**k) for k in range(8)]
     assert all(0 <= wait <= bound for wait, bound in zip(waits, bounds)), list(zip(waits, bounds))
     assert max(waits) > INTERVAL and len(set(waits)) == len(waits)
 
@@ -225,8 +232,15 @@ async def test_beats_fall_on_the_nodes_own_grid_so_nodes_started_at_once_beat_sp
     controllers, tasks = [], []
     for node, phase in zip(nodes, (0.25, 0.75)):
         await node.manager.start()
-        link = ControllerLink(node.manager, "127.0.0.1:1", controller_pb2.NodeInfo(node_id=f"node-{phase}"),
-                              interval=INTERVAL, clock=node.clock, stream_heartbeats=False, phase=phase)
+        link = ControllerLink(
+            node.manager,
+            "127.0.0.1:1",
+            controller_pb2.NodeInfo(node_id=f"node-{phase}"),
+            interval=INTERVAL,
+            clock=node.clock,
+            stream_heartbeats=False,
+            phase=phase,
+        )
         link.channels[link.address] = ScriptedChannel(ScriptedController(node.clock))
         controllers.append(link.stub)
         tasks.append(asyncio.get_running_loop().create_task(link.run()))
@@ -254,8 +268,9 @@ async def test_beats_fall_on_the_nodes_own_grid_so_nodes_started_at_once_beat_sp
 
     drawn = []
     for _ in range(3):
-        link = ControllerLink(node.manager, "127.0.0.1:1", controller_pb2.NodeInfo(node_id="node-x"),
-                              interval=INTERVAL, clock=node.clock)
+        link = ControllerLink(
+            node.manager, "127.0.0.1:1", controller_pb2.NodeInfo(node_id="node-x"), interval=INTERVAL, clock=node.clock
+        )
         drawn.append(link.phase)
         await link.channels[link.address].close()
     for node in nodes:

@@ -102,7 +102,10 @@ async def test_each_verdict_is_written_on_the_record_and_told_with_whether_it_ch
         (types_pb2.HEALTH_STATUS_ABNORMAL, "ABNORMAL: probe failed", True),
     ]
     assert (w.record.health, w.record.health_reason, w.record.consecutive_abnormal) == (
-        types_pb2.HEALTH_STATUS_ABNORMAL, "ABNORMAL: probe failed", 1)
+        types_pb2.HEALTH_STATUS_ABNORMAL,
+        "ABNORMAL: probe failed",
+        1,
+    )
     assert w.record.ever_answered is True
 
 

@@ -43,7 +43,10 @@ async def test_a_refused_node_manager_stops_its_engines_says_so_and_starts_nothi
     assert not alive(engine.pid)
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await node.start(dp_rank=1, accelerator_ids=[1])
-    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "not starting anything" in refused.value.details()
+    assert (
+        refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        and "not starting anything" in refused.value.details()
+    )
     assert HELD in refused.value.details()
     lines = [r.getMessage() for r in caplog.records if "is held by another live node manager" in r.getMessage()]
     assert lines and "node id node-a" in lines[0] and "127.0.0.1:9" in lines[0]
@@ -56,7 +59,9 @@ async def test_a_refused_node_manager_stops_its_engines_says_so_and_starts_nothi
 
 
 @pytest.mark.processes
-async def test_taking_the_node_id_over_kills_what_the_old_holder_left_on_this_host(make_node, fake_controller, tmp_path):
+async def test_taking_the_node_id_over_kills_what_the_old_holder_left_on_this_host(
+    make_node, fake_controller, tmp_path
+):
     old = await make_node(state_dir=str(tmp_path / "old"))  # the holder, standalone here
     left = await old.start(accelerator_ids=[0])
     await old.wait_state("prefill-0/rank0", RUNNING)

@@ -12,9 +12,9 @@ import sys
 import grpc
 import pytest
 
+from motor.contract.names import check_node_id
 from motor.errors import InvalidArgument
 from motor.service.grpc_server import MotorServer, service_name
-from motor.contract.names import check_node_id
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from node_manager.controller_link import RegistrationRefused
 from tests.node_manager.test_link_backoff import ScriptedController, link  # noqa: F401 (fixture)
@@ -25,8 +25,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 async def test_invalid_argument_on_register_is_fatal_after_one_call(link):  # noqa: F811
     controller: ScriptedController = link.stub
     controller.errors["RegisterNode"] = [grpc.StatusCode.INVALID_ARGUMENT] * 5
-    with pytest.raises(RegistrationRefused, match=r"the controller refused to register node 'node-f': scripted INVALID_ARGUMENT "
-                                                  r"\(node ids must be 1-63 lowercase letters.*\); not retrying"):
+    with pytest.raises(
+        RegistrationRefused,
+        match=r"the controller refused to register node 'node-f': scripted INVALID_ARGUMENT "
+        r"\(node ids must be 1-63 lowercase letters.*\); not retrying",
+    ):
         await asyncio.wait_for(link.run(), timeout=60)
     assert len(controller.times("RegisterNode")) == 1
 
@@ -49,8 +52,21 @@ class RefusingController(controller_pb2_grpc.ControllerServiceServicer):
 def node_manager_process(tmp_path, *args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.Popen(
-        [sys.executable, "-m", "node_manager.cli", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "node"), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "node_manager.cli",
+            "--listen",
+            "127.0.0.1:0",
+            "--state-dir",
+            str(tmp_path / "node"),
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=ROOT,
     )
 
 
@@ -58,8 +74,11 @@ def node_manager_process(tmp_path, *args: str) -> subprocess.Popen:
 async def test_a_node_manager_the_controller_refuses_stops_with_a_clear_message(tmp_path):
     controller = RefusingController("node-x")
     server = MotorServer("127.0.0.1:0")
-    server.add(controller_pb2_grpc.add_ControllerServiceServicer_to_server, controller,
-               service_name(controller_pb2, "ControllerService"))
+    server.add(
+        controller_pb2_grpc.add_ControllerServiceServicer_to_server,
+        controller,
+        service_name(controller_pb2, "ControllerService"),
+    )
     port = await server.start()
     process = node_manager_process(tmp_path, "--node-id", "node-x", "--controller", f"127.0.0.1:{port}")
     try:
@@ -70,7 +89,10 @@ async def test_a_node_manager_the_controller_refuses_stops_with_a_clear_message(
         await server.stop(grace=0)
     assert process.returncode == 2, output
     assert controller.registrations == 1, output
-    assert "the controller refused to register node 'node-x': node.node_id 'node-x' is not allowed by this controller" in output
+    assert (
+        "the controller refused to register node 'node-x': node.node_id 'node-x' is not allowed by this controller"
+        in output
+    )
     assert "node ids must be 1-63 lowercase letters" in output
 
 
@@ -80,4 +102,7 @@ def test_a_node_id_outside_the_rule_is_refused_at_start_up(tmp_path, node_id):
     process = node_manager_process(tmp_path, "--node-id", node_id, "--controller", "127.0.0.1:1")
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 2, output
-    assert f"node_id: must be 1-63 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit (got {node_id!r})" in output
+    assert (
+        "node_id: must be 1-63 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit (got "
+        f"{node_id!r})" in output
+    )

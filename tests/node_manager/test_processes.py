@@ -75,8 +75,9 @@ async def test_stopped_process_is_not_an_exit_and_spurious_notice_is_ignored(tmp
 @pytest.mark.processes
 async def test_adopted_process_exit_is_noticed_without_being_its_parent(tmp_path):
     # A process that is not our child (its parent is a shell we start): pidfd notice, psutil confirms.
-    shell = processes.launch(["sh", "-c", f"{sys.executable} -c 'import time; time.sleep(600)' & echo $! ; wait"],
-                             str(tmp_path / "d.log"))
+    shell = processes.launch(
+        ["sh", "-c", f"{sys.executable} -c 'import time; time.sleep(600)' & echo $! ; wait"], str(tmp_path / "d.log")
+    )
     pid = await async_wait_for(lambda: [c.pid for c in psutil.Process(shell.pid).children()], timeout=10)
     pid = pid[0]
     w, exits = await watch(pid=pid, started=processes.create_time(pid))
@@ -116,7 +117,9 @@ async def test_tree_kill_finds_children_in_and_outside_the_group(tmp_path):
 
 @pytest.mark.processes
 async def test_terminate_tree_is_graceful_when_the_process_exits_on_sigterm(tmp_path):
-    proc = processes.launch([sys.executable, "-c", "import time; time.sleep(600)"], str(tmp_path / "e.log"), token="tok-e")
+    proc = processes.launch(
+        [sys.executable, "-c", "import time; time.sleep(600)"], str(tmp_path / "e.log"), token="tok-e"
+    )
     w, exits = await watch(proc)
     began = time.monotonic()
     graceful, left = await processes.terminate_tree(processes.TreeId(proc.pid, proc.pid, "tok-e"), w.exited, 10)
@@ -125,11 +128,20 @@ async def test_terminate_tree_is_graceful_when_the_process_exits_on_sigterm(tmp_
     assert time.monotonic() - began < 9  # did not wait for the deadline
 
     stubborn = processes.launch(
-        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(600)"],
-        str(tmp_path / "f.log"), token="tok-f")
+        [
+            sys.executable,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+            "time.sleep(600)",
+        ],
+        str(tmp_path / "f.log"),
+        token="tok-f",
+    )
     await async_wait_for(lambda: "ready" in open(tmp_path / "f.log").read().splitlines(), timeout=20)
     w, exits = await watch(stubborn)
-    graceful, left = await processes.terminate_tree(processes.TreeId(stubborn.pid, stubborn.pid, "tok-f"), w.exited, 0.5)
+    graceful, left = await processes.terminate_tree(
+        processes.TreeId(stubborn.pid, stubborn.pid, "tok-f"), w.exited, 0.5
+    )
     assert not graceful and left == []
     assert exits == [processes.ExitStatus(signal=signal.SIGKILL)]
 

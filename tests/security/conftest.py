@@ -14,10 +14,10 @@ import pytest
 from google.protobuf import message_factory
 
 from motor.security.access import AccessInterceptor, AccessPolicy
-from motor.service.grpc_server import MotorServer, TlsFiles, aio_channel
 from motor.security.identity import Identity
 from motor.security.pki import CertificateAuthority
 from motor.security.tokens import TokenStore
+from motor.service.grpc_server import MotorServer, TlsFiles, aio_channel
 from motor.v1 import controller_pb2, engine_pb2, node_manager_pb2
 from motorctl.pki import DevPki, make_dev_pki
 
@@ -113,7 +113,9 @@ class Served:
     extra_ports: list[int] = field(default_factory=list)
 
 
-async def serve(tls: TlsFiles | None, policy: AccessPolicy, bind: str = "127.0.0.1:0", reflection: bool = True) -> Served:
+async def serve(
+    tls: TlsFiles | None, policy: AccessPolicy, bind: str = "127.0.0.1:0", reflection: bool = True
+) -> Served:
     interceptor = AccessInterceptor(policy)
     server = MotorServer(bind, tls=tls, interceptors=[interceptor], reflection=reflection)
     services = EmptyServices()
@@ -132,12 +134,16 @@ def odd_certs(tmp_path_factory, dev_pki) -> dict[str, tuple[str, str]]:
     """Certificates a server must refuse: expired, from another CA, without a Motor identity."""
     directory = str(tmp_path_factory.mktemp("odd"))
     ca = CertificateAuthority.load(dev_pki.directory)
-    long_ago = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=10)
+    long_ago = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=10)
     return {
         "expired": ca.issue(Identity("operator", "old"), [], days=1, not_before=long_ago).save(directory, "expired"),
-        "other-ca": CertificateAuthority.create("another CA").issue(Identity("operator", "eve"), []).save(directory, "other"),
+        "other-ca": CertificateAuthority.create("another CA")
+        .issue(Identity("operator", "eve"), [])
+        .save(directory, "other"),
         "no-identity": ca.issue(None, ["localhost"]).save(directory, "plain"),
-        "foreign-domain": ca.issue(Identity("operator", "x"), [], trust_domain="example.org").save(directory, "foreign"),
+        "foreign-domain": ca.issue(Identity("operator", "x"), [], trust_domain="example.org").save(
+            directory, "foreign"
+        ),
     }
 
 

@@ -12,15 +12,38 @@ from google.protobuf.descriptor import FieldDescriptor as F
 from hypothesis import strategies as st
 
 ODD_STRINGS = [
-    "", " ", "\x00", "nl\n", "node-a\n", "a\x00b", "../../etc/passwd", "/bin/sh", "$(id)", "; rm -rf /",
-    "prefill-0/rank0", "prefill-0/rank99999999999999999999", "node-a", "NODE-A", "é", "\U0001f680", "\ud7ff",
-    "x" * 64, "y" * 10_000, "z" * 1_000_000,
+    "",
+    " ",
+    "\x00",
+    "nl\n",
+    "node-a\n",
+    "a\x00b",
+    "../../etc/passwd",
+    "/bin/sh",
+    "$(id)",
+    "; rm -rf /",
+    "prefill-0/rank0",
+    "prefill-0/rank99999999999999999999",
+    "node-a",
+    "NODE-A",
+    "é",
+    "\U0001f680",
+    "\ud7ff",
+    "x" * 64,
+    "y" * 10_000,
+    "z" * 1_000_000,
 ]
 LIMITS = {
-    F.TYPE_INT32: (-(2**31), 2**31 - 1), F.TYPE_SINT32: (-(2**31), 2**31 - 1), F.TYPE_SFIXED32: (-(2**31), 2**31 - 1),
-    F.TYPE_INT64: (-(2**63), 2**63 - 1), F.TYPE_SINT64: (-(2**63), 2**63 - 1), F.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
-    F.TYPE_UINT32: (0, 2**32 - 1), F.TYPE_FIXED32: (0, 2**32 - 1),
-    F.TYPE_UINT64: (0, 2**64 - 1), F.TYPE_FIXED64: (0, 2**64 - 1),
+    F.TYPE_INT32: (-(2**31), 2**31 - 1),
+    F.TYPE_SINT32: (-(2**31), 2**31 - 1),
+    F.TYPE_SFIXED32: (-(2**31), 2**31 - 1),
+    F.TYPE_INT64: (-(2**63), 2**63 - 1),
+    F.TYPE_SINT64: (-(2**63), 2**63 - 1),
+    F.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
+    F.TYPE_UINT32: (0, 2**32 - 1),
+    F.TYPE_FIXED32: (0, 2**32 - 1),
+    F.TYPE_UINT64: (0, 2**64 - 1),
+    F.TYPE_FIXED64: (0, 2**64 - 1),
 }
 MAX_DEPTH = 4
 
@@ -121,7 +144,7 @@ def leading_field(descriptor: Any, details: str) -> str | None:
     request's fields (nested fields by their path): `engines[1].spec.host 'x\\x00' holds ...`.
     None when the message starts with anything else (a generic word is not a field path)."""
     if details.startswith(DEPLOYMENT_LEAD) and "deployment" in descriptor.fields_by_name:
-        descriptor, details = descriptor.fields_by_name["deployment"].message_type, details[len(DEPLOYMENT_LEAD):]
+        descriptor, details = descriptor.fields_by_name["deployment"].message_type, details[len(DEPLOYMENT_LEAD) :]
     match = FIELD_PATH.match(details)
     if match is None:
         return None
@@ -130,7 +153,11 @@ def leading_field(descriptor: Any, details: str) -> str | None:
         field = current.fields_by_name.get(part.split("[")[0]) if current is not None else None
         if field is None:
             return None
-        if field.message_type is None or field.message_type.full_name in FREE_FORM or field.message_type.GetOptions().map_entry:
+        if (
+            field.message_type is None
+            or field.message_type.full_name in FREE_FORM
+            or field.message_type.GetOptions().map_entry
+        ):
             current = None  # a scalar, or keys of a map or Struct follow: nothing more to check
             break
         current = field.message_type

@@ -11,7 +11,17 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from motor.security.access import ACCESS_TABLE
 from motor.service.grpc_server import TlsFiles
-from tests.security.conftest import SERVICES, client, method_path, mtls_files, policy, request_class, response_class, serve, token_of
+from tests.security.conftest import (
+    SERVICES,
+    client,
+    method_path,
+    mtls_files,
+    policy,
+    request_class,
+    response_class,
+    serve,
+    token_of,
+)
 
 CERT_CALLERS = ["controller", "node-a", "node-b", "operator", "viewer"]
 TOKEN_CALLERS = ["operator-token", "viewer-token"]
@@ -52,7 +62,10 @@ def test_every_rpc_of_every_service_has_a_rule_and_an_expectation():
     served = {method_path(m) for m in METHODS}
     assert served <= set(ACCESS_TABLE), f"methods without a rule: {served - set(ACCESS_TABLE)}"
     assert {f"{m.containing_service.name}/{m.name}" for m in METHODS} == set(EXPECTED)
-    for service in (health_pb2.DESCRIPTOR.services_by_name["Health"], reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"]):
+    for service in (
+        health_pb2.DESCRIPTOR.services_by_name["Health"],
+        reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
+    ):
         for method in service.methods:
             assert method_path(method) in ACCESS_TABLE
 
@@ -70,7 +83,10 @@ def _request(method):
 
 async def _call(channel, method, metadata=()):
     path = method_path(method)
-    kwargs = dict(request_serializer=request_class(method).SerializeToString, response_deserializer=response_class(method).FromString)
+    kwargs = dict(
+        request_serializer=request_class(method).SerializeToString,
+        response_deserializer=response_class(method).FromString,
+    )
     if method.client_streaming:
         call = channel.stream_stream(path, **kwargs)(iter([_request(method)]), metadata=metadata, timeout=10)
         await call.read()
@@ -87,7 +103,9 @@ async def _call(channel, method, metadata=()):
 async def servers(dev_pki):
     """An mTLS server (identities from certificates) and a TLS server for bearer tokens."""
     mtls = await serve(mtls_files(dev_pki), policy(dev_pki, local_node="node-a"))
-    tokens = await serve(TlsFiles(cert=dev_pki.cert("controller"), key=dev_pki.key("controller")), policy(dev_pki, local_node="node-a"))
+    tokens = await serve(
+        TlsFiles(cert=dev_pki.cert("controller"), key=dev_pki.key("controller")), policy(dev_pki, local_node="node-a")
+    )
     yield mtls, tokens
     await mtls.server.stop(None)
     await tokens.server.stop(None)
@@ -103,7 +121,13 @@ async def test_each_caller_reaches_exactly_the_methods_of_its_role(servers, dev_
     else:
         channel = client(dev_pki, mtls.port, caller)
         metadata = ()
-        shown = "spiffe://motor/" + ("controller" if caller == "controller" else f"node/{caller}" if caller.startswith("node") else f"{caller}/{caller}")
+        shown = "spiffe://motor/" + (
+            "controller"
+            if caller == "controller"
+            else f"node/{caller}"
+            if caller.startswith("node")
+            else f"{caller}/{caller}"
+        )
     wrong = []
     async with channel:
         for method in METHODS:
@@ -126,8 +150,11 @@ async def test_a_node_may_act_only_for_itself(servers, dev_pki):
     async with client(dev_pki, mtls.port, "node-a") as channel:
         heartbeat = next(m for m in METHODS if m.name == "Heartbeat")
         request = request_class(heartbeat)(node_id="node-b", generation=3)
-        call = channel.unary_unary(method_path(heartbeat), request_serializer=request.SerializeToString,
-                                   response_deserializer=response_class(heartbeat).FromString)
+        call = channel.unary_unary(
+            method_path(heartbeat),
+            request_serializer=request.SerializeToString,
+            response_deserializer=response_class(heartbeat).FromString,
+        )
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await call(request, timeout=10)
     assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
@@ -141,8 +168,11 @@ async def test_a_refusal_quotes_the_node_id_of_the_request_short_and_escaped(ser
     mtls, _ = servers
     heartbeat = next(m for m in METHODS if m.name == "Heartbeat")
     async with client(dev_pki, mtls.port, "node-b") as channel:
-        call = channel.unary_unary(method_path(heartbeat), request_serializer=request_class(heartbeat).SerializeToString,
-                                   response_deserializer=response_class(heartbeat).FromString)
+        call = channel.unary_unary(
+            method_path(heartbeat),
+            request_serializer=request_class(heartbeat).SerializeToString,
+            response_deserializer=response_class(heartbeat).FromString,
+        )
         for node_id, quoted in [("node-a\n", "node:'node-a\\n'"), ("n" * (1 << 20), "(1048576 characters)")]:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await call(request_class(heartbeat)(node_id=node_id, generation=3), timeout=10)
@@ -155,8 +185,11 @@ async def test_a_node_may_stream_only_its_own_heartbeats(servers, dev_pki):
     mtls, _ = servers
     stream = next(m for m in METHODS if m.name == "StreamHeartbeats")
     async with client(dev_pki, mtls.port, "node-a") as channel:
-        call = channel.stream_stream(method_path(stream), request_serializer=request_class(stream).SerializeToString,
-                                     response_deserializer=response_class(stream).FromString)(timeout=10)
+        call = channel.stream_stream(
+            method_path(stream),
+            request_serializer=request_class(stream).SerializeToString,
+            response_deserializer=response_class(stream).FromString,
+        )(timeout=10)
         await call.write(request_class(stream)(heartbeat={"node_id": "node-a"}))
         await call.read()  # its own heartbeat: answered
         await call.write(request_class(stream)(heartbeat={"node_id": "node-b", "generation": 3}))

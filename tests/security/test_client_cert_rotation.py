@@ -24,9 +24,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from motor.ports import free_port
 from motor.security.identity import Identity
 from motor.security.pki import CertificateAuthority, write_atomically
-from motor.ports import free_port
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl.connect import Credentials
 from motorctl.pki import DEV_HOSTS
@@ -47,7 +47,9 @@ def _cut_works() -> bool:
         with socket.create_connection(("127.0.0.1", port)) as client:
             accepted, _ = server.accept()
             with accepted:
-                subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", str(port)], capture_output=True, timeout=10)
+                subprocess.run(
+                    ["ss", "-K", "dst", "127.0.0.1", "dport", "=", str(port)], capture_output=True, timeout=10
+                )
                 try:
                     client.send(b"x")
                     return client.recv(1) == b""
@@ -58,8 +60,13 @@ def _cut_works() -> bool:
 def cut_connections(ports: list[int]) -> int:
     """Destroy every TCP connection to or from `ports` on this host; returns how many sockets went."""
     ends = " or ".join(f"sport = :{p} or dport = :{p}" for p in ports)
-    out = subprocess.run(["ss", "-K", "-H", "-t", "state", "established", f"( {ends} )"],
-                         capture_output=True, text=True, timeout=30, check=True).stdout
+    out = subprocess.run(
+        ["ss", "-K", "-H", "-t", "state", "established", f"( {ends} )"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     return len(out.splitlines())
 
 
@@ -67,12 +74,19 @@ def cut_connections(ports: list[int]) -> int:
 def cluster(tmp_path_factory):
     require(_cut_works(), "`ss -K` (iproute2, run as root) to cut the cluster's connections")
     cluster = LocalCluster(
-        str(tmp_path_factory.mktemp("rotation")), nodes=2, controller_port=free_port(), heartbeat_interval=0.5,
-        engine_port_base=26000, deployment_path=os.path.join(REPO_ROOT, "examples", "local-deployment.yaml"), tls=True,
+        str(tmp_path_factory.mktemp("rotation")),
+        nodes=2,
+        controller_port=free_port(),
+        heartbeat_interval=0.5,
+        engine_port_base=26000,
+        deployment_path=os.path.join(REPO_ROOT, "examples", "local-deployment.yaml"),
+        tls=True,
     )
     try:
         cluster.start(timeout=90)
-        wait_for(lambda: len(_normal_engines(cluster)) == 3, timeout=120, interval=0.5, what="the example deployment NORMAL")
+        wait_for(
+            lambda: len(_normal_engines(cluster)) == 3, timeout=120, interval=0.5, what="the example deployment NORMAL"
+        )
         yield cluster
     finally:
         problems = cluster.stop()
@@ -95,9 +109,14 @@ def _status_checks_answered(engine: types_pb2.Engine) -> float:
     """GetStatus calls the engine server answered OK (its own /metrics): its node manager's polls."""
     with urllib.request.urlopen(f"http://127.0.0.1:{engine.spec.port}/metrics", timeout=5) as reply:
         text = reply.read().decode()
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == "grpc_server_handled_total" and sample.labels.get("grpc_method") == "GetStatus"
-               and sample.labels.get("grpc_code") == "OK")
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "grpc_server_handled_total"
+        and sample.labels.get("grpc_method") == "GetStatus"
+        and sample.labels.get("grpc_code") == "OK"
+    )
 
 
 def rotate_to_a_new_ca(cluster: LocalCluster) -> None:
@@ -116,8 +135,14 @@ def rotate_to_a_new_ca(cluster: LocalCluster) -> None:
 
 def test_rotated_client_certificates_are_used_without_a_restart(cluster, tmp_path):
     before = _normal_engines(cluster)
-    old = {name: shutil.copy(path, tmp_path) for name, path in
-           [("ca", cluster.pki.ca), ("cert", cluster.pki.cert("viewer")), ("key", cluster.pki.key("viewer"))]}
+    old = {
+        name: shutil.copy(path, tmp_path)
+        for name, path in [
+            ("ca", cluster.pki.ca),
+            ("cert", cluster.pki.cert("viewer")),
+            ("key", cluster.pki.key("viewer")),
+        ]
+    }
     rotate_to_a_new_ca(cluster)
     engine_ports = [e.spec.mgmt_port for e in before.values()]
     polls = {engine_id: _status_checks_answered(e) for engine_id, e in before.items()}
@@ -128,16 +153,23 @@ def test_rotated_client_certificates_are_used_without_a_restart(cluster, tmp_pat
     def heartbeating() -> bool:
         nodes = _nodes(cluster)
         return len(nodes) == 2 and all(
-            n.state == controller_pb2.NODE_STATE_READY and n.last_heartbeat.ToNanoseconds() / 1e9 > cut_at + 1 for n in nodes)
+            n.state == controller_pb2.NODE_STATE_READY and n.last_heartbeat.ToNanoseconds() / 1e9 > cut_at + 1
+            for n in nodes
+        )
 
     wait_for(heartbeating, timeout=60, interval=0.5, what="both node managers heartbeating with their new certificates")
-    wait_for(lambda: all(_status_checks_answered(e) > polls[i] for i, e in before.items()), timeout=60, interval=0.5,
-             what="every engine polled by its node manager again")
+    wait_for(
+        lambda: all(_status_checks_answered(e) > polls[i] for i, e in before.items()),
+        timeout=60,
+        interval=0.5,
+        what="every engine polled by its node manager again",
+    )
     # Five abnormal polls (2.5 s here) would have killed an engine its node manager cannot reach.
     time.sleep(4)
     after = _normal_engines(cluster)
     assert {i: (e.node_id, e.pid, e.spec.generation) for i, e in after.items()} == {
-        i: (e.node_id, e.pid, e.spec.generation) for i, e in before.items()}
+        i: (e.node_id, e.pid, e.spec.generation) for i, e in before.items()
+    }
     assert all(e.consecutive_abnormal == 0 for e in after.values())
 
     # The controller reaches the node managers too: a second prefill/decode pair starts.
@@ -146,15 +178,18 @@ def test_rotated_client_certificates_are_used_without_a_restart(cluster, tmp_pat
     for group in deployment.instance_groups:
         group.count = 2
     operator.ApplyDeployment(controller_pb2.ApplyDeploymentRequest(deployment=deployment), timeout=30)
-    wait_for(lambda: {"prefill-1/rank0", "prefill-1/rank1", "decode-1/rank0"} <= set(_normal_engines(cluster)),
-             timeout=90, interval=0.5, what="prefill-1 and decode-1 started by the controller with its new certificate")
+    wait_for(
+        lambda: {"prefill-1/rank0", "prefill-1/rank1", "decode-1/rank0"} <= set(_normal_engines(cluster)),
+        timeout=90,
+        interval=0.5,
+        what="prefill-1 and decode-1 started by the controller with its new certificate",
+    )
 
     # The old certificates are invalid now: a client still holding them is refused.
     with Credentials(ca=old["ca"], cert=old["cert"], key=old["key"]).channel(cluster.controller_address) as channel:
         with pytest.raises(grpc.RpcError) as refused:
             controller_pb2_grpc.ControllerServiceStub(channel).ListNodes(controller_pb2.ListNodesRequest(), timeout=10)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-
 
 
 @pytest.mark.parametrize("bad", ["another CA", "expired", "deleted"])
@@ -169,9 +204,10 @@ def test_a_bad_rotation_keeps_the_node_heartbeating_on_its_last_good_certificate
     if bad == "another CA":
         CertificateAuthority.create("stranger").issue(Identity("node", node_id), DEV_HOSTS).save(pki.directory, node_id)
     elif bad == "expired":
-        long_ago = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=10)
-        CertificateAuthority.load(pki.directory).issue(Identity("node", node_id), DEV_HOSTS, days=1,
-                                                        not_before=long_ago).save(pki.directory, node_id)
+        long_ago = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=10)
+        CertificateAuthority.load(pki.directory).issue(
+            Identity("node", node_id), DEV_HOSTS, days=1, not_before=long_ago
+        ).save(pki.directory, node_id)
     else:
         os.remove(cert)
     try:
@@ -180,15 +216,22 @@ def test_a_bad_rotation_keeps_the_node_heartbeating_on_its_last_good_certificate
 
         def beat_since_cut() -> bool:
             [node] = [n for n in _nodes(cluster) if n.info.node_id == node_id]
-            return node.state == controller_pb2.NODE_STATE_READY and node.last_heartbeat.ToNanoseconds() / 1e9 > cut_at + 2
+            return (
+                node.state == controller_pb2.NODE_STATE_READY and node.last_heartbeat.ToNanoseconds() / 1e9 > cut_at + 2
+            )
 
         wait_for(beat_since_cut, timeout=60, interval=0.5, what=f"{node_id} heartbeating on its last good certificate")
-        lines = [line for line in open(log, errors="replace").read().splitlines()
-                 if "TLS files changed but cannot be used" in line][logged_before:]
+        lines = [
+            line
+            for line in open(log, errors="replace").read().splitlines()
+            if "TLS files changed but cannot be used" in line
+        ][logged_before:]
         # Said once per change of the files (the key lands first, then the certificate) by each of
         # the node manager's two watches (its channels', its server's), naming the file and why.
         why = {"another CA": "is not issued by a CA of", "expired": "expired on", "deleted": "No such file"}[bad]
-        assert 1 <= len(lines) <= 4 and any("cert: " in line and repr(cert) in line and why in line for line in lines), lines
+        assert 1 <= len(lines) <= 4 and any(
+            "cert: " in line and repr(cert) in line and why in line for line in lines
+        ), lines
     finally:
         for path, content in good.items():
             write_atomically(path, content, private=path == key)

@@ -33,7 +33,11 @@ async def _run(argv, port, *args):
     go = argv[0].endswith("motor-go-client")
     flags = [a.replace("--", "-", 1) if go and a.startswith("--") else a for a in args]
     return await asyncio.to_thread(
-        subprocess.run, [*argv, "-addr" if go else "--addr", f"localhost:{port}", *flags], capture_output=True, text=True, timeout=60
+        subprocess.run,
+        [*argv, "-addr" if go else "--addr", f"localhost:{port}", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -44,7 +48,9 @@ async def test_a_client_certificate_carries_the_callers_role(argv, servers, dev_
     assert listed.returncode == 0, listed.stderr
     assert listed.stdout.split() == ["NODE", "STATE", "ADDRESS", "ENGINES", "REASON"]
     refused = await _run(argv, mtls.port, *viewer, "apply", DEPLOYMENT_JSON)
-    assert refused.returncode == 1 and "PermissionDenied" in refused.stderr.replace("PERMISSION_DENIED", "PermissionDenied")
+    assert refused.returncode == 1 and "PermissionDenied" in refused.stderr.replace(
+        "PERMISSION_DENIED", "PermissionDenied"
+    )
     assert "spiffe://motor/viewer/viewer" in refused.stderr and "needs role operator" in refused.stderr
     operator = ["--cacert", dev_pki.ca, "--cert", dev_pki.cert("operator"), "--key", dev_pki.key("operator")]
     before = mtls.services.calls.count("ApplyDeployment")
@@ -62,7 +68,10 @@ async def test_a_bearer_token_carries_the_callers_role(argv, servers, dev_pki):
     refused = await _run(argv, tokens.port, *viewer, "apply", DEPLOYMENT_JSON)
     assert refused.returncode == 1 and "token:viewer" in refused.stderr and "needs role operator" in refused.stderr
     anonymous = await _run(argv, tokens.port, "--cacert", dev_pki.ca, "nodes")
-    assert anonymous.returncode == 1 and "no client certificate and no 'authorization: Bearer <token>' header" in anonymous.stderr
+    assert (
+        anonymous.returncode == 1
+        and "no client certificate and no 'authorization: Bearer <token>' header" in anonymous.stderr
+    )
 
 
 async def test_plaintext_against_a_tls_server_fails_to_connect(argv, servers):

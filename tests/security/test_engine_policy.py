@@ -60,7 +60,9 @@ def test_a_symlink_out_of_a_model_root_is_outside(tmp_path):
 
 
 def _vllm(**engine_args):
-    return {"motor_engine_union_config": {"engine_type": "vllm", "engine_args": {"model": "Qwen/Qwen2-0.5B", **engine_args}}}
+    return {
+        "motor_engine_union_config": {"engine_type": "vllm", "engine_args": {"model": "Qwen/Qwen2-0.5B", **engine_args}}
+    }
 
 
 VLLM_UNION = "spec.config_json.motor_engine_union_config.engine_args"
@@ -75,14 +77,28 @@ VLLM_UNION = "spec.config_json.motor_engine_union_config.engine_args"
         ({"worker-extension-cls": "evil.X"}, "worker-extension-cls", "Python class"),
         ({"scheduler_cls": "evil.Sched"}, "scheduler_cls", "Python class"),
         ({"--scheduler-cls": "evil.Sched"}, "--scheduler-cls", "Python class"),
-        ({"kv_transfer_config": {"kv_connector": "Evil", "kv_connector_module_path": "evil"}},
-         "kv_transfer_config.kv_connector_module_path", "Python module"),
-        ({"kv_transfer_config": {"kv_connector_extra_config": {"spec_module_path": "evil"}}},
-         "kv_transfer_config.kv_connector_extra_config.spec_module_path", "Python module"),
-        ({"ec_manager_config": {"encoder_cache_manager_cls": "evil.M"}}, "ec_manager_config.encoder_cache_manager_cls", "Python class"),
+        (
+            {"kv_transfer_config": {"kv_connector": "Evil", "kv_connector_module_path": "evil"}},
+            "kv_transfer_config.kv_connector_module_path",
+            "Python module",
+        ),
+        (
+            {"kv_transfer_config": {"kv_connector_extra_config": {"spec_module_path": "evil"}}},
+            "kv_transfer_config.kv_connector_extra_config.spec_module_path",
+            "Python module",
+        ),
+        (
+            {"ec_manager_config": {"encoder_cache_manager_cls": "evil.M"}},
+            "ec_manager_config.encoder_cache_manager_cls",
+            "Python class",
+        ),
         ({"io-processor-plugin": "evil"}, "io-processor-plugin", "plugin"),
         ({"config": "args.yaml"}, "config", "a file of more vLLM arguments"),
-        ({"logging_config": {"pylogging_config_file": "x.json"}}, "logging_config.pylogging_config_file", "logging configuration"),
+        (
+            {"logging_config": {"pylogging_config_file": "x.json"}},
+            "logging_config.pylogging_config_file",
+            "logging configuration",
+        ),
         ({"logging_config": {"log_level": "info"}}, "logging_config", "logging configuration"),
         ({"distributed_executor_backend": "evil.Executor"}, "distributed_executor_backend", "must be one of"),
         # accepted by vLLM, but they cannot work under the engine server
@@ -91,18 +107,50 @@ VLLM_UNION = "spec.config_json.motor_engine_union_config.engine_args"
         ({"ssl_certfile": "cert.pem"}, "ssl_certfile", "TLS on the inference plane is not supported"),
         ({"ssl_keyfile": "key.pem"}, "ssl_keyfile", "TLS on the inference plane is not supported"),
         ({"ssl_ca_certs": "ca.pem"}, "ssl_ca_certs", "TLS on the inference plane is not supported"),
-        ({"compilation_config": {"backend": "evil.backend_fn"}}, "compilation_config.backend", "Python name vLLM would import"),
-        ({"compilation_config": {"inductor_compile_config": {"cpp.cxx": "sh"}}}, "compilation_config.inductor_compile_config", "compiler"),
-        ({"speculative_config": {"method": "custom_class", "model": "evil.Proposer"}}, "speculative_config.model", "Python name"),
+        (
+            {"compilation_config": {"backend": "evil.backend_fn"}},
+            "compilation_config.backend",
+            "Python name vLLM would import",
+        ),
+        (
+            {"compilation_config": {"inductor_compile_config": {"cpp.cxx": "sh"}}},
+            "compilation_config.inductor_compile_config",
+            "compiler",
+        ),
+        (
+            {"speculative_config": {"method": "custom_class", "model": "evil.Proposer"}},
+            "speculative_config.model",
+            "Python name",
+        ),
         ({"some_new_vllm_argument": 1}, "some_new_vllm_argument", "not among the vLLM arguments a request may set"),
-        ({"served_model_name": ["x", "--trust-remote-code"]}, "served_model_name[1]", "looks like a command-line option"),
+        (
+            {"served_model_name": ["x", "--trust-remote-code"]},
+            "served_model_name[1]",
+            "looks like a command-line option",
+        ),
         ({"port": 9}, "port", "set by the engine server's command line"),
         # JSON in a string is what vLLM parses, so it is checked as JSON
-        ({"speculative_config": '{"model": "/etc", "method": "eagle"}'}, "speculative_config.model", "'/etc' is a local path outside"),
-        ({"compilation_config": '{"cache_dir": "/etc/x"}'}, "compilation_config.cache_dir", "'/etc/x' is a local path outside"),
+        (
+            {"speculative_config": '{"model": "/etc", "method": "eagle"}'},
+            "speculative_config.model",
+            "'/etc' is a local path outside",
+        ),
+        (
+            {"compilation_config": '{"cache_dir": "/etc/x"}'},
+            "compilation_config.cache_dir",
+            "'/etc/x' is a local path outside",
+        ),
         ({"compilation_config": ' {"backend": "evil.fn"}'}, "compilation_config.backend", "Python name"),
-        ({"kv_transfer_config": '{"kv_connector_module_path": "evil"}'}, "kv_transfer_config.kv_connector_module_path", "Python module"),
-        ({"hf_overrides": '[{"x": {"trust_remote_code": true}}]'}, "hf_overrides[0].x.trust_remote_code", "must be false"),
+        (
+            {"kv_transfer_config": '{"kv_connector_module_path": "evil"}'},
+            "kv_transfer_config.kv_connector_module_path",
+            "Python module",
+        ),
+        (
+            {"hf_overrides": '[{"x": {"trust_remote_code": true}}]'},
+            "hf_overrides[0].x.trust_remote_code",
+            "must be false",
+        ),
     ],
 )
 def test_vllm_code_keys_in_every_spelling_and_json_strings_are_refused(engine_args, key, says, tmp_path):
@@ -134,13 +182,37 @@ def test_sglang_extra_args_take_only_the_listed_flags(extra_args, index, says, t
 def test_ordinary_vllm_and_sglang_settings_are_accepted(tmp_path):
     model = tmp_path / "tiny"
     model.mkdir()
-    check_engine_config(_vllm(model=str(model), max_model_len=256, enforce_eager=True, dtype="float16", trust_remote_code=False,
-                              served_model_name=["qwen.small", "b"], motor_utilization=50, seed=-1,
-                              distributed_executor_backend="mp", speculative_config=f'{{"model": "{model}", "method": "eagle"}}',
-                              compilation_config={"mode": 3, "cudagraph_capture_sizes": [1, 2]},
-                              kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_both"}), [str(tmp_path)])
-    check_engine_config(_config(extra_args=["--max-running-requests", "8", "--random-seed", "-1", "--log-level=info",
-                                            "--chat-template", str(model)]), [str(tmp_path)])
+    check_engine_config(
+        _vllm(
+            model=str(model),
+            max_model_len=256,
+            enforce_eager=True,
+            dtype="float16",
+            trust_remote_code=False,
+            served_model_name=["qwen.small", "b"],
+            motor_utilization=50,
+            seed=-1,
+            distributed_executor_backend="mp",
+            speculative_config=f'{{"model": "{model}", "method": "eagle"}}',
+            compilation_config={"mode": 3, "cudagraph_capture_sizes": [1, 2]},
+            kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+        ),
+        [str(tmp_path)],
+    )
+    check_engine_config(
+        _config(
+            extra_args=[
+                "--max-running-requests",
+                "8",
+                "--random-seed",
+                "-1",
+                "--log-level=info",
+                "--chat-template",
+                str(model),
+            ]
+        ),
+        [str(tmp_path)],
+    )
 
 
 def test_configurations_nested_too_deep_are_refused_naming_the_limit():
@@ -157,7 +229,9 @@ def test_configurations_nested_too_deep_are_refused_naming_the_limit():
         check_engine_config(parse_config_json(text, "spec.config_json"), [], "spec.config_json")
     assert f"spec.config_json: nested deeper than {MAX_CONFIG_DEPTH} levels" in str(refused.value)
     with pytest.raises(InvalidArgument, match=f"^spec.config_json: nested deeper than {MAX_CONFIG_DEPTH} levels$"):
-        check_engine_config(parse_config_json('{"a": ' + "[" * 500 + "]" * 500 + "}", "spec.config_json"), [], "spec.config_json")
+        check_engine_config(
+            parse_config_json('{"a": ' + "[" * 500 + "]" * 500 + "}", "spec.config_json"), [], "spec.config_json"
+        )
     inside_a_string = {"b": json.dumps({"c": [[[[[[]]]]]]})}  # a JSON string's levels count too: 8 here
     for _ in range(MAX_CONFIG_DEPTH - 7):
         inside_a_string = {"x": inside_a_string}
@@ -212,23 +286,29 @@ def test_relative_paths_count_as_local_paths(path, tmp_path):
     roots = [str(tmp_path / "a"), str(tmp_path / "b")]
     with pytest.raises(InvalidArgument) as refused:
         check_engine_config(_config(model_path=path), roots, "spec.config_json")
-    assert str(refused.value) == (f"spec.config_json.{SECTION}.engine_args.model_path: {path!r} is a local path outside "
-                                  f"the node's model roots ({tmp_path}/a, {tmp_path}/b)")
+    assert str(refused.value) == (
+        f"spec.config_json.{SECTION}.engine_args.model_path: {path!r} is a local path outside "
+        f"the node's model roots ({tmp_path}/a, {tmp_path}/b)"
+    )
 
 
 def test_a_node_without_model_roots_says_so():
     with pytest.raises(InvalidArgument) as refused:
         check_engine_config(_config(model_path="/m"), [], "f")
-    assert str(refused.value) == (f"f.{SECTION}.engine_args.model_path: '/m' is a local path outside "
-                                  "a model root (the node allows no local paths: --model-root)")
+    assert str(refused.value) == (
+        f"f.{SECTION}.engine_args.model_path: '/m' is a local path outside "
+        "a model root (the node allows no local paths: --model-root)"
+    )
 
 
 def test_every_section_is_checked_and_motor_keys_do_not_end_the_check():
     config = {"other": 1, "motor_engine_decode_config": {"engine_type": "sim"}, **_vllm(motor_utilization=5, Xseed=1)}
     with pytest.raises(InvalidArgument) as refused:
         check_engine_config(config, [])
-    assert str(refused.value) == ("config_json.motor_engine_union_config.engine_args.Xseed: not among the vLLM arguments a "
-                                  "request may set (motor/contract/vllm_request_args.py, docs/security.md)")
+    assert str(refused.value) == (
+        "config_json.motor_engine_union_config.engine_args.Xseed: not among the vLLM arguments a "
+        "request may set (motor/contract/vllm_request_args.py, docs/security.md)"
+    )
     check_engine_config(_vllm(**{"compilation_config.mode": 3, "--seed": 1}), [])  # a dotted key is its first part's
 
 
@@ -236,12 +316,19 @@ def test_sglang_extra_args_messages_name_the_flag_and_the_list():
     check_engine_config(_config(extra_args=["--served-model-name=a=b"]), [])
     with pytest.raises(InvalidArgument) as refused:
         check_engine_config(_config(extra_args=["--dp-size", "2", "--weird=1"]), [])
-    assert str(refused.value) == (f"config_json.{SECTION}.engine_args.extra_args[2]: --weird is not among the SGLang flags "
-                                  "a request may add (SGLANG_EXTRA_FLAGS in motor/contract/engine_policy.py, docs/security.md)")
+    assert str(refused.value) == (
+        f"config_json.{SECTION}.engine_args.extra_args[2]: --weird is not among the SGLang flags "
+        "a request may add (SGLANG_EXTRA_FLAGS in motor/contract/engine_policy.py, docs/security.md)"
+    )
 
 
-@pytest.mark.parametrize("text, says", [("nope", "spec.config_json is not a JSON object: Expecting value"),
-                                        ("[1]", "spec.config_json is not a JSON object: list")])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("nope", "spec.config_json is not a JSON object: Expecting value"),
+        ("[1]", "spec.config_json is not a JSON object: list"),
+    ],
+)
 def test_config_json_must_be_a_json_object(text, says):
     with pytest.raises(InvalidArgument) as refused:
         parse_config_json(text, "spec.config_json")
@@ -254,11 +341,16 @@ def test_numbers_that_are_not_finite_are_refused_naming_the_key(number, where):
     """JSON has no NaN or Infinity, yet Python's parser and a protobuf Struct carry them: vLLM
     would get gpu_memory_utilization=NaN, which its own range check lets through."""
     value = {"value": number, "in a JSON string": json.dumps({"x": number}), "in a list": [1, number]}[where]
-    key = {"value": "engine_args.gpu_memory_utilization", "in a JSON string": "engine_args.gpu_memory_utilization.x",
-           "in a list": "engine_args.gpu_memory_utilization[1]"}[where]
+    key = {
+        "value": "engine_args.gpu_memory_utilization",
+        "in a JSON string": "engine_args.gpu_memory_utilization.x",
+        "in a list": "engine_args.gpu_memory_utilization[1]",
+    }[where]
     with pytest.raises(InvalidArgument) as refused:
         check_engine_config(_vllm(gpu_memory_utilization=value), None, field="engine_config")
-    assert str(refused.value).startswith(f"engine_config.motor_engine_union_config.{key}: ") and "not a finite number" in str(refused.value)
+    assert str(refused.value).startswith(
+        f"engine_config.motor_engine_union_config.{key}: "
+    ) and "not a finite number" in str(refused.value)
 
 
 def test_config_json_with_nan_is_refused_naming_the_field():
@@ -270,11 +362,18 @@ def test_config_json_with_nan_is_refused_naming_the_field():
 def test_strings_an_argument_parser_turns_into_numbers_that_are_not_finite_are_refused(text):
     """vLLM's argparse reads gpu_memory_utilization "nan" as float('nan'); SGLang's extra_args
     likewise (found by a hostile tester of the NaN check)."""
-    with pytest.raises(InvalidArgument, match=r"^engine_config.motor_engine_union_config.engine_args.gpu_memory_utilization: .* is not a finite number"):
+    with pytest.raises(
+        InvalidArgument,
+        match=r"^engine_config.motor_engine_union_config.engine_args.gpu_memory_utilization: .* is not a finite number",
+    ):
         check_engine_config(_vllm(gpu_memory_utilization=text), None, field="engine_config")
-    with pytest.raises(InvalidArgument, match=rf"^spec.config_json.{SECTION}.engine_args.extra_args\[1\]: .* is not a finite number"):
+    with pytest.raises(
+        InvalidArgument, match=rf"^spec.config_json.{SECTION}.engine_args.extra_args\[1\]: .* is not a finite number"
+    ):
         check_engine_config(_config(extra_args=["--mem-fraction-static", text]), [], field="spec.config_json")
-    check_engine_config(_vllm(gpu_memory_utilization="0.9", served_model_name=["nano", "info"]), None)  # finite and words: fine
+    check_engine_config(
+        _vllm(gpu_memory_utilization="0.9", served_model_name=["nano", "info"]), None
+    )  # finite and words: fine
 
 
 @pytest.mark.parametrize("engine_args", [

@@ -32,14 +32,23 @@ SERVICES = {
 CASES = [(target, method) for target, service in SERVICES.items() for method in service.methods]
 EXAMPLES = int(os.environ.get("MOTOR_FUZZ_EXAMPLES", "60"))
 # Codes that say "the server is broken", never an answer to bad input.
-BROKEN = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE}
+BROKEN = {
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNAVAILABLE,
+}
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     cluster = LocalCluster(
-        str(tmp_path_factory.mktemp("fuzz")), nodes=2, controller_port=free_port(), heartbeat_interval=0.5,
-        engine_port_base=23000, deployment_path=os.path.join(REPO_ROOT, "examples", "local-deployment.yaml"),
+        str(tmp_path_factory.mktemp("fuzz")),
+        nodes=2,
+        controller_port=free_port(),
+        heartbeat_interval=0.5,
+        engine_port_base=23000,
+        deployment_path=os.path.join(REPO_ROOT, "examples", "local-deployment.yaml"),
     )
     try:
         cluster.start(timeout=90)
@@ -56,7 +65,11 @@ def cluster(tmp_path_factory):
             wait_for(engine_address, timeout=120, interval=0.5, what="a running engine")
         # A standalone engine server: fuzzing the controller and node manager moves the cluster's engines.
         engine, engine_address = start_engine_server(str(tmp_path_factory.mktemp("engine")))
-        yield {"controller": cluster.controller_address, "node": f"127.0.0.1:{cluster.node_ports['node-a']}", "engine": engine_address}
+        yield {
+            "controller": cluster.controller_address,
+            "node": f"127.0.0.1:{cluster.node_ports['node-a']}",
+            "engine": engine_address,
+        }
         engine.stop()
     finally:
         problems = cluster.stop()
@@ -78,9 +91,13 @@ def test_random_requests_get_a_clear_answer_and_the_server_keeps_serving(cluster
     path = f"/{method.containing_service.full_name}/{method.name}"
     with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 * 1024 * 1024)]) as channel:
         if method.server_streaming:
-            call = channel.unary_stream(path, request_serializer=request_type.SerializeToString, response_deserializer=response_type.FromString)
+            call = channel.unary_stream(
+                path, request_serializer=request_type.SerializeToString, response_deserializer=response_type.FromString
+            )
         else:
-            call = channel.unary_unary(path, request_serializer=request_type.SerializeToString, response_deserializer=response_type.FromString)
+            call = channel.unary_unary(
+                path, request_serializer=request_type.SerializeToString, response_deserializer=response_type.FromString
+            )
 
         @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         @given(messages(method.input_type))
@@ -102,7 +119,8 @@ def test_random_requests_get_a_clear_answer_and_the_server_keeps_serving(cluster
                     return
                 assert code not in BROKEN, f"{method.name}({request!r:.300}) -> {code.name}: {details}"
                 assert not names or leading_field(method.input_type, details), (
-                    f"{method.name} -> {code.name}: {details[:300]!r} does not start with a field of {method.input_type.name}"
+                    f"{method.name} -> {code.name}: {details[:300]!r} does not start with a field of "
+                    f"{method.input_type.name}"
                 )
 
         one_request()
@@ -144,6 +162,7 @@ def _field(number: int, payload: bytes) -> bytes:  # a length-delimited protobuf
             out += bytes([low | (0x80 if n else 0)])
             if not n:
                 return out
+
     return varint(number << 3 | 2) + varint(len(payload)) + payload
 
 
@@ -162,20 +181,33 @@ def test_deep_nesting_is_refused_naming_the_field_and_the_limit(cluster):
     """Hostile F8: deep JSON once ended in RecursionError and a deep Struct in DecodeError (UNKNOWN)."""
     node = cluster["node"]
     with grpc.insecure_channel(node) as channel:
-        start = channel.unary_unary("/motor.v1.NodeManagerService/StartEngine",
-                                    request_serializer=node_manager_pb2.StartEngineRequest.SerializeToString)
+        start = channel.unary_unary(
+            "/motor.v1.NodeManagerService/StartEngine",
+            request_serializer=node_manager_pb2.StartEngineRequest.SerializeToString,
+        )
         for depth in (33, 990, 100_000):
-            config = '{"motor_engine_prefill_config": {"engine_type": "sim", "engine_args": {"x": ' + "[" * depth + "]" * depth + "}}}"
-            request = node_manager_pb2.StartEngineRequest(spec=types_pb2.EngineSpec(
-                instance_id="deep-0", role=types_pb2.ROLE_PREFILL, config_json=config, generation=1))
+            config = (
+                '{"motor_engine_prefill_config": {"engine_type": "sim", "engine_args": {"x": '
+                + "[" * depth
+                + "]" * depth
+                + "}}}"
+            )
+            request = node_manager_pb2.StartEngineRequest(
+                spec=types_pb2.EngineSpec(
+                    instance_id="deep-0", role=types_pb2.ROLE_PREFILL, config_json=config, generation=1
+                )
+            )
             with pytest.raises(grpc.RpcError) as refused:
                 start(request, timeout=20)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
             assert refused.value.details() == "spec.config_json: nested deeper than 32 levels"
     with grpc.insecure_channel(cluster["controller"]) as channel:
         apply = channel.unary_unary("/motor.v1.ControllerService/ApplyDeployment")
-        for depth, says in [(31, "engine_config: nested deeper than 32 levels"),
-                            (60, "request could not be decoded: "), (400, "a message nests at most 100 levels")]:
+        for depth, says in [
+            (31, "engine_config: nested deeper than 32 levels"),
+            (60, "request could not be decoded: "),
+            (400, "a message nests at most 100 levels"),
+        ]:
             with pytest.raises(grpc.RpcError) as refused:
                 apply(_apply_with_engine_config_depth(depth), timeout=20)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
@@ -189,12 +221,23 @@ def test_the_field_check_wants_a_field_path_first_not_a_word_anywhere():
     heartbeat = controller_pb2.HeartbeatRequest.DESCRIPTOR
     apply = controller_pb2.ApplyDeploymentRequest.DESCRIPTOR
     start = node_manager_pb2.StartEngineRequest.DESCRIPTOR
-    assert leading_field(heartbeat, "engines[1].spec.host '\\x00' holds the control character") == "engines[1].spec.host"
+    assert (
+        leading_field(heartbeat, "engines[1].spec.host '\\x00' holds the control character") == "engines[1].spec.host"
+    )
     assert leading_field(heartbeat, "node_id 'n' is not registered") == "node_id"
     assert leading_field(heartbeat, "engines: node 'n' reports 2000 engines") == "engines"
     assert leading_field(apply, "invalid deployment: instance_groups[0].name: 'X' must be") == "instance_groups[0].name"
-    assert leading_field(apply, "invalid deployment: engine_config.motor_engine_union_config: required") == "engine_config.motor_engine_union_config"
+    assert (
+        leading_field(apply, "invalid deployment: engine_config.motor_engine_union_config: required")
+        == "engine_config.motor_engine_union_config"
+    )
     assert leading_field(start, "spec.config_json: nested deeper than 32 levels") == "spec.config_json"
-    for vague in ("node 'n': generation 3 is stale (state READY, error none)", "invalid argument: node_id",
-                  "engines[0].nonsense 'x'", "deployment: required", "Node_id x", ""):
+    for vague in (
+        "node 'n': generation 3 is stale (state READY, error none)",
+        "invalid argument: node_id",
+        "engines[0].nonsense 'x'",
+        "deployment: required",
+        "Node_id x",
+        "",
+    ):
         assert leading_field(heartbeat, vague) is None, vague

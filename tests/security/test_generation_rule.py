@@ -27,24 +27,40 @@ def test_bogus_generations_and_epochs_cannot_poison_a_node_manager(make_cluster)
         running = attacker.ListEngines(node_manager_pb2.ListEnginesRequest(), timeout=5).engines[0]
 
         def bogus(generation: int, epoch: int = 0) -> node_manager_pb2.StartEngineRequest:
-            spec = T.EngineSpec(instance_id="u-1", dp_rank=0, role=running.spec.role, config_json=running.spec.config_json,
-                                generation=generation)
+            spec = T.EngineSpec(
+                instance_id="u-1",
+                dp_rank=0,
+                role=running.spec.role,
+                config_json=running.spec.config_json,
+                generation=generation,
+            )
             return node_manager_pb2.StartEngineRequest(spec=spec, controller_epoch=epoch)
 
-        for request, code, field in ((bogus(2**63), grpc.StatusCode.UNAVAILABLE, "spec.generation"),
-                                     (bogus(1, epoch=2**63), grpc.StatusCode.UNAVAILABLE, "controller_epoch")):
+        for request, code, field in (
+            (bogus(2**63), grpc.StatusCode.UNAVAILABLE, "spec.generation"),
+            (bogus(1, epoch=2**63), grpc.StatusCode.UNAVAILABLE, "controller_epoch"),
+        ):
             with pytest.raises(grpc.RpcError) as refused:
                 attacker.StartEngine(request, timeout=10)
             assert refused.value.code() == code and refused.value.details().startswith(field), refused.value.details()
-        assert [e.engine_id for e in attacker.ListEngines(node_manager_pb2.ListEnginesRequest(), timeout=5).engines] == ["u-0/rank0"]
+        assert [
+            e.engine_id for e in attacker.ListEngines(node_manager_pb2.ListEnginesRequest(), timeout=5).engines
+        ] == ["u-0/rank0"]
         # Within the limit the controller announced, a start is obeyed (in plaintext anyone may),
         # but the controller stops the copy and issues its own generations above it.
         planted = attacker.StartEngine(bogus(1 << 20), timeout=10).engine
         assert planted.spec.generation == 1 << 20
-    wait_for(lambda: any(e.type == C.EVENT_TYPE_ENGINE_FENCED and e.engine_id == "u-1/rank0" for e in cluster.events()),
-             timeout=30, interval=0.2, what="the planted copy fenced", detail=cluster.describe)
+    wait_for(
+        lambda: any(e.type == C.EVENT_TYPE_ENGINE_FENCED and e.engine_id == "u-1/rank0" for e in cluster.events()),
+        timeout=30,
+        interval=0.2,
+        what="the planted copy fenced",
+        detail=cluster.describe,
+    )
     apply(cluster, sim_deployment(count=2))
-    wait_for(lambda: cluster.all_ready(2), timeout=60, interval=0.2, what="both instances READY", detail=cluster.describe)
+    wait_for(
+        lambda: cluster.all_ready(2), timeout=60, interval=0.2, what="both instances READY", detail=cluster.describe
+    )
     instances = cluster.instances()
     assert instances["u-1"].restarts == 0 and instances["u-1"].engines[0].generation > 1 << 20, cluster.describe()
     assert not [e for e in cluster.events() if e.type == C.EVENT_TYPE_ENGINE_FAILED], cluster.describe()

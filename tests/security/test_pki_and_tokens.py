@@ -20,7 +20,9 @@ from tests.support import REPO_ROOT
 
 def motorctl(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": REPO_ROOT}
-    return subprocess.run([sys.executable, "-m", "motorctl.cli", *args], capture_output=True, text=True, env=env, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "motorctl.cli", *args], capture_output=True, text=True, env=env, timeout=60
+    )
 
 
 def _load(path: str) -> x509.Certificate:
@@ -35,7 +37,19 @@ def test_motorctl_pki_init_and_issue_make_a_verifiable_certificate_with_the_iden
     assert made.returncode == 0, made.stderr
     again = motorctl("pki", "init", "--dir", directory)
     assert again.returncode == 2 and "already holds a CA" in again.stderr
-    issued = motorctl("pki", "issue", "node-a", "--dir", directory, "--identity", "node/node-a", "--host", "localhost", "--host", "10.0.0.7")
+    issued = motorctl(
+        "pki",
+        "issue",
+        "node-a",
+        "--dir",
+        directory,
+        "--identity",
+        "node/node-a",
+        "--host",
+        "localhost",
+        "--host",
+        "10.0.0.7",
+    )
     assert issued.returncode == 0, issued.stderr
     assert "spiffe://motor/node/node-a" in issued.stdout
 
@@ -51,7 +65,15 @@ def test_motorctl_pki_init_and_issue_make_a_verifiable_certificate_with_the_iden
         assert stat.S_IMODE(os.stat(f"{directory}/{secret}").st_mode) == 0o600
 
 
-@pytest.mark.parametrize("identity, message", [("node/Node-A", "lowercase"), ("node/nl\n", "lowercase"), ("admin/x", "not one of"), ("controller/x", "takes no name")])
+@pytest.mark.parametrize(
+    "identity, message",
+    [
+        ("node/Node-A", "lowercase"),
+        ("node/nl\n", "lowercase"),
+        ("admin/x", "not one of"),
+        ("controller/x", "takes no name"),
+    ],
+)
 @pytest.mark.processes
 def test_motorctl_pki_issue_refuses_a_bad_identity(tmp_path, identity, message):
     directory = str(tmp_path)
@@ -82,8 +104,16 @@ def test_identities_parse_only_motor_uris_of_the_trust_domain():
     assert identity_from_uri("spiffe://motor/node/node-a") == Identity("node", "node-a")
     assert identity_from_uri("spiffe://motor/controller") == Identity("controller")
     assert identity_from_uri("spiffe://example.org/node/node-a") is None
-    assert identity_from_uri("spiffe://example.org/node/node-a", trust_domain="example.org") == Identity("node", "node-a")
-    for bad in ("spiffe://motor/node/", "spiffe://motor/node/a/b", "spiffe://motor/root", "https://motor/node/a", "spiffe://motor/node/a\n"):
+    assert identity_from_uri("spiffe://example.org/node/node-a", trust_domain="example.org") == Identity(
+        "node", "node-a"
+    )
+    for bad in (
+        "spiffe://motor/node/",
+        "spiffe://motor/node/a/b",
+        "spiffe://motor/root",
+        "https://motor/node/a",
+        "spiffe://motor/node/a\n",
+    ):
         assert identity_from_uri(bad) is None, bad
     with pytest.raises(InvalidArgument):
         Identity("node", "NODE")
@@ -111,8 +141,10 @@ def test_tokens_match_exactly_and_the_file_is_reread_when_it_changes(tmp_path):
 
     time.sleep(0.01)  # the viewer's token pasted under a new operator name: refused, previous kept
     with open(path, "w") as handle:
-        handle.write(f"tokens: [{{name: carol, roles: [viewer], token: {second['carol']}}}, "
-                     f"{{name: mallory, roles: [operator], token: {second['carol']}}}]\n")
+        handle.write(
+            f"tokens: [{{name: carol, roles: [viewer], token: {second['carol']}}}, "
+            f"{{name: mallory, roles: [operator], token: {second['carol']}}}]\n"
+        )
     assert store.lookup(second["carol"]).roles == ["viewer"]
 
 
@@ -122,10 +154,17 @@ def test_tokens_match_exactly_and_the_file_is_reread_when_it_changes(tmp_path):
         ("tokens: [{name: a, roles: [admin], token: 0123456789abcdef}]", "tokens[0].roles[0]"),
         ("tokens: [{name: a, roles: [viewer], token: short}]", "tokens[0].token"),
         ("tokens: [{name: a, roles: [], token: 0123456789abcdef}]", "tokens[0].roles"),
-        ("tokens: [{name: a, roles: [viewer], token: 0123456789abcdef}, {name: a, roles: [viewer], token: 0123456789abcdeg}]", "appear twice"),
+        (
+            "tokens: [{name: a, roles: [viewer], token: 0123456789abcdef}, {name: a, roles: [viewer], token: "
+            "0123456789abcdeg}]",
+            "appear twice",
+        ),
         ("tokens: [{name: a, roles: [viewer], token: '0123456789 abcdef'}]", "no spaces"),
-        ("tokens: [{name: bob, roles: [viewer], token: 0123456789abcdef}, {name: alice, roles: [operator], token: 0123456789abcdef}]",
-         "bob and alice have the same token"),
+        (
+            "tokens: [{name: bob, roles: [viewer], token: 0123456789abcdef}, {name: alice, roles: [operator], token: "
+            "0123456789abcdef}]",
+            "bob and alice have the same token",
+        ),
     ],
 )
 def test_a_bad_tokens_file_is_refused_naming_the_field(tmp_path, body, named):

@@ -4,10 +4,10 @@ instead of every engine exiting 2 later (each exit spent against the crash-loop 
 
 from __future__ import annotations
 
-import pytest
-
 import os
 import signal
+
+import pytest
 
 from tests.node_manager.test_node_id_refused import node_manager_process
 from tests.support import wait_for
@@ -16,8 +16,9 @@ pytestmark = pytest.mark.processes
 
 
 def test_a_non_loopback_host_without_tls_is_refused_at_start(tmp_path):
-    process = node_manager_process(tmp_path, "--node-id", "node-a", "--host", "192.0.2.2", "--controller", "127.0.0.1:1",
-                                   "--metrics-port", "0")
+    process = node_manager_process(
+        tmp_path, "--node-id", "node-a", "--host", "192.0.2.2", "--controller", "127.0.0.1:1", "--metrics-port", "0"
+    )
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 2, output
     assert "host: 192.0.2.2" in output and "is not a loopback address and TLS is off" in output, output
@@ -26,8 +27,18 @@ def test_a_non_loopback_host_without_tls_is_refused_at_start(tmp_path):
 
 
 def test_with_insecure_it_starts_and_warns(tmp_path):
-    process = node_manager_process(tmp_path, "--node-id", "node-a", "--host", "192.0.2.2", "--controller", "127.0.0.1:1",
-                                   "--metrics-port", "0", "--insecure")
+    process = node_manager_process(
+        tmp_path,
+        "--node-id",
+        "node-a",
+        "--host",
+        "192.0.2.2",
+        "--controller",
+        "127.0.0.1:1",
+        "--metrics-port",
+        "0",
+        "--insecure",
+    )
     try:
         port_file = tmp_path / "node" / "node_manager.port"
         wait_for(lambda: port_file.exists() or process.poll() is not None, timeout=60, what="the node manager serving")

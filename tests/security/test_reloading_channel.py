@@ -18,12 +18,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.x509.oid import NameOID
 
-from motor.security.channels import ReloadingChannel
 from motor.errors import ConfigError
-from motor.service.grpc_server import TlsFiles
+from motor.security.channels import ReloadingChannel
 from motor.security.identity import Identity
 from motor.security.pki import CertificateAuthority, write_atomically
 from motor.security.tls import TlsFileWatch
+from motor.service.grpc_server import TlsFiles
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
 Stub = controller_pb2_grpc.ControllerServiceStub
@@ -32,11 +32,16 @@ Stub = controller_pb2_grpc.ControllerServiceStub
 @pytest.fixture
 def client_files(dev_pki, tmp_path) -> TlsFiles:
     """The viewer's files, copied: the test rotates them."""
-    return TlsFiles(cert=shutil.copy(dev_pki.cert("viewer"), tmp_path), key=shutil.copy(dev_pki.key("viewer"), tmp_path),
-                    ca=shutil.copy(dev_pki.ca, tmp_path))
+    return TlsFiles(
+        cert=shutil.copy(dev_pki.cert("viewer"), tmp_path),
+        key=shutil.copy(dev_pki.key("viewer"), tmp_path),
+        ca=shutil.copy(dev_pki.ca, tmp_path),
+    )
 
 
-async def test_a_rotated_client_certificate_makes_a_new_channel_and_calls_on_the_old_one_finish(mtls_server, dev_pki, client_files, tmp_path):
+async def test_a_rotated_client_certificate_makes_a_new_channel_and_calls_on_the_old_one_finish(
+    mtls_server, dev_pki, client_files, tmp_path
+):
     kept = ReloadingChannel(f"localhost:{mtls_server.port}", client_files)
     try:
         first = kept.stub(Stub)
@@ -65,7 +70,9 @@ async def test_a_rotated_client_certificate_makes_a_new_channel_and_calls_on_the
         await kept.close()
 
 
-async def test_a_half_written_rotation_keeps_the_channel_until_the_key_lands(mtls_server, dev_pki, client_files, caplog):
+async def test_a_half_written_rotation_keeps_the_channel_until_the_key_lands(
+    mtls_server, dev_pki, client_files, caplog
+):
     kept = ReloadingChannel(f"localhost:{mtls_server.port}", client_files)
     try:
         stub = kept.stub(Stub)
@@ -110,7 +117,8 @@ async def test_a_deleted_certificate_keeps_the_channel_and_is_said_once(mtls_ser
         errors = await _calls_on_the_kept_channel(kept, stub, caplog)
         assert len(errors) == 1 and client_files.cert in errors[0] and "No such file" in errors[0], errors
         CertificateAuthority.load(dev_pki.directory).issue(Identity("viewer", "viewer"), []).save(
-            os.path.dirname(client_files.cert), "viewer")
+            os.path.dirname(client_files.cert), "viewer"
+        )
         assert kept.stub(Stub) is not stub and kept.replaced == 1
         await kept.stub(Stub).ListNodes(controller_pb2.ListNodesRequest(), timeout=10)
     finally:
@@ -121,23 +129,29 @@ async def test_a_rotation_to_an_expired_certificate_keeps_the_last_good_one(mtls
     kept = ReloadingChannel(f"localhost:{mtls_server.port}", client_files)
     try:
         stub = kept.stub(Stub)
-        long_ago = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=10)
-        CertificateAuthority.load(dev_pki.directory).issue(Identity("viewer", "viewer"), [], days=1, not_before=long_ago).save(
-            os.path.dirname(client_files.cert), "viewer")
+        long_ago = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=10)
+        CertificateAuthority.load(dev_pki.directory).issue(
+            Identity("viewer", "viewer"), [], days=1, not_before=long_ago
+        ).save(os.path.dirname(client_files.cert), "viewer")
         errors = await _calls_on_the_kept_channel(kept, stub, caplog)
         assert len(errors) == 1 and f"cert: {client_files.cert!r} expired on" in errors[0], errors
     finally:
         await kept.close()
 
 
-async def test_a_rotation_to_a_certificate_of_a_ca_outside_the_bundle_keeps_the_last_good_one(mtls_server, client_files, caplog):
+async def test_a_rotation_to_a_certificate_of_a_ca_outside_the_bundle_keeps_the_last_good_one(
+    mtls_server, client_files, caplog
+):
     kept = ReloadingChannel(f"localhost:{mtls_server.port}", client_files)
     try:
         stub = kept.stub(Stub)
         stranger = CertificateAuthority.create("stranger")
         stranger.issue(Identity("viewer", "viewer"), []).save(os.path.dirname(client_files.cert), "viewer")
         errors = await _calls_on_the_kept_channel(kept, stub, caplog)
-        assert len(errors) == 1 and f"cert: {client_files.cert!r} is not issued by a CA of {client_files.ca!r}" in errors[0], errors
+        assert (
+            len(errors) == 1
+            and f"cert: {client_files.cert!r} is not issued by a CA of {client_files.ca!r}" in errors[0]
+        ), errors
         assert "CN=stranger" in errors[0]
         # The bundle now holds its CA too (a CA rotation's first step): the certificate is taken.
         with open(client_files.ca, "ab") as bundle:
@@ -168,7 +182,11 @@ def _key_of_an_unknown_algorithm() -> bytes:
     answers UnsupportedAlgorithm, which is neither ValueError nor TypeError."""
     algorithm = b"\x30\x05\x06\x03\x2a\x03\x04"
     body = b"\x02\x01\x00" + algorithm + b"\x04\x04\x04\x02\x00\x00"
-    return b"-----BEGIN PRIVATE KEY-----\n" + base64.encodebytes(b"\x30" + bytes([len(body)]) + body) + b"-----END PRIVATE KEY-----\n"
+    return (
+        b"-----BEGIN PRIVATE KEY-----\n"
+        + base64.encodebytes(b"\x30" + bytes([len(body)]) + body)
+        + b"-----END PRIVATE KEY-----\n"
+    )
 
 
 async def test_a_rotation_to_a_key_of_an_unknown_algorithm_keeps_the_last_good_one(mtls_server, client_files, caplog):
@@ -208,9 +226,16 @@ def test_an_unexpected_failure_reading_rotated_files_keeps_the_last_good_ones(cl
 def _self_signed(key) -> bytes:
     """A certificate of `key`'s public key, signed by it (Ed25519 signs with no hash)."""
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "odd")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-               .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1)))
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(1)
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=1))
+    )
     algorithm = None if isinstance(key, ed25519.Ed25519PrivateKey) else hashes.SHA256()
     return builder.sign(key, algorithm).public_bytes(serialization.Encoding.PEM)
 
@@ -222,19 +247,26 @@ def test_a_key_grpc_cannot_sign_handshakes_with_is_a_config_error_naming_the_fil
     key = ed25519.Ed25519PrivateKey.generate() if kind == "ed25519" else ec.generate_private_key(ec.SECP521R1())
     cert_path, key_path = str(tmp_path / "odd.crt"), str(tmp_path / "odd.key")
     write_atomically(cert_path, _self_signed(key))
-    write_atomically(key_path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                 serialization.NoEncryption()))
-    with pytest.raises(ConfigError, match=f"key: {re.escape(repr(key_path))} .*use an RSA key or an ECDSA key on P-256 or P-384"):
+    write_atomically(
+        key_path,
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+    )
+    with pytest.raises(
+        ConfigError, match=f"key: {re.escape(repr(key_path))} .*use an RSA key or an ECDSA key on P-256 or P-384"
+    ):
         TlsFileWatch(cert_path, key_path, None)
 
 
-async def test_a_rotation_to_a_certificate_not_valid_yet_keeps_the_last_good_one(mtls_server, dev_pki, client_files, caplog):
+async def test_a_rotation_to_a_certificate_not_valid_yet_keeps_the_last_good_one(
+    mtls_server, dev_pki, client_files, caplog
+):
     kept = ReloadingChannel(f"localhost:{mtls_server.port}", client_files)
     try:
         stub = kept.stub(Stub)
-        tomorrow = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=1)
+        tomorrow = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=1)
         CertificateAuthority.load(dev_pki.directory).issue(Identity("viewer", "viewer"), [], not_before=tomorrow).save(
-            os.path.dirname(client_files.cert), "viewer")
+            os.path.dirname(client_files.cert), "viewer"
+        )
         errors = await _calls_on_the_kept_channel(kept, stub, caplog)
         assert len(errors) == 1 and f"cert: {client_files.cert!r} is not valid before" in errors[0], errors
     finally:

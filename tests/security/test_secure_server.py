@@ -19,9 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from motor.security.access import AccessPolicy
-from motor.service.grpc_server import TlsFiles, aio_channel
 from motor.security.identity import Identity
 from motor.security.pki import CertificateAuthority
+from motor.service.grpc_server import TlsFiles, aio_channel
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from tests.security.conftest import client, mtls_files, policy, serve, token_of
 from tests.support import async_wait_for, require
@@ -54,7 +54,9 @@ async def test_mtls_refuses_a_client_without_a_valid_certificate(mtls_server, de
 
 
 @pytest.mark.parametrize("presented", ["no-identity", "foreign-domain"])
-async def test_a_verified_certificate_without_a_motor_identity_is_unauthenticated(mtls_server, dev_pki, odd_certs, presented):
+async def test_a_verified_certificate_without_a_motor_identity_is_unauthenticated(
+    mtls_server, dev_pki, odd_certs, presented
+):
     cert, key = odd_certs[presented]
     async with aio_channel(f"localhost:{mtls_server.port}", TlsFiles(cert=cert, key=key, ca=dev_pki.ca)) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -88,7 +90,9 @@ async def test_health_stays_open_and_reflection_is_a_setting(dev_pki, token_serv
         watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=10)
         assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
         watch.cancel()
-    quiet = await serve(TlsFiles(cert=dev_pki.cert("controller"), key=dev_pki.key("controller")), policy(dev_pki), reflection=False)
+    quiet = await serve(
+        TlsFiles(cert=dev_pki.cert("controller"), key=dev_pki.key("controller")), policy(dev_pki), reflection=False
+    )
     try:
         for port, offered in [(token_server.port, True), (quiet.port, False)]:
             async with client(dev_pki, port) as channel:
@@ -121,7 +125,10 @@ async def test_plaintext_mode_gives_every_caller_every_role(dev_pki):
 async def test_streams_per_caller_are_limited_and_released(dev_pki):
     served = await serve(mtls_files(dev_pki), policy(dev_pki, max_streams_per_caller=2))
     try:
-        async with client(dev_pki, served.port, "viewer") as viewer, client(dev_pki, served.port, "operator") as operator:
+        async with (
+            client(dev_pki, served.port, "viewer") as viewer,
+            client(dev_pki, served.port, "operator") as operator,
+        ):
             streams = [_stub(viewer).WatchEvents(controller_pb2.WatchEventsRequest()) for _ in range(2)]
             for stream in streams:
                 await stream.read()
@@ -129,12 +136,17 @@ async def test_streams_per_caller_are_limited_and_released(dev_pki):
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await third.read()
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "max_streams_per_caller=2" in refused.value.details() and "spiffe://motor/viewer/viewer" in refused.value.details()
+            assert (
+                "max_streams_per_caller=2" in refused.value.details()
+                and "spiffe://motor/viewer/viewer" in refused.value.details()
+            )
             other = _stub(operator).WatchEvents(controller_pb2.WatchEventsRequest(), timeout=10)  # another caller
             await other.read()
             other.cancel()
             streams[0].cancel()
-            await async_wait_for(lambda: served.interceptor.open_streams.get("spiffe://motor/viewer/viewer") == 1, what="stream released")
+            await async_wait_for(
+                lambda: served.interceptor.open_streams.get("spiffe://motor/viewer/viewer") == 1, what="stream released"
+            )
             again = _stub(viewer).WatchEvents(controller_pb2.WatchEventsRequest(), timeout=10)
             await again.read()
             again.cancel()
@@ -153,7 +165,11 @@ def _served_certificate(port: int, pki) -> x509.Certificate:
 
 
 async def test_a_rotated_server_certificate_is_served_without_a_restart_and_open_streams_continue(dev_pki, tmp_path):
-    cert, key = CertificateAuthority.load(dev_pki.directory).issue(Identity("controller"), ["localhost"]).save(str(tmp_path), "server")
+    cert, key = (
+        CertificateAuthority.load(dev_pki.directory)
+        .issue(Identity("controller"), ["localhost"])
+        .save(str(tmp_path), "server")
+    )
     served = await serve(TlsFiles(cert=cert, key=key, ca=dev_pki.ca, require_client_cert=True), policy(dev_pki))
     try:
         before = await asyncio.to_thread(_served_certificate, served.port, dev_pki)
@@ -161,7 +177,9 @@ async def test_a_rotated_server_certificate_is_served_without_a_restart_and_open
             stream = _stub(channel).WatchEvents(controller_pb2.WatchEventsRequest())
             await stream.read()
             # Rotate: a new key pair replaces both files (each in one rename).
-            CertificateAuthority.load(dev_pki.directory).issue(Identity("controller"), ["localhost"]).save(str(tmp_path), "server")
+            CertificateAuthority.load(dev_pki.directory).issue(Identity("controller"), ["localhost"]).save(
+                str(tmp_path), "server"
+            )
             after = await asyncio.to_thread(_served_certificate, served.port, dev_pki)
             assert after.serial_number != before.serial_number
             with open(cert, "rb") as handle:
@@ -199,7 +217,11 @@ async def test_an_emptied_or_garbled_ca_bundle_keeps_serving_the_previous_one(de
     new handshake fail with nothing but an INFO line; now it is refused with an ERROR naming it."""
     ca_copy = tmp_path / "ca.crt"
     ca_copy.write_bytes(open(dev_pki.ca, "rb").read())
-    cert, key = CertificateAuthority.load(dev_pki.directory).issue(Identity("controller"), ["localhost"]).save(str(tmp_path), "server")
+    cert, key = (
+        CertificateAuthority.load(dev_pki.directory)
+        .issue(Identity("controller"), ["localhost"])
+        .save(str(tmp_path), "server")
+    )
     served = await serve(TlsFiles(cert=cert, key=key, ca=str(ca_copy), require_client_cert=True), policy(dev_pki))
     try:
         ca_copy.write_bytes(damage)
@@ -207,7 +229,9 @@ async def test_an_emptied_or_garbled_ca_bundle_keeps_serving_the_previous_one(de
             async with client(dev_pki, served.port, "viewer") as channel:
                 await _stub(channel).ListNodes(controller_pb2.ListNodesRequest(), timeout=10)
         errors = [r for r in caplog.records if r.levelname == "ERROR" and "ca.crt" in r.getMessage()]
-        assert len(errors) == 1 and "holds no PEM certificate" in errors[0].getMessage(), [r.getMessage() for r in errors]
+        assert len(errors) == 1 and "holds no PEM certificate" in errors[0].getMessage(), [
+            r.getMessage() for r in errors
+        ]
     finally:
         await served.server.stop(None)
 
@@ -239,17 +263,23 @@ async def test_grpcurl_with_a_client_certificate_or_a_token(dev_pki, mtls_server
     grpcurl = _grpcurl()
 
     async def run(*args: str) -> subprocess.CompletedProcess:
-        return await asyncio.to_thread(subprocess.run, [grpcurl, "-cacert", dev_pki.ca, *args], capture_output=True, text=True, timeout=30)
+        return await asyncio.to_thread(
+            subprocess.run, [grpcurl, "-cacert", dev_pki.ca, *args], capture_output=True, text=True, timeout=30
+        )
 
     viewer_cert = ["-cert", dev_pki.cert("viewer"), "-key", dev_pki.key("viewer")]
     listed = await run(*viewer_cert, f"localhost:{mtls_server.port}", "motor.v1.ControllerService/ListNodes")
     assert listed.returncode == 0, listed.stderr
     assert json.loads(listed.stdout) == {}
-    applied = await run(*viewer_cert, "-d", "{}", f"localhost:{mtls_server.port}", "motor.v1.ControllerService/ApplyDeployment")
+    applied = await run(
+        *viewer_cert, "-d", "{}", f"localhost:{mtls_server.port}", "motor.v1.ControllerService/ApplyDeployment"
+    )
     assert applied.returncode != 0 and "PermissionDenied" in applied.stderr and "needs role operator" in applied.stderr
 
     bearer = ["-H", f"authorization: Bearer {token_of(dev_pki, 'operator')}"]
-    applied = await run(*bearer, "-d", "{}", f"127.0.0.1:{token_server.port}", "motor.v1.ControllerService/ApplyDeployment")
+    applied = await run(
+        *bearer, "-d", "{}", f"127.0.0.1:{token_server.port}", "motor.v1.ControllerService/ApplyDeployment"
+    )
     assert applied.returncode == 0, applied.stderr
     anonymous = await run(f"127.0.0.1:{token_server.port}", "motor.v1.ControllerService/ListNodes")
     assert anonymous.returncode != 0 and "Unauthenticated" in anonymous.stderr
@@ -257,7 +287,9 @@ async def test_grpcurl_with_a_client_certificate_or_a_token(dev_pki, mtls_server
 
 
 @pytest.mark.parametrize("method", ["ListNodes", "StreamHeartbeats"])
-async def test_an_undecodable_request_from_anyone_is_invalid_argument_not_unknown(token_server, mtls_server, dev_pki, method):
+async def test_an_undecodable_request_from_anyone_is_invalid_argument_not_unknown(
+    token_server, mtls_server, dev_pki, method
+):
     """gRPC decodes a unary request before any interceptor runs, so even a caller without a token
     gets the decoding answer (it used to be UNKNOWN, 'Wire format was corrupt'); a stream is
     authenticated when it opens, before its first message is read."""

@@ -27,7 +27,9 @@ def vllm_arguments() -> set[str]:
 
 def test_every_vllm_argument_is_either_allowed_or_refused_with_a_reason(vllm_arguments):
     unreviewed = vllm_arguments - VLLM_REQUEST_ARGS - set(VLLM_REFUSED_ARGS)
-    assert not unreviewed, f"vLLM arguments in neither list of motor/contract/vllm_request_args.py: {sorted(unreviewed)}"
+    assert not unreviewed, (
+        f"vLLM arguments in neither list of motor/contract/vllm_request_args.py: {sorted(unreviewed)}"
+    )
     assert not VLLM_REQUEST_ARGS & set(VLLM_REFUSED_ARGS)
 
 

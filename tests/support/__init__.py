@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 
@@ -51,7 +52,9 @@ def wait_for(
         except Exception as exc:  # the condition may not be checkable yet
             last_error = exc
         time.sleep(interval)
-    message = f"timed out after {timeout}s waiting for {what or predicate}" + (f" (last error: {last_error!r})" if last_error else "")
+    message = f"timed out after {timeout}s waiting for {what or predicate}" + (
+        f" (last error: {last_error!r})" if last_error else ""
+    )
     raise AssertionError(message + ("\n" + detail() if detail else ""))
 
 
@@ -71,4 +74,7 @@ async def async_wait_for(
         except Exception as exc:
             last_error = exc
         await asyncio.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}" + (f" (last error: {last_error!r})" if last_error else ""))
+    raise AssertionError(
+        f"timed out after {timeout}s waiting for {what or predicate}"
+        + (f" (last error: {last_error!r})" if last_error else "")
+    )

@@ -37,7 +37,9 @@ def deployment(instances: int, dp: int, model: str = "sim-tiny") -> C.Deployment
     """`instances` instances of `dp` ranks; a different `model` replaces every instance."""
     d = C.Deployment(name="big", model=model)
     d.engine_config.update({"motor_engine_union_config": {"engine_type": "sim"}})
-    d.instance_groups.add(name="u", role=T.ROLE_UNION, count=instances, data_parallel_size=dp, accelerators_per_engine=1)
+    d.instance_groups.add(
+        name="u", role=T.ROLE_UNION, count=instances, data_parallel_size=dp, accelerators_per_engine=1
+    )
     return d
 
 
@@ -55,8 +57,13 @@ class _FakeNodeManager(node_manager_pb2_grpc.NodeManagerServiceServicer):
         spec = T.EngineSpec()
         spec.CopyFrom(request.spec)
         spec.port, spec.mgmt_port = self.port, self.port + 1
-        engine = T.Engine(engine_id=f"{spec.instance_id}/rank{spec.dp_rank}", spec=spec, state=T.ENGINE_STATE_RUNNING,
-                          health=T.HEALTH_STATUS_NORMAL, pid=1)
+        engine = T.Engine(
+            engine_id=f"{spec.instance_id}/rank{spec.dp_rank}",
+            spec=spec,
+            state=T.ENGINE_STATE_RUNNING,
+            health=T.HEALTH_STATUS_NORMAL,
+            pid=1,
+        )
         return node_manager_pb2.StartEngineResponse(engine=engine)
 
     async def StopEngine(self, request, context):
@@ -98,8 +105,15 @@ class Beats:
 class BigFleet:
     """A controller process, the fake node manager process and `nodes` heartbeating nodes."""
 
-    def __init__(self, nodes: int = 100, accelerators: int = 400, heartbeat: float = 0.5, grace: float = 2.5,
-                 store_args: list[str] | None = None, work: str | None = None):
+    def __init__(
+        self,
+        nodes: int = 100,
+        accelerators: int = 400,
+        heartbeat: float = 0.5,
+        grace: float = 2.5,
+        store_args: list[str] | None = None,
+        work: str | None = None,
+    ):
         self.work = work or tempfile.mkdtemp(prefix="motor-big-")
         self.nodes, self.accelerators, self.heartbeat, self.grace = nodes, accelerators, heartbeat, grace
         self.store_args = store_args or ["--db", os.path.join(self.work, "controller.db")]
@@ -122,23 +136,44 @@ class BigFleet:
         self._spawn([sys.executable, "-m", "tests.support.big_fleet", port_file, self.counts_file], "fake-node-manager")
         self.port, self.metrics_port = free_port(), free_port()
         controller = os.path.join(os.path.dirname(sys.executable), "motor-controller")
-        self.controller = self._spawn([
-            controller, "--listen", f"127.0.0.1:{self.port}", *self.store_args,
-            "--heartbeat-interval", str(self.heartbeat), "--node-grace", str(self.grace), "--recheck-timeout", "1",
-            "--metrics-port", str(self.metrics_port), "--log-level", "WARNING",
-        ], "controller")
+        self.controller = self._spawn(
+            [
+                controller,
+                "--listen",
+                f"127.0.0.1:{self.port}",
+                *self.store_args,
+                "--heartbeat-interval",
+                str(self.heartbeat),
+                "--node-grace",
+                str(self.grace),
+                "--recheck-timeout",
+                "1",
+                "--metrics-port",
+                str(self.metrics_port),
+                "--log-level",
+                "WARNING",
+            ],
+            "controller",
+        )
         deadline = time.monotonic() + 60
         while not os.path.exists(port_file):
             if time.monotonic() > deadline:
                 raise TimeoutError("the fake node manager did not start")
             time.sleep(0.05)
         fake_address = f"127.0.0.1:{open(port_file).read()}"
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}", options=[("grpc.max_receive_message_length", 256 << 20)])
+        self.channel = grpc.insecure_channel(
+            f"127.0.0.1:{self.port}", options=[("grpc.max_receive_message_length", 256 << 20)]
+        )
         self.stub = controller_pb2_grpc.ControllerServiceStub(self.channel)
         grpc.channel_ready_future(self.channel).result(timeout=60)
         for n in range(self.nodes):
-            info = C.NodeInfo(node_id=f"node-{n:04d}", address=fake_address, host=f"10.1.{n // 250}.{n % 250 + 1}",
-                              accelerator_ids=list(range(self.accelerators)), accelerator_type="sim")
+            info = C.NodeInfo(
+                node_id=f"node-{n:04d}",
+                address=fake_address,
+                host=f"10.1.{n // 250}.{n % 250 + 1}",
+                accelerator_ids=list(range(self.accelerators)),
+                accelerator_type="sim",
+            )
             reply = self.stub.RegisterNode(C.RegisterNodeRequest(node=info), timeout=30)
             self.generations[info.node_id] = reply.generation
         self._beater = threading.Thread(target=self._beat, name="heartbeats", daemon=True)
@@ -150,8 +185,13 @@ class BigFleet:
             began = time.monotonic()
             sequence += 1
             calls = [
-                (node_id, time.monotonic(), self.stub.Heartbeat.future(
-                    C.HeartbeatRequest(node_id=node_id, generation=generation, sequence=sequence), timeout=10))
+                (
+                    node_id,
+                    time.monotonic(),
+                    self.stub.Heartbeat.future(
+                        C.HeartbeatRequest(node_id=node_id, generation=generation, sequence=sequence), timeout=10
+                    ),
+                )
                 for node_id, generation in self.generations.items()
             ]
             for node_id, sent, call in calls:
@@ -177,8 +217,10 @@ class BigFleet:
         # Only that series: the full /metrics renders every instance and engine on the controller's loop.
         url = f"http://127.0.0.1:{self.metrics_port}/metrics?name[]={name}"
         text = urllib.request.urlopen(url, timeout=60).read().decode()
-        return {float("inf") if le == "+Inf" else float(le): float(value)
-                for le, value in re.findall(re.escape(name) + r'\{le="([^"]+)"' + re.escape(labels) + r'\} (\S+)', text)}
+        return {
+            float("inf") if le == "+Inf" else float(le): float(value)
+            for le, value in re.findall(re.escape(name) + r'\{le="([^"]+)"' + re.escape(labels) + r"\} (\S+)", text)
+        }
 
     def node_reasons(self) -> dict[str, tuple[str, str]]:
         """node id -> (state, reason) as ListNodes shows them."""

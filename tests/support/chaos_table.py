@@ -57,7 +57,15 @@ def render(rows: list[Row] | None = None, outcomes: dict[str, str] | None = None
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in rows:
         recovery = "-" if row.recovery_s is None else f"{row.recovery_s:.1f}"
-        cells = (row.fault, row.false_kills, row.instances_lost, row.running_twice, row.orphans, recovery,
-                 outcomes.get(row.test, "?"), row.note.replace("|", "/"))
+        cells = (
+            row.fault,
+            row.false_kills,
+            row.instances_lost,
+            row.running_twice,
+            row.orphans,
+            recovery,
+            outcomes.get(row.test, "?"),
+            row.note.replace("|", "/"),
+        )
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)

@@ -119,10 +119,27 @@ class VllmServer:
         self.started = time.monotonic()
         self.process = subprocess.Popen(
             [
-                ENGINE_SERVER, "--dp-rank", "0", "--instance-id", f"{role}-0", "--role", role,
-                "--host", "127.0.0.1", "--port", str(self.port), "--mgmt-port", str(self.mgmt_port),
-                "--master-dp-ip", "127.0.0.1", "--config-path", str(self.config_path),
-                "--log-dir", str(tmp_path / "logs"), "--termination-message-path", str(self.termination_path),
+                ENGINE_SERVER,
+                "--dp-rank",
+                "0",
+                "--instance-id",
+                f"{role}-0",
+                "--role",
+                role,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--mgmt-port",
+                str(self.mgmt_port),
+                "--master-dp-ip",
+                "127.0.0.1",
+                "--config-path",
+                str(self.config_path),
+                "--log-dir",
+                str(tmp_path / "logs"),
+                "--termination-message-path",
+                str(self.termination_path),
             ],  # fmt: skip
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -150,7 +167,9 @@ class VllmServer:
 
     def wait_mgmt_up(self) -> None:
         def up():
-            assert self.process.poll() is None, f"engine_server exited with {self.process.returncode}:\n{self.output[-3000:]}"
+            assert self.process.poll() is None, (
+                f"engine_server exited with {self.process.returncode}:\n{self.output[-3000:]}"
+            )
             grpc.channel_ready_future(self.channel).result(timeout=1)
             return True
 
@@ -158,7 +177,9 @@ class VllmServer:
 
     def wait_status(self, wanted: int, timeout: float = START_TIMEOUT) -> types_pb2.EngineStatus:
         def reached():
-            assert self.process.poll() is None, f"engine_server exited with {self.process.returncode}:\n{self.output[-3000:]}"
+            assert self.process.poll() is None, (
+                f"engine_server exited with {self.process.returncode}:\n{self.output[-3000:]}"
+            )
             status = self.status()
             return status if status.status == wanted else None
 

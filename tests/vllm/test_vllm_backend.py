@@ -17,8 +17,8 @@ from engine_server.engines.vllm_probe_filter import (
     is_probe_internal_id,
 )
 from engine_server.engines.vllm_utilization import EngineProgress, EngineProgressSampler
-from motor.errors import ConfigError
 from motor.contract.termination import read_termination_message
+from motor.errors import ConfigError
 from tests.vllm.conftest import ENGINE_SERVER, LEAN_CPU_ARGS, vllm_config
 
 FIELD = "motor_engine_prefill_config.engine_args"
@@ -100,8 +100,11 @@ def test_valid_engine_args_pass(check):
         ({"max_model_len": 1_000_000}, "", "vLLM rejected the configuration"),
         ({"distributed_executor_backend": "ray"}, "distributed_executor_backend", "Ray is not supported"),
         ({"data_parallel_backend": "ray"}, "data_parallel_backend", "use mp"),
-        ({"ssl_certfile": "/tmp/cert.pem", "ssl_keyfile": "/tmp/key.pem"}, "ssl_certfile",
-         "TLS on the inference plane is not supported"),
+        (
+            {"ssl_certfile": "/tmp/cert.pem", "ssl_keyfile": "/tmp/key.pem"},
+            "ssl_certfile",
+            "TLS on the inference plane is not supported",
+        ),
     ],
 )
 def test_bad_engine_args_are_named(check, overrides, field, words):
@@ -118,10 +121,27 @@ def test_engine_server_exits_2_naming_the_bad_engine_arg(tiny_model, vllm_env, t
     config_path.write_text(json.dumps(vllm_config(tiny_model, max_model_len="abc")))
     process = subprocess.run(
         [
-            ENGINE_SERVER, "--dp-rank", "0", "--instance-id", "prefill-0", "--role", "prefill",
-            "--host", "127.0.0.1", "--port", "18999", "--mgmt-port", "18998", "--master-dp-ip", "127.0.0.1",
-            "--config-path", str(config_path), "--log-dir", str(tmp_path / "logs"),
-            "--termination-message-path", str(tmp_path / "termination"),
+            ENGINE_SERVER,
+            "--dp-rank",
+            "0",
+            "--instance-id",
+            "prefill-0",
+            "--role",
+            "prefill",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "18999",
+            "--mgmt-port",
+            "18998",
+            "--master-dp-ip",
+            "127.0.0.1",
+            "--config-path",
+            str(config_path),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--termination-message-path",
+            str(tmp_path / "termination"),
         ],  # fmt: skip
         capture_output=True,
         text=True,
@@ -142,11 +162,20 @@ def test_engine_server_exits_2_naming_the_bad_engine_arg(tiny_model, vllm_env, t
 def test_kv_port_puts_the_nixl_side_channel_on_it(monkeypatch, dp_size, dp_rank, kv_port, expected):
     """Single-container mode: P/D engines sharing a host must not collide on vLLM's default 5600."""
     import vllm.envs as envs
+
     from engine_server.engines.base import EngineOptions
     from engine_server.engines.vllm_args import kv_side_channel_environment
 
-    options = EngineOptions(role="prefill", instance_id="p", dp_rank=dp_rank, host="10.0.0.7", port=8000,
-                            master_dp_ip="10.0.0.7", kv_port=kv_port, engine_args={"data_parallel_size": dp_size})
+    options = EngineOptions(
+        role="prefill",
+        instance_id="p",
+        dp_rank=dp_rank,
+        host="10.0.0.7",
+        port=8000,
+        master_dp_ip="10.0.0.7",
+        kv_port=kv_port,
+        engine_args={"data_parallel_size": dp_size},
+    )
     env = kv_side_channel_environment(options, environ={})
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -154,7 +183,9 @@ def test_kv_port_puts_the_nixl_side_channel_on_it(monkeypatch, dp_size, dp_rank,
     assert envs.VLLM_NIXL_SIDE_CHANNEL_PORT + vllm_rank == expected
     assert envs.VLLM_NIXL_SIDE_CHANNEL_HOST == "10.0.0.7"  # inferred from --host
     # A host the operator set stays; a wildcard --host is no address to give decode engines.
-    assert "VLLM_NIXL_SIDE_CHANNEL_HOST" not in kv_side_channel_environment(options, {"VLLM_NIXL_SIDE_CHANNEL_HOST": "nic0"})
+    assert "VLLM_NIXL_SIDE_CHANNEL_HOST" not in kv_side_channel_environment(
+        options, {"VLLM_NIXL_SIDE_CHANNEL_HOST": "nic0"}
+    )
     options.host = "0.0.0.0"
     assert "VLLM_NIXL_SIDE_CHANNEL_HOST" not in kv_side_channel_environment(options, {})
     options.kv_port = None

@@ -3,7 +3,8 @@
 One shared server (module fixture) runs the non-destructive tests in file order, then the
 destructive ones: a hung engine core, a drain, then SIGTERM. A second server, reporting a busy
 accelerator, checks that a hung engine core still turns ABNORMAL (busy without progress is no
-excuse) and that the engine core's death ends the process within a second; a third (decode role) checks decode probes and that SIGKILL of the
+excuse) and that the engine core's death ends the process within a second; a third (decode role) checks decode probes
+and that SIGKILL of the
 engine server leaves no engine core behind.
 """
 
@@ -96,9 +97,7 @@ def test_probes_every_5s_under_low_utilization(shared):
         timeout=90,
         what="an idle probe round",
     )
-    probes = wait_for(
-        lambda: (p := watcher.probes(since=idle)) and len(p) >= 3 and p, timeout=60, what="three probes"
-    )
+    probes = wait_for(lambda: (p := watcher.probes(since=idle)) and len(p) >= 3 and p, timeout=60, what="three probes")
     for _, probe in probes:
         assert probe.outcome == SUCCESS, probe
         assert probe.next_interval.ToTimedelta().total_seconds() == 5.0, probe
@@ -158,7 +157,9 @@ def test_vllm_metrics_count_only_real_requests(shared):
     model = server_model(server)
     usages = []
     for prompt, max_tokens in (("The quick brown fox", 5), ("Hello, world", 3), ("1", 1)):
-        answer = server.http("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True})
+        answer = server.http(
+            "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+        )
         usages.append(answer["usage"])
     # Client ids that look like probe ids (even the old `{ts}_virtual` form) are counted like any
     # other: only the engine server's own probe ids are filtered.
@@ -216,7 +217,9 @@ def _completion_in_thread(server: VllmServer, max_tokens: int) -> list:
     """Send one completion from a thread; the list gets its answer."""
     answers: list = []
     body = {"model": server_model(server), "prompt": "wait", "max_tokens": max_tokens, "ignore_eos": True}
-    thread = threading.Thread(target=lambda: answers.append(server.http("/v1/completions", body, timeout=180)), daemon=True)
+    thread = threading.Thread(
+        target=lambda: answers.append(server.http("/v1/completions", body, timeout=180)), daemon=True
+    )
     thread.start()
     answers.append(thread)
     return answers

@@ -32,11 +32,24 @@ def make_adapter(folder, base_model: str, hidden: int = 128, layers: int = 2) ->
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(RANK, hidden) * 0.01
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(hidden, RANK) * 0.01
     save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": 16, "lora_dropout": 0.0,
-        "target_modules": ["q_proj", "v_proj"], "bias": "none", "base_model_name_or_path": base_model,
-        "fan_in_fan_out": False, "modules_to_save": None, "use_rslora": False, "use_dora": False,
-    }))
+    (folder / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "r": RANK,
+                "lora_alpha": 16,
+                "lora_dropout": 0.0,
+                "target_modules": ["q_proj", "v_proj"],
+                "bias": "none",
+                "base_model_name_or_path": base_model,
+                "fan_in_fan_out": False,
+                "modules_to_save": None,
+                "use_rslora": False,
+                "use_dora": False,
+            }
+        )
+    )
     return str(folder)
 
 
@@ -50,8 +63,9 @@ def post(server, path: str, body: dict) -> tuple[int, str]:
 def _raw(server, path: str, body: dict) -> str:
     import urllib.request
 
-    request = urllib.request.Request(server.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        server.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=120) as response:
         return response.read().decode()
 

@@ -44,9 +44,14 @@ def stack(tiny_model, vllm_env, tmp_path_factory):
     with the vLLM deployment applied and its engine listed for routers."""
     section = vllm_config(tiny_model)["motor_engine_prefill_config"]
     assert section["drain_timeout"] == DRAIN_TIMEOUT
-    local = LocalCluster(str(tmp_path_factory.mktemp("vllm-stack")), nodes=1, node_id_prefix="vllm",
-                         accelerators_per_node=1, engine_port_base=37000,
-                         extra_node_args=["--model-root", os.path.dirname(tiny_model)])
+    local = LocalCluster(
+        str(tmp_path_factory.mktemp("vllm-stack")),
+        nodes=1,
+        node_id_prefix="vllm",
+        accelerators_per_node=1,
+        engine_port_base=37000,
+        extra_node_args=["--model-root", os.path.dirname(tiny_model)],
+    )
     with pytest.MonkeyPatch.context() as patch:
         for name, value in vllm_env.items():
             patch.setenv(name, value)
@@ -75,8 +80,11 @@ def wait_listed(stub) -> None:
     def listed():
         instances = stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=5).instances
         assert all(i.state != controller_pb2.INSTANCE_STATE_FAILED for i in instances), instances
-        return [e for e in stub.ListEndpoints(controller_pb2.ListEndpointsRequest(), timeout=5).endpoints
-                if e.engine_id == ENGINE]
+        return [
+            e
+            for e in stub.ListEndpoints(controller_pb2.ListEndpointsRequest(), timeout=5).endpoints
+            if e.engine_id == ENGINE
+        ]
 
     def instances() -> str:
         return str(stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=5))
@@ -90,8 +98,12 @@ def engine_on_node(stub) -> types_pb2.Engine:
 
 
 def motorctl(local: LocalCluster, *args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "motorctl.cli", "--controller", local.controller_address, *args],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "motorctl.cli", "--controller", local.controller_address, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -108,13 +120,15 @@ def test_engine_core_kill_fails_the_engine_with_its_own_cause_first_then_it_is_r
     core = engine_core_of(engine.pid)
     os.kill(core.pid, signal.SIGKILL)
 
-    events = wait_for(lambda: engine_failed_events(local), timeout=60, interval=0.5, what="ENGINE_FAILED in motorctl events")
+    events = wait_for(
+        lambda: engine_failed_events(local), timeout=60, interval=0.5, what="ENGINE_FAILED in motorctl events"
+    )
     message = events[-1]["message"]
     # "engine prefill-0/rank0 on vllm-a the engine died: engine-core process ... SIGKILL ...;
     #  exited with code 1 without being asked to stop (while RUNNING); log: ..."
     assert message.startswith(f"engine {ENGINE} on {NODE} the engine died: "), message
     cause = message.index("the engine died")
-    assert "SIGKILL" in message[cause:message.index("without being asked to stop")], message
+    assert "SIGKILL" in message[cause : message.index("without being asked to stop")], message
     assert cause < message.index("exited with code 1 without being asked to stop") < message.index("; log: "), message
     # The engine server waited for (or killed) its whole tree before exiting: the node manager
     # found nothing left to kill. The controller starts a new copy (first restart at once).
