@@ -64,6 +64,8 @@ Everything talks to 127.0.0.1.
     .venv/bin/python bench/controller_scale.py                           # 1000 .. 15000 nodes, both
     .venv/bin/python bench/controller_scale.py --steps 100,200 --window 5 --tls on
     .venv/bin/python bench/controller_scale.py --search 2000,10000 --victims 0   # mTLS vs plaintext, 10%
+    .venv/bin/python bench/controller_scale.py --steps 1000 --tls off --deployments 100  # 100 x 10 instances vs 1 x
+    1000
 """
 
 from __future__ import annotations
@@ -110,13 +112,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 FLEET = os.path.join(HERE, "fleet", "bin", "motor-fleet")
 
 
-def deployment(instances: int) -> C.Deployment:
+def deployment(instances: int, name: str = "scale", prefix: str = "u") -> C.Deployment:
     """One 8-rank instance per node, in groups of at most MAX_COUNT instances (a group's limit)."""
-    d = C.Deployment(name="scale", model="sim-tiny")
+    d = C.Deployment(name=name, model="sim-tiny")
     d.engine_config.update({"motor_engine_union_config": {"engine_type": "sim"}})
     for group, first in enumerate(range(0, instances, MAX_COUNT)):
         d.instance_groups.add(
-            name=f"u{group}" if group else "u",
+            name=f"{prefix}{group}" if group else prefix,
             role=T.ROLE_UNION,
             count=min(MAX_COUNT, instances - first),
             data_parallel_size=ENGINES_PER_NODE,
@@ -124,6 +126,14 @@ def deployment(instances: int) -> C.Deployment:
         )
     d.restart_policy.scope = C.RESTART_SCOPE_RANK  # a failed rank restarts alone
     return d
+
+
+def deployments(instances: int, count: int) -> list[C.Deployment]:
+    """The same instances split evenly over `count` named deployments (--deployments)."""
+    if count <= 1:
+        return [deployment(instances)]
+    sizes = [instances // count + (1 if k < instances % count else 0) for k in range(count)]
+    return [deployment(n, name=f"scale-{k}", prefix=f"d{k}-u") for k, n in enumerate(sizes) if n]
 
 
 def scrape(metrics_port: int, name: str) -> dict[float, float]:
@@ -253,7 +263,11 @@ def step(
     grpc.aio server with `size` connections."""
     began = time.monotonic()
     fleet.ask(f"grow {size}")
-    stub.ApplyDeployment(C.ApplyDeploymentRequest(deployment=deployment(size)), timeout=300)
+    applying = time.monotonic()
+    applied = deployments(size, args.deployments)
+    for d in applied:  # one after another, as `motorctl apply -f A -f B ...`
+        stub.ApplyDeployment(C.ApplyDeploymentRequest(deployment=d), timeout=300)
+    apply_s = time.monotonic() - applying
     while fleet.ask("starts")["starts"] < size * ENGINES_PER_NODE and time.monotonic() - began < args.setup_timeout:
         time.sleep(0.5)
     set_up = time.monotonic()
@@ -294,7 +308,8 @@ def step(
     ok = {"full": heard and cpu <= 100 and rss <= args.floor_ratio * floor_mib and scraped, "latency": heard}
     per_beat_ms = cpu / 100 / seen["rate"] * 1e3 if seen["rate"] else float("nan")
     line = (
-        f"{size:>6} nodes {size * ENGINES_PER_NODE:>6} engines | setup {setup:5.1f}s"
+        f"{size:>6} nodes {size * ENGINES_PER_NODE:>6} engines | {len(applied)} deployment(s) applied in {apply_s:.2f}s"
+        f" | setup {setup:5.1f}s"
         f" | interval {interval:g}s grace {grace:g}s (fleet heard {seen['interval_s']:g}s) | window {window:g}s"
         f" | heartbeats {seen['rate']:7.1f}/s of {expected:.0f}/s ({seen['errors']} failed, {seen['delta_beats']} "
         "deltas"
@@ -569,6 +584,13 @@ def main() -> int:
     )
     parser.add_argument(
         "--setup-timeout", type=float, default=600.0, help="seconds a step may take to start its engines"
+    )
+    parser.add_argument(
+        "--deployments",
+        type=int,
+        default=1,
+        help="split each step's instances over this many named deployments, applied one after another "
+        "(the per-deployment cost: compare with 1 at the same size)",
     )
     parser.add_argument("--keep", action="store_true", help="keep the controller's log and database")
     parser.add_argument("--node-grace", type=float, default=5.0, help="controller --node-grace")

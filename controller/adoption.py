@@ -44,7 +44,7 @@ class Adoption:
         return self.state.keeping_unknown
 
     def loaded(self, stored: StoredState) -> None:
-        self.state.keeping_unknown = stored.deployment is None and stored.revision == 0
+        self.state.keeping_unknown = not stored.deployments and not stored.ever_applied
 
     def adopt(self, instances: Iterable[InstanceRecord]) -> int:
         """The first deployment on a new store: adopt every instance whose ranks all run as it
@@ -90,7 +90,7 @@ class Adoption:
             master = found[0][1].spec.master_dp_ip if found else spec.master_dp_ip  # rank 0's host, for every rank
             if (
                 spec.role != inst.role
-                or spec.config_json != self.state.config_json
+                or spec.config_json != self.state.config_of(inst)
                 or spec.single_container != inst.single_container
                 or spec.master_dp_ip != master
                 or len(spec.accelerator_ids) != inst.accelerators_per_engine

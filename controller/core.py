@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from controller import endpoints, views
 from controller import reported as reported_engine
 from controller.actuator import Actuator
+from controller.adapters import AdapterSync
 from controller.adoption import Adoption
 from controller.beat_pacing import BeatPacing
 from controller.claims import NodeClaims, check_registration
@@ -51,7 +52,6 @@ from controller.store.metrics import MeasuredStore, StoreMetrics
 from controller.validation import check_engine_count, check_reported_engine, check_reported_engines
 from motor.clock import SYSTEM_CLOCK, Clock
 from motor.contract import heartbeats, names, node_process
-from motor.errors import NotFound
 from motor.service.tasks import TaskSet, cancel_and_wait, set_within
 from motor.v1 import controller_pb2, types_pb2
 
@@ -122,6 +122,7 @@ class Controller(views.ClusterReads):
         self.fleet_series = FleetSeries(self.state, lambda: self.monitor.alarm, clock=clock)
         self.claims = NodeClaims(self.state, config, self.monitor, self.metrics.registrations_refused)
         self.node_stores = NodeStoreAlarms(self.events)
+        self.adapters = AdapterSync(self.state, self._spawn)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -130,9 +131,7 @@ class Controller(views.ClusterReads):
         st = self.state
         stored = self.store.load()
         self.adoption.loaded(stored)
-        if stored.deployment is not None:
-            deployment = C.Deployment.FromString(stored.deployment)
-            self.changes.set_deployment(deployment, stored.revision)
+        self.changes.loaded(stored)
         now = self.mono()
         for record in stored.nodes:
             info = C.NodeInfo.FromString(record.info)
@@ -152,8 +151,8 @@ class Controller(views.ClusterReads):
             backoff = heartbeats.MAX_BACKOFF if self.config.startup_grace is None else 0.0
             self.lifecycle.startup_until = now + self.startup_grace() + backoff
         logger.info(
-            "loaded state: deployment revision %d, %d nodes, %d instances, %d engine assignments",
-            self.revision,
+            "loaded state: %d deployment(s), %d nodes, %d instances, %d engine assignments",
+            len(self.changes.deployments),
             len(st.nodes),
             len(st.instances),
             len(st.slots),
@@ -161,9 +160,13 @@ class Controller(views.ClusterReads):
 
     async def start(self) -> None:
         self.load()
+        self.changes.upgrade()  # the leader only: a standby's view loads and never writes
         self._loops = [
             asyncio.create_task(self._monitor_loop(), name="node-monitor"),
             asyncio.create_task(self._reconcile_loop(), name="reconcile"),
+            asyncio.create_task(
+                self._repeat(lambda: asyncio.sleep(0.5), self.adapters.pass_once, "adapter pass"), name="adapters"
+            ),
         ]
 
     async def stop(self) -> None:
@@ -171,6 +174,7 @@ class Controller(views.ClusterReads):
         self.lifecycle.cancel_timers()
         await cancel_and_wait(*self._loops, *self._tasks, owner="controller")
         await self.nodes_client.close()
+        await self.adapters.close()
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
         return self._tasks.spawn(coro, name)
@@ -238,14 +242,14 @@ class Controller(views.ClusterReads):
         """At once, holding the loop: start-up and tests. The API calls `apply` (in slices)."""
         return self.changes.apply_now(deployment)
 
-    def delete_deployment(self) -> None:
-        self.changes.delete_now()
+    def delete_deployment(self, name: str = "") -> None:
+        self.changes.delete_now(name)
 
     async def apply(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
         return await self.changes.apply(deployment)
 
-    async def delete(self) -> None:
-        await self.changes.delete()
+    async def delete(self, name: str = "") -> None:
+        await self.changes.delete(name)
 
     async def apply_on_new_store(self, deployment: C.Deployment) -> tuple[C.Deployment, int] | None:
         return await self.changes.apply_on_new_store(deployment)
@@ -259,10 +263,9 @@ class Controller(views.ClusterReads):
         """A task of this controller's: cancelled when it stops (an HA leader stepping down too)."""
         return self._spawn(coro, name)
 
-    def get_deployment(self) -> tuple[C.Deployment, int]:
-        if self.deployment is None:
-            raise NotFound("no deployment has been applied; apply one with `motorctl apply -f FILE`")
-        return self.deployment, self.revision
+    def get_deployment(self, name: str = "") -> tuple[C.Deployment, int]:
+        """The named deployment; without a name, the only one (controller/deployments.py: `named`)."""
+        return self.changes.deployments[self.changes.named(name)]
 
     # ------------------------------------------------------------------ nodes: register, heartbeat, events
 

@@ -1,5 +1,11 @@
 """ApplyDeployment and DeleteDeployment, without blocking the controller's loop.
 
+The controller holds any number of deployments, each under its name with its own revision,
+restart policy and engine config. A change concerns one deployment and leaves the others
+alone. Instance ids stay "<group>-<index>": an instance group name belongs to one deployment
+(applying a deployment with a group another one has is INVALID_ARGUMENT), so an instance
+belongs to exactly one deployment, found by its group (ClusterState.group_owner).
+
 A change is planned (the instances that go, those replaced because their spec changed, the new
 ones), written to the store as one transaction, and only then made in memory: persist first, so
 a store that refuses it (a full disk: UNAVAILABLE) leaves memory and the engines as they were.
@@ -31,9 +37,10 @@ from controller.instances import FAILED, RESTARTING, InstanceRecord, Policy
 from controller.slicing import Budget, Steps, in_slices, run_at_once, run_sliced
 from controller.slots import EngineSlot
 from controller.state import ClusterState
-from controller.store import StoreChange, StoreUnavailable
+from controller.store import LEGACY_DEPLOYMENT, StoreChange, StoredState, StoreUnavailable
 from controller.validation import InstanceSpec, expand_in_slices, integral_numbers, struct_dict, validate_deployment
 from motor.contract import names
+from motor.errors import InvalidArgument, NotFound
 from motor.v1 import controller_pb2
 
 logger = logging.getLogger(__name__)
@@ -44,6 +51,7 @@ NewInstances = dict[str, tuple[InstanceRecord, list[EngineSlot]]]
 
 @dataclass
 class Plan:
+    name: str
     deployment: C.Deployment | None
     revision: int
     removed: list[tuple[str, str]] = field(default_factory=list)  # (instance id, why)
@@ -66,8 +74,8 @@ class DeploymentChanges:
     ):
         self.state, self.max_engines, self.endpoints, self.actuator = state, max_engines, endpoints, actuator
         self.adoption, self.wake, self.spawn = adoption, wake, spawn
-        self.deployment: C.Deployment | None = None
-        self.revision = 0
+        self.deployments: dict[str, tuple[C.Deployment, int]] = {}  # name -> (deployment, revision)
+        self._legacy: tuple[bytes, int] | None = None  # loaded from a store of before names: moved by `upgrade`
         self._one_at_a_time = asyncio.Lock()
 
     @property
@@ -75,24 +83,105 @@ class DeploymentChanges:
         """A change is being made (the old and the new instances are both in memory meanwhile)."""
         return self._one_at_a_time.locked()
 
-    def set_deployment(self, deployment: C.Deployment | None, revision: int) -> None:
-        self.deployment, self.revision = deployment, revision
+    @property
+    def deployment(self) -> C.Deployment | None:
+        """The only deployment (None when there are none or several): the view of the API without names."""
+        return next(iter(self.deployments.values()))[0] if len(self.deployments) == 1 else None
+
+    @property
+    def revision(self) -> int:
+        return next(iter(self.deployments.values()))[1] if len(self.deployments) == 1 else 0
+
+    def set_deployment(self, name: str, deployment: C.Deployment | None, revision: int) -> None:
+        st = self.state
+        old = self.deployments.pop(name, None)
+        if old is not None:
+            for group in old[0].instance_groups:
+                st.group_owner.pop(group.name, None)
+            st.policies.pop(name, None)
+            st.configs.pop(name, None)
+            st.served_models.pop(name, None)
+            st.adapters.pop(name, None)
         if deployment is not None:
-            self.state.policy = Policy.from_proto(deployment.restart_policy)
-            self.state.config_json = json.dumps(integral_numbers(struct_dict(deployment.engine_config)), sort_keys=True)
+            self.deployments[name] = (deployment, revision)
+            for group in deployment.instance_groups:
+                st.group_owner[group.name] = name
+            st.policies[name] = Policy.from_proto(deployment.restart_policy)
+            st.configs[name] = json.dumps(integral_numbers(struct_dict(deployment.engine_config)), sort_keys=True)
+            st.served_models[name] = (deployment.model,)
+            if deployment.adapters:
+                st.adapters[name] = {a.name: a.path for a in deployment.adapters}
+
+    def loaded(self, stored: StoredState) -> None:
+        """The stored deployments; the one of a store written before deployments had names is
+        loaded under its own name (its instances keep their ids: nothing restarts)."""
+        for key, (data, revision) in stored.deployments.items():
+            deployment = C.Deployment.FromString(data)
+            if key == LEGACY_DEPLOYMENT:
+                self._legacy = (data, revision)
+                if deployment.name in stored.deployments:
+                    continue  # moved already; the old row is cleared by `upgrade`
+            self.set_deployment(deployment.name if key == LEGACY_DEPLOYMENT else key, deployment, revision)
+
+    def upgrade(self) -> None:
+        """Move the deployment of a store written before names under its name (the leader, at
+        start). A store that refuses it keeps it where it was: it is moved at the next start."""
+        if self._legacy is None:
+            return
+        data, revision = self._legacy
+        name = C.Deployment.FromString(data).name
+        try:
+            with self.state.store.transaction():
+                if name in self.deployments:
+                    deployment, revision = self.deployments[name]
+                    self.state.store.save_deployment(deployment.SerializeToString(deterministic=True), revision, name)
+                self.state.store.save_deployment(None, revision, LEGACY_DEPLOYMENT)
+        except StoreUnavailable as exc:
+            logger.warning(
+                "could not move the deployment %r of an older store under its name (%s); tried again at the next start",
+                name,
+                exc,
+            )
+            return
+        self._legacy = None
+        logger.info("store upgraded: its deployment %r is now stored under its name (revision %d)", name, revision)
+
+    def named(self, name: str, deleting: bool = False) -> str:
+        """The deployment a request names; without a name, the only one. NOT_FOUND for an unknown
+        name, INVALID_ARGUMENT when several exist and none is named."""
+        if name:
+            if name not in self.deployments:
+                known = ", ".join(sorted(self.deployments)) or "none"
+                raise NotFound(f"name: no deployment is named {names.excerpt(name)} (deployments: {known})")
+            return name
+        if len(self.deployments) > 1:
+            raise InvalidArgument(
+                f"name: required: {len(self.deployments)} deployments exist "
+                f"({', '.join(sorted(self.deployments))}); name the one to " + ("delete" if deleting else "read")
+            )
+        if not self.deployments:
+            if deleting:
+                return LEGACY_DEPLOYMENT  # a delete of nothing succeeds (it ends a new store's wait)
+            raise NotFound("no deployment has been applied; apply one with `motorctl apply -f FILE`")
+        return next(iter(self.deployments))
+
+    def instances_of(self, name: str) -> list[str]:
+        owner = self.state.group_owner
+        return sorted(i for i, inst in self.state.instances.items() if owner.get(inst.group) == name)
 
     # ------------------------------------------------------------------ the calls
 
     def apply_now(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
         """Apply at once, holding the loop (start-up --deployment, unit tests)."""
-        plan = run_at_once(self._plan(validate_deployment(deployment, self.max_engines)))
+        validated = validate_deployment(deployment, self.max_engines)
+        plan = run_at_once(self._plan(validated))
         if not plan.same:
             self._persist(plan, self._store_change(plan))
         run_at_once(self._change_memory(plan))
-        return self.deployment, self.revision
+        return self.deployments[validated.name]
 
-    def delete_now(self) -> None:
-        plan = run_at_once(self._plan(None))
+    def delete_now(self, name: str = "") -> None:
+        plan = run_at_once(self._plan(None, self.named(name, deleting=True)))
         if plan is not None:
             self._persist(plan, self._store_change(plan))
             run_at_once(self._change_memory(plan))
@@ -102,8 +191,9 @@ class DeploymentChanges:
         validated = validate_deployment(deployment, self.max_engines)  # refused before it waits its turn
         return await self._in_turn(lambda: self._sliced(validated))
 
-    async def delete(self) -> None:
-        await self._in_turn(lambda: self._sliced(None))
+    async def delete(self, name: str = "") -> None:
+        self.named(name, deleting=True)  # refused before it waits its turn; checked again in it
+        await self._in_turn(lambda: self._sliced(None, self.named(name, deleting=True)))
 
     async def apply_on_new_store(self, deployment: C.Deployment) -> tuple[C.Deployment, int] | None:
         """The deferred start-up --deployment (controller/startup_deployment.py), in its turn;
@@ -123,35 +213,40 @@ class DeploymentChanges:
         # Shielded: a caller that goes away (deadline, cancel) does not stop a change half made.
         return await asyncio.shield(self.spawn(turn(), "deployment change"))
 
-    async def _sliced(self, validated: C.Deployment | None) -> tuple[C.Deployment | None, int]:
-        plan = await run_sliced(self._plan(validated))
+    async def _sliced(self, validated: C.Deployment | None, name: str = "") -> tuple[C.Deployment | None, int]:
+        name = validated.name if validated is not None else name
+        plan = await run_sliced(self._plan(validated, name))
         if plan is None:
-            return None, self.revision
+            return None, 0
         if not plan.same:
             change = await run_sliced(self._build_change(plan))
             with self._leaving(plan):
                 await self.state.store.write_change_async(change)
         await run_sliced(self._change_memory(plan))
-        return self.deployment, self.revision
+        return self.deployments.get(name, (None, plan.revision))
 
     # ------------------------------------------------------------------ the steps
 
-    def _plan(self, validated: C.Deployment | None) -> Steps[Plan | None]:
-        """What changes (`validated` None: delete the deployment; the plan None: nothing to do)."""
+    def _plan(self, validated: C.Deployment | None, name: str = "") -> Steps[Plan | None]:
+        """What changes in the deployment `validated` names, or `name` (`validated` None: delete
+        it; the plan None: nothing to do). The other deployments' instances are not looked at."""
         st, budget = self.state, Budget()
-        if validated is None and self.deployment is None:
+        name = validated.name if validated is not None else name or self.named(name, deleting=True)
+        current = self.deployments.get(name)
+        if validated is None and current is None:
             # A new store waiting to adopt what the nodes run: a delete ends the wait (revision 1).
-            return Plan(None, 1, ended_adoption=True) if self.adoption.waiting else None
+            return Plan(LEGACY_DEPLOYMENT, None, 1, ended_adoption=True) if self.adoption.waiting else None
         if validated is None:
-            plan = Plan(None, self.revision)
-            plan.removed = [(i, "deleted with the deployment") for i in sorted(st.instances)]
+            plan = Plan(name, None, current[1])
+            plan.removed = [(i, "deleted with the deployment") for i in self.instances_of(name)]
             return plan
-        if self.deployment is not None and (
-            validated.SerializeToString(deterministic=True) == self.deployment.SerializeToString(deterministic=True)
+        self._check_groups(validated)
+        if current is not None and (
+            validated.SerializeToString(deterministic=True) == current[0].SerializeToString(deterministic=True)
         ):
             desired = yield from expand_in_slices(validated, budget)
-            return Plan(self.deployment, self.revision, kept=list(desired.values()), same=True)
-        plan = Plan(validated, self.revision + 1)
+            return Plan(name, current[0], current[1], kept=list(desired.values()), same=True)
+        plan = Plan(name, validated, (current[1] if current else 0) + 1)
         desired = yield from expand_in_slices(validated, budget)
         replaced = []
         for instance_id in sorted(desired):
@@ -163,8 +258,22 @@ class DeploymentChanges:
                     replaced.append((instance_id, "its spec changed; it is started again"))
                 plan.new[instance_id] = self._new_instance(spec)
             yield from budget.checkpoint()
-        plan.removed = [(i, "no longer in the deployment") for i in sorted(set(st.instances) - set(desired))] + replaced
+        plan.removed = [
+            (i, "no longer in the deployment") for i in self.instances_of(name) if i not in desired
+        ] + replaced
         return plan
+
+    def _check_groups(self, validated: C.Deployment) -> None:
+        """INVALID_ARGUMENT when a group name is another deployment's (its instance ids would be too)."""
+        owner = self.state.group_owner
+        taken = [
+            f"instance_groups[{i}].name: {g.name!r} is a group of deployment {owner[g.name]!r} (instances are "
+            "named '<group>-<index>' across all deployments): choose another group name"
+            for i, g in enumerate(validated.instance_groups)
+            if owner.get(g.name, validated.name) != validated.name
+        ]
+        if taken:
+            raise InvalidArgument("; ".join(taken))
 
     def _store_change(self, plan: Plan) -> StoreChange:
         return run_at_once(self._build_change(plan))
@@ -173,7 +282,7 @@ class DeploymentChanges:
         """The rows the change writes and deletes, serialized in slices (the store's part is one transaction)."""
         budget = Budget()
         deployment = plan.deployment.SerializeToString(deterministic=True) if plan.deployment is not None else None
-        change = StoreChange(deployment, plan.revision)
+        change = StoreChange(deployment, plan.revision, name=plan.name)
         for instance_id, _ in plan.removed:
             change.deleted_instances.append(instance_id)
             change.deleted_assignments.extend(s.engine_id for s in self.state.slots_of(instance_id))
@@ -207,8 +316,8 @@ class DeploymentChanges:
 
     def _change_memory(self, plan: Plan) -> Steps[None]:
         st, budget = self.state, Budget()
-        name = (plan.deployment or self.deployment or C.Deployment()).name
-        self.set_deployment(plan.deployment, plan.revision)
+        name = plan.name
+        self.set_deployment(name, plan.deployment, plan.revision)
 
         # Each slice's writes (paired ids, FAILED retries) go out together when the slice ends.
         def remove(item: tuple[str, str]) -> None:
@@ -234,11 +343,14 @@ class DeploymentChanges:
         # Not st.event: that would re-read every engine for the endpoint feed, which heard of each
         # instance that went or came already.
         if plan.deployment is None:
-            st.events.emit(C.EVENT_TYPE_DEPLOYMENT_CHANGED, f"deployment {name!r} deleted; stopping its engines")
+            st.events.emit(
+                C.EVENT_TYPE_DEPLOYMENT_CHANGED, f"deployment {name!r} deleted; stopping its engines", deployment=name
+            )
         else:
             st.events.emit(
                 C.EVENT_TYPE_DEPLOYMENT_CHANGED,
                 f"deployment {name!r} applied (revision {plan.revision}, {len(plan.new) + len(plan.kept)} instances)",
+                deployment=name,
             )
         self.wake()
 

@@ -46,23 +46,31 @@ def can_serve(state: ClusterState, slot: EngineSlot) -> bool:
     return not (slot.draining or slot.sleeping)
 
 
-# What the feed keeps of a listed endpoint: (engine id, instance id, role, url). A tuple of
-# strings and an int, which the garbage collector stops tracking, where an Endpoint message is
-# one more tracked object (and a protobuf arena, about 500 bytes) per engine: the message is
-# made when it is sent.
-Listed = tuple[str, str, int, str]
+# What the feed keeps of a listed endpoint: (engine id, instance id, role, url, deployment,
+# model names). A tuple of strings and an int (the deployment's strings shared by its engines),
+# which the garbage collector stops tracking, where an Endpoint message is one more tracked
+# object (and a protobuf arena, about 500 bytes) per engine: the message is made when it is sent.
+Listed = tuple[str, str, int, str, str, tuple[str, ...]]
 
 
 def listing(state: ClusterState, slot: EngineSlot | None) -> Listed | None:
     """What is listed of the slot, if it can serve."""
     if slot is None or not can_serve(state, slot):
         return None
-    return slot.engine_id, slot.instance_id, state.instances[slot.instance_id].role, f"http://{slot.host}:{slot.port}"
+    inst = state.instances[slot.instance_id]
+    deployment = state.deployment_of(inst)
+    models = state.served_models.get(deployment, ())
+    adapters = state.engine_adapters.get(slot.engine_id)
+    if adapters is not None and adapters.loaded:  # only the adapters that did load
+        models = (*models, *sorted(adapters.loaded))
+    return slot.engine_id, slot.instance_id, inst.role, f"http://{slot.host}:{slot.port}", deployment, models
 
 
 def message(listed: Listed) -> C.Endpoint:
-    engine_id, instance_id, role, url = listed
-    return C.Endpoint(instance_id=instance_id, engine_id=engine_id, role=role, url=url)
+    engine_id, instance_id, role, url, deployment, models = listed
+    return C.Endpoint(
+        instance_id=instance_id, engine_id=engine_id, role=role, url=url, deployment=deployment, models=models
+    )
 
 
 def endpoint(state: ClusterState, slot: EngineSlot | None) -> C.Endpoint | None:
@@ -71,12 +79,17 @@ def endpoint(state: ClusterState, slot: EngineSlot | None) -> C.Endpoint | None:
     return None if listed is None else message(listed)
 
 
-def endpoints(state: ClusterState, role: int = T.ROLE_UNSPECIFIED) -> list[C.Endpoint]:
-    """The engines that can serve, of `role` (ROLE_UNSPECIFIED: every role), by engine id."""
+def endpoints(state: ClusterState, role: int = T.ROLE_UNSPECIFIED, model: str = "") -> list[C.Endpoint]:
+    """The engines that can serve, of `role` (ROLE_UNSPECIFIED: every role) and answering to
+    `model` (empty: any), by engine id."""
     out = []
     for engine_id in sorted(state.slots):
         found = endpoint(state, state.slots[engine_id])
-        if found is not None and (role == T.ROLE_UNSPECIFIED or found.role == role):
+        if (
+            found is not None
+            and (role == T.ROLE_UNSPECIFIED or found.role == role)
+            and (not model or model in found.models)
+        ):
             out.append(found)
     return out
 
@@ -177,13 +190,17 @@ class EndpointFeed:
         return self.subscribers.subscribe([C.WatchEndpointsResponse(added=listed, snapshot=True)])
 
 
-def of_role(message: C.WatchEndpointsResponse, role: int) -> C.WatchEndpointsResponse | None:
-    """The part of a feed message about `role` (ROLE_UNSPECIFIED: all); None when nothing is left
-    of a change (a snapshot is always sent, even empty)."""
-    if role == T.ROLE_UNSPECIFIED:
+def of_role(message: C.WatchEndpointsResponse, role: int, model: str = "") -> C.WatchEndpointsResponse | None:
+    """The part of a feed message about `role` (ROLE_UNSPECIFIED: all) and `model` (empty: all);
+    None when nothing is left of a change (a snapshot is always sent, even empty)."""
+    if role == T.ROLE_UNSPECIFIED and not model:
         return message
-    added = [e for e in message.added if e.role == role]
-    removed = [e for e in message.removed if e.role == role]
+
+    def wanted(e: C.Endpoint) -> bool:
+        return (role == T.ROLE_UNSPECIFIED or e.role == role) and (not model or model in e.models)
+
+    added = [e for e in message.added if wanted(e)]
+    removed = [e for e in message.removed if wanted(e)]
     if not (added or removed or message.snapshot):
         return None
     return C.WatchEndpointsResponse(added=added, removed=removed, snapshot=message.snapshot)

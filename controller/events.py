@@ -37,7 +37,14 @@ class EventBus:
         self._repeating: dict[object, controller_pb2.Event] = {}  # key -> the event counting its tries
 
     def emit(
-        self, type_: int, message: str, node_id: str = "", instance_id: str = "", engine_id: str = "", count: int = 0
+        self,
+        type_: int,
+        message: str,
+        node_id: str = "",
+        instance_id: str = "",
+        engine_id: str = "",
+        count: int = 0,
+        deployment: str = "",
     ) -> controller_pb2.Event:
         """One event; `count`: how many occurrences it stands for (0: one, not counted)."""
         self.sequence += 1
@@ -51,6 +58,7 @@ class EventBus:
             engine_id=engine_id,
             message=message,
             count=count,
+            deployment=deployment,
         )
         self.recent.append(event)
         kind = enum_short_name(controller_pb2.EventType, type_)
@@ -61,6 +69,7 @@ class EventBus:
             "instance_id": instance_id,
             "engine_id": engine_id,
             "reason": message,
+            "deployment": deployment,
         }
         logger.info("event %s: %s", kind, message, extra=ids)
         self.subscribers.publish(event)

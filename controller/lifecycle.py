@@ -138,7 +138,7 @@ class EngineLifecycle:
     def engine_failed(self, slot: EngineSlot, node_id: str, reason: str) -> None:
         """The current copy of a slot failed: restart its rank or group (maybe after a backoff), or
         give up when the crash-loop budget is spent."""
-        st, policy = self.state, self.state.policy
+        st = self.state
         slot.handled_failure_generation = slot.generation
         slot.last_failure_reason = reason
         if slot.failed_at is None:
@@ -150,6 +150,7 @@ class EngineLifecycle:
         inst = st.instances.get(slot.instance_id)
         if inst is None:
             return
+        policy = st.policy_of(inst)  # the instance's deployment's own restart policy
         if inst.state == FAILED:
             st.save_slot(slot)
             return
@@ -271,7 +272,7 @@ class EngineLifecycle:
         if inst is None or node is None or slot.busy:
             return
         rank0 = st.slots.get(names.engine_id(inst.instance_id, 0))
-        spec = engine_spec(slot, inst, rank0.host if rank0 else slot.host, st.config_json)
+        spec = engine_spec(slot, inst, rank0.host if rank0 else slot.host, st.config_of(inst))
         slot.busy = True
         try:
             engine = await self.actuator.start(node.info, slot.engine_id, spec)
@@ -384,7 +385,7 @@ class EngineLifecycle:
                     inst.restart_ranks, inst.next_restart_at = (), None
                 st.transition(inst, PENDING, f"rank(s) {','.join(map(str, ranks))} were on {where}")
                 others = [s.dp_rank for s in st.slots_of(instance_id) if s.node_id]
-                if others and (st.policy.group_scope or 0 in ranks):
+                if others and (st.policy_of(inst).group_scope or 0 in ranks):
                     self.loop.spawn(
                         self.move(instance_id, others, what or f"node {node.node_id} lost"), f"move {instance_id}"
                     )

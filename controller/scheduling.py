@@ -86,7 +86,7 @@ class Scheduler:
         budget = Budget()
         now_wall, now = st.wall(), st.mono()
         fleet: Fleet | None = None
-        for instance_id in sorted(st.attention):
+        for instance_id in sorted(st.attention, key=st.placement_order):  # first come, first served
             if (yield from budget.checkpoint()):
                 if st.store.busy:
                     return

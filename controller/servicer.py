@@ -81,12 +81,15 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         return controller_pb2.ApplyDeploymentResponse(deployment=deployment, revision=revision)
 
     async def GetDeployment(self, request, context):
-        deployment, revision = self.controller.get_deployment()
+        deployment, revision = self.controller.get_deployment(request.name)
         return controller_pb2.GetDeploymentResponse(deployment=deployment, revision=revision)
 
     async def DeleteDeployment(self, request, context):
-        await self.controller.delete()
+        await self.controller.delete(request.name)
         return controller_pb2.DeleteDeploymentResponse()
+
+    async def ListDeployments(self, request, context):
+        return self.controller.list_deployments()
 
     async def ListNodes(self, request, context):
         return self._marked(self.controller.page_nodes(request))
@@ -107,7 +110,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         changes = self.controller.endpoints.subscribe()
         try:
             async for message in changes:
-                message = endpoints.of_role(message, request.role)
+                message = endpoints.of_role(message, request.role, request.model)
                 if message is not None:
                     yield message
         finally:

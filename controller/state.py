@@ -46,7 +46,17 @@ class ClusterState:
         self.instances: dict[str, InstanceRecord] = {}
         # Instances with something left to do (place, launch, restart); the rest cost nothing.
         self.attention: set[str] = set()
-        # From the deployment: the restart policy and the engine config every StartEngine carries.
+        # From the deployments (controller/deployments.py): the deployment each instance group
+        # belongs to (group names are unique across deployments), and each deployment's restart
+        # policy and the engine config its StartEngines carry.
+        self.group_owner: dict[str, str] = {}
+        self.policies: dict[str, Policy] = {}
+        self.configs: dict[str, str] = {}
+        self.served_models: dict[str, tuple[str, ...]] = {}  # the model names its engines answer to
+        self.adapters: dict[str, dict[str, str]] = {}  # its LoRA adapters, name -> path (only those that have some)
+        # Engine id -> the adapters loaded into its current copy (controller/adapters.py).
+        self.engine_adapters: dict = {}
+        # For an instance whose deployment is gone (its removal is under way).
         self.policy = Policy()
         self.config_json = "{}"
         # Write-behind of what already happened (a failure, a restart, a node's report): the
@@ -69,8 +79,34 @@ class ClusterState:
         # with the ids of the engines it may concern (None: any engine).
         self.on_change: Callable[[Iterable[str] | None], None] = lambda engine_ids=None: None
 
-    def event(self, type_: int, message: str, node_id: str = "", instance_id: str = "", engine_id: str = "") -> None:
-        self.events.emit(type_, message, node_id=node_id, instance_id=instance_id, engine_id=engine_id)
+    def deployment_of(self, inst: InstanceRecord) -> str:
+        return self.group_owner.get(inst.group, "")
+
+    def policy_of(self, inst: InstanceRecord) -> Policy:
+        """The restart policy of the instance's deployment (its own crash-loop budget)."""
+        return self.policies.get(self.deployment_of(inst), self.policy)
+
+    def config_of(self, inst: InstanceRecord) -> str:
+        return self.configs.get(self.deployment_of(inst), self.config_json)
+
+    def placement_order(self, instance_id: str) -> tuple[float, str]:
+        """First come, first served across deployments: the instance PENDING the longest is placed
+        first (then by id); placement only uses free accelerators, never those of a placed instance."""
+        inst = self.instances.get(instance_id)
+        return (inst.state_changed_at if inst is not None and inst.state == PENDING else 0.0, instance_id)
+
+    def event(
+        self,
+        type_: int,
+        message: str,
+        node_id: str = "",
+        instance_id: str = "",
+        engine_id: str = "",
+        deployment: str = "",
+    ) -> None:
+        self.events.emit(
+            type_, message, node_id=node_id, instance_id=instance_id, engine_id=engine_id, deployment=deployment
+        )
         if not (node_id or instance_id or engine_id):
             self.on_change(None)  # a deployment change, an alarm: anything may have changed
             return
@@ -203,6 +239,7 @@ class ClusterState:
                 C.EVENT_TYPE_INSTANCE_STATE_CHANGED,
                 f"instance {inst.instance_id} {state_name(old)} -> {state_name(new_state)}: {reason}",
                 instance_id=inst.instance_id,
+                deployment=self.deployment_of(inst),
             )
 
     def slots_of(self, instance_id: str) -> list[EngineSlot]:

@@ -16,6 +16,7 @@ from typing import Any
 from google.protobuf import struct_pb2
 
 from controller import restart_policy
+from controller.adapters import adapter_problems
 from controller.slicing import Budget, Steps, run_at_once
 from motor.contract import names
 from motor.contract.engine_policy import check_engine_config
@@ -26,6 +27,8 @@ from motor.v1 import controller_pb2, types_pb2
 
 # Group names become instance-id prefixes ("<group>-<index>"); leave room for the index.
 GROUP_NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,55}")
+# Deployment names are keys of the store (etcd: part of a key) and of the API's requests.
+DEPLOYMENT_NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 MAX_COUNT = 10_000
 MAX_DATA_PARALLEL = 1024
 MAX_ACCELERATORS = 64
@@ -97,6 +100,11 @@ def validate_deployment(
     problems: list[str] = []
     if not d.name.strip():
         problems.append("name: required (a name for this deployment, e.g. 'local-sim')")
+    elif not DEPLOYMENT_NAME_PATTERN.fullmatch(d.name):
+        problems.append(
+            f"name: {names.excerpt(d.name)} must be 1-63 lowercase letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit (e.g. 'chat-large')"
+        )
     if not d.model.strip():
         problems.append("model: required (the model name or path the engines serve)")
     if not d.instance_groups:
@@ -191,6 +199,7 @@ def validate_deployment(
             f"{seconds(p.max_backoff)}s"
         )
     restart_policy.fill_defaults(p)
+    problems.extend(adapter_problems(d))
     if problems:
         raise InvalidArgument("invalid deployment: " + "; ".join(problems))
     return d

@@ -4,9 +4,11 @@
 
 from __future__ import annotations
 
+import collections
+
 from controller import endpoints, paging, reported
 from controller.claims import Conflict
-from controller.instances import RESTARTING, InstanceRecord
+from controller.instances import PENDING, READY, RESTARTING, InstanceRecord
 from controller.nodes import NodeRuntime
 from controller.paging import Field
 from controller.state import ClusterState
@@ -34,6 +36,7 @@ ENDPOINT_FIELDS = {
     "engine_id": Field(lambda e: e.engine_id),
     "instance_id": Field(lambda e: e.instance_id),
     "role": Field(lambda e: enum_short_name(T.Role, e.role), enum=True),
+    "deployment": Field(lambda e: e.deployment),
 }
 
 
@@ -64,6 +67,7 @@ def instance_proto(state: ClusterState, inst: InstanceRecord) -> C.Instance:
         master_dp_ip=rank0.host if rank0 else "",
         paired_instance_id=inst.paired_instance_id,
         restarts=inst.restarts,
+        deployment=state.deployment_of(inst),
         engines=[
             C.InstanceEngine(
                 engine_id=s.engine_id,
@@ -129,11 +133,31 @@ class ClusterReads:
         )
 
     def page_instances(self, request: C.ListInstancesRequest) -> C.ListInstancesResponse:
-        page, token = paging.page(request, self.instances, INSTANCE_FIELDS)
+        fields = {**INSTANCE_FIELDS, "deployment": Field(self.state.deployment_of)}  # known by the instance's group
+        page, token = paging.page(request, self.instances, fields)
         return C.ListInstancesResponse(instances=[instance_proto(self.state, i) for i in page], next_page_token=token)
 
+    def list_deployments(self) -> C.ListDeploymentsResponse:
+        """Every deployment (by name) with its revision and how many of its instances are READY or PENDING."""
+        counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        for inst in self.instances.values():
+            counts[self.state.deployment_of(inst)][inst.state] += 1
+        summaries = []
+        for name, (deployment, revision) in sorted(self.changes.deployments.items()):
+            mine = counts[name]
+            summaries.append(
+                C.DeploymentSummary(
+                    deployment=deployment,
+                    revision=revision,
+                    instances=sum(mine.values()),
+                    ready_instances=mine[READY],
+                    pending_instances=mine[PENDING],
+                )
+            )
+        return C.ListDeploymentsResponse(deployments=summaries)
+
     def page_endpoints(self, request: C.ListEndpointsRequest) -> C.ListEndpointsResponse:
-        found = {e.engine_id: e for e in self.list_endpoints(request.role)}
+        found = {e.engine_id: e for e in self.list_endpoints(request.role, request.model)}
         page, token = paging.page(request, found, ENDPOINT_FIELDS)
         return C.ListEndpointsResponse(endpoints=page, next_page_token=token)
 
@@ -144,12 +168,12 @@ class ClusterReads:
     def list_instances(self) -> list[C.Instance]:
         return list(self.page_instances(C.ListInstancesRequest()).instances)
 
-    def list_endpoints(self, role: int = T.ROLE_UNSPECIFIED) -> list[C.Endpoint]:
+    def list_endpoints(self, role: int = T.ROLE_UNSPECIFIED, model: str = "") -> list[C.Endpoint]:
         if role != T.ROLE_UNSPECIFIED and role not in names.ROLE_NAMES:
             raise InvalidArgument(
                 f"role {role} is not a role: use ROLE_PREFILL, ROLE_DECODE, ROLE_UNION or leave it unset for all"
             )
-        return endpoints.endpoints(self.state, role)
+        return endpoints.endpoints(self.state, role, model)
 
     def snapshot(self) -> C.ClusterSnapshot:
         nodes, _ = self.list_nodes()

@@ -2,7 +2,8 @@
 
 motorctl [--controller HOST:PORT[,HOST:PORT...]] [--output table|json] [--cacert CA [--cert C --key K | --token-file
 T]] COMMAND
-nodes | instances | endpoints [--role R] | events [--follow] | deployment | apply -f FILE | delete | controllers
+nodes | instances | endpoints [--role R] [--model M] | events [--follow] | deployments | deployment [NAME]
+| apply -f FILE [-f FILE...] | delete [NAME] | controllers
 up ...  (a local cluster; see `motorctl up --help`); down --run-dir DIR (stop one whose `motorctl up` was killed)
 pki init|issue|tokens|dev ...  (a development PKI; see `motorctl pki --help`)
 """
@@ -51,8 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     endpoints = sub.add_parser("endpoints", help="inference endpoints of NORMAL engines")
     for listing, fields in (
         (nodes, "node_id, state, host"),
-        (instances, "instance_id, group, state, role"),
-        (endpoints, "engine_id, instance_id, role"),
+        (instances, "instance_id, group, state, role, deployment"),
+        (endpoints, "engine_id, instance_id, role, deployment, model"),
     ):
         listing.add_argument(
             "--filter",
@@ -60,12 +61,22 @@ def _parser() -> argparse.ArgumentParser:
             help=f"only items matching every field=value term (value* for a prefix); fields: {fields}",
         )
     endpoints.add_argument("--role", help="prefill, decode or union")
+    endpoints.add_argument("--model", default="", help="only engines that answer to this model name")
     events = sub.add_parser("events", help="recent events; --follow keeps streaming")
     events.add_argument("--follow", "-f", action="store_true", help="stream new events until Ctrl-C")
-    sub.add_parser("deployment", help="the stored deployment and its revision")
-    apply = sub.add_parser("apply", help="apply a deployment file (YAML or JSON)")
-    apply.add_argument("-f", "--file", required=True, help="deployment file")
-    sub.add_parser("delete", help="delete the deployment and stop its engines")
+    sub.add_parser("deployments", help="every deployment: model, revision, instances READY and PENDING")
+    deployment = sub.add_parser("deployment", help="a deployment and its revision")
+    deployment.add_argument(
+        "name", nargs="?", default="", help="its name (may be left out when there is one deployment)"
+    )
+    apply = sub.add_parser(
+        "apply", help="apply deployment files (YAML or JSON), each creating or updating the deployment it names"
+    )
+    apply.add_argument(
+        "-f", "--file", required=True, action="append", help="deployment file; repeat for several, applied in order"
+    )
+    delete = sub.add_parser("delete", help="delete a deployment and stop its engines (the others are untouched)")
+    delete.add_argument("name", nargs="?", default="", help="its name (may be left out when there is one deployment)")
     sub.add_parser("controllers", help="the controllers: leader, standbys, epoch, lease (docs/ha.md)")
     sub.add_parser("up", help="start a local cluster (controller, node managers, example deployment)", add_help=False)
     sub.add_parser(
@@ -117,11 +128,17 @@ def _command(args: argparse.Namespace, stub: controller_pb2_grpc.ControllerServi
     elif args.command == "endpoints":
         role = parse_role(args.role, "--role") if args.role else types_pb2.ROLE_UNSPECIFIED
         reply = all_pages(
-            stub.ListEndpoints, controller_pb2.ListEndpointsRequest(role=role, filter=args.filter), "endpoints", t
+            stub.ListEndpoints,
+            controller_pb2.ListEndpointsRequest(role=role, filter=args.filter, model=args.model),
+            "endpoints",
+            t,
         )
         print(_json(reply) if as_json else render.render_endpoints(reply), file=out)
+    elif args.command == "deployments":
+        reply = stub.ListDeployments(controller_pb2.ListDeploymentsRequest(), timeout=t)
+        print(_json(reply) if as_json else render.render_deployments(reply), file=out)
     elif args.command == "deployment":
-        reply = stub.GetDeployment(controller_pb2.GetDeploymentRequest(), timeout=t)
+        reply = stub.GetDeployment(controller_pb2.GetDeploymentRequest(name=args.name), timeout=t)
         if as_json:
             print(_json(reply), file=out)
         else:
@@ -130,18 +147,24 @@ def _command(args: argparse.Namespace, stub: controller_pb2_grpc.ControllerServi
             body = json_format.MessageToDict(reply.deployment, preserving_proto_field_name=True)
             print(f"# revision {reply.revision}\n" + yaml.safe_dump(body, sort_keys=False), file=out, end="")
     elif args.command == "apply":
-        deployment = load_deployment(args.file)
-        reply = stub.ApplyDeployment(controller_pb2.ApplyDeploymentRequest(deployment=deployment), timeout=t)
-        if as_json:
-            print(_json(reply), file=out)
-        else:
-            print(f"deployment {reply.deployment.name!r} applied (revision {reply.revision})", file=out)
+        deployments = [load_deployment(path) for path in args.file]  # every file read before any is applied
+        for deployment in deployments:  # one after another: a refusal stops there, the earlier ones stay applied
+            reply = stub.ApplyDeployment(controller_pb2.ApplyDeploymentRequest(deployment=deployment), timeout=t)
+            if as_json:
+                print(_json(reply), file=out)
+            else:
+                print(f"deployment {reply.deployment.name!r} applied (revision {reply.revision})", file=out, flush=True)
     elif args.command == "controllers":
         reply = stub.ListControllers(controller_pb2.ListControllersRequest(), timeout=t)
         print(_json(reply) if as_json else render.render_controllers(reply), file=out)
     elif args.command == "delete":
-        stub.DeleteDeployment(controller_pb2.DeleteDeploymentRequest(), timeout=t)
-        print("{}" if as_json else "deployment deleted; its engines are being stopped", file=out)
+        stub.DeleteDeployment(controller_pb2.DeleteDeploymentRequest(name=args.name), timeout=t)
+        print(
+            "{}"
+            if as_json
+            else f"deployment {args.name + ' ' if args.name else ''}deleted; its engines are being stopped",
+            file=out,
+        )
     elif args.command == "events":
         stream = stub.WatchEvents(controller_pb2.WatchEventsRequest(), timeout=None if args.follow else t)
         try:

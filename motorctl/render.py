@@ -137,3 +137,12 @@ def render_controllers(reply: controller_pb2.ListControllersResponse) -> str:
         f"lease: {reply.lease_ttl.ToTimedelta().total_seconds():g}s"
     )
     return head + "\n\n" + table(["ADDRESS", "ROLE", "NAME"], rows)
+
+
+def render_deployments(reply: controller_pb2.ListDeploymentsResponse) -> str:
+    """`motorctl deployments`: each deployment, its model, revision and instance counts."""
+    rows = [
+        (d.deployment.name, d.deployment.model, d.revision, d.instances, d.ready_instances, d.pending_instances)
+        for d in reply.deployments
+    ]
+    return table(["NAME", "MODEL", "REVISION", "INSTANCES", "READY", "PENDING"], rows)

@@ -77,6 +77,7 @@ class NodeManagerServer:
             port_range_start=start,
             port_range_end=end,
             process=self.process,
+            model_roots=self.config.model_roots,
         )
 
     async def start(self) -> int:

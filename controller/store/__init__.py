@@ -1,7 +1,7 @@
 """Durable controller state behind a small interface, so that another backend (etcd, with
 leader election for a standby controller) can replace SQLite without touching the logic.
 
-What is stored: the desired deployment and its revision, the generation counter, nodes
+What is stored: the desired deployments, each under its name with its revision, the generation counter, nodes
 (identity, generation, state), engine assignments and instance records (restart counters,
 crash-loop window). Every write is committed before the caller acknowledges the change;
 `transaction()` groups several writes into one commit.
@@ -34,20 +34,39 @@ class StoredNode:
     reason: str
 
 
+# The key under which a store written before deployments had names holds its one deployment
+# (SQLite: the meta rows `deployment` and `revision`; etcd: state/deployment). The controller
+# moves it under its name when it loads it (controller/deployments.py: `upgrade`).
+LEGACY_DEPLOYMENT = ""
+
+
 @dataclass
 class StoredState:
-    deployment: bytes | None = None  # serialized motor.v1.Deployment
-    revision: int = 0
+    # name -> (serialized motor.v1.Deployment, its revision); LEGACY_DEPLOYMENT: a store written
+    # before deployments had names.
+    deployments: dict[str, tuple[bytes, int]] = field(default_factory=dict)
+    # A deployment was applied or deleted on this store once (it is not new: controller/adoption.py).
+    ever_applied: bool = False
     generation: int = 0
     nodes: list[StoredNode] = field(default_factory=list)
     assignments: dict[str, dict[str, Any]] = field(default_factory=dict)
     instances: dict[str, dict[str, Any]] = field(default_factory=dict)
 
+    @property
+    def deployment(self) -> bytes | None:
+        """The only deployment (None when there are none or several)."""
+        return next(iter(self.deployments.values()))[0] if len(self.deployments) == 1 else None
+
+    @property
+    def revision(self) -> int:
+        return next(iter(self.deployments.values()))[1] if len(self.deployments) == 1 else 0
+
 
 @dataclass
 class StoreChange:
     """A deployment change as one transaction: the deployment row, and the instance and assignment
-    rows it deletes and writes (ApplyDeployment, DeleteDeployment; thousands of rows)."""
+    rows it deletes and writes (ApplyDeployment, DeleteDeployment; thousands of rows).
+    `deployment` None: the deployment `name` is deleted."""
 
     deployment: bytes | None
     revision: int
@@ -55,6 +74,7 @@ class StoreChange:
     deleted_assignments: list[str] = field(default_factory=list)
     instances: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     assignments: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    name: str = LEGACY_DEPLOYMENT
 
     @property
     def rows(self) -> int:
@@ -69,7 +89,12 @@ class Store(abc.ABC):
     def load(self) -> StoredState: ...
 
     @abc.abstractmethod
-    def save_deployment(self, deployment: bytes | None, revision: int) -> None: ...
+    def save_deployment(self, deployment: bytes | None, revision: int, name: str = LEGACY_DEPLOYMENT) -> None:
+        """Store the deployment `name` (None: delete it); the other deployments are left alone."""
+
+    @abc.abstractmethod
+    def mark_applied(self) -> None:
+        """Remember that a deployment change was made on this store (it is no longer new)."""
 
     @abc.abstractmethod
     def next_generation(self, above: int = 0) -> int:
@@ -107,7 +132,8 @@ class Store(abc.ABC):
     def write_change(self, change: StoreChange) -> None:
         """Write `change` in one transaction (durable when it returns)."""
         with self.transaction():
-            self.save_deployment(change.deployment, change.revision)
+            self.mark_applied()
+            self.save_deployment(change.deployment, change.revision, change.name)
             for instance_id in change.deleted_instances:
                 self.delete_instance(instance_id)
             for engine_id in change.deleted_assignments:
@@ -135,6 +161,7 @@ CREATE TABLE IF NOT EXISTS nodes (node_id TEXT PRIMARY KEY, info BLOB NOT NULL, 
                                   state INTEGER NOT NULL, reason TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS assignments (engine_id TEXT PRIMARY KEY, data TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS instances (instance_id TEXT PRIMARY KEY, data TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS deployments (name TEXT PRIMARY KEY, data BLOB NOT NULL, revision INTEGER NOT NULL);
 """
 
 
@@ -237,7 +264,8 @@ class SqliteStore(Store):
         instances = [(key, json.dumps(data)) for key, data in change.instances]
         assignments = [(key, json.dumps(data)) for key, data in change.assignments]
         with self.transaction():
-            self.save_deployment(change.deployment, change.revision)
+            self.mark_applied()
+            self.save_deployment(change.deployment, change.revision, change.name)
             try:
                 self.db.executemany(
                     "DELETE FROM instances WHERE instance_id = ?", [(k,) for k in change.deleted_instances]
@@ -264,8 +292,12 @@ class SqliteStore(Store):
 
     def _load(self) -> StoredState:
         state = StoredState()
-        state.deployment = self._meta("deployment")
-        state.revision = int(self._meta("revision") or 0)
+        legacy = self._meta("deployment")
+        if legacy is not None:
+            state.deployments[LEGACY_DEPLOYMENT] = (bytes(legacy), int(self._meta("revision") or 0))
+        for name, data, revision in self.db.execute("SELECT name, data, revision FROM deployments ORDER BY name"):
+            state.deployments[name] = (bytes(data), revision)
+        state.ever_applied = bool(state.deployments) or any(self._meta(k) is not None for k in ("revision", "applied"))
         state.generation = int(self._meta("generation") or 0)
         for node_id, info, generation, node_state, reason in self.db.execute(
             "SELECT node_id, info, generation, state, reason FROM nodes ORDER BY node_id"
@@ -277,10 +309,21 @@ class SqliteStore(Store):
             state.instances[instance_id] = json.loads(data)
         return state
 
-    def save_deployment(self, deployment: bytes | None, revision: int) -> None:
+    def save_deployment(self, deployment: bytes | None, revision: int, name: str = LEGACY_DEPLOYMENT) -> None:
         with self.transaction():
-            self._set_meta("deployment", deployment)
-            self._set_meta("revision", revision)
+            if name == LEGACY_DEPLOYMENT:
+                self._set_meta("deployment", deployment)
+                self._set_meta("revision", revision)
+            elif deployment is None:
+                self._execute("DELETE FROM deployments WHERE name = ?", (name,))
+            else:
+                self._execute(
+                    "INSERT OR REPLACE INTO deployments (name, data, revision) VALUES (?, ?, ?)",
+                    (name, deployment, revision),
+                )
+
+    def mark_applied(self) -> None:
+        self._set_meta("applied", 1)
 
     def next_generation(self, above: int = 0) -> int:
         with self.transaction():

@@ -2,7 +2,10 @@
 as SQLite.
 
 Layout under the prefix (default `/motor`; docs/ha.md):
-    state/deployment            {"revision": n, "deployment": base64 of motor.v1.Deployment | null}
+    state/deployments/<name>    {"revision": n, "deployment": base64 of motor.v1.Deployment}
+    state/deployment            the one deployment of a store written before deployments had names
+                                (same value, or "deployment": null); moved under its name when loaded
+    state/applied               present once a deployment change was made (the store is not new)
     state/generation            the generation counter
     state/nodes/<node id>       {"info": base64 of motor.v1.NodeInfo, "generation", "state", "reason"}
     state/assignments/<engine>  the assignment's JSON
@@ -44,7 +47,7 @@ from tenacity import (
 )
 
 from controller.slicing import Budget
-from controller.store import Store, StoreChange, StoredNode, StoredState
+from controller.store import LEGACY_DEPLOYMENT, Store, StoreChange, StoredNode, StoredState
 from controller.store.etcd_client import UNAVAILABLE_ERRORS
 from motor.service.retry import RepeatedFailure, worth_reporting
 
@@ -79,8 +82,8 @@ def _unb64(text: str | None) -> bytes | None:
 class _Mirror:
     """What etcd holds under state/, kept in memory (nodes by id: thousands are saved one by one)."""
 
-    deployment: bytes | None = None
-    revision: int = 0
+    deployments: dict[str, tuple[bytes, int]] = field(default_factory=dict)
+    ever_applied: bool = False
     generation: int = 0
     nodes: dict[str, StoredNode] = field(default_factory=dict)
     assignments: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -131,8 +134,8 @@ class EtcdStore(Store):
     def load(self) -> StoredState:
         m = self._mirror
         return StoredState(
-            m.deployment,
-            m.revision,
+            dict(sorted(m.deployments.items())),
+            m.ever_applied or bool(m.deployments),
             m.generation,
             [m.nodes[k] for k in sorted(m.nodes)],
             copy.deepcopy(m.assignments),
@@ -186,9 +189,14 @@ class EtcdStore(Store):
         name = key[len(self.root) :]
         section, _, item = name.partition("/")
         data = None if value is None else json.loads(value)
-        if name == "deployment":
-            state.deployment = _unb64(data["deployment"]) if data else None
-            state.revision = data["revision"] if data else 0
+        if name in ("deployment", "applied") and value is not None:
+            state.ever_applied = True
+        if name == "deployment" or section == "deployments":
+            deployment = _unb64(data["deployment"]) if data else None
+            key = item if section == "deployments" else LEGACY_DEPLOYMENT
+            state.deployments.pop(key, None)
+            if deployment is not None:
+                state.deployments[key] = (deployment, data["revision"])
         elif name == "generation":
             state.generation = int(data or 0)
         elif section == "nodes":
@@ -226,8 +234,17 @@ class EtcdStore(Store):
             self._queue.append((self._staged, batch))
             self._wake.set()
 
-    def save_deployment(self, deployment: bytes | None, revision: int) -> None:
-        self._stage("deployment", {"revision": revision, "deployment": _b64(deployment)})
+    def save_deployment(self, deployment: bytes | None, revision: int, name: str = LEGACY_DEPLOYMENT) -> None:
+        if name == LEGACY_DEPLOYMENT:
+            self._stage("deployment", {"revision": revision, "deployment": _b64(deployment)})
+        else:
+            self._stage(
+                f"deployments/{name}",
+                None if deployment is None else {"revision": revision, "deployment": _b64(deployment)},
+            )
+
+    def mark_applied(self) -> None:
+        self._stage("applied", 1)
 
     def next_generation(self, above: int = 0) -> int:
         value = max(self._mirror.generation, above) + 1
@@ -263,7 +280,8 @@ class EtcdStore(Store):
             *((f"assignments/{k}", v) for k, v in change.assignments),
         ]
         with self.transaction():  # one batch: what others stage meanwhile joins it (sent together, in order)
-            self.save_deployment(change.deployment, change.revision)
+            self.mark_applied()
+            self.save_deployment(change.deployment, change.revision, change.name)
             for name, data in rows:
                 self._stage(name, data)
                 if budget.spent():

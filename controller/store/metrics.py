@@ -14,7 +14,7 @@ from typing import Any
 
 from prometheus_client import Counter, Histogram
 
-from controller.store import Store, StoreChange, StoredNode, StoredState
+from controller.store import LEGACY_DEPLOYMENT, Store, StoreChange, StoredNode, StoredState
 
 OPERATIONS = ("write", "transaction", "flush")
 WRITE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -83,8 +83,11 @@ class MeasuredStore(Store):
     def load(self) -> StoredState:
         return self.inner.load()
 
-    def save_deployment(self, deployment: bytes | None, revision: int) -> None:
-        self._write("save_deployment", deployment, revision)
+    def save_deployment(self, deployment: bytes | None, revision: int, name: str = LEGACY_DEPLOYMENT) -> None:
+        self._write("save_deployment", deployment, revision, name)
+
+    def mark_applied(self) -> None:
+        self._write("mark_applied")
 
     def next_generation(self, above: int = 0) -> int:
         return self._write("next_generation", above)

@@ -44,6 +44,7 @@ from engine_server.engines.base import (
     UtilizationSampler,
     is_probe_request_id,
 )
+from engine_server.engines.sim_lora import SimLoras
 from engine_server.engines.vllm_admission import DRAINING_MESSAGE, RETRY_AFTER_S
 from motor.service.config import describe_validation_error
 
@@ -144,6 +145,7 @@ class SimEngine(EngineBackend):
         self._inference_unhang = asyncio.Event()  # cleared by hang_inference
         self._runner: web.AppRunner | None = None
         self._crash_timer: asyncio.TimerHandle | None = None
+        self.loras = SimLoras(self.args.model)  # adapters loaded at run time (sim_lora.py)
 
     def _initial_faults(self) -> SimFaults:
         base = {"latency_ms": self.args.latency_ms, "utilization": self.args.utilization}
@@ -166,6 +168,7 @@ class SimEngine(EngineBackend):
                 web.get("/sim/faults", self._get_faults),
                 web.post("/sim/faults", self._post_faults),
                 web.delete("/sim/faults", self._reset_faults),
+                *self.loras.routes(),
             ]
         )
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -267,7 +270,13 @@ class SimEngine(EngineBackend):
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(
-            {"object": "list", "data": [{"id": self.args.model, "object": "model", "owned_by": "motor-sim"}]}
+            {
+                "object": "list",
+                "data": [
+                    {"id": name, "object": "model", "owned_by": "motor-sim"}
+                    for name in (self.args.model, *self.loras.loaded)
+                ],
+            }
         )
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -309,6 +318,8 @@ class SimEngine(EngineBackend):
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         model = body.get("model") or self.args.model
+        if model != self.args.model and model not in self.loras.loaded:  # as vLLM: only what it serves
+            return _model_not_found(model, self.args.model)
         if not probe:
             self._in_flight += 1
             SIM_RUNNING.labels(self.args.model).inc()
@@ -383,6 +394,14 @@ class SimEngine(EngineBackend):
         if not probe:
             SIM_FAILED.labels(self.args.model).inc()
         return _error(status, message)
+
+
+def _model_not_found(model: str, served: str) -> web.Response:
+    """vLLM's answer to a request for a model it does not serve (entrypoints/serve/engine/serving.py)."""
+    message = f"The model `{model}` does not exist. Valid aliases: {served}."
+    return web.json_response(
+        {"error": {"message": message, "type": "NotFoundError", "param": "model", "code": 404}}, status=404
+    )
 
 
 def _error(status: int, message: str) -> web.Response:

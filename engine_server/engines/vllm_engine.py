@@ -143,6 +143,10 @@ class VllmEngine(EngineBackend):
 
         os.environ.setdefault(vllm_engine_core.LOG_LEVEL_ENV, logging.getLevelName(logging.getLogger().level))
         probe_token()  # in the environment before the engine core is spawned: it filters probes too
+        if self.options.engine_args.get("enable_lora"):
+            # vLLM serves its runtime LoRA API (/v1/load_lora_adapter...) only with this set: the
+            # controller loads a deployment's adapters through it (controller/adapters.py).
+            os.environ.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
         self.args = parse_engine_args(self.options)
         # Fail now, not after spawning, when the installed vLLM lacks a patched method.
         vllm_probe_filter.install_api_server_patches()

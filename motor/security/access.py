@@ -65,6 +65,7 @@ ACCESS_TABLE: dict[str, Rule] = {
     _C + "ApplyDeployment": _rule("operator"),
     _C + "DeleteDeployment": _rule("operator"),
     _C + "GetDeployment": _READ,
+    _C + "ListDeployments": _READ,
     _C + "ListNodes": _READ,
     _C + "ListInstances": _READ,
     _C + "ListEndpoints": _ENDPOINTS,

@@ -153,6 +153,10 @@ class _EventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventType.V
     """A call the controller makes keeps failing and is retried with backoff (e.g. StartEngine
     on an unreachable node): one event per operation, whose `count` grows with each failed try.
     """
+    EVENT_TYPE_ADAPTER: _EventType.ValueType  # 14
+    """A LoRA adapter was loaded into or unloaded from an engine at run time, or failed to load
+    (the message names the adapter and gives the engine's answer).
+    """
 
 class EventType(_EventType, metaclass=_EventTypeEnumTypeWrapper):
     """Kind of a controller event."""
@@ -189,6 +193,10 @@ EVENT_TYPE_RETRYING: EventType.ValueType  # 13
 """A call the controller makes keeps failing and is retried with backoff (e.g. StartEngine
 on an unreachable node): one event per operation, whose `count` grows with each failed try.
 """
+EVENT_TYPE_ADAPTER: EventType.ValueType  # 14
+"""A LoRA adapter was loaded into or unloaded from an engine at run time, or failed to load
+(the message names the adapter and gives the engine's answer).
+"""
 Global___EventType: _TypeAlias = EventType  # noqa: Y015
 
 @_typing.final
@@ -205,6 +213,7 @@ class NodeInfo(_message.Message):
     PORT_RANGE_START_FIELD_NUMBER: _builtins.int
     PORT_RANGE_END_FIELD_NUMBER: _builtins.int
     PROCESS_FIELD_NUMBER: _builtins.int
+    MODEL_ROOTS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     """Unique name of the node, e.g. "node-a"."""
     address: _builtins.str
@@ -227,6 +236,12 @@ class NodeInfo(_message.Message):
         alive, a registration from another process is refused. Unset (older node managers): no check.
         """
 
+    @_builtins.property
+    def model_roots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Folders engines on this node may read models and adapters from (--model-root); a
+        deployment's adapter paths are relative to the first.
+        """
+
     def __init__(
         self,
         *,
@@ -238,10 +253,11 @@ class NodeInfo(_message.Message):
         port_range_start: _builtins.int = ...,
         port_range_end: _builtins.int = ...,
         process: _types_pb2.NodeManagerProcess | None = ...,
+        model_roots: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["process", b"process"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerator_ids", b"accelerator_ids", "accelerator_type", b"accelerator_type", "address", b"address", "host", b"host", "node_id", b"node_id", "port_range_end", b"port_range_end", "port_range_start", b"port_range_start", "process", b"process"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerator_ids", b"accelerator_ids", "accelerator_type", b"accelerator_type", "address", b"address", "host", b"host", "model_roots", b"model_roots", "node_id", b"node_id", "port_range_end", b"port_range_end", "port_range_start", b"port_range_start", "process", b"process"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -410,10 +426,15 @@ class Deployment(_message.Message):
     ENGINE_CONFIG_FIELD_NUMBER: _builtins.int
     INSTANCE_GROUPS_FIELD_NUMBER: _builtins.int
     RESTART_POLICY_FIELD_NUMBER: _builtins.int
+    ADAPTERS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """Name of the deployment."""
+    """Name of the deployment, unique on the controller: 1-63 lowercase letters, digits, '.',
+    '_' or '-', starting with a letter or digit.
+    """
     model: _builtins.str
-    """Model name or path, for people and routers; the engines read theirs from engine_config."""
+    """Model name or path the engines serve (the name requests carry in `model`); the engines read
+    theirs from engine_config.
+    """
     @_builtins.property
     def engine_config(self) -> _struct_pb2.Struct:
         """The user_config JSON given to every engine server (motor_engine_prefill_config, ...)."""
@@ -424,7 +445,13 @@ class Deployment(_message.Message):
 
     @_builtins.property
     def restart_policy(self) -> Global___RestartPolicy:
-        """Restart behaviour for failed engines."""
+        """Restart behaviour for failed engines (this deployment's own crash-loop budget)."""
+
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___LoraAdapter]:
+        """LoRA adapters loaded into every engine of the deployment once it is NORMAL, and whenever
+        this list changes, without restarting it (vLLM's runtime LoRA API); at most 64.
+        """
 
     def __init__(
         self,
@@ -434,14 +461,83 @@ class Deployment(_message.Message):
         engine_config: _struct_pb2.Struct | None = ...,
         instance_groups: _abc.Iterable[Global___InstanceGroup] | None = ...,
         restart_policy: Global___RestartPolicy | None = ...,
+        adapters: _abc.Iterable[Global___LoraAdapter] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["engine_config", b"engine_config", "restart_policy", b"restart_policy"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_config", b"engine_config", "instance_groups", b"instance_groups", "model", b"model", "name", b"name", "restart_policy", b"restart_policy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "engine_config", b"engine_config", "instance_groups", b"instance_groups", "model", b"model", "name", b"name", "restart_policy", b"restart_policy"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Deployment: _TypeAlias = Deployment  # noqa: Y015
+
+@_typing.final
+class LoraAdapter(_message.Message):
+    """A LoRA adapter of a deployment."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The model name requests use for it (1-128 letters, digits, '.', '_', ':' or '-'); not the
+    deployment's model.
+    """
+    path: _builtins.str
+    """Its folder, relative to the node's first model root (e.g. "adapters/sql-lora"), without '..'."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoraAdapter: _TypeAlias = LoraAdapter  # noqa: Y015
+
+@_typing.final
+class DeploymentSummary(_message.Message):
+    """One deployment as ListDeployments shows it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    INSTANCES_FIELD_NUMBER: _builtins.int
+    READY_INSTANCES_FIELD_NUMBER: _builtins.int
+    PENDING_INSTANCES_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    """Its revision (each deployment counts its own)."""
+    instances: _builtins.int
+    """Its instances."""
+    ready_instances: _builtins.int
+    """Of those, READY."""
+    pending_instances: _builtins.int
+    """Of those, PENDING (waiting for room: see their state_reason)."""
+    @_builtins.property
+    def deployment(self) -> Global___Deployment:
+        """The desired deployment."""
+
+    def __init__(
+        self,
+        *,
+        deployment: Global___Deployment | None = ...,
+        revision: _builtins.int = ...,
+        instances: _builtins.int = ...,
+        ready_instances: _builtins.int = ...,
+        pending_instances: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "instances", b"instances", "pending_instances", b"pending_instances", "ready_instances", b"ready_instances", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeploymentSummary: _TypeAlias = DeploymentSummary  # noqa: Y015
 
 @_typing.final
 class InstanceEngine(_message.Message):
@@ -527,6 +623,7 @@ class Instance(_message.Message):
     PAIRED_INSTANCE_ID_FIELD_NUMBER: _builtins.int
     RESTARTS_FIELD_NUMBER: _builtins.int
     NEXT_RESTART_TIME_FIELD_NUMBER: _builtins.int
+    DEPLOYMENT_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """e.g. "prefill-0"."""
     group: _builtins.str
@@ -543,6 +640,8 @@ class Instance(_message.Message):
     """The paired instance (prefill with decode), if configured."""
     restarts: _builtins.int
     """Restarts of the instance so far."""
+    deployment: _builtins.str
+    """The deployment it belongs to."""
     @_builtins.property
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceEngine]:
         """Its ranks."""
@@ -564,10 +663,11 @@ class Instance(_message.Message):
         paired_instance_id: _builtins.str = ...,
         restarts: _builtins.int = ...,
         next_restart_time: _timestamp_pb2.Timestamp | None = ...,
+        deployment: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["next_restart_time", b"next_restart_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "group", b"group", "instance_id", b"instance_id", "master_dp_ip", b"master_dp_ip", "next_restart_time", b"next_restart_time", "paired_instance_id", b"paired_instance_id", "restarts", b"restarts", "role", b"role", "state", b"state", "state_reason", b"state_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "engines", b"engines", "group", b"group", "instance_id", b"instance_id", "master_dp_ip", b"master_dp_ip", "next_restart_time", b"next_restart_time", "paired_instance_id", b"paired_instance_id", "restarts", b"restarts", "role", b"role", "state", b"state", "state_reason", b"state_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -583,6 +683,8 @@ class Endpoint(_message.Message):
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
     URL_FIELD_NUMBER: _builtins.int
+    DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """Instance of the engine."""
     engine_id: _builtins.str
@@ -591,6 +693,14 @@ class Endpoint(_message.Message):
     """Role of the engine."""
     url: _builtins.str
     """Base URL of its OpenAI-compatible API, e.g. "http://10.0.0.5:8000"."""
+    deployment: _builtins.str
+    """The deployment of the engine."""
+    @_builtins.property
+    def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The model names the engine answers to: its deployment's `model` (what requests name in
+        their `model` field), then the adapters loaded into it (only those that did load).
+        """
+
     def __init__(
         self,
         *,
@@ -598,10 +708,12 @@ class Endpoint(_message.Message):
         engine_id: _builtins.str = ...,
         role: _types_pb2.Role.ValueType = ...,
         url: _builtins.str = ...,
+        deployment: _builtins.str = ...,
+        models: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "instance_id", b"instance_id", "role", b"role", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "engine_id", b"engine_id", "instance_id", b"instance_id", "models", b"models", "role", b"role", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -622,6 +734,7 @@ class Event(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     COUNT_FIELD_NUMBER: _builtins.int
     LAST_TIME_FIELD_NUMBER: _builtins.int
+    DEPLOYMENT_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """Increases by one per event."""
     type: Global___EventType.ValueType
@@ -641,6 +754,8 @@ class Event(_message.Message):
     whose message and last_time follow the latest try), sent again to watchers with the same
     sequence; 0 or 1: once.
     """
+    deployment: _builtins.str
+    """Deployment concerned, if any (a deployment change, an instance's state)."""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp:
         """When it happened."""
@@ -661,10 +776,11 @@ class Event(_message.Message):
         message: _builtins.str = ...,
         count: _builtins.int = ...,
         last_time: _timestamp_pb2.Timestamp | None = ...,
+        deployment: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_time", b"last_time", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "engine_id", b"engine_id", "instance_id", b"instance_id", "last_time", b"last_time", "message", b"message", "node_id", b"node_id", "sequence", b"sequence", "time", b"time", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "deployment", b"deployment", "engine_id", b"engine_id", "instance_id", b"instance_id", "last_time", b"last_time", "message", b"message", "node_id", b"node_id", "sequence", b"sequence", "time", b"time", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1066,12 +1182,17 @@ class GetDeploymentRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Name of the deployment; empty: the only one."""
     def __init__(
         self,
+        *,
+        name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1111,12 +1232,17 @@ class DeleteDeploymentRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Name of the deployment; empty: the only one."""
     def __init__(
         self,
+        *,
+        name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1138,6 +1264,47 @@ class DeleteDeploymentResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DeleteDeploymentResponse: _TypeAlias = DeleteDeploymentResponse  # noqa: Y015
+
+@_typing.final
+class ListDeploymentsRequest(_message.Message):
+    """Request for ControllerService.ListDeployments."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListDeploymentsRequest: _TypeAlias = ListDeploymentsRequest  # noqa: Y015
+
+@_typing.final
+class ListDeploymentsResponse(_message.Message):
+    """Response of ControllerService.ListDeployments."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def deployments(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeploymentSummary]:
+        """Every deployment, ordered by name."""
+
+    def __init__(
+        self,
+        *,
+        deployments: _abc.Iterable[Global___DeploymentSummary] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployments", b"deployments"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListDeploymentsResponse: _TypeAlias = ListDeploymentsResponse  # noqa: Y015
 
 @_typing.final
 class ListNodesRequest(_message.Message):
@@ -1232,7 +1399,8 @@ class ListInstancesRequest(_message.Message):
     """
     filter: _builtins.str
     """Only instances matching every term: space-separated field=value terms, a value ending in
-    '*' matches a prefix. Fields: instance_id, group, state (PENDING, STARTING, READY, DEGRADED, RESTARTING, FAILED), role.
+    '*' matches a prefix. Fields: instance_id, group, state (PENDING, STARTING, READY, DEGRADED, RESTARTING, FAILED), role,
+    deployment.
     """
     def __init__(
         self,
@@ -1295,6 +1463,7 @@ class ListEndpointsRequest(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     FILTER_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
     role: _types_pb2.Role.ValueType
     """Only endpoints of this role; ROLE_UNSPECIFIED means every role."""
     page_size: _builtins.int
@@ -1305,8 +1474,10 @@ class ListEndpointsRequest(_message.Message):
     """
     filter: _builtins.str
     """Only endpoints matching every term: space-separated field=value terms, a value ending in
-    '*' matches a prefix. Fields: engine_id, instance_id, role (PREFILL, DECODE, UNION).
+    '*' matches a prefix. Fields: engine_id, instance_id, role (PREFILL, DECODE, UNION), deployment.
     """
+    model: _builtins.str
+    """Only endpoints that answer to this model name; empty: every model."""
     def __init__(
         self,
         *,
@@ -1314,10 +1485,11 @@ class ListEndpointsRequest(_message.Message):
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
         filter: _builtins.str = ...,
+        model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "page_size", b"page_size", "page_token", b"page_token", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "model", b"model", "page_size", b"page_size", "page_token", b"page_token", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1366,16 +1538,20 @@ class WatchEndpointsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ROLE_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
     role: _types_pb2.Role.ValueType
     """Only endpoints of this role; ROLE_UNSPECIFIED means every role."""
+    model: _builtins.str
+    """Only endpoints that answer to this model name; empty: every model."""
     def __init__(
         self,
         *,
         role: _types_pb2.Role.ValueType = ...,
+        model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class ControllerServiceStub:
-    """The controller: holds the desired deployment, places engines on nodes and keeps them running.
+    """The controller: holds the desired deployments (by name), places engines on nodes and keeps them running.
     """
 
     def __init__(self, channel):
@@ -70,6 +70,11 @@ class ControllerServiceStub:
                 request_serializer=motor_dot_v1_dot_controller__pb2.DeleteDeploymentRequest.SerializeToString,
                 response_deserializer=motor_dot_v1_dot_controller__pb2.DeleteDeploymentResponse.FromString,
                 _registered_method=True)
+        self.ListDeployments = channel.unary_unary(
+                '/motor.v1.ControllerService/ListDeployments',
+                request_serializer=motor_dot_v1_dot_controller__pb2.ListDeploymentsRequest.SerializeToString,
+                response_deserializer=motor_dot_v1_dot_controller__pb2.ListDeploymentsResponse.FromString,
+                _registered_method=True)
         self.ListNodes = channel.unary_unary(
                 '/motor.v1.ControllerService/ListNodes',
                 request_serializer=motor_dot_v1_dot_controller__pb2.ListNodesRequest.SerializeToString,
@@ -103,7 +108,7 @@ class ControllerServiceStub:
 
 
 class ControllerServiceServicer:
-    """The controller: holds the desired deployment, places engines on nodes and keeps them running.
+    """The controller: holds the desired deployments (by name), places engines on nodes and keeps them running.
     """
 
     def RegisterNode(self, request, context):
@@ -151,25 +156,37 @@ class ControllerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ApplyDeployment(self, request, context):
-        """Sets the desired deployment; it is stored before the call returns. Declarative and
-        idempotent: applying the same spec again changes nothing; a changed spec starts, stops or
-        restarts only what changed. Returns OK or INVALID_ARGUMENT naming the field to fix.
+        """Creates or updates the deployment with the given name and leaves every other deployment
+        alone; it is stored before the call returns. Declarative and idempotent: applying the same
+        spec again changes nothing; a changed spec starts, stops or restarts only what changed.
+        Returns OK or INVALID_ARGUMENT naming the field to fix (e.g. an instance group name that
+        another deployment uses: instance ids are unique across deployments).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetDeployment(self, request, context):
-        """Returns the desired deployment and its revision. Read-only. Returns OK, or NOT_FOUND when
-        no deployment was applied.
+        """Returns the named deployment and its revision. Read-only. Returns OK, NOT_FOUND for a name
+        no deployment has; without a name: the only deployment (NOT_FOUND when there is none,
+        INVALID_ARGUMENT when there are several).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeleteDeployment(self, request, context):
-        """Removes the deployment and stops its engines. Deleting when none exists succeeds.
-        Returns OK.
+        """Removes the named deployment and stops its engines; the other deployments are untouched.
+        Returns OK, NOT_FOUND for a name no deployment has; without a name: removes the only
+        deployment (OK when there is none, INVALID_ARGUMENT when there are several).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListDeployments(self, request, context):
+        """Returns every deployment with its revision and instance counts, ordered by name.
+        Read-only. Returns OK.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -265,6 +282,11 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     request_deserializer=motor_dot_v1_dot_controller__pb2.DeleteDeploymentRequest.FromString,
                     response_serializer=motor_dot_v1_dot_controller__pb2.DeleteDeploymentResponse.SerializeToString,
             ),
+            'ListDeployments': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDeployments,
+                    request_deserializer=motor_dot_v1_dot_controller__pb2.ListDeploymentsRequest.FromString,
+                    response_serializer=motor_dot_v1_dot_controller__pb2.ListDeploymentsResponse.SerializeToString,
+            ),
             'ListNodes': grpc.unary_unary_rpc_method_handler(
                     servicer.ListNodes,
                     request_deserializer=motor_dot_v1_dot_controller__pb2.ListNodesRequest.FromString,
@@ -304,7 +326,7 @@ def add_ControllerServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class ControllerService:
-    """The controller: holds the desired deployment, places engines on nodes and keeps them running.
+    """The controller: holds the desired deployments (by name), places engines on nodes and keeps them running.
     """
 
     @staticmethod
@@ -486,6 +508,33 @@ class ControllerService:
             '/motor.v1.ControllerService/DeleteDeployment',
             motor_dot_v1_dot_controller__pb2.DeleteDeploymentRequest.SerializeToString,
             motor_dot_v1_dot_controller__pb2.DeleteDeploymentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListDeployments(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/motor.v1.ControllerService/ListDeployments',
+            motor_dot_v1_dot_controller__pb2.ListDeploymentsRequest.SerializeToString,
+            motor_dot_v1_dot_controller__pb2.ListDeploymentsResponse.FromString,
             options,
             channel_credentials,
             insecure,

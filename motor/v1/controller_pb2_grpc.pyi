@@ -27,7 +27,7 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class ControllerServiceStub:
-    """The controller: holds the desired deployment, places engines on nodes and keeps them running."""
+    """The controller: holds the desired deployments (by name), places engines on nodes and keeps them running."""
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
@@ -62,17 +62,25 @@ class ControllerServiceStub:
     unknown node, FAILED_PRECONDITION for a stale generation.
     """
     ApplyDeployment: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ApplyDeploymentRequest, _controller_pb2.ApplyDeploymentResponse]
-    """Sets the desired deployment; it is stored before the call returns. Declarative and
-    idempotent: applying the same spec again changes nothing; a changed spec starts, stops or
-    restarts only what changed. Returns OK or INVALID_ARGUMENT naming the field to fix.
+    """Creates or updates the deployment with the given name and leaves every other deployment
+    alone; it is stored before the call returns. Declarative and idempotent: applying the same
+    spec again changes nothing; a changed spec starts, stops or restarts only what changed.
+    Returns OK or INVALID_ARGUMENT naming the field to fix (e.g. an instance group name that
+    another deployment uses: instance ids are unique across deployments).
     """
     GetDeployment: _grpc.UnaryUnaryMultiCallable[_controller_pb2.GetDeploymentRequest, _controller_pb2.GetDeploymentResponse]
-    """Returns the desired deployment and its revision. Read-only. Returns OK, or NOT_FOUND when
-    no deployment was applied.
+    """Returns the named deployment and its revision. Read-only. Returns OK, NOT_FOUND for a name
+    no deployment has; without a name: the only deployment (NOT_FOUND when there is none,
+    INVALID_ARGUMENT when there are several).
     """
     DeleteDeployment: _grpc.UnaryUnaryMultiCallable[_controller_pb2.DeleteDeploymentRequest, _controller_pb2.DeleteDeploymentResponse]
-    """Removes the deployment and stops its engines. Deleting when none exists succeeds.
-    Returns OK.
+    """Removes the named deployment and stops its engines; the other deployments are untouched.
+    Returns OK, NOT_FOUND for a name no deployment has; without a name: removes the only
+    deployment (OK when there is none, INVALID_ARGUMENT when there are several).
+    """
+    ListDeployments: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ListDeploymentsRequest, _controller_pb2.ListDeploymentsResponse]
+    """Returns every deployment with its revision and instance counts, ordered by name.
+    Read-only. Returns OK.
     """
     ListNodes: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ListNodesRequest, _controller_pb2.ListNodesResponse]
     """Returns every node with its state, capacity and engines, and any active alarms.
@@ -105,7 +113,7 @@ class ControllerServiceStub:
 
 @_typing.type_check_only
 class ControllerServiceAsyncStub(ControllerServiceStub):
-    """The controller: holds the desired deployment, places engines on nodes and keeps them running."""
+    """The controller: holds the desired deployments (by name), places engines on nodes and keeps them running."""
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     RegisterNode: _aio.UnaryUnaryMultiCallable[_controller_pb2.RegisterNodeRequest, _controller_pb2.RegisterNodeResponse]  # type: ignore[assignment]
@@ -137,17 +145,25 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     unknown node, FAILED_PRECONDITION for a stale generation.
     """
     ApplyDeployment: _aio.UnaryUnaryMultiCallable[_controller_pb2.ApplyDeploymentRequest, _controller_pb2.ApplyDeploymentResponse]  # type: ignore[assignment]
-    """Sets the desired deployment; it is stored before the call returns. Declarative and
-    idempotent: applying the same spec again changes nothing; a changed spec starts, stops or
-    restarts only what changed. Returns OK or INVALID_ARGUMENT naming the field to fix.
+    """Creates or updates the deployment with the given name and leaves every other deployment
+    alone; it is stored before the call returns. Declarative and idempotent: applying the same
+    spec again changes nothing; a changed spec starts, stops or restarts only what changed.
+    Returns OK or INVALID_ARGUMENT naming the field to fix (e.g. an instance group name that
+    another deployment uses: instance ids are unique across deployments).
     """
     GetDeployment: _aio.UnaryUnaryMultiCallable[_controller_pb2.GetDeploymentRequest, _controller_pb2.GetDeploymentResponse]  # type: ignore[assignment]
-    """Returns the desired deployment and its revision. Read-only. Returns OK, or NOT_FOUND when
-    no deployment was applied.
+    """Returns the named deployment and its revision. Read-only. Returns OK, NOT_FOUND for a name
+    no deployment has; without a name: the only deployment (NOT_FOUND when there is none,
+    INVALID_ARGUMENT when there are several).
     """
     DeleteDeployment: _aio.UnaryUnaryMultiCallable[_controller_pb2.DeleteDeploymentRequest, _controller_pb2.DeleteDeploymentResponse]  # type: ignore[assignment]
-    """Removes the deployment and stops its engines. Deleting when none exists succeeds.
-    Returns OK.
+    """Removes the named deployment and stops its engines; the other deployments are untouched.
+    Returns OK, NOT_FOUND for a name no deployment has; without a name: removes the only
+    deployment (OK when there is none, INVALID_ARGUMENT when there are several).
+    """
+    ListDeployments: _aio.UnaryUnaryMultiCallable[_controller_pb2.ListDeploymentsRequest, _controller_pb2.ListDeploymentsResponse]  # type: ignore[assignment]
+    """Returns every deployment with its revision and instance counts, ordered by name.
+    Read-only. Returns OK.
     """
     ListNodes: _aio.UnaryUnaryMultiCallable[_controller_pb2.ListNodesRequest, _controller_pb2.ListNodesResponse]  # type: ignore[assignment]
     """Returns every node with its state, capacity and engines, and any active alarms.
@@ -179,7 +195,7 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     """
 
 class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
-    """The controller: holds the desired deployment, places engines on nodes and keeps them running."""
+    """The controller: holds the desired deployments (by name), places engines on nodes and keeps them running."""
 
     @_abc_1.abstractmethod
     def RegisterNode(
@@ -239,9 +255,11 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _controller_pb2.ApplyDeploymentRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_controller_pb2.ApplyDeploymentResponse, _abc.Awaitable[_controller_pb2.ApplyDeploymentResponse]]:
-        """Sets the desired deployment; it is stored before the call returns. Declarative and
-        idempotent: applying the same spec again changes nothing; a changed spec starts, stops or
-        restarts only what changed. Returns OK or INVALID_ARGUMENT naming the field to fix.
+        """Creates or updates the deployment with the given name and leaves every other deployment
+        alone; it is stored before the call returns. Declarative and idempotent: applying the same
+        spec again changes nothing; a changed spec starts, stops or restarts only what changed.
+        Returns OK or INVALID_ARGUMENT naming the field to fix (e.g. an instance group name that
+        another deployment uses: instance ids are unique across deployments).
         """
 
     @_abc_1.abstractmethod
@@ -250,8 +268,9 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _controller_pb2.GetDeploymentRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_controller_pb2.GetDeploymentResponse, _abc.Awaitable[_controller_pb2.GetDeploymentResponse]]:
-        """Returns the desired deployment and its revision. Read-only. Returns OK, or NOT_FOUND when
-        no deployment was applied.
+        """Returns the named deployment and its revision. Read-only. Returns OK, NOT_FOUND for a name
+        no deployment has; without a name: the only deployment (NOT_FOUND when there is none,
+        INVALID_ARGUMENT when there are several).
         """
 
     @_abc_1.abstractmethod
@@ -260,8 +279,19 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _controller_pb2.DeleteDeploymentRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_controller_pb2.DeleteDeploymentResponse, _abc.Awaitable[_controller_pb2.DeleteDeploymentResponse]]:
-        """Removes the deployment and stops its engines. Deleting when none exists succeeds.
-        Returns OK.
+        """Removes the named deployment and stops its engines; the other deployments are untouched.
+        Returns OK, NOT_FOUND for a name no deployment has; without a name: removes the only
+        deployment (OK when there is none, INVALID_ARGUMENT when there are several).
+        """
+
+    @_abc_1.abstractmethod
+    def ListDeployments(
+        self,
+        request: _controller_pb2.ListDeploymentsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_pb2.ListDeploymentsResponse, _abc.Awaitable[_controller_pb2.ListDeploymentsResponse]]:
+        """Returns every deployment with its revision and instance counts, ordered by name.
+        Read-only. Returns OK.
         """
 
     @_abc_1.abstractmethod

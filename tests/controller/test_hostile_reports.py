@@ -75,7 +75,8 @@ def sim_group(name: str, count: int, drain_timeout: float = 0, latency_ms: float
         section["drain_timeout"] = drain_timeout
     return deployment_from_dict(
         {
-            "name": name,
+            # One deployment whatever the group: applying another group replaces the first.
+            "name": "hostile",
             "model": "sim-tiny",
             "engine_config": {"motor_engine_union_config": section},
             "instance_groups": [{"name": name, "role": "union", "count": count, "accelerators_per_engine": 1}],

@@ -228,3 +228,53 @@ def test_the_controller_raises_its_open_file_limit_to_the_hard_one(tmp_path):
     finally:
         proc.stop()
         proc.log.close()
+
+
+def test_several_deployments_applied_listed_and_deleted_by_name(controller, tmp_path):
+    """`apply -f A -f B` applies both in order; `deployments` lists every one; `delete NAME`
+    deletes one and leaves the other; a bad name or a group another deployment has is refused,
+    naming the field."""
+    import yaml
+
+    address = controller.address
+    example = yaml.safe_load(open(EXAMPLE))
+    files = []
+    for name, group in (("chat", "chat"), ("embed", "embed")):
+        spec = dict(
+            example,
+            name=name,
+            model=f"sim-{name}",
+            instance_groups=[{"name": group, "role": "union", "accelerators_per_engine": 0}],
+            engine_config={"motor_engine_union_config": {"engine_type": "sim"}},
+        )
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        files.append(str(path))
+    applied = motorctl(address, "apply", "-f", files[0], "-f", files[1]).stdout
+    assert applied.splitlines() == ["deployment 'chat' applied (revision 1)", "deployment 'embed' applied (revision 1)"]
+    rows = [line.split() for line in motorctl(address, "deployments").stdout.splitlines()]
+    assert rows[0] == ["NAME", "MODEL", "REVISION", "INSTANCES", "READY", "PENDING"]
+    assert [r[:4] for r in rows[1:]] == [
+        ["chat", "sim-chat", "1", "1"],
+        ["embed", "sim-embed", "1", "1"],
+        ["local-sim", "sim-tiny", "1", "2"],
+    ]
+    assert "name: chat" in motorctl(address, "deployment", "chat").stdout
+    refused = motorctl(address, "deployment", check=False)
+    assert refused.returncode == 1 and "name: required: 3 deployments exist" in refused.stderr
+    thief = tmp_path / "thief.yaml"
+    thief.write_text(yaml.safe_dump(dict(yaml.safe_load(open(files[1])), name="thief")))
+    refused = motorctl(address, "apply", "-f", str(thief), check=False)
+    assert (
+        refused.returncode == 1
+        and "instance_groups[0].name: 'embed' is a group of deployment 'embed'" in refused.stderr
+    )
+    assert (
+        motorctl(address, "delete", "chat").stdout.strip() == "deployment chat deleted; its engines are being stopped"
+    )
+    refused = motorctl(address, "delete", "chat", check=False)
+    assert (
+        refused.returncode == 1 and "NOT_FOUND" in refused.stderr and "no deployment is named 'chat'" in refused.stderr
+    )
+    names = [line.split()[0] for line in motorctl(address, "deployments").stdout.splitlines()[1:]]
+    assert names == ["embed", "local-sim"]

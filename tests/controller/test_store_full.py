@@ -44,7 +44,9 @@ async def test_apply_on_a_full_disk_is_unavailable_and_changes_nothing(harness):
     await running_example(harness)
     ctl, client = harness.controller, harness.client
     fill_disk(harness.store)
-    bigger = small_deployment([{"name": "other", "role": "union", "count": 300}])
+    bigger = small_deployment(
+        [{"name": "other", "role": "union", "count": 300}], name="local-sim"
+    )  # the same deployment, changed
     with pytest.raises(Unavailable, match="database or disk is full"):
         ctl.apply_deployment(bigger)
     assert ctl.revision == 1 and ctl.get_deployment()[0].name == "local-sim"

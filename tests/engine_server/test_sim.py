@@ -123,6 +123,59 @@ async def test_in_flight_requests_exclude_probes(sim, monkeypatch):
     assert engine.in_flight_requests() == 0
 
 
+async def test_a_request_for_another_model_gets_vllms_404(sim):
+    """Routers route by the request's `model`: like vLLM, the engine answers only its own model
+    (or none named) and refuses another with vLLM's 404 body, naming the model it serves."""
+    engine, session = sim
+    status, body = await post(session, "/v1/completions", {"model": "llama-70b", "prompt": "hi", "max_tokens": 2})
+    assert status == 404
+    assert body == {
+        "error": {
+            "message": "The model `llama-70b` does not exist. Valid aliases: tiny.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
+    status, _ = await post(
+        session, "/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "x"}]}
+    )
+    assert status == 404
+    status, body = await post(session, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert status == 200 and body["model"] == "tiny"
+
+
+async def test_lora_adapters_load_and_unload_at_run_time_as_with_vllm(sim, tmp_path):
+    """vLLM's runtime LoRA API (VLLM_ALLOW_RUNTIME_LORA_UPDATING), emulated: an adapter folder
+    loads under its name, requests may name it, it unloads; vLLM's refusals, codes and bodies."""
+    engine, session = sim
+    adapter = tmp_path / "sql-lora"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8, "peft_type": "LORA"}')
+    status, body = await post(session, "/v1/completions", {"model": "sql", "prompt": "hi", "max_tokens": 2})
+    assert status == 404
+    async with session.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(adapter)}) as reply:
+        assert reply.status == 200 and await reply.text() == "Success: LoRA adapter 'sql' added successfully."
+    status, body = await post(session, "/v1/completions", {"model": "sql", "prompt": "hi", "max_tokens": 2})
+    assert status == 200 and body["model"] == "sql"
+    async with session.get("/v1/models") as response:
+        assert [m["id"] for m in (await response.json())["data"]] == ["tiny", "sql"]
+    status, body = await post(session, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": str(adapter)})
+    assert status == 400 and "has already been loaded" in body["error"]["message"]
+    status, body = await post(session, "/v1/load_lora_adapter", {"lora_name": "tiny", "lora_path": str(adapter)})
+    assert status == 400 and body["error"]["message"] == "The lora adapter 'tiny' conflicts with a served base model."
+    status, body = await post(session, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path / "none")})
+    assert (
+        status == 404 and body["error"]["message"] == f"Loading lora x failed: No adapter found for {tmp_path / 'none'}"
+    )
+    async with session.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}) as reply:
+        assert reply.status == 200
+    status, body = await post(session, "/v1/unload_lora_adapter", {"lora_name": "sql"})
+    assert status == 404 and body["error"]["message"] == "The lora adapter 'sql' cannot be found."
+    status, _ = await post(session, "/v1/completions", {"model": "sql", "prompt": "hi", "max_tokens": 2})
+    assert status == 404
+
+
 async def test_hang_inference_freezes_completions_only(sim):
     """The failure seen in vLLM fleets: completions never answer while /health stays 200 and the
     utilization figure stays where it was."""

@@ -203,3 +203,45 @@ async def test_quorum_lost_holds_writes_until_it_returns(etcd3, clients, prefix)
     assert set(fresh.load().instances) == {"before", "during"}
     store.close()
     fresh.close()
+
+
+async def test_the_deployment_of_a_store_of_before_names_is_moved_under_its_name(tmp_path, etcd1, clients, prefix):
+    """etcd written by a controller of before names (state/deployment, no state/applied): a new
+    controller loads the deployment under its own name with its instances (nothing to restart:
+    same ids) and, leading, moves it to state/deployments/<name>."""
+    from controller.config import ControllerConfig
+    from controller.core import Controller
+    from controller.store import LEGACY_DEPLOYMENT
+    from motor.v1 import controller_pb2 as C
+    from tests.controller.conftest import small_deployment
+    from tests.controller.fakes import FakeNodeClient
+
+    config = ControllerConfig(db=str(tmp_path / "unused.db"), startup_grace=0)
+    store = EtcdStore(clients(etcd1, prefix), prefix)
+    await store.open()
+    ctl = Controller(config, store, FakeNodeClient())
+    await ctl.start()
+    ctl.apply_deployment(small_deployment([{"name": "chat", "role": "union", "count": 2}], name="chat"))
+    data, revision = store.load().deployments["chat"]
+    await ctl.stop()
+    with store.transaction():  # as the older controller left it
+        store.save_deployment(None, 0, "chat")
+        store._stage("applied", None)
+        store.save_deployment(data, revision)
+    await store.flush()
+    store.close()
+
+    older = EtcdStore(clients(etcd1, prefix), prefix)
+    await older.open()
+    assert set(older.load().deployments) == {LEGACY_DEPLOYMENT} and older.load().ever_applied
+    ctl = Controller(config, older, FakeNodeClient())
+    await ctl.start()
+    assert ctl.get_deployment("chat") == (C.Deployment.FromString(data), revision)
+    assert set(ctl.instances) == {"chat-0", "chat-1"} and not ctl.adoption.waiting
+    await older.flush()
+    await ctl.stop()
+    older.close()
+    moved = EtcdStore(clients(etcd1, prefix), prefix)
+    await moved.open()
+    assert moved.load().deployments == {"chat": (data, revision)}
+    moved.close()

@@ -130,7 +130,7 @@ async def test_a_controller_leads_and_writes_over_mutual_tls(tmp_path, etcd_tls,
             )
         )
         try:
-            stored = await client.get(b"/tls-test/state/deployment")
+            stored = await client.get(b"/tls-test/state/deployments/local-sim")  # a deployment is kept under its name
             assert stored is not None and b"revision" in stored.value, "the deployment is in etcd"
         finally:
             await client.close()

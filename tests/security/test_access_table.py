@@ -36,6 +36,7 @@ EXPECTED = {
     "ControllerService/ApplyDeployment": {"operator", "operator-token"},
     "ControllerService/DeleteDeployment": {"operator", "operator-token"},
     "ControllerService/GetDeployment": READERS,
+    "ControllerService/ListDeployments": READERS,
     "ControllerService/ListNodes": READERS,
     "ControllerService/ListInstances": READERS,
     "ControllerService/ListEndpoints": READERS,

@@ -1,0 +1,190 @@
+"""LoRA adapters at run time: a deployment lists adapters (name, path under the node's model
+root); every engine of the deployment that can serve gets them loaded through the engine's own
+runtime LoRA API, vLLM's (`POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter`, served
+with VLLM_ALLOW_RUNTIME_LORA_UPDATING; the simulated engine emulates it), without a restart.
+
+`AdapterSync` compares, per engine, the adapters loaded (in memory: after a controller restart
+they are loaded again, and vLLM's "already loaded" counts as loaded) with the deployment's list,
+and loads or unloads the difference, one call at a time per engine. A failed load is one
+EVENT_TYPE_ADAPTER event naming the adapter and the engine's answer; it is not tried again until
+the deployment's list changes (or the engine is replaced). The engine stays in service with the
+adapters that did load, and its endpoint lists only those (controller/endpoints.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import posixpath
+import re
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from controller.slots import EngineSlot
+from controller.state import ClusterState
+from motor.contract import names
+from motor.v1 import controller_pb2, types_pb2
+
+logger = logging.getLogger(__name__)
+
+C, T = controller_pb2, types_pb2
+MAX_ADAPTERS = 64
+ADAPTER_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+CALL_TIMEOUT = 60.0  # loading an adapter reads its weights
+
+
+def adapter_problems(deployment: C.Deployment) -> list[str]:
+    """What is wrong with the deployment's adapters, each naming its field."""
+    adapters = deployment.adapters
+    if len(adapters) > MAX_ADAPTERS:
+        return [f"adapters: at most {MAX_ADAPTERS} adapters per deployment (got {len(adapters)})"]
+    problems, seen = [], {}
+    for i, adapter in enumerate(adapters):
+        where = f"adapters[{i}]"
+        if not ADAPTER_NAME_PATTERN.fullmatch(adapter.name):
+            problems.append(
+                f"{where}.name: {names.excerpt(adapter.name)} must be 1-128 letters, digits, '.', '_', ':' or '-', "
+                "starting with a letter or digit"
+            )
+        elif adapter.name == deployment.model:
+            problems.append(
+                f"{where}.name: {adapter.name!r} is the deployment's model; an adapter needs a name of its own"
+            )
+        elif adapter.name in seen:
+            problems.append(f"{where}.name: {adapter.name!r} is already the name of adapters[{seen[adapter.name]}]")
+        else:
+            seen[adapter.name] = i
+        path = adapter.path
+        if (
+            not path
+            or names.CONTROL_CHARACTER.search(path)
+            or path.startswith("/")
+            or posixpath.isabs(path)
+            or ".." in path.split("/")
+            or posixpath.normpath(path) != path.rstrip("/")
+        ):
+            problems.append(
+                f"{where}.path: {names.excerpt(path)} must be a folder inside the node's model root, given "
+                "relative to it without '..' (e.g. 'adapters/sql-lora')"
+            )
+    return problems
+
+
+@dataclass
+class EngineAdapters:
+    """What one copy (generation) of an engine has loaded, and the loads it refused."""
+
+    generation: int
+    loaded: dict[str, str] = field(default_factory=dict)  # name -> path
+    failed: dict[str, str] = field(default_factory=dict)  # name -> the path that failed
+    busy: bool = False  # a call in flight
+
+
+class AdapterSync:
+    def __init__(self, state: ClusterState, spawn: Callable[[Coroutine, str], asyncio.Task]):
+        self.state, self.spawn = state, spawn
+        self.engines: dict[str, EngineAdapters] = state.engine_adapters
+        self._session: aiohttp.ClientSession | None = None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def pass_once(self) -> None:
+        """Start a sync for every serving engine whose adapters differ from its deployment's."""
+        st = self.state
+        for engine_id in [e for e in self.engines if e not in st.slots]:  # engines gone with their instance
+            del self.engines[engine_id]
+        if not st.adapters and not self.engines:
+            return  # no deployment has adapters: nothing to look at
+        for slot in st.slots.values():
+            inst = st.instances.get(slot.instance_id)
+            wanted = st.adapters.get(st.deployment_of(inst), {}) if inst is not None else {}
+            held = self.engines.get(slot.engine_id)
+            if held is not None and held.generation != slot.generation:  # a new copy starts with none loaded
+                del self.engines[slot.engine_id]
+                st.on_change([slot.engine_id])
+                held = None
+            if (not wanted and held is None) or (held is not None and held.busy) or not self._serving(slot):
+                continue
+            held = held or self.engines.setdefault(slot.engine_id, EngineAdapters(slot.generation))
+            loads = {n: p for n, p in wanted.items() if held.loaded.get(n) != p and held.failed.get(n) != p}
+            unloads = [n for n, p in held.loaded.items() if wanted.get(n) != p]
+            if loads or unloads:
+                held.busy = True
+                self.spawn(self._sync(slot, held, loads, unloads), f"adapters of {slot.engine_id}")
+
+    def _serving(self, slot: EngineSlot) -> bool:
+        return (
+            bool(slot.node_id and slot.port)
+            and slot.state == T.ENGINE_STATE_RUNNING
+            and slot.health == T.HEALTH_STATUS_NORMAL
+        )
+
+    async def _sync(self, slot: EngineSlot, held: EngineAdapters, loads: dict[str, str], unloads: list[str]) -> None:
+        try:
+            base = f"http://{slot.host}:{slot.port}"
+            for name in unloads:
+                status, answer = await self._post(f"{base}/v1/unload_lora_adapter", {"lora_name": name})
+                if status in (200, 404):  # 404: not loaded there (any more)
+                    held.loaded.pop(name, None)
+                    self._announce(slot, f"adapter {name!r} unloaded from engine {slot.engine_id}")
+                else:
+                    self._announce(
+                        slot, f"adapter {name!r} could not be unloaded from engine {slot.engine_id}: {answer}"
+                    )
+            node = self.state.nodes.get(slot.node_id)
+            roots = list(node.info.model_roots) if node is not None else []
+            for name, path in loads.items():
+                if not roots:
+                    self._failed(
+                        slot,
+                        held,
+                        name,
+                        path,
+                        f"node {slot.node_id} has no model root (--model-root) to read adapters from",
+                    )
+                    continue
+                status, answer = await self._post(
+                    f"{base}/v1/load_lora_adapter", {"lora_name": name, "lora_path": posixpath.join(roots[0], path)}
+                )
+                if status == 200 or (
+                    status == 400 and "already been loaded" in answer
+                ):  # loaded before a controller restart
+                    held.loaded[name] = path
+                    held.failed.pop(name, None)
+                    self._announce(slot, f"adapter {name!r} ({path}) loaded into engine {slot.engine_id}")
+                else:
+                    self._failed(slot, held, name, path, answer)
+        finally:
+            held.busy = False
+
+    def _failed(self, slot: EngineSlot, held: EngineAdapters, name: str, path: str, why: str) -> None:
+        held.failed[name] = path
+        self._announce(slot, f"adapter {name!r} ({path}) failed to load into engine {slot.engine_id}: {why}")
+
+    def _announce(self, slot: EngineSlot, message: str) -> None:
+        inst = self.state.instances.get(slot.instance_id)
+        deployment = self.state.deployment_of(inst) if inst is not None else ""
+        # About one engine: its endpoint (the models it answers to) is read again.
+        self.state.event(
+            C.EVENT_TYPE_ADAPTER,
+            message,
+            node_id=slot.node_id,
+            instance_id=slot.instance_id,
+            engine_id=slot.engine_id,
+            deployment=deployment,
+        )
+
+    async def _post(self, url: str, body: dict) -> tuple[int, str]:
+        """The status and, when not 200, the engine's answer (cut short); 0 when it did not answer."""
+        try:
+            if self._session is None:
+                self._session = aiohttp.ClientSession()
+            async with self._session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=CALL_TIMEOUT)) as reply:
+                text = "" if reply.status == 200 else (await reply.text()).strip()
+                return reply.status, f"HTTP {reply.status}: {text[:300]}"
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            return 0, f"no answer ({exc or type(exc).__name__})"
