@@ -49,9 +49,10 @@ class StartupDeployment:
         On a store that knows a deployment: nothing but a line saying so."""
         controller = self.controller
         if not controller.adoption.waiting:
-            stored = controller.deployment
+            # Deployments are named: the file is held against the one of its name.
+            stored, revision = controller.changes.deployments.get(self.wanted.name, (None, 0))
             held = (
-                "no deployment (deleted)"
+                f"no deployment named {self.wanted.name} (deleted, or never applied)"
                 if stored is None
                 else "the same deployment"
                 if _same(self.wanted, stored)
@@ -59,9 +60,9 @@ class StartupDeployment:
             )
             logger.info(
                 "%s not applied: the store holds revision %d, %s (a --deployment file seeds a new store only; "
-                "`motorctl apply -f FILE` changes a running cluster's deployment)",
+                "`motorctl apply -f FILE` changes a running cluster's deployments)",
                 self.path,
-                controller.revision,
+                revision,
                 held,
             )
         elif self.window > 0:
