@@ -40,3 +40,14 @@ def test_the_fleet_describes_its_roomiest_node():
     nodes = [NodeCapacity("a", "h", [0, 1, 2, 3], used_accelerators={0}, port_range=(100, 105)),
              NodeCapacity("b", "h", [0, 1])]  # fmt: skip
     assert Fleet(nodes).describe() == "2 READY node(s); most free: a with 3/4 accelerators and 6 ports"
+
+
+def test_a_rank_that_fits_nowhere_says_what_it_needs_and_what_the_fleet_has():
+    """The whole PENDING reason an operator reads, not a fragment of it."""
+    nodes = [NodeCapacity("a", "10.0.0.1", [0], port_range=(100, 101))]
+    with pytest.raises(Unplaceable) as unplaceable:
+        place_instance([0], 2, False, nodes)
+    assert str(unplaceable.value) == (
+        "rank 0 needs 2 accelerator(s) and 2 port(s) on one READY node; none has room "
+        "(1 READY node(s); most free: a with 1/1 accelerators and 2 ports)"
+    )

@@ -12,16 +12,20 @@ from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from engine_server.engines.base import UtilizationSampler
-from engine_server.probing import HttpProbeClient, PeakSampler, ProbeFailed
+from engine_server.metrics import EngineServerMetrics
+from engine_server.probing import HttpHealthClient, HttpProbeClient, PeakSampler, ProbeFailed, ProbeRecord
 from engine_server.status import Event, Health, HealthStateMachine, Transition
 from motor.ports import free_port
 from tests.engine_server.test_probing import (
     NO_WAIT,
     SETTINGS,
     FixedSampler,
+    Progress,
     ScriptedClient,
+    ScriptedHealth,
     make_prober,
     serve_completions,
 )  # fmt: skip
@@ -305,3 +309,206 @@ async def test_the_client_can_be_closed_unused_and_probes_again_after_close(comp
     await client.close()
     await client.probe()  # a new session
     await client.close()
+
+
+# ------------------------------------------------------------------ GET /health: the HTTP client
+
+
+@pytest.fixture
+async def health_endpoint():
+    """(base URL, answer): a GET /health server whose status the test sets, or that hangs."""
+    answer = {"status": 200, "hang": False}
+    released = asyncio.Event()
+
+    async def handler(request):
+        if answer["hang"]:
+            await released.wait()
+        return web.Response(status=answer["status"], text="")
+
+    app = web.Application()
+    app.add_routes([web.get("/health", handler)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    yield f"http://127.0.0.1:{port}", answer
+    released.set()
+    await runner.cleanup()
+
+
+@pytest.mark.parametrize(
+    "base, url",
+    [("http://10.0.0.1:8000/", "http://10.0.0.1:8000/health"),
+     ("http://10.0.0.1:8000", "http://10.0.0.1:8000/health"),
+     ("http://ENGINE-BOX/", "http://ENGINE-BOX/health")],
+)  # fmt: skip
+def test_the_health_url_is_the_health_route_of_the_base_url(base, url):
+    assert HttpHealthClient(base, 1).url == url
+
+
+async def test_health_passes_on_200_and_names_any_other_status(health_endpoint):
+    url, answer = health_endpoint
+    client = HttpHealthClient(url, timeout=5)
+    try:
+        await client.check()
+        answer["status"] = 503
+        with pytest.raises(ProbeFailed) as failed:
+            await client.check()
+        assert str(failed.value) == "GET /health answered 503"
+        answer["status"] = 201
+        with pytest.raises(ProbeFailed, match=r"^GET /health answered 201$"):
+            await client.check()
+    finally:
+        await client.close()
+
+
+async def test_a_slow_health_answer_times_out_at_the_clients_timeout(health_endpoint):
+    url, answer = health_endpoint
+    answer["hang"] = True
+    client = HttpHealthClient(url, timeout=0.2)
+    try:
+        with pytest.raises(ProbeFailed, match=r"^GET /health timed out after 0\.2s$"):
+            await asyncio.wait_for(client.check(), 10)  # the outer bound only catches a missing timeout
+    finally:
+        await client.close()
+
+
+async def test_a_refused_health_check_names_the_error_type():
+    client = HttpHealthClient(f"http://127.0.0.1:{free_port()}", timeout=2)
+    try:
+        with pytest.raises(ProbeFailed, match=r"^GET /health failed: ClientConnector\w*Error$"):
+            await client.check()
+    finally:
+        await client.close()
+
+
+async def test_the_health_client_can_be_closed_unused_and_checks_again_after_close(health_endpoint):
+    url, _ = health_endpoint
+    await HttpHealthClient(url, timeout=5).close()
+    client = HttpHealthClient(url, timeout=5)
+    await client.check()
+    await client.close()
+    await client.check()  # a new session
+    await client.close()
+
+
+# ------------------------------------------------------------------ GET /health in the prober
+
+
+async def test_a_round_that_fails_on_health_records_why_when_and_how_long():
+    health = ScriptedHealth()
+    health.problem = "GET /health answered 503"
+    client = ScriptedClient()
+    prober, machine, records = make_prober(FixedSampler(95), client)
+    prober.health = health
+    prober.interval = SETTINGS.busy_probe_interval  # a busy engine stops answering /health
+    ticks = iter([100.0, 100.5, 200.0, 200.25, 300.0, 300.75])
+    prober._clock = SimpleNamespace(time=lambda: 1700000000.0, monotonic=lambda: next(ticks))
+    record = await prober.probe_once()
+    assert record == ProbeRecord(
+        time=1700000000.0, success=False, latency=0.5, error="GET /health answered 503", utilization_peak=0.0,
+        next_interval=SETTINGS.probe_interval, consecutive_failures=1, counted=True, status=Health.NORMAL,
+    )  # fmt: skip
+    assert prober.interval == SETTINGS.probe_interval and records == [record] and client.calls == 0
+    await prober.probe_once()
+    record = await prober.probe_once()
+    assert record.consecutive_failures == 3 and record.status is Health.ABNORMAL
+    assert record.latency == pytest.approx(0.75)
+
+
+async def test_failed_health_checks_are_logged_with_the_count(caplog):
+    caplog.set_level(logging.INFO, logger="engine_server.probing")
+    health = ScriptedHealth()
+    prober, _, _ = make_prober(FixedSampler(0))
+    prober.health = health
+    health.problem = "GET /health answered 503"
+    await prober.check_health_once()
+    health.problem = "GET /health timed out after 2s"
+    await prober.probe_once()
+    assert [r.getMessage() for r in caplog.records if r.name == "engine_server.probing"] == [
+        "health check failed (GET /health answered 503; 1 consecutive)",
+        "health check failed (GET /health timed out after 2s; 2 consecutive)",
+    ]
+
+
+async def test_the_failure_gauge_follows_health_checks():
+    registry = CollectorRegistry()
+    health = ScriptedHealth()
+    prober, _, _ = make_prober(FixedSampler(0), metrics=EngineServerMetrics(registry))
+    prober.health = health
+    health.problem = "GET /health answered 503"
+    await prober.check_health_once()
+    await prober.check_health_once()
+    assert registry.get_sample_value("motor_engine_server_consecutive_failures") == 2
+    health.problem = None
+    await prober.check_health_once()
+    assert registry.get_sample_value("motor_engine_server_consecutive_failures") == 0
+
+
+async def test_a_200_from_health_does_not_clear_failed_probes():
+    """/health answering says the server is up, not that inference works: once a counted probe
+    failure follows failed health checks, only a successful probe brings the engine back."""
+    health, client = ScriptedHealth(), ScriptedClient()
+    prober, machine, _ = make_prober(FixedSampler(0), client)
+    prober.health = health
+    health.problem = "GET /health answered 503"
+    await prober.probe_once()
+    await prober.probe_once()
+    health.problem = None
+    client.fail = "HTTP 500"
+    await prober.probe_once()
+    assert machine.state is Health.ABNORMAL and machine.reason.startswith("3 consecutive virtual-inference probes")
+    reason = machine.reason
+    await prober.check_health_once()  # probing paused: /health alone answers 200
+    assert machine.state is Health.ABNORMAL and machine.reason == reason and prober.consecutive_failures == 3
+
+
+async def test_run_health_checks_start_to_start_every_probe_interval():
+    health = ScriptedHealth()
+    sleeps = []
+    now = [0.0]
+
+    async def fake_sleep(seconds):
+        sleeps.append(seconds)
+        raise asyncio.CancelledError
+
+    def monotonic():
+        now[0] += 4.5  # every reading moves the clock on: a check takes 4.5 s of the 5 s interval
+        return now[0]
+
+    prober, _, _ = make_prober(FixedSampler(0))
+    prober.health = health
+    prober._clock = SimpleNamespace(time=time.time, monotonic=monotonic, sleep=fake_sleep)
+    with pytest.raises(asyncio.CancelledError):
+        await prober.run_health_checks()
+    assert health.calls == 1 and sleeps == [0.5]
+
+
+# ------------------------------------------------------------------ why a failure counted
+
+
+async def test_a_progress_source_that_stops_answering_leaves_the_judgement_to_utilization(caplog):
+    """Progress that cannot be read (None) is not progress: the log must not claim the engine moved."""
+    caplog.set_level(logging.INFO, logger="engine_server.probing")
+    readings = iter([5, None, None, 7])
+    client = ScriptedClient()
+    client.fail = "HTTP 500"
+    prober, _, _ = make_prober(FixedSampler(95), client, progress=lambda: next(readings))
+    assert not (await prober.probe_once()).counted  # 5 then None
+    assert not (await prober.probe_once()).counted  # None then 7
+    assert [r.getMessage() for r in caplog.records if r.name == "engine_server.probing"] == [
+        "probe failed (HTTP 500; peak 95%, not counted: accelerator busy, 0 consecutive)",
+    ] * 2
+
+
+async def test_failures_at_exactly_the_idle_threshold_without_progress_say_no_progress():
+    client, progress = ScriptedClient(), Progress()
+    client.fail = "HTTP 500"
+    threshold = SETTINGS.npu_usage_threshold
+    prober, machine, _ = make_prober(FixedSampler(threshold), client, progress=progress)
+    for _ in range(SETTINGS.max_failure_count):
+        await prober.probe_once()
+    assert machine.state is Health.ABNORMAL and machine.reason == (
+        "3 consecutive virtual-inference probes failed while the engine made no progress (no tokens or scheduler "
+        f"steps) although utilization peaked at {threshold:.0f}%; last error: HTTP 500"
+    )
