@@ -57,6 +57,18 @@ def deployment(count: int) -> C.Deployment:
                 "motor_engine_union_config": {
                     "engine_type": "sim",
                     "engine_args": {"model": "sim-tiny", "latency_ms": 20},
+                    # Probes every 0.5 s: a hang that only inference shows (/health still 200) is
+                    # seen after two failed probes (each round samples utilization for 0.5 s). MindIE's
+                    # defaults (off; 5 s apart, 3 s windows) would take half a minute.
+                    "health_check_config": {
+                        "enable_virtual_inference": True,
+                        "probe_interval": 0.5,
+                        "busy_probe_interval": 0.5,
+                        "probe_timeout": 0.5,
+                        "max_failure_count": 2,
+                        "utilization_window": 0.5,
+                        "utilization_sample_period": 0.1,
+                    },
                 }
             },
         }
