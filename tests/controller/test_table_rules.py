@@ -103,3 +103,31 @@ def test_time_the_controller_was_away_moves_ready_and_suspect_clocks_forward_by_
     assert suspect.last_seen == 5.0  # a SUSPECT node's own clock is its suspicion
     assert [n.node_id for n in table.ready_silent(12.0, 0.0)] == []
     assert [n.node_id for n in table.ready_silent(12.5, 0.0)] == ["node-a"]
+
+
+def test_each_node_is_judged_by_the_grace_it_was_last_told():
+    table = NodeTable()
+    short, long, untold = runtime("node-a"), runtime("node-b"), runtime("node-c")
+    for node in (short, long, untold):
+        table.put(node)  # all heard from at 0
+    table.told(short, 1.0, 5.0)
+    table.told(long, 4.0, 20.0)
+    assert (short.told_interval, short.told_grace, long.told_interval, long.told_grace) == (1.0, 5.0, 4.0, 20.0)
+    # A node told nothing is held to the grace given for those (here 30 s).
+    assert [n.node_id for n in table.ready_silent(10.0, 30.0)] == ["node-a"]
+    assert sorted(n.node_id for n in table.ready_silent(25.0, 30.0)) == ["node-a", "node-b"]
+    assert sorted(n.node_id for n in table.ready_silent(31.0, 30.0)) == ["node-a", "node-b", "node-c"]
+    # Told a longer grace, it is judged by that one from then on, and listed once.
+    table.told(short, 4.0, 20.0)
+    assert [n.node_id for n in table.ready_silent(10.0, 30.0)] == []
+    assert sorted(n.node_id for n in table.ready_silent(31.0, 30.0)) == ["node-a", "node-b", "node-c"]
+
+
+def test_a_suspect_node_told_a_grace_stays_out_of_the_ready_sweep():
+    table = NodeTable()
+    node = runtime("node-a")
+    table.put(node)
+    table.set_state(node, NODE_SUSPECT, "silent")
+    table.told(node, 1.0, 5.0)
+    assert node.told_grace == 5.0
+    assert list(table.ready_silent(100.0, 1.0)) == []

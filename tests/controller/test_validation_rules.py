@@ -203,3 +203,12 @@ def test_a_deployment_may_not_choose_the_program_an_engine_runs():
         "starts SGLang; a request may not choose what runs on a node (engine commands come from the node manager's "
         "--engine-command)"
     )
+
+
+def test_a_deployment_name_outside_the_id_rule_is_refused_with_the_rule_and_an_example():
+    deployment = small_deployment([{"name": "u", "role": "union"}])
+    deployment.name = "Chat Large"
+    assert invalid(deployment) == (
+        "invalid deployment: name: 'Chat Large' must be 1-63 lowercase letters, digits, '.', '_' or '-', "
+        "starting with a letter or digit (e.g. 'chat-large')"
+    )
