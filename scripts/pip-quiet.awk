@@ -6,7 +6,7 @@
 # - prints any other conflict as pip wrote it, with pip's header line.
 /is ignored: it is neither/ { next }
 /^ERROR: pip.s dependency resolver does not currently take into account/ { header = $0; next }
-header != "" && / requires (torchvision|torchaudio|torchcodec|triton)([ <>=!~,].*)?, which is not installed/ {
+header != "" && / requires (torchvision|torchaudio|torchcodec|triton)([ ;<>=!~,].*)?, which is not installed/ {
   if (flag != "") printf "" > flag
   next
 }
