@@ -45,6 +45,9 @@ C = controller_pb2
 MUTATING_METHODS = frozenset(
     {"RegisterNode", "Heartbeat", "StreamHeartbeats", "ReportEngineEvent", "ApplyDeployment", "DeleteDeployment"}
 )
+# Feeds only the leader serves: routers follow WatchEndpoints, and a standby's view knows no
+# engine's health, so its (empty) list would take every worker out of a router.
+LEADER_ONLY_FEEDS = frozenset({"WatchEndpoints"})
 # A standby rebuilds its read-only view at most this often while changes stream in (s).
 VIEW_REFRESH = 0.2
 
@@ -284,7 +287,8 @@ class HighAvailability:
 
 
 class LeaderGate(grpc.aio.ServerInterceptor):
-    """Mutating ControllerService calls: only on the leader, and stored before they return."""
+    """Mutating ControllerService calls: only on the leader, and stored before they return. The
+    feeds routers follow: only from the leader, ended when it stops leading."""
 
     def __init__(self, ha: HighAvailability, service: str = "motor.v1.ControllerService"):
         self.ha, self.service = ha, service
@@ -294,7 +298,7 @@ class LeaderGate(grpc.aio.ServerInterceptor):
     ) -> Any:
         handler = await continuation(details)
         service, _, method = details.method.lstrip("/").rpartition("/")
-        if handler is None or service != self.service or method not in MUTATING_METHODS:
+        if handler is None or service != self.service or method not in MUTATING_METHODS | LEADER_ONLY_FEEDS:
             return handler
         ha = self.ha
 
@@ -306,6 +310,20 @@ class LeaderGate(grpc.aio.ServerInterceptor):
                 )
                 await context.abort(grpc.StatusCode.UNAVAILABLE, message)
 
+        if handler.unary_stream is not None:  # WatchEndpoints: every message only while leading
+            feed = handler.unary_stream
+
+            async def gated_feed(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                await refuse_unless_leader(context)
+                async for reply in feed(request, context):
+                    await refuse_unless_leader(context)
+                    yield reply
+
+            return grpc.unary_stream_rpc_method_handler(
+                gated_feed,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
         if handler.stream_stream is not None:  # StreamHeartbeats: every beat only while leading
             stream = handler.stream_stream
 

@@ -171,6 +171,11 @@ def test_a_standby_refuses_changes_and_names_the_leader(cluster):
     with pytest.raises(grpc.RpcError) as streamed:
         list(_stub(standby).StreamHeartbeats(iter([beat]), timeout=5))
     assert streamed.value.code() == grpc.StatusCode.UNAVAILABLE and leader in streamed.value.details()
+    # Routers follow the leader's endpoints only: a standby knows no engine's health, and its empty
+    # list would take every worker out of a router (motor-router-sync moves on to the next address).
+    with pytest.raises(grpc.RpcError) as watched:
+        next(iter(_stub(standby).WatchEndpoints(controller_pb2.WatchEndpointsRequest(), timeout=5)))
+    assert watched.value.code() == grpc.StatusCode.UNAVAILABLE and leader in watched.value.details()
     # Reads are answered by the standby from etcd.
     deployment = _stub(standby).GetDeployment(controller_pb2.GetDeploymentRequest(), timeout=5)
     assert deployment.deployment.name == "local-sim"
