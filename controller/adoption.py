@@ -52,10 +52,12 @@ class Adoption:
         copies = self.live_copies()
         adopted = 0
         for inst in instances:
-            found = self._matching(inst, copies)
+            found, why = self._matching(inst, copies)
             if found is not None:
                 self._take(inst, found)
                 adopted += 1
+            else:
+                self._replace_survivors(inst, copies, why)
         self.end(f"first deployment on a new store: {adopted} instance(s) adopted with the engines the nodes run")
         return adopted
 
@@ -78,12 +80,15 @@ class Adoption:
 
     def _matching(
         self, inst: InstanceRecord, copies: dict[str, list[tuple[NodeRuntime, T.Engine]]]
-    ) -> list[tuple[NodeRuntime, T.Engine]] | None:
+    ) -> tuple[list[tuple[NodeRuntime, T.Engine]] | None, str]:
+        """The copies that run the whole instance as described, or None and why not."""
         found = []
         for rank in range(inst.data_parallel_size):
             candidates = copies.get(names.engine_id(inst.instance_id, rank), [])
-            if len(candidates) != 1:
-                return None  # missing, or two copies: which one is the instance's is not clear
+            if not candidates:
+                return None, f"rank {rank} of {inst.instance_id} is not running"
+            if len(candidates) > 1:  # which one is the instance's is not clear
+                return None, f"rank {rank} of {inst.instance_id} runs on {len(candidates)} nodes"
             node, engine = candidates[0]
             spec = engine.spec
             used = self.state.slots.used_accelerators(node.node_id)
@@ -96,9 +101,35 @@ class Adoption:
                 or len(spec.accelerator_ids) != inst.accelerators_per_engine
                 or not set(spec.accelerator_ids) <= set(node.info.accelerator_ids) - used
             ):
-                return None
+                return (
+                    None,
+                    f"rank {rank} of {inst.instance_id} on {node.node_id} runs another spec than the deployment's",
+                )
             found.append((node, engine))
-        return found
+        return found, ""
+
+    def _replace_survivors(
+        self, inst: InstanceRecord, copies: dict[str, list[tuple[NodeRuntime, T.Engine]]], why: str
+    ) -> None:
+        """Ranks of an instance that cannot be adopted whole still run: they are stopped (fenced,
+        each with one event saying why) and the instance starts anew, a restart it counts."""
+        survivors = [
+            (node, engine)
+            for rank in range(inst.data_parallel_size)
+            for node, engine in copies.get(names.engine_id(inst.instance_id, rank), [])
+        ]
+        if not survivors:
+            return
+        inst.restarts += 1
+        self.state.save_instance(inst)
+        for node, engine in survivors:
+            self.lifecycle.actuator.stop_copy(
+                node.node_id,
+                engine.engine_id,
+                engine.spec.generation,
+                f"replaced: {why}, so the instance starts anew (not adopted)",
+                fence=True,
+            )
 
     def _take(self, inst: InstanceRecord, found: list[tuple[NodeRuntime, T.Engine]]) -> None:
         st = self.state

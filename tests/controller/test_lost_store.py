@@ -149,3 +149,9 @@ async def test_an_instance_is_adopted_whole_or_not_at_all(harness):
         "prefill-0/rank1",
     }
     assert [e for _, e, _ in harness.client.stops()] == ["prefill-0/rank0"]  # the lone rank's copy
+    # The surviving rank is replaced, and says so: one event naming it and why, and a restart counted.
+    fenced = [e for e in harness.controller.events.recent if e.type == C.EVENT_TYPE_ENGINE_FENCED]
+    assert [(e.instance_id, e.engine_id) for e in fenced] == [("prefill-0", "prefill-0/rank0")], fenced
+    assert "rank 1 of prefill-0 is not running" in fenced[0].message, fenced[0].message
+    assert "replaced" in fenced[0].message, fenced[0].message
+    assert harness.controller.state.instances["prefill-0"].restarts == 1
