@@ -48,17 +48,17 @@ def chat_and_embed(engine_server):
     return engines
 
 
-def complete(router, model: str) -> tuple[int, dict]:
-    status, text = http("POST", router.url + "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2})
+def complete(router_url: str, model: str) -> tuple[int, dict]:
+    status, text = http("POST", router_url + "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2})
     return status, json.loads(text)
 
 
-def answers(router, model: str, count: int = 12) -> list[tuple[int, str]]:
+def answers(router_url: str, model: str, count: int = 12) -> list[tuple[int, str]]:
     """(status, the model that answered) of `count` completions naming `model`. An engine of another
     model answers 404 (vLLM's body), so all 200 with the same model means no request went astray."""
     result = []
     for _ in range(count):
-        status, body = complete(router, model)
+        status, body = complete(router_url, model)
         result.append((status, body.get("model") if status == 200 else body["error"]["type"]))
     return result
 
@@ -76,8 +76,8 @@ async def test_each_models_requests_reach_only_its_engines(model_router, chat_an
             )
         )
         await until(lambda: len(model_router.workers()) == 3, what="three engines added")
-        assert await asyncio.to_thread(answers, model_router, "sim-chat") == [(200, "sim-chat")] * 12
-        assert await asyncio.to_thread(answers, model_router, "sim-embed") == [(200, "sim-embed")] * 12
+        assert await asyncio.to_thread(answers, model_router.url, "sim-chat") == [(200, "sim-chat")] * 12
+        assert await asyncio.to_thread(answers, model_router.url, "sim-embed") == [(200, "sim-embed")] * 12
         status, text = http("GET", model_router.url + "/workers")
         assert status == 200, text
         by_url = {w["url"]: w["model_id"] for w in json.loads(text)["workers"]}
@@ -102,10 +102,12 @@ async def test_an_unknown_model_gets_404_and_a_model_left_without_engines_reache
         await until(lambda: len(model_router.workers()) == 3, what="three engines added")
         # vllm-router 0.1.17 has no 404 of its own: it sends a request for a model it has no
         # worker of to some worker, whose engine answers vLLM's 404 (docs/router.md).
-        assert {a for a in await asyncio.to_thread(answers, model_router, "no-such-model")} == {(404, "NotFoundError")}
+        assert {a for a in await asyncio.to_thread(answers, model_router.url, "no-such-model")} == {
+            (404, "NotFoundError")
+        }
         running.sync.apply(controller_pb2.WatchEndpointsResponse(removed=[embed]))  # deployment embed deleted
         await until(lambda: len(model_router.workers()) == 2, what="the embed engine removed")
-        assert {a for a in await asyncio.to_thread(answers, model_router, "sim-embed")} == {(404, "NotFoundError")}
-        assert await asyncio.to_thread(answers, model_router, "sim-chat") == [(200, "sim-chat")] * 12
+        assert {a for a in await asyncio.to_thread(answers, model_router.url, "sim-embed")} == {(404, "NotFoundError")}
+        assert await asyncio.to_thread(answers, model_router.url, "sim-chat") == [(200, "sim-chat")] * 12
     finally:
         await running.close()
