@@ -57,6 +57,9 @@ class RouterSync:
         self.admin, self.announce, self.pd, self.by_model = admin, announce, pd, by_model
         self.relist_interval = relist_interval
         self.wanted: dict[str, tuple[str | None, str | None]] = {}
+        # What each URL was added as: a URL that comes back as another model or type (its port
+        # given to another deployment's engine) is added again, which re-files it in the router.
+        self.filed: dict[str, tuple[str | None, str | None]] = {}
         self.believed: set[str] | None = None  # None: to be re-read from the router
         self.refused: dict[str, str] = {}  # url -> the router's answer, until the next re-list
         self.have_snapshot = False  # before Motor's first list the router's list is left alone
@@ -76,10 +79,7 @@ class RouterSync:
         for gone in message.removed:
             self.wanted.pop(gone.url, None)
         for new in message.added:
-            worker = (worker_type(new.role, self.pd), routed_model(new, self.by_model))
-            if self.believed is not None and self.wanted.get(new.url, worker) != worker:
-                self.believed.discard(new.url)  # a URL reused by another engine: added again, as it is now
-            self.wanted[new.url] = worker
+            self.wanted[new.url] = (worker_type(new.role, self.pd), routed_model(new, self.by_model))
         self.wake.set()
 
     # Keeping the router -----------------------------------------------------------------------
@@ -114,7 +114,11 @@ class RouterSync:
             self.refused.clear()
         believed = self.believed
         extra = sorted(believed - self.wanted.keys())
-        missing = sorted(u for u in self.wanted if u not in believed and u not in self.refused)
+        missing = sorted(
+            url
+            for url, worker in self.wanted.items()
+            if (url not in believed or self.filed.get(url, worker) != worker) and url not in self.refused
+        )
         began = time.monotonic()
         removed = await self._each(extra, self.admin.remove, believed.discard)
         added = await self._each(missing, self._add, believed.add)
@@ -136,7 +140,9 @@ class RouterSync:
         self.passes += 1
 
     async def _add(self, url: str) -> None:
-        await self.admin.add(url, *self.wanted.get(url, (None, None)))
+        worker = self.wanted.get(url, (None, None))
+        await self.admin.add(url, *worker)
+        self.filed[url] = worker
 
     async def _each(
         self, urls: Iterable[str], call: Callable[[str], Awaitable[None]], done: Callable[[str], None]

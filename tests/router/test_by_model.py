@@ -111,3 +111,25 @@ async def test_an_unknown_model_gets_404_and_a_model_left_without_engines_reache
         assert await asyncio.to_thread(answers, model_router.url, "sim-chat") == [(200, "sim-chat")] * 12
     finally:
         await running.close()
+
+
+def filed_models(router) -> dict[str, str]:
+    status, text = http("GET", router.url + "/workers")
+    assert status == 200, text
+    return {w["url"]: w["model_id"] for w in json.loads(text)["workers"]}
+
+
+async def test_a_url_taken_over_by_an_engine_of_another_model_is_filed_again_under_it(model_router, chat_and_embed):
+    engines = chat_and_embed
+    running = Running(model_router.url, by_model=True)
+    try:
+        before = served(engines["embed-0"], "embed", "sim-embed")
+        running.sync.apply(snapshot(before))
+        url = before.url
+        await until(lambda: filed_models(model_router) == {url: "sim-embed"}, what="the engine filed under sim-embed")
+        # deployment embed deleted and, before the sync's next pass, its port given to another's engine
+        after = served(engines["embed-0"], "rerank", "sim-rerank")
+        running.sync.apply(controller_pb2.WatchEndpointsResponse(removed=[before], added=[after]))
+        await until(lambda: filed_models(model_router) == {url: "sim-rerank"}, what="the URL filed under sim-rerank")
+    finally:
+        await running.close()
