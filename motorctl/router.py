@@ -20,6 +20,9 @@ ROUTER_PORT = 8080
 # too, and with it the run tag that `motorctl down` and the guardian find processes by:
 # SPT_NOENV keeps the environment.
 ROUTER_ENV = {"SPT_NOENV": "1"}
+# Several models behind one router: its multi-model mode takes each worker with a model id and
+# sends a request only to workers of the model it names; the sync runs with --by-model to match.
+MODEL_ROUTING_FLAGS = ["--enable-igw"]
 
 
 def router_binary() -> str:
@@ -46,12 +49,23 @@ def router_command(port: int, metrics_port: int) -> list[str]:
         "10",
         "--worker-startup-check-interval",
         "1",
+        *MODEL_ROUTING_FLAGS,
     ]
     return argv
 
 
 def sync_command(controllers: list[str], router_url: str, tls: list[str]) -> list[str]:
-    return [sys.executable, "-m", "router_sync", "--controller", ",".join(controllers), "--router", router_url, *tls]
+    return [
+        sys.executable,
+        "-m",
+        "router_sync",
+        "--controller",
+        ",".join(controllers),
+        "--router",
+        router_url,
+        "--by-model",
+        *tls,
+    ]
 
 
 def router_workers(url: str, timeout: float = 2.0) -> list[str] | None:

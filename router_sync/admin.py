@@ -1,11 +1,12 @@
 """The router's admin API, as the sync uses it (vllm-router; SGLang's sgl-router serves the same).
 
 `GET /list_workers`, `POST /add_worker?url=U` (a regular worker), `POST /workers` with
-`{"url", "worker_type": "prefill"|"decode"}` (a P/D router, started with `--enable-igw`: the only
-mode of vllm-router 0.1.17 whose admin API takes worker types), `POST /remove_worker?url=U`. Adding polls the worker's
-/health inside the router, so every add
-has a deadline here: Motor lists only engines that already serve, an add that takes long means
-the router is in trouble. A router that does not answer (refused connection, timeout, 5xx) is
+`{"url", "model_id", "worker_type": "prefill"|"decode"}` (a router started with `--enable-igw`, the
+only mode of vllm-router 0.1.17 whose admin API takes a worker's model or type; it routes each
+request to the workers of the model it names), `POST /remove_worker?url=U`. A plain add polls the
+worker's /health inside the router (a `/workers` add does not: measured, it accepts a URL nothing
+answers), so every add has a deadline here: Motor lists only engines that already serve, an add
+that takes long means the router is in trouble. A router that does not answer (refused connection, timeout, 5xx) is
 `RouterDown`; a 4xx about one worker is `Refused`, with the router's answer.
 """
 
@@ -57,10 +58,12 @@ class RouterAdmin:
         except (ValueError, KeyError, TypeError):
             raise RouterDown(f"{self.base_url}/list_workers: not a worker list: {response.text[:200]}") from None
 
-    async def add(self, url: str, worker_type: str | None = None) -> None:
+    async def add(self, url: str, worker_type: str | None = None, model: str | None = None) -> None:
         try:
-            if worker_type:
-                response = await self._call("POST", "/workers", json={"url": url, "worker_type": worker_type})
+            if worker_type or model:
+                typed = {"worker_type": worker_type} if worker_type else {}
+                named = {"model_id": model} if model else {}
+                response = await self._call("POST", "/workers", json={"url": url, **typed, **named})
             else:
                 response = await self._call("POST", "/add_worker", {"url": url})
         except RouterDown as exc:

@@ -1,6 +1,6 @@
 """motor-router-sync: keeps one router's workers equal to the engines Motor lists (docs/router.md).
 
-motor-router-sync --controller 127.0.0.1:50051 --router http://127.0.0.1:8080 [--pd]
+motor-router-sync --controller 127.0.0.1:50051 --router http://127.0.0.1:8080 [--by-model] [--pd]
                   [--tls-ca CA --tls-cert C --tls-key K]
 """
 
@@ -32,6 +32,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--vllm-pd-disaggregation): prefill and decode engines are added with their worker type",
     )
     parser.add_argument(
+        "--by-model",
+        action="store_true",
+        help="the router routes by model (vllm-router --enable-igw): each engine is added under its "
+        "deployment's model, so a request reaches only engines of the model it names",
+    )
+    parser.add_argument(
         "--relist-interval",
         type=float,
         default=5.0,
@@ -59,7 +65,7 @@ def announce(text: str) -> None:
 async def serve(args: argparse.Namespace) -> None:
     stop = stop_event()
     admin = RouterAdmin(args.router)
-    sync = RouterSync(admin, announce, pd=args.pd, relist_interval=args.relist_interval)
+    sync = RouterSync(admin, announce, pd=args.pd, by_model=args.by_model, relist_interval=args.relist_interval)
     tls = TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca) if args.tls_ca else None
     controllers = [a.strip() for a in args.controller.split(",") if a.strip()]
     tasks = [

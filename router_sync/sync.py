@@ -1,6 +1,6 @@
 """Keeping a router's workers equal to the engines Motor lists (plain logic over RouterAdmin).
 
-`RouterSync` holds what Motor wants (`wanted`: url -> worker type, from WatchEndpoints) and what
+`RouterSync` holds what Motor wants (`wanted`: url -> (worker type, model), from WatchEndpoints) and what
 it believes the router has (`believed`). Every pass removes what the router has and Motor does
 not list, then adds what Motor lists and the router lacks, each group concurrently (removals
 first: a worker that cannot serve leaves before anything else happens). `believed` is re-read
@@ -36,19 +36,30 @@ def worker_type(role: int, pd: bool) -> str | None:
     return PD_WORKER_TYPES.get(role) if pd else None
 
 
+def routed_model(endpoint: controller_pb2.Endpoint, by_model: bool) -> str | None:
+    """The model a by-model router files an engine under: its deployment's model, the first of
+    `models`. vllm-router 0.1.17 keeps one model per worker URL (a second add of the URL replaces
+    the first), so the adapters after it are not registered (docs/router.md)."""
+    return endpoint.models[0] if by_model and endpoint.models else None
+
+
 class RouterSync:
     def __init__(
         self,
         admin: RouterAdmin,
         announce: Callable[[str], None],
         pd: bool = False,
+        by_model: bool = False,
         relist_interval: float = 5.0,
         backoff_base: float = 0.2,
         backoff_cap: float = 5.0,
     ):
-        self.admin, self.announce, self.pd = admin, announce, pd
+        self.admin, self.announce, self.pd, self.by_model = admin, announce, pd, by_model
         self.relist_interval = relist_interval
-        self.wanted: dict[str, str | None] = {}
+        self.wanted: dict[str, tuple[str | None, str | None]] = {}
+        # What each URL was added as: a URL that comes back as another model or type (its port
+        # given to another deployment's engine) is added again, which re-files it in the router.
+        self.filed: dict[str, tuple[str | None, str | None]] = {}
         self.believed: set[str] | None = None  # None: to be re-read from the router
         self.refused: dict[str, str] = {}  # url -> the router's answer, until the next re-list
         self.have_snapshot = False  # before Motor's first list the router's list is left alone
@@ -68,7 +79,7 @@ class RouterSync:
         for gone in message.removed:
             self.wanted.pop(gone.url, None)
         for new in message.added:
-            self.wanted[new.url] = worker_type(new.role, self.pd)
+            self.wanted[new.url] = (worker_type(new.role, self.pd), routed_model(new, self.by_model))
         self.wake.set()
 
     # Keeping the router -----------------------------------------------------------------------
@@ -103,10 +114,14 @@ class RouterSync:
             self.refused.clear()
         believed = self.believed
         extra = sorted(believed - self.wanted.keys())
-        missing = sorted(u for u in self.wanted if u not in believed and u not in self.refused)
+        missing = sorted(
+            url
+            for url, worker in self.wanted.items()
+            if (url not in believed or self.filed.get(url, worker) != worker) and url not in self.refused
+        )
         began = time.monotonic()
         removed = await self._each(extra, self.admin.remove, believed.discard)
-        added = await self._each(missing, lambda url: self.admin.add(url, self.wanted.get(url)), believed.add)
+        added = await self._each(missing, self._add, believed.add)
         if removed or added:
             logger.info(
                 "router %s: removed %s, added %s (%.0f ms)",
@@ -123,6 +138,11 @@ class RouterSync:
                 f"added {added or 'none'}"
             )
         self.passes += 1
+
+    async def _add(self, url: str) -> None:
+        worker = self.wanted.get(url, (None, None))
+        await self.admin.add(url, *worker)
+        self.filed[url] = worker
 
     async def _each(
         self, urls: Iterable[str], call: Callable[[str], Awaitable[None]], done: Callable[[str], None]

@@ -45,7 +45,10 @@ def routed(tiny_model, vllm_env, tmp_path_factory):
     try:
         stub.ApplyDeployment(controller_pb2.ApplyDeploymentRequest(deployment=deployment_from_dict({
             "name": "vllm", "model": os.path.basename(tiny_model),
-            "engine_config": {"motor_engine_prefill_config": vllm_config(tiny_model)["motor_engine_prefill_config"]},
+            # The deployment's model is the name the engine serves: the router files it under it.
+            "engine_config": {"motor_engine_prefill_config": vllm_config(
+                tiny_model, served_model_name=os.path.basename(tiny_model)
+            )["motor_engine_prefill_config"]},
             "instance_groups": [{"name": "prefill", "role": "prefill", "count": 1}],
         })), timeout=10)  # fmt: skip
         wait_listed(stub)
@@ -63,11 +66,12 @@ def workers(local) -> list[str]:
 
 def test_completions_chat_and_a_stream_through_the_router_then_delete_removes_the_engine(routed):
     local, stub = routed
-    url = stub.ListEndpoints(controller_pb2.ListEndpointsRequest(), timeout=5).endpoints[0].url
+    endpoint = stub.ListEndpoints(controller_pb2.ListEndpointsRequest(), timeout=5).endpoints[0]
+    url, model = endpoint.url, endpoint.models[0]
     wait_for(lambda: workers(local) == [url], timeout=30, interval=0.2, what="the vLLM engine in the router")
     status, text = http("GET", local.router_url + "/v1/models")
-    assert status == 200, text
-    model = json.loads(text)["data"][0]["id"]
+    # The router's multi-model mode answers its own list of model names, not OpenAI's shape.
+    assert status == 200 and json.loads(text)["models"] == [model], text
     status, text = http(
         "POST", local.router_url + "/v1/completions", {"model": model, "prompt": "Hello", "max_tokens": 3}, timeout=60
     )

@@ -1,0 +1,135 @@
+"""Two deployments of different models behind one real vllm-router, started the way `motorctl up`
+starts it, kept by RouterSync: each model's requests reach only that model's engines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from motor.v1 import controller_pb2, types_pb2
+from motorctl.router import MODEL_ROUTING_FLAGS
+from tests.engine_server.conftest import engine_server, sim_config  # noqa: F401 (fixture)
+from tests.router.conftest import RouterProcess, http
+from tests.router.test_sync import Running, snapshot, until
+
+
+def served(engine, deployment: str, *models: str) -> controller_pb2.Endpoint:
+    return controller_pb2.Endpoint(
+        instance_id=engine.instance_id,
+        engine_id=f"{engine.instance_id}/rank0",
+        role=types_pb2.ROLE_UNION,
+        url=f"http://127.0.0.1:{engine.port}",
+        deployment=deployment,
+        models=models,
+    )
+
+
+@pytest.fixture
+def model_router(tmp_path):
+    started = RouterProcess(str(tmp_path), extra=MODEL_ROUTING_FLAGS)
+    yield started
+    started.stop()
+
+
+@pytest.fixture
+def chat_and_embed(engine_server):
+    """Two engines of model sim-chat (deployment chat), one of sim-embed (deployment embed)."""
+    engines = {}
+    for instance_id, model in (("chat-0", "sim-chat"), ("chat-1", "sim-chat"), ("embed-0", "sim-embed")):
+        engine = engine_server(
+            sim_config("union", {"model": model, "latency_ms": 1}), role="union", instance_id=instance_id
+        )
+        engine.instance_id = instance_id
+        engines[instance_id] = engine
+    for engine in engines.values():
+        engine.wait_status(types_pb2.HEALTH_STATUS_NORMAL)
+    return engines
+
+
+def complete(router_url: str, model: str) -> tuple[int, dict]:
+    status, text = http("POST", router_url + "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2})
+    return status, json.loads(text)
+
+
+def answers(router_url: str, model: str, count: int = 12) -> list[tuple[int, str]]:
+    """(status, the model that answered) of `count` completions naming `model`. An engine of another
+    model answers 404 (vLLM's body), so all 200 with the same model means no request went astray."""
+    result = []
+    for _ in range(count):
+        status, body = complete(router_url, model)
+        result.append((status, body.get("model") if status == 200 else body["error"]["type"]))
+    return result
+
+
+async def test_each_models_requests_reach_only_its_engines(model_router, chat_and_embed):
+    engines = chat_and_embed
+    running = Running(model_router.url, by_model=True)
+    try:
+        running.sync.apply(
+            snapshot(
+                served(engines["chat-0"], "chat", "sim-chat"),
+                # an adapter loaded into chat-1: registered under its base model only
+                served(engines["chat-1"], "chat", "sim-chat", "chat-lora"),
+                served(engines["embed-0"], "embed", "sim-embed"),
+            )
+        )
+        await until(lambda: len(model_router.workers()) == 3, what="three engines added")
+        assert await asyncio.to_thread(answers, model_router.url, "sim-chat") == [(200, "sim-chat")] * 12
+        assert await asyncio.to_thread(answers, model_router.url, "sim-embed") == [(200, "sim-embed")] * 12
+        status, text = http("GET", model_router.url + "/workers")
+        assert status == 200, text
+        by_url = {w["url"]: w["model_id"] for w in json.loads(text)["workers"]}
+        assert by_url == {
+            f"http://127.0.0.1:{engines[i].port}": m
+            for i, m in (("chat-0", "sim-chat"), ("chat-1", "sim-chat"), ("embed-0", "sim-embed"))
+        }
+        assert running.events == []
+    finally:
+        await running.close()
+
+
+async def test_an_unknown_model_gets_404_and_a_model_left_without_engines_reaches_no_other(
+    model_router, chat_and_embed
+):
+    engines = chat_and_embed
+    running = Running(model_router.url, by_model=True)
+    try:
+        chat = [served(engines[i], "chat", "sim-chat") for i in ("chat-0", "chat-1")]
+        embed = served(engines["embed-0"], "embed", "sim-embed")
+        running.sync.apply(snapshot(*chat, embed))
+        await until(lambda: len(model_router.workers()) == 3, what="three engines added")
+        # vllm-router 0.1.17 has no 404 of its own: it sends a request for a model it has no
+        # worker of to some worker, whose engine answers vLLM's 404 (docs/router.md).
+        assert {a for a in await asyncio.to_thread(answers, model_router.url, "no-such-model")} == {
+            (404, "NotFoundError")
+        }
+        running.sync.apply(controller_pb2.WatchEndpointsResponse(removed=[embed]))  # deployment embed deleted
+        await until(lambda: len(model_router.workers()) == 2, what="the embed engine removed")
+        assert {a for a in await asyncio.to_thread(answers, model_router.url, "sim-embed")} == {(404, "NotFoundError")}
+        assert await asyncio.to_thread(answers, model_router.url, "sim-chat") == [(200, "sim-chat")] * 12
+    finally:
+        await running.close()
+
+
+def filed_models(router) -> dict[str, str]:
+    status, text = http("GET", router.url + "/workers")
+    assert status == 200, text
+    return {w["url"]: w["model_id"] for w in json.loads(text)["workers"]}
+
+
+async def test_a_url_taken_over_by_an_engine_of_another_model_is_filed_again_under_it(model_router, chat_and_embed):
+    engines = chat_and_embed
+    running = Running(model_router.url, by_model=True)
+    try:
+        before = served(engines["embed-0"], "embed", "sim-embed")
+        running.sync.apply(snapshot(before))
+        url = before.url
+        await until(lambda: filed_models(model_router) == {url: "sim-embed"}, what="the engine filed under sim-embed")
+        # deployment embed deleted and, before the sync's next pass, its port given to another's engine
+        after = served(engines["embed-0"], "rerank", "sim-rerank")
+        running.sync.apply(controller_pb2.WatchEndpointsResponse(removed=[before], added=[after]))
+        await until(lambda: filed_models(model_router) == {url: "sim-rerank"}, what="the URL filed under sim-rerank")
+    finally:
+        await running.close()

@@ -1,0 +1,49 @@
+"""`motorctl up`'s router in front of two deployments of different models on one local cluster:
+requests by model reach only that model's engines, also after one deployment is deleted."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from motor.v1 import controller_pb2 as C
+from motor.v1 import controller_pb2_grpc
+from motorctl.up import LocalCluster
+from tests.controller.test_named_deployments_processes import model_deployment
+from tests.router.test_by_model import answers
+from tests.router.test_cluster_router import router_workers
+from tests.support import wait_for
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    local = LocalCluster(str(tmp_path), nodes=1, heartbeat_interval=1.0, engine_port_base=34000, router_port=0)
+    try:
+        local.start(timeout=60)
+        yield local
+    finally:
+        problems = local.stop()
+        assert not problems, problems
+
+
+def test_requests_by_model_through_motorctl_ups_router(cluster):
+    with grpc.insecure_channel(cluster.controller_address) as channel:
+        stub = controller_pb2_grpc.ControllerServiceStub(channel)
+
+        def listed() -> set[str]:
+            return {e.url for e in stub.ListEndpoints(C.ListEndpointsRequest(), timeout=5).endpoints}
+
+        def routed(count: int) -> bool:
+            return len(listed()) == count and router_workers(cluster) == listed()
+
+        for deployment in (model_deployment("chat", "sim-chat", 2), model_deployment("embed", "sim-embed", 1)):
+            stub.ApplyDeployment(C.ApplyDeploymentRequest(deployment=deployment), timeout=10)
+        wait_for(lambda: routed(3), timeout=90, interval=0.2, what="three engines of two models in the router")
+        assert answers(cluster.router_url, "sim-chat") == [(200, "sim-chat")] * 12
+        assert answers(cluster.router_url, "sim-embed") == [(200, "sim-embed")] * 12
+        assert set(answers(cluster.router_url, "no-such-model")) == {(404, "NotFoundError")}
+
+        stub.DeleteDeployment(C.DeleteDeploymentRequest(name="embed"), timeout=10)
+        wait_for(lambda: routed(2), timeout=60, interval=0.2, what="the embed engine out of the router")
+        assert answers(cluster.router_url, "sim-chat") == [(200, "sim-chat")] * 12
+        assert set(answers(cluster.router_url, "sim-embed")) == {(404, "NotFoundError")}
