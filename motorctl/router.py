@@ -20,8 +20,10 @@ ROUTER_PORT = 8080
 # too, and with it the run tag that `motorctl down` and the guardian find processes by:
 # SPT_NOENV keeps the environment.
 ROUTER_ENV = {"SPT_NOENV": "1"}
-# Several models behind one router: its multi-model mode takes each worker with a model id and
-# sends a request only to workers of the model it names; the sync runs with --by-model to match.
+# Several models behind one router (`motorctl up --router-by-model`): its multi-model mode takes
+# each worker with a model id and sends a request only to workers of the model it names; the sync
+# runs with --by-model to match. Not the default: in that mode the router answers a request
+# without `model` 503 and `/v1/models` in its own shape, not OpenAI's (docs/router.md).
 MODEL_ROUTING_FLAGS = ["--enable-igw"]
 
 
@@ -30,7 +32,7 @@ def router_binary() -> str:
     return local if os.path.exists(local) else (shutil.which("vllm-router") or "vllm-router")
 
 
-def router_command(port: int, metrics_port: int) -> list[str]:
+def router_command(port: int, metrics_port: int, by_model: bool = False) -> list[str]:
     argv = [
         router_binary(),
         "--host",
@@ -49,12 +51,12 @@ def router_command(port: int, metrics_port: int) -> list[str]:
         "10",
         "--worker-startup-check-interval",
         "1",
-        *MODEL_ROUTING_FLAGS,
+        *(MODEL_ROUTING_FLAGS if by_model else []),
     ]
     return argv
 
 
-def sync_command(controllers: list[str], router_url: str, tls: list[str]) -> list[str]:
+def sync_command(controllers: list[str], router_url: str, tls: list[str], by_model: bool = False) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -63,7 +65,7 @@ def sync_command(controllers: list[str], router_url: str, tls: list[str]) -> lis
         ",".join(controllers),
         "--router",
         router_url,
-        "--by-model",
+        *(["--by-model"] if by_model else []),
         *tls,
     ]
 

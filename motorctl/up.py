@@ -94,6 +94,7 @@ class LocalCluster:
     token_port: int = 0
     # A vllm-router on this port (0: a free one) kept by motor-router-sync; None: no router.
     router_port: int | None = None
+    router_by_model: bool = False  # the router's multi-model mode (several deployments' models)
 
     @property
     def router_url(self) -> str:
@@ -213,14 +214,19 @@ class LocalCluster:
 
     def start_router(self, timeout: float) -> None:
         self.router_port = self.router_port or free_port()
-        self._launch("router", front.router_command(self.router_port, free_port()), front.ROUTER_ENV)
+        self._launch(
+            "router", front.router_command(self.router_port, free_port(), self.router_by_model), front.ROUTER_ENV
+        )
         deadline = time.monotonic() + timeout
         while front.router_workers(self.router_url) is None:
             if self.process("router").process.poll() is not None or time.monotonic() > deadline:
                 raise TimeoutError(f"the router on port {self.router_port} did not start; see its log")
             time.sleep(0.1)
         self._launch(
-            "router-sync", front.sync_command(self.controller_addresses, self.router_url, self.tls_flags("router-sync"))
+            "router-sync",
+            front.sync_command(
+                self.controller_addresses, self.router_url, self.tls_flags("router-sync"), self.router_by_model
+            ),
         )
 
     def start_node(self, node_id: str, index: int) -> ManagedProcess:
@@ -428,6 +434,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"port of the router (vllm-router) in front of the engines: default {front.ROUTER_PORT}, "
         "or a free port if taken",
     )
+    parser.add_argument(
+        "--router-by-model",
+        action="store_true",
+        help="run the router in its multi-model mode: a request reaches only engines of the model it names "
+        "(several deployments of different models); /v1/models then answers in the router's own shape",
+    )
     parser.add_argument("--refresh", type=float, default=1.0, help="seconds between status refreshes")
     parser.add_argument(
         "--tls", action="store_true", help="mutual TLS on every plane, with a development PKI in <run-dir>/pki"
@@ -469,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         tls=args.tls,
         ha=args.ha,
         router_port=args.router_port or _default_port(front.ROUTER_PORT),
+        router_by_model=args.router_by_model,
     )
     stopping, started = False, False
     # Stops the cluster if this process is killed before it can (SIGKILL, the OOM killer).

@@ -17,7 +17,9 @@ from tests.support import wait_for
 
 @pytest.fixture
 def cluster(tmp_path):
-    local = LocalCluster(str(tmp_path), nodes=1, heartbeat_interval=1.0, engine_port_base=34000, router_port=0)
+    local = LocalCluster(
+        str(tmp_path), nodes=1, heartbeat_interval=1.0, engine_port_base=34000, router_port=0, router_by_model=True
+    )
     try:
         local.start(timeout=60)
         yield local
