@@ -34,8 +34,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from controller_scale import ENGINES_PER_NODE, Fleet, deployment  # noqa: E402
 from endpoint_removal import wait  # noqa: E402
+from scale_fleet import ENGINES_PER_NODE, Fleet, deployment  # noqa: E402
 
 from controller.store.etcd_client import EtcdTarget, connect  # noqa: E402
 from motor.ports import free_port  # noqa: E402

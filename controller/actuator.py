@@ -241,21 +241,14 @@ class Actuator:
                 f"engine {engine_id} on {node_id}: its stop failed {failure.count} time(s) in a row, asking "
                 f"again in {failure.delay():g}s: {exc} ({why})"
             )
-            if self.events.is_repeating(("fence", key)):  # a fence: its one event counts the tries
-                self.events.repeat(
-                    ("fence", key),
-                    C.EVENT_TYPE_ENGINE_FENCED,
-                    message,
-                    node_id=node_id,
-                    engine_id=engine_id,
-                    instance_id=engine_id.split("/")[0],
-                )
-            else:  # any other stop (a deployment's engine removed): one RETRYING event that counts
-                self.events.repeat(
-                    ("stop", key),
-                    C.EVENT_TYPE_RETRYING,
-                    message,
-                    node_id=node_id,
-                    engine_id=engine_id,
-                    instance_id=engine_id.split("/")[0],
-                )
+            # A fence: its one event counts the tries. Any other stop (a deployment's engine
+            # removed): one RETRYING event that counts them.
+            fence = self.events.is_repeating(("fence", key))
+            self.events.repeat(
+                ("fence" if fence else "stop", key),
+                C.EVENT_TYPE_ENGINE_FENCED if fence else C.EVENT_TYPE_RETRYING,
+                message,
+                node_id=node_id,
+                engine_id=engine_id,
+                instance_id=engine_id.split("/")[0],
+            )

@@ -28,8 +28,8 @@ from motorctl import router as front
 from motorctl.connect import Credentials
 from motorctl.etcd_cluster import EtcdCluster
 from motorctl.pki import DevPki, make_dev_pki
-from motorctl.render import quiet_stdout
 from motorctl.run_processes import describe, run_processes, run_tag, stop_run
+from motorctl.up_screen import ReaderGone, say, watch
 
 logger = logging.getLogger(__name__)
 
@@ -353,10 +353,6 @@ class ProcessExited(RuntimeError):
     """A process of the cluster ended while it was being started."""
 
 
-class ReaderGone(Exception):
-    """`motorctl up | head`: the reader of stdout went away; the cluster is stopped, exit 141."""
-
-
 def last_line(path: str) -> str:
     with open(path, encoding="utf-8", errors="replace") as log:
         lines = [line.strip() for line in log if line.strip()]
@@ -372,46 +368,12 @@ def stop_node_engines(address: str, timeout: float = 30.0, credentials: Credenti
             stub.StopEngine(node_manager_pb2.StopEngineRequest(engine_id=engine.engine_id), timeout=timeout)
 
 
-def show_status(address: str, credentials: Credentials = Credentials()) -> str:
-    from motorctl.render import render_status
-
-    with credentials.channel(address) as channel:
-        stub = controller_pb2_grpc.ControllerServiceStub(channel)
-        nodes = stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=5)
-        instances = stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=5)
-    return render_status(nodes, instances)
-
-
 def _default_controller_port() -> int:
     return _default_port(DEFAULT_CONTROLLER_PORT)
 
 
 def _default_port(port: int) -> int:
     return port if port_is_free(port) else free_port()
-
-
-def try_commands(cluster: LocalCluster) -> str:
-    """What the screen suggests: grpcurl and motorctl commands that work on this cluster."""
-    address = cluster.controller_address
-    every = ",".join(cluster.controller_addresses)  # motorctl follows the leader among them
-    if not cluster.tls:
-        return (
-            f"Try:  grpcurl -plaintext {address} list\n"
-            f"      grpcurl -plaintext {address} motor.v1.ControllerService/ListInstances\n"
-            f"      motorctl --controller {every} events --follow"
-            + (f"\n      motorctl --controller {every} controllers" if cluster.ha else "")
-        )
-    pki = cluster.pki
-    viewer = f"-cacert {pki.ca} -cert {pki.cert('viewer')} -key {pki.key('viewer')}"
-    token = f'-cacert {pki.ca} -H "authorization: Bearer $(cat {pki.token_file("operator")})"'
-    return (
-        f"Try:  grpcurl {viewer} {address} list\n"
-        f"      grpcurl {viewer} {address} motor.v1.ControllerService/ListInstances\n"
-        f"      grpcurl {token} 127.0.0.1:{cluster.token_port} motor.v1.ControllerService/GetDeployment\n"
-        f"      motorctl --controller {every} --cacert {pki.ca} --cert {pki.cert('operator')} --key "
-        f"{pki.key('operator')} events --follow\n"
-        f"      (certificates, keys and tokens in {pki.directory}; docs/security.md)"
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -519,48 +481,6 @@ def main(argv: list[str] | None = None) -> int:
     if failure:
         print(f"motorctl up: {failure}; see the logs in {args.run_dir}/logs", file=sys.stderr)
     return status
-
-
-def watch(cluster: LocalCluster, refresh: float, stopping) -> None:
-    """Show the cluster until asked to stop."""
-    address = cluster.controller_address
-    metrics = "".join(f"  {name:<11} {url}\n" for name, url in cluster.metrics_urls().items())
-    hint = (
-        (f"Prometheus /metrics (engines serve theirs on their inference port):\n{metrics}\n" if metrics else "")
-        + try_commands(cluster)
-        + "\nCtrl-C stops the cluster."
-    )
-    while not stopping():
-        try:
-            screen = show_status(address, cluster.credentials("viewer"))
-        except grpc.RpcError as exc:
-            screen = f"controller not answering: {exc.code().name}"
-        clear = "\033[2J\033[H" if sys.stdout.isatty() else ""
-        router = f"{front.router_line(cluster.router_url)}\n" if cluster.router_port is not None else ""
-        if (
-            not say(
-                f"{clear}Motor local cluster — controller {address} — "
-                f"{time.strftime('%H:%M:%S')}\n\n{screen}\n\n{router}{hint}"
-            )
-            and not stopping()
-        ):
-            raise ReaderGone
-        end = time.monotonic() + refresh
-        while not stopping() and time.monotonic() < end:
-            time.sleep(0.05)
-
-
-def say(text: str) -> bool:
-    """Print to stdout; once stdout is gone (a closed pipe), print nothing more, quietly. False
-    when its reader went away (a closed pipe)."""
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:
-        quiet_stdout()
-        return False
-    except OSError:  # EIO once the terminal is closed (SIGHUP stops the cluster)
-        quiet_stdout()
-    return True
 
 
 def describe_failure(exc: BaseException, cluster: LocalCluster) -> str:

@@ -1,7 +1,7 @@
 """The node manager's behaviour: launching, supervising and stopping engine servers.
 
 No gRPC server code here (the servicer in service.py is a thin translation layer). The parts:
-- specs.py checks a StartEngine request and builds the engine's command line;
+- specs.py checks a StartEngine request and builds the engine's command line; launch.py starts it;
 - monitor.py watches each engine's health and reports verdicts here: this class alone decides
   to kill an engine (and handles exits, stops and re-adoption after a restart);
 - every process operation and reading of time goes through `ProcessOps` and `Clock`
@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
-import os
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
 from motor.clock import SYSTEM_CLOCK, Clock
-from motor.contract import start_refusals
 from motor.contract.names import engine_id as make_engine_id
 from motor.contract.names import excerpt, parse_engine_id
 from motor.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
@@ -42,13 +38,12 @@ from node_manager.engine import (
     RecordStore,
     State,
     state_name,
-    termination_path,
 )
 from node_manager.engine_client import EngineClient, EngineClientFactory, GrpcEngineClient
 from node_manager.health import Verdict
+from node_manager.launch import launch_engine
 from node_manager.metrics import Metrics
 from node_manager.monitor import EngineMonitor
-from node_manager.process_identity import state_dir_id
 from node_manager.process_ops import ExitWatcher, Launched, ProcessOps, RealProcessOps
 from node_manager.record_saver import RecordSaver
 
@@ -208,68 +203,9 @@ class NodeManager:
             raise Unavailable(f"node {self.node_id} is not registered with the controller yet; retry") from None
 
     def _launch(self, requested: types_pb2.EngineSpec) -> tuple[EngineRecord, Launched]:
-        """Allocate accelerators and ports, write the config, exec the engine server."""
-        engine_id = make_engine_id(requested.instance_id, requested.dp_rank)
-        busy = {a: r.engine_id for r in self.active_engines() for a in r.spec.accelerator_ids}
-        taken = sorted(a for a in requested.accelerator_ids if a in busy)
-        if taken:
-            raise start_refusals.accelerators_held(taken, sorted({busy[a] for a in taken}))
-        spec = types_pb2.EngineSpec()
-        spec.CopyFrom(requested)
-        spec.host = spec.host or self.config.host
-        spec.master_dp_ip = spec.master_dp_ip or spec.host
-        reserved: list[int] = []  # every port of the engine, released when it ends
-        try:
-            in_use = {p: r.engine_id for r in self.active_engines() for p in specs.ports_of(r.spec)}
-            specs.reserve_ports(spec, in_use, self.ports, self.node_id, reserved)
-            engine_dir = os.path.abspath(self.store.engine_dir(spec))
-            if spec.config_json:
-                spec.config_path = os.path.join(engine_dir, "user_config.json")
-                with open(spec.config_path, "w", encoding="utf-8") as handle:
-                    handle.write(spec.config_json)
-            else:
-                spec.config_path = os.path.abspath(spec.config_path)
-            log_path = specs.log_path(self.config, spec)
-            message_path = termination_path(log_path)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(message_path)  # a previous copy's: must not be taken for this one's
-            argv = specs.engine_argv(self.argv, spec, message_path)
-            token = uuid.uuid4().hex
-            try:
-                # Run in the engine's own directory: files it writes relative to its working
-                # directory (engine_server_log/, core dumps) stay with the engine's state.
-                child = self.ops.launch(
-                    argv,
-                    log_path,
-                    specs.engine_env(spec, dict(os.environ), self.node_id, state_dir_id(self.config.state_dir)),
-                    token,
-                    engine_dir,
-                )
-            except OSError as exc:
-                raise FailedPrecondition(
-                    f"cannot launch the engine command {argv[0]!r} (--engine-command): {exc.strerror or exc}"
-                ) from None
-        except BaseException:
-            for port in reserved:
-                self.ports.release(port)
-            raise
-        now = self.clock.time()
-        record = EngineRecord(
-            spec=spec,
-            requested=requested,
-            log_path=log_path,
-            token=token,
-            state=STARTING,
-            state_reason=f"launched pid {child.pid}",
-            state_changed_at=now,
-            started_at=now,
-            pid=child.pid,
-            pgid=child.pid,
-            process_started=self.ops.create_time(child.pid),
-            allocated_ports=reserved,
+        return launch_engine(
+            requested, self.active_engines(), self.config, self.argv, self.ports, self.store, self.ops, self.clock
         )
-        logger.info("engine %s: launched pid %d: %s (log %s)", engine_id, child.pid, " ".join(argv), log_path)
-        return record, child
 
     # StopEngine -------------------------------------------------------------------------------
 

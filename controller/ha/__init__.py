@@ -310,13 +310,23 @@ class LeaderGate(grpc.aio.ServerInterceptor):
                 )
                 await context.abort(grpc.StatusCode.UNAVAILABLE, message)
 
+        async def while_leading(
+            method: Callable[..., Any], requests: Any, context: grpc.aio.ServicerContext, stamp_epoch: bool = False
+        ) -> Any:
+            """A streaming call's replies, each only while leading (the call is refused at once
+            when this controller stops leading)."""
+            await refuse_unless_leader(context)
+            async for reply in method(requests, context):
+                await refuse_unless_leader(context)
+                if stamp_epoch:  # as Heartbeat's answer: nodes learn the epoch
+                    reply.heartbeat.controller_epoch = ha.epoch
+                yield reply
+
         if handler.unary_stream is not None:  # WatchEndpoints: every message only while leading
             feed = handler.unary_stream
 
             async def gated_feed(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                await refuse_unless_leader(context)
-                async for reply in feed(request, context):
-                    await refuse_unless_leader(context)
+                async for reply in while_leading(feed, request, context):
                     yield reply
 
             return grpc.unary_stream_rpc_method_handler(
@@ -328,10 +338,7 @@ class LeaderGate(grpc.aio.ServerInterceptor):
             stream = handler.stream_stream
 
             async def gated_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-                await refuse_unless_leader(context)
-                async for reply in stream(requests, context):
-                    await refuse_unless_leader(context)
-                    reply.heartbeat.controller_epoch = ha.epoch  # as Heartbeat's answer: nodes learn the epoch
+                async for reply in while_leading(stream, requests, context, stamp_epoch=True):
                     yield reply
 
             return grpc.stream_stream_rpc_method_handler(
