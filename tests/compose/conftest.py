@@ -107,6 +107,7 @@ def stack(compose: list[str], motor_image: str, tmp_path_factory):
         prometheus_port=free_port(),
         etcd_image=ETCD_IMAGE,
         controller_b_port=free_port(),
+        router_port=free_port(),
     )
     started = time.monotonic()
     rules: list[list[str]] = []

@@ -84,6 +84,7 @@ class ComposeStack:
     prometheus_port: int = 0
     etcd_image: str = "gcr.io/etcd-development/etcd:v3.4.23"
     controller_b_port: int = 0  # controller-b's published port
+    router_port: int = 0  # the router's published port (8080 when 0)
     control_net: str = "10.213.100"  # first three octets; the default stack uses 10.213.0/10.213.1
     data_net: str = "10.213.101"
     node_addresses: dict[str, int] = field(default_factory=lambda: {"node-a": 11, "node-b": 12, "node-c": 13})
@@ -102,6 +103,7 @@ class ComposeStack:
             MOTOR_ETCD_IMAGE=self.etcd_image,
             MOTOR_PROMETHEUS_IMAGE=self.prometheus_image,
             MOTOR_PROMETHEUS_PORT=str(self.prometheus_port),
+            MOTOR_ROUTER_PORT=str(self.router_port or 8080),
             MOTOR_CONTROL_NET=self.control_net,
             MOTOR_DATA_NET=self.data_net,
         )
