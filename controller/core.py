@@ -254,6 +254,13 @@ class Controller(views.ClusterReads):
     async def apply_on_new_store(self, deployment: C.Deployment) -> tuple[C.Deployment, int] | None:
         return await self.changes.apply_on_new_store(deployment)
 
+    async def engines_heard(self) -> None:
+        """Returns once every known node has reported to this process, or the start-up grace is
+        over. Until then (after a restart, or a standby taking over) it knows no engine's health:
+        an endpoint snapshot would list none, and a router following it would lose every worker."""
+        while not self.lifecycle.startup_done():
+            await asyncio.sleep(0.05)
+
     def startup_grace(self) -> float:
         """--startup-grace; by default the node grace the budget states for the nodes known now
         (the configured node grace on a new store, which knows none)."""

@@ -107,6 +107,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         return reply
 
     async def WatchEndpoints(self, request, context):
+        await self.controller.engines_heard()
         changes = self.controller.endpoints.subscribe()
         try:
             async for message in changes:
