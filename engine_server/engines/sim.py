@@ -19,6 +19,9 @@ Faults (engine_args.faults in the user_config, or at run time):
   latency_ms      every completion takes this long
   utilization     the simulated accelerator utilization (percent) the engine server samples
 
+Prefill/decode: a request with `kv_transfer_params` is one leg of a disaggregating router's flow
+(sim_pd.py): the prefill leg answers where its KV cache is, the decode leg skips the prefill.
+
 Probes (the engine server's own request ids, see engines.base.is_probe_request_id) are served but kept out of the sim:*
 counters, as the
 engine server's patch does for vLLM.
@@ -38,6 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_late
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine_server import metrics as server_metrics
+from engine_server.engines import sim_pd
 from engine_server.engines.base import (
     EngineBackend,
     EngineOptions,
@@ -63,6 +67,11 @@ SIM_FAILED = Counter("sim:request_failure", "Simulated requests that failed (pro
 SIM_PROMPT_TOKENS = Counter("sim:prompt_tokens", "Prompt tokens of simulated requests (probes excluded).", ["model"])
 SIM_GENERATION_TOKENS = Counter(
     "sim:generation_tokens", "Generated tokens of simulated requests (probes excluded).", ["model"]
+)
+SIM_KV_LEGS = Counter(
+    "sim:kv_transfer_legs",
+    "Legs of the prefill/decode flow served (probes excluded): prefill computes, decode fetches the KV cache.",
+    ["model", "leg"],
 )
 SIM_RUNNING = Gauge(
     "sim:num_requests_running",
@@ -320,6 +329,9 @@ class SimEngine(EngineBackend):
         model = body.get("model") or self.args.model
         if model != self.args.model and model not in self.loras.loaded:  # as vLLM: only what it serves
             return _model_not_found(model, self.args.model)
+        leg = sim_pd.leg(body)
+        if leg == sim_pd.DECODE_LEG and (problem := sim_pd.missing_handoff(body)):
+            return _error(400, problem)
         if not probe:
             self._in_flight += 1
             SIM_RUNNING.labels(self.args.model).inc()
@@ -329,7 +341,8 @@ class SimEngine(EngineBackend):
                 return self._failed(probe, 503, "the engine is sleeping; call WakeUp first")
             if self.faults.fail_inference:
                 return self._failed(probe, 500, "sim fault: fail_inference")
-            await self._prefill(count_tokens(prompt), probe)
+            if leg != sim_pd.DECODE_LEG:  # a decode leg fetches the KV cache its prefill leg computed
+                await self._prefill(count_tokens(prompt), probe)
             if self.faults.latency_ms:
                 await asyncio.sleep(self.faults.latency_ms / 1000)
             await self._until_inference_runs()  # a hang set while this request waited
@@ -340,6 +353,8 @@ class SimEngine(EngineBackend):
                 SIM_PROMPT_TOKENS.labels(self.args.model).inc(prompt_tokens)
                 SIM_GENERATION_TOKENS.labels(self.args.model).inc(completion_tokens)
                 self._progress += completion_tokens
+                if leg:
+                    SIM_KV_LEGS.labels(self.args.model, leg).inc()
             prefix = "chatcmpl" if chat else "cmpl"
             answer_id = f"{prefix}-{request_id}"
             usage = {
@@ -354,17 +369,20 @@ class SimEngine(EngineBackend):
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
-            return web.json_response(
-                {
-                    "id": answer_id,
-                    "object": "chat.completion" if chat else "text_completion",
-                    "created": int(time.time()),
-                    "model": model,
-                    "choices": [choice],
-                    "usage": usage,
-                },
-                headers={"X-Request-Id": request_id},
-            )
+            answer = {
+                "id": answer_id,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": model,
+                "choices": [choice],
+                "usage": usage,
+            }
+            if leg == sim_pd.PREFILL_LEG:
+                engine_id = f"{self.options.instance_id}/rank{self.options.dp_rank}"
+                answer["kv_transfer_params"] = sim_pd.handoff(
+                    engine_id, self.options.host, self.options.port, prompt_tokens
+                )
+            return web.json_response(answer, headers={"X-Request-Id": request_id})
         finally:
             if not probe:
                 self._in_flight -= 1

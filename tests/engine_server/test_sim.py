@@ -194,3 +194,56 @@ async def test_hang_inference_freezes_completions_only(sim):
     await post(session, "/sim/faults", {"hang_inference": False})
     (status, _), (probe_status, _) = await asyncio.wait_for(asyncio.gather(stuck, probe), 5)
     assert status == 200 and probe_status == 200  # released where they waited
+
+
+def kv_legs(leg: str) -> float:
+    return sim_module.SIM_KV_LEGS.labels("tiny", leg)._value.get()
+
+
+async def test_the_prefill_decode_flow_of_a_disaggregating_router(sim):
+    """As vllm-router sends it in P/D mode: the prefill leg (max_tokens 1) answers where its KV cache
+    is; the decode leg carries that answer, skips the prefill and generates."""
+    engine, session = sim
+    engine.args.prefill_ms_per_token = 100.0  # 3 prompt words: 0.3 s to prefill
+    before = kv_legs("prefill"), kv_legs("decode")
+    prefill_leg = {
+        "prompt": "a long prompt",
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None},
+    }
+    started = asyncio.get_running_loop().time()
+    status, first = await post(session, "/v1/completions", prefill_leg)
+    prefill_time = asyncio.get_running_loop().time() - started
+    assert status == 200, first
+    handoff = first["kv_transfer_params"]
+    assert handoff["do_remote_prefill"] is True and handoff["remote_engine_id"] == "u/rank0"
+    assert handoff["remote_host"] == "127.0.0.1" and handoff["remote_port"] == engine.options.port
+    assert handoff["remote_block_ids"]
+    started = asyncio.get_running_loop().time()
+    status, second = await post(
+        session, "/v1/completions", {"prompt": "a long prompt", "max_tokens": 4, "kv_transfer_params": handoff}
+    )
+    decode_time = asyncio.get_running_loop().time() - started
+    assert status == 200, second
+    assert len(second["choices"][0]["text"].split()) == 4 and "kv_transfer_params" not in second
+    assert prefill_time >= 0.25 > decode_time  # the decode leg fetched the KV cache: no prefill
+    assert (kv_legs("prefill"), kv_legs("decode")) == (before[0] + 1, before[1] + 1)
+
+
+async def test_a_decode_leg_without_its_handoff_is_refused_naming_what_is_missing(sim):
+    _, session = sim
+    status, body = await post(
+        session,
+        "/v1/completions",
+        {"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "p/rank0"}},
+    )
+    assert status == 400
+    assert "remote_block_ids, remote_host, remote_port" in body["error"]["message"]
+
+
+async def test_the_decode_probe_is_a_whole_request(sim):
+    """The engine server's decode probe sends `do_virtual` and asks for neither leg."""
+    _, session = sim
+    body, headers = probe_request("decode")
+    status, answer = await post(session, "/v1/completions", body, headers=headers)
+    assert status == 200 and "kv_transfer_params" not in answer
