@@ -20,11 +20,14 @@ ROUTER_PORT = 8080
 # too, and with it the run tag that `motorctl down` and the guardian find processes by:
 # SPT_NOENV keeps the environment.
 ROUTER_ENV = {"SPT_NOENV": "1"}
-# Several models behind one router (`motorctl up --router-by-model`): its multi-model mode takes
-# each worker with a model id and sends a request only to workers of the model it names; the sync
-# runs with --by-model to match. Not the default: in that mode the router answers a request
-# without `model` 503 and `/v1/models` in its own shape, not OpenAI's (docs/router.md).
-MODEL_ROUTING_FLAGS = ["--enable-igw"]
+# The router's mode whose admin API takes a worker's model and type (vllm-router 0.1.17's
+# --enable-igw). Several models behind one router (`motorctl up --router-by-model`): it sends a
+# request only to workers of the model it names; the sync runs with --by-model to match.
+# Prefill/decode (`--router-pd`): prefill and decode engines are typed workers, and each request
+# goes to a prefill engine, then to a decode engine with the prefill's KV handoff; the sync runs
+# with --pd. Neither is the default: in that mode /v1/models answers in the router's own shape,
+# not OpenAI's, and with --by-model a request without `model` is answered 503 (docs/router.md).
+TYPED_WORKER_FLAGS = ["--enable-igw"]
 
 
 def router_binary() -> str:
@@ -32,7 +35,7 @@ def router_binary() -> str:
     return local if os.path.exists(local) else (shutil.which("vllm-router") or "vllm-router")
 
 
-def router_command(port: int, metrics_port: int, by_model: bool = False) -> list[str]:
+def router_command(port: int, metrics_port: int, by_model: bool = False, pd: bool = False) -> list[str]:
     argv = [
         router_binary(),
         "--host",
@@ -51,12 +54,14 @@ def router_command(port: int, metrics_port: int, by_model: bool = False) -> list
         "10",
         "--worker-startup-check-interval",
         "1",
-        *(MODEL_ROUTING_FLAGS if by_model else []),
+        *(TYPED_WORKER_FLAGS if by_model or pd else []),
     ]
     return argv
 
 
-def sync_command(controllers: list[str], router_url: str, tls: list[str], by_model: bool = False) -> list[str]:
+def sync_command(
+    controllers: list[str], router_url: str, tls: list[str], by_model: bool = False, pd: bool = False
+) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -66,6 +71,7 @@ def sync_command(controllers: list[str], router_url: str, tls: list[str], by_mod
         "--router",
         router_url,
         *(["--by-model"] if by_model else []),
+        *(["--pd"] if pd else []),
         *tls,
     ]
 

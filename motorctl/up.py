@@ -95,6 +95,7 @@ class LocalCluster:
     # A vllm-router on this port (0: a free one) kept by motor-router-sync; None: no router.
     router_port: int | None = None
     router_by_model: bool = False  # the router's multi-model mode (several deployments' models)
+    router_pd: bool = False  # prefill and decode engines as the router's typed workers (its P/D flow)
 
     @property
     def router_url(self) -> str:
@@ -215,7 +216,9 @@ class LocalCluster:
     def start_router(self, timeout: float) -> None:
         self.router_port = self.router_port or free_port()
         self._launch(
-            "router", front.router_command(self.router_port, free_port(), self.router_by_model), front.ROUTER_ENV
+            "router",
+            front.router_command(self.router_port, free_port(), self.router_by_model, self.router_pd),
+            front.ROUTER_ENV,
         )
         deadline = time.monotonic() + timeout
         while front.router_workers(self.router_url) is None:
@@ -225,7 +228,11 @@ class LocalCluster:
         self._launch(
             "router-sync",
             front.sync_command(
-                self.controller_addresses, self.router_url, self.tls_flags("router-sync"), self.router_by_model
+                self.controller_addresses,
+                self.router_url,
+                self.tls_flags("router-sync"),
+                self.router_by_model,
+                self.router_pd,
             ),
         )
 
@@ -402,6 +409,12 @@ def main(argv: list[str] | None = None) -> int:
         help="run the router in its multi-model mode: a request reaches only engines of the model it names "
         "(several deployments of different models); /v1/models then answers in the router's own shape",
     )
+    parser.add_argument(
+        "--router-pd",
+        action="store_true",
+        help="prefill and decode engines as the router's prefill and decode workers: each request is prefilled on "
+        "one and decoded on the other (its P/D flow); /v1/models then answers in the router's own shape",
+    )
     parser.add_argument("--refresh", type=float, default=1.0, help="seconds between status refreshes")
     parser.add_argument(
         "--tls", action="store_true", help="mutual TLS on every plane, with a development PKI in <run-dir>/pki"
@@ -444,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         ha=args.ha,
         router_port=args.router_port or _default_port(front.ROUTER_PORT),
         router_by_model=args.router_by_model,
+        router_pd=args.router_pd,
     )
     stopping, started = False, False
     # Stops the cluster if this process is killed before it can (SIGKILL, the OOM killer).

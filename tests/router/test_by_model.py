@@ -9,7 +9,7 @@ import json
 import pytest
 
 from motor.v1 import controller_pb2, types_pb2
-from motorctl.router import MODEL_ROUTING_FLAGS
+from motorctl.router import TYPED_WORKER_FLAGS
 from tests.engine_server.conftest import engine_server, sim_config  # noqa: F401 (fixture)
 from tests.router.conftest import RouterProcess, http
 from tests.router.test_sync import Running, snapshot, until
@@ -28,7 +28,7 @@ def served(engine, deployment: str, *models: str) -> controller_pb2.Endpoint:
 
 @pytest.fixture
 def model_router(tmp_path):
-    started = RouterProcess(str(tmp_path), extra=MODEL_ROUTING_FLAGS)
+    started = RouterProcess(str(tmp_path), extra=TYPED_WORKER_FLAGS)
     yield started
     started.stop()
 
