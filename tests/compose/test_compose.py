@@ -13,6 +13,7 @@ import re
 import shutil
 import sys
 import time
+import urllib.request
 
 import grpc
 import psutil
@@ -120,6 +121,29 @@ def test_stack_comes_up_with_three_nodes_and_the_deployment_ready(stack: Compose
         ]
     ).stdout
     assert "prefill-0" in shown and "decode-0" in shown, shown
+
+
+def test_the_router_serves_every_engine_on_one_published_address(stack: ComposeStack):
+    """The router service, kept by the router-sync service over mutual TLS with its read-only
+    identity: every engine is its worker (by its address on the data network), and a completion
+    sent to the router's published port is answered."""
+    router = f"http://127.0.0.1:{stack.router_port}"
+    _, instances = _wait_cluster_ready(stack, START_TIMEOUT, "three READY nodes and every instance READY")
+    engines = {f"http://{e.host}:{e.port}" for i in instances for e in i.engines}
+
+    def workers():
+        with urllib.request.urlopen(router + "/list_workers", timeout=5) as reply:
+            return set(json.loads(reply.read())["urls"])
+
+    wait(lambda: workers() == engines, 60, f"the router's workers equal to the engines {sorted(engines)}", stack)
+    request = urllib.request.Request(
+        router + "/v1/completions",
+        data=json.dumps({"model": "sim-tiny", "prompt": "hello", "max_tokens": 4}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        assert reply.status == 200
+        assert json.loads(reply.read())["choices"][0]["text"]
 
 
 def test_published_controller_port_refuses_plaintext_and_callers_without_a_certificate(stack: ComposeStack):
