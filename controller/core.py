@@ -84,6 +84,7 @@ class Controller(views.ClusterReads):
         # it is stopped): the reconcile and node-check passes are skipped.
         self.acting = acting
         self.state = ClusterState(store, self.events, clock)
+        self.events.deployment_of = self.state.deployment_of_id
         self.endpoints = endpoints.EndpointFeed(self.state)
         self.state.on_change = self.endpoints.changed
         self.metrics = ControllerMetrics(

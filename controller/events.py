@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 
 from motor.contract import pbtime
 from motor.contract.names import CONTROL_CHARACTER, enum_short_name
@@ -35,6 +36,9 @@ class EventBus:
         self.recent: collections.deque[controller_pb2.Event] = collections.deque(maxlen=history)
         self.subscribers: FanOut[controller_pb2.Event] = FanOut("WatchEvents", queue_size)
         self._repeating: dict[object, controller_pb2.Event] = {}  # key -> the event counting its tries
+        # The deployment an instance id belongs to (set by the controller): every event about an
+        # instance or engine names its deployment, so WatchEvents can follow one deployment.
+        self.deployment_of: Callable[[str], str] = lambda instance_id: ""
 
     def emit(
         self,
@@ -49,6 +53,8 @@ class EventBus:
         """One event; `count`: how many occurrences it stands for (0: one, not counted)."""
         self.sequence += 1
         message = one_line(message)
+        if not deployment and (instance_id or engine_id):
+            deployment = self.deployment_of(instance_id or engine_id.partition("/")[0])
         event = controller_pb2.Event(
             sequence=self.sequence,
             time=pbtime.now(),
@@ -114,3 +120,8 @@ class EventBus:
 
     def subscribe(self) -> Subscription[controller_pb2.Event]:
         return self.subscribers.subscribe()
+
+
+def concerns(event: controller_pb2.Event, deployment: str) -> bool:
+    """Whether a WatchEvents stream for `deployment` ("": every event) sends `event`."""
+    return not deployment or event.deployment == deployment

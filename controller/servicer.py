@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from controller import endpoints
 from controller.core import Controller
+from controller.events import concerns
 from motor.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
@@ -129,10 +130,12 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         return reply
 
     async def WatchEvents(self, request, context):
-        events = self.controller.events.subscribe()  # before the snapshot, so no event falls between the two
+        snapshot = self.controller.snapshot(request.deployment)
+        events = self.controller.events.subscribe()  # with the snapshot, so no event falls between the two
         try:
-            yield controller_pb2.WatchEventsResponse(snapshot=self.controller.snapshot())
+            yield controller_pb2.WatchEventsResponse(snapshot=snapshot)
             async for event in events:
-                yield controller_pb2.WatchEventsResponse(event=event)
+                if concerns(event, request.deployment):
+                    yield controller_pb2.WatchEventsResponse(event=event)
         finally:
             events.close()

@@ -82,6 +82,11 @@ class ClusterState:
     def deployment_of(self, inst: InstanceRecord) -> str:
         return self.group_owner.get(inst.group, "")
 
+    def deployment_of_id(self, instance_id: str) -> str:
+        """The deployment of an instance id, also of one just removed ("<group>-<index>")."""
+        inst = self.instances.get(instance_id)
+        return self.group_owner.get(inst.group if inst is not None else instance_id.rpartition("-")[0], "")
+
     def policy_of(self, inst: InstanceRecord) -> Policy:
         """The restart policy of the instance's deployment (its own crash-loop budget)."""
         return self.policies.get(self.deployment_of(inst), self.policy)

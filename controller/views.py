@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import collections
 
-from controller import endpoints, paging, reported
+from controller import endpoints, events, paging, reported
 from controller.claims import Conflict
 from controller.instances import PENDING, READY, RESTARTING, InstanceRecord
 from controller.nodes import NodeRuntime
@@ -175,6 +175,14 @@ class ClusterReads:
             )
         return endpoints.endpoints(self.state, role, model)
 
-    def snapshot(self) -> C.ClusterSnapshot:
+    def snapshot(self, deployment: str = "") -> C.ClusterSnapshot:
+        """Every node; the instances and recent events of `deployment` ("": of all)."""
+        if deployment:
+            names.check_id(deployment, "deployment")
         nodes, _ = self.list_nodes()
-        return C.ClusterSnapshot(nodes=nodes, instances=self.list_instances(), recent_events=list(self.events.recent))
+        instances = self.page_instances(C.ListInstancesRequest(filter=f"deployment={deployment}" if deployment else ""))
+        return C.ClusterSnapshot(
+            nodes=nodes,
+            instances=instances.instances,
+            recent_events=[e for e in self.events.recent if events.concerns(e, deployment)],
+        )

@@ -2,8 +2,8 @@
 
 motorctl [--controller HOST:PORT[,HOST:PORT...]] [--output table|json] [--cacert CA [--cert C --key K | --token-file
 T]] COMMAND
-nodes | instances | endpoints [--role R] [--model M] | events [--follow] | deployments | deployment [NAME]
-| apply -f FILE [-f FILE...] | delete [NAME] | controllers
+nodes | instances | endpoints [--role R] [--model M] | events [--follow] [--deployment NAME] | deployments
+| deployment [NAME] | apply -f FILE [-f FILE...] | delete [NAME] | controllers
 up ...  (a local cluster; see `motorctl up --help`); down --run-dir DIR (stop one whose `motorctl up` was killed)
 pki init|issue|tokens|dev ...  (a development PKI; see `motorctl pki --help`)
 """
@@ -64,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     endpoints.add_argument("--model", default="", help="only engines that answer to this model name")
     events = sub.add_parser("events", help="recent events; --follow keeps streaming")
     events.add_argument("--follow", "-f", action="store_true", help="stream new events until Ctrl-C")
+    events.add_argument("--deployment", "-d", default="", help="only the events of this deployment")
     sub.add_parser("deployments", help="every deployment: model, revision, instances READY and PENDING")
     deployment = sub.add_parser("deployment", help="a deployment and its revision")
     deployment.add_argument(
@@ -166,7 +167,9 @@ def _command(args: argparse.Namespace, stub: controller_pb2_grpc.ControllerServi
             file=out,
         )
     elif args.command == "events":
-        stream = stub.WatchEvents(controller_pb2.WatchEventsRequest(), timeout=None if args.follow else t)
+        stream = stub.WatchEvents(
+            controller_pb2.WatchEventsRequest(deployment=args.deployment), timeout=None if args.follow else t
+        )
         try:
             for message in stream:
                 if message.HasField("snapshot"):

@@ -1597,12 +1597,20 @@ class WatchEventsRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    deployment: _builtins.str
+    """Only the events of this deployment (and in the snapshot only its instances and recent
+    events; every node still); empty means everything. A valid name that no deployment has yet
+    is accepted: its events come once it is applied.
+    """
     def __init__(
         self,
+        *,
+        deployment: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

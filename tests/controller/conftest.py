@@ -4,13 +4,16 @@ import asyncio
 import contextlib
 import os
 
+import grpc
 import pytest
 
 from controller.config import ControllerConfig
 from controller.core import Controller
+from controller.servicer import ControllerServicer
 from controller.store import SqliteStore
 from motor.contract.deployment_file import deployment_from_dict, load_deployment
-from motor.v1 import controller_pb2
+from motor.service.grpc_server import MotorServer, service_name
+from motor.v1 import controller_pb2, controller_pb2_grpc
 from tests.controller.fakes import FakeNodeClient
 from tests.support import REPO_ROOT
 
@@ -109,3 +112,22 @@ async def harness(tmp_path):
     h = Harness(tmp_path)
     yield h
     await h.stop()
+
+
+@pytest.fixture
+async def served(harness):
+    """The harness's controller behind a real gRPC server; yields a stub on a real channel."""
+    await harness.start()
+    server = MotorServer("127.0.0.1:0")
+    server.add(
+        controller_pb2_grpc.add_ControllerServiceServicer_to_server,
+        ControllerServicer(harness.controller),
+        service_name(controller_pb2, "ControllerService"),
+    )
+    port = await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield controller_pb2_grpc.ControllerServiceStub(channel)
+    finally:
+        await channel.close()
+        await server.stop(grace=0)

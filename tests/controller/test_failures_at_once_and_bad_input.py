@@ -8,10 +8,7 @@ import asyncio
 import grpc
 import pytest
 
-from controller.servicer import ControllerServicer
-from motor.service.grpc_server import MotorServer, service_name
 from motor.v1 import controller_pb2 as C
-from motor.v1 import controller_pb2_grpc
 from motor.v1 import types_pb2 as T
 from tests.controller.conftest import Harness, small_deployment
 from tests.support import async_wait_for
@@ -52,25 +49,6 @@ async def test_ranks_that_died_together_while_the_controller_was_down_count_as_o
         assert len(client.starts()) == 10
     finally:
         await h.stop()
-
-
-@pytest.fixture
-async def served(harness):
-    """The harness's controller behind a real gRPC server; yields a stub on a real channel."""
-    await harness.start()
-    server = MotorServer("127.0.0.1:0")
-    server.add(
-        controller_pb2_grpc.add_ControllerServiceServicer_to_server,
-        ControllerServicer(harness.controller),
-        service_name(C, "ControllerService"),
-    )
-    port = await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield controller_pb2_grpc.ControllerServiceStub(channel)
-    finally:
-        await channel.close()
-        await server.stop(grace=0)
 
 
 async def call_code(call) -> tuple[grpc.StatusCode, str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from controller.store import LEGACY_DEPLOYMENT, SqliteStore
@@ -214,3 +215,44 @@ async def test_the_second_model_example_runs_beside_the_local_example(harness):
         "small-sim": 2,
     }
     assert all(i.state == C.INSTANCE_STATE_STARTING for i in ctl.instances.values())  # all placed: 5 of 8 accelerators
+
+
+async def test_watch_events_follows_one_deployment(harness, served):
+    """Each deployment keeps its own events: a stream for one sends its instances and events only,
+    also those about an instance or engine that name no deployment where they are raised."""
+    ctl = harness.controller
+    await harness.register("node-a", accelerators=4)
+    ctl.apply_deployment(chat())
+    ctl.apply_deployment(embed())
+    ctl.reconcile_once()
+    await async_wait_for(lambda: len(harness.client.starts()) == 3, timeout=5, what="the three engines started")
+
+    stream = served.WatchEvents(C.WatchEventsRequest(deployment="embed"))
+    first = await stream.read()
+    assert [i.instance_id for i in first.snapshot.instances] == ["embed-0"]
+    assert first.snapshot.recent_events and {e.deployment for e in first.snapshot.recent_events} == {"embed"}
+    assert len(first.snapshot.nodes) == 1  # nodes are shared: every node
+
+    ctl.state.events.emit(C.EVENT_TYPE_RETRYING, "about chat's engine", engine_id="chat-0/rank0")
+    ctl.state.events.emit(C.EVENT_TYPE_RETRYING, "about embed's engine", engine_id="embed-0/rank0")
+    ctl.apply_deployment(chat(restart_policy={"max_failures": 2}))
+    ctl.apply_deployment(embed(restart_policy={"max_failures": 2}))
+    got = [(await stream.read()).event for _ in range(2)]
+    assert [e.message for e in got] == [
+        "about embed's engine",
+        "deployment 'embed' applied (revision 2, 1 instances)",
+    ]
+    assert {e.deployment for e in got} == {"embed"}
+    stream.cancel()
+
+    everything = served.WatchEvents(C.WatchEventsRequest())
+    assert {e.deployment for e in (await everything.read()).snapshot.recent_events} >= {"chat", "embed"}
+    everything.cancel()
+
+
+async def test_watch_events_of_a_bad_deployment_name_is_invalid_argument(served):
+    stream = served.WatchEvents(C.WatchEventsRequest(deployment="Not A Name"))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stream.read()
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("deployment 'Not A Name' must be 1-63 lowercase letters")
