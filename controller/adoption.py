@@ -46,7 +46,7 @@ class Adoption:
     def loaded(self, stored: StoredState) -> None:
         self.state.keeping_unknown = not stored.deployments and not stored.ever_applied
 
-    def adopt(self, instances: Iterable[InstanceRecord]) -> int:
+    def adopt(self, instances: Iterable[InstanceRecord], deployment: str = "") -> int:
         """The first deployment on a new store: adopt every instance whose ranks all run as it
         describes them; returns how many. The wait ends: unknown copies are fenced from now on."""
         copies = self.live_copies()
@@ -58,7 +58,9 @@ class Adoption:
                 adopted += 1
             else:
                 self._replace_survivors(inst, copies, why)
-        self.end(f"first deployment on a new store: {adopted} instance(s) adopted with the engines the nodes run")
+        self.end(
+            f"first deployment on a new store: {adopted} instance(s) adopted with the engines the nodes run", deployment
+        )
         return adopted
 
     def live_copies(self) -> dict[str, list[tuple[NodeRuntime, T.Engine]]]:
@@ -71,11 +73,12 @@ class Adoption:
                         copies.setdefault(engine_id, []).append((node, reported.message(kept)))
         return copies
 
-    def end(self, why: str) -> None:
+    def end(self, why: str, deployment: str = "") -> None:
         self.state.keeping_unknown = False
         self.state.event(
             C.EVENT_TYPE_DEPLOYMENT_CHANGED,
             f"{why}; engines the nodes run that the deployment does not describe are stopped from now on",
+            deployment=deployment,
         )
 
     def _matching(

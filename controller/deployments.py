@@ -336,7 +336,7 @@ class DeploymentChanges:
                 self.adoption.end("deployment deleted on a new store")
                 return
             with st.batch():
-                self.adoption.adopt(inst for inst, _ in plan.new.values())
+                self.adoption.adopt((inst for inst, _ in plan.new.values()), name)
         yield from in_slices(plan.kept, self._keep, budget, st.batch)
         if plan.same:
             return

@@ -95,6 +95,8 @@ def test_tables_and_json_against_a_live_controller(controller):
     assert "# revision 1" in deployment and "name: local-sim" in deployment
     events = motorctl(address, "events").stdout
     assert "DEPLOYMENT_CHANGED" in events and "deployment 'local-sim' applied (revision 1" in events
+    assert motorctl(address, "events", "--deployment", "local-sim").stdout == events  # every event is its
+    assert motorctl(address, "events", "--deployment", "other").stdout == ""
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{controller.metrics_port}/metrics", timeout=10).read().decode()
     assert 'motor_controller_instances{state="PENDING"} 2.0' in metrics
     assert "motor_controller_heartbeat_ingest_seconds_bucket" in metrics
