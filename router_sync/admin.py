@@ -1,13 +1,18 @@
-"""The router's admin API, as the sync uses it (vllm-router; SGLang's sgl-router serves the same).
+"""The router's admin API, as the sync uses it. Two dialects, told apart by the router's answer:
 
-`GET /list_workers`, `POST /add_worker?url=U` (a regular worker), `POST /workers` with
-`{"url", "model_id", "worker_type": "prefill"|"decode"}` (a router started with `--enable-igw`, the
-only mode of vllm-router 0.1.17 whose admin API takes a worker's model or type; it routes each
-request to the workers of the model it names), `POST /remove_worker?url=U`. A plain add polls the
-worker's /health inside the router (a `/workers` add does not: measured, it accepts a URL nothing
-answers), so every add has a deadline here: Motor lists only engines that already serve, an add
-that takes long means the router is in trouble. A router that does not answer (refused connection, timeout, 5xx) is
-`RouterDown`; a 4xx about one worker is `Refused`, with the router's answer.
+- vllm-router (0.1.17): `GET /list_workers`, `POST /add_worker?url=U` (a regular worker), `POST
+  /workers` with `{"url", "model_id", "worker_type": "prefill"|"decode"}` (a router started with
+  `--enable-igw`, the only mode of vllm-router 0.1.17 whose admin API takes a worker's model or
+  type), `POST /remove_worker?url=U`. A plain add polls the worker's /health inside the router (a
+  `/workers` add does not: measured, it accepts a URL nothing answers).
+- SGLang's gateway (`sglang-router` 0.3; it answers `/list_workers` 404): `GET /workers`, `POST
+  /workers` with `{"url", "model_id", "worker_type"}` (queued: 202, the worker appears once the
+  gateway has checked it, so a worker it cannot reach is simply missing at the next re-list, which
+  adds it again), `DELETE /workers/{id}` (by the id the list gives).
+
+Every call has a deadline: Motor lists only engines that already serve, an add that takes long
+means the router is in trouble. A router that does not answer (refused connection, timeout, 5xx)
+is `RouterDown`; a 4xx about one worker is `Refused`, with the router's answer.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ class RouterAdmin:
     def __init__(self, base_url: str, timeout: float = 10.0):
         self.base_url = base_url.rstrip("/")
         self.client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout)
+        self.gateway = False  # SGLang's gateway dialect, learnt from the first list
+        self._ids: dict[str, str] = {}  # the gateway's worker id of each URL, from the last list
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -50,17 +57,28 @@ class RouterAdmin:
         return response
 
     async def workers(self) -> set[str]:
-        response = await self._call("GET", "/list_workers")
+        if not self.gateway:
+            response = await self._call("GET", "/list_workers")
+            if response.status_code == 404:  # SGLang's gateway: it lists at /workers
+                self.gateway = True
+            else:
+                return set(self._listed(response, "/list_workers", lambda body: body["urls"]))
+        response = await self._call("GET", "/workers")
+        listed = self._listed(response, "/workers", lambda body: [(w["url"], w["id"]) for w in body["workers"]])
+        self._ids = dict(listed)
+        return set(self._ids)
+
+    def _listed(self, response: httpx.Response, path: str, read) -> list:
         if response.status_code != 200:
-            raise RouterDown(f"{self.base_url}/list_workers: HTTP {response.status_code}: {response.text[:200]}")
+            raise RouterDown(f"{self.base_url}{path}: HTTP {response.status_code}: {response.text[:200]}")
         try:
-            return set(response.json()["urls"])
+            return list(read(response.json()))
         except (ValueError, KeyError, TypeError):
-            raise RouterDown(f"{self.base_url}/list_workers: not a worker list: {response.text[:200]}") from None
+            raise RouterDown(f"{self.base_url}{path}: not a worker list: {response.text[:200]}") from None
 
     async def add(self, url: str, worker_type: str | None = None, model: str | None = None) -> None:
         try:
-            if worker_type or model:
+            if worker_type or model or self.gateway:
                 typed = {"worker_type": worker_type} if worker_type else {}
                 named = {"model_id": model} if model else {}
                 response = await self._call("POST", "/workers", json={"url": url, **typed, **named})
@@ -80,6 +98,13 @@ class RouterAdmin:
             raise Refused(url, response.status_code, response.text[:300])
 
     async def remove(self, url: str) -> None:
-        response = await self._call("POST", "/remove_worker", {"url": url})
+        if self.gateway:
+            if url not in self._ids:
+                await self.workers()
+            if url not in self._ids:
+                return  # gone already
+            response = await self._call("DELETE", f"/workers/{self._ids.pop(url)}")
+        else:
+            response = await self._call("POST", "/remove_worker", {"url": url})
         if response.status_code >= 400 and "not found" not in response.text.lower():
             raise Refused(url, response.status_code, response.text[:300])

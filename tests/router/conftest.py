@@ -19,7 +19,14 @@ from motor.ports import free_port
 from motorctl.router import ROUTER_ENV
 from tests.support import require, wait_for
 
-VLLM_ROUTER = os.path.join(os.path.dirname(sys.executable), "vllm-router")
+# The routers Motor's sync is tested against: the vLLM project's, and SGLang's gateway (another
+# admin API dialect: router_sync/admin.py). name -> (program, its first arguments).
+ROUTERS = {"vllm-router": ["vllm-router"], "sglang-router": ["sglang-router", "launch"]}
+
+
+def router_program(name: str) -> str:
+    local = os.path.join(os.path.dirname(sys.executable), name)
+    return local if os.access(local, os.X_OK) else (shutil.which(name) or name)
 
 
 def http(method: str, url: str, body=None, timeout: float = 10.0) -> tuple[int, str]:
@@ -33,10 +40,14 @@ def http(method: str, url: str, body=None, timeout: float = 10.0) -> tuple[int, 
 
 
 class RouterProcess:
-    """One vllm-router on a free port of 127.0.0.1, with no workers until told."""
+    """One router (vllm-router unless `kind` names another of ROUTERS) on a free port of
+    127.0.0.1, with no workers until told."""
 
-    def __init__(self, log_dir, port: int | None = None, extra=()):
-        require(os.access(VLLM_ROUTER, os.X_OK) or shutil.which("vllm-router"), "vllm-router (requirements/dev.txt)")
+    def __init__(self, log_dir, port: int | None = None, extra=(), kind: str = "vllm-router"):
+        program = router_program(ROUTERS[kind][0])
+        require(os.access(program, os.X_OK), f"{kind} (requirements/dev.txt)")
+        self.kind, self.command = kind, [program, *ROUTERS[kind][1:]]
+        self.gateway = kind == "sglang-router"  # lists and adds at /workers
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(log_dir, f"router-{self.port}.log")
@@ -46,7 +57,7 @@ class RouterProcess:
 
     def start(self) -> RouterProcess:
         argv = [
-            VLLM_ROUTER if os.access(VLLM_ROUTER, os.X_OK) else "vllm-router",
+            *self.command,
             "--host",
             "127.0.0.1",
             "--port",
@@ -65,26 +76,32 @@ class RouterProcess:
             self.process = subprocess.Popen(
                 argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ, **ROUTER_ENV)
             )
-        wait_for(self._answers, timeout=30, interval=0.1, what=f"vllm-router on port {self.port}")
+        wait_for(self._answers, timeout=30, interval=0.1, what=f"{self.kind} on port {self.port}")
         return self
 
     def _answers(self) -> bool:
         assert self.process.poll() is None, (
-            f"vllm-router exited: {open(self.log_path, errors='replace').read()[-2000:]}"
+            f"{self.kind} exited: {open(self.log_path, errors='replace').read()[-2000:]}"
         )
         try:
-            return http("GET", self.url + "/list_workers", timeout=1)[0] == 200
+            return http("GET", self.url + ("/workers" if self.gateway else "/list_workers"), timeout=1)[0] == 200
         except OSError:
             return False
 
     def workers(self) -> set[str]:
-        status, text = http("GET", self.url + "/list_workers")
+        status, text = http("GET", self.url + ("/workers" if self.gateway else "/list_workers"))
         assert status == 200, text
-        return set(json.loads(text)["urls"])
+        body = json.loads(text)
+        return {w["url"] for w in body["workers"]} if self.gateway else set(body["urls"])
 
     def add(self, url: str) -> None:
-        status, text = http("POST", f"{self.url}/add_worker?url={url}")
-        assert status == 200, text
+        if self.gateway:
+            status, text = http("POST", self.url + "/workers", {"url": url})
+            assert status == 202, text
+            wait_for(lambda: url in self.workers(), timeout=15, interval=0.1, what=f"{url} added")
+        else:
+            status, text = http("POST", f"{self.url}/add_worker?url={url}")
+            assert status == 200, text
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -95,6 +112,14 @@ class RouterProcess:
 @pytest.fixture
 def router(tmp_path):
     started = RouterProcess(str(tmp_path))
+    yield started
+    started.stop()
+
+
+@pytest.fixture(params=sorted(ROUTERS))
+def any_router(request, tmp_path):
+    """Each router Motor's sync supports, in turn."""
+    started = RouterProcess(str(tmp_path), kind=request.param)
     yield started
     started.stop()
 

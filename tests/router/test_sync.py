@@ -1,4 +1,5 @@
-"""RouterSync against the real vllm-router, simulated engine servers behind it."""
+"""RouterSync against the real routers (vllm-router, and SGLang's gateway where it behaves the
+same), simulated engine servers behind them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from motor.v1 import controller_pb2, types_pb2
 from router_sync.admin import RouterAdmin
 from router_sync.sync import RouterSync
 from tests.engine_server.conftest import engine_server, sim_config  # noqa: F401 (fixture)
-from tests.router.conftest import router  # noqa: F401 (fixture)
+from tests.router.conftest import any_router, router  # noqa: F401 (fixtures)
 
 UNION = types_pb2.ROLE_UNION
 
@@ -57,7 +58,8 @@ class Running:
         await self.admin.close()
 
 
-async def test_snapshot_adds_listed_engines_and_removes_what_motor_does_not_list(router, two_engines):
+async def test_snapshot_adds_listed_engines_and_removes_what_motor_does_not_list(any_router, two_engines):
+    router = any_router
     first, second = two_engines
     stranger = f"http://127.0.0.1:{second.port}"
     router.add(stranger)  # a worker added by hand, not listed by Motor
@@ -72,7 +74,8 @@ async def test_snapshot_adds_listed_engines_and_removes_what_motor_does_not_list
         await running.close()
 
 
-async def test_a_removed_endpoint_leaves_the_router_within_milliseconds(router, two_engines):
+async def test_a_removed_endpoint_leaves_the_router_within_milliseconds(any_router, two_engines):
+    router = any_router
     first, second = two_engines
     running = Running(router.url)
     try:
@@ -86,7 +89,8 @@ async def test_a_removed_endpoint_leaves_the_router_within_milliseconds(router, 
         await running.close()
 
 
-async def test_a_restarted_router_gets_the_whole_list_again_with_one_announcement_each_way(router, two_engines):
+async def test_a_restarted_router_gets_the_whole_list_again_with_one_announcement_each_way(any_router, two_engines):
+    router = any_router
     first, second = two_engines
     running = Running(router.url)
     try:
