@@ -256,10 +256,13 @@ class Controller(views.ClusterReads):
         return await self.changes.apply_on_new_store(deployment)
 
     async def engines_heard(self) -> None:
-        """Returns once every known node has reported to this process, or the start-up grace is
-        over. Until then (after a restart, or a standby taking over) it knows no engine's health:
-        an endpoint snapshot would list none, and a router following it would lose every worker."""
-        while not self.lifecycle.startup_done():
+        """Returns once every known node has reported to this process, or two heartbeat intervals
+        after the start. Until then (after a restart, or a standby taking over) it knows no
+        engine's health: an endpoint snapshot would list none, and a router following it would
+        lose every worker. Not longer: a node still silent then (dead, or backing off) would hold
+        back every change the routers should hear; its engines join once it reports."""
+        deadline = self.started_at + 2 * self.budget.interval()
+        while not self.lifecycle.startup_done() and self.mono() < deadline:
             await asyncio.sleep(0.05)
 
     def startup_grace(self) -> float:

@@ -9,6 +9,7 @@ import asyncio
 from motor.contract import pbtime
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
+from tests.controller.conftest import Harness
 from tests.controller.test_core import running_example
 from tests.support import async_wait_for
 
@@ -122,3 +123,41 @@ async def test_a_refresh_of_many_engines_goes_out_in_slices_that_yield_to_the_lo
         removed += [e.engine_id for e in change.removed]
     assert sorted(removed) == sorted(ALL) and not listed(h)
     feed.close()
+
+
+async def restarted_with_two_known_nodes(tmp_path) -> Harness:
+    """A controller restarted on a store that knows two nodes (interval 1 s, a long start-up grace)."""
+    h = Harness(tmp_path, heartbeat_interval=1.0, node_grace=5.0, startup_grace=30.0)
+    await h.start()
+    await h.register("node-a")
+    await h.register("node-b")
+    await h.stop()
+    await h.start()
+    return h
+
+
+async def test_a_restarted_controller_gives_routers_its_endpoints_once_the_nodes_have_reported(tmp_path):
+    """Before the nodes report to a new process it knows no engine's health: a snapshot then
+    would take every worker out of the routers."""
+    h = await restarted_with_two_known_nodes(tmp_path)
+    try:
+        heard = asyncio.create_task(h.controller.engines_heard())
+        await asyncio.sleep(0.5)
+        h.beat("node-a")
+        await asyncio.sleep(0.3)
+        assert not heard.done(), "one of two nodes has reported"
+        h.beat("node-b")
+        await asyncio.wait_for(heard, timeout=0.5)
+    finally:
+        await h.stop()
+
+
+async def test_a_node_that_stays_silent_holds_the_endpoints_back_two_heartbeat_intervals_only(tmp_path):
+    h = await restarted_with_two_known_nodes(tmp_path)
+    try:
+        h.beat("node-a")
+        began = asyncio.get_running_loop().time()
+        await asyncio.wait_for(h.controller.engines_heard(), timeout=10)
+        assert 1.0 < asyncio.get_running_loop().time() - began < 4.0
+    finally:
+        await h.stop()
