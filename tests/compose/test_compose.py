@@ -146,6 +146,39 @@ def test_the_router_serves_every_engine_on_one_published_address(stack: ComposeS
         assert json.loads(reply.read())["choices"][0]["text"]
 
 
+def test_a_second_model_runs_beside_the_first_and_its_delete_leaves_the_first_alone(stack: ComposeStack):
+    """examples/second-model.yaml applied beside the stack's deployment, on the same nodes'
+    accelerators: its engines serve (ListEndpoints by model, the router's workers), and deleting
+    it stops only its engines: the first deployment's keep their pids."""
+    _wait_cluster_ready(stack, START_TIMEOUT, "three READY nodes and every instance READY")
+    first = stack.engine_pids()
+    both = f"{stack.published('controller')},{stack.published('controller-b')}"
+    motorctl = [_bin("motorctl"), "--controller", both, *stack.tls_flags()]
+    applied = run([*motorctl, "apply", "-f", os.path.join(REPO_ROOT, "examples", "second-model.yaml")])
+    assert "applied" in applied.stdout, applied.stdout
+
+    def small_endpoints():
+        with stack.channel(address=stack.leader()) as channel:
+            request = controller_pb2.ListEndpointsRequest(model="sim-small")
+            return {e.url for e in stack.stub(channel).ListEndpoints(request, timeout=10).endpoints}
+
+    wait(lambda: len(small_endpoints()) == 2, START_TIMEOUT, "the second model's two engines serving", stack)
+    router = f"http://127.0.0.1:{stack.router_port}"
+
+    def workers():
+        with urllib.request.urlopen(router + "/list_workers", timeout=5) as reply:
+            return set(json.loads(reply.read())["urls"])
+
+    wait(lambda: small_endpoints() <= workers() and len(workers()) == 5, 60, "five workers in the router", stack)
+    shown = run([*motorctl, "deployments"]).stdout
+    assert "small-sim" in shown and "sim-small" in shown, shown
+
+    run([*motorctl, "delete", "small-sim"])
+    wait(lambda: not any(e.startswith("small-") for e, _ in stack.engine_pids()), 60, "small-sim's engines gone", stack)
+    assert stack.engine_pids() == first
+    wait(lambda: len(workers()) == 3, 30, "the router back to the first deployment's three workers", stack)
+
+
 def test_published_controller_port_refuses_plaintext_and_callers_without_a_certificate(stack: ComposeStack):
     """mTLS by default: the port the host reaches answers neither plaintext nor TLS without a
     client certificate, while the same call with the viewer's certificate succeeds."""
