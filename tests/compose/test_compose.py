@@ -136,14 +136,19 @@ def test_the_router_serves_every_engine_on_one_published_address(stack: ComposeS
             return set(json.loads(reply.read())["urls"])
 
     wait(lambda: workers() == engines, 60, f"the router's workers equal to the engines {sorted(engines)}", stack)
+    assert complete(router, "sim-tiny")["choices"][0]["text"]
+
+
+def complete(router: str, model: str) -> dict:
+    """A completion through the router (its multi-model mode: the request names its model)."""
     request = urllib.request.Request(
         router + "/v1/completions",
-        data=json.dumps({"model": "sim-tiny", "prompt": "hello", "max_tokens": 4}).encode(),
+        data=json.dumps({"model": model, "prompt": "hello", "max_tokens": 4}).encode(),
         headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=30) as reply:
         assert reply.status == 200
-        assert json.loads(reply.read())["choices"][0]["text"]
+        return json.loads(reply.read())
 
 
 def test_a_second_model_runs_beside_the_first_and_its_delete_leaves_the_first_alone(stack: ComposeStack):
@@ -170,6 +175,8 @@ def test_a_second_model_runs_beside_the_first_and_its_delete_leaves_the_first_al
             return set(json.loads(reply.read())["urls"])
 
     wait(lambda: small_endpoints() <= workers() and len(workers()) == 5, 60, "five workers in the router", stack)
+    for model in ("sim-small", "sim-tiny") * 5:  # each request reaches an engine of its model (others 404)
+        assert complete(router, model)["model"] == model
     shown = run([*motorctl, "deployments"]).stdout
     assert "small-sim" in shown and "sim-small" in shown, shown
 
