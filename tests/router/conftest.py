@@ -167,3 +167,12 @@ class OpenLoad:
 
     def failed(self) -> list[tuple[float, int, float]]:
         return [r for r in self.results if r[1] != 200]
+
+
+def running(local):
+    """A module fixture's body: the local cluster started, yielded, then stopped leaving nothing behind."""
+    try:
+        local.start(timeout=60)
+        yield local
+    finally:
+        assert not local.stop()

@@ -15,21 +15,22 @@ import pytest
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from motorctl.up import LocalCluster
 from tests.ha.conftest import _require_etcd
-from tests.router.conftest import OpenLoad
+from tests.router.conftest import OpenLoad, running
 from tests.router.test_planned_ops import apply, union, workers
 from tests.support import wait_for
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    local = LocalCluster(
-        str(tmp_path_factory.mktemp("restart")), nodes=2, heartbeat_interval=1.0, engine_port_base=35500, router_port=0
+    yield from running(
+        LocalCluster(
+            str(tmp_path_factory.mktemp("restart")),
+            nodes=2,
+            heartbeat_interval=1.0,
+            engine_port_base=35500,
+            router_port=0,
+        )
     )
-    try:
-        local.start(timeout=60)
-        yield local
-    finally:
-        assert not local.stop()
 
 
 class WorkerCounts:
@@ -78,21 +79,18 @@ def test_a_controller_restart_keeps_every_worker_in_the_router(cluster):
 @pytest.fixture(scope="module")
 def ha_cluster(tmp_path_factory):
     _require_etcd()
-    local = LocalCluster(
-        str(tmp_path_factory.mktemp("failover")),
-        nodes=2,
-        heartbeat_interval=1.0,
-        engine_port_base=36000,
-        router_port=0,
-        ha=True,
-        extra_controller_args=["--lease-ttl", "2"],
-        node_id_prefix="feed-node",
+    yield from running(
+        LocalCluster(
+            str(tmp_path_factory.mktemp("failover")),
+            nodes=2,
+            heartbeat_interval=1.0,
+            engine_port_base=36000,
+            router_port=0,
+            ha=True,
+            extra_controller_args=["--lease-ttl", "2"],
+            node_id_prefix="feed-node",
+        )
     )
-    try:
-        local.start(timeout=60)
-        yield local
-    finally:
-        assert not local.stop()
 
 
 def leader(cluster) -> str:

@@ -14,7 +14,7 @@ import pytest
 
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl.up import LocalCluster
-from tests.router.conftest import http
+from tests.router.conftest import http, running
 from tests.support import REPO_ROOT, wait_for
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
@@ -22,20 +22,17 @@ DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    local = LocalCluster(
-        str(tmp_path_factory.mktemp("pd")),
-        nodes=2,
-        deployment_path=DEPLOYMENT,
-        heartbeat_interval=1.0,
-        engine_port_base=37000,
-        router_port=0,
-        router_pd=True,
+    yield from running(
+        LocalCluster(
+            str(tmp_path_factory.mktemp("pd")),
+            nodes=2,
+            deployment_path=DEPLOYMENT,
+            heartbeat_interval=1.0,
+            engine_port_base=37000,
+            router_port=0,
+            router_pd=True,
+        )
     )
-    try:
-        local.start(timeout=60)
-        yield local
-    finally:
-        assert not local.stop()
 
 
 def typed_workers(cluster) -> dict[str, str]:

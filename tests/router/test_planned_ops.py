@@ -12,7 +12,7 @@ import pytest
 from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2, controller_pb2_grpc, engine_pb2, engine_pb2_grpc
 from motorctl.up import LocalCluster
-from tests.router.conftest import OpenLoad, http
+from tests.router.conftest import OpenLoad, http, running
 from tests.support import wait_for
 
 SIM = {"engine_type": "sim", "engine_args": {"model": "sim-tiny", "latency_ms": 20}}
@@ -31,14 +31,15 @@ def union(count: int) -> controller_pb2.Deployment:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    local = LocalCluster(
-        str(tmp_path_factory.mktemp("planned")), nodes=2, heartbeat_interval=1.0, engine_port_base=35000, router_port=0
+    yield from running(
+        LocalCluster(
+            str(tmp_path_factory.mktemp("planned")),
+            nodes=2,
+            heartbeat_interval=1.0,
+            engine_port_base=35000,
+            router_port=0,
+        )
     )
-    try:
-        local.start(timeout=60)
-        yield local
-    finally:
-        assert not local.stop()
 
 
 def apply(cluster, deployment) -> None:
