@@ -43,6 +43,7 @@ from controller.metrics import ControllerMetrics
 from controller.node_client import NodeClient
 from controller.node_stores import NodeStoreAlarms
 from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
+from controller.rollout import Rollouts
 from controller.scheduling import Scheduler
 from controller.slicing import Steps, run_sliced
 from controller.slots import EngineSlot
@@ -110,6 +111,8 @@ class Controller(views.ClusterReads):
             self.wake,
             self._spawn,
         )
+        self.rollouts = Rollouts(self.state, self.changes, self.endpoints)
+        self.scheduler.rollouts = self.rollouts  # a step of each rollout ends every reconcile pass
         # The interval node managers are told and the grace their silence is judged by.
         self.budget = HeartbeatBudget(
             config.heartbeat_interval, config.node_grace, config.max_heartbeats_per_second, self.state.nodes.live, clock
@@ -146,6 +149,7 @@ class Controller(views.ClusterReads):
         for data in stored.assignments.values():
             st.slots.add(EngineSlot.from_dict(data))
         st.attention.update(st.instances)
+        self.rollouts.loaded(stored)
         if any(n.state != NODE_LOST for n in st.nodes.values()):
             # By default also the node managers' longest backoff, as their first reports may take.
             backoff = heartbeats.MAX_BACKOFF if self.config.startup_grace is None else 0.0
