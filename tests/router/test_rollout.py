@@ -19,7 +19,7 @@ from tests.support import wait_for
 C = controller_pb2
 
 
-def union(latency_ms: float, count: int = 3, strategy: dict | None = None, **sim) -> C.Deployment:
+def union(latency_ms: float, count: int = 3, strategy: dict | None = None, **faults) -> C.Deployment:
     return deployment_from_dict(
         {
             "name": "rolled",
@@ -28,8 +28,7 @@ def union(latency_ms: float, count: int = 3, strategy: dict | None = None, **sim
             "engine_config": {
                 "motor_engine_union_config": {
                     "engine_type": "sim",
-                    "engine_args": {"model": "sim-tiny", "latency_ms": latency_ms},
-                    **sim,
+                    "engine_args": {"model": "sim-tiny", "latency_ms": latency_ms, **faults},
                 }
             },
             "strategy": strategy or {"min_ready": "2s"},
@@ -121,3 +120,33 @@ def test_recreate_still_replaces_every_instance_at_once(cluster):
     assert all(i.state != C.INSTANCE_STATE_READY for i in mine)
     wait_for(lambda: settled(cluster, revision), timeout=120, interval=0.3, what="the new engines in the router")
     assert http("GET", cluster.router_url + "/health")[0] == 200
+
+
+def test_a_version_that_crashes_soon_after_start_pauses_itself_with_the_old_instances_serving(cluster):
+    revision = apply(cluster, union(20))
+    wait_for(lambda: settled(cluster, revision), timeout=120, interval=0.3, what="three engines in the router")
+    old = {i.instance_id for i in instances(cluster)}
+    serving = workers(cluster)
+    with OpenLoad(cluster.router_url) as load:
+        time.sleep(2)
+        apply(cluster, union(20, faults={"crash_after_s": 1}))
+        paused = wait_for(
+            lambda: (s := summary(cluster)).rollout_state == C.ROLLOUT_STATE_PAUSED and s,
+            timeout=60,
+            interval=0.2,
+            what="the rollout paused",
+        )
+        time.sleep(4)  # the old instances go on serving while it stays paused
+    assert load.failed() == [], f"{len(load.failed())} of {len(load.results)} failed"
+    assert summary(cluster).rollout_state == C.ROLLOUT_STATE_PAUSED
+    mine = {i.instance_id: i for i in instances(cluster)}
+    assert all(mine[i].state == C.INSTANCE_STATE_READY and mine[i].restarts == 0 for i in old), mine
+    assert serving <= workers(cluster)
+    (new,) = set(mine) - old
+    assert new in paused.rollout_reason and "failed" in paused.rollout_reason, paused.rollout_reason
+    pause = [e for e in events(cluster) if e.type == C.EVENT_TYPE_ROLLOUT and "paused" in e.message]
+    assert pause and pause[0].instance_id == new, pause
+    # The good spec again: the crashing instance goes, the old ones stay as they are.
+    apply(cluster, union(20))
+    wait_for(lambda: settled(cluster, revision + 2), timeout=60, interval=0.3, what="the rollout back")
+    assert {i.instance_id for i in instances(cluster)} == old
