@@ -87,10 +87,12 @@ class Controller(views.ClusterReads):
         self.state = ClusterState(store, self.events, clock)
         self.endpoints = endpoints.EndpointFeed(self.state)
         self.state.on_change = self.endpoints.changed
+        st = self.state
         self.metrics = ControllerMetrics(
             self.state.nodes.counts,
             lambda: collections.Counter(i.state for i in self.state.instances.values()),
             store_metrics.collectors,
+            lambda: collections.Counter((st.deployment_of(i), i.revision) for i in st.instances.values()),
         )
         self.started_at = clock.monotonic()
         self._wake = asyncio.Event()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from prometheus_client import generate_latest
 
 from controller.instances import READY
 from motor.errors import FailedPrecondition, InvalidArgument
@@ -67,6 +68,11 @@ async def test_a_spec_change_surges_one_new_instance_and_withdraws_an_old_one_on
         ctl.reconcile_once()
         assert ids(h) == {"u-0": 1, "u-1": 1, "u-2": 2}  # one surge instance, at the lowest free index
         assert not stopped(h) and summary(h).rollout_state == C.ROLLOUT_STATE_PROGRESSING
+        gauge = generate_latest(ctl.metrics.registry).decode()
+        assert 'motor_controller_instances_by_revision{deployment="t",revision="1"} 2.0' in gauge
+        assert 'motor_controller_instances_by_revision{deployment="t",revision="2"} 1.0' in gauge
+        listed = {i.instance_id: i.revision for i in ctl.page_instances(C.ListInstancesRequest()).instances}
+        assert listed == {"u-0": 1, "u-1": 1, "u-2": 2}
         ctl.reconcile_once()
         assert len(ids(h)) == 3, "no second surge and no withdrawal while the new one is not serving"
         await serve(h, passes=1)  # u-2 READY and listed: now one old one goes, and the next new one comes
