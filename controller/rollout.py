@@ -288,16 +288,20 @@ class Rollouts:
         return deployment is not None and GroupSpecs(deployment[0]).hashes.get(inst.group) == inst.spec_hash
 
     def _available(self, ug: UnitGroup, index: int, strategy: C.UpdateStrategy) -> bool:
+        """Every engine of the unit listed to the routers; a current unit also READY for `min_ready`
+        (an old one serving is available however recently it came back: withdrawing it costs service)."""
         records = ug.records(index)
         if len(records) != len(ug.groups):
             return False
-        min_ready = pbtime.seconds(strategy.min_ready)
+        settling = pbtime.seconds(strategy.min_ready) if ug.is_current(index) else None
         now = self.state.wall()
         for inst in records:
-            if inst.state != READY or inst.healthy_since is None or now - inst.healthy_since < min_ready:
+            if settling is not None and (
+                inst.state != READY or inst.healthy_since is None or now - inst.healthy_since < settling
+            ):
                 return False
             if any(s.engine_id not in self.endpoints.current for s in self.state.slots_of(inst.instance_id)):
-                return False  # not yet in the routers' workers
+                return False  # not (or no longer) in the routers' workers
         return True
 
     def _failing(self, rollout: Rollout, groups: list[UnitGroup]) -> tuple[InstanceRecord, str] | None:

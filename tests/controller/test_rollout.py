@@ -92,6 +92,19 @@ async def test_a_spec_change_surges_one_new_instance_and_withdraws_an_old_one_on
         await h.stop()
 
 
+async def test_old_instances_serving_for_less_than_min_ready_are_not_withdrawn_at_once(tmp_path):
+    h = await started(tmp_path, union(3))
+    try:
+        ctl = h.controller
+        ctl.apply_deployment(union(3, latency=30, strategy={"min_ready": "60s"}))  # the old ones READY for < 1 s
+        ctl.reconcile_once()
+        await asyncio.sleep(0.05)
+        assert not stopped(h) and len(ids(h)) == 4
+        assert summary(h).available_instances == 3  # the old ones serve; the new one has not served 60 s
+    finally:
+        await h.stop()
+
+
 async def test_max_unavailable_replaces_in_place_without_a_surge_instance(tmp_path):
     h = await started(tmp_path, union(2), accelerators=2)  # no room for a third engine
     try:
