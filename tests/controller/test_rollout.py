@@ -274,3 +274,22 @@ async def test_undo_without_a_previous_revision_and_a_strategy_that_cannot_progr
             h.controller.apply_deployment(union(2, strategy={"max_surge": 0, "max_unavailable": 0}))
     finally:
         await h.stop()
+
+
+async def test_one_step_withdraws_at_most_step_limit_instances(tmp_path):
+    """10,000 idle old instances are not withdrawn in one store write on the loop."""
+    from controller.rollout import STEP_LIMIT
+    from controller.slicing import run_at_once
+
+    h = Harness(tmp_path)
+    await h.start()
+    try:
+        ctl = h.controller
+        ctl.apply_deployment(union(STEP_LIMIT + 36))  # no node: nothing serves, every old one may go
+        ctl.apply_deployment(union(STEP_LIMIT + 36, latency=30))
+        run_at_once(ctl.rollouts.steps())
+        assert sum(1 for revision in ids(h).values() if revision == 1) == 36
+        run_at_once(ctl.rollouts.steps())
+        assert sum(1 for revision in ids(h).values() if revision == 1) == 0
+    finally:
+        await h.stop()
