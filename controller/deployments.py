@@ -2,12 +2,14 @@
 
 The controller holds any number of deployments, each under its name with its own revision,
 restart policy and engine config. A change concerns one deployment and leaves the others
-alone. Instance ids stay "<group>-<index>": an instance group name belongs to one deployment
+alone. Instance ids are "<group>-<index>": an instance group name belongs to one deployment
 (applying a deployment with a group another one has is INVALID_ARGUMENT), so an instance
 belongs to exactly one deployment, found by its group (ClusterState.group_owner).
 
-A change is planned (the instances that go, those replaced because their spec changed, the new
-ones), written to the store as one transaction, and only then made in memory: persist first, so
+A change is planned per group (controller/rollout_plan.py: the instances kept, those on an older
+spec left for the rollout to replace (controller/rollout.py) or, with strategy recreate, replaced
+at once, those that go, the new ones), written to the store as one transaction (with the
+deployment's rollout record), and only then made in memory: persist first, so
 a store that refuses it (a full disk: UNAVAILABLE) leaves memory and the engines as they were.
 Planning and the memory change are generators that yield between slices (controller/slicing.py);
 the store write runs in a thread (SQLite), so the loop goes on answering heartbeats and other
