@@ -53,13 +53,15 @@ C = controller_pb2
 NewInstances = dict[str, tuple[InstanceRecord, list[EngineSlot]]]
 
 
-def rollout_record(previous: bytes | None, previous_revision: int) -> dict:
-    """The rollout record a change writes: not paused, the deployment it replaced (for undo)."""
+def rollout_record(previous: bytes | None, previous_revision: int, since: float) -> dict:
+    """The rollout record a change writes: not paused, the deployment it replaced (for undo), and
+    the time from which a new instance's failure pauses it (controller/rollout.py)."""
     return {
         "paused": False,
         "reason": "",
         "previous": base64.b64encode(previous).decode() if previous is not None else None,
         "previous_revision": previous_revision,
+        "since": since,
     }
 
 
@@ -269,7 +271,7 @@ class DeploymentChanges:
             plan.new[spec.instance_id] = self._new_instance(spec, plan.revision)
             yield from budget.checkpoint()
         previous = current[0].SerializeToString(deterministic=True) if current is not None else None
-        plan.rollout = rollout_record(previous, current[1] if current else 0)
+        plan.rollout = rollout_record(previous, current[1] if current else 0, self.state.wall())
         return plan
 
     def _check_groups(self, validated: C.Deployment) -> None:

@@ -116,7 +116,6 @@ class Rollouts:
         if record is None:
             self.rollouts.pop(name, None)
             return
-        record["since"] = self.state.wall()
         rollout = self._from_record(record)
         old = self.rollouts.get(name)
         rollout.state = old.state if old is not None else COMPLETE
@@ -155,8 +154,9 @@ class Rollouts:
         except StoreUnavailable:
             rollout.since = since
             raise
+        hashes = GroupSpecs(self.changes.deployments[name][0]).hashes
         for inst in self._records(name):  # a FAILED new instance gets a new chance
-            if inst.state == FAILED and self._is_current(inst):
+            if inst.state == FAILED and hashes.get(inst.group) == inst.spec_hash:
                 self.changes.retry_failed(inst)
         self.changes.wake()
 
@@ -286,11 +286,6 @@ class Rollouts:
 
     def _revision(self, name: str) -> int:
         return self.changes.deployments[name][1]
-
-    def _is_current(self, inst: InstanceRecord) -> bool:
-        name = self.state.deployment_of(inst)
-        deployment = self.changes.deployments.get(name)
-        return deployment is not None and GroupSpecs(deployment[0]).hashes.get(inst.group) == inst.spec_hash
 
     def _available(self, ug: UnitGroup, index: int, strategy: C.UpdateStrategy) -> bool:
         """Every engine of the unit listed to the routers; a current unit also READY for `min_ready`
