@@ -18,6 +18,7 @@ from controller.lifecycle import ControllerLoop, EngineLifecycle
 from controller.metrics import ControllerMetrics
 from controller.nodes import NODE_READY
 from controller.placement import Fleet, Unplaceable, place_instance
+from controller.rollout import Rollouts
 from controller.slicing import Budget, Steps, run_at_once
 from controller.slots import EngineSlot
 from controller.state import ClusterState
@@ -68,6 +69,7 @@ class Scheduler:
         self.reschedule_bucket = TokenBucket(config.reschedule_rate, state.mono)
         self.fleet_view = FleetView(state)
         self.launches_open = 0  # launch tasks spawned and not finished (at most LAUNCHES_OPEN)
+        self.rollouts: Rollouts | None = None  # the rolling updates, stepped at the end of each pass
 
     # ------------------------------------------------------------------ the reconcile pass
 
@@ -132,6 +134,8 @@ class Scheduler:
                     budget.spawned()
             if not waiting:
                 st.attention.discard(instance_id)
+        if self.rollouts is not None:
+            yield from self.rollouts.steps()
 
     async def _counted(self, launch: Coroutine[Any, Any, None]) -> None:
         try:

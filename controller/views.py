@@ -68,6 +68,7 @@ def instance_proto(state: ClusterState, inst: InstanceRecord) -> C.Instance:
         paired_instance_id=inst.paired_instance_id,
         restarts=inst.restarts,
         deployment=state.deployment_of(inst),
+        revision=inst.revision,
         engines=[
             C.InstanceEngine(
                 engine_id=s.engine_id,
@@ -145,6 +146,7 @@ class ClusterReads:
         summaries = []
         for name, (deployment, revision) in sorted(self.changes.deployments.items()):
             mine = counts[name]
+            rollout, (rollout_state, rollout_reason) = self.rollouts.counts(name), self.rollouts.status(name)
             summaries.append(
                 C.DeploymentSummary(
                     deployment=deployment,
@@ -152,6 +154,11 @@ class ClusterReads:
                     instances=sum(mine.values()),
                     ready_instances=mine[READY],
                     pending_instances=mine[PENDING],
+                    rollout_state=rollout_state,
+                    rollout_reason=rollout_reason,
+                    updated_instances=rollout.updated,
+                    available_instances=rollout.available,
+                    old_instances=rollout.old,
                 )
             )
         return C.ListDeploymentsResponse(deployments=summaries)
