@@ -36,6 +36,7 @@ from controller.endpoints import EndpointFeed
 from controller.instances import FAILED, RESTARTING, InstanceRecord, Policy
 from controller.slicing import Budget, Steps, in_slices, run_at_once, run_sliced
 from controller.slots import EngineSlot
+from controller.spares import Spares
 from controller.state import ClusterState
 from controller.store import LEGACY_DEPLOYMENT, StoreChange, StoredState, StoreUnavailable
 from controller.validation import InstanceSpec, expand_in_slices, integral_numbers, struct_dict, validate_deployment
@@ -77,6 +78,7 @@ class DeploymentChanges:
         self.deployments: dict[str, tuple[C.Deployment, int]] = {}  # name -> (deployment, revision)
         self._legacy: tuple[bytes, int] | None = None  # loaded from a store of before names: moved by `upgrade`
         self._one_at_a_time = asyncio.Lock()
+        self.spares = Spares(state, actuator)
 
     @property
     def busy(self) -> bool:
@@ -98,6 +100,7 @@ class DeploymentChanges:
         if old is not None:
             for group in old[0].instance_groups:
                 st.group_owner.pop(group.name, None)
+                st.group_sizes.pop(group.name, None)
             st.policies.pop(name, None)
             st.configs.pop(name, None)
             st.served_models.pop(name, None)
@@ -106,6 +109,7 @@ class DeploymentChanges:
             self.deployments[name] = (deployment, revision)
             for group in deployment.instance_groups:
                 st.group_owner[group.name] = name
+                st.group_sizes[group.name] = (group.count, group.spares)
             st.policies[name] = Policy.from_proto(deployment.restart_policy)
             st.configs[name] = json.dumps(integral_numbers(struct_dict(deployment.engine_config)), sort_keys=True)
             st.served_models[name] = (deployment.model,)
@@ -340,6 +344,8 @@ class DeploymentChanges:
         yield from in_slices(plan.kept, self._keep, budget, st.batch)
         if plan.same:
             return
+        for group in plan.deployment.instance_groups if plan.deployment is not None else ():
+            yield from self.spares.balance(group.name, budget)  # `count` serving, whatever the promotions did
         # Not st.event: that would re-read every engine for the endpoint feed, which heard of each
         # instance that went or came already.
         if plan.deployment is None:
@@ -367,6 +373,7 @@ class DeploymentChanges:
             paired_instance_id=spec.paired_instance_id,
             spec_hash=spec.spec_hash,
             state_changed_at=self.state.wall(),
+            spare=spec.spare,
         )
         return inst, [
             EngineSlot(names.engine_id(spec.instance_id, r), spec.instance_id, r)

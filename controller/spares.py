@@ -1,0 +1,179 @@
+"""Warm spares: every rule about them, in one place.
+
+A group with `spares: N` has count + N instances, "<group>-0" .. "<group>-<count+N-1>"; N of
+them carry the spare flag (InstanceRecord.spare). A spare is placed and started like any
+instance, after the serving ones (ClusterState.placement_order) and on a node that holds no
+serving instance of its group where one has room, and is never routed (endpoints.can_serve).
+
+- Promotion: when a serving instance fails (its engine died, was killed after abnormal
+  heartbeats, or its node was lost) and a spare of its group is READY, the two swap flags in one
+  store transaction: the spare is routed at once, the failed instance restarts as the new spare.
+  Ids and counts never change, so a controller restart reads back exactly who serves.
+- A P/D pair (a prefill instance and its decode partner) is promoted whole: the READY spare pair
+  takes the place of the pair whose member failed, and the failed pair becomes the spare pair.
+  A data-parallel instance is one instance: its ranks are promoted together.
+- A spare that fails restarts as a spare: nothing serving is touched.
+- Spares never hold accelerators a serving instance waits for: no spare is placed while a
+  serving instance cannot be, and such an instance preempts a placed spare (its engines stop,
+  it waits as PENDING until there is room again).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+from controller.actuator import Actuator
+from controller.instances import FAILED, PENDING, READY, InstanceRecord
+from controller.slicing import Budget, Steps
+from controller.slots import EngineSlot
+from controller.state import ClusterState
+from motor.v1 import controller_pb2, types_pb2
+
+logger = logging.getLogger(__name__)
+
+C, T = controller_pb2, types_pb2
+
+
+class Spares:
+    """The spare rules over the shared state (keeps nothing of its own)."""
+
+    def __init__(self, state: ClusterState, actuator: Actuator):
+        self.state, self.actuator = state, actuator
+
+    # ------------------------------------------------------------------ reading
+
+    def members(self, group: str) -> Iterator[InstanceRecord]:
+        """The group's instances, by index: count + spares look-ups, only for groups with spares."""
+        count, spares = self.state.group_sizes.get(group, (0, 0))
+        for index in range(count + spares):
+            inst = self.state.instances.get(f"{group}-{index}")
+            if inst is not None:
+                yield inst
+
+    def unit(self, inst: InstanceRecord) -> list[InstanceRecord]:
+        """What is promoted or retired together: the instance and its P/D partner, if any."""
+        partner = self.state.instances.get(inst.paired_instance_id) if inst.paired_instance_id else None
+        return [inst] if partner is None else [inst, partner]
+
+    def ready(self, unit: list[InstanceRecord]) -> bool:
+        return all(i.spare and i.state == READY for i in unit)
+
+    def ready_spare(self, group: str) -> list[InstanceRecord] | None:
+        """A READY spare unit of the group (lowest index first), or None."""
+        if not self.state.group_sizes.get(group, (0, 0))[1]:
+            return None
+        for inst in self.members(group):
+            if inst.spare and inst.state == READY:
+                unit = self.unit(inst)
+                if self.ready(unit):
+                    return unit
+        return None
+
+    # ------------------------------------------------------------------ promotion
+
+    def promote_for(self, failed: InstanceRecord, why: str) -> bool:
+        """A serving instance failed: a READY spare of its group takes its place (one store
+        transaction for the swap). True when one did; the caller restarts `failed` as usual,
+        now as a spare."""
+        if failed.spare:
+            return False  # a spare restarts as a spare
+        spare = self.ready_spare(failed.group)
+        if spare is None:
+            return False
+        st = self.state
+        retired = self.unit(failed)
+        with st.batch():
+            self._flag(spare, False)
+            self._flag(retired, True)
+        names = ", ".join(i.instance_id for i in spare)
+        st.event(
+            C.EVENT_TYPE_SPARE,
+            f"spare {names} promoted: serves in place of {', '.join(i.instance_id for i in retired)} ({why}), "
+            "which restarts as the new spare",
+            instance_id=spare[0].instance_id,
+            deployment=st.deployment_of(spare[0]),
+        )
+        return True
+
+    def _flag(self, unit: list[InstanceRecord], spare: bool) -> None:
+        st = self.state
+        for inst in unit:
+            inst.spare = spare
+            st.save_instance(inst)
+            st.on_change([s.engine_id for s in st.slots_of(inst.instance_id)])
+
+    # ------------------------------------------------------------------ counts
+
+    def balance(self, group: str, budget: Budget) -> Steps[None]:
+        """After a deployment change: exactly `count` serving units in the group (READY spares
+        promoted first; when there are too many, the least ready, highest-indexed retire).
+        The decode group of a pair follows its prefill group."""
+        st = self.state
+        count, _ = st.group_sizes.get(group, (0, 0))
+        serving, spare = [], []
+        for inst in self.members(group):
+            if inst.paired_instance_id and inst.role == T.ROLE_DECODE:
+                return  # balanced with its prefill partners
+            (spare if inst.spare else serving).append(inst)
+            yield from budget.checkpoint()
+        ranked = sorted(spare, key=lambda i: (i.state != READY, i.state == FAILED, i.instance_id))
+        for inst in ranked[: max(0, count - len(serving))]:
+            self._swap_in(inst, True)
+        retiring = sorted(serving, key=lambda i: (i.state == READY, -int(i.instance_id.rpartition("-")[2])))
+        for inst in retiring[: max(0, len(serving) - count)]:
+            self._swap_in(inst, False)
+
+    def _swap_in(self, inst: InstanceRecord, serving: bool) -> None:
+        with self.state.batch():
+            self._flag(self.unit(inst), not serving)
+
+    # ------------------------------------------------------------------ room for serving instances
+
+    def avoid(self, inst: InstanceRecord) -> frozenset[str]:
+        """Nodes a spare should not go to when others have room: those of its group's serving
+        instances (a node lost would take a serving instance and its spare together)."""
+        if not inst.spare:
+            return frozenset()
+        st = self.state
+        return frozenset(
+            s.node_id
+            for other in self.members(inst.group)
+            if not other.spare
+            for s in st.slots_of(other.instance_id)
+            if s.node_id
+        )
+
+    def preempt_for(self, waiting: InstanceRecord, helps: Callable[[EngineSlot], bool]) -> bool:
+        """A serving instance cannot be placed: stop one placed spare (of any deployment) with a
+        rank whose accelerators would give it room (`helps`). True when one was preempted (the
+        next pass places `waiting`)."""
+        st = self.state
+        for group, (_, spares) in sorted(st.group_sizes.items()):
+            if not spares:
+                continue
+            for inst in self.members(group):
+                if not inst.spare or inst.state in (PENDING, FAILED):
+                    continue
+                if not any(s.node_id and s.accelerator_ids and helps(s) for s in st.slots_of(inst.instance_id)):
+                    continue
+                self.preempt(inst, f"its accelerators go to serving instance {waiting.instance_id}, waiting for room")
+                return True
+        return False
+
+    def preempt(self, inst: InstanceRecord, why: str) -> None:
+        st = self.state
+        slots = [s for s in st.slots_of(inst.instance_id) if s.node_id]
+        with st.batch():
+            for s in slots:
+                self.actuator.stop_copy(s.node_id, s.engine_id, s.generation, f"spare {inst.instance_id} preempted")
+                st.unplace(s, moved=False)
+                st.save_slot(s)
+            inst.restart_ranks, inst.next_restart_at = (), None
+            st.transition(inst, PENDING, f"preempted: {why}")
+        st.event(
+            C.EVENT_TYPE_SPARE,
+            f"spare {inst.instance_id} preempted: {why}",
+            instance_id=inst.instance_id,
+            deployment=st.deployment_of(inst),
+        )
