@@ -24,7 +24,7 @@ import logging
 from collections.abc import Callable, Iterator
 
 from controller.actuator import Actuator
-from controller.instances import FAILED, PENDING, READY, InstanceRecord
+from controller.instances import DEGRADED, FAILED, PENDING, READY, RESTARTING, InstanceRecord, state_name
 from controller.slicing import Budget, Steps
 from controller.slots import EngineSlot
 from controller.state import ClusterState
@@ -95,6 +95,24 @@ class Spares:
             deployment=st.deployment_of(spare[0]),
         )
         return True
+
+    def became_ready(self, inst: InstanceRecord) -> None:
+        """A spare that is READY now takes the place of a serving instance of its group that
+        failed while no spare was ready (it is still restarting or loading)."""
+        if not inst.spare:
+            return
+        unit = self.unit(inst)
+        if not self.ready(unit):
+            return  # its partner is not READY yet: promoted when it is
+        for member in self.members(inst.group):
+            if not member.spare and self._down(member):
+                self.promote_for(member, f"it is {state_name(member.state)} after a failure")
+                return
+
+    @staticmethod
+    def _down(inst: InstanceRecord) -> bool:
+        """Failed and not serving again yet (a first start that is still loading is not down)."""
+        return inst.state not in (READY, DEGRADED) and (inst.state == RESTARTING or bool(inst.failure_times))
 
     def _flag(self, unit: list[InstanceRecord], spare: bool) -> None:
         st = self.state

@@ -79,6 +79,8 @@ class ClusterState:
         # Called after anything that may change which engines can serve (the endpoint feed),
         # with the ids of the engines it may concern (None: any engine).
         self.on_change: Callable[[Iterable[str] | None], None] = lambda engine_ids=None: None
+        # Called when an instance becomes READY (a warm spare may take a failed instance's place: controller/spares.py).
+        self.on_ready: Callable[[InstanceRecord], None] = lambda inst: None
 
     def deployment_of(self, inst: InstanceRecord) -> str:
         return self.group_owner.get(inst.group, "")
@@ -245,6 +247,8 @@ class ClusterState:
                 instance_id=inst.instance_id,
                 deployment=self.deployment_of(inst),
             )
+            if new_state == READY:
+                self.on_ready(inst)
 
     def slots_of(self, instance_id: str) -> list[EngineSlot]:
         inst = self.instances.get(instance_id)

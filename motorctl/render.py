@@ -64,7 +64,7 @@ def render_instances(reply: controller_pb2.ListInstancesResponse) -> str:
         (
             i.instance_id,
             role_name(i.role),
-            enum_short_name(controller_pb2.InstanceState, i.state),
+            enum_short_name(controller_pb2.InstanceState, i.state) + (" (spare)" if i.spare else ""),
             i.restarts,
             i.paired_instance_id or "-",
             _short(i.state_reason),
@@ -140,9 +140,17 @@ def render_controllers(reply: controller_pb2.ListControllersResponse) -> str:
 
 
 def render_deployments(reply: controller_pb2.ListDeploymentsResponse) -> str:
-    """`motorctl deployments`: each deployment, its model, revision and instance counts."""
+    """`motorctl deployments`: each deployment, its model, revision, serving instance counts and warm spares."""
     rows = [
-        (d.deployment.name, d.deployment.model, d.revision, d.instances, d.ready_instances, d.pending_instances)
+        (
+            d.deployment.name,
+            d.deployment.model,
+            d.revision,
+            d.instances,
+            d.ready_instances,
+            d.pending_instances,
+            f"{d.ready_spare_instances}/{d.spare_instances} ready" if d.spare_instances else "-",
+        )
         for d in reply.deployments
     ]
-    return table(["NAME", "MODEL", "REVISION", "INSTANCES", "READY", "PENDING"], rows)
+    return table(["NAME", "MODEL", "REVISION", "INSTANCES", "READY", "PENDING", "SPARES"], rows)

@@ -48,6 +48,21 @@ async def spares_running(h: Harness, nodes=("node-a", "node-b"), accelerators=4,
     await all_ready(h, nodes, kw.get("count", 2) + kw.get("spares", 1))
 
 
+async def serving_ready_spare_loading(h: Harness):
+    """u-0 and u-1 READY on one node, the spare u-2 still loading (INIT); returns the spare's engine."""
+    await h.start()
+    await h.register("node-a", accelerators=4)
+    h.controller.apply_deployment(union())
+    await async_wait_for(lambda: len(h.client.starts()) == 3, timeout=5)
+    spare = h.client.engines["node-a"]["u-2/rank0"]
+    for engine in h.client.engines["node-a"].values():
+        if engine is not spare:
+            engine.state, engine.health = T.ENGINE_STATE_RUNNING, T.HEALTH_STATUS_NORMAL
+    h.beat("node-a")
+    await async_wait_for(lambda: h.instance("u-0").state == C.INSTANCE_STATE_READY, timeout=5)
+    return spare
+
+
 def fail(h: Harness, instance_id: str, reason: str = "exited with signal 9 (SIGKILL)") -> None:
     node = node_of(h, instance_id)
     engine = h.client.engines[node][f"{instance_id}/rank0"]
@@ -115,16 +130,7 @@ async def test_a_failing_spare_restarts_as_a_spare_and_touches_nothing_serving(h
 
 
 async def test_without_a_ready_spare_a_failure_restarts_as_before(harness):
-    await harness.start()
-    await harness.register("node-a", accelerators=4)
-    harness.controller.apply_deployment(union())
-    await async_wait_for(lambda: len(harness.client.starts()) == 3, timeout=5)
-    spare = harness.client.engines["node-a"]["u-2/rank0"]
-    for engine in harness.client.engines["node-a"].values():
-        if engine is not spare:  # the spare is still loading (INIT)
-            engine.state, engine.health = T.ENGINE_STATE_RUNNING, T.HEALTH_STATUS_NORMAL
-    harness.beat("node-a")
-    await async_wait_for(lambda: harness.instance("u-0").state == C.INSTANCE_STATE_READY, timeout=5)
+    await serving_ready_spare_loading(harness)
     fail(harness, "u-0")
     assert not harness.instance("u-0").spare and harness.instance("u-2").spare
     assert listed(harness) == {"u-1"}
@@ -198,3 +204,42 @@ async def test_fewer_spares_applied_after_a_promotion_keeps_count_instances_serv
     harness.controller.apply_deployment(union(spares=0))  # u-2 is no longer in the deployment
     assert {i.instance_id for i in harness.controller.list_instances() if not i.spare} == {"u-0", "u-1"}
     assert "u-2" not in harness.controller.instances
+
+
+async def test_spares_have_their_own_lines_in_metrics_and_in_motorctl_tables(harness):
+    from controller.fleet_metrics import FleetSeries
+    from motorctl.render import render_deployments, render_instances
+    from tests.controller.test_fleet_metrics import scrape
+
+    await spares_running(harness)
+    ctl = harness.controller
+    series = FleetSeries(ctl.state, lambda: "")
+    ready = ("motor_controller_instance_state", (("group", "u"), ("role", "union"), ("state", "ready")))
+
+    def ready_lines(samples) -> dict[str, bool]:
+        """instance id -> whether its READY line is a spare's."""
+        found = {}
+        for (name, labels), value in samples.items():
+            labels = dict(labels)
+            if name == ready[0] and labels["state"] == "ready" and value == 1:
+                found[labels["instance_id"]] = labels.get("spare") == "true"
+        return found
+
+    assert ready_lines(await scrape(series)) == {"u-0": False, "u-1": False, "u-2": True}
+    table = render_instances(C.ListInstancesResponse(instances=ctl.list_instances()))
+    assert [line.split()[2:4] for line in table.splitlines() if line.startswith("u-2")] == [["READY", "(spare)"]]
+    assert "1/1 ready" in render_deployments(ctl.list_deployments())
+    fail(harness, "u-0")
+    assert ready_lines(await scrape(series)) == {"u-1": False, "u-2": False}  # u-0 restarts, now the spare
+
+
+async def test_a_spare_ready_after_a_failure_takes_the_place_of_the_instance_still_loading(harness):
+    spare = await serving_ready_spare_loading(harness)
+    fail(harness, "u-0")
+    assert not harness.instance("u-0").spare  # no READY spare: it restarts, serving
+    await async_wait_for(lambda: len(harness.client.starts("u-0/rank0")) == 2, timeout=5)
+    spare.state, spare.health = T.ENGINE_STATE_RUNNING, T.HEALTH_STATUS_NORMAL  # loaded before u-0's new copy
+    harness.beat("node-a")
+    await async_wait_for(lambda: listed(harness) == {"u-1", "u-2"}, timeout=5)
+    assert harness.instance("u-0").spare and harness.instance("u-0").state != C.INSTANCE_STATE_READY
+    assert any("spare u-2 promoted: serves in place of u-0" in m for m in spare_events(harness))
