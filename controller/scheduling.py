@@ -70,6 +70,7 @@ class Scheduler:
         self.launches_open = 0  # launch tasks spawned and not finished (at most LAUNCHES_OPEN)
         self.spares = lifecycle.spares
         self._serving_waits = False
+        self._spares_to_preempt = True
 
     # ------------------------------------------------------------------ the reconcile pass
 
@@ -89,6 +90,7 @@ class Scheduler:
         now_wall, now = st.wall(), st.mono()
         fleet: Fleet | None = None
         self._serving_waits = False  # a serving instance found no room in this pass: no spare is placed
+        self._spares_to_preempt = True  # until a look finds none that would help (one look per pass at most)
         for instance_id in sorted(st.attention, key=st.placement_order):  # first come, first served
             if (yield from budget.checkpoint()):
                 if st.store.busy:
@@ -190,8 +192,11 @@ class Scheduler:
             st.transition(inst, PENDING, f"cannot be placed: {exc}")
             if not inst.spare:
                 self._serving_waits = True
-                if self.spares.preempt_for(inst, lambda s: self._would_fit(inst, s, fleet)):
-                    self.loop.wake()
+                if self._spares_to_preempt:
+                    if self.spares.preempt_for(inst, lambda s: self._would_fit(inst, s, fleet)):
+                        self.loop.wake()
+                    else:
+                        self._spares_to_preempt = False
             return
         try:  # durable generations first (one write for the instance), or nothing changes
             with st.store.transaction():

@@ -173,7 +173,10 @@ class Spares:
             for inst in self.members(group):
                 if not inst.spare or inst.state in (PENDING, FAILED):
                     continue
-                if not any(s.node_id and s.accelerator_ids and helps(s) for s in st.slots_of(inst.instance_id)):
+                slots = st.slots_of(inst.instance_id)
+                if any(s.busy for s in slots):
+                    continue  # a start or stop in flight: the next pass looks again
+                if not any(s.node_id and s.accelerator_ids and helps(s) for s in slots):
                     continue
                 self.preempt(inst, f"its accelerators go to serving instance {waiting.instance_id}, waiting for room")
                 return True
