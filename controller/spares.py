@@ -6,8 +6,10 @@ instance, after the serving ones (ClusterState.placement_order) and on a node th
 serving instance of its group where one has room, and is never routed (endpoints.can_serve).
 
 - Promotion: when a serving instance fails (its engine died, was killed after abnormal
-  heartbeats, or its node was lost) and a spare of its group is READY, the two swap flags in one
-  store transaction: the spare is routed at once, the failed instance restarts as the new spare.
+  heartbeats, or its node was lost) or merely stops serving (READY -> DEGRADED: an engine
+  ABNORMAL, e.g. dead while the node manager still kills its tree) and a spare of its group is
+  READY, the two swap flags in one store transaction: the spare is routed at once, the other
+  goes on as the new spare (restarting if it failed).
   Ids and counts never change, so a controller restart reads back exactly who serves.
 - A P/D pair (a prefill instance and its decode partner) is promoted whole: the READY spare pair
   takes the place of the pair whose member failed, and the failed pair becomes the spare pair.
@@ -96,11 +98,17 @@ class Spares:
         )
         return True
 
-    def became_ready(self, inst: InstanceRecord) -> None:
-        """A spare that is READY now takes the place of a serving instance of its group that
-        failed while no spare was ready (it is still restarting or loading)."""
-        if not inst.spare:
-            return
+    def state_changed(self, inst: InstanceRecord, old: int) -> None:
+        """A serving instance that stops serving (READY -> DEGRADED: an engine ABNORMAL, or dead and
+        its tree still being killed; or anything else) is replaced by a READY spare at once: it
+        goes on as the spare (it serves again, or fails and restarts, out of the routers). A spare
+        that becomes READY takes the place of a serving instance that is down."""
+        if not inst.spare and old == READY and inst.state != READY:
+            self.promote_for(inst, f"it is {state_name(inst.state)}: {inst.reason}")
+        elif inst.spare and inst.state == READY:
+            self._became_ready(inst)
+
+    def _became_ready(self, inst: InstanceRecord) -> None:
         unit = self.unit(inst)
         if not self.ready(unit):
             return  # its partner is not READY yet: promoted when it is
@@ -111,8 +119,8 @@ class Spares:
 
     @staticmethod
     def _down(inst: InstanceRecord) -> bool:
-        """Failed and not serving again yet (a first start that is still loading is not down)."""
-        return inst.state not in (READY, DEGRADED) and (inst.state == RESTARTING or bool(inst.failure_times))
+        """Not serving after having served or failed (a first start still loading is not down)."""
+        return inst.state != READY and (inst.state in (DEGRADED, RESTARTING) or bool(inst.failure_times))
 
     def _flag(self, unit: list[InstanceRecord], spare: bool) -> None:
         st = self.state

@@ -79,8 +79,9 @@ class ClusterState:
         # Called after anything that may change which engines can serve (the endpoint feed),
         # with the ids of the engines it may concern (None: any engine).
         self.on_change: Callable[[Iterable[str] | None], None] = lambda engine_ids=None: None
-        # Called when an instance becomes READY (a warm spare may take a failed instance's place: controller/spares.py).
-        self.on_ready: Callable[[InstanceRecord], None] = lambda inst: None
+        # Called after an instance changed state, with its old state (a warm spare may take a
+        # serving instance's place: controller/spares.py).
+        self.on_state_changed: Callable[[InstanceRecord, int], None] = lambda inst, old: None
 
     def deployment_of(self, inst: InstanceRecord) -> str:
         return self.group_owner.get(inst.group, "")
@@ -247,8 +248,7 @@ class ClusterState:
                 instance_id=inst.instance_id,
                 deployment=self.deployment_of(inst),
             )
-            if new_state == READY:
-                self.on_ready(inst)
+            self.on_state_changed(inst, old)
 
     def slots_of(self, instance_id: str) -> list[EngineSlot]:
         inst = self.instances.get(instance_id)

@@ -243,3 +243,18 @@ async def test_a_spare_ready_after_a_failure_takes_the_place_of_the_instance_sti
     await async_wait_for(lambda: listed(harness) == {"u-1", "u-2"}, timeout=5)
     assert harness.instance("u-0").spare and harness.instance("u-0").state != C.INSTANCE_STATE_READY
     assert any("spare u-2 promoted: serves in place of u-0" in m for m in spare_events(harness))
+
+
+async def test_a_serving_engine_reported_abnormal_is_replaced_before_it_is_killed(harness):
+    # A real vLLM engine server SIGKILLed: its node manager reports it ABNORMAL at once and kills
+    # the rest of its tree (the engine core) before reporting it FAILED, seconds later.
+    await spares_running(harness)
+    node = node_of(harness, "u-0")
+    harness.client.engines[node]["u-0/rank0"].health = T.HEALTH_STATUS_ABNORMAL
+    harness.beat(node)
+    await async_wait_for(lambda: harness.instance("u-0").state == C.INSTANCE_STATE_DEGRADED, timeout=5)
+    assert listed(harness) == {"u-1", "u-2"}
+    assert harness.instance("u-0").spare and not harness.instance("u-2").spare
+    assert any("spare u-2 promoted: serves in place of u-0 (it is DEGRADED" in m for m in spare_events(harness))
+    fail(harness, "u-0")  # then killed: it restarts as the spare, nothing else changes
+    assert listed(harness) == {"u-1", "u-2"} and len(spare_events(harness)) == 1
