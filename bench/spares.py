@@ -95,7 +95,8 @@ class Run:
             metrics_port=0,
             extra_node_args=["--model-root", os.path.dirname(args.model_path)] if args.engine == "vllm" else [],
         )
-        self.settle_timeout = args.load_s + 60 if args.engine == "sim" else 300
+        # vLLM's start: about 20 s alone on 2 cores, minutes beside other vLLM processes.
+        self.settle_timeout = args.load_s + 60 if args.engine == "sim" else 900
 
     def instances(self) -> list[C.Instance]:
         with grpc.insecure_channel(self.cluster.controller_address) as channel:
@@ -159,6 +160,7 @@ class Run:
                 killed = time.monotonic()
                 os.kill(pid, signal.SIGKILL)
                 back = self.recovery(f"http://{engine.host}:{engine.port}", killed)
+                print(f"spares={self.spares} kill {kill + 1}: serving capacity back in {back:.3f}s", flush=True)
                 self.wait(self.settled, self.settle_timeout, "every instance READY again")
                 settled = time.monotonic()
                 hit = [r for r in load.results if killed <= r[0] < settled]
@@ -173,9 +175,9 @@ class Run:
                     }
                 )
                 print(
-                    f"spares={self.spares} kill {kill + 1}: {victim.instance_id} SIGKILLed; serving capacity back in "
-                    f"{back:.3f}s; {rows[-1]['failed']} of {len(hit)} requests failed, {rows[-1]['stalled']} over "
-                    f"{STALLED:g}s",
+                    f"spares={self.spares} kill {kill + 1}: {victim.instance_id} SIGKILLed; every instance READY again "
+                    f"after {settled - killed:.1f}s; {rows[-1]['failed']} of {len(hit)} requests failed, "
+                    f"{rows[-1]['stalled']} over {STALLED:g}s",
                     flush=True,
                 )
                 time.sleep(2)
