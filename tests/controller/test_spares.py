@@ -167,6 +167,15 @@ async def test_a_serving_instance_waiting_for_room_preempts_a_spare(harness):
     await async_wait_for(lambda: listed(harness) == {"u-0", "other-0"}, timeout=5)
 
 
+def test_too_many_spares_are_refused_naming_the_field():
+    from controller.validation import validate_deployment
+
+    with pytest.raises(InvalidArgument, match=r"instance_groups\[0\]\.spares: must be at most 10000 \(got 10001\)"):
+        validate_deployment(union(count=1, spares=10001), max_engines=10**6)
+    with pytest.raises(InvalidArgument, match=r"10 engines \(count x data_parallel_size, spares included\) exceed"):
+        validate_deployment(union(count=8, spares=2), max_engines=9)
+
+
 def test_paired_groups_need_the_same_number_of_spares():
     deployment = small_deployment(
         [
