@@ -103,6 +103,7 @@ class Controller(views.ClusterReads):
         self.actuator = Actuator(node_client, self.state.nodes, config.stop_deadline, self._spawn, self.events, clock)
         self.generations = Generations(self.store, self.state.refused)
         self.lifecycle = EngineLifecycle(self.state, self.actuator, self.generations, self.metrics, self)
+        self.state.on_state_changed = self.lifecycle.spares.state_changed
         self.scheduler = Scheduler(self.state, config, self.lifecycle, self.metrics, self)
         self.adoption = Adoption(self.state, self.lifecycle)
         self.changes = DeploymentChanges(

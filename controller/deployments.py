@@ -40,6 +40,7 @@ from controller.instances import FAILED, RESTARTING, InstanceRecord, Policy
 from controller.rollout_plan import plan_layout
 from controller.slicing import Budget, Steps, in_slices, run_at_once, run_sliced
 from controller.slots import EngineSlot
+from controller.spares import Spares
 from controller.state import ClusterState
 from controller.store import LEGACY_DEPLOYMENT, StoreChange, StoredState, StoreUnavailable
 from controller.validation import InstanceSpec, integral_numbers, struct_dict, validate_deployment
@@ -96,6 +97,7 @@ class DeploymentChanges:
         self.deployments: dict[str, tuple[C.Deployment, int]] = {}  # name -> (deployment, revision)
         self._legacy: tuple[bytes, int] | None = None  # loaded from a store of before names: moved by `upgrade`
         self._one_at_a_time = asyncio.Lock()
+        self.spares = Spares(state, actuator)
 
     @property
     def busy(self) -> bool:
@@ -117,6 +119,7 @@ class DeploymentChanges:
         if old is not None:
             for group in old[0].instance_groups:
                 st.group_owner.pop(group.name, None)
+                st.group_sizes.pop(group.name, None)
             st.policies.pop(name, None)
             st.configs.pop(name, None)
             st.served_models.pop(name, None)
@@ -125,6 +128,7 @@ class DeploymentChanges:
             self.deployments[name] = (deployment, revision)
             for group in deployment.instance_groups:
                 st.group_owner[group.name] = name
+                st.group_sizes[group.name] = (group.count, group.spares)
             st.policies[name] = Policy.from_proto(deployment.restart_policy)
             st.configs[name] = json.dumps(integral_numbers(struct_dict(deployment.engine_config)), sort_keys=True)
             st.served_models[name] = (deployment.model,)
@@ -396,6 +400,7 @@ class DeploymentChanges:
             spec_hash=spec.spec_hash,
             state_changed_at=self.state.wall(),
             revision=revision,
+            spare=spec.spare,
         )
         return inst, [
             EngineSlot(names.engine_id(spec.instance_id, r), spec.instance_id, r)

@@ -233,6 +233,15 @@ class Rollouts:
                 complete = False
             starts = min(ug.count + strategy.max_surge - len(ug.units), ug.count - len(current), STEP_LIMIT - len(new))
             new.extend(ug.new_specs(specs, max(0, starts)))
+            # A promotion made an old serving unit a spare: replace it at once (it serves nothing),
+            # so that the next promotion brings the new version.
+            keep_spares, old_spares = ug.spare_layout()
+            if old_spares:
+                complete = False
+                stale = [r for k in old_spares for r in ug.records(k, ug.spares)]
+                removed.extend((r.instance_id, "a spare of an older spec") for r in stale)
+                taken = {*ug.units, *ug.spares, *(s.index for s in new if s.group == ug.groups[0])}
+                new.extend(ug.new_specs(specs, ug.spare_count - len(keep_spares), taken, spare=True))
             floor, serving = ug.count - strategy.max_unavailable, len(available)
             for k in sorted(old, key=lambda k: k in available):  # those not serving first: they cost nothing
                 if len(removed) >= STEP_LIMIT:
@@ -322,7 +331,8 @@ class Rollouts:
         for ug in groups:
             for k in ug.current():
                 if not self._available(ug, k, strategy):
-                    return next(r for r in ug.records(k) if r.state != READY) if ug.records(k) else None
+                    records = ug.records(k)  # all READY: not yet for min_ready, or not routed yet
+                    return next((r for r in records if r.state != READY), records[0]) if records else None
         return None
 
 

@@ -7,6 +7,10 @@ available and withdrawn together, so instance i keeps pairing with instance i. A
 when every instance of it exists and runs the deployment's spec (its spec_hash). A new unit takes
 the lowest index of its groups that no instance holds: the old one keeps serving under its own id
 while the new one loads.
+
+Warm spares (controller/spares.py) are units too, kept apart: the serving units are what a
+rollout counts and replaces in waves; spare units serve nothing, so a change replaces those on an
+older spec at once, before any serving wave, and a promotion never brings back an old version.
 """
 
 from __future__ import annotations
@@ -31,9 +35,19 @@ class UnitGroup:
     hashes: tuple[str, ...]
     # index -> the unit's instances, one per group (None: that one does not exist)
     units: dict[int, list[InstanceRecord | None]] = field(default_factory=dict)
+    spare_count: int = 0
+    # The warm spare units, the same way (a promotion moves a unit between the two).
+    spares: dict[int, list[InstanceRecord | None]] = field(default_factory=dict)
 
-    def is_current(self, index: int) -> bool:
-        return all(r is not None and r.spec_hash == h for r, h in zip(self.units[index], self.hashes))
+    def is_current(self, index: int, units: dict[int, list[InstanceRecord | None]] | None = None) -> bool:
+        unit = (self.units if units is None else units)[index]
+        return all(r is not None and r.spec_hash == h for r, h in zip(unit, self.hashes))
+
+    def spare_layout(self) -> tuple[list[int], list[int]]:
+        """The spare units to keep (current, up to spare_count) and those to stop (old, or too many)."""
+        current = [k for k in sorted(self.spares) if self.is_current(k, self.spares)]
+        keep = current[: self.spare_count]
+        return keep, [k for k in sorted(self.spares) if k not in keep]
 
     def current(self) -> list[int]:
         return [k for k in sorted(self.units) if self.is_current(k)]
@@ -41,8 +55,8 @@ class UnitGroup:
     def old(self) -> list[int]:
         return [k for k in sorted(self.units) if not self.is_current(k)]
 
-    def records(self, index: int) -> list[InstanceRecord]:
-        return [r for r in self.units[index] if r is not None]
+    def records(self, index: int, units: dict[int, list[InstanceRecord | None]] | None = None) -> list[InstanceRecord]:
+        return [r for r in (self.units if units is None else units)[index] if r is not None]
 
     def free_indices(self, taken: Collection[int]) -> Iterator[int]:
         index = 0
@@ -51,10 +65,13 @@ class UnitGroup:
                 yield index
             index += 1
 
-    def new_specs(self, specs: GroupSpecs, how_many: int, taken: Collection[int] | None = None) -> list[InstanceSpec]:
-        """Specs of `how_many` new units at the lowest indices not `taken` (default: held by any instance)."""
-        free = self.free_indices(self.units if taken is None else taken)
-        return [specs.spec(g, k) for k in (next(free) for _ in range(how_many)) for g in self.groups]
+    def new_specs(
+        self, specs: GroupSpecs, how_many: int, taken: Collection[int] | None = None, spare: bool = False
+    ) -> list[InstanceSpec]:
+        """Specs of `how_many` new units at the lowest indices not `taken` (default: held by any
+        instance, serving or spare)."""
+        free = self.free_indices({*self.units, *self.spares} if taken is None else taken)
+        return [specs.spec(g, k, spare) for k in (next(free) for _ in range(how_many)) for g in self.groups]
 
 
 def index_of(record: InstanceRecord) -> int:
@@ -73,7 +90,7 @@ def unit_groups(
             continue  # the decode group of a pair met earlier
         partner = specs.partners.get(name) if group.pair_with else None
         members = (name,) if partner is None or partner in of_group else (name, partner)
-        unit_group = UnitGroup(members, group.count, tuple(specs.hashes[g] for g in members))
+        unit_group = UnitGroup(members, group.count, tuple(specs.hashes[g] for g in members), spare_count=group.spares)
         out.append(unit_group)
         for place, member in enumerate(members):
             of_group[member] = (unit_group, place)
@@ -84,7 +101,8 @@ def unit_groups(
             strays.append(record)
         else:
             unit_group, place = found
-            unit_group.units.setdefault(index_of(record), [None] * len(unit_group.groups))[place] = record
+            units = unit_group.spares if record.spare else unit_group.units
+            units.setdefault(index_of(record), [None] * len(unit_group.groups))[place] = record
         if budget is not None:
             yield from budget.checkpoint()
     return out, strays
@@ -119,9 +137,18 @@ def plan_layout(
         for k in current[ug.count :] + old[len(keep_old) :]:
             why = "its spec changed; replaced at once (strategy recreate)" if k in old and not rolling else None
             layout.removed.extend((r.instance_id, why or "no longer in the deployment") for r in ug.records(k))
+        # Spares serve nothing: those on an older spec (or too many) stop at once, new ones start.
+        keep_spares, stop_spares = ug.spare_layout()
         # Recreate starts the new units under the ids of those it stops (the old behaviour).
-        taken = None if rolling else keep
-        layout.new.extend(ug.new_specs(specs, ug.count - len(keep) - len(keep_old), taken))
+        taken = {*ug.units, *ug.spares} if rolling else {*keep, *keep_spares}
+        serving = ug.new_specs(specs, ug.count - len(keep) - len(keep_old), taken)
+        layout.new.extend(serving)
+        layout.kept.extend(specs.spec(g, k, spare=True) for k in keep_spares for g in ug.groups)
+        for k in stop_spares:
+            why = "a spare of an older spec, or one too many: replaced at once (it serves nothing)"
+            layout.removed.extend((r.instance_id, why) for r in ug.records(k, ug.spares))
+        taken |= {s.index for s in serving}
+        layout.new.extend(ug.new_specs(specs, ug.spare_count - len(keep_spares), taken, spare=True))
         if budget is not None:
             yield from budget.checkpoint()
     return layout

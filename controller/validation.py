@@ -132,6 +132,8 @@ def validate_deployment(
             group.count = 1
         if group.count > MAX_COUNT:
             problems.append(f"{where}.count: must be at most {MAX_COUNT} (got {group.count})")
+        if group.spares > MAX_COUNT:
+            problems.append(f"{where}.spares: must be at most {MAX_COUNT} (got {group.spares})")
         if group.data_parallel_size == 0:
             group.data_parallel_size = 1
         if group.data_parallel_size > MAX_DATA_PARALLEL:
@@ -152,10 +154,11 @@ def validate_deployment(
                     f"engine_config.{section}: required by {where} (role {names.role_name(group.role)}): "
                     "the user_config section its engines read"
                 )
-    engines = sum(g.count * g.data_parallel_size for g in d.instance_groups)
+    engines = sum((g.count + g.spares) * g.data_parallel_size for g in d.instance_groups)
     if engines > max_engines:
         problems.append(
-            f"instance_groups: {engines} engines (count x data_parallel_size) exceed the limit "
+            f"instance_groups: {engines} engines (count x data_parallel_size"
+            f"{', spares included' if any(g.spares for g in d.instance_groups) else ''}) exceed the limit "
             f"max_engines_per_deployment={max_engines} (controller setting --max-engines-per-deployment)"
         )
     by_name = {g.name: g for g in d.instance_groups}
@@ -182,6 +185,11 @@ def validate_deployment(
             problems.append(
                 f"{where}: {group.pair_with!r} has {target.count} instance(s) and this group {group.count}: "
                 "paired groups pair instance i with instance i, so their counts must match"
+            )
+        elif target.spares != group.spares:
+            problems.append(
+                f"instance_groups[{i}].spares: {group.pair_with!r} has {target.spares} spare(s) and this group "
+                f"{group.spares}: a P/D pair is promoted whole, so paired groups need the same number of spares"
             )
     p = d.restart_policy
     for name in restart_policy.DURATION_FIELDS:
@@ -249,6 +257,8 @@ class InstanceSpec:
     paired_instance_id: str
     # Changes when anything its engines are launched with changes (restart needed).
     spec_hash: str
+    # Starts as a warm spare (index >= count); afterwards promotions move the flag (controller/spares.py).
+    spare: bool = False
 
 
 def struct_dict(struct: struct_pb2.Struct) -> dict:
@@ -277,8 +287,8 @@ def expand_in_slices(deployment: controller_pb2.Deployment, budget: Budget | Non
     specs = GroupSpecs(deployment)
     out: dict[str, InstanceSpec] = {}
     for group in deployment.instance_groups:
-        for index in range(group.count):
-            spec = specs.spec(group.name, index)
+        for index in range(group.count + group.spares):
+            spec = specs.spec(group.name, index, spare=index >= group.count)
             out[spec.instance_id] = spec
             if budget is not None:
                 yield from budget.checkpoint()
@@ -314,7 +324,7 @@ class GroupSpecs:
                 self.partners[group.name] = group.pair_with
                 self.partners.setdefault(group.pair_with, group.name)
 
-    def spec(self, group_name: str, index: int) -> InstanceSpec:
+    def spec(self, group_name: str, index: int, spare: bool = False) -> InstanceSpec:
         group, partner = self.groups[group_name], self.partners.get(group_name)
         return InstanceSpec(
             instance_id=f"{group.name}-{index}",
@@ -326,6 +336,7 @@ class GroupSpecs:
             single_container=group.single_container,
             paired_instance_id=f"{partner}-{index}" if partner else "",
             spec_hash=self.hashes[group.name],
+            spare=spare,
         )
 
 

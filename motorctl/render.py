@@ -64,7 +64,7 @@ def render_instances(reply: controller_pb2.ListInstancesResponse) -> str:
         (
             i.instance_id,
             role_name(i.role),
-            enum_short_name(controller_pb2.InstanceState, i.state),
+            enum_short_name(controller_pb2.InstanceState, i.state) + (" (spare)" if i.spare else ""),
             i.restarts,
             i.revision,
             i.paired_instance_id or "-",
@@ -141,7 +141,8 @@ def render_controllers(reply: controller_pb2.ListControllersResponse) -> str:
 
 
 def render_deployments(reply: controller_pb2.ListDeploymentsResponse) -> str:
-    """`motorctl deployments`: each deployment, its model, revision, instance counts and rollout."""
+    """`motorctl deployments`: each deployment, its model, revision, serving instance counts, warm spares and
+    rollout."""
     rows = [
         (
             d.deployment.name,
@@ -150,11 +151,12 @@ def render_deployments(reply: controller_pb2.ListDeploymentsResponse) -> str:
             d.instances,
             d.ready_instances,
             d.pending_instances,
+            f"{d.ready_spare_instances}/{d.spare_instances} ready" if d.spare_instances else "-",
             rollout_state_name(d.rollout_state),
         )
         for d in reply.deployments
     ]
-    return table(["NAME", "MODEL", "REVISION", "INSTANCES", "READY", "PENDING", "ROLLOUT"], rows)
+    return table(["NAME", "MODEL", "REVISION", "INSTANCES", "READY", "PENDING", "SPARES", "ROLLOUT"], rows)
 
 
 def rollout_state_name(state: int) -> str:

@@ -161,6 +161,10 @@ class _EventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventType.V
     """A step of a rolling update: started, an instance of the new revision started or available,
     an old one withdrawn, paused (the message names the instance and the cause), resumed, complete.
     """
+    EVENT_TYPE_SPARE: _EventType.ValueType  # 16
+    """A warm spare was started, promoted to serve in place of a failed instance, or preempted to
+    give its accelerators to a serving instance waiting for room (the message says which).
+    """
 
 class EventType(_EventType, metaclass=_EventTypeEnumTypeWrapper):
     """Kind of a controller event."""
@@ -204,6 +208,10 @@ EVENT_TYPE_ADAPTER: EventType.ValueType  # 14
 EVENT_TYPE_ROLLOUT: EventType.ValueType  # 15
 """A step of a rolling update: started, an instance of the new revision started or available,
 an old one withdrawn, paused (the message names the instance and the cause), resumed, complete.
+"""
+EVENT_TYPE_SPARE: EventType.ValueType  # 16
+"""A warm spare was started, promoted to serve in place of a failed instance, or preempted to
+give its accelerators to a serving instance waiting for room (the message says which).
 """
 Global___EventType: _TypeAlias = EventType  # noqa: Y015
 
@@ -390,6 +398,7 @@ class InstanceGroup(_message.Message):
     ACCELERATORS_PER_ENGINE_FIELD_NUMBER: _builtins.int
     PAIR_WITH_FIELD_NUMBER: _builtins.int
     SINGLE_CONTAINER_FIELD_NUMBER: _builtins.int
+    SPARES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name of the group; instances are named "<name>-<index>" (e.g. "prefill-0")."""
     role: _types_pb2.Role.ValueType
@@ -404,6 +413,12 @@ class InstanceGroup(_message.Message):
     """Name of the decode group that this prefill group pairs with (instance i with instance i)."""
     single_container: _builtins.bool
     """Launch engines in single-container mode (with --kv-port and --dp-rpc-port)."""
+    spares: _builtins.int
+    """Warm spares: extra instances kept started, loaded and NORMAL but out of every router (not
+    in ListEndpoints or WatchEndpoints). When a serving instance of the group fails, a READY
+    spare takes its place at once and the failed instance restarts as the new spare.
+    A prefill group and the decode group it pairs with need the same number.
+    """
     def __init__(
         self,
         *,
@@ -414,10 +429,11 @@ class InstanceGroup(_message.Message):
         accelerators_per_engine: _builtins.int | None = ...,
         pair_with: _builtins.str = ...,
         single_container: _builtins.bool = ...,
+        spares: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_accelerators_per_engine", b"_accelerators_per_engine", "accelerators_per_engine", b"accelerators_per_engine"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_accelerators_per_engine", b"_accelerators_per_engine", "accelerators_per_engine", b"accelerators_per_engine", "count", b"count", "data_parallel_size", b"data_parallel_size", "name", b"name", "pair_with", b"pair_with", "role", b"role", "single_container", b"single_container"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_accelerators_per_engine", b"_accelerators_per_engine", "accelerators_per_engine", b"accelerators_per_engine", "count", b"count", "data_parallel_size", b"data_parallel_size", "name", b"name", "pair_with", b"pair_with", "role", b"role", "single_container", b"single_container", "spares", b"spares"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__accelerators_per_engine: _TypeAlias = _typing.Literal["accelerators_per_engine"]  # noqa: Y015
     _WhichOneofArgType__accelerators_per_engine: _TypeAlias = _typing.Literal["_accelerators_per_engine", b"_accelerators_per_engine"]  # noqa: Y015
@@ -581,10 +597,12 @@ class DeploymentSummary(_message.Message):
     UPDATED_INSTANCES_FIELD_NUMBER: _builtins.int
     AVAILABLE_INSTANCES_FIELD_NUMBER: _builtins.int
     OLD_INSTANCES_FIELD_NUMBER: _builtins.int
+    SPARE_INSTANCES_FIELD_NUMBER: _builtins.int
+    READY_SPARE_INSTANCES_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     """Its revision (each deployment counts its own)."""
     instances: _builtins.int
-    """Its instances."""
+    """Its serving instances (warm spares are counted apart)."""
     ready_instances: _builtins.int
     """Of those, READY."""
     pending_instances: _builtins.int
@@ -601,6 +619,10 @@ class DeploymentSummary(_message.Message):
     """Instances that can serve (READY, listed to the routers), of either spec."""
     old_instances: _builtins.int
     """Instances on an older spec, still to be replaced."""
+    spare_instances: _builtins.int
+    """Its warm spares (not counted in instances, ready_instances or pending_instances)."""
+    ready_spare_instances: _builtins.int
+    """Of those, READY (each can take a failed instance's place at once)."""
     @_builtins.property
     def deployment(self) -> Global___Deployment:
         """The desired deployment."""
@@ -618,10 +640,12 @@ class DeploymentSummary(_message.Message):
         updated_instances: _builtins.int = ...,
         available_instances: _builtins.int = ...,
         old_instances: _builtins.int = ...,
+        spare_instances: _builtins.int = ...,
+        ready_spare_instances: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["available_instances", b"available_instances", "deployment", b"deployment", "instances", b"instances", "old_instances", b"old_instances", "pending_instances", b"pending_instances", "ready_instances", b"ready_instances", "revision", b"revision", "rollout_reason", b"rollout_reason", "rollout_state", b"rollout_state", "updated_instances", b"updated_instances"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available_instances", b"available_instances", "deployment", b"deployment", "instances", b"instances", "old_instances", b"old_instances", "pending_instances", b"pending_instances", "ready_instances", b"ready_instances", "ready_spare_instances", b"ready_spare_instances", "revision", b"revision", "rollout_reason", b"rollout_reason", "rollout_state", b"rollout_state", "spare_instances", b"spare_instances", "updated_instances", b"updated_instances"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -713,6 +737,7 @@ class Instance(_message.Message):
     NEXT_RESTART_TIME_FIELD_NUMBER: _builtins.int
     DEPLOYMENT_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    SPARE_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """e.g. "prefill-0"."""
     group: _builtins.str
@@ -733,6 +758,10 @@ class Instance(_message.Message):
     """The deployment it belongs to."""
     revision: _builtins.int
     """The deployment revision whose spec it runs (a change that leaves its spec alone moves it on)."""
+    spare: _builtins.bool
+    """A warm spare of its group: started like any instance, never routed, promoted (false) when
+    a serving instance of its group fails.
+    """
     @_builtins.property
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceEngine]:
         """Its ranks."""
@@ -756,10 +785,11 @@ class Instance(_message.Message):
         next_restart_time: _timestamp_pb2.Timestamp | None = ...,
         deployment: _builtins.str = ...,
         revision: _builtins.int = ...,
+        spare: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["next_restart_time", b"next_restart_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "engines", b"engines", "group", b"group", "instance_id", b"instance_id", "master_dp_ip", b"master_dp_ip", "next_restart_time", b"next_restart_time", "paired_instance_id", b"paired_instance_id", "restarts", b"restarts", "revision", b"revision", "role", b"role", "state", b"state", "state_reason", b"state_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "engines", b"engines", "group", b"group", "instance_id", b"instance_id", "master_dp_ip", b"master_dp_ip", "next_restart_time", b"next_restart_time", "paired_instance_id", b"paired_instance_id", "restarts", b"restarts", "revision", b"revision", "role", b"role", "spare", b"spare", "state", b"state", "state_reason", b"state_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
