@@ -43,6 +43,7 @@ from controller.metrics import ControllerMetrics
 from controller.node_client import NodeClient
 from controller.node_stores import NodeStoreAlarms
 from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
+from controller.rollout import Rollouts
 from controller.scheduling import Scheduler
 from controller.slicing import Steps, run_sliced
 from controller.slots import EngineSlot
@@ -87,10 +88,12 @@ class Controller(views.ClusterReads):
         self.events.deployment_of = self.state.deployment_of_id
         self.endpoints = endpoints.EndpointFeed(self.state)
         self.state.on_change = self.endpoints.changed
+        st = self.state
         self.metrics = ControllerMetrics(
             self.state.nodes.counts,
             lambda: collections.Counter(i.state for i in self.state.instances.values()),
             store_metrics.collectors,
+            lambda: collections.Counter((st.deployment_of(i), i.revision) for i in st.instances.values()),
         )
         self.started_at = clock.monotonic()
         self._wake = asyncio.Event()
@@ -100,6 +103,7 @@ class Controller(views.ClusterReads):
         self.actuator = Actuator(node_client, self.state.nodes, config.stop_deadline, self._spawn, self.events, clock)
         self.generations = Generations(self.store, self.state.refused)
         self.lifecycle = EngineLifecycle(self.state, self.actuator, self.generations, self.metrics, self)
+        self.state.on_state_changed = self.lifecycle.spares.state_changed
         self.scheduler = Scheduler(self.state, config, self.lifecycle, self.metrics, self)
         self.adoption = Adoption(self.state, self.lifecycle)
         self.changes = DeploymentChanges(
@@ -111,6 +115,8 @@ class Controller(views.ClusterReads):
             self.wake,
             self._spawn,
         )
+        self.rollouts = Rollouts(self.state, self.changes, self.endpoints)
+        self.scheduler.rollouts = self.rollouts  # a step of each rollout ends every reconcile pass
         # The interval node managers are told and the grace their silence is judged by.
         self.budget = HeartbeatBudget(
             config.heartbeat_interval, config.node_grace, config.max_heartbeats_per_second, self.state.nodes.live, clock
@@ -147,6 +153,7 @@ class Controller(views.ClusterReads):
         for data in stored.assignments.values():
             st.slots.add(EngineSlot.from_dict(data))
         st.attention.update(st.instances)
+        self.rollouts.loaded(stored)
         if any(n.state != NODE_LOST for n in st.nodes.values()):
             # By default also the node managers' longest backoff, as their first reports may take.
             backoff = heartbeats.MAX_BACKOFF if self.config.startup_grace is None else 0.0

@@ -2,12 +2,14 @@
 
 The controller holds any number of deployments, each under its name with its own revision,
 restart policy and engine config. A change concerns one deployment and leaves the others
-alone. Instance ids stay "<group>-<index>": an instance group name belongs to one deployment
+alone. Instance ids are "<group>-<index>": an instance group name belongs to one deployment
 (applying a deployment with a group another one has is INVALID_ARGUMENT), so an instance
 belongs to exactly one deployment, found by its group (ClusterState.group_owner).
 
-A change is planned (the instances that go, those replaced because their spec changed, the new
-ones), written to the store as one transaction, and only then made in memory: persist first, so
+A change is planned per group (controller/rollout_plan.py: the instances kept, those on an older
+spec left for the rollout to replace (controller/rollout.py) or, with strategy recreate, replaced
+at once, those that go, the new ones), written to the store as one transaction (with the
+deployment's rollout record), and only then made in memory: persist first, so
 a store that refuses it (a full disk: UNAVAILABLE) leaves memory and the engines as they were.
 Planning and the memory change are generators that yield between slices (controller/slicing.py);
 the store write runs in a thread (SQLite), so the loop goes on answering heartbeats and other
@@ -24,6 +26,7 @@ finished even if its caller goes away.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
@@ -34,11 +37,13 @@ from controller.actuator import Actuator
 from controller.adoption import Adoption
 from controller.endpoints import EndpointFeed
 from controller.instances import FAILED, RESTARTING, InstanceRecord, Policy
+from controller.rollout_plan import plan_layout
 from controller.slicing import Budget, Steps, in_slices, run_at_once, run_sliced
 from controller.slots import EngineSlot
+from controller.spares import Spares
 from controller.state import ClusterState
 from controller.store import LEGACY_DEPLOYMENT, StoreChange, StoredState, StoreUnavailable
-from controller.validation import InstanceSpec, expand_in_slices, integral_numbers, struct_dict, validate_deployment
+from controller.validation import InstanceSpec, integral_numbers, struct_dict, validate_deployment
 from motor.contract import names
 from motor.errors import InvalidArgument, NotFound
 from motor.v1 import controller_pb2
@@ -47,6 +52,18 @@ logger = logging.getLogger(__name__)
 
 C = controller_pb2
 NewInstances = dict[str, tuple[InstanceRecord, list[EngineSlot]]]
+
+
+def rollout_record(previous: bytes | None, previous_revision: int, since: float) -> dict:
+    """The rollout record a change writes: not paused, the deployment it replaced (for undo), and
+    the time from which a new instance's failure pauses it (controller/rollout.py)."""
+    return {
+        "paused": False,
+        "reason": "",
+        "previous": base64.b64encode(previous).decode() if previous is not None else None,
+        "previous_revision": previous_revision,
+        "since": since,
+    }
 
 
 @dataclass
@@ -58,6 +75,7 @@ class Plan:
     new: NewInstances = field(default_factory=dict)
     kept: list[InstanceSpec] = field(default_factory=list)
     same: bool = False  # the spec applied already: only FAILED instances get a new chance
+    rollout: dict | None = None  # the rollout record written with the change (controller/rollout.py)
     ended_adoption: bool = False  # a delete on a new store (controller/adoption.py)
 
 
@@ -74,9 +92,12 @@ class DeploymentChanges:
     ):
         self.state, self.max_engines, self.endpoints, self.actuator = state, max_engines, endpoints, actuator
         self.adoption, self.wake, self.spawn = adoption, wake, spawn
+        # Told of every change that wrote a rollout record (controller/rollout.py sets it).
+        self.on_applied: Callable[[str, dict | None], None] = lambda name, record: None
         self.deployments: dict[str, tuple[C.Deployment, int]] = {}  # name -> (deployment, revision)
         self._legacy: tuple[bytes, int] | None = None  # loaded from a store of before names: moved by `upgrade`
         self._one_at_a_time = asyncio.Lock()
+        self.spares = Spares(state, actuator)
 
     @property
     def busy(self) -> bool:
@@ -98,6 +119,7 @@ class DeploymentChanges:
         if old is not None:
             for group in old[0].instance_groups:
                 st.group_owner.pop(group.name, None)
+                st.group_sizes.pop(group.name, None)
             st.policies.pop(name, None)
             st.configs.pop(name, None)
             st.served_models.pop(name, None)
@@ -106,6 +128,7 @@ class DeploymentChanges:
             self.deployments[name] = (deployment, revision)
             for group in deployment.instance_groups:
                 st.group_owner[group.name] = name
+                st.group_sizes[group.name] = (group.count, group.spares)
             st.policies[name] = Policy.from_proto(deployment.restart_policy)
             st.configs[name] = json.dumps(integral_numbers(struct_dict(deployment.engine_config)), sort_keys=True)
             st.served_models[name] = (deployment.model,)
@@ -230,7 +253,7 @@ class DeploymentChanges:
     def _plan(self, validated: C.Deployment | None, name: str = "") -> Steps[Plan | None]:
         """What changes in the deployment `validated` names, or `name` (`validated` None: delete
         it; the plan None: nothing to do). The other deployments' instances are not looked at."""
-        st, budget = self.state, Budget()
+        budget = Budget()
         name = validated.name if validated is not None else name or self.named(name, deleting=True)
         current = self.deployments.get(name)
         if validated is None and current is None:
@@ -241,26 +264,18 @@ class DeploymentChanges:
             plan.removed = [(i, "deleted with the deployment") for i in self.instances_of(name)]
             return plan
         self._check_groups(validated)
+        records = [self.state.instances[i] for i in self.instances_of(name)]
+        layout = yield from plan_layout(validated, records, budget)
         if current is not None and (
             validated.SerializeToString(deterministic=True) == current[0].SerializeToString(deterministic=True)
         ):
-            desired = yield from expand_in_slices(validated, budget)
-            return Plan(name, current[0], current[1], kept=list(desired.values()), same=True)
-        plan = Plan(name, validated, (current[1] if current else 0) + 1)
-        desired = yield from expand_in_slices(validated, budget)
-        replaced = []
-        for instance_id in sorted(desired):
-            spec, inst = desired[instance_id], st.instances.get(instance_id)
-            if inst is not None and inst.spec_hash == spec.spec_hash:
-                plan.kept.append(spec)
-            else:
-                if inst is not None:
-                    replaced.append((instance_id, "its spec changed; it is started again"))
-                plan.new[instance_id] = self._new_instance(spec)
+            return Plan(name, current[0], current[1], kept=layout.kept, same=True)
+        plan = Plan(name, validated, (current[1] if current else 0) + 1, removed=layout.removed, kept=layout.kept)
+        for spec in layout.new:
+            plan.new[spec.instance_id] = self._new_instance(spec, plan.revision)
             yield from budget.checkpoint()
-        plan.removed = [
-            (i, "no longer in the deployment") for i in self.instances_of(name) if i not in desired
-        ] + replaced
+        previous = current[0].SerializeToString(deterministic=True) if current is not None else None
+        plan.rollout = rollout_record(previous, current[1] if current else 0, self.state.wall())
         return plan
 
     def _check_groups(self, validated: C.Deployment) -> None:
@@ -282,7 +297,7 @@ class DeploymentChanges:
         """The rows the change writes and deletes, serialized in slices (the store's part is one transaction)."""
         budget = Budget()
         deployment = plan.deployment.SerializeToString(deterministic=True) if plan.deployment is not None else None
-        change = StoreChange(deployment, plan.revision, name=plan.name)
+        change = StoreChange(deployment, plan.revision, name=plan.name, rollout=plan.rollout)
         for instance_id, _ in plan.removed:
             change.deleted_instances.append(instance_id)
             change.deleted_assignments.extend(s.engine_id for s in self.state.slots_of(instance_id))
@@ -337,9 +352,10 @@ class DeploymentChanges:
                 return
             with st.batch():
                 self.adoption.adopt((inst for inst, _ in plan.new.values()), name)
-        yield from in_slices(plan.kept, self._keep, budget, st.batch)
+        yield from in_slices(plan.kept, lambda spec: self._keep(spec, plan.revision), budget, st.batch)
         if plan.same:
             return
+        self.on_applied(name, plan.rollout if plan.deployment is not None else None)
         # Not st.event: that would re-read every engine for the endpoint feed, which heard of each
         # instance that went or came already.
         if plan.deployment is None:
@@ -356,7 +372,23 @@ class DeploymentChanges:
 
     # ------------------------------------------------------------------ one instance
 
-    def _new_instance(self, spec: InstanceSpec) -> tuple[InstanceRecord, list[EngineSlot]]:
+    def step(self, name: str, removed: list[tuple[str, str]], new: list[InstanceSpec]) -> None:
+        """One step of a rolling update (a few instances), at once: durable first (StoreUnavailable
+        leaves everything as it was), then in memory; a withdrawn instance leaves the routers
+        before its engines are stopped (they drain)."""
+        deployment, revision = self.deployments[name]
+        plan = Plan(name, deployment, revision, removed=removed)
+        plan.new = {spec.instance_id: self._new_instance(spec, revision) for spec in new}
+        self._persist(plan, self._store_change(plan))
+        with self.state.batch():
+            for instance_id, why in plan.removed:
+                self._remove_instance(instance_id, why)
+                self.state.leaving.discard(instance_id)
+            for inst, slots in plan.new.values():
+                self._install(inst, slots)
+        self.wake()
+
+    def _new_instance(self, spec: InstanceSpec, revision: int) -> tuple[InstanceRecord, list[EngineSlot]]:
         inst = InstanceRecord(
             instance_id=spec.instance_id,
             group=spec.group,
@@ -367,6 +399,8 @@ class DeploymentChanges:
             paired_instance_id=spec.paired_instance_id,
             spec_hash=spec.spec_hash,
             state_changed_at=self.state.wall(),
+            revision=revision,
+            spare=spec.spare,
         )
         return inst, [
             EngineSlot(names.engine_id(spec.instance_id, r), spec.instance_id, r)
@@ -380,17 +414,18 @@ class DeploymentChanges:
         for slot in slots:
             st.slots.add(slot)
 
-    def _keep(self, spec: InstanceSpec) -> None:
+    def _keep(self, spec: InstanceSpec, revision: int) -> None:
         inst = self.state.instances.get(spec.instance_id)
         if inst is None:
             return
-        if inst.paired_instance_id != spec.paired_instance_id:
-            inst.paired_instance_id = spec.paired_instance_id
+        if (inst.paired_instance_id, inst.revision) != (spec.paired_instance_id, revision):
+            # Its spec is the new revision's too (a change of the restart policy, the strategy, another group).
+            inst.paired_instance_id, inst.revision = spec.paired_instance_id, revision
             self.state.save_instance(inst)
         if inst.state == FAILED:
-            self._retry_failed(inst)
+            self.retry_failed(inst)
 
-    def _retry_failed(self, inst: InstanceRecord) -> None:
+    def retry_failed(self, inst: InstanceRecord) -> None:
         st = self.state
         st.attention.add(inst.instance_id)
         inst.failure_times, inst.consecutive_failures = (), 0

@@ -1,6 +1,7 @@
 """Which engines a router may send requests to (ListEndpoints), and the WatchEndpoints feed.
 
 An engine is listed when it can serve right now:
+- its instance is not a warm spare (controller/spares.py);
 - its instance is READY, or DEGRADED (another rank is not NORMAL, this one still serves: with
   external load balancing every rank answers its own requests, and the controller is already
   restarting the other); never STARTING, RESTARTING, FAILED or PENDING;
@@ -39,7 +40,9 @@ SERVING_INSTANCE_STATES = (READY, DEGRADED)
 def can_serve(state: ClusterState, slot: EngineSlot) -> bool:
     inst = state.instances.get(slot.instance_id)
     node = state.nodes.get(slot.node_id)
-    if inst is None or inst.state not in SERVING_INSTANCE_STATES or node is None or node.state != NODE_READY:
+    if inst is None or inst.spare or inst.state not in SERVING_INSTANCE_STATES:
+        return False
+    if node is None or node.state != NODE_READY:
         return False
     if not slot.port or slot.state != T.ENGINE_STATE_RUNNING or slot.health != T.HEALTH_STATUS_NORMAL:
         return False

@@ -64,8 +64,8 @@ SILENT_ALARM = (
 INSTANCE_STATE = (
     "motor_controller_instance_state",
     "gauge",
-    "State of each instance, 1 for the current one. Not ready for long: `motorctl instances` gives the "
-    "reason (alert MotorInstanceNotReady).",
+    'State of each instance, 1 for the current one; a warm spare\'s lines carry spare="true". Not ready for '
+    "long: `motorctl instances` gives the reason (alert MotorInstanceNotReady).",
 )
 ENGINE_HEALTH = (
     "motor_controller_engine_health",
@@ -142,7 +142,7 @@ class FleetSeries:
     def __init__(self, state: ClusterState, alarm: Callable[[], str], clock: Clock = SYSTEM_CLOCK, chunk: int = 500):
         self.state, self.alarm, self.clock, self.chunk = state, alarm, clock, chunk
         self._nodes = KeptBlocks("state")
-        self._instances = KeptBlocks("state")
+        self._instances = KeptBlocks("state", "spare")
         # One check of an engine's fields serves both of its families (`EngineLines`).
         self._engines = KeptBlocks("node_id", "health", "restarts")
 
@@ -222,11 +222,15 @@ def node_lines(nodes: list) -> tuple[bytes, list[str]]:
     return states.encode(), [f"{HEARTBEAT_AGE[0]}{{{labels(node_id=n.node_id)}}} " for n in nodes]
 
 
+# A warm spare's instance lines carry spare="true" (a promotion moves its lines to the serving ones).
+SPARE_LABEL: dict[bool, dict[str, str]] = {False: {}, True: {"spare": "true"}}
+
+
 def instance_lines(instances: list) -> bytes:
     return "".join(
         one_hot(
             INSTANCE_STATE[0],
-            labels(instance_id=i.instance_id, group=i.group, role=role_name(i.role)),
+            labels(instance_id=i.instance_id, group=i.group, role=role_name(i.role), **SPARE_LABEL[i.spare]),
             INSTANCE_STATES,
             i.state,
             "state",

@@ -67,6 +67,10 @@ class InstanceRecord:
     # Wall-clock time the instance last became READY (None while not READY).
     healthy_since: float | None = None
     state_changed_at: float = 0.0
+    # The deployment revision whose spec it runs (moved on by a change that leaves its spec alone).
+    revision: int = 0
+    # A warm spare of its group: started, never routed, promoted when a serving one fails (controller/spares.py).
+    spare: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}

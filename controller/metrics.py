@@ -50,10 +50,38 @@ class _StateCollector:
             yield family
 
 
+class _RevisionCollector:
+    """Instances per deployment and revision: during a rollout the old revision's count falls as
+    the new one's rises; a count left on an old revision is a rollout paused or stuck."""
+
+    def __init__(self, revision_counts: Callable[[], dict[tuple[str, int], int]]):
+        self.read = revision_counts
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            "motor_controller_instances_by_revision",
+            "Instances by deployment and the revision whose spec they run (ListDeployments shows the rollout).",
+            labels=["deployment", "revision"],
+        )
+        for (deployment, revision), count in sorted(self.read().items()):
+            family.add_metric([deployment, str(revision)], count)
+        yield family
+
+
 class ControllerMetrics:
-    def __init__(self, node_counts: StateCounts, instance_counts: StateCounts, collectors: Iterable = ()):
+    def __init__(
+        self,
+        node_counts: StateCounts,
+        instance_counts: StateCounts,
+        collectors: Iterable = (),
+        revision_counts: Callable[[], dict[tuple[str, int], int]] = dict,
+    ):
         self.registry = CollectorRegistry()
         self.registry.register(_StateCollector(node_counts, instance_counts))
+        self.registry.register(_RevisionCollector(revision_counts))
         for collector in collectors:
             self.registry.register(collector)
         self.reschedules = Counter(

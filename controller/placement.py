@@ -82,12 +82,16 @@ class Fleet:
         if node is not None:
             del self.order[bisect.bisect_left(self.order, self._key(node))]
 
-    def best_fit(self, accelerators: int, ports: int) -> NodeCapacity | None:
+    def best_fit(self, accelerators: int, ports: int, avoid: frozenset[str] = frozenset()) -> NodeCapacity | None:
+        """The fullest node with room, not one of `avoid` if another has room."""
         i = bisect.bisect_left(self.order, (accelerators, -1, ""))
+        fallback = None
         for j in range(i, len(self.order)):
             if self.order[j][1] >= ports:
-                return self.nodes[self.order[j][2]]
-        return None
+                if self.order[j][2] not in avoid:
+                    return self.nodes[self.order[j][2]]
+                fallback = fallback or self.nodes[self.order[j][2]]
+        return fallback
 
     def _update(self, node: NodeCapacity, change) -> None:
         key = self._key(node)
@@ -125,8 +129,10 @@ def place_instance(
     accelerators_per_engine: int,
     single_container: bool,
     fleet: Fleet | list[NodeCapacity],
+    avoid: frozenset[str] = frozenset(),
 ) -> list[RankPlacement]:
-    """Place `ranks`; the fleet is updated only when every rank fits. Raises Unplaceable."""
+    """Place `ranks`, on nodes other than `avoid` where they have room; the fleet is updated
+    only when every rank fits. Raises Unplaceable."""
     if not isinstance(fleet, Fleet):
         fleet = Fleet(fleet)
     if not fleet.order:
@@ -134,7 +140,7 @@ def place_instance(
     need_ports = ports_per_engine(single_container)
     placements: list[RankPlacement] = []
     for rank in ranks:
-        best = fleet.best_fit(accelerators_per_engine, need_ports)
+        best = fleet.best_fit(accelerators_per_engine, need_ports, avoid)
         if best is None:
             for p in placements:  # not all ranks fit: give back what this call took
                 fleet.give_back(fleet.nodes[p.node_id], p.accelerator_ids, p.port_count)

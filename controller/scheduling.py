@@ -18,6 +18,7 @@ from controller.lifecycle import ControllerLoop, EngineLifecycle
 from controller.metrics import ControllerMetrics
 from controller.nodes import NODE_READY
 from controller.placement import Fleet, Unplaceable, place_instance
+from controller.rollout import Rollouts
 from controller.slicing import Budget, Steps, run_at_once
 from controller.slots import EngineSlot
 from controller.state import ClusterState
@@ -68,6 +69,10 @@ class Scheduler:
         self.reschedule_bucket = TokenBucket(config.reschedule_rate, state.mono)
         self.fleet_view = FleetView(state)
         self.launches_open = 0  # launch tasks spawned and not finished (at most LAUNCHES_OPEN)
+        self.rollouts: Rollouts | None = None  # the rolling updates, stepped at the end of each pass
+        self.spares = lifecycle.spares
+        self._serving_waits = False
+        self._spares_to_preempt = True
 
     # ------------------------------------------------------------------ the reconcile pass
 
@@ -86,6 +91,8 @@ class Scheduler:
         budget = Budget()
         now_wall, now = st.wall(), st.mono()
         fleet: Fleet | None = None
+        self._serving_waits = False  # a serving instance found no room in this pass: no spare is placed
+        self._spares_to_preempt = True  # until a look finds none that would help (one look per pass at most)
         for instance_id in sorted(st.attention, key=st.placement_order):  # first come, first served
             if (yield from budget.checkpoint()):
                 if st.store.busy:
@@ -132,6 +139,16 @@ class Scheduler:
                     budget.spawned()
             if not waiting:
                 st.attention.discard(instance_id)
+        if self.rollouts is not None:
+            yield from self.rollouts.steps()
+
+    @staticmethod
+    def _would_fit(inst: InstanceRecord, spare_rank: EngineSlot, fleet: Fleet) -> bool:
+        """Whether one rank of `inst` fits on the spare rank's node once the spare is stopped."""
+        node = fleet.nodes.get(spare_rank.node_id)
+        return node is not None and len(node.free_accelerators) + len(spare_rank.accelerator_ids) >= (
+            inst.accelerators_per_engine
+        )
 
     async def _counted(self, launch: Coroutine[Any, Any, None]) -> None:
         try:
@@ -164,12 +181,26 @@ class Scheduler:
                 self.metrics.rate_limited.inc(moved)
             return
         self._held_back.discard(inst.instance_id)
+        if inst.spare and self._serving_waits:
+            st.transition(inst, PENDING, "a warm spare: waits while a serving instance has no room")
+            return
         try:
             placements = place_instance(
-                [s.dp_rank for s in unplaced], inst.accelerators_per_engine, inst.single_container, fleet
+                [s.dp_rank for s in unplaced],
+                inst.accelerators_per_engine,
+                inst.single_container,
+                fleet,
+                self.spares.avoid(inst),
             )
         except Unplaceable as exc:
             st.transition(inst, PENDING, f"cannot be placed: {exc}")
+            if not inst.spare:
+                self._serving_waits = True
+                if self._spares_to_preempt:
+                    if self.spares.preempt_for(inst, lambda s: self._would_fit(inst, s, fleet)):
+                        self.loop.wake()
+                    else:
+                        self._spares_to_preempt = False
             return
         try:  # durable generations first (one write for the instance), or nothing changes
             with st.store.transaction():

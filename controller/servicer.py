@@ -89,6 +89,18 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         await self.controller.delete(request.name)
         return controller_pb2.DeleteDeploymentResponse()
 
+    async def PauseRollout(self, request, context):
+        self.controller.rollouts.pause(request.name)
+        return controller_pb2.PauseRolloutResponse()
+
+    async def ResumeRollout(self, request, context):
+        self.controller.rollouts.resume(request.name)
+        return controller_pb2.ResumeRolloutResponse()
+
+    async def UndoRollout(self, request, context):
+        deployment, revision = await self.controller.rollouts.undo(request.name)
+        return controller_pb2.UndoRolloutResponse(deployment=deployment, revision=revision)
+
     async def ListDeployments(self, request, context):
         return self.controller.list_deployments()
 

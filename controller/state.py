@@ -50,6 +50,7 @@ class ClusterState:
         # belongs to (group names are unique across deployments), and each deployment's restart
         # policy and the engine config its StartEngines carry.
         self.group_owner: dict[str, str] = {}
+        self.group_sizes: dict[str, tuple[int, int]] = {}  # group -> (count, spares)
         self.policies: dict[str, Policy] = {}
         self.configs: dict[str, str] = {}
         self.served_models: dict[str, tuple[str, ...]] = {}  # the model names its engines answer to
@@ -78,6 +79,9 @@ class ClusterState:
         # Called after anything that may change which engines can serve (the endpoint feed),
         # with the ids of the engines it may concern (None: any engine).
         self.on_change: Callable[[Iterable[str] | None], None] = lambda engine_ids=None: None
+        # Called after an instance changed state, with its old state (a warm spare may take a
+        # serving instance's place: controller/spares.py).
+        self.on_state_changed: Callable[[InstanceRecord, int], None] = lambda inst, old: None
 
     def deployment_of(self, inst: InstanceRecord) -> str:
         return self.group_owner.get(inst.group, "")
@@ -94,11 +98,14 @@ class ClusterState:
     def config_of(self, inst: InstanceRecord) -> str:
         return self.configs.get(self.deployment_of(inst), self.config_json)
 
-    def placement_order(self, instance_id: str) -> tuple[float, str]:
-        """First come, first served across deployments: the instance PENDING the longest is placed
-        first (then by id); placement only uses free accelerators, never those of a placed instance."""
+    def placement_order(self, instance_id: str) -> tuple[bool, float, str]:
+        """Serving instances before warm spares, then first come, first served across deployments:
+        the instance PENDING the longest is placed first (then by id); placement only uses free
+        accelerators, never those of a placed instance."""
         inst = self.instances.get(instance_id)
-        return (inst.state_changed_at if inst is not None and inst.state == PENDING else 0.0, instance_id)
+        if inst is None:
+            return (False, 0.0, instance_id)
+        return (inst.spare, inst.state_changed_at if inst.state == PENDING else 0.0, instance_id)
 
     def event(
         self,
@@ -246,6 +253,7 @@ class ClusterState:
                 instance_id=inst.instance_id,
                 deployment=self.deployment_of(inst),
             )
+            self.on_state_changed(inst, old)
 
     def slots_of(self, instance_id: str) -> list[EngineSlot]:
         inst = self.instances.get(instance_id)

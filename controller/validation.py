@@ -132,6 +132,8 @@ def validate_deployment(
             group.count = 1
         if group.count > MAX_COUNT:
             problems.append(f"{where}.count: must be at most {MAX_COUNT} (got {group.count})")
+        if group.spares > MAX_COUNT:
+            problems.append(f"{where}.spares: must be at most {MAX_COUNT} (got {group.spares})")
         if group.data_parallel_size == 0:
             group.data_parallel_size = 1
         if group.data_parallel_size > MAX_DATA_PARALLEL:
@@ -152,10 +154,11 @@ def validate_deployment(
                     f"engine_config.{section}: required by {where} (role {names.role_name(group.role)}): "
                     "the user_config section its engines read"
                 )
-    engines = sum(g.count * g.data_parallel_size for g in d.instance_groups)
+    engines = sum((g.count + g.spares) * g.data_parallel_size for g in d.instance_groups)
     if engines > max_engines:
         problems.append(
-            f"instance_groups: {engines} engines (count x data_parallel_size) exceed the limit "
+            f"instance_groups: {engines} engines (count x data_parallel_size"
+            f"{', spares included' if any(g.spares for g in d.instance_groups) else ''}) exceed the limit "
             f"max_engines_per_deployment={max_engines} (controller setting --max-engines-per-deployment)"
         )
     by_name = {g.name: g for g in d.instance_groups}
@@ -183,6 +186,11 @@ def validate_deployment(
                 f"{where}: {group.pair_with!r} has {target.count} instance(s) and this group {group.count}: "
                 "paired groups pair instance i with instance i, so their counts must match"
             )
+        elif target.spares != group.spares:
+            problems.append(
+                f"instance_groups[{i}].spares: {group.pair_with!r} has {target.spares} spare(s) and this group "
+                f"{group.spares}: a P/D pair is promoted whole, so paired groups need the same number of spares"
+            )
     p = d.restart_policy
     for name in restart_policy.DURATION_FIELDS:
         if p.HasField(name) and seconds(getattr(p, name)) <= 0:
@@ -199,10 +207,40 @@ def validate_deployment(
             f"{seconds(p.max_backoff)}s"
         )
     restart_policy.fill_defaults(p)
+    problems.extend(strategy_problems(d.strategy))
     problems.extend(adapter_problems(d))
     if problems:
         raise InvalidArgument("invalid deployment: " + "; ".join(problems))
     return d
+
+
+ROLLOUT_DEFAULTS = {"progress_deadline": 600.0, "min_ready": 5.0}
+
+
+def strategy_problems(strategy: controller_pb2.UpdateStrategy) -> list[str]:
+    """What is wrong with `strategy` (its unset fields set to their defaults, in place)."""
+    problems = []
+    if strategy.type == controller_pb2.UPDATE_STRATEGY_TYPE_UNSPECIFIED:
+        strategy.type = controller_pb2.UPDATE_STRATEGY_TYPE_ROLLING
+    if not strategy.HasField("max_surge"):
+        strategy.max_surge = 1
+    if not strategy.HasField("max_unavailable"):
+        strategy.max_unavailable = 0
+    for name, default in ROLLOUT_DEFAULTS.items():
+        if not strategy.HasField(name):
+            getattr(strategy, name).FromSeconds(int(default))
+        elif seconds(getattr(strategy, name)) < 0 or (
+            name == "progress_deadline" and not seconds(strategy.progress_deadline)
+        ):
+            problems.append(f"strategy.{name}: must be a positive duration such as '30s'")
+    if strategy.type == controller_pb2.UPDATE_STRATEGY_TYPE_ROLLING and not (
+        strategy.max_surge or strategy.max_unavailable
+    ):
+        problems.append(
+            "strategy.max_surge: max_surge and max_unavailable are both 0, so a rollout could neither start a new "
+            "instance nor stop an old one: set max_surge (extra instances) or max_unavailable (in place)"
+        )
+    return problems
 
 
 @dataclass(frozen=True)
@@ -219,6 +257,8 @@ class InstanceSpec:
     paired_instance_id: str
     # Changes when anything its engines are launched with changes (restart needed).
     spec_hash: str
+    # Starts as a warm spare (index >= count); afterwards promotions move the flag (controller/spares.py).
+    spare: bool = False
 
 
 def struct_dict(struct: struct_pb2.Struct) -> dict:
@@ -244,46 +284,60 @@ def expand(deployment: controller_pb2.Deployment) -> dict[str, InstanceSpec]:
 
 def expand_in_slices(deployment: controller_pb2.Deployment, budget: Budget | None) -> Steps[dict[str, InstanceSpec]]:
     """`expand`, yielding when `budget` is spent (10,000 instances: 25-40 ms at once)."""
-    engine_config = struct_dict(deployment.engine_config)
+    specs = GroupSpecs(deployment)
     out: dict[str, InstanceSpec] = {}
     for group in deployment.instance_groups:
-        section = engine_config.get(config_section(group.role, engine_config))
-        digest = hashlib.sha256(
-            json.dumps(
-                [
-                    deployment.model,
-                    group.role,
-                    group.data_parallel_size,
-                    group.accelerators_per_engine,
-                    group.single_container,
-                    section,
-                ],
-                sort_keys=True,
-            ).encode()
-        ).hexdigest()[:16]
-        for index in range(group.count):
-            instance_id = f"{group.name}-{index}"
-            out[instance_id] = InstanceSpec(
-                instance_id=instance_id,
-                group=group.name,
-                role=group.role,
-                index=index,
-                data_parallel_size=group.data_parallel_size,
-                accelerators_per_engine=group.accelerators_per_engine,
-                single_container=group.single_container,
-                paired_instance_id=f"{group.pair_with}-{index}" if group.pair_with else "",
-                spec_hash=digest,
-            )
+        for index in range(group.count + group.spares):
+            spec = specs.spec(group.name, index, spare=index >= group.count)
+            out[spec.instance_id] = spec
             if budget is not None:
                 yield from budget.checkpoint()
-    for spec in list(out.values()):  # decode instances know their prefill partner too
-        if spec.paired_instance_id and spec.paired_instance_id in out:
-            partner = out[spec.paired_instance_id]
-            if not partner.paired_instance_id:
-                out[partner.instance_id] = InstanceSpec(**{**partner.__dict__, "paired_instance_id": spec.instance_id})
-        if budget is not None:
-            yield from budget.checkpoint()
     return out
+
+
+class GroupSpecs:
+    """The spec of any instance "<group>-<index>" of a validated deployment: a rolling update
+    starts new instances at indices beyond `count` while the old ones serve."""
+
+    def __init__(self, deployment: controller_pb2.Deployment):
+        engine_config = struct_dict(deployment.engine_config)
+        self.groups = {g.name: g for g in deployment.instance_groups}
+        self.hashes: dict[str, str] = {}
+        # Paired groups: instance i of a prefill group with instance i of its decode group (both ways).
+        self.partners: dict[str, str] = {}
+        for group in deployment.instance_groups:
+            section = engine_config.get(config_section(group.role, engine_config))
+            self.hashes[group.name] = hashlib.sha256(
+                json.dumps(
+                    [
+                        deployment.model,
+                        group.role,
+                        group.data_parallel_size,
+                        group.accelerators_per_engine,
+                        group.single_container,
+                        section,
+                    ],
+                    sort_keys=True,
+                ).encode()
+            ).hexdigest()[:16]
+            if group.pair_with:
+                self.partners[group.name] = group.pair_with
+                self.partners.setdefault(group.pair_with, group.name)
+
+    def spec(self, group_name: str, index: int, spare: bool = False) -> InstanceSpec:
+        group, partner = self.groups[group_name], self.partners.get(group_name)
+        return InstanceSpec(
+            instance_id=f"{group.name}-{index}",
+            group=group.name,
+            role=group.role,
+            index=index,
+            data_parallel_size=group.data_parallel_size,
+            accelerators_per_engine=group.accelerators_per_engine,
+            single_container=group.single_container,
+            paired_instance_id=f"{partner}-{index}" if partner else "",
+            spec_hash=self.hashes[group.name],
+            spare=spare,
+        )
 
 
 def integral_numbers(value: Any) -> Any:

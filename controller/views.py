@@ -68,6 +68,8 @@ def instance_proto(state: ClusterState, inst: InstanceRecord) -> C.Instance:
         paired_instance_id=inst.paired_instance_id,
         restarts=inst.restarts,
         deployment=state.deployment_of(inst),
+        revision=inst.revision,
+        spare=inst.spare,
         engines=[
             C.InstanceEngine(
                 engine_id=s.engine_id,
@@ -138,20 +140,29 @@ class ClusterReads:
         return C.ListInstancesResponse(instances=[instance_proto(self.state, i) for i in page], next_page_token=token)
 
     def list_deployments(self) -> C.ListDeploymentsResponse:
-        """Every deployment (by name) with its revision and how many of its instances are READY or PENDING."""
+        """Every deployment (by name) with its revision, how many of its serving instances are
+        READY or PENDING, its warm spares (READY ones apart) and its rollout."""
         counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         for inst in self.instances.values():
-            counts[self.state.deployment_of(inst)][inst.state] += 1
+            counts[self.state.deployment_of(inst)][(inst.spare, inst.state)] += 1
         summaries = []
         for name, (deployment, revision) in sorted(self.changes.deployments.items()):
             mine = counts[name]
+            rollout, (rollout_state, rollout_reason) = self.rollouts.counts(name), self.rollouts.status(name)
             summaries.append(
                 C.DeploymentSummary(
                     deployment=deployment,
                     revision=revision,
-                    instances=sum(mine.values()),
-                    ready_instances=mine[READY],
-                    pending_instances=mine[PENDING],
+                    instances=sum(n for (spare, _), n in mine.items() if not spare),
+                    ready_instances=mine[False, READY],
+                    pending_instances=mine[False, PENDING],
+                    rollout_state=rollout_state,
+                    rollout_reason=rollout_reason,
+                    updated_instances=rollout.updated,
+                    available_instances=rollout.available,
+                    old_instances=rollout.old,
+                    spare_instances=sum(n for (spare, _), n in mine.items() if spare),
+                    ready_spare_instances=mine[True, READY],
                 )
             )
         return C.ListDeploymentsResponse(deployments=summaries)

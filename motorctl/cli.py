@@ -3,7 +3,7 @@
 motorctl [--controller HOST:PORT[,HOST:PORT...]] [--output table|json] [--cacert CA [--cert C --key K | --token-file
 T]] COMMAND
 nodes | instances | endpoints [--role R] [--model M] | events [--follow] [--deployment NAME] | deployments
-| deployment [NAME] | apply -f FILE [-f FILE...] | delete [NAME] | controllers
+| deployment [NAME] | apply -f FILE [-f FILE...] | delete [NAME] | controllers | rollout status|pause|resume|undo [NAME]
 up ...  (a local cluster; see `motorctl up --help`); down --run-dir DIR (stop one whose `motorctl up` was killed)
 pki init|issue|tokens|dev ...  (a development PKI; see `motorctl pki --help`)
 """
@@ -24,7 +24,7 @@ from motor.contract.names import parse_role
 from motor.errors import MotorError
 from motor.leader import FOLLOW_RETRY_BASE, FOLLOW_RETRY_CAP, ControllerAddresses, backoff_delay, parse_addresses
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
-from motorctl import render
+from motorctl import render, rollout
 from motorctl.connect import add_credential_flags, credentials_from
 from motorctl.pages import all_pages
 
@@ -79,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     delete = sub.add_parser("delete", help="delete a deployment and stop its engines (the others are untouched)")
     delete.add_argument("name", nargs="?", default="", help="its name (may be left out when there is one deployment)")
     sub.add_parser("controllers", help="the controllers: leader, standbys, epoch, lease (docs/ha.md)")
+    rollout.add_parser(sub)
     sub.add_parser("up", help="start a local cluster (controller, node managers, example deployment)", add_help=False)
     sub.add_parser(
         "down",
@@ -155,6 +156,8 @@ def _command(args: argparse.Namespace, stub: controller_pb2_grpc.ControllerServi
                 print(_json(reply), file=out)
             else:
                 print(f"deployment {reply.deployment.name!r} applied (revision {reply.revision})", file=out, flush=True)
+    elif args.command == "rollout":
+        return rollout.run(args, stub, out, as_json, _json)
     elif args.command == "controllers":
         reply = stub.ListControllers(controller_pb2.ListControllersRequest(), timeout=t)
         print(_json(reply) if as_json else render.render_controllers(reply), file=out)

@@ -64,14 +64,15 @@ def render_instances(reply: controller_pb2.ListInstancesResponse) -> str:
         (
             i.instance_id,
             role_name(i.role),
-            enum_short_name(controller_pb2.InstanceState, i.state),
+            enum_short_name(controller_pb2.InstanceState, i.state) + (" (spare)" if i.spare else ""),
             i.restarts,
+            i.revision,
             i.paired_instance_id or "-",
             _short(i.state_reason),
         )
         for i in reply.instances
     ]
-    return table(["INSTANCE", "ROLE", "STATE", "RESTARTS", "PAIRED", "REASON"], rows)
+    return table(["INSTANCE", "ROLE", "STATE", "RESTARTS", "REVISION", "PAIRED", "REASON"], rows)
 
 
 def render_engines(reply: controller_pb2.ListInstancesResponse) -> str:
@@ -140,9 +141,35 @@ def render_controllers(reply: controller_pb2.ListControllersResponse) -> str:
 
 
 def render_deployments(reply: controller_pb2.ListDeploymentsResponse) -> str:
-    """`motorctl deployments`: each deployment, its model, revision and instance counts."""
+    """`motorctl deployments`: each deployment, its model, revision, serving instance counts, warm spares and
+    rollout."""
     rows = [
-        (d.deployment.name, d.deployment.model, d.revision, d.instances, d.ready_instances, d.pending_instances)
+        (
+            d.deployment.name,
+            d.deployment.model,
+            d.revision,
+            d.instances,
+            d.ready_instances,
+            d.pending_instances,
+            f"{d.ready_spare_instances}/{d.spare_instances} ready" if d.spare_instances else "-",
+            rollout_state_name(d.rollout_state),
+        )
         for d in reply.deployments
     ]
-    return table(["NAME", "MODEL", "REVISION", "INSTANCES", "READY", "PENDING"], rows)
+    return table(["NAME", "MODEL", "REVISION", "INSTANCES", "READY", "PENDING", "SPARES", "ROLLOUT"], rows)
+
+
+def rollout_state_name(state: int) -> str:
+    return enum_short_name(controller_pb2.RolloutState, state) if state else "-"
+
+
+def render_rollout(d: controller_pb2.DeploymentSummary) -> str:
+    """`motorctl rollout status`: where a deployment's rollout stands."""
+    lines = [
+        f"deployment {d.deployment.name!r} revision {d.revision}: rollout {rollout_state_name(d.rollout_state)}",
+        f"  {d.updated_instances} updated, {d.available_instances} available, {d.old_instances} old "
+        f"({d.instances} instances)",
+    ]
+    if d.rollout_reason:
+        lines.append(f"  {d.rollout_reason}")
+    return "\n".join(lines)

@@ -43,7 +43,17 @@ logger = logging.getLogger(__name__)
 C = controller_pb2
 # ControllerService methods that change state or feed the leader's liveness.
 MUTATING_METHODS = frozenset(
-    {"RegisterNode", "Heartbeat", "StreamHeartbeats", "ReportEngineEvent", "ApplyDeployment", "DeleteDeployment"}
+    {
+        "RegisterNode",
+        "Heartbeat",
+        "StreamHeartbeats",
+        "ReportEngineEvent",
+        "ApplyDeployment",
+        "DeleteDeployment",
+        "PauseRollout",
+        "ResumeRollout",
+        "UndoRollout",
+    }
 )
 # Feeds only the leader serves: routers follow WatchEndpoints, and a standby's view knows no
 # engine's health, so its (empty) list would take every worker out of a router.

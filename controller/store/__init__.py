@@ -51,6 +51,8 @@ class StoredState:
     nodes: list[StoredNode] = field(default_factory=list)
     assignments: dict[str, dict[str, Any]] = field(default_factory=dict)
     instances: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # name -> the deployment's rollout record (paused and why, the previous revision for undo).
+    rollouts: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def deployment(self) -> bytes | None:
@@ -75,6 +77,8 @@ class StoreChange:
     instances: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     assignments: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     name: str = LEGACY_DEPLOYMENT
+    # The deployment's rollout record, written with it (None: left as it is; deleted with the deployment).
+    rollout: dict[str, Any] | None = None
 
     @property
     def rows(self) -> int:
@@ -91,6 +95,10 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def save_deployment(self, deployment: bytes | None, revision: int, name: str = LEGACY_DEPLOYMENT) -> None:
         """Store the deployment `name` (None: delete it); the other deployments are left alone."""
+
+    @abc.abstractmethod
+    def save_rollout(self, name: str, data: dict[str, Any] | None) -> None:
+        """Store the rollout record of the deployment `name` (None: delete it)."""
 
     @abc.abstractmethod
     def mark_applied(self) -> None:
@@ -134,6 +142,7 @@ class Store(abc.ABC):
         with self.transaction():
             self.mark_applied()
             self.save_deployment(change.deployment, change.revision, change.name)
+            self._save_rollout_of(change)
             for instance_id in change.deleted_instances:
                 self.delete_instance(instance_id)
             for engine_id in change.deleted_assignments:
@@ -142,6 +151,12 @@ class Store(abc.ABC):
                 self.save_instance(instance_id, data)
             for engine_id, data in change.assignments:
                 self.save_assignment(engine_id, data)
+
+    def _save_rollout_of(self, change: StoreChange) -> None:
+        if change.deployment is None and change.name != LEGACY_DEPLOYMENT:
+            self.save_rollout(change.name, None)
+        elif change.rollout is not None:
+            self.save_rollout(change.name, change.rollout)
 
     async def write_change_async(self, change: StoreChange) -> None:
         """`write_change` without holding the event loop for long (SQLite: in a thread)."""
@@ -266,6 +281,7 @@ class SqliteStore(Store):
         with self.transaction():
             self.mark_applied()
             self.save_deployment(change.deployment, change.revision, change.name)
+            self._save_rollout_of(change)
             try:
                 self.db.executemany(
                     "DELETE FROM instances WHERE instance_id = ?", [(k,) for k in change.deleted_instances]
@@ -307,6 +323,8 @@ class SqliteStore(Store):
             state.assignments[engine_id] = json.loads(data)
         for instance_id, data in self.db.execute("SELECT instance_id, data FROM instances"):
             state.instances[instance_id] = json.loads(data)
+        for key, data in self.db.execute("SELECT key, value FROM meta WHERE key LIKE 'rollout:%'"):
+            state.rollouts[key[len("rollout:") :]] = json.loads(data)
         return state
 
     def save_deployment(self, deployment: bytes | None, revision: int, name: str = LEGACY_DEPLOYMENT) -> None:
@@ -321,6 +339,12 @@ class SqliteStore(Store):
                     "INSERT OR REPLACE INTO deployments (name, data, revision) VALUES (?, ?, ?)",
                     (name, deployment, revision),
                 )
+
+    def save_rollout(self, name: str, data: dict[str, Any] | None) -> None:
+        if data is None:
+            self._execute("DELETE FROM meta WHERE key = ?", (f"rollout:{name}",))
+        else:
+            self._set_meta(f"rollout:{name}", json.dumps(data, sort_keys=True))
 
     def mark_applied(self) -> None:
         self._set_meta("applied", 1)

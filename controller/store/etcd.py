@@ -10,6 +10,7 @@ Layout under the prefix (default `/motor`; docs/ha.md):
     state/nodes/<node id>       {"info": base64 of motor.v1.NodeInfo, "generation", "state", "reason"}
     state/assignments/<engine>  the assignment's JSON
     state/instances/<instance>  the instance record's JSON
+    state/rollouts/<name>       the deployment's rollout record (paused and why, the previous revision)
     election/leader, election/epoch   (controller/ha/election.py)
 
 How a write avoids blocking the event loop: the Store methods stay synchronous and only change
@@ -88,6 +89,7 @@ class _Mirror:
     nodes: dict[str, StoredNode] = field(default_factory=dict)
     assignments: dict[str, dict[str, Any]] = field(default_factory=dict)
     instances: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rollouts: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class EtcdStore(Store):
@@ -140,6 +142,7 @@ class EtcdStore(Store):
             [m.nodes[k] for k in sorted(m.nodes)],
             copy.deepcopy(m.assignments),
             copy.deepcopy(m.instances),
+            copy.deepcopy(m.rollouts),
         )
 
     def on_change(self, listener: Callable[[str], None]) -> None:
@@ -205,7 +208,7 @@ class EtcdStore(Store):
                 state.nodes[item] = StoredNode(
                     item, _unb64(data["info"]) or b"", data["generation"], data["state"], data["reason"]
                 )
-        elif section in ("assignments", "instances"):
+        elif section in ("assignments", "instances", "rollouts"):
             table = getattr(state, section)
             if data is None:
                 table.pop(item, None)
@@ -242,6 +245,9 @@ class EtcdStore(Store):
                 f"deployments/{name}",
                 None if deployment is None else {"revision": revision, "deployment": _b64(deployment)},
             )
+
+    def save_rollout(self, name: str, data: dict[str, Any] | None) -> None:
+        self._stage(f"rollouts/{name}", data)
 
     def mark_applied(self) -> None:
         self._stage("applied", 1)
@@ -282,6 +288,7 @@ class EtcdStore(Store):
         with self.transaction():  # one batch: what others stage meanwhile joins it (sent together, in order)
             self.mark_applied()
             self.save_deployment(change.deployment, change.revision, change.name)
+            self._save_rollout_of(change)
             for name, data in rows:
                 self._stage(name, data)
                 if budget.spent():

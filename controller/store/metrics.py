@@ -86,6 +86,9 @@ class MeasuredStore(Store):
     def save_deployment(self, deployment: bytes | None, revision: int, name: str = LEGACY_DEPLOYMENT) -> None:
         self._write("save_deployment", deployment, revision, name)
 
+    def save_rollout(self, name: str, data: dict[str, Any] | None) -> None:
+        self._write("save_rollout", name, data)
+
     def mark_applied(self) -> None:
         self._write("mark_applied")
 

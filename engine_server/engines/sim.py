@@ -38,7 +38,7 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from engine_server import metrics as server_metrics
 from engine_server.engines import sim_pd
@@ -108,8 +108,9 @@ class SimArgs(BaseModel):
     # real engine: a long prompt keeps later requests and probes waiting while its steps
     # (every SIM_STEP_S) show the engine making progress.
     prefill_ms_per_token: float = Field(0.0, ge=0)
-    # Seconds during which /health answers 503 "loading" (a model load, for INIT).
-    startup_delay_s: float = Field(0.0, ge=0)
+    # Seconds the simulated model takes to load: /health and completions answer 503 "loading"
+    # meanwhile, so the engine server reports INIT, then NORMAL. `startup_delay_s` is its older name.
+    load_s: float = Field(0.0, ge=0, validation_alias=AliasChoices("load_s", "startup_delay_s"))
     max_tokens_default: int = Field(16, ge=1)
     faults: SimFaults = Field(default_factory=SimFaults)
 
@@ -269,7 +270,7 @@ class SimEngine(EngineBackend):
 
     # --- inference plane -------------------------------------------------------------------
     def _loading(self) -> bool:
-        return time.monotonic() - self._started_at < self.args.startup_delay_s
+        return time.monotonic() - self._started_at < self.args.load_s
 
     async def _health(self, request: web.Request) -> web.Response:
         await self._unhang.wait()
@@ -319,6 +320,8 @@ class SimEngine(EngineBackend):
             return _error(400, "max_tokens: must be a positive integer")
         request_id = request.headers.get("X-Request-Id") or f"sim-{time.time_ns()}"
         probe = is_probe_request_id(request_id)
+        if self._loading():  # as vLLM's API server before its engine is up: nothing is served yet
+            return self._failed(probe, 503, "loading the model")
         if not self.admitting:
             # As with vLLM (vllm_admission.py): the router sends it elsewhere, the drain ends sooner.
             return web.json_response(

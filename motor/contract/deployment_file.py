@@ -1,6 +1,7 @@
 """Reads a deployment file (YAML or JSON) into a motor.v1.Deployment.
 
-Roles may be written as people say them ("prefill") or as enum names ("ROLE_PREFILL");
+Roles (and restart scopes, strategy types: "recreate") may be written as people say them ("prefill")
+or as enum names ("ROLE_PREFILL");
 durations as protobuf JSON strings ("1s", "0.5s"). Meaning (unique group names, pairs,
 counts) is checked by the controller, the one owner of deployment validation.
 """
@@ -15,7 +16,7 @@ from motor.errors import InvalidArgument
 from motor.service.config import read_document
 from motor.v1 import controller_pb2
 
-_ENUM_PREFIXES = {"role": "ROLE_", "scope": "RESTART_SCOPE_"}
+_ENUM_PREFIXES = {"role": "ROLE_", "scope": "RESTART_SCOPE_", "type": "UPDATE_STRATEGY_TYPE_"}
 
 
 def _normalize(value: Any, key: str | None = None) -> Any:

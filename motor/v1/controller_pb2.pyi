@@ -157,6 +157,14 @@ class _EventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventType.V
     """A LoRA adapter was loaded into or unloaded from an engine at run time, or failed to load
     (the message names the adapter and gives the engine's answer).
     """
+    EVENT_TYPE_ROLLOUT: _EventType.ValueType  # 15
+    """A step of a rolling update: started, an instance of the new revision started or available,
+    an old one withdrawn, paused (the message names the instance and the cause), resumed, complete.
+    """
+    EVENT_TYPE_SPARE: _EventType.ValueType  # 16
+    """A warm spare was started, promoted to serve in place of a failed instance, or preempted to
+    give its accelerators to a serving instance waiting for room (the message says which).
+    """
 
 class EventType(_EventType, metaclass=_EventTypeEnumTypeWrapper):
     """Kind of a controller event."""
@@ -197,7 +205,67 @@ EVENT_TYPE_ADAPTER: EventType.ValueType  # 14
 """A LoRA adapter was loaded into or unloaded from an engine at run time, or failed to load
 (the message names the adapter and gives the engine's answer).
 """
+EVENT_TYPE_ROLLOUT: EventType.ValueType  # 15
+"""A step of a rolling update: started, an instance of the new revision started or available,
+an old one withdrawn, paused (the message names the instance and the cause), resumed, complete.
+"""
+EVENT_TYPE_SPARE: EventType.ValueType  # 16
+"""A warm spare was started, promoted to serve in place of a failed instance, or preempted to
+give its accelerators to a serving instance waiting for room (the message says which).
+"""
 Global___EventType: _TypeAlias = EventType  # noqa: Y015
+
+class _UpdateStrategyType:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _UpdateStrategyTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_UpdateStrategyType.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    UPDATE_STRATEGY_TYPE_UNSPECIFIED: _UpdateStrategyType.ValueType  # 0
+    """Not set: ROLLING."""
+    UPDATE_STRATEGY_TYPE_ROLLING: _UpdateStrategyType.ValueType  # 1
+    """In waves bounded by max_surge and max_unavailable, each new instance available before an old one is withdrawn."""
+    UPDATE_STRATEGY_TYPE_RECREATE: _UpdateStrategyType.ValueType  # 2
+    """All at once: every instance whose spec changed stops and is started again (an outage of one load time)."""
+
+class UpdateStrategyType(_UpdateStrategyType, metaclass=_UpdateStrategyTypeEnumTypeWrapper):
+    """How instances whose spec changed are replaced."""
+
+UPDATE_STRATEGY_TYPE_UNSPECIFIED: UpdateStrategyType.ValueType  # 0
+"""Not set: ROLLING."""
+UPDATE_STRATEGY_TYPE_ROLLING: UpdateStrategyType.ValueType  # 1
+"""In waves bounded by max_surge and max_unavailable, each new instance available before an old one is withdrawn."""
+UPDATE_STRATEGY_TYPE_RECREATE: UpdateStrategyType.ValueType  # 2
+"""All at once: every instance whose spec changed stops and is started again (an outage of one load time)."""
+Global___UpdateStrategyType: _TypeAlias = UpdateStrategyType  # noqa: Y015
+
+class _RolloutState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RolloutStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RolloutState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ROLLOUT_STATE_UNSPECIFIED: _RolloutState.ValueType  # 0
+    """Not set."""
+    ROLLOUT_STATE_COMPLETE: _RolloutState.ValueType  # 1
+    """Every instance runs the current spec."""
+    ROLLOUT_STATE_PROGRESSING: _RolloutState.ValueType  # 2
+    """Old instances are being replaced."""
+    ROLLOUT_STATE_PAUSED: _RolloutState.ValueType  # 3
+    """Paused by an operator or by a failing new instance; see rollout_reason."""
+
+class RolloutState(_RolloutState, metaclass=_RolloutStateEnumTypeWrapper):
+    """Where a deployment's rollout stands."""
+
+ROLLOUT_STATE_UNSPECIFIED: RolloutState.ValueType  # 0
+"""Not set."""
+ROLLOUT_STATE_COMPLETE: RolloutState.ValueType  # 1
+"""Every instance runs the current spec."""
+ROLLOUT_STATE_PROGRESSING: RolloutState.ValueType  # 2
+"""Old instances are being replaced."""
+ROLLOUT_STATE_PAUSED: RolloutState.ValueType  # 3
+"""Paused by an operator or by a failing new instance; see rollout_reason."""
+Global___RolloutState: _TypeAlias = RolloutState  # noqa: Y015
 
 @_typing.final
 class NodeInfo(_message.Message):
@@ -330,6 +398,7 @@ class InstanceGroup(_message.Message):
     ACCELERATORS_PER_ENGINE_FIELD_NUMBER: _builtins.int
     PAIR_WITH_FIELD_NUMBER: _builtins.int
     SINGLE_CONTAINER_FIELD_NUMBER: _builtins.int
+    SPARES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name of the group; instances are named "<name>-<index>" (e.g. "prefill-0")."""
     role: _types_pb2.Role.ValueType
@@ -344,6 +413,12 @@ class InstanceGroup(_message.Message):
     """Name of the decode group that this prefill group pairs with (instance i with instance i)."""
     single_container: _builtins.bool
     """Launch engines in single-container mode (with --kv-port and --dp-rpc-port)."""
+    spares: _builtins.int
+    """Warm spares: extra instances kept started, loaded and NORMAL but out of every router (not
+    in ListEndpoints or WatchEndpoints). When a serving instance of the group fails, a READY
+    spare takes its place at once and the failed instance restarts as the new spare.
+    A prefill group and the decode group it pairs with need the same number.
+    """
     def __init__(
         self,
         *,
@@ -354,10 +429,11 @@ class InstanceGroup(_message.Message):
         accelerators_per_engine: _builtins.int | None = ...,
         pair_with: _builtins.str = ...,
         single_container: _builtins.bool = ...,
+        spares: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_accelerators_per_engine", b"_accelerators_per_engine", "accelerators_per_engine", b"accelerators_per_engine"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_accelerators_per_engine", b"_accelerators_per_engine", "accelerators_per_engine", b"accelerators_per_engine", "count", b"count", "data_parallel_size", b"data_parallel_size", "name", b"name", "pair_with", b"pair_with", "role", b"role", "single_container", b"single_container"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_accelerators_per_engine", b"_accelerators_per_engine", "accelerators_per_engine", b"accelerators_per_engine", "count", b"count", "data_parallel_size", b"data_parallel_size", "name", b"name", "pair_with", b"pair_with", "role", b"role", "single_container", b"single_container", "spares", b"spares"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__accelerators_per_engine: _TypeAlias = _typing.Literal["accelerators_per_engine"]  # noqa: Y015
     _WhichOneofArgType__accelerators_per_engine: _TypeAlias = _typing.Literal["_accelerators_per_engine", b"_accelerators_per_engine"]  # noqa: Y015
@@ -427,6 +503,7 @@ class Deployment(_message.Message):
     INSTANCE_GROUPS_FIELD_NUMBER: _builtins.int
     RESTART_POLICY_FIELD_NUMBER: _builtins.int
     ADAPTERS_FIELD_NUMBER: _builtins.int
+    STRATEGY_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name of the deployment, unique on the controller: 1-63 lowercase letters, digits, '.',
     '_' or '-', starting with a letter or digit.
@@ -453,6 +530,10 @@ class Deployment(_message.Message):
         this list changes, without restarting it (vLLM's runtime LoRA API); at most 64.
         """
 
+    @_builtins.property
+    def strategy(self) -> Global___UpdateStrategy:
+        """How a change of the instances' spec is rolled out (default: rolling, one surge instance at a time)."""
+
     def __init__(
         self,
         *,
@@ -462,10 +543,11 @@ class Deployment(_message.Message):
         instance_groups: _abc.Iterable[Global___InstanceGroup] | None = ...,
         restart_policy: Global___RestartPolicy | None = ...,
         adapters: _abc.Iterable[Global___LoraAdapter] | None = ...,
+        strategy: Global___UpdateStrategy | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["engine_config", b"engine_config", "restart_policy", b"restart_policy"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["engine_config", b"engine_config", "restart_policy", b"restart_policy", "strategy", b"strategy"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "engine_config", b"engine_config", "instance_groups", b"instance_groups", "model", b"model", "name", b"name", "restart_policy", b"restart_policy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "engine_config", b"engine_config", "instance_groups", b"instance_groups", "model", b"model", "name", b"name", "restart_policy", b"restart_policy", "strategy", b"strategy"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -510,14 +592,37 @@ class DeploymentSummary(_message.Message):
     INSTANCES_FIELD_NUMBER: _builtins.int
     READY_INSTANCES_FIELD_NUMBER: _builtins.int
     PENDING_INSTANCES_FIELD_NUMBER: _builtins.int
+    ROLLOUT_STATE_FIELD_NUMBER: _builtins.int
+    ROLLOUT_REASON_FIELD_NUMBER: _builtins.int
+    UPDATED_INSTANCES_FIELD_NUMBER: _builtins.int
+    AVAILABLE_INSTANCES_FIELD_NUMBER: _builtins.int
+    OLD_INSTANCES_FIELD_NUMBER: _builtins.int
+    SPARE_INSTANCES_FIELD_NUMBER: _builtins.int
+    READY_SPARE_INSTANCES_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     """Its revision (each deployment counts its own)."""
     instances: _builtins.int
-    """Its instances."""
+    """Its serving instances (warm spares are counted apart)."""
     ready_instances: _builtins.int
     """Of those, READY."""
     pending_instances: _builtins.int
     """Of those, PENDING (waiting for room: see their state_reason)."""
+    rollout_state: Global___RolloutState.ValueType
+    """The rollout: COMPLETE when every instance runs the current spec, PROGRESSING while old ones
+    are being replaced, PAUSED (by `motorctl rollout pause` or by a failing new instance).
+    """
+    rollout_reason: _builtins.str
+    """Why the rollout is paused (names the instance and the cause), or what it waits for."""
+    updated_instances: _builtins.int
+    """Instances on the current spec."""
+    available_instances: _builtins.int
+    """Instances that can serve (READY, listed to the routers), of either spec."""
+    old_instances: _builtins.int
+    """Instances on an older spec, still to be replaced."""
+    spare_instances: _builtins.int
+    """Its warm spares (not counted in instances, ready_instances or pending_instances)."""
+    ready_spare_instances: _builtins.int
+    """Of those, READY (each can take a failed instance's place at once)."""
     @_builtins.property
     def deployment(self) -> Global___Deployment:
         """The desired deployment."""
@@ -530,10 +635,17 @@ class DeploymentSummary(_message.Message):
         instances: _builtins.int = ...,
         ready_instances: _builtins.int = ...,
         pending_instances: _builtins.int = ...,
+        rollout_state: Global___RolloutState.ValueType = ...,
+        rollout_reason: _builtins.str = ...,
+        updated_instances: _builtins.int = ...,
+        available_instances: _builtins.int = ...,
+        old_instances: _builtins.int = ...,
+        spare_instances: _builtins.int = ...,
+        ready_spare_instances: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "instances", b"instances", "pending_instances", b"pending_instances", "ready_instances", b"ready_instances", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available_instances", b"available_instances", "deployment", b"deployment", "instances", b"instances", "old_instances", b"old_instances", "pending_instances", b"pending_instances", "ready_instances", b"ready_instances", "ready_spare_instances", b"ready_spare_instances", "revision", b"revision", "rollout_reason", b"rollout_reason", "rollout_state", b"rollout_state", "spare_instances", b"spare_instances", "updated_instances", b"updated_instances"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -624,6 +736,8 @@ class Instance(_message.Message):
     RESTARTS_FIELD_NUMBER: _builtins.int
     NEXT_RESTART_TIME_FIELD_NUMBER: _builtins.int
     DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    SPARE_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """e.g. "prefill-0"."""
     group: _builtins.str
@@ -642,6 +756,12 @@ class Instance(_message.Message):
     """Restarts of the instance so far."""
     deployment: _builtins.str
     """The deployment it belongs to."""
+    revision: _builtins.int
+    """The deployment revision whose spec it runs (a change that leaves its spec alone moves it on)."""
+    spare: _builtins.bool
+    """A warm spare of its group: started like any instance, never routed, promoted (false) when
+    a serving instance of its group fails.
+    """
     @_builtins.property
     def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___InstanceEngine]:
         """Its ranks."""
@@ -664,10 +784,12 @@ class Instance(_message.Message):
         restarts: _builtins.int = ...,
         next_restart_time: _timestamp_pb2.Timestamp | None = ...,
         deployment: _builtins.str = ...,
+        revision: _builtins.int = ...,
+        spare: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["next_restart_time", b"next_restart_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "engines", b"engines", "group", b"group", "instance_id", b"instance_id", "master_dp_ip", b"master_dp_ip", "next_restart_time", b"next_restart_time", "paired_instance_id", b"paired_instance_id", "restarts", b"restarts", "role", b"role", "state", b"state", "state_reason", b"state_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "engines", b"engines", "group", b"group", "instance_id", b"instance_id", "master_dp_ip", b"master_dp_ip", "next_restart_time", b"next_restart_time", "paired_instance_id", b"paired_instance_id", "restarts", b"restarts", "revision", b"revision", "role", b"role", "spare", b"spare", "state", b"state", "state_reason", b"state_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1772,3 +1894,183 @@ class ListControllersResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListControllersResponse: _TypeAlias = ListControllersResponse  # noqa: Y015
+
+@_typing.final
+class UpdateStrategy(_message.Message):
+    """How a deployment's instances are replaced when their spec changes."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TYPE_FIELD_NUMBER: _builtins.int
+    MAX_SURGE_FIELD_NUMBER: _builtins.int
+    MAX_UNAVAILABLE_FIELD_NUMBER: _builtins.int
+    PROGRESS_DEADLINE_FIELD_NUMBER: _builtins.int
+    MIN_READY_FIELD_NUMBER: _builtins.int
+    type: Global___UpdateStrategyType.ValueType
+    """ROLLING (the default when unset) or RECREATE."""
+    max_surge: _builtins.int
+    """ROLLING: instances started beyond `count` per group while old ones are replaced (unset: 1)."""
+    max_unavailable: _builtins.int
+    """ROLLING: instances per group that may be out of service at once (unset: 0). At least 1 lets a
+    rollout replace in place where the nodes have no room for a surge instance.
+    """
+    @_builtins.property
+    def progress_deadline(self) -> _duration_pb2.Duration:
+        """ROLLING: a new instance not available within this time pauses the rollout (unset: 10 minutes)."""
+
+    @_builtins.property
+    def min_ready(self) -> _duration_pb2.Duration:
+        """ROLLING: a new instance counts as available once it has served this long without failing
+        (unset: 5 seconds): a version that dies soon after start pauses before any old one goes.
+        """
+
+    def __init__(
+        self,
+        *,
+        type: Global___UpdateStrategyType.ValueType = ...,
+        max_surge: _builtins.int | None = ...,
+        max_unavailable: _builtins.int | None = ...,
+        progress_deadline: _duration_pb2.Duration | None = ...,
+        min_ready: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_surge", b"_max_surge", "_max_unavailable", b"_max_unavailable", "max_surge", b"max_surge", "max_unavailable", b"max_unavailable", "min_ready", b"min_ready", "progress_deadline", b"progress_deadline"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_surge", b"_max_surge", "_max_unavailable", b"_max_unavailable", "max_surge", b"max_surge", "max_unavailable", b"max_unavailable", "min_ready", b"min_ready", "progress_deadline", b"progress_deadline", "type", b"type"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_surge: _TypeAlias = _typing.Literal["max_surge"]  # noqa: Y015
+    _WhichOneofArgType__max_surge: _TypeAlias = _typing.Literal["_max_surge", b"_max_surge"]  # noqa: Y015
+    _WhichOneofReturnType__max_unavailable: _TypeAlias = _typing.Literal["max_unavailable"]  # noqa: Y015
+    _WhichOneofArgType__max_unavailable: _TypeAlias = _typing.Literal["_max_unavailable", b"_max_unavailable"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_surge) -> _WhichOneofReturnType__max_surge | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_unavailable) -> _WhichOneofReturnType__max_unavailable | None: ...
+
+Global___UpdateStrategy: _TypeAlias = UpdateStrategy  # noqa: Y015
+
+@_typing.final
+class PauseRolloutRequest(_message.Message):
+    """Request of ControllerService.PauseRollout."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The deployment (may be empty when there is only one)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseRolloutRequest: _TypeAlias = PauseRolloutRequest  # noqa: Y015
+
+@_typing.final
+class PauseRolloutResponse(_message.Message):
+    """Response of ControllerService.PauseRollout."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseRolloutResponse: _TypeAlias = PauseRolloutResponse  # noqa: Y015
+
+@_typing.final
+class ResumeRolloutRequest(_message.Message):
+    """Request of ControllerService.ResumeRollout."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The deployment (may be empty when there is only one)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeRolloutRequest: _TypeAlias = ResumeRolloutRequest  # noqa: Y015
+
+@_typing.final
+class ResumeRolloutResponse(_message.Message):
+    """Response of ControllerService.ResumeRollout."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeRolloutResponse: _TypeAlias = ResumeRolloutResponse  # noqa: Y015
+
+@_typing.final
+class UndoRolloutRequest(_message.Message):
+    """Request of ControllerService.UndoRollout."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The deployment (may be empty when there is only one)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UndoRolloutRequest: _TypeAlias = UndoRolloutRequest  # noqa: Y015
+
+@_typing.final
+class UndoRolloutResponse(_message.Message):
+    """Response of ControllerService.UndoRollout."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    revision: _builtins.int
+    @_builtins.property
+    def deployment(self) -> Global___Deployment:
+        """The deployment applied again, and its new revision."""
+
+    def __init__(
+        self,
+        *,
+        deployment: Global___Deployment | None = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "revision", b"revision"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UndoRolloutResponse: _TypeAlias = UndoRolloutResponse  # noqa: Y015

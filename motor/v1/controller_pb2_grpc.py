@@ -105,6 +105,21 @@ class ControllerServiceStub:
                 request_serializer=motor_dot_v1_dot_controller__pb2.ListControllersRequest.SerializeToString,
                 response_deserializer=motor_dot_v1_dot_controller__pb2.ListControllersResponse.FromString,
                 _registered_method=True)
+        self.PauseRollout = channel.unary_unary(
+                '/motor.v1.ControllerService/PauseRollout',
+                request_serializer=motor_dot_v1_dot_controller__pb2.PauseRolloutRequest.SerializeToString,
+                response_deserializer=motor_dot_v1_dot_controller__pb2.PauseRolloutResponse.FromString,
+                _registered_method=True)
+        self.ResumeRollout = channel.unary_unary(
+                '/motor.v1.ControllerService/ResumeRollout',
+                request_serializer=motor_dot_v1_dot_controller__pb2.ResumeRolloutRequest.SerializeToString,
+                response_deserializer=motor_dot_v1_dot_controller__pb2.ResumeRolloutResponse.FromString,
+                _registered_method=True)
+        self.UndoRollout = channel.unary_unary(
+                '/motor.v1.ControllerService/UndoRollout',
+                request_serializer=motor_dot_v1_dot_controller__pb2.UndoRolloutRequest.SerializeToString,
+                response_deserializer=motor_dot_v1_dot_controller__pb2.UndoRolloutResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServiceServicer:
@@ -244,6 +259,29 @@ class ControllerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PauseRollout(self, request, context):
+        """Pauses the rollout of a deployment: no new instance is started and no old one withdrawn
+        until it is resumed. NOT_FOUND for an unknown deployment. Returns OK.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeRollout(self, request, context):
+        """Resumes a paused rollout (a failed new instance gets a new chance). Returns OK.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UndoRollout(self, request, context):
+        """Applies the previous revision's deployment again, rolled out the same way (a new revision).
+        FAILED_PRECONDITION when the deployment has no previous revision. Returns OK.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -316,6 +354,21 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     servicer.ListControllers,
                     request_deserializer=motor_dot_v1_dot_controller__pb2.ListControllersRequest.FromString,
                     response_serializer=motor_dot_v1_dot_controller__pb2.ListControllersResponse.SerializeToString,
+            ),
+            'PauseRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseRollout,
+                    request_deserializer=motor_dot_v1_dot_controller__pb2.PauseRolloutRequest.FromString,
+                    response_serializer=motor_dot_v1_dot_controller__pb2.PauseRolloutResponse.SerializeToString,
+            ),
+            'ResumeRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeRollout,
+                    request_deserializer=motor_dot_v1_dot_controller__pb2.ResumeRolloutRequest.FromString,
+                    response_serializer=motor_dot_v1_dot_controller__pb2.ResumeRolloutResponse.SerializeToString,
+            ),
+            'UndoRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.UndoRollout,
+                    request_deserializer=motor_dot_v1_dot_controller__pb2.UndoRolloutRequest.FromString,
+                    response_serializer=motor_dot_v1_dot_controller__pb2.UndoRolloutResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -697,6 +750,87 @@ class ControllerService:
             '/motor.v1.ControllerService/ListControllers',
             motor_dot_v1_dot_controller__pb2.ListControllersRequest.SerializeToString,
             motor_dot_v1_dot_controller__pb2.ListControllersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/motor.v1.ControllerService/PauseRollout',
+            motor_dot_v1_dot_controller__pb2.PauseRolloutRequest.SerializeToString,
+            motor_dot_v1_dot_controller__pb2.PauseRolloutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/motor.v1.ControllerService/ResumeRollout',
+            motor_dot_v1_dot_controller__pb2.ResumeRolloutRequest.SerializeToString,
+            motor_dot_v1_dot_controller__pb2.ResumeRolloutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UndoRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/motor.v1.ControllerService/UndoRollout',
+            motor_dot_v1_dot_controller__pb2.UndoRolloutRequest.SerializeToString,
+            motor_dot_v1_dot_controller__pb2.UndoRolloutResponse.FromString,
             options,
             channel_credentials,
             insecure,

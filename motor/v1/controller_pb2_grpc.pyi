@@ -110,6 +110,16 @@ class ControllerServiceStub:
     and the leader's lease (docs/ha.md). Read-only; any controller answers. A controller on
     SQLite answers with itself as the leader and epoch 0. Returns OK.
     """
+    PauseRollout: _grpc.UnaryUnaryMultiCallable[_controller_pb2.PauseRolloutRequest, _controller_pb2.PauseRolloutResponse]
+    """Pauses the rollout of a deployment: no new instance is started and no old one withdrawn
+    until it is resumed. NOT_FOUND for an unknown deployment. Returns OK.
+    """
+    ResumeRollout: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ResumeRolloutRequest, _controller_pb2.ResumeRolloutResponse]
+    """Resumes a paused rollout (a failed new instance gets a new chance). Returns OK."""
+    UndoRollout: _grpc.UnaryUnaryMultiCallable[_controller_pb2.UndoRolloutRequest, _controller_pb2.UndoRolloutResponse]
+    """Applies the previous revision's deployment again, rolled out the same way (a new revision).
+    FAILED_PRECONDITION when the deployment has no previous revision. Returns OK.
+    """
 
 @_typing.type_check_only
 class ControllerServiceAsyncStub(ControllerServiceStub):
@@ -192,6 +202,16 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     """Returns the controllers sharing this cluster's etcd: the leader, the standbys, the epoch
     and the leader's lease (docs/ha.md). Read-only; any controller answers. A controller on
     SQLite answers with itself as the leader and epoch 0. Returns OK.
+    """
+    PauseRollout: _aio.UnaryUnaryMultiCallable[_controller_pb2.PauseRolloutRequest, _controller_pb2.PauseRolloutResponse]  # type: ignore[assignment]
+    """Pauses the rollout of a deployment: no new instance is started and no old one withdrawn
+    until it is resumed. NOT_FOUND for an unknown deployment. Returns OK.
+    """
+    ResumeRollout: _aio.UnaryUnaryMultiCallable[_controller_pb2.ResumeRolloutRequest, _controller_pb2.ResumeRolloutResponse]  # type: ignore[assignment]
+    """Resumes a paused rollout (a failed new instance gets a new chance). Returns OK."""
+    UndoRollout: _aio.UnaryUnaryMultiCallable[_controller_pb2.UndoRolloutRequest, _controller_pb2.UndoRolloutResponse]  # type: ignore[assignment]
+    """Applies the previous revision's deployment again, rolled out the same way (a new revision).
+    FAILED_PRECONDITION when the deployment has no previous revision. Returns OK.
     """
 
 class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -356,6 +376,34 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Returns the controllers sharing this cluster's etcd: the leader, the standbys, the epoch
         and the leader's lease (docs/ha.md). Read-only; any controller answers. A controller on
         SQLite answers with itself as the leader and epoch 0. Returns OK.
+        """
+
+    @_abc_1.abstractmethod
+    def PauseRollout(
+        self,
+        request: _controller_pb2.PauseRolloutRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_pb2.PauseRolloutResponse, _abc.Awaitable[_controller_pb2.PauseRolloutResponse]]:
+        """Pauses the rollout of a deployment: no new instance is started and no old one withdrawn
+        until it is resumed. NOT_FOUND for an unknown deployment. Returns OK.
+        """
+
+    @_abc_1.abstractmethod
+    def ResumeRollout(
+        self,
+        request: _controller_pb2.ResumeRolloutRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_pb2.ResumeRolloutResponse, _abc.Awaitable[_controller_pb2.ResumeRolloutResponse]]:
+        """Resumes a paused rollout (a failed new instance gets a new chance). Returns OK."""
+
+    @_abc_1.abstractmethod
+    def UndoRollout(
+        self,
+        request: _controller_pb2.UndoRolloutRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_pb2.UndoRolloutResponse, _abc.Awaitable[_controller_pb2.UndoRolloutResponse]]:
+        """Applies the previous revision's deployment again, rolled out the same way (a new revision).
+        FAILED_PRECONDITION when the deployment has no previous revision. Returns OK.
         """
 
 def add_ControllerServiceServicer_to_server(servicer: ControllerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

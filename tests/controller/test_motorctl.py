@@ -255,7 +255,7 @@ def test_several_deployments_applied_listed_and_deleted_by_name(controller, tmp_
     applied = motorctl(address, "apply", "-f", files[0], "-f", files[1]).stdout
     assert applied.splitlines() == ["deployment 'chat' applied (revision 1)", "deployment 'embed' applied (revision 1)"]
     rows = [line.split() for line in motorctl(address, "deployments").stdout.splitlines()]
-    assert rows[0] == ["NAME", "MODEL", "REVISION", "INSTANCES", "READY", "PENDING"]
+    assert rows[0] == ["NAME", "MODEL", "REVISION", "INSTANCES", "READY", "PENDING", "SPARES", "ROLLOUT"]
     assert [r[:4] for r in rows[1:]] == [
         ["chat", "sim-chat", "1", "1"],
         ["embed", "sim-embed", "1", "1"],

@@ -51,3 +51,19 @@ def test_a_rank_that_fits_nowhere_says_what_it_needs_and_what_the_fleet_has():
         "rank 0 needs 2 accelerator(s) and 2 port(s) on one READY node; none has room "
         "(1 READY node(s); most free: a with 1/1 accelerators and 2 ports)"
     )
+
+
+def test_a_spare_avoids_the_nodes_it_is_told_to_while_another_has_room():
+    """The fullest node with room wins, unless it is to be avoided (a node holding its group's
+    serving instances) and another has room; only then does it fall back to an avoided one."""
+    fullest = NodeCapacity("a", "10.0.0.1", [0, 1, 2, 3], used_accelerators={0, 1, 2})
+    roomy = NodeCapacity("b", "10.0.0.2", [0, 1, 2, 3])
+    assert place_instance([0], 1, False, [fullest, roomy])[0].node_id == "a"
+    fullest = NodeCapacity("a", "10.0.0.1", [0, 1, 2, 3], used_accelerators={0, 1, 2})
+    roomy = NodeCapacity("b", "10.0.0.2", [0, 1, 2, 3])
+    assert place_instance([0], 1, False, [fullest, roomy], avoid=frozenset({"a"}))[0].node_id == "b"
+    full = NodeCapacity("b", "10.0.0.2", [0, 1], used_accelerators={0, 1})
+    fullest = NodeCapacity("a", "10.0.0.1", [0, 1, 2, 3], used_accelerators={0, 1, 2})
+    assert place_instance([0], 1, False, [fullest, full], avoid=frozenset({"a"}))[0].node_id == "a"
+    both = [NodeCapacity("a", "h", [0, 1], used_accelerators={0}), NodeCapacity("c", "h", [0, 1, 2])]
+    assert Fleet(both).best_fit(1, 2, avoid=frozenset({"a", "c"})).node_id == "a"  # the fullest of the avoided

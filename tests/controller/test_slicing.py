@@ -160,8 +160,10 @@ async def test_a_big_apply_yields_to_the_loop_and_is_answered_durable_and_comple
     assert len(ctl.instances) == 3000 and len(ctl.slots) == 6000  # answered once made in memory
     stored = harness.store.load()  # and durable
     assert stored.revision == 1 and len(stored.instances) == 3000 and len(stored.assignments) == 6000
-    # Replacing every instance, then deleting: each answered complete.
-    changed = small_deployment([{"name": "u", "role": "union", "count": 2000, "data_parallel_size": 3}])
+    # Replacing every instance at once (strategy recreate), then deleting: each answered complete.
+    changed = small_deployment(
+        [{"name": "u", "role": "union", "count": 2000, "data_parallel_size": 3}], strategy={"type": "recreate"}
+    )
     (_, revision), ticks = await _ticking(ctl.apply(changed))
     assert revision == 2 and len(ctl.instances) == 2000 and len(ctl.slots) == 6000 and ticks > 5
     assert all(inst.data_parallel_size == 3 for inst in ctl.instances.values())
@@ -243,7 +245,10 @@ async def test_the_write_behind_never_undoes_rows_a_change_wrote_while_memory_ca
     plan = run_at_once(
         changes._plan(
             deployments.validate_deployment(
-                small_deployment([{"name": "u", "role": "union", "count": 2, "data_parallel_size": 3}]), 1000
+                small_deployment(
+                    [{"name": "u", "role": "union", "count": 2, "data_parallel_size": 3}], strategy={"type": "recreate"}
+                ),
+                1000,
             )
         )
     )

@@ -8,13 +8,16 @@ from __future__ import annotations
 import re
 
 import pytest
+from google.protobuf.duration_pb2 import Duration
 
 from controller.validation import (
     MAX_ENGINES_PER_NODE,
+    GroupSpecs,
     InstanceSpec,
     check_engine_count,
     expand,
     integral_numbers,
+    strategy_problems,
     validate_deployment,
 )
 from motor.errors import InvalidArgument, ResourceExhausted
@@ -212,3 +215,79 @@ def test_a_deployment_name_outside_the_id_rule_is_refused_with_the_rule_and_an_e
         "invalid deployment: name: 'Chat Large' must be 1-63 lowercase letters, digits, '.', '_' or '-', "
         "starting with a letter or digit (e.g. 'chat-large')"
     )
+
+
+# ---------------------------------------------------------------- update strategy and spares
+
+ROLLING, RECREATE = C.UPDATE_STRATEGY_TYPE_ROLLING, C.UPDATE_STRATEGY_TYPE_RECREATE
+POSITIVE = "must be a positive duration such as '30s'"
+
+
+def test_strategy_defaults_are_filled_in_and_given_values_kept():
+    defaults = C.UpdateStrategy()
+    assert strategy_problems(defaults) == []
+    assert (defaults.type, defaults.max_surge, defaults.max_unavailable) == (ROLLING, 1, 0)
+    assert defaults.HasField("max_surge") and defaults.HasField("max_unavailable")
+    assert (defaults.progress_deadline.seconds, defaults.min_ready.seconds) == (600, 5)
+    given = C.UpdateStrategy(
+        type=RECREATE, max_surge=3, max_unavailable=2, progress_deadline=Duration(seconds=30), min_ready=Duration()
+    )
+    assert strategy_problems(given) == []
+    assert (given.type, given.max_surge, given.max_unavailable) == (RECREATE, 3, 2)
+    assert (given.progress_deadline.seconds, given.min_ready.seconds) == (30, 0)
+
+
+def test_strategy_durations_are_positive_and_a_progress_deadline_more_than_zero():
+    assert strategy_problems(
+        C.UpdateStrategy(progress_deadline=Duration(seconds=-1), min_ready=Duration(seconds=-1))
+    ) == [
+        f"strategy.progress_deadline: {POSITIVE}",
+        f"strategy.min_ready: {POSITIVE}",
+    ]
+    assert strategy_problems(C.UpdateStrategy(progress_deadline=Duration())) == [
+        f"strategy.progress_deadline: {POSITIVE}"
+    ]
+    half = Duration(nanos=500_000_000)
+    assert strategy_problems(C.UpdateStrategy(progress_deadline=half, min_ready=half)) == []
+
+
+def test_a_rolling_strategy_must_be_able_to_move():
+    assert strategy_problems(C.UpdateStrategy(max_surge=0, max_unavailable=0)) == [
+        "strategy.max_surge: max_surge and max_unavailable are both 0, so a rollout could neither start a new "
+        "instance nor stop an old one: set max_surge (extra instances) or max_unavailable (in place)"
+    ]
+    assert strategy_problems(C.UpdateStrategy(max_surge=0, max_unavailable=1)) == []
+    assert strategy_problems(C.UpdateStrategy(type=RECREATE, max_surge=0, max_unavailable=0)) == []
+
+
+def test_spares_are_limited_inclusively_and_counted_in_the_engines_limit():
+    validate_deployment(small_deployment([{"name": "u", "role": "union", "spares": 10_000}]), max_engines=2**62)
+    assert invalid(small_deployment([{"name": "u", "role": "union", "spares": 10_001}]), max_engines=2**62) == (
+        "invalid deployment: instance_groups[0].spares: must be at most 10000 (got 10001)"
+    )
+    spared = small_deployment([{"name": "u", "role": "union", "count": 1, "spares": 1}])
+    validate_deployment(spared, max_engines=2)
+    assert invalid(spared, max_engines=1) == (
+        "invalid deployment: instance_groups: 2 engines (count x data_parallel_size, spares included) exceed the "
+        "limit max_engines_per_deployment=1 (controller setting --max-engines-per-deployment)"
+    )
+
+
+def test_a_pd_pair_needs_the_same_number_of_spares_on_both_sides():
+    pair = [
+        {"name": "p", "role": "prefill", "spares": 1, "pair_with": "d"},
+        {"name": "d", "role": "decode", "spares": 2},
+    ]
+    assert invalid(small_deployment(pair)) == (
+        "invalid deployment: instance_groups[0].spares: 'd' has 2 spare(s) and this group 1: a P/D pair is "
+        "promoted whole, so paired groups need the same number of spares"
+    )
+
+
+def test_the_spares_of_a_group_come_after_its_serving_instances():
+    d = small_deployment([{"name": "u", "role": "union", "count": 2, "spares": 1}])
+    validate_deployment(d)
+    assert [(s.instance_id, s.spare) for s in expand(d).values()] == [("u-0", False), ("u-1", False), ("u-2", True)]
+    specs = GroupSpecs(d)
+    assert specs.spec("u", 7).spare is False and specs.spec("u", 7, spare=True).spare is True
+    assert specs.spec("u", 7).paired_instance_id == ""

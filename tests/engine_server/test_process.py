@@ -392,3 +392,17 @@ def test_health_is_checked_for_the_engines_whole_life_without_virtual_inference(
     es.set_faults(hang=False)
     recovered = es.wait_status(NORMAL, timeout=30)
     assert recovered.reason == "GET /health answers 200 again" and recovered.consecutive_failures == 0
+
+
+def test_load_s_keeps_the_engine_init_and_refusing_completions_for_that_long_then_normal(engine_server):
+    # load_s: the seconds the simulated model takes to load (warm spares show their worth with it).
+    began = time.monotonic()
+    es = engine_server(sim_config(engine_args={"load_s": 3.0}))
+    loading = es.wait_status(INIT, timeout=20)
+    assert "GET /health" in loading.reason
+    status, answer = es.http("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert status == 503 and "loading" in json.dumps(answer)
+    es.wait_status(NORMAL, timeout=20)
+    assert time.monotonic() - began >= 3.0  # not NORMAL before the load is over
+    status, _ = es.http("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert status == 200

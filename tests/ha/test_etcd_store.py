@@ -23,6 +23,9 @@ def _fill(store) -> None:
         store.save_assignment("e1", {"node_id": "node-a", "generation": 2})
         store.save_assignment("e2", {"node_id": "node-b", "generation": 1})
         store.save_instance("i1", {"restarts": 1, "window": [1.5]})
+        store.save_rollout("dep", {"paused": True, "reason": "paused by an operator", "previous": None})
+        store.save_rollout("gone", {"paused": False})
+    store.save_rollout("gone", None)
     store.delete_assignment("e2")
     store.save_instance("i2", {"restarts": 0})
     store.delete_instance("i2")
@@ -37,6 +40,7 @@ def _check(state) -> None:
     ]
     assert state.assignments == {"e1": {"node_id": "node-a", "generation": 2}}
     assert state.instances == {"i1": {"restarts": 1, "window": [1.5]}}
+    assert state.rollouts == {"dep": {"paused": True, "reason": "paused by an operator", "previous": None}}
 
 
 async def test_sqlite_and_etcd_keep_the_same_state(tmp_path, etcd1, clients, prefix):

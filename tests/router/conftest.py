@@ -168,6 +168,16 @@ class OpenLoad:
     def failed(self) -> list[tuple[float, int, float]]:
         return [r for r in self.results if r[1] != 200]
 
+    def served_rate(self, start: float, end: float) -> float:
+        """Completions answered 200 within [start, end) (monotonic), per second."""
+        served = sum(1 for _, status, answered in self.results if status == 200 and start <= answered < end)
+        return served / (end - start)
+
+    def lowest_rate(self, start: float, end: float, window: float = 2.0) -> float:
+        """The lowest served rate in any `window` s between start and end (windows every 0.25 s)."""
+        starts = [start + 0.25 * i for i in range(int((end - start - window) / 0.25) + 1)]
+        return min(self.served_rate(t, t + window) for t in starts)
+
 
 def running(local):
     """A module fixture's body: the local cluster started, yielded, then stopped leaving nothing behind."""

@@ -1,0 +1,344 @@
+"""Rolling updates: a deployment whose instances' spec changed is rolled out per group in waves
+bounded by max_surge and max_unavailable (controller/rollout_plan.py has the units), driven from
+the reconcile pass (controller/scheduling.py).
+
+A step: start new units while the group holds fewer than count + max_surge and fewer than count
+are current; withdraw an old unit (from the routers first, then the engines drain and stop, the
+scale-down path) while the available units stay at least count - max_unavailable. Available: every
+instance READY, every engine listed to the routers, serving for `min_ready` without failing.
+
+A new unit that fails (a crash, an engine ABNORMAL, a FAILED instance) or is not available within
+`progress_deadline` of the last progress pauses the rollout: the old units keep serving and are
+never restarted by it. Every step goes through the store (the instances carry their spec, the
+paused flag, its reason and the previous deployment are the rollout record), so a restarted
+controller reads where the rollout stands from the store and goes on from there.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from dataclasses import dataclass
+
+from controller.deployments import DeploymentChanges
+from controller.endpoints import EndpointFeed
+from controller.instances import FAILED, READY, InstanceRecord
+from controller.rollout_plan import UnitGroup, unit_groups
+from controller.slicing import Budget, Steps, run_at_once
+from controller.state import ClusterState
+from controller.store import StoredState, StoreUnavailable
+from controller.validation import GroupSpecs, strategy_problems
+from motor.contract import pbtime
+from motor.contract.names import enum_short_name
+from motor.errors import FailedPrecondition
+from motor.state_machine import Transitions
+from motor.v1 import controller_pb2, types_pb2
+
+logger = logging.getLogger(__name__)
+
+C, T = controller_pb2, types_pb2
+COMPLETE, PROGRESSING, PAUSED = C.ROLLOUT_STATE_COMPLETE, C.ROLLOUT_STATE_PROGRESSING, C.ROLLOUT_STATE_PAUSED
+# Instances one step starts or withdraws at most: a step is written to the store on the loop, and
+# 10,000 idle old instances withdrawn in one step held it 0.7 s. The next pass goes on at once.
+STEP_LIMIT = 64
+
+# COMPLETE: every unit current; PROGRESSING: old units being replaced; PAUSED: by an operator or a
+# failing new unit, until resumed or another spec is applied.
+TRANSITIONS = Transitions.between(
+    {
+        COMPLETE: {PROGRESSING, PAUSED},
+        PROGRESSING: {COMPLETE, PAUSED},
+        PAUSED: {PROGRESSING, COMPLETE},
+    },
+    lambda state: enum_short_name(C.RolloutState, state),
+)
+
+
+@dataclass
+class Rollout:
+    """One deployment's rollout. `since` (wall clock): failures of current units before it are
+    forgiven (a resume); `progress_at` (monotonic): the last progress, for the deadline."""
+
+    state: int = COMPLETE
+    reason: str = ""
+    previous: str | None = None  # base64 of the deployment the last change replaced
+    previous_revision: int = 0
+    since: float = 0.0
+    progress_at: float = 0.0
+    available_current: int = 0
+    announced: bool = True  # False when loaded: finding it complete then is no news
+
+    def record(self) -> dict:
+        return {
+            "paused": self.state == PAUSED,
+            "reason": self.reason,
+            "previous": self.previous,
+            "previous_revision": self.previous_revision,
+            "since": self.since,
+        }
+
+
+@dataclass
+class Counts:
+    updated: int = 0
+    available: int = 0
+    old: int = 0
+
+
+class Rollouts:
+    def __init__(self, state: ClusterState, changes: DeploymentChanges, endpoints: EndpointFeed):
+        self.state, self.changes, self.endpoints = state, changes, endpoints
+        self.rollouts: dict[str, Rollout] = {}
+        changes.on_applied = self.applied
+
+    # ------------------------------------------------------------------ records
+
+    def loaded(self, stored: StoredState) -> None:
+        """After the instances are loaded: each deployment's rollout as the store leaves it."""
+        for name in self.changes.deployments:
+            record = stored.rollouts.get(name, {})
+            rollout = self._from_record(record)
+            rollout.state = PAUSED if record.get("paused") else PROGRESSING  # the next pass says if complete
+            rollout.announced = False
+            self.rollouts[name] = rollout
+
+    def _from_record(self, record: dict) -> Rollout:
+        return Rollout(
+            reason=record.get("reason", ""),
+            previous=record.get("previous"),
+            previous_revision=record.get("previous_revision", 0),
+            since=record.get("since", self.state.wall()),
+            progress_at=self.state.mono(),
+        )
+
+    def applied(self, name: str, record: dict | None) -> None:
+        """A change of the deployment `name` was made (None: deleted): a new rollout, unpaused."""
+        if record is None:
+            self.rollouts.pop(name, None)
+            return
+        rollout = self._from_record(record)
+        old = self.rollouts.get(name)
+        rollout.state = old.state if old is not None else COMPLETE
+        self.rollouts[name] = rollout
+        self._move(name, rollout, PROGRESSING, f"revision {self._revision(name)} applied; rolling out")
+
+    def _move(self, name: str, rollout: Rollout, state: int, reason: str, event: bool = True, **where) -> None:
+        if state != rollout.state:
+            TRANSITIONS.check(f"rollout of {name}", rollout.state, state, reason)
+        rollout.state, rollout.reason = state, reason
+        if event:
+            self.state.events.emit(C.EVENT_TYPE_ROLLOUT, f"rollout of {name!r}: {reason}", deployment=name, **where)
+
+    def _save(self, name: str, rollout: Rollout) -> None:
+        self.state.store.save_rollout(name, rollout.record())
+
+    # ------------------------------------------------------------------ the operator's calls
+
+    def pause(self, name: str) -> None:
+        name = self.changes.named(name)
+        rollout = self.rollouts.setdefault(name, Rollout())
+        before = rollout.state, rollout.reason
+        self._move(name, rollout, PAUSED, "paused by an operator (`motorctl rollout resume` goes on)")
+        self._persist_or_undo(name, rollout, before)
+
+    def resume(self, name: str) -> None:
+        name = self.changes.named(name)
+        rollout = self.rollouts.setdefault(name, Rollout())
+        if rollout.state != PAUSED:
+            return
+        before, since = (rollout.state, rollout.reason), rollout.since
+        rollout.since, rollout.progress_at = self.state.wall(), self.state.mono()
+        self._move(name, rollout, PROGRESSING, "resumed")
+        try:
+            self._persist_or_undo(name, rollout, before)
+        except StoreUnavailable:
+            rollout.since = since
+            raise
+        hashes = GroupSpecs(self.changes.deployments[name][0]).hashes
+        for inst in self._records(name):  # a FAILED new instance gets a new chance
+            if inst.state == FAILED and hashes.get(inst.group) == inst.spec_hash:
+                self.changes.retry_failed(inst)
+        self.changes.wake()
+
+    def _persist_or_undo(self, name: str, rollout: Rollout, before: tuple[int, str]) -> None:
+        try:
+            self._save(name, rollout)
+        except StoreUnavailable as exc:
+            rollout.state, rollout.reason = before
+            self.state.refused(exc)
+            raise
+
+    async def undo(self, name: str) -> tuple[C.Deployment, int]:
+        """Apply the previous revision's deployment again (a new revision, rolled out alike)."""
+        name = self.changes.named(name)
+        rollout = self.rollouts.get(name)
+        if rollout is None or rollout.previous is None:
+            raise FailedPrecondition(f"name: deployment {name!r} has no previous revision to go back to")
+        previous = C.Deployment.FromString(base64.b64decode(rollout.previous))
+        return await self.changes.apply(previous)
+
+    # ------------------------------------------------------------------ views
+
+    def counts(self, name: str) -> Counts:
+        deployment = self.changes.deployments[name][0]
+        groups, _ = run_at_once(unit_groups(GroupSpecs(deployment), self._records(name)))
+        counts = Counts()
+        for ug in groups:
+            for k in ug.units:
+                size = len(ug.records(k))
+                if ug.is_current(k):
+                    counts.updated += size
+                else:
+                    counts.old += size
+                if self._available(ug, k, effective(deployment.strategy)):
+                    counts.available += size
+        return counts
+
+    def status(self, name: str) -> tuple[int, str]:
+        rollout = self.rollouts.get(name, Rollout())
+        return rollout.state, rollout.reason
+
+    # ------------------------------------------------------------------ the pass
+
+    def steps(self) -> Steps:
+        """A step of every rollout in progress (from the reconcile pass)."""
+        if self.changes.busy or self.state.mono() < self.state.store_retry_at:
+            return
+        budget = Budget()
+        for name, rollout in list(self.rollouts.items()):
+            if rollout.state != PROGRESSING or name not in self.changes.deployments:
+                continue
+            deployment = self.changes.deployments[name][0]
+            groups, _ = yield from unit_groups(GroupSpecs(deployment), self._records(name), budget)
+            if self.changes.busy or self.rollouts.get(name) is not rollout:
+                return  # a change began meanwhile: the next pass reads it
+            try:
+                self._step(name, rollout, deployment, groups)
+            except StoreUnavailable as exc:
+                self.state.refused(exc)
+                return
+
+    def _step(self, name: str, rollout: Rollout, deployment: C.Deployment, groups: list[UnitGroup]) -> None:
+        strategy = effective(deployment.strategy)
+        failing = self._failing(rollout, groups)
+        if failing:
+            self._pause_itself(name, rollout, *failing)
+            return
+        specs, removed, new, available_current, complete = GroupSpecs(deployment), [], [], 0, True
+        for ug in groups:
+            current, old = ug.current(), ug.old()
+            available = {k for k in ug.units if self._available(ug, k, strategy)}
+            available_current += sum(1 for k in current if k in available)
+            if old or len(current) < ug.count:
+                complete = False
+            starts = min(ug.count + strategy.max_surge - len(ug.units), ug.count - len(current), STEP_LIMIT - len(new))
+            new.extend(ug.new_specs(specs, max(0, starts)))
+            # A promotion made an old serving unit a spare: replace it at once (it serves nothing),
+            # so that the next promotion brings the new version.
+            keep_spares, old_spares = ug.spare_layout()
+            if old_spares:
+                complete = False
+                stale = [r for k in old_spares for r in ug.records(k, ug.spares)]
+                removed.extend((r.instance_id, "a spare of an older spec") for r in stale)
+                taken = {*ug.units, *ug.spares, *(s.index for s in new if s.group == ug.groups[0])}
+                new.extend(ug.new_specs(specs, ug.spare_count - len(keep_spares), taken, spare=True))
+            floor, serving = ug.count - strategy.max_unavailable, len(available)
+            for k in sorted(old, key=lambda k: k in available):  # those not serving first: they cost nothing
+                if len(removed) >= STEP_LIMIT:
+                    break
+                if k in available:
+                    if serving - 1 < floor:
+                        break
+                    serving -= 1
+                removed.extend((r.instance_id, "replaced by the rollout") for r in ug.records(k))
+        if complete:
+            done = f"complete: every instance runs revision {self._revision(name)}"
+            self._move(name, rollout, COMPLETE, done, event=rollout.announced)
+            return
+        rollout.announced = True
+        if available_current > rollout.available_current:
+            rollout.progress_at = self.state.mono()
+        rollout.available_current = available_current
+        deadline = pbtime.seconds(strategy.progress_deadline)
+        waiting = self._first_unavailable(groups, strategy)
+        if not removed and not new and waiting is not None:
+            if self.state.mono() - rollout.progress_at > deadline:
+                self._pause_itself(
+                    name, rollout, waiting, f"not available within progress_deadline ({deadline:g}s): {waiting.reason}"
+                )
+                return
+            rollout.reason = f"waiting for {waiting.instance_id} to be available: {waiting.reason}"
+        if removed or new:
+            rollout.progress_at = self.state.mono()
+            self.changes.step(name, removed, new)
+            steps = (("withdrawn and drained", [i for i, _ in removed]), ("started", [s.instance_id for s in new]))
+            for why, ids in steps:
+                if ids:
+                    self._move(name, rollout, PROGRESSING, f"{', '.join(ids)} {why}")
+
+    def _pause_itself(self, name: str, rollout: Rollout, inst: InstanceRecord, cause: str) -> None:
+        self._move(
+            name,
+            rollout,
+            PAUSED,
+            f"paused: new instance {inst.instance_id} {cause}; the old instances keep serving "
+            "(apply a fixed spec, `motorctl rollout undo` or `resume`)",
+            instance_id=inst.instance_id,
+        )
+        logger.warning("rollout of %s: %s", name, rollout.reason)
+        self._save(name, rollout)
+
+    # ------------------------------------------------------------------ what a unit is
+
+    def _records(self, name: str) -> list[InstanceRecord]:
+        return [self.state.instances[i] for i in self.changes.instances_of(name)]
+
+    def _revision(self, name: str) -> int:
+        return self.changes.deployments[name][1]
+
+    def _available(self, ug: UnitGroup, index: int, strategy: C.UpdateStrategy) -> bool:
+        """Every engine of the unit listed to the routers; a current unit also READY for `min_ready`
+        (an old one serving is available however recently it came back: withdrawing it costs service)."""
+        records = ug.records(index)
+        if len(records) != len(ug.groups):
+            return False
+        settling = pbtime.seconds(strategy.min_ready) if ug.is_current(index) else None
+        now = self.state.wall()
+        for inst in records:
+            if settling is not None and (
+                inst.state != READY or inst.healthy_since is None or now - inst.healthy_since < settling
+            ):
+                return False
+            if any(s.engine_id not in self.endpoints.current for s in self.state.slots_of(inst.instance_id)):
+                return False  # not (or no longer) in the routers' workers
+        return True
+
+    def _failing(self, rollout: Rollout, groups: list[UnitGroup]) -> tuple[InstanceRecord, str] | None:
+        """The first current instance that failed since the rollout (re)started, and how."""
+        for ug in groups:
+            for k in ug.current():
+                for inst in ug.records(k):
+                    if inst.state == FAILED and inst.state_changed_at >= rollout.since:
+                        return inst, f"is FAILED: {inst.reason}"
+                    if any(t >= rollout.since for t in inst.failure_times):
+                        return inst, f"failed: {inst.reason}"
+                    for slot in self.state.slots_of(inst.instance_id):
+                        if slot.health == T.HEALTH_STATUS_ABNORMAL:
+                            return inst, f"engine {slot.engine_id} is ABNORMAL: {slot.health_reason}"
+        return None
+
+    def _first_unavailable(self, groups: list[UnitGroup], strategy: C.UpdateStrategy) -> InstanceRecord | None:
+        for ug in groups:
+            for k in ug.current():
+                if not self._available(ug, k, strategy):
+                    records = ug.records(k)  # all READY: not yet for min_ready, or not routed yet
+                    return next((r for r in records if r.state != READY), records[0]) if records else None
+        return None
+
+
+def effective(strategy: C.UpdateStrategy) -> C.UpdateStrategy:
+    """`strategy` with its defaults (a deployment stored before strategies had none)."""
+    out = C.UpdateStrategy()
+    out.CopyFrom(strategy)
+    strategy_problems(out)
+    return out

@@ -1,0 +1,41 @@
+"""`motorctl rollout status|pause|resume|undo` against a real controller process."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.controller.conftest import EXAMPLE
+from tests.controller.test_motorctl import AT_ONCE, ControllerProcess, motorctl
+
+pytestmark = pytest.mark.processes
+
+
+@pytest.fixture
+def controller(tmp_path):
+    proc = ControllerProcess(tmp_path, *AT_ONCE)
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+def test_rollout_status_pause_resume_and_undo(controller, tmp_path):
+    address = controller.address
+    status = motorctl(address, "rollout", "status")
+    assert "rollout COMPLETE" in status.stdout and "revision 1" in status.stdout
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(open(EXAMPLE).read().replace("model: sim-tiny\n", "model: sim-other\n", 1))
+    motorctl(address, "apply", "-f", str(changed))
+    assert motorctl(address, "rollout", "pause", "local-sim").stdout.strip() == "rollout paused"
+    paused = motorctl(address, "rollout", "status", "local-sim", check=False)
+    assert paused.returncode == 1 and "rollout PAUSED" in paused.stdout and "paused by an operator" in paused.stdout
+    assert "PAUSED" in motorctl(address, "deployments").stdout
+    motorctl(address, "rollout", "resume", "local-sim")
+    # No node is registered: the old instances serve nothing, so nothing holds the rollout back.
+    done = motorctl(address, "rollout", "status", "--wait", "20", check=False)
+    assert done.returncode == 0 and "rollout COMPLETE" in done.stdout, done.stdout
+    assert "revision 3" in motorctl(address, "rollout", "undo").stdout
+    assert "model: sim-tiny" in motorctl(address, "deployment").stdout
+    revisions = motorctl(address, "instances").stdout
+    assert "REVISION" in revisions.splitlines()[0]
+    unknown = motorctl(address, "rollout", "status", "nope", check=False)
+    assert unknown.returncode == 2 and "no deployment is named 'nope'" in unknown.stderr
