@@ -185,7 +185,7 @@ class DeploymentChanges:
         if not self.deployments:
             if deleting:
                 return LEGACY_DEPLOYMENT  # a delete of nothing succeeds (it ends a new store's wait)
-            raise NotFound("no deployment has been applied; apply one with `motorctl apply -f FILE`")
+            raise NotFound("name: no deployment has been applied; apply one with `motorctl apply -f FILE`")
         return next(iter(self.deployments))
 
     def instances_of(self, name: str) -> list[str]:

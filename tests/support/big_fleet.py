@@ -34,8 +34,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def deployment(instances: int, dp: int, model: str = "sim-tiny") -> C.Deployment:
-    """`instances` instances of `dp` ranks; a different `model` replaces every instance."""
+    """`instances` instances of `dp` ranks; a different `model` replaces every instance, all at once
+    (strategy recreate: the fleet has no room for a surge, and the whole replacement is what is measured)."""
     d = C.Deployment(name="big", model=model)
+    d.strategy.type = C.UPDATE_STRATEGY_TYPE_RECREATE
     d.engine_config.update({"motor_engine_union_config": {"engine_type": "sim"}})
     d.instance_groups.add(
         name="u", role=T.ROLE_UNION, count=instances, data_parallel_size=dp, accelerators_per_engine=1
