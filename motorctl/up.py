@@ -63,6 +63,7 @@ class LocalCluster:
     # `motorctl up` asks for 50051 when it is free.
     controller_port: int = 0
     accelerators_per_node: int = 4
+    accelerator_type: str = "sim"  # cpu: the accelerators are CPU cores, each engine bound to its own
     heartbeat_interval: float = 1.0
     node_grace: float = 5.0
     abnormal_threshold: int = 5
@@ -253,7 +254,7 @@ class LocalCluster:
             "--accelerators",
             ",".join(str(i) for i in range(self.accelerators_per_node)),
             "--accelerator-type",
-            "sim",
+            self.accelerator_type,
             "--port-range",
             f"{first_engine_port}-{first_engine_port + 499}",
             "--state-dir",

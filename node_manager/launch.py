@@ -71,7 +71,9 @@ def launch_engine(
             child = ops.launch(
                 argv,
                 log_path,
-                specs.engine_env(spec, dict(os.environ), config.node_id, state_dir_id(config.state_dir)),
+                specs.engine_env(
+                    spec, dict(os.environ), config.node_id, state_dir_id(config.state_dir), config.accelerator_type
+                ),
                 token,
                 engine_dir,
             )

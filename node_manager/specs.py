@@ -127,14 +127,23 @@ def engine_argv(base: list[str], spec: types_pb2.EngineSpec, termination_path: s
     return argv
 
 
-def engine_env(spec: types_pb2.EngineSpec, base: dict[str, str], node_id: str, holder: str = "") -> dict[str, str]:
+def engine_env(
+    spec: types_pb2.EngineSpec, base: dict[str, str], node_id: str, holder: str = "", accelerator_type: str = ""
+) -> dict[str, str]:
     """The engine's environment: `base` with its accelerators made visible and its node named
-    (a node manager taking the node id over finds what a gone holder left on the host by it)."""
+    (a node manager taking the node id over finds what a gone holder left on the host by it).
+    On a `cpu` node the accelerators are CPU cores: the engine's OpenMP threads are bound to its
+    own, so that two vLLM CPU engines of one host (an old one serving, a new one loading) never
+    spin on the same cores."""
     env = dict(base)
     env[NODE_ENV] = node_id
     if holder:
         env[HOLDER_ENV] = holder
     visible = ",".join(str(a) for a in spec.accelerator_ids)
+    if accelerator_type == "cpu":
+        if visible:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = visible
+        return env
     env["CUDA_VISIBLE_DEVICES"] = visible
     env["ASCEND_RT_VISIBLE_DEVICES"] = visible
     return env

@@ -24,14 +24,18 @@ def tree_of(engine: types_pb2.Engine) -> list[int]:
     return [engine.pid] + [c.pid for c in psutil.Process(engine.pid).children(recursive=True)]
 
 
+def _environ(pid: int) -> dict[bytes, bytes]:
+    with open(f"/proc/{pid}/environ", "rb") as handle:
+        return dict(item.split(b"=", 1) for item in handle.read().split(b"\0") if b"=" in item)
+
+
 @pytest.mark.processes
 async def test_start_reaches_running_and_stop_leaves_no_process(make_node):
     node = await make_node()
     engine = await node.start(accelerator_ids=[1, 2])
     assert engine.state == types_pb2.ENGINE_STATE_STARTING and engine.pid > 0
     assert engine.spec.port and engine.spec.mgmt_port and engine.spec.config_path.endswith("user_config.json")
-    with open(f"/proc/{engine.pid}/environ", "rb") as handle:
-        env = dict(item.split(b"=", 1) for item in handle.read().split(b"\0") if b"=" in item)
+    env = _environ(engine.pid)
     assert env[b"CUDA_VISIBLE_DEVICES"] == b"1,2" and env[b"ASCEND_RT_VISIBLE_DEVICES"] == b"1,2"
     assert os.getpgid(engine.pid) == engine.pid  # its own process group
     running = await node.wait_state("prefill-0/rank0", RUNNING)
@@ -47,6 +51,17 @@ async def test_start_reaches_running_and_stop_leaves_no_process(make_node):
     # Idempotent: stopping again succeeds and changes nothing.
     again = await node.stop("prefill-0/rank0")
     assert again.state == STOPPED and again.state_changed_at == stopped.state_changed_at
+
+
+@pytest.mark.processes
+async def test_on_a_cpu_node_an_engine_is_bound_to_its_own_cores(make_node):
+    node = await make_node(accelerator_type="cpu", accelerators=[0, 1])
+    engine = await node.start(accelerator_ids=[1])
+    env = _environ(engine.pid)
+    # vLLM's CPU build binds its OpenMP threads to these cores; no GPU variable is set.
+    assert env[b"VLLM_CPU_OMP_THREADS_BIND"] == b"1"
+    assert b"CUDA_VISIBLE_DEVICES" not in env and b"ASCEND_RT_VISIBLE_DEVICES" not in env
+    await node.stop("prefill-0/rank0")
 
 
 async def _with_probe(node):
