@@ -102,6 +102,10 @@ class EngineBackend(abc.ABC):
     # check_args takes seconds (vLLM imports itself and reads the model's config): the engine
     # server runs it once its management plane answers INIT "checking the configuration".
     slow_check_args: bool = False
+    # Modules the engine server imports in its main thread before any other thread starts: a
+    # first `import torch` (dlopen of libtorch, its static initializers) from a worker thread beside
+    # gRPC's threads hung for minutes at times, until a signal woke it.
+    preload: tuple[str, ...] = ()
     # Seconds shutdown() may take, on top of the drain: with drain_timeout, what the engine
     # server asks its node manager to wait between SIGTERM and SIGKILL (EngineStatus.stop_grace).
     shutdown_grace: float = 5.0
