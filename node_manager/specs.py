@@ -133,8 +133,8 @@ def engine_env(
     """The engine's environment: `base` with its accelerators made visible and its node named
     (a node manager taking the node id over finds what a gone holder left on the host by it).
     On a `cpu` node the accelerators are CPU cores: the engine's OpenMP threads are bound to its
-    own, so that two vLLM CPU engines of one host (an old one serving, a new one loading) never
-    spin on the same cores."""
+    own, so that two vLLM CPU engines of one host (an old one serving, a new one loading) do not
+    compete for the same cores."""
     env = dict(base)
     env[NODE_ENV] = node_id
     if holder:

@@ -2,8 +2,7 @@
 (vllm-router and motor-router-sync) under a few requests: the new engine loads while the old one
 serves, the old one leaves the router and drains only once the new one serves, and no request
 fails. The node's accelerators are its two CPU cores (`--accelerator-type cpu`), so the old engine
-and the new one each have a core of their own: on shared cores the serving engine's OpenMP threads
-held the loading one back for over ten minutes."""
+and the new one each have a core of their own."""
 
 from __future__ import annotations
 
