@@ -4,7 +4,8 @@ Exit codes: 0 after SIGTERM/SIGINT (drained and shut down), 2 for a bad command 
 user_config (the message names the field), 1 when the engine fails to start or dies. With
 --termination-message-path the cause of the exit is also written there (motor.contract.termination).
 The management plane answers first (INIT, "checking the configuration") while the engine's
-arguments are checked (vLLM: seconds to import it and read the model's config).
+arguments are checked (vLLM: reading the model's config); only the engine's heavy modules (torch
+and vLLM: a few seconds) are imported before it, in the main thread (EngineBackend.preload).
 """
 
 from __future__ import annotations

@@ -99,8 +99,8 @@ class EngineBackend(abc.ABC):
     can_sleep: bool = False
     # A pydantic model of the engine's `engine_args`, checked by the default check_args.
     args_model: type[BaseModel] | None = None
-    # check_args takes seconds (vLLM imports itself and reads the model's config): the engine
-    # server runs it once its management plane answers INIT "checking the configuration".
+    # check_args takes seconds (vLLM reads the model's config): the engine server runs it once
+    # its management plane answers INIT "checking the configuration".
     slow_check_args: bool = False
     # Modules the engine server imports in its main thread before any other thread starts: a
     # first `import torch` (dlopen of libtorch, its static initializers) from a worker thread beside
