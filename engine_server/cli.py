@@ -4,8 +4,7 @@ Exit codes: 0 after SIGTERM/SIGINT (drained and shut down), 2 for a bad command 
 user_config (the message names the field), 1 when the engine fails to start or dies. With
 --termination-message-path the cause of the exit is also written there (motor.contract.termination).
 The management plane answers first (INIT, "checking the configuration") while the engine's
-arguments are checked (vLLM: reading the model's config); only the engine's heavy modules (torch
-and vLLM: a few seconds) are imported before it, in the main thread (EngineBackend.preload).
+arguments are checked (vLLM: seconds to import it and read the model's config).
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import logging
 import os
 import shlex
 import sys
-import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -241,21 +239,6 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
     return Exit(EXIT_OK, STOPPED, f"{stop.signal_name}: {how}, shut down cleanly")
 
 
-def preload(engine_type: str) -> None:
-    """Import the engine's heavy modules here, in the main thread, before the management plane's
-    threads start (EngineBackend.preload says why)."""
-    import importlib
-
-    from engine_server.engines import engine_class
-
-    modules = engine_class(engine_type).preload
-    if modules:
-        began = time.monotonic()
-        for module in modules:
-            importlib.import_module(module)
-        logger.info("imported %s in the main thread in %.1fs", ", ".join(modules), time.monotonic() - began)
-
-
 def main(argv: list[str] | None = None) -> None:
     from motor.errors import ConfigError
 
@@ -290,7 +273,6 @@ def main(argv: list[str] | None = None) -> None:
         section_name, section = load_section(args.config_path, args.role, defer_slow_checks=True)
         apply_usage_stats(section)  # before any engine starts: its children inherit it
         logger.info("using %s (engine_type %s)", section_name, section.engine_type)
-        preload(section.engine_type)
         result = asyncio.run(serve(args, section_name, section))
     except ConfigError as exc:  # e.g. a bad user_config, the management port taken, a TLS file unreadable
         logger.error("invalid configuration: %s", exc)

@@ -99,13 +99,9 @@ class EngineBackend(abc.ABC):
     can_sleep: bool = False
     # A pydantic model of the engine's `engine_args`, checked by the default check_args.
     args_model: type[BaseModel] | None = None
-    # check_args takes seconds (vLLM reads the model's config): the engine server runs it once
-    # its management plane answers INIT "checking the configuration".
+    # check_args takes seconds (vLLM imports itself and reads the model's config): the engine
+    # server runs it once its management plane answers INIT "checking the configuration".
     slow_check_args: bool = False
-    # Modules the engine server imports in its main thread before any other thread starts, as
-    # `vllm serve` does (a start-up stall in `import torch` was seen from a worker thread; its
-    # cause lies in CPU affinity, not threads: docs/vllm.md, "How it runs").
-    preload: tuple[str, ...] = ()
     # Seconds shutdown() may take, on top of the drain: with drain_timeout, what the engine
     # server asks its node manager to wait between SIGTERM and SIGKILL (EngineStatus.stop_grace).
     shutdown_grace: float = 5.0

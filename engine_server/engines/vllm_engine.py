@@ -73,7 +73,6 @@ class VllmEngine(EngineBackend):
 
     engine_type = "vllm"
     slow_check_args = True
-    preload = ("torch", "vllm")
 
     def __init__(self, options: EngineOptions):
         super().__init__(options)
