@@ -22,6 +22,7 @@ from pydantic import ConfigDict, Field
 
 # Set before anything imports prometheus_client (it picks its storage at import time).
 from engine_server.prometheus_dir import ensure_private_multiproc_dir, remove_private_multiproc_dir
+from motor.processes import CPUS_ENV
 from motor.security.security_config import SECURITY_FLAGS, SecuritySettings
 from motor.service.cli_config import Flag, load_settings, settings_parser
 from motor.service.config import AbsoluteCommand
@@ -239,6 +240,26 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
     return Exit(EXIT_OK, STOPPED, f"{stop.signal_name}: {how}, shut down cleanly")
 
 
+def bind_to_own_cores(environ: dict[str, str] | os._Environ = os.environ) -> set[int] | None:
+    """Bind this process to the CPU cores its node manager gave it (`MOTOR_ENGINE_CPUS`, on a `cpu`
+    node), before any thread starts: every later thread and child process inherits the binding.
+    Without it, importing torch (MKL counting the cores) moves the process onto every core of the
+    host in turn, and on a core where another engine's worker spins it can stall for minutes.
+    Returns the cores, None when none were given; ValueError names a bad value."""
+    value = environ.get(CPUS_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        cores = {int(core) for core in value.split(",")}
+        os.sched_setaffinity(0, cores)
+    except (ValueError, OSError) as exc:
+        raise ValueError(
+            f"{CPUS_ENV}={value!r}: expected this host's CPU core numbers separated by commas "
+            f"(this process may run on cores {sorted(os.sched_getaffinity(0))}): {exc}"
+        ) from None
+    return cores
+
+
 def main(argv: list[str] | None = None) -> None:
     from motor.errors import ConfigError
 
@@ -248,6 +269,10 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as exc:  # argparse has checked each flag: only a rule it cannot express
         parser.error(str(exc))
     _check_args(args, parser)
+    try:
+        bind_to_own_cores()
+    except ValueError as exc:
+        parser.error(str(exc))
     ensure_private_multiproc_dir()
 
     from engine_server.config import apply_usage_stats, load_section

@@ -38,6 +38,9 @@ NODE_ENV = "MOTOR_NODE_ID"
 # The state-directory id of the node manager that launched the engine: a takeover kills only
 # what the replaced holder left, never the engines of another cluster on this host with the same node id.
 HOLDER_ENV = "MOTOR_NODE_STATE_DIR_ID"
+# The CPU cores an engine on a `cpu` node owns (comma-separated): the engine server binds its whole
+# process to them before anything else runs (engine_server.cli.bind_to_own_cores).
+CPUS_ENV = "MOTOR_ENGINE_CPUS"
 # psutil create times are rounded (clock ticks); two readings of one process agree within this.
 CREATE_TIME_TOLERANCE_S = 0.05
 

@@ -12,7 +12,7 @@ from motor.contract.engine_policy import check_engine_config, parse_config_json,
 from motor.contract.names import ROLE_NAMES, check_instance_id, check_printable, excerpt, role_name
 from motor.errors import FailedPrecondition, InvalidArgument
 from motor.ports import PortAllocator, port_is_free
-from motor.processes import HOLDER_ENV, NODE_ENV
+from motor.processes import CPUS_ENV, HOLDER_ENV, NODE_ENV
 from motor.v1 import types_pb2
 from node_manager.config import NodeManagerConfig
 
@@ -132,9 +132,9 @@ def engine_env(
 ) -> dict[str, str]:
     """The engine's environment: `base` with its accelerators made visible and its node named
     (a node manager taking the node id over finds what a gone holder left on the host by it).
-    On a `cpu` node the accelerators are CPU cores: the engine's OpenMP threads are bound to its
-    own, so that two vLLM CPU engines of one host (an old one serving, a new one loading) do not
-    compete for the same cores."""
+    On a `cpu` node the accelerators are CPU cores: the engine's process and its OpenMP threads are
+    bound to its own, so that two vLLM CPU engines of one host (an old one serving, a new one
+    loading) do not compete for the same cores."""
     env = dict(base)
     env[NODE_ENV] = node_id
     if holder:
@@ -142,6 +142,7 @@ def engine_env(
     visible = ",".join(str(a) for a in spec.accelerator_ids)
     if accelerator_type == "cpu":
         if visible:
+            env[CPUS_ENV] = visible
             env["VLLM_CPU_OMP_THREADS_BIND"] = visible
         return env
     env["CUDA_VISIBLE_DEVICES"] = visible

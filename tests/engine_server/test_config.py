@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import subprocess
 
 import pytest
@@ -69,7 +70,7 @@ BAD_VALUES = [
 ]
 
 
-def run_engine_server(tmp_path, config, role="prefill", extra=()):
+def run_engine_server(tmp_path, config, role="prefill", extra=(), env=None):
     path = tmp_path / "user_config.json"
     path.write_text(config if isinstance(config, str) else json.dumps(config))
     args = [
@@ -77,7 +78,7 @@ def run_engine_server(tmp_path, config, role="prefill", extra=()):
         "--port", "18080", "--mgmt-port", "18081", "--master-dp-ip", "127.0.0.1", "--config-path", str(path),
         "--log-dir", str(tmp_path / "logs"), *extra,
     ]  # fmt: skip
-    return subprocess.run(args, capture_output=True, text=True, timeout=60)
+    return subprocess.run(args, capture_output=True, text=True, timeout=60, env=env)
 
 
 @pytest.mark.parametrize("field, value, expected", BAD_VALUES, ids=[f"{f}={v!r}" for f, v, _ in BAD_VALUES])
@@ -135,6 +136,15 @@ def test_missing_section_for_the_role_is_named(tmp_path):
 def test_bad_flag_exits_2(tmp_path, change, expected):
     result = run_engine_server(tmp_path, GOOD, extra=change)
     assert result.returncode == 2 and expected in result.stderr
+
+
+@pytest.mark.parametrize("cores, expected", [("1,x", "invalid literal"), ("4096", "Invalid argument")])
+@pytest.mark.processes
+def test_bad_cores_from_the_node_manager_exit_2_naming_the_variable(tmp_path, cores, expected):
+    result = run_engine_server(tmp_path, GOOD, env={**os.environ, "MOTOR_ENGINE_CPUS": cores})
+    assert result.returncode == 2, result.stderr
+    assert f"MOTOR_ENGINE_CPUS={cores!r}: expected this host's CPU core numbers" in result.stderr
+    assert expected in result.stderr
 
 
 @pytest.mark.processes

@@ -55,13 +55,21 @@ async def test_start_reaches_running_and_stop_leaves_no_process(make_node):
 
 @pytest.mark.processes
 async def test_on_a_cpu_node_an_engine_is_bound_to_its_own_cores(make_node):
-    node = await make_node(accelerator_type="cpu", accelerators=[0, 1])
-    engine = await node.start(accelerator_ids=[1])
+    core = max(os.sched_getaffinity(0))  # the last core this test may use
+    node = await make_node(accelerator_type="cpu", accelerators=sorted({0, core}))
+    engine = await node.start(accelerator_ids=[core])
     env = _environ(engine.pid)
     # vLLM's CPU build binds its OpenMP threads to these cores; no GPU variable is set.
-    assert env[b"VLLM_CPU_OMP_THREADS_BIND"] == b"1"
+    assert env[b"VLLM_CPU_OMP_THREADS_BIND"] == str(core).encode()
     assert b"CUDA_VISIBLE_DEVICES" not in env and b"ASCEND_RT_VISIBLE_DEVICES" not in env
+    # The engine server binds its whole process (every thread, every child) before it starts anything.
+    await async_wait_for(lambda: _threads_bound_to(engine.pid, {core}), what="the engine server bound to its core")
     await node.stop("prefill-0/rank0")
+
+
+def _threads_bound_to(pid: int, cores: set[int]) -> bool:
+    process = psutil.Process(pid)
+    return len(process.threads()) > 1 and all(os.sched_getaffinity(thread.id) == cores for thread in process.threads())
 
 
 async def _with_probe(node):
