@@ -116,6 +116,10 @@ RULES = {
 }
 
 
+def rule_text(rule: str, args) -> str:
+    return RULES[rule].format(p99=args.p99_ms, report_p99=args.report_p99_ms, ratio=args.floor_ratio)
+
+
 def step(
     size: int,
     stub,
@@ -376,9 +380,9 @@ def run(args) -> int:
     for rule in rules:
         for tls in modes:
             what = "mutual TLS" if tls else "plaintext "
-            rule_text = RULES[rule].format(p99=args.p99_ms, report_p99=args.report_p99_ms, ratio=args.floor_ratio)
+            text = rule_text(rule, args)
             print(
-                f"{what}: largest fleet sustained ({rule_text}): "
+                f"{what}: largest fleet sustained ({text}): "
                 f"{best[rule][tls]} nodes x {ENGINES_PER_NODE} engines ({best[rule][tls] * ENGINES_PER_NODE} engines); "
                 "goal 10000 x 8"
             )
@@ -391,10 +395,8 @@ def run(args) -> int:
         for rule in rules:
             plain, tls = best[rule][False], best[rule][True]
             ratio = f"{tls / plain:.2f}" if plain else "undefined (no plaintext step sustained)"
-            rule_text = RULES[rule].format(p99=args.p99_ms, report_p99=args.report_p99_ms, ratio=args.floor_ratio)
-            print(
-                f"mutual TLS / plaintext, largest fleet sustained ({rule_text}): {ratio} (goal: at least 0.90; {how})"
-            )
+            text = rule_text(rule, args)
+            print(f"mutual TLS / plaintext, largest fleet sustained ({text}): {ratio} (goal: at least 0.90; {how})")
     print(f"heartbeat budget: --max-heartbeats-per-second {args.max_heartbeats_per_second:g}")
     print(
         f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end (controller and fleet share "

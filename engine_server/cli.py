@@ -240,15 +240,15 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
     return Exit(EXIT_OK, STOPPED, f"{stop.signal_name}: {how}, shut down cleanly")
 
 
-def bind_to_own_cores(environ: dict[str, str] | os._Environ = os.environ) -> set[int] | None:
+def bind_to_own_cores() -> None:
     """Bind this process to the CPU cores its node manager gave it (`MOTOR_ENGINE_CPUS`, on a `cpu`
     node), before any thread starts: every later thread and child process inherits the binding.
     Without it, importing torch (MKL counting the cores) moves the process onto every core of the
     host in turn, and on a core where another engine's worker spins it can stall for minutes.
-    Returns the cores, None when none were given; ValueError names a bad value."""
-    value = environ.get(CPUS_ENV, "").strip()
+    ValueError names a bad value."""
+    value = os.environ.get(CPUS_ENV, "").strip()
     if not value:
-        return None
+        return
     try:
         cores = {int(core) for core in value.split(",")}
         os.sched_setaffinity(0, cores)
@@ -257,7 +257,6 @@ def bind_to_own_cores(environ: dict[str, str] | os._Environ = os.environ) -> set
             f"{CPUS_ENV}={value!r}: expected this host's CPU core numbers separated by commas "
             f"(this process may run on cores {sorted(os.sched_getaffinity(0))}): {exc}"
         ) from None
-    return cores
 
 
 def main(argv: list[str] | None = None) -> None:

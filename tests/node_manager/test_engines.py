@@ -68,8 +68,8 @@ async def test_on_a_cpu_node_an_engine_is_bound_to_its_own_cores(make_node):
 
 
 def _threads_bound_to(pid: int, cores: set[int]) -> bool:
-    process = psutil.Process(pid)
-    return len(process.threads()) > 1 and all(os.sched_getaffinity(thread.id) == cores for thread in process.threads())
+    threads = psutil.Process(pid).threads()
+    return len(threads) > 1 and all(os.sched_getaffinity(thread.id) == cores for thread in threads)
 
 
 async def _with_probe(node):
