@@ -1,14 +1,14 @@
 """Domain errors and the one place that maps them to gRPC status codes.
 
-Behaviour classes raise these; servicers never build status codes themselves. The
-`ErrorMappingInterceptor` turns them into an aborted RPC with the same message.
+Behaviour classes raise these; servicers never build status codes themselves. Every Motor
+server's interceptor (motor/service/server_calls.py) turns them into an aborted RPC with the same
+message.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -72,7 +72,7 @@ PROTOBUF_MAX_DEPTH = 100
 class UndecodableRequest:
     """Stands in for a request body the method's deserializer refused. gRPC would answer a
     deserializer's exception with UNKNOWN before any interceptor runs; this placeholder reaches
-    ErrorMappingInterceptor, which answers INVALID_ARGUMENT."""
+    the server's interceptor, which answers INVALID_ARGUMENT (`refuse_undecodable`)."""
 
     def __init__(self, error: Exception):
         self.error = error
@@ -102,101 +102,7 @@ def decoding(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], An
     return decode
 
 
-async def _refuse_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
+async def refuse_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
+    """Ends the call with INVALID_ARGUMENT when `request` is one `decoding` could not decode."""
     if isinstance(request, UndecodableRequest):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, status_message(InvalidArgument(request.message())))
-
-
-def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await _refuse_undecodable(request, context)
-        try:
-            return await behavior(request, context)
-        except MotorError as exc:
-            await context.abort(exc.code, status_message(exc))
-
-    return wrapper
-
-
-def _wrap_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
-    if not inspect.isasyncgenfunction(behavior):
-        return _wrap_unary(behavior)  # a stream written with context.write (grpc's health Watch)
-
-    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await _refuse_undecodable(request, context)
-        try:
-            async for item in behavior(request, context):
-                yield item
-        except MotorError as exc:
-            await context.abort(exc.code, status_message(exc))
-
-    return wrapper
-
-
-def _wrap_bidi(behavior: Callable[..., Any]) -> Callable[..., Any]:
-    """A request stream ends with INVALID_ARGUMENT at its first undecodable message."""
-    wrapped = _wrap_stream(behavior)
-
-    async def decoded(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-        async for request in requests:
-            await _refuse_undecodable(request, context)
-            yield request
-
-    if inspect.isasyncgenfunction(behavior):
-
-        async def wrapper(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-            async for item in wrapped(decoded(requests, context), context):
-                yield item
-
-        return wrapper
-
-    async def writer(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await wrapped(decoded(requests, context), context)
-
-    return writer
-
-
-class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Maps `MotorError` raised by any servicer method to its status code and message, and an
-    undecodable request body to INVALID_ARGUMENT (before authentication: gRPC decodes first)."""
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        return rewrap_handler(handler, _wrap_unary, _wrap_stream, _wrap_bidi)
-
-
-def rewrap_handler(
-    handler: grpc.RpcMethodHandler | None,
-    wrap_unary: Callable[[Callable], Callable],
-    wrap_stream: Callable[[Callable], Callable],
-    wrap_bidi: Callable[[Callable], Callable] | None = None,
-) -> grpc.RpcMethodHandler | None:
-    """`handler` with its unary-unary, unary-stream or stream-stream behaviour passed through a
-    wrapper (for interceptors; `wrap_bidi` defaults to `wrap_stream`, which passes the request
-    stream on as it is), and a request deserializer that never raises (`decoding`);
-    client-streaming ones (Motor serves none) are returned as they are."""
-    if handler is None:
-        return handler
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(
-            wrap_unary(handler.unary_unary),
-            request_deserializer=decoding(handler.request_deserializer),
-            response_serializer=handler.response_serializer,
-        )
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(
-            wrap_stream(handler.unary_stream),
-            request_deserializer=decoding(handler.request_deserializer),
-            response_serializer=handler.response_serializer,
-        )
-    if handler.stream_stream is not None:  # StreamHeartbeats
-        return grpc.stream_stream_rpc_method_handler(
-            (wrap_bidi or wrap_stream)(handler.stream_stream),
-            request_deserializer=decoding(handler.request_deserializer),
-            response_serializer=handler.response_serializer,
-        )
-    return handler

@@ -1,4 +1,4 @@
-"""Who may call what: one table of methods and roles, one interceptor that enforces it.
+"""Who may call what: one table of methods and roles, and the checks that enforce it on every call.
 
 Roles (docs/security.md has the same table for readers):
 - `node:<id>`     a node manager, from a certificate with `spiffe://motor/node/<id>`; may register,
@@ -22,9 +22,7 @@ Each caller may hold at most `max_streams_per_caller` streams open at once.
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,75 +218,41 @@ class AccessPolicy:
         return f"host {host}"
 
 
-class AccessInterceptor(grpc.aio.ServerInterceptor):
-    """Authenticates, authorizes and counts streams for every call, per an `AccessPolicy`."""
+class AccessControl:
+    """Authenticates, authorizes and counts streams for every call, per an `AccessPolicy`; the
+    server's interceptor (motor/service/server_calls.py) asks it at each step of a call."""
 
     def __init__(self, policy: AccessPolicy):
         self.policy = policy
         self.open_streams: dict[str, int] = {}
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None:
-            return handler
-        method, metadata = details.method, details.invocation_metadata
-        kind = _handler_kind(handler)
-        behavior = getattr(handler, kind)
-        sees_request = kind in ("unary_unary", "unary_stream")  # a request stream is checked message by message
+    async def admit(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> Caller | None:
+        """The caller, after checking it may call `method` (with `request`, when the call has
+        one: a request stream's messages are checked as they come, `check_message`); aborts the
+        call otherwise. None for a method open to anyone."""
+        caller = None
+        try:
+            rule = self.policy.table.get(method)
+            if rule is not None and OPEN in rule.roles:
+                return None
+            caller = self.policy.authenticate(context.auth_context(), context.invocation_metadata(), context.peer())
+            self.policy.authorize(method, caller, request)
+        except Refused as refusal:
+            logger.warning("refused %s from %s: %s", method, context.peer(), refusal)
+            await context.abort(refusal.code, status_message(refusal))
+        return caller
 
-        async def enter(request: Any, context: grpc.aio.ServicerContext) -> tuple[Caller | None, str | None]:
-            caller = await self._admit(method, metadata, request if sees_request else None, context)
-            return caller, None if kind == "unary_unary" else await self._enter_stream(caller, context)
+    async def check_message(self, method: str, caller: Caller, request: Any, context: grpc.aio.ServicerContext) -> None:
+        """One message of a request stream, checked as a unary request would be (a node's
+        heartbeat stream may carry only its own node's heartbeats); aborts the call otherwise."""
+        try:
+            self.policy.authorize(method, caller, request)
+        except Refused as refusal:
+            logger.warning("refused %s from %s: %s", method, context.peer(), refusal)
+            await context.abort(refusal.code, status_message(refusal))
 
-        async def checked(
-            requests: AsyncIterator[Any], caller: Caller | None, context: grpc.aio.ServicerContext
-        ) -> AsyncIterator[Any]:
-            """Each message of a request stream, after checking it as a unary request (a node's
-            heartbeat stream may carry only its own node's heartbeats)."""
-            async for request in requests:
-                if caller is not None:
-                    try:
-                        self.policy.authorize(method, caller, request)
-                    except Refused as refusal:
-                        logger.warning("refused %s from %s: %s", method, context.peer(), refusal)
-                        await context.abort(refusal.code, str(refusal))
-                yield request
-
-        if inspect.isasyncgenfunction(behavior):
-
-            async def guarded_generator(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                caller, key = await enter(request, context)
-                if not sees_request:
-                    request = checked(request, caller, context)
-                try:
-                    async for item in behavior(request, context):
-                        yield item
-                finally:
-                    self._leave_stream(key)
-
-            wrapped: Callable[..., Any] = guarded_generator
-        else:  # a coroutine (unary replies, or streams written with context.write)
-
-            async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                caller, key = await enter(request, context)
-                if not sees_request:
-                    request = checked(request, caller, context)
-                try:
-                    return await behavior(request, context)
-                finally:
-                    self._leave_stream(key)
-
-            wrapped = guarded
-        make = getattr(grpc, f"{kind}_rpc_method_handler")
-        return make(
-            wrapped, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-        )
-
-    async def _enter_stream(self, caller: Caller | None, context: grpc.aio.ServicerContext) -> str:
+    async def enter_stream(self, caller: Caller | None, context: grpc.aio.ServicerContext) -> str:
+        """Counts a stream against its caller's limit (aborts the call over it); the key to leave with."""
         key = self.policy.stream_key(caller, context.peer())
         held = self.open_streams.get(key, 0)
         if held >= self.policy.max_streams_per_caller:
@@ -300,35 +264,12 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
         self.open_streams[key] = held + 1
         return key
 
-    def _leave_stream(self, key: str | None) -> None:
+    def leave_stream(self, key: str | None) -> None:
         if key is None:
             return
         self.open_streams[key] -= 1
         if not self.open_streams[key]:
             del self.open_streams[key]
-
-    async def _admit(
-        self, method: str, metadata: Any, request: Any, context: grpc.aio.ServicerContext
-    ) -> Caller | None:
-        """The caller, after checking it may call `method`; aborts the call otherwise."""
-        caller = None
-        try:
-            rule = self.policy.table.get(method)
-            if rule is not None and OPEN in rule.roles:
-                return None
-            caller = self.policy.authenticate(context.auth_context(), metadata, context.peer())
-            self.policy.authorize(method, caller, request)
-        except Refused as refusal:
-            logger.warning("refused %s from %s: %s", method, context.peer(), refusal)
-            await context.abort(refusal.code, status_message(refusal))
-        return caller
-
-
-def _handler_kind(handler: grpc.RpcMethodHandler) -> str:
-    for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
-        if getattr(handler, kind) is not None:
-            return kind
-    raise ValueError("a method handler without a behaviour")
 
 
 def _quoted(node_id: object) -> str:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, Field, model_validator
 
 from motor.errors import ConfigError
-from motor.security.access import AccessInterceptor, AccessPolicy
+from motor.security.access import AccessControl, AccessPolicy
 from motor.security.identity import TRUST_DOMAIN
 from motor.security.tokens import TokenStore
 from motor.service.cli_config import Flag
@@ -126,7 +126,8 @@ class SecuritySettings(BaseModel):
         return MotorServer(
             bind,
             tls=tls,
-            interceptors=[AccessInterceptor(policy), *(interceptors or [])],
+            access=AccessControl(policy),
+            interceptors=interceptors,
             reflection=self.reflection,
             token_bind=self.token_listen,
             token_tls=TlsFiles(cert=self.tls_cert, key=self.tls_key) if self.token_listen else None,

@@ -3,30 +3,24 @@
 The series are those of py-grpc-prometheus (and of go-grpc-prometheus), so existing dashboards
 and rules work: grpc_server_started_total, grpc_server_handled_total{grpc_code},
 grpc_server_handling_seconds. py-grpc-prometheus itself only wraps synchronous servers
-(grpc.ServerInterceptor); Motor's servers are grpc.aio, hence this interceptor.
+(grpc.ServerInterceptor); Motor's servers are grpc.aio, so their one interceptor
+(motor/service/server_calls.py) counts every call here.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from motor.errors import rewrap_handler
-
 LABELS = ["grpc_type", "grpc_service", "grpc_method"]
-Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]
 HANDLING_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
-class GrpcServerMetrics(grpc.aio.ServerInterceptor):
-    """Counts started and finished RPCs and times them. Install it outermost, so that it sees the
-    status code other interceptors set (ErrorMappingInterceptor's aborts)."""
+class GrpcServerMetrics:
+    """Started and finished RPCs and their durations, for every method of one server."""
 
     def __init__(self, registry: CollectorRegistry | None):
         self.started = Counter(
@@ -51,54 +45,32 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
             registry=registry,
         )
 
-    async def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Any:
-        service, _, method = details.method.lstrip("/").rpartition("/")
-        return rewrap_handler(
-            await continuation(details),
-            lambda behavior: self._unary(behavior, ("unary", service, method)),
-            lambda behavior: self._stream(behavior, ("server_stream", service, method)),
-            lambda behavior: self._stream(behavior, ("bidi_stream", service, method)),
-        )
+    def method(self, kind: str, path: str) -> MethodMetrics:
+        """The series of one method (`kind`: unary, server_stream or bidi_stream; `path`:
+        /package.Service/Method), looked up once rather than on every call."""
+        service, _, name = path.lstrip("/").rpartition("/")
+        labels = (kind, service, name)
+        return MethodMetrics(self, labels)
 
-    def _finish(
-        self, labels: tuple[str, ...], context: grpc.aio.ServicerContext, began: float, outcome: grpc.StatusCode
-    ) -> None:
-        # An abort (context.abort, the error-mapping interceptor) leaves its code on the context.
+
+class MethodMetrics:
+    """One method's children of the series: started and timed on every call, handled by code."""
+
+    __slots__ = ("metrics", "labels", "started", "handling", "handled")
+
+    def __init__(self, metrics: GrpcServerMetrics, labels: tuple[str, ...]):
+        self.metrics, self.labels = metrics, labels
+        self.started = metrics.started.labels(*labels)
+        self.handling = metrics.handling.labels(*labels)
+        self.handled: dict[str, Any] = {}
+
+    def finish(self, context: grpc.aio.ServicerContext, began: float, outcome: grpc.StatusCode) -> None:
+        """Counts the call as handled with its status code and times it."""
+        # An abort (access checks, a mapped domain error) leaves its code on the context.
         code = context.code() or outcome
-        self.handled.labels(*labels, code.name if isinstance(code, grpc.StatusCode) else str(code)).inc()
-        self.handling.labels(*labels).observe(time.perf_counter() - began)
-
-    def _unary(self, behavior: Callable[..., Awaitable[Any]], labels: tuple[str, ...]) -> Callable[..., Awaitable[Any]]:
-        async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            self.started.labels(*labels).inc()
-            began, outcome = time.perf_counter(), grpc.StatusCode.UNKNOWN
-            try:
-                response = await behavior(request, context)
-                outcome = grpc.StatusCode.OK
-                return response
-            except asyncio.CancelledError:
-                outcome = grpc.StatusCode.CANCELLED
-                raise
-            finally:
-                self._finish(labels, context, began, outcome)
-
-        return wrapper
-
-    def _stream(self, behavior: Callable[..., Any], labels: tuple[str, ...]) -> Callable[..., Any]:
-        if not inspect.isasyncgenfunction(behavior):
-            return self._unary(behavior, labels)  # a stream written with context.write (grpc's health Watch)
-
-        async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            self.started.labels(*labels).inc()
-            began, outcome = time.perf_counter(), grpc.StatusCode.UNKNOWN
-            try:
-                async for item in behavior(request, context):
-                    yield item
-                outcome = grpc.StatusCode.OK
-            except (asyncio.CancelledError, GeneratorExit):
-                outcome = grpc.StatusCode.CANCELLED
-                raise
-            finally:
-                self._finish(labels, context, began, outcome)
-
-        return wrapper
+        name = code.name if isinstance(code, grpc.StatusCode) else str(code)
+        handled = self.handled.get(name)
+        if handled is None:
+            handled = self.handled[name] = self.metrics.handled.labels(*self.labels, name)
+        handled.inc()
+        self.handling.observe(time.perf_counter() - began)

@@ -22,10 +22,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from motor.errors import ConfigError, ErrorMappingInterceptor
+from motor.errors import ConfigError
 from motor.security.tls import ReloadingServerCredentials, TlsFileWatch, TlsPems
+from motor.service.server_calls import ServerCalls
 
 if TYPE_CHECKING:  # prometheus_client must not be imported before the engine server sets its multiprocess dir
+    from motor.security.access import AccessControl
     from motor.service.grpc_metrics import GrpcServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -105,7 +107,8 @@ def aio_channel(
 
 
 class MotorServer:
-    """An asyncio gRPC server with health, reflection and domain-error mapping built in."""
+    """An asyncio gRPC server with health, reflection, domain-error mapping and, when given, metrics and
+    access checks built in."""
 
     def __init__(
         self,
@@ -117,11 +120,13 @@ class MotorServer:
         token_tls: TlsFiles | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         metrics: GrpcServerMetrics | None = None,
+        access: AccessControl | None = None,
         setting: str = "listen",
         token_setting: str = "token_listen",
     ):
         """`token_bind`: a second TLS port that asks for no client certificate (bearer tokens);
-        `setting`/`token_setting`: the settings named when a port cannot be bound."""
+        `metrics`, `access`: counted and checked calls (motor/service/server_calls.py), before
+        `interceptors`; `setting`/`token_setting`: the settings named when a port cannot be bound."""
         self.bind = bind
         self.setting, self.token_setting = setting, token_setting
         self.tls = tls
@@ -131,10 +136,8 @@ class MotorServer:
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
         ]
-        # Metrics outermost: they see the status codes the error mapping and access checks set.
-        outer = [metrics] if metrics is not None else []
         self.server = grpc.aio.server(
-            interceptors=[*outer, ErrorMappingInterceptor(), *(interceptors or [])],
+            interceptors=[ServerCalls(metrics, access), *(interceptors or [])],
             options=list(dict([*SERVER_OPTIONS, *sizes]).items()),
         )
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()

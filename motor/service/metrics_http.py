@@ -2,7 +2,7 @@
 (aiohttp), with the event-loop lag and gRPC series every service shares.
 
     telemetry = ServiceTelemetry(registry)          # before the gRPC server is built
-    server = MotorServer(bind, interceptors=[telemetry.grpc])
+    server = MotorServer(bind, metrics=telemetry.grpc)
     await telemetry.serve("0.0.0.0", 9471, routes={"/discovery/engines": engine_targets})
     ...
     await telemetry.close()

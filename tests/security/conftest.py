@@ -1,5 +1,5 @@
 """A development PKI made by motor/security/pki.py, and a real TLS server on 127.0.0.1:0 that serves every
-Motor RPC with empty answers, so the access interceptor in front of it is what a test exercises."""
+Motor RPC with empty answers, so the access checks in front of it are what a test exercises."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import grpc
 import pytest
 from google.protobuf import message_factory
 
-from motor.security.access import AccessInterceptor, AccessPolicy
+from motor.security.access import AccessControl, AccessPolicy
 from motor.security.identity import Identity
 from motor.security.pki import CertificateAuthority
 from motor.security.tokens import TokenStore
@@ -109,19 +109,19 @@ class Served:
     server: MotorServer
     services: EmptyServices
     port: int
-    interceptor: AccessInterceptor
+    access: AccessControl
     extra_ports: list[int] = field(default_factory=list)
 
 
 async def serve(
     tls: TlsFiles | None, policy: AccessPolicy, bind: str = "127.0.0.1:0", reflection: bool = True
 ) -> Served:
-    interceptor = AccessInterceptor(policy)
-    server = MotorServer(bind, tls=tls, interceptors=[interceptor], reflection=reflection)
+    access = AccessControl(policy)
+    server = MotorServer(bind, tls=tls, access=access, reflection=reflection)
     services = EmptyServices()
     services.register(server)
     port = await server.start()
-    return Served(server, services, port, interceptor)
+    return Served(server, services, port, access)
 
 
 @pytest.fixture(scope="session")

@@ -145,7 +145,7 @@ async def test_streams_per_caller_are_limited_and_released(dev_pki):
             other.cancel()
             streams[0].cancel()
             await async_wait_for(
-                lambda: served.interceptor.open_streams.get("spiffe://motor/viewer/viewer") == 1, what="stream released"
+                lambda: served.access.open_streams.get("spiffe://motor/viewer/viewer") == 1, what="stream released"
             )
             again = _stub(viewer).WatchEvents(controller_pb2.WatchEventsRequest(), timeout=10)
             await again.read()
