@@ -13,7 +13,7 @@ up; per step the script prints:
 
   - the announced heartbeat interval and grace, heartbeats/s answered against the rate asked for
     (nodes / interval), and the round trip the simulated nodes saw (p50, p99);
-  - engine failure reports: round trip p99 (handled before the answer);
+  - engine failure reports: round trip p50 and p99 (handled before the answer);
   - the controller process's CPU (percent of one core), its CPU per heartbeat (all of its CPU
     over the beats answered: an upper bound, reports and scrapes included), its resident memory,
     and the fleet's CPU;
@@ -21,7 +21,8 @@ up; per step the script prints:
     window) and, of it, the part not spent waiting for a CPU (motor_event_loop_blocked_seconds:
     what the controller itself held the loop for; the rest is the machine's load), the share of
     the window its loop thread ran and the share it waited, runnable, for a CPU (Linux schedstat:
-    the machine's load, measured), and its largest lag in the window;
+    the machine's load, measured), and its largest lag in the window; the controller's garbage
+    collections in the window (motor_gc_pause_seconds: p50 and longest, bucket bounds);
   - the /metrics scrapes of the step: the script scrapes as Prometheus does, from the controller's
     start to the step's end, every --scrape-interval (15 s) with gzip asked and a 10 s timeout
     (bench/prometheus_scraper.py), its phase set so that one falls in the middle of the window:
@@ -151,6 +152,7 @@ def step(
     ingest_before = scrape(metrics_port, "motor_controller_heartbeat_ingest_seconds")
     lag_before = scrape(metrics_port, "motor_event_loop_lag_seconds")
     blocked_before = scrape(metrics_port, "motor_event_loop_blocked_seconds")
+    gc_before = scrape(metrics_port, "motor_gc_pause_seconds")
     time.sleep(1)
     proc.cpu_percent(None)
     fleet.ps.cpu_percent(None)
@@ -172,6 +174,8 @@ def step(
     lag_after = scrape(metrics_port, "motor_event_loop_lag_seconds")
     lag_p99, lag_max = histogram_quantile(lag_before, lag_after, 0.99), histogram_quantile(lag_before, lag_after, 1.0)
     blocked_p99 = histogram_quantile(blocked_before, scrape(metrics_port, "motor_event_loop_blocked_seconds"), 0.99)
+    gc_after = scrape(metrics_port, "motor_gc_pause_seconds")
+    gc_p50, gc_max = histogram_quantile(gc_before, gc_after, 0.5), histogram_quantile(gc_before, gc_after, 1.0)
     ready = sum(1 for _ in paged_nodes(stub, "state=READY"))
     expected = size / interval
     heard = seen["p99_ms"] < args.p99_ms and seen["rate"] >= 0.95 * expected and seen["errors"] == 0
@@ -191,11 +195,12 @@ def step(
         "deltas"
         f" carrying {seen['delta_engines']} engines, {seen['full_beats']} full)"
         f" | round trip p50 {seen['p50_ms']:6.2f} ms p99 {seen['p99_ms']:7.2f} ms"
-        f" | failure reports {seen['reports']} p99 {seen['report_p99_ms']:6.2f} ms"
+        f" | failure reports {seen['reports']} p50 {seen['report_p50_ms']:5.2f} ms p99 {seen['report_p99_ms']:6.2f} ms"
         f" | controller CPU {cpu:5.1f}% ({per_beat_ms:.3f} ms per beat) RSS {rss:6.1f} MiB ({rss / floor_mib:.2f} x "
         f"the bare-grpcio floor {floor_mib:.0f} MiB) handling p99 <= {ingest_p99 * 1e3:g} ms loop lag p99 <= "
         f"{lag_p99 * 1e3:g} ms max <= {lag_max * 1e3:g} ms"
-        f" (blocked <= {blocked_p99 * 1e3:g} ms)"
+        f" (blocked <= {blocked_p99 * 1e3:g} ms; garbage collections p50 <= {gc_p50 * 1e3:g} ms max <= "
+        f"{gc_max * 1e3:g} ms)"
         f" loop thread ran {loop_ran:.0%} waited for a CPU {loop_waited:.0%}"
         f" | {scraper.summary(set_up, time.monotonic())}"
         f" (in the window: {', '.join(f'{s.seconds:.2f}s' for s in scraper.within(window_began, window_ended))};"

@@ -55,15 +55,17 @@ def deployments(instances: int, count: int) -> list[C.Deployment]:
 
 
 def scrape(metrics_port: int, name: str) -> dict[float, float]:
-    """A histogram's buckets, read alone (the fleet series are not rendered for it)."""
+    """A histogram's buckets, read alone (the fleet series are not rendered for it), summed over its
+    other labels (motor_gc_pause_seconds: both walks)."""
     text = (
         urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics?name[]={name}_bucket", timeout=60)
         .read()
         .decode()
     )
-    buckets = {}
-    for le, value in re.findall(name + r'_bucket\{le="([^"]+)"\} (\S+)', text):
-        buckets[float("inf") if le == "+Inf" else float(le)] = float(value)
+    buckets: dict[float, float] = {}
+    for le, value in re.findall(name + r'_bucket\{(?:[^}]*,)?le="([^"]+)"[^}]*\} (\S+)', text):
+        bound = float("inf") if le == "+Inf" else float(le)
+        buckets[bound] = buckets.get(bound, 0.0) + float(value)
     return buckets
 
 

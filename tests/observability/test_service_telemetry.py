@@ -30,7 +30,7 @@ async def test_grpc_calls_are_counted_by_method_and_code():
     server = MotorServer("127.0.0.1:0", metrics=telemetry.grpc)
 
     class Failing(health_pb2_grpc.HealthServicer):
-        async def Check(self, request, context):  # a domain error, mapped by ErrorMappingInterceptor
+        async def Check(self, request, context):  # a domain error, mapped by the server's interceptor
             raise InvalidArgument("service: not a real service")
 
     # A second health service under another name, whose Check fails the way servicers fail.

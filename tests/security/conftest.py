@@ -17,6 +17,7 @@ from motor.security.access import AccessControl, AccessPolicy
 from motor.security.identity import Identity
 from motor.security.pki import CertificateAuthority
 from motor.security.tokens import TokenStore
+from motor.service.grpc_metrics import GrpcServerMetrics
 from motor.service.grpc_server import MotorServer, TlsFiles, aio_channel
 from motor.v1 import controller_pb2, engine_pb2, node_manager_pb2
 from motorctl.pki import DevPki, make_dev_pki
@@ -114,10 +115,14 @@ class Served:
 
 
 async def serve(
-    tls: TlsFiles | None, policy: AccessPolicy, bind: str = "127.0.0.1:0", reflection: bool = True
+    tls: TlsFiles | None,
+    policy: AccessPolicy,
+    bind: str = "127.0.0.1:0",
+    reflection: bool = True,
+    metrics: GrpcServerMetrics | None = None,
 ) -> Served:
     access = AccessControl(policy)
-    server = MotorServer(bind, tls=tls, access=access, reflection=reflection)
+    server = MotorServer(bind, tls=tls, access=access, reflection=reflection, metrics=metrics)
     services = EmptyServices()
     services.register(server)
     port = await server.start()

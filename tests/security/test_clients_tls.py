@@ -1,5 +1,5 @@
 """The Go and JavaScript example clients over TLS: a client certificate or a bearer token, against
-the access interceptor on a real TLS server (the services behind it answer empty messages)."""
+the access checks on a real TLS server (the services behind it answer empty messages)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Authentication, certificate rotation and stream limits on a real TLS server (127.0.0.1:0)
-behind the access interceptor; grpcurl calls it as a user would."""
+behind the access checks; grpcurl calls it as a user would."""
 
 from __future__ import annotations
 
