@@ -9,19 +9,22 @@ pending read living until its next beat, 5 s later) that was 250 collections a s
 a core, with pauses of 60-180 ms for young collections and 100-470 ms for full ones, because
 what lives 5 s was walked again by every generation it passed through.
 
-`TenuredCollections` collects by time instead: every PACE seconds one collection of everything
-not frozen, after which what survived is frozen (`gc.freeze`), so each object is walked once,
-in the first collection after it was made (short-lived garbage, cycles included, is reclaimed
-there), and later collections walk only what was made since: at 10,000 nodes 10-35 ms each
-(p50), 7-17% of a core. Allocations still start a collection past YOUNG_SAFETY (a burst between
-two paced ones). Reference counting still frees frozen objects; only reference cycles among them
-that turn into garbage later would stay, so once the heap has doubled since the last complete
-walk, the frozen objects are thawed and the next collection walks (and reclaims) everything.
-Steady state: no complete walk; while the state grows: one per doubling. That walk is the one
-pause left that grows with the fleet: about half a microsecond per object on this loaded
-machine, 0.3-0.6 s for the 600,000-800,000 objects of a 10,000 x dp 4 deployment, measured
-before the per-engine state was made compact (about a third of the objects since:
-docs/controller.md, memory per engine).
+`TenuredCollections` collects by time instead: every PACE seconds one collection of everything not
+frozen, after which what survived is frozen (`gc.freeze`), so each object is walked once, in the
+first collection after it was made (short-lived garbage, cycles included, is reclaimed there), and
+later collections walk only what was made since. What a collection walks at 10,000 nodes is mostly
+the heartbeat streams' pending reads made since the last one (about 20 objects each, 2,000 a
+second), so its pause grows with PACE: 0.25 s gave pauses of 5-10 ms (p50) and a loop held up to
+25-50 ms; 0.1 s gives 1-2.5 ms and at most 10 ms, with no more CPU in all (each object is walked
+once either way; bench/controller_scale.py). Allocations still start a collection past YOUNG_SAFETY
+(a burst between two paced ones). Reference counting still frees frozen objects; only reference
+cycles among them that turn into garbage later would stay, so once the heap has doubled since the
+last complete walk, the frozen objects are thawed and the next collection walks (and reclaims)
+everything. Steady state: no complete walk; while the state grows: one per doubling. That walk is
+the one pause left that grows with the fleet: about half a microsecond per object on this loaded
+machine, 0.3-0.6 s for the 600,000-800,000 objects of a 10,000 x dp 4 deployment, measured before
+the per-engine state was made compact (about a third of the objects since: docs/controller.md,
+memory per engine).
 
 - A deployment change holds the old and the new instances at once for seconds: while `busy()`
   says one is under way, a due walk waits for the first collection after it (it walks the
@@ -43,7 +46,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Histogram
 
 FLOOR = 500_000  # allocated blocks (about 200,000 objects): no complete walk before twice this
-PACE = 0.25  # seconds between two collections
+PACE = 0.1  # seconds between two collections: short pauses (see above)
 YOUNG_SAFETY = 20_000  # allocations (net of frees) that start a collection before the next paced one
 PAUSE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 PAUSE_HELP = (
