@@ -68,20 +68,22 @@ class ServerCalls(grpc.aio.ServerInterceptor):
         if handler.stream_stream is not None:  # StreamHeartbeats
             behavior = call.stream(handler.stream_stream, "bidi_stream", reads_stream=True)
             return grpc.stream_stream_rpc_method_handler(behavior, decode, serialize)
-        return handler  # client streaming: Motor serves none
+        # Client streaming (Motor serves none yet): checked like the others, never let through unchecked.
+        behavior = call.stream(handler.stream_unary, "client_stream", reads_stream=True)
+        return grpc.stream_unary_rpc_method_handler(behavior, decode, serialize)
 
 
 class _Call:
     """The wrappers of one method's behaviour."""
 
     def __init__(self, method: str, metrics: GrpcServerMetrics | None, access: AccessControl | None):
-        self.method, self.access = method, access
-        self.metrics_for: Callable[[str], MethodMetrics | None] = (
-            (lambda kind: metrics.method(kind, method)) if metrics is not None else (lambda kind: None)
-        )
+        self.method, self.metrics, self.access = method, metrics, access
+
+    def metrics_of(self, kind: str) -> MethodMetrics | None:
+        return self.metrics.method(kind, self.method) if self.metrics is not None else None
 
     def unary(self, behavior: Callable[..., Awaitable[Any]], kind: str) -> Callable[..., Awaitable[Any]]:
-        method, access, metrics = self.method, self.access, self.metrics_for(kind)
+        method, access, metrics = self.method, self.access, self.metrics_of(kind)
 
         async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             began, outcome = _begin(metrics), grpc.StatusCode.UNKNOWN
@@ -107,7 +109,7 @@ class _Call:
     def stream(self, behavior: Callable[..., Any], kind: str, reads_stream: bool) -> Callable[..., Any]:
         """A streaming method: counted against its caller's open streams while it lasts; with
         `reads_stream`, each request message is checked as it is read (`CheckedRequests`)."""
-        method, access, metrics = self.method, self.access, self.metrics_for(kind)
+        method, access, metrics = self.method, self.access, self.metrics_of(kind)
 
         async def open_stream(request: Any, context: grpc.aio.ServicerContext) -> tuple[Any, str | None]:
             caller: Caller | None = None
@@ -122,17 +124,20 @@ class _Call:
                 request = CheckedRequests(context, method, caller, access)
             return request, key
 
-        if not inspect.isasyncgenfunction(behavior):  # a stream written with context.write (grpc's health Watch)
+        if not inspect.isasyncgenfunction(behavior):
+            # A coroutine: a stream written with context.write (grpc's health Watch), or a client
+            # stream's single answer.
 
             async def written(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 began, outcome, key = _begin(metrics), grpc.StatusCode.UNKNOWN, None
                 try:
                     request, key = await open_stream(request, context)
                     try:
-                        await behavior(request, context)
+                        response = await behavior(request, context)
                     except MotorError as exc:
                         await context.abort(exc.code, status_message(exc))
                     outcome = grpc.StatusCode.OK
+                    return response
                 except asyncio.CancelledError:
                     outcome = grpc.StatusCode.CANCELLED
                     raise
@@ -171,7 +176,9 @@ class CheckedRequests:
 
     __slots__ = ("context", "method", "caller", "access")
 
-    def __init__(self, context: grpc.aio.ServicerContext, method: str, caller: Caller | None, access: Any):
+    def __init__(
+        self, context: grpc.aio.ServicerContext, method: str, caller: Caller | None, access: AccessControl | None
+    ):
         self.context, self.method, self.caller, self.access = context, method, caller, access
 
     def __aiter__(self) -> CheckedRequests:
@@ -182,7 +189,7 @@ class CheckedRequests:
         if request is grpc.aio.EOF:
             raise StopAsyncIteration
         await refuse_undecodable(request, self.context)
-        if self.caller is not None:
+        if self.caller is not None and self.access is not None:
             await self.access.check_message(self.method, self.caller, request, self.context)
         return request
 
