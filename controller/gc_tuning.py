@@ -15,16 +15,19 @@ first collection after it was made (short-lived garbage, cycles included, is rec
 later collections walk only what was made since. What a collection walks at 10,000 nodes is mostly
 the heartbeat streams' pending reads made since the last one (about 20 objects each, 2,000 a
 second), so its pause grows with PACE: 0.25 s gave pauses of 5-10 ms (p50) and a loop held up to
-25-50 ms; 0.1 s gives 1-2.5 ms and at most 10 ms, with no more CPU in all (each object is walked
-once either way; bench/controller_scale.py). Allocations still start a collection past YOUNG_SAFETY
-(a burst between two paced ones). Reference counting still frees frozen objects; only reference
-cycles among them that turn into garbage later would stay, so once the heap has doubled since the
-last complete walk, the frozen objects are thawed and the next collection walks (and reclaims)
-everything. Steady state: no complete walk; while the state grows: one per doubling. That walk is
-the one pause left that grows with the fleet: about half a microsecond per object on this loaded
-machine, 0.3-0.6 s for the 600,000-800,000 objects of a 10,000 x dp 4 deployment, measured before
-the per-engine state was made compact (about a third of the objects since: docs/controller.md,
-memory per engine).
+25-50 ms; 0.1 s gives at most 2.5 ms (p50) and a loop held up to 2.5-25 ms, with no more CPU in all
+(each object is walked once either way; bench/controller_scale.py). The price of a short pace: a
+short-lived object is more often alive at a collection, so frozen, and a reference cycle among such
+objects (an aborted call's traceback holding its context) then waits for the next complete walk;
+the doubling rule below bounds what they hold. Allocations still start a collection past
+YOUNG_SAFETY (a burst between two paced ones). Reference counting still frees frozen objects; only
+reference cycles among them that turn into garbage later would stay, so once the heap has doubled
+since the last complete walk, the frozen objects are thawed and the next collection walks (and
+reclaims) everything. Steady state: no complete walk; while the state grows: one per doubling. That
+walk is the one pause left that grows with the fleet: about half a microsecond per object on this
+loaded machine, 0.3-0.6 s for the 600,000-800,000 objects of a 10,000 x dp 4 deployment, measured
+before the per-engine state was made compact (about a third of the objects since:
+docs/controller.md, memory per engine).
 
 - A deployment change holds the old and the new instances at once for seconds: while `busy()`
   says one is under way, a due walk waits for the first collection after it (it walks the

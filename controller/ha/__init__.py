@@ -302,6 +302,9 @@ class LeaderGate(grpc.aio.ServerInterceptor):
 
     def __init__(self, ha: HighAvailability, service: str = "motor.v1.ControllerService"):
         self.ha, self.service = ha, service
+        # method -> (the servicer's handler, its gated one): built once, so that the server's own
+        # interceptor (motor/service/server_calls.py) finds the same handler and reuses its wrapper.
+        self._gated: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
         self, continuation: Callable[..., Awaitable[Any]], details: grpc.HandlerCallDetails
@@ -310,6 +313,12 @@ class LeaderGate(grpc.aio.ServerInterceptor):
         service, _, method = details.method.lstrip("/").rpartition("/")
         if handler is None or service != self.service or method not in MUTATING_METHODS | LEADER_ONLY_FEEDS:
             return handler
+        cached = self._gated.get(details.method)
+        if cached is None or cached[0] is not handler:
+            cached = self._gated[details.method] = (handler, self._gate(handler))
+        return cached[1]
+
+    def _gate(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         ha = self.ha
 
         async def refuse_unless_leader(context: grpc.aio.ServicerContext) -> None:

@@ -172,7 +172,8 @@ class _Call:
 class CheckedRequests:
     """A request stream read straight from the call (`context.read()`): each message is refused
     when undecodable, and checked as a unary request would be (a node's heartbeat stream may carry
-    only its own node's heartbeats), before the servicer sees it."""
+    only its own node's heartbeats), before the servicer sees it. Read by one `async for`, as
+    grpc's own request iterator is (Motor's servicers read no other way)."""
 
     __slots__ = ("context", "method", "caller", "access")
 
