@@ -36,7 +36,6 @@ from controller.store.etcd_client import UNAVAILABLE_ERRORS, EtcdTarget, connect
 from motor.errors import ConfigError, Unavailable
 from motor.leader import ELECTION_METADATA, LEADER_METADATA
 from motor.service.grpc_server import aio_channel
-from motor.service.server_calls import WrappedHandlers
 from motor.v1 import controller_pb2, types_pb2
 
 logger = logging.getLogger(__name__)
@@ -303,9 +302,9 @@ class LeaderGate(grpc.aio.ServerInterceptor):
 
     def __init__(self, ha: HighAvailability, service: str = "motor.v1.ControllerService"):
         self.ha, self.service = ha, service
-        # Built once per method, so that the server's own interceptor finds the same handler and
-        # reuses its wrapper too.
-        self._gated = WrappedHandlers(lambda method, handler: self._gate(handler))
+        # method -> (the servicer's handler, its gated one): built once, so that the server's own
+        # interceptor (motor/service/server_calls.py) finds the same handler and reuses its wrapper.
+        self._gated: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
         self, continuation: Callable[..., Awaitable[Any]], details: grpc.HandlerCallDetails
@@ -314,7 +313,10 @@ class LeaderGate(grpc.aio.ServerInterceptor):
         service, _, method = details.method.lstrip("/").rpartition("/")
         if handler is None or service != self.service or method not in MUTATING_METHODS | LEADER_ONLY_FEEDS:
             return handler
-        return self._gated.of(details.method, handler)
+        cached = self._gated.get(details.method)
+        if cached is None or cached[0] is not handler:
+            cached = self._gated[details.method] = (handler, self._gate(handler))
+        return cached[1]
 
     def _gate(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         ha = self.ha

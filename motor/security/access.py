@@ -238,7 +238,8 @@ class AccessControl:
             caller = self.policy.authenticate(context.auth_context(), context.invocation_metadata(), context.peer())
             self.policy.authorize(method, caller, request)
         except Refused as refusal:
-            await _refuse(method, refusal, context)
+            logger.warning("refused %s from %s: %s", method, context.peer(), refusal)
+            await context.abort(refusal.code, status_message(refusal))
         return caller
 
     async def check_message(self, method: str, caller: Caller, request: Any, context: grpc.aio.ServicerContext) -> None:
@@ -247,7 +248,8 @@ class AccessControl:
         try:
             self.policy.authorize(method, caller, request)
         except Refused as refusal:
-            await _refuse(method, refusal, context)
+            logger.warning("refused %s from %s: %s", method, context.peer(), refusal)
+            await context.abort(refusal.code, status_message(refusal))
 
     async def enter_stream(self, caller: Caller | None, context: grpc.aio.ServicerContext) -> str:
         """Counts a stream against its caller's limit (aborts the call over it); the key to leave with."""
@@ -268,12 +270,6 @@ class AccessControl:
         self.open_streams[key] -= 1
         if not self.open_streams[key]:
             del self.open_streams[key]
-
-
-async def _refuse(method: str, refusal: Refused, context: grpc.aio.ServicerContext) -> None:
-    """Logs a refusal and ends the call with its code and message."""
-    logger.warning("refused %s from %s: %s", method, context.peer(), refusal)
-    await context.abort(refusal.code, status_message(refusal))
 
 
 def _quoted(node_id: object) -> str:

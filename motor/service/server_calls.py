@@ -32,8 +32,6 @@ if TYPE_CHECKING:  # prometheus_client must not be imported before the engine se
     from motor.service.grpc_metrics import GrpcServerMetrics, MethodMetrics
 
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]
-# A call's opening checks: (the request to pass on, the stream slot it holds or None).
-Opener = Callable[[Any, grpc.aio.ServicerContext], Awaitable[tuple[Any, str | None]]]
 
 
 class ServerCalls(grpc.aio.ServerInterceptor):
@@ -42,13 +40,20 @@ class ServerCalls(grpc.aio.ServerInterceptor):
 
     def __init__(self, metrics: GrpcServerMetrics | None = None, access: AccessControl | None = None):
         self.metrics, self.access = metrics, access
-        self._wrapped = WrappedHandlers(self._wrap)
+        # method -> (the handler gRPC found, its wrapped handler): gRPC's generic handlers answer
+        # the same object for every call of a method; another interceptor's fresh one is rewrapped.
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
         if handler is None:
             return None  # gRPC answers UNIMPLEMENTED
-        return self._wrapped.of(details.method, handler)
+        cached = self._wrapped.get(details.method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(details.method, handler)
+        self._wrapped[details.method] = (handler, wrapped)
+        return wrapped
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         call = _Call(method, self.metrics, self.access)
@@ -68,22 +73,6 @@ class ServerCalls(grpc.aio.ServerInterceptor):
         return grpc.stream_unary_rpc_method_handler(behavior, decode, serialize)
 
 
-class WrappedHandlers:
-    """Each method's wrapped handler, made once per handler it wraps: gRPC's generic handlers
-    answer the same object for every call of a method, so an interceptor wraps it once; a fresh
-    one (from an interceptor that does not keep its own) is wrapped again and replaces it."""
-
-    def __init__(self, wrap: Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler]):
-        self.wrap = wrap
-        self._made: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
-
-    def of(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        made = self._made.get(method)
-        if made is None or made[0] is not handler:
-            made = self._made[method] = (handler, self.wrap(method, handler))
-        return made[1]
-
-
 class _Call:
     """The wrappers of one method's behaviour."""
 
@@ -94,28 +83,14 @@ class _Call:
         return self.metrics.method(kind, self.method) if self.metrics is not None else None
 
     def unary(self, behavior: Callable[..., Awaitable[Any]], kind: str) -> Callable[..., Awaitable[Any]]:
-        method, access = self.method, self.access
+        method, access, metrics = self.method, self.access, self.metrics_of(kind)
 
-        async def admit(request: Any, context: grpc.aio.ServicerContext) -> tuple[Any, None]:
-            await refuse_undecodable(request, context)
-            if access is not None:
-                await access.admit(method, request, context)
-            return request, None
-
-        return self.answered(behavior, self.metrics_of(kind), admit)
-
-    def answered(
-        self, behavior: Callable[..., Awaitable[Any]], metrics: MethodMetrics | None, open_call: Opener
-    ) -> Callable[..., Awaitable[Any]]:
-        """A behaviour that is a coroutine (a unary answer, a client stream's answer, a stream
-        written with context.write): opened by `open_call` (its checks; the request it passes on
-        and the stream slot it holds, if any), its domain errors mapped, counted at its end."""
-        access = self.access
-
-        async def answered(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            began, outcome, key = _begin(metrics), grpc.StatusCode.UNKNOWN, None
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            began, outcome = _begin(metrics), grpc.StatusCode.UNKNOWN
             try:
-                request, key = await open_call(request, context)
+                await refuse_undecodable(request, context)
+                if access is not None:
+                    await access.admit(method, request, context)
                 try:
                     response = await behavior(request, context)
                 except MotorError as exc:
@@ -126,9 +101,10 @@ class _Call:
                 outcome = grpc.StatusCode.CANCELLED
                 raise
             finally:
-                _end(access, key, metrics, context, began, outcome)
+                if metrics is not None:
+                    metrics.finish(context, began, outcome)
 
-        return answered
+        return unary
 
     def stream(self, behavior: Callable[..., Any], kind: str, reads_stream: bool) -> Callable[..., Any]:
         """A streaming method: counted against its caller's open streams while it lasts; with
@@ -148,8 +124,29 @@ class _Call:
                 request = CheckedRequests(context, method, caller, access)
             return request, key
 
-        if not inspect.isasyncgenfunction(behavior):  # grpc's health Watch, or a client stream
-            return self.answered(behavior, metrics, open_stream)
+        if not inspect.isasyncgenfunction(behavior):
+            # A coroutine: a stream written with context.write (grpc's health Watch), or a client
+            # stream's single answer.
+
+            async def written(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                began, outcome, key = _begin(metrics), grpc.StatusCode.UNKNOWN, None
+                try:
+                    request, key = await open_stream(request, context)
+                    try:
+                        response = await behavior(request, context)
+                    except MotorError as exc:
+                        await context.abort(exc.code, status_message(exc))
+                    outcome = grpc.StatusCode.OK
+                    return response
+                except asyncio.CancelledError:
+                    outcome = grpc.StatusCode.CANCELLED
+                    raise
+                finally:
+                    _leave(access, key)
+                    if metrics is not None:
+                        metrics.finish(context, began, outcome)
+
+            return written
 
         async def replies(request: Any, context: grpc.aio.ServicerContext) -> Any:
             began, outcome, key = _begin(metrics), grpc.StatusCode.UNKNOWN, None
@@ -165,7 +162,9 @@ class _Call:
                 outcome = grpc.StatusCode.CANCELLED
                 raise
             finally:
-                _end(access, key, metrics, context, began, outcome)
+                _leave(access, key)
+                if metrics is not None:
+                    metrics.finish(context, began, outcome)
 
         return replies
 
@@ -203,16 +202,6 @@ def _begin(metrics: MethodMetrics | None) -> float:
     return time.perf_counter()
 
 
-def _end(
-    access: AccessControl | None,
-    key: str | None,
-    metrics: MethodMetrics | None,
-    context: grpc.aio.ServicerContext,
-    began: float,
-    outcome: grpc.StatusCode,
-) -> None:
-    """A call's end: its stream slot given back (if it held one), then counted with its code."""
+def _leave(access: AccessControl | None, key: str | None) -> None:
     if access is not None:
         access.leave_stream(key)
-    if metrics is not None:
-        metrics.finish(context, began, outcome)
