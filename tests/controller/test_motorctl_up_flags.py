@@ -16,8 +16,9 @@ VLLM_TINY = os.path.join(REPO_ROOT, "examples", "vllm-tiny.yaml")
 SIM = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 
 
-def host(kind: str, ids: tuple[int, ...], found_type: str = "cpu"):
-    return lambda asked: HostAccelerators(found_type, ids, "CPU affinity" if found_type == "cpu" else "NVML")
+def host(ids: tuple[int, ...], found_type: str = "cpu"):
+    """A stand-in for node_manager.accelerators.detect that finds `ids` of `found_type`."""
+    return lambda kind: HostAccelerators(found_type, ids, "CPU affinity" if found_type == "cpu" else "NVML")
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -30,7 +31,7 @@ def test_sim_nodes_get_four_simulated_accelerators_each_unless_told():
 
 
 def test_the_hosts_cores_are_shared_among_the_node_managers_without_overlap():
-    found = host("cpu", (0, 1, 2, 3, 4))
+    found = host((0, 1, 2, 3, 4))
     assert accelerator_plan("cpu", None, 2, found) == ("cpu", 2, (0, 1, 2, 3, 4))
     cluster = LocalCluster(
         "/unused", nodes=2, accelerator_type="cpu", accelerators_per_node=2, host_accelerators=(0, 1, 2, 3, 4)
@@ -41,14 +42,14 @@ def test_the_hosts_cores_are_shared_among_the_node_managers_without_overlap():
 
 
 def test_gpus_found_make_nvidia_nodes():
-    assert accelerator_plan("auto", 1, 2, host("auto", (4, 5), "nvidia")) == ("nvidia", 1, (4, 5))
+    assert accelerator_plan("auto", 1, 2, host((4, 5), "nvidia")) == ("nvidia", 1, (4, 5))
 
 
 def test_more_devices_than_the_host_has_is_refused_naming_the_flags():
     with pytest.raises(ValueError, match=r"--accelerators 2 x --nodes 2 needs 4 CPU core\(s\), but this host has 2"):
-        accelerator_plan("cpu", 2, 2, host("cpu", (0, 1)))
+        accelerator_plan("cpu", 2, 2, host((0, 1)))
     with pytest.raises(ValueError, match=r"--nodes 3: this host has 2 CPU core\(s\).*lower --nodes"):
-        accelerator_plan("cpu", None, 3, host("cpu", (0, 1)))
+        accelerator_plan("cpu", None, 3, host((0, 1)))
     with pytest.raises(ValueError, match=r"--accelerators 0: must be at least 1"):
         accelerator_plan("sim", 0, 1)
 
