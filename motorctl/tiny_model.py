@@ -148,7 +148,11 @@ DEFAULT_PATH = "/tmp/motor-models/tiny-llama"  # where examples/vllm-tiny.yaml e
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="motorctl tiny-model", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="motorctl tiny-model",
+        description="Make a tiny random-weight Llama locally (no model hub) to try the real vLLM engine; "
+        "prints its folder. Nothing is done when that folder already holds one.",
+    )
     parser.add_argument("path", nargs="?", default=DEFAULT_PATH, help=f"folder to build it in [{DEFAULT_PATH}]")
     args = parser.parse_args(argv)
     try:
