@@ -1,15 +1,26 @@
-# Motor: `make run` starts a local cluster on the simulated engine; `make test` runs the suite.
+# Motor: `make run` starts a local cluster on the simulated engine (`make run-vllm`: on the real
+# vLLM engine, this machine's CPU); `make test` runs the suite.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup run test test-fast mutation proto proto-check lint format bench clean
+.PHONY: setup run run-vllm test test-fast mutation proto proto-check lint format bench clean
 
 setup:
 	@bash scripts/setup-venv.sh
 
 run: setup
 	$(VENV)/bin/motorctl up --nodes 2 --deployment examples/local-deployment.yaml
+
+# The real vLLM engine (its CPU build) behind the router on this machine: a tiny random-weight
+# Llama made locally (no model hub; examples/vllm-tiny.yaml expects it in TINY_MODELS), one node
+# manager handing each engine its own CPU cores. docs/vllm.md.
+TINY_MODELS := /tmp/motor-models
+RUN_VLLM = $(VENV)/bin/motorctl up --nodes 1 --accelerator-type cpu --model-root $(TINY_MODELS) \
+	--deployment examples/vllm-tiny.yaml
+run-vllm: setup
+	$(VENV)/bin/motorctl tiny-model $(TINY_MODELS)/tiny-llama
+	HF_HUB_OFFLINE=1 $(RUN_VLLM) $(RUN_ARGS)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

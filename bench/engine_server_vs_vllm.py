@@ -33,7 +33,7 @@ sys.path.insert(0, REPO_ROOT)
 import aiohttp  # noqa: E402
 
 from motor.ports import free_port  # noqa: E402
-from tests.support.tiny_model import LEAN_CPU_ARGS, ensure_tiny_model  # noqa: E402
+from motorctl.tiny_model import LEAN_CPU_ARGS, ensure_tiny_model  # noqa: E402
 
 VENV_BIN = os.path.join(REPO_ROOT, ".venv", "bin")
 

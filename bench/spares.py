@@ -17,7 +17,7 @@ killed again within 10 min would also wait its backoff (1 s, 2 s ...), and the f
 
     .venv/bin/python bench/spares.py [--load-s 15] [--kills 5] [--rate 40] [--engine vllm]
 
-`--engine vllm`: the real vLLM CPU engine with the tests' tiny model (tests/support/tiny_model.py)
+`--engine vllm`: the real vLLM CPU engine with the tests' tiny model (motorctl/tiny_model.py)
 instead of the simulated one; its load time is vLLM's own (about 20 s here), --load-s is unused.
 """
 
@@ -43,8 +43,8 @@ from bench.router_failover import Load, post  # noqa: E402
 from motor.contract.deployment_file import deployment_from_dict  # noqa: E402
 from motor.v1 import controller_pb2 as C  # noqa: E402
 from motor.v1 import controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc  # noqa: E402
+from motorctl.tiny_model import LEAN_CPU_ARGS, ensure_tiny_model  # noqa: E402
 from motorctl.up import LocalCluster  # noqa: E402
-from tests.support.tiny_model import LEAN_CPU_ARGS, ensure_tiny_model  # noqa: E402
 
 SERVING = 2
 STALLED = 1.0

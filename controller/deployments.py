@@ -37,6 +37,7 @@ from controller.actuator import Actuator
 from controller.adoption import Adoption
 from controller.endpoints import EndpointFeed
 from controller.instances import FAILED, RESTARTING, InstanceRecord, Policy
+from controller.model_roots import check_local_paths
 from controller.rollout_plan import plan_layout
 from controller.slicing import Budget, Steps, in_slices, run_at_once, run_sliced
 from controller.slots import EngineSlot
@@ -212,6 +213,7 @@ class DeploymentChanges:
     async def apply(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
         """ApplyDeployment in slices; answers once the change is durable and made in memory."""
         validated = validate_deployment(deployment, self.max_engines)  # refused before it waits its turn
+        check_local_paths(validated, self.state.nodes.values())
         return await self._in_turn(lambda: self._sliced(validated))
 
     async def delete(self, name: str = "") -> None:

@@ -137,9 +137,10 @@ class EngineLifecycle:
 
     # ------------------------------------------------------------------ failures and restarts
 
-    def engine_failed(self, slot: EngineSlot, node_id: str, reason: str) -> None:
+    def engine_failed(self, slot: EngineSlot, node_id: str, reason: str, final: bool = False) -> None:
         """The current copy of a slot failed: restart its rank or group (maybe after a backoff), or
-        give up when the crash-loop budget is spent."""
+        give up when the crash-loop budget is spent, or at once when no restart can help (`final`:
+        the node refused the spec itself)."""
         st = self.state
         slot.handled_failure_generation = slot.generation
         slot.last_failure_reason = reason
@@ -167,6 +168,18 @@ class EngineLifecycle:
                 st.save_slot(slot)
                 st.save_instance(inst)
             st.attention.add(inst.instance_id)
+            return
+        if final:
+            with st.batch():
+                st.save_slot(slot)
+                inst.restart_ranks, inst.next_restart_at = (), None
+                st.transition(
+                    inst,
+                    FAILED,
+                    f"{what}; not restarted: the node would refuse the same spec again (fix what it names: the "
+                    "node's settings or the deployment); left alone until the deployment is applied again",
+                )
+                st.save_instance(inst)
             return
         now = st.wall()
         decision = on_failure(inst, policy, now)
@@ -295,7 +308,9 @@ class EngineLifecycle:
             if exc.refusal is Refusal.WRONG_NODE:  # not the node's fault of an engine: placed elsewhere
                 self.set_aside(node, str(exc))
                 return
-            self.engine_failed(slot, node.node_id, f"could not be started: StartEngine {exc}")
+            # A spec the node refuses as such is refused again at every restart: FAILED at once.
+            final = exc.refusal is Refusal.NEVER
+            self.engine_failed(slot, node.node_id, f"could not be started: StartEngine {exc}", final=final)
             return
         finally:
             slot.busy = False  # whatever ended the call (a cancelled task too): the slot is never left busy

@@ -6,6 +6,7 @@ nodes | instances | endpoints [--role R] [--model M] | events [--follow] [--depl
 | deployment [NAME] | apply -f FILE [-f FILE...] | delete [NAME] | controllers | rollout status|pause|resume|undo [NAME]
 up ...  (a local cluster; see `motorctl up --help`); down --run-dir DIR (stop one whose `motorctl up` was killed)
 pki init|issue|tokens|dev ...  (a development PKI; see `motorctl pki --help`)
+tiny-model [DIR]  (a tiny random-weight Llama made locally, to try the real vLLM engine)
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ def _parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     sub.add_parser("pki", help="development PKI: CA, certificates, tokens (see `motorctl pki --help`)", add_help=False)
+    sub.add_parser(
+        "tiny-model",
+        help="make a tiny random-weight Llama in DIR (no model hub), to try the real vLLM engine (`make run-vllm`)",
+        add_help=False,
+    )
     return p
 
 
@@ -211,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         from motorctl import pki
 
         return pki.main(argv[argv.index("pki") + 1 :])
+    if args.command == "tiny-model":
+        from motorctl import tiny_model
+
+        return tiny_model.main(argv[argv.index("tiny-model") + 1 :])
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:

@@ -18,8 +18,12 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from motor.contract.deployment_file import load_deployment
+from motor.contract.engine_policy import local_paths_outside
+from motor.errors import MotorError
 from motor.ports import CONTROLLER_METRICS_PORT, free_port, port_is_free
 from motor.service.signals import STOP_SIGNALS  # SIGHUP among them: the terminal was closed
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
@@ -30,6 +34,7 @@ from motorctl.etcd_cluster import EtcdCluster
 from motorctl.pki import DevPki, make_dev_pki
 from motorctl.run_processes import describe, run_processes, run_tag, stop_run
 from motorctl.up_screen import ReaderGone, say, watch
+from node_manager import accelerators as host_accelerators
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +42,8 @@ DEFAULT_CONTROLLER_PORT = 50051
 # /metrics of `motorctl up`: the controller on DEFAULT_METRICS_PORT, node manager i on
 # DEFAULT_METRICS_PORT + 1 + i (node-a on the node managers' own default, 9472).
 DEFAULT_METRICS_PORT = CONTROLLER_METRICS_PORT
+SIM_ACCELERATORS = 4  # simulated accelerators per node manager unless --accelerators says otherwise
+ACCELERATOR_KINDS = ("sim", "cpu", "gpu", "auto")
 
 
 def _bin(name: str) -> str:
@@ -64,6 +71,11 @@ class LocalCluster:
     controller_port: int = 0
     accelerators_per_node: int = 4
     accelerator_type: str = "sim"  # cpu: the accelerators are CPU cores, each engine bound to its own
+    # The host's real accelerators (GPUs, CPU cores) shared among the node managers: node i gets
+    # the i-th run of `accelerators_per_node` of them. Empty: node i has 0 .. accelerators_per_node - 1 (sim).
+    host_accelerators: tuple[int, ...] = ()
+    # Folders engines may read models from (every node manager's --model-roots).
+    model_roots: list[str] = field(default_factory=list)
     heartbeat_interval: float = 1.0
     node_grace: float = 5.0
     abnormal_threshold: int = 5
@@ -240,8 +252,14 @@ class LocalCluster:
     def start_node(self, node_id: str, index: int) -> ManagedProcess:
         port = self.node_ports.get(node_id) or free_port()
         self.node_ports[node_id] = port
+        managed = self._launch(node_id, self.node_command(node_id, index, port))
+        self.wait_serving(f"127.0.0.1:{port}", 30, self.credentials(), managed)
+        return managed
+
+    def node_command(self, node_id: str, index: int, port: int) -> list[str]:
+        """The command line of node manager `index` (`node_id`), serving on `port`."""
         first_engine_port = self.engine_port_base + index * 500
-        argv = [
+        return [
             _bin("motor-node-manager"),
             "--node-id",
             node_id,
@@ -252,7 +270,7 @@ class LocalCluster:
             "--host",
             "127.0.0.1",
             "--accelerators",
-            ",".join(str(i) for i in range(self.accelerators_per_node)),
+            ",".join(str(i) for i in self.node_accelerators(index)),
             "--accelerator-type",
             self.accelerator_type,
             "--port-range",
@@ -267,11 +285,15 @@ class LocalCluster:
             _bin("engine_server"),
             *self._metrics_args(node_id, 1 + index),
             *self.tls_flags(node_id),
+            *(["--model-roots", ",".join(self.model_roots)] if self.model_roots else []),
             *self.extra_node_args,
         ]
-        managed = self._launch(node_id, argv)
-        self.wait_serving(f"127.0.0.1:{port}", 30, self.credentials(), managed)
-        return managed
+
+    def node_accelerators(self, index: int) -> list[int]:
+        if not self.host_accelerators:
+            return list(range(self.accelerators_per_node))
+        first = index * self.accelerators_per_node
+        return list(self.host_accelerators[first : first + self.accelerators_per_node])
 
     def process(self, name: str) -> ManagedProcess:
         return next(p for p in reversed(self.processes) if p.name == name)
@@ -376,6 +398,58 @@ def stop_node_engines(address: str, timeout: float = 30.0, credentials: Credenti
             stub.StopEngine(node_manager_pb2.StopEngineRequest(engine_id=engine.engine_id), timeout=timeout)
 
 
+def accelerator_plan(
+    kind: str, per_node: int | None, nodes: int, detect=host_accelerators.detect
+) -> tuple[str, int, tuple[int, ...]]:
+    """(the node managers' --accelerator-type, accelerators per node manager, the host's devices
+    they share: node i gets the i-th run of them). sim: `per_node` simulated accelerators each.
+    cpu, gpu, auto: the host's CPU cores or GPUs (node_manager/accelerators.py), shared out so that
+    no two node managers hand the same device to their engines. ValueError naming the flag to change."""
+    if per_node is not None and per_node < 1:
+        raise ValueError(f"--accelerators {per_node}: must be at least 1")
+    if kind == "sim":
+        return "sim", per_node or SIM_ACCELERATORS, ()
+    try:
+        found = detect(kind)
+    except MotorError as exc:
+        raise ValueError(f"--accelerator-type {kind}: {exc}") from None
+    what = "GPU(s)" if found.type == host_accelerators.GPU_TYPE else "CPU core(s)"
+    have = f"this host has {len(found.ids)} {what} ({found.source}: {','.join(map(str, found.ids))})"
+    if per_node is None:
+        per_node = len(found.ids) // nodes
+        if per_node == 0:
+            raise ValueError(f"--nodes {nodes}: {have}, fewer than one per node manager; lower --nodes")
+    elif per_node * nodes > len(found.ids):
+        raise ValueError(
+            f"--accelerators {per_node} x --nodes {nodes} needs {per_node * nodes} {what}, but {have}: lower "
+            "--accelerators or --nodes (node managers of one host must not hand the same device to two engines)"
+        )
+    return found.type, per_node, found.ids
+
+
+def local_path_problem(deployment_path: str, model_roots: list[str]) -> str | None:
+    """What a node manager given only `model_roots` would refuse to start in the deployment (a
+    local path outside them), worded with the flag to add; None when it names none (or does not
+    load: the controller names what is wrong with it)."""
+    try:
+        deployment = load_deployment(deployment_path)
+    except (MotorError, ValueError):
+        return None
+    engine_config = json_format.MessageToDict(deployment.engine_config)
+    outside = local_paths_outside(engine_config, model_roots)
+    if not outside:
+        return None
+    key, local = outside[0]
+    allowed = (
+        f"outside every --model-root ({', '.join(model_roots)})" if model_roots else "but no --model-root is given"
+    )
+    return (
+        f"--deployment {deployment_path}: {key} names the local path {local!r}, {allowed}; the node managers "
+        f"would refuse to start its engines: add --model-root DIR, a folder holding it (e.g. --model-root "
+        f"{os.path.dirname(os.path.abspath(os.path.expanduser(local)))})"
+    )
+
+
 def _default_controller_port() -> int:
     return _default_port(DEFAULT_CONTROLLER_PORT)
 
@@ -416,6 +490,28 @@ def main(argv: list[str] | None = None) -> int:
         help="prefill and decode engines as the router's prefill and decode workers: each request is prefilled on "
         "one and decoded on the other (its P/D flow); /v1/models then answers in the router's own shape",
     )
+    parser.add_argument(
+        "--model-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder engines may read models from (local weights), handed to every node manager; repeatable",
+    )
+    parser.add_argument(
+        "--accelerator-type",
+        choices=ACCELERATOR_KINDS,
+        default="sim",
+        help="sim: simulated accelerators (the simulated engine); cpu: this host's CPU cores, each engine bound "
+        "to its own (vLLM's CPU build); gpu: this host's GPUs (CUDA_VISIBLE_DEVICES, else NVML); auto: its GPUs "
+        "if it has any, else its CPU cores [sim]",
+    )
+    parser.add_argument(
+        "--accelerators",
+        type=int,
+        metavar="N",
+        help=f"accelerators per node manager: sim ones [{SIM_ACCELERATORS}], or the host's cores or GPUs, which "
+        "the node managers share without overlap [all of them, split evenly]",
+    )
     parser.add_argument("--refresh", type=float, default=1.0, help="seconds between status refreshes")
     parser.add_argument(
         "--tls", action="store_true", help="mutual TLS on every plane, with a development PKI in <run-dir>/pki"
@@ -436,6 +532,20 @@ def main(argv: list[str] | None = None) -> int:
             "root: run it from there, or give --deployment FILE)"
         )
 
+    model_roots = [os.path.abspath(os.path.expanduser(root)) for root in args.model_root]
+    for given, root in zip(args.model_root, model_roots):
+        if not os.path.isdir(root):
+            parser.error(f"--model-root {given}: no such folder")
+    problem = local_path_problem(args.deployment, model_roots)
+    if problem:
+        parser.error(problem)
+    try:
+        accelerator_type, per_node, host_devices = accelerator_plan(
+            args.accelerator_type, args.accelerators, args.nodes
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+
     live = run_processes(args.run_dir)
     if live:  # wiping it would pull the state directories from under a running cluster
         print(
@@ -452,6 +562,10 @@ def main(argv: list[str] | None = None) -> int:
         args.run_dir,
         nodes=args.nodes,
         deployment_path=args.deployment,
+        accelerators_per_node=per_node,
+        accelerator_type=accelerator_type,
+        host_accelerators=host_devices,
+        model_roots=model_roots,
         controller_port=args.controller_port or _default_controller_port(),
         metrics_port=args.metrics_port,
         tls=args.tls,

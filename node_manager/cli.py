@@ -32,7 +32,10 @@ FLAGS = {
     ),
     "host": Flag("address engines bind and advertise"),
     "accelerators": Flag("accelerators of this host, e.g. 0,1,2,3"),
-    "accelerator_type": Flag("nvidia, ascend, cpu (CPU cores: vLLM CPU engines bound to theirs) or sim"),
+    "accelerator_type": Flag(
+        "nvidia, ascend, cpu (CPU cores: vLLM CPU engines bound to theirs), sim, or auto (this host's GPUs "
+        "from CUDA_VISIBLE_DEVICES or NVML, else its CPU cores; all of them unless --accelerators names some)"
+    ),
     "port_range": Flag("ports engines may be given, START-END"),
     "state_dir": Flag("engine records and configs"),
     "log_dir": Flag("node manager and engine logs", default_text="<state-dir>/logs"),

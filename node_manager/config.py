@@ -12,14 +12,16 @@ import shutil
 import sys
 from typing import Any
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from motor.contract.names import IdSetting
+from motor.errors import ConfigError
 from motor.leader import parse_addresses
 from motor.ports import NODE_MANAGER_METRICS_PORT
 from motor.security.security_config import SecuritySettings
 from motor.service.config import AbsoluteCommand, HostPort, split_host_port
 from motor.service.logs import LogFormat, LogLevel
+from node_manager import accelerators as host_accelerators
 from node_manager.engine_tls import engine_tls_paths
 
 
@@ -35,6 +37,7 @@ class NodeManagerConfig(SecuritySettings):
     controller: str | None = None  # host:port, or several comma-separated (HA controllers)
     host: str = "127.0.0.1"
     accelerators: list[int] = Field(default_factory=list)
+    # nvidia, ascend, cpu, sim; auto: this host's GPUs, else its CPU cores (node_manager/accelerators.py)
     accelerator_type: str = "sim"
     port_range: str = "20000-29999"
     state_dir: str = "./.state/node"
@@ -114,6 +117,19 @@ class NodeManagerConfig(SecuritySettings):
             if not os.path.isabs(root) or not os.path.isdir(root):
                 raise ValueError(f"{root!r} is not an existing absolute folder")
         return value
+
+    @model_validator(mode="after")
+    def _resolve_auto_accelerators(self) -> NodeManagerConfig:
+        """`auto`: the host's GPUs when it has any (type nvidia), else its CPU cores (type cpu);
+        accelerators given explicitly are kept, only their type is chosen."""
+        if self.accelerator_type == "auto":
+            try:
+                found = host_accelerators.detect("auto")
+            except ConfigError as exc:
+                raise ValueError(f"accelerator_type auto: {exc}") from None
+            self.accelerator_type = found.type
+            self.accelerators = self.accelerators or list(found.ids)
+        return self
 
     @field_validator("max_heartbeat_interval")
     @classmethod

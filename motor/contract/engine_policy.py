@@ -293,3 +293,19 @@ def check_engine_config(config: dict, model_roots: list[str] | None, field: str 
         _check_engine_sections(config, field)
     except TooDeep:
         raise config_depth_error(field) from None
+
+
+def local_paths_outside(config: dict, model_roots: list[str], field: str = "engine_config") -> list[tuple[str, str]]:
+    """(key path, local path) of every local path `config` names outside `model_roots`: what a
+    node with those roots refuses to start (the rule of check_engine_config, for a controller
+    holding a deployment against the roots its nodes announce, and for `motorctl up`)."""
+    try:
+        return [
+            (path, local)
+            for path, _, value in walk(config, field)
+            if isinstance(value, str)
+            for local in local_paths(value)
+            if not within(local, model_roots)
+        ]
+    except TooDeep:
+        raise config_depth_error(field) from None

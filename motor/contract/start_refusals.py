@@ -6,6 +6,9 @@ controller recognises them with `kind` (the words are the contract between the t
   an old copy still draining and stopping (a replaced deployment): try again after a backoff.
 - WRONG_NODE: the address the node registered with answers as another node (a wrong
   --advertise-address, a stolen certificate): the node is no use until it registers again.
+- NEVER: the spec itself is refused (INVALID_ARGUMENT: a local path outside the node's
+  --model-root, code named in the engine config...): a restart sends the same spec and is refused
+  the same way, so the instance fails at once instead of spending its restart budget.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ _WRONG_NODE = "is registered with the wrong address"
 class Refusal(enum.Enum):
     HELD = "held by another engine"
     WRONG_NODE = "the address answers as another node"
+    NEVER = "the node refuses the spec itself"
 
 
 def accelerators_held(taken: list[int], holders: list[str]) -> FailedPrecondition:
@@ -41,6 +45,8 @@ def wrong_node(asked: str, this_node: str) -> FailedPrecondition:
 
 def kind(code: str, message: str) -> Refusal | None:
     """Which of these refusals a node manager's answer (status code name, details) is, if any."""
+    if code == "INVALID_ARGUMENT":
+        return Refusal.NEVER
     if code != "FAILED_PRECONDITION":
         return None
     if message.startswith("node_id ") and _WRONG_NODE in message:

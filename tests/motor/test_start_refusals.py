@@ -27,8 +27,17 @@ def test_other_refusals_are_not():
     assert kind("FAILED_PRECONDITION", "spec.config_path '/x': no such file on node node-a") is None
     # The same words under another code, or not where the node manager puts them, are not these refusals.
     held = str(start_refusals.accelerators_held([0], ["a-0/rank0"]))
-    assert kind("INVALID_ARGUMENT", held) is None and kind("UNAVAILABLE", held) is None
+    assert kind("INVALID_ARGUMENT", held) is Refusal.NEVER and kind("UNAVAILABLE", held) is None
     assert kind("FAILED_PRECONDITION", "x" + held) is None
     assert kind("FAILED_PRECONDITION", "node-c is registered with the wrong address") is None
     assert kind("FAILED_PRECONDITION", "node_id x: fine") is None
     assert kind("FAILED_PRECONDITION", "spec.port 1 is in use by engine") is None  # no holder named
+
+
+def test_a_spec_the_node_refuses_as_such_is_refused_for_good():
+    """INVALID_ARGUMENT: the spec itself (a local path outside --model-root, code named in it);
+    a restart would send the same spec."""
+    refused = (
+        "spec.config_json.motor_engine_prefill_config.engine_args.model: '/m' is a local path outside a model root"
+    )
+    assert kind("INVALID_ARGUMENT", refused) is Refusal.NEVER

@@ -25,8 +25,8 @@ import pytest
 
 from motor.ports import free_port
 from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
+from motorctl.tiny_model import LEAN_CPU_ARGS, ensure_tiny_model
 from tests.support import require, wait_for
-from tests.support.tiny_model import LEAN_CPU_ARGS, ensure_tiny_model
 
 ENGINE_SERVER = os.path.join(os.path.dirname(sys.executable), "engine_server")  # this interpreter's console script
 # A generous bound on vLLM's start-up (20 s measured alone; slower while other tests run).

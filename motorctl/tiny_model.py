@@ -1,14 +1,17 @@
-"""A tiny random-weight Llama with a byte-level BPE tokenizer, built locally (no model hub).
+"""`motorctl tiny-model [DIR]`: a tiny random-weight Llama with a byte-level BPE tokenizer,
+built locally (no model hub), to try the real vLLM engine on a machine without weights
+(`make run-vllm`, examples/vllm-tiny.yaml); the vLLM tests and benchmarks use it too.
 
 vLLM's CPU attention needs a head size of 32, 64, 80 or more, so the heads are 32 wide. The
-model is about 2.6 MB and builds in a few seconds; outputs are random text, which is all the
-engine-server tests and the benchmark need (they exercise serving, not quality).
+model is about 2.6 MB and builds in a few seconds; its answers are random text: it shows serving,
+not quality. Building needs torch, transformers and tokenizers (vLLM's CPU set installs them).
 
-    python -m tests.support.tiny_model /tmp/tiny-llama   # build into a folder and print it
+    motorctl tiny-model /tmp/motor-models/tiny-llama   # build into a folder (if not there yet) and print it
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -30,7 +33,8 @@ _CORPUS_LINES = [
 
 
 # vLLM settings that serve the tiny model lean on a CPU (see docs/vllm.md): eager mode, a
-# small context and KV cache, one process. Shared by the vLLM tests and the benchmark.
+# small context and KV cache, one process. Shared by the vLLM tests and the benchmarks;
+# examples/vllm-tiny.yaml spells out the same.
 LEAN_CPU_ARGS = {
     "max_model_len": 256,
     "dtype": "float32",
@@ -140,6 +144,28 @@ def ensure_tiny_model(path: str) -> str:
     return path
 
 
+DEFAULT_PATH = "/tmp/motor-models/tiny-llama"  # where examples/vllm-tiny.yaml expects it
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="motorctl tiny-model",
+        description="Make a tiny random-weight Llama locally (no model hub) to try the real vLLM engine; "
+        "prints its folder. Nothing is done when that folder already holds one.",
+    )
+    parser.add_argument("path", nargs="?", default=DEFAULT_PATH, help=f"folder to build it in [{DEFAULT_PATH}]")
+    args = parser.parse_args(argv)
+    try:
+        print(ensure_tiny_model(os.path.abspath(os.path.expanduser(args.path))))
+    except ImportError as exc:
+        print(
+            f"motorctl tiny-model: {exc.name or exc} is not installed: building the model needs torch, transformers "
+            "and tokenizers (vLLM's CPU set: bash scripts/setup-venv.sh)",
+            file=sys.stderr,
+        )
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    target = sys.argv[1] if len(sys.argv) > 1 else os.path.join(tempfile.gettempdir(), "motor-tiny-llama")
-    print(ensure_tiny_model(target))
+    sys.exit(main())
