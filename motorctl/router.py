@@ -36,7 +36,9 @@ TYPED_WORKER_FLAGS = ["--enable-igw"]
 # answering 500 while its /health says 200), then one trial. The timeout is short because a false
 # open (a client's request that fails the same way on every engine, retried onto each) would
 # otherwise shut the only engine of a deployment for the router's default of 60 s; by then Motor
-# has taken a failing engine out of the router anyway.
+# has taken a failing engine out of the router anyway. (In the --enable-igw mode, vllm-router
+# 0.1.17 gives workers added at run time its own circuit settings, 5 failures and 30 s, whatever
+# these flags say: measured.)
 # The request timeout is the whole request's, a stream's body included, and a timed-out request is
 # retried like a failed one (measured: a 3 s completion under a 1 s timeout ran 5 times, then 500):
 # it must exceed the longest legitimate generation, so it cannot tell a hung engine from a long
