@@ -9,7 +9,7 @@ then --after seconds of load; every request's answer is waited for.
 Settings (--settings): `seed`, the seed's default health settings (virtual inference on, a probe
 every 2 s with a 5 s timeout, 3 failures, 20 s between probes of a busy engine; the rest at their
 defaults), and `tuned` (probes every 0.5 s with 0.5 s timeouts, 2 failures: settings a GPU's long
-batches do not allow).
+batches do not allow); `default` (Motor's own defaults: virtual inference off) on request.
 
 Faults: sigkill (the engine server), sigstop (the whole server hangs), hang_inference (completions
 hang while /health stays 200: the simulated engine's fault), fail_inference (completions answer 500
@@ -44,6 +44,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from motor.contract.deployment_file import deployment_from_dict  # noqa: E402
+from motor.contract.user_config import HealthCheckConfig  # noqa: E402
 from motor.v1 import controller_pb2 as C  # noqa: E402
 from motor.v1 import controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc  # noqa: E402
 from motorctl.router import FAILOVER_FLAGS  # noqa: E402
@@ -68,6 +69,7 @@ SETTINGS = {
         "utilization_window": 0.5,
         "utilization_sample_period": 0.1,
     },
+    "default": {},  # Motor's own defaults (HealthCheckConfig): virtual inference off
 }
 STALLED = 1.0
 
@@ -275,12 +277,12 @@ class Bench:
 
 
 def describe(settings: dict) -> str:
-    probing = "on" if settings.get("enable_virtual_inference") else "off"
+    health = HealthCheckConfig(**settings)
     return (
-        f"virtual inference {probing}, a probe every {settings['probe_interval']:g} s, "
-        f"{settings['probe_timeout']:g} s timeout, {settings['max_failure_count']} failures, "
-        f"{settings['busy_probe_interval']:g} s busy interval, "
-        f"{settings.get('utilization_window', 3.0):g} s utilization window"
+        f"virtual inference {'on' if health.enable_virtual_inference else 'off'}, "
+        f"a probe every {health.probe_interval:g} s, {health.probe_timeout:g} s timeout, "
+        f"{health.max_failure_count} failures, {health.busy_probe_interval:g} s busy interval, "
+        f"{health.utilization_window:g} s utilization window"
     )
 
 
