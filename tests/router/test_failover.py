@@ -139,9 +139,13 @@ class RoutedTo:
 
     def _poll(self) -> None:
         while not self._stop.wait(0.05):
-            if self.worker not in workers(self.cluster):
-                return
-            now, seen = time.monotonic(), self.decisions()
+            try:
+                status, text = http("GET", self.cluster.router_url + "/list_workers", timeout=5)
+                if status == 200 and self.worker not in json.loads(text)["urls"]:
+                    return
+                now, seen = time.monotonic(), self.decisions()
+            except OSError:
+                continue  # a slow answer on a loaded machine: the next read catches up
             if seen != self._seen:
                 self._seen, self.last_change = seen, now
 
