@@ -1,23 +1,28 @@
-"""Client load through the router while faults happen: the router alone against the router kept
-by Motor (motor-router-sync), side by side in one run.
+"""What clients see through the router while one engine dies, hangs or fails: no request lost?
 
-Each (fault, mode) gets a fresh `motorctl up` cluster (LocalCluster: a controller, two node
-managers with two accelerators each, three simulated union engines, the real vllm-router with `--policy round_robin` and
-its health checks at their defaults). Mode `static`: the router's workers are set once from
-ListEndpoints and the sync is stopped (a router in front of Motor without Motor's help). Mode
-`motor`: motor-router-sync keeps them. Open-loop load (--rate requests/s, each on its own
-thread, 30 s client timeout), then the fault on one engine, then --after seconds of load.
+Each (settings, fault) gets a fresh `motorctl up` cluster (LocalCluster: a controller, two node
+managers with two accelerators each, three simulated union engines, the real vllm-router started
+with Motor's failover flags (motorctl/router.py) and kept by motor-router-sync). Open-loop load
+(--rate requests/s, each on its own thread, 60 s client timeout), then the fault on one engine,
+then --after seconds of load; every request's answer is waited for.
 
-Faults: sigkill (the engine server), sigstop (a hang of the whole server), hang_inference
-(completions hang while /health stays 200: the simulated engine's fault knob, skipped when the
-engine has no such knob), scale_down (3 -> 2 instances), host_loss (a node manager and its
-engines SIGKILLed together).
+Settings (--settings): `seed`, the seed's default health settings (virtual inference on, a probe
+every 2 s with a 5 s timeout, 3 failures, 20 s between probes of a busy engine; the rest at their
+defaults), and `tuned` (probes every 0.5 s with 0.5 s timeouts, 2 failures: settings a GPU's long
+batches do not allow); `default` (Motor's own defaults: virtual inference off) on request.
 
-Printed per row: requests failed, requests that waited over 5 s, the time from the fault to the
-last request sent that stalled (over 1 s) or failed (after it, the faulty engine got no new
-request), and completions/s in the 5 s before the fault and from 3 s after it on.
+Faults: sigkill (the engine server), sigstop (the whole server hangs), hang_inference (completions
+hang while /health stays 200: the simulated engine's fault), fail_inference (completions answer 500
+while /health stays 200); scale_down (3 -> 2 instances) and host_loss (a node manager and its
+engines SIGKILLed) on request.
 
-    .venv/bin/python bench/router_failover.py [--rate 40] [--after 12] [--faults sigstop,sigkill]
+Printed per row: requests sent, failed, retried by the router (the requests the faulty engine
+failed back or dropped: vllm_router_retries_total), answered after over 1 s, the longest wait, and
+the time from the fault to the last request the router sent to the faulty engine (its
+vllm_router_policy_decisions_total, read every 50 ms until the engine leaves the router).
+
+    .venv/bin/python bench/router_failover.py [--rate 40] [--after 12] [--settings seed,tuned]
+        [--faults sigkill,sigstop,hang_inference,fail_inference]
 """
 
 from __future__ import annotations
@@ -39,15 +44,37 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from motor.contract.deployment_file import deployment_from_dict  # noqa: E402
+from motor.contract.user_config import HealthCheckConfig  # noqa: E402
 from motor.v1 import controller_pb2 as C  # noqa: E402
 from motor.v1 import controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc  # noqa: E402
+from motorctl.router import FAILOVER_FLAGS  # noqa: E402
 from motorctl.up import LocalCluster  # noqa: E402
 
-FAULTS = ("sigkill", "sigstop", "hang_inference", "scale_down", "host_loss")
-STALLED, SLOW = 1.0, 5.0
+FAULTS = ("sigkill", "sigstop", "hang_inference", "fail_inference", "scale_down", "host_loss")
+DEFAULT_FAULTS = FAULTS[:4]
+SETTINGS = {
+    "seed": {
+        "enable_virtual_inference": True,
+        "probe_interval": 2.0,
+        "probe_timeout": 5.0,
+        "max_failure_count": 3,
+        "busy_probe_interval": 20.0,
+    },
+    "tuned": {
+        "enable_virtual_inference": True,
+        "probe_interval": 0.5,
+        "busy_probe_interval": 0.5,
+        "probe_timeout": 0.5,
+        "max_failure_count": 2,
+        "utilization_window": 0.5,
+        "utilization_sample_period": 0.1,
+    },
+    "default": {},  # Motor's own defaults (HealthCheckConfig): virtual inference off
+}
+STALLED = 1.0
 
 
-def deployment(count: int) -> C.Deployment:
+def deployment(count: int, health: dict) -> C.Deployment:
     return deployment_from_dict(
         {
             "name": "bench",
@@ -57,18 +84,7 @@ def deployment(count: int) -> C.Deployment:
                 "motor_engine_union_config": {
                     "engine_type": "sim",
                     "engine_args": {"model": "sim-tiny", "latency_ms": 20},
-                    # Probes every 0.5 s: a hang that only inference shows (/health still 200) is
-                    # seen after two failed probes (each round samples utilization for 0.5 s). MindIE's
-                    # defaults (off; 5 s apart, 3 s windows) would take half a minute.
-                    "health_check_config": {
-                        "enable_virtual_inference": True,
-                        "probe_interval": 0.5,
-                        "busy_probe_interval": 0.5,
-                        "probe_timeout": 0.5,
-                        "max_failure_count": 2,
-                        "utilization_window": 0.5,
-                        "utilization_sample_period": 0.1,
-                    },
+                    "health_check_config": health,
                 }
             },
         }
@@ -107,15 +123,46 @@ class Load:
 
     def one(self) -> None:
         sent = time.monotonic()
-        status, _ = post(self.url + "/v1/completions", {"model": "sim-tiny", "prompt": "x", "max_tokens": 2}, 30)
+        status, _ = post(self.url + "/v1/completions", {"model": "sim-tiny", "prompt": "x", "max_tokens": 2}, 60)
         self.results.append((sent, status, time.monotonic()))
 
 
+class RouterMetrics:
+    """The router's Prometheus counters, and when it last sent a request to one worker."""
+
+    def __init__(self, cluster: LocalCluster):
+        argv = list(cluster.process("router").process.args)
+        self.url = f"http://127.0.0.1:{argv[argv.index('--prometheus-port') + 1]}/metrics"
+        self.router_url = cluster.router_url
+
+    def total(self, name: str, label: str = "") -> float:
+        status, text = post(self.url, None, 5, method="GET")
+        return sum(
+            float(line.rpartition(" ")[2])
+            for line in text.splitlines()
+            if status == 200 and line.startswith(name) and label in line
+        )
+
+    def follow(self, worker: str, stop: threading.Event, changes: list[float]) -> None:
+        """Append the time of each increase of `worker`'s routing decisions until it leaves the
+        router's list (a replacement on the same address is another engine) or `stop`."""
+        seen = self.total("vllm_router_policy_decisions_total", f'worker="{worker}"')
+        while not stop.wait(0.05):
+            status, text = post(self.router_url + "/list_workers", None, 5, method="GET")
+            if status == 200 and worker not in json.loads(text)["urls"]:
+                return
+            now, decisions = time.monotonic(), self.total("vllm_router_policy_decisions_total", f'worker="{worker}"')
+            if decisions != seen:
+                seen = decisions
+                changes.append(now)
+
+
 class Bench:
-    def __init__(self, args, fault: str, mode: str, base_port: int):
-        self.args, self.fault, self.mode = args, fault, mode
+    def __init__(self, args, settings: str, fault: str, base_port: int):
+        self.args, self.settings, self.fault = args, settings, fault
+        self.health = SETTINGS[settings]
         self.cluster = LocalCluster(
-            tempfile.mkdtemp(prefix=f"router-{fault}-{mode}-"),
+            tempfile.mkdtemp(prefix=f"router-{settings}-{fault}-"),
             nodes=2,
             heartbeat_interval=1.0,
             accelerators_per_node=2,
@@ -137,7 +184,9 @@ class Bench:
 
     def apply(self, count: int) -> None:
         with grpc.insecure_channel(self.cluster.controller_address) as channel:
-            self.stub(channel).ApplyDeployment(C.ApplyDeploymentRequest(deployment=deployment(count)), timeout=30)
+            self.stub(channel).ApplyDeployment(
+                C.ApplyDeploymentRequest(deployment=deployment(count, self.health)), timeout=30
+            )
 
     def wait(self, predicate, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -163,18 +212,16 @@ class Bench:
             self.apply(3)
             self.wait(
                 lambda: len(self.endpoints()) == 3 and self.workers() == {e.url for e in self.endpoints()},
-                90,
+                120,
                 "three engines routed",
             )
             victim = self.endpoints()[0]
-            if self.fault == "hang_inference":
-                status, text = post(victim.url + "/sim/faults", None, 5, method="GET")
-                if status != 200 or "hang_inference" not in json.loads(text):
-                    return {"skipped": "no hang_inference fault"}
-            if self.mode == "static":
-                sync = cluster.process("router-sync").process
-                os.killpg(sync.pid, signal.SIGTERM)
-                sync.wait(10)
+            metrics = RouterMetrics(cluster)
+            retries_before = metrics.total("vllm_router_retries_total")
+            routed: list[float] = []
+            following = threading.Event()
+            follower = threading.Thread(target=metrics.follow, args=(victim.url, following, routed), daemon=True)
+            follower.start()
             load = Load(cluster.router_url, self.args.rate)
             sender = threading.Thread(target=load.run, daemon=True)
             sender.start()
@@ -185,14 +232,18 @@ class Bench:
             time.sleep(self.args.after)
             load.stopping.set()
             sender.join()
+            for thread in load.threads:
+                thread.join(timeout=65)
+            following.set()
+            follower.join()
             if self.fault == "sigstop":
                 try:
                     os.kill(pid, signal.SIGCONT)
                 except ProcessLookupError:
                     pass  # killed by its node manager meanwhile
-            for thread in load.threads:
-                thread.join(timeout=35)
-            return self.figures(load.results, fault_at)
+            return self.figures(
+                load.results, fault_at, routed, metrics.total("vllm_router_retries_total") - retries_before
+            )
         finally:
             cluster.stop()
 
@@ -201,8 +252,10 @@ class Bench:
             os.kill(pid, signal.SIGKILL)
         elif self.fault == "sigstop":
             os.kill(pid, signal.SIGSTOP)
-        elif self.fault == "hang_inference":
-            post(victim.url + "/sim/faults", {"hang_inference": True}, 5)
+        elif self.fault in ("hang_inference", "fail_inference"):
+            status, text = post(victim.url + "/sim/faults", {self.fault: True}, 5)
+            if status != 200:
+                raise RuntimeError(f"the simulated engine refused the {self.fault} fault: {status} {text}")
         elif self.fault == "scale_down":
             self.apply(2)
         elif self.fault == "host_loss":
@@ -211,23 +264,26 @@ class Bench:
             for engine_pid in pids:
                 os.kill(engine_pid, signal.SIGKILL)
 
-    def figures(self, results, fault_at: float) -> dict:
-        bad = [
-            sent - fault_at
-            for sent, status, answered in results
-            if sent >= fault_at and (status != 200 or answered - sent > STALLED)
-        ]
-        before = [r for r in results if fault_at - self.args.before + 0.5 <= r[2] < fault_at and r[1] == 200]
-        window = (fault_at + 3, fault_at + self.args.after)
-        after = [r for r in results if window[0] <= r[2] < window[1] and r[1] == 200]
+    def figures(self, results, fault_at: float, routed: list[float], retried: float) -> dict:
+        after = [r for r in routed if r >= fault_at]
         return {
             "requests": len(results),
             "failed": sum(1 for r in results if r[1] != 200),
-            "over_5s": sum(1 for r in results if r[2] - r[0] > SLOW),
-            "last_hit_s": max(bad) if bad else 0.0,
-            "rate_before": len(before) / (self.args.before - 0.5),
-            "rate_after": len(after) / (window[1] - window[0]),
+            "retried": int(retried),
+            "stalled": sum(1 for r in results if r[2] - r[0] > STALLED),
+            "longest_s": max((r[2] - r[0] for r in results), default=0.0),
+            "last_routed_s": max(after) - fault_at if after else None,
         }
+
+
+def describe(settings: dict) -> str:
+    health = HealthCheckConfig(**settings)
+    return (
+        f"virtual inference {'on' if health.enable_virtual_inference else 'off'}, "
+        f"a probe every {health.probe_interval:g} s, {health.probe_timeout:g} s timeout, "
+        f"{health.max_failure_count} failures, {health.busy_probe_interval:g} s busy interval, "
+        f"{health.utilization_window:g} s utilization window"
+    )
 
 
 def main() -> int:
@@ -235,27 +291,31 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=40.0, help="requests per second (default 40)")
     parser.add_argument("--before", type=float, default=5.0, help="seconds of load before the fault (default 5)")
     parser.add_argument("--after", type=float, default=12.0, help="seconds of load after the fault (default 12)")
-    parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
+    parser.add_argument("--settings", default="seed,tuned", help=f"comma-separated, of {', '.join(SETTINGS)}")
+    parser.add_argument("--faults", default=",".join(DEFAULT_FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
     args = parser.parse_args()
     faults = [f for f in args.faults.split(",") if f]
-    unknown = [f for f in faults if f not in FAULTS]
-    if unknown:
-        parser.error(f"--faults: unknown {', '.join(unknown)} (known: {', '.join(FAULTS)})")
+    settings = [s for s in args.settings.split(",") if s]
+    for flag, chosen, known in (("--faults", faults, FAULTS), ("--settings", settings, tuple(SETTINGS))):
+        unknown = [c for c in chosen if c not in known]
+        if unknown:
+            parser.error(f"{flag}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
+    for name in settings:
+        print(f"{name}: {describe(SETTINGS[name])}")
+    print(f"router: {' '.join(FAILOVER_FLAGS)}")
     print(
-        f"{'fault':<15} {'mode':<7} {'requests':>8} {'failed':>7} {'>5s':>5} {'last hit':>9} {'rate before':>12} "
-        f"{'rate after':>11}"
+        f"{'settings':<8} {'fault':<15} {'requests':>8} {'failed':>7} {'retried':>8} {'>1s':>5} {'longest':>8} "
+        f"{'last routed':>12}"
     )
     base = 40000
-    for fault in faults:
-        for mode in ("static", "motor"):
+    for name in settings:
+        for fault in faults:
             base += 1000
-            row = Bench(args, fault, mode, base).run()
-            if "skipped" in row:
-                print(f"{fault:<15} {mode:<7} skipped: {row['skipped']}", flush=True)
-                continue
+            row = Bench(args, name, fault, base).run()
+            last = "-" if row["last_routed_s"] is None else f"{row['last_routed_s']:.2f}s"
             print(
-                f"{fault:<15} {mode:<7} {row['requests']:>8} {row['failed']:>7} {row['over_5s']:>5} "
-                f"{row['last_hit_s']:>8.2f}s {row['rate_before']:>10.1f}/s {row['rate_after']:>9.1f}/s",
+                f"{name:<8} {fault:<15} {row['requests']:>8} {row['failed']:>7} {row['retried']:>8} "
+                f"{row['stalled']:>5} {row['longest_s']:>7.2f}s {last:>12}",
                 flush=True,
             )
     return 0

@@ -28,6 +28,37 @@ ROUTER_ENV = {"SPT_NOENV": "1"}
 # with --pd. Neither is the default: in that mode /v1/models answers in the router's own shape,
 # not OpenAI's, and with --by-model a request without `model` is answered 503 (docs/router.md).
 TYPED_WORKER_FLAGS = ["--enable-igw"]
+# What the router does with a request whose engine fails it (docs/router.md, "When an engine
+# fails"). vllm-router 0.1.17 retries a request on another worker when its worker answers
+# 408/429/500/502/503/504 or cannot be reached (a refused or reset connection, a SIGKILLed engine:
+# it answers that 500 itself): this many attempts in all, 50 ms apart, then x1.5 each.
+# A worker that fails this many requests in a row gets none for the circuit's timeout (an engine
+# answering 500 while its /health says 200), then one trial. The timeout is short because a false
+# open (a client's request that fails the same way on every engine, retried onto each) would
+# otherwise shut the only engine of a deployment for the router's default of 60 s; by then Motor
+# has taken a failing engine out of the router anyway. (In the --enable-igw mode, vllm-router
+# 0.1.17 gives workers added at run time its own circuit settings, 5 failures and 30 s, whatever
+# these flags say: measured.)
+# The request timeout is the whole request's, a stream's body included, and a timed-out request is
+# retried like a failed one (measured: a 3 s completion under a 1 s timeout ran 5 times, then 500):
+# it must exceed the longest legitimate generation, so it cannot tell a hung engine from a long
+# answer. A hung engine's requests end when Motor kills it (the router then retries them).
+FAILOVER_FLAGS = [
+    "--retry-max-retries",
+    "5",
+    "--retry-initial-backoff-ms",
+    "50",
+    "--retry-backoff-multiplier",
+    "1.5",
+    "--retry-max-backoff-ms",
+    "1000",
+    "--cb-failure-threshold",
+    "10",
+    "--cb-timeout-duration-secs",
+    "15",
+    "--request-timeout-secs",
+    "1800",
+]
 
 
 def router_binary() -> str:
@@ -54,6 +85,7 @@ def router_command(port: int, metrics_port: int, by_model: bool = False, pd: boo
         "10",
         "--worker-startup-check-interval",
         "1",
+        *FAILOVER_FLAGS,
         *(TYPED_WORKER_FLAGS if by_model or pd else []),
     ]
     return argv
