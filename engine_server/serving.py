@@ -153,10 +153,11 @@ class ServingWatchdog:
         if outcomes is None or before is None:
             return False
         succeeded, failed = outcomes[0] - before[0], outcomes[1] - before[1]
-        if succeeded > 0:
+        if succeeded > 0:  # failures in the same reading may have come before it: not "in a row"
             self._failed_in_a_row = 0
-        self._failed_in_a_row += max(0, failed) if succeeded <= 0 else 0
-        return succeeded > 0
+            return True
+        self._failed_in_a_row += max(0, failed)
+        return False
 
     def probe_succeeded(self) -> None:
         """A recovery probe got its answer: the engine serves again."""

@@ -72,6 +72,24 @@ async def test_a_hang_at_high_utilization_without_traffic_is_probed_at_probe_int
     assert prober.interval == SEED.probe_interval
 
 
+@pytest.mark.parametrize(
+    "peak, progressed, before, after",
+    [
+        (90, False, 20, 2),  # busy reading, no progress: a hung kernel, probed at probe_interval
+        (3, False, 20, 2),  # at npu_usage_threshold, no progress: the same
+        (2.9, False, 20, 2),  # idle anyway
+        (90, True, 2, 20),  # busy and making progress
+        (90, None, 2, 20),  # no progress source: utilization alone
+        (50, True, 20, 20),  # in between, progressing: unchanged
+        (50, None, 2, 2),
+    ],
+)
+def test_interval_rule_with_progress(peak, progressed, before, after):
+    prober, _ = seed_prober(VirtualClock(), 0, Progress())
+    prober.interval = before
+    assert prober.next_interval(peak, progressed) == after
+
+
 async def test_high_utilization_with_progress_is_busy_and_probed_at_busy_interval():
     clock, progress = VirtualClock(), Progress()
     prober, _ = seed_prober(clock, 90, progress)
