@@ -6,7 +6,10 @@ An engine is listed when it can serve right now:
   external load balancing every rank answers its own requests, and the controller is already
   restarting the other); never STARTING, RESTARTING, FAILED or PENDING;
 - its node is READY, it runs (RUNNING) the current generation, its health is NORMAL;
-- it is neither draining (Drain or SIGTERM: it answers new requests 503) nor sleeping.
+- it is neither draining (Drain or SIGTERM: it answers new requests 503) nor sleeping;
+- it serves: its stall watchdog gives no not-serving reason (requests in flight and no
+  progress for stall_timeout, or requests failing with none succeeding). Its health stays
+  NORMAL meanwhile: it leaves the routers at once and is killed only after stall_kill_after.
 
 `EndpointFeed` keeps the listed set and, whenever something that decides it changes, works out
 what was added and removed (once per event-loop turn, however many changes came in it) and
@@ -46,7 +49,7 @@ def can_serve(state: ClusterState, slot: EngineSlot) -> bool:
         return False
     if not slot.port or slot.state != T.ENGINE_STATE_RUNNING or slot.health != T.HEALTH_STATUS_NORMAL:
         return False
-    return not (slot.draining or slot.sleeping)
+    return not (slot.draining or slot.sleeping or slot.not_serving_reason)
 
 
 # What the feed keeps of a listed endpoint: (engine id, instance id, role, url, deployment,

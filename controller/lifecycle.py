@@ -116,6 +116,8 @@ class EngineLifecycle:
         if (slot.draining, slot.sleeping) != (engine.draining, engine.sleeping):
             slot.draining, slot.sleeping = engine.draining, engine.sleeping
             self.state.on_change([slot.engine_id])
+        if slot.not_serving_reason != engine.not_serving_reason:
+            self._serving_changed(slot, node.node_id, engine.not_serving_reason)
         if slot.state == engine.state and slot.health == engine.health and slot.health_reason == engine.health_reason:
             return
         # Interned: the same few reasons for thousands of engines are one string each.
@@ -134,6 +136,20 @@ class EngineLifecycle:
         inst = self.state.instances.get(slot.instance_id)
         if inst is not None:
             self.state.evaluate(inst)
+
+    def _serving_changed(self, slot: EngineSlot, node_id: str, reason: str) -> None:
+        """The engine's stall watchdog changed its mind: out of (or back into) the endpoints now,
+        and an event that names why."""
+        slot.not_serving_reason = sys.intern(reason)
+        self.state.on_change([slot.engine_id])
+        if reason:
+            what = f"engine {slot.engine_id} on {node_id} not serving: {reason}; out of the endpoints"
+        else:
+            what = f"engine {slot.engine_id} on {node_id} serving again"
+        self.state.event(
+            C.EVENT_TYPE_ENGINE_NOT_SERVING, what, node_id=node_id, instance_id=slot.instance_id,
+            engine_id=slot.engine_id,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ failures and restarts
 

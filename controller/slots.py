@@ -68,6 +68,7 @@ class EngineSlot:
     health_reason: str = ""
     draining: bool = False  # the engine admits no new requests (Drain or SIGTERM)
     sleeping: bool = False
+    not_serving_reason: str = ""  # the engine's stall watchdog (Engine.not_serving_reason): '' while it serves
     stop_grace: float = 0.0  # what the engine said a SIGTERM may take (Engine.stop_grace)
     handled_failure_generation: int = 0
     failed_at: float | None = None  # monotonic time of the failure (or node loss) not yet recovered from
@@ -100,6 +101,7 @@ class EngineSlot:
         self.launched = False
         self.state, self.health, self.health_reason = T.ENGINE_STATE_UNSPECIFIED, T.HEALTH_STATUS_UNSPECIFIED, ""
         self.draining = self.sleeping = False
+        self.not_serving_reason = ""
         self.stop_grace = 0.0
 
 

@@ -82,6 +82,27 @@ class EngineServerMetrics:
             multiprocess_mode="livemostrecent",
             registry=registry,
         )
+        self.not_serving = Gauge(
+            "motor_engine_server_not_serving",
+            "1 while the stall watchdog holds this engine out of the routers, by cause: stalled (client requests in "
+            "flight and no progress for stall_timeout) or failing (client requests fail with server errors and none "
+            "succeeds). Lasting stall_kill_after it turns ABNORMAL and is replaced (alert MotorEngineNotServing).",
+            ["cause"],
+            multiprocess_mode="livemostrecent",
+            registry=registry,
+        )
+        self.serving_changes = Counter(
+            "motor_engine_server_serving_changes",
+            "Changes of the stall watchdog's verdict, by the state entered: stalled, failing (the engine left the "
+            "routers) or serving (it came back). Stalls that come back quickly mean stall_timeout is too short "
+            "for this model's longest step.",
+            ["to"],
+            registry=registry,
+        )
+        for cause in ("stalled", "failing"):
+            self.not_serving.labels(cause)
+        for to in ("stalled", "failing", "serving"):
+            self.serving_changes.labels(to)
         for outcome in ("success", "failure"):
             self.probes.labels(outcome)
         # The series every Motor service has (management-plane RPCs, event-loop lag).

@@ -169,8 +169,10 @@ class PeakSampler:
 class Prober:
     """Runs probe rounds; each round probes and samples utilization at the same time.
 
-    Interval rule: peak >= busy_utilization -> busy_probe_interval; peak < npu_usage_threshold ->
-    probe_interval; in between -> unchanged. A failure is not counted only while the engine is
+    Interval rule: peak >= busy_utilization -> busy_probe_interval, but only while the engine makes
+    progress (or has no progress source): high utilization without progress is a hung kernel, not
+    a busy engine, so it is probed at probe_interval; peak < npu_usage_threshold -> probe_interval;
+    in between -> unchanged. A failure is not counted only while the engine is
     busy: the peak at or above npu_usage_threshold *and* the engine made progress (`progress`:
     tokens or scheduler steps for client requests) since the previous round. A hung kernel
     reads near 100 % on NVML and npu-smi, so utilization alone never excuses a failure; an
@@ -204,7 +206,9 @@ class Prober:
         if metrics is not None:
             metrics.probe_interval.set(self.interval)
 
-    def next_interval(self, peak: float) -> float:
+    def next_interval(self, peak: float, progressed: bool | None = None) -> float:
+        if progressed is False and peak >= self.settings.npu_usage_threshold:
+            return self.settings.probe_interval
         if peak >= self.settings.busy_utilization:
             return self.settings.busy_probe_interval
         if peak < self.settings.npu_usage_threshold:
@@ -311,7 +315,7 @@ class Prober:
             self.health_failing = False
         if counted:
             self.consecutive_failures += 1
-        self.interval = self.next_interval(peak)
+        self.interval = self.next_interval(peak, progressed)
         if success:
             self.machine.fire(Event.PROBE_SUCCEEDED, "virtual-inference probes succeed again")
         elif self.consecutive_failures >= self.settings.max_failure_count:

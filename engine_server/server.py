@@ -25,6 +25,7 @@ from engine_server.probing import (
     ProbeRecord,
 )  # fmt: skip
 from engine_server.samplers import choose_sampler
+from engine_server.serving import CHECK_PERIOD, ServingChange, ServingWatchdog
 from engine_server.status import Event, Health, HealthStateMachine, Transition
 from motor.clock import SYSTEM_CLOCK, Clock
 from motor.contract.user_config import EngineSection
@@ -62,6 +63,7 @@ class StatusSnapshot:
     last_probe: ProbeRecord | None
     in_flight_requests: int
     stop_grace: float  # seconds a SIGTERM needs to end in exit: drain_timeout + shutdown
+    not_serving_reason: str = ""  # the stall watchdog's verdict: '' while serving
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,11 @@ class EngineServer:
         self._probe_client = probe_client or HttpProbeClient(self.base_url, options.role, self.settings.probe_timeout)
         self._health_client = health_client or HttpHealthClient(self.base_url, self.settings.health_collector_timeout)
         self.prober: Prober | None = None
+        # The stall watchdog: on for every engine, whatever enable_virtual_inference says.
+        self.watchdog = ServingWatchdog(
+            self.settings, engine, self.machine, self._on_serving_change, metrics=metrics, clock=clock
+        )
+        self._recovery_task: asyncio.Task | None = None
         # GET /health every probe_interval while nothing probes (a probe round checks it first).
         self._health_task: asyncio.Task | None = None
         self._closing = False
@@ -163,6 +170,45 @@ class EngineServer:
         self.machine.fire(Event.HEALTH_UP, "inference plane is up: GET /health answered 200")
         self._maybe_start_probing()
         self._resume_health_checks()
+        self._tasks.append(asyncio.create_task(self._watch_serving(), name="stall-watchdog"))
+
+    # --- the stall watchdog ----------------------------------------------------------------
+    async def _watch_serving(self) -> None:
+        """Read the engine's requests in flight and progress every CHECK_PERIOD (not while it
+        sleeps: nothing runs then)."""
+        while not (self.machine.dead or self._closing):
+            if not self.sleeping:
+                try:
+                    self.watchdog.check()
+                except Exception:  # an engine's counters must not stop the watchdog
+                    logger.exception("stall watchdog check failed")
+            await self.clock.sleep(CHECK_PERIOD)
+
+    def _on_serving_change(self, change: ServingChange) -> None:
+        self._publish()
+        if not self.watchdog.serving and self._recovery_task is None and not self._closing:
+            self._recovery_task = asyncio.create_task(self._recovery_probes(), name="recovery-probes")
+            self._tasks.append(self._recovery_task)
+
+    async def _recovery_probes(self) -> None:
+        """While not serving, one probe every probe_interval: an engine whose clients gave up
+        (nothing in flight to show progress) or that no longer gets requests (out of the
+        routers) comes back when a probe is answered."""
+        try:
+            while not self.watchdog.serving and not (self.machine.dead or self._closing):
+                await self.clock.sleep(self.settings.probe_interval)
+                if self.watchdog.serving or self.draining or self.sleeping:
+                    continue
+                try:
+                    async with asyncio.timeout(self.settings.probe_timeout):
+                        await self._probe_client.probe()
+                except (TimeoutError, ProbeFailed) as exc:
+                    logger.info("recovery probe failed (%s): still not serving", exc or "timed out")
+                    continue
+                self.watchdog.probe_succeeded()
+        finally:
+            if self._recovery_task is asyncio.current_task():
+                self._recovery_task = None
 
     def _resume_health_checks(self) -> None:
         """Check /health on its own while nothing probes (not while draining: the engine is going)."""
@@ -272,6 +318,7 @@ class EngineServer:
             draining=self.draining,
             probing=self.probing,
             consecutive_failures=prober.consecutive_failures if prober else 0,
+            not_serving_reason=self.watchdog.not_serving_reason,
             probe_interval=prober.interval if prober else self.settings.probe_interval,
             last_probe=prober.last if prober else None,
             in_flight_requests=self.engine.in_flight_requests(),

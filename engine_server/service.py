@@ -43,6 +43,7 @@ def status_to_proto(status: StatusSnapshot) -> types_pb2.EngineStatus:
         probe_interval=pbtime.duration(status.probe_interval),
         in_flight_requests=status.in_flight_requests,
         stop_grace=pbtime.duration(status.stop_grace),
+        not_serving_reason=status.not_serving_reason,
     )
     if status.last_probe is not None:
         message.last_probe.CopyFrom(probe_to_proto(status.last_probe))

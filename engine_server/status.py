@@ -3,6 +3,7 @@
     INIT --starting--> INIT (a start-up step with its reason, e.g. checking the configuration)
     INIT --health_up--> NORMAL --failure_limit--> ABNORMAL --probe_succeeded--> NORMAL
                                                   ABNORMAL --health_recovered--> NORMAL
+                        NORMAL --stalled--> ABNORMAL --serving_again--> NORMAL (serving.py)
     any  --engine_died--> ABNORMAL (final: a dead engine never comes back in this process)
 
 Flags that are not states (sleeping, draining, probing) live beside it in the EngineStatus message.
@@ -35,16 +36,23 @@ class Event(enum.Enum):
     PROBE_SUCCEEDED = "probe_succeeded"
     HEALTH_RECOVERED = "health_recovered"  # /health answers 200 again while nothing probes
     ENGINE_DIED = "engine_died"
+    STALLED = "stalled"  # not serving (no progress, or failing requests) for stall_kill_after
+    SERVING_AGAIN = "serving_again"  # the watchdog's stall or failing state ended
 
 
 # from -> {event: to}. Anything else is ignored (e.g. a success while NORMAL changes nothing).
 TRANSITIONS: Transitions[Health, Event] = Transitions(
     {
         Health.INIT: {Event.STARTING: Health.INIT, Event.HEALTH_UP: Health.NORMAL, Event.ENGINE_DIED: Health.ABNORMAL},
-        Health.NORMAL: {Event.FAILURE_LIMIT: Health.ABNORMAL, Event.ENGINE_DIED: Health.ABNORMAL},
+        Health.NORMAL: {
+            Event.FAILURE_LIMIT: Health.ABNORMAL,
+            Event.STALLED: Health.ABNORMAL,
+            Event.ENGINE_DIED: Health.ABNORMAL,
+        },
         Health.ABNORMAL: {
             Event.PROBE_SUCCEEDED: Health.NORMAL,
             Event.HEALTH_RECOVERED: Health.NORMAL,
+            Event.SERVING_AGAIN: Health.NORMAL,
             Event.ENGINE_DIED: Health.ABNORMAL,
         },
     },

@@ -106,6 +106,7 @@ class EngineRecord:
     stop_grace: float = 0.0  # seconds a SIGTERM may take to end it: a stop waits at least this
     draining: bool = False
     sleeping: bool = False
+    not_serving_reason: str = ""  # the engine's stall watchdog: '' while it serves
     # Runtime only -------------------------------------------------------------------------
     watch: ExitWatcher | None = None  # notices the engine server's exit
     ending: Ending = Ending.NONE  # who is ending the engine, once something is
@@ -129,13 +130,25 @@ class EngineRecord:
         return termination_path(self.log_path)
 
     def observe_status(self, status: types_pb2.EngineStatus) -> bool:
-        """Take what a status says of the engine besides its health; True when draining or
-        sleeping changed (routers must hear of it: the engine stops serving or serves again)."""
+        """Take what a status says of the engine besides its health; True when draining, sleeping
+        or not serving changed (routers must hear of it: the engine stops serving or serves again)."""
         if status.HasField("stop_grace"):
             self.stop_grace = pbtime.seconds(status.stop_grace)
-        changed = (self.draining, self.sleeping) != (status.draining, status.sleeping)
-        self.draining, self.sleeping = status.draining, status.sleeping
+        now = (status.draining, status.sleeping, status.not_serving_reason)
+        changed = (self.draining, self.sleeping, self.not_serving_reason) != now
+        self.draining, self.sleeping, self.not_serving_reason = now
         return changed
+
+    @property
+    def serving_words(self) -> str:
+        """Why the engine does not serve, or 'serving again' (the report of a change)."""
+        if self.draining:
+            return "draining"
+        if self.sleeping:
+            return "sleeping"
+        if self.not_serving_reason:
+            return f"not serving: {self.not_serving_reason}"
+        return "serving again"
 
     @property
     def tree(self) -> TreeId:
@@ -229,6 +242,7 @@ class EngineRecord:
             recent_probes=list(self.recent_probes),
             draining=self.draining,
             sleeping=self.sleeping,
+            not_serving_reason=self.not_serving_reason,
         )
         if self.stop_grace:
             engine.stop_grace.CopyFrom(pbtime.duration(self.stop_grace))

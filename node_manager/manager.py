@@ -407,14 +407,10 @@ class NodeManager:
 
     def on_stream_message(self, record: EngineRecord, message: engine_pb2.WatchProbesResponse) -> None:
         if record.observe_status(message.status) and record.state == RUNNING:
-            # Draining or sleeping: tell the controller now, not at the next heartbeat, so that
-            # routers stop sending to the engine at once.
+            # Draining, sleeping or not serving (stalled): tell the controller now, not at the
+            # next heartbeat, so that routers stop sending to the engine at once.
             self._publish(record)
-            self._spawn(
-                self._report(
-                    record, "draining" if record.draining else "sleeping" if record.sleeping else "serving again"
-                )
-            )
+            self._spawn(self._report(record, record.serving_words))
         if record.state == STARTING and message.status.status == types_pb2.HEALTH_STATUS_NORMAL:
             record.health, record.health_reason = message.status.status, message.status.reason
             record.transition(RUNNING, "engine server reported NORMAL", self._changed)

@@ -169,6 +169,13 @@ class EngineBackend(abc.ABC):
         Virtual inference excuses a failed probe only on a busy engine that made progress."""
         return None
 
+    def request_outcomes(self) -> tuple[int, int] | None:
+        """(client requests that succeeded, client requests that failed with a server error:
+        HTTP 5xx other than 503), probes excluded, both counting up since the start; None when
+        this engine cannot tell. The stall watchdog (serving.py) takes an engine whose requests
+        all fail out of the routers."""
+        return None
+
     def utilization_sampler(self) -> UtilizationSampler | None:
         """A sampler this engine provides (the simulated engine's figure), or None to use the
         machine's (NVML, npu-smi)."""

@@ -148,6 +148,7 @@ class SimEngine(EngineBackend):
         self.admitting = True  # False from the start of a drain: new requests get 503
         self._in_flight = 0
         self._progress = 0  # scheduler steps and tokens for client requests (probes excluded)
+        self._succeeded = self._server_errors = 0  # client requests' outcomes (probes excluded)
         self._prefilling = asyncio.Lock()
         self._started_at = 0.0
         self._died: asyncio.Future[str] | None = None
@@ -224,6 +225,9 @@ class SimEngine(EngineBackend):
 
     def progress(self) -> int:
         return self._progress
+
+    def request_outcomes(self) -> tuple[int, int]:
+        return self._succeeded, self._server_errors
 
     def utilization_sampler(self) -> UtilizationSampler:
         return _SimSampler(self)
@@ -356,6 +360,7 @@ class SimEngine(EngineBackend):
                 SIM_PROMPT_TOKENS.labels(self.args.model).inc(prompt_tokens)
                 SIM_GENERATION_TOKENS.labels(self.args.model).inc(completion_tokens)
                 self._progress += completion_tokens
+                self._succeeded += 1
                 if leg:
                     SIM_KV_LEGS.labels(self.args.model, leg).inc()
             prefix = "chatcmpl" if chat else "cmpl"
@@ -414,6 +419,8 @@ class SimEngine(EngineBackend):
     def _failed(self, probe: bool, status: int, message: str) -> web.Response:
         if not probe:
             SIM_FAILED.labels(self.args.model).inc()
+            if status >= 500 and status != 503:
+                self._server_errors += 1
         return _error(status, message)
 
 

@@ -1,4 +1,5 @@
-"""Refuse new inference requests from the start of a drain; requests in flight go on.
+"""Refuse new inference requests from the start of a drain; requests in flight go on. Count
+how client inference requests end (the stall watchdog's `request_outcomes`).
 
 An ASGI middleware in front of vLLM's app: once `Admission.close()` is called (SIGTERM or the
 Drain RPC), a new inference request is answered 503 with `Retry-After` and an OpenAI-style error
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import json
 from typing import Any
+
+from engine_server.engines.base import is_probe_request_id
 
 # POST routes that start inference work in vLLM 0.32 (OpenAI, Anthropic, SageMaker, pooling).
 INFERENCE_PREFIXES = (
@@ -42,15 +45,51 @@ class Admission:
         self.open = False
 
 
-class RefuseWhileDraining:
-    """ASGI middleware: 503 + Retry-After for new inference requests once admission is closed."""
+class RequestOutcomes:
+    """Client inference requests by how they were answered: 2xx succeeded, 5xx other than 503
+    (which a draining or sleeping engine answers on purpose) failed. Probes are not counted.
+    Written by vLLM's loop thread, read by the engine server's: plain ints."""
 
-    def __init__(self, app: Any, admission: Admission):
+    def __init__(self) -> None:
+        self.succeeded = self.failed = 0
+
+    def count(self, status: int) -> None:
+        if 200 <= status < 300:
+            self.succeeded += 1
+        elif status >= 500 and status != 503:
+            self.failed += 1
+
+
+def _request_id(scope: dict) -> str:
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"x-request-id":
+            return value.decode("latin-1")
+    return ""
+
+
+class RefuseWhileDraining:
+    """ASGI middleware: 503 + Retry-After for new inference requests once admission is closed;
+    the status of every client inference request's answer goes to `outcomes`."""
+
+    def __init__(self, app: Any, admission: Admission, outcomes: RequestOutcomes | None = None):
         self.app, self.admission = app, admission
+        self.outcomes = outcomes if outcomes is not None else RequestOutcomes()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or self.admission.open or not is_inference_request(scope["method"], scope["path"]):
+        if scope["type"] != "http" or not is_inference_request(scope["method"], scope["path"]):
             await self.app(scope, receive, send)
+            return
+        if self.admission.open:
+            if is_probe_request_id(_request_id(scope)):
+                await self.app(scope, receive, send)
+                return
+
+            async def counted_send(message: dict) -> None:
+                if message["type"] == "http.response.start":
+                    self.outcomes.count(message["status"])
+                await send(message)
+
+            await self.app(scope, receive, counted_send)
             return
         body = json.dumps(
             {

@@ -35,7 +35,7 @@ from engine_server.engines.base import (
     is_probe_request_id,
     probe_token,
 )
-from engine_server.engines.vllm_admission import Admission, RefuseWhileDraining
+from engine_server.engines.vllm_admission import Admission, RefuseWhileDraining, RequestOutcomes
 from engine_server.engines.vllm_args import (
     MOTOR_UTILIZATION,
     create_vllm_config,
@@ -89,6 +89,7 @@ class VllmEngine(EngineBackend):
         self._exit_watches: list[ExitWatch] = []
         self._core_pids: list[int] = []  # each leads its own process group (vllm_engine_core)
         self._admission = Admission()
+        self._outcomes = RequestOutcomes()
         self._dead = asyncio.Event()
         self._dead_reason = ""
         self._stopping = False
@@ -241,7 +242,7 @@ class VllmEngine(EngineBackend):
         await init_app_state(self.async_llm, app.state, args, supported_tasks)
         config = uvicorn.Config(
             # In front of vLLM's app (whose middleware stack is already built).
-            RefuseWhileDraining(app, self._admission),
+            RefuseWhileDraining(app, self._admission, self._outcomes),
             host=args.host,
             port=args.port,
             # None: uvicorn's records propagate to the engine server's handlers.
@@ -459,6 +460,10 @@ class VllmEngine(EngineBackend):
         from engine_server.engines.vllm_utilization import PROGRESS
 
         return PROGRESS.total
+
+    def request_outcomes(self) -> tuple[int, int]:
+        """How client inference requests were answered (vllm_admission.RequestOutcomes)."""
+        return self._outcomes.succeeded, self._outcomes.failed
 
     def _serving_clients(self) -> bool:
         return next(self._client_requests(), None) is not None

@@ -82,6 +82,14 @@ class HealthCheckConfig(_Strict):
     utilization_sample_period: float = Field(0.5, gt=0)
     # How often GET /health is tried while INIT.
     health_poll_interval: float = Field(0.5, gt=0)
+    # The stall watchdog (engine_server/serving.py), on whatever enable_virtual_inference says:
+    # client requests in flight and no progress (tokens, scheduler steps) for stall_timeout
+    # seconds -> the engine is not serving and leaves the routers at once. 3 s is several
+    # times the longest chunked-prefill step of a large model on a GPU (docs/engine-server.md).
+    stall_timeout: float = Field(3.0, gt=0)
+    # A stall (or failing requests) lasting this long turns the engine ABNORMAL: its node
+    # manager kills it and the controller replaces it.
+    stall_kill_after: float = Field(10.0, gt=0)
 
     @property
     def probing(self) -> bool:
@@ -110,6 +118,11 @@ class HealthCheckConfig(_Strict):
             raise ValueError(
                 f"utilization_sample_period ({self.utilization_sample_period}) must not exceed "
                 f"utilization_window ({self.utilization_window})"
+            )
+        if self.stall_kill_after < self.stall_timeout:
+            raise ValueError(
+                f"stall_kill_after ({self.stall_kill_after:g}) must be at least stall_timeout "
+                f"({self.stall_timeout:g}): an engine leaves the routers before it is killed"
             )
         return self
 

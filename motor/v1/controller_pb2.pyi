@@ -165,6 +165,12 @@ class _EventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventType.V
     """A warm spare was started, promoted to serve in place of a failed instance, or preempted to
     give its accelerators to a serving instance waiting for room (the message says which).
     """
+    EVENT_TYPE_ENGINE_NOT_SERVING: _EventType.ValueType  # 17
+    """An engine stopped serving while its health stays NORMAL (its stall watchdog: requests in
+    flight and no progress, or requests failing with none succeeding; the message gives the
+    engine's words, e.g. "no progress for 3.0 s with 12 requests in flight"): it left every
+    router. The same type when it serves again.
+    """
 
 class EventType(_EventType, metaclass=_EventTypeEnumTypeWrapper):
     """Kind of a controller event."""
@@ -212,6 +218,12 @@ an old one withdrawn, paused (the message names the instance and the cause), res
 EVENT_TYPE_SPARE: EventType.ValueType  # 16
 """A warm spare was started, promoted to serve in place of a failed instance, or preempted to
 give its accelerators to a serving instance waiting for room (the message says which).
+"""
+EVENT_TYPE_ENGINE_NOT_SERVING: EventType.ValueType  # 17
+"""An engine stopped serving while its health stays NORMAL (its stall watchdog: requests in
+flight and no progress, or requests failing with none succeeding; the message gives the
+engine's words, e.g. "no progress for 3.0 s with 12 requests in flight"): it left every
+router. The same type when it serves again.
 """
 Global___EventType: _TypeAlias = EventType  # noqa: Y015
 

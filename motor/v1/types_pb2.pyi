@@ -217,6 +217,7 @@ class EngineStatus(_message.Message):
     LAST_PROBE_FIELD_NUMBER: _builtins.int
     IN_FLIGHT_REQUESTS_FIELD_NUMBER: _builtins.int
     STOP_GRACE_FIELD_NUMBER: _builtins.int
+    NOT_SERVING_REASON_FIELD_NUMBER: _builtins.int
     status: Global___HealthStatus.ValueType
     """INIT, NORMAL or ABNORMAL."""
     reason: _builtins.str
@@ -239,6 +240,12 @@ class EngineStatus(_message.Message):
     """Consecutive counted probe failures."""
     in_flight_requests: _builtins.int
     """Requests in flight on the inference plane (probes excluded)."""
+    not_serving_reason: _builtins.str
+    """Empty while the engine serves; else why it does not, e.g. "no progress for 3.0 s with 12
+    requests in flight" (the stall watchdog: health_check_config.stall_timeout) or "3 client
+    requests in a row failed with a server error and none succeeded". A not-serving engine is
+    left out of the routers at once; its health stays NORMAL until stall_kill_after.
+    """
     @_builtins.property
     def probe_interval(self) -> _duration_pb2.Duration:
         """Current interval between probes."""
@@ -270,10 +277,11 @@ class EngineStatus(_message.Message):
         last_probe: Global___ProbeResult | None = ...,
         in_flight_requests: _builtins.int = ...,
         stop_grace: _duration_pb2.Duration | None = ...,
+        not_serving_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_probe", b"last_probe", "probe_interval", b"probe_interval", "stop_grace", b"stop_grace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consecutive_failures", b"consecutive_failures", "dp_rank", b"dp_rank", "draining", b"draining", "engine_type", b"engine_type", "in_flight_requests", b"in_flight_requests", "instance_id", b"instance_id", "last_probe", b"last_probe", "probe_interval", b"probe_interval", "probing", b"probing", "reason", b"reason", "role", b"role", "sleeping", b"sleeping", "status", b"status", "stop_grace", b"stop_grace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consecutive_failures", b"consecutive_failures", "dp_rank", b"dp_rank", "draining", b"draining", "engine_type", b"engine_type", "in_flight_requests", b"in_flight_requests", "instance_id", b"instance_id", "last_probe", b"last_probe", "not_serving_reason", b"not_serving_reason", "probe_interval", b"probe_interval", "probing", b"probing", "reason", b"reason", "role", b"role", "sleeping", b"sleeping", "status", b"status", "stop_grace", b"stop_grace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -382,6 +390,7 @@ class Engine(_message.Message):
     STOP_GRACE_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
     SLEEPING_FIELD_NUMBER: _builtins.int
+    NOT_SERVING_REASON_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """Identifier "<instance_id>/rank<dp_rank>", e.g. "prefill-0/rank1"."""
     state: Global___EngineState.ValueType
@@ -408,6 +417,10 @@ class Engine(_message.Message):
     """True while the engine drains (Drain or SIGTERM): it admits no new inference requests."""
     sleeping: _builtins.bool
     """True while the engine sleeps (it answers inference requests 503)."""
+    not_serving_reason: _builtins.str
+    """EngineStatus.not_serving_reason as the engine last reported it: empty while it serves; else
+    why not (a stall, failing requests). The controller lists no endpoint for it meanwhile.
+    """
     @_builtins.property
     def spec(self) -> Global___EngineSpec:
         """What was asked for, with allocated ports and host filled in."""
@@ -456,10 +469,11 @@ class Engine(_message.Message):
         stop_grace: _duration_pb2.Duration | None = ...,
         draining: _builtins.bool = ...,
         sleeping: _builtins.bool = ...,
+        not_serving_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "last_probe", b"last_probe", "spec", b"spec", "started_at", b"started_at", "state_changed_at", b"state_changed_at", "stop_grace", b"stop_grace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "consecutive_abnormal", b"consecutive_abnormal", "draining", b"draining", "engine_id", b"engine_id", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "health", b"health", "health_reason", b"health_reason", "last_probe", b"last_probe", "log_path", b"log_path", "node_id", b"node_id", "pid", b"pid", "recent_probes", b"recent_probes", "sleeping", b"sleeping", "spec", b"spec", "started_at", b"started_at", "state", b"state", "state_changed_at", b"state_changed_at", "state_reason", b"state_reason", "stop_grace", b"stop_grace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "consecutive_abnormal", b"consecutive_abnormal", "draining", b"draining", "engine_id", b"engine_id", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "health", b"health", "health_reason", b"health_reason", "last_probe", b"last_probe", "log_path", b"log_path", "node_id", b"node_id", "not_serving_reason", b"not_serving_reason", "pid", b"pid", "recent_probes", b"recent_probes", "sleeping", b"sleeping", "spec", b"spec", "started_at", b"started_at", "state", b"state", "state_changed_at", b"state_changed_at", "state_reason", b"state_reason", "stop_grace", b"stop_grace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
     _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015

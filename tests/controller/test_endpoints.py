@@ -161,3 +161,32 @@ async def test_a_node_that_stays_silent_holds_the_endpoints_back_two_heartbeat_i
         assert 1.0 < asyncio.get_running_loop().time() - began < 4.0
     finally:
         await h.stop()
+
+
+async def test_a_not_serving_engine_leaves_the_endpoints_at_once_with_an_event_and_comes_back(harness):
+    # The engine's stall watchdog: requests in flight and no progress. Its health stays NORMAL
+    # (it is not killed yet), but routers must stop sending to it now.
+    h = harness
+    await running_example(h)
+    feed = h.controller.endpoints.subscribe()
+    await next_change(feed)
+    stalled = engine(h, "decode-0/rank0")
+    stalled.not_serving_reason = "no progress for 3.0 s with 12 requests in flight"
+    h.controller.report_engine_event(stalled.node_id, h.generations[stalled.node_id], stalled, "not serving: ...")
+    change = await next_change(feed)
+    assert [e.engine_id for e in change.removed] == ["decode-0/rank0"] and not change.added
+    assert listed(h) == ALL - {"decode-0/rank0"}
+    assert h.instance("decode-0").state == C.INSTANCE_STATE_READY  # nothing restarts it yet
+    events = [e for e in h.controller.events.recent if e.type == C.EVENT_TYPE_ENGINE_NOT_SERVING]
+    assert [e.message for e in events] == [
+        f"engine decode-0/rank0 on {stalled.node_id} not serving: no progress for 3.0 s with 12 requests in "
+        "flight; out of the endpoints"
+    ]
+    assert events[0].engine_id == "decode-0/rank0" and events[0].instance_id == "decode-0"
+
+    stalled.not_serving_reason = ""  # progress resumed
+    beat_all(h)
+    assert [e.engine_id for e in (await next_change(feed)).added] == ["decode-0/rank0"]
+    events = [e for e in h.controller.events.recent if e.type == C.EVENT_TYPE_ENGINE_NOT_SERVING]
+    assert events[-1].message == f"engine decode-0/rank0 on {stalled.node_id} serving again"
+    feed.close()

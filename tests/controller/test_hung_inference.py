@@ -1,11 +1,13 @@
 """The hang no signal can hide, on real processes: the engine's completions never answer while
 its /health answers 200 and its accelerator reads 90 % busy. Virtual inference sees that nothing
 is produced, the engine turns ABNORMAL, leaves the endpoints, is killed by its node manager and
-replaced by the controller."""
+replaced by the controller. Under traffic the stall watchdog sees it first, probing or not."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 import urllib.request
 
 import pytest
@@ -76,3 +78,50 @@ def test_a_busy_looking_hang_turns_abnormal_leaves_the_endpoints_and_is_replaced
     assert readded is not None
     wait_for(lambda: cluster.all_ready(1), timeout=60, interval=0.2, what="READY with the replacement")
     assert cluster.instances()["u-0"].engines[0].restarts >= 1
+
+
+def test_a_hang_under_traffic_leaves_the_endpoints_at_once_without_probes_and_comes_back(make_cluster):
+    """Probing off (the default): requests in flight and no progress for stall_timeout, and the
+    engine is out of WatchEndpoints at once (its health still NORMAL, nothing restarted); when
+    the hang ends its caught requests complete and it is listed again."""
+    stall_timeout = 1.0
+    cluster = make_cluster(nodes=1)
+    apply(cluster, sim_deployment(health={"stall_timeout": stall_timeout, "stall_kill_after": 60}))
+    wait_for(lambda: cluster.all_ready(1), timeout=60, interval=0.2, what="instance READY")
+    stub = cluster.stub()
+    listed = lambda: {e.engine_id for e in stub.ListEndpoints(C.ListEndpointsRequest(), timeout=5).endpoints}  # noqa: E731
+    wait_for(lambda: "u-0/rank0" in listed(), timeout=30, interval=0.2, what="the engine listed")
+    engine = cluster.engine_copies()[("node-a", "u-0/rank0")]
+    feed = stub.WatchEndpoints(C.WatchEndpointsRequest(), timeout=120)
+    assert "u-0/rank0" in {e.engine_id for e in next(feed).added}
+
+    set_faults(engine, hang_inference=True)
+    hung_at = time.monotonic()
+    statuses: list[int] = []
+
+    def complete() -> None:
+        request = urllib.request.Request(
+            f"http://{engine.spec.host}:{engine.spec.port}/v1/completions", data=b'{"prompt": "x"}',
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=60) as response:
+            statuses.append(response.status)
+
+    for _ in range(2):
+        threading.Thread(target=complete, daemon=True).start()
+    next(m for m in feed if "u-0/rank0" in {e.engine_id for e in m.removed})
+    out_after = time.monotonic() - hung_at
+    # stall_timeout, the watchdog's 0.2 s reading, and the way to the routers (measured well
+    # under a second; bounded loosely for a loaded machine).
+    assert out_after < stall_timeout + 2.0, f"out of the endpoints {out_after:.2f}s after the hang"
+    copy = cluster.engine_copies()[("node-a", "u-0/rank0")]
+    assert copy.health == T.HEALTH_STATUS_NORMAL and copy.pid == engine.pid
+    assert copy.not_serving_reason.startswith("no progress for 1.") and "2 requests in flight" in (
+        copy.not_serving_reason
+    )
+
+    set_faults(engine, hang_inference=False)
+    next(m for m in feed if "u-0/rank0" in {e.engine_id for e in m.added})
+    feed.cancel()
+    wait_for(lambda: statuses == [200, 200], timeout=30, what="the caught requests answered")
+    assert cluster.engine_copies()[("node-a", "u-0/rank0")].pid == engine.pid  # nothing restarted

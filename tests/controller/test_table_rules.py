@@ -77,8 +77,9 @@ def test_a_new_generation_forgets_what_the_last_copy_said_of_its_stop():
     table = SlotTable()
     slot = placed(table, "p-0/rank0", "node-a", [0])
     slot.draining, slot.sleeping, slot.stop_grace = True, True, 12.5
+    slot.not_serving_reason = "no progress for 3.0 s with 2 requests in flight"
     table.new_generation(slot, 2)
-    assert (slot.draining, slot.sleeping, slot.stop_grace) == (False, False, 0.0)
+    assert (slot.draining, slot.sleeping, slot.stop_grace, slot.not_serving_reason) == (False, False, 0.0, "")
 
 
 def test_a_node_heard_from_exactly_at_the_cutoff_is_not_silent():

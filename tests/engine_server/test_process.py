@@ -77,10 +77,24 @@ def test_init_then_normal_then_probes_at_the_configured_interval(engine_server):
     # 0.3 s apart, start to start; the upper bound only catches a stalled prober.
     assert all(0.25 <= gap < 3.0 for gap in gaps), gaps
 
-    # The interval follows the utilization peak: busy -> the busy interval, idle again -> back to 0.3 s.
+    # The interval follows the utilization peak: busy (and making progress: requests complete)
+    # -> the busy interval; without progress 90 % is no excuse -> 0.3 s; idle again -> 0.3 s.
     es.set_faults(utilization=90)
+    traffic_stops = threading.Event()
+
+    def traffic() -> None:
+        while not traffic_stops.is_set():
+            es.http("POST", "/v1/completions", {"prompt": "busy", "max_tokens": 4})
+
+    sender = threading.Thread(target=traffic, daemon=True)
+    sender.start()
     busy = first_probe_sent_after(stream, time.time())
+    traffic_stops.set()
+    sender.join(timeout=10)
     assert busy.utilization_peak == 90 and seconds(busy.next_interval) == pytest.approx(1.5)
+    first_probe_sent_after(stream, time.time())  # its round may still see the last requests end
+    hung_kernel = first_probe_sent_after(stream, time.time())
+    assert hung_kernel.utilization_peak == 90 and seconds(hung_kernel.next_interval) == pytest.approx(0.3)
     es.set_faults(utilization=1)
     idle = first_probe_sent_after(stream, time.time())
     stream.cancel()

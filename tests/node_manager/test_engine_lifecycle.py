@@ -85,3 +85,41 @@ async def test_a_drain_is_reported_to_the_controller_at_once(make_node, fake_con
     )
     assert report[0].reason == "draining" and report[0].engine.state == RUNNING
     assert report[0].engine.health == types_pb2.HEALTH_STATUS_NORMAL  # draining, not sick: nothing restarts it
+
+
+async def test_a_stall_is_reported_at_once_and_a_long_one_gets_the_engine_killed(make_node, fake_controller):
+    # Requests in flight and no progress: the engine server's watchdog says "not serving"; the node
+    # manager tells the controller now (routers follow it), and kills the engine once the stall
+    # has lasted stall_kill_after (ABNORMAL for abnormal_threshold heartbeats).
+    config = json.loads(sim_config())
+    config["motor_engine_prefill_config"]["health_check_config"].update(
+        enable_virtual_inference=False, stall_timeout=0.5, stall_kill_after=3.0
+    )
+    node = await make_node(controller=fake_controller.address)
+    await async_wait_for(lambda: fake_controller.registrations, timeout=10)
+    engine = await node.start(config_json=json.dumps(config))
+    await node.wait_state(ENGINE, RUNNING)
+    base = f"http://127.0.0.1:{engine.spec.port}"
+
+    def post(path: str, body: dict, timeout: float = 60) -> int:
+        request = urllib.request.Request(
+            base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.status
+        except Exception:
+            return 0
+
+    assert await asyncio.to_thread(post, "/sim/faults", {"hang_inference": True}) == 200
+    caught = [asyncio.ensure_future(asyncio.to_thread(post, "/v1/completions", {"prompt": "x"})) for _ in range(3)]
+    report = await async_wait_for(
+        lambda: [r for r in fake_controller.reports if r.engine.not_serving_reason], timeout=10, what="not serving"
+    )
+    assert report[0].reason.startswith("not serving: no progress for 0.") and "3 requests in flight" in report[0].reason
+    assert report[0].engine.state == RUNNING and report[0].engine.health == types_pb2.HEALTH_STATUS_NORMAL
+    failed = await node.wait_state(ENGINE, FAILED, timeout=30)
+    assert "abnormal heartbeats" in failed.state_reason and "no progress for" in failed.state_reason, (
+        failed.state_reason
+    )
+    assert all(status == 0 for status in await asyncio.gather(*caught))  # cut by the kill, not left hanging
