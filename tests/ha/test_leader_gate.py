@@ -13,7 +13,7 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from controller.ha import LeaderGate
+from controller.ha.leader_gate import LeaderGate
 from motor.leader import LEADER_METADATA
 from motor.service.grpc_metrics import GrpcServerMetrics
 from motor.service.grpc_server import MotorServer
