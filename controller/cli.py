@@ -137,7 +137,7 @@ async def serve(config: ControllerConfig) -> None:
         config.metrics_port,
         routes={"/discovery/engines": lambda: engine_targets(controllers.controller.state)},
     )
-    server = config.server(config.listen, metrics=telemetry.grpc, interceptors=controllers.interceptors())
+    server = config.server(config.listen, metrics=telemetry.grpc, gate=controllers.gate())
     server.add(
         controller_pb2_grpc.add_ControllerServiceServicer_to_server,
         ControllerServicer(controllers),

@@ -1,17 +1,17 @@
 """What the gRPC server and the servicer ask of this process's controller, the same whether it
 runs alone on SQLite (`SingleController`) or as one of several on etcd
 (`controller.ha.high_availability.HighAvailability`): the `Controller` to answer from now, whether
-it leads, the interceptors its server needs, and how it starts acting and stops."""
+it leads, the gate its server runs inside its calls, and how it starts acting and stops."""
 
 from __future__ import annotations
 
 import os
 from typing import TYPE_CHECKING, Protocol
 
-import grpc
 from prometheus_client import CollectorRegistry
 
 from controller.core import Controller
+from motor.service.server_calls import Gate
 from motor.v1 import controller_pb2
 
 if TYPE_CHECKING:
@@ -36,8 +36,8 @@ class Controllers(Protocol):
         """The registry of the controller in use now."""
         ...
 
-    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        """What the server runs inside its own interceptor for this controller's calls."""
+    def gate(self) -> Gate | None:
+        """What the server runs inside its calls (after their access checks) for this controller."""
         ...
 
     def campaign(self, address: str) -> None:
@@ -80,8 +80,8 @@ class SingleController:
     def metrics_registry(self) -> CollectorRegistry:
         return self._controller.metrics.registry
 
-    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        return []
+    def gate(self) -> Gate | None:
+        return None  # it always leads: every call is its to answer
 
     def campaign(self, address: str) -> None:
         pass  # acting since start()

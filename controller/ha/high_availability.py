@@ -12,7 +12,6 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-import grpc
 from prometheus_client import CollectorRegistry
 
 from controller.core import Controller
@@ -110,8 +109,8 @@ class HighAvailability:
                 await asyncio.gather(task, return_exceptions=True)
         self.store.close()
 
-    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        return [LeaderGate(self)]
+    def gate(self) -> LeaderGate:
+        return LeaderGate(self)
 
     # --- what the servicer and the gate ask ---------------------------------------------------
 

@@ -5,7 +5,7 @@ leader, ended when it stops leading (docs/ha.md)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -34,27 +34,20 @@ MUTATING_METHODS = frozenset(
 LEADER_ONLY_FEEDS = frozenset({"WatchEndpoints"})
 
 
-class LeaderGate(grpc.aio.ServerInterceptor):
+class LeaderGate:
     """Mutating ControllerService calls: only on the leader, and stored before they return. The
-    feeds routers follow: only from the leader, ended when it stops leading."""
+    feeds routers follow: only from the leader, ended when it stops leading. A hook of the
+    server's one interceptor (motor/service/server_calls.py, `Gate`), which asks it once per
+    method's handler and keeps what it answers."""
 
     def __init__(self, ha: HighAvailability, service: str = "motor.v1.ControllerService"):
         self.ha, self.service = ha, service
-        # method -> (the servicer's handler, its gated one): built once, so that the server's own
-        # interceptor (motor/service/server_calls.py) finds the same handler and reuses its wrapper.
-        self._gated: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    async def intercept_service(
-        self, continuation: Callable[..., Awaitable[Any]], details: grpc.HandlerCallDetails
-    ) -> Any:
-        handler = await continuation(details)
-        service, _, method = details.method.lstrip("/").rpartition("/")
-        if handler is None or service != self.service or method not in MUTATING_METHODS | LEADER_ONLY_FEEDS:
+    def gated(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        service, _, name = method.lstrip("/").rpartition("/")
+        if service != self.service or name not in MUTATING_METHODS | LEADER_ONLY_FEEDS:
             return handler
-        cached = self._gated.get(details.method)
-        if cached is None or cached[0] is not handler:
-            cached = self._gated[details.method] = (handler, self._gate(handler))
-        return cached[1]
+        return self._gate(handler)
 
     def _gate(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         ha = self.ha

@@ -64,12 +64,12 @@ class Servicer(controller_pb2_grpc.ControllerServiceServicer):
 
 def gated_interceptors(ha: Election) -> list[grpc.aio.ServerInterceptor]:
     """The interceptors of an HA controller's server, in the order its MotorServer installs them."""
-    return [ServerCalls(), LeaderGate(ha)]
+    return [ServerCalls(gate=LeaderGate(ha))]
 
 
 def gated_server(ha: Election, metrics: GrpcServerMetrics) -> MotorServer:
     """An HA controller's server, as controller/cli.py makes it."""
-    return MotorServer("127.0.0.1:0", metrics=metrics, interceptors=[LeaderGate(ha)], reflection=False)
+    return MotorServer("127.0.0.1:0", metrics=metrics, gate=LeaderGate(ha), reflection=False)
 
 
 async def resolve(interceptors: list[grpc.aio.ServerInterceptor], method: str, handler: grpc.RpcMethodHandler):
