@@ -4,7 +4,7 @@ Starts a real `motor-controller` process and a simulated fleet in a separate pro
 (bench/fleet, Go; built on first use with bench/fleet/build.sh): every simulated node manager
 registers, gets one 8-rank instance placed on it (the fleet answers StartEngine), and heartbeats
 at the interval the controller announces (1 s until the fleet would exceed the controller's
---max-heartbeats-per-second, then nodes / that rate: docs/controller.md#heartbeat-rate-budget)
+--max-heartbeats-per-second, then nodes / that rate: docs/controller-decisions.md#heartbeat-rate-budget)
 on its own StreamHeartbeats stream with deltas (a full list every 30 beats), or with unary
 Heartbeat calls (--transport unary). Every node has its own connection, as real node
 managers do (--conns N shares N instead, plaintext only). Meanwhile the fleet fails random
