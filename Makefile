@@ -26,7 +26,8 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The inner loop while coding: every test that starts no real process (no service, engine, vLLM,
-# etcd or docker), in a few minutes. A test here that starts one fails, naming the mark it needs.
+# etcd or docker), in about a minute and a half. A test here that starts one fails, naming the
+# mark it needs.
 test-fast: setup
 	MOTOR_FAST_TIER=1 $(PY) -m pytest -q -m "not processes and not vllm and not docker" $(PYTEST_ARGS)
 

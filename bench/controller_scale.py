@@ -4,7 +4,7 @@ Starts a real `motor-controller` process and a simulated fleet in a separate pro
 (bench/fleet, Go; built on first use with bench/fleet/build.sh): every simulated node manager
 registers, gets one 8-rank instance placed on it (the fleet answers StartEngine), and heartbeats
 at the interval the controller announces (1 s until the fleet would exceed the controller's
---max-heartbeats-per-second, then nodes / that rate: docs/controller.md#heartbeat-rate-budget)
+--max-heartbeats-per-second, then nodes / that rate: docs/controller-decisions.md#heartbeat-rate-budget)
 on its own StreamHeartbeats stream with deltas (a full list every 30 beats), or with unary
 Heartbeat calls (--transport unary). Every node has its own connection, as real node
 managers do (--conns N shares N instead, plaintext only). Meanwhile the fleet fails random
@@ -74,11 +74,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 
 import grpc
@@ -88,6 +85,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import grpc_connection_memory  # noqa: E402
 from bench.prometheus_scraper import PrometheusScraper  # noqa: E402
+from bench.scale_cluster import Cluster  # noqa: E402
 from bench.scale_fleet import (  # noqa: E402
     ENGINES_PER_NODE,
     FLEET,
@@ -96,16 +94,11 @@ from bench.scale_fleet import (  # noqa: E402
     gauge,
     histogram_quantile,
     loop_thread_schedstat,
-    make_pki,
     paged_nodes,
     scrape,
     time_node_loss,
 )
-from controller.validation import MAX_ENGINES_PER_DEPLOYMENT  # noqa: E402
-from motor.ports import free_port  # noqa: E402
-from motor.service.grpc_server import TlsFiles, channel_credentials  # noqa: E402
 from motor.v1 import controller_pb2 as C  # noqa: E402
-from motor.v1 import controller_pb2_grpc  # noqa: E402
 
 # What a sustained step is held to. "full": the scale goal; "latency": the heartbeats alone, the
 # measure of mutual TLS's cost (the largest fleet sustained at heartbeat p99 < 50 ms with mutual TLS
@@ -209,91 +202,6 @@ def step(
         f" | {'sustained' if ok['full'] else 'NOT sustained' + (' (heartbeats alone: sustained)' if heard else '')}"
     )
     return ok, line, seen["rate"], interval, grace
-
-
-class Cluster:
-    """A fresh controller process (plaintext or mutual TLS) and fleet for one trial; a context manager."""
-
-    def __init__(self, args, tls: bool):
-        self.args, self.tls = args, tls
-        self.work = tempfile.mkdtemp(prefix="motor-scale-")
-        port, self.metrics_port = free_port(), free_port()
-        pki = make_pki(self.work) if tls else None
-        command = [
-            os.path.join(os.path.dirname(sys.executable), "motor-controller"),
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--db",
-            os.path.join(self.work, "controller.db"),
-            "--heartbeat-interval",
-            "1",
-            "--node-grace",
-            str(args.node_grace),
-            "--recheck-timeout",
-            "1",
-            "--max-heartbeats-per-second",
-            str(args.max_heartbeats_per_second),
-            "--metrics-port",
-            str(self.metrics_port),
-            "--log-level",
-            "WARNING",
-            # Plaintext callers are counted per host: every simulated node's stream comes from 127.0.0.1.
-            "--max-streams-per-caller",
-            str(2 * max(args.steps) + 100),
-            # Past 12,500 nodes the fleet's engines exceed the default limit (100,000 a deployment).
-            "--max-engines-per-deployment",
-            str(max(MAX_ENGINES_PER_DEPLOYMENT, ENGINES_PER_NODE * max(args.steps))),
-        ]
-        if pki:
-            command += [
-                "--tls-cert",
-                os.path.join(pki, "controller.crt"),
-                "--tls-key",
-                os.path.join(pki, "controller.key"),
-                "--tls-ca",
-                os.path.join(pki, "ca.crt"),
-            ]
-        self.command = command
-        self.log = open(os.path.join(self.work, "controller.log"), "wb")
-        self.controller = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.proc = psutil.Process(self.controller.pid)
-        options = [("grpc.max_receive_message_length", 256 << 20)]
-        if pki:
-            credentials = channel_credentials(
-                TlsFiles(
-                    cert=os.path.join(pki, "operator.crt"),
-                    key=os.path.join(pki, "operator.key"),
-                    ca=os.path.join(pki, "ca.crt"),
-                )
-            )
-            self.channel = grpc.secure_channel(f"127.0.0.1:{port}", credentials, options=options)
-        else:
-            self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
-        self.stub = controller_pb2_grpc.ControllerServiceStub(self.channel)
-        grpc.channel_ready_future(self.channel).result(timeout=30)
-        self.scraper = PrometheusScraper(
-            self.metrics_port, args.scrape_interval
-        )  # from the start, as a Prometheus would
-        self.scraper.start()
-        self.fleet = Fleet(f"127.0.0.1:{port}", args, pki)
-
-    def __enter__(self) -> Cluster:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.scraper.stop()
-        self.fleet.stop()
-        self.channel.close()
-        os.killpg(self.controller.pid, signal.SIGTERM)
-        try:
-            self.controller.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.controller.pid, signal.SIGKILL)
-        self.log.close()
-        if self.args.keep:
-            print(f"controller log and database kept in {self.work}")
-        else:
-            shutil.rmtree(self.work, ignore_errors=True)
 
 
 def trial(args, size: int, tls: bool) -> tuple[dict[str, bool], float]:

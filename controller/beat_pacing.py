@@ -1,4 +1,4 @@
-"""Heartbeats far faster than a node was told are pushed back (docs/controller.md, "Heartbeat
+"""Heartbeats far faster than a node was told are pushed back (docs/controller-decisions.md, "Heartbeat
 rate budget").
 
 The budget sets the interval each node is told so that the whole fleet stays within

@@ -8,10 +8,11 @@ import os
 import sys
 
 from controller.config import ControllerConfig
+from controller.controllers import Controllers, SingleController
 from controller.core import Controller
 from controller.fleet_metrics import engine_targets
 from controller.gc_tuning import TenuredCollections
-from controller.ha import LeaderGate, advertised_address, open_high_availability
+from controller.ha.opening import advertised_address, open_high_availability
 from controller.limits import raise_open_files_limit
 from controller.node_client import GrpcNodeClient
 from controller.servicer import ControllerServicer
@@ -105,38 +106,41 @@ def apply_startup_deployment(controller: Controller, config: ControllerConfig) -
     StartupDeployment(controller, config.deployment, deployment, controller.startup_grace()).begin()
 
 
+async def open_controllers(config: ControllerConfig) -> Controllers:
+    """This process's controller: one on SQLite, acting at once; or, with etcd, one of several,
+    standing by until elected (controller/ha/)."""
+    if config.uses_etcd:
+        on_lead = (lambda controller: apply_startup_deployment(controller, config)) if config.deployment else None
+        return await open_high_availability(config, on_lead)
+    store = open_store(config)
+    controller = Controller(config, store, GrpcNodeClient(tls=config.client_tls()))
+    await controller.start()
+    if config.deployment:
+        apply_startup_deployment(controller, config)
+    return SingleController(controller, store)
+
+
 async def serve(config: ControllerConfig) -> None:
     stop = stop_event()  # first: a stop signal during start-up (a slow store, etcd) is a stop too
     open_files = raise_open_files_limit()  # a socket per node
     gc_policy = (
         TenuredCollections().install()
     )  # a large fleet's state: no full garbage collection walks it all (controller/gc_tuning.py)
-    ha = None
-    if config.uses_etcd:
-        on_lead = (lambda controller: apply_startup_deployment(controller, config)) if config.deployment else None
-        ha = await open_high_availability(config, on_lead)
-        store, controller, interceptors = ha.store, None, [LeaderGate(ha)]
-        telemetry = ServiceTelemetry(ha.metrics_registry(), lambda: ha.controller.fleet_series.render())
-        current = lambda: ha.controller  # noqa: E731 (the leader's controller, or a standby's view)
-    else:
-        store = open_store(config)
-        controller = Controller(config, store, GrpcNodeClient(tls=config.client_tls()))
-        await controller.start()
-        if config.deployment:
-            apply_startup_deployment(controller, config)
-        interceptors, current = [], lambda: controller
-        telemetry = ServiceTelemetry(controller.metrics.registry, controller.fleet_series.render)
+    controllers = await open_controllers(config)
+    telemetry = ServiceTelemetry(controllers.metrics_registry(), lambda: controllers.controller.fleet_series.render())
     gc_policy.export(telemetry.registry)
     # A deployment change holds the old and the new instances at once: a complete walk waits for its end.
-    gc_policy.busy = lambda: current() is not None and current().changes.busy
+    gc_policy.busy = lambda: controllers.controller is not None and controllers.controller.changes.busy
     # /discovery/engines: Prometheus finds the engines' /metrics there (http_sd_configs).
     await telemetry.serve(
-        "0.0.0.0", config.metrics_port, routes={"/discovery/engines": lambda: engine_targets(current().state)}
+        "0.0.0.0",
+        config.metrics_port,
+        routes={"/discovery/engines": lambda: engine_targets(controllers.controller.state)},
     )
-    server = config.server(config.listen, metrics=telemetry.grpc, interceptors=interceptors)
+    server = config.server(config.listen, metrics=telemetry.grpc, gate=controllers.gate())
     server.add(
         controller_pb2_grpc.add_ControllerServiceServicer_to_server,
-        ControllerServicer(controller, ha),
+        ControllerServicer(controllers),
         service_name(controller_pb2, "ControllerService"),
     )
     port = await server.start()
@@ -151,20 +155,14 @@ async def serve(config: ControllerConfig) -> None:
         port_file = os.path.join(os.path.dirname(os.path.abspath(config.db)), "controller.port")
         with open(port_file, "w", encoding="utf-8") as handle:
             handle.write(f"{port}\n")
-    if ha:
-        ha.campaign(advertised_address(config, port))
+    controllers.campaign(advertised_address(config, port))
     collecting = asyncio.create_task(gc_policy.pace(), name="garbage collection")
     await stop.wait()
     logger.info("stopping")
-    if ha:  # resign first: a standby leads at once, and nothing acts once the port refuses
-        await ha.resign()
+    await controllers.resign()  # with etcd: a standby leads at once, and nothing acts once the port refuses
     await server.stop(grace=1.0)
     await telemetry.close()
-    if ha:
-        await ha.stop()
-    else:
-        await controller.stop()
-        store.close()
+    await controllers.stop()
     await cancel_and_wait(collecting, owner="controller")
 
 

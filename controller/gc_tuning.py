@@ -27,7 +27,7 @@ reclaims) everything. Steady state: no complete walk; while the state grows: one
 walk is the one pause left that grows with the fleet: about half a microsecond per object on this
 loaded machine, 0.3-0.6 s for the 600,000-800,000 objects of a 10,000 x dp 4 deployment, measured
 before the per-engine state was made compact (about a third of the objects since:
-docs/controller.md, memory per engine).
+docs/controller-decisions.md, memory per engine).
 
 - A deployment change holds the old and the new instances at once for seconds: while `busy()`
   says one is under way, a due walk waits for the first collection after it (it walks the

@@ -2,7 +2,7 @@
 grace it judges their silence by.
 
 One controller answers a bounded number of heartbeats a second (gRPC Python costs about 0.3 ms
-of CPU per message, docs/controller.md#heartbeat-rate-budget). As HashiCorp Nomad does with its
+of CPU per message, docs/controller-decisions.md#heartbeat-rate-budget). As HashiCorp Nomad does with its
 servers' `max_heartbeats_per_second` (the TTL it hands each client is max(min_heartbeat_ttl,
 nodes / max_heartbeats_per_second)), the controller announces
 

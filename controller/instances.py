@@ -43,7 +43,8 @@ def state_name(state: int) -> str:
 @dataclass(slots=True)
 class InstanceRecord:
     """What the controller keeps about one instance (persisted as a dict). Slots, and tuples of
-    numbers, which the garbage collector does not track: 10,000s of them (docs/controller.md)."""
+    numbers, which the garbage collector does not track: 10,000s of them
+    (docs/controller-decisions.md, memory per engine)."""
 
     instance_id: str
     group: str

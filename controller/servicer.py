@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
-from typing import TYPE_CHECKING
 
 from controller import endpoints
+from controller.controllers import Controllers
 from controller.core import Controller
 from controller.events import concerns
 from motor.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from motor.v1 import controller_pb2, controller_pb2_grpc
-
-if TYPE_CHECKING:
-    from controller.ha import HighAvailability
 
 logger = logging.getLogger(__name__)
 # Refusals whose message starts with the field of the request it is about (not UNAVAILABLE: a standby's).
@@ -22,13 +18,13 @@ ABOUT_THE_REQUEST = (InvalidArgument, NotFound, FailedPrecondition, ResourceExha
 
 
 class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
-    def __init__(self, controller: Controller | None, ha: HighAvailability | None = None):
-        self._controller = controller
-        self.ha = ha  # with etcd: the leader's Controller or a standby's read-only view, in turn
+    def __init__(self, controllers: Controllers):
+        self.controllers = controllers
 
     @property
     def controller(self) -> Controller:
-        return self.ha.controller if self.ha else self._controller
+        """With etcd: the leader's Controller or a standby's read-only view, in turn."""
+        return self.controllers.controller
 
     async def RegisterNode(self, request, context):
         reply = await self.controller.register_node(request.node, request.engines, request.highest_generation)
@@ -115,8 +111,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
 
     def _marked(self, reply):
         """A standby's answer says it is one (its view lacks liveness, engine state and health)."""
-        if self.ha is not None and not self.ha.is_leader():
-            reply.standby_view = self.ha.standby_view()
+        if not self.controllers.is_leader():
+            reply.standby_view = self.controllers.standby_view()
         return reply
 
     async def WatchEndpoints(self, request, context):
@@ -131,15 +127,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
             changes.close()
 
     async def ListControllers(self, request, context):
-        if self.ha:
-            return await self.ha.list_controllers()
-        config = self.controller.config  # one controller on SQLite: it is the leader, epoch 0
-        reply = controller_pb2.ListControllersResponse(
-            leader_address=config.listen,
-            store=f"sqlite:///{os.path.abspath(config.db)}",
-            controllers=[controller_pb2.ControllerMember(address=config.listen, name=config.listen, leader=True)],
-        )
-        return reply
+        return await self.controllers.list_controllers()
 
     async def WatchEvents(self, request, context):
         snapshot = self.controller.snapshot(request.deployment)

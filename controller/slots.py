@@ -42,7 +42,7 @@ class EngineSlot:
 
     One per engine (80,000 at 10,000 nodes x 8): slots, and tuples of ints, which the garbage
     collector stops tracking, where lists would be two more objects per engine for every full
-    collection to walk (docs/controller.md, memory)."""
+    collection to walk (docs/controller-decisions.md, memory per engine)."""
 
     engine_id: str
     instance_id: str

@@ -8,6 +8,9 @@ may), which deletes the leader key, and the election campaigns at once instead o
 the lease to expire. Safety does not depend on this guess: every leader write is fenced by the
 leader key's create revision, and node managers refuse an older epoch.
 
+A leader that resigned (SIGTERM: its lease revoked before its port closes) is not taken for dead
+even when the refusal reaches this standby before the key's deletion does: etcd is asked first.
+
 A leader that is paused (SIGSTOP), partitioned, or whose host vanished does not refuse
 connections (the kernel still accepts on a stopped process's socket; a silent host times out),
 so it still costs the full TTL, as does a leader this standby never managed to connect to (an
@@ -103,7 +106,7 @@ class LeaderDeathWatch:
             await channel.close()
 
     async def _revoke(self, leader: LeaderInfo) -> None:
-        if self._watched() != leader:
+        if self._watched() != leader or not await self._still_holds(leader):
             return
         why = f"the leader {leader.address} (epoch {leader.epoch}) refused connections: its lease was revoked"
         logger.warning("%s; campaigning without waiting for the lease to expire", why)
@@ -114,3 +117,14 @@ class LeaderDeathWatch:
             logger.info("could not revoke the lease of %s: %s", leader.address, exc)
         except Exception as exc:  # gone already (expired, resigned): nothing to do
             logger.debug("revoking the lease of %s: %s", leader.address, exc)
+
+    async def _still_holds(self, leader: LeaderInfo) -> bool:
+        """Whether etcd still has `leader` as the leader. A leader stopping gracefully revokes
+        its lease before it closes its port, but on a loaded machine the key's deletion may
+        reach this standby's election after the refused connect: the election then tells the
+        resignation, not a death. Unreadable etcd: the revoke is tried (and fails alike)."""
+        try:
+            held = await self.election.client.get(self.election.leader_key)
+        except UNAVAILABLE_ERRORS:
+            return True
+        return held is not None and held.lease == leader.lease_id

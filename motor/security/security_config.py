@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -31,6 +31,7 @@ from motor.service.grpc_server import MAX_MESSAGE_BYTES, MotorServer, TlsFiles
 
 if TYPE_CHECKING:  # prometheus_client must not load before the engine server sets its multiprocess dir
     from motor.service.grpc_metrics import GrpcServerMetrics
+    from motor.service.server_calls import Gate
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class SecuritySettings(BaseModel):
         local_node: str | None = None,
         setting: str = "listen",
         metrics: GrpcServerMetrics | None = None,
-        interceptors: list[Any] | None = None,
+        gate: Gate | None = None,
         port_setting: str | None = None,
     ) -> MotorServer:
         """A MotorServer on `bind` with these settings; `local_node`: on an engine server, the node
@@ -127,7 +128,7 @@ class SecuritySettings(BaseModel):
             bind,
             tls=tls,
             access=AccessControl(policy),
-            interceptors=interceptors,
+            gate=gate,
             reflection=self.reflection,
             token_bind=self.token_listen,
             token_tls=TlsFiles(cert=self.tls_cert, key=self.tls_key) if self.token_listen else None,

@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from motor.errors import ConfigError
 from motor.security.tls import ReloadingServerCredentials, TlsFileWatch, TlsPems
-from motor.service.server_calls import ServerCalls
+from motor.service.server_calls import Gate, ServerCalls
 
 if TYPE_CHECKING:  # prometheus_client must not be imported before the engine server sets its multiprocess dir
     from motor.security.access import AccessControl
@@ -114,7 +114,7 @@ class MotorServer:
         self,
         bind: str,
         tls: TlsFiles | None = None,
-        interceptors: list[Any] | None = None,
+        gate: Gate | None = None,
         reflection: bool = True,
         token_bind: str | None = None,
         token_tls: TlsFiles | None = None,
@@ -125,8 +125,9 @@ class MotorServer:
         token_setting: str = "token_listen",
     ):
         """`token_bind`: a second TLS port that asks for no client certificate (bearer tokens);
-        `metrics`, `access`: counted and checked calls (motor/service/server_calls.py), before
-        `interceptors`; `setting`/`token_setting`: the settings named when a port cannot be bound."""
+        `metrics`, `access`: counted and checked calls, and `gate`: a check inside them
+        (the HA controller's leader gate), all in the server's one interceptor
+        (motor/service/server_calls.py); `setting`/`token_setting`: the settings named when a port cannot be bound."""
         self.bind = bind
         self.setting, self.token_setting = setting, token_setting
         self.tls = tls
@@ -137,7 +138,7 @@ class MotorServer:
             ("grpc.max_receive_message_length", max_message_bytes),
         ]
         self.server = grpc.aio.server(
-            interceptors=[ServerCalls(metrics, access), *(interceptors or [])],
+            interceptors=[ServerCalls(metrics, access, gate)],
             options=list(dict([*SERVER_OPTIONS, *sizes]).items()),
         )
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()

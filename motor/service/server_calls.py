@@ -12,7 +12,11 @@ and reused for every call of it.
 
 The order inside a call is the one the separate interceptors had: the metrics see the status
 code every check sets; an undecodable request is refused before the caller is authenticated
-(gRPC decodes a unary request before any interceptor runs); then access; then the servicer.
+(gRPC decodes a unary request before any interceptor runs); then access; then the gate, when
+the server has one (the HA controller's leader gate, controller/ha/leader_gate.py); then the
+servicer. The gate is a hook of this interceptor, not an interceptor of its own: it is applied
+to a method's handler once, when the handler is wrapped, so every call of the method runs one
+wrapper built once.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -32,16 +36,28 @@ if TYPE_CHECKING:  # prometheus_client must not be imported before the engine se
     from motor.service.grpc_metrics import GrpcServerMetrics, MethodMetrics
 
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]
+# A call's opening checks: (the request to pass on, the stream slot it holds or None).
+Opener = Callable[[Any, grpc.aio.ServicerContext], Awaitable[tuple[Any, str | None]]]
+
+
+class Gate(Protocol):
+    """A check the server runs inside its calls of some methods, after the access checks."""
+
+    def gated(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """The handler to run for `method` (`handler` itself when the method is not gated)."""
+        ...
 
 
 class ServerCalls(grpc.aio.ServerInterceptor):
-    """Wraps every method handler once: metrics (when given), access (when given), decoding and
-    error mapping (always). Install it first, so that other interceptors run inside it."""
+    """Wraps every method handler once: metrics (when given), access (when given), the gate
+    (when given), decoding and error mapping (always). The server's only interceptor."""
 
-    def __init__(self, metrics: GrpcServerMetrics | None = None, access: AccessControl | None = None):
-        self.metrics, self.access = metrics, access
+    def __init__(
+        self, metrics: GrpcServerMetrics | None = None, access: AccessControl | None = None, gate: Gate | None = None
+    ):
+        self.metrics, self.access, self.gate = metrics, access, gate
         # method -> (the handler gRPC found, its wrapped handler): gRPC's generic handlers answer
-        # the same object for every call of a method; another interceptor's fresh one is rewrapped.
+        # the same object for every call of a method; a handler that changed is wrapped again.
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Any:
@@ -56,6 +72,8 @@ class ServerCalls(grpc.aio.ServerInterceptor):
         return wrapped
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        if self.gate is not None:  # inside the checks and the metrics: a refusal of its own is counted
+            handler = self.gate.gated(method, handler)
         call = _Call(method, self.metrics, self.access)
         decode = decoding(handler.request_deserializer)
         serialize = handler.response_serializer
@@ -83,14 +101,28 @@ class _Call:
         return self.metrics.method(kind, self.method) if self.metrics is not None else None
 
     def unary(self, behavior: Callable[..., Awaitable[Any]], kind: str) -> Callable[..., Awaitable[Any]]:
-        method, access, metrics = self.method, self.access, self.metrics_of(kind)
+        method, access = self.method, self.access
 
-        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            began, outcome = _begin(metrics), grpc.StatusCode.UNKNOWN
+        async def admit(request: Any, context: grpc.aio.ServicerContext) -> tuple[Any, None]:
+            await refuse_undecodable(request, context)
+            if access is not None:
+                await access.admit(method, request, context)
+            return request, None
+
+        return self.answered(behavior, self.metrics_of(kind), admit)
+
+    def answered(
+        self, behavior: Callable[..., Awaitable[Any]], metrics: MethodMetrics | None, open_call: Opener
+    ) -> Callable[..., Awaitable[Any]]:
+        """A behaviour that is a coroutine (a unary answer, a client stream's answer, a stream
+        written with context.write): opened by `open_call` (its checks; the request it passes on
+        and the stream slot it holds, if any), its domain errors mapped, counted at its end."""
+        access = self.access
+
+        async def answered(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            began, outcome, key = _begin(metrics), grpc.StatusCode.UNKNOWN, None
             try:
-                await refuse_undecodable(request, context)
-                if access is not None:
-                    await access.admit(method, request, context)
+                request, key = await open_call(request, context)
                 try:
                     response = await behavior(request, context)
                 except MotorError as exc:
@@ -101,10 +133,9 @@ class _Call:
                 outcome = grpc.StatusCode.CANCELLED
                 raise
             finally:
-                if metrics is not None:
-                    metrics.finish(context, began, outcome)
+                _end(access, key, metrics, context, began, outcome)
 
-        return unary
+        return answered
 
     def stream(self, behavior: Callable[..., Any], kind: str, reads_stream: bool) -> Callable[..., Any]:
         """A streaming method: counted against its caller's open streams while it lasts; with
@@ -124,29 +155,8 @@ class _Call:
                 request = CheckedRequests(context, method, caller, access)
             return request, key
 
-        if not inspect.isasyncgenfunction(behavior):
-            # A coroutine: a stream written with context.write (grpc's health Watch), or a client
-            # stream's single answer.
-
-            async def written(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                began, outcome, key = _begin(metrics), grpc.StatusCode.UNKNOWN, None
-                try:
-                    request, key = await open_stream(request, context)
-                    try:
-                        response = await behavior(request, context)
-                    except MotorError as exc:
-                        await context.abort(exc.code, status_message(exc))
-                    outcome = grpc.StatusCode.OK
-                    return response
-                except asyncio.CancelledError:
-                    outcome = grpc.StatusCode.CANCELLED
-                    raise
-                finally:
-                    _leave(access, key)
-                    if metrics is not None:
-                        metrics.finish(context, began, outcome)
-
-            return written
+        if not inspect.isasyncgenfunction(behavior):  # grpc's health Watch, or a client stream
+            return self.answered(behavior, metrics, open_stream)
 
         async def replies(request: Any, context: grpc.aio.ServicerContext) -> Any:
             began, outcome, key = _begin(metrics), grpc.StatusCode.UNKNOWN, None
@@ -162,9 +172,7 @@ class _Call:
                 outcome = grpc.StatusCode.CANCELLED
                 raise
             finally:
-                _leave(access, key)
-                if metrics is not None:
-                    metrics.finish(context, began, outcome)
+                _end(access, key, metrics, context, began, outcome)
 
         return replies
 
@@ -202,6 +210,16 @@ def _begin(metrics: MethodMetrics | None) -> float:
     return time.perf_counter()
 
 
-def _leave(access: AccessControl | None, key: str | None) -> None:
+def _end(
+    access: AccessControl | None,
+    key: str | None,
+    metrics: MethodMetrics | None,
+    context: grpc.aio.ServicerContext,
+    began: float,
+    outcome: grpc.StatusCode,
+) -> None:
+    """A call's end: its stream slot given back (if it held one), then counted with its code."""
     if access is not None:
         access.leave_stream(key)
+    if metrics is not None:
+        metrics.finish(context, began, outcome)

@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from controller.config import ControllerConfig
+from controller.controllers import SingleController
 from controller.core import Controller
 from controller.servicer import ControllerServicer
 from controller.store import SqliteStore
@@ -121,7 +122,7 @@ async def served(harness):
     server = MotorServer("127.0.0.1:0")
     server.add(
         controller_pb2_grpc.add_ControllerServiceServicer_to_server,
-        ControllerServicer(harness.controller),
+        ControllerServicer(SingleController(harness.controller)),
         service_name(controller_pb2, "ControllerService"),
     )
     port = await server.start()

@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from controller.controllers import SingleController
 from controller.heartbeat_budget import HeartbeatBudget
 from controller.servicer import ControllerServicer
 from motor.contract import pbtime
@@ -106,7 +107,7 @@ def test_a_node_beating_at_the_pace_it_was_told_is_never_silent_past_the_grace(s
 async def test_the_announcement_is_in_every_registration_and_heartbeat_answer(tmp_path):
     clock = ManualClock()
     h = Harness(tmp_path, clock=clock, heartbeat_interval=0.1, node_grace=0.6, max_heartbeats_per_second=10)
-    servicer = ControllerServicer(await h.start())
+    servicer = ControllerServicer(SingleController(await h.start()))
     try:
         answers = []
         for node in ("node-a", "node-b", "node-c", "node-d"):
@@ -176,7 +177,7 @@ async def test_a_node_already_silent_is_lost_within_the_bound_it_was_told_while_
     judged by the 4 s / 20 s it was told, so it is lost within 20 + 2 x 4 + the re-check."""
     clock = ManualClock()
     h = Harness(tmp_path, clock=clock, heartbeat_interval=1, node_grace=5, max_heartbeats_per_second=1)
-    servicer = ControllerServicer(ctl := await h.start())
+    servicer = ControllerServicer(SingleController(ctl := await h.start()))
     next_beat: dict[str, float] = {}
 
     async def register(node: str) -> None:
@@ -220,7 +221,7 @@ async def test_a_node_already_silent_is_lost_within_the_bound_it_was_told_while_
 async def test_a_node_beating_far_faster_than_told_is_pushed_back_counted_and_named_once(tmp_path, caplog):
     clock = ManualClock()
     h = Harness(tmp_path, clock=clock, heartbeat_interval=1, node_grace=5, max_heartbeats_per_second=100)
-    servicer = ControllerServicer(ctl := await h.start())
+    servicer = ControllerServicer(SingleController(ctl := await h.start()))
     try:
         for node in ("node-a", "node-b"):
             reply = await servicer.RegisterNode(C.RegisterNodeRequest(node=node_info(node)), None)

@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from controller import endpoints, reported
+from controller.controllers import SingleController
 from controller.servicer import ControllerServicer
 from motor.errors import InvalidArgument
 from motor.service.grpc_server import MotorServer, aio_channel, service_name
@@ -106,7 +107,7 @@ async def play(tmp_path, make_transport) -> dict:
     server = MotorServer("127.0.0.1:0")
     server.add(
         controller_pb2_grpc.add_ControllerServiceServicer_to_server,
-        ControllerServicer(ctl),
+        ControllerServicer(SingleController(ctl)),
         service_name(C, "ControllerService"),
     )
     port = await server.start()

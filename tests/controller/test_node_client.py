@@ -297,7 +297,7 @@ class _SlowFlush:
 async def test_under_ha_a_node_abandoned_while_a_call_waits_for_the_etcd_flush_is_not_called(node_manager):
     """The leader's client flushes the state to etcd before each call: a node declared lost
     meanwhile still got the call, which hung there with its rank busy."""
-    from controller.ha import LeaderOnlyNodeClient
+    from controller.ha.node_client import LeaderOnlyNodeClient
 
     scripted, inner, node = node_manager
     store = _SlowFlush()

@@ -94,3 +94,41 @@ async def test_an_address_never_reached_is_no_evidence(etcd1, clients, prefix):
         await watch.stop()
         await second.stop()
         await first.stop()
+
+
+class _BehindView:
+    """A standby's election that has not yet read the leader's resignation (on a loaded machine
+    the deletion of the leader key can reach it after the leader's port has closed): what its
+    death watch reads."""
+
+    def __init__(self, election: LeaderElection):
+        self.client, self.leader_key = election.client, election.leader_key
+        self.ttl, self.renew_period = election.ttl, election.renew_period
+        self.role, self.leader, self.vacancy_reason = election.role, election.leader, ""
+
+    async def wait_for(self, predicate) -> None:
+        while not predicate(self):
+            await asyncio.sleep(0.05)
+
+
+async def test_a_leader_that_resigned_before_its_port_closed_is_not_called_dead(etcd1, clients, prefix):
+    """SIGTERM: the leader revokes its lease, then closes its port. A standby whose watch sees
+    the port refuse before it has read the resignation must not call the leader dead: the
+    election's reason stays the resignation (the key's deletion), not a refused connection."""
+    server, address = await _serving()
+    first, second, watch = await _pair(etcd1, clients, prefix, address)
+    await watch.stop()
+    await second.stop()
+    behind = _BehindView(second)
+    assert behind.role is Role.STANDBY and behind.leader is not None and behind.leader.address == address
+    watch = LeaderDeathWatch(behind, lambda address: aio_channel(address))  # type: ignore[arg-type]
+    watch.start()
+    try:
+        await asyncio.sleep(0.5)  # the standby connects to the leader
+        await first.stop()  # resigns: the leader key is deleted
+        await server.stop(0)  # then the port closes
+        await asyncio.sleep(1.5)  # the watch sees the port refuse, and looks
+        assert behind.vacancy_reason == ""
+    finally:
+        await watch.stop()
+        await first.stop()
