@@ -5,8 +5,9 @@ it believes the router has (`believed`). Every pass removes what the router has 
 not list, then adds what Motor lists and the router lacks, each group concurrently (removals
 first: a worker that cannot serve leaves before anything else happens). `believed` is re-read
 from the router (`GET /list_workers`) on every snapshot (a (re)connect to the controller), after
-the router failed to answer, and every `relist_interval` (a router restarted between two of our
-calls has an empty list): so workers the router has and Motor does not list are removed.
+the router failed to answer, and every `relist_interval` however often the stream changes (a
+router restarted between two of our calls has an empty list): so workers the router has and
+Motor does not list are removed.
 
 A router that does not answer: one announcement, retries with a capped backoff, and one
 announcement when it is back, with what the re-sync changed. A worker the router refuses: one
@@ -66,6 +67,7 @@ class RouterSync:
         self.router_down = RepeatedFailure(backoff_base, backoff_cap)
         self.wake = asyncio.Event()
         self.passes = 0  # completed passes (tests wait on it)
+        self.relisted_at = time.monotonic()  # when the router's list was last read in full
 
     # What Motor says ------------------------------------------------------------------------
 
@@ -85,7 +87,7 @@ class RouterSync:
     # Keeping the router -----------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Passes until cancelled: at once after each change, else every relist_interval."""
+        """Passes until cancelled: at once after each change, and a full re-list every relist_interval."""
         while True:
             self.wake.clear()
             try:
@@ -100,10 +102,17 @@ class RouterSync:
                     )
                 await asyncio.sleep(self.router_down.delay())
                 continue
-            try:
-                await asyncio.wait_for(self.wake.wait(), self.relist_interval)
-            except TimeoutError:
-                self.believed = None
+            # The re-list is a period, not a quiet spell: a stream that changes more often than
+            # relist_interval (a flapping engine) must not keep a restarted router's list unread.
+            due = self.relisted_at + self.relist_interval - time.monotonic()
+            if due > 0:
+                try:
+                    await asyncio.wait_for(self.wake.wait(), due)
+                    continue
+                except TimeoutError:
+                    pass
+            self.believed = None
+            self.relisted_at = time.monotonic()  # due again one period on, even before Motor's first list
 
     async def reconcile(self) -> None:
         if not self.have_snapshot:
@@ -111,6 +120,7 @@ class RouterSync:
         relisted = self.believed is None
         if relisted:
             self.believed = await self.admin.workers()
+            self.relisted_at = time.monotonic()
             self.refused.clear()
         believed = self.believed
         extra = sorted(believed - self.wanted.keys())

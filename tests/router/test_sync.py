@@ -126,3 +126,27 @@ async def test_a_worker_the_router_refuses_is_announced_with_its_answer_and_the_
         assert "HTTP " in running.events[0] or "no answer within" in running.events[0]
     finally:
         await running.close()
+
+
+async def test_a_flapping_endpoint_does_not_postpone_the_periodic_relist(router, two_engines):
+    """The router's whole list is re-read every relist_interval whatever the stream does: a worker
+    Motor does not list (left by a restarted router, added by hand) goes at the next re-list even
+    while one deployment's endpoint comes and goes faster than that interval."""
+    first, second = two_engines
+    flapping = endpoint(second, "u-1")
+    running = Running(router.url)
+    try:
+        running.sync.apply(snapshot(endpoint(first, "u-0")))
+        await until(lambda: router.workers() == {f"http://127.0.0.1:{first.port}"}, what="the snapshot applied")
+        stranger = f"http://127.0.0.1:{second.port}"
+        router.add(stranger)  # unknown to the sync: only a re-list finds it
+        began, gone_after = time.monotonic(), None
+        while time.monotonic() - began < 4.0:  # a change every 0.2 s, the re-list due every 0.5 s
+            running.sync.apply(controller_pb2.WatchEndpointsResponse(removed=[flapping]))
+            await asyncio.sleep(0.2)
+            if gone_after is None and stranger not in router.workers():
+                gone_after = time.monotonic() - began
+        assert gone_after is not None, "the stranger stayed: the flapping stream postponed every re-list"
+        assert gone_after < 3.0, gone_after
+    finally:
+        await running.close()
