@@ -28,6 +28,7 @@ from motorctl import router as front
 from motorctl.connect import Credentials
 from motorctl.etcd_cluster import EtcdCluster
 from motorctl.pki import DevPki, make_dev_pki
+from motorctl.port_holder import describe_holder, listening_pids
 from motorctl.run_processes import describe, run_processes, run_tag, stop_run
 from motorctl.up_screen import ReaderGone, say, watch
 
@@ -205,9 +206,12 @@ class LocalCluster:
                 env=dict(os.environ, **run_tag(self.run_dir)),
             ).start(timeout)
             self.controller_ports = [self.controller_port] + [free_port() for _ in range(self.controllers - 1)]
+        for port in self.controller_ports or [self.controller_port]:
+            check_port_free(port)
         launched = [self.launch_controller(index) for index in range(self.controllers if self.ha else 1)]
         for address, controller in zip(self.controller_addresses, launched):
             self.wait_serving(address, timeout, self.credentials(), controller)
+            check_answered_by(controller, int(address.rsplit(":", 1)[1]))
         for index, node_id in enumerate(self.node_ids()):
             self.start_node(node_id, index)
         self.wait_nodes_registered(self.nodes, timeout)
@@ -361,6 +365,30 @@ class ProcessExited(RuntimeError):
     """A process of the cluster ended while it was being started."""
 
 
+class PortTaken(RuntimeError):
+    """A port this cluster's controller needs is held by another process."""
+
+
+def check_port_free(port: int) -> None:
+    """Before the controller starts: its port must be free, or its health check would be answered
+    by whatever holds it (another cluster's controller) and this cluster would join that one."""
+    if not port_is_free(port, "127.0.0.1"):
+        raise PortTaken(
+            f"controller port {port} is taken by {describe_holder(port)}: give another --controller-port, "
+            f"or leave it out to take {DEFAULT_CONTROLLER_PORT} or a free port"
+        )
+
+
+def check_answered_by(managed: ManagedProcess, port: int) -> None:
+    """The controller that answered on `port` is the process this cluster started (the port may
+    have been taken between the check and the controller's bind)."""
+    if managed.process.pid not in listening_pids(port):
+        raise PortTaken(
+            f"controller port {port} is answered by {describe_holder(port)}, not by this cluster's "
+            f"{managed.name} (pid {managed.process.pid}: {last_line(managed.log_path)}); give another --controller-port"
+        )
+
+
 def last_line(path: str) -> str:
     with open(path, encoding="utf-8", errors="replace") as log:
         lines = [line.strip() for line in log if line.strip()]
@@ -436,6 +464,12 @@ def main(argv: list[str] | None = None) -> int:
             "root: run it from there, or give --deployment FILE)"
         )
 
+    if args.controller_port:
+        try:
+            check_port_free(args.controller_port)
+        except PortTaken as exc:
+            print(f"motorctl up: {exc}", file=sys.stderr)
+            return 2
     live = run_processes(args.run_dir)
     if live:  # wiping it would pull the state directories from under a running cluster
         print(
@@ -503,4 +537,5 @@ def describe_failure(exc: BaseException, cluster: LocalCluster) -> str:
         return f"the controller at {cluster.controller_address} stopped answering ({exc.code().name}: {exc.details()})"
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted while starting"
-    return f"{type(exc).__name__}: {exc}" if not isinstance(exc, (TimeoutError, OSError, ProcessExited)) else str(exc)
+    plain = (TimeoutError, OSError, ProcessExited, PortTaken)
+    return f"{type(exc).__name__}: {exc}" if not isinstance(exc, plain) else str(exc)
