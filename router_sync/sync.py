@@ -68,6 +68,11 @@ class RouterSync:
         self.wake = asyncio.Event()
         self.passes = 0  # completed passes (tests wait on it)
         self.relisted_at = time.monotonic()  # when the router's list was last read in full
+        # What the router held at the end of the last pass (None: never read), and a flag set
+        # whenever that or the router's health changed: what the controller is told (report.py).
+        self.held: frozenset[str] | None = None
+        self.router_restarts = 0  # times the router came back without what it held, or after not answering
+        self.changed = asyncio.Event()
 
     # What Motor says ------------------------------------------------------------------------
 
@@ -94,6 +99,7 @@ class RouterSync:
                 await self.reconcile()
             except RouterDown as exc:
                 self.believed = None
+                self.changed.set()
                 if self.router_down.failed(exc):
                     self.announce(
                         f"router {self.admin.base_url} not answering ({exc}); retrying with backoff, "
@@ -122,6 +128,13 @@ class RouterSync:
             self.believed = await self.admin.workers()
             self.relisted_at = time.monotonic()
             self.refused.clear()
+            lost = sorted((self.held or frozenset()) & self.wanted.keys() - self.believed)
+            if lost and not self.router_down.count:  # a router that was down is announced below
+                self.router_restarts += 1
+                self.announce(
+                    f"router {self.admin.base_url} no longer holds {len(lost)} worker(s) it held (restarted?): "
+                    f"{', '.join(lost[:5])}{' ...' if len(lost) > 5 else ''}; adding them again"
+                )
         believed = self.believed
         extra = sorted(believed - self.wanted.keys())
         missing = sorted(
@@ -140,7 +153,11 @@ class RouterSync:
                 added or "none",
                 1000 * (time.monotonic() - began),
             )
+        if relisted or removed or added or self.held is None:
+            self.held = frozenset(believed)
+            self.changed.set()
         if self.router_down.count:
+            self.router_restarts += 1
             count = self.router_down.recovered()
             self.announce(
                 f"router {self.admin.base_url} answers again after {count} failed call(s); re-synced "
