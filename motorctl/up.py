@@ -30,6 +30,7 @@ from motorctl.etcd_cluster import EtcdCluster
 from motorctl.pki import DevPki, make_dev_pki
 from motorctl.port_holder import describe_holder, listening_pids
 from motorctl.run_processes import describe, run_processes, run_tag, stop_run
+from motorctl.supervise import Supervisor
 from motorctl.up_screen import ReaderGone, say, watch
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class LocalCluster:
     router_port: int | None = None
     router_by_model: bool = False  # the router's multi-model mode (several deployments' models)
     router_pd: bool = False  # prefill and decode engines as the router's typed workers (its P/D flow)
+    front_door: Supervisor = field(default_factory=Supervisor)  # restarts the router and its sync
 
     @property
     def router_url(self) -> str:
@@ -220,26 +222,34 @@ class LocalCluster:
 
     def start_router(self, timeout: float) -> None:
         self.router_port = self.router_port or free_port()
-        self._launch(
-            "router",
-            front.router_command(self.router_port, free_port(), self.router_by_model, self.router_pd),
-            front.ROUTER_ENV,
-        )
+        router_argv = front.router_command(self.router_port, free_port(), self.router_by_model, self.router_pd)
+        router = self._launch("router", router_argv, front.ROUTER_ENV)
         deadline = time.monotonic() + timeout
         while front.router_workers(self.router_url) is None:
             if self.process("router").process.poll() is not None or time.monotonic() > deadline:
                 raise TimeoutError(f"the router on port {self.router_port} did not start; see its log")
             time.sleep(0.1)
-        self._launch(
-            "router-sync",
-            front.sync_command(
-                self.controller_addresses,
-                self.router_url,
-                self.tls_flags("router-sync"),
-                self.router_by_model,
-                self.router_pd,
-            ),
+        sync_argv = front.sync_command(
+            self.controller_addresses,
+            self.router_url,
+            self.tls_flags("router-sync"),
+            self.router_by_model,
+            self.router_pd,
         )
+        sync = self._launch("router-sync", sync_argv)
+        # Either one exiting is started again, same command and ports (motorctl/supervise.py).
+        self.front_door.watch(
+            "router", router.process, lambda: self._launch("router", router_argv, front.ROUTER_ENV).process
+        )
+        self.front_door.watch("router-sync", sync.process, lambda: self._launch("router-sync", sync_argv).process)
+        self.front_door.start()
+
+    def front_door_state(self) -> str:
+        """What the screen says keeps the router: its sync, or what happened to either of them."""
+        said = [self.front_door.describe(name) for name in ("router-sync", "router")]
+        if not self.front_door.running("router-sync"):
+            return "NOT kept: " + "; ".join(part for part in said if part)
+        return "; ".join(["kept by motor-router-sync", *(part for part in said if part)])
 
     def start_node(self, node_id: str, index: int) -> ManagedProcess:
         port = self.node_ports.get(node_id) or free_port()
@@ -325,6 +335,7 @@ class LocalCluster:
         The controller goes first so that it cannot restart the engines being stopped; node
         managers leave engines running when they exit (a restart re-adopts them), so engines are
         stopped explicitly. Returns what had to be killed or was found left over."""
+        self.front_door.stop()  # nothing is started again from here on
         problems: list[str] = self._terminate([p for p in self.processes if p.name.startswith("router")], timeout)
         controllers = [p for p in self.processes if p.name.startswith("controller")]
         node_managers = [p for p in self.processes if not p.name.startswith(("controller", "router"))]
