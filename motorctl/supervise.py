@@ -122,7 +122,7 @@ class Supervisor:
                 return ""
             if one.state == BACKOFF:
                 wait = max(0.0, one.retry_at - self.clock())
-                return f"{name} {one.last_exit}, starting again in {wait:.0f}s"
+                return f"{name} {one.last_exit}, starting again in {wait:.1f}s"
             if one.state == FATAL:
                 return f"{name} {one.last_exit} {len(one.exits)} times within {self.window:g}s: not started again"
             return f"{name} restarted {one.restarts} time(s), last {one.last_exit}" if one.restarts else ""

@@ -45,7 +45,7 @@ def test_a_killed_sync_is_started_again_after_the_backoff_and_said_meanwhile():
     started[0].code = -signal.SIGKILL
     supervisor.tick()
     assert supervisor.supervised["router-sync"].state == BACKOFF
-    assert supervisor.describe("router-sync") == "router-sync killed by SIGKILL, starting again in 0s"
+    assert supervisor.describe("router-sync") == "router-sync killed by SIGKILL, starting again in 0.5s"
     assert not supervisor.running("router-sync")
     clock.now += 0.4
     supervisor.tick()
@@ -87,3 +87,23 @@ def test_exits_older_than_the_window_are_forgotten():
         clock.now = supervisor.supervised["router-sync"].retry_at + 61
         supervisor.tick()
     assert supervisor.supervised["router-sync"].state == RUNNING and len(started) == 7
+
+
+def test_the_screen_stops_saying_kept_by_the_sync_while_it_is_down(tmp_path):
+    from motorctl.up import LocalCluster
+
+    clock = Clock()
+    cluster = LocalCluster(str(tmp_path), front_door=Supervisor(clock, backoff_base=0.5))
+    sync, router = FakeProcess(), FakeProcess()
+    cluster.front_door.watch("router", router, FakeProcess)
+    cluster.front_door.watch("router-sync", sync, FakeProcess)
+    cluster.front_door.tick()
+    assert cluster.front_door_state() == "kept by motor-router-sync"
+    sync.code = -signal.SIGKILL
+    cluster.front_door.tick()
+    assert cluster.front_door_state() == "NOT kept: router-sync killed by SIGKILL, starting again in 0.5s"
+    clock.now += 1
+    cluster.front_door.tick()
+    assert cluster.front_door_state() == (
+        "kept by motor-router-sync; router-sync restarted 1 time(s), last killed by SIGKILL"
+    )
