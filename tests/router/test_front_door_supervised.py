@@ -15,7 +15,7 @@ import pytest
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from motorctl.up import LocalCluster
 from tests.router.conftest import http
-from tests.router.test_cluster_router import all_three_routed, router_workers
+from tests.router.test_cluster_router import all_three_routed, listed_urls, router_workers
 from tests.support import REPO_ROOT, wait_for
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
@@ -67,7 +67,8 @@ def test_the_sync_reports_what_the_router_holds(cluster):
 
 
 def test_a_sigkilled_sync_is_started_again_and_the_router_put_right_and_the_restart_reported(cluster):
-    urls = all_three_routed(cluster)
+    all_three_routed(cluster)
+    urls = listed_urls(cluster)
     killed = cluster.process("router-sync").process
     os.killpg(killed.pid, signal.SIGKILL)
     killed.wait()
@@ -90,7 +91,8 @@ def test_a_sigkilled_sync_is_started_again_and_the_router_put_right_and_the_rest
 
 
 def test_a_sigkilled_router_is_started_again_given_its_workers_and_the_restart_reported(cluster):
-    urls = all_three_routed(cluster)
+    all_three_routed(cluster)
+    urls = listed_urls(cluster)
     killed = cluster.process("router").process
     os.killpg(killed.pid, signal.SIGKILL)
     killed.wait()
