@@ -107,3 +107,20 @@ def test_a_sigkilled_router_is_started_again_given_its_workers_and_the_restart_r
     )
     wait_for(lambda: metric(cluster, "motor_front_door_router_restarts_total") == 1, timeout=10, what="the metric")
     assert "router restarted 1 time(s), last killed by SIGKILL" in cluster.front_door_state()
+
+
+def test_a_sync_gone_for_good_turns_the_front_door_stale_an_event_and_a_metric(cluster):
+    """Last in this module: the sync is left dead (as after too many exits)."""
+    all_three_routed(cluster)
+    wait_for(lambda: metric(cluster, "motor_front_door_up") == 1, timeout=30, what="the front door up")
+    cluster.front_door.stop()  # no restart from here on
+    killed = cluster.process("router-sync").process
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    wait_for(
+        lambda: any("no report from motor-router-sync" in m for m in front_door_events(cluster)),
+        timeout=30,
+        what="the sync's silence in the controller's events",
+    )
+    assert metric(cluster, "motor_front_door_up") == 0
+    assert metric(cluster, "motor_front_door_report_age_seconds") >= 6
