@@ -128,12 +128,15 @@ class RouterSync:
             self.believed = await self.admin.workers()
             self.relisted_at = time.monotonic()
             self.refused.clear()
-            lost = sorted((self.held or frozenset()) & self.wanted.keys() - self.believed)
-            if lost and not self.router_down.count:  # a router that was down is announced below
+            held = self.held or frozenset()
+            lost = sorted(held & self.wanted.keys() - self.believed)
+            # A restarted router is empty: none of what it held is left (a gateway that dropped one
+            # worker it could not reach is not a restart). One that was down is announced below.
+            if lost and not held & self.believed and not self.router_down.count:
                 self.router_restarts += 1
                 self.announce(
-                    f"router {self.admin.base_url} no longer holds {len(lost)} worker(s) it held (restarted?): "
-                    f"{', '.join(lost[:5])}{' ...' if len(lost) > 5 else ''}; adding them again"
+                    f"router {self.admin.base_url} holds none of the {len(held)} worker(s) it held (restarted); "
+                    f"giving it its whole list again"
                 )
         believed = self.believed
         extra = sorted(believed - self.wanted.keys())

@@ -150,3 +150,24 @@ async def test_a_flapping_endpoint_does_not_postpone_the_periodic_relist(router,
         assert gone_after < 3.0, gone_after
     finally:
         await running.close()
+
+
+async def test_a_router_restarted_between_two_calls_is_counted_once_and_given_its_whole_list(router, two_engines):
+    """What the controller is told (ReportFrontDoor's router_restarts): a restart the sync only sees
+    as an empty list at its next re-list counts as one, like one it saw not answering."""
+    first, second = two_engines
+    urls = {f"http://127.0.0.1:{first.port}", f"http://127.0.0.1:{second.port}"}
+    running = Running(router.url)
+    try:
+        running.sync.apply(snapshot(endpoint(first, "u-0"), endpoint(second, "u-1")))
+        await until(lambda: router.workers() == urls and running.sync.held == urls, what="both engines held")
+        assert running.sync.router_restarts == 0
+        router.stop()
+        router.start()  # empty, on the same port
+        await until(lambda: router.workers() == urls, what="the whole list given again")
+        await until(lambda: running.sync.held == urls and running.sync.router_restarts == 1, what="one restart")
+        await asyncio.sleep(1.5)  # several re-lists later: still one
+        assert running.sync.router_restarts == 1, running.events
+        assert len(running.events) in (1, 2), running.events  # "(restarted)", or "not answering" and "answers again"
+    finally:
+        await running.close()
