@@ -11,9 +11,11 @@ rollouts and spares count an engine available only when `routes_to(url)` says so
   the URL is among the router's workers and the router answers its sync;
 - a stale report (the sync dead or cut off): no. What the router routes to is unknown, so
   nothing new counts as available through it: a rollout waits instead of withdrawing the
-  instances the router may still be sending requests to. A front door silent for `forget_after`
-  (10 minutes by default: a router retired for good) is forgotten, with an event, and the
-  controller's feed decides again;
+  instances the router may still be sending requests to. The other side of the same unknown is
+  `may_route_to(url)`, yes through a stale front door: what stopping an instance would cost
+  (a change deciding which instances to keep must not read "unknown" as "nobody reaches it").
+  A front door silent for `forget_after` (10 minutes by default: a router retired for good) is
+  forgotten, with an event, and the controller's feed decides again;
 - several front doors: yes when any fresh one routes to the URL.
 
 Each change of a front door's health is one event (EVENT_TYPE_FRONT_DOOR) and the series
@@ -158,10 +160,20 @@ class FrontDoors:
     # What rollouts and spares ask ---------------------------------------------------------------
 
     def routes_to(self, url: str) -> bool:
-        """Does the front door route to this engine URL? Yes when no front door ever reported."""
+        """Does the front door route to this engine URL? Yes when no front door ever reported; no
+        through a stale one. What counts an engine available (a rollout's progress)."""
         if not self.doors:
             return True
         return any(door.routes_to(url) for door in self.doors.values())
+
+    def may_route_to(self, url: str) -> bool:
+        """Might the front door be sending requests to this engine URL? The other side of an
+        unknown: yes through a stale front door or a router that does not answer its sync (it may
+        still, or again, hold its last list). What stopping an instance would cost: a change must
+        not take an unknown for 'nobody reaches it'."""
+        if not self.doors:
+            return True
+        return any(door.stale or not door.answering or url in door.workers for door in self.doors.values())
 
     # Views --------------------------------------------------------------------------------------
 

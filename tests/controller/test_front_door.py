@@ -135,3 +135,17 @@ def test_a_router_restart_the_sync_counted_is_an_event_once_and_a_new_sync_count
     registry = CollectorRegistry()
     registry.register(FrontDoorCollector(doors))
     assert f'motor_front_door_router_restarts_total{{router="{ROUTER}"}} 2.0' in generate_latest(registry).decode()
+
+
+def test_what_stopping_an_engine_would_cost_reads_an_unknown_as_routed(doors):
+    """may_route_to: the router may still send requests to an engine while its front door is stale
+    or not answering its sync, so a change must not stop it as if nobody reached it."""
+    assert doors.may_route_to(A)
+    doors.report(ROUTER, [A], True, 2.0, "sync-1")
+    assert doors.may_route_to(A) and not doors.may_route_to(B)
+    doors.clock.advance(7)
+    doors.check()
+    assert not doors.routes_to(A), "not counted available through a stale front door ..."
+    assert doors.may_route_to(A) and doors.may_route_to(B), "... nor taken as unreached"
+    doors.report(ROUTER, [], False, 2.0, "sync-1")
+    assert doors.may_route_to(B) and not doors.routes_to(B)
