@@ -19,7 +19,7 @@ rollouts and spares count an engine available only when `routes_to(url)` says so
 - several front doors: yes when any fresh one routes to the URL.
 
 Each change of a front door's health is one event (EVENT_TYPE_FRONT_DOOR) and the series
-`motor_front_door_*` (controller/metrics.py) show its age, workers and sync restarts.
+`motor_front_door_*` (FrontDoorCollector, below) show its age, workers and restarts.
 """
 
 from __future__ import annotations
