@@ -64,6 +64,9 @@ class LocalCluster:
     # 0: a free port (clusters of tests running side by side never share a controller);
     # `motorctl up` asks for 50051 when it is free.
     controller_port: int = 0
+    # The port was not named (`motorctl up` without --controller-port, or 0): one taken while the
+    # controller starts is replaced by a free one. A named port that is taken fails the start.
+    any_free_controller_port: bool = False
     accelerators_per_node: int = 4
     accelerator_type: str = "sim"  # cpu: the accelerators are CPU cores, each engine bound to its own
     heartbeat_interval: float = 1.0
@@ -196,7 +199,7 @@ class LocalCluster:
     def start(self, timeout: float = 60.0) -> None:
         os.makedirs(self.run_dir, exist_ok=True)
         if not self.controller_port:
-            self.controller_port = free_port()
+            self.controller_port, self.any_free_controller_port = free_port(), True
         if self.tls:
             make_dev_pki(self.pki.directory, self.node_ids())
             self.token_port = self.token_port or free_port()
@@ -208,17 +211,35 @@ class LocalCluster:
                 env=dict(os.environ, **run_tag(self.run_dir)),
             ).start(timeout)
             self.controller_ports = [self.controller_port] + [free_port() for _ in range(self.controllers - 1)]
-        for port in self.controller_ports or [self.controller_port]:
-            check_port_free(port)
-        launched = [self.launch_controller(index) for index in range(self.controllers if self.ha else 1)]
-        for address, controller in zip(self.controller_addresses, launched):
-            self.wait_serving(address, timeout, self.credentials(), controller)
-            check_answered_by(controller, int(address.rsplit(":", 1)[1]))
+        self.start_controllers(timeout)
         for index, node_id in enumerate(self.node_ids()):
             self.start_node(node_id, index)
         self.wait_nodes_registered(self.nodes, timeout)
         if self.router_port is not None:
             self.start_router(timeout)
+
+    def start_controllers(self, timeout: float, tries: int = 3) -> None:
+        """Start the controllers and make sure each one answering is the process started. A port
+        taken meanwhile (another cluster starting at the same moment took the same free port)
+        is replaced by a free one when the port was not named (`any_free_controller_port`)."""
+        for attempt in range(1, tries + 1):
+            launched: list[ManagedProcess] = []
+            try:
+                for port in self.controller_ports or [self.controller_port]:
+                    check_port_free(port)
+                launched = [self.launch_controller(index) for index in range(self.controllers if self.ha else 1)]
+                for address, controller in zip(self.controller_addresses, launched):
+                    self.wait_serving(address, timeout, self.credentials(), controller)
+                    check_answered_by(controller, int(address.rsplit(":", 1)[1]))
+                return
+            except (PortTaken, ProcessExited) as exc:
+                taken = [port for port in self.controller_ports or [self.controller_port] if not port_is_free(port)]
+                if not self.any_free_controller_port or self.ha or not taken or attempt == tries:
+                    raise
+                self._terminate(launched, timeout)
+                self.processes = [p for p in self.processes if p not in launched]
+                self.controller_port = free_port()
+                logger.warning("%s; the controller takes port %d instead", exc, self.controller_port)
 
     def start_router(self, timeout: float) -> None:
         self.router_port = self.router_port or free_port()
@@ -498,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         nodes=args.nodes,
         deployment_path=args.deployment,
         controller_port=args.controller_port or _default_controller_port(),
+        any_free_controller_port=not args.controller_port,
         metrics_port=args.metrics_port,
         tls=args.tls,
         ha=args.ha,

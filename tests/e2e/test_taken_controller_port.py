@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from motor.ports import free_port
+from motorctl.port_holder import listening_pids
 from motorctl.up import LocalCluster, ManagedProcess, PortTaken, check_answered_by
 from tests.support import REPO_ROOT
 
@@ -104,3 +105,19 @@ def test_a_controller_answering_on_the_port_is_accepted_only_when_it_is_the_proc
 class FakePid:
     def __init__(self, pid: int):
         self.pid = pid
+
+
+def test_a_port_not_named_that_is_taken_is_replaced_by_a_free_one(tmp_path, other_controller):
+    """`motorctl up` without --controller-port: 50051 taken at the moment its controller starts
+    (another cluster starting at the same time) means another port, never the other cluster."""
+    port, holder = other_controller
+    cluster = LocalCluster(
+        str(tmp_path / "run"), nodes=1, controller_port=port, any_free_controller_port=True, metrics_port=0
+    )
+    try:
+        cluster.start(timeout=60)
+        assert cluster.controller_port != port
+        assert cluster.process("controller").process.pid in listening_pids(cluster.controller_port)
+        assert holder not in listening_pids(cluster.controller_port)
+    finally:
+        assert cluster.stop() == []
