@@ -34,6 +34,7 @@ from controller.config import ControllerConfig
 from controller.deployments import DeploymentChanges
 from controller.events import EventBus
 from controller.fleet_metrics import FleetSeries
+from controller.front_door import FrontDoorCollector, FrontDoors
 from controller.generations import Generations
 from controller.heartbeat_budget import HeartbeatBudget
 from controller.instances import InstanceRecord
@@ -130,6 +131,9 @@ class Controller(views.ClusterReads):
         self.claims = NodeClaims(self.state, config, self.monitor, self.metrics.registrations_refused)
         self.node_stores = NodeStoreAlarms(self.events)
         self.adapters = AdapterSync(self.state, self._spawn)
+        # What each router's sync says its router routes to (rollouts and spares ask it).
+        self.front_doors = FrontDoors(self.events, clock)
+        self.metrics.registry.register(FrontDoorCollector(self.front_doors))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -174,6 +178,9 @@ class Controller(views.ClusterReads):
             asyncio.create_task(self._reconcile_loop(), name="reconcile"),
             asyncio.create_task(
                 self._repeat(lambda: asyncio.sleep(0.5), self.adapters.pass_once, "adapter pass"), name="adapters"
+            ),
+            asyncio.create_task(
+                self._repeat(lambda: asyncio.sleep(0.5), self.front_doors.check, "front-door check"), name="front-doors"
             ),
         ]
 

@@ -129,6 +129,17 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     async def ListControllers(self, request, context):
         return await self.controllers.list_controllers()
 
+    async def ReportFrontDoor(self, request, context):
+        self.controller.front_doors.report(
+            request.router,
+            request.worker_urls,
+            request.router_answering,
+            request.report_interval.ToTimedelta().total_seconds(),
+            request.sync_instance,
+            request.router_restarts,
+        )
+        return controller_pb2.ReportFrontDoorResponse()
+
     async def WatchEvents(self, request, context):
         snapshot = self.controller.snapshot(request.deployment)
         events = self.controller.events.subscribe()  # with the snapshot, so no event falls between the two

@@ -117,7 +117,8 @@ def router_workers(url: str, timeout: float = 2.0) -> list[str] | None:
         return None
 
 
-def router_line(url: str) -> str:
+def router_line(url: str, kept: str = "kept by motor-router-sync") -> str:
+    """The screen's line: `kept` says what keeps the workers (a sync that is down says so)."""
     workers = router_workers(url)
     state = "not answering" if workers is None else f"{len(workers)} worker(s)"
-    return f"Router (OpenAI API):  {url}/v1  ({state}; kept by motor-router-sync)"
+    return f"Router (OpenAI API):  {url}/v1  ({state}; {kept})"

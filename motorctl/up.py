@@ -32,7 +32,9 @@ from motorctl import router as front
 from motorctl.connect import Credentials
 from motorctl.etcd_cluster import EtcdCluster
 from motorctl.pki import DevPki, make_dev_pki
+from motorctl.port_holder import describe_holder, listening_pids
 from motorctl.run_processes import describe, run_processes, run_tag, stop_run
+from motorctl.supervise import Supervisor
 from motorctl.up_screen import ReaderGone, say, watch
 from node_manager import accelerators as host_accelerators
 
@@ -69,6 +71,9 @@ class LocalCluster:
     # 0: a free port (clusters of tests running side by side never share a controller);
     # `motorctl up` asks for 50051 when it is free.
     controller_port: int = 0
+    # The port was not named (`motorctl up` without --controller-port, or 0): one taken while the
+    # controller starts is replaced by a free one. A named port that is taken fails the start.
+    any_free_controller_port: bool = False
     accelerators_per_node: int = 4
     accelerator_type: str = "sim"  # cpu: the accelerators are CPU cores, each engine bound to its own
     # The host's real accelerators (GPUs, CPU cores) shared among the node managers: node i gets
@@ -109,6 +114,7 @@ class LocalCluster:
     router_port: int | None = None
     router_by_model: bool = False  # the router's multi-model mode (several deployments' models)
     router_pd: bool = False  # prefill and decode engines as the router's typed workers (its P/D flow)
+    front_door: Supervisor = field(default_factory=Supervisor)  # restarts the router and its sync
 
     @property
     def router_url(self) -> str:
@@ -205,7 +211,7 @@ class LocalCluster:
     def start(self, timeout: float = 60.0) -> None:
         os.makedirs(self.run_dir, exist_ok=True)
         if not self.controller_port:
-            self.controller_port = free_port()
+            self.controller_port, self.any_free_controller_port = free_port(), True
         if self.tls:
             make_dev_pki(self.pki.directory, self.node_ids())
             self.token_port = self.token_port or free_port()
@@ -217,37 +223,66 @@ class LocalCluster:
                 env=dict(os.environ, **run_tag(self.run_dir)),
             ).start(timeout)
             self.controller_ports = [self.controller_port] + [free_port() for _ in range(self.controllers - 1)]
-        launched = [self.launch_controller(index) for index in range(self.controllers if self.ha else 1)]
-        for address, controller in zip(self.controller_addresses, launched):
-            self.wait_serving(address, timeout, self.credentials(), controller)
+        self.start_controllers(timeout)
         for index, node_id in enumerate(self.node_ids()):
             self.start_node(node_id, index)
         self.wait_nodes_registered(self.nodes, timeout)
         if self.router_port is not None:
             self.start_router(timeout)
 
+    def start_controllers(self, timeout: float, tries: int = 3) -> None:
+        """Start the controllers and make sure each one answering is the process started. A port
+        taken meanwhile (another cluster starting at the same moment took the same free port)
+        is replaced by a free one when the port was not named (`any_free_controller_port`)."""
+        for attempt in range(1, tries + 1):
+            launched: list[ManagedProcess] = []
+            try:
+                for port in self.controller_ports or [self.controller_port]:
+                    check_port_free(port)
+                launched = [self.launch_controller(index) for index in range(self.controllers if self.ha else 1)]
+                for address, controller in zip(self.controller_addresses, launched):
+                    self.wait_serving(address, timeout, self.credentials(), controller)
+                    check_answered_by(controller, int(address.rsplit(":", 1)[1]))
+                return
+            except (PortTaken, ProcessExited) as exc:
+                taken = [port for port in self.controller_ports or [self.controller_port] if not port_is_free(port)]
+                if not self.any_free_controller_port or self.ha or not taken or attempt == tries:
+                    raise
+                self._terminate(launched, timeout)
+                self.processes = [p for p in self.processes if p not in launched]
+                self.controller_port = free_port()
+                logger.warning("%s; the controller takes port %d instead", exc, self.controller_port)
+
     def start_router(self, timeout: float) -> None:
         self.router_port = self.router_port or free_port()
-        self._launch(
-            "router",
-            front.router_command(self.router_port, free_port(), self.router_by_model, self.router_pd),
-            front.ROUTER_ENV,
-        )
+        router_argv = front.router_command(self.router_port, free_port(), self.router_by_model, self.router_pd)
+        router = self._launch("router", router_argv, front.ROUTER_ENV)
         deadline = time.monotonic() + timeout
         while front.router_workers(self.router_url) is None:
             if self.process("router").process.poll() is not None or time.monotonic() > deadline:
                 raise TimeoutError(f"the router on port {self.router_port} did not start; see its log")
             time.sleep(0.1)
-        self._launch(
-            "router-sync",
-            front.sync_command(
-                self.controller_addresses,
-                self.router_url,
-                self.tls_flags("router-sync"),
-                self.router_by_model,
-                self.router_pd,
-            ),
+        sync_argv = front.sync_command(
+            self.controller_addresses,
+            self.router_url,
+            self.tls_flags("router-sync"),
+            self.router_by_model,
+            self.router_pd,
         )
+        sync = self._launch("router-sync", sync_argv)
+        # Either one exiting is started again, same command and ports (motorctl/supervise.py).
+        self.front_door.watch(
+            "router", router.process, lambda: self._launch("router", router_argv, front.ROUTER_ENV).process
+        )
+        self.front_door.watch("router-sync", sync.process, lambda: self._launch("router-sync", sync_argv).process)
+        self.front_door.start()
+
+    def front_door_state(self) -> str:
+        """What the screen says keeps the router: its sync, or what happened to either of them."""
+        said = [self.front_door.describe(name) for name in ("router-sync", "router")]
+        if not self.front_door.running("router-sync"):
+            return "NOT kept: " + "; ".join(part for part in said if part)
+        return "; ".join(["kept by motor-router-sync", *(part for part in said if part)])
 
     def start_node(self, node_id: str, index: int) -> ManagedProcess:
         port = self.node_ports.get(node_id) or free_port()
@@ -343,6 +378,7 @@ class LocalCluster:
         The controller goes first so that it cannot restart the engines being stopped; node
         managers leave engines running when they exit (a restart re-adopts them), so engines are
         stopped explicitly. Returns what had to be killed or was found left over."""
+        self.front_door.stop()  # nothing is started again from here on
         problems: list[str] = self._terminate([p for p in self.processes if p.name.startswith("router")], timeout)
         controllers = [p for p in self.processes if p.name.startswith("controller")]
         node_managers = [p for p in self.processes if not p.name.startswith(("controller", "router"))]
@@ -381,6 +417,30 @@ class LocalCluster:
 
 class ProcessExited(RuntimeError):
     """A process of the cluster ended while it was being started."""
+
+
+class PortTaken(RuntimeError):
+    """A port this cluster's controller needs is held by another process."""
+
+
+def check_port_free(port: int) -> None:
+    """Before the controller starts: its port must be free, or its health check would be answered
+    by whatever holds it (another cluster's controller) and this cluster would join that one."""
+    if not port_is_free(port, "127.0.0.1"):
+        raise PortTaken(
+            f"controller port {port} is taken by {describe_holder(port)}: give another --controller-port, "
+            f"or leave it out to take {DEFAULT_CONTROLLER_PORT} or a free port"
+        )
+
+
+def check_answered_by(managed: ManagedProcess, port: int) -> None:
+    """The controller that answered on `port` is the process this cluster started (the port may
+    have been taken between the check and the controller's bind)."""
+    if managed.process.pid not in listening_pids(port):
+        raise PortTaken(
+            f"controller port {port} is answered by {describe_holder(port)}, not by this cluster's "
+            f"{managed.name} (pid {managed.process.pid}: {last_line(managed.log_path)}); give another --controller-port"
+        )
 
 
 def last_line(path: str) -> str:
@@ -546,6 +606,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
 
+    if args.controller_port:
+        try:
+            check_port_free(args.controller_port)
+        except PortTaken as exc:
+            print(f"motorctl up: {exc}", file=sys.stderr)
+            return 2
     live = run_processes(args.run_dir)
     if live:  # wiping it would pull the state directories from under a running cluster
         print(
@@ -567,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
         host_accelerators=host_devices,
         model_roots=model_roots,
         controller_port=args.controller_port or _default_controller_port(),
+        any_free_controller_port=not args.controller_port,
         metrics_port=args.metrics_port,
         tls=args.tls,
         ha=args.ha,
@@ -617,4 +684,5 @@ def describe_failure(exc: BaseException, cluster: LocalCluster) -> str:
         return f"the controller at {cluster.controller_address} stopped answering ({exc.code().name}: {exc.details()})"
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted while starting"
-    return f"{type(exc).__name__}: {exc}" if not isinstance(exc, (TimeoutError, OSError, ProcessExited)) else str(exc)
+    plain = (TimeoutError, OSError, ProcessExited, PortTaken)
+    return f"{type(exc).__name__}: {exc}" if not isinstance(exc, plain) else str(exc)

@@ -72,7 +72,11 @@ def watch(cluster: LocalCluster, refresh: float, stopping) -> None:
         except grpc.RpcError as exc:
             screen = f"controller not answering: {exc.code().name}"
         clear = "\033[2J\033[H" if sys.stdout.isatty() else ""
-        router = f"{front.router_line(cluster.router_url)}\n" if cluster.router_port is not None else ""
+        router = (
+            f"{front.router_line(cluster.router_url, cluster.front_door_state())}\n"
+            if cluster.router_port is not None
+            else ""
+        )
         if (
             not say(
                 f"{clear}Motor local cluster — controller {address} — "

@@ -1,7 +1,7 @@
 """motor-router-sync: keeps one router's workers equal to the engines Motor lists (docs/router.md).
 
 motor-router-sync --controller 127.0.0.1:50051 --router http://127.0.0.1:8080 [--by-model] [--pd]
-                  [--tls-ca CA --tls-cert C --tls-key K]
+                  [--relist-interval 5] [--report-interval 2] [--tls-ca CA --tls-cert C --tls-key K]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from motor.service.logs import LOG_LEVELS
 from motor.service.signals import stop_event
 from router_sync.admin import RouterAdmin
 from router_sync.follow import follow
+from router_sync.report import FrontDoorReporter
 from router_sync.sync import RouterSync
 
 logger = logging.getLogger("motor-router-sync")
@@ -43,8 +44,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=5.0,
         help="seconds between re-reads of the router's whole worker list (default 5)",
     )
+    parser.add_argument(
+        "--report-interval",
+        type=float,
+        default=2.0,
+        help="longest time between two reports to the controller of the workers the router holds "
+        "(ReportFrontDoor; also sent after each change); silent for 3 of these, the front door is stale "
+        "and rollouts count no engine available through it (default 2)",
+    )
     parser.add_argument("--tls-ca", help="CA of the controller's certificate: connect with mutual TLS")
-    parser.add_argument("--tls-cert", help="this sync's certificate (identity router-sync: may only read endpoints)")
+    parser.add_argument(
+        "--tls-cert",
+        help="this sync's certificate (identity router-sync: may only read endpoints and report its router's workers)",
+    )
     parser.add_argument("--tls-key", help="key of --tls-cert")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     args = parser.parse_args(argv)
@@ -54,6 +66,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--tls-cert and --tls-key go together, and need --tls-ca")
     if args.relist_interval <= 0:
         parser.error("--relist-interval must be above 0")
+    if args.report_interval <= 0:
+        parser.error("--report-interval must be above 0")
     return args
 
 
@@ -70,7 +84,16 @@ async def serve(args: argparse.Namespace) -> None:
     controllers = [a.strip() for a in args.controller.split(",") if a.strip()]
     tasks = [
         asyncio.create_task(sync.run()),
-        asyncio.create_task(follow(controllers, sync, tls, announce, asyncio.sleep)),
+        asyncio.create_task(
+            follow(
+                controllers,
+                sync,
+                tls,
+                announce,
+                asyncio.sleep,
+                reporter=FrontDoorReporter(sync, announce, args.report_interval),
+            )
+        ),
     ]
     logger.info("keeping router %s in step with controller(s) %s", args.router, ", ".join(controllers))
     try:

@@ -5,8 +5,9 @@ it believes the router has (`believed`). Every pass removes what the router has 
 not list, then adds what Motor lists and the router lacks, each group concurrently (removals
 first: a worker that cannot serve leaves before anything else happens). `believed` is re-read
 from the router (`GET /list_workers`) on every snapshot (a (re)connect to the controller), after
-the router failed to answer, and every `relist_interval` (a router restarted between two of our
-calls has an empty list): so workers the router has and Motor does not list are removed.
+the router failed to answer, and every `relist_interval` however often the stream changes (a
+router restarted between two of our calls has an empty list): so workers the router has and
+Motor does not list are removed.
 
 A router that does not answer: one announcement, retries with a capped backoff, and one
 announcement when it is back, with what the re-sync changed. A worker the router refuses: one
@@ -66,6 +67,12 @@ class RouterSync:
         self.router_down = RepeatedFailure(backoff_base, backoff_cap)
         self.wake = asyncio.Event()
         self.passes = 0  # completed passes (tests wait on it)
+        self.relisted_at = time.monotonic()  # when the router's list was last read in full
+        # What the router held at the end of the last pass (None: never read), and a flag set
+        # whenever that or the router's health changed: what the controller is told (report.py).
+        self.held: frozenset[str] | None = None
+        self.router_restarts = 0  # times the router came back without what it held, or after not answering
+        self.changed = asyncio.Event()
 
     # What Motor says ------------------------------------------------------------------------
 
@@ -85,13 +92,14 @@ class RouterSync:
     # Keeping the router -----------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Passes until cancelled: at once after each change, else every relist_interval."""
+        """Passes until cancelled: at once after each change, and a full re-list every relist_interval."""
         while True:
             self.wake.clear()
             try:
                 await self.reconcile()
             except RouterDown as exc:
                 self.believed = None
+                self.changed.set()
                 if self.router_down.failed(exc):
                     self.announce(
                         f"router {self.admin.base_url} not answering ({exc}); retrying with backoff, "
@@ -100,10 +108,17 @@ class RouterSync:
                     )
                 await asyncio.sleep(self.router_down.delay())
                 continue
-            try:
-                await asyncio.wait_for(self.wake.wait(), self.relist_interval)
-            except TimeoutError:
-                self.believed = None
+            # The re-list is a period, not a quiet spell: a stream that changes more often than
+            # relist_interval (a flapping engine) must not keep a restarted router's list unread.
+            due = self.relisted_at + self.relist_interval - time.monotonic()
+            if due > 0:
+                try:
+                    await asyncio.wait_for(self.wake.wait(), due)
+                    continue
+                except TimeoutError:
+                    pass
+            self.believed = None
+            self.relisted_at = time.monotonic()  # due again one period on, even before Motor's first list
 
     async def reconcile(self) -> None:
         if not self.have_snapshot:
@@ -111,7 +126,18 @@ class RouterSync:
         relisted = self.believed is None
         if relisted:
             self.believed = await self.admin.workers()
+            self.relisted_at = time.monotonic()
             self.refused.clear()
+            held = self.held or frozenset()
+            lost = sorted(held & self.wanted.keys() - self.believed)
+            # A restarted router is empty: none of what it held is left (a gateway that dropped one
+            # worker it could not reach is not a restart). One that was down is announced below.
+            if lost and not held & self.believed and not self.router_down.count:
+                self.router_restarts += 1
+                self.announce(
+                    f"router {self.admin.base_url} holds none of the {len(held)} worker(s) it held (restarted); "
+                    f"giving it its whole list again"
+                )
         believed = self.believed
         extra = sorted(believed - self.wanted.keys())
         missing = sorted(
@@ -130,7 +156,11 @@ class RouterSync:
                 added or "none",
                 1000 * (time.monotonic() - began),
             )
+        if relisted or removed or added or self.held is None:
+            self.held = frozenset(believed)
+            self.changed.set()
         if self.router_down.count:
+            self.router_restarts += 1
             count = self.router_down.recovered()
             self.announce(
                 f"router {self.admin.base_url} answers again after {count} failed call(s); re-synced "

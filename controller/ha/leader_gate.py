@@ -27,6 +27,7 @@ MUTATING_METHODS = frozenset(
         "PauseRollout",
         "ResumeRollout",
         "UndoRollout",
+        "ReportFrontDoor",  # the leader's rollouts and spares read it
     }
 )
 # Feeds only the leader serves: routers follow WatchEndpoints, and a standby's view knows no

@@ -8,8 +8,9 @@ Roles (docs/security.md has the same table for readers):
 - `controller`    the only caller of the node managers' StartEngine and StopEngine;
 - `operator`      applies and deletes deployments, and reads everything a viewer reads;
 - `viewer`        List/Get/Watch;
-- `router-sync`   a router's motor-router-sync: ListEndpoints and WatchEndpoints only (engine URLs
-                  come from the controller, and the sync can learn nothing else).
+- `router-sync`   a router's motor-router-sync: ListEndpoints and WatchEndpoints (engine URLs
+                  come from the controller, and the sync can learn nothing else), and
+                  ReportFrontDoor (which of them its router holds).
 Health checks are open to anyone; reflection (when the server offers it) too, as it only
 describes the public API. A method missing from the table is refused: new RPCs must be added.
 
@@ -73,6 +74,7 @@ ACCESS_TABLE: dict[str, Rule] = {
     _C + "WatchEvents": _READ,
     _C + "WatchEndpoints": _ENDPOINTS,
     _C + "ListControllers": _READ,
+    _C + "ReportFrontDoor": _rule("router-sync"),
     _N + "StartEngine": _rule("controller"),
     _N + "StopEngine": _rule("controller"),
     _N + "GetEngine": _rule("controller", "viewer", "operator"),

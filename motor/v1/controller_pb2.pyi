@@ -171,6 +171,11 @@ class _EventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventType.V
     engine's words, e.g. "no progress for 3.0 s with 12 requests in flight"): it left every
     router. The same type when it serves again.
     """
+    EVENT_TYPE_FRONT_DOOR: _EventType.ValueType  # 18
+    """A front door (a router and its motor-router-sync) reported for the first time, its sync was
+    restarted, its router stopped or started answering the sync, or its reports stopped or came
+    back (the message names the router and what rollouts and spares now count as available).
+    """
 
 class EventType(_EventType, metaclass=_EventTypeEnumTypeWrapper):
     """Kind of a controller event."""
@@ -224,6 +229,11 @@ EVENT_TYPE_ENGINE_NOT_SERVING: EventType.ValueType  # 17
 flight and no progress, or requests failing with none succeeding; the message gives the
 engine's words, e.g. "no progress for 3.0 s with 12 requests in flight"): it left every
 router. The same type when it serves again.
+"""
+EVENT_TYPE_FRONT_DOOR: EventType.ValueType  # 18
+"""A front door (a router and its motor-router-sync) reported for the first time, its sync was
+restarted, its router stopped or started answering the sync, or its reports stopped or came
+back (the message names the router and what rollouts and spares now count as available).
 """
 Global___EventType: _TypeAlias = EventType  # noqa: Y015
 
@@ -2086,3 +2096,68 @@ class UndoRolloutResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___UndoRolloutResponse: _TypeAlias = UndoRolloutResponse  # noqa: Y015
+
+@_typing.final
+class ReportFrontDoorRequest(_message.Message):
+    """Request of ControllerService.ReportFrontDoor."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUTER_FIELD_NUMBER: _builtins.int
+    WORKER_URLS_FIELD_NUMBER: _builtins.int
+    ROUTER_ANSWERING_FIELD_NUMBER: _builtins.int
+    REPORT_INTERVAL_FIELD_NUMBER: _builtins.int
+    SYNC_INSTANCE_FIELD_NUMBER: _builtins.int
+    ROUTER_RESTARTS_FIELD_NUMBER: _builtins.int
+    router: _builtins.str
+    """The front door: its router's URL as its sync reaches it (e.g. "http://127.0.0.1:8080")."""
+    router_answering: _builtins.bool
+    """False while the router does not answer its sync: it routes nothing then."""
+    sync_instance: _builtins.str
+    """Chosen at each start of the sync: a new one means the sync was restarted."""
+    router_restarts: _builtins.int
+    """Times this sync found its router restarted (it stopped answering, or answered without
+    workers it held) and gave it its whole list again; it only grows within one sync_instance.
+    """
+    @_builtins.property
+    def worker_urls(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The engine URLs the router holds (as the sync last read or changed its list)."""
+
+    @_builtins.property
+    def report_interval(self) -> _duration_pb2.Duration:
+        """The longest time to the sync's next report; a front door silent for 3 of these is stale."""
+
+    def __init__(
+        self,
+        *,
+        router: _builtins.str = ...,
+        worker_urls: _abc.Iterable[_builtins.str] | None = ...,
+        router_answering: _builtins.bool = ...,
+        report_interval: _duration_pb2.Duration | None = ...,
+        sync_instance: _builtins.str = ...,
+        router_restarts: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["report_interval", b"report_interval"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["report_interval", b"report_interval", "router", b"router", "router_answering", b"router_answering", "router_restarts", b"router_restarts", "sync_instance", b"sync_instance", "worker_urls", b"worker_urls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportFrontDoorRequest: _TypeAlias = ReportFrontDoorRequest  # noqa: Y015
+
+@_typing.final
+class ReportFrontDoorResponse(_message.Message):
+    """Response of ControllerService.ReportFrontDoor."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportFrontDoorResponse: _TypeAlias = ReportFrontDoorResponse  # noqa: Y015

@@ -120,6 +120,11 @@ class ControllerServiceStub:
                 request_serializer=motor_dot_v1_dot_controller__pb2.UndoRolloutRequest.SerializeToString,
                 response_deserializer=motor_dot_v1_dot_controller__pb2.UndoRolloutResponse.FromString,
                 _registered_method=True)
+        self.ReportFrontDoor = channel.unary_unary(
+                '/motor.v1.ControllerService/ReportFrontDoor',
+                request_serializer=motor_dot_v1_dot_controller__pb2.ReportFrontDoorRequest.SerializeToString,
+                response_deserializer=motor_dot_v1_dot_controller__pb2.ReportFrontDoorResponse.FromString,
+                _registered_method=True)
 
 
 class ControllerServiceServicer:
@@ -282,6 +287,17 @@ class ControllerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportFrontDoor(self, request, context):
+        """A front door (a router kept by motor-router-sync) says which engine URLs its router holds:
+        after each change the sync made and every `report_interval` as a sign of life. Rollouts and
+        spares count an engine available only when a front door routes to it. A repeated call
+        replaces the front door's previous report. INVALID_ARGUMENT for an empty `router` or a
+        `report_interval` not above 0. Only the leader takes reports (UNAVAILABLE on a standby).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -369,6 +385,11 @@ def add_ControllerServiceServicer_to_server(servicer, server):
                     servicer.UndoRollout,
                     request_deserializer=motor_dot_v1_dot_controller__pb2.UndoRolloutRequest.FromString,
                     response_serializer=motor_dot_v1_dot_controller__pb2.UndoRolloutResponse.SerializeToString,
+            ),
+            'ReportFrontDoor': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFrontDoor,
+                    request_deserializer=motor_dot_v1_dot_controller__pb2.ReportFrontDoorRequest.FromString,
+                    response_serializer=motor_dot_v1_dot_controller__pb2.ReportFrontDoorResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -831,6 +852,33 @@ class ControllerService:
             '/motor.v1.ControllerService/UndoRollout',
             motor_dot_v1_dot_controller__pb2.UndoRolloutRequest.SerializeToString,
             motor_dot_v1_dot_controller__pb2.UndoRolloutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportFrontDoor(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/motor.v1.ControllerService/ReportFrontDoor',
+            motor_dot_v1_dot_controller__pb2.ReportFrontDoorRequest.SerializeToString,
+            motor_dot_v1_dot_controller__pb2.ReportFrontDoorResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -120,6 +120,13 @@ class ControllerServiceStub:
     """Applies the previous revision's deployment again, rolled out the same way (a new revision).
     FAILED_PRECONDITION when the deployment has no previous revision. Returns OK.
     """
+    ReportFrontDoor: _grpc.UnaryUnaryMultiCallable[_controller_pb2.ReportFrontDoorRequest, _controller_pb2.ReportFrontDoorResponse]
+    """A front door (a router kept by motor-router-sync) says which engine URLs its router holds:
+    after each change the sync made and every `report_interval` as a sign of life. Rollouts and
+    spares count an engine available only when a front door routes to it. A repeated call
+    replaces the front door's previous report. INVALID_ARGUMENT for an empty `router` or a
+    `report_interval` not above 0. Only the leader takes reports (UNAVAILABLE on a standby).
+    """
 
 @_typing.type_check_only
 class ControllerServiceAsyncStub(ControllerServiceStub):
@@ -212,6 +219,13 @@ class ControllerServiceAsyncStub(ControllerServiceStub):
     UndoRollout: _aio.UnaryUnaryMultiCallable[_controller_pb2.UndoRolloutRequest, _controller_pb2.UndoRolloutResponse]  # type: ignore[assignment]
     """Applies the previous revision's deployment again, rolled out the same way (a new revision).
     FAILED_PRECONDITION when the deployment has no previous revision. Returns OK.
+    """
+    ReportFrontDoor: _aio.UnaryUnaryMultiCallable[_controller_pb2.ReportFrontDoorRequest, _controller_pb2.ReportFrontDoorResponse]  # type: ignore[assignment]
+    """A front door (a router kept by motor-router-sync) says which engine URLs its router holds:
+    after each change the sync made and every `report_interval` as a sign of life. Rollouts and
+    spares count an engine available only when a front door routes to it. A repeated call
+    replaces the front door's previous report. INVALID_ARGUMENT for an empty `router` or a
+    `report_interval` not above 0. Only the leader takes reports (UNAVAILABLE on a standby).
     """
 
 class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -404,6 +418,19 @@ class ControllerServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_controller_pb2.UndoRolloutResponse, _abc.Awaitable[_controller_pb2.UndoRolloutResponse]]:
         """Applies the previous revision's deployment again, rolled out the same way (a new revision).
         FAILED_PRECONDITION when the deployment has no previous revision. Returns OK.
+        """
+
+    @_abc_1.abstractmethod
+    def ReportFrontDoor(
+        self,
+        request: _controller_pb2.ReportFrontDoorRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_pb2.ReportFrontDoorResponse, _abc.Awaitable[_controller_pb2.ReportFrontDoorResponse]]:
+        """A front door (a router kept by motor-router-sync) says which engine URLs its router holds:
+        after each change the sync made and every `report_interval` as a sign of life. Rollouts and
+        spares count an engine available only when a front door routes to it. A repeated call
+        replaces the front door's previous report. INVALID_ARGUMENT for an empty `router` or a
+        `report_interval` not above 0. Only the leader takes reports (UNAVAILABLE on a standby).
         """
 
 def add_ControllerServiceServicer_to_server(servicer: ControllerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

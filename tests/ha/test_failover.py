@@ -176,6 +176,10 @@ def test_a_standby_refuses_changes_and_names_the_leader(cluster):
     with pytest.raises(grpc.RpcError) as watched:
         next(iter(_stub(standby).WatchEndpoints(controller_pb2.WatchEndpointsRequest(), timeout=5)))
     assert watched.value.code() == grpc.StatusCode.UNAVAILABLE and leader in watched.value.details()
+    # A front door's report counts only where rollouts run: the leader.
+    with pytest.raises(grpc.RpcError) as reported:
+        _stub(standby).ReportFrontDoor(controller_pb2.ReportFrontDoorRequest(router="http://r:8080"), timeout=5)
+    assert reported.value.code() == grpc.StatusCode.UNAVAILABLE and leader in reported.value.details()
     # Reads are answered by the standby from etcd.
     deployment = _stub(standby).GetDeployment(controller_pb2.GetDeploymentRequest(), timeout=5)
     assert deployment.deployment.name == "local-sim"

@@ -48,6 +48,7 @@ def cluster(tmp_path_factory):
         engine_port_base=33000,
         extra_controller_args=["--log-format", "json"],
         extra_node_args=["--log-format", "json"],
+        router_port=0,  # a router and its sync: the controller's motor_front_door_* series
     )
     try:
         local.start(timeout=60)
@@ -75,6 +76,8 @@ def scraped(cluster) -> dict[str, str]:
         return bodies if probed else None
 
     bodies = wait_for(engine_bodies, 180, 0.5, "three NORMAL engines that have probed")
+    controller = cluster.metrics_urls()["controller"]
+    wait_for(lambda: "motor_front_door_up{" in _get(controller), 30, 0.2, "the router's sync reporting")
     bodies.update({name: _get(url) for name, url in cluster.metrics_urls().items()})
     return bodies
 

@@ -1,5 +1,5 @@
-"""The router under `motorctl up --tls`: the sync reads endpoints with its own identity, and
-nothing else; the router's admin API listens on loopback only."""
+"""The router under `motorctl up --tls`: the sync reads endpoints and reports its router's
+workers with its own identity, and nothing else; the router's admin API listens on loopback only."""
 
 from __future__ import annotations
 
@@ -54,6 +54,19 @@ def test_the_sync_follows_the_controller_under_tls_with_an_identity_that_reads_e
                 call(request, timeout=5)
             assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value.details()
             assert "router-sync" in refused.value.details()
+    # ... and reports which engines its router holds, which the controller takes from it.
+    with cluster.credentials("viewer").channel(cluster.controller_address) as channel:
+        stub = controller_pb2_grpc.ControllerServiceStub(channel)
+
+        def reported() -> list[str]:
+            stream = stub.WatchEvents(controller_pb2.WatchEventsRequest(), timeout=5)
+            events = next(stream).snapshot.recent_events
+            stream.cancel()
+            return [e.message for e in events if e.type == controller_pb2.EVENT_TYPE_FRONT_DOOR]
+
+        wait_for(lambda: any("holds" in m for m in reported()), timeout=30, what="the sync's report taken")
+    log = open(cluster.process("router-sync").log_path).read()
+    assert "did not take this router's report" not in log, log[-2000:]
 
 
 def test_the_router_listens_on_loopback_only(cluster):

@@ -126,3 +126,48 @@ async def test_a_worker_the_router_refuses_is_announced_with_its_answer_and_the_
         assert "HTTP " in running.events[0] or "no answer within" in running.events[0]
     finally:
         await running.close()
+
+
+async def test_a_flapping_endpoint_does_not_postpone_the_periodic_relist(router, two_engines):
+    """The router's whole list is re-read every relist_interval whatever the stream does: a worker
+    Motor does not list (left by a restarted router, added by hand) goes at the next re-list even
+    while one deployment's endpoint comes and goes faster than that interval."""
+    first, second = two_engines
+    flapping = endpoint(second, "u-1")
+    running = Running(router.url)
+    try:
+        running.sync.apply(snapshot(endpoint(first, "u-0")))
+        await until(lambda: router.workers() == {f"http://127.0.0.1:{first.port}"}, what="the snapshot applied")
+        stranger = f"http://127.0.0.1:{second.port}"
+        router.add(stranger)  # unknown to the sync: only a re-list finds it
+        began, gone_after = time.monotonic(), None
+        while time.monotonic() - began < 4.0:  # a change every 0.2 s, the re-list due every 0.5 s
+            running.sync.apply(controller_pb2.WatchEndpointsResponse(removed=[flapping]))
+            await asyncio.sleep(0.2)
+            if gone_after is None and stranger not in router.workers():
+                gone_after = time.monotonic() - began
+        assert gone_after is not None, "the stranger stayed: the flapping stream postponed every re-list"
+        assert gone_after < 3.0, gone_after
+    finally:
+        await running.close()
+
+
+async def test_a_router_restarted_between_two_calls_is_counted_once_and_given_its_whole_list(router, two_engines):
+    """What the controller is told (ReportFrontDoor's router_restarts): a restart the sync only sees
+    as an empty list at its next re-list counts as one, like one it saw not answering."""
+    first, second = two_engines
+    urls = {f"http://127.0.0.1:{first.port}", f"http://127.0.0.1:{second.port}"}
+    running = Running(router.url)
+    try:
+        running.sync.apply(snapshot(endpoint(first, "u-0"), endpoint(second, "u-1")))
+        await until(lambda: router.workers() == urls and running.sync.held == urls, what="both engines held")
+        assert running.sync.router_restarts == 0
+        router.stop()
+        router.start()  # empty, on the same port
+        await until(lambda: router.workers() == urls, what="the whole list given again")
+        await until(lambda: running.sync.held == urls and running.sync.router_restarts == 1, what="one restart")
+        await asyncio.sleep(1.5)  # several re-lists later: still one
+        assert running.sync.router_restarts == 1, running.events
+        assert len(running.events) in (1, 2), running.events  # "(restarted)", or "not answering" and "answers again"
+    finally:
+        await running.close()

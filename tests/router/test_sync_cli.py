@@ -23,6 +23,10 @@ import pytest
             ["--controller", "127.0.0.1:1", "--router", "http://127.0.0.1:8080", "--relist-interval", "0"],
             "--relist-interval must be above 0",
         ),
+        (
+            ["--controller", "127.0.0.1:1", "--router", "http://127.0.0.1:8080", "--report-interval", "-1"],
+            "--report-interval must be above 0",
+        ),
         (["--router", "http://127.0.0.1:8080"], "the following arguments are required: --controller"),
     ],
 )

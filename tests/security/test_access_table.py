@@ -23,7 +23,7 @@ from tests.security.conftest import (
     token_of,
 )
 
-CERT_CALLERS = ["controller", "node-a", "node-b", "operator", "viewer"]
+CERT_CALLERS = ["controller", "node-a", "node-b", "operator", "viewer", "router-sync"]
 TOKEN_CALLERS = ["operator-token", "viewer-token"]
 READERS = {"operator", "viewer", "operator-token", "viewer-token"}
 
@@ -42,10 +42,11 @@ EXPECTED = {
     "ControllerService/ListDeployments": READERS,
     "ControllerService/ListNodes": READERS,
     "ControllerService/ListInstances": READERS,
-    "ControllerService/ListEndpoints": READERS,
+    "ControllerService/ListEndpoints": READERS | {"router-sync"},
     "ControllerService/WatchEvents": READERS,
-    "ControllerService/WatchEndpoints": READERS,
+    "ControllerService/WatchEndpoints": READERS | {"router-sync"},
     "ControllerService/ListControllers": READERS,
+    "ControllerService/ReportFrontDoor": {"router-sync"},
     "NodeManagerService/StartEngine": {"controller"},
     "NodeManagerService/StopEngine": {"controller"},
     "NodeManagerService/GetEngine": READERS | {"controller"},
