@@ -14,9 +14,10 @@ Motor withdraws its last engine). It answers:
 - the router's admin API (adding or removing workers, loading adapters): 403, only the sync
   changes the router;
 
-and passes everything else to the router unchanged, the response chunk by chunk (a stream's
-events as they come; a slow client slows its own stream, never the others: each write waits for
-the client to take the previous one). Connections to the router are pooled and kept alive.
+and passes everything else to the router unchanged: an answer with a Content-Length (up to 1 MiB)
+in one write, any other (a stream) chunk by chunk as the router sends it (a slow client slows its
+own stream, never the others: each write waits for the client to take the previous one).
+Connections to the router are pooled and kept alive.
 Its own Prometheus metrics at `GET /metrics`.
 """
 
@@ -68,6 +69,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 MAX_BODY = 256 * 1024 * 1024  # the router's own default --max-payload-size
+WHOLE_BODY = 1024 * 1024  # an answer with a Content-Length up to this is passed in one write
 
 
 def openai_error(status: int, message: str, kind: str, param: str | None = "model") -> web.Response:
@@ -231,13 +233,17 @@ class FrontDoor:
                 request.method, self.router_url + request.rel_url.raw_path_qs, headers=headers, data=body
             ) as upstream:
                 self.metrics.latency.observe(time.monotonic() - began)
-                response = web.StreamResponse(
-                    status=upstream.status,
-                    reason=upstream.reason,
-                    headers={k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP},
-                )
-                if upstream.content_length is not None:
-                    response.content_length = upstream.content_length
+                headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+                length = upstream.content_length
+                if length is not None and length <= WHOLE_BODY:
+                    # A whole answer (not a stream): one write, far cheaper than a chunk loop.
+                    whole = web.Response(status=upstream.status, reason=upstream.reason, headers=headers)
+                    whole.body = await upstream.read()
+                    self.metrics.requests.labels(label, str(upstream.status)).inc()
+                    return whole
+                response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
+                if length is not None:
+                    response.content_length = length
                 await response.prepare(request)
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)  # waits while the client has not taken the last one
