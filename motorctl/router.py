@@ -94,5 +94,5 @@ def router_line(url: str) -> str:
     workers = router_workers(url)
     # one engine per address: an adapter's worker is the engine's address with a user part
     engines = None if workers is None else {w.split("://", 1)[-1].rpartition("@")[2] for w in workers}
-    state = "not answering" if engines is None else f"{len(engines)} engine(s)"
+    state = "not answering" if engines is None else f"{len(engines)} worker(s)"
     return f"Router (OpenAI API):  {url}/v1  ({state}; kept by motor-router-sync)"

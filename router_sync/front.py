@@ -134,6 +134,8 @@ class FrontDoor:
             # A generation may take long; only the connection to the router has a deadline.
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
             auto_decompress=False,
+            # A proxy keeps no cookies: one client's would be sent on every other client's requests.
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         # handler_cancellation: a client that goes away cancels its request to the router too.
         self.runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
