@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,11 @@ HOP_BY_HOP = frozenset(
 )
 MAX_BODY = 256 * 1024 * 1024  # the router's own default --max-payload-size
 WHOLE_BODY = 1024 * 1024  # an answer with a Content-Length up to this is passed in one write
+
+
+def end_to_end(headers) -> CIMultiDict:
+    """The headers a proxy passes on: all but the hop-by-hop ones, repeated ones kept (Set-Cookie)."""
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP)
 
 
 def openai_error(status: int, message: str, kind: str, param: str | None = "model") -> web.Response:
@@ -226,7 +232,7 @@ class FrontDoor:
 
     async def _pass(self, request: web.Request, body: bytes | None, label: str) -> web.StreamResponse:
         assert self.session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers = end_to_end(request.headers)
         began = time.monotonic()
         response: web.StreamResponse | None = None
         self.metrics.in_flight.inc()
@@ -235,7 +241,7 @@ class FrontDoor:
                 request.method, self.router_url + request.rel_url.raw_path_qs, headers=headers, data=body
             ) as upstream:
                 self.metrics.latency.observe(time.monotonic() - began)
-                headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+                headers = end_to_end(upstream.headers)
                 length = upstream.content_length
                 if length is not None and length <= WHOLE_BODY:
                     # A whole answer (not a stream): one write, far cheaper than a chunk loop.
