@@ -21,12 +21,14 @@ ROUTER_PORT = 8080
 # SPT_NOENV keeps the environment.
 ROUTER_ENV = {"SPT_NOENV": "1"}
 # The router's mode whose admin API takes a worker's model and type (vllm-router 0.1.17's
-# --enable-igw). Several models behind one router (`motorctl up --router-by-model`): it sends a
-# request only to workers of the model it names; the sync runs with --by-model to match.
-# Prefill/decode (`--router-pd`): prefill and decode engines are typed workers, and each request
-# goes to a prefill engine, then to a decode engine with the prefill's KV handoff; the sync runs
-# with --pd. Neither is the default: in that mode /v1/models answers in the router's own shape,
-# not OpenAI's, and with --by-model a request without `model` is answered 503 (docs/router.md).
+# --enable-igw), always: every engine is filed under its deployment's model (and each loaded
+# adapter under its own name), so a request reaches only engines of the model it names, however
+# many models the cluster serves. The front door in the sync's process (router_sync/front.py)
+# listens on the published port and gives OpenAI's /v1/models, a 404 naming the served models for
+# one that is not, and the one model to a request without `model`; the router listens on a
+# private port of loopback. Prefill/decode (`--router-pd`): prefill and decode engines are typed
+# workers, and each request goes to a prefill engine, then to a decode engine with the prefill's
+# KV handoff; the sync runs with --pd.
 TYPED_WORKER_FLAGS = ["--enable-igw"]
 # What the router does with a request whose engine fails it (docs/router.md, "When an engine
 # fails"). vllm-router 0.1.17 retries a request on another worker when its worker answers
@@ -66,7 +68,7 @@ def router_binary() -> str:
     return local if os.path.exists(local) else (shutil.which("vllm-router") or "vllm-router")
 
 
-def router_command(port: int, metrics_port: int, by_model: bool = False, pd: bool = False) -> list[str]:
+def router_command(port: int, metrics_port: int) -> list[str]:
     argv = [
         router_binary(),
         "--host",
@@ -86,14 +88,15 @@ def router_command(port: int, metrics_port: int, by_model: bool = False, pd: boo
         "--worker-startup-check-interval",
         "1",
         *FAILOVER_FLAGS,
-        *(TYPED_WORKER_FLAGS if by_model or pd else []),
+        *TYPED_WORKER_FLAGS,
     ]
     return argv
 
 
 def sync_command(
-    controllers: list[str], router_url: str, tls: list[str], by_model: bool = False, pd: bool = False
+    controllers: list[str], router_url: str, front_door: str, tls: list[str], pd: bool = False
 ) -> list[str]:
+    """The sync, serving the front door on `front_door` (HOST:PORT) in front of `router_url`."""
     return [
         sys.executable,
         "-m",
@@ -102,14 +105,16 @@ def sync_command(
         ",".join(controllers),
         "--router",
         router_url,
-        *(["--by-model"] if by_model else []),
+        "--front-door",
+        front_door,
         *(["--pd"] if pd else []),
         *tls,
     ]
 
 
 def router_workers(url: str, timeout: float = 2.0) -> list[str] | None:
-    """The router's worker URLs, or None when it does not answer."""
+    """The router's worker URLs (through the front door too), or None when it does not answer. An
+    engine with loaded adapters is one worker per name it serves (router_sync/sync.py)."""
     try:
         with urllib.request.urlopen(url + "/list_workers", timeout=timeout) as reply:
             return list(json.loads(reply.read())["urls"])
@@ -120,5 +125,7 @@ def router_workers(url: str, timeout: float = 2.0) -> list[str] | None:
 def router_line(url: str, kept: str = "kept by motor-router-sync") -> str:
     """The screen's line: `kept` says what keeps the workers (a sync that is down says so)."""
     workers = router_workers(url)
-    state = "not answering" if workers is None else f"{len(workers)} worker(s)"
+    # one engine per address: an adapter's worker is the engine's address with a user part
+    engines = None if workers is None else {w.split("://", 1)[-1].rpartition("@")[2] for w in workers}
+    state = "not answering" if engines is None else f"{len(engines)} worker(s)"
     return f"Router (OpenAI API):  {url}/v1  ({state}; {kept})"

@@ -110,15 +110,21 @@ class LocalCluster:
     # mTLS on every plane with a development PKI in <run_dir>/pki (docs/security.md)
     tls: bool = False
     token_port: int = 0
-    # A vllm-router on this port (0: a free one) kept by motor-router-sync; None: no router.
+    # The front door on this port (0: a free one), in front of a vllm-router on a private port,
+    # both kept by motor-router-sync; None: no router.
     router_port: int | None = None
-    router_by_model: bool = False  # the router's multi-model mode (several deployments' models)
+    router_admin_port: int = 0  # the router itself (its admin API): loopback, not for clients
     router_pd: bool = False  # prefill and decode engines as the router's typed workers (its P/D flow)
     front_door: Supervisor = field(default_factory=Supervisor)  # restarts the router and its sync
 
     @property
     def router_url(self) -> str:
+        """Where clients send requests: the front door (router_sync/front.py)."""
         return f"http://127.0.0.1:{self.router_port}"
+
+    @property
+    def router_admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.router_admin_port}"
 
     @property
     def pki(self) -> DevPki:
@@ -255,21 +261,26 @@ class LocalCluster:
 
     def start_router(self, timeout: float) -> None:
         self.router_port = self.router_port or free_port()
-        router_argv = front.router_command(self.router_port, free_port(), self.router_by_model, self.router_pd)
+        self.router_admin_port = self.router_admin_port or free_port()
+        router_argv = front.router_command(self.router_admin_port, free_port())
         router = self._launch("router", router_argv, front.ROUTER_ENV)
         deadline = time.monotonic() + timeout
-        while front.router_workers(self.router_url) is None:
+        while front.router_workers(self.router_admin_url) is None:
             if self.process("router").process.poll() is not None or time.monotonic() > deadline:
-                raise TimeoutError(f"the router on port {self.router_port} did not start; see its log")
+                raise TimeoutError(f"the router on port {self.router_admin_port} did not start; see its log")
             time.sleep(0.1)
         sync_argv = front.sync_command(
             self.controller_addresses,
-            self.router_url,
+            self.router_admin_url,
+            f"127.0.0.1:{self.router_port}",
             self.tls_flags("router-sync"),
-            self.router_by_model,
             self.router_pd,
         )
         sync = self._launch("router-sync", sync_argv)
+        while front.router_workers(self.router_url) is None:  # the front door answers
+            if sync.process.poll() is not None or time.monotonic() > deadline:
+                raise TimeoutError(f"the front door on port {self.router_port} did not start; see router-sync.log")
+            time.sleep(0.1)
         # Either one exiting is started again, same command and ports (motorctl/supervise.py).
         self.front_door.watch(
             "router", router.process, lambda: self._launch("router", router_argv, front.ROUTER_ENV).process
@@ -538,17 +549,13 @@ def main(argv: list[str] | None = None) -> int:
         help=f"port of the router (vllm-router) in front of the engines: default {front.ROUTER_PORT}, "
         "or a free port if taken",
     )
-    parser.add_argument(
-        "--router-by-model",
-        action="store_true",
-        help="run the router in its multi-model mode: a request reaches only engines of the model it names "
-        "(several deployments of different models); /v1/models then answers in the router's own shape",
-    )
+    # Routing by model is the default now; the flag is still taken so that scripts keep working.
+    parser.add_argument("--router-by-model", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--router-pd",
         action="store_true",
         help="prefill and decode engines as the router's prefill and decode workers: each request is prefilled on "
-        "one and decoded on the other (its P/D flow); /v1/models then answers in the router's own shape",
+        "one and decoded on the other (its P/D flow)",
     )
     parser.add_argument(
         "--model-root",
@@ -638,7 +645,6 @@ def main(argv: list[str] | None = None) -> int:
         tls=args.tls,
         ha=args.ha,
         router_port=args.router_port or _default_port(front.ROUTER_PORT),
-        router_by_model=args.router_by_model,
         router_pd=args.router_pd,
     )
     stopping, started = False, False

@@ -1,7 +1,8 @@
 """motor-router-sync: keeps one router's workers equal to the engines Motor lists (docs/router.md).
 
-motor-router-sync --controller 127.0.0.1:50051 --router http://127.0.0.1:8080 [--by-model] [--pd]
-                  [--relist-interval 5] [--report-interval 2] [--tls-ca CA --tls-cert C --tls-key K]
+motor-router-sync --controller 127.0.0.1:50051 --router http://127.0.0.1:8081 [--by-model] [--pd]
+                  [--front-door 127.0.0.1:8080] [--relist-interval 5] [--report-interval 2]
+                  [--tls-ca CA --tls-cert C --tls-key K]
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from motor.service.logs import LOG_LEVELS
 from motor.service.signals import stop_event
 from router_sync.admin import RouterAdmin
 from router_sync.follow import follow
+from router_sync.front import FrontDoor
 from router_sync.report import FrontDoorReporter
 from router_sync.sync import RouterSync
 
@@ -37,6 +39,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="the router routes by model (vllm-router --enable-igw): each engine is added under its "
         "deployment's model, so a request reaches only engines of the model it names",
+    )
+    parser.add_argument(
+        "--front-door",
+        metavar="HOST:PORT",
+        help="serve the front door here (router_sync/front.py): OpenAI's /v1/models, a 404 for a model "
+        "not served, a request without `model` given the one served; everything else passed to the router. "
+        "Implies --by-model",
     )
     parser.add_argument(
         "--relist-interval",
@@ -68,6 +77,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--relist-interval must be above 0")
     if args.report_interval <= 0:
         parser.error("--report-interval must be above 0")
+    if args.front_door:
+        host, _, port = args.front_door.rpartition(":")
+        if not host or not port.isdigit():
+            parser.error(f"--front-door {args.front_door!r}: give HOST:PORT, e.g. 127.0.0.1:8080")
+        args.front_door = (host.strip("[]"), int(port))
+        args.by_model = True  # the front door knows models from the workers filed under them
     return args
 
 
@@ -82,6 +97,9 @@ async def serve(args: argparse.Namespace) -> None:
     sync = RouterSync(admin, announce, pd=args.pd, by_model=args.by_model, relist_interval=args.relist_interval)
     tls = TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca) if args.tls_ca else None
     controllers = [a.strip() for a in args.controller.split(",") if a.strip()]
+    front = FrontDoor(args.router, sync.served) if args.front_door else None
+    if front is not None:
+        await front.start(*args.front_door)
     tasks = [
         asyncio.create_task(sync.run()),
         asyncio.create_task(
@@ -102,6 +120,8 @@ async def serve(args: argparse.Namespace) -> None:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if front is not None:
+            await front.close()
         await admin.close()
 
 

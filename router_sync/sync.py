@@ -20,6 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from urllib.parse import quote
 
 from motor.service.retry import RepeatedFailure
 from motor.v1 import controller_pb2, types_pb2
@@ -37,11 +38,24 @@ def worker_type(role: int, pd: bool) -> str | None:
     return PD_WORKER_TYPES.get(role) if pd else None
 
 
-def routed_model(endpoint: controller_pb2.Endpoint, by_model: bool) -> str | None:
-    """The model a by-model router files an engine under: its deployment's model, the first of
-    `models`. vllm-router 0.1.17 keeps one model per worker URL (a second add of the URL replaces
-    the first), so the adapters after it are not registered (docs/router.md)."""
-    return endpoint.models[0] if by_model and endpoint.models else None
+def adapter_worker_url(url: str, adapter: str) -> str:
+    """The router worker URL an engine is filed under for one of its LoRA adapters. vllm-router
+    0.1.17 keeps one model per worker URL (a second add of a URL replaces its model), so each
+    adapter gets its own spelling of the engine's address: the adapter's name as the URL's user
+    (`http://sql-lora@10.0.0.5:8000`). The router keys workers by that string and connects to the
+    same host and port (docs/router.md: the engine also receives a Basic Authorization header
+    naming the adapter, which an engine without an API key ignores)."""
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{quote(adapter, safe='')}@{rest}"
+
+
+def router_workers_of(endpoint: controller_pb2.Endpoint) -> list[tuple[str, str | None, str | None]]:
+    """(router worker URL, model, parent model) of each name the engine serves: its deployment's
+    model at its own URL, then one worker per loaded adapter (parent: that model)."""
+    if not endpoint.models:
+        return [(endpoint.url, None, None)]
+    base, *adapters = endpoint.models
+    return [(endpoint.url, base, None)] + [(adapter_worker_url(endpoint.url, a), a, base) for a in adapters]
 
 
 class RouterSync:
@@ -57,11 +71,16 @@ class RouterSync:
     ):
         self.admin, self.announce, self.pd, self.by_model = admin, announce, pd, by_model
         self.relist_interval = relist_interval
-        self.wanted: dict[str, tuple[str | None, str | None]] = {}
+        self.wanted: dict[str, tuple[str | None, str | None]] = {}  # worker URL -> (type, model)
+        # Each engine's worker URLs (its own, and one per loaded adapter when filed by model).
+        self.workers_of: dict[str, list[str]] = {}
+        self.parents: dict[str, str] = {}  # adapter worker URL -> the model the adapter is of
         # What each URL was added as: a URL that comes back as another model or type (its port
         # given to another deployment's engine) is added again, which re-files it in the router.
         self.filed: dict[str, tuple[str | None, str | None]] = {}
         self.believed: set[str] | None = None  # None: to be re-read from the router
+        self.known: set[str] = set()  # the router's list as last read and changed (kept while re-read)
+        self._served: dict[str, str | None] | None = None
         self.refused: dict[str, str] = {}  # url -> the router's answer, until the next re-list
         self.have_snapshot = False  # before Motor's first list the router's list is left alone
         self.router_down = RepeatedFailure(backoff_base, backoff_cap)
@@ -80,14 +99,36 @@ class RouterSync:
         """One WatchEndpoints message: a snapshot replaces the wanted list (and the router's list
         is re-read); a change removes and adds."""
         if message.snapshot:
-            self.wanted = {}
+            self.wanted, self.workers_of, self.parents = {}, {}, {}
             self.believed = None
             self.have_snapshot = True
         for gone in message.removed:
-            self.wanted.pop(gone.url, None)
+            for url in self.workers_of.pop(gone.url, [gone.url]):
+                self.wanted.pop(url, None)
+                self.parents.pop(url, None)
         for new in message.added:
-            self.wanted[new.url] = (worker_type(new.role, self.pd), routed_model(new, self.by_model))
+            kind = worker_type(new.role, self.pd)
+            workers = router_workers_of(new) if self.by_model else [(new.url, None, None)]
+            self.workers_of[new.url] = [url for url, _, _ in workers]
+            for url, model, parent in workers:
+                self.wanted[url] = (kind, model)
+                if parent:
+                    self.parents[url] = parent
+        self._served = None
         self.wake.set()
+
+    def served(self) -> dict[str, str | None]:
+        """The models a request may name now: model -> the model it is an adapter of (None for a
+        deployment's model). Only names with a worker the router has (added, not yet removed):
+        a name is served once the router can route it, and stops being served as soon as Motor
+        withdraws its last engine, before the router hears of it."""
+        if self._served is None:  # computed once per change, not per request
+            self._served = {
+                model: self.parents.get(url)
+                for url, (kind, model) in self.wanted.items()
+                if model is not None and url in self.known and self.filed.get(url, (kind, model)) == (kind, model)
+            }
+        return self._served
 
     # Keeping the router -----------------------------------------------------------------------
 
@@ -125,7 +166,7 @@ class RouterSync:
             return
         relisted = self.believed is None
         if relisted:
-            self.believed = await self.admin.workers()
+            self.believed = self.known = await self.admin.workers()
             self.relisted_at = time.monotonic()
             self.refused.clear()
             held = self.held or frozenset()
@@ -148,6 +189,8 @@ class RouterSync:
         began = time.monotonic()
         removed = await self._each(extra, self.admin.remove, believed.discard)
         added = await self._each(missing, self._add, believed.add)
+        if relisted or removed or added:
+            self._served = None
         if removed or added:
             logger.info(
                 "router %s: removed %s, added %s (%.0f ms)",

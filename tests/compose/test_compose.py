@@ -177,6 +177,8 @@ def test_a_second_model_runs_beside_the_first_and_its_delete_leaves_the_first_al
     wait(lambda: small_endpoints() <= workers() and len(workers()) == 5, 60, "five workers in the router", stack)
     for model in ("sim-small", "sim-tiny") * 5:  # each request reaches an engine of its model (others 404)
         assert complete(router, model)["model"] == model
+    with urllib.request.urlopen(router + "/v1/models", timeout=5) as reply:  # the front door: OpenAI's list
+        assert [m["id"] for m in json.loads(reply.read())["data"]] == ["sim-small", "sim-tiny"]
     shown = run([*motorctl, "deployments"]).stdout
     assert "small-sim" in shown and "sim-small" in shown, shown
 

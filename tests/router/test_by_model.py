@@ -70,12 +70,12 @@ async def test_each_models_requests_reach_only_its_engines(model_router, chat_an
         running.sync.apply(
             snapshot(
                 served(engines["chat-0"], "chat", "sim-chat"),
-                # an adapter loaded into chat-1: registered under its base model only
+                # an adapter loaded into chat-1: filed under its own name at its own worker URL
                 served(engines["chat-1"], "chat", "sim-chat", "chat-lora"),
                 served(engines["embed-0"], "embed", "sim-embed"),
             )
         )
-        await until(lambda: len(model_router.workers()) == 3, what="three engines added")
+        await until(lambda: len(model_router.workers()) == 4, what="three engines and an adapter added")
         assert await asyncio.to_thread(answers, model_router.url, "sim-chat") == [(200, "sim-chat")] * 12
         assert await asyncio.to_thread(answers, model_router.url, "sim-embed") == [(200, "sim-embed")] * 12
         status, text = http("GET", model_router.url + "/workers")
@@ -84,7 +84,7 @@ async def test_each_models_requests_reach_only_its_engines(model_router, chat_an
         assert by_url == {
             f"http://127.0.0.1:{engines[i].port}": m
             for i, m in (("chat-0", "sim-chat"), ("chat-1", "sim-chat"), ("embed-0", "sim-embed"))
-        }
+        } | {f"http://chat-lora@127.0.0.1:{engines['chat-1'].port}": "chat-lora"}
         assert running.events == []
     finally:
         await running.close()
@@ -100,8 +100,9 @@ async def test_an_unknown_model_gets_404_and_a_model_left_without_engines_reache
         embed = served(engines["embed-0"], "embed", "sim-embed")
         running.sync.apply(snapshot(*chat, embed))
         await until(lambda: len(model_router.workers()) == 3, what="three engines added")
-        # vllm-router 0.1.17 has no 404 of its own: it sends a request for a model it has no
-        # worker of to some worker, whose engine answers vLLM's 404 (docs/router.md).
+        # vllm-router 0.1.17 alone has no 404 of its own: it sends a request for a model it has no
+        # worker of to some worker, whose engine answers vLLM's 404 (docs/router.md); the front
+        # door answers it itself (test_front_door.py).
         assert {a for a in await asyncio.to_thread(answers, model_router.url, "no-such-model")} == {
             (404, "NotFoundError")
         }

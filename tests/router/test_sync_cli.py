@@ -28,8 +28,19 @@ import pytest
             "--report-interval must be above 0",
         ),
         (["--router", "http://127.0.0.1:8080"], "the following arguments are required: --controller"),
+        (
+            ["--controller", "127.0.0.1:1", "--router", "http://127.0.0.1:8081", "--front-door", "8080"],
+            "--front-door '8080': give HOST:PORT, e.g. 127.0.0.1:8080",
+        ),
     ],
 )
 def test_bad_flags_exit_2_naming_what_to_fix(args, said):
     done = subprocess.run([sys.executable, "-m", "router_sync", *args], capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_front_door_files_engines_by_model():
+    from router_sync.cli import parse
+
+    args = parse(["--controller", "127.0.0.1:1", "--router", "http://127.0.0.1:8081", "--front-door", "0.0.0.0:8080"])
+    assert args.front_door == ("0.0.0.0", 8080) and args.by_model

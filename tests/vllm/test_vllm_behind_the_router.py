@@ -70,12 +70,14 @@ def test_completions_chat_and_a_stream_through_the_router_then_delete_removes_th
     url, model = endpoint.url, endpoint.models[0]
     wait_for(lambda: workers(local) == [url], timeout=30, interval=0.2, what="the vLLM engine in the router")
     status, text = http("GET", local.router_url + "/v1/models")
-    # The plain router (motorctl up's default) passes /v1/models to the engine: OpenAI's shape.
+    # The front door (motorctl up's default) answers OpenAI's list of the models it routes.
     assert status == 200 and [m["id"] for m in json.loads(text)["data"]] == [model], text
     status, text = http(
         "POST", local.router_url + "/v1/completions", {"model": model, "prompt": "Hello", "max_tokens": 3}, timeout=60
     )
     assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 3, text
+    status, text = http("POST", local.router_url + "/v1/completions", {"model": "gpt-x", "prompt": "Hello"})
+    assert status == 404 and json.loads(text)["error"]["message"].endswith(f"Valid aliases: {model}."), text
     status, text = http(
         "POST",
         local.router_url + "/v1/chat/completions",
