@@ -24,6 +24,7 @@ dotted key (`speculative-config.model`) is each of its parts. The rules (docs/se
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -36,6 +37,7 @@ from motor.contract.vllm_request_args import (
     VLLM_ARG_CHOICES,
     VLLM_REFUSED_ARGS,
     VLLM_REQUEST_ARGS,
+    VLLM_VERSION_REVIEWED,
     unsupported_vllm_arg,
 )  # fmt: skip
 from motor.errors import InvalidArgument
@@ -201,6 +203,11 @@ def _check_key(path: str, key: str, value: Any) -> None:
         raise InvalidArgument(f"{path}: must be false in a request: {CODE_FLAGS[name]}")
 
 
+def _did_you_mean(name: str, names: frozenset[str]) -> str:
+    close = difflib.get_close_matches(name, names, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def _check_vllm_args(engine_args: dict, where: str) -> None:
     for key, value in engine_args.items():
         path, name = f"{where}.{key}", normalise(key).split(".")[0]
@@ -208,10 +215,9 @@ def _check_vllm_args(engine_args: dict, where: str) -> None:
             raise InvalidArgument(f"{path}: not accepted in a request: {VLLM_REFUSED_ARGS[name]}")
         if name in MOTOR_ENGINE_ARGS:
             continue  # read by the engine server itself
-        if name not in VLLM_REQUEST_ARGS:
+        if name not in VLLM_REQUEST_ARGS:  # every vLLM argument is either allowed or refused above
             raise InvalidArgument(
-                f"{path}: not among the vLLM arguments a request may set (motor/contract/vllm_request_args.py, "
-                "docs/security.md)"
+                f"{path}: not a vLLM {VLLM_VERSION_REVIEWED} argument{_did_you_mean(name, VLLM_REQUEST_ARGS)}"
             )
         if name in VLLM_ARG_CHOICES and value is not None and value not in VLLM_ARG_CHOICES[name]:
             raise InvalidArgument(
@@ -244,9 +250,11 @@ def _check_sglang_extra_args(extra_args: Any, where: str) -> None:
         path = f"{where}[{index}]"
         _check_key(path, name, True)
         if name not in SGLANG_EXTRA_FLAGS or not item.startswith("--"):
+            close = difflib.get_close_matches(name, SGLANG_EXTRA_FLAGS, n=1)
+            hint = f"; did you mean --{close[0].replace('_', '-')}?" if close and close[0] != name else ""
             raise InvalidArgument(
                 f"{path}: {flag} is not among the SGLang flags a request may add (SGLANG_EXTRA_FLAGS in "
-                "motor/contract/engine_policy.py, docs/security.md)"
+                f"motor/contract/engine_policy.py, docs/security.md){hint}"
             )
 
 

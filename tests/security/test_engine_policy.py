@@ -122,7 +122,7 @@ VLLM_UNION = "spec.config_json.motor_engine_union_config.engine_args"
             "speculative_config.model",
             "Python name",
         ),
-        ({"some_new_vllm_argument": 1}, "some_new_vllm_argument", "not among the vLLM arguments a request may set"),
+        ({"some_new_vllm_argument": 1}, "some_new_vllm_argument", "not a vLLM 0.32.0 argument"),
         (
             {"served_model_name": ["x", "--trust-remote-code"]},
             "served_model_name[1]",
@@ -306,8 +306,7 @@ def test_every_section_is_checked_and_motor_keys_do_not_end_the_check():
     with pytest.raises(InvalidArgument) as refused:
         check_engine_config(config, [])
     assert str(refused.value) == (
-        "config_json.motor_engine_union_config.engine_args.Xseed: not among the vLLM arguments a "
-        "request may set (motor/contract/vllm_request_args.py, docs/security.md)"
+        "config_json.motor_engine_union_config.engine_args.Xseed: not a vLLM 0.32.0 argument; did you mean 'seed'?"
     )
     check_engine_config(_vllm(**{"compilation_config.mode": 3, "--seed": 1}), [])  # a dotted key is its first part's
 
