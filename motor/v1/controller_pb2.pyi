@@ -1253,6 +1253,12 @@ class ApplyDeploymentRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    dry_run: _builtins.bool
+    """Check the deployment as an apply would (every field, engine_config as its engine servers read
+    it, group names against the other deployments) without changing anything: the response holds
+    the deployment with its defaults and the revision an apply would give it now.
+    """
     @_builtins.property
     def deployment(self) -> Global___Deployment:
         """The desired deployment."""
@@ -1261,10 +1267,11 @@ class ApplyDeploymentRequest(_message.Message):
         self,
         *,
         deployment: Global___Deployment | None = ...,
+        dry_run: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "dry_run", b"dry_run"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1278,8 +1285,13 @@ class ApplyDeploymentResponse(_message.Message):
 
     DEPLOYMENT_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
-    """Revision of the stored deployment; unchanged when the spec was unchanged."""
+    """Revision of the stored deployment; unchanged when the spec was unchanged. With dry_run: the
+    revision an apply would give it (the current one when nothing would change).
+    """
+    dry_run: _builtins.bool
+    """The request was a dry run: nothing was written."""
     @_builtins.property
     def deployment(self) -> Global___Deployment:
         """The stored deployment, defaults filled in."""
@@ -1289,10 +1301,11 @@ class ApplyDeploymentResponse(_message.Message):
         *,
         deployment: Global___Deployment | None = ...,
         revision: _builtins.int = ...,
+        dry_run: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "dry_run", b"dry_run", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
