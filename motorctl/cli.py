@@ -26,7 +26,7 @@ from motor.errors import MotorError
 from motor.leader import FOLLOW_RETRY_BASE, FOLLOW_RETRY_CAP, ControllerAddresses, backoff_delay, parse_addresses
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl import render, rollout
-from motorctl.connect import add_credential_flags, credentials_from
+from motorctl.connect import add_credential_flags, credentials_from, tls_mismatch
 from motorctl.pages import all_pages
 
 DEFAULT_CONTROLLER = os.environ.get("MOTOR_CONTROLLER", "localhost:50051")
@@ -235,7 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.RpcError as exc:
         code = exc.code()
         if code == grpc.StatusCode.UNAVAILABLE:
-            print(f"motorctl: controller {args.controller} is not reachable ({exc.details()})", file=sys.stderr)
+            mismatch = tls_mismatch(parse_addresses(args.controller, "--controller")[0], credentials_from(args))
+            if mismatch:
+                print(f"motorctl: controller {args.controller}: {mismatch}", file=sys.stderr)
+            else:
+                print(f"motorctl: controller {args.controller} is not reachable ({exc.details()})", file=sys.stderr)
         else:
             print(f"motorctl: {code.name}: {exc.details()}", file=sys.stderr)
         return 1

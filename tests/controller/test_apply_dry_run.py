@@ -61,9 +61,10 @@ def test_a_dry_run_validates_and_writes_nothing(controller, tmp_path):
         .replace("pair_with: decode", "pair_with: d2", 1)
         .replace("name: decode", "name: d2", 1)
     )
-    assert "'other' is valid; an apply would make it revision 1" in motorctl(
-        address, "apply", "--dry-run", "-f", str(new)
-    ).stdout
+    assert (
+        "'other' is valid; an apply would make it revision 1"
+        in motorctl(address, "apply", "--dry-run", "-f", str(new)).stdout
+    )
     assert "other" not in motorctl(address, "deployments").stdout
     taken = tmp_path / "taken.yaml"
     taken.write_text(open(EXAMPLE).read().replace("name: local-sim", "name: thief", 1))
