@@ -669,6 +669,7 @@ class InstanceEngine(_message.Message):
     RESTARTS_FIELD_NUMBER: _builtins.int
     LAST_FAILURE_REASON_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """"<instance_id>/rank<dp_rank>"."""
     dp_rank: _builtins.int
@@ -691,6 +692,10 @@ class InstanceEngine(_message.Message):
     """Why the rank last failed."""
     generation: _builtins.int
     """Generation of the current assignment."""
+    pid: _builtins.int
+    """Process id of the engine server on its node, as the node last reported this generation's
+    copy; 0 while not known (unplaced, not started yet, or the node has not reported it).
+    """
     @_builtins.property
     def accelerator_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Accelerators given to the engine."""
@@ -710,10 +715,11 @@ class InstanceEngine(_message.Message):
         restarts: _builtins.int = ...,
         last_failure_reason: _builtins.str = ...,
         generation: _builtins.int = ...,
+        pid: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerator_ids", b"accelerator_ids", "dp_rank", b"dp_rank", "engine_id", b"engine_id", "generation", b"generation", "health", b"health", "host", b"host", "last_failure_reason", b"last_failure_reason", "mgmt_port", b"mgmt_port", "node_id", b"node_id", "port", b"port", "restarts", b"restarts", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerator_ids", b"accelerator_ids", "dp_rank", b"dp_rank", "engine_id", b"engine_id", "generation", b"generation", "health", b"health", "host", b"host", "last_failure_reason", b"last_failure_reason", "mgmt_port", b"mgmt_port", "node_id", b"node_id", "pid", b"pid", "port", b"port", "restarts", b"restarts", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
