@@ -8,6 +8,7 @@ that no process is left behind. `LocalCluster` is also what the end-to-end tests
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import shutil
@@ -18,8 +19,10 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from motor.errors import MotorError
 from motor.ports import CONTROLLER_METRICS_PORT, free_port, port_is_free
 from motor.service.signals import STOP_SIGNALS  # SIGHUP among them: the terminal was closed
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
@@ -384,6 +387,22 @@ def _default_port(port: int) -> int:
     return port if port_is_free(port) else free_port()
 
 
+def vllm_missing(path: str) -> str | None:
+    """Why the deployment at `path` cannot run here: it asks for vLLM, which this environment
+    lacks (`make run` sets up the simulated engine only); None when it can."""
+    from engine_server.engines import VLLM_INSTALL_HINT
+    from motor.contract.deployment_file import load_deployment
+
+    try:
+        config = json_format.MessageToDict(load_deployment(path).engine_config)
+    except MotorError:
+        return None  # the controller names what is wrong with the file
+    wants = any(isinstance(s, dict) and s.get("engine_type") == "vllm" for s in config.values())
+    if not wants or importlib.util.find_spec("vllm") is not None:
+        return None
+    return f"--deployment {path}: its engine_config runs engine_type vllm: {VLLM_INSTALL_HINT}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="motorctl up", description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=2, help="node managers to start (default 2)")
@@ -435,6 +454,10 @@ def main(argv: list[str] | None = None) -> int:
             f"--deployment {args.deployment!r}: file not found (the default is relative to the repository "
             "root: run it from there, or give --deployment FILE)"
         )
+
+    needs = vllm_missing(args.deployment)
+    if needs:
+        parser.error(needs)
 
     live = run_processes(args.run_dir)
     if live:  # wiping it would pull the state directories from under a running cluster
