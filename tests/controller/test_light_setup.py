@@ -24,4 +24,3 @@ def test_a_vllm_deployment_without_vllm_installed_says_how_to_get_it(tmp_path, m
     message = up.vllm_missing(str(path))
     assert message and "engine_type vllm" in message and "`make setup`" in message
     assert up.vllm_missing(EXAMPLE) is None  # the simulated engine needs no vLLM
-
