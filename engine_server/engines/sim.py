@@ -198,6 +198,11 @@ class SimEngine(EngineBackend):
         loop = asyncio.get_running_loop()
         self._died = loop.create_future()
         self._started_at = time.monotonic()
+        # As vLLM: its request series exist (at zero) from the start, not from the first request.
+        for family in (VLLM_RUNNING, VLLM_WAITING, VLLM_KV_CACHE, VLLM_TTFT, VLLM_ITL, VLLM_PROMPT_TOKENS,
+                       VLLM_GENERATION_TOKENS):  # fmt: skip
+            family.labels(self.args.model, "0")
+        VLLM_SUCCESS.labels(self.args.model, "0", "length")
         app = web.Application()
         app.add_routes(
             [
