@@ -219,9 +219,11 @@ class LocalCluster:
 
     def start_router(self, timeout: float) -> None:
         self.router_port = self.router_port or free_port()
+        # The router's own /metrics is on its Prometheus port (its --port's /metrics is a worker's).
+        self.metrics_ports["router"] = free_port()
         self._launch(
             "router",
-            front.router_command(self.router_port, free_port(), self.router_by_model, self.router_pd),
+            front.router_command(self.router_port, self.metrics_ports["router"], self.router_by_model, self.router_pd),
             front.ROUTER_ENV,
         )
         deadline = time.monotonic() + timeout

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 import psutil
@@ -199,8 +200,12 @@ def test_motorctl_up_runs_until_ctrl_c_and_leaves_nothing(tmp_path):
             for seen in output
             if seen.strip().endswith("/metrics") and len(seen.split()) == 2
         }
-        assert set(listed) == {"controller", "node-a", "node-b"}, "".join(output[-40:])
+        assert set(listed) == {"controller", "node-a", "node-b", "router"}, "".join(output[-40:])
         assert listed["controller"] == f"http://127.0.0.1:{metrics_base}/metrics"
+        # The router's own series (its port's /metrics would answer with an engine's).
+        with urllib.request.urlopen(listed["router"], timeout=10) as answer:
+            router_metrics = answer.read().decode()
+        assert "vllm_router" in router_metrics and "motor_engine_server" not in router_metrics, router_metrics[:500]
         descendants = psutil.Process(process.pid).children(recursive=True)
         assert len(descendants) >= 6, "controller + 2 node managers + 3 engines expected"
         time.sleep(3)  # six refreshes of a quiet cluster: no screen is printed again
