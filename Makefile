@@ -4,13 +4,27 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup run run-vllm test test-fast mutation proto proto-check lint format bench clean
+.PHONY: setup setup-run run run-vllm test test-fast mutation proto proto-check lint format bench clean
 
+# Everything: Motor, torch and the vLLM CPU build, the test and build tools (a few minutes the first time).
 setup:
 	@bash scripts/setup-venv.sh
 
-run: setup
-	$(VENV)/bin/motorctl up --nodes 2 --deployment examples/local-deployment.yaml
+# Only what the simulated cluster needs (no torch, no vLLM): under a minute on a fresh machine.
+setup-run:
+	@bash scripts/setup-venv.sh run
+
+# The local cluster; the usual overrides: PORT (the router's OpenAI port, default 8080),
+# CONTROLLER_PORT (50051), RUN_DIR (.run), NODES (2), DEPLOYMENT (the example file).
+NODES ?= 2
+DEPLOYMENT ?= examples/local-deployment.yaml
+RUN_DIR ?=
+PORT ?=
+CONTROLLER_PORT ?=
+run: setup-run
+	$(VENV)/bin/motorctl up --nodes $(NODES) --deployment $(DEPLOYMENT) \
+		$(if $(RUN_DIR),--run-dir $(RUN_DIR)) $(if $(PORT),--router-port $(PORT)) \
+		$(if $(CONTROLLER_PORT),--controller-port $(CONTROLLER_PORT))
 
 # The real vLLM engine (its CPU build) behind the router on this machine: a tiny random-weight
 # Llama made locally (no model hub; examples/vllm-tiny.yaml expects it in TINY_MODELS), one node
@@ -26,8 +40,7 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The inner loop while coding: every test that starts no real process (no service, engine, vLLM,
-# etcd or docker), in about a minute and a half. A test here that starts one fails, naming the
-# mark it needs.
+# etcd or docker), in about two minutes. A test here that starts one fails, naming the mark it needs.
 test-fast: setup
 	MOTOR_FAST_TIER=1 $(PY) -m pytest -q -m "not processes and not vllm and not docker" $(PYTEST_ARGS)
 

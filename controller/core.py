@@ -263,6 +263,9 @@ class Controller(views.ClusterReads):
     async def apply(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
         return await self.changes.apply(deployment)
 
+    def dry_run_apply(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
+        return self.changes.dry_run(deployment)
+
     async def delete(self, name: str = "") -> None:
         await self.changes.delete(name)
 

@@ -216,6 +216,17 @@ class DeploymentChanges:
         check_local_paths(validated, self.state.nodes.values())
         return await self._in_turn(lambda: self._sliced(validated))
 
+    def dry_run(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
+        """ApplyDeployment's checks without the change: the deployment with its defaults and the
+        revision an apply would give it now (the current one when nothing would change)."""
+        validated = validate_deployment(deployment, self.max_engines)
+        self._check_groups(validated)
+        current = self.deployments.get(validated.name)
+        if current is None:
+            return validated, 1
+        same = validated.SerializeToString(deterministic=True) == current[0].SerializeToString(deterministic=True)
+        return validated, current[1] if same else current[1] + 1
+
     async def delete(self, name: str = "") -> None:
         self.named(name, deleting=True)  # refused before it waits its turn; checked again in it
         await self._in_turn(lambda: self._sliced(None, self.named(name, deleting=True)))

@@ -283,18 +283,23 @@ def restart_lines(slots: list) -> bytes:
 
 def engine_targets(state: ClusterState) -> list[dict]:
     """Prometheus HTTP service discovery: every placed engine's inference address (its /metrics), with
-    its ids as labels. Served on the controller's metrics port at /discovery/engines."""
+    its ids, its deployment and the deployment's model as labels (every series scraped from it carries
+    them: request-level panels and alerts group by deployment). Served on the controller's metrics
+    port at /discovery/engines."""
     targets = []
     instances = state.instances
     for slot in state.slots.values():
         inst = instances.get(slot.instance_id)
         if inst is None or not (slot.host and slot.port):
             continue
+        deployment = state.deployment_of(inst)
         labels_ = {
             "instance_id": slot.instance_id,
             "engine_id": slot.engine_id,
             "node_id": slot.node_id,
             "role": role_name(inst.role),
+            "deployment": deployment,
+            "model": next(iter(state.served_models.get(deployment, ())), ""),
         }
         targets.append({"targets": [f"{slot.host}:{slot.port}"], "labels": labels_})
     return targets

@@ -74,6 +74,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
     async def ApplyDeployment(self, request, context):
         if not request.HasField("deployment"):
             raise InvalidArgument("deployment: required")
+        if request.dry_run:
+            deployment, revision = self.controller.dry_run_apply(request.deployment)
+            return controller_pb2.ApplyDeploymentResponse(deployment=deployment, revision=revision, dry_run=True)
         deployment, revision = await self.controller.apply(request.deployment)
         return controller_pb2.ApplyDeploymentResponse(deployment=deployment, revision=revision)
 

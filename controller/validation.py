@@ -17,6 +17,7 @@ from google.protobuf import struct_pb2
 
 from controller import restart_policy
 from controller.adapters import adapter_problems
+from controller.engine_sections import engine_config_problems
 from controller.slicing import Budget, Steps, run_at_once
 from motor.contract import names
 from motor.contract.engine_policy import check_engine_config
@@ -114,6 +115,8 @@ def validate_deployment(
         check_engine_config(engine_config, None, "engine_config")
     except InvalidArgument as exc:
         problems.append(str(exc))
+    else:  # then as its engine servers will read it
+        problems.extend(engine_config_problems(integral_numbers(engine_config)))
     seen: dict[str, int] = {}
     for i, group in enumerate(d.instance_groups):
         where = f"instance_groups[{i}]"

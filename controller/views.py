@@ -11,6 +11,7 @@ from controller.claims import Conflict
 from controller.instances import PENDING, READY, RESTARTING, InstanceRecord
 from controller.nodes import NodeRuntime
 from controller.paging import Field
+from controller.slots import EngineSlot
 from controller.state import ClusterState
 from motor.contract import names, node_process
 from motor.contract.names import enum_short_name
@@ -84,6 +85,7 @@ def instance_proto(state: ClusterState, inst: InstanceRecord) -> C.Instance:
                 restarts=s.restarts,
                 last_failure_reason=s.last_failure_reason,
                 generation=s.generation,
+                pid=reported_pid(state, s),
             )
             for s in slots
         ],
@@ -91,6 +93,16 @@ def instance_proto(state: ClusterState, inst: InstanceRecord) -> C.Instance:
     if inst.state == RESTARTING and inst.next_restart_at:
         proto.next_restart_time.CopyFrom(_stamp(inst.next_restart_at))
     return proto
+
+
+def reported_pid(state: ClusterState, slot: EngineSlot) -> int:
+    """The pid the slot's node last reported for this generation's copy of the engine (0: none):
+    what `kill` needs, without searching the host for a command line."""
+    node = state.nodes.get(slot.node_id) if slot.node_id else None
+    kept = node.engines.get(slot.engine_id) if node is not None else None
+    if kept is None or kept[reported.GENERATION] != slot.generation:
+        return 0
+    return reported.message(kept).pid
 
 
 def conflict_alarms(conflicts: list[Conflict]) -> list[str]:

@@ -3,7 +3,8 @@
 motorctl [--controller HOST:PORT[,HOST:PORT...]] [--output table|json] [--cacert CA [--cert C --key K | --token-file
 T]] COMMAND
 nodes | instances | endpoints [--role R] [--model M] | events [--follow] [--deployment NAME] | deployments
-| deployment [NAME] | apply -f FILE [-f FILE...] | delete [NAME] | controllers | rollout status|pause|resume|undo [NAME]
+| deployment [NAME] | apply [--dry-run] -f FILE [-f FILE...] | delete [NAME] | controllers
+| rollout status|pause|resume|undo [NAME]
 up ...  (a local cluster; see `motorctl up --help`); down --run-dir DIR (stop one whose `motorctl up` was killed)
 pki init|issue|tokens|dev ...  (a development PKI; see `motorctl pki --help`)
 tiny-model [DIR]  (a tiny random-weight Llama made locally, to try the real vLLM engine)
@@ -26,7 +27,7 @@ from motor.errors import MotorError
 from motor.leader import FOLLOW_RETRY_BASE, FOLLOW_RETRY_CAP, ControllerAddresses, backoff_delay, parse_addresses
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl import render, rollout
-from motorctl.connect import add_credential_flags, credentials_from
+from motorctl.connect import add_credential_flags, credentials_from, tls_mismatch
 from motorctl.pages import all_pages
 
 DEFAULT_CONTROLLER = os.environ.get("MOTOR_CONTROLLER", "localhost:50051")
@@ -76,6 +77,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     apply.add_argument(
         "-f", "--file", required=True, action="append", help="deployment file; repeat for several, applied in order"
+    )
+    apply.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="have the controller check each file as an apply would, and change nothing",
     )
     delete = sub.add_parser("delete", help="delete a deployment and stop its engines (the others are untouched)")
     delete.add_argument("name", nargs="?", default="", help="its name (may be left out when there is one deployment)")
@@ -157,9 +163,17 @@ def _command(args: argparse.Namespace, stub: controller_pb2_grpc.ControllerServi
     elif args.command == "apply":
         deployments = [load_deployment(path) for path in args.file]  # every file read before any is applied
         for deployment in deployments:  # one after another: a refusal stops there, the earlier ones stay applied
-            reply = stub.ApplyDeployment(controller_pb2.ApplyDeploymentRequest(deployment=deployment), timeout=t)
+            request = controller_pb2.ApplyDeploymentRequest(deployment=deployment, dry_run=args.dry_run)
+            reply = stub.ApplyDeployment(request, timeout=t)
             if as_json:
                 print(_json(reply), file=out)
+            elif args.dry_run:
+                print(
+                    f"deployment {reply.deployment.name!r} is valid; an apply would make it revision {reply.revision} "
+                    "(dry run: nothing changed)",
+                    file=out,
+                    flush=True,
+                )
             else:
                 print(f"deployment {reply.deployment.name!r} applied (revision {reply.revision})", file=out, flush=True)
     elif args.command == "rollout":
@@ -231,7 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.RpcError as exc:
         code = exc.code()
         if code == grpc.StatusCode.UNAVAILABLE:
-            print(f"motorctl: controller {args.controller} is not reachable ({exc.details()})", file=sys.stderr)
+            mismatch = tls_mismatch(parse_addresses(args.controller, "--controller")[0], credentials_from(args))
+            if mismatch:
+                print(f"motorctl: controller {args.controller}: {mismatch}", file=sys.stderr)
+            else:
+                print(f"motorctl: controller {args.controller} is not reachable ({exc.details()})", file=sys.stderr)
         else:
             print(f"motorctl: {code.name}: {exc.details()}", file=sys.stderr)
         return 1

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import socket
+import ssl
 from dataclasses import dataclass
 
 import grpc
 
 from motor.errors import ConfigError
+from motor.service.config import split_host_port
 from motor.service.grpc_server import CHANNEL_OPTIONS, TlsFiles, channel_credentials
 
 
@@ -60,3 +63,46 @@ def add_credential_flags(parser) -> None:
 
 def credentials_from(args) -> Credentials:
     return Credentials(ca=args.cacert, cert=args.cert, key=args.key, token_file=args.token_file)
+
+
+def speaks_tls(target: str, timeout: float = 2.0) -> bool | None:
+    """Whether the server at `target` answers a TLS handshake (None: nothing answers there).
+
+    Unverified on purpose: it only tells the protocol apart. A TLS server answers with its
+    certificate or, asking for one we do not give, with a TLS alert; a plaintext gRPC server reads
+    the hello as a broken HTTP/2 preface and closes, or answers with a frame that is no TLS record."""
+    try:
+        host, port = split_host_port(target)
+        raw = socket.create_connection((host, port), timeout=timeout)
+    except (OSError, ValueError):
+        return None
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    with raw:
+        try:
+            with context.wrap_socket(raw, server_hostname=host):
+                return True
+        except ssl.SSLError as exc:
+            return "ALERT" in str(exc).upper()
+        except OSError:  # reset or closed mid-handshake
+            return False
+
+
+def tls_mismatch(target: str, credentials: Credentials) -> str | None:
+    """What to change when the controller at `target` speaks the other protocol than motorctl was
+    told to (the channel itself only says "Socket closed" or "WRONG_VERSION_NUMBER"), else None."""
+    tls = speaks_tls(target)
+    if tls is True and credentials.ca is None:
+        return (
+            "this controller speaks TLS: give --cacert CA with --cert/--key (or --token-file) "
+            "[env MOTOR_CACERT, MOTOR_CERT, MOTOR_KEY, MOTOR_TOKEN_FILE]; `motorctl up --tls` prints the ones "
+            "for its cluster"
+        )
+    if tls is False and credentials.ca is not None:
+        return (
+            "this controller speaks plaintext: leave out --cacert/--cert/--key/--token-file (and env MOTOR_CACERT, "
+            "MOTOR_CERT, MOTOR_KEY, MOTOR_TOKEN_FILE), or start it with --tls-cert/--tls-key/--tls-ca"
+        )
+    return None

@@ -85,6 +85,7 @@ def render_engines(reply: controller_pb2.ListInstancesResponse) -> str:
                     e.node_id or "-",
                     f"{e.host}:{e.port}" if e.port else "-",
                     e.mgmt_port or "-",
+                    e.pid or "-",
                     enum_short_name(types_pb2.EngineState, e.state),
                     enum_short_name(types_pb2.HealthStatus, e.health),
                     e.restarts,
@@ -92,7 +93,8 @@ def render_engines(reply: controller_pb2.ListInstancesResponse) -> str:
                     _short(e.last_failure_reason, 50) or "-",
                 )
             )
-    return table(["ENGINE", "NODE", "ENDPOINT", "MGMT", "STATE", "HEALTH", "RESTARTS", "GEN", "LAST FAILURE"], rows)
+    header = ["ENGINE", "NODE", "ENDPOINT", "MGMT", "PID", "STATE", "HEALTH", "RESTARTS", "GEN", "LAST FAILURE"]
+    return table(header, rows)
 
 
 def render_endpoints(reply: controller_pb2.ListEndpointsResponse) -> str:

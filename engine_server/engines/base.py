@@ -125,7 +125,7 @@ class EngineBackend(abc.ABC):
         try:
             return cls.args_model.model_validate(engine_args).model_dump(exclude_unset=True)
         except ValidationError as exc:
-            raise ConfigError(describe_validation_error(exc, field)) from None
+            raise ConfigError(describe_validation_error(exc, field, cls.args_model)) from None
 
     @abc.abstractmethod
     async def start(self) -> None:

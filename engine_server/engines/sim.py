@@ -37,7 +37,7 @@ import time
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from engine_server import metrics as server_metrics
@@ -79,6 +79,37 @@ SIM_RUNNING = Gauge(
     ["model"],
     multiprocess_mode="livesum",
 )
+
+# The request-level series of vLLM, under vLLM's names and labels (model_name, engine), so one
+# dashboard and one set of alerts (deploy/) serve both engines. Probes are excluded, as the
+# engine server's patch does for vLLM. The simulated engine has no KV cache: its usage is the
+# share of SIM_MAX_NUM_SEQS (vLLM's default max_num_seqs) in flight.
+SIM_MAX_NUM_SEQS = 256
+VLLM_LABELS = ["model_name", "engine"]
+VLLM_RUNNING = Gauge(
+    "vllm:num_requests_running", "Requests in model execution batches.", VLLM_LABELS, multiprocess_mode="livesum"
+)
+VLLM_WAITING = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", VLLM_LABELS,
+                     multiprocess_mode="livesum")  # fmt: skip
+VLLM_KV_CACHE = Gauge(
+    "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", VLLM_LABELS, multiprocess_mode="livesum"
+)
+VLLM_TTFT = Histogram(
+    "vllm:time_to_first_token_seconds",
+    "Histogram of time to first token in seconds.",
+    VLLM_LABELS,
+    buckets=[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0],
+)
+VLLM_ITL = Histogram(
+    "vllm:inter_token_latency_seconds",
+    "Histogram of inter-token latency in seconds.",
+    VLLM_LABELS,
+    buckets=[0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0],
+)
+VLLM_SUCCESS = Counter("vllm:request_success", "Count of successfully processed requests.",
+                       [*VLLM_LABELS, "finished_reason"])  # fmt: skip
+VLLM_PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", VLLM_LABELS)
+VLLM_GENERATION_TOKENS = Counter("vllm:generation_tokens", "Number of generation tokens processed.", VLLM_LABELS)
 
 
 class SimFaults(BaseModel):
@@ -168,6 +199,11 @@ class SimEngine(EngineBackend):
         loop = asyncio.get_running_loop()
         self._died = loop.create_future()
         self._started_at = time.monotonic()
+        # As vLLM: its request series exist (at zero) from the start, not from the first request.
+        for family in (VLLM_RUNNING, VLLM_WAITING, VLLM_KV_CACHE, VLLM_TTFT, VLLM_ITL, VLLM_PROMPT_TOKENS,
+                       VLLM_GENERATION_TOKENS):  # fmt: skip
+            family.labels(self.args.model, "0")
+        VLLM_SUCCESS.labels(self.args.model, "0", "length")
         app = web.Application()
         app.add_routes(
             [
@@ -339,9 +375,13 @@ class SimEngine(EngineBackend):
         leg = sim_pd.leg(body)
         if leg == sim_pd.DECODE_LEG and (problem := sim_pd.missing_handoff(body)):
             return _error(400, problem)
+        arrived = time.monotonic()
+        vllm = (self.args.model, "0")
         if not probe:
             self._in_flight += 1
             SIM_RUNNING.labels(self.args.model).inc()
+            VLLM_WAITING.labels(*vllm).inc()
+        waiting = not probe
         try:
             await self._until_inference_runs()
             if self.sleeping:
@@ -350,6 +390,11 @@ class SimEngine(EngineBackend):
                 return self._failed(probe, 500, "sim fault: fail_inference")
             if leg != sim_pd.DECODE_LEG:  # a decode leg fetches the KV cache its prefill leg computed
                 await self._prefill(count_tokens(prompt), probe)
+            if waiting:  # scheduled: from now on it runs, and holds its share of the (simulated) KV cache
+                waiting = False
+                VLLM_WAITING.labels(*vllm).dec()
+                VLLM_RUNNING.labels(*vllm).inc()
+                VLLM_KV_CACHE.labels(*vllm).inc(1 / SIM_MAX_NUM_SEQS)
             if self.faults.latency_ms:
                 await asyncio.sleep(self.faults.latency_ms / 1000)
             await self._until_inference_runs()  # a hang set while this request waited
@@ -359,6 +404,13 @@ class SimEngine(EngineBackend):
                 SIM_REQUESTS.labels(self.args.model).inc()
                 SIM_PROMPT_TOKENS.labels(self.args.model).inc(prompt_tokens)
                 SIM_GENERATION_TOKENS.labels(self.args.model).inc(completion_tokens)
+                # Every token comes at once, after the latency: the first takes it all, the others none.
+                VLLM_TTFT.labels(*vllm).observe(time.monotonic() - arrived)
+                for _ in range(completion_tokens - 1):
+                    VLLM_ITL.labels(*vllm).observe(0.0)
+                VLLM_SUCCESS.labels(*vllm, "length").inc()
+                VLLM_PROMPT_TOKENS.labels(*vllm).inc(prompt_tokens)
+                VLLM_GENERATION_TOKENS.labels(*vllm).inc(completion_tokens)
                 self._progress += completion_tokens
                 self._succeeded += 1
                 if leg:
@@ -395,6 +447,11 @@ class SimEngine(EngineBackend):
             if not probe:
                 self._in_flight -= 1
                 SIM_RUNNING.labels(self.args.model).dec()
+                if waiting:
+                    VLLM_WAITING.labels(*vllm).dec()
+                else:
+                    VLLM_RUNNING.labels(*vllm).dec()
+                    VLLM_KV_CACHE.labels(*vllm).dec(1 / SIM_MAX_NUM_SEQS)
 
     async def _prefill(self, tokens: int, probe: bool) -> None:
         left = tokens * self.args.prefill_ms_per_token / 1000

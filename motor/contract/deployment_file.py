@@ -8,9 +8,12 @@ counts) is checked by the controller, the one owner of deployment validation.
 
 from __future__ import annotations
 
+import difflib
+import re
 from typing import Any
 
 from google.protobuf import json_format
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from motor.errors import InvalidArgument
 from motor.service.config import read_document
@@ -58,11 +61,98 @@ def json_problem(value: Any, where: str) -> str | None:
     return None
 
 
+_INTEGERS = {
+    FieldDescriptor.TYPE_INT32,
+    FieldDescriptor.TYPE_INT64,
+    FieldDescriptor.TYPE_SINT32,
+    FieldDescriptor.TYPE_SINT64,
+    FieldDescriptor.TYPE_SFIXED32,
+    FieldDescriptor.TYPE_SFIXED64,
+}
+_WHOLE_NUMBERS = {FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_FIXED32,
+                  FieldDescriptor.TYPE_FIXED64}  # fmt: skip
+_DURATION = re.compile(r"-?\d+(\.\d+)?s")
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return repr(value)
+
+
+def _enum_words(field: FieldDescriptor) -> list[str]:
+    """An enum's values as the file writes them ("prefill" for ROLE_PREFILL), UNSPECIFIED left out."""
+    prefix = _ENUM_PREFIXES.get(field.name, "")
+    return [v.name[len(prefix) :].lower() for v in field.enum_type.values if not v.name.endswith("_UNSPECIFIED")]
+
+
+def shape_problems(value: Any, descriptor: Descriptor, where: str = "") -> list[str]:
+    """What in a document does not fit the message `descriptor`, each named by its path as the
+    file spells it (`instance_groups[0].data_parallel_size: expected an integer, got 'one'`):
+    protobuf's own parser names fields in camelCase, by their message type, one at a time."""
+    if not isinstance(value, dict):
+        return [f"{where or '(top level)'}: expected a mapping, got {_shown(value)}"]
+    problems: list[str] = []
+    fields = {f.name: f for f in descriptor.fields}
+    by_json_name = {f.json_name: f for f in descriptor.fields}
+    for key, item in value.items():
+        path = f"{where}.{key}" if where else str(key)
+        field = fields.get(key) or by_json_name.get(key)
+        if field is None:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            problems.append(f"{path}: unknown field{hint} (fields here: {', '.join(fields)})")
+        elif field.is_repeated:
+            if not isinstance(item, list):
+                problems.append(f"{path}: expected a list, got {_shown(item)}")
+                continue
+            for index, element in enumerate(item):
+                problems.extend(_value_problems(element, field, f"{path}[{index}]"))
+        elif item is not None:
+            problems.extend(_value_problems(item, field, path))
+    return problems
+
+
+def _value_problems(value: Any, field: FieldDescriptor, path: str) -> list[str]:
+    if field.message_type is not None:
+        name = field.message_type.full_name
+        if name == "google.protobuf.Duration":
+            ok = isinstance(value, str) and _DURATION.fullmatch(value.strip())
+            return [] if ok else [f"{path}: expected a duration such as '30s', got {_shown(value)}"]
+        if name.startswith("google.protobuf."):
+            return []  # a Struct: the engines' own configuration, checked by the controller
+        return shape_problems(value, field.message_type, path)
+    if field.enum_type is not None:
+        words = _enum_words(field)
+        prefix = _ENUM_PREFIXES.get(field.name, "")
+        text = value.lower().removeprefix(prefix.lower()) if isinstance(value, str) else None
+        return [] if text in words else [f"{path}: {_shown(value)} is not one of {', '.join(words)}"]
+    if field.type in _INTEGERS | _WHOLE_NUMBERS:
+        number = value if isinstance(value, int) and not isinstance(value, bool) else None
+        if isinstance(value, float) and value.is_integer():
+            number = int(value)
+        if number is None:
+            return [f"{path}: expected an integer, got {_shown(value)}"]
+        if field.type in _WHOLE_NUMBERS and number < 0:
+            return [f"{path}: expected a whole number (0 or more), got {value}"]
+        return []
+    if field.type == FieldDescriptor.TYPE_BOOL:
+        return [] if isinstance(value, bool) else [f"{path}: expected true or false, got {_shown(value)}"]
+    if field.type == FieldDescriptor.TYPE_STRING and not isinstance(value, str):
+        return [f"{path}: expected a string (quote it), got {_shown(value)}"]
+    return []
+
+
 def deployment_from_dict(data: Any, source: str = "deployment") -> controller_pb2.Deployment:
     if not isinstance(data, dict):
         raise InvalidArgument(f"{source}: expected a mapping with name, model, engine_config and instance_groups")
     engine_config = data.get("engine_config")
     body = {k: v for k, v in data.items() if k != "engine_config"}
+    problems = shape_problems(body, controller_pb2.Deployment.DESCRIPTOR)
+    if problems:
+        raise InvalidArgument(f"{source}: " + "; ".join(problems))
     deployment = controller_pb2.Deployment()
     try:
         json_format.ParseDict(_normalize(body), deployment)

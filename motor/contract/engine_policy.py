@@ -24,6 +24,7 @@ dotted key (`speculative-config.model`) is each of its parts. The rules (docs/se
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -31,11 +32,13 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from motor.contract.sglang_server_flags import SGLANG_SERVER_FLAGS, SGLANG_VERSION_REVIEWED
 from motor.contract.vllm_request_args import (
     MOTOR_ENGINE_ARGS,
     VLLM_ARG_CHOICES,
     VLLM_REFUSED_ARGS,
     VLLM_REQUEST_ARGS,
+    VLLM_VERSION_REVIEWED,
     unsupported_vllm_arg,
 )  # fmt: skip
 from motor.errors import InvalidArgument
@@ -59,21 +62,24 @@ REFUSED_SECTIONS = {
 }
 CODE_FLAGS = {"trust_remote_code": "it runs Python code shipped with the model"}
 
-# SGLang flags a request may append (`extra_args`), reviewed against `sglang.launch_server --help`:
-# numbers, switches and names; none names code to import. Paths among their values must still lie
-# inside a model root. SGLang is not installed here, so this list cannot be checked by a test.
+# SGLang flags a request may append (`extra_args`), reviewed against SGLang 0.5.23's server flags
+# (motor/contract/sglang_server_flags.py, generated from its parser; tests/security/
+# test_engine_policy.py checks this list against it): numbers, switches and names; none names code
+# to import. Paths among their values must still lie inside a model root.
 SGLANG_EXTRA_FLAGS = frozenset(
     """
     allow_auto_truncate api_key attention_backend chat_template chunked_prefill_size context_length
-    cuda_graph_bs cuda_graph_max_bs decode_log_interval disable_cuda_graph disable_overlap_schedule
-    disable_radix_cache disaggregation_ib_device dp_size dtype enable_cache_report enable_dp_attention
-    enable_mixed_chunk enable_torch_compile ep_size grammar_backend kv_cache_dtype load_balance_method
-    log_level log_requests log_requests_level max_prefill_tokens max_queued_requests max_running_requests
+    cuda_graph_bs_decode cuda_graph_bs_prefill cuda_graph_max_bs_decode cuda_graph_max_bs_prefill
+    decode_log_interval disable_cuda_graph disable_overlap_schedule disable_radix_cache
+    disaggregation_ib_device dp_size dtype enable_cache_report enable_dp_attention enable_mixed_chunk
+    enable_torch_compile ep_size grammar_backend kv_cache_dtype load_balance_method log_level
+    log_requests log_requests_level max_prefill_tokens max_queued_requests max_running_requests
     max_total_tokens mem_fraction_static num_continuous_decode_steps page_size pp_size quantization
     random_seed reasoning_parser revision sampling_backend schedule_conservativeness schedule_policy
-    served_model_name show_time_cost skip_tokenizer_init speculative_algorithm speculative_draft_model_path
-    speculative_eagle_topk speculative_num_draft_tokens speculative_num_steps stream_interval tokenizer_mode
-    tokenizer_path tool_call_parser torch_compile_max_bs tp_size watchdog_timeout
+    served_model_name show_time_cost skip_tokenizer_init speculative_algorithm
+    speculative_draft_model_path speculative_eagle_topk speculative_num_draft_tokens
+    speculative_num_steps stream_interval tokenizer_mode tokenizer_path tool_call_parser
+    torch_compile_max_bs tp_size watchdog_timeout
     """.split()
 )
 
@@ -201,6 +207,11 @@ def _check_key(path: str, key: str, value: Any) -> None:
         raise InvalidArgument(f"{path}: must be false in a request: {CODE_FLAGS[name]}")
 
 
+def _did_you_mean(name: str, names: frozenset[str]) -> str:
+    close = difflib.get_close_matches(name, names, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def _check_vllm_args(engine_args: dict, where: str) -> None:
     for key, value in engine_args.items():
         path, name = f"{where}.{key}", normalise(key).split(".")[0]
@@ -208,10 +219,9 @@ def _check_vllm_args(engine_args: dict, where: str) -> None:
             raise InvalidArgument(f"{path}: not accepted in a request: {VLLM_REFUSED_ARGS[name]}")
         if name in MOTOR_ENGINE_ARGS:
             continue  # read by the engine server itself
-        if name not in VLLM_REQUEST_ARGS:
+        if name not in VLLM_REQUEST_ARGS:  # every vLLM argument is either allowed or refused above
             raise InvalidArgument(
-                f"{path}: not among the vLLM arguments a request may set (motor/contract/vllm_request_args.py, "
-                "docs/security.md)"
+                f"{path}: not a vLLM {VLLM_VERSION_REVIEWED} argument{_did_you_mean(name, VLLM_REQUEST_ARGS)}"
             )
         if name in VLLM_ARG_CHOICES and value is not None and value not in VLLM_ARG_CHOICES[name]:
             raise InvalidArgument(
@@ -243,6 +253,10 @@ def _check_sglang_extra_args(extra_args: Any, where: str) -> None:
         name = normalise(flag)
         path = f"{where}[{index}]"
         _check_key(path, name, True)
+        if name not in SGLANG_SERVER_FLAGS:
+            close = difflib.get_close_matches(name, SGLANG_EXTRA_FLAGS, n=1)
+            hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else ""
+            raise InvalidArgument(f"{path}: {flag} is not an SGLang {SGLANG_VERSION_REVIEWED} flag{hint}")
         if name not in SGLANG_EXTRA_FLAGS or not item.startswith("--"):
             raise InvalidArgument(
                 f"{path}: {flag} is not among the SGLang flags a request may add (SGLANG_EXTRA_FLAGS in "

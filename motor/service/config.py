@@ -6,9 +6,11 @@ Every error names the field to change, e.g.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import shlex
+import typing
 from typing import Annotated, Any, TypeVar
 
 import yaml
@@ -69,14 +71,40 @@ def field_path(loc: tuple[Any, ...], prefix: str = "") -> str:
     return ".".join(parts).replace(".[", "[")
 
 
-def describe_validation_error(exc: ValidationError, prefix: str = "") -> str:
-    """One line per problem: `<field path>: <message> (got <value>)`."""
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model an annotation holds (`HealthCheckConfig | None` -> HealthCheckConfig)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def closest_field(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str | None:
+    """The field of `model` nearest in spelling to the unknown key at `loc` (its last item), or None."""
+    for item in loc[:-1]:
+        field = model.model_fields.get(item) if model is not None and isinstance(item, str) else None
+        model = _model_in(field.annotation) if field is not None else None
+    if model is None or not loc:
+        return None
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+    return close[0] if close else None
+
+
+def describe_validation_error(exc: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> str:
+    """One line per problem: `<field path>: <message> (got <value>)`; with the `model` that was
+    validated, an unknown key also names the closest field (`did you mean 'latency_ms'?`)."""
     lines = []
     for error in exc.errors():
         path = field_path(error["loc"], prefix) or "(top level)"
         message = error["msg"]
         if message.startswith("Value error, "):
             message = message[len("Value error, ") :]
+        if error["type"] == "extra_forbidden" and model is not None:
+            close = closest_field(model, error["loc"])
+            message += f"; did you mean {close!r}?" if close else ""
         got = error.get("input")
         shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {excerpt(got)})"
         lines.append(f"{path}: {message}{shown}")
@@ -89,7 +117,7 @@ def validate(model: type[ModelT], data: Any, source: str = "", prefix: str = "")
         return model.model_validate(data)
     except ValidationError as exc:
         where = f"{source}: " if source else ""
-        raise ConfigError(f"{where}{describe_validation_error(exc, prefix)}") from None
+        raise ConfigError(f"{where}{describe_validation_error(exc, prefix, model)}") from None
 
 
 def read_document(path: str) -> Any:

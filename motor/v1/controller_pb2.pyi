@@ -691,6 +691,7 @@ class InstanceEngine(_message.Message):
     RESTARTS_FIELD_NUMBER: _builtins.int
     LAST_FAILURE_REASON_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """"<instance_id>/rank<dp_rank>"."""
     dp_rank: _builtins.int
@@ -713,6 +714,10 @@ class InstanceEngine(_message.Message):
     """Why the rank last failed."""
     generation: _builtins.int
     """Generation of the current assignment."""
+    pid: _builtins.int
+    """Process id of the engine server on its node, as the node last reported this generation's
+    copy; 0 while not known (unplaced, not started yet, or the node has not reported it).
+    """
     @_builtins.property
     def accelerator_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Accelerators given to the engine."""
@@ -732,10 +737,11 @@ class InstanceEngine(_message.Message):
         restarts: _builtins.int = ...,
         last_failure_reason: _builtins.str = ...,
         generation: _builtins.int = ...,
+        pid: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerator_ids", b"accelerator_ids", "dp_rank", b"dp_rank", "engine_id", b"engine_id", "generation", b"generation", "health", b"health", "host", b"host", "last_failure_reason", b"last_failure_reason", "mgmt_port", b"mgmt_port", "node_id", b"node_id", "port", b"port", "restarts", b"restarts", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerator_ids", b"accelerator_ids", "dp_rank", b"dp_rank", "engine_id", b"engine_id", "generation", b"generation", "health", b"health", "host", b"host", "last_failure_reason", b"last_failure_reason", "mgmt_port", b"mgmt_port", "node_id", b"node_id", "pid", b"pid", "port", b"port", "restarts", b"restarts", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1275,6 +1281,12 @@ class ApplyDeploymentRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     DEPLOYMENT_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    dry_run: _builtins.bool
+    """Check the deployment as an apply would (every field, engine_config as its engine servers read
+    it, group names against the other deployments) without changing anything: the response holds
+    the deployment with its defaults and the revision an apply would give it now.
+    """
     @_builtins.property
     def deployment(self) -> Global___Deployment:
         """The desired deployment."""
@@ -1283,10 +1295,11 @@ class ApplyDeploymentRequest(_message.Message):
         self,
         *,
         deployment: Global___Deployment | None = ...,
+        dry_run: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "dry_run", b"dry_run"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1300,8 +1313,13 @@ class ApplyDeploymentResponse(_message.Message):
 
     DEPLOYMENT_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
-    """Revision of the stored deployment; unchanged when the spec was unchanged."""
+    """Revision of the stored deployment; unchanged when the spec was unchanged. With dry_run: the
+    revision an apply would give it (the current one when nothing would change).
+    """
+    dry_run: _builtins.bool
+    """The request was a dry run: nothing was written."""
     @_builtins.property
     def deployment(self) -> Global___Deployment:
         """The stored deployment, defaults filled in."""
@@ -1311,10 +1329,11 @@ class ApplyDeploymentResponse(_message.Message):
         *,
         deployment: Global___Deployment | None = ...,
         revision: _builtins.int = ...,
+        dry_run: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "dry_run", b"dry_run", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -151,9 +151,11 @@ async def test_a_scrape_of_a_large_fleet_lets_the_loop_run_between_pieces(harnes
 
 
 async def test_discovery_lists_placed_engines_with_their_ids(harness):
+    """Its ids, and the deployment and model: what request-level panels and alerts group by."""
     await running_example(harness)
     controller = harness.controller
     targets = engine_targets(controller.state)
+    deployment, _ = controller.get_deployment()
     expected = [
         {
             "targets": [f"{e.host}:{e.port}"],
@@ -162,6 +164,8 @@ async def test_discovery_lists_placed_engines_with_their_ids(harness):
                 "engine_id": e.engine_id,
                 "node_id": e.node_id,
                 "role": role_name(i.role),
+                "deployment": deployment.name,
+                "model": deployment.model,
             },
         }
         for i in controller.list_instances()

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 import psutil
@@ -176,31 +177,43 @@ def test_motorctl_up_runs_until_ctrl_c_and_leaves_nothing(tmp_path):
     output: list[str] = []
     descendants: list[psutil.Process] = []
     try:
+        # Not a terminal: the screen once, then one line per change ("22:26:41 engine
+        # decode-0/rank0: RUNNING/NORMAL on node-a at 127.0.0.1:21004 pid 4711 (restarts 0)").
+        engines: dict[str, str] = {}
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             line = process.stdout.readline()
             if not line:
                 break
             output.append(line)
-            if "Ctrl-C stops the cluster." in line:
-                screen = "".join(output[max(i for i, seen in enumerate(output) if "Motor local cluster" in seen) :])
-                if sum(" NORMAL " in row and "/rank" in row for row in screen.splitlines()) == 3:
-                    break
+            words = line.split()
+            if len(words) >= 4 and words[1] == "engine" and "/rank" in words[2]:
+                engines[words[2].rstrip(":")] = words[3]
+            if len(engines) == 3 and set(engines.values()) == {"RUNNING/NORMAL"}:
+                break
+        assert set(engines.values()) == {"RUNNING/NORMAL"} and len(engines) == 3, "".join(output[-40:])
         assert any("grpcurl -plaintext" in seen for seen in output), "".join(output[-40:])
+        assert sum("Motor local cluster" in seen for seen in output) == 1, "".join(output[-40:])
         # The screen lists every service's /metrics URL.
         listed = {
             seen.split()[0]: seen.split()[1]
             for seen in output
             if seen.strip().endswith("/metrics") and len(seen.split()) == 2
         }
-        assert set(listed) == {"controller", "node-a", "node-b"}, "".join(output[-40:])
+        assert set(listed) == {"controller", "node-a", "node-b", "router"}, "".join(output[-40:])
         assert listed["controller"] == f"http://127.0.0.1:{metrics_base}/metrics"
+        # The router's own series (its port's /metrics would answer with an engine's).
+        with urllib.request.urlopen(listed["router"], timeout=10) as answer:
+            router_metrics = answer.read().decode()
+        assert "vllm_router" in router_metrics and "motor_engine_server" not in router_metrics, router_metrics[:500]
         descendants = psutil.Process(process.pid).children(recursive=True)
         assert len(descendants) >= 6, "controller + 2 node managers + 3 engines expected"
+        time.sleep(3)  # six refreshes of a quiet cluster: no screen is printed again
         process.send_signal(signal.SIGINT)
         rest, _ = process.communicate(timeout=60)
         output.append(rest)
         assert process.returncode == 0, "".join(output[-40:])
+        assert "Motor local cluster" not in rest and "INSTANCES\n" not in rest, rest
         time.sleep(0.5)
         alive = [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert not alive, f"left behind: {[p.cmdline() for p in alive]}"

@@ -29,8 +29,9 @@ DASHBOARD = os.path.join(REPO_ROOT, "deploy", "grafana", "motor.json")
 RULE_FILES = sorted(glob.glob(os.path.join(REPO_ROOT, "deploy", "prometheus", "*.yaml")))
 # Our series: Motor's own and the gRPC server series every service exports (vLLM's are not ours).
 OURS = re.compile(r"^(motor_|grpc_server_)")
-# Metric names in PromQL: identifiers that are neither functions, keywords nor label names.
-METRIC_IN_QUERY = re.compile(r"\b((?:motor|grpc_server)[a-z0-9_:]*)\b(?!\s*(?:=~|!~|!=|=(?!=)|\())")
+# Metric names in PromQL: identifiers that are neither functions, keywords nor label names; vLLM's
+# request series too (the simulated engine exports them under vLLM's names).
+METRIC_IN_QUERY = re.compile(r"(?<!\")\b((?:motor|grpc_server|vllm:)[a-z0-9_:]*)\b(?!\s*(?:=~|!~|!=|=(?!=)|\())")
 
 
 def _get(url: str) -> str:
