@@ -125,7 +125,7 @@ class Controller(views.ClusterReads):
         self.metrics.node_grace.set_function(self.budget.held_grace)
         self.pacing = BeatPacing(self.state.nodes, clock, self.metrics.heartbeats_refused)
         self.monitor = NodeMonitor(self.state, config, self.budget, node_client, self.lifecycle, self)
-        # The per-node, per-instance and per-engine series, served beside metrics.registry's (/metrics).
+        # The fleet aggregates, served beside metrics.registry's (/metrics).
         self.fleet_series = FleetSeries(self.state, lambda: self.monitor.alarm, clock=clock)
         self.claims = NodeClaims(self.state, config, self.monitor, self.metrics.registrations_refused)
         self.node_stores = NodeStoreAlarms(self.events)
