@@ -13,7 +13,8 @@ up; per step the script prints:
 
   - the announced heartbeat interval and grace, heartbeats/s answered against the rate asked for
     (nodes / interval), and the round trip the simulated nodes saw (p50, p99);
-  - engine failure reports: round trip p50 and p99 (handled before the answer);
+  - engine failure reports: how many, round trip p50 and p99 (handled before the answer), and the
+    figure their verdict rests on (see below);
   - the controller process's CPU (percent of one core), its CPU per heartbeat (all of its CPU
     over the beats answered: an upper bound, reports and scrapes included), its resident memory,
     and the fleet's CPU;
@@ -29,15 +30,24 @@ up; per step the script prints:
     how many since the fleet was set up (and during its set-up), their duration (p50, max), their
     size, and any that failed;
   - whether the step was sustained: heartbeat p99 under --p99-ms, at least 95% of the expected
-    heartbeats answered, none failed, controller CPU at most one core, RSS at most --floor-ratio
-    (1.3) times the bare-grpcio floor for that many connections, every scrape since the set-up
-    answered within its timeout, failure reports p99 under --report-p99-ms (10) with none failed;
-    and, for a step that misses only the CPU or memory bound, that its heartbeats alone
-    were sustained. The floor is measured first, in the same run, by bench/grpc_connection_memory.py's
-    own code: the RSS a bare grpc.aio server would hold with the step's nodes connected, one stream
-    each (its RSS idle, plus what one connection costs it, measured with --floor-connections of
-    them, times the nodes); a step of either mode is held to the mutual-TLS floor (--floor-mode
-    same: each mode to its own).
+    heartbeats answered, none failed, controller CPU at most one core, the memory rule below,
+    every scrape since the set-up answered within its timeout, failure reports under
+    --report-p99-ms (10) with none failed; and, for a step that misses only the CPU or memory
+    bound, that its heartbeats alone were sustained.
+
+    Failure reports: the fleet reports --reports-per-s (20) a second, a few hundred per window
+    (200 in a 10 s window). A quantile is judged only where at least two reports lie at or above
+    it, so that one slow call does not decide: the p99 from 200 reports, the p95 from 40, below
+    that the longest; the line names the figure judged and n.
+
+    Memory: what the fleet adds to the controller is judged, not its fixed part (the interpreter,
+    the modules, the store: about 100 MiB, which dominates a small step). The controller's RSS
+    is read once it serves, before any node connects (its idle RSS); the step's RSS less that is
+    held to --floor-ratio (1.3) times what the step's connections add to a bare grpc.aio server
+    (the bare-grpcio floor less that server's own idle RSS). The floor is measured first, in the
+    same run, by bench/grpc_connection_memory.py's own code: a bare server's RSS idle and what one
+    connection costs it, measured with --floor-connections of them; a step of either mode is held
+    to the mutual-TLS floor (--floor-mode same: each mode to its own).
 
 A ladder stops when a step collapses (under half the heartbeats asked for answered).
 
@@ -104,14 +114,27 @@ from motor.v1 import controller_pb2 as C  # noqa: E402
 # measure of mutual TLS's cost (the largest fleet sustained at heartbeat p99 < 50 ms with mutual TLS
 # on shrinks by at most 10%): what TLS costs in time, apart from what it costs in memory.
 RULES = {
-    "full": "heartbeat p99 < {p99:g} ms, failure reports p99 < {report_p99:g} ms, CPU <= 1 core, "
-    "RSS <= {ratio:g} x the bare-grpcio floor, every /metrics scrape within its timeout",
+    "full": "heartbeat p99 < {p99:g} ms, failure reports p99 < {report_p99:g} ms (p95 under 200 reports, the "
+    "longest under 40), CPU <= 1 core, RSS less the controller's idle RSS <= {ratio:g} x what the step's "
+    "connections add to a bare grpc.aio server, every /metrics scrape within its timeout",
     "latency": "heartbeat p99 < {p99:g} ms, 95% of the beats answered, none failed; CPU and RSS not counted",
 }
 
 
 def rule_text(rule: str, args) -> str:
     return RULES[rule].format(p99=args.p99_ms, report_p99=args.report_p99_ms, ratio=args.floor_ratio)
+
+
+def judged_reports(seen: dict) -> tuple[str, float]:
+    """The figure of the window's failure reports a verdict rests on, and its name: a quantile
+    only where at least two reports lie at or above it (the p99 from 200 reports, the p95 from
+    40), else the longest."""
+    n = seen["reports"]
+    if n >= 200:
+        return "p99", seen["report_p99_ms"]
+    if n >= 40:
+        return "p95", seen["report_p95_ms"]
+    return "max", seen["report_max_ms"]
 
 
 def step(
@@ -121,12 +144,13 @@ def step(
     proc: psutil.Process,
     metrics_port: int,
     scraper: PrometheusScraper,
-    floor_mib: float,
+    floor: grpc_connection_memory.Floor,
     args,
 ) -> tuple[dict[str, bool], str, float, float, float]:
     """Grow the fleet to `size`, measure a window: (sustained by each rule of RULES, the printed
-    line, the answered rate, the announced interval and grace). `floor_mib`: the RSS of a bare
-    grpc.aio server with `size` connections."""
+    line, the answered rate, the announced interval and grace). `floor`: a bare grpc.aio
+    server's RSS idle and per connection."""
+    idle = proc.memory_info().rss / 2**20  # the controller serving, no node yet: its fixed part
     began = time.monotonic()
     fleet.ask(f"grow {size}")
     applying = time.monotonic()
@@ -174,9 +198,12 @@ def step(
     heard = seen["p99_ms"] < args.p99_ms and seen["rate"] >= 0.95 * expected and seen["errors"] == 0
     scrapes = scraper.within(set_up, time.monotonic())
     scraped = bool(scrapes) and not any(s.error for s in scrapes)
-    reported = seen["report_errors"] == 0 and seen["report_p99_ms"] < args.report_p99_ms
+    judged, report_ms = judged_reports(seen)
+    reported = seen["report_errors"] == 0 and seen["reports"] > 0 and report_ms < args.report_p99_ms
+    # What the fleet adds: to the controller, and to a bare grpc.aio server with as many connections.
+    fleet_mib, connections_mib = rss - idle, floor.at(size) - floor.idle_mib
     ok = {
-        "full": heard and reported and cpu <= 100 and rss <= args.floor_ratio * floor_mib and scraped,
+        "full": heard and reported and cpu <= 100 and fleet_mib <= args.floor_ratio * connections_mib and scraped,
         "latency": heard,
     }
     per_beat_ms = cpu / 100 / seen["rate"] * 1e3 if seen["rate"] else float("nan")
@@ -188,9 +215,13 @@ def step(
         "deltas"
         f" carrying {seen['delta_engines']} engines, {seen['full_beats']} full)"
         f" | round trip p50 {seen['p50_ms']:6.2f} ms p99 {seen['p99_ms']:7.2f} ms"
-        f" | failure reports {seen['reports']} p50 {seen['report_p50_ms']:5.2f} ms p99 {seen['report_p99_ms']:6.2f} ms"
-        f" | controller CPU {cpu:5.1f}% ({per_beat_ms:.3f} ms per beat) RSS {rss:6.1f} MiB ({rss / floor_mib:.2f} x "
-        f"the bare-grpcio floor {floor_mib:.0f} MiB) handling p99 <= {ingest_p99 * 1e3:g} ms loop lag p99 <= "
+        f" | failure reports n={seen['reports']} ({seen['report_errors']} failed) p50 {seen['report_p50_ms']:5.2f} ms"
+        f" p99 {seen['report_p99_ms']:6.2f} ms max {seen['report_max_ms']:6.2f} ms (judged: the {judged} of "
+        f"{seen['reports']} against {args.report_p99_ms:g} ms)"
+        f" | controller CPU {cpu:5.1f}% ({per_beat_ms:.3f} ms per beat) RSS {rss:6.1f} MiB = idle {idle:.1f} + "
+        f"{fleet_mib:.1f} for the fleet ({fleet_mib / connections_mib:.2f} x the {connections_mib:.0f} MiB "
+        f"{size} connections add to a bare grpc.aio server; judged <= {args.floor_ratio:g} x)"
+        f" handling p99 <= {ingest_p99 * 1e3:g} ms loop lag p99 <= "
         f"{lag_p99 * 1e3:g} ms max <= {lag_max * 1e3:g} ms"
         f" (blocked <= {blocked_p99 * 1e3:g} ms; garbage collections p50 <= {gc_p50 * 1e3:g} ms max <= "
         f"{gc_max * 1e3:g} ms)"
@@ -211,9 +242,9 @@ def trial(args, size: int, tls: bool) -> tuple[dict[str, bool], float]:
         if size == args.steps[0]:
             print(f"{'mutual TLS' if tls else 'plaintext'}: controller", " ".join(cluster.command[1:]), flush=True)
         try:
-            floor_mib = args.floor[tls if args.floor_mode == "same" else True].at(size)
+            floor = args.floor[tls if args.floor_mode == "same" else True]
             ok, line, rate, interval, grace = step(
-                size, cluster.stub, cluster.fleet, cluster.proc, cluster.metrics_port, cluster.scraper, floor_mib, args
+                size, cluster.stub, cluster.fleet, cluster.proc, cluster.metrics_port, cluster.scraper, floor, args
             )
             mode = "mTLS  " if tls else "plain "
             print(mode + line, flush=True)
@@ -260,12 +291,13 @@ def run(args) -> int:
     started_at = time.monotonic()
     print(f"the bare-grpcio floor, {args.floor_connections} connections (bench/grpc_connection_memory.py):", flush=True)
     args.floor = grpc_connection_memory.both_modes(args.floor_connections, args.floor_settle)
-    held_to = "its own mode's" if args.floor_mode == "same" else "the mutual-TLS"
+    held_to = "its own mode's" if args.floor_mode == "same" else "mutual TLS's"
     plain, tls = args.floor[False], args.floor[True]
     print(
-        f"RSS bound of a step: {args.floor_ratio:g} x {held_to} floor, a bare server's RSS with the step's nodes "
-        f"connected (plaintext {plain.idle_mib:.1f} MiB + {plain.per_connection_kib:.1f} KiB per connection, "
-        f"mutual TLS {tls.idle_mib:.1f} MiB + {tls.per_connection_kib:.1f} KiB)",
+        f"RSS bound of a step: the controller's RSS less its own idle RSS (read before any node connects) <= "
+        f"{args.floor_ratio:g} x what the step's connections add to a bare grpc.aio server, at {held_to} cost "
+        f"(plaintext {plain.per_connection_kib:.1f} KiB per connection over {plain.idle_mib:.1f} MiB idle, "
+        f"mutual TLS {tls.per_connection_kib:.1f} KiB over {tls.idle_mib:.1f} MiB)",
         flush=True,
     )
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.tls]
@@ -339,7 +371,10 @@ def main() -> int:
     )
     parser.add_argument("--p99-ms", type=float, default=50.0, help="heartbeat p99 a sustained step stays under")
     parser.add_argument(
-        "--report-p99-ms", type=float, default=10.0, help="failure reports' p99 a sustained step stays under"
+        "--report-p99-ms",
+        type=float,
+        default=10.0,
+        help="failure reports' p99 a sustained step stays under (their p95 under 200 reports, the longest under 40)",
     )
     parser.add_argument(
         "--tls",
@@ -348,7 +383,12 @@ def main() -> int:
         help="plaintext, mutual TLS (a certificate per node), or both ladders one after the other",
     )
     parser.add_argument("--transport", choices=["stream", "unary"], default="stream", help="how the fleet heartbeats")
-    parser.add_argument("--reports-per-s", type=float, default=2.0, help="engine failures the fleet reports per second")
+    parser.add_argument(
+        "--reports-per-s",
+        type=float,
+        default=20.0,
+        help="engine failures the fleet reports per second (20: 200 in a 10 s window, enough for a p99)",
+    )
     parser.add_argument("--victims", type=int, default=3, help="nodes silenced at the end to time their loss (0: none)")
     parser.add_argument(
         "--fleet-nice",
@@ -391,7 +431,8 @@ def main() -> int:
         "--floor-ratio",
         type=float,
         default=1.3,
-        help="a sustained step's RSS is at most this times the bare-grpcio floor for its connections",
+        help="a sustained step's RSS less the controller's idle RSS is at most this times what its connections "
+        "add to a bare grpc.aio server",
     )
     parser.add_argument(
         "--floor-mode",

@@ -89,7 +89,8 @@ def histogram_quantile(before: dict[float, float], after: dict[float, float], q:
 
 class Fleet:
     def __init__(self, controller: str, args, pki_dir: str | None):
-        if not os.path.exists(FLEET):
+        sources = [os.path.join(HERE, "fleet", name) for name in ("main.go", "nodemanager.go", "tls.go")]
+        if not os.path.exists(FLEET) or max(map(os.path.getmtime, sources)) > os.path.getmtime(FLEET):
             subprocess.run(["bash", os.path.join(HERE, "fleet", "build.sh")], check=True)
         command = [
             FLEET,

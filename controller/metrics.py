@@ -1,8 +1,9 @@
 """Prometheus metrics of the controller: nodes and instances by state (read at scrape time
 through the callables the controller passes), reschedules by reason and rate-limit hold-backs,
 time from an engine's failure to its replacement NORMAL, heartbeat ingest latency. The store's
-series (controller.store.metrics) come in as `collectors`; the per-node, per-instance and
-per-engine series are rendered apart (controller.fleet_metrics) and served after these."""
+series (controller.store.metrics) come in as `collectors`; the fleet aggregates (per group and
+state, the nodes not READY) are rendered apart (controller.fleet_metrics) and served after
+these. Per-engine series are the node managers' (node_manager/metrics.py)."""
 
 from __future__ import annotations
 
@@ -24,14 +25,14 @@ class _StateCollector:
             (
                 "motor_controller_nodes",
                 "Nodes by state (LOST: engines moved elsewhere; SUSPECT: silent, being "
-                "re-checked). motor_controller_node_state names the nodes.",
+                "re-checked). motor_controller_node_unready names the nodes not READY.",
                 controller_pb2.NodeState,
                 node_counts,
             ),
             (
                 "motor_controller_instances",
                 "Instances by state; anything but READY for long needs a look "
-                "(motor_controller_instance_state names them).",
+                "(motor_controller_group_instances by group; `motorctl instances` names them).",
                 controller_pb2.InstanceState,
                 instance_counts,
             ),
@@ -87,7 +88,7 @@ class ControllerMetrics:
         self.reschedules = Counter(
             "motor_controller_reschedules",
             "Engine restarts (engine_failed) and moves off lost nodes (node_lost). A steady rate of "
-            "engine_failed means engines keep failing: see motor_controller_engine_restarts_total per engine.",
+            "engine_failed means engines keep failing: see motor_node_manager_engine_restarts_total per engine.",
             ["reason"],
             registry=self.registry,
         )

@@ -79,6 +79,7 @@ class NodeManager:
         self.records: dict[str, EngineRecord] = {}
         self.store = RecordStore(config.engines_dir)
         self.metrics = Metrics(config.node_id)
+        self.metrics.watch_engines(lambda: list(self.records.values()))
         self.saver = RecordSaver(self.store, self._spawn, self.metrics.store_write_failures.labels(self.node_id).inc)
         start, end = config.port_range_bounds
         self.ports = PortAllocator(start, end, host=config.host)
@@ -106,6 +107,7 @@ class NodeManager:
         """Load the engine records and re-adopt engines still alive (after a restart)."""
         for record in self.store.load_all():
             self.records[record.engine_id] = record
+            self.metrics.launched(record.spec.instance_id, record.engine_id, again=False)
             if not record.active:
                 record.settled.set()
                 continue
@@ -184,8 +186,7 @@ class NodeManager:
                 )
             self.saver.require_writable(requested)  # on a full disk: UNAVAILABLE, nothing started
             record, child = self._launch(requested)
-            if existing is not None:
-                self.metrics.restarts.labels(self.node_id).inc()
+            self.metrics.launched(spec.instance_id, engine_id, again=existing is not None)
             self.records[engine_id] = record
             self._changed(record, None)
             self._watch(record, child=child)

@@ -1,9 +1,17 @@
-"""Prometheus metrics of one node manager (its own registry, so tests can run several)."""
+"""Prometheus metrics of one node manager (its own registry, so tests can run several).
+
+The node manager exports its own engines' series (health, restarts), as the kubelet does for its
+pods: the controller keeps only fleet aggregates (controller/fleet_metrics.py), so a scrape of it
+stays small at any fleet size, and each engine's series comes from the host that runs it."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Callable, Iterable
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from motor.contract.names import enum_short_name
 from motor.v1 import types_pb2
 
 STATES = [types_pb2.EngineState.Name(v).removeprefix("ENGINE_STATE_").lower() for v in (1, 2, 3, 4, 5)]
@@ -23,9 +31,10 @@ class Metrics:
         )
         self.restarts = Counter(
             "motor_node_manager_engine_restarts",
-            "Engines launched again for an id that ran before (a new generation or a restart). Many in a short "
-            "time: an engine keeps failing (motor_node_manager_engine_kills_total says why it was stopped).",
-            ["node"],
+            "Engines launched again on this node for an id that ran before (a new generation or a restart), per "
+            "engine. Several in a few minutes: the engine keeps failing (alert MotorEngineCrashLooping; "
+            "motor_node_manager_engine_kills_total says why it was stopped).",
+            ["node", "instance_id", "engine_id"],
             registry=self.registry,
         )
         self.kills = Counter(
@@ -71,9 +80,50 @@ class Metrics:
         for reason in KILL_REASONS:  # present from the start, so rate() sees the first one
             self.kills.labels(node_id, reason)
 
+    def watch_engines(self, engines: Callable[[], Iterable]) -> None:
+        """Export each engine's health as `engines()` (its EngineRecords) says at scrape time."""
+        self.registry.register(_EngineHealth(self.node, engines))
+
+    def launched(self, instance_id: str, engine_id: str, again: bool) -> None:
+        """An engine launched (or adopted: `again` False); its restart count is there from its first
+        launch, at 0, so that increase() sees the first restart."""
+        child = self.restarts.labels(self.node, instance_id, engine_id)
+        if again:
+            child.inc()
+
     def set_states(self, counts: dict[str, int]) -> None:
         for state in STATES:
             self.engines.labels(self.node, state).set(counts.get(state, 0))
 
     def kill(self, reason: str) -> None:
         self.kills.labels(self.node, reason).inc()
+
+
+HEALTH_STATES = [(v, enum_short_name(types_pb2.HealthStatus, v).lower()) for v in types_pb2.HealthStatus.values() if v]
+
+
+class _EngineHealth:
+    """One-hot health of each engine this node manager runs (kube-state-metrics' style: `== 1`
+    selects, `for:` works). Engines that ended (stopped, failed) have no line."""
+
+    def __init__(self, node: str, engines: Callable[[], Iterable]):
+        self.node, self.engines = node, engines
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            "motor_node_manager_engine_health",
+            "Health of each running engine on this node as its engine server reports it, 1 for the current one. "
+            "abnormal: its probes fail; the node manager restarts it after abnormal_threshold heartbeats.",
+            labels=["node", "instance_id", "engine_id", "health"],
+        )
+        for record in self.engines():
+            if not record.active:
+                continue
+            for value, name in HEALTH_STATES:
+                family.add_metric(
+                    [self.node, record.spec.instance_id, record.engine_id, name], 1 if record.health == value else 0
+                )
+        yield family

@@ -412,7 +412,8 @@ func (f *fleet) measure(seconds float64) map[string]interface{} {
 		"p50_ms": quantile(f.rtts, 0.5), "p99_ms": quantile(f.rtts, 0.99), "max_ms": quantile(f.rtts, 1),
 		"full_beats": f.fulls, "delta_beats": f.deltas, "delta_engines": f.deltaSizes,
 		"reports": len(f.reportRtts), "report_errors": f.reportErrs,
-		"report_p50_ms": quantile(f.reportRtts, 0.5), "report_p99_ms": quantile(f.reportRtts, 0.99),
+		"report_p50_ms": quantile(f.reportRtts, 0.5), "report_p95_ms": quantile(f.reportRtts, 0.95),
+		"report_p99_ms": quantile(f.reportRtts, 0.99), "report_max_ms": quantile(f.reportRtts, 1),
 		"interval_s": float64(atomic.LoadInt64(&f.announced)) / 1e9, "grace_s": float64(atomic.LoadInt64(&f.grace)) / 1e9,
 	}
 }
@@ -440,7 +441,7 @@ func main() {
 	fullEvery := flag.Int("full-every", 30, "a full engine list every this many beats (stream)")
 	interval := flag.Duration("interval", time.Second, "heartbeat interval until the controller announces one")
 	victims := flag.Int("victims", 3, "nodes that `silence` stops (the first ones registered)")
-	reportRate := flag.Float64("reports-per-s", 2, "engine failures reported (ReportEngineEvent) per second")
+	reportRate := flag.Float64("reports-per-s", 20, "engine failures reported (ReportEngineEvent) per second")
 	flag.Parse()
 
 	f := &fleet{controllerAddr: *controller, transport: *transport, fullEvery: *fullEvery, interval: *interval,

@@ -234,7 +234,7 @@ def test_prometheus_scrapes_every_service_with_the_alert_rules_loaded(stack: Com
     assert set(ALERT_RULES) <= loaded, f"alert rules not loaded: {set(ALERT_RULES) - loaded}"
     # Each service's own series arrive, labelled by job.
     for query, job in (
-        ('motor_controller_node_state{state="ready"} == 1', "motor-controller"),
+        ('motor_controller_nodes{state="READY"} > 0', "motor-controller"),
         ("motor_node_manager_engines", "motor-node-manager"),
         ("motor_engine_server_health_status", "motor-engine"),
         ("motor_event_loop_lag_seconds_count", "motor-node-manager"),

@@ -223,23 +223,21 @@ async def test_spares_have_their_own_lines_in_metrics_and_in_motorctl_tables(har
     await spares_running(harness)
     ctl = harness.controller
     series = FleetSeries(ctl.state, lambda: "")
-    ready = ("motor_controller_instance_state", (("group", "u"), ("role", "union"), ("state", "ready")))
 
-    def ready_lines(samples) -> dict[str, bool]:
-        """instance id -> whether its READY line is a spare's."""
-        found = {}
-        for (name, labels), value in samples.items():
-            labels = dict(labels)
-            if name == ready[0] and labels["state"] == "ready" and value == 1:
-                found[labels["instance_id"]] = labels.get("spare") == "true"
-        return found
+    def ready_counts(samples) -> dict[str, int]:
+        """spare label -> READY instances of group u counted under it."""
+        return {
+            dict(labels)["spare"]: value
+            for (name, labels), value in samples.items()
+            if name == "motor_controller_group_instances" and dict(labels)["state"] == "ready"
+        }
 
-    assert ready_lines(await scrape(series)) == {"u-0": False, "u-1": False, "u-2": True}
+    assert ready_counts(await scrape(series)) == {"false": 2, "true": 1}
     table = render_instances(C.ListInstancesResponse(instances=ctl.list_instances()))
     assert [line.split()[2:4] for line in table.splitlines() if line.startswith("u-2")] == [["READY", "(spare)"]]
     assert "1/1 ready" in render_deployments(ctl.list_deployments())
     fail(harness, "u-0")
-    assert ready_lines(await scrape(series)) == {"u-1": False, "u-2": False}  # u-0 restarts, now the spare
+    assert ready_counts(await scrape(series)) == {"false": 2, "true": 0}  # u-0 restarts, now the spare
 
 
 async def test_a_spare_ready_after_a_failure_takes_the_place_of_the_instance_still_loading(harness):

@@ -119,10 +119,13 @@ async def test_a_failed_engine_starts_again_as_a_new_process_and_counts_a_restar
     ports = sorted(node.manager.ports.reserved)
     assert ports == []  # released with the failure
 
+    restarts = {"node": "node-f", "instance_id": "prefill-0", "engine_id": ENGINE}
+    # There from the first launch, at 0, so that increase() sees the first restart.
+    assert node.manager.metrics.registry.get_sample_value("motor_node_manager_engine_restarts_total", restarts) == 0
     second = await node.manager.start_engine(sim_spec(generation=1))
     assert second is not first and second.pid != first.pid and second.state == STARTING
     assert len(node.ops.launched) == 2
-    assert node.manager.metrics.restarts.labels("node-f")._value.get() == 1
+    assert node.manager.metrics.registry.get_sample_value("motor_node_manager_engine_restarts_total", restarts) == 1
     await node.manager.stop_engine(ENGINE)
     assert second.state == STOPPED and "after SIGTERM" in second.state_reason
     with pytest.raises(FailedPrecondition, match="generation 0 is older than generation 1"):
@@ -135,3 +138,30 @@ async def test_an_exit_during_a_stop_is_not_a_failure(fake_node):
     await node.answer(NORMAL)
     stopped = await node.manager.stop_engine(ENGINE, deadline=1.0)
     assert stopped.state == STOPPED and stopped.exit_code == 0 and node.reports == []
+
+
+def engine_health(node: FakeNode) -> dict[tuple[str, str], str]:
+    """(instance_id, engine_id) -> the health whose sample is 1 in the node manager's /metrics."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    current = {}
+    for family in text_string_to_metric_families(generate_latest(node.manager.metrics.registry).decode()):
+        for s in family.samples:
+            if s.name == "motor_node_manager_engine_health" and s.value == 1:
+                key = (s.labels["instance_id"], s.labels["engine_id"])
+                assert key not in current, f"two healths at once for {key}"
+                assert s.labels["node"] == node.manager.node_id
+                current[key] = s.labels["health"]
+    return current
+
+
+async def test_the_node_manager_exports_each_running_engines_health_and_nothing_once_it_ended(fake_node):
+    node = fake_node
+    record = await node.manager.start_engine(sim_spec())
+    await node.answer(NORMAL)
+    await settle(lambda: record.health == types_pb2.HEALTH_STATUS_NORMAL)
+    assert engine_health(node) == {("prefill-0", ENGINE): "normal"}
+    node.ops.exit(record.pid, ExitStatus(exit_code=1))
+    await ended(record)
+    assert engine_health(node) == {}

@@ -10,6 +10,7 @@ import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from motor.ports import free_port
 from motor.service.grpc_server import MotorServer, TlsFiles, aio_channel, service_name
@@ -136,6 +137,17 @@ def scrape(port: int) -> str:
     return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
 
 
+HEALTHS = ("init", "normal", "abnormal")
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels == labels:
+                return s.value
+    raise AssertionError(f"no {name}{labels} in the scrape")
+
+
 @pytest.mark.processes
 async def test_prometheus_metrics(make_node, fake_controller):
     # /metrics is served on the node manager's event loop, which this test shares: scrape from a thread.
@@ -153,4 +165,8 @@ async def test_prometheus_metrics(make_node, fake_controller):
     assert 'motor_node_manager_heartbeat_latency_seconds_count{node="node-a"}' in text
     await node.start(config_json=sim_config(), generation=1)
     text = await asyncio.to_thread(scrape, port)
-    assert 'motor_node_manager_engine_restarts_total{node="node-a"} 1.0' in text
+    ids = {"node": "node-a", "instance_id": "prefill-0", "engine_id": "prefill-0/rank0"}
+    assert sample(text, "motor_node_manager_engine_restarts_total", **ids) == 1
+    await node.wait_state("prefill-0/rank0", RUNNING)
+    text = await asyncio.to_thread(scrape, port)
+    assert sum(sample(text, "motor_node_manager_engine_health", **ids, health=h) for h in HEALTHS) == 1
