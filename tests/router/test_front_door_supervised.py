@@ -52,9 +52,10 @@ def front_door_events(cluster) -> list[str]:
 
 
 def metric(cluster, name: str) -> float | None:
+    # A front door is named by its router's own address (what its sync keeps), not the published port.
     with urllib.request.urlopen(cluster.metrics_urls()["controller"], timeout=5) as reply:
         for line in reply.read().decode().splitlines():
-            if line.startswith(f'{name}{{router="{cluster.router_url}"}}'):
+            if line.startswith(f'{name}{{router="{cluster.router_admin_url}"}}'):
                 return float(line.rsplit(" ", 1)[1])
     return None
 
@@ -74,7 +75,7 @@ def test_a_sigkilled_sync_is_started_again_and_the_router_put_right_and_the_rest
     killed.wait()
     # While it is down the router loses a worker Motor lists (as a change the sync would have made).
     gone = sorted(urls)[0]
-    assert http("POST", f"{cluster.router_url}/remove_worker?url={gone}")[0] == 200
+    assert http("POST", f"{cluster.router_admin_url}/remove_worker?url={gone}")[0] == 200
     wait_for(lambda: cluster.process("router-sync").process.pid != killed.pid, timeout=15, what="the sync restarted")
     wait_for(lambda: router_workers(cluster) == urls, timeout=60, interval=0.2, what="the router's workers right again")
     wait_for(
