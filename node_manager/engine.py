@@ -106,6 +106,7 @@ class EngineRecord:
     stop_grace: float = 0.0  # seconds a SIGTERM may take to end it: a stop waits at least this
     draining: bool = False
     sleeping: bool = False
+    in_flight_requests: int = 0  # reported to the controller: its autoscaler's signal
     # Runtime only -------------------------------------------------------------------------
     watch: ExitWatcher | None = None  # notices the engine server's exit
     ending: Ending = Ending.NONE  # who is ending the engine, once something is
@@ -133,6 +134,7 @@ class EngineRecord:
         sleeping changed (routers must hear of it: the engine stops serving or serves again)."""
         if status.HasField("stop_grace"):
             self.stop_grace = pbtime.seconds(status.stop_grace)
+        self.in_flight_requests = status.in_flight_requests
         changed = (self.draining, self.sleeping) != (status.draining, status.sleeping)
         self.draining, self.sleeping = status.draining, status.sleeping
         return changed
@@ -229,6 +231,7 @@ class EngineRecord:
             recent_probes=list(self.recent_probes),
             draining=self.draining,
             sleeping=self.sleeping,
+            in_flight_requests=self.in_flight_requests,
         )
         if self.stop_grace:
             engine.stop_grace.CopyFrom(pbtime.duration(self.stop_grace))
