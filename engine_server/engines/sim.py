@@ -48,6 +48,7 @@ from engine_server.engines.base import (
     UtilizationSampler,
     is_probe_request_id,
 )
+from engine_server.engines.sim_capacity import VLLM_MAX_NUM_SEQS, SimCapacity
 from engine_server.engines.sim_lora import SimLoras
 from engine_server.engines.vllm_admission import DRAINING_MESSAGE, RETRY_AFTER_S
 from motor.service.config import describe_validation_error
@@ -112,6 +113,8 @@ class SimArgs(BaseModel):
     # meanwhile, so the engine server reports INIT, then NORMAL. `startup_delay_s` is its older name.
     load_s: float = Field(0.0, ge=0, validation_alias=AliasChoices("load_s", "startup_delay_s"))
     max_tokens_default: int = Field(16, ge=1)
+    # Requests served at once (vLLM's --max-num-seqs); the rest wait (sim_capacity.py).
+    max_num_seqs: int = Field(VLLM_MAX_NUM_SEQS, ge=1)
     faults: SimFaults = Field(default_factory=SimFaults)
 
 
@@ -156,6 +159,7 @@ class SimEngine(EngineBackend):
         self._runner: web.AppRunner | None = None
         self._crash_timer: asyncio.TimerHandle | None = None
         self.loras = SimLoras(self.args.model)  # adapters loaded at run time (sim_lora.py)
+        self.capacity = SimCapacity(self.args.max_num_seqs, self.args.model, str(options.dp_rank))
 
     def _initial_faults(self) -> SimFaults:
         base = {"latency_ms": self.args.latency_ms, "utilization": self.args.utilization}
@@ -344,10 +348,11 @@ class SimEngine(EngineBackend):
                 return self._failed(probe, 503, "the engine is sleeping; call WakeUp first")
             if self.faults.fail_inference:
                 return self._failed(probe, 500, "sim fault: fail_inference")
-            if leg != sim_pd.DECODE_LEG:  # a decode leg fetches the KV cache its prefill leg computed
-                await self._prefill(count_tokens(prompt), probe)
-            if self.faults.latency_ms:
-                await asyncio.sleep(self.faults.latency_ms / 1000)
+            async with self.capacity.seat():  # at most max_num_seqs run at once; the rest wait
+                if leg != sim_pd.DECODE_LEG:  # a decode leg fetches the KV cache its prefill leg computed
+                    await self._prefill(count_tokens(prompt), probe)
+                if self.faults.latency_ms:
+                    await asyncio.sleep(self.faults.latency_ms / 1000)
             await self._until_inference_runs()  # a hang set while this request waited
             text = deterministic_text(prompt, max_tokens)
             prompt_tokens, completion_tokens = count_tokens(prompt), max_tokens
