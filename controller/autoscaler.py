@@ -5,8 +5,10 @@ The signal is what the controller already sees every heartbeat: each engine's re
 second, and taken as the median of the last WINDOW_S seconds (a step of the load counts once it
 has held for half the window, in full; a single burst or a noisy sample does not). A decision:
 
-- up: ceil(average in flight / target) engines, at once (a tripled load adds what it needs in one
-  step), within min .. max;
+- up: when the window's median needs more engines than the group has, ceil(load / target) engines
+  at once, the load being the larger of the window's median and the median of its latest half (a
+  queue growing on saturated engines makes the window lag): a tripled load adds what it needs in
+  one step, within min .. max;
 - down: only to the count that keeps each engine at or below DOWN_RATIO x the target (hysteresis:
   the next sample does not scale it back up), and only once that has held for the whole
   scale_down_delay_s (the highest such count over the delay is taken);
@@ -96,8 +98,13 @@ class GroupScaler:
         load = statistics.median_low([v for _, v in self.samples])
         self.per_engine = load / count
         figures = f"in flight {load / count:.1f} per engine over {WINDOW_S:.0f} s against a target of {p.target:g}"
-        up = min(p.max, math.ceil(load / p.target - 1e-9))
-        if up > count:
+        if min(p.max, math.ceil(load / p.target - 1e-9)) > count:
+            # Sized by the latest half of the window: under a queue that grows (engines saturated)
+            # the window's median lags the load, and a step sized by it would be the first of several.
+            recent = statistics.median_low([v for t, v in self.samples if t > now - WINDOW_S / 2])
+            if recent > load:
+                figures += f" ({recent / count:.1f} over the last {WINDOW_S / 2:g} s)"
+            up = min(p.max, math.ceil(max(load, recent) / p.target - 1e-9))
             self.restart(now)
             return self._decision(count, up, figures)
         enough = max(p.min, math.ceil(load / (p.target * DOWN_RATIO) - 1e-9))

@@ -136,3 +136,10 @@ def test_a_count_below_min_is_raised_at_once():
     scaler = GroupScaler("chat", ScalePolicy(min=3, max=8, target=4.0, scale_down_delay_s=300.0), now=0.0)
     decision = scaler.step(0.0, 1, 0.0)
     assert decision is not None and decision.new == 3
+
+
+def test_a_queue_growing_on_saturated_engines_is_met_in_one_step():
+    # One engine past its capacity: requests in flight grow by 2 a second from the step on.
+    scaler = GroupScaler("chat", ScalePolicy(min=1, max=5, target=1.5, scale_down_delay_s=300.0), now=0.0)
+    count, decisions = run(scaler, 1, lambda t: 1 if t < 60 else 1 + 2 * (t - 60), 80)
+    assert count == 5 and len(decisions) == 1, decisions
