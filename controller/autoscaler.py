@@ -33,8 +33,10 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from controller import reported as reported_engine
-from controller.instances import READY
+from controller.instances import READY, InstanceRecord
+from controller.rollout_plan import index_of
 from controller.state import ClusterState
+from controller.store import StoreUnavailable
 from motor.v1 import controller_pb2, types_pb2
 
 logger = logging.getLogger(__name__)
@@ -132,8 +134,8 @@ class Autoscaler:
     """Runs each autoscaled group's GroupScaler once a second on the leader and acts on its
     decisions. Scale-up first promotes READY spares (controller/spares.py: they serve at once,
     and the deployment's change starts new spares in their place), then the apply of the new
-    count starts the rest; scale-down is the apply of the lower count, which takes the highest
-    indices out of the routers before their engines stop (they drain). Nothing is decided while a
+    count starts the rest; scale-down first takes the instances that go (the least loaded) out of
+    the routers and stops them (they drain), then applies the lower count. Nothing is decided while a
     change is being made or while the deployment's rollout is not COMPLETE (progressing or
     paused): the count would add instances of a spec under review."""
 
@@ -179,15 +181,19 @@ class Autoscaler:
 
     def in_flight(self, group: str) -> int:
         """Requests in flight on the group's serving READY engines, as their nodes last reported."""
+        return sum(
+            self.load_of(i)
+            for i in list(self.state.instances.values())
+            if i.group == group and not i.spare and i.state == READY
+        )
+
+    def load_of(self, inst: InstanceRecord) -> int:
         st, total = self.state, 0
-        for inst in list(st.instances.values()):
-            if inst.group != group or inst.spare or inst.state != READY:
-                continue
-            for slot in st.slots_of(inst.instance_id):
-                node = st.nodes.get(slot.node_id) if slot.node_id else None
-                kept = node.engines.get(slot.engine_id) if node is not None else None
-                if kept is not None:
-                    total += reported_engine.message(kept).in_flight_requests
+        for slot in st.slots_of(inst.instance_id):
+            node = st.nodes.get(slot.node_id) if slot.node_id else None
+            kept = node.engines.get(slot.engine_id) if node is not None else None
+            if kept is not None:
+                total += reported_engine.message(kept).in_flight_requests
         return total
 
     def _act(self, name: str, deployment: C.Deployment, decision: Decision) -> None:
@@ -198,6 +204,8 @@ class Autoscaler:
                 if unit is None:
                     break
                 promoted.extend(i.instance_id for i in unit)
+        elif not self._withdraw(name, decision):
+            return
         scaled = C.Deployment()
         scaled.CopyFrom(deployment)
         for group in scaled.instance_groups:
@@ -209,6 +217,21 @@ class Autoscaler:
         self.state.events.emit(C.EVENT_TYPE_AUTOSCALE, decision.message + serving, deployment=name)
         logger.info("autoscaling %s: %s%s", name, decision.message, serving)
         self.spawn(self._apply(scaled, decision), f"autoscale {decision.group}")
+
+    def _withdraw(self, name: str, decision: Decision) -> bool:
+        """Scale-down: take out the instances that go, in one step (durable first; out of the
+        routers before their engines stop, which drain), so that the lowered count's apply finds
+        exactly those to keep. Those not READY go first, then the least loaded (the fewest
+        requests to drain), the newest among equals. False when the store refused it."""
+        serving = [i for i in self.state.instances.values() if i.group == decision.group and not i.spare]
+        ranked = sorted(serving, key=lambda i: (i.state == READY, self.load_of(i), -index_of(i)))
+        why = f"scaled down ({decision.message})"
+        try:
+            self.changes.step(name, [(i.instance_id, why) for i in ranked[: len(serving) - decision.new]], [])
+        except StoreUnavailable as exc:
+            self.state.refused(exc)
+            return False
+        return True
 
     async def _apply(self, scaled: C.Deployment, decision: Decision) -> None:
         try:

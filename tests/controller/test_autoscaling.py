@@ -27,8 +27,8 @@ def chat(count: int = 1, spares: int = 1, delay: float = 2.0) -> C.Deployment:
 
 
 def load(h: Harness, per_instance: dict[str, int]) -> None:
-    for node in NODES:
-        for engine_id, engine in h.client.engines[node].items():
+    for engines in h.client.engines.values():
+        for engine_id, engine in engines.items():
             engine.in_flight_requests = per_instance.get(engine_id.split("/")[0], 0)
 
 
@@ -119,3 +119,14 @@ async def test_motorctl_deployments_shows_desired_current_and_why(harness):
     assert lines[-2].split()[:5] == ["DEPLOYMENT", "AUTOSCALED", "GROUP", "DESIRED", "CURRENT"]
     assert lines[-1].split()[:4] == ["t", "u", "1", "1"]
     assert "steady: in flight 2.0 per engine over 1 s against a target of 4" in lines[-1]
+
+
+async def test_scale_down_removes_the_least_loaded_instances(harness):
+    await running(harness, count=3, spares=0)
+    load(harness, {"u-2": 2})  # u-0 and u-1 idle: they go, u-2 keeps its requests
+    async with harness.beating(*NODES):
+        await async_wait_for(lambda: count(harness) == 1, timeout=15, what="the count lowered to 1")
+    assert {i.instance_id for i in harness.controller.list_instances()} == {"u-2"}
+    assert listed(harness) == {"u-2"}
+    stopped = {engine_id for _, engine_id, _ in harness.client.stops()}
+    assert stopped == {"u-0/rank0", "u-1/rank0"}
