@@ -193,7 +193,7 @@ def summarize(args, setting: str, load: SteppedLoad, watch: Watch) -> dict:
         "failed": failed,
         "requests": len(load.results),
         "direction_changes": direction_changes,
-        "counts": sorted(set(counts)),
+        "counts": [c for i, c in enumerate(counts) if i == 0 or counts[i - 1] != c],  # in order
     }
     print(f"{setting}: {row}", flush=True)
     return row
@@ -204,14 +204,14 @@ def main() -> int:
     parser.add_argument("--load-s", type=float, default=10.0, help="the simulated model's load time (default 10)")
     parser.add_argument("--low", type=float, default=5.0, help="requests/s before and after the step (default 5)")
     parser.add_argument("--high", type=float, default=30.0, help="requests/s during the step (default 30)")
-    parser.add_argument("--before", type=float, default=20.0, help="seconds at --low before the step (default 20)")
-    parser.add_argument("--peak", type=float, default=45.0, help="seconds at --high (default 45)")
-    parser.add_argument("--after", type=float, default=45.0, help="seconds at --low after the step (default 45)")
+    parser.add_argument("--before", type=float, default=30.0, help="seconds at --low before the step (default 30)")
+    parser.add_argument("--peak", type=float, default=40.0, help="seconds at --high (default 40)")
+    parser.add_argument("--after", type=float, default=60.0, help="seconds at --low after the step (default 60)")
     parser.add_argument("--latency-ms", type=float, default=200.0, help="each request's time (default 200)")
     parser.add_argument("--seqs", type=int, default=2, help="max_num_seqs of each engine (default 2)")
     parser.add_argument("--max", type=int, default=5, help="autoscaling max, and the fixed count (default 5)")
     parser.add_argument("--target", type=float, default=1.5, help="target_in_flight (default 1.5)")
-    parser.add_argument("--delay", type=float, default=20.0, help="scale_down_delay_s (default 20)")
+    parser.add_argument("--delay", type=float, default=15.0, help="scale_down_delay_s (default 15)")
     parser.add_argument("--ttft", type=float, default=1.0, help="the TTFT p95 target in seconds (default 1)")
     parser.add_argument("--settings", default="spare,nospare,fixed", help="which settings, comma-separated")
     args = parser.parse_args()
