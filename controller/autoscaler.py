@@ -77,6 +77,7 @@ class GroupScaler:
         self.down: deque[tuple[float, int]] = deque()  # (time, count that would do) over the delay
         self.since = now  # the window (and the scale-down delay) counts from here
         self.last = ""  # what the last look found: shown by ListDeployments
+        self.decided = ""  # the last decision's message, shown with what follows it
         self.per_engine = 0.0  # the load of the last full window, per serving engine (a metric)
 
     def restart(self, now: float) -> None:
@@ -95,7 +96,7 @@ class GroupScaler:
         while self.samples[0][0] <= now - WINDOW_S:
             self.samples.popleft()
         if now - self.since < WINDOW_S - 1:
-            self.last = f"{count}, gathering {WINDOW_S:.0f} s of load since the last change"
+            self.last = self.after(f"gathering {WINDOW_S:.0f} s of load since the last change")
             return None
         load = statistics.median_low([v for _, v in self.samples])
         self.per_engine = load / count
@@ -124,9 +125,12 @@ class GroupScaler:
         )
         return None
 
+    def after(self, what: str) -> str:
+        return f"{self.decided}; {what}" if self.decided else what
+
     def _decision(self, old: int, new: int, figures: str) -> Decision:
         message = f"{self.group}: {old} -> {new}, {figures}"
-        self.last = message
+        self.last = self.decided = message
         return Decision(self.group, old, new, message)
 
 
@@ -160,7 +164,7 @@ class Autoscaler:
                     scaler = self.scalers[key] = GroupScaler(group.name, policy, now)
                 if held:
                     scaler.restart(now)
-                    scaler.last = f"held: {held}"
+                    scaler.last = scaler.after(f"held: {held}")
                     continue
                 decision = scaler.step(now, group.count, self.in_flight(group.name))
                 if decision is not None:

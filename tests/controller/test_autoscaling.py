@@ -64,6 +64,7 @@ async def test_load_scales_up_with_the_spare_serving_at_once_then_down_after_the
         [summary] = harness.controller.list_deployments().deployments
         [scale] = summary.scale
         assert (scale.group, scale.desired, scale.current) == ("u", 3, 3)
+        assert scale.reason.startswith("u: 1 -> 3, in flight 12.0 per engine")  # the last decision, then what follows
         sample = harness.controller.metrics.registry.get_sample_value
         labels = {"deployment": "t", "group": "u"}
         assert sample("motor_controller_autoscale_desired_instances", labels) == 3
