@@ -166,7 +166,10 @@ class Autoscaler:
                     scaler.restart(now)
                     scaler.last = scaler.after(f"held: {held}")
                     continue
-                decision = scaler.step(now, group.count, self.in_flight(group.name))
+                # A P/D pair scales as one (instance i pairs with instance i): on the larger of the
+                # prefill group's and the decode group's load.
+                load = max(self.in_flight(group.name), self.in_flight(group.pair_with) if group.pair_with else 0)
+                decision = scaler.step(now, group.count, load)
                 if decision is not None:
                     self._act(name, deployment, decision)
                     break  # one change of a deployment at a time: the next tick sees it made
@@ -212,8 +215,9 @@ class Autoscaler:
             return
         scaled = C.Deployment()
         scaled.CopyFrom(deployment)
+        partner = next((g.pair_with for g in deployment.instance_groups if g.name == decision.group), "")
         for group in scaled.instance_groups:
-            if group.name == decision.group:
+            if group.name in (decision.group, partner):
                 group.count = decision.new
         key = (name, decision.group, "up" if decision.new > decision.old else "down")
         self.decisions[key] = self.decisions.get(key, 0) + 1
@@ -227,11 +231,21 @@ class Autoscaler:
         routers before their engines stop, which drain), so that the lowered count's apply finds
         exactly those to keep. Those not READY go first, then the least loaded (the fewest
         requests to drain), the newest among equals. False when the store refused it."""
-        serving = [i for i in self.state.instances.values() if i.group == decision.group and not i.spare]
-        ranked = sorted(serving, key=lambda i: (i.state == READY, self.load_of(i), -index_of(i)))
+        st = self.state
+        serving = [i for i in st.instances.values() if i.group == decision.group and not i.spare]
+
+        def unit(inst: InstanceRecord) -> list[InstanceRecord]:  # with its decode partner, if any
+            partner = st.instances.get(inst.paired_instance_id) if inst.paired_instance_id else None
+            return [inst] if partner is None else [inst, partner]
+
+        def rank(inst: InstanceRecord) -> tuple:
+            members = unit(inst)
+            return all(m.state == READY for m in members), sum(map(self.load_of, members)), -index_of(inst)
+
+        going = [m for inst in sorted(serving, key=rank)[: len(serving) - decision.new] for m in unit(inst)]
         why = f"scaled down ({decision.message})"
         try:
-            self.changes.step(name, [(i.instance_id, why) for i in ranked[: len(serving) - decision.new]], [])
+            self.changes.step(name, [(i.instance_id, why) for i in going], [])
         except StoreUnavailable as exc:
             self.state.refused(exc)
             return False

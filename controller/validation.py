@@ -157,7 +157,11 @@ def validate_deployment(
                     f"engine_config.{section}: required by {where} (role {names.role_name(group.role)}): "
                     "the user_config section its engines read"
                 )
-    engines = sum((most_instances(g) + g.spares) * g.data_parallel_size for g in d.instance_groups)
+    # A decode group paired with an autoscaled prefill group scales with it (to the prefill's max).
+    pair_max = {g.pair_with: most_instances(g) for g in d.instance_groups if g.pair_with}
+    engines = sum(
+        (max(most_instances(g), pair_max.get(g.name, 0)) + g.spares) * g.data_parallel_size for g in d.instance_groups
+    )
     if engines > max_engines:
         autoscaled = " or autoscaling max" if any(g.HasField("autoscaling") for g in d.instance_groups) else ""
         problems.append(
@@ -169,10 +173,13 @@ def validate_deployment(
     for i, group in enumerate(d.instance_groups):
         if not group.pair_with:
             continue
-        if group.HasField("autoscaling") or by_name.get(group.pair_with, group).HasField("autoscaling"):
+        partner = by_name.get(group.pair_with)
+        if partner is not None and partner.HasField("autoscaling"):
+            j = next(k for k, g in enumerate(d.instance_groups) if g.name == group.pair_with)
             problems.append(
-                f"instance_groups[{i}].autoscaling: not offered for a P/D pair yet (paired groups must keep "
-                "equal counts): remove the autoscaling block of this group and of its pair_with group"
+                f"instance_groups[{j}].autoscaling: decode group {partner.name!r} is paired with prefill group "
+                f"{group.name!r} (instance i with instance i, equal counts): the pair scales as one, so put the "
+                "autoscaling block on the prefill group only"
             )
         where = f"instance_groups[{i}].pair_with"
         target = by_name.get(group.pair_with)

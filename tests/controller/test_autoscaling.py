@@ -131,3 +131,37 @@ async def test_scale_down_removes_the_least_loaded_instances(harness):
     assert listed(harness) == {"u-2"}
     stopped = {engine_id for _, engine_id, _ in harness.client.stops()}
     assert stopped == {"u-0/rank0", "u-1/rank0"}
+
+
+async def test_a_pd_pair_scales_as_one_on_the_larger_of_its_two_loads(harness):
+    block = {"min": 1, "max": 3, "target_in_flight": 4, "scale_down_delay_s": 2}
+    pair = small_deployment(
+        [
+            {"name": "p", "role": "prefill", "count": 1, "spares": 1, "pair_with": "d", "autoscaling": block},
+            {"name": "d", "role": "decode", "count": 1, "spares": 1},
+        ]
+    )
+    await harness.start()
+    for node in NODES:
+        await harness.register(node, accelerators=4)
+    harness.controller.apply_deployment(pair)
+    await all_ready(harness, NODES, 4)
+
+    def counts() -> tuple[int, ...]:
+        return tuple(g.count for g in harness.controller.changes.deployments["t"][0].instance_groups)
+
+    load(harness, {"d-0": 12})  # the decode side is the busy one: three pairs
+    async with harness.beating(*NODES):
+        await async_wait_for(lambda: counts() == (3, 3), timeout=15, what="both groups raised to 3")
+        assert not harness.instance("p-1").spare and not harness.instance("d-1").spare  # the spare pair serves
+        await all_ready(harness, NODES, 8)
+        assert {i.paired_instance_id for i in harness.controller.list_instances() if i.group == "p"} == {
+            "d-0",
+            "d-1",
+            "d-2",
+            "d-3",
+        }
+        load(harness, {"d-2": 1})  # idle but for pair 2: pairs 0 and 1 go, whole
+        await async_wait_for(lambda: counts() == (1, 1), timeout=15, what="both groups lowered to 1")
+    serving = {i.instance_id for i in harness.controller.list_instances() if not i.spare}
+    assert serving == {"p-2", "d-2"}

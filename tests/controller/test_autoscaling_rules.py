@@ -52,12 +52,17 @@ def test_the_engine_limit_counts_max_and_spares():
     assert "9 engines" in invalid(deployment, max_engines=8)
 
 
-def test_paired_groups_are_refused_autoscaling_for_now():
+def test_a_pd_pair_autoscales_through_its_prefill_group_and_counts_both_in_the_engine_limit():
     groups = [
         {"name": "p", "role": "prefill", "pair_with": "d", "autoscaling": {"max": 4, "target_in_flight": 4}},
         {"name": "d", "role": "decode"},
     ]
-    assert "instance_groups[0].autoscaling: not offered for a P/D pair" in invalid(small_deployment(groups))
+    validate_deployment(small_deployment(groups), max_engines=8)
+    assert "8 engines" in invalid(small_deployment(groups), max_engines=7)
+    groups[1]["autoscaling"] = {"max": 4, "target_in_flight": 4}
+    assert "instance_groups[1].autoscaling: decode group 'd' is paired with prefill group 'p'" in invalid(
+        small_deployment(groups)
+    )
 
 
 # ---------------------------------------------------------------- decisions on a fake clock
