@@ -120,8 +120,9 @@ class GroupScaler:
         if keep < count and now - self.since >= p.scale_down_delay_s:
             self.restart(now)
             return self._decision(count, keep, figures + f", low for {p.scale_down_delay_s:g} s")
-        self.last = f"steady: {figures}" + (
-            f"; {keep} would do once the load has stayed low for {p.scale_down_delay_s:g} s" if keep < count else ""
+        self.last = self.after(
+            f"steady: {figures}"
+            + (f"; {keep} would do once the load has stayed low for {p.scale_down_delay_s:g} s" if keep < count else "")
         )
         return None
 
