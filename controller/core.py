@@ -28,6 +28,7 @@ from controller import reported as reported_engine
 from controller.actuator import Actuator
 from controller.adapters import AdapterSync
 from controller.adoption import Adoption
+from controller.autoscaler import AutoscaleCollector, Autoscaler
 from controller.beat_pacing import BeatPacing
 from controller.claims import NodeClaims, check_registration
 from controller.config import ControllerConfig
@@ -118,6 +119,9 @@ class Controller(views.ClusterReads):
         )
         self.rollouts = Rollouts(self.state, self.changes, self.endpoints)
         self.scheduler.rollouts = self.rollouts  # a step of each rollout ends every reconcile pass
+        # Runs where the rollouts run: only a started (leading) controller's loops tick it.
+        self.autoscaler = Autoscaler(self.state, self.changes, self.rollouts, self._spawn)
+        self.metrics.registry.register(AutoscaleCollector(self.autoscaler))
         # The interval node managers are told and the grace their silence is judged by.
         self.budget = HeartbeatBudget(
             config.heartbeat_interval, config.node_grace, config.max_heartbeats_per_second, self.state.nodes.live, clock
@@ -181,6 +185,9 @@ class Controller(views.ClusterReads):
             ),
             asyncio.create_task(
                 self._repeat(lambda: asyncio.sleep(0.5), self.front_doors.check, "front-door check"), name="front-doors"
+            ),
+            asyncio.create_task(
+                self._repeat(lambda: asyncio.sleep(1.0), self.autoscaler.tick, "autoscaling pass"), name="autoscaler"
             ),
         ]
 
@@ -261,7 +268,7 @@ class Controller(views.ClusterReads):
         self.changes.delete_now(name)
 
     async def apply(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
-        return await self.changes.apply(deployment)
+        return await self.changes.apply(self.autoscaler.keep_counts(deployment))
 
     def dry_run_apply(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
         return self.changes.dry_run(deployment)

@@ -96,6 +96,24 @@ class Spares:
         )
         return True
 
+    def promote_to_serve(self, group: str, why: str) -> list[InstanceRecord] | None:
+        """Scale-up (controller/autoscaler.py): a READY spare unit of the group serves from now on,
+        its flag turned off like a promotion's; the deployment's change that raises the count then
+        starts a new spare in its place. None when no spare is READY."""
+        spare = self.ready_spare(group)
+        if spare is None:
+            return None
+        with self.state.batch():
+            self._flag(spare, False)
+        st = self.state
+        st.event(
+            C.EVENT_TYPE_SPARE,
+            f"spare {', '.join(i.instance_id for i in spare)} promoted: serves as added capacity ({why})",
+            instance_id=spare[0].instance_id,
+            deployment=st.deployment_of(spare[0]),
+        )
+        return spare
+
     def state_changed(self, inst: InstanceRecord, old: int) -> None:
         """A serving instance that stops serving (READY -> DEGRADED: an engine ABNORMAL, or dead and
         its tree still being killed; or anything else) is replaced by a READY spare at once: it

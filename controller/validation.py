@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -137,6 +138,8 @@ def validate_deployment(
             problems.append(f"{where}.count: must be at most {MAX_COUNT} (got {group.count})")
         if group.spares > MAX_COUNT:
             problems.append(f"{where}.spares: must be at most {MAX_COUNT} (got {group.spares})")
+        if group.HasField("autoscaling"):
+            problems.extend(autoscaling_problems(group, where))
         if group.data_parallel_size == 0:
             group.data_parallel_size = 1
         if group.data_parallel_size > MAX_DATA_PARALLEL:
@@ -157,10 +160,15 @@ def validate_deployment(
                     f"engine_config.{section}: required by {where} (role {names.role_name(group.role)}): "
                     "the user_config section its engines read"
                 )
-    engines = sum((g.count + g.spares) * g.data_parallel_size for g in d.instance_groups)
+    # A decode group paired with an autoscaled prefill group scales with it (to the prefill's max).
+    pair_max = {g.pair_with: most_instances(g) for g in d.instance_groups if g.pair_with}
+    engines = sum(
+        (max(most_instances(g), pair_max.get(g.name, 0)) + g.spares) * g.data_parallel_size for g in d.instance_groups
+    )
     if engines > max_engines:
+        autoscaled = " or autoscaling max" if any(g.HasField("autoscaling") for g in d.instance_groups) else ""
         problems.append(
-            f"instance_groups: {engines} engines (count x data_parallel_size"
+            f"instance_groups: {engines} engines (count{autoscaled} x data_parallel_size"
             f"{', spares included' if any(g.spares for g in d.instance_groups) else ''}) exceed the limit "
             f"max_engines_per_deployment={max_engines} (controller setting --max-engines-per-deployment)"
         )
@@ -168,6 +176,14 @@ def validate_deployment(
     for i, group in enumerate(d.instance_groups):
         if not group.pair_with:
             continue
+        partner = by_name.get(group.pair_with)
+        if partner is not None and partner.HasField("autoscaling"):
+            j = next(k for k, g in enumerate(d.instance_groups) if g.name == group.pair_with)
+            problems.append(
+                f"instance_groups[{j}].autoscaling: decode group {partner.name!r} is paired with prefill group "
+                f"{group.name!r} (instance i with instance i, equal counts): the pair scales as one, so put the "
+                "autoscaling block on the prefill group only"
+            )
         where = f"instance_groups[{i}].pair_with"
         target = by_name.get(group.pair_with)
         if group.role != types_pb2.ROLE_PREFILL:
@@ -218,6 +234,39 @@ def validate_deployment(
 
 
 ROLLOUT_DEFAULTS = {"progress_deadline": 600.0, "min_ready": 5.0}
+
+
+DEFAULT_SCALE_DOWN_DELAY_S = 300.0
+
+
+def most_instances(group: controller_pb2.InstanceGroup) -> int:
+    """The most serving instances the group may have: its autoscaling max, else its count."""
+    return max(group.count, group.autoscaling.max) if group.HasField("autoscaling") else group.count
+
+
+def autoscaling_problems(group: controller_pb2.InstanceGroup, where: str) -> list[str]:
+    """Check a group's autoscaling block and fill its defaults (min 0 -> 1, delay 0 -> 300 s)."""
+    a, problems = group.autoscaling, []
+    where = f"{where}.autoscaling"
+    if a.min == 0:
+        a.min = 1  # no scale to zero: the router cannot hold requests while an engine loads
+    if a.scale_down_delay_s == 0:
+        a.scale_down_delay_s = DEFAULT_SCALE_DOWN_DELAY_S
+    if a.max < a.min or a.max > MAX_COUNT:
+        problems.append(f"{where}.max: required, at least min ({a.min}) and at most {MAX_COUNT} (got {a.max})")
+    elif not a.min <= group.count <= a.max:
+        problems.append(
+            f"{where[: -len('.autoscaling')]}.count: {group.count} is outside autoscaling min {a.min} .. max {a.max} "
+            "(count is the starting count)"
+        )
+    if not (a.target_in_flight > 0 and math.isfinite(a.target_in_flight)):
+        problems.append(
+            f"{where}.target_in_flight: required: a positive number of requests in flight per engine "
+            f"(got {a.target_in_flight})"
+        )
+    if a.scale_down_delay_s < 0 or not math.isfinite(a.scale_down_delay_s):
+        problems.append(f"{where}.scale_down_delay_s: must not be negative (got {a.scale_down_delay_s})")
+    return problems
 
 
 def strategy_problems(strategy: controller_pb2.UpdateStrategy) -> list[str]:

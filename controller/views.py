@@ -175,6 +175,7 @@ class ClusterReads:
                     old_instances=rollout.old,
                     spare_instances=sum(n for (spare, _), n in mine.items() if spare),
                     ready_spare_instances=mine[True, READY],
+                    scale=self.autoscaler.status(name, deployment),
                 )
             )
         return C.ListDeploymentsResponse(deployments=summaries)

@@ -158,7 +158,11 @@ def render_deployments(reply: controller_pb2.ListDeploymentsResponse) -> str:
         )
         for d in reply.deployments
     ]
-    return table(["NAME", "MODEL", "REVISION", "INSTANCES", "READY", "PENDING", "SPARES", "ROLLOUT"], rows)
+    out = table(["NAME", "MODEL", "REVISION", "INSTANCES", "READY", "PENDING", "SPARES", "ROLLOUT"], rows)
+    scaled = [(d.deployment.name, s.group, s.desired, s.current, s.reason) for d in reply.deployments for s in d.scale]
+    if scaled:  # only where a group autoscales: the table above stays as scripts read it
+        out += "\n\n" + table(["DEPLOYMENT", "AUTOSCALED GROUP", "DESIRED", "CURRENT", "WHY"], scaled)
+    return out
 
 
 def rollout_state_name(state: int) -> str:

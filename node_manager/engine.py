@@ -107,6 +107,7 @@ class EngineRecord:
     draining: bool = False
     sleeping: bool = False
     not_serving_reason: str = ""  # the engine's stall watchdog: '' while it serves
+    in_flight_requests: int = 0  # reported to the controller: its autoscaler's signal
     # Runtime only -------------------------------------------------------------------------
     watch: ExitWatcher | None = None  # notices the engine server's exit
     ending: Ending = Ending.NONE  # who is ending the engine, once something is
@@ -134,6 +135,7 @@ class EngineRecord:
         or not serving changed (routers must hear of it: the engine stops serving or serves again)."""
         if status.HasField("stop_grace"):
             self.stop_grace = pbtime.seconds(status.stop_grace)
+        self.in_flight_requests = status.in_flight_requests
         now = (status.draining, status.sleeping, status.not_serving_reason)
         changed = (self.draining, self.sleeping, self.not_serving_reason) != now
         self.draining, self.sleeping, self.not_serving_reason = now
@@ -243,6 +245,7 @@ class EngineRecord:
             draining=self.draining,
             sleeping=self.sleeping,
             not_serving_reason=self.not_serving_reason,
+            in_flight_requests=self.in_flight_requests,
         )
         if self.stop_grace:
             engine.stop_grace.CopyFrom(pbtime.duration(self.stop_grace))

@@ -48,6 +48,7 @@ from engine_server.engines.base import (
     UtilizationSampler,
     is_probe_request_id,
 )
+from engine_server.engines.sim_capacity import VLLM_MAX_NUM_SEQS, SimCapacity
 from engine_server.engines.sim_lora import SimLoras
 from engine_server.engines.vllm_admission import DRAINING_MESSAGE, RETRY_AFTER_S
 from motor.service.config import describe_validation_error
@@ -81,19 +82,10 @@ SIM_RUNNING = Gauge(
 )
 
 # The request-level series of vLLM, under vLLM's names and labels (model_name, engine), so one
-# dashboard and one set of alerts (deploy/) serve both engines. Probes are excluded, as the
-# engine server's patch does for vLLM. The simulated engine has no KV cache: its usage is the
-# share of SIM_MAX_NUM_SEQS (vLLM's default max_num_seqs) in flight.
-SIM_MAX_NUM_SEQS = 256
+# dashboard and one set of alerts (deploy/) serve both engines. Probes are excluded from these, as
+# the engine server's patch does for vLLM; running, waiting and KV-cache use are the capacity's
+# (sim_capacity.py).
 VLLM_LABELS = ["model_name", "engine"]
-VLLM_RUNNING = Gauge(
-    "vllm:num_requests_running", "Requests in model execution batches.", VLLM_LABELS, multiprocess_mode="livesum"
-)
-VLLM_WAITING = Gauge("vllm:num_requests_waiting", "Requests waiting to be processed.", VLLM_LABELS,
-                     multiprocess_mode="livesum")  # fmt: skip
-VLLM_KV_CACHE = Gauge(
-    "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", VLLM_LABELS, multiprocess_mode="livesum"
-)
 VLLM_TTFT = Histogram(
     "vllm:time_to_first_token_seconds",
     "Histogram of time to first token in seconds.",
@@ -143,6 +135,8 @@ class SimArgs(BaseModel):
     # meanwhile, so the engine server reports INIT, then NORMAL. `startup_delay_s` is its older name.
     load_s: float = Field(0.0, ge=0, validation_alias=AliasChoices("load_s", "startup_delay_s"))
     max_tokens_default: int = Field(16, ge=1)
+    # Requests served at once (vLLM's --max-num-seqs); the rest wait (sim_capacity.py).
+    max_num_seqs: int = Field(VLLM_MAX_NUM_SEQS, ge=1)
     faults: SimFaults = Field(default_factory=SimFaults)
 
 
@@ -188,6 +182,7 @@ class SimEngine(EngineBackend):
         self._runner: web.AppRunner | None = None
         self._crash_timer: asyncio.TimerHandle | None = None
         self.loras = SimLoras(self.args.model)  # adapters loaded at run time (sim_lora.py)
+        self.capacity = SimCapacity(self.args.max_num_seqs, self.args.model, str(options.dp_rank))
 
     def _initial_faults(self) -> SimFaults:
         base = {"latency_ms": self.args.latency_ms, "utilization": self.args.utilization}
@@ -200,10 +195,9 @@ class SimEngine(EngineBackend):
         self._died = loop.create_future()
         self._started_at = time.monotonic()
         # As vLLM: its request series exist (at zero) from the start, not from the first request.
-        for family in (VLLM_RUNNING, VLLM_WAITING, VLLM_KV_CACHE, VLLM_TTFT, VLLM_ITL, VLLM_PROMPT_TOKENS,
-                       VLLM_GENERATION_TOKENS):  # fmt: skip
-            family.labels(self.args.model, "0")
-        VLLM_SUCCESS.labels(self.args.model, "0", "length")
+        for family in (VLLM_TTFT, VLLM_ITL, VLLM_PROMPT_TOKENS, VLLM_GENERATION_TOKENS):
+            family.labels(*self._vllm_labels())
+        VLLM_SUCCESS.labels(*self._vllm_labels(), "length")
         app = web.Application()
         app.add_routes(
             [
@@ -376,27 +370,21 @@ class SimEngine(EngineBackend):
         if leg == sim_pd.DECODE_LEG and (problem := sim_pd.missing_handoff(body)):
             return _error(400, problem)
         arrived = time.monotonic()
-        vllm = (self.args.model, "0")
+        vllm = self._vllm_labels()
         if not probe:
             self._in_flight += 1
             SIM_RUNNING.labels(self.args.model).inc()
-            VLLM_WAITING.labels(*vllm).inc()
-        waiting = not probe
         try:
             await self._until_inference_runs()
             if self.sleeping:
                 return self._failed(probe, 503, "the engine is sleeping; call WakeUp first")
             if self.faults.fail_inference:
                 return self._failed(probe, 500, "sim fault: fail_inference")
-            if leg != sim_pd.DECODE_LEG:  # a decode leg fetches the KV cache its prefill leg computed
-                await self._prefill(count_tokens(prompt), probe)
-            if waiting:  # scheduled: from now on it runs, and holds its share of the (simulated) KV cache
-                waiting = False
-                VLLM_WAITING.labels(*vllm).dec()
-                VLLM_RUNNING.labels(*vllm).inc()
-                VLLM_KV_CACHE.labels(*vllm).inc(1 / SIM_MAX_NUM_SEQS)
-            if self.faults.latency_ms:
-                await asyncio.sleep(self.faults.latency_ms / 1000)
+            async with self.capacity.seat():  # at most max_num_seqs run at once; the rest wait
+                if leg != sim_pd.DECODE_LEG:  # a decode leg fetches the KV cache its prefill leg computed
+                    await self._prefill(count_tokens(prompt), probe)
+                if self.faults.latency_ms:
+                    await asyncio.sleep(self.faults.latency_ms / 1000)
             await self._until_inference_runs()  # a hang set while this request waited
             text = deterministic_text(prompt, max_tokens)
             prompt_tokens, completion_tokens = count_tokens(prompt), max_tokens
@@ -447,11 +435,10 @@ class SimEngine(EngineBackend):
             if not probe:
                 self._in_flight -= 1
                 SIM_RUNNING.labels(self.args.model).dec()
-                if waiting:
-                    VLLM_WAITING.labels(*vllm).dec()
-                else:
-                    VLLM_RUNNING.labels(*vllm).dec()
-                    VLLM_KV_CACHE.labels(*vllm).dec(1 / SIM_MAX_NUM_SEQS)
+
+    def _vllm_labels(self) -> tuple[str, str]:
+        """vLLM's labels: the served model, and the engine (this data-parallel rank)."""
+        return self.args.model, str(self.options.dp_rank)
 
     async def _prefill(self, tokens: int, probe: bool) -> None:
         left = tokens * self.args.prefill_ms_per_token / 1000

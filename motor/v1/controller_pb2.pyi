@@ -176,6 +176,8 @@ class _EventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventType.V
     restarted, its router stopped or started answering the sync, or its reports stopped or came
     back (the message names the router and what rollouts and spares now count as available).
     """
+    EVENT_TYPE_AUTOSCALE: _EventType.ValueType  # 19
+    """An autoscaling decision of a group, with its figures (docs/autoscaling.md)."""
 
 class EventType(_EventType, metaclass=_EventTypeEnumTypeWrapper):
     """Kind of a controller event."""
@@ -235,6 +237,8 @@ EVENT_TYPE_FRONT_DOOR: EventType.ValueType  # 18
 restarted, its router stopped or started answering the sync, or its reports stopped or came
 back (the message names the router and what rollouts and spares now count as available).
 """
+EVENT_TYPE_AUTOSCALE: EventType.ValueType  # 19
+"""An autoscaling decision of a group, with its figures (docs/autoscaling.md)."""
 Global___EventType: _TypeAlias = EventType  # noqa: Y015
 
 class _UpdateStrategyType:
@@ -421,6 +425,7 @@ class InstanceGroup(_message.Message):
     PAIR_WITH_FIELD_NUMBER: _builtins.int
     SINGLE_CONTAINER_FIELD_NUMBER: _builtins.int
     SPARES_FIELD_NUMBER: _builtins.int
+    AUTOSCALING_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name of the group; instances are named "<name>-<index>" (e.g. "prefill-0")."""
     role: _types_pb2.Role.ValueType
@@ -441,6 +446,10 @@ class InstanceGroup(_message.Message):
     spare takes its place at once and the failed instance restarts as the new spare.
     A prefill group and the decode group it pairs with need the same number.
     """
+    @_builtins.property
+    def autoscaling(self) -> Global___Autoscaling:
+        """Scale `count` with the load (docs/autoscaling.md); unset: the count stays as applied."""
+
     def __init__(
         self,
         *,
@@ -452,16 +461,91 @@ class InstanceGroup(_message.Message):
         pair_with: _builtins.str = ...,
         single_container: _builtins.bool = ...,
         spares: _builtins.int = ...,
+        autoscaling: Global___Autoscaling | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_accelerators_per_engine", b"_accelerators_per_engine", "accelerators_per_engine", b"accelerators_per_engine"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_accelerators_per_engine", b"_accelerators_per_engine", "accelerators_per_engine", b"accelerators_per_engine", "autoscaling", b"autoscaling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_accelerators_per_engine", b"_accelerators_per_engine", "accelerators_per_engine", b"accelerators_per_engine", "count", b"count", "data_parallel_size", b"data_parallel_size", "name", b"name", "pair_with", b"pair_with", "role", b"role", "single_container", b"single_container", "spares", b"spares"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_accelerators_per_engine", b"_accelerators_per_engine", "accelerators_per_engine", b"accelerators_per_engine", "autoscaling", b"autoscaling", "count", b"count", "data_parallel_size", b"data_parallel_size", "name", b"name", "pair_with", b"pair_with", "role", b"role", "single_container", b"single_container", "spares", b"spares"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__accelerators_per_engine: _TypeAlias = _typing.Literal["accelerators_per_engine"]  # noqa: Y015
     _WhichOneofArgType__accelerators_per_engine: _TypeAlias = _typing.Literal["_accelerators_per_engine", b"_accelerators_per_engine"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__accelerators_per_engine) -> _WhichOneofReturnType__accelerators_per_engine | None: ...
 
 Global___InstanceGroup: _TypeAlias = InstanceGroup  # noqa: Y015
+
+@_typing.final
+class Autoscaling(_message.Message):
+    """Autoscaling of an instance group on its engines' requests in flight. With it, the group's
+    `count` is the starting count; afterwards the controller's leader sets it between min and max.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MIN_FIELD_NUMBER: _builtins.int
+    MAX_FIELD_NUMBER: _builtins.int
+    TARGET_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    SCALE_DOWN_DELAY_S_FIELD_NUMBER: _builtins.int
+    min: _builtins.int
+    """Fewest serving instances; 0 means 1 (scale to zero is not offered: the router cannot hold
+    requests while an engine loads).
+    """
+    max: _builtins.int
+    """Most serving instances (required, at least min)."""
+    target_in_flight: _builtins.float
+    """Requests in flight (running + waiting) per engine that the group is sized for, averaged
+    over the group and over the last 10 s (required, positive).
+    """
+    scale_down_delay_s: _builtins.float
+    """Seconds the load must stay below the scale-down threshold before an instance goes; 0 means 300."""
+    def __init__(
+        self,
+        *,
+        min: _builtins.int = ...,
+        max: _builtins.int = ...,
+        target_in_flight: _builtins.float = ...,
+        scale_down_delay_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max", b"max", "min", b"min", "scale_down_delay_s", b"scale_down_delay_s", "target_in_flight", b"target_in_flight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Autoscaling: _TypeAlias = Autoscaling  # noqa: Y015
+
+@_typing.final
+class GroupScale(_message.Message):
+    """What the autoscaler last decided for one group (ListDeployments)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_FIELD_NUMBER: _builtins.int
+    DESIRED_FIELD_NUMBER: _builtins.int
+    CURRENT_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    group: _builtins.str
+    """The instance group."""
+    desired: _builtins.int
+    """The count the autoscaler wants (the deployment's count once applied)."""
+    current: _builtins.int
+    """Serving instances now."""
+    reason: _builtins.str
+    """Why: the figures of the last decision, or what holds it (a rollout in progress)."""
+    def __init__(
+        self,
+        *,
+        group: _builtins.str = ...,
+        desired: _builtins.int = ...,
+        current: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["current", b"current", "desired", b"desired", "group", b"group", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupScale: _TypeAlias = GroupScale  # noqa: Y015
 
 @_typing.final
 class RestartPolicy(_message.Message):
@@ -621,6 +705,7 @@ class DeploymentSummary(_message.Message):
     OLD_INSTANCES_FIELD_NUMBER: _builtins.int
     SPARE_INSTANCES_FIELD_NUMBER: _builtins.int
     READY_SPARE_INSTANCES_FIELD_NUMBER: _builtins.int
+    SCALE_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     """Its revision (each deployment counts its own)."""
     instances: _builtins.int
@@ -649,6 +734,10 @@ class DeploymentSummary(_message.Message):
     def deployment(self) -> Global___Deployment:
         """The desired deployment."""
 
+    @_builtins.property
+    def scale(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupScale]:
+        """Per autoscaled group: desired vs current and why (empty for groups without autoscaling)."""
+
     def __init__(
         self,
         *,
@@ -664,10 +753,11 @@ class DeploymentSummary(_message.Message):
         old_instances: _builtins.int = ...,
         spare_instances: _builtins.int = ...,
         ready_spare_instances: _builtins.int = ...,
+        scale: _abc.Iterable[Global___GroupScale] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["available_instances", b"available_instances", "deployment", b"deployment", "instances", b"instances", "old_instances", b"old_instances", "pending_instances", b"pending_instances", "ready_instances", b"ready_instances", "ready_spare_instances", b"ready_spare_instances", "revision", b"revision", "rollout_reason", b"rollout_reason", "rollout_state", b"rollout_state", "spare_instances", b"spare_instances", "updated_instances", b"updated_instances"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available_instances", b"available_instances", "deployment", b"deployment", "instances", b"instances", "old_instances", b"old_instances", "pending_instances", b"pending_instances", "ready_instances", b"ready_instances", "ready_spare_instances", b"ready_spare_instances", "revision", b"revision", "rollout_reason", b"rollout_reason", "rollout_state", b"rollout_state", "scale", b"scale", "spare_instances", b"spare_instances", "updated_instances", b"updated_instances"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -391,6 +391,7 @@ class Engine(_message.Message):
     DRAINING_FIELD_NUMBER: _builtins.int
     SLEEPING_FIELD_NUMBER: _builtins.int
     NOT_SERVING_REASON_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_REQUESTS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """Identifier "<instance_id>/rank<dp_rank>", e.g. "prefill-0/rank1"."""
     state: Global___EngineState.ValueType
@@ -420,6 +421,10 @@ class Engine(_message.Message):
     not_serving_reason: _builtins.str
     """EngineStatus.not_serving_reason as the engine last reported it: empty while it serves; else
     why not (a stall, failing requests). The controller lists no endpoint for it meanwhile.
+    """
+    in_flight_requests: _builtins.int
+    """Requests in flight on its inference plane (running + waiting, probes excluded), as the
+    engine server last said (EngineStatus.in_flight_requests): the autoscaler's signal.
     """
     @_builtins.property
     def spec(self) -> Global___EngineSpec:
@@ -470,10 +475,11 @@ class Engine(_message.Message):
         draining: _builtins.bool = ...,
         sleeping: _builtins.bool = ...,
         not_serving_reason: _builtins.str = ...,
+        in_flight_requests: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "last_probe", b"last_probe", "spec", b"spec", "started_at", b"started_at", "state_changed_at", b"state_changed_at", "stop_grace", b"stop_grace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "consecutive_abnormal", b"consecutive_abnormal", "draining", b"draining", "engine_id", b"engine_id", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "health", b"health", "health_reason", b"health_reason", "last_probe", b"last_probe", "log_path", b"log_path", "node_id", b"node_id", "not_serving_reason", b"not_serving_reason", "pid", b"pid", "recent_probes", b"recent_probes", "sleeping", b"sleeping", "spec", b"spec", "started_at", b"started_at", "state", b"state", "state_changed_at", b"state_changed_at", "state_reason", b"state_reason", "stop_grace", b"stop_grace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "consecutive_abnormal", b"consecutive_abnormal", "draining", b"draining", "engine_id", b"engine_id", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "health", b"health", "health_reason", b"health_reason", "in_flight_requests", b"in_flight_requests", "last_probe", b"last_probe", "log_path", b"log_path", "node_id", b"node_id", "not_serving_reason", b"not_serving_reason", "pid", b"pid", "recent_probes", b"recent_probes", "sleeping", b"sleeping", "spec", b"spec", "started_at", b"started_at", "state", b"state", "state_changed_at", b"state_changed_at", "state_reason", b"state_reason", "stop_grace", b"stop_grace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
     _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015

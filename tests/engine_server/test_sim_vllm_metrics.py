@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from engine_server.engines.sim import SIM_MAX_NUM_SEQS
+from engine_server.engines.sim_capacity import VLLM_MAX_NUM_SEQS as SIM_MAX_NUM_SEQS
 from tests.engine_server.conftest import sim_config
 from tests.support import require, wait_for
 
@@ -30,7 +30,10 @@ NAMES = [
 
 
 def test_requests_show_in_vllms_series(engine_server):
-    es = engine_server(sim_config(engine_args={"utilization": 1, "latency_ms": 1500}))
+    # No probes: they take a seat like any request (sim_capacity.py), and these counts are the client's.
+    es = engine_server(
+        sim_config(engine_args={"utilization": 1, "latency_ms": 1500}, health={"enable_virtual_inference": False})
+    )
     es.wait_status(NORMAL)
     slow = threading.Thread(target=es.http, args=("POST", "/v1/completions", {"prompt": "a b", "max_tokens": 4}))
     slow.start()

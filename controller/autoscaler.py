@@ -1,0 +1,334 @@
+"""Autoscaling of instance groups on their engines' requests in flight (docs/autoscaling.md).
+
+The signal is what the controller already sees every heartbeat: each engine's requests in flight
+(running + waiting, probes excluded), summed over the group's serving READY engines, one sample a
+second, and taken as the median of the last WINDOW_S seconds (a step of the load counts once it
+has held for half the window, in full; a single burst or a noisy sample does not). A decision:
+
+- up: when the window's median needs more engines than the group has, ceil(load / target) engines
+  at once, the load being the larger of the window's median and the median of its latest half (a
+  queue growing on saturated engines makes the window lag): a tripled load adds what it needs in
+  one step, within min .. max;
+- down: only to the count that keeps each engine at or below DOWN_RATIO x the target (hysteresis:
+  the next sample does not scale it back up), and only once that has held for the whole
+  scale_down_delay_s (the highest such count over the delay is taken);
+- after a change the window starts again: the next decision sees only samples of the new count,
+  so under a steady load there is at most one change (one direction) per window.
+
+GroupScaler is the plain decision of one group, on a clock it is given (tests feed it series).
+Autoscaler runs them on the leader, where the rollouts run, and acts through the deployment's own
+apply: the decided count is the stored deployment's `count`, so a restart or a failover reads it
+back and continues from it without a jump.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from controller import reported as reported_engine
+from controller.instances import READY, InstanceRecord
+from controller.rollout_plan import index_of
+from controller.state import ClusterState
+from controller.store import StoreUnavailable
+from motor.v1 import controller_pb2, types_pb2
+
+logger = logging.getLogger(__name__)
+
+C, T = controller_pb2, types_pb2
+
+WINDOW_S = 10.0  # the load is averaged over this long; also the stabilization window after a change
+DOWN_RATIO = 0.8  # scale down only to a count that keeps each engine at or below 0.8 x the target
+
+
+@dataclass(frozen=True)
+class ScalePolicy:
+    min: int
+    max: int
+    target: float
+    scale_down_delay_s: float
+
+    @classmethod
+    def of(cls, block: C.Autoscaling) -> ScalePolicy:  # a validated block (defaults filled in)
+        return cls(block.min, block.max, block.target_in_flight, block.scale_down_delay_s)
+
+
+@dataclass(frozen=True)
+class Decision:
+    group: str
+    old: int
+    new: int
+    message: str
+
+
+class GroupScaler:
+    """The decisions of one group. `step` is fed one sample per tick: the time, the group's serving
+    count and its engines' total requests in flight."""
+
+    def __init__(self, group: str, policy: ScalePolicy, now: float):
+        self.group, self.policy = group, policy
+        self.samples: deque[tuple[float, float]] = deque()  # (time, total in flight) of the window
+        self.down: deque[tuple[float, int]] = deque()  # (time, count that would do) over the delay
+        self.since = now  # the window (and the scale-down delay) counts from here
+        self.last = ""  # what the last look found: shown by ListDeployments
+        self.decided = ""  # the last decision's message, shown with what follows it
+        self.per_engine = 0.0  # the load of the last full window, per serving engine (a metric)
+
+    def restart(self, now: float) -> None:
+        """Forget the samples (after a change, or while held by a rollout)."""
+        self.samples.clear()
+        self.down.clear()
+        self.since = now
+
+    def step(self, now: float, count: int, total_in_flight: float) -> Decision | None:
+        p = self.policy
+        if count < p.min or count > p.max:
+            new = min(max(count, p.min), p.max)
+            self.restart(now)
+            return self._decision(count, new, f"outside autoscaling min {p.min} .. max {p.max}")
+        self.samples.append((now, total_in_flight))
+        while self.samples[0][0] <= now - WINDOW_S:
+            self.samples.popleft()
+        if now - self.since < WINDOW_S - 1:
+            self.last = self.after(f"gathering {WINDOW_S:.0f} s of load since the last change")
+            return None
+        load = statistics.median_low([v for _, v in self.samples])
+        self.per_engine = load / count
+        figures = f"in flight {load / count:.1f} per engine over {WINDOW_S:.0f} s against a target of {p.target:g}"
+        if min(p.max, math.ceil(load / p.target - 1e-9)) > count:
+            # Sized by the latest half of the window: under a queue that grows (engines saturated)
+            # the window's median lags the load, and a step sized by it would be the first of several.
+            recent = statistics.median_low([v for t, v in self.samples if t > now - WINDOW_S / 2])
+            if recent > load:
+                figures += f" ({recent / count:.1f} over the last {WINDOW_S / 2:g} s)"
+            up = min(p.max, math.ceil(max(load, recent) / p.target - 1e-9))
+            self.restart(now)
+            return self._decision(count, up, figures)
+        enough = max(p.min, math.ceil(load / (p.target * DOWN_RATIO) - 1e-9))
+        while self.down and self.down[-1][1] <= enough:
+            self.down.pop()  # the highest count over the delay is what is kept (a monotone queue)
+        self.down.append((now, enough))
+        while self.down[0][0] <= now - p.scale_down_delay_s:
+            self.down.popleft()
+        keep = self.down[0][1]
+        if keep < count and now - self.since >= p.scale_down_delay_s:
+            self.restart(now)
+            return self._decision(count, keep, figures + f", low for {p.scale_down_delay_s:g} s")
+        self.last = self.after(
+            f"steady: {figures}"
+            + (f"; {keep} would do once the load has stayed low for {p.scale_down_delay_s:g} s" if keep < count else "")
+        )
+        return None
+
+    def after(self, what: str) -> str:
+        return f"{self.decided}; {what}" if self.decided else what
+
+    def _decision(self, old: int, new: int, figures: str) -> Decision:
+        message = f"{self.group}: {old} -> {new}, {figures}"
+        self.last = self.decided = message
+        return Decision(self.group, old, new, message)
+
+
+class Autoscaler:
+    """Runs each autoscaled group's GroupScaler once a second on the leader and acts on its
+    decisions. Scale-up first promotes READY spares (controller/spares.py: they serve at once,
+    and the deployment's change starts new spares in their place), then the apply of the new
+    count starts the rest; scale-down first takes the instances that go (the least loaded) out of
+    the routers and stops them (they drain), then applies the lower count. Nothing is decided while a
+    change is being made or while the deployment's rollout is not COMPLETE (progressing or
+    paused): the count would add instances of a spec under review."""
+
+    def __init__(self, state: ClusterState, changes, rollouts, spawn: Callable):
+        self.state, self.changes, self.rollouts, self.spawn = state, changes, rollouts, spawn
+        self.scalers: dict[tuple[str, str], GroupScaler] = {}
+        # (deployment, group, "up" | "down") -> changes made (motor_controller_autoscale_decisions_total)
+        self.decisions: dict[tuple[str, str, str], int] = {}
+
+    def tick(self) -> None:
+        now = self.state.mono()
+        seen = set()
+        for name, (deployment, _) in list(self.changes.deployments.items()):
+            held = self._held(name)
+            for group in deployment.instance_groups:
+                if not group.HasField("autoscaling"):
+                    continue
+                key, policy = (name, group.name), ScalePolicy.of(group.autoscaling)
+                seen.add(key)
+                scaler = self.scalers.get(key)
+                if scaler is None or scaler.policy != policy:
+                    scaler = self.scalers[key] = GroupScaler(group.name, policy, now)
+                if held:
+                    scaler.restart(now)
+                    scaler.last = scaler.after(f"held: {held}")
+                    continue
+                # A P/D pair scales as one (instance i pairs with instance i): on the larger of the
+                # prefill group's and the decode group's load.
+                load = max(self.in_flight(group.name), self.in_flight(group.pair_with) if group.pair_with else 0)
+                decision = scaler.step(now, group.count, load)
+                if decision is not None:
+                    self._act(name, deployment, decision)
+                    break  # one change of a deployment at a time: the next tick sees it made
+        for key in set(self.scalers) - seen:
+            del self.scalers[key]
+
+    def _held(self, name: str) -> str:
+        if self.changes.busy:
+            return "a deployment change is being made"
+        state, reason = self.rollouts.status(name)
+        if state == C.ROLLOUT_STATE_PAUSED:
+            return f"the rollout is paused ({reason}): resume or undo it to scale again"
+        if state == C.ROLLOUT_STATE_PROGRESSING:
+            return "a rollout is in progress"
+        return ""
+
+    def in_flight(self, group: str) -> int:
+        """Requests in flight on the group's serving READY engines, as their nodes last reported."""
+        return sum(
+            self.load_of(i)
+            for i in list(self.state.instances.values())
+            if i.group == group and not i.spare and i.state == READY
+        )
+
+    def load_of(self, inst: InstanceRecord) -> int:
+        st, total = self.state, 0
+        for slot in st.slots_of(inst.instance_id):
+            node = st.nodes.get(slot.node_id) if slot.node_id else None
+            kept = node.engines.get(slot.engine_id) if node is not None else None
+            if kept is not None:
+                total += reported_engine.message(kept).in_flight_requests
+        return total
+
+    def _act(self, name: str, deployment: C.Deployment, decision: Decision) -> None:
+        promoted = []
+        if decision.new > decision.old:
+            for _ in range(decision.new - decision.old):
+                unit = self.changes.spares.promote_to_serve(decision.group, "the load grew")
+                if unit is None:
+                    break
+                promoted.extend(i.instance_id for i in unit)
+        elif not self._withdraw(name, decision):
+            return
+        scaled = C.Deployment()
+        scaled.CopyFrom(deployment)
+        partner = next((g.pair_with for g in deployment.instance_groups if g.name == decision.group), "")
+        for group in scaled.instance_groups:
+            if group.name in (decision.group, partner):
+                group.count = decision.new
+        key = (name, decision.group, "up" if decision.new > decision.old else "down")
+        self.decisions[key] = self.decisions.get(key, 0) + 1
+        serving = f"; spare {', '.join(promoted)} serves at once" if promoted else ""
+        self.state.events.emit(C.EVENT_TYPE_AUTOSCALE, decision.message + serving, deployment=name)
+        logger.info("autoscaling %s: %s%s", name, decision.message, serving)
+        self.spawn(self._apply(scaled, decision), f"autoscale {decision.group}")
+
+    def _withdraw(self, name: str, decision: Decision) -> bool:
+        """Scale-down: take out the instances that go, in one step (durable first; out of the
+        routers before their engines stop, which drain), so that the lowered count's apply finds
+        exactly those to keep. Those not READY go first, then the least loaded (the fewest
+        requests to drain), the newest among equals. False when the store refused it."""
+        st = self.state
+        serving = [i for i in st.instances.values() if i.group == decision.group and not i.spare]
+
+        def unit(inst: InstanceRecord) -> list[InstanceRecord]:  # with its decode partner, if any
+            partner = st.instances.get(inst.paired_instance_id) if inst.paired_instance_id else None
+            return [inst] if partner is None else [inst, partner]
+
+        def rank(inst: InstanceRecord) -> tuple:
+            members = unit(inst)
+            return all(m.state == READY for m in members), sum(map(self.load_of, members)), -index_of(inst)
+
+        going = [m for inst in sorted(serving, key=rank)[: len(serving) - decision.new] for m in unit(inst)]
+        why = f"scaled down ({decision.message})"
+        try:
+            self.changes.step(name, [(i.instance_id, why) for i in going], [])
+        except StoreUnavailable as exc:
+            self.state.refused(exc)
+            return False
+        return True
+
+    async def _apply(self, scaled: C.Deployment, decision: Decision) -> None:
+        try:
+            await self.changes.apply(scaled)
+        except Exception as exc:  # the count stays; the next window decides again
+            logger.warning("autoscaling %s to %d could not be applied: %s", decision.group, decision.new, exc)
+            self.state.events.emit(
+                C.EVENT_TYPE_AUTOSCALE, f"{decision.group}: {decision.old} -> {decision.new} not applied: {exc}"
+            )
+
+    def keep_counts(self, deployment: C.Deployment) -> C.Deployment:
+        """An apply of a file keeps the count the autoscaler reached for a group that stays
+        autoscaled (within the file's min .. max): re-applying the same file does not undo it."""
+        current = self.changes.deployments.get(deployment.name)
+        if current is None:
+            return deployment
+        counts = {g.name: g.count for g in current[0].instance_groups if g.HasField("autoscaling")}
+        out = C.Deployment()
+        out.CopyFrom(deployment)
+        for group in out.instance_groups:
+            if group.name in counts and group.HasField("autoscaling"):
+                a = group.autoscaling
+                group.count = min(max(counts[group.name], a.min or 1), max(a.max, a.min or 1))
+        return out
+
+    def status(self, name: str, deployment: C.Deployment) -> list[C.GroupScale]:
+        """Desired vs current and why, per autoscaled group (ListDeployments)."""
+        out = []
+        for group in deployment.instance_groups:
+            if not group.HasField("autoscaling"):
+                continue
+            current = sum(
+                1 for i in self.state.instances.values() if i.group == group.name and not i.spare and i.state == READY
+            )
+            scaler = self.scalers.get((name, group.name))
+            reason = scaler.last if scaler is not None else "waiting for the first window of load"
+            out.append(C.GroupScale(group=group.name, desired=group.count, current=current, reason=reason))
+        return out
+
+
+class AutoscaleCollector:
+    """The autoscaler's series, read at scrape time (registered on the controller's registry)."""
+
+    def __init__(self, scaler: Autoscaler):
+        self.scaler = scaler
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        desired = GaugeMetricFamily(
+            "motor_controller_autoscale_desired_instances",
+            "Serving instances an autoscaled group is set to (its deployment's count).",
+            labels=["deployment", "group"],
+        )
+        load = GaugeMetricFamily(
+            "motor_controller_autoscale_in_flight_per_engine",
+            "Requests in flight per serving engine of an autoscaled group over the last window (the signal "
+            "compared with target_in_flight).",
+            labels=["deployment", "group"],
+        )
+        decisions = CounterMetricFamily(
+            "motor_controller_autoscale_decisions",
+            "Count changes an autoscaled group's autoscaler made, by direction. Many of both directions in an "
+            "hour: the target or the delay does not suit the load.",
+            labels=["deployment", "group", "direction"],
+        )
+        changes = self.scaler.changes.deployments
+        for (name, group), scaler in sorted(self.scaler.scalers.items()):
+            count = (
+                next((g.count for g in changes[name][0].instance_groups if g.name == group), 0)
+                if name in changes
+                else 0
+            )
+            desired.add_metric([name, group], count)
+            load.add_metric([name, group], scaler.per_engine)
+        for (name, group, direction), n in sorted(self.scaler.decisions.items()):
+            decisions.add_metric([name, group, direction], n)
+        yield desired
+        yield load
+        yield decisions

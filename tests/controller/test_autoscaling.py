@@ -1,0 +1,167 @@
+"""Autoscaling acting on a controller with a fake node-manager client: the group's engines' requests
+in flight (reported in heartbeats) scale its count, a READY spare serving first; the lower count
+takes instances out of the routers before their engines stop; nothing moves while a rollout is
+paused. The decision rules themselves are pinned on a fake clock (test_autoscaling_rules.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from controller import autoscaler
+from motor.v1 import controller_pb2 as C
+from tests.controller.conftest import Harness, small_deployment
+from tests.controller.test_spares import all_ready, listed
+from tests.support import async_wait_for
+
+NODES = ("node-a", "node-b")
+
+
+@pytest.fixture(autouse=True)
+def short_window(monkeypatch):
+    monkeypatch.setattr(autoscaler, "WINDOW_S", 1.0)  # a test waits seconds, not the product's 10 s
+
+
+def chat(count: int = 1, spares: int = 1, delay: float = 2.0) -> C.Deployment:
+    block = {"min": 1, "max": 4, "target_in_flight": 4, "scale_down_delay_s": delay}
+    return small_deployment([{"name": "u", "role": "union", "count": count, "spares": spares, "autoscaling": block}])
+
+
+def load(h: Harness, per_instance: dict[str, int]) -> None:
+    for engines in h.client.engines.values():
+        for engine_id, engine in engines.items():
+            engine.in_flight_requests = per_instance.get(engine_id.split("/")[0], 0)
+
+
+def events(h: Harness) -> list[str]:
+    return [e.message for e in h.controller.events.recent if e.type == C.EVENT_TYPE_AUTOSCALE]
+
+
+def count(h: Harness) -> int:
+    return h.controller.changes.deployments["t"][0].instance_groups[0].count
+
+
+async def running(h: Harness, **kw) -> None:
+    await h.start()
+    for node in NODES:
+        await h.register(node, accelerators=4)
+    h.controller.apply_deployment(chat(**kw))
+    await all_ready(h, NODES, kw.get("count", 1) + kw.get("spares", 1))
+
+
+async def test_load_scales_up_with_the_spare_serving_at_once_then_down_after_the_delay(harness):
+    await running(harness)
+    assert listed(harness) == {"u-0"}
+    load(harness, {"u-0": 12})  # 12 in flight on one engine, a target of 4: three engines
+    async with harness.beating(*NODES):
+        await async_wait_for(lambda: count(harness) == 3, timeout=15, what="the count raised to 3")
+        [decision] = events(harness)
+        assert decision.startswith("u: 1 -> 3, in flight 12.0 per engine over 1 s against a target of 4")
+        assert "spare u-1 serves at once" in decision
+        assert "u-1" in listed(harness)  # the spare serves before any new engine has loaded
+        await async_wait_for(lambda: len(harness.client.starts()) >= 4, timeout=5, what="the new engines started")
+        await all_ready(harness, NODES, 4)
+        assert listed(harness) == {"u-0", "u-1", "u-2"} and harness.instance("u-3").spare
+        [summary] = harness.controller.list_deployments().deployments
+        [scale] = summary.scale
+        assert (scale.group, scale.desired, scale.current) == ("u", 3, 3)
+        assert scale.reason.startswith("u: 1 -> 3, in flight 12.0 per engine")  # the last decision, then what follows
+        sample = harness.controller.metrics.registry.get_sample_value
+        labels = {"deployment": "t", "group": "u"}
+        assert sample("motor_controller_autoscale_desired_instances", labels) == 3
+        assert sample("motor_controller_autoscale_decisions_total", {**labels, "direction": "up"}) == 1
+
+        load(harness, {})  # idle: after the 2 s delay, back to min
+        stops_before = len(harness.client.stops())
+        await async_wait_for(lambda: count(harness) == 1, timeout=15, what="the count lowered to 1")
+        assert events(harness)[-1].startswith("u: 3 -> 1, in flight 0.0 per engine")
+        await async_wait_for(lambda: len(harness.client.stops()) >= stops_before + 2, timeout=5, what="2 stops")
+        assert len(listed(harness)) == 1 and "u-3" not in listed(harness)
+
+
+async def test_a_paused_rollout_holds_the_count_and_says_so(harness):
+    await running(harness)
+    harness.controller.rollouts.pause("t")
+    load(harness, {"u-0": 12})
+    async with harness.beating(*NODES):
+        await async_wait_for(
+            lambda: (
+                harness.controller.list_deployments()
+                .deployments[0]
+                .scale[0]
+                .reason.startswith("held: the rollout is paused")
+            ),
+            timeout=5,
+        )
+        harness.controller.rollouts.resume("t")
+        await async_wait_for(lambda: count(harness) == 3, timeout=15, what="scaled once resumed")
+
+
+async def test_reapplying_the_file_keeps_the_count_the_autoscaler_reached(harness):
+    await running(harness)
+    load(harness, {"u-0": 12})
+    async with harness.beating(*NODES):
+        await async_wait_for(lambda: count(harness) == 3, timeout=15)
+    load(harness, {"u-0": 0})
+    await harness.controller.apply(chat(delay=300))  # the same file but a longer delay
+    assert count(harness) == 3
+
+
+async def test_motorctl_deployments_shows_desired_current_and_why(harness):
+    from motorctl.render import render_deployments
+
+    await running(harness)
+    load(harness, {"u-0": 2})
+    async with harness.beating(*NODES):
+        await async_wait_for(
+            lambda: "steady" in harness.controller.list_deployments().deployments[0].scale[0].reason, timeout=10
+        )
+    text = render_deployments(harness.controller.list_deployments())
+    lines = text.splitlines()
+    assert lines[-2].split()[:5] == ["DEPLOYMENT", "AUTOSCALED", "GROUP", "DESIRED", "CURRENT"]
+    assert lines[-1].split()[:4] == ["t", "u", "1", "1"]
+    assert "steady: in flight 2.0 per engine over 1 s against a target of 4" in lines[-1]
+
+
+async def test_scale_down_removes_the_least_loaded_instances(harness):
+    await running(harness, count=3, spares=0)
+    load(harness, {"u-2": 2})  # u-0 and u-1 idle: they go, u-2 keeps its requests
+    async with harness.beating(*NODES):
+        await async_wait_for(lambda: count(harness) == 1, timeout=15, what="the count lowered to 1")
+    assert {i.instance_id for i in harness.controller.list_instances()} == {"u-2"}
+    assert listed(harness) == {"u-2"}
+    stopped = {engine_id for _, engine_id, _ in harness.client.stops()}
+    assert stopped == {"u-0/rank0", "u-1/rank0"}
+
+
+async def test_a_pd_pair_scales_as_one_on_the_larger_of_its_two_loads(harness):
+    block = {"min": 1, "max": 3, "target_in_flight": 4, "scale_down_delay_s": 2}
+    pair = small_deployment(
+        [
+            {"name": "p", "role": "prefill", "count": 1, "spares": 1, "pair_with": "d", "autoscaling": block},
+            {"name": "d", "role": "decode", "count": 1, "spares": 1},
+        ]
+    )
+    await harness.start()
+    for node in NODES:
+        await harness.register(node, accelerators=4)
+    harness.controller.apply_deployment(pair)
+    await all_ready(harness, NODES, 4)
+
+    def counts() -> tuple[int, ...]:
+        return tuple(g.count for g in harness.controller.changes.deployments["t"][0].instance_groups)
+
+    load(harness, {"d-0": 12})  # the decode side is the busy one: three pairs
+    async with harness.beating(*NODES):
+        await async_wait_for(lambda: counts() == (3, 3), timeout=15, what="both groups raised to 3")
+        assert not harness.instance("p-1").spare and not harness.instance("d-1").spare  # the spare pair serves
+        await all_ready(harness, NODES, 8)
+        assert {i.paired_instance_id for i in harness.controller.list_instances() if i.group == "p"} == {
+            "d-0",
+            "d-1",
+            "d-2",
+            "d-3",
+        }
+        load(harness, {"d-2": 1})  # idle but for pair 2: pairs 0 and 1 go, whole
+        await async_wait_for(lambda: counts() == (1, 1), timeout=15, what="both groups lowered to 1")
+    serving = {i.instance_id for i in harness.controller.list_instances() if not i.spare}
+    assert serving == {"p-2", "d-2"}

@@ -1,0 +1,150 @@
+"""The autoscaling block of an instance group: validation (errors name the field as the file spells
+it) and the decisions of controller/autoscaler.py on a fake clock with fed load series."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from controller.autoscaler import GroupScaler, ScalePolicy
+from controller.validation import validate_deployment
+from motor.errors import InvalidArgument
+from tests.controller.conftest import small_deployment
+
+
+def invalid(deployment, **limits) -> str:
+    with pytest.raises(InvalidArgument) as err:
+        validate_deployment(deployment, **limits)
+    return str(err.value)
+
+
+def union(**group) -> list[dict]:
+    return [{"name": "chat", "role": "union", **group}]
+
+
+# ---------------------------------------------------------------- the block in a file
+
+
+def test_a_valid_block_gets_its_defaults():
+    d = validate_deployment(small_deployment(union(count=2, autoscaling={"max": 8, "target_in_flight": 4})))
+    a = d.instance_groups[0].autoscaling
+    assert (a.min, a.max, a.target_in_flight, a.scale_down_delay_s) == (1, 8, 4, 300)
+
+
+def test_count_outside_min_and_max_is_refused_naming_the_fields():
+    message = invalid(small_deployment(union(count=9, autoscaling={"min": 2, "max": 8, "target_in_flight": 4})))
+    assert "instance_groups[0].count: 9 is outside autoscaling min 2 .. max 8" in message
+    message = invalid(small_deployment(union(count=1, autoscaling={"min": 2, "max": 8, "target_in_flight": 4})))
+    assert "instance_groups[0].count: 1 is outside autoscaling min 2 .. max 8" in message
+
+
+def test_max_below_min_missing_target_and_negative_delay_are_each_named():
+    message = invalid(small_deployment(union(count=3, autoscaling={"min": 3, "max": 2, "scale_down_delay_s": -1})))
+    assert "instance_groups[0].autoscaling.max: required, at least min (3)" in message
+    assert "instance_groups[0].autoscaling.target_in_flight: required: a positive number" in message
+    assert "instance_groups[0].autoscaling.scale_down_delay_s: must not be negative" in message
+
+
+def test_the_engine_limit_counts_max_and_spares():
+    deployment = small_deployment(union(count=1, spares=1, autoscaling={"max": 8, "target_in_flight": 4}))
+    validate_deployment(deployment, max_engines=9)
+    assert "9 engines" in invalid(deployment, max_engines=8)
+
+
+def test_a_pd_pair_autoscales_through_its_prefill_group_and_counts_both_in_the_engine_limit():
+    groups = [
+        {"name": "p", "role": "prefill", "pair_with": "d", "autoscaling": {"max": 4, "target_in_flight": 4}},
+        {"name": "d", "role": "decode"},
+    ]
+    validate_deployment(small_deployment(groups), max_engines=8)
+    assert "8 engines" in invalid(small_deployment(groups), max_engines=7)
+    groups[1]["autoscaling"] = {"max": 4, "target_in_flight": 4}
+    assert "instance_groups[1].autoscaling: decode group 'd' is paired with prefill group 'p'" in invalid(
+        small_deployment(groups)
+    )
+
+
+# ---------------------------------------------------------------- decisions on a fake clock
+
+POLICY = ScalePolicy(min=1, max=8, target=4.0, scale_down_delay_s=300.0)
+
+
+def run(scaler: GroupScaler, count: int, load, seconds: int, start: float = 0.0) -> tuple[int, list]:
+    """Feed one sample a second (`load(t)`: total requests in flight of the group); apply each
+    decision at once. Returns the final count and the decisions as (time, old, new)."""
+    decisions = []
+    for t in range(int(start), int(start + seconds)):
+        decision = scaler.step(float(t), count, load(t))
+        if decision is not None:
+            decisions.append((t, decision.old, decision.new))
+            count = decision.new
+    return count, decisions
+
+
+def test_a_tripled_load_adds_the_engines_it_needs_in_one_step_within_the_window():
+    scaler = GroupScaler("chat", POLICY, now=0.0)
+    count, decisions = run(scaler, 2, lambda t: 8 if t < 60 else 24, 120)
+    assert count == 6
+    assert len(decisions) == 1
+    t, old, new = decisions[0]
+    assert (old, new) == (2, 6) and 60 < t <= 71
+
+
+def test_the_decision_says_its_figures():
+    scaler = GroupScaler("chat", POLICY, now=0.0)
+    decision = next(d for t in range(30) if (d := scaler.step(float(t), 2, 11.6)) is not None)
+    assert decision.message == "chat: 2 -> 3, in flight 5.8 per engine over 10 s against a target of 4"
+
+
+def test_steps_stay_within_min_and_max():
+    scaler = GroupScaler("chat", POLICY, now=0.0)
+    assert run(scaler, 2, lambda t: 1000, 30)[0] == 8
+    scaler = GroupScaler("chat", POLICY, now=0.0)
+    assert run(scaler, 3, lambda t: 0, 400)[0] == 1
+    scaler = GroupScaler("chat", ScalePolicy(min=2, max=8, target=4.0, scale_down_delay_s=300.0), now=0.0)
+    assert run(scaler, 5, lambda t: 0, 400)[0] == 2
+
+
+def test_scale_down_waits_for_the_load_to_stay_low_for_the_delay():
+    scaler = GroupScaler("chat", POLICY, now=0.0)
+    count, decisions = run(scaler, 6, lambda t: 4, 299)
+    assert (count, decisions) == (6, [])
+    count, decisions = run(scaler, 6, lambda t: 4, 20, start=299)
+    # 4 in flight: 2 engines keep each below 0.8 x the target (hysteresis), so no scale-up follows.
+    assert count == 2 and len(decisions) == 1
+
+
+def test_a_short_burst_restarts_the_scale_down_delay():
+    scaler = GroupScaler("chat", POLICY, now=0.0)
+    count, decisions = run(scaler, 6, lambda t: 24 if 200 <= t < 215 else 4, 450)
+    assert count == 6 and decisions == [] or decisions[0][0] >= 215 + 300 - 10
+
+
+def test_a_noisy_steady_load_changes_direction_at_most_once():
+    rng = random.Random(7)
+    for mean in (6.0, 10.0, 11.5, 12.0, 13.0, 20.0):
+        scaler = GroupScaler("chat", POLICY, now=0.0)
+        count, decisions = run(scaler, 3, lambda t: max(0.0, rng.gauss(mean, mean * 0.4)), 3600)
+        directions = [1 if new > old else -1 for _, old, new in decisions]
+        changes = sum(1 for a, b in zip(directions, directions[1:]) if a != b)
+        assert changes <= 1, (mean, decisions)
+
+
+def test_a_new_leader_continues_from_the_persisted_count_without_a_jump():
+    scaler = GroupScaler("chat", POLICY, now=1000.0)  # a failover: no history, the stored count 6
+    count, decisions = run(scaler, 6, lambda t: 22, 120, start=1000)
+    assert (count, decisions) == (6, [])
+
+
+def test_a_count_below_min_is_raised_at_once():
+    scaler = GroupScaler("chat", ScalePolicy(min=3, max=8, target=4.0, scale_down_delay_s=300.0), now=0.0)
+    decision = scaler.step(0.0, 1, 0.0)
+    assert decision is not None and decision.new == 3
+
+
+def test_a_queue_growing_on_saturated_engines_is_met_in_one_step():
+    # One engine past its capacity: requests in flight grow by 2 a second from the step on.
+    scaler = GroupScaler("chat", ScalePolicy(min=1, max=5, target=1.5, scale_down_delay_s=300.0), now=0.0)
+    count, decisions = run(scaler, 1, lambda t: 1 if t < 60 else 1 + 2 * (t - 60), 80)
+    assert count == 5 and len(decisions) == 1, decisions
