@@ -38,14 +38,18 @@ async def complete(session, **headers) -> float:
     return time.monotonic() - began
 
 
+CAPACITY_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+
+
 async def vllm_series(session) -> dict[str, float]:
+    """The capacity's series (the engine's other vLLM series, latencies and tokens, are not these)."""
     async with session.get("/metrics") as response:
         text = await response.text()
     return {
         s.name: s.value
         for f in text_string_to_metric_families(text)
         for s in f.samples
-        if s.name.startswith("vllm:") and s.labels.get("model_name") == "cap-model"
+        if s.name in CAPACITY_SERIES and s.labels.get("model_name") == "cap-model"
     }
 
 
