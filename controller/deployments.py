@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from controller.actuator import Actuator
 from controller.adoption import Adoption
+from controller.availability import Availability
 from controller.endpoints import EndpointFeed
 from controller.instances import FAILED, RESTARTING, InstanceRecord, Policy
 from controller.rollout_plan import plan_layout
@@ -98,6 +99,8 @@ class DeploymentChanges:
         self._legacy: tuple[bytes, int] | None = None  # loaded from a store of before names: moved by `upgrade`
         self._one_at_a_time = asyncio.Lock()
         self.spares = Spares(state, actuator)
+        # What "available" means, for a change (which units to keep) and the rollouts (controller/availability.py).
+        self.availability = Availability(state, endpoints)
 
     @property
     def busy(self) -> bool:
@@ -265,7 +268,7 @@ class DeploymentChanges:
             return plan
         self._check_groups(validated)
         records = [self.state.instances[i] for i in self.instances_of(name)]
-        layout = yield from plan_layout(validated, records, budget)
+        layout = yield from plan_layout(validated, records, budget, self.availability.serving)
         if current is not None and (
             validated.SerializeToString(deterministic=True) == current[0].SerializeToString(deterministic=True)
         ):

@@ -212,6 +212,8 @@ class Rollouts:
             groups, _ = yield from unit_groups(GroupSpecs(deployment), self._records(name), budget)
             if self.changes.busy or self.rollouts.get(name) is not rollout:
                 return  # a change began meanwhile: the next pass reads it
+            if rollout.state != PROGRESSING:
+                continue  # paused meanwhile (an operator's pause is never overwritten)
             try:
                 self._step(name, rollout, deployment, groups)
             except StoreUnavailable as exc:
@@ -228,8 +230,10 @@ class Rollouts:
         for ug in groups:
             current, old = ug.current(), ug.old()
             available = {k for k in ug.units if self._available(ug, k, strategy)}
-            available_current += sum(1 for k in current if k in available)
-            if old or len(current) < ug.count:
+            available_here = sum(1 for k in current if k in available)
+            available_current += available_here
+            # Complete only when the new revision's count serves: not merely started.
+            if old or len(current) < ug.count or available_here < ug.count:
                 complete = False
             starts = min(ug.count + strategy.max_surge - len(ug.units), ug.count - len(current), STEP_LIMIT - len(new))
             new.extend(ug.new_specs(specs, max(0, starts)))
@@ -252,7 +256,7 @@ class Rollouts:
                     serving -= 1
                 removed.extend((r.instance_id, "replaced by the rollout") for r in ug.records(k))
         if complete:
-            done = f"complete: every instance runs revision {self._revision(name)}"
+            done = f"complete: every instance runs revision {self._revision(name)} and is available"
             self._move(name, rollout, COMPLETE, done, event=rollout.announced)
             return
         rollout.announced = True
@@ -297,21 +301,14 @@ class Rollouts:
         return self.changes.deployments[name][1]
 
     def _available(self, ug: UnitGroup, index: int, strategy: C.UpdateStrategy) -> bool:
-        """Every engine of the unit listed to the routers; a current unit also READY for `min_ready`
-        (an old one serving is available however recently it came back: withdrawing it costs service)."""
+        """Every instance of the unit there and available (controller/availability.py); a current
+        unit also READY for `min_ready` (an old one serving is available however recently it came
+        back: withdrawing it costs service)."""
         records = ug.records(index)
         if len(records) != len(ug.groups):
             return False
-        settling = pbtime.seconds(strategy.min_ready) if ug.is_current(index) else None
-        now = self.state.wall()
-        for inst in records:
-            if settling is not None and (
-                inst.state != READY or inst.healthy_since is None or now - inst.healthy_since < settling
-            ):
-                return False
-            if any(s.engine_id not in self.endpoints.current for s in self.state.slots_of(inst.instance_id)):
-                return False  # not (or no longer) in the routers' workers
-        return True
+        settle = pbtime.seconds(strategy.min_ready) if ug.is_current(index) else None
+        return self.changes.availability.available(records, settle)
 
     def _failing(self, rollout: Rollout, groups: list[UnitGroup]) -> tuple[InstanceRecord, str] | None:
         """The first current instance that failed since the rollout (re)started, and how."""
