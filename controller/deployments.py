@@ -275,7 +275,7 @@ class DeploymentChanges:
             return Plan(name, current[0], current[1], kept=layout.kept, same=True)
         plan = Plan(name, validated, (current[1] if current else 0) + 1, removed=layout.removed, kept=layout.kept)
         for spec in layout.new:
-            plan.new[spec.instance_id] = self._new_instance(spec, plan.revision)
+            plan.new[spec.instance_id] = self._new_instance(spec, plan.revision, validated.model)
             yield from budget.checkpoint()
         previous = current[0].SerializeToString(deterministic=True) if current is not None else None
         plan.rollout = rollout_record(previous, current[1] if current else 0, self.state.wall())
@@ -381,7 +381,7 @@ class DeploymentChanges:
         before its engines are stopped (they drain)."""
         deployment, revision = self.deployments[name]
         plan = Plan(name, deployment, revision, removed=removed)
-        plan.new = {spec.instance_id: self._new_instance(spec, revision) for spec in new}
+        plan.new = {spec.instance_id: self._new_instance(spec, revision, deployment.model) for spec in new}
         self._persist(plan, self._store_change(plan))
         with self.state.batch():
             for instance_id, why in plan.removed:
@@ -391,7 +391,7 @@ class DeploymentChanges:
                 self._install(inst, slots)
         self.wake()
 
-    def _new_instance(self, spec: InstanceSpec, revision: int) -> tuple[InstanceRecord, list[EngineSlot]]:
+    def _new_instance(self, spec: InstanceSpec, revision: int, model: str) -> tuple[InstanceRecord, list[EngineSlot]]:
         inst = InstanceRecord(
             instance_id=spec.instance_id,
             group=spec.group,
@@ -404,6 +404,7 @@ class DeploymentChanges:
             state_changed_at=self.state.wall(),
             revision=revision,
             spare=spec.spare,
+            model=model,
         )
         return inst, [
             EngineSlot(names.engine_id(spec.instance_id, r), spec.instance_id, r)

@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass
 
 from controller.deployments import DeploymentChanges
-from controller.endpoints import EndpointFeed
+from controller.endpoints import SERVING_INSTANCE_STATES, EndpointFeed
 from controller.instances import FAILED, READY, InstanceRecord
 from controller.rollout_plan import UnitGroup, unit_groups
 from controller.slicing import Budget, Steps, run_at_once
@@ -247,9 +247,18 @@ class Rollouts:
                 taken = {*ug.units, *ug.spares, *(s.index for s in new if s.group == ug.groups[0])}
                 new.extend(ug.new_specs(specs, ug.spare_count - len(keep_spares), taken, spare=True))
             floor, serving = ug.count - strategy.max_unavailable, len(available)
-            for k in sorted(old, key=lambda k: k in available):  # those not serving first: they cost nothing
+
+            def down(k: int, ug: UnitGroup = ug) -> bool:
+                return not all(r.state in SERVING_INSTANCE_STATES for r in ug.records(k))
+
+            # Those plainly down first: they cost nothing. One READY but not listed may be serving
+            # unseen (a restarted controller has not heard from its node yet): it goes only while
+            # enough others are available.
+            for k in sorted(old, key=lambda k: (k in available, not down(k))):
                 if len(removed) >= STEP_LIMIT:
                     break
+                if k not in available and not down(k) and serving < floor:
+                    continue
                 if k in available:
                     if serving - 1 < floor:
                         break

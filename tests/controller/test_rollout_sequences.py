@@ -153,3 +153,24 @@ async def test_complete_only_once_the_new_revision_serves(tmp_path):
         assert "complete" in done and "available" in done
     finally:
         await h.stop()
+
+
+def models_listed(c: Cluster) -> dict[str, tuple[str, ...]]:
+    return {e.instance_id: tuple(e.models) for e in c.h.controller.list_endpoints(T.ROLE_UNSPECIFIED, "")}
+
+
+async def test_a_renamed_model_s_old_engines_stay_under_the_old_name_until_they_go(tmp_path):
+    c = await cluster(tmp_path, union(1, model="sim-a", strategy={"min_ready": "60s"}))
+    h, ctl = c.h, c.h.controller
+    try:
+        ctl.apply_deployment(union(1, model="sim-b", strategy={"min_ready": "60s"}))
+        await c.serve(3)  # the new one serves, not yet for min_ready: both are listed
+        assert models_listed(c) == {"u-0": ("sim-a",), "u-1": ("sim-b",)}
+        assert [e.instance_id for e in ctl.list_endpoints(T.ROLE_UNSPECIFIED, "sim-b")] == ["u-1"]
+        await h.stop()  # a controller restart reads each instance's model back
+        await h.start()
+        await h.register("node-a", accelerators=8)
+        await c.serve(3)
+        assert models_listed(c) == {"u-0": ("sim-a",), "u-1": ("sim-b",)}
+    finally:
+        await h.stop()
