@@ -96,6 +96,8 @@ class DeploymentChanges:
         # Told of every change that wrote a rollout record (controller/rollout.py sets it).
         self.on_applied: Callable[[str, dict | None], None] = lambda name, record: None
         self.deployments: dict[str, tuple[C.Deployment, int]] = {}  # name -> (deployment, revision)
+        # name -> the last revision of a deleted deployment: applied again, it goes on from there.
+        self.deleted_revisions: dict[str, int] = {}
         self._legacy: tuple[bytes, int] | None = None  # loaded from a store of before names: moved by `upgrade`
         self._one_at_a_time = asyncio.Lock()
         self.spares = Spares(state, actuator)
@@ -141,6 +143,9 @@ class DeploymentChanges:
     def loaded(self, stored: StoredState) -> None:
         """The stored deployments; the one of a store written before deployments had names is
         loaded under its own name (its instances keep their ids: nothing restarts)."""
+        for key, record in stored.rollouts.items():
+            if "deleted_at_revision" in record:
+                self.deleted_revisions[key] = int(record["deleted_at_revision"])
         for key, (data, revision) in stored.deployments.items():
             deployment = C.Deployment.FromString(data)
             if key == LEGACY_DEPLOYMENT:
@@ -273,7 +278,8 @@ class DeploymentChanges:
             validated.SerializeToString(deterministic=True) == current[0].SerializeToString(deterministic=True)
         ):
             return Plan(name, current[0], current[1], kept=layout.kept, same=True)
-        plan = Plan(name, validated, (current[1] if current else 0) + 1, removed=layout.removed, kept=layout.kept)
+        last = current[1] if current else self.deleted_revisions.get(name, 0)
+        plan = Plan(name, validated, last + 1, removed=layout.removed, kept=layout.kept)
         for spec in layout.new:
             plan.new[spec.instance_id] = self._new_instance(spec, plan.revision, validated.model)
             yield from budget.checkpoint()
@@ -362,6 +368,7 @@ class DeploymentChanges:
         # Not st.event: that would re-read every engine for the endpoint feed, which heard of each
         # instance that went or came already.
         if plan.deployment is None:
+            self.deleted_revisions[name] = plan.revision
             st.events.emit(
                 C.EVENT_TYPE_DEPLOYMENT_CHANGED, f"deployment {name!r} deleted; stopping its engines", deployment=name
             )

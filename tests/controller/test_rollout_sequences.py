@@ -174,3 +174,19 @@ async def test_a_renamed_model_s_old_engines_stay_under_the_old_name_until_they_
         assert models_listed(c) == {"u-0": ("sim-a",), "u-1": ("sim-b",)}
     finally:
         await h.stop()
+
+
+async def test_a_deleted_and_reapplied_deployment_never_reuses_a_revision(tmp_path):
+    h = Harness(tmp_path)
+    await h.start()
+    try:
+        assert h.controller.apply_deployment(union(1, latency=10))[1] == 1
+        assert h.controller.apply_deployment(union(1, latency=20))[1] == 2
+        h.controller.delete_deployment("t")
+        assert h.controller.apply_deployment(union(1, latency=30))[1] == 3
+        h.controller.delete_deployment("t")
+        await h.stop()  # remembered by the store
+        await h.start()
+        assert h.controller.apply_deployment(union(1, latency=40))[1] == 4
+    finally:
+        await h.stop()
