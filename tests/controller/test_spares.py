@@ -291,3 +291,29 @@ async def test_a_rollout_replaces_the_spares_first_and_a_promotion_never_brings_
     # u-0, an old-spec instance now a spare, is replaced too: no promotion brings the old spec back.
     await async_wait_for(lambda: "u-0" not in ctl.instances, timeout=5, what="the old-spec spare replaced")
     assert all(i.spec_hash != old for i in ctl.instances.values() if i.spare)
+
+
+async def test_a_pd_spare_pair_whose_prefill_becomes_ready_last_replaces_a_failed_decode(harness):
+    await harness.start()
+    await harness.register("node-a", accelerators=8)
+    harness.controller.apply_deployment(
+        small_deployment(
+            [
+                {"name": "p", "role": "prefill", "count": 1, "spares": 1, "pair_with": "d"},
+                {"name": "d", "role": "decode", "count": 1, "spares": 1},
+            ]
+        )
+    )
+    await async_wait_for(lambda: len(harness.client.starts()) == 4, timeout=5)
+    late = harness.client.engines["node-a"]["p-1/rank0"]  # the spare pair's prefill still loads
+    for engine in harness.client.engines["node-a"].values():
+        if engine is not late:
+            engine.state, engine.health = T.ENGINE_STATE_RUNNING, T.HEALTH_STATUS_NORMAL
+    harness.beat("node-a")
+    await async_wait_for(lambda: harness.instance("d-1").state == C.INSTANCE_STATE_READY, timeout=5)
+    fail(harness, "d-0")  # the serving decode dies while its spare pair is not whole yet
+    assert "d-1" not in listed(harness)
+    late.state, late.health = T.ENGINE_STATE_RUNNING, T.HEALTH_STATUS_NORMAL
+    harness.beat("node-a")
+    await async_wait_for(lambda: listed(harness) == {"p-1", "d-1"}, timeout=5, what="the spare pair promoted")
+    assert harness.instance("p-0").spare and harness.instance("d-0").spare
