@@ -272,6 +272,7 @@ class DeploymentChanges:
             plan.removed = [(i, "deleted with the deployment") for i in self.instances_of(name)]
             return plan
         self._check_groups(validated)
+        self._check_model_names(validated)
         records = [self.state.instances[i] for i in self.instances_of(name)]
         layout = yield from plan_layout(validated, records, budget, self.availability.serving)
         if current is not None and (
@@ -296,6 +297,31 @@ class DeploymentChanges:
             for i, g in enumerate(validated.instance_groups)
             if owner.get(g.name, validated.name) != validated.name
         ]
+        if taken:
+            raise InvalidArgument("; ".join(taken))
+
+    def _check_model_names(self, validated: C.Deployment) -> None:
+        """INVALID_ARGUMENT when an adapter of the deployment takes the name of another
+        deployment's model or adapter, or its model is another deployment's adapter: a router
+        sending by model would send one name's requests to engines that serve something else."""
+        others: dict[str, str] = {}  # name -> what it is, where
+        for name, (deployment, _) in self.deployments.items():
+            if name == validated.name:
+                continue
+            others.setdefault(deployment.model, f"the model of deployment {name!r}")
+            for adapter in deployment.adapters:
+                others.setdefault(adapter.name, f"an adapter of deployment {name!r}")
+        taken = [
+            f"adapters[{i}].name: {a.name!r} is {others[a.name]}: give the adapter a name no other deployment serves"
+            for i, a in enumerate(validated.adapters)
+            if a.name in others
+        ]
+        if others.get(validated.model, "").startswith("an adapter"):
+            taken.insert(
+                0,
+                f"model: {validated.model!r} is {others[validated.model]}: rename that adapter or serve this "
+                "model under another name",
+            )
         if taken:
             raise InvalidArgument("; ".join(taken))
 
