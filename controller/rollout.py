@@ -83,6 +83,7 @@ class Counts:
     updated: int = 0
     available: int = 0
     old: int = 0
+    updated_available: int = 0  # what COMPLETE waits for: the desired count
 
 
 class Rollouts:
@@ -192,6 +193,8 @@ class Rollouts:
                     counts.old += size
                 if self._available(ug, k, effective(deployment.strategy)):
                     counts.available += size
+                    if ug.is_current(k):
+                        counts.updated_available += size
         return counts
 
     def status(self, name: str) -> tuple[int, str]:
@@ -327,11 +330,18 @@ class Rollouts:
                     if inst.state == FAILED and inst.state_changed_at >= rollout.since:
                         return inst, f"is FAILED: {inst.reason}"
                     if any(t >= rollout.since for t in inst.failure_times):
-                        return inst, f"failed: {inst.reason}"
+                        return inst, f"failed: {self._cause(inst)}"
                     for slot in self.state.slots_of(inst.instance_id):
                         if slot.health == T.HEALTH_STATUS_ABNORMAL:
                             return inst, f"engine {slot.engine_id} is ABNORMAL: {slot.health_reason}"
         return None
+
+    def _cause(self, inst: InstanceRecord) -> str:
+        """What made the instance fail (its engine's last failure), not what its restart waits for."""
+        for slot in self.state.slots_of(inst.instance_id):
+            if slot.last_failure_reason:
+                return f"engine {slot.engine_id} {slot.last_failure_reason}"
+        return inst.reason
 
     def _first_unavailable(self, groups: list[UnitGroup], strategy: C.UpdateStrategy) -> InstanceRecord | None:
         for ug in groups:

@@ -71,6 +71,8 @@ async def test_a_fix_applied_while_a_bad_version_is_paused_keeps_the_only_servin
         c.crash_on_start()
         await c.serve(4)
         assert summary(h).rollout_state == C.ROLLOUT_STATE_PAUSED and c.serving() == {"u-1"}
+        reason = summary(h).rollout_reason  # the crash, not what the restart waits for
+        assert "engine u-0/rank0 " in reason and "exit" in reason and "waiting for" not in reason, reason
         before = stopped(h)
         ctl.apply_deployment(union(1, latency=40))  # v4, the fix
         await asyncio.sleep(0.05)
