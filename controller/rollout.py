@@ -161,6 +161,16 @@ class Rollouts:
                 self.changes.retry_failed(inst)
         self.changes.wake()
 
+    async def pause_durably(self, name: str) -> None:
+        """PauseRollout: answers once the pause is in the store (etcd writes from a task: without
+        the wait a leader lost right after the answer would forget a pause it acknowledged)."""
+        self.pause(name)
+        await self.state.store.flush()
+
+    async def resume_durably(self, name: str) -> None:
+        self.resume(name)
+        await self.state.store.flush()
+
     def _persist_or_undo(self, name: str, rollout: Rollout, before: tuple[int, str]) -> None:
         try:
             self._save(name, rollout)

@@ -192,3 +192,27 @@ async def test_a_deleted_and_reapplied_deployment_never_reuses_a_revision(tmp_pa
         assert h.controller.apply_deployment(union(1, latency=40))[1] == 4
     finally:
         await h.stop()
+
+
+async def test_pause_rollout_answers_once_the_pause_is_in_the_store(tmp_path):
+    from controller.servicer import ControllerServicer
+
+    h = Harness(tmp_path)
+    ctl = await h.start()
+    try:
+        ctl.apply_deployment(union(1, latency=10))
+        ctl.apply_deployment(union(1, latency=20))
+        landed = asyncio.Event()
+
+        async def flush() -> None:  # a store that writes from a task (etcd): lands when told
+            await landed.wait()
+
+        h.store.flush = flush
+        answer = asyncio.ensure_future(ControllerServicer(ctl).PauseRollout(C.PauseRolloutRequest(name="t"), None))
+        await asyncio.sleep(0.05)
+        assert not answer.done(), "PauseRollout answered before its write landed"
+        landed.set()
+        await asyncio.wait_for(answer, 5)
+        assert summary(h).rollout_state == C.ROLLOUT_STATE_PAUSED
+    finally:
+        await h.stop()
