@@ -197,8 +197,8 @@ class DeploymentChanges:
         return next(iter(self.deployments))
 
     def instances_of(self, name: str) -> list[str]:
-        owner = self.state.group_owner
-        return sorted(i for i, inst in self.state.instances.items() if owner.get(inst.group) == name)
+        of = self.state.deployment_of
+        return sorted(i for i, inst in self.state.instances.items() if of(inst) == name)
 
     # ------------------------------------------------------------------ the calls
 
@@ -282,7 +282,7 @@ class DeploymentChanges:
         last = current[1] if current else self.deleted_revisions.get(name, 0)
         plan = Plan(name, validated, last + 1, removed=layout.removed, kept=layout.kept)
         for spec in layout.new:
-            plan.new[spec.instance_id] = self._new_instance(spec, plan.revision, validated.model)
+            plan.new[spec.instance_id] = self._new_instance(spec, plan.revision, validated.model, name)
             yield from budget.checkpoint()
         previous = current[0].SerializeToString(deterministic=True) if current is not None else None
         plan.rollout = rollout_record(previous, current[1] if current else 0, self.state.wall())
@@ -414,7 +414,7 @@ class DeploymentChanges:
         before its engines are stopped (they drain)."""
         deployment, revision = self.deployments[name]
         plan = Plan(name, deployment, revision, removed=removed)
-        plan.new = {spec.instance_id: self._new_instance(spec, revision, deployment.model) for spec in new}
+        plan.new = {spec.instance_id: self._new_instance(spec, revision, deployment.model, name) for spec in new}
         self._persist(plan, self._store_change(plan))
         with self.state.batch():
             for instance_id, why in plan.removed:
@@ -424,7 +424,9 @@ class DeploymentChanges:
                 self._install(inst, slots)
         self.wake()
 
-    def _new_instance(self, spec: InstanceSpec, revision: int, model: str) -> tuple[InstanceRecord, list[EngineSlot]]:
+    def _new_instance(
+        self, spec: InstanceSpec, revision: int, model: str, name: str
+    ) -> tuple[InstanceRecord, list[EngineSlot]]:
         inst = InstanceRecord(
             instance_id=spec.instance_id,
             group=spec.group,
@@ -438,6 +440,7 @@ class DeploymentChanges:
             revision=revision,
             spare=spec.spare,
             model=model,
+            deployment=name,
         )
         return inst, [
             EngineSlot(names.engine_id(spec.instance_id, r), spec.instance_id, r)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from controller.deployments import DeploymentChanges
 from controller.endpoints import SERVING_INSTANCE_STATES, EndpointFeed
 from controller.instances import FAILED, READY, InstanceRecord
-from controller.rollout_plan import UnitGroup, unit_groups
+from controller.rollout_plan import UnitGroup, retiring, unit_groups
 from controller.slicing import Budget, Steps, run_at_once
 from controller.state import ClusterState
 from controller.store import StoredState, StoreUnavailable
@@ -192,8 +192,9 @@ class Rollouts:
 
     def counts(self, name: str) -> Counts:
         deployment = self.changes.deployments[name][0]
-        groups, _ = run_at_once(unit_groups(GroupSpecs(deployment), self._records(name)))
-        counts = Counts()
+        groups, strays = run_at_once(unit_groups(GroupSpecs(deployment), self._records(name)))
+        counts = Counts(old=sum(1 for r in strays if not r.spare))  # of a renamed group
+        counts.available = sum(1 for r in strays if not r.spare and self.changes.availability.serving([r]))
         for ug in groups:
             for k in ug.units:
                 size = len(ug.records(k))
@@ -222,33 +223,47 @@ class Rollouts:
             if rollout.state != PROGRESSING or name not in self.changes.deployments:
                 continue
             deployment = self.changes.deployments[name][0]
-            groups, _ = yield from unit_groups(GroupSpecs(deployment), self._records(name), budget)
+            groups, strays = yield from unit_groups(GroupSpecs(deployment), self._records(name), budget)
             if self.changes.busy or self.rollouts.get(name) is not rollout:
                 return  # a change began meanwhile: the next pass reads it
             if rollout.state != PROGRESSING:
                 continue  # paused meanwhile (an operator's pause is never overwritten)
             try:
-                self._step(name, rollout, deployment, groups)
+                self._step(name, rollout, deployment, groups, strays)
             except StoreUnavailable as exc:
                 self.state.refused(exc)
                 return
 
-    def _step(self, name: str, rollout: Rollout, deployment: C.Deployment, groups: list[UnitGroup]) -> None:
+    def _step(
+        self,
+        name: str,
+        rollout: Rollout,
+        deployment: C.Deployment,
+        groups: list[UnitGroup],
+        strays: list[InstanceRecord] | None = None,
+    ) -> None:
         strategy = effective(deployment.strategy)
         failing = self._failing(rollout, groups)
         if failing:
             self._pause_itself(name, rollout, *failing)
             return
         specs, removed, new, available_current, complete = GroupSpecs(deployment), [], [], 0, True
-        for ug in groups:
+        taken_over = retiring(groups, strays or [], specs)
+        for place, ug in enumerate(groups):
             current, old = ug.current(), ug.old()
             available = {k for k in ug.units if self._available(ug, k, strategy)}
+            # Instances of a renamed group: old units of this one, withdrawn while enough serve.
+            renamed = taken_over.get(place, [])
+            renamed_serving = [r for r in renamed if self.changes.availability.serving([r])]
+            if renamed:
+                complete = False
             available_here = sum(1 for k in current if k in available)
             available_current += available_here
             # Complete only when the new revision's count serves: not merely started.
             if old or len(current) < ug.count or available_here < ug.count:
                 complete = False
-            starts = min(ug.count + strategy.max_surge - len(ug.units), ug.count - len(current), STEP_LIMIT - len(new))
+            held = len(ug.units) + len(renamed) // len(ug.groups)
+            starts = min(ug.count + strategy.max_surge - held, ug.count - len(current), STEP_LIMIT - len(new))
             new.extend(ug.new_specs(specs, max(0, starts)))
             # A promotion made an old serving unit a spare: replace it at once (it serves nothing),
             # so that the next promotion brings the new version.
@@ -259,7 +274,18 @@ class Rollouts:
                 removed.extend((r.instance_id, "a spare of an older spec") for r in stale)
                 taken = {*ug.units, *ug.spares, *(s.index for s in new if s.group == ug.groups[0])}
                 new.extend(ug.new_specs(specs, ug.spare_count - len(keep_spares), taken, spare=True))
-            floor, serving = ug.count - strategy.max_unavailable, len(available)
+            floor, serving = (
+                ug.count - strategy.max_unavailable,
+                len(available) + len(renamed_serving) // len(ug.groups),
+            )
+            for r in sorted(renamed, key=lambda r: r in renamed_serving):
+                if len(removed) >= STEP_LIMIT:
+                    break
+                if r in renamed_serving or r.state in SERVING_INSTANCE_STATES:
+                    if serving - 1 < floor:
+                        break
+                    serving -= 1 if r in renamed_serving else 0
+                removed.append((r.instance_id, "its group was renamed: replaced by the rollout"))
 
             def down(k: int, ug: UnitGroup = ug) -> bool:
                 return not all(r.state in SERVING_INSTANCE_STATES for r in ug.records(k))

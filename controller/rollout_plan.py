@@ -74,6 +74,21 @@ class UnitGroup:
         return [specs.spec(g, k, spare) for k in (next(free) for _ in range(how_many)) for g in self.groups]
 
 
+def retiring(
+    groups: list[UnitGroup], strays: list[InstanceRecord], specs: GroupSpecs
+) -> dict[int, list[InstanceRecord]]:
+    """The instances of groups no longer in the deployment (renamed under rolling), by the unit
+    group that takes them over (the first with a group of their role): the rollout withdraws them
+    as old units while enough others are available."""
+    out: dict[int, list[InstanceRecord]] = {}
+    for record in strays:
+        for place, ug in enumerate(groups):
+            if any(specs.groups[g].role == record.role for g in ug.groups):
+                out.setdefault(place, []).append(record)
+                break
+    return out
+
+
 def index_of(record: InstanceRecord) -> int:
     """The index of "<group>-<index>" (ids are made so; the group name is its prefix)."""
     return int(record.instance_id[len(record.group) + 1 :])
@@ -137,7 +152,14 @@ def plan_layout(
     rolling = deployment.strategy.type != C.UPDATE_STRATEGY_TYPE_RECREATE
     specs = GroupSpecs(deployment)
     groups, strays = yield from unit_groups(specs, records, budget)
-    layout = Layout(removed=[(r.instance_id, "no longer in the deployment") for r in strays])
+    layout = Layout()
+    roles = {g.role for g in deployment.instance_groups}
+    for r in strays:
+        if rolling and r.role in roles and not r.spare and serving is not None and serving([r]):
+            # Its group was renamed: it serves until the rollout has the new group available.
+            layout.old.append(r.instance_id)
+        else:
+            layout.removed.append((r.instance_id, "no longer in the deployment"))
     for ug in groups:
 
         def up(k: int, ug: UnitGroup = ug) -> bool:

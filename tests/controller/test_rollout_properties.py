@@ -1,7 +1,7 @@
 """Rollout invariants over random operator sequences (hypothesis), on the controller with a fake
-node client (no process): apply, apply while paused, pause, resume, undo, delete, scale, a version
-whose engines crash at start, an engine killed, the controller restarted. After every reconcile
-pass:
+node client (no process): apply, apply while paused, pause, resume, undo, delete, scale, rename the
+group, a version whose engines crash at start, an engine killed, the controller restarted. After
+every reconcile pass:
 
 - a serving instance is never stopped by the controller while fewer than
   count - max_unavailable serve after the pass (a delete aside: it stops everything);
@@ -37,6 +37,7 @@ apply = st.tuples(
     st.integers(1, 3),  # count
     st.sampled_from(["sim-a", "sim-b"]),  # model
     st.integers(0, 1),  # max_unavailable
+    st.sampled_from(["u", "u", "v"]),  # the group's name: a rename
 )
 operations = st.lists(
     st.one_of(
@@ -72,7 +73,7 @@ class Checked(Cluster):
     def applied(self, deployment: C.Deployment, revision: int, version: int) -> None:
         data = deployment.SerializeToString(deterministic=True)
         assert self.specs.setdefault(revision, data) == data, f"revision {revision} names two specs"
-        spec_hash = GroupSpecs(deployment).hashes["u"]
+        spec_hash = GroupSpecs(deployment).hashes[deployment.instance_groups[0].name]
         self.model_of[spec_hash] = deployment.model
         if version == BAD_VERSION:
             self.bad.add(spec_hash)
@@ -102,7 +103,7 @@ class Checked(Cluster):
             )
             state = self.rollout_state()
             if state == C.ROLLOUT_STATE_COMPLETE and before_state != C.ROLLOUT_STATE_COMPLETE:
-                spec_hash = GroupSpecs(deployment).hashes["u"]
+                spec_hash = GroupSpecs(deployment).hashes[group.name]
                 new = [i for i in after if ctl.instances[i].spec_hash == spec_hash]
                 assert len(new) >= group.count, f"COMPLETE with {len(new)} of {group.count} new instances serving"
             if self.paused:
@@ -115,8 +116,9 @@ class Checked(Cluster):
         ctl, h = self.ctl, self.h
         kind = op[0]
         if kind == "apply":
-            _, version, count, model, max_unavailable = op
+            _, version, count, model, max_unavailable, group = op
             spec = union(count, latency=10 + version, model=model, strategy={"max_unavailable": max_unavailable})
+            spec.instance_groups[0].name = group
             deployment, revision = ctl.apply_deployment(spec)
             self.applied(deployment, revision, version)
         elif kind == "pause" and self.deployment() is not None:

@@ -216,3 +216,26 @@ async def test_pause_rollout_answers_once_the_pause_is_in_the_store(tmp_path):
         assert summary(h).rollout_state == C.ROLLOUT_STATE_PAUSED
     finally:
         await h.stop()
+
+
+async def test_renaming_a_group_under_rolling_keeps_the_old_group_serving_until_the_new_one_does(tmp_path):
+    c = await cluster(tmp_path, union(1, latency=10))
+    h, ctl = c.h, c.h.controller
+    try:
+        renamed = union(1, latency=10)
+        renamed.instance_groups[0].name = "v"
+        ctl.apply_deployment(renamed)
+        await asyncio.sleep(0.05)
+        assert c.serving() == {"u-0"} and "u-0" not in stopped(h), "the old group stopped at once"
+        assert summary(h).rollout_state == C.ROLLOUT_STATE_PROGRESSING and summary(h).old_instances == 1
+        await h.stop()  # a controller restart keeps it the deployment's
+        await h.start()
+        await h.register("node-a", accelerators=8)
+        ctl = h.controller
+        for _ in range(12):
+            await c.serve(1)
+            assert c.serving(), "nothing served during the rename"
+        assert c.serving() == {"v-0"} and set(ctl.instances) == {"v-0"}
+        assert summary(h).rollout_state == C.ROLLOUT_STATE_COMPLETE
+    finally:
+        await h.stop()
