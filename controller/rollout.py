@@ -265,11 +265,13 @@ class Rollouts:
             held = len(ug.units) + len(renamed) // len(ug.groups)
             starts = min(ug.count + strategy.max_surge - held, ug.count - len(current), STEP_LIMIT - len(new))
             new.extend(ug.new_specs(specs, max(0, starts)))
-            # A promotion made an old serving unit a spare: replace it at once (it serves nothing),
-            # so that the next promotion brings the new version.
+            # Old-spec spares (kept by the change, or an old serving unit a promotion made a spare)
+            # are replaced once the new version serves the whole count: until then the old
+            # version is the proven one a failure should promote.
             keep_spares, old_spares = ug.spare_layout()
             if old_spares:
                 complete = False
+            if old_spares and not old and not renamed and available_here >= ug.count:
                 stale = [r for k in old_spares for r in ug.records(k, ug.spares)]
                 removed.extend((r.instance_id, "a spare of an older spec") for r in stale)
                 taken = {*ug.units, *ug.spares, *(s.index for s in new if s.group == ug.groups[0])}
@@ -361,8 +363,11 @@ class Rollouts:
     def _failing(self, rollout: Rollout, groups: list[UnitGroup]) -> tuple[InstanceRecord, str] | None:
         """The first current instance that failed since the rollout (re)started, and how."""
         for ug in groups:
-            for k in ug.current():
-                for inst in ug.records(k):
+            # A new spare too: a promotion may have swapped a failing new serving unit into one.
+            units = [ug.records(k) for k in ug.current()]
+            units += [ug.records(k, ug.spares) for k in ug.spares if ug.is_current(k, ug.spares)]
+            for unit in units:
+                for inst in unit:
                     if inst.state == FAILED and inst.state_changed_at >= rollout.since:
                         return inst, f"is FAILED: {inst.reason}"
                     if any(t >= rollout.since for t in inst.failure_times):

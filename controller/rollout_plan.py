@@ -186,8 +186,17 @@ def plan_layout(
             else:
                 why = "on an older spec and not serving: stopped (the serving instances are kept)"
             layout.removed.extend((r.instance_id, why) for r in ug.records(k))
-        # Spares serve nothing: those on an older spec (or too many) stop at once, new ones start.
+        # Spares serve nothing: with recreate those on an older spec (or too many) stop at once and
+        # new ones start. With rolling the old-spec spares stay until the rollout has the new
+        # version serving (controller/rollout.py replaces them then): a new version that turns
+        # out bad must not be what a failure promotes, nor cost the spare that was READY.
         keep_spares, stop_spares = ug.spare_layout()
+        keep_old_spares: list[int] = []
+        if rolling:
+            old_spares = [k for k in stop_spares if not ug.is_current(k, ug.spares)]
+            keep_old_spares = old_spares[: max(0, ug.spare_count - len(keep_spares))]
+            stop_spares = [k for k in stop_spares if k not in keep_old_spares]
+            layout.old.extend(r.instance_id for k in keep_old_spares for r in ug.records(k, ug.spares))
         # Recreate starts the new units under the ids of those it stops (the old behaviour).
         taken = {*ug.units, *ug.spares} if rolling else {*keep, *keep_spares}
         serving_new = ug.new_specs(specs, max(0, ug.count - len(keep) - len(keep_old)), taken)
@@ -197,7 +206,9 @@ def plan_layout(
             why = "a spare of an older spec, or one too many: replaced at once (it serves nothing)"
             layout.removed.extend((r.instance_id, why) for r in ug.records(k, ug.spares))
         taken |= {s.index for s in serving_new}
-        layout.new.extend(ug.new_specs(specs, ug.spare_count - len(keep_spares), taken, spare=True))
+        layout.new.extend(
+            ug.new_specs(specs, ug.spare_count - len(keep_spares) - len(keep_old_spares), taken, spare=True)
+        )
         if budget is not None:
             yield from budget.checkpoint()
     return layout

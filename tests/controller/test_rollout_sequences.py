@@ -239,3 +239,37 @@ async def test_renaming_a_group_under_rolling_keeps_the_old_group_serving_until_
         assert summary(h).rollout_state == C.ROLLOUT_STATE_COMPLETE
     finally:
         await h.stop()
+
+
+async def test_with_spares_a_paused_bad_version_never_serves_and_the_ready_old_spare_is_kept(tmp_path):
+    def with_spare(latency: int) -> C.Deployment:
+        deployment = union(2, latency=latency)
+        deployment.instance_groups[0].spares = 1
+        return deployment
+
+    c = await cluster(tmp_path, with_spare(10))
+    h, ctl = c.h, c.h.controller
+    try:
+        assert c.serving() == {"u-0", "u-1"} and ctl.instances["u-2"].spare
+        ctl.apply_deployment(with_spare(30))  # a version whose engines crash at start
+        c.crash_on_start()
+        await asyncio.sleep(0.05)
+        assert "u-2" in ctl.instances and "u-2" not in stopped(h), "the READY old-spec spare was stopped"
+        await c.serve(4)
+        assert summary(h).rollout_state == C.ROLLOUT_STATE_PAUSED
+        c.crash("u-0")  # a serving engine dies: the old-spec spare, READY, takes its place
+        h.beat("node-a")
+        await asyncio.sleep(0.05)
+        assert c.serving() == {"u-1", "u-2"}
+        for _ in range(8):
+            await c.serve(1)
+            assert not {i for i in c.serving() if ctl.instances[i].spec_hash in c.bad}, "the bad version serves"
+            assert len(c.serving()) >= 2
+        ctl.apply_deployment(with_spare(40))  # the fix: rolled out, then the spares replaced
+        await c.serve(24)
+        s = summary(h)
+        assert s.rollout_state == C.ROLLOUT_STATE_COMPLETE, s.rollout_reason
+        assert {ctl.instances[i].revision for i in c.serving()} == {3}
+        assert [i.revision for i in ctl.instances.values() if i.spare] == [3]
+    finally:
+        await h.stop()
