@@ -249,8 +249,16 @@ class Rollouts:
             return
         specs, removed, new, available_current, complete = GroupSpecs(deployment), [], [], 0, True
         taken_over = retiring(groups, strays or [], specs)
+        # Ids whose engines are still being stopped (a withdrawn or removed instance draining):
+        # a new unit does not take one, or its start would meet the old copy on the node.
+        stopping = {
+            engine_id.split("/")[0].rpartition("-")[::2] for _, engine_id, _ in self.changes.actuator.unfinished
+        }
+        stopping = {(g, i) for g, i in stopping if i.isdigit()}
         for place, ug in enumerate(groups):
             current, old = ug.current(), ug.old()
+            draining = {int(i) for g, i in stopping if g in ug.groups}
+            in_use = {*ug.units, *ug.spares, *draining}
             available = {k for k in ug.units if self._available(ug, k, strategy)}
             # Instances of a renamed group: old units of this one, withdrawn while enough serve.
             renamed = taken_over.get(place, [])
@@ -264,7 +272,7 @@ class Rollouts:
                 complete = False
             held = len(ug.units) + len(renamed) // len(ug.groups)
             starts = min(ug.count + strategy.max_surge - held, ug.count - len(current), STEP_LIMIT - len(new))
-            new.extend(ug.new_specs(specs, max(0, starts)))
+            new.extend(ug.new_specs(specs, max(0, starts), in_use))
             # Old-spec spares (kept by the change, or an old serving unit a promotion made a spare)
             # are replaced once the new version serves the whole count: until then the old
             # version is the proven one a failure should promote.
@@ -274,7 +282,7 @@ class Rollouts:
             if old_spares and not old and not renamed and available_here >= ug.count:
                 stale = [r for k in old_spares for r in ug.records(k, ug.spares)]
                 removed.extend((r.instance_id, "a spare of an older spec") for r in stale)
-                taken = {*ug.units, *ug.spares, *(s.index for s in new if s.group == ug.groups[0])}
+                taken = {*in_use, *(s.index for s in new if s.group == ug.groups[0])}
                 new.extend(ug.new_specs(specs, ug.spare_count - len(keep_spares), taken, spare=True))
             floor, serving = (
                 ug.count - strategy.max_unavailable,
