@@ -1,7 +1,7 @@
 """Rollout invariants over random operator sequences (hypothesis), on the controller with a fake
-node client (no process): apply, apply while paused, pause, resume, undo, delete, scale, rename the
-group, a version whose engines crash at start, an engine killed, the controller restarted. After
-every reconcile pass:
+node client (no process): apply (with or without a warm spare), apply while paused, pause, resume,
+undo, delete, scale, rename the group, a version whose engines crash at start, an engine killed,
+the controller restarted. After every reconcile pass:
 
 - a serving instance is never stopped by the controller while fewer than
   count - max_unavailable serve after the pass (a delete aside: it stops everything);
@@ -38,6 +38,7 @@ apply = st.tuples(
     st.sampled_from(["sim-a", "sim-b"]),  # model
     st.integers(0, 1),  # max_unavailable
     st.sampled_from(["u", "u", "v"]),  # the group's name: a rename
+    st.integers(0, 1),  # warm spares
 )
 operations = st.lists(
     st.one_of(
@@ -116,9 +117,9 @@ class Checked(Cluster):
         ctl, h = self.ctl, self.h
         kind = op[0]
         if kind == "apply":
-            _, version, count, model, max_unavailable, group = op
+            _, version, count, model, max_unavailable, group, spares = op
             spec = union(count, latency=10 + version, model=model, strategy={"max_unavailable": max_unavailable})
-            spec.instance_groups[0].name = group
+            spec.instance_groups[0].name, spec.instance_groups[0].spares = group, spares
             deployment, revision = ctl.apply_deployment(spec)
             self.applied(deployment, revision, version)
         elif kind == "pause" and self.deployment() is not None:
