@@ -4,8 +4,9 @@ the reconcile pass (controller/scheduling.py).
 
 A step: start new units while the group holds fewer than count + max_surge and fewer than count
 are current; withdraw an old unit (from the routers first, then the engines drain and stop, the
-scale-down path) while the available units stay at least count - max_unavailable. Available: every
-instance READY, every engine listed to the routers, serving for `min_ready` without failing.
+scale-down path) while the available units stay at least count - max_unavailable. Available
+(controller/availability.py): every engine listed to the routers and routed by the front door, a
+new unit also READY for `min_ready`. COMPLETE: every unit current and `count` of them available.
 
 A new unit that fails (a crash, an engine ABNORMAL, a FAILED instance) or is not available within
 `progress_deadline` of the last progress pauses the rollout: the old units keep serving and are

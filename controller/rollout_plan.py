@@ -9,8 +9,9 @@ the lowest index of its groups that no instance holds: the old one keeps serving
 while the new one loads.
 
 Warm spares (controller/spares.py) are units too, kept apart: the serving units are what a
-rollout counts and replaces in waves; spare units serve nothing, so a change replaces those on an
-older spec at once, before any serving wave, and a promotion never brings back an old version.
+rollout counts and replaces in waves. Under rolling the spare units on an older spec stay until
+the new version serves the whole count (a failure meanwhile promotes the proven version), then the
+rollout replaces them at once (they serve nothing); under recreate a change replaces them at once.
 """
 
 from __future__ import annotations
