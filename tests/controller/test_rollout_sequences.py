@@ -273,3 +273,26 @@ async def test_with_spares_a_paused_bad_version_never_serves_and_the_ready_old_s
         assert [i.revision for i in ctl.instances.values() if i.spare] == [3]
     finally:
         await h.stop()
+
+
+async def test_a_new_instance_never_takes_the_id_of_one_whose_engines_are_still_stopping(tmp_path):
+    c = await cluster(tmp_path, union(2, latency=10))
+    h, ctl = c.h, c.h.controller
+    try:
+        stopping = asyncio.Event()
+
+        async def slow_stop(node, engine_id, generation, deadline):  # an engine that drains for long
+            h.client.calls.append(("stop", node.node_id, engine_id, generation, deadline))
+            await stopping.wait()
+
+        h.client.stop_engine = slow_stop
+        ctl.apply_deployment(union(1, latency=10))  # u-1 goes; its engine drains
+        await asyncio.sleep(0.05)
+        assert set(ctl.instances) == {"u-0"} and "u-1" in stopped(h)
+        ctl.apply_deployment(union(1, latency=20))
+        ctl.reconcile_once()
+        new = [i for i, inst in ctl.instances.items() if inst.revision == 3]
+        assert new and "u-1" not in new, f"started {new} while u-1's engine is still stopping"
+        stopping.set()
+    finally:
+        await h.stop()
