@@ -29,6 +29,7 @@ from controller.actuator import Actuator
 from controller.adapters import AdapterSync
 from controller.adoption import Adoption
 from controller.autoscaler import AutoscaleCollector, Autoscaler
+from controller.availability import Availability
 from controller.beat_pacing import BeatPacing
 from controller.claims import NodeClaims, check_registration
 from controller.config import ControllerConfig
@@ -108,6 +109,9 @@ class Controller(views.ClusterReads):
         self.state.on_state_changed = self.lifecycle.spares.state_changed
         self.scheduler = Scheduler(self.state, config, self.lifecycle, self.metrics, self)
         self.adoption = Adoption(self.state, self.lifecycle)
+        # What each router's sync says its router routes to: "available" for rollouts and spares.
+        self.front_doors = FrontDoors(self.events, clock)
+        self.metrics.registry.register(FrontDoorCollector(self.front_doors))
         self.changes = DeploymentChanges(
             self.state,
             config.max_engines_per_deployment,
@@ -116,6 +120,7 @@ class Controller(views.ClusterReads):
             self.adoption,
             self.wake,
             self._spawn,
+            Availability(self.state, self.endpoints, self.front_doors.routes_to, self.front_doors.may_route_to),
         )
         self.rollouts = Rollouts(self.state, self.changes, self.endpoints)
         self.scheduler.rollouts = self.rollouts  # a step of each rollout ends every reconcile pass
@@ -135,9 +140,6 @@ class Controller(views.ClusterReads):
         self.claims = NodeClaims(self.state, config, self.monitor, self.metrics.registrations_refused)
         self.node_stores = NodeStoreAlarms(self.events)
         self.adapters = AdapterSync(self.state, self._spawn)
-        # What each router's sync says its router routes to (rollouts and spares ask it).
-        self.front_doors = FrontDoors(self.events, clock)
-        self.metrics.registry.register(FrontDoorCollector(self.front_doors))
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from controller.actuator import Actuator
 from controller.adoption import Adoption
+from controller.availability import Availability
 from controller.endpoints import EndpointFeed
 from controller.instances import FAILED, RESTARTING, InstanceRecord, Policy
 from controller.model_roots import check_local_paths
@@ -90,15 +91,20 @@ class DeploymentChanges:
         adoption: Adoption,
         wake: Callable[[], None],
         spawn: Callable[[Coroutine, str], asyncio.Task],
+        availability: Availability | None = None,
     ):
         self.state, self.max_engines, self.endpoints, self.actuator = state, max_engines, endpoints, actuator
         self.adoption, self.wake, self.spawn = adoption, wake, spawn
         # Told of every change that wrote a rollout record (controller/rollout.py sets it).
         self.on_applied: Callable[[str, dict | None], None] = lambda name, record: None
         self.deployments: dict[str, tuple[C.Deployment, int]] = {}  # name -> (deployment, revision)
+        # name -> the last revision of a deleted deployment: applied again, it goes on from there.
+        self.deleted_revisions: dict[str, int] = {}
         self._legacy: tuple[bytes, int] | None = None  # loaded from a store of before names: moved by `upgrade`
         self._one_at_a_time = asyncio.Lock()
         self.spares = Spares(state, actuator)
+        # What "available" means, for a change (which units to keep) and the rollouts (controller/availability.py).
+        self.availability = availability or Availability(state, endpoints)
 
     @property
     def busy(self) -> bool:
@@ -139,6 +145,9 @@ class DeploymentChanges:
     def loaded(self, stored: StoredState) -> None:
         """The stored deployments; the one of a store written before deployments had names is
         loaded under its own name (its instances keep their ids: nothing restarts)."""
+        for key, record in stored.rollouts.items():
+            if "deleted_at_revision" in record:
+                self.deleted_revisions[key] = int(record["deleted_at_revision"])
         for key, (data, revision) in stored.deployments.items():
             deployment = C.Deployment.FromString(data)
             if key == LEGACY_DEPLOYMENT:
@@ -190,8 +199,8 @@ class DeploymentChanges:
         return next(iter(self.deployments))
 
     def instances_of(self, name: str) -> list[str]:
-        owner = self.state.group_owner
-        return sorted(i for i, inst in self.state.instances.items() if owner.get(inst.group) == name)
+        of = self.state.deployment_of
+        return sorted(i for i, inst in self.state.instances.items() if of(inst) == name)
 
     # ------------------------------------------------------------------ the calls
 
@@ -277,15 +286,17 @@ class DeploymentChanges:
             plan.removed = [(i, "deleted with the deployment") for i in self.instances_of(name)]
             return plan
         self._check_groups(validated)
+        self._check_model_names(validated)
         records = [self.state.instances[i] for i in self.instances_of(name)]
-        layout = yield from plan_layout(validated, records, budget)
+        layout = yield from plan_layout(validated, records, budget, self.availability.serving)
         if current is not None and (
             validated.SerializeToString(deterministic=True) == current[0].SerializeToString(deterministic=True)
         ):
             return Plan(name, current[0], current[1], kept=layout.kept, same=True)
-        plan = Plan(name, validated, (current[1] if current else 0) + 1, removed=layout.removed, kept=layout.kept)
+        last = current[1] if current else self.deleted_revisions.get(name, 0)
+        plan = Plan(name, validated, last + 1, removed=layout.removed, kept=layout.kept)
         for spec in layout.new:
-            plan.new[spec.instance_id] = self._new_instance(spec, plan.revision)
+            plan.new[spec.instance_id] = self._new_instance(spec, plan.revision, validated.model, name)
             yield from budget.checkpoint()
         previous = current[0].SerializeToString(deterministic=True) if current is not None else None
         plan.rollout = rollout_record(previous, current[1] if current else 0, self.state.wall())
@@ -300,6 +311,31 @@ class DeploymentChanges:
             for i, g in enumerate(validated.instance_groups)
             if owner.get(g.name, validated.name) != validated.name
         ]
+        if taken:
+            raise InvalidArgument("; ".join(taken))
+
+    def _check_model_names(self, validated: C.Deployment) -> None:
+        """INVALID_ARGUMENT when an adapter of the deployment takes the name of another
+        deployment's model or adapter, or its model is another deployment's adapter: a router
+        sending by model would send one name's requests to engines that serve something else."""
+        others: dict[str, str] = {}  # name -> what it is, where
+        for name, (deployment, _) in self.deployments.items():
+            if name == validated.name:
+                continue
+            others.setdefault(deployment.model, f"the model of deployment {name!r}")
+            for adapter in deployment.adapters:
+                others.setdefault(adapter.name, f"an adapter of deployment {name!r}")
+        taken = [
+            f"adapters[{i}].name: {a.name!r} is {others[a.name]}: give the adapter a name no other deployment serves"
+            for i, a in enumerate(validated.adapters)
+            if a.name in others
+        ]
+        if others.get(validated.model, "").startswith("an adapter"):
+            taken.insert(
+                0,
+                f"model: {validated.model!r} is {others[validated.model]}: rename that adapter or serve this "
+                "model under another name",
+            )
         if taken:
             raise InvalidArgument("; ".join(taken))
 
@@ -372,6 +408,7 @@ class DeploymentChanges:
         # Not st.event: that would re-read every engine for the endpoint feed, which heard of each
         # instance that went or came already.
         if plan.deployment is None:
+            self.deleted_revisions[name] = plan.revision
             st.events.emit(
                 C.EVENT_TYPE_DEPLOYMENT_CHANGED, f"deployment {name!r} deleted; stopping its engines", deployment=name
             )
@@ -391,7 +428,7 @@ class DeploymentChanges:
         before its engines are stopped (they drain)."""
         deployment, revision = self.deployments[name]
         plan = Plan(name, deployment, revision, removed=removed)
-        plan.new = {spec.instance_id: self._new_instance(spec, revision) for spec in new}
+        plan.new = {spec.instance_id: self._new_instance(spec, revision, deployment.model, name) for spec in new}
         self._persist(plan, self._store_change(plan))
         with self.state.batch():
             for instance_id, why in plan.removed:
@@ -401,7 +438,9 @@ class DeploymentChanges:
                 self._install(inst, slots)
         self.wake()
 
-    def _new_instance(self, spec: InstanceSpec, revision: int) -> tuple[InstanceRecord, list[EngineSlot]]:
+    def _new_instance(
+        self, spec: InstanceSpec, revision: int, model: str, name: str
+    ) -> tuple[InstanceRecord, list[EngineSlot]]:
         inst = InstanceRecord(
             instance_id=spec.instance_id,
             group=spec.group,
@@ -414,6 +453,8 @@ class DeploymentChanges:
             state_changed_at=self.state.wall(),
             revision=revision,
             spare=spec.spare,
+            model=model,
+            deployment=name,
         )
         return inst, [
             EngineSlot(names.engine_id(spec.instance_id, r), spec.instance_id, r)

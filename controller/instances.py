@@ -72,6 +72,14 @@ class InstanceRecord:
     revision: int = 0
     # A warm spare of its group: started, never routed, promoted when a serving one fails (controller/spares.py).
     spare: bool = False
+    # The model its engines serve: the deployment's model when its spec was made (a rollout that
+    # renames the model leaves the old instances serving the old name until they go). Empty in a
+    # record of an older store: the deployment's model.
+    model: str = ""
+    # The deployment it belongs to: found by its group while the group is in the deployment; an
+    # instance of a group renamed under a rolling update keeps serving for it until the rollout
+    # withdraws it. Empty in a record of an older store.
+    deployment: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}

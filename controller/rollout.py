@@ -4,8 +4,9 @@ the reconcile pass (controller/scheduling.py).
 
 A step: start new units while the group holds fewer than count + max_surge and fewer than count
 are current; withdraw an old unit (from the routers first, then the engines drain and stop, the
-scale-down path) while the available units stay at least count - max_unavailable. Available: every
-instance READY, every engine listed to the routers, serving for `min_ready` without failing.
+scale-down path) while the available units stay at least count - max_unavailable. Available
+(controller/availability.py): every engine listed to the routers and routed by the front door, a
+new unit also READY for `min_ready`. COMPLETE: every unit current and `count` of them available.
 
 A new unit that fails (a crash, an engine ABNORMAL, a FAILED instance) or is not available within
 `progress_deadline` of the last progress pauses the rollout: the old units keep serving and are
@@ -21,9 +22,9 @@ import logging
 from dataclasses import dataclass
 
 from controller.deployments import DeploymentChanges
-from controller.endpoints import EndpointFeed
+from controller.endpoints import SERVING_INSTANCE_STATES, EndpointFeed
 from controller.instances import FAILED, READY, InstanceRecord
-from controller.rollout_plan import UnitGroup, unit_groups
+from controller.rollout_plan import UnitGroup, retiring, unit_groups
 from controller.slicing import Budget, Steps, run_at_once
 from controller.state import ClusterState
 from controller.store import StoredState, StoreUnavailable
@@ -83,6 +84,7 @@ class Counts:
     updated: int = 0
     available: int = 0
     old: int = 0
+    updated_available: int = 0  # what COMPLETE waits for: the desired count
 
 
 class Rollouts:
@@ -160,6 +162,16 @@ class Rollouts:
                 self.changes.retry_failed(inst)
         self.changes.wake()
 
+    async def pause_durably(self, name: str) -> None:
+        """PauseRollout: answers once the pause is in the store (etcd writes from a task: without
+        the wait a leader lost right after the answer would forget a pause it acknowledged)."""
+        self.pause(name)
+        await self.state.store.flush()
+
+    async def resume_durably(self, name: str) -> None:
+        self.resume(name)
+        await self.state.store.flush()
+
     def _persist_or_undo(self, name: str, rollout: Rollout, before: tuple[int, str]) -> None:
         try:
             self._save(name, rollout)
@@ -181,8 +193,9 @@ class Rollouts:
 
     def counts(self, name: str) -> Counts:
         deployment = self.changes.deployments[name][0]
-        groups, _ = run_at_once(unit_groups(GroupSpecs(deployment), self._records(name)))
-        counts = Counts()
+        groups, strays = run_at_once(unit_groups(GroupSpecs(deployment), self._records(name)))
+        counts = Counts(old=sum(1 for r in strays if not r.spare))  # of a renamed group
+        counts.available = sum(1 for r in strays if not r.spare and self.changes.availability.serving([r]))
         for ug in groups:
             for k in ug.units:
                 size = len(ug.records(k))
@@ -192,6 +205,8 @@ class Rollouts:
                     counts.old += size
                 if self._available(ug, k, effective(deployment.strategy)):
                     counts.available += size
+                    if ug.is_current(k):
+                        counts.updated_available += size
         return counts
 
     def status(self, name: str) -> tuple[int, str]:
@@ -209,50 +224,98 @@ class Rollouts:
             if rollout.state != PROGRESSING or name not in self.changes.deployments:
                 continue
             deployment = self.changes.deployments[name][0]
-            groups, _ = yield from unit_groups(GroupSpecs(deployment), self._records(name), budget)
+            groups, strays = yield from unit_groups(GroupSpecs(deployment), self._records(name), budget)
             if self.changes.busy or self.rollouts.get(name) is not rollout:
                 return  # a change began meanwhile: the next pass reads it
+            if rollout.state != PROGRESSING:
+                continue  # paused meanwhile (an operator's pause is never overwritten)
             try:
-                self._step(name, rollout, deployment, groups)
+                self._step(name, rollout, deployment, groups, strays)
             except StoreUnavailable as exc:
                 self.state.refused(exc)
                 return
 
-    def _step(self, name: str, rollout: Rollout, deployment: C.Deployment, groups: list[UnitGroup]) -> None:
+    def _step(
+        self,
+        name: str,
+        rollout: Rollout,
+        deployment: C.Deployment,
+        groups: list[UnitGroup],
+        strays: list[InstanceRecord] | None = None,
+    ) -> None:
         strategy = effective(deployment.strategy)
         failing = self._failing(rollout, groups)
         if failing:
             self._pause_itself(name, rollout, *failing)
             return
         specs, removed, new, available_current, complete = GroupSpecs(deployment), [], [], 0, True
-        for ug in groups:
+        taken_over = retiring(groups, strays or [], specs)
+        # Ids whose engines are still being stopped (a withdrawn or removed instance draining):
+        # a new unit does not take one, or its start would meet the old copy on the node.
+        stopping = {
+            engine_id.split("/")[0].rpartition("-")[::2] for _, engine_id, _ in self.changes.actuator.unfinished
+        }
+        stopping = {(g, i) for g, i in stopping if i.isdigit()}
+        for place, ug in enumerate(groups):
             current, old = ug.current(), ug.old()
+            draining = {int(i) for g, i in stopping if g in ug.groups}
+            in_use = {*ug.units, *ug.spares, *draining}
             available = {k for k in ug.units if self._available(ug, k, strategy)}
-            available_current += sum(1 for k in current if k in available)
-            if old or len(current) < ug.count:
+            # Instances of a renamed group: old units of this one, withdrawn while enough serve.
+            renamed = taken_over.get(place, [])
+            renamed_serving = [r for r in renamed if self.changes.availability.serving([r])]
+            if renamed:
                 complete = False
-            starts = min(ug.count + strategy.max_surge - len(ug.units), ug.count - len(current), STEP_LIMIT - len(new))
-            new.extend(ug.new_specs(specs, max(0, starts)))
-            # A promotion made an old serving unit a spare: replace it at once (it serves nothing),
-            # so that the next promotion brings the new version.
+            available_here = sum(1 for k in current if k in available)
+            available_current += available_here
+            # Complete only when the new revision's count serves: not merely started.
+            if old or len(current) < ug.count or available_here < ug.count:
+                complete = False
+            held = len(ug.units) + len(renamed) // len(ug.groups)
+            starts = min(ug.count + strategy.max_surge - held, ug.count - len(current), STEP_LIMIT - len(new))
+            new.extend(ug.new_specs(specs, max(0, starts), in_use))
+            # Old-spec spares (kept by the change, or an old serving unit a promotion made a spare)
+            # are replaced once the new version serves the whole count: until then the old
+            # version is the proven one a failure should promote.
             keep_spares, old_spares = ug.spare_layout()
             if old_spares:
                 complete = False
+            if old_spares and not old and not renamed and available_here >= ug.count:
                 stale = [r for k in old_spares for r in ug.records(k, ug.spares)]
                 removed.extend((r.instance_id, "a spare of an older spec") for r in stale)
-                taken = {*ug.units, *ug.spares, *(s.index for s in new if s.group == ug.groups[0])}
+                taken = {*in_use, *(s.index for s in new if s.group == ug.groups[0])}
                 new.extend(ug.new_specs(specs, ug.spare_count - len(keep_spares), taken, spare=True))
-            floor, serving = ug.count - strategy.max_unavailable, len(available)
-            for k in sorted(old, key=lambda k: k in available):  # those not serving first: they cost nothing
+            floor, serving = (
+                ug.count - strategy.max_unavailable,
+                len(available) + len(renamed_serving) // len(ug.groups),
+            )
+            for r in sorted(renamed, key=lambda r: r in renamed_serving):
                 if len(removed) >= STEP_LIMIT:
                     break
+                if r in renamed_serving or r.state in SERVING_INSTANCE_STATES:
+                    if serving - 1 < floor:
+                        break
+                    serving -= 1 if r in renamed_serving else 0
+                removed.append((r.instance_id, "its group was renamed: replaced by the rollout"))
+
+            def down(k: int, ug: UnitGroup = ug) -> bool:
+                return not all(r.state in SERVING_INSTANCE_STATES for r in ug.records(k))
+
+            # Those plainly down first: they cost nothing. One READY but not listed may be serving
+            # unseen (a restarted controller has not heard from its node yet): it goes only while
+            # enough others are available.
+            for k in sorted(old, key=lambda k: (k in available, not down(k))):
+                if len(removed) >= STEP_LIMIT:
+                    break
+                if k not in available and not down(k) and serving < floor:
+                    continue
                 if k in available:
                     if serving - 1 < floor:
                         break
                     serving -= 1
                 removed.extend((r.instance_id, "replaced by the rollout") for r in ug.records(k))
         if complete:
-            done = f"complete: every instance runs revision {self._revision(name)}"
+            done = f"complete: every instance runs revision {self._revision(name)} and is available"
             self._move(name, rollout, COMPLETE, done, event=rollout.announced)
             return
         rollout.announced = True
@@ -297,35 +360,38 @@ class Rollouts:
         return self.changes.deployments[name][1]
 
     def _available(self, ug: UnitGroup, index: int, strategy: C.UpdateStrategy) -> bool:
-        """Every engine of the unit listed to the routers; a current unit also READY for `min_ready`
-        (an old one serving is available however recently it came back: withdrawing it costs service)."""
+        """Every instance of the unit there and available (controller/availability.py); a current
+        unit also READY for `min_ready` (an old one serving is available however recently it came
+        back: withdrawing it costs service)."""
         records = ug.records(index)
         if len(records) != len(ug.groups):
             return False
-        settling = pbtime.seconds(strategy.min_ready) if ug.is_current(index) else None
-        now = self.state.wall()
-        for inst in records:
-            if settling is not None and (
-                inst.state != READY or inst.healthy_since is None or now - inst.healthy_since < settling
-            ):
-                return False
-            if any(s.engine_id not in self.endpoints.current for s in self.state.slots_of(inst.instance_id)):
-                return False  # not (or no longer) in the routers' workers
-        return True
+        settle = pbtime.seconds(strategy.min_ready) if ug.is_current(index) else None
+        return self.changes.availability.available(records, settle)
 
     def _failing(self, rollout: Rollout, groups: list[UnitGroup]) -> tuple[InstanceRecord, str] | None:
         """The first current instance that failed since the rollout (re)started, and how."""
         for ug in groups:
-            for k in ug.current():
-                for inst in ug.records(k):
+            # A new spare too: a promotion may have swapped a failing new serving unit into one.
+            units = [ug.records(k) for k in ug.current()]
+            units += [ug.records(k, ug.spares) for k in ug.spares if ug.is_current(k, ug.spares)]
+            for unit in units:
+                for inst in unit:
                     if inst.state == FAILED and inst.state_changed_at >= rollout.since:
                         return inst, f"is FAILED: {inst.reason}"
                     if any(t >= rollout.since for t in inst.failure_times):
-                        return inst, f"failed: {inst.reason}"
+                        return inst, f"failed: {self._cause(inst)}"
                     for slot in self.state.slots_of(inst.instance_id):
                         if slot.health == T.HEALTH_STATUS_ABNORMAL:
                             return inst, f"engine {slot.engine_id} is ABNORMAL: {slot.health_reason}"
         return None
+
+    def _cause(self, inst: InstanceRecord) -> str:
+        """What made the instance fail (its engine's last failure), not what its restart waits for."""
+        for slot in self.state.slots_of(inst.instance_id):
+            if slot.last_failure_reason:
+                return f"engine {slot.engine_id} {slot.last_failure_reason}"
+        return inst.reason
 
     def _first_unavailable(self, groups: list[UnitGroup], strategy: C.UpdateStrategy) -> InstanceRecord | None:
         for ug in groups:

@@ -9,13 +9,14 @@ the lowest index of its groups that no instance holds: the old one keeps serving
 while the new one loads.
 
 Warm spares (controller/spares.py) are units too, kept apart: the serving units are what a
-rollout counts and replaces in waves; spare units serve nothing, so a change replaces those on an
-older spec at once, before any serving wave, and a promotion never brings back an old version.
+rollout counts and replaces in waves. Under rolling the spare units on an older spec stay until
+the new version serves the whole count (a failure meanwhile promotes the proven version), then the
+rollout replaces them at once (they serve nothing); under recreate a change replaces them at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from controller.instances import InstanceRecord
@@ -74,6 +75,21 @@ class UnitGroup:
         return [specs.spec(g, k, spare) for k in (next(free) for _ in range(how_many)) for g in self.groups]
 
 
+def retiring(
+    groups: list[UnitGroup], strays: list[InstanceRecord], specs: GroupSpecs
+) -> dict[int, list[InstanceRecord]]:
+    """The instances of groups no longer in the deployment (renamed under rolling), by the unit
+    group that takes them over (the first with a group of their role): the rollout withdraws them
+    as old units while enough others are available."""
+    out: dict[int, list[InstanceRecord]] = {}
+    for record in strays:
+        for place, ug in enumerate(groups):
+            if any(specs.groups[g].role == record.role for g in ug.groups):
+                out.setdefault(place, []).append(record)
+                break
+    return out
+
+
 def index_of(record: InstanceRecord) -> int:
     """The index of "<group>-<index>" (ids are made so; the group name is its prefix)."""
     return int(record.instance_id[len(record.group) + 1 :])
@@ -119,36 +135,81 @@ class Layout:
 
 
 def plan_layout(
-    deployment: C.Deployment, records: Iterable[InstanceRecord], budget: Budget | None = None
+    deployment: C.Deployment,
+    records: Iterable[InstanceRecord],
+    budget: Budget | None = None,
+    serving: Callable[[list[InstanceRecord]], bool] | None = None,
 ) -> Steps[Layout]:
-    """Per unit group: keep up to `count` current units; with a rolling strategy keep old ones up
-    to `count` for the rollout to replace, with recreate stop them at once; stop the rest (a lower
-    count: the highest indices); start new units for what is missing (a higher count, or recreate)."""
+    """Per unit group: keep up to `count` current units; with a rolling strategy keep old ones for
+    the rollout to replace, with recreate stop them at once; stop the rest; start new units for
+    what is missing (a higher count, or recreate).
+
+    Which units stay is decided by what serves (`serving`, over a unit's records: available now):
+    serving units are kept before those that do not, old or new, so a change never stops a
+    serving unit the count still needs (a fix applied while a bad version is paused keeps the
+    old instance that serves and stops the crashing one). Under rolling, every serving old unit is
+    kept while the kept units serve fewer than `count` (the rollout withdraws it once a new one is
+    available), then old ones up to `count`; a lower count stops non-serving units first."""
     rolling = deployment.strategy.type != C.UPDATE_STRATEGY_TYPE_RECREATE
     specs = GroupSpecs(deployment)
     groups, strays = yield from unit_groups(specs, records, budget)
-    layout = Layout(removed=[(r.instance_id, "no longer in the deployment") for r in strays])
+    layout = Layout()
+    roles = {g.role for g in deployment.instance_groups}
+    for r in strays:
+        if rolling and r.role in roles and not r.spare and serving is not None and serving([r]):
+            # Its group was renamed: it serves until the rollout has the new group available.
+            layout.old.append(r.instance_id)
+        else:
+            layout.removed.append((r.instance_id, "no longer in the deployment"))
     for ug in groups:
-        current, old = ug.current(), ug.old()
+
+        def up(k: int, ug: UnitGroup = ug) -> bool:
+            unit = ug.records(k)
+            return serving is not None and len(unit) == len(ug.groups) and serving(unit)
+
+        # Serving units first, then by index (sorted is stable).
+        current = sorted(ug.current(), key=lambda k: not up(k))
+        old = sorted(ug.old(), key=lambda k: not up(k))
         keep = current[: ug.count]
-        keep_old = old[: ug.count - len(keep)] if rolling else []
-        layout.kept.extend(specs.spec(g, k) for k in keep for g in ug.groups)
-        layout.old.extend(r.instance_id for k in keep_old for r in ug.records(k))
-        for k in current[ug.count :] + old[len(keep_old) :]:
-            why = "its spec changed; replaced at once (strategy recreate)" if k in old and not rolling else None
-            layout.removed.extend((r.instance_id, why or "no longer in the deployment") for r in ug.records(k))
-        # Spares serve nothing: those on an older spec (or too many) stop at once, new ones start.
+        keep_old: list[int] = []
+        if rolling:
+            serving_kept = sum(1 for k in keep if up(k))
+            keep_old = [k for k in old if up(k)][: max(0, ug.count - serving_kept)]
+            rest = [k for k in old if k not in keep_old]
+            keep_old += rest[: max(0, ug.count - len(keep) - len(keep_old))]
+        layout.kept.extend(specs.spec(g, k) for k in sorted(keep) for g in ug.groups)
+        layout.old.extend(r.instance_id for k in sorted(keep_old) for r in ug.records(k))
+        for k in sorted(current[ug.count :] + [k for k in old if k not in keep_old]):
+            if k in current:
+                why = "no longer in the deployment"
+            elif not rolling:
+                why = "its spec changed; replaced at once (strategy recreate)"
+            else:
+                why = "on an older spec and not serving: stopped (the serving instances are kept)"
+            layout.removed.extend((r.instance_id, why) for r in ug.records(k))
+        # Spares serve nothing: with recreate those on an older spec (or too many) stop at once and
+        # new ones start. With rolling the old-spec spares stay until the rollout has the new
+        # version serving (controller/rollout.py replaces them then): a new version that turns
+        # out bad must not be what a failure promotes, nor cost the spare that was READY.
         keep_spares, stop_spares = ug.spare_layout()
+        keep_old_spares: list[int] = []
+        if rolling:
+            old_spares = [k for k in stop_spares if not ug.is_current(k, ug.spares)]
+            keep_old_spares = old_spares[: max(0, ug.spare_count - len(keep_spares))]
+            stop_spares = [k for k in stop_spares if k not in keep_old_spares]
+            layout.old.extend(r.instance_id for k in keep_old_spares for r in ug.records(k, ug.spares))
         # Recreate starts the new units under the ids of those it stops (the old behaviour).
         taken = {*ug.units, *ug.spares} if rolling else {*keep, *keep_spares}
-        serving = ug.new_specs(specs, ug.count - len(keep) - len(keep_old), taken)
-        layout.new.extend(serving)
+        serving_new = ug.new_specs(specs, max(0, ug.count - len(keep) - len(keep_old)), taken)
+        layout.new.extend(serving_new)
         layout.kept.extend(specs.spec(g, k, spare=True) for k in keep_spares for g in ug.groups)
         for k in stop_spares:
             why = "a spare of an older spec, or one too many: replaced at once (it serves nothing)"
             layout.removed.extend((r.instance_id, why) for r in ug.records(k, ug.spares))
-        taken |= {s.index for s in serving}
-        layout.new.extend(ug.new_specs(specs, ug.spare_count - len(keep_spares), taken, spare=True))
+        taken |= {s.index for s in serving_new}
+        layout.new.extend(
+            ug.new_specs(specs, ug.spare_count - len(keep_spares) - len(keep_old_spares), taken, spare=True)
+        )
         if budget is not None:
             yield from budget.checkpoint()
     return layout

@@ -89,11 +89,11 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         return controller_pb2.DeleteDeploymentResponse()
 
     async def PauseRollout(self, request, context):
-        self.controller.rollouts.pause(request.name)
+        await self.controller.rollouts.pause_durably(request.name)
         return controller_pb2.PauseRolloutResponse()
 
     async def ResumeRollout(self, request, context):
-        self.controller.rollouts.resume(request.name)
+        await self.controller.rollouts.resume_durably(request.name)
         return controller_pb2.ResumeRolloutResponse()
 
     async def UndoRollout(self, request, context):

@@ -128,10 +128,13 @@ class Spares:
         unit = self.unit(inst)
         if not self.ready(unit):
             return  # its partner is not READY yet: promoted when it is
-        for member in self.members(inst.group):
-            if not member.spare and self._down(member):
-                self.promote_for(member, f"it is {state_name(member.state)} after a failure")
-                return
+        # A P/D pair takes the place of a pair with any member down: look in each member's group
+        # (the prefill may be READY last while the decode that failed is in the other group).
+        for group in dict.fromkeys(i.group for i in unit):
+            for member in self.members(group):
+                if not member.spare and self._down(member):
+                    self.promote_for(member, f"it is {state_name(member.state)} after a failure")
+                    return
 
     @staticmethod
     def _down(inst: InstanceRecord) -> bool:

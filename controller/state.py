@@ -84,12 +84,14 @@ class ClusterState:
         self.on_state_changed: Callable[[InstanceRecord, int], None] = lambda inst, old: None
 
     def deployment_of(self, inst: InstanceRecord) -> str:
-        return self.group_owner.get(inst.group, "")
+        return self.group_owner.get(inst.group) or inst.deployment
 
     def deployment_of_id(self, instance_id: str) -> str:
         """The deployment of an instance id, also of one just removed ("<group>-<index>")."""
         inst = self.instances.get(instance_id)
-        return self.group_owner.get(inst.group if inst is not None else instance_id.rpartition("-")[0], "")
+        if inst is not None:
+            return self.deployment_of(inst)
+        return self.group_owner.get(instance_id.rpartition("-")[0], "")
 
     def policy_of(self, inst: InstanceRecord) -> Policy:
         """The restart policy of the instance's deployment (its own crash-loop budget)."""

@@ -172,6 +172,7 @@ class ClusterReads:
                     rollout_reason=rollout_reason,
                     updated_instances=rollout.updated,
                     available_instances=rollout.available,
+                    updated_available_instances=rollout.updated_available,
                     old_instances=rollout.old,
                     spare_instances=sum(n for (spare, _), n in mine.items() if spare),
                     ready_spare_instances=mine[True, READY],

@@ -170,12 +170,21 @@ def rollout_state_name(state: int) -> str:
 
 
 def render_rollout(d: controller_pb2.DeploymentSummary) -> str:
-    """`motorctl rollout status`: where a deployment's rollout stands."""
-    lines = [
-        f"deployment {d.deployment.name!r} revision {d.revision}: rollout {rollout_state_name(d.rollout_state)}",
-        f"  {d.updated_instances} updated, {d.available_instances} available, {d.old_instances} old "
-        f"({d.instances} instances)",
-    ]
+    """`motorctl rollout status`: where a deployment's rollout stands, counted as `kubectl rollout
+    status` does: of the desired instances, how many run the new revision and are available, and
+    how many old ones are left to replace."""
+    desired = sum(g.count for g in d.deployment.instance_groups)  # warm spares apart
+    name, state = d.deployment.name, rollout_state_name(d.rollout_state)
+    lines = [f"deployment {name!r} revision {d.revision}: rollout {state}"]
+    if d.rollout_state == controller_pb2.ROLLOUT_STATE_COMPLETE:
+        lines.append(
+            f"  successfully rolled out: {d.updated_available_instances} of {desired} updated instances available"
+        )
+    else:
+        lines.append(
+            f"  {d.updated_available_instances} of {desired} updated instances available "
+            f"({d.updated_instances} updated), {d.old_instances} old instance(s) remaining"
+        )
     if d.rollout_reason:
         lines.append(f"  {d.rollout_reason}")
     return "\n".join(lines)

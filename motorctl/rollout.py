@@ -1,8 +1,9 @@
 """`motorctl rollout status|pause|resume|undo [NAME]`: a deployment's rolling update.
 
-`status` exits 0 when the rollout is complete, 1 when it is paused (by an operator or by a failing
-new instance: the reason names it), 3 while it progresses; `--wait SECONDS` waits for it to
-complete or pause first.
+`status` exits 0 when the rollout is complete (the new revision's desired count available), 4 when
+it is paused (by an operator or by a failing new instance: the reason names it), 3 while it
+progresses; `--wait SECONDS` waits for it to complete or pause first. Like every motorctl command it
+exits 1 when the controller cannot be reached or refuses the call, 2 on bad input (an unknown name).
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from motor.v1 import controller_pb2, controller_pb2_grpc
 from motorctl import render
 
 C = controller_pb2
-EXIT_BY_STATE = {C.ROLLOUT_STATE_COMPLETE: 0, C.ROLLOUT_STATE_PAUSED: 1, C.ROLLOUT_STATE_PROGRESSING: 3}
+# Apart from 1 (unreachable, refused) and 2 (bad input), which every motorctl command uses.
+EXIT_BY_STATE = {C.ROLLOUT_STATE_COMPLETE: 0, C.ROLLOUT_STATE_PAUSED: 4, C.ROLLOUT_STATE_PROGRESSING: 3}
 
 
 def add_parser(sub) -> None:
     rollout = sub.add_parser(
         "rollout",
-        help="a deployment's rolling update: status (exit 0 complete, 1 paused, 3 in progress), pause, "
+        help="a deployment's rolling update: status (exit 0 complete, 3 in progress, 4 paused; 1 unreachable), pause, "
         "resume, undo (back to the previous revision, rolled out alike)",
     )
     rollout.add_argument("action", choices=["status", "pause", "resume", "undo"])

@@ -154,7 +154,9 @@ class Store(abc.ABC):
 
     def _save_rollout_of(self, change: StoreChange) -> None:
         if change.deployment is None and change.name != LEGACY_DEPLOYMENT:
-            self.save_rollout(change.name, None)
+            # Kept after the delete: a deployment applied again under the name goes on from its
+            # last revision, so one revision number never names two specs.
+            self.save_rollout(change.name, {"deleted_at_revision": change.revision})
         elif change.rollout is not None:
             self.save_rollout(change.name, change.rollout)
 

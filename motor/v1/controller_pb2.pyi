@@ -706,6 +706,7 @@ class DeploymentSummary(_message.Message):
     SPARE_INSTANCES_FIELD_NUMBER: _builtins.int
     READY_SPARE_INSTANCES_FIELD_NUMBER: _builtins.int
     SCALE_FIELD_NUMBER: _builtins.int
+    UPDATED_AVAILABLE_INSTANCES_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     """Its revision (each deployment counts its own)."""
     instances: _builtins.int
@@ -715,8 +716,9 @@ class DeploymentSummary(_message.Message):
     pending_instances: _builtins.int
     """Of those, PENDING (waiting for room: see their state_reason)."""
     rollout_state: Global___RolloutState.ValueType
-    """The rollout: COMPLETE when every instance runs the current spec, PROGRESSING while old ones
-    are being replaced, PAUSED (by `motorctl rollout pause` or by a failing new instance).
+    """The rollout: COMPLETE when every instance runs the current spec and the desired count of them
+    is available, PROGRESSING until then, PAUSED (by `motorctl rollout pause` or by a failing new
+    instance).
     """
     rollout_reason: _builtins.str
     """Why the rollout is paused (names the instance and the cause), or what it waits for."""
@@ -730,6 +732,10 @@ class DeploymentSummary(_message.Message):
     """Its warm spares (not counted in instances, ready_instances or pending_instances)."""
     ready_spare_instances: _builtins.int
     """Of those, READY (each can take a failed instance's place at once)."""
+    updated_available_instances: _builtins.int
+    """Of the updated instances, those available (serving for the strategy's min_ready): the
+    rollout is COMPLETE when these reach the desired count (the sum of the groups' counts).
+    """
     @_builtins.property
     def deployment(self) -> Global___Deployment:
         """The desired deployment."""
@@ -754,10 +760,11 @@ class DeploymentSummary(_message.Message):
         spare_instances: _builtins.int = ...,
         ready_spare_instances: _builtins.int = ...,
         scale: _abc.Iterable[Global___GroupScale] | None = ...,
+        updated_available_instances: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["available_instances", b"available_instances", "deployment", b"deployment", "instances", b"instances", "old_instances", b"old_instances", "pending_instances", b"pending_instances", "ready_instances", b"ready_instances", "ready_spare_instances", b"ready_spare_instances", "revision", b"revision", "rollout_reason", b"rollout_reason", "rollout_state", b"rollout_state", "scale", b"scale", "spare_instances", b"spare_instances", "updated_instances", b"updated_instances"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available_instances", b"available_instances", "deployment", b"deployment", "instances", b"instances", "old_instances", b"old_instances", "pending_instances", b"pending_instances", "ready_instances", b"ready_instances", "ready_spare_instances", b"ready_spare_instances", "revision", b"revision", "rollout_reason", b"rollout_reason", "rollout_state", b"rollout_state", "scale", b"scale", "spare_instances", b"spare_instances", "updated_available_instances", b"updated_available_instances", "updated_instances", b"updated_instances"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

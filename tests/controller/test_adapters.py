@@ -137,3 +137,22 @@ async def test_bad_adapters_are_refused_naming_the_field_and_change_nothing(harn
         ctl.apply_deployment(small_deployment([{"name": "u", "role": "union"}], adapters=adapters))
     assert says in str(refused.value)
     assert ctl.get_deployment("t")[1] == 1 and not ctl.get_deployment("t")[0].adapters
+
+
+async def test_an_adapter_may_not_take_another_deployment_s_model_name(harness):
+    ctl = await harness.start()
+    ctl.apply_deployment(small_deployment([{"name": "b", "role": "union"}], name="depb", model="sim-b"))
+    with pytest.raises(InvalidArgument, match=r"adapters\[0\].name: 'sim-b' is the model of deployment 'depb'"):
+        ctl.apply_deployment(
+            small_deployment(
+                [{"name": "a", "role": "union"}], name="depa", model="sim-a", adapters=[{"name": "sim-b", "path": "x"}]
+            )
+        )
+    assert "depa" not in ctl.changes.deployments
+    ctl.apply_deployment(
+        small_deployment(
+            [{"name": "a", "role": "union"}], name="depa", model="sim-a", adapters=[{"name": "sim-a-lora", "path": "x"}]
+        )
+    )
+    with pytest.raises(InvalidArgument, match="model: 'sim-a-lora' is an adapter of deployment 'depa'"):
+        ctl.apply_deployment(small_deployment([{"name": "c", "role": "union"}], name="depc", model="sim-a-lora"))

@@ -4,6 +4,8 @@ instances that wait for room."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from controller.store import SqliteStore
@@ -267,25 +269,55 @@ async def test_a_serving_engine_reported_abnormal_is_replaced_before_it_is_kille
     assert listed(harness) == {"u-1", "u-2"} and len(spare_events(harness)) == 1
 
 
-async def test_a_rollout_replaces_the_spares_first_and_a_promotion_never_brings_back_the_old_spec(harness):
+async def test_a_rollout_keeps_the_old_spec_spare_until_the_new_version_serves_then_replaces_it(harness):
     await spares_running(harness)  # u-0 and u-1 serve, u-2 is the READY spare
     ctl = harness.controller
     old = harness.instance("u-0").spec_hash
-    changed = small_deployment([{"name": "u", "role": "union", "count": 2, "spares": 1}], model="sim-next")
+    changed = small_deployment(
+        [{"name": "u", "role": "union", "count": 2, "spares": 1}], model="sim-next", strategy={"min_ready": "0s"}
+    )
     ctl.apply_deployment(changed)
-    # The spare serves nothing: replaced at once; the serving ones wait for the rollout's waves.
-    assert "u-2" not in ctl.instances
-    [spare] = [i for i in ctl.instances.values() if i.spare]
-    assert spare.spec_hash != old
-    assert {i.instance_id for i in ctl.instances.values() if not i.spare and i.spec_hash == old} == {"u-0", "u-1"}
+    # The new version is not proven yet: the READY old-spec spare stays, no new spare starts.
+    assert harness.instance("u-2").spare and harness.instance("u-2").spec_hash == old
+    assert [i.instance_id for i in ctl.instances.values() if i.spare] == ["u-2"]
+    fail(harness, "u-0")  # a failure promotes the old-spec spare: the proven version
+    assert "u-2" in listed(harness) and harness.instance("u-0").spare
+    # The rollout goes on; once the new version serves the whole count the spares are replaced.
+    for _ in range(60):
+        ctl.reconcile_once()
+        for node in ("node-a", "node-b"):
+            harness.client.set_health(node)
+        harness.beat("node-a", "node-b")
+        if ctl.list_deployments().deployments[0].rollout_state == C.ROLLOUT_STATE_COMPLETE:
+            break
+        await asyncio.sleep(0.05)
+    summary = ctl.list_deployments().deployments[0]
+    assert summary.rollout_state == C.ROLLOUT_STATE_COMPLETE, summary.rollout_reason
+    assert all(i.spec_hash != old for i in ctl.instances.values())
+    assert sum(1 for i in ctl.instances.values() if i.spare) == 1
 
-    await async_wait_for(lambda: harness.client.starts(f"{spare.instance_id}/rank0"), timeout=5, what="its start")
-    harness.client.set_health("node-a")
-    harness.client.set_health("node-b")
-    harness.beat("node-a", "node-b")
-    await async_wait_for(lambda: spare.state == C.INSTANCE_STATE_READY, timeout=5, what="the new spare READY")
-    fail(harness, "u-0")
-    assert spare.instance_id in listed(harness) and not spare.spare  # the new version took u-0's place
-    # u-0, an old-spec instance now a spare, is replaced too: no promotion brings the old spec back.
-    await async_wait_for(lambda: "u-0" not in ctl.instances, timeout=5, what="the old-spec spare replaced")
-    assert all(i.spec_hash != old for i in ctl.instances.values() if i.spare)
+
+async def test_a_pd_spare_pair_whose_prefill_becomes_ready_last_replaces_a_failed_decode(harness):
+    await harness.start()
+    await harness.register("node-a", accelerators=8)
+    harness.controller.apply_deployment(
+        small_deployment(
+            [
+                {"name": "p", "role": "prefill", "count": 1, "spares": 1, "pair_with": "d"},
+                {"name": "d", "role": "decode", "count": 1, "spares": 1},
+            ]
+        )
+    )
+    await async_wait_for(lambda: len(harness.client.starts()) == 4, timeout=5)
+    late = harness.client.engines["node-a"]["p-1/rank0"]  # the spare pair's prefill still loads
+    for engine in harness.client.engines["node-a"].values():
+        if engine is not late:
+            engine.state, engine.health = T.ENGINE_STATE_RUNNING, T.HEALTH_STATUS_NORMAL
+    harness.beat("node-a")
+    await async_wait_for(lambda: harness.instance("d-1").state == C.INSTANCE_STATE_READY, timeout=5)
+    fail(harness, "d-0")  # the serving decode dies while its spare pair is not whole yet
+    assert "d-1" not in listed(harness)
+    late.state, late.health = T.ENGINE_STATE_RUNNING, T.HEALTH_STATUS_NORMAL
+    harness.beat("node-a")
+    await async_wait_for(lambda: listed(harness) == {"p-1", "d-1"}, timeout=5, what="the spare pair promoted")
+    assert harness.instance("p-0").spare and harness.instance("d-0").spare

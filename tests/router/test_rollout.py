@@ -186,3 +186,46 @@ def test_a_controller_killed_mid_rollout_resumes_it_from_the_store(cluster):
     # Nothing failed, before the kill or after it: the restarted controller sends the router its
     # endpoints only once the nodes have reported to it.
     assert load.failed() == [], f"{len(load.failed())} of {len(load.results)} failed"
+
+
+def test_the_fix_for_a_paused_bad_version_keeps_the_only_serving_instance_under_load(cluster):
+    """count 1: v2 completes on one instance; v3 crashes soon after start (paused); v4, the fix,
+    is applied while paused: the one serving instance stays until the fix serves, 0 failed."""
+
+    def settled_on_one(revision: int) -> bool:
+        s, mine = summary(cluster), instances(cluster)
+        return (
+            s.rollout_state == C.ROLLOUT_STATE_COMPLETE
+            and [i.revision for i in mine] == [revision]
+            and mine[0].state == C.INSTANCE_STATE_READY
+            and len(workers(cluster)) == 1
+        )
+
+    apply(cluster, union(20, count=1))
+    revision = apply(cluster, union(25, count=1))
+    wait_for(
+        lambda: settled_on_one(revision),
+        timeout=120,
+        interval=0.3,
+        what="one engine of v2 in the router",
+        detail=lambda: (
+            f"{summary(cluster)} {[(i.instance_id, i.revision, i.state) for i in instances(cluster)]} "
+            f"{workers(cluster)}"
+        ),
+    )
+    with OpenLoad(cluster.router_url) as load:
+        time.sleep(2)
+        apply(cluster, union(25, count=1, faults={"crash_after_s": 1.5}))
+        wait_for(
+            lambda: summary(cluster).rollout_state == C.ROLLOUT_STATE_PAUSED, timeout=60, interval=0.2, what="paused"
+        )
+        fixed = apply(cluster, union(30, count=1))
+        lowest = len(workers(cluster))
+        deadline = time.monotonic() + 120
+        while not settled_on_one(fixed) and time.monotonic() < deadline:
+            lowest = min(lowest, len(workers(cluster)))
+            time.sleep(0.2)
+        assert settled_on_one(fixed), summary(cluster).rollout_reason
+        time.sleep(3)  # the withdrawn engine drains and stops meanwhile
+    assert lowest >= 1, "the router was left with no worker during the fix's rollout"
+    assert load.failed() == [], f"{len(load.failed())} of {len(load.results)} failed"

@@ -1,0 +1,298 @@
+"""The operator sequences a hostile tester ran against rollouts, replayed on the controller with a
+fake node client: a fix applied while a bad version is paused, a new apply in the middle of a
+rollout, a scale-down while an instance is FAILED. What they check is what a client sees: the
+instances that serve are never stopped while fewer than the deployment's count serve, and a
+rollout is COMPLETE only once the new revision serves."""
+
+from __future__ import annotations
+
+import asyncio
+
+from controller.instances import READY
+from controller.validation import GroupSpecs
+from motor.v1 import controller_pb2, types_pb2
+from tests.controller.conftest import Harness
+from tests.controller.test_rollout import stopped, summary, union
+
+C, T = controller_pb2, types_pb2
+
+
+class Cluster:
+    """The harness's controller on one node whose engines of the `bad` specs crash as soon as
+    they start (a version that does not load)."""
+
+    def __init__(self, h: Harness):
+        self.h, self.bad = h, set()
+
+    def crash_on_start(self) -> None:
+        """The deployment as applied last (validated: defaults filled in) does not load."""
+        self.bad.add(GroupSpecs(self.h.controller.changes.deployments["t"][0]).hashes["u"])
+
+    def crash(self, instance_id: str) -> None:
+        for engine in self.h.client.engines["node-a"].values():
+            if engine.engine_id.startswith(f"{instance_id}/") and engine.state != T.ENGINE_STATE_STOPPED:
+                engine.state, engine.exit_code = T.ENGINE_STATE_FAILED, 1
+
+    async def serve(self, passes: int = 8) -> None:
+        ctl = self.h.controller
+        for _ in range(passes):
+            ctl.reconcile_once()
+            await asyncio.sleep(0.02)
+            self.h.client.set_health("node-a")
+            for inst in list(ctl.instances.values()):
+                if inst.spec_hash in self.bad:
+                    self.crash(inst.instance_id)
+            self.h.beat("node-a")
+            await asyncio.sleep(0.02)
+
+    def serving(self) -> set[str]:
+        return {e.instance_id for e in self.h.controller.list_endpoints(T.ROLE_UNSPECIFIED, "")}
+
+
+async def cluster(tmp_path, deployment: C.Deployment) -> Cluster:
+    h = Harness(tmp_path)
+    await h.start()
+    await h.register("node-a", accelerators=8)
+    h.controller.apply_deployment(deployment)
+    c = Cluster(h)
+    await c.serve()
+    assert all(inst.state == READY for inst in h.controller.instances.values())
+    return c
+
+
+async def test_a_fix_applied_while_a_bad_version_is_paused_keeps_the_only_serving_instance(tmp_path):
+    c = await cluster(tmp_path, union(1, latency=10))
+    h, ctl = c.h, c.h.controller
+    try:
+        ctl.apply_deployment(union(1, latency=20))  # v2: completes on u-1
+        await c.serve(12)
+        assert c.serving() == {"u-1"} and summary(h).rollout_state == C.ROLLOUT_STATE_COMPLETE
+        ctl.apply_deployment(union(1, latency=30))  # v3: its engines crash at start
+        c.crash_on_start()
+        await c.serve(4)
+        assert summary(h).rollout_state == C.ROLLOUT_STATE_PAUSED and c.serving() == {"u-1"}
+        reason = summary(h).rollout_reason  # the crash, not what the restart waits for
+        assert "engine u-0/rank0 " in reason and "exit" in reason and "waiting for" not in reason, reason
+        before = stopped(h)
+        ctl.apply_deployment(union(1, latency=40))  # v4, the fix
+        await asyncio.sleep(0.05)
+        assert "u-1" in ctl.instances and "u-1" not in stopped(h) - before, "the only serving instance was stopped"
+        assert c.serving() == {"u-1"}
+        for _ in range(6):  # while the fix loads, u-1 keeps serving
+            await c.serve(1)
+            assert c.serving(), "nothing served during the rollout of the fix"
+        await c.serve(12)
+        assert summary(h).rollout_state == C.ROLLOUT_STATE_COMPLETE
+        assert {ctl.instances[i].revision for i in c.serving()} == {4}
+    finally:
+        await h.stop()
+
+
+async def test_a_new_apply_in_the_middle_of_a_rollout_keeps_every_serving_instance(tmp_path):
+    c = await cluster(tmp_path, union(2, latency=10))
+    h, ctl = c.h, c.h.controller
+    try:
+        ctl.apply_deployment(union(2, latency=20))
+        # Step until the rollout is half way: one new instance serves beside an old one.
+        for _ in range(20):
+            await c.serve(1)
+            revisions = {ctl.instances[i].revision for i in c.serving()}
+            if revisions == {1, 2}:
+                break
+        assert {ctl.instances[i].revision for i in c.serving()} == {1, 2}, "never half way"
+        serving = c.serving()
+        before = stopped(h)
+        ctl.apply_deployment(union(2, latency=30))
+        await asyncio.sleep(0.05)
+        # At most the surge instance goes: count (2) still serve, all of them serving before.
+        assert len(c.serving()) >= 2 and c.serving() <= serving
+        assert len((stopped(h) - before) & serving) <= len(serving) - 2
+        for _ in range(16):
+            await c.serve(1)
+            assert len(c.serving()) >= 2, "fewer than count - max_unavailable served"
+        assert summary(h).rollout_state == C.ROLLOUT_STATE_COMPLETE
+        assert {ctl.instances[i].revision for i in c.serving()} == {3} and len(c.serving()) == 2
+    finally:
+        await h.stop()
+
+
+async def test_a_scale_down_while_an_instance_is_failed_stops_the_failed_one(tmp_path):
+    c = await cluster(tmp_path, union(2, latency=10, restart_policy={"max_failures": 1}))
+    h, ctl = c.h, c.h.controller
+    try:
+        c.crash("u-0")
+        h.beat("node-a")
+        await asyncio.sleep(0.05)
+        assert ctl.instances["u-0"].state == C.INSTANCE_STATE_FAILED
+        before = stopped(h)
+        ctl.apply_deployment(union(1, latency=10, restart_policy={"max_failures": 1}))
+        await c.serve(2)
+        assert set(ctl.instances) == {"u-1"} and c.serving() == {"u-1"}
+        assert "u-1" not in stopped(h) - before
+    finally:
+        await h.stop()
+
+
+async def test_complete_only_once_the_new_revision_serves(tmp_path):
+    c = await cluster(tmp_path, union(1, latency=10))
+    h, ctl = c.h, c.h.controller
+    try:
+        c.crash_on_start()  # v1 stops serving: nothing old to wait for
+        await c.serve(2)
+        assert not c.serving()
+        ctl.apply_deployment(union(1, latency=20))
+        for _ in range(6):  # the new engine starts but is never NORMAL
+            ctl.reconcile_once()
+            await asyncio.sleep(0.02)
+            h.beat("node-a")
+        assert not c.serving() and all(inst.revision == 2 for inst in ctl.instances.values())
+        s = summary(h)
+        assert s.rollout_state == C.ROLLOUT_STATE_PROGRESSING, "COMPLETE while nothing serves"
+        assert "waiting for" in s.rollout_reason and s.available_instances == 0
+        await c.serve(4)
+        assert summary(h).rollout_state == C.ROLLOUT_STATE_COMPLETE and c.serving()
+        done = [e.message for e in ctl.events.recent if e.type == C.EVENT_TYPE_ROLLOUT][-1]
+        assert "complete" in done and "available" in done
+    finally:
+        await h.stop()
+
+
+def models_listed(c: Cluster) -> dict[str, tuple[str, ...]]:
+    return {e.instance_id: tuple(e.models) for e in c.h.controller.list_endpoints(T.ROLE_UNSPECIFIED, "")}
+
+
+async def test_a_renamed_model_s_old_engines_stay_under_the_old_name_until_they_go(tmp_path):
+    c = await cluster(tmp_path, union(1, model="sim-a", strategy={"min_ready": "60s"}))
+    h, ctl = c.h, c.h.controller
+    try:
+        ctl.apply_deployment(union(1, model="sim-b", strategy={"min_ready": "60s"}))
+        await c.serve(3)  # the new one serves, not yet for min_ready: both are listed
+        assert models_listed(c) == {"u-0": ("sim-a",), "u-1": ("sim-b",)}
+        assert [e.instance_id for e in ctl.list_endpoints(T.ROLE_UNSPECIFIED, "sim-b")] == ["u-1"]
+        await h.stop()  # a controller restart reads each instance's model back
+        await h.start()
+        await h.register("node-a", accelerators=8)
+        await c.serve(3)
+        assert models_listed(c) == {"u-0": ("sim-a",), "u-1": ("sim-b",)}
+    finally:
+        await h.stop()
+
+
+async def test_a_deleted_and_reapplied_deployment_never_reuses_a_revision(tmp_path):
+    h = Harness(tmp_path)
+    await h.start()
+    try:
+        assert h.controller.apply_deployment(union(1, latency=10))[1] == 1
+        assert h.controller.apply_deployment(union(1, latency=20))[1] == 2
+        h.controller.delete_deployment("t")
+        assert h.controller.apply_deployment(union(1, latency=30))[1] == 3
+        h.controller.delete_deployment("t")
+        await h.stop()  # remembered by the store
+        await h.start()
+        assert h.controller.apply_deployment(union(1, latency=40))[1] == 4
+    finally:
+        await h.stop()
+
+
+async def test_pause_rollout_answers_once_the_pause_is_in_the_store(tmp_path):
+    from controller.servicer import ControllerServicer
+
+    h = Harness(tmp_path)
+    ctl = await h.start()
+    try:
+        ctl.apply_deployment(union(1, latency=10))
+        ctl.apply_deployment(union(1, latency=20))
+        landed = asyncio.Event()
+
+        async def flush() -> None:  # a store that writes from a task (etcd): lands when told
+            await landed.wait()
+
+        h.store.flush = flush
+        answer = asyncio.ensure_future(ControllerServicer(ctl).PauseRollout(C.PauseRolloutRequest(name="t"), None))
+        await asyncio.sleep(0.05)
+        assert not answer.done(), "PauseRollout answered before its write landed"
+        landed.set()
+        await asyncio.wait_for(answer, 5)
+        assert summary(h).rollout_state == C.ROLLOUT_STATE_PAUSED
+    finally:
+        await h.stop()
+
+
+async def test_renaming_a_group_under_rolling_keeps_the_old_group_serving_until_the_new_one_does(tmp_path):
+    c = await cluster(tmp_path, union(1, latency=10))
+    h, ctl = c.h, c.h.controller
+    try:
+        renamed = union(1, latency=10)
+        renamed.instance_groups[0].name = "v"
+        ctl.apply_deployment(renamed)
+        await asyncio.sleep(0.05)
+        assert c.serving() == {"u-0"} and "u-0" not in stopped(h), "the old group stopped at once"
+        assert summary(h).rollout_state == C.ROLLOUT_STATE_PROGRESSING and summary(h).old_instances == 1
+        await h.stop()  # a controller restart keeps it the deployment's
+        await h.start()
+        await h.register("node-a", accelerators=8)
+        ctl = h.controller
+        for _ in range(12):
+            await c.serve(1)
+            assert c.serving(), "nothing served during the rename"
+        assert c.serving() == {"v-0"} and set(ctl.instances) == {"v-0"}
+        assert summary(h).rollout_state == C.ROLLOUT_STATE_COMPLETE
+    finally:
+        await h.stop()
+
+
+async def test_with_spares_a_paused_bad_version_never_serves_and_the_ready_old_spare_is_kept(tmp_path):
+    def with_spare(latency: int) -> C.Deployment:
+        deployment = union(2, latency=latency)
+        deployment.instance_groups[0].spares = 1
+        return deployment
+
+    c = await cluster(tmp_path, with_spare(10))
+    h, ctl = c.h, c.h.controller
+    try:
+        assert c.serving() == {"u-0", "u-1"} and ctl.instances["u-2"].spare
+        ctl.apply_deployment(with_spare(30))  # a version whose engines crash at start
+        c.crash_on_start()
+        await asyncio.sleep(0.05)
+        assert "u-2" in ctl.instances and "u-2" not in stopped(h), "the READY old-spec spare was stopped"
+        await c.serve(4)
+        assert summary(h).rollout_state == C.ROLLOUT_STATE_PAUSED
+        c.crash("u-0")  # a serving engine dies: the old-spec spare, READY, takes its place
+        h.beat("node-a")
+        await asyncio.sleep(0.05)
+        assert c.serving() == {"u-1", "u-2"}
+        for _ in range(8):
+            await c.serve(1)
+            assert not {i for i in c.serving() if ctl.instances[i].spec_hash in c.bad}, "the bad version serves"
+            assert len(c.serving()) >= 2
+        ctl.apply_deployment(with_spare(40))  # the fix: rolled out, then the spares replaced
+        await c.serve(24)
+        s = summary(h)
+        assert s.rollout_state == C.ROLLOUT_STATE_COMPLETE, s.rollout_reason
+        assert {ctl.instances[i].revision for i in c.serving()} == {3}
+        assert [i.revision for i in ctl.instances.values() if i.spare] == [3]
+    finally:
+        await h.stop()
+
+
+async def test_a_new_instance_never_takes_the_id_of_one_whose_engines_are_still_stopping(tmp_path):
+    c = await cluster(tmp_path, union(2, latency=10))
+    h, ctl = c.h, c.h.controller
+    try:
+        stopping = asyncio.Event()
+
+        async def slow_stop(node, engine_id, generation, deadline):  # an engine that drains for long
+            h.client.calls.append(("stop", node.node_id, engine_id, generation, deadline))
+            await stopping.wait()
+
+        h.client.stop_engine = slow_stop
+        ctl.apply_deployment(union(1, latency=10))  # u-1 goes; its engine drains
+        await asyncio.sleep(0.05)
+        assert set(ctl.instances) == {"u-0"} and "u-1" in stopped(h)
+        ctl.apply_deployment(union(1, latency=20))
+        ctl.reconcile_once()
+        new = [i for i, inst in ctl.instances.items() if inst.revision == 3]
+        assert new and "u-1" not in new, f"started {new} while u-1's engine is still stopping"
+        stopping.set()
+    finally:
+        await h.stop()
