@@ -195,6 +195,7 @@ async def test_a_deleted_and_reapplied_deployment_never_reuses_a_revision(tmp_pa
 
 
 async def test_pause_rollout_answers_once_the_pause_is_in_the_store(tmp_path):
+    from controller.controllers import SingleController
     from controller.servicer import ControllerServicer
 
     h = Harness(tmp_path)
@@ -208,7 +209,9 @@ async def test_pause_rollout_answers_once_the_pause_is_in_the_store(tmp_path):
             await landed.wait()
 
         h.store.flush = flush
-        answer = asyncio.ensure_future(ControllerServicer(ctl).PauseRollout(C.PauseRolloutRequest(name="t"), None))
+        answer = asyncio.ensure_future(
+            ControllerServicer(SingleController(ctl)).PauseRollout(C.PauseRolloutRequest(name="t"), None)
+        )
         await asyncio.sleep(0.05)
         assert not answer.done(), "PauseRollout answered before its write landed"
         landed.set()
