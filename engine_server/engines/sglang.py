@@ -24,9 +24,8 @@ import os
 import signal
 import sys
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from engine_server.engines.base import EngineBackend, EngineOptions
+from motor.contract.engine_args import SglangArgs
 from motor.contract.exits import describe_returncode
 
 logger = logging.getLogger(__name__)
@@ -40,22 +39,6 @@ _DIE_WITH_PARENT = (
     "if os.getppid() != parent: sys.exit(1)\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
-
-
-class SglangArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-    model_path: str = Field(min_length=1)
-    served_model_name: str | None = None
-    tp_size: int = Field(1, ge=1)
-    mem_fraction_static: float | None = Field(None, gt=0, le=1)
-    context_length: int | None = Field(None, ge=1)
-    trust_remote_code: bool = False
-    transfer_backend: str | None = None
-    extra_args: list[str] = Field(default_factory=list)
-    launcher: list[str] = Field(default_factory=lambda: [sys.executable, "-m", "sglang.launch_server"], min_length=1)
-    # Seconds between SIGTERM and SIGKILL of the SGLang process group at shutdown.
-    stop_timeout: float = Field(10.0, ge=0)
 
 
 def sglang_command(args: SglangArgs, options: EngineOptions) -> list[str]:

@@ -38,7 +38,7 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from engine_server import metrics as server_metrics
 from engine_server.engines import sim_pd
@@ -48,9 +48,10 @@ from engine_server.engines.base import (
     UtilizationSampler,
     is_probe_request_id,
 )
-from engine_server.engines.sim_capacity import VLLM_MAX_NUM_SEQS, SimCapacity
+from engine_server.engines.sim_capacity import SimCapacity
 from engine_server.engines.sim_lora import SimLoras
 from engine_server.engines.vllm_admission import DRAINING_MESSAGE, RETRY_AFTER_S
+from motor.contract.engine_args import SimArgs, SimFaults
 from motor.service.config import describe_validation_error
 
 logger = logging.getLogger(__name__)
@@ -102,42 +103,6 @@ VLLM_SUCCESS = Counter("vllm:request_success", "Count of successfully processed 
                        [*VLLM_LABELS, "finished_reason"])  # fmt: skip
 VLLM_PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", VLLM_LABELS)
 VLLM_GENERATION_TOKENS = Counter("vllm:generation_tokens", "Number of generation tokens processed.", VLLM_LABELS)
-
-
-class SimFaults(BaseModel):
-    """Fault knobs; POST /sim/faults takes any subset of these keys."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-    crash: bool = False
-    crash_after_s: float | None = Field(None, gt=0)
-    hang: bool = False
-    hang_inference: bool = False
-    fail_inference: bool = False
-    latency_ms: float = Field(0.0, ge=0)
-    utilization: float = Field(0.0, ge=0, le=100)
-
-
-class SimArgs(BaseModel):
-    """engine_args of the simulated engine."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-    model: str = "sim-tiny"
-    # Base latency and utilization (the same knobs as in faults; faults win when both are set).
-    latency_ms: float = Field(0.0, ge=0)
-    utilization: float = Field(0.0, ge=0, le=100)
-    # Prefill time per prompt token (words). One prefill runs at a time, as one batch holds a
-    # real engine: a long prompt keeps later requests and probes waiting while its steps
-    # (every SIM_STEP_S) show the engine making progress.
-    prefill_ms_per_token: float = Field(0.0, ge=0)
-    # Seconds the simulated model takes to load: /health and completions answer 503 "loading"
-    # meanwhile, so the engine server reports INIT, then NORMAL. `startup_delay_s` is its older name.
-    load_s: float = Field(0.0, ge=0, validation_alias=AliasChoices("load_s", "startup_delay_s"))
-    max_tokens_default: int = Field(16, ge=1)
-    # Requests served at once (vLLM's --max-num-seqs); the rest wait (sim_capacity.py).
-    max_num_seqs: int = Field(VLLM_MAX_NUM_SEQS, ge=1)
-    faults: SimFaults = Field(default_factory=SimFaults)
 
 
 def deterministic_text(prompt: str, tokens: int) -> str:

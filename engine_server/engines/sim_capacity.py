@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 from prometheus_client import Gauge
 
-VLLM_MAX_NUM_SEQS = 256  # vLLM's default
+from motor.contract.engine_args import VLLM_MAX_NUM_SEQS  # noqa: F401 (the default, named where the capacity is)
 
 RUNNING = Gauge(
     "vllm:num_requests_running",
