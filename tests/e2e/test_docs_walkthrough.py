@@ -1,7 +1,8 @@
 """docs/local-cluster.md's "Things to try", run as written, line by line, against the cluster
-`make run` starts (on free ports: MOTOR_CONTROLLER names its controller, as a user on a shared
-host would set it): find an engine with motorctl, kill it, inject a fault, follow the events,
-then the second model beside the first."""
+`make run` starts (on free ports: MOTOR_CONTROLLER names its controller and the front door's
+address stands for 127.0.0.1:8080, as `make run PORT=...` on a shared host): find an engine with
+motorctl, kill it, inject a fault, follow the events, then the second model beside the first,
+listed by the front door."""
 
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ def walkthrough() -> list[str]:
 
 @pytest.fixture
 def cluster(tmp_path):
-    local = LocalCluster(str(tmp_path / "run"), nodes=2, deployment_path=DEPLOYMENT, engine_port_base=35000)
+    local = LocalCluster(
+        str(tmp_path / "run"), nodes=2, deployment_path=DEPLOYMENT, engine_port_base=35000, router_port=0
+    )
     try:
         local.start(timeout=90)
         yield local
@@ -58,7 +61,7 @@ def test_the_fault_and_second_model_walkthrough_runs_as_written(cluster):
     wait_for(ready, timeout=120, interval=0.5, what="the example deployment serving")
     pid_before = None
     for line in walkthrough():
-        command = line.split("  #")[0].strip()
+        command = line.split("  #")[0].strip().replace("127.0.0.1:8080", cluster.router_url.split("://")[-1])
         if re.match(r"\w+\(\) \{", command):
             defined.append(command)
             continue
@@ -70,9 +73,14 @@ def test_the_fault_and_second_model_walkthrough_runs_as_written(cluster):
         if "--model sim-small" in command:  # its engines start after the apply: ask again until they serve
             wait_for(lambda: "small-" in shell(command).stdout, timeout=90, interval=0.5, what=command)
             continue
+        if command.endswith("/v1/models"):  # the sync files the new engines a moment after they serve
+            wait_for(
+                lambda: "sim-small" in (out := shell(command).stdout) and "sim-tiny" in out, timeout=30, what=command
+            )
+            continue
         result = shell(command)
         assert result.returncode == 0, (command, result.stdout, result.stderr)
-        if command.startswith("curl"):
+        if "/sim/faults" in command:
             assert "fail_inference" in result.stdout, result.stdout
         if "instances --filter instance_id=decode-0" in command:
             assert "PID" in result.stdout and "decode-0/rank0" in result.stdout, result.stdout
