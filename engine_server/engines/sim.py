@@ -42,6 +42,13 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from engine_server import metrics as server_metrics
 from engine_server.engines import sim_pd
+from engine_server.engines.admission import (
+    UNAVAILABLE_HEADERS,
+    Admission,
+    HeldRequest,
+    is_inference_request,
+    unavailable_body,
+)
 from engine_server.engines.base import (
     EngineBackend,
     EngineOptions,
@@ -49,12 +56,14 @@ from engine_server.engines.base import (
     is_probe_request_id,
 )
 from engine_server.engines.sim_lora import SimLoras
-from engine_server.engines.vllm_admission import DRAINING_MESSAGE, RETRY_AFTER_S
 from motor.service.config import describe_validation_error
 
 logger = logging.getLogger(__name__)
 
-SIM_STEP_S = 0.05  # one simulated scheduler step of a prefill
+SIM_STEP_S = 0.05
+HELD = web.RequestKey(
+    "held", HeldRequest
+)  # the client request's place in the admission (admission.py)  # one simulated scheduler step of a prefill
 
 WORDS = (
     "motor sim engine token answer fast cache prefill decode quiet river stone light model "
@@ -145,7 +154,8 @@ class SimEngine(EngineBackend):
         self.faults = self._initial_faults()
         self.sleeping = False
         self.sleep_level = 0
-        self.admitting = True  # False from the start of a drain: new requests get 503
+        # Drain and not-serving refusals, and fail-backs of held requests (admission.py), as with vLLM.
+        self.admission = Admission()
         self._in_flight = 0
         self._progress = 0  # scheduler steps and tokens for client requests (probes excluded)
         self._succeeded = self._server_errors = 0  # client requests' outcomes (probes excluded)
@@ -168,7 +178,7 @@ class SimEngine(EngineBackend):
         loop = asyncio.get_running_loop()
         self._died = loop.create_future()
         self._started_at = time.monotonic()
-        app = web.Application()
+        app = web.Application(middlewares=[self._admit])
         app.add_routes(
             [
                 web.post("/v1/completions", self._completions),
@@ -326,13 +336,6 @@ class SimEngine(EngineBackend):
         probe = is_probe_request_id(request_id)
         if self._loading():  # as vLLM's API server before its engine is up: nothing is served yet
             return self._failed(probe, 503, "loading the model")
-        if not self.admitting:
-            # As with vLLM (vllm_admission.py): the router sends it elsewhere, the drain ends sooner.
-            return web.json_response(
-                {"error": {"message": DRAINING_MESSAGE, "code": 503}},
-                status=503,
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
         model = body.get("model") or self.args.model
         if model != self.args.model and model not in self.loras.loaded:  # as vLLM: only what it serves
             return _model_not_found(model, self.args.model)
@@ -371,6 +374,9 @@ class SimEngine(EngineBackend):
                 "total_tokens": prompt_tokens + completion_tokens,
             }
             if body.get("stream") is True:
+                held = request.get(HELD)
+                if held is not None and not held.start_sending():
+                    raise asyncio.CancelledError  # failed back meanwhile: its 503 is being sent
                 return await _stream(request, answer_id, model, text, chat, usage)
             choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
             if chat:
@@ -414,7 +420,42 @@ class SimEngine(EngineBackend):
             await self._inference_unhang.wait()
 
     def stop_admitting(self) -> None:
-        self.admitting = False
+        self.admission.close()
+
+    def stop_serving(self, reason: str) -> int:
+        return self.admission.stop_serving(reason)
+
+    def serve_again(self) -> None:
+        self.admission.serve_again()
+
+    @web.middleware
+    async def _admit(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """The aiohttp side of admission.py: refusals, and a client request failed back (503,
+        its handler cancelled) while it has sent nothing; `_stream` says when it starts sending."""
+        if not is_inference_request(request.method, request.path):
+            return await handler(request)
+        probe = is_probe_request_id(request.headers.get("X-Request-Id"))
+        refusal = self.admission.refusal(probe)
+        if refusal is not None:
+            return _unavailable(refusal)
+        if probe:
+            return await handler(request)
+        failed_back: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        request[HELD] = held = self.admission.hold(
+            lambda message: failed_back.done() or failed_back.set_result(message)
+        )
+        work = asyncio.ensure_future(handler(request))
+        try:
+            await asyncio.wait({work, failed_back}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.cancel()
+            held.release()
+            raise
+        if not failed_back.done():
+            held.release()
+            return work.result()
+        work.cancel()
+        return _unavailable(failed_back.result())
 
     def _failed(self, probe: bool, status: int, message: str) -> web.Response:
         if not probe:
@@ -430,6 +471,10 @@ def _model_not_found(model: str, served: str) -> web.Response:
     return web.json_response(
         {"error": {"message": message, "type": "NotFoundError", "param": "model", "code": 404}}, status=404
     )
+
+
+def _unavailable(message: str) -> web.Response:
+    return web.Response(status=503, body=unavailable_body(message), headers=UNAVAILABLE_HEADERS)
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -305,8 +305,9 @@ def test_stall_settings_are_validated():
     ],
 )
 async def test_the_vllm_middleware_counts_how_client_inference_requests_end(path, request_id, status, counted):
+    from engine_server.engines.admission import Admission
     from engine_server.engines.base import probe_request_id
-    from engine_server.engines.vllm_admission import Admission, RefuseWhileDraining
+    from engine_server.engines.vllm_admission import AdmissionMiddleware
 
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": status, "headers": []})
@@ -319,7 +320,7 @@ async def test_the_vllm_middleware_counts_how_client_inference_requests_end(path
 
     rid = probe_request_id(1) if request_id == "probe" else request_id
     headers = [(b"x-request-id", rid.encode())] if rid else []
-    middleware = RefuseWhileDraining(app, Admission())
+    middleware = AdmissionMiddleware(app, Admission())
     await middleware({"type": "http", "method": "POST" if path != "/health" else "GET", "path": path,
                       "headers": headers}, None, send)  # fmt: skip
     assert sent[0]["status"] == status
