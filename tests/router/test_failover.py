@@ -173,6 +173,7 @@ def assert_no_request_lost(load: OpenLoad, fault_at: float, routed: RoutedTo) ->
     waits = [answered - sent for sent, _, answered in load.results]
     assert max(waits) <= LONGEST_WAIT_S, f"a caught request waited {max(waits):.1f} s"
     last = (routed.last_change or fault_at) - fault_at
+    print(f"last routed {last:.2f} s after the fault, longest wait {max(waits):.2f} s, {len(load.results)} requests")
     assert last <= ROUTED_AFTER_S, f"the faulty engine still got a request {last:.1f} s after the fault"
 
 
