@@ -314,7 +314,8 @@ def test_a_circuit_opened_by_a_burst_of_500s_lets_requests_through_again_within_
         completion = {"model": "sim-tiny", "prompt": "x", "max_tokens": 2}
         engine.set_faults(fail_inference=True)
         statuses = [http("POST", router.url + "/v1/completions", completion)[0] for _ in range(failing_requests)]
-        assert statuses == [500] * failing_requests
+        # 500s, and 503s once the engine's watchdog took it out of serving (three failures in a row).
+        assert set(statuses) <= {500, 503} and len(statuses) == failing_requests, statuses
         engine.set_faults(fail_inference=False)
         status, text = http("POST", router.url + "/v1/completions", completion)
         assert status == 503 and "No available workers" in text, (status, text)  # the circuit is open
