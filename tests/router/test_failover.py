@@ -207,9 +207,10 @@ def test_inference_answering_500_with_health_200_fails_no_request(cluster):
 
 
 def test_inference_hang_with_health_200_its_caught_requests_are_answered_from_elsewhere(cluster):
-    """Needs the engine's stall watchdog (requests in flight and no progress: out of the router
-    at once, killed at `stall_kill_after`): without it, at the seed's settings, the hung engine
-    leaves the router only after three 5 s probe timeouts and its requests wait for the kill."""
+    """Needs the engine's stall watchdog (requests in flight and no progress for stall_timeout:
+    out of the router, and the requests it holds failed back with 503 for the router to retry):
+    without it, at the seed's settings, the hung engine leaves the router only after three 5 s
+    probe timeouts and its requests wait for the kill."""
 
     def hang(victim, pid):
         status, text = http("POST", victim.url + "/sim/faults", {"hang_inference": True})
