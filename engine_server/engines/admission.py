@@ -109,10 +109,6 @@ class Admission:
         self._keys = itertools.count()
         self._lock = threading.Lock()
 
-    @property
-    def open(self) -> bool:
-        return not self.draining
-
     def close(self) -> None:
         """A drain starts: no new inference request from now on (probes included)."""
         self.draining = True
