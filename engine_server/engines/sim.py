@@ -16,7 +16,7 @@ Faults (engine_args.faults in the user_config, or at run time):
                   utilization figure stays as it was: a hung engine core behind a live API
                   server, the failure only probes and the engine's progress can see
   fail_inference  completions answer 500 while /health stays 200
-  latency_ms      every completion takes this long
+  latency_ms      every completion takes this long (generating: progress every 50 ms)
   utilization     the simulated accelerator utilization (percent) the engine server samples
 
 Prefill/decode: a request with `kv_transfer_params` is one leg of a disaggregating router's flow
@@ -354,7 +354,7 @@ class SimEngine(EngineBackend):
             if leg != sim_pd.DECODE_LEG:  # a decode leg fetches the KV cache its prefill leg computed
                 await self._prefill(count_tokens(prompt), probe)
             if self.faults.latency_ms:
-                await asyncio.sleep(self.faults.latency_ms / 1000)
+                await self._generate(self.faults.latency_ms / 1000, probe)
             await self._until_inference_runs()  # a hang set while this request waited
             text = deterministic_text(prompt, max_tokens)
             prompt_tokens, completion_tokens = count_tokens(prompt), max_tokens
@@ -413,6 +413,18 @@ class SimEngine(EngineBackend):
                 left -= SIM_STEP_S
                 if not probe:
                     self._progress += 1
+
+    async def _generate(self, seconds: float, probe: bool) -> None:
+        """The answer's generation time (latency_ms): a step every SIM_STEP_S, each progress as a
+        real engine's decode steps are, so a slow answer is never taken for a stall."""
+        left = seconds
+        while left > 0:
+            await asyncio.sleep(min(SIM_STEP_S, left))
+            left -= SIM_STEP_S
+            if left > 0:
+                await self._until_inference_runs()
+            if not probe:
+                self._progress += 1
 
     async def _until_inference_runs(self) -> None:
         while not (self._unhang.is_set() and self._inference_unhang.is_set()):
