@@ -282,7 +282,8 @@ def describe(settings: dict) -> str:
         f"virtual inference {'on' if health.enable_virtual_inference else 'off'}, "
         f"a probe every {health.probe_interval:g} s, {health.probe_timeout:g} s timeout, "
         f"{health.max_failure_count} failures, {health.busy_probe_interval:g} s busy interval, "
-        f"{health.utilization_window:g} s utilization window"
+        f"{health.utilization_window:g} s utilization window, "
+        f"stall_timeout {health.stall_timeout:g} s, stall_kill_after {health.stall_kill_after:g} s"
     )
 
 

@@ -185,6 +185,12 @@ class EngineServer:
             await self.clock.sleep(CHECK_PERIOD)
 
     def _on_serving_change(self, change: ServingChange) -> None:
+        # Before the routers hear of it: the requests the engine holds go back to the router
+        # (503, retried elsewhere) now, instead of waiting for its kill.
+        if self.watchdog.serving:
+            self.engine.serve_again()
+        else:
+            self.engine.stop_serving(change.reason)
         self._publish()
         if not self.watchdog.serving and self._recovery_task is None and not self._closing:
             self._recovery_task = asyncio.create_task(self._recovery_probes(), name="recovery-probes")

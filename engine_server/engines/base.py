@@ -145,6 +145,17 @@ class EngineBackend(abc.ABC):
         """A drain starts (SIGTERM or the Drain RPC): from now on answer new inference requests
         503 with Retry-After, and let those in flight finish. Default: keep admitting."""
 
+    def stop_serving(self, reason: str) -> int:
+        """The stall watchdog took the engine out of the routers (serving.py): answer 503 ("engine
+        not serving: <reason>") to every client request it holds that has sent nothing yet,
+        cancelling it in the engine, and to new client requests until `serve_again`; probes pass.
+        Returns how many were failed back. Default: nothing (an HTTP layer that is not Motor's:
+        SGLang). The sim engine and vLLM share the rule (admission.py)."""
+        return 0
+
+    def serve_again(self) -> None:
+        """The engine is back in the routers: take client requests again."""
+
     def process_groups(self) -> list[int]:
         """Process groups the engine made for its processes (vLLM: its engine core's), searched
         at exit for anything left: a child re-parented to init is no descendant any more."""

@@ -16,7 +16,7 @@ Faults (engine_args.faults in the user_config, or at run time):
                   utilization figure stays as it was: a hung engine core behind a live API
                   server, the failure only probes and the engine's progress can see
   fail_inference  completions answer 500 while /health stays 200
-  latency_ms      every completion takes this long
+  latency_ms      every completion takes this long (generating: progress every 50 ms)
   utilization     the simulated accelerator utilization (percent) the engine server samples
 
 Prefill/decode: a request with `kv_transfer_params` is one leg of a disaggregating router's flow
@@ -42,6 +42,13 @@ from pydantic import ValidationError
 
 from engine_server import metrics as server_metrics
 from engine_server.engines import sim_pd
+from engine_server.engines.admission import (
+    UNAVAILABLE_HEADERS,
+    Admission,
+    HeldRequest,
+    is_inference_request,
+    unavailable_body,
+)
 from engine_server.engines.base import (
     EngineBackend,
     EngineOptions,
@@ -50,13 +57,15 @@ from engine_server.engines.base import (
 )
 from engine_server.engines.sim_capacity import SimCapacity
 from engine_server.engines.sim_lora import SimLoras
-from engine_server.engines.vllm_admission import DRAINING_MESSAGE, RETRY_AFTER_S
 from motor.contract.engine_args import SimArgs, SimFaults
 from motor.service.config import describe_validation_error
 
 logger = logging.getLogger(__name__)
 
-SIM_STEP_S = 0.05  # one simulated scheduler step of a prefill
+SIM_STEP_S = 0.05
+HELD = web.RequestKey(
+    "held", HeldRequest
+)  # the client request's place in the admission (admission.py)  # one simulated scheduler step of a prefill
 
 WORDS = (
     "motor sim engine token answer fast cache prefill decode quiet river stone light model "
@@ -135,7 +144,8 @@ class SimEngine(EngineBackend):
         self.faults = self._initial_faults()
         self.sleeping = False
         self.sleep_level = 0
-        self.admitting = True  # False from the start of a drain: new requests get 503
+        # Drain and not-serving refusals, and fail-backs of held requests (admission.py), as with vLLM.
+        self.admission = Admission()
         self._in_flight = 0
         self._progress = 0  # scheduler steps and tokens for client requests (probes excluded)
         self._succeeded = self._server_errors = 0  # client requests' outcomes (probes excluded)
@@ -163,7 +173,7 @@ class SimEngine(EngineBackend):
         for family in (VLLM_TTFT, VLLM_ITL, VLLM_PROMPT_TOKENS, VLLM_GENERATION_TOKENS):
             family.labels(*self._vllm_labels())
         VLLM_SUCCESS.labels(*self._vllm_labels(), "length")
-        app = web.Application()
+        app = web.Application(middlewares=[self._admit])
         app.add_routes(
             [
                 web.post("/v1/completions", self._completions),
@@ -321,13 +331,6 @@ class SimEngine(EngineBackend):
         probe = is_probe_request_id(request_id)
         if self._loading():  # as vLLM's API server before its engine is up: nothing is served yet
             return self._failed(probe, 503, "loading the model")
-        if not self.admitting:
-            # As with vLLM (vllm_admission.py): the router sends it elsewhere, the drain ends sooner.
-            return web.json_response(
-                {"error": {"message": DRAINING_MESSAGE, "code": 503}},
-                status=503,
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
         model = body.get("model") or self.args.model
         if model != self.args.model and model not in self.loras.loaded:  # as vLLM: only what it serves
             return _model_not_found(model, self.args.model)
@@ -349,7 +352,7 @@ class SimEngine(EngineBackend):
                 if leg != sim_pd.DECODE_LEG:  # a decode leg fetches the KV cache its prefill leg computed
                     await self._prefill(count_tokens(prompt), probe)
                 if self.faults.latency_ms:
-                    await asyncio.sleep(self.faults.latency_ms / 1000)
+                    await self._generate(self.faults.latency_ms / 1000, probe)
             await self._until_inference_runs()  # a hang set while this request waited
             text = deterministic_text(prompt, max_tokens)
             prompt_tokens, completion_tokens = count_tokens(prompt), max_tokens
@@ -376,6 +379,9 @@ class SimEngine(EngineBackend):
                 "total_tokens": prompt_tokens + completion_tokens,
             }
             if body.get("stream") is True:
+                held = request.get(HELD)
+                if held is not None and not held.start_sending():
+                    raise asyncio.CancelledError  # failed back meanwhile: its 503 is being sent
                 return await _stream(request, answer_id, model, text, chat, usage)
             choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
             if chat:
@@ -417,13 +423,60 @@ class SimEngine(EngineBackend):
                 if not probe:
                     self._progress += 1
 
+    async def _generate(self, seconds: float, probe: bool) -> None:
+        """The answer's generation time (latency_ms): a step every SIM_STEP_S, each progress as a
+        real engine's decode steps are, so a slow answer is never taken for a stall."""
+        left = seconds
+        while left > 0:
+            await asyncio.sleep(min(SIM_STEP_S, left))
+            left -= SIM_STEP_S
+            if left > 0:
+                await self._until_inference_runs()
+            if not probe:
+                self._progress += 1
+
     async def _until_inference_runs(self) -> None:
         while not (self._unhang.is_set() and self._inference_unhang.is_set()):
             await self._unhang.wait()
             await self._inference_unhang.wait()
 
     def stop_admitting(self) -> None:
-        self.admitting = False
+        self.admission.close()
+
+    def stop_serving(self, reason: str) -> int:
+        return self.admission.stop_serving(reason)
+
+    def serve_again(self) -> None:
+        self.admission.serve_again()
+
+    @web.middleware
+    async def _admit(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """The aiohttp side of admission.py: refusals, and a client request failed back (503,
+        its handler cancelled) while it has sent nothing; `_stream` says when it starts sending."""
+        if not is_inference_request(request.method, request.path):
+            return await handler(request)
+        probe = is_probe_request_id(request.headers.get("X-Request-Id"))
+        refusal = self.admission.refusal(probe)
+        if refusal is not None:
+            return _unavailable(refusal)
+        if probe:
+            return await handler(request)
+        failed_back: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        request[HELD] = held = self.admission.hold(
+            lambda message: failed_back.done() or failed_back.set_result(message)
+        )
+        work = asyncio.ensure_future(handler(request))
+        try:
+            await asyncio.wait({work, failed_back}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.cancel()
+            held.release()
+            raise
+        if not failed_back.done():
+            held.release()
+            return work.result()
+        work.cancel()
+        return _unavailable(failed_back.result())
 
     def _failed(self, probe: bool, status: int, message: str) -> web.Response:
         if not probe:
@@ -439,6 +492,10 @@ def _model_not_found(model: str, served: str) -> web.Response:
     return web.json_response(
         {"error": {"message": message, "type": "NotFoundError", "param": "model", "code": 404}}, status=404
     )
+
+
+def _unavailable(message: str) -> web.Response:
+    return web.Response(status=503, body=unavailable_body(message), headers=UNAVAILABLE_HEADERS)
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -1,54 +1,36 @@
-"""Refuse new inference requests from the start of a drain; requests in flight go on. Count
-how client inference requests end (the stall watchdog's `request_outcomes`).
+"""vLLM's HTTP layer of admission (admission.py): an ASGI middleware in front of vLLM's app.
 
-An ASGI middleware in front of vLLM's app: once `Admission.close()` is called (SIGTERM or the
-Drain RPC), a new inference request is answered 503 with `Retry-After` and an OpenAI-style error
-body, so that a client or router sends it to another engine and the drain ends as soon as the
-requests already admitted are done. Everything else (`/health`, `/metrics`, `/v1/models`, ...)
-keeps answering.
+- From the start of a drain (`Admission.close()`: SIGTERM or the Drain RPC) a new inference
+  request is answered 503 with `Retry-After`, so that a client or router sends it to another
+  engine and the drain ends as soon as the requests already admitted are done.
+- While the stall watchdog holds the engine out of the routers, a client request it holds that
+  has sent nothing yet is answered 503 at once and its handler cancelled (vLLM aborts the request
+  in the engine core), and new client requests get the same 503. To tell "nothing sent" apart,
+  the response's start is held back until its first body bytes: a stream's 200 goes out with its
+  first chunk, not before.
+- The status of every client inference request's answer goes to `outcomes` (the stall
+  watchdog's `request_outcomes`).
+
+Everything else (`/health`, `/metrics`, `/v1/models`, ...) passes untouched.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 from typing import Any
 
+from engine_server.engines.admission import RETRY_AFTER_S, Admission, is_inference_request, unavailable_body
 from engine_server.engines.base import is_probe_request_id
 
-# POST routes that start inference work in vLLM 0.32 (OpenAI, Anthropic, SageMaker, pooling).
-INFERENCE_PREFIXES = (
-    "/v1/",
-    "/v2/",
-    "/inference/",
-    "/invocations",
-    "/pooling",
-    "/classify",
-    "/score",
-    "/rerank",
-    "/generate",
-)
-RETRY_AFTER_S = 1
-DRAINING_MESSAGE = "this engine is draining (stopping) and admits no new requests: send the request to another engine"
-
-
-def is_inference_request(method: str, path: str) -> bool:
-    return method == "POST" and path.startswith(INFERENCE_PREFIXES)
-
-
-class Admission:
-    """Whether new inference requests are admitted (shared by the engine and the middleware)."""
-
-    def __init__(self) -> None:
-        self.open = True
-
-    def close(self) -> None:
-        self.open = False
+# How long a failed-back request's handler may take to end once cancelled (vLLM aborts the
+# request: a message to the engine core, which does not block even when the core is stopped).
+CANCEL_GRACE_S = 2.0
 
 
 class RequestOutcomes:
     """Client inference requests by how they were answered: 2xx succeeded, 5xx other than 503
-    (which a draining or sleeping engine answers on purpose) failed. Probes are not counted.
-    Written by vLLM's loop thread, read by the engine server's: plain ints."""
+    (which a draining, sleeping or not-serving engine answers on purpose) failed. Probes are not
+    counted. Written by vLLM's loop thread, read by the engine server's: plain ints."""
 
     def __init__(self) -> None:
         self.succeeded = self.failed = 0
@@ -67,9 +49,24 @@ def _request_id(scope: dict) -> str:
     return ""
 
 
-class RefuseWhileDraining:
-    """ASGI middleware: 503 + Retry-After for new inference requests once admission is closed;
-    the status of every client inference request's answer goes to `outcomes`."""
+async def send_unavailable(send: Any, message: str) -> None:
+    body = unavailable_body(message)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"retry-after", str(RETRY_AFTER_S).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class AdmissionMiddleware:
+    """ASGI middleware: refusals and fail-backs of `admission`, outcomes counted in `outcomes`."""
 
     def __init__(self, app: Any, admission: Admission, outcomes: RequestOutcomes | None = None):
         self.app, self.admission = app, admission
@@ -79,36 +76,51 @@ class RefuseWhileDraining:
         if scope["type"] != "http" or not is_inference_request(scope["method"], scope["path"]):
             await self.app(scope, receive, send)
             return
-        if self.admission.open:
-            if is_probe_request_id(_request_id(scope)):
-                await self.app(scope, receive, send)
-                return
+        probe = is_probe_request_id(_request_id(scope))
+        refusal = self.admission.refusal(probe)
+        if refusal is not None:
+            await send_unavailable(send, refusal)
+        elif probe:
+            await self.app(scope, receive, send)
+        else:
+            await self._held(scope, receive, send)
 
-            async def counted_send(message: dict) -> None:
+    async def _held(self, scope: dict, receive: Any, send: Any) -> None:
+        """Serve a client request that can be failed back until its first body bytes go out."""
+        failed_back: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        held = self.admission.hold(lambda message: failed_back.done() or failed_back.set_result(message))
+        start: dict | None = None
+
+        async def held_send(message: dict) -> None:
+            nonlocal start
+            if held.failed_back:
+                return  # the client has its 503: nothing of this answer goes out
+            if not held.sending:
                 if message["type"] == "http.response.start":
-                    self.outcomes.count(message["status"])
-                await send(message)
+                    start = message
+                    return
+                if message["type"] == "http.response.body" and not message.get("body") and message.get("more_body"):
+                    return  # nothing for the client yet
+                if not held.start_sending():
+                    return
+                if start is not None:
+                    self.outcomes.count(start["status"])
+                    await send(start)
+            await send(message)
 
-            await self.app(scope, receive, counted_send)
+        work = asyncio.ensure_future(self.app(scope, receive, held_send))
+        try:
+            await asyncio.wait({work, failed_back}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.cancel()
+            held.release()
+            raise
+        if not failed_back.done():
+            held.release()
+            work.result()  # its exception, if any, is uvicorn's to report
             return
-        body = json.dumps(
-            {
-                "error": {
-                    "message": DRAINING_MESSAGE,
-                    "type": "ServiceUnavailableError",
-                    "code": 503,
-                }
-            }
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 503,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"retry-after", str(RETRY_AFTER_S).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        work.cancel()  # vLLM aborts the request
+        await send_unavailable(send, failed_back.result())
+        await asyncio.wait({work}, timeout=CANCEL_GRACE_S)
+        if work.done() and not work.cancelled():
+            work.exception()  # an error it ended on after the fail-back: the client has its 503

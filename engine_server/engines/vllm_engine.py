@@ -8,7 +8,8 @@ handlers: SIGTERM belongs to the engine server, which drains and then calls `shu
 
 Being in-process lets the engine server patch vLLM: probes are kept out of every `vllm:*`
 series (vllm_probe_filter), the engine core's progress is counted (vllm_utilization), new
-requests are refused from the start of a drain (vllm_admission) and the engine-core process is
+requests are refused from the start of a drain and failed back while the engine is not serving
+(admission, vllm_admission) and the engine-core process is
 set up to die with the engine server (vllm_engine_core). `engine_args` -> vLLM's arguments:
 vllm_args.
 
@@ -28,6 +29,7 @@ import threading
 import time
 from typing import Any
 
+from engine_server.engines.admission import Admission
 from engine_server.engines.base import (
     EngineBackend,
     EngineOptions,
@@ -35,7 +37,7 @@ from engine_server.engines.base import (
     is_probe_request_id,
     probe_token,
 )
-from engine_server.engines.vllm_admission import Admission, RefuseWhileDraining, RequestOutcomes
+from engine_server.engines.vllm_admission import AdmissionMiddleware, RequestOutcomes
 from engine_server.engines.vllm_args import (
     MOTOR_UTILIZATION,
     create_vllm_config,
@@ -242,7 +244,7 @@ class VllmEngine(EngineBackend):
         await init_app_state(self.async_llm, app.state, args, supported_tasks)
         config = uvicorn.Config(
             # In front of vLLM's app (whose middleware stack is already built).
-            RefuseWhileDraining(app, self._admission, self._outcomes),
+            AdmissionMiddleware(app, self._admission, self._outcomes),
             host=args.host,
             port=args.port,
             # None: uvicorn's records propagate to the engine server's handlers.
@@ -417,6 +419,14 @@ class VllmEngine(EngineBackend):
     def stop_admitting(self) -> None:
         """From the start of a drain: new inference requests get 503 + Retry-After (vllm_admission)."""
         self._admission.close()
+
+    def stop_serving(self, reason: str) -> int:
+        """Held client requests answered 503 and their handlers cancelled (vLLM aborts them),
+        new ones refused (vllm_admission)."""
+        return self._admission.stop_serving(reason)
+
+    def serve_again(self) -> None:
+        self._admission.serve_again()
 
     def in_flight_requests(self) -> int:
         """Requests vLLM is working on (queued, prefilling, decoding), probes excluded."""

@@ -84,9 +84,10 @@ class HealthCheckConfig(_Strict):
     health_poll_interval: float = Field(0.5, gt=0)
     # The stall watchdog (engine_server/serving.py), on whatever enable_virtual_inference says:
     # client requests in flight and no progress (tokens, scheduler steps) for stall_timeout
-    # seconds -> the engine is not serving and leaves the routers at once. 3 s is several
-    # times the longest chunked-prefill step of a large model on a GPU (docs/engine-server.md).
-    stall_timeout: float = Field(3.0, gt=0)
+    # seconds -> the engine is not serving: it leaves the routers and fails back the requests it
+    # holds (503) at once. 2 s is above the chunked-prefill steps of a 70B model on a GPU up to
+    # 128k-token prompts, and keeps a hang under 3 s in rotation (docs/engine-server.md).
+    stall_timeout: float = Field(2.0, gt=0)
     # A stall (or failing requests) lasting this long turns the engine ABNORMAL: its node
     # manager kills it and the controller replaces it.
     stall_kill_after: float = Field(10.0, gt=0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -83,7 +84,8 @@ def test_a_busy_looking_hang_turns_abnormal_leaves_the_endpoints_and_is_replaced
 def test_a_hang_under_traffic_leaves_the_endpoints_at_once_without_probes_and_comes_back(make_cluster):
     """Probing off (the default): requests in flight and no progress for stall_timeout, and the
     engine is out of WatchEndpoints at once (its health still NORMAL, nothing restarted); when
-    the hang ends its caught requests complete and it is listed again."""
+    the hang ends it is listed again. Its caught requests are failed back (503) at the stall, for
+    a router to retry elsewhere."""
     stall_timeout = 1.0
     cluster = make_cluster(nodes=1)
     apply(cluster, sim_deployment(health={"stall_timeout": stall_timeout, "stall_kill_after": 60}))
@@ -104,8 +106,11 @@ def test_a_hang_under_traffic_leaves_the_endpoints_at_once_without_probes_and_co
             f"http://{engine.spec.host}:{engine.spec.port}/v1/completions", data=b'{"prompt": "x"}',
             headers={"Content-Type": "application/json"},
         )  # fmt: skip
-        with urllib.request.urlopen(request, timeout=60) as response:
-            statuses.append(response.status)
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                statuses.append(response.status)
+        except urllib.error.HTTPError as exc:
+            statuses.append(exc.code)
 
     for _ in range(2):
         threading.Thread(target=complete, daemon=True).start()
@@ -123,5 +128,5 @@ def test_a_hang_under_traffic_leaves_the_endpoints_at_once_without_probes_and_co
     set_faults(engine, hang_inference=False)
     next(m for m in feed if "u-0/rank0" in {e.engine_id for e in m.added})
     feed.cancel()
-    wait_for(lambda: statuses == [200, 200], timeout=30, what="the caught requests answered")
+    wait_for(lambda: statuses == [503, 503], timeout=30, what="the caught requests failed back")
     assert cluster.engine_copies()[("node-a", "u-0/rank0")].pid == engine.pid  # nothing restarted

@@ -167,7 +167,7 @@ def test_requests_in_flight_without_progress_leave_rotation_after_stall_timeout(
     assert ticker.watchdog.serving and ticker.changes == []
     ticker.run(0.4)
     assert ticker.watchdog.state is Serving.STALLED
-    assert ticker.watchdog.not_serving_reason == "no progress for 3.0 s with 12 requests in flight"
+    assert ticker.watchdog.not_serving_reason == "no progress for 2.0 s with 12 requests in flight"
     assert ticker.machine.state is Health.NORMAL  # out of the routers, not yet to be killed
     assert [c.after for c in ticker.changes] == [Serving.STALLED]
 
@@ -213,13 +213,13 @@ def test_a_long_prefill_making_progress_never_leaves_rotation():
 
 
 def test_a_deep_queue_draining_slowly_never_leaves_rotation():
-    """200 requests queued behind one slow step each 2.5 s (below stall_timeout)."""
+    """200 requests queued behind one slow step each 1.5 s (below stall_timeout)."""
     ticker = Ticker(Activity(in_flight=200))
     ticks = [0]
 
     def slow_step():
         ticks[0] += 1
-        if ticks[0] % round(2.5 / CHECK_PERIOD) == 0:
+        if ticks[0] % round(1.5 / CHECK_PERIOD) == 0:
             ticker.activity.count += 1
             ticker.activity.in_flight -= 1
 
@@ -287,7 +287,7 @@ def test_stall_settings_are_validated():
     with pytest.raises(ValidationError, match="stall_timeout"):
         HealthCheckConfig(stall_timeout=0)
     defaults = HealthCheckConfig()
-    assert (defaults.stall_timeout, defaults.stall_kill_after) == (3.0, 10.0)
+    assert (defaults.stall_timeout, defaults.stall_kill_after) == (2.0, 10.0)
 
 
 # ------------------------------------------------------------------ vLLM's request outcomes
@@ -305,8 +305,9 @@ def test_stall_settings_are_validated():
     ],
 )
 async def test_the_vllm_middleware_counts_how_client_inference_requests_end(path, request_id, status, counted):
+    from engine_server.engines.admission import Admission
     from engine_server.engines.base import probe_request_id
-    from engine_server.engines.vllm_admission import Admission, RefuseWhileDraining
+    from engine_server.engines.vllm_admission import AdmissionMiddleware
 
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": status, "headers": []})
@@ -319,7 +320,7 @@ async def test_the_vllm_middleware_counts_how_client_inference_requests_end(path
 
     rid = probe_request_id(1) if request_id == "probe" else request_id
     headers = [(b"x-request-id", rid.encode())] if rid else []
-    middleware = RefuseWhileDraining(app, Admission())
+    middleware = AdmissionMiddleware(app, Admission())
     await middleware({"type": "http", "method": "POST" if path != "/health" else "GET", "path": path,
                       "headers": headers}, None, send)  # fmt: skip
     assert sent[0]["status"] == status

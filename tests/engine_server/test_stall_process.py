@@ -36,21 +36,44 @@ def send_in_background(
     return statuses
 
 
-def test_a_hang_under_traffic_leaves_rotation_and_comes_back_with_progress(engine_server):
+def test_a_hang_under_traffic_leaves_rotation_and_fails_back_what_it_holds_with_503(engine_server):
+    """The requests a hung engine holds (non-streamed, and a stream before its first byte) are
+    answered 503 "engine not serving: ..." once the stall is seen, so that a router retries them
+    elsewhere at once; so is every new client request while it lasts; a probe brings it back."""
     es = engine_server(sim_config(health={**NO_PROBES, "stall_timeout": 1.0, "stall_kill_after": 60}))
     es.wait_status(NORMAL)
     es.set_faults(hang_inference=True)
     began = time.monotonic()
-    statuses = send_in_background(es, 4)
-    status = wait_for(lambda: (s := es.status()).not_serving_reason and s, timeout=15, what="not serving")
-    assert time.monotonic() - began < 5
+    answers: list[tuple[int, dict, float]] = []
+
+    def one(stream: bool) -> None:
+        body = {"prompt": "hello", "max_tokens": 2, "stream": stream}
+        status, answer = es.http("POST", "/v1/completions", body, timeout=60)
+        answers.append((status, answer, time.monotonic() - began))
+
+    for stream in (False, False, False, True):
+        threading.Thread(target=one, args=(stream,), daemon=True).start()
+    wait_for(lambda: len(answers) == 4, timeout=30, what="the caught requests answered")
+    status = es.status()
     assert status.not_serving_reason.startswith("no progress for 1.") and "4 requests in flight" in (
         status.not_serving_reason
     )
     assert status.status == NORMAL  # out of the routers; not to be killed yet
-    es.set_faults(hang_inference=False)
+    assert status.in_flight_requests == 0  # cancelled in the engine
+    for code, answer, waited in answers:
+        assert code == 503, answer
+        assert answer["error"]["message"] == f"engine not serving: {status.not_serving_reason}", answer
+        assert answer["error"]["type"] == "ServiceUnavailableError" and answer["error"]["code"] == 503
+        assert 0.7 <= waited < 4.0, f"answered {waited:.1f} s after the hang (stall_timeout 1 s)"
+
+    asked = time.monotonic()
+    code, answer = es.http("POST", "/v1/completions", {"prompt": "new", "max_tokens": 2})
+    assert code == 503 and answer["error"]["message"].startswith("engine not serving: no progress for 1.")
+    assert time.monotonic() - asked < 2.0  # at once, not after a stall of its own
+
+    es.set_faults(hang_inference=False)  # nothing in flight to progress: the recovery probe notices
     wait_for(lambda: es.status().not_serving_reason == "", timeout=15, what="serving again")
-    wait_for(lambda: statuses == [200] * 4, timeout=15, what="the caught requests answered")
+    assert es.http("POST", "/v1/completions", {"prompt": "back", "max_tokens": 2})[0] == 200
 
 
 def test_a_stall_lasting_stall_kill_after_turns_abnormal(engine_server):
@@ -72,6 +95,9 @@ def test_inference_answering_500_leaves_rotation_and_a_probe_brings_it_back(engi
     status = wait_for(lambda: (s := es.status()).not_serving_reason and s, timeout=10, what="not serving")
     assert "3 client requests in a row failed with a server error" in status.not_serving_reason
     assert es.http("GET", "/health")[0] == 200 and status.status == NORMAL
+    code, answer = es.http("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1})
+    assert code == 503, answer  # retried elsewhere by a router, and not one more failure in a row
+    assert answer["error"]["message"].startswith("engine not serving: 3 client requests in a row failed"), answer
     es.set_faults(fail_inference=False)  # no client request comes: the recovery probe notices
     wait_for(lambda: es.status().not_serving_reason == "", timeout=15, what="serving again")
 

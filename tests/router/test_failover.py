@@ -173,6 +173,7 @@ def assert_no_request_lost(load: OpenLoad, fault_at: float, routed: RoutedTo) ->
     waits = [answered - sent for sent, _, answered in load.results]
     assert max(waits) <= LONGEST_WAIT_S, f"a caught request waited {max(waits):.1f} s"
     last = (routed.last_change or fault_at) - fault_at
+    print(f"last routed {last:.2f} s after the fault, longest wait {max(waits):.2f} s, {len(load.results)} requests")
     assert last <= ROUTED_AFTER_S, f"the faulty engine still got a request {last:.1f} s after the fault"
 
 
@@ -206,9 +207,10 @@ def test_inference_answering_500_with_health_200_fails_no_request(cluster):
 
 
 def test_inference_hang_with_health_200_its_caught_requests_are_answered_from_elsewhere(cluster):
-    """Needs the engine's stall watchdog (requests in flight and no progress: out of the router
-    at once, killed at `stall_kill_after`): without it, at the seed's settings, the hung engine
-    leaves the router only after three 5 s probe timeouts and its requests wait for the kill."""
+    """Needs the engine's stall watchdog (requests in flight and no progress for stall_timeout:
+    out of the router, and the requests it holds failed back with 503 for the router to retry):
+    without it, at the seed's settings, the hung engine leaves the router only after three 5 s
+    probe timeouts and its requests wait for the kill."""
 
     def hang(victim, pid):
         status, text = http("POST", victim.url + "/sim/faults", {"hang_inference": True})
@@ -313,7 +315,8 @@ def test_a_circuit_opened_by_a_burst_of_500s_lets_requests_through_again_within_
         completion = {"model": "sim-tiny", "prompt": "x", "max_tokens": 2}
         engine.set_faults(fail_inference=True)
         statuses = [http("POST", router.url + "/v1/completions", completion)[0] for _ in range(failing_requests)]
-        assert statuses == [500] * failing_requests
+        # 500s, and 503s once the engine's watchdog took it out of serving (three failures in a row).
+        assert set(statuses) <= {500, 503} and len(statuses) == failing_requests, statuses
         engine.set_faults(fail_inference=False)
         status, text = http("POST", router.url + "/v1/completions", completion)
         assert status == 503 and "No available workers" in text, (status, text)  # the circuit is open
