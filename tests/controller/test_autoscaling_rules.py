@@ -148,3 +148,29 @@ def test_a_queue_growing_on_saturated_engines_is_met_in_one_step():
     scaler = GroupScaler("chat", ScalePolicy(min=1, max=5, target=1.5, scale_down_delay_s=300.0), now=0.0)
     count, decisions = run(scaler, 1, lambda t: 1 if t < 60 else 1 + 2 * (t - 60), 80)
     assert count == 5 and len(decisions) == 1, decisions
+
+
+def test_the_bounds_of_the_block_are_inclusive():
+    # min == max, count at max, max at the largest count, a fractional target and delay: all valid
+    for block, count in (
+        ({"min": 2, "max": 2, "target_in_flight": 4}, 2),
+        ({"max": 8, "target_in_flight": 4}, 8),
+        ({"max": 10_000, "target_in_flight": 0.5, "scale_down_delay_s": 0.5}, 1),
+    ):
+        validate_deployment(small_deployment(union(count=count, autoscaling=block)), max_engines=10_000)
+
+
+def test_the_refusals_say_what_count_means_and_what_the_engine_limit_counted():
+    message = invalid(small_deployment(union(count=9, autoscaling={"max": 8, "target_in_flight": 4})))
+    assert message.endswith(
+        "instance_groups[0].count: 9 is outside autoscaling min 1 .. max 8 (count is the starting count)"
+    )
+    deployment = small_deployment(union(count=1, autoscaling={"max": 8, "target_in_flight": 4}))
+    assert "8 engines (count or autoscaling max x data_parallel_size) exceed" in invalid(deployment, max_engines=7)
+    plain = small_deployment(union(count=8))
+    assert "8 engines (count x data_parallel_size) exceed" in invalid(plain, max_engines=7)
+    groups = [
+        {"name": "p", "role": "prefill", "pair_with": "d", "autoscaling": {"max": 4, "target_in_flight": 4}},
+        {"name": "d", "role": "decode", "autoscaling": {"max": 4, "target_in_flight": 4}},
+    ]
+    assert "so put the autoscaling block on the prefill group only" in invalid(small_deployment(groups))

@@ -400,3 +400,20 @@ def test_strings_an_argument_parser_turns_into_numbers_that_are_not_finite_are_r
 ])  # fmt: skip
 def test_the_supported_backends_and_tls_left_off_pass(engine_args, tmp_path):
     check_engine_config(_vllm(**engine_args), [str(tmp_path)], field="spec.config_json")
+
+
+def test_an_unknown_argument_with_no_close_name_is_refused_without_a_guess():
+    with pytest.raises(InvalidArgument, match=r"\.qqqqzzzz: not a vLLM 0\.32\.0 argument$"):
+        check_engine_config({SECTION: {"engine_type": "vllm", "engine_args": {"qqqqzzzz": 1}}}, [])
+
+
+def test_a_configuration_too_deep_for_the_model_roots_check_names_its_field():
+    from motor.contract.engine_policy import local_paths_outside
+
+    deep: dict = {}
+    cursor = deep
+    for _ in range(MAX_CONFIG_DEPTH + 1):
+        cursor["x"] = {}
+        cursor = cursor["x"]
+    with pytest.raises(InvalidArgument, match=f"^spec.engine_config: nested deeper than {MAX_CONFIG_DEPTH} levels$"):
+        local_paths_outside(deep, [], "spec.engine_config")
