@@ -99,6 +99,23 @@ class HeldRequest:
         self._fail_back(message)
 
 
+async def failed_back_first(work: asyncio.Future, held: HeldRequest, failed_back: asyncio.Future) -> bool:
+    """Wait for a held request's work or its fail-back, whichever comes first. True when it was
+    failed back: the work is cancelled (the engine aborts the request) and the caller answers 503
+    with `failed_back.result()`. False when the work ended first: its place is released."""
+    try:
+        await asyncio.wait({work, failed_back}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the client went away
+        work.cancel()
+        held.release()
+        raise
+    if not failed_back.done():
+        held.release()
+        return False
+    work.cancel()
+    return True
+
+
 class Admission:
     """Whether new inference requests are taken, and the client requests held that have sent nothing yet."""
 

@@ -46,6 +46,7 @@ from engine_server.engines.admission import (
     UNAVAILABLE_HEADERS,
     Admission,
     HeldRequest,
+    failed_back_first,
     is_inference_request,
     unavailable_body,
 )
@@ -466,16 +467,8 @@ class SimEngine(EngineBackend):
             lambda message: failed_back.done() or failed_back.set_result(message)
         )
         work = asyncio.ensure_future(handler(request))
-        try:
-            await asyncio.wait({work, failed_back}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            work.cancel()
-            held.release()
-            raise
-        if not failed_back.done():
-            held.release()
+        if not await failed_back_first(work, held, failed_back):
             return work.result()
-        work.cancel()
         return _unavailable(failed_back.result())
 
     def _failed(self, probe: bool, status: int, message: str) -> web.Response:

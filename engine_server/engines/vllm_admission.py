@@ -19,7 +19,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from engine_server.engines.admission import RETRY_AFTER_S, Admission, is_inference_request, unavailable_body
+from engine_server.engines.admission import (
+    RETRY_AFTER_S,
+    Admission,
+    failed_back_first,
+    is_inference_request,
+    unavailable_body,
+)
 from engine_server.engines.base import is_probe_request_id
 
 # How long a failed-back request's handler may take to end once cancelled (vLLM aborts the
@@ -109,18 +115,10 @@ class AdmissionMiddleware:
             await send(message)
 
         work = asyncio.ensure_future(self.app(scope, receive, held_send))
-        try:
-            await asyncio.wait({work, failed_back}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            work.cancel()
-            held.release()
-            raise
-        if not failed_back.done():
-            held.release()
+        if not await failed_back_first(work, held, failed_back):
             work.result()  # its exception, if any, is uvicorn's to report
             return
-        work.cancel()  # vLLM aborts the request
-        await send_unavailable(send, failed_back.result())
+        await send_unavailable(send, failed_back.result())  # failed back: vLLM aborts the cancelled request
         await asyncio.wait({work}, timeout=CANCEL_GRACE_S)
         if work.done() and not work.cancelled():
             work.exception()  # an error it ended on after the fail-back: the client has its 503
