@@ -137,7 +137,7 @@ class DeploymentChanges:
                 st.group_owner[group.name] = name
                 st.group_sizes[group.name] = (group.count, group.spares)
             st.policies[name] = Policy.from_proto(deployment.restart_policy)
-            st.configs[name] = json.dumps(integral_numbers(struct_dict(deployment.engine_config)), sort_keys=True)
+            st.configs[name] = engine_config_json(deployment)
             st.served_models[name] = (deployment.model,)
             if deployment.adapters:
                 st.adapters[name] = {a.name: a.path for a in deployment.adapters}
@@ -295,8 +295,9 @@ class DeploymentChanges:
             return Plan(name, current[0], current[1], kept=layout.kept, same=True)
         last = current[1] if current else self.deleted_revisions.get(name, 0)
         plan = Plan(name, validated, last + 1, removed=layout.removed, kept=layout.kept)
+        config = engine_config_json(validated)  # one string shared by the new records
         for spec in layout.new:
-            plan.new[spec.instance_id] = self._new_instance(spec, plan.revision, validated.model, name)
+            plan.new[spec.instance_id] = self._new_instance(spec, plan.revision, validated.model, name, config)
             yield from budget.checkpoint()
         previous = current[0].SerializeToString(deterministic=True) if current is not None else None
         plan.rollout = rollout_record(previous, current[1] if current else 0, self.state.wall())
@@ -428,7 +429,10 @@ class DeploymentChanges:
         before its engines are stopped (they drain)."""
         deployment, revision = self.deployments[name]
         plan = Plan(name, deployment, revision, removed=removed)
-        plan.new = {spec.instance_id: self._new_instance(spec, revision, deployment.model, name) for spec in new}
+        config = self.state.configs[name]
+        plan.new = {
+            spec.instance_id: self._new_instance(spec, revision, deployment.model, name, config) for spec in new
+        }
         self._persist(plan, self._store_change(plan))
         with self.state.batch():
             for instance_id, why in plan.removed:
@@ -439,7 +443,7 @@ class DeploymentChanges:
         self.wake()
 
     def _new_instance(
-        self, spec: InstanceSpec, revision: int, model: str, name: str
+        self, spec: InstanceSpec, revision: int, model: str, name: str, config: str
     ) -> tuple[InstanceRecord, list[EngineSlot]]:
         inst = InstanceRecord(
             instance_id=spec.instance_id,
@@ -455,6 +459,7 @@ class DeploymentChanges:
             spare=spec.spare,
             model=model,
             deployment=name,
+            config=config,
         )
         return inst, [
             EngineSlot(names.engine_id(spec.instance_id, r), spec.instance_id, r)
@@ -475,6 +480,7 @@ class DeploymentChanges:
         if (inst.paired_instance_id, inst.revision) != (spec.paired_instance_id, revision):
             # Its spec is the new revision's too (a change of the restart policy, the strategy, another group).
             inst.paired_instance_id, inst.revision = spec.paired_instance_id, revision
+            inst.config = self.state.configs.get(self.state.deployment_of(inst), inst.config)
             self.state.save_instance(inst)
         if inst.state == FAILED:
             self.retry_failed(inst)
@@ -502,3 +508,8 @@ class DeploymentChanges:
                 self.actuator.stop_copy(slot.node_id, slot.engine_id, slot.generation, f"instance {instance_id} {why}")
                 if budget is not None:
                     budget.spawned()
+
+
+def engine_config_json(deployment: C.Deployment) -> str:
+    """A deployment's engine_config as its engines are started with it (the StartEngine config_json)."""
+    return json.dumps(integral_numbers(struct_dict(deployment.engine_config)), sort_keys=True)

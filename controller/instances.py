@@ -5,6 +5,7 @@ policy (immediate first restart, doubling backoff, reset after healthy time, cra
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +81,11 @@ class InstanceRecord:
     # instance of a group renamed under a rolling update keeps serving for it until the rollout
     # withdraws it. Empty in a record of an older store.
     deployment: str = ""
+    # The engine_config its engines start with: its deployment's when its spec was made, so a
+    # restart runs the revision it belongs to (an old instance that fails while a bad version is
+    # paused comes back as itself, not as the bad version). Empty in a record of an older store:
+    # the deployment's current one.
+    config: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -89,6 +95,7 @@ class InstanceRecord:
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         record = cls(**known)
         record.failure_times, record.restart_ranks = tuple(record.failure_times), tuple(record.restart_ranks)
+        record.config = sys.intern(record.config)  # one copy per spec, not per instance read back
         return record
 
 

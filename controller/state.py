@@ -98,7 +98,8 @@ class ClusterState:
         return self.policies.get(self.deployment_of(inst), self.policy)
 
     def config_of(self, inst: InstanceRecord) -> str:
-        return self.configs.get(self.deployment_of(inst), self.config_json)
+        """The engine_config of the revision the instance runs (its record's), not the latest apply's."""
+        return inst.config or self.configs.get(self.deployment_of(inst), self.config_json)
 
     def placement_order(self, instance_id: str) -> tuple[bool, float, str]:
         """Serving instances before warm spares, then first come, first served across deployments:

@@ -97,7 +97,7 @@ async def serve(args: argparse.Namespace) -> None:
     sync = RouterSync(admin, announce, pd=args.pd, by_model=args.by_model, relist_interval=args.relist_interval)
     tls = TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca) if args.tls_ca else None
     controllers = [a.strip() for a in args.controller.split(",") if a.strip()]
-    front = FrontDoor(args.router, sync.served) if args.front_door else None
+    front = FrontDoor(args.router, sync.served, sync.knows_served) if args.front_door else None
     if front is not None:
         await front.start(*args.front_door)
     tasks = [

@@ -9,6 +9,8 @@ Motor withdraws its last engine). It answers:
 
 - `GET /v1/models`: OpenAI's list of every served model and loaded adapter (`parent`: its model);
 - a request naming a model that is not served: vLLM's 404 naming the models that are;
+- any request naming a model (or none) before the sync knows what is served (just started or
+  restarted: no list from Motor, or no read of the router, yet): 503, to retry;
 - a request without `model`: served by the one model when exactly one is served, else a 400
   saying what to name;
 - the router's admin API (adding or removing workers, loading adapters): 403, only the sync
@@ -115,10 +117,14 @@ class FrontDoor:
         self,
         router_url: str,
         served: Callable[[], dict[str, str | None]],
+        ready: Callable[[], bool] = lambda: True,
         connections: int = 1024,
     ):
         self.router_url = router_url.rstrip("/")
         self.served = served  # model -> parent model (None: a deployment's model)
+        # Whether `served` is known yet: a sync just (re)started has heard nothing from Motor or
+        # the router, and every model would look unserved (a false 404 to requests it can route).
+        self.ready = ready
         self.connections = connections
         self.metrics = FrontMetrics()
         self.created = int(time.time())
@@ -173,6 +179,9 @@ class FrontDoor:
     def _refusal(self, body: dict) -> tuple[web.Response | None, bytes | None, str]:
         """(an answer of the front door's own, or None; the body to send when it was changed; the
         model label)."""
+        if not self.ready():
+            message = "The front door is starting: the models it serves are not known yet. Retry shortly."
+            return openai_error(503, message, "ServiceUnavailableError", None), None, "?"
         served = self.served()
         model = body.get("model")
         if model is None or model == "":

@@ -130,6 +130,10 @@ class RouterSync:
             }
         return self._served
 
+    def knows_served(self) -> bool:
+        """Whether served() is known: after Motor's first list and a pass over the router."""
+        return self.held is not None
+
     # Keeping the router -----------------------------------------------------------------------
 
     async def run(self) -> None:

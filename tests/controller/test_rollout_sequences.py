@@ -7,6 +7,7 @@ rollout is COMPLETE only once the new revision serves."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 from controller.instances import READY
 from controller.validation import GroupSpecs
@@ -297,5 +298,42 @@ async def test_a_new_instance_never_takes_the_id_of_one_whose_engines_are_still_
         new = [i for i, inst in ctl.instances.items() if inst.revision == 3]
         assert new and "u-1" not in new, f"started {new} while u-1's engine is still stopping"
         stopping.set()
+    finally:
+        await h.stop()
+
+
+async def test_an_old_instance_that_fails_while_a_bad_version_is_paused_restarts_on_its_own_spec(tmp_path):
+    """Its engines start again with the engine_config of the revision it runs, not the paused bad
+    one's (that turned a good instance into a crashing one); across a controller restart too."""
+    c = await cluster(tmp_path, union(2, latency=10))
+    h, ctl = c.h, c.h.controller
+
+    def restarted_with(instance_id: str) -> dict:
+        spec = h.client.starts(f"{instance_id}/rank0")[-1]
+        return json.loads(spec.config_json)["motor_engine_union_config"]["engine_args"]
+
+    try:
+        ctl.apply_deployment(union(2, latency=20))
+        c.crash_on_start()
+        for _ in range(10):
+            await c.serve(1)
+            if summary(h).rollout_state == C.ROLLOUT_STATE_PAUSED:
+                break
+        assert summary(h).rollout_state == C.ROLLOUT_STATE_PAUSED
+        starts = len(h.client.starts("u-0/rank0"))
+        c.crash("u-0")
+        await c.serve(3)
+        assert len(h.client.starts("u-0/rank0")) > starts, "u-0 not restarted"
+        assert restarted_with("u-0") == {"latency_ms": 10}
+        assert ctl.instances["u-0"].state == READY and ctl.instances["u-0"].revision == 1
+        await h.stop()  # a restarted controller reads each instance's engine_config back
+        await h.start()
+        await h.register("node-a", accelerators=8)
+        await c.serve(2)
+        starts = len(h.client.starts("u-1/rank0"))
+        c.crash("u-1")
+        await c.serve(3)
+        assert len(h.client.starts("u-1/rank0")) > starts, "u-1 not restarted"
+        assert restarted_with("u-1") == {"latency_ms": 10}
     finally:
         await h.stop()

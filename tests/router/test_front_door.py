@@ -25,7 +25,7 @@ class Door:
 
     def __init__(self, router_url: str):
         self.running = Running(router_url, by_model=True)
-        self.front = FrontDoor(router_url, self.running.sync.served)
+        self.front = FrontDoor(router_url, self.running.sync.served, self.running.sync.knows_served)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.session = aiohttp.ClientSession()
@@ -131,6 +131,17 @@ async def test_an_adapters_last_engine_leaving_gives_the_404(door, chat_and_embe
     door.apply(controller_pb2.WatchEndpointsResponse(removed=[chat_1]))  # chat-1 withdrawn (hung, drained, gone)
     assert await door.answers("sql", count=4) == [(404, "NotFoundError")] * 4
     assert await door.answers("sim-chat") == [(200, "sim-chat")] * 12
+
+
+async def test_a_starting_front_door_answers_503_until_its_sync_knows_the_models(door, chat_and_embed):  # noqa: F811
+    """A sync just (re)started knows no model until Motor's first list and its first read of the
+    router: a request meanwhile is refused as unavailable (to retry), never told that its model
+    does not exist."""
+    assert await door.answers("sim-chat", count=3) == [(503, "ServiceUnavailableError")] * 3
+    door.apply(snapshot(served(chat_and_embed["chat-0"], "chat", "sim-chat")))
+    await until(lambda: "sim-chat" in door.running.sync.served(), what="the model in the router")
+    assert await door.answers("sim-chat", count=3) == [(200, "sim-chat")] * 3
+    assert await door.answers("sim-other", count=1) == [(404, "NotFoundError")]
 
 
 async def test_admin_calls_are_refused_and_the_door_counts_requests(door, chat_and_embed):  # noqa: F811
