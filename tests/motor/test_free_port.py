@@ -16,6 +16,9 @@ def test_a_free_port_is_outside_the_ephemeral_range_and_can_be_bound():
         port = ports.free_port()
         assert not low <= port <= high, f"{port} is in the ephemeral range {low}-{high}"
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            # As every listener Motor starts binds (gRPC, aiohttp, uvicorn): a port whose last
+            # connection is still in TIME_WAIT is free for a listener, and free_port may give it.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(("127.0.0.1", port))
 
 
