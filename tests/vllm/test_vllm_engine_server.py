@@ -50,11 +50,13 @@ def shared(tiny_model, vllm_env, tmp_path_factory, request) -> dict:
     config = vllm_config(
         tiny_model,
         # Default interval (5 s) and the CPU build's own utilization sampler.
-        # The stall watchdog's kill comes late here: these tests judge the probes' own verdict.
+        # The stall watchdog acts late here (tests/vllm/test_vllm_stall*.py test it): these tests
+        # judge the probes' own verdict and a drain, holding requests on a stopped engine core.
         health={
             "max_failure_count": MAX_FAILURES,
             "probe_timeout": PROBE_TIMEOUT,
             "utilization_window": 1.0,
+            "stall_timeout": 60,
             "stall_kill_after": 120,
         },
     )
@@ -316,7 +318,8 @@ def test_a_hung_engine_core_reading_busy_turns_abnormal_and_engine_core_death_ex
             "probe_timeout": PROBE_TIMEOUT,
             "utilization_window": 0.5,
             "busy_probe_interval": 1.0,
-            "stall_kill_after": 120,  # the probes' verdict is tested here, not the watchdog's
+            "stall_timeout": 60,  # the probes' verdict is tested here, not the watchdog's
+            "stall_kill_after": 120,
         },
         # The accelerator reports 95 %, as NVML does for a kernel spinning in a hung collective.
         motor_utilization=95,
