@@ -65,7 +65,9 @@ def test_a_heartbeat_listing_20000_made_up_engines_is_refused_and_nothing_is_fen
     assert cluster.all_ready(1)
 
 
-def sim_group(name: str, count: int, drain_timeout: float = 0, latency_ms: float = 1, **policy) -> C.Deployment:
+def sim_group(
+    name: str, count: int, drain_timeout: float = 0, latency_ms: float = 1, strategy: str = "rolling", **policy
+) -> C.Deployment:
     section = {
         "engine_type": "sim",
         "engine_args": {"model": "sim-tiny", "latency_ms": latency_ms},
@@ -81,6 +83,7 @@ def sim_group(name: str, count: int, drain_timeout: float = 0, latency_ms: float
             "engine_config": {"motor_engine_union_config": section},
             "instance_groups": [{"name": name, "role": "union", "count": count, "accelerators_per_engine": 1}],
             "restart_policy": {"initial_backoff": "1s", "max_backoff": "4s", **policy},
+            "strategy": {"type": strategy},
         }
     )
 
@@ -96,7 +99,8 @@ def test_a_replacement_waits_for_the_draining_engines_accelerators_instead_of_fa
     """Hostile F7: deployment a (4 engines, a request in flight on each, so each stop drains for
     seconds) replaced by b, whose 4 engines need the same 4 accelerators, with a crash-loop budget
     of 3: b is not placed on accelerators a's copies still hold, a start refused for them is a
-    wait, not a failure, and b ends READY with no restart."""
+    wait, not a failure, and b ends READY with no restart. Replaced at once (`recreate`): a rolling
+    update keeps a renamed group serving until the new one serves, which a full node never allows."""
     cluster = make_cluster(nodes=1, accelerators=4)
     apply(cluster, sim_group("a", 4, drain_timeout=30, latency_ms=6000))
     wait_for(lambda: cluster.all_ready(4), timeout=90, interval=0.2, what="a's 4 instances READY")
@@ -105,7 +109,7 @@ def test_a_replacement_waits_for_the_draining_engines_accelerators_instead_of_fa
     for thread in requests:
         thread.start()
     time.sleep(1)  # the requests are in flight: each of a's stops drains them first
-    apply(cluster, sim_group("b", 4, max_failures=3))
+    apply(cluster, sim_group("b", 4, strategy="recreate", max_failures=3))
     wait_for(
         lambda: cluster.all_ready(4) and set(cluster.instances()) == {f"b-{i}" for i in range(4)},
         timeout=120,
