@@ -62,7 +62,7 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def scraped(cluster) -> dict[str, str]:
     """Target name -> its /metrics text, once every engine is NORMAL and has probed."""
-    assert set(cluster.metrics_urls()) == {"controller", "node-a", "node-b"}
+    assert set(cluster.metrics_urls()) == {"controller", "node-a", "node-b", "router"}
 
     def engine_bodies():
         """Every NORMAL engine's /metrics once all three have probed (asked again each time: an
@@ -79,7 +79,9 @@ def scraped(cluster) -> dict[str, str]:
     bodies = wait_for(engine_bodies, 180, 0.5, "three NORMAL engines that have probed")
     controller = cluster.metrics_urls()["controller"]
     wait_for(lambda: "motor_front_door_up{" in _get(controller), 30, 0.2, "the router's sync reporting")
-    bodies.update({name: _get(url) for name, url in cluster.metrics_urls().items()})
+    urls = dict(cluster.metrics_urls())
+    _get(urls.pop("router"))  # vllm-router's own /metrics answers; its series are the router's, not Motor's
+    bodies.update({name: _get(url) for name, url in urls.items()})
     return bodies
 
 
