@@ -9,6 +9,7 @@ from controller import endpoints
 from controller.controllers import Controllers
 from controller.core import Controller
 from controller.events import concerns
+from motor.contract import pbtime
 from motor.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
@@ -137,7 +138,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
             request.router,
             request.worker_urls,
             request.router_answering,
-            request.report_interval.ToTimedelta().total_seconds(),
+            pbtime.seconds(request.report_interval),
             request.sync_instance,
             request.router_restarts,
         )
