@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import shlex
 import typing
 from typing import Annotated, Any, TypeVar
@@ -93,15 +94,30 @@ def closest_field(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str | 
     return close[0] if close else None
 
 
+# A key a path can spell as `a.b.c`; any other (empty, spaced, capitalised) is quoted after the path.
+_PLAIN_KEY = re.compile(r"[a-z_][a-z0-9_]*")
+
+
+def _split_at_odd_key(loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], str | None]:
+    """(the path up to the first key a path cannot spell, that key)."""
+    for index, item in enumerate(loc):
+        if isinstance(item, str) and not _PLAIN_KEY.fullmatch(item):
+            return loc[:index], item
+    return loc, None
+
+
 def describe_validation_error(exc: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> str:
     """One line per problem: `<field path>: <message> (got <value>)`; with the `model` that was
     validated, an unknown key also names the closest field (`did you mean 'latency_ms'?`)."""
     lines = []
     for error in exc.errors():
-        path = field_path(error["loc"], prefix) or "(top level)"
+        loc, odd_key = _split_at_odd_key(error["loc"])
+        path = field_path(loc, prefix) or "(top level)"
         message = error["msg"]
         if message.startswith("Value error, "):
             message = message[len("Value error, ") :]
+        if odd_key is not None:  # `engine_config: key '': ...`, not `engine_config.: ...`
+            message = f"key {excerpt(odd_key)}: {message}"
         if error["type"] == "extra_forbidden" and model is not None:
             close = closest_field(model, error["loc"])
             message += f"; did you mean {close!r}?" if close else ""
