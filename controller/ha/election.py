@@ -279,6 +279,9 @@ class LeaderElection:
             self._observe(LeaderInfo.decode(current), "leader found")
             self._watch_from = current.header.revision + 1
             return False
+        if self.role is Role.STANDBY:  # the key went while no watch saw it (a TTL's re-read): a vacancy all the same
+            why, self.vacancy_reason = self.vacancy_reason, ""
+            self._observe(None, why or "the leader's key was deleted (lease expired or resigned)")
         epoch_kv = await self.client.get(self.epoch_key)
         epoch = int(epoch_kv.value) if epoch_kv else 0
         tx = self.client.transactions
