@@ -137,9 +137,10 @@ async def test_a_url_taken_over_by_an_engine_of_another_model_is_filed_again_und
 
 
 async def test_what_a_client_gets_without_a_model_and_from_models_list(model_router, chat_and_embed):
-    """docs/router.md's multi-model notes, as measured: a request without `model` is served by some
-    worker (200, that engine's model); /v1/models is the router's own shape, which an OpenAI client's
-    models.list() reads as an empty list (no error)."""
+    """docs/router.md's multi-model notes, as measured: /v1/models is the router's own shape, which
+    an OpenAI client's models.list() reads as an empty list (no error), what Motor's front door
+    answers in its place. (A request without `model` the router sometimes serves from some worker
+    and sometimes refuses 503 "No available workers": the front door never passes one on.)"""
     import openai
 
     engines = chat_and_embed
@@ -152,9 +153,6 @@ async def test_what_a_client_gets_without_a_model_and_from_models_list(model_rou
             )  # fmt: skip
         )
         await until(lambda: len(model_router.workers()) == 3, what="three engines added")
-        for _ in range(6):
-            status, text = http("POST", model_router.url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
-            assert status == 200 and json.loads(text)["model"] in ("sim-chat", "sim-embed"), text
         status, text = http("GET", model_router.url + "/v1/models")
         assert status == 200 and sorted(json.loads(text)["models"]) == ["sim-chat", "sim-embed"], text
         client = openai.OpenAI(base_url=model_router.url + "/v1", api_key="none")
