@@ -16,8 +16,6 @@ from collections.abc import AsyncIterator
 
 from prometheus_client import Gauge
 
-from motor.contract.engine_args import VLLM_MAX_NUM_SEQS  # noqa: F401 (the default, named where the capacity is)
-
 RUNNING = Gauge(
     "vllm:num_requests_running",
     "Number of requests in model execution batches.",

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from engine_server.engines.sim_capacity import VLLM_MAX_NUM_SEQS as SIM_MAX_NUM_SEQS
+from motor.contract.engine_args import VLLM_MAX_NUM_SEQS as SIM_MAX_NUM_SEQS
 from tests.engine_server.conftest import sim_config
 from tests.support import require, wait_for
 
