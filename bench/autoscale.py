@@ -41,7 +41,7 @@ from bench.router_failover import post  # noqa: E402
 from motor.contract.deployment_file import deployment_from_dict  # noqa: E402
 from motor.v1 import controller_pb2 as C  # noqa: E402
 from motor.v1 import controller_pb2_grpc  # noqa: E402
-from motorctl.up import LocalCluster  # noqa: E402
+from motorctl.local_cluster import LocalCluster  # noqa: E402
 
 GROUP = "chat"
 

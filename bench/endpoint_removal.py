@@ -32,7 +32,7 @@ sys.path.insert(0, REPO)
 from motor.contract.deployment_file import deployment_from_dict  # noqa: E402
 from motor.v1 import controller_pb2 as C  # noqa: E402
 from motor.v1 import controller_pb2_grpc  # noqa: E402
-from motorctl.up import LocalCluster  # noqa: E402
+from motorctl.local_cluster import LocalCluster  # noqa: E402
 
 POLL_INTERVAL = 1.0
 RESTART_BACKOFF = 1.5 * POLL_INTERVAL

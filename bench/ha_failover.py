@@ -42,7 +42,7 @@ from motor.ports import free_port  # noqa: E402
 from motor.v1 import controller_pb2 as C  # noqa: E402
 from motor.v1 import controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc, types_pb2  # noqa: E402
 from motorctl.etcd_cluster import EtcdCluster  # noqa: E402
-from motorctl.up import LocalCluster  # noqa: E402
+from motorctl.local_cluster import LocalCluster  # noqa: E402
 
 DEPLOYMENT = os.path.join(ROOT, "examples", "local-deployment.yaml")
 

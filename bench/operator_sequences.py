@@ -52,7 +52,7 @@ from bench.router_failover import Load, post  # noqa: E402
 from motor.contract.deployment_file import deployment_from_dict  # noqa: E402
 from motor.v1 import controller_pb2 as C  # noqa: E402
 from motor.v1 import controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc  # noqa: E402
-from motorctl.up import LocalCluster  # noqa: E402
+from motorctl.local_cluster import LocalCluster  # noqa: E402
 
 BAD = {"faults": {"crash_after_s": 1.5}}  # a version whose engines crash 1.5 s after start
 

@@ -47,8 +47,8 @@ from motor.contract.deployment_file import deployment_from_dict  # noqa: E402
 from motor.contract.user_config import HealthCheckConfig  # noqa: E402
 from motor.v1 import controller_pb2 as C  # noqa: E402
 from motor.v1 import controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc  # noqa: E402
+from motorctl.local_cluster import LocalCluster  # noqa: E402
 from motorctl.router import FAILOVER_FLAGS  # noqa: E402
-from motorctl.up import LocalCluster  # noqa: E402
 
 FAULTS = ("sigkill", "sigstop", "hang_inference", "fail_inference", "scale_down", "host_loss")
 DEFAULT_FAULTS = FAULTS[:4]

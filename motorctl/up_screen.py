@@ -20,7 +20,7 @@ from motorctl.render import quiet_stdout, render_status
 CLEAR = "\033[2J\033[H"  # clear the terminal, cursor home
 
 if TYPE_CHECKING:
-    from motorctl.up import LocalCluster
+    from motorctl.local_cluster import LocalCluster
 
 
 class ReaderGone(Exception):

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from motorctl.up import _bin
+from motorctl.local_cluster import script_path
 from tests.chaos.cluster import ABNORMAL_THRESHOLD, BASELINE, HEARTBEAT, NODE_GRACE, ChaosCluster
 from tests.support import require, wait_for
 
@@ -22,7 +22,7 @@ def engine_port_base() -> int:
 @pytest.fixture(scope="package")
 def cluster(tmp_path_factory):
     require(
-        os.path.exists(_bin("motor-node-manager")) and os.path.exists(_bin("engine_server")),
+        os.path.exists(script_path("motor-node-manager")) and os.path.exists(script_path("engine_server")),
         "the motor-node-manager and engine_server commands",
     )
     run_dir = str(tmp_path_factory.mktemp("chaos"))

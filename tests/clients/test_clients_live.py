@@ -17,7 +17,7 @@ import subprocess
 import pytest
 
 from motor.ports import free_port
-from motorctl.up import LocalCluster
+from motorctl.local_cluster import LocalCluster
 from tests.support import REPO_ROOT, require, wait_for
 
 GO_DIR = os.path.join(REPO_ROOT, "examples", "go-client")

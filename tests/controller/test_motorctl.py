@@ -14,7 +14,7 @@ import pytest
 
 from controller.limits import NR_OPEN_DEFAULT
 from motor.ports import free_port
-from motorctl.up import LocalCluster, _bin
+from motorctl.local_cluster import LocalCluster, script_path
 from tests.controller.conftest import EXAMPLE
 from tests.support import wait_for
 
@@ -28,7 +28,7 @@ AT_ONCE = ("--deployment", EXAMPLE, "--startup-grace", "0")
 
 def motorctl(address: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run(
-        [_bin("motorctl"), "--controller", address, *args], capture_output=True, text=True, timeout=60
+        [script_path("motorctl"), "--controller", address, *args], capture_output=True, text=True, timeout=60
     )
     if check:
         assert result.returncode == 0, result.stderr
@@ -40,7 +40,7 @@ class ControllerProcess:
         self.db = str(tmp_path / "state" / "controller.db")
         self.metrics_port = free_port()
         self.argv = [
-            _bin("motor-controller"),
+            script_path("motor-controller"),
             "--listen",
             "127.0.0.1:0",
             "--db",
@@ -109,7 +109,7 @@ def test_apply_and_delete(controller, tmp_path):
     changed.write_text(open(EXAMPLE).read().replace("model: sim-tiny\n", "model: sim-other\n", 1))
     assert "revision 2" in motorctl(address, "apply", "-f", str(changed)).stdout
     follow = subprocess.Popen(
-        [_bin("motorctl"), "--controller", address, "events", "--follow"], stdout=subprocess.PIPE, text=True
+        [script_path("motorctl"), "--controller", address, "events", "--follow"], stdout=subprocess.PIPE, text=True
     )
     try:
         motorctl(address, "delete")
@@ -174,7 +174,7 @@ def test_restart_with_the_same_deployment_file_keeps_the_revision(tmp_path):
     bad.write_text("name: x\nmodel: m\ninstance_groups: [{name: u, role: union}]\n")
     result = subprocess.run(
         [
-            _bin("motor-controller"),
+            script_path("motor-controller"),
             "--listen",
             "127.0.0.1:0",
             "--db",

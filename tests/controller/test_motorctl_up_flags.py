@@ -8,7 +8,8 @@ import os
 import pytest
 
 from motorctl import up
-from motorctl.up import LocalCluster, accelerator_plan
+from motorctl.local_cluster import LocalCluster
+from motorctl.up import accelerator_plan
 from node_manager.accelerators import HostAccelerators
 from tests.support import REPO_ROOT
 

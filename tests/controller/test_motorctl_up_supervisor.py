@@ -90,7 +90,7 @@ def test_exits_older_than_the_window_are_forgotten():
 
 
 def test_the_screen_stops_saying_kept_by_the_sync_while_it_is_down(tmp_path):
-    from motorctl.up import LocalCluster
+    from motorctl.local_cluster import LocalCluster
 
     clock = Clock()
     cluster = LocalCluster(str(tmp_path), front_door=Supervisor(clock, backoff_base=0.5))

@@ -15,7 +15,7 @@ import pytest
 
 from motor.ports import free_port
 from motor.v1 import controller_pb2 as C
-from motorctl.up import ManagedProcess, _bin
+from motorctl.local_cluster import ManagedProcess, script_path
 from tests.controller.test_real_processes import GRACE, HEARTBEAT, Cluster, apply, make_cluster, sim_deployment  # noqa: F401
 from tests.support import process_alive, wait_for
 
@@ -50,7 +50,7 @@ def start_second(
     port = free_port()
     first_engine_port = engine_ports_from or cluster.engine_port_base + 2000
     argv = [
-        _bin("motor-node-manager"),
+        script_path("motor-node-manager"),
         "--node-id",
         node_id,
         "--listen",
@@ -72,7 +72,7 @@ def start_second(
         "--abnormal-threshold",
         str(cluster.abnormal_threshold),
         "--engine-command",
-        _bin("engine_server"),
+        script_path("engine_server"),
         "--metrics-port",
         "0",  # the default 9472 may be another node manager's on this machine
         *cluster.tls_flags(certificate or node_id),

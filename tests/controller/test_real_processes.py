@@ -16,7 +16,7 @@ from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2 as C
 from motor.v1 import controller_pb2_grpc
 from motor.v1 import types_pb2 as T
-from motorctl.up import LocalCluster, _bin
+from motorctl.local_cluster import LocalCluster, script_path
 from tests.support import require, wait_for
 
 pytestmark = pytest.mark.processes
@@ -57,7 +57,7 @@ class Cluster(LocalCluster):
 
     def controller_argv(self) -> list[str]:
         return [
-            _bin("motor-controller"),
+            script_path("motor-controller"),
             "--listen",
             self.controller_address,
             "--db",
@@ -125,7 +125,7 @@ class Cluster(LocalCluster):
 @pytest.fixture
 def make_cluster(tmp_path):
     require(
-        os.path.exists(_bin("motor-node-manager")) and os.path.exists(_bin("engine_server")),
+        os.path.exists(script_path("motor-node-manager")) and os.path.exists(script_path("engine_server")),
         "the motor-node-manager and engine_server commands",
     )
     made: list[Cluster] = []

@@ -13,7 +13,7 @@ import grpc
 from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2 as C
 from motor.v1 import controller_pb2_grpc
-from motorctl.up import LocalCluster
+from motorctl.local_cluster import LocalCluster
 from tests.support import wait_for
 
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from motorctl.up import LocalCluster
+from motorctl.local_cluster import LocalCluster
 from tests.support import REPO_ROOT, wait_for
 
 pytestmark = pytest.mark.processes

@@ -1,6 +1,6 @@
 """End to end on real processes: controller, two node managers, sim engine servers.
 
-The cluster is the one `make run` starts (motorctl.up.LocalCluster), with the example
+The cluster is the one `make run` starts (motorctl.local_cluster.LocalCluster), with the example
 deployment: one prefill instance with two data-parallel ranks and one decode instance.
 """
 
@@ -27,7 +27,7 @@ from motor.v1 import (
     node_manager_pb2_grpc,
     types_pb2,
 )
-from motorctl.up import LocalCluster
+from motorctl.local_cluster import LocalCluster
 from tests.support import REPO_ROOT, process_alive, wait_for
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")

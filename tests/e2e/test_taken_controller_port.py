@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from motor.ports import free_port
+from motorctl.local_cluster import LocalCluster, ManagedProcess, PortTaken, check_answered_by
 from motorctl.port_holder import listening_pids
-from motorctl.up import LocalCluster, ManagedProcess, PortTaken, check_answered_by
 from tests.support import REPO_ROOT
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")

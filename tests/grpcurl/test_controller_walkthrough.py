@@ -10,7 +10,7 @@ import pytest
 
 from motor.ports import free_port
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
-from motorctl.up import LocalCluster
+from motorctl.local_cluster import LocalCluster
 from tests.grpcurl.walkthrough import load_steps, run_step
 from tests.support import REPO_ROOT, wait_for
 

@@ -13,7 +13,7 @@ import pytest
 
 from motor.ports import free_port
 from motor.v1 import controller_pb2
-from motorctl.up import LocalCluster, _bin
+from motorctl.local_cluster import LocalCluster, script_path
 from tests.ha.conftest import _require_etcd
 from tests.ha.test_failover import _controllers, _leader, _process_of, _stub
 from tests.support import wait_for, write_sim_deployment
@@ -64,7 +64,7 @@ def test_a_new_leader_does_not_apply_its_deployment_file_over_an_operators_apply
     assert _deployment(cluster).revision == 1
     applied = subprocess.run(
         [
-            _bin("motorctl"),
+            script_path("motorctl"),
             "--controller",
             ",".join(cluster.controller_addresses),
             "apply",
@@ -123,11 +123,11 @@ def test_reads_on_a_standby_say_they_are_a_standbys_view_and_name_the_leader(see
             assert all(f"ask the leader {leader}" in v and "standby" in v for v in views), views
     for command in ("nodes", "instances", "endpoints"):
         shown = subprocess.run(
-            [_bin("motorctl"), "--controller", standby, command], capture_output=True, text=True, timeout=60
+            [script_path("motorctl"), "--controller", standby, command], capture_output=True, text=True, timeout=60
         )
         assert shown.returncode == 0, shown.stderr
         assert shown.stdout.startswith("STANDBY VIEW: ") and leader in shown.stdout.splitlines()[0], shown.stdout
     on_leader = subprocess.run(
-        [_bin("motorctl"), "--controller", leader, "nodes"], capture_output=True, text=True, timeout=60
+        [script_path("motorctl"), "--controller", leader, "nodes"], capture_output=True, text=True, timeout=60
     )
     assert "STANDBY" not in on_leader.stdout, on_leader.stdout

@@ -19,7 +19,7 @@ from motor.security.identity import Identity
 from motor.security.pki import CertificateAuthority
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from motorctl.etcd_cluster import EtcdCluster, EtcdTls
-from motorctl.up import _bin
+from motorctl.local_cluster import script_path
 from tests.ha.conftest import _require_etcd
 from tests.support import REPO_ROOT, wait_for
 
@@ -73,7 +73,7 @@ def _controller(tmp_path, etcd: EtcdCluster, *flags: str) -> tuple[subprocess.Po
     log = open(tmp_path / f"controller-{address.rsplit(':', 1)[1]}.log", "w+")
     process = subprocess.Popen(
         [
-            _bin("motor-controller"),
+            script_path("motor-controller"),
             "--listen",
             address,
             "--db",

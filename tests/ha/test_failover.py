@@ -15,7 +15,7 @@ import pytest
 
 from motor.ports import free_port
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc, types_pb2
-from motorctl.up import LocalCluster, _bin
+from motorctl.local_cluster import LocalCluster, script_path
 from tests.ha.conftest import _require_etcd
 from tests.support import REPO_ROOT, wait_for
 
@@ -309,12 +309,15 @@ def test_motorctl_follows_the_leader_from_a_standby(cluster):
     standby = next(a for a in cluster.controller_addresses if a != leader)
     every = f"{standby},{leader}"
     shown = subprocess.run(
-        [_bin("motorctl"), "--controller", every, "controllers"], capture_output=True, text=True, timeout=60
+        [script_path("motorctl"), "--controller", every, "controllers"], capture_output=True, text=True, timeout=60
     )
     assert shown.returncode == 0, shown.stderr
     assert f"leader: {leader}" in shown.stdout and standby in shown.stdout
     applied = subprocess.run(
-        [_bin("motorctl"), "--controller", every, "apply", "-f", DEPLOYMENT], capture_output=True, text=True, timeout=60
+        [script_path("motorctl"), "--controller", every, "apply", "-f", DEPLOYMENT],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert applied.returncode == 0, applied.stderr
     assert "deployment 'local-sim' applied" in applied.stdout

@@ -1,4 +1,4 @@
-"""Every service's /metrics in a live `make run`-style cluster (motorctl.up.LocalCluster: a
+"""Every service's /metrics in a live `make run`-style cluster (motorctl.local_cluster.LocalCluster: a
 controller, two node managers, sim engine servers): `promtool check metrics` finds nothing to say
 about any Motor series, and every metric the shipped dashboard and alert rules query exists. The
 cluster logs in JSON (--log-format json): every line of every service is one JSON object."""
@@ -19,7 +19,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
-from motorctl.up import LocalCluster
+from motorctl.local_cluster import LocalCluster
 from tests.support import REPO_ROOT, require, wait_for
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]

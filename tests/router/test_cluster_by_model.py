@@ -12,7 +12,7 @@ import pytest
 
 from motor.v1 import controller_pb2 as C
 from motor.v1 import controller_pb2_grpc
-from motorctl.up import LocalCluster
+from motorctl.local_cluster import LocalCluster
 from tests.controller.test_named_deployments_processes import model_deployment
 from tests.router.conftest import http
 from tests.router.test_by_model import answers

@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
+from motorctl.local_cluster import LocalCluster
 from motorctl.run_processes import run_processes
-from motorctl.up import LocalCluster
 from tests.router.conftest import OpenLoad, http
 from tests.support import REPO_ROOT, wait_for
 

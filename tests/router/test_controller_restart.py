@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from motor.v1 import controller_pb2, controller_pb2_grpc
-from motorctl.up import LocalCluster
+from motorctl.local_cluster import LocalCluster
 from tests.ha.conftest import _require_etcd
 from tests.router.conftest import OpenLoad, running
 from tests.router.test_planned_ops import apply, union, workers

@@ -22,8 +22,8 @@ import yaml
 
 from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
+from motorctl.local_cluster import LocalCluster
 from motorctl.router import FAILOVER_FLAGS
-from motorctl.up import LocalCluster
 from tests.engine_server.conftest import EngineServerProcess, sim_config
 from tests.router.conftest import OpenLoad, RouterProcess, http, running
 from tests.support import wait_for

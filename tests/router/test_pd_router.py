@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
-from motorctl.up import LocalCluster
+from motorctl.local_cluster import LocalCluster
 from tests.router.conftest import http, running
 from tests.support import REPO_ROOT, wait_for
 

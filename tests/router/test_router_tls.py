@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from motor.v1 import controller_pb2, controller_pb2_grpc
-from motorctl.up import LocalCluster
+from motorctl.local_cluster import LocalCluster
 from tests.router.conftest import http
 from tests.support import REPO_ROOT, wait_for
 

@@ -29,8 +29,8 @@ from motor.security.identity import Identity
 from motor.security.pki import CertificateAuthority, write_atomically
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl.connect import Credentials
+from motorctl.local_cluster import LocalCluster
 from motorctl.pki import DEV_HOSTS
-from motorctl.up import LocalCluster
 from tests.support import REPO_ROOT, require, wait_for
 
 pytestmark = pytest.mark.processes

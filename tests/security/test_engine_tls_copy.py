@@ -11,8 +11,8 @@ import pytest
 from motor.ports import free_port
 from motor.security.pki import write_atomically
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
+from motorctl.local_cluster import LocalCluster
 from motorctl.pki import DevPki, make_dev_pki
-from motorctl.up import LocalCluster
 from node_manager.engine_tls import EngineTlsCopy, engine_tls_paths
 from tests.support import wait_for, write_sim_deployment
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 
 from motor.ports import free_port
 from motor.v1 import controller_pb2, controller_pb2_grpc, engine_pb2, node_manager_pb2, types_pb2
-from motorctl.up import LocalCluster
+from motorctl.local_cluster import LocalCluster
 from tests.grpcurl.services import start_engine_server
 from tests.security.messages import field_names, leading_field, messages
 from tests.support import REPO_ROOT, wait_for

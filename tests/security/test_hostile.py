@@ -27,7 +27,7 @@ from motor.v1 import (
     types_pb2,
 )
 from motorctl.connect import Credentials
-from motorctl.up import LocalCluster
+from motorctl.local_cluster import LocalCluster
 from motorctl.up_screen import try_commands
 from tests.support import REPO_ROOT, require, wait_for
 

@@ -17,7 +17,7 @@ import pytest
 
 from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2, controller_pb2_grpc, engine_pb2, engine_pb2_grpc
-from motorctl.up import LocalCluster
+from motorctl.local_cluster import LocalCluster
 from tests.router.conftest import http
 from tests.support import wait_for
 from tests.vllm.conftest import START_TIMEOUT, engine_core_of, vllm_config

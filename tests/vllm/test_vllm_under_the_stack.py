@@ -27,7 +27,7 @@ import pytest
 from motor.contract import pbtime
 from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc, types_pb2
-from motorctl.up import LocalCluster
+from motorctl.local_cluster import LocalCluster
 from tests.support import wait_for
 from tests.vllm.conftest import START_TIMEOUT, engine_core_of, vllm_config
 
