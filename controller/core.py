@@ -50,6 +50,7 @@ from controller.rollout import Rollouts
 from controller.scheduling import Scheduler
 from controller.slicing import Steps, run_sliced
 from controller.slots import EngineSlot
+from controller.spares import Spares
 from controller.state import ClusterState
 from controller.store import Store
 from controller.store.metrics import MeasuredStore, StoreMetrics
@@ -105,13 +106,16 @@ class Controller(views.ClusterReads):
         self._stopping = False
         self.actuator = Actuator(node_client, self.state.nodes, config.stop_deadline, self._spawn, self.events, clock)
         self.generations = Generations(self.store, self.state.refused)
-        self.lifecycle = EngineLifecycle(self.state, self.actuator, self.generations, self.metrics, self)
-        self.state.on_state_changed = self.lifecycle.spares.state_changed
-        self.scheduler = Scheduler(self.state, config, self.lifecycle, self.metrics, self)
-        self.adoption = Adoption(self.state, self.lifecycle)
         # What each router's sync says its router routes to: "available" for rollouts and spares.
         self.front_doors = FrontDoors(self.events, clock)
         self.metrics.registry.register(FrontDoorCollector(self.front_doors))
+        doors = self.front_doors
+        availability = Availability(self.state, self.endpoints, doors.routes_to, doors.may_route_to)
+        self.spares = Spares(self.state, self.actuator, availability)
+        self.lifecycle = EngineLifecycle(self.state, self.actuator, self.generations, self.metrics, self, self.spares)
+        self.state.on_state_changed = self.spares.state_changed
+        self.scheduler = Scheduler(self.state, config, self.lifecycle, self.metrics, self)
+        self.adoption = Adoption(self.state, self.lifecycle)
         self.changes = DeploymentChanges(
             self.state,
             config.max_engines_per_deployment,
@@ -120,12 +124,12 @@ class Controller(views.ClusterReads):
             self.adoption,
             self.wake,
             self._spawn,
-            Availability(self.state, self.endpoints, self.front_doors.routes_to, self.front_doors.may_route_to),
+            availability,
         )
         self.rollouts = Rollouts(self.state, self.changes, self.endpoints)
         self.scheduler.rollouts = self.rollouts  # a step of each rollout ends every reconcile pass
         # Runs where the rollouts run: only a started (leading) controller's loops tick it.
-        self.autoscaler = Autoscaler(self.state, self.changes, self.rollouts, self._spawn)
+        self.autoscaler = Autoscaler(self.state, self.changes, self.rollouts, self._spawn, self.spares)
         self.metrics.registry.register(AutoscaleCollector(self.autoscaler))
         # The interval node managers are told and the grace their silence is judged by.
         self.budget = HeartbeatBudget(

@@ -42,7 +42,6 @@ from controller.model_roots import check_local_paths
 from controller.rollout_plan import plan_layout
 from controller.slicing import Budget, Steps, in_slices, run_at_once, run_sliced
 from controller.slots import EngineSlot
-from controller.spares import Spares
 from controller.state import ClusterState
 from controller.store import LEGACY_DEPLOYMENT, StoreChange, StoredState, StoreUnavailable
 from controller.validation import InstanceSpec, integral_numbers, struct_dict, validate_deployment
@@ -102,7 +101,6 @@ class DeploymentChanges:
         self.deleted_revisions: dict[str, int] = {}
         self._legacy: tuple[bytes, int] | None = None  # loaded from a store of before names: moved by `upgrade`
         self._one_at_a_time = asyncio.Lock()
-        self.spares = Spares(state, actuator)
         # What "available" means, for a change (which units to keep) and the rollouts (controller/availability.py).
         self.availability = availability or Availability(state, endpoints)
 

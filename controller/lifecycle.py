@@ -61,13 +61,14 @@ class EngineLifecycle:
         generations: Generations,
         metrics: ControllerMetrics,
         loop: ControllerLoop,
+        spares: Spares,
     ):
         self.state, self.actuator, self.generations = state, actuator, generations
         self.metrics, self.loop = metrics, loop
         # Until then (monotonic), nothing is started unless every known node has reported.
         self.startup_until = state.mono()
         self._restart_timers: dict[str, asyncio.TimerHandle] = {}
-        self.spares = Spares(state, actuator)
+        self.spares = spares
 
     def startup_done(self) -> bool:
         if self.state.mono() >= self.startup_until:

@@ -15,6 +15,11 @@ serving instance of its group where one has room, and is never routed (endpoints
 - A P/D pair (a prefill instance and its decode partner) is promoted whole: the READY spare pair
   takes the place of the pair whose member failed, and the failed pair becomes the spare pair.
   A data-parallel instance is one instance: its ranks are promoted together.
+- Only a proven spare is promoted: every member runs the spec of the instance it replaces (what
+  a restart would start anyway) or a spec an instance of its group serves on now without a recent
+  failure. A spare of a version that serves nowhere (a paused bad version's new instance that a
+  promotion turned into a spare, READY between its crashes) is never promoted: it waits as a
+  spare until a change replaces it.
 - A spare that fails restarts as a spare: nothing serving is touched.
 - Spares never hold accelerators a serving instance waits for: no spare is placed while a
   serving instance cannot be, and such an instance preempts a placed spare (its engines stop,
@@ -27,6 +32,7 @@ import logging
 from collections.abc import Callable, Iterator
 
 from controller.actuator import Actuator
+from controller.availability import Availability
 from controller.instances import DEGRADED, FAILED, PENDING, READY, RESTARTING, InstanceRecord, state_name
 from controller.slots import EngineSlot
 from controller.state import ClusterState
@@ -40,8 +46,8 @@ C, T = controller_pb2, types_pb2
 class Spares:
     """The spare rules over the shared state (keeps nothing of its own)."""
 
-    def __init__(self, state: ClusterState, actuator: Actuator):
-        self.state, self.actuator = state, actuator
+    def __init__(self, state: ClusterState, actuator: Actuator, availability: Availability):
+        self.state, self.actuator, self.availability = state, actuator, availability
 
     # ------------------------------------------------------------------ reading
 
@@ -59,16 +65,37 @@ class Spares:
     def ready(self, unit: list[InstanceRecord]) -> bool:
         return all(i.spare and i.state == READY for i in unit)
 
-    def ready_spare(self, group: str) -> list[InstanceRecord] | None:
-        """A READY spare unit of the group (lowest index first), or None."""
+    def ready_spare(self, group: str, replacing: list[InstanceRecord] = ()) -> list[InstanceRecord] | None:
+        """A READY and proven spare unit of the group (lowest index first) to serve in place of
+        `replacing` (nothing: as added capacity), or None."""
         if not self.state.group_sizes.get(group, (0, 0))[1]:
             return None
         for inst in self.members(group):
             if inst.spare and inst.state == READY:
                 unit = self.unit(inst)
-                if self.ready(unit):
+                if self.ready(unit) and self.proven(unit, replacing):
                     return unit
         return None
+
+    def proven(self, unit: list[InstanceRecord], replacing: list[InstanceRecord] = ()) -> bool:
+        """Every member runs the spec of the instance of its group it replaces (a restart would
+        start that spec anyway), or a spec that serves now: a spare of a version that serves
+        nowhere (a paused bad version's) is not what a failure should bring into service."""
+        for member in unit:
+            if any(r.group == member.group and r.spec_hash == member.spec_hash for r in replacing):
+                continue
+            if not any(self._serves_on(other, member.spec_hash) for other in self.members(member.group)):
+                return False
+        return True
+
+    def _serves_on(self, inst: InstanceRecord, spec_hash: str) -> bool:
+        """A serving instance on `spec_hash`, listed to the routers now (controller/availability.py:
+        serving) and without a failure in its restart policy's window (a crashing version is READY
+        between its crashes)."""
+        if inst.spare or inst.spec_hash != spec_hash or not self.availability.serving([inst]):
+            return False
+        now, window = self.state.wall(), self.state.policy_of(inst).failure_window
+        return not any(now - t < window for t in inst.failure_times)
 
     # ------------------------------------------------------------------ promotion
 
@@ -78,11 +105,11 @@ class Spares:
         now as a spare."""
         if failed.spare:
             return False  # a spare restarts as a spare
-        spare = self.ready_spare(failed.group)
+        retired = self.unit(failed)
+        spare = self.ready_spare(failed.group, retired)
         if spare is None:
             return False
         st = self.state
-        retired = self.unit(failed)
         with st.batch():
             self._flag(spare, False)
             self._flag(retired, True)
