@@ -112,9 +112,8 @@ class Controller(views.ClusterReads):
         doors = self.front_doors
         availability = Availability(self.state, self.endpoints, doors.routes_to, doors.may_route_to)
         self.spares = Spares(self.state, self.actuator, availability)
-        self.lifecycle = EngineLifecycle(self.state, self.actuator, self.generations, self.metrics, self, self.spares)
-        self.state.on_state_changed = self.spares.state_changed
-        self.scheduler = Scheduler(self.state, config, self.lifecycle, self.metrics, self)
+        self.lifecycle = EngineLifecycle(self.state, self.actuator, self.generations, self.metrics, self)
+        self.state.on_state_changed = self.spares.state_changed  # the one trigger of a promotion
         self.adoption = Adoption(self.state, self.lifecycle)
         self.changes = DeploymentChanges(
             self.state,
@@ -127,7 +126,7 @@ class Controller(views.ClusterReads):
             availability,
         )
         self.rollouts = Rollouts(self.state, self.changes, self.endpoints)
-        self.scheduler.rollouts = self.rollouts  # a step of each rollout ends every reconcile pass
+        self.scheduler = Scheduler(self.state, config, self.lifecycle, self.metrics, self, self.spares, self.rollouts)
         # Runs where the rollouts run: only a started (leading) controller's loops tick it.
         self.autoscaler = Autoscaler(self.state, self.changes, self.rollouts, self._spawn, self.spares)
         self.metrics.registry.register(AutoscaleCollector(self.autoscaler))

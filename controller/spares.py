@@ -1,16 +1,20 @@
-"""Warm spares: every rule about them, in one place.
+"""Warm spares: promotion and room for serving instances. The other spare rules live with their
+concern, each in one place: a change plans spare units apart from the serving ones and keeps the
+old-spec ones under rolling (controller/rollout_plan.py: plan_layout, UnitGroup.spare_layout); a
+rollout replaces the old-spec ones once the new version serves the whole count
+(controller/rollout.py); spares are placed after the serving instances (ClusterState.placement_order)
+and never routed (endpoints.can_serve).
 
 A group with `spares: N` has count serving instances and N more that carry the spare flag
-(InstanceRecord.spare), each "<group>-<index>" (a change plans them as units apart from the
-serving ones: controller/rollout_plan.py). A spare is placed and started like any
-instance, after the serving ones (ClusterState.placement_order) and on a node that holds no
-serving instance of its group where one has room, and is never routed (endpoints.can_serve).
+(InstanceRecord.spare), each "<group>-<index>". A spare is placed and started like any instance,
+on a node that holds no serving instance of its group where one has room (`avoid`).
 
 - Promotion: when a serving instance fails (its engine died, was killed after abnormal
   heartbeats, or its node was lost) or merely stops serving (READY -> DEGRADED: an engine
   ABNORMAL, e.g. dead while the node manager still kills its tree) and a spare of its group is
   READY, the two swap flags in one store transaction: the spare is routed at once, the other
-  goes on as the new spare (restarting if it failed).
+  goes on as the new spare (restarting if it failed). One trigger: every instance state change
+  (ClusterState.transition -> `state_changed`), where the failure paths record what happened.
   Ids and counts never change, so a controller restart reads back exactly who serves.
 - A P/D pair (a prefill instance and its decode partner) is promoted whole: the READY spare pair
   takes the place of the pair whose member failed, and the failed pair becomes the spare pair.
@@ -41,6 +45,8 @@ from motor.v1 import controller_pb2, types_pb2
 logger = logging.getLogger(__name__)
 
 C, T = controller_pb2, types_pb2
+# What a serving instance enters when it goes down (a failure decided, its node lost).
+GONE_DOWN = (RESTARTING, FAILED, PENDING)
 
 
 class Spares:
@@ -101,7 +107,7 @@ class Spares:
 
     def promote_for(self, failed: InstanceRecord, why: str) -> bool:
         """A serving instance failed: a READY spare of its group takes its place (one store
-        transaction for the swap). True when one did; the caller restarts `failed` as usual,
+        transaction for the swap). True when one did; `failed` goes on as usual (its restart),
         now as a spare."""
         if failed.spare:
             return False  # a spare restarts as a spare
@@ -142,11 +148,13 @@ class Spares:
         return spare
 
     def state_changed(self, inst: InstanceRecord, old: int) -> None:
-        """A serving instance that stops serving (READY -> DEGRADED: an engine ABNORMAL, or dead and
-        its tree still being killed; or anything else) is replaced by a READY spare at once: it
-        goes on as the spare (it serves again, or fails and restarts, out of the routers). A spare
-        that becomes READY takes the place of a serving instance that is down."""
-        if not inst.spare and old == READY and inst.state != READY:
+        """The one trigger of a promotion (ClusterState.transition calls it on every state change).
+        A serving instance that stops serving (READY -> DEGRADED: an engine ABNORMAL, or dead and
+        its tree still being killed) or goes down (its engine failed: RESTARTING or FAILED; its
+        node lost: PENDING) is replaced by a READY spare at once: it goes on as the spare (it
+        serves again, or restarts, out of the routers). A spare that becomes READY takes the place
+        of a serving instance that is down."""
+        if not inst.spare and old != FAILED and (old == READY or inst.state in GONE_DOWN):
             self.promote_for(inst, f"it is {state_name(inst.state)}: {inst.reason}")
         elif inst.spare and inst.state == READY:
             self._became_ready(inst)
