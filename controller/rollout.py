@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import base64
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from controller.deployments import DeploymentChanges
 from controller.endpoints import SERVING_INSTANCE_STATES, EndpointFeed
@@ -28,7 +28,7 @@ from controller.rollout_plan import UnitGroup, retiring, unit_groups
 from controller.slicing import Budget, Steps, run_at_once
 from controller.state import ClusterState
 from controller.store import StoredState, StoreUnavailable
-from controller.validation import GroupSpecs, strategy_problems
+from controller.validation import GroupSpecs, InstanceSpec, strategy_problems
 from motor.contract import pbtime
 from motor.contract.names import enum_short_name
 from motor.errors import FailedPrecondition
@@ -77,6 +77,19 @@ class Rollout:
             "previous_revision": self.previous_revision,
             "since": self.since,
         }
+
+
+@dataclass
+class Wave:
+    """What one step of a rollout does (its groups' steps fill it in turn) and finds."""
+
+    specs: GroupSpecs
+    strategy: C.UpdateStrategy
+    stopping: set[tuple[str, str]]  # (group, index) of ids whose engines are still being stopped
+    removed: list[tuple[str, str]] = field(default_factory=list)  # (instance id, why)
+    new: list[InstanceSpec] = field(default_factory=list)
+    available_current: int = 0
+    complete: bool = True
 
 
 @dataclass
@@ -243,101 +256,145 @@ class Rollouts:
         groups: list[UnitGroup],
         strays: list[InstanceRecord] | None = None,
     ) -> None:
-        strategy = effective(deployment.strategy)
+        """One step, read top-down: a failing new unit pauses it; per group, scale the new units
+        up, clean up the old-spec spares and the renamed group's instances, scale the old units
+        down; then complete, or sync the status (progress, the deadline) and write the wave."""
         failing = self._failing(rollout, groups)
         if failing:
             self._pause_itself(name, rollout, *failing)
             return
-        specs, removed, new, available_current, complete = GroupSpecs(deployment), [], [], 0, True
-        taken_over = retiring(groups, strays or [], specs)
-        # Ids whose engines are still being stopped (a withdrawn or removed instance draining):
-        # a new unit does not take one, or its start would meet the old copy on the node.
-        stopping = {
-            engine_id.split("/")[0].rpartition("-")[::2] for _, engine_id, _ in self.changes.actuator.unfinished
-        }
-        stopping = {(g, i) for g, i in stopping if i.isdigit()}
+        wave = Wave(GroupSpecs(deployment), effective(deployment.strategy), self._stopping())
+        taken_over = retiring(groups, strays or [], wave.specs)
         for place, ug in enumerate(groups):
-            current, old = ug.current(), ug.old()
-            draining = {int(i) for g, i in stopping if g in ug.groups}
-            in_use = {*ug.units, *ug.spares, *draining}
-            available = {k for k in ug.units if self._available(ug, k, strategy)}
-            # Instances of a renamed group: old units of this one, withdrawn while enough serve.
-            renamed = taken_over.get(place, [])
-            renamed_serving = [r for r in renamed if self.changes.availability.serving([r])]
-            if renamed:
-                complete = False
-            available_here = sum(1 for k in current if k in available)
-            available_current += available_here
-            # Complete only when the new revision's count serves: not merely started.
-            if old or len(current) < ug.count or available_here < ug.count:
-                complete = False
-            held = len(ug.units) + len(renamed) // len(ug.groups)
-            starts = min(ug.count + strategy.max_surge - held, ug.count - len(current), STEP_LIMIT - len(new))
-            new.extend(ug.new_specs(specs, max(0, starts), in_use))
-            # Old-spec spares (kept by the change, or an old serving unit a promotion made a spare)
-            # are replaced once the new version serves the whole count: until then the old
-            # version is the proven one a failure should promote.
-            keep_spares, old_spares = ug.spare_layout()
-            if old_spares:
-                complete = False
-            if old_spares and not old and not renamed and available_here >= ug.count:
-                stale = [r for k in old_spares for r in ug.records(k, ug.spares)]
-                removed.extend((r.instance_id, "a spare of an older spec") for r in stale)
-                taken = {*in_use, *(s.index for s in new if s.group == ug.groups[0])}
-                new.extend(ug.new_specs(specs, ug.spare_count - len(keep_spares), taken, spare=True))
-            floor, serving = (
-                ug.count - strategy.max_unavailable,
-                len(available) + len(renamed_serving) // len(ug.groups),
-            )
-            for r in sorted(renamed, key=lambda r: r in renamed_serving):
-                if len(removed) >= STEP_LIMIT:
-                    break
-                if r in renamed_serving or r.state in SERVING_INSTANCE_STATES:
-                    if serving - 1 < floor:
-                        break
-                    serving -= 1 if r in renamed_serving else 0
-                removed.append((r.instance_id, "its group was renamed: replaced by the rollout"))
-
-            def down(k: int, ug: UnitGroup = ug) -> bool:
-                return not all(r.state in SERVING_INSTANCE_STATES for r in ug.records(k))
-
-            # Those plainly down first: they cost nothing. One READY but not listed may be serving
-            # unseen (a restarted controller has not heard from its node yet): it goes only while
-            # enough others are available.
-            for k in sorted(old, key=lambda k: (k in available, not down(k))):
-                if len(removed) >= STEP_LIMIT:
-                    break
-                if k not in available and not down(k) and serving < floor:
-                    continue
-                if k in available:
-                    if serving - 1 < floor:
-                        break
-                    serving -= 1
-                removed.extend((r.instance_id, "replaced by the rollout") for r in ug.records(k))
-        if complete:
+            self._step_group(wave, ug, taken_over.get(place, []))
+        if wave.complete:
             done = f"complete: every instance runs revision {self._revision(name)} and is available"
             self._move(name, rollout, COMPLETE, done, event=rollout.announced)
             return
+        if self._sync_status(name, rollout, wave, groups):
+            return  # paused: no progress within the deadline
+        if wave.removed or wave.new:
+            self._write(name, rollout, wave)
+
+    def _stopping(self) -> set[tuple[str, str]]:
+        """(group, index) of the ids whose engines are still being stopped (a withdrawn or removed
+        instance draining): a new unit does not take one, or its start would meet the old copy."""
+        stopping = {
+            engine_id.split("/")[0].rpartition("-")[::2] for _, engine_id, _ in self.changes.actuator.unfinished
+        }
+        return {(g, i) for g, i in stopping if i.isdigit()}
+
+    def _step_group(self, wave: Wave, ug: UnitGroup, renamed: list[InstanceRecord]) -> None:
+        """One group's part of the wave. `renamed`: instances of a renamed group, old units of
+        this one (withdrawn while enough serve)."""
+        current, old = ug.current(), ug.old()
+        draining = {int(i) for g, i in wave.stopping if g in ug.groups}
+        in_use = {*ug.units, *ug.spares, *draining}
+        available = {k for k in ug.units if self._available(ug, k, wave.strategy)}
+        renamed_serving = [r for r in renamed if self.changes.availability.serving([r])]
+        available_here = sum(1 for k in current if k in available)
+        wave.available_current += available_here
+        # Complete only when the new revision's count serves: not merely started.
+        if renamed or old or len(current) < ug.count or available_here < ug.count:
+            wave.complete = False
+        self._scale_up_new(wave, ug, len(current), len(renamed), in_use)
+        self._clean_up_old_spares(wave, ug, bool(old or renamed), available_here, in_use)
+        serving = len(available) + len(renamed_serving) // len(ug.groups)
+        serving = self._withdraw_renamed(wave, ug, renamed, renamed_serving, serving)
+        self._scale_down_old(wave, ug, old, available, serving)
+
+    def _scale_up_new(self, wave: Wave, ug: UnitGroup, current: int, renamed: int, in_use: set[int]) -> None:
+        """Start new units while the group holds fewer than count + max_surge and fewer than count are current."""
+        held = len(ug.units) + renamed // len(ug.groups)
+        starts = min(ug.count + wave.strategy.max_surge - held, ug.count - current, STEP_LIMIT - len(wave.new))
+        wave.new.extend(ug.new_specs(wave.specs, max(0, starts), in_use))
+
+    def _clean_up_old_spares(
+        self, wave: Wave, ug: UnitGroup, old_serving: bool, available_here: int, in_use: set[int]
+    ) -> None:
+        """Old-spec spares (kept by the change, or an old serving unit a promotion made a spare)
+        are replaced once the new version serves the whole count: until then the old version is
+        the proven one a failure should promote."""
+        keep_spares, old_spares = ug.spare_layout()
+        if old_spares:
+            wave.complete = False
+        if old_spares and not old_serving and available_here >= ug.count:
+            stale = [r for k in old_spares for r in ug.records(k, ug.spares)]
+            wave.removed.extend((r.instance_id, "a spare of an older spec") for r in stale)
+            taken = {*in_use, *(s.index for s in wave.new if s.group == ug.groups[0])}
+            wave.new.extend(ug.new_specs(wave.specs, ug.spare_count - len(keep_spares), taken, spare=True))
+
+    def _withdraw_renamed(
+        self,
+        wave: Wave,
+        ug: UnitGroup,
+        renamed: list[InstanceRecord],
+        renamed_serving: list[InstanceRecord],
+        serving: int,
+    ) -> int:
+        """Withdraw a renamed group's instances (those serving nothing first) while the serving
+        units stay at least count - max_unavailable; the serving count left."""
+        floor = ug.count - wave.strategy.max_unavailable
+        for r in sorted(renamed, key=lambda r: r in renamed_serving):
+            if len(wave.removed) >= STEP_LIMIT:
+                break
+            if r in renamed_serving or r.state in SERVING_INSTANCE_STATES:
+                if serving - 1 < floor:
+                    break
+                serving -= 1 if r in renamed_serving else 0
+            wave.removed.append((r.instance_id, "its group was renamed: replaced by the rollout"))
+        return serving
+
+    def _scale_down_old(self, wave: Wave, ug: UnitGroup, old: list[int], available: set[int], serving: int) -> None:
+        """Withdraw old units while the available ones stay at least count - max_unavailable:
+        those plainly down first (they cost nothing). One READY but not listed may be serving
+        unseen (a restarted controller has not heard from its node yet): it goes only while
+        enough others are available."""
+        floor = ug.count - wave.strategy.max_unavailable
+
+        def down(k: int) -> bool:
+            return not all(r.state in SERVING_INSTANCE_STATES for r in ug.records(k))
+
+        for k in sorted(old, key=lambda k: (k in available, not down(k))):
+            if len(wave.removed) >= STEP_LIMIT:
+                break
+            if k not in available and not down(k) and serving < floor:
+                continue
+            if k in available:
+                if serving - 1 < floor:
+                    break
+                serving -= 1
+            wave.removed.extend((r.instance_id, "replaced by the rollout") for r in ug.records(k))
+
+    def _sync_status(self, name: str, rollout: Rollout, wave: Wave, groups: list[UnitGroup]) -> bool:
+        """Progress (more new units available) resets the deadline; a wave with nothing to do
+        waits for a new unit, or pauses past progress_deadline. True when it paused."""
         rollout.announced = True
-        if available_current > rollout.available_current:
+        if wave.available_current > rollout.available_current:
             rollout.progress_at = self.state.mono()
-        rollout.available_current = available_current
-        deadline = pbtime.seconds(strategy.progress_deadline)
-        waiting = self._first_unavailable(groups, strategy)
-        if not removed and not new and waiting is not None:
+        rollout.available_current = wave.available_current
+        deadline = pbtime.seconds(wave.strategy.progress_deadline)
+        waiting = self._first_unavailable(groups, wave.strategy)
+        if not wave.removed and not wave.new and waiting is not None:
             if self.state.mono() - rollout.progress_at > deadline:
                 self._pause_itself(
                     name, rollout, waiting, f"not available within progress_deadline ({deadline:g}s): {waiting.reason}"
                 )
-                return
+                return True
             rollout.reason = f"waiting for {waiting.instance_id} to be available: {waiting.reason}"
-        if removed or new:
-            rollout.progress_at = self.state.mono()
-            self.changes.step(name, removed, new)
-            steps = (("withdrawn and drained", [i for i, _ in removed]), ("started", [s.instance_id for s in new]))
-            for why, ids in steps:
-                if ids:
-                    self._move(name, rollout, PROGRESSING, f"{', '.join(ids)} {why}")
+        return False
+
+    def _write(self, name: str, rollout: Rollout, wave: Wave) -> None:
+        """The wave's withdrawals and starts, durable first (controller/deployments.py: step)."""
+        rollout.progress_at = self.state.mono()
+        self.changes.step(name, wave.removed, wave.new)
+        steps = (
+            ("withdrawn and drained", [i for i, _ in wave.removed]),
+            ("started", [s.instance_id for s in wave.new]),
+        )
+        for why, ids in steps:
+            if ids:
+                self._move(name, rollout, PROGRESSING, f"{', '.join(ids)} {why}")
 
     def _pause_itself(self, name: str, rollout: Rollout, inst: InstanceRecord, cause: str) -> None:
         self._move(
