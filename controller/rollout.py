@@ -19,64 +19,46 @@ from __future__ import annotations
 
 import base64
 import logging
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from controller.deployments import DeploymentChanges
-from controller.endpoints import SERVING_INSTANCE_STATES, EndpointFeed
+from controller.actuator import Actuator
+from controller.availability import Availability
+from controller.deployment_state import COMPLETE, PAUSED, PROGRESSING, Deployments, Rollout
+from controller.endpoints import SERVING_INSTANCE_STATES
 from controller.instances import FAILED, READY, InstanceRecord
 from controller.rollout_plan import UnitGroup, retiring, unit_groups
 from controller.slicing import Budget, Steps, run_at_once
 from controller.state import ClusterState
-from controller.store import StoredState, StoreUnavailable
+from controller.store import StoreUnavailable
 from controller.validation import GroupSpecs, InstanceSpec, strategy_problems
 from motor.contract import pbtime
-from motor.contract.names import enum_short_name
 from motor.errors import FailedPrecondition
-from motor.state_machine import Transitions
 from motor.v1 import controller_pb2, types_pb2
 
 logger = logging.getLogger(__name__)
 
 C, T = controller_pb2, types_pb2
-COMPLETE, PROGRESSING, PAUSED = C.ROLLOUT_STATE_COMPLETE, C.ROLLOUT_STATE_PROGRESSING, C.ROLLOUT_STATE_PAUSED
 # Instances one step starts or withdraws at most: a step is written to the store on the loop, and
 # 10,000 idle old instances withdrawn in one step held it 0.7 s. The next pass goes on at once.
 STEP_LIMIT = 64
 
-# COMPLETE: every unit current; PROGRESSING: old units being replaced; PAUSED: by an operator or a
-# failing new unit, until resumed or another spec is applied.
-TRANSITIONS = Transitions.between(
-    {
-        COMPLETE: {PROGRESSING, PAUSED},
-        PROGRESSING: {COMPLETE, PAUSED},
-        PAUSED: {PROGRESSING, COMPLETE},
-    },
-    lambda state: enum_short_name(C.RolloutState, state),
-)
 
+class DeploymentWrites(Protocol):
+    """What a rollout changes through the deployment's changes (controller/deployments.py), durable
+    first like any change."""
 
-@dataclass
-class Rollout:
-    """One deployment's rollout. `since` (wall clock): failures of current units before it are
-    forgiven (a resume); `progress_at` (monotonic): the last progress, for the deadline."""
+    wake: Callable[[], None]
 
-    state: int = COMPLETE
-    reason: str = ""
-    previous: str | None = None  # base64 of the deployment the last change replaced
-    previous_revision: int = 0
-    since: float = 0.0
-    progress_at: float = 0.0
-    available_current: int = 0
-    announced: bool = True  # False when loaded: finding it complete then is no news
+    @property
+    def busy(self) -> bool: ...  # a change is being made: the rollout waits for it
 
-    def record(self) -> dict:
-        return {
-            "paused": self.state == PAUSED,
-            "reason": self.reason,
-            "previous": self.previous,
-            "previous_revision": self.previous_revision,
-            "since": self.since,
-        }
+    def step(self, name: str, removed: list[tuple[str, str]], new: list[InstanceSpec]) -> None: ...
+
+    def retry_failed(self, inst: InstanceRecord) -> None: ...
+
+    def apply(self, deployment: C.Deployment) -> Coroutine[Any, Any, tuple[C.Deployment, int]]: ...
 
 
 @dataclass
@@ -101,48 +83,26 @@ class Counts:
 
 
 class Rollouts:
-    def __init__(self, state: ClusterState, changes: DeploymentChanges, endpoints: EndpointFeed):
-        self.state, self.changes, self.endpoints = state, changes, endpoints
-        self.rollouts: dict[str, Rollout] = {}
-        changes.on_applied = self.applied
+    """The rollouts of every deployment: stepped from the reconcile pass, paused, resumed and
+    undone by an operator. Their records live with the deployments (controller/deployment_state.py)."""
 
-    # ------------------------------------------------------------------ records
+    def __init__(
+        self,
+        state: ClusterState,
+        deployments: Deployments,
+        changes: DeploymentWrites,
+        availability: Availability,
+        actuator: Actuator,
+    ):
+        self.state, self.deployments, self.changes = state, deployments, changes
+        self.availability, self.actuator = availability, actuator
 
-    def loaded(self, stored: StoredState) -> None:
-        """After the instances are loaded: each deployment's rollout as the store leaves it."""
-        for name in self.changes.deployments:
-            record = stored.rollouts.get(name, {})
-            rollout = self._from_record(record)
-            rollout.state = PAUSED if record.get("paused") else PROGRESSING  # the next pass says if complete
-            rollout.announced = False
-            self.rollouts[name] = rollout
-
-    def _from_record(self, record: dict) -> Rollout:
-        return Rollout(
-            reason=record.get("reason", ""),
-            previous=record.get("previous"),
-            previous_revision=record.get("previous_revision", 0),
-            since=record.get("since", self.state.wall()),
-            progress_at=self.state.mono(),
-        )
-
-    def applied(self, name: str, record: dict | None) -> None:
-        """A change of the deployment `name` was made (None: deleted): a new rollout, unpaused."""
-        if record is None:
-            self.rollouts.pop(name, None)
-            return
-        rollout = self._from_record(record)
-        old = self.rollouts.get(name)
-        rollout.state = old.state if old is not None else COMPLETE
-        self.rollouts[name] = rollout
-        self._move(name, rollout, PROGRESSING, f"revision {self._revision(name)} applied; rolling out")
+    @property
+    def rollouts(self) -> dict[str, Rollout]:
+        return self.deployments.rollouts
 
     def _move(self, name: str, rollout: Rollout, state: int, reason: str, event: bool = True, **where) -> None:
-        if state != rollout.state:
-            TRANSITIONS.check(f"rollout of {name}", rollout.state, state, reason)
-        rollout.state, rollout.reason = state, reason
-        if event:
-            self.state.events.emit(C.EVENT_TYPE_ROLLOUT, f"rollout of {name!r}: {reason}", deployment=name, **where)
+        self.deployments.move(name, rollout, state, reason, event, **where)
 
     def _save(self, name: str, rollout: Rollout) -> None:
         self.state.store.save_rollout(name, rollout.record())
@@ -150,14 +110,14 @@ class Rollouts:
     # ------------------------------------------------------------------ the operator's calls
 
     def pause(self, name: str) -> None:
-        name = self.changes.named(name)
+        name = self.deployments.named(name)
         rollout = self.rollouts.setdefault(name, Rollout())
         before = rollout.state, rollout.reason
         self._move(name, rollout, PAUSED, "paused by an operator (`motorctl rollout resume` goes on)")
         self._persist_or_undo(name, rollout, before)
 
     def resume(self, name: str) -> None:
-        name = self.changes.named(name)
+        name = self.deployments.named(name)
         rollout = self.rollouts.setdefault(name, Rollout())
         if rollout.state != PAUSED:
             return
@@ -169,7 +129,7 @@ class Rollouts:
         except StoreUnavailable:
             rollout.since = since
             raise
-        hashes = GroupSpecs(self.changes.deployments[name][0]).hashes
+        hashes = GroupSpecs(self.deployments.deployments[name][0]).hashes
         for inst in self._records(name):  # a FAILED new instance gets a new chance
             if inst.state == FAILED and hashes.get(inst.group) == inst.spec_hash:
                 self.changes.retry_failed(inst)
@@ -195,7 +155,7 @@ class Rollouts:
 
     async def undo(self, name: str) -> tuple[C.Deployment, int]:
         """Apply the previous revision's deployment again (a new revision, rolled out alike)."""
-        name = self.changes.named(name)
+        name = self.deployments.named(name)
         rollout = self.rollouts.get(name)
         if rollout is None or rollout.previous is None:
             raise FailedPrecondition(f"name: deployment {name!r} has no previous revision to go back to")
@@ -205,10 +165,10 @@ class Rollouts:
     # ------------------------------------------------------------------ views
 
     def counts(self, name: str) -> Counts:
-        deployment = self.changes.deployments[name][0]
+        deployment = self.deployments.deployments[name][0]
         groups, strays = run_at_once(unit_groups(GroupSpecs(deployment), self._records(name)))
         counts = Counts(old=sum(1 for r in strays if not r.spare))  # of a renamed group
-        counts.available = sum(1 for r in strays if not r.spare and self.changes.availability.serving([r]))
+        counts.available = sum(1 for r in strays if not r.spare and self.availability.serving([r]))
         for ug in groups:
             for k in ug.units:
                 size = len(ug.records(k))
@@ -234,9 +194,9 @@ class Rollouts:
             return
         budget = Budget()
         for name, rollout in list(self.rollouts.items()):
-            if rollout.state != PROGRESSING or name not in self.changes.deployments:
+            if rollout.state != PROGRESSING or name not in self.deployments.deployments:
                 continue
-            deployment = self.changes.deployments[name][0]
+            deployment = self.deployments.deployments[name][0]
             groups, strays = yield from unit_groups(GroupSpecs(deployment), self._records(name), budget)
             if self.changes.busy or self.rollouts.get(name) is not rollout:
                 return  # a change began meanwhile: the next pass reads it
@@ -279,9 +239,7 @@ class Rollouts:
     def _stopping(self) -> set[tuple[str, str]]:
         """(group, index) of the ids whose engines are still being stopped (a withdrawn or removed
         instance draining): a new unit does not take one, or its start would meet the old copy."""
-        stopping = {
-            engine_id.split("/")[0].rpartition("-")[::2] for _, engine_id, _ in self.changes.actuator.unfinished
-        }
+        stopping = {engine_id.split("/")[0].rpartition("-")[::2] for _, engine_id, _ in self.actuator.unfinished}
         return {(g, i) for g, i in stopping if i.isdigit()}
 
     def _step_group(self, wave: Wave, ug: UnitGroup, renamed: list[InstanceRecord]) -> None:
@@ -291,7 +249,7 @@ class Rollouts:
         draining = {int(i) for g, i in wave.stopping if g in ug.groups}
         in_use = {*ug.units, *ug.spares, *draining}
         available = {k for k in ug.units if self._available(ug, k, wave.strategy)}
-        renamed_serving = [r for r in renamed if self.changes.availability.serving([r])]
+        renamed_serving = [r for r in renamed if self.availability.serving([r])]
         available_here = sum(1 for k in current if k in available)
         wave.available_current += available_here
         # Complete only when the new revision's count serves: not merely started.
@@ -411,10 +369,10 @@ class Rollouts:
     # ------------------------------------------------------------------ what a unit is
 
     def _records(self, name: str) -> list[InstanceRecord]:
-        return [self.state.instances[i] for i in self.changes.instances_of(name)]
+        return [self.state.instances[i] for i in self.deployments.instances_of(name)]
 
     def _revision(self, name: str) -> int:
-        return self.changes.deployments[name][1]
+        return self.deployments.deployments[name][1]
 
     def _available(self, ug: UnitGroup, index: int, strategy: C.UpdateStrategy) -> bool:
         """Every instance of the unit there and available (controller/availability.py); a current
@@ -424,7 +382,7 @@ class Rollouts:
         if len(records) != len(ug.groups):
             return False
         settle = pbtime.seconds(strategy.min_ready) if ug.is_current(index) else None
-        return self.changes.availability.available(records, settle)
+        return self.availability.available(records, settle)
 
     def _failing(self, rollout: Rollout, groups: list[UnitGroup]) -> tuple[InstanceRecord, str] | None:
         """The first current instance that failed since the rollout (re)started, and how."""
