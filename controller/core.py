@@ -176,7 +176,7 @@ class Controller(views.ClusterReads):
             self.lifecycle.startup_until = now + self.startup_grace() + backoff
         logger.info(
             "loaded state: %d deployment(s), %d nodes, %d instances, %d engine assignments",
-            len(self.deployments.deployments),
+            len(self.deployments.by_name),
             len(st.nodes),
             len(st.instances),
             len(st.slots),
@@ -308,7 +308,7 @@ class Controller(views.ClusterReads):
 
     def get_deployment(self, name: str = "") -> tuple[C.Deployment, int]:
         """The named deployment; without a name, the only one (controller/deployments.py: `named`)."""
-        return self.deployments.deployments[self.deployments.named(name)]
+        return self.deployments.by_name[self.deployments.named(name)]
 
     # ------------------------------------------------------------------ nodes: register, heartbeat, events
 

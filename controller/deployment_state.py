@@ -86,7 +86,7 @@ class Rollout:
 class Deployments:
     def __init__(self, state: ClusterState):
         self.state = state
-        self.deployments: dict[str, tuple[C.Deployment, int]] = {}  # name -> (deployment, revision)
+        self.by_name: dict[str, tuple[C.Deployment, int]] = {}  # name -> (deployment, revision)
         # name -> the last revision of a deleted deployment: applied again, it goes on from there.
         self.deleted_revisions: dict[str, int] = {}
         self.rollouts: dict[str, Rollout] = {}
@@ -97,30 +97,30 @@ class Deployments:
     @property
     def deployment(self) -> C.Deployment | None:
         """The only deployment (None when there are none or several): the view of the API without names."""
-        return next(iter(self.deployments.values()))[0] if len(self.deployments) == 1 else None
+        return next(iter(self.by_name.values()))[0] if len(self.by_name) == 1 else None
 
     @property
     def revision(self) -> int:
-        return next(iter(self.deployments.values()))[1] if len(self.deployments) == 1 else 0
+        return next(iter(self.by_name.values()))[1] if len(self.by_name) == 1 else 0
 
     def named(self, name: str, deleting: bool = False) -> str:
         """The deployment a request names; without a name, the only one. NOT_FOUND for an unknown
         name, INVALID_ARGUMENT when several exist and none is named."""
         if name:
-            if name not in self.deployments:
-                known = ", ".join(sorted(self.deployments)) or "none"
+            if name not in self.by_name:
+                known = ", ".join(sorted(self.by_name)) or "none"
                 raise NotFound(f"name: no deployment is named {names.excerpt(name)} (deployments: {known})")
             return name
-        if len(self.deployments) > 1:
+        if len(self.by_name) > 1:
             raise InvalidArgument(
-                f"name: required: {len(self.deployments)} deployments exist "
-                f"({', '.join(sorted(self.deployments))}); name the one to " + ("delete" if deleting else "read")
+                f"name: required: {len(self.by_name)} deployments exist "
+                f"({', '.join(sorted(self.by_name))}); name the one to " + ("delete" if deleting else "read")
             )
-        if not self.deployments:
+        if not self.by_name:
             if deleting:
                 return LEGACY_DEPLOYMENT  # a delete of nothing succeeds (it ends a new store's wait)
             raise NotFound("name: no deployment has been applied; apply one with `motorctl apply -f FILE`")
-        return next(iter(self.deployments))
+        return next(iter(self.by_name))
 
     def instances_of(self, name: str) -> list[str]:
         of = self.state.deployment_of
@@ -131,7 +131,7 @@ class Deployments:
     def set_deployment(self, name: str, deployment: C.Deployment | None, revision: int) -> None:
         """The deployment and the indexes ClusterState keeps of it (None: it is gone)."""
         st = self.state
-        old = self.deployments.pop(name, None)
+        old = self.by_name.pop(name, None)
         if old is not None:
             for group in old[0].instance_groups:
                 st.group_owner.pop(group.name, None)
@@ -141,7 +141,7 @@ class Deployments:
             st.served_models.pop(name, None)
             st.adapters.pop(name, None)
         if deployment is not None:
-            self.deployments[name] = (deployment, revision)
+            self.by_name[name] = (deployment, revision)
             for group in deployment.instance_groups:
                 st.group_owner[group.name] = name
                 st.group_sizes[group.name] = (group.count, group.spares)
@@ -198,7 +198,7 @@ class Deployments:
                 if deployment.name in stored.deployments:
                     continue  # moved already; the old row is cleared by `upgrade`
             self.set_deployment(deployment.name if key == LEGACY_DEPLOYMENT else key, deployment, revision)
-        for name in self.deployments:
+        for name in self.by_name:
             record = stored.rollouts.get(name, {})
             rollout = self._from_record(record)
             rollout.state = PAUSED if record.get("paused") else PROGRESSING  # the next pass says if complete
@@ -214,8 +214,8 @@ class Deployments:
         name = C.Deployment.FromString(data).name
         try:
             with self.state.store.transaction():
-                if name in self.deployments:
-                    deployment, revision = self.deployments[name]
+                if name in self.by_name:
+                    deployment, revision = self.by_name[name]
                     self.state.store.save_deployment(deployment.SerializeToString(deterministic=True), revision, name)
                 self.state.store.save_deployment(None, revision, LEGACY_DEPLOYMENT)
         except StoreUnavailable as exc:

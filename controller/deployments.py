@@ -94,7 +94,7 @@ class DeploymentChanges:
     @property
     def deployments(self) -> dict[str, tuple[C.Deployment, int]]:
         """name -> (deployment, revision), as the home holds them (for readers)."""
-        return self.home.deployments
+        return self.home.by_name
 
     # ------------------------------------------------------------------ the calls
 
@@ -105,7 +105,7 @@ class DeploymentChanges:
         if not plan.same:
             self._persist(plan, self._store_change(plan))
         run_at_once(self._change_memory(plan))
-        return self.home.deployments[validated.name]
+        return self.home.by_name[validated.name]
 
     def delete_now(self, name: str = "") -> None:
         plan = run_at_once(self._plan(None, self.home.named(name, deleting=True)))
@@ -124,7 +124,7 @@ class DeploymentChanges:
         revision an apply would give it now (the current one when nothing would change)."""
         validated = validate_deployment(deployment, self.max_engines)
         self._check_groups(validated)
-        current = self.home.deployments.get(validated.name)
+        current = self.home.by_name.get(validated.name)
         if current is None:
             return validated, 1
         same = validated.SerializeToString(deterministic=True) == current[0].SerializeToString(deterministic=True)
@@ -162,7 +162,7 @@ class DeploymentChanges:
             with self._leaving(plan):
                 await self.state.store.write_change_async(change)
         await run_sliced(self._change_memory(plan))
-        return self.home.deployments.get(name, (None, plan.revision))
+        return self.home.by_name.get(name, (None, plan.revision))
 
     # ------------------------------------------------------------------ the steps
 
@@ -171,7 +171,7 @@ class DeploymentChanges:
         it; the plan None: nothing to do). The other deployments' instances are not looked at."""
         budget = Budget()
         name = validated.name if validated is not None else name or self.home.named(name, deleting=True)
-        current = self.home.deployments.get(name)
+        current = self.home.by_name.get(name)
         if validated is None and current is None:
             # A new store waiting to adopt what the nodes run: a delete ends the wait (revision 1).
             return Plan(LEGACY_DEPLOYMENT, None, 1, ended_adoption=True) if self.adoption.waiting else None
@@ -214,7 +214,7 @@ class DeploymentChanges:
         deployment's model or adapter, or its model is another deployment's adapter: a router
         sending by model would send one name's requests to engines that serve something else."""
         others: dict[str, str] = {}  # name -> what it is, where
-        for name, (deployment, _) in self.home.deployments.items():
+        for name, (deployment, _) in self.home.by_name.items():
             if name == validated.name:
                 continue
             others.setdefault(deployment.model, f"the model of deployment {name!r}")
@@ -320,7 +320,7 @@ class DeploymentChanges:
         """One step of a rolling update (a few instances), at once: durable first (StoreUnavailable
         leaves everything as it was), then in memory; a withdrawn instance leaves the routers
         before its engines are stopped (they drain)."""
-        deployment, revision = self.home.deployments[name]
+        deployment, revision = self.home.by_name[name]
         plan = Plan(name, deployment, revision, removed=removed)
         config = self.state.configs[name]
         plan.new = {

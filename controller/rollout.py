@@ -129,7 +129,7 @@ class Rollouts:
         except StoreUnavailable:
             rollout.since = since
             raise
-        hashes = GroupSpecs(self.deployments.deployments[name][0]).hashes
+        hashes = GroupSpecs(self.deployments.by_name[name][0]).hashes
         for inst in self._records(name):  # a FAILED new instance gets a new chance
             if inst.state == FAILED and hashes.get(inst.group) == inst.spec_hash:
                 self.changes.retry_failed(inst)
@@ -165,7 +165,7 @@ class Rollouts:
     # ------------------------------------------------------------------ views
 
     def counts(self, name: str) -> Counts:
-        deployment = self.deployments.deployments[name][0]
+        deployment = self.deployments.by_name[name][0]
         groups, strays = run_at_once(unit_groups(GroupSpecs(deployment), self._records(name)))
         counts = Counts(old=sum(1 for r in strays if not r.spare))  # of a renamed group
         counts.available = sum(1 for r in strays if not r.spare and self.availability.serving([r]))
@@ -194,9 +194,9 @@ class Rollouts:
             return
         budget = Budget()
         for name, rollout in list(self.rollouts.items()):
-            if rollout.state != PROGRESSING or name not in self.deployments.deployments:
+            if rollout.state != PROGRESSING or name not in self.deployments.by_name:
                 continue
-            deployment = self.deployments.deployments[name][0]
+            deployment = self.deployments.by_name[name][0]
             groups, strays = yield from unit_groups(GroupSpecs(deployment), self._records(name), budget)
             if self.changes.busy or self.rollouts.get(name) is not rollout:
                 return  # a change began meanwhile: the next pass reads it
@@ -372,7 +372,7 @@ class Rollouts:
         return [self.state.instances[i] for i in self.deployments.instances_of(name)]
 
     def _revision(self, name: str) -> int:
-        return self.deployments.deployments[name][1]
+        return self.deployments.by_name[name][1]
 
     def _available(self, ug: UnitGroup, index: int, strategy: C.UpdateStrategy) -> bool:
         """Every instance of the unit there and available (controller/availability.py); a current
