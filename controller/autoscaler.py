@@ -144,8 +144,8 @@ class Autoscaler:
     change is being made or while the deployment's rollout is not COMPLETE (progressing or
     paused): the count would add instances of a spec under review."""
 
-    def __init__(self, state: ClusterState, changes, rollouts, spawn: Callable):
-        self.state, self.changes, self.rollouts, self.spawn = state, changes, rollouts, spawn
+    def __init__(self, state: ClusterState, changes, rollouts, spawn: Callable, spares):
+        self.state, self.changes, self.rollouts, self.spawn, self.spares = state, changes, rollouts, spawn, spares
         self.scalers: dict[tuple[str, str], GroupScaler] = {}
         # (deployment, group, "up" | "down") -> changes made (motor_controller_autoscale_decisions_total)
         self.decisions: dict[tuple[str, str, str], int] = {}
@@ -208,7 +208,7 @@ class Autoscaler:
         promoted = []
         if decision.new > decision.old:
             for _ in range(decision.new - decision.old):
-                unit = self.changes.spares.promote_to_serve(decision.group, "the load grew")
+                unit = self.spares.promote_to_serve(decision.group, "the load grew")
                 if unit is None:
                     break
                 promoted.extend(i.instance_id for i in unit)

@@ -33,6 +33,7 @@ from controller.availability import Availability
 from controller.beat_pacing import BeatPacing
 from controller.claims import NodeClaims, check_registration
 from controller.config import ControllerConfig
+from controller.deployment_state import Deployments
 from controller.deployments import DeploymentChanges
 from controller.events import EventBus
 from controller.fleet_metrics import FleetSeries
@@ -50,6 +51,7 @@ from controller.rollout import Rollouts
 from controller.scheduling import Scheduler
 from controller.slicing import Steps, run_sliced
 from controller.slots import EngineSlot
+from controller.spares import Spares
 from controller.state import ClusterState
 from controller.store import Store
 from controller.store.metrics import MeasuredStore, StoreMetrics
@@ -105,27 +107,32 @@ class Controller(views.ClusterReads):
         self._stopping = False
         self.actuator = Actuator(node_client, self.state.nodes, config.stop_deadline, self._spawn, self.events, clock)
         self.generations = Generations(self.store, self.state.refused)
-        self.lifecycle = EngineLifecycle(self.state, self.actuator, self.generations, self.metrics, self)
-        self.state.on_state_changed = self.lifecycle.spares.state_changed
-        self.scheduler = Scheduler(self.state, config, self.lifecycle, self.metrics, self)
-        self.adoption = Adoption(self.state, self.lifecycle)
         # What each router's sync says its router routes to: "available" for rollouts and spares.
         self.front_doors = FrontDoors(self.events, clock)
         self.metrics.registry.register(FrontDoorCollector(self.front_doors))
+        doors = self.front_doors
+        availability = Availability(self.state, self.endpoints, doors.routes_to, doors.may_route_to)
+        self.spares = Spares(self.state, self.actuator, availability)
+        self.lifecycle = EngineLifecycle(self.state, self.actuator, self.generations, self.metrics, self)
+        self.state.on_state_changed = self.spares.state_changed  # the one trigger of a promotion
+        self.adoption = Adoption(self.state, self.lifecycle)
+        # Every deployment's spec, revision and rollout record, in one home.
+        self.deployments = Deployments(self.state)
         self.changes = DeploymentChanges(
             self.state,
+            self.deployments,
             config.max_engines_per_deployment,
             self.endpoints,
             self.actuator,
             self.adoption,
             self.wake,
             self._spawn,
-            Availability(self.state, self.endpoints, self.front_doors.routes_to, self.front_doors.may_route_to),
+            availability,
         )
-        self.rollouts = Rollouts(self.state, self.changes, self.endpoints)
-        self.scheduler.rollouts = self.rollouts  # a step of each rollout ends every reconcile pass
+        self.rollouts = Rollouts(self.state, self.deployments, self.changes, availability, self.actuator)
+        self.scheduler = Scheduler(self.state, config, self.lifecycle, self.metrics, self, self.spares, self.rollouts)
         # Runs where the rollouts run: only a started (leading) controller's loops tick it.
-        self.autoscaler = Autoscaler(self.state, self.changes, self.rollouts, self._spawn)
+        self.autoscaler = Autoscaler(self.state, self.changes, self.rollouts, self._spawn, self.spares)
         self.metrics.registry.register(AutoscaleCollector(self.autoscaler))
         # The interval node managers are told and the grace their silence is judged by.
         self.budget = HeartbeatBudget(
@@ -148,7 +155,7 @@ class Controller(views.ClusterReads):
         st = self.state
         stored = self.store.load()
         self.adoption.loaded(stored)
-        self.changes.loaded(stored)
+        self.deployments.loaded(stored)  # and their rollouts as the store leaves them
         now = self.mono()
         for record in stored.nodes:
             info = C.NodeInfo.FromString(record.info)
@@ -163,14 +170,13 @@ class Controller(views.ClusterReads):
         for data in stored.assignments.values():
             st.slots.add(EngineSlot.from_dict(data))
         st.attention.update(st.instances)
-        self.rollouts.loaded(stored)
         if any(n.state != NODE_LOST for n in st.nodes.values()):
             # By default also the node managers' longest backoff, as their first reports may take.
             backoff = heartbeats.MAX_BACKOFF if self.config.startup_grace is None else 0.0
             self.lifecycle.startup_until = now + self.startup_grace() + backoff
         logger.info(
             "loaded state: %d deployment(s), %d nodes, %d instances, %d engine assignments",
-            len(self.changes.deployments),
+            len(self.deployments.by_name),
             len(st.nodes),
             len(st.instances),
             len(st.slots),
@@ -178,7 +184,7 @@ class Controller(views.ClusterReads):
 
     async def start(self) -> None:
         self.load()
-        self.changes.upgrade()  # the leader only: a standby's view loads and never writes
+        self.deployments.upgrade()  # the leader only: a standby's view loads and never writes
         self._loops = [
             asyncio.create_task(self._monitor_loop(), name="node-monitor"),
             asyncio.create_task(self._reconcile_loop(), name="reconcile"),
@@ -256,11 +262,11 @@ class Controller(views.ClusterReads):
 
     @property
     def deployment(self) -> C.Deployment | None:
-        return self.changes.deployment
+        return self.deployments.deployment
 
     @property
     def revision(self) -> int:
-        return self.changes.revision
+        return self.deployments.revision
 
     def apply_deployment(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
         """At once, holding the loop: start-up and tests. The API calls `apply` (in slices)."""
@@ -302,7 +308,7 @@ class Controller(views.ClusterReads):
 
     def get_deployment(self, name: str = "") -> tuple[C.Deployment, int]:
         """The named deployment; without a name, the only one (controller/deployments.py: `named`)."""
-        return self.changes.deployments[self.changes.named(name)]
+        return self.deployments.by_name[self.deployments.named(name)]
 
     # ------------------------------------------------------------------ nodes: register, heartbeat, events
 

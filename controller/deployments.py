@@ -26,46 +26,29 @@ finished even if its caller goes away.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import json
-import logging
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 
 from controller.actuator import Actuator
 from controller.adoption import Adoption
 from controller.availability import Availability
+from controller.deployment_state import Deployments, engine_config_json, rollout_record
 from controller.endpoints import EndpointFeed
-from controller.instances import FAILED, RESTARTING, InstanceRecord, Policy
+from controller.instances import FAILED, RESTARTING, InstanceRecord
 from controller.model_roots import check_local_paths
 from controller.rollout_plan import plan_layout
 from controller.slicing import Budget, Steps, in_slices, run_at_once, run_sliced
 from controller.slots import EngineSlot
-from controller.spares import Spares
 from controller.state import ClusterState
-from controller.store import LEGACY_DEPLOYMENT, StoreChange, StoredState, StoreUnavailable
-from controller.validation import InstanceSpec, integral_numbers, struct_dict, validate_deployment
+from controller.store import LEGACY_DEPLOYMENT, StoreChange, StoreUnavailable
+from controller.validation import InstanceSpec, validate_deployment
 from motor.contract import names
-from motor.errors import InvalidArgument, NotFound
+from motor.errors import InvalidArgument
 from motor.v1 import controller_pb2
-
-logger = logging.getLogger(__name__)
 
 C = controller_pb2
 NewInstances = dict[str, tuple[InstanceRecord, list[EngineSlot]]]
-
-
-def rollout_record(previous: bytes | None, previous_revision: int, since: float) -> dict:
-    """The rollout record a change writes: not paused, the deployment it replaced (for undo), and
-    the time from which a new instance's failure pauses it (controller/rollout.py)."""
-    return {
-        "paused": False,
-        "reason": "",
-        "previous": base64.b64encode(previous).decode() if previous is not None else None,
-        "previous_revision": previous_revision,
-        "since": since,
-    }
 
 
 @dataclass
@@ -82,9 +65,13 @@ class Plan:
 
 
 class DeploymentChanges:
+    """The changes of a deployment (apply, delete, a rollout's step), made through its home
+    (controller/deployment_state.py), which holds the deployment, its indexes and its rollout."""
+
     def __init__(
         self,
         state: ClusterState,
+        deployments: Deployments,
         max_engines: int,
         endpoints: EndpointFeed,
         actuator: Actuator,
@@ -93,16 +80,9 @@ class DeploymentChanges:
         spawn: Callable[[Coroutine, str], asyncio.Task],
         availability: Availability | None = None,
     ):
-        self.state, self.max_engines, self.endpoints, self.actuator = state, max_engines, endpoints, actuator
-        self.adoption, self.wake, self.spawn = adoption, wake, spawn
-        # Told of every change that wrote a rollout record (controller/rollout.py sets it).
-        self.on_applied: Callable[[str, dict | None], None] = lambda name, record: None
-        self.deployments: dict[str, tuple[C.Deployment, int]] = {}  # name -> (deployment, revision)
-        # name -> the last revision of a deleted deployment: applied again, it goes on from there.
-        self.deleted_revisions: dict[str, int] = {}
-        self._legacy: tuple[bytes, int] | None = None  # loaded from a store of before names: moved by `upgrade`
+        self.state, self.home, self.max_engines, self.endpoints = state, deployments, max_engines, endpoints
+        self.actuator, self.adoption, self.wake, self.spawn = actuator, adoption, wake, spawn
         self._one_at_a_time = asyncio.Lock()
-        self.spares = Spares(state, actuator)
         # What "available" means, for a change (which units to keep) and the rollouts (controller/availability.py).
         self.availability = availability or Availability(state, endpoints)
 
@@ -112,95 +92,9 @@ class DeploymentChanges:
         return self._one_at_a_time.locked()
 
     @property
-    def deployment(self) -> C.Deployment | None:
-        """The only deployment (None when there are none or several): the view of the API without names."""
-        return next(iter(self.deployments.values()))[0] if len(self.deployments) == 1 else None
-
-    @property
-    def revision(self) -> int:
-        return next(iter(self.deployments.values()))[1] if len(self.deployments) == 1 else 0
-
-    def set_deployment(self, name: str, deployment: C.Deployment | None, revision: int) -> None:
-        st = self.state
-        old = self.deployments.pop(name, None)
-        if old is not None:
-            for group in old[0].instance_groups:
-                st.group_owner.pop(group.name, None)
-                st.group_sizes.pop(group.name, None)
-            st.policies.pop(name, None)
-            st.configs.pop(name, None)
-            st.served_models.pop(name, None)
-            st.adapters.pop(name, None)
-        if deployment is not None:
-            self.deployments[name] = (deployment, revision)
-            for group in deployment.instance_groups:
-                st.group_owner[group.name] = name
-                st.group_sizes[group.name] = (group.count, group.spares)
-            st.policies[name] = Policy.from_proto(deployment.restart_policy)
-            st.configs[name] = engine_config_json(deployment)
-            st.served_models[name] = (deployment.model,)
-            if deployment.adapters:
-                st.adapters[name] = {a.name: a.path for a in deployment.adapters}
-
-    def loaded(self, stored: StoredState) -> None:
-        """The stored deployments; the one of a store written before deployments had names is
-        loaded under its own name (its instances keep their ids: nothing restarts)."""
-        for key, record in stored.rollouts.items():
-            if "deleted_at_revision" in record:
-                self.deleted_revisions[key] = int(record["deleted_at_revision"])
-        for key, (data, revision) in stored.deployments.items():
-            deployment = C.Deployment.FromString(data)
-            if key == LEGACY_DEPLOYMENT:
-                self._legacy = (data, revision)
-                if deployment.name in stored.deployments:
-                    continue  # moved already; the old row is cleared by `upgrade`
-            self.set_deployment(deployment.name if key == LEGACY_DEPLOYMENT else key, deployment, revision)
-
-    def upgrade(self) -> None:
-        """Move the deployment of a store written before names under its name (the leader, at
-        start). A store that refuses it keeps it where it was: it is moved at the next start."""
-        if self._legacy is None:
-            return
-        data, revision = self._legacy
-        name = C.Deployment.FromString(data).name
-        try:
-            with self.state.store.transaction():
-                if name in self.deployments:
-                    deployment, revision = self.deployments[name]
-                    self.state.store.save_deployment(deployment.SerializeToString(deterministic=True), revision, name)
-                self.state.store.save_deployment(None, revision, LEGACY_DEPLOYMENT)
-        except StoreUnavailable as exc:
-            logger.warning(
-                "could not move the deployment %r of an older store under its name (%s); tried again at the next start",
-                name,
-                exc,
-            )
-            return
-        self._legacy = None
-        logger.info("store upgraded: its deployment %r is now stored under its name (revision %d)", name, revision)
-
-    def named(self, name: str, deleting: bool = False) -> str:
-        """The deployment a request names; without a name, the only one. NOT_FOUND for an unknown
-        name, INVALID_ARGUMENT when several exist and none is named."""
-        if name:
-            if name not in self.deployments:
-                known = ", ".join(sorted(self.deployments)) or "none"
-                raise NotFound(f"name: no deployment is named {names.excerpt(name)} (deployments: {known})")
-            return name
-        if len(self.deployments) > 1:
-            raise InvalidArgument(
-                f"name: required: {len(self.deployments)} deployments exist "
-                f"({', '.join(sorted(self.deployments))}); name the one to " + ("delete" if deleting else "read")
-            )
-        if not self.deployments:
-            if deleting:
-                return LEGACY_DEPLOYMENT  # a delete of nothing succeeds (it ends a new store's wait)
-            raise NotFound("name: no deployment has been applied; apply one with `motorctl apply -f FILE`")
-        return next(iter(self.deployments))
-
-    def instances_of(self, name: str) -> list[str]:
-        of = self.state.deployment_of
-        return sorted(i for i, inst in self.state.instances.items() if of(inst) == name)
+    def deployments(self) -> dict[str, tuple[C.Deployment, int]]:
+        """name -> (deployment, revision), as the home holds them (for readers)."""
+        return self.home.by_name
 
     # ------------------------------------------------------------------ the calls
 
@@ -211,10 +105,10 @@ class DeploymentChanges:
         if not plan.same:
             self._persist(plan, self._store_change(plan))
         run_at_once(self._change_memory(plan))
-        return self.deployments[validated.name]
+        return self.home.by_name[validated.name]
 
     def delete_now(self, name: str = "") -> None:
-        plan = run_at_once(self._plan(None, self.named(name, deleting=True)))
+        plan = run_at_once(self._plan(None, self.home.named(name, deleting=True)))
         if plan is not None:
             self._persist(plan, self._store_change(plan))
             run_at_once(self._change_memory(plan))
@@ -230,15 +124,15 @@ class DeploymentChanges:
         revision an apply would give it now (the current one when nothing would change)."""
         validated = validate_deployment(deployment, self.max_engines)
         self._check_groups(validated)
-        current = self.deployments.get(validated.name)
+        current = self.home.by_name.get(validated.name)
         if current is None:
             return validated, 1
         same = validated.SerializeToString(deterministic=True) == current[0].SerializeToString(deterministic=True)
         return validated, current[1] if same else current[1] + 1
 
     async def delete(self, name: str = "") -> None:
-        self.named(name, deleting=True)  # refused before it waits its turn; checked again in it
-        await self._in_turn(lambda: self._sliced(None, self.named(name, deleting=True)))
+        self.home.named(name, deleting=True)  # refused before it waits its turn; checked again in it
+        await self._in_turn(lambda: self._sliced(None, self.home.named(name, deleting=True)))
 
     async def apply_on_new_store(self, deployment: C.Deployment) -> tuple[C.Deployment, int] | None:
         """The deferred start-up --deployment (controller/startup_deployment.py), in its turn;
@@ -268,7 +162,7 @@ class DeploymentChanges:
             with self._leaving(plan):
                 await self.state.store.write_change_async(change)
         await run_sliced(self._change_memory(plan))
-        return self.deployments.get(name, (None, plan.revision))
+        return self.home.by_name.get(name, (None, plan.revision))
 
     # ------------------------------------------------------------------ the steps
 
@@ -276,24 +170,24 @@ class DeploymentChanges:
         """What changes in the deployment `validated` names, or `name` (`validated` None: delete
         it; the plan None: nothing to do). The other deployments' instances are not looked at."""
         budget = Budget()
-        name = validated.name if validated is not None else name or self.named(name, deleting=True)
-        current = self.deployments.get(name)
+        name = validated.name if validated is not None else name or self.home.named(name, deleting=True)
+        current = self.home.by_name.get(name)
         if validated is None and current is None:
             # A new store waiting to adopt what the nodes run: a delete ends the wait (revision 1).
             return Plan(LEGACY_DEPLOYMENT, None, 1, ended_adoption=True) if self.adoption.waiting else None
         if validated is None:
             plan = Plan(name, None, current[1])
-            plan.removed = [(i, "deleted with the deployment") for i in self.instances_of(name)]
+            plan.removed = [(i, "deleted with the deployment") for i in self.home.instances_of(name)]
             return plan
         self._check_groups(validated)
         self._check_model_names(validated)
-        records = [self.state.instances[i] for i in self.instances_of(name)]
+        records = [self.state.instances[i] for i in self.home.instances_of(name)]
         layout = yield from plan_layout(validated, records, budget, self.availability.serving)
         if current is not None and (
             validated.SerializeToString(deterministic=True) == current[0].SerializeToString(deterministic=True)
         ):
             return Plan(name, current[0], current[1], kept=layout.kept, same=True)
-        last = current[1] if current else self.deleted_revisions.get(name, 0)
+        last = current[1] if current else self.home.deleted_revisions.get(name, 0)
         plan = Plan(name, validated, last + 1, removed=layout.removed, kept=layout.kept)
         config = engine_config_json(validated)  # one string shared by the new records
         for spec in layout.new:
@@ -320,7 +214,7 @@ class DeploymentChanges:
         deployment's model or adapter, or its model is another deployment's adapter: a router
         sending by model would send one name's requests to engines that serve something else."""
         others: dict[str, str] = {}  # name -> what it is, where
-        for name, (deployment, _) in self.deployments.items():
+        for name, (deployment, _) in self.home.by_name.items():
             if name == validated.name:
                 continue
             others.setdefault(deployment.model, f"the model of deployment {name!r}")
@@ -382,7 +276,7 @@ class DeploymentChanges:
     def _change_memory(self, plan: Plan) -> Steps[None]:
         st, budget = self.state, Budget()
         name = plan.name
-        self.set_deployment(name, plan.deployment, plan.revision)
+        self.home.set_deployment(name, plan.deployment, plan.revision)
 
         # Each slice's writes (paired ids, FAILED retries) go out together when the slice ends.
         def remove(item: tuple[str, str]) -> None:
@@ -405,11 +299,10 @@ class DeploymentChanges:
         yield from in_slices(plan.kept, lambda spec: self._keep(spec, plan.revision), budget, st.batch)
         if plan.same:
             return
-        self.on_applied(name, plan.rollout if plan.deployment is not None else None)
+        self.home.record_change(name, plan.revision, plan.rollout if plan.deployment is not None else None)
         # Not st.event: that would re-read every engine for the endpoint feed, which heard of each
         # instance that went or came already.
         if plan.deployment is None:
-            self.deleted_revisions[name] = plan.revision
             st.events.emit(
                 C.EVENT_TYPE_DEPLOYMENT_CHANGED, f"deployment {name!r} deleted; stopping its engines", deployment=name
             )
@@ -427,7 +320,7 @@ class DeploymentChanges:
         """One step of a rolling update (a few instances), at once: durable first (StoreUnavailable
         leaves everything as it was), then in memory; a withdrawn instance leaves the routers
         before its engines are stopped (they drain)."""
-        deployment, revision = self.deployments[name]
+        deployment, revision = self.home.by_name[name]
         plan = Plan(name, deployment, revision, removed=removed)
         config = self.state.configs[name]
         plan.new = {
@@ -508,8 +401,3 @@ class DeploymentChanges:
                 self.actuator.stop_copy(slot.node_id, slot.engine_id, slot.generation, f"instance {instance_id} {why}")
                 if budget is not None:
                     budget.spawned()
-
-
-def engine_config_json(deployment: C.Deployment) -> str:
-    """A deployment's engine_config as its engines are started with it (the StartEngine config_json)."""
-    return json.dumps(integral_numbers(struct_dict(deployment.engine_config)), sort_keys=True)

@@ -27,7 +27,6 @@ from controller.metrics import ControllerMetrics
 from controller.node_client import NodeCallError
 from controller.nodes import NODE_LOST, NODE_READY, NodeRuntime
 from controller.slots import EngineSlot
-from controller.spares import Spares
 from controller.state import ClusterState
 from controller.store import StoreUnavailable
 from motor.contract import names, pbtime
@@ -67,7 +66,6 @@ class EngineLifecycle:
         # Until then (monotonic), nothing is started unless every known node has reported.
         self.startup_until = state.mono()
         self._restart_timers: dict[str, asyncio.TimerHandle] = {}
-        self.spares = Spares(state, actuator)
 
     def startup_done(self) -> bool:
         if self.state.mono() >= self.startup_until:
@@ -173,7 +171,6 @@ class EngineLifecycle:
         if inst.state == FAILED:
             st.save_slot(slot)
             return
-        self.spares.promote_for(inst, what)  # a READY spare serves in its place now; it restarts as the spare
         if inst.state == RESTARTING:
             # A restart is already pending: this failure belongs to it (ranks that died together,
             # reported one by one, e.g. all at once when the controller comes back). One failure
@@ -417,7 +414,6 @@ class EngineLifecycle:
                     continue
                 if inst.state == RESTARTING:
                     inst.restart_ranks, inst.next_restart_at = (), None
-                self.spares.promote_for(inst, f"its rank(s) were on {where}")
                 st.transition(inst, PENDING, f"rank(s) {','.join(map(str, ranks))} were on {where}")
                 others = [s.dp_rank for s in st.slots_of(instance_id) if s.node_id]
                 if others and (st.policy_of(inst).group_scope or 0 in ranks):

@@ -19,64 +19,59 @@ from __future__ import annotations
 
 import base64
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from controller.deployments import DeploymentChanges
-from controller.endpoints import SERVING_INSTANCE_STATES, EndpointFeed
+from controller.actuator import Actuator
+from controller.availability import Availability
+from controller.deployment_state import COMPLETE, PAUSED, PROGRESSING, Deployments, Rollout
+from controller.endpoints import SERVING_INSTANCE_STATES
 from controller.instances import FAILED, READY, InstanceRecord
 from controller.rollout_plan import UnitGroup, retiring, unit_groups
 from controller.slicing import Budget, Steps, run_at_once
 from controller.state import ClusterState
-from controller.store import StoredState, StoreUnavailable
-from controller.validation import GroupSpecs, strategy_problems
+from controller.store import StoreUnavailable
+from controller.validation import GroupSpecs, InstanceSpec, strategy_problems
 from motor.contract import pbtime
-from motor.contract.names import enum_short_name
 from motor.errors import FailedPrecondition
-from motor.state_machine import Transitions
 from motor.v1 import controller_pb2, types_pb2
 
 logger = logging.getLogger(__name__)
 
 C, T = controller_pb2, types_pb2
-COMPLETE, PROGRESSING, PAUSED = C.ROLLOUT_STATE_COMPLETE, C.ROLLOUT_STATE_PROGRESSING, C.ROLLOUT_STATE_PAUSED
 # Instances one step starts or withdraws at most: a step is written to the store on the loop, and
 # 10,000 idle old instances withdrawn in one step held it 0.7 s. The next pass goes on at once.
 STEP_LIMIT = 64
 
-# COMPLETE: every unit current; PROGRESSING: old units being replaced; PAUSED: by an operator or a
-# failing new unit, until resumed or another spec is applied.
-TRANSITIONS = Transitions.between(
-    {
-        COMPLETE: {PROGRESSING, PAUSED},
-        PROGRESSING: {COMPLETE, PAUSED},
-        PAUSED: {PROGRESSING, COMPLETE},
-    },
-    lambda state: enum_short_name(C.RolloutState, state),
-)
+
+class DeploymentWrites(Protocol):
+    """What a rollout changes through the deployment's changes (controller/deployments.py), durable
+    first like any change."""
+
+    wake: Callable[[], None]
+
+    @property
+    def busy(self) -> bool: ...  # a change is being made: the rollout waits for it
+
+    def step(self, name: str, removed: list[tuple[str, str]], new: list[InstanceSpec]) -> None: ...
+
+    def retry_failed(self, inst: InstanceRecord) -> None: ...
+
+    def apply(self, deployment: C.Deployment) -> Coroutine[Any, Any, tuple[C.Deployment, int]]: ...
 
 
 @dataclass
-class Rollout:
-    """One deployment's rollout. `since` (wall clock): failures of current units before it are
-    forgiven (a resume); `progress_at` (monotonic): the last progress, for the deadline."""
+class Wave:
+    """What one step of a rollout does (its groups' steps fill it in turn) and finds."""
 
-    state: int = COMPLETE
-    reason: str = ""
-    previous: str | None = None  # base64 of the deployment the last change replaced
-    previous_revision: int = 0
-    since: float = 0.0
-    progress_at: float = 0.0
+    specs: GroupSpecs
+    strategy: C.UpdateStrategy
+    stopping: set[tuple[str, str]]  # (group, index) of ids whose engines are still being stopped
+    removed: list[tuple[str, str]] = field(default_factory=list)  # (instance id, why)
+    new: list[InstanceSpec] = field(default_factory=list)
     available_current: int = 0
-    announced: bool = True  # False when loaded: finding it complete then is no news
-
-    def record(self) -> dict:
-        return {
-            "paused": self.state == PAUSED,
-            "reason": self.reason,
-            "previous": self.previous,
-            "previous_revision": self.previous_revision,
-            "since": self.since,
-        }
+    complete: bool = True
 
 
 @dataclass
@@ -88,48 +83,26 @@ class Counts:
 
 
 class Rollouts:
-    def __init__(self, state: ClusterState, changes: DeploymentChanges, endpoints: EndpointFeed):
-        self.state, self.changes, self.endpoints = state, changes, endpoints
-        self.rollouts: dict[str, Rollout] = {}
-        changes.on_applied = self.applied
+    """The rollouts of every deployment: stepped from the reconcile pass, paused, resumed and
+    undone by an operator. Their records live with the deployments (controller/deployment_state.py)."""
 
-    # ------------------------------------------------------------------ records
+    def __init__(
+        self,
+        state: ClusterState,
+        deployments: Deployments,
+        changes: DeploymentWrites,
+        availability: Availability,
+        actuator: Actuator,
+    ):
+        self.state, self.deployments, self.changes = state, deployments, changes
+        self.availability, self.actuator = availability, actuator
 
-    def loaded(self, stored: StoredState) -> None:
-        """After the instances are loaded: each deployment's rollout as the store leaves it."""
-        for name in self.changes.deployments:
-            record = stored.rollouts.get(name, {})
-            rollout = self._from_record(record)
-            rollout.state = PAUSED if record.get("paused") else PROGRESSING  # the next pass says if complete
-            rollout.announced = False
-            self.rollouts[name] = rollout
-
-    def _from_record(self, record: dict) -> Rollout:
-        return Rollout(
-            reason=record.get("reason", ""),
-            previous=record.get("previous"),
-            previous_revision=record.get("previous_revision", 0),
-            since=record.get("since", self.state.wall()),
-            progress_at=self.state.mono(),
-        )
-
-    def applied(self, name: str, record: dict | None) -> None:
-        """A change of the deployment `name` was made (None: deleted): a new rollout, unpaused."""
-        if record is None:
-            self.rollouts.pop(name, None)
-            return
-        rollout = self._from_record(record)
-        old = self.rollouts.get(name)
-        rollout.state = old.state if old is not None else COMPLETE
-        self.rollouts[name] = rollout
-        self._move(name, rollout, PROGRESSING, f"revision {self._revision(name)} applied; rolling out")
+    @property
+    def rollouts(self) -> dict[str, Rollout]:
+        return self.deployments.rollouts
 
     def _move(self, name: str, rollout: Rollout, state: int, reason: str, event: bool = True, **where) -> None:
-        if state != rollout.state:
-            TRANSITIONS.check(f"rollout of {name}", rollout.state, state, reason)
-        rollout.state, rollout.reason = state, reason
-        if event:
-            self.state.events.emit(C.EVENT_TYPE_ROLLOUT, f"rollout of {name!r}: {reason}", deployment=name, **where)
+        self.deployments.move(name, rollout, state, reason, event, **where)
 
     def _save(self, name: str, rollout: Rollout) -> None:
         self.state.store.save_rollout(name, rollout.record())
@@ -137,14 +110,14 @@ class Rollouts:
     # ------------------------------------------------------------------ the operator's calls
 
     def pause(self, name: str) -> None:
-        name = self.changes.named(name)
+        name = self.deployments.named(name)
         rollout = self.rollouts.setdefault(name, Rollout())
         before = rollout.state, rollout.reason
         self._move(name, rollout, PAUSED, "paused by an operator (`motorctl rollout resume` goes on)")
         self._persist_or_undo(name, rollout, before)
 
     def resume(self, name: str) -> None:
-        name = self.changes.named(name)
+        name = self.deployments.named(name)
         rollout = self.rollouts.setdefault(name, Rollout())
         if rollout.state != PAUSED:
             return
@@ -156,7 +129,7 @@ class Rollouts:
         except StoreUnavailable:
             rollout.since = since
             raise
-        hashes = GroupSpecs(self.changes.deployments[name][0]).hashes
+        hashes = GroupSpecs(self.deployments.by_name[name][0]).hashes
         for inst in self._records(name):  # a FAILED new instance gets a new chance
             if inst.state == FAILED and hashes.get(inst.group) == inst.spec_hash:
                 self.changes.retry_failed(inst)
@@ -182,7 +155,7 @@ class Rollouts:
 
     async def undo(self, name: str) -> tuple[C.Deployment, int]:
         """Apply the previous revision's deployment again (a new revision, rolled out alike)."""
-        name = self.changes.named(name)
+        name = self.deployments.named(name)
         rollout = self.rollouts.get(name)
         if rollout is None or rollout.previous is None:
             raise FailedPrecondition(f"name: deployment {name!r} has no previous revision to go back to")
@@ -192,10 +165,10 @@ class Rollouts:
     # ------------------------------------------------------------------ views
 
     def counts(self, name: str) -> Counts:
-        deployment = self.changes.deployments[name][0]
+        deployment = self.deployments.by_name[name][0]
         groups, strays = run_at_once(unit_groups(GroupSpecs(deployment), self._records(name)))
         counts = Counts(old=sum(1 for r in strays if not r.spare))  # of a renamed group
-        counts.available = sum(1 for r in strays if not r.spare and self.changes.availability.serving([r]))
+        counts.available = sum(1 for r in strays if not r.spare and self.availability.serving([r]))
         for ug in groups:
             for k in ug.units:
                 size = len(ug.records(k))
@@ -221,9 +194,9 @@ class Rollouts:
             return
         budget = Budget()
         for name, rollout in list(self.rollouts.items()):
-            if rollout.state != PROGRESSING or name not in self.changes.deployments:
+            if rollout.state != PROGRESSING or name not in self.deployments.by_name:
                 continue
-            deployment = self.changes.deployments[name][0]
+            deployment = self.deployments.by_name[name][0]
             groups, strays = yield from unit_groups(GroupSpecs(deployment), self._records(name), budget)
             if self.changes.busy or self.rollouts.get(name) is not rollout:
                 return  # a change began meanwhile: the next pass reads it
@@ -243,101 +216,143 @@ class Rollouts:
         groups: list[UnitGroup],
         strays: list[InstanceRecord] | None = None,
     ) -> None:
-        strategy = effective(deployment.strategy)
+        """One step, read top-down: a failing new unit pauses it; per group, scale the new units
+        up, clean up the old-spec spares and the renamed group's instances, scale the old units
+        down; then complete, or sync the status (progress, the deadline) and write the wave."""
         failing = self._failing(rollout, groups)
         if failing:
             self._pause_itself(name, rollout, *failing)
             return
-        specs, removed, new, available_current, complete = GroupSpecs(deployment), [], [], 0, True
-        taken_over = retiring(groups, strays or [], specs)
-        # Ids whose engines are still being stopped (a withdrawn or removed instance draining):
-        # a new unit does not take one, or its start would meet the old copy on the node.
-        stopping = {
-            engine_id.split("/")[0].rpartition("-")[::2] for _, engine_id, _ in self.changes.actuator.unfinished
-        }
-        stopping = {(g, i) for g, i in stopping if i.isdigit()}
+        wave = Wave(GroupSpecs(deployment), effective(deployment.strategy), self._stopping())
+        taken_over = retiring(groups, strays or [], wave.specs)
         for place, ug in enumerate(groups):
-            current, old = ug.current(), ug.old()
-            draining = {int(i) for g, i in stopping if g in ug.groups}
-            in_use = {*ug.units, *ug.spares, *draining}
-            available = {k for k in ug.units if self._available(ug, k, strategy)}
-            # Instances of a renamed group: old units of this one, withdrawn while enough serve.
-            renamed = taken_over.get(place, [])
-            renamed_serving = [r for r in renamed if self.changes.availability.serving([r])]
-            if renamed:
-                complete = False
-            available_here = sum(1 for k in current if k in available)
-            available_current += available_here
-            # Complete only when the new revision's count serves: not merely started.
-            if old or len(current) < ug.count or available_here < ug.count:
-                complete = False
-            held = len(ug.units) + len(renamed) // len(ug.groups)
-            starts = min(ug.count + strategy.max_surge - held, ug.count - len(current), STEP_LIMIT - len(new))
-            new.extend(ug.new_specs(specs, max(0, starts), in_use))
-            # Old-spec spares (kept by the change, or an old serving unit a promotion made a spare)
-            # are replaced once the new version serves the whole count: until then the old
-            # version is the proven one a failure should promote.
-            keep_spares, old_spares = ug.spare_layout()
-            if old_spares:
-                complete = False
-            if old_spares and not old and not renamed and available_here >= ug.count:
-                stale = [r for k in old_spares for r in ug.records(k, ug.spares)]
-                removed.extend((r.instance_id, "a spare of an older spec") for r in stale)
-                taken = {*in_use, *(s.index for s in new if s.group == ug.groups[0])}
-                new.extend(ug.new_specs(specs, ug.spare_count - len(keep_spares), taken, spare=True))
-            floor, serving = (
-                ug.count - strategy.max_unavailable,
-                len(available) + len(renamed_serving) // len(ug.groups),
-            )
-            for r in sorted(renamed, key=lambda r: r in renamed_serving):
-                if len(removed) >= STEP_LIMIT:
-                    break
-                if r in renamed_serving or r.state in SERVING_INSTANCE_STATES:
-                    if serving - 1 < floor:
-                        break
-                    serving -= 1 if r in renamed_serving else 0
-                removed.append((r.instance_id, "its group was renamed: replaced by the rollout"))
-
-            def down(k: int, ug: UnitGroup = ug) -> bool:
-                return not all(r.state in SERVING_INSTANCE_STATES for r in ug.records(k))
-
-            # Those plainly down first: they cost nothing. One READY but not listed may be serving
-            # unseen (a restarted controller has not heard from its node yet): it goes only while
-            # enough others are available.
-            for k in sorted(old, key=lambda k: (k in available, not down(k))):
-                if len(removed) >= STEP_LIMIT:
-                    break
-                if k not in available and not down(k) and serving < floor:
-                    continue
-                if k in available:
-                    if serving - 1 < floor:
-                        break
-                    serving -= 1
-                removed.extend((r.instance_id, "replaced by the rollout") for r in ug.records(k))
-        if complete:
+            self._step_group(wave, ug, taken_over.get(place, []))
+        if wave.complete:
             done = f"complete: every instance runs revision {self._revision(name)} and is available"
             self._move(name, rollout, COMPLETE, done, event=rollout.announced)
             return
+        if self._sync_status(name, rollout, wave, groups):
+            return  # paused: no progress within the deadline
+        if wave.removed or wave.new:
+            self._write(name, rollout, wave)
+
+    def _stopping(self) -> set[tuple[str, str]]:
+        """(group, index) of the ids whose engines are still being stopped (a withdrawn or removed
+        instance draining): a new unit does not take one, or its start would meet the old copy."""
+        stopping = {engine_id.split("/")[0].rpartition("-")[::2] for _, engine_id, _ in self.actuator.unfinished}
+        return {(g, i) for g, i in stopping if i.isdigit()}
+
+    def _step_group(self, wave: Wave, ug: UnitGroup, renamed: list[InstanceRecord]) -> None:
+        """One group's part of the wave. `renamed`: instances of a renamed group, old units of
+        this one (withdrawn while enough serve)."""
+        current, old = ug.current(), ug.old()
+        draining = {int(i) for g, i in wave.stopping if g in ug.groups}
+        in_use = {*ug.units, *ug.spares, *draining}
+        available = {k for k in ug.units if self._available(ug, k, wave.strategy)}
+        renamed_serving = [r for r in renamed if self.availability.serving([r])]
+        available_here = sum(1 for k in current if k in available)
+        wave.available_current += available_here
+        # Complete only when the new revision's count serves: not merely started.
+        if renamed or old or len(current) < ug.count or available_here < ug.count:
+            wave.complete = False
+        self._scale_up_new(wave, ug, len(current), len(renamed), in_use)
+        self._clean_up_old_spares(wave, ug, bool(old or renamed), available_here, in_use)
+        serving = len(available) + len(renamed_serving) // len(ug.groups)
+        serving = self._withdraw_renamed(wave, ug, renamed, renamed_serving, serving)
+        self._scale_down_old(wave, ug, old, available, serving)
+
+    def _scale_up_new(self, wave: Wave, ug: UnitGroup, current: int, renamed: int, in_use: set[int]) -> None:
+        """Start new units while the group holds fewer than count + max_surge and fewer than count are current."""
+        held = len(ug.units) + renamed // len(ug.groups)
+        starts = min(ug.count + wave.strategy.max_surge - held, ug.count - current, STEP_LIMIT - len(wave.new))
+        wave.new.extend(ug.new_specs(wave.specs, max(0, starts), in_use))
+
+    def _clean_up_old_spares(
+        self, wave: Wave, ug: UnitGroup, old_serving: bool, available_here: int, in_use: set[int]
+    ) -> None:
+        """Old-spec spares (kept by the change, or an old serving unit a promotion made a spare)
+        are replaced once the new version serves the whole count: until then the old version is
+        the proven one a failure should promote."""
+        keep_spares, old_spares = ug.spare_layout()
+        if old_spares:
+            wave.complete = False
+        if old_spares and not old_serving and available_here >= ug.count:
+            stale = [r for k in old_spares for r in ug.records(k, ug.spares)]
+            wave.removed.extend((r.instance_id, "a spare of an older spec") for r in stale)
+            taken = {*in_use, *(s.index for s in wave.new if s.group == ug.groups[0])}
+            wave.new.extend(ug.new_specs(wave.specs, ug.spare_count - len(keep_spares), taken, spare=True))
+
+    def _withdraw_renamed(
+        self,
+        wave: Wave,
+        ug: UnitGroup,
+        renamed: list[InstanceRecord],
+        renamed_serving: list[InstanceRecord],
+        serving: int,
+    ) -> int:
+        """Withdraw a renamed group's instances (those serving nothing first) while the serving
+        units stay at least count - max_unavailable; the serving count left."""
+        floor = ug.count - wave.strategy.max_unavailable
+        for r in sorted(renamed, key=lambda r: r in renamed_serving):
+            if len(wave.removed) >= STEP_LIMIT:
+                break
+            if r in renamed_serving or r.state in SERVING_INSTANCE_STATES:
+                if serving - 1 < floor:
+                    break
+                serving -= 1 if r in renamed_serving else 0
+            wave.removed.append((r.instance_id, "its group was renamed: replaced by the rollout"))
+        return serving
+
+    def _scale_down_old(self, wave: Wave, ug: UnitGroup, old: list[int], available: set[int], serving: int) -> None:
+        """Withdraw old units while the available ones stay at least count - max_unavailable:
+        those plainly down first (they cost nothing). One READY but not listed may be serving
+        unseen (a restarted controller has not heard from its node yet): it goes only while
+        enough others are available."""
+        floor = ug.count - wave.strategy.max_unavailable
+
+        def down(k: int) -> bool:
+            return not all(r.state in SERVING_INSTANCE_STATES for r in ug.records(k))
+
+        for k in sorted(old, key=lambda k: (k in available, not down(k))):
+            if len(wave.removed) >= STEP_LIMIT:
+                break
+            if k not in available and not down(k) and serving < floor:
+                continue
+            if k in available:
+                if serving - 1 < floor:
+                    break
+                serving -= 1
+            wave.removed.extend((r.instance_id, "replaced by the rollout") for r in ug.records(k))
+
+    def _sync_status(self, name: str, rollout: Rollout, wave: Wave, groups: list[UnitGroup]) -> bool:
+        """Progress (more new units available) resets the deadline; a wave with nothing to do
+        waits for a new unit, or pauses past progress_deadline. True when it paused."""
         rollout.announced = True
-        if available_current > rollout.available_current:
+        if wave.available_current > rollout.available_current:
             rollout.progress_at = self.state.mono()
-        rollout.available_current = available_current
-        deadline = pbtime.seconds(strategy.progress_deadline)
-        waiting = self._first_unavailable(groups, strategy)
-        if not removed and not new and waiting is not None:
+        rollout.available_current = wave.available_current
+        deadline = pbtime.seconds(wave.strategy.progress_deadline)
+        waiting = self._first_unavailable(groups, wave.strategy)
+        if not wave.removed and not wave.new and waiting is not None:
             if self.state.mono() - rollout.progress_at > deadline:
                 self._pause_itself(
                     name, rollout, waiting, f"not available within progress_deadline ({deadline:g}s): {waiting.reason}"
                 )
-                return
+                return True
             rollout.reason = f"waiting for {waiting.instance_id} to be available: {waiting.reason}"
-        if removed or new:
-            rollout.progress_at = self.state.mono()
-            self.changes.step(name, removed, new)
-            steps = (("withdrawn and drained", [i for i, _ in removed]), ("started", [s.instance_id for s in new]))
-            for why, ids in steps:
-                if ids:
-                    self._move(name, rollout, PROGRESSING, f"{', '.join(ids)} {why}")
+        return False
+
+    def _write(self, name: str, rollout: Rollout, wave: Wave) -> None:
+        """The wave's withdrawals and starts, durable first (controller/deployments.py: step)."""
+        rollout.progress_at = self.state.mono()
+        self.changes.step(name, wave.removed, wave.new)
+        steps = (
+            ("withdrawn and drained", [i for i, _ in wave.removed]),
+            ("started", [s.instance_id for s in wave.new]),
+        )
+        for why, ids in steps:
+            if ids:
+                self._move(name, rollout, PROGRESSING, f"{', '.join(ids)} {why}")
 
     def _pause_itself(self, name: str, rollout: Rollout, inst: InstanceRecord, cause: str) -> None:
         self._move(
@@ -354,10 +369,10 @@ class Rollouts:
     # ------------------------------------------------------------------ what a unit is
 
     def _records(self, name: str) -> list[InstanceRecord]:
-        return [self.state.instances[i] for i in self.changes.instances_of(name)]
+        return [self.state.instances[i] for i in self.deployments.instances_of(name)]
 
     def _revision(self, name: str) -> int:
-        return self.changes.deployments[name][1]
+        return self.deployments.by_name[name][1]
 
     def _available(self, ug: UnitGroup, index: int, strategy: C.UpdateStrategy) -> bool:
         """Every instance of the unit there and available (controller/availability.py); a current
@@ -367,7 +382,7 @@ class Rollouts:
         if len(records) != len(ug.groups):
             return False
         settle = pbtime.seconds(strategy.min_ready) if ug.is_current(index) else None
-        return self.changes.availability.available(records, settle)
+        return self.availability.available(records, settle)
 
     def _failing(self, rollout: Rollout, groups: list[UnitGroup]) -> tuple[InstanceRecord, str] | None:
         """The first current instance that failed since the rollout (re)started, and how."""

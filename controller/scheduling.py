@@ -21,6 +21,7 @@ from controller.placement import Fleet, Unplaceable, place_instance
 from controller.rollout import Rollouts
 from controller.slicing import Budget, Steps, run_at_once
 from controller.slots import EngineSlot
+from controller.spares import Spares
 from controller.state import ClusterState
 from controller.store import StoreUnavailable
 from motor.v1 import controller_pb2, types_pb2
@@ -62,15 +63,16 @@ class Scheduler:
         lifecycle: EngineLifecycle,
         metrics: ControllerMetrics,
         loop: ControllerLoop,
+        spares: Spares,
+        rollouts: Rollouts,
     ):
         self.state, self.config, self.lifecycle, self.metrics, self.loop = state, config, lifecycle, metrics, loop
+        self.spares, self.rollouts = spares, rollouts  # rollouts: a step of each ends every pass
         # Instances whose move the rate limit holds back now (counted once per hold-back).
         self._held_back: set[str] = set()
         self.reschedule_bucket = TokenBucket(config.reschedule_rate, state.mono)
         self.fleet_view = FleetView(state)
         self.launches_open = 0  # launch tasks spawned and not finished (at most LAUNCHES_OPEN)
-        self.rollouts: Rollouts | None = None  # the rolling updates, stepped at the end of each pass
-        self.spares = lifecycle.spares
         self._serving_waits = False
         self._spares_to_preempt = True
 
@@ -139,8 +141,7 @@ class Scheduler:
                     budget.spawned()
             if not waiting:
                 st.attention.discard(instance_id)
-        if self.rollouts is not None:
-            yield from self.rollouts.steps()
+        yield from self.rollouts.steps()
 
     @staticmethod
     def _would_fit(inst: InstanceRecord, spare_rank: EngineSlot, fleet: Fleet) -> bool:

@@ -1,20 +1,29 @@
-"""Warm spares: every rule about them, in one place.
+"""Warm spares: promotion and room for serving instances. The other spare rules live with their
+concern, each in one place: a change plans spare units apart from the serving ones and keeps the
+old-spec ones under rolling (controller/rollout_plan.py: plan_layout, UnitGroup.spare_layout); a
+rollout replaces the old-spec ones once the new version serves the whole count
+(controller/rollout.py); spares are placed after the serving instances (ClusterState.placement_order)
+and never routed (endpoints.can_serve).
 
 A group with `spares: N` has count serving instances and N more that carry the spare flag
-(InstanceRecord.spare), each "<group>-<index>" (a change plans them as units apart from the
-serving ones: controller/rollout_plan.py). A spare is placed and started like any
-instance, after the serving ones (ClusterState.placement_order) and on a node that holds no
-serving instance of its group where one has room, and is never routed (endpoints.can_serve).
+(InstanceRecord.spare), each "<group>-<index>". A spare is placed and started like any instance,
+on a node that holds no serving instance of its group where one has room (`avoid`).
 
 - Promotion: when a serving instance fails (its engine died, was killed after abnormal
   heartbeats, or its node was lost) or merely stops serving (READY -> DEGRADED: an engine
   ABNORMAL, e.g. dead while the node manager still kills its tree) and a spare of its group is
   READY, the two swap flags in one store transaction: the spare is routed at once, the other
-  goes on as the new spare (restarting if it failed).
+  goes on as the new spare (restarting if it failed). One trigger: every instance state change
+  (ClusterState.transition -> `state_changed`), where the failure paths record what happened.
   Ids and counts never change, so a controller restart reads back exactly who serves.
 - A P/D pair (a prefill instance and its decode partner) is promoted whole: the READY spare pair
   takes the place of the pair whose member failed, and the failed pair becomes the spare pair.
   A data-parallel instance is one instance: its ranks are promoted together.
+- Only a proven spare is promoted: every member runs the spec of the instance it replaces (what
+  a restart would start anyway) or a spec an instance of its group serves on now without a recent
+  failure. A spare of a version that serves nowhere (a paused bad version's new instance that a
+  promotion turned into a spare, READY between its crashes) is never promoted: it waits as a
+  spare until a change replaces it.
 - A spare that fails restarts as a spare: nothing serving is touched.
 - Spares never hold accelerators a serving instance waits for: no spare is placed while a
   serving instance cannot be, and such an instance preempts a placed spare (its engines stop,
@@ -27,6 +36,7 @@ import logging
 from collections.abc import Callable, Iterator
 
 from controller.actuator import Actuator
+from controller.availability import Availability
 from controller.instances import DEGRADED, FAILED, PENDING, READY, RESTARTING, InstanceRecord, state_name
 from controller.slots import EngineSlot
 from controller.state import ClusterState
@@ -35,13 +45,15 @@ from motor.v1 import controller_pb2, types_pb2
 logger = logging.getLogger(__name__)
 
 C, T = controller_pb2, types_pb2
+# What a serving instance enters when it goes down (a failure decided, its node lost).
+GONE_DOWN = (RESTARTING, FAILED, PENDING)
 
 
 class Spares:
     """The spare rules over the shared state (keeps nothing of its own)."""
 
-    def __init__(self, state: ClusterState, actuator: Actuator):
-        self.state, self.actuator = state, actuator
+    def __init__(self, state: ClusterState, actuator: Actuator, availability: Availability):
+        self.state, self.actuator, self.availability = state, actuator, availability
 
     # ------------------------------------------------------------------ reading
 
@@ -59,30 +71,51 @@ class Spares:
     def ready(self, unit: list[InstanceRecord]) -> bool:
         return all(i.spare and i.state == READY for i in unit)
 
-    def ready_spare(self, group: str) -> list[InstanceRecord] | None:
-        """A READY spare unit of the group (lowest index first), or None."""
+    def ready_spare(self, group: str, replacing: list[InstanceRecord] = ()) -> list[InstanceRecord] | None:
+        """A READY and proven spare unit of the group (lowest index first) to serve in place of
+        `replacing` (nothing: as added capacity), or None."""
         if not self.state.group_sizes.get(group, (0, 0))[1]:
             return None
         for inst in self.members(group):
             if inst.spare and inst.state == READY:
                 unit = self.unit(inst)
-                if self.ready(unit):
+                if self.ready(unit) and self.proven(unit, replacing):
                     return unit
         return None
+
+    def proven(self, unit: list[InstanceRecord], replacing: list[InstanceRecord] = ()) -> bool:
+        """Every member runs the spec of the instance of its group it replaces (a restart would
+        start that spec anyway), or a spec that serves now: a spare of a version that serves
+        nowhere (a paused bad version's) is not what a failure should bring into service."""
+        for member in unit:
+            if any(r.group == member.group and r.spec_hash == member.spec_hash for r in replacing):
+                continue
+            if not any(self._serves_on(other, member.spec_hash) for other in self.members(member.group)):
+                return False
+        return True
+
+    def _serves_on(self, inst: InstanceRecord, spec_hash: str) -> bool:
+        """A serving instance on `spec_hash`, listed to the routers now (controller/availability.py:
+        serving) and without a failure in its restart policy's window (a crashing version is READY
+        between its crashes)."""
+        if inst.spare or inst.spec_hash != spec_hash or not self.availability.serving([inst]):
+            return False
+        now, window = self.state.wall(), self.state.policy_of(inst).failure_window
+        return not any(now - t < window for t in inst.failure_times)
 
     # ------------------------------------------------------------------ promotion
 
     def promote_for(self, failed: InstanceRecord, why: str) -> bool:
         """A serving instance failed: a READY spare of its group takes its place (one store
-        transaction for the swap). True when one did; the caller restarts `failed` as usual,
+        transaction for the swap). True when one did; `failed` goes on as usual (its restart),
         now as a spare."""
         if failed.spare:
             return False  # a spare restarts as a spare
-        spare = self.ready_spare(failed.group)
+        retired = self.unit(failed)
+        spare = self.ready_spare(failed.group, retired)
         if spare is None:
             return False
         st = self.state
-        retired = self.unit(failed)
         with st.batch():
             self._flag(spare, False)
             self._flag(retired, True)
@@ -115,11 +148,13 @@ class Spares:
         return spare
 
     def state_changed(self, inst: InstanceRecord, old: int) -> None:
-        """A serving instance that stops serving (READY -> DEGRADED: an engine ABNORMAL, or dead and
-        its tree still being killed; or anything else) is replaced by a READY spare at once: it
-        goes on as the spare (it serves again, or fails and restarts, out of the routers). A spare
-        that becomes READY takes the place of a serving instance that is down."""
-        if not inst.spare and old == READY and inst.state != READY:
+        """The one trigger of a promotion (ClusterState.transition calls it on every state change).
+        A serving instance that stops serving (READY -> DEGRADED: an engine ABNORMAL, or dead and
+        its tree still being killed) or goes down (its engine failed: RESTARTING or FAILED; its
+        node lost: PENDING) is replaced by a READY spare at once: it goes on as the spare (it
+        serves again, or restarts, out of the routers). A spare that becomes READY takes the place
+        of a serving instance that is down."""
+        if not inst.spare and old != FAILED and (old == READY or inst.state in GONE_DOWN):
             self.promote_for(inst, f"it is {state_name(inst.state)}: {inst.reason}")
         elif inst.spare and inst.state == READY:
             self._became_ready(inst)

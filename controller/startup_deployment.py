@@ -50,7 +50,7 @@ class StartupDeployment:
         controller = self.controller
         if not controller.adoption.waiting:
             # Deployments are named: the file is held against the one of its name.
-            stored, revision = controller.changes.deployments.get(self.wanted.name, (None, 0))
+            stored, revision = controller.deployments.by_name.get(self.wanted.name, (None, 0))
             held = (
                 f"no deployment named {self.wanted.name} (deleted, or never applied)"
                 if stored is None

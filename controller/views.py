@@ -158,7 +158,7 @@ class ClusterReads:
         for inst in self.instances.values():
             counts[self.state.deployment_of(inst)][(inst.spare, inst.state)] += 1
         summaries = []
-        for name, (deployment, revision) in sorted(self.changes.deployments.items()):
+        for name, (deployment, revision) in sorted(self.deployments.by_name.items()):
             mine = counts[name]
             rollout, (rollout_state, rollout_reason) = self.rollouts.counts(name), self.rollouts.status(name)
             summaries.append(

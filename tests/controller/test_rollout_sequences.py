@@ -24,6 +24,7 @@ class Cluster:
 
     def __init__(self, h: Harness):
         self.h, self.bad = h, set()
+        self.crashing: set[str] = set()  # instances whose engines crash in every pass, whatever their spec
 
     def crash_on_start(self) -> None:
         """The deployment as applied last (validated: defaults filled in) does not load."""
@@ -41,7 +42,7 @@ class Cluster:
             await asyncio.sleep(0.02)
             self.h.client.set_health("node-a")
             for inst in list(ctl.instances.values()):
-                if inst.spec_hash in self.bad:
+                if inst.spec_hash in self.bad or inst.instance_id in self.crashing:
                     self.crash(inst.instance_id)
             self.h.beat("node-a")
             await asyncio.sleep(0.02)
@@ -245,12 +246,13 @@ async def test_renaming_a_group_under_rolling_keeps_the_old_group_serving_until_
         await h.stop()
 
 
-async def test_with_spares_a_paused_bad_version_never_serves_and_the_ready_old_spare_is_kept(tmp_path):
-    def with_spare(latency: int) -> C.Deployment:
-        deployment = union(2, latency=latency)
-        deployment.instance_groups[0].spares = 1
-        return deployment
+def with_spare(latency: int) -> C.Deployment:
+    deployment = union(2, latency=latency)
+    deployment.instance_groups[0].spares = 1
+    return deployment
 
+
+async def test_with_spares_a_paused_bad_version_never_serves_and_the_ready_old_spare_is_kept(tmp_path):
     c = await cluster(tmp_path, with_spare(10))
     h, ctl = c.h, c.h.controller
     try:
@@ -335,5 +337,50 @@ async def test_an_old_instance_that_fails_while_a_bad_version_is_paused_restarts
         await c.serve(3)
         assert len(h.client.starts("u-1/rank0")) > starts, "u-1 not restarted"
         assert restarted_with("u-1") == {"latency_ms": 10}
+    finally:
+        await h.stop()
+
+
+async def test_a_spare_of_a_paused_bad_version_is_never_promoted_even_while_it_is_ready(tmp_path):
+    """A bad version's new instance that a promotion turned into a spare is READY between its
+    crashes: a serving instance that fails then (or is down when the bad spare comes up) is not
+    replaced by it; the good version's instance restarts and serves again."""
+    c = await cluster(tmp_path, with_spare(10))
+    h, ctl = c.h, c.h.controller
+    try:
+        ctl.apply_deployment(with_spare(30))  # a version whose engines crash after start
+        c.crash_on_start()
+        for _ in range(10):
+            await c.serve(1)
+            if summary(h).rollout_state == C.ROLLOUT_STATE_PAUSED:
+                break
+        assert summary(h).rollout_state == C.ROLLOUT_STATE_PAUSED
+        bad = [i for i, inst in ctl.instances.items() if inst.revision == 2]
+        assert len(bad) == 1 and ctl.instances[bad[0]].spare, "the bad new instance is not the spare"
+        bad_spare = bad[0]
+        c.bad.clear()  # between two crashes the bad spare is up
+        await c.serve(3)
+        assert ctl.instances[bad_spare].state == READY and ctl.instances[bad_spare].spare
+        good = sorted(c.serving())
+        c.crash(good[0])  # a serving engine of the good version dies while the bad spare is READY
+        h.beat("node-a")
+        await asyncio.sleep(0.05)
+        assert bad_spare not in c.serving() and ctl.instances[bad_spare].spare, "the paused bad version serves"
+        await c.serve(4)
+        assert c.serving() == set(good), "the good instance did not come back"
+        # The other order: a serving instance is down when the bad spare becomes READY.
+        c.crash_on_start()
+        c.crashing.add(good[1])
+        await c.serve(2)
+        c.bad.clear()
+        deadline = ctl.mono() + 30
+        ready_while_down, after = False, 0
+        while after < 3:  # restarts back off (1 s, 2 s): passes until the bad spare is up, and then some
+            await c.serve(1)
+            assert bad_spare not in c.serving(), "the paused bad version serves"
+            ready_while_down |= ctl.instances[bad_spare].state == READY and ctl.instances[good[1]].state != READY
+            after += ready_while_down
+            assert ctl.mono() < deadline, "the bad spare never READY while a serving instance was down"
+        assert ctl.instances[bad_spare].spare
     finally:
         await h.stop()
