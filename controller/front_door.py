@@ -33,6 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from controller.events import EventBus
 from motor.clock import SYSTEM_CLOCK, Clock
 from motor.errors import InvalidArgument
+from motor.service.scraped import ScrapedCollector
 from motor.v1 import controller_pb2
 
 logger = logging.getLogger(__name__)
@@ -189,14 +190,11 @@ class FrontDoors:
         return self._holds_of(door.workers, door.answering)
 
 
-class FrontDoorCollector:
+class FrontDoorCollector(ScrapedCollector):
     """The `motor_front_door_*` series, read from `FrontDoors` at scrape time (one per router)."""
 
     def __init__(self, doors: FrontDoors):
         self.doors = doors
-
-    def describe(self):
-        return []
 
     def collect(self):
         up = GaugeMetricFamily(

@@ -13,13 +13,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from motor.contract.names import enum_short_name
+from motor.service.scraped import ScrapedCollector
 from motor.v1 import controller_pb2
 
 # Returns {state enum value: how many}; states it leaves out are reported as 0.
 StateCounts = Callable[[], dict[int, int]]
 
 
-class _StateCollector:
+class _StateCollector(ScrapedCollector):
     def __init__(self, node_counts: StateCounts, instance_counts: StateCounts):
         self.gauges = [
             (
@@ -38,9 +39,6 @@ class _StateCollector:
             ),
         ]
 
-    def describe(self):
-        return []
-
     def collect(self):
         for name, help_text, enum_type, read in self.gauges:
             family = GaugeMetricFamily(name, help_text, labels=["state"])
@@ -51,15 +49,12 @@ class _StateCollector:
             yield family
 
 
-class _RevisionCollector:
+class _RevisionCollector(ScrapedCollector):
     """Instances per deployment and revision: during a rollout the old revision's count falls as
     the new one's rises; a count left on an old revision is a rollout paused or stuck."""
 
     def __init__(self, revision_counts: Callable[[], dict[tuple[str, int], int]]):
         self.read = revision_counts
-
-    def describe(self):
-        return []
 
     def collect(self):
         family = GaugeMetricFamily(

@@ -71,20 +71,33 @@ def probe_request(role: str, now: float | None = None) -> tuple[dict[str, Any], 
     return body, {"X-Request-Id": probe_request_id(stamp)}
 
 
-class HttpProbeClient:
+class _HttpClient:
+    """One HTTP session per client, opened by its first request and closed by close()."""
+
+    _session: aiohttp.ClientSession | None = None
+
+    def session(self, timeout: aiohttp.ClientTimeout | None = None) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=timeout) if timeout else aiohttp.ClientSession()
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class HttpProbeClient(_HttpClient):
     """POST /v1/completions on the inference plane."""
 
     def __init__(self, base_url: str, role: str, timeout: float):
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.role, self.timeout = role, timeout
-        self._session: aiohttp.ClientSession | None = None
 
     async def probe(self) -> None:
-        if self._session is None:
-            self._session = aiohttp.ClientSession()
         body, headers = probe_request(self.role)
         try:
-            async with self._session.post(
+            async with self.session().post(
                 self.url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=self.timeout)
             ) as response:
                 text = await response.text()
@@ -101,41 +114,28 @@ class HttpProbeClient:
         except aiohttp.ClientError as exc:
             raise ProbeFailed(f"{type(exc).__name__}: {exc}") from None
 
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
 
 class HealthClient(Protocol):
     async def check(self) -> None:
         """GET /health once; raise ProbeFailed saying what went wrong."""
 
 
-class HttpHealthClient:
+class HttpHealthClient(_HttpClient):
     """GET /health on the inference plane, each try bounded by `timeout` (health_collector_timeout)."""
 
     def __init__(self, base_url: str, timeout: float):
         self.url = base_url.rstrip("/") + "/health"
         self.timeout = timeout
-        self._session: aiohttp.ClientSession | None = None
 
     async def check(self) -> None:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
         try:
-            async with self._session.get(self.url) as response:
+            async with self.session(aiohttp.ClientTimeout(total=self.timeout)).get(self.url) as response:
                 if response.status != 200:
                     raise ProbeFailed(f"GET /health answered {response.status}")
         except TimeoutError:
             raise ProbeFailed(f"GET /health timed out after {self.timeout:g}s") from None
         except aiohttp.ClientError as exc:
             raise ProbeFailed(f"GET /health failed: {type(exc).__name__}") from None
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
 
 class PeakSampler:

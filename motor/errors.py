@@ -23,26 +23,38 @@ class MotorError(Exception):
 
 
 class InvalidArgument(MotorError):
+    """The request itself is wrong (a field, a name, a value out of range): fix it and send it again."""
+
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class NotFound(MotorError):
+    """What the request names (a deployment, node, engine, instance) does not exist."""
+
     code = grpc.StatusCode.NOT_FOUND
 
 
 class AlreadyExists(MotorError):
+    """What the request would create exists already, in another form (an engine id running another spec)."""
+
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
 class FailedPrecondition(MotorError):
+    """Valid, but not now or not here: the state of what it names refuses it (e.g. sleep on a CPU build)."""
+
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class Unavailable(MotorError):
+    """Cannot be done for the moment (not registered yet, leadership lost, no etcd quorum): retry."""
+
     code = grpc.StatusCode.UNAVAILABLE
 
 
 class ResourceExhausted(MotorError):
+    """A limit is reached (engines per node, a heartbeat rate, a subscriber's queue); the message names it."""
+
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 

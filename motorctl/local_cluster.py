@@ -85,7 +85,7 @@ class LocalCluster:
     ha: bool = False
     controllers: int = 2
     etcd_members: int = 1
-    # Node ids are <prefix>-a, <prefix>-b, ...: clusters sharing one host (tests) use different ones.
+    # Node ids are <prefix>-a, <prefix>-b, ...: clusters sharing one host use different ones.
     node_id_prefix: str = "node"
     etcd: EtcdCluster | None = None
     controller_ports: list[int] = field(default_factory=list)

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from motor.contract.names import enum_short_name
+from motor.service.scraped import ScrapedCollector
 from motor.v1 import types_pb2
 
 STATES = [types_pb2.EngineState.Name(v).removeprefix("ENGINE_STATE_").lower() for v in (1, 2, 3, 4, 5)]
@@ -102,15 +103,12 @@ class Metrics:
 HEALTH_STATES = [(v, enum_short_name(types_pb2.HealthStatus, v).lower()) for v in types_pb2.HealthStatus.values() if v]
 
 
-class _EngineHealth:
+class _EngineHealth(ScrapedCollector):
     """One-hot health of each engine this node manager runs (kube-state-metrics' style: `== 1`
     selects, `for:` works). Engines that ended (stopped, failed) have no line."""
 
     def __init__(self, node: str, engines: Callable[[], Iterable]):
         self.node, self.engines = node, engines
-
-    def describe(self):
-        return []
 
     def collect(self):
         family = GaugeMetricFamily(

@@ -85,7 +85,6 @@ class RouterSync:
         self.have_snapshot = False  # before Motor's first list the router's list is left alone
         self.router_down = RepeatedFailure(backoff_base, backoff_cap)
         self.wake = asyncio.Event()
-        self.passes = 0  # completed passes (tests wait on it)
         self.relisted_at = time.monotonic()  # when the router's list was last read in full
         # What the router held at the end of the last pass (None: never read), and a flag set
         # whenever that or the router's health changed: what the controller is told (report.py).
@@ -214,7 +213,6 @@ class RouterSync:
                 f"its whole worker list: {len(believed)} worker(s), removed {removed or 'none'}, "
                 f"added {added or 'none'}"
             )
-        self.passes += 1
 
     async def _add(self, url: str) -> None:
         worker = self.wanted.get(url, (None, None))

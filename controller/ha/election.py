@@ -29,7 +29,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,22 +188,39 @@ class LeaderElection:
     # --- the loop: one session (a lease kept alive) at a time ---------------------------------
 
     async def _run(self) -> None:
-        # A session that fails is tried again after renew_period, doubling up to the TTL (a
-        # standby retries at most a TTL after etcd is back); told at the 1st, 10th, 100th... failure.
+        async def session() -> bool:
+            if self._stopping:
+                return True
+            await self._session()
+            return False
+
+        # Keep campaigning whatever one session hit.
+        await self._retried(session, "for the election", "election session failed", any_error=True)
+
+    async def _retried(
+        self, attempt: Callable[[], Awaitable[bool]], during: str, failed: str = "", any_error: bool = False
+    ) -> None:
+        """`attempt()` again and again until it returns True. One that fails is tried again after
+        renew_period, doubling up to the TTL (a standby retries at most a TTL after etcd is back);
+        told at the 1st, 10th, 100th... failure. Only etcd being unavailable is retried, unless
+        `any_error` (then told as `failed`, with the traceback)."""
         failures = RepeatedFailure(self.renew_period, self.ttl)
-        while not self._stopping:
+        while True:
             try:
-                await self._session()
+                if await attempt():
+                    return
                 failures.recovered()
             except asyncio.CancelledError:
                 raise
             except UNAVAILABLE_ERRORS as exc:
                 if failures.failed(exc):
-                    logger.info("etcd unavailable for the election (%d time(s) in a row): %s", failures.count, exc)
+                    logger.info("etcd unavailable %s (%d time(s) in a row): %s", during, failures.count, exc)
                 await asyncio.sleep(failures.delay())
-            except Exception:  # keep campaigning whatever one session hit
+            except Exception:
+                if not any_error:
+                    raise
                 if failures.failed():
-                    logger.exception("election session failed (%d time(s) in a row)", failures.count)
+                    logger.exception("%s (%d time(s) in a row)", failed, failures.count)
                 await asyncio.sleep(failures.delay())
 
     async def _session(self) -> None:
@@ -254,21 +271,15 @@ class LeaderElection:
             self._valid_until = sent + self.renew_deadline
 
     async def _campaign_loop(self) -> None:
-        failures = RepeatedFailure(self.renew_period, self.ttl)  # as in _run
-        while True:
-            try:
-                if self.role is Role.LEADER:
-                    await self._over.wait()
-                    return
-                if not await self._campaign():
-                    await self._wait_for_vacancy()
-                failures.recovered()
-            except asyncio.CancelledError:
-                raise
-            except UNAVAILABLE_ERRORS as exc:
-                if failures.failed(exc):
-                    logger.info("etcd unavailable during the campaign (%d time(s) in a row): %s", failures.count, exc)
-                await asyncio.sleep(failures.delay())
+        async def campaign() -> bool:
+            if self.role is Role.LEADER:
+                await self._over.wait()
+                return True
+            if not await self._campaign():
+                await self._wait_for_vacancy()
+            return False
+
+        await self._retried(campaign, "during the campaign")
 
     async def _campaign(self) -> bool:
         current = await self.client.get(self.leader_key)

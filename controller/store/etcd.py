@@ -94,10 +94,10 @@ class _Mirror:
 
 
 class EtcdStore(Store):
-    def __init__(self, client: aetcd.Client, prefix: str, fence: Callable[[], list[Any]] | None = None):
+    def __init__(self, client: aetcd.Client, prefix: str, fence: Callable[[], list[Any]]):
         self.client = client
         self.root = f"{prefix}/state/"
-        self.fence = fence  # None: unguarded writes (tests of the store alone)
+        self.fence = fence  # the compares every write carries (the election's: this controller leads)
         self.revision = 0  # etcd revision the mirror reflects (standby) or was loaded at
         self.fenced: str | None = None  # why writes stopped, once a guard failed
         self._mirror = _Mirror()
@@ -365,7 +365,7 @@ class EtcdStore(Store):
         ):
             with attempt:
                 try:
-                    guard = self.fence() if self.fence else []
+                    guard = self.fence()
                 except Exception as exc:  # NotLeader: the election says we stopped leading
                     raise Fenced(str(exc)) from exc
                 succeeded, _ = await self.client.transaction(compare=guard, success=ops, failure=[])

@@ -19,6 +19,8 @@ Faults (engine_args.faults in the user_config, or at run time):
   latency_ms      every completion takes this long (generating: progress every 50 ms)
   utilization     the simulated accelerator utilization (percent) the engine server samples
 
+The answers themselves (text, completions, server-sent events, error bodies) are sim_answers.py.
+
 Prefill/decode: a request with `kv_transfer_params` is one leg of a disaggregating router's flow
 (sim_pd.py): the prefill leg answers where its KV cache is, the decode leg skips the prefill.
 
@@ -30,8 +32,6 @@ engine server's patch does for vLLM.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import time
 from typing import Any
@@ -43,18 +43,26 @@ from pydantic import ValidationError
 from engine_server import metrics as server_metrics
 from engine_server.engines import sim_pd
 from engine_server.engines.admission import (
-    UNAVAILABLE_HEADERS,
     Admission,
     HeldRequest,
     failed_back_first,
     is_inference_request,
-    unavailable_body,
 )
 from engine_server.engines.base import (
     EngineBackend,
     EngineOptions,
     UtilizationSampler,
     is_probe_request_id,
+)
+from engine_server.engines.sim_answers import (
+    completion,
+    count_tokens,
+    deterministic_text,
+    error,
+    json_body,
+    model_not_found,
+    stream,
+    unavailable,
 )
 from engine_server.engines.sim_capacity import SimCapacity
 from engine_server.engines.sim_lora import SimLoras
@@ -67,11 +75,6 @@ SIM_STEP_S = 0.05
 HELD = web.RequestKey(
     "held", HeldRequest
 )  # the client request's place in the admission (admission.py)  # one simulated scheduler step of a prefill
-
-WORDS = (
-    "motor sim engine token answer fast cache prefill decode quiet river stone light model "
-    "graph cloud field north amber signal"
-).split()
 
 # Like vLLM's counters: real requests only (probes excluded).
 SIM_REQUESTS = Counter("sim:request_success", "Completed simulated requests (probes excluded).", ["model"])
@@ -113,16 +116,6 @@ VLLM_SUCCESS = Counter("vllm:request_success", "Count of successfully processed 
                        [*VLLM_LABELS, "finished_reason"])  # fmt: skip
 VLLM_PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", VLLM_LABELS)
 VLLM_GENERATION_TOKENS = Counter("vllm:generation_tokens", "Number of generation tokens processed.", VLLM_LABELS)
-
-
-def deterministic_text(prompt: str, tokens: int) -> str:
-    """The same prompt always gives the same answer."""
-    digest = hashlib.sha256(prompt.encode()).digest()
-    return " ".join(WORDS[digest[i % len(digest)] % len(WORDS)] for i in range(tokens))
-
-
-def count_tokens(text: str) -> int:
-    return max(1, len(text.split()))
 
 
 class _SimSampler(UtilizationSampler):
@@ -260,14 +253,14 @@ class SimEngine(EngineBackend):
         try:
             change = await request.json()
         except ValueError:
-            return _error(400, 'body must be a JSON object of faults, e.g. {"fail_inference": true}')
+            return error(400, 'body must be a JSON object of faults, e.g. {"fail_inference": true}')
         if not isinstance(change, dict):
-            return _error(400, 'body must be a JSON object of faults, e.g. {"fail_inference": true}')
+            return error(400, 'body must be a JSON object of faults, e.g. {"fail_inference": true}')
         try:
             SimFaults.model_validate(change)  # names the bad key before anything changes
             self.faults = SimFaults.model_validate({**self.faults.model_dump(), **change})
         except ValidationError as exc:
-            return _error(400, describe_validation_error(exc, "faults"))
+            return error(400, describe_validation_error(exc, "faults"))
         logger.warning("sim faults changed: %s -> %s", change, self.faults.model_dump())
         self._apply_faults()
         return web.json_response(self.faults.model_dump())
@@ -285,7 +278,7 @@ class SimEngine(EngineBackend):
     async def _health(self, request: web.Request) -> web.Response:
         await self._unhang.wait()
         if self._loading():
-            return _error(503, "loading the model")
+            return error(503, "loading the model")
         return web.json_response({"status": "ok"})
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -304,40 +297,40 @@ class SimEngine(EngineBackend):
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        body, problem = await _json_body(request)
+        body, problem = await json_body(request)
         if problem:
             return problem
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
             prompt = "\n".join(prompt)
         if not isinstance(prompt, str):
-            return _error(400, "prompt: must be a string or a list of strings")
+            return error(400, "prompt: must be a string or a list of strings")
         return await self._serve(request, body, prompt, chat=False)
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body, problem = await _json_body(request)
+        body, problem = await json_body(request)
         if problem:
             return problem
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            return _error(400, 'messages: must be a non-empty list of {"role", "content"} objects')
+            return error(400, 'messages: must be a non-empty list of {"role", "content"} objects')
         prompt = "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in messages)
         return await self._serve(request, body, prompt, chat=True)
 
     async def _serve(self, request: web.Request, body: dict[str, Any], prompt: str, chat: bool) -> web.StreamResponse:
         max_tokens = body.get("max_tokens", body.get("max_completion_tokens", self.args.max_tokens_default))
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            return _error(400, "max_tokens: must be a positive integer")
+            return error(400, "max_tokens: must be a positive integer")
         request_id = request.headers.get("X-Request-Id") or f"sim-{time.time_ns()}"
         probe = is_probe_request_id(request_id)
         if self._loading():  # as vLLM's API server before its engine is up: nothing is served yet
             return self._failed(probe, 503, "loading the model")
         model = body.get("model") or self.args.model
         if model != self.args.model and model not in self.loras.loaded:  # as vLLM: only what it serves
-            return _model_not_found(model, self.args.model)
+            return model_not_found(model, self.args.model)
         leg = sim_pd.leg(body)
         if leg == sim_pd.DECODE_LEG and (problem := sim_pd.missing_handoff(body)):
-            return _error(400, problem)
+            return error(400, problem)
         arrived = time.monotonic()
         vllm = self._vllm_labels()
         if not probe:
@@ -383,20 +376,8 @@ class SimEngine(EngineBackend):
                 held = request.get(HELD)
                 if held is not None and not held.start_sending():
                     raise asyncio.CancelledError  # failed back meanwhile: its 503 is being sent
-                return await _stream(request, answer_id, model, text, chat, usage)
-            choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            answer = {
-                "id": answer_id,
-                "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()),
-                "model": model,
-                "choices": [choice],
-                "usage": usage,
-            }
+                return await stream(request, answer_id, model, text, chat, usage)
+            answer = completion(answer_id, model, text, chat, usage)
             if leg == sim_pd.PREFILL_LEG:
                 engine_id = f"{self.options.instance_id}/rank{self.options.dp_rank}"
                 answer["kv_transfer_params"] = sim_pd.handoff(
@@ -459,7 +440,7 @@ class SimEngine(EngineBackend):
         probe = is_probe_request_id(request.headers.get("X-Request-Id"))
         refusal = self.admission.refusal(probe)
         if refusal is not None:
-            return _unavailable(refusal)
+            return unavailable(refusal)
         if probe:
             return await handler(request)
         failed_back: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -469,65 +450,11 @@ class SimEngine(EngineBackend):
         work = asyncio.ensure_future(handler(request))
         if not await failed_back_first(work, held, failed_back):
             return work.result()
-        return _unavailable(failed_back.result())
+        return unavailable(failed_back.result())
 
     def _failed(self, probe: bool, status: int, message: str) -> web.Response:
         if not probe:
             SIM_FAILED.labels(self.args.model).inc()
             if status >= 500 and status != 503:
                 self._server_errors += 1
-        return _error(status, message)
-
-
-def _model_not_found(model: str, served: str) -> web.Response:
-    """vLLM's answer to a request for a model it does not serve (entrypoints/serve/engine/serving.py)."""
-    message = f"The model `{model}` does not exist. Valid aliases: {served}."
-    return web.json_response(
-        {"error": {"message": message, "type": "NotFoundError", "param": "model", "code": 404}}, status=404
-    )
-
-
-def _unavailable(message: str) -> web.Response:
-    return web.Response(status=503, body=unavailable_body(message), headers=UNAVAILABLE_HEADERS)
-
-
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "code": status}}, status=status)
-
-
-async def _json_body(request: web.Request) -> tuple[dict[str, Any], web.Response | None]:
-    try:
-        body = await request.json()
-    except ValueError:
-        return {}, _error(400, "the body must be a JSON object")
-    if not isinstance(body, dict):
-        return {}, _error(400, "the body must be a JSON object")
-    return body, None
-
-
-async def _stream(
-    request: web.Request, answer_id: str, model: str, text: str, chat: bool, usage: dict[str, int]
-) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    words = text.split(" ")
-    for index, word in enumerate(words):
-        piece = word if index == 0 else " " + word
-        last = index == len(words) - 1
-        if chat:
-            choice = {"index": 0, "delta": {"content": piece}, "finish_reason": "length" if last else None}
-        else:
-            choice = {"index": 0, "text": piece, "finish_reason": "length" if last else None}
-        chunk = {
-            "id": answer_id,
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": [choice],
-        }
-        if last:
-            chunk["usage"] = usage
-        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
+        return error(status, message)

@@ -13,10 +13,8 @@ requests are refused from the start of a drain and failed back while the engine 
 set up to die with the engine server (vllm_engine_core). `engine_args` -> vLLM's arguments:
 vllm_args.
 
-Engine death: the engine-core process exiting (motor.processes.ExitWatch: noticed at once),
-vLLM's output handler stopping (EngineDeadError), or the HTTP server stopping on its own
-makes `wait_dead` return with the reason. A hung engine core (e.g. SIGSTOP) is not death:
-`/health` stays 200 and only probes notice it.
+Engine death: the engine-core process exiting, vLLM's output handler stopping or the HTTP
+server stopping on its own makes `wait_dead` return with the reason (vllm_death).
 """
 
 from __future__ import annotations
@@ -46,9 +44,8 @@ from engine_server.engines.vllm_args import (
     parse_engine_args,
     prepare_environment,
 )
-from motor.contract.exits import describe_returncode
+from engine_server.engines.vllm_death import VllmDeath
 from motor.errors import FailedPrecondition
-from motor.processes import ExitWatch, create_time
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +55,6 @@ HTTP_SHUTDOWN_TIMEOUT_S = 5.0
 # Beyond vLLM's own shutdown_timeout: the engine core's teardown (it is killed after
 # shutdown_timeout, as under `vllm serve`) and the serving thread's end.
 ENGINE_STOP_MARGIN_S = 5.0
-# Polls (10 ms apart) for an engine-core exit code that vLLM's monitor thread is storing.
-EXIT_CODE_POLLS = 50
-# How long a death seen by vLLM's side waits for the engine-core process's own exit report.
-DEATH_REASON_GRACE_S = 0.2
 
 
 class VllmEngine(EngineBackend):
@@ -88,13 +81,9 @@ class VllmEngine(EngineBackend):
         self._vllm_loop: asyncio.AbstractEventLoop | None = None
         self._vllm_thread: threading.Thread | None = None
         self._main_loop: asyncio.AbstractEventLoop | None = None
-        self._exit_watches: list[ExitWatch] = []
-        self._core_pids: list[int] = []  # each leads its own process group (vllm_engine_core)
+        self.death = VllmDeath()  # the engine's death, from whichever side sees it first
         self._admission = Admission()
         self._outcomes = RequestOutcomes()
-        self._dead = asyncio.Event()
-        self._dead_reason = ""
-        self._stopping = False
         self._sleep_supported = False
         self._cpu_platform: bool | None = None
         self.started_at = time.monotonic()
@@ -118,7 +107,7 @@ class VllmEngine(EngineBackend):
     async def start(self) -> None:
         """Parse and check the arguments, bind the port, and start loading vLLM on its own loop
         (the engine core takes ~10-20 s on CPU); /health answers once it serves."""
-        self._main_loop = asyncio.get_running_loop()
+        self._main_loop = self.death.main_loop = asyncio.get_running_loop()
         prepare_environment()
         from engine_server.engines.vllm_utilization import PROGRESS
 
@@ -182,7 +171,7 @@ class VllmEngine(EngineBackend):
         exc = future.exception()
         if exc is not None:
             logger.error("vLLM failed to start: %s: %s", type(exc).__name__, exc, exc_info=exc)
-            self._declare_dead(f"vLLM failed to start: {type(exc).__name__}: {exc}")
+            self.death.declare(f"vLLM failed to start: {type(exc).__name__}: {exc}")
 
     async def _load_and_serve(self) -> None:
         """On the vLLM loop: what `vllm serve` does after parsing its arguments."""
@@ -198,13 +187,13 @@ class VllmEngine(EngineBackend):
             aggregate_engine_logging=args.aggregate_engine_logging,
             disable_log_stats=args.disable_log_stats,
         )
-        if self._stopping:
+        if self.death.stopping:
             return
         await self._call_main(self._watch_engine_core)
         handler = self.async_llm.output_handler
         if handler is None:
             raise RuntimeError("vLLM's output handler did not start: the engine server cannot see engine failures")
-        handler.add_done_callback(self._on_output_handler_done)
+        handler.add_done_callback(self.death.on_output_handler_done)
         await self.async_llm.reset_mm_cache()
         await self._serve()
 
@@ -226,7 +215,7 @@ class VllmEngine(EngineBackend):
         return await done
 
     async def _serve(self) -> None:
-        if self._stopping:
+        if self.death.stopping:
             return
         import uvicorn
         import vllm.envs as envs
@@ -266,7 +255,7 @@ class VllmEngine(EngineBackend):
         self._server = NoSignalServer(config)
         app.state.server = self._server
         self._serve_task = asyncio.create_task(self._server.serve(sockets=[self._sock]), name="vllm-http")
-        self._serve_task.add_done_callback(self._on_serve_done)
+        self._serve_task.add_done_callback(self.death.on_serve_done)
         self.ready_at = time.monotonic()
         logger.info(
             "vLLM serving %s on http://%s:%d (loaded in %.1f s)",
@@ -277,23 +266,6 @@ class VllmEngine(EngineBackend):
         )
 
     # -- death ---------------------------------------------------------------------------
-
-    def _declare_dead(self, reason: str) -> None:
-        """Only on the engine server's loop (use _notify_dead from the vLLM loop)."""
-        if self._stopping or self._dead.is_set():
-            return
-        logger.error("vLLM engine died: %s", reason)
-        self._dead_reason = reason
-        self._dead.set()
-
-    def _notify_dead(self, reason: str) -> None:
-        """From the vLLM loop. When the engine core died, vLLM's side often notices first (its
-        sockets close before the process can be reaped): wait briefly, so that the reason names
-        the process and its exit status when that is the cause."""
-        if self._main_loop is not None and not self._main_loop.is_closed():
-            self._main_loop.call_soon_threadsafe(
-                self._main_loop.call_later, DEATH_REASON_GRACE_S, self._declare_dead, reason
-            )
 
     def engine_core_processes(self) -> list[Any]:
         """The engine-core processes (multiprocessing.Process), once vLLM has started them."""
@@ -306,49 +278,10 @@ class VllmEngine(EngineBackend):
         processes = self.engine_core_processes()
         if not processes:
             raise RuntimeError("vLLM started no engine-core process that the engine server can watch")
-        self._core_pids = [proc.pid for proc in processes]
-        for proc in processes:
-            # ExitWatch confirms a real exit (no false alarm from a spurious wake-up, vLLM
-            # #54184) and leaves the reaping to multiprocessing, which owns the child.
-            watch = ExitWatch(
-                proc.pid, lambda _status, proc=proc: self._on_engine_core_exit(proc), started=create_time(proc.pid)
-            )
-            watch.start()
-            self._exit_watches.append(watch)
-        logger.info("watching vLLM engine core: %s", ", ".join(f"{p.name} pid {p.pid}" for p in processes))
-
-    def _on_engine_core_exit(self, proc: Any) -> None:
-        self._death_report = asyncio.get_running_loop().create_task(
-            self._engine_core_died(proc)
-        )  # kept: not collected mid-way
-
-    async def _engine_core_died(self, proc: Any) -> None:
-        # multiprocessing reaps it here, or vLLM's monitor thread is reaping it right now: then
-        # its exit code lands on `proc` a moment later (our own waitpid found nothing to reap).
-        for _ in range(EXIT_CODE_POLLS):
-            if proc.exitcode is not None:
-                break
-            await asyncio.sleep(0.01)
-        self._declare_dead(f"engine-core process {proc.name} (pid {proc.pid}) {describe_returncode(proc.exitcode)}")
-
-    def _on_output_handler_done(self, task: asyncio.Task) -> None:
-        if task.cancelled():
-            self._notify_dead("vLLM's output handler was cancelled")
-        else:
-            self._notify_dead("vLLM's output handler stopped (EngineDeadError): the engine core failed")
-
-    def _on_serve_done(self, task: asyncio.Task) -> None:
-        if task.cancelled():
-            reason = "cancelled"
-        elif task.exception() is not None:
-            reason = f"{type(task.exception()).__name__}: {task.exception()}"
-        else:
-            reason = "it exited"
-        self._notify_dead(f"vLLM's HTTP server stopped ({reason})")
+        self.death.watch_engine_core(processes)
 
     async def wait_dead(self) -> str:
-        await self._dead.wait()
-        return self._dead_reason
+        return await self.death.wait()
 
     # -- stop ------------------------------------------------------------------------------
 
@@ -374,10 +307,7 @@ class VllmEngine(EngineBackend):
 
     async def shutdown(self) -> None:
         """Stop serving HTTP, then stop the engine core (vLLM terminates its processes)."""
-        self._stopping = True
-        for watch in self._exit_watches:
-            watch.close()
-        self._exit_watches.clear()
+        self.death.stop()
         if self._load_future is not None and not self._load_future.done():
             # Still loading: let it finish so that its engine core can be stopped too.
             await asyncio.wait([self._load_future])
@@ -414,7 +344,7 @@ class VllmEngine(EngineBackend):
     # -- runtime -----------------------------------------------------------------------------
 
     def process_groups(self) -> list[int]:
-        return list(self._core_pids)
+        return list(self.death.core_pids)
 
     def stop_admitting(self) -> None:
         """From the start of a drain: new inference requests get 503 + Retry-After (vllm_admission)."""

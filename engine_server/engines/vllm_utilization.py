@@ -12,9 +12,9 @@ probe on every build (probing.Prober): on a GPU or NPU the utilization comes fro
 npu-smi, and a kernel spinning in a hung collective reads near 100 % there, so a busy figure
 counts only when the engine also made progress.
 
-A fixed figure (engine_args `motor_utilization`) overrides the utilization: for tests, and for
-operators who want probe failures always counted (0), or counted only when the engine makes no
-progress (100).
+A fixed figure (engine_args `motor_utilization`) overrides the utilization, for operators who
+want probe failures always counted (0), counted only when the engine makes no progress (100), or
+the CPU build to read as a busy accelerator does (NVML near 100 % in a hung collective: 95).
 """
 
 from __future__ import annotations

@@ -17,35 +17,25 @@ import pytest
 from motor.ports import free_port
 from motorctl.run_processes import run_processes
 from tests.support import REPO_ROOT, process_alive, wait_for
+from tests.support.motorctl_up import motorctl_up_argv, run_motorctl_up, up_env
 
-DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
+
+def screen_argv(run_dir, program: list[str] | None = None) -> list[str]:
+    """`motorctl up` refreshing its screen every 0.3 s, on ports of its own."""
+    # Not 9471 for /metrics: tests run side by side.
+    flags = ["--controller-port", "0", "--refresh", "0.3", "--metrics-port", str(free_port())]
+    return motorctl_up_argv(run_dir, *flags, program=program)
 
 
 def motorctl_up(run_dir, stdout, prefix: list[str] | None = None) -> subprocess.Popen:
-    argv = prefix or [sys.executable, "-m", "motorctl.cli"]
     return subprocess.Popen(
-        [
-            *argv,
-            "up",
-            "--nodes",
-            "1",
-            "--deployment",
-            DEPLOYMENT,
-            "--run-dir",
-            str(run_dir),
-            "--controller-port",
-            "0",
-            "--refresh",
-            "0.3",
-            "--metrics-port",
-            str(free_port()),
-        ],  # not 9471: tests run side by side
+        screen_argv(run_dir, prefix),
         cwd=REPO_ROOT,
         stdout=stdout,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        env=dict(os.environ, PYTHONPATH=REPO_ROOT),
+        env=up_env(),
     )
 
 
@@ -117,25 +107,9 @@ def test_motorctl_up_whose_reader_goes_away_stops_the_cluster_and_ends_with_141(
     """`motorctl up | head -c 300`: head exits after its bytes; nothing else would ever stop the
     cluster (no screen, no Ctrl-C to give), so the closed pipe does, and the exit is SIGPIPE's."""
     run_dir = tmp_path / "run"
-    argv = [
-        sys.executable,
-        "-m",
-        "motorctl.cli",
-        "up",
-        "--nodes",
-        "1",
-        "--deployment",
-        DEPLOYMENT,
-        "--run-dir",
-        str(run_dir),
-        "--controller-port",
-        "0",
-        "--refresh",
-        "0.3",
-        "--metrics-port",
-        str(free_port()),
-    ]
-    pipeline = " ".join(f"'{a}'" for a in argv) + ' | head -c 300 >/dev/null; echo "exit ${PIPESTATUS[0]}"'
+    pipeline = (
+        " ".join(f"'{a}'" for a in screen_argv(run_dir)) + ' | head -c 300 >/dev/null; echo "exit ${PIPESTATUS[0]}"'
+    )
     try:
         result = subprocess.run(
             ["bash", "-c", pipeline],
@@ -143,7 +117,7 @@ def test_motorctl_up_whose_reader_goes_away_stops_the_cluster_and_ends_with_141(
             capture_output=True,
             text=True,
             timeout=180,
-            env=dict(os.environ, PYTHONPATH=REPO_ROOT),
+            env=up_env(),
         )
         assert result.stdout.strip() == "exit 141", (result.stdout, result.stderr)
         assert "Traceback" not in result.stderr, result.stderr
@@ -158,29 +132,7 @@ def test_a_controller_that_exits_at_start_is_named_at_once_with_its_own_error(tm
     bad.write_text("name: bad\nmodel: sim-tiny\ninstance_groups: 5\n")
     run_dir = tmp_path / "run"
     started = time.monotonic()
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "motorctl.cli",
-            "up",
-            "--nodes",
-            "1",
-            "--deployment",
-            str(bad),
-            "--run-dir",
-            str(run_dir),
-            "--controller-port",
-            "0",
-            "--metrics-port",
-            "0",
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ, PYTHONPATH=REPO_ROOT),
-    )
+    result = run_motorctl_up(run_dir, "--controller-port", "0", "--metrics-port", "0", deployment=str(bad))
     took = time.monotonic() - started
     assert result.returncode == 1, result.stderr
     assert took < 30, f"took {took:.0f}s"  # not the 60 s wait for a port nobody will serve

@@ -13,9 +13,7 @@ import pytest
 from motor.ports import free_port
 from motorctl.local_cluster import LocalCluster, ManagedProcess, PortTaken, check_answered_by
 from motorctl.port_holder import listening_pids
-from tests.support import REPO_ROOT
-
-DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
+from tests.support.motorctl_up import run_motorctl_up
 
 # Another "controller": a real gRPC server whose health check answers SERVING, as one would.
 OTHER_CONTROLLER = """
@@ -46,29 +44,7 @@ def other_controller():
 def test_motorctl_up_on_a_taken_controller_port_fails_naming_the_port_and_its_holder(tmp_path, other_controller):
     port, holder = other_controller
     run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "motorctl.cli",
-            "up",
-            "--nodes",
-            "1",
-            "--deployment",
-            DEPLOYMENT,
-            "--run-dir",
-            str(run_dir),
-            "--controller-port",
-            str(port),
-            "--metrics-port",
-            "0",
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ, PYTHONPATH=REPO_ROOT),
-    )
+    result = run_motorctl_up(run_dir, "--controller-port", str(port), "--metrics-port", "0")
     assert result.returncode == 2, result.stdout
     assert f"controller port {port} is taken by pid {holder}" in result.stderr, result.stderr
     assert "--controller-port" in result.stderr

@@ -46,6 +46,11 @@ def prefix() -> str:
     return f"/test-{uuid.uuid4().hex[:8]}"
 
 
+def unguarded() -> list:
+    """The fence of an etcd store tested alone: no election runs, so its writes carry no guard."""
+    return []
+
+
 def target_of(cluster: EtcdCluster, prefix: str, timeout: float = 2.0) -> EtcdTarget:
     return EtcdTarget(tuple((m.host, m.client_port) for m in cluster.members), prefix, request_timeout=timeout)
 

@@ -17,7 +17,7 @@ import pytest
 from controller.ha.election import LeaderElection, NotLeader, Role
 from controller.store.etcd import EtcdStore, Fenced
 from controller.store.etcd_client import EtcdTarget, connect
-from tests.ha.conftest import target_of
+from tests.ha.conftest import target_of, unguarded
 from tests.support import REPO_ROOT, async_wait_for, wait_for
 
 TTL = 2  # etcd's smallest lease with its default timing
@@ -119,7 +119,7 @@ async def test_a_hung_event_loop_loses_the_leadership(etcd1, clients, prefix):
 
 
 async def _reopened(client, prefix):
-    store = EtcdStore(client, prefix)
+    store = EtcdStore(client, prefix, fence=unguarded)
     await store.reload()
     return store.load()
 

@@ -10,6 +10,7 @@ import pytest
 
 from controller.store import SqliteStore, StoreChange, StoredNode
 from controller.store.etcd import EtcdStore, Fenced
+from tests.ha.conftest import unguarded
 from tests.support import async_wait_for
 
 
@@ -49,12 +50,12 @@ async def test_sqlite_and_etcd_keep_the_same_state(tmp_path, etcd1, clients, pre
     await sqlite.flush()
     _check(SqliteStore(str(tmp_path / "c.db")).load())
 
-    store = EtcdStore(clients(etcd1, prefix), prefix)
+    store = EtcdStore(clients(etcd1, prefix), prefix, fence=unguarded)
     await store.open()
     _fill(store)
     _check(store.load())  # the mirror answers at once
     await store.flush()
-    fresh = EtcdStore(clients(etcd1, prefix), prefix)
+    fresh = EtcdStore(clients(etcd1, prefix), prefix, fence=unguarded)
     await fresh.open()
     _check(fresh.load())  # and etcd holds the same once flushed
     # A generation a node reports that this store never issued: the counter goes above it.
@@ -90,7 +91,7 @@ async def test_a_big_deployment_change_lands_the_same_in_sqlite_and_etcd_without
             ticks += 1
             await asyncio.sleep(0)
 
-    etcd = EtcdStore(clients(etcd1, prefix), prefix)
+    etcd = EtcdStore(clients(etcd1, prefix), prefix, fence=unguarded)
     await etcd.open()
     sqlite = SqliteStore(str(tmp_path / "c.db"))
     task = asyncio.create_task(ticker())
@@ -101,7 +102,7 @@ async def test_a_big_deployment_change_lands_the_same_in_sqlite_and_etcd_without
         await store.flush()
         assert ticks - before > 2, f"{type(store).__name__} held the loop for the whole write"
     task.cancel()
-    fresh = EtcdStore(clients(etcd1, prefix), prefix)
+    fresh = EtcdStore(clients(etcd1, prefix), prefix, fence=unguarded)
     await fresh.open()
     for state in (SqliteStore(str(tmp_path / "c.db")).load(), fresh.load()):
         assert state.deployment == b"\x0a\x04big2" and state.revision == 2
@@ -113,7 +114,7 @@ async def test_a_big_deployment_change_lands_the_same_in_sqlite_and_etcd_without
 
 async def test_a_transaction_is_one_etcd_write(etcd1, clients, prefix):
     client = clients(etcd1, prefix)
-    store = EtcdStore(client, prefix)
+    store = EtcdStore(client, prefix, fence=unguarded)
     await store.open()
     before = (await client.get_prefix(b"/")).header.revision
     with store.transaction():
@@ -126,9 +127,9 @@ async def test_a_transaction_is_one_etcd_write(etcd1, clients, prefix):
 
 
 async def test_a_standby_follows_the_leaders_writes(etcd1, clients, prefix):
-    leader = EtcdStore(clients(etcd1, prefix), prefix)
+    leader = EtcdStore(clients(etcd1, prefix), prefix, fence=unguarded)
     await leader.open()
-    standby = EtcdStore(clients(etcd1, prefix), prefix)
+    standby = EtcdStore(clients(etcd1, prefix), prefix, fence=unguarded)
     await standby.open()
     seen: list[str] = []
     standby.on_change(seen.append)
@@ -171,7 +172,7 @@ async def test_a_fenced_store_writes_nothing(etcd1, clients, prefix):
 
 
 async def test_one_member_of_three_lost_changes_nothing(etcd3, clients, prefix):
-    store = EtcdStore(clients(etcd3, prefix, timeout=1.0), prefix)
+    store = EtcdStore(clients(etcd3, prefix, timeout=1.0), prefix, fence=unguarded)
     await store.open()
     store.save_instance("before", {"n": 1})
     await store.flush()
@@ -181,7 +182,7 @@ async def test_one_member_of_three_lost_changes_nothing(etcd3, clients, prefix):
         await asyncio.wait_for(store.flush(), 20)
         etcd3.start_member(index)
         etcd3.wait_healthy()
-    fresh = EtcdStore(clients(etcd3, prefix), prefix)
+    fresh = EtcdStore(clients(etcd3, prefix), prefix, fence=unguarded)
     await fresh.open()
     assert set(fresh.load().instances) == {"before", "while-0-down", "while-1-down", "while-2-down"}
     store.close()
@@ -189,7 +190,7 @@ async def test_one_member_of_three_lost_changes_nothing(etcd3, clients, prefix):
 
 
 async def test_quorum_lost_holds_writes_until_it_returns(etcd3, clients, prefix):
-    store = EtcdStore(clients(etcd3, prefix, timeout=1.0), prefix)
+    store = EtcdStore(clients(etcd3, prefix, timeout=1.0), prefix, fence=unguarded)
     await store.open()
     store.save_instance("before", {"n": 1})
     await store.flush()
@@ -202,7 +203,7 @@ async def test_quorum_lost_holds_writes_until_it_returns(etcd3, clients, prefix)
     etcd3.signal_member(1, signal.SIGCONT)
     etcd3.signal_member(2, signal.SIGCONT)
     await asyncio.wait_for(flushed, 30)
-    fresh = EtcdStore(clients(etcd3, prefix), prefix)
+    fresh = EtcdStore(clients(etcd3, prefix), prefix, fence=unguarded)
     await fresh.open()
     assert set(fresh.load().instances) == {"before", "during"}
     store.close()
@@ -221,7 +222,7 @@ async def test_the_deployment_of_a_store_of_before_names_is_moved_under_its_name
     from tests.controller.fakes import FakeNodeClient
 
     config = ControllerConfig(db=str(tmp_path / "unused.db"), startup_grace=0)
-    store = EtcdStore(clients(etcd1, prefix), prefix)
+    store = EtcdStore(clients(etcd1, prefix), prefix, fence=unguarded)
     await store.open()
     ctl = Controller(config, store, FakeNodeClient())
     await ctl.start()
@@ -235,7 +236,7 @@ async def test_the_deployment_of_a_store_of_before_names_is_moved_under_its_name
     await store.flush()
     store.close()
 
-    older = EtcdStore(clients(etcd1, prefix), prefix)
+    older = EtcdStore(clients(etcd1, prefix), prefix, fence=unguarded)
     await older.open()
     assert set(older.load().deployments) == {LEGACY_DEPLOYMENT} and older.load().ever_applied
     ctl = Controller(config, older, FakeNodeClient())
@@ -245,7 +246,7 @@ async def test_the_deployment_of_a_store_of_before_names_is_moved_under_its_name
     await older.flush()
     await ctl.stop()
     older.close()
-    moved = EtcdStore(clients(etcd1, prefix), prefix)
+    moved = EtcdStore(clients(etcd1, prefix), prefix, fence=unguarded)
     await moved.open()
     assert moved.load().deployments == {"chat": (data, revision)}
     moved.close()

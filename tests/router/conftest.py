@@ -180,9 +180,13 @@ class OpenLoad:
 
 
 def running(local):
-    """A module fixture's body: the local cluster started, yielded, then stopped leaving nothing behind."""
+    """A module fixture's body: the local cluster started, yielded, then stopped leaving nothing
+    behind (nothing killed or left over; its front door's router and sync ended too)."""
     try:
         local.start(timeout=60)
         yield local
     finally:
-        assert not local.stop()
+        problems = local.stop()
+        assert not problems, problems
+        for front in (p for p in local.processes if p.name in ("router", "router-sync")):
+            assert front.process.poll() is not None, f"{front.name} left running"

@@ -14,7 +14,7 @@ import pytest
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
 from motorctl.local_cluster import LocalCluster
 from motorctl.run_processes import run_processes
-from tests.router.conftest import OpenLoad, http
+from tests.router.conftest import OpenLoad, http, running
 from tests.support import REPO_ROOT, wait_for
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
@@ -22,23 +22,17 @@ DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    local = LocalCluster(
-        str(tmp_path_factory.mktemp("routed")),
-        nodes=2,
-        deployment_path=DEPLOYMENT,
-        heartbeat_interval=1.0,
-        abnormal_threshold=5,
-        engine_port_base=33000,
-        router_port=0,
+    yield from running(
+        LocalCluster(
+            str(tmp_path_factory.mktemp("routed")),
+            nodes=2,
+            deployment_path=DEPLOYMENT,
+            heartbeat_interval=1.0,
+            abnormal_threshold=5,
+            engine_port_base=33000,
+            router_port=0,
+        )
     )
-    try:
-        local.start(timeout=60)
-        yield local
-    finally:
-        problems = local.stop()
-        assert not problems, problems
-        for name in ("router", "router-sync"):
-            assert local.process(name).process.poll() is not None, f"{name} left running"
 
 
 def listed_urls(cluster) -> set[str]:

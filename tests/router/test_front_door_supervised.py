@@ -14,7 +14,7 @@ import pytest
 
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from motorctl.local_cluster import LocalCluster
-from tests.router.conftest import http
+from tests.router.conftest import http, running
 from tests.router.test_cluster_router import all_three_routed, listed_urls, router_workers
 from tests.support import REPO_ROOT, wait_for
 
@@ -23,22 +23,16 @@ DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    local = LocalCluster(
-        str(tmp_path_factory.mktemp("front-door")),
-        nodes=2,
-        deployment_path=DEPLOYMENT,
-        heartbeat_interval=1.0,
-        engine_port_base=35000,
-        router_port=0,
+    yield from running(
+        LocalCluster(
+            str(tmp_path_factory.mktemp("front-door")),
+            nodes=2,
+            deployment_path=DEPLOYMENT,
+            heartbeat_interval=1.0,
+            engine_port_base=35000,
+            router_port=0,
+        )
     )
-    try:
-        local.start(timeout=60)
-        yield local
-    finally:
-        problems = local.stop()
-        assert not problems, problems
-        for name in ("router", "router-sync"):
-            assert local.process(name).process.poll() is not None, f"{name} left running"
 
 
 def front_door_events(cluster) -> list[str]:

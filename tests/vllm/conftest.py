@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib import util as import_util
 from typing import Any
 
@@ -23,8 +25,10 @@ import grpc
 import psutil
 import pytest
 
+from motor.contract.deployment_file import deployment_from_dict
 from motor.ports import free_port
-from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
+from motor.v1 import controller_pb2, controller_pb2_grpc, engine_pb2, engine_pb2_grpc, types_pb2
+from motorctl.local_cluster import LocalCluster
 from motorctl.tiny_model import LEAN_CPU_ARGS, ensure_tiny_model
 from tests.support import require, wait_for
 
@@ -65,6 +69,58 @@ def vllm_env(tmp_path_factory) -> dict[str, str]:
     )
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # the engine server makes its own
     return env
+
+
+@contextmanager
+def vllm_cluster(
+    tiny_model: str,
+    vllm_env: dict[str, str],
+    run_dir: str,
+    section: dict[str, Any],
+    serving: Callable[[LocalCluster, controller_pb2_grpc.ControllerServiceStub], object],
+    *,
+    node_id_prefix: str,
+    engine_port_base: int,
+    engines: int = 1,
+    router: bool = False,
+    env: dict[str, str] | None = None,
+) -> Iterator[tuple[LocalCluster, controller_pb2_grpc.ControllerServiceStub]]:
+    """A LocalCluster of one node manager (its engines inherit its environment: `vllm_env`, and
+    `env`) with a deployment "vllm" of `engines` prefill instances on the tiny model, each engine
+    set as `section` (a vllm_config's motor_engine_prefill_config), `router`: behind the front
+    door. Yields (cluster, controller stub) once `serving(cluster, stub)`; stopped at the end,
+    nothing left to kill."""
+    local = LocalCluster(
+        run_dir,
+        nodes=1,
+        node_id_prefix=node_id_prefix,
+        accelerators_per_node=engines,
+        engine_port_base=engine_port_base,
+        router_port=0 if router else None,
+        extra_node_args=["--model-root", os.path.dirname(tiny_model)],
+    )
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in {**vllm_env, **(env or {})}.items():
+            patch.setenv(name, value)
+        try:
+            local.start(timeout=60)
+        except BaseException:
+            local.stop()
+            raise
+    channel = grpc.insecure_channel(local.controller_address)
+    stub = controller_pb2_grpc.ControllerServiceStub(channel)
+    try:
+        stub.ApplyDeployment(controller_pb2.ApplyDeploymentRequest(deployment=deployment_from_dict({
+            "name": "vllm", "model": os.path.basename(tiny_model),
+            "engine_config": {"motor_engine_prefill_config": section},
+            "instance_groups": [{"name": "prefill", "role": "prefill", "count": engines}],
+        })), timeout=10)  # fmt: skip
+        serving(local, stub)
+        yield local, stub
+    finally:
+        channel.close()
+        problems = local.stop()
+        assert not problems, problems
 
 
 def vllm_config(model: str, health: dict[str, Any] | None = None, role: str = "prefill", **engine_args: Any) -> dict:

@@ -7,15 +7,12 @@ from __future__ import annotations
 import json
 import os
 
-import grpc
 import pytest
 
-from motor.contract.deployment_file import deployment_from_dict
-from motor.v1 import controller_pb2, controller_pb2_grpc
-from motorctl.local_cluster import LocalCluster
+from motor.v1 import controller_pb2
 from tests.router.conftest import http
 from tests.support import wait_for
-from tests.vllm.conftest import vllm_config
+from tests.vllm.conftest import vllm_cluster, vllm_config
 from tests.vllm.test_vllm_under_the_stack import wait_listed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -23,39 +20,18 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def routed(tiny_model, vllm_env, tmp_path_factory):
-    local = LocalCluster(
+    with vllm_cluster(
+        tiny_model,
+        vllm_env,
         str(tmp_path_factory.mktemp("vllm-routed")),
-        nodes=1,
+        # The deployment's model is the name the engine serves: the router files it under it.
+        vllm_config(tiny_model, served_model_name=os.path.basename(tiny_model))["motor_engine_prefill_config"],
+        lambda local, stub: wait_listed(stub),
         node_id_prefix="vllm",
-        accelerators_per_node=1,
         engine_port_base=38000,
-        router_port=0,
-        extra_node_args=["--model-root", os.path.dirname(tiny_model)],
-    )
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in vllm_env.items():
-            patch.setenv(name, value)
-        try:
-            local.start(timeout=60)
-        except BaseException:
-            local.stop()
-            raise
-    channel = grpc.insecure_channel(local.controller_address)
-    stub = controller_pb2_grpc.ControllerServiceStub(channel)
-    try:
-        stub.ApplyDeployment(controller_pb2.ApplyDeploymentRequest(deployment=deployment_from_dict({
-            "name": "vllm", "model": os.path.basename(tiny_model),
-            # The deployment's model is the name the engine serves: the router files it under it.
-            "engine_config": {"motor_engine_prefill_config": vllm_config(
-                tiny_model, served_model_name=os.path.basename(tiny_model)
-            )["motor_engine_prefill_config"]},
-            "instance_groups": [{"name": "prefill", "role": "prefill", "count": 1}],
-        })), timeout=10)  # fmt: skip
-        wait_listed(stub)
+        router=True,
+    ) as (local, stub):
         yield local, stub
-    finally:
-        channel.close()
-        assert not local.stop()
 
 
 def workers(local) -> list[str]:

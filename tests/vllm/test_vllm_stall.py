@@ -27,11 +27,10 @@ import grpc
 import psutil
 import pytest
 
-from motor.contract.deployment_file import deployment_from_dict
-from motor.v1 import controller_pb2, controller_pb2_grpc, engine_pb2, engine_pb2_grpc
+from motor.v1 import controller_pb2, engine_pb2, engine_pb2_grpc
 from motorctl.local_cluster import LocalCluster
 from tests.support import wait_for
-from tests.vllm.conftest import START_TIMEOUT, engine_core_of, vllm_config
+from tests.vllm.conftest import START_TIMEOUT, engine_core_of, vllm_cluster, vllm_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -54,38 +53,18 @@ def stack(tiny_model, vllm_env, tmp_path_factory):
         max_num_batched_tokens=8,
         max_num_seqs=4,
     )["motor_engine_prefill_config"]
-    local = LocalCluster(
+    with vllm_cluster(
+        tiny_model,
+        vllm_env,
         str(tmp_path_factory.mktemp("vllm-stall")),
-        nodes=1,
+        section,
+        lambda local, stub: wait_listed(stub),
         node_id_prefix="stall",
-        accelerators_per_node=1,
         engine_port_base=37400,
-        extra_node_args=["--model-root", os.path.dirname(tiny_model)],
-    )
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in vllm_env.items():
-            patch.setenv(name, value)
         # The tiny model's config says 512 positions; its rotary embedding serves longer prompts.
-        patch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
-        try:
-            local.start(timeout=60)
-        except BaseException:
-            local.stop()
-            raise
-    channel = grpc.insecure_channel(local.controller_address)
-    stub = controller_pb2_grpc.ControllerServiceStub(channel)
-    try:
-        stub.ApplyDeployment(controller_pb2.ApplyDeploymentRequest(deployment=deployment_from_dict({
-            "name": "vllm", "model": os.path.basename(tiny_model),
-            "engine_config": {"motor_engine_prefill_config": section},
-            "instance_groups": [{"name": "prefill", "role": "prefill", "count": 1}],
-        })), timeout=10)  # fmt: skip
-        wait_listed(stub)
+        env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"},
+    ) as (local, stub):
         yield local, stub
-    finally:
-        channel.close()
-        problems = local.stop()
-        assert not problems, problems
 
 
 def listed(stub) -> bool:

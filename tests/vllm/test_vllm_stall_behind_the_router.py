@@ -15,12 +15,10 @@ import time
 import grpc
 import pytest
 
-from motor.contract.deployment_file import deployment_from_dict
-from motor.v1 import controller_pb2, controller_pb2_grpc, engine_pb2, engine_pb2_grpc
-from motorctl.local_cluster import LocalCluster
+from motor.v1 import controller_pb2, engine_pb2, engine_pb2_grpc
 from tests.router.conftest import http
 from tests.support import wait_for
-from tests.vllm.conftest import START_TIMEOUT, engine_core_of, vllm_config
+from tests.vllm.conftest import START_TIMEOUT, engine_core_of, vllm_cluster, vllm_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -34,38 +32,20 @@ COMPLETION = {"prompt": "tell me a long story", "max_tokens": 96, "ignore_eos": 
 @pytest.fixture(scope="module")
 def routed(tiny_model, vllm_env, tmp_path_factory):
     model = os.path.basename(tiny_model)
-    local = LocalCluster(
-        str(tmp_path_factory.mktemp("vllm-stall-routed")),
-        nodes=1,
-        node_id_prefix="vstall",
-        accelerators_per_node=2,
-        engine_port_base=37700,
-        router_port=0,
-        extra_node_args=["--model-root", os.path.dirname(tiny_model)],
-    )
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in vllm_env.items():
-            patch.setenv(name, value)
-        try:
-            local.start(timeout=60)
-        except BaseException:
-            local.stop()
-            raise
-    channel = grpc.insecure_channel(local.controller_address)
-    stub = controller_pb2_grpc.ControllerServiceStub(channel)
     # Motor's defaults (stall_timeout, stall_kill_after, virtual inference off).
     section = vllm_config(tiny_model, health={"enable_virtual_inference": False}, served_model_name=model)
-    try:
-        stub.ApplyDeployment(controller_pb2.ApplyDeploymentRequest(deployment=deployment_from_dict({
-            "name": "vllm", "model": model,
-            "engine_config": {"motor_engine_prefill_config": section["motor_engine_prefill_config"]},
-            "instance_groups": [{"name": "prefill", "role": "prefill", "count": 2}],
-        })), timeout=10)  # fmt: skip
-        both_routed(local, stub)
+    with vllm_cluster(
+        tiny_model,
+        vllm_env,
+        str(tmp_path_factory.mktemp("vllm-stall-routed")),
+        section["motor_engine_prefill_config"],
+        both_routed,
+        node_id_prefix="vstall",
+        engine_port_base=37700,
+        engines=2,
+        router=True,
+    ) as (local, stub):
         yield local, stub, model
-    finally:
-        channel.close()
-        assert not local.stop()
 
 
 def workers(local) -> set[str]:

@@ -25,11 +25,10 @@ import psutil
 import pytest
 
 from motor.contract import pbtime
-from motor.contract.deployment_file import deployment_from_dict
-from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc, types_pb2
+from motor.v1 import controller_pb2, node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from motorctl.local_cluster import LocalCluster
 from tests.support import wait_for
-from tests.vllm.conftest import START_TIMEOUT, engine_core_of, vllm_config
+from tests.vllm.conftest import START_TIMEOUT, engine_core_of, vllm_cluster, vllm_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -44,36 +43,16 @@ def stack(tiny_model, vllm_env, tmp_path_factory):
     with the vLLM deployment applied and its engine listed for routers."""
     section = vllm_config(tiny_model)["motor_engine_prefill_config"]
     assert section["drain_timeout"] == DRAIN_TIMEOUT
-    local = LocalCluster(
+    with vllm_cluster(
+        tiny_model,
+        vllm_env,
         str(tmp_path_factory.mktemp("vllm-stack")),
-        nodes=1,
+        section,
+        lambda local, stub: wait_listed(stub),
         node_id_prefix="vllm",
-        accelerators_per_node=1,
         engine_port_base=37000,
-        extra_node_args=["--model-root", os.path.dirname(tiny_model)],
-    )
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in vllm_env.items():
-            patch.setenv(name, value)
-        try:
-            local.start(timeout=60)
-        except BaseException:
-            local.stop()
-            raise
-    channel = grpc.insecure_channel(local.controller_address)
-    stub = controller_pb2_grpc.ControllerServiceStub(channel)
-    try:
-        stub.ApplyDeployment(controller_pb2.ApplyDeploymentRequest(deployment=deployment_from_dict({
-            "name": "vllm", "model": os.path.basename(tiny_model),
-            "engine_config": {"motor_engine_prefill_config": section},
-            "instance_groups": [{"name": "prefill", "role": "prefill", "count": 1}],
-        })), timeout=10)  # fmt: skip
-        wait_listed(stub)
+    ) as (local, stub):
         yield local, stub
-    finally:
-        channel.close()
-        problems = local.stop()
-        assert not problems, problems
 
 
 def wait_listed(stub) -> None:

@@ -1,0 +1,37 @@
+"""`motorctl up` run as a user runs it: its command line (the example deployment, the run
+directory, then the test's own flags), from the repository's root with this tree on the path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.support import REPO_ROOT
+
+DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
+
+
+def motorctl_up_argv(
+    run_dir, *flags: str, deployment: str = DEPLOYMENT, nodes: int = 1, program: list[str] | None = None
+) -> list[str]:
+    """`motorctl up` (or `program`, a stand-in for `motorctl`) of `nodes` node managers."""
+    motorctl = program or [sys.executable, "-m", "motorctl.cli"]
+    return [*motorctl, "up", "--nodes", str(nodes), "--deployment", str(deployment), "--run-dir", str(run_dir), *flags]
+
+
+def up_env() -> dict[str, str]:
+    """The environment `motorctl up` runs in: this tree's packages first."""
+    return dict(os.environ, PYTHONPATH=REPO_ROOT)
+
+
+def run_motorctl_up(run_dir, *flags: str, deployment: str = DEPLOYMENT, timeout: float = 120):
+    """`motorctl up` to its end (one that fails at start), its output captured."""
+    return subprocess.run(
+        motorctl_up_argv(run_dir, *flags, deployment=deployment),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=up_env(),
+    )
