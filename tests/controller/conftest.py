@@ -16,7 +16,7 @@ from motor.contract.deployment_file import deployment_from_dict, load_deployment
 from motor.service.grpc_server import MotorServer, service_name
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from tests.controller.fakes import FakeNodeClient
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, async_wait_for
 
 EXAMPLE = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 
@@ -132,3 +132,17 @@ async def served(harness):
     finally:
         await channel.close()
         await server.stop(grace=0)
+
+
+async def running_example(h: Harness, nodes=("node-a", "node-b"), accelerators=4, **policy):
+    await h.start()
+    for node in nodes:
+        await h.register(node, accelerators=accelerators)
+    h.controller.apply_deployment(example_deployment(**policy))
+    await async_wait_for(lambda: len(h.client.starts()) == 3, timeout=5, what="3 StartEngine calls")
+    for node in nodes:
+        h.client.set_health(node)
+    h.beat(*nodes)
+    await async_wait_for(
+        lambda: all(i.state == controller_pb2.INSTANCE_STATE_READY for i in h.controller.instances.values()), timeout=5
+    )

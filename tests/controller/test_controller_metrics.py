@@ -11,8 +11,7 @@ from controller.store import SqliteStore, StoreUnavailable
 from controller.store.metrics import MeasuredStore, StoreMetrics
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-from tests.controller.conftest import Harness, small_deployment
-from tests.controller.test_core import running_example
+from tests.controller.conftest import Harness, running_example, small_deployment
 from tests.support import async_wait_for
 
 

@@ -19,7 +19,7 @@ from motor.clock import SYSTEM_CLOCK
 from motor.contract.names import enum_short_name, role_name
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-from tests.controller.test_core import running_example
+from tests.controller.conftest import running_example
 
 
 async def scrape(series: FleetSeries) -> dict[tuple, float]:

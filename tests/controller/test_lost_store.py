@@ -12,8 +12,7 @@ from controller.generations import WINDOW
 from motor.errors import InvalidArgument
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-from tests.controller.conftest import Harness, example_deployment, node_info
-from tests.controller.test_core import running_example
+from tests.controller.conftest import Harness, example_deployment, node_info, running_example
 from tests.support import async_wait_for
 
 NODES = ("node-a", "node-b")

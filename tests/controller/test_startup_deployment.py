@@ -11,9 +11,8 @@ from collections.abc import AsyncIterator
 
 from controller.startup_deployment import POLL_SECONDS, StartupDeployment
 from motor.v1 import controller_pb2 as C
-from tests.controller.conftest import Harness, example_deployment, small_deployment
+from tests.controller.conftest import Harness, example_deployment, running_example, small_deployment
 from tests.controller.fakes import ManualClock
-from tests.controller.test_core import running_example
 from tests.controller.test_lost_store import NODES, _lose_the_store
 from tests.support import async_wait_for
 

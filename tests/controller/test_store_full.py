@@ -13,8 +13,7 @@ import pytest
 from motor.errors import Unavailable
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-from tests.controller.conftest import small_deployment
-from tests.controller.test_core import running_example
+from tests.controller.conftest import running_example, small_deployment
 from tests.support import async_wait_for
 
 WRITES = ("INSERT", "DELETE", "BEGIN", "COMMIT")

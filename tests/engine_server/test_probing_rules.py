@@ -11,14 +11,12 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from engine_server.engines.base import UtilizationSampler
 from engine_server.metrics import EngineServerMetrics
-from engine_server.probing import HttpHealthClient, HttpProbeClient, PeakSampler, ProbeFailed, ProbeRecord
+from engine_server.probing import PeakSampler, ProbeFailed, ProbeRecord
 from engine_server.status import Event, Health, HealthStateMachine, Transition
-from motor.ports import free_port
 from tests.engine_server.test_probing import (
     NO_WAIT,
     SETTINGS,
@@ -27,7 +25,6 @@ from tests.engine_server.test_probing import (
     ScriptedClient,
     ScriptedHealth,
     make_prober,
-    serve_completions,
 )  # fmt: skip
 
 
@@ -229,167 +226,6 @@ async def test_a_broken_sampler_is_reported_once(caplog):
     assert [r.getMessage() for r in caplog.records if r.name == "engine_server.probing"] == [
         "utilization sampler broken failed: no driver (counting as 0%)"
     ]
-
-
-# ------------------------------------------------------------------ the HTTP probe client
-
-
-@pytest.fixture
-async def completions():
-    """A /v1/completions server whose answer the test sets (status, raw body, whether it hangs)."""
-    answer = {"status": 200, "body": '{"choices": [{"text": "x"}]}', "hang": False}
-    released = asyncio.Event()
-
-    async def handler(request):
-        if answer["hang"]:
-            await released.wait()
-        return web.Response(status=answer["status"], text=answer["body"], content_type="application/json")
-
-    url, runner = await serve_completions(handler)
-    yield url, answer
-    released.set()
-    await runner.cleanup()
-
-
-@pytest.mark.parametrize(
-    "base, url",
-    [("http://10.0.0.1:8000/", "http://10.0.0.1:8000/v1/completions"),
-     ("http://10.0.0.1:8000", "http://10.0.0.1:8000/v1/completions"),
-     ("http://ENGINE-BOX/", "http://ENGINE-BOX/v1/completions")],
-)  # fmt: skip
-def test_the_probe_url_is_the_completions_route_of_the_base_url(base, url):
-    assert HttpProbeClient(base, "prefill", 1).url == url
-
-
-async def test_long_bad_answers_are_cut_to_200_characters(completions):
-    url, answer = completions
-    client = HttpProbeClient(url, "prefill", timeout=5)
-    try:
-        answer.update(status=500, body="e" * 300)
-        with pytest.raises(ProbeFailed) as failed:
-            await client.probe()
-        assert str(failed.value) == "HTTP 500: " + "e" * 200
-        answer.update(status=200, body="n" * 300)
-        with pytest.raises(ProbeFailed) as failed:
-            await client.probe()
-        assert str(failed.value) == "answer is not JSON: " + "n" * 200
-        answer.update(body='{"choices": []' + " " * 300 + "}")
-        with pytest.raises(ProbeFailed) as failed:
-            await client.probe()
-        assert str(failed.value) == "answer has no choices: " + ('{"choices": []' + " " * 300)[:200]
-    finally:
-        await client.close()
-
-
-async def test_a_slow_answer_times_out_at_the_clients_timeout(completions):
-    url, answer = completions
-    answer["hang"] = True
-    client = HttpProbeClient(url, "prefill", timeout=0.2)
-    try:
-        with pytest.raises(ProbeFailed, match=r"^timed out after 0\.2s$"):
-            await asyncio.wait_for(client.probe(), 10)  # the outer bound only catches a missing timeout
-    finally:
-        await client.close()
-
-
-async def test_a_refused_connection_names_the_error_type():
-    client = HttpProbeClient(f"http://127.0.0.1:{free_port()}", "prefill", timeout=2)
-    try:
-        with pytest.raises(ProbeFailed, match=r"^ClientConnector\w*Error: "):
-            await client.probe()
-    finally:
-        await client.close()
-
-
-async def test_the_client_can_be_closed_unused_and_probes_again_after_close(completions):
-    url, _ = completions
-    await HttpProbeClient(url, "prefill", timeout=5).close()
-    client = HttpProbeClient(url, "prefill", timeout=5)
-    await client.probe()
-    await client.close()
-    await client.probe()  # a new session
-    await client.close()
-
-
-# ------------------------------------------------------------------ GET /health: the HTTP client
-
-
-@pytest.fixture
-async def health_endpoint():
-    """(base URL, answer): a GET /health server whose status the test sets, or that hangs."""
-    answer = {"status": 200, "hang": False}
-    released = asyncio.Event()
-
-    async def handler(request):
-        if answer["hang"]:
-            await released.wait()
-        return web.Response(status=answer["status"], text="")
-
-    app = web.Application()
-    app.add_routes([web.get("/health", handler)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield f"http://127.0.0.1:{port}", answer
-    released.set()
-    await runner.cleanup()
-
-
-@pytest.mark.parametrize(
-    "base, url",
-    [("http://10.0.0.1:8000/", "http://10.0.0.1:8000/health"),
-     ("http://10.0.0.1:8000", "http://10.0.0.1:8000/health"),
-     ("http://ENGINE-BOX/", "http://ENGINE-BOX/health")],
-)  # fmt: skip
-def test_the_health_url_is_the_health_route_of_the_base_url(base, url):
-    assert HttpHealthClient(base, 1).url == url
-
-
-async def test_health_passes_on_200_and_names_any_other_status(health_endpoint):
-    url, answer = health_endpoint
-    client = HttpHealthClient(url, timeout=5)
-    try:
-        await client.check()
-        answer["status"] = 503
-        with pytest.raises(ProbeFailed) as failed:
-            await client.check()
-        assert str(failed.value) == "GET /health answered 503"
-        answer["status"] = 201
-        with pytest.raises(ProbeFailed, match=r"^GET /health answered 201$"):
-            await client.check()
-    finally:
-        await client.close()
-
-
-async def test_a_slow_health_answer_times_out_at_the_clients_timeout(health_endpoint):
-    url, answer = health_endpoint
-    answer["hang"] = True
-    client = HttpHealthClient(url, timeout=0.2)
-    try:
-        with pytest.raises(ProbeFailed, match=r"^GET /health timed out after 0\.2s$"):
-            await asyncio.wait_for(client.check(), 10)  # the outer bound only catches a missing timeout
-    finally:
-        await client.close()
-
-
-async def test_a_refused_health_check_names_the_error_type():
-    client = HttpHealthClient(f"http://127.0.0.1:{free_port()}", timeout=2)
-    try:
-        with pytest.raises(ProbeFailed, match=r"^GET /health failed: ClientConnector\w*Error$"):
-            await client.check()
-    finally:
-        await client.close()
-
-
-async def test_the_health_client_can_be_closed_unused_and_checks_again_after_close(health_endpoint):
-    url, _ = health_endpoint
-    await HttpHealthClient(url, timeout=5).close()
-    client = HttpHealthClient(url, timeout=5)
-    await client.check()
-    await client.close()
-    await client.check()  # a new session
-    await client.close()
 
 
 # ------------------------------------------------------------------ GET /health in the prober
