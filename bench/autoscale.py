@@ -16,7 +16,8 @@ Printed per setting: seconds from the step to the first decision (the group's co
 to the added capacity serving (the router lists more workers than before the step), the seconds
 (by the second requests were sent in) whose TTFT p95 was above --ttft (answers are 2 tokens,
 non-streamed: the whole answer's time), engine-seconds (every started instance, spares included,
-integrated over the run), failed requests, and changes of direction of the count.
+integrated over the run, and split into before the step, during it and after it), failed requests,
+and changes of direction of the count.
 
     .venv/bin/python bench/autoscale.py [--load-s 10] [--low 5] [--high 30] [--max 5]
 """
@@ -175,7 +176,11 @@ def summarize(args, setting: str, load: SteppedLoad, watch: Watch) -> dict:
     base_workers = before[-1][3] if before else samples[0][3]
     decided = next((s[0] - step for s in samples if s[0] > step and s[1] > base_count), None)
     serving = next((s[0] - step for s in samples if s[0] > step and s[3] > base_workers), None)
-    engine_seconds = sum(b[0] - a[0] for a, b in zip(samples, samples[1:]) for _ in range(a[2]))
+    engine_seconds = sum((b[0] - a[0]) * a[2] for a, b in zip(samples, samples[1:]))
+    # Where they go: before the step, during it, and after it (the queue's drain and the scale-down).
+    phases = [0.0, 0.0, 0.0]
+    for a, b in zip(samples, samples[1:]):
+        phases[(a[0] >= step) + (a[0] >= step + args.peak)] += (b[0] - a[0]) * a[2]
     counts = [s[1] for s in samples]
     moves = [1 if b > a else -1 for a, b in zip(counts, counts[1:]) if a != b]
     direction_changes = sum(1 for a, b in zip(moves, moves[1:]) if a != b)
@@ -190,6 +195,7 @@ def summarize(args, setting: str, load: SteppedLoad, watch: Watch) -> dict:
         "serving_s": serving,
         "slow_seconds": slow,
         "engine_seconds": engine_seconds,
+        "engine_seconds_before_during_after": [round(x) for x in phases],
         "failed": failed,
         "requests": len(load.results),
         "direction_changes": direction_changes,
@@ -228,6 +234,9 @@ def main() -> int:
             f"{r['setting']:<9} {decided:>9} {serving:>8} {r['slow_seconds']:>10} {r['engine_seconds']:>9.0f} "
             f"{r['failed']:>7} {r['requests']:>9} {r['direction_changes']:>11}"
         )
+    print("engine-seconds before / during / after the step:")
+    for r in rows:
+        print(f"  {r['setting']:<9} {' / '.join(map(str, r['engine_seconds_before_during_after']))}")
     return 0
 
 

@@ -5,13 +5,18 @@ The signal is what the controller already sees every heartbeat: each engine's re
 second, and taken as the median of the last WINDOW_S seconds (a step of the load counts once it
 has held for half the window, in full; a single burst or a noisy sample does not). A decision:
 
-- up: when the window's median needs more engines than the group has, ceil(load / target) engines
-  at once, the load being the larger of the window's median and the median of its latest half (a
-  queue growing on saturated engines makes the window lag): a tripled load adds what it needs in
-  one step, within min .. max;
+- up: when the window's median needs more engines than the group has, or at once when the median
+  of the last FAST_S seconds is FAST_RATIO x the target per engine or more (an overload that
+  noise around the target does not explain: a queue building on saturated engines, which the
+  window's median would let grow for half the window), ceil(load / target) engines at once, the
+  load being the largest of those medians (a growing queue makes the window lag): a tripled load
+  adds what it needs in one step, within min .. max;
 - down: only to the count that keeps each engine at or below DOWN_RATIO x the target (hysteresis:
   the next sample does not scale it back up), and only once that has held for the whole
-  scale_down_delay_s (the highest such count over the delay is taken);
+  scale_down_delay_s (the highest such count over the delay is taken). That count does not depend
+  on how many engines serve (the load in flight is the arrivals times their time in an engine),
+  so a scale-down keeps what the delay has seen: a second step down follows as soon as the
+  figures of the load's way down have aged out, not after a whole new delay;
 - after a change the window starts again: the next decision sees only samples of the new count,
   so under a steady load there is at most one change (one direction) per window.
 
@@ -45,6 +50,8 @@ C, T = controller_pb2, types_pb2
 
 WINDOW_S = 10.0  # the load is averaged over this long; also the stabilization window after a change
 DOWN_RATIO = 0.8  # scale down only to a count that keeps each engine at or below 0.8 x the target
+FAST_S = 3.0  # a clear overload (FAST_RATIO x the target) is met once it has held this long
+FAST_RATIO = 4.0
 
 
 @dataclass(frozen=True)
@@ -75,16 +82,20 @@ class GroupScaler:
         self.group, self.policy = group, policy
         self.samples: deque[tuple[float, float]] = deque()  # (time, total in flight) of the window
         self.down: deque[tuple[float, int]] = deque()  # (time, count that would do) over the delay
-        self.since = now  # the window (and the scale-down delay) counts from here
+        self.since = now  # the window counts from here
+        self.down_since = now  # the scale-down delay counts from here (kept across a scale-down)
         self.last = ""  # what the last look found: shown by ListDeployments
         self.decided = ""  # the last decision's message, shown with what follows it
         self.per_engine = 0.0  # the load of the last full window, per serving engine (a metric)
 
-    def restart(self, now: float) -> None:
-        """Forget the samples (after a change, or while held by a rollout)."""
+    def restart(self, now: float, keep_down: bool = False) -> None:
+        """Forget the samples (after a change, or while held by a rollout). After a scale-down the
+        counts the delay has seen stay valid (they do not depend on the serving count)."""
         self.samples.clear()
-        self.down.clear()
         self.since = now
+        if not keep_down:
+            self.down.clear()
+            self.down_since = now
 
     def step(self, now: float, count: int, total_in_flight: float) -> Decision | None:
         p = self.policy
@@ -101,12 +112,15 @@ class GroupScaler:
         load = statistics.median_low([v for _, v in self.samples])
         self.per_engine = load / count
         figures = f"in flight {load / count:.1f} per engine over {WINDOW_S:.0f} s against a target of {p.target:g}"
-        if min(p.max, math.ceil(load / p.target - 1e-9)) > count:
-            # Sized by the latest half of the window: under a queue that grows (engines saturated)
+        fast = statistics.median_low([v for t, v in self.samples if t > now - FAST_S])
+        overloaded = fast >= FAST_RATIO * p.target * count
+        if min(p.max, math.ceil(max(load, fast if overloaded else 0) / p.target - 1e-9)) > count:
+            # Sized by the latest part of the window: under a queue that grows (engines saturated)
             # the window's median lags the load, and a step sized by it would be the first of several.
-            recent = statistics.median_low([v for t, v in self.samples if t > now - WINDOW_S / 2])
+            recent = max(statistics.median_low([v for t, v in self.samples if t > now - WINDOW_S / 2]), fast)
             if recent > load:
-                figures += f" ({recent / count:.1f} over the last {WINDOW_S / 2:g} s)"
+                span = FAST_S if recent == fast else WINDOW_S / 2
+                figures += f" ({recent / count:.1f} over the last {span:g} s)"
             up = min(p.max, math.ceil(max(load, recent) / p.target - 1e-9))
             self.restart(now)
             return self._decision(count, up, figures)
@@ -117,8 +131,8 @@ class GroupScaler:
         while self.down[0][0] <= now - p.scale_down_delay_s:
             self.down.popleft()
         keep = self.down[0][1]
-        if keep < count and now - self.since >= p.scale_down_delay_s:
-            self.restart(now)
+        if keep < count and now - self.down_since >= p.scale_down_delay_s:
+            self.restart(now, keep_down=True)
             return self._decision(count, keep, figures + f", low for {p.scale_down_delay_s:g} s")
         self.last = self.after(
             f"steady: {figures}"

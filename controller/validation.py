@@ -182,7 +182,8 @@ def validate_deployment(
             problems.append(
                 f"instance_groups[{j}].autoscaling: decode group {partner.name!r} is paired with prefill group "
                 f"{group.name!r} (instance i with instance i, equal counts): the pair scales as one, so put the "
-                "autoscaling block on the prefill group only"
+                "autoscaling block on the prefill group only (or leave out pair_with: unpaired prefill and decode "
+                "groups each scale on their own load)"
             )
         where = f"instance_groups[{i}].pair_with"
         target = by_name.get(group.pair_with)

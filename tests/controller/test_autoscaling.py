@@ -5,6 +5,8 @@ paused. The decision rules themselves are pinned on a fake clock (test_autoscali
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from controller import autoscaler
@@ -165,3 +167,35 @@ async def test_a_pd_pair_scales_as_one_on_the_larger_of_its_two_loads(harness):
         await async_wait_for(lambda: counts() == (1, 1), timeout=15, what="both groups lowered to 1")
     serving = {i.instance_id for i in harness.controller.list_instances() if not i.spare}
     assert serving == {"p-2", "d-2"}
+
+
+async def test_unpaired_prefill_and_decode_groups_scale_each_on_its_own_load(harness):
+    # Prefill and decode engines are busy in different measures (long prompts load prefill, long
+    # answers decode): groups not bound by index each scale on their own requests in flight.
+    block = {"min": 1, "max": 3, "target_in_flight": 4, "scale_down_delay_s": 2}
+    groups = small_deployment(
+        [
+            {"name": "p", "role": "prefill", "count": 1, "autoscaling": block},
+            {"name": "d", "role": "decode", "count": 1, "autoscaling": block},
+        ]
+    )
+    await harness.start()
+    for node in NODES:
+        await harness.register(node, accelerators=4)
+    harness.controller.apply_deployment(groups)
+    await all_ready(harness, NODES, 2)
+
+    def counts() -> tuple[int, ...]:
+        return tuple(g.count for g in harness.controller.changes.deployments["t"][0].instance_groups)
+
+    load(harness, {"p-0": 12, "d-0": 2})  # long prompts: prefill needs three engines, decode one
+    async with harness.beating(*NODES):
+        await async_wait_for(lambda: counts()[0] == 3, timeout=15, what="prefill raised to 3")
+        await all_ready(harness, NODES, 4)
+        await asyncio.sleep(3)  # windows of the 1 s the test sets: decode's own load keeps it at 1
+        assert counts() == (3, 1)
+        assert not any(m.startswith("d:") for m in events(harness)), events(harness)
+        load(harness, {"p-0": 0, "d-0": 12})  # now long answers: decode up, prefill back down
+        await async_wait_for(lambda: counts()[1] == 3, timeout=15, what="decode raised to 3")
+        await all_ready(harness, NODES, 6)  # the new decode engines serve: the change is complete
+        await async_wait_for(lambda: counts() == (1, 3), timeout=15, what="prefill lowered to 1, decode kept at 3")

@@ -150,6 +150,26 @@ def test_a_queue_growing_on_saturated_engines_is_met_in_one_step():
     assert count == 5 and len(decisions) == 1, decisions
 
 
+def test_a_queue_building_on_one_engine_is_met_within_seconds_not_half_the_window():
+    # One engine of capacity 10 requests/s under 30/s: its queue grows by 20 a second from the
+    # step on. Waiting for the 10 s window's median to move lets the queue grow for 6 s.
+    scaler = GroupScaler("chat", ScalePolicy(min=1, max=5, target=1.5, scale_down_delay_s=300.0), now=0.0)
+    count, decisions = run(scaler, 1, lambda t: 1 if t < 60 else 1 + 20 * (t - 60), 80)
+    assert count == 5 and len(decisions) == 1, decisions
+    assert decisions[0][0] <= 62, decisions
+
+
+def test_a_second_step_down_follows_once_the_loads_way_down_has_aged_out():
+    # The load falls from 5 engines' worth through 2 engines' worth (20 s) to 1 engine's worth: the
+    # first step down (to 2, the highest count the delay saw) is followed by the step to 1 as soon
+    # as those 20 s are older than the delay, not after a second whole delay.
+    scaler = GroupScaler("chat", POLICY, now=0.0)
+    count, decisions = run(scaler, 5, lambda t: 16 if t < 400 else 6 if t < 420 else 2, 1100)
+    assert count == 1 and [(old, new) for _, old, new in decisions] == [(5, 2), (2, 1)], decisions
+    (first, _, _), (second, _, _) = decisions
+    assert 400 + 300 <= first and second - first <= 60, decisions
+
+
 def test_the_bounds_of_the_block_are_inclusive():
     # min == max, count at max, max at the largest count, a fractional target and delay: all valid
     for block, count in (
