@@ -42,6 +42,7 @@ from controller.instances import READY, InstanceRecord
 from controller.rollout_plan import index_of
 from controller.state import ClusterState
 from controller.store import StoreUnavailable
+from motor.service.scraped import ScrapedCollector
 from motor.v1 import controller_pb2, types_pb2
 
 logger = logging.getLogger(__name__)
@@ -305,14 +306,11 @@ class Autoscaler:
         return out
 
 
-class AutoscaleCollector:
+class AutoscaleCollector(ScrapedCollector):
     """The autoscaler's series, read at scrape time (registered on the controller's registry)."""
 
     def __init__(self, scaler: Autoscaler):
         self.scaler = scaler
-
-    def describe(self):
-        return []
 
     def collect(self):
         desired = GaugeMetricFamily(
