@@ -2,7 +2,8 @@
 the front door in front of it, side by side.
 
 Two simulated engine servers of one model behind a real vllm-router (--enable-igw, as Motor starts
-it), the sync keeping it and serving the front door in this process, as in motor-router-sync.
+it), the sync keeping it in this process, and the front door in its own (router_sync/door.py), given
+the sync's table as motor-router-sync pushes it.
 For each target: closed-loop clients (`--concurrency`) for `--seconds`: requests/s, latency p50
 and p99 of a completion; then the latency at a fixed open rate low enough for neither to queue.
 
@@ -134,14 +135,21 @@ async def main(args) -> None:
         )
         while "sim-tiny" not in sync.served():
             await asyncio.sleep(0.05)
-        # The front door in its own process, as motor-router-sync runs it, so that the load
-        # generator here does not share its event loop.
+        # The front door's own process (router_sync/door.py), as `motorctl up` and compose run it,
+        # given the sync's table as motor-router-sync pushes it.
+        table = f"127.0.0.1:{free_port()}"
+        door_args = ["--listen", f"127.0.0.1:{door_port}", "--router", router_url, "--table", table]
         door = subprocess.Popen(
-            [sys.executable, "-c", DOOR_PROCESS, router_url, str(door_port), args.door_loop],
+            [sys.executable, "-m", "router_sync.door", *door_args]
+            if args.door_loop == "product"
+            else [sys.executable, "-c", DOOR_PROCESS, args.door_loop, *door_args],
             env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
         )
         door_url = f"http://127.0.0.1:{door_port}"
         await asyncio.sleep(1.5)
+        async with aiohttp.ClientSession() as session:
+            async with session.put(f"http://{table}/served", json={"served": sync.served()}) as reply:
+                assert reply.status == 204, await reply.text()
         parts = {"router": [router.pid], "door": [door.pid], "engines": [e.process.pid for e in engines]}
         targets = {"router alone": router_url, "front door + router": door_url}
         rates = {name: [] for name in targets}
@@ -186,20 +194,16 @@ async def main(args) -> None:
             engine.stop()
 
 
-# The front door alone, serving what the bench's sync filed (one model): motor-router-sync's
-# front door without the controller stream.
+# The front door's process on another event loop than its own default (--door-loop).
 DOOR_PROCESS = """
 import asyncio, sys
-from router_sync.front import FrontDoor
-async def serve():
-    door = FrontDoor(sys.argv[1], lambda: {"sim-tiny": None})
-    await door.start("127.0.0.1", int(sys.argv[2]))
-    await asyncio.Event().wait()
-if sys.argv[3] == "uvloop":
+from router_sync import door
+args = door.parse(sys.argv[2:])
+if sys.argv[1] == "uvloop":
     import uvloop
-    uvloop.run(serve())
+    uvloop.run(door.serve(args))
 else:
-    asyncio.run(serve())
+    asyncio.run(door.serve(args))
 """
 
 
@@ -207,7 +211,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8, help="seconds of each closed-loop round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--door-loop", choices=("asyncio", "uvloop"), default="asyncio", help="the door's event loop")
+    parser.add_argument(
+        "--door-loop",
+        choices=("product", "asyncio", "uvloop"),
+        default="product",
+        help="the door's event loop: its own default (product), or one forced",
+    )
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--light-rate", type=float, default=50, help="requests/s of the latency-only run")
     asyncio.run(main(parser.parse_args()))

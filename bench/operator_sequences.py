@@ -15,7 +15,7 @@ its last; every request's answer is waited for.
   rename-model        count 2: a rollout from model sim-a to sim-b, load on sim-a until sim-b's
                       instances are READY and on sim-b from when the front door lists it, the
                       controller SIGKILLed and started again in the middle
-  sync-killed         count 2: motor-router-sync (the front door's process) SIGKILLed half way
+  sync-killed         count 2: motor-router-sync (which feeds the front door) SIGKILLed half way
                       through a rollout
   killed-while-paused count 2: a bad version pauses, then a serving engine is SIGKILLed
   spares-paused       the same with spares: 1

@@ -29,6 +29,7 @@ from motorctl.supervise import Supervisor
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONTROLLER_PORT = 50051
+FRONT = ("router", "front-door")  # names of the front door's processes: the router, its sync, the door
 
 
 def script_path(name: str) -> str:
@@ -93,12 +94,12 @@ class LocalCluster:
     # mTLS on every plane with a development PKI in <run_dir>/pki (docs/security.md)
     tls: bool = False
     token_port: int = 0
-    # The front door on this port (0: a free one), in front of a vllm-router on a private port,
-    # both kept by motor-router-sync; None: no router.
+    # The front door on this port (0: a free one; its own process), in front of a vllm-router on a
+    # private port, both kept by motor-router-sync; None: no router.
     router_port: int | None = None
     router_admin_port: int = 0  # the router itself (its admin API): loopback, not for clients
     router_pd: bool = False  # prefill and decode engines as the router's typed workers (its P/D flow)
-    front_door: Supervisor = field(default_factory=Supervisor)  # restarts the router and its sync
+    front_door: Supervisor = field(default_factory=Supervisor)  # restarts the router, its sync and the door
 
     @property
     def router_url(self) -> str:
@@ -254,28 +255,37 @@ class LocalCluster:
             if self.process("router").process.poll() is not None or time.monotonic() > deadline:
                 raise TimeoutError(f"the router on port {self.router_admin_port} did not start; see its log")
             time.sleep(0.1)
+        # The front door in its own process (a sync that dies touches no client connection), fed
+        # by the sync on a private port of loopback.
+        table = f"127.0.0.1:{free_port()}"
+        door_argv = front.door_command(f"127.0.0.1:{self.router_port}", self.router_admin_url, table)
+        door = self._launch("front-door", door_argv)
         sync_argv = front.sync_command(
             self.controller_addresses,
             self.router_admin_url,
-            f"127.0.0.1:{self.router_port}",
+            f"http://{table}",
             self.tls_flags("router-sync"),
             self.router_pd,
         )
         sync = self._launch("router-sync", sync_argv)
         while front.router_workers(self.router_url) is None:  # the front door answers
-            if sync.process.poll() is not None or time.monotonic() > deadline:
-                raise TimeoutError(f"the front door on port {self.router_port} did not start; see router-sync.log")
+            for started in (door, sync):
+                if started.process.poll() is not None:
+                    raise ProcessExited(f"the {started.name} exited at start: {last_line(started.log_path)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the front door on port {self.router_port} did not start; see front-door.log")
             time.sleep(0.1)
-        # Either one exiting is started again, same command and ports (motorctl/supervise.py).
+        # Each one exiting is started again, same command and ports (motorctl/supervise.py).
         self.front_door.watch(
             "router", router.process, lambda: self._launch("router", router_argv, front.ROUTER_ENV).process
         )
+        self.front_door.watch("front-door", door.process, lambda: self._launch("front-door", door_argv).process)
         self.front_door.watch("router-sync", sync.process, lambda: self._launch("router-sync", sync_argv).process)
         self.front_door.start()
 
     def front_door_state(self) -> str:
         """What the screen says keeps the router: its sync, or what happened to either of them."""
-        said = [self.front_door.describe(name) for name in ("router-sync", "router")]
+        said = [self.front_door.describe(name) for name in ("router-sync", "router", "front-door")]
         if not self.front_door.running("router-sync"):
             return "NOT kept: " + "; ".join(part for part in said if part)
         return "; ".join(["kept by motor-router-sync", *(part for part in said if part)])
@@ -375,9 +385,9 @@ class LocalCluster:
         managers leave engines running when they exit (a restart re-adopts them), so engines are
         stopped explicitly. Returns what had to be killed or was found left over."""
         self.front_door.stop()  # nothing is started again from here on
-        problems: list[str] = self._terminate([p for p in self.processes if p.name.startswith("router")], timeout)
+        problems: list[str] = self._terminate([p for p in self.processes if p.name.startswith(FRONT)], timeout)
         controllers = [p for p in self.processes if p.name.startswith("controller")]
-        node_managers = [p for p in self.processes if not p.name.startswith(("controller", "router"))]
+        node_managers = [p for p in self.processes if not p.name.startswith(("controller", *FRONT))]
         problems += self._terminate(controllers, timeout)
         for node_id, port in self.node_ports.items():
             if all(p.process.poll() is not None for p in node_managers if p.name == node_id):

@@ -1,4 +1,4 @@
-"""The router of `motorctl up`: one vllm-router on loopback and its motor-router-sync (docs/router.md).
+"""The router of `motorctl up`: one vllm-router on loopback, its motor-router-sync and the front door (docs/router.md).
 
 The router starts with no workers; the sync adds every engine Motor lists and keeps the list
 true. Bound to 127.0.0.1, like the rest of a local cluster: its admin API (add/remove workers)
@@ -23,8 +23,8 @@ ROUTER_ENV = {"SPT_NOENV": "1"}
 # The router's mode whose admin API takes a worker's model and type (vllm-router 0.1.17's
 # --enable-igw), always: every engine is filed under its deployment's model (and each loaded
 # adapter under its own name), so a request reaches only engines of the model it names, however
-# many models the cluster serves. The front door in the sync's process (router_sync/front.py)
-# listens on the published port and gives OpenAI's /v1/models, a 404 naming the served models for
+# many models the cluster serves. The front door, its own process (router_sync/door.py) fed by the
+# sync, listens on the published port and gives OpenAI's /v1/models, a 404 naming the served models for
 # one that is not, and the one model to a request without `model`; the router listens on a
 # private port of loopback. Prefill/decode (`--router-pd`): prefill and decode engines are typed
 # workers, and each request goes to a prefill engine, then to a decode engine with the prefill's
@@ -94,9 +94,9 @@ def router_command(port: int, metrics_port: int) -> list[str]:
 
 
 def sync_command(
-    controllers: list[str], router_url: str, front_door: str, tls: list[str], pd: bool = False
+    controllers: list[str], router_url: str, front_door_table: str, tls: list[str], pd: bool = False
 ) -> list[str]:
-    """The sync, serving the front door on `front_door` (HOST:PORT) in front of `router_url`."""
+    """The sync of `router_url`, pushing what is served to the front door's `front_door_table` (URL)."""
     return [
         sys.executable,
         "-m",
@@ -105,11 +105,18 @@ def sync_command(
         ",".join(controllers),
         "--router",
         router_url,
-        "--front-door",
-        front_door,
+        "--front-door-table",
+        front_door_table,
         *(["--pd"] if pd else []),
         *tls,
     ]
+
+
+def door_command(listen: str, router_url: str, table: str) -> list[str]:
+    """The front door on `listen` (HOST:PORT) in front of `router_url`, its table taken on `table`
+    (HOST:PORT, private: the sync writes it). Its own process, so that a sync that dies or restarts
+    touches no client connection (docs/router.md)."""
+    return [sys.executable, "-m", "router_sync.door", "--listen", listen, "--router", router_url, "--table", table]
 
 
 def router_workers(url: str, timeout: float = 2.0) -> list[str] | None:

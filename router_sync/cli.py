@@ -1,7 +1,7 @@
 """motor-router-sync: keeps one router's workers equal to the engines Motor lists (docs/router.md).
 
 motor-router-sync --controller 127.0.0.1:50051 --router http://127.0.0.1:8081 [--by-model] [--pd]
-                  [--front-door 127.0.0.1:8080] [--relist-interval 5] [--report-interval 2]
+                  [--front-door-table http://127.0.0.1:8079] [--relist-interval 5] [--report-interval 2]
                   [--tls-ca CA --tls-cert C --tls-key K]
 """
 
@@ -17,7 +17,7 @@ from motor.service.logs import LOG_LEVELS
 from motor.service.signals import stop_event
 from router_sync.admin import RouterAdmin
 from router_sync.follow import follow
-from router_sync.front import FrontDoor
+from router_sync.publish import TablePublisher
 from router_sync.report import FrontDoorReporter
 from router_sync.sync import RouterSync
 
@@ -41,12 +41,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "deployment's model, so a request reaches only engines of the model it names",
     )
     parser.add_argument(
-        "--front-door",
-        metavar="HOST:PORT",
-        help="serve the front door here (router_sync/front.py): OpenAI's /v1/models, a 404 for a model "
-        "not served, a request without `model` given the one served; everything else passed to the router. "
-        "Implies --by-model",
+        "--front-door-table",
+        metavar="URL",
+        help="the front door's table address (its --table, router_sync/door.py): the sync pushes there what "
+        "the router can route, after every change and every second. Implies --by-model",
     )
+    # The front door ran in the sync's process once; it is its own process now (a sync that dies
+    # must not take client connections with it).
+    parser.add_argument("--front-door", help=argparse.SUPPRESS)
     parser.add_argument(
         "--relist-interval",
         type=float,
@@ -78,10 +80,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.report_interval <= 0:
         parser.error("--report-interval must be above 0")
     if args.front_door:
-        host, _, port = args.front_door.rpartition(":")
-        if not host or not port.isdigit():
-            parser.error(f"--front-door {args.front_door!r}: give HOST:PORT, e.g. 127.0.0.1:8080")
-        args.front_door = (host.strip("[]"), int(port))
+        parser.error(
+            "--front-door: the front door runs in its own process now (python -m router_sync.door --listen "
+            f"{args.front_door} --router ROUTER_URL --table HOST:PORT); give this sync --front-door-table "
+            "http://HOST:PORT, the door's --table"
+        )
+    if args.front_door_table:
+        if not args.front_door_table.startswith(("http://", "https://")):
+            parser.error(f"--front-door-table {args.front_door_table!r}: give a URL, e.g. http://127.0.0.1:8079")
         args.by_model = True  # the front door knows models from the workers filed under them
     return args
 
@@ -97,9 +103,7 @@ async def serve(args: argparse.Namespace) -> None:
     sync = RouterSync(admin, announce, pd=args.pd, by_model=args.by_model, relist_interval=args.relist_interval)
     tls = TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca) if args.tls_ca else None
     controllers = [a.strip() for a in args.controller.split(",") if a.strip()]
-    front = FrontDoor(args.router, sync.served, sync.knows_served) if args.front_door else None
-    if front is not None:
-        await front.start(*args.front_door)
+    publisher = TablePublisher(args.front_door_table, announce) if args.front_door_table else None
     tasks = [
         asyncio.create_task(sync.run()),
         asyncio.create_task(
@@ -113,6 +117,9 @@ async def serve(args: argparse.Namespace) -> None:
             )
         ),
     ]
+    if publisher is not None:
+        sync.publish = publisher.push
+        tasks.append(asyncio.create_task(publisher.run(sync.known_served)))
     logger.info("keeping router %s in step with controller(s) %s", args.router, ", ".join(controllers))
     try:
         await stop.wait()
@@ -120,8 +127,8 @@ async def serve(args: argparse.Namespace) -> None:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if front is not None:
-            await front.close()
+        if publisher is not None:
+            await publisher.close()
         await admin.close()
 
 

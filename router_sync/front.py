@@ -3,9 +3,9 @@
 vllm-router 0.1.17 routes by model in its `--enable-igw` mode, but there a request for a model it
 has no worker of goes to any worker (another model's engine answers its own 404), a request
 without `model` gets 503, and `GET /v1/models` answers the router's own shape. This layer runs in
-motor-router-sync's process, on the published port, and knows what the router can route (the
-sync's `served()`: every model and adapter with a worker in the router, withdrawn the moment
-Motor withdraws its last engine). It answers:
+its own process on the published port (router_sync/door.py) and knows what the router can route
+(`served`: the sync's table, every model and adapter with a worker in the router, withdrawn the
+moment Motor withdraws its last engine, pushed to the door by the sync). It answers:
 
 - `GET /v1/models`: OpenAI's list of every served model and loaded adapter (`parent`: its model);
 - a request naming a model that is not served: vLLM's 404 naming the models that are;

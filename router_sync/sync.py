@@ -91,6 +91,10 @@ class RouterSync:
         self.held: frozenset[str] | None = None
         self.router_restarts = 0  # times the router came back without what it held, or after not answering
         self.changed = asyncio.Event()
+        # Tells the front door's process what is served (router_sync/publish.py), at the start of
+        # each pass (a withdrawn model leaves its table before the router loses the worker) and
+        # at its end (a model is served once the router has it).
+        self.publish: Callable[[Callable[[], dict[str, str | None] | None]], Awaitable[None]] | None = None
 
     # What Motor says ------------------------------------------------------------------------
 
@@ -189,6 +193,7 @@ class RouterSync:
             for url, worker in self.wanted.items()
             if (url not in believed or self.filed.get(url, worker) != worker) and url not in self.refused
         )
+        await self._publish()
         began = time.monotonic()
         removed = await self._each(extra, self.admin.remove, believed.discard)
         added = await self._each(missing, self._add, believed.add)
@@ -213,6 +218,15 @@ class RouterSync:
                 f"its whole worker list: {len(believed)} worker(s), removed {removed or 'none'}, "
                 f"added {added or 'none'}"
             )
+        await self._publish()
+
+    def known_served(self) -> dict[str, str | None] | None:
+        """served(), or None before it is known (knows_served)."""
+        return self.served() if self.knows_served() else None
+
+    async def _publish(self) -> None:
+        if self.publish is not None:
+            await self.publish(self.known_served)
 
     async def _add(self, url: str) -> None:
         worker = self.wanted.get(url, (None, None))

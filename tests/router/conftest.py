@@ -181,12 +181,12 @@ class OpenLoad:
 
 def running(local):
     """A module fixture's body: the local cluster started, yielded, then stopped leaving nothing
-    behind (nothing killed or left over; its front door's router and sync ended too)."""
+    behind (nothing killed or left over; its front door, router and sync ended too)."""
     try:
         local.start(timeout=60)
         yield local
     finally:
         problems = local.stop()
         assert not problems, problems
-        for front in (p for p in local.processes if p.name in ("router", "router-sync")):
+        for front in (p for p in local.processes if p.name in ("router", "router-sync", "front-door")):
             assert front.process.poll() is not None, f"{front.name} left running"

@@ -118,5 +118,5 @@ def test_a_hung_engine_server_leaves_the_router_within_3s_long_before_the_kill(c
 
 def test_the_router_and_its_sync_carry_the_run_tag_that_motorctl_down_and_the_guardian_find(cluster):
     tagged = {p.pid for p in run_processes(cluster.run_dir)}
-    for name in ("router", "router-sync"):
+    for name in ("router", "router-sync", "front-door"):
         assert cluster.process(name).process.pid in tagged, f"{name} would outlive `motorctl down`"
