@@ -78,7 +78,7 @@ class _HttpClient:
 
     def session(self, timeout: aiohttp.ClientTimeout | None = None) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=timeout) if timeout else aiohttp.ClientSession()
+            self._session = aiohttp.ClientSession(timeout=timeout)  # None: aiohttp's default timeout
         return self._session
 
     async def close(self) -> None:
