@@ -193,4 +193,8 @@ def test_the_refusals_say_what_count_means_and_what_the_engine_limit_counted():
         {"name": "p", "role": "prefill", "pair_with": "d", "autoscaling": {"max": 4, "target_in_flight": 4}},
         {"name": "d", "role": "decode", "autoscaling": {"max": 4, "target_in_flight": 4}},
     ]
-    assert "so put the autoscaling block on the prefill group only" in invalid(small_deployment(groups))
+    assert invalid(small_deployment(groups)).endswith(
+        "instance_groups[1].autoscaling: decode group 'd' is paired with prefill group 'p' (instance i with "
+        "instance i, equal counts): the pair scales as one, so put the autoscaling block on the prefill group "
+        "only (or leave out pair_with: unpaired prefill and decode groups each scale on their own load)"
+    )
