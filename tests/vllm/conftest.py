@@ -296,15 +296,21 @@ class VllmServer:
 
 
 def engine_core_of(engine_server_pid: int) -> psutil.Process:
-    """vLLM's engine-core process: the engine server's child that leads its own process group
-    (the engine server moves it there; vLLM renames it, so its command line does not tell)."""
+    """vLLM's engine-core process: the engine server's child that leads its own process group (the
+    engine server moves it there) and that vLLM titles `VLLM::EngineCore`. Other children may lead
+    groups of their own (after long prompts a SIGSTOP of the first such child once stopped a helper,
+    not the core): the title decides, else the largest of them (the core holds the model)."""
+    leaders = []
     for child in psutil.Process(engine_server_pid).children():
         try:
             if os.getpgid(child.pid) == child.pid:
-                return child
+                leaders.append((child, " ".join(child.cmdline()) + " " + child.name(), child.memory_info().rss))
         except (psutil.Error, ProcessLookupError):
             continue
-    raise AssertionError(f"no engine-core process under the engine server (pid {engine_server_pid})")
+    if not leaders:
+        raise AssertionError(f"no engine-core process under the engine server (pid {engine_server_pid})")
+    titled = [child for child, title, _ in leaders if "EngineCore" in title]
+    return titled[0] if titled else max(leaders, key=lambda leader: leader[2])[0]
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
