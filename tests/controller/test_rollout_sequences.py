@@ -47,6 +47,14 @@ class Cluster:
             self.h.beat("node-a")
             await asyncio.sleep(0.02)
 
+    async def serve_until_paused(self, passes: int = 10) -> None:
+        """Serve pass by pass until the rollout pauses (on the crashing version); fails if it does not."""
+        for _ in range(passes):
+            await self.serve(1)
+            if summary(self.h).rollout_state == C.ROLLOUT_STATE_PAUSED:
+                return
+        assert summary(self.h).rollout_state == C.ROLLOUT_STATE_PAUSED
+
     def serving(self) -> set[str]:
         return {e.instance_id for e in self.h.controller.list_endpoints(T.ROLE_UNSPECIFIED, "")}
 
@@ -317,11 +325,7 @@ async def test_an_old_instance_that_fails_while_a_bad_version_is_paused_restarts
     try:
         ctl.apply_deployment(union(2, latency=20))
         c.crash_on_start()
-        for _ in range(10):
-            await c.serve(1)
-            if summary(h).rollout_state == C.ROLLOUT_STATE_PAUSED:
-                break
-        assert summary(h).rollout_state == C.ROLLOUT_STATE_PAUSED
+        await c.serve_until_paused()
         starts = len(h.client.starts("u-0/rank0"))
         c.crash("u-0")
         await c.serve(3)
@@ -350,11 +354,7 @@ async def test_a_spare_of_a_paused_bad_version_is_never_promoted_even_while_it_i
     try:
         ctl.apply_deployment(with_spare(30))  # a version whose engines crash after start
         c.crash_on_start()
-        for _ in range(10):
-            await c.serve(1)
-            if summary(h).rollout_state == C.ROLLOUT_STATE_PAUSED:
-                break
-        assert summary(h).rollout_state == C.ROLLOUT_STATE_PAUSED
+        await c.serve_until_paused()
         bad = [i for i, inst in ctl.instances.items() if inst.revision == 2]
         assert len(bad) == 1 and ctl.instances[bad[0]].spare, "the bad new instance is not the spare"
         bad_spare = bad[0]
