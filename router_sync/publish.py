@@ -30,7 +30,6 @@ class TablePublisher:
         self._lock = asyncio.Lock()
         self._failing: str | None = None
         self._last: dict[str, str | None] | None = None  # the table the front door last took
-        self.pushed = 0  # pushes the front door took
 
     async def push(self, current: Callable[[], dict[str, str | None] | None], again: bool = False) -> None:
         """Push the table `current()` gives when its turn comes (None: not known yet, nothing
@@ -55,7 +54,6 @@ class TablePublisher:
                 self.announce(f"front door {self.url} takes the table again")
                 self._failing = None
             self._last = served
-            self.pushed += 1
 
     async def run(self, current: Callable[[], dict[str, str | None] | None]) -> None:
         """Until cancelled: the table again every `interval` (a restarted front door has none)."""
