@@ -31,7 +31,7 @@ from controller.adoption import Adoption
 from controller.autoscaler import AutoscaleCollector, Autoscaler
 from controller.availability import Availability
 from controller.beat_pacing import BeatPacing
-from controller.claims import NodeClaims, check_registration
+from controller.claims import ConflictLog, NodeClaims, check_registration
 from controller.config import ControllerConfig
 from controller.deployment_state import Deployments
 from controller.deployments import DeploymentChanges
@@ -142,10 +142,11 @@ class Controller(views.ClusterReads):
         self.metrics.heartbeat_interval.set_function(lambda: self.budget.announced)
         self.metrics.node_grace.set_function(self.budget.held_grace)
         self.pacing = BeatPacing(self.state.nodes, clock, self.metrics.heartbeats_refused)
-        self.monitor = NodeMonitor(self.state, config, self.budget, node_client, self.lifecycle, self)
+        conflicts = ConflictLog()  # of RegisterNode's claims, which the node monitor reads
+        self.monitor = NodeMonitor(self.state, config, self.budget, node_client, self.lifecycle, self, conflicts)
         # The fleet aggregates, served beside metrics.registry's (/metrics).
         self.fleet_series = FleetSeries(self.state, lambda: self.monitor.alarm, clock=clock)
-        self.claims = NodeClaims(self.state, config, self.monitor, self.metrics.registrations_refused)
+        self.claims = NodeClaims(self.state, config, self.monitor, self.metrics.registrations_refused, conflicts)
         self.node_stores = NodeStoreAlarms(self.events)
         self.adapters = AdapterSync(self.state, self._spawn)
 
