@@ -19,13 +19,16 @@ import posixpath
 import re
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import aiohttp
 
 from controller.slots import EngineSlot
-from controller.state import ClusterState
 from motor.contract import names
 from motor.v1 import controller_pb2, types_pb2
+
+if TYPE_CHECKING:  # the tables know the deployments, whose checks (controller/validation.py) import this
+    from controller.state import ClusterState
 
 logger = logging.getLogger(__name__)
 
@@ -97,15 +100,15 @@ class AdapterSync:
         st = self.state
         for engine_id in [e for e in self.engines if e not in st.slots]:  # engines gone with their instance
             del self.engines[engine_id]
-        if not st.adapters and not self.engines:
+        if not st.deployments.any_adapters() and not self.engines:
             return  # no deployment has adapters: nothing to look at
         for slot in st.slots.values():
             inst = st.instances.get(slot.instance_id)
-            wanted = st.adapters.get(st.deployment_of(inst), {}) if inst is not None else {}
+            wanted = st.deployments.adapters(st.deployment_of(inst)) if inst is not None else {}
             held = self.engines.get(slot.engine_id)
             if held is not None and held.generation != slot.generation:  # a new copy starts with none loaded
                 del self.engines[slot.engine_id]
-                st.on_change([slot.engine_id])
+                st.engines_changed([slot.engine_id])
                 held = None
             if (not wanted and held is None) or (held is not None and held.busy) or not self._serving(slot):
                 continue

@@ -38,8 +38,11 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from controller import reported as reported_engine
+from controller.deployment_state import Deployments
 from controller.instances import READY, InstanceRecord
+from controller.rollout import DeploymentWrites, Rollouts
 from controller.rollout_plan import index_of
+from controller.spares import Spares
 from controller.state import ClusterState
 from controller.store import StoreUnavailable
 from motor.service.scraped import ScrapedCollector
@@ -159,8 +162,18 @@ class Autoscaler:
     change is being made or while the deployment's rollout is not COMPLETE (progressing or
     paused): the count would add instances of a spec under review."""
 
-    def __init__(self, state: ClusterState, changes, rollouts, spawn: Callable, spares):
-        self.state, self.changes, self.rollouts, self.spawn, self.spares = state, changes, rollouts, spawn, spares
+    def __init__(
+        self,
+        state: ClusterState,
+        deployments: Deployments,
+        changes: DeploymentWrites,
+        rollouts: Rollouts,
+        spawn: Callable,
+        spares: Spares,
+    ):
+        # It reads the deployments from their home and changes them as a rollout does (durable first).
+        self.state, self.deployments, self.changes = state, deployments, changes
+        self.rollouts, self.spawn, self.spares = rollouts, spawn, spares
         self.scalers: dict[tuple[str, str], GroupScaler] = {}
         # (deployment, group, "up" | "down") -> changes made (motor_controller_autoscale_decisions_total)
         self.decisions: dict[tuple[str, str, str], int] = {}
@@ -168,7 +181,7 @@ class Autoscaler:
     def tick(self) -> None:
         now = self.state.mono()
         seen = set()
-        for name, (deployment, _) in list(self.changes.deployments.items()):
+        for name, (deployment, _) in list(self.deployments.by_name.items()):
             held = self._held(name)
             for group in deployment.instance_groups:
                 if not group.HasField("autoscaling"):
@@ -279,7 +292,7 @@ class Autoscaler:
     def keep_counts(self, deployment: C.Deployment) -> C.Deployment:
         """An apply of a file keeps the count the autoscaler reached for a group that stays
         autoscaled (within the file's min .. max): re-applying the same file does not undo it."""
-        current = self.changes.deployments.get(deployment.name)
+        current = self.deployments.by_name.get(deployment.name)
         if current is None:
             return deployment
         counts = {g.name: g.count for g in current[0].instance_groups if g.HasField("autoscaling")}
@@ -330,11 +343,11 @@ class AutoscaleCollector(ScrapedCollector):
             "hour: the target or the delay does not suit the load.",
             labels=["deployment", "group", "direction"],
         )
-        changes = self.scaler.changes.deployments
+        deployments = self.scaler.deployments.by_name
         for (name, group), scaler in sorted(self.scaler.scalers.items()):
             count = (
-                next((g.count for g in changes[name][0].instance_groups if g.name == group), 0)
-                if name in changes
+                next((g.count for g in deployments[name][0].instance_groups if g.name == group), 0)
+                if name in deployments
                 else 0
             )
             desired.add_metric([name, group], count)

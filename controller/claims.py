@@ -140,18 +140,17 @@ class NodeClaims:
     """The gate of RegisterNode: admits a process to a node id or refuses it (FAILED_PRECONDITION),
     re-checks a silent holder before it is replaced, and keeps the conflict log and its events."""
 
-    def __init__(self, state: ClusterState, config: ControllerConfig, monitor: NodeMonitor, refused_counter: Counter):
+    def __init__(
+        self,
+        state: ClusterState,
+        config: ControllerConfig,
+        monitor: NodeMonitor,
+        refused_counter: Counter,
+        conflicts: ConflictLog,
+    ):
         self.state, self.config, self.monitor = state, config, monitor
         self.refused_counter = refused_counter
-        self.conflicts = ConflictLog()
-        monitor.awaited_takeover = self._awaited
-
-    def _awaited(self, holder: NodeRuntime) -> bool:
-        # Asked within the last three intervals: it asks every interval while refused.
-        recent = self.state.mono() - 3 * self.config.heartbeat_interval
-        return bool(holder.info.process.boot_id) and self.conflicts.asking(
-            holder.node_id, holder.info.process.boot_id, recent
-        )
+        self.conflicts = conflicts  # the monitor reads it too: a silent node awaited by a newcomer is not lost
 
     def _judge(self, info: controller_pb2.NodeInfo) -> Claim:
         st = self.state

@@ -31,7 +31,7 @@ from controller.adoption import Adoption
 from controller.autoscaler import AutoscaleCollector, Autoscaler
 from controller.availability import Availability
 from controller.beat_pacing import BeatPacing
-from controller.claims import NodeClaims, check_registration
+from controller.claims import ConflictLog, NodeClaims, check_registration
 from controller.config import ControllerConfig
 from controller.deployment_state import Deployments
 from controller.deployments import DeploymentChanges
@@ -89,10 +89,12 @@ class Controller(views.ClusterReads):
         # False while this controller may not act (an HA leader past its renewal deadline, until
         # it is stopped): the reconcile and node-check passes are skipped.
         self.acting = acting
-        self.state = ClusterState(store, self.events, clock)
+        # Every deployment's spec, revision, indexes and rollout record, in one home.
+        self.deployments = Deployments(store, self.events, clock)
+        # The tables tell this controller of their changes (`engines_changed`, `instance_state_changed`).
+        self.state = ClusterState(store, self.events, clock, self.deployments, listener=self)
         self.events.deployment_of = self.state.deployment_of_id
         self.endpoints = endpoints.EndpointFeed(self.state)
-        self.state.on_change = self.endpoints.changed
         st = self.state
         self.metrics = ControllerMetrics(
             self.state.nodes.counts,
@@ -114,10 +116,7 @@ class Controller(views.ClusterReads):
         availability = Availability(self.state, self.endpoints, doors.routes_to, doors.may_route_to)
         self.spares = Spares(self.state, self.actuator, availability)
         self.lifecycle = EngineLifecycle(self.state, self.actuator, self.generations, self.metrics, self)
-        self.state.on_state_changed = self.spares.state_changed  # the one trigger of a promotion
         self.adoption = Adoption(self.state, self.lifecycle)
-        # Every deployment's spec, revision and rollout record, in one home.
-        self.deployments = Deployments(self.state)
         self.changes = DeploymentChanges(
             self.state,
             self.deployments,
@@ -132,7 +131,9 @@ class Controller(views.ClusterReads):
         self.rollouts = Rollouts(self.state, self.deployments, self.changes, availability, self.actuator)
         self.scheduler = Scheduler(self.state, config, self.lifecycle, self.metrics, self, self.spares, self.rollouts)
         # Runs where the rollouts run: only a started (leading) controller's loops tick it.
-        self.autoscaler = Autoscaler(self.state, self.changes, self.rollouts, self._spawn, self.spares)
+        self.autoscaler = Autoscaler(
+            self.state, self.deployments, self.changes, self.rollouts, self._spawn, self.spares
+        )
         self.metrics.registry.register(AutoscaleCollector(self.autoscaler))
         # The interval node managers are told and the grace their silence is judged by.
         self.budget = HeartbeatBudget(
@@ -141,10 +142,11 @@ class Controller(views.ClusterReads):
         self.metrics.heartbeat_interval.set_function(lambda: self.budget.announced)
         self.metrics.node_grace.set_function(self.budget.held_grace)
         self.pacing = BeatPacing(self.state.nodes, clock, self.metrics.heartbeats_refused)
-        self.monitor = NodeMonitor(self.state, config, self.budget, node_client, self.lifecycle, self)
+        conflicts = ConflictLog()  # of RegisterNode's claims, which the node monitor reads
+        self.monitor = NodeMonitor(self.state, config, self.budget, node_client, self.lifecycle, self, conflicts)
         # The fleet aggregates, served beside metrics.registry's (/metrics).
         self.fleet_series = FleetSeries(self.state, lambda: self.monitor.alarm, clock=clock)
-        self.claims = NodeClaims(self.state, config, self.monitor, self.metrics.registrations_refused)
+        self.claims = NodeClaims(self.state, config, self.monitor, self.metrics.registrations_refused, conflicts)
         self.node_stores = NodeStoreAlarms(self.events)
         self.adapters = AdapterSync(self.state, self._spawn)
 
@@ -205,6 +207,14 @@ class Controller(views.ClusterReads):
         await cancel_and_wait(*self._loops, *self._tasks, owner="controller")
         await self.nodes_client.close()
         await self.adapters.close()
+
+    # ------------------------------------------------------------------ what the tables tell (ClusterState's listener)
+
+    def engines_changed(self, engine_ids: Iterable[str] | None) -> None:
+        self.endpoints.changed(engine_ids)
+
+    def instance_state_changed(self, inst: InstanceRecord, old: int) -> None:
+        self.spares.state_changed(inst, old)  # the one trigger of a promotion
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
         return self._tasks.spawn(coro, name)
@@ -455,5 +465,5 @@ def revision_counts(st: ClusterState) -> dict[tuple[str, int], int]:
     by_group = collections.Counter((i.group, i.revision) for i in st.instances.values())
     counts: collections.Counter = collections.Counter()
     for (group, revision), n in by_group.items():
-        counts[st.group_owner.get(group, ""), revision] += n
+        counts[st.deployments.owner(group), revision] += n
     return counts

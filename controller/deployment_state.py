@@ -1,11 +1,14 @@
-"""Every deployment's state, in one home: its spec and revision (and the indexes ClusterState keeps
-of them for the hot paths: the owner and sizes of each group, the restart policy, the engine
+"""Every deployment's state, in one home: its spec and revision, the indexes the hot paths look
+up (the deployment owning each group and the group's sizes, the restart policy, the engine
 config, the served model, the adapters), the last revision of a deleted one, and its rollout
 record (paused or not and why, the deployment it replaced, since when a failure pauses it).
 
-Writers: a change (controller/deployments.py: `set_deployment`, `record_change`) and a rollout's own moves
-(controller/rollout.py: `move`); readers: the rollouts, the views, the autoscaler. A change
-writes the deployment and its new rollout record together, so nothing is told of it afterwards.
+Writers: a change (controller/deployments.py: `set_deployment`, `record_change`) and a rollout's
+own moves (controller/rollout.py: `move`). Readers go through the named reads below: the tables
+(ClusterState, given this home when it is made, answers "which deployment, which policy, which
+config" for an instance), the rollouts, the spares, the autoscaler, the views and the endpoint
+feed. A change writes the deployment and its new rollout record together, so nothing is told of
+it afterwards.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ import json
 import logging
 from dataclasses import dataclass
 
+from controller.events import EventBus
 from controller.instances import Policy
-from controller.state import ClusterState
-from controller.store import LEGACY_DEPLOYMENT, StoredState, StoreUnavailable
+from controller.store import LEGACY_DEPLOYMENT, Store, StoredState, StoreUnavailable
 from controller.validation import integral_numbers, struct_dict
+from motor.clock import Clock
 from motor.contract import names
 from motor.contract.names import enum_short_name
 from motor.errors import InvalidArgument, NotFound
@@ -83,14 +87,61 @@ class Rollout:
         }
 
 
+# What an instance whose deployment is gone (its removal under way) runs under.
+DEFAULT_POLICY = Policy()
+DEFAULT_CONFIG = "{}"
+
+
 class Deployments:
-    def __init__(self, state: ClusterState):
-        self.state = state
+    def __init__(self, store: Store, events: EventBus, clock: Clock):
+        self.store, self.events, self.clock = store, events, clock
         self.by_name: dict[str, tuple[C.Deployment, int]] = {}  # name -> (deployment, revision)
         # name -> the last revision of a deleted deployment: applied again, it goes on from there.
         self.deleted_revisions: dict[str, int] = {}
         self.rollouts: dict[str, Rollout] = {}
         self._legacy: tuple[bytes, int] | None = None  # loaded from a store of before names: moved by `upgrade`
+        # Indexes of `by_name` for the hot paths (a heartbeat, a scrape, the endpoint feed), kept
+        # by `set_deployment` only and read through the methods below. Group names are unique
+        # across deployments, so a group has one owner.
+        self._owner: dict[str, str] = {}  # group -> deployment
+        self._sizes: dict[str, tuple[int, int]] = {}  # group -> (count, spares)
+        self._policies: dict[str, Policy] = {}
+        self._configs: dict[str, str] = {}  # the engine config its StartEngines carry
+        self._served_models: dict[str, tuple[str, ...]] = {}  # the model names its engines answer to
+        self._adapters: dict[str, dict[str, str]] = {}  # its LoRA adapters, name -> path (only those that have some)
+
+    # ------------------------------------------------------------------ the indexes
+
+    def owner(self, group: str) -> str:
+        """The deployment the instance group belongs to ("" when no deployment has it)."""
+        return self._owner.get(group, "")
+
+    def spares_of(self, group: str) -> int:
+        """The warm spares the group asks for (0 for an unknown group)."""
+        return self._sizes.get(group, (0, 0))[1]
+
+    def groups_with_spares(self) -> list[str]:
+        """Every group that asks for warm spares, by name."""
+        return sorted(group for group, (_, spares) in self._sizes.items() if spares)
+
+    def policy(self, name: str) -> Policy:
+        """The deployment's restart policy (the default for one that is gone)."""
+        return self._policies.get(name, DEFAULT_POLICY)
+
+    def config(self, name: str, default: str = DEFAULT_CONFIG) -> str:
+        """The engine config the deployment's StartEngines carry (`default` for one that is gone)."""
+        return self._configs.get(name, default)
+
+    def served_models(self, name: str) -> tuple[str, ...]:
+        """The model names the deployment's engines answer to (none for one that is gone)."""
+        return self._served_models.get(name, ())
+
+    def adapters(self, name: str) -> dict[str, str]:
+        """The deployment's LoRA adapters, name -> path (empty when it has none)."""
+        return self._adapters.get(name, {})
+
+    def any_adapters(self) -> bool:
+        return bool(self._adapters)
 
     # ------------------------------------------------------------------ reading
 
@@ -122,34 +173,27 @@ class Deployments:
             raise NotFound("name: no deployment has been applied; apply one with `motorctl apply -f FILE`")
         return next(iter(self.by_name))
 
-    def instances_of(self, name: str) -> list[str]:
-        of = self.state.deployment_of
-        return sorted(i for i, inst in self.state.instances.items() if of(inst) == name)
-
     # ------------------------------------------------------------------ writing
 
     def set_deployment(self, name: str, deployment: C.Deployment | None, revision: int) -> None:
-        """The deployment and the indexes ClusterState keeps of it (None: it is gone)."""
-        st = self.state
+        """The deployment and its indexes (None: it is gone)."""
         old = self.by_name.pop(name, None)
         if old is not None:
             for group in old[0].instance_groups:
-                st.group_owner.pop(group.name, None)
-                st.group_sizes.pop(group.name, None)
-            st.policies.pop(name, None)
-            st.configs.pop(name, None)
-            st.served_models.pop(name, None)
-            st.adapters.pop(name, None)
+                self._owner.pop(group.name, None)
+                self._sizes.pop(group.name, None)
+            for index in (self._policies, self._configs, self._served_models, self._adapters):
+                index.pop(name, None)
         if deployment is not None:
             self.by_name[name] = (deployment, revision)
             for group in deployment.instance_groups:
-                st.group_owner[group.name] = name
-                st.group_sizes[group.name] = (group.count, group.spares)
-            st.policies[name] = Policy.from_proto(deployment.restart_policy)
-            st.configs[name] = engine_config_json(deployment)
-            st.served_models[name] = (deployment.model,)
+                self._owner[group.name] = name
+                self._sizes[group.name] = (group.count, group.spares)
+            self._policies[name] = Policy.from_proto(deployment.restart_policy)
+            self._configs[name] = engine_config_json(deployment)
+            self._served_models[name] = (deployment.model,)
             if deployment.adapters:
-                st.adapters[name] = {a.name: a.path for a in deployment.adapters}
+                self._adapters[name] = {a.name: a.path for a in deployment.adapters}
 
     def record_change(self, name: str, revision: int, record: dict | None) -> None:
         """A change of a spec was made in memory (after `set_deployment`): a deleted deployment's
@@ -171,15 +215,15 @@ class Deployments:
             TRANSITIONS.check(f"rollout of {name}", rollout.state, state, reason)
         rollout.state, rollout.reason = state, reason
         if event:
-            self.state.events.emit(C.EVENT_TYPE_ROLLOUT, f"rollout of {name!r}: {reason}", deployment=name, **where)
+            self.events.emit(C.EVENT_TYPE_ROLLOUT, f"rollout of {name!r}: {reason}", deployment=name, **where)
 
     def _from_record(self, record: dict) -> Rollout:
         return Rollout(
             reason=record.get("reason", ""),
             previous=record.get("previous"),
             previous_revision=record.get("previous_revision", 0),
-            since=record.get("since", self.state.wall()),
-            progress_at=self.state.mono(),
+            since=record.get("since", self.clock.time()),
+            progress_at=self.clock.monotonic(),
         )
 
     # ------------------------------------------------------------------ the store
@@ -213,11 +257,11 @@ class Deployments:
         data, revision = self._legacy
         name = C.Deployment.FromString(data).name
         try:
-            with self.state.store.transaction():
+            with self.store.transaction():
                 if name in self.by_name:
                     deployment, revision = self.by_name[name]
-                    self.state.store.save_deployment(deployment.SerializeToString(deterministic=True), revision, name)
-                self.state.store.save_deployment(None, revision, LEGACY_DEPLOYMENT)
+                    self.store.save_deployment(deployment.SerializeToString(deterministic=True), revision, name)
+                self.store.save_deployment(None, revision, LEGACY_DEPLOYMENT)
         except StoreUnavailable as exc:
             logger.warning(
                 "could not move the deployment %r of an older store under its name (%s); tried again at the next start",

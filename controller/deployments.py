@@ -4,7 +4,7 @@ The controller holds any number of deployments, each under its name with its own
 restart policy and engine config. A change concerns one deployment and leaves the others
 alone. Instance ids are "<group>-<index>": an instance group name belongs to one deployment
 (applying a deployment with a group another one has is INVALID_ARGUMENT), so an instance
-belongs to exactly one deployment, found by its group (ClusterState.group_owner).
+belongs to exactly one deployment, found by its group (the deployments' home: `Deployments.owner`).
 
 A change is planned per group (controller/rollout_plan.py: the instances kept, those on an older
 spec left for the rollout to replace (controller/rollout.py) or, with strategy recreate, replaced
@@ -91,11 +91,6 @@ class DeploymentChanges:
         """A change is being made (the old and the new instances are both in memory meanwhile)."""
         return self._one_at_a_time.locked()
 
-    @property
-    def deployments(self) -> dict[str, tuple[C.Deployment, int]]:
-        """name -> (deployment, revision), as the home holds them (for readers)."""
-        return self.home.by_name
-
     # ------------------------------------------------------------------ the calls
 
     def apply_now(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
@@ -177,11 +172,11 @@ class DeploymentChanges:
             return Plan(LEGACY_DEPLOYMENT, None, 1, ended_adoption=True) if self.adoption.waiting else None
         if validated is None:
             plan = Plan(name, None, current[1])
-            plan.removed = [(i, "deleted with the deployment") for i in self.home.instances_of(name)]
+            plan.removed = [(i, "deleted with the deployment") for i in self.state.instances_of(name)]
             return plan
         self._check_groups(validated)
         self._check_model_names(validated)
-        records = [self.state.instances[i] for i in self.home.instances_of(name)]
+        records = [self.state.instances[i] for i in self.state.instances_of(name)]
         layout = yield from plan_layout(validated, records, budget, self.availability.serving)
         if current is not None and (
             validated.SerializeToString(deterministic=True) == current[0].SerializeToString(deterministic=True)
@@ -199,12 +194,12 @@ class DeploymentChanges:
 
     def _check_groups(self, validated: C.Deployment) -> None:
         """INVALID_ARGUMENT when a group name is another deployment's (its instance ids would be too)."""
-        owner = self.state.group_owner
+        owner = self.home.owner
         taken = [
-            f"instance_groups[{i}].name: {g.name!r} is a group of deployment {owner[g.name]!r} (instances are "
+            f"instance_groups[{i}].name: {g.name!r} is a group of deployment {owner(g.name)!r} (instances are "
             "named '<group>-<index>' across all deployments): choose another group name"
             for i, g in enumerate(validated.instance_groups)
-            if owner.get(g.name, validated.name) != validated.name
+            if owner(g.name) not in ("", validated.name)
         ]
         if taken:
             raise InvalidArgument("; ".join(taken))
@@ -322,7 +317,7 @@ class DeploymentChanges:
         before its engines are stopped (they drain)."""
         deployment, revision = self.home.by_name[name]
         plan = Plan(name, deployment, revision, removed=removed)
-        config = self.state.configs[name]
+        config = self.home.config(name)
         plan.new = {
             spec.instance_id: self._new_instance(spec, revision, deployment.model, name, config) for spec in new
         }
@@ -373,7 +368,7 @@ class DeploymentChanges:
         if (inst.paired_instance_id, inst.revision) != (spec.paired_instance_id, revision):
             # Its spec is the new revision's too (a change of the restart policy, the strategy, another group).
             inst.paired_instance_id, inst.revision = spec.paired_instance_id, revision
-            inst.config = self.state.configs.get(self.state.deployment_of(inst), inst.config)
+            inst.config = self.home.config(self.state.deployment_of(inst), inst.config)
             self.state.save_instance(inst)
         if inst.state == FAILED:
             self.retry_failed(inst)

@@ -66,7 +66,7 @@ def listing(state: ClusterState, slot: EngineSlot | None) -> Listed | None:
     inst = state.instances[slot.instance_id]
     deployment = state.deployment_of(inst)
     # The model the instance was started to serve (a renamed model's old engines keep the old name).
-    models = (inst.model,) if inst.model else state.served_models.get(deployment, ())
+    models = (inst.model,) if inst.model else state.deployments.served_models(deployment)
     adapters = state.engine_adapters.get(slot.engine_id)
     if adapters is not None and adapters.loaded:  # only the adapters that did load
         models = (*models, *sorted(adapters.loaded))

@@ -156,7 +156,7 @@ def engine_targets(state: ClusterState) -> list[dict]:
             "node_id": slot.node_id,
             "role": role_name(inst.role),
             "deployment": deployment,
-            "model": next(iter(state.served_models.get(deployment, ())), ""),
+            "model": next(iter(state.deployments.served_models(deployment)), ""),
         }
         targets.append({"targets": [f"{slot.host}:{slot.port}"], "labels": labels_})
     return targets

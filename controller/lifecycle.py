@@ -113,7 +113,7 @@ class EngineLifecycle:
             slot.stop_grace = pbtime.seconds(engine.stop_grace)
         if (slot.draining, slot.sleeping) != (engine.draining, engine.sleeping):
             slot.draining, slot.sleeping = engine.draining, engine.sleeping
-            self.state.on_change([slot.engine_id])
+            self.state.engines_changed([slot.engine_id])
         if slot.not_serving_reason != engine.not_serving_reason:
             self._serving_changed(slot, node.node_id, engine.not_serving_reason)
         if slot.state == engine.state and slot.health == engine.health and slot.health_reason == engine.health_reason:
@@ -127,7 +127,7 @@ class EngineLifecycle:
         ):
             self.metrics.recovery_seconds.observe(self.state.mono() - slot.failed_at)
             slot.failed_at = None
-        self.state.on_change([slot.engine_id])
+        self.state.engines_changed([slot.engine_id])
         if engine.state in DEAD_ENGINE_STATES and slot.handled_failure_generation != generation:
             self.engine_failed(slot, node.node_id, reason or engine.state_reason or exit_words(engine))
             return
@@ -139,7 +139,7 @@ class EngineLifecycle:
         """The engine's stall watchdog changed its mind: out of (or back into) the endpoints now,
         and an event that names why."""
         slot.not_serving_reason = sys.intern(reason)
-        self.state.on_change([slot.engine_id])
+        self.state.engines_changed([slot.engine_id])
         if reason:
             what = f"engine {slot.engine_id} on {node_id} not serving: {reason}; out of the endpoints"
         else:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from google.protobuf.duration_pb2 import Duration
 
@@ -32,6 +32,9 @@ from motor.contract import node_process
 from motor.contract.heartbeats import MAX_BACKOFF
 from motor.v1 import controller_pb2, types_pb2
 
+if TYPE_CHECKING:  # controller/claims.py, which keeps the log, asks this monitor to re-check a holder
+    from controller.claims import ConflictLog
+
 C, T = controller_pb2, types_pb2
 logger = logging.getLogger(__name__)
 
@@ -45,14 +48,22 @@ class NodeMonitor:
         client: NodeClient,
         lifecycle: EngineLifecycle,
         loop: ControllerLoop,
+        conflicts: ConflictLog,
     ):
         self.state, self.config, self.budget, self.client = state, config, budget, client
         self.lifecycle, self.loop = lifecycle, loop
+        # The node-id conflicts RegisterNode refuses (controller/claims.py keeps them).
+        self.conflicts = conflicts
         self.alarm = ""
-        # Set by the controller: whether a process on the node's host is asking for its node id
-        # (then that one takes the node over, engines and all, instead of the node being lost).
-        self.awaited_takeover: Callable[[NodeRuntime], bool] = lambda node: False
         self._rechecks: dict[str, asyncio.Task] = {}
+
+    def awaited_takeover(self, node: NodeRuntime) -> bool:
+        """A process on the node's host asks for its node id (then that one takes the node over,
+        engines and all, instead of the node being lost): asked within the last three intervals,
+        as it asks every interval while refused."""
+        recent = self.state.mono() - 3 * self.config.heartbeat_interval
+        boot_id = node.info.process.boot_id
+        return bool(boot_id) and self.conflicts.asking(node.node_id, boot_id, recent)
 
     def check(self) -> None:
         """One pass of the node monitor (every min(0.5 s, heartbeat interval / 2))."""

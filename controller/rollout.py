@@ -369,7 +369,7 @@ class Rollouts:
     # ------------------------------------------------------------------ what a unit is
 
     def _records(self, name: str) -> list[InstanceRecord]:
-        return [self.state.instances[i] for i in self.deployments.instances_of(name)]
+        return [self.state.instances[i] for i in self.state.instances_of(name)]
 
     def _revision(self, name: str) -> int:
         return self.deployments.by_name[name][1]

@@ -14,8 +14,9 @@ on a node that holds no serving instance of its group where one has room (`avoid
   ABNORMAL, e.g. dead while the node manager still kills its tree) and a spare of its group is
   READY, the two swap flags in one store transaction: the spare is routed at once, the other
   goes on as the new spare (restarting if it failed). One trigger: every instance state change
-  (ClusterState.transition -> `state_changed`), where the failure paths record what happened.
-  Ids and counts never change, so a controller restart reads back exactly who serves.
+  (ClusterState.transition -> its listener, the Controller -> `state_changed`), where the
+  failure paths record what happened. Ids and counts never change, so a controller restart
+  reads back exactly who serves.
 - A P/D pair (a prefill instance and its decode partner) is promoted whole: the READY spare pair
   takes the place of the pair whose member failed, and the failed pair becomes the spare pair.
   A data-parallel instance is one instance: its ranks are promoted together.
@@ -74,7 +75,7 @@ class Spares:
     def ready_spare(self, group: str, replacing: list[InstanceRecord] = ()) -> list[InstanceRecord] | None:
         """A READY and proven spare unit of the group (lowest index first) to serve in place of
         `replacing` (nothing: as added capacity), or None."""
-        if not self.state.group_sizes.get(group, (0, 0))[1]:
+        if not self.state.deployments.spares_of(group):
             return None
         for inst in self.members(group):
             if inst.spare and inst.state == READY:
@@ -181,7 +182,7 @@ class Spares:
         for inst in unit:
             inst.spare = spare
             st.save_instance(inst)
-            st.on_change([s.engine_id for s in st.slots_of(inst.instance_id)])
+            st.engines_changed([s.engine_id for s in st.slots_of(inst.instance_id)])
 
     # ------------------------------------------------------------------ room for serving instances
 
@@ -204,9 +205,7 @@ class Spares:
         rank whose accelerators would give it room (`helps`). True when one was preempted (the
         next pass places `waiting`)."""
         st = self.state
-        for group, (_, spares) in sorted(st.group_sizes.items()):
-            if not spares:
-                continue
+        for group in st.deployments.groups_with_spares():
             for inst in self.members(group):
                 if not inst.spare or inst.state in (PENDING, FAILED):
                     continue

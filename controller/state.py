@@ -1,6 +1,9 @@
 """What the controller knows, shared by its parts: the node, slot and instance tables, the
 instances that need attention, and the few rules every part follows when it changes them (an
 instance changes state through `transition`, stored and announced; slots and nodes are saved).
+Which deployment, restart policy and engine config an instance has, it asks the deployments'
+home (controller/deployment_state.py); what it changes, it tells its listener (the endpoint
+feed and the spares), both given when it is made.
 """
 
 from __future__ import annotations
@@ -8,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Protocol
 
+from controller.deployment_state import Deployments
 from controller.events import EventBus
 from controller.instances import (
     DEGRADED,
@@ -36,9 +41,39 @@ logger = logging.getLogger(__name__)
 C, T = controller_pb2, types_pb2
 
 
+class StateListener(Protocol):
+    """What hears of the tables' changes (the Controller, for its endpoint feed and its spares)."""
+
+    def engines_changed(self, engine_ids: Iterable[str] | None) -> None:
+        """Something that decides whether these engines (None: any engine) can serve may have changed."""
+
+    def instance_state_changed(self, inst: InstanceRecord, old: int) -> None:
+        """An instance changed state (`old`: its state before)."""
+
+
+class NoListener:
+    """Tables nobody listens to (a unit test's, a benchmark's)."""
+
+    def engines_changed(self, engine_ids: Iterable[str] | None) -> None:
+        pass
+
+    def instance_state_changed(self, inst: InstanceRecord, old: int) -> None:
+        pass
+
+
 class ClusterState:
-    def __init__(self, store: Store, events: EventBus, clock: Clock):
+    def __init__(
+        self,
+        store: Store,
+        events: EventBus,
+        clock: Clock,
+        deployments: Deployments | None = None,
+        listener: StateListener | None = None,
+    ):
         self.store, self.events, self.clock = store, events, clock
+        # Every deployment's spec and indexes; the tables only read it.
+        self.deployments = deployments or Deployments(store, events, clock)
+        self.listener = listener or NoListener()
         # The two readings every rule takes, by their short names.
         self.mono, self.wall = clock.monotonic, clock.time
         self.nodes = NodeTable()
@@ -46,20 +81,8 @@ class ClusterState:
         self.instances: dict[str, InstanceRecord] = {}
         # Instances with something left to do (place, launch, restart); the rest cost nothing.
         self.attention: set[str] = set()
-        # From the deployments (controller/deployments.py): the deployment each instance group
-        # belongs to (group names are unique across deployments), and each deployment's restart
-        # policy and the engine config its StartEngines carry.
-        self.group_owner: dict[str, str] = {}
-        self.group_sizes: dict[str, tuple[int, int]] = {}  # group -> (count, spares)
-        self.policies: dict[str, Policy] = {}
-        self.configs: dict[str, str] = {}
-        self.served_models: dict[str, tuple[str, ...]] = {}  # the model names its engines answer to
-        self.adapters: dict[str, dict[str, str]] = {}  # its LoRA adapters, name -> path (only those that have some)
         # Engine id -> the adapters loaded into its current copy (controller/adapters.py).
         self.engine_adapters: dict = {}
-        # For an instance whose deployment is gone (its removal is under way).
-        self.policy = Policy()
-        self.config_json = "{}"
         # Write-behind of what already happened (a failure, a restart, a node's report): the
         # rows changed since the last successful write, by table. A write the store refuses
         # (a full disk) leaves them here; `flush` tries again with backoff until it lands.
@@ -75,31 +98,36 @@ class ClusterState:
         self._flush_scheduled = False
         self.store_failures = 0  # refused writes in the current spell (0: the store works)
         self.store_retry_at = 0.0  # monotonic
-        self.on_store_failure: Callable[[StoreUnavailable], None] = lambda exc: None
-        # Called after anything that may change which engines can serve (the endpoint feed),
-        # with the ids of the engines it may concern (None: any engine).
-        self.on_change: Callable[[Iterable[str] | None], None] = lambda engine_ids=None: None
-        # Called after an instance changed state, with its old state (a warm spare may take a
-        # serving instance's place: controller/spares.py).
-        self.on_state_changed: Callable[[InstanceRecord, int], None] = lambda inst, old: None
+
+    def engines_changed(self, engine_ids: Iterable[str] | None = None) -> None:
+        """After anything that may change which engines can serve (the endpoint feed hears it),
+        with the ids of the engines it may concern (None: any engine)."""
+        self.listener.engines_changed(engine_ids)
+
+    # ------------------------------------------------------------------ an instance's deployment
 
     def deployment_of(self, inst: InstanceRecord) -> str:
-        return self.group_owner.get(inst.group) or inst.deployment
+        return self.deployments.owner(inst.group) or inst.deployment
 
     def deployment_of_id(self, instance_id: str) -> str:
         """The deployment of an instance id, also of one just removed ("<group>-<index>")."""
         inst = self.instances.get(instance_id)
         if inst is not None:
             return self.deployment_of(inst)
-        return self.group_owner.get(instance_id.rpartition("-")[0], "")
+        return self.deployments.owner(instance_id.rpartition("-")[0])
+
+    def instances_of(self, name: str) -> list[str]:
+        """The ids of the deployment's instances, sorted."""
+        of = self.deployment_of
+        return sorted(i for i, inst in self.instances.items() if of(inst) == name)
 
     def policy_of(self, inst: InstanceRecord) -> Policy:
         """The restart policy of the instance's deployment (its own crash-loop budget)."""
-        return self.policies.get(self.deployment_of(inst), self.policy)
+        return self.deployments.policy(self.deployment_of(inst))
 
     def config_of(self, inst: InstanceRecord) -> str:
         """The engine_config of the revision the instance runs (its record's), not the latest apply's."""
-        return inst.config or self.configs.get(self.deployment_of(inst), self.config_json)
+        return inst.config or self.deployments.config(self.deployment_of(inst))
 
     def placement_order(self, instance_id: str) -> tuple[bool, float, str]:
         """Serving instances before warm spares, then first come, first served across deployments:
@@ -123,17 +151,17 @@ class ClusterState:
             type_, message, node_id=node_id, instance_id=instance_id, engine_id=engine_id, deployment=deployment
         )
         if not (node_id or instance_id or engine_id):
-            self.on_change(None)  # a deployment change, an alarm: anything may have changed
+            self.engines_changed(None)  # a deployment change, an alarm: anything may have changed
             return
         if engine_id:  # about one engine (started, failed, fenced): only its endpoint may change
-            self.on_change([engine_id])
+            self.engines_changed([engine_id])
             return
         concerned: set[str] = set()
         if instance_id:
             concerned.update(s.engine_id for s in self.slots_of(instance_id))
         if node_id:
             concerned.update(s.engine_id for s in self.slots.placed_on(node_id))
-        self.on_change(concerned)
+        self.engines_changed(concerned)
 
     def save_instance(self, inst: InstanceRecord) -> None:
         self._changed("instances", inst.instance_id)
@@ -205,7 +233,6 @@ class ClusterState:
         """A write the store refused: counted (metric), one ALARM event per spell, retried later."""
         self.store_failures += 1
         self.store_retry_at = self.mono() + backoff_delay(self.store_failures, 1.0, 30.0)
-        self.on_store_failure(exc)
         if worth_reporting(self.store_failures):
             logger.warning("store write refused (%d in a row): %s", self.store_failures, exc)
         if self.store_failures == 1:
@@ -256,7 +283,7 @@ class ClusterState:
                 instance_id=inst.instance_id,
                 deployment=self.deployment_of(inst),
             )
-            self.on_state_changed(inst, old)
+            self.listener.instance_state_changed(inst, old)
 
     def slots_of(self, instance_id: str) -> list[EngineSlot]:
         inst = self.instances.get(instance_id)
@@ -265,7 +292,7 @@ class ClusterState:
     def unplace(self, slot: EngineSlot, moved: bool = True) -> None:
         self.slots.unplace(slot, moved)
         self.attention.add(slot.instance_id)
-        self.on_change([slot.engine_id])
+        self.engines_changed([slot.engine_id])
 
     def evaluate_node(self, node_id: str) -> None:
         """Re-derive the state of every instance with a rank on the node (its state changed)."""

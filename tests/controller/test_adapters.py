@@ -148,7 +148,7 @@ async def test_an_adapter_may_not_take_another_deployment_s_model_name(harness):
                 [{"name": "a", "role": "union"}], name="depa", model="sim-a", adapters=[{"name": "sim-b", "path": "x"}]
             )
         )
-    assert "depa" not in ctl.changes.deployments
+    assert "depa" not in ctl.deployments.by_name
     ctl.apply_deployment(
         small_deployment(
             [{"name": "a", "role": "union"}], name="depa", model="sim-a", adapters=[{"name": "sim-a-lora", "path": "x"}]

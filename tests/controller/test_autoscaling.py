@@ -39,7 +39,7 @@ def events(h: Harness) -> list[str]:
 
 
 def count(h: Harness) -> int:
-    return h.controller.changes.deployments["t"][0].instance_groups[0].count
+    return h.controller.deployments.by_name["t"][0].instance_groups[0].count
 
 
 async def running(h: Harness, **kw) -> None:
@@ -150,7 +150,7 @@ async def test_a_pd_pair_scales_as_one_on_the_larger_of_its_two_loads(harness):
     await all_ready(harness, NODES, 4)
 
     def counts() -> tuple[int, ...]:
-        return tuple(g.count for g in harness.controller.changes.deployments["t"][0].instance_groups)
+        return tuple(g.count for g in harness.controller.deployments.by_name["t"][0].instance_groups)
 
     load(harness, {"d-0": 12})  # the decode side is the busy one: three pairs
     async with harness.beating(*NODES):
@@ -186,7 +186,7 @@ async def test_unpaired_prefill_and_decode_groups_scale_each_on_its_own_load(har
     await all_ready(harness, NODES, 2)
 
     def counts() -> tuple[int, ...]:
-        return tuple(g.count for g in harness.controller.changes.deployments["t"][0].instance_groups)
+        return tuple(g.count for g in harness.controller.deployments.by_name["t"][0].instance_groups)
 
     load(harness, {"p-0": 12, "d-0": 2})  # long prompts: prefill needs three engines, decode one
     async with harness.beating(*NODES):

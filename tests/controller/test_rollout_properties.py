@@ -69,7 +69,7 @@ class Checked(Cluster):
         return self.h.controller
 
     def deployment(self) -> tuple[C.Deployment, int] | None:
-        return self.ctl.changes.deployments.get("t")
+        return self.ctl.deployments.by_name.get("t")
 
     def applied(self, deployment: C.Deployment, revision: int, version: int) -> None:
         data = deployment.SerializeToString(deterministic=True)

@@ -28,7 +28,7 @@ class Cluster:
 
     def crash_on_start(self) -> None:
         """The deployment as applied last (validated: defaults filled in) does not load."""
-        self.bad.add(GroupSpecs(self.h.controller.changes.deployments["t"][0]).hashes["u"])
+        self.bad.add(GroupSpecs(self.h.controller.deployments.by_name["t"][0]).hashes["u"])
 
     def crash(self, instance_id: str) -> None:
         for engine in self.h.client.engines["node-a"].values():
