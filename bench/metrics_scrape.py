@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.controller_memory import build  # noqa: E402
 from controller.gc_tuning import TenuredCollections  # noqa: E402
 from motor.ports import free_port  # noqa: E402
-from motor.service.loop_lag import cpu_wait  # noqa: E402
+from motor.service.loop_lag import timer_lags  # noqa: E402
 from motor.service.metrics_http import ServiceTelemetry  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -60,13 +60,9 @@ class Ticker:
         self.tick, self.lateness, self.held = tick, [], []
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            due, waited = loop.time() + self.tick, cpu_wait()
-            await asyncio.sleep(self.tick)
-            late = max(0.0, loop.time() - due)
+        async for late, held in timer_lags(self.tick):
             self.lateness.append(late)
-            self.held.append(late if waited is None else max(0.0, late - (cpu_wait() - waited)))
+            self.held.append(held)
 
 
 async def scrape_once(port: int, identity: bool, ticker: Ticker) -> dict:

@@ -138,18 +138,11 @@ class ClusterState:
             return (False, 0.0, instance_id)
         return (inst.spare, inst.state_changed_at if inst.state == PENDING else 0.0, instance_id)
 
-    def event(
-        self,
-        type_: int,
-        message: str,
-        node_id: str = "",
-        instance_id: str = "",
-        engine_id: str = "",
-        deployment: str = "",
-    ) -> None:
-        self.events.emit(
-            type_, message, node_id=node_id, instance_id=instance_id, engine_id=engine_id, deployment=deployment
-        )
+    def event(self, type_: int, message: str, **about: str) -> None:
+        """An event (`about`: its node_id, instance_id, engine_id, deployment, as `EventBus.emit`
+        takes them), and to the endpoint watchers the engines it may have changed."""
+        self.events.emit(type_, message, **about)
+        node_id, instance_id, engine_id = (about.get(name, "") for name in ("node_id", "instance_id", "engine_id"))
         if not (node_id or instance_id or engine_id):
             self.engines_changed(None)  # a deployment change, an alarm: anything may have changed
             return

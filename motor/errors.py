@@ -17,51 +17,44 @@ logger = logging.getLogger(__name__)
 
 
 class MotorError(Exception):
-    """Base class: an error a caller can act on. The message must say what to fix."""
+    """Base class: an error a caller can act on. The message must say what to fix. A subclass
+    names the status code it is answered with in its header (`code=`); it inherits its parent's
+    otherwise."""
 
     code = grpc.StatusCode.INTERNAL
 
+    def __init_subclass__(cls, code: grpc.StatusCode | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
 
-class InvalidArgument(MotorError):
+
+class InvalidArgument(MotorError, code=grpc.StatusCode.INVALID_ARGUMENT):
     """The request itself is wrong (a field, a name, a value out of range): fix it and send it again."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
 
-
-class NotFound(MotorError):
+class NotFound(MotorError, code=grpc.StatusCode.NOT_FOUND):
     """What the request names (a deployment, node, engine, instance) does not exist."""
 
-    code = grpc.StatusCode.NOT_FOUND
 
-
-class AlreadyExists(MotorError):
+class AlreadyExists(MotorError, code=grpc.StatusCode.ALREADY_EXISTS):
     """What the request would create exists already, in another form (an engine id running another spec)."""
 
-    code = grpc.StatusCode.ALREADY_EXISTS
 
-
-class FailedPrecondition(MotorError):
+class FailedPrecondition(MotorError, code=grpc.StatusCode.FAILED_PRECONDITION):
     """Valid, but not now or not here: the state of what it names refuses it (e.g. sleep on a CPU build)."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
 
-
-class Unavailable(MotorError):
+class Unavailable(MotorError, code=grpc.StatusCode.UNAVAILABLE):
     """Cannot be done for the moment (not registered yet, leadership lost, no etcd quorum): retry."""
 
-    code = grpc.StatusCode.UNAVAILABLE
 
-
-class ResourceExhausted(MotorError):
+class ResourceExhausted(MotorError, code=grpc.StatusCode.RESOURCE_EXHAUSTED):
     """A limit is reached (engines per node, a heartbeat rate, a subscriber's queue); the message names it."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
-
-class ConfigError(MotorError):
+class ConfigError(MotorError, code=grpc.StatusCode.INVALID_ARGUMENT):
     """A configuration value is wrong; the message names the field. Entry points exit with 2."""
-
-    code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 # gRPC carries a status message in a trailer (16 KiB at most, whole metadata): a message that

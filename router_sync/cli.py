@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import sys
 
 from motor.service.grpc_server import TlsFiles
-from motor.service.logs import LOG_LEVELS
+from motor.service.logs import LOG_LEVELS, setup_logging
 from motor.service.signals import stop_event
 from router_sync.admin import RouterAdmin
 from router_sync.follow import follow
@@ -134,9 +133,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    logging.basicConfig(
-        level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(args.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per admin call otherwise
     asyncio.run(serve(args))
     return 0

@@ -26,7 +26,7 @@ import time
 from aiohttp import web
 from prometheus_client import Gauge
 
-from motor.service.logs import LOG_LEVELS
+from motor.service.logs import LOG_LEVELS, setup_logging
 from motor.service.signals import stop_event
 from router_sync.front import FrontDoor
 
@@ -133,9 +133,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    logging.basicConfig(
-        level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(args.log_level)
     asyncio.run(serve(args))
     return 0
 

@@ -106,6 +106,28 @@ class EngineBackend(abc.ABC):
     # server asks its node manager to wait between SIGTERM and SIGKILL (EngineStatus.stop_grace).
     shutdown_grace: float = 5.0
 
+    def __init_subclass__(
+        cls,
+        engine_type: str | None = None,
+        can_sleep: bool | None = None,
+        args_model: type[BaseModel] | None = None,
+        slow_check_args: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """A backend states its class facts in its header, e.g.
+        `class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=SimArgs)`;
+        a fact it leaves out keeps the default above (or its own property, as vLLM's can_sleep)."""
+        super().__init_subclass__(**kwargs)
+        facts = {
+            "engine_type": engine_type,
+            "can_sleep": can_sleep,
+            "args_model": args_model,
+            "slow_check_args": slow_check_args,
+        }
+        for name, value in facts.items():
+            if value is not None:
+                setattr(cls, name, value)
+
     def __init__(self, options: EngineOptions):
         self.options = options
         # The engine_args as a model instance, for engines with an args_model.

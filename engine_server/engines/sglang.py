@@ -70,11 +70,7 @@ def describe_exit(returncode: int) -> str:
     return f"SGLang {describe_returncode(returncode)}"
 
 
-class SglangEngine(EngineBackend):
-    engine_type = "sglang"
-    can_sleep = False
-    args_model = SglangArgs
-
+class SglangEngine(EngineBackend, engine_type="sglang", args_model=SglangArgs):
     def __init__(self, options: EngineOptions):
         super().__init__(options)
         self.command = sglang_command(self.args, options)

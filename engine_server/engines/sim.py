@@ -128,11 +128,7 @@ class _SimSampler(UtilizationSampler):
         return 0.0 if self.engine.sleeping else self.engine.faults.utilization
 
 
-class SimEngine(EngineBackend):
-    engine_type = "sim"
-    can_sleep = True
-    args_model = SimArgs
-
+class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=SimArgs):
     def __init__(self, options: EngineOptions):
         super().__init__(options)
         self.faults = self._initial_faults()

@@ -57,7 +57,7 @@ HTTP_SHUTDOWN_TIMEOUT_S = 5.0
 ENGINE_STOP_MARGIN_S = 5.0
 
 
-class VllmEngine(EngineBackend):
+class VllmEngine(EngineBackend, engine_type="vllm", slow_check_args=True):
     """vLLM (0.32) in-process, serving its OpenAI API on options.host:options.port.
 
     vLLM runs on its own event loop (uvloop, as under `vllm serve`) in a thread: its API server
@@ -65,9 +65,6 @@ class VllmEngine(EngineBackend):
     docs/vllm.md), and a blocked vLLM loop must not stall the management plane, which keeps
     answering and probing on the engine server's loop. Cross-loop calls are few: start, the
     death notices, sleep/wake_up, shutdown; in_flight_requests only reads."""
-
-    engine_type = "vllm"
-    slow_check_args = True
 
     def __init__(self, options: EngineOptions):
         super().__init__(options)

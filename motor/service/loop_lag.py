@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -47,6 +48,19 @@ def cpu_wait() -> float | None:
         return None
 
 
+async def timer_lags(interval: float) -> AsyncIterator[tuple[float, float]]:
+    """Forever, every `interval` seconds: (how late the loop ran a timer due then, of that the
+    time the loop held it: the lag less the thread's wait for a CPU meanwhile, where known)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due, waited = loop.time() + interval, cpu_wait()
+        await asyncio.sleep(interval)
+        lag = max(0.0, loop.time() - due)
+        now_waited = cpu_wait()
+        held = lag if waited is None or now_waited is None else max(0.0, lag - (now_waited - waited))
+        yield lag, held
+
+
 def lag_histogram(registry: CollectorRegistry | None) -> Histogram:
     return Histogram("motor_event_loop_lag_seconds", LAG_HELP, buckets=LAG_BUCKETS, registry=registry)
 
@@ -65,14 +79,9 @@ class EventLoopLag:
         return self._task
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            due, waited = loop.time() + self.interval, cpu_wait()
-            await asyncio.sleep(self.interval)
-            lag = max(0.0, loop.time() - due)
+        async for lag, held in timer_lags(self.interval):
             self.histogram.observe(lag)
-            now_waited = cpu_wait()
-            self.blocked.observe(lag if waited is None or now_waited is None else max(0.0, lag - (now_waited - waited)))
+            self.blocked.observe(held)
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -15,7 +15,7 @@ import pytest
 
 from motor.ports import free_port
 from motor.v1 import controller_pb2 as C
-from motorctl.local_cluster import ManagedProcess, script_path
+from motorctl.local_cluster import ManagedProcess
 from tests.controller.test_real_processes import GRACE, HEARTBEAT, Cluster, apply, make_cluster, sim_deployment  # noqa: F401
 from tests.support import process_alive, wait_for
 
@@ -44,39 +44,22 @@ def start_second(
     name: str = "second",
     engine_ports_from: int | None = None,
 ) -> tuple[ManagedProcess, int]:
-    """A second node manager for `node_id` with its own --listen and --state-dir (<node id>-<name>)
-    and engine ports (500 from `engine_ports_from`); under TLS presenting `certificate`'s pair of the
+    """A second node manager for `node_id`, started as the cluster starts its own (`node_command`)
+    but with its own --listen, --state-dir (<node id>-<name>), /metrics port and engine ports (500
+    from `engine_ports_from`); under TLS presenting `certificate`'s pair of the
     cluster's PKI, by default the node id's own."""
     port = free_port()
     first_engine_port = engine_ports_from or cluster.engine_port_base + 2000
-    argv = [
-        script_path("motor-node-manager"),
-        "--node-id",
-        node_id,
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--controller",
-        cluster.controller_address,
-        "--host",
-        "127.0.0.1",
-        "--accelerators",
-        ",".join(str(i) for i in range(cluster.accelerators_per_node)),
-        "--accelerator-type",
-        "sim",
-        "--port-range",
-        f"{first_engine_port}-{first_engine_port + 499}",
-        "--state-dir",
-        os.path.join(cluster.run_dir, f"{node_id}-{name}"),
-        "--heartbeat-interval",
-        str(cluster.heartbeat_interval),
-        "--abnormal-threshold",
-        str(cluster.abnormal_threshold),
-        "--engine-command",
-        script_path("engine_server"),
-        "--metrics-port",
-        "0",  # the default 9472 may be another node manager's on this machine
-        *cluster.tls_flags(certificate or node_id),
-    ]
+    own = {
+        "--port-range": f"{first_engine_port}-{first_engine_port + 499}",
+        "--state-dir": os.path.join(cluster.run_dir, f"{node_id}-{name}"),
+        "--metrics-port": "0",  # the first node manager's port is taken
+    }
+    tls = cluster.tls_flags(certificate or node_id)
+    own.update(zip(tls[::2], tls[1::2]))
+    argv = cluster.node_command(node_id, 0, port)
+    for flag, value in own.items():
+        argv[argv.index(flag) + 1] = value
     managed = cluster._launch(node_id if name == "second" else f"{node_id}-{name}", argv)
     cluster.wait_serving(f"127.0.0.1:{port}", 30, cluster.credentials())
     return managed, port
