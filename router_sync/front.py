@@ -56,7 +56,15 @@ MODEL_PATHS = frozenset(
     }
 )
 # What changes the router or its engines: only the sync (and Motor's controller) may.
-ADMIN_PATHS = ("/add_worker", "/remove_worker", "/workers", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+# (`/flush_cache`: the router sends it to every engine, and SGLang's drop their prefix cache.)
+ADMIN_PATHS = (
+    "/add_worker",
+    "/remove_worker",
+    "/workers",
+    "/flush_cache",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+)
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -71,6 +79,9 @@ HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
+# Request bodies aiohttp's server decodes as it reads them (aiohttp/http_parser.py): the body passed on
+# is the decoded one, so its Content-Encoding must not go with it (the engine would decode it again).
+DECODED_ENCODINGS = frozenset({"gzip", "deflate", "br", "zstd"})
 MAX_BODY = 256 * 1024 * 1024  # the router's own default --max-payload-size
 WHOLE_BODY = 1024 * 1024  # an answer with a Content-Length up to this is passed in one write
 
@@ -242,6 +253,8 @@ class FrontDoor:
     async def _pass(self, request: web.Request, body: bytes | None, label: str) -> web.StreamResponse:
         assert self.session is not None
         headers = end_to_end(request.headers)
+        if headers.get("Content-Encoding", "").lower() in DECODED_ENCODINGS:
+            del headers["Content-Encoding"]
         began = time.monotonic()
         response: web.StreamResponse | None = None
         self.metrics.in_flight.inc()
@@ -263,7 +276,12 @@ class FrontDoor:
                     response.content_length = length
                 await response.prepare(request)
                 async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)  # waits while the client has not taken the last one
+                    try:
+                        await response.write(chunk)  # waits while the client has not taken the last one
+                    except ConnectionResetError:
+                        # The client went (a stop button): the router answered; not its failure.
+                        self.metrics.requests.labels(label, str(upstream.status)).inc()
+                        return response
                 await response.write_eof()
                 self.metrics.requests.labels(label, str(upstream.status)).inc()
                 return response

@@ -5,6 +5,7 @@ list, vLLM's 404 naming the served models, a request without `model`, streams ch
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import time
 
@@ -201,3 +202,51 @@ async def test_a_stream_passes_through_event_by_event(door, slow_stream):
     assert [a[0] for a in arrivals] == [b"data: 0", b"data: 1", b"data: 2", b"data: 3", b"data: 4", b"data: [DONE]"]
     # the first event arrives long before the last was sent (1 s later): nothing is held back
     assert arrivals[0][1] < arrivals[-1][1] - 0.5
+
+
+async def test_a_compressed_request_is_served_and_leaves_its_model_served(door, chat_and_embed):  # noqa: F811
+    """A client that gzips its request body: the front door reads it decoded (to see the model) and
+    must send it on as what it is. Sent on still marked gzip, the engine failed it with 500, the
+    router retried it onto the model's engine until its circuit opened, and every request for the
+    model got 503 for the next 30 s: one request took a model down."""
+    door.apply(snapshot(served(chat_and_embed["chat-0"], "chat", "sim-chat")))
+    await until(lambda: "sim-chat" in door.running.sync.served(), what="sim-chat in the router")
+    body = gzip.compress(json.dumps({"model": "sim-chat", "prompt": "hi", "max_tokens": 2}).encode())
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    async with door.session.post(door.url + "/v1/completions", data=body, headers=headers) as reply:
+        assert reply.status == 200, await reply.text()
+        assert (await reply.json())["model"] == "sim-chat"
+    assert await door.answers("sim-chat", count=6) == [(200, "sim-chat")] * 6
+
+
+async def test_the_routers_cache_flush_is_refused_on_the_published_port(door, chat_and_embed):  # noqa: F811
+    """vllm-router's `POST /flush_cache` sends a cache flush to every engine it has (SGLang's
+    engines drop their whole prefix cache): an admin call, not a client's."""
+    door.apply(snapshot(served(chat_and_embed["chat-0"], "chat", "sim-chat")))
+    await until(lambda: "sim-chat" in door.running.sync.served(), what="sim-chat in the router")
+    status, answer = await door.request("POST", "/flush_cache")
+    assert status == 403 and answer["error"]["type"] == "PermissionDeniedError"
+
+
+async def test_a_client_leaving_mid_stream_is_no_router_error(door, chat_and_embed):  # noqa: F811
+    """A chat user who stops a generation closes the stream: the router answered, the client went.
+    Counting it as the router's failure (and as a 502 never sent) would page on every stop button."""
+    door.apply(snapshot(served(chat_and_embed["chat-0"], "chat", "sim-chat")))
+    await until(lambda: "sim-chat" in door.running.sync.served(), what="sim-chat in the router")
+    for _ in range(30):
+        reader, writer = await asyncio.open_connection("127.0.0.1", door.port)
+        body = json.dumps({"model": "sim-chat", "prompt": "hi", "max_tokens": 5000, "stream": True}).encode()
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: door\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        assert b"data: " in await reader.readuntil(b"data: ")
+        await reader.read(2000)
+        writer.transport.abort()  # gone mid-stream, most of the tokens unread
+    await asyncio.sleep(1.0)
+    async with door.session.get(door.url + "/metrics") as reply:
+        text = await reply.text()
+    assert "motor_front_door_router_errors_total 0.0" in text
+    assert 'code="502"' not in text
+    assert "motor_front_door_requests_in_flight 0.0" in text
