@@ -37,13 +37,27 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 logger = logging.getLogger(__name__)
 
-# Requests that name a model in a JSON body (vLLM's OpenAI server and the router's own paths).
+# Requests that name a model in a JSON body (vLLM's OpenAI server, its Anthropic, SageMaker and
+# Cohere APIs, its render and batch endpoints, and the router's own paths). The router sends one
+# naming a model it has no worker of to any worker: each must be checked here.
 MODEL_PATHS = frozenset(
     {
         "/v1/completions",
+        "/v1/completions/render",
         "/v1/chat/completions",
+        "/v1/chat/completions/render",
+        "/v1/chat/completions/batch",
         "/v1/embeddings",
         "/v1/responses",
+        "/v1/responses/render",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/messages/render",
+        "/invocations",
+        "/v2/embed",
+        "/cohere/v2/chat",
+        "/cohere/v2/chat/render",
+        "/generative_scoring",
         "/v1/rerank",
         "/v2/rerank",
         "/rerank",

@@ -250,3 +250,62 @@ async def test_a_client_leaving_mid_stream_is_no_router_error(door, chat_and_emb
     assert "motor_front_door_router_errors_total 0.0" in text
     assert 'code="502"' not in text
     assert "motor_front_door_requests_in_flight 0.0" in text
+
+
+@pytest.fixture
+async def two_named_servers():
+    """Two servers that answer any POST with their own name: which one a request reached."""
+    runners, urls = [], {}
+    for name in ("model-a", "model-b"):
+
+        async def answer(request: web.Request, name=name) -> web.Response:
+            return web.json_response({"served_by": name})
+
+        async def health(request: web.Request) -> web.Response:
+            return web.json_response({})
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_post("/{tail:.*}", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        urls[name] = f"http://127.0.0.1:{port}"
+    yield urls
+    for runner in runners:
+        await runner.cleanup()
+
+
+# vLLM's other APIs that name the model in a JSON body: Anthropic's Messages, SageMaker's, Cohere's,
+# the render and batch endpoints.
+OTHER_MODEL_APIS = [
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/invocations",
+    "/v1/chat/completions/render",
+    "/v2/embed",
+]
+
+
+async def test_vllms_other_model_apis_get_the_404_for_an_unknown_model(door, two_named_servers):
+    """The router sends a request whose model has no worker to any worker: another model's engine
+    would answer it (its own 404 naming its own model). The door must check every API that names
+    a model, not only the OpenAI ones."""
+    door.apply(
+        snapshot(
+            *(
+                controller_pb2.Endpoint(instance_id=f"{name}-0", engine_id=f"{name}-0/rank0", url=url, models=[name])
+                for name, url in two_named_servers.items()
+            )
+        )
+    )
+    await until(lambda: len(door.running.sync.served()) == 2, what="both servers in the router")
+    chat = {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    for path in OTHER_MODEL_APIS:
+        status, answer = await door.request("POST", path, {"model": "gpt-x", **chat})
+        assert status == 404, (path, answer)
+        assert answer["error"]["message"] == "The model `gpt-x` does not exist. Valid aliases: model-a, model-b."
+    # (A served model's request on these paths is the router's to route: vllm-router 0.1.17 sends
+    # them by model in some of its starts and to its empty P/D router, 503, in others.)
