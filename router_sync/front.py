@@ -9,8 +9,8 @@ moment Motor withdraws its last engine, pushed to the door by the sync). It answ
 
 - `GET /v1/models`: OpenAI's list of every served model and loaded adapter (`parent`: its model);
 - a request naming a model that is not served: vLLM's 404 naming the models that are;
-- any request naming a model (or none) before the sync knows what is served (just started or
-  restarted: no list from Motor, or no read of the router, yet): 503, to retry;
+- any request naming a model (or none), and the model list, before the sync knows what is served
+  (just started or restarted: no list from Motor, or no read of the router, yet): 503, to retry;
 - a request without `model`: served by the one model when exactly one is served, else a 400
   saying what to name;
 - the router's admin API (adding or removing workers, loading adapters): 403, only the sync
@@ -96,6 +96,7 @@ HOP_BY_HOP = frozenset(
 # Request bodies aiohttp's server decodes as it reads them (aiohttp/http_parser.py): the body passed on
 # is the decoded one, so its Content-Encoding must not go with it (the engine would decode it again).
 DECODED_ENCODINGS = frozenset({"gzip", "deflate", "br", "zstd"})
+STARTING = "The front door is starting: the models it serves are not known yet. Retry shortly."
 MAX_BODY = 256 * 1024 * 1024  # the router's own default --max-payload-size
 WHOLE_BODY = 1024 * 1024  # an answer with a Content-Length up to this is passed in one write
 
@@ -189,6 +190,9 @@ class FrontDoor:
     # OpenAI's model surface -----------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
+        if not self.ready():  # an empty list would say "no model", not "not known yet"
+            self.metrics.requests.labels("", "503").inc()
+            return openai_error(503, STARTING, "ServiceUnavailableError", None)
         served = self.served()
         data = []
         for name in sorted(served, key=lambda n: (served[n] is not None, n)):
@@ -205,8 +209,7 @@ class FrontDoor:
         """(an answer of the front door's own, or None; the body to send when it was changed; the
         model label)."""
         if not self.ready():
-            message = "The front door is starting: the models it serves are not known yet. Retry shortly."
-            return openai_error(503, message, "ServiceUnavailableError", None), None, "?"
+            return openai_error(503, STARTING, "ServiceUnavailableError", None), None, "?"
         served = self.served()
         model = body.get("model")
         if model is None or model == "":

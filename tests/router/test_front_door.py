@@ -309,3 +309,13 @@ async def test_vllms_other_model_apis_get_the_404_for_an_unknown_model(door, two
         assert answer["error"]["message"] == "The model `gpt-x` does not exist. Valid aliases: model-a, model-b."
     # (A served model's request on these paths is the router's to route: vllm-router 0.1.17 sends
     # them by model in some of its starts and to its empty P/D router, 503, in others.)
+
+
+async def test_a_starting_front_door_lists_no_models_as_unknown_not_as_none(door, chat_and_embed):  # noqa: F811
+    """vLLM's own examples pick `client.models.list().data[0].id`: an empty list from a door that
+    does not know yet what is served would crash them, and tell a readiness probe "no model"."""
+    status, answer = await door.request("GET", "/v1/models")
+    assert status == 503 and answer["error"]["type"] == "ServiceUnavailableError"
+    door.apply(snapshot(served(chat_and_embed["chat-0"], "chat", "sim-chat")))
+    await until(lambda: "sim-chat" in door.running.sync.served(), what="the model in the router")
+    assert await door.served_now() == {"sim-chat"}
