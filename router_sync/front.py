@@ -9,8 +9,8 @@ moment Motor withdraws its last engine, pushed to the door by the sync). It answ
 
 - `GET /v1/models`: OpenAI's list of every served model and loaded adapter (`parent`: its model);
 - a request naming a model that is not served: vLLM's 404 naming the models that are;
-- any request naming a model (or none) before the sync knows what is served (just started or
-  restarted: no list from Motor, or no read of the router, yet): 503, to retry;
+- any request naming a model (or none), and the model list, before the sync knows what is served
+  (just started or restarted: no list from Motor, or no read of the router, yet): 503, to retry;
 - a request without `model`: served by the one model when exactly one is served, else a 400
   saying what to name;
 - the router's admin API (adding or removing workers, loading adapters): 403, only the sync
@@ -37,13 +37,27 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 logger = logging.getLogger(__name__)
 
-# Requests that name a model in a JSON body (vLLM's OpenAI server and the router's own paths).
+# Requests that name a model in a JSON body (vLLM's OpenAI server, its Anthropic, SageMaker and
+# Cohere APIs, its render and batch endpoints, and the router's own paths). The router sends one
+# naming a model it has no worker of to any worker: each must be checked here.
 MODEL_PATHS = frozenset(
     {
         "/v1/completions",
+        "/v1/completions/render",
         "/v1/chat/completions",
+        "/v1/chat/completions/render",
+        "/v1/chat/completions/batch",
         "/v1/embeddings",
         "/v1/responses",
+        "/v1/responses/render",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/messages/render",
+        "/invocations",
+        "/v2/embed",
+        "/cohere/v2/chat",
+        "/cohere/v2/chat/render",
+        "/generative_scoring",
         "/v1/rerank",
         "/v2/rerank",
         "/rerank",
@@ -56,7 +70,15 @@ MODEL_PATHS = frozenset(
     }
 )
 # What changes the router or its engines: only the sync (and Motor's controller) may.
-ADMIN_PATHS = ("/add_worker", "/remove_worker", "/workers", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+# (`/flush_cache`: the router sends it to every engine, and SGLang's drop their prefix cache.)
+ADMIN_PATHS = (
+    "/add_worker",
+    "/remove_worker",
+    "/workers",
+    "/flush_cache",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+)
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -71,6 +93,10 @@ HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
+# Request bodies aiohttp's server decodes as it reads them (aiohttp/http_parser.py): the body passed on
+# is the decoded one, so its Content-Encoding must not go with it (the engine would decode it again).
+DECODED_ENCODINGS = frozenset({"gzip", "deflate", "br", "zstd"})
+STARTING = "The front door is starting: the models it serves are not known yet. Retry shortly."
 MAX_BODY = 256 * 1024 * 1024  # the router's own default --max-payload-size
 WHOLE_BODY = 1024 * 1024  # an answer with a Content-Length up to this is passed in one write
 
@@ -164,6 +190,9 @@ class FrontDoor:
     # OpenAI's model surface -----------------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
+        if not self.ready():  # an empty list would say "no model", not "not known yet"
+            self.metrics.requests.labels("", "503").inc()
+            return openai_error(503, STARTING, "ServiceUnavailableError", None)
         served = self.served()
         data = []
         for name in sorted(served, key=lambda n: (served[n] is not None, n)):
@@ -180,8 +209,7 @@ class FrontDoor:
         """(an answer of the front door's own, or None; the body to send when it was changed; the
         model label)."""
         if not self.ready():
-            message = "The front door is starting: the models it serves are not known yet. Retry shortly."
-            return openai_error(503, message, "ServiceUnavailableError", None), None, "?"
+            return openai_error(503, STARTING, "ServiceUnavailableError", None), None, "?"
         served = self.served()
         model = body.get("model")
         if model is None or model == "":
@@ -242,6 +270,8 @@ class FrontDoor:
     async def _pass(self, request: web.Request, body: bytes | None, label: str) -> web.StreamResponse:
         assert self.session is not None
         headers = end_to_end(request.headers)
+        if headers.get("Content-Encoding", "").lower() in DECODED_ENCODINGS:
+            del headers["Content-Encoding"]
         began = time.monotonic()
         response: web.StreamResponse | None = None
         self.metrics.in_flight.inc()
@@ -263,7 +293,12 @@ class FrontDoor:
                     response.content_length = length
                 await response.prepare(request)
                 async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)  # waits while the client has not taken the last one
+                    try:
+                        await response.write(chunk)  # waits while the client has not taken the last one
+                    except ConnectionResetError:
+                        # The client went (a stop button): the router answered; not its failure.
+                        self.metrics.requests.labels(label, str(upstream.status)).inc()
+                        return response
                 await response.write_eof()
                 self.metrics.requests.labels(label, str(upstream.status)).inc()
                 return response

@@ -5,6 +5,7 @@ list, vLLM's 404 naming the served models, a request without `model`, streams ch
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import time
 
@@ -201,3 +202,120 @@ async def test_a_stream_passes_through_event_by_event(door, slow_stream):
     assert [a[0] for a in arrivals] == [b"data: 0", b"data: 1", b"data: 2", b"data: 3", b"data: 4", b"data: [DONE]"]
     # the first event arrives long before the last was sent (1 s later): nothing is held back
     assert arrivals[0][1] < arrivals[-1][1] - 0.5
+
+
+async def test_a_compressed_request_is_served_and_leaves_its_model_served(door, chat_and_embed):  # noqa: F811
+    """A client that gzips its request body: the front door reads it decoded (to see the model) and
+    must send it on as what it is. Sent on still marked gzip, the engine failed it with 500, the
+    router retried it onto the model's engine until its circuit opened, and every request for the
+    model got 503 for the next 30 s: one request took a model down."""
+    door.apply(snapshot(served(chat_and_embed["chat-0"], "chat", "sim-chat")))
+    await until(lambda: "sim-chat" in door.running.sync.served(), what="sim-chat in the router")
+    body = gzip.compress(json.dumps({"model": "sim-chat", "prompt": "hi", "max_tokens": 2}).encode())
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    async with door.session.post(door.url + "/v1/completions", data=body, headers=headers) as reply:
+        assert reply.status == 200, await reply.text()
+        assert (await reply.json())["model"] == "sim-chat"
+    assert await door.answers("sim-chat", count=6) == [(200, "sim-chat")] * 6
+
+
+async def test_the_routers_cache_flush_is_refused_on_the_published_port(door, chat_and_embed):  # noqa: F811
+    """vllm-router's `POST /flush_cache` sends a cache flush to every engine it has (SGLang's
+    engines drop their whole prefix cache): an admin call, not a client's."""
+    door.apply(snapshot(served(chat_and_embed["chat-0"], "chat", "sim-chat")))
+    await until(lambda: "sim-chat" in door.running.sync.served(), what="sim-chat in the router")
+    status, answer = await door.request("POST", "/flush_cache")
+    assert status == 403 and answer["error"]["type"] == "PermissionDeniedError"
+
+
+async def test_a_client_leaving_mid_stream_is_no_router_error(door, chat_and_embed):  # noqa: F811
+    """A chat user who stops a generation closes the stream: the router answered, the client went.
+    Counting it as the router's failure (and as a 502 never sent) would page on every stop button."""
+    door.apply(snapshot(served(chat_and_embed["chat-0"], "chat", "sim-chat")))
+    await until(lambda: "sim-chat" in door.running.sync.served(), what="sim-chat in the router")
+    for _ in range(30):
+        reader, writer = await asyncio.open_connection("127.0.0.1", door.port)
+        body = json.dumps({"model": "sim-chat", "prompt": "hi", "max_tokens": 5000, "stream": True}).encode()
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: door\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        assert b"data: " in await reader.readuntil(b"data: ")
+        await reader.read(2000)
+        writer.transport.abort()  # gone mid-stream, most of the tokens unread
+    await asyncio.sleep(1.0)
+    async with door.session.get(door.url + "/metrics") as reply:
+        text = await reply.text()
+    assert "motor_front_door_router_errors_total 0.0" in text
+    assert 'code="502"' not in text
+    assert "motor_front_door_requests_in_flight 0.0" in text
+
+
+@pytest.fixture
+async def two_named_servers():
+    """Two servers that answer any POST with their own name: which one a request reached."""
+    runners, urls = [], {}
+    for name in ("model-a", "model-b"):
+
+        async def answer(request: web.Request, name=name) -> web.Response:
+            return web.json_response({"served_by": name})
+
+        async def health(request: web.Request) -> web.Response:
+            return web.json_response({})
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_post("/{tail:.*}", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        urls[name] = f"http://127.0.0.1:{port}"
+    yield urls
+    for runner in runners:
+        await runner.cleanup()
+
+
+# vLLM's other APIs that name the model in a JSON body: Anthropic's Messages, SageMaker's, Cohere's,
+# the render and batch endpoints.
+OTHER_MODEL_APIS = [
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/invocations",
+    "/v1/chat/completions/render",
+    "/v2/embed",
+]
+
+
+async def test_vllms_other_model_apis_get_the_404_for_an_unknown_model(door, two_named_servers):
+    """The router sends a request whose model has no worker to any worker: another model's engine
+    would answer it (its own 404 naming its own model). The door must check every API that names
+    a model, not only the OpenAI ones."""
+    door.apply(
+        snapshot(
+            *(
+                controller_pb2.Endpoint(instance_id=f"{name}-0", engine_id=f"{name}-0/rank0", url=url, models=[name])
+                for name, url in two_named_servers.items()
+            )
+        )
+    )
+    await until(lambda: len(door.running.sync.served()) == 2, what="both servers in the router")
+    chat = {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    for path in OTHER_MODEL_APIS:
+        status, answer = await door.request("POST", path, {"model": "gpt-x", **chat})
+        assert status == 404, (path, answer)
+        assert answer["error"]["message"] == "The model `gpt-x` does not exist. Valid aliases: model-a, model-b."
+    # (A served model's request on these paths is the router's to route: vllm-router 0.1.17 sends
+    # them by model in some of its starts and to its empty P/D router, 503, in others.)
+
+
+async def test_a_starting_front_door_lists_no_models_as_unknown_not_as_none(door, chat_and_embed):  # noqa: F811
+    """vLLM's own examples pick `client.models.list().data[0].id`: an empty list from a door that
+    does not know yet what is served would crash them, and tell a readiness probe "no model"."""
+    status, answer = await door.request("GET", "/v1/models")
+    assert status == 503 and answer["error"]["type"] == "ServiceUnavailableError"
+    door.apply(snapshot(served(chat_and_embed["chat-0"], "chat", "sim-chat")))
+    await until(lambda: "sim-chat" in door.running.sync.served(), what="the model in the router")
+    assert await door.served_now() == {"sim-chat"}
