@@ -5,7 +5,10 @@ with VLLM_ALLOW_RUNTIME_LORA_UPDATING; the simulated engine emulates it), withou
 
 `AdapterSync` compares, per engine, the adapters loaded (in memory: after a controller restart
 they are loaded again, and vLLM's "already loaded" counts as loaded) with the deployment's list,
-and loads or unloads the difference, one call at a time per engine. A failed load is one
+and loads or unloads the difference, one call at a time per engine. An adapter to unload leaves
+the engine's endpoint first, and the engine unloads it once no front door routes to it (the
+sync's reports: its router no longer holds the adapter's worker), at most WITHDRAW_WAIT later:
+a request naming it never reaches an engine that no longer has it. A failed load is one
 EVENT_TYPE_ADAPTER event naming the adapter and the engine's answer; it is not tried again until
 the deployment's list changes (or the engine is replaced). The engine stays in service with the
 adapters that did load, and its endpoint lists only those (controller/endpoints.py).
@@ -23,8 +26,10 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from controller.front_door import FrontDoors
 from controller.slots import EngineSlot
 from motor.contract import names
+from motor.contract.router_workers import adapter_worker_url
 from motor.v1 import controller_pb2, types_pb2
 
 if TYPE_CHECKING:  # the tables know the deployments, whose checks (controller/validation.py) import this
@@ -36,6 +41,10 @@ C, T = controller_pb2, types_pb2
 MAX_ADAPTERS = 64
 ADAPTER_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 CALL_TIMEOUT = 60.0  # loading an adapter reads its weights
+# How long an unload waits for the front doors to stop routing to the adapter's worker: a few of
+# the sync's report intervals (2 s); a stale front door (its sync gone) is waited out this long.
+WITHDRAW_WAIT = 10.0
+WITHDRAW_POLL = 0.1
 
 
 def adapter_problems(deployment: C.Deployment) -> list[str]:
@@ -86,8 +95,8 @@ class EngineAdapters:
 
 
 class AdapterSync:
-    def __init__(self, state: ClusterState, spawn: Callable[[Coroutine, str], asyncio.Task]):
-        self.state, self.spawn = state, spawn
+    def __init__(self, state: ClusterState, spawn: Callable[[Coroutine, str], asyncio.Task], front_doors: FrontDoors):
+        self.state, self.spawn, self.front_doors = state, spawn, front_doors
         self.engines: dict[str, EngineAdapters] = state.engine_adapters
         self._session: aiohttp.ClientSession | None = None
 
@@ -130,11 +139,14 @@ class AdapterSync:
         try:
             base = f"http://{slot.host}:{slot.port}"
             for name in unloads:
+                path = held.loaded.pop(name)  # out of the engine's endpoint first
+                self.state.engines_changed([slot.engine_id])
+                await self._unrouted(adapter_worker_url(base, name))
                 status, answer = await self._post(f"{base}/v1/unload_lora_adapter", {"lora_name": name})
                 if status in (200, 404):  # 404: not loaded there (any more)
-                    held.loaded.pop(name, None)
                     self._announce(slot, f"adapter {name!r} unloaded from engine {slot.engine_id}")
-                else:
+                else:  # still loaded: listed again, and tried again on a later pass
+                    held.loaded[name] = path
                     self._announce(
                         slot, f"adapter {name!r} could not be unloaded from engine {slot.engine_id}: {answer}"
                     )
@@ -163,6 +175,13 @@ class AdapterSync:
                     self._failed(slot, held, name, path, answer)
         finally:
             held.busy = False
+
+    async def _unrouted(self, worker_url: str) -> None:
+        """Until no front door routes to `worker_url` (none reports at all: at once), at most
+        WITHDRAW_WAIT."""
+        until = self.state.mono() + WITHDRAW_WAIT
+        while self.front_doors.doors and self.front_doors.may_route_to(worker_url) and self.state.mono() < until:
+            await asyncio.sleep(WITHDRAW_POLL)
 
     def _failed(self, slot: EngineSlot, held: EngineAdapters, name: str, path: str, why: str) -> None:
         held.failed[name] = path

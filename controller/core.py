@@ -148,7 +148,7 @@ class Controller(views.ClusterReads):
         self.fleet_series = FleetSeries(self.state, lambda: self.monitor.alarm, clock=clock)
         self.claims = NodeClaims(self.state, config, self.monitor, self.metrics.registrations_refused, conflicts)
         self.node_stores = NodeStoreAlarms(self.events)
-        self.adapters = AdapterSync(self.state, self._spawn)
+        self.adapters = AdapterSync(self.state, self._spawn, self.front_doors)
 
     # ------------------------------------------------------------------ lifecycle
 

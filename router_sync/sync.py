@@ -20,8 +20,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from urllib.parse import quote
 
+from motor.contract.router_workers import adapter_worker_url
 from motor.service.retry import RepeatedFailure
 from motor.v1 import controller_pb2, types_pb2
 from router_sync.admin import Refused, RouterAdmin, RouterDown
@@ -36,17 +36,6 @@ def worker_type(role: int, pd: bool) -> str | None:
     """What the router is told an engine of `role` is. A regular router takes every role as a
     regular worker (an engine of a P/D pair also serves whole requests alone)."""
     return PD_WORKER_TYPES.get(role) if pd else None
-
-
-def adapter_worker_url(url: str, adapter: str) -> str:
-    """The router worker URL an engine is filed under for one of its LoRA adapters. vllm-router
-    0.1.17 keeps one model per worker URL (a second add of a URL replaces its model), so each
-    adapter gets its own spelling of the engine's address: the adapter's name as the URL's user
-    (`http://sql-lora@10.0.0.5:8000`). The router keys workers by that string and connects to the
-    same host and port (docs/router.md: the engine also receives a Basic Authorization header
-    naming the adapter, which an engine without an API key ignores)."""
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://{quote(adapter, safe='')}@{rest}"
 
 
 def router_workers_of(endpoint: controller_pb2.Endpoint) -> list[tuple[str, str | None, str | None]]:

@@ -5,10 +5,13 @@ serving the adapters that loaded, and its endpoint lists only those."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from engine_server.engines.base import EngineOptions
 from engine_server.engines.sim import SimEngine
+from motor.contract.router_workers import adapter_worker_url
 from motor.errors import InvalidArgument
 from motor.ports import free_port
 from motor.v1 import controller_pb2 as C
@@ -106,6 +109,55 @@ async def test_adapters_load_into_serving_engines_and_follow_the_list_without_a_
     assert all(set(s.loras.loaded) == {"poem"} for s in sims)
     assert len(harness.client.starts()) == 2 and not harness.client.stops()
     assert ctl.list_endpoints(model="sql") == []
+
+
+async def test_an_adapter_leaves_the_endpoints_and_is_unloaded_only_once_no_front_door_routes_to_it(
+    harness, sims, tmp_path
+):
+    """Unloading first would leave the router sending the adapter's requests to engines that no
+    longer have it until the sync hears of the change (a hostile run saw the engine's 404)."""
+    root = tmp_path / "models"
+    adapter_folder(root, "sql")
+    ctl = await harness.start()
+    harness.client._ports = iter([sims[0].options.port, 1, sims[1].options.port, 1])
+    reply = await ctl.register_node(
+        C.NodeInfo(
+            node_id="node-a",
+            address="127.0.0.1:1",
+            host="127.0.0.1",
+            accelerator_ids=[0, 1],
+            accelerator_type="sim",
+            model_roots=[str(root)],
+        ),
+        [],
+    )
+    harness.generations["node-a"] = reply.generation
+    ctl.apply_deployment(chat(("sql", "adapters/sql")))
+    ctl.reconcile_once()
+    await async_wait_for(lambda: len(harness.client.starts()) == 2, timeout=5, what="two engines started")
+    harness.client.set_health("node-a")
+    harness.beat("node-a")
+    both = ["chat-0/rank0", "chat-1/rank0"]
+    await async_wait_for(
+        lambda: models(ctl) == {e: ["sim-chat", "sql"] for e in both}, timeout=10, what="sql loaded into both engines"
+    )
+    engines = [e.url for e in ctl.list_endpoints()]
+    adapter_workers = [adapter_worker_url(url, "sql") for url in engines]
+    ctl.front_doors.report("http://router:8081", [*engines, *adapter_workers], True, 2.0, "sync-1")
+
+    ctl.apply_deployment(chat())  # sql removed
+    await async_wait_for(
+        lambda: models(ctl) == {e: ["sim-chat"] for e in both}, timeout=10, what="sql out of the endpoints"
+    )
+    await asyncio.sleep(0.5)
+    assert all(set(s.loras.loaded) == {"sql"} for s in sims), "unloaded while the router still routes to it"
+
+    ctl.front_doors.report("http://router:8081", engines, True, 2.0, "sync-1")  # the sync took it out
+    await async_wait_for(
+        lambda: all(not s.loras.loaded for s in sims), timeout=5, what="sql unloaded once the router let it go"
+    )
+    unloaded = [e.message for e in ctl.events.recent if e.type == C.EVENT_TYPE_ADAPTER and "unloaded" in e.message]
+    assert sorted(unloaded) == [f"adapter 'sql' unloaded from engine {e}" for e in both]
 
 
 @pytest.mark.parametrize(
