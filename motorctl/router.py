@@ -30,10 +30,18 @@ ROUTER_ENV = {"SPT_NOENV": "1"}
 # workers, and each request goes to a prefill engine, then to a decode engine with the prefill's
 # KV handoff; the sync runs with --pd.
 TYPED_WORKER_FLAGS = ["--enable-igw"]
+# Each request goes to the less loaded of two workers drawn at random, load being the router's own
+# count of requests it has in flight on each (vllm-router 0.1.17's power_of_two). Round robin gave
+# an engine added by a scale-up only its share of new requests while the backlog queued on the
+# first engine drained at that engine's leftover capacity; measured with two engines, one with 120
+# requests queued: round robin sent it 20 of the next 40, power_of_two none (docs/router.md).
+# A hung engine's requests stay in flight, so it soon gets no new ones either.
+ROUTING_POLICY = ["--policy", "power_of_two"]
 # What the router does with a request whose engine fails it (docs/router.md, "When an engine
-# fails"). vllm-router 0.1.17 retries a request on another worker when its worker answers
-# 408/429/500/502/503/504 or cannot be reached (a refused or reset connection, a SIGKILLed engine:
-# it answers that 500 itself): this many attempts in all, 50 ms apart, then x1.5 each.
+# fails"). vllm-router 0.1.17 retries a request, on the worker its policy picks again, when its
+# worker answers 408/429/500/502/503/504 or cannot be reached (a refused or reset connection, a
+# SIGKILLed engine: it answers that 500 itself): this many attempts in all, 50 ms apart, then x1.5
+# each.
 # A worker that fails this many requests in a row gets none for the circuit's timeout (an engine
 # answering 500 while its /health says 200), then one trial. The timeout is short because a false
 # open (a client's request that fails the same way on every engine, retried onto each) would
@@ -75,8 +83,7 @@ def router_command(port: int, metrics_port: int) -> list[str]:
         "127.0.0.1",
         "--port",
         str(port),
-        "--policy",
-        "round_robin",
+        *ROUTING_POLICY,
         # Its Prometheus exporter is on by default, on 29000: two routers on a machine clash.
         "--prometheus-host",
         "127.0.0.1",

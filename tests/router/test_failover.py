@@ -23,7 +23,7 @@ import yaml
 from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
 from motorctl.local_cluster import LocalCluster
-from motorctl.router import FAILOVER_FLAGS
+from motorctl.router import FAILOVER_FLAGS, ROUTING_POLICY
 from tests.engine_server.conftest import EngineServerProcess, sim_config
 from tests.router.conftest import OpenLoad, RouterProcess, http, running
 from tests.support import wait_for
@@ -177,10 +177,11 @@ def assert_no_request_lost(load: OpenLoad, fault_at: float, routed: RoutedTo) ->
     assert last <= ROUTED_AFTER_S, f"the faulty engine still got a request {last:.1f} s after the fault"
 
 
-def test_the_router_is_started_with_the_same_failover_flags_by_motorctl_up_and_compose():
+def test_the_router_is_started_with_the_same_policy_and_failover_flags_by_motorctl_up_and_compose():
     with open(os.path.join(REPO, "compose.yaml")) as f:
         command = yaml.safe_load(f)["services"]["router"]["command"]
-    flags = dict(zip(FAILOVER_FLAGS[::2], FAILOVER_FLAGS[1::2]))
+    started = [*ROUTING_POLICY, *FAILOVER_FLAGS]
+    flags = dict(zip(started[::2], started[1::2]))
     assert {flag: command[command.index(flag) + 1] for flag in flags if flag in command} == flags
 
 
