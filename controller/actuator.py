@@ -70,9 +70,11 @@ class Actuator:
         spawn: Callable[[Coroutine, str], object],
         events: EventBus,
         clock: Clock,
+        deployment_of: Callable[[str], str] = lambda instance_id: "",
     ):
         self.client, self.nodes, self.stop_deadline = client, nodes, stop_deadline
         self.spawn, self.events, self.mono = spawn, events, clock.monotonic
+        self.deployment_of = deployment_of  # an instance id's deployment: its events name it
         # (node id, engine id, generation) -> when its stop was asked, oldest first. An
         # OrderedDict: a dict emptied from its front skips every deleted entry to find the first
         # one left (0.5 s of the loop to forget 40,000 stops; OrderedDict: 10 ms).
@@ -119,6 +121,7 @@ class Actuator:
             node_id=node_id,
             engine_id=engine_id,
             instance_id=engine_id.split("/")[0],
+            deployment=self.deployment_of(engine_id.split("/")[0]),
         )
 
     async def start(self, node: C.NodeInfo, engine_id: str, spec: T.EngineSpec) -> T.Engine:
@@ -141,6 +144,7 @@ class Actuator:
                     node_id=node.node_id,
                     instance_id=spec.instance_id,
                     engine_id=engine_id,
+                    deployment=self.deployment_of(spec.instance_id),
                 )
             raise
         tried = self.start_failures.pop(engine_id, None)
@@ -251,4 +255,5 @@ class Actuator:
                 node_id=node_id,
                 engine_id=engine_id,
                 instance_id=engine_id.split("/")[0],
+                deployment=self.deployment_of(engine_id.split("/")[0]),
             )

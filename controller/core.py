@@ -93,7 +93,6 @@ class Controller(views.ClusterReads):
         self.deployments = Deployments(store, self.events, clock)
         # The tables tell this controller of their changes (`engines_changed`, `instance_state_changed`).
         self.state = ClusterState(store, self.events, clock, self.deployments, listener=self)
-        self.events.deployment_of = self.state.deployment_of_id
         self.endpoints = endpoints.EndpointFeed(self.state)
         st = self.state
         self.metrics = ControllerMetrics(
@@ -107,7 +106,15 @@ class Controller(views.ClusterReads):
         self._tasks = TaskSet("controller")
         self._loops: list[asyncio.Task] = []
         self._stopping = False
-        self.actuator = Actuator(node_client, self.state.nodes, config.stop_deadline, self._spawn, self.events, clock)
+        self.actuator = Actuator(
+            node_client,
+            self.state.nodes,
+            config.stop_deadline,
+            self._spawn,
+            self.events,
+            clock,
+            self.state.deployment_of_id,
+        )
         self.generations = Generations(self.store, self.state.refused)
         # What each router's sync says its router routes to: "available" for rollouts and spares.
         self.front_doors = FrontDoors(self.events, clock)

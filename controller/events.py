@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable
 
 from motor.contract import pbtime
 from motor.contract.names import CONTROL_CHARACTER, enum_short_name
@@ -36,9 +35,6 @@ class EventBus:
         self.recent: collections.deque[controller_pb2.Event] = collections.deque(maxlen=history)
         self.subscribers: FanOut[controller_pb2.Event] = FanOut("WatchEvents", queue_size)
         self._repeating: dict[object, controller_pb2.Event] = {}  # key -> the event counting its tries
-        # The deployment an instance id belongs to (set by the controller): every event about an
-        # instance or engine names its deployment, so WatchEvents can follow one deployment.
-        self.deployment_of: Callable[[str], str] = lambda instance_id: ""
 
     def emit(
         self,
@@ -53,8 +49,6 @@ class EventBus:
         """One event; `count`: how many occurrences it stands for (0: one, not counted)."""
         self.sequence += 1
         message = one_line(message)
-        if not deployment and (instance_id or engine_id):
-            deployment = self.deployment_of(instance_id or engine_id.partition("/")[0])
         event = controller_pb2.Event(
             sequence=self.sequence,
             time=pbtime.now(),
@@ -82,7 +76,14 @@ class EventBus:
         return event
 
     def repeat(
-        self, key: object, type_: int, message: str, node_id: str = "", instance_id: str = "", engine_id: str = ""
+        self,
+        key: object,
+        type_: int,
+        message: str,
+        node_id: str = "",
+        instance_id: str = "",
+        engine_id: str = "",
+        deployment: str = "",
     ) -> controller_pb2.Event:
         """One more occurrence of what `key` names: the first is a new event (count 1); later ones
         raise its count, take the latest message and time, and send it again (same sequence).
@@ -91,7 +92,9 @@ class EventBus:
         if event is None:
             if len(self._repeating) >= REPEATING_LIMIT:  # never settled (the operation was dropped): forget the oldest
                 del self._repeating[next(iter(self._repeating))]
-            event = self._repeating[key] = self.emit(type_, message, node_id, instance_id, engine_id)
+            event = self._repeating[key] = self.emit(
+                type_, message, node_id, instance_id, engine_id, deployment=deployment
+            )
             event.count = 1
             return event
         event.count += 1

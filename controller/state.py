@@ -140,9 +140,12 @@ class ClusterState:
 
     def event(self, type_: int, message: str, **about: str) -> None:
         """An event (`about`: its node_id, instance_id, engine_id, deployment, as `EventBus.emit`
-        takes them), and to the endpoint watchers the engines it may have changed."""
-        self.events.emit(type_, message, **about)
+        takes them), and to the endpoint watchers the engines it may have changed. An event about an
+        instance or engine names its deployment, so WatchEvents can follow one deployment."""
         node_id, instance_id, engine_id = (about.get(name, "") for name in ("node_id", "instance_id", "engine_id"))
+        if not about.get("deployment") and (instance_id or engine_id):
+            about["deployment"] = self.deployment_of_id(instance_id or engine_id.partition("/")[0])
+        self.events.emit(type_, message, **about)
         if not (node_id or instance_id or engine_id):
             self.engines_changed(None)  # a deployment change, an alarm: anything may have changed
             return

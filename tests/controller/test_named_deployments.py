@@ -233,8 +233,8 @@ async def test_watch_events_follows_one_deployment(harness, served):
     assert first.snapshot.recent_events and {e.deployment for e in first.snapshot.recent_events} == {"embed"}
     assert len(first.snapshot.nodes) == 1  # nodes are shared: every node
 
-    ctl.state.events.emit(C.EVENT_TYPE_RETRYING, "about chat's engine", engine_id="chat-0/rank0")
-    ctl.state.events.emit(C.EVENT_TYPE_RETRYING, "about embed's engine", engine_id="embed-0/rank0")
+    ctl.state.event(C.EVENT_TYPE_RETRYING, "about chat's engine", engine_id="chat-0/rank0")
+    ctl.state.event(C.EVENT_TYPE_RETRYING, "about embed's engine", engine_id="embed-0/rank0")
     ctl.apply_deployment(chat(restart_policy={"max_failures": 2}))
     ctl.apply_deployment(embed(restart_policy={"max_failures": 2}))
     got = [(await stream.read()).event]
