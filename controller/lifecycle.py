@@ -17,6 +17,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Protocol
 
 from controller import reported
@@ -52,19 +53,17 @@ class ControllerLoop(Protocol):
         """Run the reconcile pass soon."""
 
 
+@dataclass(eq=False)
 class EngineLifecycle:
-    def __init__(
-        self,
-        state: ClusterState,
-        actuator: Actuator,
-        generations: Generations,
-        metrics: ControllerMetrics,
-        loop: ControllerLoop,
-    ):
-        self.state, self.actuator, self.generations = state, actuator, generations
-        self.metrics, self.loop = metrics, loop
+    state: ClusterState
+    actuator: Actuator
+    generations: Generations
+    metrics: ControllerMetrics
+    loop: ControllerLoop
+
+    def __post_init__(self) -> None:
         # Until then (monotonic), nothing is started unless every known node has reported.
-        self.startup_until = state.mono()
+        self.startup_until = self.state.mono()
         self._restart_timers: dict[str, asyncio.TimerHandle] = {}
 
     def startup_done(self) -> bool:

@@ -82,20 +82,16 @@ class Counts:
     updated_available: int = 0  # what COMPLETE waits for: the desired count
 
 
+@dataclass(eq=False)
 class Rollouts:
     """The rollouts of every deployment: stepped from the reconcile pass, paused, resumed and
     undone by an operator. Their records live with the deployments (controller/deployment_state.py)."""
 
-    def __init__(
-        self,
-        state: ClusterState,
-        deployments: Deployments,
-        changes: DeploymentWrites,
-        availability: Availability,
-        actuator: Actuator,
-    ):
-        self.state, self.deployments, self.changes = state, deployments, changes
-        self.availability, self.actuator = availability, actuator
+    state: ClusterState
+    deployments: Deployments
+    changes: DeploymentWrites
+    availability: Availability
+    actuator: Actuator
 
     @property
     def rollouts(self) -> dict[str, Rollout]:

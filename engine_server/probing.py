@@ -166,6 +166,7 @@ class PeakSampler:
         return max(samples, default=0.0)
 
 
+@dataclass(eq=False)
 class Prober:
     """Runs probe rounds; each round probes and samples utilization at the same time.
 
@@ -180,31 +181,25 @@ class Prober:
     max_failure_count consecutive counted failures -> ABNORMAL; a success resets the count (and
     an ABNORMAL status goes back to NORMAL)."""
 
-    def __init__(
-        self,
-        settings: HealthCheckConfig,
-        client: ProbeClient,
-        peak_sampler: PeakSampler,
-        machine: HealthStateMachine,
-        on_record: Callable[[ProbeRecord], None] = lambda record: None,
-        metrics: Any = None,
-        clock: Clock = SYSTEM_CLOCK,
-        progress: Callable[[], int | None] = lambda: None,
-        health: HealthClient | None = None,
-        on_health_check: Callable[[], None] = lambda: None,
-    ):
-        self.settings, self.client, self.peak_sampler, self.machine = settings, client, peak_sampler, machine
-        self.progress = progress
+    settings: HealthCheckConfig
+    client: ProbeClient
+    peak_sampler: PeakSampler
+    machine: HealthStateMachine
+    on_record: Callable[[ProbeRecord], None] = lambda record: None
+    metrics: Any = None
+    clock: Clock = SYSTEM_CLOCK
+    progress: Callable[[], int | None] = lambda: None
+    health: HealthClient | None = None
+    on_health_check: Callable[[], None] = lambda: None
+
+    def __post_init__(self) -> None:
         self._progress_seen: int | None = None  # the progress reading at the end of the previous round
-        self.health, self.on_health_check = health, on_health_check
         self.health_failing = False  # the last counted failure was a failed GET /health
-        self.on_record, self.metrics = on_record, metrics
-        self._clock = clock
-        self.interval = settings.probe_interval
+        self.interval = self.settings.probe_interval
         self.consecutive_failures = 0
         self.last: ProbeRecord | None = None
-        if metrics is not None:
-            metrics.probe_interval.set(self.interval)
+        if self.metrics is not None:
+            self.metrics.probe_interval.set(self.interval)
 
     def next_interval(self, peak: float, progressed: bool | None = None) -> float:
         if progressed is False and peak >= self.settings.npu_usage_threshold:
@@ -216,18 +211,18 @@ class Prober:
         return self.interval
 
     async def _timed_probe(self) -> tuple[bool, float, str]:
-        started = self._clock.monotonic()
+        started = self.clock.monotonic()
         try:
             async with asyncio.timeout(self.settings.probe_timeout):
                 await self.client.probe()
-            return True, self._clock.monotonic() - started, ""
+            return True, self.clock.monotonic() - started, ""
         except TimeoutError:
-            return False, self._clock.monotonic() - started, f"timed out after {self.settings.probe_timeout:g}s"
+            return False, self.clock.monotonic() - started, f"timed out after {self.settings.probe_timeout:g}s"
         except ProbeFailed as exc:
-            return False, self._clock.monotonic() - started, str(exc)
+            return False, self.clock.monotonic() - started, str(exc)
         except Exception as exc:  # a probe client bug must not stop probing
             logger.exception("probe client raised")
-            return False, self._clock.monotonic() - started, f"{type(exc).__name__}: {exc}"
+            return False, self.clock.monotonic() - started, f"{type(exc).__name__}: {exc}"
 
     def _progressed(self) -> bool | None:
         """Whether the engine made progress since the previous round (None: it cannot tell)."""
@@ -282,19 +277,19 @@ class Prober:
     async def run_health_checks(self) -> None:
         """GET /health every probe_interval, for as long as nothing probes."""
         while True:
-            started = self._clock.monotonic()
+            started = self.clock.monotonic()
             await self.check_health_once()
-            await self._clock.sleep(max(0.0, self.settings.probe_interval - (self._clock.monotonic() - started)))
+            await self.clock.sleep(max(0.0, self.settings.probe_interval - (self.clock.monotonic() - started)))
 
     async def probe_once(self) -> ProbeRecord:
-        sent = self._clock.time()
-        started = self._clock.monotonic() if self.health is not None else 0.0
+        sent = self.clock.time()
+        started = self.clock.monotonic() if self.health is not None else 0.0
         problem = await self._health_problem()
         if problem:  # probes run only while /health answers 200: this round failed there
             self._count_health_failure(problem, probing=True)
             self.interval = self.settings.probe_interval
             return self._finish(ProbeRecord(
-                time=sent, success=False, latency=self._clock.monotonic() - started, error=problem,
+                time=sent, success=False, latency=self.clock.monotonic() - started, error=problem,
                 utilization_peak=0.0, next_interval=self.interval,
                 consecutive_failures=self.consecutive_failures, counted=True, status=self.machine.state,
             ))  # fmt: skip
@@ -365,6 +360,6 @@ class Prober:
     async def run(self) -> None:
         """Probe forever, start to start every `interval` (a round lasts at least the sampling window)."""
         while True:
-            started = self._clock.monotonic()
+            started = self.clock.monotonic()
             await self.probe_once()
-            await self._clock.sleep(max(0.0, self.interval - (self._clock.monotonic() - started)))
+            await self.clock.sleep(max(0.0, self.interval - (self.clock.monotonic() - started)))

@@ -77,30 +77,28 @@ class ServingChange:
     reason: str
 
 
+@dataclass(eq=False)
 class ServingWatchdog:
     """Reads the engine every CHECK_PERIOD (`check`) and keeps `state` and `reason`; `change` is
     the only mutator. `on_change` hears every change (the engine server publishes it)."""
 
-    def __init__(
-        self,
-        settings: HealthCheckConfig,
-        activity: EngineActivity,
-        machine: HealthStateMachine,
-        on_change: Callable[[ServingChange], None] = lambda change: None,
-        metrics: Any = None,
-        clock: Clock = SYSTEM_CLOCK,
-    ):
-        self.settings, self.activity, self.machine = settings, activity, machine
-        self.on_change, self.metrics, self._clock = on_change, metrics, clock
+    settings: HealthCheckConfig
+    activity: EngineActivity
+    machine: HealthStateMachine
+    on_change: Callable[[ServingChange], None] = lambda change: None
+    metrics: Any = None
+    clock: Clock = SYSTEM_CLOCK
+
+    def __post_init__(self) -> None:
         self.state = Serving.SERVING
         self.reason = ""
         self._since = 0.0  # monotonic: when the current not-serving state began (a stall: its last progress)
         self._progress: int | None = None
-        self._quiet_since = clock.monotonic()  # last progress, or last moment without requests in flight
+        self._quiet_since = self.clock.monotonic()  # last progress, or last moment without requests in flight
         self._outcomes: tuple[int, int] | None = None
         self._failed_in_a_row = 0
         self._made_abnormal = False  # the watchdog turned the health ABNORMAL (and may undo it)
-        if metrics is not None:
+        if self.metrics is not None:
             self._observe()
 
     @property
@@ -114,7 +112,7 @@ class ServingWatchdog:
 
     def check(self) -> None:
         """One reading of the engine, and whatever change it calls for."""
-        now = self._clock.monotonic()
+        now = self.clock.monotonic()
         in_flight = self.activity.in_flight_requests()
         progress = self.activity.progress()
         first = self._progress is None  # the first reading (or the first since a source appeared)
@@ -168,9 +166,9 @@ class ServingWatchdog:
         before = self.state
         TRANSITIONS.check("serving", before, after, reason)
         self.state, self.reason = after, reason
-        self._since = self._clock.monotonic() if since is None else since
+        self._since = self.clock.monotonic() if since is None else since
         if after is Serving.SERVING:
-            self._quiet_since, self._failed_in_a_row = self._clock.monotonic(), 0
+            self._quiet_since, self._failed_in_a_row = self.clock.monotonic(), 0
             if self._made_abnormal:
                 self._made_abnormal = False
                 self.machine.fire(Event.SERVING_AGAIN, f"serving again: {reason}")

@@ -226,7 +226,7 @@ async def test_run_probes_start_to_start_every_interval():
         return now[0]
 
     prober, _, _ = make_prober(FixedSampler(0))
-    prober._clock = SimpleNamespace(time=time.time, monotonic=monotonic, sleep=fake_sleep)
+    prober.clock = SimpleNamespace(time=time.time, monotonic=monotonic, sleep=fake_sleep)
     with pytest.raises(asyncio.CancelledError):
         await prober.run()
     assert all(0 < s < 5 for s in sleeps)  # the round's own time is taken off the interval

@@ -106,7 +106,7 @@ def test_abnormal_is_logged_as_a_warning_and_the_rest_as_info(caplog):
 async def test_a_record_says_when_it_was_sent_and_how_long_the_probe_took():
     prober, _, records = make_prober(FixedSampler(0))
     ticks = iter([100.0, 100.25])
-    prober._clock = SimpleNamespace(time=lambda: 1700000000.0, monotonic=lambda: next(ticks))
+    prober.clock = SimpleNamespace(time=lambda: 1700000000.0, monotonic=lambda: next(ticks))
     assert prober.last is None
     record = await prober.probe_once()
     assert record.time == 1700000000.0 and record.latency == pytest.approx(0.25)
@@ -127,7 +127,7 @@ async def test_a_failed_probe_has_its_latency_and_reason(outcome, caplog):
     settings = SETTINGS.model_copy(update={"probe_timeout": 0.05})
     prober, _, _ = make_prober(FixedSampler(0), Client(), settings=settings)
     ticks = iter([100.0, 100.5])
-    prober._clock = SimpleNamespace(time=time.time, monotonic=lambda: next(ticks))
+    prober.clock = SimpleNamespace(time=time.time, monotonic=lambda: next(ticks))
     record = await prober.probe_once()
     assert not record.success and record.latency == pytest.approx(0.5)
     assert record.error == {"ProbeFailed": "HTTP 500: boom", "timeout": "timed out after 0.05s",
@@ -187,7 +187,7 @@ async def test_a_round_longer_than_the_interval_starts_the_next_at_once():
         return now[0]
 
     prober, _, _ = make_prober(FixedSampler(0))
-    prober._clock = SimpleNamespace(time=time.time, monotonic=monotonic, sleep=fake_sleep)
+    prober.clock = SimpleNamespace(time=time.time, monotonic=monotonic, sleep=fake_sleep)
     prober.interval = 5.0
     with pytest.raises(asyncio.CancelledError):
         await prober.run()
@@ -239,7 +239,7 @@ async def test_a_round_that_fails_on_health_records_why_when_and_how_long():
     prober.health = health
     prober.interval = SETTINGS.busy_probe_interval  # a busy engine stops answering /health
     ticks = iter([100.0, 100.5, 200.0, 200.25, 300.0, 300.75])
-    prober._clock = SimpleNamespace(time=lambda: 1700000000.0, monotonic=lambda: next(ticks))
+    prober.clock = SimpleNamespace(time=lambda: 1700000000.0, monotonic=lambda: next(ticks))
     record = await prober.probe_once()
     assert record == ProbeRecord(
         time=1700000000.0, success=False, latency=0.5, error="GET /health answered 503", utilization_peak=0.0,
@@ -314,7 +314,7 @@ async def test_run_health_checks_start_to_start_every_probe_interval():
 
     prober, _, _ = make_prober(FixedSampler(0))
     prober.health = health
-    prober._clock = SimpleNamespace(time=time.time, monotonic=monotonic, sleep=fake_sleep)
+    prober.clock = SimpleNamespace(time=time.time, monotonic=monotonic, sleep=fake_sleep)
     with pytest.raises(asyncio.CancelledError):
         await prober.run_health_checks()
     assert health.calls == 1 and sleeps == [0.5]
