@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from controller.actuator import Actuator
 from controller.adoption import Adoption
@@ -333,21 +333,10 @@ class DeploymentChanges:
     def _new_instance(
         self, spec: InstanceSpec, revision: int, model: str, name: str, config: str
     ) -> tuple[InstanceRecord, list[EngineSlot]]:
+        facts = asdict(spec)  # what the spec says of it, all but its place in the group
+        del facts["index"]
         inst = InstanceRecord(
-            instance_id=spec.instance_id,
-            group=spec.group,
-            role=spec.role,
-            data_parallel_size=spec.data_parallel_size,
-            accelerators_per_engine=spec.accelerators_per_engine,
-            single_container=spec.single_container,
-            paired_instance_id=spec.paired_instance_id,
-            spec_hash=spec.spec_hash,
-            state_changed_at=self.state.wall(),
-            revision=revision,
-            spare=spec.spare,
-            model=model,
-            deployment=name,
-            config=config,
+            **facts, state_changed_at=self.state.wall(), revision=revision, model=model, deployment=name, config=config
         )
         return inst, [
             EngineSlot(names.engine_id(spec.instance_id, r), spec.instance_id, r)
