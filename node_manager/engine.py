@@ -60,6 +60,22 @@ TRANSITIONS = Transitions.between(
 )
 # Probe results kept as evidence for a failure report.
 RECENT_PROBES = 5
+# What an Engine message (ListEngines, heartbeats) says as the record holds it.
+AS_REPORTED = (
+    "engine_id",
+    "spec",
+    "state",
+    "state_reason",
+    "health",
+    "health_reason",
+    "consecutive_abnormal",
+    "pid",
+    "log_path",
+    "draining",
+    "sleeping",
+    "not_serving_reason",
+    "in_flight_requests",
+)
 
 
 def state_name(state: State) -> str:
@@ -231,21 +247,9 @@ class EngineRecord:
 
     def to_proto(self, node_id: str) -> types_pb2.Engine:
         engine = types_pb2.Engine(
-            engine_id=self.engine_id,
-            spec=self.spec,
-            state=self.state,
-            state_reason=self.state_reason,
-            health=self.health,
-            health_reason=self.health_reason,
-            consecutive_abnormal=self.consecutive_abnormal,
-            pid=self.pid,
             node_id=node_id,
-            log_path=self.log_path,
             recent_probes=list(self.recent_probes),
-            draining=self.draining,
-            sleeping=self.sleeping,
-            not_serving_reason=self.not_serving_reason,
-            in_flight_requests=self.in_flight_requests,
+            **{name: getattr(self, name) for name in AS_REPORTED},
         )
         if self.stop_grace:
             engine.stop_grace.CopyFrom(pbtime.duration(self.stop_grace))
