@@ -3,7 +3,7 @@
 
 - no false positive: long chunked prefills (four different prompts of 4000 tokens, 8 tokens a
   step, so about 2000 steps) keep the engine listed for routers throughout (steps are progress);
-- the real failure: SIGSTOP of the engine-core process only, with requests in flight (the API
+- the real failure: SIGSTOP of the engine-core process only, then requests (the API
   server and its /health stay up, vLLM #39863's shape): out of the endpoints within 3 s with an
   ENGINE_NOT_SERVING event naming the stall, the requests it held answered 503 (failed back),
   then killed (ABNORMAL after stall_kill_after) and replaced.
@@ -128,7 +128,8 @@ def test_long_chunked_prefills_queued_four_deep_never_leave_the_endpoints(stack)
     for n in range(4):  # different prompts: no prefix-cache hit shortens the others
         prompt = [(i * 7 + n * 13) % 400 + 20 for i in range(LONG_PROMPT_TOKENS)]
         threads += complete_in_background(url, {"prompt": prompt, "max_tokens": 2}, statuses, 1)
-    wait_for(lambda: in_flight(engine) >= 1, timeout=30, what="the long prompts in flight")
+    # In flight, or already answered: a status call can wait behind the busy core (2 cores).
+    wait_for(lambda: statuses or in_flight(engine) >= 1, timeout=30, what="the long prompts in flight")
     delisted = []
     while any(t.is_alive() for t in threads) and time.monotonic() - started < 240:
         if not listed(stub):
@@ -149,17 +150,16 @@ def test_sigstop_of_the_engine_core_leaves_the_endpoints_within_3s_then_it_is_re
     engine = engine_on_node(stub)
     url = f"http://127.0.0.1:{engine.spec.port}"
     statuses: list = []
-    complete_in_background(url, {"prompt": "tell me a long story", "max_tokens": 3000, "ignore_eos": True}, statuses, 3)
-    wait_for(
-        lambda: in_flight(engine) == 3,
-        timeout=30,
-        what="three requests in flight",
-        detail=lambda: f"in flight: {in_flight(engine)}; answered: {statuses}",
-    )
     core = engine_core_of(engine.pid)
+    # The core hangs, then traffic comes: the API server takes the requests and they wait. Not
+    # the other way round: the tiny model decodes 3,000 tokens in under half a second on a fast
+    # run, so requests sent first may be answered before any signal reaches the core.
     os.kill(core.pid, signal.SIGSTOP)
     stopped_at = time.monotonic()
     try:
+        complete_in_background(
+            url, {"prompt": "tell me a long story", "max_tokens": 3000, "ignore_eos": True}, statuses, 3
+        )
         wait_for(
             lambda: not listed(stub),
             timeout=30,
