@@ -60,10 +60,9 @@ def models(ctl) -> dict[str, list[str]]:
     return {e.engine_id: list(e.models) for e in ctl.list_endpoints()}
 
 
-async def test_adapters_load_into_serving_engines_and_follow_the_list_without_a_restart(harness, sims, tmp_path):
-    root = tmp_path / "models"
-    adapter_folder(root, "sql")
-    adapter_folder(root, "poem")
+async def serving_on_sims(harness, sims, root, deployment):
+    """The controller with one node (model root `root`) whose two engines are the simulated
+    engines `sims`, `deployment` applied and its engines started and healthy."""
     ctl = await harness.start()
     harness.client._ports = iter([sims[0].options.port, 1, sims[1].options.port, 1])  # the engines' ports: the sims'
     reply = await ctl.register_node(
@@ -78,11 +77,19 @@ async def test_adapters_load_into_serving_engines_and_follow_the_list_without_a_
         [],
     )
     harness.generations["node-a"] = reply.generation
-    ctl.apply_deployment(chat(("sql", "adapters/sql"), ("broken", "adapters/missing")))
+    ctl.apply_deployment(deployment)
     ctl.reconcile_once()
     await async_wait_for(lambda: len(harness.client.starts()) == 2, timeout=5, what="two engines started")
     harness.client.set_health("node-a")
     harness.beat("node-a")
+    return ctl
+
+
+async def test_adapters_load_into_serving_engines_and_follow_the_list_without_a_restart(harness, sims, tmp_path):
+    root = tmp_path / "models"
+    adapter_folder(root, "sql")
+    adapter_folder(root, "poem")
+    ctl = await serving_on_sims(harness, sims, root, chat(("sql", "adapters/sql"), ("broken", "adapters/missing")))
 
     both = ["chat-0/rank0", "chat-1/rank0"]
     await async_wait_for(
@@ -118,25 +125,7 @@ async def test_an_adapter_leaves_the_endpoints_and_is_unloaded_only_once_no_fron
     longer have it until the sync hears of the change (a hostile run saw the engine's 404)."""
     root = tmp_path / "models"
     adapter_folder(root, "sql")
-    ctl = await harness.start()
-    harness.client._ports = iter([sims[0].options.port, 1, sims[1].options.port, 1])
-    reply = await ctl.register_node(
-        C.NodeInfo(
-            node_id="node-a",
-            address="127.0.0.1:1",
-            host="127.0.0.1",
-            accelerator_ids=[0, 1],
-            accelerator_type="sim",
-            model_roots=[str(root)],
-        ),
-        [],
-    )
-    harness.generations["node-a"] = reply.generation
-    ctl.apply_deployment(chat(("sql", "adapters/sql")))
-    ctl.reconcile_once()
-    await async_wait_for(lambda: len(harness.client.starts()) == 2, timeout=5, what="two engines started")
-    harness.client.set_health("node-a")
-    harness.beat("node-a")
+    ctl = await serving_on_sims(harness, sims, root, chat(("sql", "adapters/sql")))
     both = ["chat-0/rank0", "chat-1/rank0"]
     await async_wait_for(
         lambda: models(ctl) == {e: ["sim-chat", "sql"] for e in both}, timeout=10, what="sql loaded into both engines"
