@@ -19,6 +19,7 @@ from router_sync.front import FrontDoor
 from tests.engine_server.conftest import engine_server, sim_config  # noqa: F401 (fixture)
 from tests.router.test_by_model import chat_and_embed, model_router, served  # noqa: F401 (fixtures)
 from tests.router.test_sync import Running, snapshot, until
+from tests.support import serve_app
 
 
 class Door:
@@ -178,11 +179,8 @@ async def slow_stream():
     app = web.Application()
     app.router.add_post("/v1/completions", stream)
     app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield f"http://127.0.0.1:{port}"
+    runner, url = await serve_app(app)
+    yield url
     await runner.cleanup()
 
 
@@ -267,12 +265,8 @@ async def two_named_servers():
         app = web.Application()
         app.router.add_get("/health", health)
         app.router.add_post("/{tail:.*}", answer)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runner, urls[name] = await serve_app(app)
         runners.append(runner)
-        urls[name] = f"http://127.0.0.1:{port}"
     yield urls
     for runner in runners:
         await runner.cleanup()

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 
-from aiohttp import web
-
 from motor.ports import free_port
 from motor.v1 import controller_pb2, types_pb2
 from router_sync.door import PushedTable
 from router_sync.publish import TablePublisher
 from router_sync.sync import RouterSync
+from tests.support import serve_app
 
 
 def endpoint(url: str, model: str) -> controller_pb2.Endpoint:
@@ -43,11 +42,7 @@ class FakeAdmin:
 
 
 async def serving(table: PushedTable):
-    runner = web.AppRunner(table.app())
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
+    return await serve_app(table.app())
 
 
 def test_a_push_is_taken_whole_and_a_malformed_one_refused_naming_the_shape():
@@ -105,9 +100,7 @@ async def test_a_door_that_does_not_answer_is_said_once_and_gets_the_table_when_
     try:
         await asyncio.sleep(0.3)  # several periodic pushes fail: one announcement
         assert len(said) == 1 and "does not take the table" in said[0]
-        runner = web.AppRunner(door.app())
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runner, _ = await serve_app(door.app(), port)
         for _ in range(100):
             if door.known():
                 break

@@ -9,7 +9,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+from aiohttp import web
 
+from motor.ports import free_port
 from motor.processes import same_process
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -93,3 +95,12 @@ def write_sim_deployment(path, count: int, name: str = "sim") -> str:
     with open(path, "w", encoding="utf-8") as handle:
         yaml.safe_dump(document, handle)
     return str(path)
+
+
+async def serve_app(app: web.Application, port: int | None = None) -> tuple[web.AppRunner, str]:
+    """`app` served on loopback (on `port`, else a free one): its runner (to clean up) and URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = port or free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
