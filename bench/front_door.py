@@ -7,7 +7,15 @@ the sync's table as motor-router-sync pushes it.
 For each target: closed-loop clients (`--concurrency`) for `--seconds`: requests/s, latency p50
 and p99 of a completion; then the latency at a fixed open rate low enough for neither to queue.
 
-    .venv/bin/python bench/front_door.py [--rounds 3] [--seconds 8] [--concurrency 32]
+    .venv/bin/python bench/front_door.py [--rounds 3] [--seconds 8] [--concurrency 32] [--nginx]
+
+`--own-core` runs the door (and nginx) on CPU 1 and everything else (load generator, router,
+engines) on CPU 0: the door as a process of its own with a core of its own, as it is deployed;
+does it then cap the rate the router alone reaches on the other core?
+
+`--nginx` adds a third target: nginx (one worker, keep-alive to the router, no buffering) as a
+plain reverse proxy in front of the same router, the cheapest hop there is: what any layer in
+front of the router costs on this machine, whatever it is written in.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,6 +43,45 @@ from router_sync.sync import RouterSync  # noqa: E402
 from tests.engine_server.conftest import EngineServerProcess, sim_config  # noqa: E402
 
 BODY = {"model": "sim-tiny", "prompt": "hello there", "max_tokens": 4}
+
+NGINX_CONF = """
+worker_processes 1;
+daemon off;
+pid {work}/nginx.pid;
+error_log {work}/nginx-error.log;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {work}/nginx-body;
+  proxy_temp_path {work}/nginx-proxy;
+  fastcgi_temp_path {work}/nginx-fastcgi;
+  uwsgi_temp_path {work}/nginx-uwsgi;
+  scgi_temp_path {work}/nginx-scgi;
+  upstream router {{ server 127.0.0.1:{router_port}; keepalive 256; }}
+  server {{
+    listen 127.0.0.1:{port} backlog=1024;
+    location / {{
+      proxy_pass http://router;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }}
+  }}
+}}
+"""
+
+
+def start_nginx(work: str, router_port: int) -> tuple[subprocess.Popen, str]:
+    """nginx as a plain reverse proxy in front of the router: the reference hop."""
+    binary = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not os.path.exists(binary):
+        raise SystemExit("--nginx: no nginx binary (apt-get install nginx-light)")
+    port = free_port()
+    conf = os.path.join(work, "nginx.conf")
+    with open(conf, "w") as f:
+        f.write(NGINX_CONF.format(work=work, router_port=router_port, port=port))
+    process = subprocess.Popen([binary, "-c", conf, "-p", work], stderr=subprocess.DEVNULL)
+    return process, f"http://127.0.0.1:{port}"
 
 
 async def closed_loop(url: str, seconds: float, concurrency: int) -> tuple[float, list[float], int]:
@@ -95,6 +143,8 @@ def pct(values: list[float], q: float) -> float:
 
 async def main(args) -> None:
     work = tempfile.mkdtemp(prefix="front-door-bench-")
+    if args.own_core:
+        os.sched_setaffinity(0, {0})  # this process and every process it starts from here on
     from pathlib import Path
 
     engines = [
@@ -146,12 +196,21 @@ async def main(args) -> None:
             env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
         )
         door_url = f"http://127.0.0.1:{door_port}"
+        if args.own_core:
+            os.sched_setaffinity(door.pid, {1})
         await asyncio.sleep(1.5)
         async with aiohttp.ClientSession() as session:
             async with session.put(f"http://{table}/served", json={"served": sync.served()}) as reply:
                 assert reply.status == 204, await reply.text()
         parts = {"router": [router.pid], "door": [door.pid], "engines": [e.process.pid for e in engines]}
         targets = {"router alone": router_url, "front door + router": door_url}
+        nginx = None
+        if args.nginx:
+            nginx, targets["nginx + router"] = start_nginx(work, router_port)
+            parts["nginx"] = [nginx.pid]
+            if args.own_core:
+                os.sched_setaffinity(nginx.pid, {1})
+            await asyncio.sleep(0.5)
         rates = {name: [] for name in targets}
         latencies = {name: [] for name in targets}
         cpu = {name: dict.fromkeys(parts, 0.0) for name in targets}
@@ -176,6 +235,10 @@ async def main(args) -> None:
                 f"{pct(latencies[name], 99):>9.2f}{pct(light[name], 50):>11.2f}{pct(light[name], 99):>11.2f}"
                 f"{failed[name]:>8}"
             )
+        alone = statistics.median(rates["router alone"])
+        for name in list(targets)[1:]:
+            ratios = ", ".join(f"{r / a:.0%}" for r, a in zip(rates[name], rates["router alone"], strict=True))
+            print(f"{name} / router alone: {statistics.median(rates[name]) / alone:.0%} (by round: {ratios})")
         for name in targets:
             count = len(latencies[name])
             per = "  ".join(f"{part} {1e6 * used / count:.0f}" for part, used in cpu[name].items())
@@ -186,6 +249,9 @@ async def main(args) -> None:
         )
         door.terminate()
         door.wait()
+        if nginx is not None:
+            nginx.terminate()
+            nginx.wait()
         task.cancel()
     finally:
         await admin.close()
@@ -218,5 +284,7 @@ if __name__ == "__main__":
         help="the door's event loop: its own default (product), or one forced",
     )
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--nginx", action="store_true", help="also nginx as a plain proxy in front of the router")
+    parser.add_argument("--own-core", action="store_true", help="the door (and nginx) on CPU 1, all else on CPU 0")
     parser.add_argument("--light-rate", type=float, default=50, help="requests/s of the latency-only run")
     asyncio.run(main(parser.parse_args()))

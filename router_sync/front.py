@@ -16,11 +16,9 @@ moment Motor withdraws its last engine, pushed to the door by the sync). It answ
 - the router's admin API (adding or removing workers, loading adapters): 403, only the sync
   changes the router;
 
-and passes everything else to the router unchanged: an answer with a Content-Length (up to 1 MiB)
-in one write, any other (a stream) chunk by chunk as the router sends it (a slow client slows its
-own stream, never the others: each write waits for the client to take the previous one).
-Connections to the router are pooled and kept alive.
-Its own Prometheus metrics at `GET /metrics`.
+and passes everything else to the router unchanged (router_sync/relay.py: the bytes as the router
+writes them, a stream chunk by chunk, a slow client slowing only its own answer; connections to
+the router pooled and kept alive). Its own Prometheus metrics at `GET /metrics`.
 """
 
 from __future__ import annotations
@@ -30,10 +28,9 @@ import logging
 import time
 from collections.abc import Callable
 
-import aiohttp
-from aiohttp import web
-from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from router_sync.relay import Answer, Forward, Passed, Relay, Request, RouterPool, response
 
 logger = logging.getLogger(__name__)
 
@@ -79,38 +76,14 @@ ADMIN_PATHS = (
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
 )
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-    }
-)
-# Request bodies aiohttp's server decodes as it reads them (aiohttp/http_parser.py): the body passed on
-# is the decoded one, so its Content-Encoding must not go with it (the engine would decode it again).
-DECODED_ENCODINGS = frozenset({"gzip", "deflate", "br", "zstd"})
 STARTING = "The front door is starting: the models it serves are not known yet. Retry shortly."
 MAX_BODY = 256 * 1024 * 1024  # the router's own default --max-payload-size
-WHOLE_BODY = 1024 * 1024  # an answer with a Content-Length up to this is passed in one write
 
 
-def end_to_end(headers) -> CIMultiDict:
-    """The headers a proxy passes on: all but the hop-by-hop ones, repeated ones kept (Set-Cookie)."""
-    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP)
-
-
-def openai_error(status: int, message: str, kind: str, param: str | None = "model") -> web.Response:
+def openai_error(status: int, message: str, kind: str, param: str | None = "model") -> Answer:
     """vLLM's error body (entrypoints/openai/protocol.py ErrorResponse)."""
-    return web.json_response(
-        {"error": {"message": message, "type": kind, "param": param, "code": status}}, status=status
-    )
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return Answer(response(status, json.dumps(body).encode()), status)
 
 
 class FrontMetrics:
@@ -136,6 +109,13 @@ class FrontMetrics:
             "Requests the router did not answer (no connection, or the connection broke).",
             registry=self.registry,
         )
+        self._counted: dict[tuple[str, int], Counter] = {}  # label lookups are the costly part
+
+    def count(self, model: str, status: int) -> None:
+        child = self._counted.get((model, status))
+        if child is None:
+            child = self._counted[(model, status)] = self.requests.labels(model, str(status))
+        child.inc()
 
 
 class FrontDoor:
@@ -144,54 +124,67 @@ class FrontDoor:
         router_url: str,
         served: Callable[[], dict[str, str | None]],
         ready: Callable[[], bool] = lambda: True,
-        connections: int = 1024,
     ):
         self.router_url = router_url.rstrip("/")
         self.served = served  # model -> parent model (None: a deployment's model)
         # Whether `served` is known yet: a sync just (re)started has heard nothing from Motor or
         # the router, and every model would look unserved (a false 404 to requests it can route).
         self.ready = ready
-        self.connections = connections
         self.metrics = FrontMetrics()
         self.created = int(time.time())
-        self.session: aiohttp.ClientSession | None = None
-        self.runner: web.AppRunner | None = None
-
-    # Serving ------------------------------------------------------------------------------------
-
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/metrics", self.own_metrics)
-        app.router.add_route("*", "/{tail:.*}", self.forward)
-        return app
+        self.relay = Relay(
+            RouterPool(self.router_url),
+            decide=self.decide,
+            router_failed=self.router_failed,
+            began=self.began,
+            answered=self.answered,
+            ended=self.ended,
+            max_body=MAX_BODY,
+        )
 
     async def start(self, host: str, port: int) -> None:
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self.connections, keepalive_timeout=60),
-            # A generation may take long; only the connection to the router has a deadline.
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-            auto_decompress=False,
-            # A proxy keeps no cookies: one client's would be sent on every other client's requests.
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
-        # handler_cancellation: a client that goes away cancels its request to the router too.
-        self.runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, host, port, backlog=1024).start()
+        await self.relay.start(host, port)
         logger.info("front door on http://%s:%d in front of router %s", host, port, self.router_url)
 
     async def close(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-        if self.session is not None:
-            await self.session.close()
+        await self.relay.close()
+
+    # What a request gets ----------------------------------------------------------------------------
+
+    def decide(self, request: Request) -> Answer | Forward:
+        path, method = request.path, request.method
+        if method in ("GET", "HEAD") and path == "/v1/models":
+            return self.models(head=method == "HEAD")
+        if method in ("GET", "HEAD") and path == "/metrics":
+            data = generate_latest(self.metrics.registry)
+            return Answer(response(200, data, CONTENT_TYPE_LATEST, head=method == "HEAD"), 200)
+        if method not in ("GET", "HEAD") and path.startswith(ADMIN_PATHS):
+            self.metrics.count("", 403)
+            return openai_error(
+                403,
+                f"{method} {path} changes the router: Motor keeps its workers (motor-router-sync) "
+                "and loads adapters from the deployment's `adapters`",
+                "PermissionDeniedError",
+                None,
+            )
+        if method == "POST" and path in MODEL_PATHS and request.body:
+            try:
+                parsed = json.loads(request.body)
+            except ValueError:
+                parsed = None  # not JSON: the router and the engine answer it as they would
+            if isinstance(parsed, dict):
+                answer, changed, request.label = self._refusal(parsed)
+                if answer is not None:
+                    self.metrics.count(request.label, answer.status)
+                    return answer
+                return Forward(changed)
+        return Forward()
 
     # OpenAI's model surface -----------------------------------------------------------------------
 
-    async def models(self, request: web.Request) -> web.Response:
+    def models(self, head: bool = False) -> Answer:
         if not self.ready():  # an empty list would say "no model", not "not known yet"
-            self.metrics.requests.labels("", "503").inc()
+            self.metrics.count("", 503)
             return openai_error(503, STARTING, "ServiceUnavailableError", None)
         served = self.served()
         data = []
@@ -199,13 +192,10 @@ class FrontDoor:
             entry = {"id": name, "object": "model", "created": self.created, "owned_by": "motor", "root": name}
             entry["parent"] = served[name]
             data.append(entry)
-        self.metrics.requests.labels("", "200").inc()
-        return web.json_response({"object": "list", "data": data})
+        self.metrics.count("", 200)
+        return Answer(response(200, json.dumps({"object": "list", "data": data}).encode(), head=head), 200)
 
-    async def own_metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    def _refusal(self, body: dict) -> tuple[web.Response | None, bytes | None, str]:
+    def _refusal(self, body: dict) -> tuple[Answer | None, bytes | None, str]:
         """(an answer of the front door's own, or None; the body to send when it was changed; the
         model label)."""
         if not self.ready():
@@ -239,74 +229,22 @@ class FrontDoor:
             )
         return None, None, model
 
-    # Passing requests to the router -----------------------------------------------------------------
+    # Requests passed to the router ------------------------------------------------------------------
 
-    async def forward(self, request: web.Request) -> web.StreamResponse:
-        path = request.path
-        if request.method not in ("GET", "HEAD") and path.startswith(ADMIN_PATHS):
-            self.metrics.requests.labels("", "403").inc()
-            return openai_error(
-                403,
-                f"{request.method} {path} changes the router: Motor keeps its workers (motor-router-sync) "
-                "and loads adapters from the deployment's `adapters`",
-                "PermissionDeniedError",
-                None,
-            )
-        body = await request.read() if request.can_read_body else None
-        label = ""
-        if request.method == "POST" and path in MODEL_PATHS and body:
-            try:
-                parsed = json.loads(body)
-            except ValueError:
-                parsed = None  # not JSON: the router and the engine answer it as they would
-            if isinstance(parsed, dict):
-                answer, changed, label = self._refusal(parsed)
-                if answer is not None:
-                    self.metrics.requests.labels(label, str(answer.status)).inc()
-                    return answer
-                body = changed or body
-        return await self._pass(request, body, label)
-
-    async def _pass(self, request: web.Request, body: bytes | None, label: str) -> web.StreamResponse:
-        assert self.session is not None
-        headers = end_to_end(request.headers)
-        if headers.get("Content-Encoding", "").lower() in DECODED_ENCODINGS:
-            del headers["Content-Encoding"]
-        began = time.monotonic()
-        response: web.StreamResponse | None = None
+    def began(self, request: Request) -> None:
+        request.began = time.monotonic()
         self.metrics.in_flight.inc()
-        try:
-            async with self.session.request(
-                request.method, self.router_url + request.rel_url.raw_path_qs, headers=headers, data=body
-            ) as upstream:
-                self.metrics.latency.observe(time.monotonic() - began)
-                headers = end_to_end(upstream.headers)
-                length = upstream.content_length
-                if length is not None and length <= WHOLE_BODY:
-                    # A whole answer (not a stream): one write, far cheaper than a chunk loop.
-                    whole = web.Response(status=upstream.status, reason=upstream.reason, headers=headers)
-                    whole.body = await upstream.read()
-                    self.metrics.requests.labels(label, str(upstream.status)).inc()
-                    return whole
-                response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
-                if length is not None:
-                    response.content_length = length
-                await response.prepare(request)
-                async for chunk in upstream.content.iter_any():
-                    try:
-                        await response.write(chunk)  # waits while the client has not taken the last one
-                    except ConnectionResetError:
-                        # The client went (a stop button): the router answered; not its failure.
-                        self.metrics.requests.labels(label, str(upstream.status)).inc()
-                        return response
-                await response.write_eof()
-                self.metrics.requests.labels(label, str(upstream.status)).inc()
-                return response
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+
+    def answered(self, request: Request | None) -> None:
+        if request is not None:
+            self.metrics.latency.observe(time.monotonic() - request.began)
+
+    def ended(self, request: Request | None, passed: Passed) -> None:
+        self.metrics.in_flight.dec()
+        if passed.router_failed:
             self.metrics.router_errors.inc()
-            self.metrics.requests.labels(label, "502").inc()
-            if response is not None and response.prepared:
-                raise  # the stream had begun: the client sees it cut, as from the router itself
-            return openai_error(502, f"the router did not answer: {type(exc).__name__}", "BadGatewayError", None)
-        finally:
-            self.metrics.in_flight.dec()
+        if passed.status:  # a client that left before the router answered: nobody's failure counted
+            self.metrics.count(request.label if request else "", passed.status)
+
+    def router_failed(self, request: Request, exc: BaseException) -> bytes:
+        return openai_error(502, f"the router did not answer: {type(exc).__name__}", "BadGatewayError", None).data
