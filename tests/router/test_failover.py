@@ -229,15 +229,18 @@ def test_inference_hang_with_health_200_its_caught_requests_are_answered_from_el
 def routed_engines(tmp_path):
     """The real router with motorctl up's failover flags in front of two simulated engines."""
     config = sim_config("union", {"model": "sim-tiny"}, {"enable_virtual_inference": False})
-    engines = [EngineServerProcess(tmp_path, config, role="union", instance_id=f"u-{i}") for i in range(2)]
-    router = RouterProcess(str(tmp_path), extra=FAILOVER_FLAGS)
-    try:
+    engines, router = [], None
+    try:  # whatever started is stopped, also when a later start fails
+        for i in range(2):
+            engines.append(EngineServerProcess(tmp_path, config, role="union", instance_id=f"u-{i}"))
+        router = RouterProcess(str(tmp_path), extra=FAILOVER_FLAGS)
         for engine in engines:
             wait_for(lambda: engine.http("GET", "/health")[0] == 200, timeout=60, interval=0.2, what="engine up")
             router.add(f"http://127.0.0.1:{engine.port}")
         yield router, engines
     finally:
-        router.stop()
+        if router is not None:
+            router.stop()
         for engine in engines:
             engine.stop()
 
