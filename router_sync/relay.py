@@ -49,6 +49,8 @@ HOP_BY_HOP = frozenset(
 )
 MAX_IDLE = 256  # idle connections to the router kept for reuse
 MAX_PIPELINED = 16  # requests a client may send ahead of its answers before it is read no more
+TOO_LARGE = b"The request body is larger than the front door takes."
+MAX_HEAD = 64 * 1024  # a request's line and headers (nginx takes 32 KiB, aiohttp 8 KiB a line)
 
 
 @dataclass
@@ -98,15 +100,28 @@ def response(status: int, body: bytes = b"", content_type: str = "application/js
     )
 
 
-def decoded(body: bytes, encoding: str) -> bytes | None:
+class TooLarge(Exception):
+    """A compressed body that unpacks past the relay's limit."""
+
+
+def _inflate(body: bytes, wbits: int, limit: int) -> bytes:
+    # Never more than `limit` out: a few kB of gzip can unpack to gigabytes.
+    inflater = zlib.decompressobj(wbits)
+    data = inflater.decompress(body, limit + 1)
+    if len(data) > limit or inflater.unconsumed_tail:
+        raise TooLarge
+    return data
+
+
+def decoded(body: bytes, encoding: str, limit: int) -> bytes | None:
     """A request body without its Content-Encoding; None if it is not one the relay reads."""
     if encoding == "gzip" or encoding == "x-gzip":
-        return zlib.decompress(body, 16 + zlib.MAX_WBITS)
+        return _inflate(body, 16 + zlib.MAX_WBITS, limit)
     if encoding == "deflate":
         try:
-            return zlib.decompress(body)
+            return _inflate(body, zlib.MAX_WBITS, limit)
         except zlib.error:
-            return zlib.decompress(body, -zlib.MAX_WBITS)  # raw deflate, as some clients send it
+            return _inflate(body, -zlib.MAX_WBITS, limit)  # raw deflate, as some clients send it
     if encoding == "br":
         try:
             import brotli  # the optional codec aiohttp reads too
@@ -187,7 +202,7 @@ class RouterConnection(asyncio.Protocol):
         client.transport.write(data)
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):  # (a 101: the door never asks for one)
             self.transport.close()  # the client's answer is cut where the router's went wrong
 
     # httptools' callbacks
@@ -237,6 +252,8 @@ class ClientConnection(asyncio.Protocol):
         self.reused = False  # the request's router connection was a kept-alive one
         self.sent = b""  # the request as sent to the router (sent again once if that connection was stale)
         self.closing = False
+        self.refusal: bytes | None = None  # the answer to a request that cannot be read, once those before it are
+        self.continue_owed = False  # `100 Continue`, once the requests before it are answered
         self._reset()
 
     def _reset(self) -> None:
@@ -244,6 +261,9 @@ class ClientConnection(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
         self.size = 0
+        self.in_head = False  # between a request's first byte and the end of its headers
+        self.head_read = 0  # bytes read while in its head (a head still unended after a read)
+        self.head_size = 0  # its line and headers as parsed
 
     # asyncio's callbacks
     def connection_made(self, transport) -> None:
@@ -251,13 +271,24 @@ class ClientConnection(asyncio.Protocol):
         self.relay.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._refuse(400, b"Protocol upgrades are not served here.")
-        except httptools.HttpParserError as exc:
-            if not self.closing:
-                self._refuse(400, f"Malformed HTTP request: {exc}".encode())
+        read = len(data)
+        while data and self.refusal is None:
+            try:
+                self.parser.feed_data(data)
+                data = b""
+            except httptools.HttpParserUpgrade as exc:
+                # An offered upgrade (`Upgrade: h2c`, a websocket) is declined by answering in
+                # HTTP/1.1 (RFC 9110 7.8); what follows it is read as the next request.
+                self.parser = httptools.HttpRequestParser(self)
+                data = data[exc.args[0] :] if exc.args and isinstance(exc.args[0], int) else b""
+            except httptools.HttpParserError as exc:
+                if not self.closing:
+                    self._refuse(400, f"Malformed HTTP request: {exc}".encode())
+                return
+        if self.in_head:  # a request line and headers still coming: bounded, however slowly sent
+            self.head_read += read
+            if self.head_read > MAX_HEAD:
+                self._refuse(431, b"The request's headers are larger than the front door takes.")
 
     def connection_lost(self, exc) -> None:
         self.closing = True
@@ -280,33 +311,53 @@ class ClientConnection(asyncio.Protocol):
     # httptools' callbacks
     def on_message_begin(self) -> None:
         self._reset()
+        self.in_head = True
 
     def on_url(self, url: bytes) -> None:
         self.url += url
+        self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
+        self._count_head(len(name) + len(value))
+
+    def _count_head(self, size: int) -> None:
+        self.head_size += size
+        if self.head_size > MAX_HEAD:
+            self._refuse(431, b"The request's headers are larger than the front door takes.")
+            raise httptools.HttpParserError("headers too large")
 
     def on_headers_complete(self) -> None:
+        self.in_head = False
         for name, value in self.headers:
             lower = name.lower()
             if lower == b"content-length" and value.strip().isdigit() and int(value) > self.relay.max_body:
-                self._refuse(413, b"The request body is larger than the front door takes.")
+                self._refuse(413, TOO_LARGE)
                 return
             if lower == b"expect" and value.strip().lower() == b"100-continue" and not self.closing:
-                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                self.continue_owed = True
+        if self.continue_owed:
+            self._next()
 
     def on_body(self, body: bytes) -> None:
+        if self.refusal is not None:
+            return
         self.size += len(body)
         if self.size > self.relay.max_body:
-            self._refuse(413, b"The request body is larger than the front door takes.")
+            self._refuse(413, TOO_LARGE)
             raise httptools.HttpParserError("body too large")
         self.body.append(body)
 
     def on_message_complete(self) -> None:
-        if self.closing:
+        self.continue_owed = False  # the body came without it
+        if self.closing or self.refusal is not None:
             return
         target = self.url
+        if not target.startswith(b"/") and b"://" in target:
+            # absolute-form (`POST http://host/path`): the router routes it by its path, so the
+            # door reads the path out of it too, and passes it on as a path
+            parts = urlsplit(target)
+            target = (parts.path or b"/") + (b"?" + parts.query if parts.query else b"")
         path = target.split(b"?", 1)[0].decode("latin-1")
         if "%" in path:
             path = unquote(path)
@@ -339,7 +390,10 @@ class ClientConnection(asyncio.Protocol):
                     encoding = value.decode("latin-1").strip().lower()
             if encoding and request.body:
                 try:
-                    body = decoded(request.body, encoding)
+                    body = decoded(request.body, encoding, self.relay.max_body)
+                except TooLarge:
+                    self._answer(request, response(413, b'{"error": "' + TOO_LARGE + b'"}'))
+                    continue
                 except Exception:  # noqa: BLE001 - zlib's and brotli's own errors
                     body = None
                 if body is None:
@@ -351,6 +405,16 @@ class ClientConnection(asyncio.Protocol):
                 self._answer(request, decision.data)
                 continue
             self._forward(request, decision.body)
+        if self.current is None and not self.waiting and not self.closing:
+            if (
+                self.continue_owed and self.refusal is None
+            ):  # every earlier answer is written: the client may send its body
+                self.continue_owed = False
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            if self.refusal is not None:
+                self.closing = True
+                self.transport.write(self.refusal)
+                self.transport.close()
 
     def _answer(self, request: Request, data: bytes) -> None:
         self.transport.write(data)
@@ -449,13 +513,13 @@ class ClientConnection(asyncio.Protocol):
             self.relay.ended(self.current, passed)
 
     def _refuse(self, status: int, message: bytes) -> None:
-        """A request that cannot be read: answered and the connection closed (where it ends is lost)."""
-        if self.closing:
+        """A request that cannot be read: answered after the requests before it, and the
+        connection closed (where it ends is lost)."""
+        if self.closing or self.refusal is not None:
             return
-        self.closing = True
-        if self.router is None:
-            self.transport.write(response(status, b'{"error": "' + message.replace(b'"', b"'") + b'"}'))
-        self.transport.close()
+        self.refusal = response(status, b'{"error": "' + message.replace(b'"', b"'") + b'"}')
+        self.transport.pause_reading()
+        self._next()
 
 
 @dataclass
