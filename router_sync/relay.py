@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
 import zlib
 from collections import deque
 from collections.abc import Callable
@@ -254,6 +255,7 @@ class ClientConnection(asyncio.Protocol):
         self.closing = False
         self.refusal: bytes | None = None  # the answer to a request that cannot be read, once those before it are
         self.continue_owed = False  # `100 Continue`, once the requests before it are answered
+        self.since = time.monotonic()  # when it last had its answer, or its request last moved
         self._reset()
 
     def _reset(self) -> None:
@@ -312,6 +314,7 @@ class ClientConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._reset()
         self.in_head = True
+        self.since = time.monotonic()  # its head must come whole within the idle timeout
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -342,6 +345,7 @@ class ClientConnection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if self.refusal is not None:
             return
+        self.since = time.monotonic()  # a body still coming, however slowly, is progress
         self.size += len(body)
         if self.size > self.relay.max_body:
             self._refuse(413, TOO_LARGE)
@@ -422,6 +426,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _finish(self, request: Request) -> None:
         self.current = None
+        self.since = time.monotonic()
         if not request.keep_alive:
             self.closing = True
             self.transport.close()
@@ -512,6 +517,12 @@ class ClientConnection(asyncio.Protocol):
             passed.client_left = client_left
             self.relay.ended(self.current, passed)
 
+    def expire(self, deadline: float) -> None:
+        """Closed if nothing is with the router for it and it has not moved since `deadline`."""
+        if self.current is None and not self.waiting and self.since < deadline and not self.closing:
+            self.closing = True
+            self.transport.close()
+
     def _refuse(self, status: int, message: bytes) -> None:
         """A request that cannot be read: answered after the requests before it, and the
         connection closed (where it ends is lost)."""
@@ -534,14 +545,29 @@ class Relay:
     answered: Callable[[Request | None], None] = lambda request: None
     ended: Callable[[Request | None, Passed], None] = lambda request, passed: None
     max_body: int = 256 * 1024 * 1024
+    # A client connection with nothing with the router is closed after this many idle seconds, or
+    # a request's headers not whole by then (aiohttp's server and nginx keep 75 s): clients that
+    # vanish, or send a byte at a time, would hold the door's sockets for ever.
+    idle_timeout: float = 75.0
     connections: set[ClientConnection] = field(default_factory=set)
     server: asyncio.Server | None = None
+    sweeper: asyncio.Task | None = None
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
         self.server = await loop.create_server(lambda: ClientConnection(self), host, port, backlog=1024)
+        self.sweeper = asyncio.ensure_future(self._sweep())
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(min(5.0, self.idle_timeout / 4))
+            deadline = time.monotonic() - self.idle_timeout
+            for connection in list(self.connections):
+                connection.expire(deadline)
 
     async def close(self) -> None:
+        if self.sweeper is not None:
+            self.sweeper.cancel()
         if self.server is not None:
             self.server.close()
         for connection in list(self.connections):

@@ -374,3 +374,31 @@ async def test_an_upstream_that_switches_protocols_unasked_is_cut_off_without_an
     finally:
         await front.close()
         server.close()
+
+
+async def test_idle_and_trickling_connections_are_closed_and_a_long_answer_is_not(door, router):
+    """A client that keeps a connection with nothing asked, or sends its headers a byte at a time
+    (slowloris), holds a socket of the door's for ever otherwise; one waiting on a long stream
+    keeps it."""
+    door.relay.idle_timeout = 0.5
+    idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", door.port)
+    idle_writer.write(post("/v1/completions", json.dumps(COMPLETION).encode()))
+    assert (await asyncio.wait_for(idle_reader.readuntil(b'"model": "m"}'), 5)).startswith(b"HTTP/1.1 200")
+    slow_reader, slow_writer = await asyncio.open_connection("127.0.0.1", door.port)
+    stream_reader, stream_writer = await asyncio.open_connection("127.0.0.1", door.port)
+    stream_writer.write(post("/stream?n=30&gap=0.1", b"{}"))  # 3 s of events
+    for byte in b"GET /health HTTP/1.1\r\nHost: door\r\n":
+        if slow_reader.at_eof():
+            break
+        slow_writer.write(bytes([byte]))
+        await asyncio.sleep(0.1)
+    for reader in (slow_reader, idle_reader):
+        try:
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        except ConnectionResetError:
+            pass  # closed by the door while the slow client still wrote
+    streamed = await asyncio.wait_for(stream_reader.readuntil(b"0\r\n\r\n"), 10)
+    assert b"data: 29 " in streamed
+    for writer in (idle_writer, slow_writer, stream_writer):
+        writer.close()
+    assert not door.relay.connections or all(c.closing for c in door.relay.connections)
