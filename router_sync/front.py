@@ -139,6 +139,7 @@ class FrontDoor:
             began=self.began,
             answered=self.answered,
             ended=self.ended,
+            refused=lambda status: self.metrics.count("", status),
             max_body=MAX_BODY,
         )
 

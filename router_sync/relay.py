@@ -165,6 +165,7 @@ class RouterPool:
         if self.closed or connection.lost or len(self.idle) >= MAX_IDLE:
             connection.transport.close()
         else:
+            connection.transport.resume_reading()  # paused for a slow client as its answer ended
             self.idle.append(connection)
 
     def close(self) -> None:
@@ -362,6 +363,8 @@ class ClientConnection(asyncio.Protocol):
             # door reads the path out of it too, and passes it on as a path
             parts = urlsplit(target)
             target = (parts.path or b"/") + (b"?" + parts.query if parts.query else b"")
+        if b"#" in target:  # a fragment is the client's own; the router routes without it, so does the door
+            target = target.split(b"#", 1)[0]
         path = target.split(b"?", 1)[0].decode("latin-1")
         if "%" in path:
             path = unquote(path)
@@ -396,11 +399,13 @@ class ClientConnection(asyncio.Protocol):
                 try:
                     body = decoded(request.body, encoding, self.relay.max_body)
                 except TooLarge:
+                    self.relay.refused(413)
                     self._answer(request, response(413, b'{"error": "' + TOO_LARGE + b'"}'))
                     continue
                 except Exception:  # noqa: BLE001 - zlib's and brotli's own errors
                     body = None
                 if body is None:
+                    self.relay.refused(415)
                     self._answer(request, response(415, b'{"error": "the body\'s Content-Encoding is not readable"}'))
                     continue
                 request.body, request.encoding = body, encoding
@@ -528,6 +533,7 @@ class ClientConnection(asyncio.Protocol):
         connection closed (where it ends is lost)."""
         if self.closing or self.refusal is not None:
             return
+        self.relay.refused(status)
         self.refusal = response(status, b'{"error": "' + message.replace(b'"', b"'") + b'"}')
         self.transport.pause_reading()
         self._next()
@@ -536,7 +542,8 @@ class ClientConnection(asyncio.Protocol):
 @dataclass
 class Relay:
     """The listening side: `decide` gives a request's own answer or passes it on; `began`,
-    `answered` (the router's answer began) and `ended` are told of each request passed on."""
+    `answered` (the router's answer began) and `ended` are told of each request passed on;
+    `refused`, of each the relay answered itself as unreadable (400, 413, 415, 431)."""
 
     pool: RouterPool
     decide: Callable[[Request], Answer | Forward]
@@ -544,6 +551,7 @@ class Relay:
     began: Callable[[Request], None] = lambda request: None
     answered: Callable[[Request | None], None] = lambda request: None
     ended: Callable[[Request | None, Passed], None] = lambda request, passed: None
+    refused: Callable[[int], None] = lambda status: None
     max_body: int = 256 * 1024 * 1024
     # A client connection with nothing with the router is closed after this many idle seconds, or
     # a request's headers not whole by then (aiohttp's server and nginx keep 75 s): clients that

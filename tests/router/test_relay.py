@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import socket
 import time
 
 import aiohttp
@@ -402,3 +403,52 @@ async def test_idle_and_trickling_connections_are_closed_and_a_long_answer_is_no
     for writer in (idle_writer, slow_writer, stream_writer):
         writer.close()
     assert not door.relay.connections or all(c.closing for c in door.relay.connections)
+
+
+async def test_requests_the_door_cannot_read_are_counted_by_their_code(door, router):
+    """An operator watching `motor_front_door_requests_total` by code sees the door's own 400s,
+    413s, 415s and 431s too, not only what reached the router."""
+    door.relay.max_body = 1000
+    await raw(door.port, b"NOT HTTP AT ALL\r\n\r\n", True)
+    await raw(door.port, post("/v1/completions", b"x" * 2000), True)
+    await raw(door.port, post("/v1/completions", b"xx", b"Content-Encoding: zstd\r\n"))
+    await raw(door.port, b"GET /health HTTP/1.1\r\nX-Pad: " + b"a" * 70000 + b"\r\n\r\n", True)
+    text = (await raw(door.port, b"GET /metrics HTTP/1.1\r\nHost: d\r\nConnection: close\r\n\r\n", True)).decode()
+    for code in (400, 413, 415, 431):
+        assert f'motor_front_door_requests_total{{code="{code}",model=""}} 1.0' in text, code
+
+
+async def test_a_fragment_in_the_target_steps_around_no_rule(door, router):
+    """The router drops a target's `#fragment` and routes by the rest (measured: vllm-router
+    0.1.17 answered `POST /v1/completions#x` from its completions route): the door reads the path
+    without it too, and passes no fragment on."""
+    reply = await raw(door.port, b"POST /workers#x HTTP/1.1\r\nHost: door\r\nContent-Length: 2\r\n\r\n{}")
+    assert reply.startswith(b"HTTP/1.1 403"), reply
+    unknown = json.dumps({**COMPLETION, "model": "not-served"}).encode()
+    assert (await raw(door.port, post("/v1/completions#x", unknown))).startswith(b"HTTP/1.1 404")
+    reply = await raw(door.port, post("/v1/completions?a=1#x", json.dumps(COMPLETION).encode()))
+    assert reply.startswith(b"HTTP/1.1 200")
+    assert [seen["path"] for seen in router.seen] == ["/v1/completions?a=1"]
+
+
+async def test_a_router_connection_paused_for_a_slow_client_is_read_again_once_pooled(door, router):
+    """A large answer's last read can fill a slow client's buffer as it ends the answer: the
+    router connection, paused for that client, goes back to the pool. The next request sent on it
+    must still be read (it hung: its answer never read)."""
+    size = 4_000_000
+    reader, writer = await asyncio.open_connection("127.0.0.1", door.port)
+    for connection in door.relay.connections:  # small buffers: the door's writes back up at once
+        connection.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    for _ in range(3):
+        writer.write(post("/stream?n=1&size=" + str(size), b"{}"))
+        await asyncio.sleep(0.5)  # the router's answer all read, the client reading nothing yet
+        seen = b""
+        while not seen.endswith(b"0\r\n\r\n"):
+            seen = seen[-10:] + await asyncio.wait_for(reader.read(1 << 20), 10)
+        async with aiohttp.ClientSession() as session:
+            for _ in range(3):  # the pool's connections, the last given back first
+                async with session.post(
+                    door.url + "/v1/completions", json=COMPLETION, timeout=aiohttp.ClientTimeout(total=5)
+                ) as reply:
+                    assert reply.status == 200
+    writer.close()
