@@ -257,6 +257,7 @@ class ClientConnection(asyncio.Protocol):
         self.refusal: bytes | None = None  # the answer to a request that cannot be read, once those before it are
         self.continue_owed = False  # `100 Continue`, once the requests before it are answered
         self.since = time.monotonic()  # when it last had its answer, or its request last moved
+        self.full = False  # its transport's buffer is full: its router connection is not read
         self._reset()
 
     def _reset(self) -> None:
@@ -304,10 +305,12 @@ class ClientConnection(asyncio.Protocol):
         self.waiting.clear()
 
     def pause_writing(self) -> None:
+        self.full = True
         if self.router is not None:
             self.router.transport.pause_reading()
 
     def resume_writing(self) -> None:
+        self.full = False
         if self.router is not None and not self.router.lost:
             self.router.transport.resume_reading()
 
@@ -460,6 +463,8 @@ class ClientConnection(asyncio.Protocol):
         self.router = router
         self.reused = reused
         self.sent = data
+        if self.full:  # an earlier answer still fills the client's buffer: this one waits for it too
+            router.transport.pause_reading()
         router.send(self, data, head_only=request.method == "HEAD")
 
     async def _connect_and_send(self, request: Request, data: bytes) -> None:

@@ -452,3 +452,46 @@ async def test_a_router_connection_paused_for_a_slow_client_is_read_again_once_p
                 ) as reply:
                     assert reply.status == 200
     writer.close()
+
+
+async def test_the_next_answer_to_a_client_still_not_reading_is_held_back_too():
+    """Back-pressure holds across pipelined requests: an answer that ends as it fills a client's
+    buffer leaves the client unread, and the next request's stream must wait for it too, not be
+    read into the door's memory."""
+    streamed = [0]
+
+    async def upstream(reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith(b"POST /one"):
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n" + b"x" * 100_000)
+                    continue
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                while True:  # for ever, as fast as the door reads it
+                    writer.write(b"2000\r\n" + b"y" * 8192 + b"\r\n")
+                    streamed[0] += 8192
+                    await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(upstream, "127.0.0.1", 0)
+    front = FrontDoor(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", lambda: {"m": None})
+    door_port = free_port()
+    await front.start("127.0.0.1", door_port)
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    client.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(client, ("127.0.0.1", door_port))
+        reader, writer = await asyncio.open_connection(sock=client)
+        await asyncio.sleep(0.1)
+        for connection in front.relay.connections:
+            connection.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        writer.write(post("/one", b"{}") + post("/endless", b"{}"))
+        await asyncio.sleep(2)
+        assert streamed[0] < 16_000_000, streamed[0]  # what sockets hold, not what the door has read
+        writer.transport.abort()
+    finally:
+        await front.close()
+        server.close()
