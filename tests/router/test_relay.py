@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import re
 import socket
 import time
 
@@ -472,7 +473,7 @@ async def test_the_next_answer_to_a_client_still_not_reading_is_held_back_too():
                     writer.write(b"2000\r\n" + b"y" * 8192 + b"\r\n")
                     streamed[0] += 8192
                     await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):  # the door or the test gone
             writer.close()
 
     server = await asyncio.start_server(upstream, "127.0.0.1", 0)
@@ -495,3 +496,19 @@ async def test_the_next_answer_to_a_client_still_not_reading_is_held_back_too():
     finally:
         await front.close()
         server.close()
+
+
+async def test_the_doors_own_answers_keep_their_place_among_pipelined_requests(door, router):
+    """A request the door answers itself (404 for a model not served), sent behind one still with
+    the router, is answered after it, not before."""
+    unknown = post("/v1/completions", json.dumps({**COMPLETION, "model": "zz"}).encode())
+    slow = post("/stream?n=5&gap=0.1", b"{}")
+    reader, writer = await asyncio.open_connection("127.0.0.1", door.port)
+    writer.write(unknown + slow + unknown + post("/v1/completions", json.dumps(COMPLETION).encode()))
+    seen = b""
+    while seen.count(b"HTTP/1.1 ") < 4:
+        seen += await asyncio.wait_for(reader.read(65536), 5)
+    writer.close()
+    statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", seen)
+    assert statuses == [b"404", b"200", b"404", b"200"]
+    assert seen.index(b"data: 4") < seen.rindex(b"NotFoundError")
