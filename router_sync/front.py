@@ -139,6 +139,7 @@ class FrontDoor:
             began=self.began,
             answered=self.answered,
             ended=self.ended,
+            refused=lambda status: self.metrics.count("", status),
             max_body=MAX_BODY,
         )
 
@@ -170,7 +171,7 @@ class FrontDoor:
         if method == "POST" and path in MODEL_PATHS and request.body:
             try:
                 parsed = json.loads(request.body)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested deeper than Python reads
                 parsed = None  # not JSON: the router and the engine answer it as they would
             if isinstance(parsed, dict):
                 answer, changed, request.label = self._refusal(parsed)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
 import zlib
 from collections import deque
 from collections.abc import Callable
@@ -49,6 +50,8 @@ HOP_BY_HOP = frozenset(
 )
 MAX_IDLE = 256  # idle connections to the router kept for reuse
 MAX_PIPELINED = 16  # requests a client may send ahead of its answers before it is read no more
+TOO_LARGE = b"The request body is larger than the front door takes."
+MAX_HEAD = 64 * 1024  # a request's line and headers (nginx takes 32 KiB, aiohttp 8 KiB a line)
 
 
 @dataclass
@@ -98,15 +101,28 @@ def response(status: int, body: bytes = b"", content_type: str = "application/js
     )
 
 
-def decoded(body: bytes, encoding: str) -> bytes | None:
+class TooLarge(Exception):
+    """A compressed body that unpacks past the relay's limit."""
+
+
+def _inflate(body: bytes, wbits: int, limit: int) -> bytes:
+    # Never more than `limit` out: a few kB of gzip can unpack to gigabytes.
+    inflater = zlib.decompressobj(wbits)
+    data = inflater.decompress(body, limit + 1)
+    if len(data) > limit or inflater.unconsumed_tail:
+        raise TooLarge
+    return data
+
+
+def decoded(body: bytes, encoding: str, limit: int) -> bytes | None:
     """A request body without its Content-Encoding; None if it is not one the relay reads."""
     if encoding == "gzip" or encoding == "x-gzip":
-        return zlib.decompress(body, 16 + zlib.MAX_WBITS)
+        return _inflate(body, 16 + zlib.MAX_WBITS, limit)
     if encoding == "deflate":
         try:
-            return zlib.decompress(body)
+            return _inflate(body, zlib.MAX_WBITS, limit)
         except zlib.error:
-            return zlib.decompress(body, -zlib.MAX_WBITS)  # raw deflate, as some clients send it
+            return _inflate(body, -zlib.MAX_WBITS, limit)  # raw deflate, as some clients send it
     if encoding == "br":
         try:
             import brotli  # the optional codec aiohttp reads too
@@ -149,6 +165,7 @@ class RouterPool:
         if self.closed or connection.lost or len(self.idle) >= MAX_IDLE:
             connection.transport.close()
         else:
+            connection.transport.resume_reading()  # paused for a slow client as its answer ended
             self.idle.append(connection)
 
     def close(self) -> None:
@@ -187,7 +204,7 @@ class RouterConnection(asyncio.Protocol):
         client.transport.write(data)
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):  # (a 101: the door never asks for one)
             self.transport.close()  # the client's answer is cut where the router's went wrong
 
     # httptools' callbacks
@@ -237,6 +254,10 @@ class ClientConnection(asyncio.Protocol):
         self.reused = False  # the request's router connection was a kept-alive one
         self.sent = b""  # the request as sent to the router (sent again once if that connection was stale)
         self.closing = False
+        self.refusal: bytes | None = None  # the answer to a request that cannot be read, once those before it are
+        self.continue_owed = False  # `100 Continue`, once the requests before it are answered
+        self.since = time.monotonic()  # when it last had its answer, or its request last moved
+        self.full = False  # its transport's buffer is full: its router connection is not read
         self._reset()
 
     def _reset(self) -> None:
@@ -244,6 +265,9 @@ class ClientConnection(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
         self.size = 0
+        self.in_head = False  # between a request's first byte and the end of its headers
+        self.head_read = 0  # bytes read while in its head (a head still unended after a read)
+        self.head_size = 0  # its line and headers as parsed
 
     # asyncio's callbacks
     def connection_made(self, transport) -> None:
@@ -251,13 +275,24 @@ class ClientConnection(asyncio.Protocol):
         self.relay.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._refuse(400, b"Protocol upgrades are not served here.")
-        except httptools.HttpParserError as exc:
-            if not self.closing:
-                self._refuse(400, f"Malformed HTTP request: {exc}".encode())
+        read = len(data)
+        while data and self.refusal is None:
+            try:
+                self.parser.feed_data(data)
+                data = b""
+            except httptools.HttpParserUpgrade as exc:
+                # An offered upgrade (`Upgrade: h2c`, a websocket) is declined by answering in
+                # HTTP/1.1 (RFC 9110 7.8); what follows it is read as the next request.
+                self.parser = httptools.HttpRequestParser(self)
+                data = data[exc.args[0] :] if exc.args and isinstance(exc.args[0], int) else b""
+            except httptools.HttpParserError as exc:
+                if not self.closing:
+                    self._refuse(400, f"Malformed HTTP request: {exc}".encode())
+                return
+        if self.in_head:  # a request line and headers still coming: bounded, however slowly sent
+            self.head_read += read
+            if self.head_read > MAX_HEAD:
+                self._refuse(431, b"The request's headers are larger than the front door takes.")
 
     def connection_lost(self, exc) -> None:
         self.closing = True
@@ -270,43 +305,69 @@ class ClientConnection(asyncio.Protocol):
         self.waiting.clear()
 
     def pause_writing(self) -> None:
+        self.full = True
         if self.router is not None:
             self.router.transport.pause_reading()
 
     def resume_writing(self) -> None:
+        self.full = False
         if self.router is not None and not self.router.lost:
             self.router.transport.resume_reading()
 
     # httptools' callbacks
     def on_message_begin(self) -> None:
         self._reset()
+        self.in_head = True
+        self.since = time.monotonic()  # its head must come whole within the idle timeout
 
     def on_url(self, url: bytes) -> None:
         self.url += url
+        self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
+        self._count_head(len(name) + len(value))
+
+    def _count_head(self, size: int) -> None:
+        self.head_size += size
+        if self.head_size > MAX_HEAD:
+            self._refuse(431, b"The request's headers are larger than the front door takes.")
+            raise httptools.HttpParserError("headers too large")
 
     def on_headers_complete(self) -> None:
+        self.in_head = False
         for name, value in self.headers:
             lower = name.lower()
             if lower == b"content-length" and value.strip().isdigit() and int(value) > self.relay.max_body:
-                self._refuse(413, b"The request body is larger than the front door takes.")
+                self._refuse(413, TOO_LARGE)
                 return
             if lower == b"expect" and value.strip().lower() == b"100-continue" and not self.closing:
-                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                self.continue_owed = True
+        if self.continue_owed:
+            self._next()
 
     def on_body(self, body: bytes) -> None:
+        if self.refusal is not None:
+            return
+        self.since = time.monotonic()  # a body still coming, however slowly, is progress
         self.size += len(body)
         if self.size > self.relay.max_body:
-            self._refuse(413, b"The request body is larger than the front door takes.")
+            self._refuse(413, TOO_LARGE)
             raise httptools.HttpParserError("body too large")
         self.body.append(body)
 
     def on_message_complete(self) -> None:
-        if self.closing:
+        self.continue_owed = False  # the body came without it
+        if self.closing or self.refusal is not None:
             return
         target = self.url
+        if not target.startswith(b"/") and b"://" in target:
+            # absolute-form (`POST http://host/path`): the router routes it by its path, so the
+            # door reads the path out of it too, and passes it on as a path
+            parts = urlsplit(target)
+            target = (parts.path or b"/") + (b"?" + parts.query if parts.query else b"")
+        if b"#" in target:  # a fragment is the client's own; the router routes without it, so does the door
+            target = target.split(b"#", 1)[0]
         path = target.split(b"?", 1)[0].decode("latin-1")
         if "%" in path:
             path = unquote(path)
@@ -339,10 +400,15 @@ class ClientConnection(asyncio.Protocol):
                     encoding = value.decode("latin-1").strip().lower()
             if encoding and request.body:
                 try:
-                    body = decoded(request.body, encoding)
+                    body = decoded(request.body, encoding, self.relay.max_body)
+                except TooLarge:
+                    self.relay.refused(413)
+                    self._answer(request, response(413, b'{"error": "' + TOO_LARGE + b'"}'))
+                    continue
                 except Exception:  # noqa: BLE001 - zlib's and brotli's own errors
                     body = None
                 if body is None:
+                    self.relay.refused(415)
                     self._answer(request, response(415, b'{"error": "the body\'s Content-Encoding is not readable"}'))
                     continue
                 request.body, request.encoding = body, encoding
@@ -351,6 +417,16 @@ class ClientConnection(asyncio.Protocol):
                 self._answer(request, decision.data)
                 continue
             self._forward(request, decision.body)
+        if self.current is None and not self.waiting and not self.closing:
+            if (
+                self.continue_owed and self.refusal is None
+            ):  # every earlier answer is written: the client may send its body
+                self.continue_owed = False
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            if self.refusal is not None:
+                self.closing = True
+                self.transport.write(self.refusal)
+                self.transport.close()
 
     def _answer(self, request: Request, data: bytes) -> None:
         self.transport.write(data)
@@ -358,6 +434,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _finish(self, request: Request) -> None:
         self.current = None
+        self.since = time.monotonic()
         if not request.keep_alive:
             self.closing = True
             self.transport.close()
@@ -386,6 +463,8 @@ class ClientConnection(asyncio.Protocol):
         self.router = router
         self.reused = reused
         self.sent = data
+        if self.full:  # an earlier answer still fills the client's buffer: this one waits for it too
+            router.transport.pause_reading()
         router.send(self, data, head_only=request.method == "HEAD")
 
     async def _connect_and_send(self, request: Request, data: bytes) -> None:
@@ -448,20 +527,28 @@ class ClientConnection(asyncio.Protocol):
             passed.client_left = client_left
             self.relay.ended(self.current, passed)
 
+    def expire(self, deadline: float) -> None:
+        """Closed if nothing is with the router for it and it has not moved since `deadline`."""
+        if self.current is None and not self.waiting and self.since < deadline and not self.closing:
+            self.closing = True
+            self.transport.close()
+
     def _refuse(self, status: int, message: bytes) -> None:
-        """A request that cannot be read: answered and the connection closed (where it ends is lost)."""
-        if self.closing:
+        """A request that cannot be read: answered after the requests before it, and the
+        connection closed (where it ends is lost)."""
+        if self.closing or self.refusal is not None:
             return
-        self.closing = True
-        if self.router is None:
-            self.transport.write(response(status, b'{"error": "' + message.replace(b'"', b"'") + b'"}'))
-        self.transport.close()
+        self.relay.refused(status)
+        self.refusal = response(status, b'{"error": "' + message.replace(b'"', b"'") + b'"}')
+        self.transport.pause_reading()
+        self._next()
 
 
 @dataclass
 class Relay:
     """The listening side: `decide` gives a request's own answer or passes it on; `began`,
-    `answered` (the router's answer began) and `ended` are told of each request passed on."""
+    `answered` (the router's answer began) and `ended` are told of each request passed on;
+    `refused`, of each the relay answered itself as unreadable (400, 413, 415, 431)."""
 
     pool: RouterPool
     decide: Callable[[Request], Answer | Forward]
@@ -469,15 +556,31 @@ class Relay:
     began: Callable[[Request], None] = lambda request: None
     answered: Callable[[Request | None], None] = lambda request: None
     ended: Callable[[Request | None, Passed], None] = lambda request, passed: None
+    refused: Callable[[int], None] = lambda status: None
     max_body: int = 256 * 1024 * 1024
+    # A client connection with nothing with the router is closed after this many idle seconds, or
+    # a request's headers not whole by then (aiohttp's server and nginx keep 75 s): clients that
+    # vanish, or send a byte at a time, would hold the door's sockets for ever.
+    idle_timeout: float = 75.0
     connections: set[ClientConnection] = field(default_factory=set)
     server: asyncio.Server | None = None
+    sweeper: asyncio.Task | None = None
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
         self.server = await loop.create_server(lambda: ClientConnection(self), host, port, backlog=1024)
+        self.sweeper = asyncio.ensure_future(self._sweep())
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(min(5.0, self.idle_timeout / 4))
+            deadline = time.monotonic() - self.idle_timeout
+            for connection in list(self.connections):
+                connection.expire(deadline)
 
     async def close(self) -> None:
+        if self.sweeper is not None:
+            self.sweeper.cancel()
         if self.server is not None:
             self.server.close()
         for connection in list(self.connections):
