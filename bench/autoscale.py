@@ -4,7 +4,7 @@ For each setting a fresh `motorctl up` cluster (LocalCluster: a controller, two 
 with four accelerators each, the real vllm-router kept by motor-router-sync) serves simulated
 union engines with a capacity (engine_args.max_num_seqs: requests served at once, the rest wait;
 latency_ms each) whose model takes --load-s seconds to load. An open-loop client load through the
-router (each request on its own thread) runs --low requests/s for --before s, steps to --high
+router (each request on its own thread, Poisson arrivals) runs --low requests/s for --before s, steps to --high
 for --peak s, and back to --low for --after s. Settings:
 
 - autoscaling with `spares: 1`: min 1, max --max, target_in_flight --target,
@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import random
 import sys
 import tempfile
 import threading
@@ -71,10 +72,15 @@ def deployment(args, setting: str) -> C.Deployment:
 
 
 class SteppedLoad:
-    """Open-loop completions at a rate that follows `phases` [(seconds, requests/s)]."""
+    """Open-loop completions at a rate that follows `phases` [(seconds, requests/s)], arriving as
+    users' requests do: at random (Poisson: exponential gaps, a fixed seed so runs compare). Evenly
+    spaced arrivals, one every 200 ms for requests of 200 ms, hold exactly 1 in flight; the node
+    managers' once-a-second samples then lock onto one phase of that cycle and read 1 or 2 for
+    minutes, a pattern no user's load has."""
 
-    def __init__(self, url: str, phases: list[tuple[float, float]]):
+    def __init__(self, url: str, phases: list[tuple[float, float]], seed: int = 1):
         self.url, self.phases = url, phases
+        self.random = random.Random(seed)
         self.results: list[tuple[float, int, float]] = []  # (sent, status, answered)
         self.threads: list[threading.Thread] = []
         self.started = 0.0
@@ -89,7 +95,7 @@ class SteppedLoad:
                 thread = threading.Thread(target=self.one, daemon=True)
                 thread.start()
                 self.threads.append(thread)
-                next_at += 1.0 / rate
+                next_at += self.random.expovariate(rate)
 
     def one(self) -> None:
         sent = time.monotonic()
