@@ -7,7 +7,7 @@ the sync's table as motor-router-sync pushes it.
 For each target: closed-loop clients (`--concurrency`) for `--seconds`: requests/s, latency p50
 and p99 of a completion; then the latency at a fixed open rate low enough for neither to queue.
 
-    .venv/bin/python bench/front_door.py [--rounds 3] [--seconds 8] [--concurrency 32] [--nginx]
+    .venv/bin/python bench/front_door.py [--rounds 3] [--seconds 8] [--concurrency 32] [--nginx] [--own-core]
 
 `--own-core` runs the door (and nginx) on CPU 1 and everything else (load generator, router,
 engines) on CPU 0: the door as a process of its own with a core of its own, as it is deployed;

@@ -16,6 +16,7 @@ small machine cut the rate the router alone reaches by 40-50%.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import ssl
 import time
@@ -50,7 +51,8 @@ HOP_BY_HOP = frozenset(
 )
 MAX_IDLE = 256  # idle connections to the router kept for reuse
 MAX_PIPELINED = 16  # requests a client may send ahead of its answers before it is read no more
-TOO_LARGE = b"The request body is larger than the front door takes."
+TOO_LARGE = "The request body is larger than the front door takes."
+HEADERS_TOO_LARGE = "The request's headers are larger than the front door takes."
 MAX_HEAD = 64 * 1024  # a request's line and headers (nginx takes 32 KiB, aiohttp 8 KiB a line)
 
 
@@ -87,18 +89,25 @@ class Forward:
 class Passed:
     """What the relay tells the door of a request it passed to the router."""
 
-    status: int = 0  # 0: no answer from the router
+    status: int = 0  # 0: no answer from the router (or the client left before it began)
     router_failed: bool = False  # no connection, or it broke before the answer began
-    client_left: bool = False
 
 
 def response(status: int, body: bytes = b"", content_type: str = "application/json", head: bool = False) -> bytes:
     """A whole HTTP/1.1 answer of the relay's own."""
-    reason = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else ""
+    try:
+        reason = HTTPStatus(status).phrase
+    except ValueError:
+        reason = ""
     return (
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
         + (b"" if head else body)
     )
+
+
+def error_answer(status: int, message: str) -> bytes:
+    """The relay's own answer to a request it cannot read or pass on."""
+    return response(status, json.dumps({"error": message}).encode())
 
 
 class TooLarge(Exception):
@@ -232,13 +241,6 @@ class RouterConnection(asyncio.Protocol):
         if client is not None:
             client.router_lost(self)
 
-    # back-pressure from the router's side of a large request body
-    def pause_writing(self) -> None:
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
 
 class ClientConnection(asyncio.Protocol):
     """One client's connection: requests read whole, each answered by `decide` or by the router."""
@@ -287,12 +289,12 @@ class ClientConnection(asyncio.Protocol):
                 data = data[exc.args[0] :] if exc.args and isinstance(exc.args[0], int) else b""
             except httptools.HttpParserError as exc:
                 if not self.closing:
-                    self._refuse(400, f"Malformed HTTP request: {exc}".encode())
+                    self._refuse(400, f"Malformed HTTP request: {exc}")
                 return
         if self.in_head:  # a request line and headers still coming: bounded, however slowly sent
             self.head_read += read
             if self.head_read > MAX_HEAD:
-                self._refuse(431, b"The request's headers are larger than the front door takes.")
+                self._refuse(431, HEADERS_TOO_LARGE)
 
     def connection_lost(self, exc) -> None:
         self.closing = True
@@ -301,7 +303,7 @@ class ClientConnection(asyncio.Protocol):
         if router is not None:
             router.client = None
             router.transport.close()  # the router sees the client go and stops its generation
-            self._done(client_left=True)
+            self._done()
         self.waiting.clear()
 
     def pause_writing(self) -> None:
@@ -331,7 +333,7 @@ class ClientConnection(asyncio.Protocol):
     def _count_head(self, size: int) -> None:
         self.head_size += size
         if self.head_size > MAX_HEAD:
-            self._refuse(431, b"The request's headers are larger than the front door takes.")
+            self._refuse(431, HEADERS_TOO_LARGE)
             raise httptools.HttpParserError("headers too large")
 
     def on_headers_complete(self) -> None:
@@ -403,13 +405,13 @@ class ClientConnection(asyncio.Protocol):
                     body = decoded(request.body, encoding, self.relay.max_body)
                 except TooLarge:
                     self.relay.refused(413)
-                    self._answer(request, response(413, b'{"error": "' + TOO_LARGE + b'"}'))
+                    self._answer(request, error_answer(413, TOO_LARGE))
                     continue
                 except Exception:  # noqa: BLE001 - zlib's and brotli's own errors
                     body = None
                 if body is None:
                     self.relay.refused(415)
-                    self._answer(request, response(415, b'{"error": "the body\'s Content-Encoding is not readable"}'))
+                    self._answer(request, error_answer(415, "the body's Content-Encoding is not readable"))
                     continue
                 request.body, request.encoding = body, encoding
             decision = self.relay.decide(request)
@@ -475,7 +477,7 @@ class ClientConnection(asyncio.Protocol):
             return
         if self.closing:  # the client went while the connection was made
             router.transport.close()
-            self._done(client_left=True)
+            self._done()
             return
         self._send(router, request, data, reused=False)
 
@@ -513,7 +515,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _router_failed(self, request: Request, exc: BaseException) -> None:
         if self.closing:
-            self._done(client_left=True)
+            self._done()
             return
         self.passed.router_failed = True
         self.passed.status = 502
@@ -521,10 +523,9 @@ class ClientConnection(asyncio.Protocol):
         self._answer(request, self.relay.router_failed(request, exc))
         self._next()
 
-    def _done(self, client_left: bool = False) -> None:
+    def _done(self) -> None:
         passed, self.passed = self.passed, None
         if passed is not None:
-            passed.client_left = client_left
             self.relay.ended(self.current, passed)
 
     def expire(self, deadline: float) -> None:
@@ -533,13 +534,13 @@ class ClientConnection(asyncio.Protocol):
             self.closing = True
             self.transport.close()
 
-    def _refuse(self, status: int, message: bytes) -> None:
+    def _refuse(self, status: int, message: str) -> None:
         """A request that cannot be read: answered after the requests before it, and the
         connection closed (where it ends is lost)."""
         if self.closing or self.refusal is not None:
             return
         self.relay.refused(status)
-        self.refusal = response(status, b'{"error": "' + message.replace(b'"', b"'") + b'"}')
+        self.refusal = error_answer(status, message)
         self.transport.pause_reading()
         self._next()
 
