@@ -1,9 +1,11 @@
 """Autoscaling of instance groups on their engines' requests in flight (docs/autoscaling.md).
 
 The signal is what the controller already sees every heartbeat: each engine's requests in flight
-(running + waiting, probes excluded), summed over the group's serving READY engines, one sample a
-second, and taken as the median of the last WINDOW_S seconds (a step of the load counts once it
-has held for half the window, in full; a single burst or a noisy sample does not). A decision:
+(running + waiting, probes excluded) averaged by its engine server over its last second (an
+instant's count swings with random arrivals: engine_server/load_meter.py), summed over the group's
+serving READY engines, one sample a second, and taken as the median of the last WINDOW_S seconds
+(a step of the load counts once it has held for half the window, in full; a single burst or a noisy
+sample does not). A decision:
 
 - up: when the window's median needs more engines than the group has, or at once when the median
   of the last FAST_S seconds is FAST_RATIO x the target per engine or more (an overload that
@@ -215,7 +217,7 @@ class Autoscaler:
             return "a rollout is in progress"
         return ""
 
-    def in_flight(self, group: str) -> int:
+    def in_flight(self, group: str) -> float:
         """Requests in flight on the group's serving READY engines, as their nodes last reported."""
         return sum(
             self.load_of(i)
@@ -223,13 +225,16 @@ class Autoscaler:
             if i.group == group and not i.spare and i.state == READY
         )
 
-    def load_of(self, inst: InstanceRecord) -> int:
-        st, total = self.state, 0
+    def load_of(self, inst: InstanceRecord) -> float:
+        """The instance's engines' requests in flight averaged over their last second (an engine
+        server that does not report the average: the count it read last)."""
+        st, total = self.state, 0.0
         for slot in st.slots_of(inst.instance_id):
             node = st.nodes.get(slot.node_id) if slot.node_id else None
             kept = node.engines.get(slot.engine_id) if node is not None else None
             if kept is not None:
-                total += reported_engine.message(kept).in_flight_requests
+                engine = reported_engine.message(kept)
+                total += engine.in_flight_average if engine.HasField("in_flight_average") else engine.in_flight_requests
         return total
 
     def _act(self, name: str, deployment: C.Deployment, decision: Decision) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from engine_server.descendants import CLEAN_EXIT_GRACE_S
 from engine_server.engines.base import EngineBackend, EngineOptions, UtilizationSampler
+from engine_server.load_meter import SAMPLE_PERIOD, InFlightMeter
 from engine_server.probing import (
     HealthClient,
     HttpHealthClient,
@@ -62,6 +63,7 @@ class StatusSnapshot:
     probe_interval: float
     last_probe: ProbeRecord | None
     in_flight_requests: int
+    in_flight_average: float  # over the last second (load_meter.py): the autoscaler's signal
     stop_grace: float  # seconds a SIGTERM needs to end in exit: drain_timeout + shutdown
     not_serving_reason: str = ""  # the stall watchdog's verdict: '' while serving
 
@@ -99,6 +101,7 @@ class EngineServer:
         self.watchdog = ServingWatchdog(
             self.settings, engine, self.machine, self._on_serving_change, metrics=metrics, clock=clock
         )
+        self.load = InFlightMeter()
         self._recovery_task: asyncio.Task | None = None
         # GET /health every probe_interval while nothing probes (a probe round checks it first).
         self._health_task: asyncio.Task | None = None
@@ -171,6 +174,20 @@ class EngineServer:
         self._maybe_start_probing()
         self._resume_health_checks()
         self._tasks.append(asyncio.create_task(self._watch_serving(), name="stall-watchdog"))
+        self._tasks.append(asyncio.create_task(self._meter_load(), name="load-meter"))
+
+    async def _meter_load(self) -> None:
+        """Read the engine's requests in flight every SAMPLE_PERIOD into the load meter."""
+        failing = False
+        while not (self.machine.dead or self._closing):
+            try:
+                self.load.add(self.clock.monotonic(), self.engine.in_flight_requests())
+                failing = False
+            except Exception:  # an engine's counters must not stop the meter; said once, not 20 times a second
+                if not failing:
+                    logger.exception("reading the requests in flight failed")
+                failing = True
+            await self.clock.sleep(SAMPLE_PERIOD)
 
     # --- the stall watchdog ----------------------------------------------------------------
     async def _watch_serving(self) -> None:
@@ -328,6 +345,7 @@ class EngineServer:
             probe_interval=prober.interval if prober else self.settings.probe_interval,
             last_probe=prober.last if prober else None,
             in_flight_requests=self.engine.in_flight_requests(),
+            in_flight_average=self.load.average(self.clock.monotonic()),
             stop_grace=self.stop_grace,
         )
 

@@ -42,6 +42,7 @@ def status_to_proto(status: StatusSnapshot) -> types_pb2.EngineStatus:
         consecutive_failures=status.consecutive_failures,
         probe_interval=pbtime.duration(status.probe_interval),
         in_flight_requests=status.in_flight_requests,
+        in_flight_average=status.in_flight_average,
         stop_grace=pbtime.duration(status.stop_grace),
         not_serving_reason=status.not_serving_reason,
     )

@@ -123,7 +123,8 @@ class EngineRecord:
     draining: bool = False
     sleeping: bool = False
     not_serving_reason: str = ""  # the engine's stall watchdog: '' while it serves
-    in_flight_requests: int = 0  # reported to the controller: its autoscaler's signal
+    in_flight_requests: int = 0  # reported to the controller
+    in_flight_average: float | None = None  # over the engine's last second: the autoscaler's signal
     # Runtime only -------------------------------------------------------------------------
     watch: ExitWatcher | None = None  # notices the engine server's exit
     ending: Ending = Ending.NONE  # who is ending the engine, once something is
@@ -152,6 +153,7 @@ class EngineRecord:
         if status.HasField("stop_grace"):
             self.stop_grace = pbtime.seconds(status.stop_grace)
         self.in_flight_requests = status.in_flight_requests
+        self.in_flight_average = status.in_flight_average if status.HasField("in_flight_average") else None
         now = (status.draining, status.sleeping, status.not_serving_reason)
         changed = (self.draining, self.sleeping, self.not_serving_reason) != now
         self.draining, self.sleeping, self.not_serving_reason = now
@@ -253,6 +255,8 @@ class EngineRecord:
         )
         if self.stop_grace:
             engine.stop_grace.CopyFrom(pbtime.duration(self.stop_grace))
+        if self.in_flight_average is not None:
+            engine.in_flight_average = self.in_flight_average
         if self.exit_code is not None:
             engine.exit_code = self.exit_code
         if self.exit_signal is not None:

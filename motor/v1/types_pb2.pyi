@@ -218,6 +218,7 @@ class EngineStatus(_message.Message):
     IN_FLIGHT_REQUESTS_FIELD_NUMBER: _builtins.int
     STOP_GRACE_FIELD_NUMBER: _builtins.int
     NOT_SERVING_REASON_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_AVERAGE_FIELD_NUMBER: _builtins.int
     status: Global___HealthStatus.ValueType
     """INIT, NORMAL or ABNORMAL."""
     reason: _builtins.str
@@ -245,6 +246,11 @@ class EngineStatus(_message.Message):
     requests in flight" (the stall watchdog: health_check_config.stall_timeout) or "3 client
     requests in a row failed with a server error and none succeeded". A not-serving engine is
     left out of the routers at once; its health stays NORMAL until stall_kill_after.
+    """
+    in_flight_average: _builtins.float
+    """Requests in flight averaged over the last second (read every 50 ms, probes excluded): the
+    autoscaler's signal. A count read at one instant swings with requests arriving at random;
+    the mean does not. Unset by engine servers that predate it.
     """
     @_builtins.property
     def probe_interval(self) -> _duration_pb2.Duration:
@@ -278,12 +284,15 @@ class EngineStatus(_message.Message):
         in_flight_requests: _builtins.int = ...,
         stop_grace: _duration_pb2.Duration | None = ...,
         not_serving_reason: _builtins.str = ...,
+        in_flight_average: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["last_probe", b"last_probe", "probe_interval", b"probe_interval", "stop_grace", b"stop_grace"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_in_flight_average", b"_in_flight_average", "in_flight_average", b"in_flight_average", "last_probe", b"last_probe", "probe_interval", b"probe_interval", "stop_grace", b"stop_grace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consecutive_failures", b"consecutive_failures", "dp_rank", b"dp_rank", "draining", b"draining", "engine_type", b"engine_type", "in_flight_requests", b"in_flight_requests", "instance_id", b"instance_id", "last_probe", b"last_probe", "not_serving_reason", b"not_serving_reason", "probe_interval", b"probe_interval", "probing", b"probing", "reason", b"reason", "role", b"role", "sleeping", b"sleeping", "status", b"status", "stop_grace", b"stop_grace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_in_flight_average", b"_in_flight_average", "consecutive_failures", b"consecutive_failures", "dp_rank", b"dp_rank", "draining", b"draining", "engine_type", b"engine_type", "in_flight_average", b"in_flight_average", "in_flight_requests", b"in_flight_requests", "instance_id", b"instance_id", "last_probe", b"last_probe", "not_serving_reason", b"not_serving_reason", "probe_interval", b"probe_interval", "probing", b"probing", "reason", b"reason", "role", b"role", "sleeping", b"sleeping", "status", b"status", "stop_grace", b"stop_grace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__in_flight_average: _TypeAlias = _typing.Literal["in_flight_average"]  # noqa: Y015
+    _WhichOneofArgType__in_flight_average: _TypeAlias = _typing.Literal["_in_flight_average", b"_in_flight_average"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__in_flight_average) -> _WhichOneofReturnType__in_flight_average | None: ...
 
 Global___EngineStatus: _TypeAlias = EngineStatus  # noqa: Y015
 
@@ -392,6 +401,7 @@ class Engine(_message.Message):
     SLEEPING_FIELD_NUMBER: _builtins.int
     NOT_SERVING_REASON_FIELD_NUMBER: _builtins.int
     IN_FLIGHT_REQUESTS_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_AVERAGE_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """Identifier "<instance_id>/rank<dp_rank>", e.g. "prefill-0/rank1"."""
     state: Global___EngineState.ValueType
@@ -425,6 +435,11 @@ class Engine(_message.Message):
     in_flight_requests: _builtins.int
     """Requests in flight on its inference plane (running + waiting, probes excluded), as the
     engine server last said (EngineStatus.in_flight_requests): the autoscaler's signal.
+    """
+    in_flight_average: _builtins.float
+    """Requests in flight averaged over the engine's last second, as the engine server last said
+    (EngineStatus.in_flight_average): the autoscaler's signal. Unset when the engine server does
+    not report it; the autoscaler then reads in_flight_requests.
     """
     @_builtins.property
     def spec(self) -> Global___EngineSpec:
@@ -476,19 +491,24 @@ class Engine(_message.Message):
         sleeping: _builtins.bool = ...,
         not_serving_reason: _builtins.str = ...,
         in_flight_requests: _builtins.int = ...,
+        in_flight_average: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "last_probe", b"last_probe", "spec", b"spec", "started_at", b"started_at", "state_changed_at", b"state_changed_at", "stop_grace", b"stop_grace"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "_in_flight_average", b"_in_flight_average", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "in_flight_average", b"in_flight_average", "last_probe", b"last_probe", "spec", b"spec", "started_at", b"started_at", "state_changed_at", b"state_changed_at", "stop_grace", b"stop_grace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "consecutive_abnormal", b"consecutive_abnormal", "draining", b"draining", "engine_id", b"engine_id", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "health", b"health", "health_reason", b"health_reason", "in_flight_requests", b"in_flight_requests", "last_probe", b"last_probe", "log_path", b"log_path", "node_id", b"node_id", "not_serving_reason", b"not_serving_reason", "pid", b"pid", "recent_probes", b"recent_probes", "sleeping", b"sleeping", "spec", b"spec", "started_at", b"started_at", "state", b"state", "state_changed_at", b"state_changed_at", "state_reason", b"state_reason", "stop_grace", b"stop_grace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "_exit_signal", b"_exit_signal", "_in_flight_average", b"_in_flight_average", "consecutive_abnormal", b"consecutive_abnormal", "draining", b"draining", "engine_id", b"engine_id", "exit_code", b"exit_code", "exit_signal", b"exit_signal", "health", b"health", "health_reason", b"health_reason", "in_flight_average", b"in_flight_average", "in_flight_requests", b"in_flight_requests", "last_probe", b"last_probe", "log_path", b"log_path", "node_id", b"node_id", "not_serving_reason", b"not_serving_reason", "pid", b"pid", "recent_probes", b"recent_probes", "sleeping", b"sleeping", "spec", b"spec", "started_at", b"started_at", "state", b"state", "state_changed_at", b"state_changed_at", "state_reason", b"state_reason", "stop_grace", b"stop_grace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
     _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015
     _WhichOneofReturnType__exit_signal: _TypeAlias = _typing.Literal["exit_signal"]  # noqa: Y015
     _WhichOneofArgType__exit_signal: _TypeAlias = _typing.Literal["_exit_signal", b"_exit_signal"]  # noqa: Y015
+    _WhichOneofReturnType__in_flight_average: _TypeAlias = _typing.Literal["in_flight_average"]  # noqa: Y015
+    _WhichOneofArgType__in_flight_average: _TypeAlias = _typing.Literal["_in_flight_average", b"_in_flight_average"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__exit_code) -> _WhichOneofReturnType__exit_code | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__exit_signal) -> _WhichOneofReturnType__exit_signal | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__in_flight_average) -> _WhichOneofReturnType__in_flight_average | None: ...
 
 Global___Engine: _TypeAlias = Engine  # noqa: Y015
 

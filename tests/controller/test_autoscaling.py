@@ -28,10 +28,18 @@ def chat(count: int = 1, spares: int = 1, delay: float = 2.0) -> C.Deployment:
     return small_deployment([{"name": "u", "role": "union", "count": count, "spares": spares, "autoscaling": block}])
 
 
-def load(h: Harness, per_instance: dict[str, int]) -> None:
+def load(h: Harness, per_instance: dict[str, int], average: dict[str, float] | None = None) -> None:
+    """Each engine's requests in flight as its engine server reads them now and, where `average`
+    names its instance, averaged over its last second (without: an engine server that does not
+    report the average)."""
     for engines in h.client.engines.values():
         for engine_id, engine in engines.items():
-            engine.in_flight_requests = per_instance.get(engine_id.split("/")[0], 0)
+            instance = engine_id.split("/")[0]
+            engine.in_flight_requests = per_instance.get(instance, 0)
+            if average is not None and instance in average:
+                engine.in_flight_average = average[instance]
+            else:
+                engine.ClearField("in_flight_average")
 
 
 def events(h: Harness) -> list[str]:
@@ -78,6 +86,18 @@ async def test_load_scales_up_with_the_spare_serving_at_once_then_down_after_the
         assert events(harness)[-1].startswith("u: 3 -> 1, in flight 0.0 per engine")
         await async_wait_for(lambda: len(harness.client.stops()) >= stops_before + 2, timeout=5, what="2 stops")
         assert len(listed(harness)) == 1 and "u-3" not in listed(harness)
+
+
+async def test_the_load_is_the_engines_average_over_their_last_second_not_an_instants_count(harness):
+    await running(harness)
+    load(harness, {"u-0": 12}, average={"u-0": 2.0})  # a burst read at an instant, 2 over the second
+    async with harness.beating(*NODES):
+        await async_wait_for(
+            lambda: "steady" in harness.controller.list_deployments().deployments[0].scale[0].reason, timeout=10
+        )
+        await asyncio.sleep(1.5)  # more windows: none scales
+        assert count(harness) == 1 and not events(harness)
+        assert "in flight 2.0 per engine" in harness.controller.list_deployments().deployments[0].scale[0].reason
 
 
 async def test_a_paused_rollout_holds_the_count_and_says_so(harness):

@@ -235,6 +235,19 @@ def test_engine_crash_reports_abnormal_and_exits_non_zero(engine_server, how):
     assert "exiting: the engine died" in es.output
 
 
+def test_the_status_reports_requests_in_flight_averaged_over_the_last_second(engine_server):
+    es = engine_server(sim_config(engine_args={"latency_ms": 3000}))
+    es.wait_status(NORMAL)
+    assert es.status().in_flight_average == 0.0 and es.status().HasField("in_flight_average")
+    request = threading.Thread(target=lambda: es.http("POST", "/v1/completions", {"prompt": "slow"}))
+    request.start()
+    wait_for(lambda: es.status().in_flight_requests == 1, timeout=10, what="the slow request in flight")
+    assert es.status().in_flight_average < 1.0  # the second before it held none
+    wait_for(lambda: es.status().in_flight_average == 1.0, timeout=5, what="a whole second of one request")
+    request.join(timeout=10)
+    wait_for(lambda: es.status().in_flight_average == 0.0, timeout=5, what="a whole second of none")
+
+
 def test_sigterm_drains_in_flight_requests_then_exits_zero(engine_server):
     es = engine_server(sim_config(engine_args={"latency_ms": 1500, "utilization": 1}, drain_timeout=20))
     es.wait_status(NORMAL)

@@ -18,3 +18,11 @@ def test_the_in_flight_count_of_a_status_is_reported_and_a_change_is_in_the_next
     assert not deltas.next(1, [record.to_proto("node-a")]).engines  # nothing changed: not sent again
     record.observe_status(types_pb2.EngineStatus(in_flight_requests=3))
     assert [e.in_flight_requests for e in deltas.next(1, [record.to_proto("node-a")]).engines] == [3]
+
+
+def test_the_average_in_flight_of_a_status_is_reported_and_left_unset_by_an_engine_that_has_none():
+    record = EngineRecord(spec=sim_spec(), requested=sim_spec(), log_path="/nonexistent", token="t", state=RUNNING)
+    record.observe_status(types_pb2.EngineStatus(in_flight_requests=2, in_flight_average=1.35))
+    assert record.to_proto("node-a").in_flight_average == 1.35
+    record.observe_status(types_pb2.EngineStatus(in_flight_requests=2))  # an engine server before the average
+    assert not record.to_proto("node-a").HasField("in_flight_average")
