@@ -162,7 +162,8 @@ class Autoscaler:
     count starts the rest; scale-down first takes the instances that go (the least loaded) out of
     the routers and stops them (they drain), then applies the lower count. Nothing is decided while a
     change is being made or while the deployment's rollout is not COMPLETE (progressing or
-    paused): the count would add instances of a spec under review."""
+    paused): the count would add instances of a spec under review; the rollout of a count the
+    autoscaler set is the exception (it rolls out no new spec)."""
 
     def __init__(
         self,
@@ -179,6 +180,9 @@ class Autoscaler:
         self.scalers: dict[tuple[str, str], GroupScaler] = {}
         # (deployment, group, "up" | "down") -> changes made (motor_controller_autoscale_decisions_total)
         self.decisions: dict[tuple[str, str, str], int] = {}
+        # deployment -> the revision the autoscaler's own last change made: its rollout only starts
+        # or stops instances of the spec already rolled out, so it holds no decision
+        self.own_revisions: dict[str, int] = {}
 
     def tick(self) -> None:
         now = self.state.mono()
@@ -213,7 +217,9 @@ class Autoscaler:
         state, reason = self.rollouts.status(name)
         if state == C.ROLLOUT_STATE_PAUSED:
             return f"the rollout is paused ({reason}): resume or undo it to scale again"
-        if state == C.ROLLOUT_STATE_PROGRESSING:
+        if state == C.ROLLOUT_STATE_PROGRESSING and self.deployments.by_name[name][1] != self.own_revisions.get(name):
+            # A rollout of a count the autoscaler set goes on: a load still growing while the added
+            # engines load is met now, not once they have loaded and a whole window after.
             return "a rollout is in progress"
         return ""
 
@@ -287,7 +293,7 @@ class Autoscaler:
 
     async def _apply(self, scaled: C.Deployment, decision: Decision) -> None:
         try:
-            await self.changes.apply(scaled)
+            _, self.own_revisions[scaled.name] = await self.changes.apply(scaled)
         except Exception as exc:  # the count stays; the next window decides again
             logger.warning("autoscaling %s to %d could not be applied: %s", decision.group, decision.new, exc)
             self.state.events.emit(

@@ -10,6 +10,7 @@ import asyncio
 import pytest
 
 from controller import autoscaler
+from controller.instances import READY
 from motor.v1 import controller_pb2 as C
 from tests.controller.conftest import Harness, small_deployment
 from tests.controller.test_spares import all_ready, listed
@@ -98,6 +99,36 @@ async def test_the_load_is_the_engines_average_over_their_last_second_not_an_ins
         await asyncio.sleep(1.5)  # more windows: none scales
         assert count(harness) == 1 and not events(harness)
         assert "in flight 2.0 per engine" in harness.controller.list_deployments().deployments[0].scale[0].reason
+
+
+async def test_a_load_still_growing_while_the_added_engines_load_is_met_before_they_are_ready(harness):
+    await running(harness, spares=0)
+    load(harness, {"u-0": 12})
+    async with harness.beating(*NODES):
+        await async_wait_for(lambda: count(harness) == 3, timeout=15, what="the count raised to 3")
+        load(harness, {"u-0": 24})  # the queue grows on u-0 while u-1 and u-2 load (never READY here)
+        await async_wait_for(lambda: count(harness) == 4, timeout=15, what="a second step while the first loads")
+        assert harness.instance("u-1").state != READY and harness.instance("u-2").state != READY
+        assert events(harness)[-1].startswith("u: 3 -> 4, in flight 8.0 per engine")
+
+
+async def test_an_operators_rollout_in_progress_holds_the_count(harness):
+    await running(harness, spares=0)
+    changed = chat(spares=0)
+    changed.engine_config["motor_engine_union_config"]["engine_args"] = {"latency_ms": 5}  # a new spec: rolled out
+    await harness.controller.apply(changed)
+    load(harness, {"u-0": 12})
+    async with harness.beating(*NODES):
+        await async_wait_for(
+            lambda: (
+                harness.controller.list_deployments()
+                .deployments[0]
+                .scale[0]
+                .reason.startswith("held: a rollout is in progress")
+            ),
+            timeout=5,
+        )
+        assert count(harness) == 1
 
 
 async def test_a_paused_rollout_holds_the_count_and_says_so(harness):
