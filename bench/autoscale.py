@@ -10,14 +10,17 @@ for --peak s, and back to --low for --after s. Settings:
 - autoscaling with `spares: 1`: min 1, max --max, target_in_flight --target,
   scale_down_delay_s --delay;
 - the same without a spare;
-- fixed: `count` --max, no autoscaling (sized for the peak).
+- fixed: `count` --max, no autoscaling (sized for the peak);
+- fixedspare: the same with `spares: 1`, the warm spare an operator keeps for failover whether
+  the count is fixed or not (the fair peer of the first setting's engine-seconds).
 
 Printed per setting: seconds from the step to the first decision (the group's count changed) and
 to the added capacity serving (the router lists more workers than before the step), the seconds
 (by the second requests were sent in) whose TTFT p95 was above --ttft (answers are 2 tokens,
 non-streamed: the whole answer's time), engine-seconds (every started instance, spares included,
-integrated over the run, and split into before the step, during it and after it), failed requests,
-and changes of direction of the count.
+integrated over the run, and split into before the step, during it and after it; and as a share of
+the fixed count's, with a spare of the fixed count with one), failed requests, changes of direction
+of the count, and the controller's decisions with their figures.
 
     .venv/bin/python bench/autoscale.py [--load-s 10] [--low 5] [--high 30] [--max 5]
 """
@@ -50,8 +53,8 @@ GROUP = "chat"
 
 def deployment(args, setting: str) -> C.Deployment:
     group: dict = {"name": GROUP, "role": "union", "accelerators_per_engine": 1}
-    if setting == "fixed":
-        group["count"] = args.max
+    if setting in ("fixed", "fixedspare"):
+        group.update(count=args.max, spares=1 if setting == "fixedspare" else 0)
     else:
         group.update(count=1, spares=1 if setting == "spare" else 0)
         group["autoscaling"] = {
@@ -135,8 +138,9 @@ def nearest_rank(values: list[float], share: float) -> float:
 
 
 def run_setting(args, setting: str, base_port: int) -> dict:
+    home = tempfile.mkdtemp(prefix=f"autoscale-{setting}-")
     cluster = LocalCluster(
-        tempfile.mkdtemp(prefix=f"autoscale-{setting}-"),
+        home,
         nodes=2,
         heartbeat_interval=1.0,
         accelerators_per_node=4,
@@ -149,7 +153,7 @@ def run_setting(args, setting: str, base_port: int) -> dict:
         with grpc.insecure_channel(cluster.controller_address) as channel:
             stub = controller_pb2_grpc.ControllerServiceStub(channel)
             stub.ApplyDeployment(C.ApplyDeploymentRequest(deployment=deployment(args, setting)), timeout=30)
-            expected = args.max if setting == "fixed" else 1
+            expected = args.max if setting.startswith("fixed") else 1
             deadline = time.monotonic() + args.load_s + 90
             while True:
                 instances = stub.ListInstances(C.ListInstancesRequest(), timeout=5).instances
@@ -171,10 +175,20 @@ def run_setting(args, setting: str, base_port: int) -> dict:
         watcher.join(timeout=10)
     finally:
         cluster.stop()
-    return summarize(args, setting, load, watch)
+    return summarize(args, setting, load, watch, decisions(home))
 
 
-def summarize(args, setting: str, load: SteppedLoad, watch: Watch) -> dict:
+def decisions(home: str) -> list[str]:
+    """The controller's autoscaling decisions, as its log says them (time and figures)."""
+    with open(os.path.join(home, "logs", "controller.log"), errors="replace") as log:
+        return [
+            f"{line[11:19]} {line.split('autoscaling bench: ', 1)[1].strip()}"
+            for line in log
+            if "autoscaling bench: " in line
+        ]
+
+
+def summarize(args, setting: str, load: SteppedLoad, watch: Watch, decided_lines: list[str]) -> dict:
     step = load.started + args.before
     samples = watch.samples
     before = [s for s in samples if s[0] <= step]
@@ -206,6 +220,7 @@ def summarize(args, setting: str, load: SteppedLoad, watch: Watch) -> dict:
         "requests": len(load.results),
         "direction_changes": direction_changes,
         "counts": [c for i, c in enumerate(counts) if i == 0 or counts[i - 1] != c],  # in order
+        "decisions": decided_lines,
     }
     print(f"{setting}: {row}", flush=True)
     return row
@@ -225,7 +240,7 @@ def main() -> int:
     parser.add_argument("--target", type=float, default=1.5, help="target_in_flight (default 1.5)")
     parser.add_argument("--delay", type=float, default=15.0, help="scale_down_delay_s (default 15)")
     parser.add_argument("--ttft", type=float, default=1.0, help="the TTFT p95 target in seconds (default 1)")
-    parser.add_argument("--settings", default="spare,nospare,fixed", help="which settings, comma-separated")
+    parser.add_argument("--settings", default="spare,nospare,fixed,fixedspare", help="which settings, comma-separated")
     args = parser.parse_args()
     rows = [run_setting(args, setting, 43000 + 2000 * index) for index, setting in enumerate(args.settings.split(","))]
     print(f"\nload average after the run: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
@@ -240,9 +255,17 @@ def main() -> int:
             f"{r['setting']:<9} {decided:>9} {serving:>8} {r['slow_seconds']:>10} {r['engine_seconds']:>9.0f} "
             f"{r['failed']:>7} {r['requests']:>9} {r['direction_changes']:>11}"
         )
-    print("engine-seconds before / during / after the step:")
+    print("engine-seconds before / during / after the step, and against the fixed count (with a spare: with one):")
+    by_setting = {r["setting"]: r for r in rows}
     for r in rows:
-        print(f"  {r['setting']:<9} {' / '.join(map(str, r['engine_seconds_before_during_after']))}")
+        # Without a spare against the fixed count; with one, against it and the fixed count with one.
+        compared = {"spare": ("fixed", "fixedspare"), "nospare": ("fixed",)}.get(r["setting"], ())
+        peers = [by_setting[p] for p in compared if p in by_setting]
+        share = ", ".join(f"{100 * r['engine_seconds'] / p['engine_seconds']:.0f} % of {p['setting']}" for p in peers)
+        print(f"  {r['setting']:<10} {' / '.join(map(str, r['engine_seconds_before_during_after'])):<16} {share}")
+    for r in rows:
+        for line in r["decisions"]:
+            print(f"  {r['setting']:<10} {line}")
     return 0
 
 

@@ -20,7 +20,8 @@ sample does not). A decision:
   so a scale-down keeps what the delay has seen: a second step down follows as soon as the
   figures of the load's way down have aged out, not after a whole new delay;
 - after a change the window starts again: the next decision sees only samples of the new count,
-  so under a steady load there is at most one change (one direction) per window.
+  so under a steady load there is at most one change (one direction) per window; only a clear
+  overload (FAST_RATIO x the target over FAST_S) is met before the window has refilled.
 
 GroupScaler is the plain decision of one group, on a clock it is given (tests feed it series).
 Autoscaler runs them on the leader, where the rollouts run, and acts through the deployment's own
@@ -113,8 +114,7 @@ class GroupScaler:
         while self.samples[0][0] <= now - WINDOW_S:
             self.samples.popleft()
         if now - self.since < WINDOW_S - 1:
-            self.last = self.after(f"gathering {WINDOW_S:.0f} s of load since the last change")
-            return None
+            return self._while_gathering(now, count)
         load = statistics.median_low([v for _, v in self.samples])
         self.per_engine = load / count
         figures = f"in flight {load / count:.1f} per engine over {WINDOW_S:.0f} s against a target of {p.target:g}"
@@ -144,6 +144,23 @@ class GroupScaler:
             f"steady: {figures}"
             + (f"; {keep} would do once the load has stayed low for {p.scale_down_delay_s:g} s" if keep < count else "")
         )
+        return None
+
+    def _while_gathering(self, now: float, count: int) -> Decision | None:
+        """The window refills after a change, but a clear overload is met once it has held FAST_S:
+        a step sized by a median that had only just crossed (noise near the target, then the first
+        seconds of a load step) is followed by the step the queue needs, not a whole window later
+        while the queue grows. Under a steady load no such overload follows a change."""
+        p = self.policy
+        fast = statistics.median_low([v for t, v in self.samples if t > now - FAST_S])
+        up = min(p.max, math.ceil(fast / p.target - 1e-9))
+        if now - self.since >= FAST_S and fast >= FAST_RATIO * p.target * count and up > count:
+            self.restart(now)
+            figures = (
+                f"in flight {fast / count:.1f} per engine over the last {FAST_S:g} s against a target of {p.target:g}"
+            )
+            return self._decision(count, up, figures + " (a clear overload, met before the window refilled)")
+        self.last = self.after(f"gathering {WINDOW_S:.0f} s of load since the last change")
         return None
 
     def after(self, what: str) -> str:

@@ -189,6 +189,18 @@ def test_a_queue_building_on_one_engine_is_met_within_seconds_not_half_the_windo
     assert decisions[0][0] <= 62, decisions
 
 
+def test_a_step_sized_by_a_median_that_had_only_just_crossed_is_followed_within_seconds():
+    # Noise near the target (the median of ten at 1.4), then a load step whose queue grows 20 a
+    # second: the first step, taken when the median crossed, adds one engine; the next must not
+    # wait for a whole window while the queue grows.
+    scaler = GroupScaler("chat", ScalePolicy(min=1, max=5, target=1.5, scale_down_delay_s=300.0), now=0.0)
+    count, decisions = run(scaler, 1, lambda t: (1.4, 1.6)[t % 2] if t < 60 else 20.0 * (t - 59), 80)
+    assert [(old, new) for _, old, new in decisions] == [(1, 2), (2, 5)], decisions
+    (first, _, _), (second, _, _) = decisions
+    assert first == 60 and second - first <= 4
+    assert scaler.last.startswith("chat: 2 -> 5, in flight ") and "met before the window refilled" in scaler.last
+
+
 def test_a_second_step_down_follows_once_the_loads_way_down_has_aged_out():
     # The load falls from 5 engines' worth through 2 engines' worth (20 s) to 1 engine's worth: the
     # first step down (to 2, the highest count the delay saw) is followed by the step to 1 as soon
