@@ -51,6 +51,11 @@ def count(h: Harness) -> int:
     return h.controller.deployments.by_name["t"][0].instance_groups[0].count
 
 
+def reason(h: Harness) -> str:
+    """What ListDeployments says of the group's scale: the last decision, then what follows it."""
+    return h.controller.list_deployments().deployments[0].scale[0].reason
+
+
 async def running(h: Harness, **kw) -> None:
     await h.start()
     for node in NODES:
@@ -93,12 +98,10 @@ async def test_the_load_is_the_engines_average_over_their_last_second_not_an_ins
     await running(harness)
     load(harness, {"u-0": 12}, average={"u-0": 2.0})  # a burst read at an instant, 2 over the second
     async with harness.beating(*NODES):
-        await async_wait_for(
-            lambda: "steady" in harness.controller.list_deployments().deployments[0].scale[0].reason, timeout=10
-        )
+        await async_wait_for(lambda: "steady" in reason(harness), timeout=10)
         await asyncio.sleep(1.5)  # more windows: none scales
         assert count(harness) == 1 and not events(harness)
-        assert "in flight 2.0 per engine" in harness.controller.list_deployments().deployments[0].scale[0].reason
+        assert "in flight 2.0 per engine" in reason(harness)
 
 
 async def test_a_load_still_growing_while_the_added_engines_load_is_met_before_they_are_ready(harness):
@@ -119,15 +122,7 @@ async def test_an_operators_rollout_in_progress_holds_the_count(harness):
     await harness.controller.apply(changed)
     load(harness, {"u-0": 12})
     async with harness.beating(*NODES):
-        await async_wait_for(
-            lambda: (
-                harness.controller.list_deployments()
-                .deployments[0]
-                .scale[0]
-                .reason.startswith("held: a rollout is in progress")
-            ),
-            timeout=5,
-        )
+        await async_wait_for(lambda: reason(harness).startswith("held: a rollout is in progress"), timeout=5)
         assert count(harness) == 1
 
 
@@ -136,15 +131,7 @@ async def test_a_paused_rollout_holds_the_count_and_says_so(harness):
     harness.controller.rollouts.pause("t")
     load(harness, {"u-0": 12})
     async with harness.beating(*NODES):
-        await async_wait_for(
-            lambda: (
-                harness.controller.list_deployments()
-                .deployments[0]
-                .scale[0]
-                .reason.startswith("held: the rollout is paused")
-            ),
-            timeout=5,
-        )
+        await async_wait_for(lambda: reason(harness).startswith("held: the rollout is paused"), timeout=5)
         harness.controller.rollouts.resume("t")
         await async_wait_for(lambda: count(harness) == 3, timeout=15, what="scaled once resumed")
 
@@ -165,9 +152,7 @@ async def test_motorctl_deployments_shows_desired_current_and_why(harness):
     await running(harness)
     load(harness, {"u-0": 2})
     async with harness.beating(*NODES):
-        await async_wait_for(
-            lambda: "steady" in harness.controller.list_deployments().deployments[0].scale[0].reason, timeout=10
-        )
+        await async_wait_for(lambda: "steady" in reason(harness), timeout=10)
     text = render_deployments(harness.controller.list_deployments())
     lines = text.splitlines()
     assert lines[-2].split()[:5] == ["DEPLOYMENT", "AUTOSCALED", "GROUP", "DESIRED", "CURRENT"]
