@@ -18,9 +18,9 @@ Printed per setting: seconds from the step to the first decision (the group's co
 to the added capacity serving (the router lists more workers than before the step), the seconds
 (by the second requests were sent in) whose TTFT p95 was above --ttft (answers are 2 tokens,
 non-streamed: the whole answer's time), engine-seconds (every started instance, spares included,
-integrated over the run, and split into before the step, during it and after it; and as a share of
-the fixed count's, with a spare of the fixed count with one), failed requests, changes of direction
-of the count, and the controller's decisions with their figures.
+integrated over the run, and split into before the step, during it and after it; as a share of
+the fixed count's, and with a spare also of the fixed count keeping one), failed requests, changes
+of direction of the count, and the controller's decisions with their figures.
 
     .venv/bin/python bench/autoscale.py [--load-s 10] [--low 5] [--high 30] [--max 5]
 """
