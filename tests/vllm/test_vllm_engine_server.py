@@ -65,6 +65,9 @@ def shared(tiny_model, vllm_env, tmp_path_factory, request) -> dict:
     watcher = server.watch()
     first = server.status()  # the node manager's first heartbeat: arms virtual inference
     normal = server.wait_status(NORMAL)
+    # The stream delivers on its own thread: GetStatus may read NORMAL before the stream's
+    # NORMAL event has reached the watcher.
+    wait_for(lambda: NORMAL in [s.status for s in watcher.statuses()], timeout=10, what="NORMAL on the stream")
     return {"server": server, "watcher": watcher, "first": first, "normal": normal}
 
 
