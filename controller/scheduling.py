@@ -8,8 +8,7 @@ Everything runs on the controller's asyncio loop.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable
 
 from controller.config import ControllerConfig
 from controller.fleet_view import FleetView
@@ -137,7 +136,7 @@ class Scheduler:
                     if self.launches_open >= LAUNCHES_OPEN:
                         continue  # the rest when launches finish (it wakes the next pass)
                     self.launches_open += 1
-                    self.loop.spawn(self._counted(self.lifecycle.launch(s)), f"launch {s.engine_id}")
+                    self.loop.spawn(self._counted_launch(s), f"launch {s.engine_id}")
                     budget.spawned()
             if not waiting:
                 st.attention.discard(instance_id)
@@ -151,9 +150,11 @@ class Scheduler:
             inst.accelerators_per_engine
         )
 
-    async def _counted(self, launch: Coroutine[Any, Any, None]) -> None:
+    async def _counted_launch(self, slot: EngineSlot) -> None:
+        # The launch coroutine is made here, in the task: a task cancelled before it runs (the
+        # controller stopping) leaves no coroutine that was never awaited.
         try:
-            await launch
+            await self.lifecycle.launch(slot)
         finally:
             self.launches_open -= 1
             if self.launches_open == LAUNCHES_OPEN // 2:
