@@ -319,17 +319,23 @@ class Autoscaler:
 
     def keep_counts(self, deployment: C.Deployment) -> C.Deployment:
         """An apply of a file keeps the count the autoscaler reached for a group that stays
-        autoscaled (within the file's min .. max): re-applying the same file does not undo it."""
+        autoscaled (within the file's min .. max): re-applying the same file does not undo it. The
+        decode group a P/D pair's prefill group names gets the same count (the pair scales as one)."""
         current = self.deployments.by_name.get(deployment.name)
         if current is None:
             return deployment
         counts = {g.name: g.count for g in current[0].instance_groups if g.HasField("autoscaling")}
         out = C.Deployment()
         out.CopyFrom(deployment)
+        by_name = {g.name: g for g in out.instance_groups}
         for group in out.instance_groups:
             if group.name in counts and group.HasField("autoscaling"):
                 a = group.autoscaling
-                group.count = min(max(counts[group.name], a.min or 1), max(a.max, a.min or 1))
+                kept = min(max(counts[group.name], a.min or 1), max(a.max, a.min or 1))
+                partner = by_name.get(group.pair_with)
+                if partner is not None and partner.count == group.count:  # unequal: validation names it
+                    partner.count = kept
+                group.count = kept
         return out
 
     def status(self, name: str, deployment: C.Deployment) -> list[C.GroupScale]:

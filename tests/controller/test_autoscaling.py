@@ -235,3 +235,29 @@ async def test_unpaired_prefill_and_decode_groups_scale_each_on_its_own_load(har
         await async_wait_for(lambda: counts()[1] == 3, timeout=15, what="decode raised to 3")
         await all_ready(harness, NODES, 6)  # the new decode engines serve: the change is complete
         await async_wait_for(lambda: counts() == (1, 3), timeout=15, what="prefill lowered to 1, decode kept at 3")
+
+
+async def test_reapplying_a_pd_pairs_file_keeps_both_groups_at_the_count_the_autoscaler_reached(harness):
+    # The block is on the prefill group only; the decode group follows it. Re-applying the same
+    # file must keep both at the reached count, not refuse the pair's counts as unequal.
+    block = {"min": 1, "max": 3, "target_in_flight": 4, "scale_down_delay_s": 300}
+    pair = small_deployment(
+        [
+            {"name": "p", "role": "prefill", "count": 1, "pair_with": "d", "autoscaling": block},
+            {"name": "d", "role": "decode", "count": 1},
+        ]
+    )
+    await harness.start()
+    for node in NODES:
+        await harness.register(node, accelerators=4)
+    harness.controller.apply_deployment(pair)
+    await all_ready(harness, NODES, 2)
+
+    def counts() -> tuple[int, ...]:
+        return tuple(g.count for g in harness.controller.deployments.by_name["t"][0].instance_groups)
+
+    load(harness, {"p-0": 12})
+    async with harness.beating(*NODES):
+        await async_wait_for(lambda: counts() == (3, 3), timeout=15, what="both groups raised to 3")
+    await harness.controller.apply(pair)  # the same file again
+    assert counts() == (3, 3)
