@@ -296,7 +296,7 @@ class Controller(views.ClusterReads):
         return await self.changes.apply(self.autoscaler.keep_counts(deployment))
 
     def dry_run_apply(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
-        return self.changes.dry_run(deployment)
+        return self.changes.dry_run(self.autoscaler.keep_counts(deployment))  # what `apply` would make
 
     async def delete(self, name: str = "") -> None:
         await self.changes.delete(name)

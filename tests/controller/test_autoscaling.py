@@ -146,6 +146,19 @@ async def test_reapplying_the_file_keeps_the_count_the_autoscaler_reached(harnes
     assert count(harness) == 3
 
 
+async def test_a_dry_run_of_the_same_file_says_what_the_apply_would_do_keep_the_count(harness):
+    await running(harness)
+    load(harness, {"u-0": 12})
+    async with harness.beating(*NODES):
+        await async_wait_for(lambda: count(harness) == 3, timeout=15)
+    await async_wait_for(lambda: not harness.controller.changes.busy, timeout=5)
+    revision = harness.controller.deployments.by_name["t"][1]
+    deployment, would_be = harness.controller.dry_run_apply(chat())
+    assert (would_be, deployment.instance_groups[0].count) == (revision, 3)  # no change, as the apply finds
+    _, applied = await harness.controller.apply(chat())
+    assert applied == revision
+
+
 async def test_motorctl_deployments_shows_desired_current_and_why(harness):
     from motorctl.render import render_deployments
 
