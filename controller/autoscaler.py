@@ -48,6 +48,7 @@ from controller.rollout_plan import index_of
 from controller.spares import Spares
 from controller.state import ClusterState
 from controller.store import StoreUnavailable
+from motor.errors import FailedPrecondition
 from motor.service.scraped import ScrapedCollector
 from motor.v1 import controller_pb2, types_pb2
 
@@ -204,7 +205,7 @@ class Autoscaler:
     def tick(self) -> None:
         now = self.state.mono()
         seen = set()
-        for name, (deployment, _) in list(self.deployments.by_name.items()):
+        for name, (deployment, revision) in list(self.deployments.by_name.items()):
             held = self._held(name)
             for group in deployment.instance_groups:
                 if not group.HasField("autoscaling"):
@@ -223,7 +224,7 @@ class Autoscaler:
                 load = max(self.in_flight(group.name), self.in_flight(group.pair_with) if group.pair_with else 0)
                 decision = scaler.step(now, group.count, load)
                 if decision is not None:
-                    self._act(name, deployment, decision)
+                    self._act(name, deployment, revision, decision)
                     break  # one change of a deployment at a time: the next tick sees it made
         for key in set(self.scalers) - seen:
             del self.scalers[key]
@@ -260,7 +261,7 @@ class Autoscaler:
                 total += engine.in_flight_average if engine.HasField("in_flight_average") else engine.in_flight_requests
         return total
 
-    def _act(self, name: str, deployment: C.Deployment, decision: Decision) -> None:
+    def _act(self, name: str, deployment: C.Deployment, revision: int, decision: Decision) -> None:
         promoted = []
         if decision.new > decision.old:
             for _ in range(decision.new - decision.old):
@@ -281,7 +282,7 @@ class Autoscaler:
         serving = f"; spare {', '.join(promoted)} serves at once" if promoted else ""
         self.state.events.emit(C.EVENT_TYPE_AUTOSCALE, decision.message + serving, deployment=name)
         logger.info("autoscaling %s: %s%s", name, decision.message, serving)
-        self.spawn(self._apply(scaled, decision), f"autoscale {decision.group}")
+        self.spawn(self._apply(scaled, revision, decision), f"autoscale {decision.group}")
 
     def _withdraw(self, name: str, decision: Decision) -> bool:
         """Scale-down: take out the instances that go, in one step (durable first; out of the
@@ -308,9 +309,18 @@ class Autoscaler:
             return False
         return True
 
-    async def _apply(self, scaled: C.Deployment, decision: Decision) -> None:
+    async def _apply(self, scaled: C.Deployment, revision: int, decision: Decision) -> None:
+        def unchanged(_: C.Deployment) -> C.Deployment:
+            # The decision was made on `revision`, and `scaled` is that revision's spec: a change
+            # applied since (an operator's, waiting for its turn as the decision was made) wins.
+            now = self.deployments.by_name.get(scaled.name)
+            if now is None or now[1] != revision:
+                since = f"revision {now[1]}" if now else "deleted"
+                raise FailedPrecondition(f"the deployment changed since the decision on revision {revision} ({since})")
+            return scaled
+
         try:
-            _, self.own_revisions[scaled.name] = await self.changes.apply(scaled)
+            _, self.own_revisions[scaled.name] = await self.changes.apply(scaled, adjust=unchanged)
         except Exception as exc:  # the count stays; the next window decides again
             logger.warning("autoscaling %s to %d could not be applied: %s", decision.group, decision.new, exc)
             self.state.events.emit(

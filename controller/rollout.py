@@ -58,7 +58,9 @@ class DeploymentWrites(Protocol):
 
     def retry_failed(self, inst: InstanceRecord) -> None: ...
 
-    def apply(self, deployment: C.Deployment) -> Coroutine[Any, Any, tuple[C.Deployment, int]]: ...
+    def apply(
+        self, deployment: C.Deployment, adjust: Callable[[C.Deployment], C.Deployment] | None = None
+    ) -> Coroutine[Any, Any, tuple[C.Deployment, int]]: ...
 
 
 @dataclass

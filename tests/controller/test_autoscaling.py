@@ -274,3 +274,65 @@ async def test_reapplying_a_pd_pairs_file_keeps_both_groups_at_the_count_the_aut
         await async_wait_for(lambda: counts() == (3, 3), timeout=15, what="both groups raised to 3")
     await harness.controller.apply(pair)  # the same file again
     assert counts() == (3, 3)
+
+
+@pytest.fixture
+def manual_ticks(monkeypatch):
+    """The controller's own once-a-second pass does nothing; the test calls the returned tick
+    where it wants a decision made (a race needs its order, not a second's luck)."""
+    tick = autoscaler.Autoscaler.tick
+    monkeypatch.setattr(autoscaler.Autoscaler, "tick", lambda self: None)
+    return tick
+
+
+async def settled(h: Harness) -> None:
+    """The first apply's rollout has completed (until then it holds every decision)."""
+    async with h.beating(*NODES):
+        await async_wait_for(
+            lambda: h.controller.rollouts.status("t")[0] == C.ROLLOUT_STATE_COMPLETE, timeout=15, what="rollout done"
+        )
+
+
+def spec_of(h: Harness) -> dict:
+    return dict(h.controller.deployments.by_name["t"][0].engine_config["motor_engine_union_config"])
+
+
+async def test_an_operators_apply_made_between_a_decision_and_its_write_is_not_undone(harness, manual_ticks):
+    # The operator's apply is on its way (validated, waiting for its turn) as the autoscaler decides;
+    # its turn comes first. The autoscaler's change, computed from the revision before it, must not
+    # write that revision's spec back over the operator's.
+    await running(harness, spares=0)
+    await settled(harness)
+    load(harness, {"u-0": 12})
+    harness.beat(*NODES)
+    assert harness.controller.autoscaler.in_flight("u") == 12
+    changed = chat(spares=0)
+    changed.engine_config["motor_engine_union_config"]["engine_args"] = {"latency_ms": 5}
+    operator = asyncio.create_task(harness.controller.apply(changed))
+    await asyncio.sleep(0)  # the operator's apply waits for its turn
+    manual_ticks(harness.controller.autoscaler)  # the decision: 1 -> 3, on the revision before it
+    assert count(harness) == 1 and events(harness)[-1].startswith("u: 1 -> 3")
+    await operator
+    await asyncio.sleep(0.2)
+    await async_wait_for(lambda: not harness.controller.changes.busy, timeout=5)
+    assert "engine_args" in spec_of(harness), "the operator's change was written over"
+    assert "not applied" in events(harness)[-1], events(harness)
+
+
+async def test_an_operators_apply_that_waits_behind_the_autoscalers_change_keeps_its_count(harness, manual_ticks):
+    # The autoscaler's change is being made when the operator applies: the count the operator's
+    # apply keeps is the one that change made, not the one before it.
+    await running(harness, spares=0)
+    await settled(harness)
+    load(harness, {"u-0": 12})
+    harness.beat(*NODES)
+    manual_ticks(harness.controller.autoscaler)  # 1 -> 3
+    for _ in range(100):  # the change takes a few turns of the loop
+        if harness.controller.changes.busy:
+            break
+        await asyncio.sleep(0)
+    assert harness.controller.changes.busy, "the autoscaler's change under way"
+    changed = chat(spares=0)
+    changed.engine_config["motor_engine_union_config"]["engine_args"] = {"latency_ms": 5}
+    await harness.controller.apply(changed)
+    assert count(harness) == 3 and "engine_args" in spec_of(harness)
