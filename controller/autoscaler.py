@@ -233,11 +233,14 @@ class Autoscaler:
         if self.changes.busy:
             return "a deployment change is being made"
         state, reason = self.rollouts.status(name)
-        if state == C.ROLLOUT_STATE_PAUSED:
+        # A rollout of a count the autoscaler set goes on: a load still growing while the added
+        # engines load is met now, not once they have loaded and a whole window after. Paused by
+        # itself (an added instance the nodes have no room for, past its deadline), it has no
+        # new spec under review either: the next decision replaces it. An operator's pause holds.
+        own = self.deployments.by_name[name][1] == self.own_revisions.get(name)
+        if state == C.ROLLOUT_STATE_PAUSED and (not own or self.rollouts.paused_by_operator(name)):
             return f"the rollout is paused ({reason}): resume or undo it to scale again"
-        if state == C.ROLLOUT_STATE_PROGRESSING and self.deployments.by_name[name][1] != self.own_revisions.get(name):
-            # A rollout of a count the autoscaler set goes on: a load still growing while the added
-            # engines load is met now, not once they have loaded and a whole window after.
+        if state == C.ROLLOUT_STATE_PROGRESSING and not own:
             return "a rollout is in progress"
         return ""
 

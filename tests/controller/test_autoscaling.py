@@ -336,3 +336,44 @@ async def test_an_operators_apply_that_waits_behind_the_autoscalers_change_keeps
     changed.engine_config["motor_engine_union_config"]["engine_args"] = {"latency_ms": 5}
     await harness.controller.apply(changed)
     assert count(harness) == 3 and "engine_args" in spec_of(harness)
+
+
+async def test_a_scale_up_beyond_the_nodes_room_does_not_stop_autoscaling_once_its_rollout_times_out(harness):
+    # max is a bound, not a promise of room: 4 asked for, room for 2. The count's rollout pauses
+    # itself past its progress deadline (nothing of a new spec is under review there); the load
+    # then falls and the group must still come back down.
+    block = {"min": 1, "max": 4, "target_in_flight": 4, "scale_down_delay_s": 2}
+    deployment = small_deployment(
+        [{"name": "u", "role": "union", "count": 1, "autoscaling": block}],
+        strategy={"progress_deadline": "1s", "min_ready": "0.1s"},
+    )
+    await harness.start()
+    await harness.register("node-a", accelerators=2)
+    harness.controller.apply_deployment(deployment)
+    await all_ready(harness, ("node-a",), 1)
+    load(harness, {"u-0": 16})
+    async with harness.beating("node-a"):
+        await async_wait_for(lambda: count(harness) == 4, timeout=15, what="the count raised to 4")
+        await async_wait_for(lambda: len(harness.client.starts()) >= 2, timeout=5, what="u-1 started")
+        harness.client.set_health("node-a")  # u-1 serves; u-2 and u-3 wait for room
+        await async_wait_for(
+            lambda: harness.controller.rollouts.status("t")[0] == C.ROLLOUT_STATE_PAUSED, timeout=10, what="paused"
+        )
+        load(harness, {})
+        try:
+            await async_wait_for(lambda: count(harness) == 1, timeout=20)
+        except AssertionError:
+            raise AssertionError(reason(harness)) from None
+
+
+async def test_an_operators_pause_of_the_autoscalers_own_rollout_holds_the_count(harness):
+    await running(harness, spares=0)
+    load(harness, {"u-0": 12})
+    async with harness.beating(*NODES):
+        await async_wait_for(lambda: count(harness) == 3, timeout=15, what="the count raised to 3")
+        await async_wait_for(lambda: not harness.controller.changes.busy, timeout=5)
+        harness.controller.rollouts.pause("t")  # u-1 and u-2 still loading (never READY here)
+        load(harness, {"u-0": 40})
+        await async_wait_for(lambda: reason(harness).endswith("resume or undo it to scale again"), timeout=5)
+        await asyncio.sleep(2)
+        assert count(harness) == 3
