@@ -240,3 +240,37 @@ def test_the_refusals_say_what_count_means_and_what_the_engine_limit_counted():
         "instance i, equal counts): the pair scales as one, so put the autoscaling block on the prefill group "
         "only (or leave out pair_with: unpaired prefill and decode groups each scale on their own load)"
     )
+
+
+def test_a_target_or_delay_that_is_not_a_finite_number_is_refused_naming_the_field_as_the_file_does():
+    # Durations elsewhere in the file are written '30s'; these two are plain numbers.
+    for block, expected in (
+        (
+            {"max": 4, "target_in_flight": 4, "scale_down_delay_s": "30s"},
+            "instance_groups[0].autoscaling.scale_down_delay_s: expected a number, got '30s' (seconds as a plain "
+            "number: 30)",
+        ),
+        ({"max": 4, "target_in_flight": "four"}, "instance_groups[0].autoscaling.target_in_flight: expected a number"),
+        ({"max": 4, "target_in_flight": True}, "instance_groups[0].autoscaling.target_in_flight: expected a number"),
+        (
+            {"max": 4, "target_in_flight": float("inf")},
+            "instance_groups[0].autoscaling.target_in_flight: expected a finite number, got inf",
+        ),
+        (
+            {"max": 4, "target_in_flight": 4, "scale_down_delay_s": float("nan")},
+            "instance_groups[0].autoscaling.scale_down_delay_s: expected a finite number, got nan",
+        ),
+    ):
+        with pytest.raises(InvalidArgument) as err:
+            small_deployment(union(count=1, autoscaling=block))
+        assert expected in str(err.value), str(err.value)
+    # YAML 1.1 reads 1e3 as a string: a number all the same
+    assert small_deployment(union(count=1, autoscaling={"max": 4, "target_in_flight": "1e3"}))
+
+
+def test_a_count_left_out_below_min_is_refused_saying_it_was_not_given():
+    message = invalid(small_deployment(union(autoscaling={"min": 3, "max": 8, "target_in_flight": 4})))
+    assert (
+        "instance_groups[0].count: not given (1 by default), which is outside autoscaling min 3 .. max 8: give the "
+        "starting count" in message
+    ), message
