@@ -7,9 +7,9 @@ serving READY engines, one sample a second, and taken as the median of the last 
 (a step of the load counts once it has held for half the window, in full; a single burst or a noisy
 sample does not). A decision:
 
-- up: when the window's median needs more engines than the group has, or at once when the median
-  of the last FAST_S seconds is FAST_RATIO x the target per engine or more (an overload that
-  noise around the target does not explain: a queue building on saturated engines, which the
+- up: when the window's median needs more engines than the group has, or at once when every
+  sample of the last FAST_S seconds is FAST_RATIO x the target per engine or more (an overload
+  that noise or a short burst does not explain: a queue building on saturated engines, which the
   window's median would let grow for half the window), ceil(load / target) engines at once, the
   load being the largest of those medians (a growing queue makes the window lag): a tripled load
   adds what it needs in one step, within min .. max;
@@ -120,7 +120,7 @@ class GroupScaler:
         self.per_engine = load / count
         figures = f"in flight {load / count:.1f} per engine over {WINDOW_S:.0f} s against a target of {p.target:g}"
         fast = statistics.median_low([v for t, v in self.samples if t > now - FAST_S])
-        overloaded = fast >= FAST_RATIO * p.target * count
+        overloaded = self._overloaded(now, count)
         if min(p.max, math.ceil(max(load, fast if overloaded else 0) / p.target - 1e-9)) > count:
             # Sized by the latest part of the window: under a queue that grows (engines saturated)
             # the window's median lags the load, and a step sized by it would be the first of several.
@@ -155,7 +155,7 @@ class GroupScaler:
         p = self.policy
         fast = statistics.median_low([v for t, v in self.samples if t > now - FAST_S])
         up = min(p.max, math.ceil(fast / p.target - 1e-9))
-        if now - self.since >= FAST_S and fast >= FAST_RATIO * p.target * count and up > count:
+        if now - self.since >= FAST_S and self._overloaded(now, count) and up > count:
             self.restart(now)
             figures = (
                 f"in flight {fast / count:.1f} per engine over the last {FAST_S:g} s against a target of {p.target:g}"
@@ -163,6 +163,12 @@ class GroupScaler:
             return self._decision(count, up, figures + " (a clear overload, met before the window refilled)")
         self.last = self.after(f"gathering {WINDOW_S:.0f} s of load since the last change")
         return None
+
+    def _overloaded(self, now: float, count: int) -> bool:
+        """A clear overload: every sample of the last FAST_S at FAST_RATIO x the target or more. A
+        burst over within two seconds (two high samples of the last three) is not one: met as one,
+        it took the group to max."""
+        return min(v for t, v in self.samples if t > now - FAST_S) >= FAST_RATIO * self.policy.target * count
 
     def after(self, what: str) -> str:
         return f"{self.decided}; {what}" if self.decided else what
