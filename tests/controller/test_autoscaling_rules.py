@@ -152,9 +152,10 @@ def test_a_random_load_near_the_target_does_not_flap():
         per_second = round(1 / SAMPLE_PERIOD)
         for tick in range(seconds * per_second):
             now = tick / per_second
-            meter.add(now, bisect.bisect_right(arrivals, now) - bisect.bisect_right(arrivals, now - service_s))
+            held = bisect.bisect_right(arrivals, now) - bisect.bisect_right(arrivals, now - service_s)
+            meter.add(now, held)
             if tick % per_second == 0:  # the controller's one sample a second
-                decision = scaler.step(now, count, meter.average(now))
+                decision = scaler.step(now, count, meter.average(now, held))
                 if decision is not None:
                     decisions.append((now, decision.old, decision.new))
                     count = decision.new
