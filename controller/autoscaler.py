@@ -7,9 +7,9 @@ serving READY engines, one sample a second, and taken as the median of the last 
 (a step of the load counts once it has held for half the window, in full; a single burst or a noisy
 sample does not). A decision:
 
-- up: when the window's median needs more engines than the group has, or at once when the median
-  of the last FAST_S seconds is FAST_RATIO x the target per engine or more (an overload that
-  noise around the target does not explain: a queue building on saturated engines, which the
+- up: when the window's median needs more engines than the group has, or at once when every
+  sample of the last FAST_S seconds is FAST_RATIO x the target per engine or more (an overload
+  that noise or a short burst does not explain: a queue building on saturated engines, which the
   window's median would let grow for half the window), ceil(load / target) engines at once, the
   load being the largest of those medians (a growing queue makes the window lag): a tripled load
   adds what it needs in one step, within min .. max;
@@ -48,6 +48,7 @@ from controller.rollout_plan import index_of
 from controller.spares import Spares
 from controller.state import ClusterState
 from controller.store import StoreUnavailable
+from motor.errors import FailedPrecondition
 from motor.service.scraped import ScrapedCollector
 from motor.v1 import controller_pb2, types_pb2
 
@@ -119,7 +120,7 @@ class GroupScaler:
         self.per_engine = load / count
         figures = f"in flight {load / count:.1f} per engine over {WINDOW_S:.0f} s against a target of {p.target:g}"
         fast = statistics.median_low([v for t, v in self.samples if t > now - FAST_S])
-        overloaded = fast >= FAST_RATIO * p.target * count
+        overloaded = self._overloaded(now, count)
         if min(p.max, math.ceil(max(load, fast if overloaded else 0) / p.target - 1e-9)) > count:
             # Sized by the latest part of the window: under a queue that grows (engines saturated)
             # the window's median lags the load, and a step sized by it would be the first of several.
@@ -154,7 +155,7 @@ class GroupScaler:
         p = self.policy
         fast = statistics.median_low([v for t, v in self.samples if t > now - FAST_S])
         up = min(p.max, math.ceil(fast / p.target - 1e-9))
-        if now - self.since >= FAST_S and fast >= FAST_RATIO * p.target * count and up > count:
+        if now - self.since >= FAST_S and self._overloaded(now, count) and up > count:
             self.restart(now)
             figures = (
                 f"in flight {fast / count:.1f} per engine over the last {FAST_S:g} s against a target of {p.target:g}"
@@ -162,6 +163,12 @@ class GroupScaler:
             return self._decision(count, up, figures + " (a clear overload, met before the window refilled)")
         self.last = self.after(f"gathering {WINDOW_S:.0f} s of load since the last change")
         return None
+
+    def _overloaded(self, now: float, count: int) -> bool:
+        """A clear overload: every sample of the last FAST_S at FAST_RATIO x the target or more. A
+        burst over within two seconds (two high samples of the last three) is not one: met as one,
+        it took the group to max."""
+        return min(v for t, v in self.samples if t > now - FAST_S) >= FAST_RATIO * self.policy.target * count
 
     def after(self, what: str) -> str:
         return f"{self.decided}; {what}" if self.decided else what
@@ -204,7 +211,7 @@ class Autoscaler:
     def tick(self) -> None:
         now = self.state.mono()
         seen = set()
-        for name, (deployment, _) in list(self.deployments.by_name.items()):
+        for name, (deployment, revision) in list(self.deployments.by_name.items()):
             held = self._held(name)
             for group in deployment.instance_groups:
                 if not group.HasField("autoscaling"):
@@ -223,7 +230,7 @@ class Autoscaler:
                 load = max(self.in_flight(group.name), self.in_flight(group.pair_with) if group.pair_with else 0)
                 decision = scaler.step(now, group.count, load)
                 if decision is not None:
-                    self._act(name, deployment, decision)
+                    self._act(name, deployment, revision, decision)
                     break  # one change of a deployment at a time: the next tick sees it made
         for key in set(self.scalers) - seen:
             del self.scalers[key]
@@ -232,11 +239,14 @@ class Autoscaler:
         if self.changes.busy:
             return "a deployment change is being made"
         state, reason = self.rollouts.status(name)
-        if state == C.ROLLOUT_STATE_PAUSED:
+        # A rollout of a count the autoscaler set goes on: a load still growing while the added
+        # engines load is met now, not once they have loaded and a whole window after. Paused by
+        # itself (an added instance the nodes have no room for, past its deadline), it has no
+        # new spec under review either: the next decision replaces it. An operator's pause holds.
+        own = self.deployments.by_name[name][1] == self.own_revisions.get(name)
+        if state == C.ROLLOUT_STATE_PAUSED and (not own or self.rollouts.paused_by_operator(name)):
             return f"the rollout is paused ({reason}): resume or undo it to scale again"
-        if state == C.ROLLOUT_STATE_PROGRESSING and self.deployments.by_name[name][1] != self.own_revisions.get(name):
-            # A rollout of a count the autoscaler set goes on: a load still growing while the added
-            # engines load is met now, not once they have loaded and a whole window after.
+        if state == C.ROLLOUT_STATE_PROGRESSING and not own:
             return "a rollout is in progress"
         return ""
 
@@ -260,7 +270,7 @@ class Autoscaler:
                 total += engine.in_flight_average if engine.HasField("in_flight_average") else engine.in_flight_requests
         return total
 
-    def _act(self, name: str, deployment: C.Deployment, decision: Decision) -> None:
+    def _act(self, name: str, deployment: C.Deployment, revision: int, decision: Decision) -> None:
         promoted = []
         if decision.new > decision.old:
             for _ in range(decision.new - decision.old):
@@ -281,7 +291,7 @@ class Autoscaler:
         serving = f"; spare {', '.join(promoted)} serves at once" if promoted else ""
         self.state.events.emit(C.EVENT_TYPE_AUTOSCALE, decision.message + serving, deployment=name)
         logger.info("autoscaling %s: %s%s", name, decision.message, serving)
-        self.spawn(self._apply(scaled, decision), f"autoscale {decision.group}")
+        self.spawn(self._apply(scaled, revision, decision), f"autoscale {decision.group}")
 
     def _withdraw(self, name: str, decision: Decision) -> bool:
         """Scale-down: take out the instances that go, in one step (durable first; out of the
@@ -308,9 +318,18 @@ class Autoscaler:
             return False
         return True
 
-    async def _apply(self, scaled: C.Deployment, decision: Decision) -> None:
+    async def _apply(self, scaled: C.Deployment, revision: int, decision: Decision) -> None:
+        def unchanged(_: C.Deployment) -> C.Deployment:
+            # The decision was made on `revision`, and `scaled` is that revision's spec: a change
+            # applied since (an operator's, waiting for its turn as the decision was made) wins.
+            now = self.deployments.by_name.get(scaled.name)
+            if now is None or now[1] != revision:
+                since = f"revision {now[1]}" if now else "deleted"
+                raise FailedPrecondition(f"the deployment changed since the decision on revision {revision} ({since})")
+            return scaled
+
         try:
-            _, self.own_revisions[scaled.name] = await self.changes.apply(scaled)
+            _, self.own_revisions[scaled.name] = await self.changes.apply(scaled, adjust=unchanged)
         except Exception as exc:  # the count stays; the next window decides again
             logger.warning("autoscaling %s to %d could not be applied: %s", decision.group, decision.new, exc)
             self.state.events.emit(
@@ -319,17 +338,23 @@ class Autoscaler:
 
     def keep_counts(self, deployment: C.Deployment) -> C.Deployment:
         """An apply of a file keeps the count the autoscaler reached for a group that stays
-        autoscaled (within the file's min .. max): re-applying the same file does not undo it."""
+        autoscaled (within the file's min .. max): re-applying the same file does not undo it. The
+        decode group a P/D pair's prefill group names gets the same count (the pair scales as one)."""
         current = self.deployments.by_name.get(deployment.name)
         if current is None:
             return deployment
         counts = {g.name: g.count for g in current[0].instance_groups if g.HasField("autoscaling")}
         out = C.Deployment()
         out.CopyFrom(deployment)
+        by_name = {g.name: g for g in out.instance_groups}
         for group in out.instance_groups:
             if group.name in counts and group.HasField("autoscaling"):
                 a = group.autoscaling
-                group.count = min(max(counts[group.name], a.min or 1), max(a.max, a.min or 1))
+                kept = min(max(counts[group.name], a.min or 1), max(a.max, a.min or 1))
+                partner = by_name.get(group.pair_with)
+                if partner is not None and partner.count == group.count:  # unequal: validation names it
+                    partner.count = kept
+                group.count = kept
         return out
 
     def status(self, name: str, deployment: C.Deployment) -> list[C.GroupScale]:

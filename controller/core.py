@@ -293,10 +293,10 @@ class Controller(views.ClusterReads):
         self.changes.delete_now(name)
 
     async def apply(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
-        return await self.changes.apply(self.autoscaler.keep_counts(deployment))
+        return await self.changes.apply(deployment, adjust=self.autoscaler.keep_counts)
 
     def dry_run_apply(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
-        return self.changes.dry_run(deployment)
+        return self.changes.dry_run(self.autoscaler.keep_counts(deployment))  # what `apply` would make
 
     async def delete(self, name: str = "") -> None:
         await self.changes.delete(name)

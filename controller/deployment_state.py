@@ -76,6 +76,9 @@ class Rollout:
     progress_at: float = 0.0
     available_current: int = 0
     announced: bool = True  # False when loaded: finding it complete then is no news
+    # PAUSED by an operator (PauseRollout), not by the rollout itself (a failing new instance, the
+    # deadline): in memory only, read by the autoscaler, whose own revisions are in memory too.
+    paused_by_operator: bool = False
 
     def record(self) -> dict:
         return {

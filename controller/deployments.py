@@ -108,11 +108,19 @@ class DeploymentChanges:
             self._persist(plan, self._store_change(plan))
             run_at_once(self._change_memory(plan))
 
-    async def apply(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
-        """ApplyDeployment in slices; answers once the change is durable and made in memory."""
-        validated = validate_deployment(deployment, self.max_engines)  # refused before it waits its turn
+    async def apply(
+        self, deployment: C.Deployment, adjust: Callable[[C.Deployment], C.Deployment] | None = None
+    ) -> tuple[C.Deployment, int]:
+        """ApplyDeployment in slices; answers once the change is durable and made in memory.
+        `adjust` (the autoscaler's counts) is applied again in the change's turn, to the
+        deployment as the changes before it left it: what it read before its turn, a change made
+        meanwhile may have moved on."""
+        fit = adjust or (lambda d: d)
+        validated = validate_deployment(fit(deployment), self.max_engines)  # refused before it waits its turn
         check_local_paths(validated, self.state.nodes.values())
-        return await self._in_turn(lambda: self._sliced(validated))
+        if adjust is None:
+            return await self._in_turn(lambda: self._sliced(validated))
+        return await self._in_turn(lambda: self._sliced(validate_deployment(fit(deployment), self.max_engines)))
 
     def dry_run(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
         """ApplyDeployment's checks without the change: the deployment with its defaults and the

@@ -58,7 +58,9 @@ class DeploymentWrites(Protocol):
 
     def retry_failed(self, inst: InstanceRecord) -> None: ...
 
-    def apply(self, deployment: C.Deployment) -> Coroutine[Any, Any, tuple[C.Deployment, int]]: ...
+    def apply(
+        self, deployment: C.Deployment, adjust: Callable[[C.Deployment], C.Deployment] | None = None
+    ) -> Coroutine[Any, Any, tuple[C.Deployment, int]]: ...
 
 
 @dataclass
@@ -110,6 +112,7 @@ class Rollouts:
         rollout = self.rollouts.setdefault(name, Rollout())
         before = rollout.state, rollout.reason
         self._move(name, rollout, PAUSED, "paused by an operator (`motorctl rollout resume` goes on)")
+        rollout.paused_by_operator = True
         self._persist_or_undo(name, rollout, before)
 
     def resume(self, name: str) -> None:
@@ -181,6 +184,10 @@ class Rollouts:
     def status(self, name: str) -> tuple[int, str]:
         rollout = self.rollouts.get(name, Rollout())
         return rollout.state, rollout.reason
+
+    def paused_by_operator(self, name: str) -> bool:
+        rollout = self.rollouts.get(name)
+        return rollout is not None and rollout.state == PAUSED and rollout.paused_by_operator
 
     # ------------------------------------------------------------------ the pass
 
@@ -351,6 +358,7 @@ class Rollouts:
                 self._move(name, rollout, PROGRESSING, f"{', '.join(ids)} {why}")
 
     def _pause_itself(self, name: str, rollout: Rollout, inst: InstanceRecord, cause: str) -> None:
+        rollout.paused_by_operator = False
         self._move(
             name,
             rollout,

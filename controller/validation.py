@@ -132,14 +132,15 @@ def validate_deployment(
             seen[group.name] = i
         if group.role not in names.ROLE_NAMES:
             problems.append(f"{where}.role: required: prefill, decode or union")
-        if group.count == 0:
+        count_given = group.count != 0
+        if not count_given:
             group.count = 1
         if group.count > MAX_COUNT:
             problems.append(f"{where}.count: must be at most {MAX_COUNT} (got {group.count})")
         if group.spares > MAX_COUNT:
             problems.append(f"{where}.spares: must be at most {MAX_COUNT} (got {group.spares})")
         if group.HasField("autoscaling"):
-            problems.extend(autoscaling_problems(group, where))
+            problems.extend(autoscaling_problems(group, where, count_given))
         if group.data_parallel_size == 0:
             group.data_parallel_size = 1
         if group.data_parallel_size > MAX_DATA_PARALLEL:
@@ -245,7 +246,7 @@ def most_instances(group: controller_pb2.InstanceGroup) -> int:
     return max(group.count, group.autoscaling.max) if group.HasField("autoscaling") else group.count
 
 
-def autoscaling_problems(group: controller_pb2.InstanceGroup, where: str) -> list[str]:
+def autoscaling_problems(group: controller_pb2.InstanceGroup, where: str, count_given: bool = True) -> list[str]:
     """Check a group's autoscaling block and fill its defaults (min 0 -> 1, delay 0 -> 300 s)."""
     a, problems = group.autoscaling, []
     where = f"{where}.autoscaling"
@@ -256,9 +257,10 @@ def autoscaling_problems(group: controller_pb2.InstanceGroup, where: str) -> lis
     if a.max < a.min or a.max > MAX_COUNT:
         problems.append(f"{where}.max: required, at least min ({a.min}) and at most {MAX_COUNT} (got {a.max})")
     elif not a.min <= group.count <= a.max:
+        count = f"{group.count} is" if count_given else f"not given ({group.count} by default), which is"
+        advice = " (count is the starting count)" if count_given else ": give the starting count"
         problems.append(
-            f"{where[: -len('.autoscaling')]}.count: {group.count} is outside autoscaling min {a.min} .. max {a.max} "
-            "(count is the starting count)"
+            f"{where[: -len('.autoscaling')]}.count: {count} outside autoscaling min {a.min} .. max {a.max}{advice}"
         )
     if not (a.target_in_flight > 0 and math.isfinite(a.target_in_flight)):
         problems.append(

@@ -27,11 +27,12 @@ class InFlightMeter:
         self._readings.append((now, in_flight))
         self._forget(now)
 
-    def average(self, now: float) -> float:
-        """The mean of the readings of the last window; 0.0 with none (nothing was read: an engine
-        that is not up yet holds no request)."""
+    def average(self, now: float, in_flight: int) -> float:
+        """The mean of the readings of the last window; with none, `in_flight`, the count read now
+        (the loop was held longer than the window, say by a long prompt tokenized on it: read as
+        0, a busy engine would say it is idle; or nothing was read yet)."""
         self._forget(now)
-        return statistics.fmean(v for _, v in self._readings) if self._readings else 0.0
+        return statistics.fmean(v for _, v in self._readings) if self._readings else float(in_flight)
 
     def _forget(self, now: float) -> None:
         while self._readings and self._readings[0][0] <= now - self.window_s:

@@ -329,7 +329,7 @@ class EngineServer:
 
     # --- status and watchers ---------------------------------------------------------------
     def status(self) -> StatusSnapshot:
-        prober = self.prober
+        prober, in_flight = self.prober, self.engine.in_flight_requests()
         return StatusSnapshot(
             health=self.machine.state,
             reason=self.machine.reason,
@@ -344,8 +344,8 @@ class EngineServer:
             not_serving_reason=self.watchdog.not_serving_reason,
             probe_interval=prober.interval if prober else self.settings.probe_interval,
             last_probe=prober.last if prober else None,
-            in_flight_requests=self.engine.in_flight_requests(),
-            in_flight_average=self.load.average(self.clock.monotonic()),
+            in_flight_requests=in_flight,
+            in_flight_average=self.load.average(self.clock.monotonic(), in_flight),
             stop_grace=self.stop_grace,
         )
 

@@ -9,6 +9,7 @@ counts) is checked by the controller, the one owner of deployment validation.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from typing import Any
 
@@ -138,10 +139,30 @@ def _value_problems(value: Any, field: FieldDescriptor, path: str) -> list[str]:
         if field.type in _WHOLE_NUMBERS and number < 0:
             return [f"{path}: expected a whole number (0 or more), got {value}"]
         return []
+    if field.type in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT):
+        return _number_problems(value, path)
     if field.type == FieldDescriptor.TYPE_BOOL:
         return [] if isinstance(value, bool) else [f"{path}: expected true or false, got {_shown(value)}"]
     if field.type == FieldDescriptor.TYPE_STRING and not isinstance(value, str):
         return [f"{path}: expected a string (quote it), got {_shown(value)}"]
+    return []
+
+
+def _number_problems(value: Any, path: str) -> list[str]:
+    """A number field (autoscaling's target and delay): protobuf's parser named it by its message
+    type, and took nan and inf, which no comparison with them holds."""
+    number = None
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:
+            number = float(value)  # a string too: YAML 1.1 reads 1e3 as one
+        except (ValueError, OverflowError):
+            pass
+    if number is None:
+        duration = isinstance(value, str) and _DURATION.fullmatch(value.strip())
+        hint = f" (seconds as a plain number: {value.strip()[:-1]})" if duration else ""
+        return [f"{path}: expected a number, got {_shown(value)}{hint}"]
+    if not math.isfinite(number):
+        return [f"{path}: expected a finite number, got {value}"]
     return []
 
 

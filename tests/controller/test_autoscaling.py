@@ -146,6 +146,19 @@ async def test_reapplying_the_file_keeps_the_count_the_autoscaler_reached(harnes
     assert count(harness) == 3
 
 
+async def test_a_dry_run_of_the_same_file_says_what_the_apply_would_do_keep_the_count(harness):
+    await running(harness)
+    load(harness, {"u-0": 12})
+    async with harness.beating(*NODES):
+        await async_wait_for(lambda: count(harness) == 3, timeout=15)
+    await async_wait_for(lambda: not harness.controller.changes.busy, timeout=5)
+    revision = harness.controller.deployments.by_name["t"][1]
+    deployment, would_be = harness.controller.dry_run_apply(chat())
+    assert (would_be, deployment.instance_groups[0].count) == (revision, 3)  # no change, as the apply finds
+    _, applied = await harness.controller.apply(chat())
+    assert applied == revision
+
+
 async def test_motorctl_deployments_shows_desired_current_and_why(harness):
     from motorctl.render import render_deployments
 
@@ -235,3 +248,132 @@ async def test_unpaired_prefill_and_decode_groups_scale_each_on_its_own_load(har
         await async_wait_for(lambda: counts()[1] == 3, timeout=15, what="decode raised to 3")
         await all_ready(harness, NODES, 6)  # the new decode engines serve: the change is complete
         await async_wait_for(lambda: counts() == (1, 3), timeout=15, what="prefill lowered to 1, decode kept at 3")
+
+
+async def test_reapplying_a_pd_pairs_file_keeps_both_groups_at_the_count_the_autoscaler_reached(harness):
+    # The block is on the prefill group only; the decode group follows it. Re-applying the same
+    # file must keep both at the reached count, not refuse the pair's counts as unequal.
+    block = {"min": 1, "max": 3, "target_in_flight": 4, "scale_down_delay_s": 300}
+    pair = small_deployment(
+        [
+            {"name": "p", "role": "prefill", "count": 1, "pair_with": "d", "autoscaling": block},
+            {"name": "d", "role": "decode", "count": 1},
+        ]
+    )
+    await harness.start()
+    for node in NODES:
+        await harness.register(node, accelerators=4)
+    harness.controller.apply_deployment(pair)
+    await all_ready(harness, NODES, 2)
+
+    def counts() -> tuple[int, ...]:
+        return tuple(g.count for g in harness.controller.deployments.by_name["t"][0].instance_groups)
+
+    load(harness, {"p-0": 12})
+    async with harness.beating(*NODES):
+        await async_wait_for(lambda: counts() == (3, 3), timeout=15, what="both groups raised to 3")
+    await harness.controller.apply(pair)  # the same file again
+    assert counts() == (3, 3)
+
+
+@pytest.fixture
+def manual_ticks(monkeypatch):
+    """The controller's own once-a-second pass does nothing; the test calls the returned tick
+    where it wants a decision made (a race needs its order, not a second's luck)."""
+    tick = autoscaler.Autoscaler.tick
+    monkeypatch.setattr(autoscaler.Autoscaler, "tick", lambda self: None)
+    return tick
+
+
+async def settled(h: Harness) -> None:
+    """The first apply's rollout has completed (until then it holds every decision)."""
+    async with h.beating(*NODES):
+        await async_wait_for(
+            lambda: h.controller.rollouts.status("t")[0] == C.ROLLOUT_STATE_COMPLETE, timeout=15, what="rollout done"
+        )
+
+
+def spec_of(h: Harness) -> dict:
+    return dict(h.controller.deployments.by_name["t"][0].engine_config["motor_engine_union_config"])
+
+
+async def test_an_operators_apply_made_between_a_decision_and_its_write_is_not_undone(harness, manual_ticks):
+    # The operator's apply is on its way (validated, waiting for its turn) as the autoscaler decides;
+    # its turn comes first. The autoscaler's change, computed from the revision before it, must not
+    # write that revision's spec back over the operator's.
+    await running(harness, spares=0)
+    await settled(harness)
+    load(harness, {"u-0": 12})
+    harness.beat(*NODES)
+    assert harness.controller.autoscaler.in_flight("u") == 12
+    changed = chat(spares=0)
+    changed.engine_config["motor_engine_union_config"]["engine_args"] = {"latency_ms": 5}
+    operator = asyncio.create_task(harness.controller.apply(changed))
+    await asyncio.sleep(0)  # the operator's apply waits for its turn
+    manual_ticks(harness.controller.autoscaler)  # the decision: 1 -> 3, on the revision before it
+    assert count(harness) == 1 and events(harness)[-1].startswith("u: 1 -> 3")
+    await operator
+    await asyncio.sleep(0.2)
+    await async_wait_for(lambda: not harness.controller.changes.busy, timeout=5)
+    assert "engine_args" in spec_of(harness), "the operator's change was written over"
+    assert "not applied" in events(harness)[-1], events(harness)
+
+
+async def test_an_operators_apply_that_waits_behind_the_autoscalers_change_keeps_its_count(harness, manual_ticks):
+    # The autoscaler's change is being made when the operator applies: the count the operator's
+    # apply keeps is the one that change made, not the one before it.
+    await running(harness, spares=0)
+    await settled(harness)
+    load(harness, {"u-0": 12})
+    harness.beat(*NODES)
+    manual_ticks(harness.controller.autoscaler)  # 1 -> 3
+    for _ in range(100):  # the change takes a few turns of the loop
+        if harness.controller.changes.busy:
+            break
+        await asyncio.sleep(0)
+    assert harness.controller.changes.busy, "the autoscaler's change under way"
+    changed = chat(spares=0)
+    changed.engine_config["motor_engine_union_config"]["engine_args"] = {"latency_ms": 5}
+    await harness.controller.apply(changed)
+    assert count(harness) == 3 and "engine_args" in spec_of(harness)
+
+
+async def test_a_scale_up_beyond_the_nodes_room_does_not_stop_autoscaling_once_its_rollout_times_out(harness):
+    # max is a bound, not a promise of room: 4 asked for, room for 2. The count's rollout pauses
+    # itself past its progress deadline (nothing of a new spec is under review there); the load
+    # then falls and the group must still come back down.
+    block = {"min": 1, "max": 4, "target_in_flight": 4, "scale_down_delay_s": 2}
+    deployment = small_deployment(
+        [{"name": "u", "role": "union", "count": 1, "autoscaling": block}],
+        strategy={"progress_deadline": "1s", "min_ready": "0.1s"},
+    )
+    await harness.start()
+    await harness.register("node-a", accelerators=2)
+    harness.controller.apply_deployment(deployment)
+    await all_ready(harness, ("node-a",), 1)
+    load(harness, {"u-0": 16})
+    async with harness.beating("node-a"):
+        await async_wait_for(lambda: count(harness) == 4, timeout=15, what="the count raised to 4")
+        await async_wait_for(lambda: len(harness.client.starts()) >= 2, timeout=5, what="u-1 started")
+        harness.client.set_health("node-a")  # u-1 serves; u-2 and u-3 wait for room
+        await async_wait_for(
+            lambda: harness.controller.rollouts.status("t")[0] == C.ROLLOUT_STATE_PAUSED, timeout=10, what="paused"
+        )
+        load(harness, {})
+        try:
+            await async_wait_for(lambda: count(harness) == 1, timeout=20)
+        except AssertionError:
+            raise AssertionError(reason(harness)) from None
+
+
+async def test_an_operators_pause_of_the_autoscalers_own_rollout_holds_the_count(harness):
+    await running(harness, spares=0)
+    load(harness, {"u-0": 12})
+    async with harness.beating(*NODES):
+        await async_wait_for(lambda: count(harness) == 3, timeout=15, what="the count raised to 3")
+        await async_wait_for(lambda: not harness.controller.changes.busy, timeout=5)
+        harness.controller.rollouts.pause("t")  # u-1 and u-2 still loading (never READY here)
+        load(harness, {"u-0": 40})
+        await async_wait_for(lambda: reason(harness).endswith("resume or undo it to scale again"), timeout=5)
+        await asyncio.sleep(2)
+        assert count(harness) == 3
