@@ -246,7 +246,7 @@ def most_instances(group: controller_pb2.InstanceGroup) -> int:
     return max(group.count, group.autoscaling.max) if group.HasField("autoscaling") else group.count
 
 
-def autoscaling_problems(group: controller_pb2.InstanceGroup, where: str, count_given: bool = True) -> list[str]:
+def autoscaling_problems(group: controller_pb2.InstanceGroup, where: str, count_given: bool) -> list[str]:
     """Check a group's autoscaling block and fill its defaults (min 0 -> 1, delay 0 -> 300 s)."""
     a, problems = group.autoscaling, []
     where = f"{where}.autoscaling"
