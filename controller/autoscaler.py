@@ -7,7 +7,7 @@ serving READY engines, one sample a second, and taken as the median of the last 
 (a step of the load counts once it has held for half the window, in full; a single burst or a noisy
 sample does not). A decision:
 
-- up: when the window's median needs more engines than the group has, or at once when every
+- up: when the window's median is above UP_TOLERANCE x the target per engine, or at once when every
   sample of the last FAST_S seconds is FAST_RATIO x the target per engine or more (an overload
   that noise or a short burst does not explain: a queue building on saturated engines, which the
   window's median would let grow for half the window), ceil(load / target) engines at once, the
@@ -58,6 +58,10 @@ C, T = controller_pb2, types_pb2
 
 WINDOW_S = 10.0  # the load is averaged over this long; also the stabilization window after a change
 DOWN_RATIO = 0.8  # scale down only to a count that keeps each engine at or below 0.8 x the target
+# Scale up only when the median is more than 10 % above the target per engine (Kubernetes' HPA keeps
+# the same tolerance): a load that sits on the target, whose median wanders just above and below
+# it, does not add an engine each time it is a little above.
+UP_TOLERANCE = 1.1
 FAST_S = 3.0  # a clear overload (FAST_RATIO x the target) is met once it has held this long
 FAST_RATIO = 4.0
 
@@ -121,7 +125,7 @@ class GroupScaler:
         figures = f"in flight {load / count:.1f} per engine over {WINDOW_S:.0f} s against a target of {p.target:g}"
         fast = statistics.median_low([v for t, v in self.samples if t > now - FAST_S])
         overloaded = self._overloaded(now, count)
-        if min(p.max, math.ceil(max(load, fast if overloaded else 0) / p.target - 1e-9)) > count:
+        if count < p.max and (load > UP_TOLERANCE * p.target * count or overloaded):
             # Sized by the latest part of the window: under a queue that grows (engines saturated)
             # the window's median lags the load, and a step sized by it would be the first of several.
             recent = max(statistics.median_low([v for t, v in self.samples if t > now - WINDOW_S / 2]), fast)
