@@ -51,6 +51,11 @@ def count(h: Harness) -> int:
     return h.controller.deployments.by_name["t"][0].instance_groups[0].count
 
 
+def counts(h: Harness) -> tuple[int, ...]:
+    """Every group's count, in the file's order."""
+    return tuple(g.count for g in h.controller.deployments.by_name["t"][0].instance_groups)
+
+
 def reason(h: Harness) -> str:
     """What ListDeployments says of the group's scale: the last decision, then what follows it."""
     return h.controller.list_deployments().deployments[0].scale[0].reason
@@ -198,12 +203,9 @@ async def test_a_pd_pair_scales_as_one_on_the_larger_of_its_two_loads(harness):
     harness.controller.apply_deployment(pair)
     await all_ready(harness, NODES, 4)
 
-    def counts() -> tuple[int, ...]:
-        return tuple(g.count for g in harness.controller.deployments.by_name["t"][0].instance_groups)
-
     load(harness, {"d-0": 12})  # the decode side is the busy one: three pairs
     async with harness.beating(*NODES):
-        await async_wait_for(lambda: counts() == (3, 3), timeout=15, what="both groups raised to 3")
+        await async_wait_for(lambda: counts(harness) == (3, 3), timeout=15, what="both groups raised to 3")
         assert not harness.instance("p-1").spare and not harness.instance("d-1").spare  # the spare pair serves
         await all_ready(harness, NODES, 8)
         assert {i.paired_instance_id for i in harness.controller.list_instances() if i.group == "p"} == {
@@ -213,7 +215,7 @@ async def test_a_pd_pair_scales_as_one_on_the_larger_of_its_two_loads(harness):
             "d-3",
         }
         load(harness, {"d-2": 1})  # idle but for pair 2: pairs 0 and 1 go, whole
-        await async_wait_for(lambda: counts() == (1, 1), timeout=15, what="both groups lowered to 1")
+        await async_wait_for(lambda: counts(harness) == (1, 1), timeout=15, what="both groups lowered to 1")
     serving = {i.instance_id for i in harness.controller.list_instances() if not i.spare}
     assert serving == {"p-2", "d-2"}
 
@@ -234,20 +236,19 @@ async def test_unpaired_prefill_and_decode_groups_scale_each_on_its_own_load(har
     harness.controller.apply_deployment(groups)
     await all_ready(harness, NODES, 2)
 
-    def counts() -> tuple[int, ...]:
-        return tuple(g.count for g in harness.controller.deployments.by_name["t"][0].instance_groups)
-
     load(harness, {"p-0": 12, "d-0": 2})  # long prompts: prefill needs three engines, decode one
     async with harness.beating(*NODES):
-        await async_wait_for(lambda: counts()[0] == 3, timeout=15, what="prefill raised to 3")
+        await async_wait_for(lambda: counts(harness)[0] == 3, timeout=15, what="prefill raised to 3")
         await all_ready(harness, NODES, 4)
         await asyncio.sleep(3)  # windows of the 1 s the test sets: decode's own load keeps it at 1
-        assert counts() == (3, 1)
+        assert counts(harness) == (3, 1)
         assert not any(m.startswith("d:") for m in events(harness)), events(harness)
         load(harness, {"p-0": 0, "d-0": 12})  # now long answers: decode up, prefill back down
-        await async_wait_for(lambda: counts()[1] == 3, timeout=15, what="decode raised to 3")
+        await async_wait_for(lambda: counts(harness)[1] == 3, timeout=15, what="decode raised to 3")
         await all_ready(harness, NODES, 6)  # the new decode engines serve: the change is complete
-        await async_wait_for(lambda: counts() == (1, 3), timeout=15, what="prefill lowered to 1, decode kept at 3")
+        await async_wait_for(
+            lambda: counts(harness) == (1, 3), timeout=15, what="prefill lowered to 1, decode kept at 3"
+        )
 
 
 async def test_reapplying_a_pd_pairs_file_keeps_both_groups_at_the_count_the_autoscaler_reached(harness):
@@ -266,14 +267,11 @@ async def test_reapplying_a_pd_pairs_file_keeps_both_groups_at_the_count_the_aut
     harness.controller.apply_deployment(pair)
     await all_ready(harness, NODES, 2)
 
-    def counts() -> tuple[int, ...]:
-        return tuple(g.count for g in harness.controller.deployments.by_name["t"][0].instance_groups)
-
     load(harness, {"p-0": 12})
     async with harness.beating(*NODES):
-        await async_wait_for(lambda: counts() == (3, 3), timeout=15, what="both groups raised to 3")
+        await async_wait_for(lambda: counts(harness) == (3, 3), timeout=15, what="both groups raised to 3")
     await harness.controller.apply(pair)  # the same file again
-    assert counts() == (3, 3)
+    assert counts(harness) == (3, 3)
 
 
 @pytest.fixture
