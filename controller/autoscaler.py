@@ -123,12 +123,12 @@ class GroupScaler:
         load = statistics.median_low([v for _, v in self.samples])
         self.per_engine = load / count
         figures = f"in flight {load / count:.1f} per engine over {WINDOW_S:.0f} s against a target of {p.target:g}"
-        fast = statistics.median_low([v for t, v in self.samples if t > now - FAST_S])
+        fast = statistics.median_low(self._latest(now, FAST_S))
         overloaded = self._overloaded(now, count)
         if count < p.max and (load > UP_TOLERANCE * p.target * count or overloaded):
             # Sized by the latest part of the window: under a queue that grows (engines saturated)
             # the window's median lags the load, and a step sized by it would be the first of several.
-            recent = max(statistics.median_low([v for t, v in self.samples if t > now - WINDOW_S / 2]), fast)
+            recent = max(statistics.median_low(self._latest(now, WINDOW_S / 2)), fast)
             if recent > load:
                 span = FAST_S if recent == fast else WINDOW_S / 2
                 figures += f" ({recent / count:.1f} over the last {span:g} s)"
@@ -157,7 +157,7 @@ class GroupScaler:
         seconds of a load step) is followed by the step the queue needs, not a whole window later
         while the queue grows. Under a steady load no such overload follows a change."""
         p = self.policy
-        fast = statistics.median_low([v for t, v in self.samples if t > now - FAST_S])
+        fast = statistics.median_low(self._latest(now, FAST_S))
         up = min(p.max, math.ceil(fast / p.target - 1e-9))
         if now - self.since >= FAST_S and self._overloaded(now, count) and up > count:
             self.restart(now)
@@ -172,7 +172,11 @@ class GroupScaler:
         """A clear overload: every sample of the last FAST_S at FAST_RATIO x the target or more. A
         burst over within two seconds (two high samples of the last three) is not one: met as one,
         it took the group to max."""
-        return min(v for t, v in self.samples if t > now - FAST_S) >= FAST_RATIO * self.policy.target * count
+        return min(self._latest(now, FAST_S)) >= FAST_RATIO * self.policy.target * count
+
+    def _latest(self, now: float, span: float) -> list[float]:
+        """The samples of the last `span` seconds."""
+        return [v for t, v in self.samples if t > now - span]
 
     def after(self, what: str) -> str:
         return f"{self.decided}; {what}" if self.decided else what
