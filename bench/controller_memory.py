@@ -44,8 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from controller.config import ControllerConfig  # noqa: E402
 from controller.core import Controller  # noqa: E402
-from controller.node_client import NodeClient  # noqa: E402
-from controller.store import SqliteStore  # noqa: E402
+from controller.engines.node_client import NodeClient  # noqa: E402
+from controller.store.sqlite import SqliteStore  # noqa: E402
 from motor.contract import names  # noqa: E402
 from motor.v1 import controller_pb2 as C  # noqa: E402
 from motor.v1 import types_pb2 as T  # noqa: E402

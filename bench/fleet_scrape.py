@@ -26,13 +26,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from prometheus_client import generate_latest  # noqa: E402
 
 from controller.core import revision_counts  # noqa: E402
-from controller.events import EventBus  # noqa: E402
-from controller.fleet_metrics import FleetSeries  # noqa: E402
-from controller.instances import READY, InstanceRecord  # noqa: E402
+from controller.fleet.series import FleetSeries  # noqa: E402
 from controller.metrics import ControllerMetrics  # noqa: E402
-from controller.nodes import NODE_READY, NODE_SUSPECT, NodeRuntime  # noqa: E402
-from controller.slots import EngineSlot  # noqa: E402
-from controller.state import ClusterState  # noqa: E402
+from controller.model.cluster import ClusterState  # noqa: E402
+from controller.model.events import EventBus  # noqa: E402
+from controller.model.instances import READY, InstanceRecord  # noqa: E402
+from controller.model.nodes import NODE_READY, NODE_SUSPECT, NodeRuntime  # noqa: E402
+from controller.model.slots import EngineSlot  # noqa: E402
 from motor.clock import SYSTEM_CLOCK  # noqa: E402
 from motor.v1 import controller_pb2 as C  # noqa: E402
 from motor.v1 import types_pb2 as T  # noqa: E402

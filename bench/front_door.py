@@ -1,8 +1,8 @@
-"""What the front door (router_sync/front.py) costs: the same load straight to vllm-router and through
+"""What the front door (front_door/policy.py) costs: the same load straight to vllm-router and through
 the front door in front of it, side by side.
 
 Two simulated engine servers of one model behind a real vllm-router (--enable-igw, as Motor starts
-it), the sync keeping it in this process, and the front door in its own (router_sync/door.py), given
+it), the sync keeping it in this process, and the front door in its own (front_door/cli.py), given
 the sync's table as motor-router-sync pushes it.
 For each target: closed-loop clients (`--concurrency`) for `--seconds`: requests/s, latency p50
 and p99 of a completion; then the latency at a fixed open rate low enough for neither to queue.
@@ -185,12 +185,12 @@ async def main(args) -> None:
         )
         while "sim-tiny" not in sync.served():
             await asyncio.sleep(0.05)
-        # The front door's own process (router_sync/door.py), as `motorctl up` and compose run it,
+        # The front door's own process (front_door/cli.py), as `motorctl up` and compose run it,
         # given the sync's table as motor-router-sync pushes it.
         table = f"127.0.0.1:{free_port()}"
         door_args = ["--listen", f"127.0.0.1:{door_port}", "--router", router_url, "--table", table]
         door = subprocess.Popen(
-            [sys.executable, "-m", "router_sync.door", *door_args]
+            [sys.executable, "-m", "front_door.cli", *door_args]
             if args.door_loop == "product"
             else [sys.executable, "-c", DOOR_PROCESS, args.door_loop, *door_args],
             env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -263,7 +263,7 @@ async def main(args) -> None:
 # The front door's process on another event loop than its own default (--door-loop).
 DOOR_PROCESS = """
 import asyncio, sys
-from router_sync import door
+from front_door import cli as door
 args = door.parse(sys.argv[2:])
 if sys.argv[1] == "uvloop":
     import uvloop

@@ -7,17 +7,18 @@ import logging
 import os
 import sys
 
+from controller.api.controllers import Controllers, SingleController
+from controller.api.servicer import ControllerServicer
 from controller.config import ControllerConfig
-from controller.controllers import Controllers, SingleController
 from controller.core import Controller
-from controller.fleet_metrics import engine_targets
+from controller.engines.node_client import GrpcNodeClient
+from controller.fleet.series import engine_targets
 from controller.gc_tuning import TenuredCollections
 from controller.ha.opening import advertised_address, open_high_availability
 from controller.limits import raise_open_files_limit
-from controller.node_client import GrpcNodeClient
-from controller.servicer import ControllerServicer
 from controller.startup_deployment import StartupDeployment
-from controller.store import SqliteStore, StoreUnreadable
+from controller.store.base import StoreUnreadable
+from controller.store.sqlite import SqliteStore
 from motor.contract.deployment_file import load_deployment
 from motor.security.security_config import SECURITY_FLAGS
 from motor.service.cli_config import Flag, load_settings, run_service, settings_parser

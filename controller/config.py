@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
+from controller.rules.deployment_file import MAX_ENGINES_PER_DEPLOYMENT
+from controller.rules.node_reports import MAX_ENGINES_PER_NODE
 from controller.store.etcd_client import parse_etcd_url
-from controller.validation import MAX_ENGINES_PER_DEPLOYMENT, MAX_ENGINES_PER_NODE
 from motor.errors import ConfigError
 from motor.ports import CONTROLLER_METRICS_PORT
 from motor.security.security_config import SecuritySettings
@@ -28,7 +29,7 @@ class ControllerConfig(SecuritySettings):
     # Interval node managers are told to heartbeat at (seconds).
     heartbeat_interval: float = Field(1.0, ge=0.05, le=60)  # below, the node monitor spins (it wakes every interval/2)
     # Silence after which a node is suspect and re-checked directly (seconds), at the configured
-    # interval; scaled with the announced interval (controller/heartbeat_budget.py).
+    # interval; scaled with the announced interval (controller/fleet/heartbeat_budget.py).
     node_grace: float = Field(5.0, gt=0, le=3600)
     # Heartbeats a second the whole fleet may send: past heartbeat_interval x this many nodes the
     # announced interval grows (live nodes / this); 0: always heartbeat_interval.

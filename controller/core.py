@@ -1,5 +1,5 @@
 """The controller's behaviour, without gRPC: it orchestrates its parts and the servicer
-(controller/servicer.py) only translates.
+(controller/api/servicer.py) only translates.
 
 - state.py: the node, slot and instance tables (nodes.py, slots.py) and the rules shared by
   every part (instance transitions are stored and announced);
@@ -10,7 +10,7 @@
 - actuator.py: StartEngine / StopEngine and fencing of stale copies;
 - views.py: the protobuf views and the read side (`ClusterReads`, a base of `Controller`).
 - deployments.py: ApplyDeployment / DeleteDeployment, persisted first, made in slices;
-This file: node reports, and the parts put together.
+This file: the parts put together (node reports: controller/fleet/registration.py).
 
 Everything runs on one asyncio loop; state changes happen between awaits, and a task that
 awaited a node manager re-checks the generation it started with before acting on the answer.
@@ -23,41 +23,42 @@ import collections
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 
-from controller import endpoints, views
-from controller import reported as reported_engine
-from controller.actuator import Actuator
-from controller.adapters import AdapterSync
-from controller.adoption import Adoption
-from controller.autoscaler import AutoscaleCollector, Autoscaler
-from controller.availability import Availability
-from controller.beat_pacing import BeatPacing
-from controller.claims import ConflictLog, NodeClaims, check_registration
+from controller.capacity.autoscaler import AutoscaleCollector, Autoscaler
+from controller.capacity.scheduling import Scheduler
+from controller.capacity.spares import Spares
 from controller.config import ControllerConfig
-from controller.deployment_state import Deployments
-from controller.deployments import DeploymentChanges
-from controller.events import EventBus
-from controller.fleet_metrics import FleetSeries
-from controller.front_door import FrontDoorCollector, FrontDoors
-from controller.generations import Generations
-from controller.heartbeat_budget import HeartbeatBudget
-from controller.instances import InstanceRecord
-from controller.lifecycle import EngineLifecycle
-from controller.liveness import NodeMonitor
+from controller.deploy.availability import Availability
+from controller.deploy.changes import DeploymentChanges
+from controller.deploy.rollout import Rollouts
+from controller.engines.actuator import Actuator
+from controller.engines.adoption import Adoption
+from controller.engines.generations import Generations
+from controller.engines.lifecycle import EngineLifecycle
+from controller.engines.node_client import NodeClient
+from controller.fleet.beat_pacing import BeatPacing
+from controller.fleet.claims import NodeClaims
+from controller.fleet.conflicts import ConflictLog
+from controller.fleet.heartbeat_budget import HeartbeatBudget
+from controller.fleet.liveness import NodeMonitor
+from controller.fleet.node_stores import NodeStoreAlarms
+from controller.fleet.registration import NodeReports
+from controller.fleet.series import FleetSeries
 from controller.metrics import ControllerMetrics
-from controller.node_client import NodeClient
-from controller.node_stores import NodeStoreAlarms
-from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
-from controller.rollout import Rollouts
-from controller.scheduling import Scheduler
-from controller.slicing import Steps, run_sliced
-from controller.slots import EngineSlot
-from controller.spares import Spares
-from controller.state import ClusterState
-from controller.store import Store
+from controller.model.cluster import ClusterState
+from controller.model.deployments import Deployments
+from controller.model.events import EventBus
+from controller.model.instances import InstanceRecord
+from controller.model.nodes import NODE_LOST, NODE_READY, NodeRuntime
+from controller.model.slots import EngineSlot
+from controller.reads import views
+from controller.routing import endpoints
+from controller.routing.adapters import AdapterSync
+from controller.routing.door_reports import FrontDoorCollector, FrontDoors
+from controller.rules.slicing import Steps, run_sliced
+from controller.store.base import Store
 from controller.store.metrics import MeasuredStore, StoreMetrics
-from controller.validation import check_engine_count, check_reported_engine, check_reported_engines
 from motor.clock import SYSTEM_CLOCK, Clock
-from motor.contract import heartbeats, names, node_process
+from motor.contract import heartbeats
 from motor.service.tasks import TaskSet, cancel_and_wait, set_within
 from motor.v1 import controller_pb2, types_pb2
 
@@ -156,6 +157,21 @@ class Controller(views.ClusterReads):
         self.claims = NodeClaims(self.state, config, self.monitor, self.metrics.registrations_refused, conflicts)
         self.node_stores = NodeStoreAlarms(self.events)
         self.adapters = AdapterSync(self.state, self._spawn, self.front_doors)
+        self.reports = NodeReports(
+            self.state,
+            config,
+            clock,
+            self.claims,
+            self.monitor,
+            self.generations,
+            self.adoption,
+            self.actuator,
+            self.lifecycle,
+            self.node_stores,
+            node_client,
+            self._spawn,
+            self.wake,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -266,7 +282,7 @@ class Controller(views.ClusterReads):
                 continue
             try:
                 slices = step()
-                if slices is not None:  # a long step, in slices (controller/slicing.py)
+                if slices is not None:  # a long step, in slices (controller/rules/slicing.py)
                     await run_sliced(slices)
             except Exception:
                 logger.exception("%s failed", what)
@@ -275,7 +291,7 @@ class Controller(views.ClusterReads):
         self.monitor.check()
         self.claims.end_quiet()
 
-    # ------------------------------------------------------------------ deployment (controller/deployments.py)
+    # ------------------------------------------------------------------ deployment (controller/deploy/changes.py)
 
     @property
     def deployment(self) -> C.Deployment | None:
@@ -324,93 +340,15 @@ class Controller(views.ClusterReads):
         return self._spawn(coro, name)
 
     def get_deployment(self, name: str = "") -> tuple[C.Deployment, int]:
-        """The named deployment; without a name, the only one (controller/deployments.py: `named`)."""
+        """The named deployment; without a name, the only one (controller/deploy/changes.py: `named`)."""
         return self.deployments.by_name[self.deployments.named(name)]
 
-    # ------------------------------------------------------------------ nodes: register, heartbeat, events
+    # ------------------------------------------------------------------ node reports (controller/fleet/registration.py)
 
     async def register_node(
         self, info: C.NodeInfo, engines: Iterable[T.Engine], highest_generation: int = 0
     ) -> RegisterNodeResponse:
-        """Register a node manager process under its node id, unless another live process holds it
-        (controller/claims.py): FAILED_PRECONDITION naming both then. `replaced` in the answer: the
-        process it took the node id over from."""
-        engines = list(engines)
-        highest = max([highest_generation, *(e.spec.generation for e in engines)])
-        check_registration(info, highest)
-        check_engine_count(info.node_id, len(engines), self.config.max_engines_per_node, "engines")
-        check_reported_engines(engines)
-        replaced = await self.claims.admit(info)
-        generation, assignments = self._register(info, engines, highest)
-        self.claims.registered(info)
-        reply = RegisterNodeResponse(
-            generation=generation,
-            assignments=assignments,
-            generation_limit=self.generations.limit(),
-            keep_unassigned=self.adoption.waiting,
-        )
-        if replaced is not None:
-            reply.replaced.CopyFrom(replaced)
-        return reply
-
-    def _register(
-        self, info: C.NodeInfo, engines: Iterable[T.Engine], highest: int
-    ) -> tuple[int, list[C.EngineAssignment]]:
-        st = self.state
-        previous = st.nodes.get(info.node_id)
-        with st.batch():
-            generation = self.generations.for_registration(highest)
-            node = NodeRuntime(
-                info, generation, NODE_READY, f"registered (generation {generation})", last_seen=self.mono()
-            )
-            node.last_heartbeat_wall = node.registered_wall = self.wall()
-            node.reported_since_start = True
-            st.nodes.put(node)
-            st.save_node(node)
-        reported = {e.engine_id: e for e in engines}
-        for slot in st.slots.on_node(info.node_id):
-            copy = reported.get(slot.engine_id)
-            if copy is None or copy.spec.generation != slot.generation:
-                slot.launched = False  # the node does not run it (any more): start it again
-                st.attention.add(slot.instance_id)
-        if (
-            previous is not None
-            and not node_process.same_seat(previous.info.process, info.process)
-            and node_process.known(previous.info.process)
-            and node_process.known(info.process)
-        ):
-            kind, how = (
-                C.EVENT_TYPE_NODE_REGISTERED,
-                (
-                    f"taken over by a new node manager process ({node_process.describe(info.process)}) "
-                    f"from {previous.info.address} ({node_process.describe(previous.info.process)})"
-                ),
-            )
-        elif previous is not None and previous.state == NODE_LOST:
-            kind, how = C.EVENT_TYPE_NODE_RECOVERED, "registered again after being lost"
-        elif previous is not None:
-            kind, how = C.EVENT_TYPE_NODE_REGISTERED, "re-registered"
-        else:
-            kind, how = C.EVENT_TYPE_NODE_REGISTERED, "registered"
-        st.event(
-            kind,
-            f"node {info.node_id} {how} (generation {generation}, {len(info.accelerator_ids)} accelerators, "
-            f"{len(reported)} engines reported, address {info.address})",
-            node_id=info.node_id,
-        )
-        with self.actuator.fences_of_one_report(info.node_id):
-            for engine in reported.values():
-                self.lifecycle.observe(node, engine, "")
-        node.engines = {k[reported_engine.ENGINE_ID]: k for k in map(reported_engine.keep, reported.values())}
-        moved_from = previous.info.address if previous is not None and previous.info.address != info.address else ""
-        if moved_from and not any(n.info.address == moved_from for n in st.nodes.values()):  # rare: O(fleet) is fine
-            self._spawn(self.nodes_client.forget(moved_from), f"forget {moved_from}")
-        assignments = [
-            C.EngineAssignment(engine_id=s.engine_id, generation=s.generation) for s in st.slots.on_node(info.node_id)
-        ]
-        self.monitor.refresh_alarm()
-        self.wake()
-        return generation, assignments
+        return await self.reports.register_node(info, engines, highest_generation)
 
     def heartbeat(
         self,
@@ -421,49 +359,10 @@ class Controller(views.ClusterReads):
         removed: Iterable[str] = (),
         store_failing: str = "",
     ) -> None:
-        """The hot path (unary Heartbeat and every StreamHeartbeats message): a dictionary update
-        per engine reported; work only for what changed. `delta`: `engines` holds only the
-        engines that changed and `removed` those the node no longer runs; the others stay.
-        `store_failing`: why the node cannot write its engine records (controller/node_stores.py)."""
-        node = self.state.nodes.member(node_id, generation)
-        engines = list(engines)
-        count = (
-            len(engines)
-            if not delta
-            else len(node.engines)
-            + sum(e.engine_id not in node.engines for e in engines)
-            - sum(engine_id in node.engines for engine_id in set(removed))
-        )
-        check_engine_count(node_id, count, self.config.max_engines_per_node, "engines")
-        before = node.engines
-        kept = [reported_engine.keep(e, before.get(e.engine_id)) for e in engines]
-        # What is the same as its last report was checked then.
-        check_reported_engines(
-            engines, {i for i, k in enumerate(kept) if k is before.get(k[reported_engine.ENGINE_ID])}
-        )
-        names.check_printable(store_failing, "store_failing")
-        self.state.nodes.heard_from(node, self.mono())
-        node.last_heartbeat_wall = self.wall()
-        if not node.reported_since_start and node.state == NODE_READY:  # loaded from the store: no longer "waiting"
-            node.reason = f"reporting again since the controller started (generation {node.generation})"
-        node.reported_since_start = True
-        if node.state == NODE_SUSPECT:
-            self.monitor.node_back(node, "heartbeats arrived again")
-        self.node_stores.report(node_id, store_failing)
-        reported: dict[str, reported_engine.Reported] = before if delta else {}
-        for engine_id in removed if delta else ():
-            reported.pop(engine_id, None)
-        with self.actuator.fences_of_one_report(node_id):
-            for engine, k in zip(engines, kept):
-                reported[k[reported_engine.ENGINE_ID]] = k  # the kept id: one string per engine, not two
-                self.lifecycle.observe(node, engine, "")
-        node.engines = reported
+        self.reports.heartbeat(node_id, generation, engines, delta, removed, store_failing)
 
     def report_engine_event(self, node_id: str, generation: int, engine: T.Engine, reason: str) -> None:
-        node = self.state.nodes.member(node_id, generation)
-        check_reported_engine(engine, "engine")
-        node.engines[engine.engine_id] = reported_engine.keep(engine)
-        self.lifecycle.observe(node, engine, reason)
+        self.reports.report_engine_event(node_id, generation, engine, reason)
 
 
 def revision_counts(st: ClusterState) -> dict[tuple[str, int], int]:

@@ -21,7 +21,8 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from controller.validation import expand, validate_deployment
+from controller.rules.deployment_file import validate_deployment
+from controller.rules.expansion import expand
 from motor.contract import names
 from motor.v1 import controller_pb2
 

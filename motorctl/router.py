@@ -23,7 +23,7 @@ ROUTER_ENV = {"SPT_NOENV": "1"}
 # The router's mode whose admin API takes a worker's model and type (vllm-router 0.1.17's
 # --enable-igw), always: every engine is filed under its deployment's model (and each loaded
 # adapter under its own name), so a request reaches only engines of the model it names, however
-# many models the cluster serves. The front door, its own process (router_sync/door.py) fed by the
+# many models the cluster serves. The front door, its own process (front_door/cli.py) fed by the
 # sync, listens on the published port and gives OpenAI's /v1/models, a 404 naming the served models for
 # one that is not, and the one model to a request without `model`; the router listens on a
 # private port of loopback. Prefill/decode (`--router-pd`): prefill and decode engines are typed
@@ -123,7 +123,7 @@ def door_command(listen: str, router_url: str, table: str) -> list[str]:
     """The front door on `listen` (HOST:PORT) in front of `router_url`, its table taken on `table`
     (HOST:PORT, private: the sync writes it). Its own process, so that a sync that dies or restarts
     touches no client connection (docs/router.md)."""
-    return [sys.executable, "-m", "router_sync.door", "--listen", listen, "--router", router_url, "--table", table]
+    return [sys.executable, "-m", "front_door.cli", "--listen", listen, "--router", router_url, "--table", table]
 
 
 def router_workers(url: str, timeout: float = 2.0) -> list[str] | None:

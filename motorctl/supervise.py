@@ -1,5 +1,5 @@
 """Keeping the front door of `motorctl up` running: its router, motor-router-sync and the front door's
-process (router_sync/door.py) are started again when they exit, as compose's restart policy does for
+process (front_door/cli.py) are started again when they exit, as compose's restart policy does for
 the same three services.
 
 One state machine per process, moved only by `Supervisor.tick` (a thread calls it every 0.1 s):

@@ -25,13 +25,8 @@ from motor.ports import CONTROLLER_METRICS_PORT, free_port, port_is_free
 from motor.service.signals import STOP_SIGNALS  # SIGHUP among them: the terminal was closed
 from motorctl import guardian as cluster_guardian
 from motorctl import router as front
-from motorctl.local_cluster import (
-    DEFAULT_CONTROLLER_PORT,
-    LocalCluster,
-    PortTaken,
-    ProcessExited,
-    check_port_free,
-)
+from motorctl.cluster_processes import DEFAULT_CONTROLLER_PORT, PortTaken, ProcessExited, check_port_free
+from motorctl.local_cluster import LocalCluster
 from motorctl.run_processes import describe, run_processes
 from motorctl.up_screen import ReaderGone, say, watch
 from node_manager import accelerators as host_accelerators

@@ -1,7 +1,7 @@
 """Prometheus metrics of one node manager (its own registry, so tests can run several).
 
 The node manager exports its own engines' series (health, restarts), as the kubelet does for its
-pods: the controller keeps only fleet aggregates (controller/fleet_metrics.py), so a scrape of it
+pods: the controller keeps only fleet aggregates (controller/fleet/series.py), so a scrape of it
 stays small at any fleet size, and each engine's series comes from the host that runs it."""
 
 from __future__ import annotations

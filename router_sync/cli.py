@@ -42,7 +42,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--front-door-table",
         metavar="URL",
-        help="the front door's table address (its --table, router_sync/door.py): the sync pushes there what "
+        help="the front door's table address (its --table, front_door/cli.py): the sync pushes there what "
         "the router can route, after every change and every second. Implies --by-model",
     )
     # The front door ran in the sync's process once; it is its own process now (a sync that dies
@@ -80,7 +80,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--report-interval must be above 0")
     if args.front_door:
         parser.error(
-            "--front-door: the front door runs in its own process now (python -m router_sync.door --listen "
+            "--front-door: the front door runs in its own process now (motor-front-door --listen "
             f"{args.front_door} --router ROUTER_URL --table HOST:PORT); give this sync --front-door-table "
             "http://HOST:PORT, the door's --table"
         )

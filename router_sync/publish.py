@@ -1,4 +1,4 @@
-"""Telling the front door's process (router_sync/door.py) what the router can route: `PUT /served`
+"""Telling the front door's process (front_door/cli.py) what the router can route: `PUT /served`
 with the sync's table, model -> parent model.
 
 The sync pushes at the start of every pass over the router and at its end (RouterSync's

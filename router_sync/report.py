@@ -1,7 +1,7 @@
 """Telling the controller what the router routes to (ReportFrontDoor), on the followed controller's
 channel: after each pass that changed or re-read the router's list, and at least every
 `interval` as a sign of life (the controller turns a silent front door stale after 3 intervals,
-and rollouts then count no engine available through it: controller/front_door.py).
+and rollouts then count no engine available through it: controller/routing/door_reports.py).
 
 A controller that refuses the report (an older one: UNIMPLEMENTED; an access table without it:
 PERMISSION_DENIED) is said once; the sync goes on keeping the router either way.

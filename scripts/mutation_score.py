@@ -32,7 +32,8 @@ ENTRY = re.compile(r"^- `(?P<function>[^`]+)`: `(?P<old>[^`]*)` → `(?P<new>[^`
 
 
 def function_of(mutant: str) -> str:
-    """controller.instances.x_transition__mutmut_3 -> controller.instances.transition (methods as Class.method)."""
+    """controller.model.instances.x_transition__mutmut_3 -> controller.model.instances.transition
+    (methods as Class.method)."""
     module = mangled_name_from_mutant_name(mutant).rpartition(".")[0]
     name, class_name = orig_function_and_class_names_from_key(mutant)
     return f"{module}.{class_name}.{name}" if class_name else f"{module}.{name}"

@@ -15,11 +15,11 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry
 
 from controller.core import Controller
-from controller.events import EventBus
 from controller.ha.election import LeaderElection, LeaderInfo, Role
+from controller.ha.fenced_node_client import flush_while_leading
 from controller.ha.leader_gate import LeaderGate
 from controller.ha.leader_watch import LeaderDeathWatch
-from controller.ha.node_client import flush_while_leading
+from controller.model.events import EventBus
 from controller.store.etcd import EtcdStore, Fenced
 from motor.errors import Unavailable
 from motor.v1 import controller_pb2

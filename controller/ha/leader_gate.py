@@ -6,14 +6,25 @@ leader, ended when it stops leading (docs/ha.md)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
 
 from motor.leader import ELECTION_METADATA, LEADER_METADATA
 
-if TYPE_CHECKING:
-    from controller.ha.high_availability import HighAvailability
+
+class Leadership(Protocol):
+    """What the gate asks of the process's leadership (controller/ha/high_availability.py)."""
+
+    store: Any  # the etcd store: its `staged` writes are flushed before a mutating call returns
+    epoch: int
+
+    def is_leader(self) -> bool: ...
+
+    def not_leader(self) -> tuple[str, str]: ...
+
+    async def flush(self) -> None: ...
+
 
 # ControllerService methods that change state or feed the leader's liveness.
 MUTATING_METHODS = frozenset(
@@ -41,7 +52,7 @@ class LeaderGate:
     server's one interceptor (motor/service/server_calls.py, `Gate`), which asks it once per
     method's handler and keeps what it answers."""
 
-    def __init__(self, ha: HighAvailability, service: str = "motor.v1.ControllerService"):
+    def __init__(self, ha: Leadership, service: str = "motor.v1.ControllerService"):
         self.ha, self.service = ha, service
 
     def gated(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

@@ -11,12 +11,12 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, w
 
 from controller.config import ControllerConfig
 from controller.core import Controller
-from controller.events import EventBus
+from controller.engines.node_client import GrpcNodeClient
 from controller.ha.election import LeaderElection
+from controller.ha.fenced_node_client import LeaderOnlyNodeClient
 from controller.ha.high_availability import HighAvailability
 from controller.ha.leader_watch import LeaderDeathWatch
-from controller.ha.node_client import LeaderOnlyNodeClient
-from controller.node_client import GrpcNodeClient
+from controller.model.events import EventBus
 from controller.store.etcd import EtcdStore
 from controller.store.etcd_client import UNAVAILABLE_ERRORS, EtcdTarget, connect, parse_etcd_url, unreachable_hint
 from motor.errors import ConfigError

@@ -48,8 +48,8 @@ from tenacity import (
     wait_exponential,
 )
 
-from controller.slicing import Budget
-from controller.store import LEGACY_DEPLOYMENT, Store, StoreChange, StoredNode, StoredState
+from controller.rules.slicing import Budget
+from controller.store.base import LEGACY_DEPLOYMENT, Store, StoreChange, StoredNode, StoredState
 from controller.store.etcd_client import UNAVAILABLE_ERRORS
 from motor.service.retry import RepeatedFailure, worth_reporting
 

@@ -134,7 +134,7 @@ class VllmEngine(EngineBackend, engine_type="vllm", slow_check_args=True):
         probe_token()  # in the environment before the engine core is spawned: it filters probes too
         if self.options.engine_args.get("enable_lora"):
             # vLLM serves its runtime LoRA API (/v1/load_lora_adapter...) only with this set: the
-            # controller loads a deployment's adapters through it (controller/adapters.py).
+            # controller loads a deployment's adapters through it (controller/routing/adapters.py).
             os.environ.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
         self.args = parse_engine_args(self.options)
         # Fail now, not after spawning, when the installed vLLM lacks a patched method.

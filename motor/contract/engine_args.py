@@ -1,6 +1,6 @@
 """The engine_args of the engines Motor defines itself (the simulated engine, SGLang's launcher),
 as pydantic models: the engine server reads a section with them at start-up, and the controller
-checks a deployment with them at apply (controller/engine_sections.py), so a typo is refused before
+checks a deployment with them at apply (controller/rules/engine_sections.py), so a typo is refused before
 it becomes a revision. vLLM's arguments are vLLM's own (motor/contract/vllm_request_args.py)."""
 
 from __future__ import annotations

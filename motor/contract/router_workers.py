@@ -1,6 +1,6 @@
 """How an engine is spelled among a router's workers: the contract between motor-router-sync
 (which files engines in the router) and the controller (which reads the router's worker list in
-the sync's reports, controller/front_door.py)."""
+the sync's reports, controller/routing/door_reports.py)."""
 
 from __future__ import annotations
 

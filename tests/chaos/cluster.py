@@ -183,7 +183,7 @@ class ChaosCluster(Cluster):
         the controller says), and no engine process is an orphan."""
         nodes = self.node_list()
         # A node id conflict's alarm stays until the refused process has been quiet for a minute
-        # (controller/claims.py): it tells of a past conflict, not of a cluster still broken.
+        # (controller/fleet/claims.py): it tells of a past conflict, not of a cluster still broken.
         problems = [f"alarm: {a}" for a in nodes.alarms if CONFLICT_ALARM not in a]
         states = {n.info.node_id: n.state for n in nodes.nodes}
         problems += [f"{n} not READY" for n in self.node_ids() if states.get(n) != C.NODE_STATE_READY]

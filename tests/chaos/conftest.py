@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from motorctl.local_cluster import script_path
+from motorctl.cluster_processes import script_path
 from tests.chaos.cluster import ABNORMAL_THRESHOLD, BASELINE, HEARTBEAT, NODE_GRACE, ChaosCluster
 from tests.support import require, wait_for
 

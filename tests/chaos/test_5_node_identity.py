@@ -10,7 +10,7 @@ import signal
 import time
 
 from motor.v1 import controller_pb2 as C
-from motorctl.local_cluster import ManagedProcess
+from motorctl.cluster_processes import ManagedProcess
 from tests.chaos.rows import Fault, run_row
 from tests.controller.test_node_identity import REFUSED, log_of, refused_so_far, start_second
 from tests.support import wait_for

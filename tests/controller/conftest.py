@@ -7,11 +7,11 @@ import os
 import grpc
 import pytest
 
+from controller.api.controllers import SingleController
+from controller.api.servicer import ControllerServicer
 from controller.config import ControllerConfig
-from controller.controllers import SingleController
 from controller.core import Controller
-from controller.servicer import ControllerServicer
-from controller.store import SqliteStore
+from controller.store.sqlite import SqliteStore
 from motor.contract.deployment_file import deployment_from_dict, load_deployment
 from motor.service.grpc_server import MotorServer, service_name
 from motor.v1 import controller_pb2, controller_pb2_grpc

@@ -7,7 +7,7 @@ import asyncio
 import itertools
 import time
 
-from controller.node_client import NodeCallError, NodeClient
+from controller.engines.node_client import NodeCallError, NodeClient
 from motor.contract.names import engine_id
 from motor.v1 import node_manager_pb2, types_pb2
 

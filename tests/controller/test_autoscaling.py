@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from controller import autoscaler
-from controller.instances import READY
+from controller.capacity import autoscaler
+from controller.model.instances import READY
 from motor.v1 import controller_pb2 as C
 from tests.controller.conftest import Harness, small_deployment
 from tests.controller.test_spares import all_ready, listed

@@ -1,5 +1,5 @@
 """The autoscaling block of an instance group: validation (errors name the field as the file spells
-it) and the decisions of controller/autoscaler.py on a fake clock with fed load series."""
+it) and the decisions of controller/capacity/autoscaler.py on a fake clock with fed load series."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from controller.autoscaler import GroupScaler, ScalePolicy
-from controller.validation import validate_deployment
+from controller.capacity.autoscaler import GroupScaler, ScalePolicy
+from controller.rules.deployment_file import validate_deployment
 from engine_server.load_meter import SAMPLE_PERIOD, InFlightMeter
 from motor.errors import InvalidArgument
 from tests.controller.conftest import small_deployment

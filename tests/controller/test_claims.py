@@ -1,13 +1,13 @@
-"""The registration rule for node ids (controller/claims.py): the rule alone, then through the
+"""The registration rule for node ids (controller/fleet/claims.py): the rule alone, then through the
 controller on a fake node-manager client and a clock moved by hand."""
 
 from __future__ import annotations
 
 import pytest
 
-from controller import claims
-from controller.claims import Claim, judge
-from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
+from controller.fleet import claims
+from controller.fleet.claims import Claim, judge
+from controller.model.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
 from motor.errors import FailedPrecondition
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T

@@ -7,8 +7,9 @@ import contextlib
 
 import pytest
 
-from controller.store import SqliteStore, StoreUnavailable
+from controller.store.base import StoreUnavailable
 from controller.store.metrics import MeasuredStore, StoreMetrics
+from controller.store.sqlite import SqliteStore
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
 from tests.controller.conftest import Harness, running_example, small_deployment

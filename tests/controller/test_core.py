@@ -8,8 +8,8 @@ import json
 import grpc
 import pytest
 
-from controller.events import EVENT_MESSAGE_CHARS
-from controller.node_client import GrpcNodeClient, NodeCallError
+from controller.engines.node_client import GrpcNodeClient, NodeCallError
+from controller.model.events import EVENT_MESSAGE_CHARS
 from motor.contract import start_refusals
 from motor.contract.names import CONTROL_CHARACTER
 from motor.errors import InvalidArgument, NotFound
@@ -316,7 +316,7 @@ async def test_reported_free_text_reaches_events_and_logs_on_one_bounded_line(ha
     forged = "exited\n2026-11-23 06:00:00,000 ERROR controller: forged line\x00" + "x" * 1_000_000
     engine = next(iter(harness.client.engines["node-a"].values()))
     engine.state, engine.state_reason = T.ENGINE_STATE_FAILED, forged
-    with caplog.at_level("INFO", logger="controller.events"):
+    with caplog.at_level("INFO", logger="controller.model.events"):
         harness.beat("node-a")
     [failed] = [e for e in harness.controller.events.recent if e.type == C.EVENT_TYPE_ENGINE_FAILED]
     assert failed.message.startswith(f"engine {engine.engine_id} on node-a exited\\n2026-11-23"), failed.message[:200]
@@ -364,7 +364,7 @@ async def test_the_grpc_client_closes_a_forgotten_addresss_channel():
 async def test_launches_in_flight_are_capped_and_the_rest_follow_as_they_finish(tmp_path, monkeypatch):
     """A pass spawned a launch task for every placed engine at once: 40,000 waiting tasks for a
     10,000 x dp 4 deployment, a transient heap that set off a complete garbage walk (0.14-0.34 s)."""
-    from controller import scheduling
+    from controller.capacity import scheduling
     from tests.controller.fakes import FakeNodeClient
 
     class Gated(FakeNodeClient):

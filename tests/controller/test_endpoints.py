@@ -104,8 +104,8 @@ async def test_the_stop_deadline_covers_the_engines_own_stop_grace(harness):
 async def test_a_refresh_of_many_engines_goes_out_in_slices_that_yield_to_the_loop(harness, monkeypatch):
     """A change of every engine (tens of thousands in a big fleet) is re-read in slices, one
     message each, with the loop free between them; together they say what one refresh would."""
-    from controller import endpoints
-    from controller.slicing import Budget
+    from controller.routing import endpoints
+    from controller.rules.slicing import Budget
 
     h = harness
     await running_example(h)

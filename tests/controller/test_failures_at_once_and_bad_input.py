@@ -85,9 +85,9 @@ async def test_a_fence_that_keeps_failing_is_retried_with_backoff_and_told_once(
     """A copy whose stop kept failing was fenced again every second (31
     ENGINE_FENCED events in 31 s, flushing the event history). Now: one event whose count grows
     with each failed try, retries after a doubling backoff capped at FENCE_WINDOW."""
-    from controller.actuator import FENCE_WINDOW, Actuator
-    from controller.events import EventBus
-    from controller.nodes import NodeTable
+    from controller.engines.actuator import FENCE_WINDOW, Actuator
+    from controller.model.events import EventBus
+    from controller.model.nodes import NodeTable
     from tests.controller.fakes import FakeNodeClient, ManualClock
     from tests.controller.test_tables import runtime
 
@@ -124,7 +124,7 @@ async def test_a_fence_that_keeps_failing_is_retried_with_backoff_and_told_once(
 async def test_a_start_on_an_unreachable_node_backs_off_to_its_cap_with_one_counting_event(tmp_path):
     """The reconcile loop retried StartEngine on an unreachable node every heartbeat interval with
     a warning per try; now after 1, 2, 4, 8, 10, 10 s, told by one RETRYING event that counts."""
-    from controller.actuator import RETRY_CAP
+    from controller.engines.actuator import RETRY_CAP
     from tests.controller.conftest import Harness, example_deployment
     from tests.controller.fakes import ManualClock
 
@@ -163,7 +163,7 @@ async def test_a_start_on_an_unreachable_node_backs_off_to_its_cap_with_one_coun
 async def test_a_start_retried_on_another_node_is_a_new_retrying_event_naming_that_node(tmp_path):
     """An engine re-placed while its starts kept failing: the one RETRYING event kept the first
     node in its node_id, and the backoff went on from where it was (found by a hostile tester)."""
-    from controller.node_client import NodeCallError
+    from controller.engines.node_client import NodeCallError
     from motor.v1 import types_pb2 as T
     from tests.controller.conftest import Harness
 
@@ -227,7 +227,7 @@ async def test_a_stop_that_keeps_failing_is_one_retrying_event_that_counts(tmp_p
 
 async def test_background_stops_run_from_one_queue_by_a_few_tasks(tmp_path, monkeypatch):
     """A task per stop held 40,000 waiting tasks when a 10,000 x dp 4 deployment was replaced."""
-    from controller import actuator as actuator_module
+    from controller.engines import actuator as actuator_module
     from tests.controller.conftest import Harness
     from tests.controller.fakes import FakeNodeClient
 

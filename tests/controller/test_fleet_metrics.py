@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from controller.events import EventBus
-from controller.fleet_metrics import FleetSeries, engine_targets
-from controller.instances import READY, InstanceRecord
-from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
-from controller.slots import EngineSlot
-from controller.state import ClusterState
+from controller.fleet.series import FleetSeries, engine_targets
+from controller.model.cluster import ClusterState
+from controller.model.events import EventBus
+from controller.model.instances import READY, InstanceRecord
+from controller.model.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime
+from controller.model.slots import EngineSlot
 from motor.clock import SYSTEM_CLOCK
 from motor.contract.names import enum_short_name, role_name
 from motor.v1 import controller_pb2 as C

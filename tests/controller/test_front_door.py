@@ -1,13 +1,13 @@
 """FrontDoors: what the routers' syncs report they route to, and the predicate rollouts and
-spares count availability by (controller/front_door.py), on a clock moved by hand."""
+spares count availability by (controller/routing/door_reports.py), on a clock moved by hand."""
 
 from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from controller.events import EventBus
-from controller.front_door import FORGET_AFTER, FrontDoorCollector, FrontDoors
+from controller.model.events import EventBus
+from controller.routing.door_reports import FORGET_AFTER, FrontDoorCollector, FrontDoors
 from motor.errors import InvalidArgument
 from motor.v1 import controller_pb2
 from tests.controller.fakes import ManualClock

@@ -1,4 +1,4 @@
-"""The heartbeat rate budget (controller/heartbeat_budget.py): the interval the controller
+"""The heartbeat rate budget (controller/fleet/heartbeat_budget.py): the interval the controller
 announces grows with the fleet so that the total rate stays within --max-heartbeats-per-second,
 the grace grows with it, and node loss is judged by the grace the controller stated. On a
 hand-driven clock; the same with real node managers is in test_heartbeat_budget_processes.py."""
@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from controller.controllers import SingleController
-from controller.heartbeat_budget import HeartbeatBudget
-from controller.servicer import ControllerServicer
+from controller.api.controllers import SingleController
+from controller.api.servicer import ControllerServicer
+from controller.fleet.heartbeat_budget import HeartbeatBudget
 from motor.contract import pbtime
 from motor.errors import ResourceExhausted
 from motor.v1 import controller_pb2 as C
@@ -231,7 +231,7 @@ async def test_a_node_beating_far_faster_than_told_is_pushed_back_counted_and_na
             return await servicer.Heartbeat(C.HeartbeatRequest(node_id=node, generation=h.generations[node]), None)
 
         refused = 0
-        with caplog.at_level("WARNING", logger="controller.beat_pacing"):
+        with caplog.at_level("WARNING", logger="controller.fleet.beat_pacing"):
             for _ in range(1000):  # a hostile node: 1000 beats in 1 s, told 1 s
                 clock.advance(0.001)
                 try:

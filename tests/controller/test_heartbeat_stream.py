@@ -11,9 +11,10 @@ import asyncio
 import grpc
 import pytest
 
-from controller import endpoints, reported
-from controller.controllers import SingleController
-from controller.servicer import ControllerServicer
+from controller.api.controllers import SingleController
+from controller.api.servicer import ControllerServicer
+from controller.model import reported
+from controller.routing import endpoints
 from motor.errors import InvalidArgument
 from motor.service.grpc_server import MotorServer, aio_channel, service_name
 from motor.v1 import controller_pb2 as C

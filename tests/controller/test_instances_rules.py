@@ -1,4 +1,4 @@
-"""The instance records and their state machine, rule by rule (controller/instances.py).
+"""The instance records and their state machine, rule by rule (controller/model/instances.py).
 
 Each test pins a boundary or a message a user relies on (they keep `make mutation` honest)."""
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from controller.instances import (
+from controller.model.instances import (
     FAILED,
     PENDING,
     READY,

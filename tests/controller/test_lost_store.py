@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from controller.generations import WINDOW
+from controller.engines.generations import WINDOW
 from motor.errors import InvalidArgument
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T

@@ -10,7 +10,7 @@ import asyncio
 import grpc
 import pytest
 
-from controller.node_client import NodeCallError
+from controller.engines.node_client import NodeCallError
 from motor.contract.deployment_file import deployment_from_dict
 from motor.contract.engine_policy import check_engine_config
 from motor.errors import InvalidArgument

@@ -14,7 +14,8 @@ import pytest
 
 from controller.limits import NR_OPEN_DEFAULT
 from motor.ports import free_port
-from motorctl.local_cluster import LocalCluster, script_path
+from motorctl.cluster_processes import script_path
+from motorctl.local_cluster import LocalCluster
 from tests.controller.conftest import EXAMPLE
 from tests.support import wait_for
 

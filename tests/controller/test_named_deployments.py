@@ -9,7 +9,8 @@ import asyncio
 import grpc
 import pytest
 
-from controller.store import LEGACY_DEPLOYMENT, SqliteStore
+from controller.store.base import LEGACY_DEPLOYMENT
+from controller.store.sqlite import SqliteStore
 from motor.errors import InvalidArgument, NotFound
 from motor.v1 import controller_pb2 as C
 from tests.controller.conftest import small_deployment
@@ -164,7 +165,7 @@ async def test_a_deployment_that_does_not_fit_waits_and_room_goes_first_come_fir
 async def test_endpoints_carry_their_deployment_and_model_and_filter_by_model(harness):
     """A router routes by the request's `model`: each endpoint names its deployment and the model
     it serves; ListEndpoints and the WatchEndpoints stream filter by model."""
-    from controller import endpoints
+    from controller.routing import endpoints
 
     ctl = await two_running(harness)
     feed = ctl.endpoints.subscribe()

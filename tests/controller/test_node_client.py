@@ -13,8 +13,8 @@ import grpc
 import psutil
 import pytest
 
-from controller import node_client
-from controller.node_client import GrpcNodeClient, NodeCallError
+from controller.engines import node_client
+from controller.engines.node_client import GrpcNodeClient, NodeCallError
 from motor.v1 import controller_pb2, node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from tests.support import async_wait_for
 
@@ -297,7 +297,7 @@ class _SlowFlush:
 async def test_under_ha_a_node_abandoned_while_a_call_waits_for_the_etcd_flush_is_not_called(node_manager):
     """The leader's client flushes the state to etcd before each call: a node declared lost
     meanwhile still got the call, which hung there with its rank busy."""
-    from controller.ha.node_client import LeaderOnlyNodeClient
+    from controller.ha.fenced_node_client import LeaderOnlyNodeClient
 
     scripted, inner, node = node_manager
     store = _SlowFlush()

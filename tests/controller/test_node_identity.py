@@ -15,7 +15,7 @@ import pytest
 
 from motor.ports import free_port
 from motor.v1 import controller_pb2 as C
-from motorctl.local_cluster import ManagedProcess
+from motorctl.cluster_processes import ManagedProcess
 from tests.controller.test_real_processes import GRACE, HEARTBEAT, Cluster, apply, make_cluster, sim_deployment  # noqa: F401
 from tests.support import process_alive, wait_for
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.node_stores import SETTLE_BEATS
+from controller.fleet.node_stores import SETTLE_BEATS
 from motor.errors import InvalidArgument
 from motor.v1 import controller_pb2 as C
 

@@ -1,4 +1,4 @@
-"""Placement, rule by rule: ports, accelerators and the fleet description (controller/placement.py).
+"""Placement, rule by rule: ports, accelerators and the fleet description (controller/rules/placement.py).
 
 Each test pins a boundary or a message a user relies on (they keep `make mutation` honest)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.placement import Fleet, NodeCapacity, RankPlacement, Unplaceable, place_instance
+from controller.rules.placement import Fleet, NodeCapacity, RankPlacement, Unplaceable, place_instance
 
 # ---------------------------------------------------------------- placement
 

@@ -16,7 +16,8 @@ from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2 as C
 from motor.v1 import controller_pb2_grpc
 from motor.v1 import types_pb2 as T
-from motorctl.local_cluster import LocalCluster, script_path
+from motorctl.cluster_processes import script_path
+from motorctl.local_cluster import LocalCluster
 from tests.support import require, wait_for
 
 pytestmark = pytest.mark.processes

@@ -1,4 +1,4 @@
-"""The check of the engines a node reports (controller/validation.py): every id matched whole,
+"""The check of the engines a node reports (controller/rules/deployment_file.py): every id matched whole,
 no control character in text that reaches events, logs, addresses or command lines, the field
 named by its place in the report; an engine reported again unchanged is not checked twice."""
 
@@ -8,8 +8,8 @@ import gc
 
 import pytest
 
-from controller import reported
-from controller.validation import check_reported_engine, check_reported_engines
+from controller.model import reported
+from controller.rules.node_reports import check_reported_engine, check_reported_engines
 from motor.errors import InvalidArgument
 from motor.v1 import types_pb2
 from tests.controller.conftest import small_deployment
@@ -90,7 +90,7 @@ def test_the_kept_copy_of_a_report_is_untracked_equal_when_unchanged_and_gives_t
 
 
 async def test_list_nodes_shows_each_engine_exactly_as_its_node_reported_it(harness):
-    # The controller keeps a compact copy of each report (controller/reported.py): ListNodes,
+    # The controller keeps a compact copy of each report (controller/model/reported.py): ListNodes,
     # the stop deadline and a later identical report must see the same engine as before.
     await harness.start()
     await harness.register("node-a")

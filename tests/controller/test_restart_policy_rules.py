@@ -1,11 +1,11 @@
-"""The restart policy, rule by rule: backoff, its reset, the crash-loop window (controller/instances.py,
-controller/restart_policy.py).
+"""The restart policy, rule by rule: backoff, its reset, the crash-loop window (controller/model/instances.py,
+controller/rules/restart_policy.py).
 
 Each test pins a boundary or a message a user relies on (they keep `make mutation` honest)."""
 
 from __future__ import annotations
 
-from controller.instances import (
+from controller.model.instances import (
     InstanceRecord,
     Policy,
     on_failure,

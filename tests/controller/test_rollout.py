@@ -9,7 +9,7 @@ import asyncio
 import pytest
 from prometheus_client import generate_latest
 
-from controller.instances import READY
+from controller.model.instances import READY
 from motor.errors import FailedPrecondition, InvalidArgument
 from motor.v1 import controller_pb2, types_pb2
 from tests.controller.conftest import Harness, small_deployment
@@ -278,8 +278,8 @@ async def test_undo_without_a_previous_revision_and_a_strategy_that_cannot_progr
 
 async def test_one_step_withdraws_at_most_step_limit_instances(tmp_path):
     """10,000 idle old instances are not withdrawn in one store write on the loop."""
-    from controller.rollout import STEP_LIMIT
-    from controller.slicing import run_at_once
+    from controller.deploy.rollout import STEP_LIMIT
+    from controller.rules.slicing import run_at_once
 
     h = Harness(tmp_path)
     await h.start()

@@ -21,7 +21,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controller.validation import GroupSpecs
+from controller.rules.expansion import GroupSpecs
 from motor.v1 import controller_pb2, types_pb2
 from tests.controller.conftest import Harness
 from tests.controller.test_rollout import union

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from controller.instances import READY
-from controller.validation import GroupSpecs
+from controller.model.instances import READY
+from controller.rules.expansion import GroupSpecs
 from motor.v1 import controller_pb2, types_pb2
 from tests.controller.conftest import Harness
 from tests.controller.test_rollout import stopped, summary, union
@@ -205,8 +205,8 @@ async def test_a_deleted_and_reapplied_deployment_never_reuses_a_revision(tmp_pa
 
 
 async def test_pause_rollout_answers_once_the_pause_is_in_the_store(tmp_path):
-    from controller.controllers import SingleController
-    from controller.servicer import ControllerServicer
+    from controller.api.controllers import SingleController
+    from controller.api.servicer import ControllerServicer
 
     h = Harness(tmp_path)
     ctl = await h.start()

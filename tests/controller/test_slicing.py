@@ -1,5 +1,5 @@
-"""Long work in slices (controller/slicing.py), the incremental placement view
-(controller/fleet_view.py) and sliced deployment changes (controller/deployments.py), in process:
+"""Long work in slices (controller/rules/slicing.py), the incremental placement view
+(controller/capacity/fleet_view.py) and sliced deployment changes (controller/deploy/changes.py), in process:
 a change yields to the loop while it runs, is answered only once durable and made, refuses a
 full disk without touching memory, and two changes run one after the other."""
 
@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from controller.fleet_view import FleetView
-from controller.nodes import NODE_SUSPECT
-from controller.placement import Fleet, NodeCapacity, place_instance
-from controller.slicing import Budget, in_slices, run_at_once, run_sliced
+from controller.capacity.fleet_view import FleetView
+from controller.model.nodes import NODE_SUSPECT
+from controller.rules.placement import Fleet, NodeCapacity, place_instance
+from controller.rules.slicing import Budget, in_slices, run_at_once, run_sliced
 from motor.errors import Unavailable
 from tests.controller.conftest import small_deployment
 from tests.controller.test_store_full import fill_disk, free_disk
@@ -233,7 +233,7 @@ async def test_the_write_behind_never_undoes_rows_a_change_wrote_while_memory_ca
     """Rows changed before a change (a placement) are flushed between its slices: they must not
     write back the old instance's rows, nor delete the new rows of a replaced instance before it
     is installed again."""
-    from controller import deployments
+    from controller.deploy import changes as deployments
 
     ctl = await harness.start()
     await harness.register("node-a", accelerators=4)
@@ -266,7 +266,7 @@ async def test_the_write_behind_never_undoes_rows_a_change_wrote_while_memory_ca
 async def test_instances_a_change_removes_are_not_placed_while_it_removes_them(harness, monkeypatch):
     """A delete frees room slice by slice: the instances still waiting for it to remove them are
     not placed (and started, and stopped) meanwhile."""
-    from controller import deployments
+    from controller.deploy import changes as deployments
 
     ctl = await harness.start()
     await harness.register("node-a", accelerators=4)
@@ -288,7 +288,8 @@ async def test_instances_a_change_removes_are_not_placed_while_it_removes_them(h
 
 def test_expanding_a_deployment_yields_between_instances_and_gives_what_expanding_at_once_does():
     """A 10,000-instance deployment was expanded at once at the start of every apply (25-40 ms)."""
-    from controller.validation import expand, expand_in_slices, validate_deployment
+    from controller.rules.deployment_file import validate_deployment
+    from controller.rules.expansion import expand, expand_in_slices
 
     deployment = validate_deployment(
         small_deployment(

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from controller.store import SqliteStore
+from controller.store.sqlite import SqliteStore
 from motor.errors import InvalidArgument
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
@@ -170,7 +170,7 @@ async def test_a_serving_instance_waiting_for_room_preempts_a_spare(harness):
 
 
 def test_too_many_spares_are_refused_naming_the_field():
-    from controller.validation import validate_deployment
+    from controller.rules.deployment_file import validate_deployment
 
     with pytest.raises(InvalidArgument, match=r"instance_groups\[0\]\.spares: must be at most 10000 \(got 10001\)"):
         validate_deployment(union(count=1, spares=10001), max_engines=10**6)
@@ -185,7 +185,7 @@ def test_paired_groups_need_the_same_number_of_spares():
             {"name": "d", "role": "decode", "count": 1},
         ]
     )
-    from controller.validation import validate_deployment
+    from controller.rules.deployment_file import validate_deployment
 
     with pytest.raises(InvalidArgument, match=r"instance_groups\[0\]\.spares: 'd' has 0 spare\(s\)"):
         validate_deployment(deployment)
@@ -218,7 +218,7 @@ async def test_fewer_spares_applied_after_a_promotion_keeps_count_instances_serv
 
 
 async def test_spares_have_their_own_lines_in_metrics_and_in_motorctl_tables(harness):
-    from controller.fleet_metrics import FleetSeries
+    from controller.fleet.series import FleetSeries
     from motorctl.render import render_deployments, render_instances
     from tests.controller.test_fleet_metrics import scrape
 

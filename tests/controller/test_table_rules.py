@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from controller.instances import IllegalTransition
-from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeTable
-from controller.slots import EngineSlot, SlotTable
+from controller.model.instances import IllegalTransition
+from controller.model.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeTable
+from controller.model.slots import EngineSlot, SlotTable
 from motor.errors import FailedPrecondition
 from tests.controller.test_tables import runtime
 

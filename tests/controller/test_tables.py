@@ -10,12 +10,12 @@ import json
 
 import pytest
 
-from controller.actuator import FENCE_WINDOW, Actuator
-from controller.events import EventBus
-from controller.instances import IllegalTransition
-from controller.node_client import NodeCallError
-from controller.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime, NodeTable
-from controller.slots import EngineSlot, SlotTable
+from controller.engines.actuator import FENCE_WINDOW, Actuator
+from controller.engines.node_client import NodeCallError
+from controller.model.events import EventBus
+from controller.model.instances import IllegalTransition
+from controller.model.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime, NodeTable
+from controller.model.slots import EngineSlot, SlotTable
 from motor.errors import FailedPrecondition, NotFound
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
@@ -354,7 +354,7 @@ def test_the_node_table_notes_registrations_and_state_changes_not_heartbeats():
 
 
 def test_a_fleet_takes_a_node_in_or_replaces_it_and_drops_it():
-    from controller.placement import Fleet, NodeCapacity
+    from controller.rules.placement import Fleet, NodeCapacity
 
     fleet = Fleet([NodeCapacity("a", "h", [0, 1])])
     fleet.put(NodeCapacity("b", "h", [0, 1, 2, 3]))

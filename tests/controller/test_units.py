@@ -10,7 +10,7 @@ import pytest
 from google.protobuf import json_format
 from google.protobuf.struct_pb2 import Struct
 
-from controller.instances import (
+from controller.model.instances import (
     DEGRADED,
     FAILED,
     READY,
@@ -22,9 +22,11 @@ from controller.instances import (
     on_failure,
     transition,
 )
-from controller.placement import NodeCapacity, Unplaceable, place_instance
-from controller.store import SqliteStore, StoredNode
-from controller.validation import expand, struct_dict, validate_deployment
+from controller.rules.deployment_file import validate_deployment
+from controller.rules.expansion import expand, struct_dict
+from controller.rules.placement import NodeCapacity, Unplaceable, place_instance
+from controller.store.base import StoredNode
+from controller.store.sqlite import SqliteStore
 from motor.errors import InvalidArgument
 from motor.v1 import controller_pb2 as C
 from tests.controller.conftest import example_deployment, small_deployment
@@ -320,7 +322,7 @@ def test_config_file_and_unknown_keys(tmp_path):
 
 
 def test_reschedule_rate_limit_refills_over_time():
-    from controller.scheduling import TokenBucket
+    from controller.capacity.scheduling import TokenBucket
 
     now = [0.0]
     bucket = TokenBucket(2, lambda: now[0])

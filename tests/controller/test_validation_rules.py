@@ -1,5 +1,5 @@
 """Deployment validation and expansion, rule by rule: every problem named, limits inclusive, spec hashes
-(controller/validation.py).
+(controller/rules/deployment_file.py).
 
 Each test pins a boundary or a message a user relies on (they keep `make mutation` honest)."""
 
@@ -10,16 +10,9 @@ import re
 import pytest
 from google.protobuf.duration_pb2 import Duration
 
-from controller.validation import (
-    MAX_ENGINES_PER_NODE,
-    GroupSpecs,
-    InstanceSpec,
-    check_engine_count,
-    expand,
-    integral_numbers,
-    strategy_problems,
-    validate_deployment,
-)
+from controller.rules.deployment_file import strategy_problems, validate_deployment
+from controller.rules.expansion import GroupSpecs, InstanceSpec, expand, integral_numbers
+from controller.rules.node_reports import MAX_ENGINES_PER_NODE, check_engine_count
 from motor.errors import InvalidArgument, ResourceExhausted
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from motor.ports import free_port
-from motorctl.local_cluster import LocalCluster, ManagedProcess, PortTaken, check_answered_by
+from motorctl.cluster_processes import ManagedProcess, PortTaken, check_answered_by
+from motorctl.local_cluster import LocalCluster
 from motorctl.port_holder import listening_pids
 from tests.support.motorctl_up import run_motorctl_up
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from motorctl.local_cluster import stop_node_engines
+from motorctl.cluster_processes import stop_node_engines
 from tests.grpcurl.services import start_node_manager
 from tests.grpcurl.walkthrough import load_steps, run_step
 

@@ -18,8 +18,8 @@ from motor.ports import free_port
 from motor.security.identity import Identity
 from motor.security.pki import CertificateAuthority
 from motor.v1 import controller_pb2, controller_pb2_grpc
+from motorctl.cluster_processes import script_path
 from motorctl.etcd_cluster import EtcdCluster, EtcdTls
-from motorctl.local_cluster import script_path
 from tests.ha.conftest import _require_etcd
 from tests.support import REPO_ROOT, wait_for
 

@@ -15,7 +15,8 @@ import pytest
 
 from motor.ports import free_port
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc, types_pb2
-from motorctl.local_cluster import LocalCluster, script_path
+from motorctl.cluster_processes import script_path
+from motorctl.local_cluster import LocalCluster
 from tests.ha.conftest import _require_etcd
 from tests.support import REPO_ROOT, wait_for
 

@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from controller.restart_policy import Policy, fill_defaults
+from controller.rules.restart_policy import Policy, fill_defaults
 from motor.contract import pbtime
 from motor.contract.exits import describe_exit, describe_returncode
 from motor.contract.names import check_id, check_instance_id, check_node_id, excerpt, parse_engine_id

@@ -6,7 +6,7 @@ import io
 import json
 import logging
 
-from controller.events import EventBus
+from controller.model.events import EventBus
 from motor.service.logs import JsonFormatter
 from motor.v1 import controller_pb2
 
@@ -24,7 +24,7 @@ def lines(stream: io.StringIO) -> list[dict]:
 
 def test_controller_events_carry_their_ids_and_reason():
     stream, handler = capture({"service": "controller"})
-    logger = logging.getLogger("controller.events")
+    logger = logging.getLogger("controller.model.events")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:

@@ -1,4 +1,4 @@
-"""The front door (router_sync/front.py) in front of the real vllm-router, both kept by the sync, as
+"""The front door (front_door/policy.py) in front of the real vllm-router, both kept by the sync, as
 `motorctl up` and compose run them: two models and a LoRA adapter behind one address, OpenAI's model
 list, vLLM's 404 naming the served models, a request without `model`, streams chunk by chunk."""
 
@@ -13,9 +13,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from front_door.policy import FrontDoor
 from motor.ports import free_port
 from motor.v1 import controller_pb2
-from router_sync.front import FrontDoor
 from tests.engine_server.conftest import engine_server, sim_config  # noqa: F401 (fixture)
 from tests.router.test_by_model import chat_and_embed, model_router, served  # noqa: F401 (fixtures)
 from tests.router.test_sync import Running, snapshot, until

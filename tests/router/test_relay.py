@@ -1,4 +1,4 @@
-"""How the front door moves bytes (router_sync/relay.py), against a stand-in router: what an HTTP
+"""How the front door moves bytes (front_door/relay.py), against a stand-in router: what an HTTP
 client relies on from any proxy. The door's rules (models, 404s, adapters) are tested with the real
 router in test_front_door.py."""
 
@@ -15,8 +15,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from front_door.policy import FrontDoor
 from motor.ports import free_port
-from router_sync.front import FrontDoor
 from tests.support import serve_app
 
 COMPLETION = {"model": "m", "prompt": "hi", "max_tokens": 2}

@@ -30,7 +30,7 @@ import pytest
         (["--router", "http://127.0.0.1:8080"], "the following arguments are required: --controller"),
         (
             ["--controller", "127.0.0.1:1", "--router", "http://127.0.0.1:8081", "--front-door", "0.0.0.0:8080"],
-            "the front door runs in its own process now (python -m router_sync.door --listen 0.0.0.0:8080",
+            "the front door runs in its own process now (motor-front-door --listen 0.0.0.0:8080",
         ),
         (
             ["--controller", "127.0.0.1:1", "--router", "http://127.0.0.1:8081", "--front-door-table", "127.0.0.1:1"],
@@ -52,7 +52,7 @@ def test_bad_flags_exit_2_naming_what_to_fix(args, said):
     ],
 )
 def test_the_front_doors_bad_flags_exit_2_naming_what_to_fix(args, said):
-    done = subprocess.run([sys.executable, "-m", "router_sync.door", *args], capture_output=True, text=True, timeout=30)
+    done = subprocess.run([sys.executable, "-m", "front_door.cli", *args], capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 

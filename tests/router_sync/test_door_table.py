@@ -1,4 +1,4 @@
-"""The front door's table, fed by the sync (router_sync/door.py, publish.py): in-process, no router.
+"""The front door's table, fed by the sync (front_door/cli.py, publish.py): in-process, no router.
 
 What a client relies on: the door serves what the sync last pushed, keeps it when the sync is gone,
 refuses a malformed push, and a model Motor withdraws leaves the door's table before the router
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 
+from front_door.cli import PushedTable
 from motor.ports import free_port
 from motor.v1 import controller_pb2, types_pb2
-from router_sync.door import PushedTable
 from router_sync.publish import TablePublisher
 from router_sync.sync import RouterSync
 from tests.support import serve_app

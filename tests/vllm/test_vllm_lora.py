@@ -1,4 +1,4 @@
-"""The runtime LoRA API the controller calls (controller/adapters.py), against the real vLLM CPU
+"""The runtime LoRA API the controller calls (controller/routing/adapters.py), against the real vLLM CPU
 engine: an engine server started with `enable_lora` serves vLLM's /v1/load_lora_adapter and
 /v1/unload_lora_adapter (it sets VLLM_ALLOW_RUNTIME_LORA_UPDATING), a tiny adapter made here
 loads without a restart and answers requests by its name, a missing one is refused with vLLM's
@@ -79,7 +79,7 @@ def test_an_adapter_loads_serves_and_unloads_at_run_time(tiny_model, vllm_env, t
     server.wait_status(NORMAL)
     pid = server.process.pid
 
-    # What the controller sends (controller/adapters.py): the same paths and fields.
+    # What the controller sends (controller/routing/adapters.py): the same paths and fields.
     status, answer = post(server, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": adapter})
     assert (status, answer) == (200, "Success: LoRA adapter 'sql' added successfully."), answer
     status, body = post(server, "/v1/completions", {"model": "sql", "prompt": "1", "max_tokens": 2})

@@ -1,0 +1,3 @@
+from front_door.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,65 @@
+"""What the front door's relay passes between its parts: a request read whole, the door's own
+answer or a forward to the router, what passed; the bytes of an answer of its own."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from http import HTTPStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    method: str
+    target: bytes  # as the client sent it: path and query
+    path: str  # decoded, without the query
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    keep_alive: bool
+    http_10: bool
+    encoding: str = ""  # the body's Content-Encoding, once decoded ("" if it had none)
+    label: str = ""  # what the door files it under in its metrics
+    began: float = 0.0  # when it was passed to the router
+
+
+@dataclass
+class Answer:
+    """The door's own answer to a request: a whole HTTP response."""
+
+    data: bytes
+    status: int
+
+
+@dataclass
+class Forward:
+    """Pass the request to the router, with this body in place of the client's (None: as it came)."""
+
+    body: bytes | None = None
+
+
+@dataclass
+class Passed:
+    """What the relay tells the door of a request it passed to the router."""
+
+    status: int = 0  # 0: no answer from the router (or the client left before it began)
+    router_failed: bool = False  # no connection, or it broke before the answer began
+
+
+def response(status: int, body: bytes = b"", content_type: str = "application/json", head: bool = False) -> bytes:
+    """A whole HTTP/1.1 answer of the relay's own."""
+    try:
+        reason = HTTPStatus(status).phrase
+    except ValueError:
+        reason = ""
+    return (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + (b"" if head else body)
+    )
+
+
+def error_answer(status: int, message: str) -> bytes:
+    """The relay's own answer to a request it cannot read or pass on."""
+    return response(status, json.dumps({"error": message}).encode())

@@ -1,0 +1,253 @@
+"""The front door: OpenAI's model surface in front of the router (docs/router.md).
+
+vllm-router 0.1.17 routes by model in its `--enable-igw` mode, but there a request for a model it
+has no worker of goes to any worker (another model's engine answers its own 404), a request
+without `model` gets 503, and `GET /v1/models` answers the router's own shape. This layer runs in
+its own process on the published port (front_door/cli.py) and knows what the router can route
+(`served`: the sync's table, every model and adapter with a worker in the router, withdrawn the
+moment Motor withdraws its last engine, pushed to the door by the sync). It answers:
+
+- `GET /v1/models`: OpenAI's list of every served model and loaded adapter (`parent`: its model);
+- a request naming a model that is not served: vLLM's 404 naming the models that are;
+- any request naming a model (or none), and the model list, before the sync knows what is served
+  (just started or restarted: no list from Motor, or no read of the router, yet): 503, to retry;
+- a request without `model`: served by the one model when exactly one is served, else a 400
+  saying what to name;
+- the router's admin API (adding or removing workers, loading adapters): 403, only the sync
+  changes the router;
+
+and passes everything else to the router unchanged (front_door/relay.py: the bytes as the router
+writes them, a stream chunk by chunk, a slow client slowing only its own answer; connections to
+the router pooled and kept alive). Its own Prometheus metrics at `GET /metrics`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from front_door.messages import Answer, Forward, Passed, Request, response
+from front_door.relay import Relay
+from front_door.router_pool import RouterPool
+
+logger = logging.getLogger(__name__)
+
+# Requests that name a model in a JSON body (vLLM's OpenAI server, its Anthropic, SageMaker and
+# Cohere APIs, its render and batch endpoints, and the router's own paths). The router sends one
+# naming a model it has no worker of to any worker: each must be checked here.
+MODEL_PATHS = frozenset(
+    {
+        "/v1/completions",
+        "/v1/completions/render",
+        "/v1/chat/completions",
+        "/v1/chat/completions/render",
+        "/v1/chat/completions/batch",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/v1/responses/render",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/messages/render",
+        "/invocations",
+        "/v2/embed",
+        "/cohere/v2/chat",
+        "/cohere/v2/chat/render",
+        "/generative_scoring",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/rerank",
+        "/v1/score",
+        "/score",
+        "/pooling",
+        "/classify",
+        "/tokenize",
+        "/detokenize",
+    }
+)
+# What changes the router or its engines: only the sync (and Motor's controller) may.
+# (`/flush_cache`: the router sends it to every engine, and SGLang's drop their prefix cache.)
+ADMIN_PATHS = (
+    "/add_worker",
+    "/remove_worker",
+    "/workers",
+    "/flush_cache",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+)
+STARTING = "The front door is starting: the models it serves are not known yet. Retry shortly."
+MAX_BODY = 256 * 1024 * 1024  # the router's own default --max-payload-size
+
+
+def openai_error(status: int, message: str, kind: str, param: str | None = "model") -> Answer:
+    """vLLM's error body (entrypoints/openai/protocol.py ErrorResponse)."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return Answer(response(status, json.dumps(body).encode()), status)
+
+
+class FrontMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "motor_front_door_requests",
+            'Requests through the front door, by the model named ("" none, "?" not served) and HTTP status.',
+            ["model", "code"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "motor_front_door_response_start_seconds",
+            "From a request's arrival to the router's response headers (the router's time included).",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "motor_front_door_requests_in_flight", "Requests being passed to the router now.", registry=self.registry
+        )
+        self.router_errors = Counter(
+            "motor_front_door_router_errors",
+            "Requests the router did not answer (no connection, or the connection broke).",
+            registry=self.registry,
+        )
+        self._counted: dict[tuple[str, int], Counter] = {}  # label lookups are the costly part
+
+    def count(self, model: str, status: int) -> None:
+        child = self._counted.get((model, status))
+        if child is None:
+            child = self._counted[(model, status)] = self.requests.labels(model, str(status))
+        child.inc()
+
+
+class FrontDoor:
+    def __init__(
+        self,
+        router_url: str,
+        served: Callable[[], dict[str, str | None]],
+        ready: Callable[[], bool] = lambda: True,
+    ):
+        self.router_url = router_url.rstrip("/")
+        self.served = served  # model -> parent model (None: a deployment's model)
+        # Whether `served` is known yet: a sync just (re)started has heard nothing from Motor or
+        # the router, and every model would look unserved (a false 404 to requests it can route).
+        self.ready = ready
+        self.metrics = FrontMetrics()
+        self.created = int(time.time())
+        self.relay = Relay(
+            RouterPool(self.router_url),
+            decide=self.decide,
+            router_failed=self.router_failed,
+            began=self.began,
+            answered=self.answered,
+            ended=self.ended,
+            refused=lambda status: self.metrics.count("", status),
+            max_body=MAX_BODY,
+        )
+
+    async def start(self, host: str, port: int) -> None:
+        await self.relay.start(host, port)
+        logger.info("front door on http://%s:%d in front of router %s", host, port, self.router_url)
+
+    async def close(self) -> None:
+        await self.relay.close()
+
+    # What a request gets ----------------------------------------------------------------------------
+
+    def decide(self, request: Request) -> Answer | Forward:
+        path, method = request.path, request.method
+        if method in ("GET", "HEAD") and path == "/v1/models":
+            return self.models(head=method == "HEAD")
+        if method in ("GET", "HEAD") and path == "/metrics":
+            data = generate_latest(self.metrics.registry)
+            return Answer(response(200, data, CONTENT_TYPE_LATEST, head=method == "HEAD"), 200)
+        if method not in ("GET", "HEAD") and path.startswith(ADMIN_PATHS):
+            self.metrics.count("", 403)
+            return openai_error(
+                403,
+                f"{method} {path} changes the router: Motor keeps its workers (motor-router-sync) "
+                "and loads adapters from the deployment's `adapters`",
+                "PermissionDeniedError",
+                None,
+            )
+        if method == "POST" and path in MODEL_PATHS and request.body:
+            try:
+                parsed = json.loads(request.body)
+            except (ValueError, RecursionError):  # RecursionError: nested deeper than Python reads
+                parsed = None  # not JSON: the router and the engine answer it as they would
+            if isinstance(parsed, dict):
+                answer, changed, request.label = self._refusal(parsed)
+                if answer is not None:
+                    self.metrics.count(request.label, answer.status)
+                    return answer
+                return Forward(changed)
+        return Forward()
+
+    # OpenAI's model surface -----------------------------------------------------------------------
+
+    def models(self, head: bool = False) -> Answer:
+        if not self.ready():  # an empty list would say "no model", not "not known yet"
+            self.metrics.count("", 503)
+            return openai_error(503, STARTING, "ServiceUnavailableError", None)
+        served = self.served()
+        data = []
+        for name in sorted(served, key=lambda n: (served[n] is not None, n)):
+            entry = {"id": name, "object": "model", "created": self.created, "owned_by": "motor", "root": name}
+            entry["parent"] = served[name]
+            data.append(entry)
+        self.metrics.count("", 200)
+        return Answer(response(200, json.dumps({"object": "list", "data": data}).encode(), head=head), 200)
+
+    def _refusal(self, body: dict) -> tuple[Answer | None, bytes | None, str]:
+        """(an answer of the front door's own, or None; the body to send when it was changed; the
+        model label)."""
+        if not self.ready():
+            return openai_error(503, STARTING, "ServiceUnavailableError", None), None, "?"
+        served = self.served()
+        model = body.get("model")
+        if model is None or model == "":
+            models = sorted(n for n, parent in served.items() if parent is None)
+            if len(models) == 1:
+                return None, json.dumps({**body, "model": models[0]}).encode(), models[0]
+            if not models:
+                return openai_error(503, "No model is served yet.", "ServiceUnavailableError"), None, ""
+            return (
+                openai_error(
+                    400,
+                    f"The request names no model and several are served: {', '.join(sorted(served))}. "
+                    "Name one in the request's `model` field (GET /v1/models lists them).",
+                    "BadRequestError",
+                ),
+                None,
+                "",
+            )
+        if not isinstance(model, str):
+            return openai_error(400, "`model` must be a string.", "BadRequestError"), None, "?"
+        if model not in served:
+            names = ", ".join(sorted(served)) or "none"
+            return (
+                openai_error(404, f"The model `{model}` does not exist. Valid aliases: {names}.", "NotFoundError"),
+                None,
+                "?",
+            )
+        return None, None, model
+
+    # Requests passed to the router ------------------------------------------------------------------
+
+    def began(self, request: Request) -> None:
+        request.began = time.monotonic()
+        self.metrics.in_flight.inc()
+
+    def answered(self, request: Request | None) -> None:
+        if request is not None:
+            self.metrics.latency.observe(time.monotonic() - request.began)
+
+    def ended(self, request: Request | None, passed: Passed) -> None:
+        self.metrics.in_flight.dec()
+        if passed.router_failed:
+            self.metrics.router_errors.inc()
+        if passed.status:  # a client that left before the router answered: nobody's failure counted
+            self.metrics.count(request.label if request else "", passed.status)
+
+    def router_failed(self, request: Request, exc: BaseException) -> bytes:
+        return openai_error(502, f"the router did not answer: {type(exc).__name__}", "BadGatewayError", None).data

@@ -1,0 +1,127 @@
+"""Keep-alive connections from the front door to the router, one request at a time each."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from typing import Protocol
+from urllib.parse import urlsplit
+
+import httptools
+
+logger = logging.getLogger(__name__)
+
+MAX_IDLE = 256  # idle connections to the router kept for reuse
+
+
+class RouterClient(Protocol):
+    """What a connection to the router tells the client connection it carries a request for
+    (front_door/relay.py's ClientConnection)."""
+
+    transport: asyncio.Transport
+
+    def router_began(self, status: int) -> None: ...
+
+    def router_finished(self, connection: RouterConnection) -> None: ...
+
+    def router_lost(self, connection: RouterConnection) -> None: ...
+
+
+class RouterPool:
+    """Keep-alive connections to the router: an idle one is reused, else a new one is opened."""
+
+    def __init__(self, router_url: str) -> None:
+        parts = urlsplit(router_url)
+        self.https = parts.scheme == "https"
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or (443 if self.https else 80)
+        self.host_header = (parts.netloc or self.host).encode()
+        self.idle: list[RouterConnection] = []
+        self.closed = False
+
+    def take(self) -> RouterConnection | None:
+        while self.idle:
+            connection = self.idle.pop()
+            if not connection.lost:
+                return connection
+        return None
+
+    async def open(self) -> RouterConnection:
+        loop = asyncio.get_running_loop()
+        context = ssl.create_default_context() if self.https else None
+        _, connection = await asyncio.wait_for(
+            loop.create_connection(lambda: RouterConnection(self), self.host, self.port, ssl=context), 10
+        )
+        return connection
+
+    def give_back(self, connection: RouterConnection) -> None:
+        if self.closed or connection.lost or len(self.idle) >= MAX_IDLE:
+            connection.transport.close()
+        else:
+            connection.transport.resume_reading()  # paused for a slow client as its answer ended
+            self.idle.append(connection)
+
+    def close(self) -> None:
+        self.closed = True
+        for connection in self.idle:
+            connection.transport.close()
+        self.idle.clear()
+
+
+class RouterConnection(asyncio.Protocol):
+    """One connection to the router, carrying one request at a time for a client connection."""
+
+    def __init__(self, pool: RouterPool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.client: RouterClient | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.head_only = False
+        self.answered = False  # a byte of the answer reached the client
+        self.lost = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def send(self, client: RouterClient, data: bytes, head_only: bool) -> None:
+        self.client, self.head_only, self.answered = client, head_only, False
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport.write(data)
+
+    def data_received(self, data: bytes) -> None:
+        client = self.client
+        if client is None:  # nothing asked: the router has nothing to say on this connection
+            self.transport.close()
+            return
+        self.answered = True
+        client.transport.write(data)
+        try:
+            self.parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):  # (a 101: the door never asks for one)
+            self.transport.close()  # the client's answer is cut where the router's went wrong
+
+    # httptools' callbacks
+    def on_headers_complete(self) -> None:
+        if self.client is not None:
+            self.client.router_began(self.parser.get_status_code())
+        if self.head_only:
+            self.on_message_complete()
+
+    def on_message_complete(self) -> None:
+        client, self.client = self.client, None
+        if client is None or self.parser.get_status_code() < 200:
+            self.client = client  # an interim answer (1xx): the real one follows
+            return
+        keep = self.parser.should_keep_alive()
+        client.router_finished(self)
+        if keep:
+            self.pool.give_back(self)
+        else:
+            self.transport.close()
+
+    def connection_lost(self, exc) -> None:
+        self.lost = True
+        client, self.client = self.client, None
+        if client is not None:
+            client.router_lost(self)
