@@ -56,10 +56,14 @@ proto: setup
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. \
 		--mypy_out=. --mypy_grpc_out=. proto/motor/v1/*.proto
 
-# Ruff's rules and formatting (pyproject.toml [tool.ruff]) and buf's for proto/. `make format` mends both Python kinds.
+# Ruff's rules and formatting (pyproject.toml [tool.ruff]), the layers and the absence of import cycles
+# (pyproject.toml [tool.importlinter], docs/design.md), the code's sizes (scripts/check_sizes.py) and
+# buf's rules for proto/. `make format` mends ruff's.
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+	$(PY) scripts/check_sizes.py
 	$(VENV)/bin/buf lint
 
 format: setup
