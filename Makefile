@@ -40,9 +40,10 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The inner loop while coding: every test that starts no real process (no service, engine, vLLM,
-# etcd or docker), in about two minutes. A test here that starts one fails, naming the mark it needs.
+# etcd or docker) and takes no more than a few seconds, four at a time (most wait on timers, not the
+# CPU). A test here that starts a process fails, naming the mark it needs.
 test-fast: setup
-	MOTOR_FAST_TIER=1 $(PY) -m pytest -q -m "not processes and not vllm and not docker" $(PYTEST_ARGS)
+	MOTOR_FAST_TIER=1 $(PY) -m pytest -q -n 4 -m "not processes and not vllm and not docker and not slow" $(PYTEST_ARGS)
 
 # Mutation testing of the policy modules (pyproject.toml [tool.mutmut]); prints the score and fails
 # under 90% or on a surviving mutant that tests/mutation/equivalent.md does not explain.

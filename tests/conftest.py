@@ -1,4 +1,5 @@
 import os
+import platform
 import subprocess
 import sys
 
@@ -31,8 +32,11 @@ def _no_process(*args, **kwargs):
 
 
 def pytest_configure(config):
-    # Patched for the whole session, so that module and session fixtures are held to it too.
-    if FAST_TIER:
+    # Patched for the whole session, so that module and session fixtures are held to it too; with
+    # pytest-xdist (`-n`) in each worker, not in the process that starts them.
+    starts_workers = bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
+    if FAST_TIER and not starts_workers:
+        platform.processor()  # read once now (it runs `uname -p`): pytest-xdist's workers ask for it
         subprocess.Popen._execute_child = _no_process
         os.fork = _no_process
         os.posix_spawn = _no_process

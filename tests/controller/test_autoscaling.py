@@ -16,6 +16,10 @@ from tests.controller.conftest import Harness, small_deployment
 from tests.controller.test_spares import all_ready, listed
 from tests.support import async_wait_for
 
+# Real loops on real time (a window of 1 s, delays of seconds): 5-10 s a test, so the fast tier
+# (`make test-fast`) leaves them to the full suite and pins the rules on a fake clock instead.
+pytestmark = pytest.mark.slow
+
 NODES = ("node-a", "node-b")
 
 
