@@ -24,7 +24,7 @@ from tests.support import REPO_ROOT, require
 pytestmark = pytest.mark.processes  # runs kubectl and the services' --help
 
 KUBE = os.path.join(REPO_ROOT, "deploy", "kubernetes")
-KUSTOMIZATIONS = ["base", "overlays/ha", "overlays/gpu"]
+KUSTOMIZATIONS = ["base", "overlays/ha", "overlays/gpu", "overlays/external-etcd"]
 # The oldest Kubernetes minor still supported by the major vendors when this was written, and the
 # newest the validator ships schemas for.
 SCHEMA_VERSIONS = ["1.30.0", "1.37.0"]
@@ -384,6 +384,16 @@ def test_etcd_members_and_controllers_match_the_addresses_everyone_is_given(name
     controller = find(objects, "StatefulSet", "motor-controller")["spec"]["template"]["spec"]["containers"][0]
     assert option(controller["command"], "--store") == "etcd://$(MOTOR_ETCD_MEMBERS)/motor"
     assert option(controller["command"], "--advertise") == "$(POD_NAME).motor-controller:50051"
+
+
+def test_an_external_etcd_replaces_the_bases_and_the_controllers_reach_it():
+    objects = render("overlays/external-etcd")
+    assert not [o for o in objects if o["metadata"]["name"] == "motor-etcd"]
+    members = endpoints(objects)["etcd-members"].split(",")
+    assert len(members) == 3 and not any("motor-etcd" in m for m in members)
+    egress = find(objects, "NetworkPolicy", "motor-controller")["spec"]["egress"]
+    to_etcd = [rule for rule in egress if any(p["port"] == 2379 for p in rule["ports"])]
+    assert [peer.keys() for rule in to_etcd for peer in rule["to"]] == [{"ipBlock": None}.keys()]
 
 
 def test_ha_keeps_a_quorum_and_a_standby_through_a_disruption():
