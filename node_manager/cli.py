@@ -33,8 +33,9 @@ FLAGS = {
     "host": Flag("address engines bind and advertise"),
     "accelerators": Flag("accelerators of this host, e.g. 0,1,2,3"),
     "accelerator_type": Flag(
-        "nvidia, ascend, cpu (CPU cores: vLLM CPU engines bound to theirs), sim, or auto (this host's GPUs "
-        "from CUDA_VISIBLE_DEVICES or NVML, else its CPU cores; all of them unless --accelerators names some)"
+        "nvidia, ascend, cpu (CPU cores: vLLM CPU engines bound to theirs), sim, auto (this host's GPUs "
+        "from CUDA_VISIBLE_DEVICES, NVIDIA_VISIBLE_DEVICES or NVML, else its CPU cores; all of them unless "
+        "--accelerators names some), or gpu (as auto, but no GPU found is an error)"
     ),
     "port_range": Flag("ports engines may be given, START-END"),
     "state_dir": Flag("engine records and configs"),

@@ -37,7 +37,8 @@ class NodeManagerConfig(SecuritySettings):
     controller: str | None = None  # host:port, or several comma-separated (HA controllers)
     host: str = "127.0.0.1"
     accelerators: list[int] = Field(default_factory=list)
-    # nvidia, ascend, cpu, sim; auto: this host's GPUs, else its CPU cores (node_manager/accelerators.py)
+    # nvidia, ascend, cpu, sim; auto: this host's GPUs, else its CPU cores; gpu: this host's GPUs, and
+    # an error when it has none (node_manager/accelerators.py)
     accelerator_type: str = "sim"
     port_range: str = "20000-29999"
     state_dir: str = "./.state/node"
@@ -121,12 +122,15 @@ class NodeManagerConfig(SecuritySettings):
     @model_validator(mode="after")
     def _resolve_auto_accelerators(self) -> NodeManagerConfig:
         """`auto`: the host's GPUs when it has any (type nvidia), else its CPU cores (type cpu);
-        accelerators given explicitly are kept, only their type is chosen."""
-        if self.accelerator_type == "auto":
+        `gpu`: the host's GPUs, refused when it has none (a GPU node whose devices did not reach
+        the node manager must not serve on its CPU cores instead); accelerators given explicitly
+        are kept, only their type is chosen."""
+        if self.accelerator_type in ("auto", "gpu"):
+            kind = self.accelerator_type
             try:
-                found = host_accelerators.detect("auto")
+                found = host_accelerators.detect(kind)
             except ConfigError as exc:
-                raise ValueError(f"accelerator_type auto: {exc}") from None
+                raise ValueError(f"accelerator_type {kind}: {exc}") from None
             self.accelerator_type = found.type
             self.accelerators = self.accelerators or list(found.ids)
         return self

@@ -68,3 +68,30 @@ def test_node_manager_auto_with_unreadable_gpu_names_is_a_configuration_error(mo
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-5f1c")
     with pytest.raises(ConfigError, match=r"accelerator_type.*CUDA_VISIBLE_DEVICES='GPU-5f1c'"):
         load_config(["--node-id", "n1", "--accelerator-type", "auto", "--state-dir", str(tmp_path)])
+
+
+def test_nvidia_visible_devices_from_the_device_plugin_are_the_containers_gpus_from_0():
+    """Kubernetes' NVIDIA device plugin hands a pod its GPUs as NVIDIA_VISIBLE_DEVICES (UUIDs, or
+    host indices); the container runtime shows exactly those, numbered 0..n-1 inside."""
+    uuids = {"NVIDIA_VISIBLE_DEVICES": "GPU-5f1c0a2e,GPU-77aa91b3"}
+    assert accelerators.host_gpus(uuids, lambda: 8) == (0, 1)
+    assert accelerators.host_gpus({"NVIDIA_VISIBLE_DEVICES": "3"}, lambda: 8) == (0,)
+    assert accelerators.host_gpus({"NVIDIA_VISIBLE_DEVICES": "all"}, lambda: 2) == (0, 1)  # NVML counts
+    for none in ("none", "void", ""):
+        assert accelerators.host_gpus({"NVIDIA_VISIBLE_DEVICES": none}, lambda: 8) == ()
+    # CUDA_VISIBLE_DEVICES, set inside the container, narrows further and wins.
+    assert accelerators.host_gpus({**uuids, "CUDA_VISIBLE_DEVICES": "1"}, lambda: 8) == (1,)
+    found = accelerators.detect("auto", uuids, lambda: 8)
+    assert (found.type, found.ids, found.source) == ("nvidia", (0, 1), "NVIDIA_VISIBLE_DEVICES")
+
+
+def test_node_manager_gpu_takes_the_assigned_gpus_and_refuses_a_node_without_any(monkeypatch, tmp_path):
+    """`--accelerator-type gpu` (the Kubernetes gpu overlay): a GPU pod whose devices did not reach
+    it must stop with a configuration error, not serve on its CPU cores as `auto` would."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", "GPU-5f1c0a2e,GPU-77aa91b3")
+    config = load_config(["--node-id", "n1", "--accelerator-type", "gpu", "--state-dir", str(tmp_path)])
+    assert (config.accelerator_type, config.accelerators) == ("nvidia", [0, 1])
+    monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", "void")
+    with pytest.raises(ConfigError, match=r"accelerator_type gpu: .*no GPU found"):
+        load_config(["--node-id", "n1", "--accelerator-type", "gpu", "--state-dir", str(tmp_path)])
