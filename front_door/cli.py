@@ -26,7 +26,7 @@ import time
 from aiohttp import web
 from prometheus_client import Gauge
 
-from front_door.policy import FrontDoor
+from front_door.policy import MAX_BODY, FrontDoor
 from motor.service.logs import LOG_LEVELS, setup_logging
 from motor.service.signals import stop_event
 
@@ -102,6 +102,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         metavar="HOST:PORT",
         help="where motor-router-sync pushes what is served (its --front-door-table); keep it private",
     )
+    parser.add_argument(
+        "--max-body",
+        type=int,
+        default=MAX_BODY,
+        metavar="BYTES",
+        help="the largest request body taken, a compressed one counted unpacked (default: the router's 256 MiB)",
+    )
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     args = parser.parse_args(argv)
     args.listen = host_port(parser, "--listen", args.listen)
@@ -114,7 +121,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     stop = stop_event()
     table = PushedTable()
-    door = FrontDoor(args.router, table.served, table.known)
+    door = FrontDoor(args.router, table.served, table.known, max_body=args.max_body)
     Gauge(
         "motor_front_door_table_age_seconds",
         "Seconds since motor-router-sync last pushed what is served (-1: never; it pushes every second).",

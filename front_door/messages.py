@@ -7,6 +7,7 @@ import json
 import logging
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +24,7 @@ class Request:
     encoding: str = ""  # the body's Content-Encoding, once decoded ("" if it had none)
     label: str = ""  # what the door files it under in its metrics
     began: float = 0.0  # when it was passed to the router
+    model: Any = None  # what the door read of its body (front_door/model_field.py ModelField), off the loop
 
 
 @dataclass

@@ -16,10 +16,12 @@ small machine cut the rate the router alone reaches by 40-50%.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
@@ -53,6 +55,50 @@ MAX_PIPELINED = 16  # requests a client may send ahead of its answers before it 
 TOO_LARGE = "The request body is larger than the front door takes."
 HEADERS_TOO_LARGE = "The request's headers are larger than the front door takes."
 MAX_HEAD = 64 * 1024  # a request's line and headers (nginx takes 32 KiB, aiohttp 8 KiB a line)
+INLINE_BODY = 64 * 1024  # a plain body up to this is read on the loop (microseconds); larger, on a thread
+BODY_THREADS = 2  # bodies unpacked and read at once: the door's memory for them is this many limits
+
+
+class BodyReader:
+    """A request body made ready for the door's rules: its Content-Encoding undone (bodies.py) and
+    `read` (the door's own reading of it, touching nothing shared) run on it. A small plain body is
+    read on the loop; a compressed or large one on one of BODY_THREADS threads (zlib unpacks without
+    Python's lock; the reading builds nothing), so another client's latency never waits on it."""
+
+    def __init__(self, read: Callable[[Request], Answer | None]) -> None:
+        self.read = read
+        self.threads = ThreadPoolExecutor(BODY_THREADS, thread_name_prefix="front-door-body")
+
+    @staticmethod
+    def encoding(request: Request) -> str:
+        for name, value in request.headers:
+            if name.lower() == b"content-encoding":
+                return value.decode("latin-1").strip().lower()
+        return ""
+
+    def heavy(self, request: Request) -> bool:
+        return len(request.body) > INLINE_BODY or bool(request.body and self.encoding(request))
+
+    def prepare(self, request: Request, limit: int) -> Answer | None:
+        """None when the request may go on to the door's rules; else the answer it gets."""
+        encoding = self.encoding(request)
+        if encoding and request.body:
+            try:
+                body = decoded(request.body, encoding, limit)
+            except TooLarge:
+                return Answer(error_answer(413, TOO_LARGE), 413)
+            except Exception:  # noqa: BLE001 - zlib's own errors
+                body = None
+            if body is None:
+                return Answer(error_answer(415, "the body's Content-Encoding is not readable"), 415)
+            request.body, request.encoding = body, encoding
+        return self.read(request)
+
+    def off_loop(self, request: Request, limit: int) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self.threads, self.prepare, request, limit)
+
+    def close(self) -> None:
+        self.threads.shutdown(wait=False, cancel_futures=True)
 
 
 class ClientConnection(asyncio.Protocol):
@@ -209,29 +255,11 @@ class ClientConnection(asyncio.Protocol):
             request = self.current = self.waiting.popleft()
             if len(self.waiting) == MAX_PIPELINED:
                 self.transport.resume_reading()
-            encoding = ""
-            for name, value in request.headers:
-                if name.lower() == b"content-encoding":
-                    encoding = value.decode("latin-1").strip().lower()
-            if encoding and request.body:
-                try:
-                    body = decoded(request.body, encoding, self.relay.max_body)
-                except TooLarge:
-                    self.relay.refused(413)
-                    self._answer(request, error_answer(413, TOO_LARGE))
-                    continue
-                except Exception:  # noqa: BLE001 - zlib's and brotli's own errors
-                    body = None
-                if body is None:
-                    self.relay.refused(415)
-                    self._answer(request, error_answer(415, "the body's Content-Encoding is not readable"))
-                    continue
-                request.body, request.encoding = body, encoding
-            decision = self.relay.decide(request)
-            if isinstance(decision, Answer):
-                self._answer(request, decision.data)
-                continue
-            self._forward(request, decision.body)
+            if self.relay.bodies.heavy(request):
+                future = self.relay.bodies.off_loop(request, self.relay.max_body)
+                future.add_done_callback(functools.partial(self._read_off_loop, request))
+                return
+            self._serve(request, self.relay.bodies.prepare(request, self.relay.max_body))
         if self.current is None and not self.waiting and not self.closing:
             if (
                 self.continue_owed and self.refusal is None
@@ -242,6 +270,29 @@ class ClientConnection(asyncio.Protocol):
                 self.closing = True
                 self.transport.write(self.refusal)
                 self.transport.close()
+
+    def _read_off_loop(self, request: Request, future: asyncio.Future) -> None:
+        if self.closing or future.cancelled():
+            return
+        try:
+            refused = future.result()
+        except Exception:  # noqa: BLE001 - a bug in reading one body must not stop the connection's others
+            logger.exception("reading a request body")
+            refused = Answer(error_answer(400, "the request body could not be read"), 400)
+        self._serve(request, refused)
+        self._next()
+
+    def _serve(self, request: Request, refused: Answer | None) -> None:
+        """The request, its body read: refused, answered by the door, or passed to the router."""
+        if refused is not None:
+            self.relay.refused(refused.status)
+            self._answer(request, refused.data)
+            return
+        decision = self.relay.decide(request)
+        if isinstance(decision, Answer):
+            self._answer(request, decision.data)
+            return
+        self._forward(request, decision.body)
 
     def _answer(self, request: Request, data: bytes) -> None:
         self.transport.write(data)
@@ -360,7 +411,8 @@ class ClientConnection(asyncio.Protocol):
 
 @dataclass
 class Relay:
-    """The listening side: `decide` gives a request's own answer or passes it on; `began`,
+    """The listening side: `read` reads a request's body off the loop where it is large (an answer
+    of its own when it cannot), `decide` gives a request's own answer or passes it on; `began`,
     `answered` (the router's answer began) and `ended` are told of each request passed on;
     `refused`, of each the relay answered itself as unreadable (400, 413, 415, 431)."""
 
@@ -371,6 +423,7 @@ class Relay:
     answered: Callable[[Request | None], None] = lambda request: None
     ended: Callable[[Request | None, Passed], None] = lambda request, passed: None
     refused: Callable[[int], None] = lambda status: None
+    read: Callable[[Request], Answer | None] = lambda request: None
     max_body: int = 256 * 1024 * 1024
     # A client connection with nothing with the router is closed after this many idle seconds, or
     # a request's headers not whole by then (aiohttp's server and nginx keep 75 s): clients that
@@ -379,6 +432,10 @@ class Relay:
     connections: set[ClientConnection] = field(default_factory=set)
     server: asyncio.Server | None = None
     sweeper: asyncio.Task | None = None
+    bodies: BodyReader = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.bodies = BodyReader(self.read)
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
@@ -400,5 +457,6 @@ class Relay:
         for connection in list(self.connections):
             connection.transport.close()
         self.pool.close()
+        self.bodies.close()
         if self.server is not None:
             await self.server.wait_closed()
