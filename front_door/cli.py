@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import logging
+import socket
 import sys
 import time
 
@@ -95,6 +96,20 @@ def host_port(parser: argparse.ArgumentParser, flag: str, value: str) -> tuple[s
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="motor-front-door", description=__doc__.splitlines()[0])
     parser.add_argument("--listen", required=True, metavar="HOST:PORT", help="the published port clients use")
+    parser.add_argument(
+        "--listen-fd",
+        type=int,
+        metavar="FD",
+        help="serve this inherited listening socket (bound to --listen) instead of binding one: whoever "
+        "starts the door holds the port across its restarts, so no connection is refused meanwhile",
+    )
+    parser.add_argument(
+        "--table-wait",
+        type=float,
+        default=3.0,
+        metavar="SECONDS",
+        help="connections wait in the backlog this long at most for the sync's first table (default 3)",
+    )
     parser.add_argument("--router", required=True, help="the router's base URL, e.g. http://127.0.0.1:8081")
     parser.add_argument(
         "--table",
@@ -130,7 +145,14 @@ async def serve(args: argparse.Namespace) -> None:
     table_runner = web.AppRunner(table.app(), access_log=None)
     await table_runner.setup()
     await web.TCPSite(table_runner, *args.table).start()
-    await door.start(*args.listen)
+    # Listening at once, accepting once the table is known (the sync pushes every second): a door
+    # started again answers its first clients from the table, not with 503 "starting".
+    held = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else None
+    await door.start(*args.listen, sock=held, accept=False)
+    deadline = time.monotonic() + args.table_wait
+    while not table.known() and time.monotonic() < deadline and not stop.is_set():
+        await asyncio.sleep(0.02)
+    await door.relay.accept_now()
     try:
         await stop.wait()
     finally:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 from collections.abc import Callable
 
@@ -148,8 +149,8 @@ class FrontDoor:
             max_body=max_body,
         )
 
-    async def start(self, host: str, port: int) -> None:
-        await self.relay.start(host, port)
+    async def start(self, host: str, port: int, sock: socket.socket | None = None, accept: bool = True) -> None:
+        await self.relay.start(host, port, sock, accept)
         logger.info("front door on http://%s:%d in front of router %s", host, port, self.router_url)
 
     async def close(self) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import socket
 import time
 from collections import deque
 from collections.abc import Callable
@@ -437,10 +438,18 @@ class Relay:
     def __post_init__(self) -> None:
         self.bodies = BodyReader(self.read)
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, sock: socket.socket | None = None, accept: bool = True) -> None:
+        """Listen on host:port, or on `sock` (a listening socket inherited from whoever holds the
+        port). With `accept` False, connections wait in the backlog until `accept_now`."""
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: ClientConnection(self), host, port, backlog=1024)
+        where = {"sock": sock} if sock is not None else {"host": host, "port": port}
+        self.server = await loop.create_server(
+            lambda: ClientConnection(self), **where, backlog=1024, start_serving=accept
+        )
         self.sweeper = asyncio.ensure_future(self._sweep())
+
+    async def accept_now(self) -> None:
+        await self.server.start_serving()
 
     async def _sweep(self) -> None:
         while True:
