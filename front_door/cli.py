@@ -124,6 +124,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         metavar="BYTES",
         help="the largest request body taken, a compressed one counted unpacked (default: the router's 256 MiB)",
     )
+    parser.add_argument(
+        "--first-byte-timeout",
+        type=float,
+        default=1800.0,
+        metavar="SECONDS",
+        help="the router's answer must begin within this, else 504 (default 1800, the router's request timeout; "
+        "a completion that does not stream begins its answer when it is done)",
+    )
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     args = parser.parse_args(argv)
     args.listen = host_port(parser, "--listen", args.listen)
@@ -137,18 +145,20 @@ async def serve(args: argparse.Namespace) -> None:
     stop = stop_event()
     table = PushedTable()
     door = FrontDoor(args.router, table.served, table.known, max_body=args.max_body)
+    door.relay.first_byte_timeout = args.first_byte_timeout
     Gauge(
         "motor_front_door_table_age_seconds",
         "Seconds since motor-router-sync last pushed what is served (-1: never; it pushes every second).",
         registry=door.metrics.registry,
     ).set_function(table.age)
+    # Listening at once (before the table port: a table taken means clients' port is open),
+    # accepting once the table is known (the sync pushes every second): a door started again
+    # answers its first clients from the table, not with 503 "starting".
+    held = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else None
+    await door.start(*args.listen, sock=held, accept=False)
     table_runner = web.AppRunner(table.app(), access_log=None)
     await table_runner.setup()
     await web.TCPSite(table_runner, *args.table).start()
-    # Listening at once, accepting once the table is known (the sync pushes every second): a door
-    # started again answers its first clients from the table, not with 503 "starting".
-    held = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else None
-    await door.start(*args.listen, sock=held, accept=False)
     deadline = time.monotonic() + args.table_wait
     while not table.known() and time.monotonic() < deadline and not stop.is_set():
         await asyncio.sleep(0.02)

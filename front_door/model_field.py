@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 _WHITESPACE = re.compile(rb"[ \t\r\n]*")
 _SCALAR = re.compile(rb"-?[0-9][0-9eE.+-]*|true|false|null")
+WINDOW = 256 * 1024  # bytes searched or counted per call: each holds Python's lock, the door's loop waits
 MAX_STEPS = 200_000  # strings and escaped quotes read at most (well under a second); more is refused
 
 
@@ -50,12 +51,30 @@ class _Steps:
             raise TooComplex
 
 
+def _find_quote(body: bytes, at: int) -> int:
+    while at < len(body):
+        found = body.find(b'"', at, at + WINDOW)
+        if found >= 0:
+            return found
+        at += WINDOW
+    return -1
+
+
+def _depth_change(body: bytes, start: int, end: int) -> int:
+    change = 0
+    for at in range(start, end, WINDOW):
+        stop = min(end, at + WINDOW)
+        change += body.count(b"{", at, stop) + body.count(b"[", at, stop)
+        change -= body.count(b"}", at, stop) + body.count(b"]", at, stop)
+    return change
+
+
 def _string_end(body: bytes, quote: int, steps: _Steps) -> int:
     """Where the string opened at `quote` ends (after its closing quote), or -1 if it does not."""
     at = quote + 1
     while True:
         steps.take()
-        end = body.find(b'"', at)
+        end = _find_quote(body, at)
         if end < 0:
             return -1
         # Escaped if an odd run of backslashes precedes it (read back in blocks: a run may be long).
@@ -78,12 +97,10 @@ def model_field(body: bytes, max_steps: int = MAX_STEPS) -> ModelField:
         return ModelField(False)
     field, depth, at, steps = ModelField(True), 1, start + 1, _Steps(max_steps)
     while True:
-        quote = body.find(b'"', at)
+        quote = _find_quote(body, at)
         if quote < 0:
             return field
-        # No string between `at` and the quote: its brackets are structure.
-        depth += body.count(b"{", at, quote) + body.count(b"[", at, quote)
-        depth -= body.count(b"}", at, quote) + body.count(b"]", at, quote)
+        depth += _depth_change(body, at, quote)  # no string between: its brackets are structure
         at = _string_end(body, quote, steps)
         if at < 0:
             return field  # an unterminated string: not JSON, the engine says so

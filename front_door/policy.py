@@ -259,5 +259,9 @@ class FrontDoor:
         if passed.status:  # a client that left before the router answered: nobody's failure counted
             self.metrics.count(request.label if request else "", passed.status)
 
-    def router_failed(self, request: Request, exc: BaseException) -> bytes:
-        return openai_error(502, f"the router did not answer: {type(exc).__name__}", "BadGatewayError", None).data
+    def router_failed(self, request: Request, exc: BaseException) -> Answer:
+        """504 when the router's answer did not begin in time, else 502 (no connection, or it closed)."""
+        if isinstance(exc, TimeoutError):
+            return openai_error(504, f"the router did not answer: {exc}", "GatewayTimeoutError", None)
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return openai_error(502, f"the router did not answer: {detail}", "BadGatewayError", None)

@@ -22,84 +22,23 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
 import httptools
 
-from front_door.bodies import TooLarge, decoded
-from front_door.messages import Answer, Forward, Passed, Request, error_answer
+from front_door.bodies import TOO_LARGE, BodyReader
+from front_door.messages import Answer, Forward, Passed, Request, error_answer, forwarded
 from front_door.router_pool import RouterConnection, RouterPool
 
 logger = logging.getLogger(__name__)
 
-# Headers that belong to one connection, not to the request: the relay writes its own. (Expect: the
-# relay answers `100 Continue` itself; Content-Length: of the body as sent on.)
-HOP_BY_HOP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"host",
-        b"content-length",
-        b"expect",
-    }
-)
+# Methods a request of may be sent again when the router's connection closed before an answer
+# (RFC 9110 9.2.2); a POST may have begun a generation, which must not run twice.
+IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 MAX_PIPELINED = 16  # requests a client may send ahead of its answers before it is read no more
-TOO_LARGE = "The request body is larger than the front door takes."
 HEADERS_TOO_LARGE = "The request's headers are larger than the front door takes."
 MAX_HEAD = 64 * 1024  # a request's line and headers (nginx takes 32 KiB, aiohttp 8 KiB a line)
-INLINE_BODY = 64 * 1024  # a plain body up to this is read on the loop (microseconds); larger, on a thread
-BODY_THREADS = 2  # bodies unpacked and read at once: the door's memory for them is this many limits
-
-
-class BodyReader:
-    """A request body made ready for the door's rules: its Content-Encoding undone (bodies.py) and
-    `read` (the door's own reading of it, touching nothing shared) run on it. A small plain body is
-    read on the loop; a compressed or large one on one of BODY_THREADS threads (zlib unpacks without
-    Python's lock; the reading builds nothing), so another client's latency never waits on it."""
-
-    def __init__(self, read: Callable[[Request], Answer | None]) -> None:
-        self.read = read
-        self.threads = ThreadPoolExecutor(BODY_THREADS, thread_name_prefix="front-door-body")
-
-    @staticmethod
-    def encoding(request: Request) -> str:
-        for name, value in request.headers:
-            if name.lower() == b"content-encoding":
-                return value.decode("latin-1").strip().lower()
-        return ""
-
-    def heavy(self, request: Request) -> bool:
-        return len(request.body) > INLINE_BODY or bool(request.body and self.encoding(request))
-
-    def prepare(self, request: Request, limit: int) -> Answer | None:
-        """None when the request may go on to the door's rules; else the answer it gets."""
-        encoding = self.encoding(request)
-        if encoding and request.body:
-            try:
-                body = decoded(request.body, encoding, limit)
-            except TooLarge:
-                return Answer(error_answer(413, TOO_LARGE), 413)
-            except Exception:  # noqa: BLE001 - zlib's own errors
-                body = None
-            if body is None:
-                return Answer(error_answer(415, "the body's Content-Encoding is not readable"), 415)
-            request.body, request.encoding = body, encoding
-        return self.read(request)
-
-    def off_loop(self, request: Request, limit: int) -> asyncio.Future:
-        return asyncio.get_running_loop().run_in_executor(self.threads, self.prepare, request, limit)
-
-    def close(self) -> None:
-        self.threads.shutdown(wait=False, cancel_futures=True)
 
 
 class ClientConnection(asyncio.Protocol):
@@ -120,6 +59,8 @@ class ClientConnection(asyncio.Protocol):
         self.continue_owed = False  # `100 Continue`, once the requests before it are answered
         self.since = time.monotonic()  # when it last had its answer, or its request last moved
         self.full = False  # its transport's buffer is full: its router connection is not read
+        self.body_after_upgrade: bytes | None = None  # the head to read an upgrade offer's body with
+        self.resuming = False  # reading that body: the request's own line and headers are kept
         self._reset()
 
     def _reset(self) -> None:
@@ -144,9 +85,14 @@ class ClientConnection(asyncio.Protocol):
                 data = b""
             except httptools.HttpParserUpgrade as exc:
                 # An offered upgrade (`Upgrade: h2c`, a websocket) is declined by answering in
-                # HTTP/1.1 (RFC 9110 7.8); what follows it is read as the next request.
+                # HTTP/1.1 (RFC 9110 7.8). llhttp takes what follows the headers for the new
+                # protocol: a body the request announced is read on as its body, what follows it
+                # as the next request.
                 self.parser = httptools.HttpRequestParser(self)
                 data = data[exc.args[0] :] if exc.args and isinstance(exc.args[0], int) else b""
+                if self.body_after_upgrade is not None:
+                    data, self.body_after_upgrade = self.body_after_upgrade + data, None
+                    self.resuming = True
             except httptools.HttpParserError as exc:
                 if not self.closing:
                     self._refuse(400, f"Malformed HTTP request: {exc}")
@@ -178,15 +124,21 @@ class ClientConnection(asyncio.Protocol):
 
     # httptools' callbacks
     def on_message_begin(self) -> None:
+        if self.resuming:
+            return
         self._reset()
         self.in_head = True
         self.since = time.monotonic()  # its head must come whole within the idle timeout
 
     def on_url(self, url: bytes) -> None:
+        if self.resuming:
+            return
         self.url += url
         self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.resuming:
+            return
         self.headers.append((name, value))
         self._count_head(len(name) + len(value))
 
@@ -198,6 +150,9 @@ class ClientConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.in_head = False
+        if self.resuming:  # the stand-in head of an upgrade offer's body: the real one was read
+            self.resuming = False
+            return
         for name, value in self.headers:
             lower = name.lower()
             if lower == b"content-length" and value.strip().isdigit() and int(value) > self.relay.max_body:
@@ -219,6 +174,8 @@ class ClientConnection(asyncio.Protocol):
         self.body.append(body)
 
     def on_message_complete(self) -> None:
+        if self.parser.should_upgrade() and self._declined_upgrade_body():
+            return  # its body follows: read on with the request (data_received)
         self.continue_owed = False  # the body came without it
         if self.closing or self.refusal is not None:
             return
@@ -249,6 +206,25 @@ class ClientConnection(asyncio.Protocol):
             self.transport.pause_reading()
         if self.current is None:
             self._next()
+
+    def _declined_upgrade_body(self) -> bool:
+        """For a request offering an upgrade with a body, the head that reads that body (its
+        method, version, framing, keep-alive) once llhttp stops at the offer."""
+        framing = b""
+        for name, value in self.headers:
+            lower = name.lower()
+            if lower == b"content-length" and value.strip() not in (b"", b"0"):
+                framing = b"Content-Length: " + value.strip()
+            elif lower == b"transfer-encoding":
+                framing = b"Transfer-Encoding: " + value.strip()
+        if not framing:
+            return False
+        version = self.parser.get_http_version().encode()
+        close = b"" if self.parser.should_keep_alive() else b"\r\nConnection: close"
+        self.body_after_upgrade = (
+            self.parser.get_method() + b" / HTTP/" + version + b"\r\n" + framing + close + b"\r\n\r\n"
+        )
+        return True
 
     # serving, one request at a time
     def _next(self) -> None:
@@ -308,16 +284,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _forward(self, request: Request, body: bytes | None) -> None:
         body = request.body if body is None else body
-        lines = [f"{request.method} ".encode() + request.target + (b" HTTP/1.0" if request.http_10 else b" HTTP/1.1")]
-        lines.append(b"Host: " + self.relay.pool.host_header)
-        for name, value in request.headers:
-            lower = name.lower()
-            if lower in HOP_BY_HOP or (request.encoding and lower == b"content-encoding"):
-                continue
-            lines.append(name + b": " + value)
-        if body or request.method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
-            lines.append(b"Content-Length: " + str(len(body)).encode())
-        data = b"\r\n".join(lines) + b"\r\n\r\n" + body
+        data = forwarded(request, self.relay.pool.host_header, body)
         self.passed = Passed()
         self.relay.began(request)
         router = self.relay.pool.take()
@@ -332,7 +299,7 @@ class ClientConnection(asyncio.Protocol):
         self.sent = data
         if self.full:  # an earlier answer still fills the client's buffer: this one waits for it too
             router.transport.pause_reading()
-        router.send(self, data, head_only=request.method == "HEAD")
+        router.send(self, data, head_only=request.method == "HEAD", deadline=self.relay.first_byte_timeout)
 
     async def _connect_and_send(self, request: Request, data: bytes) -> None:
         try:
@@ -366,11 +333,19 @@ class ClientConnection(asyncio.Protocol):
         if request is None:
             return
         if not router.answered:
-            if self.reused:  # a kept-alive connection the router had closed: once more on a new one
+            if router.timed_out:
+                self._router_failed(request, TimeoutError(f"no answer within {self.relay.first_byte_timeout:g}s"))
+                return
+            if self.reused and request.method in IDEMPOTENT:
+                # A kept-alive connection the router had closed: once more on a new one. Only a
+                # request that may run twice: the router may have begun a POST (a generation).
                 self.reused = False
                 asyncio.ensure_future(self._connect_and_send(request, self.sent))
                 return
-            self._router_failed(request, ConnectionResetError("the router closed the connection"))
+            why = "the router closed the connection before answering"
+            if self.reused:
+                why += "; the request was not sent again (it may have begun): retry it"
+            self._router_failed(request, ConnectionResetError(why))
             return
         # The answer had begun (a stream, or one without a length): the client sees it end as the
         # router's did.
@@ -382,10 +357,11 @@ class ClientConnection(asyncio.Protocol):
         if self.closing:
             self._done()
             return
+        answer = self.relay.router_failed(request, exc)
         self.passed.router_failed = True
-        self.passed.status = 502
+        self.passed.status = answer.status
         self._done()
-        self._answer(request, self.relay.router_failed(request, exc))
+        self._answer(request, answer.data)
         self._next()
 
     def _done(self) -> None:
@@ -419,7 +395,7 @@ class Relay:
 
     pool: RouterPool
     decide: Callable[[Request], Answer | Forward]
-    router_failed: Callable[[Request, BaseException], bytes]
+    router_failed: Callable[[Request, BaseException], Answer]
     began: Callable[[Request], None] = lambda request: None
     answered: Callable[[Request | None], None] = lambda request: None
     ended: Callable[[Request | None, Passed], None] = lambda request, passed: None
@@ -430,6 +406,9 @@ class Relay:
     # a request's headers not whole by then (aiohttp's server and nginx keep 75 s): clients that
     # vanish, or send a byte at a time, would hold the door's sockets for ever.
     idle_timeout: float = 75.0
+    # The router's answer must begin within this (its headers: a completion that does not stream
+    # sends them when it is done), else 504. As generous as the router's own --request-timeout-secs.
+    first_byte_timeout: float = 1800.0
     connections: set[ClientConnection] = field(default_factory=set)
     server: asyncio.Server | None = None
     sweeper: asyncio.Task | None = None

@@ -7,42 +7,48 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import http.server
+import threading
 import time
 
 import aiohttp
 import pytest
-from aiohttp import web
 
-from tests.support import serve_app
 from tests.support.door_process import DoorProcess, door_log
 
 # Ten million empty lists: 30 MB of JSON from 30 kB of gzip, about 700 MB of Python objects if parsed.
 HOSTILE = gzip.compress(b'{"model": "m", "x": [' + b"[]," * 10_000_000 + b"[]]}", 9)
 
 
-class QuietRouter:
-    """Answers every request at once with a few bytes, whatever its body (the test's loop must stay free)."""
+class QuietRouter(http.server.BaseHTTPRequestHandler):
+    """Answers every request at once with a few bytes, whatever its body, on its own thread: the
+    test's loop measures the door alone."""
 
-    def __init__(self) -> None:
-        self.bodies: list[int] = []
+    protocol_version = "HTTP/1.1"
+    bodies: list[int] = []
 
-    async def answer(self, request: web.Request) -> web.Response:
-        self.bodies.append(len(await request.read()))
-        return web.json_response({"ok": True})
+    def do_POST(self) -> None:
+        self.bodies.append(len(self.rfile.read(int(self.headers.get("Content-Length", 0)))))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
 
-    async def start(self) -> str:
-        app = web.Application(client_max_size=1024**3)
-        app.router.add_route("*", "/{tail:.*}", self.answer)
-        self.runner, url = await serve_app(app)
-        return url
+    def log_message(self, *args) -> None:
+        pass
 
 
 @pytest.fixture
-async def quiet_router():
-    router = QuietRouter()
-    router.url = await router.start()
-    yield router
-    await router.runner.cleanup()
+def quiet_router():
+    QuietRouter.bodies = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), QuietRouter)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server.url = f"http://127.0.0.1:{server.server_address[1]}"
+    server.bodies = QuietRouter.bodies
+    yield server
+    server.shutdown()
+    server.server_close()
 
 
 @pytest.fixture
@@ -85,7 +91,8 @@ async def test_another_client_is_answered_promptly_while_hostile_compressed_bodi
         answers = [task.result() for task in hostile]
         peak = door_process.memory_kib("VmHWM")
     assert all(answer.startswith(b"HTTP/1.1 200") for answer in answers), answers
-    assert waits and max(waits) < 0.5, f"another client waited {max(waits):.2f}s ({len(waits)} requests)"
+    # Within 2 s even on a shared two-core machine at load 10 (before: 29.6 s, every other client held).
+    assert waits and max(waits) < 2.0, f"another client waited {max(waits):.2f}s ({len(waits)} requests)"
     # Three 30 MB bodies read at once: their bytes, not 700 MB of objects each.
     assert (peak - before) / 1024 < 250, f"the door grew by {(peak - before) / 1024:.0f} MB"
 
