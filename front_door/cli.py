@@ -20,13 +20,14 @@ import argparse
 import asyncio
 import json
 import logging
+import socket
 import sys
 import time
 
 from aiohttp import web
 from prometheus_client import Gauge
 
-from front_door.policy import FrontDoor
+from front_door.policy import MAX_BODY, FrontDoor
 from motor.service.logs import LOG_LEVELS, setup_logging
 from motor.service.signals import stop_event
 
@@ -95,12 +96,41 @@ def host_port(parser: argparse.ArgumentParser, flag: str, value: str) -> tuple[s
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="motor-front-door", description=__doc__.splitlines()[0])
     parser.add_argument("--listen", required=True, metavar="HOST:PORT", help="the published port clients use")
+    parser.add_argument(
+        "--listen-fd",
+        type=int,
+        metavar="FD",
+        help="serve this inherited listening socket (bound to --listen) instead of binding one: whoever "
+        "starts the door holds the port across its restarts, so no connection is refused meanwhile",
+    )
+    parser.add_argument(
+        "--table-wait",
+        type=float,
+        default=3.0,
+        metavar="SECONDS",
+        help="connections wait in the backlog this long at most for the sync's first table (default 3)",
+    )
     parser.add_argument("--router", required=True, help="the router's base URL, e.g. http://127.0.0.1:8081")
     parser.add_argument(
         "--table",
         required=True,
         metavar="HOST:PORT",
         help="where motor-router-sync pushes what is served (its --front-door-table); keep it private",
+    )
+    parser.add_argument(
+        "--max-body",
+        type=int,
+        default=MAX_BODY,
+        metavar="BYTES",
+        help="the largest request body taken, a compressed one counted unpacked (default: the router's 256 MiB)",
+    )
+    parser.add_argument(
+        "--first-byte-timeout",
+        type=float,
+        default=1800.0,
+        metavar="SECONDS",
+        help="the router's answer must begin within this, else 504 (default 1800, the router's request timeout; "
+        "a completion that does not stream begins its answer when it is done)",
     )
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     args = parser.parse_args(argv)
@@ -114,16 +144,25 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     stop = stop_event()
     table = PushedTable()
-    door = FrontDoor(args.router, table.served, table.known)
+    door = FrontDoor(args.router, table.served, table.known, max_body=args.max_body)
+    door.relay.first_byte_timeout = args.first_byte_timeout
     Gauge(
         "motor_front_door_table_age_seconds",
         "Seconds since motor-router-sync last pushed what is served (-1: never; it pushes every second).",
         registry=door.metrics.registry,
     ).set_function(table.age)
+    # Listening at once (before the table port: a table taken means clients' port is open),
+    # accepting once the table is known (the sync pushes every second): a door started again
+    # answers its first clients from the table, not with 503 "starting".
+    held = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else None
+    await door.start(*args.listen, sock=held, accept=False)
     table_runner = web.AppRunner(table.app(), access_log=None)
     await table_runner.setup()
     await web.TCPSite(table_runner, *args.table).start()
-    await door.start(*args.listen)
+    deadline = time.monotonic() + args.table_wait
+    while not table.known() and time.monotonic() < deadline and not stop.is_set():
+        await asyncio.sleep(0.02)
+    await door.relay.accept_now()
     try:
         await stop.wait()
     finally:

@@ -7,6 +7,7 @@ import json
 import logging
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +24,7 @@ class Request:
     encoding: str = ""  # the body's Content-Encoding, once decoded ("" if it had none)
     label: str = ""  # what the door files it under in its metrics
     began: float = 0.0  # when it was passed to the router
+    model: Any = None  # what the door read of its body (front_door/model_field.py ModelField), off the loop
 
 
 @dataclass
@@ -46,6 +48,47 @@ class Passed:
 
     status: int = 0  # 0: no answer from the router (or the client left before it began)
     router_failed: bool = False  # no connection, or it broke before the answer began
+
+
+# Headers that belong to one connection, not to the request: the relay writes its own. (Expect: the
+# relay answers `100 Continue` itself; Content-Length: of the body as sent on.)
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+        b"expect",
+    }
+)
+
+
+def forwarded(request: Request, host: bytes, body: bytes) -> bytes:
+    """The request as sent to the router: its own Host and length, without this connection's headers."""
+    lines = [f"{request.method} ".encode() + request.target + (b" HTTP/1.0" if request.http_10 else b" HTTP/1.1")]
+    lines.append(b"Host: " + host)
+    # Headers the client names in `Connection:` are this connection's too (RFC 9110 7.6.1).
+    named = {
+        option.strip().lower()
+        for name, value in request.headers
+        if name.lower() == b"connection"
+        for option in value.split(b",")
+    }
+    for name, value in request.headers:
+        lower = name.lower()
+        if lower in HOP_BY_HOP or lower in named or (request.encoding and lower == b"content-encoding"):
+            continue
+        lines.append(name + b": " + value)
+    if body or request.method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
+        lines.append(b"Content-Length: " + str(len(body)).encode())
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
 
 
 def response(status: int, body: bytes = b"", content_type: str = "application/json", head: bool = False) -> bytes:

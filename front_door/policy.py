@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from front_door.messages import Answer, Forward, Passed, Request, response
+from front_door.model_field import NOT_NAMED, TooComplex, model_field, with_model
 from front_door.relay import Relay
 from front_door.router_pool import RouterPool
 
@@ -126,6 +128,7 @@ class FrontDoor:
         router_url: str,
         served: Callable[[], dict[str, str | None]],
         ready: Callable[[], bool] = lambda: True,
+        max_body: int = MAX_BODY,
     ):
         self.router_url = router_url.rstrip("/")
         self.served = served  # model -> parent model (None: a deployment's model)
@@ -142,17 +145,30 @@ class FrontDoor:
             answered=self.answered,
             ended=self.ended,
             refused=lambda status: self.metrics.count("", status),
-            max_body=MAX_BODY,
+            read=self.read,
+            max_body=max_body,
         )
 
-    async def start(self, host: str, port: int) -> None:
-        await self.relay.start(host, port)
+    async def start(self, host: str, port: int, sock: socket.socket | None = None, accept: bool = True) -> None:
+        await self.relay.start(host, port, sock, accept)
         logger.info("front door on http://%s:%d in front of router %s", host, port, self.router_url)
 
     async def close(self) -> None:
         await self.relay.close()
 
     # What a request gets ----------------------------------------------------------------------------
+
+    def read(self, request: Request) -> Answer | None:
+        """The model a request's body names, read where the door's rules look (off the loop for a
+        large body: this touches nothing shared). An answer of its own if the body cannot be read."""
+        if request.method == "POST" and request.path in MODEL_PATHS and request.body:
+            try:
+                request.model = model_field(request.body)
+            except TooComplex:
+                return openai_error(
+                    413, "The request body has more JSON strings than the front door reads.", "BadRequestError", None
+                )
+        return None
 
     def decide(self, request: Request) -> Answer | Forward:
         path, method = request.path, request.method
@@ -170,17 +186,12 @@ class FrontDoor:
                 "PermissionDeniedError",
                 None,
             )
-        if method == "POST" and path in MODEL_PATHS and request.body:
-            try:
-                parsed = json.loads(request.body)
-            except (ValueError, RecursionError):  # RecursionError: nested deeper than Python reads
-                parsed = None  # not JSON: the router and the engine answer it as they would
-            if isinstance(parsed, dict):
-                answer, changed, request.label = self._refusal(parsed)
-                if answer is not None:
-                    self.metrics.count(request.label, answer.status)
-                    return answer
-                return Forward(changed)
+        if request.model is not None and request.model.is_object:  # not JSON: the engine answers it
+            answer, changed, request.label = self._refusal(request.model.value, request.body)
+            if answer is not None:
+                self.metrics.count(request.label, answer.status)
+                return answer
+            return Forward(changed)
         return Forward()
 
     # OpenAI's model surface -----------------------------------------------------------------------
@@ -198,17 +209,16 @@ class FrontDoor:
         self.metrics.count("", 200)
         return Answer(response(200, json.dumps({"object": "list", "data": data}).encode(), head=head), 200)
 
-    def _refusal(self, body: dict) -> tuple[Answer | None, bytes | None, str]:
+    def _refusal(self, model: object, body: bytes) -> tuple[Answer | None, bytes | None, str]:
         """(an answer of the front door's own, or None; the body to send when it was changed; the
-        model label)."""
+        model label), for a JSON object `body` naming `model`."""
         if not self.ready():
             return openai_error(503, STARTING, "ServiceUnavailableError", None), None, "?"
         served = self.served()
-        model = body.get("model")
-        if model is None or model == "":
+        if model is None or model == "" or model is NOT_NAMED:
             models = sorted(n for n, parent in served.items() if parent is None)
             if len(models) == 1:
-                return None, json.dumps({**body, "model": models[0]}).encode(), models[0]
+                return None, with_model(body, models[0]), models[0]
             if not models:
                 return openai_error(503, "No model is served yet.", "ServiceUnavailableError"), None, ""
             return (
@@ -249,5 +259,9 @@ class FrontDoor:
         if passed.status:  # a client that left before the router answered: nobody's failure counted
             self.metrics.count(request.label if request else "", passed.status)
 
-    def router_failed(self, request: Request, exc: BaseException) -> bytes:
-        return openai_error(502, f"the router did not answer: {type(exc).__name__}", "BadGatewayError", None).data
+    def router_failed(self, request: Request, exc: BaseException) -> Answer:
+        """504 when the router's answer did not begin in time, else 502 (no connection, or it closed)."""
+        if isinstance(exc, TimeoutError):
+            return openai_error(504, f"the router did not answer: {exc}", "GatewayTimeoutError", None)
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return openai_error(502, f"the router did not answer: {detail}", "BadGatewayError", None)

@@ -16,7 +16,9 @@ small machine cut the rate the router alone reaches by 40-50%.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import socket
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,32 +27,16 @@ from urllib.parse import unquote, urlsplit
 
 import httptools
 
-from front_door.bodies import TooLarge, decoded
-from front_door.messages import Answer, Forward, Passed, Request, error_answer
+from front_door.bodies import TOO_LARGE, BodyReader
+from front_door.messages import Answer, Forward, Passed, Request, error_answer, forwarded
 from front_door.router_pool import RouterConnection, RouterPool
 
 logger = logging.getLogger(__name__)
 
-# Headers that belong to one connection, not to the request: the relay writes its own. (Expect: the
-# relay answers `100 Continue` itself; Content-Length: of the body as sent on.)
-HOP_BY_HOP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"host",
-        b"content-length",
-        b"expect",
-    }
-)
+# Methods a request of may be sent again when the router's connection closed before an answer
+# (RFC 9110 9.2.2); a POST may have begun a generation, which must not run twice.
+IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 MAX_PIPELINED = 16  # requests a client may send ahead of its answers before it is read no more
-TOO_LARGE = "The request body is larger than the front door takes."
 HEADERS_TOO_LARGE = "The request's headers are larger than the front door takes."
 MAX_HEAD = 64 * 1024  # a request's line and headers (nginx takes 32 KiB, aiohttp 8 KiB a line)
 
@@ -73,6 +59,8 @@ class ClientConnection(asyncio.Protocol):
         self.continue_owed = False  # `100 Continue`, once the requests before it are answered
         self.since = time.monotonic()  # when it last had its answer, or its request last moved
         self.full = False  # its transport's buffer is full: its router connection is not read
+        self.body_after_upgrade: bytes | None = None  # the head to read an upgrade offer's body with
+        self.resuming = False  # reading that body: the request's own line and headers are kept
         self._reset()
 
     def _reset(self) -> None:
@@ -97,9 +85,14 @@ class ClientConnection(asyncio.Protocol):
                 data = b""
             except httptools.HttpParserUpgrade as exc:
                 # An offered upgrade (`Upgrade: h2c`, a websocket) is declined by answering in
-                # HTTP/1.1 (RFC 9110 7.8); what follows it is read as the next request.
+                # HTTP/1.1 (RFC 9110 7.8). llhttp takes what follows the headers for the new
+                # protocol: a body the request announced is read on as its body, what follows it
+                # as the next request.
                 self.parser = httptools.HttpRequestParser(self)
                 data = data[exc.args[0] :] if exc.args and isinstance(exc.args[0], int) else b""
+                if self.body_after_upgrade is not None:
+                    data, self.body_after_upgrade = self.body_after_upgrade + data, None
+                    self.resuming = True
             except httptools.HttpParserError as exc:
                 if not self.closing:
                     self._refuse(400, f"Malformed HTTP request: {exc}")
@@ -131,15 +124,21 @@ class ClientConnection(asyncio.Protocol):
 
     # httptools' callbacks
     def on_message_begin(self) -> None:
+        if self.resuming:
+            return
         self._reset()
         self.in_head = True
         self.since = time.monotonic()  # its head must come whole within the idle timeout
 
     def on_url(self, url: bytes) -> None:
+        if self.resuming:
+            return
         self.url += url
         self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.resuming:
+            return
         self.headers.append((name, value))
         self._count_head(len(name) + len(value))
 
@@ -151,6 +150,9 @@ class ClientConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.in_head = False
+        if self.resuming:  # the stand-in head of an upgrade offer's body: the real one was read
+            self.resuming = False
+            return
         for name, value in self.headers:
             lower = name.lower()
             if lower == b"content-length" and value.strip().isdigit() and int(value) > self.relay.max_body:
@@ -172,6 +174,8 @@ class ClientConnection(asyncio.Protocol):
         self.body.append(body)
 
     def on_message_complete(self) -> None:
+        if self.parser.should_upgrade() and self._declined_upgrade_body():
+            return  # its body follows: read on with the request (data_received)
         self.continue_owed = False  # the body came without it
         if self.closing or self.refusal is not None:
             return
@@ -203,35 +207,36 @@ class ClientConnection(asyncio.Protocol):
         if self.current is None:
             self._next()
 
+    def _declined_upgrade_body(self) -> bool:
+        """For a request offering an upgrade with a body, the head that reads that body (its
+        method, version, framing, keep-alive) once llhttp stops at the offer."""
+        framing = b""
+        for name, value in self.headers:
+            lower = name.lower()
+            if lower == b"content-length" and value.strip() not in (b"", b"0"):
+                framing = b"Content-Length: " + value.strip()
+            elif lower == b"transfer-encoding":
+                framing = b"Transfer-Encoding: " + value.strip()
+        if not framing:
+            return False
+        version = self.parser.get_http_version().encode()
+        close = b"" if self.parser.should_keep_alive() else b"\r\nConnection: close"
+        self.body_after_upgrade = (
+            self.parser.get_method() + b" / HTTP/" + version + b"\r\n" + framing + close + b"\r\n\r\n"
+        )
+        return True
+
     # serving, one request at a time
     def _next(self) -> None:
         while self.current is None and self.waiting and not self.closing:
             request = self.current = self.waiting.popleft()
             if len(self.waiting) == MAX_PIPELINED:
                 self.transport.resume_reading()
-            encoding = ""
-            for name, value in request.headers:
-                if name.lower() == b"content-encoding":
-                    encoding = value.decode("latin-1").strip().lower()
-            if encoding and request.body:
-                try:
-                    body = decoded(request.body, encoding, self.relay.max_body)
-                except TooLarge:
-                    self.relay.refused(413)
-                    self._answer(request, error_answer(413, TOO_LARGE))
-                    continue
-                except Exception:  # noqa: BLE001 - zlib's and brotli's own errors
-                    body = None
-                if body is None:
-                    self.relay.refused(415)
-                    self._answer(request, error_answer(415, "the body's Content-Encoding is not readable"))
-                    continue
-                request.body, request.encoding = body, encoding
-            decision = self.relay.decide(request)
-            if isinstance(decision, Answer):
-                self._answer(request, decision.data)
-                continue
-            self._forward(request, decision.body)
+            if self.relay.bodies.heavy(request):
+                future = self.relay.bodies.off_loop(request, self.relay.max_body)
+                future.add_done_callback(functools.partial(self._read_off_loop, request))
+                return
+            self._serve(request, self.relay.bodies.prepare(request, self.relay.max_body))
         if self.current is None and not self.waiting and not self.closing:
             if (
                 self.continue_owed and self.refusal is None
@@ -242,6 +247,29 @@ class ClientConnection(asyncio.Protocol):
                 self.closing = True
                 self.transport.write(self.refusal)
                 self.transport.close()
+
+    def _read_off_loop(self, request: Request, future: asyncio.Future) -> None:
+        if self.closing or future.cancelled():
+            return
+        try:
+            refused = future.result()
+        except Exception:  # noqa: BLE001 - a bug in reading one body must not stop the connection's others
+            logger.exception("reading a request body")
+            refused = Answer(error_answer(400, "the request body could not be read"), 400)
+        self._serve(request, refused)
+        self._next()
+
+    def _serve(self, request: Request, refused: Answer | None) -> None:
+        """The request, its body read: refused, answered by the door, or passed to the router."""
+        if refused is not None:
+            self.relay.refused(refused.status)
+            self._answer(request, refused.data)
+            return
+        decision = self.relay.decide(request)
+        if isinstance(decision, Answer):
+            self._answer(request, decision.data)
+            return
+        self._forward(request, decision.body)
 
     def _answer(self, request: Request, data: bytes) -> None:
         self.transport.write(data)
@@ -256,16 +284,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _forward(self, request: Request, body: bytes | None) -> None:
         body = request.body if body is None else body
-        lines = [f"{request.method} ".encode() + request.target + (b" HTTP/1.0" if request.http_10 else b" HTTP/1.1")]
-        lines.append(b"Host: " + self.relay.pool.host_header)
-        for name, value in request.headers:
-            lower = name.lower()
-            if lower in HOP_BY_HOP or (request.encoding and lower == b"content-encoding"):
-                continue
-            lines.append(name + b": " + value)
-        if body or request.method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
-            lines.append(b"Content-Length: " + str(len(body)).encode())
-        data = b"\r\n".join(lines) + b"\r\n\r\n" + body
+        data = forwarded(request, self.relay.pool.host_header, body)
         self.passed = Passed()
         self.relay.began(request)
         router = self.relay.pool.take()
@@ -280,7 +299,7 @@ class ClientConnection(asyncio.Protocol):
         self.sent = data
         if self.full:  # an earlier answer still fills the client's buffer: this one waits for it too
             router.transport.pause_reading()
-        router.send(self, data, head_only=request.method == "HEAD")
+        router.send(self, data, head_only=request.method == "HEAD", deadline=self.relay.first_byte_timeout)
 
     async def _connect_and_send(self, request: Request, data: bytes) -> None:
         try:
@@ -314,11 +333,19 @@ class ClientConnection(asyncio.Protocol):
         if request is None:
             return
         if not router.answered:
-            if self.reused:  # a kept-alive connection the router had closed: once more on a new one
+            if router.timed_out:
+                self._router_failed(request, TimeoutError(f"no answer within {self.relay.first_byte_timeout:g}s"))
+                return
+            if self.reused and request.method in IDEMPOTENT:
+                # A kept-alive connection the router had closed: once more on a new one. Only a
+                # request that may run twice: the router may have begun a POST (a generation).
                 self.reused = False
                 asyncio.ensure_future(self._connect_and_send(request, self.sent))
                 return
-            self._router_failed(request, ConnectionResetError("the router closed the connection"))
+            why = "the router closed the connection before answering"
+            if self.reused:
+                why += "; the request was not sent again (it may have begun): retry it"
+            self._router_failed(request, ConnectionResetError(why))
             return
         # The answer had begun (a stream, or one without a length): the client sees it end as the
         # router's did.
@@ -330,10 +357,11 @@ class ClientConnection(asyncio.Protocol):
         if self.closing:
             self._done()
             return
+        answer = self.relay.router_failed(request, exc)
         self.passed.router_failed = True
-        self.passed.status = 502
+        self.passed.status = answer.status
         self._done()
-        self._answer(request, self.relay.router_failed(request, exc))
+        self._answer(request, answer.data)
         self._next()
 
     def _done(self) -> None:
@@ -360,30 +388,47 @@ class ClientConnection(asyncio.Protocol):
 
 @dataclass
 class Relay:
-    """The listening side: `decide` gives a request's own answer or passes it on; `began`,
+    """The listening side: `read` reads a request's body off the loop where it is large (an answer
+    of its own when it cannot), `decide` gives a request's own answer or passes it on; `began`,
     `answered` (the router's answer began) and `ended` are told of each request passed on;
     `refused`, of each the relay answered itself as unreadable (400, 413, 415, 431)."""
 
     pool: RouterPool
     decide: Callable[[Request], Answer | Forward]
-    router_failed: Callable[[Request, BaseException], bytes]
+    router_failed: Callable[[Request, BaseException], Answer]
     began: Callable[[Request], None] = lambda request: None
     answered: Callable[[Request | None], None] = lambda request: None
     ended: Callable[[Request | None, Passed], None] = lambda request, passed: None
     refused: Callable[[int], None] = lambda status: None
+    read: Callable[[Request], Answer | None] = lambda request: None
     max_body: int = 256 * 1024 * 1024
     # A client connection with nothing with the router is closed after this many idle seconds, or
     # a request's headers not whole by then (aiohttp's server and nginx keep 75 s): clients that
     # vanish, or send a byte at a time, would hold the door's sockets for ever.
     idle_timeout: float = 75.0
+    # The router's answer must begin within this (its headers: a completion that does not stream
+    # sends them when it is done), else 504. As generous as the router's own --request-timeout-secs.
+    first_byte_timeout: float = 1800.0
     connections: set[ClientConnection] = field(default_factory=set)
     server: asyncio.Server | None = None
     sweeper: asyncio.Task | None = None
+    bodies: BodyReader = field(init=False)
 
-    async def start(self, host: str, port: int) -> None:
+    def __post_init__(self) -> None:
+        self.bodies = BodyReader(self.read)
+
+    async def start(self, host: str, port: int, sock: socket.socket | None = None, accept: bool = True) -> None:
+        """Listen on host:port, or on `sock` (a listening socket inherited from whoever holds the
+        port). With `accept` False, connections wait in the backlog until `accept_now`."""
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: ClientConnection(self), host, port, backlog=1024)
+        where = {"sock": sock} if sock is not None else {"host": host, "port": port}
+        self.server = await loop.create_server(
+            lambda: ClientConnection(self), **where, backlog=1024, start_serving=accept
+        )
         self.sweeper = asyncio.ensure_future(self._sweep())
+
+    async def accept_now(self) -> None:
+        await self.server.start_serving()
 
     async def _sweep(self) -> None:
         while True:
@@ -400,5 +445,6 @@ class Relay:
         for connection in list(self.connections):
             connection.transport.close()
         self.pool.close()
+        self.bodies.close()
         if self.server is not None:
             await self.server.wait_closed()

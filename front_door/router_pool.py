@@ -80,20 +80,30 @@ class RouterConnection(asyncio.Protocol):
         self.head_only = False
         self.answered = False  # a byte of the answer reached the client
         self.lost = False
+        self.first_byte: asyncio.TimerHandle | None = None  # the deadline on the answer's first byte
+        self.timed_out = False  # closed by that deadline
 
     def connection_made(self, transport) -> None:
         self.transport = transport
 
-    def send(self, client: RouterClient, data: bytes, head_only: bool) -> None:
+    def send(self, client: RouterClient, data: bytes, head_only: bool, deadline: float) -> None:
+        """`data` sent for `client`; closed (timed_out) if no byte of an answer comes within `deadline` s."""
         self.client, self.head_only, self.answered = client, head_only, False
         self.parser = httptools.HttpResponseParser(self)
         self.transport.write(data)
+        self.first_byte = asyncio.get_running_loop().call_later(deadline, self._no_first_byte)
+
+    def _no_first_byte(self) -> None:
+        self.timed_out = True
+        self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         client = self.client
         if client is None:  # nothing asked: the router has nothing to say on this connection
             self.transport.close()
             return
+        if not self.answered and self.first_byte is not None:
+            self.first_byte.cancel()
         self.answered = True
         client.transport.write(data)
         try:
@@ -122,6 +132,8 @@ class RouterConnection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.lost = True
+        if self.first_byte is not None:
+            self.first_byte.cancel()
         client, self.client = self.client, None
         if client is not None:
             client.router_lost(self)

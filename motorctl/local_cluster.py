@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -93,6 +94,7 @@ class LocalCluster:
     router_admin_port: int = 0  # the router itself (its admin API): loopback, not for clients
     router_pd: bool = False  # prefill and decode engines as the router's typed workers (its P/D flow)
     front_door: Supervisor = field(default_factory=Supervisor)  # restarts the router, its sync and the door
+    door_socket: socket.socket | None = None  # the published port, held across the door's restarts
 
     @property
     def router_url(self) -> str:
@@ -174,7 +176,9 @@ class LocalCluster:
     def launch_controller(self, index: int) -> ManagedProcess:
         return self._launch("controller" if index == 0 else f"controller-{index + 1}", self.controller_command(index))
 
-    def _launch(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
+    def _launch(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()
+    ) -> ManagedProcess:
         log_path = os.path.join(self.run_dir, "logs", f"{name}.log")
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         with open(log_path, "ab") as log:
@@ -184,6 +188,7 @@ class LocalCluster:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                pass_fds=pass_fds,
                 env=dict(os.environ, **run_tag(self.run_dir), **(env or {})),
             )
         managed = ManagedProcess(name, process, log_path)
@@ -251,8 +256,10 @@ class LocalCluster:
         # The front door in its own process (a sync that dies touches no client connection), fed
         # by the sync on a private port of loopback.
         table = f"127.0.0.1:{free_port()}"
-        door_argv = front.door_command(f"127.0.0.1:{self.router_port}", self.router_admin_url, table)
-        door = self._launch("front-door", door_argv)
+        self.door_socket = front.held_listener("127.0.0.1", self.router_port)  # outlives each door process
+        fds = (self.door_socket.fileno(),)
+        door_argv = front.door_command(f"127.0.0.1:{self.router_port}", self.router_admin_url, table, fds[0])
+        door = self._launch("front-door", door_argv, pass_fds=fds)
         sync_argv = front.sync_command(
             self.controller_addresses,
             self.router_admin_url,
@@ -272,7 +279,9 @@ class LocalCluster:
         self.front_door.watch(
             "router", router.process, lambda: self._launch("router", router_argv, front.ROUTER_ENV).process
         )
-        self.front_door.watch("front-door", door.process, lambda: self._launch("front-door", door_argv).process)
+        self.front_door.watch(
+            "front-door", door.process, lambda: self._launch("front-door", door_argv, None, fds).process
+        )
         self.front_door.watch("router-sync", sync.process, lambda: self._launch("router-sync", sync_argv).process)
         self.front_door.start()
 
@@ -379,6 +388,8 @@ class LocalCluster:
         stopped explicitly. Returns what had to be killed or was found left over."""
         self.front_door.stop()  # nothing is started again from here on
         problems: list[str] = self._terminate([p for p in self.processes if p.name.startswith(FRONT)], timeout)
+        if self.door_socket is not None:
+            self.door_socket.close()
         controllers = [p for p in self.processes if p.name.startswith("controller")]
         node_managers = [p for p in self.processes if not p.name.startswith(("controller", *FRONT))]
         problems += self._terminate(controllers, timeout)

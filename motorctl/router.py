@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import sys
 import urllib.error
 import urllib.request
@@ -119,11 +120,22 @@ def sync_command(
     ]
 
 
-def door_command(listen: str, router_url: str, table: str) -> list[str]:
+def door_command(listen: str, router_url: str, table: str, listen_fd: int | None = None) -> list[str]:
     """The front door on `listen` (HOST:PORT) in front of `router_url`, its table taken on `table`
     (HOST:PORT, private: the sync writes it). Its own process, so that a sync that dies or restarts
-    touches no client connection (docs/router.md)."""
-    return [sys.executable, "-m", "front_door.cli", "--listen", listen, "--router", router_url, "--table", table]
+    touches no client connection (docs/router.md). With `listen_fd` it serves that inherited socket
+    (listening on `listen`) instead of binding its own."""
+    fd = ["--listen-fd", str(listen_fd)] if listen_fd is not None else []
+    return [sys.executable, "-m", "front_door.cli", "--listen", listen, *fd, "--router", router_url, "--table", table]
+
+
+def held_listener(host: str, port: int) -> socket.socket:
+    """The published port's listening socket, held by `motorctl up` and inherited by each door
+    process it starts: while a door that died is started again, new connections wait in its
+    backlog instead of being refused (as nginx's master holds its workers' sockets)."""
+    listener = socket.create_server((host, port), backlog=1024)
+    listener.set_inheritable(True)
+    return listener
 
 
 def router_workers(url: str, timeout: float = 2.0) -> list[str] | None:
