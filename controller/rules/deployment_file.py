@@ -54,7 +54,7 @@ def validate_deployment(
     except InvalidArgument as exc:
         problems.append(str(exc))
     else:  # then as its engine servers will read it
-        problems.extend(engine_config_problems(integral_numbers(engine_config)))
+        problems.extend(engine_config_problems(integral_numbers(engine_config), model=d.model.strip()))
     seen: dict[str, int] = {}
     for i, group in enumerate(d.instance_groups):
         where = f"instance_groups[{i}]"
