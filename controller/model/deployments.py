@@ -159,6 +159,12 @@ class Deployments:
 
     # ------------------------------------------------------------------ reading
 
+    def last_revision(self, name: str) -> int:
+        """The deployment's revision; for one deleted, the last it had (an apply continues from
+        it, and a dry run says so); 0 for a name never applied."""
+        current = self.by_name.get(name)
+        return current[1] if current is not None else self.deleted_revisions.get(name, 0)
+
     @property
     def deployment(self) -> C.Deployment | None:
         """The only deployment (None when there are none or several): the view of the API without names."""
