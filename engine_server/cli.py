@@ -155,6 +155,7 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
     from engine_server.engines import engine_class
     from engine_server.engines.base import EngineOptions
     from engine_server.metrics import process_metrics
+    from engine_server.served_model import served_model_health
     from engine_server.server import EngineServer
     from motor.contract.termination import CONFIG_ERROR, ENGINE_DIED, START_FAILED, STOPPED
     from motor.errors import ConfigError
@@ -178,7 +179,10 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
     engine_cls = engine_class(section.engine_type)
     engine = engine_cls(options)
     metrics = process_metrics()
-    core = EngineServer(options, section, engine, metrics=metrics)
+    health = served_model_health(options, section)  # up only while it serves the deployment's model
+    core = EngineServer(options, section, engine, metrics=metrics, health_client=health)
+    if health is not None:
+        health.report_to(core.machine)
     bind = f"{args.host}:{args.mgmt_port}"
     legacy_tls = section.mgmt_tls_config.server_files()
     if legacy_tls is not None and not args.tls_enabled:

@@ -233,15 +233,31 @@ class Autoscaler:
                     scaler.restart(now)
                     scaler.last = scaler.after(f"held: {held}")
                     continue
-                # A P/D pair scales as one (instance i pairs with instance i): on the larger of the
-                # prefill group's and the decode group's load.
-                load = max(self.in_flight(group.name), self.in_flight(group.pair_with) if group.pair_with else 0)
-                decision = scaler.step(now, group.count, load)
+                try:
+                    decision = self._look(scaler, now, group)
+                    if decision is not None:
+                        self._act(name, deployment, revision, decision)
+                except Exception as exc:  # one group's failure never stops the others' pass
+                    self._failed(name, scaler, exc)
+                    continue
                 if decision is not None:
-                    self._act(name, deployment, revision, decision)
                     break  # one change of a deployment at a time: the next tick sees it made
         for key in set(self.scalers) - seen:
             del self.scalers[key]
+
+    def _look(self, scaler: GroupScaler, now: float, group: C.InstanceGroup) -> Decision | None:
+        # A P/D pair scales as one (instance i pairs with instance i): on the larger of the
+        # prefill group's and the decode group's load.
+        load = max(self.in_flight(group.name), self.in_flight(group.pair_with) if group.pair_with else 0)
+        return scaler.step(now, group.count, load)
+
+    def _failed(self, name: str, scaler: GroupScaler, exc: Exception) -> None:
+        """Said in the group's status every time, logged once per kind of failure (it repeats each second)."""
+        what = f"autoscaling failed: {type(exc).__name__}: {exc}"
+        if not scaler.last.endswith(what):
+            logger.exception("autoscaling %s of %s: %s; the other groups go on", scaler.group, name, what)
+        scaler.last = scaler.after(what)
+        scaler.restart(self.state.mono())
 
     def _held(self, name: str) -> str:
         if self.changes.busy:

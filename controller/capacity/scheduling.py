@@ -8,6 +8,7 @@ Everything runs on the controller's asyncio loop.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 from controller.capacity.fleet_view import FleetView
@@ -73,6 +74,7 @@ class Scheduler:
         self.fleet_view = FleetView(state)
         self.launches_open = 0  # launch tasks spawned and not finished (at most LAUNCHES_OPEN)
         self._serving_waits = False
+        self._spread: dict[str, Counter[str]] = {}  # group -> its serving instances by node (one pass)
         self._spares_to_preempt = True
 
     # ------------------------------------------------------------------ the reconcile pass
@@ -92,6 +94,7 @@ class Scheduler:
         budget = Budget()
         now_wall, now = st.wall(), st.mono()
         fleet: Fleet | None = None
+        self._spread: dict[str, Counter[str]] = {}  # group -> its serving instances by node, for this pass
         self._serving_waits = False  # a serving instance found no room in this pass: no spare is placed
         self._spares_to_preempt = True  # until a look finds none that would help (one look per pass at most)
         for instance_id in sorted(st.attention, key=st.placement_order):  # first come, first served
@@ -99,6 +102,7 @@ class Scheduler:
                 if st.store.busy:
                     return
                 now_wall, now, fleet = st.wall(), st.mono(), None  # anything may have changed meanwhile
+                self._spread = {}
             if instance_id in st.leaving:
                 # A deployment change removes or replaces it (controller/deploy/changes.py): placed
                 # meanwhile, it would be started only to be stopped (a delete of 10,000 PENDING
@@ -162,6 +166,19 @@ class Scheduler:
 
     # ------------------------------------------------------------------ placement
 
+    def _group_spread(self, inst: InstanceRecord) -> Counter[str]:
+        """The nodes holding the serving instances of `inst`'s group, each counted once per
+        instance (its ranks together): placement spreads the group from them. Counted once a pass
+        per group (every instance looked at once), then kept up to date by the pass's placements."""
+        spread = self._spread.get(inst.group)
+        if spread is None:
+            st = self.state
+            spread = self._spread[inst.group] = Counter()
+            for other in st.instances.values():
+                if other.group == inst.group and not other.spare:
+                    spread.update({s.node_id for s in st.slots_of(other.instance_id) if s.node_id})
+        return spread
+
     def _place(self, inst: InstanceRecord, unplaced: list[EngineSlot], fleet: Fleet) -> None:
         st = self.state
         rank0_moves = any(s.dp_rank == 0 for s in unplaced)
@@ -193,6 +210,7 @@ class Scheduler:
                 inst.single_container,
                 fleet,
                 self.spares.avoid(inst),
+                self._group_spread(inst),
             )
         except Unplaceable as exc:
             st.transition(inst, PENDING, f"cannot be placed: {exc}")
@@ -213,6 +231,8 @@ class Scheduler:
             st.refused(exc)
             return
         self.reschedule_bucket.take(moved)
+        if not inst.spare:
+            self._group_spread(inst).update({p.node_id for p in placements})
         by_rank = {p.dp_rank: p for p in placements}
         with st.batch():
             for s, generation in zip(unplaced, generations):

@@ -130,10 +130,11 @@ class DeploymentChanges:
         validated = validate_deployment(deployment, self.max_engines)
         self._check_groups(validated)
         current = self.home.by_name.get(validated.name)
-        if current is None:
-            return validated, 1
-        same = validated.SerializeToString(deterministic=True) == current[0].SerializeToString(deterministic=True)
-        return validated, current[1] if same else current[1] + 1
+        last = self.home.last_revision(validated.name)
+        same = current is not None and (
+            validated.SerializeToString(deterministic=True) == current[0].SerializeToString(deterministic=True)
+        )
+        return validated, last if same else last + 1
 
     async def delete(self, name: str = "") -> None:
         self.home.named(name, deleting=True)  # refused before it waits its turn; checked again in it
@@ -192,7 +193,7 @@ class DeploymentChanges:
             validated.SerializeToString(deterministic=True) == current[0].SerializeToString(deterministic=True)
         ):
             return Plan(name, current[0], current[1], kept=layout.kept, same=True)
-        last = current[1] if current else self.home.deleted_revisions.get(name, 0)
+        last = self.home.last_revision(name)
         plan = Plan(name, validated, last + 1, removed=layout.removed, kept=layout.kept)
         config = engine_config_json(validated)  # one string shared by the new records
         for spec in layout.new:

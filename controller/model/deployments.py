@@ -25,6 +25,7 @@ from controller.store.base import LEGACY_DEPLOYMENT, Store, StoredState, StoreUn
 from motor.clock import Clock
 from motor.contract import names
 from motor.contract.names import enum_short_name
+from motor.contract.user_config import SECTION_BY_ROLE
 from motor.errors import InvalidArgument, NotFound
 from motor.state_machine import Transitions
 from motor.v1 import controller_pb2
@@ -59,8 +60,18 @@ def rollout_record(previous: bytes | None, previous_revision: int, since: float)
 
 
 def engine_config_json(deployment: C.Deployment) -> str:
-    """A deployment's engine_config as its engines are started with it (the StartEngine config_json)."""
-    return json.dumps(integral_numbers(struct_dict(deployment.engine_config)), sort_keys=True)
+    """A deployment's engine_config as its engines are started with it (the StartEngine config_json):
+    each engine section also names the deployment's model, which its engine server holds it to."""
+    config = integral_numbers(struct_dict(deployment.engine_config))
+    for key, section in config.items():
+        if key in SECTION_BY_ROLE.values() and isinstance(section, dict) and deployment.model:
+            section["deployment_model"] = deployment.model
+            args = section.get("engine_args")
+            if section.get("engine_type") == "sim" and (args is None or isinstance(args, dict)):
+                # The simulated engine serves the deployment's model unless its arguments name one
+                # (controller/rules/engine_sections.py refuses one that names another).
+                section["engine_args"] = {"model": deployment.model, **(args or {})}
+    return json.dumps(config, sort_keys=True)
 
 
 @dataclass
@@ -147,6 +158,12 @@ class Deployments:
         return bool(self._adapters)
 
     # ------------------------------------------------------------------ reading
+
+    def last_revision(self, name: str) -> int:
+        """The deployment's revision; for one deleted, the last it had (an apply continues from
+        it, and a dry run says so); 0 for a name never applied."""
+        current = self.by_name.get(name)
+        return current[1] if current is not None else self.deleted_revisions.get(name, 0)
 
     @property
     def deployment(self) -> C.Deployment | None:

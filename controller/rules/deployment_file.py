@@ -54,7 +54,7 @@ def validate_deployment(
     except InvalidArgument as exc:
         problems.append(str(exc))
     else:  # then as its engine servers will read it
-        problems.extend(engine_config_problems(integral_numbers(engine_config)))
+        problems.extend(engine_config_problems(integral_numbers(engine_config), model=d.model.strip()))
     seen: dict[str, int] = {}
     for i, group in enumerate(d.instance_groups):
         where = f"instance_groups[{i}]"
@@ -176,6 +176,9 @@ ROLLOUT_DEFAULTS = {"progress_deadline": 600.0, "min_ready": 5.0}
 
 
 DEFAULT_SCALE_DOWN_DELAY_S = 300.0
+# Requests in flight per engine the autoscaler aims at. Below a hundredth the arithmetic stops being
+# meaningful (1.0e-310 overflowed it); above a million no engine holds that many.
+TARGET_IN_FLIGHT_RANGE = (0.01, 1_000_000.0)
 
 
 def most_instances(group: controller_pb2.InstanceGroup) -> int:
@@ -199,10 +202,16 @@ def autoscaling_problems(group: controller_pb2.InstanceGroup, where: str, count_
         problems.append(
             f"{where[: -len('.autoscaling')]}.count: {count} outside autoscaling min {a.min} .. max {a.max}{advice}"
         )
+    low, high = TARGET_IN_FLIGHT_RANGE
     if not (a.target_in_flight > 0 and math.isfinite(a.target_in_flight)):
         problems.append(
             f"{where}.target_in_flight: required: a positive number of requests in flight per engine "
             f"(got {a.target_in_flight})"
+        )
+    elif not low <= a.target_in_flight <= high:
+        problems.append(
+            f"{where}.target_in_flight: must be from {low:g} to {high:.0f} requests in flight per engine "
+            f"(got {a.target_in_flight:g})"
         )
     if a.scale_down_delay_s < 0 or not math.isfinite(a.scale_down_delay_s):
         problems.append(f"{where}.scale_down_delay_s: must not be negative (got {a.scale_down_delay_s})")

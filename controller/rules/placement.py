@@ -1,16 +1,19 @@
-"""Placement: bin-pack the ranks of one instance onto READY nodes by free accelerators and ports.
+"""Placement: the ranks of one instance onto READY nodes by free accelerators and ports.
 
-Plain data and functions, so the policy is tested without nodes or gRPC. Best fit: each rank
-goes to the node left with the fewest free accelerators (ties: fewest free ports, then node
-id), which keeps large holes free for large engines. `Fleet` keeps the nodes ordered by free
-room so that one placement costs O(log n) on fleets of thousands of nodes; `put` and `drop` let
+Plain data and functions, so the policy is tested without nodes or gRPC. A group spreads: each
+rank goes to a node holding the fewest of its group's other instances (as Kubernetes' topology
+spread: a node's loss takes as few of a model's instances as room allows). Among those, best fit:
+the node left with the fewest free accelerators (ties: fewest free ports, then node id), which
+keeps large holes free for large engines; a group packs only when no emptier node has room.
+`Fleet` keeps the nodes ordered by free room so that one placement costs O(log n) on fleets of
+thousands of nodes (a group spread over most of them scans further); `put` and `drop` let
 the controller keep one Fleet between passes (controller/capacity/fleet_view.py).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -82,16 +85,27 @@ class Fleet:
         if node is not None:
             del self.order[bisect.bisect_left(self.order, self._key(node))]
 
-    def best_fit(self, accelerators: int, ports: int, avoid: frozenset[str] = frozenset()) -> NodeCapacity | None:
-        """The fullest node with room, not one of `avoid` if another has room."""
+    def best_fit(
+        self,
+        accelerators: int,
+        ports: int,
+        avoid: frozenset[str] = frozenset(),
+        spread: Mapping[str, int] | None = None,
+    ) -> NodeCapacity | None:
+        """Of the nodes with room: one not in `avoid` if any, then one holding the fewest of
+        `spread` (the group's instances by node), then the fullest."""
         i = bisect.bisect_left(self.order, (accelerators, -1, ""))
-        fallback = None
+        best, best_key = None, None
         for j in range(i, len(self.order)):
-            if self.order[j][1] >= ports:
-                if self.order[j][2] not in avoid:
-                    return self.nodes[self.order[j][2]]
-                fallback = fallback or self.nodes[self.order[j][2]]
-        return fallback
+            _, free_ports, node_id = self.order[j]
+            if free_ports < ports:
+                continue
+            key = (node_id in avoid, spread.get(node_id, 0) if spread else 0)
+            if best_key is None or key < best_key:
+                best, best_key = node_id, key
+                if key == (False, 0):
+                    break  # nothing beats it: the scan stops at the first such node (O(log n) on a new group)
+        return self.nodes[best] if best is not None else None
 
     def _update(self, node: NodeCapacity, change) -> None:
         key = self._key(node)
@@ -130,9 +144,11 @@ def place_instance(
     single_container: bool,
     fleet: Fleet | list[NodeCapacity],
     avoid: frozenset[str] = frozenset(),
+    spread: Mapping[str, int] | None = None,
 ) -> list[RankPlacement]:
-    """Place `ranks`, on nodes other than `avoid` where they have room; the fleet is updated
-    only when every rank fits. Raises Unplaceable."""
+    """Place `ranks`, on nodes other than `avoid` where they have room, spread from the group's
+    other instances (`spread`: how many each node holds); the fleet is updated only when every
+    rank fits. Raises Unplaceable."""
     if not isinstance(fleet, Fleet):
         fleet = Fleet(fleet)
     if not fleet.order:
@@ -140,7 +156,7 @@ def place_instance(
     need_ports = ports_per_engine(single_container)
     placements: list[RankPlacement] = []
     for rank in ranks:
-        best = fleet.best_fit(accelerators_per_engine, need_ports, avoid)
+        best = fleet.best_fit(accelerators_per_engine, need_ports, avoid, spread)
         if best is None:
             for p in placements:  # not all ranks fit: give back what this call took
                 fleet.give_back(fleet.nodes[p.node_id], p.accelerator_ids, p.port_count)

@@ -150,20 +150,31 @@ def _value_problems(value: Any, field: FieldDescriptor, path: str) -> list[str]:
 
 def _number_problems(value: Any, path: str) -> list[str]:
     """A number field (autoscaling's target and delay): protobuf's parser named it by its message
-    type, and took nan and inf, which no comparison with them holds."""
+    type, took nan and inf, which no comparison with them holds, and a quoted number, which an
+    integer field refuses (the file reader reads 1e3 as a number: motor/service/config.py)."""
     number = None
-    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         try:
-            number = float(value)  # a string too: YAML 1.1 reads 1e3 as one
-        except (ValueError, OverflowError):
+            number = float(value)
+        except OverflowError:
             pass
     if number is None:
         duration = isinstance(value, str) and _DURATION.fullmatch(value.strip())
         hint = f" (seconds as a plain number: {value.strip()[:-1]})" if duration else ""
+        if isinstance(value, str) and not duration and _is_number(value):
+            hint = f" (a quoted number: write it without quotes, {value.strip()})"
         return [f"{path}: expected a number, got {_shown(value)}{hint}"]
     if not math.isfinite(number):
         return [f"{path}: expected a finite number, got {value}"]
     return []
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def deployment_from_dict(data: Any, source: str = "deployment") -> controller_pb2.Deployment:

@@ -168,6 +168,10 @@ class EngineSection(_Strict):
     # Let the engine send usage statistics home (vLLM's usage stats, anything honouring
     # DO_NOT_TRACK). Off: fleets are often air-gapped, and a call home there only waits and fails.
     usage_stats: bool = False
+    # The model name requests for this engine carry: its deployment's `model`, written here by the
+    # controller. The engine server reports INIT (then, once up, failed health checks) until the
+    # engine's GET /v1/models lists it, so an engine serving another name is never available.
+    deployment_model: str | None = Field(None, min_length=1)
 
 
 # Sections of other components in a MindIE user_config: `motor_<name>_config`, name not `engine_*`.

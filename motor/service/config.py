@@ -136,8 +136,47 @@ def validate(model: type[ModelT], data: Any, source: str = "", prefix: str = "")
         raise ConfigError(f"{where}{describe_validation_error(exc, prefix, model)}") from None
 
 
+class _DocumentLoader(yaml.SafeLoader):
+    """YAML as people write configuration: a key written twice is an error (PyYAML kept the last
+    value silently, so half an edit won), and `1e3` is a number, as in YAML 1.2 and JSON (PyYAML,
+    YAML 1.1, read it as a string, which made quoted numbers pass for numbers too)."""
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict:
+        if isinstance(node, yaml.MappingNode):
+            seen: set = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *base`: the keys written beside it override the merged ones
+                key = self.construct_object(key_node, deep=True)
+                if not isinstance(key, typing.Hashable):
+                    continue  # SafeLoader itself refuses it, with its own message
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {excerpt(key)}: write each key once", key_node.start_mark
+                    )
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_DocumentLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {excerpt(key)}: write each key once")
+        out[key] = value
+    return out
+
+
 def read_document(path: str) -> Any:
-    """Read a JSON or YAML file (YAML is a superset of JSON; .json files get JSON errors)."""
+    """Read a JSON or YAML file (YAML is a superset of JSON; .json files get JSON errors); a key
+    written twice in one mapping is refused, naming it and its line."""
     if not os.path.exists(path):
         raise ConfigError(f"{path}: file not found")
     try:
@@ -147,9 +186,9 @@ def read_document(path: str) -> Any:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     try:
         if path.endswith(".json"):
-            return json.loads(text)
-        return yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+            return json.loads(text, object_pairs_hook=_unique_keys)
+        return yaml.load(text, Loader=_DocumentLoader)  # noqa: S506 (a SafeLoader)
+    except (json.JSONDecodeError, yaml.YAMLError, ValueError) as exc:
         raise ConfigError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: {exc}") from None
 
 

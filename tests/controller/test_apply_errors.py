@@ -129,7 +129,10 @@ def test_an_unknown_engine_type_is_refused_at_apply():
 
 
 def vllm_section(**engine_args) -> dict:
-    return {"engine_type": "vllm", "engine_args": {"model": "Qwen/Qwen2-0.5B", **engine_args}}
+    return {
+        "engine_type": "vllm",
+        "engine_args": {"model": "Qwen/Qwen2-0.5B", "served_model_name": "sim-tiny", **engine_args},
+    }
 
 
 def test_an_unknown_vllm_argument_is_refused_with_the_closest_vllm_argument():
@@ -145,7 +148,10 @@ def test_known_vllm_arguments_pass():
 
 
 def sglang_section(**engine_args) -> dict:
-    return {"engine_type": "sglang", "engine_args": {"model_path": "Qwen/Qwen2-0.5B", **engine_args}}
+    return {
+        "engine_type": "sglang",
+        "engine_args": {"model_path": "Qwen/Qwen2-0.5B", "served_model_name": "sim-tiny", **engine_args},
+    }
 
 
 def test_an_unknown_sglang_engine_arg_is_refused_with_the_closest_one():

@@ -51,7 +51,7 @@ async def test_apply_is_idempotent_and_stored_before_return(harness):
     stored = harness.store.load()
     assert stored.revision == 1 and C.Deployment.FromString(stored.deployment).name == "local-sim"
     changed = example_deployment()
-    changed.model = "other"
+    changed.restart_policy.max_failures = 9
     _, third = harness.controller.apply_deployment(changed)
     assert third == 2
 

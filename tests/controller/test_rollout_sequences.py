@@ -330,7 +330,7 @@ async def test_an_old_instance_that_fails_while_a_bad_version_is_paused_restarts
         c.crash("u-0")
         await c.serve(3)
         assert len(h.client.starts("u-0/rank0")) > starts, "u-0 not restarted"
-        assert restarted_with("u-0") == {"latency_ms": 10}
+        assert restarted_with("u-0") == {"latency_ms": 10, "model": "sim-tiny"}
         assert ctl.instances["u-0"].state == READY and ctl.instances["u-0"].revision == 1
         await h.stop()  # a restarted controller reads each instance's engine_config back
         await h.start()
@@ -340,7 +340,7 @@ async def test_an_old_instance_that_fails_while_a_bad_version_is_paused_restarts
         c.crash("u-1")
         await c.serve(3)
         assert len(h.client.starts("u-1/rank0")) > starts, "u-1 not restarted"
-        assert restarted_with("u-1") == {"latency_ms": 10}
+        assert restarted_with("u-1") == {"latency_ms": 10, "model": "sim-tiny"}
     finally:
         await h.stop()
 

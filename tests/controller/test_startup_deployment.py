@@ -98,11 +98,11 @@ async def test_a_store_that_knows_a_deployment_is_not_changed_by_the_file(tmp_pa
         await h.stop()
         await h.start()
         changed = example_deployment()
-        changed.model = "sim-other"
+        changed.restart_policy.max_failures = 9
         with caplog.at_level("INFO", logger="controller.startup_deployment"):
             StartupDeployment(h.controller, "deployment.yaml", changed, window=600).begin()
             await _a_few_polls()
-        assert h.controller.revision == 1 and h.controller.deployment.model == "sim-tiny"
+        assert h.controller.revision == 1 and h.controller.deployment.restart_policy.max_failures != 9
         assert "deployment.yaml not applied: the store holds revision 1, a different deployment" in caplog.text
         h.controller.delete_deployment()  # deleted is the operator's word too
         StartupDeployment(h.controller, "deployment.yaml", changed, window=600).begin()
