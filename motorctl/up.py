@@ -23,6 +23,7 @@ from motor.contract.engine_policy import local_paths_outside
 from motor.errors import MotorError
 from motor.ports import CONTROLLER_METRICS_PORT, free_port, port_is_free
 from motor.service.signals import STOP_SIGNALS  # SIGHUP among them: the terminal was closed
+from motorctl import cluster_address
 from motorctl import guardian as cluster_guardian
 from motorctl import router as front
 from motorctl.cluster_processes import DEFAULT_CONTROLLER_PORT, PortTaken, ProcessExited, check_port_free
@@ -259,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ReaderGone
         cluster.start()
         started = True
+        # motorctl in another shell (and from here, the run dir's env file) reaches this cluster, no other.
+        cluster_address.write(args.run_dir, cluster.controller_addresses, cluster.credentials("operator"))
         watch(cluster, args.refresh, lambda: stopping)
     except ReaderGone:  # as SIGPIPE would end it, once the cluster is stopped
         status = 141
@@ -266,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         status, failure = 1, describe_failure(exc, cluster)
     started = True  # a second Ctrl-C now does not interrupt the stop
     say("\nStopping engines, node managers and the controller ...")
+    cluster_address.forget(args.run_dir)
     problems = cluster.stop()
     cluster_guardian.release(guardian)
     for problem in problems:
