@@ -70,6 +70,9 @@ class LocalCluster:
     # already taken replaced by a free one. None: free ports only (tests running side by side);
     # 0: no /metrics at all.
     metrics_port: int | None = None
+    # Where every /metrics (and the controller's /discovery/engines) listens: plaintext HTTP, so
+    # loopback unless asked (`motorctl up --metrics-host`).
+    metrics_host: str = "127.0.0.1"
     processes: list[ManagedProcess] = field(default_factory=list)
     node_ports: dict[str, int] = field(default_factory=dict)
     # Process name ("controller", "node-a"...) -> its /metrics port.
@@ -134,10 +137,11 @@ class LocalCluster:
             self.metrics_ports[name] = (
                 wanted if wanted and wanted not in taken and port_is_free(wanted) else free_port()
             )
-        return ["--metrics-port", str(self.metrics_ports[name])]
+        return ["--metrics-port", str(self.metrics_ports[name]), "--metrics-host", self.metrics_host]
 
     def metrics_urls(self) -> dict[str, str]:
-        return {name: f"http://127.0.0.1:{port}/metrics" for name, port in self.metrics_ports.items()}
+        host = "127.0.0.1" if self.metrics_host in ("0.0.0.0", "::") else self.metrics_host
+        return {name: f"http://{host}:{port}/metrics" for name, port in self.metrics_ports.items()}
 
     @property
     def controller_addresses(self) -> list[str]:

@@ -131,6 +131,13 @@ def main(argv: list[str] | None = None) -> int:
         f"0: no metrics (default {DEFAULT_METRICS_PORT})",
     )
     parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address every /metrics (and the controller's /discovery/engines, every engine's address) listens "
+        "on: plaintext HTTP, so this host only unless you name another, e.g. 0.0.0.0 for a Prometheus elsewhere "
+        "[127.0.0.1]",
+    )
+    parser.add_argument(
         "--router-port",
         type=int,
         default=0,
@@ -234,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         controller_port=args.controller_port or _default_controller_port(),
         any_free_controller_port=not args.controller_port,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         tls=args.tls,
         ha=args.ha,
         router_port=args.router_port or _default_port(front.ROUTER_PORT),
