@@ -257,6 +257,7 @@ class LocalCluster:
         table = f"127.0.0.1:{free_port()}"
         door_argv = front.door_command(f"127.0.0.1:{self.router_port}", self.router_admin_url, table)
         door = self._launch("front-door", door_argv)
+        self.metrics_ports["front-door"] = self.router_port  # its own series: what clients got, per model
         sync_argv = front.sync_command(
             self.controller_addresses,
             self.router_admin_url,
