@@ -14,27 +14,37 @@ setup:
 setup-run:
 	@bash scripts/setup-venv.sh run
 
-# The local cluster; the usual overrides: PORT (the router's OpenAI port, default 8080),
-# CONTROLLER_PORT (50051), RUN_DIR (.run), NODES (2), DEPLOYMENT (the example file).
-NODES ?= 2
-DEPLOYMENT ?= examples/local-deployment.yaml
-RUN_DIR ?=
-PORT ?=
-CONTROLLER_PORT ?=
+# The local cluster. Both cluster targets take the same knobs: PORT (the front door's OpenAI port,
+# default 8080), CONTROLLER_PORT (50051), METRICS_PORT (the controller's /metrics, 9471), RUN_DIR
+# (.run), NODES, DEPLOYMENT and RUN_ARGS (more `motorctl up` flags); empty ones keep motorctl up's
+# defaults. A variable on the command line that the target does not take is refused, not ignored.
+CLUSTER_KNOBS := PORT CONTROLLER_PORT METRICS_PORT RUN_DIR NODES DEPLOYMENT RUN_ARGS
+UP_FLAGS = $(if $(RUN_DIR),--run-dir $(RUN_DIR)) $(if $(PORT),--router-port $(PORT)) \
+	$(if $(CONTROLLER_PORT),--controller-port $(CONTROLLER_PORT)) $(if $(METRICS_PORT),--metrics-port $(METRICS_PORT)) \
+	$(RUN_ARGS)
+RUN_SIM = $(VENV)/bin/motorctl up --nodes $(or $(NODES),2) --deployment $(or $(DEPLOYMENT),examples/local-deployment.yaml)
 run: setup-run
-	$(VENV)/bin/motorctl up --nodes $(NODES) --deployment $(DEPLOYMENT) \
-		$(if $(RUN_DIR),--run-dir $(RUN_DIR)) $(if $(PORT),--router-port $(PORT)) \
-		$(if $(CONTROLLER_PORT),--controller-port $(CONTROLLER_PORT))
+	$(RUN_SIM) $(UP_FLAGS)
 
 # The real vLLM engine (its CPU build) behind the router on this machine: a tiny random-weight
 # Llama made locally (no model hub; examples/vllm-tiny.yaml expects it in TINY_MODELS), one node
 # manager handing each engine its own CPU cores. docs/vllm.md.
 TINY_MODELS := /tmp/motor-models
-RUN_VLLM = $(VENV)/bin/motorctl up --nodes 1 --accelerator-type cpu --model-root $(TINY_MODELS) \
-	--deployment examples/vllm-tiny.yaml
+RUN_VLLM = $(VENV)/bin/motorctl up --nodes $(or $(NODES),1) --accelerator-type cpu --model-root $(TINY_MODELS) \
+	--deployment $(or $(DEPLOYMENT),examples/vllm-tiny.yaml)
 run-vllm: setup
 	$(VENV)/bin/motorctl tiny-model $(TINY_MODELS)/tiny-llama
-	HF_HUB_OFFLINE=1 $(RUN_VLLM) $(RUN_ARGS)
+	HF_HUB_OFFLINE=1 $(RUN_VLLM) $(UP_FLAGS)
+
+# Variables given on the command line (`make run PROT=1`): each must be a knob of the goal.
+GIVEN := $(foreach name,$(.VARIABLES),$(if $(filter command line,$(origin $(name))),$(name)))
+ifneq ($(filter run run-vllm,$(MAKECMDGOALS)),)
+NOT_TAKEN := $(filter-out $(CLUSTER_KNOBS) VENV PYTEST_ARGS,$(GIVEN))
+ifneq ($(NOT_TAKEN),)
+$(error $(firstword $(filter run run-vllm,$(MAKECMDGOALS))) does not take $(NOT_TAKEN): its knobs are \
+	$(CLUSTER_KNOBS) (docs/local-cluster.md); other `motorctl up` flags go in RUN_ARGS='--flag value')
+endif
+endif
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

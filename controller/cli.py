@@ -49,6 +49,7 @@ FLAGS = {
     "silent_share_alarm": Flag("share of nodes silent at once that raises the alarm (0-1)"),
     "reschedule_rate": Flag("engine moves per second allowed"),
     "metrics_port": Flag("Prometheus /metrics and /discovery/engines port (0: off)"),
+    "metrics_host": Flag("address /metrics and /discovery/engines listen on (plaintext HTTP; 127.0.0.1: this host)"),
     "startup_grace": Flag(
         "after a restart, seconds to wait for nodes to report", default_text="the node grace; after a restart + 10 s"
     ),
@@ -134,7 +135,7 @@ async def serve(config: ControllerConfig) -> None:
     gc_policy.busy = lambda: controllers.controller is not None and controllers.controller.changes.busy
     # /discovery/engines: Prometheus finds the engines' /metrics there (http_sd_configs).
     await telemetry.serve(
-        "0.0.0.0",
+        config.metrics_host,
         config.metrics_port,
         routes={"/discovery/engines": lambda: engine_targets(controllers.controller.state)},
     )

@@ -42,6 +42,9 @@ class ControllerConfig(SecuritySettings):
     reschedule_rate: float = Field(10.0, gt=0)
     # Prometheus /metrics (and /discovery/engines) port; 0 turns the endpoint off.
     metrics_port: int = Field(CONTROLLER_METRICS_PORT, ge=0, le=65535)
+    # Address /metrics and /discovery/engines listen on: plaintext HTTP, read-only (docs/security.md);
+    # every address by default, for a Prometheus on another host; 127.0.0.1 keeps them on this one.
+    metrics_host: str = "0.0.0.0"
     # After a restart, how long to wait for node managers to report before reconciling
     # (seconds); default: node_grace.
     startup_grace: float | None = Field(None, ge=0, le=3600)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -135,7 +137,13 @@ class HttpHealthClient(_HttpClient):
         except TimeoutError:
             raise ProbeFailed(f"GET /health timed out after {self.timeout:g}s") from None
         except aiohttp.ClientError as exc:
-            raise ProbeFailed(f"GET /health failed: {type(exc).__name__}") from None
+            # The address too: ClientConnectorError alone does not say where it could not connect.
+            errno = getattr(getattr(exc, "os_error", None), "errno", None)
+            why = os.strerror(errno) if errno else None
+            where = urllib.parse.urlsplit(self.url).netloc
+            raise ProbeFailed(
+                f"GET /health failed: {type(exc).__name__} at {where}{f' ({why})' if why else ''}"
+            ) from None
 
 
 class PeakSampler:

@@ -101,12 +101,17 @@ class FrontMetrics:
         )
         self.latency = Histogram(
             "motor_front_door_response_start_seconds",
-            "From a request's arrival to the router's response headers (the router's time included).",
+            "From a request's arrival to the router's response headers (the router's time included), by the model "
+            "named: the wait a client sees before its answer begins.",
+            ["model"],
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=self.registry,
         )
         self.in_flight = Gauge(
-            "motor_front_door_requests_in_flight", "Requests being passed to the router now.", registry=self.registry
+            "motor_front_door_requests_in_flight",
+            "Requests being passed to the router now; one that keeps growing means the router or its engines answer "
+            "slowly.",
+            registry=self.registry,
         )
         self.router_errors = Counter(
             "motor_front_door_router_errors",
@@ -250,7 +255,7 @@ class FrontDoor:
 
     def answered(self, request: Request | None) -> None:
         if request is not None:
-            self.metrics.latency.observe(time.monotonic() - request.began)
+            self.metrics.latency.labels(request.label).observe(time.monotonic() - request.began)
 
     def ended(self, request: Request | None, passed: Passed) -> None:
         self.metrics.in_flight.dec()

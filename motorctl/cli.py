@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -26,11 +25,9 @@ from motor.contract.names import parse_role
 from motor.errors import MotorError
 from motor.leader import FOLLOW_RETRY_BASE, FOLLOW_RETRY_CAP, ControllerAddresses, backoff_delay, parse_addresses
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
-from motorctl import render, rollout
+from motorctl import cluster_address, render, rollout
 from motorctl.connect import add_credential_flags, credentials_from, tls_mismatch
 from motorctl.pages import all_pages
-
-DEFAULT_CONTROLLER = os.environ.get("MOTOR_CONTROLLER", "localhost:50051")
 
 
 def _json(message) -> str:
@@ -41,9 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="motorctl", description="Command-line client of the Motor controller.")
     p.add_argument(
         "--controller",
-        default=DEFAULT_CONTROLLER,
-        help=f"controller address, or several comma-separated (the leader is followed) "
-        f"[{DEFAULT_CONTROLLER}; env MOTOR_CONTROLLER]",
+        help="controller address, or several comma-separated (the leader is followed); without it: env "
+        "MOTOR_CONTROLLER, else the cluster of ./.run/motorctl.env (`make run` from here, with its credentials), "
+        f"else {cluster_address.FALLBACK}",
     )
     p.add_argument("--output", "-o", choices=["table", "json"], default="table", help="output format [table]")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the controller [10]")
@@ -237,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         return tiny_model.main(argv[argv.index("tiny-model") + 1 :])
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    where = "--controller"
+    if args.controller is None:  # the cluster this shell or directory belongs to (motorctl/cluster_address.py)
+        found = cluster_address.find()
+        args.controller, where = found.controller, found.source
+        for attribute, path in found.credentials.items():
+            if getattr(args, attribute) is None:
+                setattr(args, attribute, path)
     try:
         return run(args)
     except (MotorError, ValueError) as exc:  # a malformed file, an unknown role, a bad --controller
@@ -249,7 +253,10 @@ def main(argv: list[str] | None = None) -> int:
             if mismatch:
                 print(f"motorctl: controller {args.controller}: {mismatch}", file=sys.stderr)
             else:
-                print(f"motorctl: controller {args.controller} is not reachable ({exc.details()})", file=sys.stderr)
+                print(
+                    f"motorctl: controller {args.controller} (from {where}) is not reachable ({exc.details()})",
+                    file=sys.stderr,
+                )
         else:
             print(f"motorctl: {code.name}: {exc.details()}", file=sys.stderr)
         return 1

@@ -71,6 +71,9 @@ class LocalCluster:
     # already taken replaced by a free one. None: free ports only (tests running side by side);
     # 0: no /metrics at all.
     metrics_port: int | None = None
+    # Where every /metrics (and the controller's /discovery/engines) listens: plaintext HTTP, so
+    # loopback unless asked (`motorctl up --metrics-host`).
+    metrics_host: str = "127.0.0.1"
     processes: list[ManagedProcess] = field(default_factory=list)
     node_ports: dict[str, int] = field(default_factory=dict)
     # Process name ("controller", "node-a"...) -> its /metrics port.
@@ -136,10 +139,11 @@ class LocalCluster:
             self.metrics_ports[name] = (
                 wanted if wanted and wanted not in taken and port_is_free(wanted) else free_port()
             )
-        return ["--metrics-port", str(self.metrics_ports[name])]
+        return ["--metrics-port", str(self.metrics_ports[name]), "--metrics-host", self.metrics_host]
 
     def metrics_urls(self) -> dict[str, str]:
-        return {name: f"http://127.0.0.1:{port}/metrics" for name, port in self.metrics_ports.items()}
+        host = "127.0.0.1" if self.metrics_host in ("0.0.0.0", "::") else self.metrics_host
+        return {name: f"http://{host}:{port}/metrics" for name, port in self.metrics_ports.items()}
 
     @property
     def controller_addresses(self) -> list[str]:
@@ -260,6 +264,7 @@ class LocalCluster:
         fds = (self.door_socket.fileno(),)
         door_argv = front.door_command(f"127.0.0.1:{self.router_port}", self.router_admin_url, table, fds[0])
         door = self._launch("front-door", door_argv, pass_fds=fds)
+        self.metrics_ports["front-door"] = self.router_port  # its own series: what clients got, per model
         sync_argv = front.sync_command(
             self.controller_addresses,
             self.router_admin_url,

@@ -17,6 +17,8 @@ import sys
 
 import psutil
 
+from motorctl import cluster_address
+
 RUN_ENV = "MOTOR_LOCAL_RUN_DIR"
 
 
@@ -70,6 +72,7 @@ def stop_run(run_dir: str, timeout: float = 30.0) -> list[str]:
     Controllers go first, so that none of them restarts an engine being stopped; then engines,
     node managers and etcd together by SIGTERM (an engine drains and exits); what is still there
     after `timeout` is killed."""
+    cluster_address.forget(run_dir)  # the address is no longer this cluster's
     found = run_processes(run_dir)
     seen = {p.pid: describe(p) for p in found}
     controllers = [p for p in found if _is_controller(p)]

@@ -23,6 +23,7 @@ from motor.contract.engine_policy import local_paths_outside
 from motor.errors import MotorError
 from motor.ports import CONTROLLER_METRICS_PORT, free_port, port_is_free
 from motor.service.signals import STOP_SIGNALS  # SIGHUP among them: the terminal was closed
+from motorctl import cluster_address
 from motorctl import guardian as cluster_guardian
 from motorctl import router as front
 from motorctl.cluster_processes import DEFAULT_CONTROLLER_PORT, PortTaken, ProcessExited, check_port_free
@@ -130,6 +131,13 @@ def main(argv: list[str] | None = None) -> int:
         f"0: no metrics (default {DEFAULT_METRICS_PORT})",
     )
     parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address every /metrics (and the controller's /discovery/engines, every engine's address) listens "
+        "on: plaintext HTTP, so this host only unless you name another, e.g. 0.0.0.0 for a Prometheus elsewhere "
+        "[127.0.0.1]",
+    )
+    parser.add_argument(
         "--router-port",
         type=int,
         default=0,
@@ -233,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         controller_port=args.controller_port or _default_controller_port(),
         any_free_controller_port=not args.controller_port,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         tls=args.tls,
         ha=args.ha,
         router_port=args.router_port or _default_port(front.ROUTER_PORT),
@@ -259,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ReaderGone
         cluster.start()
         started = True
+        # motorctl in another shell (and from here, the run dir's env file) reaches this cluster, no other.
+        cluster_address.write(args.run_dir, cluster.controller_addresses, cluster.credentials("operator"))
         watch(cluster, args.refresh, lambda: stopping)
     except ReaderGone:  # as SIGPIPE would end it, once the cluster is stopped
         status = 141
@@ -266,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         status, failure = 1, describe_failure(exc, cluster)
     started = True  # a second Ctrl-C now does not interrupt the stop
     say("\nStopping engines, node managers and the controller ...")
+    cluster_address.forget(args.run_dir)
     problems = cluster.stop()
     cluster_guardian.release(guardian)
     for problem in problems:

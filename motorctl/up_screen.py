@@ -4,6 +4,7 @@ to try, refreshed until asked to stop; and printing that survives a reader that 
 
 from __future__ import annotations
 
+import os
 import select
 import sys
 import time
@@ -13,6 +14,7 @@ import grpc
 
 from motor.contract.names import enum_short_name
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
+from motorctl import cluster_address
 from motorctl import router as front
 from motorctl.connect import Credentials
 from motorctl.render import quiet_stdout, render_status
@@ -72,9 +74,21 @@ def changes(before: dict[str, str], after: dict[str, str], when: str) -> list[st
 
 
 def try_commands(cluster: LocalCluster) -> str:
-    """What the screen suggests: grpcurl and motorctl commands that work on this cluster."""
+    """What the screen suggests: grpcurl and motorctl commands that work on this cluster, and the
+    line that points another shell's motorctl at it."""
+    every = cluster.controller_addresses  # motorctl follows the leader among them
+    line = cluster_address.export_line(cluster.run_dir, every, cluster.credentials("operator"))
+    return (
+        _try_lines(cluster)
+        + f"\nmotorctl in another shell reaches this cluster after:  {line}"
+        + f"\n      (from {os.getcwd()}, motorctl finds .run/motorctl.env by itself)"
+        * (os.path.abspath(cluster.run_dir) == os.path.abspath(cluster_address.DEFAULT_RUN_DIR))
+    )
+
+
+def _try_lines(cluster: LocalCluster) -> str:
     address = cluster.controller_address
-    every = ",".join(cluster.controller_addresses)  # motorctl follows the leader among them
+    every = ",".join(cluster.controller_addresses)
     if not cluster.tls:
         return (
             f"Try:  grpcurl -plaintext {address} list\n"

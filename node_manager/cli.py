@@ -47,6 +47,7 @@ FLAGS = {
     "stop_deadline": Flag("default seconds from SIGTERM to SIGKILL"),
     "status_timeout": Flag("deadline of each GetStatus call, <= heartbeat interval"),
     "metrics_port": Flag("Prometheus /metrics port, 0 = off"),
+    "metrics_host": Flag("address /metrics listens on (plaintext HTTP; 127.0.0.1: this host only)"),
     "engine_command": Flag("engine server command (split like a shell)"),
     "sglang_launcher": Flag(
         "SGLang launcher command for this node's sglang engines (split like a shell; starts with an absolute path)",

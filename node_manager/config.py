@@ -53,6 +53,9 @@ class NodeManagerConfig(SecuritySettings):
     status_timeout: float = Field(1.0, gt=0)
     # Prometheus /metrics port; 0 turns it off. Node managers sharing a host need one each.
     metrics_port: int = Field(NODE_MANAGER_METRICS_PORT, ge=0, le=65535)
+    # Address /metrics listens on: plaintext HTTP, read-only (docs/security.md); every address by
+    # default, for a Prometheus on another host; 127.0.0.1 keeps it on this one.
+    metrics_host: str = "0.0.0.0"
     engine_command: str = "engine_server"
     # SGLang's launcher for every sglang engine of this node (a wrapper, a container entry point);
     # None: `python -m sglang.launch_server`. Only this setting chooses it, never a request.

@@ -35,6 +35,7 @@ from motor.contract.termination import read_termination_message
 from motor.processes import ExitStatus, TreeId
 from motor.state_machine import Transitions
 from motor.v1 import types_pb2
+from node_manager.log_excerpt import failure_excerpt
 from node_manager.process_ops import ExitWatcher
 
 logger = logging.getLogger(__name__)
@@ -232,18 +233,14 @@ class EngineRecord:
         self.recent_probes.append(probe)
 
     def log_tail(self, count: int) -> str:
-        """The last `count` lines of the engine's log (not the launch lines), for a failure reason."""
+        """The last `count` lines of the engine's log that may explain its failure (node_manager/log_excerpt.py)."""
         try:
             with open(self.log_path, "rb") as handle:
-                handle.seek(max(0, os.path.getsize(self.log_path) - 4096))
-                lines = [line.strip() for line in handle.read().decode(errors="replace").splitlines() if line.strip()]
+                handle.seek(max(0, os.path.getsize(self.log_path) - 8192))
+                text = handle.read().decode(errors="replace")
         except OSError:
             return ""
-        lines = [
-            line for line in lines if not line.startswith("--- ") and '"message": "--- launching' not in line
-        ]  # launch lines (text, JSON)
-        tail = " | ".join(lines[-count:])
-        return tail if len(tail) <= 600 else "..." + tail[-600:]
+        return failure_excerpt(text, count)
 
     # Views ------------------------------------------------------------------------------------
 

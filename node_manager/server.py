@@ -106,7 +106,7 @@ class NodeManagerServer:
             self.port,
             self.address,
         )
-        await self.telemetry.serve("0.0.0.0", self.config.metrics_port)
+        await self.telemetry.serve(self.config.metrics_host, self.config.metrics_port)
         if self.config.controller:
             self.link = ControllerLink(
                 self.manager,

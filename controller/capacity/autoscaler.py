@@ -99,6 +99,7 @@ class GroupScaler:
         self.last = ""  # what the last look found: shown by ListDeployments
         self.decided = ""  # the last decision's message, shown with what follows it
         self.per_engine = 0.0  # the load of the last full window, per serving engine (a metric)
+        self.held = False  # the last look found the deployment held (a change, a rollout)
 
     def restart(self, now: float, keep_down: bool = False) -> None:
         """Forget the samples (after a change, or while held by a rollout). After a scale-down the
@@ -145,6 +146,10 @@ class GroupScaler:
         if keep < count and now - self.down_since >= p.scale_down_delay_s:
             self.restart(now, keep_down=True)
             return self._decision(count, keep, figures + f", low for {p.scale_down_delay_s:g} s")
+        if count >= p.max and (load > UP_TOLERANCE * p.target * count or overloaded):
+            wanted = math.ceil(load / p.target - 1e-9)
+            self.last = self.after(f"capped at max {p.max}: {figures}; the load asks for {wanted}")
+            return None
         self.last = self.after(
             f"steady: {figures}"
             + (f"; {keep} would do once the load has stayed low for {p.scale_down_delay_s:g} s" if keep < count else "")
@@ -229,6 +234,7 @@ class Autoscaler:
                 scaler = self.scalers.get(key)
                 if scaler is None or scaler.policy != policy:
                     scaler = self.scalers[key] = GroupScaler(group.name, policy, now)
+                scaler.held = bool(held)
                 if held:
                     scaler.restart(now)
                     scaler.last = scaler.after(f"held: {held}")
@@ -392,6 +398,9 @@ class Autoscaler:
             )
             scaler = self.scalers.get((name, group.name))
             reason = scaler.last if scaler is not None else "waiting for the first window of load"
+            if scaler is not None and scaler.held and not self._held(name):
+                # The hold ended since the last look (a rollout COMPLETE): say what the next one does.
+                reason = scaler.after(f"gathering {WINDOW_S:.0f} s of load since the hold ended")
             out.append(C.GroupScale(group=group.name, desired=group.count, current=current, reason=reason))
         return out
 

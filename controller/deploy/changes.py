@@ -315,10 +315,17 @@ class DeploymentChanges:
         else:
             st.events.emit(
                 C.EVENT_TYPE_DEPLOYMENT_CHANGED,
-                f"deployment {name!r} applied (revision {plan.revision}, {len(plan.new) + len(plan.kept)} instances)",
+                f"deployment {name!r} applied (revision {plan.revision}, {self._serving_count(name)})",
                 deployment=name,
             )
         self.wake()
+
+    def _serving_count(self, name: str) -> str:
+        """The deployment's instances now (a rolling update's old ones too: they serve until
+        replaced), and how many of them serve."""
+        st = self.state
+        mine = [i for i in st.instances.values() if not i.spare and st.deployment_of(i) == name]
+        return f"{len(mine)} instances, {sum(1 for i in mine if i.state == C.INSTANCE_STATE_READY)} serving"
 
     # ------------------------------------------------------------------ one instance
 

@@ -2,7 +2,8 @@
 
 Roles (and restart scopes, strategy types: "recreate") may be written as people say them ("prefill")
 or as enum names ("ROLE_PREFILL");
-durations as protobuf JSON strings ("1s", "0.5s"). Meaning (unique group names, pairs,
+durations, wherever one is taken, as motor/contract/durations.py reads them (60, "60s", "5m",
+"500ms"). Meaning (unique group names, pairs,
 counts) is checked by the controller, the one owner of deployment validation.
 """
 
@@ -10,12 +11,13 @@ from __future__ import annotations
 
 import difflib
 import math
-import re
 from typing import Any
 
 from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
+from motor.contract.durations import FORMS as DURATION_FORMS
+from motor.contract.durations import parse_seconds, protobuf_json
 from motor.errors import InvalidArgument
 from motor.service.config import read_document
 from motor.v1 import controller_pb2
@@ -72,7 +74,8 @@ _INTEGERS = {
 }
 _WHOLE_NUMBERS = {FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_FIXED32,
                   FieldDescriptor.TYPE_FIXED64}  # fmt: skip
-_DURATION = re.compile(r"-?\d+(\.\d+)?s")
+# Number fields that hold a duration in seconds (the rest of them are google.protobuf.Duration).
+SECONDS_FIELDS = {"scale_down_delay_s"}
 
 
 def _shown(value: Any) -> str:
@@ -120,8 +123,7 @@ def _value_problems(value: Any, field: FieldDescriptor, path: str) -> list[str]:
     if field.message_type is not None:
         name = field.message_type.full_name
         if name == "google.protobuf.Duration":
-            ok = isinstance(value, str) and _DURATION.fullmatch(value.strip())
-            return [] if ok else [f"{path}: expected a duration such as '30s', got {_shown(value)}"]
+            return _duration_problems(value, path)
         if name.startswith("google.protobuf."):
             return []  # a Struct: the engines' own configuration, checked by the controller
         return shape_problems(value, field.message_type, path)
@@ -139,6 +141,8 @@ def _value_problems(value: Any, field: FieldDescriptor, path: str) -> list[str]:
         if field.type in _WHOLE_NUMBERS and number < 0:
             return [f"{path}: expected a whole number (0 or more), got {value}"]
         return []
+    if field.name in SECONDS_FIELDS:
+        return _duration_problems(value, path)
     if field.type in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT):
         return _number_problems(value, path)
     if field.type == FieldDescriptor.TYPE_BOOL:
@@ -159,9 +163,8 @@ def _number_problems(value: Any, path: str) -> list[str]:
         except OverflowError:
             pass
     if number is None:
-        duration = isinstance(value, str) and _DURATION.fullmatch(value.strip())
-        hint = f" (seconds as a plain number: {value.strip()[:-1]})" if duration else ""
-        if isinstance(value, str) and not duration and _is_number(value):
+        hint = ""
+        if isinstance(value, str) and _is_number(value):
             hint = f" (a quoted number: write it without quotes, {value.strip()})"
         return [f"{path}: expected a number, got {_shown(value)}{hint}"]
     if not math.isfinite(number):
@@ -177,6 +180,38 @@ def _is_number(text: str) -> bool:
     return True
 
 
+def _duration_problems(value: Any, path: str) -> list[str]:
+    return (
+        []
+        if parse_seconds(value) is not None
+        else [f"{path}: expected a duration ({DURATION_FORMS}), got {_shown(value)}"]
+    )
+
+
+def _durations_as_protobuf(value: Any, descriptor: Descriptor) -> Any:
+    """The document with every duration as protobuf JSON takes it: a Duration as "<seconds>s", a
+    seconds field as a number (after shape_problems: each one is a duration)."""
+    if not isinstance(value, dict):
+        return value
+    fields = {f.name: f for f in descriptor.fields} | {f.json_name: f for f in descriptor.fields}
+    out = {}
+    for key, item in value.items():
+        field = fields.get(key)
+        if field is None or item is None:
+            out[key] = item
+        elif field.message_type is not None and field.message_type.full_name == "google.protobuf.Duration":
+            out[key] = protobuf_json(parse_seconds(item))
+        elif field.name in SECONDS_FIELDS:
+            out[key] = parse_seconds(item)
+        elif field.message_type is not None and not field.message_type.full_name.startswith("google.protobuf."):
+            elements = item if field.is_repeated else [item]
+            converted = [_durations_as_protobuf(element, field.message_type) for element in elements]
+            out[key] = converted if field.is_repeated else converted[0]
+        else:
+            out[key] = item
+    return out
+
+
 def deployment_from_dict(data: Any, source: str = "deployment") -> controller_pb2.Deployment:
     if not isinstance(data, dict):
         raise InvalidArgument(f"{source}: expected a mapping with name, model, engine_config and instance_groups")
@@ -187,7 +222,7 @@ def deployment_from_dict(data: Any, source: str = "deployment") -> controller_pb
         raise InvalidArgument(f"{source}: " + "; ".join(problems))
     deployment = controller_pb2.Deployment()
     try:
-        json_format.ParseDict(_normalize(body), deployment)
+        json_format.ParseDict(_normalize(_durations_as_protobuf(body, deployment.DESCRIPTOR)), deployment)
     except json_format.ParseError as exc:
         raise InvalidArgument(f"{source}: {exc}") from None
     if engine_config is not None:

@@ -15,7 +15,6 @@ every caller holds every role) unless `insecure` is set.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 from typing import TYPE_CHECKING
 
@@ -26,7 +25,7 @@ from motor.security.access import AccessControl, AccessPolicy
 from motor.security.identity import TRUST_DOMAIN
 from motor.security.tokens import TokenStore
 from motor.service.cli_config import Flag
-from motor.service.config import ReadableFile
+from motor.service.config import ReadableFile, is_loopback
 from motor.service.grpc_server import MAX_MESSAGE_BYTES, MotorServer, TlsFiles
 
 if TYPE_CHECKING:  # prometheus_client must not load before the engine server sets its multiprocess dir
@@ -34,19 +33,6 @@ if TYPE_CHECKING:  # prometheus_client must not load before the engine server se
     from motor.service.server_calls import Gate
 
 logger = logging.getLogger(__name__)
-
-LOOPBACK_NAMES = {"localhost"}
-
-
-def is_loopback(bind: str) -> bool:
-    """'127.0.0.1:50051', '[::1]:0', 'localhost:1' -> True; '0.0.0.0:50051', ':50051' -> False."""
-    host = bind.rsplit(":", 1)[0].strip("[]")
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class SecuritySettings(BaseModel):

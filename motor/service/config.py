@@ -7,6 +7,7 @@ Every error names the field to change, e.g.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
 import os
 import re
@@ -226,3 +227,17 @@ def prepare_directory(
                 f"{setting}: {path} must be a regular file but is not (a directory?); move it away "
                 "(or choose another path)"
             )
+
+
+LOOPBACK_NAMES = {"localhost"}
+
+
+def is_loopback(bind: str) -> bool:
+    """'127.0.0.1:50051', '[::1]:0', 'localhost:1' -> True; '0.0.0.0:50051', ':50051' -> False."""
+    host = bind.rsplit(":", 1)[0].strip("[]")
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

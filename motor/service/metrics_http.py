@@ -25,6 +25,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from motor.errors import ConfigError
+from motor.service.config import is_loopback
 from motor.service.grpc_metrics import GrpcServerMetrics
 from motor.service.loop_lag import EventLoopLag
 
@@ -64,6 +65,14 @@ class ServiceTelemetry:
             ) from None
         self.port = port
         logger.info("Prometheus metrics on http://%s:%d/metrics", host, port)
+        if not is_loopback(f"{host}:{port}"):  # HTTP has no TLS here: say what the network can read
+            logger.warning(
+                "metrics_host %s: /metrics%s on port %d are plaintext HTTP, readable by anyone who reaches this "
+                "host (read-only; docs/security.md); set metrics_host 127.0.0.1 to keep them on this host",
+                host,
+                " and " + ", ".join(routes) if routes else "",
+                port,
+            )
         return port
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:

@@ -68,12 +68,12 @@ def test_every_problem_of_the_file_is_named_at_once():
     data = document()
     data["instance_groups"][0]["count"] = -1
     data["instance_groups"][0]["role"] = "prefil"
-    data["restart_policy"] = {"initial_backoff": 5, "scope": "group"}
+    data["restart_policy"] = {"initial_backoff": "5 minutes", "scope": "group"}
     data["replicas"] = 2
     message = file_refusal(data)
     assert "instance_groups[0].count: expected a whole number (0 or more), got -1" in message
     assert "instance_groups[0].role: 'prefil' is not one of prefill, decode, union" in message
-    assert "restart_policy.initial_backoff: expected a duration such as '30s', got 5" in message
+    assert "restart_policy.initial_backoff: expected a duration (seconds as a number (60) or with a unit" in message
     assert "replicas: unknown field" in message
 
 

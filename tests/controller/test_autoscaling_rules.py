@@ -254,12 +254,12 @@ def test_the_refusals_say_what_count_means_and_what_the_engine_limit_counted():
 
 
 def test_a_target_or_delay_that_is_not_a_finite_number_is_refused_naming_the_field_as_the_file_does():
-    # Durations elsewhere in the file are written '30s'; these two are plain numbers.
+    # scale_down_delay_s is a duration, written as every duration of the file (30, '30s', '5m').
     for block, expected in (
         (
-            {"max": 4, "target_in_flight": 4, "scale_down_delay_s": "30s"},
-            "instance_groups[0].autoscaling.scale_down_delay_s: expected a number, got '30s' (seconds as a plain "
-            "number: 30)",
+            {"max": 4, "target_in_flight": 4, "scale_down_delay_s": "30 seconds"},
+            "instance_groups[0].autoscaling.scale_down_delay_s: expected a duration (seconds as a number (60) or "
+            "with a unit: 500ms, 60s, 5m, 1h), got '30 seconds'",
         ),
         ({"max": 4, "target_in_flight": "four"}, "instance_groups[0].autoscaling.target_in_flight: expected a number"),
         ({"max": 4, "target_in_flight": True}, "instance_groups[0].autoscaling.target_in_flight: expected a number"),
@@ -269,7 +269,8 @@ def test_a_target_or_delay_that_is_not_a_finite_number_is_refused_naming_the_fie
         ),
         (
             {"max": 4, "target_in_flight": 4, "scale_down_delay_s": float("nan")},
-            "instance_groups[0].autoscaling.scale_down_delay_s: expected a finite number, got nan",
+            "instance_groups[0].autoscaling.scale_down_delay_s: expected a duration (seconds as a number (60) or "
+            "with a unit: 500ms, 60s, 5m, 1h), got nan",
         ),
     ):
         with pytest.raises(InvalidArgument) as err:
