@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup setup-run run run-vllm test test-fast mutation proto proto-check lint format bench clean
+.PHONY: setup setup-run setup-fast run run-vllm test test-fast mutation proto proto-check lint format bench clean
 
 # Everything: Motor, torch and the vLLM CPU build, the test and build tools (a few minutes the first time).
 setup:
@@ -13,6 +13,10 @@ setup:
 # Only what the simulated cluster needs (no torch, no vLLM): under a minute on a fresh machine.
 setup-run:
 	@bash scripts/setup-venv.sh run
+
+# What the simulated cluster and the fast tier need (still no torch, no vLLM).
+setup-fast:
+	@bash scripts/setup-venv.sh fast
 
 # The local cluster. Both cluster targets take the same knobs: PORT (the front door's OpenAI port,
 # default 8080), CONTROLLER_PORT (50051), METRICS_PORT (the controller's /metrics, 9471), RUN_DIR
@@ -52,7 +56,7 @@ test: setup
 # The inner loop while coding: every test that starts no real process (no service, engine, vLLM,
 # etcd or docker) and takes no more than a few seconds, four at a time (most wait on timers, not the
 # CPU). A test here that starts a process fails, naming the mark it needs.
-test-fast: setup
+test-fast: setup-fast
 	MOTOR_FAST_TIER=1 $(PY) -m pytest -q -n 4 -m "not processes and not vllm and not docker and not slow" $(PYTEST_ARGS)
 
 # Mutation testing of the policy modules (pyproject.toml [tool.mutmut]); prints the score and fails

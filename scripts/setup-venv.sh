@@ -4,6 +4,8 @@
 #   scripts/setup-venv.sh        everything Motor, its tests and benchmarks need (torch, the vLLM CPU build)
 #   scripts/setup-venv.sh run    only what `make run` needs: Motor and the router, for the simulated
 #                                engine (no torch, no vLLM: seconds, not minutes); a full setup covers it
+#   scripts/setup-venv.sh fast   what `make run` needs and the test tools (`make test-fast`: no test
+#                                there runs vLLM), still without torch and vLLM; a full setup covers it
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,15 +14,20 @@ VENV=${VENV:-.venv}
 KIND=${1:-full}
 STAMP="$VENV/.motor-installed"
 RUN_STAMP="$VENV/.motor-installed-run"
+FAST_STAMP="$VENV/.motor-installed-fast"
 want=$(cat requirements/*.txt pyproject.toml scripts/vllm-shim.py | sha256sum | cut -d' ' -f1)
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   exit 0
 fi
-if [ "$KIND" = run ] && [ -f "$RUN_STAMP" ] && [ "$(cat "$RUN_STAMP")" = "$want" ]; then
+stamped() { [ -f "$1" ] && [ "$(cat "$1")" = "$want" ]; }
+if [ "$KIND" = fast ] && stamped "$FAST_STAMP"; then
   exit 0
 fi
-case "$KIND" in full|run) ;; *) echo "setup-venv: unknown kind '$KIND' (full or run)" >&2; exit 2 ;; esac
+if [ "$KIND" = run ] && { stamped "$RUN_STAMP" || stamped "$FAST_STAMP"; }; then
+  exit 0
+fi
+case "$KIND" in full|run|fast) ;; *) echo "setup-venv: unknown kind '$KIND' (full, run or fast)" >&2; exit 2 ;; esac
 
 "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 11), "Motor needs Python 3.11+"'
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
@@ -31,15 +38,21 @@ LEFT_OUT_FLAG="$VENV/.left-out-conflicts"
 rm -f "$LEFT_OUT_FLAG"
 quiet_pip() { awk -v flag="$LEFT_OUT_FLAG" -f scripts/pip-quiet.awk; }
 
-if [ "$KIND" = run ]; then
-  # Motor's own dependencies and the router, at the versions of the full set (its pins as
-  # constraints: a later full setup changes nothing of these).
-  echo "setup-venv: installing what the simulated cluster needs into $VENV (no torch, no vLLM)"
-  grep -v '^#' requirements/vllm-cpu.txt > "$VENV/.run-constraints.txt"
-  grep -E '^(vllm-router|setuptools)==' requirements/dev.txt > "$VENV/.run-requirements.txt"
+if [ "$KIND" = run ] || [ "$KIND" = fast ]; then
+  # Motor's own dependencies and the router (fast: and the test tools), at the versions of the full
+  # set (its pins as constraints: a later full setup changes nothing of these).
+  what="the simulated cluster"
+  [ "$KIND" = fast ] && what="the simulated cluster and the fast tier"
+  echo "setup-venv: installing what $what need into $VENV (no torch, no vLLM)"
+  grep -v '^#' requirements/vllm-cpu.txt | grep -v '^torch==' > "$VENV/.run-constraints.txt"
+  if [ "$KIND" = fast ]; then
+    cp requirements/dev.txt "$VENV/.run-requirements.txt"
+  else
+    grep -E '^(vllm-router|setuptools)==' requirements/dev.txt > "$VENV/.run-requirements.txt"
+  fi
   $PIP install -q -c "$VENV/.run-constraints.txt" -r "$VENV/.run-requirements.txt" -e . 2>&1 | quiet_pip
-  echo "$want" > "$RUN_STAMP"
-  echo "setup-venv: done (for vLLM and the tests: make setup)"
+  if [ "$KIND" = fast ]; then echo "$want" > "$FAST_STAMP"; else echo "$want" > "$RUN_STAMP"; fi
+  echo "setup-venv: done (for vLLM and the whole suite: make setup)"
   exit 0
 fi
 echo "setup-venv: installing pinned packages into $VENV (torch and the vLLM CPU build: a few minutes the first time)"
