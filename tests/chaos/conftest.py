@@ -9,8 +9,8 @@ import signal
 import pytest
 
 from motorctl.cluster_processes import script_path
-from tests.chaos.cluster import ABNORMAL_THRESHOLD, BASELINE, HEARTBEAT, NODE_GRACE, ChaosCluster
 from tests.support import require, wait_for
+from tests.support.chaos_cluster import ABNORMAL_THRESHOLD, BASELINE, HEARTBEAT, NODE_GRACE, ChaosCluster
 
 
 def engine_port_base() -> int:

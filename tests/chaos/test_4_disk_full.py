@@ -17,9 +17,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from motor.v1 import controller_pb2 as C
-from tests.chaos.cluster import deployment
-from tests.chaos.rows import Fault, run_row
 from tests.support import require, wait_for
+from tests.support.chaos_cluster import deployment
+from tests.support.chaos_rows import Fault, run_row
 
 # How long the disk stays full after the engine is killed: the failure, the refused restart and
 # the reconcile passes all happen on the full disk.

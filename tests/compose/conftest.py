@@ -10,8 +10,8 @@ import time
 import pytest
 
 from motor.ports import free_port
-from tests.compose.stack import ComposeStack, compose_command, docker_engine_running, run
 from tests.support import require
+from tests.support.compose_stack import ComposeStack, compose_command, docker_engine_running, run
 
 # The image the tests build from compose.yaml's build section. The base image: a local Debian
 # image made by scripts/build-base-image.sh (this machine has no registry); set

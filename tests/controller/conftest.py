@@ -15,8 +15,8 @@ from controller.store.sqlite import SqliteStore
 from motor.contract.deployment_file import deployment_from_dict, load_deployment
 from motor.service.grpc_server import MotorServer, service_name
 from motor.v1 import controller_pb2, controller_pb2_grpc
-from tests.controller.fakes import FakeNodeClient
 from tests.support import REPO_ROOT, async_wait_for
+from tests.support.controller_fakes import FakeNodeClient
 
 EXAMPLE = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 

@@ -12,8 +12,8 @@ from motor.errors import FailedPrecondition
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
 from tests.controller.conftest import Harness, node_info, small_deployment
-from tests.controller.fakes import ManualClock
 from tests.support import async_wait_for
+from tests.support.controller_fakes import ManualClock
 
 GRACE = 0.6
 

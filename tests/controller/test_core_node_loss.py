@@ -15,8 +15,8 @@ from motor.errors import FailedPrecondition, NotFound
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
 from tests.controller.conftest import Harness, running_example, small_deployment
-from tests.controller.fakes import ManualClock
 from tests.support import async_wait_for
+from tests.support.controller_fakes import ManualClock
 
 HELD_BY_ALARM = "not declared lost while the silent-nodes alarm is on"
 

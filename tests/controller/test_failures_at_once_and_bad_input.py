@@ -88,8 +88,8 @@ async def test_a_fence_that_keeps_failing_is_retried_with_backoff_and_told_once(
     from controller.engines.actuator import FENCE_WINDOW, Actuator
     from controller.model.events import EventBus
     from controller.model.nodes import NodeTable
-    from tests.controller.fakes import FakeNodeClient, ManualClock
     from tests.controller.test_tables import runtime
+    from tests.support.controller_fakes import FakeNodeClient, ManualClock
 
     client, clock, events = FakeNodeClient(), ManualClock(), EventBus()
     client.unreachable.add("node-a")  # every StopEngine fails
@@ -126,7 +126,7 @@ async def test_a_start_on_an_unreachable_node_backs_off_to_its_cap_with_one_coun
     a warning per try; now after 1, 2, 4, 8, 10, 10 s, told by one RETRYING event that counts."""
     from controller.engines.actuator import RETRY_CAP
     from tests.controller.conftest import Harness, example_deployment
-    from tests.controller.fakes import ManualClock
+    from tests.support.controller_fakes import ManualClock
 
     clock = ManualClock()
     h = Harness(tmp_path, clock=clock, node_grace=1000.0)
@@ -229,7 +229,7 @@ async def test_background_stops_run_from_one_queue_by_a_few_tasks(tmp_path, monk
     """A task per stop held 40,000 waiting tasks when a 10,000 x dp 4 deployment was replaced."""
     from controller.engines import actuator as actuator_module
     from tests.controller.conftest import Harness
-    from tests.controller.fakes import FakeNodeClient
+    from tests.support.controller_fakes import FakeNodeClient
 
     class Gated(FakeNodeClient):
         def __init__(self):

@@ -10,7 +10,7 @@ from controller.model.events import EventBus
 from controller.routing.door_reports import FORGET_AFTER, FrontDoorCollector, FrontDoors
 from motor.errors import InvalidArgument
 from motor.v1 import controller_pb2
-from tests.controller.fakes import ManualClock
+from tests.support.controller_fakes import ManualClock
 
 ROUTER = "http://127.0.0.1:8080"
 A, B = "http://127.0.0.1:21000", "http://127.0.0.1:21001"

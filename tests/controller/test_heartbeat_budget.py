@@ -17,8 +17,8 @@ from motor.contract import pbtime
 from motor.errors import ResourceExhausted
 from motor.v1 import controller_pb2 as C
 from tests.controller.conftest import Harness, node_info
-from tests.controller.fakes import ManualClock
 from tests.support import async_wait_for
+from tests.support.controller_fakes import ManualClock
 
 
 def budget(live: list[int], clock: ManualClock, rate: float = 100.0) -> HeartbeatBudget:

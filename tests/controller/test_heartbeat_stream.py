@@ -24,8 +24,8 @@ from motorctl import pages
 from node_manager.heartbeat_deltas import HeartbeatDeltas
 from node_manager.heartbeat_sender import HeartbeatSender
 from tests.controller.conftest import Harness, example_deployment, node_info
-from tests.controller.fakes import ManualClock
 from tests.support import async_wait_for
+from tests.support.controller_fakes import ManualClock
 
 NODES = ("node-a", "node-b", "node-c")
 

@@ -13,7 +13,7 @@ from controller.model.instances import READY
 from motor.errors import FailedPrecondition, InvalidArgument
 from motor.v1 import controller_pb2, types_pb2
 from tests.controller.conftest import Harness, small_deployment
-from tests.controller.fakes import ManualClock
+from tests.support.controller_fakes import ManualClock
 
 C, T = controller_pb2, types_pb2
 

@@ -20,7 +20,7 @@ from motor.errors import FailedPrecondition, NotFound
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
 from tests.controller.conftest import node_info
-from tests.controller.fakes import FakeNodeClient, ManualClock
+from tests.support.controller_fakes import FakeNodeClient, ManualClock
 
 
 def runtime(node_id: str, state: int = NODE_READY, generation: int = 1) -> NodeRuntime:

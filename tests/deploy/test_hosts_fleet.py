@@ -25,8 +25,8 @@ from motor.security.identity import Identity
 from motor.security.pki import CertificateAuthority
 from motorctl.etcd_cluster import EtcdCluster, EtcdTls
 from tests.deploy.test_systemd import UNITS_DIR, exec_start, parse_unit
-from tests.deploy.tools import venv_tool
 from tests.support import require, wait_for
+from tests.support.deploy_tools import venv_tool
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
 

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from motor.contract.deployment_file import load_deployment
-from tests.deploy.tools import entry_points, unknown_flags, unknown_settings, venv_tool
 from tests.support import REPO_ROOT, require
+from tests.support.deploy_tools import entry_points, unknown_flags, unknown_settings, venv_tool
 
 pytestmark = pytest.mark.processes  # runs kubectl and the services' --help
 

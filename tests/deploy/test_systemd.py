@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from motorctl.router import FAILOVER_FLAGS, ROUTING_POLICY
-from tests.deploy.tools import entry_points, unknown_flags, unknown_settings
 from tests.support import REPO_ROOT, require
+from tests.support.deploy_tools import entry_points, unknown_flags, unknown_settings
 
 pytestmark = pytest.mark.processes  # runs systemd-analyze and the services' --help
 

@@ -13,7 +13,7 @@ from engine_server.serving import CHECK_PERIOD, FAILED_IN_A_ROW, Serving, Servin
 from engine_server.status import Event, Health, HealthStateMachine
 from motor.contract.user_config import HealthCheckConfig
 from tests.engine_server.test_probing import FixedSampler, Progress
-from tests.engine_server.virtual_clock import VirtualClock
+from tests.support.virtual_clock import VirtualClock
 
 # The seed's health settings (issue reports): probes every 2 s, 5 s timeout, 3 failures, 20 s busy.
 SEED = HealthCheckConfig(

@@ -11,8 +11,8 @@ import pytest
 from motor.ports import free_port
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl.local_cluster import LocalCluster
-from tests.grpcurl.walkthrough import load_steps, run_step
 from tests.support import REPO_ROOT, wait_for
+from tests.support.grpcurl_walkthrough import load_steps, run_step
 
 STEPS = [step for step in load_steps() if step.section == "controller"]
 EXPECTED_ENGINES = {"prefill-0/rank0", "prefill-0/rank1", "decode-0/rank0"}

@@ -220,7 +220,7 @@ async def test_the_deployment_of_a_store_of_before_names_is_moved_under_its_name
     from controller.store.base import LEGACY_DEPLOYMENT
     from motor.v1 import controller_pb2 as C
     from tests.controller.conftest import small_deployment
-    from tests.controller.fakes import FakeNodeClient
+    from tests.support.controller_fakes import FakeNodeClient
 
     config = ControllerConfig(db=str(tmp_path / "unused.db"), startup_grace=0)
     store = EtcdStore(clients(etcd1, prefix), prefix, fence=unguarded)

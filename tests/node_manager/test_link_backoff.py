@@ -16,7 +16,7 @@ import pytest
 from motor.contract import pbtime
 from motor.v1 import controller_pb2, types_pb2
 from node_manager.controller_link import ControllerLink
-from tests.node_manager.fakes import FakeNode, settle
+from tests.support.node_manager_fakes import FakeNode, settle
 
 INTERVAL, MAX_BACKOFF = 1.0, 8.0
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from motor.ports import free_port
 from motor.v1 import controller_pb2, controller_pb2_grpc, engine_pb2, node_manager_pb2, types_pb2
 from motorctl.local_cluster import LocalCluster
-from tests.grpcurl.services import start_engine_server
-from tests.security.messages import field_names, leading_field, messages
 from tests.support import REPO_ROOT, wait_for
+from tests.support.grpcurl_services import start_engine_server
+from tests.support.message_strategies import field_names, leading_field, messages
 
 pytestmark = pytest.mark.processes
 

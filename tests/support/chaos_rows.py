@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from motor.v1 import controller_pb2 as C
-from tests.chaos.cluster import BASELINE_ENGINES, BASELINE_INSTANCES, ChaosCluster, deployment
 from tests.controller.test_real_processes import apply
+from tests.support.chaos_cluster import BASELINE_ENGINES, BASELINE_INSTANCES, ChaosCluster, deployment
 from tests.support.chaos_table import Row, record
 
 # Hang bounds (2 shared cores): a cluster not whole again within this is a failed row.

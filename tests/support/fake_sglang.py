@@ -17,6 +17,8 @@ import sys
 from engine_server.engines.base import EngineOptions
 from engine_server.engines.sim import SimEngine
 
+SCRIPT = os.path.abspath(__file__)  # run as the launched command: [sys.executable, SCRIPT, ...]
+
 
 def sglang_parser() -> argparse.ArgumentParser:
     """The SGLang server flags that Motor passes, spelled and typed as SGLang's own ServerArgs fields
