@@ -15,8 +15,8 @@ from motor.contract.router_workers import adapter_worker_url
 from motor.errors import InvalidArgument
 from motor.ports import free_port
 from motor.v1 import controller_pb2 as C
-from tests.controller.conftest import small_deployment
 from tests.support import async_wait_for
+from tests.support.controller_harness import small_deployment
 
 
 @pytest.fixture

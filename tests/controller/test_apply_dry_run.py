@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from tests.controller.conftest import EXAMPLE
-from tests.controller.test_motorctl import AT_ONCE, ControllerProcess, motorctl
+from tests.support.controller_harness import EXAMPLE
+from tests.support.controller_process import AT_ONCE, ControllerProcess, motorctl
 
 pytestmark = pytest.mark.processes
 

@@ -12,9 +12,8 @@ import pytest
 from controller.capacity import autoscaler
 from controller.model.instances import READY
 from motor.v1 import controller_pb2 as C
-from tests.controller.conftest import Harness, small_deployment
-from tests.controller.test_spares import all_ready, listed
 from tests.support import async_wait_for
+from tests.support.controller_harness import Harness, all_ready, listed, small_deployment
 
 # Real loops on real time (a window of 1 s, delays of seconds): 5-10 s a test, so the fast tier
 # (`make test-fast`) leaves them to the full suite and pins the rules on a fake clock instead.

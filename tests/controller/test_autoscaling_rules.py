@@ -12,7 +12,7 @@ from controller.capacity.autoscaler import GroupScaler, ScalePolicy
 from controller.rules.deployment_file import validate_deployment
 from engine_server.load_meter import SAMPLE_PERIOD, InFlightMeter
 from motor.errors import InvalidArgument
-from tests.controller.conftest import small_deployment
+from tests.support.controller_harness import small_deployment
 
 
 def invalid(deployment, **limits) -> str:

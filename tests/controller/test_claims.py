@@ -11,9 +11,9 @@ from controller.model.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRunt
 from motor.errors import FailedPrecondition
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-from tests.controller.conftest import Harness, node_info, small_deployment
 from tests.support import async_wait_for
 from tests.support.controller_fakes import ManualClock
+from tests.support.controller_harness import Harness, node_info, small_deployment
 
 GRACE = 0.6
 

@@ -15,8 +15,8 @@ from motor.contract.names import CONTROL_CHARACTER
 from motor.errors import InvalidArgument, NotFound
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-from tests.controller.conftest import Harness, example_deployment, node_info, running_example, small_deployment
 from tests.support import async_wait_for
+from tests.support.controller_harness import Harness, example_deployment, node_info, running_example, small_deployment
 
 
 async def test_apply_places_every_rank_with_master_ip_config_and_generation(harness):

@@ -9,8 +9,8 @@ import asyncio
 from motor.contract import pbtime
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-from tests.controller.conftest import Harness, running_example
 from tests.support import async_wait_for
+from tests.support.controller_harness import Harness, running_example
 
 ALL = {"prefill-0/rank0", "prefill-0/rank1", "decode-0/rank0"}
 

@@ -9,9 +9,9 @@ import urllib.request
 import psutil
 import pytest
 
-from tests.controller.test_motorctl import motorctl
-from tests.controller.test_real_processes import apply, make_cluster, sim_deployment  # noqa: F401 (a fixture)
 from tests.support import wait_for
+from tests.support.controller_process import motorctl
+from tests.support.process_cluster import apply, make_cluster, sim_deployment  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.processes
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from controller.fleet.series import FleetSeries, engine_targets
 from controller.model.cluster import ClusterState
 from controller.model.events import EventBus
@@ -19,16 +17,7 @@ from motor.clock import SYSTEM_CLOCK
 from motor.contract.names import enum_short_name, role_name
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-from tests.controller.conftest import running_example
-
-
-async def scrape(series: FleetSeries) -> dict[tuple, float]:
-    text = b"".join([piece async for piece in series.render()]).decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):  # parses only well-formed exposition text
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
+from tests.support.controller_harness import running_example, scrape
 
 
 def sample(samples: dict, name: str, **labels) -> float:

@@ -16,9 +16,9 @@ from controller.fleet.heartbeat_budget import HeartbeatBudget
 from motor.contract import pbtime
 from motor.errors import ResourceExhausted
 from motor.v1 import controller_pb2 as C
-from tests.controller.conftest import Harness, node_info
 from tests.support import async_wait_for
 from tests.support.controller_fakes import ManualClock
+from tests.support.controller_harness import Harness, node_info
 
 
 def budget(live: list[int], clock: ManualClock, rate: float = 100.0) -> HeartbeatBudget:

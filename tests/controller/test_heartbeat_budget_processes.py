@@ -14,8 +14,8 @@ import urllib.request
 import pytest
 
 from motor.v1 import controller_pb2 as C
-from tests.controller.test_real_processes import HEARTBEAT, make_cluster  # noqa: F401 (the fixture)
 from tests.support import wait_for
+from tests.support.process_cluster import HEARTBEAT, make_cluster  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.processes
 

@@ -23,9 +23,9 @@ from motor.v1 import types_pb2 as T
 from motorctl import pages
 from node_manager.heartbeat_deltas import HeartbeatDeltas
 from node_manager.heartbeat_sender import HeartbeatSender
-from tests.controller.conftest import Harness, example_deployment, node_info
 from tests.support import async_wait_for
 from tests.support.controller_fakes import ManualClock
+from tests.support.controller_harness import Harness, example_deployment, node_info
 
 NODES = ("node-a", "node-b", "node-c")
 

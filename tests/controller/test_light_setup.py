@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 
 from motorctl import up
-from tests.controller.conftest import EXAMPLE
+from tests.support.controller_harness import EXAMPLE
 
 VLLM_FILE = """name: tiny
 model: tiny

@@ -4,31 +4,21 @@ the nodes report, and announces the generation limit (fake node-manager client, 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from controller.engines.generations import WINDOW
 from motor.errors import InvalidArgument
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-from tests.controller.conftest import Harness, example_deployment, node_info, running_example
 from tests.support import async_wait_for
-
-NODES = ("node-a", "node-b")
-
-
-async def _lose_the_store(h: Harness) -> dict[tuple[str, str], tuple[int, int]]:
-    """Stop the controller, move its database away, start it on an empty one; the fake nodes
-    keep their engines. Returns (node, engine) -> (pid, generation) of what they run."""
-    running = {(n, e.engine_id): (e.pid, e.spec.generation) for n, es in h.client.engines.items() for e in es.values()}
-    await h.stop()
-    for suffix in ("", "-wal", "-shm"):
-        if os.path.exists(h.db + suffix):
-            os.rename(h.db + suffix, h.db + suffix + ".lost")
-    h.client.calls.clear()
-    await h.start()
-    return running
+from tests.support.controller_harness import (
+    NODES,
+    Harness,
+    _lose_the_store,
+    example_deployment,
+    node_info,
+    running_example,
+)
 
 
 async def test_a_new_store_keeps_what_nodes_run_then_adopts_the_same_deployment(harness):

@@ -15,8 +15,8 @@ from motor.contract.deployment_file import deployment_from_dict
 from motor.contract.engine_policy import check_engine_config
 from motor.errors import InvalidArgument
 from motor.v1 import controller_pb2 as C
-from tests.controller.conftest import node_info
 from tests.support import async_wait_for
+from tests.support.controller_harness import node_info
 
 MODEL = "/models/llama/tiny"
 

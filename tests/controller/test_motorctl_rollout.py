@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from motor.ports import free_port
-from tests.controller.conftest import EXAMPLE
-from tests.controller.test_motorctl import AT_ONCE, ControllerProcess, motorctl
+from tests.support.controller_harness import EXAMPLE
+from tests.support.controller_process import AT_ONCE, ControllerProcess, motorctl
 
 pytestmark = pytest.mark.processes
 

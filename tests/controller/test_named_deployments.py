@@ -13,8 +13,8 @@ from controller.store.base import LEGACY_DEPLOYMENT
 from controller.store.sqlite import SqliteStore
 from motor.errors import InvalidArgument, NotFound
 from motor.v1 import controller_pb2 as C
-from tests.controller.conftest import small_deployment
 from tests.support import async_wait_for
+from tests.support.controller_harness import small_deployment
 
 
 def chat(**extra):
@@ -203,7 +203,7 @@ async def test_endpoints_carry_their_deployment_and_model_and_filter_by_model(ha
 async def test_the_second_model_example_runs_beside_the_local_example(harness):
     """examples/second-model.yaml applies beside examples/local-deployment.yaml (as docs show)."""
     from motor.contract.deployment_file import load_deployment
-    from tests.controller.conftest import EXAMPLE
+    from tests.support.controller_harness import EXAMPLE
 
     ctl = await harness.start()
     await harness.register("node-a", accelerators=4)

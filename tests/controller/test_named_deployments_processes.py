@@ -10,28 +10,11 @@ import urllib.request
 
 import pytest
 
-from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2 as C
-from tests.controller.test_real_processes import apply, make_cluster  # noqa: F401 (fixture)
 from tests.support import wait_for
+from tests.support.process_cluster import apply, make_cluster, model_deployment  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.processes
-
-
-def model_deployment(name: str, model: str, count: int) -> C.Deployment:
-    section = {
-        "engine_type": "sim",
-        "engine_args": {"model": model, "latency_ms": 1},
-        "health_check_config": {"enable_virtual_inference": False},
-    }
-    return deployment_from_dict(
-        {
-            "name": name,
-            "model": model,
-            "engine_config": {"motor_engine_union_config": section},
-            "instance_groups": [{"name": name, "role": "union", "count": count}],
-        }
-    )
 
 
 def complete(url: str, model: str) -> tuple[int, dict]:

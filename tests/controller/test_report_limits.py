@@ -12,7 +12,7 @@ import pytest
 from motor.errors import ResourceExhausted
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-from tests.controller.conftest import Harness, node_info, small_deployment
+from tests.support.controller_harness import Harness, node_info, small_deployment
 
 
 def made_up(node_id: str, n: int, start: int = 0) -> list[T.Engine]:

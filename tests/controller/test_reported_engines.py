@@ -12,8 +12,8 @@ from controller.model import reported
 from controller.rules.node_reports import check_reported_engine, check_reported_engines
 from motor.errors import InvalidArgument
 from motor.v1 import types_pb2
-from tests.controller.conftest import small_deployment
 from tests.support import async_wait_for
+from tests.support.controller_harness import small_deployment
 
 
 def engine(

@@ -12,18 +12,11 @@ from prometheus_client import generate_latest
 from controller.model.instances import READY
 from motor.errors import FailedPrecondition, InvalidArgument
 from motor.v1 import controller_pb2, types_pb2
-from tests.controller.conftest import Harness, small_deployment
 from tests.support.controller_fakes import ManualClock
+from tests.support.controller_harness import Harness, small_deployment
+from tests.support.rollout_checks import stopped, summary, union
 
 C, T = controller_pb2, types_pb2
-
-
-def union(count: int = 2, latency: int = 20, strategy: dict | None = None, **extra) -> C.Deployment:
-    deployment = small_deployment(
-        [{"name": "u", "role": "union", "count": count}], strategy={"min_ready": "0s", **(strategy or {})}, **extra
-    )
-    deployment.engine_config["motor_engine_union_config"]["engine_args"] = {"latency_ms": latency}
-    return deployment
 
 
 async def serve(h: Harness, passes: int = 8) -> None:
@@ -41,10 +34,6 @@ def ids(h: Harness) -> dict[str, int]:
     return {i: inst.revision for i, inst in sorted(h.controller.instances.items())}
 
 
-def stopped(h: Harness) -> set[str]:
-    return {engine.split("/")[0] for _, engine, _ in h.client.stops()}
-
-
 async def started(tmp_path, deployment: C.Deployment, accelerators: int = 8, clock=None) -> Harness:
     h = Harness(tmp_path, clock=clock)
     await h.start()
@@ -53,10 +42,6 @@ async def started(tmp_path, deployment: C.Deployment, accelerators: int = 8, clo
     await serve(h)
     assert all(inst.state == READY for inst in h.controller.instances.values())
     return h
-
-
-def summary(h: Harness) -> C.DeploymentSummary:
-    return h.controller.list_deployments().deployments[0]
 
 
 async def test_a_spec_change_surges_one_new_instance_and_withdraws_an_old_one_only_once_it_serves(tmp_path):

@@ -23,9 +23,8 @@ from hypothesis import strategies as st
 
 from controller.rules.expansion import GroupSpecs
 from motor.v1 import controller_pb2, types_pb2
-from tests.controller.conftest import Harness
-from tests.controller.test_rollout import union
-from tests.controller.test_rollout_sequences import Cluster
+from tests.support.controller_harness import Harness
+from tests.support.rollout_checks import Cluster, union
 
 C, T = controller_pb2, types_pb2
 EXAMPLES = int(os.environ.get("MOTOR_ROLLOUT_EXAMPLES", "25"))

@@ -15,8 +15,8 @@ from controller.model.nodes import NODE_SUSPECT
 from controller.rules.placement import Fleet, NodeCapacity, place_instance
 from controller.rules.slicing import Budget, in_slices, run_at_once, run_sliced
 from motor.errors import Unavailable
-from tests.controller.conftest import small_deployment
-from tests.controller.test_store_full import fill_disk, free_disk
+from tests.support.controller_harness import small_deployment
+from tests.support.full_disk import fill_disk, free_disk
 
 
 class Clock:

@@ -12,30 +12,16 @@ from controller.store.sqlite import SqliteStore
 from motor.errors import InvalidArgument
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-from tests.controller.conftest import Harness, small_deployment
 from tests.support import async_wait_for
+from tests.support.controller_harness import Harness, all_ready, listed, small_deployment
 
 
 def union(count: int = 2, spares: int = 1, name: str = "u", **group) -> C.Deployment:
     return small_deployment([{"name": name, "role": "union", "count": count, "spares": spares, **group}])
 
 
-async def all_ready(h: Harness, nodes: tuple[str, ...], count: int) -> None:
-    await async_wait_for(lambda: len(h.client.starts()) >= count, timeout=5, what=f"{count} StartEngine calls")
-    for node in nodes:
-        h.client.set_health(node)
-    h.beat(*nodes)
-    await async_wait_for(
-        lambda: all(i.state == C.INSTANCE_STATE_READY for i in h.controller.instances.values()), timeout=5
-    )
-
-
 def node_of(h: Harness, instance_id: str) -> str:
     return h.controller.slots.get(f"{instance_id}/rank0").node_id
-
-
-def listed(h: Harness) -> set[str]:
-    return {e.instance_id for e in h.controller.list_endpoints()}
 
 
 def spare_events(h: Harness) -> list[str]:
@@ -220,7 +206,7 @@ async def test_fewer_spares_applied_after_a_promotion_keeps_count_instances_serv
 async def test_spares_have_their_own_lines_in_metrics_and_in_motorctl_tables(harness):
     from controller.fleet.series import FleetSeries
     from motorctl.render import render_deployments, render_instances
-    from tests.controller.test_fleet_metrics import scrape
+    from tests.support.controller_harness import scrape
 
     await spares_running(harness)
     ctl = harness.controller

@@ -6,37 +6,15 @@ handling. (A real full tmpfs needs root to mount; the chaos suite uses one where
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 
 import pytest
 
 from motor.errors import Unavailable
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-from tests.controller.conftest import running_example, small_deployment
 from tests.support import async_wait_for
-
-WRITES = ("INSERT", "DELETE", "BEGIN", "COMMIT")
-
-
-def fill_disk(store) -> None:
-    real = store.db
-
-    class FullDisk:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def execute(self, sql, args=()):
-            if sql.lstrip().upper().startswith(WRITES):
-                raise sqlite3.OperationalError("database or disk is full")
-            return real.execute(sql, args)
-
-    store.db = FullDisk()
-    store.real_db = real
-
-
-def free_disk(store) -> None:
-    store.db = store.real_db
+from tests.support.controller_harness import running_example, small_deployment
+from tests.support.full_disk import fill_disk, free_disk
 
 
 async def test_apply_on_a_full_disk_is_unavailable_and_changes_nothing(harness):

@@ -10,7 +10,7 @@ from controller.model.instances import IllegalTransition
 from controller.model.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeTable
 from controller.model.slots import EngineSlot, SlotTable
 from motor.errors import FailedPrecondition
-from tests.controller.test_tables import runtime
+from tests.support.controller_harness import runtime
 
 
 def test_a_stale_heartbeat_of_a_lost_node_is_told_so_exactly():

@@ -14,18 +14,13 @@ from controller.engines.actuator import FENCE_WINDOW, Actuator
 from controller.engines.node_client import NodeCallError
 from controller.model.events import EventBus
 from controller.model.instances import IllegalTransition
-from controller.model.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeRuntime, NodeTable
+from controller.model.nodes import NODE_LOST, NODE_READY, NODE_SUSPECT, NodeTable
 from controller.model.slots import EngineSlot, SlotTable
 from motor.errors import FailedPrecondition, NotFound
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-from tests.controller.conftest import node_info
 from tests.support.controller_fakes import FakeNodeClient, ManualClock
-
-
-def runtime(node_id: str, state: int = NODE_READY, generation: int = 1) -> NodeRuntime:
-    return NodeRuntime(node_info(node_id), generation, state, "test", last_seen=0.0)
-
+from tests.support.controller_harness import node_info, runtime
 
 # ---------------------------------------------------------------- node table
 

@@ -16,7 +16,7 @@ from controller.rules.node_reports import MAX_ENGINES_PER_NODE, check_engine_cou
 from motor.errors import InvalidArgument, ResourceExhausted
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-from tests.controller.conftest import small_deployment
+from tests.support.controller_harness import small_deployment
 
 # ---------------------------------------------------------------- validation
 

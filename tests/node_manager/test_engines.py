@@ -14,8 +14,8 @@ import psutil
 import pytest
 
 from motor.v1 import node_manager_pb2, types_pb2
-from tests.node_manager.conftest import alive, sim_config, spec
 from tests.support import async_wait_for
+from tests.support.node_manager_harness import alive, sim_config, spec
 
 RUNNING, FAILED, STOPPED = types_pb2.ENGINE_STATE_RUNNING, types_pb2.ENGINE_STATE_FAILED, types_pb2.ENGINE_STATE_STOPPED
 

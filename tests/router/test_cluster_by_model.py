@@ -13,11 +13,11 @@ import pytest
 from motor.v1 import controller_pb2 as C
 from motor.v1 import controller_pb2_grpc
 from motorctl.local_cluster import LocalCluster
-from tests.controller.test_named_deployments_processes import model_deployment
-from tests.router.conftest import http
-from tests.router.test_by_model import answers
-from tests.router.test_cluster_router import router_workers
 from tests.support import wait_for
+from tests.support.model_routing import answers
+from tests.support.open_load import http
+from tests.support.process_cluster import model_deployment
+from tests.support.router_checks import router_workers
 
 
 @pytest.fixture

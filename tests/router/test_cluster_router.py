@@ -14,8 +14,10 @@ import pytest
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
 from motorctl.local_cluster import LocalCluster
 from motorctl.run_processes import run_processes
-from tests.router.conftest import OpenLoad, http, running
 from tests.support import REPO_ROOT, wait_for
+from tests.support.open_load import OpenLoad, http
+from tests.support.router_checks import all_three_routed, router_workers
+from tests.support.router_process import running
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 
@@ -33,29 +35,6 @@ def cluster(tmp_path_factory):
             router_port=0,
         )
     )
-
-
-def listed_urls(cluster) -> set[str]:
-    with grpc.insecure_channel(cluster.controller_address) as channel:
-        stub = controller_pb2_grpc.ControllerServiceStub(channel)
-        return {e.url for e in stub.ListEndpoints(controller_pb2.ListEndpointsRequest(), timeout=5).endpoints}
-
-
-def router_workers(cluster) -> set[str]:
-    status, text = http("GET", cluster.router_url + "/list_workers")
-    assert status == 200, text
-    return set(json.loads(text)["urls"])
-
-
-def all_three_routed(cluster) -> set[str]:
-    urls = listed_urls(cluster)
-    wait_for(
-        lambda: len(listed_urls(cluster)) == 3 and router_workers(cluster) == listed_urls(cluster),
-        timeout=90,
-        interval=0.2,
-        what="the router's workers equal to the three listed endpoints",
-    )
-    return urls
 
 
 def test_requests_through_the_router_reach_every_engine(cluster):

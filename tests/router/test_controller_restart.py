@@ -14,10 +14,11 @@ import pytest
 
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from motorctl.local_cluster import LocalCluster
-from tests.ha.conftest import _require_etcd
-from tests.router.conftest import OpenLoad, running
-from tests.router.test_planned_ops import apply, union, workers
 from tests.support import wait_for
+from tests.support.etcd_members import _require_etcd
+from tests.support.open_load import OpenLoad
+from tests.support.router_checks import apply, union, workers
+from tests.support.router_process import running
 
 
 @pytest.fixture(scope="module")

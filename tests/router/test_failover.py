@@ -24,9 +24,10 @@ from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
 from motorctl.local_cluster import LocalCluster
 from motorctl.router import FAILOVER_FLAGS, ROUTING_POLICY
-from tests.engine_server.conftest import EngineServerProcess, sim_config
-from tests.router.conftest import OpenLoad, RouterProcess, http, running
 from tests.support import wait_for
+from tests.support.engine_server_process import EngineServerProcess, sim_config
+from tests.support.open_load import OpenLoad, http
+from tests.support.router_process import RouterProcess, running
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -16,10 +16,9 @@ from aiohttp import web
 from front_door.policy import FrontDoor
 from motor.ports import free_port
 from motor.v1 import controller_pb2
-from tests.engine_server.conftest import engine_server, sim_config  # noqa: F401 (fixture)
-from tests.router.test_by_model import chat_and_embed, model_router, served  # noqa: F401 (fixtures)
-from tests.router.test_sync import Running, snapshot, until
 from tests.support import serve_app
+from tests.support.engine_server_process import engine_server, sim_config  # noqa: F401 (fixtures)
+from tests.support.model_routing import Running, chat_and_embed, model_router, served, snapshot, until  # noqa: F401 (fixtures)
 
 
 class Door:

@@ -19,9 +19,10 @@ import pytest
 
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from motorctl.local_cluster import LocalCluster
-from tests.router.conftest import OpenLoad, http, running
-from tests.router.test_cluster_router import all_three_routed, listed_urls, router_workers
 from tests.support import REPO_ROOT, wait_for
+from tests.support.open_load import OpenLoad, http
+from tests.support.router_checks import all_three_routed, listed_urls, router_workers
+from tests.support.router_process import running
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 

@@ -14,8 +14,9 @@ import pytest
 
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl.local_cluster import LocalCluster
-from tests.router.conftest import http, running
 from tests.support import REPO_ROOT, wait_for
+from tests.support.open_load import http
+from tests.support.router_process import running
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 

@@ -3,30 +3,17 @@ requests 503 with Retry-After, which the router retries elsewhere), then stops."
 
 from __future__ import annotations
 
-import json
 import time
 
 import grpc
 import pytest
 
-from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2, controller_pb2_grpc, engine_pb2, engine_pb2_grpc
 from motorctl.local_cluster import LocalCluster
-from tests.router.conftest import OpenLoad, http, running
 from tests.support import wait_for
-
-SIM = {"engine_type": "sim", "engine_args": {"model": "sim-tiny", "latency_ms": 20}}
-
-
-def union(count: int) -> controller_pb2.Deployment:
-    return deployment_from_dict(
-        {
-            "name": "routed",
-            "model": "sim-tiny",
-            "instance_groups": [{"name": "union", "role": "union", "count": count, "accelerators_per_engine": 1}],
-            "engine_config": {"motor_engine_union_config": SIM},
-        }
-    )
+from tests.support.open_load import OpenLoad
+from tests.support.router_checks import apply, union, workers
+from tests.support.router_process import running
 
 
 @pytest.fixture(scope="module")
@@ -40,19 +27,6 @@ def cluster(tmp_path_factory):
             router_port=0,
         )
     )
-
-
-def apply(cluster, deployment) -> None:
-    with cluster.credentials().channel(cluster.controller_address) as channel:
-        controller_pb2_grpc.ControllerServiceStub(channel).ApplyDeployment(
-            controller_pb2.ApplyDeploymentRequest(deployment=deployment), timeout=30
-        )
-
-
-def workers(cluster) -> set[str]:
-    status, text = http("GET", cluster.router_url + "/list_workers")
-    assert status == 200, text
-    return set(json.loads(text)["urls"])
 
 
 def test_scale_down_under_load_fails_no_request(cluster):

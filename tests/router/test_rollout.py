@@ -16,9 +16,10 @@ import pytest
 from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from motorctl.local_cluster import LocalCluster
-from tests.router.conftest import OpenLoad, http, running
-from tests.router.test_planned_ops import workers
 from tests.support import wait_for
+from tests.support.open_load import OpenLoad, http
+from tests.support.router_checks import workers
+from tests.support.router_process import running
 
 C = controller_pb2
 

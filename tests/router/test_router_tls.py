@@ -12,8 +12,8 @@ import pytest
 
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from motorctl.local_cluster import LocalCluster
-from tests.router.conftest import http
 from tests.support import REPO_ROOT, wait_for
+from tests.support.open_load import http
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 

@@ -11,9 +11,10 @@ import threading
 import time
 
 from motorctl.router import TYPED_WORKER_FLAGS
-from tests.engine_server.conftest import EngineServerProcess, sim_config
-from tests.router.conftest import RouterProcess, http
 from tests.support import wait_for
+from tests.support.engine_server_process import EngineServerProcess, sim_config
+from tests.support.open_load import http
+from tests.support.router_process import RouterProcess
 
 BACKLOG = 20  # requests queued on the first engine before the second joins
 NEW = 10  # requests sent once both serve

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from motor.v1 import types_pb2
 from motorctl.router import router_line
-from tests.engine_server.conftest import engine_server, sim_config  # noqa: F401 (fixture)
-from tests.router.conftest import router  # noqa: F401 (fixture)
+from tests.support.engine_server_process import engine_server, sim_config  # noqa: F401 (fixtures)
+from tests.support.router_process import router  # noqa: F401 (fixtures)
 
 
 def test_the_screen_line_names_the_url_and_counts_the_workers(router, engine_server):

@@ -13,9 +13,9 @@ import sys
 import time
 
 from motor.ports import free_port
-from tests.e2e.test_motorctl_up_ends import assert_nothing_left
-from tests.router.conftest import http
 from tests.support import REPO_ROOT, wait_for
+from tests.support.motorctl_up import assert_nothing_left
+from tests.support.open_load import http
 
 
 def motorctl(*args: str, controller: int) -> str:

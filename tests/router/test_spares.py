@@ -13,9 +13,10 @@ import pytest
 from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
 from motorctl.local_cluster import LocalCluster
-from tests.router.conftest import OpenLoad, running
-from tests.router.test_planned_ops import apply, workers
 from tests.support import wait_for
+from tests.support.open_load import OpenLoad
+from tests.support.router_checks import apply, workers
+from tests.support.router_process import running
 
 LOAD_S = 6.0  # the simulated model's load time: what a promotion does not wait for
 

@@ -9,10 +9,9 @@ import time
 import pytest
 
 from motor.v1 import controller_pb2, types_pb2
-from router_sync.admin import RouterAdmin
-from router_sync.sync import RouterSync
-from tests.engine_server.conftest import engine_server, sim_config  # noqa: F401 (fixture)
-from tests.router.conftest import any_router, router  # noqa: F401 (fixtures)
+from tests.support.engine_server_process import engine_server, sim_config  # noqa: F401 (fixtures)
+from tests.support.model_routing import Running, snapshot, until
+from tests.support.router_process import any_router, router  # noqa: F401 (fixtures)
 
 UNION = types_pb2.ROLE_UNION
 
@@ -23,17 +22,6 @@ def endpoint(engine, name: str) -> controller_pb2.Endpoint:
     )
 
 
-def snapshot(*endpoints) -> controller_pb2.WatchEndpointsResponse:
-    return controller_pb2.WatchEndpointsResponse(added=endpoints, snapshot=True)
-
-
-async def until(predicate, timeout: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
 @pytest.fixture
 def two_engines(engine_server):
     first = engine_server(sim_config("union"), role="union", instance_id="u-0")
@@ -41,21 +29,6 @@ def two_engines(engine_server):
     for engine in (first, second):
         engine.wait_status(types_pb2.HEALTH_STATUS_NORMAL)
     return first, second
-
-
-class Running:
-    """A RouterSync's run() in the background, and what it announced."""
-
-    def __init__(self, router_url: str, **options):
-        self.events: list[str] = []
-        self.admin = RouterAdmin(router_url, timeout=5)
-        self.sync = RouterSync(self.admin, self.events.append, relist_interval=0.5, backoff_cap=0.5, **options)
-        self.task = asyncio.get_running_loop().create_task(self.sync.run())
-
-    async def close(self):
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
-        await self.admin.close()
 
 
 async def test_snapshot_adds_listed_engines_and_removes_what_motor_does_not_list(any_router, two_engines):

@@ -21,7 +21,7 @@ from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2 as C
 from motor.v1 import node_manager_pb2, node_manager_pb2_grpc
 from motor.v1 import types_pb2 as T
-from tests.controller.test_real_processes import Cluster
+from tests.support.process_cluster import Cluster
 
 HEARTBEAT = 0.5
 # A node manager paused 3 s is within grace; one paused 20 s is lost (grace + re-check).
@@ -229,3 +229,9 @@ class ChaosCluster(Cluster):
     def busiest_node(self) -> str:
         counts = collections.Counter(self.where().values())
         return max(sorted(counts), key=counts.get)
+
+
+def engine_port_base() -> int:
+    """Engine ports of its own for each run (3,500 from this base: three nodes and the claimants of
+    the node id rows), so that two chaos runs on one machine seldom meet on a port."""
+    return 36000 + 4000 * (os.getpid() % 6)

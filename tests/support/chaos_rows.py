@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from motor.v1 import controller_pb2 as C
-from tests.controller.test_real_processes import apply
 from tests.support.chaos_cluster import BASELINE_ENGINES, BASELINE_INSTANCES, ChaosCluster, deployment
 from tests.support.chaos_table import Row, record
+from tests.support.process_cluster import apply
 
 # Hang bounds (2 shared cores): a cluster not whole again within this is a failed row.
 RECOVERY_BOUND = 120.0

@@ -2,8 +2,7 @@
 
 Everything goes through the real tools a user has: `docker compose` (v2) when installed, else
 `docker-compose` (v1.29); `docker kill`, `docker network disconnect/connect`, `docker exec`.
-The controller is queried through its published port from the host, as users do.
-"""
+The controller is queried through its published port from the host, as users do."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ import logging
 import os
 import shutil
 import subprocess
+import time
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
@@ -346,3 +346,49 @@ def stack_state(stack: ComposeStack) -> str:
     except grpc.RpcError as exc:
         state = f"controller not answering: {exc.code().name}"
     return state + "\n--- compose logs ---\n" + stack.logs()
+
+
+# The image the tests build from compose.yaml's build section. The base image: a local Debian
+# image made by scripts/build-base-image.sh (this machine has no registry); set
+# MOTOR_TEST_BASE_IMAGE=python:3.11-slim where a registry is reachable.
+TEST_IMAGE = "motor-sim:test"
+
+
+BASE_IMAGE = os.environ.get("MOTOR_TEST_BASE_IMAGE", "motor-base:bookworm")
+
+
+# Prometheus: Debian's package in a local image (no registry here); MOTOR_TEST_PROMETHEUS_IMAGE=
+# prom/prometheus:v2.53.0 where a registry is reachable.
+PROMETHEUS_IMAGE = os.environ.get("MOTOR_TEST_PROMETHEUS_IMAGE", "motor-prometheus:bookworm")
+
+
+# etcd: Debian's etcd-server (and etcdctl, for the health check) in a local image;
+# MOTOR_TEST_ETCD_IMAGE=gcr.io/etcd-development/etcd:v3.4.23 where a registry is reachable.
+ETCD_IMAGE = os.environ.get("MOTOR_TEST_ETCD_IMAGE", "motor-etcd:bookworm")
+
+
+PROJECT_PREFIX = "motor-test-"
+
+
+# Seconds each step took, printed at the end of the session (pytest -s) for docs/compose.md.
+TIMINGS: dict[str, float] = {}
+
+
+def _timed(name: str, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+    started = time.monotonic()
+    result = run(argv, **kwargs)
+    TIMINGS[name] = time.monotonic() - started
+    return result
+
+
+def _remove_leftover_projects() -> None:
+    """Containers and networks of earlier test runs that died before their clean-up (same subnets)."""
+    for kind, remove in (("ps -a", ["docker", "rm", "-f"]), ("network ls", ["docker", "network", "rm"])):
+        listed = run(["docker", *kind.split(), "--format", '{{.ID}} {{.Label "com.docker.compose.project"}}']).stdout
+        ids = [
+            line.split()[0]
+            for line in listed.splitlines()
+            if len(line.split()) == 2 and line.split()[1].startswith(PROJECT_PREFIX)
+        ]
+        if ids:
+            run([*remove, *ids], check=False)
