@@ -13,6 +13,8 @@ from tests.support.engine_server_process import engine_server, sim_config  # noq
 from tests.support.model_routing import Running, snapshot, until
 from tests.support.router_process import any_router, router  # noqa: F401 (fixtures)
 
+pytestmark = pytest.mark.processes  # the real routers and engine servers
+
 UNION = types_pb2.ROLE_UNION
 
 

@@ -19,6 +19,10 @@ from front_door.policy import FrontDoor
 from motor.ports import free_port
 from tests.support import serve_app
 
+# In process (a stand-in router), but its timers take 21 s in all (two tests 5-7 s each): the full suite's,
+# as it was in tests/router before.
+pytestmark = pytest.mark.slow
+
 COMPLETION = {"model": "m", "prompt": "hi", "max_tokens": 2}
 
 

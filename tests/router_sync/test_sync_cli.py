@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.processes  # each case runs the command line as a process
+
 
 @pytest.mark.parametrize(
     "args, said",

@@ -1,4 +1,4 @@
-"""The real vllm-router binary, and simulated engine servers behind it."""
+"""The real vllm-router (and simulated engine servers) in front of a cluster of real processes."""
 
 from __future__ import annotations
 

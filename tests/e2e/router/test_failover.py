@@ -24,12 +24,10 @@ from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
 from motorctl.local_cluster import LocalCluster
 from motorctl.router import FAILOVER_FLAGS, ROUTING_POLICY
-from tests.support import wait_for
+from tests.support import REPO_ROOT, wait_for
 from tests.support.engine_server_process import EngineServerProcess, sim_config
 from tests.support.open_load import OpenLoad, http
 from tests.support.router_process import RouterProcess, running
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The seed's health settings (issue 43's reference): virtual inference on, a probe every 2 s with a
 # 5 s timeout, 3 failures, 20 s between probes of a busy engine; the rest at their defaults.
@@ -179,7 +177,7 @@ def assert_no_request_lost(load: OpenLoad, fault_at: float, routed: RoutedTo) ->
 
 
 def test_the_router_is_started_with_the_same_policy_and_failover_flags_by_motorctl_up_and_compose():
-    with open(os.path.join(REPO, "compose.yaml")) as f:
+    with open(os.path.join(REPO_ROOT, "compose.yaml")) as f:
         command = yaml.safe_load(f)["services"]["router"]["command"]
     started = [*ROUTING_POLICY, *FAILOVER_FLAGS]
     flags = dict(zip(started[::2], started[1::2]))

@@ -6,10 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from motor.v1 import controller_pb2
 from tests.support.engine_server_process import engine_server, sim_config  # noqa: F401 (fixtures)
 from tests.support.model_routing import Running, answers, chat_and_embed, model_router, served, snapshot, until  # noqa: F401 (fixtures)
 from tests.support.open_load import http
+
+pytestmark = pytest.mark.processes  # the real vllm-router and engine servers
 
 
 async def test_each_models_requests_reach_only_its_engines(model_router, chat_and_embed):

@@ -20,6 +20,8 @@ from tests.support import serve_app
 from tests.support.engine_server_process import engine_server, sim_config  # noqa: F401 (fixtures)
 from tests.support.model_routing import Running, chat_and_embed, model_router, served, snapshot, until  # noqa: F401 (fixtures)
 
+pytestmark = pytest.mark.processes  # the real vllm-router and engine servers
+
 
 class Door:
     """A sync and its front door in this process, in front of `router`."""
