@@ -1,7 +1,7 @@
 """Disk full, really: the controller's database and each node's state directory live on small
 tmpfs mounts of their own (tests/chaos/conftest.py), filled to the last byte by a file while the
 fault lasts. Where this machine refuses mounts the rows skip (fail under CI=true); the same rules
-are then covered by the write-failure injections of tests/controller/test_store_full.py and
+are then covered by the write-failure injections of tests/controller/store/test_store_full.py and
 tests/node_manager/test_disk_full.py."""
 
 from __future__ import annotations
