@@ -8,18 +8,9 @@ import json
 import pytest
 
 from tests.support.controller_harness import EXAMPLE
-from tests.support.controller_process import AT_ONCE, ControllerProcess, motorctl
+from tests.support.controller_process import motorctl
 
 pytestmark = pytest.mark.processes
-
-
-@pytest.fixture
-def controller(tmp_path):
-    proc = ControllerProcess(tmp_path, *AT_ONCE)
-    proc.start()
-    yield proc
-    proc.stop()
-    proc.log.close()
 
 
 def test_an_engine_args_typo_is_refused_at_apply_and_by_a_dry_run(controller, tmp_path):

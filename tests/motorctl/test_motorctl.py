@@ -19,15 +19,6 @@ from tests.support.controller_process import AT_ONCE, ControllerProcess, motorct
 pytestmark = pytest.mark.processes
 
 
-@pytest.fixture
-def controller(tmp_path):
-    proc = ControllerProcess(tmp_path, *AT_ONCE)
-    proc.start()
-    yield proc
-    proc.stop()
-    proc.log.close()
-
-
 def test_tables_and_json_against_a_live_controller(controller):
     address = controller.address
     table = motorctl(address, "instances").stdout

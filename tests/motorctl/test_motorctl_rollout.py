@@ -6,17 +6,9 @@ import pytest
 
 from motor.ports import free_port
 from tests.support.controller_harness import EXAMPLE
-from tests.support.controller_process import AT_ONCE, ControllerProcess, motorctl
+from tests.support.controller_process import motorctl
 
 pytestmark = pytest.mark.processes
-
-
-@pytest.fixture
-def controller(tmp_path):
-    proc = ControllerProcess(tmp_path, *AT_ONCE)
-    proc.start()
-    yield proc
-    proc.stop()
 
 
 def test_rollout_status_pause_resume_and_undo(controller, tmp_path):
