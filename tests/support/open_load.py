@@ -24,8 +24,16 @@ class OpenLoad:
     """Open-loop completions through a router (one request every `period` s, each on its own
     thread): a stalled request does not slow the others. `results`: (sent, status, answered)."""
 
-    def __init__(self, url: str, period: float = 0.05, timeout: float = 30.0):
+    SIM_COMPLETION = {"model": "sim-tiny", "prompt": "x", "max_tokens": 2}
+
+    def __init__(
+        self, url: str, period: float = 0.05, timeout: float = 30.0, body: dict | None = None, join_timeout: float = 0
+    ):
+        """`timeout`: each request's; `body`: the completion sent (the simulated engine's by default);
+        `join_timeout`: how long the end waits for each request thread (default `timeout` + 5)."""
         self.url, self.period, self.timeout = url, period, timeout
+        self.body = body if body is not None else self.SIM_COMPLETION
+        self.join_timeout = join_timeout or timeout + 5
         self.results: list[tuple[float, int, float]] = []
         self._stop = threading.Event()
         self._sender = threading.Thread(target=self._send, daemon=True)
@@ -39,7 +47,7 @@ class OpenLoad:
         self._stop.set()
         self._sender.join()
         for thread in self._threads:
-            thread.join(timeout=self.timeout + 5)
+            thread.join(timeout=self.join_timeout)
 
     def _send(self) -> None:
         while not self._stop.is_set():
@@ -51,12 +59,7 @@ class OpenLoad:
     def _one(self) -> None:
         sent = time.monotonic()
         try:
-            status, _ = http(
-                "POST",
-                self.url + "/v1/completions",
-                {"model": "sim-tiny", "prompt": "x", "max_tokens": 2},
-                timeout=self.timeout,
-            )
+            status, _ = http("POST", self.url + "/v1/completions", self.body, timeout=self.timeout)
         except OSError:
             status = 0
         self.results.append((sent, status, time.monotonic()))
