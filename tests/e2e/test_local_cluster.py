@@ -29,6 +29,7 @@ from motor.v1 import (
 )
 from motorctl.local_cluster import LocalCluster
 from tests.support import REPO_ROOT, process_alive, wait_for
+from tests.support.local_cluster import started
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 EXPECTED_ENGINES = {"prefill-0/rank0", "prefill-0/rank1", "decode-0/rank0"}
@@ -55,12 +56,7 @@ def cluster(tmp_path_factory):
         heartbeat_interval=0.5,
         engine_port_base=31000,
     )
-    try:
-        local.start(timeout=60)
-        yield local
-    finally:
-        problems = local.stop()
-        assert not problems, problems
+    yield from started(local)
 
 
 def test_every_engine_reaches_normal(cluster):

@@ -20,6 +20,7 @@ from motorctl.local_cluster import LocalCluster
 from tests.support import REPO_ROOT, wait_for
 from tests.support.etcd_members import _require_etcd
 from tests.support.ha_controllers import _controllers, _leader, _process_of, _stub
+from tests.support.local_cluster import started
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 EXPECTED_ENGINES = {"prefill-0/rank0", "prefill-0/rank1", "decode-0/rank0"}
@@ -43,13 +44,8 @@ def cluster(tmp_path_factory):
         extra_controller_args=["--lease-ttl", str(TTL)],
         node_id_prefix="ha-node",
     )
-    try:
-        local.start(timeout=60)
-        yield local
-    finally:
-        problems = local.stop()
-        assert not problems, problems
-        assert local.etcd is not None and not any(m.running() for m in local.etcd.members)
+    yield from started(local)
+    assert local.etcd is not None and not any(m.running() for m in local.etcd.members)
 
 
 def _engines(cluster) -> dict[str, tuple[int, int, int]]:

@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl.local_cluster import LocalCluster
 from tests.support import REPO_ROOT, require, wait_for
+from tests.support.local_cluster import started
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
@@ -51,12 +52,7 @@ def cluster(tmp_path_factory):
         extra_node_args=["--log-format", "json"],
         router_port=0,  # a router and its sync: the controller's motor_front_door_* series
     )
-    try:
-        local.start(timeout=60)
-        yield local
-    finally:
-        problems = local.stop()
-        assert not problems, problems
+    yield from started(local)
 
 
 @pytest.fixture(scope="module")

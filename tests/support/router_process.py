@@ -13,8 +13,10 @@ import sys
 import pytest
 
 from motor.ports import free_port
+from motorctl.local_cluster import LocalCluster
 from motorctl.router import ROUTER_ENV, ROUTING_POLICY
 from tests.support import require, wait_for
+from tests.support.local_cluster import started
 from tests.support.open_load import http
 
 # The routers Motor's sync is tested against: the vLLM project's, and SGLang's gateway (another
@@ -121,11 +123,13 @@ def any_router(request, tmp_path):
 def running(local):
     """A module fixture's body: the local cluster started, yielded, then stopped leaving nothing
     behind (nothing killed or left over; its front door, router and sync ended too)."""
-    try:
-        local.start(timeout=60)
-        yield local
-    finally:
-        problems = local.stop()
-        assert not problems, problems
-        for front in (p for p in local.processes if p.name in ("router", "router-sync", "front-door")):
-            assert front.process.poll() is not None, f"{front.name} left running"
+    yield from started(local)
+    for front in (p for p in local.processes if p.name in ("router", "router-sync", "front-door")):
+        assert front.process.poll() is not None, f"{front.name} left running"
+
+
+def routed_cluster(tmp_path_factory, name: str, **options):
+    """A module fixture's body: `running` on a two-node local cluster with its router (and the
+    router's sync and front door), heartbeats every second; `options` for the rest of LocalCluster."""
+    local = LocalCluster(str(tmp_path_factory.mktemp(name)), nodes=2, heartbeat_interval=1.0, router_port=0, **options)
+    yield from running(local)

@@ -14,6 +14,7 @@ from motor.v1 import controller_pb2 as C
 from motor.v1 import controller_pb2_grpc
 from motorctl.local_cluster import LocalCluster
 from tests.support import wait_for
+from tests.support.local_cluster import started
 from tests.support.model_routing import answers
 from tests.support.open_load import http
 from tests.support.process_cluster import model_deployment
@@ -23,12 +24,7 @@ from tests.support.router_checks import router_workers
 @pytest.fixture
 def cluster(tmp_path):
     local = LocalCluster(str(tmp_path), nodes=1, heartbeat_interval=1.0, engine_port_base=34000, router_port=0)
-    try:
-        local.start(timeout=60)
-        yield local
-    finally:
-        problems = local.stop()
-        assert not problems, problems
+    yield from started(local)
 
 
 def test_requests_by_model_through_motorctl_ups_router(cluster):

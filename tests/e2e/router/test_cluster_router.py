@@ -12,28 +12,19 @@ import grpc
 import pytest
 
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
-from motorctl.local_cluster import LocalCluster
 from motorctl.run_processes import run_processes
 from tests.support import REPO_ROOT, wait_for
 from tests.support.open_load import OpenLoad, http
 from tests.support.router_checks import all_three_routed, router_workers
-from tests.support.router_process import running
+from tests.support.router_process import routed_cluster
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    yield from running(
-        LocalCluster(
-            str(tmp_path_factory.mktemp("routed")),
-            nodes=2,
-            deployment_path=DEPLOYMENT,
-            heartbeat_interval=1.0,
-            abnormal_threshold=5,
-            engine_port_base=33000,
-            router_port=0,
-        )
+    yield from routed_cluster(
+        tmp_path_factory, "routed", deployment_path=DEPLOYMENT, abnormal_threshold=5, engine_port_base=33000
     )
 
 

@@ -13,25 +13,16 @@ import grpc
 import pytest
 
 from motor.v1 import controller_pb2, controller_pb2_grpc
-from motorctl.local_cluster import LocalCluster
 from tests.support import wait_for
 from tests.support.etcd_members import _require_etcd
 from tests.support.open_load import OpenLoad
 from tests.support.router_checks import apply, union, workers
-from tests.support.router_process import running
+from tests.support.router_process import routed_cluster
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    yield from running(
-        LocalCluster(
-            str(tmp_path_factory.mktemp("restart")),
-            nodes=2,
-            heartbeat_interval=1.0,
-            engine_port_base=35500,
-            router_port=0,
-        )
-    )
+    yield from routed_cluster(tmp_path_factory, "restart", engine_port_base=35500)
 
 
 class WorkerCounts:
@@ -80,17 +71,13 @@ def test_a_controller_restart_keeps_every_worker_in_the_router(cluster):
 @pytest.fixture(scope="module")
 def ha_cluster(tmp_path_factory):
     _require_etcd()
-    yield from running(
-        LocalCluster(
-            str(tmp_path_factory.mktemp("failover")),
-            nodes=2,
-            heartbeat_interval=1.0,
-            engine_port_base=36000,
-            router_port=0,
-            ha=True,
-            extra_controller_args=["--lease-ttl", "2"],
-            node_id_prefix="feed-node",
-        )
+    yield from routed_cluster(
+        tmp_path_factory,
+        "failover",
+        engine_port_base=36000,
+        ha=True,
+        extra_controller_args=["--lease-ttl", "2"],
+        node_id_prefix="feed-node",
     )
 
 

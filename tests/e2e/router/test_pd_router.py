@@ -13,26 +13,17 @@ import grpc
 import pytest
 
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
-from motorctl.local_cluster import LocalCluster
 from tests.support import REPO_ROOT, wait_for
 from tests.support.open_load import http
-from tests.support.router_process import running
+from tests.support.router_process import routed_cluster
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    yield from running(
-        LocalCluster(
-            str(tmp_path_factory.mktemp("pd")),
-            nodes=2,
-            deployment_path=DEPLOYMENT,
-            heartbeat_interval=1.0,
-            engine_port_base=37000,
-            router_port=0,
-            router_pd=True,
-        )
+    yield from routed_cluster(
+        tmp_path_factory, "pd", deployment_path=DEPLOYMENT, engine_port_base=37000, router_pd=True
     )
 
 

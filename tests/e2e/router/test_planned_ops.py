@@ -9,24 +9,15 @@ import grpc
 import pytest
 
 from motor.v1 import controller_pb2, controller_pb2_grpc, engine_pb2, engine_pb2_grpc
-from motorctl.local_cluster import LocalCluster
 from tests.support import wait_for
 from tests.support.open_load import OpenLoad
 from tests.support.router_checks import apply, union, workers
-from tests.support.router_process import running
+from tests.support.router_process import routed_cluster
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    yield from running(
-        LocalCluster(
-            str(tmp_path_factory.mktemp("planned")),
-            nodes=2,
-            heartbeat_interval=1.0,
-            engine_port_base=35000,
-            router_port=0,
-        )
-    )
+    yield from routed_cluster(tmp_path_factory, "planned", engine_port_base=35000)
 
 
 def test_scale_down_under_load_fails_no_request(cluster):

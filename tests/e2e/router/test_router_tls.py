@@ -13,6 +13,7 @@ import pytest
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from motorctl.local_cluster import LocalCluster
 from tests.support import REPO_ROOT, wait_for
+from tests.support.local_cluster import started
 from tests.support.open_load import http
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
@@ -29,11 +30,7 @@ def cluster(tmp_path_factory):
         engine_port_base=34000,
         router_port=0,
     )
-    try:
-        local.start(timeout=60)
-        yield local
-    finally:
-        assert not local.stop()
+    yield from started(local)
 
 
 def test_the_sync_follows_the_controller_under_tls_with_an_identity_that_reads_endpoints_only(cluster):
