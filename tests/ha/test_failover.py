@@ -16,11 +16,10 @@ import pytest
 from motor.ports import free_port
 from motor.v1 import controller_pb2, node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from motorctl.cluster_processes import script_path
-from motorctl.local_cluster import LocalCluster
 from tests.support import REPO_ROOT, wait_for
 from tests.support.etcd_members import _require_etcd
 from tests.support.ha_controllers import _controllers, _leader, _process_of, _stub
-from tests.support.local_cluster import started
+from tests.support.local_cluster import example_cluster, started
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 EXPECTED_ENGINES = {"prefill-0/rank0", "prefill-0/rank1", "decode-0/rank0"}
@@ -31,11 +30,9 @@ NODE_GRACE = 3.0
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     _require_etcd()
-    local = LocalCluster(
-        str(tmp_path_factory.mktemp("ha-cluster")),
-        nodes=2,
-        deployment_path=DEPLOYMENT,
-        heartbeat_interval=0.5,
+    local = example_cluster(
+        tmp_path_factory,
+        "ha-cluster",
         node_grace=NODE_GRACE,
         engine_port_base=35000,
         controller_port=free_port(),

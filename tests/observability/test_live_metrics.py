@@ -19,9 +19,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
-from motorctl.local_cluster import LocalCluster
 from tests.support import REPO_ROOT, require, wait_for
-from tests.support.local_cluster import started
+from tests.support.local_cluster import example_cluster, started
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
@@ -42,11 +41,9 @@ def _get(url: str) -> str:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    local = LocalCluster(
-        str(tmp_path_factory.mktemp("cluster")),
-        nodes=2,
-        deployment_path=DEPLOYMENT,
-        heartbeat_interval=0.5,
+    local = example_cluster(
+        tmp_path_factory,
+        "cluster",
         engine_port_base=33000,
         extra_controller_args=["--log-format", "json"],
         extra_node_args=["--log-format", "json"],
