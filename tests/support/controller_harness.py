@@ -15,7 +15,7 @@ from controller.fleet.series import FleetSeries
 from controller.model.nodes import NODE_READY, NodeRuntime
 from controller.store.sqlite import SqliteStore
 from motor.contract.deployment_file import deployment_from_dict, load_deployment
-from motor.v1 import controller_pb2
+from motor.v1 import controller_pb2, types_pb2
 from motor.v1 import controller_pb2 as C
 from tests.support import REPO_ROOT, async_wait_for
 from tests.support.controller_fakes import FakeNodeClient
@@ -165,3 +165,17 @@ def listed(h: Harness) -> set[str]:
 
 def runtime(node_id: str, state: int = NODE_READY, generation: int = 1) -> NodeRuntime:
     return NodeRuntime(node_info(node_id), generation, state, "test", last_seen=0.0)
+
+
+def made_up(node_id: str, n: int, start: int = 0) -> list[types_pb2.Engine]:
+    """`n` running engines no deployment describes, as a node would report them (zz{start}-0 onwards)."""
+    T = types_pb2
+    return [
+        T.Engine(
+            engine_id=f"zz{i}-0/rank0",
+            node_id=node_id,
+            state=T.ENGINE_STATE_RUNNING,
+            spec=T.EngineSpec(instance_id=f"zz{i}-0", dp_rank=0, role=T.ROLE_UNION, generation=1, port=30000),
+        )
+        for i in range(start, start + n)
+    ]

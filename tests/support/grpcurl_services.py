@@ -96,11 +96,7 @@ def start_engine_server(log_dir: str, config_path: str = "examples/user_config.j
     ]
     service = Service("engine_server", argv, log_dir)
     address = f"127.0.0.1:{mgmt_port}"
-    try:
-        service.wait_serving(address)
-    except BaseException:
-        service.stop()
-        raise
+    _serving_or_stopped(service, address)
     return service, address
 
 
@@ -131,9 +127,14 @@ def start_node_manager(
     if controller:
         argv += ["--controller", controller]
     service = Service(node_id, argv, log_dir)
+    _serving_or_stopped(service, address)
+    return service, address
+
+
+def _serving_or_stopped(service: Service, address: str) -> None:
+    """Wait until the service serves at `address`; stop it if it never does."""
     try:
         service.wait_serving(address)
     except BaseException:
         service.stop()
         raise
-    return service, address

@@ -177,7 +177,8 @@ def test_paired_groups_need_the_same_number_of_spares():
         validate_deployment(deployment)
 
 
-async def test_a_pd_pair_is_promoted_whole(harness):
+async def pd_pair_with_spares_applied(harness) -> None:
+    """A prefill/decode pair with one spare pair, applied on one 8-accelerator node."""
     await harness.start()
     await harness.register("node-a", accelerators=8)
     harness.controller.apply_deployment(
@@ -188,6 +189,10 @@ async def test_a_pd_pair_is_promoted_whole(harness):
             ]
         )
     )
+
+
+async def test_a_pd_pair_is_promoted_whole(harness):
+    await pd_pair_with_spares_applied(harness)
     await all_ready(harness, ("node-a",), 4)
     assert listed(harness) == {"p-0", "d-0"}
     fail(harness, "d-0")
@@ -284,16 +289,7 @@ async def test_a_rollout_keeps_the_old_spec_spare_until_the_new_version_serves_t
 
 
 async def test_a_pd_spare_pair_whose_prefill_becomes_ready_last_replaces_a_failed_decode(harness):
-    await harness.start()
-    await harness.register("node-a", accelerators=8)
-    harness.controller.apply_deployment(
-        small_deployment(
-            [
-                {"name": "p", "role": "prefill", "count": 1, "spares": 1, "pair_with": "d"},
-                {"name": "d", "role": "decode", "count": 1, "spares": 1},
-            ]
-        )
-    )
+    await pd_pair_with_spares_applied(harness)
     await async_wait_for(lambda: len(harness.client.starts()) == 4, timeout=5)
     late = harness.client.engines["node-a"]["p-1/rank0"]  # the spare pair's prefill still loads
     for engine in harness.client.engines["node-a"].values():

@@ -16,23 +16,11 @@ import pytest
 
 from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2 as C
-from motor.v1 import types_pb2 as T
 from tests.support import wait_for
+from tests.support.controller_harness import made_up
 from tests.support.process_cluster import apply, make_cluster, sim_deployment  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.processes
-
-
-def made_up(node_id: str, n: int) -> list[T.Engine]:
-    return [
-        T.Engine(
-            engine_id=f"zz{i}-0/rank0",
-            node_id=node_id,
-            state=T.ENGINE_STATE_RUNNING,
-            spec=T.EngineSpec(instance_id=f"zz{i}-0", dp_rank=0, role=T.ROLE_UNION, generation=1, port=30000),
-        )
-        for i in range(n)
-    ]
 
 
 def test_a_heartbeat_listing_20000_made_up_engines_is_refused_and_nothing_is_fenced(make_cluster):

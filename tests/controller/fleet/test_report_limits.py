@@ -11,20 +11,7 @@ import pytest
 
 from motor.errors import ResourceExhausted
 from motor.v1 import controller_pb2 as C
-from motor.v1 import types_pb2 as T
-from tests.support.controller_harness import Harness, node_info, small_deployment
-
-
-def made_up(node_id: str, n: int, start: int = 0) -> list[T.Engine]:
-    return [
-        T.Engine(
-            engine_id=f"zz{i}-0/rank0",
-            node_id=node_id,
-            state=T.ENGINE_STATE_RUNNING,
-            spec=T.EngineSpec(instance_id=f"zz{i}-0", dp_rank=0, role=T.ROLE_UNION, generation=1, port=30000),
-        )
-        for i in range(start, start + n)
-    ]
+from tests.support.controller_harness import Harness, made_up, node_info, small_deployment
 
 
 @pytest.fixture
