@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Folders whose every test starts real processes (services, engines, vLLM, etcd, docker). A test
 # elsewhere that does says so with the `processes` mark; `make test-fast` leaves all of them out.
-PROCESS_FOLDERS = {"chaos", "clients", "compose", "e2e", "grpcurl", "ha", "router", "vllm"}
+PROCESS_FOLDERS = {"chaos", "clients", "compose", "e2e", "grpcurl", "ha", "vllm"}
 # `make test-fast` sets this: a test there that starts a process fails, naming the mark it lacks,
 # so the fast tier stays fast as tests are added.
 FAST_TIER = os.environ.get("MOTOR_FAST_TIER") == "1"

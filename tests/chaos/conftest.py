@@ -9,14 +9,15 @@ import signal
 import pytest
 
 from motorctl.cluster_processes import script_path
-from tests.chaos.cluster import ABNORMAL_THRESHOLD, BASELINE, HEARTBEAT, NODE_GRACE, ChaosCluster
 from tests.support import require, wait_for
-
-
-def engine_port_base() -> int:
-    """Engine ports of its own for each run (3,500 from this base: three nodes and the claimants of
-    the node id rows), so that two chaos runs on one machine seldom meet on a port."""
-    return 36000 + 4000 * (os.getpid() % 6)
+from tests.support.chaos_cluster import (
+    ABNORMAL_THRESHOLD,
+    BASELINE,
+    HEARTBEAT,
+    NODE_GRACE,
+    ChaosCluster,
+    engine_port_base,
+)
 
 
 @pytest.fixture(scope="package")

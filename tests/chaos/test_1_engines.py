@@ -10,10 +10,10 @@ import time
 from collections.abc import Callable
 
 from motor.v1 import controller_pb2 as C
-from tests.chaos.cluster import deployment
-from tests.chaos.rows import Fault, run_row
-from tests.controller.test_real_processes import apply
 from tests.support import process_alive, wait_for
+from tests.support.chaos_cluster import deployment
+from tests.support.chaos_rows import Fault, run_row
+from tests.support.process_cluster import apply
 
 
 def pid_of(cluster, instance_id: str, rank: int = 0) -> int:

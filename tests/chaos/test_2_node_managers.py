@@ -9,8 +9,8 @@ import signal
 import time
 
 from motor.v1 import controller_pb2 as C
-from tests.chaos.rows import Fault, run_row
 from tests.support import wait_for
+from tests.support.chaos_rows import Fault, run_row
 
 
 def node_manager(cluster, node_id: str):

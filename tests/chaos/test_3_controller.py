@@ -10,8 +10,8 @@ import shutil
 import signal
 import time
 
-from tests.chaos.rows import Fault, run_row
 from tests.support import wait_for
+from tests.support.chaos_rows import Fault, run_row
 
 
 def test_controller_sigkill(cluster):

@@ -1,7 +1,7 @@
 """Disk full, really: the controller's database and each node's state directory live on small
 tmpfs mounts of their own (tests/chaos/conftest.py), filled to the last byte by a file while the
 fault lasts. Where this machine refuses mounts the rows skip (fail under CI=true); the same rules
-are then covered by the write-failure injections of tests/controller/test_store_full.py and
+are then covered by the write-failure injections of tests/controller/store/test_store_full.py and
 tests/node_manager/test_disk_full.py."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from motor.v1 import controller_pb2 as C
-from tests.chaos.cluster import deployment
-from tests.chaos.rows import Fault, run_row
 from tests.support import require, wait_for
+from tests.support.chaos_cluster import deployment
+from tests.support.chaos_rows import Fault, run_row
 
 # How long the disk stays full after the engine is killed: the failure, the refused restart and
 # the reconcile passes all happen on the full disk.

@@ -11,9 +11,9 @@ import time
 
 from motor.v1 import controller_pb2 as C
 from motorctl.cluster_processes import ManagedProcess
-from tests.chaos.rows import Fault, run_row
-from tests.controller.test_node_identity import REFUSED, log_of, refused_so_far, start_second
 from tests.support import wait_for
+from tests.support.chaos_rows import Fault, run_row
+from tests.support.second_node_manager import REFUSED, log_of, refused_so_far, start_second
 
 _claimants = itertools.count()
 

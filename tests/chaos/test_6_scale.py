@@ -16,8 +16,8 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from motor.v1 import controller_pb2 as C
-from tests.chaos.cluster import deployment
-from tests.chaos.rows import Fault, run_row
+from tests.support.chaos_cluster import deployment
+from tests.support.chaos_rows import Fault, run_row
 
 BULK = 10_000
 LAG_BOUND_S = 1.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 
-from tests.clients.test_clients_live import JS_DIR, _build_js
+from tests.support.client_builds import JS_DIR, _build_js
 
 
 def test_js_client_json_mapping():

@@ -3,51 +3,26 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 
 import pytest
 
 from motor.ports import free_port
-from tests.compose.stack import ComposeStack, compose_command, docker_engine_running, run
 from tests.support import require
-
-# The image the tests build from compose.yaml's build section. The base image: a local Debian
-# image made by scripts/build-base-image.sh (this machine has no registry); set
-# MOTOR_TEST_BASE_IMAGE=python:3.11-slim where a registry is reachable.
-TEST_IMAGE = "motor-sim:test"
-BASE_IMAGE = os.environ.get("MOTOR_TEST_BASE_IMAGE", "motor-base:bookworm")
-# Prometheus: Debian's package in a local image (no registry here); MOTOR_TEST_PROMETHEUS_IMAGE=
-# prom/prometheus:v2.53.0 where a registry is reachable.
-PROMETHEUS_IMAGE = os.environ.get("MOTOR_TEST_PROMETHEUS_IMAGE", "motor-prometheus:bookworm")
-# etcd: Debian's etcd-server (and etcdctl, for the health check) in a local image;
-# MOTOR_TEST_ETCD_IMAGE=gcr.io/etcd-development/etcd:v3.4.23 where a registry is reachable.
-ETCD_IMAGE = os.environ.get("MOTOR_TEST_ETCD_IMAGE", "motor-etcd:bookworm")
-PROJECT_PREFIX = "motor-test-"
-
-# Seconds each step took, printed at the end of the session (pytest -s) for docs/compose.md.
-TIMINGS: dict[str, float] = {}
-
-
-def _timed(name: str, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
-    started = time.monotonic()
-    result = run(argv, **kwargs)
-    TIMINGS[name] = time.monotonic() - started
-    return result
-
-
-def _remove_leftover_projects() -> None:
-    """Containers and networks of earlier test runs that died before their clean-up (same subnets)."""
-    for kind, remove in (("ps -a", ["docker", "rm", "-f"]), ("network ls", ["docker", "network", "rm"])):
-        listed = run(["docker", *kind.split(), "--format", '{{.ID}} {{.Label "com.docker.compose.project"}}']).stdout
-        ids = [
-            line.split()[0]
-            for line in listed.splitlines()
-            if len(line.split()) == 2 and line.split()[1].startswith(PROJECT_PREFIX)
-        ]
-        if ids:
-            run([*remove, *ids], check=False)
+from tests.support.compose_stack import (
+    BASE_IMAGE,
+    ETCD_IMAGE,
+    PROJECT_PREFIX,
+    PROMETHEUS_IMAGE,
+    TEST_IMAGE,
+    TIMINGS,
+    ComposeStack,
+    _remove_leftover_projects,
+    _timed,
+    compose_command,
+    docker_engine_running,
+)
 
 
 @pytest.fixture(scope="session")

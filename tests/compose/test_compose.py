@@ -21,11 +21,13 @@ import pytest
 import yaml
 
 from motor.v1 import controller_pb2
-from tests.compose.conftest import TIMINGS
-from tests.compose.stack import (
+from tests.support import REPO_ROOT, wait_for
+from tests.support.chaos_table import Row, record
+from tests.support.compose_stack import (
     CONTROLLER_SERVICES,
     NODE_SERVICES,
     SERVICES,
+    TIMINGS,
     ComposeStack,
     deployment_ready,
     describe,
@@ -34,8 +36,6 @@ from tests.compose.stack import (
     run,
     wait,
 )
-from tests.support import REPO_ROOT, wait_for
-from tests.support.chaos_table import Row, record
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 

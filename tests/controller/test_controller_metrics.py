@@ -12,8 +12,8 @@ from controller.store.metrics import MeasuredStore, StoreMetrics
 from controller.store.sqlite import SqliteStore
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-from tests.controller.conftest import Harness, running_example, small_deployment
 from tests.support import async_wait_for
+from tests.support.controller_harness import Harness, running_example, small_deployment
 
 
 def value(metrics: StoreMetrics, name: str, operation: str) -> float:

@@ -15,8 +15,8 @@ from motor.contract.names import CONTROL_CHARACTER
 from motor.errors import InvalidArgument, NotFound
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-from tests.controller.conftest import Harness, example_deployment, node_info, running_example, small_deployment
 from tests.support import async_wait_for
+from tests.support.controller_harness import Harness, example_deployment, node_info, running_example, small_deployment
 
 
 async def test_apply_places_every_rank_with_master_ip_config_and_generation(harness):
@@ -365,7 +365,7 @@ async def test_launches_in_flight_are_capped_and_the_rest_follow_as_they_finish(
     """A pass spawned a launch task for every placed engine at once: 40,000 waiting tasks for a
     10,000 x dp 4 deployment, a transient heap that set off a complete garbage walk (0.14-0.34 s)."""
     from controller.capacity import scheduling
-    from tests.controller.fakes import FakeNodeClient
+    from tests.support.controller_fakes import FakeNodeClient
 
     class Gated(FakeNodeClient):
         def __init__(self):

@@ -14,9 +14,9 @@ from motor.contract import heartbeats
 from motor.errors import FailedPrecondition, NotFound
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-from tests.controller.conftest import Harness, running_example, small_deployment
-from tests.controller.fakes import ManualClock
 from tests.support import async_wait_for
+from tests.support.controller_fakes import ManualClock
+from tests.support.controller_harness import Harness, running_example, small_deployment
 
 HELD_BY_ALARM = "not declared lost while the silent-nodes alarm is on"
 

@@ -14,8 +14,8 @@ from google.protobuf import json_format
 
 from motor.contract.deployment_file import load_deployment
 from motor.v1 import controller_pb2 as C
-from tests.controller.test_real_processes import HEARTBEAT, apply, make_cluster, sim_deployment  # noqa: F401
 from tests.support import wait_for
+from tests.support.process_cluster import HEARTBEAT, apply, make_cluster, sim_deployment  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.processes
 

@@ -10,8 +10,8 @@ import pytest
 
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-from tests.controller.conftest import Harness, small_deployment
 from tests.support import async_wait_for
+from tests.support.controller_harness import Harness, small_deployment
 
 
 async def test_ranks_that_died_together_while_the_controller_was_down_count_as_one_failure(tmp_path):
@@ -88,8 +88,8 @@ async def test_a_fence_that_keeps_failing_is_retried_with_backoff_and_told_once(
     from controller.engines.actuator import FENCE_WINDOW, Actuator
     from controller.model.events import EventBus
     from controller.model.nodes import NodeTable
-    from tests.controller.fakes import FakeNodeClient, ManualClock
-    from tests.controller.test_tables import runtime
+    from tests.support.controller_fakes import FakeNodeClient, ManualClock
+    from tests.support.controller_harness import runtime
 
     client, clock, events = FakeNodeClient(), ManualClock(), EventBus()
     client.unreachable.add("node-a")  # every StopEngine fails
@@ -125,8 +125,8 @@ async def test_a_start_on_an_unreachable_node_backs_off_to_its_cap_with_one_coun
     """The reconcile loop retried StartEngine on an unreachable node every heartbeat interval with
     a warning per try; now after 1, 2, 4, 8, 10, 10 s, told by one RETRYING event that counts."""
     from controller.engines.actuator import RETRY_CAP
-    from tests.controller.conftest import Harness, example_deployment
-    from tests.controller.fakes import ManualClock
+    from tests.support.controller_fakes import ManualClock
+    from tests.support.controller_harness import Harness, example_deployment
 
     clock = ManualClock()
     h = Harness(tmp_path, clock=clock, node_grace=1000.0)
@@ -165,7 +165,7 @@ async def test_a_start_retried_on_another_node_is_a_new_retrying_event_naming_th
     node in its node_id, and the backoff went on from where it was (found by a hostile tester)."""
     from controller.engines.node_client import NodeCallError
     from motor.v1 import types_pb2 as T
-    from tests.controller.conftest import Harness
+    from tests.support.controller_harness import Harness
 
     h = Harness(tmp_path, node_grace=1000.0)
     await h.start()
@@ -193,7 +193,7 @@ async def test_a_start_retried_on_another_node_is_a_new_retrying_event_naming_th
 async def test_a_stop_that_keeps_failing_is_one_retrying_event_that_counts(tmp_path):
     """A removed engine's StopEngine to a node that does not answer (SIGSTOPped) was only a log
     line: nothing told the operator that the copy still ran (found by a hostile tester)."""
-    from tests.controller.conftest import Harness
+    from tests.support.controller_harness import Harness
 
     h = Harness(tmp_path, node_grace=1000.0)
     await h.start()
@@ -228,8 +228,8 @@ async def test_a_stop_that_keeps_failing_is_one_retrying_event_that_counts(tmp_p
 async def test_background_stops_run_from_one_queue_by_a_few_tasks(tmp_path, monkeypatch):
     """A task per stop held 40,000 waiting tasks when a 10,000 x dp 4 deployment was replaced."""
     from controller.engines import actuator as actuator_module
-    from tests.controller.conftest import Harness
-    from tests.controller.fakes import FakeNodeClient
+    from tests.support.controller_fakes import FakeNodeClient
+    from tests.support.controller_harness import Harness
 
     class Gated(FakeNodeClient):
         def __init__(self):

@@ -15,8 +15,8 @@ import pytest
 
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
-from tests.controller.test_real_processes import apply, make_cluster, sim_deployment  # noqa: F401 (fixture)
 from tests.support import process_alive, wait_for
+from tests.support.process_cluster import apply, make_cluster, sim_deployment  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.processes
 

@@ -11,10 +11,16 @@ from collections.abc import AsyncIterator
 
 from controller.startup_deployment import POLL_SECONDS, StartupDeployment
 from motor.v1 import controller_pb2 as C
-from tests.controller.conftest import Harness, example_deployment, running_example, small_deployment
-from tests.controller.fakes import ManualClock
-from tests.controller.test_lost_store import NODES, _lose_the_store
 from tests.support import async_wait_for
+from tests.support.controller_fakes import ManualClock
+from tests.support.controller_harness import (
+    NODES,
+    Harness,
+    _lose_the_store,
+    example_deployment,
+    running_example,
+    small_deployment,
+)
 
 
 async def _a_few_polls() -> None:

@@ -29,7 +29,7 @@ from controller.store.base import StoredNode
 from controller.store.sqlite import SqliteStore
 from motor.errors import InvalidArgument
 from motor.v1 import controller_pb2 as C
-from tests.controller.conftest import example_deployment, small_deployment
+from tests.support.controller_harness import example_deployment, small_deployment
 
 # ---------------------------------------------------------------- placement
 

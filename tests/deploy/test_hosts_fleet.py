@@ -7,14 +7,12 @@ door. What this does not run: systemd itself (no init system here) and three hos
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
 import shutil
 import signal
 import subprocess
-import urllib.request
 
 import psutil
 import pytest
@@ -24,20 +22,10 @@ from motor.ports import free_port
 from motor.security.identity import Identity
 from motor.security.pki import CertificateAuthority
 from motorctl.etcd_cluster import EtcdCluster, EtcdTls
-from tests.deploy.test_systemd import UNITS_DIR, exec_start, parse_unit
-from tests.deploy.tools import venv_tool
 from tests.support import require, wait_for
+from tests.support.deploy_tools import DEPLOYMENT, UNITS_DIR, exec_start, http, parse_unit, venv_tool
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
-
-DEPLOYMENT = {
-    "name": "hosts-sim",
-    "model": "sim-tiny",
-    "instance_groups": [{"name": "union", "role": "union", "count": 1, "accelerators_per_engine": 1}],
-    "engine_config": {
-        "motor_engine_union_config": {"engine_type": "sim", "engine_args": {"model": "sim-tiny", "latency_ms": 2}}
-    },
-}
 
 
 def lay_out_pki(root: str) -> dict[str, str]:
@@ -86,16 +74,6 @@ def settings_file(name: str, root: str, changes: dict) -> str:
     with open(path, "w") as handle:
         yaml.safe_dump(values, handle)
     return path
-
-
-def http(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as reply:
-            return reply.status, json.loads(reply.read() or b"{}")
-    except urllib.error.HTTPError as exc:
-        return exc.code, {}
 
 
 def test_the_units_command_lines_make_a_fleet_that_serves(tmp_path):

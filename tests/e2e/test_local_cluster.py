@@ -27,8 +27,8 @@ from motor.v1 import (
     node_manager_pb2_grpc,
     types_pb2,
 )
-from motorctl.local_cluster import LocalCluster
 from tests.support import REPO_ROOT, process_alive, wait_for
+from tests.support.local_cluster import example_cluster, started
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 EXPECTED_ENGINES = {"prefill-0/rank0", "prefill-0/rank1", "decode-0/rank0"}
@@ -48,19 +48,8 @@ def _all_normal(stub) -> bool:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    local = LocalCluster(
-        str(tmp_path_factory.mktemp("cluster")),
-        nodes=2,
-        deployment_path=DEPLOYMENT,
-        heartbeat_interval=0.5,
-        engine_port_base=31000,
-    )
-    try:
-        local.start(timeout=60)
-        yield local
-    finally:
-        problems = local.stop()
-        assert not problems, problems
+    local = example_cluster(tmp_path_factory, "cluster", engine_port_base=31000)
+    yield from started(local)
 
 
 def test_every_engine_reaches_normal(cluster):

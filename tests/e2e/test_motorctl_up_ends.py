@@ -15,9 +15,15 @@ import psutil
 import pytest
 
 from motor.ports import free_port
-from motorctl.run_processes import run_processes
 from tests.support import REPO_ROOT, process_alive, wait_for
-from tests.support.motorctl_up import motorctl_up_argv, run_motorctl_up, up_env
+from tests.support.motorctl_up import (
+    assert_nothing_left,
+    cluster_processes,
+    kill_all,
+    motorctl_up_argv,
+    run_motorctl_up,
+    up_env,
+)
 
 
 def screen_argv(run_dir, program: list[str] | None = None) -> list[str]:
@@ -39,19 +45,6 @@ def motorctl_up(run_dir, stdout, prefix: list[str] | None = None) -> subprocess.
     )
 
 
-def cluster_processes(run_dir) -> list[psutil.Process]:
-    """The controller and node managers of the cluster in `run_dir` (their flags name it), with
-    everything they started."""
-    found = run_processes(str(run_dir))  # by the run tag: the router's command line does not name it
-    for p in psutil.process_iter():
-        try:
-            if any(str(run_dir) in part for part in p.cmdline()):
-                found += [p, *p.children(recursive=True)]
-        except psutil.Error:
-            pass
-    return found
-
-
 def wait_first_screen(process: subprocess.Popen, run_dir) -> list[psutil.Process]:
     """Read motorctl up's output until its first status screen; then wait for the 3 engines."""
     deadline = time.monotonic() + 180
@@ -65,23 +58,6 @@ def wait_first_screen(process: subprocess.Popen, run_dir) -> list[psutil.Process
         return tree if sum(1 for p in tree if "engine_server" in " ".join(p.cmdline()[:3])) >= 3 else None
 
     return wait_for(engines, timeout=180, interval=0.3, what="3 engines started by motorctl up")
-
-
-def assert_nothing_left(run_dir, timeout: float = 10) -> None:
-    def gone():
-        return not [p for p in cluster_processes(run_dir) if p.status() != psutil.STATUS_ZOMBIE]
-
-    wait_for(gone, timeout=timeout, what="the cluster's processes gone")
-
-
-def kill_all(process: subprocess.Popen, run_dir) -> None:
-    if process.poll() is None:
-        process.kill()
-    for p in cluster_processes(run_dir):
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 @pytest.mark.parametrize("how", ["sighup", "ctrl_c_after_the_reader_of_stdout_went_away"])

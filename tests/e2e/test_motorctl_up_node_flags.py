@@ -12,8 +12,8 @@ import grpc
 
 from motor.ports import free_port
 from motor.v1 import controller_pb2, controller_pb2_grpc
-from tests.e2e.test_motorctl_up_ends import assert_nothing_left, kill_all
 from tests.support import REPO_ROOT, wait_for
+from tests.support.motorctl_up import assert_nothing_left, kill_all
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 

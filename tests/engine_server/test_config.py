@@ -12,7 +12,7 @@ import pytest
 
 from engine_server.config import load_section
 from motor.errors import ConfigError
-from tests.engine_server.conftest import ENGINE_SERVER
+from tests.support.engine_server_process import ENGINE_SERVER
 
 P = "motor_engine_prefill_config"
 H = f"{P}.health_check_config"
@@ -229,7 +229,7 @@ def test_a_threshold_above_busy_utilization_is_a_warning_not_a_refusal(tmp_path,
 @pytest.mark.processes
 def test_an_engine_whose_threshold_turns_probing_off_is_never_probed(engine_server):
     from motor.v1 import types_pb2
-    from tests.engine_server.conftest import sim_config
+    from tests.support.engine_server_process import sim_config
 
     es = engine_server(sim_config(engine_args={"utilization": 1}, health={"npu_usage_threshold": 0}))
     es.wait_status(types_pb2.HEALTH_STATUS_NORMAL)

@@ -13,71 +13,18 @@ from prometheus_client import CollectorRegistry
 
 from engine_server.engines.base import UtilizationSampler, is_probe_request_id, probe_token
 from engine_server.metrics import EngineServerMetrics
-from engine_server.probing import HttpProbeClient, PeakSampler, ProbeFailed, Prober, probe_request
-from engine_server.status import Event, Health, HealthStateMachine
-from motor.clock import SystemClock
-from motor.contract.user_config import HealthCheckConfig
-from motor.ports import free_port
-
-SETTINGS = HealthCheckConfig(
-    enable_virtual_inference=True,
-    npu_usage_threshold=3,
-    max_failure_count=3,
-    probe_interval=5,
-    busy_probe_interval=20,
-    busy_utilization=80,
-    probe_timeout=0.2,
-    utilization_window=3,
-    utilization_sample_period=0.5,
+from engine_server.probing import HttpProbeClient, PeakSampler, ProbeFailed, probe_request
+from engine_server.status import Health
+from tests.support.probing_fakes import (
+    NO_WAIT,
+    SETTINGS,
+    FixedSampler,
+    Progress,
+    ScriptedClient,
+    ScriptedHealth,
+    make_prober,
+    serve_completions,
 )
-
-
-class FixedSampler(UtilizationSampler):
-    name = "fixed"
-
-    def __init__(self, *values: float):
-        self.values = list(values)
-        self.calls = 0
-
-    async def sample(self) -> float:
-        self.calls += 1
-        return self.values[min(self.calls - 1, len(self.values) - 1)]
-
-
-class ScriptedClient:
-    def __init__(self):
-        self.fail: str | None = None
-        self.hang = False
-        self.calls = 0
-
-    async def probe(self) -> None:
-        self.calls += 1
-        if self.hang:
-            await asyncio.sleep(3600)
-        if self.fail:
-            raise ProbeFailed(self.fail)
-
-
-class NoWaitClock(SystemClock):
-    """The system clock, but a sleep returns at once."""
-
-    async def sleep(self, seconds: float) -> None:
-        return None
-
-
-NO_WAIT = NoWaitClock()
-
-
-def make_prober(sampler: UtilizationSampler, client=None, settings=SETTINGS, metrics=None, progress=lambda: None):
-    machine = HealthStateMachine()
-    machine.fire(Event.HEALTH_UP, "up")
-    records = []
-    prober = Prober(
-        settings, client or ScriptedClient(), PeakSampler(sampler, settings.utilization_window,
-        settings.utilization_sample_period, clock=NO_WAIT), machine, on_record=records.append, metrics=metrics,
-        progress=progress,
-    )  # fmt: skip
-    return prober, machine, records
 
 
 @pytest.mark.parametrize(
@@ -123,16 +70,6 @@ async def test_busy_accelerator_with_failing_probes_never_turns_abnormal():
         record = await prober.probe_once()
         assert not record.counted and record.next_interval == 20
     assert machine.state is Health.NORMAL and prober.consecutive_failures == 0
-
-
-class Progress:
-    """An engine's progress counter that moves only when told to."""
-
-    def __init__(self):
-        self.count = 0
-
-    def __call__(self) -> int:
-        return self.count
 
 
 async def test_a_busy_reading_without_progress_is_a_hang_and_counts():
@@ -261,17 +198,6 @@ def test_probe_request_shape():
     assert decode["kv_transfer_params"]["do_remote_prefill"] is False
 
 
-async def serve_completions(handler) -> tuple[str, web.AppRunner]:
-    """(base URL, runner) of an in-process server answering POST /v1/completions with `handler`."""
-    app = web.Application()
-    app.add_routes([web.post("/v1/completions", handler)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return f"http://127.0.0.1:{port}", runner
-
-
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 async def test_http_probe_client_sends_the_probe_and_checks_the_answer(role):
     seen = []
@@ -304,17 +230,6 @@ async def test_http_probe_client_sends_the_probe_and_checks_the_answer(role):
             await refused.probe()
         finally:
             await refused.close()
-
-
-class ScriptedHealth:
-    def __init__(self):
-        self.problem: str | None = None
-        self.calls = 0
-
-    async def check(self) -> None:
-        self.calls += 1
-        if self.problem:
-            raise ProbeFailed(self.problem)
 
 
 async def test_failed_health_checks_count_to_abnormal_and_a_200_recovers():

@@ -12,9 +12,7 @@ from aiohttp import web
 
 from engine_server.probing import HttpHealthClient, HttpProbeClient, ProbeFailed
 from motor.ports import free_port
-from tests.engine_server.test_probing import (
-    serve_completions,
-)  # fmt: skip
+from tests.support.probing_fakes import serve_completions
 
 # ------------------------------------------------------------------ the HTTP probe client
 

@@ -17,7 +17,7 @@ from engine_server.engines.base import UtilizationSampler
 from engine_server.metrics import EngineServerMetrics
 from engine_server.probing import PeakSampler, ProbeFailed, ProbeRecord
 from engine_server.status import Event, Health, HealthStateMachine, Transition
-from tests.engine_server.test_probing import (
+from tests.support.probing_fakes import (
     NO_WAIT,
     SETTINGS,
     FixedSampler,
@@ -25,7 +25,7 @@ from tests.engine_server.test_probing import (
     ScriptedClient,
     ScriptedHealth,
     make_prober,
-)  # fmt: skip
+)
 
 
 class Clock:

@@ -17,8 +17,8 @@ import pytest
 from google.protobuf import duration_pb2
 
 from motor.v1 import engine_pb2, types_pb2
-from tests.engine_server.conftest import sim_config, watch
 from tests.support import wait_for
+from tests.support.engine_server_process import sim_config, watch
 
 pytestmark = pytest.mark.processes
 

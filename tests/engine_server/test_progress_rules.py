@@ -12,8 +12,8 @@ from engine_server.probing import PeakSampler, ProbeFailed, Prober
 from engine_server.serving import CHECK_PERIOD, FAILED_IN_A_ROW, Serving, ServingChange, ServingWatchdog
 from engine_server.status import Event, Health, HealthStateMachine
 from motor.contract.user_config import HealthCheckConfig
-from tests.engine_server.test_probing import FixedSampler, Progress
-from tests.engine_server.virtual_clock import VirtualClock
+from tests.support.probing_fakes import FixedSampler, Progress
+from tests.support.virtual_clock import VirtualClock
 
 # The seed's health settings (issue reports): probes every 2 s, 5 s timeout, 3 failures, 20 s busy.
 SEED = HealthCheckConfig(

@@ -1,6 +1,6 @@
 """SGLang backend: argument mapping, and the child-process life cycle with a stand-in launcher.
 
-SGLang itself is not installed here; `fake_sglang.py` takes its place as the launched command."""
+SGLang itself is not installed here; `tests/support/fake_sglang.py` takes its place as the launched command."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from engine_server.engines.base import EngineOptions
 from engine_server.engines.sglang import SglangArgs, SglangEngine, sglang_command
 from motor.errors import ConfigError
 from motor.v1 import types_pb2
-from tests.engine_server.fake_sglang import sglang_parser
 from tests.support import process_alive, wait_for
+from tests.support.fake_sglang import SCRIPT, sglang_parser
 
-FAKE = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_sglang.py")]
+FAKE = [sys.executable, SCRIPT]
 NORMAL = types_pb2.HEALTH_STATUS_NORMAL
 
 

@@ -10,8 +10,8 @@ import threading
 import pytest
 
 from motor.contract.engine_args import VLLM_MAX_NUM_SEQS as SIM_MAX_NUM_SEQS
-from tests.engine_server.conftest import sim_config
 from tests.support import require, wait_for
+from tests.support.engine_server_process import sim_config
 
 pytestmark = pytest.mark.processes
 

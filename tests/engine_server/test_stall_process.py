@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from motor.v1 import types_pb2
-from tests.engine_server.conftest import sim_config, watch
 from tests.support import wait_for
+from tests.support.engine_server_process import sim_config, watch
 
 pytestmark = pytest.mark.processes
 

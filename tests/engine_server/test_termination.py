@@ -11,7 +11,7 @@ import pytest
 
 from motor.contract.termination import read_termination_message
 from motor.v1 import types_pb2
-from tests.engine_server.conftest import sim_config
+from tests.support.engine_server_process import sim_config
 
 NORMAL = types_pb2.HEALTH_STATUS_NORMAL
 

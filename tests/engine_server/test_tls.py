@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
-from tests.engine_server.conftest import sim_config
+from tests.support.engine_server_process import sim_config
 
 pytestmark = pytest.mark.processes
 

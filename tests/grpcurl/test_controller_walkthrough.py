@@ -3,16 +3,14 @@
 
 from __future__ import annotations
 
-import os
-
 import grpc
 import pytest
 
 from motor.ports import free_port
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
-from motorctl.local_cluster import LocalCluster
-from tests.grpcurl.walkthrough import load_steps, run_step
-from tests.support import REPO_ROOT, wait_for
+from tests.support import wait_for
+from tests.support.grpcurl_walkthrough import load_steps, run_step
+from tests.support.local_cluster import example_cluster
 
 STEPS = [step for step in load_steps() if step.section == "controller"]
 EXPECTED_ENGINES = {"prefill-0/rank0", "prefill-0/rank1", "decode-0/rank0"}
@@ -30,13 +28,7 @@ def _all_normal(stub) -> bool:
 
 @pytest.fixture(scope="module")
 def controller(tmp_path_factory):
-    cluster = LocalCluster(
-        str(tmp_path_factory.mktemp("cluster")),
-        nodes=2,
-        controller_port=free_port(),
-        heartbeat_interval=0.5,
-        deployment_path=os.path.join(REPO_ROOT, "examples", "local-deployment.yaml"),
-    )
+    cluster = example_cluster(tmp_path_factory, "cluster", controller_port=free_port())
     try:
         cluster.start(timeout=90)
         with grpc.insecure_channel(cluster.controller_address) as channel:

@@ -7,9 +7,9 @@ import grpc
 import pytest
 
 from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
-from tests.grpcurl.services import start_engine_server
-from tests.grpcurl.walkthrough import load_steps, run_step
 from tests.support import wait_for
+from tests.support.grpcurl_services import start_engine_server
+from tests.support.grpcurl_walkthrough import load_steps, run_step
 
 STEPS = [step for step in load_steps() if step.section == "engine"]
 

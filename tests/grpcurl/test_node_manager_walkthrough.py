@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from motorctl.cluster_processes import stop_node_engines
-from tests.grpcurl.services import start_node_manager
-from tests.grpcurl.walkthrough import load_steps, run_step
+from tests.support.grpcurl_services import start_node_manager
+from tests.support.grpcurl_walkthrough import load_steps, run_step
 
 STEPS = [step for step in load_steps() if step.section == "node"]
 

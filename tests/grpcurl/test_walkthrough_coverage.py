@@ -7,7 +7,7 @@ import re
 import pytest
 
 from motor.v1 import controller_pb2, engine_pb2, node_manager_pb2
-from tests.grpcurl.walkthrough import DOC, Step, load_steps, run_step
+from tests.support.grpcurl_walkthrough import DOC, Step, load_steps, run_step
 
 SERVICES = {
     "engine": engine_pb2.DESCRIPTOR.services_by_name["EngineService"],

@@ -3,30 +3,13 @@ scripts/etcd-server.sh). Each fixture stops its members and checks none is left 
 
 from __future__ import annotations
 
-import shutil
 import uuid
 
 import pytest
 
-from controller.store.etcd_client import EtcdTarget, connect
+from controller.store.etcd_client import connect
 from motorctl.etcd_cluster import EtcdCluster
-from tests.support import require
-
-
-def _require_etcd() -> None:
-    require(shutil.which("etcd") is not None, "etcd (Debian's etcd-server: run scripts/etcd-server.sh)")
-
-
-def _started(tmp_path_factory: pytest.TempPathFactory, size: int):
-    _require_etcd()
-    cluster = EtcdCluster(str(tmp_path_factory.mktemp(f"etcd{size}")), size=size)
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
-        left = [m.name for m in cluster.members if m.running()]
-        assert not left, f"etcd members still running after stop: {left}"
+from tests.support.etcd_members import _started, target_of
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +27,6 @@ def etcd3(tmp_path_factory):
 @pytest.fixture
 def prefix() -> str:
     return f"/test-{uuid.uuid4().hex[:8]}"
-
-
-def unguarded() -> list:
-    """The fence of an etcd store tested alone: no election runs, so its writes carry no guard."""
-    return []
-
-
-def target_of(cluster: EtcdCluster, prefix: str, timeout: float = 2.0) -> EtcdTarget:
-    return EtcdTarget(tuple((m.host, m.client_port) for m in cluster.members), prefix, request_timeout=timeout)
 
 
 @pytest.fixture

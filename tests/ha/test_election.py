@@ -17,8 +17,8 @@ import pytest
 from controller.ha.election import LeaderElection, NotLeader, Role
 from controller.store.etcd import EtcdStore, Fenced
 from controller.store.etcd_client import EtcdTarget, connect
-from tests.ha.conftest import target_of, unguarded
 from tests.support import REPO_ROOT, async_wait_for, wait_for
+from tests.support.etcd_members import target_of, unguarded
 
 TTL = 2  # etcd's smallest lease with its default timing
 

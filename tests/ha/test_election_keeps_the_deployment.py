@@ -15,9 +15,9 @@ from motor.ports import free_port
 from motor.v1 import controller_pb2
 from motorctl.cluster_processes import script_path
 from motorctl.local_cluster import LocalCluster
-from tests.ha.conftest import _require_etcd
-from tests.ha.test_failover import _controllers, _leader, _process_of, _stub
 from tests.support import wait_for, write_sim_deployment
+from tests.support.etcd_members import _require_etcd
+from tests.support.ha_controllers import _controllers, _leader, _process_of, _stub
 
 TTL = 2
 

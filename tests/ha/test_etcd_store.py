@@ -11,8 +11,8 @@ import pytest
 from controller.store.base import StoreChange, StoredNode
 from controller.store.etcd import EtcdStore, Fenced
 from controller.store.sqlite import SqliteStore
-from tests.ha.conftest import unguarded
 from tests.support import async_wait_for
+from tests.support.etcd_members import unguarded
 
 
 def _fill(store) -> None:
@@ -219,8 +219,8 @@ async def test_the_deployment_of_a_store_of_before_names_is_moved_under_its_name
     from controller.core import Controller
     from controller.store.base import LEGACY_DEPLOYMENT
     from motor.v1 import controller_pb2 as C
-    from tests.controller.conftest import small_deployment
-    from tests.controller.fakes import FakeNodeClient
+    from tests.support.controller_fakes import FakeNodeClient
+    from tests.support.controller_harness import small_deployment
 
     config = ControllerConfig(db=str(tmp_path / "unused.db"), startup_grace=0)
     store = EtcdStore(clients(etcd1, prefix), prefix, fence=unguarded)

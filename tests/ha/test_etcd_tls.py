@@ -20,8 +20,8 @@ from motor.security.pki import CertificateAuthority
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from motorctl.cluster_processes import script_path
 from motorctl.etcd_cluster import EtcdCluster, EtcdTls
-from tests.ha.conftest import _require_etcd
 from tests.support import REPO_ROOT, wait_for
+from tests.support.etcd_members import _require_etcd
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 

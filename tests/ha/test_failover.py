@@ -14,11 +14,12 @@ import grpc
 import pytest
 
 from motor.ports import free_port
-from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc, types_pb2
+from motor.v1 import controller_pb2, node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from motorctl.cluster_processes import script_path
-from motorctl.local_cluster import LocalCluster
-from tests.ha.conftest import _require_etcd
 from tests.support import REPO_ROOT, wait_for
+from tests.support.etcd_members import _require_etcd
+from tests.support.ha_controllers import _controllers, _leader, _process_of, _stub
+from tests.support.local_cluster import example_cluster, started
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 EXPECTED_ENGINES = {"prefill-0/rank0", "prefill-0/rank1", "decode-0/rank0"}
@@ -29,11 +30,9 @@ NODE_GRACE = 3.0
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     _require_etcd()
-    local = LocalCluster(
-        str(tmp_path_factory.mktemp("ha-cluster")),
-        nodes=2,
-        deployment_path=DEPLOYMENT,
-        heartbeat_interval=0.5,
+    local = example_cluster(
+        tmp_path_factory,
+        "ha-cluster",
         node_grace=NODE_GRACE,
         engine_port_base=35000,
         controller_port=free_port(),
@@ -42,35 +41,8 @@ def cluster(tmp_path_factory):
         extra_controller_args=["--lease-ttl", str(TTL)],
         node_id_prefix="ha-node",
     )
-    try:
-        local.start(timeout=60)
-        yield local
-    finally:
-        problems = local.stop()
-        assert not problems, problems
-        assert local.etcd is not None and not any(m.running() for m in local.etcd.members)
-
-
-def _stub(address: str) -> controller_pb2_grpc.ControllerServiceStub:
-    return controller_pb2_grpc.ControllerServiceStub(grpc.insecure_channel(address))
-
-
-def _controllers(cluster, exclude: str = "") -> controller_pb2.ListControllersResponse | None:
-    for address in cluster.controller_addresses:
-        if address == exclude:
-            continue
-        try:
-            return _stub(address).ListControllers(controller_pb2.ListControllersRequest(), timeout=2)
-        except grpc.RpcError:
-            continue
-    return None
-
-
-def _leader(cluster, exclude: str = "") -> str:
-    """The leader as the controllers report it; with `exclude`, asked elsewhere and not that one."""
-    reply = _controllers(cluster, exclude)
-    leader = reply.leader_address if reply else ""
-    return "" if leader == exclude else leader
+    yield from started(local)
+    assert local.etcd is not None and not any(m.running() for m in local.etcd.members)
 
 
 def _engines(cluster) -> dict[str, tuple[int, int, int]]:
@@ -96,11 +68,6 @@ def _all_normal(cluster) -> bool:
         and all(e.health == types_pb2.HEALTH_STATUS_NORMAL for e in engines.values())
         and all(i.state == controller_pb2.INSTANCE_STATE_READY for i in instances)
     )
-
-
-def _process_of(cluster, address: str):
-    index = cluster.controller_addresses.index(address)
-    return cluster.process("controller" if index == 0 else f"controller-{index + 1}"), index
 
 
 def _settled(cluster) -> dict[str, tuple[int, int, int]]:

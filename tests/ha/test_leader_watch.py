@@ -15,8 +15,8 @@ from controller.store.etcd import EtcdStore, Fenced
 from controller.store.etcd_client import connect
 from motor.ports import free_port
 from motor.service.grpc_server import MotorServer, aio_channel
-from tests.ha.conftest import target_of
 from tests.support import async_wait_for
+from tests.support.etcd_members import target_of
 
 TTL = 2
 

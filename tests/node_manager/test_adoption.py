@@ -10,7 +10,7 @@ import pytest
 from motor.errors import AlreadyExists, FailedPrecondition
 from motor.processes import ExitStatus
 from motor.v1 import types_pb2
-from tests.node_manager.fakes import NORMAL, FakeNode, FakeProcess, ended, settle, sim_spec
+from tests.support.node_manager_fakes import NORMAL, FakeNode, FakeProcess, ended, settle, sim_spec
 
 STARTING, RUNNING, STOPPING = (
     types_pb2.ENGINE_STATE_STARTING,

@@ -10,8 +10,8 @@ import pytest
 from motor.errors import FailedPrecondition, Unavailable
 from motor.v1 import node_manager_pb2, types_pb2
 from node_manager.controller_epoch import ControllerEpoch
-from tests.node_manager.conftest import spec
 from tests.support import async_wait_for
+from tests.support.node_manager_harness import spec
 
 RUNNING = types_pb2.ENGINE_STATE_RUNNING
 

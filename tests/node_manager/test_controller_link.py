@@ -16,8 +16,8 @@ from motor.ports import free_port
 from motor.service.grpc_server import MotorServer, TlsFiles, aio_channel, service_name
 from motor.v1 import controller_pb2, controller_pb2_grpc, engine_pb2, engine_pb2_grpc, types_pb2
 from motorctl.pki import make_dev_pki
-from tests.node_manager.conftest import alive, sim_config
 from tests.support import async_wait_for
+from tests.support.node_manager_harness import alive, sim_config
 
 RUNNING, FAILED = types_pb2.ENGINE_STATE_RUNNING, types_pb2.ENGINE_STATE_FAILED
 

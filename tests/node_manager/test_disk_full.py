@@ -24,9 +24,9 @@ from motor.errors import Unavailable
 from motor.processes import ExitStatus
 from motor.v1 import node_manager_pb2, types_pb2
 from node_manager.record_saver import RecordSaver
-from tests.node_manager.conftest import alive
-from tests.node_manager.fakes import NORMAL, FakeNode, ended, settle, sim_spec
 from tests.support import async_wait_for
+from tests.support.node_manager_fakes import NORMAL, FakeNode, ended, settle, sim_spec
+from tests.support.node_manager_harness import alive
 
 RUNNING, FAILED = types_pb2.ENGINE_STATE_RUNNING, types_pb2.ENGINE_STATE_FAILED
 ENGINE = "prefill-0/rank0"

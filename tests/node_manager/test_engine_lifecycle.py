@@ -16,8 +16,8 @@ import pytest
 from motor.contract import pbtime
 from motor.service.grpc_server import aio_channel
 from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
-from tests.node_manager.conftest import sim_config
 from tests.support import async_wait_for
+from tests.support.node_manager_harness import sim_config
 
 pytestmark = pytest.mark.processes
 

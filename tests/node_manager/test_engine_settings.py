@@ -20,10 +20,9 @@ from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 from node_manager.cli import load_config
 from node_manager.engine import RUNNING
 from tests.support import require
+from tests.support.fake_sglang import SCRIPT as FAKE_SGLANG_SCRIPT
 
-FAKE_SGLANG = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine_server", "fake_sglang.py"
-)
+FAKE_SGLANG = FAKE_SGLANG_SCRIPT
 
 
 def _grpcurl() -> str:

@@ -14,10 +14,18 @@ import psutil
 import pytest
 
 from motor.v1 import node_manager_pb2, types_pb2
-from tests.node_manager.conftest import alive, sim_config, spec
 from tests.support import async_wait_for
+from tests.support.node_manager_harness import alive, sim_config, spec
 
 RUNNING, FAILED, STOPPED = types_pb2.ENGINE_STATE_RUNNING, types_pb2.ENGINE_STATE_FAILED, types_pb2.ENGINE_STATE_STOPPED
+
+
+def children_of(engine) -> list[int] | None:
+    """The pids a test engine printed on its `children ...` line, once it has."""
+    for line in open(engine.log_path, encoding="utf-8"):
+        if line.startswith("children "):
+            return [int(v) for v in line.split()[1:]]
+    return None
 
 
 def tree_of(engine: types_pb2.Engine) -> list[int]:
@@ -160,12 +168,7 @@ async def test_child_outliving_its_parent_is_killed(make_node, tmp_path):
     node = await make_node(engine_command=f"{sys.executable} {script}")
     engine = await node.start()
 
-    def children():
-        for line in open(engine.log_path, encoding="utf-8"):
-            if line.startswith("children "):
-                return [int(v) for v in line.split()[1:]]
-
-    pids = await async_wait_for(children, timeout=20, what="the test engine's children")
+    pids = await async_wait_for(lambda: children_of(engine), timeout=20, what="the test engine's children")
     os.kill(engine.pid, signal.SIGKILL)
     failed = await node.wait_state("prefill-0/rank0", FAILED, timeout=10)
     assert failed.exit_signal == signal.SIGKILL
@@ -394,12 +397,7 @@ async def test_stop_kills_children_that_ignore_sigterm_after_the_deadline(make_n
     node = await make_node(engine_command=f"{sys.executable} {script}")
     engine = await node.start()
 
-    def children():
-        for line in open(engine.log_path, encoding="utf-8"):
-            if line.startswith("children "):
-                return [int(v) for v in line.split()[1:]]
-
-    (child,) = await async_wait_for(children, timeout=20, what="the test engine's child")
+    (child,) = await async_wait_for(lambda: children_of(engine), timeout=20, what="the test engine's child")
     await async_wait_for(
         lambda: "child-ready" in open(engine.log_path, encoding="utf-8").read().splitlines(),
         timeout=20,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from motor.v1 import types_pb2
 from node_manager.engine import RUNNING, EngineRecord
 from node_manager.heartbeat_deltas import HeartbeatDeltas
-from tests.node_manager.fakes import sim_spec
+from tests.support.node_manager_fakes import sim_spec
 
 
 def test_the_in_flight_count_of_a_status_is_reported_and_a_change_is_in_the_next_delta():

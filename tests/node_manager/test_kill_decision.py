@@ -13,7 +13,7 @@ from motor.processes import ExitStatus
 from motor.v1 import engine_pb2, types_pb2
 from node_manager.engine import Ending
 from node_manager.health import Verdict
-from tests.node_manager.fakes import ABNORMAL, INIT, NORMAL, TIMED_OUT, FakeNode, ended, settle, sim_spec
+from tests.support.node_manager_fakes import ABNORMAL, INIT, NORMAL, TIMED_OUT, FakeNode, ended, settle, sim_spec
 
 STARTING, RUNNING, FAILED = (
     types_pb2.ENGINE_STATE_STARTING,

@@ -13,103 +13,19 @@ import random
 import grpc
 import pytest
 
-from motor.contract import pbtime
 from motor.v1 import controller_pb2, types_pb2
 from node_manager.controller_link import ControllerLink
-from tests.node_manager.fakes import FakeNode, settle
+from tests.support.node_manager_fakes import (
+    INTERVAL,
+    MAX_BACKOFF,
+    FakeNode,
+    ScriptedChannel,
+    ScriptedController,
+    link,  # noqa: F401 (fixture)
+    settle,
+)
 
-INTERVAL, MAX_BACKOFF = 1.0, 8.0
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
-
-
-def rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=f"scripted {code.name}")
-
-
-class ScriptedController:
-    """Stands in for the link's stub: each call is timed on the fake clock and answered from a
-    script of status codes (an empty script answers OK)."""
-
-    def __init__(self, clock):
-        self.clock = clock
-        self.calls: list[tuple[str, float, object]] = []
-        self.errors: dict[str, list[grpc.StatusCode]] = {"RegisterNode": [], "Heartbeat": [], "ReportEngineEvent": []}
-        self.generation = 0
-        self.announce: float | None = None  # the heartbeat interval its answers announce (None: none)
-
-    def times(self, method: str) -> list[float]:
-        return [at for name, at, _ in self.calls if name == method]
-
-    def requests(self, method: str) -> list:
-        return [request for name, _, request in self.calls if name == method]
-
-    def _answer(self, method: str, request) -> None:
-        self.calls.append((method, self.clock.monotonic(), request))
-        if self.errors[method]:
-            raise rpc_error(self.errors[method].pop(0))
-
-    async def RegisterNode(self, request, timeout):
-        self._answer("RegisterNode", request)
-        self.generation += 1
-        reply = controller_pb2.RegisterNodeResponse(generation=self.generation)
-        if self.announce is not None:
-            reply.heartbeat_interval.CopyFrom(pbtime.duration(self.announce))
-        return reply
-
-    async def Heartbeat(self, request, timeout):
-        self._answer("Heartbeat", request)
-        reply = controller_pb2.HeartbeatResponse()
-        if self.announce is not None:
-            reply.heartbeat_interval.CopyFrom(pbtime.duration(self.announce))
-        return reply
-
-    async def ReportEngineEvent(self, request, timeout):
-        self._answer("ReportEngineEvent", request)
-        return controller_pb2.ReportEngineEventResponse()
-
-
-class ScriptedChannel:
-    """Stands in for the link's ReloadingChannel: every stub is the scripted controller."""
-
-    def __init__(self, controller: ScriptedController):
-        self.controller = controller
-
-    def stub(self, stub_class) -> ScriptedController:
-        return self.controller
-
-    async def close(self) -> None:
-        pass
-
-
-@pytest.fixture
-async def link(tmp_path):
-    node = FakeNode(str(tmp_path / "node"))
-    await node.manager.start()
-    link = ControllerLink(
-        node.manager,
-        "127.0.0.1:1",
-        controller_pb2.NodeInfo(node_id="node-f"),
-        interval=INTERVAL,
-        max_backoff=MAX_BACKOFF,
-        clock=node.clock,
-        stream_heartbeats=False,
-        phase=0.0,
-    )
-    link.channels[link.address] = ScriptedChannel(ScriptedController(node.clock))
-    task = None
-
-    def run() -> None:
-        nonlocal task
-        task = asyncio.get_running_loop().create_task(link.run())
-
-    link.start = run
-    yield link
-    if task is not None:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-    else:
-        await link.channels[link.address].close()
-    await node.manager.close()
 
 
 def gaps(times: list[float]) -> list[float]:

@@ -16,7 +16,7 @@ from node_manager.config import NodeManagerConfig
 from node_manager.engine import RUNNING, STARTING, EngineRecord
 from node_manager.health import Verdict
 from node_manager.monitor import EngineMonitor
-from tests.node_manager.fakes import ABNORMAL, NORMAL, FakeClock, FakeEngine, FakeEngineClient, settle, sim_spec
+from tests.support.node_manager_fakes import ABNORMAL, NORMAL, FakeClock, FakeEngine, FakeEngineClient, settle, sim_spec
 
 ENGINE_ID = "prefill-0/rank0"
 

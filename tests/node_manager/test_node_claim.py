@@ -11,8 +11,8 @@ import pytest
 from motor.errors import ConfigError
 from motor.v1 import types_pb2
 from node_manager.process_identity import boot_id, state_dir_id
-from tests.node_manager.conftest import alive
 from tests.support import async_wait_for
+from tests.support.node_manager_harness import alive
 
 RUNNING, STOPPED = types_pb2.ENGINE_STATE_RUNNING, types_pb2.ENGINE_STATE_STOPPED
 HELD = "node id 'node-a' is held by another live node manager: 127.0.0.1:9 (pid 1 on host elsewhere)"

@@ -5,9 +5,6 @@ id rule at start-up."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 
 import grpc
 import pytest
@@ -17,9 +14,8 @@ from motor.errors import InvalidArgument
 from motor.service.grpc_server import MotorServer, service_name
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from node_manager.controller_link import RegistrationRefused
-from tests.node_manager.test_link_backoff import ScriptedController, link  # noqa: F401 (fixture)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.node_manager_fakes import ScriptedController, link  # noqa: F401 (fixtures)
+from tests.support.node_manager_harness import node_manager_process
 
 
 async def test_invalid_argument_on_register_is_fatal_after_one_call(link):  # noqa: F811
@@ -47,27 +43,6 @@ class RefusingController(controller_pb2_grpc.ControllerServiceServicer):
             raise InvalidArgument(f"node.node_id {request.node.node_id!r} is not allowed by this controller")
         check_node_id(request.node.node_id, "node.node_id")
         return controller_pb2.RegisterNodeResponse(generation=1)
-
-
-def node_manager_process(tmp_path, *args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "node_manager.cli",
-            "--listen",
-            "127.0.0.1:0",
-            "--state-dir",
-            str(tmp_path / "node"),
-            *args,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
 
 
 @pytest.mark.processes

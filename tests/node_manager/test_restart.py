@@ -13,8 +13,8 @@ import pytest
 from motor import processes
 from motor.service.grpc_server import aio_channel
 from motor.v1 import node_manager_pb2, node_manager_pb2_grpc, types_pb2
-from tests.node_manager.conftest import ENGINE_SERVER, alive, kill_engines_of, spec
 from tests.support import async_wait_for
+from tests.support.node_manager_harness import ENGINE_SERVER, alive, kill_engines_of, spec
 
 pytestmark = pytest.mark.processes
 

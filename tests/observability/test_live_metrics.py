@@ -19,8 +19,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
-from motorctl.local_cluster import LocalCluster
 from tests.support import REPO_ROOT, require, wait_for
+from tests.support.local_cluster import example_cluster, started
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
@@ -41,22 +41,15 @@ def _get(url: str) -> str:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    local = LocalCluster(
-        str(tmp_path_factory.mktemp("cluster")),
-        nodes=2,
-        deployment_path=DEPLOYMENT,
-        heartbeat_interval=0.5,
+    local = example_cluster(
+        tmp_path_factory,
+        "cluster",
         engine_port_base=33000,
         extra_controller_args=["--log-format", "json"],
         extra_node_args=["--log-format", "json"],
         router_port=0,  # a router and its sync: the controller's motor_front_door_* series
     )
-    try:
-        local.start(timeout=60)
-        yield local
-    finally:
-        problems = local.stop()
-        assert not problems, problems
+    yield from started(local)
 
 
 @pytest.fixture(scope="module")

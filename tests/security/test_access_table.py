@@ -11,7 +11,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from motor.security.access import ACCESS_TABLE
 from motor.service.grpc_server import TlsFiles
-from tests.security.conftest import (
+from tests.support.secure_services import (
     SERVICES,
     client,
     method_path,

@@ -31,7 +31,8 @@ from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl.connect import Credentials
 from motorctl.local_cluster import LocalCluster
 from motorctl.pki import DEV_HOSTS
-from tests.support import REPO_ROOT, require, wait_for
+from tests.support import require, wait_for
+from tests.support.local_cluster import example_cluster
 
 pytestmark = pytest.mark.processes
 
@@ -73,14 +74,8 @@ def cut_connections(ports: list[int]) -> int:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     require(_cut_works(), "`ss -K` (iproute2, run as root) to cut the cluster's connections")
-    cluster = LocalCluster(
-        str(tmp_path_factory.mktemp("rotation")),
-        nodes=2,
-        controller_port=free_port(),
-        heartbeat_interval=0.5,
-        engine_port_base=26000,
-        deployment_path=os.path.join(REPO_ROOT, "examples", "local-deployment.yaml"),
-        tls=True,
+    cluster = example_cluster(
+        tmp_path_factory, "rotation", controller_port=free_port(), engine_port_base=26000, tls=True
     )
     try:
         cluster.start(timeout=90)

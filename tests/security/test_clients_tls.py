@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from motor.service.grpc_server import TlsFiles
-from tests.clients.test_clients_live import BUILDERS, DEPLOYMENT_JSON
-from tests.security.conftest import mtls_files, policy, serve
+from tests.support.client_builds import BUILDERS, DEPLOYMENT_JSON
+from tests.support.secure_services import mtls_files, policy, serve
 
 pytestmark = pytest.mark.processes
 

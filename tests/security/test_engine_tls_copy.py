@@ -15,6 +15,7 @@ from motorctl.local_cluster import LocalCluster
 from motorctl.pki import DevPki, make_dev_pki
 from node_manager.engine_tls import EngineTlsCopy, engine_tls_paths
 from tests.support import wait_for, write_sim_deployment
+from tests.support.local_cluster import started
 
 
 def _contents(paths: dict[str, str]) -> dict[str, bytes]:
@@ -65,12 +66,7 @@ def tls_cluster(tmp_path):
         tls=True,
         extra_controller_args=["--startup-grace", "0"],
     )
-    try:
-        cluster.start(timeout=90)
-        yield cluster
-    finally:
-        problems = cluster.stop()
-        assert not problems, problems
+    yield from started(cluster, timeout=90)
 
 
 def _instances(cluster: LocalCluster) -> dict[str, controller_pb2.Instance]:

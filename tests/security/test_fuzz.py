@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 
 from motor.ports import free_port
 from motor.v1 import controller_pb2, controller_pb2_grpc, engine_pb2, node_manager_pb2, types_pb2
-from motorctl.local_cluster import LocalCluster
-from tests.grpcurl.services import start_engine_server
-from tests.security.messages import field_names, leading_field, messages
-from tests.support import REPO_ROOT, wait_for
+from tests.support import wait_for
+from tests.support.grpcurl_services import start_engine_server
+from tests.support.local_cluster import example_cluster
+from tests.support.message_strategies import field_names, leading_field, messages
 
 pytestmark = pytest.mark.processes
 
@@ -42,14 +42,7 @@ BROKEN = {
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    cluster = LocalCluster(
-        str(tmp_path_factory.mktemp("fuzz")),
-        nodes=2,
-        controller_port=free_port(),
-        heartbeat_interval=0.5,
-        engine_port_base=23000,
-        deployment_path=os.path.join(REPO_ROOT, "examples", "local-deployment.yaml"),
-    )
+    cluster = example_cluster(tmp_path_factory, "fuzz", controller_port=free_port(), engine_port_base=23000)
     try:
         cluster.start(timeout=90)
         with grpc.insecure_channel(cluster.controller_address) as channel:

@@ -12,8 +12,8 @@ import pytest
 from motor.v1 import controller_pb2 as C
 from motor.v1 import node_manager_pb2, node_manager_pb2_grpc
 from motor.v1 import types_pb2 as T
-from tests.controller.test_real_processes import apply, make_cluster, sim_deployment  # noqa: F401
 from tests.support import wait_for
+from tests.support.process_cluster import apply, make_cluster, sim_deployment  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.processes
 

@@ -30,6 +30,7 @@ from motorctl.connect import Credentials
 from motorctl.local_cluster import LocalCluster
 from motorctl.up_screen import try_commands
 from tests.support import REPO_ROOT, require, wait_for
+from tests.support.local_cluster import example_cluster
 
 pytestmark = pytest.mark.processes
 
@@ -39,15 +40,7 @@ LAUNCHER = ["/bin/sh", "-c", f"id > {MARKER}"]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    cluster = LocalCluster(
-        str(tmp_path_factory.mktemp("tls")),
-        nodes=2,
-        controller_port=free_port(),
-        heartbeat_interval=0.5,
-        engine_port_base=24000,
-        deployment_path=os.path.join(REPO_ROOT, "examples", "local-deployment.yaml"),
-        tls=True,
-    )
+    cluster = example_cluster(tmp_path_factory, "tls", controller_port=free_port(), engine_port_base=24000, tls=True)
     try:
         cluster.start(timeout=90)
         wait_for(

@@ -9,8 +9,8 @@ import signal
 
 import pytest
 
-from tests.node_manager.test_node_id_refused import node_manager_process
 from tests.support import wait_for
+from tests.support.node_manager_harness import node_manager_process
 
 pytestmark = pytest.mark.processes
 

@@ -23,8 +23,8 @@ from motor.security.identity import Identity
 from motor.security.pki import CertificateAuthority
 from motor.service.grpc_server import TlsFiles, aio_channel
 from motor.v1 import controller_pb2, controller_pb2_grpc
-from tests.security.conftest import client, mtls_files, policy, serve, token_of
 from tests.support import async_wait_for, require
+from tests.support.secure_services import client, mtls_files, policy, serve, token_of
 
 
 def _stub(channel):

@@ -12,7 +12,7 @@ from motor.errors import ConfigError
 from motor.security.security_config import SecuritySettings, is_loopback
 from motor.service.config import validate
 from motor.v1 import controller_pb2, controller_pb2_grpc
-from tests.security.conftest import EmptyServices, client, token_of
+from tests.support.secure_services import EmptyServices, client, token_of
 
 
 @pytest.mark.parametrize(

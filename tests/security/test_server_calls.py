@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry
 from motor.security.access import AccessControl
 from motor.service.grpc_metrics import GrpcServerMetrics
 from motor.service.grpc_server import MotorServer
-from tests.security.conftest import SERVICES, client, mtls_files, policy, request_class, response_class, serve
 from tests.support import async_wait_for
+from tests.support.secure_services import SERVICES, client, mtls_files, policy, request_class, response_class, serve
 
 HEARTBEATS = "/motor.v1.ControllerService/StreamHeartbeats"
 STREAM_LABELS = dict(grpc_type="bidi_stream", grpc_service="motor.v1.ControllerService", grpc_method="StreamHeartbeats")

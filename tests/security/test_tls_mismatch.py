@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.controller.test_motorctl import ControllerProcess, motorctl
+from tests.support.controller_process import ControllerProcess, motorctl
 
 pytestmark = pytest.mark.processes
 

@@ -7,7 +7,10 @@ import os
 import subprocess
 import sys
 
-from tests.support import REPO_ROOT
+import psutil
+
+from motorctl.run_processes import run_processes
+from tests.support import REPO_ROOT, wait_for
 
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 
@@ -35,3 +38,33 @@ def run_motorctl_up(run_dir, *flags: str, deployment: str = DEPLOYMENT, timeout:
         timeout=timeout,
         env=up_env(),
     )
+
+
+def cluster_processes(run_dir) -> list[psutil.Process]:
+    """The controller and node managers of the cluster in `run_dir` (their flags name it), with
+    everything they started."""
+    found = run_processes(str(run_dir))  # by the run tag: the router's command line does not name it
+    for p in psutil.process_iter():
+        try:
+            if any(str(run_dir) in part for part in p.cmdline()):
+                found += [p, *p.children(recursive=True)]
+        except psutil.Error:
+            pass
+    return found
+
+
+def assert_nothing_left(run_dir, timeout: float = 10) -> None:
+    def gone():
+        return not [p for p in cluster_processes(run_dir) if p.status() != psutil.STATUS_ZOMBIE]
+
+    wait_for(gone, timeout=timeout, what="the cluster's processes gone")
+
+
+def kill_all(process: subprocess.Popen, run_dir) -> None:
+    if process.poll() is None:
+        process.kill()
+    for p in cluster_processes(run_dir):
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass

@@ -17,9 +17,9 @@ import pytest
 from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from motorctl.local_cluster import LocalCluster
-from tests.router.conftest import http
 from tests.support import wait_for
-from tests.vllm.conftest import START_TIMEOUT, vllm_config
+from tests.support.open_load import http
+from tests.support.vllm_engines import START_TIMEOUT, vllm_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 C = controller_pb2

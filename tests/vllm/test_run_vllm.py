@@ -21,10 +21,10 @@ import pytest
 
 from motor.ports import free_port
 from motor.v1 import controller_pb2, controller_pb2_grpc
-from tests.e2e.test_motorctl_up_ends import assert_nothing_left, kill_all
-from tests.router.conftest import http
 from tests.support import REPO_ROOT, require, wait_for
-from tests.vllm.conftest import START_TIMEOUT, vllm_installed
+from tests.support.motorctl_up import assert_nothing_left, kill_all
+from tests.support.open_load import http
+from tests.support.vllm_engines import START_TIMEOUT, vllm_installed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -19,7 +19,8 @@ from engine_server.engines.vllm_probe_filter import (
 from engine_server.engines.vllm_utilization import EngineProgress, EngineProgressSampler
 from motor.contract.termination import read_termination_message
 from motor.errors import ConfigError
-from tests.vllm.conftest import ENGINE_SERVER, LEAN_CPU_ARGS, vllm_config
+from motorctl.tiny_model import LEAN_CPU_ARGS
+from tests.support.vllm_engines import ENGINE_SERVER, vllm_config
 
 FIELD = "motor_engine_prefill_config.engine_args"
 

@@ -10,10 +10,9 @@ import os
 import pytest
 
 from motor.v1 import controller_pb2
-from tests.router.conftest import http
 from tests.support import wait_for
-from tests.vllm.conftest import vllm_cluster, vllm_config
-from tests.vllm.test_vllm_under_the_stack import wait_listed
+from tests.support.open_load import http
+from tests.support.vllm_engines import vllm_cluster, vllm_config, wait_listed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

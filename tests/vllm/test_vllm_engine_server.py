@@ -25,7 +25,7 @@ from google.protobuf import duration_pb2
 
 from motor.v1 import engine_pb2
 from tests.support import wait_for
-from tests.vllm.conftest import (
+from tests.support.vllm_engines import (
     ABNORMAL,
     FAILURE,
     INIT,

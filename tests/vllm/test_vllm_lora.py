@@ -11,7 +11,7 @@ import urllib.error
 
 import pytest
 
-from tests.vllm.conftest import NORMAL, start_server, vllm_config
+from tests.support.vllm_engines import NORMAL, start_server, vllm_config
 
 pytestmark = pytest.mark.processes
 

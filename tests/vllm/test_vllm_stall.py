@@ -30,7 +30,7 @@ import pytest
 from motor.v1 import controller_pb2, engine_pb2, engine_pb2_grpc
 from motorctl.local_cluster import LocalCluster
 from tests.support import wait_for
-from tests.vllm.conftest import START_TIMEOUT, engine_core_of, vllm_cluster, vllm_config
+from tests.support.vllm_engines import START_TIMEOUT, engine_core_of, vllm_cluster, vllm_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

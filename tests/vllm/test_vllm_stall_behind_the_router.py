@@ -9,16 +9,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 
 import grpc
 import pytest
 
 from motor.v1 import controller_pb2, engine_pb2, engine_pb2_grpc
-from tests.router.conftest import http
 from tests.support import wait_for
-from tests.vllm.conftest import START_TIMEOUT, engine_core_of, vllm_cluster, vllm_config
+from tests.support.open_load import OpenLoad, http
+from tests.support.vllm_engines import START_TIMEOUT, engine_core_of, vllm_cluster, vllm_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -73,48 +72,14 @@ def in_flight(engine) -> int:
     return status.status.in_flight_requests
 
 
-class Load:
-    """Open-loop non-streamed completions through the router; `results`: (sent, status, answered)."""
-
-    def __init__(self, url: str, model: str, period: float):
-        self.url, self.body, self.period = url, {**COMPLETION, "model": model}, period
-        self.results: list[tuple[float, int, float]] = []
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._sender = threading.Thread(target=self._send, daemon=True)
-
-    def __enter__(self) -> Load:
-        self._sender.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._sender.join()
-        for thread in self._threads:
-            thread.join(timeout=120)
-
-    def _send(self) -> None:
-        while not self._stop.is_set():
-            thread = threading.Thread(target=self._one, daemon=True)
-            thread.start()
-            self._threads.append(thread)
-            time.sleep(self.period)
-
-    def _one(self) -> None:
-        sent = time.monotonic()
-        try:
-            status, _ = http("POST", self.url + "/v1/completions", self.body, timeout=110)
-        except OSError:
-            status = 0
-        self.results.append((sent, status, time.monotonic()))
-
-
 def test_sigstop_of_one_engine_core_behind_the_router_leaves_it_fails_back_and_loses_no_request(routed):
     local, stub, model = routed
     victim_endpoint = both_routed(local, stub)[0]
     victim = engine_of(stub, victim_endpoint.engine_id)
     core = engine_core_of(victim.pid)
-    with Load(local.router_url, model, period=0.25) as load:
+    with OpenLoad(
+        local.router_url, period=0.25, timeout=110, body={**COMPLETION, "model": model}, join_timeout=120
+    ) as load:
         wait_for(lambda: in_flight(victim) >= 1, timeout=30, interval=0.02, what="a request in flight on the victim")
         os.kill(core.pid, signal.SIGSTOP)
         stopped_at = time.monotonic()

@@ -28,11 +28,10 @@ from motor.contract import pbtime
 from motor.v1 import controller_pb2, node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from motorctl.local_cluster import LocalCluster
 from tests.support import wait_for
-from tests.vllm.conftest import START_TIMEOUT, engine_core_of, vllm_cluster, vllm_config
+from tests.support.vllm_engines import ENGINE, engine_core_of, vllm_cluster, vllm_config, wait_listed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ENGINE = "prefill-0/rank0"
 NODE = "vllm-a"
 DRAIN_TIMEOUT = 10.0  # vllm_config's drain_timeout
 
@@ -53,22 +52,6 @@ def stack(tiny_model, vllm_env, tmp_path_factory):
         engine_port_base=37000,
     ) as (local, stub):
         yield local, stub
-
-
-def wait_listed(stub) -> None:
-    def listed():
-        instances = stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=5).instances
-        assert all(i.state != controller_pb2.INSTANCE_STATE_FAILED for i in instances), instances
-        return [
-            e
-            for e in stub.ListEndpoints(controller_pb2.ListEndpointsRequest(), timeout=5).endpoints
-            if e.engine_id == ENGINE
-        ]
-
-    def instances() -> str:
-        return str(stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=5))
-
-    wait_for(listed, timeout=START_TIMEOUT, interval=0.5, what=f"{ENGINE} (vLLM) listed for routers", detail=instances)
 
 
 def engine_on_node(stub) -> types_pb2.Engine:

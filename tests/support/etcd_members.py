@@ -1,0 +1,36 @@
+"""Real etcd members for the high-availability tests: started, guarded, and a store target on them."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from controller.store.etcd_client import EtcdTarget
+from motorctl.etcd_cluster import EtcdCluster
+from tests.support import require
+
+
+def _require_etcd() -> None:
+    require(shutil.which("etcd") is not None, "etcd (Debian's etcd-server: run scripts/etcd-server.sh)")
+
+
+def _started(tmp_path_factory: pytest.TempPathFactory, size: int):
+    _require_etcd()
+    cluster = EtcdCluster(str(tmp_path_factory.mktemp(f"etcd{size}")), size=size)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        left = [m.name for m in cluster.members if m.running()]
+        assert not left, f"etcd members still running after stop: {left}"
+
+
+def unguarded() -> list:
+    """The fence of an etcd store tested alone: no election runs, so its writes carry no guard."""
+    return []
+
+
+def target_of(cluster: EtcdCluster, prefix: str, timeout: float = 2.0) -> EtcdTarget:
+    return EtcdTarget(tuple((m.host, m.client_port) for m in cluster.members), prefix, request_timeout=timeout)
