@@ -16,6 +16,8 @@ import pytest
 
 from tests.support.door_process import DoorProcess, door_log
 
+pytestmark = pytest.mark.processes  # the front door in its own process
+
 # Ten million empty lists: 30 MB of JSON from 30 kB of gzip, about 700 MB of Python objects if parsed.
 HOSTILE = gzip.compress(b'{"model": "m", "x": [' + b"[]," * 10_000_000 + b"[]]}", 9)
 

@@ -5,7 +5,7 @@ port scan logged by the engine's HTTP server), which read as the cause."""
 from __future__ import annotations
 
 from node_manager.engine import EngineRecord
-from tests.node_manager.fakes import sim_spec
+from tests.support.node_manager_fakes import sim_spec
 
 LOG = """--- 2026-01-01T10:00:00 launching: python -m engine_server.cli --port 21006
 2026-01-01 10:00:01,000 INFO engine_server: serving

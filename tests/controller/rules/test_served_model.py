@@ -13,8 +13,8 @@ from controller.rules.deployment_file import validate_deployment
 from motor.contract.deployment_file import deployment_from_dict
 from motor.contract.user_config import UserConfig
 from motor.errors import InvalidArgument
-from tests.controller.conftest import small_deployment
 from tests.support import async_wait_for
+from tests.support.controller_harness import small_deployment
 
 
 def deployment(model: str, engine_type: str, engine_args: dict):

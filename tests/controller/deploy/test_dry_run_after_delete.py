@@ -3,7 +3,7 @@ the apply made the deleted deployment's last revision plus one)."""
 
 from __future__ import annotations
 
-from tests.controller.conftest import example_deployment
+from tests.support.controller_harness import example_deployment
 
 
 async def test_a_dry_run_after_a_delete_says_the_revision_the_apply_makes(harness):

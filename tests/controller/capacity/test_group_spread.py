@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tests.controller.conftest import small_deployment
 from tests.support import async_wait_for
+from tests.support.controller_harness import small_deployment
 
 
 async def test_instances_of_a_group_go_to_different_nodes_while_others_have_room(harness):

@@ -12,9 +12,9 @@ from controller.model.deployments import COMPLETE
 from controller.model.instances import READY
 from controller.rules.deployment_file import validate_deployment
 from motor.errors import InvalidArgument
-from tests.controller.conftest import Harness, small_deployment
-from tests.controller.fakes import ManualClock
 from tests.support import async_wait_for
+from tests.support.controller_fakes import ManualClock
+from tests.support.controller_harness import Harness, small_deployment
 
 
 def scaled(name: str, group: str, target: float):
