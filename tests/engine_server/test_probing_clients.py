@@ -156,10 +156,13 @@ async def test_a_slow_health_answer_times_out_at_the_clients_timeout(health_endp
         await client.close()
 
 
-async def test_a_refused_health_check_names_the_error_type():
-    client = HttpHealthClient(f"http://127.0.0.1:{free_port()}", timeout=2)
+async def test_a_refused_health_check_names_the_error_type_and_the_address():
+    port = free_port()
+    client = HttpHealthClient(f"http://127.0.0.1:{port}", timeout=2)
     try:
-        with pytest.raises(ProbeFailed, match=r"^GET /health failed: ClientConnector\w*Error$"):
+        with pytest.raises(
+            ProbeFailed, match=rf"^GET /health failed: ClientConnector\w*Error at 127\.0\.0\.1:{port} \(.+\)$"
+        ):
             await client.check()
     finally:
         await client.close()
