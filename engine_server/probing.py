@@ -362,4 +362,20 @@ class Prober:
         while True:
             started = self.clock.monotonic()
             await self.probe_once()
-            await self.clock.sleep(max(0.0, self.interval - (self.clock.monotonic() - started)))
+            await self._wait_for_next_round(started + self.interval)
+
+    async def _wait_for_next_round(self, due: float) -> None:
+        """Wait until `due`. The busy interval holds only while the engine keeps making progress:
+        it is read every probe_interval, and a span without any starts the next round at once, so
+        an engine busy a moment ago that then hangs idle is probed as an idle one (issue 61 #11)."""
+        quiet_span = self.settings.probe_interval
+        while True:
+            left = max(0.0, due - self.clock.monotonic())  # a round past due still yields the loop
+            seen = self.progress() if self.interval > quiet_span else None
+            if seen is None or left <= quiet_span:
+                await self.clock.sleep(left)
+                return
+            await self.clock.sleep(quiet_span)
+            if self.progress() == seen:
+                self._progress_seen = seen  # the next round judges only its own span: quiet so far
+                return
