@@ -19,6 +19,7 @@ from typing import Any
 from motor.clock import SYSTEM_CLOCK, Clock
 from motor.contract.names import engine_id as make_engine_id
 from motor.contract.names import excerpt, parse_engine_id
+from motor.contract.termination import read_termination_message
 from motor.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from motor.ports import PortAllocator
 from motor.processes import ExitStatus, TreeId
@@ -46,6 +47,7 @@ from node_manager.metrics import Metrics
 from node_manager.monitor import EngineMonitor
 from node_manager.process_ops import ExitWatcher, Launched, ProcessOps, RealProcessOps
 from node_manager.record_saver import RecordSaver
+from node_manager.spec_refusals import SpecRefusals
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,8 @@ class NodeManager:
         self.clock: Clock = clock or SYSTEM_CLOCK
         self.engine_clients: EngineClientFactory = engine_clients or self._grpc_client
         self.records: dict[str, EngineRecord] = {}
+        # Specs an engine server refused as such (exit 2, config_error): not launched again at once.
+        self.refusals = SpecRefusals(self.clock)
         self.store = RecordStore(config.engines_dir)
         self.metrics = Metrics(config.node_id)
         self.metrics.watch_engines(lambda: list(self.records.values()))
@@ -184,6 +188,7 @@ class NodeManager:
                     f"engine {engine_id}: generation {spec.generation} is older than generation "
                     f"{existing.generation} that already ran here (stale request)"
                 )
+            self.refusals.check(requested)  # INVALID_ARGUMENT: the controller marks it FAILED at once
             self.saver.require_writable(requested)  # on a full disk: UNAVAILABLE, nothing started
             record, child = self._launch(requested)
             self.metrics.launched(spec.instance_id, engine_id, again=existing is not None)
@@ -306,6 +311,9 @@ class NodeManager:
         tree = record.token_tree if while_away else record.tree
         survivors = await self._end_leftovers(record, tree)
         record.record_exit(status)
+        self.refusals.engine_exited(
+            record.requested, status.exit_code, read_termination_message(record.termination_path)
+        )
         if while_away:
             reason = "exited while the node manager was not running (exit code unknown)"
         else:
