@@ -37,6 +37,7 @@ FLAGS = {
         "from CUDA_VISIBLE_DEVICES or NVML, else its CPU cores; all of them unless --accelerators names some)"
     ),
     "port_range": Flag("ports engines may be given, START-END"),
+    "port_lock_dir": Flag("directory shared by the node managers of this host: a lock per port handed out"),
     "state_dir": Flag("engine records and configs"),
     "log_dir": Flag("node manager and engine logs", default_text="<state-dir>/logs"),
     "heartbeat_interval": Flag("seconds between status checks and heartbeats"),

@@ -45,6 +45,7 @@ from node_manager.health import Verdict
 from node_manager.launch import launch_engine
 from node_manager.metrics import Metrics
 from node_manager.monitor import EngineMonitor
+from node_manager.port_locks import PortLocks
 from node_manager.process_ops import ExitWatcher, Launched, ProcessOps, RealProcessOps
 from node_manager.record_saver import RecordSaver
 from node_manager.spec_refusals import SpecRefusals
@@ -86,7 +87,9 @@ class NodeManager:
         self.metrics.watch_engines(lambda: list(self.records.values()))
         self.saver = RecordSaver(self.store, self._spawn, self.metrics.store_write_failures.labels(self.node_id).inc)
         start, end = config.port_range_bounds
-        self.ports = PortAllocator(start, end, host=config.host)
+        # Held host-wide: node managers sharing a host never hand out the same port (issue 61 #2).
+        self.host_ports = PortLocks(config.port_lock_dir)
+        self.ports = PortAllocator(start, end, host=config.host, host_ports=self.host_ports)
         self.argv = config.engine_argv()
         # Called with (engine, reason) whenever an engine fails: the controller link reports it.
         self.reporter: Reporter | None = None
@@ -116,7 +119,9 @@ class NodeManager:
                 record.settled.set()
                 continue
             for port in record.allocated_ports:
-                self.ports.reserve(port)
+                if not self.ports.reserve(port):  # taken by another node manager while none held it
+                    logger.warning("engine %s: port %d is held by another process of this host", record.engine_id, port)
+                    self.ports.reserved.add(port)
             if record.pid and self.ops.same_process(record.pid, record.process_started):
                 logger.info(
                     "engine %s: re-adopting pid %d (%s)", record.engine_id, record.pid, state_name(record.state)
@@ -134,6 +139,7 @@ class NodeManager:
     async def close(self) -> None:
         """Stop supervising (engines keep running: a restarted node manager re-adopts them)."""
         self._closed = True
+        self.host_ports.close()  # as the process's exit would: a node manager restarted takes them again
         for record in self.records.values():
             self._stop_monitor(record)
             if record.watch is not None:
