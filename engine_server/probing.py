@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
 
+from engine_server import answerer
 from engine_server.engines.base import UtilizationSampler, probe_request_id
 from engine_server.status import Event, Health, HealthStateMachine
 from motor.clock import SYSTEM_CLOCK, Clock
@@ -120,22 +122,45 @@ class HealthClient(Protocol):
         """GET /health once; raise ProbeFailed saying what went wrong."""
 
 
-class HttpHealthClient(_HttpClient):
-    """GET /health on the inference plane, each try bounded by `timeout` (health_collector_timeout)."""
+class HttpHealthClient:
+    """GET /health on the inference plane, each try bounded by `timeout` (health_collector_timeout),
+    on a connection of its own: a 200 counts only when this engine server's own process (or a
+    descendant) answered it, not another process listening on the same port (answerer.py)."""
 
-    def __init__(self, base_url: str, timeout: float):
-        self.url = base_url.rstrip("/") + "/health"
-        self.timeout = timeout
+    def __init__(self, base_url: str, timeout: float, stranger: Callable[[int, int], str] = answerer.stranger):
+        address = urllib.parse.urlsplit(base_url)
+        self.host, self.port = address.hostname or "127.0.0.1", address.port or 80
+        self.timeout, self.stranger = timeout, stranger
 
     async def check(self) -> None:
         try:
-            async with self.session(aiohttp.ClientTimeout(total=self.timeout)).get(self.url) as response:
-                if response.status != 200:
-                    raise ProbeFailed(f"GET /health answered {response.status}")
+            async with asyncio.timeout(self.timeout):
+                reader, writer = await asyncio.open_connection(self.host, self.port)
+                try:
+                    # Kept alive until judged: the server's socket stays listed with its owner.
+                    writer.write(f"GET /health HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n\r\n".encode())
+                    status = _status(await reader.readline())
+                    if status != 200:
+                        raise ProbeFailed(f"GET /health answered {status}")
+                    who = self.stranger(self.port, writer.get_extra_info("sockname")[1])
+                finally:
+                    writer.close()
         except TimeoutError:
             raise ProbeFailed(f"GET /health timed out after {self.timeout:g}s") from None
-        except aiohttp.ClientError as exc:
+        except OSError as exc:
             raise ProbeFailed(f"GET /health failed: {type(exc).__name__}") from None
+        if who:
+            raise ProbeFailed(
+                f"GET /health on port {self.port} was answered by another process ({who}), not this engine"
+            )
+
+
+def _status(line: bytes) -> int | str:
+    """The status code of an HTTP status line, or the line itself when it is not one."""
+    parts = line.split()
+    if len(parts) >= 2 and parts[0].startswith(b"HTTP/") and parts[1].isdigit():
+        return int(parts[1])
+    return repr(line[:80].decode(errors="replace")) if line else "nothing (connection closed)"
 
 
 class PeakSampler:
