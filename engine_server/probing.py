@@ -128,9 +128,13 @@ class HttpHealthClient:
     descendant) answered it, not another process listening on the same port (answerer.py)."""
 
     def __init__(self, base_url: str, timeout: float, stranger: Callable[[int, int], str] = answerer.stranger):
+        self.url = base_url.rstrip("/") + "/health"
         address = urllib.parse.urlsplit(base_url)
         self.host, self.port = address.hostname or "127.0.0.1", address.port or 80
         self.timeout, self.stranger = timeout, stranger
+
+    async def close(self) -> None:
+        """Nothing is held between checks: each has a connection of its own."""
 
     async def check(self) -> None:
         try:
