@@ -157,7 +157,7 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
     from engine_server.metrics import process_metrics
     from engine_server.served_model import served_model_health
     from engine_server.server import EngineServer
-    from motor.contract.termination import CONFIG_ERROR, ENGINE_DIED, START_FAILED, STOPPED
+    from motor.contract.termination import CONFIG_ERROR, ENGINE_DIED, PORT_TAKEN, START_FAILED, STOPPED
     from motor.errors import ConfigError
     from motor.service.grpc_server import MotorServer
     from motor.service.signals import stop_event
@@ -196,7 +196,11 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
         )
     metrics.loop_lag.start()
     service.register(grpc_server, core)
-    await grpc_server.start()  # first, so that the node manager sees INIT while the engine loads
+    try:
+        await grpc_server.start()  # first, so that the node manager sees INIT while the engine loads
+    except ConfigError as exc:  # the port taken: exit 2 still, but not a refusal of the spec
+        logger.error("%s", exc)
+        return Exit(EXIT_CONFIG, PORT_TAKEN, str(exc))
 
     try:
         if engine_cls.slow_check_args:  # deferred by load_section

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from engine_server import answerer
 from engine_server.engines.base import UtilizationSampler, probe_request_id
 from engine_server.status import Event, Health, HealthStateMachine
 from motor.clock import SYSTEM_CLOCK, Clock
@@ -73,7 +74,7 @@ def probe_request(role: str, now: float | None = None) -> tuple[dict[str, Any], 
     return body, {"X-Request-Id": probe_request_id(stamp)}
 
 
-class _HttpClient:
+class HttpSession:
     """One HTTP session per client, opened by its first request and closed by close()."""
 
     _session: aiohttp.ClientSession | None = None
@@ -89,7 +90,7 @@ class _HttpClient:
             self._session = None
 
 
-class HttpProbeClient(_HttpClient):
+class HttpProbeClient(HttpSession):
     """POST /v1/completions on the inference plane."""
 
     def __init__(self, base_url: str, role: str, timeout: float):
@@ -122,28 +123,51 @@ class HealthClient(Protocol):
         """GET /health once; raise ProbeFailed saying what went wrong."""
 
 
-class HttpHealthClient(_HttpClient):
-    """GET /health on the inference plane, each try bounded by `timeout` (health_collector_timeout)."""
+class HttpHealthClient:
+    """GET /health on the inference plane, each try bounded by `timeout` (health_collector_timeout),
+    on a connection of its own: a 200 counts only when this engine server's own process (or a
+    descendant) answered it, not another process listening on the same port (answerer.py)."""
 
-    def __init__(self, base_url: str, timeout: float):
+    def __init__(self, base_url: str, timeout: float, stranger: Callable[[int, int], str] = answerer.stranger):
         self.url = base_url.rstrip("/") + "/health"
-        self.timeout = timeout
+        address = urllib.parse.urlsplit(base_url)
+        self.host, self.port = address.hostname or "127.0.0.1", address.port or 80
+        self.timeout, self.stranger = timeout, stranger
+
+    async def close(self) -> None:
+        """Nothing is held between checks: each has a connection of its own."""
 
     async def check(self) -> None:
         try:
-            async with self.session(aiohttp.ClientTimeout(total=self.timeout)).get(self.url) as response:
-                if response.status != 200:
-                    raise ProbeFailed(f"GET /health answered {response.status}")
+            async with asyncio.timeout(self.timeout):
+                reader, writer = await asyncio.open_connection(self.host, self.port)
+                try:
+                    # Kept alive until judged: the server's socket stays listed with its owner.
+                    writer.write(f"GET /health HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n\r\n".encode())
+                    status = _status(await reader.readline())
+                    if status != 200:
+                        raise ProbeFailed(f"GET /health answered {status}")
+                    who = self.stranger(self.port, writer.get_extra_info("sockname")[1])
+                finally:
+                    writer.close()
         except TimeoutError:
             raise ProbeFailed(f"GET /health timed out after {self.timeout:g}s") from None
-        except aiohttp.ClientError as exc:
-            # The address too: ClientConnectorError alone does not say where it could not connect.
-            errno = getattr(getattr(exc, "os_error", None), "errno", None)
-            why = os.strerror(errno) if errno else None
-            where = urllib.parse.urlsplit(self.url).netloc
+        except OSError as exc:
+            # The address too: a refusal alone does not say where it could not connect.
+            why = f" ({os.strerror(exc.errno)})" if exc.errno else ""
+            raise ProbeFailed(f"GET /health failed: {type(exc).__name__} at {self.host}:{self.port}{why}") from None
+        if who:
             raise ProbeFailed(
-                f"GET /health failed: {type(exc).__name__} at {where}{f' ({why})' if why else ''}"
-            ) from None
+                f"GET /health on port {self.port} was answered by another process ({who}), not this engine"
+            )
+
+
+def _status(line: bytes) -> int | str:
+    """The status code of an HTTP status line, or the line itself when it is not one."""
+    parts = line.split()
+    if len(parts) >= 2 and parts[0].startswith(b"HTTP/") and parts[1].isdigit():
+        return int(parts[1])
+    return repr(line[:80].decode(errors="replace")) if line else "nothing (connection closed)"
 
 
 class PeakSampler:
@@ -370,4 +394,20 @@ class Prober:
         while True:
             started = self.clock.monotonic()
             await self.probe_once()
-            await self.clock.sleep(max(0.0, self.interval - (self.clock.monotonic() - started)))
+            await self._wait_for_next_round(started + self.interval)
+
+    async def _wait_for_next_round(self, due: float) -> None:
+        """Wait until `due`. The busy interval holds only while the engine keeps making progress:
+        it is read every probe_interval, and a span without any starts the next round at once, so
+        an engine busy a moment ago that then hangs idle is probed as an idle one (issue 61 #11)."""
+        quiet_span = self.settings.probe_interval
+        while True:
+            left = max(0.0, due - self.clock.monotonic())  # a round past due still yields the loop
+            seen = self.progress() if self.interval > quiet_span else None
+            if seen is None or left <= quiet_span:
+                await self.clock.sleep(left)
+                return
+            await self.clock.sleep(quiet_span)
+            if self.progress() == seen:
+                self._progress_seen = seen  # the next round judges only its own span: quiet so far
+                return

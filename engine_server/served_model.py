@@ -13,15 +13,16 @@ from __future__ import annotations
 import aiohttp
 
 from engine_server.engines.base import EngineOptions
-from engine_server.probing import HttpHealthClient, ProbeFailed
+from engine_server.probing import HttpHealthClient, HttpSession, ProbeFailed
 from engine_server.server import connect_host
 from engine_server.status import Event, Health, HealthStateMachine
 from motor.contract.names import excerpt
 from motor.contract.user_config import EngineSection
 
 
-class ServedModelHealthClient(HttpHealthClient):
-    """GET /health, then GET /v1/models, which must list `model`; ProbeFailed saying why not."""
+class ServedModelHealthClient(HttpSession, HttpHealthClient):
+    """GET /health (on a connection of its own, its answerer checked), then GET /v1/models on a
+    kept session, which must list `model`; ProbeFailed saying why not."""
 
     def __init__(self, base_url: str, timeout: float, model: str):
         super().__init__(base_url, timeout)

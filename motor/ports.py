@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import socket
+from typing import Protocol
 
 # Default /metrics ports (docs/observability.md); engine servers serve theirs on the inference port.
 CONTROLLER_METRICS_PORT = 9471
@@ -50,27 +51,46 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-class PortAllocator:
-    """Hands out free ports from [start, end], skipping ones in use or already handed out."""
+class HostPorts(Protocol):
+    """Ports held host-wide, across the processes that share the host (node_manager/port_locks.py)."""
 
-    def __init__(self, start: int, end: int, host: str = "0.0.0.0"):
+    def take(self, port: int) -> bool: ...
+
+    def give_back(self, port: int) -> None: ...
+
+
+class PortAllocator:
+    """Hands out free ports from [start, end], skipping ones in use or already handed out, here
+    or (with `host_ports`) by another process of the host."""
+
+    def __init__(self, start: int, end: int, host: str = "0.0.0.0", host_ports: HostPorts | None = None):
         if not 0 < start <= end <= 65535:
             raise ValueError(f"port range {start}-{end} is not within 1-65535")
         self.start, self.end, self.host = start, end, host
+        self.host_ports = host_ports
         self.reserved: set[int] = set()
         self._next = start
 
-    def reserve(self, port: int) -> None:
+    def reserve(self, port: int) -> bool:
+        """Take a port given (by a request, an adopted engine); False when another process holds it."""
+        if self.host_ports is not None and not self.host_ports.take(port):
+            return False
         self.reserved.add(port)
+        return True
 
     def release(self, port: int) -> None:
         self.reserved.discard(port)
+        if self.host_ports is not None:
+            self.host_ports.give_back(port)
+
+    def _take(self, port: int) -> bool:
+        return self.host_ports is None or self.host_ports.take(port)
 
     def allocate(self) -> int:
         span = self.end - self.start + 1
         for offset in range(span):
             port = self.start + (self._next - self.start + offset) % span
-            if port not in self.reserved and port_is_free(port, self.host):
+            if port not in self.reserved and port_is_free(port, self.host) and self._take(port):
                 self.reserved.add(port)
                 self._next = port + 1 if port < self.end else self.start
                 return port

@@ -38,6 +38,7 @@ FLAGS = {
         "--accelerators names some), or gpu (as auto, but no GPU found is an error)"
     ),
     "port_range": Flag("ports engines may be given, START-END"),
+    "port_lock_dir": Flag("directory shared by the node managers of this host: a lock per port handed out"),
     "state_dir": Flag("engine records and configs"),
     "log_dir": Flag("node manager and engine logs", default_text="<state-dir>/logs"),
     "heartbeat_interval": Flag("seconds between status checks and heartbeats"),

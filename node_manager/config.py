@@ -23,6 +23,7 @@ from motor.service.config import AbsoluteCommand, HostPort, split_host_port
 from motor.service.logs import LogFormat, LogLevel
 from node_manager import accelerators as host_accelerators
 from node_manager.engine_tls import engine_tls_paths
+from node_manager.port_locks import DEFAULT_DIR as PORT_LOCK_DIR
 
 
 class NodeManagerConfig(SecuritySettings):
@@ -41,6 +42,8 @@ class NodeManagerConfig(SecuritySettings):
     # an error when it has none (node_manager/accelerators.py)
     accelerator_type: str = "sim"
     port_range: str = "20000-29999"
+    # Where node managers of this host hold a lock per port they hand out (node_manager/port_locks.py).
+    port_lock_dir: str = PORT_LOCK_DIR
     state_dir: str = "./.state/node"
     log_dir: str | None = None
     heartbeat_interval: float = Field(1.0, ge=0.05, le=3600)  # below, status checks and beats spin

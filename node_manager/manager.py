@@ -19,6 +19,7 @@ from typing import Any
 from motor.clock import SYSTEM_CLOCK, Clock
 from motor.contract.names import engine_id as make_engine_id
 from motor.contract.names import excerpt, parse_engine_id
+from motor.contract.termination import read_termination_message
 from motor.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from motor.ports import PortAllocator
 from motor.processes import ExitStatus, TreeId
@@ -44,8 +45,10 @@ from node_manager.health import Verdict
 from node_manager.launch import launch_engine
 from node_manager.metrics import Metrics
 from node_manager.monitor import EngineMonitor
+from node_manager.port_locks import PortLocks
 from node_manager.process_ops import ExitWatcher, Launched, ProcessOps, RealProcessOps
 from node_manager.record_saver import RecordSaver
+from node_manager.spec_refusals import SpecRefusals
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +80,16 @@ class NodeManager:
         self.clock: Clock = clock or SYSTEM_CLOCK
         self.engine_clients: EngineClientFactory = engine_clients or self._grpc_client
         self.records: dict[str, EngineRecord] = {}
+        # Specs an engine server refused as such (exit 2, config_error): not launched again at once.
+        self.refusals = SpecRefusals(self.clock)
         self.store = RecordStore(config.engines_dir)
         self.metrics = Metrics(config.node_id)
         self.metrics.watch_engines(lambda: list(self.records.values()))
         self.saver = RecordSaver(self.store, self._spawn, self.metrics.store_write_failures.labels(self.node_id).inc)
         start, end = config.port_range_bounds
-        self.ports = PortAllocator(start, end, host=config.host)
+        # Held host-wide: node managers sharing a host never hand out the same port (issue 61 #2).
+        self.host_ports = PortLocks(config.port_lock_dir)
+        self.ports = PortAllocator(start, end, host=config.host, host_ports=self.host_ports)
         self.argv = config.engine_argv()
         # Called with (engine, reason) whenever an engine fails: the controller link reports it.
         self.reporter: Reporter | None = None
@@ -112,7 +119,9 @@ class NodeManager:
                 record.settled.set()
                 continue
             for port in record.allocated_ports:
-                self.ports.reserve(port)
+                if not self.ports.reserve(port):  # taken by another node manager while none held it
+                    logger.warning("engine %s: port %d is held by another process of this host", record.engine_id, port)
+                    self.ports.reserved.add(port)
             if record.pid and self.ops.same_process(record.pid, record.process_started):
                 logger.info(
                     "engine %s: re-adopting pid %d (%s)", record.engine_id, record.pid, state_name(record.state)
@@ -130,6 +139,7 @@ class NodeManager:
     async def close(self) -> None:
         """Stop supervising (engines keep running: a restarted node manager re-adopts them)."""
         self._closed = True
+        self.host_ports.close()  # as the process's exit would: a node manager restarted takes them again
         for record in self.records.values():
             self._stop_monitor(record)
             if record.watch is not None:
@@ -184,6 +194,7 @@ class NodeManager:
                     f"engine {engine_id}: generation {spec.generation} is older than generation "
                     f"{existing.generation} that already ran here (stale request)"
                 )
+            self.refusals.check(requested)  # INVALID_ARGUMENT: the controller marks it FAILED at once
             self.saver.require_writable(requested)  # on a full disk: UNAVAILABLE, nothing started
             record, child = self._launch(requested)
             self.metrics.launched(spec.instance_id, engine_id, again=existing is not None)
@@ -306,6 +317,9 @@ class NodeManager:
         tree = record.token_tree if while_away else record.tree
         survivors = await self._end_leftovers(record, tree)
         record.record_exit(status)
+        self.refusals.engine_exited(
+            record.requested, status.exit_code, read_termination_message(record.termination_path)
+        )
         if while_away:
             reason = "exited while the node manager was not running (exit code unknown)"
         else:

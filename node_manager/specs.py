@@ -166,7 +166,10 @@ def reserve_ports(
                 raise start_refusals.port_held(name, port, in_use[port])
             if not port_is_free(port, spec.host):
                 raise FailedPrecondition(f"spec.{name} {port} is already in use on {spec.host}")
-            allocator.reserve(port)
+            if not allocator.reserve(port):
+                raise FailedPrecondition(
+                    f"spec.{name} {port} is reserved by another node manager on this host (--port-lock-dir)"
+                )
         else:
             try:
                 port = allocator.allocate()

@@ -72,6 +72,7 @@ from motor.service.config import describe_validation_error
 logger = logging.getLogger(__name__)
 
 SIM_STEP_S = 0.05
+OBSERVATIONS_PER_YIELD = 2048  # histogram observations between two yields of the event loop
 HELD = web.RequestKey(
     "held", HeldRequest
 )  # the client request's place in the admission (admission.py)  # one simulated scheduler step of a prefill
@@ -125,7 +126,7 @@ class _SimSampler(UtilizationSampler):
         self.engine = engine
 
     async def sample(self) -> float:
-        return 0.0 if self.engine.sleeping else self.engine.faults.utilization
+        return 0.0 if self.engine.sleeping else max(self.engine.faults.utilization, self.engine.load_utilization())
 
 
 class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=SimArgs):
@@ -177,7 +178,9 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
                 *self.loras.routes(),
             ]
         )
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # handler_cancellation: a client that leaves (its timeout, a router retrying elsewhere)
+        # takes its request out of the engine, its seat and the in-flight count, as vLLM aborts it.
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.options.host, self.options.port, reuse_address=True)
         try:
@@ -226,6 +229,12 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
 
     def utilization_sampler(self) -> UtilizationSampler:
         return _SimSampler(self)
+
+    def load_utilization(self) -> float:
+        """What its batch alone reads: the share of its seats taken (max_num_seqs). A saturated
+        engine reads 100 % at the default `utilization: 0`, so probes queued behind its batch are
+        excused while it makes progress; below saturation a probe gets a seat at once."""
+        return 100.0 * self.capacity.running / self.capacity.max_num_seqs
 
     # --- faults ----------------------------------------------------------------------------
     def _die(self, reason: str) -> None:
@@ -352,8 +361,7 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
                 SIM_GENERATION_TOKENS.labels(self.args.model).inc(completion_tokens)
                 # Every token comes at once, after the latency: the first takes it all, the others none.
                 VLLM_TTFT.labels(*vllm).observe(time.monotonic() - arrived)
-                for _ in range(completion_tokens - 1):
-                    VLLM_ITL.labels(*vllm).observe(0.0)
+                await self._observe_inter_token_gaps(completion_tokens - 1)
                 VLLM_SUCCESS.labels(*vllm, "length").inc()
                 VLLM_PROMPT_TOKENS.labels(*vllm).inc(prompt_tokens)
                 VLLM_GENERATION_TOKENS.labels(*vllm).inc(completion_tokens)
@@ -384,6 +392,14 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
             if not probe:
                 self._in_flight -= 1
                 SIM_RUNNING.labels(self.args.model).dec()
+
+    async def _observe_inter_token_gaps(self, count: int) -> None:
+        """Every gap is 0 here; a long answer has many, and the loop is the management plane's too."""
+        series = VLLM_ITL.labels(*self._vllm_labels())
+        for index in range(count):
+            series.observe(0.0)
+            if index % OBSERVATIONS_PER_YIELD == OBSERVATIONS_PER_YIELD - 1:
+                await asyncio.sleep(0)
 
     def _vllm_labels(self) -> tuple[str, str]:
         """vLLM's labels: the served model, and the engine (this data-parallel rank)."""

@@ -4,6 +4,7 @@ events), and vLLM's error bodies."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
@@ -72,6 +73,11 @@ async def json_body(request: web.Request) -> tuple[dict[str, Any], web.Response 
     return body, None
 
 
+# Chunks of a stream written between two yields of the event loop: a write to a fast reader never
+# waits, and the loop is the management plane's too (GetStatus unanswered for seconds is a kill).
+CHUNKS_PER_YIELD = 32
+
+
 async def stream(
     request: web.Request, answer_id: str, model: str, text: str, chat: bool, usage: dict[str, int]
 ) -> web.StreamResponse:
@@ -79,6 +85,8 @@ async def stream(
     await response.prepare(request)
     words = text.split(" ")
     for index, word in enumerate(words):
+        if index and not index % CHUNKS_PER_YIELD:
+            await asyncio.sleep(0)
         piece = word if index == 0 else " " + word
         last = index == len(words) - 1
         if chat:

@@ -19,7 +19,10 @@ from dataclasses import asdict, dataclass
 logger = logging.getLogger(__name__)
 
 # Causes an engine server gives: its exit code says success or failure, the cause says which.
+# config_error is a refusal of the spec itself (its node manager does not launch it again at once);
+# port_taken (exit 2 too) is the moment's: another process holds the management port.
 STOPPED, CONFIG_ERROR, START_FAILED, ENGINE_DIED = "stopped", "config_error", "start_failed", "engine_died"
+PORT_TAKEN = "port_taken"
 # A message longer than this is cut (a node manager keeps it in every engine report).
 MAX_MESSAGE_CHARS = 2000
 

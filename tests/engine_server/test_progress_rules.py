@@ -72,6 +72,47 @@ async def test_a_hang_at_high_utilization_without_traffic_is_probed_at_probe_int
     assert prober.interval == SEED.probe_interval
 
 
+class ServesUntil:
+    """A probe answered at once until `hang_at` (virtual seconds), then never (a hung engine core)."""
+
+    def __init__(self, clock: VirtualClock, hang_at: float, timeout: float):
+        self.clock, self.hang_at, self.timeout = clock, hang_at, timeout
+
+    async def probe(self) -> None:
+        if self.clock.monotonic() < self.hang_at:
+            return
+        await self.clock.sleep(self.timeout)
+        raise ProbeFailed(f"timed out after {self.timeout:g}s")
+
+
+async def test_an_engine_busy_in_its_first_round_then_hung_idle_is_abnormal_within_20s():
+    """Issue 61 #11: the first round sees client tokens at 90 % and picks the busy interval (20 s);
+    then the traffic ends and the engine hangs. The busy interval lasts only while progress goes on:
+    with the seed's settings it is ABNORMAL within 20 s of the hang, not after 20 s + 3 x 5 s."""
+    import asyncio
+
+    clock, progress = VirtualClock(), Progress()
+    prober, machine = seed_prober(clock, 90, progress)
+    hang_at = clock.monotonic() + SEED.utilization_window  # just after the first round
+    prober.client = ServesUntil(clock, hang_at, SEED.probe_timeout)
+
+    async def client_traffic() -> None:
+        while clock.monotonic() < hang_at:
+            progress.count += 1
+            await clock.sleep(0.25)
+
+    tasks = [asyncio.create_task(client_traffic()), asyncio.create_task(prober.run())]
+    try:
+        await clock.run_until(lambda: prober.last is not None, limit=10)
+        assert prober.interval == SEED.busy_probe_interval  # the first round read busy, rightly
+        await clock.run_until(lambda: machine.state is Health.ABNORMAL, limit=120)
+    finally:
+        for task in tasks:
+            task.cancel()
+    took = clock.monotonic() - hang_at
+    assert took <= 20, f"ABNORMAL {took:.1f}s after the hang"
+
+
 @pytest.mark.parametrize(
     "peak, progressed, before, after",
     [

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -257,6 +258,9 @@ class FakeNode:
             host="127.0.0.1",
             accelerators=[0, 1],
             port_range="47000-47099",
+            # Its own: fake engines bind nothing, and tests that never close their managers
+            # would otherwise hold the shared range's ports for the whole run.
+            port_lock_dir=os.path.join(state_dir, "port-locks"),
             heartbeat_interval=0.5,
             status_timeout=0.5,
             abnormal_threshold=3,

@@ -1,0 +1,38 @@
+"""Node managers sharing a host never hand out the same port (issue 61 #2): a port found free is
+not yet taken (vLLM binds its inference port only after loading its model), so each port handed
+out is held host-wide, a lock file per port under --port-lock-dir, until its engine ends."""
+
+from __future__ import annotations
+
+import pytest
+
+from motor.errors import FailedPrecondition
+from node_manager import specs
+from tests.node_manager.fakes import FakeNode, sim_spec
+
+
+async def nodes(tmp_path, count: int, port_range: str) -> list[FakeNode]:
+    made = []
+    for index in range(count):
+        node = FakeNode(str(tmp_path / f"n{index}"), node_id=f"node-{index}", port_range=port_range,
+                        port_lock_dir=str(tmp_path / "ports"))  # fmt: skip
+        await node.manager.start()
+        made.append(node)
+    return made
+
+
+async def test_two_node_managers_of_one_host_with_one_range_hand_out_different_ports(tmp_path):
+    # The fake engines bind nothing, as a vLLM engine loading its model: every port looks free.
+    a, b = await nodes(tmp_path, 2, "47200-47203")
+    first = await a.manager.start_engine(sim_spec("prefill-0", accelerator_ids=[0]))
+    second = await b.manager.start_engine(sim_spec("decode-0", accelerator_ids=[0]))
+    assert not set(specs.ports_of(first.spec)) & set(specs.ports_of(second.spec))
+    with pytest.raises(FailedPrecondition, match="no free port left in 47200-47203"):
+        await b.manager.start_engine(sim_spec("decode-1", accelerator_ids=[1]))
+    given = sim_spec("decode-2", accelerator_ids=[1], port=first.spec.port)
+    with pytest.raises(FailedPrecondition, match=f"spec.port {first.spec.port} is reserved by another node manager"):
+        await b.manager.start_engine(given)
+    # A node manager that ends (its process: here its close) gives its ports back to the host.
+    await a.manager.close()
+    third = await b.manager.start_engine(sim_spec("decode-3", accelerator_ids=[1]))
+    assert set(specs.ports_of(third.spec)) == set(specs.ports_of(first.spec))
