@@ -102,7 +102,9 @@ async def serve(args: argparse.Namespace) -> None:
     sync = RouterSync(admin, announce, pd=args.pd, by_model=args.by_model, relist_interval=args.relist_interval)
     tls = TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca) if args.tls_ca else None
     controllers = [a.strip() for a in args.controller.split(",") if a.strip()]
-    publisher = TablePublisher(args.front_door_table, announce) if args.front_door_table else None
+    publisher = (
+        TablePublisher(args.front_door_table, announce, unavailable=sync.unavailable) if args.front_door_table else None
+    )
     tasks = [
         asyncio.create_task(sync.run()),
         asyncio.create_task(

@@ -70,6 +70,9 @@ class RouterSync:
         self.believed: set[str] | None = None  # None: to be re-read from the router
         self.known: set[str] = set()  # the router's list as last read and changed (kept while re-read)
         self._served: dict[str, str | None] | None = None
+        # Every model name Motor serves, engine or not (WatchEndpoints' models_added/removed): one
+        # with no worker in the router is `unavailable` (503 at the door, to retry; not 404).
+        self.deployed: set[str] = set()
         self.refused: dict[str, str] = {}  # url -> the router's answer, until the next re-list
         self.have_snapshot = False  # before Motor's first list the router's list is left alone
         self.router_down = RepeatedFailure(backoff_base, backoff_cap)
@@ -92,8 +95,11 @@ class RouterSync:
         is re-read); a change removes and adds."""
         if message.snapshot:
             self.wanted, self.workers_of, self.parents = {}, {}, {}
+            self.deployed = set()
             self.believed = None
             self.have_snapshot = True
+        self.deployed.difference_update(message.models_removed)
+        self.deployed.update(message.models_added)
         for gone in message.removed:
             for url in self.workers_of.pop(gone.url, [gone.url]):
                 self.wanted.pop(url, None)
@@ -121,6 +127,12 @@ class RouterSync:
                 if model is not None and url in self.known and self.filed.get(url, (kind, model)) == (kind, model)
             }
         return self._served
+
+    def unavailable(self) -> list[str]:
+        """The models Motor serves that no worker of the router serves now (an engine stalled,
+        restarting): sorted. A controller that does not say what it serves names none."""
+        served = self.served()
+        return sorted(name for name in self.deployed if name not in served)
 
     def knows_served(self) -> bool:
         """Whether served() is known: after Motor's first list and a pass over the router."""
