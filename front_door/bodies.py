@@ -1,4 +1,5 @@
-"""A request body's Content-Encoding undone, within a size limit that holds while it unpacks.
+"""A request body's Content-Encoding (and any transfer coding under `chunked`) undone, within a
+size limit that holds while it unpacks.
 
 A few kB of gzip can unpack to gigabytes: the body is unpacked a step at a time and refused the
 moment it passes the limit, so the door never holds more than the limit (and one step) of it. The
@@ -77,11 +78,34 @@ class BodyReader:
                 return value.decode("latin-1").strip().lower()
         return ""
 
+    @staticmethod
+    def transfer_codings(request: Request) -> list[str]:
+        """The codings under `chunked` (`Transfer-Encoding: gzip, chunked`), last applied first.
+        The router is sent a length, so they are undone here like a Content-Encoding."""
+        codings = [
+            coding.strip().lower()
+            for name, value in request.headers
+            if name.lower() == b"transfer-encoding"
+            for coding in value.decode("latin-1").split(",")
+        ]
+        return [coding for coding in reversed(codings) if coding not in ("chunked", "")]
+
     def heavy(self, request: Request) -> bool:
-        return len(request.body) > INLINE_BODY or bool(request.body and self.encoding(request))
+        coded = self.encoding(request) or self.transfer_codings(request)
+        return len(request.body) > INLINE_BODY or bool(request.body and coded)
 
     def prepare(self, request: Request, limit: int) -> Answer | None:
         """None when the request may go on to the door's rules; else the answer it gets."""
+        for coding in self.transfer_codings(request) if request.body else ():
+            try:
+                body = decoded(request.body, coding, limit)
+            except TooLarge:
+                return Answer(error_answer(413, TOO_LARGE), 413)
+            except Exception:  # noqa: BLE001 - zlib's own errors
+                return Answer(error_answer(400, f"the body is not valid {coding} (Transfer-Encoding)"), 400)
+            if body is None:  # RFC 9112 6.1: a transfer coding not understood is 501
+                return Answer(error_answer(501, f"Transfer-Encoding {coding} is not implemented"), 501)
+            request.body = body
         encoding = self.encoding(request)
         if encoding and request.body:
             try:

@@ -41,9 +41,14 @@ class PushedTable:
         self.clock = clock
         self.table: dict[str, str | None] | None = None  # None: no push yet
         self.pushed_at: float | None = None
+        self.not_now: frozenset[str] = frozenset()  # Motor's models with no engine serving now
 
     def served(self) -> dict[str, str | None]:
         return self.table or {}
+
+    def unavailable(self) -> frozenset[str]:
+        """Models Motor serves that cannot be served right now (503 with Retry-After, not 404)."""
+        return self.not_now
 
     def known(self) -> bool:
         return self.table is not None
@@ -53,12 +58,22 @@ class PushedTable:
         return -1.0 if self.pushed_at is None else self.clock() - self.pushed_at
 
     def take(self, body: object) -> str | None:
-        """A pushed body `{"served": {model: parent or null}}`; the reason it is refused, or None."""
+        """A pushed body `{"served": {model: parent or null}, "unavailable": [model, ...]}` (the
+        list optional); the reason it is refused, or None."""
         served = body.get("served") if isinstance(body, dict) else None
-        if not isinstance(served, dict) or not all(
-            isinstance(name, str) and (parent is None or isinstance(parent, str)) for name, parent in served.items()
+        not_now = body.get("unavailable", []) if isinstance(body, dict) else None
+        if (
+            not isinstance(served, dict)
+            or not all(
+                isinstance(name, str) and (parent is None or isinstance(parent, str)) for name, parent in served.items()
+            )
+            or not isinstance(not_now, list)
+            or not all(isinstance(name, str) for name in not_now)
         ):
-            return 'give {"served": {"<model>": null or "<parent model>", ...}}'
+            return 'give {"served": {"<model>": null or "<parent model>", ...}, "unavailable": ["<model>", ...]}'
+        if set(not_now) != self.not_now:
+            logger.info("served by Motor but no engine now: %s", ", ".join(sorted(not_now)) or "none")
+        self.not_now = frozenset(not_now)
         if self.table is None:
             logger.info("first table from motor-router-sync: %s", ", ".join(sorted(served)) or "no model")
         elif served != self.table:
@@ -78,7 +93,8 @@ class PushedTable:
             return web.Response(status=204)
 
         async def get(request: web.Request) -> web.Response:
-            return web.json_response({"served": self.table, "age_seconds": self.age()})
+            body = {"served": self.table, "unavailable": sorted(self.not_now), "age_seconds": self.age()}
+            return web.json_response(body)
 
         app = web.Application()
         app.router.add_put("/served", put)
@@ -144,7 +160,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 async def serve(args: argparse.Namespace) -> None:
     stop = stop_event()
     table = PushedTable()
-    door = FrontDoor(args.router, table.served, table.known, max_body=args.max_body)
+    door = FrontDoor(args.router, table.served, table.known, max_body=args.max_body, unavailable=table.unavailable)
     door.relay.first_byte_timeout = args.first_byte_timeout
     Gauge(
         "motor_front_door_table_age_seconds",

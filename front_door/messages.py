@@ -91,14 +91,17 @@ def forwarded(request: Request, host: bytes, body: bytes) -> bytes:
     return b"\r\n".join(lines) + b"\r\n\r\n" + body
 
 
-def response(status: int, body: bytes = b"", content_type: str = "application/json", head: bool = False) -> bytes:
-    """A whole HTTP/1.1 answer of the relay's own."""
+def response(
+    status: int, body: bytes = b"", content_type: str = "application/json", head: bool = False, extra: str = ""
+) -> bytes:
+    """A whole HTTP/1.1 answer of the relay's own (`extra`: more header lines, each ending CRLF)."""
     try:
         reason = HTTPStatus(status).phrase
     except ValueError:
         reason = ""
     return (
-        f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+        f"{extra}\r\n".encode()
         + (b"" if head else body)
     )
 

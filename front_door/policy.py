@@ -8,7 +8,8 @@ its own process on the published port (front_door/cli.py) and knows what the rou
 moment Motor withdraws its last engine, pushed to the door by the sync). It answers:
 
 - `GET /v1/models`: OpenAI's list of every served model and loaded adapter (`parent`: its model);
-- a request naming a model that is not served: vLLM's 404 naming the models that are;
+- a request naming a model that is not served: vLLM's 404 naming the models that are; but 503
+  with Retry-After for a model Motor serves whose engines are all out right now (`unavailable`);
 - any request naming a model (or none), and the model list, before the sync knows what is served
   (just started or restarted: no list from Motor, or no read of the router, yet): 503, to retry;
 - a request without `model`: served by the one model when exactly one is served, else a 400
@@ -27,7 +28,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -85,9 +86,11 @@ MAX_BODY = 256 * 1024 * 1024  # the router's own default --max-payload-size
 
 
 def openai_error(status: int, message: str, kind: str, param: str | None = "model") -> Answer:
-    """vLLM's error body (entrypoints/openai/protocol.py ErrorResponse)."""
+    """vLLM's error body (entrypoints/openai/protocol.py ErrorResponse). A 503 of the door's own
+    says when to retry: OpenAI's clients retry a 503 after Retry-After (else their own backoff)."""
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return Answer(response(status, json.dumps(body).encode()), status)
+    extra = "Retry-After: 1\r\n" if status == 503 else ""
+    return Answer(response(status, json.dumps(body).encode(), extra=extra), status)
 
 
 class FrontMetrics:
@@ -134,9 +137,12 @@ class FrontDoor:
         served: Callable[[], dict[str, str | None]],
         ready: Callable[[], bool] = lambda: True,
         max_body: int = MAX_BODY,
+        unavailable: Callable[[], Collection[str]] = frozenset,
     ):
         self.router_url = router_url.rstrip("/")
         self.served = served  # model -> parent model (None: a deployment's model)
+        # Models Motor serves whose engines are all out right now: 503 to retry, not 404.
+        self.unavailable = unavailable
         # Whether `served` is known yet: a sync just (re)started has heard nothing from Motor or
         # the router, and every model would look unserved (a false 404 to requests it can route).
         self.ready = ready
@@ -238,6 +244,17 @@ class FrontDoor:
             )
         if not isinstance(model, str):
             return openai_error(400, "`model` must be a string.", "BadRequestError"), None, "?"
+        if model not in served and model in self.unavailable():
+            return (
+                openai_error(
+                    503,
+                    f"The model `{model}` is served here but no engine of it can take requests right now "
+                    "(one is being restarted or recovering). Retry shortly.",
+                    "ServiceUnavailableError",
+                ),
+                None,
+                model,
+            )
         if model not in served:
             names = ", ".join(sorted(served)) or "none"
             return (

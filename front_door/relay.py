@@ -137,7 +137,7 @@ class ClientConnection(asyncio.Protocol):
         self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.resuming:
+        if self.resuming or not self.in_head:  # a chunked body's trailers: dropped (the door sends a length)
             return
         self.headers.append((name, value))
         self._count_head(len(name) + len(value))
@@ -391,7 +391,7 @@ class Relay:
     """The listening side: `read` reads a request's body off the loop where it is large (an answer
     of its own when it cannot), `decide` gives a request's own answer or passes it on; `began`,
     `answered` (the router's answer began) and `ended` are told of each request passed on;
-    `refused`, of each the relay answered itself as unreadable (400, 413, 415, 431)."""
+    `refused`, of each the relay answered itself as unreadable (400, 413, 415, 431, 501)."""
 
     pool: RouterPool
     decide: Callable[[Request], Answer | Forward]

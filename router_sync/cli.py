@@ -1,7 +1,8 @@
 """motor-router-sync: keeps one router's workers equal to the engines Motor lists (docs/router.md).
 
 motor-router-sync --controller 127.0.0.1:50051 --router http://127.0.0.1:8081 [--by-model] [--pd]
-                  [--front-door-table http://127.0.0.1:8079] [--relist-interval 5] [--report-interval 2]
+                  [--front-door-table http://127.0.0.1:8079] [--relist-interval 5] [--watch-interval 0.5]
+                  [--report-interval 2]
                   [--tls-ca CA --tls-cert C --tls-key K]
 """
 
@@ -55,6 +56,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="seconds between re-reads of the router's whole worker list (default 5)",
     )
     parser.add_argument(
+        "--watch-interval",
+        type=float,
+        default=0.5,
+        help="seconds between checks that the router still holds its workers (a restarted router is "
+        "empty and is given its whole list at once; a router back after failing is re-synced at once) "
+        "(default 0.5)",
+    )
+    parser.add_argument(
         "--report-interval",
         type=float,
         default=2.0,
@@ -76,6 +85,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--tls-cert and --tls-key go together, and need --tls-ca")
     if args.relist_interval <= 0:
         parser.error("--relist-interval must be above 0")
+    if args.watch_interval <= 0:
+        parser.error("--watch-interval must be above 0")
     if args.report_interval <= 0:
         parser.error("--report-interval must be above 0")
     if args.front_door:
@@ -99,10 +110,19 @@ def announce(text: str) -> None:
 async def serve(args: argparse.Namespace) -> None:
     stop = stop_event()
     admin = RouterAdmin(args.router)
-    sync = RouterSync(admin, announce, pd=args.pd, by_model=args.by_model, relist_interval=args.relist_interval)
+    sync = RouterSync(
+        admin,
+        announce,
+        pd=args.pd,
+        by_model=args.by_model,
+        relist_interval=args.relist_interval,
+        watch_interval=args.watch_interval,
+    )
     tls = TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca) if args.tls_ca else None
     controllers = [a.strip() for a in args.controller.split(",") if a.strip()]
-    publisher = TablePublisher(args.front_door_table, announce) if args.front_door_table else None
+    publisher = (
+        TablePublisher(args.front_door_table, announce, unavailable=sync.unavailable) if args.front_door_table else None
+    )
     tasks = [
         asyncio.create_task(sync.run()),
         asyncio.create_task(

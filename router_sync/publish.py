@@ -1,5 +1,6 @@
 """Telling the front door's process (front_door/cli.py) what the router can route: `PUT /served`
-with the sync's table, model -> parent model.
+with the sync's table, model -> parent model, and the models Motor serves that no engine can
+serve right now (`unavailable`: answered 503 with Retry-After, not 404).
 
 The sync pushes at the start of every pass over the router and at its end (RouterSync's
 `publish` hook): a model Motor withdrew leaves the front door's table before the router loses its
@@ -23,23 +24,38 @@ logger = logging.getLogger(__name__)
 
 
 class TablePublisher:
-    def __init__(self, url: str, announce: Callable[[str], None], interval: float = 1.0, timeout: float = 1.0):
+    def __init__(
+        self,
+        url: str,
+        announce: Callable[[str], None],
+        interval: float = 1.0,
+        timeout: float = 1.0,
+        unavailable: Callable[[], list[str]] | None = None,
+    ):
         self.url = url.rstrip("/") + "/served"
+        # The models Motor serves that cannot be served now (RouterSync.unavailable), pushed with
+        # the table: the door answers them 503 with Retry-After, not 404.
+        self.unavailable = unavailable
         self.announce, self.interval = announce, interval
         self.client = httpx.AsyncClient(timeout=timeout)
         self._lock = asyncio.Lock()
         self._failing: str | None = None
-        self._last: dict[str, str | None] | None = None  # the table the front door last took
+        self._last: dict | None = None  # the body the front door last took
 
     async def push(self, current: Callable[[], dict[str, str | None] | None], again: bool = False) -> None:
         """Push the table `current()` gives when its turn comes (None: not known yet, nothing
         pushed); one equal to the last pushed only when `again` (the periodic push)."""
         async with self._lock:
             served = current()
-            if served is None or (served == self._last and not again):
+            if served is None:
+                return
+            body: dict = {"served": served}
+            if self.unavailable is not None:
+                body["unavailable"] = self.unavailable()
+            if body == self._last and not again:
                 return
             try:
-                reply = await self.client.put(self.url, json={"served": served})
+                reply = await self.client.put(self.url, json=body)
                 reply.raise_for_status()
             except httpx.HTTPError as exc:
                 why = f"{type(exc).__name__}: {exc}"
@@ -53,7 +69,7 @@ class TablePublisher:
             if self._failing is not None:
                 self.announce(f"front door {self.url} takes the table again")
                 self._failing = None
-            self._last = served
+            self._last = body
 
     async def run(self, current: Callable[[], dict[str, str | None] | None]) -> None:
         """Until cancelled: the table again every `interval` (a restarted front door has none)."""

@@ -7,7 +7,9 @@ first: a worker that cannot serve leaves before anything else happens). `believe
 from the router (`GET /list_workers`) on every snapshot (a (re)connect to the controller), after
 the router failed to answer, and every `relist_interval` however often the stream changes (a
 router restarted between two of our calls has an empty list): so workers the router has and
-Motor does not list are removed.
+Motor does not list are removed. Between passes a watch reads the router's list every
+`watch_interval` (0.5 s): a router that holds none of what it held (restarted) or answers again
+after failing gets a pass at once, not at the next re-list or at the end of the backoff.
 
 A router that does not answer: one announcement, retries with a capped backoff, and one
 announcement when it is back, with what the re-sync changed. A worker the router refuses: one
@@ -57,9 +59,10 @@ class RouterSync:
         relist_interval: float = 5.0,
         backoff_base: float = 0.2,
         backoff_cap: float = 5.0,
+        watch_interval: float = 0.5,
     ):
         self.admin, self.announce, self.pd, self.by_model = admin, announce, pd, by_model
-        self.relist_interval = relist_interval
+        self.relist_interval, self.watch_interval = relist_interval, watch_interval
         self.wanted: dict[str, tuple[str | None, str | None]] = {}  # worker URL -> (type, model)
         # Each engine's worker URLs (its own, and one per loaded adapter when filed by model).
         self.workers_of: dict[str, list[str]] = {}
@@ -70,10 +73,15 @@ class RouterSync:
         self.believed: set[str] | None = None  # None: to be re-read from the router
         self.known: set[str] = set()  # the router's list as last read and changed (kept while re-read)
         self._served: dict[str, str | None] | None = None
+        # Every model name Motor serves, engine or not (WatchEndpoints' models_added/removed): one
+        # with no worker in the router is `unavailable` (503 at the door, to retry; not 404).
+        self.deployed: set[str] = set()
         self.refused: dict[str, str] = {}  # url -> the router's answer, until the next re-list
         self.have_snapshot = False  # before Motor's first list the router's list is left alone
         self.router_down = RepeatedFailure(backoff_base, backoff_cap)
         self.wake = asyncio.Event()
+        self.answers_again = asyncio.Event()  # the watch saw a router that was down answer: retry now
+        self.passing = False  # a pass is changing the router (its list is half-way meanwhile)
         self.relisted_at = time.monotonic()  # when the router's list was last read in full
         # What the router held at the end of the last pass (None: never read), and a flag set
         # whenever that or the router's health changed: what the controller is told (report.py).
@@ -92,8 +100,11 @@ class RouterSync:
         is re-read); a change removes and adds."""
         if message.snapshot:
             self.wanted, self.workers_of, self.parents = {}, {}, {}
+            self.deployed = set()
             self.believed = None
             self.have_snapshot = True
+        self.deployed.difference_update(message.models_removed)
+        self.deployed.update(message.models_added)
         for gone in message.removed:
             for url in self.workers_of.pop(gone.url, [gone.url]):
                 self.wanted.pop(url, None)
@@ -122,6 +133,12 @@ class RouterSync:
             }
         return self._served
 
+    def unavailable(self) -> list[str]:
+        """The models Motor serves that no worker of the router serves now (an engine stalled,
+        restarting): sorted. A controller that does not say what it serves names none."""
+        served = self.served()
+        return sorted(name for name in self.deployed if name not in served)
+
     def knows_served(self) -> bool:
         """Whether served() is known: after Motor's first list and a pass over the router."""
         return self.held is not None
@@ -129,7 +146,38 @@ class RouterSync:
     # Keeping the router -----------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Passes until cancelled: at once after each change, and a full re-list every relist_interval."""
+        """Passes until cancelled: at once after each change, and a full re-list every
+        relist_interval (and at once when the watch finds the router restarted)."""
+        watching = asyncio.create_task(self.watch(), name="router watch")
+        try:
+            await self._passes()
+        finally:
+            watching.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
+
+    async def watch(self) -> None:
+        """Every watch_interval, the router's list: a router restarted between two passes is
+        empty while the front door sends it requests, so it must not wait for the re-list (nor
+        for a backoff grown while it was down). One that holds none of what it held, or answers
+        again after failing, gets a pass with a fresh read of its list at once."""
+        while True:
+            await asyncio.sleep(self.watch_interval)
+            if self.passing or self.held is None:
+                continue
+            try:
+                listed = await self.admin.workers()
+            except RouterDown:
+                if not self.router_down.count and self.believed is not None:
+                    self.believed = None  # down between passes: the next pass says so and backs off
+                    self.wake.set()
+                continue
+            if self.router_down.count:
+                self.answers_again.set()
+            elif not self.passing and self.held & self.wanted.keys() and not self.held & listed:
+                self.believed = None  # restarted: the pass re-reads it, says so and refills it
+                self.wake.set()
+
+    async def _passes(self) -> None:
         while True:
             self.wake.clear()
             try:
@@ -143,7 +191,11 @@ class RouterSync:
                         f"the whole worker list is re-synced when it answers"
                         + (f" (failure {self.router_down.count})" if self.router_down.count > 1 else "")
                     )
-                await asyncio.sleep(self.router_down.delay())
+                self.answers_again.clear()
+                try:  # the backoff, cut short when the watch sees the router answer again
+                    await asyncio.wait_for(self.answers_again.wait(), self.router_down.delay())
+                except TimeoutError:
+                    pass
                 continue
             # The re-list is a period, not a quiet spell: a stream that changes more often than
             # relist_interval (a flapping engine) must not keep a restarted router's list unread.
@@ -160,6 +212,13 @@ class RouterSync:
     async def reconcile(self) -> None:
         if not self.have_snapshot:
             return
+        self.passing = True
+        try:
+            await self._reconcile()
+        finally:
+            self.passing = False
+
+    async def _reconcile(self) -> None:
         relisted = self.believed is None
         if relisted:
             self.believed = self.known = await self.admin.workers()

@@ -283,6 +283,7 @@ class DeploymentChanges:
         st, budget = self.state, Budget()
         name = plan.name
         self.home.set_deployment(name, plan.deployment, plan.revision)
+        self.endpoints.changed(())  # the models Motor serves may have changed (deployed_models)
 
         # Each slice's writes (paired ids, FAILED retries) go out together when the slice ends.
         def remove(item: tuple[str, str]) -> None:

@@ -154,6 +154,13 @@ class Deployments:
         """The deployment's LoRA adapters, name -> path (empty when it has none)."""
         return self._adapters.get(name, {})
 
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a deployment serves (its model, its adapters), sorted: what Motor serves,
+        whether an engine of it serves now or not."""
+        names = {model for models in self._served_models.values() for model in models}
+        names.update(adapter for adapters in self._adapters.values() for adapter in adapters)
+        return tuple(sorted(names))
+
     def any_adapters(self) -> bool:
         return bool(self._adapters)
 

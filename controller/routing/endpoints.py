@@ -113,6 +113,9 @@ class EndpointFeed:
         # Engine ids to re-read, in order; an id no longer in `_queued` was re-read meanwhile.
         self._queue: collections.deque[str] = collections.deque()
         self._queued: set[str] = set()
+        # Every model name a deployment serves, as last sent (models_added/removed): a model here
+        # with no endpoint is Motor's but not servable now (a front door answers 503, not 404).
+        self.deployed: tuple[str, ...] = ()
 
     def changed(self, engine_ids: Iterable[str] | None = None) -> None:
         """Something that decides whether `engine_ids` (None: any engine) can serve may have
@@ -182,19 +185,37 @@ class EndpointFeed:
                     self.current[key] = new
             if budget is not None and budget.spent():
                 break
-        if added or removed:
+        deployed = self.state.deployments.model_names()
+        models_added = sorted(set(deployed) - set(self.deployed))
+        models_removed = sorted(set(self.deployed) - set(deployed))
+        if models_added or models_removed:
+            logger.info("models served: added %s, removed %s", models_added or "none", models_removed or "none")
+            self.deployed = deployed
+        if added or removed or models_added or models_removed:
             added.sort()  # by engine id, the first of each tuple
             removed.sort()
-            logger.info(
-                "endpoints: added %s, removed %s", [e[0] for e in added] or "none", [e[0] for e in removed] or "none"
+            if added or removed:
+                logger.info(
+                    "endpoints: added %s, removed %s",
+                    [e[0] for e in added] or "none",
+                    [e[0] for e in removed] or "none",
+                )
+            self.subscribers.publish(
+                C.WatchEndpointsResponse(
+                    added=map(message, added),
+                    removed=map(message, removed),
+                    models_added=models_added,
+                    models_removed=models_removed,
+                )
             )
-            self.subscribers.publish(C.WatchEndpointsResponse(added=map(message, added), removed=map(message, removed)))
 
     def subscribe(self) -> Subscription[C.WatchEndpointsResponse]:
         """A stream starting with the snapshot (every listed endpoint), then every change."""
         self.refresh()
         listed = [message(self.current[k]) for k in sorted(self.current)]
-        return self.subscribers.subscribe([C.WatchEndpointsResponse(added=listed, snapshot=True)])
+        return self.subscribers.subscribe(
+            [C.WatchEndpointsResponse(added=listed, snapshot=True, models_added=self.deployed)]
+        )
 
 
 def of_role(message: C.WatchEndpointsResponse, role: int, model: str = "") -> C.WatchEndpointsResponse | None:
@@ -208,6 +229,14 @@ def of_role(message: C.WatchEndpointsResponse, role: int, model: str = "") -> C.
 
     added = [e for e in message.added if wanted(e)]
     removed = [e for e in message.removed if wanted(e)]
-    if not (added or removed or message.snapshot):
+    models_added = [name for name in message.models_added if not model or name == model]
+    models_removed = [name for name in message.models_removed if not model or name == model]
+    if not (added or removed or message.snapshot or models_added or models_removed):
         return None
-    return C.WatchEndpointsResponse(added=added, removed=removed, snapshot=message.snapshot)
+    return C.WatchEndpointsResponse(
+        added=added,
+        removed=removed,
+        snapshot=message.snapshot,
+        models_added=models_added,
+        models_removed=models_removed,
+    )

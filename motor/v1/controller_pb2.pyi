@@ -1826,6 +1826,8 @@ class WatchEndpointsResponse(_message.Message):
     ADDED_FIELD_NUMBER: _builtins.int
     REMOVED_FIELD_NUMBER: _builtins.int
     SNAPSHOT_FIELD_NUMBER: _builtins.int
+    MODELS_ADDED_FIELD_NUMBER: _builtins.int
+    MODELS_REMOVED_FIELD_NUMBER: _builtins.int
     snapshot: _builtins.bool
     """True for the first message, which lists every endpoint."""
     @_builtins.property
@@ -1836,16 +1838,30 @@ class WatchEndpointsResponse(_message.Message):
     def removed(self) -> _containers.RepeatedCompositeFieldContainer[Global___Endpoint]:
         """Endpoints that can no longer serve (failed, draining, sleeping, stopped, moved)."""
 
+    @_builtins.property
+    def models_added(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Model names Motor began serving (a deployment's model or one of its adapters: applied, or
+        renamed), whether an engine serves them now or not; in the snapshot, every one. A name
+        Motor serves with no endpoint cannot be served right now (a front door answers it 503, to
+        retry, not 404).
+        """
+
+    @_builtins.property
+    def models_removed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Model names Motor serves no more (their deployment deleted, or changed to another name)."""
+
     def __init__(
         self,
         *,
         added: _abc.Iterable[Global___Endpoint] | None = ...,
         removed: _abc.Iterable[Global___Endpoint] | None = ...,
         snapshot: _builtins.bool = ...,
+        models_added: _abc.Iterable[_builtins.str] | None = ...,
+        models_removed: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["added", b"added", "removed", b"removed", "snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["added", b"added", "models_added", b"models_added", "models_removed", b"models_removed", "removed", b"removed", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,8 +25,8 @@ class DoorProcess:
             self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
         wait_for(lambda: self.push(served or {"m": None}), timeout=20, what="the front door's table port")
 
-    def push(self, served: dict) -> bool:
-        body = {"served": served}
+    def push(self, served: dict, unavailable: list[str] | None = None) -> bool:
+        body = {"served": served} if unavailable is None else {"served": served, "unavailable": unavailable}
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.table_port}/served", data=json.dumps(body).encode(), method="PUT"
         )
