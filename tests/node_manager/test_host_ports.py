@@ -8,7 +8,7 @@ import pytest
 
 from motor.errors import FailedPrecondition
 from node_manager import specs
-from tests.node_manager.fakes import FakeNode, sim_spec
+from tests.support.node_manager_fakes import FakeNode, sim_spec
 
 
 async def nodes(tmp_path, count: int, port_range: str) -> list[FakeNode]:

@@ -14,7 +14,7 @@ from motor.contract.termination import CONFIG_ERROR, PORT_TAKEN, START_FAILED, T
 from motor.errors import InvalidArgument
 from motor.v1 import node_manager_pb2, types_pb2
 from node_manager.spec_refusals import REMEMBER_S, SpecRefusals
-from tests.node_manager.conftest import sim_config, spec
+from tests.support.node_manager_harness import sim_config, spec
 
 FAILED, RUNNING = types_pb2.ENGINE_STATE_FAILED, types_pb2.ENGINE_STATE_RUNNING
 BAD = json.dumps({"motor_engine_prefill_config": {"engine_type": "sim", "engine_args": {"max_num_seqs": 0}}})

@@ -11,7 +11,7 @@ import pytest
 
 from motor.v1 import controller_pb2
 from tests.support import wait_for
-from tests.vllm.conftest import vllm_cluster, vllm_config
+from tests.support.vllm_engines import vllm_cluster, vllm_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
