@@ -13,6 +13,8 @@ from aiohttp import web
 from tests.support import serve_app
 from tests.support.door_process import DoorProcess, door_log
 
+pytestmark = pytest.mark.processes  # the front door in its own process
+
 
 @pytest.fixture
 async def router():
