@@ -157,6 +157,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def listen_on(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port now: asyncio's server listens only when it starts accepting,
+    and a client connecting before that (the table not known yet) would be refused, not queued."""
+    family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    return socket.create_server((host, port), family=family, backlog=1024)
+
+
 async def serve(args: argparse.Namespace) -> None:
     stop = stop_event()
     table = PushedTable()
@@ -170,8 +177,8 @@ async def serve(args: argparse.Namespace) -> None:
     # Listening at once (before the table port: a table taken means clients' port is open),
     # accepting once the table is known (the sync pushes every second): a door started again
     # answers its first clients from the table, not with 503 "starting".
-    held = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else None
-    await door.start(*args.listen, sock=held, accept=False)
+    listening = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else listen_on(*args.listen)
+    await door.start(*args.listen, sock=listening, accept=False)
     table_runner = web.AppRunner(table.app(), access_log=None)
     await table_runner.setup()
     await web.TCPSite(table_runner, *args.table).start()
