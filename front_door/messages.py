@@ -106,6 +106,25 @@ def response(
     )
 
 
-def error_answer(status: int, message: str) -> bytes:
-    """The relay's own answer to a request it cannot read or pass on."""
-    return response(status, json.dumps({"error": message}).encode())
+# vLLM's names for the error types of the statuses the door answers itself (its ErrorResponse).
+ERROR_TYPES = {
+    400: "BadRequestError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    413: "BadRequestError",
+    415: "BadRequestError",
+    431: "BadRequestError",
+    501: "NotImplementedError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+
+def error_answer(status: int, message: str, kind: str | None = None, param: str | None = None) -> bytes:
+    """An answer of the door's own in the error shape OpenAI's clients read (vLLM's ErrorResponse),
+    whatever refused the request. A 503 says when to retry: OpenAI's clients retry a 503 after
+    Retry-After (else after their own backoff)."""
+    error = {"message": message, "type": kind or ERROR_TYPES.get(status, "APIError"), "param": param, "code": status}
+    extra = "Retry-After: 1\r\n" if status == 503 else ""
+    return response(status, json.dumps({"error": error}).encode(), extra=extra)

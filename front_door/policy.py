@@ -32,7 +32,7 @@ from collections.abc import Callable, Collection
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from front_door.messages import Answer, Forward, Passed, Request, response
+from front_door.messages import Answer, Forward, Passed, Request, error_answer, response
 from front_door.model_field import NOT_NAMED, TooComplex, model_field, with_model
 from front_door.relay import Relay
 from front_door.router_pool import RouterPool
@@ -86,11 +86,8 @@ MAX_BODY = 256 * 1024 * 1024  # the router's own default --max-payload-size
 
 
 def openai_error(status: int, message: str, kind: str, param: str | None = "model") -> Answer:
-    """vLLM's error body (entrypoints/openai/protocol.py ErrorResponse). A 503 of the door's own
-    says when to retry: OpenAI's clients retry a 503 after Retry-After (else their own backoff)."""
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    extra = "Retry-After: 1\r\n" if status == 503 else ""
-    return Answer(response(status, json.dumps(body).encode(), extra=extra), status)
+    """An answer of the door's own (front_door/messages.py: error_answer)."""
+    return Answer(error_answer(status, message, kind, param), status)
 
 
 class FrontMetrics:
@@ -197,7 +194,12 @@ class FrontDoor:
                 "PermissionDeniedError",
                 None,
             )
-        if request.model is not None and request.model.is_object:  # not JSON: the engine answers it
+        if request.model is not None and not request.model.is_object:  # the router would answer in plain text
+            self.metrics.count("", 400)
+            return openai_error(
+                400, f"POST {path} takes a JSON object as its body, and this body is not one.", "BadRequestError", None
+            )
+        if request.model is not None:
             answer, changed, request.label = self._refusal(request.model.value, request.body)
             if answer is not None:
                 self.metrics.count(request.label, answer.status)
