@@ -38,8 +38,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
 from controller.capacity.spares import Spares
 from controller.deploy.rollout import DeploymentWrites, Rollouts
 from controller.deploy.rollout_plan import index_of
@@ -49,7 +47,6 @@ from controller.model.deployments import Deployments
 from controller.model.instances import READY, InstanceRecord
 from controller.store.base import StoreUnavailable
 from motor.errors import FailedPrecondition
-from motor.service.scraped import ScrapedCollector
 from motor.v1 import controller_pb2, types_pb2
 
 logger = logging.getLogger(__name__)
@@ -403,43 +400,3 @@ class Autoscaler:
                 reason = scaler.after(f"gathering {WINDOW_S:.0f} s of load since the hold ended")
             out.append(C.GroupScale(group=group.name, desired=group.count, current=current, reason=reason))
         return out
-
-
-class AutoscaleCollector(ScrapedCollector):
-    """The autoscaler's series, read at scrape time (registered on the controller's registry)."""
-
-    def __init__(self, scaler: Autoscaler):
-        self.scaler = scaler
-
-    def collect(self):
-        desired = GaugeMetricFamily(
-            "motor_controller_autoscale_desired_instances",
-            "Serving instances an autoscaled group is set to (its deployment's count).",
-            labels=["deployment", "group"],
-        )
-        load = GaugeMetricFamily(
-            "motor_controller_autoscale_in_flight_per_engine",
-            "Requests in flight per serving engine of an autoscaled group over the last window (the signal "
-            "compared with target_in_flight).",
-            labels=["deployment", "group"],
-        )
-        decisions = CounterMetricFamily(
-            "motor_controller_autoscale_decisions",
-            "Count changes an autoscaled group's autoscaler made, by direction. Many of both directions in an "
-            "hour: the target or the delay does not suit the load.",
-            labels=["deployment", "group", "direction"],
-        )
-        deployments = self.scaler.deployments.by_name
-        for (name, group), scaler in sorted(self.scaler.scalers.items()):
-            count = (
-                next((g.count for g in deployments[name][0].instance_groups if g.name == group), 0)
-                if name in deployments
-                else 0
-            )
-            desired.add_metric([name, group], count)
-            load.add_metric([name, group], scaler.per_engine)
-        for (name, group, direction), n in sorted(self.scaler.decisions.items()):
-            decisions.add_metric([name, group, direction], n)
-        yield desired
-        yield load
-        yield decisions
