@@ -26,7 +26,9 @@ sample does not). A decision:
 GroupScaler is the plain decision of one group, on a clock it is given (tests feed it series).
 Autoscaler runs them on the leader, where the rollouts run, and acts through the deployment's own
 apply: the decided count is the stored deployment's `count`, so a restart or a failover reads it
-back and continues from it without a jump.
+back and continues from it without a jump; its rollout record says the revision is the
+autoscaler's own (controller/model/deployments.py), so the next controller holds the group as this
+one would.
 """
 
 from __future__ import annotations
@@ -214,9 +216,6 @@ class Autoscaler:
         self.scalers: dict[tuple[str, str], GroupScaler] = {}
         # (deployment, group, "up" | "down") -> changes made (motor_controller_autoscale_decisions_total)
         self.decisions: dict[tuple[str, str, str], int] = {}
-        # deployment -> the revision the autoscaler's own last change made: its rollout only starts
-        # or stops instances of the spec already rolled out, so it holds no decision
-        self.own_revisions: dict[str, int] = {}
 
     def tick(self) -> None:
         now = self.state.mono()
@@ -270,7 +269,8 @@ class Autoscaler:
         # engines load is met now, not once they have loaded and a whole window after. Paused by
         # itself (an added instance the nodes have no room for, past its deadline), it has no
         # new spec under review either: the next decision replaces it. An operator's pause holds.
-        own = self.deployments.by_name[name][1] == self.own_revisions.get(name)
+        # Both are read from the rollout record, so a restarted controller or a new leader agrees.
+        own = self.rollouts.autoscaled(name)
         if state == C.ROLLOUT_STATE_PAUSED and (not own or self.rollouts.paused_by_operator(name)):
             return f"the rollout is paused ({reason}): resume or undo it to scale again"
         if state == C.ROLLOUT_STATE_PROGRESSING and not own:
@@ -356,7 +356,7 @@ class Autoscaler:
             return scaled
 
         try:
-            _, self.own_revisions[scaled.name] = await self.changes.apply(scaled, adjust=unchanged)
+            await self.changes.apply(scaled, adjust=unchanged, autoscaled=True)
         except Exception as exc:  # the count stays; the next window decides again
             logger.warning("autoscaling %s to %d could not be applied: %s", decision.group, decision.new, exc)
             self.state.events.emit(
