@@ -221,15 +221,18 @@ class Autoscaler:
         now = self.state.mono()
         seen = set()
         for name, (deployment, revision) in list(self.deployments.by_name.items()):
-            held = self._held(name)
-            for group in deployment.instance_groups:
-                if not group.HasField("autoscaling"):
-                    continue
-                key, policy = (name, group.name), ScalePolicy.of(group.autoscaling)
-                seen.add(key)
-                scaler = self.scalers.get(key)
-                if scaler is None or scaler.policy != policy:
-                    scaler = self.scalers[key] = GroupScaler(group.name, policy, now)
+            groups = [g for g in deployment.instance_groups if g.HasField("autoscaling")]
+            if not groups:
+                continue
+            scalers = [self._scaler(name, group, now, seen) for group in groups]
+            try:
+                held = self._held(name)
+            except Exception as exc:  # nor does one deployment's failure stop the others'
+                for scaler in scalers:
+                    scaler.held = False
+                    self._failed(name, scaler, exc)
+                continue
+            for group, scaler in zip(groups, scalers):
                 scaler.held = bool(held)
                 if held:
                     scaler.restart(now)
@@ -246,6 +249,15 @@ class Autoscaler:
                     break  # one change of a deployment at a time: the next tick sees it made
         for key in set(self.scalers) - seen:
             del self.scalers[key]
+
+    def _scaler(self, name: str, group: C.InstanceGroup, now: float, seen: set) -> GroupScaler:
+        """The group's scaler, a new one for a new policy."""
+        key, policy = (name, group.name), ScalePolicy.of(group.autoscaling)
+        seen.add(key)
+        scaler = self.scalers.get(key)
+        if scaler is None or scaler.policy != policy:
+            scaler = self.scalers[key] = GroupScaler(group.name, policy, now)
+        return scaler
 
     def _look(self, scaler: GroupScaler, now: float, group: C.InstanceGroup) -> Decision | None:
         # A P/D pair scales as one (instance i pairs with instance i): on the larger of the
