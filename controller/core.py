@@ -23,7 +23,8 @@ import collections
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 
-from controller.capacity.autoscaler import AutoscaleCollector, Autoscaler
+from controller.capacity.autoscale_metrics import AutoscaleCollector
+from controller.capacity.autoscaler import Autoscaler
 from controller.capacity.scheduling import Scheduler
 from controller.capacity.spares import Spares
 from controller.config import ControllerConfig

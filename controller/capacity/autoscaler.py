@@ -26,7 +26,9 @@ sample does not). A decision:
 GroupScaler is the plain decision of one group, on a clock it is given (tests feed it series).
 Autoscaler runs them on the leader, where the rollouts run, and acts through the deployment's own
 apply: the decided count is the stored deployment's `count`, so a restart or a failover reads it
-back and continues from it without a jump.
+back and continues from it without a jump; its rollout record says the revision is the
+autoscaler's own (controller/model/deployments.py), so the next controller holds the group as this
+one would.
 """
 
 from __future__ import annotations
@@ -38,8 +40,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
 from controller.capacity.spares import Spares
 from controller.deploy.rollout import DeploymentWrites, Rollouts
 from controller.deploy.rollout_plan import index_of
@@ -49,7 +49,6 @@ from controller.model.deployments import Deployments
 from controller.model.instances import READY, InstanceRecord
 from controller.store.base import StoreUnavailable
 from motor.errors import FailedPrecondition
-from motor.service.scraped import ScrapedCollector
 from motor.v1 import controller_pb2, types_pb2
 
 logger = logging.getLogger(__name__)
@@ -217,23 +216,23 @@ class Autoscaler:
         self.scalers: dict[tuple[str, str], GroupScaler] = {}
         # (deployment, group, "up" | "down") -> changes made (motor_controller_autoscale_decisions_total)
         self.decisions: dict[tuple[str, str, str], int] = {}
-        # deployment -> the revision the autoscaler's own last change made: its rollout only starts
-        # or stops instances of the spec already rolled out, so it holds no decision
-        self.own_revisions: dict[str, int] = {}
 
     def tick(self) -> None:
         now = self.state.mono()
         seen = set()
         for name, (deployment, revision) in list(self.deployments.by_name.items()):
-            held = self._held(name)
-            for group in deployment.instance_groups:
-                if not group.HasField("autoscaling"):
-                    continue
-                key, policy = (name, group.name), ScalePolicy.of(group.autoscaling)
-                seen.add(key)
-                scaler = self.scalers.get(key)
-                if scaler is None or scaler.policy != policy:
-                    scaler = self.scalers[key] = GroupScaler(group.name, policy, now)
+            groups = [g for g in deployment.instance_groups if g.HasField("autoscaling")]
+            if not groups:
+                continue
+            scalers = [self._scaler(name, group, now, seen) for group in groups]
+            try:
+                held = self._held(name)
+            except Exception as exc:  # nor does one deployment's failure stop the others'
+                for scaler in scalers:
+                    scaler.held = False
+                    self._failed(name, scaler, exc)
+                continue
+            for group, scaler in zip(groups, scalers):
                 scaler.held = bool(held)
                 if held:
                     scaler.restart(now)
@@ -250,6 +249,15 @@ class Autoscaler:
                     break  # one change of a deployment at a time: the next tick sees it made
         for key in set(self.scalers) - seen:
             del self.scalers[key]
+
+    def _scaler(self, name: str, group: C.InstanceGroup, now: float, seen: set) -> GroupScaler:
+        """The group's scaler, a new one for a new policy."""
+        key, policy = (name, group.name), ScalePolicy.of(group.autoscaling)
+        seen.add(key)
+        scaler = self.scalers.get(key)
+        if scaler is None or scaler.policy != policy:
+            scaler = self.scalers[key] = GroupScaler(group.name, policy, now)
+        return scaler
 
     def _look(self, scaler: GroupScaler, now: float, group: C.InstanceGroup) -> Decision | None:
         # A P/D pair scales as one (instance i pairs with instance i): on the larger of the
@@ -273,7 +281,8 @@ class Autoscaler:
         # engines load is met now, not once they have loaded and a whole window after. Paused by
         # itself (an added instance the nodes have no room for, past its deadline), it has no
         # new spec under review either: the next decision replaces it. An operator's pause holds.
-        own = self.deployments.by_name[name][1] == self.own_revisions.get(name)
+        # Both are read from the rollout record, so a restarted controller or a new leader agrees.
+        own = self.rollouts.autoscaled(name)
         if state == C.ROLLOUT_STATE_PAUSED and (not own or self.rollouts.paused_by_operator(name)):
             return f"the rollout is paused ({reason}): resume or undo it to scale again"
         if state == C.ROLLOUT_STATE_PROGRESSING and not own:
@@ -359,7 +368,7 @@ class Autoscaler:
             return scaled
 
         try:
-            _, self.own_revisions[scaled.name] = await self.changes.apply(scaled, adjust=unchanged)
+            await self.changes.apply(scaled, adjust=unchanged, autoscaled=True)
         except Exception as exc:  # the count stays; the next window decides again
             logger.warning("autoscaling %s to %d could not be applied: %s", decision.group, decision.new, exc)
             self.state.events.emit(
@@ -403,43 +412,3 @@ class Autoscaler:
                 reason = scaler.after(f"gathering {WINDOW_S:.0f} s of load since the hold ended")
             out.append(C.GroupScale(group=group.name, desired=group.count, current=current, reason=reason))
         return out
-
-
-class AutoscaleCollector(ScrapedCollector):
-    """The autoscaler's series, read at scrape time (registered on the controller's registry)."""
-
-    def __init__(self, scaler: Autoscaler):
-        self.scaler = scaler
-
-    def collect(self):
-        desired = GaugeMetricFamily(
-            "motor_controller_autoscale_desired_instances",
-            "Serving instances an autoscaled group is set to (its deployment's count).",
-            labels=["deployment", "group"],
-        )
-        load = GaugeMetricFamily(
-            "motor_controller_autoscale_in_flight_per_engine",
-            "Requests in flight per serving engine of an autoscaled group over the last window (the signal "
-            "compared with target_in_flight).",
-            labels=["deployment", "group"],
-        )
-        decisions = CounterMetricFamily(
-            "motor_controller_autoscale_decisions",
-            "Count changes an autoscaled group's autoscaler made, by direction. Many of both directions in an "
-            "hour: the target or the delay does not suit the load.",
-            labels=["deployment", "group", "direction"],
-        )
-        deployments = self.scaler.deployments.by_name
-        for (name, group), scaler in sorted(self.scaler.scalers.items()):
-            count = (
-                next((g.count for g in deployments[name][0].instance_groups if g.name == group), 0)
-                if name in deployments
-                else 0
-            )
-            desired.add_metric([name, group], count)
-            load.add_metric([name, group], scaler.per_engine)
-        for (name, group, direction), n in sorted(self.scaler.decisions.items()):
-            decisions.add_metric([name, group, direction], n)
-        yield desired
-        yield load
-        yield decisions

@@ -111,18 +111,24 @@ class DeploymentChanges:
             run_at_once(self._change_memory(plan))
 
     async def apply(
-        self, deployment: C.Deployment, adjust: Callable[[C.Deployment], C.Deployment] | None = None
+        self,
+        deployment: C.Deployment,
+        adjust: Callable[[C.Deployment], C.Deployment] | None = None,
+        autoscaled: bool = False,
     ) -> tuple[C.Deployment, int]:
         """ApplyDeployment in slices; answers once the change is durable and made in memory.
         `adjust` (the autoscaler's counts) is applied again in the change's turn, to the
         deployment as the changes before it left it: what it read before its turn, a change made
-        meanwhile may have moved on."""
+        meanwhile may have moved on. `autoscaled`: the autoscaler's own change, so marked in the
+        rollout record it writes."""
         fit = adjust or (lambda d: d)
         validated = validate_deployment(fit(deployment), self.max_engines)  # refused before it waits its turn
         check_local_paths(validated, self.state.nodes.values())
         if adjust is None:
-            return await self._in_turn(lambda: self._sliced(validated))
-        return await self._in_turn(lambda: self._sliced(validate_deployment(fit(deployment), self.max_engines)))
+            return await self._in_turn(lambda: self._sliced(validated, autoscaled=autoscaled))
+        return await self._in_turn(
+            lambda: self._sliced(validate_deployment(fit(deployment), self.max_engines), autoscaled=autoscaled)
+        )
 
     def dry_run(self, deployment: C.Deployment) -> tuple[C.Deployment, int]:
         """ApplyDeployment's checks without the change: the deployment with its defaults and the
@@ -158,9 +164,11 @@ class DeploymentChanges:
         # Shielded: a caller that goes away (deadline, cancel) does not stop a change half made.
         return await asyncio.shield(self.spawn(turn(), "deployment change"))
 
-    async def _sliced(self, validated: C.Deployment | None, name: str = "") -> tuple[C.Deployment | None, int]:
+    async def _sliced(
+        self, validated: C.Deployment | None, name: str = "", autoscaled: bool = False
+    ) -> tuple[C.Deployment | None, int]:
         name = validated.name if validated is not None else name
-        plan = await run_sliced(self._plan(validated, name))
+        plan = await run_sliced(self._plan(validated, name, autoscaled))
         if plan is None:
             return None, 0
         if not plan.same:
@@ -172,7 +180,7 @@ class DeploymentChanges:
 
     # ------------------------------------------------------------------ the steps
 
-    def _plan(self, validated: C.Deployment | None, name: str = "") -> Steps[Plan | None]:
+    def _plan(self, validated: C.Deployment | None, name: str = "", autoscaled: bool = False) -> Steps[Plan | None]:
         """What changes in the deployment `validated` names, or `name` (`validated` None: delete
         it; the plan None: nothing to do). The other deployments' instances are not looked at."""
         budget = Budget()
@@ -200,7 +208,7 @@ class DeploymentChanges:
             plan.new[spec.instance_id] = self._new_instance(spec, plan.revision, validated.model, name, config)
             yield from budget.checkpoint()
         previous = current[0].SerializeToString(deterministic=True) if current is not None else None
-        plan.rollout = rollout_record(previous, current[1] if current else 0, self.state.wall())
+        plan.rollout = rollout_record(previous, current[1] if current else 0, self.state.wall(), autoscaled)
         return plan
 
     def _check_groups(self, validated: C.Deployment) -> None:

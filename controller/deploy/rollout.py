@@ -60,7 +60,10 @@ class DeploymentWrites(Protocol):
     def retry_failed(self, inst: InstanceRecord) -> None: ...
 
     def apply(
-        self, deployment: C.Deployment, adjust: Callable[[C.Deployment], C.Deployment] | None = None
+        self,
+        deployment: C.Deployment,
+        adjust: Callable[[C.Deployment], C.Deployment] | None = None,
+        autoscaled: bool = False,
     ) -> Coroutine[Any, Any, tuple[C.Deployment, int]]: ...
 
 
@@ -111,10 +114,14 @@ class Rollouts:
     def pause(self, name: str) -> None:
         name = self.deployments.named(name)
         rollout = self.rollouts.setdefault(name, Rollout())
-        before = rollout.state, rollout.reason
+        before, by_operator = (rollout.state, rollout.reason), rollout.paused_by_operator
         self._move(name, rollout, PAUSED, "paused by an operator (`motorctl rollout resume` goes on)")
         rollout.paused_by_operator = True
-        self._persist_or_undo(name, rollout, before)
+        try:
+            self._persist_or_undo(name, rollout, before)
+        except StoreUnavailable:
+            rollout.paused_by_operator = by_operator
+            raise
 
     def resume(self, name: str) -> None:
         name = self.deployments.named(name)
@@ -189,6 +196,11 @@ class Rollouts:
     def paused_by_operator(self, name: str) -> bool:
         rollout = self.rollouts.get(name)
         return rollout is not None and rollout.state == PAUSED and rollout.paused_by_operator
+
+    def autoscaled(self, name: str) -> bool:
+        """The deployment's revision is the autoscaler's own change (its rollout brings no new spec)."""
+        rollout = self.rollouts.get(name)
+        return rollout is not None and rollout.autoscaled
 
     # ------------------------------------------------------------------ the pass
 

@@ -1,7 +1,8 @@
 """Every deployment's state, in one home: its spec and revision, the indexes the hot paths look
 up (the deployment owning each group and the group's sizes, the restart policy, the engine
 config, the served model, the adapters), the last revision of a deleted one, and its rollout
-record (paused or not and why, the deployment it replaced, since when a failure pauses it).
+record (paused or not, why and by whom, the deployment it replaced, since when a failure pauses
+it, whether the revision is the autoscaler's own).
 
 Writers: a change (controller/deploy/changes.py: `set_deployment`, `record_change`) and a rollout's
 own moves (controller/deploy/rollout.py: `move`). Readers go through the named reads below: the tables
@@ -47,15 +48,17 @@ TRANSITIONS = Transitions.between(
 )
 
 
-def rollout_record(previous: bytes | None, previous_revision: int, since: float) -> dict:
-    """The rollout record a change writes: not paused, the deployment it replaced (for undo), and
-    the time from which a new instance's failure pauses it (controller/deploy/rollout.py)."""
+def rollout_record(previous: bytes | None, previous_revision: int, since: float, autoscaled: bool = False) -> dict:
+    """The rollout record a change writes: not paused, the deployment it replaced (for undo), the
+    time from which a new instance's failure pauses it (controller/deploy/rollout.py), and whether
+    the change is the autoscaler's own (a new count of the spec already rolled out)."""
     return {
         "paused": False,
         "reason": "",
         "previous": base64.b64encode(previous).decode() if previous is not None else None,
         "previous_revision": previous_revision,
         "since": since,
+        "autoscaled": autoscaled,
     }
 
 
@@ -87,8 +90,12 @@ class Rollout:
     progress_at: float = 0.0
     available_current: int = 0
     announced: bool = True  # False when loaded: finding it complete then is no news
-    # PAUSED by an operator (PauseRollout), not by the rollout itself (a failing new instance, the
-    # deadline): in memory only, read by the autoscaler, whose own revisions are in memory too.
+    # Both read by the autoscaler (controller/capacity/autoscaler.py) and stored in the record, so
+    # that a restarted controller or a new leader holds a group exactly when the one before did.
+    # The revision is the autoscaler's own change: its rollout only starts or stops instances of
+    # the spec already rolled out.
+    autoscaled: bool = False
+    # PAUSED by an operator (PauseRollout), not by the rollout itself (a failing new instance, the deadline).
     paused_by_operator: bool = False
 
     def record(self) -> dict:
@@ -98,6 +105,8 @@ class Rollout:
             "previous": self.previous,
             "previous_revision": self.previous_revision,
             "since": self.since,
+            "autoscaled": self.autoscaled,
+            "paused_by_operator": self.state == PAUSED and self.paused_by_operator,
         }
 
 
@@ -251,6 +260,8 @@ class Deployments:
             previous_revision=record.get("previous_revision", 0),
             since=record.get("since", self.clock.time()),
             progress_at=self.clock.monotonic(),
+            # A record written before these were stored: not the autoscaler's, and its pause holds.
+            autoscaled=bool(record.get("autoscaled", False)),
         )
 
     # ------------------------------------------------------------------ the store
@@ -273,6 +284,7 @@ class Deployments:
             record = stored.rollouts.get(name, {})
             rollout = self._from_record(record)
             rollout.state = PAUSED if record.get("paused") else PROGRESSING  # the next pass says if complete
+            rollout.paused_by_operator = bool(record.get("paused_by_operator", False))
             rollout.announced = False
             self.rollouts[name] = rollout
 

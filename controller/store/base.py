@@ -44,7 +44,8 @@ class StoredState:
     nodes: list[StoredNode] = field(default_factory=list)
     assignments: dict[str, dict[str, Any]] = field(default_factory=dict)
     instances: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # name -> the deployment's rollout record (paused and why, the previous revision for undo).
+    # name -> the deployment's rollout record (paused, why and by whom, the previous revision for
+    # undo, whether the revision is the autoscaler's own change: controller/model/deployments.py).
     rollouts: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property

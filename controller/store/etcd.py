@@ -10,7 +10,8 @@ Layout under the prefix (default `/motor`; docs/ha.md):
     state/nodes/<node id>       {"info": base64 of motor.v1.NodeInfo, "generation", "state", "reason"}
     state/assignments/<engine>  the assignment's JSON
     state/instances/<instance>  the instance record's JSON
-    state/rollouts/<name>       the deployment's rollout record (paused and why, the previous revision;
+    state/rollouts/<name>       the deployment's rollout record (paused, why and by whom, the previous
+                                revision, whether the revision is the autoscaler's own change;
                                 after a delete, its last revision: applied again, it goes on from it)
     election/leader, election/epoch   (controller/ha/election.py)
 
