@@ -46,7 +46,9 @@ def test_apply_and_delete(controller, tmp_path):
     address = controller.address
     assert "revision 1" in motorctl(address, "apply", "-f", EXAMPLE).stdout  # same spec, same revision
     changed = tmp_path / "changed.yaml"
-    changed.write_text(open(EXAMPLE).read().replace("model: sim-tiny\n", "model: sim-other\n", 1))
+    changed.write_text(
+        open(EXAMPLE).read().replace("model: sim-tiny\n", "model: sim-other\n")
+    )  # the deployment and its engines alike
     assert "revision 2" in motorctl(address, "apply", "-f", str(changed)).stdout
     follow = subprocess.Popen(
         [script_path("motorctl"), "--controller", address, "events", "--follow"], stdout=subprocess.PIPE, text=True

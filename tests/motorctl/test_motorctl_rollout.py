@@ -20,7 +20,9 @@ def test_rollout_status_pause_resume_and_undo(controller, tmp_path):
     # Counted as kubectl does: new available of desired, old ones left.
     assert "0 of 2 updated instances available (2 updated), 0 old instance(s) remaining" in status.stdout
     changed = tmp_path / "changed.yaml"
-    changed.write_text(open(EXAMPLE).read().replace("model: sim-tiny\n", "model: sim-other\n", 1))
+    changed.write_text(
+        open(EXAMPLE).read().replace("model: sim-tiny\n", "model: sim-other\n")
+    )  # the deployment and its engines alike
     motorctl(address, "apply", "-f", str(changed))
     assert motorctl(address, "rollout", "pause", "local-sim").stdout.strip() == "rollout paused"
     paused = motorctl(address, "rollout", "status", "local-sim", check=False)
