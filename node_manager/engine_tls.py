@@ -3,7 +3,7 @@
 Engines serve with their node's certificate. Handed the node's own paths, every engine started
 while one of those files is bad (garbage, deleted, a symlink loop, expired, a rotation caught half
 way) would exit at once naming the file, spend its restart budget and leave its instance FAILED,
-while the node manager itself keeps its last good files (motor/security/tls.py) and looks healthy. So the
+while the node manager itself keeps its last good files (motor/service/tls.py) and looks healthy. So the
 engines get a copy in the state directory, written from the node manager's own `TlsFileWatch`:
 only files it accepted reach it, a good rotation reaches it within a second (running engines
 follow their files, so they rotate too), and a bad one never does.
@@ -21,7 +21,7 @@ import shutil
 import uuid
 
 from motor.security.pki import write_atomically
-from motor.security.tls import TlsFileWatch
+from motor.service.tls import TlsFileWatch
 
 logger = logging.getLogger(__name__)
 

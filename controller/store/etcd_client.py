@@ -21,7 +21,7 @@ from aetcd import rpc, watcher
 
 from motor.errors import ConfigError
 from motor.security.channels import RetiredChannels
-from motor.security.tls import TlsFileWatch, read_pem
+from motor.service.tls import TlsFileWatch, read_pem
 
 logger = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ from typing import Annotated
 from pydantic import AfterValidator
 
 from motor.errors import InvalidArgument
+from motor.text import excerpt
 from motor.v1 import types_pb2
 
 _ID = r"[a-z0-9][a-z0-9._-]{0,62}"
@@ -21,8 +22,6 @@ ID_RULE = "must be 1-63 lowercase letters, digits, '.', '_' or '-', starting wit
 ENGINE_ID_PATTERN = re.compile(rf"(?P<instance>{_ID})/rank(?P<rank>[0-9]{{1,9}})")
 # A control character (NUL, newline, ESC...) in a text that must be printable.
 CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
-# Longest part of a rejected value quoted back in an error message.
-EXCERPT_CHARS = 64
 
 ROLE_NAMES = {
     types_pb2.ROLE_PREFILL: "prefill",
@@ -30,13 +29,6 @@ ROLE_NAMES = {
     types_pb2.ROLE_UNION: "union",
 }
 ROLES_BY_NAME = {name: role for role, name in ROLE_NAMES.items()}
-
-
-def excerpt(value: object, limit: int = EXCERPT_CHARS) -> str:
-    """repr() of `value`, cut to `limit` characters of it: a 1 MB id is not echoed back whole."""
-    if isinstance(value, str) and len(value) > limit:
-        return f"{value[:limit]!r}... ({len(value)} characters)"
-    return repr(value)
 
 
 def check_printable(value: str, field: str) -> str:

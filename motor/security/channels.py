@@ -6,7 +6,7 @@ only at its handshake. A node manager or controller that kept its channels prese
 trusted) the files of its start for ever: once they expired or the CA changed, the next
 reconnect failed (for a node manager's engine channels that meant failed status checks, then
 healthy engines killed). `ReloadingChannel` asks the process's `TlsFileWatch` of its files
-(motor/security/tls.py, the same rule servers use) before handing out its channel: when the files changed
+(motor/service/tls.py, the same rule servers use) before handing out its channel: when the files changed
 and belong together it makes a new channel from them and hands out that one. Calls running on the old channel are not
 cut: it takes no new calls and is closed once they end, or after RETIRE_GRACE seconds (a
 long-lived stream then ends, and its owner opens it again on the new channel).
@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 
 import grpc
 
-from motor.security.tls import TlsFileWatch
 from motor.service.grpc_server import TlsFiles, aio_channel
+from motor.service.tls import TlsFileWatch
 
 logger = logging.getLogger(__name__)
 

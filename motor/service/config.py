@@ -18,8 +18,8 @@ from typing import Annotated, Any, TypeVar
 import yaml
 from pydantic import AfterValidator, BaseModel, ValidationError
 
-from motor.contract.names import excerpt
 from motor.errors import ConfigError
+from motor.text import excerpt
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 

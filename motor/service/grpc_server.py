@@ -23,11 +23,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from motor.errors import ConfigError
-from motor.security.tls import ReloadingServerCredentials, TlsFileWatch, TlsPems
-from motor.service.server_calls import Gate, ServerCalls
+from motor.service.server_calls import AccessControl, Gate, ServerCalls
+from motor.service.tls import ReloadingServerCredentials, TlsFileWatch, TlsPems
 
 if TYPE_CHECKING:  # prometheus_client must not be imported before the engine server sets its multiprocess dir
-    from motor.security.access import AccessControl
     from motor.service.grpc_metrics import GrpcServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -75,7 +74,7 @@ class TlsFiles:
 
 
 def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
-    """Credentials that re-read the files when they change (motor/security/tls.py)."""
+    """Credentials that re-read the files when they change (motor/service/tls.py)."""
     if not tls.cert or not tls.key:
         raise ConfigError("TLS needs both a certificate and a key")
     return ReloadingServerCredentials(tls.cert, tls.key, tls.ca, tls.require_client_cert).credentials

@@ -32,12 +32,30 @@ import grpc
 from motor.errors import MotorError, decoding, refuse_undecodable, status_message
 
 if TYPE_CHECKING:  # prometheus_client must not be imported before the engine server sets its multiprocess dir
-    from motor.security.access import AccessControl, Caller
     from motor.service.grpc_metrics import GrpcServerMetrics, MethodMetrics
 
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]
 # A call's opening checks: (the request to pass on, the stream slot it holds or None).
 Opener = Callable[[Any, grpc.aio.ServicerContext], Awaitable[tuple[Any, str | None]]]
+
+
+Caller = Any  # whoever AccessControl.admit authenticated (motor/security/access.py), passed back to it
+
+
+class AccessControl(Protocol):
+    """What the interceptor asks of the server's access checks at each step of a call
+    (motor/security/access.py implements it; the security package stands on this one, not the
+    other way round)."""
+
+    async def admit(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> Caller | None: ...
+
+    async def check_message(
+        self, method: str, caller: Caller, request: Any, context: grpc.aio.ServicerContext
+    ) -> None: ...
+
+    async def enter_stream(self, caller: Caller | None, context: grpc.aio.ServicerContext) -> str: ...
+
+    def leave_stream(self, key: str | None) -> None: ...
 
 
 class Gate(Protocol):

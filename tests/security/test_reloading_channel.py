@@ -22,8 +22,8 @@ from motor.errors import ConfigError
 from motor.security.channels import ReloadingChannel
 from motor.security.identity import Identity
 from motor.security.pki import CertificateAuthority, write_atomically
-from motor.security.tls import TlsFileWatch
 from motor.service.grpc_server import TlsFiles
+from motor.service.tls import TlsFileWatch
 from motor.v1 import controller_pb2, controller_pb2_grpc
 
 Stub = controller_pb2_grpc.ControllerServiceStub
@@ -215,7 +215,7 @@ def test_an_unexpected_failure_reading_rotated_files_keeps_the_last_good_ones(cl
     watch = TlsFileWatch(client_files.cert, client_files.key, client_files.ca)
     before = watch.pems
     os.utime(client_files.cert, ns=(1, 1))  # a change to look at
-    monkeypatch.setattr("motor.security.tls.check_not_expired", lambda *args: 1 / 0)
+    monkeypatch.setattr("motor.service.tls.check_not_expired", lambda *args: 1 / 0)
     with caplog.at_level(logging.ERROR):
         assert watch.changed() is None and watch.changed() is None
     assert watch.pems is before
@@ -311,7 +311,7 @@ def test_a_healed_file_is_said_to_be_used_again(client_files, caplog):
     """Garbage written over the certificate, then the good file back: both said, once each."""
     watch = TlsFileWatch(client_files.cert, client_files.key, client_files.ca)
     good = open(client_files.cert, "rb").read()
-    with caplog.at_level(logging.INFO, logger="motor.security.tls"):
+    with caplog.at_level(logging.INFO, logger="motor.service.tls"):
         write_atomically(client_files.cert, b"garbage\n")
         assert watch.changed() is None and watch.changed() is None
         write_atomically(client_files.cert, good)
@@ -326,7 +326,7 @@ def test_every_bad_file_is_named_an_emptied_ca_bundle_too(client_files, caplog):
     watch = TlsFileWatch(client_files.cert, client_files.key, client_files.ca)
     write_atomically(client_files.cert, b"garbage\n")
     write_atomically(client_files.ca, b"")
-    with caplog.at_level(logging.ERROR, logger="motor.security.tls"):
+    with caplog.at_level(logging.ERROR, logger="motor.service.tls"):
         assert watch.changed() is None
     [error] = [r.getMessage() for r in caplog.records]
     assert f"cert: {client_files.cert!r} holds no PEM certificate" in error, error
