@@ -15,7 +15,7 @@ import psutil
 
 from bench.prometheus_scraper import PrometheusScraper
 from bench.scale_fleet import ENGINES_PER_NODE, Fleet, make_pki
-from controller.rules.deployment_file import MAX_ENGINES_PER_DEPLOYMENT
+from controller.rules.deployment_checks import MAX_ENGINES_PER_DEPLOYMENT
 from motor.ports import free_port
 from motor.service.grpc_server import TlsFiles, channel_credentials
 from motor.v1 import controller_pb2_grpc

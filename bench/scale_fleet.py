@@ -19,7 +19,7 @@ import urllib.request
 
 import psutil
 
-from controller.rules.deployment_file import MAX_COUNT
+from controller.rules.deployment_checks import MAX_COUNT
 from motor.security.identity import Identity
 from motor.security.pki import CertificateAuthority
 from motor.v1 import controller_pb2 as C

@@ -17,7 +17,7 @@ from controller.gc_tuning import TenuredCollections
 from controller.ha.opening import advertised_address, open_high_availability
 from controller.limits import raise_open_files_limit
 from controller.startup_deployment import StartupDeployment
-from controller.store.base import StoreUnreadable
+from controller.store.interface import StoreUnreadable
 from controller.store.sqlite import SqliteStore
 from motor.contract.deployment_file import load_deployment
 from motor.security.security_config import SECURITY_FLAGS

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
-from controller.rules.deployment_file import MAX_ENGINES_PER_DEPLOYMENT
+from controller.rules.deployment_checks import MAX_ENGINES_PER_DEPLOYMENT
 from controller.rules.node_reports import MAX_ENGINES_PER_NODE
 from controller.store.etcd_client import parse_etcd_url
 from motor.errors import ConfigError

@@ -56,8 +56,8 @@ from controller.routing import endpoints
 from controller.routing.adapters import AdapterSync
 from controller.routing.door_reports import FrontDoorCollector, FrontDoors
 from controller.rules.slicing import Steps, run_sliced
-from controller.store.base import Store
-from controller.store.metrics import MeasuredStore, StoreMetrics
+from controller.store.interface import Store
+from controller.store.write_metrics import MeasuredStore, StoreMetrics
 from motor.clock import SYSTEM_CLOCK, Clock
 from motor.contract import heartbeats
 from motor.service.tasks import TaskSet, cancel_and_wait, set_within

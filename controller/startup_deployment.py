@@ -21,7 +21,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from controller.rules.deployment_file import validate_deployment
+from controller.rules.deployment_checks import validate_deployment
 from controller.rules.expansion import expand
 from motor.contract import names
 from motor.v1 import controller_pb2

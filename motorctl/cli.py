@@ -25,7 +25,7 @@ from motor.contract.names import parse_role
 from motor.errors import MotorError
 from motor.leader import FOLLOW_RETRY_BASE, FOLLOW_RETRY_CAP, ControllerAddresses, backoff_delay, parse_addresses
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
-from motorctl import cluster_address, render, rollout
+from motorctl import cluster_address, render, rollout_command
 from motorctl.connect import add_credential_flags, credentials_from, tls_mismatch
 from motorctl.pages import all_pages
 
@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     delete = sub.add_parser("delete", help="delete a deployment and stop its engines (the others are untouched)")
     delete.add_argument("name", nargs="?", default="", help="its name (may be left out when there is one deployment)")
     sub.add_parser("controllers", help="the controllers: leader, standbys, epoch, lease (docs/ha.md)")
-    rollout.add_parser(sub)
+    rollout_command.add_parser(sub)
     sub.add_parser("up", help="start a local cluster (controller, node managers, example deployment)", add_help=False)
     sub.add_parser(
         "down",
@@ -174,7 +174,7 @@ def _command(args: argparse.Namespace, stub: controller_pb2_grpc.ControllerServi
             else:
                 print(f"deployment {reply.deployment.name!r} applied (revision {reply.revision})", file=out, flush=True)
     elif args.command == "rollout":
-        return rollout.run(args, stub, out, as_json, _json)
+        return rollout_command.run(args, stub, out, as_json, _json)
     elif args.command == "controllers":
         reply = stub.ListControllers(controller_pb2.ListControllersRequest(), timeout=t)
         print(_json(reply) if as_json else render.render_controllers(reply), file=out)
@@ -225,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_processes.main(argv[argv.index("down") + 1 :])
     if args.command == "pki":
-        from motorctl import pki
+        from motorctl import pki_command
 
-        return pki.main(argv[argv.index("pki") + 1 :])
+        return pki_command.main(argv[argv.index("pki") + 1 :])
     if args.command == "tiny-model":
         from motorctl import tiny_model
 

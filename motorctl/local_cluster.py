@@ -30,7 +30,7 @@ from motorctl.cluster_processes import (
 )
 from motorctl.connect import Credentials
 from motorctl.etcd_cluster import EtcdCluster
-from motorctl.pki import DevPki, make_dev_pki
+from motorctl.pki_command import DevPki, make_dev_pki
 from motorctl.run_processes import run_tag, stop_run
 from motorctl.supervise import Supervisor
 

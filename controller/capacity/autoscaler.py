@@ -47,7 +47,7 @@ from controller.model import reported as reported_engine
 from controller.model.cluster import ClusterState
 from controller.model.deployments import Deployments
 from controller.model.instances import READY, InstanceRecord
-from controller.store.base import StoreUnavailable
+from controller.store.interface import StoreUnavailable
 from motor.errors import FailedPrecondition
 from motor.v1 import controller_pb2, types_pb2
 

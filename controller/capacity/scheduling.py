@@ -23,7 +23,7 @@ from controller.model.nodes import NODE_READY
 from controller.model.slots import EngineSlot
 from controller.rules.placement import Fleet, Unplaceable, place_instance
 from controller.rules.slicing import Budget, Steps, run_at_once
-from controller.store.base import StoreUnavailable
+from controller.store.interface import StoreUnavailable
 from motor.v1 import controller_pb2, types_pb2
 
 logger = logging.getLogger(__name__)

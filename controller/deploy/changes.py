@@ -40,10 +40,10 @@ from controller.model.deployments import Deployments, engine_config_json, rollou
 from controller.model.instances import FAILED, RESTARTING, InstanceRecord
 from controller.model.slots import EngineSlot
 from controller.routing.endpoints import EndpointFeed
-from controller.rules.deployment_file import validate_deployment
+from controller.rules.deployment_checks import validate_deployment
 from controller.rules.expansion import InstanceSpec
 from controller.rules.slicing import Budget, Steps, in_slices, run_at_once, run_sliced
-from controller.store.base import LEGACY_DEPLOYMENT, StoreChange, StoreUnavailable
+from controller.store.interface import LEGACY_DEPLOYMENT, StoreChange, StoreUnavailable
 from motor.contract import names
 from motor.errors import InvalidArgument
 from motor.v1 import controller_pb2

@@ -30,10 +30,10 @@ from controller.model.cluster import ClusterState
 from controller.model.deployments import COMPLETE, PAUSED, PROGRESSING, Deployments, Rollout
 from controller.model.instances import FAILED, READY, InstanceRecord
 from controller.routing.endpoints import SERVING_INSTANCE_STATES
-from controller.rules.deployment_file import strategy_problems
+from controller.rules.deployment_checks import strategy_problems
 from controller.rules.expansion import GroupSpecs, InstanceSpec
 from controller.rules.slicing import Budget, Steps, run_at_once
-from controller.store.base import StoreUnavailable
+from controller.store.interface import StoreUnavailable
 from motor.contract import pbtime
 from motor.errors import FailedPrecondition
 from motor.v1 import controller_pb2, types_pb2

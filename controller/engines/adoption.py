@@ -23,7 +23,7 @@ from controller.model.cluster import ClusterState
 from controller.model.instances import STARTING, InstanceRecord
 from controller.model.nodes import NODE_READY, NodeRuntime
 from controller.rules.placement import ports_per_engine
-from controller.store.base import StoredState
+from controller.store.interface import StoredState
 from motor.contract import names
 from motor.v1 import controller_pb2, types_pb2
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from controller.store.base import Store, StoreUnavailable
+from controller.store.interface import Store, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from controller.model.cluster import ClusterState
 from controller.model.instances import FAILED, PENDING, RESTARTING, STARTING, InstanceRecord, on_failure
 from controller.model.nodes import NODE_LOST, NODE_READY, NodeRuntime
 from controller.model.slots import EngineSlot
-from controller.store.base import StoreUnavailable
+from controller.store.interface import StoreUnavailable
 from motor.contract import names, pbtime
 from motor.contract.exits import describe_exit
 from motor.contract.start_refusals import Refusal

@@ -30,7 +30,7 @@ from controller.model.instances import (
 )
 from controller.model.nodes import NODE_READY, NodeRuntime, NodeTable
 from controller.model.slots import EngineSlot, SlotTable
-from controller.store.base import Store, StoredNode, StoreUnavailable
+from controller.store.interface import Store, StoredNode, StoreUnavailable
 from motor.clock import Clock
 from motor.contract.names import enum_short_name
 from motor.service.retry import backoff_delay, worth_reporting

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from controller.model.events import EventBus
 from controller.model.instances import Policy
 from controller.rules.expansion import integral_numbers, struct_dict
-from controller.store.base import LEGACY_DEPLOYMENT, Store, StoredState, StoreUnavailable
+from controller.store.interface import LEGACY_DEPLOYMENT, Store, StoredState, StoreUnavailable
 from motor.clock import Clock
 from motor.contract import names
 from motor.contract.names import enum_short_name

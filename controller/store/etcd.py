@@ -50,8 +50,8 @@ from tenacity import (
 )
 
 from controller.rules.slicing import Budget
-from controller.store.base import LEGACY_DEPLOYMENT, Store, StoreChange, StoredNode, StoredState
 from controller.store.etcd_client import UNAVAILABLE_ERRORS
+from controller.store.interface import LEGACY_DEPLOYMENT, Store, StoreChange, StoredNode, StoredState
 from motor.service.retry import RepeatedFailure, worth_reporting
 
 logger = logging.getLogger(__name__)

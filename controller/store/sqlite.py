@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from controller.store.base import (
+from controller.store.interface import (
     LEGACY_DEPLOYMENT,
     Store,
     StoreChange,

@@ -7,9 +7,9 @@ import contextlib
 
 import pytest
 
-from controller.store.base import StoreUnavailable
-from controller.store.metrics import MeasuredStore, StoreMetrics
+from controller.store.interface import StoreUnavailable
 from controller.store.sqlite import SqliteStore
+from controller.store.write_metrics import MeasuredStore, StoreMetrics
 from motor.v1 import controller_pb2 as C
 from motor.v1 import types_pb2 as T
 from tests.support import async_wait_for

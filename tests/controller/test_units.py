@@ -22,10 +22,10 @@ from controller.model.instances import (
     on_failure,
     transition,
 )
-from controller.rules.deployment_file import validate_deployment
+from controller.rules.deployment_checks import validate_deployment
 from controller.rules.expansion import expand, struct_dict
 from controller.rules.placement import NodeCapacity, Unplaceable, place_instance
-from controller.store.base import StoredNode
+from controller.store.interface import StoredNode
 from controller.store.sqlite import SqliteStore
 from motor.errors import InvalidArgument
 from motor.v1 import controller_pb2 as C

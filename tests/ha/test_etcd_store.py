@@ -8,8 +8,8 @@ import signal
 
 import pytest
 
-from controller.store.base import StoreChange, StoredNode
 from controller.store.etcd import EtcdStore, Fenced
+from controller.store.interface import StoreChange, StoredNode
 from controller.store.sqlite import SqliteStore
 from tests.support import async_wait_for
 from tests.support.etcd_members import unguarded
@@ -217,7 +217,7 @@ async def test_the_deployment_of_a_store_of_before_names_is_moved_under_its_name
     same ids) and, leading, moves it to state/deployments/<name>."""
     from controller.config import ControllerConfig
     from controller.core import Controller
-    from controller.store.base import LEGACY_DEPLOYMENT
+    from controller.store.interface import LEGACY_DEPLOYMENT
     from motor.v1 import controller_pb2 as C
     from tests.support.controller_fakes import FakeNodeClient
     from tests.support.controller_harness import small_deployment

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from motor.ports import free_port
 from motor.service.grpc_server import MotorServer, TlsFiles, aio_channel, service_name
 from motor.v1 import controller_pb2, controller_pb2_grpc, engine_pb2, engine_pb2_grpc, types_pb2
-from motorctl.pki import make_dev_pki
+from motorctl.pki_command import make_dev_pki
 from tests.support import async_wait_for
 from tests.support.node_manager_harness import alive, sim_config
 

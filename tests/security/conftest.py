@@ -10,7 +10,7 @@ import pytest
 
 from motor.security.identity import Identity
 from motor.security.pki import CertificateAuthority
-from motorctl.pki import DevPki, make_dev_pki
+from motorctl.pki_command import DevPki, make_dev_pki
 from tests.support.secure_services import mtls_files, policy, serve
 
 

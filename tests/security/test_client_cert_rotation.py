@@ -30,7 +30,7 @@ from motor.security.pki import CertificateAuthority, write_atomically
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl.connect import Credentials
 from motorctl.local_cluster import LocalCluster
-from motorctl.pki import DEV_HOSTS
+from motorctl.pki_command import DEV_HOSTS
 from tests.support import require, wait_for
 from tests.support.local_cluster import example_cluster
 

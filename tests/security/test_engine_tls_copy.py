@@ -12,7 +12,7 @@ from motor.ports import free_port
 from motor.security.pki import write_atomically
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl.local_cluster import LocalCluster
-from motorctl.pki import DevPki, make_dev_pki
+from motorctl.pki_command import DevPki, make_dev_pki
 from node_manager.engine_tls import EngineTlsCopy, engine_tls_paths
 from tests.support import wait_for, write_sim_deployment
 from tests.support.local_cluster import started

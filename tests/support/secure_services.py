@@ -15,7 +15,7 @@ from motor.security.tokens import TokenStore
 from motor.service.grpc_metrics import GrpcServerMetrics
 from motor.service.grpc_server import MotorServer, TlsFiles, aio_channel
 from motor.v1 import controller_pb2, engine_pb2, node_manager_pb2
-from motorctl.pki import DevPki
+from motorctl.pki_command import DevPki
 
 SERVICES = [
     controller_pb2.DESCRIPTOR.services_by_name["ControllerService"],

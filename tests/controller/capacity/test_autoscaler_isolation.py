@@ -10,7 +10,7 @@ import pytest
 from controller.capacity.autoscaler import FAST_S
 from controller.model.deployments import COMPLETE
 from controller.model.instances import READY
-from controller.rules.deployment_file import validate_deployment
+from controller.rules.deployment_checks import validate_deployment
 from motor.errors import InvalidArgument
 from tests.support import async_wait_for
 from tests.support.controller_fakes import ManualClock

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from controller.capacity.autoscaler import GroupScaler, ScalePolicy
-from controller.rules.deployment_file import validate_deployment
+from controller.rules.deployment_checks import validate_deployment
 from engine_server.load_meter import SAMPLE_PERIOD, InFlightMeter
 from motor.errors import InvalidArgument
 from tests.support.controller_harness import small_deployment

@@ -156,7 +156,7 @@ async def test_a_serving_instance_waiting_for_room_preempts_a_spare(harness):
 
 
 def test_too_many_spares_are_refused_naming_the_field():
-    from controller.rules.deployment_file import validate_deployment
+    from controller.rules.deployment_checks import validate_deployment
 
     with pytest.raises(InvalidArgument, match=r"instance_groups\[0\]\.spares: must be at most 10000 \(got 10001\)"):
         validate_deployment(union(count=1, spares=10001), max_engines=10**6)
@@ -171,7 +171,7 @@ def test_paired_groups_need_the_same_number_of_spares():
             {"name": "d", "role": "decode", "count": 1},
         ]
     )
-    from controller.rules.deployment_file import validate_deployment
+    from controller.rules.deployment_checks import validate_deployment
 
     with pytest.raises(InvalidArgument, match=r"instance_groups\[0\]\.spares: 'd' has 0 spare\(s\)"):
         validate_deployment(deployment)

@@ -9,7 +9,7 @@ import asyncio
 import grpc
 import pytest
 
-from controller.store.base import LEGACY_DEPLOYMENT
+from controller.store.interface import LEGACY_DEPLOYMENT
 from controller.store.sqlite import SqliteStore
 from motor.errors import InvalidArgument, NotFound
 from motor.v1 import controller_pb2 as C

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 
-from controller.rules.deployment_file import validate_deployment
+from controller.rules.deployment_checks import validate_deployment
 from motor.contract.deployment_file import deployment_from_dict
 from motor.errors import InvalidArgument
 

@@ -1,4 +1,4 @@
-"""The check of the engines a node reports (controller/rules/deployment_file.py): every id matched whole,
+"""The check of the engines a node reports (controller/rules/deployment_checks.py): every id matched whole,
 no control character in text that reaches events, logs, addresses or command lines, the field
 named by its place in the report; an engine reported again unchanged is not checked twice."""
 

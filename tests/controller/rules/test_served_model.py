@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from controller.rules.deployment_file import validate_deployment
+from controller.rules.deployment_checks import validate_deployment
 from motor.contract.deployment_file import deployment_from_dict
 from motor.contract.user_config import UserConfig
 from motor.errors import InvalidArgument

@@ -288,7 +288,7 @@ async def test_instances_a_change_removes_are_not_placed_while_it_removes_them(h
 
 def test_expanding_a_deployment_yields_between_instances_and_gives_what_expanding_at_once_does():
     """A 10,000-instance deployment was expanded at once at the start of every apply (25-40 ms)."""
-    from controller.rules.deployment_file import validate_deployment
+    from controller.rules.deployment_checks import validate_deployment
     from controller.rules.expansion import expand, expand_in_slices
 
     deployment = validate_deployment(

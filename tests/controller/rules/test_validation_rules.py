@@ -1,5 +1,5 @@
 """Deployment validation and expansion, rule by rule: every problem named, limits inclusive, spec hashes
-(controller/rules/deployment_file.py).
+(controller/rules/deployment_checks.py).
 
 Each test pins a boundary or a message a user relies on (they keep `make mutation` honest)."""
 
@@ -10,7 +10,7 @@ import re
 import pytest
 from google.protobuf.duration_pb2 import Duration
 
-from controller.rules.deployment_file import strategy_problems, validate_deployment
+from controller.rules.deployment_checks import strategy_problems, validate_deployment
 from controller.rules.expansion import GroupSpecs, InstanceSpec, expand, integral_numbers
 from controller.rules.node_reports import MAX_ENGINES_PER_NODE, check_engine_count
 from motor.errors import InvalidArgument, ResourceExhausted

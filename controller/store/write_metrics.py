@@ -14,7 +14,7 @@ from typing import Any
 
 from prometheus_client import Counter, Histogram
 
-from controller.store.base import LEGACY_DEPLOYMENT, Store, StoreChange, StoredNode, StoredState
+from controller.store.interface import LEGACY_DEPLOYMENT, Store, StoreChange, StoredNode, StoredState
 
 OPERATIONS = ("write", "transaction", "flush")
 WRITE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
