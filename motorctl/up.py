@@ -194,10 +194,6 @@ def main(argv: list[str] | None = None) -> int:
             "root: run it from there, or give --deployment FILE)"
         )
 
-    needs = vllm_missing(args.deployment)
-    if needs:
-        parser.error(needs)
-
     model_roots = [os.path.abspath(os.path.expanduser(root)) for root in args.model_root]
     for given, root in zip(args.model_root, model_roots):
         if not os.path.isdir(root):
@@ -205,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     problem = local_path_problem(args.deployment, model_roots)
     if problem:
         parser.error(problem)
+    # What this machine lacks after what the file gets wrong: the same answer with or without vLLM here.
+    needs = vllm_missing(args.deployment)
+    if needs:
+        parser.error(needs)
     try:
         accelerator_type, per_node, host_devices = accelerator_plan(
             args.accelerator_type, args.accelerators, args.nodes
