@@ -12,6 +12,7 @@ from aiohttp import web
 
 from engine_server.probing import HttpHealthClient, HttpProbeClient, ProbeFailed
 from motor.ports import free_port
+from tests.support import serve_app
 from tests.support.probing_fakes import serve_completions
 
 # ------------------------------------------------------------------ the HTTP probe client
@@ -64,13 +65,23 @@ async def test_long_bad_answers_are_cut_to_200_characters(completions):
         await client.close()
 
 
-async def test_a_slow_answer_times_out_at_the_clients_timeout(completions):
-    url, answer = completions
+@pytest.mark.parametrize(
+    "server, client, call, message",
+    [("completions", lambda url: HttpProbeClient(url, "prefill", timeout=0.2), "probe", r"^timed out after 0\.2s$"),
+     ("health_endpoint", lambda url: HttpHealthClient(url, timeout=0.2), "check",
+      r"^GET /health timed out after 0\.2s$")],
+    ids=["probe", "health"],
+)  # fmt: skip
+async def test_a_slow_answer_times_out_at_the_clients_timeout(
+    completions, health_endpoint, server, client, call, message
+):
+    """The probe's and the health check's clients alike: a hung server fails at the client's timeout."""
+    url, answer = {"completions": completions, "health_endpoint": health_endpoint}[server]
     answer["hang"] = True
-    client = HttpProbeClient(url, "prefill", timeout=0.2)
+    client = client(url)
     try:
-        with pytest.raises(ProbeFailed, match=r"^timed out after 0\.2s$"):
-            await asyncio.wait_for(client.probe(), 10)  # the outer bound only catches a missing timeout
+        with pytest.raises(ProbeFailed, match=message):
+            await asyncio.wait_for(getattr(client, call)(), 10)  # the outer bound only catches a missing timeout
     finally:
         await client.close()
 
@@ -110,11 +121,8 @@ async def health_endpoint():
 
     app = web.Application()
     app.add_routes([web.get("/health", handler)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield f"http://127.0.0.1:{port}", answer
+    runner, url = await serve_app(app)
+    yield url, answer
     released.set()
     await runner.cleanup()
 
@@ -141,17 +149,6 @@ async def test_health_passes_on_200_and_names_any_other_status(health_endpoint):
         answer["status"] = 201
         with pytest.raises(ProbeFailed, match=r"^GET /health answered 201$"):
             await client.check()
-    finally:
-        await client.close()
-
-
-async def test_a_slow_health_answer_times_out_at_the_clients_timeout(health_endpoint):
-    url, answer = health_endpoint
-    answer["hang"] = True
-    client = HttpHealthClient(url, timeout=0.2)
-    try:
-        with pytest.raises(ProbeFailed, match=r"^GET /health timed out after 0\.2s$"):
-            await asyncio.wait_for(client.check(), 10)  # the outer bound only catches a missing timeout
     finally:
         await client.close()
 
