@@ -6,6 +6,7 @@ Like test_probing_rules.py, written to kill the mutants `make mutation` found su
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 from aiohttp import web
@@ -13,7 +14,28 @@ from aiohttp import web
 from engine_server.probing import HttpHealthClient, HttpProbeClient, ProbeFailed
 from motor.ports import free_port
 from tests.support import serve_app
-from tests.support.probing_fakes import serve_completions
+
+
+@contextlib.asynccontextmanager
+async def answering(method, path: str, answer: dict, respond):
+    """The base URL of an in-process server whose `method` `path` answers `respond()`, or hangs
+    while `answer["hang"]` (hung requests released at the end)."""
+    released = asyncio.Event()
+
+    async def handler(request):
+        if answer["hang"]:
+            await released.wait()
+        return respond()
+
+    app = web.Application()
+    app.add_routes([method(path, handler)])
+    runner, url = await serve_app(app)
+    try:
+        yield url
+    finally:
+        released.set()
+        await runner.cleanup()
+
 
 # ------------------------------------------------------------------ the HTTP probe client
 
@@ -22,17 +44,12 @@ from tests.support.probing_fakes import serve_completions
 async def completions():
     """A /v1/completions server whose answer the test sets (status, raw body, whether it hangs)."""
     answer = {"status": 200, "body": '{"choices": [{"text": "x"}]}', "hang": False}
-    released = asyncio.Event()
 
-    async def handler(request):
-        if answer["hang"]:
-            await released.wait()
+    def respond():
         return web.Response(status=answer["status"], text=answer["body"], content_type="application/json")
 
-    url, runner = await serve_completions(handler)
-    yield url, answer
-    released.set()
-    await runner.cleanup()
+    async with answering(web.post, "/v1/completions", answer, respond) as url:
+        yield url, answer
 
 
 @pytest.mark.parametrize(
@@ -112,19 +129,8 @@ async def test_the_client_can_be_closed_unused_and_probes_again_after_close(comp
 async def health_endpoint():
     """(base URL, answer): a GET /health server whose status the test sets, or that hangs."""
     answer = {"status": 200, "hang": False}
-    released = asyncio.Event()
-
-    async def handler(request):
-        if answer["hang"]:
-            await released.wait()
-        return web.Response(status=answer["status"], text="")
-
-    app = web.Application()
-    app.add_routes([web.get("/health", handler)])
-    runner, url = await serve_app(app)
-    yield url, answer
-    released.set()
-    await runner.cleanup()
+    async with answering(web.get, "/health", answer, lambda: web.Response(status=answer["status"], text="")) as url:
+        yield url, answer
 
 
 @pytest.mark.parametrize(
