@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -27,10 +26,10 @@ from motor.v1 import (
     node_manager_pb2_grpc,
     types_pb2,
 )
-from tests.support import REPO_ROOT, process_alive, wait_for
+from tests.support import process_alive, wait_for
 from tests.support.local_cluster import example_cluster, started
+from tests.support.motorctl_up import motorctl_up_argv, start_motorctl_up
 
-DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 EXPECTED_ENGINES = {"prefill-0/rank0", "prefill-0/rank1", "decode-0/rank0"}
 
 
@@ -138,31 +137,13 @@ def test_motorctl_up_runs_until_ctrl_c_and_leaves_nothing(tmp_path):
     """What `make run` does: start, show status, stop on SIGINT, no process left behind."""
     run_dir = tmp_path / "run"
     metrics_base = free_port()
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "motorctl.cli",
-            "up",
-            "--nodes",
-            "2",
-            "--deployment",
-            DEPLOYMENT,
-            "--run-dir",
-            str(run_dir),
-            "--controller-port",
-            "0",
-            "--refresh",
-            "0.5",
-            "--metrics-port",
-            str(metrics_base),
-        ],  # not 9471: tests run side by side
-        cwd=REPO_ROOT,
+    process = start_motorctl_up(
+        motorctl_up_argv(
+            run_dir, "--controller-port", "0", "--refresh", "0.5", "--metrics-port", str(metrics_base), nodes=2
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    )  # metrics not on 9471: tests run side by side
     output: list[str] = []
     descendants: list[psutil.Process] = []
     try:

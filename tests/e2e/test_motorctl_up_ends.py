@@ -22,6 +22,7 @@ from tests.support.motorctl_up import (
     kill_all,
     motorctl_up_argv,
     run_motorctl_up,
+    start_motorctl_up,
     up_env,
 )
 
@@ -34,15 +35,7 @@ def screen_argv(run_dir, program: list[str] | None = None) -> list[str]:
 
 
 def motorctl_up(run_dir, stdout, prefix: list[str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        screen_argv(run_dir, prefix),
-        cwd=REPO_ROOT,
-        stdout=stdout,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env=up_env(),
-    )
+    return start_motorctl_up(screen_argv(run_dir, prefix), stdout)
 
 
 def wait_first_screen(process: subprocess.Popen, run_dir) -> list[psutil.Process]:

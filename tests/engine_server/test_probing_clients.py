@@ -6,13 +6,36 @@ Like test_probing_rules.py, written to kill the mutants `make mutation` found su
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 from aiohttp import web
 
 from engine_server.probing import HttpHealthClient, HttpProbeClient, ProbeFailed
 from motor.ports import free_port
-from tests.support.probing_fakes import serve_completions
+from tests.support import serve_app
+
+
+@contextlib.asynccontextmanager
+async def answering(method, path: str, answer: dict, respond):
+    """The base URL of an in-process server whose `method` `path` answers `respond()`, or hangs
+    while `answer["hang"]` (hung requests released at the end)."""
+    released = asyncio.Event()
+
+    async def handler(request):
+        if answer["hang"]:
+            await released.wait()
+        return respond()
+
+    app = web.Application()
+    app.add_routes([method(path, handler)])
+    runner, url = await serve_app(app)
+    try:
+        yield url
+    finally:
+        released.set()
+        await runner.cleanup()
+
 
 # ------------------------------------------------------------------ the HTTP probe client
 
@@ -21,17 +44,12 @@ from tests.support.probing_fakes import serve_completions
 async def completions():
     """A /v1/completions server whose answer the test sets (status, raw body, whether it hangs)."""
     answer = {"status": 200, "body": '{"choices": [{"text": "x"}]}', "hang": False}
-    released = asyncio.Event()
 
-    async def handler(request):
-        if answer["hang"]:
-            await released.wait()
+    def respond():
         return web.Response(status=answer["status"], text=answer["body"], content_type="application/json")
 
-    url, runner = await serve_completions(handler)
-    yield url, answer
-    released.set()
-    await runner.cleanup()
+    async with answering(web.post, "/v1/completions", answer, respond) as url:
+        yield url, answer
 
 
 @pytest.mark.parametrize(
@@ -64,13 +82,23 @@ async def test_long_bad_answers_are_cut_to_200_characters(completions):
         await client.close()
 
 
-async def test_a_slow_answer_times_out_at_the_clients_timeout(completions):
-    url, answer = completions
+@pytest.mark.parametrize(
+    "server, client, call, message",
+    [("completions", lambda url: HttpProbeClient(url, "prefill", timeout=0.2), "probe", r"^timed out after 0\.2s$"),
+     ("health_endpoint", lambda url: HttpHealthClient(url, timeout=0.2), "check",
+      r"^GET /health timed out after 0\.2s$")],
+    ids=["probe", "health"],
+)  # fmt: skip
+async def test_a_slow_answer_times_out_at_the_clients_timeout(
+    completions, health_endpoint, server, client, call, message
+):
+    """The probe's and the health check's clients alike: a hung server fails at the client's timeout."""
+    url, answer = {"completions": completions, "health_endpoint": health_endpoint}[server]
     answer["hang"] = True
-    client = HttpProbeClient(url, "prefill", timeout=0.2)
+    client = client(url)
     try:
-        with pytest.raises(ProbeFailed, match=r"^timed out after 0\.2s$"):
-            await asyncio.wait_for(client.probe(), 10)  # the outer bound only catches a missing timeout
+        with pytest.raises(ProbeFailed, match=message):
+            await asyncio.wait_for(getattr(client, call)(), 10)  # the outer bound only catches a missing timeout
     finally:
         await client.close()
 
@@ -101,22 +129,8 @@ async def test_the_client_can_be_closed_unused_and_probes_again_after_close(comp
 async def health_endpoint():
     """(base URL, answer): a GET /health server whose status the test sets, or that hangs."""
     answer = {"status": 200, "hang": False}
-    released = asyncio.Event()
-
-    async def handler(request):
-        if answer["hang"]:
-            await released.wait()
-        return web.Response(status=answer["status"], text="")
-
-    app = web.Application()
-    app.add_routes([web.get("/health", handler)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield f"http://127.0.0.1:{port}", answer
-    released.set()
-    await runner.cleanup()
+    async with answering(web.get, "/health", answer, lambda: web.Response(status=answer["status"], text="")) as url:
+        yield url, answer
 
 
 @pytest.mark.parametrize(
@@ -141,17 +155,6 @@ async def test_health_passes_on_200_and_names_any_other_status(health_endpoint):
         answer["status"] = 201
         with pytest.raises(ProbeFailed, match=r"^GET /health answered 201$"):
             await client.check()
-    finally:
-        await client.close()
-
-
-async def test_a_slow_health_answer_times_out_at_the_clients_timeout(health_endpoint):
-    url, answer = health_endpoint
-    answer["hang"] = True
-    client = HttpHealthClient(url, timeout=0.2)
-    try:
-        with pytest.raises(ProbeFailed, match=r"^GET /health timed out after 0\.2s$"):
-            await asyncio.wait_for(client.check(), 10)  # the outer bound only catches a missing timeout
     finally:
         await client.close()
 

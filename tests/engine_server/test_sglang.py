@@ -28,18 +28,21 @@ def options(role="prefill", **kwargs):
     return EngineOptions(**{**base, **kwargs})
 
 
-def test_argument_mapping_prefill_single_container():
-    args = SglangArgs(
+def fullest(**kwargs) -> SglangArgs:
+    """Every mapped field of SglangArgs set (a Qwen on two GPUs), with `kwargs` on top."""
+    base = dict(
         model_path="/models/qwen",
         served_model_name="qwen",
         tp_size=2,
         mem_fraction_static=0.8,
         context_length=4096,
         trust_remote_code=True,
-        transfer_backend="mooncake",
-        extra_args=["--log-level", "warning"],
-        launcher=["sglang-launch"],
     )
+    return SglangArgs(**{**base, **kwargs})
+
+
+def test_argument_mapping_prefill_single_container():
+    args = fullest(transfer_backend="mooncake", extra_args=["--log-level", "warning"], launcher=["sglang-launch"])
     command = sglang_command(args, options(kv_port=9100, dp_rpc_port=9200))
     assert command == [
         "sglang-launch", "--model-path", "/models/qwen", "--host", "10.0.0.5", "--port", "8000",
@@ -53,16 +56,7 @@ def test_argument_mapping_prefill_single_container():
 def test_every_mapped_flag_is_one_sglang_knows():
     """Each flag of the fullest mapping parses with SGLang's flag names and types (the stand-in's
     strict parser), to the values given."""
-    args = SglangArgs(
-        model_path="/models/qwen",
-        served_model_name="qwen",
-        tp_size=2,
-        mem_fraction_static=0.8,
-        context_length=4096,
-        trust_remote_code=True,
-        transfer_backend="nixl",
-        launcher=["x"],
-    )
+    args = fullest(transfer_backend="nixl", launcher=["x"])
     parsed = sglang_parser().parse_args(sglang_command(args, options(kv_port=9100, dp_rpc_port=9200))[1:])
     assert vars(parsed) == {
         "model_path": "/models/qwen", "host": "10.0.0.5", "port": 8000, "served_model_name": "qwen", "tp_size": 2,

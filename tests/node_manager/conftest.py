@@ -10,12 +10,18 @@ import os
 
 import pytest
 
-from motor.service.grpc_server import MotorServer, TlsFiles, service_name
-from motor.v1 import controller_pb2, controller_pb2_grpc
+from motor.service.grpc_server import TlsFiles
 from node_manager.config import NodeManagerConfig
 from node_manager.server import NodeManagerServer
 from tests.support import require
-from tests.support.node_manager_harness import ENGINE_SERVER, FakeController, Node, _port_slices, kill_engines_of
+from tests.support.node_manager_harness import (
+    ENGINE_SERVER,
+    FakeController,
+    Node,
+    _port_slices,
+    kill_engines_of,
+    serve_controller,
+)
 
 
 @pytest.fixture
@@ -61,14 +67,6 @@ async def make_node(tmp_path):
 @pytest.fixture
 async def fake_controller():
     controller = FakeController()
-    server = MotorServer("127.0.0.1:0")
-    server.add(
-        controller_pb2_grpc.add_ControllerServiceServicer_to_server,
-        controller,
-        service_name(controller_pb2, "ControllerService"),
-    )
-    port = await server.start()
-    controller.address = f"127.0.0.1:{port}"
-    controller.server = server
+    controller.server, controller.address = await serve_controller(controller)
     yield controller
-    await server.stop(grace=0)
+    await controller.server.stop(grace=0)

@@ -13,11 +13,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from motor.ports import free_port
-from motor.service.grpc_server import MotorServer, TlsFiles, aio_channel, service_name
-from motor.v1 import controller_pb2, controller_pb2_grpc, engine_pb2, engine_pb2_grpc, types_pb2
+from motor.service.grpc_server import TlsFiles, aio_channel
+from motor.v1 import engine_pb2, engine_pb2_grpc, types_pb2
 from motorctl.pki_command import make_dev_pki
 from tests.support import async_wait_for
-from tests.support.node_manager_harness import alive, sim_config
+from tests.support.node_manager_harness import alive, serve_controller, sim_config
 
 RUNNING, FAILED = types_pb2.ENGINE_STATE_RUNNING, types_pb2.ENGINE_STATE_FAILED
 
@@ -68,13 +68,7 @@ async def test_engines_keep_running_and_supervision_goes_on_while_the_controller
     assert engine.state == RUNNING and engine.pid == first.pid and alive(first.pid)
 
     # The controller comes back on the same address: heartbeats resume and carry the failure.
-    server = MotorServer(f"127.0.0.1:{port}")
-    server.add(
-        controller_pb2_grpc.add_ControllerServiceServicer_to_server,
-        fake_controller,
-        service_name(controller_pb2, "ControllerService"),
-    )
-    await server.start()
+    server, _ = await serve_controller(fake_controller, f"127.0.0.1:{port}")
     try:
         fake_controller.heartbeats.clear()
         beat = await async_wait_for(lambda: fake_controller.heartbeats, timeout=30, what="heartbeats resumed")

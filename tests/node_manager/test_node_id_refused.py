@@ -11,11 +11,10 @@ import pytest
 
 from motor.contract.names import check_node_id
 from motor.errors import InvalidArgument
-from motor.service.grpc_server import MotorServer, service_name
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from node_manager.controller_link import RegistrationRefused
 from tests.support.node_manager_fakes import ScriptedController, link  # noqa: F401 (fixtures)
-from tests.support.node_manager_harness import node_manager_process
+from tests.support.node_manager_harness import node_manager_process, serve_controller
 
 
 async def test_invalid_argument_on_register_is_fatal_after_one_call(link):  # noqa: F811
@@ -48,14 +47,8 @@ class RefusingController(controller_pb2_grpc.ControllerServiceServicer):
 @pytest.mark.processes
 async def test_a_node_manager_the_controller_refuses_stops_with_a_clear_message(tmp_path):
     controller = RefusingController("node-x")
-    server = MotorServer("127.0.0.1:0")
-    server.add(
-        controller_pb2_grpc.add_ControllerServiceServicer_to_server,
-        controller,
-        service_name(controller_pb2, "ControllerService"),
-    )
-    port = await server.start()
-    process = node_manager_process(tmp_path, "--node-id", "node-x", "--controller", f"127.0.0.1:{port}")
+    server, address = await serve_controller(controller)
+    process = node_manager_process(tmp_path, "--node-id", "node-x", "--controller", address)
     try:
         output, _ = await asyncio.to_thread(process.communicate, timeout=60)  # a hang fails here
     finally:

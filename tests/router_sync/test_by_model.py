@@ -18,8 +18,7 @@ pytestmark = pytest.mark.processes  # the real vllm-router and engine servers
 
 async def test_each_models_requests_reach_only_its_engines(model_router, chat_and_embed):
     engines = chat_and_embed
-    running = Running(model_router.url, by_model=True)
-    try:
+    async with Running(model_router.url, by_model=True) as running:
         running.sync.apply(
             snapshot(
                 served(engines["chat-0"], "chat", "sim-chat"),
@@ -39,16 +38,13 @@ async def test_each_models_requests_reach_only_its_engines(model_router, chat_an
             for i, m in (("chat-0", "sim-chat"), ("chat-1", "sim-chat"), ("embed-0", "sim-embed"))
         } | {f"http://chat-lora@127.0.0.1:{engines['chat-1'].port}": "chat-lora"}
         assert running.events == []
-    finally:
-        await running.close()
 
 
 async def test_an_unknown_model_gets_404_and_a_model_left_without_engines_reaches_no_other(
     model_router, chat_and_embed
 ):
     engines = chat_and_embed
-    running = Running(model_router.url, by_model=True)
-    try:
+    async with Running(model_router.url, by_model=True) as running:
         chat = [served(engines[i], "chat", "sim-chat") for i in ("chat-0", "chat-1")]
         embed = served(engines["embed-0"], "embed", "sim-embed")
         running.sync.apply(snapshot(*chat, embed))
@@ -63,8 +59,6 @@ async def test_an_unknown_model_gets_404_and_a_model_left_without_engines_reache
         await until(lambda: len(model_router.workers()) == 2, what="the embed engine removed")
         assert {a for a in await asyncio.to_thread(answers, model_router.url, "sim-embed")} == {(404, "NotFoundError")}
         assert await asyncio.to_thread(answers, model_router.url, "sim-chat") == [(200, "sim-chat")] * 12
-    finally:
-        await running.close()
 
 
 def filed_models(router) -> dict[str, str]:
@@ -75,8 +69,7 @@ def filed_models(router) -> dict[str, str]:
 
 async def test_a_url_taken_over_by_an_engine_of_another_model_is_filed_again_under_it(model_router, chat_and_embed):
     engines = chat_and_embed
-    running = Running(model_router.url, by_model=True)
-    try:
+    async with Running(model_router.url, by_model=True) as running:
         before = served(engines["embed-0"], "embed", "sim-embed")
         running.sync.apply(snapshot(before))
         url = before.url
@@ -85,8 +78,6 @@ async def test_a_url_taken_over_by_an_engine_of_another_model_is_filed_again_und
         after = served(engines["embed-0"], "rerank", "sim-rerank")
         running.sync.apply(controller_pb2.WatchEndpointsResponse(removed=[before], added=[after]))
         await until(lambda: filed_models(model_router) == {url: "sim-rerank"}, what="the URL filed under sim-rerank")
-    finally:
-        await running.close()
 
 
 async def test_what_a_client_gets_without_a_model_and_from_models_list(model_router, chat_and_embed):
@@ -97,8 +88,7 @@ async def test_what_a_client_gets_without_a_model_and_from_models_list(model_rou
     import openai
 
     engines = chat_and_embed
-    running = Running(model_router.url, by_model=True)
-    try:
+    async with Running(model_router.url, by_model=True) as running:
         running.sync.apply(
             snapshot(
                 *(served(engines[i], "chat", "sim-chat") for i in ("chat-0", "chat-1")),
@@ -111,5 +101,3 @@ async def test_what_a_client_gets_without_a_model_and_from_models_list(model_rou
         client = openai.OpenAI(base_url=model_router.url + "/v1", api_key="none")
         listed = await asyncio.to_thread(lambda: list(client.models.list()))
         assert listed == []
-    finally:
-        await running.close()

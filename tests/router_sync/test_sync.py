@@ -24,6 +24,12 @@ def endpoint(engine, name: str) -> controller_pb2.Endpoint:
     )
 
 
+async def both_added(router, running, first, second) -> None:
+    """Motor lists both engines; the router holds them both."""
+    running.sync.apply(snapshot(endpoint(first, "u-0"), endpoint(second, "u-1")))
+    await until(lambda: len(router.workers()) == 2, what="both engines added")
+
+
 @pytest.fixture
 def two_engines(engine_server):
     first = engine_server(sim_config("union"), role="union", instance_id="u-0")
@@ -38,39 +44,30 @@ async def test_snapshot_adds_listed_engines_and_removes_what_motor_does_not_list
     first, second = two_engines
     stranger = f"http://127.0.0.1:{second.port}"
     router.add(stranger)  # a worker added by hand, not listed by Motor
-    running = Running(router.url)
-    try:
+    async with Running(router.url) as running:
         await asyncio.sleep(0.3)
         assert router.workers() == {stranger}, "before Motor's first list the router is left alone"
         running.sync.apply(snapshot(endpoint(first, "u-0")))
         await until(lambda: router.workers() == {f"http://127.0.0.1:{first.port}"}, what="the snapshot applied")
         assert running.events == []
-    finally:
-        await running.close()
 
 
 async def test_a_removed_endpoint_leaves_the_router_within_milliseconds(any_router, two_engines):
     router = any_router
     first, second = two_engines
-    running = Running(router.url)
-    try:
-        running.sync.apply(snapshot(endpoint(first, "u-0"), endpoint(second, "u-1")))
-        await until(lambda: len(router.workers()) == 2, what="both engines added")
+    async with Running(router.url) as running:
+        await both_added(router, running, first, second)
         began = time.monotonic()
         running.sync.apply(controller_pb2.WatchEndpointsResponse(removed=[endpoint(second, "u-1")]))
         await until(lambda: router.workers() == {f"http://127.0.0.1:{first.port}"}, what="the removal")
         assert time.monotonic() - began < 1.0
-    finally:
-        await running.close()
 
 
 async def test_a_restarted_router_gets_the_whole_list_again_with_one_announcement_each_way(any_router, two_engines):
     router = any_router
     first, second = two_engines
-    running = Running(router.url)
-    try:
-        running.sync.apply(snapshot(endpoint(first, "u-0"), endpoint(second, "u-1")))
-        await until(lambda: len(router.workers()) == 2, what="both engines added")
+    async with Running(router.url) as running:
+        await both_added(router, running, first, second)
         router.stop()
         running.sync.apply(controller_pb2.WatchEndpointsResponse(removed=[endpoint(second, "u-1")]))
         await until(lambda: any("not answering" in e for e in running.events), what="the router-down announcement")
@@ -80,8 +77,6 @@ async def test_a_restarted_router_gets_the_whole_list_again_with_one_announcemen
         await until(lambda: router.workers() == {f"http://127.0.0.1:{first.port}"}, what="the re-sync")
         await until(lambda: any("answers again" in e for e in running.events), what="the router-back announcement")
         assert len(running.events) == 2, running.events
-    finally:
-        await running.close()
 
 
 async def test_a_worker_the_router_refuses_is_announced_with_its_answer_and_the_others_still_added(router, two_engines):
@@ -89,8 +84,7 @@ async def test_a_worker_the_router_refuses_is_announced_with_its_answer_and_the_
     silent = controller_pb2.Endpoint(
         instance_id="gone", engine_id="gone/rank0", role=UNION, url="http://127.0.0.1:9"
     )  # nothing answers its /health
-    running = Running(router.url)
-    try:
+    async with Running(router.url) as running:
         running.sync.apply(snapshot(endpoint(first, "u-0"), silent))
         await until(
             lambda: any("refused worker http://127.0.0.1:9" in e for e in running.events),
@@ -99,8 +93,6 @@ async def test_a_worker_the_router_refuses_is_announced_with_its_answer_and_the_
         )
         assert router.workers() == {f"http://127.0.0.1:{first.port}"}
         assert "HTTP " in running.events[0] or "no answer within" in running.events[0]
-    finally:
-        await running.close()
 
 
 async def test_a_flapping_endpoint_does_not_postpone_the_periodic_relist(router, two_engines):
@@ -109,8 +101,7 @@ async def test_a_flapping_endpoint_does_not_postpone_the_periodic_relist(router,
     while one deployment's endpoint comes and goes faster than that interval."""
     first, second = two_engines
     flapping = endpoint(second, "u-1")
-    running = Running(router.url)
-    try:
+    async with Running(router.url) as running:
         running.sync.apply(snapshot(endpoint(first, "u-0")))
         await until(lambda: router.workers() == {f"http://127.0.0.1:{first.port}"}, what="the snapshot applied")
         stranger = f"http://127.0.0.1:{second.port}"
@@ -123,8 +114,6 @@ async def test_a_flapping_endpoint_does_not_postpone_the_periodic_relist(router,
                 gone_after = time.monotonic() - began
         assert gone_after is not None, "the stranger stayed: the flapping stream postponed every re-list"
         assert gone_after < 3.0, gone_after
-    finally:
-        await running.close()
 
 
 async def test_a_router_restarted_between_two_calls_is_counted_once_and_given_its_whole_list(router, two_engines):
@@ -132,8 +121,7 @@ async def test_a_router_restarted_between_two_calls_is_counted_once_and_given_it
     as an empty list at its next re-list counts as one, like one it saw not answering."""
     first, second = two_engines
     urls = {f"http://127.0.0.1:{first.port}", f"http://127.0.0.1:{second.port}"}
-    running = Running(router.url)
-    try:
+    async with Running(router.url) as running:
         running.sync.apply(snapshot(endpoint(first, "u-0"), endpoint(second, "u-1")))
         await until(lambda: router.workers() == urls and running.sync.held == urls, what="both engines held")
         assert running.sync.router_restarts == 0
@@ -144,5 +132,3 @@ async def test_a_router_restarted_between_two_calls_is_counted_once_and_given_it
         await asyncio.sleep(1.5)  # several re-lists later: still one
         assert running.sync.router_restarts == 1, running.events
         assert len(running.events) in (1, 2), running.events  # "(restarted)", or "not answering" and "answers again"
-    finally:
-        await running.close()

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from motor.v1 import controller_pb2 as C
+from tests.support.background import EveryInterval
 from tests.support.chaos_cluster import BASELINE_ENGINES, BASELINE_INSTANCES, ChaosCluster, deployment
 from tests.support.chaos_table import Row, record
 from tests.support.process_cluster import apply
@@ -24,34 +24,23 @@ SETTLE_BOUND = 90.0
 STAYS_WHOLE_FOR = 1.5
 
 
-class DuplicateWatch:
+class DuplicateWatch(EveryInterval):
     """Samples the machine's engine processes in the background while a row runs, keeping when
     each (instance, rank) was seen with more than one live process."""
 
     def __init__(self, cluster: ChaosCluster, interval: float = 0.2):
-        self.cluster, self.interval = cluster, interval
+        super().__init__(interval, name="duplicate-watch")
+        self.cluster = cluster
         self.seen: list[tuple[float, set[tuple[str, int]]]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="duplicate-watch", daemon=True)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            sampled_at = time.monotonic()
-            twice = {key for key, pids in self.cluster.engine_processes().items() if len(pids) > 1}
-            if twice:
-                self.seen.append((sampled_at, twice))
-            self._stop.wait(self.interval)
+    def step(self) -> None:
+        sampled_at = time.monotonic()
+        twice = {key for key, pids in self.cluster.engine_processes().items() if len(pids) > 1}
+        if twice:
+            self.seen.append((sampled_at, twice))
 
     def twice(self, since: float = 0.0, until: float = float("inf")) -> set[tuple[str, int]]:
         return set().union(*(keys for at, keys in self.seen if since <= at < until))
-
-    def __enter__(self) -> DuplicateWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 @dataclass

@@ -9,6 +9,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from tests.support.background import OpenLoop
+
 
 @dataclass
 class Outcome:
@@ -18,34 +20,15 @@ class Outcome:
     error: str = ""  # the exception's name when there was no answer
 
 
-class FreshConnectionLoad:
+class FreshConnectionLoad(OpenLoop):
     def __init__(self, port: int, model: str, period: float = 0.05, timeout: float = 30.0) -> None:
-        self.port, self.model, self.period, self.timeout = port, model, period, timeout
+        super().__init__(period, timeout + 5)
+        self.port, self.model, self.timeout = port, model, timeout
         self.outcomes: list[Outcome] = []
         self.in_flight = 0
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._sender = threading.Thread(target=self._send, daemon=True)
-        self._threads: list[threading.Thread] = []
 
-    def __enter__(self) -> FreshConnectionLoad:
-        self._sender.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._sender.join()
-        for thread in self._threads:
-            thread.join(self.timeout + 5)
-
-    def _send(self) -> None:
-        while not self._stop.is_set():
-            thread = threading.Thread(target=self._one, daemon=True)
-            thread.start()
-            self._threads.append(thread)
-            time.sleep(self.period)
-
-    def _one(self) -> None:
+    def request(self) -> None:
         sent = time.monotonic()
         with self._lock:
             self.in_flight += 1

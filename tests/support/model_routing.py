@@ -78,7 +78,8 @@ async def until(predicate, timeout: float = 15.0, what: str = "condition"):
 
 
 class Running:
-    """A RouterSync's run() in the background, and what it announced."""
+    """A RouterSync's run() in the background, and what it announced; `async with Running(url) as
+    running:` closes it at the block's end."""
 
     def __init__(self, router_url: str, **options):
         self.events: list[str] = []
@@ -90,3 +91,9 @@ class Running:
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
         await self.admin.close()
+
+    async def __aenter__(self) -> Running:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

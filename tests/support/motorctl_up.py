@@ -7,8 +7,10 @@ import os
 import subprocess
 import sys
 
+import grpc
 import psutil
 
+from motor.v1 import controller_pb2_grpc
 from motorctl.run_processes import run_processes
 from tests.support import REPO_ROOT, wait_for
 
@@ -38,6 +40,40 @@ def run_motorctl_up(run_dir, *flags: str, deployment: str = DEPLOYMENT, timeout:
         timeout=timeout,
         env=up_env(),
     )
+
+
+def start_motorctl_up(
+    argv: list[str], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """`argv` (a `motorctl up` command line) started in a session of its own from the repository's
+    root, its output text; `env`: up_env() unless given."""
+    return subprocess.Popen(
+        argv,
+        cwd=REPO_ROOT,
+        stdout=stdout,
+        stderr=stderr,
+        text=True,
+        start_new_session=True,
+        env=env if env is not None else up_env(),
+    )
+
+
+def until_controller_answers(
+    process: subprocess.Popen, address: str, read, what: str, timeout: float = 120, interval: float = 0.3
+):
+    """What `read(stub)` gives (a ControllerService stub on `address`) once it gives something; an
+    RPC error is no answer yet, and `motorctl up` (`process`, its stderr piped) ending fails."""
+    with grpc.insecure_channel(address) as channel:
+        stub = controller_pb2_grpc.ControllerServiceStub(channel)
+
+        def answered():
+            assert process.poll() is None, f"motorctl up ended: {process.stderr.read()}"
+            try:
+                return read(stub)
+            except grpc.RpcError:
+                return None
+
+        return wait_for(answered, timeout=timeout, interval=interval, what=what)
 
 
 def cluster_processes(run_dir) -> list[psutil.Process]:

@@ -12,7 +12,7 @@ import sys
 
 from motor import processes
 from motor.errors import FailedPrecondition
-from motor.service.grpc_server import TlsFiles, aio_channel
+from motor.service.grpc_server import MotorServer, TlsFiles, aio_channel, service_name
 from motor.v1 import controller_pb2, controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc, types_pb2
 from node_manager.server import NodeManagerServer
 from tests.support import async_wait_for
@@ -102,6 +102,19 @@ class Node:
         return await async_wait_for(
             reached, timeout=timeout, what=f"{engine_id} in {types_pb2.EngineState.Name(state)}"
         )
+
+
+async def serve_controller(servicer, address: str = "127.0.0.1:0") -> tuple[MotorServer, str]:
+    """`servicer` served as the ControllerService at `address` (a free port by default): the
+    started server and the address it listens at."""
+    server = MotorServer(address)
+    server.add(
+        controller_pb2_grpc.add_ControllerServiceServicer_to_server,
+        servicer,
+        service_name(controller_pb2, "ControllerService"),
+    )
+    port = await server.start()
+    return server, f"127.0.0.1:{port}"
 
 
 class FakeController(controller_pb2_grpc.ControllerServiceServicer):

@@ -4,10 +4,11 @@ kept, for tests that count what a fault cost clients; and HTTP in one call."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 import urllib.error
 import urllib.request
+
+from tests.support.background import OpenLoop
 
 
 def http(method: str, url: str, body=None, timeout: float = 10.0) -> tuple[int, str]:
@@ -20,7 +21,7 @@ def http(method: str, url: str, body=None, timeout: float = 10.0) -> tuple[int, 
         return exc.code, exc.read().decode()
 
 
-class OpenLoad:
+class OpenLoad(OpenLoop):
     """Open-loop completions through a router (one request every `period` s, each on its own
     thread): a stalled request does not slow the others. `results`: (sent, status, answered)."""
 
@@ -31,32 +32,12 @@ class OpenLoad:
     ):
         """`timeout`: each request's; `body`: the completion sent (the simulated engine's by default);
         `join_timeout`: how long the end waits for each request thread (default `timeout` + 5)."""
-        self.url, self.period, self.timeout = url, period, timeout
+        super().__init__(period, join_timeout or timeout + 5)
+        self.url, self.timeout = url, timeout
         self.body = body if body is not None else self.SIM_COMPLETION
-        self.join_timeout = join_timeout or timeout + 5
         self.results: list[tuple[float, int, float]] = []
-        self._stop = threading.Event()
-        self._sender = threading.Thread(target=self._send, daemon=True)
-        self._threads: list[threading.Thread] = []
 
-    def __enter__(self) -> OpenLoad:
-        self._sender.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._sender.join()
-        for thread in self._threads:
-            thread.join(timeout=self.join_timeout)
-
-    def _send(self) -> None:
-        while not self._stop.is_set():
-            thread = threading.Thread(target=self._one, daemon=True)
-            thread.start()
-            self._threads.append(thread)
-            time.sleep(self.period)
-
-    def _one(self) -> None:
+    def request(self) -> None:
         sent = time.monotonic()
         try:
             status, _ = http("POST", self.url + "/v1/completions", self.body, timeout=self.timeout)

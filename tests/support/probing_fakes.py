@@ -12,7 +12,7 @@ from engine_server.probing import PeakSampler, ProbeFailed, Prober
 from engine_server.status import Event, HealthStateMachine
 from motor.clock import SystemClock
 from motor.contract.user_config import HealthCheckConfig
-from motor.ports import free_port
+from tests.support import serve_app
 
 SETTINGS = HealthCheckConfig(
     enable_virtual_inference=True,
@@ -89,11 +89,8 @@ async def serve_completions(handler) -> tuple[str, web.AppRunner]:
     """(base URL, runner) of an in-process server answering POST /v1/completions with `handler`."""
     app = web.Application()
     app.add_routes([web.post("/v1/completions", handler)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return f"http://127.0.0.1:{port}", runner
+    runner, url = await serve_app(app)
+    return url, runner
 
 
 class ScriptedHealth:

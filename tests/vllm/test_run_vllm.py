@@ -16,13 +16,12 @@ import signal
 import subprocess
 import sys
 
-import grpc
 import pytest
 
 from motor.ports import free_port
-from motor.v1 import controller_pb2, controller_pb2_grpc
-from tests.support import REPO_ROOT, require, wait_for
-from tests.support.motorctl_up import assert_nothing_left, kill_all
+from motor.v1 import controller_pb2
+from tests.support import REPO_ROOT, require
+from tests.support.motorctl_up import assert_nothing_left, kill_all, start_motorctl_up, until_controller_answers
 from tests.support.open_load import http
 from tests.support.vllm_engines import START_TIMEOUT, vllm_installed
 
@@ -66,33 +65,30 @@ def test_make_run_vllm_serves_a_completion_a_chat_and_a_stream_through_the_route
     subprocess.run(argv, env=model_env, cwd=REPO_ROOT, check=True, timeout=300, capture_output=True)
     argv, up_env = split_command(commands[1], env)
     assert up_env.get("HF_HUB_OFFLINE") == "1"
-    process = subprocess.Popen(
-        argv,
-        cwd=REPO_ROOT,
-        env=up_env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    process = start_motorctl_up(argv, env=up_env)
     router = f"http://127.0.0.1:{router_port}"
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{controller_port}") as channel:
-            stub = controller_pb2_grpc.ControllerServiceStub(channel)
 
-            def served():
-                assert process.poll() is None, f"motorctl up ended: {process.stderr.read()}"
-                try:
-                    instances = stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=5).instances
-                except grpc.RpcError:
-                    return None
-                assert all(i.state != controller_pb2.INSTANCE_STATE_FAILED for i in instances), instances
-                status, text = http("GET", router + "/list_workers")
-                return status == 200 and json.loads(text)["urls"]
+        def served(stub):
+            """The node, once the vLLM engine is behind the router."""
+            instances = stub.ListInstances(controller_pb2.ListInstancesRequest(), timeout=5).instances
+            assert all(i.state != controller_pb2.INSTANCE_STATE_FAILED for i in instances), instances
+            status, text = http("GET", router + "/list_workers")
+            return (
+                status == 200
+                and json.loads(text)["urls"]
+                and stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=5).nodes[0]
+            )
 
-            wait_for(served, timeout=START_TIMEOUT + 60, interval=1, what="the vLLM engine behind the router")
-            node = stub.ListNodes(controller_pb2.ListNodesRequest(), timeout=5).nodes[0]
-            assert node.info.accelerator_type == "cpu" and list(node.info.model_roots) == ["/tmp/motor-models"]
+        node = until_controller_answers(
+            process,
+            f"127.0.0.1:{controller_port}",
+            served,
+            what="the vLLM engine behind the router",
+            timeout=START_TIMEOUT + 60,
+            interval=1,
+        )
+        assert node.info.accelerator_type == "cpu" and list(node.info.model_roots) == ["/tmp/motor-models"]
         status, text = http(
             "POST", router + "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 3}, 60
         )

@@ -6,7 +6,6 @@ router."""
 from __future__ import annotations
 
 import signal
-import threading
 import time
 
 import grpc
@@ -14,6 +13,7 @@ import pytest
 
 from motor.v1 import controller_pb2, controller_pb2_grpc
 from tests.support import wait_for
+from tests.support.background import EveryInterval
 from tests.support.etcd_members import _require_etcd
 from tests.support.open_load import OpenLoad
 from tests.support.router_checks import apply, union, workers
@@ -25,26 +25,15 @@ def cluster(tmp_path_factory):
     yield from routed_cluster(tmp_path_factory, "restart", engine_port_base=35500)
 
 
-class WorkerCounts:
+class WorkerCounts(EveryInterval):
     """The router's worker count, read every 20 ms on a thread."""
 
     def __init__(self, cluster):
+        super().__init__(0.02)
         self.cluster, self.counts = cluster, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
 
-    def __enter__(self) -> WorkerCounts:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            self.counts.append(len(workers(self.cluster)))
-            time.sleep(0.02)
+    def step(self) -> None:
+        self.counts.append(len(workers(self.cluster)))
 
 
 def restart_controller(cluster) -> None:

@@ -14,7 +14,7 @@ import time
 
 from motor.ports import free_port
 from tests.support import REPO_ROOT, wait_for
-from tests.support.motorctl_up import assert_nothing_left
+from tests.support.motorctl_up import assert_nothing_left, motorctl_up_argv, start_motorctl_up
 from tests.support.open_load import http
 
 
@@ -47,16 +47,13 @@ def complete(door: str, body: dict) -> tuple[int, dict]:
 def test_the_second_model_walkthrough_runs_as_written(tmp_path):
     controller, router = free_port(), free_port()
     door = f"http://127.0.0.1:{router}"
-    up = subprocess.Popen(
-        [sys.executable, "-m", "motorctl.cli", "up", "--nodes", "2", "--deployment", "examples/local-deployment.yaml"]
-        + ["--run-dir", str(tmp_path / "run"), "--controller-port", str(controller), "--router-port", str(router)]
-        + ["--metrics-port", str(free_port())],
-        cwd=REPO_ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env=dict(os.environ, PYTHONPATH=REPO_ROOT),
+    up = start_motorctl_up(
+        motorctl_up_argv(
+            tmp_path / "run",
+            *("--controller-port", str(controller), "--router-port", str(router), "--metrics-port", str(free_port())),
+            deployment="examples/local-deployment.yaml",
+            nodes=2,
+        )
     )
     try:
         wait_for(lambda: models(door) == ["sim-tiny"], timeout=120, interval=0.3, what="sim-tiny through the door")
