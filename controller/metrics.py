@@ -1,7 +1,7 @@
 """Prometheus metrics of the controller: nodes and instances by state (read at scrape time
 through the callables the controller passes), reschedules by reason and rate-limit hold-backs,
 time from an engine's failure to its replacement NORMAL, heartbeat ingest latency. The store's
-series (controller.store.metrics) come in as `collectors`; the fleet aggregates (per group and
+series (controller.store.write_metrics) come in as `collectors`; the fleet aggregates (per group and
 state, the nodes not READY) are rendered apart (controller.fleet_metrics) and served after
 these. Per-engine series are the node managers' (node_manager/metrics.py)."""
 
