@@ -170,8 +170,11 @@ def test_motorctl_up_runs_until_ctrl_c_and_leaves_nothing(tmp_path):
             for seen in output
             if seen.strip().endswith("/metrics") and len(seen.split()) == 2
         }
-        assert set(listed) == {"controller", "node-a", "node-b", "router"}, "".join(output[-40:])
+        assert set(listed) == {"controller", "node-a", "node-b", "router", "front-door"}, "".join(output[-40:])
         assert listed["controller"] == f"http://127.0.0.1:{metrics_base}/metrics"
+        # The front door's own series: what clients got, per model.
+        with urllib.request.urlopen(listed["front-door"], timeout=10) as answer:
+            assert "motor_front_door_requests" in answer.read().decode()
         # The router's own series (its port's /metrics would answer with an engine's).
         with urllib.request.urlopen(listed["router"], timeout=10) as answer:
             router_metrics = answer.read().decode()
