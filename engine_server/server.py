@@ -26,7 +26,7 @@ from engine_server.probing import (
     ProbeRecord,
 )  # fmt: skip
 from engine_server.samplers import choose_sampler
-from engine_server.serving import CHECK_PERIOD, ServingChange, ServingWatchdog
+from engine_server.serving import CHECK_PERIOD, RecoveryProbes, ServingChange, ServingWatchdog
 from engine_server.status import Event, Health, HealthStateMachine, Transition
 from motor.clock import SYSTEM_CLOCK, Clock
 from motor.contract.user_config import EngineSection
@@ -214,21 +214,15 @@ class EngineServer:
             self._tasks.append(self._recovery_task)
 
     async def _recovery_probes(self) -> None:
-        """While not serving, one probe every probe_interval: an engine whose clients gave up
-        (nothing in flight to show progress) or that no longer gets requests (out of the
-        routers) comes back when a probe is answered."""
+        """While not serving, recovery probes (serving.RecoveryProbes): an engine whose clients
+        gave up (nothing in flight to show progress) or that no longer gets requests (out of the
+        routers) comes back as soon as it answers one."""
         try:
-            while not self.watchdog.serving and not (self.machine.dead or self._closing):
-                await self.clock.sleep(self.settings.probe_interval)
-                if self.watchdog.serving or self.draining or self.sleeping:
-                    continue
-                try:
-                    async with asyncio.timeout(self.settings.probe_timeout):
-                        await self._probe_client.probe()
-                except (TimeoutError, ProbeFailed) as exc:
-                    logger.info("recovery probe failed (%s): still not serving", exc or "timed out")
-                    continue
-                self.watchdog.probe_succeeded()
+            await RecoveryProbes(
+                self.settings, self._probe_client, self.watchdog, self.clock,
+                paused=lambda: self.draining or self.sleeping,
+                stopped=lambda: self.machine.dead or self._closing,
+            ).run()  # fmt: skip
         finally:
             if self._recovery_task is asyncio.current_task():
                 self._recovery_task = None

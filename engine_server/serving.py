@@ -9,6 +9,10 @@ state machine:
     STALLED --progress again, or a recovery probe answers--> SERVING
     FAILING --a client request succeeds, or a recovery probe answers--> SERVING
 
+While not serving, one recovery probe is outstanding at a time (`RecoveryProbes`), the first at
+once: a probe queued in a hung engine is answered when the hang ends, so the engine is back about
+when it is (the requests it held were failed back: no progress of theirs can say so).
+
 A not-serving engine is left out of the routers at once (EngineStatus.not_serving_reason, carried
 by the node manager to the controller's endpoints): leaving rotation is cheap and early. A state
 that lasts `stall_kill_after` (a stall counted from its last progress, failing from its
@@ -19,12 +23,14 @@ on an engine without requests in flight and no failures: an idle hang is the pro
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from engine_server.probing import ProbeClient, ProbeFailed
 from engine_server.status import Event, Health, HealthStateMachine
 from motor.clock import SYSTEM_CLOCK, Clock
 from motor.contract.user_config import HealthCheckConfig
@@ -39,6 +45,10 @@ logger = logging.getLogger(__name__)
 FAILED_IN_A_ROW = 3
 # How often the watchdog reads the engine: a stall is seen within this of stall_timeout.
 CHECK_PERIOD = 0.2
+# Recovery probes start at least this far apart: a probe failing at once (inference answering
+# 500, a refused connection) is not repeated in a busy loop. One that waits (queued in a hung
+# engine) is followed at once when probe_timeout ends it, so one is always waiting in the engine.
+RECOVERY_PROBE_SPACING = 0.5
 
 
 class Serving(enum.Enum):
@@ -193,3 +203,45 @@ class ServingWatchdog:
     def _observe(self) -> None:
         for state in (Serving.STALLED, Serving.FAILING):
             self.metrics.not_serving.labels(state.value).set(1 if self.state is state else 0)
+
+
+@dataclass(eq=False)
+class RecoveryProbes:
+    """While the watchdog says not serving: 1-token probes, one at a time, each bounded by
+    probe_timeout, started RECOVERY_PROBE_SPACING apart at most, the first at once; the first
+    answered brings the engine back (`ServingWatchdog.probe_succeeded`). Not probe_interval: that
+    paces the probing of a serving engine, and waiting it out kept a 3 s hang out of the routers
+    for 5 s more, or got it killed (a probe_interval over stall_kill_after - stall_timeout).
+    `paused` (draining, sleeping) sends none; `stopped` (dead, closing) ends the run."""
+
+    settings: HealthCheckConfig
+    client: ProbeClient
+    watchdog: ServingWatchdog
+    clock: Clock = SYSTEM_CLOCK
+    paused: Callable[[], bool] = lambda: False
+    stopped: Callable[[], bool] = lambda: False
+
+    async def run(self) -> None:
+        said = None  # the last failure logged: a failure repeating twice a second is said once
+        while not (self.watchdog.serving or self.stopped()):
+            started = self.clock.monotonic()
+            if not self.paused():
+                failure = await self._probe()
+                if not failure:
+                    self.watchdog.probe_succeeded()
+                    return
+                if failure != said:
+                    logger.info("recovery probe failed (%s): still not serving", failure)
+                    said = failure
+            await self.clock.sleep(max(0.0, started + RECOVERY_PROBE_SPACING - self.clock.monotonic()))
+
+    async def _probe(self) -> str:
+        """'' when the probe was answered, else why not."""
+        try:
+            async with asyncio.timeout(self.settings.probe_timeout):
+                await self.client.probe()
+        except TimeoutError:
+            return f"timed out after {self.settings.probe_timeout:g}s"
+        except ProbeFailed as exc:
+            return str(exc) or "failed"
+        return ""
