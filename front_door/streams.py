@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 WATCHED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 MAX_PENDING = 1024 * 1024  # an event's first part held for its end at most; longer, it is written on as it is
-TAIL = 64  # the answer's last bytes kept: enough to hold its last event, `data: [DONE]`
+TAIL = 64  # the answer's last bytes searched for its last event, `data: [DONE]`
 # The last event is `data: [DONE]` (SSE: the space after the colon is optional; lines end in CRLF,
 # LF or CR; an event ends at a blank line), whatever whitespace follows it.
 DONE = re.compile(rb"(?:^|[\r\n])data: ?\[DONE\][ \t]*(?:\r\n|\n|\r)(?:\r\n|\n|\r)\s*$")
@@ -62,7 +62,7 @@ class Stream:
         self.request = request
         self.chunked = chunked  # re-framed as chunks; else it ends when the connection does
         self.cut = cut
-        self.tail = b""
+        self.last = b""  # the last bytes written on
         self.pending = b""  # the start of an event whose end has not come yet
         self.passed = 0
 
@@ -71,18 +71,20 @@ class Stream:
         bytes, until the next read), so that a cut never leaves half an event before the error's."""
         if self.pending:
             data, self.pending = self.pending + data, b""
-        whole = events_end(data)
-        if whole < len(data) and len(data) - whole <= MAX_PENDING:
-            data, self.pending = data[:whole], data[whole:]
-        if data:
-            self.passed += len(data)
-            self.tail = data[-TAIL:] if len(data) >= TAIL else (self.tail + data)[-TAIL:]
-            self.transport.write(b"%x\r\n" % len(data) + data + b"\r\n" if self.chunked else data)
+        if not data.endswith(b"\n\n"):  # (most reads end with an event)
+            whole = events_end(data)
+            if whole < len(data) and len(data) - whole <= MAX_PENDING:
+                data, self.pending = data[:whole], data[whole:]
+                if not data:
+                    return
+        self.passed += len(data)
+        self.last = data  # whole events: the last one is in it whole (unless one outgrew MAX_PENDING)
+        self.transport.write(b"%x\r\n" % len(data) + data + b"\r\n" if self.chunked else data)
 
     def whole(self) -> bool:
         """The answer ended with `data: [DONE]` and nothing after it but whitespace (an event
         unended at the end is discarded, as an SSE client discards it)."""
-        return not self.pending.strip() and DONE.search(self.tail) is not None
+        return not self.pending.strip() and DONE.search(self.last[-TAIL:]) is not None
 
     def end(self, broken: bool) -> bool:
         """The router's answer ended (`broken`: its connection did, before the answer's end). Writes
