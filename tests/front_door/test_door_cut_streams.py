@@ -156,3 +156,19 @@ async def test_streams_of_other_apis_and_answers_that_are_not_streams_pass_as_th
     writer.close()
     assert reply.startswith(b"HTTP/1.1 200") and b"application/json" in reply
     assert cut_count(door) == 0
+
+
+@pytest.mark.parametrize("end", ["done", "clean"])
+async def test_an_http_10_client_s_stream_ends_with_its_connection_after_the_error_event_if_cut(door, end):
+    """HTTP/1.0 has no chunks: the answer ends when the connection does, the error event before."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", door.port)
+    writer.write(post(f"/v1/completions?end={end}").replace(b"HTTP/1.1", b"HTTP/1.0"))
+    reply = await asyncio.wait_for(reader.read(), 5)  # to the connection's end
+    writer.close()
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.") and b"chunked" not in head.lower()
+    assert body.startswith(b"".join(EVENTS))
+    if end == "done":
+        assert body == b"".join(EVENTS) + DONE and cut_count(door) == 0
+    else:
+        assert len(error_events(body)) == 1 and b"[DONE]" not in body and cut_count(door) == 1
