@@ -79,6 +79,9 @@ class Stream:
                     return
         self.passed += len(data)
         self.last = data  # whole events: the last one is in it whole (unless one outgrew MAX_PENDING)
+        self._write(data)
+
+    def _write(self, data: bytes) -> None:
         self.transport.write(b"%x\r\n" % len(data) + data + b"\r\n" if self.chunked else data)
 
     def whole(self) -> bool:
@@ -90,6 +93,9 @@ class Stream:
         """The router's answer ended (`broken`: its connection did, before the answer's end). Writes
         the error event if the answer was cut, then the answer's end; True if the client's answer
         is whole (its connection may carry the next request), False if that must close."""
+        if self.pending and not self.pending.strip():  # whitespace after the last event: passed on
+            self._write(self.pending)
+            self.pending = b""
         if not self.whole():
             how = f"{'broke' if broken else 'ended'} after {self.passed} bytes"
             self.cut(self.request, how)
@@ -99,8 +105,7 @@ class Stream:
                 "param": None,
                 "code": 503,
             }
-            event = b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
-            self.transport.write(b"%x\r\n" % len(event) + event + b"\r\n" if self.chunked else event)
+            self._write(b"data: " + json.dumps({"error": error}).encode() + b"\n\n")
         if self.chunked:
             self.transport.write(b"0\r\n\r\n")
         return self.chunked

@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from front_door.policy import FrontDoor
+from front_door.streams import Stream
 from motor.ports import free_port
 from tests.support import serve_app
 
@@ -172,3 +173,51 @@ async def test_an_http_10_client_s_stream_ends_with_its_connection_after_the_err
         assert body == b"".join(EVENTS) + DONE and cut_count(door) == 0
     else:
         assert len(error_events(body)) == 1 and b"[DONE]" not in body and cut_count(door) == 1
+
+
+class Written:
+    def __init__(self) -> None:
+        self.data = b""
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+
+def stream_of(*pieces: bytes) -> tuple[bytes, list[str]]:
+    """What a (close-delimited) Stream writes for the router's body in `pieces`, and the cuts it reported."""
+    written, cuts = Written(), []
+    stream = Stream(written, None, chunked=False, cut=lambda request, how: cuts.append(how))
+    for piece in pieces:
+        stream.body(piece)
+    stream.end(broken=True)
+    return written.data, cuts
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [b"data: 1\n\ndata: [DO", b"NE]\n\n"],
+        [b"data: 1\r\n\r\ndata:[DONE]\r", b"\n\r\n"],  # CRLF lines, no space after the colon
+        [b"data: 1\r\rdata: [DONE]\r\r\n"],
+    ],
+)
+def test_a_stream_ending_with_done_however_split_is_whole(pieces):
+    data, cuts = stream_of(*pieces)
+    assert data == b"".join(pieces) and cuts == []
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [b"data: 1\n\n", b'data: {"half'],  # half an event: never written, the error event in its place
+        [b"data: 1\n\ndata: [DONE]\n"],  # an event unended at the end is discarded (SSE), so is this [DONE]
+        [b"data: [DONE]\n\n", b"data: 2\n\n"],  # something after [DONE]
+        [b"data: 1\n\n", b"\n"],  # whitespace after an event that is not [DONE]
+        [],
+    ],
+)
+def test_a_stream_without_a_last_done_is_cut_and_no_half_event_is_written(pieces):
+    data, cuts = stream_of(*pieces)
+    assert len(cuts) == 1 and b"half" not in data
+    events = [event for event in data.split(b"\n\n") if event]
+    assert json.loads(events[-1][len(b"data: ") :])["error"]["code"] == 503
