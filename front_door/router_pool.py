@@ -16,10 +16,13 @@ MAX_IDLE = 256  # idle connections to the router kept for reuse
 
 
 class Observer(Protocol):
-    """Writes an answer on in the relay's place (front_door/streams.py's Stream): its body as it is
-    read, then its end; `end` says whether the client's answer is whole (else its connection closes)."""
+    """Writes an answer on in the relay's place (front_door/streams.py's Stream): its body's pieces
+    (`body`) as each read is parsed (`flush`), then its end; `end` says whether the client's answer
+    is whole (else its connection closes)."""
 
     def body(self, data: bytes) -> None: ...
+
+    def flush(self) -> None: ...
 
     def end(self, broken: bool) -> bool: ...
 
@@ -125,6 +128,8 @@ class RouterConnection(asyncio.Protocol):
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade):  # (a 101: the door never asks for one)
             self.transport.close()  # the client's answer is cut where the router's went wrong
+        if self.observer is not None:
+            self.observer.flush()
 
     # httptools' callbacks
     def on_headers_complete(self) -> None:

@@ -63,12 +63,21 @@ class Stream:
         self.chunked = chunked  # re-framed as chunks; else it ends when the connection does
         self.cut = cut
         self.last = b""  # the last bytes written on
+        self.read: list[bytes] = []  # the body's pieces in the read being parsed
         self.pending = b""  # the start of an event whose end has not come yet
         self.passed = 0
 
     def body(self, data: bytes) -> None:
-        """Written on up to its last whole event: an event's first part waits for the rest (a few
-        bytes, until the next read), so that a cut never leaves half an event before the error's."""
+        self.read.append(data)  # (a read of several chunks is written on as one, at `flush`)
+
+    def flush(self) -> None:
+        """What the last read brought, written on up to its last whole event: an event's first part
+        waits for the rest (a few bytes, until the next read), so that a cut never leaves half an
+        event before the error's."""
+        if not self.read:
+            return
+        data = self.read[0] if len(self.read) == 1 else b"".join(self.read)
+        self.read.clear()
         if self.pending:
             data, self.pending = self.pending + data, b""
         if not data.endswith(b"\n\n"):  # (most reads end with an event)
@@ -93,6 +102,7 @@ class Stream:
         """The router's answer ended (`broken`: its connection did, before the answer's end). Writes
         the error event if the answer was cut, then the answer's end; True if the client's answer
         is whole (its connection may carry the next request), False if that must close."""
+        self.flush()
         if self.pending and not self.pending.strip():  # whitespace after the last event: passed on
             self._write(self.pending)
             self.pending = b""

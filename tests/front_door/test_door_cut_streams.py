@@ -189,6 +189,7 @@ def stream_of(*pieces: bytes) -> tuple[bytes, list[str]]:
     stream = Stream(written, None, chunked=False, cut=lambda request, how: cuts.append(how))
     for piece in pieces:
         stream.body(piece)
+        stream.flush()
     stream.end(broken=True)
     return written.data, cuts
 
