@@ -36,6 +36,7 @@ from front_door.messages import Answer, Forward, Passed, Request, error_answer, 
 from front_door.model_field import NOT_NAMED, TooComplex, model_field, with_model
 from front_door.relay import Relay
 from front_door.router_pool import RouterPool
+from front_door.streams import watch
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,13 @@ class FrontMetrics:
             "Requests the router did not answer (no connection, or the connection broke).",
             registry=self.registry,
         )
+        self.streams_cut = Counter(
+            "motor_front_door_streams_cut",
+            "Streamed answers the router ended before their `data: [DONE]` (their engine died): each was ended "
+            "with an OpenAI error event (front_door/streams.py), by the model named.",
+            ["model"],
+            registry=self.registry,
+        )
         self._counted: dict[tuple[str, int], Counter] = {}  # label lookups are the costly part
 
     def count(self, model: str, status: int) -> None:
@@ -154,6 +162,7 @@ class FrontDoor:
             ended=self.ended,
             refused=lambda status: self.metrics.count("", status),
             read=self.read,
+            observe=lambda request, status, head, transport: watch(request, status, head, transport, self.cut),
             max_body=max_body,
         )
 
@@ -282,6 +291,17 @@ class FrontDoor:
             self.metrics.router_errors.inc()
         if passed.status:  # a client that left before the router answered: nobody's failure counted
             self.metrics.count(request.label if request else "", passed.status)
+
+    def cut(self, request: Request, how: str) -> None:
+        """A stream the router ended before its `[DONE]`: its client is sent an error event."""
+        self.metrics.streams_cut.labels(request.label).inc()
+        logger.warning(
+            "stream cut: POST %s for model %r: the router's answer %s, before `data: [DONE]`; the client was sent an "
+            "error event",
+            request.path,
+            request.label,
+            how,
+        )
 
     def router_failed(self, request: Request, exc: BaseException) -> Answer:
         """504 when the router's answer did not begin in time, else 502 (no connection, or it closed)."""

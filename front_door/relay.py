@@ -3,10 +3,10 @@
 The front door (front_door/policy.py) decides what a request gets: an answer of its own, or the
 router. This module only moves the bytes. A request is read whole (the door must see its `model`)
 and sent on one pooled keep-alive connection to the router; the router's answer goes back to the
-client as the router wrote it, each read written on at once (a stream passes chunk by chunk) and
-read no faster than the client takes it (back-pressure: the router's connection stops being read
-while the client's buffer is full). A client that goes away closes its request's connection to the
-router, which cancels the generation there.
+client as the router wrote it (a stream the door observes, re-chunked: `Relay.observe`), each read
+written on at once and read no faster than the client takes it (back-pressure: the router's
+connection stops being read while the client's buffer is full). A client that goes away closes its
+request's connection to the router, which cancels the generation there.
 
 Why not aiohttp's server and client, as the door had: they cost about 160 µs of CPU per request
 against 25-30 µs here and nginx's 23 µs as a plain proxy (bench/front_door.py `--nginx`), which on a
@@ -29,7 +29,7 @@ import httptools
 
 from front_door.bodies import TOO_LARGE, BodyReader
 from front_door.messages import Answer, Forward, Passed, Request, error_answer, forwarded
-from front_door.router_pool import RouterConnection, RouterPool
+from front_door.router_pool import Observer, RouterConnection, RouterPool
 
 logger = logging.getLogger(__name__)
 
@@ -208,8 +208,7 @@ class ClientConnection(asyncio.Protocol):
             self._next()
 
     def _declined_upgrade_body(self) -> bool:
-        """For a request offering an upgrade with a body, the head that reads that body (its
-        method, version, framing, keep-alive) once llhttp stops at the offer."""
+        """The head to read a declined upgrade offer's body with (method, version, framing, keep-alive)."""
         framing = b""
         for name, value in self.headers:
             lower = name.lower()
@@ -238,9 +237,7 @@ class ClientConnection(asyncio.Protocol):
                 return
             self._serve(request, self.relay.bodies.prepare(request, self.relay.max_body))
         if self.current is None and not self.waiting and not self.closing:
-            if (
-                self.continue_owed and self.refusal is None
-            ):  # every earlier answer is written: the client may send its body
+            if self.continue_owed and self.refusal is None:  # earlier answers written: the client may send its body
                 self.continue_owed = False
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             if self.refusal is not None:
@@ -314,10 +311,12 @@ class ClientConnection(asyncio.Protocol):
         self._send(router, request, data, reused=False)
 
     # what the router's connection reports
-    def router_began(self, status: int) -> None:
+    def router_began(self, status: int, head: bytes) -> Observer | None:
         if self.passed is not None and status >= 200:
             self.passed.status = status
             self.relay.answered(self.current)
+            return self.relay.observe(self.current, status, head, self.transport)
+        return None
 
     def router_finished(self, router: RouterConnection) -> None:
         self.router = None
@@ -347,8 +346,7 @@ class ClientConnection(asyncio.Protocol):
                 why += "; the request was not sent again (it may have begun): retry it"
             self._router_failed(request, ConnectionResetError(why))
             return
-        # The answer had begun (a stream, or one without a length): the client sees it end as the
-        # router's did.
+        # The answer had begun (one without a length, unobserved): the client sees it end as the router's did.
         self._done()
         self.closing = True
         self.transport.close()
@@ -391,7 +389,8 @@ class Relay:
     """The listening side: `read` reads a request's body off the loop where it is large (an answer
     of its own when it cannot), `decide` gives a request's own answer or passes it on; `began`,
     `answered` (the router's answer began) and `ended` are told of each request passed on;
-    `refused`, of each the relay answered itself as unreadable (400, 413, 415, 431, 501)."""
+    `refused`, of each the relay answered itself as unreadable (400, 413, 415, 431, 501); `observe`
+    gives what writes an answer on once its head is read (front_door/streams.py), or None: as it came."""
 
     pool: RouterPool
     decide: Callable[[Request], Answer | Forward]
@@ -401,6 +400,7 @@ class Relay:
     ended: Callable[[Request | None, Passed], None] = lambda request, passed: None
     refused: Callable[[int], None] = lambda status: None
     read: Callable[[Request], Answer | None] = lambda request: None
+    observe: Callable[[Request | None, int, bytes, asyncio.Transport], Observer | None] = lambda *answer: None
     max_body: int = 256 * 1024 * 1024
     # A client connection with nothing with the router is closed after this many idle seconds, or
     # a request's headers not whole by then (aiohttp's server and nginx keep 75 s): clients that

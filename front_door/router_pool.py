@@ -15,13 +15,25 @@ logger = logging.getLogger(__name__)
 MAX_IDLE = 256  # idle connections to the router kept for reuse
 
 
+class Observer(Protocol):
+    """Writes an answer on in the relay's place (front_door/streams.py's Stream): its body's pieces
+    (`body`) as each read is parsed (`flush`), then its end; `end` says whether the client's answer
+    is whole (else its connection closes)."""
+
+    def body(self, data: bytes) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def end(self, broken: bool) -> bool: ...
+
+
 class RouterClient(Protocol):
     """What a connection to the router tells the client connection it carries a request for
     (front_door/relay.py's ClientConnection)."""
 
     transport: asyncio.Transport
 
-    def router_began(self, status: int) -> None: ...
+    def router_began(self, status: int, head: bytes) -> Observer | None: ...
 
     def router_finished(self, connection: RouterConnection) -> None: ...
 
@@ -79,6 +91,8 @@ class RouterConnection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.head_only = False
         self.answered = False  # a byte of the answer reached the client
+        self.head: bytes | None = None  # the answer's bytes until its head is read (then written), else None
+        self.observer: Observer | None = None  # writes this answer on in place of `data_received`
         self.lost = False
         self.first_byte: asyncio.TimerHandle | None = None  # the deadline on the answer's first byte
         self.timed_out = False  # closed by that deadline
@@ -89,6 +103,7 @@ class RouterConnection(asyncio.Protocol):
     def send(self, client: RouterClient, data: bytes, head_only: bool, deadline: float) -> None:
         """`data` sent for `client`; closed (timed_out) if no byte of an answer comes within `deadline` s."""
         self.client, self.head_only, self.answered = client, head_only, False
+        self.head, self.observer = b"", None
         self.parser = httptools.HttpResponseParser(self)
         self.transport.write(data)
         self.first_byte = asyncio.get_running_loop().call_later(deadline, self._no_first_byte)
@@ -102,27 +117,42 @@ class RouterConnection(asyncio.Protocol):
         if client is None:  # nothing asked: the router has nothing to say on this connection
             self.transport.close()
             return
-        if not self.answered and self.first_byte is not None:
+        if self.first_byte is not None:
             self.first_byte.cancel()
-        self.answered = True
-        client.transport.write(data)
+            self.first_byte = None
+        if self.head is not None:  # held until the head is read: the client's answer may be observed
+            self.head += data
+        elif self.observer is None:
+            client.transport.write(data)
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade):  # (a 101: the door never asks for one)
             self.transport.close()  # the client's answer is cut where the router's went wrong
+        if self.observer is not None:
+            self.observer.flush()
 
     # httptools' callbacks
     def on_headers_complete(self) -> None:
         if self.client is not None:
-            self.client.router_began(self.parser.get_status_code())
+            head, self.head = self.head, None  # (None after an interim 1xx answer: what follows passed as it came)
+            self.observer = self.client.router_began(self.parser.get_status_code(), head or b"")
+            if head and self.observer is None:
+                self.client.transport.write(head)
+            self.answered = True
         if self.head_only:
             self.on_message_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if self.observer is not None:
+            self.observer.body(body)
 
     def on_message_complete(self) -> None:
         client, self.client = self.client, None
         if client is None or self.parser.get_status_code() < 200:
             self.client = client  # an interim answer (1xx): the real one follows
             return
+        if self.observer is not None:
+            self.observer.end(broken=False)
         keep = self.parser.should_keep_alive()
         client.router_finished(self)
         if keep:
@@ -135,5 +165,7 @@ class RouterConnection(asyncio.Protocol):
         if self.first_byte is not None:
             self.first_byte.cancel()
         client, self.client = self.client, None
-        if client is not None:
+        if client is not None and self.observer is not None and self.observer.end(broken=True):
+            client.router_finished(self)  # the observer ended the client's answer whole
+        elif client is not None:
             client.router_lost(self)

@@ -1,0 +1,145 @@
+"""A streamed answer is never silently truncated (issue 56, item 3; docs/router.md).
+
+vllm-router cannot retry a stream that has begun: when the engine serving it dies, the router ends
+the client's answer where the engine's ended, with no `data: [DONE]` and no error event (its
+chunked answer cut, or ended as if whole). An OpenAI client reads to that end without an
+exception: a truncated answer that looks complete.
+
+The relay (front_door/relay.py) asks `watch` about each answer the router begins. For a streamed
+completion or chat completion (`POST /v1/completions`, `/v1/chat/completions`; 200,
+`text/event-stream`) it returns a `Stream`, which writes the answer on in its place: the router's
+head as it came, each body piece as it is read (as its own chunk of the client's chunked answer),
+and, when the router's answer ends, its end. Where that answer did not end with `data: [DONE]`
+(the terminator OpenAI's API, vLLM and SGLang send after every whole stream of these two
+endpoints) the end is first an OpenAI error event, which OpenAI's clients raise as an `APIError`
+(openai-python's `Stream` raises on an event with an `error` key), and never a `[DONE]`.
+
+Why `[DONE]` and not the last choice's `finish_reason`: a `finish_reason` comes before the usage
+event (`stream_options.include_usage`), comes once per choice with `n > 1`, and the OpenAI client
+itself stops only at `[DONE]`; an answer cut after its `finish_reason` but before `[DONE]` is
+still reported (its text is whole; only what followed is missing).
+
+Other streams (the Responses and Anthropic APIs, which end with events of their own, not
+`[DONE]`) and every answer that is not a stream pass byte for byte as before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable
+
+from front_door.messages import Request
+
+logger = logging.getLogger(__name__)
+
+WATCHED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+MAX_PENDING = 1024 * 1024  # an event's first part held for its end at most; longer, it is written on as it is
+TAIL = 64  # the answer's last bytes searched for its last event, `data: [DONE]`
+# The last event is `data: [DONE]` (SSE: the space after the colon is optional; lines end in CRLF,
+# LF or CR; an event ends at a blank line), whatever whitespace follows it.
+DONE = re.compile(rb"(?:^|[\r\n])data: ?\[DONE\][ \t]*(?:\r\n|\n|\r)(?:\r\n|\n|\r)\s*$")
+CUT = (
+    "The answer was cut: the engine serving this stream stopped before the answer ended "
+    "({passed} bytes of it had passed). Retry the request."
+)
+
+
+def events_end(data: bytes) -> int:
+    """Where the last whole SSE event in `data` ends (an event ends at a blank line), 0 if none."""
+    end = data.rfind(b"\n\n") + 2 if b"\n\n" in data else 0
+    if b"\r" in data:  # lines ended by CRLF or CR (vLLM, SGLang and the router send LF)
+        end = max(end, data.rfind(b"\r\n\r\n") + 4, data.rfind(b"\r\r") + 2)
+    return end
+
+
+class Stream:
+    """One streamed answer, written on to the client as it is read; its end written by `end`."""
+
+    def __init__(self, transport, request: Request, chunked: bool, cut: Callable[[Request, str], None]) -> None:
+        self.transport = transport
+        self.request = request
+        self.chunked = chunked  # re-framed as chunks; else it ends when the connection does
+        self.cut = cut
+        self.last = b""  # the last bytes written on
+        self.read: list[bytes] = []  # the body's pieces in the read being parsed
+        self.pending = b""  # the start of an event whose end has not come yet
+        self.passed = 0
+
+    def body(self, data: bytes) -> None:
+        self.read.append(data)  # (a read of several chunks is written on as one, at `flush`)
+
+    def flush(self) -> None:
+        """What the last read brought, written on up to its last whole event: an event's first part
+        waits for the rest (a few bytes, until the next read), so that a cut never leaves half an
+        event before the error's."""
+        if not self.read:
+            return
+        data = self.read[0] if len(self.read) == 1 else b"".join(self.read)
+        self.read.clear()
+        if self.pending:
+            data, self.pending = self.pending + data, b""
+        if not data.endswith(b"\n\n"):  # (most reads end with an event)
+            whole = events_end(data)
+            if whole < len(data) and len(data) - whole <= MAX_PENDING:
+                data, self.pending = data[:whole], data[whole:]
+                if not data:
+                    return
+        self.passed += len(data)
+        self.last = data  # whole events: the last one is in it whole (unless one outgrew MAX_PENDING)
+        self._write(data)
+
+    def _write(self, data: bytes) -> None:
+        self.transport.write(b"%x\r\n" % len(data) + data + b"\r\n" if self.chunked else data)
+
+    def whole(self) -> bool:
+        """The answer ended with `data: [DONE]` and nothing after it but whitespace (an event
+        unended at the end is discarded, as an SSE client discards it)."""
+        return not self.pending.strip() and DONE.search(self.last[-TAIL:]) is not None
+
+    def end(self, broken: bool) -> bool:
+        """The router's answer ended (`broken`: its connection did, before the answer's end). Writes
+        the error event if the answer was cut, then the answer's end; True if the client's answer
+        is whole (its connection may carry the next request), False if that must close."""
+        self.flush()
+        if self.pending and not self.pending.strip():  # whitespace after the last event: passed on
+            self._write(self.pending)
+            self.pending = b""
+        if not self.whole():
+            how = f"{'broke' if broken else 'ended'} after {self.passed} bytes"
+            self.cut(self.request, how)
+            error = {
+                "message": CUT.format(passed=self.passed),
+                "type": "ServiceUnavailableError",
+                "param": None,
+                "code": 503,
+            }
+            self._write(b"data: " + json.dumps({"error": error}).encode() + b"\n\n")
+        if self.chunked:
+            self.transport.write(b"0\r\n\r\n")
+        return self.chunked
+
+
+def watch(
+    request: Request | None, status: int, head: bytes, transport, cut: Callable[[Request, str], None]
+) -> Stream | None:
+    """A `Stream` to write `request`'s answer on, which began with `head` (the router's bytes up to
+    here: its status line, headers and maybe the body's first bytes), having written that answer's
+    head; None to pass the answer as it came."""
+    if status != 200 or request is None or request.method != "POST" or request.path not in WATCHED_PATHS:
+        return None
+    end = head.find(b"\r\n\r\n")
+    if end < 0 or b"text/event-stream" not in head[:end].lower():
+        return None
+    fields: dict[bytes, bytes] = {}
+    for line in head[:end].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        fields[name.strip().lower()] = value.strip().lower()
+    if not fields.get(b"content-type", b"").startswith(b"text/event-stream") or b"content-length" in fields:
+        return None  # a length: the answer is whole when it ends, there is nothing to add
+    chunked = fields.get(b"transfer-encoding", b"").endswith(b"chunked")
+    if not chunked and fields.get(b"transfer-encoding"):
+        return None  # another coding (the router sends none): passed as it came
+    transport.write(head[: end + 4])
+    return Stream(transport, request, chunked, cut)
