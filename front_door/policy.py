@@ -108,6 +108,15 @@ class FrontMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=self.registry,
         )
+        self.first_token = Histogram(
+            "motor_front_door_time_to_first_token_seconds",
+            "From a streamed completion's arrival to its first event written to the client, by the model named: "
+            "the time to first token as the client sees it (the router's and the engine's time, queueing and "
+            "prefill included; the response headers come before it).",
+            ["model"],
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40),
+            registry=self.registry,
+        )
         self.in_flight = Gauge(
             "motor_front_door_requests_in_flight",
             "Requests being passed to the router now; one that keeps growing means the router or its engines answer "
@@ -162,7 +171,9 @@ class FrontDoor:
             ended=self.ended,
             refused=lambda status: self.metrics.count("", status),
             read=self.read,
-            observe=lambda request, status, head, transport: watch(request, status, head, transport, self.cut),
+            observe=lambda request, status, head, transport: watch(
+                request, status, head, transport, self.cut, self.first_event
+            ),
             max_body=max_body,
         )
 
@@ -291,6 +302,9 @@ class FrontDoor:
             self.metrics.router_errors.inc()
         if passed.status:  # a client that left before the router answered: nobody's failure counted
             self.metrics.count(request.label if request else "", passed.status)
+
+    def first_event(self, request: Request) -> None:
+        self.metrics.first_token.labels(request.label).observe(time.monotonic() - request.began)
 
     def cut(self, request: Request, how: str) -> None:
         """A stream the router ended before its `[DONE]`: its client is sent an error event."""

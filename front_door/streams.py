@@ -57,11 +57,19 @@ def events_end(data: bytes) -> int:
 class Stream:
     """One streamed answer, written on to the client as it is read; its end written by `end`."""
 
-    def __init__(self, transport, request: Request, chunked: bool, cut: Callable[[Request, str], None]) -> None:
+    def __init__(
+        self,
+        transport,
+        request: Request,
+        chunked: bool,
+        cut: Callable[[Request, str], None],
+        first: Callable[[Request], None] = lambda request: None,
+    ) -> None:
         self.transport = transport
         self.request = request
         self.chunked = chunked  # re-framed as chunks; else it ends when the connection does
         self.cut = cut
+        self.first = first  # told when the first whole event goes to the client (its time to first token)
         self.last = b""  # the last bytes written on
         self.read: list[bytes] = []  # the body's pieces in the read being parsed
         self.pending = b""  # the start of an event whose end has not come yet
@@ -86,6 +94,8 @@ class Stream:
                 data, self.pending = data[:whole], data[whole:]
                 if not data:
                     return
+        if not self.passed:
+            self.first(self.request)
         self.passed += len(data)
         self.last = data  # whole events: the last one is in it whole (unless one outgrew MAX_PENDING)
         self._write(data)
@@ -122,7 +132,12 @@ class Stream:
 
 
 def watch(
-    request: Request | None, status: int, head: bytes, transport, cut: Callable[[Request, str], None]
+    request: Request | None,
+    status: int,
+    head: bytes,
+    transport,
+    cut: Callable[[Request, str], None],
+    first: Callable[[Request], None] = lambda request: None,
 ) -> Stream | None:
     """A `Stream` to write `request`'s answer on, which began with `head` (the router's bytes up to
     here: its status line, headers and maybe the body's first bytes), having written that answer's
@@ -142,4 +157,4 @@ def watch(
     if not chunked and fields.get(b"transfer-encoding"):
         return None  # another coding (the router sends none): passed as it came
     transport.write(head[: end + 4])
-    return Stream(transport, request, chunked, cut)
+    return Stream(transport, request, chunked, cut, first)

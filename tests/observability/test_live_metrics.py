@@ -78,6 +78,13 @@ def scraped(cluster) -> dict[str, str]:
         f"{cluster.router_url}/v1/completions", completion, {"Content-Type": "application/json"}
     )
     wait_for(lambda: urllib.request.urlopen(asked, timeout=10).status == 200, 30, 0.5, "a completion through the door")
+    # And one streamed: the time to first token the client sees is measured on streams.
+    streamed = json.dumps({"model": "sim-tiny", "prompt": "hi", "max_tokens": 2, "stream": True}).encode()
+    with urllib.request.urlopen(
+        urllib.request.Request(f"{cluster.router_url}/v1/completions", streamed, {"Content-Type": "application/json"}),
+        timeout=10,
+    ) as answer:
+        assert answer.read().rstrip().endswith(b"data: [DONE]")
     urls = dict(cluster.metrics_urls())
     _get(urls.pop("router"))  # vllm-router's own /metrics answers; its series are the router's, not Motor's
     bodies.update({name: _get(url) for name, url in urls.items()})
