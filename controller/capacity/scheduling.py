@@ -74,7 +74,7 @@ class Scheduler:
         self.fleet_view = FleetView(state)
         self.launches_open = 0  # launch tasks spawned and not finished (at most LAUNCHES_OPEN)
         self._serving_waits = False
-        self._spread: dict[str, Counter[str]] = {}  # group -> its serving instances by node (one pass)
+        self._spread: dict[str, Counter[str]] | None = None  # group -> its serving instances by node (one pass)
         self._spares_to_preempt = True
 
     # ------------------------------------------------------------------ the reconcile pass
@@ -94,15 +94,16 @@ class Scheduler:
         budget = Budget()
         now_wall, now = st.wall(), st.mono()
         fleet: Fleet | None = None
-        self._spread: dict[str, Counter[str]] = {}  # group -> its serving instances by node, for this pass
+        self._spread = None  # counted again at this pass's first placement
         self._serving_waits = False  # a serving instance found no room in this pass: no spare is placed
         self._spares_to_preempt = True  # until a look finds none that would help (one look per pass at most)
         for instance_id in sorted(st.attention, key=st.placement_order):  # first come, first served
             if (yield from budget.checkpoint()):
                 if st.store.busy:
                     return
-                now_wall, now, fleet = st.wall(), st.mono(), None  # anything may have changed meanwhile
-                self._spread = {}
+                # Anything may have changed meanwhile. (The spread counts are kept: a preference,
+                # not room; counting them again at every slice made a 10,000-instance apply quadratic.)
+                now_wall, now, fleet = st.wall(), st.mono(), None
             if instance_id in st.leaving:
                 # A deployment change removes or replaces it (controller/deploy/changes.py): placed
                 # meanwhile, it would be started only to be stopped (a delete of 10,000 PENDING
@@ -168,16 +169,17 @@ class Scheduler:
 
     def _group_spread(self, inst: InstanceRecord) -> Counter[str]:
         """The nodes holding the serving instances of `inst`'s group, each counted once per
-        instance (its ranks together): placement spreads the group from them. Counted once a pass
-        per group (every instance looked at once), then kept up to date by the pass's placements."""
-        spread = self._spread.get(inst.group)
-        if spread is None:
+        instance (its ranks together): placement spreads the group from them. Counted for every
+        group in one sweep at a pass's first placement, then kept up to date by its placements."""
+        if self._spread is None:  # every group's, in one sweep of the instances
             st = self.state
-            spread = self._spread[inst.group] = Counter()
+            self._spread = {}
             for other in st.instances.values():
-                if other.group == inst.group and not other.spare:
-                    spread.update({s.node_id for s in st.slots_of(other.instance_id) if s.node_id})
-        return spread
+                if not other.spare:
+                    nodes = {s.node_id for s in st.slots_of(other.instance_id) if s.node_id}
+                    if nodes:
+                        self._spread.setdefault(other.group, Counter()).update(nodes)
+        return self._spread.setdefault(inst.group, Counter())
 
     def _place(self, inst: InstanceRecord, unplaced: list[EngineSlot], fleet: Fleet) -> None:
         st = self.state
