@@ -8,47 +8,12 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from engine_server.metrics import EngineServerMetrics
-from engine_server.probing import PeakSampler, ProbeFailed, Prober
+from engine_server.probing import ProbeFailed, Prober
 from engine_server.serving import CHECK_PERIOD, FAILED_IN_A_ROW, Serving, ServingChange, ServingWatchdog
 from engine_server.status import Event, Health, HealthStateMachine
 from motor.contract.user_config import HealthCheckConfig
-from tests.support.probing_fakes import FixedSampler, Progress
+from tests.support.probing_fakes import SEED, Progress, seed_prober
 from tests.support.virtual_clock import VirtualClock
-
-# The seed's health settings (issue reports): probes every 2 s, 5 s timeout, 3 failures, 20 s busy.
-SEED = HealthCheckConfig(
-    enable_virtual_inference=True,
-    probe_interval=2,
-    probe_timeout=5,
-    max_failure_count=3,
-    busy_probe_interval=20,
-)
-
-
-class HungInference:
-    """A probe to a hung engine core: no answer until the probe timeout (on the virtual clock)."""
-
-    def __init__(self, clock: VirtualClock, timeout: float):
-        self.clock, self.timeout, self.calls = clock, timeout, 0
-
-    async def probe(self) -> None:
-        self.calls += 1
-        await self.clock.sleep(self.timeout)
-        raise ProbeFailed(f"timed out after {self.timeout:g}s")
-
-
-def seed_prober(clock: VirtualClock, utilization: float, progress: Progress) -> tuple[Prober, HealthStateMachine]:
-    machine = HealthStateMachine(clock)
-    machine.fire(Event.HEALTH_UP, "up")
-    prober = Prober(
-        SEED,
-        HungInference(clock, SEED.probe_timeout),
-        PeakSampler(FixedSampler(utilization), SEED.utilization_window, SEED.utilization_sample_period, clock),
-        machine,
-        clock=clock,
-        progress=progress,
-    )
-    return prober, machine
 
 
 async def run_prober_until_abnormal(utilization: float) -> tuple[float, Prober]:

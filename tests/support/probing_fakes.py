@@ -13,6 +13,7 @@ from engine_server.status import Event, HealthStateMachine
 from motor.clock import SystemClock
 from motor.contract.user_config import HealthCheckConfig
 from tests.support import serve_app
+from tests.support.virtual_clock import VirtualClock
 
 SETTINGS = HealthCheckConfig(
     enable_virtual_inference=True,
@@ -102,3 +103,39 @@ class ScriptedHealth:
         self.calls += 1
         if self.problem:
             raise ProbeFailed(self.problem)
+
+
+# The seed's health settings (issue reports): probes every 2 s, 5 s timeout, 3 failures, 20 s busy.
+SEED = HealthCheckConfig(
+    enable_virtual_inference=True,
+    probe_interval=2,
+    probe_timeout=5,
+    max_failure_count=3,
+    busy_probe_interval=20,
+)
+
+
+class HungInference:
+    """A probe to a hung engine core: no answer until the probe timeout (on the virtual clock)."""
+
+    def __init__(self, clock: VirtualClock, timeout: float):
+        self.clock, self.timeout, self.calls = clock, timeout, 0
+
+    async def probe(self) -> None:
+        self.calls += 1
+        await self.clock.sleep(self.timeout)
+        raise ProbeFailed(f"timed out after {self.timeout:g}s")
+
+
+def seed_prober(clock: VirtualClock, utilization: float, progress: Progress) -> tuple[Prober, HealthStateMachine]:
+    machine = HealthStateMachine(clock)
+    machine.fire(Event.HEALTH_UP, "up")
+    prober = Prober(
+        SEED,
+        HungInference(clock, SEED.probe_timeout),
+        PeakSampler(FixedSampler(utilization), SEED.utilization_window, SEED.utilization_sample_period, clock),
+        machine,
+        clock=clock,
+        progress=progress,
+    )
+    return prober, machine

@@ -296,3 +296,14 @@ def test_a_burst_shorter_than_the_fast_span_does_not_scale_up():
     scaler = GroupScaler("chat", POLICY, now=0.0)
     count, decisions = run(scaler, 1, lambda t: 100.0 if t in (30, 31) else 2.0, 60)
     assert (count, decisions) == (1, []), decisions
+
+
+def test_the_target_range_holds_its_bounds_inclusively_and_names_them():
+    for target in (0.01, 1_000_000):
+        validate_deployment(small_deployment(union(autoscaling={"max": 4, "target_in_flight": target})))
+    for target in (0.0099, 1_000_001):
+        message = invalid(small_deployment(union(autoscaling={"max": 4, "target_in_flight": target})))
+        assert (
+            "instance_groups[0].autoscaling.target_in_flight: must be from 0.01 to 1000000 requests in flight "
+            f"per engine (got {target:g})"
+        ) in message
