@@ -51,3 +51,9 @@ def test_the_ranks_of_one_instance_still_pack_onto_one_node():
     fleet = Fleet(nodes(4, 4))
     placed = place_instance([0, 1], 2, False, fleet, spread={"a": 1})
     assert {p.node_id for p in placed} == {"b"}
+
+
+def test_a_node_without_free_ports_is_passed_over_for_the_next_with_room():
+    short, roomy = nodes(1, 2)
+    short.port_range, short.ports_in_use = (30000, 30001), 1  # one port left; an engine needs more
+    assert Fleet([short, roomy]).best_fit(1, 2).node_id == roomy.node_id
