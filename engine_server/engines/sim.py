@@ -331,11 +331,13 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
                 SIM_GENERATION_TOKENS.labels(self.args.model).inc(completion_tokens)
                 # Every token comes at once, after the latency: the first takes it all, the others none.
                 VLLM_TTFT.labels(*vllm).observe(time.monotonic() - arrived)
+                # The tokens are made: progress first, so that the stall watchdog, which runs while
+                # the gaps of a long answer are observed (yielding), does not read the engine as hung.
+                self._progress += completion_tokens
                 await self._observe_inter_token_gaps(completion_tokens - 1)
                 VLLM_SUCCESS.labels(*vllm, "length").inc()
                 VLLM_PROMPT_TOKENS.labels(*vllm).inc(prompt_tokens)
                 VLLM_GENERATION_TOKENS.labels(*vllm).inc(completion_tokens)
-                self._progress += completion_tokens
                 self._succeeded += 1
                 if leg:
                     SIM_KV_LEGS.labels(self.args.model, leg).inc()
@@ -350,7 +352,7 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
                 held = request.get(HELD)
                 if held is not None and not held.start_sending():
                     raise asyncio.CancelledError  # failed back meanwhile: its 503 is being sent
-                return await stream(request, answer_id, model, text, chat, usage)
+                return await stream(request, answer_id, model, text, chat, usage, sent=self._advance)
             answer = completion(answer_id, model, text, chat, usage)
             if leg == sim_pd.PREFILL_LEG:
                 engine_id = f"{self.options.instance_id}/rank{self.options.dp_rank}"
@@ -369,7 +371,13 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
         for index in range(count):
             series.observe(0.0)
             if index % OBSERVATIONS_PER_YIELD == OBSERVATIONS_PER_YIELD - 1:
+                self._advance(OBSERVATIONS_PER_YIELD)
                 await asyncio.sleep(0)
+
+    def _advance(self, count: int) -> None:
+        """Progress while a long answer is worked on (its gaps observed, its chunks written): the stall
+        watchdog and the prober read a counter that moves as an engine works, as vLLM's steps do."""
+        self._progress += count
 
     def _vllm_labels(self) -> tuple[str, str]:
         """vLLM's labels: the served model, and the engine (this data-parallel rank)."""

@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -79,13 +80,22 @@ CHUNKS_PER_YIELD = 32
 
 
 async def stream(
-    request: web.Request, answer_id: str, model: str, text: str, chat: bool, usage: dict[str, int]
+    request: web.Request,
+    answer_id: str,
+    model: str,
+    text: str,
+    chat: bool,
+    usage: dict[str, int],
+    sent: Callable[[int], None] = lambda count: None,
 ) -> web.StreamResponse:
+    """The answer as SSE chunks, a word each, yielding the loop every CHUNKS_PER_YIELD; `sent` is told
+    of each batch written (the engine's progress: a long stream is work, not a hang)."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     words = text.split(" ")
     for index, word in enumerate(words):
         if index and not index % CHUNKS_PER_YIELD:
+            sent(CHUNKS_PER_YIELD)
             await asyncio.sleep(0)
         piece = word if index == 0 else " " + word
         last = index == len(words) - 1
