@@ -100,7 +100,7 @@ def vllm_cluster(
     stub = controller_pb2_grpc.ControllerServiceStub(channel)
     try:
         stub.ApplyDeployment(controller_pb2.ApplyDeploymentRequest(deployment=deployment_from_dict({
-            "name": "vllm", "model": os.path.basename(tiny_model),
+            "name": "vllm", "model": served_name(section),
             "engine_config": {"motor_engine_prefill_config": section},
             "instance_groups": [{"name": "prefill", "role": "prefill", "count": engines}],
         })), timeout=10)  # fmt: skip
@@ -110,6 +110,15 @@ def vllm_cluster(
         channel.close()
         problems = local.stop()
         assert not problems, problems
+
+
+def served_name(section: dict[str, Any]) -> str:
+    """The name a vLLM section's engines serve (vLLM's served_model_name, else its model), which a
+    deployment must name as its model: the controller refuses a deployment whose engines would
+    answer its model's requests 404."""
+    args = section["engine_args"]
+    served = args.get("served_model_name") or args["model"]
+    return served[0] if isinstance(served, list) else served
 
 
 def vllm_config(model: str, health: dict[str, Any] | None = None, role: str = "prefill", **engine_args: Any) -> dict:
