@@ -27,7 +27,7 @@ import time
 from aiohttp import web
 from prometheus_client import Gauge
 
-from front_door.policy import MAX_BODY, FrontDoor
+from front_door.policy import MAX_BODY, STREAM_CONTINUATIONS, FrontDoor
 from motor.service.logs import LOG_LEVELS, setup_logging
 from motor.service.signals import stop_event
 
@@ -148,8 +148,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="the router's answer must begin within this, else 504 (default 1800, the router's request timeout; "
         "a completion that does not stream begins its answer when it is done)",
     )
+    parser.add_argument(
+        "--stream-continuations",
+        type=int,
+        default=STREAM_CONTINUATIONS,
+        metavar="N",
+        help="a streamed completion cut by its engine's death is gone on with on another engine, token for token, "
+        f"this many times at most (default {STREAM_CONTINUATIONS}; 0: never, a cut stream ends with an error event)",
+    )
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     args = parser.parse_args(argv)
+    if args.stream_continuations < 0:
+        parser.error(f"--stream-continuations {args.stream_continuations}: give 0 (never) or more")
     args.listen = host_port(parser, "--listen", args.listen)
     args.table = host_port(parser, "--table", args.table)
     if not args.router.startswith(("http://", "https://")):
@@ -167,7 +177,14 @@ def listen_on(host: str, port: int) -> socket.socket:
 async def serve(args: argparse.Namespace) -> None:
     stop = stop_event()
     table = PushedTable()
-    door = FrontDoor(args.router, table.served, table.known, max_body=args.max_body, unavailable=table.unavailable)
+    door = FrontDoor(
+        args.router,
+        table.served,
+        table.known,
+        max_body=args.max_body,
+        unavailable=table.unavailable,
+        stream_continuations=args.stream_continuations,
+    )
     door.relay.first_byte_timeout = args.first_byte_timeout
     Gauge(
         "motor_front_door_table_age_seconds",

@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ class Request:
     label: str = ""  # what the door files it under in its metrics
     began: float = 0.0  # when it was passed to the router
     model: Any = None  # what the door read of its body (front_door/model_field.py ModelField), off the loop
+    follow: Any = None  # a stream's plan to go on with it elsewhere if cut (front_door/continuation.py Plan)
 
 
 @dataclass
@@ -68,6 +70,35 @@ HOP_BY_HOP = frozenset(
         b"expect",
     }
 )
+
+
+def routed_target(target: bytes) -> tuple[bytes, str]:
+    """A request's target as passed to the router, and its path decoded (what the door's rules read)."""
+    if not target.startswith(b"/") and b"://" in target:
+        # absolute-form (`POST http://host/path`): the router routes it by its path, so the door
+        # reads the path out of it too, and passes it on as a path
+        parts = urlsplit(target)
+        target = (parts.path or b"/") + (b"?" + parts.query if parts.query else b"")
+    if b"#" in target:  # a fragment is the client's own; the router routes without it, so does the door
+        target = target.split(b"#", 1)[0]
+    path = target.split(b"?", 1)[0].decode("latin-1")
+    return target, unquote(path) if "%" in path else path
+
+
+def body_head(method: bytes, version: bytes, headers: list[tuple[bytes, bytes]], keep_alive: bool) -> bytes | None:
+    """The stand-in head to read a declined upgrade offer's body with (its method, version, framing
+    and keep-alive), or None if it has no body."""
+    framing = b""
+    for name, value in headers:
+        lower = name.lower()
+        if lower == b"content-length" and value.strip() not in (b"", b"0"):
+            framing = b"Content-Length: " + value.strip()
+        elif lower == b"transfer-encoding":
+            framing = b"Transfer-Encoding: " + value.strip()
+    if not framing:
+        return None
+    close = b"" if keep_alive else b"\r\nConnection: close"
+    return method + b" / HTTP/" + version + b"\r\n" + framing + close + b"\r\n\r\n"
 
 
 def forwarded(request: Request, host: bytes, body: bytes) -> bytes:

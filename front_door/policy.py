@@ -32,6 +32,7 @@ from collections.abc import Callable, Collection
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from front_door.continuation import plan
 from front_door.messages import Answer, Forward, Passed, Request, error_answer, response
 from front_door.model_field import NOT_NAMED, TooComplex, model_field, with_model
 from front_door.relay import Relay
@@ -84,6 +85,7 @@ ADMIN_PATHS = (
 )
 STARTING = "The front door is starting: the models it serves are not known yet. Retry shortly."
 MAX_BODY = 256 * 1024 * 1024  # the router's own default --max-payload-size
+STREAM_CONTINUATIONS = 3  # times a cut stream is gone on with on another engine, at most (0: never)
 
 
 def openai_error(status: int, message: str, kind: str, param: str | None = "model") -> Answer:
@@ -135,6 +137,23 @@ class FrontMetrics:
             ["model"],
             registry=self.registry,
         )
+        self.continuations = Counter(
+            "motor_front_door_continuations",
+            "Streamed answers cut by their engine and gone on with on another engine (front_door/continuation.py), "
+            'by the model named and why: "broken" (the connection from the engine broke), "ended" (the answer ended '
+            'before `data: [DONE]`), "engine_error" (the engine sent an error event of its own).',
+            ["model", "reason"],
+            registry=self.registry,
+        )
+        self.continuation_gap = Histogram(
+            "motor_front_door_continuation_gap_seconds",
+            "From a stream's cut to its continuation's first event written to the client, by the model named: "
+            "the pause a client sees in a stream gone on with (another engine's prefill of the prompt and the "
+            "tokens sent included).",
+            ["model"],
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )
         self._counted: dict[tuple[str, int], Counter] = {}  # label lookups are the costly part
 
     def count(self, model: str, status: int) -> None:
@@ -152,6 +171,7 @@ class FrontDoor:
         ready: Callable[[], bool] = lambda: True,
         max_body: int = MAX_BODY,
         unavailable: Callable[[], Collection[str]] = frozenset,
+        stream_continuations: int = STREAM_CONTINUATIONS,
     ):
         self.router_url = router_url.rstrip("/")
         self.served = served  # model -> parent model (None: a deployment's model)
@@ -161,6 +181,7 @@ class FrontDoor:
         # the router, and every model would look unserved (a false 404 to requests it can route).
         self.ready = ready
         self.metrics = FrontMetrics()
+        self.stream_continuations = stream_continuations  # a cut stream is gone on with this many times at most
         self.created = int(time.time())
         self.relay = Relay(
             RouterPool(self.router_url),
@@ -171,8 +192,8 @@ class FrontDoor:
             ended=self.ended,
             refused=lambda status: self.metrics.count("", status),
             read=self.read,
-            observe=lambda request, status, head, transport: watch(
-                request, status, head, transport, self.cut, self.first_event
+            observe=lambda request, status, head, owner: watch(
+                request, status, head, owner, self.cut, self.first_event, self.continued
             ),
             max_body=max_body,
         )
@@ -192,6 +213,7 @@ class FrontDoor:
         if request.method == "POST" and request.path in MODEL_PATHS and request.body:
             try:
                 request.model = model_field(request.body)
+                request.follow = plan(request.path, request.body, self.stream_continuations)
             except TooComplex:
                 return openai_error(
                     413, "The request body has more JSON strings than the front door reads.", "BadRequestError", None
@@ -224,6 +246,12 @@ class FrontDoor:
             if answer is not None:
                 self.metrics.count(request.label, answer.status)
                 return answer
+            follow = request.follow
+            if follow is not None and changed is not None:  # the model named by the door: asked of the next engine too
+                follow.request["model"] = request.label
+                follow.body = changed = with_model(follow.body, request.label)
+            elif follow is not None and follow.body is not request.body:  # it asks for token ids
+                changed = follow.body
             return Forward(changed)
         return Forward()
 
@@ -315,6 +343,26 @@ class FrontDoor:
             request.path,
             request.label,
             how,
+        )
+
+    def continued(self, request: Request, reason: str, gap: float) -> None:
+        """A cut stream gone on with on another engine: its first event after the cut was written."""
+        self.metrics.continuations.labels(request.label, reason).inc()
+        self.metrics.continuation_gap.labels(request.label).observe(gap)
+        request_id = next((v.decode("latin-1") for n, v in request.headers if n.lower() == b"x-request-id"), "")
+        follow = request.follow
+        logger.warning(
+            "stream continued: POST %s for model %r%s, answer %s: cut (%s) after %d tokens, gone on with on "
+            "another engine after %.2fs (continuation %d of at most %d)",
+            request.path,
+            request.label,
+            f" (X-Request-Id {request_id})" if request_id else "",
+            follow.answer.get("id", "?") if follow else "?",
+            reason,
+            follow.sent_at_cut if follow else 0,
+            gap,
+            follow.continuations if follow else 0,
+            follow.limit if follow else 0,
         )
 
     def router_failed(self, request: Request, exc: BaseException) -> Answer:

@@ -20,87 +20,51 @@ import functools
 import logging
 import socket
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from urllib.parse import unquote, urlsplit
+from dataclasses import dataclass, field, replace
 
-import httptools
-
-from front_door.bodies import TOO_LARGE, BodyReader
-from front_door.messages import Answer, Forward, Passed, Request, error_answer, forwarded
+from front_door.bodies import BodyReader
+from front_door.messages import (
+    Answer,
+    Forward,
+    Passed,
+    Request,
+    error_answer,
+    forwarded,
+)
+from front_door.request_reader import MAX_PIPELINED, RequestReader
 from front_door.router_pool import Observer, RouterConnection, RouterPool
+from front_door.streams import Stream
 
 logger = logging.getLogger(__name__)
 
 # Methods a request of may be sent again when the router's connection closed before an answer
 # (RFC 9110 9.2.2); a POST may have begun a generation, which must not run twice.
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
-MAX_PIPELINED = 16  # requests a client may send ahead of its answers before it is read no more
-HEADERS_TOO_LARGE = "The request's headers are larger than the front door takes."
-MAX_HEAD = 64 * 1024  # a request's line and headers (nginx takes 32 KiB, aiohttp 8 KiB a line)
 
 
-class ClientConnection(asyncio.Protocol):
-    """One client's connection: requests read whole, each answered by `decide` or by the router."""
+class ClientConnection(RequestReader):
+    """One client's connection: requests read whole (RequestReader), each answered by `decide` or
+    by the router, one at a time."""
 
     def __init__(self, relay: Relay) -> None:
+        super().__init__()
         self.relay = relay
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpRequestParser(self)
-        self.waiting: deque[Request] = deque()
-        self.current: Request | None = None
         self.router: RouterConnection | None = None
         self.passed: Passed | None = None
         self.reused = False  # the request's router connection was a kept-alive one
         self.sent = b""  # the request as sent to the router (sent again once if that connection was stale)
-        self.closing = False
-        self.refusal: bytes | None = None  # the answer to a request that cannot be read, once those before it are
-        self.continue_owed = False  # `100 Continue`, once the requests before it are answered
-        self.since = time.monotonic()  # when it last had its answer, or its request last moved
         self.full = False  # its transport's buffer is full: its router connection is not read
-        self.body_after_upgrade: bytes | None = None  # the head to read an upgrade offer's body with
-        self.resuming = False  # reading that body: the request's own line and headers are kept
-        self._reset()
+        self.continuing: Stream | None = None  # a stream being gone on with on another engine
 
-    def _reset(self) -> None:
-        self.url = b""
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.body: list[bytes] = []
-        self.size = 0
-        self.in_head = False  # between a request's first byte and the end of its headers
-        self.head_read = 0  # bytes read while in its head (a head still unended after a read)
-        self.head_size = 0  # its line and headers as parsed
+    @property
+    def max_body(self) -> int:
+        return self.relay.max_body
 
     # asyncio's callbacks
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.relay.connections.add(self)
-
-    def data_received(self, data: bytes) -> None:
-        read = len(data)
-        while data and self.refusal is None:
-            try:
-                self.parser.feed_data(data)
-                data = b""
-            except httptools.HttpParserUpgrade as exc:
-                # An offered upgrade (`Upgrade: h2c`, a websocket) is declined by answering in
-                # HTTP/1.1 (RFC 9110 7.8). llhttp takes what follows the headers for the new
-                # protocol: a body the request announced is read on as its body, what follows it
-                # as the next request.
-                self.parser = httptools.HttpRequestParser(self)
-                data = data[exc.args[0] :] if exc.args and isinstance(exc.args[0], int) else b""
-                if self.body_after_upgrade is not None:
-                    data, self.body_after_upgrade = self.body_after_upgrade + data, None
-                    self.resuming = True
-            except httptools.HttpParserError as exc:
-                if not self.closing:
-                    self._refuse(400, f"Malformed HTTP request: {exc}")
-                return
-        if self.in_head:  # a request line and headers still coming: bounded, however slowly sent
-            self.head_read += read
-            if self.head_read > MAX_HEAD:
-                self._refuse(431, HEADERS_TOO_LARGE)
 
     def connection_lost(self, exc) -> None:
         self.closing = True
@@ -110,6 +74,9 @@ class ClientConnection(asyncio.Protocol):
             router.client = None
             router.transport.close()  # the router sees the client go and stops its generation
             self._done()
+        elif self.continuing is not None:  # between tries to go on with its stream
+            self._done()
+        self.continuing = None
         self.waiting.clear()
 
     def pause_writing(self) -> None:
@@ -121,109 +88,6 @@ class ClientConnection(asyncio.Protocol):
         self.full = False
         if self.router is not None and not self.router.lost:
             self.router.transport.resume_reading()
-
-    # httptools' callbacks
-    def on_message_begin(self) -> None:
-        if self.resuming:
-            return
-        self._reset()
-        self.in_head = True
-        self.since = time.monotonic()  # its head must come whole within the idle timeout
-
-    def on_url(self, url: bytes) -> None:
-        if self.resuming:
-            return
-        self.url += url
-        self._count_head(len(url))
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if self.resuming or not self.in_head:  # a chunked body's trailers: dropped (the door sends a length)
-            return
-        self.headers.append((name, value))
-        self._count_head(len(name) + len(value))
-
-    def _count_head(self, size: int) -> None:
-        self.head_size += size
-        if self.head_size > MAX_HEAD:
-            self._refuse(431, HEADERS_TOO_LARGE)
-            raise httptools.HttpParserError("headers too large")
-
-    def on_headers_complete(self) -> None:
-        self.in_head = False
-        if self.resuming:  # the stand-in head of an upgrade offer's body: the real one was read
-            self.resuming = False
-            return
-        for name, value in self.headers:
-            lower = name.lower()
-            if lower == b"content-length" and value.strip().isdigit() and int(value) > self.relay.max_body:
-                self._refuse(413, TOO_LARGE)
-                return
-            if lower == b"expect" and value.strip().lower() == b"100-continue" and not self.closing:
-                self.continue_owed = True
-        if self.continue_owed:
-            self._next()
-
-    def on_body(self, body: bytes) -> None:
-        if self.refusal is not None:
-            return
-        self.since = time.monotonic()  # a body still coming, however slowly, is progress
-        self.size += len(body)
-        if self.size > self.relay.max_body:
-            self._refuse(413, TOO_LARGE)
-            raise httptools.HttpParserError("body too large")
-        self.body.append(body)
-
-    def on_message_complete(self) -> None:
-        if self.parser.should_upgrade() and self._declined_upgrade_body():
-            return  # its body follows: read on with the request (data_received)
-        self.continue_owed = False  # the body came without it
-        if self.closing or self.refusal is not None:
-            return
-        target = self.url
-        if not target.startswith(b"/") and b"://" in target:
-            # absolute-form (`POST http://host/path`): the router routes it by its path, so the
-            # door reads the path out of it too, and passes it on as a path
-            parts = urlsplit(target)
-            target = (parts.path or b"/") + (b"?" + parts.query if parts.query else b"")
-        if b"#" in target:  # a fragment is the client's own; the router routes without it, so does the door
-            target = target.split(b"#", 1)[0]
-        path = target.split(b"?", 1)[0].decode("latin-1")
-        if "%" in path:
-            path = unquote(path)
-        version = self.parser.get_http_version()
-        request = Request(
-            method=self.parser.get_method().decode(),
-            target=target,
-            path=path,
-            headers=self.headers,
-            body=b"".join(self.body),
-            keep_alive=self.parser.should_keep_alive(),
-            http_10=version == "1.0",
-        )
-        self._reset()
-        self.waiting.append(request)
-        if len(self.waiting) > MAX_PIPELINED:
-            self.transport.pause_reading()
-        if self.current is None:
-            self._next()
-
-    def _declined_upgrade_body(self) -> bool:
-        """The head to read a declined upgrade offer's body with (method, version, framing, keep-alive)."""
-        framing = b""
-        for name, value in self.headers:
-            lower = name.lower()
-            if lower == b"content-length" and value.strip() not in (b"", b"0"):
-                framing = b"Content-Length: " + value.strip()
-            elif lower == b"transfer-encoding":
-                framing = b"Transfer-Encoding: " + value.strip()
-        if not framing:
-            return False
-        version = self.parser.get_http_version().encode()
-        close = b"" if self.parser.should_keep_alive() else b"\r\nConnection: close"
-        self.body_after_upgrade = (
-            self.parser.get_method() + b" / HTTP/" + version + b"\r\n" + framing + close + b"\r\n\r\n"
-        )
-        return True
 
     # serving, one request at a time
     def _next(self) -> None:
@@ -310,16 +174,46 @@ class ClientConnection(asyncio.Protocol):
             return
         self._send(router, request, data, reused=False)
 
+    # a stream gone on with on another engine (front_door/streams.py)
+    def resend(self, stream: Stream, path: str, body: bytes) -> None:
+        """Asks the router for the rest of `stream`'s answer (`path`, `body`): its answer is read by
+        `stream.resumed`, its failure told to `stream.try_failed`."""
+        request = self.current
+        if request is None or self.closing:
+            return
+        self.continuing = stream
+        again = replace(request, target=path.encode(), path=path, body=body, encoding="")
+        data = forwarded(again, self.relay.pool.host_header, body)
+        router = self.relay.pool.take()
+        if router is not None:
+            self._send(router, again, data, reused=True)
+        else:
+            asyncio.ensure_future(self._connect_and_send(again, data))
+
+    def stream_ended(self, whole: bool) -> None:
+        """The stream gone on with ended without its router's answer (none took it in time)."""
+        request, self.continuing = self.current, None
+        self._done()
+        if whole and request is not None:
+            self._finish(request)
+            self._next()
+        else:
+            self.closing = True
+            self.transport.close()
+
     # what the router's connection reports
     def router_began(self, status: int, head: bytes) -> Observer | None:
+        if self.continuing is not None and status >= 200:
+            return self.continuing.resumed(status, head)
         if self.passed is not None and status >= 200:
             self.passed.status = status
             self.relay.answered(self.current)
-            return self.relay.observe(self.current, status, head, self.transport)
+            return self.relay.observe(self.current, status, head, self)
         return None
 
     def router_finished(self, router: RouterConnection) -> None:
         self.router = None
+        self.continuing = None
         request = self.current
         self._done()
         if request is not None:
@@ -330,6 +224,9 @@ class ClientConnection(asyncio.Protocol):
         self.router = None
         request = self.current
         if request is None:
+            return
+        if self.continuing is not None and not router.answered:
+            self.continuing.try_failed("the router's connection closed before answering")
             return
         if not router.answered:
             if router.timed_out:
@@ -354,6 +251,9 @@ class ClientConnection(asyncio.Protocol):
     def _router_failed(self, request: Request, exc: BaseException) -> None:
         if self.closing:
             self._done()
+            return
+        if self.continuing is not None:
+            self.continuing.try_failed(f"no connection to the router: {exc}")
             return
         answer = self.relay.router_failed(request, exc)
         self.passed.router_failed = True
@@ -400,7 +300,8 @@ class Relay:
     ended: Callable[[Request | None, Passed], None] = lambda request, passed: None
     refused: Callable[[int], None] = lambda status: None
     read: Callable[[Request], Answer | None] = lambda request: None
-    observe: Callable[[Request | None, int, bytes, asyncio.Transport], Observer | None] = lambda *answer: None
+    # (given the client's connection: its transport, and `resend` to go on with a stream elsewhere)
+    observe: Callable[[Request | None, int, bytes, ClientConnection], Observer | None] = lambda *answer: None
     max_body: int = 256 * 1024 * 1024
     # A client connection with nothing with the router is closed after this many idle seconds, or
     # a request's headers not whole by then (aiohttp's server and nginx keep 75 s): clients that

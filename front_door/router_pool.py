@@ -13,6 +13,7 @@ import httptools
 logger = logging.getLogger(__name__)
 
 MAX_IDLE = 256  # idle connections to the router kept for reuse
+CONTINUING = object()  # an observer's `end` when the client's answer goes on with another request's
 
 
 class Observer(Protocol):
@@ -24,7 +25,7 @@ class Observer(Protocol):
 
     def flush(self) -> None: ...
 
-    def end(self, broken: bool) -> bool: ...
+    def end(self, broken: bool) -> object: ...
 
 
 class RouterClient(Protocol):
@@ -151,10 +152,10 @@ class RouterConnection(asyncio.Protocol):
         if client is None or self.parser.get_status_code() < 200:
             self.client = client  # an interim answer (1xx): the real one follows
             return
-        if self.observer is not None:
-            self.observer.end(broken=False)
+        going_on = self.observer is not None and self.observer.end(broken=False) is CONTINUING
         keep = self.parser.should_keep_alive()
-        client.router_finished(self)
+        if not going_on:  # (else the client's answer goes on with another connection's)
+            client.router_finished(self)
         if keep:
             self.pool.give_back(self)
         else:
@@ -165,7 +166,10 @@ class RouterConnection(asyncio.Protocol):
         if self.first_byte is not None:
             self.first_byte.cancel()
         client, self.client = self.client, None
-        if client is not None and self.observer is not None and self.observer.end(broken=True):
+        ended = self.observer.end(broken=True) if client is not None and self.observer is not None else False
+        if ended is CONTINUING:
+            return  # the client's answer goes on with another connection's
+        if ended:
             client.router_finished(self)  # the observer ended the client's answer whole
         elif client is not None:
             client.router_lost(self)

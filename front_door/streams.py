@@ -25,12 +25,17 @@ Other streams (the Responses and Anthropic APIs, which end with events of their 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
+import time
 from collections.abc import Callable
+from typing import Protocol
 
+from front_door.continuation import Plan
 from front_door.messages import Request
+from front_door.router_pool import CONTINUING
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +49,36 @@ CUT = (
     "The answer was cut: the engine serving this stream stopped before the answer ended "
     "({passed} bytes of it had passed). Retry the request."
 )
+CONTINUE_WITHIN = 30.0  # seconds a cut stream waits for an engine of its model to go on with it
+RETRY_AFTER = (0.05, 0.1, 0.25, 0.5, 1.0)  # between tries to go on, while no engine answers
+
+
+class Owner(Protocol):
+    """The client connection a stream is written to (front_door/relay.py's ClientConnection)."""
+
+    transport: asyncio.Transport
+    closing: bool
+
+    def resend(self, stream: Stream, path: str, body: bytes) -> None: ...
+
+    def stream_ended(self, whole: bool) -> None: ...
+
+
+class Discard:
+    """Reads a refused try to go on with a stream (the router's 503: no engine yet) to its end."""
+
+    def __init__(self, stream: Stream, status: int) -> None:
+        self.stream, self.status = stream, status
+
+    def body(self, data: bytes) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def end(self, broken: bool) -> object:
+        self.stream.try_failed(f"the router answered {self.status}")
+        return CONTINUING
 
 
 def events_end(data: bytes) -> int:
@@ -64,6 +99,9 @@ class Stream:
         chunked: bool,
         cut: Callable[[Request, str], None],
         first: Callable[[Request], None] = lambda request: None,
+        follow: Plan | None = None,
+        owner: Owner | None = None,
+        continued: Callable[[Request, str, float], None] = lambda request, reason, gap: None,
     ) -> None:
         self.transport = transport
         self.request = request
@@ -74,6 +112,13 @@ class Stream:
         self.read: list[bytes] = []  # the body's pieces in the read being parsed
         self.pending = b""  # the start of an event whose end has not come yet
         self.passed = 0
+        self.follow = follow  # the answer's tokens, to go on with it elsewhere (front_door/continuation.py)
+        self.owner = owner
+        self.continued = continued  # told when a continuation's first event is written: why, and the gap
+        self.cut_at = 0.0  # when the answer was last cut, while it is gone on with
+        self.why = ""
+        self.tries = 0
+        self.give_up_at = 0.0
 
     def body(self, data: bytes) -> None:
         self.read.append(data)  # (a read of several chunks is written on as one, at `flush`)
@@ -94,8 +139,18 @@ class Stream:
                 data, self.pending = data[:whole], data[whole:]
                 if not data:
                     return
+        if self.follow is not None:
+            if self.pending:  # an event larger than the door reads: written on as it is, not followed
+                self.follow = None
+            else:
+                data = self.follow.events(data)
+                if not data:
+                    return
         if not self.passed:
             self.first(self.request)
+        if self.cut_at:
+            self.continued(self.request, self.why, time.monotonic() - self.cut_at)
+            self.cut_at = 0.0
         self.passed += len(data)
         self.last = data  # whole events: the last one is in it whole (unless one outgrew MAX_PENDING)
         self._write(data)
@@ -108,14 +163,31 @@ class Stream:
         unended at the end is discarded, as an SSE client discards it)."""
         return not self.pending.strip() and DONE.search(self.last[-TAIL:]) is not None
 
-    def end(self, broken: bool) -> bool:
-        """The router's answer ended (`broken`: its connection did, before the answer's end). Writes
-        the error event if the answer was cut, then the answer's end; True if the client's answer
-        is whole (its connection may carry the next request), False if that must close."""
+    def end(self, broken: bool) -> object:
+        """The router's answer ended (`broken`: its connection did, before the answer's end). Goes on
+        with another engine's answer (CONTINUING) where the answer was cut and can be continued;
+        else writes the error event if the answer was cut, then the answer's end; True if the
+        client's answer is whole (its connection may carry the next request), False if that must
+        close."""
         self.flush()
         if self.pending and not self.pending.strip():  # whitespace after the last event: passed on
             self._write(self.pending)
             self.pending = b""
+        follow = self.follow
+        if follow is not None and (follow.failed or not follow.done):
+            if follow.finished:  # cut after its last token: the door writes what was to follow
+                self.last = follow.tail()
+                self._write(self.last)
+            elif follow.can_continue() and self.owner is not None and not self.owner.closing:
+                self.why = follow.failed or ("broken" if broken else "ended")
+                self.cut_at = time.monotonic()
+                self.pending, self.read = b"", []
+                self.give_up_at = self.cut_at + CONTINUE_WITHIN
+                self.tries = 0
+                self.owner.resend(self, *follow.next_request())
+                return CONTINUING
+            elif follow.failed:  # the engine's error event was held back: the client is sent the door's
+                self.last = b""
         if not self.whole():
             how = f"{'broke' if broken else 'ended'} after {self.passed} bytes"
             self.cut(self.request, how)
@@ -130,18 +202,45 @@ class Stream:
             self.transport.write(b"0\r\n\r\n")
         return self.chunked
 
+    def resumed(self, status: int, head: bytes) -> object:
+        """What reads the router's answer to a try to go on: this stream, for an answer that streams."""
+        end = head.find(b"\r\n\r\n")
+        if status == 200 and b"text/event-stream" in head[: max(end, 0)].lower():
+            return self
+        return Discard(self, status)
+
+    def try_failed(self, why: str) -> None:
+        """A try to go on found no engine (the router refused it, or its connection failed): tried
+        again shortly until CONTINUE_WITHIN, then the stream ends with the error event."""
+        owner = self.owner
+        if owner is None or owner.closing:
+            return
+        if time.monotonic() < self.give_up_at:
+            delay = RETRY_AFTER[min(self.tries, len(RETRY_AFTER) - 1)]
+            self.tries += 1
+            follow = self.follow
+            follow.continuations -= 1  # the same continuation, tried again
+            again = lambda: owner.closing or owner.resend(self, *follow.next_request())  # noqa: E731
+            asyncio.get_running_loop().call_later(delay, again)
+            return
+        logger.warning("stream not continued: no engine took it within %gs (%s)", CONTINUE_WITHIN, why)
+        self.follow = None
+        self.cut_at = 0.0
+        owner.stream_ended(bool(self.end(broken=True)))
+
 
 def watch(
     request: Request | None,
     status: int,
     head: bytes,
-    transport,
+    owner: Owner,
     cut: Callable[[Request, str], None],
     first: Callable[[Request], None] = lambda request: None,
+    continued: Callable[[Request, str, float], None] = lambda request, reason, gap: None,
 ) -> Stream | None:
     """A `Stream` to write `request`'s answer on, which began with `head` (the router's bytes up to
     here: its status line, headers and maybe the body's first bytes), having written that answer's
-    head; None to pass the answer as it came."""
+    head to `owner` (the client's connection); None to pass the answer as it came."""
     if status != 200 or request is None or request.method != "POST" or request.path not in WATCHED_PATHS:
         return None
     end = head.find(b"\r\n\r\n")
@@ -156,5 +255,6 @@ def watch(
     chunked = fields.get(b"transfer-encoding", b"").endswith(b"chunked")
     if not chunked and fields.get(b"transfer-encoding"):
         return None  # another coding (the router sends none): passed as it came
-    transport.write(head[: end + 4])
-    return Stream(transport, request, chunked, cut, first)
+    owner.transport.write(head[: end + 4])
+    follow = request.follow if chunked else None  # (an answer that ends with its connection cannot go on)
+    return Stream(owner.transport, request, chunked, cut, first, follow=follow, owner=owner, continued=continued)

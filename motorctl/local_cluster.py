@@ -96,6 +96,7 @@ class LocalCluster:
     router_port: int | None = None
     router_admin_port: int = 0  # the router itself (its admin API): loopback, not for clients
     router_pd: bool = False  # prefill and decode engines as the router's typed workers (its P/D flow)
+    door_args: list[str] = field(default_factory=list)  # more flags of the front door (front_door/cli.py)
     front_door: Supervisor = field(default_factory=Supervisor)  # restarts the router, its sync and the door
     door_socket: socket.socket | None = None  # the published port, held across the door's restarts
 
@@ -262,7 +263,9 @@ class LocalCluster:
         table = f"127.0.0.1:{free_port()}"
         self.door_socket = front.held_listener("127.0.0.1", self.router_port)  # outlives each door process
         fds = (self.door_socket.fileno(),)
-        door_argv = front.door_command(f"127.0.0.1:{self.router_port}", self.router_admin_url, table, fds[0])
+        door_argv = front.door_command(
+            f"127.0.0.1:{self.router_port}", self.router_admin_url, table, fds[0], self.door_args
+        )
         door = self._launch("front-door", door_argv, pass_fds=fds)
         self.metrics_ports["front-door"] = self.router_port  # its own series: what clients got, per model
         sync_argv = front.sync_command(

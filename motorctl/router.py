@@ -120,13 +120,18 @@ def sync_command(
     ]
 
 
-def door_command(listen: str, router_url: str, table: str, listen_fd: int | None = None) -> list[str]:
+def door_command(
+    listen: str, router_url: str, table: str, listen_fd: int | None = None, extra: list[str] | None = None
+) -> list[str]:
     """The front door on `listen` (HOST:PORT) in front of `router_url`, its table taken on `table`
     (HOST:PORT, private: the sync writes it). Its own process, so that a sync that dies or restarts
     touches no client connection (docs/router.md). With `listen_fd` it serves that inherited socket
     (listening on `listen`) instead of binding its own."""
     fd = ["--listen-fd", str(listen_fd)] if listen_fd is not None else []
-    return [sys.executable, "-m", "front_door.cli", "--listen", listen, *fd, "--router", router_url, "--table", table]
+    return [
+        *[sys.executable, "-m", "front_door.cli", "--listen", listen, *fd, "--router", router_url, "--table", table],
+        *(extra or []),
+    ]
 
 
 def held_listener(host: str, port: int) -> socket.socket:

@@ -144,6 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         help=f"port of the router (vllm-router) in front of the engines: default {front.ROUTER_PORT}, "
         "or a free port if taken",
     )
+    parser.add_argument(
+        "--stream-continuations",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the front door goes on with a stream cut by its engine's death on another engine, token for token, "
+        "this many times at most (default 3; 0: never, a cut stream ends with an error event)",
+    )
     # Routing by model is the default now; the flag is still taken so that scripts keep working.
     parser.add_argument("--router-by-model", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
@@ -246,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         ha=args.ha,
         router_port=args.router_port or _default_port(front.ROUTER_PORT),
         router_pd=args.router_pd,
+        door_args=[] if args.stream_continuations is None else [f"--stream-continuations={args.stream_continuations}"],
     )
     stopping, started = False, False
     # Stops the cluster if this process is killed before it can (SIGKILL, the OOM killer).

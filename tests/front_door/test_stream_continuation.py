@@ -1,0 +1,269 @@
+"""A stream cut by its engine goes on with another engine's answer, token for token
+(front_door/continuation.py, front_door/streams.py): the client reads one stream (one id, no token
+repeated or missing, the whole answer's usage and finish_reason, `[DONE]`), token ids shown only if
+it asked; where it cannot go on, the stream ends with an OpenAI error event as before.
+
+The stand-in router here is an engine of a deterministic model (each token a function of every id
+before it, as greedy decoding of a real one): a continuation from the prompt's ids and the ids sent
+gives exactly the rest of the uninterrupted answer. Each request takes the next of `faults`: how its
+answer is cut (after how many tokens, and how), or a status to refuse it with."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp import web
+
+from front_door import streams
+from front_door.policy import FrontDoor
+from motor.ports import free_port
+from tests.support import serve_app
+
+SPLIT = 149  # a token whose text is half a character: its text comes with the next token's
+
+
+def next_id(ids: list[int]) -> int:
+    return 100 + (ids[-1] * 7 + len(ids) * 3) % 50
+
+
+def text_of(ids: list[int], at: int) -> str:
+    """The text of ids[at], as an incremental detokenizer primed with what came before gives it."""
+    if ids[at] == SPLIT:
+        return ""
+    piece = f" w{ids[at]}"
+    return ("é" + piece) if at and ids[at - 1] == SPLIT else piece
+
+
+def prompt_ids(body: dict) -> list[int]:
+    if isinstance(body.get("prompt"), list):
+        return list(body["prompt"])
+    text = body.get("prompt") or json.dumps(body.get("messages"))
+    return [ord(c) % 90 + 10 for c in text]
+
+
+def answer_ids(prompt: list[int], count: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(count):
+        ids.append(next_id(ids))
+    return ids[len(prompt) :]
+
+
+class Engine:
+    """The router and its engines: serves completions and chat completions of the model above."""
+
+    def __init__(self) -> None:
+        self.faults: list[tuple[str, int]] = []  # per request: ("break"|"end"|"error", after k tokens) or ("status", code)
+        self.bodies: list[dict] = []
+
+    async def serve(self, request: web.Request) -> web.StreamResponse:
+        body = json.loads(await request.read())
+        self.bodies.append(body)
+        how, at = self.faults.pop(0) if self.faults else ("", -1)
+        if how == "status":
+            return web.json_response({"error": {"message": "no workers", "code": at}}, status=at)
+        chat = request.path.endswith("/chat/completions")
+        prompt = prompt_ids(body)
+        limit = body.get("max_tokens", body.get("max_completion_tokens", 16))
+        ids = answer_ids(prompt, limit)
+        asked = body.get("return_token_ids") is True
+        reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await reply.prepare(request)
+        head = {"id": f"cmpl-{len(self.bodies)}", "object": "chat.completion.chunk" if chat else "text_completion"}
+        head.update(created=1000 + len(self.bodies), model=body["model"])
+
+        async def send(chunk: dict) -> None:
+            await reply.write(b"data: " + json.dumps({**head, **chunk}).encode() + b"\n\n")
+            await asyncio.sleep(0.002)
+
+        if chat:
+            first = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+            await send({**first, **({"prompt_token_ids": prompt} if asked else {})})
+        whole = prompt + ids
+        for n, token in enumerate(ids):
+            if n == at:
+                if how == "break":
+                    request.transport.close()
+                    return reply
+                if how == "error":
+                    await send({"error": {"message": "EngineCore died", "type": "InternalServerError", "code": 500}})
+                    break
+                if how == "end":
+                    break
+            text = text_of(whole, len(prompt) + n)
+            last = "length" if n == len(ids) - 1 else None
+            choice = {"index": 0, "finish_reason": last}
+            choice.update({"delta": {"content": text}} if chat else {"text": text})
+            if asked:
+                choice["token_ids"] = [token]
+                if not chat and n == 0:
+                    choice["prompt_token_ids"] = prompt
+            await send({"choices": [choice]})
+        else:
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ids)}
+                await send({"choices": [], "usage": {**usage, "total_tokens": len(prompt) + len(ids)}})
+        if how != "end":
+            await reply.write(b"data: [DONE]\n\n")
+        await reply.write_eof()
+        return reply
+
+
+@pytest.fixture
+async def stack():
+    engine = Engine()
+    app = web.Application()
+    app.router.add_post("/v1/completions", engine.serve)
+    app.router.add_post("/v1/chat/completions", engine.serve)
+    runner, url = await serve_app(app)
+    front = FrontDoor(url, lambda: {"m": None})
+    front.port = free_port()
+    await front.start("127.0.0.1", front.port)
+    yield engine, front
+    await front.close()
+    await runner.cleanup()
+
+
+async def stream(port: int, path: str, body: dict) -> tuple[list, bool]:
+    """The events of the answer (JSON, or "[DONE]") and whether its chunked body ended properly."""
+    data = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(
+            b"POST " + path.encode() + b" HTTP/1.1\r\nHost: door\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data
+        )
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        raw, ended = b"", False
+        while True:
+            size_line = await asyncio.wait_for(reader.readline(), 10)
+            if not size_line:
+                break
+            size = int(size_line.strip(), 16)
+            chunk = await reader.readexactly(size + 2)
+            if size == 0:
+                ended = True
+                break
+            raw += chunk[:-2]
+    finally:
+        writer.close()
+    events = []
+    for event in raw.split(b"\n\n"):
+        if event.startswith(b"data: "):
+            payload = event[6:]
+            events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    return events, ended
+
+
+def text(events: list, chat: bool) -> str:
+    pieces = []
+    for event in events:
+        for choice in event.get("choices", []) if isinstance(event, dict) else ():
+            pieces.append((choice.get("delta") or {}).get("content") or "" if chat else choice.get("text", ""))
+    return "".join(pieces)
+
+
+def ids_shown(events: list) -> list[int]:
+    return [i for e in events if isinstance(e, dict) for c in e.get("choices", []) for i in c.get("token_ids") or ()]
+
+
+def counted(front: FrontDoor, reason: str) -> float:
+    sample = {"model": "m", "reason": reason}
+    return front.metrics.registry.get_sample_value("motor_front_door_continuations_total", sample) or 0.0
+
+
+BODY = {"model": "m", "prompt": "tell me", "max_tokens": 40, "stream": True, "temperature": 0}
+
+
+@pytest.mark.parametrize("how", ["break", "end", "error"])
+async def test_a_cut_completion_goes_on_token_for_token_as_one_answer(stack, how):
+    engine, front = stack
+    body = {**BODY, "stream_options": {"include_usage": True}}
+    whole, ended = await stream(front.port, "/v1/completions", body)
+    assert ended and whole[-1] == "[DONE]"
+    engine.faults = [(how, 12)]
+    events, ended = await stream(front.port, "/v1/completions", body)
+    assert ended and events[-1] == "[DONE]", events[-3:]
+    assert not [e for e in events if isinstance(e, dict) and "error" in e]
+    assert text(events, chat=False) == text(whole, chat=False)
+    answers = [e for e in events if isinstance(e, dict)]
+    assert {e["id"] for e in answers} == {answers[0]["id"]} and {e["created"] for e in answers} == {answers[0]["created"]}
+    assert not ids_shown(events) and not any("prompt_token_ids" in c for e in answers for c in e["choices"])
+    assert answers[-1]["usage"] == {"prompt_tokens": 7, "completion_tokens": 40, "total_tokens": 47}
+    assert [c["finish_reason"] for e in answers for c in e["choices"] if c["finish_reason"]] == ["length"]
+    # The rest was asked as a completion of the prompt's ids and the 12 sent, for what was left.
+    rest = engine.bodies[-1]
+    assert rest["prompt"] == prompt_ids(body) + answer_ids(prompt_ids(body), 12)
+    assert rest["max_tokens"] == 28 and rest["temperature"] == 0 and rest["return_token_ids"] is True
+    assert engine.bodies[1]["return_token_ids"] is True  # asked of the first engine, never shown
+    reason = {"break": "broken", "end": "ended", "error": "engine_error"}[how]
+    assert counted(front, reason) == 1
+
+
+async def test_a_cut_chat_completion_goes_on_in_chat_chunks_with_the_ids_the_client_asked_for(stack):
+    engine, front = stack
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 30}
+    body.update(stream=True, return_token_ids=True)
+    whole, _ = await stream(front.port, "/v1/chat/completions", body)
+    engine.faults = [("break", 5), ("break", 17)]  # cut twice: on twice
+    events, ended = await stream(front.port, "/v1/chat/completions", body)
+    assert ended and events[-1] == "[DONE]"
+    assert text(events, chat=True) == text(whole, chat=True)
+    assert ids_shown(events) == ids_shown(whole) and len(ids_shown(events)) == 30
+    answers = [e for e in events if isinstance(e, dict)]
+    assert {e["object"] for e in answers} == {"chat.completion.chunk"} and len({e["id"] for e in answers}) == 1
+    assert sum("prompt_token_ids" in e for e in answers) == 1  # the first chunk's, not the continuations'
+    assert engine.bodies[-1]["max_tokens"] == 30 - 5 - 17 and "messages" not in engine.bodies[-1]
+    assert counted(front, "broken") == 2
+
+
+async def test_a_character_split_across_two_tokens_at_the_cut_comes_once(stack):
+    engine, front = stack
+    body = {**BODY, "max_tokens": 60}
+    whole, _ = await stream(front.port, "/v1/completions", body)
+    ids = answer_ids(prompt_ids(body), 60)
+    assert SPLIT in ids[:-1], "the model should emit the split token in this answer"
+    engine.faults = [("break", ids.index(SPLIT) + 1)]  # cut after its first half was sent (as text "")
+    events, _ = await stream(front.port, "/v1/completions", body)
+    assert text(events, chat=False) == text(whole, chat=False) and text(whole, chat=False).count("é") >= 1
+
+
+async def test_no_engine_for_a_while_is_waited_for_then_the_stream_goes_on(stack):
+    engine, front = stack
+    engine.faults = [("break", 3), ("status", 503), ("status", 503)]
+    events, ended = await stream(front.port, "/v1/completions", BODY)
+    assert ended and events[-1] == "[DONE]" and text(events, chat=False).count(" w") == 40
+    assert len(engine.bodies) == 4
+
+
+async def test_where_it_cannot_go_on_the_stream_ends_with_an_error_event_not_done(stack, monkeypatch):
+    engine, front = stack
+    monkeypatch.setattr(streams, "CONTINUE_WITHIN", 0.3)
+    cases = [
+        ({**BODY, "n": 2}, [("break", 3)]),  # n > 1
+        ({**BODY, "stop": ["w1"]}, [("break", 3)]),  # stop strings
+        (BODY, [("break", 3)] * 4),  # past the limit of 3
+        (BODY, [("break", 3)] + [("status", 503)] * 30),  # no engine within the deadline
+    ]
+    for body, faults in cases:
+        engine.faults = list(faults)
+        events, ended = await stream(front.port, "/v1/completions", body)
+        assert ended and "[DONE]" not in events, (body, events[-2:])
+        assert "error" in events[-1], (body, events[-1])
+    front.stream_continuations = 0  # (--stream-continuations 0): never gone on with
+    engine.faults = [("break", 3)]
+    events, _ = await stream(front.port, "/v1/completions", BODY)
+    assert "error" in events[-1] and "return_token_ids" not in engine.bodies[-1]
+
+
+async def test_a_stream_cut_after_its_last_token_gets_its_usage_and_done_from_the_door(stack):
+    engine, front = stack
+    engine.faults = [("end", 10)]
+    body = {**BODY, "max_tokens": 10, "stream_options": {"include_usage": True}}
+    events, ended = await stream(front.port, "/v1/completions", body)
+    # (the stand-in ends after the finish_reason without its usage and [DONE]: "end" at the last token)
+    assert ended and events[-1] == "[DONE]"
+    assert events[-2]["usage"] == {"prompt_tokens": 7, "completion_tokens": 10, "total_tokens": 17}
+    assert len(engine.bodies) == 1  # nothing asked of another engine
