@@ -1,7 +1,9 @@
 """A stream cut by its engine's death is never silently truncated through `motorctl up`'s front
-door (front_door/streams.py; issue 56, item 3): the router alone ends it without its terminating
-chunk and without `[DONE]` (tests/e2e/router/test_failover.py); through the door, the client
-reads the events that came, then an OpenAI error event, then the answer's proper end."""
+door (front_door/streams.py), where the door does not go on with it (here `--stream-continuations 0`;
+also n > 1, stop strings, no engine left: tests/front_door/test_stream_continuation.py): the router
+alone ends it without its terminating chunk and without `[DONE]` (tests/e2e/router/test_failover.py);
+through the door, the client reads the events that came, then an OpenAI error event, then the
+answer's proper end. (Gone on with, by default: tests/e2e/router/test_door_stream_continuation.py.)"""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ def cluster(tmp_path_factory):
         heartbeat_interval=1.0,
         engine_port_base=36800,
         router_port=0,
+        door_args=["--stream-continuations=0"],
     )
     try:
         local.start(timeout=60)
