@@ -193,7 +193,7 @@ class FrontDoor:
             refused=lambda status: self.metrics.count("", status),
             read=self.read,
             observe=lambda request, status, head, owner: watch(
-                request, status, head, owner, self.cut, self.first_event, self.continued
+                request, status, head, owner, self.cut, self.first_event, self.continued, self.stream_continuations
             ),
             max_body=max_body,
         )

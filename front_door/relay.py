@@ -34,7 +34,7 @@ from front_door.messages import (
 )
 from front_door.request_reader import MAX_PIPELINED, RequestReader
 from front_door.router_pool import Observer, RouterConnection, RouterPool
-from front_door.streams import Stream
+from front_door.streams import Resend, Stream
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class ClientConnection(RequestReader):
         self.reused = False  # the request's router connection was a kept-alive one
         self.sent = b""  # the request as sent to the router (sent again once if that connection was stale)
         self.full = False  # its transport's buffer is full: its router connection is not read
-        self.continuing: Stream | None = None  # a stream being gone on with on another engine
+        self.continuing: Stream | Resend | None = None  # an answer being asked of another engine
 
     @property
     def max_body(self) -> int:
@@ -175,15 +175,19 @@ class ClientConnection(RequestReader):
         self._send(router, request, data, reused=False)
 
     # a stream gone on with on another engine (front_door/streams.py)
-    def resend(self, stream: Stream, path: str, body: bytes) -> None:
-        """Asks the router for the rest of `stream`'s answer (`path`, `body`): its answer is read by
-        `stream.resumed`, its failure told to `stream.try_failed`."""
+    def resend(self, stream: Stream | Resend, path: str | None = None, body: bytes | None = None) -> None:
+        """Asks the router for the rest of `stream`'s answer (`path`, `body`; None: the request once
+        more, as it was sent): its answer is read by `stream.resumed`, its failure told to
+        `stream.try_failed`."""
         request = self.current
         if request is None or self.closing:
             return
         self.continuing = stream
-        again = replace(request, target=path.encode(), path=path, body=body, encoding="")
-        data = forwarded(again, self.relay.pool.host_header, body)
+        if path is None or body is None:
+            again, data = request, self.sent
+        else:
+            again = replace(request, target=path.encode(), path=path, body=body, encoding="")
+            data = forwarded(again, self.relay.pool.host_header, body)
         router = self.relay.pool.take()
         if router is not None:
             self._send(router, again, data, reused=True)
@@ -204,6 +208,8 @@ class ClientConnection(RequestReader):
     # what the router's connection reports
     def router_began(self, status: int, head: bytes) -> Observer | None:
         if self.continuing is not None and status >= 200:
+            if self.passed is not None and isinstance(self.continuing, Resend):
+                self.passed.status = status  # (a stream's status is its first answer's: 200)
             return self.continuing.resumed(status, head)
         if self.passed is not None and status >= 200:
             self.passed.status = status

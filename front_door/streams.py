@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from front_door.continuation import Plan
-from front_door.messages import Request
+from front_door.messages import Request, error_answer
 from front_door.router_pool import CONTINUING
 
 logger = logging.getLogger(__name__)
@@ -59,9 +59,60 @@ class Owner(Protocol):
     transport: asyncio.Transport
     closing: bool
 
-    def resend(self, stream: Stream, path: str, body: bytes) -> None: ...
+    def resend(self, stream: Stream | Resend, path: str | None = None, body: bytes | None = None) -> None: ...
 
     def stream_ended(self, whole: bool) -> None: ...
+
+
+def router_failure(status: int, head: bytes) -> bool:
+    """The router's own answer that no engine answered (vllm-router: 500 `Request failed: error
+    sending request ...` once its retries are spent, 503 `No available workers`), in plain text;
+    an engine's errors are JSON."""
+    end = head.find(b"\r\n\r\n")
+    return status in (500, 502, 503, 504) and b"content-type: text/plain" in head[: max(end, 0)].lower()
+
+
+class Resend:
+    """A request the router got no engine to answer (`router_failure`), nothing of it written to the
+    client yet: sent again (an engine being replaced comes back), every RETRY_AFTER, within
+    CONTINUE_WITHIN and at most `limit` times; the first answer that is not the router's own failure
+    passes as it came. Then, if none: the door's 503 with an OpenAI error body."""
+
+    def __init__(self, owner: Owner, limit: int, status: int) -> None:
+        self.owner, self.left, self.status = owner, limit, status
+        self.give_up_at = time.monotonic() + CONTINUE_WITHIN
+        self.tries = 0
+
+    def body(self, data: bytes) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def end(self, broken: bool) -> object:
+        self.try_failed(f"the router answered {self.status}")
+        return CONTINUING
+
+    def resumed(self, status: int, head: bytes) -> object:
+        if router_failure(status, head):
+            self.status = status
+            return self  # read to its end, then tried again
+        return None  # an engine's answer: passed as it came
+
+    def try_failed(self, why: str) -> None:
+        owner = self.owner
+        if owner.closing:
+            return
+        if self.left > 0 and time.monotonic() < self.give_up_at:
+            self.left -= 1
+            delay = RETRY_AFTER[min(self.tries, len(RETRY_AFTER) - 1)]
+            self.tries += 1
+            asyncio.get_running_loop().call_later(delay, lambda: owner.closing or owner.resend(self))
+            return
+        logger.warning("request not answered: no engine answered it after %d tries (%s)", self.tries + 1, why)
+        message = f"No engine answered the request ({why}). Retry shortly."
+        owner.transport.write(error_answer(503, message))
+        owner.stream_ended(True)
 
 
 class Discard:
@@ -237,11 +288,16 @@ def watch(
     cut: Callable[[Request, str], None],
     first: Callable[[Request], None] = lambda request: None,
     continued: Callable[[Request, str, float], None] = lambda request, reason, gap: None,
-) -> Stream | None:
+    resend_limit: int = 0,
+) -> Stream | Resend | None:
     """A `Stream` to write `request`'s answer on, which began with `head` (the router's bytes up to
     here: its status line, headers and maybe the body's first bytes), having written that answer's
     head to `owner` (the client's connection); None to pass the answer as it came."""
-    if status != 200 or request is None or request.method != "POST" or request.path not in WATCHED_PATHS:
+    if request is None or request.method != "POST" or request.path not in WATCHED_PATHS:
+        return None
+    if router_failure(status, head) and resend_limit:  # nothing written yet: asked again
+        return Resend(owner, resend_limit, status)
+    if status != 200:
         return None
     end = head.find(b"\r\n\r\n")
     if end < 0 or b"text/event-stream" not in head[:end].lower():

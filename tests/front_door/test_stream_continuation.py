@@ -63,6 +63,10 @@ class Engine:
         how, at = self.faults.pop(0) if self.faults else ("", -1)
         if how == "status":
             return web.json_response({"error": {"message": "no workers", "code": at}}, status=at)
+        if how == "router_failed":  # vllm-router's own, once its retries are spent
+            return web.Response(status=500, text="Request failed: error sending request for url (...)")
+        if not body.get("stream"):
+            return web.json_response({"id": "whole", "choices": [{"index": 0, "text": "all of it"}]})
         chat = request.path.endswith("/chat/completions")
         prompt = prompt_ids(body)
         limit = body.get("max_tokens", body.get("max_completion_tokens", 16))
@@ -267,3 +271,31 @@ async def test_a_stream_cut_after_its_last_token_gets_its_usage_and_done_from_th
     assert ended and events[-1] == "[DONE]"
     assert events[-2]["usage"] == {"prompt_tokens": 7, "completion_tokens": 10, "total_tokens": 17}
     assert len(engine.bodies) == 1  # nothing asked of another engine
+
+
+async def test_a_whole_answer_no_engine_gave_is_asked_again_and_answered_once(stack):
+    engine, front = stack
+    whole = {"model": "m", "prompt": "hi", "max_tokens": 5}
+    engine.faults = [("router_failed", 0), ("router_failed", 0)]
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    data = json.dumps(whole).encode()
+    request = b"POST /v1/completions HTTP/1.1\r\nHost: d\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data)
+    writer.write(request)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    assert json.loads(await reader.readexactly(length))["id"] == "whole"
+    assert len(engine.bodies) == 3
+    # More failures than the door's 3 tries: its own 503, in OpenAI's error shape, on the same connection.
+    engine.faults = [("router_failed", 0)] * 4
+    writer.write(request)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert head.startswith(b"HTTP/1.1 503"), head
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    error = json.loads(await reader.readexactly(length))["error"]
+    assert error["type"] == "ServiceUnavailableError" and "No engine answered" in error["message"]
+    assert len(engine.bodies) == 3 + 4
+    writer.write(request)  # the connection carries the next request
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    writer.close()
