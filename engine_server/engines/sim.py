@@ -3,6 +3,7 @@
 Routes on the inference plane (--port):
   POST /v1/completions, POST /v1/chat/completions   deterministic answers derived from the prompt
                                                      (`"stream": true` gives server-sent events)
+                                                     a completion's prompt may be token ids
   GET  /v1/models, GET /health, GET /metrics         (/metrics also carries the engine server's own)
   GET  /sim/faults                                   the current faults
   POST /sim/faults   {"fail_inference": true, ...}   change some faults now (unknown keys: 400)
@@ -19,7 +20,13 @@ Faults (engine_args.faults in the user_config, or at run time):
   latency_ms      every completion takes this long (generating: progress every 50 ms)
   utilization     the simulated accelerator utilization (percent) the engine server samples
 
-The answers themselves (text, completions, server-sent events, error bodies) are sim_answers.py.
+Tokens (sim_tokens.py): a prompt is tokenized (whitespace words), and a deterministic "model" makes
+each next token id from all the ids so far, so an answer continued from its prompt's ids and the ids
+already sent is the rest of the uninterrupted answer, on any sim engine. Token by token over time:
+engine_args.decode_ms_per_token (0 = every token at once, after latency_ms) makes one token (one
+streamed chunk) every that many ms. The requests' fields (sim_request.py) and the answers (vLLM's
+wire format: return_token_ids, logprobs, stream_options.include_usage, error bodies) are
+sim_answers.py. A stream cut by the engine's death (or a fault) just stops, without [DONE].
 
 Prefill/decode: a request with `kv_transfer_params` is one leg of a disaggregating router's flow
 (sim_pd.py): the prefill leg answers where its KV cache is, the decode leg skips the prefill.
@@ -34,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -54,38 +62,28 @@ from engine_server.engines.base import (
     UtilizationSampler,
     is_probe_request_id,
 )
-from engine_server.engines.sim_answers import (
-    completion,
-    count_tokens,
-    deterministic_text,
-    error,
-    json_body,
-    model_not_found,
-    stream,
-    unavailable,
-)
+from engine_server.engines.sim_answers import DONE, Answer, error, json_body, model_not_found, sse, unavailable
 from engine_server.engines.sim_capacity import SimCapacity
 from engine_server.engines.sim_lora import SimLoras
 from engine_server.engines.sim_metrics import (
     SIM_FAILED,
-    SIM_GENERATION_TOKENS,
-    SIM_KV_LEGS,
-    SIM_PROMPT_TOKENS,
-    SIM_REQUESTS,
     SIM_RUNNING,
     VLLM_GENERATION_TOKENS,
     VLLM_ITL,
     VLLM_PROMPT_TOKENS,
     VLLM_SUCCESS,
     VLLM_TTFT,
+    count_success,
 )
+from engine_server.engines.sim_request import SimRequest, parse
+from engine_server.engines.sim_tokens import Model
 from motor.contract.engine_args import SimArgs, SimFaults
 from motor.service.config import describe_validation_error
 
 logger = logging.getLogger(__name__)
 
 SIM_STEP_S = 0.05  # one simulated scheduler step of a prefill
-OBSERVATIONS_PER_YIELD = 2048  # histogram observations between two yields of the event loop
+TOKENS_PER_YIELD = 32  # tokens made (and chunks written) between two yields of the event loop
 HELD = web.RequestKey("held", HeldRequest)  # the client request's place in the admission (admission.py)
 
 
@@ -113,6 +111,7 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
         self._prefilling = asyncio.Lock()
         self._started_at = 0.0
         self._died: asyncio.Future[str] | None = None
+        self._stopping = False
         self._unhang = asyncio.Event()
         self._inference_unhang = asyncio.Event()  # cleared by hang_inference
         self._runner: web.AppRunner | None = None
@@ -176,6 +175,7 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
     async def shutdown(self) -> None:
         if self._crash_timer is not None:
             self._crash_timer.cancel()
+        self._stopping = True  # streams stop where they are (_decode), as when the engine dies
         self._unhang.set()  # release hung handlers so the runner can close
         self._inference_unhang.set()
         if self._runner is not None:
@@ -272,30 +272,18 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        body, problem = await json_body(request)
-        if problem:
-            return problem
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            prompt = "\n".join(prompt)
-        if not isinstance(prompt, str):
-            return error(400, "prompt: must be a string or a list of strings")
-        return await self._serve(request, body, prompt, chat=False)
+        return await self._serve(request, chat=False)
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body, problem = await json_body(request)
         if problem:
             return problem
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            return error(400, 'messages: must be a non-empty list of {"role", "content"} objects')
-        prompt = "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in messages)
-        return await self._serve(request, body, prompt, chat=True)
-
-    async def _serve(self, request: web.Request, body: dict[str, Any], prompt: str, chat: bool) -> web.StreamResponse:
-        max_tokens = body.get("max_tokens", body.get("max_completion_tokens", self.args.max_tokens_default))
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            return error(400, "max_tokens: must be a positive integer")
+        asked = parse(body, chat, self.args.max_tokens_default)
+        if isinstance(asked, str):
+            return error(400, asked)
         request_id = request.headers.get("X-Request-Id") or f"sim-{time.time_ns()}"
         probe = is_probe_request_id(request_id)
         if self._loading():  # as vLLM's API server before its engine is up: nothing is served yet
@@ -307,7 +295,6 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
         if leg == sim_pd.DECODE_LEG and (problem := sim_pd.missing_handoff(body)):
             return error(400, problem)
         arrived = time.monotonic()
-        vllm = self._vllm_labels()
         if not probe:
             self._in_flight += 1
             SIM_RUNNING.labels(self.args.model).inc()
@@ -319,65 +306,77 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
                 return self._failed(probe, 500, "sim fault: fail_inference")
             async with self.capacity.seat():  # at most max_num_seqs run at once; the rest wait
                 if leg != sim_pd.DECODE_LEG:  # a decode leg fetches the KV cache its prefill leg computed
-                    await self._prefill(count_tokens(prompt), probe)
+                    await self._prefill(len(asked.prompt_ids), probe)
                 if self.faults.latency_ms:
                     await self._generate(self.faults.latency_ms / 1000, probe)
-            await self._until_inference_runs()  # a hang set while this request waited
-            text = deterministic_text(prompt, max_tokens)
-            prompt_tokens, completion_tokens = count_tokens(prompt), max_tokens
+                await self._until_inference_runs()  # a hang set while this request waited
+                answer = Answer(asked, f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", model)
+                tokens = self._decode(asked, answer, probe, arrived)
+                if asked.stream:
+                    held = request.get(HELD)
+                    if held is not None and not held.start_sending():
+                        raise asyncio.CancelledError  # failed back meanwhile: its 503 is being sent
+                    response = await self._stream(request, answer, tokens)
+                else:
+                    async for _ in tokens:
+                        pass
             if not probe:
-                SIM_REQUESTS.labels(self.args.model).inc()
-                SIM_PROMPT_TOKENS.labels(self.args.model).inc(prompt_tokens)
-                SIM_GENERATION_TOKENS.labels(self.args.model).inc(completion_tokens)
-                # Every token comes at once, after the latency: the first takes it all, the others none.
-                VLLM_TTFT.labels(*vllm).observe(time.monotonic() - arrived)
-                # The tokens are made: progress first, so that the stall watchdog, which runs while
-                # the gaps of a long answer are observed (yielding), does not read the engine as hung.
-                self._progress += completion_tokens
-                await self._observe_inter_token_gaps(completion_tokens - 1)
-                VLLM_SUCCESS.labels(*vllm, "length").inc()
-                VLLM_PROMPT_TOKENS.labels(*vllm).inc(prompt_tokens)
-                VLLM_GENERATION_TOKENS.labels(*vllm).inc(completion_tokens)
+                count_success(self.args.model, self._vllm_labels(), len(asked.prompt_ids), len(answer.ids), leg)
                 self._succeeded += 1
-                if leg:
-                    SIM_KV_LEGS.labels(self.args.model, leg).inc()
-            prefix = "chatcmpl" if chat else "cmpl"
-            answer_id = f"{prefix}-{request_id}"
-            usage = {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            }
-            if body.get("stream") is True:
-                held = request.get(HELD)
-                if held is not None and not held.start_sending():
-                    raise asyncio.CancelledError  # failed back meanwhile: its 503 is being sent
-                return await stream(request, answer_id, model, text, chat, usage, sent=self._advance)
-            answer = completion(answer_id, model, text, chat, usage)
+            if asked.stream:
+                await response.write_eof()
+                return response
+            whole = answer.whole()
             if leg == sim_pd.PREFILL_LEG:
                 engine_id = f"{self.options.instance_id}/rank{self.options.dp_rank}"
-                answer["kv_transfer_params"] = sim_pd.handoff(
-                    engine_id, self.options.host, self.options.port, prompt_tokens
+                whole["kv_transfer_params"] = sim_pd.handoff(
+                    engine_id, self.options.host, self.options.port, len(asked.prompt_ids)
                 )
-            return web.json_response(answer, headers={"X-Request-Id": request_id})
+            return web.json_response(whole, headers={"X-Request-Id": request_id})
         finally:
             if not probe:
                 self._in_flight -= 1
                 SIM_RUNNING.labels(self.args.model).dec()
 
-    async def _observe_inter_token_gaps(self, count: int) -> None:
-        """Every gap is 0 here; a long answer has many, and the loop is the management plane's too."""
-        series = VLLM_ITL.labels(*self._vllm_labels())
-        for index in range(count):
-            series.observe(0.0)
-            if index % OBSERVATIONS_PER_YIELD == OBSERVATIONS_PER_YIELD - 1:
-                self._advance(OBSERVATIONS_PER_YIELD)
-                await asyncio.sleep(0)
+    async def _stream(self, request: web.Request, answer: Answer, tokens: AsyncIterator[None]) -> web.StreamResponse:
+        """The answer as server-sent events, a chunk per token as it is made; [DONE] once all are."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        if (first := answer.first_chunk()) is not None:
+            await response.write(sse(first))
+        async for _ in tokens:
+            await response.write(sse(answer.chunk()))
+        if answer.request.include_usage:
+            await response.write(sse(answer.usage_chunk()))
+        await response.write(DONE)
+        return response
 
-    def _advance(self, count: int) -> None:
-        """Progress while a long answer is worked on (its gaps observed, its chunks written): the stall
-        watchdog and the prober read a counter that moves as an engine works, as vLLM's steps do."""
-        self._progress += count
+    async def _decode(self, asked: SimRequest, answer: Answer, probe: bool, arrived: float) -> AsyncIterator[None]:
+        """The answer's tokens, added to it one at a time: one every decode_ms_per_token (at 0, all at
+        once, the loop yielded every TOKENS_PER_YIELD: it is the management plane's too). Each token
+        is progress, so a long answer is never taken for a stall."""
+        model, interval = Model(asked.prompt_ids), self.args.decode_ms_per_token / 1000
+        vllm, last = self._vllm_labels(), time.monotonic()
+        for index in range(asked.max_tokens):
+            if interval:
+                await asyncio.sleep(interval)
+                await self._until_inference_runs()
+            elif index and not index % TOKENS_PER_YIELD:
+                await asyncio.sleep(0)
+                await self._until_inference_runs()
+            if self._stopping or (self._died is not None and self._died.done()):
+                raise asyncio.CancelledError  # the engine is gone: its answers just stop (no [DONE])
+            token, piece = model.next()
+            answer.add(token, piece, None if asked.logprobs is None else model.logprobs(asked.logprobs))
+            if not probe:
+                self._progress += 1
+                now = time.monotonic()
+                if index:
+                    VLLM_ITL.labels(*vllm).observe(now - last if interval else 0.0)
+                else:
+                    VLLM_TTFT.labels(*vllm).observe(now - arrived)
+                last = now
+            yield
 
     def _vllm_labels(self) -> tuple[str, str]:
         """vLLM's labels: the served model, and the engine (this data-parallel rank)."""

@@ -45,3 +45,15 @@ VLLM_SUCCESS = Counter("vllm:request_success", "Count of successfully processed 
                        [*VLLM_LABELS, "finished_reason"])  # fmt: skip
 VLLM_PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", VLLM_LABELS)
 VLLM_GENERATION_TOKENS = Counter("vllm:generation_tokens", "Number of generation tokens processed.", VLLM_LABELS)
+
+
+def count_success(model: str, vllm: tuple[str, str], prompt_tokens: int, generated: int, leg: str | None) -> None:
+    """A client request answered whole (probes are not counted)."""
+    SIM_REQUESTS.labels(model).inc()
+    SIM_PROMPT_TOKENS.labels(model).inc(prompt_tokens)
+    SIM_GENERATION_TOKENS.labels(model).inc(generated)
+    VLLM_SUCCESS.labels(*vllm, "length").inc()
+    VLLM_PROMPT_TOKENS.labels(*vllm).inc(prompt_tokens)
+    VLLM_GENERATION_TOKENS.labels(*vllm).inc(generated)
+    if leg:
+        SIM_KV_LEGS.labels(model, leg).inc()

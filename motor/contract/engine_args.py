@@ -42,6 +42,10 @@ class SimArgs(BaseModel):
     # Seconds the simulated model takes to load: /health and completions answer 503 "loading"
     # meanwhile, so the engine server reports INIT, then NORMAL. `startup_delay_s` is its older name.
     load_s: float = Field(0.0, ge=0, validation_alias=AliasChoices("load_s", "startup_delay_s"))
+    # Time to make each generated token: a stream sends a chunk per token as it is made, a whole
+    # answer comes after all of them, the engine's progress moving with each token. 0: every
+    # token at once (after latency_ms), as before.
+    decode_ms_per_token: float = Field(0.0, ge=0)
     max_tokens_default: int = Field(16, ge=1)
     # Requests served at once (vLLM's --max-num-seqs); the rest wait (sim_capacity.py).
     max_num_seqs: int = Field(VLLM_MAX_NUM_SEQS, ge=1)

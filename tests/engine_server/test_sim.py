@@ -11,6 +11,8 @@ import pytest
 from engine_server.engines import sim as sim_module
 from engine_server.engines.base import EngineOptions
 from engine_server.engines.sim import SimEngine
+from engine_server.engines.sim_metrics import SIM_KV_LEGS
+from engine_server.engines.sim_tokens import deterministic_text, tokenize
 from engine_server.probing import probe_request
 from motor.ports import free_port
 
@@ -40,7 +42,8 @@ async def test_answers_are_deterministic_and_openai_shaped(sim):
     _, again = await post(session, "/v1/completions", {"prompt": "the same prompt", "max_tokens": 6})
     _, other = await post(session, "/v1/completions", {"prompt": "another prompt", "max_tokens": 6})
     text = first["choices"][0]["text"]
-    assert len(text.split()) == 6 and text == again["choices"][0]["text"] != other["choices"][0]["text"]
+    assert text == deterministic_text("the same prompt", 6)  # 6 tokens: the split word "café" is two
+    assert text == again["choices"][0]["text"] != other["choices"][0]["text"]
     assert first["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
     assert first["model"] == "tiny" and first["object"] == "text_completion"
     status, chat = await post(session, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
@@ -108,13 +111,15 @@ async def test_in_flight_requests_exclude_probes(sim, monkeypatch):
     0, a real request alone 1 (so counting the probe instead of the request fails too)."""
     engine, session = sim
     seen: dict[str, int] = {}
-    answer = sim_module.deterministic_text
 
-    def recording_text(prompt, tokens):
-        seen[prompt] = engine.in_flight_requests()
-        return answer(prompt, tokens)
+    class RecordingModel(sim_module.Model):
+        def __init__(self, prompt_ids):
+            seen[{tuple(tokenize("probe")): "probe", tuple(tokenize("real")): "real"}[tuple(prompt_ids)]] = (
+                engine.in_flight_requests()
+            )
+            super().__init__(prompt_ids)
 
-    monkeypatch.setattr(sim_module, "deterministic_text", recording_text)
+    monkeypatch.setattr(sim_module, "Model", RecordingModel)
     status, _ = await post(session, "/v1/completions", {"prompt": "probe", "max_tokens": 1},
                            headers=probe_request("prefill")[1])  # fmt: skip
     assert status == 200 and seen == {"probe": 0}
@@ -197,7 +202,7 @@ async def test_hang_inference_freezes_completions_only(sim):
 
 
 def kv_legs(leg: str) -> float:
-    return sim_module.SIM_KV_LEGS.labels("tiny", leg)._value.get()
+    return SIM_KV_LEGS.labels("tiny", leg)._value.get()
 
 
 async def test_the_prefill_decode_flow_of_a_disaggregating_router(sim):
@@ -225,7 +230,7 @@ async def test_the_prefill_decode_flow_of_a_disaggregating_router(sim):
     )
     decode_time = asyncio.get_running_loop().time() - started
     assert status == 200, second
-    assert len(second["choices"][0]["text"].split()) == 4 and "kv_transfer_params" not in second
+    assert second["choices"][0]["text"] == deterministic_text("a long prompt", 4) and "kv_transfer_params" not in second
     assert prefill_time >= 0.25 > decode_time  # the decode leg fetched the KV cache: no prefill
     assert (kv_legs("prefill"), kv_legs("decode")) == (before[0] + 1, before[1] + 1)
 
