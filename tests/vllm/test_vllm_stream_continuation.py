@@ -139,3 +139,39 @@ def test_a_stream_whose_engine_server_is_sigkilled_goes_on_token_for_token_on_th
         return victim.pid not in pids and len(pids) == 2
 
     wait_for(replaced, timeout=300, interval=1, what="the killed engine replaced")
+
+
+def test_vllm_starts_a_continuation_with_the_prompts_text_where_the_ids_sent_end_mid_character(door, references):
+    """What a continuation meets in vLLM 0.32 (straight to an engine, no door): the tiny model's
+    byte-level tokens often end a chunk inside a UTF-8 character, and vLLM holds that chunk's text
+    back (its `token_ids`, empty `text`). A completion whose prompt ids end there does go on token
+    for token, but its first text is the whole prompt's text and what was held: vLLM primes its
+    detokenizer with the prompt ids (vllm/v1/engine/detokenizer.py, FastIncrementalDetokenizer:
+    `DecodeStream(ids=request.prompt_token_ids)`), and tokenizers' DecodeStream, primed with ids
+    ending in an incomplete character, returns the whole decoded prefix at its first step. A door
+    continuing a stream cut there must not write that text on (for a chat, it is the rendered
+    template); pinned here so that a vLLM which stops doing so is noticed."""
+    local, stub, model = door
+    reference = references["completion-token-ids"]
+    held = [i for i, c in enumerate(reference.chunks[:-1]) if c["choices"] and c["choices"][0].get("token_ids")]
+    held = [i for i in held if not reference.chunks[i]["choices"][0]["text"]]
+    assert held, "no chunk of the reference ends inside a character"
+    cut = held[0] + 1  # the stream cut right after a chunk whose text was held
+    sent = [t for c in reference.chunks[:cut] for choice in c["choices"] for t in choice.get("token_ids") or []]
+    sent_text = "".join(reference.texts()[:cut])
+    engine = all_routed(local, stub, 2)[0].url
+    continuation = stream(
+        engine,
+        "/v1/completions",
+        {
+            **GREEDY,
+            "model": model,
+            "prompt": prompt_ids(reference)[0] + sent,
+            "max_tokens": TOKENS - len(sent),
+            "return_token_ids": True,
+        },
+    )
+    assert continuation.done and continuation.token_ids == reference.token_ids[len(sent) :]
+    first = next(t for t in continuation.texts() if t)
+    assert first.startswith(COMPLETION[1]["prompt"]), first[:80]
+    assert sent_text + continuation.text != reference.text
