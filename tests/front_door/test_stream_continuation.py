@@ -241,6 +241,7 @@ async def test_a_character_split_across_two_tokens_at_the_cut_comes_once(stack, 
     assert engine.bodies[-1]["prompt"] == prompt_ids(body) + ids[: ids.index(SPLIT)]
     assert ids_shown(events) == (ids if asked else [])
 
+
 async def test_no_engine_for_a_while_is_waited_for_then_the_stream_goes_on(stack):
     engine, front = stack
     engine.faults = [("break", 3), ("status", 503), ("status", 503)]
