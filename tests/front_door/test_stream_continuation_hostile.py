@@ -1,0 +1,423 @@
+"""Hostile tests of the front door's stream continuation (front_door/continuation.py, streams.py):
+each test is a finding, its docstring what a user sees. (Built on test_stream_continuation's stand-in.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp import web
+
+from front_door import streams
+from front_door.policy import FrontDoor
+from motor.ports import free_port
+from tests.front_door.test_stream_continuation import (
+    BODY,
+    Engine,
+    answer_ids,
+    ids_shown,
+    prompt_ids,
+    stream,
+    text,
+    text_of,
+)
+from tests.support import serve_app
+
+
+class Scripted(Engine):
+    """The stand-in engine, whose answer is written as the test says: `framing(events)` gives the
+    writes (bytes, or a float: seconds to sleep); `cut` ("break", k) breaks the connection after k
+    tokens; `extra(chunk, n)` changes each token's chunk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.framing = None
+        self.extra = None
+        self.plain: list = []  # per request: a coroutine factory that answers it instead
+
+    def events(self, body: dict, chat: bool) -> list[bytes]:
+        prompt = prompt_ids(body)
+        limit = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+        ids = answer_ids(prompt, limit)
+        asked = body.get("return_token_ids") is True
+        head = {"id": f"cmpl-{len(self.bodies)}", "object": "chat.completion.chunk" if chat else "text_completion"}
+        head.update(created=1000 + len(self.bodies), model=body["model"])
+        out = []
+        if chat:
+            first = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+            out.append({**head, **first, **({"prompt_token_ids": prompt} if asked else {})})
+        whole = prompt + ids
+        offset = 0
+        for n, token in enumerate(ids):
+            piece = text_of(whole, len(prompt) + n)
+            last = "length" if n == len(ids) - 1 else None
+            choice = {"index": 0, "finish_reason": last}
+            choice.update({"delta": {"content": piece}} if chat else {"text": piece})
+            if asked:
+                choice["token_ids"] = [token]
+                if not chat and n == 0:
+                    choice["prompt_token_ids"] = prompt
+            lp = body.get("logprobs")
+            if chat and lp is True:
+                top = body.get("top_logprobs") or 0
+                alts = [{"token": piece, "logprob": -0.1, "bytes": list(piece.encode())}]
+                alts += [{"token": f" alt{k}", "logprob": -2.0 - k, "bytes": list(f" alt{k}".encode())} for k in range(5)]
+                choice["logprobs"] = {"content": [{**alts[0], "top_logprobs": alts[:top]}]}
+            elif not chat and isinstance(lp, int):
+                tops = {piece: -0.1, **{f" alt{k}": -2.0 - k for k in range(5)}}
+                choice["logprobs"] = {
+                    "tokens": [piece],
+                    "token_logprobs": [-0.1],
+                    "top_logprobs": [dict(list(tops.items())[: max(lp, 1)])],
+                    "text_offset": [offset],
+                }
+            offset += len(piece)
+            chunk = {**head, "choices": [choice]}
+            if (body.get("stream_options") or {}).get("continuous_usage_stats"):
+                chunk["usage"] = {"prompt_tokens": len(prompt), "completion_tokens": n + 1, "total_tokens": len(prompt) + n + 1}
+            if self.extra:
+                chunk = self.extra(chunk, n, body)
+            out.append(chunk)
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(whole)}
+            out.append({**head, "choices": [], "usage": usage})
+        return [b"data: " + json.dumps(e).encode() + b"\n\n" for e in out] + [b"data: [DONE]\n\n"]
+
+    async def serve(self, request: web.Request) -> web.StreamResponse:
+        if self.plain:
+            self.bodies.append(json.loads(await request.read()))
+            return await self.plain.pop(0)(request)
+        raw = await request.read()
+        body = json.loads(raw)
+        if self.framing is None or not body.get("stream"):
+            return await super().serve(_Replay(request, raw))
+        self.bodies.append(body)
+        how, at = self.faults.pop(0) if self.faults else ("", -1)
+        if how == "status":
+            return web.json_response({"error": {"message": "no workers", "code": at}}, status=at)
+        chat = request.path.endswith("/chat/completions")
+        events = self.events(body, chat)
+        if how == "break":
+            events = events[: at + (1 if chat else 0)]
+        reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await reply.prepare(request)
+        for piece in self.framing(events):
+            if isinstance(piece, float):
+                await asyncio.sleep(piece)
+            else:
+                await reply.write(piece)
+        if how == "break":
+            await asyncio.sleep(0.01)
+            request.transport.close()
+            return reply
+        await reply.write_eof()
+        return reply
+
+
+class _Replay:
+    """An aiohttp request whose body was read already (for Engine.serve)."""
+
+    def __init__(self, request: web.Request, raw: bytes) -> None:
+        self._request, self._raw = request, raw
+
+    def __getattr__(self, name):
+        return getattr(self._request, name)
+
+    async def read(self) -> bytes:
+        return self._raw
+
+
+@pytest.fixture
+async def door():
+    engine = Scripted()
+    app = web.Application()
+    app.router.add_post("/v1/completions", engine.serve)
+    app.router.add_post("/v1/chat/completions", engine.serve)
+    runner, url = await serve_app(app)
+    front = FrontDoor(url, lambda: {"m": None})
+    front.port = free_port()
+    await front.start("127.0.0.1", front.port)
+    yield engine, front
+    await front.close()
+    await runner.cleanup()
+
+
+def one_by_one(events):
+    for event in events:
+        yield event
+        yield 0.002
+
+
+def split_mid_event(events):
+    """As TCP delivers a busy stream: a read holds whole events and the start of the next."""
+    data = b"".join(events)
+    step = 3 * len(events[1]) // 2
+    for at in range(0, len(data), step):
+        yield data[at : at + step]
+        yield 0.003
+
+
+async def test_a_read_that_ends_mid_event_stops_the_stream_being_followed(door):
+    """A stream whose reads from the router do not end on event boundaries (any busy stream over
+    TCP: a read holds whole events and the first bytes of the next) loses its continuation: the
+    client that did not ask for token ids is shown `token_ids`, and when the engine dies the stream
+    ends with an error event instead of going on."""
+    engine, front = door
+    engine.framing = split_mid_event
+    body = {**BODY, "max_tokens": 40}
+    whole, _ = await stream(front.port, "/v1/completions", body)
+    assert whole[-1] == "[DONE]"
+    assert not ids_shown(whole), "token ids the client did not ask for are shown"
+    engine.faults = [("break", 20)]
+    events, ended = await stream(front.port, "/v1/completions", body)
+    assert events[-1] == "[DONE]" and text(events, False) == text(whole, False), events[-1]
+
+
+async def test_a_cut_stream_whose_reads_end_mid_event_is_not_gone_on_with(door):
+    """The same, when its engine dies: the client gets an error event (`APIError`) where the
+    feature promises the rest of the answer from another engine."""
+    engine, front = door
+    engine.framing = split_mid_event
+    body = {**BODY, "max_tokens": 40}
+    engine.faults = [("break", 20)]
+    events, ended = await stream(front.port, "/v1/completions", body)
+    assert events[-1] == "[DONE]", events[-1]
+    assert len(engine.bodies) == 2
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_request_without_max_tokens_gets_a_longer_answer_when_cut(door, path):
+    """No `max_tokens` in the request: the engine's default applies (vLLM: 16 for a completion,
+    the context for a chat). The continuation is asked as a completion without `max_tokens`, so it
+    gets vLLM's completion default of 16 tokens *more*: a completion of 16 tokens cut after 10
+    comes back with 26; a chat answer cut after 10 ends after 26 tokens with finish_reason
+    "length" (truncated where the uncut answer would have gone on)."""
+    engine, front = door
+    chat = path.endswith("chat/completions")
+    body = {"model": "m", "stream": True, "temperature": 0}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "tell me"})
+    whole, _ = await stream(front.port, path, body)
+    engine.faults = [("break", 10)]
+    events, _ = await stream(front.port, path, body)
+    assert events[-1] == "[DONE]"
+    assert "max_tokens" in engine.bodies[-1], engine.bodies[-1]
+    assert text(events, chat) == text(whole, chat)
+
+
+async def test_max_tokens_null_with_max_completion_tokens_is_ignored_by_the_continuation(door):
+    """A chat request with `"max_tokens": null, "max_completion_tokens": 30` (clients that write
+    every field, nulls included): the continuation is asked without any limit (`get("max_tokens",
+    ...)` finds the null), so the answer outgrows the 30 tokens the client allowed (here the
+    stand-in's default; on vLLM up to 16 past the cut, or the context)."""
+    engine, front = door
+    engine.framing = one_by_one
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    body.update(max_tokens=None, max_completion_tokens=12)
+    whole, _ = await stream(front.port, "/v1/chat/completions", body)
+    assert text(whole, True).count(" w") == 12
+    engine.faults = [("break", 8)]
+    events, _ = await stream(front.port, "/v1/chat/completions", body)
+    assert engine.bodies[-1].get("max_tokens") == 4, engine.bodies[-1]
+    assert text(events, True) == text(whole, True)
+
+
+async def test_a_stream_answered_after_a_router_500_is_not_followed_and_shows_token_ids(door):
+    """A streamed request whose first try the router answered with its own plain-text 500 (no engine
+    for a moment) is sent again; the engine's stream that then comes passes as it came: the client
+    that did not ask for token ids is shown `token_ids` and `prompt_token_ids` (the door asked for
+    them), and if that engine dies the stream is not gone on with (it ends without an error event or
+    [DONE], as before the feature)."""
+    engine, front = door
+    engine.faults = [("router_failed", 0)]
+    events, ended = await stream(front.port, "/v1/completions", BODY)
+    assert events[-1] == "[DONE]" and len(engine.bodies) == 2
+    answers = [e for e in events if isinstance(e, dict)]
+    assert not ids_shown(events), "token ids shown to a client that did not ask"
+    assert not any("prompt_token_ids" in c for e in answers for c in e["choices"])
+
+
+async def test_a_stream_answered_after_a_router_500_and_then_cut_is_not_continued(door):
+    """The same request, its engine then dying mid-stream: the client reads a stream that just stops
+    (no [DONE], no error event) - the silent truncation the door's streams.py exists to prevent."""
+    engine, front = door
+    engine.faults = [("router_failed", 0), ("end", 10)]
+    events, ended = await stream(front.port, "/v1/completions", BODY)
+    assert events[-1] == "[DONE]" or "error" in events[-1], events[-1]
+
+
+def reasoning(chunk: dict, n: int, body: dict) -> dict:
+    """A chat answer through a reasoning parser: its first 20 tokens' text is `reasoning_content`."""
+    for choice in chunk.get("choices", []):
+        delta = choice.get("delta")
+        if delta is not None and n < 20 and "content" in delta:
+            delta["reasoning_content"] = delta.pop("content")
+    return chunk
+
+
+async def test_reasoning_text_sent_before_a_cut_is_sent_again_as_content(door):
+    """A chat answer of a reasoning model (vLLM's `--reasoning-parser`: the thinking comes as
+    `delta.reasoning_content`) cut while it thinks: the door counts only `content` as text that
+    came, so it goes on from the answer's start and the reasoning already shown is sent again (as
+    content): the client reads every thought twice."""
+    engine, front = door
+    engine.framing = one_by_one
+    engine.extra = reasoning
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "stream": True}
+    whole, _ = await stream(front.port, "/v1/chat/completions", body)
+
+    def all_text(events):
+        return "".join(
+            (c.get("delta") or {}).get(key) or ""
+            for e in events
+            if isinstance(e, dict)
+            for c in e.get("choices", [])
+            for key in ("reasoning_content", "content")
+        )
+
+    engine.faults = [("break", 15)]
+    events, _ = await stream(front.port, "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    assert all_text(events) == all_text(whole), (all_text(events), all_text(whole))
+
+
+async def test_chat_logprobs_without_top_logprobs_change_shape_after_a_cut(door):
+    """Chat with `logprobs: true` and no `top_logprobs`: each token's entry has `top_logprobs: []`
+    before the cut; after it the continuation is a completion with `logprobs: 0`, which vLLM answers
+    with the sampled token in each step's top_logprobs, so entries after the cut carry one."""
+    engine, front = door
+    engine.framing = one_by_one
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "stream": True}
+    body["logprobs"] = True
+    engine.faults = [("break", 8)]
+    events, _ = await stream(front.port, "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    entries = [
+        x for e in events if isinstance(e, dict) for c in e["choices"] for x in ((c.get("logprobs") or {}).get("content") or [])
+    ]
+    assert len(entries) == 20
+    assert [len(x["top_logprobs"]) for x in entries] == [0] * 20
+
+
+def in_flight(front: FrontDoor) -> float:
+    return front.metrics.registry.get_sample_value("motor_front_door_requests_in_flight") or 0.0
+
+
+def lps(events, key):
+    return [x for e in events if isinstance(e, dict) for c in e["choices"] for x in (c.get("logprobs") or {}).get(key, [])]
+
+
+async def test_completion_logprobs_text_offsets_run_ahead_after_a_cut(door):
+    """A completion with `logprobs: 2` cut after 7 tokens: the continuation's `text_offset`s
+    (counted by its engine from the continuation's own start) are shifted by the text sent *so far*,
+    which grows with every event, instead of by the text sent at the cut: from the second token after
+    the cut each offset is too large, by more at every token (a client mapping logprobs to text, as
+    `echo`-less highlighting does, points past its text)."""
+    engine, front = door
+    engine.framing = one_by_one
+    body = {**BODY, "logprobs": 2}
+    whole, _ = await stream(front.port, "/v1/completions", body)
+    engine.faults = [("break", 7)]
+    events, ended = await stream(front.port, "/v1/completions", body)
+    assert ended and events[-1] == "[DONE]" and text(events, False) == text(whole, False)
+    for key in ("tokens", "token_logprobs", "top_logprobs"):
+        assert lps(events, key) == lps(whole, key), key
+    assert lps(events, "text_offset") == lps(whole, "text_offset")
+
+
+async def test_probe_holds_continuous_usage_chat_logprobs_and_pipelining(door):
+    """(Checks that held up: kept as a guard.) `continuous_usage_stats` through two cuts, chat
+    `top_logprobs: 2` through two cuts, and a request pipelined behind a continued stream."""
+    engine, front = door
+    engine.framing = one_by_one
+    body = {**BODY, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    whole, _ = await stream(front.port, "/v1/completions", body)
+    engine.faults = [("break", 7), ("break", 9)]
+    events, ended = await stream(front.port, "/v1/completions", body)
+    assert ended and events[-1] == "[DONE]" and text(events, False) == text(whole, False)
+    usages = [e["usage"]["completion_tokens"] for e in events if isinstance(e, dict) and e.get("usage")]
+    assert usages == sorted(usages) and usages[-1] == 40, usages
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 25, "stream": True}
+    chat.update(logprobs=True, top_logprobs=2)
+    whole, _ = await stream(front.port, "/v1/chat/completions", chat)
+    engine.faults = [("break", 5), ("break", 6)]
+    events, ended = await stream(front.port, "/v1/chat/completions", chat)
+    assert text(events, True) == text(whole, True)
+
+    def content(evs):
+        return [
+            x for e in evs if isinstance(e, dict) for c in e["choices"] for x in ((c.get("logprobs") or {}).get("content") or [])
+        ]
+
+    assert content(events) == content(whole)
+    # pipelined: two requests in one write, the first cut and gone on with
+    engine.faults = [("break", 5)]
+    data = json.dumps({**BODY, "max_tokens": 10}).encode()
+    one = b"POST /v1/completions HTTP/1.1\r\nHost: d\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data)
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(one + one)
+    got = b""
+    while got.count(b"data: [DONE]") < 2:
+        piece = await asyncio.wait_for(reader.read(65536), 10)
+        assert piece, got[-300:]
+        got += piece
+    writer.close()
+    assert got.count(b"HTTP/1.1 200") == 2 and b'"error"' not in got
+    await asyncio.sleep(0.1)
+    assert in_flight(front) == 0
+
+
+async def test_a_client_gone_while_the_door_waits_for_an_engine_leaves_nothing_behind(door, monkeypatch):
+    """(Held up.) The client leaves during the wait for an engine to go on with its stream: no more
+    tries are sent, the in-flight gauge is back to 0."""
+    engine, front = door
+    engine.framing = one_by_one
+    engine.faults = [("break", 3)] + [("status", 503)] * 1000
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    data = json.dumps(BODY).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: d\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+    await asyncio.wait_for(reader.readuntil(b"w"), 5)
+    await asyncio.sleep(1.0)
+    asked = len(engine.bodies)
+    assert asked > 3
+    writer.close()
+    await asyncio.sleep(1.5)
+    assert len(engine.bodies) <= asked + 1
+    assert in_flight(front) == 0
+
+
+async def test_an_engine_4xx_error_event_mid_stream_passes_and_is_not_continued(door):
+    """(Held up.) An engine's error event with a 4xx code mid-stream, then [DONE]: passed on as it came."""
+    engine, front = door
+    engine.framing = one_by_one
+
+    def bad(chunk, n, body):
+        if n == 5:
+            return {"error": {"message": "bad", "type": "BadRequestError", "param": None, "code": 400}}
+        return chunk
+
+    engine.extra = bad
+    events, ended = await stream(front.port, "/v1/completions", BODY)
+    assert {"message": "bad", "type": "BadRequestError", "param": None, "code": 400} in [
+        e.get("error") for e in events if isinstance(e, dict)
+    ]
+    assert len(engine.bodies) == 1
+
+
+def crlf(events):
+    for event in events:
+        yield event.replace(b"\n", b"\r\n")
+        yield 0.002
+
+
+async def test_crlf_framed_events_are_followed(door):
+    """An engine (or a proxy before the door) that ends SSE lines with CRLF, as the SSE spec allows:
+    the door finds the events but writes each event's payload back followed by LF LF... checked: the
+    ids the client did not ask for must be hidden and a cut gone on with."""
+    engine, front = door
+    engine.framing = crlf
+    whole, _ = await stream(front.port, "/v1/completions", BODY)
+    engine.faults = [("break", 10)]
+    raw_events, ended = await stream(front.port, "/v1/completions", BODY)
+    assert not ids_shown(whole)
+    assert raw_events[-1] == "[DONE]" and text(raw_events, False) == text(whole, False)
