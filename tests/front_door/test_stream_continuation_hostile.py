@@ -421,3 +421,139 @@ async def test_crlf_framed_events_are_followed(door):
     raw_events, ended = await stream(front.port, "/v1/completions", BODY)
     assert not ids_shown(whole)
     assert raw_events[-1] == "[DONE]" and text(raw_events, False) == text(whole, False)
+
+
+async def test_a_long_prompt_stream_written_event_by_event_is_followed(door):
+    """(Held up here.) A 60,000-token prompt: its first event (`prompt_token_ids`) is a few hundred
+    kB, read in several reads; on loopback with one event per write, the reads here ended on event
+    boundaries and the stream was followed (the split-read finding above needs a read that ends
+    inside an event after a whole one)."""
+    engine, front = door
+    engine.framing = one_by_one
+    body = {**BODY, "prompt": [100 + i % 50 for i in range(60_000)], "max_tokens": 30}
+    engine.faults = [("break", 20)]
+    events, ended = await stream(front.port, "/v1/completions", body)
+    assert not ids_shown(events), "token ids shown to a client that did not ask"
+    assert events[-1] == "[DONE]", events[-1]
+
+
+async def stream_raw(port: int, path: str, data: bytes, headers: bytes = b"") -> tuple[list, bool]:
+    """`stream`, with a body as given and more header lines (each ending CRLF)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(
+            b"POST " + path.encode() + b" HTTP/1.1\r\nHost: door\r\nContent-Type: application/json\r\n" + headers
+            + b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data
+        )
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        raw, ended = b"", False
+        while True:
+            size = int((await asyncio.wait_for(reader.readline(), 10)).strip(), 16)
+            chunk = await reader.readexactly(size + 2)
+            if size == 0:
+                ended = True
+                break
+            raw += chunk[:-2]
+    finally:
+        writer.close()
+    events = []
+    for event in raw.split(b"\n\n"):
+        if event.startswith(b"data: "):
+            events.append("[DONE]" if event[6:] == b"[DONE]" else json.loads(event[6:]))
+    return events, ended
+
+
+async def test_a_gzip_encoded_stream_request_cannot_be_continued(door, monkeypatch):
+    """A streamed request with a gzip-encoded body (`Content-Encoding: gzip`), cut: the door sends
+    the continuation's plain JSON body under the client's `Content-Encoding: gzip` header (the
+    replaced request's `encoding` is "", so `forwarded` keeps the header); every engine refuses it
+    (it cannot be un-gzipped: 400), the door takes that for "no engine yet" and asks again every
+    second for 30 s, then ends the stream with an error event. (Here the deadline is 3 s.)"""
+    import gzip
+
+    engine, front = door
+    monkeypatch.setattr(streams, "CONTINUE_WITHIN", 3.0)
+    whole, _ = await stream(front.port, "/v1/completions", BODY)
+    engine.faults = [("break", 10)]
+    events, _ = await stream_raw(
+        front.port, "/v1/completions", gzip.compress(json.dumps(BODY).encode()), b"Content-Encoding: gzip\r\n"
+    )
+    assert events[-1] == "[DONE]" and text(events, False) == text(whole, False), events[-1]
+
+
+async def test_probe_holds_no_model_and_a_split_character_cut_twice(door):
+    """(Held up.) A body without `model` (the door names it, in the continuation too); a cut right
+    after half a character, the continuation cut again right after making that token again, and the
+    next one cut before its first event."""
+    from tests.front_door.test_stream_continuation import SPLIT
+
+    engine, front = door
+    whole, _ = await stream(front.port, "/v1/completions", BODY)
+    no_model = {k: v for k, v in BODY.items() if k != "model"}
+    engine.faults = [("break", 10)]
+    events, _ = await stream(front.port, "/v1/completions", no_model)
+    assert events[-1] == "[DONE]" and text(events, False) == text(whole, False)
+    assert engine.bodies[-1]["model"] == "m"
+    body = {**BODY, "max_tokens": 60}
+    whole, _ = await stream(front.port, "/v1/completions", body)
+    ids = answer_ids(prompt_ids(body), 60)
+    at = ids.index(SPLIT)
+    engine.faults = [("break", at + 1), ("break", 1), ("break", 0)]
+    events, _ = await stream(front.port, "/v1/completions", body)
+    assert events[-1] == "[DONE]" and text(events, False) == text(whole, False)
+    answers = [e for e in events if isinstance(e, dict)]
+    assert answers[-1]["choices"][0]["finish_reason"] == "length" and "<the prompt" not in text(events, False)
+
+
+async def test_an_engine_that_refuses_the_continuation_with_a_4xx_is_retried_for_30s(door, monkeypatch):
+    """The engine answers the continuation with a 4xx of its own (a JSON 400: e.g. the prompt of ids
+    plus vLLM's completion default of 16 tokens past its context, or a 404: the adapter was unloaded):
+    the door takes it for "no engine yet" and asks again every second until its 30 s deadline, then
+    ends the stream with a generic "the answer was cut" error: the client's stream stalls 30 s and
+    never sees the engine's reason. (Here the deadline is 3 s.)"""
+    engine, front = door
+    monkeypatch.setattr(streams, "CONTINUE_WITHIN", 3.0)
+    engine.faults = [("break", 5)] + [("status", 400)] * 100
+    started = asyncio.get_running_loop().time()
+    events, ended = await stream(front.port, "/v1/completions", BODY)
+    took = asyncio.get_running_loop().time() - started
+    assert "error" in events[-1]
+    assert len(engine.bodies) == 2, f"the 400 was asked again {len(engine.bodies) - 2} times"
+    assert took < 1.0, took
+
+
+def requests_counted(front: FrontDoor, code: str) -> float:
+    return front.metrics.registry.get_sample_value("motor_front_door_requests_total", {"model": "m", "code": code}) or 0.0
+
+
+async def test_the_doors_own_503_after_router_500s_is_counted_as_500(door):
+    """A request the router answered with its own 500 four times: the client gets the door's 503,
+    but `motor_front_door_requests_total` files it under code 500 (the router's last status)."""
+    engine, front = door
+    engine.faults = [("router_failed", 0)] * 4
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    data = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 5}).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: d\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 503")
+    await asyncio.sleep(0.05)
+    assert (requests_counted(front, "503"), requests_counted(front, "500")) == (1, 0)
+
+
+def continued_total(front: FrontDoor) -> float:
+    sample = {"model": "m", "reason": "broken"}
+    return front.metrics.registry.get_sample_value("motor_front_door_continuations_total", sample) or 0.0
+
+
+async def test_a_continuation_cut_before_its_first_event_is_not_counted(door):
+    """Cut after 5 tokens; the continuation's engine dies before its first event; the next one
+    answers. Two continuations were asked (the log line says "continuation 2 of at most 3") but
+    `motor_front_door_continuations_total` counts 1: the first cut's continuation is never counted."""
+    engine, front = door
+    engine.framing = one_by_one
+    engine.faults = [("break", 5), ("break", 0)]
+    events, _ = await stream(front.port, "/v1/completions", BODY)
+    assert events[-1] == "[DONE]" and len(engine.bodies) == 3
+    assert continued_total(front) == 2
