@@ -62,7 +62,9 @@ class Scripted(Engine):
             if chat and lp is True:
                 top = body.get("top_logprobs") or 0
                 alts = [{"token": piece, "logprob": -0.1, "bytes": list(piece.encode())}]
-                alts += [{"token": f" alt{k}", "logprob": -2.0 - k, "bytes": list(f" alt{k}".encode())} for k in range(5)]
+                alts += [
+                    {"token": f" alt{k}", "logprob": -2.0 - k, "bytes": list(f" alt{k}".encode())} for k in range(5)
+                ]
                 choice["logprobs"] = {"content": [{**alts[0], "top_logprobs": alts[:top]}]}
             elif not chat and isinstance(lp, int):
                 tops = {piece: -0.1, **{f" alt{k}": -2.0 - k for k in range(5)}}
@@ -75,7 +77,11 @@ class Scripted(Engine):
             offset += len(piece)
             chunk = {**head, "choices": [choice]}
             if (body.get("stream_options") or {}).get("continuous_usage_stats"):
-                chunk["usage"] = {"prompt_tokens": len(prompt), "completion_tokens": n + 1, "total_tokens": len(prompt) + n + 1}
+                chunk["usage"] = {
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": n + 1,
+                    "total_tokens": len(prompt) + n + 1,
+                }
             if self.extra:
                 chunk = self.extra(chunk, n, body)
             out.append(chunk)
@@ -293,7 +299,11 @@ async def test_chat_logprobs_without_top_logprobs_change_shape_after_a_cut(door)
     events, _ = await stream(front.port, "/v1/chat/completions", body)
     assert events[-1] == "[DONE]"
     entries = [
-        x for e in events if isinstance(e, dict) for c in e["choices"] for x in ((c.get("logprobs") or {}).get("content") or [])
+        x
+        for e in events
+        if isinstance(e, dict)
+        for c in e["choices"]
+        for x in ((c.get("logprobs") or {}).get("content") or [])
     ]
     assert len(entries) == 20
     assert [len(x["top_logprobs"]) for x in entries] == [0] * 20
@@ -304,7 +314,9 @@ def in_flight(front: FrontDoor) -> float:
 
 
 def lps(events, key):
-    return [x for e in events if isinstance(e, dict) for c in e["choices"] for x in (c.get("logprobs") or {}).get(key, [])]
+    return [
+        x for e in events if isinstance(e, dict) for c in e["choices"] for x in (c.get("logprobs") or {}).get(key, [])
+    ]
 
 
 async def test_completion_logprobs_text_offsets_run_ahead_after_a_cut(door):
@@ -346,7 +358,11 @@ async def test_probe_holds_continuous_usage_chat_logprobs_and_pipelining(door):
 
     def content(evs):
         return [
-            x for e in evs if isinstance(e, dict) for c in e["choices"] for x in ((c.get("logprobs") or {}).get("content") or [])
+            x
+            for e in evs
+            if isinstance(e, dict)
+            for c in e["choices"]
+            for x in ((c.get("logprobs") or {}).get("content") or [])
         ]
 
     assert content(events) == content(whole)
@@ -367,7 +383,7 @@ async def test_probe_holds_continuous_usage_chat_logprobs_and_pipelining(door):
     assert in_flight(front) == 0
 
 
-async def test_a_client_gone_while_the_door_waits_for_an_engine_leaves_nothing_behind(door, monkeypatch):
+async def test_probe_holds_a_client_gone_while_the_door_waits_for_an_engine(door, monkeypatch):
     """(Held up.) The client leaves during the wait for an engine to go on with its stream: no more
     tries are sent, the in-flight gauge is back to 0."""
     engine, front = door
@@ -386,7 +402,7 @@ async def test_a_client_gone_while_the_door_waits_for_an_engine_leaves_nothing_b
     assert in_flight(front) == 0
 
 
-async def test_an_engine_4xx_error_event_mid_stream_passes_and_is_not_continued(door):
+async def test_probe_holds_an_engine_4xx_error_event_mid_stream_then_done(door):
     """(Held up.) An engine's error event with a 4xx code mid-stream, then [DONE]: passed on as it came."""
     engine, front = door
     engine.framing = one_by_one
@@ -410,10 +426,8 @@ def crlf(events):
         yield 0.002
 
 
-async def test_crlf_framed_events_are_followed(door):
-    """An engine (or a proxy before the door) that ends SSE lines with CRLF, as the SSE spec allows:
-    the door finds the events but writes each event's payload back followed by LF LF... checked: the
-    ids the client did not ask for must be hidden and a cut gone on with."""
+async def test_probe_holds_crlf_framed_events(door):
+    """(Held up.) Events framed with CRLF, as SSE allows: ids hidden, a cut gone on with."""
     engine, front = door
     engine.framing = crlf
     whole, _ = await stream(front.port, "/v1/completions", BODY)
@@ -442,8 +456,14 @@ async def stream_raw(port: int, path: str, data: bytes, headers: bytes = b"") ->
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(
-            b"POST " + path.encode() + b" HTTP/1.1\r\nHost: door\r\nContent-Type: application/json\r\n" + headers
-            + b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data
+            b"POST "
+            + path.encode()
+            + b" HTTP/1.1\r\nHost: door\r\nContent-Type: application/json\r\n"
+            + headers
+            + b"Content-Length: "
+            + str(len(data)).encode()
+            + b"\r\n\r\n"
+            + data
         )
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
         assert head.startswith(b"HTTP/1.1 200"), head
@@ -524,7 +544,9 @@ async def test_an_engine_that_refuses_the_continuation_with_a_4xx_is_retried_for
 
 
 def requests_counted(front: FrontDoor, code: str) -> float:
-    return front.metrics.registry.get_sample_value("motor_front_door_requests_total", {"model": "m", "code": code}) or 0.0
+    return (
+        front.metrics.registry.get_sample_value("motor_front_door_requests_total", {"model": "m", "code": code}) or 0.0
+    )
 
 
 async def test_the_doors_own_503_after_router_500s_is_counted_as_500(door):
@@ -557,3 +579,60 @@ async def test_a_continuation_cut_before_its_first_event_is_not_counted(door):
     events, _ = await stream(front.port, "/v1/completions", BODY)
     assert events[-1] == "[DONE]" and len(engine.bodies) == 3
     assert continued_total(front) == 2
+
+
+async def test_probe_holds_a_slow_client_through_a_continuation(door):
+    """(Held up.) A client that reads nothing for a while (its socket buffers full: the door stops
+    reading the router), the engine dying meanwhile, then reading it all: the whole answer."""
+    engine, front = door
+    engine.framing = one_by_one
+    pad = "x" * 4000
+
+    def big(chunk, n, body):
+        for choice in chunk.get("choices", []):
+            if "text" in choice:
+                choice["text"] += pad
+        return chunk
+
+    engine.extra = big
+    body = {**BODY, "max_tokens": 400}
+    whole, _ = await stream(front.port, "/v1/completions", body)
+    engine.faults = [("break", 300)]
+    data = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port, limit=1024)
+    writer.transport.set_write_buffer_limits(0)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: d\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+    await asyncio.sleep(2.0)  # not read: the door is held back by the client
+    got = b""
+    while not got.endswith(b"0\r\n\r\n"):
+        piece = await asyncio.wait_for(reader.read(1 << 20), 10)
+        assert piece
+        got += piece
+    writer.close()
+    assert got.count(pad.encode()) == 400 and b'"error"' not in got and b"data: [DONE]" in got
+
+
+async def test_a_4xx_error_event_then_an_end_without_done_is_followed_by_more_tokens(door):
+    """An engine's 4xx error event mid-stream (the request's own fault) followed by the stream
+    ending without `[DONE]`: the door passes the error event on, then, seeing no `[DONE]`, goes on
+    with the answer on another engine: the client reads an error and then more tokens after it."""
+    engine, front = door
+    engine.framing = one_by_one
+
+    def bad(chunk, n, body):
+        if n == 5:
+            return {"error": {"message": "bad", "type": "BadRequestError", "param": None, "code": 400}}
+        return chunk
+
+    engine.extra = bad
+
+    def no_done(events):
+        for event in events[:6]:  # 5 tokens, the error event, and no more
+            yield event
+            yield 0.002
+
+    engine.framing = no_done
+    events, ended = await stream(front.port, "/v1/completions", BODY)
+    errors = [i for i, e in enumerate(events) if isinstance(e, dict) and "error" in e]
+    assert errors and errors[0] == len(events) - 1, f"events after the error: {events[errors[0] + 1 :][:2]}"
+    assert len(engine.bodies) == 1
