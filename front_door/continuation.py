@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+COMPLETION_DEFAULT = 16  # a completion's max_tokens when it gives none (vLLM's, and the simulated engine's)
 MAX_PARSED = 8 * 1024 * 1024  # a streamed request's body is read whole up to this (a 2M-token prompt)
 MAX_VALUES = 20_000  # objects and lists in it at most: each costs memory to build (front_door/model_field.py)
 NOT_CONTINUED = ("tools", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -65,7 +66,7 @@ EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 TOKEN_IDS = re.compile(rb',\s*"token_ids":\s*\[([0-9,\s]*)\]')
 PROMPT_IDS_NULL = re.compile(rb',\s*"prompt_token_ids":\s*null')
 NOT_FINISHED = re.compile(rb'"finish_reason":\s*null')
-SOME_TEXT = re.compile(rb'"(?:text|content)":\s*"[^"]')  # a token's text not held back ("")
+SOME_TEXT = re.compile(rb'"(?:text|content|reasoning_content|reasoning)":\s*"[^"]')  # a token's text not held back ("")
 # An engine's own error event mid-stream that another engine may not repeat (vLLM: EngineDeadError
 # and its kin are 500s; the stall watchdog and a draining server answer 503).
 ENGINE_FAILURES = frozenset({"InternalServerError", "ServiceUnavailableError", "EngineDeadError"})
@@ -76,8 +77,15 @@ def engine_failure(error: dict[str, Any]) -> bool:
     return error.get("type") in ENGINE_FAILURES or (isinstance(code, int) and code >= 500)
 
 
-def why_not(body: dict[str, Any]) -> str | None:
-    """Why a streamed request `body` cannot be continued, or None if it can."""
+def token_limit(body: dict[str, Any]) -> int | None:
+    """The request's `max_tokens` (`max_completion_tokens` where that is null or absent)."""
+    limit = body.get("max_tokens")
+    limit = body.get("max_completion_tokens") if limit is None else limit
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+
+def why_not(path: str, body: dict[str, Any]) -> str | None:
+    """Why a streamed request `body` to `path` cannot be continued, or None if it can."""
     if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
         return "n > 1"
     prompt = body.get("prompt")
@@ -85,6 +93,10 @@ def why_not(body: dict[str, Any]) -> str | None:
         return "several prompts"
     if body.get("echo"):
         return "echo"
+    if path == CHAT and token_limit(body) is None:
+        # vLLM's chat answers to the end of the context; a completion's default is 16 tokens, and
+        # the door does not know the context's length to ask for the rest of it
+        return "a chat completion without max_tokens"
     if body.get("stop"):
         return "stop strings"
     if any(body.get(name) for name in NOT_CONTINUED) and body.get("tool_choice") != "none":
@@ -106,7 +118,7 @@ def plan(path: str, body: bytes, limit: int) -> Plan | None:
         request = json.loads(body)
     except ValueError:
         return None  # the engine says what is wrong with it
-    if not isinstance(request, dict) or request.get("stream") is not True or why_not(request):
+    if not isinstance(request, dict) or request.get("stream") is not True or why_not(path, request):
         return None
     asked = request.get("return_token_ids") is True
     if asked:
@@ -134,6 +146,8 @@ class Plan:
     text_sent: int = 0  # characters of text the client was sent (a continuation's logprobs' offsets)
     whole_upto: int = 0  # of sent_ids, those up to the last token whose text came (not held back)
     repeated: int = 0  # tokens the continuation makes again whose ids (and logprobs) the client has
+    text_at_cut: int = 0  # text_sent when the continuation was asked for (its offsets start there)
+    errored: bool = False  # an error event of the engine's own passed to the client (not gone on with)
     answer: dict[str, Any] = field(default_factory=dict)  # id, object, created, model of the first event
     finished: bool = False  # its finish_reason came
     usage_sent: bool = False
@@ -178,6 +192,8 @@ class Plan:
         self.seen = True
         if not isinstance(chunk, dict):
             return event + b"\n\n"  # not one the door reads: passed on as it came
+        if error is not None:
+            self.errored = True  # the engine refused the request itself: another would too
         shown = self._translated(chunk) if self.continuing else self._kept(chunk)
         if shown is None:
             return b""
@@ -219,7 +235,7 @@ class Plan:
             ids = choice.get("prompt_token_ids") if self.asked else choice.pop("prompt_token_ids", None)
             if ids is not None:
                 self.prompt_ids = list(ids)
-            self._took(choice, choice.get("text") if not self.chat else (choice.get("delta") or {}).get("content"))
+            self._took(choice, choice.get("text") if not self.chat else delta_text(choice.get("delta")))
             if not self.asked:
                 choice.pop("token_ids", None)
         if "usage" in chunk and not chunk.get("choices"):
@@ -246,11 +262,12 @@ class Plan:
             if self.repeated:  # made again: shown already, but for their text (held back then)
                 self._drop_repeated(choice, logprobs)
             if isinstance(logprobs, dict) and logprobs.get("text_offset"):
-                logprobs["text_offset"] = [offset + self.text_sent for offset in logprobs["text_offset"]]
+                logprobs["text_offset"] = [offset + self.text_at_cut for offset in logprobs["text_offset"]]
             self._took(choice, text)
             if self.chat:
                 out: dict[str, Any] = {"index": 0, "delta": {"content": text} if text else {}}
-                out["logprobs"] = chat_logprobs(logprobs) if logprobs else None
+                top = self.request.get("top_logprobs")
+                out["logprobs"] = chat_logprobs(logprobs, top if isinstance(top, int) else 0) if logprobs else None
             else:
                 out = {"index": 0, "text": text, "logprobs": logprobs}
             out["finish_reason"] = choice.get("finish_reason")
@@ -289,6 +306,8 @@ class Plan:
     def can_continue(self) -> bool:
         """Under its limit, with the ids to go on from (an engine that sends none, as SGLang: not),
         or with nothing sent yet (the request is sent again as it was)."""
+        if self.errored:
+            return False
         return self.continuations < self.limit and (self.prompt_ids is not None or not self.seen)
 
     def next_request(self) -> tuple[str, bytes]:
@@ -296,6 +315,7 @@ class Plan:
         self.continuations += 1
         self.failed = ""
         self.sent_at_cut = len(self.sent_ids)
+        self.text_at_cut = self.text_sent
         if self.prompt_ids is None:  # nothing came but the head: the request once more, as it was
             return self.path, self.body
         self.continuing = True
@@ -310,9 +330,9 @@ class Plan:
         body: dict[str, Any] = {name: request[name] for name in SAMPLING if name in request}
         body.update(model=request.get("model"), prompt=self.prompt_ids + self.sent_ids, stream=True)
         body["return_token_ids"] = True
-        limit = request.get("max_tokens", request.get("max_completion_tokens"))
-        if isinstance(limit, int):
-            body["max_tokens"] = max(1, limit - len(self.sent_ids))
+        limit = token_limit(request)
+        limit = COMPLETION_DEFAULT if limit is None else limit  # (a chat without one is not gone on with)
+        body["max_tokens"] = max(1, limit - len(self.sent_ids))
         if isinstance(request.get("min_tokens"), int):
             body["min_tokens"] = max(0, request["min_tokens"] - len(self.sent_ids))
         if self.chat and request.get("logprobs") is True:
@@ -331,7 +351,15 @@ class Plan:
         return data + b"data: [DONE]\n\n"
 
 
-def chat_logprobs(logprobs: dict[str, Any]) -> dict[str, Any]:
+def delta_text(delta: object) -> str:
+    """A chat chunk's text: its content, or its reasoning (a reasoning parser's, vLLM's two names)."""
+    if not isinstance(delta, dict):
+        return ""
+    pieces = (delta.get(key) for key in ("reasoning_content", "reasoning", "content"))
+    return "".join(piece for piece in pieces if isinstance(piece, str))
+
+
+def chat_logprobs(logprobs: dict[str, Any], top: int) -> dict[str, Any]:
     """A completion's logprobs (tokens, token_logprobs, top_logprobs) in chat's shape (content)."""
 
     def entry(token: str, logprob: float | None) -> dict[str, Any]:
@@ -340,6 +368,7 @@ def chat_logprobs(logprobs: dict[str, Any]) -> dict[str, Any]:
     content = []
     tops = logprobs.get("top_logprobs") or []
     for index, (token, logprob) in enumerate(zip(logprobs.get("tokens") or (), logprobs.get("token_logprobs") or ())):
-        top = tops[index] if index < len(tops) and isinstance(tops[index], dict) else {}
-        content.append({**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in top.items()]})
+        best = tops[index] if index < len(tops) and isinstance(tops[index], dict) else {}
+        alternatives = [entry(t, lp) for t, lp in best.items()][:top]
+        content.append({**entry(token, logprob), "top_logprobs": alternatives})
     return {"content": content}

@@ -37,7 +37,7 @@ from front_door.messages import Answer, Forward, Passed, Request, error_answer, 
 from front_door.model_field import NOT_NAMED, TooComplex, model_field, with_model
 from front_door.relay import Relay
 from front_door.router_pool import RouterPool
-from front_door.streams import watch
+from front_door.streams import Hooks, watch
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +182,7 @@ class FrontDoor:
         self.ready = ready
         self.metrics = FrontMetrics()
         self.stream_continuations = stream_continuations  # a cut stream is gone on with this many times at most
+        self.hooks = Hooks(self.cut, self.first_event, self.continued, self.resumed_after)
         self.created = int(time.time())
         self.relay = Relay(
             RouterPool(self.router_url),
@@ -193,7 +194,7 @@ class FrontDoor:
             refused=lambda status: self.metrics.count("", status),
             read=self.read,
             observe=lambda request, status, head, owner: watch(
-                request, status, head, owner, self.cut, self.first_event, self.continued, self.stream_continuations
+                request, status, head, owner, self.hooks, self.stream_continuations
             ),
             max_body=max_body,
         )
@@ -345,25 +346,27 @@ class FrontDoor:
             how,
         )
 
-    def continued(self, request: Request, reason: str, gap: float) -> None:
-        """A cut stream gone on with on another engine: its first event after the cut was written."""
+    def continued(self, request: Request, reason: str) -> None:
+        """A cut stream asked of another engine (its answer's rest)."""
         self.metrics.continuations.labels(request.label, reason).inc()
-        self.metrics.continuation_gap.labels(request.label).observe(gap)
         request_id = next((v.decode("latin-1") for n, v in request.headers if n.lower() == b"x-request-id"), "")
         follow = request.follow
         logger.warning(
-            "stream continued: POST %s for model %r%s, answer %s: cut (%s) after %d tokens, gone on with on "
-            "another engine after %.2fs (continuation %d of at most %d)",
+            "stream continued: POST %s for model %r%s, answer %s: cut (%s) after %d tokens, its rest asked of "
+            "another engine (continuation %d of at most %d)",
             request.path,
             request.label,
             f" (X-Request-Id {request_id})" if request_id else "",
-            follow.answer.get("id", "?") if follow else "?",
+            follow.answer.get("id", "?"),
             reason,
-            follow.sent_at_cut if follow else 0,
-            gap,
-            follow.continuations if follow else 0,
-            follow.limit if follow else 0,
+            follow.sent_at_cut,
+            follow.continuations,
+            follow.limit,
         )
+
+    def resumed_after(self, request: Request, gap: float) -> None:
+        """A cut stream's first event from another engine written, `gap` seconds after the cut."""
+        self.metrics.continuation_gap.labels(request.label).observe(gap)
 
     def router_failed(self, request: Request, exc: BaseException) -> Answer:
         """504 when the router's answer did not begin in time, else 502 (no connection, or it closed)."""

@@ -33,8 +33,9 @@ from front_door.messages import (
     forwarded,
 )
 from front_door.request_reader import MAX_PIPELINED, RequestReader
+from front_door.resend import Resend
 from front_door.router_pool import Observer, RouterConnection, RouterPool
-from front_door.streams import Resend, Stream
+from front_door.streams import Stream
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +187,8 @@ class ClientConnection(RequestReader):
         if path is None or body is None:
             again, data = request, self.sent
         else:
-            again = replace(request, target=path.encode(), path=path, body=body, encoding="")
+            # (its own body, JSON as the door wrote it: the client's Content-Encoding dropped)
+            again = replace(request, target=path.encode(), path=path, body=body, encoding="identity")
             data = forwarded(again, self.relay.pool.host_header, body)
         router = self.relay.pool.take()
         if router is not None:
@@ -194,9 +196,12 @@ class ClientConnection(RequestReader):
         else:
             asyncio.ensure_future(self._connect_and_send(again, data))
 
-    def stream_ended(self, whole: bool) -> None:
-        """The stream gone on with ended without its router's answer (none took it in time)."""
+    def stream_ended(self, whole: bool, status: int = 0) -> None:
+        """The answer asked again ended without its router's answer (no engine took it in time;
+        `status`: the door's own answer's, if it wrote one)."""
         request, self.continuing = self.current, None
+        if status and self.passed is not None:
+            self.passed.status = status
         self._done()
         if whole and request is not None:
             self._finish(request)

@@ -31,10 +31,11 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from typing import Protocol
+from dataclasses import dataclass
 
 from front_door.continuation import Plan
-from front_door.messages import Request, error_answer
+from front_door.messages import Request
+from front_door.resend import CONTINUE_WITHIN, Discard, Owner, Resend, retry_delay, router_failure
 from front_door.router_pool import CONTINUING
 
 logger = logging.getLogger(__name__)
@@ -47,89 +48,18 @@ TAIL = 64  # the answer's last bytes searched for its last event, `data: [DONE]`
 DONE = re.compile(rb"(?:^|[\r\n])data: ?\[DONE\][ \t]*(?:\r\n|\n|\r)(?:\r\n|\n|\r)\s*$")
 CUT = (
     "The answer was cut: the engine serving this stream stopped before the answer ended "
-    "({passed} bytes of it had passed). Retry the request."
+    "({passed} bytes of it had passed).{why} Retry the request."
 )
-CONTINUE_WITHIN = 30.0  # seconds a cut stream waits for an engine of its model to go on with it
-RETRY_AFTER = (0.05, 0.1, 0.25, 0.5, 1.0)  # between tries to go on, while no engine answers
 
 
-class Owner(Protocol):
-    """The client connection a stream is written to (front_door/relay.py's ClientConnection)."""
+@dataclass
+class Hooks:
+    """What the door is told of the streams it watches (front_door/policy.py: its metrics, its log)."""
 
-    transport: asyncio.Transport
-    closing: bool
-
-    def resend(self, stream: Stream | Resend, path: str | None = None, body: bytes | None = None) -> None: ...
-
-    def stream_ended(self, whole: bool) -> None: ...
-
-
-def router_failure(status: int, head: bytes) -> bool:
-    """The router's own answer that no engine answered (vllm-router: 500 `Request failed: error
-    sending request ...` once its retries are spent, 503 `No available workers`), in plain text;
-    an engine's errors are JSON."""
-    end = head.find(b"\r\n\r\n")
-    return status in (500, 502, 503, 504) and b"content-type: text/plain" in head[: max(end, 0)].lower()
-
-
-class Resend:
-    """A request the router got no engine to answer (`router_failure`), nothing of it written to the
-    client yet: sent again (an engine being replaced comes back), every RETRY_AFTER, within
-    CONTINUE_WITHIN and at most `limit` times; the first answer that is not the router's own failure
-    passes as it came. Then, if none: the door's 503 with an OpenAI error body."""
-
-    def __init__(self, owner: Owner, limit: int, status: int) -> None:
-        self.owner, self.left, self.status = owner, limit, status
-        self.give_up_at = time.monotonic() + CONTINUE_WITHIN
-        self.tries = 0
-
-    def body(self, data: bytes) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def end(self, broken: bool) -> object:
-        self.try_failed(f"the router answered {self.status}")
-        return CONTINUING
-
-    def resumed(self, status: int, head: bytes) -> object:
-        if router_failure(status, head):
-            self.status = status
-            return self  # read to its end, then tried again
-        return None  # an engine's answer: passed as it came
-
-    def try_failed(self, why: str) -> None:
-        owner = self.owner
-        if owner.closing:
-            return
-        if self.left > 0 and time.monotonic() < self.give_up_at:
-            self.left -= 1
-            delay = RETRY_AFTER[min(self.tries, len(RETRY_AFTER) - 1)]
-            self.tries += 1
-            asyncio.get_running_loop().call_later(delay, lambda: owner.closing or owner.resend(self))
-            return
-        logger.warning("request not answered: no engine answered it after %d tries (%s)", self.tries + 1, why)
-        message = f"No engine answered the request ({why}). Retry shortly."
-        owner.transport.write(error_answer(503, message))
-        owner.stream_ended(True)
-
-
-class Discard:
-    """Reads a refused try to go on with a stream (the router's 503: no engine yet) to its end."""
-
-    def __init__(self, stream: Stream, status: int) -> None:
-        self.stream, self.status = stream, status
-
-    def body(self, data: bytes) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def end(self, broken: bool) -> object:
-        self.stream.try_failed(f"the router answered {self.status}")
-        return CONTINUING
+    cut: Callable[[Request, str], None] = lambda request, how: None  # ended with the error event
+    first: Callable[[Request], None] = lambda request: None  # its first event written (time to first token)
+    continued: Callable[[Request, str], None] = lambda request, reason: None  # gone on with, and why
+    resumed_after: Callable[[Request, float], None] = lambda request, gap: None  # the pause, when it goes on
 
 
 def events_end(data: bytes) -> int:
@@ -148,26 +78,21 @@ class Stream:
         transport,
         request: Request,
         chunked: bool,
-        cut: Callable[[Request, str], None],
-        first: Callable[[Request], None] = lambda request: None,
+        hooks: Hooks | None = None,
         follow: Plan | None = None,
         owner: Owner | None = None,
-        continued: Callable[[Request, str, float], None] = lambda request, reason, gap: None,
     ) -> None:
         self.transport = transport
         self.request = request
         self.chunked = chunked  # re-framed as chunks; else it ends when the connection does
-        self.cut = cut
-        self.first = first  # told when the first whole event goes to the client (its time to first token)
+        self.hooks = hooks or Hooks()
         self.last = b""  # the last bytes written on
         self.read: list[bytes] = []  # the body's pieces in the read being parsed
         self.pending = b""  # the start of an event whose end has not come yet
         self.passed = 0
         self.follow = follow  # the answer's tokens, to go on with it elsewhere (front_door/continuation.py)
         self.owner = owner
-        self.continued = continued  # told when a continuation's first event is written: why, and the gap
-        self.cut_at = 0.0  # when the answer was last cut, while it is gone on with
-        self.why = ""
+        self.cut_at = 0.0  # when the answer was cut, while it is gone on with
         self.tries = 0
         self.give_up_at = 0.0
 
@@ -184,23 +109,25 @@ class Stream:
         self.read.clear()
         if self.pending:
             data, self.pending = self.pending + data, b""
+        oversized = False
         if not data.endswith(b"\n\n"):  # (most reads end with an event)
             whole = events_end(data)
-            if whole < len(data) and len(data) - whole <= MAX_PENDING:
+            oversized = len(data) - whole > MAX_PENDING
+            if whole < len(data) and not oversized:
                 data, self.pending = data[:whole], data[whole:]
                 if not data:
                     return
         if self.follow is not None:
-            if self.pending:  # an event larger than the door reads: written on as it is, not followed
+            if oversized:  # an event larger than the door reads: written on as it is, not followed
                 self.follow = None
             else:
                 data = self.follow.events(data)
                 if not data:
                     return
         if not self.passed:
-            self.first(self.request)
+            self.hooks.first(self.request)
         if self.cut_at:
-            self.continued(self.request, self.why, time.monotonic() - self.cut_at)
+            self.hooks.resumed_after(self.request, time.monotonic() - self.cut_at)
             self.cut_at = 0.0
         self.passed += len(data)
         self.last = data  # whole events: the last one is in it whole (unless one outgrew MAX_PENDING)
@@ -214,12 +141,12 @@ class Stream:
         unended at the end is discarded, as an SSE client discards it)."""
         return not self.pending.strip() and DONE.search(self.last[-TAIL:]) is not None
 
-    def end(self, broken: bool) -> object:
+    def end(self, broken: bool, why: str = "") -> object:
         """The router's answer ended (`broken`: its connection did, before the answer's end). Goes on
-        with another engine's answer (CONTINUING) where the answer was cut and can be continued;
-        else writes the error event if the answer was cut, then the answer's end; True if the
-        client's answer is whole (its connection may carry the next request), False if that must
-        close."""
+        with another engine's answer (CONTINUING) where the answer was cut and can be gone on with;
+        else writes the error event if the answer was cut (saying `why` going on failed, if it
+        did), then the answer's end; True if the client's answer is whole (its connection may carry
+        the next request), False if that must close."""
         self.flush()
         if self.pending and not self.pending.strip():  # whitespace after the last event: passed on
             self._write(self.pending)
@@ -230,20 +157,22 @@ class Stream:
                 self.last = follow.tail()
                 self._write(self.last)
             elif follow.can_continue() and self.owner is not None and not self.owner.closing:
-                self.why = follow.failed or ("broken" if broken else "ended")
-                self.cut_at = time.monotonic()
+                self.cut_at = self.cut_at or time.monotonic()  # (cut again before it went on: from the first)
                 self.pending, self.read = b"", []
-                self.give_up_at = self.cut_at + CONTINUE_WITHIN
+                self.give_up_at = time.monotonic() + CONTINUE_WITHIN
                 self.tries = 0
-                self.owner.resend(self, *follow.next_request())
+                reason = follow.failed or ("broken" if broken else "ended")
+                path, body = follow.next_request()
+                self.hooks.continued(self.request, reason)
+                self.owner.resend(self, path, body)
                 return CONTINUING
             elif follow.failed:  # the engine's error event was held back: the client is sent the door's
                 self.last = b""
-        if not self.whole():
-            how = f"{'broke' if broken else 'ended'} after {self.passed} bytes"
-            self.cut(self.request, how)
+        if not self.whole() and not (follow is not None and follow.errored):  # (an engine's own error ends it)
+            self.hooks.cut(self.request, f"{'broke' if broken else 'ended'} after {self.passed} bytes")
+            failed = f" Going on with it on another engine failed: {why}." if why else ""
             error = {
-                "message": CUT.format(passed=self.passed),
+                "message": CUT.format(passed=self.passed, why=failed),
                 "type": "ServiceUnavailableError",
                 "param": None,
                 "code": 503,
@@ -258,7 +187,7 @@ class Stream:
         end = head.find(b"\r\n\r\n")
         if status == 200 and b"text/event-stream" in head[: max(end, 0)].lower():
             return self
-        return Discard(self, status)
+        return Discard(self, status, router_failure(status, head))
 
     def try_failed(self, why: str) -> None:
         """A try to go on found no engine (the router refused it, or its connection failed): tried
@@ -266,18 +195,22 @@ class Stream:
         owner = self.owner
         if owner is None or owner.closing:
             return
-        if time.monotonic() < self.give_up_at:
-            delay = RETRY_AFTER[min(self.tries, len(RETRY_AFTER) - 1)]
-            self.tries += 1
-            follow = self.follow
-            follow.continuations -= 1  # the same continuation, tried again
-            again = lambda: owner.closing or owner.resend(self, *follow.next_request())  # noqa: E731
-            asyncio.get_running_loop().call_later(delay, again)
+        if time.monotonic() >= self.give_up_at:
+            self.give_up(f"no engine took it within {CONTINUE_WITHIN:g}s ({why})")
             return
-        logger.warning("stream not continued: no engine took it within %gs (%s)", CONTINUE_WITHIN, why)
+        self.tries += 1
+        follow = self.follow
+        follow.continuations -= 1  # the same continuation, tried again
+        again = lambda: owner.closing or owner.resend(self, *follow.next_request())  # noqa: E731
+        asyncio.get_running_loop().call_later(retry_delay(self.tries - 1), again)
+
+    def give_up(self, why: str) -> None:
+        """Going on failed: the stream ends with the error event, saying why."""
+        logger.warning("stream not continued: %s", why)
         self.follow = None
         self.cut_at = 0.0
-        owner.stream_ended(bool(self.end(broken=True)))
+        if self.owner is not None and not self.owner.closing:
+            self.owner.stream_ended(bool(self.end(broken=True, why=why)))
 
 
 def watch(
@@ -285,18 +218,21 @@ def watch(
     status: int,
     head: bytes,
     owner: Owner,
-    cut: Callable[[Request, str], None],
-    first: Callable[[Request], None] = lambda request: None,
-    continued: Callable[[Request, str, float], None] = lambda request, reason, gap: None,
+    hooks: Hooks,
     resend_limit: int = 0,
 ) -> Stream | Resend | None:
-    """A `Stream` to write `request`'s answer on, which began with `head` (the router's bytes up to
-    here: its status line, headers and maybe the body's first bytes), having written that answer's
-    head to `owner` (the client's connection); None to pass the answer as it came."""
+    """What writes `request`'s answer on, which began with `head` (the router's bytes up to here:
+    its status line, headers and maybe the body's first bytes): a `Stream` for a streamed
+    completion (its head written to `owner`, the client's connection), a `Resend` for one the
+    router got no engine to answer (at most `resend_limit` times); None to pass it as it came."""
     if request is None or request.method != "POST" or request.path not in WATCHED_PATHS:
         return None
     if router_failure(status, head) and resend_limit:  # nothing written yet: asked again
-        return Resend(owner, resend_limit, status)
+
+        def again(status: int, head: bytes) -> object:
+            return watch(request, status, head, owner, hooks)
+
+        return Resend(owner, resend_limit, status, again)
     if status != 200:
         return None
     end = head.find(b"\r\n\r\n")
@@ -313,4 +249,4 @@ def watch(
         return None  # another coding (the router sends none): passed as it came
     owner.transport.write(head[: end + 4])
     follow = request.follow if chunked else None  # (an answer that ends with its connection cannot go on)
-    return Stream(owner.transport, request, chunked, cut, first, follow=follow, owner=owner, continued=continued)
+    return Stream(owner.transport, request, chunked, hooks, follow=follow, owner=owner)

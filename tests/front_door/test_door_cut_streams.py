@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from front_door.policy import FrontDoor
-from front_door.streams import Stream
+from front_door.streams import Hooks, Stream
 from motor.ports import free_port
 from tests.support import serve_app
 
@@ -186,7 +186,7 @@ class Written:
 def stream_of(*pieces: bytes) -> tuple[bytes, list[str]]:
     """What a (close-delimited) Stream writes for the router's body in `pieces`, and the cuts it reported."""
     written, cuts = Written(), []
-    stream = Stream(written, None, chunked=False, cut=lambda request, how: cuts.append(how))
+    stream = Stream(written, None, chunked=False, hooks=Hooks(cut=lambda request, how: cuts.append(how)))
     for piece in pieces:
         stream.body(piece)
         stream.flush()

@@ -1,5 +1,7 @@
-"""Hostile tests of the front door's stream continuation (front_door/continuation.py, streams.py):
-each test is a finding, its docstring what a user sees. (Built on test_stream_continuation's stand-in.)"""
+"""Streams gone on with at their edges (front_door/continuation.py, streams.py, resend.py): reads that
+end inside events, requests without limits or with nulls, a router that found no engine first,
+reasoning, logprobs, gzip bodies, engines that refuse, metrics; and what held up in a hostile read
+(tests named `test_holds_...`). Each docstring says what a user sees."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from aiohttp import web
 from front_door import streams
 from front_door.policy import FrontDoor
 from motor.ports import free_port
-from tests.front_door.test_stream_continuation import (
+from tests.support import serve_app
+from tests.support.continuation_engine import (
     BODY,
     Engine,
     answer_ids,
@@ -22,7 +25,6 @@ from tests.front_door.test_stream_continuation import (
     text,
     text_of,
 )
-from tests.support import serve_app
 
 
 class Scripted(Engine):
@@ -164,11 +166,10 @@ def split_mid_event(events):
         yield 0.003
 
 
-async def test_a_read_that_ends_mid_event_stops_the_stream_being_followed(door):
+async def test_a_stream_whose_reads_end_inside_an_event_is_still_followed(door):
     """A stream whose reads from the router do not end on event boundaries (any busy stream over
-    TCP: a read holds whole events and the first bytes of the next) loses its continuation: the
-    client that did not ask for token ids is shown `token_ids`, and when the engine dies the stream
-    ends with an error event instead of going on."""
+    TCP: a read holds whole events and the first bytes of the next) is still followed: the token ids
+    the client did not ask for stay hidden."""
     engine, front = door
     engine.framing = split_mid_event
     body = {**BODY, "max_tokens": 40}
@@ -180,9 +181,8 @@ async def test_a_read_that_ends_mid_event_stops_the_stream_being_followed(door):
     assert events[-1] == "[DONE]" and text(events, False) == text(whole, False), events[-1]
 
 
-async def test_a_cut_stream_whose_reads_end_mid_event_is_not_gone_on_with(door):
-    """The same, when its engine dies: the client gets an error event (`APIError`) where the
-    feature promises the rest of the answer from another engine."""
+async def test_a_cut_stream_whose_reads_end_inside_an_event_is_gone_on_with(door):
+    """The same, when its engine dies: the rest of the answer comes from another engine."""
     engine, front = door
     engine.framing = split_mid_event
     body = {**BODY, "max_tokens": 40}
@@ -192,30 +192,34 @@ async def test_a_cut_stream_whose_reads_end_mid_event_is_not_gone_on_with(door):
     assert len(engine.bodies) == 2
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-async def test_a_request_without_max_tokens_gets_a_longer_answer_when_cut(door, path):
-    """No `max_tokens` in the request: the engine's default applies (vLLM: 16 for a completion,
-    the context for a chat). The continuation is asked as a completion without `max_tokens`, so it
-    gets vLLM's completion default of 16 tokens *more*: a completion of 16 tokens cut after 10
-    comes back with 26; a chat answer cut after 10 ends after 26 tokens with finish_reason
-    "length" (truncated where the uncut answer would have gone on)."""
+async def test_a_completion_without_max_tokens_keeps_its_default_length_when_cut(door):
+    """No `max_tokens` in a completion: the engine's default applies (vLLM's and the sim's: 16). The
+    continuation asks for what is left of those 16, not 16 more."""
     engine, front = door
-    chat = path.endswith("chat/completions")
-    body = {"model": "m", "stream": True, "temperature": 0}
-    body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "tell me"})
-    whole, _ = await stream(front.port, path, body)
+    body = {"model": "m", "stream": True, "temperature": 0, "prompt": "tell me"}
+    whole, _ = await stream(front.port, "/v1/completions", body)
     engine.faults = [("break", 10)]
-    events, _ = await stream(front.port, path, body)
+    events, _ = await stream(front.port, "/v1/completions", body)
     assert events[-1] == "[DONE]"
-    assert "max_tokens" in engine.bodies[-1], engine.bodies[-1]
-    assert text(events, chat) == text(whole, chat)
+    assert engine.bodies[-1]["max_tokens"] == 16 - 10, engine.bodies[-1]
+    assert text(events, False) == text(whole, False)
 
 
-async def test_max_tokens_null_with_max_completion_tokens_is_ignored_by_the_continuation(door):
+async def test_a_chat_without_max_tokens_is_not_gone_on_with_but_ends_with_an_error_event(door):
+    """No limit in a chat completion: vLLM answers to the end of the context, which the door does
+    not know, so it cannot ask a completion for the rest; cut, the stream ends with an error event
+    (never a wrong length) and the engine was not asked for token ids."""
+    engine, front = door
+    body = {"model": "m", "stream": True, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+    engine.faults = [("break", 10)]
+    events, _ = await stream(front.port, "/v1/chat/completions", body)
+    assert "[DONE]" not in events and "error" in events[-1]
+    assert len(engine.bodies) == 1 and "return_token_ids" not in engine.bodies[0]
+
+
+async def test_max_tokens_null_with_max_completion_tokens_limits_the_continuation(door):
     """A chat request with `"max_tokens": null, "max_completion_tokens": 30` (clients that write
-    every field, nulls included): the continuation is asked without any limit (`get("max_tokens",
-    ...)` finds the null), so the answer outgrows the 30 tokens the client allowed (here the
-    stand-in's default; on vLLM up to 16 past the cut, or the context)."""
+    every field, nulls included): the continuation asks for what is left of the 30."""
     engine, front = door
     engine.framing = one_by_one
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -228,12 +232,10 @@ async def test_max_tokens_null_with_max_completion_tokens_is_ignored_by_the_cont
     assert text(events, True) == text(whole, True)
 
 
-async def test_a_stream_answered_after_a_router_500_is_not_followed_and_shows_token_ids(door):
+async def test_a_stream_answered_after_a_router_500_is_followed_and_hides_token_ids(door):
     """A streamed request whose first try the router answered with its own plain-text 500 (no engine
-    for a moment) is sent again; the engine's stream that then comes passes as it came: the client
-    that did not ask for token ids is shown `token_ids` and `prompt_token_ids` (the door asked for
-    them), and if that engine dies the stream is not gone on with (it ends without an error event or
-    [DONE], as before the feature)."""
+    for a moment) is sent again; the engine's stream that then comes is followed like a first one:
+    token ids the client did not ask for stay hidden."""
     engine, front = door
     engine.faults = [("router_failed", 0)]
     events, ended = await stream(front.port, "/v1/completions", BODY)
@@ -243,9 +245,9 @@ async def test_a_stream_answered_after_a_router_500_is_not_followed_and_shows_to
     assert not any("prompt_token_ids" in c for e in answers for c in e["choices"])
 
 
-async def test_a_stream_answered_after_a_router_500_and_then_cut_is_not_continued(door):
-    """The same request, its engine then dying mid-stream: the client reads a stream that just stops
-    (no [DONE], no error event) - the silent truncation the door's streams.py exists to prevent."""
+async def test_a_stream_answered_after_a_router_500_and_then_cut_is_gone_on_with(door):
+    """The same request, its engine then dying mid-stream: gone on with on another engine, never a
+    silent end."""
     engine, front = door
     engine.faults = [("router_failed", 0), ("end", 10)]
     events, ended = await stream(front.port, "/v1/completions", BODY)
@@ -261,11 +263,10 @@ def reasoning(chunk: dict, n: int, body: dict) -> dict:
     return chunk
 
 
-async def test_reasoning_text_sent_before_a_cut_is_sent_again_as_content(door):
+async def test_reasoning_text_sent_before_a_cut_is_not_sent_again(door):
     """A chat answer of a reasoning model (vLLM's `--reasoning-parser`: the thinking comes as
-    `delta.reasoning_content`) cut while it thinks: the door counts only `content` as text that
-    came, so it goes on from the answer's start and the reasoning already shown is sent again (as
-    content): the client reads every thought twice."""
+    `delta.reasoning_content`) cut while it thinks: the reasoning shown counts as text that came, so
+    it is not sent again."""
     engine, front = door
     engine.framing = one_by_one
     engine.extra = reasoning
@@ -287,10 +288,10 @@ async def test_reasoning_text_sent_before_a_cut_is_sent_again_as_content(door):
     assert all_text(events) == all_text(whole), (all_text(events), all_text(whole))
 
 
-async def test_chat_logprobs_without_top_logprobs_change_shape_after_a_cut(door):
-    """Chat with `logprobs: true` and no `top_logprobs`: each token's entry has `top_logprobs: []`
-    before the cut; after it the continuation is a completion with `logprobs: 0`, which vLLM answers
-    with the sampled token in each step's top_logprobs, so entries after the cut carry one."""
+async def test_chat_logprobs_without_top_logprobs_keep_their_shape_after_a_cut(door):
+    """Chat with `logprobs: true` and no `top_logprobs`: each token's entry has `top_logprobs: []`,
+    after the cut too (the continuation, a completion with `logprobs: 0`, gets the sampled token in
+    each step's top_logprobs from vLLM: the door keeps none)."""
     engine, front = door
     engine.framing = one_by_one
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "stream": True}
@@ -319,12 +320,9 @@ def lps(events, key):
     ]
 
 
-async def test_completion_logprobs_text_offsets_run_ahead_after_a_cut(door):
-    """A completion with `logprobs: 2` cut after 7 tokens: the continuation's `text_offset`s
-    (counted by its engine from the continuation's own start) are shifted by the text sent *so far*,
-    which grows with every event, instead of by the text sent at the cut: from the second token after
-    the cut each offset is too large, by more at every token (a client mapping logprobs to text, as
-    `echo`-less highlighting does, points past its text)."""
+async def test_completion_logprobs_text_offsets_go_on_from_the_cut(door):
+    """A completion with `logprobs: 2` cut after 7 tokens: the continuation's `text_offset`s (counted
+    by its engine from the continuation's own start) are shifted by the text sent at the cut."""
     engine, front = door
     engine.framing = one_by_one
     body = {**BODY, "logprobs": 2}
@@ -337,7 +335,7 @@ async def test_completion_logprobs_text_offsets_run_ahead_after_a_cut(door):
     assert lps(events, "text_offset") == lps(whole, "text_offset")
 
 
-async def test_probe_holds_continuous_usage_chat_logprobs_and_pipelining(door):
+async def test_holds_continuous_usage_chat_logprobs_and_pipelining(door):
     """(Checks that held up: kept as a guard.) `continuous_usage_stats` through two cuts, chat
     `top_logprobs: 2` through two cuts, and a request pipelined behind a continued stream."""
     engine, front = door
@@ -383,7 +381,7 @@ async def test_probe_holds_continuous_usage_chat_logprobs_and_pipelining(door):
     assert in_flight(front) == 0
 
 
-async def test_probe_holds_a_client_gone_while_the_door_waits_for_an_engine(door, monkeypatch):
+async def test_holds_a_client_gone_while_the_door_waits_for_an_engine(door, monkeypatch):
     """(Held up.) The client leaves during the wait for an engine to go on with its stream: no more
     tries are sent, the in-flight gauge is back to 0."""
     engine, front = door
@@ -402,7 +400,7 @@ async def test_probe_holds_a_client_gone_while_the_door_waits_for_an_engine(door
     assert in_flight(front) == 0
 
 
-async def test_probe_holds_an_engine_4xx_error_event_mid_stream_then_done(door):
+async def test_holds_an_engine_4xx_error_event_mid_stream_then_done(door):
     """(Held up.) An engine's error event with a 4xx code mid-stream, then [DONE]: passed on as it came."""
     engine, front = door
     engine.framing = one_by_one
@@ -426,7 +424,7 @@ def crlf(events):
         yield 0.002
 
 
-async def test_probe_holds_crlf_framed_events(door):
+async def test_holds_crlf_framed_events(door):
     """(Held up.) Events framed with CRLF, as SSE allows: ids hidden, a cut gone on with."""
     engine, front = door
     engine.framing = crlf
@@ -484,12 +482,9 @@ async def stream_raw(port: int, path: str, data: bytes, headers: bytes = b"") ->
     return events, ended
 
 
-async def test_a_gzip_encoded_stream_request_cannot_be_continued(door, monkeypatch):
-    """A streamed request with a gzip-encoded body (`Content-Encoding: gzip`), cut: the door sends
-    the continuation's plain JSON body under the client's `Content-Encoding: gzip` header (the
-    replaced request's `encoding` is "", so `forwarded` keeps the header); every engine refuses it
-    (it cannot be un-gzipped: 400), the door takes that for "no engine yet" and asks again every
-    second for 30 s, then ends the stream with an error event. (Here the deadline is 3 s.)"""
+async def test_a_gzip_encoded_stream_request_is_gone_on_with(door, monkeypatch):
+    """A streamed request with a gzip-encoded body (`Content-Encoding: gzip`), cut: the continuation's
+    plain JSON body goes without the client's `Content-Encoding`."""
     import gzip
 
     engine, front = door
@@ -502,11 +497,11 @@ async def test_a_gzip_encoded_stream_request_cannot_be_continued(door, monkeypat
     assert events[-1] == "[DONE]" and text(events, False) == text(whole, False), events[-1]
 
 
-async def test_probe_holds_no_model_and_a_split_character_cut_twice(door):
+async def test_holds_no_model_and_a_split_character_cut_twice(door):
     """(Held up.) A body without `model` (the door names it, in the continuation too); a cut right
     after half a character, the continuation cut again right after making that token again, and the
     next one cut before its first event."""
-    from tests.front_door.test_stream_continuation import SPLIT
+    from tests.support.continuation_engine import SPLIT
 
     engine, front = door
     whole, _ = await stream(front.port, "/v1/completions", BODY)
@@ -526,12 +521,10 @@ async def test_probe_holds_no_model_and_a_split_character_cut_twice(door):
     assert answers[-1]["choices"][0]["finish_reason"] == "length" and "<the prompt" not in text(events, False)
 
 
-async def test_an_engine_that_refuses_the_continuation_with_a_4xx_is_retried_for_30s(door, monkeypatch):
-    """The engine answers the continuation with a 4xx of its own (a JSON 400: e.g. the prompt of ids
-    plus vLLM's completion default of 16 tokens past its context, or a 404: the adapter was unloaded):
-    the door takes it for "no engine yet" and asks again every second until its 30 s deadline, then
-    ends the stream with a generic "the answer was cut" error: the client's stream stalls 30 s and
-    never sees the engine's reason. (Here the deadline is 3 s.)"""
+async def test_an_engine_that_refuses_the_continuation_with_a_4xx_ends_the_stream_saying_why(door, monkeypatch):
+    """The engine answers the continuation with a 4xx of its own (a JSON 400: the prompt of ids over
+    its context; a 404: the adapter was unloaded): not retried, the stream ends at once with an
+    error event that says what the engine said."""
     engine, front = door
     monkeypatch.setattr(streams, "CONTINUE_WITHIN", 3.0)
     engine.faults = [("break", 5)] + [("status", 400)] * 100
@@ -549,9 +542,9 @@ def requests_counted(front: FrontDoor, code: str) -> float:
     )
 
 
-async def test_the_doors_own_503_after_router_500s_is_counted_as_500(door):
-    """A request the router answered with its own 500 four times: the client gets the door's 503,
-    but `motor_front_door_requests_total` files it under code 500 (the router's last status)."""
+async def test_the_doors_own_503_after_router_500s_is_counted_as_503(door):
+    """A request the router answered with its own 500 four times: the client gets the door's 503, and
+    `motor_front_door_requests_total` files it under code 503."""
     engine, front = door
     engine.faults = [("router_failed", 0)] * 4
     reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
@@ -569,10 +562,9 @@ def continued_total(front: FrontDoor) -> float:
     return front.metrics.registry.get_sample_value("motor_front_door_continuations_total", sample) or 0.0
 
 
-async def test_a_continuation_cut_before_its_first_event_is_not_counted(door):
+async def test_a_continuation_cut_before_its_first_event_is_counted(door):
     """Cut after 5 tokens; the continuation's engine dies before its first event; the next one
-    answers. Two continuations were asked (the log line says "continuation 2 of at most 3") but
-    `motor_front_door_continuations_total` counts 1: the first cut's continuation is never counted."""
+    answers. Two continuations were asked, and both are counted."""
     engine, front = door
     engine.framing = one_by_one
     engine.faults = [("break", 5), ("break", 0)]
@@ -581,7 +573,7 @@ async def test_a_continuation_cut_before_its_first_event_is_not_counted(door):
     assert continued_total(front) == 2
 
 
-async def test_probe_holds_a_slow_client_through_a_continuation(door):
+async def test_holds_a_slow_client_through_a_continuation(door):
     """(Held up.) A client that reads nothing for a while (its socket buffers full: the door stops
     reading the router), the engine dying meanwhile, then reading it all: the whole answer."""
     engine, front = door
@@ -612,10 +604,9 @@ async def test_probe_holds_a_slow_client_through_a_continuation(door):
     assert got.count(pad.encode()) == 400 and b'"error"' not in got and b"data: [DONE]" in got
 
 
-async def test_a_4xx_error_event_then_an_end_without_done_is_followed_by_more_tokens(door):
-    """An engine's 4xx error event mid-stream (the request's own fault) followed by the stream
-    ending without `[DONE]`: the door passes the error event on, then, seeing no `[DONE]`, goes on
-    with the answer on another engine: the client reads an error and then more tokens after it."""
+async def test_a_4xx_error_event_then_an_end_without_done_ends_the_stream_there(door):
+    """An engine's 4xx error event mid-stream (the request's own fault) followed by the stream ending
+    without `[DONE]`: the engine's error is the stream's last event, not gone on with."""
     engine, front = door
     engine.framing = one_by_one
 
