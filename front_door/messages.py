@@ -27,6 +27,10 @@ class Request:
     began: float = 0.0  # when it was passed to the router
     model: Any = None  # what the door read of its body (front_door/model_field.py ModelField), off the loop
     follow: Any = None  # a stream's plan to go on with it elsewhere if cut (front_door/continuation.py Plan)
+    peer: str = ""  # the client's address
+    key: Any = None  # its API key (front_door/keys.py Key), once identified
+    ticket: Any = None  # its tenant's admission (front_door/admission.py Ticket), given back when answered
+    usage: Any = None  # (prompt, completion) tokens read from its answer (front_door/usage.py)
 
 
 @dataclass

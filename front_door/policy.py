@@ -33,11 +33,14 @@ from collections.abc import Callable, Collection
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from front_door.continuation import plan
+from front_door.keys import KeyRing, Tenant
 from front_door.messages import Answer, Forward, Passed, Request, error_answer, response
 from front_door.model_field import NOT_NAMED, TooComplex, model_field, with_model
 from front_door.relay import Relay
 from front_door.router_pool import RouterPool
 from front_door.streams import Hooks, watch
+from front_door.tenancy import Tenancy
+from front_door.usage import read_usage, tokens_taken
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +86,10 @@ ADMIN_PATHS = (
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
 )
+# With API keys, what a keyed request may reach besides MODEL_PATHS (POST): an allow-list, so that
+# no route of the router's or an engine's (one naming a model in a form, an admin read listing the
+# engines' addresses) is reached around the tenant's models. `GET /health` needs no key.
+KEYED_READS = frozenset({"/v1/models", "/version"})
 STARTING = "The front door is starting: the models it serves are not known yet. Retry shortly."
 MAX_BODY = 256 * 1024 * 1024  # the router's own default --max-payload-size
 STREAM_CONTINUATIONS = 3  # times a cut stream is gone on with on another engine, at most (0: never)
@@ -172,6 +179,7 @@ class FrontDoor:
         max_body: int = MAX_BODY,
         unavailable: Callable[[], Collection[str]] = frozenset,
         stream_continuations: int = STREAM_CONTINUATIONS,
+        keys: KeyRing | None = None,
     ):
         self.router_url = router_url.rstrip("/")
         self.served = served  # model -> parent model (None: a deployment's model)
@@ -184,6 +192,9 @@ class FrontDoor:
         self.stream_continuations = stream_continuations  # a cut stream is gone on with this many times at most
         self.hooks = Hooks(self.cut, self.first_event, self.continued, self.resumed_after)
         self.created = int(time.time())
+        # API keys, tenants and their limits (None: the door is open, as on a developer's loopback)
+        self.tenancy = Tenancy(keys, self.metrics.registry) if keys is not None else None
+        self._views: dict[str, tuple] = {}  # tenant -> (served, tenant, what of it the tenant may use)
         self.relay = Relay(
             RouterPool(self.router_url),
             decide=self.decide,
@@ -193,15 +204,14 @@ class FrontDoor:
             ended=self.ended,
             refused=lambda status: self.metrics.count("", status),
             read=self.read,
-            observe=lambda request, status, head, owner: watch(
-                request, status, head, owner, self.hooks, self.stream_continuations
-            ),
+            observe=self.observe,
             max_body=max_body,
         )
 
     async def start(self, host: str, port: int, sock: socket.socket | None = None, accept: bool = True) -> None:
         await self.relay.start(host, port, sock, accept)
-        logger.info("front door on http://%s:%d in front of router %s", host, port, self.router_url)
+        scheme = "https" if self.relay.ssl is not None else "http"
+        logger.info("front door on %s://%s:%d in front of router %s", scheme, host, port, self.router_url)
 
     async def close(self) -> None:
         await self.relay.close()
@@ -222,9 +232,42 @@ class FrontDoor:
         return None
 
     def decide(self, request: Request) -> Answer | Forward:
+        """The stages in their order (docs/design.md, "The front door's seams"): identify, the
+        model surface held to the tenant's models, admit."""
+        tenancy = self.tenancy
+        if tenancy is None:
+            return self._decide(request)
+        path, method = request.path, request.method
+        if method in ("GET", "HEAD") and path == "/health":
+            return Forward()
+        refused = tenancy.identify(request, request.peer)
+        if refused is not None:
+            self.metrics.count("", refused.status)
+            return refused
+        if method == "POST" and path in MODEL_PATHS:
+            if request.model is None:  # no body: no model to hold to the tenant's
+                decision: Answer | Forward = openai_error(
+                    400, f"POST {path} takes a JSON object as its body.", "BadRequestError", None
+                )
+            else:
+                decision = self._decide(request)
+        elif method in ("GET", "HEAD") and path in KEYED_READS:
+            decision = self._decide(request)
+        else:
+            decision = openai_error(404, f"{method} {path} is not served here.", "NotFoundError", None)
+        if isinstance(decision, Answer):
+            tenancy.counted(request, decision.status)
+            return decision
+        refused = tenancy.admit(request)
+        if refused is not None:
+            self.metrics.count(request.label, refused.status)
+            return refused
+        return decision
+
+    def _decide(self, request: Request) -> Answer | Forward:
         path, method = request.path, request.method
         if method in ("GET", "HEAD") and path == "/v1/models":
-            return self.models(head=method == "HEAD")
+            return self.models(head=method == "HEAD", tenant=request.key.tenant if request.key else None)
         if method in ("GET", "HEAD") and path == "/metrics":
             data = generate_latest(self.metrics.registry)
             return Answer(response(200, data, CONTENT_TYPE_LATEST, head=method == "HEAD"), 200)
@@ -243,7 +286,10 @@ class FrontDoor:
                 400, f"POST {path} takes a JSON object as its body, and this body is not one.", "BadRequestError", None
             )
         if request.model is not None:
-            answer, changed, request.label = self._refusal(request.model.value, request.body)
+            tenant = request.key.tenant if request.key is not None else None
+            answer, changed, request.label = self._refusal(request.model.value, request.body, tenant)
+            if answer is not None and answer.status == 404 and tenant is not None:
+                self.tenancy.not_allowed(request, str(request.model.value))
             if answer is not None:
                 self.metrics.count(request.label, answer.status)
                 return answer
@@ -258,11 +304,21 @@ class FrontDoor:
 
     # OpenAI's model surface -----------------------------------------------------------------------
 
-    def models(self, head: bool = False) -> Answer:
+    def served_to(self, tenant: Tenant | None) -> dict[str, str | None]:
+        """What is served that `tenant` may use (None: everything), worked out once per table."""
+        served = self.served()
+        if tenant is None or tenant.models == ("*",):
+            return served
+        view = self._views.get(tenant.name)
+        if view is None or view[0] is not served or view[1] is not tenant:
+            view = self._views[tenant.name] = (served, tenant, {n: p for n, p in served.items() if tenant.may_use(n)})
+        return view[2]
+
+    def models(self, head: bool = False, tenant: Tenant | None = None) -> Answer:
         if not self.ready():  # an empty list would say "no model", not "not known yet"
             self.metrics.count("", 503)
             return openai_error(503, STARTING, "ServiceUnavailableError", None)
-        served = self.served()
+        served = self.served_to(tenant)
         data = []
         for name in sorted(served, key=lambda n: (served[n] is not None, n)):
             entry = {"id": name, "object": "model", "created": self.created, "owned_by": "motor", "root": name}
@@ -271,12 +327,14 @@ class FrontDoor:
         self.metrics.count("", 200)
         return Answer(response(200, json.dumps({"object": "list", "data": data}).encode(), head=head), 200)
 
-    def _refusal(self, model: object, body: bytes) -> tuple[Answer | None, bytes | None, str]:
+    def _refusal(
+        self, model: object, body: bytes, tenant: Tenant | None = None
+    ) -> tuple[Answer | None, bytes | None, str]:
         """(an answer of the front door's own, or None; the body to send when it was changed; the
-        model label), for a JSON object `body` naming `model`."""
+        model label), for a JSON object `body` naming `model`; held to what `tenant` may use."""
         if not self.ready():
             return openai_error(503, STARTING, "ServiceUnavailableError", None), None, "?"
-        served = self.served()
+        served = self.served_to(tenant)
         if model is None or model == "" or model is NOT_NAMED:
             models = sorted(n for n, parent in served.items() if parent is None)
             if len(models) == 1:
@@ -295,7 +353,7 @@ class FrontDoor:
             )
         if not isinstance(model, str):
             return openai_error(400, "`model` must be a string.", "BadRequestError"), None, "?"
-        if model not in served and model in self.unavailable():
+        if model not in served and model in self.unavailable() and (tenant is None or tenant.may_use(model)):
             return (
                 openai_error(
                     503,
@@ -308,8 +366,10 @@ class FrontDoor:
             )
         if model not in served:
             names = ", ".join(sorted(served)) or "none"
+            access = " or you do not have access to it" if tenant is not None else ""
+            message = f"The model `{model}` does not exist{access}. Valid aliases: {names}."
             return (
-                openai_error(404, f"The model `{model}` does not exist. Valid aliases: {names}.", "NotFoundError"),
+                openai_error(404, message, "NotFoundError"),
                 None,
                 "?",
             )
@@ -323,10 +383,23 @@ class FrontDoor:
 
     def answered(self, request: Request | None) -> None:
         if request is not None:
-            self.metrics.latency.labels(request.label).observe(time.monotonic() - request.began)
+            seconds = time.monotonic() - request.began
+            self.metrics.latency.labels(request.label).observe(seconds)
+            if self.tenancy is not None:
+                self.tenancy.answered(request, seconds)
+
+    def observe(self, request: Request | None, status: int, head: bytes, owner) -> object:
+        """What writes the router's answer on: a stream (front_door/streams.py), a tenant's JSON answer
+        (its `usage` read, front_door/usage.py), or None: as it came."""
+        stream = watch(request, status, head, owner, self.hooks, self.stream_continuations)
+        if stream is None and request is not None and request.ticket is not None and request.method == "POST":
+            return read_usage(request, status, head, owner.transport)
+        return stream
 
     def ended(self, request: Request | None, passed: Passed) -> None:
         self.metrics.in_flight.dec()
+        if request is not None and request.ticket is not None:
+            self.tenancy.ended(request, passed.status, tokens_taken(request, passed.status))
         if passed.router_failed:
             self.metrics.router_errors.inc()
         if passed.status:  # a client that left before the router answered: nobody's failure counted

@@ -34,6 +34,7 @@ class RequestReader(asyncio.Protocol):
         self.since = time.monotonic()  # when it last had its answer, or its request last moved
         self.body_after_upgrade: bytes | None = None  # the head to read an upgrade offer's body with
         self.resuming = False  # reading that body: the request's own line and headers are kept
+        self.peer: str | None = None  # the client's address, read at its first request
         self._reset()
 
     @property
@@ -139,6 +140,9 @@ class RequestReader(asyncio.Protocol):
             return
         target, path = routed_target(self.url)
         version = self.parser.get_http_version()
+        if self.peer is None:
+            peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+            self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer or "")
         request = Request(
             method=self.parser.get_method().decode(),
             target=target,
@@ -147,6 +151,7 @@ class RequestReader(asyncio.Protocol):
             body=b"".join(self.body),
             keep_alive=self.parser.should_keep_alive(),
             http_10=version == "1.0",
+            peer=self.peer,
         )
         self._reset()
         self.waiting.append(request)

@@ -1,0 +1,246 @@
+"""Who a request is and what it may take: the door's *identify* and *admit* stages (docs/design.md,
+"The front door's seams"; docs/security.md, "The front door: API keys, tenants, limits").
+
+- identify: the key in `Authorization: Bearer <key>` (or Anthropic's `x-api-key`) to its tenant,
+  else 401 in OpenAI's shape. Exactly one key in exactly one header: none, two, or a scheme other
+  than Bearer is refused, so the door and what is behind it can never read different keys. The
+  key's headers are taken out of the request before it is passed on. A 401 closes its connection:
+  guessing keys costs a connection each.
+- admit: the tenant's limits (front_door/admission.py), else 429 with Retry-After in OpenAI's shape
+  (`type` "requests", "tokens" or "concurrency"; `code` "rate_limit_exceeded"); the ticket is
+  given back when the answer ends, with the tokens it took (front_door/usage.py).
+
+Every refusal is logged with the key's id (never the key; an unknown key by the client's address),
+at most LOG_PER_SECOND lines a second for each reason (the rest counted in the next line), and
+counted by tenant and reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from front_door.admission import Admission, Refusal, Ticket, retry_after
+from front_door.keys import Key, KeyRing, Tenant
+from front_door.messages import Answer, Request, response
+
+logger = logging.getLogger("motor-front-door.audit")
+
+KEY_HEADERS = (b"authorization", b"x-api-key")
+MAX_TENANT_SERIES = 200  # tenants with series of their own; the others are counted as "other"
+LOG_PER_SECOND = 10
+NO_KEY = (
+    "You didn't provide an API key. You need to provide your API key in an Authorization header using Bearer "
+    "auth (i.e. Authorization: Bearer YOUR_KEY)."
+)
+BAD_KEY = "Incorrect API key provided. Check the key, or ask for a new one."
+TWO_KEYS = "Give one API key, in one Authorization header (Bearer); this request has several."
+NOT_BEARER = "Give the API key as `Authorization: Bearer YOUR_KEY`."
+LIMITED = {
+    "requests": "Rate limit reached for requests: {limit:g} per minute for tenant {tenant}. Retry in {wait}s.",
+    "tokens": "Rate limit reached for tokens: {limit:g} per minute for tenant {tenant}. Retry in {wait}s.",
+    "concurrency": "Too many requests at once: {limit:g} for tenant {tenant}. Retry when one has ended.",
+}
+
+
+def unauthorized(message: str, code: str | None) -> Answer:
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+    extra = 'WWW-Authenticate: Bearer realm="motor"\r\nConnection: close\r\n'
+    return Answer(response(401, json.dumps({"error": error}).encode(), extra=extra), 401)
+
+
+def too_many(refusal: Refusal, tenant: str) -> Answer:
+    wait = retry_after(refusal.retry_after)
+    message = LIMITED[refusal.reason].format(limit=refusal.limit, tenant=tenant, wait=wait)
+    error = {"message": message, "type": refusal.reason, "param": None, "code": "rate_limit_exceeded"}
+    extra = f"Retry-After: {wait}\r\nx-ratelimit-limit-{refusal.reason}: {refusal.limit:g}\r\n"
+    return Answer(response(429, json.dumps({"error": error}).encode(), extra=extra), 429)
+
+
+class AuditLog:
+    """Refusals logged, at most LOG_PER_SECOND lines a second for each reason."""
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self.clock = clock
+        self.windows: dict[str, list] = {}  # reason -> [second, lines in it, lines left out]
+
+    def refused(self, reason: str, message: str, *args: object) -> None:
+        second = int(self.clock())
+        window = self.windows.setdefault(reason, [second, 0, 0])
+        if window[0] != second:
+            window[0], window[1] = second, 0
+        if window[1] >= LOG_PER_SECOND:
+            window[2] += 1
+            return
+        window[1] += 1
+        left_out, window[2] = window[2], 0
+        suffix = f" ({left_out} more refusal(s) for this reason not logged)" if left_out else ""
+        logger.warning("refused (%s): " + message + suffix, reason, *args)
+
+
+class TenantMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "motor_front_door_tenant_requests",
+            "Requests of each tenant (its key found) by HTTP status; tenants past the first "
+            f'{MAX_TENANT_SERIES} are counted as "other".',
+            ["tenant", "code"],
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "motor_front_door_tenant_tokens",
+            'Tokens of each tenant\'s answers, "prompt" and "completion", as answered (front_door/usage.py).',
+            ["tenant", "kind"],
+            registry=registry,
+        )
+        self.rejections = Counter(
+            "motor_front_door_tenant_rejections",
+            'Requests refused by the door\'s keys and limits: reason "no_key", "bad_key" (tenant ""), "model" (a '
+            'model the tenant may not use), "requests", "tokens", "concurrency" (its limits: 429).',
+            ["tenant", "reason"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "motor_front_door_tenant_response_start_seconds",
+            "From a tenant's request's arrival to the router's response headers.",
+            ["tenant"],
+            buckets=(0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "motor_front_door_tenant_requests_in_flight",
+            "Each tenant's requests being answered now (its concurrent_requests limit counts these).",
+            ["tenant"],
+            registry=registry,
+        )
+        self.keys = Gauge("motor_front_door_api_keys", "API keys loaded.", registry=registry)
+        self.reload_failures = Gauge(
+            "motor_front_door_api_key_reload_failures",
+            "Times the key file changed and did not load (the keys stayed as they were).",
+            registry=registry,
+        )
+        self.named: set[str] = set()
+        self.children: dict[tuple, object] = {}
+
+    def label(self, tenant: str) -> str:
+        if tenant in self.named or not tenant:
+            return tenant
+        if len(self.named) >= MAX_TENANT_SERIES:
+            return "other"
+        self.named.add(tenant)
+        return tenant
+
+    def child(self, metric, *labels: str):
+        child = self.children.get((metric, labels))
+        if child is None:
+            child = self.children[(metric, labels)] = metric.labels(*labels)
+        return child
+
+
+class Tenancy:
+    """The identify and admit stages, and what is given back when an answer ends."""
+
+    def __init__(self, keys: KeyRing, registry: CollectorRegistry, clock=time.monotonic) -> None:
+        self.keys = keys
+        self.admission = Admission(clock)
+        self.metrics = TenantMetrics(registry)
+        self.audit = AuditLog(clock)
+        self.metrics.keys.set_function(lambda: len(self.keys.keys))
+        self.metrics.reload_failures.set_function(lambda: self.keys.failures)
+
+    def identify(self, request: Request, peer: str) -> Answer | None:
+        """The request's key (request.key, its headers taken out), or a 401."""
+        found: list[bytes] = []
+        kept = []
+        for name, value in request.headers:
+            lower = name.lower()
+            if lower in KEY_HEADERS:
+                found.append(value if lower == b"x-api-key" else self._bearer(value))
+            else:
+                kept.append((name, value))
+        if len(found) != 1 or not found[0]:
+            reason = "no_key" if not found else "bad_key"
+            message = NO_KEY if not found else (TWO_KEYS if len(found) > 1 else NOT_BEARER)
+            return self._unauthorized(request, peer, reason, message, None)
+        key = self.keys.find(found[0].strip())
+        if key is None:
+            return self._unauthorized(request, peer, "bad_key", BAD_KEY, "invalid_api_key")
+        request.headers = kept
+        request.key = key
+        return None
+
+    @staticmethod
+    def _bearer(value: bytes) -> bytes:
+        scheme, _, token = value.strip().partition(b" ")
+        return token.strip() if scheme.lower() == b"bearer" else b""
+
+    def _unauthorized(self, request: Request, peer: str, reason: str, message: str, code: str | None) -> Answer:
+        request.keep_alive = False
+        self.metrics.child(self.metrics.rejections, "", reason).inc()
+        self.audit.refused(reason, "%s %s from %s: %s", request.method, request.path, peer or "?", message)
+        return unauthorized(message, code)
+
+    def not_allowed(self, request: Request, model: str) -> None:
+        """A model the request's tenant may not use (answered 404, as a model that does not exist)."""
+        key: Key = request.key
+        self.metrics.child(self.metrics.rejections, self.metrics.label(key.tenant.name), "model").inc()
+        self.audit.refused(
+            "model",
+            "key %s (tenant %s): %s %s for model %r",
+            key.id,
+            key.tenant.name,
+            request.method,
+            request.path,
+            model[:200],
+        )
+
+    def admit(self, request: Request) -> Answer | None:
+        key: Key = request.key
+        tenant = key.tenant
+        admitted = self.admission.admit(tenant)
+        label = self.metrics.label(tenant.name)
+        if isinstance(admitted, Refusal):
+            self.metrics.child(self.metrics.rejections, label, admitted.reason).inc()
+            self.metrics.child(self.metrics.requests, label, "429").inc()
+            self.audit.refused(
+                admitted.reason,
+                "key %s (tenant %s): %s %s: at its limit of %g %s",
+                key.id,
+                tenant.name,
+                request.method,
+                request.path,
+                admitted.limit,
+                admitted.reason,
+            )
+            return too_many(admitted, tenant.name)
+        request.ticket = admitted
+        self.metrics.child(self.metrics.in_flight, label).inc()
+        return None
+
+    def answered(self, request: Request, seconds: float) -> None:
+        if request.key is not None:
+            self.metrics.child(self.metrics.latency, self.metrics.label(request.key.tenant.name)).observe(seconds)
+
+    def counted(self, request: Request, status: int) -> None:
+        """A request of a tenant the door answered itself (its model list, a 404, ...)."""
+        if request.key is not None:
+            label = self.metrics.label(request.key.tenant.name)
+            self.metrics.child(self.metrics.requests, label, str(status)).inc()
+
+    def ended(self, request: Request, status: int, tokens: tuple[int, int]) -> None:
+        ticket: Ticket | None = request.ticket
+        if ticket is None or ticket.given_back:
+            return
+        tenant: Tenant = request.key.tenant
+        label = self.metrics.label(tenant.name)
+        self.admission.give_back(ticket, tokens[0] + tokens[1], self.keys.tenants.get(tenant.name, tenant))
+        self.metrics.child(self.metrics.in_flight, label).dec()
+        if status:
+            self.metrics.child(self.metrics.requests, label, str(status)).inc()
+        if tokens[0]:
+            self.metrics.child(self.metrics.tokens, label, "prompt").inc(tokens[0])
+        if tokens[1]:
+            self.metrics.child(self.metrics.tokens, label, "completion").inc(tokens[1])
