@@ -3,6 +3,11 @@
     motor-front-door --listen 0.0.0.0:8080 --router http://127.0.0.1:8081 \
         --table 127.0.0.1:8079 [--log-level INFO]
 
+With `--api-keys FILE` every request needs a key of a tenant, held to the tenant's models and
+limits (front_door/keys.py, front_door/tenancy.py); with `--tls-cert`/`--tls-key` clients speak
+TLS. The key file and the certificate are read again when they change (checked every half second)
+and on SIGHUP, which then reloads instead of stopping the door.
+
 It serves `FrontDoor` (front_door/policy.py) on `--listen` and takes the table of what the router
 can route from motor-router-sync, which PUTs it to `--table` (a private address: only the sync may
 write it) after every change and every second (router_sync/publish.py). A sync that dies leaves the
@@ -20,14 +25,18 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import socket
+import ssl
 import sys
 import time
 
 from aiohttp import web
-from prometheus_client import Gauge
+from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
 
+from front_door.keys import KeyFileError, KeyRing
 from front_door.policy import MAX_BODY, STREAM_CONTINUATIONS, FrontDoor
+from front_door.tls import DoorTls
 from motor.service.logs import LOG_LEVELS, setup_logging
 from motor.service.signals import stop_event
 
@@ -156,8 +165,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="a streamed completion cut by its engine's death is gone on with on another engine, token for token, "
         f"this many times at most (default {STREAM_CONTINUATIONS}; 0: never, a cut stream ends with an error event)",
     )
+    parser.add_argument(
+        "--api-keys",
+        metavar="PATH",
+        help="the API key file (YAML), or a directory of such files (a mounted secret): every request needs a key "
+        "of a tenant, held to its models and limits (docs/security.md); without it the door is open",
+    )
+    parser.add_argument("--tls-cert", metavar="FILE", help="clients speak TLS: the door's certificate (PEM, its chain)")
+    parser.add_argument("--tls-key", metavar="FILE", help="the certificate's private key (PEM)")
+    parser.add_argument(
+        "--tls-client-ca", metavar="FILE", help="clients must present a certificate this CA signed (mutual TLS)"
+    )
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     args = parser.parse_args(argv)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        parser.error("--tls-client-ca needs --tls-cert and --tls-key")
     if args.stream_continuations < 0:
         parser.error(f"--stream-continuations {args.stream_continuations}: give 0 (never) or more")
     args.listen = host_port(parser, "--listen", args.listen)
@@ -174,8 +198,35 @@ def listen_on(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=1024)
 
 
+async def follow_files(keys: KeyRing | None, tls: DoorTls | None, every: float = 0.5) -> None:
+    """The key file and the certificate read again when they change: a revoked key is refused
+    within `every` seconds and the time a reload takes."""
+    while True:
+        await asyncio.sleep(every)
+        if keys is not None:
+            keys.check()
+        if tls is not None:
+            tls.check()
+
+
+def reload_on_sighup(keys: KeyRing | None, tls: DoorTls | None) -> None:
+    """SIGHUP reloads the key file and the certificate (a stop signal for the door without them)."""
+
+    def reload() -> None:
+        logger.info("SIGHUP received: reloading the API keys and the certificate")
+        if keys is not None:
+            keys.reload()
+        if tls is not None:
+            tls.seen = ()
+            tls.check()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
+
+
 async def serve(args: argparse.Namespace) -> None:
     stop = stop_event()
+    keys = KeyRing(args.api_keys) if args.api_keys else None
+    tls = DoorTls(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
     table = PushedTable()
     door = FrontDoor(
         args.router,
@@ -184,8 +235,22 @@ async def serve(args: argparse.Namespace) -> None:
         max_body=args.max_body,
         unavailable=table.unavailable,
         stream_continuations=args.stream_continuations,
+        keys=keys,
     )
     door.relay.first_byte_timeout = args.first_byte_timeout
+    door.relay.ssl = tls.context if tls is not None else None
+    if keys is not None or tls is not None:
+        reload_on_sighup(keys, tls)
+    followed = asyncio.ensure_future(follow_files(keys, tls))
+    said = []
+    if keys is not None:
+        said.append(f"API keys from {args.api_keys}: {len(keys.keys)} key(s) of {len(keys.tenants)} tenant(s)")
+    else:
+        said.append("OPEN: no API keys, any client that reaches this port may use every model")
+    said.append(f"TLS with {args.tls_cert}" if tls else "plain HTTP")
+    if args.tls_client_ca:
+        said.append("client certificates required")
+    logger.info("front door: %s", "; ".join(said))
     Gauge(
         "motor_front_door_table_age_seconds",
         "Seconds since motor-router-sync last pushed what is served (-1: never; it pushes every second).",
@@ -196,7 +261,13 @@ async def serve(args: argparse.Namespace) -> None:
     # answers its first clients from the table, not with 503 "starting".
     listening = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else listen_on(*args.listen)
     await door.start(*args.listen, sock=listening, accept=False)
-    table_runner = web.AppRunner(table.app(), access_log=None)
+    table_app = table.app()
+
+    async def metrics(request: web.Request) -> web.Response:  # (with keys, not on the published port)
+        return web.Response(body=generate_latest(door.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    table_app.router.add_get("/metrics", metrics)
+    table_runner = web.AppRunner(table_app, access_log=None)
     await table_runner.setup()
     await web.TCPSite(table_runner, *args.table).start()
     deadline = time.monotonic() + args.table_wait
@@ -206,6 +277,7 @@ async def serve(args: argparse.Namespace) -> None:
     try:
         await stop.wait()
     finally:
+        followed.cancel()
         await door.close()
         await table_runner.cleanup()
 
@@ -213,7 +285,16 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     setup_logging(args.log_level)
-    asyncio.run(serve(args))
+    try:
+        asyncio.run(serve(args))
+    except KeyFileError as exc:
+        print(f"motor-front-door: --api-keys: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ssl.SSLError) as exc:
+        if not args.tls_cert:
+            raise
+        print(f"motor-front-door: --tls-cert/--tls-key: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

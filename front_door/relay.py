@@ -321,6 +321,7 @@ class Relay:
     # The router's answer must begin within this (its headers: a completion that does not stream
     # sends them when it is done), else 504. As generous as the router's own --request-timeout-secs.
     first_byte_timeout: float = 1800.0
+    ssl: object = None  # an ssl.SSLContext: clients speak TLS (front_door/tls.py)
     connections: set[ClientConnection] = field(default_factory=set)
     server: asyncio.Server | None = None
     sweeper: asyncio.Task | None = None
@@ -335,7 +336,7 @@ class Relay:
         loop = asyncio.get_running_loop()
         where = {"sock": sock} if sock is not None else {"host": host, "port": port}
         self.server = await loop.create_server(
-            lambda: ClientConnection(self), **where, backlog=1024, start_serving=accept
+            lambda: ClientConnection(self), **where, backlog=1024, start_serving=accept, ssl=self.ssl
         )
         self.sweeper = asyncio.ensure_future(self._sweep())
 

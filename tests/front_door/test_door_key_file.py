@@ -1,0 +1,151 @@
+"""The key file and the door's certificate, followed as they change (front_door/keys.py,
+front_door/tls.py, front_door/cli.py): a revoked key refused within a second on a connection kept
+open, SIGHUP reloading instead of stopping, a renewed certificate served to the next connection,
+streams and keep-alive over TLS as over plain HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import ssl
+import time
+
+import pytest
+import yaml
+from cryptography import x509
+
+from front_door.keys import KeyFileError, KeyRing, digest, new_key
+from motor.security.pki import CertificateAuthority
+from tests.front_door.keyed_door import KEYS, StandIn, key_file, post, reads_whole
+from tests.support import serve_app
+from tests.support.door_process import DoorProcess, door_log
+
+BODY = {"model": "m", "prompt": "hi", "max_tokens": 4}
+
+
+def test_a_directory_of_files_is_one_key_file_and_a_bad_change_keeps_the_keys(tmp_path):
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "tenants.yaml").write_text(yaml.safe_dump({"tenants": {"acme": {"models": ["m"]}}}))
+    one, two = new_key(), new_key()
+    entry = [{"id": "acme-1", "tenant": "acme", "sha256": digest(one).hex()}]
+    (secret / "acme.yaml").write_text(yaml.safe_dump({"keys": entry}))
+    (secret / "..data").mkdir()  # a Kubernetes secret's own entries: not read
+    ring = KeyRing(str(secret))
+    assert ring.find(one.encode()).id == "acme-1" and ring.find(two.encode()) is None
+    entry.append({"id": "acme-2", "tenant": "acme", "sha256": digest(two).hex()})
+    (secret / "acme.yaml").write_text(yaml.safe_dump({"keys": entry}))
+    assert ring.check() and ring.find(two.encode()).id == "acme-2"
+    (secret / "acme.yaml").write_text("keys: [{id: acme-1, tenant: nobody, sha256: 00}]")
+    assert not ring.check() and ring.failures == 1
+    assert ring.find(one.encode()) is not None  # the keys stay as they were
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        ({"keys": [{"id": "k", "tenant": "t", "key": "sk-plain"}], "tenants": {"t": {}}}, "never stored"),
+        ({"keys": [{"id": "k", "tenant": "t", "sha256": "ab"}], "tenants": {"t": {}}}, "64 hex"),
+        ({"keys": [{"id": "k", "tenant": "x", "sha256": "a" * 64}], "tenants": {"t": {}}}, "not under"),
+        ({"tenants": {"t": {"limits": {"requests_per_minute": 0}}}}, "above 0"),
+        ({"tenants": {"t": {"models": "m"}}}, "a list"),
+    ],
+)
+def test_a_key_file_that_does_not_load_says_why_and_names_no_key(tmp_path, body, says):
+    path = tmp_path / "keys.yaml"
+    path.write_text(yaml.safe_dump(body))
+    with pytest.raises(KeyFileError, match=says) as raised:
+        KeyRing(str(path))
+    assert "sk-plain" not in str(raised.value)
+
+
+def certificate(ca: CertificateAuthority, directory) -> tuple[str, str]:
+    return ca.issue(None, hosts=["127.0.0.1", "localhost"]).save(str(directory), "door")
+
+
+async def ask(port: int, context: ssl.SSLContext, requests: list[bytes]) -> list[int]:
+    """The statuses of `requests`, sent one after another on one TLS connection (kept alive)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context, server_hostname="127.0.0.1")
+    statuses = []
+    try:
+        for request in requests:
+            writer.write(request)
+            got = b""
+            while not reads_whole(got, 1):
+                chunk = await asyncio.wait_for(reader.read(65536), 5)
+                assert chunk, f"the connection closed after {statuses}"
+                got += chunk
+            statuses.append(int(got.split(b" ")[1]))
+    finally:
+        writer.close()
+    return statuses
+
+
+async def test_keys_revoked_within_a_second_and_certificates_renewed_without_dropping_a_connection(tmp_path):
+    router = StandIn()
+    runner, url = await serve_app(router.app())
+    ca = CertificateAuthority.create()
+    ca_path, _ = ca.save(str(tmp_path / "ca"))
+    cert, key = certificate(ca, tmp_path / "tls")
+    tenants = {"acme": {}, "beta": {}}
+    keys = key_file(tmp_path / "keys.yaml", tenants)
+    extra = ["--api-keys", keys, "--tls-cert", cert, "--tls-key", key]
+    door = await asyncio.to_thread(DoorProcess, url, door_log(tmp_path), {"m": None}, extra)
+    context = ssl.create_default_context(cafile=ca_path)
+    acme = post("/v1/completions", BODY, [("Authorization", f"Bearer {KEYS['acme']}")])
+    beta = post("/v1/completions", BODY, [("Authorization", f"Bearer {KEYS['beta']}")])
+    streamed = post("/v1/completions", {**BODY, "stream": True}, [("Authorization", f"Bearer {KEYS['acme']}")])
+    try:
+        # streams and keep-alive over TLS: three answers on one connection, a stream among them
+        reader, writer = await asyncio.open_connection("127.0.0.1", door.port, ssl=context, server_hostname="localhost")
+        writer.write(streamed)
+        got = b""
+        while not got.endswith(b"\r\n0\r\n\r\n"):
+            chunk = await asyncio.wait_for(reader.read(65536), 5)
+            assert chunk
+            got += chunk
+        assert got.startswith(b"HTTP/1.1 200") and b'"text":"hi"' in got
+        writer.close()
+        assert await ask(door.port, context, [acme, beta, acme]) == [200, 200, 200]
+
+        # acme's key revoked while its connection and beta's are open: refused within a second
+        held = await asyncio.open_connection("127.0.0.1", door.port, ssl=context, server_hostname="127.0.0.1")
+        key_file(tmp_path / "keys.yaml", {"beta": {}})
+        time.sleep(0.01)
+        revoked_at = time.monotonic()
+        while (await ask(door.port, context, [acme]))[0] != 401:
+            assert time.monotonic() - revoked_at < 1.0, "acme's key still served a second after its revocation"
+            await asyncio.sleep(0.05)
+        held[1].write(beta)  # a connection opened before the reload carries on
+        data = await asyncio.wait_for(held[0].read(65536), 5)
+        assert data.startswith(b"HTTP/1.1 200")
+        held[1].close()
+
+        # SIGHUP reloads at once (and does not stop the door)
+        key_file(tmp_path / "keys.yaml", tenants)
+        os.kill(door.process.pid, signal.SIGHUP)
+        await asyncio.sleep(0.1)
+        assert await ask(door.port, context, [acme]) == [200]
+        assert door.process.poll() is None
+
+        # a renewed certificate is served from the next connection on
+        first = x509.load_der_x509_certificate(writer.get_extra_info("ssl_object").getpeercert(binary_form=True))
+        certificate(ca, tmp_path / "tls")
+        deadline = time.monotonic() + 3
+        while True:
+            _, probe = await asyncio.open_connection("127.0.0.1", door.port, ssl=context, server_hostname="127.0.0.1")
+            now = x509.load_der_x509_certificate(probe.get_extra_info("ssl_object").getpeercert(binary_form=True))
+            probe.close()
+            if now.serial_number != first.serial_number:
+                break
+            assert time.monotonic() < deadline, "the renewed certificate was not served"
+            await asyncio.sleep(0.1)
+        assert await ask(door.port, context, [acme]) == [200]
+    finally:
+        door.stop()
+        await runner.cleanup()
+    with open(door_log(tmp_path)) as log:
+        text = log.read()
+    assert "API keys reloaded" in text and "certificate was reloaded" in text
+    assert KEYS["acme"] not in text and KEYS["beta"] not in text
