@@ -21,16 +21,16 @@ import json
 import logging
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
 from front_door.admission import Admission, Refusal, Ticket, retry_after
 from front_door.keys import Key, KeyRing, Tenant
 from front_door.messages import Answer, Request, response
+from front_door.tenant_metrics import TenantSeries
 
 logger = logging.getLogger("motor-front-door.audit")
 
 KEY_HEADERS = (b"authorization", b"x-api-key")
-MAX_TENANT_SERIES = 200  # tenants with series of their own; the others are counted as "other"
 LOG_PER_SECOND = 10
 NO_KEY = (
     "You didn't provide an API key. You need to provide your API key in an Authorization header using Bearer "
@@ -81,75 +81,19 @@ class AuditLog:
         logger.warning("refused (%s): " + message + suffix, reason, *args)
 
 
-class TenantMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter(
-            "motor_front_door_tenant_requests",
-            "Requests of each tenant (its key found) by HTTP status; tenants past the first "
-            f'{MAX_TENANT_SERIES} are counted as "other".',
-            ["tenant", "code"],
-            registry=registry,
-        )
-        self.tokens = Counter(
-            "motor_front_door_tenant_tokens",
-            'Tokens of each tenant\'s answers, "prompt" and "completion", as answered (front_door/usage.py).',
-            ["tenant", "kind"],
-            registry=registry,
-        )
-        self.rejections = Counter(
-            "motor_front_door_tenant_rejections",
-            'Requests refused by the door\'s keys and limits: reason "no_key", "bad_key" (tenant ""), "model" (a '
-            'model the tenant may not use), "requests", "tokens", "concurrency" (its limits: 429).',
-            ["tenant", "reason"],
-            registry=registry,
-        )
-        self.latency = Histogram(
-            "motor_front_door_tenant_response_start_seconds",
-            "From a tenant's request's arrival to the router's response headers.",
-            ["tenant"],
-            buckets=(0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-            registry=registry,
-        )
-        self.in_flight = Gauge(
-            "motor_front_door_tenant_requests_in_flight",
-            "Each tenant's requests being answered now (its concurrent_requests limit counts these).",
-            ["tenant"],
-            registry=registry,
-        )
-        self.keys = Gauge("motor_front_door_api_keys", "API keys loaded.", registry=registry)
-        self.reload_failures = Gauge(
-            "motor_front_door_api_key_reload_failures",
-            "Times the key file changed and did not load (the keys stayed as they were).",
-            registry=registry,
-        )
-        self.named: set[str] = set()
-        self.children: dict[tuple, object] = {}
-
-    def label(self, tenant: str) -> str:
-        if tenant in self.named or not tenant:
-            return tenant
-        if len(self.named) >= MAX_TENANT_SERIES:
-            return "other"
-        self.named.add(tenant)
-        return tenant
-
-    def child(self, metric, *labels: str):
-        child = self.children.get((metric, labels))
-        if child is None:
-            child = self.children[(metric, labels)] = metric.labels(*labels)
-        return child
-
-
 class Tenancy:
     """The identify and admit stages, and what is given back when an answer ends."""
 
     def __init__(self, keys: KeyRing, registry: CollectorRegistry, clock=time.monotonic) -> None:
         self.keys = keys
         self.admission = Admission(clock)
-        self.metrics = TenantMetrics(registry)
         self.audit = AuditLog(clock)
-        self.metrics.keys.set_function(lambda: len(self.keys.keys))
-        self.metrics.reload_failures.set_function(lambda: self.keys.failures)
+        self.metrics = TenantSeries(
+            registry,
+            lambda: {name: state.in_flight for name, state in self.admission.states.items()},
+            lambda: len(self.keys.keys),
+            lambda: self.keys.failures,
+        )
 
     def identify(self, request: Request, peer: str) -> Answer | None:
         """The request's key (request.key, its headers taken out), or a 401."""
@@ -179,14 +123,14 @@ class Tenancy:
 
     def _unauthorized(self, request: Request, peer: str, reason: str, message: str, code: str | None) -> Answer:
         request.keep_alive = False
-        self.metrics.child(self.metrics.rejections, "", reason).inc()
+        self.metrics.rejections["", reason] += 1
         self.audit.refused(reason, "%s %s from %s: %s", request.method, request.path, peer or "?", message)
         return unauthorized(message, code)
 
     def not_allowed(self, request: Request, model: str) -> None:
         """A model the request's tenant may not use (answered 404, as a model that does not exist)."""
         key: Key = request.key
-        self.metrics.child(self.metrics.rejections, self.metrics.label(key.tenant.name), "model").inc()
+        self.metrics.rejections[self.metrics.label(key.tenant.name), "model"] += 1
         self.audit.refused(
             "model",
             "key %s (tenant %s): %s %s for model %r",
@@ -203,8 +147,8 @@ class Tenancy:
         admitted = self.admission.admit(tenant)
         label = self.metrics.label(tenant.name)
         if isinstance(admitted, Refusal):
-            self.metrics.child(self.metrics.rejections, label, admitted.reason).inc()
-            self.metrics.child(self.metrics.requests, label, "429").inc()
+            self.metrics.rejections[label, admitted.reason] += 1
+            self.metrics.requests[label, "429"] += 1
             self.audit.refused(
                 admitted.reason,
                 "key %s (tenant %s): %s %s: at its limit of %g %s",
@@ -217,18 +161,17 @@ class Tenancy:
             )
             return too_many(admitted, tenant.name)
         request.ticket = admitted
-        self.metrics.child(self.metrics.in_flight, label).inc()
         return None
 
     def answered(self, request: Request, seconds: float) -> None:
         if request.key is not None:
-            self.metrics.child(self.metrics.latency, self.metrics.label(request.key.tenant.name)).observe(seconds)
+            self.metrics.observe(self.metrics.label(request.key.tenant.name), seconds)
 
     def counted(self, request: Request, status: int) -> None:
         """A request of a tenant the door answered itself (its model list, a 404, ...)."""
         if request.key is not None:
             label = self.metrics.label(request.key.tenant.name)
-            self.metrics.child(self.metrics.requests, label, str(status)).inc()
+            self.metrics.requests[label, str(status)] += 1
 
     def ended(self, request: Request, status: int, tokens: tuple[int, int]) -> None:
         ticket: Ticket | None = request.ticket
@@ -237,10 +180,10 @@ class Tenancy:
         tenant: Tenant = request.key.tenant
         label = self.metrics.label(tenant.name)
         self.admission.give_back(ticket, tokens[0] + tokens[1], self.keys.tenants.get(tenant.name, tenant))
-        self.metrics.child(self.metrics.in_flight, label).dec()
+        series = self.metrics
         if status:
-            self.metrics.child(self.metrics.requests, label, str(status)).inc()
+            series.requests[label, str(status)] += 1
         if tokens[0]:
-            self.metrics.child(self.metrics.tokens, label, "prompt").inc(tokens[0])
+            series.tokens[label, "prompt"] += tokens[0]
         if tokens[1]:
-            self.metrics.child(self.metrics.tokens, label, "completion").inc(tokens[1])
+            series.tokens[label, "completion"] += tokens[1]

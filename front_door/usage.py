@@ -19,7 +19,6 @@ import re
 from front_door.messages import Request
 
 TAIL = 4096
-USAGE = re.compile(rb'"usage"\s*:\s*\{((?:[^{}]|\{[^{}]*\})*)\}')  # (its details: one level of objects)
 FIELD = re.compile(rb'"(prompt_tokens|completion_tokens|total_tokens)"\s*:\s*(\d+)')
 DEFAULT_COMPLETION = 16  # vLLM's max_tokens for a completion that names none is what is left of the context: unknown
 BYTES_PER_TOKEN = 4
@@ -27,12 +26,11 @@ BYTES_PER_TOKEN = 4
 
 def usage_in(data: bytes) -> tuple[int, int] | None:
     """(prompt, completion) tokens of the last `usage` object in `data`, or None."""
-    found = None
-    for found in USAGE.finditer(data):  # noqa: B007 - the last one
-        pass
-    if found is None:
+    at = data.rfind(b'"usage"')
+    if at < 0:
         return None
-    fields = {name.decode(): int(value) for name, value in FIELD.findall(found.group(1))}
+    end = data.find(b"}", at)  # the object's end (or its first detail's: the three counts come first)
+    fields = {name.decode(): int(value) for name, value in FIELD.findall(data, at, end if end > 0 else len(data))}
     if "prompt_tokens" not in fields and "total_tokens" not in fields:
         return None
     prompt = fields.get("prompt_tokens", fields.get("total_tokens", 0))
@@ -44,8 +42,9 @@ class UsageReader:
     """Writes a JSON answer on (as it came: its length, or its chunks re-chunked as read), keeping
     its last bytes; `usage` is read from them when it ends (`request.usage`)."""
 
-    def __init__(self, transport, request: Request, chunked: bool) -> None:
+    def __init__(self, transport, request: Request, chunked: bool, head: bytes = b"") -> None:
         self.transport = transport
+        self.head = head  # written with the body's first bytes: one write, not two (Nagle's delay)
         self.request = request
         self.chunked = chunked
         self.read: list[bytes] = []
@@ -60,10 +59,14 @@ class UsageReader:
         data = self.read[0] if len(self.read) == 1 else b"".join(self.read)
         self.read.clear()
         self.tail = (self.tail + data)[-TAIL:] if len(data) < TAIL else data[-TAIL:]
-        self.transport.write(b"%x\r\n" % len(data) + data + b"\r\n" if self.chunked else data)
+        head, self.head = self.head, b""
+        self.transport.write(head + (b"%x\r\n" % len(data) + data + b"\r\n" if self.chunked else data))
 
     def end(self, broken: bool) -> bool:
         self.flush()
+        if self.head:  # an answer without a body
+            self.transport.write(self.head)
+            self.head = b""
         self.request.usage = usage_in(self.tail)
         if broken:
             return False
@@ -73,8 +76,8 @@ class UsageReader:
 
 
 def read_usage(request: Request, status: int, head: bytes, transport) -> UsageReader | None:
-    """A reader for a JSON answer's usage, having written its head to `transport`; None to pass it
-    as it came (not JSON, or framed otherwise)."""
+    """A reader for a JSON answer's usage, which writes it on to `transport` (its head with its
+    body's first bytes); None to pass it as it came (not JSON, or framed otherwise)."""
     if status != 200:
         return None
     end = head.find(b"\r\n\r\n")
@@ -86,8 +89,7 @@ def read_usage(request: Request, status: int, head: bytes, transport) -> UsageRe
     chunked = b"transfer-encoding" in lower
     if chunked and not re.search(rb"\r\ntransfer-encoding:[ \t]*chunked[ \t]*(\r\n|$)", lower):
         return None
-    transport.write(head[: end + 4])
-    return UsageReader(transport, request, chunked)
+    return UsageReader(transport, request, chunked, head[: end + 4])
 
 
 def tokens_taken(request: Request, status: int) -> tuple[int, int]:
