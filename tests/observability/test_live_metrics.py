@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import urllib.error
 import urllib.request
 
 import grpc
@@ -19,11 +20,14 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
+from motorctl.door_access import DoorAccess
+from tests.front_door.keyed_door import key_file
 from tests.support import REPO_ROOT, require, wait_for
 from tests.support.local_cluster import example_cluster, started
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
+KEY = {"acme": "sk-motor-live-metrics-0123456789"}
 DEPLOYMENT = os.path.join(REPO_ROOT, "examples", "local-deployment.yaml")
 DASHBOARD = os.path.join(REPO_ROOT, "deploy", "grafana", "motor.json")
 RULE_FILES = sorted(glob.glob(os.path.join(REPO_ROOT, "deploy", "prometheus", "*.yaml")))
@@ -48,6 +52,8 @@ def cluster(tmp_path_factory):
         extra_controller_args=["--log-format", "json"],
         extra_node_args=["--log-format", "json"],
         router_port=0,  # a router and its sync: the controller's motor_front_door_* series
+        # API keys at the door: its per-tenant series (then on its private table port)
+        door_access=DoorAccess(api_keys=key_file(tmp_path_factory.mktemp("keys") / "keys.yaml", {"acme": {}}, KEY)),
     )
     yield from started(local)
 
@@ -74,17 +80,18 @@ def scraped(cluster) -> dict[str, str]:
     wait_for(lambda: "motor_front_door_up{" in _get(controller), 30, 0.2, "the router's sync reporting")
     # One completion through the front door: its per-model series have a line once a model was asked for.
     completion = json.dumps({"model": "sim-tiny", "prompt": "hi", "max_tokens": 2}).encode()
-    asked = urllib.request.Request(
-        f"{cluster.router_url}/v1/completions", completion, {"Content-Type": "application/json"}
-    )
+    keyed = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY['acme']}"}
+    asked = urllib.request.Request(f"{cluster.router_url}/v1/completions", completion, keyed)
     wait_for(lambda: urllib.request.urlopen(asked, timeout=10).status == 200, 30, 0.5, "a completion through the door")
     # And one streamed: the time to first token the client sees is measured on streams.
     streamed = json.dumps({"model": "sim-tiny", "prompt": "hi", "max_tokens": 2, "stream": True}).encode()
     with urllib.request.urlopen(
-        urllib.request.Request(f"{cluster.router_url}/v1/completions", streamed, {"Content-Type": "application/json"}),
+        urllib.request.Request(f"{cluster.router_url}/v1/completions", streamed, keyed),
         timeout=10,
     ) as answer:
         assert answer.read().rstrip().endswith(b"data: [DONE]")
+    with pytest.raises(urllib.error.HTTPError, match="401"):  # a refusal: the rejections' series
+        urllib.request.urlopen(urllib.request.Request(f"{cluster.router_url}/v1/models"), timeout=10)
     urls = dict(cluster.metrics_urls())
     _get(urls.pop("router"))  # vllm-router's own /metrics answers; its series are the router's, not Motor's
     bodies.update({name: _get(url) for name, url in urls.items()})
