@@ -29,6 +29,7 @@ from motorctl.cluster_processes import (
     stop_node_engines,
 )
 from motorctl.connect import Credentials
+from motorctl.door_access import DoorAccess
 from motorctl.etcd_cluster import EtcdCluster
 from motorctl.pki_command import DevPki, make_dev_pki
 from motorctl.run_processes import run_tag, stop_run
@@ -97,13 +98,14 @@ class LocalCluster:
     router_admin_port: int = 0  # the router itself (its admin API): loopback, not for clients
     router_pd: bool = False  # prefill and decode engines as the router's typed workers (its P/D flow)
     door_args: list[str] = field(default_factory=list)  # more flags of the front door (front_door/cli.py)
+    door_access: DoorAccess = field(default_factory=DoorAccess)  # its keys and TLS (none: open on loopback)
     front_door: Supervisor = field(default_factory=Supervisor)  # restarts the router, its sync and the door
     door_socket: socket.socket | None = None  # the published port, held across the door's restarts
 
     @property
     def router_url(self) -> str:
         """Where clients send requests: the front door (front_door/policy.py)."""
-        return f"http://127.0.0.1:{self.router_port}"
+        return f"{'https' if self.door_access.tls else 'http'}://127.0.0.1:{self.router_port}"
 
     @property
     def router_admin_url(self) -> str:
@@ -264,10 +266,17 @@ class LocalCluster:
         self.door_socket = front.held_listener("127.0.0.1", self.router_port)  # outlives each door process
         fds = (self.door_socket.fileno(),)
         door_argv = front.door_command(
-            f"127.0.0.1:{self.router_port}", self.router_admin_url, table, fds[0], self.door_args
+            f"127.0.0.1:{self.router_port}",
+            self.router_admin_url,
+            table,
+            fds[0],
+            self.door_args + self.door_access.args(),
         )
         door = self._launch("front-door", door_argv, pass_fds=fds)
-        self.metrics_ports["front-door"] = self.router_port  # its own series: what clients got, per model
+        # its own series (what clients got, per model; with keys, per tenant: on its private table port)
+        self.metrics_ports["front-door"] = (
+            int(table.rpartition(":")[2]) if self.door_access.api_keys else self.router_port
+        )
         sync_argv = front.sync_command(
             self.controller_addresses,
             self.router_admin_url,
@@ -276,7 +285,7 @@ class LocalCluster:
             self.router_pd,
         )
         sync = self._launch("router-sync", sync_argv)
-        while front.router_workers(self.router_url) is None:  # the front door answers
+        while not front.door_has_table(table):  # the front door serves, with what the sync told it
             for started in (door, sync):
                 if started.process.poll() is not None:
                     raise ProcessExited(f"the {started.name} exited at start: {last_line(started.log_path)}")

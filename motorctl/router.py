@@ -153,10 +153,25 @@ def router_workers(url: str, timeout: float = 2.0) -> list[str] | None:
         return None
 
 
-def router_line(url: str, kept: str = "kept by motor-router-sync") -> str:
-    """The screen's line: `kept` says what keeps the workers (a sync that is down says so)."""
-    workers = router_workers(url)
+def door_has_table(table: str, timeout: float = 2.0) -> bool:
+    """Whether the front door whose table port is `table` (HOST:PORT) has had the sync's table: it
+    accepts clients from then on."""
+    try:
+        with urllib.request.urlopen(f"http://{table}/served", timeout=timeout) as reply:
+            return json.loads(reply.read()).get("served") is not None
+    except (OSError, ValueError, AttributeError, urllib.error.HTTPError):
+        return False
+
+
+def router_line(
+    url: str, kept: str = "kept by motor-router-sync", workers_url: str | None = None, note: str = ""
+) -> str:
+    """The screen's line: `kept` says what keeps the workers (a sync that is down says so); the
+    workers read from `workers_url` (the router's own port), else through `url`; `note`: who may
+    use the door."""
+    workers = router_workers(workers_url or url)
     # one engine per address: an adapter's worker is the engine's address with a user part
     engines = None if workers is None else {w.split("://", 1)[-1].rpartition("@")[2] for w in workers}
     state = "not answering" if engines is None else f"{len(engines)} worker(s)"
-    return f"Router (OpenAI API):  {url}/v1  ({state}; {kept})"
+    line = f"Router (OpenAI API):  {url}/v1  ({state}; {kept})"
+    return line + (f"\n  front door: {note}" if note else "")

@@ -27,6 +27,7 @@ from motorctl import cluster_address
 from motorctl import guardian as cluster_guardian
 from motorctl import router as front
 from motorctl.cluster_processes import DEFAULT_CONTROLLER_PORT, PortTaken, ProcessExited, check_port_free
+from motorctl.door_access import DoorAccess, development_access
 from motorctl.local_cluster import LocalCluster
 from motorctl.run_processes import describe, run_processes
 from motorctl.up_screen import ReaderGone, say, watch
@@ -145,6 +146,20 @@ def main(argv: list[str] | None = None) -> int:
         "or a free port if taken",
     )
     parser.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        help="the front door takes only these API keys (a YAML key file, or a directory of them; docs/security.md); "
+        "without it, and without --secure-door, the door is open to whoever reaches 127.0.0.1",
+    )
+    parser.add_argument("--tls-cert", metavar="FILE", help="the front door speaks TLS with this certificate (PEM)")
+    parser.add_argument("--tls-key", metavar="FILE", help="the front door's certificate's private key (PEM)")
+    parser.add_argument(
+        "--secure-door",
+        action="store_true",
+        help="the front door takes API keys and speaks TLS, with a development key and certificate made for this "
+        "run in <run-dir>/door (the screen says how to use them)",
+    )
+    parser.add_argument(
         "--stream-continuations",
         type=int,
         default=None,
@@ -196,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.nodes < 1:
         parser.error("--nodes must be at least 1")
+    if args.secure_door and (args.api_keys or args.tls_cert):
+        parser.error("--secure-door makes its own key and certificate: give it, or --api-keys/--tls-cert, not both")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    for flag, path in (("--api-keys", args.api_keys), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path and not os.path.exists(path):
+            parser.error(f"{flag} {path}: no such file or directory")
     if not os.path.exists(args.deployment):
         parser.error(
             f"--deployment {args.deployment!r}: file not found (the default is relative to the repository "
@@ -236,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     shutil.rmtree(args.run_dir, ignore_errors=True)
+    if args.secure_door:
+        access = development_access(args.run_dir)
+    else:
+        paths = [os.path.abspath(p) if p else None for p in (args.api_keys, args.tls_cert, args.tls_key)]
+        access = DoorAccess(*paths)
     if args.ha and not shutil.which("etcd"):
         parser.error("--ha needs etcd on PATH: install Debian's etcd-server (scripts/etcd-server.sh)")
     cluster = LocalCluster(
@@ -255,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         router_port=args.router_port or _default_port(front.ROUTER_PORT),
         router_pd=args.router_pd,
         door_args=[] if args.stream_continuations is None else [f"--stream-continuations={args.stream_continuations}"],
+        door_access=access,
     )
     stopping, started = False, False
     # Stops the cluster if this process is killed before it can (SIGKILL, the OOM killer).

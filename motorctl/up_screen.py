@@ -78,8 +78,11 @@ def try_commands(cluster: LocalCluster) -> str:
     line that points another shell's motorctl at it."""
     every = cluster.controller_addresses  # motorctl follows the leader among them
     line = cluster_address.export_line(cluster.run_dir, every, cluster.credentials("operator"))
+    access = cluster.door_access
+    door = f"{access.how_to(cluster.router_url)}\n" if cluster.router_port is not None and access.api_keys else ""
     return (
-        _try_lines(cluster)
+        door
+        + _try_lines(cluster)
         + f"\nmotorctl in another shell reaches this cluster after:  {line}"
         + f"\n      (from {os.getcwd()}, motorctl finds .run/motorctl.env by itself)"
         * (os.path.abspath(cluster.run_dir) == os.path.abspath(cluster_address.DEFAULT_RUN_DIR))
@@ -123,11 +126,11 @@ def watch(cluster: LocalCluster, refresh: float, stopping) -> None:
     terminal = sys.stdout.isatty()
     shown: dict[str, str] | None = None
     while not stopping():
-        router = (
-            f"{front.router_line(cluster.router_url, cluster.front_door_state())}\n"
-            if cluster.router_port is not None
-            else ""
-        )
+        router = ""
+        if cluster.router_port is not None:
+            access = cluster.door_access.note()
+            line = front.router_line(cluster.router_url, cluster.front_door_state(), cluster.router_admin_url, access)
+            router = line + "\n"
         try:
             status = read_status(address, cluster.credentials("viewer"))
             screen = render_status(*status)
