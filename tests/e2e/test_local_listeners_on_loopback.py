@@ -1,6 +1,8 @@
 """Every listener of the local cluster is on loopback unless asked: the controller's and the node
 managers' /metrics (with /discovery/engines, every engine's address: plaintext HTTP) bind
-127.0.0.1, as their gRPC ports, the engines, the router and the front door do."""
+127.0.0.1, as their gRPC ports, the engines, vllm-router (its admin API: add and remove workers,
+flush caches), its sync and the front door do: nothing around the door is reachable from
+another host."""
 
 from __future__ import annotations
 
@@ -38,13 +40,15 @@ def test_every_listener_of_the_local_cluster_is_on_loopback(tmp_path):
         deployment_path=os.path.join(REPO_ROOT, "examples", "local-deployment.yaml"),
         engine_port_base=36000,
         metrics_port=None,  # free ports, on
+        router_port=0,  # the front door, vllm-router (its admin API) and the sync: none reachable from elsewhere
     )
     try:
         cluster.start(timeout=90)
-        assert set(cluster.metrics_ports) == {"controller", "node-a"}
+        assert set(cluster.metrics_ports) == {"controller", "node-a", "router", "front-door"}
+        assert {"router", "router-sync", "front-door"} <= {managed.name for managed in cluster.processes}
         for managed in cluster.processes:
             sockets = listening(managed.process.pid)
-            assert sockets, managed.name
+            assert sockets or managed.name == "router-sync", managed.name  # (the sync listens on nothing)
             wide = {(ip, port) for ip, port in sockets if not on_loopback(ip)}
             assert not wide, f"{managed.name} listens beyond loopback on {sorted(wide)}"
         assert all(url.startswith("http://127.0.0.1:") for url in cluster.metrics_urls().values())

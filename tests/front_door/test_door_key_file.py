@@ -18,7 +18,7 @@ from cryptography import x509
 from front_door.keys import KeyFileError, KeyRing, digest, new_key
 from motor.security.pki import CertificateAuthority
 from tests.front_door.keyed_door import KEYS, StandIn, key_file, post, reads_whole
-from tests.support import serve_app
+from tests.support import REPO_ROOT, serve_app
 from tests.support.door_process import DoorProcess, door_log
 
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 4}
@@ -149,3 +149,10 @@ async def test_keys_revoked_within_a_second_and_certificates_renewed_without_dro
         text = log.read()
     assert "API keys reloaded" in text and "certificate was reloaded" in text
     assert KEYS["acme"] not in text and KEYS["beta"] not in text
+
+
+def test_the_example_key_file_loads_and_its_keys_are_the_ones_it_names():
+    ring = KeyRing(os.path.join(REPO_ROOT, "examples", "api-keys.yaml"))
+    assert ring.find(b"sk-motor-example-acme").tenant.limits.concurrent_requests == 16
+    assert ring.find(b"sk-motor-example-trial").tenant.may_use("sim-tiny")
+    assert not ring.find(b"sk-motor-example-trial").tenant.may_use("sim-tiny-lora-a")
