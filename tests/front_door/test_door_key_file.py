@@ -17,9 +17,9 @@ from cryptography import x509
 
 from front_door.keys import KeyFileError, KeyRing, digest, new_key
 from motor.security.pki import CertificateAuthority
-from tests.front_door.keyed_door import KEYS, StandIn, key_file, post, reads_whole
 from tests.support import REPO_ROOT, serve_app
 from tests.support.door_process import DoorProcess, door_log
+from tests.support.keyed_door import KEYS, StandIn, key_file, post, reads_whole
 
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 4}
 

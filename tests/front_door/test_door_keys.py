@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from front_door.policy import FrontDoor
-from tests.front_door.keyed_door import KEYS, SERVED, StandIn, exchange, keyed_door, post
 from tests.support import serve_app
+from tests.support.keyed_door import KEYS, SERVED, StandIn, exchange, keyed_door, post
 
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 4}
 ACME = ("Authorization", f"Bearer {KEYS['acme']}")

@@ -15,7 +15,7 @@ import pytest
 from front_door.admission import Admission, Refusal, Ticket
 from front_door.keys import Limits, Tenant
 from front_door.usage import estimate, usage_in
-from tests.front_door.keyed_door import KEYS, StandIn, keyed_door
+from tests.support.keyed_door import KEYS, StandIn, keyed_door
 
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 4}
 
@@ -151,9 +151,11 @@ async def test_requests_at_once_are_given_back_when_each_answer_ends(tmp_path):
 
 
 async def test_one_tenants_flood_does_not_starve_another(tmp_path):
-    """Measured side by side: a router that serves 8 requests at once, 50 ms each; tenant `acme`
-    floods it with 40 clients at once, `beta` sends one request at a time. Without limits, beta
-    waits behind acme's queue; with acme held to 4 at once, beta's wait is its own answer's."""
+    """Side by side: a router that serves 8 requests at once, 50 ms each; tenant `acme` floods it
+    with 40 clients at once, `beta` sends one request at a time. Without limits, acme fills every
+    seat and beta waits behind its queue; with acme held to 4 at once, acme never has more than 4
+    at the router, so beta always finds a seat. (Beta's waits are printed: timings on a shared
+    machine are not asserted.)"""
     waits = {}
     for limited in (False, True):
         limits = {"concurrent_requests": 4} if limited else {}
@@ -168,7 +170,7 @@ async def test_one_tenants_flood_does_not_starve_another(tmp_path):
             nonlocal refused
             while not stop.is_set():
                 try:
-                    await acme.completions.create(**BODY)
+                    await acme.completions.create(**BODY, user="acme")
                 except openai.RateLimitError:
                     refused += 1
                     await asyncio.sleep(0.05)  # (a client of this test's process: its CPU is the door's)
@@ -179,7 +181,7 @@ async def test_one_tenants_flood_does_not_starve_another(tmp_path):
             beta, taken = client(door, "beta"), []
             for _ in range(10):
                 began = time.monotonic()
-                await beta.completions.create(**BODY)
+                await beta.completions.create(**BODY, user="beta")
                 taken.append(time.monotonic() - began)
             stop.set()
             await asyncio.gather(*floods)
@@ -187,6 +189,7 @@ async def test_one_tenants_flood_does_not_starve_another(tmp_path):
             await cleanup()
         waits[limited] = statistics.median(taken)
         if limited:
-            assert refused > 0
+            assert refused > 0 and router.most["acme"] <= 4, router.most
+        else:
+            assert router.most["acme"] > 8, router.most  # (queued at the router beyond its 8 seats)
     print(f"beta's median wait: {waits[False] * 1000:.0f} ms unlimited, {waits[True] * 1000:.0f} ms with limits")
-    assert waits[False] > 0.2 and waits[True] < waits[False] / 2

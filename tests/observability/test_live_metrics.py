@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from motor.v1 import controller_pb2, controller_pb2_grpc, types_pb2
 from motorctl.door_access import DoorAccess
-from tests.front_door.keyed_door import key_file
 from tests.support import REPO_ROOT, require, wait_for
+from tests.support.keyed_door import key_file
 from tests.support.local_cluster import example_cluster, started
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]

@@ -1,5 +1,5 @@
 """A stream that survives its engine: two real vLLM CPU engines of the tiny model behind
-`motorctl up`'s front door, a greedy streamed answer of ~400 tokens, and the engine server serving
+`motorctl up`'s front door, a greedy streamed answer of 2,000 tokens, and the engine server serving
 it SIGKILLed after K chunks. The door continues the answer on the other engine (a completion of the
 prompt's ids and the ids already sent): the client reads one uninterrupted stream, the same id,
 text (and token ids, where it asked for them) equal to the uninterrupted reference token for token,
@@ -23,8 +23,8 @@ from tests.support.vllm_engines import vllm_cluster, vllm_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-TOKENS = 400
-KILL_AFTER = 60  # chunks read before the SIGKILL: a stream well begun, most of it still to come
+TOKENS = 2000  # seconds of decoding on the tiny model: the kill lands while it is at work
+KILL_AFTER = 12  # chunks read before the SIGKILL: a stream begun, most of it still to come
 CONTINUED = "motor_front_door_continuations_total"
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": TOKENS, "stream_options": {"include_usage": True}}
 COMPLETION = ("/v1/completions", {"prompt": "Motor is a control plane for", **GREEDY})
@@ -39,10 +39,10 @@ CASES = {
 @pytest.fixture(scope="module")
 def door(tiny_model, vllm_env, tmp_path_factory):
     model = os.path.basename(tiny_model)
-    # Room for the prompt and 400 tokens (the tiny model's positions: 512); no virtual inference,
+    # Room for the prompt and 2,000 tokens; no virtual inference,
     # whose probes would count in the engines' in-flight requests.
     section = vllm_config(
-        tiny_model, health={"enable_virtual_inference": False}, served_model_name=model, max_model_len=512
+        tiny_model, health={"enable_virtual_inference": False}, served_model_name=model, max_model_len=4096
     )["motor_engine_prefill_config"]
     with vllm_cluster(
         tiny_model,
@@ -54,6 +54,8 @@ def door(tiny_model, vllm_env, tmp_path_factory):
         engine_port_base=38900,
         engines=2,
         router=True,
+        # The tiny model's config says 512 positions; its rotary embedding serves longer answers.
+        env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"},
     ) as (local, stub):
         yield local, stub, model
 
@@ -96,11 +98,16 @@ def test_a_stream_whose_engine_server_is_sigkilled_goes_on_token_for_token_on_th
     before = total(door_series(local.router_url, CONTINUED), CONTINUED)
     killed: list = []
 
+    serving: list = []
+
     def kill_after(index: int, event: object) -> None:
+        # The engine serving it found at its first event (the tiny model may make the rest of the
+        # answer within a second: found later, it may have none in flight), killed a few events on.
+        if index == 1 and not serving:
+            serving.append(busiest(stub))
         if index == KILL_AFTER and not killed:
-            victim = busiest(stub)
-            os.kill(victim.pid, signal.SIGKILL)
-            killed.append(victim)
+            os.kill(serving[0].pid, signal.SIGKILL)
+            killed.append(serving[0])
 
     got = stream(local.router_url, path, {**body, "model": model}, on_event=kill_after, timeout=180)
     assert killed, f"the stream ended after {len(got.events)} events, before the kill: {got.events[-2:]}"

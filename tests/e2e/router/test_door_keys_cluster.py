@@ -18,8 +18,8 @@ from front_door.keys import digest
 from motor.ports import free_port
 from motor.security.pki import CertificateAuthority
 from motorctl.door_access import development_access
-from tests.front_door.keyed_door import key_file
 from tests.support import wait_for
+from tests.support.keyed_door import key_file
 from tests.support.motorctl_up import assert_nothing_left, motorctl_up_argv, start_motorctl_up
 
 pytestmark = pytest.mark.processes

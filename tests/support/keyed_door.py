@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 
 import yaml
 from aiohttp import web
@@ -37,12 +38,20 @@ class StandIn:
         self.usage = usage
         self.seen: list[dict] = []
         self.delay = 0.0
+        self.in_flight: Counter[str] = Counter()  # requests here now, by the body's `user`
+        self.most: Counter[str] = Counter()  # the most of them here at once
 
     async def completion(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append({"headers": dict(request.headers), "body": body, "path": request.path})
-        async with self.capacity:
-            await asyncio.sleep(float(request.query.get("delay", self.delay)))
+        user = str(body.get("user", ""))
+        self.in_flight[user] += 1
+        self.most[user] = max(self.most[user], self.in_flight[user])
+        try:
+            async with self.capacity:
+                await asyncio.sleep(float(request.query.get("delay", self.delay)))
+        finally:
+            self.in_flight[user] -= 1
         prompt, completion = self.usage
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         if body.get("stream"):
