@@ -47,7 +47,14 @@ from motor.contract.engine_args import SimArgs  # noqa: E402
 from motor.v1 import controller_pb2 as C  # noqa: E402
 from motorctl.tiny_model import ensure_tiny_model  # noqa: E402
 from tests.support.sse_stream import Streamed, stream  # noqa: E402
-from tests.support.stream_faults import all_routed, busiest, door_series, engines, total  # noqa: E402
+from tests.support.stream_faults import (  # noqa: E402
+    all_routed,
+    door_series,
+    engines,
+    routed_to,
+    router_decisions,
+    total,
+)
 from tests.support.vllm_engines import engine_core_of, vllm_cluster, vllm_config  # noqa: E402
 
 FAULTS = ("sigkill", "sigstop", "scale_down")
@@ -103,9 +110,10 @@ class Fleet:
         return [r for r in self.results if r is not None]
 
 
-def inject(fault: str, local, stub, deployment: dict) -> tuple[float, list]:
-    """The fault on the busiest engine; (when, processes to let go of at the end)."""
-    victim = busiest(stub)
+def inject(fault: str, local, stub, deployment: dict, decided: dict[str, float]) -> tuple[float, list]:
+    """The fault on the engine the router sent the most of the streams to (since `decided`); (when,
+    processes to let go of at the end)."""
+    victim = routed_to(local, stub, decided, only=False)
     left: list = []
     if fault == "sigkill":
         os.kill(victim.pid, signal.SIGKILL)
@@ -139,12 +147,13 @@ def fault_rows(args, local, stub, deployment: dict, body: dict, reference: Strea
             continue
         all_routed(local, stub, 2)
         before = door_series(local.router_url, "motor_front_door_")
+        decided = router_decisions(local)
         fleet = Fleet(local.router_url, body, args.streams).start()
         if args.engine == "vllm" or "decode_ms_per_token" in SimArgs.model_fields:
             wait_until(lambda: min(fleet.events) >= args.tokens // 5, 120)
         else:  # the sim's answer comes whole at its end: the fault halfway through its time
             time.sleep(args.ms_per_token * args.tokens / 2000)
-        fault_at, left = inject(fault, local, stub, deployment)
+        fault_at, left = inject(fault, local, stub, deployment, decided)
         streams = fleet.join()
         for process in left:
             try:

@@ -1,14 +1,12 @@
 """Engines behind `motorctl up`'s front door, for faults under a stream: which engine serves a
-stream (its in-flight count, from its management plane's GetStatus), every engine routed again
+stream (the worker vllm-router sent it to: its decisions counter), every engine routed again
 after one was replaced, the door's own Prometheus series."""
 
 from __future__ import annotations
 
 import json
 
-import grpc
-
-from motor.v1 import controller_pb2, engine_pb2, engine_pb2_grpc
+from motor.v1 import controller_pb2
 from tests.support import wait_for
 from tests.support.open_load import http
 from tests.support.vllm_engines import parse_metrics
@@ -38,24 +36,29 @@ def engines(stub) -> list:
     return [e for n in nodes for e in n.engines]
 
 
-def in_flight(engine) -> int:
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{engine.spec.mgmt_port}") as channel:
-            status = engine_pb2_grpc.EngineServiceStub(channel).GetStatus(engine_pb2.GetStatusRequest(), timeout=2)
-    except grpc.RpcError:
-        return -1
-    return status.status.in_flight_requests
+def router_decisions(local) -> dict[str, float]:
+    """How many requests vllm-router has sent each worker (URL -> its decisions counter)."""
+    status, text = http("GET", f"http://127.0.0.1:{local.metrics_ports['router']}/metrics", timeout=5)
+    assert status == 200, text
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm_router_policy_decisions_total") and 'worker="' in line:
+            worker = line.split('worker="', 1)[1].split('"', 1)[0]
+            counts[worker] = counts.get(worker, 0.0) + float(line.rpartition(" ")[2])
+    return counts
 
 
-def busiest(stub, timeout: float = 10.0):
-    """The engine holding the most requests in flight (at least one): the one serving a stream."""
-
-    def found():
-        counted = [(in_flight(e), e) for e in engines(stub)]
-        top = max(counted, key=lambda pair: pair[0], default=(0, None))
-        return top[1] if top[0] >= 1 else None
-
-    return wait_for(found, timeout=timeout, interval=0.02, what="an engine with a request in flight")
+def routed_to(local, stub, before: dict[str, float], only: bool = True):
+    """The engine the router sent requests to since `before` (router_decisions), the most of them
+    (`only`: all of them): the one serving a stream, however fast it answers (an engine's in-flight
+    count may not show a short one)."""
+    now = router_decisions(local)
+    moved = {url: count - before.get(url, 0.0) for url, count in now.items() if count > before.get(url, 0.0)}
+    assert moved and (len(moved) == 1 or not only), f"the router's decisions moved for {moved}"
+    urls = [max(moved, key=moved.get)]
+    endpoints = stub.ListEndpoints(controller_pb2.ListEndpointsRequest(), timeout=5).endpoints
+    engine_id = next(e.engine_id for e in endpoints if e.url.rstrip("/") == urls[0].rstrip("/"))
+    return next(e for e in engines(stub) if e.engine_id == engine_id)
 
 
 def door_series(router_url: str, prefix: str) -> dict[str, float]:

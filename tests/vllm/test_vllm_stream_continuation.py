@@ -1,5 +1,5 @@
 """A stream that survives its engine: two real vLLM CPU engines of the tiny model behind
-`motorctl up`'s front door, a greedy streamed answer of 2,000 tokens, and the engine server serving
+`motorctl up`'s front door, a greedy streamed answer of 400 tokens, and the engine server serving
 it SIGKILLed after K chunks. The door continues the answer on the other engine (a completion of the
 prompt's ids and the ids already sent): the client reads one uninterrupted stream, the same id,
 text (and token ids, where it asked for them) equal to the uninterrupted reference token for token,
@@ -18,13 +18,13 @@ import pytest
 
 from tests.support import wait_for
 from tests.support.sse_stream import Streamed, stream
-from tests.support.stream_faults import all_routed, busiest, door_series, engines, total
+from tests.support.stream_faults import all_routed, door_series, engines, routed_to, router_decisions, total
 from tests.support.vllm_engines import vllm_cluster, vllm_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-TOKENS = 2000  # seconds of decoding on the tiny model: the kill lands while it is at work
-KILL_AFTER = 12  # chunks read before the SIGKILL: a stream begun, most of it still to come
+TOKENS = 400
+KILL_AFTER = 3  # chunks read before the SIGKILL: begun, most of it still to come (400 tokens take < 1 s)
 CONTINUED = "motor_front_door_continuations_total"
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": TOKENS, "stream_options": {"include_usage": True}}
 COMPLETION = ("/v1/completions", {"prompt": "Motor is a control plane for", **GREEDY})
@@ -39,10 +39,11 @@ CASES = {
 @pytest.fixture(scope="module")
 def door(tiny_model, vllm_env, tmp_path_factory):
     model = os.path.basename(tiny_model)
-    # Room for the prompt and 2,000 tokens; no virtual inference,
+    # Room for the prompt and 400 tokens (the tiny model's positions: 512; longer, greedy answers
+    # continued from a prefill depart from uninterrupted ones: prefill and decode round apart); no virtual inference,
     # whose probes would count in the engines' in-flight requests.
     section = vllm_config(
-        tiny_model, health={"enable_virtual_inference": False}, served_model_name=model, max_model_len=4096
+        tiny_model, health={"enable_virtual_inference": False}, served_model_name=model, max_model_len=512
     )["motor_engine_prefill_config"]
     with vllm_cluster(
         tiny_model,
@@ -54,8 +55,6 @@ def door(tiny_model, vllm_env, tmp_path_factory):
         engine_port_base=38900,
         engines=2,
         router=True,
-        # The tiny model's config says 512 positions; its rotary embedding serves longer answers.
-        env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"},
     ) as (local, stub):
         yield local, stub, model
 
@@ -99,12 +98,13 @@ def test_a_stream_whose_engine_server_is_sigkilled_goes_on_token_for_token_on_th
     killed: list = []
 
     serving: list = []
+    decided = router_decisions(local)
 
     def kill_after(index: int, event: object) -> None:
-        # The engine serving it found at its first event (the tiny model may make the rest of the
-        # answer within a second: found later, it may have none in flight), killed a few events on.
-        if index == 1 and not serving:
-            serving.append(busiest(stub))
+        # The engine serving it: the one the router sent it to (found at its first event: the tiny
+        # model makes the whole answer within a second, too soon for an in-flight count to show).
+        if index == 0 and not serving:
+            serving.append(routed_to(local, stub, decided))
         if index == KILL_AFTER and not killed:
             os.kill(serving[0].pid, signal.SIGKILL)
             killed.append(serving[0])
