@@ -52,12 +52,18 @@ def routed_to(local, stub, before: dict[str, float], only: bool = True):
     """The engine the router sent requests to since `before` (router_decisions), the most of them
     (`only`: all of them): the one serving a stream, however fast it answers (an engine's in-flight
     count may not show a short one)."""
-    now = router_decisions(local)
-    moved = {url: count - before.get(url, 0.0) for url, count in now.items() if count > before.get(url, 0.0)}
-    assert moved and (len(moved) == 1 or not only), f"the router's decisions moved for {moved}"
-    urls = [max(moved, key=moved.get)]
+
+    def moved_since() -> dict[str, float]:
+        now = router_decisions(local)
+        return {url: count - before.get(url, 0.0) for url, count in now.items() if count > before.get(url, 0.0)}
+
+    moved = wait_for(moved_since, timeout=5, interval=0.05, what="the router's decisions to move")
+    assert len(moved) == 1 or not only, f"the router's decisions moved for {moved}"
     endpoints = stub.ListEndpoints(controller_pb2.ListEndpointsRequest(), timeout=5).endpoints
-    engine_id = next(e.engine_id for e in endpoints if e.url.rstrip("/") == urls[0].rstrip("/"))
+    by_url = {e.url.rstrip("/"): e.engine_id for e in endpoints}
+    ranked = [url.rstrip("/") for url in sorted(moved, key=moved.get, reverse=True)]
+    engine_id = next((by_url[url] for url in ranked if url in by_url), None)
+    assert engine_id is not None, f"the router's decisions moved for {moved}, none an endpoint of {sorted(by_url)}"
     return next(e for e in engines(stub) if e.engine_id == engine_id)
 
 
