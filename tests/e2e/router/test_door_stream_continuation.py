@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
+import time
 import urllib.request
 
 import grpc
@@ -19,29 +21,36 @@ import httpx
 import pytest
 import yaml
 
+from motor.contract.deployment_file import deployment_from_dict
 from motor.v1 import controller_pb2, controller_pb2_grpc, engine_pb2, engine_pb2_grpc
 from motorctl.local_cluster import LocalCluster
 from tests.support import wait_for
+from tests.support.router_checks import apply
+from tests.support.stream_faults import router_decisions
 
 pytestmark = pytest.mark.processes
 TOKENS = 1500
 
 
+# A leaving engine (a scale-down, a rollout) is given half a second for its requests, then killed.
+DEPLOYMENT = {
+    "name": "sim",
+    "model": "sim-tiny",
+    "instance_groups": [{"name": "u", "role": "union", "count": 2, "accelerators_per_engine": 1}],
+    "engine_config": {
+        "motor_engine_union_config": {
+            "engine_type": "sim",
+            "engine_args": {"model": "sim-tiny", "decode_ms_per_token": 2.0},
+            "drain_timeout": 0.5,
+        }
+    },
+}
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     directory = tmp_path_factory.mktemp("stream-continuation")
-    deployment = {
-        "name": "sim",
-        "model": "sim-tiny",
-        "instance_groups": [{"name": "u", "role": "union", "count": 2, "accelerators_per_engine": 1}],
-        "engine_config": {
-            "motor_engine_union_config": {
-                "engine_type": "sim",
-                "engine_args": {"model": "sim-tiny", "decode_ms_per_token": 2.0},
-            }
-        },
-    }
-    (directory / "sim.yaml").write_text(yaml.safe_dump(deployment))
+    (directory / "sim.yaml").write_text(yaml.safe_dump(DEPLOYMENT))
     local = LocalCluster(
         str(directory),
         nodes=2,
@@ -55,6 +64,12 @@ def cluster(tmp_path_factory):
         yield local
     finally:
         local.stop()
+
+
+def endpoints(cluster) -> list:
+    with cluster.credentials().channel(cluster.controller_address) as channel:
+        stub = controller_pb2_grpc.ControllerServiceStub(channel)
+        return list(stub.ListEndpoints(controller_pb2.ListEndpointsRequest(), timeout=5).endpoints)
 
 
 def engines(cluster) -> list:
@@ -146,3 +161,40 @@ def test_a_stream_whose_engine_is_sigkilled_goes_on_token_for_token_on_another(c
     with open(os.path.join(cluster.run_dir, "logs", "front-door.log"), encoding="utf-8") as handle:
         log = handle.read()
     assert "stream continued: POST " + path in log
+
+
+def test_streams_on_an_engine_scaled_down_past_its_drain_grace_go_on_on_the_other(cluster):
+    wait_for(lambda: serving_two(cluster), timeout=90, interval=0.3, what="two sim engines serving through the door")
+    body = {"model": "sim-tiny", "prompt": "scale me down", "max_tokens": TOKENS, "stream": True, "temperature": 0}
+    reference, _ = read_stream(cluster, "/v1/completions", body)
+    before = door_metric(cluster, "motor_front_door_continuations_total", model="sim-tiny", reason="broken")
+    before += door_metric(cluster, "motor_front_door_continuations_total", model="sim-tiny", reason="ended")
+    decided = router_decisions(cluster)
+    got: list = [None] * 6
+
+    def one(i: int) -> None:
+        got[i] = read_stream(cluster, "/v1/completions", body)[0]
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.3)  # begun (3 s of tokens each): the leaving engine's are still under way at its grace's end
+    try:
+        apply(
+            cluster,
+            deployment_from_dict({**DEPLOYMENT, "instance_groups": [{**DEPLOYMENT["instance_groups"][0], "count": 1}]}),
+        )
+        for thread in threads:
+            thread.join(timeout=60)
+        staying = {e.url.rstrip("/") for e in endpoints(cluster)}
+        moved = {url.rstrip("/"): n - decided.get(url, 0.0) for url, n in router_decisions(cluster).items()}
+        on_leaving = sum(n for url, n in moved.items() if url not in staying and n > 0)
+        assert on_leaving >= 1, f"no stream went to the engine that left: {moved}, staying {staying}"
+        for events in got:
+            assert events is not None and events[-1] == "[DONE]", events and events[-2:]
+            assert text(events, chat=False) == text(reference, chat=False)
+        after = door_metric(cluster, "motor_front_door_continuations_total", model="sim-tiny", reason="broken")
+        after += door_metric(cluster, "motor_front_door_continuations_total", model="sim-tiny", reason="ended")
+        assert after - before >= on_leaving
+    finally:
+        apply(cluster, deployment_from_dict(DEPLOYMENT))
