@@ -34,7 +34,7 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 COMPLETION_DEFAULT = 16  # a completion's max_tokens when it gives none (vLLM's, and the simulated engine's)
 MAX_PARSED = 8 * 1024 * 1024  # a streamed request's body is read whole up to this (a 2M-token prompt)
 MAX_VALUES = 20_000  # objects and lists in it at most: each costs memory to build (front_door/model_field.py)
-NOT_CONTINUED = ("tools", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 # What a completion's sampling takes from the request it continues (the rest is chat's own or the door's).
 SAMPLING = (
     "temperature",
@@ -99,8 +99,10 @@ def why_not(path: str, body: dict[str, Any]) -> str | None:
         return "a chat completion without max_tokens"
     if body.get("stop"):
         return "stop strings"
-    if any(body.get(name) for name in NOT_CONTINUED) and body.get("tool_choice") != "none":
-        return "guided decoding or tools"
+    if any(body.get(name) for name in GUIDED):
+        return "guided decoding"
+    if body.get("tools") and body.get("tool_choice") != "none":
+        return "tools"
     response_format = body.get("response_format")
     if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
         return "guided decoding"

@@ -627,3 +627,21 @@ async def test_a_4xx_error_event_then_an_end_without_done_ends_the_stream_there(
     errors = [i for i, e in enumerate(events) if isinstance(e, dict) and "error" in e]
     assert errors and errors[0] == len(events) - 1, f"events after the error: {events[errors[0] + 1 :][:2]}"
     assert len(engine.bodies) == 1
+
+
+@pytest.mark.parametrize(
+    "extra, continued",
+    [
+        ({"guided_json": {"type": "object"}, "tool_choice": "none"}, False),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, False),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, True),
+    ],
+    ids=["guided-with-tool-choice-none", "tools", "tools-not-called"],
+)
+async def test_guided_decoding_and_callable_tools_are_not_gone_on_with(door, extra, continued):
+    """Guided decoding's state (and a tool call's parsing) lives in the engine: such a stream, cut,
+    ends with an error event, whatever `tool_choice` says; tools the model may not call are plain text."""
+    engine, front = door
+    engine.faults = [("break", 3)]
+    events, _ = await stream(front.port, "/v1/completions", {**BODY, **extra})
+    assert (events[-1] == "[DONE]") is continued, events[-2:]
