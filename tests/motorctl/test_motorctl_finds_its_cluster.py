@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from motorctl import cluster_address, run_processes
 from motorctl.cli import main as motorctl
 from motorctl.connect import Credentials
+from motorctl.door_access import DoorAccess
 from motorctl.up_screen import try_commands
 
 
@@ -66,6 +67,8 @@ def fake_cluster(run_dir: str, tls: bool = False) -> SimpleNamespace:
         controller_address="127.0.0.1:50251",
         controller_addresses=["127.0.0.1:50251"],
         credentials=lambda who="operator": credentials,
+        router_port=None,
+        door_access=DoorAccess(),
     )
 
 
