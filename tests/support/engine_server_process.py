@@ -57,19 +57,27 @@ class EngineServerProcess:
         port: int | None = None, mgmt_port: int | None = None,
     ):  # fmt: skip
         self.tmp_path = tmp_path
-        self.port, self.mgmt_port = port or free_port(), mgmt_port or free_port()
-        self.config_path = tmp_path / f"user_config_{self.port}.json"
+        self._started = (config, role, instance_id, tuple(extra_args))
+        # Ports picked here may be taken by another listener before the child binds them (free_port
+        # is racy by nature): such a start is made once more on new ports (`wait_status`).
+        self._repick = port is None and mgmt_port is None
+        self._launch(port or free_port(), mgmt_port or free_port())
+        self._channel: grpc.Channel | None = None
+
+    def _launch(self, port: int, mgmt_port: int) -> None:
+        config, role, instance_id, extra_args = self._started
+        self.port, self.mgmt_port = port, mgmt_port
+        self.config_path = self.tmp_path / f"user_config_{self.port}.json"
         self.config_path.write_text(json.dumps(config))
-        self.log_path = tmp_path / f"engine_server_{self.port}.out"
+        self.log_path = self.tmp_path / f"engine_server_{self.port}.out"
         self.args = [
             ENGINE_SERVER, "--dp-rank", "0", "--instance-id", instance_id, "--role", role,
             "--host", "127.0.0.1", "--port", str(self.port), "--mgmt-port", str(self.mgmt_port),
             "--master-dp-ip", "127.0.0.1", "--config-path", str(self.config_path),
-            "--log-dir", str(tmp_path / "logs"), *extra_args,
+            "--log-dir", str(self.tmp_path / "logs"), *extra_args,
         ]  # fmt: skip
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        self._channel: grpc.Channel | None = None
 
     @property
     def output(self) -> str:
@@ -86,6 +94,12 @@ class EngineServerProcess:
 
     def wait_status(self, health: int, timeout: float = 30.0) -> types_pb2.EngineStatus:
         def reached():
+            if self.process.poll() is not None and self._repick and "in use" in self.output:
+                self._repick = False  # its port taken meanwhile: once more, on new ports
+                self._log.close()
+                self._launch(free_port(), free_port())
+                self._channel = None
+                return None
             assert self.process.poll() is None, f"engine_server exited with {self.process.returncode}:\n{self.output}"
             status = self.status()
             return status if status.status == health else None
