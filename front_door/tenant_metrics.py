@@ -49,29 +49,26 @@ class TenantSeries:
         counts[-1] += seconds
 
     def collect(self):
-        requests = CounterMetricFamily(
+        requests = counter_family(
             "motor_front_door_tenant_requests",
             "Requests of each tenant (its key found) by HTTP status; tenants past the first "
             f'{MAX_TENANT_SERIES} are counted as "other".',
-            labels=["tenant", "code"],
+            ["tenant", "code"],
+            self.requests,
         )
-        for labels, value in self.requests.items():
-            requests.add_metric(labels, value)
-        tokens = CounterMetricFamily(
+        tokens = counter_family(
             "motor_front_door_tenant_tokens",
             'Tokens of each tenant\'s answers, "prompt" and "completion", as answered (front_door/usage.py).',
-            labels=["tenant", "kind"],
+            ["tenant", "kind"],
+            self.tokens,
         )
-        for labels, value in self.tokens.items():
-            tokens.add_metric(labels, value)
-        rejections = CounterMetricFamily(
+        rejections = counter_family(
             "motor_front_door_tenant_rejections",
             'Requests refused by the door\'s keys and limits: reason "no_key", "bad_key" (tenant ""), "model" (a '
             'model the tenant may not use), "requests", "tokens", "concurrency" (its limits: 429).',
-            labels=["tenant", "reason"],
+            ["tenant", "reason"],
+            self.rejections,
         )
-        for labels, value in self.rejections.items():
-            rejections.add_metric(labels, value)
         latency = HistogramMetricFamily(
             "motor_front_door_tenant_response_start_seconds",
             "From a tenant's request's arrival to the router's response headers.",
@@ -101,3 +98,11 @@ class TenantSeries:
             "Times the key file changed and did not load (the keys stayed as they were).",
             value=self.reload_failures(),
         )
+
+
+def counter_family(name: str, documentation: str, labels: list[str], values: dict) -> CounterMetricFamily:
+    """A counter family of `values` (label values -> count), as a scrape reads it."""
+    family = CounterMetricFamily(name, documentation, labels=labels)
+    for label_values, value in values.items():
+        family.add_metric(label_values, value)
+    return family
