@@ -14,28 +14,27 @@ import asyncio
 import json
 
 import pytest
-from aiohttp import web
 
 from front_door import streams
 from front_door.policy import FrontDoor
-from motor.ports import free_port
-from tests.support import serve_app
-from tests.support.continuation_engine import BODY, SPLIT, Engine, answer_ids, ids_shown, prompt_ids, stream, text
+from tests.support.continuation_engine import (
+    BODY,
+    SPLIT,
+    Engine,
+    answer_ids,
+    door_before,
+    ids_shown,
+    prompt_ids,
+    stream,
+    text,
+)
 
 
 @pytest.fixture
 async def stack():
     engine = Engine()
-    app = web.Application()
-    app.router.add_post("/v1/completions", engine.serve)
-    app.router.add_post("/v1/chat/completions", engine.serve)
-    runner, url = await serve_app(app)
-    front = FrontDoor(url, lambda: {"m": None})
-    front.port = free_port()
-    await front.start("127.0.0.1", front.port)
-    yield engine, front
-    await front.close()
-    await runner.cleanup()
+    async with door_before(engine) as front:
+        yield engine, front
 
 
 def counted(front: FrontDoor, reason: str) -> float:

@@ -13,12 +13,11 @@ from aiohttp import web
 
 from front_door import streams
 from front_door.policy import FrontDoor
-from motor.ports import free_port
-from tests.support import serve_app
 from tests.support.continuation_engine import (
     BODY,
     Engine,
     answer_ids,
+    door_before,
     ids_shown,
     prompt_ids,
     stream,
@@ -139,16 +138,8 @@ class _Replay:
 @pytest.fixture
 async def door():
     engine = Scripted()
-    app = web.Application()
-    app.router.add_post("/v1/completions", engine.serve)
-    app.router.add_post("/v1/chat/completions", engine.serve)
-    runner, url = await serve_app(app)
-    front = FrontDoor(url, lambda: {"m": None})
-    front.port = free_port()
-    await front.start("127.0.0.1", front.port)
-    yield engine, front
-    await front.close()
-    await runner.cleanup()
+    async with door_before(engine) as front:
+        yield engine, front
 
 
 def one_by_one(events):
@@ -400,21 +391,21 @@ async def test_holds_a_client_gone_while_the_door_waits_for_an_engine(door, monk
     assert in_flight(front) == 0
 
 
+REFUSAL = {"message": "bad", "type": "BadRequestError", "param": None, "code": 400}
+
+
+def refused_at_fifth_chunk(chunk, n, body):
+    """An engine's 4xx error event (the request's own fault) in place of the fifth chunk."""
+    return {"error": REFUSAL} if n == 5 else chunk
+
+
 async def test_holds_an_engine_4xx_error_event_mid_stream_then_done(door):
     """(Held up.) An engine's error event with a 4xx code mid-stream, then [DONE]: passed on as it came."""
     engine, front = door
     engine.framing = one_by_one
-
-    def bad(chunk, n, body):
-        if n == 5:
-            return {"error": {"message": "bad", "type": "BadRequestError", "param": None, "code": 400}}
-        return chunk
-
-    engine.extra = bad
+    engine.extra = refused_at_fifth_chunk
     events, ended = await stream(front.port, "/v1/completions", BODY)
-    assert {"message": "bad", "type": "BadRequestError", "param": None, "code": 400} in [
-        e.get("error") for e in events if isinstance(e, dict)
-    ]
+    assert REFUSAL in [e.get("error") for e in events if isinstance(e, dict)]
     assert len(engine.bodies) == 1
 
 
@@ -449,39 +440,6 @@ async def test_a_long_prompt_stream_written_event_by_event_is_followed(door):
     assert events[-1] == "[DONE]", events[-1]
 
 
-async def stream_raw(port: int, path: str, data: bytes, headers: bytes = b"") -> tuple[list, bool]:
-    """`stream`, with a body as given and more header lines (each ending CRLF)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(
-            b"POST "
-            + path.encode()
-            + b" HTTP/1.1\r\nHost: door\r\nContent-Type: application/json\r\n"
-            + headers
-            + b"Content-Length: "
-            + str(len(data)).encode()
-            + b"\r\n\r\n"
-            + data
-        )
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-        assert head.startswith(b"HTTP/1.1 200"), head
-        raw, ended = b"", False
-        while True:
-            size = int((await asyncio.wait_for(reader.readline(), 10)).strip(), 16)
-            chunk = await reader.readexactly(size + 2)
-            if size == 0:
-                ended = True
-                break
-            raw += chunk[:-2]
-    finally:
-        writer.close()
-    events = []
-    for event in raw.split(b"\n\n"):
-        if event.startswith(b"data: "):
-            events.append("[DONE]" if event[6:] == b"[DONE]" else json.loads(event[6:]))
-    return events, ended
-
-
 async def test_a_gzip_encoded_stream_request_is_gone_on_with(door, monkeypatch):
     """A streamed request with a gzip-encoded body (`Content-Encoding: gzip`), cut: the continuation's
     plain JSON body goes without the client's `Content-Encoding`."""
@@ -491,8 +449,8 @@ async def test_a_gzip_encoded_stream_request_is_gone_on_with(door, monkeypatch):
     monkeypatch.setattr(streams, "CONTINUE_WITHIN", 3.0)
     whole, _ = await stream(front.port, "/v1/completions", BODY)
     engine.faults = [("break", 10)]
-    events, _ = await stream_raw(
-        front.port, "/v1/completions", gzip.compress(json.dumps(BODY).encode()), b"Content-Encoding: gzip\r\n"
+    events, _ = await stream(
+        front.port, "/v1/completions", None, gzip.compress(json.dumps(BODY).encode()), b"Content-Encoding: gzip\r\n"
     )
     assert events[-1] == "[DONE]" and text(events, False) == text(whole, False), events[-1]
 
@@ -609,13 +567,7 @@ async def test_a_4xx_error_event_then_an_end_without_done_ends_the_stream_there(
     without `[DONE]`: the engine's error is the stream's last event, not gone on with."""
     engine, front = door
     engine.framing = one_by_one
-
-    def bad(chunk, n, body):
-        if n == 5:
-            return {"error": {"message": "bad", "type": "BadRequestError", "param": None, "code": 400}}
-        return chunk
-
-    engine.extra = bad
+    engine.extra = refused_at_fifth_chunk
 
     def no_done(events):
         for event in events[:6]:  # 5 tokens, the error event, and no more

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from aiohttp import web
+
+from front_door.policy import FrontDoor
+from motor.ports import free_port
+from tests.support import serve_app
 
 BODY = {"model": "m", "prompt": "tell me", "max_tokens": 40, "stream": True, "temperature": 0}
 SPLIT = 149  # a token whose text is half a character: its text comes with the next token's
@@ -108,15 +114,18 @@ class Engine:
         return reply
 
 
-async def stream(port: int, path: str, body: dict) -> tuple[list, bool]:
-    """The events of the answer (JSON, or "[DONE]") and whether its chunked body ended properly."""
-    data = json.dumps(body).encode()
+async def stream(
+    port: int, path: str, body: dict | None, data: bytes | None = None, headers: bytes = b""
+) -> tuple[list, bool]:
+    """The events of the answer (JSON, or "[DONE]") and whether its chunked body ended properly; the
+    body `data` as given (else `body` as JSON), with more header lines (each ending CRLF)."""
+    data = json.dumps(body).encode() if data is None else data
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(
             b"POST " + path.encode() + b" HTTP/1.1\r\nHost: door\r\nContent-Type: application/json\r\n"
-            b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data
-        )
+            + headers + b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data
+        )  # fmt: skip
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
         assert head.startswith(b"HTTP/1.1 200"), head
         raw, ended = b"", False
@@ -150,3 +159,20 @@ def text(events: list, chat: bool) -> str:
 
 def ids_shown(events: list) -> list[int]:
     return [i for e in events if isinstance(e, dict) for c in e.get("choices", []) for i in c.get("token_ids") or ()]
+
+
+@asynccontextmanager
+async def door_before(engine: Engine) -> AsyncIterator[FrontDoor]:
+    """A front door (serving model "m") in front of `engine` as its router; `.port` is the door's."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", engine.serve)
+    app.router.add_post("/v1/chat/completions", engine.serve)
+    runner, url = await serve_app(app)
+    front = FrontDoor(url, lambda: {"m": None})
+    front.port = free_port()
+    await front.start("127.0.0.1", front.port)
+    try:
+        yield front
+    finally:
+        await front.close()
+        await runner.cleanup()
