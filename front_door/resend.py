@@ -49,8 +49,20 @@ def router_failure(status: int, head: bytes) -> bool:
     return status in (500, 502, 503, 504) and b"content-type: text/plain" in head[: max(end, 0)].lower()
 
 
-def retry_delay(tries: int) -> float:
-    return RETRY_AFTER[min(tries, len(RETRY_AFTER) - 1)]
+class Patience:
+    """Waiting for an engine: tries RETRY_AFTER apart, within CONTINUE_WITHIN of the first."""
+
+    def __init__(self) -> None:
+        self.within = CONTINUE_WITHIN
+        self.until = time.monotonic() + self.within
+        self.tries = 0
+
+    def next_delay(self) -> float | None:
+        """Seconds until the next try; None once CONTINUE_WITHIN has passed."""
+        if time.monotonic() >= self.until:
+            return None
+        self.tries += 1
+        return RETRY_AFTER[min(self.tries - 1, len(RETRY_AFTER) - 1)]
 
 
 class Resend:
@@ -62,8 +74,7 @@ class Resend:
 
     def __init__(self, owner: Owner, limit: int, status: int, again: Callable[[int, bytes], object]) -> None:
         self.owner, self.left, self.status, self.again = owner, limit, status, again
-        self.give_up_at = time.monotonic() + CONTINUE_WITHIN
-        self.tries = 0
+        self.patience = Patience()
 
     def body(self, data: bytes) -> None:
         pass
@@ -85,14 +96,13 @@ class Resend:
         owner = self.owner
         if owner.closing:
             return
-        if self.left > 0 and time.monotonic() < self.give_up_at:
+        delay = self.patience.next_delay() if self.left > 0 else None
+        if delay is not None:
             self.left -= 1
-            self.tries += 1
-            asyncio.get_running_loop().call_later(
-                retry_delay(self.tries - 1), lambda: owner.closing or owner.resend(self)
-            )
+            asyncio.get_running_loop().call_later(delay, lambda: owner.closing or owner.resend(self))
             return
-        logger.warning("request not answered: no engine answered it after %d tries (%s)", self.tries + 1, why)
+        tries = self.patience.tries + 1
+        logger.warning("request not answered: no engine answered it after %d tries (%s)", tries, why)
         owner.transport.write(error_answer(503, f"No engine answered the request ({why}). Retry shortly."))
         owner.stream_ended(True, 503)
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from front_door.continuation import Plan
 from front_door.messages import Request
-from front_door.resend import CONTINUE_WITHIN, Discard, Owner, Resend, retry_delay, router_failure
+from front_door.resend import Discard, Owner, Patience, Resend, router_failure
 from front_door.router_pool import CONTINUING
 
 logger = logging.getLogger(__name__)
@@ -93,8 +93,7 @@ class Stream:
         self.follow = follow  # the answer's tokens, to go on with it elsewhere (front_door/continuation.py)
         self.owner = owner
         self.cut_at = 0.0  # when the answer was cut, while it is gone on with
-        self.tries = 0
-        self.give_up_at = 0.0
+        self.patience = Patience()  # (anew at each cut)
 
     def body(self, data: bytes) -> None:
         self.read.append(data)  # (a read of several chunks is written on as one, at `flush`)
@@ -159,8 +158,7 @@ class Stream:
             elif follow.can_continue() and self.owner is not None and not self.owner.closing:
                 self.cut_at = self.cut_at or time.monotonic()  # (cut again before it went on: from the first)
                 self.pending, self.read = b"", []
-                self.give_up_at = time.monotonic() + CONTINUE_WITHIN
-                self.tries = 0
+                self.patience = Patience()
                 reason = follow.failed or ("broken" if broken else "ended")
                 path, body = follow.next_request()
                 self.hooks.continued(self.request, reason)
@@ -195,14 +193,14 @@ class Stream:
         owner = self.owner
         if owner is None or owner.closing:
             return
-        if time.monotonic() >= self.give_up_at:
-            self.give_up(f"no engine took it within {CONTINUE_WITHIN:g}s ({why})")
+        delay = self.patience.next_delay()
+        if delay is None:
+            self.give_up(f"no engine took it within {self.patience.within:g}s ({why})")
             return
-        self.tries += 1
         follow = self.follow
         follow.continuations -= 1  # the same continuation, tried again
         again = lambda: owner.closing or owner.resend(self, *follow.next_request())  # noqa: E731
-        asyncio.get_running_loop().call_later(retry_delay(self.tries - 1), again)
+        asyncio.get_running_loop().call_later(delay, again)
 
     def give_up(self, why: str) -> None:
         """Going on failed: the stream ends with the error event, saying why."""

@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from front_door import streams
+from front_door import resend
 from front_door.policy import FrontDoor
 from tests.support.continuation_engine import (
     BODY,
@@ -110,7 +110,7 @@ async def test_no_engine_for_a_while_is_waited_for_then_the_stream_goes_on(stack
 
 async def test_where_it_cannot_go_on_the_stream_ends_with_an_error_event_not_done(stack, monkeypatch):
     engine, front = stack
-    monkeypatch.setattr(streams, "CONTINUE_WITHIN", 0.3)
+    monkeypatch.setattr(resend, "CONTINUE_WITHIN", 0.3)
     cases = [
         ({**BODY, "n": 2}, [("break", 3)]),  # n > 1
         ({**BODY, "stop": ["w1"]}, [("break", 3)]),  # stop strings

@@ -11,7 +11,7 @@ import json
 import pytest
 from aiohttp import web
 
-from front_door import streams
+from front_door import resend
 from front_door.policy import FrontDoor
 from tests.support.continuation_engine import (
     BODY,
@@ -446,7 +446,7 @@ async def test_a_gzip_encoded_stream_request_is_gone_on_with(door, monkeypatch):
     import gzip
 
     engine, front = door
-    monkeypatch.setattr(streams, "CONTINUE_WITHIN", 3.0)
+    monkeypatch.setattr(resend, "CONTINUE_WITHIN", 3.0)
     whole, _ = await stream(front.port, "/v1/completions", BODY)
     engine.faults = [("break", 10)]
     events, _ = await stream(
@@ -484,7 +484,7 @@ async def test_an_engine_that_refuses_the_continuation_with_a_4xx_ends_the_strea
     its context; a 404: the adapter was unloaded): not retried, the stream ends at once with an
     error event that says what the engine said."""
     engine, front = door
-    monkeypatch.setattr(streams, "CONTINUE_WITHIN", 3.0)
+    monkeypatch.setattr(resend, "CONTINUE_WITHIN", 3.0)
     engine.faults = [("break", 5)] + [("status", 400)] * 100
     started = asyncio.get_running_loop().time()
     events, ended = await stream(front.port, "/v1/completions", BODY)
