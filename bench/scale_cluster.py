@@ -14,6 +14,7 @@ import grpc
 import psutil
 
 from bench.prometheus_scraper import PrometheusScraper
+from bench.scale_cores import CoreOfItsOwn, controller_cpus, pinning, place_self
 from bench.scale_fleet import ENGINES_PER_NODE, Fleet, make_pki
 from controller.rules.deployment_checks import MAX_ENGINES_PER_DEPLOYMENT
 from motor.ports import free_port
@@ -24,8 +25,9 @@ from motor.v1 import controller_pb2_grpc
 class Cluster:
     """A fresh controller process (plaintext or mutual TLS) and fleet for one trial; a context manager."""
 
-    def __init__(self, args, tls: bool):
-        self.args, self.tls = args, tls
+    def __init__(self, args, tls: bool, cores: str = "shared"):
+        self.args, self.tls, self.cores = args, tls, cores
+        place_self(cores)  # this script's threads, the scraper and the fleet: off the controller's core
         self.work = tempfile.mkdtemp(prefix="motor-scale-")
         port, self.metrics_port = free_port(), free_port()
         pki = make_pki(self.work) if tls else None
@@ -65,8 +67,12 @@ class Cluster:
             ]
         self.command = command
         self.log = open(os.path.join(self.work, "controller.log"), "wb")
-        self.controller = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.controller = subprocess.Popen(
+            command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pinning(cores)
+        )
         self.proc = psutil.Process(self.controller.pid)
+        own = controller_cpus(cores)
+        self.isolation = CoreOfItsOwn(min(own), self.controller.pid).__enter__() if own else None
         options = [("grpc.max_receive_message_length", 256 << 20)]
         if pki:
             credentials = channel_credentials(
@@ -100,6 +106,8 @@ class Cluster:
         except subprocess.TimeoutExpired:
             os.killpg(self.controller.pid, signal.SIGKILL)
         self.log.close()
+        if self.isolation is not None:
+            self.isolation.__exit__()
         if self.args.keep:
             print(f"controller log and database kept in {self.work}")
         else:

@@ -35,9 +35,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
         return reply
 
     def _heartbeat(self, request: controller_pb2.HeartbeatRequest) -> controller_pb2.HeartbeatResponse:
-        started = time.perf_counter()
-        self.controller.pacing.admit(request.node_id)  # far faster than told: refused before it is read
-        self.controller.heartbeat(
+        started, cpu = time.perf_counter(), time.thread_time()
+        controller = self.controller  # (looked up once: the hot path, 2,000 beats a second at the budget)
+        controller.pacing.admit(request.node_id)  # far faster than told: refused before it is read
+        controller.heartbeat(
             request.node_id,
             request.generation,
             request.engines,
@@ -45,15 +46,18 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
             request.removed_engine_ids,
             request.store_failing,
         )
-        self.controller.metrics.heartbeat_seconds.observe(time.perf_counter() - started)
+        metrics = controller.metrics
+        metrics.heartbeat_seconds.observe(time.perf_counter() - started)
         # The rate budget: it changes with the fleet's size; this node is judged by what it is told.
-        interval, grace = self.controller.monitor.announce(request.node_id)
-        return controller_pb2.HeartbeatResponse(
+        interval, grace = controller.monitor.announce(request.node_id)
+        reply = controller_pb2.HeartbeatResponse(
             sequence=request.sequence,
-            generation_limit=self.controller.generations.limit(),
+            generation_limit=controller.generations.limit(),
             heartbeat_interval=interval,
             node_grace=grace,
         )
+        metrics.heartbeat_cpu.inc(time.thread_time() - cpu)
+        return reply
 
     async def Heartbeat(self, request, context):
         return self._heartbeat(request)
@@ -69,7 +73,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServiceServicer):
             yield controller_pb2.StreamHeartbeatsResponse(heartbeat=reply)
 
     async def ReportEngineEvent(self, request, context):
+        cpu = time.thread_time()
         self.controller.report_engine_event(request.node_id, request.generation, request.engine, request.reason)
+        self.controller.metrics.report_cpu.inc(time.thread_time() - cpu)
         return controller_pb2.ReportEngineEventResponse()
 
     async def ApplyDeployment(self, request, context):
