@@ -22,6 +22,7 @@ from engine_server.engines.base import UtilizationSampler, probe_request_id
 from engine_server.status import Event, Health, HealthStateMachine
 from motor.clock import SYSTEM_CLOCK, Clock
 from motor.contract.user_config import HealthCheckConfig
+from motor.engine_key import authorization, engine_key
 
 logger = logging.getLogger(__name__)
 
@@ -75,13 +76,15 @@ def probe_request(role: str, now: float | None = None) -> tuple[dict[str, Any], 
 
 
 class HttpSession:
-    """One HTTP session per client, opened by its first request and closed by close()."""
+    """One HTTP session per client, opened by its first request and closed by close(); it carries
+    the engines' key (motor/engine_key.py): the probes and /v1/models ask for it."""
 
     _session: aiohttp.ClientSession | None = None
 
     def session(self, timeout: aiohttp.ClientTimeout | None = None) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=timeout)  # None: aiohttp's default timeout
+            # timeout None: aiohttp's default
+            self._session = aiohttp.ClientSession(timeout=timeout, headers=authorization(engine_key()))
         return self._session
 
     async def close(self) -> None:

@@ -65,10 +65,16 @@ class Refusal:
     limit: float
 
 
-@dataclass(eq=False)
 class Ticket:
-    tenant: str
-    given_back: bool = False
+    """One admitted request's place, given back once when its answer ends. A plain class with
+    slots, not a dataclass: one is made per request (bench/door_keys.py)."""
+
+    __slots__ = ("tenant", "label", "given_back")
+
+    def __init__(self, tenant: str, label: str = "") -> None:
+        self.tenant = tenant
+        self.label = label  # the tenant's metrics label (front_door/tenant_metrics.py), looked up once
+        self.given_back = False
 
 
 class Admission:
@@ -82,9 +88,9 @@ class Admission:
             state = self.states[tenant.name] = TenantState(self.clock(), tenant)
         return state
 
-    def admit(self, tenant: Tenant) -> Ticket | Refusal:
+    def admit(self, tenant: Tenant, label: str = "") -> Ticket | Refusal:
         limits = tenant.limits
-        state = self.state(tenant)
+        state = self.states.get(tenant.name) or self.state(tenant)
         if limits.concurrent_requests is not None and state.in_flight >= limits.concurrent_requests:
             # an answer ending frees a place; when is not known: a second is what clients are told
             return Refusal("concurrency", 1.0, limits.concurrent_requests)
@@ -97,7 +103,7 @@ class Admission:
                 return Refusal("requests", state.requests.wait(rpm, 1.0), rpm)
             state.requests.level -= 1
         state.in_flight += 1
-        return Ticket(tenant.name)
+        return Ticket(tenant.name, label)
 
     def give_back(self, ticket: Ticket, tokens: int, tenant: Tenant | None) -> None:
         """The answer of `ticket` ended, having taken `tokens` (prompt and completion)."""

@@ -105,8 +105,9 @@ def body_head(method: bytes, version: bytes, headers: list[tuple[bytes, bytes]],
     return method + b" / HTTP/" + version + b"\r\n" + framing + close + b"\r\n\r\n"
 
 
-def forwarded(request: Request, host: bytes, body: bytes) -> bytes:
-    """The request as sent to the router: its own Host and length, without this connection's headers."""
+def forwarded(request: Request, host: bytes, body: bytes, key_line: bytes = b"") -> bytes:
+    """The request as sent to the router: its own Host and length, without this connection's headers;
+    with `key_line` (the engines' key's header: motor/engine_key.py) in place of any key the client sent."""
     lines = [f"{request.method} ".encode() + request.target + (b" HTTP/1.0" if request.http_10 else b" HTTP/1.1")]
     lines.append(b"Host: " + host)
     # Headers the client names in `Connection:` are this connection's too (RFC 9110 7.6.1).
@@ -120,7 +121,11 @@ def forwarded(request: Request, host: bytes, body: bytes) -> bytes:
         lower = name.lower()
         if lower in HOP_BY_HOP or lower in named or (request.encoding and lower == b"content-encoding"):
             continue
+        if key_line and lower in (b"authorization", b"x-api-key"):
+            continue
         lines.append(name + b": " + value)
+    if key_line:
+        lines.append(key_line)
     if body or request.method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
         lines.append(b"Content-Length: " + str(len(body)).encode())
     return b"\r\n".join(lines) + b"\r\n\r\n" + body

@@ -146,7 +146,7 @@ class ClientConnection(RequestReader):
 
     def _forward(self, request: Request, body: bytes | None) -> None:
         body = request.body if body is None else body
-        data = forwarded(request, self.relay.pool.host_header, body)
+        data = forwarded(request, self.relay.pool.host_header, body, self.relay.pool.key_line)
         self.passed = Passed()
         self.relay.began(request)
         router = self.relay.pool.take()
@@ -189,7 +189,7 @@ class ClientConnection(RequestReader):
         else:
             # (its own body, JSON as the door wrote it: the client's Content-Encoding dropped)
             again = replace(request, target=path.encode(), path=path, body=body, encoding="identity")
-            data = forwarded(again, self.relay.pool.host_header, body)
+            data = forwarded(again, self.relay.pool.host_header, body, self.relay.pool.key_line)
         router = self.relay.pool.take()
         if router is not None:
             self._send(router, again, data, reused=True)

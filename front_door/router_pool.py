@@ -10,6 +10,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from motor.engine_key import engine_key
+
 logger = logging.getLogger(__name__)
 
 MAX_IDLE = 256  # idle connections to the router kept for reuse
@@ -50,6 +52,10 @@ class RouterPool:
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or (443 if self.https else 80)
         self.host_header = (parts.netloc or self.host).encode()
+        # The engines' key (motor/engine_key.py), sent on every request: vllm-router passes a
+        # request's Authorization on to the engine it picks, but sends no key of its own.
+        key = engine_key()
+        self.key_line = b"Authorization: Bearer " + key.encode() if key else b""
         self.idle: list[RouterConnection] = []
         self.closed = False
 

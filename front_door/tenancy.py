@@ -31,6 +31,8 @@ from front_door.tenant_metrics import TenantSeries
 logger = logging.getLogger("motor-front-door.audit")
 
 KEY_HEADERS = (b"authorization", b"x-api-key")
+KEY_NAME_LENGTHS = (13, 9)
+STATUS = {code: str(code) for code in range(100, 600)}  # (no str() made per request)
 LOG_PER_SECOND = 10
 NO_KEY = (
     "You didn't provide an API key. You need to provide your API key in an Authorization header using Bearer "
@@ -97,22 +99,23 @@ class Tenancy:
 
     def identify(self, request: Request, peer: str) -> Answer | None:
         """The request's key (request.key, its headers taken out), or a 401."""
-        found: list[bytes] = []
-        kept = []
-        for name, value in request.headers:
-            lower = name.lower()
-            if lower in KEY_HEADERS:
-                found.append(value if lower == b"x-api-key" else self._bearer(value))
-            else:
-                kept.append((name, value))
-        if len(found) != 1 or not found[0]:
-            reason = "no_key" if not found else "bad_key"
-            message = NO_KEY if not found else (TWO_KEYS if len(found) > 1 else NOT_BEARER)
-            return self._unauthorized(request, peer, reason, message, None)
-        key = self.keys.find(found[0].strip())
+        headers = request.headers
+        at: list[int] = []
+        for index, (name, _value) in enumerate(headers):
+            # (only names as long as a key header's are lowered: most headers are not lowered at all)
+            if len(name) in KEY_NAME_LENGTHS and name.lower() in KEY_HEADERS:
+                at.append(index)
+        if len(at) != 1:
+            reason = "no_key" if not at else "bad_key"
+            return self._unauthorized(request, peer, reason, NO_KEY if not at else TWO_KEYS, None)
+        name, value = headers[at[0]]
+        presented = value.strip() if len(name) == 9 else self._bearer(value)  # x-api-key, else Authorization
+        if not presented:
+            return self._unauthorized(request, peer, "bad_key", NOT_BEARER, None)
+        key = self.keys.find(presented)
         if key is None:
             return self._unauthorized(request, peer, "bad_key", BAD_KEY, "invalid_api_key")
-        request.headers = kept
+        del headers[at[0]]
         request.key = key
         return None
 
@@ -144,8 +147,8 @@ class Tenancy:
     def admit(self, request: Request) -> Answer | None:
         key: Key = request.key
         tenant = key.tenant
-        admitted = self.admission.admit(tenant)
         label = self.metrics.label(tenant.name)
+        admitted = self.admission.admit(tenant, label)
         if isinstance(admitted, Refusal):
             self.metrics.rejections[label, admitted.reason] += 1
             self.metrics.requests[label, "429"] += 1
@@ -164,8 +167,9 @@ class Tenancy:
         return None
 
     def answered(self, request: Request, seconds: float) -> None:
-        if request.key is not None:
-            self.metrics.observe(self.metrics.label(request.key.tenant.name), seconds)
+        ticket: Ticket | None = request.ticket
+        if ticket is not None:
+            self.metrics.observe(ticket.label, seconds)
 
     def counted(self, request: Request, status: int) -> None:
         """A request of a tenant the door answered itself (its model list, a 404, ...)."""
@@ -178,12 +182,13 @@ class Tenancy:
         if ticket is None or ticket.given_back:
             return
         tenant: Tenant = request.key.tenant
-        label = self.metrics.label(tenant.name)
-        self.admission.give_back(ticket, tokens[0] + tokens[1], self.keys.tenants.get(tenant.name, tenant))
+        label = ticket.label
+        prompt, completion = tokens
+        self.admission.give_back(ticket, prompt + completion, self.keys.tenants.get(tenant.name, tenant))
         series = self.metrics
         if status:
-            series.requests[label, str(status)] += 1
-        if tokens[0]:
-            series.tokens[label, "prompt"] += tokens[0]
-        if tokens[1]:
-            series.tokens[label, "completion"] += tokens[1]
+            series.requests[label, STATUS.get(status) or str(status)] += 1
+        if prompt:
+            series.tokens[label, "prompt"] += prompt
+        if completion:
+            series.tokens[label, "completion"] += completion

@@ -19,6 +19,7 @@ import re
 from front_door.messages import Request
 
 TAIL = 4096
+CHUNKED = re.compile(rb"\r\ntransfer-encoding:[ \t]*chunked[ \t]*(\r\n|$)")
 FIELD = re.compile(rb'"(prompt_tokens|completion_tokens|total_tokens)"\s*:\s*(\d+)')
 DEFAULT_COMPLETION = 16  # vLLM's max_tokens for a completion that names none is what is left of the context: unknown
 BYTES_PER_TOKEN = 4
@@ -30,12 +31,16 @@ def usage_in(data: bytes) -> tuple[int, int] | None:
     if at < 0:
         return None
     end = data.find(b"}", at)  # the object's end (or its first detail's: the three counts come first)
-    fields = {name.decode(): int(value) for name, value in FIELD.findall(data, at, end if end > 0 else len(data))}
-    if "prompt_tokens" not in fields and "total_tokens" not in fields:
+    fields = dict(FIELD.findall(data, at, end if end > 0 else len(data)))  # (names and digits as bytes)
+    total = fields.get(b"total_tokens")
+    prompt = fields.get(b"prompt_tokens", total)
+    if prompt is None:
         return None
-    prompt = fields.get("prompt_tokens", fields.get("total_tokens", 0))
-    completion = fields.get("completion_tokens", max(0, fields.get("total_tokens", prompt) - prompt))
-    return prompt, completion
+    prompt = int(prompt)
+    completion = fields.get(b"completion_tokens")
+    if completion is None:
+        return prompt, max(0, int(total) - prompt) if total is not None else 0
+    return prompt, int(completion)
 
 
 class UsageReader:
@@ -87,7 +92,7 @@ def read_usage(request: Request, status: int, head: bytes, transport) -> UsageRe
     if b"application/json" not in lower:
         return None
     chunked = b"transfer-encoding" in lower
-    if chunked and not re.search(rb"\r\ntransfer-encoding:[ \t]*chunked[ \t]*(\r\n|$)", lower):
+    if chunked and not CHUNKED.search(lower):
         return None
     return UsageReader(transport, request, chunked, head[: end + 4])
 

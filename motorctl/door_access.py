@@ -10,9 +10,11 @@ from dataclasses import dataclass
 import yaml
 
 from front_door.keys import digest, new_key
+from motor.engine_key import ENGINE_KEY_ENV, new_engine_key
 from motor.security.pki import CertificateAuthority, write_private
 
 DEV_TENANT = "dev"
+ENGINE_KEY_FILE = "engine-api-key"
 
 
 @dataclass
@@ -22,6 +24,23 @@ class DoorAccess:
     tls_key: str | None = None
     ca: str | None = None  # the CA clients trust the door's certificate by (a development one)
     dev_key: str | None = None  # where a development key is kept for the operator (0600)
+    engine_key: str | None = None  # the engines' own key (motor/engine_key.py), with a keyed door
+
+    def engine_env(self, run_dir: str) -> dict[str, str]:
+        """The engines' key in the environment of the cluster's processes (the node managers' engines
+        inherit it), when the door takes keys: an open door is nothing to go around. Kept in
+        <run_dir>/engine-api-key (0600), for an operator who must reach an engine directly."""
+        if not self.api_keys:
+            return {}
+        if self.engine_key is None:
+            path = os.path.join(run_dir, ENGINE_KEY_FILE)
+            if os.path.exists(path):  # a run started again keeps the key its engines have
+                with open(path) as held:
+                    self.engine_key = held.read().strip()
+            else:
+                self.engine_key = new_engine_key()
+                write_private(path, self.engine_key.encode() + b"\n")
+        return {ENGINE_KEY_ENV: self.engine_key}
 
     def args(self) -> list[str]:
         """The front door's flags (front_door/cli.py)."""

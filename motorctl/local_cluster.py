@@ -196,7 +196,9 @@ class LocalCluster:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 pass_fds=pass_fds,
-                env=dict(os.environ, **run_tag(self.run_dir), **(env or {})),
+                env=dict(
+                    os.environ, **run_tag(self.run_dir), **self.door_access.engine_env(self.run_dir), **(env or {})
+                ),
             )
         managed = ManagedProcess(name, process, log_path)
         self.processes.append(managed)
@@ -254,7 +256,8 @@ class LocalCluster:
         # The router's own /metrics is on its Prometheus port (its --port's /metrics is a worker's).
         self.metrics_ports["router"] = free_port()
         router_argv = front.router_command(self.router_admin_port, self.metrics_ports["router"])
-        router = self._launch("router", router_argv, front.ROUTER_ENV)
+        router_env = front.router_env(self.door_access.engine_env(self.run_dir))
+        router = self._launch("router", router_argv, router_env)
         deadline = time.monotonic() + timeout
         while front.router_workers(self.router_admin_url) is None:
             if self.process("router").process.poll() is not None or time.monotonic() > deadline:
@@ -293,9 +296,7 @@ class LocalCluster:
                 raise TimeoutError(f"the front door on port {self.router_port} did not start; see front-door.log")
             time.sleep(0.1)
         # Each one exiting is started again, same command and ports (motorctl/supervise.py).
-        self.front_door.watch(
-            "router", router.process, lambda: self._launch("router", router_argv, front.ROUTER_ENV).process
-        )
+        self.front_door.watch("router", router.process, lambda: self._launch("router", router_argv, router_env).process)
         self.front_door.watch(
             "front-door", door.process, lambda: self._launch("front-door", door_argv, None, fds).process
         )

@@ -16,11 +16,27 @@ import sys
 import urllib.error
 import urllib.request
 
+from motor.engine_key import ENGINE_KEY_ENV
+
 ROUTER_PORT = 8080
 # vllm-router renames its process with setproctitle, which by default writes over the environment
 # too, and with it the run tag that `motorctl down` and the guardian find processes by:
 # SPT_NOENV keeps the environment.
 ROUTER_ENV = {"SPT_NOENV": "1"}
+# The engines' key (motor/engine_key.py) reaches them through the router two ways, measured with
+# vllm-router 0.1.17: a regular request carries the Authorization the front door sent (passed on
+# as it came); in the prefill/decode flow both legs carry `Bearer $OPENAI_API_KEY` of the
+# router's own environment instead (empty when unset). Its --api-key and a worker's api_key are
+# never sent to workers.
+ROUTER_KEY_ENV = "OPENAI_API_KEY"
+
+
+def router_env(engine_env: dict[str, str]) -> dict[str, str]:
+    """The router's environment, given the engines' key's (motorctl/door_access.py engine_env)."""
+    key = engine_env.get(ENGINE_KEY_ENV)
+    return {**ROUTER_ENV, ROUTER_KEY_ENV: key} if key else ROUTER_ENV
+
+
 # The router's mode whose admin API takes a worker's model and type (vllm-router 0.1.17's
 # --enable-igw), always: every engine is filed under its deployment's model (and each loaded
 # adapter under its own name), so a request reaches only engines of the model it names, however

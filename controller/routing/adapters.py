@@ -28,6 +28,7 @@ from controller.model.cluster import ClusterState
 from controller.model.slots import EngineSlot
 from controller.routing.door_reports import FrontDoors
 from motor.contract.router_workers import adapter_worker_url
+from motor.engine_key import authorization, engine_key
 from motor.v1 import controller_pb2, types_pb2
 
 logger = logging.getLogger(__name__)
@@ -160,7 +161,8 @@ class AdapterSync:
         """The status and, when not 200, the engine's answer (cut short); 0 when it did not answer."""
         try:
             if self._session is None:
-                self._session = aiohttp.ClientSession()
+                # the engines' key (motor/engine_key.py): their LoRA API asks for it
+                self._session = aiohttp.ClientSession(headers=authorization(engine_key()))
             async with self._session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=CALL_TIMEOUT)) as reply:
                 text = "" if reply.status == 200 else (await reply.text()).strip()
                 return reply.status, f"HTTP {reply.status}: {text[:300]}"

@@ -30,6 +30,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+from motor.engine_key import engine_key, presented
+
 logger = logging.getLogger(__name__)
 
 # POST routes that start inference work in vLLM 0.32 (OpenAI, Anthropic, SageMaker, pooling).
@@ -51,6 +53,12 @@ NOT_SERVING_PREFIX = "engine not serving: "
 
 def is_inference_request(method: str, path: str) -> bool:
     return method == "POST" and path.startswith(INFERENCE_PREFIXES)
+
+
+def needs_key(method: str, path: str) -> bool:
+    """Whether a request must carry the engines' key, when Motor gave one (motor/engine_key.py): the
+    OpenAI surface and inference; not /health and /metrics, which routers and Prometheus read."""
+    return path.startswith(("/v1/", "/v2/")) or is_inference_request(method, path)
 
 
 def not_serving_message(reason: str) -> str:
@@ -120,6 +128,7 @@ class Admission:
     """Whether new inference requests are taken, and the client requests held that have sent nothing yet."""
 
     def __init__(self) -> None:
+        self.key = engine_key()  # the engines' key (motor/engine_key.py): None takes every caller
         self.draining = False
         self.not_serving = ""  # the stall watchdog's reason while it holds the engine out of the routers
         self._held: dict[int, HeldRequest] = {}
@@ -129,6 +138,13 @@ class Admission:
     def close(self) -> None:
         """A drain starts: no new inference request from now on (probes included)."""
         self.draining = True
+
+    def unkeyed(self, method: str, path: str, authorizations: list) -> bool:
+        """Whether this request is refused 401: none of its Authorization headers carries the engines'
+        key. (vllm-router sends an adapter's worker a Basic header of its own before the key's.)"""
+        if self.key is None or not needs_key(method, path):
+            return False
+        return not any(presented(header, self.key) for header in authorizations)
 
     def refusal(self, probe: bool) -> str | None:
         """The 503's message for a new inference request, or None to take it."""

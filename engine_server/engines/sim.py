@@ -31,9 +31,9 @@ sim_answers.py. A stream cut by the engine's death (or a fault) just stops, with
 Prefill/decode: a request with `kv_transfer_params` is one leg of a disaggregating router's flow
 (sim_pd.py): the prefill leg answers where its KV cache is, the decode leg skips the prefill.
 
-Probes (the engine server's own request ids, see engines.base.is_probe_request_id) are served but kept out of the sim:*
-counters, as the
-engine server's patch does for vLLM.
+Probes (the engine server's own request ids, see engines.base.is_probe_request_id) are served but
+kept out of the sim:* counters, as the engine server's patch does for vLLM. Given the engines' key
+(motor/engine_key.py), a request under /v1/ or for inference without it is answered 401.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ from engine_server.engines.sim_metrics import (
 from engine_server.engines.sim_request import SimRequest, parse
 from engine_server.engines.sim_tokens import Model
 from motor.contract.engine_args import SimArgs, SimFaults
+from motor.engine_key import UNAUTHORIZED_BODY
 from motor.service.config import describe_validation_error
 
 logger = logging.getLogger(__name__)
@@ -214,10 +215,7 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
 
     def _apply_faults(self) -> None:
         for event, hung in ((self._unhang, self.faults.hang), (self._inference_unhang, self.faults.hang_inference)):
-            if hung:
-                event.clear()
-            else:
-                event.set()
+            (event.clear if hung else event.set)()
         if self.faults.crash:
             self._die("sim fault: crash")
 
@@ -424,6 +422,8 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
     async def _admit(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """The aiohttp side of admission.py: refusals, and a client request failed back (503,
         its handler cancelled) while it has sent nothing; `_stream` says when it starts sending."""
+        if self.admission.unkeyed(request.method, request.path, request.headers.getall("Authorization", [])):
+            return web.Response(status=401, body=UNAUTHORIZED_BODY, content_type="application/json")
         if not is_inference_request(request.method, request.path):
             return await handler(request)
         probe = is_probe_request_id(request.headers.get("X-Request-Id"))

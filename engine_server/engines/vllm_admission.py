@@ -27,6 +27,7 @@ from engine_server.engines.admission import (
     unavailable_body,
 )
 from engine_server.engines.base import is_probe_request_id
+from motor.engine_key import UNAUTHORIZED_BODY
 
 # How long a failed-back request's handler may take to end once cancelled (vLLM aborts the
 # request: a message to the engine core, which does not block even when the core is stopped).
@@ -55,6 +56,17 @@ def _request_id(scope: dict) -> str:
     return ""
 
 
+def _headers(scope: dict, lower: bytes) -> list[bytes]:
+    return [value for name, value in scope.get("headers", ()) if name.lower() == lower]
+
+
+async def send_unauthorized(send: Any) -> None:
+    """401 to a request without the engines' key (motor/engine_key.py)."""
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(UNAUTHORIZED_BODY)).encode())]
+    await send({"type": "http.response.start", "status": 401, "headers": [*head, (b"www-authenticate", b"Bearer")]})
+    await send({"type": "http.response.body", "body": UNAUTHORIZED_BODY})
+
+
 async def send_unavailable(send: Any, message: str) -> None:
     body = unavailable_body(message)
     await send(
@@ -79,6 +91,11 @@ class AdmissionMiddleware:
         self.outcomes = outcomes if outcomes is not None else RequestOutcomes()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and self.admission.unkeyed(
+            scope["method"], scope["path"], _headers(scope, b"authorization")
+        ):
+            await send_unauthorized(send)
+            return
         if scope["type"] != "http" or not is_inference_request(scope["method"], scope["path"]):
             await self.app(scope, receive, send)
             return

@@ -10,6 +10,7 @@ import json
 from engine_server.engines.admission import Admission
 from engine_server.engines.base import probe_request_id
 from engine_server.engines.vllm_admission import AdmissionMiddleware
+from motor.engine_key import ENGINE_KEY_ENV
 
 
 class Call:
@@ -93,3 +94,36 @@ async def test_a_drain_refuses_probes_too_and_not_serving_does_not():
     assert admission.refusal(probe=False).startswith("engine not serving: 3 client requests")
     admission.close()
     assert admission.refusal(probe=True).startswith("this engine is draining")
+
+
+async def test_given_the_engines_key_vllms_routes_answer_401_without_it(monkeypatch):
+    """motor/engine_key.py: /v1/ and inference need `Authorization: Bearer <key>`; /health and
+    /metrics, which routers and Prometheus read, do not."""
+    monkeypatch.setenv(ENGINE_KEY_ENV, "sk-engine")
+    admission = Admission()
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def status(method: str, path: str, headers: list) -> int:
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": method, "path": path, "headers": headers}
+        await AdmissionMiddleware(app, admission)(scope, None, send)
+        return sent[0]["status"]
+
+    keyed = [(b"authorization", b"Bearer sk-engine")]
+    for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"), ("POST", "/pooling")):
+        assert await status(method, path, []) == 401, path
+        assert await status(method, path, [(b"authorization", b"Bearer sk-other")]) == 401, path
+        assert await status(method, path, keyed) == 200, path
+    # an adapter's worker: vllm-router sends a Basic header of the URL's user part before the key's
+    assert await status("POST", "/v1/completions", [(b"authorization", b"Basic c3FsOg=="), *keyed]) == 200
+    assert await status("GET", "/health", []) == 200 and await status("GET", "/metrics", []) == 200
+    monkeypatch.delenv(ENGINE_KEY_ENV)
+    admission = Admission()
+    assert await status("POST", "/v1/completions", []) == 200  # given no key, as before

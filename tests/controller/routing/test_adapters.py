@@ -12,11 +12,18 @@ import pytest
 from engine_server.engines.base import EngineOptions
 from engine_server.engines.sim import SimEngine
 from motor.contract.router_workers import adapter_worker_url
+from motor.engine_key import ENGINE_KEY_ENV
 from motor.errors import InvalidArgument
 from motor.ports import free_port
 from motor.v1 import controller_pb2 as C
 from tests.support import async_wait_for
 from tests.support.controller_harness import small_deployment
+
+
+@pytest.fixture
+def engine_key(monkeypatch):
+    """The engines' key (motor/engine_key.py) in the environment, before the engines start."""
+    monkeypatch.setenv(ENGINE_KEY_ENV, "sk-motor-engine-test")
 
 
 @pytest.fixture
@@ -116,6 +123,21 @@ async def test_adapters_load_into_serving_engines_and_follow_the_list_without_a_
     assert all(set(s.loras.loaded) == {"poem"} for s in sims)
     assert len(harness.client.starts()) == 2 and not harness.client.stops()
     assert ctl.list_endpoints(model="sql") == []
+
+
+async def test_engines_given_motors_key_load_adapters_from_the_controller_which_sends_it(
+    engine_key, harness, sims, tmp_path
+):
+    root = tmp_path / "models"
+    adapter_folder(root, "sql")
+    ctl = await serving_on_sims(harness, sims, root, chat(("sql", "adapters/sql")))
+    await async_wait_for(
+        lambda: all(s.loras.loaded == {"sql": str(root / "adapters" / "sql")} for s in sims),
+        timeout=10,
+        what="sql loaded into both keyed engines",
+    )
+    assert all(s.admission.key == "sk-motor-engine-test" for s in sims)  # (they ask for it)
+    assert not [e.message for e in ctl.events.recent if e.type == C.EVENT_TYPE_ADAPTER and "failed" in e.message]
 
 
 async def test_an_adapter_leaves_the_endpoints_and_is_unloaded_only_once_no_front_door_routes_to_it(
