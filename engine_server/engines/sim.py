@@ -146,6 +146,7 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
                 *FaultRoutes(self).routes(),
+                web.post("/reset_prefix_cache", self._reset_prefix_cache),  # (as vLLM's)
                 *self.loras.routes(),
             ]
         )
@@ -255,6 +256,10 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
     async def _metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(server_metrics.registry())
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        self.prefix.clear()  # (its AllBlocksCleared published)
+        return web.Response(status=200)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=False)

@@ -105,3 +105,6 @@ async def test_a_cached_prefix_is_not_prefilled_again_and_its_events_go_out_on_z
     async with session.get("/metrics") as response:
         text = await response.text()
     assert 'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 160.0' in text
+    async with session.post("/reset_prefix_cache") as response:  # (vLLM's endpoint)
+        assert response.status == 200
+    assert len(sim.prefix) == 0 and await timed(session, system + " third") >= 0.3
