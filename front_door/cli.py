@@ -35,6 +35,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
 
 from front_door.keys import KeyFileError, KeyRing
+from front_door.kv_routing import KvRouting
 from front_door.policy import MAX_BODY, STREAM_CONTINUATIONS, FrontDoor
 from front_door.tls import DoorTls
 from motor.service.logs import LOG_LEVELS, setup_logging
@@ -51,6 +52,7 @@ class PushedTable:
         self.table: dict[str, str | None] | None = None  # None: no push yet
         self.pushed_at: float | None = None
         self.not_now: frozenset[str] = frozenset()  # Motor's models with no engine serving now
+        self.take_engines = None  # KV routing's (front_door/kv_routing.py): takes the push's "engines"
 
     def served(self) -> dict[str, str | None]:
         return self.table or {}
@@ -80,6 +82,8 @@ class PushedTable:
             or not all(isinstance(name, str) for name in not_now)
         ):
             return 'give {"served": {"<model>": null or "<parent model>", ...}, "unavailable": ["<model>", ...]}'
+        if self.take_engines is not None and (refused := self.take_engines(body.get("engines", []))):
+            return refused
         if set(not_now) != self.not_now:
             logger.info("served by Motor but no engine now: %s", ", ".join(sorted(not_now)) or "none")
         self.not_now = frozenset(not_now)
@@ -166,6 +170,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         f"this many times at most (default {STREAM_CONTINUATIONS}; 0: never, a cut stream ends with an error event)",
     )
     parser.add_argument(
+        "--kv-routing",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="choose each completion's engine by its KV cache (the engines' KV events) and send it there "
+        "straight, the router taking it when that engine does not (docs/router.md)",
+    )
+    parser.add_argument(
         "--api-keys",
         metavar="PATH",
         help="the API key file (YAML), or a directory of such files (a mounted secret): every request needs a key "
@@ -238,6 +249,7 @@ async def serve(args: argparse.Namespace) -> None:
         keys=keys,
     )
     door.relay.first_byte_timeout = args.first_byte_timeout
+    kv = KvRouting.install(door, table) if args.kv_routing else None
     door.relay.ssl = tls.context if tls is not None else None
     if keys is not None or tls is not None:
         reload_on_sighup(keys, tls)
@@ -279,6 +291,8 @@ async def serve(args: argparse.Namespace) -> None:
     finally:
         followed.cancel()
         await door.close()
+        if kv is not None:
+            kv.close()
         await table_runner.cleanup()
 
 

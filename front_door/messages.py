@@ -43,9 +43,11 @@ class Answer:
 
 @dataclass
 class Forward:
-    """Pass the request to the router, with this body in place of the client's (None: as it came)."""
+    """Pass the request to the router, with this body in place of the client's (None: as it came);
+    or straight to the engine at `engine` (a URL), which the door chose (front_door/kv_routing.py)."""
 
     body: bytes | None = None
+    engine: str | None = None
 
 
 @dataclass

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from front_door import direct
 from front_door.bodies import BodyReader
 from front_door.messages import (
     Answer,
@@ -57,6 +58,7 @@ class ClientConnection(RequestReader):
         self.sent = b""  # the request as sent to the router (sent again once if that connection was stale)
         self.full = False  # its transport's buffer is full: its router connection is not read
         self.continuing: Stream | Resend | None = None  # an answer being asked of another engine
+        self.direct: str | None = None  # the engine the door chose for the request (None: the router)
 
     @property
     def max_body(self) -> int:
@@ -131,7 +133,7 @@ class ClientConnection(RequestReader):
         if isinstance(decision, Answer):
             self._answer(request, decision.data)
             return
-        self._forward(request, decision.body)
+        self._forward(request, decision.body, decision.engine)
 
     def _answer(self, request: Request, data: bytes) -> None:
         self.transport.write(data)
@@ -144,16 +146,18 @@ class ClientConnection(RequestReader):
             self.closing = True
             self.transport.close()
 
-    def _forward(self, request: Request, body: bytes | None) -> None:
+    def _forward(self, request: Request, body: bytes | None, engine: str | None = None) -> None:
         body = request.body if body is None else body
-        data = forwarded(request, self.relay.pool.host_header, body, self.relay.pool.key_line)
+        self.direct = engine  # the engine the door chose (front_door/direct.py), None: the router
+        pool = self.relay.pool if engine is None else self.relay.engine_pool(engine)
+        data = forwarded(request, pool.host_header, body, pool.key_line)
         self.passed = Passed()
         self.relay.began(request)
-        router = self.relay.pool.take()
+        router = pool.take()
         if router is not None:
             self._send(router, request, data, reused=True)
         else:
-            asyncio.ensure_future(self._connect_and_send(request, data))
+            asyncio.ensure_future(self._connect_and_send(request, data, pool))
 
     def _send(self, router: RouterConnection, request: Request, data: bytes, reused: bool) -> None:
         self.router = router
@@ -163,10 +167,13 @@ class ClientConnection(RequestReader):
             router.transport.pause_reading()
         router.send(self, data, head_only=request.method == "HEAD", deadline=self.relay.first_byte_timeout)
 
-    async def _connect_and_send(self, request: Request, data: bytes) -> None:
+    async def _connect_and_send(self, request: Request, data: bytes, pool: RouterPool | None = None) -> None:
         try:
-            router = await self.relay.pool.open()
+            router = await (pool or self.relay.pool).open()
         except (TimeoutError, OSError) as exc:
+            if self.direct is not None:
+                self._to_router(request, data, f"{type(exc).__name__}: {exc}")
+                return
             self._router_failed(request, exc)
             return
         if self.closing:  # the client went while the connection was made
@@ -184,6 +191,7 @@ class ClientConnection(RequestReader):
         if request is None or self.closing:
             return
         self.continuing = stream
+        self.direct = None  # (asked again: of the router, whichever engine had it)
         if path is None or body is None:
             again, data = request, self.sent
         else:
@@ -212,6 +220,8 @@ class ClientConnection(RequestReader):
 
     # what the router's connection reports
     def router_began(self, status: int, head: bytes) -> Observer | None:
+        if self.direct is not None and direct.refused(status) and self.current is not None:
+            return direct.Fallback(self, self.current, self.direct, status)  # (read to its end, then the router)
         if self.continuing is not None and status >= 200:
             if self.passed is not None and isinstance(self.continuing, Resend):
                 self.passed.status = status  # (a stream's status is its first answer's: 200)
@@ -239,6 +249,9 @@ class ClientConnection(RequestReader):
         if self.continuing is not None and not router.answered:
             self.continuing.try_failed("the router's connection closed before answering")
             return
+        if not router.answered and self.direct is not None and not router.timed_out:
+            self._to_router(request, self.sent, "the engine closed the connection before answering")
+            return
         if not router.answered:
             if router.timed_out:
                 self._router_failed(request, TimeoutError(f"no answer within {self.relay.first_byte_timeout:g}s"))
@@ -258,6 +271,17 @@ class ClientConnection(RequestReader):
         self._done()
         self.closing = True
         self.transport.close()
+
+    def _to_router(self, request: Request, data: bytes, why: str) -> None:
+        """The engine the door chose did not take the request (nothing of it written): the router's."""
+        engine, self.direct = self.direct, None
+        self.relay.direct_failed(engine, request, why)
+        self.sent = forwarded(request, self.relay.pool.host_header, data.split(b"\r\n\r\n", 1)[1])
+        router = self.relay.pool.take()
+        if router is not None:
+            self._send(router, request, self.sent, reused=True)
+        else:
+            asyncio.ensure_future(self._connect_and_send(request, self.sent))
 
     def _router_failed(self, request: Request, exc: BaseException) -> None:
         if self.closing:
@@ -310,6 +334,8 @@ class Relay:
     answered: Callable[[Request | None], None] = lambda request: None
     ended: Callable[[Request | None, Passed], None] = lambda request, passed: None
     refused: Callable[[int], None] = lambda status: None
+    # told of a request the engine the door chose refused or failed (then sent to the router)
+    direct_failed: Callable[[str, Request, str], None] = lambda engine, request, why: None
     read: Callable[[Request], Answer | None] = lambda request: None
     # (given the client's connection: its transport, and `resend` to go on with a stream elsewhere)
     observe: Callable[[Request | None, int, bytes, ClientConnection], Observer | None] = lambda *answer: None
@@ -326,9 +352,16 @@ class Relay:
     server: asyncio.Server | None = None
     sweeper: asyncio.Task | None = None
     bodies: BodyReader = field(init=False)
+    engine_pools: dict[str, RouterPool] = field(default_factory=dict)  # engines the door chose, by URL
 
     def __post_init__(self) -> None:
         self.bodies = BodyReader(self.read)
+
+    def engine_pool(self, url: str) -> RouterPool:
+        pool = self.engine_pools.get(url)
+        if pool is None:
+            pool = self.engine_pools[url] = RouterPool(url)
+        return pool
 
     async def start(self, host: str, port: int, sock: socket.socket | None = None, accept: bool = True) -> None:
         """Listen on host:port, or on `sock` (a listening socket inherited from whoever holds the
@@ -358,6 +391,8 @@ class Relay:
         for connection in list(self.connections):
             connection.transport.close()
         self.pool.close()
+        for pool in self.engine_pools.values():
+            pool.close()
         self.bodies.close()
         if self.server is not None:
             await self.server.wait_closed()

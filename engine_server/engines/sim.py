@@ -30,6 +30,8 @@ sim_answers.py. A stream cut by the engine's death (or a fault) just stops, with
 
 Prefill/decode: a request with `kv_transfer_params` is one leg of a disaggregating router's flow
 (sim_pd.py): the prefill leg answers where its KV cache is, the decode leg skips the prefill.
+Prefix cache (sim_prefix_cache.py): the prefill pays only for the tokens not cached; its KV events
+go out in vLLM's ZMQ format (sim_kv_events.py).
 
 Probes (the engine server's own request ids, see engines.base.is_probe_request_id) are served but
 kept out of the sim:* counters, as the engine server's patch does for vLLM. Given the engines' key
@@ -46,7 +48,6 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 
 from engine_server import metrics as server_metrics
 from engine_server.engines import sim_pd
@@ -64,6 +65,8 @@ from engine_server.engines.base import (
 )
 from engine_server.engines.sim_answers import DONE, Answer, error, json_body, model_not_found, sse, unavailable
 from engine_server.engines.sim_capacity import SimCapacity
+from engine_server.engines.sim_faults import FaultRoutes
+from engine_server.engines.sim_kv_events import SimKvEvents
 from engine_server.engines.sim_lora import SimLoras
 from engine_server.engines.sim_metrics import (
     SIM_FAILED,
@@ -75,11 +78,11 @@ from engine_server.engines.sim_metrics import (
     VLLM_TTFT,
     count_success,
 )
+from engine_server.engines.sim_prefix_cache import SimPrefixCache
 from engine_server.engines.sim_request import SimRequest, parse
 from engine_server.engines.sim_tokens import Model
 from motor.contract.engine_args import SimArgs, SimFaults
 from motor.engine_key import UNAUTHORIZED_BODY
-from motor.service.config import describe_validation_error
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +122,8 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
         self._crash_timer: asyncio.TimerHandle | None = None
         self.loras = SimLoras(self.args.model)  # adapters loaded at run time (sim_lora.py)
         self.capacity = SimCapacity(self.args.max_num_seqs, self.args.model, str(options.dp_rank))
+        self.kv_events: SimKvEvents | None = None  # bound in start(), when kv_events_port is set
+        self.prefix = SimPrefixCache(self.args.kv_cache_blocks, self._publish_kv, self._vllm_labels())
 
     def _initial_faults(self) -> SimFaults:
         base = {"latency_ms": self.args.latency_ms, "utilization": self.args.utilization}
@@ -142,9 +147,8 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
-                web.get("/sim/faults", self._get_faults),
-                web.post("/sim/faults", self._post_faults),
-                web.delete("/sim/faults", self._reset_faults),
+                *FaultRoutes(self).routes(),
+                web.post("/reset_prefix_cache", self._reset_prefix_cache),  # (as vLLM's)
                 *self.loras.routes(),
             ]
         )
@@ -163,6 +167,8 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
         logger.info(
             "sim engine serving model %r on http://%s:%d", self.args.model, self.options.host, self.options.port
         )
+        if self.args.kv_events_port:
+            self.kv_events = SimKvEvents(self.options.host, self.args.kv_events_port, self.options.dp_rank)
         self._apply_faults()
         if self.faults.crash_after_s:
             self._crash_timer = loop.call_later(
@@ -182,6 +188,12 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.kv_events is not None:
+            self.kv_events.close()
+
+    def _publish_kv(self, events: list) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(events)
 
     def in_flight_requests(self) -> int:
         return self._in_flight
@@ -219,31 +231,6 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
         if self.faults.crash:
             self._die("sim fault: crash")
 
-    async def _get_faults(self, request: web.Request) -> web.Response:
-        return web.json_response(self.faults.model_dump())
-
-    async def _post_faults(self, request: web.Request) -> web.Response:
-        try:
-            change = await request.json()
-        except ValueError:
-            return error(400, 'body must be a JSON object of faults, e.g. {"fail_inference": true}')
-        if not isinstance(change, dict):
-            return error(400, 'body must be a JSON object of faults, e.g. {"fail_inference": true}')
-        try:
-            SimFaults.model_validate(change)  # names the bad key before anything changes
-            self.faults = SimFaults.model_validate({**self.faults.model_dump(), **change})
-        except ValidationError as exc:
-            return error(400, describe_validation_error(exc, "faults"))
-        logger.warning("sim faults changed: %s -> %s", change, self.faults.model_dump())
-        self._apply_faults()
-        return web.json_response(self.faults.model_dump())
-
-    async def _reset_faults(self, request: web.Request) -> web.Response:
-        self.faults = self._initial_faults()
-        self._apply_faults()
-        logger.warning("sim faults reset to the config's: %s", self.faults.model_dump())
-        return web.json_response(self.faults.model_dump())
-
     # --- inference plane -------------------------------------------------------------------
     def _loading(self) -> bool:
         return time.monotonic() - self._started_at < self.args.load_s
@@ -268,6 +255,10 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
     async def _metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(server_metrics.registry())
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        self.prefix.clear()  # (its AllBlocksCleared published)
+        return web.Response(status=200)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=False)
@@ -304,7 +295,10 @@ class SimEngine(EngineBackend, engine_type="sim", can_sleep=True, args_model=Sim
                 return self._failed(probe, 500, "sim fault: fail_inference")
             async with self.capacity.seat():  # at most max_num_seqs run at once; the rest wait
                 if leg != sim_pd.DECODE_LEG:  # a decode leg fetches the KV cache its prefill leg computed
-                    await self._prefill(len(asked.prompt_ids), probe)
+                    adapter = None if model == self.args.model else model  # (its blocks are its own)
+                    cached = self.prefix.lookup(asked.prompt_ids, adapter)
+                    await self._prefill(len(asked.prompt_ids) - cached, probe)
+                    self.prefix.store(asked.prompt_ids, adapter)
                 if self.faults.latency_ms:
                     await self._generate(self.faults.latency_ms / 1000, probe)
                 await self._until_inference_runs()  # a hang set while this request waited

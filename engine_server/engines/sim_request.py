@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine_server.engines.sim_tokens import VOCAB_SIZE, tokenize
+from motor.contract.sim_tokenizer import VOCAB_SIZE, render_chat, tokenize
 
 
 @dataclass(frozen=True)
@@ -26,11 +26,6 @@ class SimRequest:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def render_chat(messages: list[dict[str, Any]]) -> str:
-    """The chat prompt's text, which its token ids are of."""
-    return "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in messages)
 
 
 def _prompt_ids(body: dict[str, Any], chat: bool) -> list[int] | str:

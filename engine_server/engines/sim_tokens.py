@@ -1,9 +1,10 @@
 """The simulated engine's tokenizer and "model": text to token ids, a deterministic autoregressive
 next id, and ids back to text incrementally as vLLM's detokenizer does.
 
-Tokenizer: whitespace words; a word of WORDS is its index, SPLIT_WORD ("café") is two tokens
-whose first ends inside the UTF-8 bytes of "é", any other word a stable id (crc32, never Python's
-salted hash()) at OOV_BASE or above. Every generated id is a vocabulary id (PIECES).
+Tokenizer (motor/contract/sim_tokenizer.py, shared with the front door): whitespace words; a
+word of WORDS is its index, SPLIT_WORD ("café") is two tokens whose first ends inside the UTF-8
+bytes of "é", any other word a stable id (crc32, never Python's salted hash()) at OOV_BASE or
+above. Every generated id is a vocabulary id (PIECES).
 
 Model: the next id is a function of all the ids so far (prompt ids and generated ids), a rolling
 hash folded over the sequence; so generating from prompt ids + the first k generated ids gives
@@ -22,41 +23,31 @@ For tests: `generate(prompt_ids, n)` is the answer's ids, `pieces(prompt_ids, id
 from __future__ import annotations
 
 import codecs
-import zlib
 from collections.abc import Sequence
 
-WORDS = (
-    "motor sim engine token answer fast cache prefill decode quiet river stone light model "
-    "graph cloud field north amber signal"
-).split()
-SPLIT_WORD = "café"
+from motor.contract.sim_tokenizer import (  # (the tokenizer is shared with the front door)
+    OOV_BASE,
+    OOV_SPAN,
+    SPLIT_FIRST,
+    SPLIT_SECOND,
+    SPLIT_WORD,
+    VOCAB_SIZE,
+    WORDS,
+    tokenize,
+)
+
+__all__ = ["OOV_BASE", "OOV_SPAN", "SPLIT_FIRST", "SPLIT_SECOND", "SPLIT_WORD", "VOCAB_SIZE", "WORDS", "tokenize"]
+
 _SPLIT_BYTES = f" {SPLIT_WORD}".encode()
 PIECES: tuple[bytes, ...] = (*(f" {word}".encode() for word in WORDS), _SPLIT_BYTES[:-1], _SPLIT_BYTES[-1:])
-SPLIT_FIRST, SPLIT_SECOND = len(WORDS), len(WORDS) + 1  # b" caf\xc3", b"\xa9"
-OOV_BASE = 1000  # ids of words outside the vocabulary: OOV_BASE + crc32(word) % OOV_SPAN
-OOV_SPAN = 1 << 24
-VOCAB_SIZE = OOV_BASE + OOV_SPAN  # a prompt's ids must be below this
 SPLIT_EVERY = 29  # about one generated token in this many starts the split word
 PRIME_IDS = 6  # the prompt's last ids the detokenizer is primed with (vLLM: a few)
 
-_WORD_IDS = {word: index for index, word in enumerate(WORDS)}
 _WORD_TEXT = tuple(piece.decode() for piece in PIECES[: len(WORDS)])
 _MASK = (1 << 64) - 1
 _SEED = 0xCBF29CE484222325
 _PRIME = 0x100000001B3
 _UTF8 = codecs.getincrementaldecoder("utf-8")
-
-
-def tokenize(text: str) -> list[int]:
-    ids: list[int] = []
-    for word in text.split():
-        if word in _WORD_IDS:
-            ids.append(_WORD_IDS[word])
-        elif word == SPLIT_WORD:
-            ids += (SPLIT_FIRST, SPLIT_SECOND)
-        else:
-            ids.append(OOV_BASE + zlib.crc32(word.encode()) % OOV_SPAN)
-    return ids
 
 
 def token_bytes(token: int) -> bytes:

@@ -39,6 +39,11 @@ class SimArgs(BaseModel):
     # real engine: a long prompt keeps later requests and probes waiting while its steps
     # (every SIM_STEP_S) show the engine making progress.
     prefill_ms_per_token: float = Field(0.0, ge=0)
+    # A prefix cache of this many blocks of 16 tokens (0: none), least recently used evicted: the
+    # prefill pays only for the prompt's tokens not cached (sim_prefix_cache.py).
+    kv_cache_blocks: int = Field(0, ge=0)
+    # Publish the cache's KV events (vLLM's ZMQ format) on this port (0: not published).
+    kv_events_port: int = Field(0, ge=0, le=65535)
     # Seconds the simulated model takes to load: /health and completions answer 503 "loading"
     # meanwhile, so the engine server reports INIT, then NORMAL. `startup_delay_s` is its older name.
     load_s: float = Field(0.0, ge=0, validation_alias=AliasChoices("load_s", "startup_delay_s"))
