@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from engine_server.probing import HttpHealthClient, HttpProbeClient, ProbeFailed
+from motor.engine_key import ENGINE_KEY_ENV
 from motor.ports import free_port
 from tests.support import serve_app
 
@@ -180,3 +181,31 @@ async def test_the_health_client_can_be_closed_unused_and_checks_again_after_clo
     await client.close()
     await client.check()  # a connection of its own each time
     await client.close()
+
+
+# ------------------------------------------------------------------ the engines' key
+
+
+@pytest.mark.parametrize("key", ["sk-motor-engine-test", None])
+async def test_the_probe_carries_the_engines_key_when_motor_holds_one_and_no_authorization_otherwise(monkeypatch, key):
+    """A keyed engine answers 401 to a probe without its key: the probe would mark it ABNORMAL."""
+    if key is None:
+        monkeypatch.delenv(ENGINE_KEY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENGINE_KEY_ENV, key)
+    seen: list[str | None] = []
+
+    async def handler(request):
+        seen.append(request.headers.get("Authorization"))
+        return web.json_response({"choices": [{"text": "x"}]})
+
+    app = web.Application()
+    app.add_routes([web.post("/v1/completions", handler)])
+    runner, url = await serve_app(app)
+    client = HttpProbeClient(url, "union", timeout=2)
+    try:
+        await client.probe()
+    finally:
+        await client.close()
+        await runner.cleanup()
+    assert seen == [f"Bearer {key}" if key else None]
