@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import random
 import socket
 from typing import Protocol
@@ -36,15 +37,22 @@ def _outside_ephemeral_range() -> range:
     return range(high + 1, 65536) if 65535 - high >= 1000 else range(max(1024, low - 10000), low)
 
 
+# Ports free_port handed out lately: one picked for a listener not bound yet is still free, and
+# picked again it gave a node manager's gRPC and /metrics listeners the same port (one exited).
+_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=1000)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now, for a listener started soon (racy by nature: bind it soon). Picked outside
-    the kernel's ephemeral range: a port the kernel picks (bind to port 0) is one it also gives
-    outgoing connections as their local port, and one of those took an etcd member's port
-    between the pick and the member's bind (it exited: address already in use)."""
+    """A port free now, for a listener started soon (racy by nature: bind it soon), and not one
+    this process was handed lately. Picked outside the kernel's ephemeral range: a port the kernel
+    picks (bind to port 0) is one it also gives outgoing connections as their local port, and one
+    of those took an etcd member's port between the pick and the member's bind (it exited:
+    address already in use)."""
     candidates = _outside_ephemeral_range()
     for _ in range(200):
         port = random.choice(candidates)
-        if port_is_free(port, host):
+        if port not in _HANDED_OUT and port_is_free(port, host):
+            _HANDED_OUT.append(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # that range is full: any free port
         sock.bind((host, 0))

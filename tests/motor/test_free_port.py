@@ -30,3 +30,17 @@ def test_a_port_in_use_is_not_handed_out(monkeypatch):
         monkeypatch.setattr(ports, "_outside_ephemeral_range", lambda: range(busy, busy + 1))
         port = ports.free_port()  # the only candidate is taken: any port the kernel says is free
         assert port != busy
+
+
+def test_a_port_handed_out_and_not_bound_yet_is_not_handed_out_again(monkeypatch):
+    # (a node manager's gRPC and /metrics listeners were once given the same port: one exited)
+    first = ports.free_port()
+    picks = iter([first, first, first])  # the random pick lands on it again, still free
+
+    def choice(candidates):
+        return next(picks, None) or candidates[0]
+
+    monkeypatch.setattr(ports.random, "choice", choice)
+    second = ports.free_port()
+    assert ports.port_is_free(first, "127.0.0.1")  # nothing bound it: only the memory keeps it apart
+    assert second != first
