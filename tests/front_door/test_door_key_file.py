@@ -82,6 +82,7 @@ async def ask(port: int, context: ssl.SSLContext, requests: list[bytes]) -> list
     return statuses
 
 
+@pytest.mark.processes  # the door in its own process: SIGHUP and file changes as a user makes them
 async def test_keys_revoked_within_a_second_and_certificates_renewed_without_dropping_a_connection(tmp_path):
     router = StandIn()
     runner, url = await serve_app(router.app())
