@@ -298,13 +298,15 @@ def trial(args, size: int, tls: bool) -> tuple[dict[str, bool], float]:
     its node loss timed: (sustained by each rule, share of the heartbeats asked for answered)."""
     judged = None
     for cores in args.cores:
-        outcome = placed_trial(args, size, tls, cores, judged is None)
-        judged = judged or outcome
+        # The other loops of --event-loops: on the judged placement only, to compare like with like.
+        for loop in args.event_loops if judged is None else args.event_loops[:1]:
+            outcome = placed_trial(args, size, tls, cores, judged is None, loop)
+            judged = judged or outcome
     return judged
 
 
-def placed_trial(args, size: int, tls: bool, cores: str, judging: bool) -> tuple[dict[str, bool], float]:
-    with Cluster(args, tls, cores) as cluster:
+def placed_trial(args, size: int, tls: bool, cores: str, judging: bool, loop: str) -> tuple[dict[str, bool], float]:
+    with Cluster(args, tls, cores, loop) as cluster:
         if size == args.steps[0]:
             print(f"{'mutual TLS' if tls else 'plaintext'}: controller", " ".join(cluster.command[1:]), flush=True)
         try:
@@ -313,7 +315,9 @@ def placed_trial(args, size: int, tls: bool, cores: str, judging: bool) -> tuple
                 size, cluster.stub, cluster.fleet, cluster.proc, cluster.metrics_port, cluster.scraper, floor, args
             )
             mode = ("mTLS  " if tls else "plain ") + ("own core  " if cores == "own" else "shared    ")
-            print(mode + line + ("" if judging else " (shared cores: printed, not judged)"), flush=True)
+            mode += f"{loop:<8}"
+            why_not = "shared cores" if cores != args.cores[0] else f"--event-loop {loop}"
+            print(mode + line + ("" if judging else f" ({why_not}: printed, not judged)"), flush=True)
             if args.victims and judging:
                 print(
                     f"{mode}{size:>6} nodes | " + time_node_loss(cluster.stub, cluster.fleet, grace, interval, 1.0),
@@ -488,6 +492,12 @@ def main() -> int:
         "is judged",
     )
     parser.add_argument(
+        "--event-loops",
+        default="uvloop",
+        help="the controller's --event-loop at each step, in turn: the first is judged, the others (e.g. "
+        "uvloop,asyncio) run on the judged placement and are printed beside it",
+    )
+    parser.add_argument(
         "--cpu-at-budget",
         type=float,
         default=0.8,
@@ -547,6 +557,9 @@ def main() -> int:
     args.cores = args.cores.split(",")
     if not args.cores or any(c not in CORES for c in args.cores) or len(set(args.cores)) != len(args.cores):
         parser.error(f"--cores: a comma-separated list of {', '.join(CORES)}")
+    args.event_loops = args.event_loops.split(",")
+    if not args.event_loops or any(e not in ("uvloop", "asyncio") for e in args.event_loops):
+        parser.error("--event-loops: a comma-separated list of uvloop, asyncio")
     if args.search:
         args.search = [int(s) for s in args.search.split(",")]
         if len(args.search) != 2 or not 0 < args.search[0] < args.search[1]:

@@ -25,7 +25,7 @@ from motor.v1 import controller_pb2_grpc
 class Cluster:
     """A fresh controller process (plaintext or mutual TLS) and fleet for one trial; a context manager."""
 
-    def __init__(self, args, tls: bool, cores: str = "shared"):
+    def __init__(self, args, tls: bool, cores: str = "shared", loop: str = "uvloop"):
         self.args, self.tls, self.cores = args, tls, cores
         place_self(cores)  # this script's threads, the scraper and the fleet: off the controller's core
         self.work = tempfile.mkdtemp(prefix="motor-scale-")
@@ -49,6 +49,8 @@ class Cluster:
             str(self.metrics_port),
             "--log-level",
             "WARNING",
+            "--event-loop",
+            loop,
             # Plaintext callers are counted per host: every simulated node's stream comes from 127.0.0.1.
             "--max-streams-per-caller",
             str(2 * max(args.steps) + 100),

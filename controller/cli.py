@@ -59,6 +59,7 @@ FLAGS = {
         "move an unreadable --db file aside and start empty (else: exit 2)", options={"action": "store_true"}
     ),
     "log_format": Flag("text, or json: one JSON object per line"),
+    "event_loop": Flag("uvloop, or asyncio (the standard library's loop)"),
     "max_engines_per_deployment": Flag("engines (count x data_parallel_size) one deployment may ask for"),
     "max_engines_per_node": Flag(
         "engines one node may report in RegisterNode or a heartbeat (beyond: RESOURCE_EXHAUSTED)"
@@ -174,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda: parse_config(argv),
         lambda c: setup_logging(c.log_level, log_format=c.log_format, fields={"service": "controller"}),
         serve,
+        event_loop=lambda c: c.event_loop,
     )
 
 

@@ -11,7 +11,6 @@ exit with 2).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from collections.abc import Awaitable, Callable, Mapping
@@ -22,6 +21,7 @@ from pydantic import BaseModel
 
 from motor.errors import ConfigError, MotorError
 from motor.service.config import read_document, validate
+from motor.service.event_loop import EventLoop, run_on
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -109,6 +109,7 @@ def run_service(
     load: Callable[[], ModelT],
     start_logging: Callable[[ModelT], object],
     serve: Callable[[ModelT], Awaitable[None]],
+    event_loop: Callable[[ModelT], EventLoop] = lambda _: "asyncio",
 ) -> int:
     """A service's main: settings (exit 2 naming the setting), logging, then `serve` until it
     returns (0), or exit 2 when it raises a MotorError (a port in use, a bad deployment file, a
@@ -120,7 +121,7 @@ def run_service(
         return 2
     start_logging(config)
     try:
-        asyncio.run(serve(config))
+        run_on(event_loop(config), serve(config))
     except MotorError as exc:
         logging.getLogger(prog).error("%s", exc)
         return 2
