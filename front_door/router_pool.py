@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from motor.engine_key import engine_key
+from motor.engine_key import authorization_line, engine_key
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class RouterPool:
         # The engines' key (motor/engine_key.py), sent on every request: vllm-router passes a
         # request's Authorization on to the engine it picks, but sends no key of its own.
         key = engine_key()
-        self.key_line = b"Authorization: Bearer " + key.encode() if key else b""
+        self.key_line = authorization_line(key)
         self.idle: list[RouterConnection] = []
         self.closed = False
 

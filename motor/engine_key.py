@@ -42,6 +42,11 @@ def authorization(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+def authorization_line(key: str | None) -> bytes:
+    """The same header as one raw HTTP/1.1 line, without its CRLF (b"" without a key)."""
+    return "".join(f"{name}: {value}" for name, value in authorization(key).items()).encode()
+
+
 def presented(header: str | bytes | None, key: str) -> bool:
     """Whether an `Authorization` header's value carries `key` (compared in constant time)."""
     if isinstance(header, str):
