@@ -6,7 +6,9 @@ the engine that cached it."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import time
 
 import httpx
@@ -115,3 +117,33 @@ def test_a_shared_prefix_lands_on_the_engine_that_cached_it(cluster):
     hits = metric(holder, "vllm:prefix_cache_hits_total") - hits_before[holder]
     assert hits == 6 * 320, hits  # each repeat found the 20 blocks cached
     assert decisions(cluster, "cached") == 6
+
+
+def test_an_engine_killed_and_restarted_comes_back_with_an_empty_index(cluster):
+    """The controller restarts a SIGKILLed engine as a new copy: Motor stops listing the old one
+    (the door drops its index) and lists the new generation, whose cache is empty: a prefix the
+    old copy held is not `cached` there."""
+    ask(cluster, f"{SYSTEM} warm")  # whichever engine holds the prefix (the first test's, or this one's)
+    listed = {e.url: e for e in endpoints(cluster)}
+    holder = max(listed, key=lambda url: metric(url, "vllm:prefix_cache_hits_total"))
+    old = listed[holder]
+    with cluster.credentials().channel(cluster.controller_address) as channel:
+        nodes = controller_pb2_grpc.ControllerServiceStub(channel).ListNodes(
+            controller_pb2.ListNodesRequest(), timeout=5
+        )
+    pid = next(e.pid for n in nodes.nodes for e in n.engines if e.engine_id == old.engine_id)
+    os.kill(pid, signal.SIGKILL)
+
+    def restarted() -> bool:
+        now = {e.engine_id: e for e in endpoints(cluster)}
+        return len(now) == 2 and now[old.engine_id].generation > old.generation
+
+    wait_for(restarted, timeout=90, interval=0.2, what=f"{old.engine_id} restarted as a new copy")
+    time.sleep(1.5)  # the sync's push, then the door's subscription to the new copy
+    cached, balanced = decisions(cluster, "cached"), decisions(cluster, "balanced")
+    ask(cluster, f"{SYSTEM} after the restart")
+    assert (decisions(cluster, "cached"), decisions(cluster, "balanced")) == (cached, balanced + 1)
+    time.sleep(0.5)  # (its BlockStored events reach the door)
+    for n in range(3):
+        ask(cluster, f"{SYSTEM} again {n}")
+    assert decisions(cluster, "cached") == cached + 3
