@@ -53,6 +53,10 @@ FLAGS = {
     "startup_grace": Flag(
         "after a restart, seconds to wait for nodes to report", default_text="the node grace; after a restart + 10 s"
     ),
+    "kv_events": Flag(
+        "engines publish their KV cache events (a port each), listed for a front door's --kv-routing",
+        options={"action": "store_true"},
+    ),
     "stop_deadline": Flag("seconds between SIGTERM and SIGKILL when stopping an engine"),
     "log_level": Flag("DEBUG, INFO, WARNING, ERROR or CRITICAL"),
     "discard_unreadable_db": Flag(

@@ -49,6 +49,9 @@ class ControllerConfig(SecuritySettings):
     # After a restart, how long to wait for node managers to report before reconciling
     # (seconds); default: node_grace.
     startup_grace: float | None = Field(None, ge=0, le=3600)
+    # Engines publish their KV cache events, each on a port its node manager picks, listed in
+    # WatchEndpoints for a front door that routes by KV cache (docs/router.md, "KV routing").
+    kv_events: bool = False
     # Time a node manager gets to stop an engine gracefully before SIGKILL (seconds).
     stop_deadline: float = Field(5.0, ge=0)
     log_level: LogLevel = "INFO"

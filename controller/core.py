@@ -116,6 +116,7 @@ class Controller(views.ClusterReads):
             self.events,
             clock,
             self.state.deployment_of_id,
+            kv_events=config.kv_events,
         )
         self.generations = Generations(self.store, self.state.refused)
         # What each router's sync says its router routes to: "available" for rollouts and spares.

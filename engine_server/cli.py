@@ -78,6 +78,7 @@ class EngineServerArgs(SecuritySettings):
     config_path: str
     kv_port: int | None = Field(None, ge=1, le=65535)
     dp_rpc_port: int | None = Field(None, ge=1, le=65535)
+    kv_events_port: int | None = Field(None, ge=1, le=65535)
     log_dir: str = "./engine_server_log/"
     log_level: LogLevel = "INFO"
     log_format: LogFormat = "text"
@@ -100,6 +101,7 @@ FLAGS = {
     "config_path": Flag("user_config JSON", options=REQUIRED),
     "kv_port": Flag("KV-transfer port (single-container mode)", options={"type": _port}),
     "dp_rpc_port": Flag("data-parallel RPC port (single-container mode)", options={"type": _port}),
+    "kv_events_port": Flag("publish the engine's KV cache events (ZMQ) on this port", options={"type": _port}),
     "log_dir": Flag("rotated log files go here"),
     "log_level": Flag("DEBUG, INFO, WARNING, ERROR or CRITICAL", options={"type": str.upper, "choices": LOG_LEVELS}),
     "termination_message_path": Flag("write the cause of the exit here (one JSON line) just before exiting"),
@@ -139,6 +141,7 @@ def _check_args(args: EngineServerArgs, parser: argparse.ArgumentParser) -> None
         "--mgmt-port": args.mgmt_port,
         "--kv-port": args.kv_port,
         "--dp-rpc-port": args.dp_rpc_port,
+        "--kv-events-port": args.kv_events_port,
     }
     seen: dict[int, str] = {}
     for flag, port in ports.items():
@@ -154,6 +157,7 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
     from engine_server.descendants import CLEAN_EXIT_GRACE_S, end_descendants
     from engine_server.engines import engine_class
     from engine_server.engines.base import EngineOptions
+    from engine_server.kv_events_args import with_kv_events
     from engine_server.metrics import process_metrics
     from engine_server.served_model import served_model_health
     from engine_server.server import EngineServer
@@ -163,6 +167,9 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
     from motor.service.signals import stop_event
 
     stop = stop_event()  # first: a stop signal while it sets up is a stop too
+    if args.kv_events_port:
+        port, rank = args.kv_events_port, args.dp_rank
+        section.engine_args = with_kv_events(section.engine_type, section.engine_args, port, rank)
     options = EngineOptions(
         role=args.role,
         instance_id=args.instance_id,

@@ -42,6 +42,11 @@ SIM_ACCELERATORS = 4  # simulated accelerators per node manager unless --acceler
 ACCELERATOR_KINDS = ("sim", "cpu", "gpu", "auto")
 
 
+# `--kv-routing`: the engines publish their KV events (the controller asks every node manager for a
+# port each) and the front door routes by them (docs/router.md, "KV routing").
+KV_ROUTING_CONTROLLER, KV_ROUTING_DOOR = ("--kv-events",), ("--kv-routing",)
+
+
 def accelerator_plan(
     kind: str, per_node: int | None, nodes: int, detect=host_accelerators.detect
 ) -> tuple[str, int, tuple[int, ...]]:
@@ -167,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the front door goes on with a stream cut by its engine's death on another engine, token for token, "
         "this many times at most (default 3; 0: never, a cut stream ends with an error event)",
     )
+    parser.add_argument(
+        "--kv-routing",
+        action="store_true",
+        help="the front door sends each request to the engine that holds most of its prompt's prefix in its KV "
+        "cache, which it learns from the engines' KV events (the controller's --kv-events; docs/router.md)",
+    )
     # Routing by model is the default now; the flag is still taken so that scripts keep working.
     parser.add_argument("--router-by-model", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
@@ -281,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         ha=args.ha,
         router_port=args.router_port or _default_port(front.ROUTER_PORT),
         router_pd=args.router_pd,
-        door_args=[] if args.stream_continuations is None else [f"--stream-continuations={args.stream_continuations}"],
+        door_args=([] if args.stream_continuations is None else [f"--stream-continuations={args.stream_continuations}"])
+        + (list(KV_ROUTING_DOOR) if args.kv_routing else []),
+        extra_controller_args=list(KV_ROUTING_CONTROLLER) if args.kv_routing else [],
         door_access=access,
     )
     stopping, started = False, False

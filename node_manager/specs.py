@@ -19,7 +19,7 @@ from node_manager.config import NodeManagerConfig
 # Bounds that catch nonsense in a spec (a rank far outside anything real).
 MAX_DP_RANK = 4095
 # Fields a repeated StartEngine may leave unset and still ask for the running engine.
-FILLED_IN_AT_LAUNCH = ("port", "mgmt_port", "kv_port", "dp_rpc_port", "host", "master_dp_ip")
+FILLED_IN_AT_LAUNCH = ("port", "mgmt_port", "kv_port", "dp_rpc_port", "kv_events_port", "host", "master_dp_ip")
 
 
 def check_spec(spec: types_pb2.EngineSpec, config: NodeManagerConfig) -> None:
@@ -32,11 +32,13 @@ def check_spec(spec: types_pb2.EngineSpec, config: NodeManagerConfig) -> None:
         raise InvalidArgument(f"spec.role {spec.role} is not a role: use ROLE_PREFILL, ROLE_DECODE or ROLE_UNION")
     if spec.dp_rank > MAX_DP_RANK:
         raise InvalidArgument(f"spec.dp_rank {spec.dp_rank} is out of range (0-{MAX_DP_RANK})")
-    for name in ("port", "mgmt_port", "kv_port", "dp_rpc_port"):
+    for name in ("port", "mgmt_port", "kv_port", "dp_rpc_port", "kv_events_port"):
         if getattr(spec, name) > 65535:
             raise InvalidArgument(f"spec.{name} {getattr(spec, name)} is not a TCP port (1-65535, or 0 to allocate)")
     if not spec.single_container and (spec.kv_port or spec.dp_rpc_port):
         raise InvalidArgument("spec.kv_port and spec.dp_rpc_port are only used with spec.single_container")
+    if spec.kv_events_port and not spec.kv_events:
+        raise InvalidArgument("spec.kv_events_port is only used with spec.kv_events")
     given = [p for p in port_fields(spec) if getattr(spec, p)]
     if len({getattr(spec, p) for p in given}) != len(given):
         raise InvalidArgument(f"spec ports must differ: {', '.join(f'{p}={getattr(spec, p)}' for p in given)}")
@@ -76,12 +78,13 @@ def read_config_file(path: str, limit: int) -> str:
 
 
 def port_fields(spec: types_pb2.EngineSpec) -> list[str]:
-    """The port fields an engine of this spec uses."""
-    return ["port", "mgmt_port"] + (["kv_port", "dp_rpc_port"] if spec.single_container else [])
+    """The port fields an engine of this spec uses (a KV-events publisher's too, when asked for)."""
+    single = ["kv_port", "dp_rpc_port"] if spec.single_container else []
+    return ["port", "mgmt_port", *single] + (["kv_events_port"] if spec.kv_events else [])
 
 
 def ports_of(spec: types_pb2.EngineSpec) -> list[int]:
-    return [p for p in (spec.port, spec.mgmt_port, spec.kv_port, spec.dp_rpc_port) if p]
+    return [p for p in (spec.port, spec.mgmt_port, spec.kv_port, spec.dp_rpc_port, spec.kv_events_port) if p]
 
 
 def same_request(launched: types_pb2.EngineSpec, requested: types_pb2.EngineSpec) -> bool:
@@ -124,6 +127,8 @@ def engine_argv(base: list[str], spec: types_pb2.EngineSpec, termination_path: s
     ]
     if spec.single_container:
         argv += ["--kv-port", str(spec.kv_port), "--dp-rpc-port", str(spec.dp_rpc_port)]
+    if spec.kv_events:
+        argv += ["--kv-events-port", str(spec.kv_events_port)]
     return argv
 
 

@@ -120,9 +120,11 @@ async def serve(args: argparse.Namespace) -> None:
     )
     tls = TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca) if args.tls_ca else None
     controllers = [a.strip() for a in args.controller.split(",") if a.strip()]
-    publisher = (
-        TablePublisher(args.front_door_table, announce, unavailable=sync.unavailable) if args.front_door_table else None
-    )
+    publisher = None
+    if args.front_door_table:
+        publisher = TablePublisher(
+            args.front_door_table, announce, unavailable=sync.unavailable, engines=sync.kv_engines
+        )
     tasks = [
         asyncio.create_task(sync.run()),
         asyncio.create_task(

@@ -1,6 +1,8 @@
 """Telling the front door's process (front_door/cli.py) what the router can route: `PUT /served`
-with the sync's table, model -> parent model, and the models Motor serves that no engine can
-serve right now (`unavailable`: answered 503 with Retry-After, not 404).
+with the sync's table, model -> parent model, the models Motor serves that no engine can
+serve right now (`unavailable`: answered 503 with Retry-After, not 404), and the engines that
+publish KV cache events (`engines`: each one's id, generation, URL, models, KV-events address and
+tokenizer), which a door started with --kv-routing follows (front_door/kv_routing.py).
 
 The sync pushes at the start of every pass over the router and at its end (RouterSync's
 `publish` hook): a model Motor withdrew leaves the front door's table before the router loses its
@@ -31,11 +33,13 @@ class TablePublisher:
         interval: float = 1.0,
         timeout: float = 1.0,
         unavailable: Callable[[], list[str]] | None = None,
+        engines: Callable[[], list[dict]] | None = None,
     ):
         self.url = url.rstrip("/") + "/served"
         # The models Motor serves that cannot be served now (RouterSync.unavailable), pushed with
         # the table: the door answers them 503 with Retry-After, not 404.
         self.unavailable = unavailable
+        self.engines = engines  # RouterSync.kv_engines: what the door's KV routing learns engines from
         self.announce, self.interval = announce, interval
         self.client = httpx.AsyncClient(timeout=timeout)
         self._lock = asyncio.Lock()
@@ -52,6 +56,8 @@ class TablePublisher:
             body: dict = {"served": served}
             if self.unavailable is not None:
                 body["unavailable"] = self.unavailable()
+            if self.engines is not None:
+                body["engines"] = self.engines()
             if body == self._last and not again:
                 return
             try:

@@ -49,6 +49,18 @@ def router_workers_of(endpoint: controller_pb2.Endpoint) -> list[tuple[str, str 
     return [(endpoint.url, base, None)] + [(adapter_worker_url(endpoint.url, a), a, base) for a in adapters]
 
 
+def kv_source(endpoint: controller_pb2.Endpoint) -> dict:
+    """An engine as the door's KV routing takes it (front_door/kv_routing.py, parse_engines)."""
+    return {
+        "engine_id": endpoint.engine_id,
+        "generation": endpoint.generation,
+        "url": endpoint.url,
+        "models": list(endpoint.models),
+        "kv_events": endpoint.kv_events,
+        "tokenizer": endpoint.tokenizer,
+    }
+
+
 class RouterSync:
     def __init__(
         self,
@@ -73,6 +85,9 @@ class RouterSync:
         self.believed: set[str] | None = None  # None: to be re-read from the router
         self.known: set[str] = set()  # the router's list as last read and changed (kept while re-read)
         self._served: dict[str, str | None] | None = None
+        # The engines that publish KV cache events, by URL: what a door's KV routing is pushed
+        # (kv_engines). Not in a P/D router: a request sent straight to one engine would skip its pair.
+        self.kv_sources: dict[str, dict] = {}
         # Every model name Motor serves, engine or not (WatchEndpoints' models_added/removed): one
         # with no worker in the router is `unavailable` (503 at the door, to retry; not 404).
         self.deployed: set[str] = set()
@@ -99,18 +114,21 @@ class RouterSync:
         """One WatchEndpoints message: a snapshot replaces the wanted list (and the router's list
         is re-read); a change removes and adds."""
         if message.snapshot:
-            self.wanted, self.workers_of, self.parents = {}, {}, {}
+            self.wanted, self.workers_of, self.parents, self.kv_sources = {}, {}, {}, {}
             self.deployed = set()
             self.believed = None
             self.have_snapshot = True
         self.deployed.difference_update(message.models_removed)
         self.deployed.update(message.models_added)
         for gone in message.removed:
+            self.kv_sources.pop(gone.url, None)
             for url in self.workers_of.pop(gone.url, [gone.url]):
                 self.wanted.pop(url, None)
                 self.parents.pop(url, None)
         for new in message.added:
             kind = worker_type(new.role, self.pd)
+            if new.kv_events and not self.pd:
+                self.kv_sources[new.url] = kv_source(new)
             workers = router_workers_of(new) if self.by_model else [(new.url, None, None)]
             self.workers_of[new.url] = [url for url, _, _ in workers]
             for url, model, parent in workers:
@@ -119,6 +137,10 @@ class RouterSync:
                     self.parents[url] = parent
         self._served = None
         self.wake.set()
+
+    def kv_engines(self) -> list[dict]:
+        """The engines that publish KV cache events, as the door's KV routing takes them, by URL."""
+        return [self.kv_sources[url] for url in sorted(self.kv_sources)]
 
     def served(self) -> dict[str, str | None]:
         """The models a request may name now: model -> the model it is an adapter of (None for a

@@ -71,7 +71,9 @@ class Actuator:
         events: EventBus,
         clock: Clock,
         deployment_of: Callable[[str], str] = lambda instance_id: "",
+        kv_events: bool = False,
     ):
+        self.kv_events = kv_events  # every engine publishes its KV cache events (--kv-events)
         self.client, self.nodes, self.stop_deadline = client, nodes, stop_deadline
         self.spawn, self.events, self.mono = spawn, events, clock.monotonic
         self.deployment_of = deployment_of  # an instance id's deployment: its events name it
@@ -126,6 +128,7 @@ class Actuator:
 
     async def start(self, node: C.NodeInfo, engine_id: str, spec: T.EngineSpec) -> T.Engine:
         """StartEngine; raises NodeCallError (one to wait out, NodeCallError.waits: see retry_delay)."""
+        spec.kv_events = self.kv_events
         try:
             engine = await self._start(node, engine_id, spec)
         except NodeCallError as exc:

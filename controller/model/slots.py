@@ -29,6 +29,7 @@ _SLOT_PERSISTED = (
     "mgmt_port",
     "kv_port",
     "dp_rpc_port",
+    "kv_events_port",
     "accelerator_ids",
     "generation",
     "restarts",
@@ -54,6 +55,7 @@ class EngineSlot:
     mgmt_port: int = 0
     kv_port: int = 0
     dp_rpc_port: int = 0
+    kv_events_port: int = 0  # where it publishes its KV cache events (0: it does not)
     accelerator_ids: tuple[int, ...] = ()
     generation: int = 0
     restarts: int = 0
@@ -86,18 +88,19 @@ class EngineSlot:
         """Take the ports the node manager allocated; True when they changed (save the slot)."""
         if not spec.port or spec.port == self.port:
             return False
-        self.port, self.mgmt_port, self.kv_port, self.dp_rpc_port = (
+        self.port, self.mgmt_port, self.kv_port, self.dp_rpc_port, self.kv_events_port = (
             spec.port,
             spec.mgmt_port,
             spec.kv_port,
             spec.dp_rpc_port,
+            spec.kv_events_port,
         )
         return True
 
     def _forget_copy(self) -> None:
         # Ports the node manager picked are picked again for the next copy (the old ones may be
         # taken by then), and nothing is known about that copy yet.
-        self.port = self.mgmt_port = self.kv_port = self.dp_rpc_port = 0
+        self.port = self.mgmt_port = self.kv_port = self.dp_rpc_port = self.kv_events_port = 0
         self.launched = False
         self.state, self.health, self.health_reason = T.ENGINE_STATE_UNSPECIFIED, T.HEALTH_STATUS_UNSPECIFIED, ""
         self.draining = self.sleeping = False

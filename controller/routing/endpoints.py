@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
+import json
 import logging
 from collections.abc import Iterable, Iterator
 
@@ -53,10 +55,28 @@ def can_serve(state: ClusterState, slot: EngineSlot) -> bool:
 
 
 # What the feed keeps of a listed endpoint: (engine id, instance id, role, url, deployment,
-# model names). A tuple of strings and an int (the deployment's strings shared by its engines),
-# which the garbage collector stops tracking, where an Endpoint message is one more tracked
-# object (and a protobuf arena, about 500 bytes) per engine: the message is made when it is sent.
-Listed = tuple[str, str, int, str, str, tuple[str, ...]]
+# model names, KV-events address, tokenizer, generation). A tuple of strings and ints (the
+# deployment's strings shared by its engines), which the garbage collector stops tracking, where
+# an Endpoint message is one more tracked object (and a protobuf arena, about 500 bytes) per
+# engine: the message is made when it is sent.
+Listed = tuple[str, str, int, str, str, tuple[str, ...], str, str, int]
+
+
+@functools.lru_cache(maxsize=256)
+def tokenizer_of(config_json: str) -> str:
+    """The tokenizer of an engine_config's prompts, for a KV-cache scorer: "sim" for the simulated
+    engine, else its engine args' tokenizer or model ("" when it names none)."""
+    try:
+        config = json.loads(config_json)
+    except ValueError:
+        return ""
+    for section in config.values() if isinstance(config, dict) else ():
+        if isinstance(section, dict) and isinstance(section.get("engine_args"), dict):
+            if section.get("engine_type") == "sim":
+                return "sim"
+            name = section["engine_args"].get("tokenizer") or section["engine_args"].get("model")
+            return name if isinstance(name, str) else ""
+    return ""
 
 
 def listing(state: ClusterState, slot: EngineSlot | None) -> Listed | None:
@@ -70,13 +90,25 @@ def listing(state: ClusterState, slot: EngineSlot | None) -> Listed | None:
     adapters = state.engine_adapters.get(slot.engine_id)
     if adapters is not None and adapters.loaded:  # only the adapters that did load
         models = (*models, *sorted(adapters.loaded))
-    return slot.engine_id, slot.instance_id, inst.role, f"http://{slot.host}:{slot.port}", deployment, models
+    kv_events, tokenizer = "", ""
+    if slot.kv_events_port:  # (a controller started with --kv-events)
+        kv_events, tokenizer = f"tcp://{slot.host}:{slot.kv_events_port}", tokenizer_of(state.config_of(inst))
+    url = f"http://{slot.host}:{slot.port}"
+    return slot.engine_id, slot.instance_id, inst.role, url, deployment, models, kv_events, tokenizer, slot.generation
 
 
 def message(listed: Listed) -> C.Endpoint:
-    engine_id, instance_id, role, url, deployment, models = listed
+    engine_id, instance_id, role, url, deployment, models, kv_events, tokenizer, generation = listed
     return C.Endpoint(
-        instance_id=instance_id, engine_id=engine_id, role=role, url=url, deployment=deployment, models=models
+        instance_id=instance_id,
+        engine_id=engine_id,
+        role=role,
+        url=url,
+        deployment=deployment,
+        models=models,
+        kv_events=kv_events,
+        tokenizer=tokenizer,
+        generation=generation,
     )
 
 

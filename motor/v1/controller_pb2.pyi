@@ -932,6 +932,9 @@ class Endpoint(_message.Message):
     URL_FIELD_NUMBER: _builtins.int
     DEPLOYMENT_FIELD_NUMBER: _builtins.int
     MODELS_FIELD_NUMBER: _builtins.int
+    KV_EVENTS_FIELD_NUMBER: _builtins.int
+    TOKENIZER_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """Instance of the engine."""
     engine_id: _builtins.str
@@ -942,6 +945,16 @@ class Endpoint(_message.Message):
     """Base URL of its OpenAI-compatible API, e.g. "http://10.0.0.5:8000"."""
     deployment: _builtins.str
     """The deployment of the engine."""
+    kv_events: _builtins.str
+    """Where the engine publishes its KV cache events (ZMQ), e.g. "tcp://10.0.0.5:8010"; empty when
+    it publishes none (the controller was not started with --kv-events).
+    """
+    tokenizer: _builtins.str
+    """The tokenizer a KV-cache scorer needs to read the engine's prompts as it does: "sim" for
+    the simulated engine, else its engine args' tokenizer or model. Set with kv_events.
+    """
+    generation: _builtins.int
+    """Generation of the engine's copy: a new copy (restarted, replaced) starts with an empty cache."""
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The model names the engine answers to: its deployment's `model` (what requests name in
@@ -957,10 +970,13 @@ class Endpoint(_message.Message):
         url: _builtins.str = ...,
         deployment: _builtins.str = ...,
         models: _abc.Iterable[_builtins.str] | None = ...,
+        kv_events: _builtins.str = ...,
+        tokenizer: _builtins.str = ...,
+        generation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "engine_id", b"engine_id", "instance_id", b"instance_id", "models", b"models", "role", b"role", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deployment", b"deployment", "engine_id", b"engine_id", "generation", b"generation", "instance_id", b"instance_id", "kv_events", b"kv_events", "models", b"models", "role", b"role", "tokenizer", b"tokenizer", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

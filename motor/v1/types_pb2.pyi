@@ -316,6 +316,8 @@ class EngineSpec(_message.Message):
     DP_RPC_PORT_FIELD_NUMBER: _builtins.int
     ACCELERATOR_IDS_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
+    KV_EVENTS_FIELD_NUMBER: _builtins.int
+    KV_EVENTS_PORT_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """Instance the engine belongs to, e.g. "prefill-0" (lowercase letters, digits, '-', '_', '.')."""
     dp_rank: _builtins.int
@@ -342,6 +344,12 @@ class EngineSpec(_message.Message):
     """Data-parallel RPC port (single-container mode); 0 lets the node manager allocate one."""
     generation: _builtins.int
     """Generation of this assignment, set by the controller; fences stale copies of the engine."""
+    kv_events: _builtins.bool
+    """Publish the engine's KV cache events (vLLM's ZMQ publisher; the simulated engine's own) on
+    kv_events_port, for a front door that routes by KV cache (docs/router.md).
+    """
+    kv_events_port: _builtins.int
+    """Port of the KV-events publisher (with kv_events); 0 lets the node manager allocate one."""
     @_builtins.property
     def accelerator_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Accelerators of the node given to this engine (exported as CUDA_VISIBLE_DEVICES /
@@ -365,10 +373,12 @@ class EngineSpec(_message.Message):
         dp_rpc_port: _builtins.int = ...,
         accelerator_ids: _abc.Iterable[_builtins.int] | None = ...,
         generation: _builtins.int = ...,
+        kv_events: _builtins.bool = ...,
+        kv_events_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerator_ids", b"accelerator_ids", "config_json", b"config_json", "config_path", b"config_path", "dp_rank", b"dp_rank", "dp_rpc_port", b"dp_rpc_port", "generation", b"generation", "host", b"host", "instance_id", b"instance_id", "kv_port", b"kv_port", "master_dp_ip", b"master_dp_ip", "mgmt_port", b"mgmt_port", "port", b"port", "role", b"role", "single_container", b"single_container"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerator_ids", b"accelerator_ids", "config_json", b"config_json", "config_path", b"config_path", "dp_rank", b"dp_rank", "dp_rpc_port", b"dp_rpc_port", "generation", b"generation", "host", b"host", "instance_id", b"instance_id", "kv_events", b"kv_events", "kv_events_port", b"kv_events_port", "kv_port", b"kv_port", "master_dp_ip", b"master_dp_ip", "mgmt_port", b"mgmt_port", "port", b"port", "role", b"role", "single_container", b"single_container"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

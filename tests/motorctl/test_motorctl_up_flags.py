@@ -87,3 +87,22 @@ def test_more_accelerators_than_the_machine_has_is_refused_by_motorctl_up(capsys
     with pytest.raises(SystemExit) as ended:
         up.main(["--deployment", SIM, "--accelerator-type", "cpu", "--accelerators", str(cores + 1), "--nodes", "1"])
     assert ended.value.code == 2 and f"--accelerators {cores + 1} x --nodes 1" in capsys.readouterr().err
+
+
+def test_kv_routing_turns_on_the_controllers_kv_events_and_the_doors_kv_routing(monkeypatch, tmp_path):
+    made: list[dict] = []
+
+    class Made(Exception):
+        pass
+
+    def cluster(*args, **fields):
+        made.append(fields)
+        raise Made
+
+    monkeypatch.setattr(up, "LocalCluster", cluster)
+    for extra in ([], ["--kv-routing"]):
+        with pytest.raises(Made):
+            up.main(["--deployment", SIM, "--run-dir", str(tmp_path / "run"), *extra])
+    plain, routed = made
+    assert "--kv-events" not in plain["extra_controller_args"] and "--kv-routing" not in plain["door_args"]
+    assert routed["extra_controller_args"] == ["--kv-events"] and routed["door_args"] == ["--kv-routing"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from motor.errors import FailedPrecondition
+from motor.errors import FailedPrecondition, InvalidArgument
 from node_manager import specs
 from tests.support.node_manager_fakes import FakeNode, sim_spec
 
@@ -36,3 +36,22 @@ async def test_two_node_managers_of_one_host_with_one_range_hand_out_different_p
     await a.manager.close()
     third = await b.manager.start_engine(sim_spec("decode-3", accelerator_ids=[1]))
     assert set(specs.ports_of(third.spec)) == set(specs.ports_of(first.spec))
+
+
+async def test_an_engine_asked_for_kv_events_gets_a_port_of_its_own_for_them(tmp_path):
+    (node,) = await nodes(tmp_path, 1, "47210-47215")
+    try:
+        plain = await node.manager.start_engine(sim_spec("prefill-0", accelerator_ids=[0]))
+        assert plain.spec.kv_events_port == 0 and "--kv-events-port" not in specs.engine_argv([], plain.spec, "t")
+        wanted = await node.manager.start_engine(sim_spec("decode-0", accelerator_ids=[1], kv_events=True))
+        port = wanted.spec.kv_events_port
+        assert 47210 <= port <= 47215 and port not in (
+            wanted.spec.port,
+            wanted.spec.mgmt_port,
+            *specs.ports_of(plain.spec),
+        )
+        assert specs.engine_argv([], wanted.spec, "t")[-2:] == ["--kv-events-port", str(port)]
+        with pytest.raises(InvalidArgument, match="kv_events_port is only used with spec.kv_events"):
+            await node.manager.start_engine(sim_spec("decode-1", accelerator_ids=[2], kv_events_port=47215))
+    finally:
+        await node.manager.close()

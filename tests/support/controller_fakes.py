@@ -54,6 +54,8 @@ class FakeNodeClient(NodeClient):
         filled.CopyFrom(spec)
         filled.port = spec.port or next(self._ports)
         filled.mgmt_port = spec.mgmt_port or next(self._ports)
+        if spec.kv_events:  # (a node manager gives the engine a KV-events port too)
+            filled.kv_events_port = spec.kv_events_port or next(self._ports)
         engine = types_pb2.Engine(
             engine_id=eid,
             spec=filled,

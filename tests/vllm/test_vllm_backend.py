@@ -85,6 +85,13 @@ def test_valid_engine_args_pass(check):
 
 
 @pytest.mark.vllm
+def test_the_kv_events_port_is_a_kv_events_config_vllm_takes(check):
+    from engine_server.kv_events_args import with_kv_events
+
+    assert check(**with_kv_events("vllm", {}, 5600, 0))
+
+
+@pytest.mark.vllm
 @pytest.mark.parametrize(
     "overrides, field, words",
     [
