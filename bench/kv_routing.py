@@ -54,6 +54,7 @@ from tests.support.router_process import RouterProcess  # noqa: E402
 
 MODEL = "sim-tiny"
 POLICIES = ("power_of_two", "cache_aware", "kv")
+DOOR_FLAGS = {"kv": ["--kv-routing"]}  # the door's policies: the router behind it on power_of_two
 
 
 def words(prefix: str, count: int) -> str:
@@ -189,7 +190,7 @@ def pct(values: list[float], q: float) -> float:
 
 def run(policy: str, fleet: Fleet, work_dir: Path, workloads: dict) -> list[dict]:
     # (the last --policy wins: after RouterProcess's own, Motor's power_of_two)
-    extra = [*TYPED_WORKER_FLAGS, "--policy", "power_of_two" if policy == "kv" else policy]
+    extra = [*TYPED_WORKER_FLAGS, "--policy", "power_of_two" if policy in DOOR_FLAGS else policy]
     router = RouterProcess(str(work_dir), extra=extra)
     door = None
     rows = []
@@ -203,8 +204,8 @@ def run(policy: str, fleet: Fleet, work_dir: Path, workloads: dict) -> list[dict
             assert time.monotonic() < deadline, "workers not listed"
             time.sleep(0.1)
         log = str(work_dir / f"door-{policy}.log")
-        door = DoorProcess(router.url, log, served={MODEL: None}, extra=["--kv-routing"] if policy == "kv" else [])
-        if policy == "kv":
+        door = DoorProcess(router.url, log, served={MODEL: None}, extra=DOOR_FLAGS.get(policy, []))
+        if policy in DOOR_FLAGS:
             push(door, fleet.table())
             time.sleep(0.5)  # (the door's ZMQ subscriptions join)
         for name, (work, phases) in workloads.items():
@@ -249,6 +250,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--workloads", default="shared,unique,step", help="which of shared, unique, step to run")
     args = parser.parse_args()
     shared = chats(args.systems, args.chats, args.turns, 400, args.seed)
     step_low = max(1, args.concurrency // 4)
@@ -257,6 +259,7 @@ def main() -> None:
         "unique": (unique(args.chats * 2, 450), [(args.concurrency, args.chats * 2)]),
         "step": (shared, [(step_low, len(shared) // 3), (args.concurrency, len(shared))]),
     }
+    workloads = {name: workloads[name] for name in args.workloads.split(",")}
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kv-routing-") as work:
         fleet = Fleet(Path(work), args.engines, args.blocks, args.prefill_ms)

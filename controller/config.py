@@ -55,8 +55,8 @@ class ControllerConfig(SecuritySettings):
     # Time a node manager gets to stop an engine gracefully before SIGKILL (seconds).
     stop_deadline: float = Field(5.0, ge=0)
     log_level: LogLevel = "INFO"
-    # The event loop: uvloop spends about a fifth less CPU on each heartbeat than asyncio's own
-    # loop (docs/benchmarks.md, "Judged on a core of its own"); asyncio is kept to rule it out.
+    # The event loop: uvloop spent less CPU on a plaintext heartbeat than asyncio's own loop in
+    # every paired run (docs/benchmarks.md, "Judged on a core of its own"); asyncio rules it out.
     event_loop: EventLoop = "uvloop"
     # An unreadable --db file is moved aside (<db>.unreadable-<time>) and the controller starts
     # empty; without it the controller stops with exit code 2.
