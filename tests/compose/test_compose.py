@@ -220,6 +220,14 @@ def test_from_the_clients_network_only_the_keyed_door_answers(stack: ComposeStac
     host, port = engines[0]
     statuses = run(["docker", "exec", stack.container("node-a"), "python", "-c", ask, f"http://{host}:{port}"]).stdout
     assert statuses.split() == ["401", "401", "200"], statuses
+    # vllm-router holds the same key as OPENAI_API_KEY (what it sends on prefill/decode legs).
+    held = (
+        "import os\n"
+        "key = open('/pki/engine.key').read().strip().encode()\n"
+        "envs = [open(f'/proc/{p}/environ', 'rb').read().split(b'\\0') for p in os.listdir('/proc') if p.isdigit()]\n"
+        "print(any(b'OPENAI_API_KEY=' + key in env for env in envs))"
+    )
+    assert run(["docker", "exec", stack.container("router"), "python", "-c", held]).stdout.split() == ["True"]
 
 
 def test_a_second_model_runs_beside_the_first_and_its_delete_leaves_the_first_alone(stack: ComposeStack):
