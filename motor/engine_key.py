@@ -7,6 +7,11 @@ run when its front door takes API keys (an open door guards nothing worth going 
 gives it to the controller, the node managers (whose engines inherit their environment) and the
 front door. Unset, engines take every caller, as before.
 
+Where the environment cannot hold the secret itself (compose: a variable cannot come from a
+volume), MOTOR_ENGINE_API_KEY_FILE names a file holding it (its first line), read when
+MOTOR_ENGINE_API_KEY is unset; a file that cannot be read or is empty is an error that names the
+variable (EngineKeyError), never a silently open engine.
+
 - engines (engine_server/engines/admission.py: the simulated engine's middleware, vLLM's behind
   vllm_admission) answer 401 to a request under `/v1/` or an inference route none of whose
   Authorization headers is `Bearer <key>`; `/health` and `/metrics` stay open (routers and
@@ -26,11 +31,30 @@ import os
 import secrets
 
 ENGINE_KEY_ENV = "MOTOR_ENGINE_API_KEY"
+ENGINE_KEY_FILE_ENV = "MOTOR_ENGINE_API_KEY_FILE"
+
+
+class EngineKeyError(RuntimeError):
+    """MOTOR_ENGINE_API_KEY_FILE names a file that cannot be read or holds no key."""
 
 
 def engine_key() -> str | None:
-    """The engines' key, if Motor was given one."""
-    return os.environ.get(ENGINE_KEY_ENV) or None
+    """The engines' key, if Motor was given one: MOTOR_ENGINE_API_KEY, else the first line of the
+    file MOTOR_ENGINE_API_KEY_FILE names (EngineKeyError when it cannot be read or is empty)."""
+    key = os.environ.get(ENGINE_KEY_ENV)
+    if key:
+        return key
+    path = os.environ.get(ENGINE_KEY_FILE_ENV)
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as held:
+            key = held.readline().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EngineKeyError(f"{ENGINE_KEY_FILE_ENV}={path}: the engines' key cannot be read: {exc}") from exc
+    if not key:
+        raise EngineKeyError(f"{ENGINE_KEY_FILE_ENV}={path}: the file holds no key (its first line is empty)")
+    return key
 
 
 def new_engine_key() -> str:

@@ -85,6 +85,13 @@ def development_access(run_dir: str) -> DoorAccess:
     ca = CertificateAuthority.create("Motor development CA (front door)")
     ca_cert, _ = ca.save(directory)
     cert, key = ca.issue(None, hosts=["127.0.0.1", "localhost"]).save(directory, "door")
+    api_keys, dev_key = write_dev_keys(directory)
+    return DoorAccess(api_keys, cert, key, ca_cert, dev_key)
+
+
+def write_dev_keys(directory: str) -> tuple[str, str]:
+    """A fresh key of tenant `dev` (every model, no limits): the key itself in <directory>/api-key
+    (0600, for the operator), its sha256 in <directory>/api-keys.yaml (the door's --api-keys)."""
     secret = new_key()
     dev_key = os.path.join(directory, "api-key")
     write_private(dev_key, secret.encode() + b"\n")
@@ -94,4 +101,13 @@ def development_access(run_dir: str) -> DoorAccess:
     }
     api_keys = os.path.join(directory, "api-keys.yaml")
     write_private(api_keys, yaml.safe_dump(keys, sort_keys=False).encode())
-    return DoorAccess(api_keys, cert, key, ca_cert, dev_key)
+    return api_keys, dev_key
+
+
+def write_engine_key(path: str) -> str:
+    """A fresh engines' key (motor/engine_key.py) in `path`, readable by its owner only (0400), for
+    processes given MOTOR_ENGINE_API_KEY_FILE; a key already there is kept (engines hold it)."""
+    if not os.path.exists(path):
+        write_private(path, new_engine_key().encode() + b"\n")
+        os.chmod(path, 0o400)
+    return path

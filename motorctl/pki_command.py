@@ -4,6 +4,9 @@
     motorctl pki issue  --dir DIR NAME [--identity ID] [--host H ...]
                                                          DIR/NAME.crt, DIR/NAME.key signed by the CA
     motorctl pki tokens --file FILE NAME=ROLE[+ROLE] ... a tokens file with fresh tokens
+    motorctl pki door-keys --dir DIR                     the front door's development key (DIR/api-key,
+                                                         its hash in DIR/api-keys.yaml) and the
+                                                         engines' key (DIR/engine.key, 0400)
     motorctl pki dev    --dir DIR [--nodes node-a,node-b] [--host H ...]
                                                          everything a cluster needs (as `up --tls`)
 
@@ -23,6 +26,7 @@ from motor.errors import MotorError
 from motor.security.identity import TRUST_DOMAIN, Identity
 from motor.security.pki import CA_CERT, CA_KEY, CertificateAuthority, write_private
 from motor.security.tokens import write_tokens_file
+from motorctl.door_access import write_dev_keys, write_engine_key
 
 DEV_HOSTS = ["localhost", "127.0.0.1"]
 TOKENS_FILE = "tokens.yaml"
@@ -128,6 +132,12 @@ def _parser() -> argparse.ArgumentParser:
     tokens = sub.add_parser("tokens", help="write a tokens file with a fresh token per NAME=ROLE[+ROLE]")
     tokens.add_argument("--file", required=True, help="tokens file to write (mode 0600)")
     tokens.add_argument("entries", nargs="+", metavar="NAME=ROLES", help="e.g. alice=operator bob=viewer")
+    door = sub.add_parser(
+        "door-keys",
+        help="the front door's development key (api-key, its hash in api-keys.yaml) and the engines' "
+        "key (engine.key, 0400) in --dir; existing ones are kept",
+    )
+    door.add_argument("--dir", required=True, help="directory to write")
     dev = sub.add_parser("dev", help="the whole development set: CA, controller, nodes, operator, viewer, tokens")
     dev.add_argument("--dir", required=True, help="directory to write (an existing CA there is reused)")
     dev.add_argument("--nodes", default="node-a,node-b", help="comma-separated node ids [node-a,node-b]")
@@ -156,6 +166,12 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
             roles[name] = wanted.split("+")
         write_tokens_file(args.file, roles)
         print(f"tokens written to {args.file} for {', '.join(roles)}", file=out)
+    elif args.action == "door-keys":
+        os.makedirs(args.dir, exist_ok=True)
+        if not os.path.exists(os.path.join(args.dir, "api-keys.yaml")):
+            write_dev_keys(args.dir)
+        engine = write_engine_key(os.path.join(args.dir, "engine.key"))
+        print(f"door keys in {args.dir}: api-key (the key), api-keys.yaml (its hash), {engine}", file=out)
     else:
         nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
         pki = make_dev_pki(args.dir, nodes, args.host or None)

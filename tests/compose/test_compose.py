@@ -13,7 +13,6 @@ import re
 import shutil
 import sys
 import time
-import urllib.request
 
 import grpc
 import psutil
@@ -126,29 +125,109 @@ def test_stack_comes_up_with_three_nodes_and_the_deployment_ready(stack: Compose
 def test_the_router_serves_every_engine_on_one_published_address(stack: ComposeStack):
     """The router service, kept by the router-sync service over mutual TLS with its read-only
     identity: every engine is its worker (by its address on the data network), and a completion
-    sent to the router's published port is answered."""
-    router = f"http://127.0.0.1:{stack.router_port}"
+    sent to the front door's published port (TLS, the development key) is answered."""
     _, instances = _wait_cluster_ready(stack, START_TIMEOUT, "three READY nodes and every instance READY")
     engines = {f"http://{e.host}:{e.port}" for i in instances for e in i.engines}
-
-    def workers():
-        with urllib.request.urlopen(router + "/list_workers", timeout=5) as reply:
-            return set(json.loads(reply.read())["urls"])
-
-    wait(lambda: workers() == engines, 60, f"the router's workers equal to the engines {sorted(engines)}", stack)
-    assert complete(router, "sim-tiny")["choices"][0]["text"]
-
-
-def complete(router: str, model: str) -> dict:
-    """A completion through the router (its multi-model mode: the request names its model)."""
-    request = urllib.request.Request(
-        router + "/v1/completions",
-        data=json.dumps({"model": model, "prompt": "hello", "max_tokens": 4}).encode(),
-        headers={"Content-Type": "application/json"},
+    wait(
+        lambda: stack.router_workers() == engines,
+        60,
+        f"the router's workers equal to the engines {sorted(engines)}",
+        stack,
     )
-    with urllib.request.urlopen(request, timeout=30) as reply:
-        assert reply.status == 200
-        return json.loads(reply.read())
+    assert complete(stack, "sim-tiny")["choices"][0]["text"]
+
+
+def complete(stack: ComposeStack, model: str) -> dict:
+    """A completion through the front door (the router's multi-model mode: the request names its model)."""
+    status, answer = stack.door("/v1/completions", {"model": model, "prompt": "hello", "max_tokens": 4})
+    assert status == 200, answer
+    return answer
+
+
+# Run in a container on the `clients` network (the motor image's python): what a client's
+# container reaches. argv: the door's CA file, then host:port pairs that must not connect.
+_FROM_CLIENTS = r"""
+import json, os, socket, ssl, sys, urllib.error, urllib.request
+unreached = {}
+for target in sys.argv[2:]:
+    host, port = target.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=3).close()
+        unreached[target] = "connected"
+    except OSError as exc:
+        unreached[target] = type(exc).__name__
+context = ssl.create_default_context(cafile=sys.argv[1])
+def door(path, body=None, key=None):
+    headers = {"Content-Type": "application/json"} | ({"Authorization": "Bearer " + key} if key else {})
+    data = json.dumps(body).encode() if body else None
+    request = urllib.request.Request("https://front-door:8080" + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30, context=context) as reply:
+            return [reply.status, json.loads(reply.read())]
+    except urllib.error.HTTPError as refused:
+        return [refused.code, None]
+key = os.environ["DOOR_KEY"]
+completion = {"model": "sim-tiny", "prompt": "hello", "max_tokens": 4}
+print(json.dumps({
+    "unreached": unreached,
+    "models_without_key": door("/v1/models")[0],
+    "completion_without_key": door("/v1/completions", completion)[0],
+    "models": door("/v1/models", key=key),
+    "completion": door("/v1/completions", completion, key=key),
+}))
+"""
+
+
+def test_from_the_clients_network_only_the_keyed_door_answers(stack: ComposeStack):
+    """compose.yaml's `clients` network holds the front door alone: a container on it reaches
+    neither the router nor any engine (by name or by any of their addresses) nor the door's table
+    port; the door answers over TLS (the pki volume's CA), 401 without a key, 200 with the
+    development key. An engine reached on the data network without the engines' key answers 401."""
+    _, instances = _wait_cluster_ready(stack, START_TIMEOUT, "three READY nodes and every instance READY")
+    engines = [(e.host, e.port) for i in instances for e in i.engines]
+    wait(lambda: len(stack.router_workers()) == len(engines), 60, "the router's workers", stack)
+    control, data = stack.control_net, stack.data_net
+    targets = ["router:8081", f"{control}.21:8081", f"{data}.21:8081", "front-door:8079", f"{control}.23:8079"]
+    by_address = {address: node for node, address in stack.node_addresses.items()}
+    for host, port in engines:
+        targets += [f"{host}:{port}", f"{by_address[int(host.rsplit('.', 1)[1])]}:{port}"]
+    reply = run(
+        [
+            "docker", "run", "--rm", "--network", stack.network("clients"),
+            "-v", f"{stack.pki('ca.crt')}:/door-ca.crt:ro", "-e", f"DOOR_KEY={stack.development_key()}",
+            "--entrypoint", "python", stack.image, "-c", _FROM_CLIENTS, "/door-ca.crt", *targets,
+        ],
+        timeout=180,
+    )  # fmt: skip
+    seen = json.loads(reply.stdout.strip().splitlines()[-1])
+    assert not [t for t, how in seen["unreached"].items() if how == "connected"], seen["unreached"]
+    assert seen["models_without_key"] == 401 and seen["completion_without_key"] == 401, seen
+    assert seen["models"][0] == 200 and [m["id"] for m in seen["models"][1]["data"]] == ["sim-tiny"], seen
+    assert seen["completion"][0] == 200 and seen["completion"][1]["choices"][0]["text"], seen
+
+    # On the data network (inside a node's container), an engine wants the engines' key.
+    ask = (
+        "import sys, urllib.error, urllib.request\n"
+        "def get(url, headers):\n"
+        "    try:\n"
+        "        return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10).status\n"
+        "    except urllib.error.HTTPError as refused:\n"
+        "        return refused.code\n"
+        "key = open('/pki/engine.key').read().strip()\n"
+        "url = sys.argv[1] + '/v1/models'\n"
+        "print(get(url, {}), get(url, {'Authorization': 'Bearer wrong'}), get(url, {'Authorization': 'Bearer ' + key}))"
+    )
+    host, port = engines[0]
+    statuses = run(["docker", "exec", stack.container("node-a"), "python", "-c", ask, f"http://{host}:{port}"]).stdout
+    assert statuses.split() == ["401", "401", "200"], statuses
+    # vllm-router holds the same key as OPENAI_API_KEY (what it sends on prefill/decode legs).
+    held = (
+        "import os\n"
+        "key = open('/pki/engine.key').read().strip().encode()\n"
+        "envs = [open(f'/proc/{p}/environ', 'rb').read().split(b'\\0') for p in os.listdir('/proc') if p.isdigit()]\n"
+        "print(any(b'OPENAI_API_KEY=' + key in env for env in envs))"
+    )
+    assert run(["docker", "exec", stack.container("router"), "python", "-c", held]).stdout.split() == ["True"]
 
 
 def test_a_second_model_runs_beside_the_first_and_its_delete_leaves_the_first_alone(stack: ComposeStack):
@@ -168,17 +247,12 @@ def test_a_second_model_runs_beside_the_first_and_its_delete_leaves_the_first_al
             return {e.url for e in stack.stub(channel).ListEndpoints(request, timeout=10).endpoints}
 
     wait(lambda: len(small_endpoints()) == 2, START_TIMEOUT, "the second model's two engines serving", stack)
-    router = f"http://127.0.0.1:{stack.router_port}"
-
-    def workers():
-        with urllib.request.urlopen(router + "/list_workers", timeout=5) as reply:
-            return set(json.loads(reply.read())["urls"])
-
+    workers = stack.router_workers
     wait(lambda: small_endpoints() <= workers() and len(workers()) == 5, 60, "five workers in the router", stack)
     for model in ("sim-small", "sim-tiny") * 5:  # each request reaches an engine of its model (others 404)
-        assert complete(router, model)["model"] == model
-    with urllib.request.urlopen(router + "/v1/models", timeout=5) as reply:  # the front door: OpenAI's list
-        assert [m["id"] for m in json.loads(reply.read())["data"]] == ["sim-small", "sim-tiny"]
+        assert complete(stack, model)["model"] == model
+    status, listed = stack.door("/v1/models")  # the front door: OpenAI's list
+    assert status == 200 and [m["id"] for m in listed["data"]] == ["sim-small", "sim-tiny"], listed
     shown = run([*motorctl, "deployments"]).stdout
     assert "small-sim" in shown and "sim-small" in shown, shown
 

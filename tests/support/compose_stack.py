@@ -10,8 +10,10 @@ import json
 import logging
 import os
 import shutil
+import ssl
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
@@ -230,9 +232,9 @@ class ComposeStack:
             return []  # dockerd isolates its networks already
         bridges = [
             "br-" + run(["docker", "network", "inspect", "-f", "{{.Id}}", self.network(name)]).stdout.strip()[:12]
-            for name in ("control", "data")
+            for name in ("control", "data", "clients")
         ]
-        rules = [["FORWARD", "-i", a, "-o", b, "-j", "DROP"] for a, b in (bridges, bridges[::-1])]
+        rules = [["FORWARD", "-i", a, "-o", b, "-j", "DROP"] for a in bridges for b in bridges if a != b]
         for rule in rules:
             run(["iptables", "-I", *rule])
         return rules
@@ -241,6 +243,31 @@ class ComposeStack:
     def remove_rules(rules: list[list[str]]) -> None:
         for rule in rules:
             run(["iptables", "-D", *rule], check=False)
+
+    def door(self, path: str, body: dict | None = None, key: str | None = "") -> tuple[int, dict]:
+        """A request to the front door's published port over TLS (trusting the pki volume's CA),
+        with the development API key (key="", the default), another key, or none (key=None)."""
+        key = self.development_key() if key == "" else key
+        headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(f"https://127.0.0.1:{self.router_port}{path}", data=data, headers=headers)
+        context = ssl.create_default_context(cafile=self.pki("ca.crt"))
+        try:
+            with urllib.request.urlopen(request, timeout=30, context=context) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as refused:
+            return refused.code, json.loads(refused.read() or b"{}")
+
+    def development_key(self) -> str:
+        with open(self.pki("api-key")) as held:
+            return held.read().strip()
+
+    def router_workers(self) -> set[str]:
+        """The router's workers, asked inside its container (its port is published nowhere, and
+        the keyed front door passes no admin read)."""
+        ask = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8081/list_workers').read().decode())"
+        out = run(["docker", "exec", self.container("router"), "python", "-c", ask]).stdout
+        return set(json.loads(out)["urls"])
 
     def labelled(self, kind: str) -> list[str]:
         """Ids of this project's containers (kind 'ps -a') or networks (kind 'network ls')."""
