@@ -116,11 +116,18 @@ async def test_sigkill_is_noticed_recorded_and_reported(make_node, fake_controll
     failed = await node.wait_state("prefill-0/rank0", FAILED, timeout=10)
     assert failed.exit_signal == signal.SIGKILL and not failed.HasField("exit_code")
     assert "killed by signal 9 (SIGKILL) without being asked to stop" in failed.state_reason
-    reports = await async_wait_for(lambda: len(fake_controller.reports) >= 2 and fake_controller.reports, timeout=10)
+    reports = await async_wait_for(
+        lambda: any(r.engine.state == FAILED for r in fake_controller.reports) and list(fake_controller.reports),
+        timeout=10,
+    )
     # Routers first: the controller hears at once that the engine no longer serves (its endpoint
     # is removed), while the engine is still RUNNING for restart purposes (its tree is being
-    # cleaned up); FAILED, which allows a replacement, only once the tree is gone.
-    notice, failure = reports
+    # cleaned up); FAILED, which allows a replacement, only once the tree is gone. (A health poll
+    # that met the dying engine may report its abnormal heartbeat in between.)
+    notices = [i for i, r in enumerate(reports) if r.reason.startswith("engine server killed")]
+    failures = [i for i, r in enumerate(reports) if r.engine.state == FAILED]
+    assert notices and notices[0] < failures[0], [(r.engine.state, r.reason) for r in reports]
+    notice, failure = reports[notices[0]], reports[failures[0]]
     assert notice.engine.engine_id == "prefill-0/rank0" and notice.engine.state == RUNNING
     assert notice.engine.health == types_pb2.HEALTH_STATUS_ABNORMAL
     assert notice.reason == "engine server killed by signal 9 (SIGKILL); ending its process tree"
