@@ -34,8 +34,9 @@ def held_by_other_copies(state: ClusterState, node: NodeRuntime) -> list[T.Engin
 
 
 class FleetView:
-    def __init__(self, state: ClusterState):
+    def __init__(self, state: ClusterState, kv_events: bool = False):
         self.state = state
+        self.kv_events = kv_events  # every engine started gets a KV-events port (--kv-events)
         self._fleet = Fleet([])
         state.nodes.room_changed.update(state.nodes)  # the first read covers every node
         # Nodes whose room counted copies no slot accounts for -> when the node was last heard
@@ -72,11 +73,11 @@ class FleetView:
         for s in st.slots.placed_on(n.node_id):
             cap.used_accelerators.update(s.accelerator_ids)
             inst = st.instances.get(s.instance_id)
-            cap.ports_in_use += ports_per_engine(bool(inst and inst.single_container))
+            cap.ports_in_use += ports_per_engine(bool(inst and inst.single_container), self.kv_events)
         held = held_by_other_copies(st, n)
         for copy in held:
             cap.used_accelerators.update(copy.spec.accelerator_ids)
-            cap.ports_in_use += ports_per_engine(copy.spec.single_container)
+            cap.ports_in_use += ports_per_engine(copy.spec.single_container, copy.spec.kv_events)
         if held:
             self._holding[n.node_id] = n.last_seen
         else:

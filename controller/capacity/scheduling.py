@@ -71,7 +71,7 @@ class Scheduler:
         # Instances whose move the rate limit holds back now (counted once per hold-back).
         self._held_back: set[str] = set()
         self.reschedule_bucket = TokenBucket(config.reschedule_rate, state.mono)
-        self.fleet_view = FleetView(state)
+        self.fleet_view = FleetView(state, kv_events=config.kv_events)
         self.launches_open = 0  # launch tasks spawned and not finished (at most LAUNCHES_OPEN)
         self._serving_waits = False
         self._spread: dict[str, Counter[str]] | None = None  # group -> its serving instances by node (one pass)
@@ -213,6 +213,7 @@ class Scheduler:
                 fleet,
                 self.spares.avoid(inst),
                 self._group_spread(inst),
+                self.config.kv_events,
             )
         except Unplaceable as exc:
             st.transition(inst, PENDING, f"cannot be placed: {exc}")

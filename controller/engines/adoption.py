@@ -145,7 +145,7 @@ class Adoption:
                     node.node_id,
                     spec.host,
                     list(spec.accelerator_ids),
-                    ports_per_engine(inst.single_container),
+                    ports_per_engine(inst.single_container, spec.kv_events),
                     spec.generation,
                 )
                 slot.adopt_ports(spec)

@@ -59,8 +59,10 @@ class Unplaceable(Exception):
     """The instance does not fit now; the message says why (shown as the PENDING reason)."""
 
 
-def ports_per_engine(single_container: bool) -> int:
-    return 4 if single_container else 2
+def ports_per_engine(single_container: bool, kv_events: bool = False) -> int:
+    """Ports a node manager hands one engine: inference and management, the KV-transfer and
+    data-parallel RPC ports in single-container mode, one more for its KV events (--kv-events)."""
+    return (4 if single_container else 2) + kv_events
 
 
 class Fleet:
@@ -145,6 +147,7 @@ def place_instance(
     fleet: Fleet | list[NodeCapacity],
     avoid: frozenset[str] = frozenset(),
     spread: Mapping[str, int] | None = None,
+    kv_events: bool = False,
 ) -> list[RankPlacement]:
     """Place `ranks`, on nodes other than `avoid` where they have room, spread from the group's
     other instances (`spread`: how many each node holds); the fleet is updated only when every
@@ -153,7 +156,7 @@ def place_instance(
         fleet = Fleet(fleet)
     if not fleet.order:
         raise Unplaceable("no READY node is registered")
-    need_ports = ports_per_engine(single_container)
+    need_ports = ports_per_engine(single_container, kv_events)
     placements: list[RankPlacement] = []
     for rank in ranks:
         best = fleet.best_fit(accelerators_per_engine, need_ports, avoid, spread)

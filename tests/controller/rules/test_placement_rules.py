@@ -22,6 +22,14 @@ def test_a_node_with_exactly_the_ports_needed_fits():
     assert nodes[0].ports_in_use == 2
 
 
+def test_an_engine_publishing_kv_events_needs_a_third_port():
+    nodes = [NodeCapacity("a", "10.0.0.1", [0, 1], port_range=(100, 102))]
+    with pytest.raises(Unplaceable, match="needs 1 accelerator\\(s\\) and 3 port\\(s\\)"):
+        place_instance([0], 1, False, [NodeCapacity("a", "h", [0], port_range=(100, 101))], kv_events=True)
+    (placed,) = place_instance([0], 1, False, nodes, kv_events=True)
+    assert placed.port_count == 3 and nodes[0].ports_in_use == 3
+
+
 def test_ports_taken_add_up_and_a_failed_placement_gives_back_only_its_own():
     node = NodeCapacity("a", "h", [0, 1, 2], port_range=(100, 109))
     fleet = Fleet([node])

@@ -121,6 +121,18 @@ async def test_the_fleet_view_reads_only_what_changed_and_matches_a_fresh_rebuil
     assert "node-b" not in kept() and kept() == fresh()
 
 
+async def test_the_fleet_view_counts_a_kv_events_port_for_every_engine_of_a_kv_events_controller(harness):
+    ctl = await harness.start()
+    await harness.register("node-a", accelerators=8)
+    st = ctl.state
+    ctl.apply_deployment(small_deployment([{"name": "u", "role": "union", "count": 2}]))
+    ctl.reconcile_once()
+    placed = sum(1 for s in st.slots.values() if s.node_id == "node-a")
+    assert placed == 2
+    assert FleetView(st).fleet().nodes["node-a"].ports_in_use == 2 * placed
+    assert FleetView(st, kv_events=True).fleet().nodes["node-a"].ports_in_use == 3 * placed
+
+
 def test_placement_with_a_kept_fleet_takes_what_it_places():
     fleet = Fleet([NodeCapacity("a", "h", list(range(4)))])
     place_instance([0, 1], 1, False, fleet)
