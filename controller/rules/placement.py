@@ -59,7 +59,7 @@ class Unplaceable(Exception):
     """The instance does not fit now; the message says why (shown as the PENDING reason)."""
 
 
-def ports_per_engine(single_container: bool, kv_events: bool = False) -> int:
+def ports_per_engine(single_container: bool, kv_events: bool) -> int:
     """Ports a node manager hands one engine: inference and management, the KV-transfer and
     data-parallel RPC ports in single-container mode, one more for its KV events (--kv-events)."""
     return (4 if single_container else 2) + kv_events
