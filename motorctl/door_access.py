@@ -33,13 +33,7 @@ class DoorAccess:
         if not self.api_keys:
             return {}
         if self.engine_key is None:
-            path = os.path.join(run_dir, ENGINE_KEY_FILE)
-            if os.path.exists(path):  # a run started again keeps the key its engines have
-                with open(path) as held:
-                    self.engine_key = held.read().strip()
-            else:
-                self.engine_key = new_engine_key()
-                write_private(path, self.engine_key.encode() + b"\n")
+            self.engine_key = kept_engine_key(os.path.join(run_dir, ENGINE_KEY_FILE))
         return {ENGINE_KEY_ENV: self.engine_key}
 
     def args(self) -> list[str]:
@@ -104,10 +98,13 @@ def write_dev_keys(directory: str) -> tuple[str, str]:
     return api_keys, dev_key
 
 
-def write_engine_key(path: str) -> str:
-    """A fresh engines' key (motor/engine_key.py) in `path`, readable by its owner only (0400), for
-    processes given MOTOR_ENGINE_API_KEY_FILE; a key already there is kept (engines hold it)."""
-    if not os.path.exists(path):
-        write_private(path, new_engine_key().encode() + b"\n")
-        os.chmod(path, 0o400)
-    return path
+def kept_engine_key(path: str, mode: int = 0o600) -> str:
+    """The engines' key (motor/engine_key.py) kept in `path`, made there (readable by its owner
+    only: `mode`) when there is none: a run or stack started again keeps the key its engines hold."""
+    if os.path.exists(path):
+        with open(path) as held:
+            return held.read().strip()
+    key = new_engine_key()
+    write_private(path, key.encode() + b"\n")
+    os.chmod(path, mode)
+    return key

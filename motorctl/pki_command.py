@@ -26,7 +26,7 @@ from motor.errors import MotorError
 from motor.security.identity import TRUST_DOMAIN, Identity
 from motor.security.pki import CA_CERT, CA_KEY, CertificateAuthority, write_private
 from motor.security.tokens import write_tokens_file
-from motorctl.door_access import write_dev_keys, write_engine_key
+from motorctl.door_access import kept_engine_key, write_dev_keys
 
 DEV_HOSTS = ["localhost", "127.0.0.1"]
 TOKENS_FILE = "tokens.yaml"
@@ -170,7 +170,8 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         os.makedirs(args.dir, exist_ok=True)
         if not os.path.exists(os.path.join(args.dir, "api-keys.yaml")):
             write_dev_keys(args.dir)
-        engine = write_engine_key(os.path.join(args.dir, "engine.key"))
+        engine = os.path.join(args.dir, "engine.key")
+        kept_engine_key(engine, mode=0o400)  # (MOTOR_ENGINE_API_KEY_FILE of the compose services)
         print(f"door keys in {args.dir}: api-key (the key), api-keys.yaml (its hash), {engine}", file=out)
     else:
         nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
