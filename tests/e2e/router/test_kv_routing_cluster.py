@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from motor.v1 import controller_pb2, controller_pb2_grpc
-from motorctl.local_cluster import LocalCluster
 from motorctl.up import KV_ROUTING_CONTROLLER, KV_ROUTING_DOOR
 from tests.support import wait_for
+from tests.support.router_process import routed_cluster
 
 pytestmark = pytest.mark.processes
 
@@ -41,23 +41,16 @@ DEPLOYMENT = {
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("kv-routing-cluster")
-    (directory / "sim.yaml").write_text(yaml.safe_dump(DEPLOYMENT))
-    local = LocalCluster(
-        str(directory),
-        nodes=2,
-        deployment_path=str(directory / "sim.yaml"),
-        heartbeat_interval=1.0,
+    deployment = tmp_path_factory.mktemp("kv-routing-deployment") / "sim.yaml"
+    deployment.write_text(yaml.safe_dump(DEPLOYMENT))
+    yield from routed_cluster(
+        tmp_path_factory,
+        "kv-routing-cluster",
+        deployment_path=str(deployment),
         engine_port_base=37300,
-        router_port=0,
         extra_controller_args=list(KV_ROUTING_CONTROLLER),
         door_args=list(KV_ROUTING_DOOR),
     )
-    try:
-        local.start(timeout=60)
-        yield local
-    finally:
-        local.stop()
 
 
 def endpoints(cluster) -> list:
