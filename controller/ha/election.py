@@ -41,6 +41,11 @@ from motor.service.tasks import set_within
 
 logger = logging.getLogger(__name__)
 
+# A failed lease renewal is tried again after this share of the renewal period (0.11 s at the
+# 2 s TTL): several tries fit before the leader's deadline while the client moves to another
+# etcd member, and a failing etcd gets a few calls a second, not a busy loop.
+RETRY_SHARE = 1 / 6
+
 
 class Role(enum.Enum):
     CANDIDATE = "candidate"  # no leader known yet, or campaigning
@@ -386,9 +391,10 @@ class _Renewal(threading.Thread):
     async def _renew(self) -> None:
         e = self.election
         client = e.renew_client()
+        pause = e.renew_period
         try:
             while not self.stop.is_set():
-                await asyncio.sleep(e.renew_period)
+                await asyncio.sleep(pause)
                 if self.stop.is_set():
                     return
                 stalled = e.clock() - e.loop_tick
@@ -404,8 +410,12 @@ class _Renewal(threading.Thread):
                     async with asyncio.timeout(max(expires - sent, 0.05)):
                         reply = await client.refresh_lease(self.lease_id)
                 except (*UNAVAILABLE_ERRORS, TimeoutError) as exc:
+                    # Again soon, not a period later: the channel may already be on another
+                    # member, and a period's wait would leave one try before the deadline.
                     self.trouble = f" (etcd: {exc!r})"
+                    pause = e.renew_period * RETRY_SHARE
                     continue
+                pause = e.renew_period
                 if reply is None or reply.TTL <= 0:
                     self.gone.set()
                     return

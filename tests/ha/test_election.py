@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import aetcd
 import pytest
 
 from controller.ha.election import LeaderElection, NotLeader, Role
@@ -116,6 +117,45 @@ async def test_a_hung_event_loop_loses_the_leadership(etcd1, clients, prefix):
     finally:
         await second.stop()
         await first.stop()
+
+
+class _FailingFirst:
+    """A renewal client whose first lease renewals fail as a lost etcd member's do."""
+
+    def __init__(self, client, failures: int):
+        self.client, self.failures, self.calls = client, failures, []
+
+    async def refresh_lease(self, lease_id):
+        self.calls.append(time.monotonic())
+        if len(self.calls) <= self.failures:
+            raise aetcd.exceptions.ConnectionFailedError("the member went away")
+        return await self.client.refresh_lease(lease_id)
+
+    async def close(self):
+        await self.client.close()
+
+
+async def test_a_failed_renewal_is_tried_again_soon_and_keeps_the_leadership(etcd1, clients, prefix):
+    """Two renewals fail (the client moving to another member): tried again within a fraction
+    of the renewal period, the leader renews before its deadline and does not step down."""
+    target = target_of(etcd1, prefix)
+    renewals: list[_FailingFirst] = []
+
+    def renew_client():
+        renewals.append(_FailingFirst(connect(target), failures=2))
+        return renewals[-1]
+
+    leader = LeaderElection(clients(etcd1, prefix), prefix, "10.0.0.1:50051", ttl=TTL, renew_client=renew_client)
+    leader.start()
+    try:
+        await async_wait_for(leader.is_leader, timeout=10, what="the controller to lead")
+        await asyncio.sleep(TTL * 1.5)
+        calls = renewals[0].calls
+        assert len(calls) >= 4, calls
+        assert calls[2] - calls[0] < leader.renew_period, "failed renewals waited a whole period each"
+        assert leader.is_leader() and leader.epoch == 1 and len(renewals) == 1, "stepped down over two failures"
+    finally:
+        await leader.stop()
 
 
 async def _reopened(client, prefix):

@@ -1,7 +1,7 @@
 """vLLM #39863's shape behind `motorctl up`'s router: two real vLLM CPU engines, the real
 vllm-router under a little load (non-streamed completions), and one engine's EngineCore process
 SIGSTOPped (its API server and /health stay up). At Motor's default stall settings: the engine
-leaves the router within 3 s, the requests it held are failed back and answered by the other
+leaves the router within seconds (2 s measured), the requests it held are failed back and answered by the other
 engine (none fails), and it is killed and replaced."""
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from tests.support.vllm_engines import START_TIMEOUT, engine_core_of, vllm_clust
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-OUT_OF_THE_ROUTER_S = 3.0
+# stall_timeout (2 s) and the way to the router (engine server, node manager, controller, router
+# sync): 2.0 s measured alone, 3.9 s once in CI with both engines busy on 2 cores. A bound, not a figure.
+OUT_OF_THE_ROUTER_S = 5.0
 FAILED_BACK_WITHIN_S = 8.0  # the issue's goal is 15 s; the kill comes after stall_kill_after (10 s)
 # Long enough answers that each engine holds a request or two at any moment (the tiny model on
 # 2 cores: roughly 0.3 to 1 s for 96 tokens).
