@@ -10,7 +10,11 @@ for every door: CPU per request depends on the rate), every request carrying the
 `Authorization` header (the open door passes it on). For each: requests/s and the door process's
 CPU time (user + system, from /proc) per request, in microseconds.
 
-    .venv/bin/python bench/door_keys.py [--rounds 3] [--seconds 5] [--concurrency 16] [--keys 10000]
+`--nginx` adds nginx (one process, keep-alive to the router, no buffering: bench/front_door.py's
+reference hop) in front of the same stand-in router, plain and terminating TLS with the door's
+certificate: what TLS costs the cheapest proxy there is, beside what it costs the door.
+
+    .venv/bin/python bench/door_keys.py [--rounds 3] [--seconds 5] [--concurrency 16] [--keys 10000] [--nginx]
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import ssl
 import statistics
 import subprocess
@@ -33,6 +38,7 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.front_door import start_nginx  # noqa: E402
 from front_door.keys import digest  # noqa: E402
 from motor.ports import free_port  # noqa: E402
 from motor.security.pki import CertificateAuthority  # noqa: E402
@@ -111,7 +117,32 @@ class Door:
         self.process.wait(10)
 
 
-async def load(door: Door, seconds: float, concurrency: int, context: ssl.SSLContext | None, rate: float) -> int:
+class Nginx:
+    """nginx in front of the stand-in router, measured as a door is."""
+
+    def __init__(self, name: str, work: str, router_port: int, tls: tuple[str, str] | None) -> None:
+        self.name, self.tls = name, tls is not None
+        self.process, url = start_nginx(work, router_port, tls, name="nginx-tls" if tls else "nginx")
+        self.port = int(url.rsplit(":", 1)[1])
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    raise RuntimeError(f"{name} did not start; see {work}") from None
+                time.sleep(0.1)
+        self.rates: list[float] = []
+        self.cpu: list[float] = []
+
+    cpu_seconds = Door.cpu_seconds
+    stop = Door.stop
+
+
+async def load(
+    door: Door | Nginx, seconds: float, concurrency: int, context: ssl.SSLContext | None, rate: float
+) -> int:
     request = (
         b"POST /v1/completions HTTP/1.1\r\nHost: door\r\nContent-Type: application/json\r\n"
         b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
@@ -158,6 +189,9 @@ async def main(args) -> None:
         Door("open, TLS", router_port, tls, log),
         Door("keys+limits, TLS", router_port, ["--api-keys", keys, *tls], log),
     ]
+    if args.nginx:
+        doors.append(Nginx("nginx", work, router_port, None))
+        doors.append(Nginx("nginx, TLS", work, router_port, (cert, key)))
     try:
         for door in doors:  # warm up: imports, connections, first requests
             await load(door, 1.0, args.concurrency, context, args.rate)
@@ -191,6 +225,9 @@ async def main(args) -> None:
         f"keys and limits add {statistics.median(doors[1].cpu) - base:.1f} µs of the door's CPU a request; "
         f"TLS adds {statistics.median(doors[2].cpu) - base:.1f} µs (kept-alive connections)"
     )
+    if args.nginx:
+        plain, tls_hop = (statistics.median(d.cpu) for d in doors[4:6])
+        print(f"nginx: {plain:.1f} µs a request, TLS adds {tls_hop - plain:.1f} µs")
 
 
 if __name__ == "__main__":
@@ -199,6 +236,7 @@ if __name__ == "__main__":
     parser.add_argument("--seconds", type=float, default=5)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--keys", type=int, default=10_000)
+    parser.add_argument("--nginx", action="store_true", help="nginx in front of the same router, plain and with TLS")
     parser.add_argument(
         "--rate",
         type=float,

@@ -40,12 +40,13 @@ from motor.v1 import controller_pb2, types_pb2  # noqa: E402
 from motorctl.router import ROUTER_ENV, router_command  # noqa: E402
 from router_sync.admin import RouterAdmin  # noqa: E402
 from router_sync.sync import RouterSync  # noqa: E402
-from tests.engine_server.conftest import EngineServerProcess, sim_config  # noqa: E402
+from tests.support.engine_server_process import EngineServerProcess, sim_config  # noqa: E402
 
 BODY = {"model": "sim-tiny", "prompt": "hello there", "max_tokens": 4}
 
 NGINX_CONF = """
 worker_processes 1;
+master_process off;
 daemon off;
 pid {work}/nginx.pid;
 error_log {work}/nginx-error.log;
@@ -59,7 +60,7 @@ http {{
   scgi_temp_path {work}/nginx-scgi;
   upstream router {{ server 127.0.0.1:{router_port}; keepalive 256; }}
   server {{
-    listen 127.0.0.1:{port} backlog=1024;
+    listen 127.0.0.1:{port}{ssl} backlog=1024;{certificates}
     location / {{
       proxy_pass http://router;
       proxy_http_version 1.1;
@@ -71,17 +72,26 @@ http {{
 """
 
 
-def start_nginx(work: str, router_port: int) -> tuple[subprocess.Popen, str]:
-    """nginx as a plain reverse proxy in front of the router: the reference hop."""
+def start_nginx(
+    work: str, router_port: int, tls: tuple[str, str] | None = None, name: str = "nginx"
+) -> tuple[subprocess.Popen, str]:
+    """nginx as a plain reverse proxy in front of the router: the reference hop. One process
+    (no master), so that its CPU time is that process's; `tls` (certificate, key): HTTPS."""
     binary = shutil.which("nginx") or "/usr/sbin/nginx"
     if not os.path.exists(binary):
         raise SystemExit("--nginx: no nginx binary (apt-get install nginx-light)")
     port = free_port()
+    work = os.path.join(work, name)
+    os.makedirs(work, exist_ok=True)
     conf = os.path.join(work, "nginx.conf")
+    ssl, certificates = "", ""
+    if tls:
+        ssl = " ssl"
+        certificates = f"\n    ssl_certificate {tls[0]};\n    ssl_certificate_key {tls[1]};"
     with open(conf, "w") as f:
-        f.write(NGINX_CONF.format(work=work, router_port=router_port, port=port))
+        f.write(NGINX_CONF.format(work=work, router_port=router_port, port=port, ssl=ssl, certificates=certificates))
     process = subprocess.Popen([binary, "-c", conf, "-p", work], stderr=subprocess.DEVNULL)
-    return process, f"http://127.0.0.1:{port}"
+    return process, f"{'https' if tls else 'http'}://127.0.0.1:{port}"
 
 
 async def closed_loop(url: str, seconds: float, concurrency: int) -> tuple[float, list[float], int]:

@@ -211,22 +211,24 @@ def listen_on(host: str, port: int) -> socket.socket:
 
 async def follow_files(keys: KeyRing | None, tls: DoorTls | None, every: float = 0.5) -> None:
     """The key file and the certificate read again when they change: a revoked key is refused
-    within `every` seconds and the time a reload takes."""
+    within `every` seconds and the time a reload takes (read on a thread: the door serves on)."""
     while True:
         await asyncio.sleep(every)
-        if keys is not None:
-            keys.check()
+        if keys is not None and keys.changed():
+            await keys.reload_aside()
         if tls is not None:
             tls.check()
 
 
 def reload_on_sighup(keys: KeyRing | None, tls: DoorTls | None) -> None:
     """SIGHUP reloads the key file and the certificate (a stop signal for the door without them)."""
+    reloads: set[asyncio.Future] = set()  # (a task only weakly held by the loop could be collected)
 
     def reload() -> None:
         logger.info("SIGHUP received: reloading the API keys and the certificate")
         if keys is not None:
-            keys.reload()
+            reloads.add(task := asyncio.ensure_future(keys.reload_aside()))
+            task.add_done_callback(reloads.discard)
         if tls is not None:
             tls.seen = ()
             tls.check()

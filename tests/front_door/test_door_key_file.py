@@ -157,3 +157,70 @@ def test_the_example_key_file_loads_and_its_keys_are_the_ones_it_names():
     assert ring.find(b"sk-motor-example-acme").tenant.limits.concurrent_requests == 16
     assert ring.find(b"sk-motor-example-trial").tenant.may_use("sim-tiny")
     assert not ring.find(b"sk-motor-example-trial").tenant.may_use("sim-tiny-lora-a")
+
+
+def many_keys(path, tenants: list[str], others: int) -> str:
+    """A key file of `tenants`' keys (KEYS) and `others` keys of a tenant of their own."""
+    keys = [{"id": f"{name}-1", "tenant": name, "sha256": digest(KEYS[name]).hex()} for name in tenants]
+    keys += [{"id": f"o-{i}", "tenant": "others", "sha256": digest(f"sk-other-{i}").hex()} for i in range(others)]
+    body = {"tenants": {name: {} for name in [*tenants, "others"]}, "keys": keys}
+    path.write_text(yaml.dump(body, Dumper=yaml.CSafeDumper))
+    return str(path)
+
+
+@pytest.mark.processes
+async def test_with_10000_keys_a_reload_stalls_no_client_and_a_revoked_key_is_refused_soon(tmp_path):
+    """Reading 10,000 keys took the door's event loop 3.6 s: every client waited that long at
+    each change of the file, and a revoked key was served for 4 s. Read aside, the door answers
+    on; with libyaml's parser the revocation takes about a second."""
+    router = StandIn()
+    runner, url = await serve_app(router.app())
+    path = tmp_path / "keys.yaml"
+    many_keys(path, ["acme", "beta"], 10_000)
+    door = await asyncio.to_thread(DoorProcess, url, door_log(tmp_path), {"m": None}, ["--api-keys", str(path)])
+    acme = post("/v1/completions", BODY, [("Authorization", f"Bearer {KEYS['acme']}")])
+    beta = post("/v1/completions", BODY, [("Authorization", f"Bearer {KEYS['beta']}")])
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", door.port)
+
+        async def answer(request: bytes) -> int:
+            writer.write(request)
+            got = b""
+            while not reads_whole(got, 1):
+                chunk = await asyncio.wait_for(reader.read(65536), 10)
+                assert chunk, "the connection closed"
+                got += chunk
+            return int(got.split(b" ")[1])
+
+        assert await answer(beta) == 200
+        many_keys(path, ["beta"], 10_000)  # acme's key revoked
+        revoked_at, longest, refused_after = time.monotonic(), 0.0, None
+        while time.monotonic() - revoked_at < 6:
+            began = time.monotonic()
+            assert await answer(beta) == 200
+            longest = max(longest, time.monotonic() - began)
+            if refused_after is None and await ask_plain(door.port, acme) == 401:
+                refused_after = time.monotonic() - revoked_at
+            await asyncio.sleep(0.02)
+        writer.close()
+        print(f"longest answer during the reload {longest:.3f} s; acme refused {refused_after} s after")
+        assert refused_after is not None and refused_after < 2.5, "the revoked key was still served"
+        assert longest < 0.5, f"a client waited {longest:.2f} s while the door read its key file"
+    finally:
+        door.stop()
+        await runner.cleanup()
+
+
+async def ask_plain(port: int, request: bytes) -> int:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        got = b""
+        while not reads_whole(got, 1):
+            chunk = await asyncio.wait_for(reader.read(65536), 10)
+            if not chunk:
+                break
+            got += chunk
+        return int(got.split(b" ")[1])
+    finally:
+        writer.close()
