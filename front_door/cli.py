@@ -294,7 +294,7 @@ async def serve(args: argparse.Namespace) -> None:
         followed.cancel()
         await door.close()
         if kv is not None:
-            kv.close()
+            await kv.close()
         await table_runner.cleanup()
 
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from motor.contract.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, block_key
+from motor.contract.kv_events import BLOCK_SIZE, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, block_key
 
 PENDING_S = 5.0
 
@@ -31,6 +31,8 @@ class EngineIndex:
         self._by_hash: dict[Any, tuple[str | None, bytes]] = {}  # engine block hash -> (adapter, door key)
         self._pending: dict[tuple[str | None, bytes], float] = {}  # sent here, not yet stored -> until
         self.seq = -1  # the last batch's sequence number (-1: none yet)
+        # Tokens a block, as the engine's events say (vLLM's CPU backend uses 128, its GPU ones 16).
+        self.block_size = BLOCK_SIZE
         self.gaps = 0
 
     def blocks(self) -> int:
@@ -70,7 +72,7 @@ class EngineIndex:
                 return  # its prefix is unknown to the door (a gap cleared it): keyed from the next root
             parent = known[1]
         keys = self.keys.setdefault(adapter, set())
-        size = event.block_size
+        size = self.block_size = event.block_size
         for index, block_hash in enumerate(event.block_hashes):
             tokens = event.token_ids[index * size : (index + 1) * size]
             if len(tokens) < size:

@@ -1,8 +1,7 @@
-"""A request's prompt as token ids, as the engine will tokenize it, for the door's KV-cache scorer.
-
-Only engines whose tokenizer the door has: the simulated engine's (motor/contract/sim_tokenizer.py).
-A real model's prompt would need its own tokenizer and chat template in the door; until then its
-requests are left to the router (None)."""
+"""A request's prompt as token ids, as the engine will tokenize it, for the door's KV-cache scorer,
+where the door knows them without asking: a prompt given as token ids, or any prompt of the
+simulated engine (its tokenizer is motor/contract/sim_tokenizer.py). A real engine's text prompt
+is tokenized by the engine itself (front_door/kv_tokenize.py)."""
 
 from __future__ import annotations
 
@@ -12,27 +11,26 @@ from typing import Any
 from motor.contract.sim_tokenizer import render_chat, tokenize
 
 SIM = "sim"
-TOKENIZERS = frozenset({SIM})
 
 
 def prompt_ids(path: str, body: bytes, tokenizer: str) -> list[int] | None:
-    """The prompt's token ids, or None when the door cannot know them."""
-    if tokenizer != SIM:
-        return None
+    """The prompt's token ids, or None when the door cannot know them here."""
     try:
         request: Any = json.loads(body)
     except ValueError:
         return None
     if not isinstance(request, dict):
         return None
+    prompt = request.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return prompt if tokenizer else None
+    if tokenizer != SIM:
+        return None
     if path.endswith("/chat/completions"):
         messages = request.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             return None
         return tokenize(render_chat(messages))
-    prompt = request.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-        return prompt
     if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
         prompt = "\n".join(prompt)
     return tokenize(prompt) if isinstance(prompt, str) else None

@@ -19,6 +19,7 @@ the prefix again elsewhere: no hot spot.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -30,9 +31,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from front_door.kv_events_feed import EventsFeed
 from front_door.kv_index import EngineIndex
-from front_door.kv_prompt import TOKENIZERS, prompt_ids
+from front_door.kv_prompt import SIM, prompt_ids
+from front_door.kv_tokenize import EngineTokenizer, tokenize_request
 from front_door.messages import Answer, Forward, Passed, Request
-from motor.contract.kv_events import prefix_keys
+from motor.contract.kv_events import BLOCK_SIZE, prefix_keys
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +102,7 @@ class KvRouting:
         self.engines: dict[str, Engine] = {}
         self._sent: dict[int, tuple[Engine, int]] = {}  # id(request) -> (its engine, its uncached blocks)
         self._context: zmq.asyncio.Context | None = None
+        self.tokenizer = EngineTokenizer()
         self.decisions = Counter(
             "motor_front_door_kv_decisions",
             "Requests by how the door routed them: cached (to the engine holding most of the prompt's "
@@ -162,40 +165,50 @@ class KvRouting:
         del self.engines[engine.engine_id]
         logger.info("KV routing: engine %s %s: its index dropped", engine.engine_id, why)
 
-    def close(self) -> None:
+    async def close(self) -> None:
         for engine in list(self.engines.values()):
             self._drop(engine, "closed")
         if self._context is not None:
             self._context.term()
+        await self.tokenizer.close()
 
     # Choosing ------------------------------------------------------------------------------------
 
-    def choose(self, model: str, path: str, body: bytes) -> tuple[Engine, int] | None:
-        """The engine for this request and the prompt's blocks it lacks, or None: left to the router."""
+    def candidates(self, model: str) -> tuple[list[Engine], str | None] | None:
+        """The engines that may take a request for `model` now, and its adapter (None: a base model)."""
         served = self.served()
         if model not in served:
             return None
         now = self.clock()
         candidates = [e for e in self.engines.values() if model in e.models and e.avoid_until <= now]
-        if not candidates or candidates[0].tokenizer not in TOKENIZERS:
-            return None
-        ids = prompt_ids(path, body, candidates[0].tokenizer)
-        if ids is None:
-            return None
-        adapter = model if served[model] is not None else None
-        keys = prefix_keys(ids)
-        best, best_cost, best_matched = None, (0.0, 0, 0.0), 0
+        return (candidates, model if served[model] is not None else None) if candidates else None
+
+    def choose(self, model: str, path: str, body: bytes) -> tuple[Engine, int] | None:
+        """The engine for this request and the prompt's blocks it lacks, or None: left to the router
+        (also when only the engine can tokenize the prompt: see `deciding`)."""
+        found = self.candidates(model)
+        ids = prompt_ids(path, body, found[0][0].tokenizer) if found is not None else None
+        return self.pick(model, *found, ids) if found is not None and ids is not None else None
+
+    def pick(self, model: str, candidates: list[Engine], adapter: str | None, ids: list[int]) -> tuple[Engine, int]:
+        """The cheapest of `candidates` for a prompt of `ids`, and what it lacks of the prompt, in
+        blocks of BLOCK_SIZE tokens (each engine's blocks are cut at its own size: costs compare)."""
+        cut: dict[int, list[bytes]] = {}  # block size -> the prompt's keys
+        best, best_cost, best_keys, best_matched = None, (0.0, 0, 0.0), [], 0
         for engine in candidates:
+            size = engine.index.block_size
+            keys = cut[size] if size in cut else cut.setdefault(size, prefix_keys(ids, size))
             matched = engine.index.matched(adapter, keys)
-            cost = self.overlap_weight * (len(keys) - matched) + engine.backlog + engine.in_flight
+            uncached = (len(keys) - matched) * size / BLOCK_SIZE
+            cost = self.overlap_weight * uncached + engine.backlog + engine.in_flight
             ranked = (cost, engine.in_flight, random.random())
             if best is None or ranked < best_cost:
-                best, best_cost, best_matched = engine, ranked, matched
-        best.index.sent(adapter, keys)
+                best, best_cost, best_keys, best_matched = engine, ranked, keys, matched
+        best.index.sent(adapter, best_keys)
         self.decisions.labels(model, "cached" if best_matched else "balanced").inc()
         self.blocks.labels(model, "yes").inc(best_matched)
-        self.blocks.labels(model, "no").inc(len(keys) - best_matched)
-        return best, len(keys) - best_matched
+        self.blocks.labels(model, "no").inc(len(best_keys) - best_matched)
+        return best, round((len(best_keys) - best_matched) * best.index.block_size / BLOCK_SIZE)
 
     def deciding(self, decide: Callable[[Request], Answer | Forward]) -> Callable[[Request], Answer | Forward]:
         """`decide` (the door's stages) followed by the choice of engine, for a completion it forwards."""
@@ -204,17 +217,40 @@ class KvRouting:
             decision = decide(request)
             if not isinstance(decision, Forward) or request.method != "POST" or request.path not in ROUTED_PATHS:
                 return decision
-            chosen = self.choose(request.label, request.path, decision.body or request.body)
-            if chosen is None:
-                self.decisions.labels(request.label, "router").inc()
-                return decision
-            engine, uncached = chosen
-            engine.in_flight += 1
-            engine.backlog += uncached
-            self._sent[id(request)] = (engine, uncached)
-            return Forward(decision.body, engine=engine.url)
+            body = decision.body or request.body
+            found = self.candidates(request.label)
+            if found is not None:
+                tokenizer = found[0][0].tokenizer
+                ids = prompt_ids(request.path, body, tokenizer)
+                if ids is not None:
+                    return self._sent_to(request, decision, self.pick(request.label, *found, ids))
+                asked = tokenize_request(request.path, body, request.label) if tokenizer not in ("", SIM) else None
+                if asked is not None:  # a real engine's text: its ids asked of an engine (the relay waits)
+                    return asyncio.ensure_future(self._tokenized(request, decision, asked))
+            self.decisions.labels(request.label, "router").inc()
+            return decision
 
         return decide_and_choose
+
+    async def _tokenized(self, request: Request, decision: Forward, asked: dict) -> Forward:
+        try:
+            found = self.candidates(request.label)
+            if found is not None:
+                ids = await self.tokenizer.ids(min(found[0], key=lambda e: e.in_flight).url, asked)
+                found = self.candidates(request.label)  # (the engines may have changed meanwhile)
+                if ids is not None and found is not None:
+                    return self._sent_to(request, decision, self.pick(request.label, *found, ids))
+        except Exception:  # noqa: BLE001 - a bug in choosing must not lose the request: the router has it
+            logger.exception("KV routing: choosing an engine failed")
+        self.decisions.labels(request.label, "router").inc()
+        return decision
+
+    def _sent_to(self, request: Request, decision: Forward, chosen: tuple[Engine, int]) -> Forward:
+        engine, uncached = chosen
+        engine.in_flight += 1
+        engine.backlog += uncached
+        self._sent[id(request)] = (engine, uncached)
+        return Forward(decision.body, engine=engine.url)
 
     def ending(self, ended: Callable[[Request | None, Passed], None]) -> Callable[[Request | None, Passed], None]:
         """`ended` (the door's), after the request's engine is given its place back."""

@@ -130,10 +130,29 @@ class ClientConnection(RequestReader):
             self._answer(request, refused.data)
             return
         decision = self.relay.decide(request)
+        if isinstance(decision, asyncio.Future):  # a choice that waits on a call (front_door/kv_tokenize.py)
+            decision.add_done_callback(functools.partial(self._decided, request))
+            return
         if isinstance(decision, Answer):
             self._answer(request, decision.data)
             return
         self._forward(request, decision.body, decision.engine)
+
+    def _decided(self, request: Request, future: asyncio.Future) -> None:
+        decision = None if future.cancelled() or future.exception() else future.result()
+        if self.closing:  # the client went while the choice was made: what was taken is given back
+            if isinstance(decision, Forward):
+                self.relay.began(request)
+                self.relay.ended(request, Passed())
+            return
+        if decision is None:
+            logger.error("choosing where a request goes failed: %r; it goes to the router", future.exception())
+            decision = Forward()
+        if isinstance(decision, Answer):
+            self._answer(request, decision.data)
+        else:
+            self._forward(request, decision.body, decision.engine)
+        self._next()
 
     def _answer(self, request: Request, data: bytes) -> None:
         self.transport.write(data)

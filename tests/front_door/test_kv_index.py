@@ -112,3 +112,20 @@ def test_an_engine_that_leaves_the_table_or_is_replaced_loses_its_index():
     assert kv.engines["a"] is not old and kv.engines["a"].index.blocks() == 0 and old.index.blocks() == 0
     assert kv.take([engine("b")]) is None and set(kv.engines) == {"b"}
     assert kv.take([{"engine_id": "x"}]) is not None  # refused: no URL
+
+
+def test_an_engine_with_128_token_blocks_is_matched_at_its_own_block_size():
+    """vLLM's CPU backend caches 128-token blocks: the prompt is cut at the size its events carry
+    (cut at 16 tokens, no key would ever match theirs)."""
+    kv = routing([engine("a"), engine("b")])
+    ids = tokenize(SYSTEM + " q")  # 161 ids: one full block of 128
+    event = BlockStored([7], None, ids[:128], 128, None, "GPU", None)
+    kv.engines["b"].index.apply(0, batch(event))
+    assert kv.engines["b"].index.block_size == 128
+    chosen, uncached = kv.choose("m", "/v1/completions", body(SYSTEM + " another"))
+    assert chosen is kv.engines["b"] and uncached == 0
+    kv.engines["b"].in_flight = 7  # its queue: still cheaper than the 128 tokens (8 blocks of 16) elsewhere
+    assert kv.choose("m", "/v1/completions", body(SYSTEM + " more"))[0] is kv.engines["b"]
+    kv.engines["b"].in_flight = 11
+    chosen, uncached = kv.choose("m", "/v1/completions", body(SYSTEM + " more"))
+    assert chosen is kv.engines["a"] and uncached == 10  # a's 16-token blocks: 10 full ones

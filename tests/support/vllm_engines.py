@@ -73,6 +73,8 @@ def vllm_cluster(
     engines: int = 1,
     router: bool = False,
     env: dict[str, str] | None = None,
+    controller_args: tuple[str, ...] = (),
+    door_args: tuple[str, ...] = (),
 ) -> Iterator[tuple[LocalCluster, controller_pb2_grpc.ControllerServiceStub]]:
     """A LocalCluster of one node manager (its engines inherit its environment: `vllm_env`, and
     `env`) with a deployment "vllm" of `engines` prefill instances on the tiny model, each engine
@@ -87,6 +89,8 @@ def vllm_cluster(
         engine_port_base=engine_port_base,
         router_port=0 if router else None,
         extra_node_args=["--model-root", os.path.dirname(tiny_model)],
+        extra_controller_args=list(controller_args),
+        door_args=list(door_args),
     )
     with pytest.MonkeyPatch.context() as patch:
         for name, value in {**vllm_env, **(env or {})}.items():
