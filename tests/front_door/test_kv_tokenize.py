@@ -15,6 +15,7 @@ from front_door.kv_tokenize import tokenize_request
 from front_door.messages import Forward, Request
 from motor.contract.kv_events import BlockStored, EventBatch
 from tests.support import serve_app
+from tests.support.keyed_door import KEYS, StandIn, exchange, keyed_door, post
 
 CHANGED = b'{"model": "tiny", "prompt": "x"}'  # the body as the door's stages left it
 SYSTEM = "You are a careful assistant. " * 20
@@ -133,3 +134,44 @@ def test_what_is_asked_of_tokenize():
     assert tokenize_request("/v1/chat/completions", b'{"messages": []}', "m") is None
     assert tokenize_request("/v1/completions", b"[1]", "m") is None
     assert tokenize_request("/v1/completions", b"{", "m") is None
+
+
+class TokenizingEngine:
+    """An engine: /tokenize after `delay`, completions answered (the router stand-in's)."""
+
+    def __init__(self, delay: float) -> None:
+        self.tokenizer, self.completions = Engine(delay=delay), StandIn()
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/tokenize", self.tokenizer.tokenize)
+        app.router.add_post("/v1/completions", self.completions.completion)
+        return app
+
+
+async def test_a_client_gone_while_its_prompt_is_tokenized_gives_back_what_it_took(tmp_path):
+    """The tenant's only concurrent slot and the engine's place are given back when the client
+    leaves before the door has chosen; a request waiting on /tokenize then goes on as usual."""
+    engine = TokenizingEngine(delay=0.5)
+    runner, url = await serve_app(engine.app())
+    door, _, cleanup = await keyed_door(tmp_path / "keys.yaml", {"acme": {"limits": {"concurrent_requests": 1}}})
+    kv = KvRouting.install(door, type("Table", (), {"take_engines": None})())
+    assert kv.take([{"engine_id": "e0", "generation": 1, "url": url, "models": ["m"], "tokenizer": "/m"}]) is None
+    request = post(
+        "/v1/completions", {"model": "m", "prompt": "hello there"}, [("Authorization", f"Bearer {KEYS['acme']}")]
+    )
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", door.port)
+        writer.write(request)
+        await asyncio.sleep(0.1)
+        writer.close()  # gone while the engine tokenizes
+        await asyncio.sleep(0.8)
+        assert kv.engines["e0"].in_flight == 0 and engine.completions.seen == []
+        answer = await exchange(door.port, request)  # 429 if the slot had not been given back
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+        assert len(engine.completions.seen) == 1, "not sent to the engine the door chose"
+        assert kv.engines["e0"].in_flight == 0
+    finally:
+        await kv.close()
+        await cleanup()
+        await runner.cleanup()
