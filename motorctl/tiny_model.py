@@ -44,6 +44,11 @@ LEAN_CPU_ARGS = {
 }
 
 
+def corpus_words() -> list[str]:
+    """The words the tiny model's tokenizer was trained on (one or two tokens each to it)."""
+    return sorted({word.strip(".,!?:") for line in _CORPUS_LINES for word in line.split()} - {""})
+
+
 def _corpus() -> list[str]:
     lines = []
     for i in range(40):
