@@ -7,7 +7,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.support import REPO_ROOT
+
+pytestmark = pytest.mark.processes  # (one interpreter importing them all)
 
 CHECK = """
 import importlib, sys, traceback
