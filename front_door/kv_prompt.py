@@ -13,14 +13,18 @@ from motor.contract.sim_tokenizer import render_chat, tokenize
 SIM = "sim"
 
 
-def prompt_ids(path: str, body: bytes, tokenizer: str) -> list[int] | None:
-    """The prompt's token ids, or None when the door cannot know them here."""
+def json_object(body: bytes) -> dict[str, Any] | None:
+    """A request's body read once for the scorer (kv_tokenize.py's request too): None if it is
+    not a JSON object."""
     try:
         request: Any = json.loads(body)
     except ValueError:
         return None
-    if not isinstance(request, dict):
-        return None
+    return request if isinstance(request, dict) else None
+
+
+def prompt_ids(path: str, request: dict[str, Any], tokenizer: str) -> list[int] | None:
+    """The prompt's token ids, or None when the door cannot know them here."""
     prompt = request.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
         return prompt if tokenizer else None

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from front_door.kv_events_feed import EventsFeed
 from front_door.kv_index import EngineIndex
-from front_door.kv_prompt import SIM, prompt_ids
+from front_door.kv_prompt import SIM, json_object, prompt_ids
 from front_door.kv_tokenize import EngineTokenizer, tokenize_request
 from front_door.messages import Answer, Forward, Passed, Request
 from motor.contract.kv_events import BLOCK_SIZE, prefix_keys
@@ -186,8 +186,8 @@ class KvRouting:
     def choose(self, model: str, path: str, body: bytes) -> tuple[Engine, int] | None:
         """The engine for this request and the prompt's blocks it lacks, or None: left to the router
         (also when only the engine can tokenize the prompt: see `deciding`)."""
-        found = self.candidates(model)
-        ids = prompt_ids(path, body, found[0][0].tokenizer) if found is not None else None
+        found, request = self.candidates(model), json_object(body)
+        ids = prompt_ids(path, request, found[0][0].tokenizer) if found is not None and request is not None else None
         return self.pick(model, *found, ids) if found is not None and ids is not None else None
 
     def pick(self, model: str, candidates: list[Engine], adapter: str | None, ids: list[int]) -> tuple[Engine, int]:
@@ -217,14 +217,14 @@ class KvRouting:
             decision = decide(request)
             if not isinstance(decision, Forward) or request.method != "POST" or request.path not in ROUTED_PATHS:
                 return decision
-            body = decision.body or request.body
             found = self.candidates(request.label)
-            if found is not None:
+            parsed = json_object(decision.body or request.body) if found is not None else None
+            if found is not None and parsed is not None:
                 tokenizer = found[0][0].tokenizer
-                ids = prompt_ids(request.path, body, tokenizer)
+                ids = prompt_ids(request.path, parsed, tokenizer)
                 if ids is not None:
                     return self._sent_to(request, decision, self.pick(request.label, *found, ids))
-                asked = tokenize_request(request.path, body, request.label) if tokenizer not in ("", SIM) else None
+                asked = tokenize_request(request.path, parsed, request.label) if tokenizer not in ("", SIM) else None
                 if asked is not None:  # a real engine's text: its ids asked of an engine (the relay waits)
                     return asyncio.ensure_future(self._tokenized(request, decision, asked))
             self.decisions.labels(request.label, "router").inc()

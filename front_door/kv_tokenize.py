@@ -12,7 +12,6 @@ router, as a prompt the door cannot read always was.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -28,14 +27,9 @@ CHAT_FIELDS = ("add_generation_prompt", "continue_final_message", "tools", "chat
                "add_special_tokens", "documents", "mm_processor_kwargs")  # fmt: skip
 
 
-def tokenize_request(path: str, body: bytes, model: str) -> dict[str, Any] | None:
-    """vLLM's /tokenize body for this completion's prompt, or None (no one prompt to tokenize)."""
-    try:
-        request: Any = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(request, dict):
-        return None
+def tokenize_request(path: str, request: dict[str, Any], model: str) -> dict[str, Any] | None:
+    """vLLM's /tokenize body for this completion's prompt (`request`, its body read:
+    kv_prompt.json_object), or None (no one prompt to tokenize)."""
     if path.endswith("/chat/completions"):
         messages = request.get("messages")
         if not isinstance(messages, list) or not messages:

@@ -10,6 +10,7 @@ import json
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from front_door.kv_prompt import json_object
 from front_door.kv_routing import KvRouting
 from front_door.kv_tokenize import tokenize_request
 from front_door.messages import Forward, Request
@@ -128,12 +129,16 @@ async def test_a_tokenizer_that_fails_or_is_slow_leaves_the_request_to_the_route
 
 
 def test_what_is_asked_of_tokenize():
-    assert tokenize_request("/v1/completions", b'{"prompt": ["one"]}', "m") == {"model": "m", "prompt": "one"}
-    assert tokenize_request("/v1/completions", b'{"prompt": ["one", "two"]}', "m") is None  # two answers
-    assert tokenize_request("/v1/completions", b'{"prompt": 3}', "m") is None
-    assert tokenize_request("/v1/chat/completions", b'{"messages": []}', "m") is None
-    assert tokenize_request("/v1/completions", b"[1]", "m") is None
-    assert tokenize_request("/v1/completions", b"{", "m") is None
+    def asked(path: str, body: bytes):
+        request = json_object(body)
+        return None if request is None else tokenize_request(path, request, "m")
+
+    assert asked("/v1/completions", b'{"prompt": ["one"]}') == {"model": "m", "prompt": "one"}
+    assert asked("/v1/completions", b'{"prompt": ["one", "two"]}') is None  # two answers
+    assert asked("/v1/completions", b'{"prompt": 3}') is None
+    assert asked("/v1/chat/completions", b'{"messages": []}') is None
+    assert asked("/v1/completions", b"[1]") is None
+    assert asked("/v1/completions", b"{") is None
 
 
 class TokenizingEngine:
