@@ -34,6 +34,7 @@ import aiohttp  # noqa: E402
 
 from motor.ports import free_port  # noqa: E402
 from motorctl.tiny_model import LEAN_CPU_ARGS, ensure_tiny_model  # noqa: E402
+from tests.support.vllm_engines import offline_vllm_env  # noqa: E402
 
 VENV_BIN = os.path.join(REPO_ROOT, ".venv", "bin")
 
@@ -137,11 +138,7 @@ def main() -> int:
         return 2
     work = tempfile.mkdtemp(prefix="motor-bench-vllm-")
     model = ensure_tiny_model(os.path.join(work, "tiny-llama"))
-    env = dict(os.environ)
-    env.update(
-        HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-        VLLM_CACHE_ROOT=os.path.join(work, "cache"), TORCHINDUCTOR_CACHE_DIR=os.path.join(work, "cache"),
-    )  # fmt: skip
+    env = {**os.environ, **offline_vllm_env(os.path.join(work, "cache"))}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
 
     es_port, es_mgmt, vllm_port = free_port(), free_port(), free_port()

@@ -172,20 +172,12 @@ class VllmFleet(Fleet):
     def __init__(self, work: Path, engines: int, blocks: int):
         from tokenizers import Tokenizer
 
-        from tests.support.vllm_engines import vllm_config
+        from tests.support.vllm_engines import offline_vllm_env, vllm_config
 
         path = ensure_tiny_model(str(work / "tiny-llama"))
         self._tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-        cache = work / "vllm-cache"
-        os.environ.update(
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            VLLM_NO_USAGE_STATS="1",
-            DO_NOT_TRACK="1",
-            VLLM_CACHE_ROOT=str(cache / "vllm"),
-            TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
-            VLLM_SERVER_DEV_MODE="1",
-        )  # fmt: skip  (dev mode: /reset_prefix_cache between workloads)
+        # (dev mode: /reset_prefix_cache between workloads)
+        os.environ.update(offline_vllm_env(str(work / "vllm-cache")), VLLM_SERVER_DEV_MODE="1")
         os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
         # A block: K and V, 2 layers, 4 heads of 32 floats, 128 tokens.
         block_bytes = 2 * 2 * 4 * 32 * 4 * self.block_size

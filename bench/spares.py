@@ -45,6 +45,7 @@ from motor.v1 import controller_pb2 as C  # noqa: E402
 from motor.v1 import controller_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc  # noqa: E402
 from motorctl.local_cluster import LocalCluster  # noqa: E402
 from motorctl.tiny_model import LEAN_CPU_ARGS, ensure_tiny_model  # noqa: E402
+from tests.support.vllm_engines import offline_vllm_env  # noqa: E402
 
 SERVING = 2
 STALLED = 1.0
@@ -202,13 +203,7 @@ def main() -> int:
     if args.engine == "vllm":  # the tests' tiny random-weight model, built once; vLLM offline
         cache = tempfile.mkdtemp(prefix="spares-vllm-")
         args.model_path = ensure_tiny_model(os.path.join(tempfile.gettempdir(), "motor-bench-tiny-llama"))
-        os.environ.update(
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            VLLM_NO_USAGE_STATS="1",
-            VLLM_CACHE_ROOT=os.path.join(cache, "vllm"),
-            TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
-        )
+        os.environ.update(offline_vllm_env(cache))
     if args.kills < 1:
         parser.error("--kills: at least 1")
     results = {}

@@ -55,7 +55,7 @@ from tests.support.stream_faults import (  # noqa: E402
     router_decisions,
     total,
 )
-from tests.support.vllm_engines import engine_core_of, vllm_cluster, vllm_config  # noqa: E402
+from tests.support.vllm_engines import engine_core_of, offline_vllm_env, vllm_cluster, vllm_config  # noqa: E402
 
 FAULTS = ("sigkill", "sigstop", "scale_down")
 FLAG = "--stream-continuations"
@@ -266,15 +266,7 @@ def main() -> None:
         "return_token_ids": True,
         "stream_options": {"include_usage": True},
     }
-    env = {
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "VLLM_CACHE_ROOT": os.path.join(work, "vllm-cache"),
-        "TORCHINDUCTOR_CACHE_DIR": os.path.join(work, "inductor"),
-        "TMPDIR": work,
-    }
+    env = {**offline_vllm_env(work), "TMPDIR": work}
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     started = time.monotonic()
     with vllm_cluster(

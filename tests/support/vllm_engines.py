@@ -56,6 +56,19 @@ SUCCESS = types_pb2.PROBE_OUTCOME_SUCCESS
 FAILURE = types_pb2.PROBE_OUTCOME_FAILURE
 
 
+def offline_vllm_env(cache: str) -> dict[str, str]:
+    """The variables vLLM runs on the tiny model with here: offline, no usage reports, its caches
+    under `cache` (for the tests and the benches alike)."""
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_CACHE_ROOT": os.path.join(cache, "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
+    }
+
+
 def vllm_installed() -> bool:
     return import_util.find_spec("vllm") is not None
 

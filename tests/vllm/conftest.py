@@ -13,7 +13,7 @@ import pytest
 
 from motorctl.tiny_model import ensure_tiny_model
 from tests.support import require
-from tests.support.vllm_engines import vllm_installed
+from tests.support.vllm_engines import offline_vllm_env, vllm_installed
 
 
 @pytest.fixture(scope="session")
@@ -26,15 +26,6 @@ def tiny_model(tmp_path_factory) -> str:
 def vllm_env(tmp_path_factory) -> dict[str, str]:
     """Environment for vLLM processes: offline, caches in a temporary folder."""
     cache = tmp_path_factory.mktemp("vllm-cache")
-    env = dict(os.environ)
-    env.update(
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
-        VLLM_CACHE_ROOT=str(cache / "vllm"),
-        TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
-        TMPDIR=str(cache),
-    )
+    env = {**os.environ, **offline_vllm_env(str(cache)), "TMPDIR": str(cache)}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # the engine server makes its own
     return env
