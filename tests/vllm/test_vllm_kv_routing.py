@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 
 import pytest
@@ -18,6 +17,7 @@ from motor.v1 import controller_pb2
 from motorctl.up import KV_ROUTING_CONTROLLER, KV_ROUTING_DOOR
 from tests.support import wait_for
 from tests.support.open_load import http
+from tests.support.scraped import kv_decisions, metric
 from tests.support.vllm_engines import START_TIMEOUT, vllm_cluster, vllm_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -52,15 +52,8 @@ def both_listed(stub) -> list[controller_pb2.Endpoint]:
     return wait_for(listed, timeout=START_TIMEOUT, interval=0.5, what="both vLLM engines listed")
 
 
-def metric(url: str, name: str, labels: str = "") -> float:
-    status, text = http("GET", url + "/metrics", timeout=10)
-    assert status == 200, text
-    labelled = rf"\{{[^}}]*{labels}[^}}]*\}}" if labels else r"(?:\{[^}]*\})?"
-    return sum(float(v) for v in re.findall(rf"^{name}{labelled} (\S+)$", text, re.M))
-
-
 def decisions(local, reason: str) -> float:
-    return metric(local.router_url, "motor_front_door_kv_decisions_total", f'reason="{reason}"')
+    return kv_decisions(local.router_url, reason)
 
 
 def ask(local, model: str, prompt: str) -> None:

@@ -6,7 +6,6 @@ router, 0 failed requests) and its index is dropped when the table no longer lis
 from __future__ import annotations
 
 import json
-import re
 import time
 import urllib.request
 
@@ -17,16 +16,10 @@ from tests.support.door_process import DoorProcess, door_log
 from tests.support.engine_server_process import EngineServerProcess, sim_config
 from tests.support.open_load import http
 from tests.support.router_process import RouterProcess
+from tests.support.scraped import kv_decisions, metric
 
 MODEL = "sim-tiny"
 SYSTEM = " ".join(f"rule{n}" for n in range(320))  # 20 blocks of 16 tokens
-
-
-def metric(url: str, name: str, labels: str = "") -> float:
-    status, text = http("GET", url + "/metrics")
-    assert status == 200, text
-    labelled = rf"\{{[^}}]*{labels}[^}}]*\}}" if labels else r"(?:\{[^}]*\})?"
-    return sum(float(v) for v in re.findall(rf"^{name}{labelled} (\S+)$", text, re.M))
 
 
 def push(door: DoorProcess, engines) -> None:
@@ -81,11 +74,11 @@ def test_a_repeated_prefix_goes_to_its_engine_and_a_dead_engine_gets_nothing(tmp
         assert (served(holder), served(other)) == (7, 0)
         hits = metric(f"http://127.0.0.1:{holder.port}", "vllm:prefix_cache_hits_total")
         assert hits == 6 * 320, hits  # each repeat found the 20 blocks cached
-        assert metric(door.url, "motor_front_door_kv_decisions_total", 'reason="cached"') == 6
+        assert kv_decisions(door.url, "cached") == 6
 
         holder.stop()  # dead before the sync says so: the door's choice fails, the router takes it
         ask(door, "after the holder died")
-        assert metric(door.url, "motor_front_door_kv_decisions_total", 'reason="fallback"') == 1
+        assert kv_decisions(door.url, "fallback") == 1
         assert served(other) == 1
         push(door, [(1 if other is engines[1] else 0, other)])  # the sync's next push: the holder gone
         wait_for(lambda: metric(door.url, "motor_front_door_kv_indexed_blocks") <= 20, timeout=5, interval=0.1,
@@ -93,7 +86,7 @@ def test_a_repeated_prefix_goes_to_its_engine_and_a_dead_engine_gets_nothing(tmp
         for n in range(3):
             ask(door, f"again {n}")
         assert served(other) == 4
-        assert metric(door.url, "motor_front_door_kv_decisions_total", 'reason="fallback"') == 1
+        assert kv_decisions(door.url, "fallback") == 1
     finally:
         if door is not None:
             door.stop()

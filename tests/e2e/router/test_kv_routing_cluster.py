@@ -19,6 +19,7 @@ from motor.v1 import controller_pb2, controller_pb2_grpc
 from motorctl.up import KV_ROUTING_CONTROLLER, KV_ROUTING_DOOR
 from tests.support import wait_for
 from tests.support.router_process import routed_cluster
+from tests.support.scraped import kv_decisions, metric
 
 pytestmark = pytest.mark.processes
 
@@ -59,14 +60,8 @@ def endpoints(cluster) -> list:
         return list(stub.ListEndpoints(controller_pb2.ListEndpointsRequest(), timeout=5).endpoints)
 
 
-def metric(url: str, name: str, labels: str = "") -> float:
-    text = httpx.get(url + "/metrics", timeout=5).text
-    labelled = rf"\{{[^}}]*{labels}[^}}]*\}}" if labels else r"(?:\{[^}]*\})?"
-    return sum(float(v) for v in re.findall(rf"^{name}{labelled} (\S+)$", text, re.M))
-
-
 def decisions(cluster, reason: str) -> float:
-    return metric(cluster.router_url, "motor_front_door_kv_decisions_total", f'reason="{reason}"')
+    return kv_decisions(cluster.router_url, reason)
 
 
 def ask(cluster, prompt: str) -> None:
