@@ -208,19 +208,6 @@ class VllmFleet(Fleet):
                 status, text = engine.http("POST", "/v1/completions", body, timeout=120)
                 assert status == 200, text
 
-    def reset(self) -> None:
-        """The caches emptied, then a short request to each engine (no full block: nothing cached)
-        and its engine serving: here the first request after vLLM's reset sometimes made no
-        progress for over 2 s, which the stall watchdog rightly took out of traffic."""
-        super().reset()
-        for engine in self.engines:
-            body = {"model": self.model, "prompt": "hello", "max_tokens": 2}
-            assert engine.http("POST", "/v1/completions", body, timeout=60)[0] == 200
-            deadline = time.monotonic() + 15
-            while engine.status().not_serving_reason:
-                assert time.monotonic() < deadline, engine.status().not_serving_reason
-                time.sleep(0.2)
-
     def ids(self, prompt: str) -> list[int]:
         return self._tokenizer.encode(prompt).ids  # (its post-processor adds the BOS, as vLLM's completions do)
 
