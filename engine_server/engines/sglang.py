@@ -14,19 +14,29 @@ Argument mapping (engine_args -> SGLang flags):
   --kv-port (prefill) -> --disaggregation-bootstrap-port; --dp-rpc-port -> --dist-init-addr
   <master_dp_ip>:<dp_rpc_port>; --enable-metrics always.
 `launcher` replaces `python -m sglang.launch_server` (a wrapper script, a container entry point).
+
+The engines' key (motor/engine_key.py), when Motor holds one, becomes SGLang's `api_key`, so that
+SGLang's own HTTP layer answers 401 to a caller without it. It never goes on the command line
+(every user of the host reads those): it is written, 0600 in a folder of the engine server's own,
+to a YAML file SGLang reads with `--config` (keys of that file become flags; SGLang 0.5.23's
+server_args_config_parser), and the folder is removed when SGLang exits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 
 from engine_server.engines.base import EngineBackend, EngineOptions
 from motor.contract.engine_args import SglangArgs
 from motor.contract.exits import describe_returncode
+from motor.engine_key import engine_key
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +76,16 @@ def sglang_command(args: SglangArgs, options: EngineOptions) -> list[str]:
     return command + list(args.extra_args)
 
 
+def write_key_config(key: str) -> str:
+    """A YAML file, readable by this user alone in a folder of its own, that gives SGLang `key` as
+    its api_key; returns its path (SGLang wants a .yaml suffix)."""
+    folder = tempfile.mkdtemp(prefix="motor-sglang-")  # 0700
+    path = os.path.join(folder, "engine-key.yaml")
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as held:
+        held.write(f"api-key: {json.dumps(key)}\n")  # a JSON string is a YAML string
+    return path
+
+
 def describe_exit(returncode: int) -> str:
     return f"SGLang {describe_returncode(returncode)}"
 
@@ -76,16 +96,29 @@ class SglangEngine(EngineBackend, engine_type="sglang", args_model=SglangArgs):
         self.command = sglang_command(self.args, options)
         self.process: asyncio.subprocess.Process | None = None
         self._exited: asyncio.Task | None = None
+        self._key_config: str | None = None
 
     async def start(self) -> None:
-        launch = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *self.command]
-        logger.info("starting SGLang: %s", " ".join(self.command))
+        command = self.command
+        key = engine_key()
+        if key:
+            self._key_config = write_key_config(key)
+            command = [*command, "--config", self._key_config]
+        launch = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
+        logger.info("starting SGLang: %s", " ".join(command))
         try:
             self.process = await asyncio.create_subprocess_exec(*launch, start_new_session=True)
         except OSError as exc:
-            raise RuntimeError(f"cannot start SGLang ({self.command[0]}): {exc.strerror}") from None
+            self._forget_key()
+            raise RuntimeError(f"cannot start SGLang ({command[0]}): {exc.strerror}") from None
         self._exited = asyncio.ensure_future(self.process.wait())
+        self._exited.add_done_callback(lambda _: self._forget_key())
         logger.info("SGLang pid %d (own process group)", self.process.pid)
+
+    def _forget_key(self) -> None:
+        if self._key_config:
+            shutil.rmtree(os.path.dirname(self._key_config), ignore_errors=True)
+            self._key_config = None
 
     async def wait_dead(self) -> str:
         assert self._exited is not None, "start() first"

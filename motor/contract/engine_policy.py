@@ -68,7 +68,7 @@ CODE_FLAGS = {"trust_remote_code": "it runs Python code shipped with the model"}
 # to import. Paths among their values must still lie inside a model root.
 SGLANG_EXTRA_FLAGS = frozenset(
     """
-    allow_auto_truncate api_key attention_backend chat_template chunked_prefill_size context_length
+    allow_auto_truncate attention_backend chat_template chunked_prefill_size context_length
     cuda_graph_bs_decode cuda_graph_bs_prefill cuda_graph_max_bs_decode cuda_graph_max_bs_prefill
     decode_log_interval disable_cuda_graph disable_overlap_schedule disable_radix_cache
     disaggregation_ib_device dp_size dtype enable_cache_report enable_dp_attention enable_mixed_chunk
@@ -82,6 +82,14 @@ SGLANG_EXTRA_FLAGS = frozenset(
     torch_compile_max_bs tp_size watchdog_timeout
     """.split()
 )
+
+# SGLang flags the engine server passes itself: a request's own would undo them.
+SGLANG_MOTOR_FLAGS = {
+    "api_key": "Motor gives SGLang the engines' key itself (MOTOR_ENGINE_API_KEY, docs/security.md); "
+    "a key of the request's own would lock Motor's probes and front door out",
+    "config": "the engine server passes SGLang's --config itself (the file that holds the engines' key); "
+    "give the flags in extra_args instead",
+}
 
 _DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+(:[A-Za-z_]\w*)?")
 _OPTION = re.compile(r"-+[A-Za-z]")
@@ -253,6 +261,8 @@ def _check_sglang_extra_args(extra_args: Any, where: str) -> None:
         name = normalise(flag)
         path = f"{where}[{index}]"
         _check_key(path, name, True)
+        if name in SGLANG_MOTOR_FLAGS:
+            raise InvalidArgument(f"{path}: {flag}: {SGLANG_MOTOR_FLAGS[name]}")
         if name not in SGLANG_SERVER_FLAGS:
             close = difflib.get_close_matches(name, SGLANG_EXTRA_FLAGS, n=1)
             hint = f"; did you mean --{close[0].replace('_', '-')}?" if close else ""

@@ -7,13 +7,17 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import sys
+import urllib.error
+import urllib.request
 
 import psutil
 import pytest
 
 from engine_server.engines.base import EngineOptions
 from engine_server.engines.sglang import SglangArgs, SglangEngine, sglang_command
+from motor.engine_key import ENGINE_KEY_ENV, authorization
 from motor.errors import ConfigError
 from motor.v1 import types_pb2
 from tests.support import process_alive, wait_for
@@ -63,7 +67,7 @@ def test_every_mapped_flag_is_one_sglang_knows():
         "mem_fraction_static": 0.8, "context_length": 4096, "trust_remote_code": True,
         "disaggregation_mode": "prefill", "disaggregation_transfer_backend": "nixl",
         "disaggregation_bootstrap_port": 9100, "dist_init_addr": "10.0.0.1:9200", "enable_metrics": True,
-        "log_level": None,
+        "log_level": None, "api_key": None,
     }  # fmt: skip
     decode = sglang_parser().parse_args(sglang_command(SglangArgs(model_path="m"), options("decode"))[3:])
     assert decode.disaggregation_mode == "decode" and decode.enable_metrics
@@ -179,3 +183,33 @@ def test_engines_do_not_phone_home_unless_the_section_asks(sglang_server, monkey
         assert told == {"VLLM_NO_USAGE_STATS": None, "DO_NOT_TRACK": None}
     else:
         assert told == {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+@pytest.mark.processes
+def test_sglang_takes_the_engines_key_from_a_private_file_never_the_command_line(sglang_server, monkeypatch):
+    """With the engines' key set, SGLang itself answers 401 to a caller without it (the stand-in
+    checks only the api_key SGLang would have been given), the engine server's probes carry it,
+    the key is on no command line, and its file (0600) is gone once SGLang has stopped."""
+    key = "sk-motor-engine-test-" + "k" * 20
+    monkeypatch.setenv(ENGINE_KEY_ENV, key)
+    es, launch = sglang_server()
+    argv = launch["argv"]
+    assert not [arg for arg in argv if key in arg], argv
+    held = argv[argv.index("--config") + 1]
+    assert stat.S_IMODE(os.stat(held).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(held)).st_mode) == 0o700
+    assert all(key not in " ".join(psutil.Process(pid).cmdline()) for pid in (launch["pid"], es.process.pid))
+    es.wait_status(NORMAL)
+    wait_for(lambda: es.status().last_probe.outcome == types_pb2.PROBE_OUTCOME_SUCCESS, timeout=15, what="a probe")
+
+    def models(headers: dict) -> int:
+        request = urllib.request.Request(f"http://127.0.0.1:{es.port}/v1/models", headers=headers)
+        try:
+            return urllib.request.urlopen(request, timeout=10).status
+        except urllib.error.HTTPError as refused:
+            return refused.code
+
+    assert [models({}), models({"Authorization": "Bearer wrong"}), models(authorization(key))] == [401, 401, 200]
+    os.kill(es.process.pid, signal.SIGTERM)
+    assert es.wait_exit(timeout=30) == 0
+    assert not os.path.exists(os.path.dirname(held))

@@ -170,6 +170,8 @@ def test_vllm_code_keys_in_every_spelling_and_json_strings_are_refused(engine_ar
         (["-c", "x"], 0, "-c is not an SGLang 0.5.23 flag"),
         (["--chunked-prefil-size", "8"], 0, "not an SGLang 0.5.23 flag; did you mean --chunked-prefill-size?"),
         (["evil"], 0, "must start with a --flag"),
+        (["--api-key", "sk-own"], 0, "--api-key: Motor gives SGLang the engines' key itself"),
+        (["--dp-size", "2", "--config", "x.yaml"], 2, "--config: the engine server passes SGLang's --config"),
         (["--tokenizer-path", "/etc"], 1, "'/etc' is a local path outside"),
     ],
 )
@@ -336,7 +338,7 @@ def test_the_sglang_allow_list_names_only_flags_of_the_pinned_sglang():
     assert SGLANG_EXTRA_FLAGS - SGLANG_SERVER_FLAGS == set()
     passed = {"model_path", "host", "port", "served_model_name", "tp_size", "mem_fraction_static",
               "context_length", "trust_remote_code", "disaggregation_mode", "disaggregation_transfer_backend",
-              "disaggregation_bootstrap_port", "dist_init_addr", "enable_metrics"}  # fmt: skip
+              "disaggregation_bootstrap_port", "dist_init_addr", "enable_metrics", "config", "api_key"}  # fmt: skip
     assert passed - SGLANG_SERVER_FLAGS == set()
 
 

@@ -14,8 +14,11 @@ import signal
 import subprocess
 import sys
 
+import yaml
+
 from engine_server.engines.base import EngineOptions
 from engine_server.engines.sim import SimEngine
+from motor.engine_key import ENGINE_KEY_ENV, ENGINE_KEY_FILE_ENV
 
 SCRIPT = os.path.abspath(__file__)  # run as the launched command: [sys.executable, SCRIPT, ...]
 
@@ -39,12 +42,36 @@ def sglang_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dist-init-addr")
     parser.add_argument("--enable-metrics", action="store_true")
     parser.add_argument("--log-level")  # what the tests pass through extra_args
+    parser.add_argument("--api-key")
     return parser
 
 
+def parse_like_sglang(argv: list[str]) -> argparse.Namespace:
+    """SGLang's own handling of `--config FILE.yaml` (server_args_config_parser.py): one at most,
+    a .yaml/.yml suffix, each key of the file turned into a flag placed before the command line's
+    (which wins)."""
+    configs = [i for i, arg in enumerate(argv) if arg == "--config"]
+    if len(configs) > 1:
+        raise SystemExit("Multiple config files specified! Only one allowed.")
+    if configs:
+        path = argv[configs[0] + 1]
+        if not path.endswith((".yaml", ".yml")):
+            raise SystemExit(f"Config file must be YAML format, got: {path}")
+        with open(path) as held:
+            config = yaml.safe_load(held) or {}
+        flags = [item for key, value in config.items() for item in (f"--{key}", str(value))]
+        argv = flags + argv[: configs[0]] + argv[configs[0] + 2 :]
+    return sglang_parser().parse_args(argv)
+
+
 async def main() -> None:
-    args = sglang_parser().parse_args()
+    args = parse_like_sglang(sys.argv[1:])
     state = os.environ["FAKE_SGLANG_STATE"]
+    # SGLang knows no MOTOR_ENGINE_API_KEY: it checks the key it was given (its api_key), and only it.
+    for name in (ENGINE_KEY_ENV, ENGINE_KEY_FILE_ENV):
+        os.environ.pop(name, None)
+    if args.api_key:
+        os.environ[ENGINE_KEY_ENV] = args.api_key
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     with open(os.path.join(state, "launch.json"), "w") as handle:
         json.dump(
