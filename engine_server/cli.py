@@ -169,7 +169,7 @@ async def serve(args: EngineServerArgs, section_name: str, section) -> Exit:
     stop = stop_event()  # first: a stop signal while it sets up is a stop too
     if args.kv_events_port:
         port, rank = args.kv_events_port, args.dp_rank
-        section.engine_args = with_kv_events(section.engine_type, section.engine_args, port, rank)
+        section.engine_args = with_kv_events(section.engine_type, section.engine_args, port, rank, args.host)
     options = EngineOptions(
         role=args.role,
         instance_id=args.instance_id,

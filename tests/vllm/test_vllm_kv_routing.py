@@ -10,6 +10,7 @@ import json
 import os
 import time
 
+import psutil
 import pytest
 
 from front_door.kv_index import PENDING_S
@@ -67,6 +68,10 @@ def test_a_shared_prefix_lands_on_the_vllm_engine_that_cached_it(routed):
     listed = both_listed(stub)
     for endpoint in listed:
         assert endpoint.kv_events.startswith("tcp://127.0.0.1:") and endpoint.tokenizer, endpoint
+        # vLLM's publisher listens where its engine's HTTP does (loopback), not on every address.
+        port = int(endpoint.kv_events.rsplit(":", 1)[1])
+        listening = {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}
+        assert listening == {"127.0.0.1"}, (endpoint.kv_events, listening)
     urls = [e.url for e in listed]
     body = {"model": model, "prompt": "the cat sat on the mat and "}
     status, text = http("POST", urls[0] + "/tokenize", body=body, timeout=30)
