@@ -182,12 +182,14 @@ def test_from_the_clients_network_only_the_keyed_door_answers(stack: ComposeStac
     """compose.yaml's `clients` network holds the front door alone: a container on it reaches
     neither the router nor any engine (by name or by any of their addresses) nor the door's table
     port; the door answers over TLS (the pki volume's CA), 401 without a key, 200 with the
-    development key. An engine reached on the data network without the engines' key answers 401."""
+    development key. An engine reached on the data network without the engines' key answers 401,
+    and the router's API (its unguarded admin routes) is not reached from a node either."""
     _, instances = _wait_cluster_ready(stack, START_TIMEOUT, "three READY nodes and every instance READY")
     engines = [(e.host, e.port) for i in instances for e in i.engines]
     wait(lambda: len(stack.router_workers()) == len(engines), 60, "the router's workers", stack)
-    control, data = stack.control_net, stack.data_net
-    targets = ["router:8081", f"{control}.21:8081", f"{data}.21:8081", "front-door:8079", f"{control}.23:8079"]
+    control, data, router = stack.control_net, stack.data_net, stack.router_net
+    router_api = ["router:8081", f"{control}.21:8081", f"{data}.21:8081", f"{router}.21:8081"]
+    targets = [*router_api, "front-door:8079", f"{control}.23:8079"]
     by_address = {address: node for node, address in stack.node_addresses.items()}
     for host, port in engines:
         targets += [f"{host}:{port}", f"{by_address[int(host.rsplit('.', 1)[1])]}:{port}"]
@@ -228,6 +230,21 @@ def test_from_the_clients_network_only_the_keyed_door_answers(stack: ComposeStac
         "print(any(b'OPENAI_API_KEY=' + key in env for env in envs))"
     )
     assert run(["docker", "exec", stack.container("router"), "python", "-c", held]).stdout.split() == ["True"]
+
+    # Nor does the router's API answer a node (on `control` and `data`, where engines and node
+    # managers are): it listens on its `router` address, which only the door and the sync reach.
+    connects = (
+        "import socket, sys\n"
+        "for target in sys.argv[1:]:\n"
+        "    host, port = target.rsplit(':', 1)\n"
+        "    try:\n"
+        "        socket.create_connection((host, int(port)), timeout=3).close()\n"
+        "        print(target, 'connected')\n"
+        "    except OSError as exc:\n"
+        "        print(target, type(exc).__name__)"
+    )
+    seen_from_node = run(["docker", "exec", stack.container("node-a"), "python", "-c", connects, *router_api]).stdout
+    assert "connected" not in seen_from_node and len(seen_from_node.splitlines()) == len(router_api), seen_from_node
 
 
 def test_a_second_model_runs_beside_the_first_and_its_delete_leaves_the_first_alone(stack: ComposeStack):

@@ -89,6 +89,7 @@ class ComposeStack:
     router_port: int = 0  # the router's published port (8080 when 0)
     control_net: str = "10.213.100"  # first three octets; the default stack uses 10.213.0/10.213.1
     data_net: str = "10.213.101"
+    router_net: str = "10.213.102"
     node_addresses: dict[str, int] = field(default_factory=lambda: {"node-a": 11, "node-b": 12, "node-c": 13})
     # The certificates the stack's `pki` service made, copied to the host by fetch_pki().
     pki_dir: str = ""
@@ -108,6 +109,7 @@ class ComposeStack:
             MOTOR_ROUTER_PORT=str(self.router_port or 8080),
             MOTOR_CONTROL_NET=self.control_net,
             MOTOR_DATA_NET=self.data_net,
+            MOTOR_ROUTER_NET=self.router_net,
         )
 
     @property
@@ -232,7 +234,7 @@ class ComposeStack:
             return []  # dockerd isolates its networks already
         bridges = [
             "br-" + run(["docker", "network", "inspect", "-f", "{{.Id}}", self.network(name)]).stdout.strip()[:12]
-            for name in ("control", "data", "clients")
+            for name in ("control", "data", "router", "clients")
         ]
         rules = [["FORWARD", "-i", a, "-o", b, "-j", "DROP"] for a in bridges for b in bridges if a != b]
         for rule in rules:
@@ -262,11 +264,16 @@ class ComposeStack:
         with open(self.pki("api-key")) as held:
             return held.read().strip()
 
+    @property
+    def router_api(self) -> str:
+        """The router's API: it listens on its `router` network address alone."""
+        return f"http://{self.router_net}.21:8081"
+
     def router_workers(self) -> set[str]:
         """The router's workers, asked inside its container (its port is published nowhere, and
         the keyed front door passes no admin read)."""
-        ask = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8081/list_workers').read().decode())"
-        out = run(["docker", "exec", self.container("router"), "python", "-c", ask]).stdout
+        ask = "import sys, urllib.request as u; print(u.urlopen(sys.argv[1] + '/list_workers').read().decode())"
+        out = run(["docker", "exec", self.container("router"), "python", "-c", ask, self.router_api]).stdout
         return set(json.loads(out)["urls"])
 
     def labelled(self, kind: str) -> list[str]:
