@@ -30,16 +30,17 @@ import socket
 import time
 from collections.abc import Callable, Collection
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from front_door.continuation import plan
+from front_door.front_metrics import FrontMetrics
 from front_door.keys import KeyRing, Tenant
 from front_door.messages import Answer, Forward, Passed, Request, error_answer, response
 from front_door.model_field import NOT_NAMED, TooComplex, model_field, with_model
 from front_door.relay import Relay
 from front_door.router_pool import RouterPool
 from front_door.streams import Hooks, watch
-from front_door.tenancy import Tenancy
+from front_door.tenancy import KEY_HEADERS, Tenancy
 from front_door.usage import read_usage, tokens_taken
 
 logger = logging.getLogger(__name__)
@@ -100,76 +101,6 @@ def openai_error(status: int, message: str, kind: str, param: str | None = "mode
     return Answer(error_answer(status, message, kind, param), status)
 
 
-class FrontMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "motor_front_door_requests",
-            'Requests through the front door, by the model named ("" none, "?" not served) and HTTP status.',
-            ["model", "code"],
-            registry=self.registry,
-        )
-        self.latency = Histogram(
-            "motor_front_door_response_start_seconds",
-            "From a request's arrival to the router's response headers (the router's time included), by the model "
-            "named: the wait a client sees before its answer begins.",
-            ["model"],
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-            registry=self.registry,
-        )
-        self.first_token = Histogram(
-            "motor_front_door_time_to_first_token_seconds",
-            "From a streamed completion's arrival to its first event written to the client, by the model named: "
-            "the time to first token as the client sees it (the router's and the engine's time, queueing and "
-            "prefill included; the response headers come before it).",
-            ["model"],
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40),
-            registry=self.registry,
-        )
-        self.in_flight = Gauge(
-            "motor_front_door_requests_in_flight",
-            "Requests being passed to the router now; one that keeps growing means the router or its engines answer "
-            "slowly.",
-            registry=self.registry,
-        )
-        self.router_errors = Counter(
-            "motor_front_door_router_errors",
-            "Requests the router did not answer (no connection, or the connection broke).",
-            registry=self.registry,
-        )
-        self.streams_cut = Counter(
-            "motor_front_door_streams_cut",
-            "Streamed answers the router ended before their `data: [DONE]` (their engine died): each was ended "
-            "with an OpenAI error event (front_door/streams.py), by the model named.",
-            ["model"],
-            registry=self.registry,
-        )
-        self.continuations = Counter(
-            "motor_front_door_continuations",
-            "Streamed answers cut by their engine and gone on with on another engine (front_door/continuation.py), "
-            'by the model named and why: "broken" (the connection from the engine broke), "ended" (the answer ended '
-            'before `data: [DONE]`), "engine_error" (the engine sent an error event of its own).',
-            ["model", "reason"],
-            registry=self.registry,
-        )
-        self.continuation_gap = Histogram(
-            "motor_front_door_continuation_gap_seconds",
-            "From a stream's cut to its continuation's first event written to the client, by the model named: "
-            "the pause a client sees in a stream gone on with (another engine's prefill of the prompt and the "
-            "tokens sent included).",
-            ["model"],
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-            registry=self.registry,
-        )
-        self._counted: dict[tuple[str, int], Counter] = {}  # label lookups are the costly part
-
-    def count(self, model: str, status: int) -> None:
-        child = self._counted.get((model, status))
-        if child is None:
-            child = self._counted[(model, status)] = self.requests.labels(model, str(status))
-        child.inc()
-
-
 class FrontDoor:
     def __init__(
         self,
@@ -206,6 +137,7 @@ class FrontDoor:
             read=self.read,
             observe=self.observe,
             max_body=max_body,
+            screen=self.screen if self.tenancy is not None else None,
         )
 
     async def start(self, host: str, port: int, sock: socket.socket | None = None, accept: bool = True) -> None:
@@ -231,6 +163,16 @@ class FrontDoor:
                 )
         return None
 
+    def screen(self, method: str, path: str, headers: list[tuple[bytes, bytes]], peer: str) -> Answer | None:
+        """A request refused on its head alone, before its body is read: a key that identify would
+        refuse (front_door/tenancy.py)."""
+        if method in ("GET", "HEAD") and path == "/health":
+            return None
+        refused = self.tenancy.screen(method, path, headers, peer)
+        if refused is not None:
+            self.metrics.count("", refused.status)
+        return refused
+
     def decide(self, request: Request) -> Answer | Forward:
         """The stages in their order (docs/design.md, "The front door's seams"): identify, the
         model surface held to the tenant's models, admit."""
@@ -238,7 +180,8 @@ class FrontDoor:
         if tenancy is None:
             return self._decide(request)
         path, method = request.path, request.method
-        if method in ("GET", "HEAD") and path == "/health":
+        if method in ("GET", "HEAD") and path == "/health":  # no key needed, none passed on
+            request.headers[:] = [(n, v) for n, v in request.headers if n.lower() not in KEY_HEADERS]
             return Forward()
         refused = tenancy.identify(request, request.peer)
         if refused is not None:

@@ -32,6 +32,7 @@ from front_door.messages import (
     Request,
     error_answer,
     forwarded,
+    routed_target,
 )
 from front_door.request_reader import MAX_PIPELINED, RequestReader
 from front_door.resend import Resend
@@ -333,9 +334,24 @@ class ClientConnection(RequestReader):
         if self.closing or self.refusal is not None:
             return
         self.relay.refused(status)
-        self.refusal = error_answer(status, message)
+        self._refuse_with(error_answer(status, message))
+
+    def _refuse_with(self, data: bytes) -> None:
+        self.refusal = data
         self.transport.pause_reading()
         self._next()
+
+    def _screen(self) -> bool:
+        """Whether the request whose head was just read is refused on it (its body then unread)."""
+        screen = self.relay.screen
+        if screen is None or self.closing or self.refusal is not None:
+            return False
+        method, path = self.parser.get_method().decode(), routed_target(self.url)[1]
+        refused = screen(method, path, self.headers, self._peer())
+        if refused is None:
+            return False
+        self._refuse_with(refused.data)
+        return True
 
 
 @dataclass
@@ -356,6 +372,8 @@ class Relay:
     # told of a request the engine the door chose refused or failed (then sent to the router)
     direct_failed: Callable[[str, Request, str], None] = lambda engine, request, why: None
     read: Callable[[Request], Answer | None] = lambda request: None
+    # a request's own answer decided from its head (method, path, headers, client), before its body is read
+    screen: Callable[[str, str, list, str], Answer | None] | None = None
     # (given the client's connection: its transport, and `resend` to go on with a stream elsewhere)
     observe: Callable[[Request | None, int, bytes, ClientConnection], Observer | None] = lambda *answer: None
     max_body: int = 256 * 1024 * 1024

@@ -47,6 +47,17 @@ class RequestReader(asyncio.Protocol):
     def _refuse(self, status: int, message: str) -> None:
         raise NotImplementedError
 
+    def _screen(self) -> bool:
+        """Whether the request whose head was just read is refused on it, before its body."""
+        raise NotImplementedError
+
+    def _peer(self) -> str:
+        """The client's address, read at its first request."""
+        if self.peer is None:
+            peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+            self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer or "")
+        return self.peer
+
     def _reset(self) -> None:
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
@@ -112,6 +123,8 @@ class RequestReader(asyncio.Protocol):
         if self.resuming:  # the stand-in head of an upgrade offer's body: the real one was read
             self.resuming = False
             return
+        if self._screen():
+            return  # (its body is not read: on_body drops it)
         for name, value in self.headers:
             lower = name.lower()
             if lower == b"content-length" and value.strip().isdigit() and int(value) > self.max_body:
@@ -140,9 +153,6 @@ class RequestReader(asyncio.Protocol):
             return
         target, path = routed_target(self.url)
         version = self.parser.get_http_version()
-        if self.peer is None:
-            peer = self.transport.get_extra_info("peername") if self.transport is not None else None
-            self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer or "")
         request = Request(
             method=self.parser.get_method().decode(),
             target=target,
@@ -151,7 +161,7 @@ class RequestReader(asyncio.Protocol):
             body=b"".join(self.body),
             keep_alive=self.parser.should_keep_alive(),
             http_10=version == "1.0",
-            peer=self.peer,
+            peer=self._peer(),
         )
         self._reset()
         self.waiting.append(request)

@@ -99,35 +99,48 @@ class Tenancy:
 
     def identify(self, request: Request, peer: str) -> Answer | None:
         """The request's key (request.key, its headers taken out), or a 401."""
-        headers = request.headers
+        at, key, refusal = self._find(request.headers)
+        if key is None:
+            request.keep_alive = False
+            return self._unauthorized(request.method, request.path, peer, *refusal)
+        del request.headers[at]
+        request.key = key
+        return None
+
+    def screen(self, method: str, path: str, headers: list[tuple[bytes, bytes]], peer: str) -> Answer | None:
+        """identify's 401 decided from a request's head alone, as soon as it is read: a request
+        without a valid key has none of its body read, held, inflated or answered `100 Continue`,
+        so a client without a key costs the door neither memory nor the body pool's threads."""
+        _, key, refusal = self._find(headers)
+        return None if key is not None else self._unauthorized(method, path, peer, *refusal)
+
+    def _find(self, headers: list[tuple[bytes, bytes]]) -> tuple[int, Key | None, tuple[str, str, str | None]]:
+        """(where its key header is, the key) or (-1, None, why it is refused)."""
         at: list[int] = []
         for index, (name, _value) in enumerate(headers):
             # (only names as long as a key header's are lowered: most headers are not lowered at all)
             if len(name) in KEY_NAME_LENGTHS and name.lower() in KEY_HEADERS:
                 at.append(index)
         if len(at) != 1:
-            reason = "no_key" if not at else "bad_key"
-            return self._unauthorized(request, peer, reason, NO_KEY if not at else TWO_KEYS, None)
+            return -1, None, ("no_key", NO_KEY, None) if not at else ("bad_key", TWO_KEYS, None)
         name, value = headers[at[0]]
         presented = value.strip() if len(name) == 9 else self._bearer(value)  # x-api-key, else Authorization
         if not presented:
-            return self._unauthorized(request, peer, "bad_key", NOT_BEARER, None)
+            return -1, None, ("bad_key", NOT_BEARER, None)
         key = self.keys.find(presented)
         if key is None:
-            return self._unauthorized(request, peer, "bad_key", BAD_KEY, "invalid_api_key")
-        del headers[at[0]]
-        request.key = key
-        return None
+            return -1, None, ("bad_key", BAD_KEY, "invalid_api_key")
+        return at[0], key, ("", "", None)
 
     @staticmethod
     def _bearer(value: bytes) -> bytes:
         scheme, _, token = value.strip().partition(b" ")
         return token.strip() if scheme.lower() == b"bearer" else b""
 
-    def _unauthorized(self, request: Request, peer: str, reason: str, message: str, code: str | None) -> Answer:
-        request.keep_alive = False
+    def _unauthorized(self, method: str, path: str, peer: str, reason: str, message: str, code: str | None) -> Answer:
         self.metrics.rejections["", reason] += 1
-        self.audit.refused(reason, "%s %s from %s: %s", request.method, request.path, peer or "?", message)
+        # (%r: a path or method the client wrote cannot forge a line of the log)
+        self.audit.refused(reason, "%r %r from %s: %s", method[:20], path[:200], peer or "?", message)
         return unauthorized(message, code)
 
     def not_allowed(self, request: Request, model: str) -> None:
@@ -136,11 +149,11 @@ class Tenancy:
         self.metrics.rejections[self.metrics.label(key.tenant.name), "model"] += 1
         self.audit.refused(
             "model",
-            "key %s (tenant %s): %s %s for model %r",
+            "key %s (tenant %s): %r %r for model %r",
             key.id,
             key.tenant.name,
-            request.method,
-            request.path,
+            request.method[:20],
+            request.path[:200],
             model[:200],
         )
 
@@ -154,11 +167,11 @@ class Tenancy:
             self.metrics.requests[label, "429"] += 1
             self.audit.refused(
                 admitted.reason,
-                "key %s (tenant %s): %s %s: at its limit of %g %s",
+                "key %s (tenant %s): %r %r: at its limit of %g %s",
                 key.id,
                 tenant.name,
-                request.method,
-                request.path,
+                request.method[:20],
+                request.path[:200],
                 admitted.limit,
                 admitted.reason,
             )
