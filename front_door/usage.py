@@ -1,13 +1,19 @@
 """The tokens an answer took, for a tenant's tokens per minute (front_door/admission.py).
 
-- An answer that is not a stream (JSON, vLLM's `usage` near its end): `UsageReader` writes it on
-  as the relay would, keeping only its last bytes (TAIL), and reads `usage` out of them when it
-  ends: cheap (one regular expression over at most 4 KiB) and bounded, whatever the answer's size.
+- An answer that is not a stream (JSON): `UsageReader` writes it on as the relay would, keeping
+  only the bytes from the last `"usage"` key it passed (at most WINDOW: what comes after `usage`,
+  vLLM's `prompt_token_ids` or `prompt_logprobs`, may be megabytes), and reads the counts out of
+  that object when the answer ends: OpenAI's names (`prompt_tokens`, `completion_tokens`,
+  `total_tokens`) or those of the Responses and Anthropic APIs (`input_tokens`, `output_tokens`),
+  the nested details objects stepped over. Cheap (a byte search per chunk) and bounded, whatever
+  the answer's size.
 - A stream the door follows (front_door/continuation.py's Plan: it asks the engine for token ids):
   the prompt's ids and the ids of every token sent, continuations included.
 - Any other answer (a stream the door does not follow; an answer whose `usage` it did not find):
-  the prompt counted as its bytes / 4 and the request's `max_tokens` (else DEFAULT_COMPLETION),
-  a ceiling: such a tenant is charged at most what it asked for.
+  the prompt counted as its bytes / 4 and the completion as the request's limit (`max_tokens`, else
+  `max_completion_tokens`, else `max_output_tokens`, else DEFAULT_COMPLETION) times the choices it
+  asks for (`n`, `best_of`): a ceiling, so a tenant is charged at most what it asked for, and no
+  less (a `max_tokens` of null does not hide `max_completion_tokens`).
 An answer that is not a success (4xx, 5xx) takes no tokens.
 """
 
@@ -18,20 +24,43 @@ import re
 
 from front_door.messages import Request
 
-TAIL = 4096
+USAGE = b'"usage"'
+WINDOW = 2048  # bytes kept from the last `"usage"` key: the object with its details fits many times
 CHUNKED = re.compile(rb"\r\ntransfer-encoding:[ \t]*chunked[ \t]*(\r\n|$)")
-FIELD = re.compile(rb'"(prompt_tokens|completion_tokens|total_tokens)"\s*:\s*(\d+)')
+OBJECT = re.compile(rb'"usage"\s*:\s*\{')
+FIELD = re.compile(rb'"(prompt_tokens|completion_tokens|total_tokens|input_tokens|output_tokens)"\s*:\s*(\d+)')
+NAMES = {b"input_tokens": b"prompt_tokens", b"output_tokens": b"completion_tokens"}
 DEFAULT_COMPLETION = 16  # vLLM's max_tokens for a completion that names none is what is left of the context: unknown
 BYTES_PER_TOKEN = 4
+LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+def object_end(data: bytes, start: int) -> int:
+    """Where the JSON object opening at `start` ends (its nested objects stepped over; counts hold
+    no braces in strings), or len(data) when it is cut."""
+    depth, at = 0, start
+    while True:
+        opens, closes = data.find(b"{", at), data.find(b"}", at)
+        if closes < 0:
+            return len(data)
+        if 0 <= opens < closes:
+            depth, at = depth + 1, opens + 1
+            continue
+        depth, at = depth - 1, closes + 1
+        if depth == 0:
+            return at
 
 
 def usage_in(data: bytes) -> tuple[int, int] | None:
     """(prompt, completion) tokens of the last `usage` object in `data`, or None."""
-    at = data.rfind(b'"usage"')
-    if at < 0:
+    key = OBJECT.match(data, data.rfind(USAGE)) if USAGE in data else None
+    if key is None:
         return None
-    end = data.find(b"}", at)  # the object's end (or its first detail's: the three counts come first)
-    fields = dict(FIELD.findall(data, at, end if end > 0 else len(data)))  # (names and digits as bytes)
+    start = key.end() - 1
+    found = FIELD.findall(data, start, object_end(data, start))  # (names and digits as bytes)
+    fields: dict[bytes, bytes] = {}
+    for name, value in found:
+        fields.setdefault(NAMES.get(name, name), value)  # the object's own, before a detail's
     total = fields.get(b"total_tokens")
     prompt = fields.get(b"prompt_tokens", total)
     if prompt is None:
@@ -45,7 +74,8 @@ def usage_in(data: bytes) -> tuple[int, int] | None:
 
 class UsageReader:
     """Writes a JSON answer on (as it came: its length, or its chunks re-chunked as read), keeping
-    its last bytes; `usage` is read from them when it ends (`request.usage`)."""
+    the bytes from the last `"usage"` key it passed; the counts are read from them when it ends
+    (`request.usage`)."""
 
     def __init__(self, transport, request: Request, chunked: bool, head: bytes = b"") -> None:
         self.transport = transport
@@ -53,7 +83,8 @@ class UsageReader:
         self.request = request
         self.chunked = chunked
         self.read: list[bytes] = []
-        self.tail = b""
+        self.usage = b""  # from the last `"usage"` key passed, WINDOW bytes at most
+        self.edge = b""  # the last bytes written: a key cut between two reads is found whole
 
     def body(self, data: bytes) -> None:
         self.read.append(data)
@@ -63,7 +94,13 @@ class UsageReader:
             return
         data = self.read[0] if len(self.read) == 1 else b"".join(self.read)
         self.read.clear()
-        self.tail = (self.tail + data)[-TAIL:] if len(data) < TAIL else data[-TAIL:]
+        if 0 < len(self.usage) < WINDOW:  # the object goes on in this read
+            self.usage += data[: WINDOW - len(self.usage)]
+        seen = self.edge + data
+        at = seen.rfind(USAGE)
+        if at >= 0:
+            self.usage = seen[at : at + WINDOW]
+        self.edge = data[-len(USAGE) + 1 :]
         head, self.head = self.head, b""
         self.transport.write(head + (b"%x\r\n" % len(data) + data + b"\r\n" if self.chunked else data))
 
@@ -72,7 +109,7 @@ class UsageReader:
         if self.head:  # an answer without a body
             self.transport.write(self.head)
             self.head = b""
-        self.request.usage = usage_in(self.tail)
+        self.request.usage = usage_in(self.usage) if self.usage else None
         if broken:
             return False
         if self.chunked:
@@ -110,16 +147,21 @@ def tokens_taken(request: Request, status: int) -> tuple[int, int]:
 
 
 def estimate(body: bytes) -> tuple[int, int]:
-    """The prompt as its bytes / 4, the completion as the request's `max_tokens` (a ceiling)."""
+    """The prompt as its bytes / 4, the completion as the request's limit times its choices (a ceiling)."""
     prompt = len(body) // BYTES_PER_TOKEN
-    completion = DEFAULT_COMPLETION
-    if b"max_tokens" in body or b"max_completion_tokens" in body:
-        try:
-            parsed = json.loads(body)
-        except ValueError:
-            parsed = None
-        if isinstance(parsed, dict):
-            limit = parsed.get("max_tokens", parsed.get("max_completion_tokens"))
-            if isinstance(limit, int) and limit >= 0:
-                completion = limit
-    return prompt, completion
+    if b'"max_' not in body and b'"n"' not in body and b'"best_of"' not in body:
+        return prompt, DEFAULT_COMPLETION
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        return prompt, DEFAULT_COMPLETION
+    limits = [parsed.get(name) for name in LIMITS]
+    limit = next((value for value in limits if counted(value)), DEFAULT_COMPLETION)
+    choices = max([1] + [value for value in (parsed.get("n"), parsed.get("best_of")) if counted(value)])
+    return prompt, limit * choices
+
+
+def counted(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
