@@ -155,6 +155,11 @@ def parse(documents: list[tuple[str, object]]) -> dict[bytes, Key]:
             raise KeyFileError(f"{where} ({key_id}): the same key as {found[raw].id}")
         ids.add(key_id)
         found[raw] = Key(key_id, tenants[tenant], raw)
+    if not found:  # (an empty file is also what a write caught half-way looks like)
+        where = ", ".join(name for name, _ in documents) or "the key file"
+        raise KeyFileError(
+            f"{where}: no key in it: the door would refuse every client (make one: python -m front_door.keys new)"
+        )
     return found
 
 
@@ -237,13 +242,20 @@ class KeyRing:
         return keys is not None and self.install(keys)
 
     def read(self) -> dict[bytes, Key] | None:
-        """The file's keys, or None (told and counted) when it does not load."""
+        """The file's keys, or None (told and counted) when it does not load, or (not counted: read
+        again at the next check) when it changed while it was read, a write not yet finished."""
+        before = signature(self.path)
         try:
-            return load(self.path)
+            keys = load(self.path)
         except KeyFileError as exc:
             self.failures += 1
             logger.error("the API key file was not reloaded, the keys stay as they were: %s", exc)
             return None
+        if signature(self.path) != before:
+            self.seen = ("changing",)
+            logger.info("the API key file changed while it was read: read again at the next check")
+            return None
+        return keys
 
     def install(self, keys: dict[bytes, Key]) -> bool:
         old = {key.id for key in self.keys.values()}

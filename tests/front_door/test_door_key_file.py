@@ -15,6 +15,7 @@ import pytest
 import yaml
 from cryptography import x509
 
+from front_door import keys
 from front_door.keys import KeyFileError, KeyRing, digest, new_key
 from motor.security.pki import CertificateAuthority
 from tests.support import REPO_ROOT, serve_app
@@ -40,6 +41,34 @@ def test_a_directory_of_files_is_one_key_file_and_a_bad_change_keeps_the_keys(tm
     (secret / "acme.yaml").write_text("keys: [{id: acme-1, tenant: nobody, sha256: 00}]")
     assert not ring.check() and ring.failures == 1
     assert ring.find(one.encode()) is not None  # the keys stay as they were
+
+
+def test_an_empty_file_or_one_changed_while_read_keeps_the_keys(tmp_path, monkeypatch):
+    """An empty key file (what a write caught half-way looks like) is refused, not taken as "no
+    keys": every client would be refused until the next edit. A file that changes while it is read
+    is not installed, and read again at the next check."""
+    path = tmp_path / "keys.yaml"
+    one, two = new_key(), new_key()
+    key_file(path, {"acme": {}}, {"acme": one})
+    ring = KeyRing(str(path))
+    path.write_text("")
+    assert not ring.check() and ring.failures == 1 and ring.find(one.encode()) is not None
+    with pytest.raises(KeyFileError, match="no key in it"):
+        KeyRing(str(path))
+
+    reading = keys.load
+
+    def written_meanwhile(where):
+        read = reading(where)
+        key_file(path, {"acme": {}}, {"acme": two})  # the writer goes on while the door reads
+        return read
+
+    key_file(path, {"acme": {}}, {"acme": one})
+    os.utime(path, ns=(1, 1))  # (a signature of its own, whatever the clock's grain)
+    monkeypatch.setattr(keys, "load", written_meanwhile)
+    assert not ring.check() and ring.failures == 1
+    monkeypatch.setattr(keys, "load", reading)
+    assert ring.check() and ring.find(two.encode()) is not None and ring.find(one.encode()) is None
 
 
 @pytest.mark.parametrize(
