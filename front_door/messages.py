@@ -31,6 +31,7 @@ class Request:
     key: Any = None  # its API key (front_door/keys.py Key), once identified
     ticket: Any = None  # its tenant's admission (front_door/admission.py Ticket), given back when answered
     usage: Any = None  # (prompt, completion) tokens read from its answer (front_door/usage.py)
+    events: int = 0  # events of its streamed answer written on, where the door does not follow it
 
 
 @dataclass

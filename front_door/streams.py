@@ -123,6 +123,8 @@ class Stream:
                 data = self.follow.events(data)
                 if not data:
                     return
+        elif self.request is not None:  # not followed: at least a token an event, for its tenant (usage.py)
+            self.request.events += data.count(b"data:")
         if not self.passed:
             self.hooks.first(self.request)
         if self.cut_at:

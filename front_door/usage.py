@@ -13,7 +13,9 @@
   the prompt counted as its bytes / 4 and the completion as the request's limit (`max_tokens`, else
   `max_completion_tokens`, else `max_output_tokens`, else DEFAULT_COMPLETION) times the choices it
   asks for (`n`, `best_of`): a ceiling, so a tenant is charged at most what it asked for, and no
-  less (a `max_tokens` of null does not hide `max_completion_tokens`).
+  less (a `max_tokens` of null does not hide `max_completion_tokens`); a streamed completion or
+  chat the door does not follow is charged at least one token an event it sent (vLLM sends one
+  token an event), so one that names no limit is not charged 16 however long it runs.
 An answer that is not a success (4xx, 5xx) takes no tokens.
 """
 
@@ -143,7 +145,8 @@ def tokens_taken(request: Request, status: int) -> tuple[int, int]:
     follow = request.follow
     if follow is not None and follow.prompt_ids is not None:
         return len(follow.prompt_ids), len(follow.sent_ids)
-    return estimate(request.body)
+    prompt, completion = estimate(request.body)
+    return prompt, max(completion, request.events)  # a stream that outran the ceiling: what it sent
 
 
 def estimate(body: bytes) -> tuple[int, int]:

@@ -96,3 +96,32 @@ async def test_a_responses_answer_takes_its_output_tokens_from_the_tenants_budge
         assert counted("motor_front_door_tenant_tokens_total", {"tenant": "acme", "kind": "completion"}) == 4000
     finally:
         await cleanup()
+
+
+async def test_a_stream_the_door_does_not_follow_is_charged_an_event_a_token_past_its_ceiling(tmp_path):
+    """`stop` strings: the door does not follow the stream's token ids. Named no limit, it was charged
+    16 tokens however long it ran."""
+
+    class LongStream(StandIn):
+        async def completion(self, request):
+            body = await request.json()
+            reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await reply.prepare(request)
+            event = {"id": "c", "object": "text_completion", "created": 1, "model": body["model"]}
+            for _ in range(300):
+                choice = {"index": 0, "text": "x", "finish_reason": None}
+                await reply.write(b"data: " + json.dumps({**event, "choices": [choice]}).encode() + b"\n\n")
+            await reply.write(b"data: [DONE]\n\n")
+            await reply.write_eof()
+            return reply
+
+    tenants = {"acme": {"limits": {"tokens_per_minute": 1000}}}
+    door, _, cleanup = await keyed_door(tmp_path / "keys.yaml", tenants, LongStream())
+    try:
+        acme = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{door.port}/v1", api_key=KEYS["acme"], max_retries=0)
+        stream = await acme.completions.create(model="m", prompt="hi", stop=["zz"], stream=True)
+        assert len([chunk async for chunk in stream]) == 300
+        counted = door.metrics.registry.get_sample_value
+        assert counted("motor_front_door_tenant_tokens_total", {"tenant": "acme", "kind": "completion"}) >= 300
+    finally:
+        await cleanup()
