@@ -40,7 +40,7 @@ from front_door.model_field import NOT_NAMED, TooComplex, model_field, with_mode
 from front_door.relay import Relay
 from front_door.router_pool import RouterPool
 from front_door.streams import Hooks, watch
-from front_door.tenancy import KEY_HEADERS, Tenancy
+from front_door.tenancy import Tenancy
 from front_door.usage import read_usage, tokens_taken
 
 logger = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ class FrontDoor:
             return self._decide(request)
         path, method = request.path, request.method
         if method in ("GET", "HEAD") and path == "/health":  # no key needed, none passed on
-            request.headers[:] = [(n, v) for n, v in request.headers if n.lower() not in KEY_HEADERS]
+            tenancy.drop_keys(request.headers)
             return Forward()
         refused = tenancy.identify(request, request.peer)
         if refused is not None:

@@ -48,6 +48,11 @@ LIMITED = {
 }
 
 
+def is_key_header(name: bytes) -> bool:
+    # (only names as long as a key header's are lowered: most headers are not lowered at all)
+    return len(name) in KEY_NAME_LENGTHS and name.lower() in KEY_HEADERS
+
+
 def unauthorized(message: str, code: str | None) -> Answer:
     error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
     extra = 'WWW-Authenticate: Bearer realm="motor"\r\nConnection: close\r\n'
@@ -114,13 +119,14 @@ class Tenancy:
         _, key, refusal = self._find(headers)
         return None if key is not None else self._unauthorized(method, path, peer, *refusal)
 
+    @staticmethod
+    def drop_keys(headers: list[tuple[bytes, bytes]]) -> None:
+        """Takes every key header out (a request that needs no key passes none on)."""
+        headers[:] = [(name, value) for name, value in headers if not is_key_header(name)]
+
     def _find(self, headers: list[tuple[bytes, bytes]]) -> tuple[int, Key | None, tuple[str, str, str | None]]:
         """(where its key header is, the key) or (-1, None, why it is refused)."""
-        at: list[int] = []
-        for index, (name, _value) in enumerate(headers):
-            # (only names as long as a key header's are lowered: most headers are not lowered at all)
-            if len(name) in KEY_NAME_LENGTHS and name.lower() in KEY_HEADERS:
-                at.append(index)
+        at = [index for index, (name, _value) in enumerate(headers) if is_key_header(name)]
         if len(at) != 1:
             return -1, None, ("no_key", NO_KEY, None) if not at else ("bad_key", TWO_KEYS, None)
         name, value = headers[at[0]]

@@ -55,7 +55,8 @@ def object_end(data: bytes, start: int) -> int:
 
 def usage_in(data: bytes) -> tuple[int, int] | None:
     """(prompt, completion) tokens of the last `usage` object in `data`, or None."""
-    key = OBJECT.match(data, data.rfind(USAGE)) if USAGE in data else None
+    at = data.rfind(USAGE)
+    key = OBJECT.match(data, at) if at >= 0 else None
     if key is None:
         return None
     start = key.end() - 1
